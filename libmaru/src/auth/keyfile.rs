@@ -1,0 +1,210 @@
+//! Key files: the shared secret of the agents (and optionally the RM), refused when
+//! readable by group or others.
+//!
+//! Format: the key as hex on one line (64 hex digits = 32 bytes, at least 16 bytes),
+//! comments starting with `#` and blank lines ignored. `maru-rm-ctl gen-key` and
+//! `make keys` write such files with mode 0600.
+
+use std::fmt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// Minimum key length in bytes.
+pub const MIN_KEY_LEN: usize = 16;
+
+/// A shared key. Debug output never shows the bytes.
+#[derive(Clone)]
+pub struct SharedKey(Vec<u8>);
+
+impl SharedKey {
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<SharedKey, KeyFileError> {
+        if bytes.len() < MIN_KEY_LEN {
+            return Err(KeyFileError::TooShort {
+                path: None,
+                len: bytes.len(),
+            });
+        }
+        Ok(SharedKey(bytes))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// A new random 32-byte key.
+    pub fn generate() -> std::io::Result<SharedKey> {
+        Ok(SharedKey(super::random_bytes(32)?))
+    }
+
+    /// The key as the text of a key file.
+    pub fn to_file_text(&self) -> String {
+        format!(
+            "# maru shared key (keep mode 0600)\n{}\n",
+            super::to_hex(&self.0)
+        )
+    }
+}
+
+impl fmt::Debug for SharedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedKey({} bytes)", self.0.len())
+    }
+}
+
+#[derive(Debug)]
+pub enum KeyFileError {
+    Io {
+        path: PathBuf,
+        err: std::io::Error,
+    },
+    /// Group or others may read (or write) the file.
+    TooOpen {
+        path: PathBuf,
+        mode: u32,
+    },
+    NotHex {
+        path: PathBuf,
+    },
+    TooShort {
+        path: Option<PathBuf>,
+        len: usize,
+    },
+}
+
+impl fmt::Display for KeyFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyFileError::Io { path, err } => {
+                write!(f, "cannot read key file {}: {err}", path.display())
+            }
+            KeyFileError::TooOpen { path, mode } => write!(
+                f,
+                "key file {} has mode {:o}: group or others can access it; run `chmod 600 {}`",
+                path.display(),
+                mode & 0o777,
+                path.display()
+            ),
+            KeyFileError::NotHex { path } => write!(
+                f,
+                "key file {} does not hold a hex key on its first non-comment line",
+                path.display()
+            ),
+            KeyFileError::TooShort { path, len } => write!(
+                f,
+                "key{} is {len} bytes; at least {MIN_KEY_LEN} are required",
+                path.as_ref()
+                    .map(|p| format!(" in {}", p.display()))
+                    .unwrap_or_default()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for KeyFileError {}
+
+/// Parses the text of a key file.
+pub fn parse_key_text(path: &Path, text: &str) -> Result<SharedKey, KeyFileError> {
+    let line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+        .ok_or_else(|| KeyFileError::NotHex {
+            path: path.to_path_buf(),
+        })?;
+    let bytes = super::from_hex(line).ok_or_else(|| KeyFileError::NotHex {
+        path: path.to_path_buf(),
+    })?;
+    if bytes.len() < MIN_KEY_LEN {
+        return Err(KeyFileError::TooShort {
+            path: Some(path.to_path_buf()),
+            len: bytes.len(),
+        });
+    }
+    Ok(SharedKey(bytes))
+}
+
+/// Reads a key file, refusing one that group or others can access.
+pub fn load_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
+    let io = |err| KeyFileError::Io {
+        path: path.to_path_buf(),
+        err,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    let mode = meta.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(KeyFileError::TooOpen {
+            path: path.to_path_buf(),
+            mode,
+        });
+    }
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    parse_key_text(path, &text)
+}
+
+/// Writes a new key file with mode 0600 (refuses to overwrite an existing file).
+pub fn write_new_key_file(path: &Path, key: &SharedKey) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(key.to_file_text().as_bytes())?;
+    f.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("maru-key-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&d);
+        d
+    }
+
+    #[test]
+    fn refuses_group_or_world_readable() {
+        let p = tmp("open");
+        write_new_key_file(&p, &SharedKey::generate().unwrap()).unwrap();
+        assert!(load_key_file(&p).is_ok());
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let e = load_key_file(&p).unwrap_err();
+        assert!(matches!(e, KeyFileError::TooOpen { .. }), "{e}");
+        assert!(e.to_string().contains("chmod 600"));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o604)).unwrap();
+        assert!(matches!(
+            load_key_file(&p),
+            Err(KeyFileError::TooOpen { .. })
+        ));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn parses_comments_and_rejects_short_keys() {
+        let p = Path::new("k");
+        let k = parse_key_text(p, "# c\n\n  00112233445566778899aabbccddeeff  \n").unwrap();
+        assert_eq!(k.bytes().len(), 16);
+        assert!(matches!(
+            parse_key_text(p, "0011"),
+            Err(KeyFileError::TooShort { .. })
+        ));
+        assert!(matches!(
+            parse_key_text(p, "xyz"),
+            Err(KeyFileError::NotHex { .. })
+        ));
+        assert!(matches!(
+            parse_key_text(p, "# only\n"),
+            Err(KeyFileError::NotHex { .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn key_text_parser_never_panics(s in ".{0,200}") {
+            let _ = parse_key_text(Path::new("p"), &s);
+        }
+    }
+}

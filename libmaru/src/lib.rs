@@ -1,0 +1,6 @@
+pub mod auth;
+pub mod dax;
+pub mod ffi;
+pub mod net;
+pub mod rm;
+pub mod wire;

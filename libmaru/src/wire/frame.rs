@@ -1,0 +1,277 @@
+//! Length-prefixed frames: `u32` little-endian length of what follows, `u8` kind, body.
+//!
+//! The decoder is incremental and sans-I/O: feed it whatever bytes arrived and take
+//! out whole frames. It never allocates more than the configured maximum for one
+//! frame, so a hostile length prefix cannot make a daemon reserve gigabytes.
+
+use std::fmt;
+
+/// Bytes of the header: u32 length + u8 kind.
+pub const HEADER_LEN: usize = 5;
+
+/// Default largest body a control connection accepts (1 MiB).
+pub const DEFAULT_MAX_FRAME: usize = 1 << 20;
+
+/// What a frame carries. Values are stable on the wire and never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Handshake message (JSON): hello, welcome, proof, auth result.
+    Handshake = 1,
+    /// A control request (JSON).
+    Request = 2,
+    /// The reply to one request (JSON).
+    Reply = 3,
+    /// A protocol error the peer sends before it may close (JSON).
+    Error = 4,
+    /// A binary data-plane operation (soft transport).
+    Data = 16,
+    /// The completion of a data-plane operation (soft transport).
+    DataCompletion = 17,
+}
+
+impl FrameKind {
+    pub fn from_u8(v: u8) -> Option<FrameKind> {
+        Some(match v {
+            1 => FrameKind::Handshake,
+            2 => FrameKind::Request,
+            3 => FrameKind::Reply,
+            4 => FrameKind::Error,
+            16 => FrameKind::Data,
+            17 => FrameKind::DataCompletion,
+            _ => return None,
+        })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameKind,
+    pub body: Vec<u8>,
+}
+
+impl Frame {
+    pub fn new(kind: FrameKind, body: Vec<u8>) -> Frame {
+        Frame { kind, body }
+    }
+}
+
+/// Why a byte stream is not a valid frame sequence. After any of these the stream
+/// cannot be resynchronised, so the connection must be closed (after an error reply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// The length prefix says more than the connection's maximum.
+    TooLarge { len: usize, max: usize },
+    /// The length prefix is 0: there is not even a kind byte.
+    Empty,
+    /// A kind byte this version does not know.
+    UnknownKind(u8),
+}
+
+impl fmt::Display for FrameError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FrameError::TooLarge { len, max } => write!(
+                f,
+                "frame of {len} bytes exceeds the maximum of {max} bytes for this connection"
+            ),
+            FrameError::Empty => write!(f, "frame with length 0 (no kind byte)"),
+            FrameError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// Writes the header for a frame whose body is `body_len` bytes.
+pub fn encode_header(kind: FrameKind, body_len: usize) -> [u8; HEADER_LEN] {
+    let len = (body_len + 1) as u32;
+    let l = len.to_le_bytes();
+    [l[0], l[1], l[2], l[3], kind as u8]
+}
+
+/// Appends one whole frame to `out`.
+pub fn encode_into(kind: FrameKind, body: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&encode_header(kind, body.len()));
+    out.extend_from_slice(body);
+}
+
+/// Encodes one whole frame.
+pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    encode_into(kind, body, &mut out);
+    out
+}
+
+/// Incremental frame decoder.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    start: usize,
+    max_body: usize,
+    failed: Option<FrameError>,
+}
+
+impl FrameDecoder {
+    /// A decoder that accepts bodies up to `max_body` bytes.
+    pub fn new(max_body: usize) -> FrameDecoder {
+        FrameDecoder {
+            buf: Vec::new(),
+            start: 0,
+            max_body,
+            failed: None,
+        }
+    }
+
+    pub fn max_body(&self) -> usize {
+        self.max_body
+    }
+
+    /// Adds bytes read from the peer.
+    pub fn push(&mut self, bytes: &[u8]) {
+        if self.failed.is_none() {
+            self.buf.extend_from_slice(bytes);
+        }
+    }
+
+    /// Bytes received but not yet part of a returned frame.
+    pub fn buffered(&self) -> usize {
+        self.buf.len() - self.start
+    }
+
+    /// The next whole frame, `Ok(None)` when more bytes are needed. Once it returned
+    /// an error it keeps returning it: the stream is out of sync for good.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let avail = &self.buf[self.start..];
+        if avail.len() < 4 {
+            self.compact();
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
+        let err = if len == 0 {
+            Some(FrameError::Empty)
+        } else if len - 1 > self.max_body {
+            Some(FrameError::TooLarge {
+                len: len - 1,
+                max: self.max_body,
+            })
+        } else if avail.len() > 4 && FrameKind::from_u8(avail[4]).is_none() {
+            Some(FrameError::UnknownKind(avail[4]))
+        } else {
+            None
+        };
+        if let Some(e) = err {
+            self.failed = Some(e.clone());
+            self.buf = Vec::new();
+            self.start = 0;
+            return Err(e);
+        }
+        if avail.len() < 4 + len {
+            self.compact();
+            return Ok(None);
+        }
+        // Checked above: the kind byte is known.
+        let kind = FrameKind::from_u8(avail[4]).ok_or(FrameError::UnknownKind(avail[4]))?;
+        let body = avail[HEADER_LEN..4 + len].to_vec();
+        self.start += 4 + len;
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        }
+        Ok(Some(Frame { kind, body }))
+    }
+
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip_in_pieces() {
+        let mut bytes = encode(FrameKind::Request, b"{\"a\":1}");
+        bytes.extend(encode(FrameKind::Reply, b""));
+        let mut d = FrameDecoder::new(64);
+        let mut got = Vec::new();
+        for b in &bytes {
+            d.push(std::slice::from_ref(b));
+            while let Some(f) = d.next_frame().unwrap() {
+                got.push(f);
+            }
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            got[0],
+            Frame::new(FrameKind::Request, b"{\"a\":1}".to_vec())
+        );
+        assert_eq!(got[1], Frame::new(FrameKind::Reply, vec![]));
+        assert_eq!(d.buffered(), 0);
+    }
+
+    #[test]
+    fn oversized_is_refused_before_the_body_arrives() {
+        let mut d = FrameDecoder::new(16);
+        d.push(&encode_header(FrameKind::Request, 17));
+        assert_eq!(
+            d.next_frame(),
+            Err(FrameError::TooLarge { len: 17, max: 16 })
+        );
+        // Sticky: the stream is out of sync.
+        d.push(b"more");
+        assert!(d.next_frame().is_err());
+    }
+
+    #[test]
+    fn zero_length_and_unknown_kind_are_errors() {
+        let mut d = FrameDecoder::new(16);
+        d.push(&[0, 0, 0, 0]);
+        assert_eq!(d.next_frame(), Err(FrameError::Empty));
+        let mut d = FrameDecoder::new(16);
+        d.push(&[2, 0, 0, 0, 99, 0]);
+        assert_eq!(d.next_frame(), Err(FrameError::UnknownKind(99)));
+    }
+
+    proptest! {
+        /// Any byte soup either yields frames, asks for more, or fails cleanly; it never
+        /// panics and never yields a body over the maximum.
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512),
+                                       max in 0usize..64) {
+            let mut d = FrameDecoder::new(max);
+            d.push(&data);
+            for _ in 0..600 {
+                match d.next_frame() {
+                    Ok(Some(f)) => prop_assert!(f.body.len() <= max),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+
+        /// Encoded frames decode to themselves whatever the split points.
+        #[test]
+        fn encode_decode_round_trip(bodies in proptest::collection::vec(
+                                        proptest::collection::vec(any::<u8>(), 0..100), 0..8),
+                                    split in 1usize..50) {
+            let mut bytes = Vec::new();
+            for b in &bodies { encode_into(FrameKind::Data, b, &mut bytes); }
+            let mut d = FrameDecoder::new(100);
+            let mut got = Vec::new();
+            for chunk in bytes.chunks(split) {
+                d.push(chunk);
+                while let Some(f) = d.next_frame().unwrap() { got.push(f.body); }
+            }
+            prop_assert_eq!(got, bodies);
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! Handshake messages. Every connection starts with them, before any request:
+//!
+//! 1. client → [`Hello`]: protocol name and version, client id, a fresh nonce;
+//! 2. server → [`Welcome`]: version, server's fresh nonce, whether a key is
+//!    required, and (with a key) the server's proof over both nonces;
+//! 3. client → [`Proof`] (only with a key): the client's proof over both nonces;
+//! 4. server → [`AuthResult`].
+//!
+//! A peer that speaks another version gets an `Error` frame with code `version`,
+//! then the connection is closed. The key proof itself is in [`crate::auth`].
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Hello {
+    /// Which service the client wants to talk to (`maru-rm`, `maru-agent`, `maru-server`).
+    pub service: String,
+    pub version: u32,
+    /// Who the client is (`host:pid` or a name the operator gave). Owners of regions
+    /// are identified by it; it is pinned on the connection.
+    pub client_id: String,
+    /// 32 random bytes, hex; fresh for every connection.
+    pub nonce: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Welcome {
+    pub service: String,
+    pub version: u32,
+    pub nonce: String,
+    /// True when the server requires the client to prove the key.
+    pub auth_required: bool,
+    /// With a key: the server's proof (hex HMAC) over both nonces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proof: Option<String>,
+    /// Extra facts the service announces (for example an agent's boot id).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub info: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Proof {
+    pub proof: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AuthResult {
+    pub ok: bool,
+}
