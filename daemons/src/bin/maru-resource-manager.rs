@@ -1,1 +1,108 @@
-fn main() {}
+//! maru-resource-manager: owns the CXL (DAX) pools of a memory node and hands out
+//! regions, capability handles and holds. See docs/rm-protocol.md.
+
+use clap::Parser;
+use maru::dax::{self, PoolSpec};
+use maru::net::{Clock, Server, ServerOptions, SignalPipe};
+use maru::rm::{load_or_create_secret, DirStore, ResourceManager};
+use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
+use maru_daemons::rm_service::RmService;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "maru-resource-manager",
+    version,
+    about = "Maru resource manager: CXL/DAX pools, regions, handles and holds",
+    long_about = "Owns the DAX pools of this memory node. Allocates regions to owners (maru-server), \
+checks handles for agents and workers (GET_ACCESS), records the agents' holds, and keeps its state \
+(regions, holds) durable in --state-dir so a restart loses nothing. At least one --dax or --fake-dax pool is required."
+)]
+struct Args {
+    /// Address to listen on. The protocol is plaintext: keep it on loopback or a trusted network.
+    #[arg(long, default_value = "127.0.0.1", env = "MARU_RM_HOST")]
+    host: String,
+    /// TCP port (0 picks a free one; see --ready-file).
+    #[arg(short, long, default_value_t = 9850, env = "MARU_RM_PORT")]
+    port: u16,
+    /// Directory for the durable state (state.json) and the token secret (secret, mode 0600).
+    #[arg(short = 'd', long, default_value = "/var/lib/maru-rm", env = "MARU_RM_STATE_DIR")]
+    state_dir: PathBuf,
+    /// A devdax device to serve as a pool (repeatable), e.g. /dev/dax0.0.
+    #[arg(long = "dax", value_name = "DEVICE")]
+    dax: Vec<String>,
+    /// A file-backed pool for hosts without CXL (repeatable): PATH:SIZE, e.g. /dev/shm/maru-pool0:4G.
+    /// Created if absent; SIZE must be a multiple of 2 MiB.
+    #[arg(long = "fake-dax", value_name = "PATH:SIZE")]
+    fake_dax: Vec<String>,
+    /// Seconds an owner may stay disconnected before its regions are freed.
+    #[arg(short = 'g', long, default_value_t = 30)]
+    grace_period_s: u64,
+    /// Require clients to prove this key (hex key file, mode 0600). Off by default.
+    #[arg(long, env = "MARU_RM_KEY_FILE")]
+    key_file: Option<PathBuf>,
+    /// Connections beyond this are closed at accept.
+    #[arg(short = 'm', long, default_value_t = 1024)]
+    max_clients: usize,
+    /// Write the listening address to this file once ready.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Log level when RUST_LOG is unset (error, warn, info, debug, trace).
+    #[arg(short = 'l', long, default_value = "info")]
+    log_level: String,
+}
+
+fn main() {
+    let args = Args::parse();
+    init_logging(&args.log_level);
+    let mut specs = Vec::new();
+    for d in &args.dax {
+        specs.push(PoolSpec::DevDax { path: d.clone() });
+    }
+    for f in &args.fake_dax {
+        specs.push(dax::parse_fake_dax(f).unwrap_or_else(|e| die(format!("--fake-dax {f}: {e}"))));
+    }
+    if specs.is_empty() {
+        die("no pools: give at least one --dax /dev/daxX.Y or --fake-dax PATH:SIZE (e.g. /dev/shm/maru-pool0:4G)");
+    }
+    let mut pools = Vec::new();
+    for s in &specs {
+        let info = dax::open_pool(s).unwrap_or_else(|e| die(e));
+        log::info!(
+            "pool {}: {} ({}), {} MiB usable, align {} KiB, uuid {}",
+            pools.len(),
+            info.path,
+            info.kind.as_str(),
+            info.usable() >> 20,
+            info.align >> 10,
+            info.uuid
+        );
+        pools.push(info);
+    }
+    if let Err(e) = std::fs::create_dir_all(&args.state_dir) {
+        die(format!("cannot create state directory {}: {e}", args.state_dir.display()));
+    }
+    let secret = load_or_create_secret(&args.state_dir).unwrap_or_else(|e| die(e));
+    let store = DirStore::open(&args.state_dir).unwrap_or_else(|e| die(e));
+    let clock = Clock::new();
+    let mut core = ResourceManager::open(pools, Box::new(store), secret, clock.now_ms())
+        .unwrap_or_else(|e| die(e));
+    core.set_grace_ms(args.grace_period_s * 1000);
+    let key = args.key_file.as_ref().map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
+    let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
+    let opts = ServerOptions { max_connections: args.max_clients, key, ..ServerOptions::default() };
+    let pipe = SignalPipe::install().unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
+    let mut server = Server::bind(addr, opts, clock)
+        .and_then(|s| s.with_signals(pipe))
+        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+    let bound = server.local_addr().unwrap_or(addr);
+    log::info!("maru-resource-manager listening on {bound}, state in {}", args.state_dir.display());
+    if let Some(p) = &args.ready_file {
+        write_ready_file(p, bound).unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
+    }
+    let mut service = RmService::new(core);
+    if let Err(e) = server.run(&mut service) {
+        die(format!("event loop failed: {e}"));
+    }
+    log::info!("maru-resource-manager stopped");
+}

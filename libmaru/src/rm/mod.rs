@@ -1,1 +1,32 @@
+//! The resource manager: pools of DAX memory, regions with tokens, GET_ACCESS,
+//! holds of agents that registered a region with their NIC, and the durable state.
+//!
+//! [`ResourceManager`] is the sans-I/O core: the daemon feeds it requests,
+//! connection events and the time, and gives it a [`StateStore`] ([`DirStore`] in
+//! production). Rules it keeps:
+//!
+//! - a region freed while held is *draining*: its range is reused only after the last
+//!   UNHOLD, and it cannot be held again;
+//! - only a `Refused` error means nothing was done or held;
+//! - every change is saved before its reply; a failed save keeps the change and
+//!   answers `Storage`, and a retry saves again before it succeeds.
 
+mod core;
+mod error;
+pub mod extents;
+pub mod holds;
+pub mod owners;
+pub mod replies;
+mod secret;
+pub mod state;
+mod store;
+
+pub use self::core::{
+    ResourceManager, ABSENT_POOL, DEFAULT_GRACE_MS, MAX_ALLOC_SIZE, MAX_NODE_NAME,
+};
+pub use error::RmError;
+pub use extents::{ExtentAllocator, ExtentError};
+pub use holds::HoldLedger;
+pub use secret::{load_or_create_secret, SecretError, SECRET_FILE, SECRET_LEN};
+pub use state::{HoldRecord, RegionRecord, RmState, STATE_VERSION};
+pub use store::{DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE};

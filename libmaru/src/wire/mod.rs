@@ -31,9 +31,9 @@ pub struct Envelope<T> {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ReplyEnvelope<T> {
     pub id: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ok: Option<T>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub err: Option<WireError>,
 }
 

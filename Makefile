@@ -1,0 +1,52 @@
+# Maru: build, demo, test. `make help` lists the targets.
+SHELL := /bin/bash
+CARGO ?= cargo
+TARGET_DIR := $(CURDIR)/target
+DEBUG_DIR := $(TARGET_DIR)/debug
+
+.PHONY: help deps build release demo test test-rust test-c lint fmt header clean
+
+help:
+	@echo "make demo    - install what is missing, build, run the one-host demo"
+	@echo "make test    - install what is missing, build, run every test (Rust, C)"
+	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
+	@echo "make header  - regenerate include/maru.h with cbindgen"
+	@echo "make release - optimised build of libmaru.so and the daemons"
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	$(CARGO) build --workspace --all-targets
+
+release: deps
+	$(CARGO) build --workspace --release
+
+demo: deps
+	$(CARGO) build --workspace --bins
+	examples/demo/rm-demo.sh $(DEBUG_DIR)
+
+test: deps test-rust test-c
+
+test-rust:
+	$(CARGO) test --workspace
+
+test-c:
+	$(CARGO) build -p maru
+	cmake -S ctests -B ctests/build -DMARU_LIB_DIR=$(DEBUG_DIR) >/dev/null
+	cmake --build ctests/build
+	ctest --test-dir ctests/build --output-on-failure
+
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+header:
+	MARU_UPDATE_HEADER=1 $(CARGO) test -p maru --test header
+
+clean:
+	$(CARGO) clean
+	rm -rf ctests/build

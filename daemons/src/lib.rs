@@ -1,0 +1,5 @@
+//! The daemons' thin shells: flag parsing helpers and the `net::Service` adapters
+//! that put each sans-I/O core from `maru` on the event loop.
+
+pub mod common;
+pub mod rm_service;

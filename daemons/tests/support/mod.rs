@@ -1,0 +1,136 @@
+//! Starting real daemons on loopback for integration tests: free ports (port 0 and
+//! a ready file), temporary state and fake-DAX files, bounded waits, cleanup on drop.
+#![allow(dead_code)]
+
+use maru::net::{Client, ClientOptions};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A directory (and /dev/shm files) removed on drop.
+pub struct Scratch {
+    pub dir: PathBuf,
+    shm: Vec<PathBuf>,
+}
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("maru-it-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch { dir, shm: Vec::new() }
+    }
+
+    /// A fake-DAX file path: in /dev/shm when present (as users run it), else the scratch dir.
+    pub fn fake_dax(&mut self, name: &str) -> PathBuf {
+        let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { self.dir.clone() };
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let p = base.join(format!("maru-it-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        self.shm.push(p.clone());
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for p in &self.shm {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A running daemon, killed on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub addr: String,
+    pub name: String,
+}
+
+impl Daemon {
+    /// Starts `bin` with `args` plus `--port 0 --ready-file F` and waits (≤ 20 s) until it listens.
+    pub fn start(bin: &str, args: &[String], ready_dir: &Path) -> Daemon {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let ready = ready_dir.join(format!("ready-{n}"));
+        let _ = std::fs::remove_file(&ready);
+        let mut cmd = Command::new(bin);
+        cmd.args(args).arg("--port").arg("0").arg("--ready-file").arg(&ready);
+        cmd.stdin(Stdio::null());
+        if std::env::var_os("MARU_TEST_VERBOSE").is_none() {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(s) = std::fs::read_to_string(&ready) {
+                if s.ends_with('\n') {
+                    return Daemon { child, addr: s.trim().to_string(), name: bin.to_string() };
+                }
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("{bin} exited during start-up: {st}");
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{bin} did not become ready within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// kill -9, and wait for the process to be gone.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGTERM and wait (≤ 10 s) for a clean exit; returns the exit status code.
+    pub fn terminate(mut self) -> Option<i32> {
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Connects to a daemon as `client_id`.
+pub fn connect(addr: &str, service: &'static str, client_id: &str) -> Client {
+    let mut o = ClientOptions::new(service, client_id);
+    o.call_timeout = Duration::from_secs(10);
+    Client::connect(addr, &o).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
+}
+
+/// Polls `f` every 20 ms until it is true, for at most `limit`.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}

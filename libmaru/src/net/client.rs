@@ -1,0 +1,292 @@
+//! A blocking client for the daemons' control protocol: connect, handshake (version
+//! and, with a key, the two-way proof), then request/reply calls with a timeout.
+
+use super::sockopt;
+use crate::auth::{fresh_nonce, ClientProof, SharedKey};
+use crate::wire::handshake::{AuthResult, Hello, Proof, Welcome};
+use crate::wire::{
+    decode_json, encode_json, frame, Envelope, Frame, FrameDecoder, FrameKind, ReplyEnvelope,
+    WireError, DEFAULT_MAX_FRAME, PROTOCOL_VERSION,
+};
+use serde::{de::DeserializeOwned, Serialize};
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// Why a call did not produce a result. `Remote` carries the daemon's own error;
+/// only a `Remote` error with code `refused` is a definitive refusal.
+#[derive(Debug)]
+pub enum ClientError {
+    /// The daemon answered with an error.
+    Remote(WireError),
+    /// Connecting, reading or writing failed (the outcome of an in-flight call is unknown).
+    Io { peer: String, err: io::Error },
+    /// No reply within the timeout (the outcome is unknown).
+    Timeout { peer: String, after: Duration },
+    /// The peer broke the protocol (bad frame, wrong reply id, bad handshake).
+    Protocol { peer: String, message: String },
+    /// The key proof failed or the two sides disagree on using a key.
+    Auth { peer: String, message: String },
+}
+
+impl ClientError {
+    /// True only for a definitive refusal from the daemon.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, ClientError::Remote(e) if e.code == crate::wire::ErrorCode::Refused)
+    }
+}
+
+impl fmt::Display for ClientError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientError::Remote(e) => write!(f, "{e}"),
+            ClientError::Io { peer, err } => write!(f, "connection to {peer} failed: {err}"),
+            ClientError::Timeout { peer, after } => {
+                write!(f, "no reply from {peer} within {} ms", after.as_millis())
+            }
+            ClientError::Protocol { peer, message } => write!(f, "protocol error with {peer}: {message}"),
+            ClientError::Auth { peer, message } => write!(f, "authentication with {peer} failed: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {}
+
+/// How to connect.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub service: &'static str,
+    pub client_id: String,
+    pub key: Option<SharedKey>,
+    pub connect_timeout: Duration,
+    pub call_timeout: Duration,
+    pub max_frame: usize,
+}
+
+impl ClientOptions {
+    pub fn new(service: &'static str, client_id: impl Into<String>) -> ClientOptions {
+        ClientOptions {
+            service,
+            client_id: client_id.into(),
+            key: None,
+            connect_timeout: Duration::from_secs(5),
+            call_timeout: Duration::from_secs(10),
+            max_frame: DEFAULT_MAX_FRAME,
+        }
+    }
+}
+
+/// One connection to a daemon.
+pub struct Client {
+    stream: TcpStream,
+    peer: String,
+    decoder: FrameDecoder,
+    next_id: u64,
+    welcome: Welcome,
+    call_timeout: Duration,
+}
+
+impl Client {
+    /// Connects to `addr` (`host:port`) and runs the handshake.
+    pub fn connect(addr: &str, opts: &ClientOptions) -> Result<Client, ClientError> {
+        let peer = addr.to_string();
+        let io_err = |err| ClientError::Io { peer: peer.clone(), err };
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io_err)?.collect();
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
+        let mut stream = None;
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, opts.connect_timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let stream = stream.ok_or_else(|| io_err(last))?;
+        let _ = stream.set_nodelay(true);
+        sockopt::keepalive(&stream);
+        stream.set_read_timeout(Some(opts.call_timeout)).map_err(io_err)?;
+        stream.set_write_timeout(Some(opts.call_timeout)).map_err(io_err)?;
+        let mut c = Client {
+            stream,
+            peer: peer.clone(),
+            decoder: FrameDecoder::new(opts.max_frame),
+            next_id: 1,
+            welcome: Welcome {
+                service: String::new(),
+                version: 0,
+                nonce: String::new(),
+                auth_required: false,
+                proof: None,
+                info: serde_json::Value::Null,
+            },
+            call_timeout: opts.call_timeout,
+        };
+        c.handshake(opts)?;
+        Ok(c)
+    }
+
+    fn handshake(&mut self, opts: &ClientOptions) -> Result<(), ClientError> {
+        let nonce = fresh_nonce().map_err(|err| ClientError::Io { peer: self.peer.clone(), err })?;
+        let hello = Hello {
+            service: opts.service.to_string(),
+            version: PROTOCOL_VERSION,
+            client_id: opts.client_id.clone(),
+            nonce: nonce.clone(),
+        };
+        self.send(FrameKind::Handshake, &encode_json(&hello))?;
+        let welcome: Welcome = self.read_handshake("welcome")?;
+        let peer = self.peer.clone();
+        let auth = |message: String| ClientError::Auth { peer: peer.clone(), message };
+        match (&opts.key, welcome.auth_required) {
+            (None, false) => {}
+            (None, true) => {
+                return Err(auth(format!(
+                    "{} requires a key proof and no key file was given",
+                    opts.service
+                )))
+            }
+            (Some(_), false) => {
+                // We hold a key: a server that does not prove it could be anyone.
+                return Err(auth(format!(
+                    "{} did not prove the key; refusing to talk to an unauthenticated peer",
+                    opts.service
+                )));
+            }
+            (Some(key), true) => {
+                let cp = ClientProof::new(&nonce).map_err(|e| auth(e.to_string()))?;
+                let sp = welcome.proof.clone().unwrap_or_default();
+                let answer = cp.answer(key, &welcome.nonce, &sp).map_err(|e| auth(e.to_string()))?;
+                self.send(FrameKind::Handshake, &encode_json(&Proof { proof: answer }))?;
+                let r: AuthResult = self.read_handshake("auth result")?;
+                if !r.ok {
+                    return Err(auth("the server rejected our proof".into()));
+                }
+            }
+        }
+        self.welcome = welcome;
+        Ok(())
+    }
+
+    /// What the daemon said in its welcome (version, info such as a boot id).
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn read_handshake<T: DeserializeOwned>(&mut self, what: &str) -> Result<T, ClientError> {
+        let f = self.read_frame()?;
+        match f.kind {
+            FrameKind::Handshake => decode_json(&f.body).map_err(|e| ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: format!("bad {what}: {}", e.message),
+            }),
+            FrameKind::Error => Err(self.remote_error(&f)),
+            k => Err(ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: format!("expected {what}, got a {k:?} frame"),
+            }),
+        }
+    }
+
+    fn remote_error(&self, f: &Frame) -> ClientError {
+        match decode_json::<WireError>(&f.body) {
+            Ok(e) if e.code == crate::wire::ErrorCode::Auth => {
+                ClientError::Auth { peer: self.peer.clone(), message: e.message }
+            }
+            Ok(e) => ClientError::Remote(e),
+            Err(e) => ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: format!("unreadable error frame: {}", e.message),
+            },
+        }
+    }
+
+    fn send(&mut self, kind: FrameKind, body: &[u8]) -> Result<(), ClientError> {
+        let bytes = frame::encode(kind, body);
+        self.stream.write_all(&bytes).map_err(|err| self.io_error(err))
+    }
+
+    fn io_error(&self, err: io::Error) -> ClientError {
+        if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            ClientError::Timeout { peer: self.peer.clone(), after: self.call_timeout }
+        } else {
+            ClientError::Io { peer: self.peer.clone(), err }
+        }
+    }
+
+    fn read_frame(&mut self) -> Result<Frame, ClientError> {
+        let mut buf = [0u8; 64 * 1024];
+        loop {
+            match self.decoder.next_frame() {
+                Ok(Some(f)) => return Ok(f),
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(ClientError::Protocol { peer: self.peer.clone(), message: e.to_string() })
+                }
+            }
+            match self.stream.read(&mut buf) {
+                Ok(0) => {
+                    return Err(ClientError::Io {
+                        peer: self.peer.clone(),
+                        err: io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the peer"),
+                    })
+                }
+                Ok(n) => self.decoder.push(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(e)),
+            }
+        }
+    }
+
+    /// Sends one request and waits for its reply.
+    pub fn call<Req: Serialize, Rep: DeserializeOwned>(&mut self, req: &Req) -> Result<Rep, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.send(FrameKind::Request, &encode_json(&Envelope { id, body: req }))?;
+        let f = self.read_frame()?;
+        match f.kind {
+            FrameKind::Reply => {}
+            FrameKind::Error => return Err(self.remote_error(&f)),
+            k => {
+                return Err(ClientError::Protocol {
+                    peer: self.peer.clone(),
+                    message: format!("expected a reply, got a {k:?} frame"),
+                })
+            }
+        }
+        let env: ReplyEnvelope<Rep> = decode_json(&f.body).map_err(|e| ClientError::Protocol {
+            peer: self.peer.clone(),
+            message: format!("bad reply: {}", e.message),
+        })?;
+        if env.id != id {
+            return Err(ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: format!("reply for request {} while waiting for {id}", env.id),
+            });
+        }
+        match (env.ok, env.err) {
+            (_, Some(e)) => Err(ClientError::Remote(e)),
+            (Some(v), None) => Ok(v),
+            (None, None) => Err(ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: "reply with neither ok nor err".into(),
+            }),
+        }
+    }
+
+    /// Sends raw bytes (tests use it to send garbage).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        self.stream.write_all(bytes).map_err(|err| self.io_error(err))
+    }
+
+    /// Reads the next frame whatever its kind (tests).
+    pub fn recv_frame(&mut self) -> Result<Frame, ClientError> {
+        self.read_frame()
+    }
+}
