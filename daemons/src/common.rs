@@ -7,7 +7,9 @@ use std::path::Path;
 /// Logs through `log` with `RUST_LOG` (or `level` when RUST_LOG is unset).
 pub fn init_logging(level: &str) {
     let env = env_logger::Env::default().default_filter_or(level);
-    let _ = env_logger::Builder::from_env(env).format_timestamp_millis().try_init();
+    let _ = env_logger::Builder::from_env(env)
+        .format_timestamp_millis()
+        .try_init();
 }
 
 /// Parses `host` and `port` into an address; says plainly when it is not loopback,

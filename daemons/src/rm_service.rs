@@ -12,13 +12,20 @@ pub struct RmService {
 
 impl RmService {
     pub fn new(core: ResourceManager) -> RmService {
-        RmService { core, host: maru::net::hostname() }
+        RmService {
+            core,
+            host: maru::net::hostname(),
+        }
     }
 
     /// A client id of the form `host:pid` of this host whose process is gone.
     fn local_owner_dead(&self, client_id: &str) -> bool {
-        let Some((host, pid)) = client_id.rsplit_once(':') else { return false };
-        let Ok(pid) = pid.parse::<u32>() else { return false };
+        let Some((host, pid)) = client_id.rsplit_once(':') else {
+            return false;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            return false;
+        };
         host == self.host && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists()
     }
 }
@@ -60,7 +67,9 @@ impl Service for RmService {
     fn on_tick(&mut self, now_ms: u64) {
         let reaped = self.core.tick(now_ms);
         if !reaped.is_empty() {
-            log::info!("grace period over: freed regions {reaped:?} of owners that did not come back");
+            log::info!(
+                "grace period over: freed regions {reaped:?} of owners that did not come back"
+            );
         }
     }
 

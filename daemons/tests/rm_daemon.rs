@@ -27,14 +27,24 @@ fn rm_args(s: &mut Scratch, extra: &[&str]) -> Vec<String> {
 }
 
 fn alloc(c: &mut Client, size: u64) -> Handle {
-    match c.call(&RmRequest::Alloc { size, pool: None, request_id: 0 }).expect("alloc") {
+    match c
+        .call(&RmRequest::Alloc {
+            size,
+            pool: None,
+            request_id: 0,
+        })
+        .expect("alloc")
+    {
         RmReply::Alloc(a) => a.handle,
         r => panic!("unexpected {r:?}"),
     }
 }
 
 fn regions(c: &mut Client) -> Vec<maru::wire::rm::RegionInfo> {
-    match c.call(&RmRequest::Regions { owner: None }).expect("regions") {
+    match c
+        .call(&RmRequest::Regions { owner: None })
+        .expect("regions")
+    {
         RmReply::Regions { regions } => regions,
         r => panic!("unexpected {r:?}"),
     }
@@ -64,9 +74,21 @@ fn regions_and_holds_survive_kill9_and_restart() {
     assert_eq!(live.length, 4 * MIB);
     let held = alloc(&mut owner, 2 * MIB);
     let mut agent = connect(&rm.addr, SERVICE, "agent-n1");
-    let hold = RmRequest::Hold { handle: held.clone(), node: "n1".into(), epoch: 1 };
-    assert!(matches!(agent.call::<_, RmReply>(&hold), Ok(RmReply::Hold(_))));
-    let freed: RmReply = owner.call(&RmRequest::Free { handle: held.clone(), request_id: 0 }).unwrap();
+    let hold = RmRequest::Hold {
+        handle: held.clone(),
+        node: "n1".into(),
+        epoch: 1,
+    };
+    assert!(matches!(
+        agent.call::<_, RmReply>(&hold),
+        Ok(RmReply::Hold(_))
+    ));
+    let freed: RmReply = owner
+        .call(&RmRequest::Free {
+            handle: held.clone(),
+            request_id: 0,
+        })
+        .unwrap();
     assert_eq!(freed, RmReply::Free(wire::rm::FreeReply { draining: true }));
     let before_regions = regions(&mut owner);
     let before_holds = holds(&mut owner);
@@ -78,20 +100,43 @@ fn regions_and_holds_survive_kill9_and_restart() {
     assert_eq!(regions(&mut owner), before_regions, "regions after restart");
     assert_eq!(holds(&mut owner), before_holds, "holds after restart");
     // The old handle is still valid.
-    let acc: RmReply = owner.call(&RmRequest::GetAccess { handle: live.clone() }).unwrap();
-    assert!(matches!(acc, RmReply::Access(a) if a.offset == live.offset && a.length == live.length));
+    let acc: RmReply = owner
+        .call(&RmRequest::GetAccess {
+            handle: live.clone(),
+        })
+        .unwrap();
+    assert!(
+        matches!(acc, RmReply::Access(a) if a.offset == live.offset && a.length == live.length)
+    );
     // A draining region cannot be held again, and that is a refusal.
     let mut agent = connect(&rm.addr, SERVICE, "agent-n1");
-    let again = RmRequest::Hold { handle: held.clone(), node: "n2".into(), epoch: 1 };
+    let again = RmRequest::Hold {
+        handle: held.clone(),
+        node: "n2".into(),
+        epoch: 1,
+    };
     assert_eq!(remote_code(agent.call(&again)), ErrorCode::Refused);
     // Its range is not reused while draining: allocations avoid it.
     let other = alloc(&mut owner, 2 * MIB);
     assert_ne!(other.offset, held.offset);
     // The last UNHOLD frees it for good.
-    let un: RmReply =
-        agent.call(&RmRequest::Unhold { region_id: held.region_id, node: "n1".into(), epoch: 1 }).unwrap();
-    assert_eq!(un, RmReply::Unhold(wire::rm::UnholdReply { removed: true, freed: true }));
-    assert!(regions(&mut owner).iter().all(|r| r.region_id != held.region_id));
+    let un: RmReply = agent
+        .call(&RmRequest::Unhold {
+            region_id: held.region_id,
+            node: "n1".into(),
+            epoch: 1,
+        })
+        .unwrap();
+    assert_eq!(
+        un,
+        RmReply::Unhold(wire::rm::UnholdReply {
+            removed: true,
+            freed: true
+        })
+    );
+    assert!(regions(&mut owner)
+        .iter()
+        .all(|r| r.region_id != held.region_id));
     drop(rm);
 }
 
@@ -105,7 +150,9 @@ fn bad_input_gets_errors_and_changes_nothing() {
     let snapshot = (regions(&mut good), holds(&mut good));
 
     let read_error_frame = |stream: &mut TcpStream| -> Option<WireError> {
-        stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
         let mut buf = Vec::new();
         let _ = stream.read_to_end(&mut buf); // the daemon closes after the error frame
         let mut d = wire::FrameDecoder::new(1 << 20);
@@ -124,22 +171,35 @@ fn bad_input_gets_errors_and_changes_nothing() {
 
     // An oversized frame → protocol error naming the limit.
     let mut o = TcpStream::connect(&rm.addr).unwrap();
-    o.write_all(&wire::frame::encode_header(FrameKind::Handshake, 512 << 20)).unwrap();
+    o.write_all(&wire::frame::encode_header(FrameKind::Handshake, 512 << 20))
+        .unwrap();
     let e = read_error_frame(&mut o).expect("error frame for oversized");
     assert!(e.message.contains("exceeds the maximum"), "{}", e.message);
 
     // A wrong protocol version → version error.
     let mut v = TcpStream::connect(&rm.addr).unwrap();
-    let hello = serde_json::json!({"service": SERVICE, "version": 999, "client_id": "x", "nonce": "00"});
-    v.write_all(&wire::frame::encode(FrameKind::Handshake, hello.to_string().as_bytes())).unwrap();
+    let hello =
+        serde_json::json!({"service": SERVICE, "version": 999, "client_id": "x", "nonce": "00"});
+    v.write_all(&wire::frame::encode(
+        FrameKind::Handshake,
+        hello.to_string().as_bytes(),
+    ))
+    .unwrap();
     let e = read_error_frame(&mut v).expect("error frame for version");
     assert_eq!(e.code, ErrorCode::Version);
     assert!(e.message.contains("999"));
 
     // A request before the handshake → protocol error.
     let mut r = TcpStream::connect(&rm.addr).unwrap();
-    r.write_all(&wire::frame::encode(FrameKind::Request, br#"{"id":1,"op":"pools"}"#)).unwrap();
-    assert_eq!(read_error_frame(&mut r).expect("error frame").code, ErrorCode::Protocol);
+    r.write_all(&wire::frame::encode(
+        FrameKind::Request,
+        br#"{"id":1,"op":"pools"}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        read_error_frame(&mut r).expect("error frame").code,
+        ErrorCode::Protocol
+    );
 
     // A truncated frame, then the peer goes away.
     let mut t = TcpStream::connect(&rm.addr).unwrap();
@@ -149,25 +209,55 @@ fn bad_input_gets_errors_and_changes_nothing() {
     // After a good handshake: malformed JSON and unknown ops get error replies, and
     // the connection goes on serving.
     let mut c = connect(&rm.addr, SERVICE, "bad-client");
-    c.send_raw(&wire::frame::encode(FrameKind::Request, b"{not json")).unwrap();
+    c.send_raw(&wire::frame::encode(FrameKind::Request, b"{not json"))
+        .unwrap();
     let f = c.recv_frame().unwrap();
     assert_eq!(f.kind, FrameKind::Reply);
     let env: wire::ReplyEnvelope<serde_json::Value> = wire::decode_json(&f.body).unwrap();
     assert_eq!(env.err.unwrap().code, ErrorCode::BadRequest);
-    c.send_raw(&wire::frame::encode(FrameKind::Request, br#"{"id":5,"op":"format_disk"}"#)).unwrap();
-    let env: wire::ReplyEnvelope<serde_json::Value> = wire::decode_json(&c.recv_frame().unwrap().body).unwrap();
+    c.send_raw(&wire::frame::encode(
+        FrameKind::Request,
+        br#"{"id":5,"op":"format_disk"}"#,
+    ))
+    .unwrap();
+    let env: wire::ReplyEnvelope<serde_json::Value> =
+        wire::decode_json(&c.recv_frame().unwrap().body).unwrap();
     assert_eq!(env.id, 5);
     assert_eq!(env.err.unwrap().code, ErrorCode::BadRequest);
 
     // Wrong tokens are refusals; not being the owner is a permission error.
     let mut forged = h.clone();
     forged.token = "00".repeat(16);
-    assert_eq!(remote_code(c.call(&RmRequest::Free { handle: forged.clone(), request_id: 0 })), ErrorCode::Refused);
-    assert_eq!(remote_code(c.call(&RmRequest::GetAccess { handle: forged.clone() })), ErrorCode::Refused);
-    let hold = RmRequest::Hold { handle: forged, node: "n".into(), epoch: 1 };
+    assert_eq!(
+        remote_code(c.call(&RmRequest::Free {
+            handle: forged.clone(),
+            request_id: 0
+        })),
+        ErrorCode::Refused
+    );
+    assert_eq!(
+        remote_code(c.call(&RmRequest::GetAccess {
+            handle: forged.clone()
+        })),
+        ErrorCode::Refused
+    );
+    let hold = RmRequest::Hold {
+        handle: forged,
+        node: "n".into(),
+        epoch: 1,
+    };
     assert_eq!(remote_code(c.call(&hold)), ErrorCode::Refused);
-    assert_eq!(remote_code(c.call(&RmRequest::Free { handle: h.clone(), request_id: 0 })), ErrorCode::Permission);
-    assert!(matches!(c.call::<_, RmReply>(&RmRequest::Pools), Ok(RmReply::Pools { .. })));
+    assert_eq!(
+        remote_code(c.call(&RmRequest::Free {
+            handle: h.clone(),
+            request_id: 0
+        })),
+        ErrorCode::Permission
+    );
+    assert!(matches!(
+        c.call::<_, RmReply>(&RmRequest::Pools),
+        Ok(RmReply::Pools { .. })
+    ));
 
     // The daemon is up, the first connection still works, and nothing changed.
     assert!(rm.is_running());
@@ -186,19 +276,33 @@ fn a_key_file_requires_the_proof() {
     let rm = Daemon::start(BIN, &args, &s.dir);
 
     let plain = ClientOptions::new(SERVICE, "nokey");
-    assert!(matches!(Client::connect(&rm.addr, &plain), Err(ClientError::Auth { .. })));
+    assert!(matches!(
+        Client::connect(&rm.addr, &plain),
+        Err(ClientError::Auth { .. })
+    ));
     let mut wrong = ClientOptions::new(SERVICE, "wrongkey");
     wrong.key = Some(maru::auth::SharedKey::generate().unwrap());
-    assert!(matches!(Client::connect(&rm.addr, &wrong), Err(ClientError::Auth { .. })));
+    assert!(matches!(
+        Client::connect(&rm.addr, &wrong),
+        Err(ClientError::Auth { .. })
+    ));
     let mut right = ClientOptions::new(SERVICE, "rightkey");
     right.key = Some(key);
     let mut c = Client::connect(&rm.addr, &right).expect("right key connects");
-    assert!(matches!(c.call::<_, RmReply>(&RmRequest::Pools), Ok(RmReply::Pools { .. })));
+    assert!(matches!(
+        c.call::<_, RmReply>(&RmRequest::Pools),
+        Ok(RmReply::Pools { .. })
+    ));
     drop(rm);
 
     // A key file others can read is refused at start, with the fix in the message.
     std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let out = std::process::Command::new(BIN).args(&args).arg("--port").arg("0").output().unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(&args)
+        .arg("--port")
+        .arg("0")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("chmod 600"));
 }
@@ -230,7 +334,14 @@ fn start_up_errors_are_clear() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--fake-dax"));
     let out = std::process::Command::new(BIN)
-        .args(["--state-dir", s.dir.to_str().unwrap(), "--dax", "/dev/dax-none.0", "--port", "0"])
+        .args([
+            "--state-dir",
+            s.dir.to_str().unwrap(),
+            "--dax",
+            "/dev/dax-none.0",
+            "--port",
+            "0",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));

@@ -26,7 +26,12 @@ struct Args {
     #[arg(short, long, default_value_t = 9850, env = "MARU_RM_PORT")]
     port: u16,
     /// Directory for the durable state (state.json) and the token secret (secret, mode 0600).
-    #[arg(short = 'd', long, default_value = "/var/lib/maru-rm", env = "MARU_RM_STATE_DIR")]
+    #[arg(
+        short = 'd',
+        long,
+        default_value = "/var/lib/maru-rm",
+        env = "MARU_RM_STATE_DIR"
+    )]
     state_dir: PathBuf,
     /// A devdax device to serve as a pool (repeatable), e.g. /dev/dax0.0.
     #[arg(long = "dax", value_name = "DEVICE")]
@@ -80,7 +85,10 @@ fn main() {
         pools.push(info);
     }
     if let Err(e) = std::fs::create_dir_all(&args.state_dir) {
-        die(format!("cannot create state directory {}: {e}", args.state_dir.display()));
+        die(format!(
+            "cannot create state directory {}: {e}",
+            args.state_dir.display()
+        ));
     }
     let secret = load_or_create_secret(&args.state_dir).unwrap_or_else(|e| die(e));
     let store = DirStore::open(&args.state_dir).unwrap_or_else(|e| die(e));
@@ -88,17 +96,29 @@ fn main() {
     let mut core = ResourceManager::open(pools, Box::new(store), secret, clock.now_ms())
         .unwrap_or_else(|e| die(e));
     core.set_grace_ms(args.grace_period_s * 1000);
-    let key = args.key_file.as_ref().map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
+    let key = args
+        .key_file
+        .as_ref()
+        .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
     let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
-    let opts = ServerOptions { max_connections: args.max_clients, key, ..ServerOptions::default() };
-    let pipe = SignalPipe::install().unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
+    let opts = ServerOptions {
+        max_connections: args.max_clients,
+        key,
+        ..ServerOptions::default()
+    };
+    let pipe = SignalPipe::install()
+        .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
     let mut server = Server::bind(addr, opts, clock)
         .and_then(|s| s.with_signals(pipe))
         .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
-    log::info!("maru-resource-manager listening on {bound}, state in {}", args.state_dir.display());
+    log::info!(
+        "maru-resource-manager listening on {bound}, state in {}",
+        args.state_dir.display()
+    );
     if let Some(p) = &args.ready_file {
-        write_ready_file(p, bound).unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
+        write_ready_file(p, bound)
+            .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
     }
     let mut service = RmService::new(core);
     if let Err(e) = server.run(&mut service) {

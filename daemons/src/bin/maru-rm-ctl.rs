@@ -12,10 +12,19 @@ use std::path::PathBuf;
 use std::process::exit;
 
 #[derive(Parser, Debug)]
-#[command(name = "maru-rm-ctl", version, about = "Inspect and operate a Maru resource manager")]
+#[command(
+    name = "maru-rm-ctl",
+    version,
+    about = "Inspect and operate a Maru resource manager"
+)]
 struct Args {
     /// Resource manager address.
-    #[arg(long, default_value = "127.0.0.1:9850", env = "MARU_RM_ADDRESS", global = true)]
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9850",
+        env = "MARU_RM_ADDRESS",
+        global = true
+    )]
     rm: String,
     /// Client id to present (the owner of regions this command allocates).
     #[arg(long, env = "MARU_CLIENT_ID", global = true)]
@@ -100,9 +109,11 @@ enum Cmd {
 
 fn parse_handle(s: &str) -> Handle {
     // Accept either a bare handle or the whole alloc reply.
-    let v: serde_json::Value = serde_json::from_str(s).unwrap_or_else(|e| usage(format!("--handle is not JSON: {e}")));
+    let v: serde_json::Value =
+        serde_json::from_str(s).unwrap_or_else(|e| usage(format!("--handle is not JSON: {e}")));
     let h = v.get("handle").cloned().unwrap_or(v);
-    serde_json::from_value(h).unwrap_or_else(|e| usage(format!("--handle is not a region handle: {e}")))
+    serde_json::from_value(h)
+        .unwrap_or_else(|e| usage(format!("--handle is not a region handle: {e}")))
 }
 
 fn usage(msg: String) -> ! {
@@ -124,21 +135,44 @@ fn show(reply: &RmReply, json: bool) {
     }
     match reply {
         RmReply::Pools { pools } => {
-            println!("{:<4} {:<28} {:<8} {:>10} {:>10} {:>10} {:>8}  UUID", "ID", "PATH", "KIND", "TOTAL_MiB", "FREE_MiB", "DRAIN_MiB", "ALIGN_K");
+            println!(
+                "{:<4} {:<28} {:<8} {:>10} {:>10} {:>10} {:>8}  UUID",
+                "ID", "PATH", "KIND", "TOTAL_MiB", "FREE_MiB", "DRAIN_MiB", "ALIGN_K"
+            );
             for p in pools {
                 println!(
                     "{:<4} {:<28} {:<8} {:>10} {:>10} {:>10} {:>8}  {}",
-                    p.pool_id, p.path, p.kind, mib(p.total), mib(p.free), mib(p.draining), p.align >> 10, p.uuid
+                    p.pool_id,
+                    p.path,
+                    p.kind,
+                    mib(p.total),
+                    mib(p.free),
+                    mib(p.draining),
+                    p.align >> 10,
+                    p.uuid
                 );
             }
         }
         RmReply::Regions { regions } => {
-            println!("{:<8} {:<28} {:<5} {:>14} {:>10} {:<9} HOLDS", "REGION", "OWNER", "POOL", "OFFSET", "LEN_MiB", "STATE");
+            println!(
+                "{:<8} {:<28} {:<5} {:>14} {:>10} {:<9} HOLDS",
+                "REGION", "OWNER", "POOL", "OFFSET", "LEN_MiB", "STATE"
+            );
             for r in regions {
-                let holds: Vec<String> = r.holds.iter().map(|h| format!("{}@{}", h.node, h.epoch)).collect();
+                let holds: Vec<String> = r
+                    .holds
+                    .iter()
+                    .map(|h| format!("{}@{}", h.node, h.epoch))
+                    .collect();
                 println!(
                     "{:<8} {:<28} {:<5} {:>14} {:>10} {:<9} {}",
-                    r.region_id, r.owner, r.pool_id, r.offset, mib(r.length), r.state, holds.join(",")
+                    r.region_id,
+                    r.owner,
+                    r.pool_id,
+                    r.offset,
+                    mib(r.length),
+                    r.state,
+                    holds.join(",")
                 );
             }
         }
@@ -157,41 +191,81 @@ fn main() {
     let args = Args::parse();
     let req = match &args.cmd {
         Cmd::GenKey { path } => {
-            let key = SharedKey::generate().unwrap_or_else(|e| usage(format!("cannot draw random bytes: {e}")));
-            write_new_key_file(path, &key)
-                .unwrap_or_else(|e| usage(format!("cannot create key file {}: {e}", path.display())));
+            let key = SharedKey::generate()
+                .unwrap_or_else(|e| usage(format!("cannot draw random bytes: {e}")));
+            write_new_key_file(path, &key).unwrap_or_else(|e| {
+                usage(format!("cannot create key file {}: {e}", path.display()))
+            });
             println!("wrote {} (mode 0600)", path.display());
             return;
         }
         Cmd::Pools => RmRequest::Pools,
-        Cmd::Regions { owner } => RmRequest::Regions { owner: owner.clone() },
+        Cmd::Regions { owner } => RmRequest::Regions {
+            owner: owner.clone(),
+        },
         Cmd::Holds { node } => RmRequest::Holds { node: node.clone() },
         Cmd::DropHolds { node, confirm } => {
             if !confirm {
                 usage(format!("drop-holds {node} frees ranges the agent on {node} may still have registered; pass --confirm if that node is gone for good"));
             }
-            RmRequest::DropHolds { node: node.clone(), confirm: *confirm }
+            RmRequest::DropHolds {
+                node: node.clone(),
+                confirm: *confirm,
+            }
         }
         Cmd::Alloc { size, pool } => {
-            let size = maru::dax::parse_size(size).unwrap_or_else(|e| usage(format!("size {size}: {e}")));
-            RmRequest::Alloc { size, pool: pool.clone(), request_id: 0 }
+            let size =
+                maru::dax::parse_size(size).unwrap_or_else(|e| usage(format!("size {size}: {e}")));
+            RmRequest::Alloc {
+                size,
+                pool: pool.clone(),
+                request_id: 0,
+            }
         }
-        Cmd::Free { handle } => RmRequest::Free { handle: parse_handle(handle), request_id: 0 },
-        Cmd::GetAccess { handle } => RmRequest::GetAccess { handle: parse_handle(handle) },
-        Cmd::Hold { handle, node, epoch } => {
-            RmRequest::Hold { handle: parse_handle(handle), node: node.clone(), epoch: *epoch }
-        }
-        Cmd::Unhold { region, node, epoch } => {
-            RmRequest::Unhold { region_id: *region, node: node.clone(), epoch: *epoch }
-        }
-        Cmd::ResetHolds { node, epoch } => RmRequest::ResetHolds { node: node.clone(), epoch: *epoch },
+        Cmd::Free { handle } => RmRequest::Free {
+            handle: parse_handle(handle),
+            request_id: 0,
+        },
+        Cmd::GetAccess { handle } => RmRequest::GetAccess {
+            handle: parse_handle(handle),
+        },
+        Cmd::Hold {
+            handle,
+            node,
+            epoch,
+        } => RmRequest::Hold {
+            handle: parse_handle(handle),
+            node: node.clone(),
+            epoch: *epoch,
+        },
+        Cmd::Unhold {
+            region,
+            node,
+            epoch,
+        } => RmRequest::Unhold {
+            region_id: *region,
+            node: node.clone(),
+            epoch: *epoch,
+        },
+        Cmd::ResetHolds { node, epoch } => RmRequest::ResetHolds {
+            node: node.clone(),
+            epoch: *epoch,
+        },
     };
-    let mut opts = ClientOptions::new(SERVICE, args.client_id.clone().unwrap_or_else(|| default_client_id("rm-ctl@")));
+    let mut opts = ClientOptions::new(
+        SERVICE,
+        args.client_id
+            .clone()
+            .unwrap_or_else(|| default_client_id("rm-ctl@")),
+    );
     if let Some(p) = &args.key_file {
         opts.key = Some(maru::auth::load_key_file(p).unwrap_or_else(|e| usage(e.to_string())));
     }
     let mut client = Client::connect(&args.rm, &opts).unwrap_or_else(|e| {
-        eprintln!("error: cannot reach the resource manager at {}: {e}", args.rm);
+        eprintln!(
+            "error: cannot reach the resource manager at {}: {e}",
+            args.rm
+        );
         exit(2)
     });
     match client.call::<_, RmReply>(&req) {

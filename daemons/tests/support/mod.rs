@@ -22,12 +22,19 @@ impl Scratch {
         let dir = std::env::temp_dir().join(format!("maru-it-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create scratch dir");
-        Scratch { dir, shm: Vec::new() }
+        Scratch {
+            dir,
+            shm: Vec::new(),
+        }
     }
 
     /// A fake-DAX file path: in /dev/shm when present (as users run it), else the scratch dir.
     pub fn fake_dax(&mut self, name: &str) -> PathBuf {
-        let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { self.dir.clone() };
+        let base = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            self.dir.clone()
+        };
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let p = base.join(format!("maru-it-{name}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_file(&p);
@@ -59,17 +66,27 @@ impl Daemon {
         let ready = ready_dir.join(format!("ready-{n}"));
         let _ = std::fs::remove_file(&ready);
         let mut cmd = Command::new(bin);
-        cmd.args(args).arg("--port").arg("0").arg("--ready-file").arg(&ready);
+        cmd.args(args)
+            .arg("--port")
+            .arg("0")
+            .arg("--ready-file")
+            .arg(&ready);
         cmd.stdin(Stdio::null());
         if std::env::var_os("MARU_TEST_VERBOSE").is_none() {
             cmd.stdout(Stdio::null()).stderr(Stdio::null());
         }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(s) = std::fs::read_to_string(&ready) {
                 if s.ends_with('\n') {
-                    return Daemon { child, addr: s.trim().to_string(), name: bin.to_string() };
+                    return Daemon {
+                        child,
+                        addr: s.trim().to_string(),
+                        name: bin.to_string(),
+                    };
                 }
             }
             if let Ok(Some(st)) = child.try_wait() {

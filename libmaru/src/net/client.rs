@@ -45,8 +45,12 @@ impl fmt::Display for ClientError {
             ClientError::Timeout { peer, after } => {
                 write!(f, "no reply from {peer} within {} ms", after.as_millis())
             }
-            ClientError::Protocol { peer, message } => write!(f, "protocol error with {peer}: {message}"),
-            ClientError::Auth { peer, message } => write!(f, "authentication with {peer} failed: {message}"),
+            ClientError::Protocol { peer, message } => {
+                write!(f, "protocol error with {peer}: {message}")
+            }
+            ClientError::Auth { peer, message } => {
+                write!(f, "authentication with {peer} failed: {message}")
+            }
         }
     }
 }
@@ -91,7 +95,10 @@ impl Client {
     /// Connects to `addr` (`host:port`) and runs the handshake.
     pub fn connect(addr: &str, opts: &ClientOptions) -> Result<Client, ClientError> {
         let peer = addr.to_string();
-        let io_err = |err| ClientError::Io { peer: peer.clone(), err };
+        let io_err = |err| ClientError::Io {
+            peer: peer.clone(),
+            err,
+        };
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(io_err)?.collect();
         let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
         let mut stream = None;
@@ -107,8 +114,12 @@ impl Client {
         let stream = stream.ok_or_else(|| io_err(last))?;
         let _ = stream.set_nodelay(true);
         sockopt::keepalive(&stream);
-        stream.set_read_timeout(Some(opts.call_timeout)).map_err(io_err)?;
-        stream.set_write_timeout(Some(opts.call_timeout)).map_err(io_err)?;
+        stream
+            .set_read_timeout(Some(opts.call_timeout))
+            .map_err(io_err)?;
+        stream
+            .set_write_timeout(Some(opts.call_timeout))
+            .map_err(io_err)?;
         let mut c = Client {
             stream,
             peer: peer.clone(),
@@ -129,7 +140,10 @@ impl Client {
     }
 
     fn handshake(&mut self, opts: &ClientOptions) -> Result<(), ClientError> {
-        let nonce = fresh_nonce().map_err(|err| ClientError::Io { peer: self.peer.clone(), err })?;
+        let nonce = fresh_nonce().map_err(|err| ClientError::Io {
+            peer: self.peer.clone(),
+            err,
+        })?;
         let hello = Hello {
             service: opts.service.to_string(),
             version: PROTOCOL_VERSION,
@@ -139,7 +153,10 @@ impl Client {
         self.send(FrameKind::Handshake, &encode_json(&hello))?;
         let welcome: Welcome = self.read_handshake("welcome")?;
         let peer = self.peer.clone();
-        let auth = |message: String| ClientError::Auth { peer: peer.clone(), message };
+        let auth = |message: String| ClientError::Auth {
+            peer: peer.clone(),
+            message,
+        };
         match (&opts.key, welcome.auth_required) {
             (None, false) => {}
             (None, true) => {
@@ -158,7 +175,9 @@ impl Client {
             (Some(key), true) => {
                 let cp = ClientProof::new(&nonce).map_err(|e| auth(e.to_string()))?;
                 let sp = welcome.proof.clone().unwrap_or_default();
-                let answer = cp.answer(key, &welcome.nonce, &sp).map_err(|e| auth(e.to_string()))?;
+                let answer = cp
+                    .answer(key, &welcome.nonce, &sp)
+                    .map_err(|e| auth(e.to_string()))?;
                 self.send(FrameKind::Handshake, &encode_json(&Proof { proof: answer }))?;
                 let r: AuthResult = self.read_handshake("auth result")?;
                 if !r.ok {
@@ -196,9 +215,10 @@ impl Client {
 
     fn remote_error(&self, f: &Frame) -> ClientError {
         match decode_json::<WireError>(&f.body) {
-            Ok(e) if e.code == crate::wire::ErrorCode::Auth => {
-                ClientError::Auth { peer: self.peer.clone(), message: e.message }
-            }
+            Ok(e) if e.code == crate::wire::ErrorCode::Auth => ClientError::Auth {
+                peer: self.peer.clone(),
+                message: e.message,
+            },
             Ok(e) => ClientError::Remote(e),
             Err(e) => ClientError::Protocol {
                 peer: self.peer.clone(),
@@ -209,14 +229,25 @@ impl Client {
 
     fn send(&mut self, kind: FrameKind, body: &[u8]) -> Result<(), ClientError> {
         let bytes = frame::encode(kind, body);
-        self.stream.write_all(&bytes).map_err(|err| self.io_error(err))
+        self.stream
+            .write_all(&bytes)
+            .map_err(|err| self.io_error(err))
     }
 
     fn io_error(&self, err: io::Error) -> ClientError {
-        if matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
-            ClientError::Timeout { peer: self.peer.clone(), after: self.call_timeout }
+        if matches!(
+            err.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            ClientError::Timeout {
+                peer: self.peer.clone(),
+                after: self.call_timeout,
+            }
         } else {
-            ClientError::Io { peer: self.peer.clone(), err }
+            ClientError::Io {
+                peer: self.peer.clone(),
+                err,
+            }
         }
     }
 
@@ -227,14 +258,20 @@ impl Client {
                 Ok(Some(f)) => return Ok(f),
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(ClientError::Protocol { peer: self.peer.clone(), message: e.to_string() })
+                    return Err(ClientError::Protocol {
+                        peer: self.peer.clone(),
+                        message: e.to_string(),
+                    })
                 }
             }
             match self.stream.read(&mut buf) {
                 Ok(0) => {
                     return Err(ClientError::Io {
                         peer: self.peer.clone(),
-                        err: io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the peer"),
+                        err: io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "connection closed by the peer",
+                        ),
                     })
                 }
                 Ok(n) => self.decoder.push(&buf[..n]),
@@ -245,10 +282,16 @@ impl Client {
     }
 
     /// Sends one request and waits for its reply.
-    pub fn call<Req: Serialize, Rep: DeserializeOwned>(&mut self, req: &Req) -> Result<Rep, ClientError> {
+    pub fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+    ) -> Result<Rep, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
-        self.send(FrameKind::Request, &encode_json(&Envelope { id, body: req }))?;
+        self.send(
+            FrameKind::Request,
+            &encode_json(&Envelope { id, body: req }),
+        )?;
         let f = self.read_frame()?;
         match f.kind {
             FrameKind::Reply => {}
@@ -282,7 +325,9 @@ impl Client {
 
     /// Sends raw bytes (tests use it to send garbage).
     pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        self.stream.write_all(bytes).map_err(|err| self.io_error(err))
+        self.stream
+            .write_all(bytes)
+            .map_err(|err| self.io_error(err))
     }
 
     /// Reads the next frame whatever its kind (tests).

@@ -25,7 +25,9 @@ pub struct Clock {
 
 impl Clock {
     pub fn new() -> Clock {
-        Clock { start: Instant::now() }
+        Clock {
+            start: Instant::now(),
+        }
     }
 
     pub fn now_ms(&self) -> u64 {

@@ -86,8 +86,13 @@ enum Phase {
     /// Waiting for the hello.
     Hello,
     /// Welcome sent with our proof; waiting for the client's proof.
-    Proof { proof: ServerProof, client_id: String },
-    Ready { client_id: String },
+    Proof {
+        proof: ServerProof,
+        client_id: String,
+    },
+    Ready {
+        client_id: String,
+    },
 }
 
 struct Conn {
@@ -125,7 +130,8 @@ impl Server {
     pub fn bind(addr: SocketAddr, opts: ServerOptions, clock: Clock) -> io::Result<Server> {
         let poll = Poll::new()?;
         let mut listener = TcpListener::bind(addr)?;
-        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
         Ok(Server {
             poll,
             listener,
@@ -145,7 +151,9 @@ impl Server {
     /// Stops the loop on SIGINT/SIGTERM (after `on_shutdown`).
     pub fn with_signals(mut self, pipe: SignalPipe) -> io::Result<Server> {
         let fd = pipe.fd();
-        self.poll.registry().register(&mut SourceFd(&fd), SIGNALS, Interest::READABLE)?;
+        self.poll
+            .registry()
+            .register(&mut SourceFd(&fd), SIGNALS, Interest::READABLE)?;
         self.signals = Some(pipe);
         Ok(self)
     }
@@ -212,7 +220,9 @@ impl Server {
                     let token = Token(self.next_token);
                     self.next_token += 1;
                     if let Err(e) =
-                        self.poll.registry().register(&mut stream, token, Interest::READABLE)
+                        self.poll
+                            .registry()
+                            .register(&mut stream, token, Interest::READABLE)
                     {
                         log::warn!("cannot register connection from {peer}: {e}");
                         continue;
@@ -246,9 +256,17 @@ impl Server {
         }
     }
 
-    fn on_conn_event<S: Service>(&mut self, service: &mut S, tok: Token, readable: bool, writable: bool) {
+    fn on_conn_event<S: Service>(
+        &mut self,
+        service: &mut S,
+        tok: Token,
+        readable: bool,
+        writable: bool,
+    ) {
         let now = self.clock.now_ms();
-        let Some(conn) = self.conns.get_mut(&tok) else { return };
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
         let mut alive = true;
         if readable && !conn.closing {
             alive = read_all(conn);
@@ -266,9 +284,17 @@ impl Server {
         }
         let want_write = conn.out_pos < conn.out.len();
         if want_write != conn.writable_registered {
-            let interest =
-                if want_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            if self.poll.registry().reregister(&mut conn.stream, tok, interest).is_ok() {
+            let interest = if want_write {
+                Interest::READABLE | Interest::WRITABLE
+            } else {
+                Interest::READABLE
+            };
+            if self
+                .poll
+                .registry()
+                .reregister(&mut conn.stream, tok, interest)
+                .is_ok()
+            {
                 conn.writable_registered = want_write;
             }
         }
@@ -301,7 +327,10 @@ impl Server {
             .collect();
         for t in late {
             if let Some(c) = self.conns.get(&t) {
-                log::info!("closing connection from {}: no handshake within {limit} ms", c.peer);
+                log::info!(
+                    "closing connection from {}: no handshake within {limit} ms",
+                    c.peer
+                );
             }
             self.drop_conn(service, t, now);
         }
@@ -346,7 +375,8 @@ fn flush(conn: &mut Conn) -> bool {
 
 fn fail(conn: &mut Conn, code: ErrorCode, message: String) {
     log::info!("connection from {}: {message}; closing", conn.peer);
-    conn.out.extend(wire::error_frame(&WireError::new(code, message)));
+    conn.out
+        .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
 }
 
@@ -370,10 +400,12 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
         };
         let phase = std::mem::replace(&mut conn.phase, Phase::Hello);
         conn.phase = match (phase, f.kind) {
-            (Phase::Hello, FrameKind::Handshake) => match on_hello(conn, service, opts, &f.body, now) {
-                Some(p) => p,
-                None => return,
-            },
+            (Phase::Hello, FrameKind::Handshake) => {
+                match on_hello(conn, service, opts, &f.body, now) {
+                    Some(p) => p,
+                    None => return,
+                }
+            }
             (Phase::Proof { proof, client_id }, FrameKind::Handshake) => {
                 let key = match &opts.key {
                     Some(k) => k,
@@ -381,7 +413,13 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
                 };
                 let p: Proof = match decode_json(&f.body) {
                     Ok(p) => p,
-                    Err(e) => return fail(conn, ErrorCode::Protocol, format!("expected a proof: {}", e.message)),
+                    Err(e) => {
+                        return fail(
+                            conn,
+                            ErrorCode::Protocol,
+                            format!("expected a proof: {}", e.message),
+                        )
+                    }
                 };
                 if let Err(e) = proof.check_client(key, &p.proof) {
                     return fail(conn, ErrorCode::Auth, format!("client {client_id}: {e}"));
@@ -402,7 +440,9 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
                     id,
                     Err(WireError::new(
                         ErrorCode::Protocol,
-                        format!("unexpected {kind:?} frame after the handshake; send Request frames"),
+                        format!(
+                            "unexpected {kind:?} frame after the handshake; send Request frames"
+                        ),
                     )),
                 ));
                 Phase::Ready { client_id }
@@ -428,7 +468,11 @@ fn on_hello<S: Service>(
     let hello: Hello = match decode_json(body) {
         Ok(h) => h,
         Err(e) => {
-            fail(conn, ErrorCode::Protocol, format!("malformed hello: {}", e.message));
+            fail(
+                conn,
+                ErrorCode::Protocol,
+                format!("malformed hello: {}", e.message),
+            );
             return None;
         }
     };
@@ -457,13 +501,21 @@ fn on_hello<S: Service>(
         return None;
     }
     if hello.client_id.is_empty() || hello.client_id.len() > 255 {
-        fail(conn, ErrorCode::Protocol, "client id must be 1 to 255 bytes".into());
+        fail(
+            conn,
+            ErrorCode::Protocol,
+            "client id must be 1 to 255 bytes".into(),
+        );
         return None;
     }
     let nonce = match fresh_nonce() {
         Ok(n) => n,
         Err(e) => {
-            fail(conn, ErrorCode::Internal, format!("cannot draw a nonce: {e}"));
+            fail(
+                conn,
+                ErrorCode::Internal,
+                format!("cannot draw a nonce: {e}"),
+            );
             return None;
         }
     };
@@ -479,7 +531,9 @@ fn on_hello<S: Service>(
         None => {
             conn.out.extend(handshake_frame(&welcome));
             service.on_open(conn.id, &hello.client_id, now);
-            Some(Phase::Ready { client_id: hello.client_id })
+            Some(Phase::Ready {
+                client_id: hello.client_id,
+            })
         }
         Some(key) => {
             let proof = match ServerProof::new(&hello.nonce, &nonce) {
@@ -491,7 +545,10 @@ fn on_hello<S: Service>(
             };
             welcome.proof = Some(proof.server_proof(key));
             conn.out.extend(handshake_frame(&welcome));
-            Some(Phase::Proof { proof, client_id: hello.client_id })
+            Some(Phase::Proof {
+                proof,
+                client_id: hello.client_id,
+            })
         }
     }
 }

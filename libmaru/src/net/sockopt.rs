@@ -14,7 +14,10 @@ fn set(fd: i32, level: i32, name: i32, value: i32) {
         )
     };
     if r != 0 {
-        log::debug!("setsockopt({level}, {name}) failed: {}", std::io::Error::last_os_error());
+        log::debug!(
+            "setsockopt({level}, {name}) failed: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 

@@ -47,3 +47,37 @@ pub struct Proof {
 pub struct AuthResult {
     pub ok: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::decode_json;
+    use proptest::prelude::*;
+
+    #[test]
+    fn welcome_without_optional_fields() {
+        let w: Welcome =
+            decode_json(br#"{"service":"maru-rm","version":1,"nonce":"ab","auth_required":false}"#)
+                .unwrap();
+        assert!(w.proof.is_none());
+        assert!(w.info.is_null());
+    }
+
+    proptest! {
+        /// Every handshake decoder takes arbitrary bytes without panicking.
+        #[test]
+        fn handshake_decoders_never_panic(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_json::<Hello>(&data);
+            let _ = decode_json::<Welcome>(&data);
+            let _ = decode_json::<Proof>(&data);
+            let _ = decode_json::<AuthResult>(&data);
+        }
+
+        #[test]
+        fn hello_with_odd_fields(service in ".{0,16}", version in any::<i64>(), id in ".{0,300}") {
+            let body = serde_json::json!({"service": service, "version": version,
+                                          "client_id": id, "nonce": 5});
+            let _ = decode_json::<Hello>(body.to_string().as_bytes());
+        }
+    }
+}
