@@ -6,6 +6,7 @@
 //! blocking client the CLIs, tests and library use to talk to a daemon.
 
 pub mod client;
+pub mod handshake;
 pub mod server;
 mod signals;
 mod sockopt;

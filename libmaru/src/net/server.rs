@@ -8,14 +8,11 @@
 //! request gets an error reply and the connection stays; other connections never
 //! notice either.
 
+use super::handshake::{ServerHandshake, Step};
 use super::sockopt;
 use super::{Clock, SignalPipe};
-use crate::auth::{fresh_nonce, ServerProof, SharedKey};
-use crate::wire::handshake::{AuthResult, Hello, Proof, Welcome};
-use crate::wire::{
-    self, decode_json, encode_json, frame, ErrorCode, FrameDecoder, FrameKind, WireError,
-    PROTOCOL_VERSION,
-};
+use crate::auth::SharedKey;
+use crate::wire::{self, ErrorCode, FrameDecoder, FrameKind, WireError};
 use mio::net::{TcpListener, TcpStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
@@ -83,16 +80,8 @@ impl Default for ServerOptions {
 }
 
 enum Phase {
-    /// Waiting for the hello.
-    Hello,
-    /// Welcome sent with our proof; waiting for the client's proof.
-    Proof {
-        proof: ServerProof,
-        client_id: String,
-    },
-    Ready {
-        client_id: String,
-    },
+    Handshake(ServerHandshake),
+    Ready { client_id: String },
 }
 
 struct Conn {
@@ -172,7 +161,7 @@ impl Server {
             }
             for ev in events.iter() {
                 match ev.token() {
-                    LISTENER => self.accept(),
+                    LISTENER => self.accept(service),
                     SIGNALS => {
                         if self.signals.as_ref().is_some_and(|s| s.drain()) {
                             log::info!("signal received; shutting down");
@@ -204,7 +193,7 @@ impl Server {
         deadline.map(|d| Duration::from_millis(d.saturating_sub(now)))
     }
 
-    fn accept(&mut self) {
+    fn accept<S: Service>(&mut self, service: &S) {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
@@ -239,7 +228,11 @@ impl Server {
                             decoder: FrameDecoder::new(self.opts.max_frame),
                             out: Vec::new(),
                             out_pos: 0,
-                            phase: Phase::Hello,
+                            phase: Phase::Handshake(ServerHandshake::new(
+                                service.service_name(),
+                                self.opts.key.clone(),
+                                service.welcome_info(),
+                            )),
                             opened_ms: self.clock.now_ms(),
                             closing: false,
                             writable_registered: false,
@@ -270,7 +263,7 @@ impl Server {
         let mut alive = true;
         if readable && !conn.closing {
             alive = read_all(conn);
-            process_frames(conn, service, &self.opts, now);
+            process_frames(conn, service, now);
         }
         if alive && (writable || !conn.out.is_empty()) {
             alive = flush(conn);
@@ -380,60 +373,28 @@ fn fail(conn: &mut Conn, code: ErrorCode, message: String) {
     conn.closing = true;
 }
 
-fn handshake_frame<T: serde::Serialize>(msg: &T) -> Vec<u8> {
-    frame::encode(FrameKind::Handshake, &encode_json(msg))
-}
-
-fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOptions, now: u64) {
+fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, now: u64) {
     while !conn.closing {
         let f = match conn.decoder.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => return,
-            Err(e) => {
-                let code = match e {
-                    wire::FrameError::TooLarge { .. } => ErrorCode::Protocol,
-                    _ => ErrorCode::Protocol,
-                };
-                fail(conn, code, e.to_string());
-                return;
-            }
+            Err(e) => return fail(conn, ErrorCode::Protocol, e.to_string()),
         };
-        let phase = std::mem::replace(&mut conn.phase, Phase::Hello);
-        conn.phase = match (phase, f.kind) {
-            (Phase::Hello, FrameKind::Handshake) => {
-                match on_hello(conn, service, opts, &f.body, now) {
-                    Some(p) => p,
-                    None => return,
+        match &mut conn.phase {
+            Phase::Handshake(hs) => match hs.on_frame(&f) {
+                Step::Send(bytes) => conn.out.extend(bytes),
+                Step::Ready { send, client_id } => {
+                    conn.out.extend(send);
+                    service.on_open(conn.id, &client_id, now);
+                    conn.phase = Phase::Ready { client_id };
                 }
-            }
-            (Phase::Proof { proof, client_id }, FrameKind::Handshake) => {
-                let key = match &opts.key {
-                    Some(k) => k,
-                    None => return fail(conn, ErrorCode::Internal, "proof without a key".into()),
-                };
-                let p: Proof = match decode_json(&f.body) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        return fail(
-                            conn,
-                            ErrorCode::Protocol,
-                            format!("expected a proof: {}", e.message),
-                        )
-                    }
-                };
-                if let Err(e) = proof.check_client(key, &p.proof) {
-                    return fail(conn, ErrorCode::Auth, format!("client {client_id}: {e}"));
-                }
-                conn.out.extend(handshake_frame(&AuthResult { ok: true }));
-                service.on_open(conn.id, &client_id, now);
-                Phase::Ready { client_id }
-            }
-            (Phase::Ready { client_id }, FrameKind::Request) => {
-                let reply = service.on_request(conn.id, &client_id, &f.body, now);
+                Step::Fail(e) => return fail(conn, e.code, e.message),
+            },
+            Phase::Ready { client_id } if f.kind == FrameKind::Request => {
+                let reply = service.on_request(conn.id, client_id, &f.body, now);
                 conn.out.extend(reply);
-                Phase::Ready { client_id }
             }
-            (Phase::Ready { client_id }, kind) => {
+            Phase::Ready { .. } => {
                 // The frame was intact, so the stream is still in sync: reply and go on.
                 let id = wire::request_id_of(&f.body);
                 conn.out.extend(wire::reply_frame::<()>(
@@ -441,114 +402,12 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
                     Err(WireError::new(
                         ErrorCode::Protocol,
                         format!(
-                            "unexpected {kind:?} frame after the handshake; send Request frames"
+                            "unexpected {:?} frame after the handshake; send Request frames",
+                            f.kind
                         ),
                     )),
                 ));
-                Phase::Ready { client_id }
             }
-            (_, kind) => {
-                return fail(
-                    conn,
-                    ErrorCode::Protocol,
-                    format!("expected a handshake frame, got {kind:?}: send hello first"),
-                )
-            }
-        };
-    }
-}
-
-fn on_hello<S: Service>(
-    conn: &mut Conn,
-    service: &mut S,
-    opts: &ServerOptions,
-    body: &[u8],
-    now: u64,
-) -> Option<Phase> {
-    let hello: Hello = match decode_json(body) {
-        Ok(h) => h,
-        Err(e) => {
-            fail(
-                conn,
-                ErrorCode::Protocol,
-                format!("malformed hello: {}", e.message),
-            );
-            return None;
-        }
-    };
-    if hello.version != PROTOCOL_VERSION {
-        fail(
-            conn,
-            ErrorCode::Version,
-            format!(
-                "protocol version {} is not supported: this {} speaks version {PROTOCOL_VERSION}; upgrade the older side",
-                hello.version,
-                service.service_name()
-            ),
-        );
-        return None;
-    }
-    if hello.service != service.service_name() {
-        fail(
-            conn,
-            ErrorCode::Protocol,
-            format!(
-                "this port serves {}, not {}: check the address",
-                service.service_name(),
-                hello.service
-            ),
-        );
-        return None;
-    }
-    if hello.client_id.is_empty() || hello.client_id.len() > 255 {
-        fail(
-            conn,
-            ErrorCode::Protocol,
-            "client id must be 1 to 255 bytes".into(),
-        );
-        return None;
-    }
-    let nonce = match fresh_nonce() {
-        Ok(n) => n,
-        Err(e) => {
-            fail(
-                conn,
-                ErrorCode::Internal,
-                format!("cannot draw a nonce: {e}"),
-            );
-            return None;
-        }
-    };
-    let mut welcome = Welcome {
-        service: service.service_name().to_string(),
-        version: PROTOCOL_VERSION,
-        nonce: nonce.clone(),
-        auth_required: opts.key.is_some(),
-        proof: None,
-        info: service.welcome_info(),
-    };
-    match &opts.key {
-        None => {
-            conn.out.extend(handshake_frame(&welcome));
-            service.on_open(conn.id, &hello.client_id, now);
-            Some(Phase::Ready {
-                client_id: hello.client_id,
-            })
-        }
-        Some(key) => {
-            let proof = match ServerProof::new(&hello.nonce, &nonce) {
-                Ok(p) => p,
-                Err(e) => {
-                    fail(conn, ErrorCode::Auth, e.to_string());
-                    return None;
-                }
-            };
-            welcome.proof = Some(proof.server_proof(key));
-            conn.out.extend(handshake_frame(&welcome));
-            Some(Phase::Proof {
-                proof,
-                client_id: hello.client_id,
-            })
         }
     }
 }

@@ -1,0 +1,166 @@
+//! The server side of the handshake as a sans-I/O state machine, shared by the mio
+//! loop and the blocking responders (soft transport): feed it frames, send what it
+//! returns.
+
+use crate::auth::{fresh_nonce, ServerProof, SharedKey};
+use crate::wire::handshake::{AuthResult, Hello, Proof, Welcome};
+use crate::wire::{
+    decode_json, encode_json, frame, ErrorCode, Frame, FrameKind, WireError, PROTOCOL_VERSION,
+};
+
+enum State {
+    Hello,
+    Proof {
+        proof: ServerProof,
+        client_id: String,
+    },
+    Done,
+}
+
+/// What to do after a frame.
+#[derive(Debug)]
+pub enum Step {
+    /// Send these bytes and wait for the next frame.
+    Send(Vec<u8>),
+    /// Send these bytes; the client `client_id` is authenticated.
+    Ready { send: Vec<u8>, client_id: String },
+    /// Send this error frame and close.
+    Fail(WireError),
+}
+
+pub struct ServerHandshake {
+    service: &'static str,
+    key: Option<SharedKey>,
+    info: serde_json::Value,
+    state: State,
+}
+
+fn handshake_frame<T: serde::Serialize>(msg: &T) -> Vec<u8> {
+    frame::encode(FrameKind::Handshake, &encode_json(msg))
+}
+
+fn fail(code: ErrorCode, message: String) -> Step {
+    Step::Fail(WireError::new(code, message))
+}
+
+impl ServerHandshake {
+    pub fn new(
+        service: &'static str,
+        key: Option<SharedKey>,
+        info: serde_json::Value,
+    ) -> ServerHandshake {
+        ServerHandshake {
+            service,
+            key,
+            info,
+            state: State::Hello,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
+    pub fn on_frame(&mut self, f: &Frame) -> Step {
+        if f.kind != FrameKind::Handshake {
+            return fail(
+                ErrorCode::Protocol,
+                format!(
+                    "expected a handshake frame, got {:?}: send hello first",
+                    f.kind
+                ),
+            );
+        }
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Hello => self.on_hello(&f.body),
+            State::Proof { proof, client_id } => {
+                let Some(key) = &self.key else {
+                    return fail(ErrorCode::Internal, "proof state without a key".into());
+                };
+                let p: Proof = match decode_json(&f.body) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        return fail(
+                            ErrorCode::Protocol,
+                            format!("expected a proof: {}", e.message),
+                        )
+                    }
+                };
+                if let Err(e) = proof.check_client(key, &p.proof) {
+                    return fail(ErrorCode::Auth, format!("client {client_id}: {e}"));
+                }
+                Step::Ready {
+                    send: handshake_frame(&AuthResult { ok: true }),
+                    client_id,
+                }
+            }
+            State::Done => fail(ErrorCode::Protocol, "handshake already finished".into()),
+        }
+    }
+
+    fn on_hello(&mut self, body: &[u8]) -> Step {
+        let hello: Hello = match decode_json(body) {
+            Ok(h) => h,
+            Err(e) => {
+                return fail(
+                    ErrorCode::Protocol,
+                    format!("malformed hello: {}", e.message),
+                )
+            }
+        };
+        if hello.version != PROTOCOL_VERSION {
+            return fail(
+                ErrorCode::Version,
+                format!(
+                    "protocol version {} is not supported: this {} speaks version {PROTOCOL_VERSION}; upgrade the older side",
+                    hello.version, self.service
+                ),
+            );
+        }
+        if hello.service != self.service {
+            return fail(
+                ErrorCode::Protocol,
+                format!(
+                    "this port serves {}, not {}: check the address",
+                    self.service, hello.service
+                ),
+            );
+        }
+        if hello.client_id.is_empty() || hello.client_id.len() > 255 {
+            return fail(
+                ErrorCode::Protocol,
+                "client id must be 1 to 255 bytes".into(),
+            );
+        }
+        let nonce = match fresh_nonce() {
+            Ok(n) => n,
+            Err(e) => return fail(ErrorCode::Internal, format!("cannot draw a nonce: {e}")),
+        };
+        let mut welcome = Welcome {
+            service: self.service.to_string(),
+            version: PROTOCOL_VERSION,
+            nonce: nonce.clone(),
+            auth_required: self.key.is_some(),
+            proof: None,
+            info: self.info.clone(),
+        };
+        match &self.key {
+            None => Step::Ready {
+                send: handshake_frame(&welcome),
+                client_id: hello.client_id,
+            },
+            Some(key) => {
+                let proof = match ServerProof::new(&hello.nonce, &nonce) {
+                    Ok(p) => p,
+                    Err(e) => return fail(ErrorCode::Auth, e.to_string()),
+                };
+                welcome.proof = Some(proof.server_proof(key));
+                self.state = State::Proof {
+                    proof,
+                    client_id: hello.client_id,
+                };
+                Step::Send(handshake_frame(&welcome))
+            }
+        }
+    }
+}

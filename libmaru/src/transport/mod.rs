@@ -1,0 +1,186 @@
+//! One-sided READ/WRITE between a worker's registered staging buffer and regions that
+//! an agent registered on a memory node.
+//!
+//! The worker side is a [`Transport`]: register the local buffer, connect to a peer
+//! from the metadata an agent returned, post batches of operations, ask for their
+//! state, and [`fence`](Transport::fence) a peer — the proof that no more DMA touches
+//! the local buffer for that peer's operations, after which their slots can be
+//! reused. The memory-node side is a [`Target`]: register a range (address + remote
+//! key), deregister it (after which every operation with that key fails and none is
+//! still touching the range).
+//!
+//! Implementations: [`soft`] (a software NIC over TCP, key-checked like a NIC) and
+//! `verbs` (RC queue pairs; cargo feature `verbs`).
+
+pub mod soft;
+#[cfg(feature = "verbs")]
+pub mod verbs;
+
+use std::fmt;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// Remote → local.
+    Read,
+    /// Local → remote.
+    Write,
+}
+
+/// One one-sided operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Op {
+    pub kind: OpKind,
+    /// Offset in the registered local buffer.
+    pub local_offset: u64,
+    /// Remote virtual address (registration address + offset).
+    pub remote_addr: u64,
+    pub rkey: u64,
+    pub len: u64,
+}
+
+/// A connected peer (one per agent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u64);
+
+/// A posted batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(pub u64);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchState {
+    /// Some operations have not completed.
+    Pending,
+    /// Every operation completed successfully.
+    Done,
+    /// At least one operation failed (the others may or may not have run).
+    Failed(TransportError),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransportError {
+    /// The remote key is unknown or was deregistered: nothing was read or written.
+    BadKey { rkey: u64 },
+    /// The range is outside the registration.
+    OutOfRange { rkey: u64, addr: u64, len: u64 },
+    /// A WRITE to a read-only registration.
+    ReadOnly { rkey: u64 },
+    /// The local range is outside the registered buffer.
+    LocalRange { offset: u64, len: u64 },
+    /// The peer connection failed; operations in flight have an unknown outcome until
+    /// the peer is fenced.
+    PeerLost { peer: String, message: String },
+    /// The peer is unknown or was fenced.
+    NoPeer(PeerId),
+    /// The batch id is unknown (never posted, or already forgotten).
+    NoBatch(BatchId),
+    /// No local buffer registered yet.
+    NoLocalBuffer,
+    /// Setting up (connecting, proving the key, bringing up a queue pair) failed.
+    Setup(String),
+    /// This transport is not available on this host (no RDMA device, ...).
+    Unavailable(String),
+}
+
+impl fmt::Display for TransportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TransportError::BadKey { rkey } => {
+                write!(f, "remote key {rkey:#x} is not registered (deregistered or never issued)")
+            }
+            TransportError::OutOfRange { rkey, addr, len } => write!(
+                f,
+                "range {addr:#x}+{len} is outside the registration of key {rkey:#x}"
+            ),
+            TransportError::ReadOnly { rkey } => {
+                write!(f, "registration {rkey:#x} is read-only; WRITE refused")
+            }
+            TransportError::LocalRange { offset, len } => {
+                write!(f, "local range {offset}+{len} is outside the registered staging buffer")
+            }
+            TransportError::PeerLost { peer, message } => {
+                write!(f, "connection to {peer} lost: {message}")
+            }
+            TransportError::NoPeer(p) => write!(f, "peer {} is not connected", p.0),
+            TransportError::NoBatch(b) => write!(f, "batch {} is unknown", b.0),
+            TransportError::NoLocalBuffer => write!(f, "no staging buffer registered"),
+            TransportError::Setup(m) => write!(f, "transport setup failed: {m}"),
+            TransportError::Unavailable(m) => write!(f, "transport unavailable: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for TransportError {}
+
+/// The worker's registered local memory (the staging buffer). The caller keeps the
+/// memory alive and in place for as long as the transport exists.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalBuffer {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a LocalBuffer is an address range; synchronisation of its bytes is the
+// transport's job (slots are owned by one operation at a time).
+unsafe impl Send for LocalBuffer {}
+unsafe impl Sync for LocalBuffer {}
+
+impl LocalBuffer {
+    pub(crate) fn check(&self, offset: u64, len: u64) -> Result<(), TransportError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(TransportError::LocalRange { offset, len }),
+        }
+    }
+}
+
+/// The worker side of a one-sided transport.
+pub trait Transport: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// Registers the staging buffer (once).
+    fn register_local(&self, buf: LocalBuffer) -> Result<(), TransportError>;
+
+    /// Connects to the peer described by `meta` (the `transport` field of an agent's
+    /// map reply).
+    fn connect(&self, meta: &serde_json::Value) -> Result<PeerId, TransportError>;
+
+    /// Posts a batch to one peer. Operations complete in order.
+    fn post(&self, peer: PeerId, ops: &[Op]) -> Result<BatchId, TransportError>;
+
+    /// The batch's state now (no waiting).
+    fn state(&self, batch: BatchId) -> BatchState;
+
+    /// Waits until the batch is no longer pending or `timeout` passed (then Pending).
+    fn wait(&self, batch: BatchId, timeout: Duration) -> BatchState;
+
+    /// Drops the record of a finished batch.
+    fn forget(&self, batch: BatchId);
+
+    /// Stops every operation of `peer`: once this returns, no DMA of that peer's
+    /// operations touches the local buffer, and its pending batches are failed. The
+    /// peer must be connected again before further use.
+    fn fence(&self, peer: PeerId) -> Result<(), TransportError>;
+}
+
+/// A registration at the memory node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Registration {
+    pub rkey: u64,
+    pub addr: u64,
+    /// What a worker needs to reach this registration (sent in the map reply).
+    pub transport: serde_json::Value,
+}
+
+/// The memory-node side: registers ranges the agent mapped.
+pub trait Target: Send + Sync {
+    /// Registers `len` bytes at `ptr` for remote READ (and WRITE when `writable`).
+    ///
+    /// # Safety
+    /// The range must stay mapped until [`Target::deregister`] returned for its key.
+    unsafe fn register(&self, ptr: *mut u8, len: u64, writable: bool) -> Result<Registration, TransportError>;
+
+    /// Deregisters: when this returns, every later operation with `rkey` fails with
+    /// `BadKey` and none is still touching the range.
+    fn deregister(&self, rkey: u64) -> Result<(), TransportError>;
+}
