@@ -323,6 +323,11 @@ impl Client {
         }
     }
 
+    /// Ends framing: the socket and any bytes already read past the handshake.
+    pub fn into_parts(self) -> (TcpStream, Vec<u8>) {
+        (self.stream, self.decoder.into_rest())
+    }
+
     /// Sends raw bytes (tests use it to send garbage).
     pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
         self.stream

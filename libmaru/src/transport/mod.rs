@@ -13,8 +13,6 @@
 //! `verbs` (RC queue pairs; cargo feature `verbs`).
 
 pub mod soft;
-#[cfg(feature = "verbs")]
-pub mod verbs;
 
 use std::fmt;
 use std::time::Duration;
@@ -86,7 +84,10 @@ impl fmt::Display for TransportError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TransportError::BadKey { rkey } => {
-                write!(f, "remote key {rkey:#x} is not registered (deregistered or never issued)")
+                write!(
+                    f,
+                    "remote key {rkey:#x} is not registered (deregistered or never issued)"
+                )
             }
             TransportError::OutOfRange { rkey, addr, len } => write!(
                 f,
@@ -96,7 +97,10 @@ impl fmt::Display for TransportError {
                 write!(f, "registration {rkey:#x} is read-only; WRITE refused")
             }
             TransportError::LocalRange { offset, len } => {
-                write!(f, "local range {offset}+{len} is outside the registered staging buffer")
+                write!(
+                    f,
+                    "local range {offset}+{len} is outside the registered staging buffer"
+                )
             }
             TransportError::PeerLost { peer, message } => {
                 write!(f, "connection to {peer} lost: {message}")
@@ -178,7 +182,12 @@ pub trait Target: Send + Sync {
     ///
     /// # Safety
     /// The range must stay mapped until [`Target::deregister`] returned for its key.
-    unsafe fn register(&self, ptr: *mut u8, len: u64, writable: bool) -> Result<Registration, TransportError>;
+    unsafe fn register(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        writable: bool,
+    ) -> Result<Registration, TransportError>;
 
     /// Deregisters: when this returns, every later operation with `rkey` fails with
     /// `BadKey` and none is still touching the range.

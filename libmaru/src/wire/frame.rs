@@ -185,6 +185,12 @@ impl FrameDecoder {
         Ok(Some(Frame { kind, body }))
     }
 
+    /// The bytes received after the last returned frame (for a connection that leaves
+    /// framing after its handshake, as the soft transport's data connection does).
+    pub fn into_rest(self) -> Vec<u8> {
+        self.buf[self.start..].to_vec()
+    }
+
     fn compact(&mut self) {
         if self.start > 0 {
             self.buf.drain(..self.start);

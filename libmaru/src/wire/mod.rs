@@ -5,6 +5,7 @@
 //! replies); the soft transport's data-plane operations use binary bodies. Every
 //! connection starts with the [handshake](handshake) (version, identity, key proof).
 
+pub mod agent;
 pub mod frame;
 pub mod handshake;
 pub mod rm;

@@ -1,0 +1,268 @@
+//! Tests of map and map_read: one per rule, with fake ports.
+
+use crate::agent::fakes::{World, LEN};
+use crate::auth::read_token;
+use crate::wire::rm::Handle;
+use crate::wire::ErrorCode;
+
+fn queued(w: &World) -> usize {
+    w.core.status().queued_unholds
+}
+
+#[test]
+fn a_map_holds_the_region_before_it_maps_or_registers_it() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let m = w.map("owner", &h, true).unwrap();
+    let id = h.region_id;
+    let hold = w.rm.calls.iter().position(|c| *c == format!("hold {id}"));
+    let access = w.rm.calls.iter().position(|c| *c == format!("access {id}"));
+    assert!(hold.is_some() && hold < access, "calls: {:?}", w.rm.calls);
+    assert!(w.rm.held.contains(&id));
+    assert!(w.nic.accepts(m.rkey));
+    assert!(w.nic.live[&m.rkey].writable);
+    assert_eq!((m.offset_in_region, m.length), (0, LEN));
+    assert_eq!(m.transport, serde_json::json!({ "fake": m.rkey }));
+}
+
+#[test]
+fn a_refused_hold_maps_nothing_and_queues_nothing() {
+    let mut w = World::new();
+    let mut h = w.rm.region();
+    h.token = "0".repeat(32);
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused, "{e}");
+    assert_eq!((w.mem.maps, w.nic.registers), (0, 0));
+    assert_eq!(queued(&w), 0);
+    assert_eq!(w.rm.count("access"), 0);
+}
+
+#[test]
+fn an_unanswered_hold_is_no_refusal_and_queues_an_unhold() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.rm.lose_hold_reply = true;
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Internal);
+    assert!(e.message.contains("resource manager unreachable"), "{e}");
+    assert_eq!((w.mem.maps, w.nic.registers), (0, 0));
+    // The hold went through although its reply did not: the sweep undoes it.
+    assert!(w.rm.held.contains(&h.region_id));
+    assert_eq!(queued(&w), 1);
+    w.rm.lose_hold_reply = false;
+    w.sweep();
+    assert!(w.rm.held.is_empty());
+    assert_eq!(queued(&w), 0);
+}
+
+#[test]
+fn an_unreachable_rm_is_no_refusal() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.rm.down = true;
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_ne!(e.code, ErrorCode::Refused);
+    assert!(
+        e.message.contains(&format!("region {}", h.region_id)),
+        "{e}"
+    );
+}
+
+/// Leaves `h` unmapped with its unhold queued (the RM was away at the unmap).
+fn with_a_queued_unhold(w: &mut World, h: &Handle) {
+    w.map("owner", h, true).unwrap();
+    w.rm.down = true;
+    assert!(w.unmap("owner", h.region_id));
+    w.rm.down = false;
+    assert_eq!(queued(w), 1);
+    assert!(w.rm.held.contains(&h.region_id));
+}
+
+#[test]
+fn a_refused_hold_keeps_the_queued_unhold() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    with_a_queued_unhold(&mut w, &h);
+    // The owner freed the region meanwhile: it drains, and a late map is refused.
+    w.rm.drain(h.region_id);
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert_eq!(queued(&w), 1, "the old hold still needs its unhold");
+    w.sweep();
+    assert!(
+        w.rm.held.is_empty(),
+        "the draining region can finish freeing"
+    );
+}
+
+#[test]
+fn a_queued_unhold_goes_once_a_new_hold_succeeds() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    with_a_queued_unhold(&mut w, &h);
+    let m = w.map("owner", &h, true).unwrap();
+    assert_eq!(queued(&w), 0);
+    w.sweep();
+    assert!(
+        w.rm.held.contains(&h.region_id),
+        "the old unhold must not remove the new mapping's hold"
+    );
+    assert!(w.nic.accepts(m.rkey));
+}
+
+#[test]
+fn a_failure_after_the_hold_undoes_it() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.nic.fail_register = true;
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Internal);
+    assert!(e.message.contains("register"), "{e}");
+    assert!(w.mem.ranges.is_empty(), "the range is unmapped again");
+    assert!(w.rm.held.is_empty(), "the hold is dropped");
+    assert_eq!(queued(&w), 0);
+    w.nic.fail_register = false;
+
+    w.mem.fail_map = true;
+    assert!(w.map("owner", &h, true).is_err());
+    assert!(w.rm.held.is_empty());
+    w.mem.fail_map = false;
+
+    // An unhold the RM does not take stays queued for the sweep.
+    w.nic.fail_register = true;
+    w.rm.fail_unhold = true;
+    assert!(w.map("owner", &h, true).is_err());
+    assert_eq!(queued(&w), 1);
+    w.rm.fail_unhold = false;
+    w.sweep();
+    assert!(w.rm.held.is_empty());
+    assert_eq!(queued(&w), 0);
+}
+
+#[test]
+fn a_region_mapped_once_is_shared_by_its_holders() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let a = w.map("owner", &h, true).unwrap();
+    let b = w.map("owner2", &h, true).unwrap();
+    assert_eq!((a.rkey, a.addr), (b.rkey, b.addr));
+    assert_eq!((w.mem.maps, w.nic.registers), (1, 1));
+    // A holder that does not write gets its own key, which cannot write.
+    let k = w.map("keeper", &h, false).unwrap();
+    assert_ne!(k.rkey, a.rkey);
+    assert!(!w.nic.live[&k.rkey].writable);
+    assert_eq!(w.mem.maps, 1);
+}
+
+#[test]
+fn a_released_handle_is_not_mapped_again() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    w.release("owner", &h).unwrap();
+    let holds = w.rm.count("hold");
+    // The RM still accepts the handle (the owner has not given it back yet).
+    let e = w.map("late", &h, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert!(e.message.contains("released"), "{e}");
+    assert_eq!(w.rm.count("hold"), holds, "no hold of a released handle");
+    assert_eq!(w.nic.live.len(), 0);
+}
+
+#[test]
+fn a_map_with_another_handle_of_a_mapped_region_is_refused() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    let holds = w.rm.count("hold");
+    let forged = Handle {
+        token: "f".repeat(32),
+        ..h.clone()
+    };
+    let e = w.map("other", &forged, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert_eq!(w.rm.count("hold"), holds);
+    assert_eq!(w.nic.registers, 1);
+}
+
+#[test]
+fn a_read_handle_maps_only_a_region_mapped_here() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let e = w.map_read("reader", &h, 4096, 8192).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert!(e.message.contains("not mapped at this agent"), "{e}");
+    assert_eq!((w.mem.maps, w.nic.registers), (0, 0));
+    assert_eq!(w.rm.count("hold"), 0, "a reader never holds a region");
+
+    let owner = w.map("owner", &h, true).unwrap();
+    let r = w.map_read("reader", &h, 4096, 8192).unwrap();
+    assert_eq!((r.offset_in_region, r.length), (4096, 8192));
+    assert_eq!(r.addr, owner.addr + 4096);
+    let reg = w.nic.live[&r.rkey];
+    assert!(!reg.writable, "a reader's key cannot write");
+    assert_eq!((reg.ptr, reg.len), (owner.addr + 4096, 8192));
+}
+
+#[test]
+fn a_read_map_needs_the_read_token_of_that_range() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    let id = h.region_id;
+    let forged = "0".repeat(32);
+    let e = w.map_read_with("r", id, 0, 4096, forged).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    // A token of another range does not open this one.
+    let other = read_token(&h.token, id, 0, 8192);
+    assert!(w.map_read_with("r", id, 0, 4096, other).is_err());
+    assert_eq!(w.nic.registers, 1);
+}
+
+#[test]
+fn a_read_range_lies_inside_its_region() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    for (offset, length) in [(LEN - 4096, 8192), (u64::MAX, 2), (0, 0), (LEN, 1)] {
+        let e = w.map_read("r", &h, offset, length).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Refused, "{offset} {length}: {e}");
+    }
+    assert!(w.map_read("r", &h, 0, LEN).is_ok());
+}
+
+#[test]
+fn readers_of_a_range_share_one_read_registration() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let owner = w.map("owner", &h, true).unwrap();
+    let a = w.map_read("ra", &h, 0, 4096).unwrap();
+    let b = w.map_read("rb", &h, 0, 4096).unwrap();
+    assert_eq!(a.rkey, b.rkey);
+    assert_eq!(w.nic.registers, 2);
+    assert!(w.unmap("ra", h.region_id));
+    assert!(w.nic.accepts(a.rkey), "rb still reads it");
+    assert!(w.unmap("rb", h.region_id));
+    assert!(!w.nic.accepts(a.rkey));
+    assert!(w.nic.accepts(owner.rkey), "the owner's key is untouched");
+    assert!(w.rm.held.contains(&h.region_id));
+}
+
+#[test]
+fn a_region_being_torn_down_is_not_mapped_meanwhile() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    w.nic.fail_deregister = true;
+    w.unmap("owner", h.region_id);
+    let e = w.map("owner", &h, true).unwrap_err();
+    assert_eq!(
+        e.code,
+        ErrorCode::Internal,
+        "a retry later works: no refusal"
+    );
+    assert!(e.message.contains("torn down"), "{e}");
+    w.nic.fail_deregister = false;
+    w.sweep();
+    assert!(w.map("owner", &h, true).is_ok());
+}

@@ -1,0 +1,252 @@
+//! The soft NIC end to end on loopback: bytes, key checks, deregistration, fences.
+
+use super::{SoftTarget, SoftTransport};
+use crate::auth::SharedKey;
+use crate::transport::{BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+struct Rig {
+    target: SoftTarget,
+    region: Vec<u8>,
+    staging: Vec<u8>,
+    nic: SoftTransport,
+}
+
+fn rig(key: Option<SharedKey>, region_len: usize, staging_len: usize) -> Rig {
+    let target = SoftTarget::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "",
+        key.clone(),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let mut staging = vec![0u8; staging_len];
+    let nic = SoftTransport::new("test-worker", key);
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    Rig {
+        target,
+        region: vec![0u8; region_len],
+        staging,
+        nic,
+    }
+}
+
+fn op(kind: OpKind, local_offset: u64, remote_addr: u64, rkey: u64, len: u64) -> Op {
+    Op {
+        kind,
+        local_offset,
+        remote_addr,
+        rkey,
+        len,
+    }
+}
+
+#[test]
+fn write_then_read_back_many_ops_in_flight() {
+    let mut r = rig(None, 1 << 20, 1 << 20);
+    let reg = unsafe {
+        r.target
+            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    let peer = r.nic.connect(&reg.transport).unwrap();
+    for (i, b) in r.staging[..512 * 1024].iter_mut().enumerate() {
+        *b = (i * 7 % 251) as u8;
+    }
+    // 128 WRITEs of 4 KiB into the region, in one batch.
+    let writes: Vec<Op> = (0..128)
+        .map(|i| op(OpKind::Write, i * 4096, reg.addr + i * 4096, reg.rkey, 4096))
+        .collect();
+    let b = r.nic.post(peer, &writes).unwrap();
+    assert_eq!(r.nic.wait(b, T), BatchState::Done);
+    assert_eq!(&r.region[..512 * 1024], &r.staging[..512 * 1024]);
+    // READ them back into the other half of staging.
+    let reads: Vec<Op> = (0..128)
+        .map(|i| {
+            op(
+                OpKind::Read,
+                512 * 1024 + i * 4096,
+                reg.addr + i * 4096,
+                reg.rkey,
+                4096,
+            )
+        })
+        .collect();
+    let b = r.nic.post(peer, &reads).unwrap();
+    assert_eq!(r.nic.wait(b, T), BatchState::Done);
+    let (a, c) = r.staging.split_at(512 * 1024);
+    assert_eq!(a, &c[..512 * 1024]);
+    r.nic.forget(b);
+    assert!(matches!(
+        r.nic.state(b),
+        BatchState::Failed(TransportError::NoBatch(_))
+    ));
+    assert_eq!(r.target.stats().ops, 256);
+}
+
+#[test]
+fn a_write_after_deregistration_fails_and_writes_nothing() {
+    let mut r = rig(None, 64 * 1024, 64 * 1024);
+    let reg = unsafe {
+        r.target
+            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    let peer = r.nic.connect(&reg.transport).unwrap();
+    r.staging.fill(0xAB);
+    r.target.deregister(reg.rkey).unwrap();
+    let b = r
+        .nic
+        .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 4096)])
+        .unwrap();
+    assert!(matches!(
+        r.nic.wait(b, T),
+        BatchState::Failed(TransportError::BadKey { .. })
+    ));
+    assert!(
+        r.region.iter().all(|&x| x == 0),
+        "a late WRITE must not land"
+    );
+    // The connection keeps working for valid keys.
+    let reg2 = unsafe {
+        r.target
+            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    assert_ne!(reg2.rkey, reg.rkey);
+    let b = r
+        .nic
+        .post(peer, &[op(OpKind::Write, 0, reg2.addr, reg2.rkey, 4096)])
+        .unwrap();
+    assert_eq!(r.nic.wait(b, T), BatchState::Done);
+    assert!(r.region[..4096].iter().all(|&x| x == 0xAB));
+}
+
+#[test]
+fn unknown_key_range_and_read_only_are_refused() {
+    let mut r = rig(None, 64 * 1024, 64 * 1024);
+    let ro = unsafe { r.target.register(r.region.as_mut_ptr(), 32 * 1024, false) }.unwrap();
+    let peer = r.nic.connect(&ro.transport).unwrap();
+    r.staging.fill(1);
+    let cases = [
+        op(OpKind::Write, 0, ro.addr, ro.rkey ^ 2, 16),
+        op(OpKind::Write, 0, ro.addr, ro.rkey, 16),
+        op(OpKind::Read, 0, ro.addr + 32 * 1024 - 8, ro.rkey, 16),
+        op(OpKind::Read, 0, ro.addr.wrapping_sub(8), ro.rkey, 16),
+    ];
+    for c in cases {
+        let b = r.nic.post(peer, &[c]).unwrap();
+        assert!(matches!(r.nic.wait(b, T), BatchState::Failed(_)), "{c:?}");
+    }
+    assert!(r.region.iter().all(|&x| x == 0));
+    assert_eq!(r.target.stats().rejected, 4);
+    // Reads within range of a read-only registration work.
+    let b = r
+        .nic
+        .post(peer, &[op(OpKind::Read, 0, ro.addr, ro.rkey, 16)])
+        .unwrap();
+    assert_eq!(r.nic.wait(b, T), BatchState::Done);
+    // A local range outside the staging buffer is refused before anything is sent.
+    assert!(matches!(
+        r.nic.post(
+            peer,
+            &[op(OpKind::Read, 64 * 1024 - 8, ro.addr, ro.rkey, 16)]
+        ),
+        Err(TransportError::LocalRange { .. })
+    ));
+}
+
+#[test]
+fn fence_stops_the_peer() {
+    let mut r = rig(None, 64 * 1024, 64 * 1024);
+    let reg = unsafe {
+        r.target
+            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    let peer = r.nic.connect(&reg.transport).unwrap();
+    r.nic.fence(peer).unwrap();
+    assert!(matches!(
+        r.nic
+            .post(peer, &[op(OpKind::Read, 0, reg.addr, reg.rkey, 16)]),
+        Err(TransportError::NoPeer(_))
+    ));
+    // Connecting again gives a working peer.
+    let again = r.nic.connect(&reg.transport).unwrap();
+    assert_ne!(again, peer);
+    let b = r
+        .nic
+        .post(again, &[op(OpKind::Read, 0, reg.addr, reg.rkey, 16)])
+        .unwrap();
+    assert_eq!(r.nic.wait(b, T), BatchState::Done);
+}
+
+#[test]
+fn a_lost_responder_fails_pending_batches() {
+    let mut r = rig(None, 64 * 1024, 64 * 1024);
+    let reg = unsafe {
+        r.target
+            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    let peer = r.nic.connect(&reg.transport).unwrap();
+    r.target.shutdown();
+    // Give the reader a moment to see the close, then every post fails.
+    let mut failed = false;
+    for _ in 0..100 {
+        match r
+            .nic
+            .post(peer, &[op(OpKind::Read, 0, reg.addr, reg.rkey, 16)])
+        {
+            Ok(b) => {
+                if let BatchState::Failed(_) = r.nic.wait(b, T) {
+                    failed = true;
+                    break;
+                }
+            }
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(failed, "operations on a closed responder fail");
+    r.nic.fence(peer).unwrap();
+}
+
+#[test]
+fn the_data_connection_proves_the_key() {
+    let key = SharedKey::generate().unwrap();
+    let mut r = rig(Some(key), 4096, 4096);
+    let reg = unsafe { r.target.register(r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    assert!(r.nic.connect(&reg.transport).is_ok());
+    let mut staging = vec![0u8; 4096];
+    let wrong = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
+    wrong
+        .register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: 4096,
+        })
+        .unwrap();
+    assert!(matches!(
+        wrong.connect(&reg.transport),
+        Err(TransportError::Setup(_))
+    ));
+    let none = SoftTransport::new("nokey", None);
+    none.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: 4096,
+    })
+    .unwrap();
+    assert!(matches!(
+        none.connect(&reg.transport),
+        Err(TransportError::Setup(_))
+    ));
+}

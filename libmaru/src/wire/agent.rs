@@ -1,0 +1,233 @@
+//! Messages of the remote CXL agent protocol (service name `maru-agent`).
+//!
+//! A worker asks the agent of a memory node to map a region it owns (`map`, with the
+//! region's handle), a reader asks it to map a range of a region for reading
+//! (`map_read`, with a read token), every holder drops its hold with `unmap`, and the
+//! owner deregisters the region with `release` before it gives the region back.
+//! Each request is a JSON object with an `op` field; each reply is tagged by `kind`.
+
+use super::rm::Handle;
+use serde::{Deserialize, Serialize};
+
+/// Service name announced in the handshake.
+pub const SERVICE: &str = "maru-agent";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum AgentRequest {
+    /// Map and register the whole region. The agent checks the handle with the RM and
+    /// holds the region there before it registers anything. `writable` asks for a
+    /// registration that accepts remote WRITEs (the owner); without it the
+    /// registration accepts only READs (a keeper that holds the region).
+    Map {
+        handle: Handle,
+        #[serde(default)]
+        writable: bool,
+    },
+    /// Register `length` bytes at `offset` of a region this agent already maps, for
+    /// remote READ only. `read_token` is the read token of exactly that range.
+    MapRead {
+        region_id: u64,
+        offset: u64,
+        length: u64,
+        read_token: String,
+    },
+    /// Drop the caller's holds of the region (its maps and read maps). The last
+    /// holder's unmap deregisters the region.
+    Unmap { region_id: u64 },
+    /// Deregister the region whoever else holds it and refuse later maps of the
+    /// handle. Needs the region's full handle (only the owner and maru-server have
+    /// it). A success means no registration of the region is left at this agent's
+    /// NIC: only then may the owner give the region back.
+    Release { handle: Handle },
+    /// The agent's identity, mappings and pending work.
+    Status,
+}
+
+/// Where a mapped range is and how to reach it over the transport.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MapReply {
+    pub region_id: u64,
+    /// Remote address of the first byte of the registered range. For `map_read` the
+    /// range starts at `offset_in_region`, so byte `k` of the region is at
+    /// `addr + (k - offset_in_region)`.
+    pub addr: u64,
+    /// Remote key of the registration.
+    pub rkey: u64,
+    /// Bytes registered.
+    pub length: u64,
+    /// Where the registered range starts in the region: 0 for `map`, the read
+    /// range's offset for `map_read`.
+    pub offset_in_region: u64,
+    /// Transport metadata of this registration only (never of other regions).
+    pub transport: serde_json::Value,
+    /// The memory node's boot id. A worker treats an agent whose boot id is missing
+    /// or changed as unreachable: writes its CPU caches held died with the old boot.
+    pub boot_id: String,
+}
+
+/// Whether a mapping is in use or on its way out.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MappingState {
+    /// Registered and held; takes new holders.
+    Live,
+    /// Released, refused by the RM or out of holders, with a deregistration that
+    /// failed and is retried by the sweep. Takes no new holder.
+    Retiring,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MappingInfo {
+    pub region_id: u64,
+    /// Offset of the region in its pool's device (bytes).
+    pub offset: u64,
+    pub length: u64,
+    pub state: MappingState,
+    /// Whether the owner released it (later maps of its handle are refused).
+    pub released: bool,
+    /// Client ids holding it (owners, keepers and readers), sorted.
+    pub holders: Vec<String>,
+    /// Live registrations of the region or of ranges of it.
+    pub registrations: usize,
+    /// Registrations whose deregistration failed, retried by the sweep.
+    pub failed_deregistrations: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StatusReply {
+    pub node: String,
+    pub epoch: u64,
+    pub boot_id: String,
+    pub mappings: Vec<MappingInfo>,
+    /// Unholds the RM has not confirmed yet (retried by the sweep).
+    pub queued_unholds: usize,
+    /// Deregistered ranges kept mapped without access until their quarantine ends.
+    pub quarantined: usize,
+    /// True while the RESET_HOLDS sent at start has not reached the RM.
+    pub holds_reset_pending: bool,
+}
+
+/// The result of each request, tagged by kind so a reply decodes without knowing the
+/// request it answers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum AgentReply {
+    Mapped(MapReply),
+    /// `removed`: false when the caller held nothing of that region (not an error).
+    Unmapped {
+        removed: bool,
+    },
+    /// `deregistered`: true when a mapping of the region was deregistered (by this
+    /// release or an earlier one), false when this agent had none.
+    Released {
+        deregistered: bool,
+    },
+    Status(StatusReply),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{decode_json, encode_json, Envelope};
+    use proptest::prelude::*;
+
+    fn handle() -> Handle {
+        Handle {
+            region_id: 4,
+            offset: 2 << 20,
+            length: 2 << 20,
+            token: "00112233445566778899aabbccddeeff".into(),
+        }
+    }
+
+    #[test]
+    fn request_json_shape() {
+        let env: Envelope<AgentRequest> = decode_json(
+            br#"{"id":5,"op":"map","handle":{"region_id":4,"offset":2097152,
+                 "length":2097152,"token":"00112233445566778899aabbccddeeff"}}"#,
+        )
+        .unwrap();
+        assert_eq!(env.id, 5);
+        // `writable` defaults to false: a map that does not ask cannot write.
+        assert_eq!(
+            env.body,
+            AgentRequest::Map {
+                handle: handle(),
+                writable: false
+            }
+        );
+        let s: Envelope<AgentRequest> = decode_json(br#"{"id":1,"op":"status"}"#).unwrap();
+        assert_eq!(s.body, AgentRequest::Status);
+        let r: Envelope<AgentRequest> = decode_json(
+            br#"{"id":2,"op":"map_read","region_id":4,"offset":0,"length":4096,
+                 "read_token":"ab"}"#,
+        )
+        .unwrap();
+        assert!(matches!(r.body, AgentRequest::MapRead { length: 4096, .. }));
+        assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"nope"}"#).is_err());
+        assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"unmap"}"#).is_err());
+        assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"release"}"#).is_err());
+    }
+
+    #[test]
+    fn replies_round_trip_by_kind() {
+        let replies = [
+            AgentReply::Mapped(MapReply {
+                region_id: 4,
+                addr: 0x7000_0000,
+                rkey: 17,
+                length: 4096,
+                offset_in_region: 8192,
+                transport: serde_json::json!({"soft": "10.0.0.2:9861"}),
+                boot_id: "b0".into(),
+            }),
+            AgentReply::Unmapped { removed: true },
+            AgentReply::Released {
+                deregistered: false,
+            },
+            AgentReply::Status(StatusReply {
+                node: "mem1".into(),
+                epoch: 3,
+                boot_id: "b0".into(),
+                mappings: vec![MappingInfo {
+                    region_id: 4,
+                    offset: 0,
+                    length: 4096,
+                    state: MappingState::Retiring,
+                    released: true,
+                    holders: vec![],
+                    registrations: 0,
+                    failed_deregistrations: 1,
+                }],
+                queued_unholds: 1,
+                quarantined: 2,
+                holds_reset_pending: false,
+            }),
+        ];
+        for r in replies {
+            let body = encode_json(&r);
+            assert_eq!(decode_json::<AgentReply>(&body).unwrap(), r);
+        }
+        let body = encode_json(&AgentReply::Unmapped { removed: false });
+        assert_eq!(body, br#"{"kind":"unmapped","removed":false}"#);
+    }
+
+    proptest! {
+        /// The request decoder rejects or accepts arbitrary bytes without panicking.
+        #[test]
+        fn decoder_never_panics(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_json::<Envelope<AgentRequest>>(&data);
+        }
+
+        /// Structured-but-wrong JSON (random ops and mistyped fields) is handled too.
+        #[test]
+        fn random_json_objects(op in "[a-z_]{0,12}", n in any::<i64>(), s in ".{0,20}",
+                               w in any::<bool>()) {
+            let body = serde_json::json!({"id": 1, "op": op, "region_id": n, "offset": s,
+                                          "length": n, "read_token": n, "writable": w,
+                                          "handle": {"region_id": s, "token": n}});
+            let _ = decode_json::<Envelope<AgentRequest>>(body.to_string().as_bytes());
+        }
+    }
+}
