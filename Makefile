@@ -4,7 +4,7 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c lint fmt header clean
+.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench
 
 help:
 	@echo "make demo    - install what is missing, build, run the one-host demo"
@@ -12,6 +12,7 @@ help:
 	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
 	@echo "make header  - regenerate include/maru.h with cbindgen"
 	@echo "make release - optimised build of libmaru.so and the daemons"
+	@echo "make bench   - soft transport vs TCP loopback throughput (release build)"
 
 deps:
 	@scripts/install-deps.sh
@@ -50,3 +51,8 @@ header:
 clean:
 	$(CARGO) clean
 	rm -rf ctests/build
+
+bench: deps
+	$(CARGO) build --release -p maru-bench
+	mkdir -p bench/results
+	$(TARGET_DIR)/release/maru-bench --json bench/results/soft-transport.json

@@ -266,3 +266,44 @@ fn a_region_being_torn_down_is_not_mapped_meanwhile() {
     w.sweep();
     assert!(w.map("owner", &h, true).is_ok());
 }
+
+#[test]
+fn a_read_handle_does_not_map_a_region_being_torn_down() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    w.nic.fail_deregister = true;
+    assert!(w.release("owner", &h).is_err());
+    w.nic.fail_deregister = false;
+    let e = w.map_read("reader", &h, 0, 4096).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert_eq!(w.nic.registers, 1);
+}
+
+#[test]
+fn a_region_freed_at_the_rm_takes_no_new_holder() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    w.map("owner", &h, true).unwrap();
+    w.rm.drain(h.region_id);
+    let e = w.map("keeper", &h, false).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused);
+    assert_eq!(w.nic.registers, 1);
+}
+
+#[test]
+fn an_unanswered_hold_of_a_mapped_region_queues_no_unhold() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let m = w.map("owner", &h, true).unwrap();
+    w.rm.down = true;
+    assert_eq!(
+        w.map("keeper", &h, false).unwrap_err().code,
+        ErrorCode::Internal
+    );
+    w.rm.down = false;
+    assert_eq!(queued(&w), 0, "the hold belongs to the live mapping");
+    w.sweep();
+    assert!(w.rm.held.contains(&h.region_id));
+    assert!(w.nic.accepts(m.rkey));
+}
