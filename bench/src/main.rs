@@ -5,7 +5,7 @@
 
 use clap::Parser;
 use maru::transport::soft::{SoftTarget, SoftTransport};
-use maru::transport::{BatchState, LocalBuffer, Op, OpKind, Target, Transport};
+use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -112,7 +112,9 @@ fn soft(kind: OpKind, chunk: usize, streams: usize, secs: f64, mem: usize) -> f6
                     len: staging_len,
                 })
                 .expect("local");
-                let peer = nic.connect(&reg.transport).expect("connect");
+                let peer = nic
+                    .connect(&reg.transport, &mut no_bringup)
+                    .expect("connect");
                 let per_batch = staging_len / chunk;
                 let slots_in_region = mem / chunk;
                 let start = Instant::now();

@@ -1,5 +1,6 @@
 //! The daemons' thin shells: flag parsing helpers and the `net::Service` adapters
 //! that put each sans-I/O core from `maru` on the event loop.
 
+pub mod agent_service;
 pub mod common;
 pub mod rm_service;

@@ -155,6 +155,11 @@ impl AgentCore {
             }
             AgentRequest::Release { handle } => self.release(&handle, now_ms, &mut p),
             AgentRequest::Status => Ok(AgentReply::Status(self.status())),
+            // Transport bring-up touches no mapping; the daemon answers it from its NIC.
+            AgentRequest::ConnectPeer { .. } => Err(WireError::new(
+                ErrorCode::Unsupported,
+                "connect_peer is answered by the agent's transport, not its core",
+            )),
         }
     }
 

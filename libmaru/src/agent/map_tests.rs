@@ -307,3 +307,13 @@ fn an_unanswered_hold_of_a_mapped_region_queues_no_unhold() {
     assert!(w.rm.held.contains(&h.region_id));
     assert!(w.nic.accepts(m.rkey));
 }
+
+#[test]
+fn a_map_that_does_not_ask_to_write_gets_a_key_that_cannot() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let k = w.map("keeper", &h, false).unwrap();
+    assert!(!w.nic.live[&k.rkey].writable);
+    let o = w.map("owner", &h, true).unwrap();
+    assert!(w.nic.live[&o.rkey].writable);
+}

@@ -13,6 +13,8 @@
 //! `verbs` (RC queue pairs; cargo feature `verbs`).
 
 pub mod soft;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 use std::fmt;
 use std::time::Duration;
@@ -146,8 +148,11 @@ pub trait Transport: Send + Sync {
     fn register_local(&self, buf: LocalBuffer) -> Result<(), TransportError>;
 
     /// Connects to the peer described by `meta` (the `transport` field of an agent's
-    /// map reply).
-    fn connect(&self, meta: &serde_json::Value) -> Result<PeerId, TransportError>;
+    /// map reply). A transport that must exchange connection data with the target
+    /// (RDMA queue-pair bring-up) sends its half through `bringup`, which carries it
+    /// over the agent's control connection to [`Target::accept_peer`] and returns the
+    /// target's half. The soft transport does not call it.
+    fn connect(&self, meta: &serde_json::Value, bringup: &mut Bringup<'_>) -> Result<PeerId, TransportError>;
 
     /// Posts a batch to one peer. Operations complete in order.
     fn post(&self, peer: PeerId, ops: &[Op]) -> Result<BatchId, TransportError>;
@@ -165,6 +170,14 @@ pub trait Transport: Send + Sync {
     /// operations touches the local buffer, and its pending batches are failed. The
     /// peer must be connected again before further use.
     fn fence(&self, peer: PeerId) -> Result<(), TransportError>;
+}
+
+/// Carries a transport's connection data to the target and returns the answer.
+pub type Bringup<'a> = dyn FnMut(&serde_json::Value) -> Result<serde_json::Value, TransportError> + 'a;
+
+/// A `Bringup` for transports that need none (it refuses to be called).
+pub fn no_bringup(_: &serde_json::Value) -> Result<serde_json::Value, TransportError> {
+    Err(TransportError::Setup("this transport needs no connection exchange".into()))
 }
 
 /// A registration at the memory node.
@@ -192,4 +205,11 @@ pub trait Target: Send + Sync {
     /// Deregisters: when this returns, every later operation with `rkey` fails with
     /// `BadKey` and none is still touching the range.
     fn deregister(&self, rkey: u64) -> Result<(), TransportError>;
+
+    /// Answers a worker's connection data (RDMA queue-pair bring-up) with ours.
+    /// Transports without such an exchange refuse.
+    fn accept_peer(&self, worker: &serde_json::Value) -> Result<serde_json::Value, TransportError> {
+        let _ = worker;
+        Err(TransportError::Setup("this transport has no connection exchange".into()))
+    }
 }

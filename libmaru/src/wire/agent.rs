@@ -42,6 +42,9 @@ pub enum AgentRequest {
     Release { handle: Handle },
     /// The agent's identity, mappings and pending work.
     Status,
+    /// Transport connection bring-up (RDMA queue pairs): the worker's half in, the
+    /// agent's half out (`AgentReply::Peer`). The soft transport does not use it.
+    ConnectPeer { info: serde_json::Value },
 }
 
 /// Where a mapped range is and how to reach it over the transport.
@@ -124,6 +127,8 @@ pub enum AgentReply {
         deregistered: bool,
     },
     Status(StatusReply),
+    /// The agent's half of a transport bring-up.
+    Peer { info: serde_json::Value },
 }
 
 #[cfg(test)]

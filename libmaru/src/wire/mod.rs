@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod frame;
 pub mod handshake;
+pub mod meta;
 pub mod rm;
 
 pub use frame::{Frame, FrameDecoder, FrameError, FrameKind, DEFAULT_MAX_FRAME, HEADER_LEN};

@@ -2,7 +2,7 @@
 
 use super::{SoftTarget, SoftTransport};
 use crate::auth::SharedKey;
-use crate::transport::{BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError};
+use crate::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -55,7 +55,7 @@ fn write_then_read_back_many_ops_in_flight() {
             .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
-    let peer = r.nic.connect(&reg.transport).unwrap();
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     for (i, b) in r.staging[..512 * 1024].iter_mut().enumerate() {
         *b = (i * 7 % 251) as u8;
     }
@@ -98,7 +98,7 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
             .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
-    let peer = r.nic.connect(&reg.transport).unwrap();
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     r.staging.fill(0xAB);
     r.target.deregister(reg.rkey).unwrap();
     let b = r
@@ -132,7 +132,7 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
 fn unknown_key_range_and_read_only_are_refused() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
     let ro = unsafe { r.target.register(r.region.as_mut_ptr(), 32 * 1024, false) }.unwrap();
-    let peer = r.nic.connect(&ro.transport).unwrap();
+    let peer = r.nic.connect(&ro.transport, &mut no_bringup).unwrap();
     r.staging.fill(1);
     let cases = [
         op(OpKind::Write, 0, ro.addr, ro.rkey ^ 2, 16),
@@ -170,7 +170,7 @@ fn fence_stops_the_peer() {
             .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
-    let peer = r.nic.connect(&reg.transport).unwrap();
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     r.nic.fence(peer).unwrap();
     assert!(matches!(
         r.nic
@@ -178,7 +178,7 @@ fn fence_stops_the_peer() {
         Err(TransportError::NoPeer(_))
     ));
     // Connecting again gives a working peer.
-    let again = r.nic.connect(&reg.transport).unwrap();
+    let again = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     assert_ne!(again, peer);
     let b = r
         .nic
@@ -195,7 +195,7 @@ fn a_lost_responder_fails_pending_batches() {
             .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
-    let peer = r.nic.connect(&reg.transport).unwrap();
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     r.target.shutdown();
     // Give the reader a moment to see the close, then every post fails.
     let mut failed = false;
@@ -226,7 +226,7 @@ fn the_data_connection_proves_the_key() {
     let key = SharedKey::generate().unwrap();
     let mut r = rig(Some(key), 4096, 4096);
     let reg = unsafe { r.target.register(r.region.as_mut_ptr(), 4096, true) }.unwrap();
-    assert!(r.nic.connect(&reg.transport).is_ok());
+    assert!(r.nic.connect(&reg.transport, &mut no_bringup).is_ok());
     let mut staging = vec![0u8; 4096];
     let wrong = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
     wrong
@@ -236,7 +236,7 @@ fn the_data_connection_proves_the_key() {
         })
         .unwrap();
     assert!(matches!(
-        wrong.connect(&reg.transport),
+        wrong.connect(&reg.transport, &mut no_bringup),
         Err(TransportError::Setup(_))
     ));
     let none = SoftTransport::new("nokey", None);
@@ -246,7 +246,7 @@ fn the_data_connection_proves_the_key() {
     })
     .unwrap();
     assert!(matches!(
-        none.connect(&reg.transport),
+        none.connect(&reg.transport, &mut no_bringup),
         Err(TransportError::Setup(_))
     ));
 }

@@ -1,0 +1,317 @@
+//! The remote CXL agent on the event loop: the agent core with its ports wired to a
+//! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
+
+use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
+use maru::dax::{self, DeviceKind, Mapping};
+use maru::net::{Client, ClientError, ClientOptions, ConnId, Service};
+use maru::transport::Target;
+use maru::wire::agent::{AgentReply, AgentRequest, SERVICE};
+use maru::wire::rm::{AccessReply, Handle, RmReply, RmRequest};
+use maru::wire::{self, Envelope, ErrorCode, WireError};
+use std::collections::HashMap;
+use std::os::unix::fs::FileTypeExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The RM, reached with a blocking client that reconnects on the next call after a
+/// failure. Only an RM answer with code `refused` is a refusal.
+pub struct RmLink {
+    addr: String,
+    opts: ClientOptions,
+    client: Option<Client>,
+}
+
+impl RmLink {
+    pub fn new(addr: String, client_id: String, key: Option<maru::auth::SharedKey>) -> RmLink {
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
+        opts.key = key;
+        opts.connect_timeout = Duration::from_secs(2);
+        opts.call_timeout = Duration::from_secs(5);
+        RmLink {
+            addr,
+            opts,
+            client: None,
+        }
+    }
+
+    fn call(&mut self, req: &RmRequest) -> Result<RmReply, RmCallError> {
+        if self.client.is_none() {
+            let c = Client::connect(&self.addr, &self.opts).map_err(|e| {
+                RmCallError::Failed(format!("resource manager at {}: {e}", self.addr))
+            })?;
+            self.client = Some(c);
+        }
+        let Some(c) = self.client.as_mut() else {
+            return Err(RmCallError::Failed("no RM connection".into()));
+        };
+        match c.call::<_, RmReply>(req) {
+            Ok(r) => Ok(r),
+            Err(ClientError::Remote(e)) => Err(RmCallError::from(e)),
+            Err(e) => {
+                // The outcome is unknown; drop the connection and say so (no refusal).
+                self.client = None;
+                Err(RmCallError::Failed(format!(
+                    "resource manager at {}: {e}",
+                    self.addr
+                )))
+            }
+        }
+    }
+}
+
+fn unexpected(r: RmReply) -> RmCallError {
+    RmCallError::Failed(format!("unexpected RM reply {r:?}"))
+}
+
+impl RmPort for RmLink {
+    fn hold(&mut self, h: &Handle, node: &str, epoch: u64) -> Result<(), RmCallError> {
+        match self.call(&RmRequest::Hold {
+            handle: h.clone(),
+            node: node.into(),
+            epoch,
+        })? {
+            RmReply::Hold(_) => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn unhold(&mut self, region_id: u64, node: &str, epoch: u64) -> Result<(), RmCallError> {
+        match self.call(&RmRequest::Unhold {
+            region_id,
+            node: node.into(),
+            epoch,
+        })? {
+            RmReply::Unhold(_) => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn get_access(&mut self, h: &Handle) -> Result<AccessReply, RmCallError> {
+        match self.call(&RmRequest::GetAccess { handle: h.clone() })? {
+            RmReply::Access(a) => Ok(a),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn reset_holds(&mut self, node: &str, epoch: u64) -> Result<(), RmCallError> {
+        match self.call(&RmRequest::ResetHolds {
+            node: node.into(),
+            epoch,
+        })? {
+            RmReply::ResetHolds(_) => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+}
+
+/// Mappings of DAX ranges, found on this node by device UUID.
+pub struct DaxMem {
+    /// UUID → local path of the device (from `--device` flags).
+    local: HashMap<String, String>,
+    maps: HashMap<u64, Mapping>,
+    next: u64,
+}
+
+impl DaxMem {
+    /// `devices`: this node's DAX devices or fake-DAX files.
+    pub fn new(devices: &[String]) -> Result<DaxMem, String> {
+        let mut local = HashMap::new();
+        for d in devices {
+            match dax::scan_uuid(d) {
+                Ok(Some(uuid)) => {
+                    log::info!("device {d}: uuid {uuid}");
+                    local.insert(uuid, d.clone());
+                }
+                Ok(None) => {
+                    return Err(format!(
+                        "device {d} has no Maru header; start the resource manager on it first"
+                    ))
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(DaxMem {
+            local,
+            maps: HashMap::new(),
+            next: 1,
+        })
+    }
+
+    fn resolve(&self, access: &AccessReply) -> Result<String, String> {
+        if let Some(p) = self.local.get(&access.uuid) {
+            return Ok(p.clone());
+        }
+        // As the upstream client does: the RM's path is used only if the device there
+        // carries the same UUID (the same device under the same name on this node).
+        match dax::scan_uuid(&access.path) {
+            Ok(Some(u)) if u == access.uuid => Ok(access.path.clone()),
+            Ok(_) => Err(format!(
+                "device {} of region {} (uuid {}) is not on this node: pass its local path with --device",
+                access.path, access.region_id, access.uuid
+            )),
+            Err(e) => Err(format!("region {}: {e}; pass the device's local path with --device", access.region_id)),
+        }
+    }
+}
+
+fn kind_of(path: &str) -> DeviceKind {
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_char_device() => DeviceKind::DevDax,
+        _ => DeviceKind::File,
+    }
+}
+
+impl MemPort for DaxMem {
+    fn map(&mut self, access: &AccessReply) -> Result<MappedRange, String> {
+        let path = self.resolve(access)?;
+        let m = dax::map_range(
+            &path,
+            kind_of(&path),
+            access.offset,
+            access.length,
+            access.align,
+            true,
+        )
+        .map_err(|e| e.to_string())?;
+        let id = self.next;
+        self.next += 1;
+        let r = MappedRange {
+            id,
+            ptr: m.as_ptr() as u64,
+            len: m.len() as u64,
+        };
+        self.maps.insert(id, m);
+        Ok(r)
+    }
+
+    fn protect_none(&mut self, id: u64) -> Result<(), String> {
+        match self.maps.get_mut(&id) {
+            Some(m) => m.protect_none().map_err(|e| e.to_string()),
+            None => Err(format!("no mapping {id}")),
+        }
+    }
+
+    fn unmap(&mut self, id: u64) {
+        self.maps.remove(&id);
+    }
+}
+
+/// The transport's target as the core's NIC port.
+pub struct Nic {
+    pub target: Arc<dyn Target>,
+}
+
+impl NicPort for Nic {
+    fn register(&mut self, ptr: u64, len: u64, writable: bool) -> Result<Registration, String> {
+        // SAFETY: the core deregisters a range before it asks the memory port to unmap it.
+        let r = unsafe { self.target.register(ptr as *mut u8, len, writable) }
+            .map_err(|e| e.to_string())?;
+        Ok(Registration {
+            rkey: r.rkey,
+            addr: r.addr,
+            transport: r.transport,
+        })
+    }
+
+    fn deregister(&mut self, rkey: u64) -> Result<(), String> {
+        self.target.deregister(rkey).map_err(|e| e.to_string())
+    }
+}
+
+/// How often the sweep runs.
+pub const SWEEP_MS: u64 = 5_000;
+
+pub struct AgentService {
+    pub core: AgentCore,
+    pub rm: RmLink,
+    pub mem: DaxMem,
+    pub nic: Nic,
+    next_sweep: u64,
+}
+
+impl AgentService {
+    pub fn new(mut core: AgentCore, mut rm: RmLink, mem: DaxMem, nic: Nic) -> AgentService {
+        core.start(&mut rm);
+        AgentService {
+            core,
+            rm,
+            mem,
+            nic,
+            next_sweep: SWEEP_MS,
+        }
+    }
+
+    fn info(&self) -> serde_json::Value {
+        serde_json::json!({ "boot_id": self.core.boot_id(), "node": self.core.node(), "epoch": self.core.epoch() })
+    }
+}
+
+impl Service for AgentService {
+    fn service_name(&self) -> &'static str {
+        SERVICE
+    }
+
+    fn welcome_info(&self) -> serde_json::Value {
+        self.info()
+    }
+
+    fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        let env: Envelope<AgentRequest> = match wire::decode_json(body) {
+            Ok(e) => e,
+            Err(e) => {
+                log::info!("bad request from {client_id}: {}", e.message);
+                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
+            }
+        };
+        let result = match env.body {
+            AgentRequest::ConnectPeer { info } => self
+                .nic
+                .target
+                .accept_peer(&info)
+                .map(|info| AgentReply::Peer { info })
+                .map_err(|e| {
+                    WireError::new(
+                        ErrorCode::Unsupported,
+                        format!("connect_peer from {client_id}: {e}"),
+                    )
+                }),
+            req => self.core.handle(
+                client_id,
+                req,
+                now_ms,
+                &mut self.rm,
+                &mut self.mem,
+                &mut self.nic,
+            ),
+        };
+        if let Err(e) = &result {
+            log::info!("request {} from {client_id}: {e}", env.id);
+        }
+        wire::reply_frame(env.id, result)
+    }
+
+    fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {
+        self.core.client_closed(
+            client_id,
+            now_ms,
+            &mut self.rm,
+            &mut self.mem,
+            &mut self.nic,
+        );
+    }
+
+    fn on_tick(&mut self, now_ms: u64) {
+        if now_ms >= self.next_sweep {
+            self.core
+                .sweep(now_ms, &mut self.rm, &mut self.mem, &mut self.nic);
+            self.next_sweep = now_ms + SWEEP_MS;
+        }
+    }
+
+    fn next_deadline(&self) -> Option<u64> {
+        Some(match self.core.next_deadline() {
+            Some(d) => d.min(self.next_sweep),
+            None => self.next_sweep,
+        })
+    }
+}

@@ -1,0 +1,193 @@
+//! maru-remote-cxl-agent: runs on every memory node. Maps regions of this node's CXL
+//! (DAX) devices for workers that reach them with one-sided RDMA, registers them with
+//! the NIC (or the soft NIC), and releases them before their ranges are reused.
+
+use clap::{Parser, ValueEnum};
+use maru::agent::{AgentCore, DEFAULT_QUARANTINE_MS};
+use maru::net::{Clock, Server, ServerOptions, SignalPipe};
+use maru::transport::soft::SoftTarget;
+use maru::transport::Target;
+use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink};
+use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TransportKind {
+    /// Software NIC over TCP (any host).
+    Soft,
+    /// RDMA verbs, RC queue pairs (needs an RDMA NIC and a build with --features verbs).
+    Verbs,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "maru-remote-cxl-agent",
+    version,
+    about = "Maru remote CXL agent: maps and registers this memory node's CXL regions for remote workers",
+    long_about = "Every connection must prove the agent key (--key-file) before it may map, unmap or release. \
+A map is checked and held at the resource manager before anything is registered; a release deregisters the \
+region whoever holds it, keeps its range mapped without access for the quarantine, then unholds it at the RM. \
+Refuses to start without a boot id or with an empty RM address."
+)]
+struct Args {
+    /// Address of the control port. The soft NIC listens on the same address.
+    #[arg(long, default_value = "127.0.0.1", env = "MARU_REMOTE_CXL_AGENT_HOST")]
+    host: String,
+    /// Control port (0 picks a free one; see --ready-file).
+    #[arg(
+        short,
+        long,
+        default_value_t = 9860,
+        env = "MARU_REMOTE_CXL_AGENT_PORT"
+    )]
+    port: u16,
+    /// Port of the soft NIC's data connections (0 picks a free one).
+    #[arg(long, default_value_t = 0, env = "MARU_REMOTE_CXL_AGENT_DATA_PORT")]
+    data_port: u16,
+    /// Host workers use to reach the soft NIC (default: --host).
+    #[arg(long, default_value = "", env = "MARU_REMOTE_CXL_AGENT_ADVERTISE")]
+    advertise: String,
+    /// The resource manager of this pool.
+    #[arg(long, default_value = "127.0.0.1:9850", env = "MARU_RM_ADDRESS")]
+    rm_address: String,
+    /// Key file every connection proves (hex key, mode 0600; `maru-rm-ctl gen-key PATH` writes one).
+    #[arg(
+        long,
+        default_value = "/etc/maru/remote-cxl-agent.key",
+        env = "MARU_REMOTE_CXL_AGENT_KEY_FILE"
+    )]
+    key_file: PathBuf,
+    /// Key file of the resource manager, when it requires one.
+    #[arg(long, env = "MARU_RM_KEY_FILE")]
+    rm_key_file: Option<PathBuf>,
+    /// Name of this memory node in the RM's holds (default: the host name).
+    #[arg(long, env = "MARU_NODE")]
+    node: Option<String>,
+    /// A DAX device or fake-DAX file of this node (repeatable); regions are found by the
+    /// device UUID, so the names may differ from the RM's.
+    #[arg(long = "device", value_name = "PATH")]
+    devices: Vec<String>,
+    /// One-sided transport.
+    #[arg(long, value_enum, default_value_t = TransportKind::Soft, env = "MARU_TRANSPORT")]
+    transport: TransportKind,
+    /// RDMA device for --transport verbs (default: the first one).
+    #[arg(long, env = "MARU_RDMA_DEVICE")]
+    rdma_device: Option<String>,
+    /// Seconds a released range stays mapped without access before it is unmapped.
+    #[arg(long, default_value_t = DEFAULT_QUARANTINE_MS / 1000)]
+    quarantine_s: u64,
+    /// Where the node's boot id is read.
+    #[arg(
+        long,
+        default_value = "/proc/sys/kernel/random/boot_id",
+        env = "MARU_BOOT_ID_FILE"
+    )]
+    boot_id_file: PathBuf,
+    /// Write the control address to this file once ready.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Log level when RUST_LOG is unset.
+    #[arg(short = 'l', long, default_value = "info")]
+    log_level: String,
+}
+
+fn target(args: &Args, key: &maru::auth::SharedKey) -> Arc<dyn Target> {
+    match args.transport {
+        TransportKind::Soft => {
+            let bind =
+                bind_addr(&args.host, args.data_port, "the soft NIC").unwrap_or_else(|e| die(e));
+            let advertise = if args.advertise.is_empty() {
+                args.host.as_str()
+            } else {
+                args.advertise.as_str()
+            };
+            let t = SoftTarget::start(bind, advertise, Some(key.clone()), Duration::from_secs(10))
+                .unwrap_or_else(|e| die(format!("soft NIC cannot listen on {bind}: {e}")));
+            log::info!("soft NIC listening on {}", t.local_addr());
+            Arc::new(t)
+        }
+        TransportKind::Verbs => verbs_target(args),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_target(args: &Args) -> Arc<dyn Target> {
+    match maru::transport::verbs::VerbsTarget::open(args.rdma_device.as_deref(), 1, None) {
+        Ok(t) => Arc::new(t),
+        Err(e) => die(e),
+    }
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_target(args: &Args) -> Arc<dyn Target> {
+    die(format!(
+        "--transport verbs{}: this build has no verbs support; rebuild with `cargo build --features verbs` or use --transport soft",
+        args.rdma_device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
+    ))
+}
+
+fn main() {
+    let args = Args::parse();
+    init_logging(&args.log_level);
+    if args.rm_address.trim().is_empty() {
+        die("the resource manager address is empty: set --rm-address or MARU_RM_ADDRESS");
+    }
+    let boot_id = std::fs::read_to_string(&args.boot_id_file)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|e| {
+            die(format!(
+                "cannot read the boot id from {}: {e}; the agent refuses to start without one",
+                args.boot_id_file.display()
+            ))
+        });
+    let key = maru::auth::load_key_file(&args.key_file).unwrap_or_else(|e| die(e));
+    let rm_key = args
+        .rm_key_file
+        .as_ref()
+        .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
+    let node = args.node.clone().unwrap_or_else(maru::net::hostname);
+    // The epoch grows with every start: holds of earlier runs are reset at the RM.
+    let epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(1);
+    let core = AgentCore::new(
+        node.clone(),
+        epoch,
+        boot_id.clone(),
+        args.quarantine_s * 1000,
+    )
+    .unwrap_or_else(|e| die(e));
+    let mem = DaxMem::new(&args.devices).unwrap_or_else(|e| die(e));
+    let nic = Nic {
+        target: target(&args, &key),
+    };
+    let rm = RmLink::new(args.rm_address.clone(), format!("agent@{node}"), rm_key);
+    let addr = bind_addr(&args.host, args.port, "maru-remote-cxl-agent").unwrap_or_else(|e| die(e));
+    let opts = ServerOptions {
+        key: Some(key),
+        ..ServerOptions::default()
+    };
+    let pipe = SignalPipe::install()
+        .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
+    let clock = Clock::new();
+    let mut server = Server::bind(addr, opts, clock)
+        .and_then(|s| s.with_signals(pipe))
+        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+    let bound = server.local_addr().unwrap_or(addr);
+    let mut service = AgentService::new(core, rm, mem, nic);
+    log::info!(
+        "maru-remote-cxl-agent {node} (epoch {epoch}, boot {boot_id}) listening on {bound}, RM {}",
+        args.rm_address
+    );
+    if let Some(p) = &args.ready_file {
+        write_ready_file(p, bound)
+            .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
+    }
+    if let Err(e) = server.run(&mut service) {
+        die(format!("event loop failed: {e}"));
+    }
+    log::info!("maru-remote-cxl-agent stopped");
+}

@@ -1,0 +1,322 @@
+//! RM + remote CXL agent on loopback with a fake-DAX file, and a worker using the
+//! soft transport: the bytes, the key checks, release, restart.
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::net::{Client, ClientError, ClientOptions};
+use maru::transport::soft::SoftTransport;
+use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
+use maru::wire::agent::{AgentReply, AgentRequest, MapReply, SERVICE as AGENT};
+use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
+use maru::wire::ErrorCode;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::Duration;
+use support::{connect, wait_until, Daemon, Scratch};
+
+const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+const MIB: u64 = 1 << 20;
+const T: Duration = Duration::from_secs(10);
+
+struct Pool {
+    s: Scratch,
+    pool: PathBuf,
+    key_path: PathBuf,
+    key: SharedKey,
+    rm: Daemon,
+}
+
+fn pool() -> Pool {
+    let mut s = Scratch::new("agent");
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    let key = SharedKey::generate().unwrap();
+    write_new_key_file(&key_path, &key).unwrap();
+    let rm_args = vec![
+        "--state-dir".to_string(),
+        s.dir.join("rm").display().to_string(),
+        "--fake-dax".to_string(),
+        format!("{}:64M", pool.display()),
+    ];
+    let rm = Daemon::start(RM_BIN, &rm_args, &s.dir);
+    Pool {
+        s,
+        pool,
+        key_path,
+        key,
+        rm,
+    }
+}
+
+fn agent_args(p: &Pool, boot_file: Option<&PathBuf>) -> Vec<String> {
+    let mut a = vec![
+        "--rm-address".to_string(),
+        p.rm.addr.clone(),
+        "--key-file".to_string(),
+        p.key_path.display().to_string(),
+        "--device".to_string(),
+        p.pool.display().to_string(),
+        "--node".to_string(),
+        "mem0".to_string(),
+        "--quarantine-s".to_string(),
+        "1".to_string(),
+    ];
+    if let Some(b) = boot_file {
+        a.push("--boot-id-file".into());
+        a.push(b.display().to_string());
+    }
+    a
+}
+
+fn agent_client(addr: &str, key: &SharedKey, id: &str) -> Client {
+    let mut o = ClientOptions::new(AGENT, id);
+    o.key = Some(key.clone());
+    Client::connect(addr, &o).expect("agent connect")
+}
+
+fn alloc(rm: &mut Client) -> Handle {
+    match rm
+        .call(&RmRequest::Alloc {
+            size: 4 * MIB,
+            pool: None,
+            request_id: 0,
+        })
+        .unwrap()
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("{r:?}"),
+    }
+}
+
+fn map(c: &mut Client, h: &Handle) -> MapReply {
+    match c
+        .call(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .expect("map")
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("{r:?}"),
+    }
+}
+
+fn code(r: Result<AgentReply, ClientError>) -> ErrorCode {
+    match r {
+        Err(ClientError::Remote(e)) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+fn region_bytes(p: &Pool, h: &Handle, len: usize) -> Vec<u8> {
+    let f = std::fs::File::open(&p.pool).unwrap();
+    let mut b = vec![0u8; len];
+    f.read_exact_at(&mut b, h.offset).unwrap();
+    b
+}
+
+fn holds_of(rm: &mut Client, node: &str) -> usize {
+    match rm
+        .call(&RmRequest::Holds {
+            node: Some(node.into()),
+        })
+        .unwrap()
+    {
+        RmReply::Holds { holds } => holds.len(),
+        r => panic!("{r:?}"),
+    }
+}
+
+#[test]
+fn map_write_read_release_and_a_late_write() {
+    let p = pool();
+    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
+    let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
+    let m = map(&mut owner, &h);
+    assert_eq!(m.length, h.length);
+    assert!(!m.boot_id.is_empty());
+    assert_eq!(
+        holds_of(&mut rm, "mem0"),
+        1,
+        "the agent holds the region at the RM"
+    );
+
+    let mut staging = vec![0u8; 2 * MIB as usize];
+    for (i, b) in staging[..MIB as usize].iter_mut().enumerate() {
+        *b = (i % 253) as u8;
+    }
+    let nic = SoftTransport::new("worker-a", Some(p.key.clone()));
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    let peer = nic.connect(&m.transport, &mut no_bringup).unwrap();
+    let w = Op {
+        kind: OpKind::Write,
+        local_offset: 0,
+        remote_addr: m.addr,
+        rkey: m.rkey,
+        len: MIB,
+    };
+    let b = nic.post(peer, &[w]).unwrap();
+    assert_eq!(nic.wait(b, T), BatchState::Done);
+    let r = Op {
+        kind: OpKind::Read,
+        local_offset: MIB,
+        remote_addr: m.addr,
+        rkey: m.rkey,
+        len: MIB,
+    };
+    let b = nic.post(peer, &[r]).unwrap();
+    assert_eq!(nic.wait(b, T), BatchState::Done);
+    assert_eq!(staging[..MIB as usize], staging[MIB as usize..]);
+    // The bytes are in the region of the device, where the RM said.
+    let expect = staging[..MIB as usize].to_vec();
+    assert_eq!(region_bytes(&p, &h, MIB as usize), expect);
+
+    // A reader with a read token maps a range of the region; a forged token is refused.
+    let mut reader = agent_client(&agent.addr, &p.key, "worker-b");
+    let tok = maru::auth::read_token(&h.token, h.region_id, 0, MIB);
+    let ok = reader.call::<_, AgentReply>(&AgentRequest::MapRead {
+        region_id: h.region_id,
+        offset: 0,
+        length: MIB,
+        read_token: tok,
+    });
+    assert!(matches!(ok, Ok(AgentReply::Mapped(_))), "{ok:?}");
+    let forged = AgentRequest::MapRead {
+        region_id: h.region_id,
+        offset: 0,
+        length: 2 * MIB,
+        read_token: maru::auth::read_token(&h.token, h.region_id, 0, MIB),
+    };
+    assert_eq!(code(reader.call(&forged)), ErrorCode::Refused);
+    // A read handle for a region the agent has not mapped is refused.
+    let other = alloc(&mut rm);
+    let unmapped = AgentRequest::MapRead {
+        region_id: other.region_id,
+        offset: 0,
+        length: MIB,
+        read_token: maru::auth::read_token(&other.token, other.region_id, 0, MIB),
+    };
+    assert_eq!(code(reader.call(&unmapped)), ErrorCode::Refused);
+
+    // Release: later maps of the handle are refused, and a late WRITE with the old key
+    // fails at the (soft) NIC and changes nothing.
+    let rel: AgentReply = owner
+        .call(&AgentRequest::Release { handle: h.clone() })
+        .unwrap();
+    assert_eq!(rel, AgentReply::Released { deregistered: true });
+    assert_eq!(
+        code(owner.call(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true
+        })),
+        ErrorCode::Refused
+    );
+    staging[..MIB as usize].fill(0xEE);
+    let b = nic.post(peer, &[w]).unwrap();
+    assert!(
+        matches!(nic.wait(b, T), BatchState::Failed(_)),
+        "a late WRITE must fail"
+    );
+    assert_eq!(
+        region_bytes(&p, &h, MIB as usize),
+        expect,
+        "the region's bytes are unchanged"
+    );
+    // The hold is gone at the RM once the agent deregistered the region.
+    assert!(wait_until(T, || holds_of(&mut rm, "mem0") == 0));
+}
+
+#[test]
+fn connections_must_prove_the_agent_key() {
+    let p = pool();
+    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
+    let none = ClientOptions::new(AGENT, "nokey");
+    assert!(matches!(
+        Client::connect(&agent.addr, &none),
+        Err(ClientError::Auth { .. })
+    ));
+    let mut wrong = ClientOptions::new(AGENT, "wrong");
+    wrong.key = Some(SharedKey::generate().unwrap());
+    assert!(matches!(
+        Client::connect(&agent.addr, &wrong),
+        Err(ClientError::Auth { .. })
+    ));
+}
+
+#[test]
+fn a_restarted_agent_resets_its_old_holds() {
+    let p = pool();
+    let args = agent_args(&p, None);
+    let agent = Daemon::start(AGENT_BIN, &args, &p.s.dir);
+    let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    {
+        let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
+        map(&mut owner, &h);
+        assert_eq!(holds_of(&mut rm, "mem0"), 1);
+        agent.kill9();
+    }
+    // The dead agent's hold stays until the agent comes back with a new epoch.
+    assert_eq!(holds_of(&mut rm, "mem0"), 1);
+    let agent = Daemon::start(AGENT_BIN, &args, &p.s.dir);
+    assert_eq!(
+        holds_of(&mut rm, "mem0"),
+        0,
+        "RESET_HOLDS at start dropped the old epoch's hold"
+    );
+    let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
+    let st: AgentReply = owner.call(&AgentRequest::Status).unwrap();
+    assert!(matches!(st, AgentReply::Status(s) if s.mappings.is_empty()));
+    // And it maps again.
+    map(&mut owner, &h);
+}
+
+#[test]
+fn start_up_refusals() {
+    let p = pool();
+    let run = |args: &[String]| {
+        std::process::Command::new(AGENT_BIN)
+            .args(args)
+            .args(["--port", "0"])
+            .output()
+            .unwrap()
+    };
+    // No boot id.
+    let missing = p.s.dir.join("no-boot-id");
+    let out = run(&agent_args(&p, Some(&missing)));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("boot id"));
+    // Empty RM address.
+    let mut a = agent_args(&p, None);
+    a[1] = String::new();
+    let out = run(&a);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("resource manager address is empty"));
+    // A key file others can read.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p.key_path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = run(&agent_args(&p, None));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("chmod 600"));
+    std::fs::set_permissions(&p.key_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    // verbs on a host without RDMA (or a build without it) fails with a clear message.
+    let mut a = agent_args(&p, None);
+    a.extend([
+        "--transport".into(),
+        "verbs".into(),
+        "--rdma-device".into(),
+        "mlx5_0".into(),
+    ]);
+    let out = run(&a);
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("mlx5_0") || err.contains("verbs"), "{err}");
+}

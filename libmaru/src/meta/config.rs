@@ -1,0 +1,153 @@
+//! Settings of the metadata core, checked once when the core is built.
+
+use std::fmt;
+
+/// How long a kept region's agent may stay silent before the region is given back.
+pub const DEFAULT_KEEPER_SILENCE_MS: u64 = 30_000;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaConfig {
+    /// Size of one region asked of the RM (bytes).
+    pub region_size: u64,
+    /// Size of one page, which holds one chunk (bytes).
+    pub chunk_size: u64,
+    /// The pool's agents (`host:port`); empty: `cxl` sessions only.
+    pub agents: Vec<String>,
+    /// The RM address handed to workers in the handshake.
+    pub rm_address: String,
+    /// A session without a request for this long expires.
+    pub session_timeout_ms: u64,
+    /// A lease ends by itself this long after it was granted.
+    pub lease_timeout_ms: u64,
+    /// A kept region whose agent does not answer for this long is given back.
+    pub keeper_silence_ms: u64,
+    /// How often the keeper checks a kept region's mapping at its agent.
+    pub keeper_check_ms: u64,
+    /// How soon a failed release or free is tried again.
+    pub retry_ms: u64,
+    /// Most sessions open at a time (expired ones do not count).
+    pub max_sessions: usize,
+}
+
+impl Default for MetaConfig {
+    fn default() -> Self {
+        MetaConfig {
+            region_size: 1 << 30,
+            chunk_size: 4 << 20,
+            agents: Vec::new(),
+            rm_address: "127.0.0.1:9850".into(),
+            session_timeout_ms: 30_000,
+            lease_timeout_ms: 60_000,
+            keeper_silence_ms: DEFAULT_KEEPER_SILENCE_MS,
+            keeper_check_ms: 5_000,
+            retry_ms: 1_000,
+            max_sessions: 256,
+        }
+    }
+}
+
+/// A setting that cannot work, with what to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "maru-server configuration: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl MetaConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |m: String| Err(ConfigError(m));
+        if self.chunk_size == 0 {
+            return err("the chunk size must be at least one byte".into());
+        }
+        if self.region_size < self.chunk_size {
+            return err(format!(
+                "the region size ({} bytes) is smaller than one chunk ({} bytes)",
+                self.region_size, self.chunk_size
+            ));
+        }
+        for (name, v) in [
+            ("session timeout", self.session_timeout_ms),
+            ("lease timeout", self.lease_timeout_ms),
+            ("keeper silence", self.keeper_silence_ms),
+            ("keeper check interval", self.keeper_check_ms),
+            ("retry interval", self.retry_ms),
+        ] {
+            if v == 0 {
+                return err(format!("the {name} must be at least 1 ms"));
+            }
+        }
+        if self.max_sessions == 0 {
+            return err("the session limit must be at least 1".into());
+        }
+        for (i, a) in self.agents.iter().enumerate() {
+            let port_ok = a
+                .rsplit_once(':')
+                .filter(|(host, _)| !host.is_empty())
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .is_some_and(|p| p != 0);
+            if !port_ok {
+                return err(format!(
+                    "agent {a:?} is not host:port (for example 10.0.0.2:9860)"
+                ));
+            }
+            if self.agents[..i].contains(a) {
+                return err(format!("agent {a} is given twice"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_say_what_to_change() {
+        assert!(MetaConfig::default().validate().is_ok());
+        let bad = [
+            MetaConfig {
+                chunk_size: 0,
+                ..Default::default()
+            },
+            MetaConfig {
+                region_size: 1,
+                ..Default::default()
+            },
+            MetaConfig {
+                session_timeout_ms: 0,
+                ..Default::default()
+            },
+            MetaConfig {
+                max_sessions: 0,
+                ..Default::default()
+            },
+            MetaConfig {
+                agents: vec!["nohost".into()],
+                ..Default::default()
+            },
+            MetaConfig {
+                agents: vec![":9860".into()],
+                ..Default::default()
+            },
+            MetaConfig {
+                agents: vec!["a:1".into(), "a:1".into()],
+                ..Default::default()
+            },
+        ];
+        for c in bad {
+            let e = c.validate().unwrap_err();
+            assert!(!e.to_string().is_empty());
+        }
+        let ok = MetaConfig {
+            agents: vec!["10.0.0.2:9860".into(), "[::1]:9860".into()],
+            ..Default::default()
+        };
+        assert!(ok.validate().is_ok());
+    }
+}

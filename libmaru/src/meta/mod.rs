@@ -1,0 +1,1 @@
+//! maru-server's sans-I/O core (in progress).

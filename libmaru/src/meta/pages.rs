@@ -1,0 +1,137 @@
+//! Pages of one region: a FIFO of free page indices and the set of allocated ones.
+//!
+//! FIFO order hands out the page freed longest ago, so a page is reused as late as
+//! possible after its key went. A page is freed only if it is allocated: a double
+//! free is refused instead of putting the page on the list twice (which would hand
+//! it to two writers).
+
+use std::collections::VecDeque;
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageError {
+    /// The region has no such page.
+    OutOfRange { page: u64, pages: u64 },
+    /// The page is free already.
+    NotAllocated { page: u64 },
+}
+
+impl fmt::Display for PageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PageError::OutOfRange { page, pages } => {
+                write!(f, "page {page} is out of range (the region has {pages} pages)")
+            }
+            PageError::NotAllocated { page } => {
+                write!(f, "page {page} is not allocated (freed twice?)")
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PageAllocator {
+    free: VecDeque<u64>,
+    allocated: Vec<bool>,
+    used: u64,
+}
+
+impl PageAllocator {
+    /// A region of `pages` pages, all free, handed out in index order first.
+    pub fn new(pages: u64) -> PageAllocator {
+        PageAllocator {
+            free: (0..pages).collect(),
+            allocated: vec![false; pages as usize],
+            used: 0,
+        }
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.allocated.len() as u64
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn free_count(&self) -> u64 {
+        self.free.len() as u64
+    }
+
+    /// The free page freed longest ago, now allocated.
+    pub fn alloc(&mut self) -> Option<u64> {
+        let page = self.free.pop_front()?;
+        self.allocated[page as usize] = true;
+        self.used += 1;
+        Some(page)
+    }
+
+    pub fn is_allocated(&self, page: u64) -> bool {
+        self.allocated.get(page as usize).copied().unwrap_or(false)
+    }
+
+    /// Whether `page` could be freed now (what [`free`](Self::free) would say).
+    pub fn check_free(&self, page: u64) -> Result<(), PageError> {
+        match self.allocated.get(page as usize) {
+            None => Err(PageError::OutOfRange {
+                page,
+                pages: self.pages(),
+            }),
+            Some(false) => Err(PageError::NotAllocated { page }),
+            Some(true) => Ok(()),
+        }
+    }
+
+    pub fn free(&mut self, page: u64) -> Result<(), PageError> {
+        self.check_free(page)?;
+        self.allocated[page as usize] = false;
+        self.used -= 1;
+        self.free.push_back(page);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_come_back_in_fifo_order() {
+        let mut p = PageAllocator::new(3);
+        assert_eq!(
+            (p.alloc(), p.alloc(), p.alloc(), p.alloc()),
+            (Some(0), Some(1), Some(2), None)
+        );
+        p.free(1).unwrap();
+        p.free(0).unwrap();
+        assert_eq!(p.alloc(), Some(1), "the page freed first comes first");
+        assert_eq!(p.alloc(), Some(0));
+        assert_eq!((p.used(), p.free_count()), (3, 0));
+    }
+
+    #[test]
+    fn a_double_free_is_refused_and_changes_nothing() {
+        let mut p = PageAllocator::new(2);
+        let a = p.alloc().unwrap();
+        p.free(a).unwrap();
+        assert_eq!(p.free(a), Err(PageError::NotAllocated { page: a }));
+        assert_eq!(p.free_count(), 2, "the page is on the free list once");
+        assert_eq!(p.alloc(), Some(1));
+        assert_eq!(p.alloc(), Some(0));
+        assert_eq!(p.alloc(), None);
+    }
+
+    #[test]
+    fn out_of_range_pages_are_refused() {
+        let mut p = PageAllocator::new(2);
+        assert_eq!(p.free(2), Err(PageError::OutOfRange { page: 2, pages: 2 }));
+        assert_eq!(
+            p.free(u64::MAX),
+            Err(PageError::OutOfRange {
+                page: u64::MAX,
+                pages: 2
+            })
+        );
+        assert!(!p.is_allocated(u64::MAX));
+    }
+}

@@ -1,0 +1,285 @@
+//! Storage sessions: one per worker engine, bound to the client that opened it,
+//! alive while its requests keep coming.
+//!
+//! A session that sends nothing for the session timeout expires. An ended session
+//! (closed or expired) holds nothing: its regions went to the region keeper or back
+//! to the RM, its leases ended, and it does not count toward the session limit. A
+//! bounded record of ended sessions remains only to say why a late request fails.
+
+use super::keys::ScopeId;
+use crate::wire::meta::Backend;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+
+/// Ended sessions remembered for error messages; the oldest records go beyond this.
+pub const ENDED_RECORDS: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndReason {
+    Closed,
+    Expired,
+}
+
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub id: u64,
+    pub client_id: String,
+    pub engine_id: String,
+    pub namespace: String,
+    pub backend: Backend,
+    pub scope: ScopeId,
+    /// Regions the session owns, oldest first.
+    pub regions: BTreeSet<u64>,
+    pub last_seen_ms: u64,
+    /// False once a connection of its client closed, until its next request.
+    pub connected: bool,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionError {
+    Unknown {
+        session: u64,
+    },
+    Ended {
+        session: u64,
+        reason: EndReason,
+    },
+    /// The session belongs to another client.
+    NotYours {
+        session: u64,
+        client_id: String,
+    },
+    Full {
+        open: usize,
+        max: usize,
+    },
+}
+
+impl fmt::Display for SessionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SessionError::Unknown { session } => write!(
+                f,
+                "unknown session {session} (maru-server may have restarted): open a new session"
+            ),
+            SessionError::Ended {
+                session,
+                reason: EndReason::Closed,
+            } => write!(f, "session {session} is closed: open a new session"),
+            SessionError::Ended {
+                session,
+                reason: EndReason::Expired,
+            } => write!(
+                f,
+                "session {session} expired (no request within the session timeout); its \
+                 regions went to the region keeper: open a new session"
+            ),
+            SessionError::NotYours { session, client_id } => write!(
+                f,
+                "session {session} is not a session of client {client_id}: open a new session"
+            ),
+            SessionError::Full { open, max } => write!(
+                f,
+                "{open} sessions are open and maru-server takes at most {max}: close sessions \
+                 or raise the limit"
+            ),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct SessionTable {
+    sessions: BTreeMap<u64, Session>,
+    ended: VecDeque<u64>,
+    ended_reason: HashMap<u64, EndReason>,
+    next_id: u64,
+    max: usize,
+    timeout_ms: u64,
+}
+
+impl SessionTable {
+    pub fn new(max: usize, timeout_ms: u64) -> SessionTable {
+        SessionTable {
+            sessions: BTreeMap::new(),
+            ended: VecDeque::new(),
+            ended_reason: HashMap::new(),
+            next_id: 0,
+            max,
+            timeout_ms,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    pub fn check_room(&self) -> Result<(), SessionError> {
+        if self.sessions.len() >= self.max {
+            return Err(SessionError::Full {
+                open: self.sessions.len(),
+                max: self.max,
+            });
+        }
+        Ok(())
+    }
+
+    pub fn insert(
+        &mut self,
+        client_id: &str,
+        engine_id: &str,
+        namespace: &str,
+        backend: Backend,
+        scope: ScopeId,
+        now_ms: u64,
+    ) -> u64 {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.sessions.insert(
+            id,
+            Session {
+                id,
+                client_id: client_id.to_string(),
+                engine_id: engine_id.to_string(),
+                namespace: namespace.to_string(),
+                backend,
+                scope,
+                regions: BTreeSet::new(),
+                last_seen_ms: now_ms,
+                connected: true,
+                hits: 0,
+                misses: 0,
+            },
+        );
+        id
+    }
+
+    pub fn get(&self, id: u64) -> Option<&Session> {
+        self.sessions.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut Session> {
+        self.sessions.get_mut(&id)
+    }
+
+    /// The session `id` of `client_id`, or why there is none.
+    pub fn lookup(&self, client_id: &str, id: u64) -> Result<&Session, SessionError> {
+        match self.sessions.get(&id) {
+            Some(s) if s.client_id == client_id => Ok(s),
+            Some(_) => Err(SessionError::NotYours {
+                session: id,
+                client_id: client_id.to_string(),
+            }),
+            None => Err(match self.ended_reason.get(&id) {
+                Some(&reason) => SessionError::Ended { session: id, reason },
+                None => SessionError::Unknown { session: id },
+            }),
+        }
+    }
+
+    /// Removes the session and remembers why it ended.
+    pub fn end(&mut self, id: u64, reason: EndReason) -> Option<Session> {
+        let s = self.sessions.remove(&id)?;
+        self.ended.push_back(id);
+        self.ended_reason.insert(id, reason);
+        while self.ended.len() > ENDED_RECORDS {
+            if let Some(old) = self.ended.pop_front() {
+                self.ended_reason.remove(&old);
+            }
+        }
+        Some(s)
+    }
+
+    pub fn deadline(&self, s: &Session) -> u64 {
+        s.last_seen_ms.saturating_add(self.timeout_ms)
+    }
+
+    /// Sessions whose time is up at `now_ms`.
+    pub fn expired(&self, now_ms: u64) -> Vec<u64> {
+        self.sessions
+            .values()
+            .filter(|s| self.deadline(s) <= now_ms)
+            .map(|s| s.id)
+            .collect()
+    }
+
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.sessions.values().map(|s| self.deadline(s)).min()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Session> {
+        self.sessions.values()
+    }
+
+    /// A connection of `client_id` closed: its sessions keep running (the worker
+    /// may reconnect) and expire only when their requests stop.
+    pub fn client_closed(&mut self, client_id: &str) {
+        for s in self.sessions.values_mut() {
+            if s.client_id == client_id {
+                s.connected = false;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::meta::keys::{KeyDirectory, Scope};
+
+    fn table(max: usize) -> (SessionTable, ScopeId) {
+        let mut d = KeyDirectory::new();
+        let scope = d.scope_id(Scope {
+            namespace: "ns".into(),
+            layout: "l".into(),
+            backend: Backend::Cxl,
+        });
+        (SessionTable::new(max, 100), scope)
+    }
+
+    #[test]
+    fn sessions_belong_to_their_client_and_ended_ones_say_why() {
+        let (mut t, scope) = table(4);
+        let a = t.insert("c1", "e", "ns", Backend::Cxl, scope, 0);
+        assert!(t.lookup("c1", a).is_ok());
+        assert!(matches!(
+            t.lookup("c2", a),
+            Err(SessionError::NotYours { .. })
+        ));
+        t.end(a, EndReason::Expired);
+        let e = t.lookup("c1", a).unwrap_err();
+        assert!(e.to_string().contains("expired"), "{e}");
+        assert_eq!(
+            t.lookup("c1", 99),
+            Err(SessionError::Unknown { session: 99 })
+        );
+    }
+
+    #[test]
+    fn ended_sessions_do_not_count_toward_the_limit() {
+        let (mut t, scope) = table(1);
+        let a = t.insert("c", "e", "ns", Backend::Cxl, scope, 0);
+        assert!(matches!(t.check_room(), Err(SessionError::Full { .. })));
+        assert_eq!(t.expired(99), Vec::<u64>::new());
+        assert_eq!(t.expired(100), vec![a]);
+        t.end(a, EndReason::Expired);
+        t.check_room().unwrap();
+    }
+
+    #[test]
+    fn ended_records_are_bounded() {
+        let (mut t, scope) = table(1);
+        for _ in 0..ENDED_RECORDS + 10 {
+            let id = t.insert("c", "e", "ns", Backend::Cxl, scope, 0);
+            t.end(id, EndReason::Closed);
+        }
+        assert_eq!(t.ended.len(), ENDED_RECORDS);
+        assert_eq!(t.ended_reason.len(), ENDED_RECORDS);
+        assert_eq!(t.lookup("c", 1), Err(SessionError::Unknown { session: 1 }));
+    }
+}
