@@ -4,7 +4,7 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench
+.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench install
 
 help:
 	@echo "make demo    - install what is missing, build, run the one-host demo"
@@ -13,6 +13,7 @@ help:
 	@echo "make header  - regenerate include/maru.h with cbindgen"
 	@echo "make release - optimised build of libmaru.so and the daemons"
 	@echo "make bench   - soft transport vs TCP loopback throughput (release build)"
+	@echo "make install - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM)"
 
 deps:
 	@scripts/install-deps.sh
@@ -56,3 +57,6 @@ bench: deps
 	$(CARGO) build --release -p maru-bench
 	mkdir -p bench/results
 	$(TARGET_DIR)/release/maru-bench --json bench/results/soft-transport.json
+
+install: release
+	scripts/install.sh $(if $(STANDALONE),--standalone)

@@ -1,0 +1,403 @@
+//! The region keeper: regions whose worker left (drained close or expiry) while
+//! they held keys, and every region on its way back to the RM.
+//!
+//! Keys outlive their writer: a kept region stays readable by other sessions. For
+//! `remote_cxl` the keeper holds the region's mapping at its agent (a map with the
+//! full handle, checked every `check_ms`), maps it again after the agent restarted,
+//! and gives the region up when
+//!
+//! - the agent reports another boot id than the owner did (the memory node rebooted
+//!   and lost what its CPU caches held),
+//! - the agent refuses the handle,
+//! - the agent has not answered for `silence_ms` (its keys stop being found at once;
+//!   the release and free wait until the agent answers again),
+//! - or the RM refused a region request and this region was read longest ago (the
+//!   core picks it; one at a time).
+//!
+//! Giving a region back means: its keys are dropped at once (the core does that on
+//! [`KeeperEvent::Lost`]), then its agent releases it, then the RM frees it. The RM
+//! free never comes before a confirmed release for a region with an agent. A
+//! refused release means the agent registers nothing under the handle; the RM's
+//! holds keep the range out of reuse should anything still be registered.
+
+use super::ports::{AgentPort, PortError, RmPort};
+use crate::wire::rm::Handle;
+use std::collections::BTreeMap;
+
+/// Every this many failed tries of one give-back, the failure is logged as an error.
+const LOG_EVERY: u32 = 12;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiveBackReason {
+    /// Its owner left and it held no key.
+    NoKeys,
+    /// Its owner returned it.
+    Returned,
+    /// Its owner closed without draining.
+    Abandoned,
+    /// The memory node rebooted since the keys were written.
+    Rebooted,
+    /// The agent refused the handle.
+    AgentRefused,
+    /// The agent did not answer for the silence limit.
+    AgentSilent,
+    /// The RM refused a region request and this kept region was read longest ago.
+    RmPressure,
+}
+
+impl GiveBackReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GiveBackReason::NoKeys => "its owner left and it holds no key",
+            GiveBackReason::Returned => "its owner returned it",
+            GiveBackReason::Abandoned => "its owner closed without draining",
+            GiveBackReason::Rebooted => "its memory node rebooted (boot id changed)",
+            GiveBackReason::AgentRefused => "its agent refused the handle",
+            GiveBackReason::AgentSilent => "its agent did not answer",
+            GiveBackReason::RmPressure => {
+                "the RM refused a region and it was the kept region read longest ago"
+            }
+        }
+    }
+}
+
+/// What the core must do after the keeper acted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeeperEvent {
+    /// A kept region is given up: drop its keys and end its leases now.
+    Lost {
+        region_id: u64,
+        reason: GiveBackReason,
+    },
+    /// The RM freed the region: forget it.
+    Freed { region_id: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeeperTimes {
+    pub silence_ms: u64,
+    pub check_ms: u64,
+    pub retry_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Kept {
+    handle: Handle,
+    agent: Option<String>,
+    /// The boot id the region's keys were written under, once known.
+    boot: Option<String>,
+    mapped: bool,
+    /// Last time the agent answered (or the take-over).
+    last_answer_ms: u64,
+    next_check_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+struct GiveBack {
+    handle: Handle,
+    agent: Option<String>,
+    /// The agent confirmed the release (or there is no agent to ask).
+    released: bool,
+    reason: GiveBackReason,
+    next_try_ms: u64,
+    failures: u32,
+}
+
+#[derive(Debug)]
+pub struct RegionKeeper {
+    kept: BTreeMap<u64, Kept>,
+    giving_back: BTreeMap<u64, GiveBack>,
+    times: KeeperTimes,
+}
+
+impl RegionKeeper {
+    pub fn new(times: KeeperTimes) -> RegionKeeper {
+        RegionKeeper {
+            kept: BTreeMap::new(),
+            giving_back: BTreeMap::new(),
+            times,
+        }
+    }
+
+    /// Takes a region over. With an agent, the keeper maps it at the next run.
+    pub fn keep(&mut self, handle: Handle, agent: Option<String>, boot: Option<String>, now: u64) {
+        log::info!(
+            "region keeper: keeping region {} ({})",
+            handle.region_id,
+            agent.as_deref().unwrap_or("cxl")
+        );
+        self.kept.insert(
+            handle.region_id,
+            Kept {
+                handle,
+                agent,
+                boot,
+                mapped: false,
+                last_answer_ms: now,
+                next_check_ms: now,
+            },
+        );
+    }
+
+    /// Queues a region to go back. `released`: no release at an agent is needed
+    /// (none serves it, or its owner's release was confirmed).
+    pub fn give_back(
+        &mut self,
+        handle: Handle,
+        agent: Option<String>,
+        released: bool,
+        reason: GiveBackReason,
+        now: u64,
+    ) {
+        let released = released || agent.is_none();
+        self.kept.remove(&handle.region_id);
+        self.giving_back.insert(
+            handle.region_id,
+            GiveBack {
+                handle,
+                agent,
+                released,
+                reason,
+                next_try_ms: now,
+                failures: 0,
+            },
+        );
+    }
+
+    /// Gives a kept region up; the caller drops its keys. False if it is not kept.
+    pub fn lose(&mut self, region_id: u64, reason: GiveBackReason, now: u64) -> bool {
+        let Some(k) = self.kept.remove(&region_id) else {
+            return false;
+        };
+        log::warn!(
+            "region keeper: giving region {region_id} back: {}; its keys are no longer found",
+            reason.as_str()
+        );
+        self.give_back(k.handle, k.agent, false, reason, now);
+        true
+    }
+
+    pub fn is_kept(&self, region_id: u64) -> bool {
+        self.kept.contains_key(&region_id)
+    }
+
+    pub fn is_mapped(&self, region_id: u64) -> bool {
+        self.kept.get(&region_id).is_some_and(|k| k.mapped)
+    }
+
+    pub fn is_giving_back(&self, region_id: u64) -> bool {
+        self.giving_back.contains_key(&region_id)
+    }
+
+    /// Whether the agent still has to confirm the release of a region going back.
+    pub fn awaits_release(&self, region_id: u64) -> bool {
+        self.giving_back
+            .get(&region_id)
+            .is_some_and(|g| !g.released)
+    }
+
+    pub fn kept_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.kept.keys().copied()
+    }
+
+    pub fn kept_len(&self) -> usize {
+        self.kept.len()
+    }
+
+    pub fn giving_back_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.giving_back.keys().copied()
+    }
+
+    pub fn giving_back_len(&self) -> usize {
+        self.giving_back.len()
+    }
+
+    /// A region given up for the RM's sake has not reached the RM yet.
+    pub fn pressure_pending(&self) -> bool {
+        self.giving_back
+            .values()
+            .any(|g| g.reason == GiveBackReason::RmPressure)
+    }
+
+    pub fn next_deadline(&self) -> Option<u64> {
+        let checks = self
+            .kept
+            .values()
+            .filter(|k| k.agent.is_some())
+            .map(|k| k.next_check_ms);
+        let tries = self.giving_back.values().map(|g| g.next_try_ms);
+        checks.chain(tries).min()
+    }
+
+    /// Checks kept mappings and moves give-backs on, as far as the ports allow.
+    pub fn run(
+        &mut self,
+        now: u64,
+        rm: &mut dyn RmPort,
+        agents: &mut dyn AgentPort,
+    ) -> Vec<KeeperEvent> {
+        let mut events = Vec::new();
+        self.check_mappings(now, agents, &mut events);
+        let due: Vec<u64> = self
+            .giving_back
+            .iter()
+            .filter(|(_, g)| g.next_try_ms <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            self.release(id, now, agents);
+            if let Some(e) = self.free_now(id, now, rm) {
+                events.push(e);
+            }
+        }
+        events
+    }
+
+    fn check_mappings(
+        &mut self,
+        now: u64,
+        agents: &mut dyn AgentPort,
+        events: &mut Vec<KeeperEvent>,
+    ) {
+        let due: Vec<u64> = self
+            .kept
+            .iter()
+            .filter(|(_, k)| k.agent.is_some() && k.next_check_ms <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            let Some(k) = self.kept.get_mut(&id) else {
+                continue;
+            };
+            let Some(agent) = k.agent.clone() else {
+                continue;
+            };
+            let outcome = match agents.map(&agent, &k.handle) {
+                Ok(boot) if boot.is_empty() => Err(PortError::Unreachable(format!(
+                    "agent {agent} reported no boot id"
+                ))),
+                other => other,
+            };
+            let lost = match outcome {
+                Ok(boot) => match &k.boot {
+                    Some(b) if *b != boot => {
+                        log::warn!(
+                            "region keeper: agent {agent} reports boot id {boot} for region \
+                             {id}, whose keys were written under boot id {b}"
+                        );
+                        Some(GiveBackReason::Rebooted)
+                    }
+                    _ => {
+                        if !k.mapped {
+                            log::info!("region keeper: region {id} mapped at agent {agent}");
+                        }
+                        k.boot = Some(boot);
+                        k.mapped = true;
+                        k.last_answer_ms = now;
+                        k.next_check_ms = now.saturating_add(self.times.check_ms);
+                        None
+                    }
+                },
+                Err(PortError::Refused(m)) => {
+                    log::warn!("region keeper: agent {agent} refused region {id}: {m}");
+                    Some(GiveBackReason::AgentRefused)
+                }
+                Err(PortError::Failed(m)) => {
+                    // It answered: not silent, but the mapping is not held. Try again.
+                    log::warn!("region keeper: agent {agent} failed to map region {id}: {m}");
+                    k.mapped = false;
+                    k.last_answer_ms = now;
+                    k.next_check_ms = now.saturating_add(self.times.retry_ms);
+                    None
+                }
+                Err(PortError::Unreachable(m)) => {
+                    if k.mapped {
+                        log::warn!(
+                            "region keeper: agent {agent} of region {id} is unreachable: {m}"
+                        );
+                    }
+                    k.mapped = false;
+                    if now.saturating_sub(k.last_answer_ms) >= self.times.silence_ms {
+                        Some(GiveBackReason::AgentSilent)
+                    } else {
+                        let give_up_at = k.last_answer_ms.saturating_add(self.times.silence_ms);
+                        k.next_check_ms = now.saturating_add(self.times.retry_ms).min(give_up_at);
+                        None
+                    }
+                }
+            };
+            if let Some(reason) = lost {
+                self.lose(id, reason, now);
+                events.push(KeeperEvent::Lost {
+                    region_id: id,
+                    reason,
+                });
+            }
+        }
+    }
+
+    fn release(&mut self, id: u64, now: u64, agents: &mut dyn AgentPort) {
+        let retry_ms = self.times.retry_ms;
+        let Some(g) = self.giving_back.get_mut(&id) else {
+            return;
+        };
+        if g.released {
+            return;
+        }
+        let Some(agent) = g.agent.clone() else {
+            g.released = true;
+            return;
+        };
+        match agents.release(&agent, &g.handle) {
+            Ok(()) => g.released = true,
+            Err(PortError::Refused(m)) => {
+                log::info!(
+                    "region {id}: agent {agent} registers nothing under its handle ({m}); \
+                     freeing it at the RM"
+                );
+                g.released = true;
+            }
+            Err(e) => {
+                g.failures += 1;
+                g.next_try_ms = now.saturating_add(retry_ms);
+                log_failure(id, g.failures, &format!("release at agent {agent}"), &e);
+            }
+        }
+    }
+
+    /// Frees a give-back at the RM if its release is done. `Freed` when the RM no
+    /// longer has the region (freed now, or unknown to it already).
+    pub fn free_now(&mut self, id: u64, now: u64, rm: &mut dyn RmPort) -> Option<KeeperEvent> {
+        let retry_ms = self.times.retry_ms;
+        let g = self.giving_back.get_mut(&id)?;
+        if !g.released {
+            return None;
+        }
+        match rm.free(&g.handle) {
+            Ok(()) => {}
+            Err(PortError::Refused(m)) => {
+                log::info!("region {id}: the RM no longer has it ({m})");
+            }
+            Err(e) => {
+                g.failures += 1;
+                g.next_try_ms = now.saturating_add(retry_ms);
+                log_failure(id, g.failures, "free at the RM", &e);
+                return None;
+            }
+        }
+        let g = self.giving_back.remove(&id)?;
+        log::info!("region {id} given back to the RM: {}", g.reason.as_str());
+        Some(KeeperEvent::Freed { region_id: id })
+    }
+}
+
+fn log_failure(region_id: u64, failures: u32, what: &str, e: &PortError) {
+    if failures == 1 {
+        log::warn!("region {region_id}: {what} failed ({e}); retrying");
+    } else if failures % LOG_EVERY == 0 {
+        log::error!(
+            "region {region_id}: {what} has failed {failures} times ({e}); the region stays \
+             out of use until it succeeds"
+        );
+    }
+}

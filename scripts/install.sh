@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs the Maru daemons, their systemd units, env files and the agent key.
+#   scripts/install.sh [--root DIR] [--standalone] [--bin-dir DIR]
+# --root DIR     install under DIR instead of / (for packaging and tests)
+# --standalone   the agent's unit starts at boot on its own (node without an RM)
+# Env files and the key are written once and kept across reinstalls.
+set -euo pipefail
+root=
+standalone=0
+bin_dir=target/release
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --root) root=$2; shift 2 ;;
+        --standalone) standalone=1; shift ;;
+        --bin-dir) bin_dir=$2; shift 2 ;;
+        -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+        *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+here=$(cd "$(dirname "$0")/.." && pwd)
+for b in maru-resource-manager maru-rm-ctl maru-remote-cxl-agent; do
+    [ -x "$bin_dir/$b" ] || { echo "install.sh: $bin_dir/$b not built; run make release first" >&2; exit 2; }
+done
+
+install -d "$root/usr/local/bin" "$root/etc/systemd/system" "$root/etc/maru"
+chmod 0755 "$root/etc/maru"
+for b in maru-resource-manager maru-rm-ctl maru-remote-cxl-agent; do
+    install -m 0755 "$bin_dir/$b" "$root/usr/local/bin/$b"
+done
+install -m 0644 "$here/daemons/systemd/maru-resource-manager.service" "$root/etc/systemd/system/"
+unit=maru-remote-cxl-agent.service
+src=$here/daemons/systemd/maru-remote-cxl-agent.service
+[ "$standalone" = 1 ] && src=$here/daemons/systemd/maru-remote-cxl-agent-standalone.service
+install -m 0644 "$src" "$root/etc/systemd/system/$unit"
+
+write_once() { # path mode content
+    if [ -e "$1" ]; then echo "kept $1"; else printf '%s\n' "$3" > "$1"; chmod "$2" "$1"; echo "wrote $1"; fi
+}
+write_once "$root/etc/maru/resource-manager.env" 0644 "# maru-resource-manager settings (kept across reinstalls)
+MARU_RM_HOST=127.0.0.1
+MARU_RM_PORT=9850
+MARU_RM_STATE_DIR=/var/lib/maru-rm
+# Pools: --dax /dev/daxX.Y (repeat) or --fake-dax PATH:SIZE
+MARU_RM_ARGS=--dax /dev/dax0.0"
+rm_addr=127.0.0.1:9850
+[ "$standalone" = 1 ] && rm_addr=
+write_once "$root/etc/maru/remote-cxl-agent.env" 0644 "# maru-remote-cxl-agent settings (kept across reinstalls)
+# The pool's resource manager (required; empty refuses to start).
+MARU_RM_ADDRESS=$rm_addr
+# Bind address: the address workers reach (the RDMA NIC's for verbs).
+MARU_REMOTE_CXL_AGENT_HOST=127.0.0.1
+MARU_REMOTE_CXL_AGENT_PORT=9860
+MARU_REMOTE_CXL_AGENT_KEY_FILE=/etc/maru/remote-cxl-agent.key
+MARU_TRANSPORT=soft
+MARU_AGENT_ARGS=--device /dev/dax0.0"
+
+key=$root/etc/maru/remote-cxl-agent.key
+if [ -e "$key" ]; then
+    echo "kept $key"
+else
+    (umask 077; { echo "# maru shared key (keep mode 0600)"; od -An -tx1 -N32 /dev/urandom | tr -d ' \n'; echo; } > "$key")
+    echo "wrote $key (mode 0600): copy it to maru-server and the workers"
+fi
+if [ -z "$root" ]; then
+    id maru >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin maru
+    chown maru:maru "$key"
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        systemctl daemon-reload
+        # Disable first so a switch between the bound and the standalone form leaves no old links.
+        systemctl disable "$unit" >/dev/null 2>&1 || true
+        systemctl enable maru-resource-manager.service "$unit" || true
+    fi
+fi
+echo "installed (agent unit: $([ "$standalone" = 1 ] && echo standalone || echo bound to the resource manager))"
