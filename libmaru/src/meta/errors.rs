@@ -1,0 +1,77 @@
+//! Wire errors of the metadata core, built in one place so each code means one
+//! thing: `refused` (definitively not done, nothing held: an unknown or ended
+//! session, a region that can never be allocated, the lease or session limit),
+//! `bad_request` (malformed input: nothing changed), `permission` (another session's
+//! region or lease: nothing changed), `no_space` (the RM has no room now: retry),
+//! `unsupported` (not configured here), `internal` (the RM could not be reached, or
+//! an inconsistency: retry).
+
+use super::leases::LeaseError;
+use super::sessions::SessionError;
+use crate::wire::meta::{MAX_BATCH, MAX_KEY_LEN};
+use crate::wire::{ErrorCode, WireError};
+
+pub(super) fn refused(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::Refused, m)
+}
+
+pub(super) fn bad_request(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::BadRequest, m)
+}
+
+pub(super) fn permission(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::Permission, m)
+}
+
+pub(super) fn no_space(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::NoSpace, m)
+}
+
+pub(super) fn unsupported(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::Unsupported, m)
+}
+
+pub(super) fn internal(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::Internal, m)
+}
+
+/// A batch larger than [`MAX_BATCH`] is refused whole.
+pub(super) fn check_batch(what: &str, n: usize) -> Result<(), WireError> {
+    if n > MAX_BATCH {
+        return Err(bad_request(format!(
+            "{n} {what} in one request; at most {MAX_BATCH} are taken: split the batch"
+        )));
+    }
+    Ok(())
+}
+
+pub(super) fn check_key(key: &str) -> Result<(), WireError> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        let shown: String = key.chars().take(64).collect();
+        return Err(bad_request(format!(
+            "key {shown:?} ({} bytes) must be 1 to {MAX_KEY_LEN} bytes",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+pub(super) fn check_keys(keys: &[String]) -> Result<(), WireError> {
+    check_batch("keys", keys.len())?;
+    keys.iter().try_for_each(|k| check_key(k))
+}
+
+impl From<SessionError> for WireError {
+    fn from(e: SessionError) -> WireError {
+        refused(e.to_string())
+    }
+}
+
+impl From<LeaseError> for WireError {
+    fn from(e: LeaseError) -> WireError {
+        match e {
+            LeaseError::Limit { .. } => refused(e.to_string()),
+            LeaseError::NotYours { .. } => permission(e.to_string()),
+        }
+    }
+}
