@@ -7,3 +7,4 @@ pub mod net;
 pub mod rm;
 pub mod transport;
 pub mod wire;
+pub mod worker;

@@ -166,16 +166,13 @@ impl KeyDirectory {
         Some(e)
     }
 
-    /// Removes every key of the region at once; returns the removed ids.
-    pub fn drop_region(&mut self, region_id: u64) -> Vec<KeyId> {
+    /// Removes every key of the region at once; returns the removed entries.
+    pub fn drop_region(&mut self, region_id: u64) -> Vec<KeyEntry> {
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
             Some(r) => r.lru.iter().map(|(_, id)| *id).collect(),
             None => return Vec::new(),
         };
-        for id in &ids {
-            self.remove(*id);
-        }
-        ids
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
     }
 
     pub fn region_keys(&self, region_id: u64) -> usize {

@@ -1,0 +1,292 @@
+//! The metadata server as a state machine: requests, closed connections and time go
+//! in, replies come out; the RM and the agents are reached through ports lent per
+//! call. No sockets, threads or clocks.
+//!
+//! The requests themselves are carried out in `session_ops` (sessions and regions),
+//! `store_ops` (pages and publish), `read_ops` (exists and leases), `evict_ops`
+//! (victims and remove) and `stats`.
+
+use super::config::{ConfigError, MetaConfig};
+use super::errors::{refused, unsupported};
+use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
+use super::keys::KeyDirectory;
+use super::leases::LeaseTable;
+use super::ports::{AgentPort, RmPort};
+use super::regions::{Holder, RegionTable};
+use super::sessions::{EndReason, SessionTable};
+use crate::wire::meta::{
+    CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE,
+    LEASE_LIMIT, MAX_BATCH, SERVICE,
+};
+use crate::wire::WireError;
+
+/// Counters kept since the server started.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Totals {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// maru-server's core. See the [module docs](super) for the rules it keeps.
+pub struct MetaCore {
+    pub(super) cfg: MetaConfig,
+    pub(super) sessions: SessionTable,
+    pub(super) regions: RegionTable,
+    pub(super) keys: KeyDirectory,
+    pub(super) leases: LeaseTable,
+    pub(super) keeper: RegionKeeper,
+    pub(super) totals: Totals,
+}
+
+impl MetaCore {
+    pub fn new(config: MetaConfig) -> Result<MetaCore, ConfigError> {
+        config.validate()?;
+        Ok(MetaCore {
+            sessions: SessionTable::new(config.max_sessions, config.session_timeout_ms),
+            regions: RegionTable::new(),
+            keys: KeyDirectory::new(),
+            leases: LeaseTable::new(LEASE_LIMIT),
+            keeper: RegionKeeper::new(KeeperTimes {
+                silence_ms: config.keeper_silence_ms,
+                check_ms: config.keeper_check_ms,
+                retry_ms: config.retry_ms,
+            }),
+            totals: Totals::default(),
+            cfg: config,
+        })
+    }
+
+    pub fn config(&self) -> &MetaConfig {
+        &self.cfg
+    }
+
+    /// Sessions open now (expired ones are gone).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Regions maru-server holds at the RM: of sessions, kept, and going back.
+    pub fn region_count(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Carries out one request of `client_id`. Requests of a session must come from
+    /// the client that opened it. An error changes nothing, except that a refused
+    /// region request may make the keeper give a kept region back.
+    pub fn handle(
+        &mut self,
+        client_id: &str,
+        req: MetaRequest,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) -> Result<MetaReply, WireError> {
+        self.expire(now_ms);
+        match req {
+            MetaRequest::Handshake {} => Ok(MetaReply::Handshake(self.handshake())),
+            MetaRequest::OpenSession {
+                engine_id,
+                namespace,
+                layout,
+                backend,
+            } => self.open_session(client_id, &engine_id, &namespace, &layout, backend, now_ms, rm),
+            MetaRequest::Expand { session } => self.expand(client_id, session, now_ms, rm),
+            MetaRequest::Alloc {
+                session,
+                count,
+                route_key,
+            } => self.alloc_pages(client_id, session, count, route_key.as_deref(), now_ms),
+            MetaRequest::FreePages { session, pages } => {
+                self.free_pages(client_id, session, &pages, now_ms)
+            }
+            MetaRequest::Publish { session, entries } => {
+                self.publish(client_id, session, &entries, now_ms)
+            }
+            MetaRequest::Exists { session, keys } => self.exists(client_id, session, &keys, now_ms),
+            MetaRequest::Acquire { session, keys } => {
+                self.acquire(client_id, session, &keys, now_ms)
+            }
+            MetaRequest::ReleaseLeases { session, lease_ids } => {
+                self.release_leases(client_id, session, &lease_ids, now_ms)
+            }
+            MetaRequest::Victims { session, max } => self.victims(client_id, session, max, now_ms),
+            MetaRequest::Remove { session, keys } => self.remove(client_id, session, &keys, now_ms),
+            MetaRequest::ReturnRegion {
+                session,
+                region_id,
+                released,
+            } => self.return_region(client_id, session, region_id, released, now_ms, rm),
+            MetaRequest::Heartbeat { session, boot_ids } => {
+                self.heartbeat(client_id, session, &boot_ids, now_ms)
+            }
+            MetaRequest::Close { session, drained } => {
+                self.close(client_id, session, drained, now_ms)
+            }
+            MetaRequest::Stats { session } => self.stats(client_id, session),
+            MetaRequest::Usage => Ok(MetaReply::Usage(self.usage())),
+        }
+    }
+
+    /// Timers: expired leases and sessions end, the keeper checks its mappings, and
+    /// regions on their way back are released at their agent and freed at the RM.
+    pub fn tick(&mut self, now_ms: u64, rm: &mut dyn RmPort, agents: &mut dyn AgentPort) {
+        self.expire(now_ms);
+        let events = self.keeper.run(now_ms, rm, agents);
+        self.apply(&events);
+    }
+
+    /// When [`tick`](Self::tick) must run next.
+    pub fn next_deadline(&self) -> Option<u64> {
+        [
+            self.sessions.next_expiry(),
+            self.leases.next_expiry(),
+            self.keeper.next_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// A connection of `client_id` closed. Its sessions go on (the worker may
+    /// reconnect) and expire only when their requests stop; its leases stay, since
+    /// its READs may still be in flight.
+    pub fn client_closed(&mut self, client_id: &str, _now_ms: u64) {
+        self.sessions.client_closed(client_id);
+    }
+
+    fn handshake(&self) -> HandshakeReply {
+        let mut capabilities = vec![CAP_CXL_STORAGE.to_string()];
+        if !self.cfg.agents.is_empty() {
+            capabilities.push(CAP_REMOTE_CXL_STORAGE.to_string());
+        }
+        HandshakeReply {
+            service: SERVICE.to_string(),
+            capabilities,
+            rm_address: self.cfg.rm_address.clone(),
+            agents: self.cfg.agents.clone(),
+            region_size: self.cfg.region_size,
+            chunk_size: self.cfg.chunk_size,
+            max_batch: MAX_BATCH,
+            lease_limit: LEASE_LIMIT,
+            session_timeout_ms: self.cfg.session_timeout_ms,
+            lease_timeout_ms: self.cfg.lease_timeout_ms,
+        }
+    }
+
+    /// The live session `id` of `client_id`, marked as just seen.
+    pub(super) fn session(
+        &mut self,
+        client_id: &str,
+        id: u64,
+        now_ms: u64,
+    ) -> Result<u64, WireError> {
+        self.sessions.lookup(client_id, id)?;
+        if let Some(s) = self.sessions.get_mut(id) {
+            s.last_seen_ms = s.last_seen_ms.max(now_ms);
+            s.connected = true;
+        }
+        Ok(id)
+    }
+
+    /// Ends leases and sessions whose time is up. State only: what the ports must
+    /// do for an expired session's regions is left to the next tick.
+    fn expire(&mut self, now_ms: u64) {
+        self.leases.expire(now_ms);
+        for id in self.sessions.expired(now_ms) {
+            log::info!("session {id} expired: its regions go to the region keeper");
+            self.end_session(id, EndReason::Expired, true, now_ms);
+        }
+    }
+
+    /// Ends a session. `drained`: its regions with keys go to the keeper and stay
+    /// readable; otherwise (and for regions without keys) they go back.
+    pub(super) fn end_session(
+        &mut self,
+        id: u64,
+        reason: EndReason,
+        drained: bool,
+        now_ms: u64,
+    ) -> CloseReply {
+        let mut reply = CloseReply {
+            kept: Vec::new(),
+            given_back: Vec::new(),
+            leases_ended: 0,
+        };
+        let Some(s) = self.sessions.end(id, reason) else {
+            return reply;
+        };
+        reply.leases_ended = self.leases.end_session(id);
+        for rid in s.regions {
+            let Some(r) = self.regions.get_mut(rid) else {
+                continue;
+            };
+            if drained && self.keys.region_keys(rid) > 0 {
+                r.holder = Holder::Keeper;
+                self.keeper
+                    .keep(r.handle.clone(), r.agent.clone(), r.boot_id.clone(), now_ms);
+                reply.kept.push(rid);
+            } else {
+                let why = if drained {
+                    GiveBackReason::NoKeys
+                } else {
+                    GiveBackReason::Abandoned
+                };
+                r.holder = Holder::GivingBack;
+                let (handle, agent) = (r.handle.clone(), r.agent.clone());
+                self.hide_region(rid);
+                self.keeper.give_back(handle, agent, false, why, now_ms);
+                reply.given_back.push(rid);
+            }
+        }
+        reply
+    }
+
+    /// Drops every key of the region and ends its leases, at once. Returns (keys,
+    /// leases). The pages of the dropped keys are free again.
+    pub(super) fn hide_region(&mut self, region_id: u64) -> (usize, usize) {
+        let dropped = self.keys.drop_region(region_id);
+        let ended = self.leases.end_region(region_id);
+        if let Some(r) = self.regions.get_mut(region_id) {
+            // Keys are write-once, so a page that held one is written no more.
+            for e in &dropped {
+                let _ = r.pages.free(e.loc.offset / self.cfg.chunk_size);
+            }
+        }
+        (dropped.len(), ended)
+    }
+
+    /// Applies what the keeper did: lost regions' keys go now, freed regions go.
+    pub(super) fn apply(&mut self, events: &[KeeperEvent]) {
+        for e in events {
+            match *e {
+                KeeperEvent::Lost { region_id, .. } => {
+                    if let Some(r) = self.regions.get_mut(region_id) {
+                        r.holder = Holder::GivingBack;
+                    }
+                    self.hide_region(region_id);
+                }
+                KeeperEvent::Freed { region_id } => {
+                    self.regions.remove(region_id);
+                }
+            }
+        }
+    }
+
+    pub(super) fn check_backend_configured(
+        &self,
+        backend: crate::wire::meta::Backend,
+    ) -> Result<(), WireError> {
+        if backend == crate::wire::meta::Backend::RemoteCxl && self.cfg.agents.is_empty() {
+            return Err(unsupported(
+                "this maru-server has no remote CXL agents, so it serves no remote_cxl \
+                 sessions: start it with --remote-cxl-agent host:port",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn unknown_region(region_id: u64) -> WireError {
+        refused(format!(
+            "unknown region {region_id} (already returned or never handed out)"
+        ))
+    }
+}

@@ -1,0 +1,94 @@
+//! The read side: finding published keys and leasing them with read handles.
+
+use super::core::MetaCore;
+use super::errors::{check_batch, check_keys, internal};
+use super::keys::KeyId;
+use crate::auth::read_token;
+use crate::wire::meta::{Backend, LeaseGrant, MetaReply};
+use crate::wire::WireError;
+
+impl MetaCore {
+    /// Per key, whether a session of the same scope published it. Probes do not
+    /// count as hits or reads.
+    pub(super) fn exists(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        keys: &[String],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_keys(keys)?;
+        let id = self.session(client_id, session, now_ms)?;
+        let Some(s) = self.sessions.get(id) else {
+            return Err(internal(format!("session {id} vanished")));
+        };
+        let found = keys
+            .iter()
+            .map(|k| self.keys.find(s.scope, k).is_some())
+            .collect();
+        Ok(MetaReply::Exists { found })
+    }
+
+    /// A lease per found key, with the read handle of its range. The whole request
+    /// is refused when its leases would pass the session's limit.
+    pub(super) fn acquire(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        keys: &[String],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_keys(keys)?;
+        let id = self.session(client_id, session, now_ms)?;
+        let Some(s) = self.sessions.get(id) else {
+            return Err(internal(format!("session {id} vanished")));
+        };
+        let found: Vec<Option<KeyId>> = keys.iter().map(|k| self.keys.find(s.scope, k)).collect();
+        let hits = found.iter().flatten().count();
+        self.leases.check_room(id, hits)?;
+        let expires_ms = now_ms.saturating_add(self.cfg.lease_timeout_ms);
+        let mut leases = Vec::with_capacity(keys.len());
+        for k in found {
+            let grant = k.and_then(|k| {
+                let loc = self.keys.get(k)?.loc;
+                let r = self.regions.get_mut(loc.region_id)?;
+                r.last_read_ms = now_ms;
+                let lease_id = self.leases.grant(id, k, loc.region_id, expires_ms);
+                self.keys.touch(k);
+                Some(LeaseGrant {
+                    lease_id,
+                    region_id: loc.region_id,
+                    offset: loc.offset,
+                    length: loc.length,
+                    read_token: read_token(&r.handle.token, loc.region_id, loc.offset, loc.length),
+                    agent: r.agent.clone(),
+                    device: (r.backend == Backend::Cxl).then(|| r.device_range()),
+                    expires_in_ms: self.cfg.lease_timeout_ms,
+                })
+            });
+            leases.push(grant);
+        }
+        let found_now = leases.iter().flatten().count() as u64;
+        let missed = keys.len() as u64 - found_now;
+        if let Some(s) = self.sessions.get_mut(id) {
+            s.hits += found_now;
+            s.misses += missed;
+        }
+        self.totals.hits += found_now;
+        self.totals.misses += missed;
+        Ok(MetaReply::Leases { leases })
+    }
+
+    pub(super) fn release_leases(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        lease_ids: &[u64],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_batch("lease ids", lease_ids.len())?;
+        let id = self.session(client_id, session, now_ms)?;
+        let released = self.leases.release(id, lease_ids)?;
+        Ok(MetaReply::LeasesReleased { released })
+    }
+}

@@ -1,0 +1,189 @@
+//! The store side: pages of the session's regions, freeing unused pages, and
+//! publishing keys after the worker's WRITE completed.
+
+use super::core::MetaCore;
+use super::errors::{bad_request, check_batch, check_key, internal, permission};
+use super::keys::{Location, Published};
+use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
+use crate::wire::WireError;
+use std::collections::{HashMap, HashSet};
+
+impl MetaCore {
+    /// Up to `count` pages, oldest region first. Never asks the RM: the reply says
+    /// how many are missing and the worker expands (or evicts) for them.
+    pub(super) fn alloc_pages(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        count: u32,
+        route_key: Option<&str>,
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_batch("pages", count as usize)?;
+        if route_key.is_some_and(|k| k.len() > MAX_KEY_LEN) {
+            return Err(bad_request(format!(
+                "the route key is longer than {MAX_KEY_LEN} bytes"
+            )));
+        }
+        let id = self.session(client_id, session, now_ms)?;
+        let Some(s) = self.sessions.get(id) else {
+            return Err(internal(format!("session {id} vanished")));
+        };
+        let page_size = self.cfg.chunk_size;
+        let mut pages = Vec::with_capacity(count as usize);
+        for &rid in &s.regions {
+            let Some(r) = self.regions.get_mut(rid) else {
+                continue;
+            };
+            while pages.len() < count as usize {
+                let Some(page) = r.pages.alloc() else {
+                    break;
+                };
+                pages.push(PageGrant {
+                    region_id: rid,
+                    page,
+                    offset: page * page_size,
+                    length: page_size,
+                });
+            }
+            if pages.len() == count as usize {
+                break;
+            }
+        }
+        let missing = count - pages.len() as u32;
+        Ok(MetaReply::Pages(PagesReply { pages, missing }))
+    }
+
+    /// Frees pages of the session that hold no key. All or nothing.
+    pub(super) fn free_pages(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        pages: &[PageRef],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_batch("pages", pages.len())?;
+        let id = self.session(client_id, session, now_ms)?;
+        let Some(s) = self.sessions.get(id) else {
+            return Err(internal(format!("session {id} vanished")));
+        };
+        let page_size = self.cfg.chunk_size;
+        let mut seen = HashSet::new();
+        for p in pages {
+            let Some(r) = self
+                .regions
+                .get(p.region_id)
+                .filter(|_| s.regions.contains(&p.region_id))
+            else {
+                return Err(permission(format!(
+                    "region {} is not a region of session {id}; nothing was freed",
+                    p.region_id
+                )));
+            };
+            r.pages.check_free(p.page).map_err(|e| {
+                bad_request(format!("region {}: {e}; nothing was freed", p.region_id))
+            })?;
+            if !seen.insert(*p) {
+                return Err(bad_request(format!(
+                    "page {} of region {} is named twice; nothing was freed",
+                    p.page, p.region_id
+                )));
+            }
+            if let Some(k) = self.keys.at(p.region_id, p.page * page_size) {
+                let name = self.keys.get(k).map(|e| e.name.as_str()).unwrap_or("?");
+                return Err(bad_request(format!(
+                    "page {} of region {} holds key {name:?}: remove the key instead; nothing \
+                     was freed",
+                    p.page, p.region_id
+                )));
+            }
+        }
+        for p in pages {
+            if let Some(r) = self.regions.get_mut(p.region_id) {
+                // Checked above; nothing else touched the pages since.
+                let _ = r.pages.free(p.page);
+            }
+        }
+        Ok(MetaReply::PagesFreed { freed: pages.len() })
+    }
+
+    /// Publishes keys into allocated pages of the caller's own regions. All entries
+    /// are checked before any is published; the first publish of a key wins.
+    pub(super) fn publish(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        entries: &[PublishEntry],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_batch("entries", entries.len())?;
+        let id = self.session(client_id, session, now_ms)?;
+        let Some(s) = self.sessions.get(id) else {
+            return Err(internal(format!("session {id} vanished")));
+        };
+        let scope = s.scope;
+        let page_size = self.cfg.chunk_size;
+        let mut pages: HashMap<(u64, u64), &str> = HashMap::new();
+        for (i, e) in entries.iter().enumerate() {
+            check_key(&e.key)?;
+            let at = |what: String| format!("entry {i} (key {:?}): {what}", e.key);
+            let Some(r) = self
+                .regions
+                .get(e.region_id)
+                .filter(|_| s.regions.contains(&e.region_id))
+            else {
+                return Err(permission(at(format!(
+                    "region {} is not a region of session {id}; a session publishes only into \
+                     its own regions; nothing was published",
+                    e.region_id
+                ))));
+            };
+            if e.offset % page_size != 0 || !r.pages.is_allocated(e.offset / page_size) {
+                return Err(bad_request(at(format!(
+                    "offset {} of region {} is not a page allocated to the session (pages are \
+                     {page_size} bytes; take them with alloc); nothing was published",
+                    e.offset, e.region_id
+                ))));
+            }
+            if e.length == 0 || e.length > page_size {
+                return Err(bad_request(at(format!(
+                    "length {} must be 1 to the page size {page_size}; nothing was published",
+                    e.length
+                ))));
+            }
+            if let Some(k) = self.keys.at(e.region_id, e.offset) {
+                let same = self
+                    .keys
+                    .get(k)
+                    .is_some_and(|x| x.name == e.key && x.scope == scope);
+                if !same {
+                    return Err(bad_request(at(format!(
+                        "the page at offset {} of region {} holds another key; nothing was \
+                         published",
+                        e.offset, e.region_id
+                    ))));
+                }
+            }
+            if let Some(other) = pages.insert((e.region_id, e.offset), &e.key) {
+                if other != e.key {
+                    return Err(bad_request(at(format!(
+                        "key {other:?} of the same request is published at the same page; \
+                         nothing was published"
+                    ))));
+                }
+            }
+        }
+        let is_new = entries
+            .iter()
+            .map(|e| {
+                let loc = Location {
+                    region_id: e.region_id,
+                    offset: e.offset,
+                    length: e.length,
+                };
+                matches!(self.keys.publish(scope, &e.key, loc), Published::New(_))
+            })
+            .collect();
+        Ok(MetaReply::Published { is_new })
+    }
+}

@@ -1,0 +1,363 @@
+//! Staging slots: one registered buffer split into fixed slots, in two independently
+//! sized pools — loads (sized by pipeline depth) and stores (sized by what stores keep
+//! in flight) — so neither side can starve the other and no 50:50 split is needed.
+//!
+//! A [`Slot`] is owned: it goes back to its pool when dropped, so it returns exactly
+//! once by construction. A transfer whose outcome is unknown keeps its slots by keeping
+//! the `Slot` values (see `transfer.rs`), not by bookkeeping on the side.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SlotPool {
+    Load,
+    Store,
+}
+
+impl fmt::Display for SlotPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SlotPool::Load => "load",
+            SlotPool::Store => "store",
+        })
+    }
+}
+
+/// Sizes of the staging buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingLayout {
+    pub slot_size: usize,
+    pub load_slots: usize,
+    pub store_slots: usize,
+}
+
+impl StagingLayout {
+    pub fn total_bytes(&self) -> usize {
+        self.slot_size * (self.load_slots + self.store_slots)
+    }
+
+    /// Checks the layout against one request's working set: `chunk` bytes per slot,
+    /// `min_load` and `min_store` slots at least. A configured size that cannot hold
+    /// that is a configuration error (reported at open, never retried).
+    pub fn validate(&self, chunk: usize, min_load: usize, min_store: usize) -> Result<(), String> {
+        if self.slot_size < chunk {
+            return Err(format!(
+                "staging slot size {} is smaller than the chunk size {chunk}",
+                self.slot_size
+            ));
+        }
+        if self.load_slots < min_load {
+            return Err(format!(
+                "{} load slots cannot hold one request's load batch of {min_load} chunks; raise the load staging size",
+                self.load_slots
+            ));
+        }
+        if self.store_slots < min_store {
+            return Err(format!(
+                "{} store slots cannot hold one step's {min_store} chunks; raise the store staging size",
+                self.store_slots
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct FreeLists {
+    load: Vec<usize>,
+    store: Vec<usize>,
+}
+
+struct Inner {
+    base: *mut u8,
+    layout: StagingLayout,
+    free: Mutex<FreeLists>,
+    cv: Condvar,
+    /// The buffer itself (owned here so it outlives every slot).
+    _buf: Buffer,
+}
+
+// SAFETY: the raw base pointer is only dereferenced through slots, each of which is
+// owned by one holder at a time.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+/// Page-aligned anonymous memory for the staging buffer.
+struct Buffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buffer {
+    fn new(len: usize) -> std::io::Result<Buffer> {
+        let len = len.max(1);
+        // SAFETY: an anonymous private mapping; checked for MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Buffer { ptr: p.cast(), len })
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: unmapping what `new` mapped.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// The staging buffer and its slot pools.
+#[derive(Clone)]
+pub struct StagingSlots {
+    inner: Arc<Inner>,
+}
+
+/// One slot, owned. Dropping it returns it to its pool.
+pub struct Slot {
+    index: usize,
+    pool: SlotPool,
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Slot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Slot({} {})", self.pool, self.index)
+    }
+}
+
+impl StagingSlots {
+    pub fn new(layout: StagingLayout) -> std::io::Result<StagingSlots> {
+        let buf = Buffer::new(layout.total_bytes())?;
+        let free = FreeLists {
+            load: (0..layout.load_slots).rev().collect(),
+            store: (layout.load_slots..layout.load_slots + layout.store_slots)
+                .rev()
+                .collect(),
+        };
+        Ok(StagingSlots {
+            inner: Arc::new(Inner {
+                base: buf.ptr,
+                layout,
+                free: Mutex::new(free),
+                cv: Condvar::new(),
+                _buf: buf,
+            }),
+        })
+    }
+
+    pub fn layout(&self) -> StagingLayout {
+        self.inner.layout
+    }
+
+    /// The whole buffer (to register with the transport and the memory hook).
+    pub fn buffer(&self) -> (*mut u8, usize) {
+        (self.inner.base, self.inner.layout.total_bytes())
+    }
+
+    /// Free slots of a pool now.
+    pub fn free(&self, pool: SlotPool) -> usize {
+        self.inner
+            .free
+            .lock()
+            .map(|f| list(&f, pool).len())
+            .unwrap_or(0)
+    }
+
+    /// Takes up to `n` free slots of `pool` without waiting (maybe none).
+    pub fn try_acquire(&self, pool: SlotPool, n: usize) -> Vec<Slot> {
+        let Ok(mut f) = self.inner.free.lock() else {
+            return Vec::new();
+        };
+        self.take(&mut f, pool, n)
+    }
+
+    /// Takes between 1 and `n` slots, waiting up to `timeout` for at least one.
+    pub fn acquire(&self, pool: SlotPool, n: usize, timeout: Duration) -> Vec<Slot> {
+        let deadline = Instant::now() + timeout;
+        let Ok(mut f) = self.inner.free.lock() else {
+            return Vec::new();
+        };
+        loop {
+            if n == 0 || !list(&f, pool).is_empty() {
+                return self.take(&mut f, pool, n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Vec::new();
+            }
+            f = match self.inner.cv.wait_timeout(f, deadline - now) {
+                Ok((g, _)) => g,
+                Err(_) => return Vec::new(),
+            };
+        }
+    }
+
+    fn take(&self, f: &mut FreeLists, pool: SlotPool, n: usize) -> Vec<Slot> {
+        let l = list_mut(f, pool);
+        let k = n.min(l.len());
+        let at = l.len() - k;
+        l.drain(at..)
+            .map(|index| Slot {
+                index,
+                pool,
+                inner: self.inner.clone(),
+            })
+            .collect()
+    }
+}
+
+fn list(f: &FreeLists, pool: SlotPool) -> &Vec<usize> {
+    match pool {
+        SlotPool::Load => &f.load,
+        SlotPool::Store => &f.store,
+    }
+}
+
+fn list_mut(f: &mut FreeLists, pool: SlotPool) -> &mut Vec<usize> {
+    match pool {
+        SlotPool::Load => &mut f.load,
+        SlotPool::Store => &mut f.store,
+    }
+}
+
+impl Slot {
+    pub fn pool(&self) -> SlotPool {
+        self.pool
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Offset of the slot in the staging buffer.
+    pub fn offset(&self) -> usize {
+        self.index * self.inner.layout.slot_size
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.layout.slot_size
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        // SAFETY: offset is inside the buffer by construction of the slot index.
+        unsafe { self.inner.base.add(self.offset()) }
+    }
+
+    /// The slot's bytes. Not to be used while a transfer into it is in flight.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the slot is owned by `self`; no other slot overlaps it.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len()) }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut f) = self.inner.free.lock() {
+            list_mut(&mut f, self.pool).push(self.index);
+        }
+        self.inner.cv.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(l: usize, s: usize) -> StagingSlots {
+        StagingSlots::new(StagingLayout {
+            slot_size: 4096,
+            load_slots: l,
+            store_slots: s,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn pools_are_independent() {
+        let st = slots(2, 3);
+        let stores = st.try_acquire(SlotPool::Store, 10);
+        assert_eq!(stores.len(), 3);
+        // Stores holding every store slot leave the load slots alone.
+        let loads = st.try_acquire(SlotPool::Load, 10);
+        assert_eq!(loads.len(), 2);
+        assert!(st
+            .acquire(SlotPool::Store, 1, Duration::from_millis(10))
+            .is_empty());
+        drop(stores);
+        assert_eq!(st.free(SlotPool::Store), 3);
+        assert_eq!(st.free(SlotPool::Load), 0);
+        drop(loads);
+        assert_eq!(st.free(SlotPool::Load), 2);
+    }
+
+    #[test]
+    fn slots_do_not_overlap_and_return_once() {
+        let st = slots(3, 3);
+        let mut all = st.try_acquire(SlotPool::Load, 3);
+        all.extend(st.try_acquire(SlotPool::Store, 3));
+        let mut offs: Vec<usize> = all.iter().map(|s| s.offset()).collect();
+        offs.sort();
+        offs.dedup();
+        assert_eq!(offs.len(), 6);
+        for (i, s) in all.iter_mut().enumerate() {
+            s.bytes_mut().fill(i as u8);
+        }
+        for (i, s) in all.iter().enumerate() {
+            assert!(s.bytes().iter().all(|&b| b == i as u8));
+        }
+        drop(all);
+        assert_eq!(st.free(SlotPool::Load) + st.free(SlotPool::Store), 6);
+    }
+
+    #[test]
+    fn a_waiter_gets_a_slot_when_one_comes_back() {
+        let st = slots(1, 0);
+        let held = st.try_acquire(SlotPool::Load, 1);
+        let st2 = st.clone();
+        let t = std::thread::spawn(move || {
+            st2.acquire(SlotPool::Load, 1, Duration::from_secs(10))
+                .len()
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        drop(held);
+        assert_eq!(t.join().unwrap(), 1);
+    }
+
+    #[test]
+    fn validate_rejects_a_layout_that_cannot_hold_a_request() {
+        let l = StagingLayout {
+            slot_size: 1 << 20,
+            load_slots: 4,
+            store_slots: 8,
+        };
+        assert!(l.validate(1 << 20, 4, 8).is_ok());
+        assert!(l
+            .validate(2 << 20, 4, 8)
+            .unwrap_err()
+            .contains("chunk size"));
+        assert!(l.validate(1 << 20, 5, 8).unwrap_err().contains("load"));
+        assert!(l.validate(1 << 20, 4, 9).unwrap_err().contains("store"));
+    }
+}

@@ -1,0 +1,320 @@
+//! Transfer isolation. A transfer posts one batch per peer (agent), each with the
+//! staging slots its operations use. When it ends:
+//! - a peer whose batch completed (done or failed for sure) gives its slots back;
+//! - a peer never posted to gives its slots back;
+//! - a peer whose batch is still pending at the deadline (its outcome unknown: the NIC
+//!   may still be moving bytes into those slots) keeps *only its own* slots, in the
+//!   [`Isolation`] registry, until that peer is fenced; then they come back too.
+//!
+//! Upstream kept such slots until the process restarted; the fence (QP to error and
+//! its flushed completions drained, or the soft reader stopped) is the proof that no
+//! DMA touches them any more.
+
+use super::staging::Slot;
+use crate::transport::{BatchState, Op, PeerId, Transport, TransportError};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One peer's part of a transfer.
+pub struct PeerBatch {
+    pub peer: PeerId,
+    pub ops: Vec<Op>,
+    pub slots: Vec<Slot>,
+}
+
+/// How one peer's part ended.
+#[derive(Debug)]
+pub enum PeerOutcome {
+    /// Every operation completed; the slots (with READ data) are the caller's again.
+    Done(Vec<Slot>),
+    /// Failed for sure (nothing in flight); the slots went back.
+    Failed(TransportError),
+    /// Outcome unknown at the deadline; the slots are kept until the peer is fenced.
+    Kept(PeerId),
+}
+
+impl PeerOutcome {
+    pub fn is_done(&self) -> bool {
+        matches!(self, PeerOutcome::Done(_))
+    }
+}
+
+/// Slots of transfers whose outcome is unknown, per peer.
+#[derive(Default)]
+pub struct Isolation {
+    kept: Mutex<Vec<(PeerId, Vec<Slot>)>>,
+}
+
+impl Isolation {
+    pub fn new() -> Isolation {
+        Isolation::default()
+    }
+
+    /// Slots kept now.
+    pub fn kept_slots(&self) -> usize {
+        self.kept
+            .lock()
+            .map(|k| k.iter().map(|(_, s)| s.len()).sum())
+            .unwrap_or(0)
+    }
+
+    /// Peers that have kept slots.
+    pub fn peers(&self) -> Vec<PeerId> {
+        let mut p: Vec<PeerId> = self
+            .kept
+            .lock()
+            .map(|k| k.iter().map(|(p, _)| *p).collect())
+            .unwrap_or_default();
+        p.sort();
+        p.dedup();
+        p
+    }
+
+    fn keep(&self, peer: PeerId, slots: Vec<Slot>) {
+        if let Ok(mut k) = self.kept.lock() {
+            k.push((peer, slots));
+        }
+    }
+
+    /// Fences every peer with kept slots and gives their slots back. Returns the
+    /// fenced peers: they must be connected again before use. A peer whose fence
+    /// fails keeps its slots (and is retried next time).
+    pub fn reclaim(&self, t: &dyn Transport) -> Vec<PeerId> {
+        let mut fenced = Vec::new();
+        for peer in self.peers() {
+            match t.fence(peer) {
+                Ok(()) | Err(TransportError::NoPeer(_)) => {
+                    // NoPeer: already fenced (e.g. by another reclaim): no DMA is left.
+                    if let Ok(mut k) = self.kept.lock() {
+                        k.retain(|(p, _)| *p != peer);
+                    }
+                    fenced.push(peer);
+                }
+                Err(e) => log::warn!("fence of peer {} failed, its slots stay kept: {e}", peer.0),
+            }
+        }
+        fenced
+    }
+}
+
+/// Posts every peer's batch and waits for all of them until `timeout`.
+pub fn execute(
+    t: &dyn Transport,
+    batches: Vec<PeerBatch>,
+    timeout: Duration,
+    iso: &Isolation,
+) -> Vec<PeerOutcome> {
+    let deadline = Instant::now() + timeout;
+    let mut posted = Vec::with_capacity(batches.len());
+    for b in batches {
+        match t.post(b.peer, &b.ops) {
+            Ok(id) => posted.push(Ok((b, id))),
+            // Nothing was sent for this peer: its slots come back when `b` drops.
+            Err(e) => posted.push(Err(e)),
+        }
+    }
+    posted
+        .into_iter()
+        .map(|p| match p {
+            Err(e) => PeerOutcome::Failed(e),
+            Ok((b, id)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let st = t.wait(id, left);
+                match st {
+                    BatchState::Done => {
+                        t.forget(id);
+                        PeerOutcome::Done(b.slots)
+                    }
+                    BatchState::Failed(e) => {
+                        t.forget(id);
+                        PeerOutcome::Failed(e)
+                    }
+                    BatchState::Pending => {
+                        log::warn!(
+                            "transfer to peer {} did not finish in time: keeping its {} slots until the peer is fenced",
+                            b.peer.0,
+                            b.slots.len()
+                        );
+                        iso.keep(b.peer, b.slots);
+                        PeerOutcome::Kept(b.peer)
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{BatchId, Bringup, LocalBuffer, OpKind};
+    use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
+    use std::collections::{HashMap, HashSet};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A transport whose peers either complete at once, fail, or never answer until fenced.
+    #[derive(Default)]
+    struct FaultTransport {
+        silent: HashSet<u64>,
+        failing: HashSet<u64>,
+        refuse_post: HashSet<u64>,
+        batches: Mutex<HashMap<BatchId, (PeerId, BatchState)>>,
+        fenced: Mutex<Vec<PeerId>>,
+        next: AtomicU64,
+    }
+
+    impl Transport for FaultTransport {
+        fn name(&self) -> &'static str {
+            "fault"
+        }
+        fn register_local(&self, _b: LocalBuffer) -> Result<(), TransportError> {
+            Ok(())
+        }
+        fn connect(
+            &self,
+            _m: &serde_json::Value,
+            _b: &mut Bringup<'_>,
+        ) -> Result<PeerId, TransportError> {
+            Ok(PeerId(0))
+        }
+        fn post(&self, peer: PeerId, _ops: &[Op]) -> Result<BatchId, TransportError> {
+            if self.refuse_post.contains(&peer.0) {
+                return Err(TransportError::NoPeer(peer));
+            }
+            let id = BatchId(self.next.fetch_add(1, Ordering::Relaxed));
+            let st = if self.silent.contains(&peer.0) {
+                BatchState::Pending
+            } else if self.failing.contains(&peer.0) {
+                BatchState::Failed(TransportError::BadKey { rkey: 1 })
+            } else {
+                BatchState::Done
+            };
+            self.batches.lock().unwrap().insert(id, (peer, st));
+            Ok(id)
+        }
+        fn state(&self, b: BatchId) -> BatchState {
+            self.batches
+                .lock()
+                .unwrap()
+                .get(&b)
+                .map(|x| x.1.clone())
+                .unwrap_or(BatchState::Failed(TransportError::NoBatch(b)))
+        }
+        fn wait(&self, b: BatchId, _t: Duration) -> BatchState {
+            self.state(b)
+        }
+        fn forget(&self, b: BatchId) {
+            self.batches.lock().unwrap().remove(&b);
+        }
+        fn fence(&self, peer: PeerId) -> Result<(), TransportError> {
+            self.fenced.lock().unwrap().push(peer);
+            Ok(())
+        }
+    }
+
+    fn batch(st: &StagingSlots, peer: u64, n: usize) -> PeerBatch {
+        let slots = st.try_acquire(SlotPool::Load, n);
+        assert_eq!(slots.len(), n);
+        let ops = slots
+            .iter()
+            .map(|s| Op {
+                kind: OpKind::Read,
+                local_offset: s.offset() as u64,
+                remote_addr: 0,
+                rkey: 1,
+                len: 8,
+            })
+            .collect();
+        PeerBatch {
+            peer: PeerId(peer),
+            ops,
+            slots,
+        }
+    }
+
+    #[test]
+    fn only_the_silent_peers_slots_are_kept_and_they_return_after_the_fence() {
+        let st = StagingSlots::new(StagingLayout {
+            slot_size: 64,
+            load_slots: 12,
+            store_slots: 0,
+        })
+        .unwrap();
+        for silent_peer in 0..3u64 {
+            let t = FaultTransport {
+                silent: [silent_peer].into(),
+                ..Default::default()
+            };
+            let iso = Isolation::new();
+            let out = execute(
+                &t,
+                vec![batch(&st, 0, 2), batch(&st, 1, 3), batch(&st, 2, 4)],
+                Duration::from_millis(1),
+                &iso,
+            );
+            let kept_n = [2, 3, 4][silent_peer as usize];
+            for (i, o) in out.iter().enumerate() {
+                if i as u64 == silent_peer {
+                    assert!(matches!(o, PeerOutcome::Kept(p) if p.0 == silent_peer));
+                } else {
+                    assert!(o.is_done());
+                }
+            }
+            drop(out); // the done peers' slots go back with their outcomes
+            assert_eq!(iso.kept_slots(), kept_n);
+            assert_eq!(
+                st.free(SlotPool::Load),
+                12 - kept_n,
+                "only the silent peer's slots are kept"
+            );
+            assert_eq!(iso.reclaim(&t), vec![PeerId(silent_peer)]);
+            assert_eq!(*t.fenced.lock().unwrap(), vec![PeerId(silent_peer)]);
+            assert_eq!(iso.kept_slots(), 0);
+            assert_eq!(
+                st.free(SlotPool::Load),
+                12,
+                "every slot is back, exactly once"
+            );
+        }
+    }
+
+    #[test]
+    fn failed_and_unposted_peers_give_their_slots_back_at_once() {
+        let st = StagingSlots::new(StagingLayout {
+            slot_size: 64,
+            load_slots: 6,
+            store_slots: 0,
+        })
+        .unwrap();
+        let t = FaultTransport {
+            failing: [0].into(),
+            refuse_post: [1].into(),
+            ..Default::default()
+        };
+        let iso = Isolation::new();
+        let out = execute(
+            &t,
+            vec![batch(&st, 0, 2), batch(&st, 1, 2), batch(&st, 2, 2)],
+            Duration::from_millis(1),
+            &iso,
+        );
+        assert!(matches!(
+            out[0],
+            PeerOutcome::Failed(TransportError::BadKey { .. })
+        ));
+        assert!(matches!(
+            out[1],
+            PeerOutcome::Failed(TransportError::NoPeer(_))
+        ));
+        assert!(out[2].is_done());
+        assert_eq!(
+            st.free(SlotPool::Load),
+            4,
+            "failed and unposted slots are back before the outcomes drop"
+        );
+        drop(out);
+        assert_eq!(st.free(SlotPool::Load), 6);
+        assert_eq!(iso.kept_slots(), 0);
+        assert!(iso.reclaim(&t).is_empty());
+    }
+}
