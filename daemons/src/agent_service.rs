@@ -3,7 +3,7 @@
 
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use maru::dax::{self, DeviceKind, Mapping};
-use maru::net::{Client, ClientError, ClientOptions, ConnId, Service};
+use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::transport::Target;
 use maru::wire::agent::{AgentReply, AgentRequest, SERVICE};
 use maru::wire::rm::{AccessReply, Handle, RmReply, RmRequest};
@@ -13,12 +13,10 @@ use std::os::unix::fs::FileTypeExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The RM, reached with a blocking client that reconnects on the next call after a
-/// failure. Only an RM answer with code `refused` is a refusal.
+/// The RM, reached over a reconnecting link. Only an RM answer with code `refused`
+/// is a refusal.
 pub struct RmLink {
-    addr: String,
-    opts: ClientOptions,
-    client: Option<Client>,
+    link: Link,
 }
 
 impl RmLink {
@@ -28,33 +26,15 @@ impl RmLink {
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
         RmLink {
-            addr,
-            opts,
-            client: None,
+            link: Link::new(addr, opts),
         }
     }
 
     fn call(&mut self, req: &RmRequest) -> Result<RmReply, RmCallError> {
-        if self.client.is_none() {
-            let c = Client::connect(&self.addr, &self.opts).map_err(|e| {
-                RmCallError::Failed(format!("resource manager at {}: {e}", self.addr))
-            })?;
-            self.client = Some(c);
-        }
-        let Some(c) = self.client.as_mut() else {
-            return Err(RmCallError::Failed("no RM connection".into()));
-        };
-        match c.call::<_, RmReply>(req) {
+        match self.link.call::<_, RmReply>(req) {
             Ok(r) => Ok(r),
-            Err(ClientError::Remote(e)) => Err(RmCallError::from(e)),
-            Err(e) => {
-                // The outcome is unknown; drop the connection and say so (no refusal).
-                self.client = None;
-                Err(RmCallError::Failed(format!(
-                    "resource manager at {}: {e}",
-                    self.addr
-                )))
-            }
+            Err(LinkError::Remote(e)) => Err(RmCallError::from(e)),
+            Err(e) => Err(RmCallError::Failed(e.to_string())),
         }
     }
 }

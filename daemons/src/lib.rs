@@ -3,4 +3,5 @@
 
 pub mod agent_service;
 pub mod common;
+pub mod meta_service;
 pub mod rm_service;

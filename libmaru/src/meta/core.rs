@@ -15,8 +15,8 @@ use super::ports::{AgentPort, RmPort};
 use super::regions::{Holder, RegionTable};
 use super::sessions::{EndReason, SessionTable};
 use crate::wire::meta::{
-    CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE,
-    LEASE_LIMIT, MAX_BATCH, SERVICE,
+    Backend, CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE,
+    CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH, SERVICE,
 };
 use crate::wire::WireError;
 
@@ -88,7 +88,9 @@ impl MetaCore {
                 namespace,
                 layout,
                 backend,
-            } => self.open_session(client_id, &engine_id, &namespace, &layout, backend, now_ms, rm),
+            } => self.open_session(
+                client_id, &engine_id, &namespace, &layout, backend, now_ms, rm,
+            ),
             MetaRequest::Expand { session } => self.expand(client_id, session, now_ms, rm),
             MetaRequest::Alloc {
                 session,
@@ -121,7 +123,7 @@ impl MetaCore {
             MetaRequest::Close { session, drained } => {
                 self.close(client_id, session, drained, now_ms)
             }
-            MetaRequest::Stats { session } => self.stats(client_id, session),
+            MetaRequest::Stats { session } => self.stats(session),
             MetaRequest::Usage => Ok(MetaReply::Usage(self.usage())),
         }
     }
@@ -271,11 +273,8 @@ impl MetaCore {
         }
     }
 
-    pub(super) fn check_backend_configured(
-        &self,
-        backend: crate::wire::meta::Backend,
-    ) -> Result<(), WireError> {
-        if backend == crate::wire::meta::Backend::RemoteCxl && self.cfg.agents.is_empty() {
+    pub(super) fn check_backend_configured(&self, backend: Backend) -> Result<(), WireError> {
+        if backend == Backend::RemoteCxl && self.cfg.agents.is_empty() {
             return Err(unsupported(
                 "this maru-server has no remote CXL agents, so it serves no remote_cxl \
                  sessions: start it with --remote-cxl-agent host:port",

@@ -1,1 +1,53 @@
-//! maru-server's sans-I/O core (in progress).
+//! The metadata server (maru-server): storage sessions, their regions and pages,
+//! the key directory, leases, eviction and the region keeper. It never touches KV
+//! bytes.
+//!
+//! [`MetaCore`] is the sans-I/O core. The daemon feeds it requests
+//! ([`MetaRequest`](crate::wire::meta::MetaRequest)), closed connections and the
+//! time, and lends it [ports](ports) to the RM and the agents. Rules it keeps:
+//!
+//! - a key is found only after it was published, and a session publishes only into
+//!   allocated pages of its own regions; the first publish of a key wins;
+//! - keys are shared only within one namespace, KV layout and backend;
+//! - a region larger than the RM's largest pool is refused for good;
+//! - victims and remove act only on keys of the caller's own regions; leased keys
+//!   are neither victims nor removed;
+//! - a returned region's keys stop being found at once and its leases end; the RM
+//!   frees a `remote_cxl` region only after its agent released it;
+//! - a session that stops sending requests expires; an ended session holds nothing
+//!   and does not count toward the session limit;
+//! - the regions of a worker that left go to the [region keeper](keeper): those with
+//!   keys stay readable until their memory node reboots, their agent refuses them or
+//!   stays silent for 30 s, or the RM needs room; the others go back;
+//! - bad input (unknown session, another session's lease, batches over
+//!   [`MAX_BATCH`](crate::wire::meta::MAX_BATCH)) gets a clear error and changes
+//!   nothing.
+
+mod config;
+mod core;
+mod errors;
+mod evict_ops;
+pub mod keeper;
+pub mod keys;
+pub mod leases;
+pub mod pages;
+pub mod ports;
+mod read_ops;
+pub mod regions;
+mod session_ops;
+pub mod sessions;
+mod stats;
+mod store_ops;
+
+#[cfg(test)]
+mod core_tests;
+#[cfg(test)]
+mod fakes;
+#[cfg(test)]
+mod keeper_tests;
+
+pub use self::config::{ConfigError, MetaConfig, DEFAULT_KEEPER_SILENCE_MS};
+pub use self::core::MetaCore;
+pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
+pub use pages::{PageAllocator, PageError};
+pub use ports::{AgentPort, PortError, RmPort};

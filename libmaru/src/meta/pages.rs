@@ -20,7 +20,10 @@ impl fmt::Display for PageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PageError::OutOfRange { page, pages } => {
-                write!(f, "page {page} is out of range (the region has {pages} pages)")
+                write!(
+                    f,
+                    "page {page} is out of range (the region has {pages} pages)"
+                )
             }
             PageError::NotAllocated { page } => {
                 write!(f, "page {page} is not allocated (freed twice?)")

@@ -217,7 +217,10 @@ impl MetaCore {
         let mut unknown_regions = Vec::new();
         let mut rebooted_regions = Vec::new();
         for (&rid, boot) in boot_ids {
-            let owned = self.sessions.get(id).is_some_and(|s| s.regions.contains(&rid));
+            let owned = self
+                .sessions
+                .get(id)
+                .is_some_and(|s| s.regions.contains(&rid));
             let Some(r) = self.regions.get_mut(rid).filter(|_| owned) else {
                 unknown_regions.push(rid);
                 continue;

@@ -176,7 +176,10 @@ impl SessionTable {
                 client_id: client_id.to_string(),
             }),
             None => Err(match self.ended_reason.get(&id) {
-                Some(&reason) => SessionError::Ended { session: id, reason },
+                Some(&reason) => SessionError::Ended {
+                    session: id,
+                    reason,
+                },
                 None => SessionError::Unknown { session: id },
             }),
         }
@@ -255,8 +258,8 @@ mod tests {
         let e = t.lookup("c1", a).unwrap_err();
         assert!(e.to_string().contains("expired"), "{e}");
         assert_eq!(
-            t.lookup("c1", 99),
-            Err(SessionError::Unknown { session: 99 })
+            t.lookup("c1", 99).unwrap_err(),
+            SessionError::Unknown { session: 99 }
         );
     }
 
@@ -280,6 +283,9 @@ mod tests {
         }
         assert_eq!(t.ended.len(), ENDED_RECORDS);
         assert_eq!(t.ended_reason.len(), ENDED_RECORDS);
-        assert_eq!(t.lookup("c", 1), Err(SessionError::Unknown { session: 1 }));
+        assert_eq!(
+            t.lookup("c", 1).unwrap_err(),
+            SessionError::Unknown { session: 1 }
+        );
     }
 }

@@ -7,11 +7,13 @@
 
 pub mod client;
 pub mod handshake;
+pub mod link;
 pub mod server;
 mod signals;
 mod sockopt;
 
 pub use client::{Client, ClientError, ClientOptions};
+pub use link::{Link, LinkError};
 pub use server::{ConnId, Server, ServerOptions, Service};
 pub use signals::SignalPipe;
 

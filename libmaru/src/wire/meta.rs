@@ -11,6 +11,14 @@
 //!
 //! Each request is a JSON object with an `op` field; each reply is tagged by `kind`.
 //! Offsets of pages, keys and leases are relative to the start of their region.
+//!
+//! Errors: `refused` — definitively not done and nothing held (unknown, ended or
+//! foreign session: open a new one; a region larger than the RM's largest pool: do
+//! not retry; the session or lease limit); `bad_request` — malformed input, a batch
+//! over [`MAX_BATCH`], a double free (nothing changed); `permission` — another
+//! session's region or lease (nothing changed); `no_space` — the RM has no room now
+//! (the keeper may be giving a kept region back: retry); `unsupported` — a backend
+//! this server is not configured for; `internal` — the RM could not be reached.
 
 use super::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
@@ -135,7 +143,7 @@ pub enum MetaRequest {
     /// The session is alive; the boot id its agent reported for each region it maps.
     Heartbeat {
         session: u64,
-        #[serde(default)]
+        #[serde(default, deserialize_with = "region_keyed")]
         boot_ids: BTreeMap<u64, String>,
     },
     /// End the session. `drained`: the worker settled its WRITEs and leaves its
@@ -149,6 +157,24 @@ pub enum MetaRequest {
     },
     /// Regions and bytes per session and kept by the region keeper.
     Usage,
+}
+
+/// A map keyed by region id. JSON object keys are strings, and a request body is
+/// buffered before it is decoded (its `op` tag, the envelope's flattened fields), so
+/// the ids arrive as strings and are parsed here.
+fn region_keyed<'de, D>(d: D) -> Result<BTreeMap<u64, String>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let raw = BTreeMap::<String, String>::deserialize(d)?;
+    raw.into_iter()
+        .map(|(k, v)| match k.parse::<u64>() {
+            Ok(id) => Ok((id, v)),
+            Err(_) => Err(serde::de::Error::custom(format!(
+                "{k:?} is not a region id"
+            ))),
+        })
+        .collect()
 }
 
 /// A region handed to a session.
@@ -366,18 +392,32 @@ pub enum MetaReply {
     Session(SessionReply),
     Region(RegionGrant),
     Pages(PagesReply),
-    PagesFreed { freed: usize },
+    PagesFreed {
+        freed: usize,
+    },
     /// Per entry, in order.
-    Published { is_new: Vec<bool> },
+    Published {
+        is_new: Vec<bool>,
+    },
     /// Per key, in order.
-    Exists { found: Vec<bool> },
+    Exists {
+        found: Vec<bool>,
+    },
     /// Per key, in order; `null` for a miss.
-    Leases { leases: Vec<Option<LeaseGrant>> },
+    Leases {
+        leases: Vec<Option<LeaseGrant>>,
+    },
     /// Per lease id, in order.
-    LeasesReleased { released: Vec<bool> },
-    Victims { victims: Vec<KeyInfo> },
+    LeasesReleased {
+        released: Vec<bool>,
+    },
+    Victims {
+        victims: Vec<KeyInfo>,
+    },
     /// Per key, in order.
-    Removed { results: Vec<RemoveResult> },
+    Removed {
+        results: Vec<RemoveResult>,
+    },
     Returned(ReturnReply),
     Heartbeat(HeartbeatReply),
     Closed(CloseReply),
@@ -426,10 +466,9 @@ mod tests {
                 route_key: None
             }
         );
-        let env: Envelope<MetaRequest> = decode_json(
-            br#"{"id":4,"op":"heartbeat","session":1,"boot_ids":{"7":"b0","9":"b1"}}"#,
-        )
-        .unwrap();
+        let env: Envelope<MetaRequest> =
+            decode_json(br#"{"id":4,"op":"heartbeat","session":1,"boot_ids":{"7":"b0","9":"b1"}}"#)
+                .unwrap();
         match env.body {
             MetaRequest::Heartbeat { boot_ids, .. } => {
                 assert_eq!(boot_ids.get(&7).map(String::as_str), Some("b0"));
@@ -441,6 +480,40 @@ mod tests {
         assert_eq!(env.body, MetaRequest::Stats { session: None });
         let env: Envelope<MetaRequest> = decode_json(br#"{"id":6,"op":"usage"}"#).unwrap();
         assert_eq!(env.body, MetaRequest::Usage);
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let reqs = [
+            MetaRequest::Heartbeat {
+                session: 2,
+                boot_ids: [(7, "b0".to_string()), (u64::MAX, "b1".to_string())].into(),
+            },
+            MetaRequest::Publish {
+                session: 2,
+                entries: vec![PublishEntry {
+                    key: "k".into(),
+                    region_id: 1,
+                    offset: 0,
+                    length: 9,
+                }],
+            },
+            MetaRequest::FreePages {
+                session: 2,
+                pages: vec![PageRef {
+                    region_id: 1,
+                    page: 3,
+                }],
+            },
+            MetaRequest::Stats { session: Some(4) },
+            MetaRequest::Handshake {},
+            MetaRequest::Usage,
+        ];
+        for body in reqs {
+            let env = Envelope { id: 8, body };
+            let back: Envelope<MetaRequest> = decode_json(&encode_json(&env)).unwrap();
+            assert_eq!(back, env);
+        }
     }
 
     #[test]

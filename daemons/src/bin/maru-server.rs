@@ -1,0 +1,231 @@
+//! maru-server: the metadata node of one app on one pool. Storage sessions, pages,
+//! keys, leases and eviction; regions from the RM; the region keeper. It never
+//! touches KV bytes. `maru-server stats` prints a running server's statistics.
+
+use clap::{Args as ClapArgs, Parser, Subcommand};
+use maru::meta::{MetaConfig, MetaCore};
+use maru::net::{
+    default_client_id, Client, ClientOptions, Clock, Server, ServerOptions, SignalPipe,
+};
+use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
+use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
+use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "maru-server",
+    version,
+    about = "Maru metadata server: storage sessions, keys, leases, eviction, region keeper",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    serve: Serve,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Print a running server's statistics (per session and total).
+    Stats {
+        /// Server address.
+        #[arg(long, default_value = "127.0.0.1:5555", env = "MARU_SERVER_ADDRESS")]
+        server: String,
+        /// One session only.
+        #[arg(long)]
+        session: Option<u64>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(ClapArgs, Debug)]
+struct Serve {
+    /// Address to listen on (the protocol is plaintext: loopback or a trusted network).
+    #[arg(long, default_value = "127.0.0.1", env = "MARU_SERVER_HOST")]
+    host: String,
+    /// TCP port (0 picks a free one; see --ready-file).
+    #[arg(short, long, default_value_t = 5555, env = "MARU_SERVER_PORT")]
+    port: u16,
+    /// The pool's resource manager.
+    #[arg(long, default_value = "127.0.0.1:9850", env = "MARU_RM_ADDRESS")]
+    rm_address: String,
+    /// Key file of the resource manager, when it requires one.
+    #[arg(long, env = "MARU_RM_KEY_FILE")]
+    rm_key_file: Option<PathBuf>,
+    /// A remote CXL agent of the pool, host:port (repeat for each memory node of a shared
+    /// pool). With agents the server offers remote_cxl_storage_v1.
+    #[arg(long = "remote-cxl-agent", value_name = "HOST:PORT")]
+    agents: Vec<String>,
+    /// Agent key file (default ~/.maru/remote-cxl-agent.key).
+    #[arg(long, env = "MARU_REMOTE_CXL_AGENT_KEY_FILE")]
+    remote_cxl_agent_key_file: Option<PathBuf>,
+    /// Size of one region (K/M/G suffixes).
+    #[arg(long, default_value = "1G")]
+    region_size: String,
+    /// Page (chunk) size inside regions.
+    #[arg(long, default_value = "4M")]
+    chunk_size: String,
+    /// A session that sends nothing for this long expires (its regions go to the keeper).
+    #[arg(long, default_value_t = 30)]
+    session_timeout_s: u64,
+    /// A lease not released for this long ends.
+    #[arg(long, default_value_t = 60)]
+    lease_timeout_s: u64,
+    /// Most live sessions.
+    #[arg(long, default_value_t = 256)]
+    max_sessions: usize,
+    /// Write the listening address to this file once ready.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Log level when RUST_LOG is unset.
+    #[arg(short = 'l', long, default_value = "info")]
+    log_level: String,
+}
+
+fn size(flag: &str, v: &str) -> u64 {
+    maru::dax::parse_size(v).unwrap_or_else(|e| die(format!("--{flag} {v}: {e}")))
+}
+
+fn stats(server: &str, session: Option<u64>, json: bool) {
+    let opts = ClientOptions::new(SERVICE, default_client_id("maru-server-stats@"));
+    let mut c = Client::connect(server, &opts)
+        .unwrap_or_else(|e| die(format!("cannot reach maru-server at {server}: {e}")));
+    let reply: MetaReply = c
+        .call(&MetaRequest::Stats { session })
+        .unwrap_or_else(|e| die(e));
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&reply).unwrap_or_default()
+        );
+        return;
+    }
+    let MetaReply::Stats(s) = reply else {
+        die(format!("unexpected reply {reply:?}"))
+    };
+    let rate = |h: u64, m: u64| {
+        if h + m == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.1}%", 100.0 * h as f64 / (h + m) as f64)
+        }
+    };
+    println!(
+        "{:<8} {:<24} {:<11} {:>8} {:>8} {:>12} {:>10} {:>10} {:>8} {:>7}",
+        "SESSION",
+        "ENGINE",
+        "BACKEND",
+        "REGIONS",
+        "KEYS",
+        "KEY_MiB",
+        "HITS",
+        "MISSES",
+        "HIT%",
+        "LEASES"
+    );
+    for x in &s.sessions {
+        println!(
+            "{:<8} {:<24} {:<11} {:>8} {:>8} {:>12.1} {:>10} {:>10} {:>8} {:>7}",
+            x.session,
+            x.engine_id,
+            x.backend.map(|b| b.as_str()).unwrap_or("-"),
+            x.regions,
+            x.keys,
+            x.key_bytes as f64 / (1u64 << 20) as f64,
+            x.hits,
+            x.misses,
+            rate(x.hits, x.misses),
+            x.leases
+        );
+    }
+    let t = &s.total;
+    println!(
+        "total: {} sessions, {} regions ({:.1} MiB), {} keys ({:.1} MiB), hits {} misses {} ({}), {} leases, kept {} regions / {} keys, giving back {}",
+        t.sessions, t.regions, t.region_bytes as f64 / (1u64 << 20) as f64, t.keys, t.key_bytes as f64 / (1u64 << 20) as f64,
+        t.hits, t.misses, rate(t.hits, t.misses), t.leases, t.kept_regions, t.kept_keys, t.giving_back
+    );
+}
+
+fn default_agent_key() -> PathBuf {
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/root"))
+        .join(".maru/remote-cxl-agent.key")
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Some(Cmd::Stats {
+        server,
+        session,
+        json,
+    }) = cli.cmd
+    {
+        return stats(&server, session, json);
+    }
+    let a = cli.serve;
+    init_logging(&a.log_level);
+    if a.rm_address.trim().is_empty() {
+        die("the resource manager address is empty: set --rm-address or MARU_RM_ADDRESS");
+    }
+    let cfg = MetaConfig {
+        region_size: size("region-size", &a.region_size),
+        chunk_size: size("chunk-size", &a.chunk_size),
+        agents: a.agents.clone(),
+        rm_address: a.rm_address.clone(),
+        session_timeout_ms: a.session_timeout_s * 1000,
+        lease_timeout_ms: a.lease_timeout_s * 1000,
+        max_sessions: a.max_sessions,
+        ..MetaConfig::default()
+    };
+    let core = MetaCore::new(cfg).unwrap_or_else(|e| die(e));
+    let rm_key = a
+        .rm_key_file
+        .as_ref()
+        .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
+    let client_id = default_client_id("maru-server@");
+    let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key);
+    if let Err(e) = rm.check() {
+        die(format!(
+            "{e}; maru-server needs its resource manager (start it first or fix --rm-address)"
+        ));
+    }
+    let agent_key = if a.agents.is_empty() {
+        None
+    } else {
+        let p = a
+            .remote_cxl_agent_key_file
+            .clone()
+            .unwrap_or_else(default_agent_key);
+        Some(
+            maru::auth::load_key_file(&p)
+                .unwrap_or_else(|e| die(format!("{e} (needed for --remote-cxl-agent)"))),
+        )
+    };
+    let agents = MetaAgents::new(client_id, agent_key);
+    let addr = bind_addr(&a.host, a.port, "maru-server").unwrap_or_else(|e| die(e));
+    let pipe = SignalPipe::install()
+        .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
+    let mut server = Server::bind(addr, ServerOptions::default(), Clock::new())
+        .and_then(|s| s.with_signals(pipe))
+        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+    let bound = server.local_addr().unwrap_or(addr);
+    log::info!(
+        "maru-server listening on {bound}, RM {}, agents {:?}",
+        a.rm_address,
+        a.agents
+    );
+    if let Some(p) = &a.ready_file {
+        write_ready_file(p, bound)
+            .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
+    }
+    let mut service = MetaService { core, rm, agents };
+    if let Err(e) = server.run(&mut service) {
+        die(format!("event loop failed: {e}"));
+    }
+    log::info!("maru-server stopped");
+}

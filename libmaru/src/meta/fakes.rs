@@ -1,0 +1,428 @@
+//! Fake ports and a test world for the metadata core: an RM with a fixed room and
+//! agents that answer, fail, refuse or stay silent on demand. Both write one shared
+//! log, so tests check the order of releases and frees.
+
+use super::ports::{AgentPort, PortError, RmPort};
+use super::{MetaConfig, MetaCore};
+use crate::wire::meta::{
+    Backend, LeaseGrant, MetaReply, MetaRequest, PageGrant, PublishEntry, RegionGrant,
+};
+use crate::wire::rm::{AllocReply, Handle, PoolInfo};
+use crate::wire::WireError;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::rc::Rc;
+
+pub const PAGE: u64 = 1 << 20;
+pub const REGION: u64 = 4 * PAGE;
+pub const A1: &str = "10.0.0.1:9860";
+pub const A2: &str = "10.0.0.2:9860";
+pub const BOOT: &str = "boot-1";
+pub const W1: &str = "worker-1:100";
+pub const W2: &str = "worker-2:200";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    Alloc(u64),
+    Free(u64),
+    Map(String, u64),
+    Release(String, u64),
+}
+
+pub type Log = Rc<RefCell<Vec<Call>>>;
+
+pub struct FakeRm {
+    pub log: Log,
+    pub largest: u64,
+    /// Bytes still free.
+    pub room: u64,
+    pub allocated: BTreeMap<u64, Handle>,
+    /// Every call is unreachable.
+    pub down: bool,
+    /// FREE answers with a storage error and does nothing.
+    pub fail_free: bool,
+    next_id: u64,
+}
+
+impl FakeRm {
+    pub fn new(log: Log, room: u64) -> FakeRm {
+        FakeRm {
+            log,
+            largest: room,
+            room,
+            allocated: BTreeMap::new(),
+            down: false,
+            fail_free: false,
+            next_id: 0,
+        }
+    }
+}
+
+impl RmPort for FakeRm {
+    fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
+        if self.down {
+            return Err(PortError::Unreachable("connection refused".into()));
+        }
+        self.log.borrow_mut().push(Call::Alloc(size));
+        if size > self.room {
+            return Err(PortError::Refused("no space".into()));
+        }
+        self.next_id += 1;
+        let id = self.next_id;
+        let handle = Handle {
+            region_id: id,
+            offset: id * size,
+            length: size,
+            token: format!("{:032x}", id * 7919),
+        };
+        self.room -= size;
+        self.allocated.insert(id, handle.clone());
+        Ok(AllocReply {
+            handle,
+            requested: size,
+            pool: PoolInfo {
+                pool_id: 0,
+                path: "/dev/dax0.0".into(),
+                uuid: "00000000-0000-4000-8000-000000000000".into(),
+                kind: "devdax".into(),
+                total: self.largest,
+                free: self.room,
+                align: PAGE,
+                draining: 0,
+            },
+        })
+    }
+
+    fn free(&mut self, h: &Handle) -> Result<(), PortError> {
+        if self.down {
+            return Err(PortError::Unreachable("connection refused".into()));
+        }
+        if self.fail_free {
+            return Err(PortError::Failed("storage: cannot save".into()));
+        }
+        self.log.borrow_mut().push(Call::Free(h.region_id));
+        match self.allocated.remove(&h.region_id) {
+            Some(a) if a == *h => {
+                self.room += a.length;
+                Ok(())
+            }
+            Some(a) => {
+                self.allocated.insert(a.region_id, a);
+                Err(PortError::Refused("bad token".into()))
+            }
+            None => Err(PortError::Refused("unknown region".into())),
+        }
+    }
+
+    fn largest_pool(&mut self) -> Result<u64, PortError> {
+        if self.down {
+            return Err(PortError::Unreachable("connection refused".into()));
+        }
+        Ok(self.largest)
+    }
+}
+
+#[derive(Default)]
+pub struct FakeAgents {
+    pub log: Log,
+    /// Boot id per agent; `BOOT` if not set.
+    pub boot: BTreeMap<String, String>,
+    /// Agents that do not answer.
+    pub down: BTreeSet<String>,
+    /// Agents that answer every call with an error that is not a refusal.
+    pub failing: BTreeSet<String>,
+    /// Regions whose handle the agents refuse.
+    pub refuse: BTreeSet<u64>,
+    pub mapped: BTreeSet<(String, u64)>,
+    pub released: BTreeSet<u64>,
+}
+
+impl AgentPort for FakeAgents {
+    fn map(&mut self, agent: &str, h: &Handle) -> Result<String, PortError> {
+        if self.down.contains(agent) {
+            return Err(PortError::Unreachable(format!("{agent}: timed out")));
+        }
+        self.log
+            .borrow_mut()
+            .push(Call::Map(agent.to_string(), h.region_id));
+        if self.failing.contains(agent) {
+            return Err(PortError::Failed("internal".into()));
+        }
+        if self.refuse.contains(&h.region_id) || self.released.contains(&h.region_id) {
+            return Err(PortError::Refused("bad handle".into()));
+        }
+        self.mapped.insert((agent.to_string(), h.region_id));
+        Ok(self
+            .boot
+            .get(agent)
+            .cloned()
+            .unwrap_or_else(|| BOOT.to_string()))
+    }
+
+    fn release(&mut self, agent: &str, h: &Handle) -> Result<(), PortError> {
+        if self.down.contains(agent) {
+            return Err(PortError::Unreachable(format!("{agent}: timed out")));
+        }
+        if self.failing.contains(agent) {
+            return Err(PortError::Failed("deregistration failed".into()));
+        }
+        self.log
+            .borrow_mut()
+            .push(Call::Release(agent.to_string(), h.region_id));
+        self.released.insert(h.region_id);
+        self.mapped.retain(|(_, r)| *r != h.region_id);
+        Ok(())
+    }
+}
+
+pub fn config(agents: &[&str]) -> MetaConfig {
+    MetaConfig {
+        region_size: REGION,
+        chunk_size: PAGE,
+        agents: agents.iter().map(|a| a.to_string()).collect(),
+        rm_address: "10.0.0.1:9850".into(),
+        session_timeout_ms: 10_000,
+        lease_timeout_ms: 5_000,
+        keeper_silence_ms: 30_000,
+        keeper_check_ms: 5_000,
+        retry_ms: 1_000,
+        max_sessions: 8,
+    }
+}
+
+/// The core with its fake ports and a clock.
+pub struct World {
+    pub core: MetaCore,
+    pub rm: FakeRm,
+    pub agents: FakeAgents,
+    pub log: Log,
+    pub now: u64,
+    /// Sessions that heartbeat at every step of the clock (readers in long tests).
+    pub alive: Vec<(String, u64)>,
+}
+
+impl World {
+    pub fn with(cfg: MetaConfig, room: u64) -> World {
+        let log: Log = Rc::default();
+        World {
+            core: MetaCore::new(cfg).unwrap(),
+            rm: FakeRm::new(log.clone(), room),
+            agents: FakeAgents {
+                log: log.clone(),
+                ..Default::default()
+            },
+            log,
+            now: 1_000,
+            alive: Vec::new(),
+        }
+    }
+
+    /// Two agents, room for 16 regions.
+    pub fn remote() -> World {
+        World::with(config(&[A1, A2]), 16 * REGION)
+    }
+
+    /// No agents, room for 16 regions.
+    pub fn cxl() -> World {
+        World::with(config(&[]), 16 * REGION)
+    }
+
+    pub fn req(&mut self, client: &str, req: MetaRequest) -> Result<MetaReply, WireError> {
+        self.core.handle(client, req, self.now, &mut self.rm)
+    }
+
+    pub fn tick(&mut self) {
+        self.core.tick(self.now, &mut self.rm, &mut self.agents);
+    }
+
+    /// Moves the clock on, heartbeats the sessions kept alive, runs the timers.
+    pub fn advance(&mut self, ms: u64) {
+        self.now += ms;
+        for (client, session) in self.alive.clone() {
+            self.heartbeat(&client, session, &[]);
+        }
+        self.tick();
+    }
+
+    /// Moves the clock in steps of `step` ms, ticking at each.
+    pub fn run_for(&mut self, ms: u64, step: u64) {
+        let end = self.now + ms;
+        while self.now < end {
+            self.advance(step.min(end - self.now));
+        }
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.log.borrow().clone()
+    }
+
+    pub fn clear_log(&mut self) {
+        self.log.borrow_mut().clear();
+    }
+
+    pub fn open_in(
+        &mut self,
+        client: &str,
+        namespace: &str,
+        backend: Backend,
+    ) -> (u64, RegionGrant) {
+        match self.req(
+            client,
+            MetaRequest::OpenSession {
+                engine_id: format!("engine-{client}"),
+                namespace: namespace.into(),
+                layout: "llama-8b/bf16/256".into(),
+                backend,
+            },
+        ) {
+            Ok(MetaReply::Session(s)) => (s.session, s.region),
+            other => panic!("open_session: {other:?}"),
+        }
+    }
+
+    pub fn open(&mut self, client: &str) -> (u64, RegionGrant) {
+        let backend = if self.core.config().agents.is_empty() {
+            Backend::Cxl
+        } else {
+            Backend::RemoteCxl
+        };
+        self.open_in(client, "ns", backend)
+    }
+
+    pub fn expand(&mut self, client: &str, session: u64) -> Result<RegionGrant, WireError> {
+        match self.req(client, MetaRequest::Expand { session })? {
+            MetaReply::Region(g) => Ok(g),
+            other => panic!("expand: {other:?}"),
+        }
+    }
+
+    pub fn alloc(&mut self, client: &str, session: u64, count: u32) -> (Vec<PageGrant>, u32) {
+        match self.req(
+            client,
+            MetaRequest::Alloc {
+                session,
+                count,
+                route_key: None,
+            },
+        ) {
+            Ok(MetaReply::Pages(p)) => (p.pages, p.missing),
+            other => panic!("alloc: {other:?}"),
+        }
+    }
+
+    pub fn publish_at(
+        &mut self,
+        client: &str,
+        session: u64,
+        entries: Vec<PublishEntry>,
+    ) -> Result<Vec<bool>, WireError> {
+        match self.req(client, MetaRequest::Publish { session, entries })? {
+            MetaReply::Published { is_new } => Ok(is_new),
+            other => panic!("publish: {other:?}"),
+        }
+    }
+
+    /// Allocates a page per key and publishes each key in it (after its WRITE).
+    pub fn store(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<PageGrant> {
+        let (pages, missing) = self.alloc(client, session, keys.len() as u32);
+        assert_eq!(missing, 0, "room for {} keys", keys.len());
+        let entries = keys
+            .iter()
+            .zip(&pages)
+            .map(|(k, p)| PublishEntry {
+                key: k.to_string(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 1000,
+            })
+            .collect();
+        let is_new = self.publish_at(client, session, entries).unwrap();
+        assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
+        pages
+    }
+
+    pub fn exists(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<bool> {
+        match self.req(
+            client,
+            MetaRequest::Exists {
+                session,
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+            },
+        ) {
+            Ok(MetaReply::Exists { found }) => found,
+            other => panic!("exists: {other:?}"),
+        }
+    }
+
+    pub fn try_acquire(
+        &mut self,
+        client: &str,
+        session: u64,
+        keys: &[&str],
+    ) -> Result<Vec<Option<LeaseGrant>>, WireError> {
+        match self.req(
+            client,
+            MetaRequest::Acquire {
+                session,
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+            },
+        )? {
+            MetaReply::Leases { leases } => Ok(leases),
+            other => panic!("acquire: {other:?}"),
+        }
+    }
+
+    pub fn acquire(
+        &mut self,
+        client: &str,
+        session: u64,
+        keys: &[&str],
+    ) -> Vec<Option<LeaseGrant>> {
+        self.try_acquire(client, session, keys).unwrap()
+    }
+
+    pub fn release_leases(
+        &mut self,
+        client: &str,
+        session: u64,
+        lease_ids: Vec<u64>,
+    ) -> Result<Vec<bool>, WireError> {
+        match self.req(client, MetaRequest::ReleaseLeases { session, lease_ids })? {
+            MetaReply::LeasesReleased { released } => Ok(released),
+            other => panic!("release_leases: {other:?}"),
+        }
+    }
+
+    pub fn heartbeat(&mut self, client: &str, session: u64, boots: &[(u64, &str)]) {
+        let boot_ids = boots.iter().map(|(r, b)| (*r, b.to_string())).collect();
+        match self.req(client, MetaRequest::Heartbeat { session, boot_ids }) {
+            Ok(MetaReply::Heartbeat(_)) => {}
+            other => panic!("heartbeat: {other:?}"),
+        }
+    }
+
+    pub fn close(&mut self, client: &str, session: u64, drained: bool) -> (Vec<u64>, Vec<u64>) {
+        match self.req(client, MetaRequest::Close { session, drained }) {
+            Ok(MetaReply::Closed(c)) => (c.kept, c.given_back),
+            other => panic!("close: {other:?}"),
+        }
+    }
+
+    /// Whether the RM still has the region allocated.
+    pub fn at_rm(&self, region_id: u64) -> bool {
+        self.rm.allocated.contains_key(&region_id)
+    }
+
+    /// Every FREE of a region with an agent came after that region's release.
+    pub fn assert_released_before_freed(&self) {
+        let calls = self.calls();
+        for (i, c) in calls.iter().enumerate() {
+            if let Call::Free(r) = c {
+                let released = calls[..i]
+                    .iter()
+                    .any(|c| matches!(c, Call::Release(_, x) if x == r));
+                assert!(released, "region {r} freed before its release: {calls:?}");
+            }
+        }
+    }
+}

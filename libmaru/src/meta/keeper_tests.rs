@@ -1,0 +1,341 @@
+//! Tests of the region keeper through the core: take-over at drained close and
+//! expiry, and every way a kept region goes back. Fake agents and RM, injected
+//! clock.
+
+use super::fakes::*;
+use crate::wire::meta::{Backend, MetaReply, MetaRequest, RemoveResult};
+use crate::wire::ErrorCode;
+
+/// A world where W1's session has a region with key "k" (its first region) and an
+/// empty second region, then closes drained; W2's session reads.
+fn left_behind() -> (World, u64, u64, u64, String) {
+    let mut w = World::remote();
+    let (a, g1) = w.open(W1);
+    let g2 = w.expand(W1, a).unwrap();
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["k"]);
+    w.heartbeat(W1, a, &[(g1.handle.region_id, BOOT)]);
+    let (kept, back) = w.close(W1, a, true);
+    assert_eq!(kept, vec![g1.handle.region_id]);
+    assert_eq!(back, vec![g2.handle.region_id]);
+    w.clear_log();
+    w.alive.push((W2.to_string(), b));
+    (
+        w,
+        b,
+        g1.handle.region_id,
+        g2.handle.region_id,
+        g1.agent.unwrap(),
+    )
+}
+
+#[test]
+fn a_drained_close_keeps_regions_with_keys_readable_and_gives_the_rest_back() {
+    let (mut w, b, kept, empty, agent) = left_behind();
+    assert_eq!(
+        w.exists(W2, b, &["k"]),
+        vec![true],
+        "readable before any tick"
+    );
+    assert_eq!(w.core.total_stats().kept_regions, 1);
+    w.tick();
+    let calls = w.calls();
+    assert!(calls.contains(&Call::Map(agent.clone(), kept)), "{calls:?}");
+    assert!(w.agents.mapped.contains(&(agent, kept)));
+    assert!(w.at_rm(kept));
+    assert!(!w.at_rm(empty), "the empty region went back");
+    w.assert_released_before_freed();
+    assert!(w.acquire(W2, b, &["k"])[0].is_some());
+    let t = w.core.total_stats();
+    assert_eq!((t.kept_regions, t.kept_keys, t.giving_back), (1, 1, 0));
+}
+
+#[test]
+fn kept_keys_are_not_victims_or_removable_by_other_sessions() {
+    let (mut w, b, _, _, _) = left_behind();
+    let Ok(MetaReply::Removed { results }) = w.req(
+        W2,
+        MetaRequest::Remove {
+            session: b,
+            keys: vec!["k".into()],
+        },
+    ) else {
+        panic!("remove");
+    };
+    assert_eq!(results, vec![RemoveResult::NotOwner]);
+    let Ok(MetaReply::Victims { victims }) = w.req(W2, MetaRequest::Victims { session: b, max: 9 })
+    else {
+        panic!("victims");
+    };
+    assert!(victims.is_empty());
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+}
+
+#[test]
+fn cxl_regions_without_keys_go_straight_to_the_rm() {
+    let mut w = World::cxl();
+    let (a, g1) = w.open(W1);
+    let g2 = w.expand(W1, a).unwrap();
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["k"]);
+    w.close(W1, a, true);
+    w.tick();
+    assert!(!w.at_rm(g2.handle.region_id));
+    assert!(w.at_rm(g1.handle.region_id));
+    assert!(
+        w.calls()
+            .iter()
+            .all(|c| !matches!(c, Call::Map(..) | Call::Release(..))),
+        "no agent is involved: {:?}",
+        w.calls()
+    );
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    w.alive.push((W2.to_string(), b));
+    // Kept cxl regions need no checks: nothing is due.
+    w.run_for(120_000, 5_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+}
+
+#[test]
+fn an_expired_session_is_taken_over_like_a_drained_close() {
+    let mut w = World::remote();
+    let (a, g1) = w.open(W1);
+    let g2 = w.expand(W1, a).unwrap();
+    w.store(W1, a, &["k"]);
+    w.advance(5_000);
+    let (b, _) = w.open(W2);
+    w.advance(5_000); // A's timeout
+    assert_eq!(w.core.session_count(), 1);
+    assert_eq!(
+        w.exists(W2, b, &["k"]),
+        vec![true],
+        "keys outlive their writer"
+    );
+    assert!(w.at_rm(g1.handle.region_id));
+    assert!(!w.at_rm(g2.handle.region_id));
+    w.assert_released_before_freed();
+}
+
+#[test]
+fn an_undrained_close_gives_every_region_back() {
+    let mut w = World::remote();
+    let (a, g1) = w.open(W1);
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["k"]);
+    let (kept, back) = w.close(W1, a, false);
+    assert!(kept.is_empty());
+    assert_eq!(back, vec![g1.handle.region_id]);
+    assert_eq!(
+        w.exists(W2, b, &["k"]),
+        vec![false],
+        "its keys went at once"
+    );
+    w.tick();
+    assert!(!w.at_rm(g1.handle.region_id));
+    w.assert_released_before_freed();
+}
+
+#[test]
+fn the_keeper_maps_again_after_an_agent_restart() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.tick();
+    w.agents.mapped.clear(); // the agent restarted: its mappings died with it
+    w.agents.down.insert(agent.clone());
+    w.run_for(20_000, 1_000);
+    assert_eq!(
+        w.exists(W2, b, &["k"]),
+        vec![true],
+        "not silent for 30 s yet"
+    );
+    w.agents.down.clear();
+    w.run_for(2_000, 1_000);
+    assert!(w.agents.mapped.contains(&(agent, kept)), "mapped again");
+    // It answered: the silence starts over.
+    w.run_for(60_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    assert!(w.at_rm(kept));
+}
+
+#[test]
+fn a_changed_boot_id_gives_the_kept_region_back() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.agents.boot.insert(agent.clone(), "boot-2".into());
+    w.tick();
+    assert_eq!(w.exists(W2, b, &["k"]), vec![false], "keys dropped at once");
+    assert!(!w.at_rm(kept));
+    let calls = w.calls();
+    assert!(calls.contains(&Call::Release(agent, kept)), "{calls:?}");
+    w.assert_released_before_freed();
+}
+
+#[test]
+fn the_first_map_sets_the_boot_id_when_the_owner_reported_none() {
+    let mut w = World::remote();
+    let (a, g) = w.open(W1);
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["k"]);
+    w.close(W1, a, true);
+    let agent = g.agent.unwrap();
+    w.tick();
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    w.agents.boot.insert(agent, "boot-2".into());
+    w.run_for(5_000, 1_000);
+    assert_eq!(
+        w.exists(W2, b, &["k"]),
+        vec![false],
+        "a later reboot is seen"
+    );
+}
+
+#[test]
+fn an_agent_without_a_boot_id_counts_as_silent() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.agents.boot.insert(agent, String::new());
+    w.run_for(29_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    w.run_for(1_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![false]);
+    assert!(!w.at_rm(kept), "it answers release, so the region goes");
+}
+
+#[test]
+fn an_agent_refusing_the_handle_gives_the_kept_region_back() {
+    let (mut w, b, kept, _, _) = left_behind();
+    w.agents.refuse.insert(kept);
+    w.tick();
+    assert_eq!(w.exists(W2, b, &["k"]), vec![false]);
+    assert!(!w.at_rm(kept));
+    w.assert_released_before_freed();
+}
+
+#[test]
+fn a_silent_agent_hides_the_keys_after_30_s_and_frees_only_once_it_answers() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    let lease = w.acquire(W2, b, &["k"]).remove(0).unwrap();
+    w.agents.down.insert(agent.clone());
+    w.run_for(29_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true], "29 s: still found");
+    w.run_for(1_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![false], "30 s: gone at once");
+    assert_eq!(
+        w.release_leases(W2, b, vec![lease.lease_id]).unwrap(),
+        vec![false]
+    );
+    w.run_for(120_000, 1_000);
+    assert!(w.at_rm(kept), "never freed before the agent released it");
+    assert_eq!(w.core.total_stats().giving_back, 1);
+    w.agents.down.clear();
+    w.advance(1_000);
+    assert!(!w.at_rm(kept));
+    assert!(w.calls().contains(&Call::Release(agent, kept)));
+    w.assert_released_before_freed();
+    assert_eq!(w.core.region_count(), 1, "only W2's own region is left");
+}
+
+#[test]
+fn a_failing_agent_answers_so_it_is_not_silent() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.agents.failing.insert(agent);
+    w.run_for(60_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    assert!(w.at_rm(kept));
+}
+
+#[test]
+fn a_release_that_fails_never_reaches_the_rm() {
+    let mut w = World::remote();
+    let (a, g) = w.open(W1);
+    let r = g.handle.region_id;
+    let agent = g.agent.unwrap();
+    w.agents.failing.insert(agent.clone());
+    let (_, back) = w.close(W1, a, true);
+    assert_eq!(back, vec![r], "no keys: it goes back");
+    w.run_for(10_000, 1_000);
+    assert!(w.at_rm(r), "a failed release keeps it from the RM");
+    w.agents.failing.remove(&agent);
+    w.advance(1_000);
+    assert!(!w.at_rm(r));
+    assert_eq!(w.calls(), vec![Call::Release(agent, r), Call::Free(r)]);
+}
+
+#[test]
+fn an_rm_refusal_gives_back_the_kept_region_read_longest_ago_one_at_a_time() {
+    // Room for four regions.
+    let mut w = World::with(config(&[A1, A2]), 4 * REGION);
+    let (a, g1) = w.open(W1);
+    let (c, g2) = w.open(W2);
+    w.store(W1, a, &["old"]);
+    w.store(W2, c, &["new"]);
+    let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
+    w.close(W1, a, true);
+    w.close(W2, c, true);
+    w.tick();
+    let (b, _) = w.open("reader:1");
+    w.advance(1_000);
+    // "new" is read after "old": "old"'s region was read longest ago.
+    w.acquire("reader:1", b, &["old"]);
+    w.advance(1_000);
+    w.acquire("reader:1", b, &["new"]);
+    w.expand("reader:1", b).unwrap(); // the RM is full now
+    w.clear_log();
+    let e = w.expand("reader:1", b).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NoSpace, "{e}");
+    assert!(e.message.contains(&format!("kept region {r1}")), "{e}");
+    assert_eq!(w.exists("reader:1", b, &["old", "new"]), vec![false, true]);
+    // One at a time: a second refusal before the first give-back reached the RM
+    // takes nothing more.
+    let e = w.expand("reader:1", b).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NoSpace);
+    assert!(e.message.contains("being given back"), "{e}");
+    assert_eq!(w.exists("reader:1", b, &["new"]), vec![true]);
+    w.tick(); // release, then free
+    assert!(!w.at_rm(r1));
+    assert!(w.at_rm(r2));
+    w.assert_released_before_freed();
+    w.expand("reader:1", b).unwrap();
+}
+
+#[test]
+fn a_kept_cxl_region_given_back_for_the_rm_is_freed_at_once() {
+    let mut w = World::with(config(&[]), 2 * REGION);
+    let (a, g1) = w.open(W1);
+    w.store(W1, a, &["k"]);
+    w.close(W1, a, true);
+    let (b, _) = w.open(W2);
+    let e = w.expand(W2, b).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NoSpace);
+    assert!(e.message.contains("was given back: retry"), "{e}");
+    assert!(!w.at_rm(g1.handle.region_id));
+    w.expand(W2, b).unwrap();
+}
+
+#[test]
+fn nothing_is_left_at_the_rm_once_every_session_closed_and_the_keeper_let_go() {
+    let mut w = World::remote();
+    let sessions: Vec<u64> = [W1, W2]
+        .iter()
+        .map(|c| {
+            let (s, _) = w.open_in(c, "ns", Backend::RemoteCxl);
+            w.expand(c, s).unwrap();
+            s
+        })
+        .collect();
+    w.store(W1, sessions[0], &["a"]);
+    w.store(W2, sessions[1], &["b"]);
+    w.close(W1, sessions[0], true);
+    w.close(W2, sessions[1], true);
+    w.tick();
+    assert_eq!(
+        w.rm.allocated.len(),
+        2,
+        "the two regions with keys are kept"
+    );
+    // Their memory nodes reboot: the keeper lets go of both.
+    w.agents.boot.insert(A1.into(), "boot-2".into());
+    w.agents.boot.insert(A2.into(), "boot-2".into());
+    w.run_for(5_000, 1_000);
+    assert!(w.rm.allocated.is_empty(), "{:?}", w.rm.allocated);
+    assert_eq!(w.core.region_count(), 0);
+    assert_eq!(w.core.next_deadline(), None, "idle: no timer left");
+    w.assert_released_before_freed();
+}

@@ -1,0 +1,110 @@
+//! A reconnecting request/reply link to one daemon: connects on first use, drops the
+//! connection after any failure whose outcome is unknown, and connects again on the
+//! next call. Used for the RM (from the agent and maru-server) and for agents (from
+//! maru-server and workers).
+
+use super::{Client, ClientError, ClientOptions};
+use crate::wire::WireError;
+use serde::{de::DeserializeOwned, Serialize};
+use std::fmt;
+
+/// Why a call on a link failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkError {
+    /// The daemon answered with an error (only code `refused` is a refusal).
+    Remote(WireError),
+    /// The daemon could not be reached, or the call's outcome is unknown.
+    Unreachable(String),
+    /// The daemon reached, but refused to talk (key proof, version) or broke the protocol.
+    Rejected(String),
+}
+
+impl fmt::Display for LinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LinkError::Remote(e) => write!(f, "{e}"),
+            LinkError::Unreachable(m) | LinkError::Rejected(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for LinkError {}
+
+pub struct Link {
+    addr: String,
+    opts: ClientOptions,
+    client: Option<Client>,
+    /// Checks the welcome of a new connection (e.g. that an agent reports a boot id).
+    check: Option<fn(&Client) -> Result<(), String>>,
+}
+
+impl Link {
+    pub fn new(addr: impl Into<String>, opts: ClientOptions) -> Link {
+        Link {
+            addr: addr.into(),
+            opts,
+            client: None,
+            check: None,
+        }
+    }
+
+    /// Runs `check` on every new connection; a failure counts as unreachable.
+    pub fn with_check(mut self, check: fn(&Client) -> Result<(), String>) -> Link {
+        self.check = Some(check);
+        self
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The live connection (connecting if needed).
+    pub fn client(&mut self) -> Result<&mut Client, LinkError> {
+        if self.client.is_none() {
+            let what = self.opts.service;
+            let c = Client::connect(&self.addr, &self.opts).map_err(|e| match e {
+                ClientError::Auth { .. }
+                | ClientError::Protocol { .. }
+                | ClientError::Remote(_) => {
+                    LinkError::Rejected(format!("{what} at {}: {e}", self.addr))
+                }
+                _ => LinkError::Unreachable(format!("{what} at {}: {e}", self.addr)),
+            })?;
+            if let Some(check) = self.check {
+                check(&c)
+                    .map_err(|m| LinkError::Unreachable(format!("{what} at {}: {m}", self.addr)))?;
+            }
+            self.client = Some(c);
+        }
+        self.client
+            .as_mut()
+            .ok_or_else(|| LinkError::Unreachable("no connection".into()))
+    }
+
+    /// Forgets the connection (the next call reconnects).
+    pub fn reset(&mut self) {
+        self.client = None;
+    }
+
+    /// Whether a connection is open now.
+    pub fn is_connected(&self) -> bool {
+        self.client.is_some()
+    }
+
+    pub fn call<Req: Serialize, Rep: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+    ) -> Result<Rep, LinkError> {
+        let addr = self.addr.clone();
+        let what = self.opts.service;
+        let c = self.client()?;
+        match c.call::<Req, Rep>(req) {
+            Ok(r) => Ok(r),
+            Err(ClientError::Remote(e)) => Err(LinkError::Remote(e)),
+            Err(e) => {
+                self.client = None;
+                Err(LinkError::Unreachable(format!("{what} at {addr}: {e}")))
+            }
+        }
+    }
+}
