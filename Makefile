@@ -32,6 +32,7 @@ test: deps test-rust test-c
 
 test-rust:
 	$(CARGO) test --workspace
+	$(CARGO) test -p maru --features verbs --lib transport::verbs
 
 test-c:
 	$(CARGO) build -p maru
@@ -42,6 +43,7 @@ test-c:
 lint: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features maru-daemons/verbs -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all

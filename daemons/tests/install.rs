@@ -9,15 +9,25 @@ use std::process::Command;
 use support::Scratch;
 
 fn install(root: &Path, standalone: bool) -> String {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_maru-resource-manager")).parent().unwrap();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_maru-resource-manager"))
+        .parent()
+        .unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/install.sh");
     let mut c = Command::new("bash");
-    c.arg(script).arg("--root").arg(root).arg("--bin-dir").arg(bin_dir);
+    c.arg(script)
+        .arg("--root")
+        .arg(root)
+        .arg("--bin-dir")
+        .arg(bin_dir);
     if standalone {
         c.arg("--standalone");
     }
     let out = c.output().unwrap();
-    assert!(out.status.success(), "install.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "install.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -26,15 +36,24 @@ fn installs_units_env_and_key_once() {
     let s = Scratch::new("install");
     let root = s.dir.join("root");
     install(&root, false);
-    for b in ["maru-resource-manager", "maru-rm-ctl", "maru-remote-cxl-agent"] {
+    for b in [
+        "maru-resource-manager",
+        "maru-rm-ctl",
+        "maru-remote-cxl-agent",
+    ] {
         assert!(root.join("usr/local/bin").join(b).is_file(), "{b}");
     }
-    let unit = std::fs::read_to_string(root.join("etc/systemd/system/maru-remote-cxl-agent.service")).unwrap();
+    let unit =
+        std::fs::read_to_string(root.join("etc/systemd/system/maru-remote-cxl-agent.service"))
+            .unwrap();
     assert!(unit.contains("BindsTo=maru-resource-manager.service"));
     assert!(unit.contains("StartLimitBurst=5"));
     assert!(unit.contains("User=maru"));
     let key = root.join("etc/maru/remote-cxl-agent.key");
-    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
     // The key file is one the daemons accept.
     maru::auth::load_key_file(&key).expect("installed key loads");
     let key_before = std::fs::read(&key).unwrap();
@@ -44,10 +63,15 @@ fn installs_units_env_and_key_once() {
     std::fs::write(&env, "MARU_RM_ADDRESS=10.0.0.2:9850\n").unwrap();
     let out = install(&root, true);
     assert!(out.contains("kept"));
-    assert_eq!(std::fs::read_to_string(&env).unwrap(), "MARU_RM_ADDRESS=10.0.0.2:9850\n");
+    assert_eq!(
+        std::fs::read_to_string(&env).unwrap(),
+        "MARU_RM_ADDRESS=10.0.0.2:9850\n"
+    );
     assert_eq!(std::fs::read(&key).unwrap(), key_before);
     // The standalone form is wanted by multi-user.target, not bound to the RM.
-    let unit = std::fs::read_to_string(root.join("etc/systemd/system/maru-remote-cxl-agent.service")).unwrap();
+    let unit =
+        std::fs::read_to_string(root.join("etc/systemd/system/maru-remote-cxl-agent.service"))
+            .unwrap();
     assert!(unit.contains("WantedBy=multi-user.target"));
     assert!(!unit.contains("BindsTo="));
 }

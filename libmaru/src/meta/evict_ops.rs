@@ -22,9 +22,8 @@ impl MetaCore {
         };
         let max = max as usize;
         // The `max` oldest unleased keys of each region, then the oldest of those.
-        let all: Vec<u64> = self.regions.iter().map(|r| r.handle.region_id).collect();
-        let _ = &s;
-        let mut candidates: Vec<_> = all
+        let mut candidates: Vec<_> = s
+            .regions
             .iter()
             .flat_map(|&rid| {
                 self.keys

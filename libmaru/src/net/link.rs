@@ -30,12 +30,15 @@ impl fmt::Display for LinkError {
 
 impl std::error::Error for LinkError {}
 
+/// A check run on the welcome of every new connection.
+pub type WelcomeCheck = fn(&Client) -> Result<(), String>;
+
 pub struct Link {
     addr: String,
     opts: ClientOptions,
     client: Option<Client>,
     /// Checks the welcome of a new connection (e.g. that an agent reports a boot id).
-    check: Option<fn(&Client) -> Result<(), String>>,
+    check: Option<WelcomeCheck>,
 }
 
 impl Link {
@@ -49,7 +52,7 @@ impl Link {
     }
 
     /// Runs `check` on every new connection; a failure counts as unreachable.
-    pub fn with_check(mut self, check: fn(&Client) -> Result<(), String>) -> Link {
+    pub fn with_check(mut self, check: WelcomeCheck) -> Link {
         self.check = Some(check);
         self
     }

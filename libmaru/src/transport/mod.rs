@@ -152,7 +152,11 @@ pub trait Transport: Send + Sync {
     /// (RDMA queue-pair bring-up) sends its half through `bringup`, which carries it
     /// over the agent's control connection to [`Target::accept_peer`] and returns the
     /// target's half. The soft transport does not call it.
-    fn connect(&self, meta: &serde_json::Value, bringup: &mut Bringup<'_>) -> Result<PeerId, TransportError>;
+    fn connect(
+        &self,
+        meta: &serde_json::Value,
+        bringup: &mut Bringup<'_>,
+    ) -> Result<PeerId, TransportError>;
 
     /// Posts a batch to one peer. Operations complete in order.
     fn post(&self, peer: PeerId, ops: &[Op]) -> Result<BatchId, TransportError>;
@@ -173,11 +177,14 @@ pub trait Transport: Send + Sync {
 }
 
 /// Carries a transport's connection data to the target and returns the answer.
-pub type Bringup<'a> = dyn FnMut(&serde_json::Value) -> Result<serde_json::Value, TransportError> + 'a;
+pub type Bringup<'a> =
+    dyn FnMut(&serde_json::Value) -> Result<serde_json::Value, TransportError> + 'a;
 
 /// A `Bringup` for transports that need none (it refuses to be called).
 pub fn no_bringup(_: &serde_json::Value) -> Result<serde_json::Value, TransportError> {
-    Err(TransportError::Setup("this transport needs no connection exchange".into()))
+    Err(TransportError::Setup(
+        "this transport needs no connection exchange".into(),
+    ))
 }
 
 /// A registration at the memory node.
@@ -210,6 +217,8 @@ pub trait Target: Send + Sync {
     /// Transports without such an exchange refuse.
     fn accept_peer(&self, worker: &serde_json::Value) -> Result<serde_json::Value, TransportError> {
         let _ = worker;
-        Err(TransportError::Setup("this transport has no connection exchange".into()))
+        Err(TransportError::Setup(
+            "this transport has no connection exchange".into(),
+        ))
     }
 }

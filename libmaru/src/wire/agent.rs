@@ -128,7 +128,9 @@ pub enum AgentReply {
     },
     Status(StatusReply),
     /// The agent's half of a transport bring-up.
-    Peer { info: serde_json::Value },
+    Peer {
+        info: serde_json::Value,
+    },
 }
 
 #[cfg(test)]

@@ -2,7 +2,9 @@
 
 use super::{SoftTarget, SoftTransport};
 use crate::auth::SharedKey;
-use crate::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError};
+use crate::transport::{
+    no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError,
+};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);

@@ -10,8 +10,7 @@ use super::proto::{self, Completion, Request, CPL_LEN};
 use crate::auth::SharedKey;
 use crate::net::{Client, ClientOptions};
 use crate::transport::{
-    Bringup,
-    BatchId, BatchState, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
+    BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
 };
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -260,7 +259,11 @@ impl Transport for SoftTransport {
             .map_err(|_| TransportError::Setup("a staging buffer is already registered".into()))
     }
 
-    fn connect(&self, meta: &serde_json::Value, _bringup: &mut Bringup<'_>) -> Result<PeerId, TransportError> {
+    fn connect(
+        &self,
+        meta: &serde_json::Value,
+        _bringup: &mut Bringup<'_>,
+    ) -> Result<PeerId, TransportError> {
         let addr = peer_addr(meta)?;
         let local = self.local()?;
         {

@@ -10,7 +10,7 @@ use rdma_mummy_sys::{
 };
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::BasicCompletionQueue;
-use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
@@ -52,16 +52,15 @@ pub(crate) fn unavailable(wanted: Option<&str>, why: &Missing) -> TransportError
         None => "looked for any device".to_string(),
     };
     let hint = "use --transport soft on hosts without RDMA";
+    let base = format!("no RDMA device found ({looked}); {hint}");
     TransportError::Unavailable(match why {
         Missing::NoRdmaCore => format!(
-            "no RDMA device found ({looked}): rdma-core (libibverbs.so.1) could not be loaded; install rdma-core (libibverbs1) or {hint}"
+            "no RDMA device found ({looked}); rdma-core (libibverbs.so.1) could not be loaded: install rdma-core (libibverbs1), or {hint}"
         ),
-        Missing::NoDevice { detail: None } => format!("no RDMA device found ({looked}); {hint}"),
-        Missing::NoDevice {
-            detail: Some(d),
-        } => format!("no RDMA device found ({looked}: {d}); {hint}"),
+        Missing::NoDevice { detail: None } => base,
+        Missing::NoDevice { detail: Some(d) } => format!("{base} [listing devices: {d}]"),
         Missing::NotNamed { present } => format!(
-            "no RDMA device found ({looked}; present: {}); name one of them or {hint}",
+            "no RDMA device found ({looked}; present: {}); name one of them, or {hint}",
             present.join(", ")
         ),
     })
@@ -127,12 +126,23 @@ impl Device {
         let list = match DeviceList::new() {
             Ok(l) => l,
             Err(e) => {
-                let why = if rdma_core_loaded() {
-                    Missing::NoDevice {
-                        detail: Some(format!("{e}: {}", io::Error::last_os_error())),
-                    }
-                } else {
+                let os = match &e.0 {
+                    GetDeviceListErrorKind::Ibverbs(io) => io.raw_os_error(),
+                    _ => None,
+                };
+                let why = if !rdma_core_loaded() {
                     Missing::NoRdmaCore
+                } else if os == Some(libc::ENOSYS) {
+                    // The kernel has no RDMA support (no /sys/class/infiniband_verbs):
+                    // no device, plainly.
+                    Missing::NoDevice { detail: None }
+                } else {
+                    Missing::NoDevice {
+                        detail: Some(match os {
+                            Some(n) => format!("{e}: {}", io::Error::from_raw_os_error(n)),
+                            None => e.to_string(),
+                        }),
+                    }
                 };
                 return Err(unavailable(device, &why));
             }

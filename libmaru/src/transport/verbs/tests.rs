@@ -110,6 +110,17 @@ fn unavailable_messages_name_the_device_in_every_case() {
         unreachable!()
     };
     assert!(m.contains("present: rxe0"), "{m}");
+    let m = unavailable(
+        Some("mlx5_0"),
+        &Missing::NoDevice {
+            detail: Some("failed to get device list: Permission denied".into()),
+        },
+    )
+    .to_string();
+    assert!(
+        m.contains("(looked for mlx5_0); use --transport soft on hosts without RDMA [listing devices: failed to get device list: Permission denied]"),
+        "{m}"
+    );
     assert_eq!(
         unavailable(Some("mlx5_0"), &Missing::NoDevice { detail: None }).to_string(),
         "transport unavailable: no RDMA device found (looked for mlx5_0); use --transport soft on hosts without RDMA"

@@ -80,7 +80,8 @@ impl Shared {
         if done.is_empty() {
             return;
         }
-        if let Ok(mut b) = self.batches.lock() {
+        {
+            let mut b = lock(&self.batches);
             for (batch, err) in done {
                 if let Some(rec) = b.get_mut(&batch) {
                     rec.remaining = rec.remaining.saturating_sub(1);
@@ -94,14 +95,11 @@ impl Shared {
     }
 
     fn peer(&self, id: PeerId) -> Option<Arc<Peer>> {
-        self.peers.lock().ok().and_then(|p| p.get(&id).cloned())
+        lock(&self.peers).get(&id).cloned()
     }
 
     fn all_peers(&self) -> Vec<Arc<Peer>> {
-        self.peers
-            .lock()
-            .map(|p| p.values().cloned().collect())
-            .unwrap_or_default()
+        lock(&self.peers).values().cloned().collect()
     }
 }
 
@@ -504,8 +502,10 @@ impl Transport for VerbsTransport {
             room: Condvar::new(),
             sq_depth: depth as usize,
         });
+        // Armed once it can be found: the progress thread looks the peer up by the
+        // CQ's context when the event comes.
+        lock(&self.shared.peers).insert(id, peer.clone());
         peer.arm();
-        lock(&self.shared.peers).insert(id, peer);
         Ok(id)
     }
 
