@@ -183,4 +183,26 @@ impl Service for MetaService {
     fn next_deadline(&self) -> Option<u64> {
         self.core.next_deadline()
     }
+
+    /// On SIGTERM: give every kept region back (released at its agent, then freed at the
+    /// RM), waiting at most 10 s for the agents and the RM.
+    fn on_shutdown(&mut self, now_ms: u64) {
+        let n = self.core.give_back_kept(now_ms);
+        let start = std::time::Instant::now();
+        let mut now = now_ms;
+        while self.core.regions_going_back() > 0 && start.elapsed() < Duration::from_secs(10) {
+            self.core.tick(now, &mut self.rm, &mut self.agents);
+            if self.core.regions_going_back() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            now += 100;
+        }
+        let left = self.core.regions_going_back();
+        if left > 0 {
+            log::warn!("stopping with {left} region(s) not yet given back; the RM frees them after its grace period");
+        } else if n > 0 {
+            log::info!("gave {n} kept region(s) back before stopping");
+        }
+    }
 }

@@ -148,6 +148,24 @@ impl MetaCore {
         .min()
     }
 
+    /// Gives every kept region back, as before the server stops: their keys stop
+    /// being found now, and the following ticks release and free them (see
+    /// [`regions_going_back`](Self::regions_going_back)). Returns how many.
+    pub fn give_back_kept(&mut self, now_ms: u64) -> usize {
+        let ids: Vec<u64> = self.keeper.kept_ids().collect();
+        for &region_id in &ids {
+            let reason = GiveBackReason::Shutdown;
+            self.keeper.lose(region_id, reason, now_ms);
+            self.apply(&[KeeperEvent::Lost { region_id, reason }]);
+        }
+        ids.len()
+    }
+
+    /// Regions on their way back that the RM has not freed yet.
+    pub fn regions_going_back(&self) -> usize {
+        self.keeper.giving_back_len()
+    }
+
     /// A connection of `client_id` closed. Its sessions go on (the worker may
     /// reconnect) and expire only when their requests stop; its leases stay, since
     /// its READs may still be in flight.

@@ -84,7 +84,18 @@ fn a_key_is_not_found_before_it_is_published() {
     let mut w = World::remote();
     let (a, ga) = w.open(W1);
     let (b, _) = w.open(W2);
-    let (pages, _) = w.alloc(W1, a, 1);
+    // The worker's route key is the request's first chunk key: still not published.
+    let Ok(MetaReply::Pages(p)) = w.req(
+        W1,
+        MetaRequest::Alloc {
+            session: a,
+            count: 1,
+            route_key: Some("k".into()),
+        },
+    ) else {
+        panic!("alloc");
+    };
+    let pages = p.pages;
     // The WRITE is in flight: the page is taken, the key is not published.
     assert_eq!(w.exists(W2, b, &["k"]), vec![false]);
     assert_eq!(w.exists(W1, a, &["k"]), vec![false]);
@@ -530,6 +541,7 @@ fn a_region_of_another_session_is_not_returned() {
 fn a_session_that_stops_sending_expires_and_holds_nothing() {
     let mut cfg = config(&[A1]);
     cfg.max_sessions = 2;
+    cfg.lease_timeout_ms = 60_000; // outlives the session
     let mut w = World::with(cfg, 16 * REGION);
     let (a, _) = w.open(W1);
     let (b, _) = w.open(W2);

@@ -43,6 +43,8 @@ pub enum GiveBackReason {
     AgentSilent,
     /// The RM refused a region request and this kept region was read longest ago.
     RmPressure,
+    /// maru-server gives all its kept regions back (before it stops).
+    Shutdown,
 }
 
 impl GiveBackReason {
@@ -57,6 +59,7 @@ impl GiveBackReason {
             GiveBackReason::RmPressure => {
                 "the RM refused a region and it was the kept region read longest ago"
             }
+            GiveBackReason::Shutdown => "maru-server gives its kept regions back",
         }
     }
 }

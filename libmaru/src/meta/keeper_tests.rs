@@ -149,8 +149,16 @@ fn the_keeper_maps_again_after_an_agent_restart() {
     );
     w.agents.down.clear();
     w.run_for(2_000, 1_000);
-    assert!(w.agents.mapped.contains(&(agent, kept)), "mapped again");
-    // It answered: the silence starts over.
+    assert!(
+        w.agents.mapped.contains(&(agent.clone(), kept)),
+        "mapped again"
+    );
+    // It answered: the silence starts over, so a short outage later is no silence.
+    w.run_for(20_000, 1_000);
+    w.agents.down.insert(agent.clone());
+    w.run_for(15_000, 1_000);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
+    w.agents.down.clear();
     w.run_for(60_000, 1_000);
     assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
     assert!(w.at_rm(kept));
@@ -248,6 +256,7 @@ fn a_release_that_fails_never_reaches_the_rm() {
     let r = g.handle.region_id;
     let agent = g.agent.unwrap();
     w.agents.failing.insert(agent.clone());
+    w.clear_log();
     let (_, back) = w.close(W1, a, true);
     assert_eq!(back, vec![r], "no keys: it goes back");
     w.run_for(10_000, 1_000);
@@ -264,33 +273,34 @@ fn an_rm_refusal_gives_back_the_kept_region_read_longest_ago_one_at_a_time() {
     let mut w = World::with(config(&[A1, A2]), 4 * REGION);
     let (a, g1) = w.open(W1);
     let (c, g2) = w.open(W2);
-    w.store(W1, a, &["old"]);
-    w.store(W2, c, &["new"]);
+    w.store(W1, a, &["read"]);
+    w.store(W2, c, &["unread"]);
     let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
     w.close(W1, a, true);
     w.close(W2, c, true);
     w.tick();
     let (b, _) = w.open("reader:1");
     w.advance(1_000);
-    // "new" is read after "old": "old"'s region was read longest ago.
-    w.acquire("reader:1", b, &["old"]);
-    w.advance(1_000);
-    w.acquire("reader:1", b, &["new"]);
+    // r1 came first, but it is read now: r2 is the one read longest ago.
+    w.acquire("reader:1", b, &["read"]);
     w.expand("reader:1", b).unwrap(); // the RM is full now
     w.clear_log();
     let e = w.expand("reader:1", b).unwrap_err();
     assert_eq!(e.code, ErrorCode::NoSpace, "{e}");
-    assert!(e.message.contains(&format!("kept region {r1}")), "{e}");
-    assert_eq!(w.exists("reader:1", b, &["old", "new"]), vec![false, true]);
+    assert!(e.message.contains(&format!("kept region {r2}")), "{e}");
+    assert_eq!(
+        w.exists("reader:1", b, &["read", "unread"]),
+        vec![true, false]
+    );
     // One at a time: a second refusal before the first give-back reached the RM
     // takes nothing more.
     let e = w.expand("reader:1", b).unwrap_err();
     assert_eq!(e.code, ErrorCode::NoSpace);
     assert!(e.message.contains("being given back"), "{e}");
-    assert_eq!(w.exists("reader:1", b, &["new"]), vec![true]);
+    assert_eq!(w.exists("reader:1", b, &["read"]), vec![true]);
     w.tick(); // release, then free
-    assert!(!w.at_rm(r1));
-    assert!(w.at_rm(r2));
+    assert!(!w.at_rm(r2));
+    assert!(w.at_rm(r1));
     w.assert_released_before_freed();
     w.expand("reader:1", b).unwrap();
 }
@@ -337,5 +347,24 @@ fn nothing_is_left_at_the_rm_once_every_session_closed_and_the_keeper_let_go() {
     assert!(w.rm.allocated.is_empty(), "{:?}", w.rm.allocated);
     assert_eq!(w.core.region_count(), 0);
     assert_eq!(w.core.next_deadline(), None, "idle: no timer left");
+    w.assert_released_before_freed();
+}
+
+#[test]
+fn giving_the_kept_regions_back_leaves_nothing_at_the_rm() {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.tick();
+    w.agents.down.insert(agent.clone());
+    assert_eq!(w.core.give_back_kept(w.now), 1);
+    assert_eq!(w.exists(W2, b, &["k"]), vec![false], "keys go at once");
+    w.run_for(5_000, 1_000);
+    assert_eq!(w.core.regions_going_back(), 1, "waits for the release");
+    assert!(w.at_rm(kept));
+    w.agents.down.clear();
+    w.advance(1_000);
+    assert_eq!(w.core.regions_going_back(), 0);
+    w.close(W2, b, true);
+    w.tick();
+    assert!(w.rm.allocated.is_empty(), "{:?}", w.rm.allocated);
     w.assert_released_before_freed();
 }

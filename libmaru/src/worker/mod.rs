@@ -1,10 +1,20 @@
-//! The worker data path: staging slots, the pool router, transfer isolation (and, as
-//! the worker issue lands, the storage clients and the handler behind the C ABI).
+//! The worker data path: the handler an engine opens ([`Handler`]), its pools (a
+//! storage session and a mover each), staging slots with separate load and store
+//! pools, the pool router, and transfer isolation.
 
+pub mod config;
+pub mod error;
+pub mod handler;
+pub mod movers;
+pub mod pool;
 pub mod router;
+pub mod session;
 pub mod staging;
 pub mod transfer;
 
+pub use config::{BackendKind, HandlerConfig, TransportKind};
+pub use error::WorkerError;
+pub use handler::Handler;
 pub use router::{parse_server_urls, PoolRouter};
 pub use staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 pub use transfer::{execute, Isolation, PeerBatch, PeerOutcome};

@@ -1,0 +1,163 @@
+//! The worker data path against real daemons on loopback: RM (fake DAX), agent and
+//! maru-server; two engines share KV through `remote_cxl` over the soft transport,
+//! and through `cxl`.
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
+use maru::worker::Handler;
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+use support::{connect, wait_until, Daemon, Scratch};
+
+const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+
+struct Stack {
+    s: Scratch,
+    key_path: std::path::PathBuf,
+    rm: Daemon,
+    _agent: Option<Daemon>,
+    server: Daemon,
+}
+
+fn stack(remote: bool, extra_server: &[&str]) -> Stack {
+    let mut s = Scratch::new("worker");
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
+    let rm = Daemon::start(
+        RM_BIN,
+        &["--state-dir".into(), s.dir.join("rm").display().to_string(), "--fake-dax".into(), format!("{}:256M", pool.display())],
+        &s.dir,
+    );
+    let agent = remote.then(|| {
+        Daemon::start(
+            AGENT_BIN,
+            &[
+                "--rm-address".into(),
+                rm.addr.clone(),
+                "--key-file".into(),
+                key_path.display().to_string(),
+                "--device".into(),
+                pool.display().to_string(),
+                "--node".into(),
+                "mem0".into(),
+            ],
+            &s.dir,
+        )
+    });
+    let mut args = vec!["--rm-address".to_string(), rm.addr.clone(), "--region-size".into(), "8M".into(), "--chunk-size".into(), "64K".into()];
+    if let Some(a) = &agent {
+        args.extend(["--remote-cxl-agent".into(), a.addr.clone(), "--remote-cxl-agent-key-file".into(), key_path.display().to_string()]);
+    }
+    args.extend(extra_server.iter().map(|x| x.to_string()));
+    let server = Daemon::start(SERVER_BIN, &args, &s.dir);
+    Stack { s, key_path, rm, _agent: agent, server }
+}
+
+fn config(st: &Stack, backend: &str, engine: &str) -> String {
+    serde_json::json!({
+        "backend": backend,
+        "server_url": st.server.addr,
+        "engine_id": engine,
+        "namespace": "llama-test",
+        "agent_key_file": st.key_path.display().to_string(),
+        "load_slots": 8,
+        "store_slots": 16,
+    })
+    .to_string()
+}
+
+fn chunk(i: usize) -> Vec<u8> {
+    // Deterministic, different per chunk, various lengths up to the 64 KiB page.
+    let len = 1024 + (i * 977) % (63 * 1024);
+    let mut out = Vec::with_capacity(len);
+    let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn digest(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+fn share_1000_chunks(backend: &str) {
+    let st = stack(backend == "remote_cxl", &[]);
+    let a = Handler::open(&config(&st, backend, "engine-a")).expect("open engine A");
+    let b = Handler::open(&config(&st, backend, "engine-b")).expect("open engine B");
+    let n = 1000;
+    let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
+    let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
+    for batch in (0..n).collect::<Vec<_>>().chunks(32) {
+        let items: Vec<(&str, &[u8])> = batch.iter().map(|&i| (keys[i].as_str(), data[i].as_slice())).collect();
+        let ok = a.store_batch(&items, Some("route")).expect("store");
+        assert!(ok.iter().all(|&x| x), "every chunk stored");
+    }
+    let found = b.exists_batch(&keys, Some("route")).unwrap();
+    assert!(found.iter().all(|&x| x));
+    for batch in keys.chunks(32) {
+        let got = b.load_batch(batch, Some("route")).expect("load");
+        for (k, g) in batch.iter().zip(got) {
+            let i: usize = k[7..].parse().unwrap();
+            let g = g.unwrap_or_else(|| panic!("{k} missing"));
+            assert_eq!(digest(&g), digest(&data[i]), "checksum of {k}");
+        }
+    }
+    let stats = b.stats();
+    assert_eq!(stats["total"]["hits"], n as u64);
+    // A key nobody stored is a miss, not an error.
+    assert_eq!(b.load("nope", Some("route")).unwrap(), None);
+    a.close().unwrap();
+    b.close().unwrap();
+}
+
+#[test]
+fn remote_cxl_engines_share_1000_checksummed_chunks() {
+    share_1000_chunks("remote_cxl");
+}
+
+#[test]
+fn cxl_engines_share_1000_checksummed_chunks() {
+    share_1000_chunks("cxl");
+}
+
+#[test]
+fn a_killed_engines_keys_stay_readable_and_every_region_goes_back() {
+    let st = stack(true, &["--session-timeout-s", "1"]);
+    let b = Handler::open(&config(&st, "remote_cxl", "engine-b")).unwrap();
+    let keys: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..40).map(chunk).collect();
+    {
+        let a = Handler::open(&config(&st, "remote_cxl", "engine-a")).unwrap();
+        let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, d)| (k.as_str(), d.as_slice())).collect();
+        assert!(a.store_batch(&items, Some("r")).unwrap().iter().all(|&x| x));
+        // "Killed": the engine goes away without closing its session.
+        std::mem::forget(a);
+    }
+    // After the session expired, the keeper keeps its region: B still reads every key.
+    std::thread::sleep(Duration::from_millis(2500));
+    let got = b.load_batch(&keys, Some("r")).unwrap();
+    for (g, d) in got.iter().zip(&data) {
+        assert_eq!(g.as_deref().map(digest), Some(digest(d)));
+    }
+    b.close().unwrap();
+    // Stopping maru-server gives the kept regions back: released at the agent, then freed.
+    let mut rm = connect(&st.rm.addr, RM, "observer");
+    let count = |rm: &mut maru::net::Client| match rm.call(&RmRequest::Regions { owner: None }).unwrap() {
+        RmReply::Regions { regions } => regions.len(),
+        r => panic!("{r:?}"),
+    };
+    assert!(count(&mut rm) > 0);
+    assert_eq!(st.server.terminate(), Some(0));
+    assert!(wait_until(Duration::from_secs(40), || count(&mut rm) == 0), "no region left allocated at the RM");
+    drop(st.s);
+}

@@ -1,0 +1,136 @@
+//! The handler's JSON configuration. Unknown fields are refused (a typo must not
+//! silently fall back to a default); every error names the field and what to do.
+
+use super::router::parse_server_urls;
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// Regions in the CXL memory of memory nodes, reached with one-sided RDMA.
+    RemoteCxl,
+    /// This host is attached to the CXL memory and maps regions itself.
+    Cxl,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    Soft,
+    Verbs,
+}
+
+fn default_namespace() -> String {
+    "default".into()
+}
+fn default_layout() -> String {
+    "default".into()
+}
+fn default_load_slots() -> usize {
+    16
+}
+fn default_store_slots() -> usize {
+    32
+}
+fn default_timeout_ms() -> u64 {
+    10_000
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandlerConfig {
+    pub backend: BackendKind,
+    /// maru-server address(es): `host:port[,host:port...]`, one pool each.
+    pub server_url: String,
+    /// This engine's id (sessions and ownership are named by it).
+    pub engine_id: String,
+    /// Cache namespace (model + KV layout scope); keys are shared only within it.
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Digest of the KV layout; keys are shared only between equal layouts.
+    #[serde(default = "default_layout")]
+    pub layout: String,
+    /// Agent key file (remote_cxl; default ~/.maru/remote-cxl-agent.key).
+    #[serde(default)]
+    pub agent_key_file: Option<String>,
+    #[serde(default)]
+    pub transport: Option<TransportKind>,
+    #[serde(default)]
+    pub rdma_device: Option<String>,
+    /// Load staging slots (pipeline depth of loads).
+    #[serde(default = "default_load_slots")]
+    pub load_slots: usize,
+    /// Store staging slots (what stores keep in flight).
+    #[serde(default = "default_store_slots")]
+    pub store_slots: usize,
+    /// Timeout of one transfer batch and of control calls (ms).
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+impl HandlerConfig {
+    /// Parses and checks a configuration. Errors are configuration errors: the open
+    /// fails at once and is never retried.
+    pub fn parse(json: &str) -> Result<HandlerConfig, String> {
+        let c: HandlerConfig =
+            serde_json::from_str(json).map_err(|e| format!("configuration JSON: {e}"))?;
+        c.check()?;
+        Ok(c)
+    }
+
+    pub fn server_urls(&self) -> Result<Vec<String>, String> {
+        parse_server_urls(&self.server_url)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.server_urls()?;
+        if self.engine_id.trim().is_empty() {
+            return Err("engine_id is empty: give each engine a stable, unique id".into());
+        }
+        if self.load_slots == 0 {
+            return Err("load_slots must be at least 1".into());
+        }
+        if self.store_slots == 0 {
+            return Err("store_slots must be at least 1".into());
+        }
+        if self.timeout_ms == 0 {
+            return Err("timeout_ms must be positive".into());
+        }
+        if self.backend == BackendKind::Cxl && self.transport.is_some() {
+            return Err("transport applies only to backend remote_cxl".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn minimal_and_full() {
+        let c = HandlerConfig::parse(r#"{"backend":"remote_cxl","server_url":"127.0.0.1:5555","engine_id":"e"}"#).unwrap();
+        assert_eq!(c.load_slots, 16);
+        assert_eq!(c.namespace, "default");
+        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"a:1,b:2","engine_id":"e","load_slots":2}"#).is_ok());
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        let e = HandlerConfig::parse(r#"{"backend":"remote_cxl","server_url":"a:1","engine_id":"e","load_slot":3}"#).unwrap_err();
+        assert!(e.contains("load_slot"), "{e}");
+        let e = HandlerConfig::parse(r#"{"backend":"nvme","server_url":"a:1","engine_id":"e"}"#).unwrap_err();
+        assert!(e.contains("nvme"), "{e}");
+        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"","engine_id":"e"}"#).unwrap_err().contains("empty"));
+        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"a:1","engine_id":" "}"#).unwrap_err().contains("engine_id"));
+        assert!(HandlerConfig::parse("not json").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn the_config_parser_never_panics(s in ".{0,200}") {
+            let _ = HandlerConfig::parse(&s);
+        }
+    }
+}

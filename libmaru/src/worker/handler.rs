@@ -1,0 +1,342 @@
+//! The handler an engine opens: configuration, the pools (one per maru-server URL),
+//! the shared staging buffer and transport, and a background thread that heartbeats
+//! sessions and reconnects pools that went away (their prefixes miss meanwhile).
+
+use super::config::{BackendKind, HandlerConfig, TransportKind};
+use super::error::WorkerError;
+use super::movers::{CxlMover, Mover, RemoteMover};
+use super::pool::{PoolStats, StoragePool};
+use super::router::PoolRouter;
+use super::session::Session;
+use super::staging::{StagingLayout, StagingSlots};
+use crate::auth::SharedKey;
+use crate::net::ClientOptions;
+use crate::transport::soft::SoftTransport;
+use crate::transport::{LocalBuffer, Transport};
+use crate::wire::meta::Backend;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// The staging buffer and transport (remote_cxl only), made once the slot size is known.
+struct DataPath {
+    staging: StagingSlots,
+    nic: Arc<dyn Transport>,
+    agent_opts: ClientOptions,
+}
+
+struct Inner {
+    cfg: HandlerConfig,
+    client_id: String,
+    urls: Vec<String>,
+    router: Mutex<PoolRouter>,
+    pools: Vec<Mutex<Option<StoragePool>>>,
+    data: Mutex<Option<Arc<DataPath>>>,
+    stop: AtomicBool,
+    wake: (Mutex<()>, Condvar),
+}
+
+/// An open handler. Thread-safe; calls on different pools run in parallel.
+pub struct Handler {
+    inner: Arc<Inner>,
+    background: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn agent_key(cfg: &HandlerConfig) -> Result<SharedKey, WorkerError> {
+    let path = match &cfg.agent_key_file {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root")).join(".maru/remote-cxl-agent.key"),
+    };
+    crate::auth::load_key_file(&path).map_err(|e| WorkerError::Config(format!("agent key: {e}")))
+}
+
+fn make_transport(cfg: &HandlerConfig, client_id: &str, key: &SharedKey) -> Result<Arc<dyn Transport>, WorkerError> {
+    match cfg.transport.unwrap_or(TransportKind::Soft) {
+        TransportKind::Soft => Ok(Arc::new(SoftTransport::new(client_id.to_string(), Some(key.clone())))),
+        TransportKind::Verbs => verbs_transport(cfg),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_transport(cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerError> {
+    crate::transport::verbs::VerbsTransport::open(cfg.rdma_device.as_deref(), 1, None)
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .map_err(|e| WorkerError::Config(e.to_string()))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_transport(_cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerError> {
+    Err(WorkerError::Config("transport verbs: this libmaru was built without the verbs feature; use transport soft or rebuild with --features verbs".into()))
+}
+
+impl Inner {
+    fn backend(&self) -> Backend {
+        match self.cfg.backend {
+            BackendKind::Cxl => Backend::Cxl,
+            BackendKind::RemoteCxl => Backend::RemoteCxl,
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.timeout_ms)
+    }
+
+    /// The data path, created from the first session's page size.
+    fn data_path(&self, page_size: u64) -> Result<Arc<DataPath>, WorkerError> {
+        let mut d = self.data.lock().map_err(|_| WorkerError::Closed)?;
+        if let Some(dp) = d.as_ref() {
+            if (dp.staging.layout().slot_size as u64) < page_size {
+                return Err(WorkerError::Config(format!(
+                    "pools have different page sizes ({} and {page_size}); give every maru-server of a handler the same --chunk-size",
+                    dp.staging.layout().slot_size
+                )));
+            }
+            return Ok(dp.clone());
+        }
+        let layout = StagingLayout { slot_size: page_size as usize, load_slots: self.cfg.load_slots, store_slots: self.cfg.store_slots };
+        layout.validate(page_size as usize, 1, 1).map_err(WorkerError::Config)?;
+        let staging = StagingSlots::new(layout).map_err(|e| WorkerError::NoSpace(format!("staging buffer of {} bytes: {e}", layout.total_bytes())))?;
+        let key = agent_key(&self.cfg)?;
+        let nic = make_transport(&self.cfg, &self.client_id, &key)?;
+        let (ptr, len) = staging.buffer();
+        nic.register_local(LocalBuffer { ptr, len }).map_err(|e| WorkerError::Config(e.to_string()))?;
+        let mut agent_opts = ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
+        agent_opts.key = Some(key);
+        agent_opts.call_timeout = self.timeout();
+        agent_opts.connect_timeout = self.timeout().min(Duration::from_secs(5));
+        let dp = Arc::new(DataPath { staging, nic, agent_opts });
+        *d = Some(dp.clone());
+        Ok(dp)
+    }
+
+    fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
+        let url = &self.urls[i];
+        let session = Session::open(url, &self.client_id, &self.cfg.engine_id, &self.cfg.namespace, &self.cfg.layout, self.backend(), self.timeout())?;
+        let mover: Box<dyn Mover> = match self.cfg.backend {
+            BackendKind::Cxl => Box::new(CxlMover::new()),
+            BackendKind::RemoteCxl => {
+                let dp = self.data_path(session.page_size)?;
+                Box::new(RemoteMover::new(dp.nic.clone(), dp.staging.clone(), dp.agent_opts.clone(), self.timeout()))
+            }
+        };
+        StoragePool::open(session, mover)
+    }
+
+    fn set_up(&self, i: usize, up: bool) {
+        if let Ok(mut r) = self.router.lock() {
+            if r.set_up(i, up) {
+                if up {
+                    log::info!("pool {} is available", self.urls[i]);
+                } else {
+                    log::warn!("pool {} is unavailable: its prefixes miss until it is back", self.urls[i]);
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on the request's pool; an unavailable pool is set aside for the
+    /// background thread to reconnect, and the call answers `miss`.
+    fn with_pool<T>(&self, route_key: &str, miss: T, f: impl FnOnce(&mut StoragePool) -> Result<T, WorkerError>) -> Result<T, WorkerError> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        let i = self.router.lock().map_err(|_| WorkerError::Closed)?.pick(route_key);
+        let mut slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
+        let Some(pool) = slot.as_mut() else { return Ok(miss) };
+        match f(pool) {
+            Err(WorkerError::Unavailable(m)) => {
+                log::warn!("pool {}: {m}", self.urls[i]);
+                *slot = None;
+                drop(slot);
+                self.set_up(i, false);
+                self.wake.1.notify_all();
+                Ok(miss)
+            }
+            r => r,
+        }
+    }
+
+    fn background(self: &Arc<Self>) {
+        let beat = Duration::from_millis(10_000);
+        let mut since_beat = Duration::ZERO;
+        let tick = Duration::from_secs(1);
+        while !self.stop.load(Ordering::SeqCst) {
+            let any_down = self.pools.iter().any(|p| p.lock().map(|g| g.is_none()).unwrap_or(false));
+            let wait = if any_down { tick } else { beat.saturating_sub(since_beat).max(tick) };
+            if let Ok(g) = self.wake.0.lock() {
+                let _ = self.wake.1.wait_timeout(g, wait);
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            since_beat += wait;
+            for i in 0..self.pools.len() {
+                let down = self.pools[i].lock().map(|g| g.is_none()).unwrap_or(false);
+                if down {
+                    match self.open_pool(i) {
+                        Ok(p) => {
+                            if let Ok(mut g) = self.pools[i].lock() {
+                                *g = Some(p);
+                            }
+                            self.set_up(i, true);
+                        }
+                        Err(e) => log::debug!("pool {} still unavailable: {e}", self.urls[i]),
+                    }
+                } else if since_beat >= beat {
+                    let mut g = match self.pools[i].lock() {
+                        Ok(g) => g,
+                        Err(_) => continue,
+                    };
+                    if let Some(p) = g.as_mut() {
+                        if let Err(e) = p.heartbeat() {
+                            log::warn!("pool {}: heartbeat failed: {e}", self.urls[i]);
+                            if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
+                                *g = None;
+                                drop(g);
+                                self.set_up(i, false);
+                            }
+                        }
+                    }
+                }
+            }
+            if since_beat >= beat {
+                since_beat = Duration::ZERO;
+            }
+        }
+    }
+}
+
+impl Handler {
+    /// Opens a handler from its JSON configuration. A configuration error fails at
+    /// once; a pool that cannot be reached is retried in the background (at least one
+    /// must answer now, so that a wrong address is not mistaken for a pool that is down).
+    pub fn open(config_json: &str) -> Result<Handler, WorkerError> {
+        let cfg = HandlerConfig::parse(config_json).map_err(WorkerError::Config)?;
+        let urls = cfg.server_urls().map_err(WorkerError::Config)?;
+        let client_id = format!("{}@{}", cfg.engine_id, crate::net::default_client_id(""));
+        let inner = Arc::new(Inner {
+            router: Mutex::new(PoolRouter::new(urls.clone())),
+            pools: urls.iter().map(|_| Mutex::new(None)).collect(),
+            urls,
+            cfg,
+            client_id,
+            data: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+        });
+        let mut last_err = None;
+        let mut opened = 0;
+        for i in 0..inner.pools.len() {
+            match inner.open_pool(i) {
+                Ok(p) => {
+                    if let Ok(mut g) = inner.pools[i].lock() {
+                        *g = Some(p);
+                    }
+                    opened += 1;
+                }
+                Err(e @ WorkerError::Config(_)) => return Err(e),
+                Err(e) => {
+                    log::warn!("pool {} is unavailable at open: {e}; retrying in the background", inner.urls[i]);
+                    inner.set_up(i, false);
+                    last_err = Some(e);
+                }
+            }
+        }
+        if opened == 0 {
+            return Err(last_err.unwrap_or_else(|| WorkerError::Unavailable("no pool".into())));
+        }
+        let bg = inner.clone();
+        let background = std::thread::Builder::new()
+            .name("maru-handler".into())
+            .spawn(move || bg.background())
+            .map_err(|e| WorkerError::Unavailable(format!("cannot start the handler thread: {e}")))?;
+        Ok(Handler { inner, background: Mutex::new(Some(background)) })
+    }
+
+    /// Stores one chunk under `key`. Returns false when it was skipped (no staging slot,
+    /// pool unavailable); true when stored now or already present.
+    pub fn store(&self, key: &str, data: &[u8], route_key: Option<&str>) -> Result<bool, WorkerError> {
+        Ok(self.store_batch(&[(key, data)], route_key)?.first().copied().unwrap_or(false))
+    }
+
+    pub fn store_batch(&self, items: &[(&str, &[u8])], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = items.first() else { return Ok(Vec::new()) };
+        let rk = route_key.unwrap_or(first.0);
+        self.inner.with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+    }
+
+    pub fn load(&self, key: &str, route_key: Option<&str>) -> Result<Option<Vec<u8>>, WorkerError> {
+        Ok(self.load_batch(&[key.to_string()], route_key)?.pop().flatten())
+    }
+
+    pub fn load_batch(&self, keys: &[String], route_key: Option<&str>) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
+        let Some(first) = keys.first() else { return Ok(Vec::new()) };
+        let rk = route_key.unwrap_or(first);
+        self.inner.with_pool(rk, vec![None; keys.len()], |p| p.load(keys))
+    }
+
+    pub fn exists_batch(&self, keys: &[String], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = keys.first() else { return Ok(Vec::new()) };
+        let rk = route_key.unwrap_or(first);
+        self.inner.with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+    }
+
+    /// The page (chunk) size of the pools.
+    pub fn chunk_size(&self) -> Option<u64> {
+        self.inner.pools.iter().find_map(|p| p.lock().ok().and_then(|g| g.as_ref().map(|p| p.page_size())))
+    }
+
+    /// Counters per pool and total, as JSON.
+    pub fn stats(&self) -> serde_json::Value {
+        let mut pools = Vec::new();
+        let mut total = PoolStats::default();
+        for (i, p) in self.inner.pools.iter().enumerate() {
+            let g = p.lock();
+            let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats.clone()));
+            if let Some(s) = &s {
+                total.stored += s.stored;
+                total.store_skipped += s.store_skipped;
+                total.already_present += s.already_present;
+                total.bytes_stored += s.bytes_stored;
+                total.hits += s.hits;
+                total.misses += s.misses;
+                total.load_failed += s.load_failed;
+                total.bytes_loaded += s.bytes_loaded;
+                total.regions += s.regions;
+            }
+            pools.push(serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}));
+        }
+        serde_json::json!({"backend": format!("{:?}", self.inner.cfg.backend).to_lowercase(), "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total})
+    }
+
+    /// Closes every session (drained: regions with keys go to maru-server's keeper).
+    pub fn close(&self) -> Result<(), WorkerError> {
+        if self.inner.stop.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.inner.wake.1.notify_all();
+        if let Some(h) = self.background.lock().ok().and_then(|mut b| b.take()) {
+            let _ = h.join();
+        }
+        let mut first_err = None;
+        for (i, p) in self.inner.pools.iter().enumerate() {
+            if let Ok(mut g) = p.lock() {
+                if let Some(mut pool) = g.take() {
+                    if let Err(e) = pool.close() {
+                        log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Handler {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}

@@ -1,0 +1,125 @@
+//! A storage session at one pool's maru-server: typed calls over a reconnecting link.
+
+use super::error::WorkerError;
+use crate::net::{ClientOptions, Link};
+use crate::wire::meta::{
+    Backend, HandshakeReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef, PublishEntry, RegionGrant,
+    SessionReply, SERVICE,
+};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+pub struct Session {
+    pub url: String,
+    link: Link,
+    pub id: u64,
+    pub page_size: u64,
+    pub handshake: HandshakeReply,
+    pub first_region: RegionGrant,
+    pub session_timeout_ms: u64,
+}
+
+fn unexpected(what: &str, r: MetaReply) -> WorkerError {
+    WorkerError::Transport(format!("maru-server answered {what} with {r:?}"))
+}
+
+impl Session {
+    /// Handshake and open a session. `backend` must be among the server's capabilities.
+    pub fn open(url: &str, client_id: &str, engine_id: &str, namespace: &str, layout: &str, backend: Backend, timeout: Duration) -> Result<Session, WorkerError> {
+        let mut opts = ClientOptions::new(SERVICE, client_id.to_string());
+        opts.connect_timeout = timeout.min(Duration::from_secs(5));
+        opts.call_timeout = timeout;
+        let mut link = Link::new(url, opts);
+        let handshake = match link.call::<_, MetaReply>(&MetaRequest::Handshake {})? {
+            MetaReply::Handshake(h) => h,
+            r => return Err(unexpected("handshake", r)),
+        };
+        let cap = match backend {
+            Backend::Cxl => crate::wire::meta::CAP_CXL_STORAGE,
+            Backend::RemoteCxl => crate::wire::meta::CAP_REMOTE_CXL_STORAGE,
+        };
+        if !handshake.capabilities.iter().any(|c| c == cap) {
+            return Err(WorkerError::Config(format!(
+                "maru-server at {url} does not offer {cap} (it offers {:?}); for remote_cxl start it with --remote-cxl-agent",
+                handshake.capabilities
+            )));
+        }
+        let req = MetaRequest::OpenSession { engine_id: engine_id.into(), namespace: namespace.into(), layout: layout.into(), backend };
+        let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
+            MetaReply::Session(s) => s,
+            r => return Err(unexpected("open_session", r)),
+        };
+        Ok(Session {
+            url: url.to_string(),
+            link,
+            id: s.session,
+            page_size: s.page_size,
+            handshake,
+            first_region: s.region,
+            session_timeout_ms: s.session_timeout_ms,
+        })
+    }
+
+    fn call(&mut self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
+        Ok(self.link.call::<_, MetaReply>(req)?)
+    }
+
+    pub fn expand(&mut self) -> Result<RegionGrant, WorkerError> {
+        match self.call(&MetaRequest::Expand { session: self.id })? {
+            MetaReply::Region(g) => Ok(g),
+            r => Err(unexpected("expand", r)),
+        }
+    }
+
+    /// Pages for `count` chunks; `missing` of them did not fit (expand first).
+    pub fn alloc(&mut self, count: u32, route_key: Option<&str>) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        match self.call(&MetaRequest::Alloc { session: self.id, count, route_key: route_key.map(str::to_string) })? {
+            MetaReply::Pages(p) => Ok((p.pages, p.missing)),
+            r => Err(unexpected("alloc", r)),
+        }
+    }
+
+    pub fn free_pages(&mut self, pages: &[PageGrant]) -> Result<(), WorkerError> {
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let pages = pages.iter().map(|p| PageRef { region_id: p.region_id, page: p.page }).collect();
+        self.call(&MetaRequest::FreePages { session: self.id, pages }).map(|_| ())
+    }
+
+    pub fn publish(&mut self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
+        match self.call(&MetaRequest::Publish { session: self.id, entries })? {
+            MetaReply::Published { is_new } => Ok(is_new),
+            r => Err(unexpected("publish", r)),
+        }
+    }
+
+    pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        match self.call(&MetaRequest::Exists { session: self.id, keys: keys.to_vec() })? {
+            MetaReply::Exists { found } => Ok(found),
+            r => Err(unexpected("exists", r)),
+        }
+    }
+
+    pub fn acquire(&mut self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+        match self.call(&MetaRequest::Acquire { session: self.id, keys: keys.to_vec() })? {
+            MetaReply::Leases { leases } => Ok(leases),
+            r => Err(unexpected("acquire", r)),
+        }
+    }
+
+    pub fn release_leases(&mut self, ids: Vec<u64>) -> Result<(), WorkerError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.call(&MetaRequest::ReleaseLeases { session: self.id, lease_ids: ids }).map(|_| ())
+    }
+
+    pub fn heartbeat(&mut self, boot_ids: BTreeMap<u64, String>) -> Result<(), WorkerError> {
+        self.call(&MetaRequest::Heartbeat { session: self.id, boot_ids }).map(|_| ())
+    }
+
+    pub fn close(&mut self) -> Result<(), WorkerError> {
+        self.call(&MetaRequest::Close { session: self.id, drained: true }).map(|_| ())
+    }
+}
