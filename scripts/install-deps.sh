@@ -26,6 +26,6 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 if ! have_cmd cargo; then
-    echo "install-deps: cargo not found. Maru needs Rust 1.80 or newer (rustup or your distribution's rust toolchain)." >&2
+    echo "install-deps: cargo not found. Maru needs Rust 1.85 or newer (rustup or your distribution's rust toolchain)." >&2
     exit 1
 fi

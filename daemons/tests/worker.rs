@@ -30,7 +30,12 @@ fn stack(remote: bool, extra_server: &[&str]) -> Stack {
     write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
     let rm = Daemon::start(
         RM_BIN,
-        &["--state-dir".into(), s.dir.join("rm").display().to_string(), "--fake-dax".into(), format!("{}:256M", pool.display())],
+        &[
+            "--state-dir".into(),
+            s.dir.join("rm").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:256M", pool.display()),
+        ],
         &s.dir,
     );
     let agent = remote.then(|| {
@@ -49,13 +54,31 @@ fn stack(remote: bool, extra_server: &[&str]) -> Stack {
             &s.dir,
         )
     });
-    let mut args = vec!["--rm-address".to_string(), rm.addr.clone(), "--region-size".into(), "8M".into(), "--chunk-size".into(), "64K".into()];
+    let mut args = vec![
+        "--rm-address".to_string(),
+        rm.addr.clone(),
+        "--region-size".into(),
+        "8M".into(),
+        "--chunk-size".into(),
+        "64K".into(),
+    ];
     if let Some(a) = &agent {
-        args.extend(["--remote-cxl-agent".into(), a.addr.clone(), "--remote-cxl-agent-key-file".into(), key_path.display().to_string()]);
+        args.extend([
+            "--remote-cxl-agent".into(),
+            a.addr.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            key_path.display().to_string(),
+        ]);
     }
     args.extend(extra_server.iter().map(|x| x.to_string()));
     let server = Daemon::start(SERVER_BIN, &args, &s.dir);
-    Stack { s, key_path, rm, _agent: agent, server }
+    Stack {
+        s,
+        key_path,
+        rm,
+        _agent: agent,
+        server,
+    }
 }
 
 fn config(st: &Stack, backend: &str, engine: &str) -> String {
@@ -98,7 +121,10 @@ fn share_1000_chunks(backend: &str) {
     let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
     let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
     for batch in (0..n).collect::<Vec<_>>().chunks(32) {
-        let items: Vec<(&str, &[u8])> = batch.iter().map(|&i| (keys[i].as_str(), data[i].as_slice())).collect();
+        let items: Vec<(&str, &[u8])> = batch
+            .iter()
+            .map(|&i| (keys[i].as_str(), data[i].as_slice()))
+            .collect();
         let ok = a.store_batch(&items, Some("route")).expect("store");
         assert!(ok.iter().all(|&x| x), "every chunk stored");
     }
@@ -138,7 +164,11 @@ fn a_killed_engines_keys_stay_readable_and_every_region_goes_back() {
     let data: Vec<Vec<u8>> = (0..40).map(chunk).collect();
     {
         let a = Handler::open(&config(&st, "remote_cxl", "engine-a")).unwrap();
-        let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, d)| (k.as_str(), d.as_slice())).collect();
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .zip(&data)
+            .map(|(k, d)| (k.as_str(), d.as_slice()))
+            .collect();
         assert!(a.store_batch(&items, Some("r")).unwrap().iter().all(|&x| x));
         // "Killed": the engine goes away without closing its session.
         std::mem::forget(a);
@@ -152,12 +182,16 @@ fn a_killed_engines_keys_stay_readable_and_every_region_goes_back() {
     b.close().unwrap();
     // Stopping maru-server gives the kept regions back: released at the agent, then freed.
     let mut rm = connect(&st.rm.addr, RM, "observer");
-    let count = |rm: &mut maru::net::Client| match rm.call(&RmRequest::Regions { owner: None }).unwrap() {
-        RmReply::Regions { regions } => regions.len(),
-        r => panic!("{r:?}"),
-    };
+    let count =
+        |rm: &mut maru::net::Client| match rm.call(&RmRequest::Regions { owner: None }).unwrap() {
+            RmReply::Regions { regions } => regions.len(),
+            r => panic!("{r:?}"),
+        };
     assert!(count(&mut rm) > 0);
     assert_eq!(st.server.terminate(), Some(0));
-    assert!(wait_until(Duration::from_secs(40), || count(&mut rm) == 0), "no region left allocated at the RM");
+    assert!(
+        wait_until(Duration::from_secs(40), || count(&mut rm) == 0),
+        "no region left allocated at the RM"
+    );
     drop(st.s);
 }

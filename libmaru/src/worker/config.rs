@@ -110,20 +110,38 @@ mod tests {
 
     #[test]
     fn minimal_and_full() {
-        let c = HandlerConfig::parse(r#"{"backend":"remote_cxl","server_url":"127.0.0.1:5555","engine_id":"e"}"#).unwrap();
+        let c = HandlerConfig::parse(
+            r#"{"backend":"remote_cxl","server_url":"127.0.0.1:5555","engine_id":"e"}"#,
+        )
+        .unwrap();
         assert_eq!(c.load_slots, 16);
         assert_eq!(c.namespace, "default");
-        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"a:1,b:2","engine_id":"e","load_slots":2}"#).is_ok());
+        assert!(HandlerConfig::parse(
+            r#"{"backend":"cxl","server_url":"a:1,b:2","engine_id":"e","load_slots":2}"#
+        )
+        .is_ok());
     }
 
     #[test]
     fn errors_name_the_problem() {
-        let e = HandlerConfig::parse(r#"{"backend":"remote_cxl","server_url":"a:1","engine_id":"e","load_slot":3}"#).unwrap_err();
+        let e = HandlerConfig::parse(
+            r#"{"backend":"remote_cxl","server_url":"a:1","engine_id":"e","load_slot":3}"#,
+        )
+        .unwrap_err();
         assert!(e.contains("load_slot"), "{e}");
-        let e = HandlerConfig::parse(r#"{"backend":"nvme","server_url":"a:1","engine_id":"e"}"#).unwrap_err();
+        let e = HandlerConfig::parse(r#"{"backend":"nvme","server_url":"a:1","engine_id":"e"}"#)
+            .unwrap_err();
         assert!(e.contains("nvme"), "{e}");
-        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"","engine_id":"e"}"#).unwrap_err().contains("empty"));
-        assert!(HandlerConfig::parse(r#"{"backend":"cxl","server_url":"a:1","engine_id":" "}"#).unwrap_err().contains("engine_id"));
+        assert!(
+            HandlerConfig::parse(r#"{"backend":"cxl","server_url":"","engine_id":"e"}"#)
+                .unwrap_err()
+                .contains("empty")
+        );
+        assert!(
+            HandlerConfig::parse(r#"{"backend":"cxl","server_url":"a:1","engine_id":" "}"#)
+                .unwrap_err()
+                .contains("engine_id")
+        );
         assert!(HandlerConfig::parse("not json").is_err());
     }
 

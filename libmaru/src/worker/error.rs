@@ -44,7 +44,9 @@ impl std::error::Error for WorkerError {}
 impl From<WireError> for WorkerError {
     fn from(e: WireError) -> WorkerError {
         match e.code {
-            ErrorCode::Refused | ErrorCode::Permission | ErrorCode::Auth => WorkerError::Refused(e.message),
+            ErrorCode::Refused | ErrorCode::Permission | ErrorCode::Auth => {
+                WorkerError::Refused(e.message)
+            }
             ErrorCode::NoSpace | ErrorCode::NoPool => WorkerError::NoSpace(e.message),
             ErrorCode::BadRequest => WorkerError::InvalidArgument(e.message),
             ErrorCode::Unsupported | ErrorCode::Version => WorkerError::Config(e.message),

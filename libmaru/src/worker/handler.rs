@@ -47,14 +47,24 @@ pub struct Handler {
 fn agent_key(cfg: &HandlerConfig) -> Result<SharedKey, WorkerError> {
     let path = match &cfg.agent_key_file {
         Some(p) => PathBuf::from(p),
-        None => std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root")).join(".maru/remote-cxl-agent.key"),
+        None => std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/root"))
+            .join(".maru/remote-cxl-agent.key"),
     };
     crate::auth::load_key_file(&path).map_err(|e| WorkerError::Config(format!("agent key: {e}")))
 }
 
-fn make_transport(cfg: &HandlerConfig, client_id: &str, key: &SharedKey) -> Result<Arc<dyn Transport>, WorkerError> {
+fn make_transport(
+    cfg: &HandlerConfig,
+    client_id: &str,
+    key: &SharedKey,
+) -> Result<Arc<dyn Transport>, WorkerError> {
     match cfg.transport.unwrap_or(TransportKind::Soft) {
-        TransportKind::Soft => Ok(Arc::new(SoftTransport::new(client_id.to_string(), Some(key.clone())))),
+        TransportKind::Soft => Ok(Arc::new(SoftTransport::new(
+            client_id.to_string(),
+            Some(key.clone()),
+        ))),
         TransportKind::Verbs => verbs_transport(cfg),
     }
 }
@@ -95,30 +105,60 @@ impl Inner {
             }
             return Ok(dp.clone());
         }
-        let layout = StagingLayout { slot_size: page_size as usize, load_slots: self.cfg.load_slots, store_slots: self.cfg.store_slots };
-        layout.validate(page_size as usize, 1, 1).map_err(WorkerError::Config)?;
-        let staging = StagingSlots::new(layout).map_err(|e| WorkerError::NoSpace(format!("staging buffer of {} bytes: {e}", layout.total_bytes())))?;
+        let layout = StagingLayout {
+            slot_size: page_size as usize,
+            load_slots: self.cfg.load_slots,
+            store_slots: self.cfg.store_slots,
+        };
+        layout
+            .validate(page_size as usize, 1, 1)
+            .map_err(WorkerError::Config)?;
+        let staging = StagingSlots::new(layout).map_err(|e| {
+            WorkerError::NoSpace(format!(
+                "staging buffer of {} bytes: {e}",
+                layout.total_bytes()
+            ))
+        })?;
         let key = agent_key(&self.cfg)?;
         let nic = make_transport(&self.cfg, &self.client_id, &key)?;
         let (ptr, len) = staging.buffer();
-        nic.register_local(LocalBuffer { ptr, len }).map_err(|e| WorkerError::Config(e.to_string()))?;
-        let mut agent_opts = ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
+        nic.register_local(LocalBuffer { ptr, len })
+            .map_err(|e| WorkerError::Config(e.to_string()))?;
+        let mut agent_opts =
+            ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
         agent_opts.key = Some(key);
         agent_opts.call_timeout = self.timeout();
         agent_opts.connect_timeout = self.timeout().min(Duration::from_secs(5));
-        let dp = Arc::new(DataPath { staging, nic, agent_opts });
+        let dp = Arc::new(DataPath {
+            staging,
+            nic,
+            agent_opts,
+        });
         *d = Some(dp.clone());
         Ok(dp)
     }
 
     fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
         let url = &self.urls[i];
-        let session = Session::open(url, &self.client_id, &self.cfg.engine_id, &self.cfg.namespace, &self.cfg.layout, self.backend(), self.timeout())?;
+        let session = Session::open(
+            url,
+            &self.client_id,
+            &self.cfg.engine_id,
+            &self.cfg.namespace,
+            &self.cfg.layout,
+            self.backend(),
+            self.timeout(),
+        )?;
         let mover: Box<dyn Mover> = match self.cfg.backend {
             BackendKind::Cxl => Box::new(CxlMover::new()),
             BackendKind::RemoteCxl => {
                 let dp = self.data_path(session.page_size)?;
-                Box::new(RemoteMover::new(dp.nic.clone(), dp.staging.clone(), dp.agent_opts.clone(), self.timeout()))
+                Box::new(RemoteMover::new(
+                    dp.nic.clone(),
+                    dp.staging.clone(),
+                    dp.agent_opts.clone(),
+                    self.timeout(),
+                ))
             }
         };
         StoragePool::open(session, mover)
@@ -130,7 +170,10 @@ impl Inner {
                 if up {
                     log::info!("pool {} is available", self.urls[i]);
                 } else {
-                    log::warn!("pool {} is unavailable: its prefixes miss until it is back", self.urls[i]);
+                    log::warn!(
+                        "pool {} is unavailable: its prefixes miss until it is back",
+                        self.urls[i]
+                    );
                 }
             }
         }
@@ -138,15 +181,28 @@ impl Inner {
 
     /// Runs `f` on the request's pool; an unavailable pool is set aside for the
     /// background thread to reconnect, and the call answers `miss`.
-    fn with_pool<T>(&self, route_key: &str, miss: T, f: impl FnOnce(&mut StoragePool) -> Result<T, WorkerError>) -> Result<T, WorkerError> {
+    fn with_pool<T>(
+        &self,
+        route_key: &str,
+        miss: T,
+        f: impl FnOnce(&mut StoragePool) -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
         if self.stop.load(Ordering::SeqCst) {
             return Err(WorkerError::Closed);
         }
-        let i = self.router.lock().map_err(|_| WorkerError::Closed)?.pick(route_key);
+        let i = self
+            .router
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .pick(route_key);
         let mut slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
-        let Some(pool) = slot.as_mut() else { return Ok(miss) };
+        let Some(pool) = slot.as_mut() else {
+            return Ok(miss);
+        };
         match f(pool) {
-            Err(WorkerError::Unavailable(m)) => {
+            // Unreachable, or our session is gone there (expired, unknown): set the pool
+            // aside; the background thread opens a new session.
+            Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
                 log::warn!("pool {}: {m}", self.urls[i]);
                 *slot = None;
                 drop(slot);
@@ -159,12 +215,30 @@ impl Inner {
     }
 
     fn background(self: &Arc<Self>) {
-        let beat = Duration::from_millis(10_000);
+        // Heartbeat well within the shortest session timeout of the pools.
+        let timeout_ms = self
+            .pools
+            .iter()
+            .filter_map(|p| {
+                p.lock()
+                    .ok()
+                    .and_then(|g| g.as_ref().map(|p| p.session.session_timeout_ms))
+            })
+            .min()
+            .unwrap_or(30_000);
+        let beat = Duration::from_millis((timeout_ms / 3).clamp(200, 10_000));
         let mut since_beat = Duration::ZERO;
-        let tick = Duration::from_secs(1);
+        let tick = Duration::from_secs(1).min(beat);
         while !self.stop.load(Ordering::SeqCst) {
-            let any_down = self.pools.iter().any(|p| p.lock().map(|g| g.is_none()).unwrap_or(false));
-            let wait = if any_down { tick } else { beat.saturating_sub(since_beat).max(tick) };
+            let any_down = self
+                .pools
+                .iter()
+                .any(|p| p.lock().map(|g| g.is_none()).unwrap_or(false));
+            let wait = if any_down {
+                tick
+            } else {
+                beat.saturating_sub(since_beat).max(tick)
+            };
             if let Ok(g) = self.wake.0.lock() {
                 let _ = self.wake.1.wait_timeout(g, wait);
             }
@@ -238,7 +312,10 @@ impl Handler {
                 }
                 Err(e @ WorkerError::Config(_)) => return Err(e),
                 Err(e) => {
-                    log::warn!("pool {} is unavailable at open: {e}; retrying in the background", inner.urls[i]);
+                    log::warn!(
+                        "pool {} is unavailable at open: {e}; retrying in the background",
+                        inner.urls[i]
+                    );
                     inner.set_up(i, false);
                     last_err = Some(e);
                 }
@@ -251,41 +328,83 @@ impl Handler {
         let background = std::thread::Builder::new()
             .name("maru-handler".into())
             .spawn(move || bg.background())
-            .map_err(|e| WorkerError::Unavailable(format!("cannot start the handler thread: {e}")))?;
-        Ok(Handler { inner, background: Mutex::new(Some(background)) })
+            .map_err(|e| {
+                WorkerError::Unavailable(format!("cannot start the handler thread: {e}"))
+            })?;
+        Ok(Handler {
+            inner,
+            background: Mutex::new(Some(background)),
+        })
     }
 
     /// Stores one chunk under `key`. Returns false when it was skipped (no staging slot,
     /// pool unavailable); true when stored now or already present.
-    pub fn store(&self, key: &str, data: &[u8], route_key: Option<&str>) -> Result<bool, WorkerError> {
-        Ok(self.store_batch(&[(key, data)], route_key)?.first().copied().unwrap_or(false))
+    pub fn store(
+        &self,
+        key: &str,
+        data: &[u8],
+        route_key: Option<&str>,
+    ) -> Result<bool, WorkerError> {
+        Ok(self
+            .store_batch(&[(key, data)], route_key)?
+            .first()
+            .copied()
+            .unwrap_or(false))
     }
 
-    pub fn store_batch(&self, items: &[(&str, &[u8])], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
-        let Some(first) = items.first() else { return Ok(Vec::new()) };
+    pub fn store_batch(
+        &self,
+        items: &[(&str, &[u8])],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = items.first() else {
+            return Ok(Vec::new());
+        };
         let rk = route_key.unwrap_or(first.0);
-        self.inner.with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+        self.inner
+            .with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
     }
 
     pub fn load(&self, key: &str, route_key: Option<&str>) -> Result<Option<Vec<u8>>, WorkerError> {
-        Ok(self.load_batch(&[key.to_string()], route_key)?.pop().flatten())
+        Ok(self
+            .load_batch(&[key.to_string()], route_key)?
+            .pop()
+            .flatten())
     }
 
-    pub fn load_batch(&self, keys: &[String], route_key: Option<&str>) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
-        let Some(first) = keys.first() else { return Ok(Vec::new()) };
+    pub fn load_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
         let rk = route_key.unwrap_or(first);
-        self.inner.with_pool(rk, vec![None; keys.len()], |p| p.load(keys))
+        self.inner
+            .with_pool(rk, vec![None; keys.len()], |p| p.load(keys))
     }
 
-    pub fn exists_batch(&self, keys: &[String], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
-        let Some(first) = keys.first() else { return Ok(Vec::new()) };
+    pub fn exists_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
         let rk = route_key.unwrap_or(first);
-        self.inner.with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+        self.inner
+            .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
     }
 
     /// The page (chunk) size of the pools.
     pub fn chunk_size(&self) -> Option<u64> {
-        self.inner.pools.iter().find_map(|p| p.lock().ok().and_then(|g| g.as_ref().map(|p| p.page_size())))
+        self.inner.pools.iter().find_map(|p| {
+            p.lock()
+                .ok()
+                .and_then(|g| g.as_ref().map(|p| p.page_size()))
+        })
     }
 
     /// Counters per pool and total, as JSON.
@@ -294,7 +413,10 @@ impl Handler {
         let mut total = PoolStats::default();
         for (i, p) in self.inner.pools.iter().enumerate() {
             let g = p.lock();
-            let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats.clone()));
+            let s = g
+                .as_ref()
+                .ok()
+                .and_then(|g| g.as_ref().map(|p| p.stats.clone()));
             if let Some(s) = &s {
                 total.stored += s.stored;
                 total.store_skipped += s.store_skipped;
@@ -306,7 +428,9 @@ impl Handler {
                 total.bytes_loaded += s.bytes_loaded;
                 total.regions += s.regions;
             }
-            pools.push(serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}));
+            pools.push(
+                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),
+            );
         }
         serde_json::json!({"backend": format!("{:?}", self.inner.cfg.backend).to_lowercase(), "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total})
     }

@@ -68,7 +68,12 @@ fn agent_boot(c: &crate::net::Client) -> Result<(), String> {
 }
 
 impl RemoteMover {
-    pub fn new(nic: Arc<dyn Transport>, staging: StagingSlots, agent_opts: ClientOptions, timeout: Duration) -> RemoteMover {
+    pub fn new(
+        nic: Arc<dyn Transport>,
+        staging: StagingSlots,
+        agent_opts: ClientOptions,
+        timeout: Duration,
+    ) -> RemoteMover {
         RemoteMover {
             nic,
             staging,
@@ -84,11 +89,13 @@ impl RemoteMover {
 
     fn agent(&mut self, addr: &str) -> &mut AgentConn {
         let opts = self.agent_opts.clone();
-        self.agents.entry(addr.to_string()).or_insert_with(|| AgentConn {
-            link: Link::new(addr, opts).with_check(agent_boot),
-            peer: None,
-            boot_id: None,
-        })
+        self.agents
+            .entry(addr.to_string())
+            .or_insert_with(|| AgentConn {
+                link: Link::new(addr, opts).with_check(agent_boot),
+                peer: None,
+                boot_id: None,
+            })
     }
 
     fn agent_call(&mut self, addr: &str, req: &AgentRequest) -> Result<AgentReply, WorkerError> {
@@ -129,7 +136,9 @@ impl RemoteMover {
                 Err(e) => Err(TransportError::Setup(e.to_string())),
             }
         };
-        let p = nic.connect(meta, &mut bringup).map_err(|e| WorkerError::Unavailable(format!("agent {addr}: {e}")))?;
+        let p = nic
+            .connect(meta, &mut bringup)
+            .map_err(|e| WorkerError::Unavailable(format!("agent {addr}: {e}")))?;
         conn.peer = Some(p);
         Ok(p)
     }
@@ -145,8 +154,13 @@ impl RemoteMover {
 
     fn log_skip(&mut self, n: usize) {
         let now = Instant::now();
-        if self.last_skip_log.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60)) {
-            log::warn!("store staging is full: skipping {n} chunk(s) (logged at most once a minute)");
+        if self
+            .last_skip_log
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60))
+        {
+            log::warn!(
+                "store staging is full: skipping {n} chunk(s) (logged at most once a minute)"
+            );
             self.last_skip_log = Some(now);
         }
     }
@@ -162,20 +176,35 @@ impl RemoteMover {
 
 impl Mover for RemoteMover {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        let agent = grant
-            .agent
-            .clone()
-            .ok_or_else(|| WorkerError::Config(format!("region {} has no agent: maru-server runs without --remote-cxl-agent", grant.handle.region_id)))?;
-        let m = match self.agent_call(&agent, &AgentRequest::Map { handle: grant.handle.clone(), writable: true })? {
+        let agent = grant.agent.clone().ok_or_else(|| {
+            WorkerError::Config(format!(
+                "region {} has no agent: maru-server runs without --remote-cxl-agent",
+                grant.handle.region_id
+            ))
+        })?;
+        let m = match self.agent_call(
+            &agent,
+            &AgentRequest::Map {
+                handle: grant.handle.clone(),
+                writable: true,
+            },
+        )? {
             AgentReply::Mapped(m) => m,
-            r => return Err(WorkerError::Transport(format!("agent {agent} answered map with {r:?}"))),
+            r => {
+                return Err(WorkerError::Transport(format!(
+                    "agent {agent} answered map with {r:?}"
+                )))
+            }
         };
         if m.boot_id.is_empty() {
-            return Err(WorkerError::Unavailable(format!("agent {agent} reports no boot id")));
+            return Err(WorkerError::Unavailable(format!(
+                "agent {agent} reports no boot id"
+            )));
         }
         self.check_boot(&agent, &m.boot_id)?;
         self.peer(&agent, &m.transport)?;
-        self.own.insert(grant.handle.region_id, OwnRegion { agent, map: m });
+        self.own
+            .insert(grant.handle.region_id, OwnRegion { agent, map: m });
         Ok(())
     }
 
@@ -185,7 +214,9 @@ impl Mover for RemoteMover {
         // Rounds of as many chunks as there are free store slots; a round's slots come
         // back when its WRITEs completed. With no free slot at all, the rest is skipped.
         while next < items.len() {
-            let mut slots = self.staging.try_acquire(SlotPool::Store, items.len() - next);
+            let mut slots = self
+                .staging
+                .try_acquire(SlotPool::Store, items.len() - next);
             if slots.is_empty() {
                 self.log_skip(items.len() - next);
                 break;
@@ -193,15 +224,30 @@ impl Mover for RemoteMover {
             let end = next + slots.len();
             let mut group = PeerGroups::default();
             for (i, it) in items.iter().enumerate().take(end).skip(next) {
-                let Some(region) = self.own.get(&it.page.region_id) else { continue };
-                let (agent, addr, rkey, meta) = (region.agent.clone(), region.map.addr, region.map.rkey, region.map.transport.clone());
-                let Ok(peer) = self.peer(&agent, &meta) else { continue };
+                let Some(region) = self.own.get(&it.page.region_id) else {
+                    continue;
+                };
+                let (agent, addr, rkey, meta) = (
+                    region.agent.clone(),
+                    region.map.addr,
+                    region.map.rkey,
+                    region.map.transport.clone(),
+                );
+                let Ok(peer) = self.peer(&agent, &meta) else {
+                    continue;
+                };
                 if it.data.len() > self.staging.layout().slot_size {
                     continue;
                 }
                 let Some(mut slot) = slots.pop() else { break };
                 slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
-                let op = Op { kind: OpKind::Write, local_offset: slot.offset() as u64, remote_addr: addr + it.page.offset, rkey, len: it.data.len() as u64 };
+                let op = Op {
+                    kind: OpKind::Write,
+                    local_offset: slot.offset() as u64,
+                    remote_addr: addr + it.page.offset,
+                    rkey,
+                    len: it.data.len() as u64,
+                };
                 group.add(peer, op, slot, i);
             }
             drop(slots);
@@ -223,21 +269,36 @@ impl Mover for RemoteMover {
         let mut next = 0;
         while next < leases.len() {
             // A batch fits the free load slots (waiting up to 1 s for one).
-            let mut slots = self.staging.acquire(SlotPool::Load, leases.len() - next, Duration::from_secs(1));
+            let mut slots =
+                self.staging
+                    .acquire(SlotPool::Load, leases.len() - next, Duration::from_secs(1));
             if slots.is_empty() {
-                log::warn!("no load slot free within 1 s: {} chunk(s) not loaded", leases.len() - next);
+                log::warn!(
+                    "no load slot free within 1 s: {} chunk(s) not loaded",
+                    leases.len() - next
+                );
                 return out;
             }
             let mut group = PeerGroups::default();
             let end = next + slots.len();
             for (i, l) in leases.iter().enumerate().take(end).skip(next) {
-                let Ok((agent, addr, rkey, meta)) = self.read_target(l) else { continue };
-                let Ok(peer) = self.peer(&agent, &meta) else { continue };
+                let Ok((agent, addr, rkey, meta)) = self.read_target(l) else {
+                    continue;
+                };
+                let Ok(peer) = self.peer(&agent, &meta) else {
+                    continue;
+                };
                 if l.length as usize > self.staging.layout().slot_size {
                     continue;
                 }
                 let Some(slot) = slots.pop() else { break };
-                let op = Op { kind: OpKind::Read, local_offset: slot.offset() as u64, remote_addr: addr, rkey, len: l.length };
+                let op = Op {
+                    kind: OpKind::Read,
+                    local_offset: slot.offset() as u64,
+                    remote_addr: addr,
+                    rkey,
+                    len: l.length,
+                };
                 group.add(peer, op, slot, i);
             }
             let (batches, order) = (group.batches, group.order);
@@ -265,7 +326,10 @@ impl Mover for RemoteMover {
     }
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {
-        self.own.iter().map(|(id, r)| (*id, r.map.boot_id.clone())).collect()
+        self.own
+            .iter()
+            .map(|(id, r)| (*id, r.map.boot_id.clone()))
+            .collect()
     }
 
     fn reclaim(&mut self) {
@@ -291,7 +355,11 @@ impl PeerGroups {
         let bi = match self.batches.iter().position(|b| b.peer == peer) {
             Some(bi) => bi,
             None => {
-                self.batches.push(PeerBatch { peer, ops: Vec::new(), slots: Vec::new() });
+                self.batches.push(PeerBatch {
+                    peer,
+                    ops: Vec::new(),
+                    slots: Vec::new(),
+                });
                 self.order.push(Vec::new());
                 self.batches.len() - 1
             }
@@ -306,20 +374,37 @@ impl RemoteMover {
     /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
     fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
-            return Ok((r.agent.clone(), r.map.addr + l.offset, r.map.rkey, r.map.transport.clone()));
+            return Ok((
+                r.agent.clone(),
+                r.map.addr + l.offset,
+                r.map.rkey,
+                r.map.transport.clone(),
+            ));
         }
         if let Some(t) = self.reads.get(&(l.region_id, l.offset, l.length)) {
             return Ok(t.clone());
         }
-        let agent = l.agent.clone().ok_or_else(|| WorkerError::Transport(format!("lease {} names no agent", l.lease_id)))?;
-        let req = AgentRequest::MapRead { region_id: l.region_id, offset: l.offset, length: l.length, read_token: l.read_token.clone() };
+        let agent = l.agent.clone().ok_or_else(|| {
+            WorkerError::Transport(format!("lease {} names no agent", l.lease_id))
+        })?;
+        let req = AgentRequest::MapRead {
+            region_id: l.region_id,
+            offset: l.offset,
+            length: l.length,
+            read_token: l.read_token.clone(),
+        };
         let m = match self.agent_call(&agent, &req)? {
             AgentReply::Mapped(m) => m,
-            r => return Err(WorkerError::Transport(format!("agent {agent} answered map_read with {r:?}"))),
+            r => {
+                return Err(WorkerError::Transport(format!(
+                    "agent {agent} answered map_read with {r:?}"
+                )))
+            }
         };
         self.check_boot(&agent, &m.boot_id)?;
         let t = (agent, m.addr, m.rkey, m.transport);
-        self.reads.insert((l.region_id, l.offset, l.length), t.clone());
+        self.reads
+            .insert((l.region_id, l.offset, l.length), t.clone());
         Ok(t)
     }
 }
@@ -334,7 +419,10 @@ pub struct CxlMover {
 
 impl CxlMover {
     pub fn new() -> CxlMover {
-        CxlMover { own: HashMap::new(), readers: HashMap::new() }
+        CxlMover {
+            own: HashMap::new(),
+            readers: HashMap::new(),
+        }
     }
 }
 
@@ -364,7 +452,15 @@ impl Mover for CxlMover {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
         let path = local_path(&grant.pool.uuid, &grant.pool.path)?;
         let h = &grant.handle;
-        let m = dax::map_range(&path, kind_of(&path), h.offset, h.length, grant.pool.align, true).map_err(|e| WorkerError::Config(e.to_string()))?;
+        let m = dax::map_range(
+            &path,
+            kind_of(&path),
+            h.offset,
+            h.length,
+            grant.pool.align,
+            true,
+        )
+        .map_err(|e| WorkerError::Config(e.to_string()))?;
         self.own.insert(h.region_id, m);
         Ok(())
     }
@@ -373,8 +469,12 @@ impl Mover for CxlMover {
         items
             .iter()
             .map(|it| {
-                let Some(m) = self.own.get_mut(&it.page.region_id) else { return false };
-                let Ok(bytes) = m.as_mut_slice() else { return false };
+                let Some(m) = self.own.get_mut(&it.page.region_id) else {
+                    return false;
+                };
+                let Ok(bytes) = m.as_mut_slice() else {
+                    return false;
+                };
                 let (o, n) = (it.page.offset as usize, it.data.len());
                 match bytes.get_mut(o..o + n) {
                     Some(dst) => {
@@ -391,15 +491,29 @@ impl Mover for CxlMover {
         leases
             .iter()
             .map(|l| {
-                if !self.own.contains_key(&l.region_id) && !self.readers.contains_key(&l.region_id) {
+                if !self.own.contains_key(&l.region_id) && !self.readers.contains_key(&l.region_id)
+                {
                     let d = l.device.as_ref()?;
                     let path = local_path(&d.uuid, &d.path).ok()?;
-                    let m = dax::map_range(&path, kind_of(&path), d.region_offset, d.region_length, 2 << 20, false).ok()?;
+                    let m = dax::map_range(
+                        &path,
+                        kind_of(&path),
+                        d.region_offset,
+                        d.region_length,
+                        2 << 20,
+                        false,
+                    )
+                    .ok()?;
                     self.readers.insert(l.region_id, m);
                 }
-                let m = self.own.get(&l.region_id).or_else(|| self.readers.get(&l.region_id))?;
+                let m = self
+                    .own
+                    .get(&l.region_id)
+                    .or_else(|| self.readers.get(&l.region_id))?;
                 let bytes = m.as_slice().ok()?;
-                bytes.get(l.offset as usize..(l.offset + l.length) as usize).map(<[u8]>::to_vec)
+                bytes
+                    .get(l.offset as usize..(l.offset + l.length) as usize)
+                    .map(<[u8]>::to_vec)
             })
             .collect()
     }

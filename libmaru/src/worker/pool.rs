@@ -32,7 +32,15 @@ impl StoragePool {
     pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
         mover.adopt(&session.first_region)?;
         let max_batch = session.handshake.max_batch.max(1);
-        Ok(StoragePool { session, mover, stats: PoolStats { regions: 1, ..PoolStats::default() }, max_batch })
+        Ok(StoragePool {
+            session,
+            mover,
+            stats: PoolStats {
+                regions: 1,
+                ..PoolStats::default()
+            },
+            max_batch,
+        })
     }
 
     pub fn page_size(&self) -> u64 {
@@ -40,7 +48,11 @@ impl StoragePool {
     }
 
     /// Stores chunks; per chunk: true when stored now or already present.
-    pub fn store(&mut self, items: &[(&str, &[u8])], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
+    pub fn store(
+        &mut self,
+        items: &[(&str, &[u8])],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
         let mut done = vec![false; items.len()];
         for (ci, chunk) in items.chunks(self.max_batch).enumerate() {
             let base = ci * self.max_batch;
@@ -50,7 +62,11 @@ impl StoragePool {
         Ok(done)
     }
 
-    fn store_some(&mut self, items: &[(&str, &[u8])], route_key: Option<&str>) -> Result<Vec<bool>, WorkerError> {
+    fn store_some(
+        &mut self,
+        items: &[(&str, &[u8])],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
         for (k, d) in items {
             if k.is_empty() {
                 return Err(WorkerError::InvalidArgument("empty key".into()));
@@ -84,13 +100,28 @@ impl StoragePool {
             pages.extend(more);
             missing = m;
         }
-        let writes: Vec<WriteItem<'_>> = todo.iter().zip(&pages).map(|(&i, p)| WriteItem { page: *p, data: items[i].1 }).collect();
+        let writes: Vec<WriteItem<'_>> = todo
+            .iter()
+            .zip(&pages)
+            .map(|(&i, p)| WriteItem {
+                page: *p,
+                data: items[i].1,
+            })
+            .collect();
         let ok = self.mover.write(&writes);
         let mut publish = Vec::new();
         let mut unused = Vec::new();
         for (w, (&i, good)) in writes.iter().zip(todo.iter().zip(&ok)) {
             if *good {
-                publish.push((i, PublishEntry { key: items[i].0.to_string(), region_id: w.page.region_id, offset: w.page.offset, length: items[i].1.len() as u64 }));
+                publish.push((
+                    i,
+                    PublishEntry {
+                        key: items[i].0.to_string(),
+                        region_id: w.page.region_id,
+                        offset: w.page.offset,
+                        length: items[i].1.len() as u64,
+                    },
+                ));
             } else {
                 unused.push(w.page);
             }
@@ -109,12 +140,21 @@ impl StoragePool {
                 } else {
                     // Another engine published the key first; our page is not needed.
                     self.stats.already_present += 1;
-                    unused.push(crate::wire::meta::PageGrant { region_id: e.region_id, page: e.offset / self.session.page_size, offset: e.offset, length: self.session.page_size });
+                    unused.push(crate::wire::meta::PageGrant {
+                        region_id: e.region_id,
+                        page: e.offset / self.session.page_size,
+                        offset: e.offset,
+                        length: self.session.page_size,
+                    });
                 }
             }
         }
         if let Err(e) = self.session.free_pages(&unused) {
-            log::warn!("pool {}: cannot return {} unused pages: {e}", self.session.url, unused.len());
+            log::warn!(
+                "pool {}: cannot return {} unused pages: {e}",
+                self.session.url,
+                unused.len()
+            );
         }
         Ok(result)
     }
@@ -135,7 +175,10 @@ impl StoragePool {
         let data = self.mover.read(&grants);
         let ids = grants.iter().map(|g| g.lease_id).collect();
         if let Err(e) = self.session.release_leases(ids) {
-            log::warn!("pool {}: releasing leases failed (they expire on their own): {e}", self.session.url);
+            log::warn!(
+                "pool {}: releasing leases failed (they expire on their own): {e}",
+                self.session.url
+            );
         }
         let mut out = vec![None; keys.len()];
         for (&i, d) in found.iter().zip(data) {

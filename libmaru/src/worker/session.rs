@@ -3,8 +3,8 @@
 use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
-    Backend, HandshakeReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef, PublishEntry, RegionGrant,
-    SessionReply, SERVICE,
+    Backend, HandshakeReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef, PublishEntry,
+    RegionGrant, SessionReply, SERVICE,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,7 +25,15 @@ fn unexpected(what: &str, r: MetaReply) -> WorkerError {
 
 impl Session {
     /// Handshake and open a session. `backend` must be among the server's capabilities.
-    pub fn open(url: &str, client_id: &str, engine_id: &str, namespace: &str, layout: &str, backend: Backend, timeout: Duration) -> Result<Session, WorkerError> {
+    pub fn open(
+        url: &str,
+        client_id: &str,
+        engine_id: &str,
+        namespace: &str,
+        layout: &str,
+        backend: Backend,
+        timeout: Duration,
+    ) -> Result<Session, WorkerError> {
         let mut opts = ClientOptions::new(SERVICE, client_id.to_string());
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
@@ -44,7 +52,12 @@ impl Session {
                 handshake.capabilities
             )));
         }
-        let req = MetaRequest::OpenSession { engine_id: engine_id.into(), namespace: namespace.into(), layout: layout.into(), backend };
+        let req = MetaRequest::OpenSession {
+            engine_id: engine_id.into(),
+            namespace: namespace.into(),
+            layout: layout.into(),
+            backend,
+        };
         let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
             MetaReply::Session(s) => s,
             r => return Err(unexpected("open_session", r)),
@@ -72,8 +85,16 @@ impl Session {
     }
 
     /// Pages for `count` chunks; `missing` of them did not fit (expand first).
-    pub fn alloc(&mut self, count: u32, route_key: Option<&str>) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        match self.call(&MetaRequest::Alloc { session: self.id, count, route_key: route_key.map(str::to_string) })? {
+    pub fn alloc(
+        &mut self,
+        count: u32,
+        route_key: Option<&str>,
+    ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        match self.call(&MetaRequest::Alloc {
+            session: self.id,
+            count,
+            route_key: route_key.map(str::to_string),
+        })? {
             MetaReply::Pages(p) => Ok((p.pages, p.missing)),
             r => Err(unexpected("alloc", r)),
         }
@@ -83,26 +104,45 @@ impl Session {
         if pages.is_empty() {
             return Ok(());
         }
-        let pages = pages.iter().map(|p| PageRef { region_id: p.region_id, page: p.page }).collect();
-        self.call(&MetaRequest::FreePages { session: self.id, pages }).map(|_| ())
+        let pages = pages
+            .iter()
+            .map(|p| PageRef {
+                region_id: p.region_id,
+                page: p.page,
+            })
+            .collect();
+        self.call(&MetaRequest::FreePages {
+            session: self.id,
+            pages,
+        })
+        .map(|_| ())
     }
 
     pub fn publish(&mut self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Publish { session: self.id, entries })? {
+        match self.call(&MetaRequest::Publish {
+            session: self.id,
+            entries,
+        })? {
             MetaReply::Published { is_new } => Ok(is_new),
             r => Err(unexpected("publish", r)),
         }
     }
 
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Exists { session: self.id, keys: keys.to_vec() })? {
+        match self.call(&MetaRequest::Exists {
+            session: self.id,
+            keys: keys.to_vec(),
+        })? {
             MetaReply::Exists { found } => Ok(found),
             r => Err(unexpected("exists", r)),
         }
     }
 
     pub fn acquire(&mut self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        match self.call(&MetaRequest::Acquire { session: self.id, keys: keys.to_vec() })? {
+        match self.call(&MetaRequest::Acquire {
+            session: self.id,
+            keys: keys.to_vec(),
+        })? {
             MetaReply::Leases { leases } => Ok(leases),
             r => Err(unexpected("acquire", r)),
         }
@@ -112,14 +152,26 @@ impl Session {
         if ids.is_empty() {
             return Ok(());
         }
-        self.call(&MetaRequest::ReleaseLeases { session: self.id, lease_ids: ids }).map(|_| ())
+        self.call(&MetaRequest::ReleaseLeases {
+            session: self.id,
+            lease_ids: ids,
+        })
+        .map(|_| ())
     }
 
     pub fn heartbeat(&mut self, boot_ids: BTreeMap<u64, String>) -> Result<(), WorkerError> {
-        self.call(&MetaRequest::Heartbeat { session: self.id, boot_ids }).map(|_| ())
+        self.call(&MetaRequest::Heartbeat {
+            session: self.id,
+            boot_ids,
+        })
+        .map(|_| ())
     }
 
     pub fn close(&mut self) -> Result<(), WorkerError> {
-        self.call(&MetaRequest::Close { session: self.id, drained: true }).map(|_| ())
+        self.call(&MetaRequest::Close {
+            session: self.id,
+            drained: true,
+        })
+        .map(|_| ())
     }
 }
