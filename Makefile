@@ -35,7 +35,7 @@ test-rust:
 	$(CARGO) test -p maru --features verbs --lib transport::verbs
 
 test-c:
-	$(CARGO) build -p maru
+	$(CARGO) build -p maru -p maru-daemons --bins --lib
 	cmake -S ctests -B ctests/build -DMARU_LIB_DIR=$(DEBUG_DIR) >/dev/null
 	cmake --build ctests/build
 	ctest --test-dir ctests/build --output-on-failure

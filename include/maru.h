@@ -8,6 +8,7 @@
 #ifndef MARU_H
 #define MARU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -110,6 +111,12 @@ enum maru_status_t
 typedef uint32_t maru_status_t;
 #endif // __cplusplus
 
+/**
+ * An open handler. Create with `maru_handler_open`, free with `maru_handler_close`.
+ * Thread-safe: calls from several threads may run at once.
+ */
+typedef struct maru_handler_t maru_handler_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -120,6 +127,46 @@ extern "C" {
  * `MARU_ABI_VERSION`. Never fails; does not change the last error.
  */
 uint32_t maru_abi_version(void);
+
+/**
+ * Sets `*out` to the pools' chunk (page) size: the largest chunk `maru_store` takes.
+ *
+ * # Safety
+ * `out` is writable.
+ */
+maru_status_t maru_chunk_size(const struct maru_handler_t *h, uint64_t *out);
+
+/**
+ * Sets `*found` to whether `key` is stored (published) in its pool.
+ *
+ * # Safety
+ * `key`/`route_key` are NUL-terminated strings; `found` is writable.
+ */
+maru_status_t maru_exists(const struct maru_handler_t *h,
+                          const char *key,
+                          const char *route_key,
+                          bool *found);
+
+/**
+ * Closes the handler's sessions and frees it. NULL is ignored. The pointer must not
+ * be used afterwards.
+ *
+ * # Safety
+ * `h` is NULL or a handler from `maru_handler_open` not yet closed.
+ */
+maru_status_t maru_handler_close(struct maru_handler_t *h);
+
+/**
+ * Opens a handler from a JSON configuration (see docs/configuration.md): backend
+ * (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
+ * file, transport, staging slot counts, timeout. On success `*out` is the handler.
+ * A configuration error returns `MARU_ERR_CONFIG` at once (do not retry);
+ * `MARU_ERR_UNAVAILABLE` means no pool answered.
+ *
+ * # Safety
+ * `config_json` is a NUL-terminated string; `out` points to writable storage.
+ */
+maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t **out);
 
 /**
  * The message of the last call on this thread that failed, as a NUL-terminated
@@ -152,6 +199,52 @@ const char *maru_last_error(void);
 maru_status_t maru_last_error_copy(char *buf, size_t len, size_t *out_len);
 
 /**
+ * Loads `key` into `buf` (capacity `cap`); `*out_len` is its length. A miss returns
+ * `MARU_ERR_NOT_FOUND`; a buffer too small returns `MARU_ERR_BUFFER_TOO_SMALL` with
+ * the needed length in `*out_len`.
+ *
+ * # Safety
+ * `key`/`route_key` are NUL-terminated strings; `buf` points to `cap` writable bytes.
+ */
+maru_status_t maru_load(const struct maru_handler_t *h,
+                        const char *key,
+                        uint8_t *buf,
+                        size_t cap,
+                        size_t *out_len,
+                        const char *route_key);
+
+/**
+ * Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`); `lens[i]` is
+ * each length (0 on a miss) and `found[i]` whether it was loaded. A chunk larger than
+ * its buffer fails the call with `MARU_ERR_BUFFER_TOO_SMALL` (its `lens[i]` says the
+ * size).
+ *
+ * # Safety
+ * Each array has `n` valid entries; `bufs[i]` points to `caps[i]` writable bytes.
+ */
+maru_status_t maru_load_batch(const struct maru_handler_t *h,
+                              const char *const *keys,
+                              uint8_t *const *bufs,
+                              const size_t *caps,
+                              size_t *lens,
+                              bool *found,
+                              size_t n,
+                              const char *route_key);
+
+/**
+ * Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap` bytes;
+ * `*out_len` is the JSON's length without the NUL. Too small a buffer returns
+ * `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes).
+ *
+ * # Safety
+ * `buf` points to `cap` writable bytes (may be NULL when `cap` is 0).
+ */
+maru_status_t maru_stats_json(const struct maru_handler_t *h,
+                              char *buf,
+                              size_t cap,
+                              size_t *out_len);
+
+/**
  * A short, static description of a status code, such as "not found".
  *
  * `status` is a `maru_status_t` value; an unknown value gives
@@ -159,6 +252,37 @@ maru_status_t maru_last_error_copy(char *buf, size_t len, size_t *out_len);
  * call does not change the last error.
  */
 const char *maru_status_str(uint32_t status);
+
+/**
+ * Stores `len` bytes under `key`. `route_key` (may be NULL: the key itself) picks the
+ * pool: pass the request's first chunk key for every chunk of a request. `*stored`
+ * (may be NULL) is false when the chunk was skipped (no free staging slot, pool
+ * unavailable), true when it is stored or was already present.
+ *
+ * # Safety
+ * `key`/`route_key` are NUL-terminated strings; `data` points to `len` bytes.
+ */
+maru_status_t maru_store(const struct maru_handler_t *h,
+                         const char *key,
+                         const uint8_t *data,
+                         size_t len,
+                         const char *route_key,
+                         bool *stored);
+
+/**
+ * Stores `n` chunks of one request (keys[i], datas[i], lens[i]); `stored[i]` (the
+ * array may be NULL) as for `maru_store`.
+ *
+ * # Safety
+ * Each array has `n` valid entries.
+ */
+maru_status_t maru_store_batch(const struct maru_handler_t *h,
+                               const char *const *keys,
+                               const uint8_t *const *datas,
+                               const size_t *lens,
+                               size_t n,
+                               const char *route_key,
+                               bool *stored);
 
 /**
  * The version of libmaru, such as "0.1.0", as a static NUL-terminated string

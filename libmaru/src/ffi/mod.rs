@@ -18,6 +18,7 @@
 
 pub mod boundary;
 pub mod error;
+pub mod handler;
 pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};

@@ -240,6 +240,11 @@ impl Inner {
                 beat.saturating_sub(since_beat).max(tick)
             };
             if let Ok(g) = self.wake.0.lock() {
+                // `stop` is set under this lock, so a close between the loop check and
+                // here is seen before waiting.
+                if self.stop.load(Ordering::SeqCst) {
+                    return;
+                }
                 let _ = self.wake.1.wait_timeout(g, wait);
             }
             if self.stop.load(Ordering::SeqCst) {
@@ -437,10 +442,13 @@ impl Handler {
 
     /// Closes every session (drained: regions with keys go to maru-server's keeper).
     pub fn close(&self) -> Result<(), WorkerError> {
-        if self.inner.stop.swap(true, Ordering::SeqCst) {
-            return Ok(());
+        {
+            let _g = self.inner.wake.0.lock();
+            if self.inner.stop.swap(true, Ordering::SeqCst) {
+                return Ok(());
+            }
+            self.inner.wake.1.notify_all();
         }
-        self.inner.wake.1.notify_all();
         if let Some(h) = self.background.lock().ok().and_then(|mut b| b.take()) {
             let _ = h.join();
         }
