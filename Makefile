@@ -4,10 +4,11 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench install
+.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench install demo-rm
 
 help:
-	@echo "make demo    - install what is missing, build, run the one-host demo"
+	@echo "make demo    - install what is missing, build, run the one-host demo (two engines share KV)"
+	@echo "make demo-rm - the resource manager walk-through with maru-rm-ctl"
 	@echo "make test    - install what is missing, build, run every test (Rust, C)"
 	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
 	@echo "make header  - regenerate include/maru.h with cbindgen"
@@ -25,6 +26,10 @@ release: deps
 	$(CARGO) build --workspace --release
 
 demo: deps
+	$(CARGO) build --release --workspace --bins
+	examples/demo/one-host-demo.sh $(TARGET_DIR)/release
+
+demo-rm: deps
 	$(CARGO) build --workspace --bins
 	examples/demo/rm-demo.sh $(DEBUG_DIR)
 

@@ -172,7 +172,14 @@ impl RegionKeeper {
         let Some(k) = self.kept.remove(&region_id) else {
             return false;
         };
-        log::warn!(
+        // An orderly stop is expected; every other reason loses keys others could read.
+        let level = if reason == GiveBackReason::Shutdown {
+            log::Level::Info
+        } else {
+            log::Level::Warn
+        };
+        log::log!(
+            level,
             "region keeper: giving region {region_id} back: {}; its keys are no longer found",
             reason.as_str()
         );
