@@ -8,25 +8,53 @@ use maru::wire::{self, rm::RmRequest, rm::SERVICE, Envelope};
 pub struct RmService {
     pub core: ResourceManager,
     host: String,
+    /// Local owners whose connection closed while their process still ran (it may be
+    /// exiting): checked again at the given time.
+    recheck: Vec<(String, u64)>,
 }
+
+/// How long after a local owner's last connection closed its process is checked again.
+const RECHECK_MS: u64 = 500;
 
 impl RmService {
     pub fn new(core: ResourceManager) -> RmService {
         RmService {
             core,
             host: maru::net::hostname(),
+            recheck: Vec::new(),
         }
     }
 
-    /// A client id of the form `host:pid` of this host whose process is gone.
-    fn local_owner_dead(&self, client_id: &str) -> bool {
-        let Some((host, pid)) = client_id.rsplit_once(':') else {
-            return false;
-        };
-        let Ok(pid) = pid.parse::<u32>() else {
-            return false;
-        };
-        host == self.host && pid > 0 && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    /// The pid of a client id `[name@]host:pid` of this host.
+    fn local_pid(&self, client_id: &str) -> Option<u32> {
+        let (who, pid) = client_id.rsplit_once(':')?;
+        let host = who.rsplit_once('@').map_or(who, |(_, h)| h);
+        let pid = pid.parse::<u32>().ok()?;
+        (host == self.host && pid > 0).then_some(pid)
+    }
+
+    fn reap_if_gone(&mut self, client_id: &str) -> bool {
+        if self.local_pid(client_id).is_some_and(|p| !process_alive(p)) {
+            let reaped = self.core.owner_gone(client_id);
+            if !reaped.is_empty() {
+                log::info!("owner {client_id} exited: freed regions {reaped:?}");
+            }
+            return true;
+        }
+        false
+    }
+}
+
+/// Whether process `pid` runs: its /proc entry exists and it is not a zombie (an
+/// exited process its parent has not reaped yet holds no memory mapping any more).
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => match stat.rsplit_once(')') {
+            Some((_, rest)) => !matches!(rest.trim_start().chars().next(), Some('Z') | Some('X')),
+            None => true,
+        },
+        Err(_) => false,
     }
 }
 
@@ -56,15 +84,23 @@ impl Service for RmService {
 
     fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {
         self.core.client_disconnected(client_id, now_ms);
-        if self.local_owner_dead(client_id) {
-            let reaped = self.core.owner_gone(client_id);
-            if !reaped.is_empty() {
-                log::info!("owner {client_id} exited: freed regions {reaped:?}");
-            }
+        if !self.reap_if_gone(client_id) && self.local_pid(client_id).is_some() {
+            self.recheck
+                .push((client_id.to_string(), now_ms + RECHECK_MS));
         }
     }
 
     fn on_tick(&mut self, now_ms: u64) {
+        let due: Vec<String> = self
+            .recheck
+            .iter()
+            .filter(|(_, t)| *t <= now_ms)
+            .map(|(c, _)| c.clone())
+            .collect();
+        self.recheck.retain(|(_, t)| *t > now_ms);
+        for c in due {
+            self.reap_if_gone(&c);
+        }
         let reaped = self.core.tick(now_ms);
         if !reaped.is_empty() {
             log::info!(
@@ -74,6 +110,35 @@ impl Service for RmService {
     }
 
     fn next_deadline(&self) -> Option<u64> {
-        self.core.next_deadline()
+        let recheck = self.recheck.iter().map(|(_, t)| *t).min();
+        match (self.core.next_deadline(), recheck) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn process_alive_sees_running_and_gone_processes() {
+        assert!(process_alive(std::process::id()));
+        // Above the kernel's pid_max limit (4194304): never a process.
+        assert!(!process_alive(4_194_305));
+        // A child that exited but was not reaped yet is a zombie: not alive.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let mut zombie = false;
+        for _ in 0..200 {
+            if !process_alive(pid) {
+                zombie = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(zombie, "an exited, unreaped child counts as gone");
+        child.wait().unwrap();
     }
 }
