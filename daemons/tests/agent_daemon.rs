@@ -320,3 +320,111 @@ fn start_up_refusals() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("mlx5_0") || err.contains("verbs"), "{err}");
 }
+
+#[test]
+fn a_range_mapped_again_within_the_quarantine_gets_a_new_key() {
+    let p = pool();
+    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
+    let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
+    let first = map(&mut owner, &h);
+    let rel: AgentReply = owner
+        .call(&AgentRequest::Release { handle: h.clone() })
+        .unwrap();
+    assert_eq!(rel, AgentReply::Released { deregistered: true });
+    assert!(wait_until(T, || holds_of(&mut rm, "mem0") == 0));
+    // The RM may hand the same range out again once the agent unheld it...
+    let _: RmReply = rm
+        .call(&RmRequest::Free {
+            handle: h.clone(),
+            request_id: 0,
+        })
+        .unwrap();
+    let again = alloc(&mut rm);
+    assert_eq!(again.offset, h.offset, "the freed range is reused first");
+    // ...but the agent maps it at another address with another key: the old range is
+    // still mapped without access for the quarantine, so no old key can reach it.
+    let second = map(&mut owner, &again);
+    assert_ne!(second.rkey, first.rkey);
+    assert_ne!(second.addr, first.addr);
+}
+
+#[test]
+fn an_unhold_the_rm_missed_is_sent_by_the_sweep_once_it_is_back() {
+    let mut p = pool();
+    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
+    let h = {
+        let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
+        alloc(&mut rm)
+    };
+    let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
+    map(&mut owner, &h);
+    // The RM goes away; the release still deregisters at once and queues the unhold.
+    let rm_args = vec![
+        "--state-dir".to_string(),
+        p.s.dir.join("rm").display().to_string(),
+        "--fake-dax".to_string(),
+        format!("{}:64M", p.pool.display()),
+        "--grace-period-s".to_string(),
+        "600".to_string(),
+    ];
+    let port = p.rm.addr.rsplit_once(':').unwrap().1.to_string();
+    let old = std::mem::replace(&mut p.rm, placeholder());
+    old.kill9();
+    let rel: AgentReply = owner
+        .call(&AgentRequest::Release { handle: h.clone() })
+        .unwrap();
+    assert_eq!(rel, AgentReply::Released { deregistered: true });
+    let st = match owner.call::<_, AgentReply>(&AgentRequest::Status).unwrap() {
+        AgentReply::Status(s) => s,
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(st.queued_unholds, 1, "the unhold waits for the RM");
+    // The RM comes back on the agent's address with its state: the hold is still there.
+    drop(std::mem::replace(
+        &mut p.rm,
+        start_on_port(&rm_args, &port, &p.s.dir),
+    ));
+    let mut rm = connect(&p.rm.addr, RM, "observer");
+    assert_eq!(holds_of(&mut rm, "mem0"), 1);
+    // The sweep (every 5 s) sends it.
+    assert!(
+        wait_until(Duration::from_secs(20), || holds_of(&mut rm, "mem0") == 0),
+        "the queued unhold reached the RM"
+    );
+}
+
+/// A process that is not a daemon, standing in while the RM is down.
+fn placeholder() -> Daemon {
+    let child = std::process::Command::new("true").spawn().unwrap();
+    Daemon {
+        child,
+        addr: String::new(),
+        name: "placeholder".into(),
+    }
+}
+
+/// Starts the RM on a given port (the agent keeps its RM address).
+fn start_on_port(args: &[String], port: &str, dir: &std::path::Path) -> Daemon {
+    let ready = dir.join(format!("rm-ready-{port}"));
+    let _ = std::fs::remove_file(&ready);
+    let mut cmd = std::process::Command::new(RM_BIN);
+    cmd.args(args)
+        .args(["--port", port, "--ready-file"])
+        .arg(&ready)
+        .stdin(std::process::Stdio::null());
+    if std::env::var_os("MARU_TEST_VERBOSE").is_none() {
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+    }
+    let child = cmd.spawn().unwrap();
+    assert!(wait_until(Duration::from_secs(20), || {
+        std::fs::read_to_string(&ready).is_ok_and(|s| s.ends_with('\n'))
+    }));
+    Daemon {
+        child,
+        addr: format!("127.0.0.1:{port}"),
+        name: RM_BIN.into(),
+    }
+}

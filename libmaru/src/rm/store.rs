@@ -392,3 +392,29 @@ pub(crate) mod tests {
         assert_eq!(s.load().unwrap(), Some(sample()));
     }
 }
+
+#[cfg(test)]
+mod parse_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The state-file decoder refuses arbitrary bytes with a parse error naming the
+        /// file, and never panics.
+        #[test]
+        fn state_decoder_never_panics(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Err(e) = parse_state(Path::new("state.json"), &data) {
+                prop_assert_eq!(e.step, Step::Parse);
+            }
+        }
+
+        /// Structured but wrong state files (odd versions, ids, fields) are handled too.
+        #[test]
+        fn odd_state_json(version in any::<i64>(), next in any::<i64>(), off in any::<u64>(), s in ".{0,20}") {
+            let text = serde_json::json!({"version": version, "next_region_id": next,
+                "regions": [{"region_id": 1, "owner": s, "pool_uuid": s, "offset": off, "length": off,
+                             "requested": 1, "nonce": 2, "draining": false}], "holds": []}).to_string();
+            let _ = parse_state(Path::new("state.json"), text.as_bytes());
+        }
+    }
+}
