@@ -13,7 +13,7 @@ help:
 	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
 	@echo "make header  - regenerate include/maru.h with cbindgen"
 	@echo "make release - optimised build of libmaru.so and the daemons"
-	@echo "make bench   - soft transport vs TCP loopback throughput (release build)"
+	@echo "make bench   - soft transport vs TCP loopback, metadata ops/s and latency (release build)"
 	@echo "make install - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM)"
 
 deps:
@@ -61,9 +61,9 @@ clean:
 	rm -rf ctests/build
 
 bench: deps
-	$(CARGO) build --release -p maru-bench
+	$(CARGO) build --release --workspace --bins
 	mkdir -p bench/results
-	$(TARGET_DIR)/release/maru-bench --json bench/results/soft-transport.json
+	$(TARGET_DIR)/release/maru-bench --json bench/results/latest.json | tee bench/results/latest.txt
 
 install: release
 	scripts/install.sh $(if $(STANDALONE),--standalone)

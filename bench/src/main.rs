@@ -3,6 +3,8 @@
 //! emulates), and prints the ratios. Buffers rotate over more memory than the caches
 //! hold, so the figures are for cold memory.
 
+mod meta;
+
 use clap::Parser;
 use maru::transport::soft::{SoftTarget, SoftTransport};
 use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
@@ -22,9 +24,12 @@ struct Args {
     /// Region memory per stream (MiB); larger than the caches.
     #[arg(long, default_value_t = 256)]
     region_mib: usize,
-    /// Write the table as JSON to this file too.
+    /// Write the tables as JSON to this file too.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Run only one part: `soft` or `meta`.
+    #[arg(long)]
+    only: Option<String>,
 }
 
 const MIB: usize = 1 << 20;
@@ -157,32 +162,65 @@ fn main() {
     let args = Args::parse();
     let mem = args.region_mib * MIB;
     let mut rows = Vec::new();
-    println!("soft transport vs TCP loopback, {} s per figure, {} MiB per stream (GB/s, summed over streams)", args.seconds, args.region_mib);
-    println!(
-        "{:>8} {:>7} {:>10} {:>10} {:>10} {:>11} {:>11}",
-        "chunk", "streams", "tcp", "soft_read", "soft_write", "read/tcp", "write/tcp"
-    );
-    for &chunk in &[256 * 1024, 2 * MIB] {
-        for &streams in &[1usize, 4] {
-            let tcp = tcp_loopback(chunk, streams, args.seconds, mem);
-            let rd = soft(OpKind::Read, chunk, streams, args.seconds, mem);
-            let wr = soft(OpKind::Write, chunk, streams, args.seconds, mem);
-            println!(
-                "{:>7}K {:>7} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2}",
-                chunk / 1024,
-                streams,
-                tcp,
-                rd,
-                wr,
-                rd / tcp,
-                wr / tcp
-            );
-            rows.push(serde_json::json!({"chunk": chunk, "streams": streams, "tcp_gbs": tcp,
-                "soft_read_gbs": rd, "soft_write_gbs": wr, "read_over_tcp": rd / tcp, "write_over_tcp": wr / tcp}));
+    let want = |part: &str| args.only.as_deref().is_none_or(|o| o == part);
+    if want("soft") {
+        println!("soft transport vs TCP loopback, {} s per figure, {} MiB per stream (GB/s, summed over streams)", args.seconds, args.region_mib);
+        println!(
+            "{:>8} {:>7} {:>10} {:>10} {:>10} {:>11} {:>11}",
+            "chunk", "streams", "tcp", "soft_read", "soft_write", "read/tcp", "write/tcp"
+        );
+        for &chunk in &[256 * 1024, 2 * MIB] {
+            for &streams in &[1usize, 4] {
+                let tcp = tcp_loopback(chunk, streams, args.seconds, mem);
+                let rd = soft(OpKind::Read, chunk, streams, args.seconds, mem);
+                let wr = soft(OpKind::Write, chunk, streams, args.seconds, mem);
+                println!(
+                    "{:>7}K {:>7} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2}",
+                    chunk / 1024,
+                    streams,
+                    tcp,
+                    rd,
+                    wr,
+                    rd / tcp,
+                    wr / tcp
+                );
+                rows.push(serde_json::json!({"part": "soft", "chunk": chunk, "streams": streams, "tcp_gbs": tcp,
+                    "soft_read_gbs": rd, "soft_write_gbs": wr, "read_over_tcp": rd / tcp, "write_over_tcp": wr / tcp}));
+            }
+        }
+    }
+    if want("meta") {
+        let bin_dir = std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.to_path_buf()))
+            .unwrap_or_default();
+        println!();
+        println!(
+            "metadata (maru-server on loopback), {} s per figure",
+            args.seconds
+        );
+        println!(
+            "{:<22} {:>5} {:>12} {:>10} {:>10}",
+            "op", "conns", "ops/s", "p50 us", "p99 us"
+        );
+        match meta::run(&bin_dir, args.seconds) {
+            Ok(r) => {
+                for x in r {
+                    println!(
+                        "{:<22} {:>5} {:>12.0} {:>10.1} {:>10.1}",
+                        x.op, x.conns, x.ops_per_s, x.p50_us, x.p99_us
+                    );
+                    rows.push(serde_json::json!({"part": "meta", "op": x.op, "conns": x.conns, "ops_per_s": x.ops_per_s, "p50_us": x.p50_us, "p99_us": x.p99_us}));
+                }
+            }
+            Err(e) => {
+                eprintln!("metadata benchmark failed: {e}");
+                std::process::exit(1);
+            }
         }
     }
     if let Some(p) = args.json {
-        let doc = serde_json::json!({"benchmark": "soft-transport", "rows": rows});
+        let doc = serde_json::json!({"benchmark": "maru-bench", "rows": rows});
         if let Err(e) = std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
             eprintln!("cannot write {}: {e}", p.display());
             std::process::exit(1);

@@ -12,6 +12,7 @@
 //! Implementations: [`soft`] (a software NIC over TCP, key-checked like a NIC) and
 //! `verbs` (RC queue pairs; cargo feature `verbs`).
 
+pub(crate) mod batches;
 pub mod soft;
 #[cfg(feature = "verbs")]
 pub mod verbs;

@@ -9,6 +9,7 @@
 use super::proto::{self, Completion, Request, CPL_LEN};
 use crate::auth::SharedKey;
 use crate::net::{Client, ClientOptions};
+use crate::transport::batches::BatchTable;
 use crate::transport::{
     BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
 };
@@ -16,9 +17,9 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 struct InFlight {
     seq: u64,
@@ -28,32 +29,13 @@ struct InFlight {
     batch: BatchId,
 }
 
-struct BatchRec {
-    remaining: usize,
-    failed: Option<TransportError>,
-}
-
-#[derive(Default)]
-struct Batches {
-    map: HashMap<BatchId, BatchRec>,
-}
-
 struct Shared {
-    batches: Mutex<Batches>,
-    cv: Condvar,
+    batches: BatchTable,
 }
 
 impl Shared {
     fn complete(&self, batch: BatchId, err: Option<TransportError>) {
-        if let Ok(mut b) = self.batches.lock() {
-            if let Some(rec) = b.map.get_mut(&batch) {
-                rec.remaining = rec.remaining.saturating_sub(1);
-                if rec.failed.is_none() {
-                    rec.failed = err;
-                }
-            }
-        }
-        self.cv.notify_all();
+        self.batches.complete(batch, err);
     }
 }
 
@@ -88,8 +70,7 @@ impl SoftTransport {
             local: OnceLock::new(),
             peers: Mutex::new(HashMap::new()),
             shared: Arc::new(Shared {
-                batches: Mutex::new(Batches::default()),
-                cv: Condvar::new(),
+                batches: BatchTable::default(),
             }),
             next_peer: AtomicU64::new(1),
             next_batch: AtomicU64::new(1),
@@ -324,15 +305,7 @@ impl Transport for SoftTransport {
         }
         let peer = self.peer(peer_id)?;
         let batch = BatchId(self.next_batch.fetch_add(1, Ordering::Relaxed));
-        if let Ok(mut b) = self.shared.batches.lock() {
-            b.map.insert(
-                batch,
-                BatchRec {
-                    remaining: ops.len(),
-                    failed: None,
-                },
-            );
-        }
+        self.shared.batches.insert(batch, ops.len());
         let mut w = peer
             .writer
             .lock()
@@ -404,34 +377,15 @@ impl Transport for SoftTransport {
     }
 
     fn state(&self, batch: BatchId) -> BatchState {
-        let Ok(b) = self.shared.batches.lock() else {
-            return BatchState::Failed(TransportError::NoBatch(batch));
-        };
-        state_of(&b, batch)
+        self.shared.batches.state(batch)
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> BatchState {
-        let deadline = Instant::now() + timeout;
-        let Ok(mut b) = self.shared.batches.lock() else {
-            return BatchState::Failed(TransportError::NoBatch(batch));
-        };
-        loop {
-            let st = state_of(&b, batch);
-            let now = Instant::now();
-            if st != BatchState::Pending || now >= deadline {
-                return st;
-            }
-            b = match self.shared.cv.wait_timeout(b, deadline - now) {
-                Ok((g, _)) => g,
-                Err(_) => return BatchState::Failed(TransportError::NoBatch(batch)),
-            };
-        }
+        self.shared.batches.wait(batch, timeout)
     }
 
     fn forget(&self, batch: BatchId) {
-        if let Ok(mut b) = self.shared.batches.lock() {
-            b.map.remove(&batch);
-        }
+        self.shared.batches.forget(batch);
     }
 
     fn fence(&self, peer_id: PeerId) -> Result<(), TransportError> {
@@ -454,17 +408,6 @@ impl Transport for SoftTransport {
             let _ = h.join();
         }
         Ok(())
-    }
-}
-
-fn state_of(b: &Batches, batch: BatchId) -> BatchState {
-    match b.map.get(&batch) {
-        None => BatchState::Failed(TransportError::NoBatch(batch)),
-        Some(r) if r.remaining > 0 => BatchState::Pending,
-        Some(BatchRec {
-            failed: Some(e), ..
-        }) => BatchState::Failed(e.clone()),
-        Some(_) => BatchState::Done,
     }
 }
 

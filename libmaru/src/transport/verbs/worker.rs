@@ -5,6 +5,7 @@
 use super::device::{self, Device, Mr};
 use super::proto::{gid_to_string, pack_wr_id, TargetHalf, TargetMeta, WorkerHalf, MAX_BATCH_OPS};
 use super::status;
+use crate::transport::batches::BatchTable;
 use crate::transport::{
     BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
 };
@@ -63,35 +64,17 @@ struct Peer {
     sq_depth: usize,
 }
 
-struct BatchRec {
-    remaining: usize,
-    failed: Option<TransportError>,
-}
-
 struct Shared {
-    batches: Mutex<HashMap<BatchId, BatchRec>>,
-    cv: Condvar,
+    batches: BatchTable,
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
     stop: AtomicBool,
 }
 
 impl Shared {
     fn complete(&self, done: Vec<(BatchId, Option<TransportError>)>) {
-        if done.is_empty() {
-            return;
+        if !done.is_empty() {
+            self.batches.complete_many(done);
         }
-        {
-            let mut b = lock(&self.batches);
-            for (batch, err) in done {
-                if let Some(rec) = b.get_mut(&batch) {
-                    rec.remaining = rec.remaining.saturating_sub(1);
-                    if rec.failed.is_none() {
-                        rec.failed = err;
-                    }
-                }
-            }
-        }
-        self.cv.notify_all();
     }
 
     fn peer(&self, id: PeerId) -> Option<Arc<Peer>> {
@@ -244,8 +227,7 @@ impl VerbsTransport {
             TransportError::Setup(format!("completion channel on {}: {e}", dev.label()))
         })?;
         let shared = Arc::new(Shared {
-            batches: Mutex::new(HashMap::new()),
-            cv: Condvar::new(),
+            batches: BatchTable::default(),
             peers: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
         });
@@ -544,13 +526,7 @@ impl Transport for VerbsTransport {
             }
         }
         let batch = BatchId(self.next_batch.fetch_add(1, Ordering::Relaxed));
-        lock(&self.shared.batches).insert(
-            batch,
-            BatchRec {
-                remaining: ops.len(),
-                failed: None,
-            },
-        );
+        self.shared.batches.insert(batch, ops.len());
         let mut failures: Vec<(BatchId, Option<TransportError>)> = Vec::new();
         {
             let qp_slot = lock(&peer.qp);
@@ -682,29 +658,15 @@ impl Transport for VerbsTransport {
     }
 
     fn state(&self, batch: BatchId) -> BatchState {
-        state_of(&lock(&self.shared.batches), batch)
+        self.shared.batches.state(batch)
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> BatchState {
-        let deadline = Instant::now() + timeout;
-        let mut b = lock(&self.shared.batches);
-        loop {
-            let st = state_of(&b, batch);
-            let now = Instant::now();
-            if st != BatchState::Pending || now >= deadline {
-                return st;
-            }
-            b = self
-                .shared
-                .cv
-                .wait_timeout(b, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
-        }
+        self.shared.batches.wait(batch, timeout)
     }
 
     fn forget(&self, batch: BatchId) {
-        lock(&self.shared.batches).remove(&batch);
+        self.shared.batches.forget(batch);
     }
 
     fn fence(&self, peer_id: PeerId) -> Result<(), TransportError> {
@@ -768,17 +730,6 @@ impl Transport for VerbsTransport {
         } else {
             Err(peer.lost(format!("fence: {}", problems.join("; "))))
         }
-    }
-}
-
-fn state_of(b: &HashMap<BatchId, BatchRec>, batch: BatchId) -> BatchState {
-    match b.get(&batch) {
-        None => BatchState::Failed(TransportError::NoBatch(batch)),
-        Some(r) if r.remaining > 0 => BatchState::Pending,
-        Some(BatchRec {
-            failed: Some(e), ..
-        }) => BatchState::Failed(e.clone()),
-        Some(_) => BatchState::Done,
     }
 }
 

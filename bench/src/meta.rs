@@ -1,0 +1,220 @@
+//! The metadata benchmark: a real maru-resource-manager (fake DAX in /dev/shm) and
+//! maru-server on loopback, with 1 and 8 client connections (one session each):
+//! exists of 1 and 32 keys, acquire+release of 32 keys, alloc+publish of one chunk.
+
+use maru::wire::meta::{Backend, PublishEntry};
+use maru::worker::session::Session;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn start(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, String), String> {
+    let _ = std::fs::remove_file(ready);
+    let child = Command::new(bin)
+        .args(args)
+        .arg("--port")
+        .arg("0")
+        .arg("--ready-file")
+        .arg(ready)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            format!(
+                "cannot start {}: {e} (build with cargo build --release --bins)",
+                bin.display()
+            )
+        })?;
+    let p = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(s) = std::fs::read_to_string(ready) {
+            if s.ends_with('\n') {
+                return Ok((p, s.trim().to_string()));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("{} did not start", bin.display()))
+}
+
+pub struct Row {
+    pub op: &'static str,
+    pub conns: usize,
+    pub ops_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn open(server: &str, id: &str) -> Result<Session, String> {
+    Session::open(
+        server,
+        id,
+        id,
+        "bench",
+        "bench",
+        Backend::Cxl,
+        Duration::from_secs(10),
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn run_op(
+    server: &str,
+    op: &'static str,
+    conns: usize,
+    secs: f64,
+    keys: &[String],
+) -> Result<Row, String> {
+    let handles: Vec<_> = (0..conns)
+        .map(|c| {
+            let server = server.to_string();
+            let keys = keys.to_vec();
+            std::thread::spawn(move || -> Result<(usize, Vec<f64>), String> {
+                let mut s = open(&server, &format!("bench-{op}-{conns}-{c}"))?;
+                let mut lat = Vec::new();
+                let start = Instant::now();
+                let mut n = 0usize;
+                while start.elapsed().as_secs_f64() < secs {
+                    let t = Instant::now();
+                    match op {
+                        "exists x1" => {
+                            s.exists(&keys[..1]).map_err(|e| e.to_string())?;
+                        }
+                        "exists x32" => {
+                            s.exists(&keys[..32]).map_err(|e| e.to_string())?;
+                        }
+                        "acquire+release x32" => {
+                            let l = s.acquire(&keys[..32]).map_err(|e| e.to_string())?;
+                            s.release_leases(l.into_iter().flatten().map(|g| g.lease_id).collect())
+                                .map_err(|e| e.to_string())?;
+                        }
+                        _ => {
+                            let (pages, missing) = s.alloc(1, None).map_err(|e| e.to_string())?;
+                            if missing > 0 {
+                                s.expand().map_err(|e| e.to_string())?;
+                                continue;
+                            }
+                            let p = pages[0];
+                            let key = format!("pub-{conns}-{c}-{n}");
+                            s.publish(vec![PublishEntry {
+                                key,
+                                region_id: p.region_id,
+                                offset: p.offset,
+                                length: 4096,
+                            }])
+                            .map_err(|e| e.to_string())?;
+                        }
+                    }
+                    lat.push(t.elapsed().as_secs_f64() * 1e6);
+                    n += 1;
+                }
+                let _ = s.close();
+                Ok((n, lat))
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    let mut total = 0;
+    let mut lat = Vec::new();
+    for h in handles {
+        let (n, l) = h
+            .join()
+            .map_err(|_| "bench thread panicked".to_string())??;
+        total += n;
+        lat.extend(l);
+    }
+    let elapsed = start.elapsed().as_secs_f64().max(secs);
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(Row {
+        op,
+        conns,
+        ops_per_s: total as f64 / elapsed,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+    })
+}
+
+/// Runs the metadata benchmark; `bin_dir` holds the daemons.
+pub fn run(bin_dir: &Path, secs: f64) -> Result<Vec<Row>, String> {
+    let work = std::env::temp_dir().join(format!("maru-bench-meta-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
+    let pool = PathBuf::from(format!("/dev/shm/maru-bench-pool-{}", std::process::id()));
+    let result = (|| {
+        let (_rm, rm_addr) = start(
+            &bin_dir.join("maru-resource-manager"),
+            &[
+                "--state-dir".into(),
+                work.join("rm").display().to_string(),
+                "--fake-dax".into(),
+                format!("{}:2G", pool.display()),
+            ],
+            &work.join("rm.ready"),
+        )?;
+        let (_srv, server) = start(
+            &bin_dir.join("maru-server"),
+            &[
+                "--rm-address".into(),
+                rm_addr,
+                "--region-size".into(),
+                "64M".into(),
+                "--chunk-size".into(),
+                "4K".into(),
+                "--max-sessions".into(),
+                "1024".into(),
+            ],
+            &work.join("server.ready"),
+        )?;
+        // 32 published keys for the lookups.
+        let mut s = open(&server, "bench-writer")?;
+        let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
+        let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
+        let entries = keys
+            .iter()
+            .zip(&pages)
+            .map(|(k, p)| PublishEntry {
+                key: k.clone(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 4096,
+            })
+            .collect();
+        s.publish(entries).map_err(|e| e.to_string())?;
+        let mut rows = Vec::new();
+        for op in [
+            "exists x1",
+            "exists x32",
+            "acquire+release x32",
+            "alloc+publish x1",
+        ] {
+            for conns in [1usize, 8] {
+                rows.push(run_op(&server, op, conns, secs, &keys)?);
+            }
+        }
+        let _ = s.close();
+        Ok(rows)
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    let _ = std::fs::remove_file(&pool);
+    result
+}
