@@ -10,34 +10,24 @@ bin=${1:-target/release}
 for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl maru-demo-engine; do
     [ -x "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build --release --bins)" >&2; exit 2; }
 done
+source "$(dirname "$0")/../../scripts/daemons-lib.sh"
 work=$(mktemp -d /tmp/maru-demo.XXXXXX)
 pool=/dev/shm/maru-demo-pool-$$
-pids=()
-cleanup() {
-    for ((i=${#pids[@]}-1; i>=0; i--)); do
-        kill "${pids[$i]}" 2>/dev/null || true
-        wait "${pids[$i]}" 2>/dev/null || true
-    done
-    rm -rf "$work" "$pool"
-}
-trap cleanup EXIT
-wait_ready() { for _ in $(seq 1 200); do [ -s "$1" ] && return 0; sleep 0.05; done; echo "a daemon did not start ($1); rerun with RUST_LOG=info" >&2; exit 1; }
+trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
 export RUST_LOG=${RUST_LOG:-warn}
 chunks=${MARU_DEMO_CHUNKS:-128}
 chunk_bytes=$((1 << 20))
 
 echo "== memory node: maru-resource-manager on a 1 GiB fake DAX pool, maru-remote-cxl-agent"
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
-"$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:1G" --port 0 --ready-file "$work/rm.addr" & pids+=($!)
-wait_ready "$work/rm.addr"
-"$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" --key-file "$work/agent.key" \
-    --device "$pool" --node demo-mem0 --port 0 --ready-file "$work/agent.addr" & pids+=($!)
-wait_ready "$work/agent.addr"
+maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:1G" >/dev/null
+rm_addr=$(cat "$work/rm.addr")
+maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" \
+    --key-file "$work/agent.key" --device "$pool" --node demo-mem0 >/dev/null
+agent_addr=$(cat "$work/agent.addr")
 echo "== metadata node: maru-server (regions of 64 MiB, 1 MiB chunks)"
-"$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" --remote-cxl-agent "$(cat "$work/agent.addr")" \
-    --remote-cxl-agent-key-file "$work/agent.key" --region-size 64M --chunk-size 1M \
-    --port 0 --ready-file "$work/server.addr" & pids+=($!)
-wait_ready "$work/server.addr"
+maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$rm_addr" --remote-cxl-agent "$agent_addr" \
+    --remote-cxl-agent-key-file "$work/agent.key" --region-size 64M --chunk-size 1M >/dev/null
 server=$(cat "$work/server.addr")
 
 run_engine() { # backend engine-id
