@@ -369,7 +369,7 @@ fn an_unhold_the_rm_missed_is_sent_by_the_sweep_once_it_is_back() {
         "--grace-period-s".to_string(),
         "600".to_string(),
     ];
-    let port = p.rm.addr.rsplit_once(':').unwrap().1.to_string();
+    let port = p.rm.port();
     let old = std::mem::replace(&mut p.rm, placeholder());
     old.kill9();
     let rel: AgentReply = owner
@@ -384,7 +384,7 @@ fn an_unhold_the_rm_missed_is_sent_by_the_sweep_once_it_is_back() {
     // The RM comes back on the agent's address with its state: the hold is still there.
     drop(std::mem::replace(
         &mut p.rm,
-        start_on_port(&rm_args, &port, &p.s.dir),
+        Daemon::start_at(RM_BIN, &rm_args, &p.s.dir, port),
     ));
     let mut rm = connect(&p.rm.addr, RM, "observer");
     assert_eq!(holds_of(&mut rm, "mem0"), 1);
@@ -402,29 +402,5 @@ fn placeholder() -> Daemon {
         child,
         addr: String::new(),
         name: "placeholder".into(),
-    }
-}
-
-/// Starts the RM on a given port (the agent keeps its RM address).
-fn start_on_port(args: &[String], port: &str, dir: &std::path::Path) -> Daemon {
-    let ready = dir.join(format!("rm-ready-{port}"));
-    let _ = std::fs::remove_file(&ready);
-    let mut cmd = std::process::Command::new(RM_BIN);
-    cmd.args(args)
-        .args(["--port", port, "--ready-file"])
-        .arg(&ready)
-        .stdin(std::process::Stdio::null());
-    if std::env::var_os("MARU_TEST_VERBOSE").is_none() {
-        cmd.stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-    }
-    let child = cmd.spawn().unwrap();
-    assert!(wait_until(Duration::from_secs(20), || {
-        std::fs::read_to_string(&ready).is_ok_and(|s| s.ends_with('\n'))
-    }));
-    Daemon {
-        child,
-        addr: format!("127.0.0.1:{port}"),
-        name: RM_BIN.into(),
     }
 }

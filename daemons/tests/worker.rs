@@ -195,3 +195,59 @@ fn a_killed_engines_keys_stay_readable_and_every_region_goes_back() {
     );
     drop(st.s);
 }
+
+#[test]
+fn a_pool_that_goes_away_misses_and_serves_again_when_it_is_back() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    // Two pools (two maru-servers on one RM); keys spread by the router.
+    let st = stack(false, &[]);
+    let args = vec![
+        "--rm-address".to_string(),
+        st.rm.addr.clone(),
+        "--region-size".into(),
+        "8M".into(),
+        "--chunk-size".into(),
+        "64K".into(),
+    ];
+    let mut second = Daemon::start(SERVER_BIN, &args, &st.s.dir);
+    let urls = format!("{},{}", st.server.addr, second.addr);
+    let cfg = |engine: &str| {
+        serde_json::json!({"backend": "cxl", "server_url": urls, "engine_id": engine, "load_slots": 4, "store_slots": 4}).to_string()
+    };
+    let h = Handler::open(&cfg("router-engine")).unwrap();
+    let router = maru::worker::PoolRouter::new(vec![st.server.addr.clone(), second.addr.clone()]);
+    // Route keys for each pool.
+    let rk: Vec<String> = (0..200).map(|i| format!("req-{i}")).collect();
+    let on = |pool: usize| rk.iter().find(|k| router.pick(k) == pool).unwrap().clone();
+    let (r0, r1) = (on(0), on(1));
+    let d = chunk(1);
+    assert!(h.store(&format!("{r0}/c0"), &d, Some(&r0)).unwrap());
+    assert!(h.store(&format!("{r1}/c0"), &d, Some(&r1)).unwrap());
+    // Pool 1 goes away: its prefixes miss, pool 0 keeps serving.
+    let port = second.port();
+    second.kill9();
+    let k1 = format!("{r1}/c0");
+    assert_eq!(h.load(&k1, Some(&r1)).unwrap(), None);
+    assert!(
+        !h.store(&format!("{r1}/c1"), &d, Some(&r1)).unwrap(),
+        "a store to a pool that is away is skipped"
+    );
+    assert_eq!(
+        h.load(&format!("{r0}/c0"), Some(&r0)).unwrap().as_deref(),
+        Some(d.as_slice())
+    );
+    // It comes back (empty: a new maru-server); the handler reconnects in the background.
+    second = Daemon::start_at(SERVER_BIN, &args, &st.s.dir, port);
+    assert!(
+        wait_until(Duration::from_secs(15), || h
+            .store(&k1, &d, Some(&r1))
+            .unwrap_or(false)),
+        "stores reach the pool again once it is back"
+    );
+    assert_eq!(
+        h.load(&k1, Some(&r1)).unwrap().as_deref(),
+        Some(d.as_slice())
+    );
+    h.close().unwrap();
+    drop(second);
+}

@@ -62,13 +62,18 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `bin` with `args` plus `--port 0 --ready-file F` and waits (≤ 20 s) until it listens.
     pub fn start(bin: &str, args: &[String], ready_dir: &Path) -> Daemon {
+        Daemon::start_at(bin, args, ready_dir, 0)
+    }
+
+    /// As `start`, on a given port (to bring a daemon back where its clients look).
+    pub fn start_at(bin: &str, args: &[String], ready_dir: &Path, port: u16) -> Daemon {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let ready = ready_dir.join(format!("ready-{n}"));
         let _ = std::fs::remove_file(&ready);
         let mut cmd = Command::new(bin);
         cmd.args(args)
             .arg("--port")
-            .arg("0")
+            .arg(port.to_string())
             .arg("--ready-file")
             .arg(&ready);
         cmd.stdin(Stdio::null());
@@ -104,6 +109,13 @@ impl Daemon {
     pub fn kill9(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or(0)
     }
 
     pub fn is_running(&mut self) -> bool {
