@@ -251,3 +251,87 @@ fn a_pool_that_goes_away_misses_and_serves_again_when_it_is_back() {
     h.close().unwrap();
     drop(second);
 }
+
+/// A mover whose writes of odd-numbered chunks never complete (as when an engine dies
+/// or a transfer fails mid-store).
+struct HalfMover {
+    inner: maru::worker::movers::CxlMover,
+    seen: usize,
+}
+
+impl maru::worker::movers::Mover for HalfMover {
+    fn adopt(
+        &mut self,
+        g: &maru::wire::meta::RegionGrant,
+    ) -> Result<(), maru::worker::WorkerError> {
+        self.inner.adopt(g)
+    }
+    fn write(&mut self, items: &[maru::worker::movers::WriteItem<'_>]) -> Vec<bool> {
+        let mut ok = self.inner.write(items);
+        for o in ok.iter_mut() {
+            if self.seen % 2 == 1 {
+                *o = false;
+            }
+            self.seen += 1;
+        }
+        ok
+    }
+    fn read(&mut self, leases: &[maru::wire::meta::LeaseGrant]) -> Vec<Option<Vec<u8>>> {
+        self.inner.read(leases)
+    }
+    fn boot_ids(&self) -> std::collections::BTreeMap<u64, String> {
+        Default::default()
+    }
+}
+
+#[test]
+fn only_chunks_whose_bytes_are_complete_are_published() {
+    use maru::wire::meta::Backend;
+    use maru::worker::session::Session;
+    let st = stack(false, &[]);
+    let t = Duration::from_secs(10);
+    let session = Session::open(
+        &st.server.addr,
+        "writer",
+        "writer",
+        "llama-test",
+        "default",
+        Backend::Cxl,
+        t,
+    )
+    .unwrap();
+    let mover = HalfMover {
+        inner: maru::worker::movers::CxlMover::new(),
+        seen: 0,
+    };
+    let mut pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+    let keys: Vec<String> = (0..10).map(|i| format!("half-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    let stored = pool.store(&items, Some("half")).unwrap();
+    assert_eq!(stored, (0..10).map(|i| i % 2 == 0).collect::<Vec<_>>());
+    // Another engine finds exactly the complete chunks, with their bytes.
+    let reader = Handler::open(&config(&st, "cxl", "reader")).unwrap();
+    let found = reader.exists_batch(&keys, Some("half")).unwrap();
+    assert_eq!(
+        found, stored,
+        "a chunk whose write did not complete is never found"
+    );
+    for (i, got) in reader
+        .load_batch(&keys, Some("half"))
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(got.is_some(), i % 2 == 0);
+        if let Some(g) = got {
+            assert_eq!(digest(&g), digest(&data[i]));
+        }
+    }
+    pool.close().unwrap();
+    reader.close().unwrap();
+}
