@@ -2,7 +2,7 @@
 //! never on a leased key.
 
 use super::core::MetaCore;
-use super::errors::{check_batch, check_keys, internal};
+use super::errors::{check_batch, check_keys};
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
 use crate::wire::WireError;
 
@@ -17,9 +17,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_batch("victims", max as usize)?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let max = max as usize;
         // The `max` oldest unleased keys of each region, then the oldest of those.
         let mut candidates: Vec<_> = s
@@ -60,9 +58,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_keys(keys)?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut results = Vec::with_capacity(keys.len());
         for name in keys {

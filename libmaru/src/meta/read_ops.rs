@@ -1,7 +1,7 @@
 //! The read side: finding published keys and leasing them with read handles.
 
 use super::core::MetaCore;
-use super::errors::{check_batch, check_keys, internal};
+use super::errors::{check_batch, check_keys};
 use super::keys::KeyId;
 use crate::auth::read_token;
 use crate::wire::meta::{Backend, LeaseGrant, MetaReply};
@@ -19,9 +19,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_keys(keys)?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let found = keys
             .iter()
             .map(|k| self.keys.find(s.scope, k).is_some())
@@ -40,9 +38,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_keys(keys)?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let found: Vec<Option<KeyId>> = keys.iter().map(|k| self.keys.find(s.scope, k)).collect();
         let hits = found.iter().flatten().count();
         self.leases.check_room(id, hits)?;

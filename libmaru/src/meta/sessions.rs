@@ -163,6 +163,13 @@ impl SessionTable {
         self.sessions.get(&id)
     }
 
+    /// A session the caller's request was just checked against (`MetaCore::session`):
+    /// its absence is a bug, reported as an internal error.
+    pub(super) fn checked(&self, id: u64) -> Result<&Session, crate::wire::WireError> {
+        self.get(id)
+            .ok_or_else(|| super::errors::internal(format!("session {id} vanished")))
+    }
+
     pub fn get_mut(&mut self, id: u64) -> Option<&mut Session> {
         self.sessions.get_mut(&id)
     }

@@ -2,7 +2,7 @@
 //! publishing keys after the worker's WRITE completed.
 
 use super::core::MetaCore;
-use super::errors::{bad_request, check_batch, check_key, internal, permission};
+use super::errors::{bad_request, check_batch, check_key, permission};
 use super::keys::{Location, Published};
 use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
 use crate::wire::WireError;
@@ -26,9 +26,7 @@ impl MetaCore {
             )));
         }
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut pages = Vec::with_capacity(count as usize);
         for &rid in &s.regions {
@@ -64,9 +62,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_batch("pages", pages.len())?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut seen = HashSet::new();
         for p in pages {
@@ -118,9 +114,7 @@ impl MetaCore {
     ) -> Result<MetaReply, WireError> {
         check_batch("entries", entries.len())?;
         let id = self.session(client_id, session, now_ms)?;
-        let Some(s) = self.sessions.get(id) else {
-            return Err(internal(format!("session {id} vanished")));
-        };
+        let s = self.sessions.checked(id)?;
         let scope = s.scope;
         let page_size = self.cfg.chunk_size;
         let mut pages: HashMap<(u64, u64), &str> = HashMap::new();
