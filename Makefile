@@ -4,12 +4,12 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c lint fmt header clean bench install demo-rm
+.PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean bench install demo-rm
 
 help:
 	@echo "make demo    - install what is missing, build, run the one-host demo (two engines share KV)"
 	@echo "make demo-rm - the resource manager walk-through with maru-rm-ctl"
-	@echo "make test    - install what is missing, build, run every test (Rust, C)"
+	@echo "make test    - install what is missing, build, run every test (Rust, C, Python)"
 	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
 	@echo "make header  - regenerate include/maru.h with cbindgen"
 	@echo "make release - optimised build of libmaru.so and the daemons"
@@ -33,7 +33,7 @@ demo-rm: deps
 	$(CARGO) build --workspace --bins
 	examples/demo/rm-demo.sh $(DEBUG_DIR)
 
-test: deps test-rust test-c
+test: deps test-rust test-c test-python
 
 test-rust:
 	$(CARGO) test --workspace
@@ -44,6 +44,15 @@ test-c:
 	cmake -S ctests -B ctests/build -DMARU_LIB_DIR=$(DEBUG_DIR) >/dev/null
 	cmake --build ctests/build
 	ctest --test-dir ctests/build --output-on-failure
+
+VENV := $(CURDIR)/.venv
+
+test-python:
+	$(CARGO) build -p maru -p maru-daemons --bins --lib
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q pytest numpy
+	$(VENV)/bin/pip install -q ./bindings/python
+	$(VENV)/bin/pytest -q bindings/python/tests
 
 lint: deps
 	$(CARGO) fmt --all -- --check
