@@ -1,15 +1,22 @@
-"""The ``maru`` package: Python binding of libmaru.so (ctypes).
+"""The ``maru`` package: Python binding of libmaru.so (ctypes), for inference engines that
+share KV cache chunks through Maru.
 
     from maru import MaruHandler, chunk_keys
-    with MaruHandler({"backend": "remote_cxl", "server_url": "127.0.0.1:5555",
-                      "engine_id": "engine-0"}) as h:
-        h.store(key, data)
-        data = h.retrieve(key)
+    cfg = {"backend": "remote_cxl", "server_url": "127.0.0.1:5555", "engine_id": "engine-0",
+           "namespace": "llama-3.1-8b/bf16-b16-c256"}
+    with MaruHandler(cfg) as h:
+        keys = chunk_keys(token_ids, 256, cfg["namespace"])
+        h.store(keys[0], kv_bytes, route_key=keys[0])
+        data = h.retrieve(keys[0], route_key=keys[0])   # None on a miss
 
-Set MARU_LIB to the path of libmaru.so to pick a specific build.
+Set ``MARU_LIB`` to the path of libmaru.so to pick a specific build (see ``maru._lib``
+for where it is looked for otherwise).
 """
 
+from ._lib import ABI_VERSION, version
+from ._lib import path as library_path
 from .errors import (
+    BufferTooSmallError,
     ClosedError,
     ConfigError,
     InvalidArgumentError,
@@ -18,21 +25,29 @@ from .errors import (
     NoSpaceError,
     NotFoundError,
     RefusedError,
+    Status,
     UnavailableError,
 )
 from .handler import MaruHandler
 from .keys import chunk_keys
 
+__version__ = "0.1.0"
+
 __all__ = [
-    "MaruHandler",
-    "chunk_keys",
-    "MaruError",
+    "ABI_VERSION",
+    "BufferTooSmallError",
+    "ClosedError",
     "ConfigError",
-    "UnavailableError",
+    "InvalidArgumentError",
+    "MaruError",
+    "MaruHandler",
+    "MaruTimeoutError",
+    "NoSpaceError",
     "NotFoundError",
     "RefusedError",
-    "NoSpaceError",
-    "MaruTimeoutError",
-    "InvalidArgumentError",
-    "ClosedError",
+    "Status",
+    "UnavailableError",
+    "chunk_keys",
+    "library_path",
+    "version",
 ]

@@ -1,4 +1,16 @@
-"""Finding and loading libmaru.so, and the C prototypes of include/maru.h."""
+"""Finding and loading libmaru.so, and the C prototypes of include/maru.h.
+
+The library is looked for, in order:
+
+1. ``$MARU_LIB`` (a path to the ``.so``, or a directory holding ``libmaru.so``); when it
+   is set and wrong, the import fails instead of falling back to another build;
+2. ``libmaru.so`` next to this package (``maru/libmaru.so``, if someone copied it there);
+3. ``target/release/libmaru.so`` then ``target/debug/libmaru.so`` in the current
+   directory and every directory above it, then the same above this package's file;
+4. ``ctypes.util.find_library("maru")`` (the system's library path).
+
+Importing checks ``maru_abi_version()`` against :data:`ABI_VERSION`.
+"""
 
 from __future__ import annotations
 
@@ -8,74 +20,118 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
+#: The C ABI version this binding was written for (``MARU_ABI_VERSION`` in maru.h).
 ABI_VERSION = 1
 
 c_bool_p = ctypes.POINTER(ctypes.c_bool)
 c_size_p = ctypes.POINTER(ctypes.c_size_t)
+c_char_pp = ctypes.POINTER(ctypes.c_char_p)
+c_void_pp = ctypes.POINTER(ctypes.c_void_p)
 
 
-def _candidates() -> List[Path]:
+def candidates() -> List[Path]:
+    """Where the library is looked for, in order, without ``$MARU_LIB`` (deduplicated)."""
     out: List[Path] = []
-    env = os.environ.get("MARU_LIB")
-    if env:
-        out.append(Path(env))
     here = Path(__file__).resolve().parent
     out.append(here / "libmaru.so")
-    for start in (Path.cwd(), here):
+    for start in (Path.cwd().resolve(), here):
         for d in (start, *start.parents):
             for profile in ("release", "debug"):
                 out.append(d / "target" / profile / "libmaru.so")
-    return out
+    seen = set()
+    unique = []
+    for p in out:
+        if p not in seen:
+            seen.add(p)
+            unique.append(p)
+    return unique
+
+
+def _open(path: str) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(f"cannot load libmaru from {path}: {e}") from e
 
 
 def _load() -> ctypes.CDLL:
-    tried = []
-    for p in _candidates():
-        tried.append(str(p))
+    env = os.environ.get("MARU_LIB")
+    if env:
+        p = Path(env)
+        if p.is_dir():
+            p = p / "libmaru.so"
+        if not p.is_file():
+            raise ImportError(f"MARU_LIB={env} is not libmaru.so (no such file: {p})")
+        return _open(str(p))
+    tried = candidates()
+    for p in tried:
         if p.is_file():
-            return ctypes.CDLL(str(p))
-        if os.environ.get("MARU_LIB") and str(p) == os.environ["MARU_LIB"]:
-            raise ImportError(f"MARU_LIB={p} does not exist")
+            return _open(str(p))
     found = ctypes.util.find_library("maru")
     if found:
-        return ctypes.CDLL(found)
+        return _open(found)
     raise ImportError(
-        "libmaru.so not found; build it (cargo build -p maru) or set MARU_LIB. Looked in: "
-        + ", ".join(tried[:6])
-        + (" ..." if len(tried) > 6 else "")
+        "libmaru.so not found: build it (cargo build -p maru) or set MARU_LIB to its path.\n"
+        "Looked in (MARU_LIB unset):\n  "
+        + "\n  ".join(str(p) for p in tried)
+        + '\n  ctypes.util.find_library("maru") (nothing)'
     )
 
 
 lib = _load()
+#: The file the library was loaded from (or the name ``find_library`` gave).
+path: str = lib._name
 
+lib.maru_abi_version.argtypes = []
 lib.maru_abi_version.restype = ctypes.c_uint32
+lib.maru_version_string.argtypes = []
+lib.maru_version_string.restype = ctypes.c_char_p
+lib.maru_last_error.argtypes = []
 lib.maru_last_error.restype = ctypes.c_char_p
 lib.maru_status_str.argtypes = [ctypes.c_uint32]
 lib.maru_status_str.restype = ctypes.c_char_p
 
 _H = ctypes.c_void_p
+_S = ctypes.c_uint32
 lib.maru_handler_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(_H)]
-lib.maru_handler_open.restype = ctypes.c_uint32
+lib.maru_handler_open.restype = _S
 lib.maru_handler_close.argtypes = [_H]
-lib.maru_handler_close.restype = ctypes.c_uint32
+lib.maru_handler_close.restype = _S
 lib.maru_store.argtypes = [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_store.restype = ctypes.c_uint32
+lib.maru_store.restype = _S
+lib.maru_store_batch.argtypes = [_H, c_char_pp, c_void_pp, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
+lib.maru_store_batch.restype = _S
 lib.maru_load.argtypes = [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, c_size_p, ctypes.c_char_p]
-lib.maru_load.restype = ctypes.c_uint32
+lib.maru_load.restype = _S
+lib.maru_load_batch.argtypes = [_H, c_char_pp, c_void_pp, c_size_p, c_size_p, c_bool_p, ctypes.c_size_t, ctypes.c_char_p]
+lib.maru_load_batch.restype = _S
 lib.maru_exists.argtypes = [_H, ctypes.c_char_p, ctypes.c_char_p, c_bool_p]
-lib.maru_exists.restype = ctypes.c_uint32
+lib.maru_exists.restype = _S
 lib.maru_stats_json.argtypes = [_H, ctypes.c_char_p, ctypes.c_size_t, c_size_p]
-lib.maru_stats_json.restype = ctypes.c_uint32
+lib.maru_stats_json.restype = _S
 lib.maru_chunk_size.argtypes = [_H, ctypes.POINTER(ctypes.c_uint64)]
-lib.maru_chunk_size.restype = ctypes.c_uint32
+lib.maru_chunk_size.restype = _S
 
 if lib.maru_abi_version() != ABI_VERSION:
     raise ImportError(
-        f"libmaru ABI {lib.maru_abi_version()} does not match this binding's {ABI_VERSION}: "
-        "install the binding that came with the library"
+        f"libmaru at {path} has ABI {lib.maru_abi_version()}, this binding needs {ABI_VERSION}: "
+        "install the binding that came with the library (or point MARU_LIB at a matching build)"
     )
 
 
 def last_error() -> str:
+    """This thread's last libmaru error message ("" when the last call succeeded)."""
     msg: Optional[bytes] = lib.maru_last_error()
     return msg.decode("utf-8", "replace") if msg else ""
+
+
+def status_str(code: int) -> str:
+    """libmaru's short description of a status code, such as ``"not found"``."""
+    s: Optional[bytes] = lib.maru_status_str(code)
+    return s.decode("utf-8", "replace") if s else "unknown status"
+
+
+def version() -> str:
+    """libmaru's version, such as ``"0.1.0"``."""
+    v: Optional[bytes] = lib.maru_version_string()
+    return v.decode("utf-8", "replace") if v else ""

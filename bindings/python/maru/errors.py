@@ -1,6 +1,38 @@
-"""Exceptions raised by the binding, one per libmaru status code."""
+"""Exceptions raised by the binding, mapped from libmaru's ``maru_status_t`` codes.
+
+Every exception is a :class:`MaruError` carrying ``code`` (the status value) and
+``message`` (the library's own text from ``maru_last_error()``, which names what failed,
+e.g. the unknown configuration field). Codes without a class of their own (AUTH,
+PROTOCOL, IO, BUSY, INTERNAL, PANIC, and any code added later) raise plain
+:class:`MaruError`.
+"""
 
 from __future__ import annotations
+
+import enum
+from typing import Dict, Optional, Type
+
+
+class Status(enum.IntEnum):
+    """``maru_status_t`` (include/maru.h). The numbers are stable."""
+
+    OK = 0
+    NULL_ARGUMENT = 1
+    INVALID_ARGUMENT = 2
+    CONFIG = 3
+    UNAVAILABLE = 4
+    NOT_FOUND = 5
+    REFUSED = 6
+    NO_SPACE = 7
+    TIMEOUT = 8
+    AUTH = 9
+    PROTOCOL = 10
+    IO = 11
+    BUSY = 12
+    CLOSED = 13
+    BUFFER_TOO_SMALL = 14
+    INTERNAL = 15
+    PANIC = 99
 
 
 class MaruError(Exception):
@@ -9,56 +41,81 @@ class MaruError(Exception):
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
-        self.code = code
-        self.message = message
+        self.code: int = int(code)
+        self.message: str = message
+
+    @property
+    def status(self) -> Optional[Status]:
+        """The code as a :class:`Status`, or None for a code this binding does not know."""
+        try:
+            return Status(self.code)
+        except ValueError:
+            return None
+
+    def __repr__(self) -> str:
+        name = self.status.name if self.status is not None else str(self.code)
+        return f"{type(self).__name__}({name}: {self.message!r})"
 
 
 class InvalidArgumentError(MaruError):
-    """A bad argument (a chunk larger than the chunk size, a NULL, ...)."""
+    """A bad argument: a NULL, an empty key, a chunk larger than the chunk size, ...
+    (``MARU_ERR_INVALID_ARGUMENT`` and ``MARU_ERR_NULL_ARGUMENT``)."""
+
+
+class BufferTooSmallError(InvalidArgumentError):
+    """The buffer given to ``retrieve_into`` cannot hold the chunk; ``needed`` is the
+    chunk's size in bytes (``MARU_ERR_BUFFER_TOO_SMALL``)."""
+
+    def __init__(self, code: int, message: str, needed: int = 0) -> None:
+        super().__init__(code, message)
+        self.needed: int = needed
 
 
 class ConfigError(MaruError):
-    """The configuration is wrong; fix it, retrying will not help."""
+    """The configuration is wrong (``MARU_ERR_CONFIG``); fix it, retrying will not help."""
 
 
 class UnavailableError(MaruError):
-    """No pool could be reached (the handler retries pools in the background)."""
+    """No pool could be reached (``MARU_ERR_UNAVAILABLE``); transient."""
 
 
 class NotFoundError(MaruError):
-    """The key is not stored."""
+    """The key, region or pool does not exist (``MARU_ERR_NOT_FOUND``). ``retrieve``
+    returns None for a missing key instead of raising this."""
 
 
 class RefusedError(MaruError):
-    """A daemon refused definitively."""
+    """A daemon refused definitively (``MARU_ERR_REFUSED``); nothing was done."""
 
 
 class NoSpaceError(MaruError):
-    """No room (staging buffer, regions)."""
+    """No pool, region or staging slot can hold the request now (``MARU_ERR_NO_SPACE``)."""
 
 
 class MaruTimeoutError(MaruError):
-    """A transfer did not finish in time."""
+    """The operation did not finish within its deadline (``MARU_ERR_TIMEOUT``); its
+    outcome is unknown."""
 
 
 class ClosedError(MaruError):
-    """The handler is closed."""
+    """The handler (or a connection) is closed (``MARU_ERR_CLOSED``)."""
 
 
-# maru_status_t values (include/maru.h) → exception class.
-_BY_CODE = {
-    1: InvalidArgumentError,  # MARU_ERR_NULL_ARGUMENT
-    2: InvalidArgumentError,
-    3: ConfigError,
-    4: UnavailableError,
-    5: NotFoundError,
-    6: RefusedError,
-    7: NoSpaceError,
-    8: MaruTimeoutError,
-    13: ClosedError,
+_BY_CODE: Dict[int, Type[MaruError]] = {
+    Status.NULL_ARGUMENT: InvalidArgumentError,
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+    Status.CONFIG: ConfigError,
+    Status.UNAVAILABLE: UnavailableError,
+    Status.NOT_FOUND: NotFoundError,
+    Status.REFUSED: RefusedError,
+    Status.NO_SPACE: NoSpaceError,
+    Status.TIMEOUT: MaruTimeoutError,
+    Status.CLOSED: ClosedError,
+    Status.BUFFER_TOO_SMALL: BufferTooSmallError,
 }
 
 
 def error_for(code: int, message: str) -> MaruError:
-    """The exception for a status code (``MaruError`` for codes without their own)."""
-    return _BY_CODE.get(code, MaruError)(code, message)
+    """The exception for a status code and message (plain :class:`MaruError` for codes
+    without a class of their own)."""
+    return _BY_CODE.get(int(code), MaruError)(int(code), message)

@@ -1,5 +1,8 @@
-"""Real daemons on loopback for the binding's tests: RM (fake DAX in /dev/shm), a remote
-CXL agent and maru-server, from the cargo build (MARU_BIN_DIR or target/debug)."""
+"""Real daemons on loopback for the binding's tests, started once per session from the
+cargo build (``MARU_BIN_DIR``, else ``target/debug`` above the current directory or this
+file): maru-resource-manager on a fake DAX file in /dev/shm, a maru-remote-cxl-agent and
+maru-server, each on a free port (``--port 0`` + ``--ready-file``). They are stopped in
+reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed."""
 
 from __future__ import annotations
 
@@ -11,8 +14,13 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
+
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 15.0
+CHUNK_SIZE = 64 * 1024
 
 
 def _bin_dir() -> Path:
@@ -23,61 +31,98 @@ def _bin_dir() -> Path:
         cand = d / "target" / "debug"
         if (cand / "maru-server").is_file():
             return cand
-    raise RuntimeError("daemons not built: run cargo build --workspace --bins or set MARU_BIN_DIR")
+    raise RuntimeError("daemons not built: run `cargo build --workspace --bins` or set MARU_BIN_DIR")
 
 
 class Daemons:
+    """The daemons of one test session and their addresses (``rm``, ``agent``,
+    ``server``), the agent key file (``key``) and the fake DAX file (``pool``)."""
+
     def __init__(self) -> None:
         self.bin = _bin_dir()
         self.work = Path(tempfile.mkdtemp(prefix="maru-pytest-"))
-        self.pool = Path(f"/dev/shm/maru-pytest-{uuid.uuid4().hex[:8]}")
-        self.procs: list[subprocess.Popen] = []
+        self.pool = Path(f"/dev/shm/maru-pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.procs: List[subprocess.Popen] = []
+        self.names: List[str] = []
+        self.logs: List[Any] = []
         self.key = self.work / "agent.key"
-        subprocess.run([str(self.bin / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True)
+        self.rm = self.agent = self.server = ""
+        subprocess.run(
+            [str(self.bin / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True, timeout=30
+        )
+
+    def _log_tail(self, name: str) -> str:
+        try:
+            return (self.work / f"{name}.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
 
     def start(self, name: str, *args: str) -> str:
+        """Starts ``name`` with ``args`` on a free port; returns its address once it listens."""
         ready = self.work / f"{name}.ready"
+        log = open(self.work / f"{name}.log", "wb")
+        self.logs.append(log)
+        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
         p = subprocess.Popen(
             [str(self.bin / name), *args, "--port", "0", "--ready-file", str(ready)],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.procs.append(p)
-        deadline = time.monotonic() + 20
+        self.names.append(name)
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if ready.exists() and ready.read_text().endswith("\n"):
-                return ready.read_text().strip()
+            if ready.exists():
+                text = ready.read_text()
+                if text.endswith("\n") and text.strip():
+                    return text.strip()
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} during start-up")
+                raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{self._log_tail(name)}")
             time.sleep(0.02)
-        raise RuntimeError(f"{name} did not start within 20 s")
+        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s:\n{self._log_tail(name)}")
 
     def stop(self) -> None:
-        # Reverse order: maru-server gives its regions back while the agent and RM run.
-        for p in reversed(self.procs):
+        """Stops the daemons in reverse order (maru-server gives its regions back while
+        the agent and the RM still run) and removes the files."""
+        for name, p in reversed(list(zip(self.names, self.procs))):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
-                    p.wait(timeout=15)
+                    p.wait(timeout=STOP_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     p.kill()
-                    p.wait()
+                    p.wait(timeout=STOP_TIMEOUT_S)
+        self.procs.clear()
+        for log in self.logs:
+            log.close()
         self.pool.unlink(missing_ok=True)
         shutil.rmtree(self.work, ignore_errors=True)
 
+    def addresses(self) -> Dict[str, str]:
+        return {"rm": self.rm, "agent": self.agent, "server": self.server}
+
 
 @pytest.fixture(scope="session")
-def daemons():
+def daemons() -> Iterator[Daemons]:
     d = Daemons()
     try:
-        rm = d.start("maru-resource-manager", "--state-dir", str(d.work / "rm"), "--fake-dax", f"{d.pool}:256M")
-        agent = d.start(
-            "maru-remote-cxl-agent", "--rm-address", rm, "--key-file", str(d.key), "--device", str(d.pool), "--node", "pytest"
+        d.rm = d.start("maru-resource-manager", "--state-dir", str(d.work / "rm"), "--fake-dax", f"{d.pool}:256M")
+        d.agent = d.start(
+            "maru-remote-cxl-agent",
+            "--rm-address", d.rm,
+            "--key-file", str(d.key),
+            "--device", str(d.pool),
+            "--node", "pytest",
         )
         d.server = d.start(
-            "maru-server", "--rm-address", rm, "--remote-cxl-agent", agent,
-            "--remote-cxl-agent-key-file", str(d.key), "--region-size", "8M", "--chunk-size", "64K",
+            "maru-server",
+            "--rm-address", d.rm,
+            "--remote-cxl-agent", d.agent,
+            "--remote-cxl-agent-key-file", str(d.key),
+            "--region-size", "8M",
+            "--chunk-size", "64K",
         )
         yield d
     finally:
@@ -85,9 +130,12 @@ def daemons():
 
 
 @pytest.fixture
-def config(daemons):
-    def make(backend: str, engine: str, **extra):
-        c = {
+def config(daemons: Daemons) -> Callable[..., Dict[str, Any]]:
+    """``config(backend, engine_id, **overrides)``: a handler configuration for the
+    session's daemons."""
+
+    def make(backend: str, engine: str, **extra: Any) -> Dict[str, Any]:
+        c: Dict[str, Any] = {
             "backend": backend,
             "server_url": daemons.server,
             "engine_id": engine,
@@ -95,6 +143,7 @@ def config(daemons):
             "agent_key_file": str(daemons.key),
             "load_slots": 8,
             "store_slots": 8,
+            "timeout_ms": 5000,
         }
         c.update(extra)
         return c

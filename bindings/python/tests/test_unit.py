@@ -1,0 +1,148 @@
+"""Parts of the binding that need no daemons: chunk keys, errors, buffers, finding the
+library."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import maru
+from maru import _buffer, chunk_keys
+from maru.errors import Status, error_for
+
+
+def test_chunk_keys_share_prefixes_within_a_namespace():
+    a = chunk_keys(list(range(1000)), 256, "llama")
+    b = chunk_keys(list(range(768)) + [9] * 300, 256, "llama")
+    assert len(a) == 3 and len(b) == 4  # full chunks only
+    assert a == b[:3]
+    assert chunk_keys(list(range(1000)), 256, "llama") == a  # deterministic
+    assert all(len(k) == 64 and int(k, 16) >= 0 for k in a)
+    other = chunk_keys(list(range(1000)), 256, "other")
+    assert not set(other) & set(a)
+    assert chunk_keys(list(range(255)), 256, "llama") == []
+    assert chunk_keys([], 4, "llama") == []
+
+
+def test_chunk_keys_chain_the_prefix():
+    t = list(range(12))
+    changed = [99] + t[1:]
+    ka, kb = chunk_keys(t, 4, "ns"), chunk_keys(changed, 4, "ns")
+    assert all(x != y for x, y in zip(ka, kb))  # a change in chunk 0 changes every key
+    # The documented formula.
+    d0 = hashlib.sha256(b"maru-chunk-v1\0ns\0" + struct.pack("<4i", 0, 1, 2, 3)).digest()
+    d1 = hashlib.sha256(d0 + struct.pack("<4i", 4, 5, 6, 7)).digest()
+    assert ka[:2] == [d0.hex(), d1.hex()]
+    assert chunk_keys([-1, 2**31 - 1], 2, "ns")  # int32 range
+    with pytest.raises(ValueError):
+        chunk_keys([2**31], 1, "ns")
+    with pytest.raises(ValueError):
+        chunk_keys(t, 0, "ns")
+
+
+def test_status_codes_map_to_exceptions():
+    cases = {
+        1: maru.InvalidArgumentError,
+        2: maru.InvalidArgumentError,
+        3: maru.ConfigError,
+        4: maru.UnavailableError,
+        5: maru.NotFoundError,
+        6: maru.RefusedError,
+        7: maru.NoSpaceError,
+        8: maru.MaruTimeoutError,
+        13: maru.ClosedError,
+        14: maru.BufferTooSmallError,
+    }
+    for code, cls in cases.items():
+        e = error_for(code, f"message {code}")
+        assert type(e) is cls and e.code == code and str(e) == f"message {code}"
+        assert isinstance(e, maru.MaruError)
+    for code in (9, 10, 11, 12, 15, 99, 1234):
+        assert type(error_for(code, "m")) is maru.MaruError
+    assert error_for(1234, "m").status is None and error_for(5, "m").status is Status.NOT_FOUND
+    assert "NOT_FOUND" in repr(error_for(5, "m"))
+    assert issubclass(maru.BufferTooSmallError, maru.InvalidArgumentError)
+
+
+def test_library_versions():
+    from maru import _lib
+
+    assert _lib.lib.maru_abi_version() == maru.ABI_VERSION == 1
+    assert maru.version()
+    assert _lib.status_str(5) == "not found"
+    assert Path(maru.library_path).name.startswith("libmaru")
+
+
+def test_buffers_are_passed_in_place():
+    ro = bytes(range(256)) * 4
+    base = ctypes.cast(ctypes.c_char_p(ro), ctypes.c_void_p).value
+    with _buffer.readable(ro) as (addr, n):
+        assert (addr, n) == (base, len(ro))
+    with _buffer.readable(memoryview(ro)[10:20]) as (addr, n):
+        assert (addr, n) == (base + 10, 10)
+        assert ctypes.string_at(addr, n) == ro[10:20]
+    rw = bytearray(ro)
+    rw_base = ctypes.addressof((ctypes.c_char * len(rw)).from_buffer(rw))
+    with _buffer.readable(memoryview(rw)[100:]) as (addr, n):
+        assert (addr, n) == (rw_base + 100, len(rw) - 100)
+        with pytest.raises(BufferError):
+            rw.append(1)  # exported while the call runs
+    rw.append(1)  # released after
+    with _buffer.writable(memoryview(rw)[4:8]) as (addr, n):
+        ctypes.memmove(addr, b"WXYZ", 4)
+    assert rw[4:8] == b"WXYZ"
+    with pytest.raises(TypeError):
+        with _buffer.writable(ro):
+            pass
+    with pytest.raises(ValueError):
+        with _buffer.readable(memoryview(rw)[::2]):
+            pass
+    a = (ctypes.c_uint32 * 4)(1, 2, 3, 4)  # a multi-byte format is cast to bytes
+    with _buffer.readable(a) as (addr, n):
+        assert (addr, n) == (ctypes.addressof(a), 16)
+
+
+def _import_in_subprocess(env_extra, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "MARU_LIB"}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-c", "import maru; print(maru.library_path)"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_maru_lib_overrides_and_a_wrong_one_is_an_import_error(tmp_path):
+    real = maru.library_path
+    ok = _import_in_subprocess({"MARU_LIB": real}, tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == real
+    bad = _import_in_subprocess({"MARU_LIB": str(tmp_path / "nope.so")}, tmp_path)
+    assert bad.returncode != 0
+    assert "ImportError" in bad.stderr and "MARU_LIB" in bad.stderr and "nope.so" in bad.stderr
+
+
+def test_not_found_lists_where_it_looked(tmp_path):
+    # A copy of the package outside any checkout, imported from a directory outside one.
+    import shutil
+
+    pkg = tmp_path / "site" / "maru"
+    shutil.copytree(Path(maru.__file__).resolve().parent, pkg, ignore=shutil.ignore_patterns("libmaru.so", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "MARU_LIB"}
+    code = f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); import maru"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    if r.returncode == 0:
+        assert False, "libmaru was found outside a checkout (installed system-wide?): " + r.stdout
+    assert "libmaru.so not found" in r.stderr and "MARU_LIB" in r.stderr
+    assert str(tmp_path.resolve() / "target" / "debug" / "libmaru.so") in r.stderr
+    assert str(pkg.resolve() / "libmaru.so") in r.stderr
