@@ -2,14 +2,13 @@
 //! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
 
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
-use maru::dax::{self, DeviceKind, Mapping};
+use maru::dax::{self, Mapping};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::transport::Target;
 use maru::wire::agent::{AgentReply, AgentRequest, SERVICE};
 use maru::wire::rm::{AccessReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope, ErrorCode, WireError};
 use std::collections::HashMap;
-use std::os::unix::fs::FileTypeExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -134,19 +133,12 @@ impl DaxMem {
     }
 }
 
-fn kind_of(path: &str) -> DeviceKind {
-    match std::fs::metadata(path) {
-        Ok(m) if m.file_type().is_char_device() => DeviceKind::DevDax,
-        _ => DeviceKind::File,
-    }
-}
-
 impl MemPort for DaxMem {
     fn map(&mut self, access: &AccessReply) -> Result<MappedRange, String> {
         let path = self.resolve(access)?;
         let m = dax::map_range(
             &path,
-            kind_of(&path),
+            dax::kind_of_path(&path),
             access.offset,
             access.length,
             access.align,

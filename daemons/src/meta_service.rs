@@ -3,7 +3,7 @@
 //! region keeper only; the data path never passes through here).
 
 use maru::meta::{AgentPort, MetaCore, PortError, RmPort};
-use maru::net::{Client, ClientOptions, ConnId, Link, LinkError, Service};
+use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
 use maru::wire::meta::{MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
@@ -82,14 +82,6 @@ impl RmPort for MetaRm {
     }
 }
 
-/// An agent's hello must carry the memory node's boot id.
-pub fn boot_id_of(c: &Client) -> Result<(), String> {
-    match c.welcome().info.get("boot_id").and_then(|b| b.as_str()) {
-        Some(b) if !b.is_empty() => Ok(()),
-        _ => Err("the agent reported no boot id; treating it as unreachable".into()),
-    }
-}
-
 /// The pool's agents, one reconnecting link each.
 pub struct MetaAgents {
     links: HashMap<String, Link>,
@@ -110,9 +102,9 @@ impl MetaAgents {
 
     fn link(&mut self, agent: &str) -> &mut Link {
         let opts = self.opts.clone();
-        self.links
-            .entry(agent.to_string())
-            .or_insert_with(|| Link::new(agent, opts).with_check(boot_id_of))
+        self.links.entry(agent.to_string()).or_insert_with(|| {
+            Link::new(agent, opts).with_check(maru::wire::agent::require_boot_id)
+        })
     }
 }
 

@@ -67,3 +67,12 @@ impl DeviceInfo {
         self.device_size.saturating_sub(self.data_offset)
     }
 }
+
+/// The kind of device at `path`: a character device is devdax, anything else a file.
+pub fn kind_of_path(path: &str) -> DeviceKind {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) if m.file_type().is_char_device() => DeviceKind::DevDax,
+        _ => DeviceKind::File,
+    }
+}

@@ -4,7 +4,7 @@
 use super::error::WorkerError;
 use super::staging::{SlotPool, StagingSlots};
 use super::transfer::{execute, Isolation, PeerBatch, PeerOutcome};
-use crate::dax::{self, DeviceKind, Mapping};
+use crate::dax::{self, Mapping};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
@@ -60,13 +60,6 @@ pub struct RemoteMover {
     last_skip_log: Option<Instant>,
 }
 
-fn agent_boot(c: &crate::net::Client) -> Result<(), String> {
-    match c.welcome().info.get("boot_id").and_then(|b| b.as_str()) {
-        Some(b) if !b.is_empty() => Ok(()),
-        _ => Err("the agent reported no boot id; treating it as unreachable".into()),
-    }
-}
-
 impl RemoteMover {
     pub fn new(
         nic: Arc<dyn Transport>,
@@ -92,7 +85,7 @@ impl RemoteMover {
         self.agents
             .entry(addr.to_string())
             .or_insert_with(|| AgentConn {
-                link: Link::new(addr, opts).with_check(agent_boot),
+                link: Link::new(addr, opts).with_check(crate::wire::agent::require_boot_id),
                 peer: None,
                 boot_id: None,
             })
@@ -440,21 +433,13 @@ fn local_path(uuid: &str, path: &str) -> Result<String, WorkerError> {
     }
 }
 
-fn kind_of(path: &str) -> DeviceKind {
-    use std::os::unix::fs::FileTypeExt;
-    match std::fs::metadata(path) {
-        Ok(m) if m.file_type().is_char_device() => DeviceKind::DevDax,
-        _ => DeviceKind::File,
-    }
-}
-
 impl Mover for CxlMover {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
         let path = local_path(&grant.pool.uuid, &grant.pool.path)?;
         let h = &grant.handle;
         let m = dax::map_range(
             &path,
-            kind_of(&path),
+            dax::kind_of_path(&path),
             h.offset,
             h.length,
             grant.pool.align,
@@ -497,7 +482,7 @@ impl Mover for CxlMover {
                     let path = local_path(&d.uuid, &d.path).ok()?;
                     let m = dax::map_range(
                         &path,
-                        kind_of(&path),
+                        dax::kind_of_path(&path),
                         d.region_offset,
                         d.region_length,
                         2 << 20,
