@@ -4,7 +4,7 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean bench install demo-rm
+.PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean install demo-rm
 
 help:
 	@echo "make demo    - install what is missing, build, run the one-host demo (two engines share KV)"
@@ -69,10 +69,9 @@ clean:
 	$(CARGO) clean
 	rm -rf ctests/build
 
-bench: deps
-	$(CARGO) build --release --workspace --bins
-	mkdir -p bench/results
-	$(TARGET_DIR)/release/maru-bench --json bench/results/latest.json | tee bench/results/latest.txt
 
 install: release
 	scripts/install.sh $(if $(STANDALONE),--standalone)
+
+# Fragments of one concern each (bench, fuzzing, chaos, multi-node demo): mk/*.mk.
+include $(sort $(wildcard mk/*.mk))
