@@ -102,6 +102,11 @@ enum maru_status_t
    */
   MARU_ERR_INTERNAL = 15,
   /**
+   * Not an error: the asynchronous operation has not finished yet (from
+   * `maru_op_poll`, or `maru_op_wait` when its timeout passed). Poll or wait again.
+   */
+  MARU_PENDING = 16,
+  /**
    * libmaru panicked inside this call; the panic was stopped at the boundary
    * and its message is the last error. The handle involved should be freed.
    */
@@ -116,6 +121,33 @@ typedef uint32_t maru_status_t;
  * Thread-safe: calls from several threads may run at once.
  */
 typedef struct maru_handler_t maru_handler_t;
+
+/**
+ * An asynchronous operation. Poll or wait on it, read its results, then free it
+ * with `maru_op_free`.
+ */
+typedef struct maru_op_t maru_op_t;
+
+/**
+ * `register(ctx, ptr, len)`: pin/register host memory with the GPU driver; 0 on success.
+ */
+typedef int32_t (*maru_mem_register_fn)(void *ctx, void *ptr, size_t len);
+
+/**
+ * `unregister(ctx, ptr, len)`: undo `register`.
+ */
+typedef void (*maru_mem_unregister_fn)(void *ctx, void *ptr, size_t len);
+
+/**
+ * One staging slot held by the caller. `data` points to `capacity` bytes (one chunk)
+ * inside the handler's staging buffer, valid until the slot is released or the
+ * handler is closed. `id` names the slot in later calls; ids are never reused.
+ */
+typedef struct maru_slot_t {
+  uint64_t id;
+  uint8_t *data;
+  size_t capacity;
+} maru_slot_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -146,6 +178,19 @@ maru_status_t maru_exists(const struct maru_handler_t *h,
                           const char *key,
                           const char *route_key,
                           bool *found);
+
+/**
+ * Sets `*found_out` (`n` values) to whether each of `keys` is stored, in one round
+ * trip for a request's keys (`route_key`: NULL for the first key).
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `found_out` `n` writable values.
+ */
+maru_status_t maru_exists_batch(const struct maru_handler_t *h,
+                                const char *const *keys,
+                                size_t n,
+                                const char *route_key,
+                                bool *found_out);
 
 /**
  * Closes the handler's sessions and frees it. NULL is ignored. The pointer must not
@@ -232,6 +277,111 @@ maru_status_t maru_load_batch(const struct maru_handler_t *h,
                               const char *route_key);
 
 /**
+ * Loads chunk `keys[i]` into slot `ids[i]` for `n` chunks of one request. `found[i]`
+ * says whether it was loaded and `lens[i]` its length (0 otherwise). A slot whose
+ * transfer outcome was unknown is taken back by libmaru (its `found[i]` is false).
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `ids`, `lens`, `found` `n` values each.
+ */
+maru_status_t maru_load_slots(const struct maru_handler_t *h,
+                              const char *const *keys,
+                              const uint64_t *ids,
+                              size_t n,
+                              const char *route_key,
+                              size_t *lens,
+                              bool *found);
+
+/**
+ * Frees an operation. One still running goes on to its end (its slots come back to
+ * the caller then); only its results are dropped. NULL is ignored.
+ *
+ * # Safety
+ * `op` is NULL or an operation not yet freed.
+ */
+void maru_op_free(struct maru_op_t *op);
+
+/**
+ * `MARU_OK` when the operation finished successfully, `MARU_PENDING` while it runs,
+ * or the operation's own error status (its message in `maru_last_error()`).
+ *
+ * # Safety
+ * `op` is an operation from a `maru_submit_*` call, not yet freed.
+ */
+maru_status_t maru_op_poll(const struct maru_op_t *op);
+
+/**
+ * The per-chunk results of a finished operation: `flags[i]` (stored for a store,
+ * found for a load) and `lens[i]` (loaded length; may be NULL for a store) for the
+ * `n` chunks it was submitted with (`n` must be that count). `MARU_PENDING` while it
+ * runs; the operation's error when it failed.
+ *
+ * # Safety
+ * `flags` (and `lens` when not NULL) point to `n` writable values.
+ */
+maru_status_t maru_op_results(const struct maru_op_t *op, bool *flags, size_t *lens, size_t n);
+
+/**
+ * Waits up to `timeout_ms` for the operation: the same results as `maru_op_poll`
+ * (`MARU_PENDING` when the time passed first).
+ *
+ * # Safety
+ * As `maru_op_poll`.
+ */
+maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
+
+/**
+ * Sets the process-wide memory hook for handlers opened from now on: each handler
+ * calls `register(ctx, ptr, len)` with its staging buffer before first use (a nonzero
+ * return fails `maru_handler_open` with `MARU_ERR_CONFIG`), and `unregister(ctx, ptr,
+ * len)` (may be NULL) when it is closed. A NULL `register` removes the hook.
+ *
+ * # Safety
+ * The callbacks stay callable, and `ctx` valid for them, while any handler opened
+ * with them is open.
+ */
+maru_status_t maru_set_memory_hook(maru_mem_register_fn register_,
+                                   maru_mem_unregister_fn unregister,
+                                   void *ctx);
+
+/**
+ * Sets the memory hook to `auto` for handlers opened from now on: libmaru dlopens
+ * libcudart (the library named by the environment variable `MARU_CUDART`, else
+ * libcudart.so, .so.12, .so.11.0) and pins each staging buffer with
+ * `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`, unpinning it on close.
+ * Without CUDA the log says so and handlers work with pageable memory.
+ */
+maru_status_t maru_set_memory_hook_auto(void);
+
+/**
+ * Takes between 1 and `n` staging slots of `pool` (a `maru_slot_pool_t` value),
+ * waiting up to `timeout_ms` for at least one; `out[0..*got]` describes them. No free
+ * slot within the timeout returns `MARU_ERR_NO_SPACE` (release slots, or raise
+ * `load_slots`/`store_slots`). Fill a store slot or read a loaded slot in place, then
+ * give it back with `maru_slots_release`.
+ *
+ * # Safety
+ * `out` points to `n` writable `maru_slot_t`; `got` is writable.
+ */
+maru_status_t maru_slots_acquire(const struct maru_handler_t *h,
+                                 uint32_t pool,
+                                 size_t n,
+                                 uint32_t timeout_ms,
+                                 struct maru_slot_t *out,
+                                 size_t *got);
+
+/**
+ * Gives slots back to their pools. A slot lent to an operation still running is
+ * refused with `MARU_ERR_BUSY` (nothing is released then). An id libmaru already
+ * took back (after a transfer whose outcome was unknown) is accepted and ignored, so
+ * releasing every slot after every call is always right.
+ *
+ * # Safety
+ * `ids` points to `n` values.
+ */
+maru_status_t maru_slots_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
+
+/**
  * Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap` bytes;
  * `*out_len` is the JSON's length without the NUL. Too small a buffer returns
  * `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes).
@@ -283,6 +433,54 @@ maru_status_t maru_store_batch(const struct maru_handler_t *h,
                                size_t n,
                                const char *route_key,
                                bool *stored);
+
+/**
+ * Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` for `n` chunks of one
+ * request (`route_key`: NULL for the first key). On `remote_cxl` the WRITE goes from
+ * the slot itself: no copy. `stored[i]` (the array may be NULL) is true when the chunk
+ * is stored or was already present. The slots stay the caller's (release them).
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `ids`, `lens` (and `stored`) `n` values.
+ */
+maru_status_t maru_store_slots(const struct maru_handler_t *h,
+                               const char *const *keys,
+                               const uint64_t *ids,
+                               const size_t *lens,
+                               size_t n,
+                               const char *route_key,
+                               bool *stored);
+
+/**
+ * `maru_load_slots` without waiting; results with `maru_op_results` (`flags[i]` =
+ * found, `lens[i]` = length).
+ *
+ * # Safety
+ * As `maru_load_slots`; `op` is writable.
+ */
+maru_status_t maru_submit_load_slots(const struct maru_handler_t *h,
+                                     const char *const *keys,
+                                     const uint64_t *ids,
+                                     size_t n,
+                                     const char *route_key,
+                                     struct maru_op_t **op);
+
+/**
+ * `maru_store_slots` without waiting: `*op` is the running operation. The arguments
+ * are copied; the slots are lent to the operation until it finishes (releasing them
+ * meanwhile returns `MARU_ERR_BUSY`). Read the per-chunk results with
+ * `maru_op_results` (`flags[i]` = stored).
+ *
+ * # Safety
+ * As `maru_store_slots`; `op` is writable.
+ */
+maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
+                                      const char *const *keys,
+                                      const uint64_t *ids,
+                                      const size_t *lens,
+                                      size_t n,
+                                      const char *route_key,
+                                      struct maru_op_t **op);
 
 /**
  * The version of libmaru, such as "0.1.0", as a static NUL-terminated string

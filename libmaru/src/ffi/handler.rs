@@ -3,14 +3,14 @@
 
 use super::boundary::{check_not_null, ffi_guard, FfiError};
 use super::status::maru_status_t;
-use crate::worker::{Handler, WorkerError};
+use crate::worker::{Handler, Loaded, WorkerError};
 use std::ffi::{c_char, CStr};
 
 /// An open handler. Create with `maru_handler_open`, free with `maru_handler_close`.
 /// Thread-safe: calls from several threads may run at once.
 #[allow(non_camel_case_types)]
 pub struct maru_handler_t {
-    inner: Handler,
+    pub(super) inner: Handler,
 }
 
 fn status_of(e: &WorkerError) -> maru_status_t {
@@ -22,17 +22,21 @@ fn status_of(e: &WorkerError) -> maru_status_t {
         WorkerError::NoSpace(_) => maru_status_t::MARU_ERR_NO_SPACE,
         WorkerError::Timeout(_) => maru_status_t::MARU_ERR_TIMEOUT,
         WorkerError::Transport(_) => maru_status_t::MARU_ERR_IO,
+        WorkerError::Busy(_) => maru_status_t::MARU_ERR_BUSY,
         WorkerError::Closed => maru_status_t::MARU_ERR_CLOSED,
     }
 }
 
-fn ffi_err(e: WorkerError) -> FfiError {
+pub(super) fn ffi_err(e: WorkerError) -> FfiError {
     (status_of(&e), e.to_string())
 }
 
 /// # Safety
 /// `p` is NULL or a NUL-terminated string.
-unsafe fn opt_str<'a>(p: *const c_char, name: &str) -> Result<Option<&'a str>, FfiError> {
+pub(super) unsafe fn opt_str<'a>(
+    p: *const c_char,
+    name: &str,
+) -> Result<Option<&'a str>, FfiError> {
     if p.is_null() {
         return Ok(None);
     }
@@ -46,7 +50,7 @@ unsafe fn opt_str<'a>(p: *const c_char, name: &str) -> Result<Option<&'a str>, F
 
 /// # Safety
 /// `p` is a NUL-terminated string (checked non-NULL by the caller).
-unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError> {
+pub(super) unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError> {
     opt_str(p, name)?.ok_or((
         maru_status_t::MARU_ERR_NULL_ARGUMENT,
         format!("argument `{name}` is NULL"),
@@ -55,7 +59,7 @@ unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError>
 
 /// # Safety
 /// `h` is a live handler from `maru_handler_open`.
-unsafe fn handler<'a>(h: *const maru_handler_t) -> &'a Handler {
+pub(super) unsafe fn handler<'a>(h: *const maru_handler_t) -> &'a Handler {
     &(*h).inner
 }
 
@@ -145,22 +149,40 @@ pub unsafe extern "C" fn maru_load(
         check_not_null!(h, key, buf, out_len);
         let k = req_str(key, "key")?;
         let rk = opt_str(route_key, "route_key")?;
-        let Some(bytes) = handler(h).load(k, rk).map_err(ffi_err)? else {
-            return Err((
+        let mut bufs = [buffer_of(buf, cap)];
+        let got = handler(h)
+            .load_into(&[k.to_string()], &mut bufs, rk)
+            .map_err(ffi_err)?;
+        match got.first().copied().unwrap_or(Loaded::Miss) {
+            Loaded::Miss => Err((
                 maru_status_t::MARU_ERR_NOT_FOUND,
                 format!("key {k} not found"),
-            ));
-        };
-        *out_len = bytes.len();
-        if bytes.len() > cap {
-            return Err((
-                maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
-                format!("key {k} has {} bytes; the buffer holds {cap}", bytes.len()),
-            ));
+            )),
+            Loaded::Bytes(n) => {
+                *out_len = n;
+                Ok(())
+            }
+            Loaded::TooSmall(n) => {
+                *out_len = n;
+                Err((
+                    maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
+                    format!("key {k} has {n} bytes; the buffer holds {cap}"),
+                ))
+            }
         }
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());
-        Ok(())
     })
+}
+
+/// The caller's buffer as a slice (empty for NULL).
+///
+/// # Safety
+/// `buf` is NULL or points to `cap` writable bytes not aliased during the call.
+unsafe fn buffer_of<'a>(buf: *mut u8, cap: usize) -> &'a mut [u8] {
+    if buf.is_null() || cap == 0 {
+        &mut []
+    } else {
+        std::slice::from_raw_parts_mut(buf, cap)
+    }
 }
 
 /// Sets `*found` to whether `key` is stored (published) in its pool.
@@ -190,7 +212,10 @@ pub unsafe extern "C" fn maru_exists(
 
 /// # Safety
 /// `keys` points to `n` NUL-terminated strings.
-unsafe fn keys_of(keys: *const *const c_char, n: usize) -> Result<Vec<String>, FfiError> {
+pub(super) unsafe fn keys_of(
+    keys: *const *const c_char,
+    n: usize,
+) -> Result<Vec<String>, FfiError> {
     let ks = std::slice::from_raw_parts(keys, n);
     ks.iter()
         .enumerate()
@@ -254,27 +279,26 @@ pub unsafe extern "C" fn maru_load_batch(
         check_not_null!(h, keys, bufs, caps, lens, found);
         let ks = keys_of(keys, n)?;
         let rk = opt_str(route_key, "route_key")?;
-        let got = handler(h).load_batch(&ks, rk).map_err(ffi_err)?;
         let (bs, cs) = (
             std::slice::from_raw_parts(bufs, n),
             std::slice::from_raw_parts(caps, n),
         );
+        let mut dst: Vec<&mut [u8]> = (0..n).map(|i| buffer_of(bs[i], cs[i])).collect();
+        let got = handler(h).load_into(&ks, &mut dst, rk).map_err(ffi_err)?;
         let (ls, fs) = (
             std::slice::from_raw_parts_mut(lens, n),
             std::slice::from_raw_parts_mut(found, n),
         );
         let mut too_small = None;
         for (i, g) in got.into_iter().enumerate() {
-            fs[i] = false;
-            ls[i] = 0;
-            let Some(b) = g else { continue };
-            ls[i] = b.len();
-            if b.len() > cs[i] || bs[i].is_null() {
-                too_small.get_or_insert(i);
-                continue;
-            }
-            std::ptr::copy_nonoverlapping(b.as_ptr(), bs[i], b.len());
-            fs[i] = true;
+            (fs[i], ls[i]) = match g {
+                Loaded::Miss => (false, 0),
+                Loaded::Bytes(len) => (true, len),
+                Loaded::TooSmall(len) => {
+                    too_small.get_or_insert(i);
+                    (false, len)
+                }
+            };
         }
         match too_small {
             Some(i) => Err((

@@ -19,6 +19,7 @@
 pub mod boundary;
 pub mod error;
 pub mod handler;
+pub mod slots;
 pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};

@@ -49,6 +49,9 @@ pub enum maru_status_t {
     MARU_ERR_BUFFER_TOO_SMALL = 14,
     /// A bug or an unexpected condition inside libmaru or a Maru daemon.
     MARU_ERR_INTERNAL = 15,
+    /// Not an error: the asynchronous operation has not finished yet (from
+    /// `maru_op_poll`, or `maru_op_wait` when its timeout passed). Poll or wait again.
+    MARU_PENDING = 16,
     /// libmaru panicked inside this call; the panic was stopped at the boundary
     /// and its message is the last error. The handle involved should be freed.
     MARU_ERR_PANIC = 99,
@@ -56,7 +59,7 @@ pub enum maru_status_t {
 
 impl maru_status_t {
     /// Every code, in numeric order.
-    pub const ALL: [maru_status_t; 17] = [
+    pub const ALL: [maru_status_t; 18] = [
         maru_status_t::MARU_OK,
         maru_status_t::MARU_ERR_NULL_ARGUMENT,
         maru_status_t::MARU_ERR_INVALID_ARGUMENT,
@@ -73,6 +76,7 @@ impl maru_status_t {
         maru_status_t::MARU_ERR_CLOSED,
         maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
         maru_status_t::MARU_ERR_INTERNAL,
+        maru_status_t::MARU_PENDING,
         maru_status_t::MARU_ERR_PANIC,
     ];
 
@@ -101,6 +105,7 @@ impl maru_status_t {
             maru_status_t::MARU_ERR_CLOSED => c"closed",
             maru_status_t::MARU_ERR_BUFFER_TOO_SMALL => c"buffer too small",
             maru_status_t::MARU_ERR_INTERNAL => c"internal error",
+            maru_status_t::MARU_PENDING => c"pending",
             maru_status_t::MARU_ERR_PANIC => c"panic inside libmaru",
         }
     }
@@ -132,7 +137,7 @@ mod tests {
 
     #[test]
     fn values_are_stable() {
-        let expected: [(maru_status_t, u32); 17] = [
+        let expected: [(maru_status_t, u32); 18] = [
             (maru_status_t::MARU_OK, 0),
             (maru_status_t::MARU_ERR_NULL_ARGUMENT, 1),
             (maru_status_t::MARU_ERR_INVALID_ARGUMENT, 2),
@@ -149,13 +154,14 @@ mod tests {
             (maru_status_t::MARU_ERR_CLOSED, 13),
             (maru_status_t::MARU_ERR_BUFFER_TOO_SMALL, 14),
             (maru_status_t::MARU_ERR_INTERNAL, 15),
+            (maru_status_t::MARU_PENDING, 16),
             (maru_status_t::MARU_ERR_PANIC, 99),
         ];
         for (status, raw) in expected {
             assert_eq!(status as u32, raw, "{status:?}");
             assert_eq!(maru_status_t::from_raw(raw), Some(status));
         }
-        assert_eq!(maru_status_t::from_raw(16), None);
+        assert_eq!(maru_status_t::from_raw(17), None);
         assert_eq!(maru_status_t::from_raw(u32::MAX), None);
     }
 

@@ -35,6 +35,9 @@ fn default_store_slots() -> usize {
 fn default_timeout_ms() -> u64 {
     10_000
 }
+fn default_async_threads() -> usize {
+    2
+}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -66,6 +69,9 @@ pub struct HandlerConfig {
     /// Timeout of one transfer batch and of control calls (ms).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// Threads that run submitted (asynchronous) operations; started on first use.
+    #[serde(default = "default_async_threads")]
+    pub async_threads: usize,
 }
 
 impl HandlerConfig {
@@ -92,6 +98,9 @@ impl HandlerConfig {
         }
         if self.store_slots == 0 {
             return Err("store_slots must be at least 1".into());
+        }
+        if self.async_threads == 0 || self.async_threads > 64 {
+            return Err("async_threads must be between 1 and 64".into());
         }
         if self.timeout_ms == 0 {
             return Err("timeout_ms must be positive".into());

@@ -20,6 +20,8 @@ pub enum WorkerError {
     Timeout(String),
     /// A transfer or protocol failure.
     Transport(String),
+    /// The object is in use by another operation.
+    Busy(String),
     /// The handler is closed.
     Closed,
 }
@@ -34,6 +36,7 @@ impl fmt::Display for WorkerError {
             WorkerError::NoSpace(m) => write!(f, "no space: {m}"),
             WorkerError::Timeout(m) => write!(f, "timeout: {m}"),
             WorkerError::Transport(m) => write!(f, "transfer failed: {m}"),
+            WorkerError::Busy(m) => write!(f, "busy: {m}"),
             WorkerError::Closed => write!(f, "the handler is closed"),
         }
     }

@@ -4,11 +4,14 @@
 
 use super::config::{BackendKind, HandlerConfig, TransportKind};
 use super::error::WorkerError;
+use super::hook::Registration;
 use super::movers::{CxlMover, Mover, RemoteMover};
+use super::ops::{Executor, OpHandle, OpOutput};
 use super::pool::{PoolStats, StoragePool};
 use super::router::PoolRouter;
 use super::session::Session;
-use super::staging::{StagingLayout, StagingSlots};
+use super::slots::{SlotInfo, SlotTable};
+use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 use crate::auth::SharedKey;
 use crate::net::ClientOptions;
 use crate::transport::soft::SoftTransport;
@@ -20,11 +23,24 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// The staging buffer and transport (remote_cxl only), made once the slot size is known.
+/// The staging buffer (both backends: the slot API uses it) and, for remote_cxl, the
+/// transport it is registered with; made once the slot size is known.
 struct DataPath {
+    /// Declared first: unregistered before the buffer can go.
+    hook: Mutex<Option<Registration>>,
     staging: StagingSlots,
-    nic: Arc<dyn Transport>,
+    nic: Option<Arc<dyn Transport>>,
     agent_opts: ClientOptions,
+}
+
+/// The outcome of loading one chunk into a caller's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loaded {
+    Miss,
+    /// Loaded, this many bytes.
+    Bytes(usize),
+    /// Found, but larger than the buffer (this many bytes): nothing was copied.
+    TooSmall(usize),
 }
 
 struct Inner {
@@ -34,6 +50,8 @@ struct Inner {
     router: Mutex<PoolRouter>,
     pools: Vec<Mutex<Option<StoragePool>>>,
     data: Mutex<Option<Arc<DataPath>>>,
+    slots: Mutex<SlotTable>,
+    executor: Executor,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
 }
@@ -119,17 +137,26 @@ impl Inner {
                 layout.total_bytes()
             ))
         })?;
-        let key = agent_key(&self.cfg)?;
-        let nic = make_transport(&self.cfg, &self.client_id, &key)?;
         let (ptr, len) = staging.buffer();
-        nic.register_local(LocalBuffer { ptr, len })
-            .map_err(|e| WorkerError::Config(e.to_string()))?;
+        // Before the first transfer uses the buffer (and before the NIC registers it).
+        let hook = super::hook::register(ptr, len)?;
         let mut agent_opts =
             ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
-        agent_opts.key = Some(key);
+        let nic = match self.cfg.backend {
+            BackendKind::Cxl => None,
+            BackendKind::RemoteCxl => {
+                let key = agent_key(&self.cfg)?;
+                let nic = make_transport(&self.cfg, &self.client_id, &key)?;
+                nic.register_local(LocalBuffer { ptr, len })
+                    .map_err(|e| WorkerError::Config(e.to_string()))?;
+                agent_opts.key = Some(key);
+                Some(nic)
+            }
+        };
         agent_opts.call_timeout = self.timeout();
         agent_opts.connect_timeout = self.timeout().min(Duration::from_secs(5));
         let dp = Arc::new(DataPath {
+            hook: Mutex::new(Some(hook)),
             staging,
             nic,
             agent_opts,
@@ -149,17 +176,15 @@ impl Inner {
             self.backend(),
             self.timeout(),
         )?;
-        let mover: Box<dyn Mover> = match self.cfg.backend {
-            BackendKind::Cxl => Box::new(CxlMover::new()),
-            BackendKind::RemoteCxl => {
-                let dp = self.data_path(session.page_size)?;
-                Box::new(RemoteMover::new(
-                    dp.nic.clone(),
-                    dp.staging.clone(),
-                    dp.agent_opts.clone(),
-                    self.timeout(),
-                ))
-            }
+        let dp = self.data_path(session.page_size)?;
+        let mover: Box<dyn Mover> = match &dp.nic {
+            None => Box::new(CxlMover::new()),
+            Some(nic) => Box::new(RemoteMover::new(
+                nic.clone(),
+                dp.staging.clone(),
+                dp.agent_opts.clone(),
+                self.timeout(),
+            )),
         };
         StoragePool::open(session, mover)
     }
@@ -212,6 +237,142 @@ impl Inner {
             }
             r => r,
         }
+    }
+
+    fn slot_table(&self) -> Result<std::sync::MutexGuard<'_, SlotTable>, WorkerError> {
+        self.slots.lock().map_err(|_| WorkerError::Closed)
+    }
+
+    fn staging(&self) -> Result<StagingSlots, WorkerError> {
+        self.data
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .as_ref()
+            .map(|d| d.staging.clone())
+            .ok_or_else(|| WorkerError::Unavailable("no pool has been reached yet".into()))
+    }
+
+    fn load(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        sink: &mut super::movers::ReadSink<'_>,
+    ) -> Result<(), WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.with_pool(rk, (), |p| p.load(keys, sink))
+    }
+
+    fn acquire_slots(
+        &self,
+        pool: SlotPool,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<SlotInfo>, WorkerError> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let got = self.staging()?.acquire(pool, n, timeout);
+        if got.is_empty() {
+            return Err(WorkerError::NoSpace(format!(
+                "no free {pool} staging slot within {} ms ({} configured): release slots or raise {pool}_slots",
+                timeout.as_millis(),
+                match pool {
+                    SlotPool::Load => self.cfg.load_slots,
+                    SlotPool::Store => self.cfg.store_slots,
+                }
+            )));
+        }
+        let mut t = self.slot_table()?;
+        Ok(got.into_iter().map(|s| t.insert(s)).collect())
+    }
+
+    /// Lends the slots to `f` and takes back whatever it hands back, also on error.
+    fn with_slots<T>(
+        &self,
+        ids: &[u64],
+        f: impl FnOnce(&mut [Option<Slot>]) -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
+        let mut lent = self.slot_table()?.take(ids)?;
+        let r = f(&mut lent);
+        match self.slot_table() {
+            Ok(mut t) => t.give_back(ids, lent),
+            Err(_) => drop(lent),
+        }
+        r
+    }
+
+    fn store_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        lens: &[usize],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        if keys.len() != ids.len() || keys.len() != lens.len() {
+            return Err(WorkerError::InvalidArgument(format!(
+                "{} keys, {} slots and {} lengths: give one slot and length per key",
+                keys.len(),
+                ids.len(),
+                lens.len()
+            )));
+        }
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.with_slots(ids, |slots| {
+            for (i, s) in slots.iter().enumerate() {
+                let cap = s.as_ref().map_or(0, |s| s.len());
+                if lens[i] > cap {
+                    return Err(WorkerError::InvalidArgument(format!(
+                        "lens[{i}] = {} is larger than slot {} ({cap} bytes)",
+                        lens[i], ids[i]
+                    )));
+                }
+            }
+            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            self.with_pool(rk, vec![false; keys.len()], |p| {
+                p.store_slots(&ks, slots, lens, Some(rk))
+            })
+        })
+    }
+
+    fn load_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<usize>>, WorkerError> {
+        if keys.len() != ids.len() {
+            return Err(WorkerError::InvalidArgument(format!(
+                "{} keys but {} slots: give one slot per key",
+                keys.len(),
+                ids.len()
+            )));
+        }
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.with_slots(ids, |slots| {
+            self.with_pool(rk, vec![None; keys.len()], |p| p.load_slots(keys, slots))
+        })
+    }
+
+    fn submit(
+        &self,
+        job: Box<dyn FnOnce() -> Result<OpOutput, WorkerError> + Send>,
+    ) -> Result<OpHandle, WorkerError> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        self.executor.submit(job)
     }
 
     fn background(self: &Arc<Self>) {
@@ -295,6 +456,7 @@ impl Handler {
         let cfg = HandlerConfig::parse(config_json).map_err(WorkerError::Config)?;
         let urls = cfg.server_urls().map_err(WorkerError::Config)?;
         let client_id = format!("{}@{}", cfg.engine_id, crate::net::default_client_id(""));
+        let cfg_threads = cfg.async_threads;
         let inner = Arc::new(Inner {
             router: Mutex::new(PoolRouter::new(urls.clone())),
             pools: urls.iter().map(|_| Mutex::new(None)).collect(),
@@ -302,6 +464,8 @@ impl Handler {
             cfg,
             client_id,
             data: Mutex::new(None),
+            slots: Mutex::new(SlotTable::default()),
+            executor: Executor::new(cfg_threads),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         });
@@ -357,6 +521,7 @@ impl Handler {
             .unwrap_or(false))
     }
 
+    /// Stores the chunks of one request (`route_key`: its first chunk key by default).
     pub fn store_batch(
         &self,
         items: &[(&str, &[u8])],
@@ -377,17 +542,44 @@ impl Handler {
             .flatten())
     }
 
+    /// Loads the chunks of one request into new vectors (`None`: miss or failed read).
     pub fn load_batch(
         &self,
         keys: &[String],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
-        let Some(first) = keys.first() else {
-            return Ok(Vec::new());
-        };
-        let rk = route_key.unwrap_or(first);
+        let mut out = vec![None; keys.len()];
         self.inner
-            .with_pool(rk, vec![None; keys.len()], |p| p.load(keys))
+            .load(keys, route_key, &mut |i, b| out[i] = Some(b.to_vec()))?;
+        Ok(out)
+    }
+
+    /// Loads the chunks of one request straight into the caller's buffers (one copy:
+    /// from the staging slot on `remote_cxl`, from the shared mapping on `cxl`).
+    pub fn load_into(
+        &self,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Loaded>, WorkerError> {
+        if bufs.len() != keys.len() {
+            return Err(WorkerError::InvalidArgument(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                bufs.len()
+            )));
+        }
+        let mut out = vec![Loaded::Miss; keys.len()];
+        self.inner.load(keys, route_key, &mut |i, b| {
+            let dst = &mut bufs[i];
+            out[i] = if b.len() <= dst.len() {
+                dst[..b.len()].copy_from_slice(b);
+                Loaded::Bytes(b.len())
+            } else {
+                Loaded::TooSmall(b.len())
+            };
+        })?;
+        Ok(out)
     }
 
     pub fn exists_batch(
@@ -401,6 +593,87 @@ impl Handler {
         let rk = route_key.unwrap_or(first);
         self.inner
             .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+    }
+
+    // ------------------------------------------------------------ slot API
+
+    /// Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout` for at
+    /// least one. The caller fills (store) or reads (load) them in place and releases
+    /// them with [`Handler::release_slots`].
+    pub fn acquire_slots(
+        &self,
+        pool: SlotPool,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<SlotInfo>, WorkerError> {
+        self.inner.acquire_slots(pool, n, timeout)
+    }
+
+    /// Gives slots back. A slot lent to a running operation is refused (`Busy`).
+    pub fn release_slots(&self, ids: &[u64]) -> Result<(), WorkerError> {
+        self.inner.slot_table()?.release(ids)
+    }
+
+    /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]`, without a copy on
+    /// `remote_cxl` (the WRITE goes from the slot). The slots stay the caller's, except
+    /// one whose transfer outcome was unknown: libmaru keeps it (its id is no longer
+    /// valid; releasing it is a no-op).
+    pub fn store_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        lens: &[usize],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        self.inner.store_slots(keys, ids, lens, route_key)
+    }
+
+    /// Loads chunk `keys[i]` into slot `ids[i]` (the READ lands in the slot); `Some(len)`
+    /// where it was loaded. The slots stay the caller's, as for `store_slots`.
+    pub fn load_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<usize>>, WorkerError> {
+        self.inner.load_slots(keys, ids, route_key)
+    }
+
+    /// `store_slots` on an executor thread. The slots are lent to the operation until
+    /// it finishes.
+    pub fn submit_store_slots(
+        &self,
+        keys: Vec<String>,
+        ids: Vec<u64>,
+        lens: Vec<usize>,
+        route_key: Option<String>,
+    ) -> Result<OpHandle, WorkerError> {
+        let inner = self.inner.clone();
+        self.inner.submit(Box::new(move || {
+            inner
+                .store_slots(&keys, &ids, &lens, route_key.as_deref())
+                .map(OpOutput::Stored)
+        }))
+    }
+
+    /// `load_slots` on an executor thread.
+    pub fn submit_load_slots(
+        &self,
+        keys: Vec<String>,
+        ids: Vec<u64>,
+        route_key: Option<String>,
+    ) -> Result<OpHandle, WorkerError> {
+        let inner = self.inner.clone();
+        self.inner.submit(Box::new(move || {
+            inner
+                .load_slots(&keys, &ids, route_key.as_deref())
+                .map(OpOutput::Loaded)
+        }))
+    }
+
+    /// Slots the caller holds now.
+    pub fn held_slots(&self) -> usize {
+        self.inner.slot_table().map(|t| t.held()).unwrap_or(0)
     }
 
     /// The page (chunk) size of the pools.
@@ -452,6 +725,8 @@ impl Handler {
         if let Some(h) = self.background.lock().ok().and_then(|mut b| b.take()) {
             let _ = h.join();
         }
+        // Operations already running finish; queued ones fail with `Closed`.
+        self.inner.executor.shutdown();
         let mut first_err = None;
         for (i, p) in self.inner.pools.iter().enumerate() {
             if let Ok(mut g) = p.lock() {
@@ -460,6 +735,17 @@ impl Handler {
                         log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
                         first_err.get_or_insert(e);
                     }
+                }
+            }
+        }
+        if let Ok(mut t) = self.inner.slots.lock() {
+            t.clear();
+        }
+        // Every user of the staging buffer is gone: unregister it from the memory hook.
+        if let Some(dp) = self.inner.data.lock().ok().and_then(|mut d| d.take()) {
+            if let Ok(mut h) = dp.hook.lock() {
+                if let Some(mut reg) = h.take() {
+                    reg.release();
                 }
             }
         }

@@ -5,16 +5,22 @@
 pub mod config;
 pub mod error;
 pub mod handler;
+pub mod hook;
 pub mod movers;
+pub mod ops;
 pub mod pool;
 pub mod router;
 pub mod session;
+pub mod slots;
 pub mod staging;
 pub mod transfer;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::WorkerError;
-pub use handler::Handler;
+pub use handler::{Handler, Loaded};
+pub use hook::{set_memory_hook, MemoryHook};
+pub use ops::{OpHandle, OpOutput};
 pub use router::{parse_server_urls, PoolRouter};
+pub use slots::SlotInfo;
 pub use staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 pub use transfer::{execute, Isolation, PeerBatch, PeerOutcome};

@@ -2,7 +2,7 @@
 //! (`remote_cxl`) or copies through this host's own mapping of the CXL memory (`cxl`).
 
 use super::error::WorkerError;
-use super::staging::{SlotPool, StagingSlots};
+use super::staging::{Slot, SlotPool, StagingSlots};
 use super::transfer::{execute, Isolation, PeerBatch, PeerOutcome};
 use crate::dax::{self, Mapping};
 use crate::net::{ClientOptions, Link};
@@ -19,14 +19,72 @@ pub struct WriteItem<'a> {
     pub data: &'a [u8],
 }
 
+/// A chunk the caller put in a staging slot, to write into a page.
+pub struct SlotWrite {
+    pub page: PageGrant,
+    pub slot: Slot,
+    pub len: usize,
+}
+
+/// How one slot transfer ended: whether it completed, and the slot, unless a transfer
+/// of unknown outcome kept it (it comes back to its pool after the peer's fence).
+#[derive(Debug)]
+pub struct SlotOutcome {
+    pub ok: bool,
+    pub slot: Option<Slot>,
+}
+
+/// Receives the bytes of lease `i` of a read (a view that is only valid during the call).
+pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
+
 pub trait Mover: Send {
     /// Makes one of the session's own regions usable (map it).
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError>;
     /// Writes each item into its page; true where the bytes are complete in the region.
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool>;
-    /// Reads each lease's bytes; `None` where the read failed. A failed batch fails
-    /// the rest of the request.
-    fn read(&mut self, leases: &[LeaseGrant]) -> Vec<Option<Vec<u8>>>;
+    /// Writes from the caller's staging slots. By default through `write` (a mover that
+    /// copies anyway); a one-sided mover posts from the slots themselves.
+    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        let ok = {
+            let writes: Vec<WriteItem<'_>> = items
+                .iter()
+                .map(|it| WriteItem {
+                    page: it.page,
+                    data: &it.slot.bytes()[..it.len.min(it.slot.len())],
+                })
+                .collect();
+            self.write(&writes)
+        };
+        items
+            .into_iter()
+            .zip(ok)
+            .map(|(it, ok)| SlotOutcome {
+                ok,
+                slot: Some(it.slot),
+            })
+            .collect()
+    }
+    /// Reads each lease's bytes and hands them to `sink(i, bytes)`; a lease whose read
+    /// failed is not handed over. A failed batch fails the rest of the request.
+    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);
+    /// Reads each lease into the slot of the same index. By default through `read`.
+    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut ok = vec![false; slots.len()];
+        self.read(leases, &mut |i, bytes| {
+            if let Some(Some(s)) = slots.get_mut(i) {
+                if bytes.len() <= s.len() {
+                    s.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+                    ok[i] = true;
+                }
+            }
+        });
+        slots
+            .into_iter()
+            .zip(ok)
+            .map(|(slot, ok)| SlotOutcome { ok, slot })
+            .collect()
+    }
     /// Boot ids of the session's regions (for heartbeats).
     fn boot_ids(&self) -> BTreeMap<u64, String>;
     /// Gives back slots of transfers whose peer can now be fenced.
@@ -158,12 +216,36 @@ impl RemoteMover {
         }
     }
 
-    fn run(&mut self, batches: Vec<PeerBatch>) -> Vec<PeerOutcome> {
-        let out = execute(self.nic.as_ref(), batches, self.timeout, &self.iso);
-        if out.iter().any(|o| matches!(o, PeerOutcome::Kept(_))) {
+    /// Runs the grouped transfers and records each item's outcome in `out` (the slot
+    /// back unless its peer's outcome is unknown). True when any batch did not complete.
+    fn settle(&mut self, group: PeerGroups, out: &mut [SlotOutcome]) -> bool {
+        let outcomes = execute(self.nic.as_ref(), group.batches, self.timeout, &self.iso);
+        let mut any_failed = false;
+        let mut any_kept = false;
+        for (items, o) in group.order.iter().zip(outcomes) {
+            let (ok, slots) = match o {
+                PeerOutcome::Done(s) => (true, s),
+                PeerOutcome::Failed(e, s) => {
+                    log::debug!("transfer batch failed: {e}");
+                    (false, s)
+                }
+                PeerOutcome::Kept(_) => {
+                    any_kept = true;
+                    (false, Vec::new())
+                }
+            };
+            any_failed |= !ok;
+            for (&i, slot) in items.iter().zip(slots) {
+                out[i] = SlotOutcome {
+                    ok,
+                    slot: Some(slot),
+                };
+            }
+        }
+        if any_kept {
             self.reclaim();
         }
-        out
+        any_failed
     }
 }
 
@@ -203,11 +285,12 @@ impl Mover for RemoteMover {
 
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
         let mut ok = vec![false; items.len()];
+        let slot_size = self.staging.layout().slot_size;
         let mut next = 0;
         // Rounds of as many chunks as there are free store slots; a round's slots come
         // back when its WRITEs completed. With no free slot at all, the rest is skipped.
         while next < items.len() {
-            let mut slots = self
+            let slots = self
                 .staging
                 .try_acquire(SlotPool::Store, items.len() - next);
             if slots.is_empty() {
@@ -215,54 +298,73 @@ impl Mover for RemoteMover {
                 break;
             }
             let end = next + slots.len();
-            let mut group = PeerGroups::default();
-            for (i, it) in items.iter().enumerate().take(end).skip(next) {
-                let Some(region) = self.own.get(&it.page.region_id) else {
-                    continue;
-                };
-                let (agent, addr, rkey, meta) = (
-                    region.agent.clone(),
-                    region.map.addr,
-                    region.map.rkey,
-                    region.map.transport.clone(),
-                );
-                let Ok(peer) = self.peer(&agent, &meta) else {
-                    continue;
-                };
-                if it.data.len() > self.staging.layout().slot_size {
+            let mut round = Vec::with_capacity(slots.len());
+            let mut index = Vec::with_capacity(slots.len());
+            for (i, (it, mut slot)) in items[next..end].iter().zip(slots).enumerate() {
+                if it.data.len() > slot_size {
                     continue;
                 }
-                let Some(mut slot) = slots.pop() else { break };
                 slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
-                let op = Op {
-                    kind: OpKind::Write,
-                    local_offset: slot.offset() as u64,
-                    remote_addr: addr + it.page.offset,
-                    rkey,
-                    len: it.data.len() as u64,
-                };
-                group.add(peer, op, slot, i);
+                round.push(SlotWrite {
+                    page: it.page,
+                    slot,
+                    len: it.data.len(),
+                });
+                index.push(next + i);
             }
-            drop(slots);
-            let order = group.order;
-            for (bi, out) in self.run(group.batches).into_iter().enumerate() {
-                if out.is_done() {
-                    for &i in &order[bi] {
-                        ok[i] = true;
-                    }
-                }
+            for (i, o) in index.into_iter().zip(self.write_slots(round)) {
+                ok[i] = o.ok;
             }
             next = end;
         }
         ok
     }
 
-    fn read(&mut self, leases: &[LeaseGrant]) -> Vec<Option<Vec<u8>>> {
-        let mut out: Vec<Option<Vec<u8>>> = vec![None; leases.len()];
+    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(items.len());
+        let mut group = PeerGroups::default();
+        for (i, it) in items.into_iter().enumerate() {
+            out.push(SlotOutcome {
+                ok: false,
+                slot: None,
+            });
+            let target = self.own.get(&it.page.region_id).map(|r| {
+                (
+                    r.agent.clone(),
+                    r.map.addr,
+                    r.map.rkey,
+                    r.map.transport.clone(),
+                )
+            });
+            let Some((agent, addr, rkey, meta)) = target else {
+                out[i].slot = Some(it.slot);
+                continue;
+            };
+            let peer = match self.peer(&agent, &meta) {
+                Ok(p) if it.len <= it.slot.len() => p,
+                _ => {
+                    out[i].slot = Some(it.slot);
+                    continue;
+                }
+            };
+            let op = Op {
+                kind: OpKind::Write,
+                local_offset: it.slot.offset() as u64,
+                remote_addr: addr + it.page.offset,
+                rkey,
+                len: it.len as u64,
+            };
+            group.add(peer, op, it.slot, i);
+        }
+        self.settle(group, &mut out);
+        out
+    }
+
+    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
         let mut next = 0;
         while next < leases.len() {
             // A batch fits the free load slots (waiting up to 1 s for one).
-            let mut slots =
+            let slots =
                 self.staging
                     .acquire(SlotPool::Load, leases.len() - next, Duration::from_secs(1));
             if slots.is_empty() {
@@ -270,50 +372,61 @@ impl Mover for RemoteMover {
                     "no load slot free within 1 s: {} chunk(s) not loaded",
                     leases.len() - next
                 );
-                return out;
+                return;
             }
-            let mut group = PeerGroups::default();
             let end = next + slots.len();
-            for (i, l) in leases.iter().enumerate().take(end).skip(next) {
-                let Ok((agent, addr, rkey, meta)) = self.read_target(l) else {
-                    continue;
-                };
-                let Ok(peer) = self.peer(&agent, &meta) else {
-                    continue;
-                };
-                if l.length as usize > self.staging.layout().slot_size {
-                    continue;
-                }
-                let Some(slot) = slots.pop() else { break };
-                let op = Op {
-                    kind: OpKind::Read,
-                    local_offset: slot.offset() as u64,
-                    remote_addr: addr,
-                    rkey,
-                    len: l.length,
-                };
-                group.add(peer, op, slot, i);
-            }
-            let (batches, order) = (group.batches, group.order);
+            let outs = self.read_into(&leases[next..end], slots);
             let mut failed = false;
-            for (bi, o) in self.run(batches).into_iter().enumerate() {
-                match o {
-                    PeerOutcome::Done(slots) => {
-                        for (k, slot) in slots.iter().enumerate() {
-                            let i = order[bi][k];
-                            out[i] = Some(slot.bytes()[..leases[i].length as usize].to_vec());
-                        }
+            for (k, o) in outs.iter().enumerate() {
+                match (&o.slot, o.ok) {
+                    (Some(s), true) => {
+                        let n = leases[next + k].length as usize;
+                        sink(next + k, &s.bytes()[..n]);
                     }
                     _ => failed = true,
                 }
             }
             if failed {
-                // A failed batch fails the request from that batch on; read
-                // registrations may have gone with their region, so map again next time.
-                self.reads.clear();
-                return out;
+                // A failed batch fails the request from that batch on.
+                return;
             }
             next = end;
+        }
+    }
+
+    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
+        let mut group = PeerGroups::default();
+        for (i, (l, slot)) in leases.iter().zip(slots).enumerate() {
+            out.push(SlotOutcome {
+                ok: false,
+                slot: None,
+            });
+            let peer = match self.read_target(l) {
+                Ok((agent, addr, rkey, meta)) if l.length as usize <= slot.len() => {
+                    match self.peer(&agent, &meta) {
+                        Ok(p) => Some((p, addr, rkey)),
+                        Err(_) => None,
+                    }
+                }
+                _ => None,
+            };
+            let Some((peer, addr, rkey)) = peer else {
+                out[i].slot = Some(slot);
+                continue;
+            };
+            let op = Op {
+                kind: OpKind::Read,
+                local_offset: slot.offset() as u64,
+                remote_addr: addr,
+                rkey,
+                len: l.length,
+            };
+            group.add(peer, op, slot, i);
+        }
+        if self.settle(group, &mut out) {
+            // Read registrations may have gone with their region: map again next time.
+            self.reads.clear();
         }
         out
     }
@@ -344,7 +457,7 @@ struct PeerGroups {
 }
 
 impl PeerGroups {
-    fn add(&mut self, peer: PeerId, op: Op, slot: super::staging::Slot, item: usize) {
+    fn add(&mut self, peer: PeerId, op: Op, slot: Slot, item: usize) {
         let bi = match self.batches.iter().position(|b| b.peer == peer) {
             Some(bi) => bi,
             None => {
@@ -419,6 +532,34 @@ impl CxlMover {
     }
 }
 
+impl CxlMover {
+    /// The bytes of a lease in this host's mapping (mapping the owner's region read-only
+    /// the first time).
+    fn leased_bytes(&mut self, l: &LeaseGrant) -> Option<&[u8]> {
+        if !self.own.contains_key(&l.region_id) && !self.readers.contains_key(&l.region_id) {
+            let d = l.device.as_ref()?;
+            let path = local_path(&d.uuid, &d.path).ok()?;
+            let m = dax::map_range(
+                &path,
+                dax::kind_of_path(&path),
+                d.region_offset,
+                d.region_length,
+                2 << 20,
+                false,
+            )
+            .ok()?;
+            self.readers.insert(l.region_id, m);
+        }
+        let m = self
+            .own
+            .get(&l.region_id)
+            .or_else(|| self.readers.get(&l.region_id))?;
+        m.as_slice()
+            .ok()?
+            .get(l.offset as usize..(l.offset + l.length) as usize)
+    }
+}
+
 impl Default for CxlMover {
     fn default() -> Self {
         CxlMover::new()
@@ -472,35 +613,13 @@ impl Mover for CxlMover {
             .collect()
     }
 
-    fn read(&mut self, leases: &[LeaseGrant]) -> Vec<Option<Vec<u8>>> {
-        leases
-            .iter()
-            .map(|l| {
-                if !self.own.contains_key(&l.region_id) && !self.readers.contains_key(&l.region_id)
-                {
-                    let d = l.device.as_ref()?;
-                    let path = local_path(&d.uuid, &d.path).ok()?;
-                    let m = dax::map_range(
-                        &path,
-                        dax::kind_of_path(&path),
-                        d.region_offset,
-                        d.region_length,
-                        2 << 20,
-                        false,
-                    )
-                    .ok()?;
-                    self.readers.insert(l.region_id, m);
-                }
-                let m = self
-                    .own
-                    .get(&l.region_id)
-                    .or_else(|| self.readers.get(&l.region_id))?;
-                let bytes = m.as_slice().ok()?;
-                bytes
-                    .get(l.offset as usize..(l.offset + l.length) as usize)
-                    .map(<[u8]>::to_vec)
-            })
-            .collect()
+    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        for (i, l) in leases.iter().enumerate() {
+            if let Some(bytes) = self.leased_bytes(l) {
+                // Straight from the shared mapping: the one copy is the sink's.
+                sink(i, bytes);
+            }
+        }
     }
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {

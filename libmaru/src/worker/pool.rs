@@ -3,9 +3,10 @@
 //! complete). Load = leases → READ/copy → release the leases.
 
 use super::error::WorkerError;
-use super::movers::{Mover, WriteItem};
+use super::movers::{Mover, ReadSink, SlotWrite, WriteItem};
 use super::session::Session;
-use crate::wire::meta::PublishEntry;
+use super::staging::Slot;
+use crate::wire::meta::{LeaseGrant, PageGrant, PublishEntry};
 
 /// Counters of a pool, reported by `stats()`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -20,6 +21,11 @@ pub struct PoolStats {
     pub bytes_loaded: u64,
     pub regions: u64,
 }
+
+/// Writes the batch items `(index, page)` with the mover; true where complete.
+type PageWriter<'w> = dyn FnMut(&mut dyn Mover, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
+/// Reads the found items (their batch indices and leases) with the mover.
+type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &mut dyn Mover) + 'r;
 
 pub struct StoragePool {
     pub session: Session,
@@ -56,34 +62,95 @@ impl StoragePool {
         let mut done = vec![false; items.len()];
         for (ci, chunk) in items.chunks(self.max_batch).enumerate() {
             let base = ci * self.max_batch;
-            let r = self.store_some(chunk, route_key)?;
+            let keys: Vec<&str> = chunk.iter().map(|(k, _)| *k).collect();
+            let lens: Vec<usize> = chunk.iter().map(|(_, d)| d.len()).collect();
+            let r = self.store_some(&keys, &lens, route_key, &mut |m, todo| {
+                let writes: Vec<WriteItem<'_>> = todo
+                    .iter()
+                    .map(|&(i, page)| WriteItem {
+                        page,
+                        data: chunk[i].1,
+                    })
+                    .collect();
+                m.write(&writes)
+            })?;
             done[base..base + r.len()].copy_from_slice(&r);
         }
         Ok(done)
     }
 
-    fn store_some(
+    /// Stores chunks the caller put in staging slots (`lens[i]` bytes of `slots[i]`).
+    /// Each slot is back in `slots` afterwards, except one whose transfer outcome is
+    /// unknown (`None`: kept until its peer is fenced, then back in its pool).
+    pub fn store_slots(
         &mut self,
-        items: &[(&str, &[u8])],
+        keys: &[&str],
+        slots: &mut [Option<Slot>],
+        lens: &[usize],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
-        for (k, d) in items {
+        let mut done = vec![false; keys.len()];
+        let mut base = 0;
+        while base < keys.len() {
+            let end = (base + self.max_batch).min(keys.len());
+            let part = &mut slots[base..end];
+            let r = self.store_some(
+                &keys[base..end],
+                &lens[base..end],
+                route_key,
+                &mut |m, todo| {
+                    let mut writes = Vec::with_capacity(todo.len());
+                    let mut placed = Vec::with_capacity(todo.len());
+                    for (p, &(i, page)) in todo.iter().enumerate() {
+                        if let Some(slot) = part[i].take() {
+                            writes.push(SlotWrite {
+                                page,
+                                slot,
+                                len: lens[base + i],
+                            });
+                            placed.push((p, i));
+                        }
+                    }
+                    let mut ok = vec![false; todo.len()];
+                    for ((p, i), o) in placed.into_iter().zip(m.write_slots(writes)) {
+                        ok[p] = o.ok;
+                        part[i] = o.slot;
+                    }
+                    ok
+                },
+            )?;
+            done[base..end].copy_from_slice(&r);
+            base = end;
+        }
+        Ok(done)
+    }
+
+    /// One batch (at most `max_batch` chunks): exists → alloc (expanding the session
+    /// when its regions are full) → `write` the missing chunks into their pages →
+    /// publish only the chunks whose bytes are complete → free every page not used.
+    fn store_some(
+        &mut self,
+        keys: &[&str],
+        lens: &[usize],
+        route_key: Option<&str>,
+        write: &mut PageWriter<'_>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        for (k, &n) in keys.iter().zip(lens) {
             if k.is_empty() {
                 return Err(WorkerError::InvalidArgument("empty key".into()));
             }
-            if d.len() as u64 > self.page_size() {
+            if n as u64 > self.page_size() {
                 return Err(WorkerError::InvalidArgument(format!(
-                    "chunk {k} is {} bytes, larger than the page size {}",
-                    d.len(),
+                    "chunk {k} is {n} bytes, larger than the page size {}",
                     self.page_size()
                 )));
             }
         }
-        let keys: Vec<String> = items.iter().map(|(k, _)| k.to_string()).collect();
-        let present = self.session.exists(&keys)?;
+        let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        let present = self.session.exists(&owned)?;
         let mut result = present.clone();
-        let todo: Vec<usize> = (0..items.len()).filter(|&i| !present[i]).collect();
-        self.stats.already_present += (items.len() - todo.len()) as u64;
+        let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
+        self.stats.already_present += (keys.len() - todo.len()) as u64;
         if todo.is_empty() {
             return Ok(result);
         }
@@ -100,33 +167,30 @@ impl StoragePool {
             pages.extend(more);
             missing = m;
         }
-        let writes: Vec<WriteItem<'_>> = todo
-            .iter()
-            .zip(&pages)
-            .map(|(&i, p)| WriteItem {
-                page: *p,
-                data: items[i].1,
-            })
-            .collect();
-        let ok = self.mover.write(&writes);
+        let placed: Vec<(usize, PageGrant)> =
+            todo.iter().copied().zip(pages.iter().copied()).collect();
+        let ok = write(self.mover.as_mut(), &placed);
         let mut publish = Vec::new();
         let mut unused = Vec::new();
-        for (w, (&i, good)) in writes.iter().zip(todo.iter().zip(&ok)) {
+        for (&(i, page), good) in placed
+            .iter()
+            .zip(ok.iter().chain(std::iter::repeat(&false)))
+        {
             if *good {
                 publish.push((
                     i,
                     PublishEntry {
-                        key: items[i].0.to_string(),
-                        region_id: w.page.region_id,
-                        offset: w.page.offset,
-                        length: items[i].1.len() as u64,
+                        key: keys[i].to_string(),
+                        region_id: page.region_id,
+                        offset: page.offset,
+                        length: lens[i] as u64,
                     },
                 ));
             } else {
-                unused.push(w.page);
+                unused.push(page);
             }
         }
-        unused.extend(pages.iter().skip(writes.len()).copied());
+        unused.extend(pages.iter().skip(placed.len()).copied());
         self.stats.store_skipped += (todo.len() - publish.len()) as u64;
         // Publish only what was written completely.
         if !publish.is_empty() {
@@ -140,7 +204,7 @@ impl StoragePool {
                 } else {
                     // Another engine published the key first; our page is not needed.
                     self.stats.already_present += 1;
-                    unused.push(crate::wire::meta::PageGrant {
+                    unused.push(PageGrant {
                         region_id: e.region_id,
                         page: e.offset / self.session.page_size,
                         offset: e.offset,
@@ -159,20 +223,84 @@ impl StoragePool {
         Ok(result)
     }
 
-    /// Loads chunks; `None` for a miss or a failed read.
-    pub fn load(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
-        let mut out = Vec::with_capacity(keys.len());
-        for chunk in keys.chunks(self.max_batch) {
-            out.extend(self.load_some(chunk)?);
+    /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
+    /// during the call). Chunks not handed over missed or failed.
+    pub fn load(&mut self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+        let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
+        let mut base = 0;
+        while base < keys.len() {
+            let end = (base + self.max_batch).min(keys.len());
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
+                m.read(grants, &mut |k, b| {
+                    hits += 1;
+                    bytes += b.len() as u64;
+                    sink(base + lease_ix[k], b)
+                });
+            })?;
+            base = end;
         }
+        self.count_loads(found, hits, bytes);
+        Ok(())
+    }
+
+    /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
+    /// in `slots[i]`. Each slot is back in `slots` afterwards, except one whose transfer
+    /// outcome is unknown (`None`: kept until its peer is fenced).
+    pub fn load_slots(
+        &mut self,
+        keys: &[String],
+        slots: &mut [Option<Slot>],
+    ) -> Result<Vec<Option<usize>>, WorkerError> {
+        let mut out = vec![None; keys.len()];
+        let mut found = 0;
+        let mut base = 0;
+        while base < keys.len() {
+            let end = (base + self.max_batch).min(keys.len());
+            let part = &mut slots[base..end];
+            let got = &mut out[base..end];
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
+                let mut ls = Vec::with_capacity(grants.len());
+                let mut gs = Vec::with_capacity(grants.len());
+                let mut ix = Vec::with_capacity(grants.len());
+                for (k, &i) in lease_ix.iter().enumerate() {
+                    if let Some(s) = part[i].take() {
+                        ls.push(s);
+                        gs.push(grants[k].clone());
+                        ix.push(i);
+                    }
+                }
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(m.read_into(&gs, ls)) {
+                    if o.ok {
+                        got[i] = Some(g.length as usize);
+                    }
+                    part[i] = o.slot;
+                }
+            })?;
+            base = end;
+        }
+        let hits = out.iter().filter(|o| o.is_some()).count() as u64;
+        let bytes = out.iter().flatten().map(|&n| n as u64).sum::<u64>();
+        self.count_loads(found, hits, bytes);
         Ok(out)
     }
 
-    fn load_some(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
+    fn count_loads(&mut self, found: usize, hits: u64, bytes: u64) {
+        self.stats.hits += hits;
+        self.stats.bytes_loaded += bytes;
+        self.stats.load_failed += (found as u64).saturating_sub(hits);
+    }
+
+    /// One batch: acquire leases → `read(found indices, their leases, mover)` → release
+    /// the leases. Counts misses; returns how many keys were found.
+    fn load_some(
+        &mut self,
+        keys: &[String],
+        read: &mut LeaseReader<'_>,
+    ) -> Result<usize, WorkerError> {
         let leases = self.session.acquire(keys)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
-        let grants: Vec<_> = found.iter().filter_map(|&i| leases[i].clone()).collect();
-        let data = self.mover.read(&grants);
+        let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
+        read(&found, &grants, self.mover.as_mut());
         let ids = grants.iter().map(|g| g.lease_id).collect();
         if let Err(e) = self.session.release_leases(ids) {
             log::warn!(
@@ -180,19 +308,8 @@ impl StoragePool {
                 self.session.url
             );
         }
-        let mut out = vec![None; keys.len()];
-        for (&i, d) in found.iter().zip(data) {
-            match d {
-                Some(bytes) => {
-                    self.stats.hits += 1;
-                    self.stats.bytes_loaded += bytes.len() as u64;
-                    out[i] = Some(bytes);
-                }
-                None => self.stats.load_failed += 1,
-            }
-        }
         self.stats.misses += (keys.len() - found.len()) as u64;
-        Ok(out)
+        Ok(found.len())
     }
 
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {

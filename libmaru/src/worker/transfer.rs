@@ -27,8 +27,9 @@ pub struct PeerBatch {
 pub enum PeerOutcome {
     /// Every operation completed; the slots (with READ data) are the caller's again.
     Done(Vec<Slot>),
-    /// Failed for sure (nothing in flight); the slots went back.
-    Failed(TransportError),
+    /// Failed for sure (nothing in flight); the slots are the caller's again (their
+    /// contents undefined).
+    Failed(TransportError, Vec<Slot>),
     /// Outcome unknown at the deadline; the slots are kept until the peer is fenced.
     Kept(PeerId),
 }
@@ -109,14 +110,14 @@ pub fn execute(
     for b in batches {
         match t.post(b.peer, &b.ops) {
             Ok(id) => posted.push(Ok((b, id))),
-            // Nothing was sent for this peer: its slots come back when `b` drops.
-            Err(e) => posted.push(Err(e)),
+            // Nothing was sent for this peer: its slots come back with the outcome.
+            Err(e) => posted.push(Err((e, b.slots))),
         }
     }
     posted
         .into_iter()
         .map(|p| match p {
-            Err(e) => PeerOutcome::Failed(e),
+            Err((e, slots)) => PeerOutcome::Failed(e, slots),
             Ok((b, id)) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let st = t.wait(id, left);
@@ -127,7 +128,7 @@ pub fn execute(
                     }
                     BatchState::Failed(e) => {
                         t.forget(id);
-                        PeerOutcome::Failed(e)
+                        PeerOutcome::Failed(e, b.slots)
                     }
                     BatchState::Pending => {
                         log::warn!(
@@ -279,7 +280,7 @@ mod tests {
     }
 
     #[test]
-    fn failed_and_unposted_peers_give_their_slots_back_at_once() {
+    fn failed_and_unposted_peers_hand_their_slots_back_with_the_outcome() {
         let st = StagingSlots::new(StagingLayout {
             slot_size: 64,
             load_slots: 6,
@@ -299,18 +300,18 @@ mod tests {
             &iso,
         );
         assert!(matches!(
-            out[0],
-            PeerOutcome::Failed(TransportError::BadKey { .. })
+            &out[0],
+            PeerOutcome::Failed(TransportError::BadKey { .. }, s) if s.len() == 2
         ));
         assert!(matches!(
-            out[1],
-            PeerOutcome::Failed(TransportError::NoPeer(_))
+            &out[1],
+            PeerOutcome::Failed(TransportError::NoPeer(_), s) if s.len() == 2
         ));
         assert!(out[2].is_done());
         assert_eq!(
-            st.free(SlotPool::Load),
-            4,
-            "failed and unposted slots are back before the outcomes drop"
+            iso.kept_slots(),
+            0,
+            "nothing kept for failed or unposted peers"
         );
         drop(out);
         assert_eq!(st.free(SlotPool::Load), 6);
