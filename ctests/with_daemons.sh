@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs a C test against real daemons on loopback: RM on a fake DAX file, an agent
 # (remote_cxl) and maru-server, on free ports; cleans up after itself.
-# Usage: with_daemons.sh BIN_DIR BACKEND TEST [ARGS...]
+# Usage: with_daemons.sh BIN_DIR BACKEND POOLS TEST [ARGS...]
+# POOLS is 1 or 2 (two maru-servers on the same RM and agent: server_url lists both).
 set -euo pipefail
-bin=$1; backend=$2; shift 2
+bin=$1; backend=$2; pools=$3; shift 3
+case $pools in 1|2) ;; *) echo "POOLS must be 1 or 2, not $pools" >&2; exit 2;; esac
 source "$(dirname "$0")/../scripts/daemons-lib.sh"
 work=$(mktemp -d /tmp/maru-ctest.XXXXXX)
 pool=/dev/shm/maru-ctest-$$-$RANDOM
@@ -20,6 +22,10 @@ if [ "$backend" = remote_cxl ]; then
 fi
 maru_start "$work/server.addr" "$bin/maru-server" "${server_args[@]}" >/dev/null
 server=$(cat "$work/server.addr")
+if [ "$pools" = 2 ]; then
+    maru_start "$work/server2.addr" "$bin/maru-server" "${server_args[@]}" >/dev/null
+    server="$server,$(cat "$work/server2.addr")"
+fi
 cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","agent_key_file":"%s","load_slots":8,"store_slots":16}' "$backend" "$server" "$1" "$work/agent.key"; }
-export MARU_TEST_CONFIG_A=$(cfg ctest-engine-a) MARU_TEST_CONFIG_B=$(cfg ctest-engine-b) MARU_TEST_BACKEND=$backend
+export MARU_TEST_CONFIG_A=$(cfg ctest-engine-a) MARU_TEST_CONFIG_B=$(cfg ctest-engine-b) MARU_TEST_BACKEND=$backend MARU_TEST_POOLS=$pools
 "$@"

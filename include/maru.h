@@ -20,6 +20,22 @@
 #define MARU_ABI_VERSION 1
 
 /**
+ * The pool a staging slot comes from: loads and stores have their own slots, sized
+ * independently (`load_slots`, `store_slots` in the configuration).
+ */
+enum maru_slot_pool_t
+#ifdef __cplusplus
+  : uint32_t
+#endif // __cplusplus
+ {
+  MARU_SLOT_LOAD = 0,
+  MARU_SLOT_STORE = 1,
+};
+#ifndef __cplusplus
+typedef uint32_t maru_slot_pool_t;
+#endif // __cplusplus
+
+/**
  * The result of a libmaru call.
  *
  * The values are stable: a code keeps its number for the life of the ABI and a

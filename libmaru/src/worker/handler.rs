@@ -33,6 +33,9 @@ struct DataPath {
     agent_opts: ClientOptions,
 }
 
+/// A submitted slot operation, run with the slots lent to it.
+type LentJob = Box<dyn FnOnce(Vec<Option<Slot>>) -> Result<OpOutput, WorkerError> + Send>;
+
 /// The outcome of loading one chunk into a caller's buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loaded {
@@ -292,13 +295,19 @@ impl Inner {
         Ok(got.into_iter().map(|s| t.insert(s)).collect())
     }
 
-    /// Lends the slots to `f` and takes back whatever it hands back, also on error.
-    fn with_slots<T>(
+    /// Marks the caller's slots busy and hands them over (at once, also for a submitted
+    /// operation, so a release racing with it is refused rather than lost).
+    fn lend(&self, ids: &[u64]) -> Result<Vec<Option<Slot>>, WorkerError> {
+        self.slot_table()?.take(ids)
+    }
+
+    /// Runs `f` on lent slots and takes back whatever it hands back, also on error.
+    fn with_lent<T>(
         &self,
         ids: &[u64],
+        mut lent: Vec<Option<Slot>>,
         f: impl FnOnce(&mut [Option<Slot>]) -> Result<T, WorkerError>,
     ) -> Result<T, WorkerError> {
-        let mut lent = self.slot_table()?.take(ids)?;
         let r = f(&mut lent);
         match self.slot_table() {
             Ok(mut t) => t.give_back(ids, lent),
@@ -311,22 +320,24 @@ impl Inner {
         &self,
         keys: &[String],
         ids: &[u64],
+        lent: Vec<Option<Slot>>,
         lens: &[usize],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
-        if keys.len() != ids.len() || keys.len() != lens.len() {
-            return Err(WorkerError::InvalidArgument(format!(
-                "{} keys, {} slots and {} lengths: give one slot and length per key",
-                keys.len(),
-                ids.len(),
-                lens.len()
-            )));
-        }
-        let Some(first) = keys.first() else {
-            return Ok(Vec::new());
-        };
-        let rk = route_key.unwrap_or(first);
-        self.with_slots(ids, |slots| {
+        // Every check inside: lent slots must go back to the table whatever happens.
+        self.with_lent(ids, lent, |slots| {
+            if keys.len() != ids.len() || keys.len() != lens.len() {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "{} keys, {} slots and {} lengths: give one slot and length per key",
+                    keys.len(),
+                    ids.len(),
+                    lens.len()
+                )));
+            }
+            let Some(first) = keys.first() else {
+                return Ok(Vec::new());
+            };
+            let rk = route_key.unwrap_or(first);
             for (i, s) in slots.iter().enumerate() {
                 let cap = s.as_ref().map_or(0, |s| s.len());
                 if lens[i] > cap {
@@ -347,32 +358,60 @@ impl Inner {
         &self,
         keys: &[String],
         ids: &[u64],
+        lent: Vec<Option<Slot>>,
         route_key: Option<&str>,
     ) -> Result<Vec<Option<usize>>, WorkerError> {
-        if keys.len() != ids.len() {
-            return Err(WorkerError::InvalidArgument(format!(
-                "{} keys but {} slots: give one slot per key",
-                keys.len(),
-                ids.len()
-            )));
-        }
-        let Some(first) = keys.first() else {
-            return Ok(Vec::new());
-        };
-        let rk = route_key.unwrap_or(first);
-        self.with_slots(ids, |slots| {
+        self.with_lent(ids, lent, |slots| {
+            if keys.len() != ids.len() {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "{} keys but {} slots: give one slot per key",
+                    keys.len(),
+                    ids.len()
+                )));
+            }
+            let Some(first) = keys.first() else {
+                return Ok(Vec::new());
+            };
+            let rk = route_key.unwrap_or(first);
             self.with_pool(rk, vec![None; keys.len()], |p| p.load_slots(keys, slots))
         })
     }
 
+    /// Queues `job` with the slots already lent to it; if it cannot be queued, the
+    /// slots go back to the caller.
     fn submit(
         &self,
-        job: Box<dyn FnOnce() -> Result<OpOutput, WorkerError> + Send>,
+        ids: &[u64],
+        lent: Vec<Option<Slot>>,
+        job: LentJob,
     ) -> Result<OpHandle, WorkerError> {
+        let give_back = |lent: Vec<Option<Slot>>| {
+            if let Ok(mut t) = self.slot_table() {
+                t.give_back(ids, lent);
+            }
+        };
         if self.stop.load(Ordering::SeqCst) {
+            give_back(lent);
             return Err(WorkerError::Closed);
         }
-        self.executor.submit(job)
+        // The slots travel with the job; a job that is dropped unrun (queue closed)
+        // drops them into their pool, and close clears the table anyway.
+        let cell = Arc::new(Mutex::new(Some(lent)));
+        let mine = cell.clone();
+        let r = self.executor.submit(Box::new(move || {
+            let lent = mine
+                .lock()
+                .ok()
+                .and_then(|mut l| l.take())
+                .unwrap_or_default();
+            job(lent)
+        }));
+        if r.is_err() {
+            if let Some(lent) = cell.lock().ok().and_then(|mut l| l.take()) {
+                give_back(lent);
+            }
+        }
+        r
     }
 
     fn background(self: &Arc<Self>) {
@@ -625,7 +664,8 @@ impl Handler {
         lens: &[usize],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
-        self.inner.store_slots(keys, ids, lens, route_key)
+        let lent = self.inner.lend(ids)?;
+        self.inner.store_slots(keys, ids, lent, lens, route_key)
     }
 
     /// Loads chunk `keys[i]` into slot `ids[i]` (the READ lands in the slot); `Some(len)`
@@ -636,7 +676,8 @@ impl Handler {
         ids: &[u64],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<usize>>, WorkerError> {
-        self.inner.load_slots(keys, ids, route_key)
+        let lent = self.inner.lend(ids)?;
+        self.inner.load_slots(keys, ids, lent, route_key)
     }
 
     /// `store_slots` on an executor thread. The slots are lent to the operation until
@@ -649,11 +690,17 @@ impl Handler {
         route_key: Option<String>,
     ) -> Result<OpHandle, WorkerError> {
         let inner = self.inner.clone();
-        self.inner.submit(Box::new(move || {
-            inner
-                .store_slots(&keys, &ids, &lens, route_key.as_deref())
-                .map(OpOutput::Stored)
-        }))
+        let lent = self.inner.lend(&ids)?;
+        let back = ids.clone();
+        self.inner.submit(
+            &back,
+            lent,
+            Box::new(move |lent| {
+                inner
+                    .store_slots(&keys, &ids, lent, &lens, route_key.as_deref())
+                    .map(OpOutput::Stored)
+            }),
+        )
     }
 
     /// `load_slots` on an executor thread.
@@ -664,11 +711,17 @@ impl Handler {
         route_key: Option<String>,
     ) -> Result<OpHandle, WorkerError> {
         let inner = self.inner.clone();
-        self.inner.submit(Box::new(move || {
-            inner
-                .load_slots(&keys, &ids, route_key.as_deref())
-                .map(OpOutput::Loaded)
-        }))
+        let lent = self.inner.lend(&ids)?;
+        let back = ids.clone();
+        self.inner.submit(
+            &back,
+            lent,
+            Box::new(move |lent| {
+                inner
+                    .load_slots(&keys, &ids, lent, route_key.as_deref())
+                    .map(OpOutput::Loaded)
+            }),
+        )
     }
 
     /// Slots the caller holds now.
