@@ -151,7 +151,7 @@ impl AgentCore {
                 read_token,
             } => self.map_read(client_id, region_id, offset, length, &read_token, p.nic),
             AgentRequest::Unmap { region_id } => {
-                Ok(self.unmap(client_id, region_id, now_ms, &mut p))
+                Ok(self.unmap(client_id, region_id, false, now_ms, &mut p))
             }
             AgentRequest::Release { handle } => self.release(&handle, now_ms, &mut p),
             AgentRequest::Status => Ok(AgentReply::Status(self.status())),
@@ -163,7 +163,11 @@ impl AgentCore {
         }
     }
 
-    /// A client's connection closed: its holds go as its unmaps would.
+    /// A client's connection closed: its read handles go as its unmaps would. Its
+    /// whole-region holds stay: a writer that crashed leaves keys in its regions, which
+    /// must stay readable until maru-server's keeper takes the regions over (at the
+    /// session's expiry) and later releases them. They also go when the region is
+    /// released, when the RM no longer knows the handle (sweep), or by an unmap.
     pub fn client_closed(
         &mut self,
         client_id: &str,
@@ -180,7 +184,7 @@ impl AgentCore {
             .map(|(&id, _)| id)
             .collect();
         for id in held {
-            self.unmap(client_id, id, now_ms, &mut p);
+            self.unmap(client_id, id, true, now_ms, &mut p);
         }
     }
 

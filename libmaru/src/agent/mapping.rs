@@ -123,12 +123,16 @@ impl RegionMapping {
         self.stuck.last().map(|s| s.error.as_str())
     }
 
-    /// Drops `client` from every registration; the ones left without holders are
-    /// deregistered. Returns whether the client held anything.
-    pub fn drop_holder(&mut self, client: &str, nic: &mut dyn NicPort) -> bool {
+    /// Drops `client` from every registration (only from read handles when
+    /// `reads_only`); the ones left without holders are deregistered. Returns whether
+    /// the client held anything that was dropped.
+    pub fn drop_holder(&mut self, client: &str, reads_only: bool, nic: &mut dyn NicPort) -> bool {
         let mut removed = false;
         let mut empty = Vec::new();
         for (grant, s) in &mut self.slots {
+            if reads_only && !matches!(grant, Grant::Range { .. }) {
+                continue;
+            }
             removed |= s.holders.remove(client);
             if s.holders.is_empty() {
                 empty.push(*grant);

@@ -12,18 +12,20 @@ use crate::wire::rm::Handle;
 use crate::wire::WireError;
 
 impl AgentCore {
-    /// Drops `client`'s holds of the region; the last holder's unmap retires it.
+    /// Drops `client`'s holds of the region (only its read handles when
+    /// `reads_only`); the last holder's unmap retires it.
     pub(super) fn unmap(
         &mut self,
         client: &str,
         region_id: u64,
+        reads_only: bool,
         now_ms: u64,
         p: &mut Ports<'_>,
     ) -> AgentReply {
         let Some(m) = self.mappings.get_mut(&region_id) else {
             return AgentReply::Unmapped { removed: false };
         };
-        let removed = m.drop_holder(client, p.nic);
+        let removed = m.drop_holder(client, reads_only, p.nic);
         if m.unused() && !m.retiring {
             log::info!("region {region_id}: its last holder {client} left; retiring it");
             m.retiring = true;

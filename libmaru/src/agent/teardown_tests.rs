@@ -36,18 +36,29 @@ fn an_unmap_of_a_region_not_mapped_removes_nothing() {
 }
 
 #[test]
-fn a_closed_client_drops_its_holds() {
+fn a_closed_client_drops_its_read_handles_but_keeps_its_regions_readable() {
     let mut w = World::new();
     let h = w.rm.region();
     let h2 = w.rm.region();
     let m = w.map("a", &h, true).unwrap();
-    let r = w.map_read("a", &h, 0, 4096).unwrap();
     let other = w.map("b", &h2, true).unwrap();
+    let r = w.map_read("a", &h2, 0, 4096).unwrap();
     w.close("a");
-    assert!(!w.nic.accepts(m.rkey) && !w.nic.accepts(r.rkey));
-    assert!(!w.rm.held.contains(&h.region_id));
+    assert!(
+        !w.nic.accepts(r.rkey),
+        "a closed client's read handle goes at once"
+    );
+    // A writer that crashed left keys in its region: it stays mapped and held, so
+    // readers keep reading until maru-server's keeper takes it over.
+    assert!(w.nic.accepts(m.rkey));
+    assert!(w.rm.held.contains(&h.region_id));
+    w.map_read("reader", &h, 0, 4096)
+        .expect("the region of a closed writer is still readable");
     assert!(w.nic.accepts(other.rkey), "b's region is untouched");
     assert!(w.rm.held.contains(&h2.region_id));
+    // The keeper's release later deregisters it whoever holds it.
+    assert!(w.release("server", &h).unwrap());
+    assert!(!w.nic.accepts(m.rkey));
 }
 
 #[test]
