@@ -352,6 +352,8 @@ fn a_pool_that_goes_away_misses_and_serves_again_when_it_is_back() {
 struct HalfMover {
     inner: maru::worker::movers::CxlMover,
     seen: usize,
+    /// Pretend a failed write's outcome is unknown and its peer not fenced yet.
+    unfenced: bool,
 }
 
 impl maru::worker::movers::Mover for HalfMover {
@@ -381,6 +383,68 @@ impl maru::worker::movers::Mover for HalfMover {
     fn boot_ids(&self) -> std::collections::BTreeMap<u64, String> {
         Default::default()
     }
+    fn may_still_write(&self) -> bool {
+        self.unfenced
+    }
+}
+
+/// Bytes of pages in use by the session of `engine` at maru-server.
+fn used_bytes(server: &str, engine: &str) -> u64 {
+    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
+    let mut c = connect(server, META, "observer");
+    match c.call(&MetaRequest::Usage).unwrap() {
+        MetaReply::Usage(u) => u
+            .sessions
+            .iter()
+            .filter(|s| s.engine_id == engine)
+            .map(|s| s.used)
+            .sum(),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// Pages of failed writes go back for reuse, except while a transfer of unknown outcome
+/// could still land in them (its peer not fenced): then they stay out of reuse.
+#[test]
+fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
+    use maru::wire::meta::Backend;
+    use maru::worker::session::Session;
+    let st = stack(false, &[]);
+    for unfenced in [false, true] {
+        let engine = format!("half-writer-{unfenced}");
+        let session = Session::open(
+            &st.server.addr,
+            &engine,
+            &engine,
+            "llama-test",
+            "default",
+            Backend::Cxl,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let page = session.page_size;
+        let mover = HalfMover {
+            inner: maru::worker::movers::CxlMover::new(),
+            seen: 0,
+            unfenced,
+        };
+        let mut pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+        let keys: Vec<String> = (0..10).map(|i| format!("{engine}-{i}")).collect();
+        let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .zip(&data)
+            .map(|(k, d)| (k.as_str(), d.as_slice()))
+            .collect();
+        pool.store(&items, Some("half")).unwrap();
+        let pages_in_use = used_bytes(&st.server.addr, &engine) / page;
+        assert_eq!(
+            pages_in_use,
+            if unfenced { 10 } else { 5 },
+            "unfenced = {unfenced}"
+        );
+        pool.close().unwrap();
+    }
 }
 
 #[test]
@@ -402,6 +466,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
     let mover = HalfMover {
         inner: maru::worker::movers::CxlMover::new(),
         seen: 0,
+        unfenced: false,
     };
     let mut pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
     let keys: Vec<String> = (0..10).map(|i| format!("half-{i}")).collect();

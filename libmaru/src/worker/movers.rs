@@ -89,6 +89,12 @@ pub trait Mover: Send {
     fn boot_ids(&self) -> BTreeMap<u64, String>;
     /// Gives back slots of transfers whose peer can now be fenced.
     fn reclaim(&mut self) {}
+    /// True while a transfer of unknown outcome could still land somewhere (a peer
+    /// that timed out could not be fenced yet): pages of failed writes must not be
+    /// reused then.
+    fn may_still_write(&self) -> bool {
+        false
+    }
 }
 
 // ---------------------------------------------------------------- remote_cxl
@@ -443,6 +449,10 @@ impl Mover for RemoteMover {
         if !fenced.is_empty() {
             self.forget_peers(&fenced);
         }
+    }
+
+    fn may_still_write(&self) -> bool {
+        !self.iso.peers().is_empty()
     }
 }
 

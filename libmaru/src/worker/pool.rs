@@ -190,6 +190,16 @@ impl StoragePool {
                 unused.push(page);
             }
         }
+        if !unused.is_empty() && self.mover.may_still_write() {
+            // A WRITE whose outcome is unknown may still land in one of these pages:
+            // keep them out of reuse (they go back with their region).
+            log::warn!(
+                "pool {}: keeping {} pages of failed writes out of reuse until their region goes back (a transfer of unknown outcome was not fenced)",
+                self.session.url,
+                unused.len()
+            );
+            unused.clear();
+        }
         unused.extend(pages.iter().skip(placed.len()).copied());
         self.stats.store_skipped += (todo.len() - publish.len()) as u64;
         // Publish only what was written completely.
