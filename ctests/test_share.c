@@ -7,23 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(cond)                                                                      \
-    do {                                                                                 \
-        if (!(cond)) {                                                                   \
-            fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__,       \
-                    __LINE__, #cond, maru_last_error());                                 \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
+#include "check.h"
 
 #define N 200
 #define MAXLEN 60000
-
-static uint32_t fnv(const uint8_t *p, size_t n) {
-    uint32_t h = 2166136261u;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 16777619u;
-    return h;
-}
 
 static size_t fill(uint8_t *buf, int i) {
     size_t len = 1000 + (size_t)(i * 271) % (MAXLEN - 1000);

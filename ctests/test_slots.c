@@ -12,27 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
+
 #ifndef FAKE_CUDART_PATH
 #error "FAKE_CUDART_PATH must name the fake libcudart"
 #endif
 
-#define CHECK(cond)                                                                      \
-    do {                                                                                 \
-        if (!(cond)) {                                                                   \
-            fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__,       \
-                    __LINE__, #cond, maru_last_error());                                 \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
-
 #define N 64
 #define BATCH 8
-
-static uint32_t fnv(const uint8_t *p, size_t n) {
-    uint32_t h = 2166136261u;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 16777619u;
-    return h;
-}
 
 static size_t fill(uint8_t *buf, size_t cap, int i) {
     size_t len = 512 + (size_t)(i * 797) % (cap - 512);

@@ -689,18 +689,11 @@ impl Handler {
         lens: Vec<usize>,
         route_key: Option<String>,
     ) -> Result<OpHandle, WorkerError> {
-        let inner = self.inner.clone();
-        let lent = self.inner.lend(&ids)?;
-        let back = ids.clone();
-        self.inner.submit(
-            &back,
-            lent,
-            Box::new(move |lent| {
-                inner
-                    .store_slots(&keys, &ids, lent, &lens, route_key.as_deref())
-                    .map(OpOutput::Stored)
-            }),
-        )
+        self.submit_lent(ids, move |inner, ids, lent| {
+            inner
+                .store_slots(&keys, ids, lent, &lens, route_key.as_deref())
+                .map(OpOutput::Stored)
+        })
     }
 
     /// `load_slots` on an executor thread.
@@ -710,18 +703,26 @@ impl Handler {
         ids: Vec<u64>,
         route_key: Option<String>,
     ) -> Result<OpHandle, WorkerError> {
+        self.submit_lent(ids, move |inner, ids, lent| {
+            inner
+                .load_slots(&keys, ids, lent, route_key.as_deref())
+                .map(OpOutput::Loaded)
+        })
+    }
+
+    /// Lends the slots now and runs `f` with them on an executor thread.
+    fn submit_lent(
+        &self,
+        ids: Vec<u64>,
+        f: impl FnOnce(&Inner, &[u64], Vec<Option<Slot>>) -> Result<OpOutput, WorkerError>
+            + Send
+            + 'static,
+    ) -> Result<OpHandle, WorkerError> {
         let inner = self.inner.clone();
         let lent = self.inner.lend(&ids)?;
         let back = ids.clone();
-        self.inner.submit(
-            &back,
-            lent,
-            Box::new(move |lent| {
-                inner
-                    .load_slots(&keys, &ids, lent, route_key.as_deref())
-                    .map(OpOutput::Loaded)
-            }),
-        )
+        self.inner
+            .submit(&back, lent, Box::new(move |lent| f(&inner, &ids, lent)))
     }
 
     /// Slots the caller holds now.
