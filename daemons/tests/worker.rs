@@ -624,3 +624,143 @@ fn an_engine_killed_mid_store_never_leaves_a_partial_chunk() {
     assert!(checked > 0);
     reader.close().unwrap();
 }
+
+/// The soft transport, except that while `stall` is set a posted batch is never sent
+/// and stays pending until its peer is fenced (a peer that stopped answering).
+struct Stalling {
+    inner: maru::transport::soft::SoftTransport,
+    stall: std::sync::atomic::AtomicBool,
+    stalled: std::sync::Mutex<std::collections::HashMap<u64, maru::transport::PeerId>>,
+    fenced: std::sync::Mutex<Vec<maru::transport::PeerId>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl maru::transport::Transport for Stalling {
+    fn name(&self) -> &'static str {
+        "stalling"
+    }
+    fn register_local(
+        &self,
+        b: maru::transport::LocalBuffer,
+    ) -> Result<(), maru::transport::TransportError> {
+        self.inner.register_local(b)
+    }
+    fn connect(
+        &self,
+        meta: &serde_json::Value,
+        bringup: &mut maru::transport::Bringup<'_>,
+    ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
+        self.inner.connect(meta, bringup)
+    }
+    fn post(
+        &self,
+        peer: maru::transport::PeerId,
+        ops: &[maru::transport::Op],
+    ) -> Result<maru::transport::BatchId, maru::transport::TransportError> {
+        use std::sync::atomic::Ordering;
+        if self.stall.load(Ordering::SeqCst) {
+            let id = (1 << 60) + self.next.fetch_add(1, Ordering::SeqCst);
+            self.stalled.lock().unwrap().insert(id, peer);
+            return Ok(maru::transport::BatchId(id));
+        }
+        self.inner.post(peer, ops)
+    }
+    fn state(&self, b: maru::transport::BatchId) -> maru::transport::BatchState {
+        match self.stalled.lock().unwrap().get(&b.0) {
+            Some(p) if self.fenced.lock().unwrap().contains(p) => {
+                maru::transport::BatchState::Failed(maru::transport::TransportError::NoPeer(*p))
+            }
+            Some(_) => maru::transport::BatchState::Pending,
+            None => self.inner.state(b),
+        }
+    }
+    fn wait(&self, b: maru::transport::BatchId, t: Duration) -> maru::transport::BatchState {
+        if self.stalled.lock().unwrap().contains_key(&b.0) {
+            std::thread::sleep(t);
+            return self.state(b);
+        }
+        self.inner.wait(b, t)
+    }
+    fn forget(&self, b: maru::transport::BatchId) {
+        if self.stalled.lock().unwrap().remove(&b.0).is_none() {
+            self.inner.forget(b)
+        }
+    }
+    fn fence(&self, peer: maru::transport::PeerId) -> Result<(), maru::transport::TransportError> {
+        self.fenced.lock().unwrap().push(peer);
+        self.inner.fence(peer)
+    }
+}
+
+/// Transfer isolation through the slot API with an injected fault: while the agent's
+/// peer stalls, a store and a load through slots time out; their slots are taken back
+/// (ids no longer valid, their chunks not stored / not found), the peer is fenced, and
+/// every slot is back in its pool exactly once. Once the peer answers again (a new
+/// connection after the fence), stores and loads work again.
+#[test]
+fn slots_of_a_stalled_peer_come_back_after_its_fence_and_the_peer_recovers() {
+    use maru::worker::{SlotPool, WorkerError};
+    use std::sync::atomic::Ordering;
+    let st = stack(true, &[]);
+    let key = maru::auth::load_key_file(&st.key_path).unwrap();
+    let t = std::sync::Arc::new(Stalling {
+        inner: maru::transport::soft::SoftTransport::new("stalling-engine", Some(key)),
+        stall: false.into(),
+        stalled: Default::default(),
+        fenced: Default::default(),
+        next: 0.into(),
+    });
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config(&st, "remote_cxl", "stall")).unwrap();
+    cfg["timeout_ms"] = 300.into();
+    let a = Handler::open_with_transport(&cfg.to_string(), t.clone()).unwrap();
+    let wait = Duration::from_secs(5);
+    // A chunk stored while the peer answers, to load later.
+    let d0 = chunk(0);
+    assert!(a.store("stall-0", &d0, Some("r")).unwrap());
+
+    t.stall.store(true, Ordering::SeqCst);
+    let s = a.acquire_slots(SlotPool::Store, 4, wait).unwrap();
+    let ids: Vec<u64> = s.iter().map(|s| s.id).collect();
+    let keys: Vec<String> = (1..5).map(|i| format!("stall-{i}")).collect();
+    let stored = a.store_slots(&keys, &ids, &[100; 4], Some("r")).unwrap();
+    assert_eq!(
+        stored,
+        vec![false; 4],
+        "nothing is published from a stalled WRITE"
+    );
+    assert_eq!(
+        a.held_slots(),
+        0,
+        "the stalled transfer's slots were taken back"
+    );
+    assert!(matches!(
+        a.store_slots(&keys[..1], &ids[..1], &[1], Some("r")),
+        Err(WorkerError::InvalidArgument(_))
+    ));
+    a.release_slots(&ids).unwrap(); // taken back: a no-op
+    let l = a.acquire_slots(SlotPool::Load, 1, wait).unwrap();
+    let got = a
+        .load_slots(&["stall-0".to_string()], &[l[0].id], Some("r"))
+        .unwrap();
+    assert_eq!(got, vec![None], "a stalled READ finds nothing");
+    assert_eq!(a.held_slots(), 0);
+    assert!(
+        !t.fenced.lock().unwrap().is_empty(),
+        "the stalled peer was fenced"
+    );
+
+    // Every slot is back exactly once: all of each pool can be taken at once.
+    let all_store = a.acquire_slots(SlotPool::Store, 64, wait).unwrap();
+    let all_load = a.acquire_slots(SlotPool::Load, 64, wait).unwrap();
+    assert_eq!((all_store.len(), all_load.len()), (16, 8));
+    let every: Vec<u64> = all_store.iter().chain(&all_load).map(|s| s.id).collect();
+    a.release_slots(&every).unwrap();
+
+    // The peer answers again: a new connection, and both directions work.
+    t.stall.store(false, Ordering::SeqCst);
+    assert!(a.store("stall-5", &chunk(5), Some("r")).unwrap());
+    assert_eq!(a.load("stall-0", Some("r")).unwrap(), Some(d0));
+    assert_eq!(a.load("stall-1", Some("r")).unwrap(), None);
+    a.close().unwrap();
+}

@@ -55,6 +55,8 @@ struct Inner {
     data: Mutex<Option<Arc<DataPath>>>,
     slots: Mutex<SlotTable>,
     executor: Executor,
+    /// A transport given by the caller instead of the configured one (tests).
+    transport: Option<Arc<dyn Transport>>,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
 }
@@ -149,7 +151,10 @@ impl Inner {
             BackendKind::Cxl => None,
             BackendKind::RemoteCxl => {
                 let key = agent_key(&self.cfg)?;
-                let nic = make_transport(&self.cfg, &self.client_id, &key)?;
+                let nic = match &self.transport {
+                    Some(t) => t.clone(),
+                    None => make_transport(&self.cfg, &self.client_id, &key)?,
+                };
                 nic.register_local(LocalBuffer { ptr, len })
                     .map_err(|e| WorkerError::Config(e.to_string()))?;
                 agent_opts.key = Some(key);
@@ -492,6 +497,23 @@ impl Handler {
     /// once; a pool that cannot be reached is retried in the background (at least one
     /// must answer now, so that a wrong address is not mistaken for a pool that is down).
     pub fn open(config_json: &str) -> Result<Handler, WorkerError> {
+        Handler::open_inner(config_json, None)
+    }
+
+    /// Opens a `remote_cxl` handler over the given transport instead of the configured
+    /// one (fault injection in tests).
+    #[doc(hidden)]
+    pub fn open_with_transport(
+        config_json: &str,
+        transport: Arc<dyn Transport>,
+    ) -> Result<Handler, WorkerError> {
+        Handler::open_inner(config_json, Some(transport))
+    }
+
+    fn open_inner(
+        config_json: &str,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<Handler, WorkerError> {
         let cfg = HandlerConfig::parse(config_json).map_err(WorkerError::Config)?;
         let urls = cfg.server_urls().map_err(WorkerError::Config)?;
         let client_id = format!("{}@{}", cfg.engine_id, crate::net::default_client_id(""));
@@ -505,6 +527,7 @@ impl Handler {
             data: Mutex::new(None),
             slots: Mutex::new(SlotTable::default()),
             executor: Executor::new(cfg_threads),
+            transport,
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         });
