@@ -73,20 +73,22 @@ type Running = (Sender<(Job, OpHandle)>, Vec<JoinHandle<()>>);
 /// A fixed number of threads running submitted jobs in order of submission.
 pub struct Executor {
     threads: usize,
-    inner: Mutex<Option<Running>>,
+    /// `Err(())` once shut down: no thread is started again after that.
+    inner: Mutex<Result<Option<Running>, ()>>,
 }
 
 impl Executor {
     pub fn new(threads: usize) -> Executor {
         Executor {
             threads: threads.max(1),
-            inner: Mutex::new(None),
+            inner: Mutex::new(Ok(None)),
         }
     }
 
     /// Queues `job`; its result goes to the returned handle.
     pub fn submit(&self, job: Job) -> Result<OpHandle, WorkerError> {
-        let mut g = self.inner.lock().map_err(|_| WorkerError::Closed)?;
+        let mut guard = self.inner.lock().map_err(|_| WorkerError::Closed)?;
+        let g = guard.as_mut().map_err(|_| WorkerError::Closed)?;
         if g.is_none() {
             let (tx, rx) = unbounded::<(Job, OpHandle)>();
             let mut hs = Vec::with_capacity(self.threads);
@@ -114,9 +116,13 @@ impl Executor {
     }
 
     /// Lets queued jobs run to their end (after `close` they fail fast with `Closed`)
-    /// and joins the threads.
+    /// and joins the threads. Later submits fail with `Closed`.
     pub fn shutdown(&self) {
-        let taken = self.inner.lock().ok().and_then(|mut g| g.take());
+        let taken = self
+            .inner
+            .lock()
+            .ok()
+            .and_then(|mut g| std::mem::replace(&mut *g, Err(())).ok().flatten());
         if let Some((tx, hs)) = taken {
             drop(tx);
             for h in hs {
