@@ -764,3 +764,83 @@ fn slots_of_a_stalled_peer_come_back_after_its_fence_and_the_peer_recovers() {
     assert_eq!(a.load("stall-1", Some("r")).unwrap(), None);
     a.close().unwrap();
 }
+
+/// maru-server restarts (kill -9, then a new run on the same port): the handler's
+/// session is gone with it and no keeper will ever release its regions, so the handler
+/// releases them at their agents as soon as it has a session with the new run (it
+/// tells the two apart by the server's instance id), and serves again.
+#[test]
+fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_their_agents() {
+    use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
+    let Stack {
+        s,
+        key_path,
+        rm,
+        _agent: agent,
+        server,
+    } = stack(true, &[]);
+    let agent = agent.unwrap();
+    let cfg = serde_json::json!({
+        "backend": "remote_cxl", "server_url": server.addr, "engine_id": "restart-engine",
+        "agent_key_file": key_path.display().to_string(), "load_slots": 4, "store_slots": 4,
+    })
+    .to_string();
+    let h = Handler::open(&cfg).unwrap();
+    assert!(h.store("before", &chunk(1), Some("r")).unwrap());
+    let key = maru::auth::load_key_file(&key_path).unwrap();
+    let status = || {
+        let mut o = maru::net::ClientOptions::new(AGENT, "observer");
+        o.key = Some(key.clone());
+        let mut c = maru::net::Client::connect(&agent.addr, &o).unwrap();
+        match c.call(&AgentRequest::Status).unwrap() {
+            AgentReply::Status(s) => s.mappings,
+            r => panic!("{r:?}"),
+        }
+    };
+    let owned: Vec<u64> = status()
+        .iter()
+        .filter(|m| !m.released)
+        .map(|m| m.region_id)
+        .collect();
+    assert!(
+        !owned.is_empty(),
+        "the handler's region is mapped at the agent"
+    );
+
+    let port = server.port();
+    server.kill9();
+    let args: Vec<String> = [
+        "--rm-address",
+        &rm.addr,
+        "--region-size",
+        "8M",
+        "--chunk-size",
+        "64K",
+        "--remote-cxl-agent",
+        &agent.addr,
+        "--remote-cxl-agent-key-file",
+        &key_path.display().to_string(),
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .collect();
+    let _server2 = Daemon::start_at(SERVER_BIN, &args, &s.dir, port);
+    assert!(
+        wait_until(Duration::from_secs(20), || h
+            .store("after", &chunk(2), Some("r"))
+            .unwrap_or(false)),
+        "the handler serves again with the new maru-server"
+    );
+    // The release comes before the pool serves again (not later, from the agent's
+    // sweep once the RM forgot the dead server's regions).
+    let now = status();
+    assert!(
+        owned.iter().all(|id| now
+            .iter()
+            .find(|m| m.region_id == *id)
+            .is_none_or(|m| m.released)),
+        "every region of the lost session was released at the agent: {now:?}"
+    );
+    assert_eq!(h.load("after", Some("r")).unwrap(), Some(chunk(2)));
+    h.close().unwrap();
+}

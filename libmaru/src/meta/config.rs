@@ -27,6 +27,22 @@ pub struct MetaConfig {
     pub retry_ms: u64,
     /// Most sessions open at a time (expired ones do not count).
     pub max_sessions: usize,
+    /// Names this run of maru-server in the handshake: a worker that sees another
+    /// instance after reconnecting knows the server restarted and lost its sessions.
+    pub instance: String,
+}
+
+/// A fresh instance name (random; the process id and time if no randomness).
+pub fn new_instance() -> String {
+    crate::auth::random_bytes(8)
+        .map(|b| crate::auth::to_hex(&b))
+        .unwrap_or_else(|_| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            format!("{}-{t}", std::process::id())
+        })
 }
 
 impl Default for MetaConfig {
@@ -42,6 +58,7 @@ impl Default for MetaConfig {
             keeper_check_ms: 5_000,
             retry_ms: 1_000,
             max_sessions: 256,
+            instance: new_instance(),
         }
     }
 }

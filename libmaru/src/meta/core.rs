@@ -188,6 +188,7 @@ impl MetaCore {
             max_batch: MAX_BATCH,
             lease_limit: LEASE_LIMIT,
             session_timeout_ms: self.cfg.session_timeout_ms,
+            instance: self.cfg.instance.clone(),
             lease_timeout_ms: self.cfg.lease_timeout_ms,
         }
     }

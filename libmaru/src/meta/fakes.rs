@@ -187,6 +187,7 @@ pub fn config(agents: &[&str]) -> MetaConfig {
         keeper_check_ms: 5_000,
         retry_ms: 1_000,
         max_sessions: 8,
+        instance: "fake-instance".into(),
     }
 }
 

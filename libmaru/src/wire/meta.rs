@@ -207,6 +207,9 @@ pub struct HandshakeReply {
     /// A session without a request for this long expires.
     pub session_timeout_ms: u64,
     pub lease_timeout_ms: u64,
+    /// This run of maru-server (another value after a restart; empty from older servers).
+    #[serde(default)]
+    pub instance: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -52,6 +52,8 @@ struct Inner {
     urls: Vec<String>,
     router: Mutex<PoolRouter>,
     pools: Vec<Mutex<Option<StoragePool>>>,
+    /// Per pool: the session it lost, until it has a new one (see `set_aside`).
+    lost: Vec<Mutex<Option<StoragePool>>>,
     data: Mutex<Option<Arc<DataPath>>>,
     slots: Mutex<SlotTable>,
     executor: Executor,
@@ -237,13 +239,49 @@ impl Inner {
             // aside; the background thread opens a new session.
             Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
                 log::warn!("pool {}: {m}", self.urls[i]);
-                *slot = None;
+                let old = slot.take();
                 drop(slot);
+                self.set_aside(i, old);
                 self.set_up(i, false);
                 self.wake.1.notify_all();
                 Ok(miss)
             }
             r => r,
+        }
+    }
+
+    /// Keeps the session a pool lost until the pool has a new one: only then is it
+    /// known whether maru-server restarted (its keeper is gone with it) or the old
+    /// session merely expired or was out of reach (maru-server's keeper has its regions).
+    fn set_aside(&self, i: usize, old: Option<StoragePool>) {
+        if let (Some(old), Ok(mut l)) = (old, self.lost[i].lock()) {
+            // A pool set aside twice before it came back: the older one goes now.
+            *l = Some(old);
+        }
+    }
+
+    /// The pool has a new session: if it comes from another run of maru-server, release
+    /// the regions of the one set aside at their agents (no keeper will), else just let
+    /// it go (the keeper takes its regions over when it expires).
+    fn settle_set_aside(&self, i: usize, new: &StoragePool) {
+        let Some(mut old) = self.lost[i].lock().ok().and_then(|mut l| l.take()) else {
+            return;
+        };
+        let (was, now) = (
+            old.session.handshake.instance.clone(),
+            new.session.handshake.instance.clone(),
+        );
+        if !was.is_empty() && was != now {
+            let (released, failed) = old.release_regions();
+            log::warn!(
+                "pool {}: maru-server restarted (instance {was} → {now}); released {released} region(s) of the lost session at their agents{}",
+                self.urls[i],
+                if failed > 0 {
+                    format!(", {failed} could not be released (the agents' sweep deregisters them once the RM forgets them)")
+                } else {
+                    String::new()
+                }
+            );
         }
     }
 
@@ -461,6 +499,7 @@ impl Inner {
                 if down {
                     match self.open_pool(i) {
                         Ok(p) => {
+                            self.settle_set_aside(i, &p);
                             if let Ok(mut g) = self.pools[i].lock() {
                                 *g = Some(p);
                             }
@@ -477,8 +516,9 @@ impl Inner {
                         if let Err(e) = p.heartbeat() {
                             log::warn!("pool {}: heartbeat failed: {e}", self.urls[i]);
                             if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
-                                *g = None;
+                                let old = g.take();
                                 drop(g);
+                                self.set_aside(i, old);
                                 self.set_up(i, false);
                             }
                         }
@@ -521,6 +561,7 @@ impl Handler {
         let inner = Arc::new(Inner {
             router: Mutex::new(PoolRouter::new(urls.clone())),
             pools: urls.iter().map(|_| Mutex::new(None)).collect(),
+            lost: urls.iter().map(|_| Mutex::new(None)).collect(),
             urls,
             cfg,
             client_id,

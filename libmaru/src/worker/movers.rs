@@ -95,12 +95,19 @@ pub trait Mover: Send {
     fn may_still_write(&self) -> bool {
         false
     }
+    /// The session is gone with the maru-server that knew it (it restarted): no keeper
+    /// will ever release the regions, so release them at their agents now (nothing can
+    /// be written into them after that). Returns (released, failed).
+    fn release_all(&mut self) -> (usize, usize) {
+        (0, 0)
+    }
 }
 
 // ---------------------------------------------------------------- remote_cxl
 
 struct OwnRegion {
     agent: String,
+    handle: crate::wire::rm::Handle,
     map: MapReply,
 }
 
@@ -284,8 +291,14 @@ impl Mover for RemoteMover {
         }
         self.check_boot(&agent, &m.boot_id)?;
         self.peer(&agent, &m.transport)?;
-        self.own
-            .insert(grant.handle.region_id, OwnRegion { agent, map: m });
+        self.own.insert(
+            grant.handle.region_id,
+            OwnRegion {
+                agent,
+                handle: grant.handle.clone(),
+                map: m,
+            },
+        );
         Ok(())
     }
 
@@ -453,6 +466,45 @@ impl Mover for RemoteMover {
 
     fn may_still_write(&self) -> bool {
         !self.iso.peers().is_empty()
+    }
+
+    fn release_all(&mut self) -> (usize, usize) {
+        let own: Vec<(String, crate::wire::rm::Handle)> = self
+            .own
+            .values()
+            .map(|r| (r.agent.clone(), r.handle.clone()))
+            .collect();
+        let (mut released, mut failed) = (0, 0);
+        for (agent, handle) in own {
+            let id = handle.region_id;
+            match self.agent_call(&agent, &AgentRequest::Release { handle }) {
+                Ok(AgentReply::Released { .. }) => {
+                    self.own.remove(&id);
+                    released += 1;
+                }
+                Ok(r) => {
+                    log::warn!("agent {agent} answered the release of region {id} with {r:?}");
+                    failed += 1;
+                }
+                Err(e) => {
+                    log::warn!("agent {agent}: release of region {id} failed: {e}; the agent's sweep deregisters it once the RM forgets the region");
+                    failed += 1;
+                }
+            }
+        }
+        (released, failed)
+    }
+}
+
+impl Drop for RemoteMover {
+    fn drop(&mut self) {
+        // Fence what is still kept; slots of a peer that cannot be fenced never return
+        // to the pool (a late DMA could still land in them).
+        self.reclaim();
+        let lost = self.iso.abandon();
+        if lost > 0 {
+            log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");
+        }
     }
 }
 

@@ -336,6 +336,12 @@ impl StoragePool {
         self.session.heartbeat(boots)
     }
 
+    /// The maru-server this pool's session lived in restarted: release the session's
+    /// regions at their agents (see `Mover::release_all`).
+    pub fn release_regions(&mut self) -> (usize, usize) {
+        self.mover.release_all()
+    }
+
     pub fn close(&mut self) -> Result<(), WorkerError> {
         self.session.close()
     }

@@ -77,6 +77,25 @@ impl Isolation {
         }
     }
 
+    /// Gives up the slots whose peer could not be fenced without returning them to
+    /// their pool (a DMA may still touch them): for a mover that goes away. Returns how
+    /// many were left out of use.
+    pub fn abandon(&self) -> usize {
+        let kept = self
+            .kept
+            .lock()
+            .map(|mut k| std::mem::take(&mut *k))
+            .unwrap_or_default();
+        let mut n = 0;
+        for (_, slots) in kept {
+            n += slots.len();
+            for s in slots {
+                std::mem::forget(s);
+            }
+        }
+        n
+    }
+
     /// Fences every peer with kept slots and gives their slots back. Returns the
     /// fenced peers: they must be connected again before use. A peer whose fence
     /// fails keeps its slots (and is retried next time).
