@@ -226,7 +226,19 @@ fn share_through_slots(backend: &str) {
     b.release_slots(&[s[0].id]).unwrap();
     b.release_slots(&[s[0].id]).unwrap(); // already released: a no-op
     assert_eq!(b.held_slots(), 0);
-    assert_eq!(b.stats()["total"]["hits"], n as u64);
+    let stats = b.stats();
+    assert_eq!(stats["total"]["hits"], n as u64);
+    assert_eq!(stats["backend"], backend);
+    let staging = &stats["staging"];
+    assert_eq!(
+        (
+            &staging["free_load_slots"],
+            &staging["free_store_slots"],
+            &staging["held_by_caller"]
+        ),
+        (&8.into(), &16.into(), &0.into()),
+        "every slot is back: {staging}"
+    );
     a.close().unwrap();
     b.close().unwrap();
 }

@@ -828,7 +828,22 @@ impl Handler {
                 serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),
             );
         }
-        serde_json::json!({"backend": format!("{:?}", self.inner.cfg.backend).to_lowercase(), "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total})
+        let staging = self.inner.staging().ok().map(|st| {
+            let l = st.layout();
+            serde_json::json!({
+                "slot_size": l.slot_size,
+                "load_slots": l.load_slots,
+                "store_slots": l.store_slots,
+                "free_load_slots": st.free(SlotPool::Load),
+                "free_store_slots": st.free(SlotPool::Store),
+                "held_by_caller": self.held_slots(),
+            })
+        });
+        let backend = match self.inner.cfg.backend {
+            BackendKind::Cxl => "cxl",
+            BackendKind::RemoteCxl => "remote_cxl",
+        };
+        serde_json::json!({"backend": backend, "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total, "staging": staging})
     }
 
     /// Closes every session (drained: regions with keys go to maru-server's keeper).
