@@ -53,6 +53,7 @@ test-python:
 	$(VENV)/bin/pip install -q pytest numpy
 	$(VENV)/bin/pip install -q ./bindings/python
 	$(VENV)/bin/pytest -q bindings/python/tests
+	PYTHON=$(VENV)/bin/python examples/python/run.sh $(DEBUG_DIR)
 
 lint: deps
 	$(CARGO) fmt --all -- --check

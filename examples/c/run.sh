@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Starts a memory node (RM on a fake DAX file in /dev/shm, agent) and maru-server on
+# loopback, builds examples/c/share_kv.c and runs it for both backends; stops everything.
+# Usage: examples/c/run.sh [DIR-WITH-BINARIES-AND-libmaru.so] (default target/debug)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=$(cd "${1:-$root/target/debug}" && pwd)
+for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl libmaru.so; do
+    [ -e "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
+done
+source "$root/scripts/daemons-lib.sh"
+work=$(mktemp -d /tmp/maru-example-c.XXXXXX)
+pool=/dev/shm/maru-example-c-$$
+trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+export RUST_LOG=${RUST_LOG:-warn}
+cc -std=c11 -Wall -Wextra -I "$root/include" "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"
+"$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
+maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:256M" >/dev/null
+maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" \
+    --key-file "$work/agent.key" --device "$pool" --node example-mem0 >/dev/null
+maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" \
+    --remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key" \
+    --region-size 16M --chunk-size 256K >/dev/null
+for backend in remote_cxl cxl; do
+    cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","agent_key_file":"%s"}' \
+        "$backend" "$(cat "$work/server.addr")" "$1" "$work/agent.key"; }
+    printf '%-10s ' "$backend:"
+    "$work/share_kv" "$bin/libmaru.so" "$(cfg example-$backend-a)" "$(cfg example-$backend-b)" 64
+done

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Starts a memory node (RM on a fake DAX file in /dev/shm, agent) and maru-server on
+# loopback, then runs examples/python/two_engines.py as engine A (store) and engine B
+# (load), two processes, on both backends; stops everything.
+# Usage: examples/python/run.sh [DIR-WITH-BINARIES-AND-libmaru.so] (default target/debug)
+# Python: $PYTHON (default .venv/bin/python if present, else python3) with the `maru`
+# package installed (pip install ./bindings/python), or found through PYTHONPATH.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+bin=$(cd "${1:-$root/target/debug}" && pwd)
+py=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3 )}
+for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl libmaru.so; do
+    [ -e "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
+done
+source "$root/scripts/daemons-lib.sh"
+work=$(mktemp -d /tmp/maru-example-py.XXXXXX)
+pool=/dev/shm/maru-example-py-$$
+trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+export RUST_LOG=${RUST_LOG:-warn} MARU_LIB="$bin/libmaru.so" PYTHONPATH="$root/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
+"$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
+maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:256M" >/dev/null
+maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" \
+    --key-file "$work/agent.key" --device "$pool" --node example-mem0 >/dev/null
+maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" \
+    --remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key" \
+    --region-size 16M --chunk-size 256K >/dev/null
+for backend in remote_cxl cxl; do
+    cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","namespace":"example-model","agent_key_file":"%s"}' \
+        "$backend" "$(cat "$work/server.addr")" "$1" "$work/agent.key"; }
+    echo "== $backend"
+    "$py" "$root/examples/python/two_engines.py" store "$(cfg py-$backend-a)"
+    "$py" "$root/examples/python/two_engines.py" load "$(cfg py-$backend-b)"
+done
