@@ -92,6 +92,26 @@ int main(void) {
         CHECK(nonzero == 3);
     }
 
+    /* Views in place (cxl only): the same bytes, no copy, released after use. */
+    {
+        maru_view_t views[8];
+        bool vfound[8];
+        maru_status_t st = maru_views_acquire(b, keys, 8, "c-prefix-000", views, vfound);
+        if (strcmp(getenv("MARU_TEST_BACKEND"), "cxl") == 0) {
+            CHECK(st == MARU_OK);
+            uint64_t vids[8];
+            for (int i = 0; i < 8; i++) {
+                CHECK(vfound[i] && views[i].valid_ms > 0 && fnv(views[i].data, views[i].len) == sums[i]);
+                vids[i] = views[i].id;
+            }
+            CHECK(maru_views_release(b, vids, 8) == MARU_OK);
+            CHECK(maru_views_release(b, vids, 8) == MARU_OK); /* already released: ignored */
+        } else {
+            CHECK(st == MARU_ERR_INVALID_ARGUMENT && strstr(maru_last_error(), "cxl") != NULL);
+        }
+        CHECK(maru_views_acquire(b, keys, 8, NULL, NULL, vfound) == MARU_ERR_NULL_ARGUMENT);
+    }
+
     /* Misses and bad arguments. */
     size_t got = 0;
     CHECK(maru_load(b, "never-stored", out, sizeof out, &got, NULL) == MARU_ERR_NOT_FOUND);

@@ -165,6 +165,19 @@ typedef struct maru_slot_t {
   size_t capacity;
 } maru_slot_t;
 
+/**
+ * A chunk read in place from this host's mapping of the CXL memory (backend `cxl`).
+ * `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
+ * close) and at most `valid_ms` milliseconds from the acquire: the view holds a lease
+ * that keeps the chunk's page from being reused, and the lease ends by itself then.
+ */
+typedef struct maru_view_t {
+  uint64_t id;
+  const uint8_t *data;
+  size_t len;
+  uint64_t valid_ms;
+} maru_view_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -503,6 +516,31 @@ maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
  * that is never freed. Never NULL; does not change the last error.
  */
 const char *maru_version_string(void);
+
+/**
+ * Views of `n` chunks of one request in place, with no copy (backend `cxl` only;
+ * `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: load into slots instead).
+ * `found[i]` says whether `views[i]` holds chunk `keys[i]`; release every found view
+ * with `maru_views_release` as soon as its bytes are used (e.g. copied to the GPU).
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `views` and `found` `n` writable values.
+ */
+maru_status_t maru_views_acquire(const struct maru_handler_t *h,
+                                 const char *const *keys,
+                                 size_t n,
+                                 const char *route_key,
+                                 struct maru_view_t *views,
+                                 bool *found);
+
+/**
+ * Ends views: their leases go back and their `data` must not be read any more. Ids
+ * already released (or 0, from a view not found) are ignored.
+ *
+ * # Safety
+ * `ids` points to `n` values.
+ */
+maru_status_t maru_views_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
 
 #ifdef __cplusplus
 }  // extern "C"

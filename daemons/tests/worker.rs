@@ -856,3 +856,67 @@ fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_their_ag
     assert_eq!(h.load("after", Some("r")).unwrap(), Some(chunk(2)));
     h.close().unwrap();
 }
+
+/// Leases the sessions of `engine` hold at maru-server now.
+fn leases_of(server: &str, engine: &str) -> u64 {
+    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
+    let mut c = connect(server, META, "observer");
+    match c.call(&MetaRequest::Stats { session: None }).unwrap() {
+        MetaReply::Stats(s) => s
+            .sessions
+            .iter()
+            .filter(|s| s.engine_id == engine)
+            .map(|s| s.leases)
+            .sum(),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// cxl readers see the chunks in place: a view is this host's mapping of the owner's
+/// region, under a lease held until the view is released; remote_cxl refuses views.
+#[test]
+fn cxl_views_read_chunks_in_place_under_a_lease() {
+    let st = stack(false, &[]);
+    let a = Handler::open(&config(&st, "cxl", "view-writer")).unwrap();
+    let b = Handler::open(&config(&st, "cxl", "view-reader")).unwrap();
+    let keys: Vec<String> = (0..8).map(|i| format!("view-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..8).map(chunk).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    assert!(a.store_batch(&items, Some("v")).unwrap().iter().all(|&x| x));
+    let mut ask = keys.clone();
+    ask.push("view-never-stored".into());
+    let views = b.acquire_views(&ask, Some("v")).unwrap();
+    assert!(views[8].is_none(), "a miss has no view");
+    for (v, d) in views.iter().zip(&data) {
+        let v = v.expect("found");
+        assert!(v.valid_ms > 0);
+        // SAFETY: the view is held; it points to `len` readable bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(v.ptr, v.len) };
+        assert_eq!(digest(bytes), digest(d));
+    }
+    assert_eq!(b.held_views(), 8);
+    assert_eq!(
+        leases_of(&st.server.addr, "view-reader"),
+        8,
+        "one lease per view"
+    );
+    let ids: Vec<u64> = views.iter().flatten().map(|v| v.id).collect();
+    b.release_views(&ids).unwrap();
+    b.release_views(&ids).unwrap(); // already released: ignored
+    assert_eq!(b.held_views(), 0);
+    assert_eq!(leases_of(&st.server.addr, "view-reader"), 0);
+    a.close().unwrap();
+    b.close().unwrap();
+
+    let st = stack(true, &[]);
+    let r = Handler::open(&config(&st, "remote_cxl", "remote-viewer")).unwrap();
+    assert!(matches!(
+        r.acquire_views(&["k".into()], None),
+        Err(maru::worker::WorkerError::InvalidArgument(m)) if m.contains("maru_load_slots")
+    ));
+    r.close().unwrap();
+}

@@ -415,3 +415,85 @@ pub extern "C" fn maru_set_memory_hook_auto() -> maru_status_t {
         Ok(())
     })
 }
+
+/// A chunk read in place from this host's mapping of the CXL memory (backend `cxl`).
+/// `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
+/// close) and at most `valid_ms` milliseconds from the acquire: the view holds a lease
+/// that keeps the chunk's page from being reused, and the lease ends by itself then.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct maru_view_t {
+    pub id: u64,
+    pub data: *const u8,
+    pub len: usize,
+    pub valid_ms: u64,
+}
+
+/// Views of `n` chunks of one request in place, with no copy (backend `cxl` only;
+/// `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: load into slots instead).
+/// `found[i]` says whether `views[i]` holds chunk `keys[i]`; release every found view
+/// with `maru_views_release` as soon as its bytes are used (e.g. copied to the GPU).
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `views` and `found` `n` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_views_acquire(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    views: *mut maru_view_t,
+    found: *mut bool,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(h, keys, views, found);
+        let ks = keys_of(keys, n)?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = handler(h).acquire_views(&ks, rk).map_err(ffi_err)?;
+        let (vs, fs) = (
+            std::slice::from_raw_parts_mut(views, n),
+            std::slice::from_raw_parts_mut(found, n),
+        );
+        for (i, g) in got.into_iter().enumerate().take(n) {
+            (vs[i], fs[i]) = match g {
+                Some(v) => (
+                    maru_view_t {
+                        id: v.id,
+                        data: v.ptr,
+                        len: v.len,
+                        valid_ms: v.valid_ms,
+                    },
+                    true,
+                ),
+                None => (
+                    maru_view_t {
+                        id: 0,
+                        data: std::ptr::null(),
+                        len: 0,
+                        valid_ms: 0,
+                    },
+                    false,
+                ),
+            };
+        }
+        Ok(())
+    })
+}
+
+/// Ends views: their leases go back and their `data` must not be read any more. Ids
+/// already released (or 0, from a view not found) are ignored.
+///
+/// # Safety
+/// `ids` points to `n` values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_views_release(
+    h: *const maru_handler_t,
+    ids: *const u64,
+    n: usize,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(h, ids);
+        handler(h).release_views(slice_of(ids, n)).map_err(ffi_err)
+    })
+}

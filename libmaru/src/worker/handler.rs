@@ -12,6 +12,7 @@ use super::router::PoolRouter;
 use super::session::Session;
 use super::slots::{SlotInfo, SlotTable};
 use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
+use super::views::{ViewInfo, ViewTable};
 use crate::auth::SharedKey;
 use crate::net::ClientOptions;
 use crate::transport::soft::SoftTransport;
@@ -56,6 +57,7 @@ struct Inner {
     lost: Vec<Mutex<Option<StoragePool>>>,
     data: Mutex<Option<Arc<DataPath>>>,
     slots: Mutex<SlotTable>,
+    views: Mutex<ViewTable>,
     executor: Executor,
     /// A transport given by the caller instead of the configured one (tests).
     transport: Option<Arc<dyn Transport>>,
@@ -338,6 +340,24 @@ impl Inner {
         Ok(got.into_iter().map(|s| t.insert(s)).collect())
     }
 
+    /// Releases views' leases at their pools (per route), then drops the views.
+    fn end_leases(&self, held: Vec<super::views::Held>) {
+        let mut by_route: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
+        for h in &held {
+            by_route
+                .entry(h.route.clone())
+                .or_default()
+                .push(h.lease_id);
+        }
+        for (route, ids) in by_route {
+            let _ = self.with_pool(&route, (), |p| {
+                p.release_leases(ids);
+                Ok(())
+            });
+        }
+        drop(held);
+    }
+
     /// Marks the caller's slots busy and hands them over (at once, also for a submitted
     /// operation, so a release racing with it is refused rather than lost).
     fn lend(&self, ids: &[u64]) -> Result<Vec<Option<Slot>>, WorkerError> {
@@ -567,6 +587,7 @@ impl Handler {
             client_id,
             data: Mutex::new(None),
             slots: Mutex::new(SlotTable::default()),
+            views: Mutex::new(ViewTable::default()),
             executor: Executor::new(cfg_threads),
             transport,
             stop: AtomicBool::new(false),
@@ -789,6 +810,52 @@ impl Handler {
             .submit(&back, lent, Box::new(move |lent| f(&inner, &ids, lent)))
     }
 
+    // ------------------------------------------------------------ views (cxl)
+
+    /// Views of chunks in place, without a copy (`cxl` only: this host's read-only
+    /// mapping of the region). Each found key's view holds a lease: its bytes stay the
+    /// key's until [`Handler::release_views`], for at most `valid_ms`.
+    pub fn acquire_views(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<ViewInfo>>, WorkerError> {
+        if self.inner.cfg.backend != BackendKind::Cxl {
+            return Err(WorkerError::InvalidArgument(
+                "views of the shared mapping need backend cxl; on remote_cxl load into staging slots (maru_load_slots)".into(),
+            ));
+        }
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        let got = self
+            .inner
+            .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        let mut t = self.inner.views.lock().map_err(|_| WorkerError::Closed)?;
+        Ok(got
+            .into_iter()
+            .map(|g| g.map(|(lease, view)| t.insert(rk, lease.lease_id, lease.expires_in_ms, view)))
+            .collect())
+    }
+
+    /// Ends views (and their leases). Unknown ids (already released) are ignored.
+    pub fn release_views(&self, ids: &[u64]) -> Result<(), WorkerError> {
+        let held = self
+            .inner
+            .views
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .take(ids);
+        self.inner.end_leases(held);
+        Ok(())
+    }
+
+    /// Views the caller holds now.
+    pub fn held_views(&self) -> usize {
+        self.inner.views.lock().map(|t| t.held()).unwrap_or(0)
+    }
+
     /// Slots the caller holds now.
     pub fn held_slots(&self) -> usize {
         self.inner.slot_table().map(|t| t.held()).unwrap_or(0)
@@ -873,6 +940,10 @@ impl Handler {
         }
         if let Ok(mut t) = self.inner.slots.lock() {
             t.clear();
+        }
+        // The sessions are closed: their leases ended with them; the views' mappings go.
+        if let Ok(mut t) = self.inner.views.lock() {
+            drop(t.clear());
         }
         // Every user of the staging buffer is gone: unregister it from the memory hook.
         if let Some(dp) = self.inner.data.lock().ok().and_then(|mut d| d.take()) {

@@ -14,6 +14,7 @@ pub mod session;
 pub mod slots;
 pub mod staging;
 pub mod transfer;
+pub mod views;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::WorkerError;
@@ -24,3 +25,4 @@ pub use router::{parse_server_urls, PoolRouter};
 pub use slots::SlotInfo;
 pub use staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 pub use transfer::{execute, Isolation, PeerBatch, PeerOutcome};
+pub use views::ViewInfo;

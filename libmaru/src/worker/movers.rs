@@ -34,6 +34,30 @@ pub struct SlotOutcome {
     pub slot: Option<Slot>,
 }
 
+/// Leased bytes in a mapping this host holds; the mapping stays while the view lives.
+#[derive(Clone)]
+pub struct View {
+    map: Arc<Mapping>,
+    offset: usize,
+    len: usize,
+}
+
+impl View {
+    pub fn bytes(&self) -> &[u8] {
+        self.map
+            .as_slice()
+            .ok()
+            .and_then(|b| b.get(self.offset..self.offset + self.len))
+            .unwrap_or(&[])
+    }
+}
+
+impl std::fmt::Debug for View {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "View({} bytes at {})", self.len, self.offset)
+    }
+}
+
 /// Receives the bytes of lease `i` of a read (a view that is only valid during the call).
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
@@ -94,6 +118,11 @@ pub trait Mover: Send {
     /// reused then.
     fn may_still_write(&self) -> bool {
         false
+    }
+    /// The leased bytes in place, for a reader that uses them without a copy (`cxl`:
+    /// this host's read-only mapping of the region). `None` where the mover cannot.
+    fn view(&mut self, _lease: &LeaseGrant) -> Option<View> {
+        None
     }
     /// The session is gone with the maru-server that knew it (it restarted): no keeper
     /// will ever release the regions, so release them at their agents now (nothing can
@@ -582,7 +611,10 @@ impl RemoteMover {
 /// `cxl`: this host maps the regions itself and copies with memcpy.
 pub struct CxlMover {
     own: HashMap<u64, Mapping>,
-    readers: HashMap<u64, Mapping>,
+    /// Read-only mappings of regions (other engines' and, for views, our own), shared
+    /// with the views handed out so that a view outlives neither its mapping nor
+    /// keeps one alive longer than it needs.
+    readers: HashMap<u64, Arc<Mapping>>,
 }
 
 impl CxlMover {
@@ -598,27 +630,37 @@ impl CxlMover {
     /// The bytes of a lease in this host's mapping (mapping the owner's region read-only
     /// the first time).
     fn leased_bytes(&mut self, l: &LeaseGrant) -> Option<&[u8]> {
-        if !self.own.contains_key(&l.region_id) && !self.readers.contains_key(&l.region_id) {
-            let d = l.device.as_ref()?;
-            let path = local_path(&d.uuid, &d.path).ok()?;
-            let m = dax::map_range(
-                &path,
-                dax::kind_of_path(&path),
-                d.region_offset,
-                d.region_length,
-                2 << 20,
-                false,
-            )
-            .ok()?;
-            self.readers.insert(l.region_id, m);
+        if !self.own.contains_key(&l.region_id) {
+            self.reader(l)?;
         }
-        let m = self
-            .own
-            .get(&l.region_id)
-            .or_else(|| self.readers.get(&l.region_id))?;
+        let m = match self.own.get(&l.region_id) {
+            Some(m) => m,
+            None => self.readers.get(&l.region_id)?.as_ref(),
+        };
         m.as_slice()
             .ok()?
             .get(l.offset as usize..(l.offset + l.length) as usize)
+    }
+
+    /// The read-only mapping of a lease's region (made the first time).
+    fn reader(&mut self, l: &LeaseGrant) -> Option<Arc<Mapping>> {
+        if let Some(m) = self.readers.get(&l.region_id) {
+            return Some(m.clone());
+        }
+        let d = l.device.as_ref()?;
+        let path = local_path(&d.uuid, &d.path).ok()?;
+        let m = dax::map_range(
+            &path,
+            dax::kind_of_path(&path),
+            d.region_offset,
+            d.region_length,
+            2 << 20,
+            false,
+        )
+        .ok()?;
+        let m = Arc::new(m);
+        self.readers.insert(l.region_id, m.clone());
+        Some(m)
     }
 }
 
@@ -673,6 +715,13 @@ impl Mover for CxlMover {
                 }
             })
             .collect()
+    }
+
+    fn view(&mut self, l: &LeaseGrant) -> Option<View> {
+        let map = self.reader(l)?;
+        let (offset, len) = (l.offset as usize, l.length as usize);
+        map.as_slice().ok()?.get(offset..offset + len)?;
+        Some(View { map, offset, len })
     }
 
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {

@@ -3,7 +3,7 @@
 //! complete). Load = leases → READ/copy → release the leases.
 
 use super::error::WorkerError;
-use super::movers::{Mover, ReadSink, SlotWrite, WriteItem};
+use super::movers::{Mover, ReadSink, SlotWrite, View, WriteItem};
 use super::session::Session;
 use super::staging::Slot;
 use crate::wire::meta::{LeaseGrant, PageGrant, PublishEntry};
@@ -311,13 +311,7 @@ impl StoragePool {
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
         read(&found, &grants, self.mover.as_mut());
-        let ids = grants.iter().map(|g| g.lease_id).collect();
-        if let Err(e) = self.session.release_leases(ids) {
-            log::warn!(
-                "pool {}: releasing leases failed (they expire on their own): {e}",
-                self.session.url
-            );
-        }
+        self.release_leases(grants.iter().map(|g| g.lease_id).collect());
         self.stats.misses += (keys.len() - found.len()) as u64;
         Ok(found.len())
     }
@@ -334,6 +328,51 @@ impl StoragePool {
         self.mover.reclaim();
         let boots = self.mover.boot_ids();
         self.session.heartbeat(boots)
+    }
+
+    /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held
+    /// until the caller releases it with `release_leases`. Keys that missed or whose
+    /// view failed are `None` (their leases are released at once).
+    pub fn acquire_views(
+        &mut self,
+        keys: &[String],
+    ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(self.max_batch) {
+            let leases = self.session.acquire(part)?;
+            let mut unused = Vec::new();
+            for l in leases {
+                let Some(l) = l else {
+                    self.stats.misses += 1;
+                    out.push(None);
+                    continue;
+                };
+                match self.mover.view(&l) {
+                    Some(v) => {
+                        self.stats.hits += 1;
+                        self.stats.bytes_loaded += l.length;
+                        out.push(Some((l, v)));
+                    }
+                    None => {
+                        self.stats.load_failed += 1;
+                        unused.push(l.lease_id);
+                        out.push(None);
+                    }
+                }
+            }
+            self.release_leases(unused);
+        }
+        Ok(out)
+    }
+
+    /// Ends leases (they also end by themselves when they time out).
+    pub fn release_leases(&mut self, ids: Vec<u64>) {
+        if let Err(e) = self.session.release_leases(ids) {
+            log::warn!(
+                "pool {}: releasing leases failed (they expire on their own): {e}",
+                self.session.url
+            );
+        }
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's
