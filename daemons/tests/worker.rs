@@ -920,3 +920,47 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
     ));
     r.close().unwrap();
 }
+
+/// One handler used from several threads at once (the C API promises thread safety):
+/// threads store and load through both the copying calls and the slot API, on their
+/// own routes, and every chunk comes back intact.
+#[test]
+fn one_handler_serves_many_threads_at_once() {
+    use maru::worker::SlotPool;
+    let st = stack(true, &[]);
+    let h = std::sync::Arc::new(Handler::open(&config(&st, "remote_cxl", "threads")).unwrap());
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                let route = format!("thread-{t}");
+                for i in 0..24usize {
+                    let key = format!("{route}/{i}");
+                    let d = chunk(t * 100 + i);
+                    if i % 2 == 0 {
+                        assert!(h.store(&key, &d, Some(&route)).unwrap());
+                    } else {
+                        let s = h
+                            .acquire_slots(SlotPool::Store, 1, Duration::from_secs(10))
+                            .unwrap();
+                        // SAFETY: our slot, large enough for one chunk.
+                        unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), s[0].ptr, d.len()) };
+                        let ok = h
+                            .store_slots(&[key.clone()], &[s[0].id], &[d.len()], Some(&route))
+                            .unwrap();
+                        h.release_slots(&[s[0].id]).unwrap();
+                        assert!(ok[0]);
+                    }
+                    let got = h.load(&key, Some(&route)).unwrap().expect("stored");
+                    assert_eq!(digest(&got), digest(&d), "{key}");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("a worker thread failed");
+    }
+    assert_eq!(h.held_slots(), 0);
+    assert_eq!(h.stats()["total"]["hits"], 96);
+    h.close().unwrap();
+}
