@@ -946,7 +946,12 @@ fn one_handler_serves_many_threads_at_once() {
                         // SAFETY: our slot, large enough for one chunk.
                         unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), s[0].ptr, d.len()) };
                         let ok = h
-                            .store_slots(&[key.clone()], &[s[0].id], &[d.len()], Some(&route))
+                            .store_slots(
+                                std::slice::from_ref(&key),
+                                &[s[0].id],
+                                &[d.len()],
+                                Some(&route),
+                            )
                             .unwrap();
                         h.release_slots(&[s[0].id]).unwrap();
                         assert!(ok[0]);
