@@ -150,6 +150,18 @@ int main(void) {
         CHECK(maru_slots_release(b, ids, BATCH) == MARU_OK); /* already back: no-op */
     }
 
+    {
+        /* Only the engine that stored a key removes it; a key never stored is not found. */
+        const char *two[2] = {keys[N - 1], "never-stored-remove"};
+        uint32_t res[2];
+        CHECK(maru_remove_batch(b, two, 1, keys[0], res) == MARU_OK && res[0] == MARU_REMOVE_NOT_OWNER);
+        CHECK(maru_remove_batch(a, two, 2, keys[0], res) == MARU_OK);
+        CHECK(res[0] == MARU_REMOVED && res[1] == MARU_REMOVE_NOT_FOUND);
+        bool f1 = true;
+        CHECK(maru_exists_batch(b, two, 1, keys[0], &f1) == MARU_OK && !f1);
+        CHECK(maru_remove_batch(a, two, 1, NULL, NULL) == MARU_ERR_NULL_ARGUMENT);
+    }
+
     /* Bad arguments. */
     CHECK(maru_slots_acquire(a, 7, 1, 10, slots, &got) == MARU_ERR_INVALID_ARGUMENT);
     CHECK(strstr(maru_last_error(), "MARU_SLOT_LOAD") != NULL);
@@ -169,7 +181,11 @@ int main(void) {
     const char *miss = "never-stored-slot";
     CHECK(maru_load_slots(a, &miss, &id, 1, NULL, &len1, &hit1) == MARU_OK && !hit1 && len1 == 0);
     CHECK(maru_load_slots(a, &miss, &id, 1, NULL, NULL, &hit1) == MARU_ERR_NULL_ARGUMENT);
+    bool held1 = false;
+    CHECK(maru_slots_held(a, &id, 1, &held1) == MARU_OK && held1); /* a miss keeps the slot */
     CHECK(maru_slots_release(a, &id, 1) == MARU_OK);
+    CHECK(maru_slots_held(a, &id, 1, &held1) == MARU_OK && !held1);
+    CHECK(maru_slots_held(a, &id, 1, NULL) == MARU_ERR_NULL_ARGUMENT);
     CHECK(maru_op_poll(NULL) == MARU_ERR_NULL_ARGUMENT);
     CHECK(maru_op_wait(NULL, 1) == MARU_ERR_NULL_ARGUMENT);
     maru_op_free(NULL);

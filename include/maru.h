@@ -20,6 +20,35 @@
 #define MARU_ABI_VERSION 1
 
 /**
+ * What `maru_remove_batch` did with one key.
+ */
+enum maru_remove_result_t
+#ifdef __cplusplus
+  : uint32_t
+#endif // __cplusplus
+ {
+  /**
+   * Unpublished; its page is free for this engine's next stores.
+   */
+  MARU_REMOVED = 0,
+  /**
+   * Not stored (or its pool is unavailable now).
+   */
+  MARU_REMOVE_NOT_FOUND = 1,
+  /**
+   * Refused: another engine stored it (or maru-server's keeper holds it).
+   */
+  MARU_REMOVE_NOT_OWNER = 2,
+  /**
+   * Refused: a reader holds a lease on it now; try again later.
+   */
+  MARU_REMOVE_LEASED = 3,
+};
+#ifndef __cplusplus
+typedef uint32_t maru_remove_result_t;
+#endif // __cplusplus
+
+/**
  * The pool a staging slot comes from: loads and stores have their own slots, sized
  * independently (`load_slots`, `store_slots` in the configuration).
  */
@@ -360,6 +389,19 @@ maru_status_t maru_op_results(const struct maru_op_t *op, bool *flags, size_t *l
 maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
 
 /**
+ * Unpublishes `n` keys of one request that this engine stored; `results[i]` (a
+ * `maru_remove_result_t` value) says what happened to `keys[i]`.
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `results` `n` writable values.
+ */
+maru_status_t maru_remove_batch(const struct maru_handler_t *h,
+                                const char *const *keys,
+                                size_t n,
+                                const char *route_key,
+                                uint32_t *results);
+
+/**
  * Sets the process-wide memory hook for handlers opened from now on: each handler
  * calls `register(ctx, ptr, len)` with its staging buffer before first use (a nonzero
  * return fails `maru_handler_open` with `MARU_ERR_CONFIG`), and `unregister(ctx, ptr,
@@ -398,6 +440,19 @@ maru_status_t maru_slots_acquire(const struct maru_handler_t *h,
                                  uint32_t timeout_ms,
                                  struct maru_slot_t *out,
                                  size_t *got);
+
+/**
+ * Whether each of `ids` is still a slot the caller holds (`held[i]`): false once it
+ * was released, or taken back by libmaru after a transfer whose outcome was unknown.
+ * Lets a caller keep its slots after a plain miss instead of guessing.
+ *
+ * # Safety
+ * `ids` and `held` point to `n` values.
+ */
+maru_status_t maru_slots_held(const struct maru_handler_t *h,
+                              const uint64_t *ids,
+                              size_t n,
+                              bool *held);
 
 /**
  * Gives slots back to their pools. A slot lent to an operation still running is

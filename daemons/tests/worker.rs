@@ -746,6 +746,7 @@ fn slots_of_a_stalled_peer_come_back_after_its_fence_and_the_peer_recovers() {
         0,
         "the stalled transfer's slots were taken back"
     );
+    assert_eq!(a.slots_held(&ids).unwrap(), vec![false; 4]);
     assert!(matches!(
         a.store_slots(&keys[..1], &ids[..1], &[1], Some("r")),
         Err(WorkerError::InvalidArgument(_))
@@ -909,6 +910,33 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
     b.release_views(&ids).unwrap(); // already released: ignored
     assert_eq!(b.held_views(), 0);
     assert_eq!(leases_of(&st.server.addr, "view-reader"), 0);
+
+    // Remove: only the engine that stored a key may unpublish it, and not while a
+    // reader holds a lease on it.
+    use maru::wire::meta::RemoveResult;
+    let held = b.acquire_views(&keys[..1], Some("v")).unwrap();
+    let one = vec![keys[0].clone()];
+    assert_eq!(
+        b.remove_batch(&one, Some("v")).unwrap(),
+        vec![RemoveResult::NotOwner]
+    );
+    assert_eq!(
+        a.remove_batch(&one, Some("v")).unwrap(),
+        vec![RemoveResult::Leased]
+    );
+    b.release_views(&[held[0].expect("found").id]).unwrap();
+    let two = vec![keys[0].clone(), "view-never-stored".to_string()];
+    assert_eq!(
+        a.remove_batch(&two, Some("v")).unwrap(),
+        vec![RemoveResult::Removed, RemoveResult::NotFound]
+    );
+    assert_eq!(
+        b.exists_batch(&one, Some("v")).unwrap(),
+        vec![false],
+        "gone for readers"
+    );
+    assert!(b.acquire_views(&one, Some("v")).unwrap()[0].is_none());
+    assert!(a.remove_batch(&[], None).unwrap().is_empty());
     a.close().unwrap();
     b.close().unwrap();
 

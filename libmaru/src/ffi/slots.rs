@@ -497,3 +497,71 @@ pub unsafe extern "C" fn maru_views_release(
         handler(h).release_views(slice_of(ids, n)).map_err(ffi_err)
     })
 }
+
+/// Whether each of `ids` is still a slot the caller holds (`held[i]`): false once it
+/// was released, or taken back by libmaru after a transfer whose outcome was unknown.
+/// Lets a caller keep its slots after a plain miss instead of guessing.
+///
+/// # Safety
+/// `ids` and `held` point to `n` values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_slots_held(
+    h: *const maru_handler_t,
+    ids: *const u64,
+    n: usize,
+    held: *mut bool,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(h, ids, held);
+        let got = handler(h).slots_held(slice_of(ids, n)).map_err(ffi_err)?;
+        std::slice::from_raw_parts_mut(held, n).copy_from_slice(&got);
+        Ok(())
+    })
+}
+
+/// What `maru_remove_batch` did with one key.
+#[allow(non_camel_case_types)]
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum maru_remove_result_t {
+    /// Unpublished; its page is free for this engine's next stores.
+    MARU_REMOVED = 0,
+    /// Not stored (or its pool is unavailable now).
+    MARU_REMOVE_NOT_FOUND = 1,
+    /// Refused: another engine stored it (or maru-server's keeper holds it).
+    MARU_REMOVE_NOT_OWNER = 2,
+    /// Refused: a reader holds a lease on it now; try again later.
+    MARU_REMOVE_LEASED = 3,
+}
+
+/// Unpublishes `n` keys of one request that this engine stored; `results[i]` (a
+/// `maru_remove_result_t` value) says what happened to `keys[i]`.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `results` `n` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_remove_batch(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    results: *mut u32,
+) -> maru_status_t {
+    use crate::wire::meta::RemoveResult;
+    ffi_guard(|| {
+        check_not_null!(h, keys, results);
+        let ks = keys_of(keys, n)?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = handler(h).remove_batch(&ks, rk).map_err(ffi_err)?;
+        let out = std::slice::from_raw_parts_mut(results, n);
+        for (o, r) in out.iter_mut().zip(got) {
+            *o = match r {
+                RemoveResult::Removed => maru_remove_result_t::MARU_REMOVED,
+                RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
+                RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
+                RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
+            } as u32;
+        }
+        Ok(())
+    })
+}

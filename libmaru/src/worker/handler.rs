@@ -719,6 +719,25 @@ impl Handler {
             .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
     }
 
+    /// Unpublishes keys this engine stored; per key: removed, not found, stored by
+    /// another engine (refused), or leased by a reader now (refused). A pool that is
+    /// unavailable answers `NotFound`.
+    pub fn remove_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.inner.with_pool(
+            rk,
+            vec![crate::wire::meta::RemoveResult::NotFound; keys.len()],
+            |p| p.remove(keys),
+        )
+    }
+
     // ------------------------------------------------------------ slot API
 
     /// Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout` for at
@@ -854,6 +873,14 @@ impl Handler {
     /// Views the caller holds now.
     pub fn held_views(&self) -> usize {
         self.inner.views.lock().map(|t| t.held()).unwrap_or(0)
+    }
+
+    /// Whether each slot id is still the caller's (held, possibly lent to a running
+    /// operation); false once released or taken back after a transfer whose outcome
+    /// was unknown.
+    pub fn slots_held(&self, ids: &[u64]) -> Result<Vec<bool>, WorkerError> {
+        let t = self.inner.slot_table()?;
+        Ok(ids.iter().map(|id| t.contains(*id)).collect())
     }
 
     /// Slots the caller holds now.

@@ -316,6 +316,18 @@ impl StoragePool {
         Ok(found.len())
     }
 
+    /// Unpublishes keys this session stored (see `RemoveResult` for the others).
+    pub fn remove(
+        &mut self,
+        keys: &[String],
+    ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(self.max_batch) {
+            out.extend(self.session.remove(chunk)?);
+        }
+        Ok(out)
+    }
+
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.max_batch) {

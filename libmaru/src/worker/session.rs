@@ -4,7 +4,7 @@ use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
     Backend, HandshakeReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef, PublishEntry,
-    RegionGrant, SessionReply, SERVICE,
+    RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -145,6 +145,17 @@ impl Session {
         })? {
             MetaReply::Leases { leases } => Ok(leases),
             r => Err(unexpected("acquire", r)),
+        }
+    }
+
+    /// Unpublishes keys of this session's own regions (their pages are free again).
+    pub fn remove(&mut self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
+        match self.call(&MetaRequest::Remove {
+            session: self.id,
+            keys: keys.to_vec(),
+        })? {
+            MetaReply::Removed { results } => Ok(results),
+            r => Err(unexpected("remove", r)),
         }
     }
 

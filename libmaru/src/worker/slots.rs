@@ -103,6 +103,10 @@ impl SlotTable {
         Ok(())
     }
 
+    pub fn contains(&self, id: u64) -> bool {
+        self.held.contains_key(&id)
+    }
+
     pub fn held(&self) -> usize {
         self.held.len()
     }
