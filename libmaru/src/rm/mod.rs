@@ -29,4 +29,6 @@ pub use extents::{ExtentAllocator, ExtentError};
 pub use holds::HoldLedger;
 pub use secret::{load_or_create_secret, SecretError, SECRET_FILE, SECRET_LEN};
 pub use state::{HoldRecord, RegionRecord, RmState, STATE_VERSION};
+#[doc(hidden)]
+pub use store::parse_state;
 pub use store::{DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE};

@@ -100,7 +100,9 @@ impl std::error::Error for PersistError {
 }
 
 /// Parses a state file's text, refusing another format version.
-fn parse_state(path: &Path, text: &[u8]) -> Result<RmState, PersistError> {
+/// Public for the fuzz targets; the daemons go through [`DirStore`].
+#[doc(hidden)]
+pub fn parse_state(path: &Path, text: &[u8]) -> Result<RmState, PersistError> {
     let bad = |msg: String| {
         PersistError::new(
             Step::Parse,

@@ -80,6 +80,21 @@ impl Request {
     }
 }
 
+/// The status an operation gets from a live registration of `reg_len` bytes at
+/// `reg_base`: the whole range `[addr, addr + len)` must lie inside it (no overflow
+/// wraps around), and a WRITE needs a writable registration.
+pub fn op_status(reg_base: u64, reg_len: u64, writable: bool, req: &Request) -> u32 {
+    let end = req.addr as u128 + req.len as u128;
+    let reg_end = reg_base as u128 + reg_len as u128;
+    if req.addr < reg_base || end > reg_end {
+        ST_RANGE
+    } else if req.op == OP_WRITE && !writable {
+        ST_READ_ONLY
+    } else {
+        ST_OK
+    }
+}
+
 impl Completion {
     pub fn encode(&self) -> [u8; CPL_LEN] {
         let mut b = [0u8; CPL_LEN];
@@ -104,6 +119,45 @@ impl Completion {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn range_check_refuses_wrap_around_and_read_only_writes() {
+        let req = |op, addr, len| Request {
+            op,
+            seq: 1,
+            addr,
+            rkey: 1,
+            len,
+        };
+        let base = 0x1000;
+        assert_eq!(
+            op_status(base, 0x100, true, &req(OP_WRITE, base, 0x100)),
+            ST_OK
+        );
+        assert_eq!(
+            op_status(base, 0x100, true, &req(OP_READ, base, 0x101)),
+            ST_RANGE
+        );
+        assert_eq!(
+            op_status(base, 0x100, true, &req(OP_READ, base - 1, 1)),
+            ST_RANGE
+        );
+        // An end past u64::MAX never wraps into the registration.
+        assert_eq!(
+            op_status(
+                u64::MAX - 0xff,
+                0x100,
+                true,
+                &req(OP_READ, u64::MAX - 0xff, 0x101)
+            ),
+            ST_RANGE
+        );
+        assert_eq!(
+            op_status(base, 0x100, false, &req(OP_WRITE, base, 1)),
+            ST_READ_ONLY
+        );
+        assert_eq!(op_status(base, 0x100, false, &req(OP_READ, base, 1)), ST_OK);
+    }
 
     #[test]
     fn round_trips() {

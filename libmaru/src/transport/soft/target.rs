@@ -35,7 +35,10 @@ struct Shared {
     key: Option<SharedKey>,
     io_timeout: Duration,
     stop: AtomicBool,
-    conns: Mutex<Vec<TcpStream>>,
+    /// Open data connections (a handle each, to close them at shutdown), by id; a
+    /// connection's thread removes its own when it ends.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
     ops: AtomicU64,
     rejected: AtomicU64,
 }
@@ -52,6 +55,8 @@ pub struct SoftTarget {
 pub struct TargetStats {
     pub registrations: usize,
     pub ops: u64,
+    /// Data connections open now.
+    pub connections: usize,
     /// Operations refused for a bad key, range or access.
     pub rejected: u64,
 }
@@ -82,7 +87,8 @@ impl SoftTarget {
             key,
             io_timeout,
             stop: AtomicBool::new(false),
-            conns: Mutex::new(Vec::new()),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
             ops: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         });
@@ -110,6 +116,7 @@ impl SoftTarget {
         TargetStats {
             registrations: self.shared.regs.read().map(|r| r.len()).unwrap_or(0),
             ops: self.shared.ops.load(Ordering::Relaxed),
+            connections: self.shared.conns.lock().map(|c| c.len()).unwrap_or(0),
             rejected: self.shared.rejected.load(Ordering::Relaxed),
         }
     }
@@ -118,7 +125,7 @@ impl SoftTarget {
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         if let Ok(conns) = self.shared.conns.lock() {
-            for c in conns.iter() {
+            for c in conns.values() {
                 let _ = c.shutdown(Shutdown::Both);
             }
         }
@@ -209,21 +216,32 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = stream.try_clone() {
             if let Ok(mut conns) = shared.conns.lock() {
-                conns.retain(|s| s.peer_addr().is_ok());
-                conns.push(c);
+                conns.insert(id, c);
             }
         }
         let s = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("soft-nic-conn".into())
-            .spawn(move || match serve(stream, &s) {
-                Ok(()) => log::debug!("soft NIC: {peer} disconnected"),
-                Err(e) => log::info!("soft NIC: connection from {peer} ended: {e}"),
+            .spawn(move || {
+                match serve(stream, &s) {
+                    Ok(()) => log::debug!("soft NIC: {peer} disconnected"),
+                    Err(e) => log::info!("soft NIC: connection from {peer} ended: {e}"),
+                }
+                // The handle kept for shutdown would hold the socket open (no FIN to
+                // a refused peer, one descriptor per closed connection): close it.
+                let kept = s.conns.lock().ok().and_then(|mut c| c.remove(&id));
+                if let Some(c) = kept {
+                    let _ = c.shutdown(Shutdown::Both);
+                }
             });
         if let Err(e) = spawned {
             log::warn!("soft NIC: cannot start a connection thread: {e}");
+            if let Ok(mut c) = shared.conns.lock() {
+                c.remove(&id);
+            }
         }
     }
 }
@@ -318,18 +336,7 @@ fn lookup(shared: &Shared, rkey: u64) -> Option<Arc<Reg>> {
 }
 
 fn check(reg: &Reg, req: &Request) -> u32 {
-    let in_range = req.addr >= reg.base
-        && req
-            .addr
-            .checked_add(req.len)
-            .is_some_and(|end| end <= reg.base + reg.len);
-    if !in_range {
-        proto::ST_RANGE
-    } else if req.op == proto::OP_WRITE && !reg.writable {
-        proto::ST_READ_ONLY
-    } else {
-        proto::ST_OK
-    }
+    proto::op_status(reg.base, reg.len, reg.writable, req)
 }
 
 fn serve_op(

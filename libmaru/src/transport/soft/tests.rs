@@ -252,3 +252,42 @@ fn the_data_connection_proves_the_key() {
         Err(TransportError::Setup(_))
     ));
 }
+
+#[test]
+fn refused_and_closed_data_connections_are_closed_and_forgotten() {
+    use std::io::{Read, Write};
+    let key = SharedKey::generate().unwrap();
+    let mut r = rig(Some(key), 4096, 4096);
+    let reg = unsafe { r.target.register(r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let addr = reg.transport["soft"]["addr"].as_str().unwrap().to_string();
+    // A peer that skips the handshake is refused and sees the connection end at
+    // once (not when some timeout fires), and no descriptor stays behind.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    s.write_all(&[2, 0, 0, 0, 0, 0, 0, 0]).unwrap();
+    let mut got = Vec::new();
+    let t = std::time::Instant::now();
+    s.read_to_end(&mut got)
+        .expect("the NIC closes a refused connection");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    // A worker that connects and goes away leaves nothing open either.
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    assert!(wait_for(|| r.target.stats().connections == 1));
+    r.nic.fence(peer).unwrap();
+    assert!(
+        wait_for(|| r.target.stats().connections == 0),
+        "{} data connections still open",
+        r.target.stats().connections
+    );
+}
+
+fn wait_for(mut f: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + T;
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    f()
+}

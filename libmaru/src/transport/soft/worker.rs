@@ -58,6 +58,12 @@ pub struct SoftTransport {
     shared: Arc<Shared>,
     next_peer: AtomicU64,
     next_batch: AtomicU64,
+    /// Fault injection (tests only, see [`SoftTransport::inject_write_delay`]): µs
+    /// each WRITE waits before it goes on the wire; 0 (the default) is none.
+    write_delay_us: AtomicU64,
+    /// Fault injection (tests only, see [`SoftTransport::inject_payload_stall`]): µs
+    /// between a WRITE's header and its payload; 0 (the default) is none.
+    payload_stall_us: AtomicU64,
 }
 
 impl SoftTransport {
@@ -74,7 +80,30 @@ impl SoftTransport {
             }),
             next_peer: AtomicU64::new(1),
             next_batch: AtomicU64::new(1),
+            write_delay_us: AtomicU64::new(0),
+            payload_stall_us: AtomicU64::new(0),
         }
+    }
+
+    /// Fault injection for tests: every WRITE posted from now on waits `delay` on the
+    /// posting thread before its request leaves, as a WRITE that sits in a NIC's send
+    /// queue. `post` returns only after the delay; a test posts from another thread to
+    /// let the owner give its region back while the WRITE is still on its way.
+    /// `Duration::ZERO` turns it off. Never set by the library itself.
+    #[doc(hidden)]
+    pub fn inject_write_delay(&self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.write_delay_us.store(us, Ordering::SeqCst);
+    }
+
+    /// Fault injection for tests: every WRITE posted from now on sends its request
+    /// header, then waits `stall` on the posting thread before its payload, as a WRITE
+    /// whose data is slow to arrive (the NIC has started it). `Duration::ZERO` turns
+    /// it off. Never set by the library itself.
+    #[doc(hidden)]
+    pub fn inject_payload_stall(&self, stall: Duration) {
+        let us = u64::try_from(stall.as_micros()).unwrap_or(u64::MAX);
+        self.payload_stall_us.store(us, Ordering::SeqCst);
     }
 
     fn peer(&self, id: PeerId) -> Result<Arc<Peer>, TransportError> {
@@ -346,6 +375,10 @@ impl Transport for SoftTransport {
                 return Ok(batch);
             }
             let res = if op.kind == OpKind::Write {
+                let delay = self.write_delay_us.load(Ordering::Relaxed);
+                if delay > 0 {
+                    std::thread::sleep(Duration::from_micros(delay));
+                }
                 // SAFETY: checked against the registered buffer above.
                 let src = unsafe {
                     std::slice::from_raw_parts(
@@ -353,7 +386,15 @@ impl Transport for SoftTransport {
                         op.len as usize,
                     )
                 };
-                super::target::write_two(&mut *w, &req.encode(), src)
+                let stall = self.payload_stall_us.load(Ordering::Relaxed);
+                if stall > 0 {
+                    w.write_all(&req.encode()).and_then(|()| {
+                        std::thread::sleep(Duration::from_micros(stall));
+                        w.write_all(src)
+                    })
+                } else {
+                    super::target::write_two(&mut *w, &req.encode(), src)
+                }
             } else {
                 w.write_all(&req.encode())
             };

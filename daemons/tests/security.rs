@@ -1,0 +1,456 @@
+//! Security checks against real daemons on loopback that the other suites leave out:
+//! no map/unmap/release (and no soft-NIC operation) without the key proof, release
+//! only with the region's handle, read tokens bound to their region and range, a
+//! read registration refuses WRITEs, loopback by default (and said so in --help),
+//! maru-server refuses an agent key file others can read, units run unprivileged.
+//! (Already covered elsewhere: wrong or missing key at the agent and RM,
+//! agent_daemon.rs / rm_daemon.rs; key files others can read at the agent and RM.)
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::net::{Client, ClientError, ClientOptions};
+use maru::transport::soft::proto::{Request, OP_WRITE};
+use maru::transport::soft::SoftTransport;
+use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
+use maru::wire::agent::{AgentReply, AgentRequest, MapReply, MappingState, SERVICE as AGENT};
+use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
+use maru::wire::{self, ErrorCode, FrameDecoder, FrameKind};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::time::Duration;
+use support::{connect, Daemon, Scratch};
+
+const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+const MIB: u64 = 1 << 20;
+const T: Duration = Duration::from_secs(10);
+
+struct Node {
+    s: Scratch,
+    pool: PathBuf,
+    key_path: PathBuf,
+    key: SharedKey,
+    rm: Daemon,
+    agent: Daemon,
+}
+
+fn node() -> Node {
+    let mut s = Scratch::new("security");
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    let key = SharedKey::generate().unwrap();
+    write_new_key_file(&key_path, &key).unwrap();
+    let rm = Daemon::start(
+        RM_BIN,
+        &[
+            "--state-dir".into(),
+            s.dir.join("rm").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:64M", pool.display()),
+        ],
+        &s.dir,
+    );
+    let agent = Daemon::start(
+        AGENT_BIN,
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--key-file".into(),
+            key_path.display().to_string(),
+            "--device".into(),
+            pool.display().to_string(),
+            "--node".into(),
+            "mem0".into(),
+        ],
+        &s.dir,
+    );
+    Node {
+        s,
+        pool,
+        key_path,
+        key,
+        rm,
+        agent,
+    }
+}
+
+fn alloc(rm: &mut Client) -> Handle {
+    match rm
+        .call(&RmRequest::Alloc {
+            size: 4 * MIB,
+            pool: None,
+            request_id: 0,
+        })
+        .unwrap()
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("{r:?}"),
+    }
+}
+
+fn agent_client(n: &Node, id: &str) -> Client {
+    let mut o = ClientOptions::new(AGENT, id);
+    o.key = Some(n.key.clone());
+    o.call_timeout = T;
+    Client::connect(&n.agent.addr, &o).expect("agent connect")
+}
+
+fn map(c: &mut Client, h: &Handle) -> MapReply {
+    match c
+        .call(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .expect("map")
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("{r:?}"),
+    }
+}
+
+fn refused(r: Result<AgentReply, ClientError>) -> bool {
+    matches!(r, Err(ClientError::Remote(e)) if e.code == ErrorCode::Refused || e.code == ErrorCode::Permission)
+}
+
+/// The agent's view of a region: (state, released, holders).
+fn mapping(c: &mut Client, region_id: u64) -> Option<(MappingState, bool, Vec<String>)> {
+    match c.call(&AgentRequest::Status).expect("status") {
+        AgentReply::Status(s) => s
+            .mappings
+            .into_iter()
+            .find(|m| m.region_id == region_id)
+            .map(|m| (m.state, m.released, m.holders)),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// Reads frames until an error frame or the end of the connection; true when no
+/// reply frame came (the request was not served).
+fn served_nothing(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(T)).unwrap();
+    let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+    let mut buf = [0u8; 4096];
+    loop {
+        while let Ok(Some(f)) = dec.next_frame() {
+            match f.kind {
+                FrameKind::Reply => return false,
+                FrameKind::Error => return true,
+                _ => {}
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return true,
+            Ok(n) => dec.push(&buf[..n]),
+        }
+    }
+}
+
+fn hello(id: &str) -> Vec<u8> {
+    let h = serde_json::json!({"service": AGENT, "version": wire::PROTOCOL_VERSION,
+                               "client_id": id, "nonce": "ab".repeat(32)});
+    wire::frame::encode(FrameKind::Handshake, h.to_string().as_bytes())
+}
+
+fn request(op: &AgentRequest) -> Vec<u8> {
+    let env = wire::Envelope { id: 1, body: op };
+    wire::frame::encode(FrameKind::Request, &wire::encode_json(&env))
+}
+
+#[test]
+fn no_connection_maps_unmaps_or_releases_without_the_key_proof() {
+    let n = node();
+    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    let mut owner = agent_client(&n, "worker-a");
+    map(&mut owner, &h);
+    let before = mapping(&mut owner, h.region_id).expect("mapped");
+    let ops = [
+        AgentRequest::Release { handle: h.clone() },
+        AgentRequest::Unmap {
+            region_id: h.region_id,
+        },
+        AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        },
+    ];
+    for op in &ops {
+        // A request as the first frame.
+        let mut s = TcpStream::connect(&n.agent.addr).unwrap();
+        s.write_all(&request(op)).unwrap();
+        assert!(
+            served_nothing(&mut s),
+            "{op:?} before any handshake was served"
+        );
+        // Hello, then the request instead of the proof.
+        let mut s = TcpStream::connect(&n.agent.addr).unwrap();
+        s.write_all(&hello("worker-a")).unwrap();
+        s.write_all(&request(op)).unwrap();
+        assert!(served_nothing(&mut s), "{op:?} without a proof was served");
+        // Hello, a made-up proof, then the request.
+        let mut s = TcpStream::connect(&n.agent.addr).unwrap();
+        s.write_all(&hello("worker-a")).unwrap();
+        let proof = serde_json::json!({"proof": "cd".repeat(32)}).to_string();
+        s.write_all(&wire::frame::encode(FrameKind::Handshake, proof.as_bytes()))
+            .unwrap();
+        s.write_all(&request(op)).unwrap();
+        assert!(
+            served_nothing(&mut s),
+            "{op:?} with a forged proof was served"
+        );
+    }
+    assert_eq!(
+        mapping(&mut owner, h.region_id),
+        Some(before),
+        "the mapping is as it was: live, not released, same holders"
+    );
+    assert_eq!(
+        mapping(&mut owner, h.region_id).map(|m| (m.0, m.1)),
+        Some((MappingState::Live, false))
+    );
+}
+
+#[test]
+fn the_soft_nic_serves_no_operation_without_the_key_proof() {
+    let n = node();
+    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    let mut owner = agent_client(&n, "worker-a");
+    let m = map(&mut owner, &h);
+    let data_addr = m.transport["soft"]["addr"]
+        .as_str()
+        .expect("soft.addr")
+        .to_string();
+    // A WRITE header with the right key and address, and its payload, on a data
+    // connection that skipped the handshake.
+    let mut s = TcpStream::connect(&data_addr).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    let req = Request {
+        op: OP_WRITE,
+        seq: 1,
+        addr: m.addr,
+        rkey: m.rkey,
+        len: 4096,
+    };
+    let _ = s.write_all(&req.encode());
+    let _ = s.write_all(&[0xAB; 4096]);
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    // The NIC answers with a protocol error frame (or nothing) and closes: never a
+    // completion.
+    if !got.is_empty() {
+        let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+        dec.push(&got);
+        let f = dec.next_frame().expect("a frame").expect("a whole frame");
+        assert_eq!(f.kind, FrameKind::Error, "{got:?}");
+    }
+    // A wrong key cannot open a data connection at all.
+    let nic = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
+    let mut staging = vec![0u8; 4096];
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    assert!(matches!(
+        nic.connect(&m.transport, &mut no_bringup),
+        Err(TransportError::Setup(_))
+    ));
+    let f = std::fs::File::open(&n.pool).unwrap();
+    let mut bytes = vec![0u8; 4096];
+    f.read_exact_at(&mut bytes, h.offset).unwrap();
+    assert!(bytes.iter().all(|&b| b != 0xAB), "nothing was written");
+}
+
+#[test]
+fn release_needs_the_regions_handle() {
+    let n = node();
+    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
+    let h = alloc(&mut rm);
+    let other = alloc(&mut rm);
+    let mut owner = agent_client(&n, "worker-a");
+    map(&mut owner, &h);
+    let mut intruder = agent_client(&n, "worker-b");
+    let mut forged = h.clone();
+    forged.token = "00".repeat(16);
+    assert!(refused(
+        intruder.call(&AgentRequest::Release { handle: forged })
+    ));
+    // Another region's token (a handle the caller does hold) does not open this one.
+    let mut swapped = h.clone();
+    swapped.token = other.token.clone();
+    assert!(refused(
+        intruder.call(&AgentRequest::Release { handle: swapped })
+    ));
+    // A handle with the right token and a changed range is not this region's either.
+    let mut widened = h.clone();
+    widened.length *= 2;
+    assert!(refused(
+        intruder.call(&AgentRequest::Release { handle: widened })
+    ));
+    assert_eq!(
+        mapping(&mut owner, h.region_id).map(|m| (m.0, m.1)),
+        Some((MappingState::Live, false)),
+        "still live, not released"
+    );
+    let r: AgentReply = owner
+        .call(&AgentRequest::Release { handle: h.clone() })
+        .unwrap();
+    assert_eq!(r, AgentReply::Released { deregistered: true });
+}
+
+#[test]
+fn read_tokens_open_only_their_own_range_of_their_own_region_and_only_for_reading() {
+    let n = node();
+    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
+    let x = alloc(&mut rm);
+    let y = alloc(&mut rm);
+    let mut owner = agent_client(&n, "worker-a");
+    map(&mut owner, &x);
+    map(&mut owner, &y);
+    let mut reader = agent_client(&n, "worker-b");
+    let tok = maru::auth::read_token(&x.token, x.region_id, 0, MIB);
+    let try_map = |c: &mut Client, region_id: u64, offset: u64, length: u64, t: &str| {
+        c.call::<_, AgentReply>(&AgentRequest::MapRead {
+            region_id,
+            offset,
+            length,
+            read_token: t.to_string(),
+        })
+    };
+    // Reused for another offset of the same length, another region, a sub-range.
+    assert!(refused(try_map(&mut reader, x.region_id, MIB, MIB, &tok)));
+    assert!(refused(try_map(&mut reader, y.region_id, 0, MIB, &tok)));
+    assert!(refused(try_map(&mut reader, x.region_id, 0, MIB / 2, &tok)));
+    // Forged: the region token itself, random hex, empty.
+    assert!(refused(try_map(&mut reader, x.region_id, 0, MIB, &x.token)));
+    assert!(refused(try_map(
+        &mut reader,
+        x.region_id,
+        0,
+        MIB,
+        &"5a".repeat(16)
+    )));
+    assert!(refused(try_map(&mut reader, x.region_id, 0, MIB, "")));
+    // The right token maps the range, for READ only.
+    let m = match try_map(&mut reader, x.region_id, 0, MIB, &tok) {
+        Ok(AgentReply::Mapped(m)) => m,
+        r => panic!("{r:?}"),
+    };
+    let nic = SoftTransport::new("worker-b", Some(n.key.clone()));
+    let mut staging = vec![0x77u8; 4096];
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    let peer = nic.connect(&m.transport, &mut no_bringup).unwrap();
+    let op = |kind| Op {
+        kind,
+        local_offset: 0,
+        remote_addr: m.addr,
+        rkey: m.rkey,
+        len: 4096,
+    };
+    let b = nic.post(peer, &[op(OpKind::Write)]).unwrap();
+    assert!(
+        matches!(
+            nic.wait(b, T),
+            BatchState::Failed(TransportError::ReadOnly { .. })
+        ),
+        "a WRITE through a read registration is refused"
+    );
+    let b = nic.post(peer, &[op(OpKind::Read)]).unwrap();
+    assert_eq!(nic.wait(b, T), BatchState::Done);
+    // Past the end of the read range: refused at the NIC.
+    let past = Op {
+        remote_addr: m.addr + MIB - 2048,
+        ..op(OpKind::Read)
+    };
+    let b = nic.post(peer, &[past]).unwrap();
+    assert!(matches!(
+        nic.wait(b, T),
+        BatchState::Failed(TransportError::OutOfRange { .. })
+    ));
+}
+
+#[test]
+fn rm_server_and_agent_listen_on_loopback_by_default_and_say_so() {
+    for bin in [RM_BIN, SERVER_BIN, AGENT_BIN] {
+        let out = std::process::Command::new(bin)
+            .arg("--help")
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("[default: 127.0.0.1]"),
+            "{bin} --help does not show the loopback default:\n{help}"
+        );
+        // The RM and maru-server speak without a key by default: their help says the
+        // protocol is plaintext (the agent requires its key on every connection).
+        if bin != AGENT_BIN {
+            assert!(help.contains("plaintext"), "{bin}: {help}");
+        }
+    }
+    // Started without --host, they listen on 127.0.0.1.
+    let n = node();
+    assert!(n.rm.addr.starts_with("127.0.0.1:"), "{}", n.rm.addr);
+    assert!(n.agent.addr.starts_with("127.0.0.1:"), "{}", n.agent.addr);
+    let server = Daemon::start(
+        SERVER_BIN,
+        &["--rm-address".into(), n.rm.addr.clone()],
+        &n.s.dir,
+    );
+    assert!(server.addr.starts_with("127.0.0.1:"), "{}", server.addr);
+}
+
+#[test]
+fn maru_server_refuses_an_agent_key_file_others_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let n = node();
+    std::fs::set_permissions(&n.key_path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = std::process::Command::new(SERVER_BIN)
+        .args([
+            "--rm-address",
+            &n.rm.addr,
+            "--remote-cxl-agent",
+            &n.agent.addr,
+            "--remote-cxl-agent-key-file",
+            &n.key_path.display().to_string(),
+            "--port",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("chmod 600"), "{err}");
+}
+
+#[test]
+fn systemd_units_run_the_daemons_as_an_unprivileged_user() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("systemd");
+    let mut units = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().and_then(|x| x.to_str()) != Some("service") {
+            continue;
+        }
+        units += 1;
+        let text = std::fs::read_to_string(&p).unwrap();
+        let user = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("User="))
+            .unwrap_or_else(|| panic!("{} has no User=", p.display()));
+        assert!(
+            !user.is_empty() && user != "root" && user != "0",
+            "{} runs as {user:?}",
+            p.display()
+        );
+    }
+    assert!(units >= 3, "the units are in {}", dir.display());
+}
