@@ -1,7 +1,12 @@
-# make bench: the benchmark binary (bench/), results into bench/results/.
+# make bench: one benchmark program (bench/, maru-bench) that starts what it needs on
+# loopback (resource manager on a fake DAX file in /dev/shm, remote CXL agent,
+# maru-server, redis-server) and writes bench/results/latest.{json,md,txt,png}.
+# BENCH_ARGS=--quick for a short run (a smoke test, about a quarter of the time).
 .PHONY: bench
 
+BENCH_ARGS ?=
+
 bench: deps
-	$(CARGO) build --release --workspace --bins
+	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru-bench -p maru-daemons --bins
 	mkdir -p bench/results
-	$(TARGET_DIR)/release/maru-bench --json bench/results/latest.json | tee bench/results/latest.txt
+	$(TARGET_DIR)/release/maru-bench --out bench/results $(BENCH_ARGS)

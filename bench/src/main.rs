@@ -1,229 +1,838 @@
-//! maru-bench: measures in one run, on loopback, the soft transport's READ and WRITE
-//! throughput beside a plain TCP loopback stream (the physical limit of the path it
-//! emulates), and prints the ratios. Buffers rotate over more memory than the caches
-//! hold, so the figures are for cold memory.
+//! maru-bench: Maru beside what users would pick instead and beside the physical
+//! limits, in one run on loopback. It starts what it needs (resource manager on a fake
+//! DAX file in /dev/shm, remote CXL agent, maru-server, redis-server) and measures:
+//!
+//! - Maru `cxl` and `remote_cxl` over `soft`, store and load through the C ABI, batches
+//!   of 32 and single chunks, 256 KiB and 2 MiB, 1 and 4 clients (engines), and one
+//!   handler shared by 2 threads;
+//! - Redis SET/GET, pipelined 32 and single, the same payloads and clients;
+//! - memcpy (1 and 2 threads) and a TCP loopback stream over cold buffers, and the raw
+//!   soft transport;
+//! - metadata operations against maru-server; idle CPU of every daemon and of an idle
+//!   open handler.
+//!
+//! It prints one set of tables with the ratios and the targets, and writes
+//! latest.{json,md,txt,png} into the output directory.
 
+mod chart;
+mod harness;
+mod idle;
+mod limits;
+mod maru_io;
 mod meta;
+mod procs;
+mod redis;
+mod report;
 
 use clap::Parser;
-use maru::transport::soft::{SoftTarget, SoftTransport};
-use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use harness::Fig;
+use maru::transport::OpKind;
+use maru_io::{Config, Sizes, BATCH, MIB};
+use report::{chunk_name, f0, f2, us, Table};
+use serde::Serialize;
+use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
 #[command(
     name = "maru-bench",
-    about = "Soft transport vs TCP loopback throughput (GB/s), in one run"
+    about = "Maru vs Redis, memcpy and TCP loopback; metadata ops; idle CPU (one run, loopback)"
 )]
 struct Args {
-    /// Seconds per measurement.
-    #[arg(long, default_value_t = 2.0)]
-    seconds: f64,
-    /// Region memory per stream (MiB); larger than the caches.
-    #[arg(long, default_value_t = 256)]
-    region_mib: usize,
-    /// Write the tables as JSON to this file too.
+    /// Seconds per figure.
     #[arg(long)]
-    json: Option<std::path::PathBuf>,
-    /// Run only one part: `soft` or `meta`.
+    seconds: Option<f64>,
+    /// A short run (about a quarter of the time, smaller buffers): a smoke test.
     #[arg(long)]
-    only: Option<String>,
+    quick: bool,
+    /// Seconds of the idle CPU measurement (each of two).
+    #[arg(long)]
+    idle_seconds: Option<f64>,
+    /// Size of the fake-DAX pool in /dev/shm (GiB); bounds the bytes each store figure
+    /// writes (there is no eviction in the benchmark).
+    #[arg(long)]
+    pool_gib: Option<u64>,
+    /// Memory the clients of one figure rotate over (MiB), far beyond the caches.
+    #[arg(long)]
+    rotate_mib: Option<usize>,
+    /// Directory for latest.json, latest.md, latest.txt and latest.png.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Maru backends to measure (default both): cxl, remote_cxl.
+    #[arg(long, value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Parts to run, comma-separated: limits, soft, maru, redis, meta, idle (default all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
-const MIB: usize = 1 << 20;
+#[derive(Debug, Clone, Serialize)]
+struct Machine {
+    cpu: String,
+    cores: usize,
+    memory_gib: f64,
+    kernel: String,
+    load_before: String,
+    load_after: String,
+}
 
-fn touch(buf: &mut [u8]) {
-    for (i, b) in buf.iter_mut().enumerate().step_by(4096) {
-        *b = i as u8;
+fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let mem_kib: f64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|x| x.parse().ok()))
+        .unwrap_or(0.0);
+    Machine {
+        cpu,
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        memory_gib: mem_kib / 1024.0 / 1024.0,
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        load_before: loadavg(),
+        load_after: String::new(),
     }
 }
 
-/// One TCP stream: a sender writes `chunk`-sized pieces from a rotating buffer; the
-/// receiver reads them into a rotating buffer. Returns GB/s summed over `streams`.
-fn tcp_loopback(chunk: usize, streams: usize, secs: f64, mem: usize) -> f64 {
-    let handles: Vec<_> = (0..streams)
-        .map(|_| {
-            std::thread::spawn(move || {
-                let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-                let addr = listener.local_addr().expect("addr");
-                let rx = std::thread::spawn(move || {
-                    let (mut s, _) = listener.accept().expect("accept");
-                    let mut buf = vec![0u8; mem];
-                    touch(&mut buf);
-                    let mut total = 0usize;
-                    let mut pos = 0usize;
-                    loop {
-                        let end = (pos + chunk).min(mem);
-                        match s.read(&mut buf[pos..end]) {
-                            Ok(0) | Err(_) => return total,
-                            Ok(n) => {
-                                total += n;
-                                pos = if pos + n >= mem - chunk { 0 } else { pos + n };
-                            }
-                        }
-                    }
-                });
-                let mut s = TcpStream::connect(addr).expect("connect");
-                let mut buf = vec![0u8; mem];
-                touch(&mut buf);
-                let start = Instant::now();
-                let mut pos = 0;
-                while start.elapsed().as_secs_f64() < secs {
-                    s.write_all(&buf[pos..pos + chunk]).expect("write");
-                    pos = if pos + 2 * chunk > mem {
-                        0
-                    } else {
-                        pos + chunk
-                    };
-                }
-                drop(s);
-                let total = rx.join().expect("rx");
-                total as f64 / start.elapsed().as_secs_f64() / 1e9
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("stream")).sum()
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
-/// Soft transport: each stream has its own worker transport and staging buffer and a
-/// region of `mem` bytes at the target; batches of 32 operations of `chunk` bytes.
-fn soft(kind: OpKind, chunk: usize, streams: usize, secs: f64, mem: usize) -> f64 {
-    let target = std::sync::Arc::new(
-        SoftTarget::start(
-            "127.0.0.1:0".parse().expect("addr"),
-            "",
-            None,
-            Duration::from_secs(10),
-        )
-        .expect("target"),
-    );
-    let handles: Vec<_> = (0..streams)
-        .map(|_| {
-            let target = target.clone();
-            std::thread::spawn(move || {
-                let mut region = vec![0u8; mem];
-                touch(&mut region);
-                let reg = unsafe { target.register(region.as_mut_ptr(), mem as u64, true) }
-                    .expect("register");
-                let batch = 32usize;
-                let staging_len = (batch * chunk).min(mem);
-                let mut staging = vec![0u8; staging_len];
-                touch(&mut staging);
-                let nic = SoftTransport::new("bench", None);
-                nic.register_local(LocalBuffer {
-                    ptr: staging.as_mut_ptr(),
-                    len: staging_len,
-                })
-                .expect("local");
-                let peer = nic
-                    .connect(&reg.transport, &mut no_bringup)
-                    .expect("connect");
-                let per_batch = staging_len / chunk;
-                let slots_in_region = mem / chunk;
-                let start = Instant::now();
-                let mut bytes = 0u64;
-                let mut next = 0usize;
-                while start.elapsed().as_secs_f64() < secs {
-                    let ops: Vec<Op> = (0..per_batch)
-                        .map(|i| {
-                            let r = (next + i) % slots_in_region;
-                            Op {
-                                kind,
-                                local_offset: (i * chunk) as u64,
-                                remote_addr: reg.addr + (r * chunk) as u64,
-                                rkey: reg.rkey,
-                                len: chunk as u64,
-                            }
-                        })
-                        .collect();
-                    next = (next + per_batch) % slots_in_region;
-                    let b = nic.post(peer, &ops).expect("post");
-                    match nic.wait(b, Duration::from_secs(30)) {
-                        BatchState::Done => {}
-                        other => panic!("batch failed: {other:?}"),
-                    }
-                    nic.forget(b);
-                    bytes += (per_batch * chunk) as u64;
-                }
-                let gbs = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
-                let _ = nic.fence(peer);
-                let _ = target.deregister(reg.rkey);
-                drop(region);
-                gbs
-            })
+#[derive(Debug, Clone, Serialize)]
+struct MemcpyRow {
+    chunk: usize,
+    threads: usize,
+    fig: Fig,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct TcpRow {
+    chunk: usize,
+    gbs: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct SoftRow {
+    chunk: usize,
+    tcp_gbs: f64,
+    read_gbs: f64,
+    write_gbs: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct TargetRow {
+    target: String,
+    measured: String,
+    met: Option<bool>,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Results {
+    memcpy: Vec<MemcpyRow>,
+    tcp: Vec<TcpRow>,
+    soft: Vec<SoftRow>,
+    maru: Vec<maru_io::Result_>,
+    redis: Vec<redis::RedisResult>,
+    meta: Vec<meta::Row>,
+    idle: Vec<idle::IdleCpu>,
+}
+
+const CHUNKS: [usize; 2] = [256 * 1024, 2 * MIB];
+const MANY: usize = 4;
+
+impl Results {
+    fn memcpy_of(&self, chunk: usize, threads: usize) -> Option<&Fig> {
+        self.memcpy
+            .iter()
+            .find(|r| r.chunk == chunk && r.threads == threads)
+            .map(|r| &r.fig)
+    }
+    fn tcp_of(&self, chunk: usize) -> Option<f64> {
+        self.tcp.iter().find(|r| r.chunk == chunk).map(|r| r.gbs)
+    }
+    fn maru_of(
+        &self,
+        backend: &str,
+        chunk: usize,
+        handlers: usize,
+        threads: usize,
+    ) -> Option<&maru_io::Result_> {
+        self.maru.iter().find(|r| {
+            r.config.backend == backend
+                && r.config.chunk == chunk
+                && r.config.handlers == handlers
+                && r.config.threads == threads
         })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("stream")).sum()
+    }
+    fn redis_of(&self, chunk: usize, clients: usize) -> Option<&redis::RedisResult> {
+        self.redis
+            .iter()
+            .find(|r| r.chunk == chunk && r.clients == clients)
+    }
+    fn meta_of(&self, op: &str, conns: usize) -> Option<&meta::Row> {
+        self.meta.iter().find(|r| r.op == op && r.conns == conns)
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn opt(x: Option<f64>) -> String {
+    x.map(f2).unwrap_or_else(|| "-".into())
+}
+
+fn tables(r: &Results) -> Vec<Table> {
+    let mut out = Vec::new();
+    // 1. Store/load by system.
+    let mut t = Table::new(
+        "Store and load, GB/s and latency per operation (batch = 32 chunks; µs)",
+        &[
+            "system",
+            "op",
+            "chunk",
+            "clients",
+            "batch GB/s",
+            "p50",
+            "p99",
+            "single GB/s",
+            "p50",
+            "p99",
+        ],
+    );
+    let fig_cells = |f: &Fig| vec![f2(f.gbs), us(f.p50_us), us(f.p99_us)];
+    for &chunk in &CHUNKS {
+        for backend in ["cxl", "remote_cxl"] {
+            for (op, pick) in [("store", 0), ("load", 1)] {
+                for clients in [1, MANY] {
+                    if let Some(m) = r.maru_of(backend, chunk, clients, 1) {
+                        let (b, s) = if pick == 0 {
+                            (&m.store_batch, &m.store_single)
+                        } else {
+                            (&m.load_batch, &m.load_single)
+                        };
+                        let name = if backend == "cxl" {
+                            "maru cxl"
+                        } else {
+                            "maru remote_cxl/soft"
+                        };
+                        let mut row = vec![
+                            name.into(),
+                            op.into(),
+                            chunk_name(chunk),
+                            clients.to_string(),
+                        ];
+                        row.extend(fig_cells(b));
+                        row.extend(fig_cells(s));
+                        t.row(row);
+                    }
+                }
+            }
+        }
+        for (op, set) in [("SET", true), ("GET", false)] {
+            for clients in [1, MANY] {
+                if let Some(x) = r.redis_of(chunk, clients) {
+                    let (b, s) = if set {
+                        (&x.set_batch, &x.set_single)
+                    } else {
+                        (&x.get_batch, &x.get_single)
+                    };
+                    let mut row = vec![
+                        "redis".into(),
+                        op.into(),
+                        chunk_name(chunk),
+                        clients.to_string(),
+                    ];
+                    row.extend(fig_cells(b));
+                    row.extend(fig_cells(s));
+                    t.row(row);
+                }
+            }
+        }
+        for threads in [1, 2] {
+            if let Some(f) = r.memcpy_of(chunk, threads) {
+                let mut row = vec![
+                    "memcpy (limit)".into(),
+                    "copy".into(),
+                    chunk_name(chunk),
+                    format!("{threads} thr"),
+                ];
+                row.extend(["-".into(), "-".into(), "-".into()]);
+                row.extend(fig_cells(f));
+                t.row(row);
+            }
+        }
+        if let Some(g) = r.tcp_of(chunk) {
+            let mut row = vec![
+                "tcp loopback (limit)".into(),
+                "stream".into(),
+                chunk_name(chunk),
+                "1".into(),
+            ];
+            row.extend([
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                f2(g),
+                "-".into(),
+                "-".into(),
+            ]);
+            t.row(row);
+        }
+    }
+    out.push(t);
+
+    // 2. Ratios.
+    let mut t = Table::new(
+        "Ratios (same run; Maru batch figures; Redis: the faster of pipelined and single)",
+        &["ratio", "256 KiB", "2 MiB"],
+    );
+    let per_chunk =
+        |f: &dyn Fn(usize) -> Option<f64>| CHUNKS.iter().map(|&c| opt(f(c))).collect::<Vec<_>>();
+    let mut add = |name: &str, f: &dyn Fn(usize) -> Option<f64>| {
+        let mut row = vec![name.to_string()];
+        row.extend(per_chunk(f));
+        t.row(row);
+    };
+    let mb = |b: &str, c: usize, n: usize, load: bool| {
+        r.maru_of(b, c, n, 1).map(|m| {
+            if load {
+                m.load_batch.gbs
+            } else {
+                m.store_batch.gbs
+            }
+        })
+    };
+    // Redis at its best for the payload: pipelined or single, whichever was faster
+    // (large pipelined GETs queue whole replies in Redis and are often slower).
+    let rg = |c: usize, n: usize, get: bool| {
+        r.redis_of(c, n).map(|x| {
+            if get {
+                x.get_batch.gbs.max(x.get_single.gbs)
+            } else {
+                x.set_batch.gbs.max(x.set_single.gbs)
+            }
+        })
+    };
+    add("cxl store / memcpy (1 client, 1 thread)", &|c| {
+        ratio(mb("cxl", c, 1, false), r.memcpy_of(c, 1).map(|f| f.gbs))
+    });
+    add("cxl load / memcpy (1 client, 1 thread)", &|c| {
+        ratio(mb("cxl", c, 1, true), r.memcpy_of(c, 1).map(|f| f.gbs))
+    });
+    add("soft load / tcp (remote_cxl, 1 client)", &|c| {
+        ratio(mb("remote_cxl", c, 1, true), r.tcp_of(c))
+    });
+    add("soft store / tcp (remote_cxl, 1 client)", &|c| {
+        ratio(mb("remote_cxl", c, 1, false), r.tcp_of(c))
+    });
+    add("remote_cxl load / Redis GET (4 clients)", &|c| {
+        ratio(mb("remote_cxl", c, MANY, true), rg(c, MANY, true))
+    });
+    add("remote_cxl store / Redis SET (4 clients)", &|c| {
+        ratio(mb("remote_cxl", c, MANY, false), rg(c, MANY, false))
+    });
+    add("remote_cxl load / Redis GET (1 client)", &|c| {
+        ratio(mb("remote_cxl", c, 1, true), rg(c, 1, true))
+    });
+    add("cxl load / Redis GET (4 clients)", &|c| {
+        ratio(mb("cxl", c, MANY, true), rg(c, MANY, true))
+    });
+    add("cxl store / Redis SET (4 clients)", &|c| {
+        ratio(mb("cxl", c, MANY, false), rg(c, MANY, false))
+    });
+    add("raw soft READ / tcp (transport only)", &|c| {
+        r.soft
+            .iter()
+            .find(|s| s.chunk == c)
+            .and_then(|s| ratio(Some(s.read_gbs), Some(s.tcp_gbs)))
+    });
+    out.push(t);
+
+    // 3. The C ABI table of the worker issue: one handler, 1 and 2 threads.
+    let mut t = Table::new(
+        "C ABI (maru_store_batch / maru_load_batch, batches of 32), one handler used by 1 and 2 threads",
+        &["backend", "chunk", "threads", "store GB/s", "load GB/s", "limit", "limit GB/s", "store/limit", "load/limit"],
+    );
+    for backend in ["remote_cxl", "cxl"] {
+        for &chunk in &CHUNKS {
+            for threads in [1, 2] {
+                if let Some(m) = r.maru_of(backend, chunk, 1, threads) {
+                    let (lname, lim) = if backend == "cxl" {
+                        (
+                            format!("memcpy {threads} thr"),
+                            r.memcpy_of(chunk, threads).map(|f| f.gbs),
+                        )
+                    } else {
+                        ("tcp 1 stream".to_string(), r.tcp_of(chunk))
+                    };
+                    t.row(vec![
+                        backend.into(),
+                        chunk_name(chunk),
+                        threads.to_string(),
+                        f2(m.store_batch.gbs),
+                        f2(m.load_batch.gbs),
+                        lname,
+                        opt(lim),
+                        opt(ratio(Some(m.store_batch.gbs), lim)),
+                        opt(ratio(Some(m.load_batch.gbs), lim)),
+                    ]);
+                }
+            }
+        }
+    }
+    out.push(t);
+
+    if !r.soft.is_empty() {
+        let mut t = Table::new(
+            "Raw soft transport (no worker), 1 stream, batches of 32, GB/s",
+            &[
+                "chunk",
+                "tcp",
+                "soft READ",
+                "soft WRITE",
+                "read/tcp",
+                "write/tcp",
+            ],
+        );
+        for s in &r.soft {
+            t.row(vec![
+                chunk_name(s.chunk),
+                f2(s.tcp_gbs),
+                f2(s.read_gbs),
+                f2(s.write_gbs),
+                f2(s.read_gbs / s.tcp_gbs),
+                f2(s.write_gbs / s.tcp_gbs),
+            ]);
+        }
+        out.push(t);
+    }
+    if !r.meta.is_empty() {
+        let mut t = Table::new(
+            "Metadata (maru-server on loopback; one request = one op; µs)",
+            &["op", "conns", "ops/s", "p50", "p99"],
+        );
+        for m in &r.meta {
+            t.row(vec![
+                m.op.into(),
+                m.conns.to_string(),
+                f0(m.ops_per_s),
+                us(m.p50_us),
+                us(m.p99_us),
+            ]);
+        }
+        out.push(t);
+    }
+    if !r.idle.is_empty() {
+        let mut t = Table::new(
+            "Idle CPU (percent of one core)",
+            &["process", "threads", "idle CPU %"],
+        );
+        for i in &r.idle {
+            t.row(vec![
+                i.what.clone(),
+                i.threads.to_string(),
+                format!("{:.2}", i.pct_of_core),
+            ]);
+        }
+        out.push(t);
+    }
+    let mut t = Table::new("Targets (issue 8)", &["target", "measured", "met"]);
+    for x in targets(r) {
+        t.row(vec![
+            x.target,
+            x.measured,
+            match x.met {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "not measured".into(),
+            },
+        ]);
+    }
+    out.push(t);
+    out
+}
+
+fn targets(r: &Results) -> Vec<TargetRow> {
+    let mut v = Vec::new();
+    let mut push =
+        |target: &str, x: Option<f64>, fmt: &dyn Fn(f64) -> String, ok: &dyn Fn(f64) -> bool| {
+            v.push(TargetRow {
+                target: target.into(),
+                measured: x.map(fmt).unwrap_or_else(|| "-".into()),
+                met: x.map(ok),
+            });
+        };
+    let two = 2 * MIB;
+    let mc = r.memcpy_of(two, 1).map(|f| f.gbs);
+    let x = |f: f64| format!("{f:.2} x");
+    push(
+        "cxl batch store 32 x 2 MiB >= 0.9 x memcpy (1 thread)",
+        ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.store_batch.gbs), mc),
+        &x,
+        &|f| f >= 0.9,
+    );
+    push(
+        "cxl batch load 32 x 2 MiB >= 0.9 x memcpy (1 thread)",
+        ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.load_batch.gbs), mc),
+        &x,
+        &|f| f >= 0.9,
+    );
+    push(
+        "cxl single 256 KiB store >= 2 GB/s",
+        r.maru_of("cxl", 256 * 1024, 1, 1)
+            .map(|m| m.store_single.gbs),
+        &|f| format!("{f:.2} GB/s"),
+        &|f| f >= 2.0,
+    );
+    push(
+        "remote_cxl/soft load 2 MiB >= 0.8 x tcp loopback",
+        ratio(
+            r.maru_of("remote_cxl", two, 1, 1).map(|m| m.load_batch.gbs),
+            r.tcp_of(two),
+        ),
+        &x,
+        &|f| f >= 0.8,
+    );
+    push(
+        "remote_cxl/soft load 2 MiB, 4 clients >= 1.25 x Redis GET (its best)",
+        ratio(
+            r.maru_of("remote_cxl", two, MANY, 1)
+                .map(|m| m.load_batch.gbs),
+            r.redis_of(two, MANY)
+                .map(|x| x.get_batch.gbs.max(x.get_single.gbs)),
+        ),
+        &x,
+        &|f| f >= 1.25,
+    );
+    let e = r.meta_of("exists x32", 1);
+    push(
+        "exists x32 p50 <= 50 us",
+        e.map(|m| m.p50_us),
+        &|f| format!("{f:.1} us"),
+        &|f| f <= 50.0,
+    );
+    push(
+        "exists x32 p99 <= 200 us",
+        e.map(|m| m.p99_us),
+        &|f| format!("{f:.1} us"),
+        &|f| f <= 200.0,
+    );
+    for op in ["exists x1", "alloc+publish x1"] {
+        push(
+            &format!("{op}, 8 conns >= 30000 ops/s"),
+            r.meta_of(op, 8).map(|m| m.ops_per_s),
+            &|f| format!("{f:.0} ops/s"),
+            &|f| f >= 30000.0,
+        );
+    }
+    for i in &r.idle {
+        push(
+            &format!("idle CPU of {} < 1% of a core", i.what),
+            Some(i.pct_of_core),
+            &|f| format!("{f:.2} %"),
+            &|f| f < 1.0,
+        );
+    }
+    v
+}
+
+fn chart_panels(r: &Results) -> Vec<chart::Panel> {
+    CHUNKS
+        .iter()
+        .map(|&c| {
+            let mut bars = Vec::new();
+            if let Some(a) = r.memcpy_of(c, 1) {
+                bars.push(chart::Bars {
+                    system: "memcpy (limit)".into(),
+                    one: a.gbs,
+                    many: r.memcpy_of(c, 2).map(|f| f.gbs),
+                });
+            }
+            if let Some(g) = r.tcp_of(c) {
+                bars.push(chart::Bars {
+                    system: "tcp loopback (limit)".into(),
+                    one: g,
+                    many: None,
+                });
+            }
+            for (b, name) in [("cxl", "cxl"), ("remote_cxl", "remote_cxl/soft")] {
+                for load in [false, true] {
+                    if let Some(m) = r.maru_of(b, c, 1, 1) {
+                        let pick = |m: &maru_io::Result_| {
+                            if load {
+                                m.load_batch.gbs
+                            } else {
+                                m.store_batch.gbs
+                            }
+                        };
+                        bars.push(chart::Bars {
+                            system: format!("maru {name} {}", if load { "load" } else { "store" }),
+                            one: pick(m),
+                            many: r.maru_of(b, c, MANY, 1).map(pick),
+                        });
+                    }
+                }
+            }
+            for (get, single) in [(false, false), (false, true), (true, false), (true, true)] {
+                if let Some(x) = r.redis_of(c, 1) {
+                    let pick = |x: &redis::RedisResult| match (get, single) {
+                        (false, false) => x.set_batch.gbs,
+                        (false, true) => x.set_single.gbs,
+                        (true, false) => x.get_batch.gbs,
+                        (true, true) => x.get_single.gbs,
+                    };
+                    bars.push(chart::Bars {
+                        system: format!(
+                            "redis {} ({})",
+                            if get { "GET" } else { "SET" },
+                            if single { "single" } else { "pipelined 32" }
+                        ),
+                        one: pick(x),
+                        many: r.redis_of(c, MANY).map(pick),
+                    });
+                }
+            }
+            // Top to bottom in the order above.
+            bars.reverse();
+            chart::Panel {
+                title: format!("{} chunks (Maru: batches of 32)", chunk_name(c)),
+                bars,
+            }
+        })
+        .collect()
 }
 
 fn main() {
     let args = Args::parse();
-    let mem = args.region_mib * MIB;
-    let mut rows = Vec::new();
-    let want = |part: &str| args.only.as_deref().is_none_or(|o| o == part);
-    if want("soft") {
-        println!("soft transport vs TCP loopback, {} s per figure, {} MiB per stream (GB/s, summed over streams)", args.seconds, args.region_mib);
-        println!(
-            "{:>8} {:>7} {:>10} {:>10} {:>10} {:>11} {:>11}",
-            "chunk", "streams", "tcp", "soft_read", "soft_write", "read/tcp", "write/tcp"
-        );
-        for &chunk in &[256 * 1024, 2 * MIB] {
-            for &streams in &[1usize, 4] {
-                let tcp = tcp_loopback(chunk, streams, args.seconds, mem);
-                let rd = soft(OpKind::Read, chunk, streams, args.seconds, mem);
-                let wr = soft(OpKind::Write, chunk, streams, args.seconds, mem);
-                println!(
-                    "{:>7}K {:>7} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>11.2}",
-                    chunk / 1024,
-                    streams,
-                    tcp,
-                    rd,
-                    wr,
-                    rd / tcp,
-                    wr / tcp
-                );
-                rows.push(serde_json::json!({"part": "soft", "chunk": chunk, "streams": streams, "tcp_gbs": tcp,
-                    "soft_read_gbs": rd, "soft_write_gbs": wr, "read_over_tcp": rd / tcp, "write_over_tcp": wr / tcp}));
-            }
+    if let Err(e) = run(args) {
+        eprintln!("maru-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let quick = args.quick;
+    let secs = args.seconds.unwrap_or(if quick { 0.5 } else { 2.0 });
+    let idle_secs = args.idle_seconds.unwrap_or(if quick { 3.0 } else { 10.0 });
+    let pool_gib = args.pool_gib.unwrap_or(if quick { 2 } else { 4 });
+    let rotate = args.rotate_mib.unwrap_or(if quick { 256 } else { 1024 }) * MIB;
+    let want = |p: &str| args.only.is_empty() || args.only.iter().any(|o| o == p);
+    for o in &args.only {
+        if !["limits", "soft", "maru", "redis", "meta", "idle"].contains(&o.as_str()) {
+            return Err(format!(
+                "unknown part {o}: use limits, soft, maru, redis, meta, idle"
+            ));
         }
     }
-    if want("meta") {
-        let bin_dir = std::env::current_exe()
-            .ok()
-            .and_then(|p| p.parent().map(|d| d.to_path_buf()))
-            .unwrap_or_default();
-        println!();
-        println!(
-            "metadata (maru-server on loopback), {} s per figure",
-            args.seconds
-        );
-        println!(
-            "{:<22} {:>5} {:>12} {:>10} {:>10}",
-            "op", "conns", "ops/s", "p50 us", "p99 us"
-        );
-        match meta::run(&bin_dir, args.seconds) {
-            Ok(r) => {
-                for x in r {
-                    println!(
-                        "{:<22} {:>5} {:>12.0} {:>10.1} {:>10.1}",
-                        x.op, x.conns, x.ops_per_s, x.p50_us, x.p99_us
-                    );
-                    rows.push(serde_json::json!({"part": "meta", "op": x.op, "conns": x.conns, "ops_per_s": x.ops_per_s, "p50_us": x.p50_us, "p99_us": x.p99_us}));
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let mut mach = machine();
+    let started = std::time::Instant::now();
+    let mut r = Results::default();
+    let say = |s: &str| eprintln!("[{:>5.0} s] {s}", started.elapsed().as_secs_f64());
+
+    if want("limits") {
+        for &c in &CHUNKS {
+            for threads in [1, 2] {
+                say(&format!("memcpy {} x {threads} thread(s)", chunk_name(c)));
+                // Each thread rotates over its own source and destination.
+                let fig = limits::memcpy(c, threads, secs, rotate / 2);
+                r.memcpy.push(MemcpyRow {
+                    chunk: c,
+                    threads,
+                    fig,
+                });
+            }
+            say(&format!("tcp loopback {}", chunk_name(c)));
+            let gbs = limits::tcp_loopback(c, 1, secs, rotate / 2)?;
+            r.tcp.push(TcpRow { chunk: c, gbs });
+        }
+    }
+    if want("soft") {
+        for &c in &CHUNKS {
+            say(&format!("raw soft transport {}", chunk_name(c)));
+            let tcp = match r.tcp_of(c) {
+                Some(t) => t,
+                None => limits::tcp_loopback(c, 1, secs, rotate / 2)?,
+            };
+            let read_gbs = limits::soft(OpKind::Read, c, 1, secs, rotate / 2)?;
+            let write_gbs = limits::soft(OpKind::Write, c, 1, secs, rotate / 2)?;
+            r.soft.push(SoftRow {
+                chunk: c,
+                tcp_gbs: tcp,
+                read_gbs,
+                write_gbs,
+            });
+        }
+    }
+    let needs_stack = want("maru") || want("meta") || want("idle");
+    let scratch = if needs_stack {
+        let s = procs::Scratch::new(pool_gib << 30)?;
+        // Create the pool once (a first RM), then allocate all its pages.
+        {
+            let _st = procs::stack(&s, false, "256M", "2M")?;
+        }
+        s.prefault_pool()?;
+        Some(s)
+    } else {
+        None
+    };
+    if let (true, Some(s)) = (want("maru"), &scratch) {
+        for backend in ["cxl", "remote_cxl"] {
+            if !args.backends.is_empty() && !args.backends.iter().any(|b| b == backend) {
+                continue;
+            }
+            for &chunk in &CHUNKS {
+                for (handlers, threads) in [(1, 1), (MANY, 1), (1, 2)] {
+                    let cfg = Config {
+                        backend,
+                        chunk,
+                        handlers,
+                        threads,
+                    };
+                    say(&format!(
+                        "maru {backend} {} x {handlers} handler(s) x {threads} thread(s)",
+                        chunk_name(chunk)
+                    ));
+                    let sz = Sizes {
+                        secs,
+                        rotate: (rotate / cfg.clients()).max(chunk * BATCH * 2),
+                        region: 256 * MIB,
+                    };
+                    r.maru.push(maru_io::run(s, cfg, &sz)?);
                 }
             }
-            Err(e) => {
-                eprintln!("metadata benchmark failed: {e}");
-                std::process::exit(1);
+        }
+    }
+    if want("redis") {
+        let (redis_proc, addr) = procs::start_redis()?;
+        for &chunk in &CHUNKS {
+            for clients in [1, MANY] {
+                say(&format!(
+                    "redis {} x {clients} client(s)",
+                    chunk_name(chunk)
+                ));
+                r.redis
+                    .push(redis::bench(&addr, chunk, clients, secs, rotate)?);
             }
         }
+        drop(redis_proc);
     }
-    if let Some(p) = args.json {
-        let doc = serde_json::json!({"benchmark": "maru-bench", "rows": rows});
-        if let Err(e) = std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
-            eprintln!("cannot write {}: {e}", p.display());
-            std::process::exit(1);
+    if let (true, Some(s)) = (want("meta"), &scratch) {
+        say("metadata ops");
+        r.meta = meta::run(s, secs)?;
+    }
+    if let (true, Some(s)) = (want("idle"), &scratch) {
+        for backend in ["remote_cxl", "cxl"] {
+            say(&format!("idle CPU, {backend} handler open, {idle_secs} s"));
+            let st = procs::stack(s, backend == "remote_cxl", "256M", "256K")?;
+            let h = maru_io::CHandler::open(&maru_io::handler_config(
+                &st.server,
+                backend,
+                "bench-idle",
+                &s.key_file.display().to_string(),
+            ))?;
+            // Use the data path once, so that its connections and threads exist.
+            let src = harness::Rotor::new(256 * 1024, 256 * 1024, 1);
+            let key = std::ffi::CString::new("idle-key").map_err(|e| e.to_string())?;
+            h.store_one(&key, src.base(), 256 * 1024)?;
+            let mut dst = harness::Rotor::new(256 * 1024, 256 * 1024, 1);
+            h.load_one(&key, dst.next_ptr(), 256 * 1024)?;
+            let mut procs_ = vec![
+                ("maru-resource-manager".to_string(), st.rm.pid()),
+                ("maru-server".to_string(), st.srv.pid()),
+            ];
+            if let Some(a) = &st.agent {
+                procs_.push(("maru-remote-cxl-agent".to_string(), a.pid()));
+            }
+            let rows = idle::measure(
+                &procs_,
+                &format!("open {backend} handler (its threads)"),
+                idle_secs,
+            )?;
+            for row in rows {
+                // The daemons once per run: from the remote_cxl stack, which has all three.
+                if backend == "remote_cxl" || row.what.starts_with("open") {
+                    r.idle.push(row);
+                }
+            }
+            drop(h);
+            drop(st);
         }
     }
+    drop(scratch);
+    mach.load_after = loadavg();
+    let elapsed = started.elapsed().as_secs_f64();
+
+    let ts = tables(&r);
+    let header = format!(
+        "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
+        if quick { " --quick" } else { "" },
+        secs,
+        rotate / MIB,
+        pool_gib,
+        mach.cpu,
+        mach.cores,
+        mach.memory_gib,
+        mach.kernel,
+        mach.load_before,
+        mach.load_after,
+        elapsed
+    );
+    let mut text = header.clone();
+    let mut md = format!("{header}\n");
+    for t in &ts {
+        text.push('\n');
+        text.push_str(&t.text());
+        md.push('\n');
+        md.push_str(&t.markdown());
+    }
+    print!("{text}");
+    let write = |name: &str, body: &[u8]| -> Result<(), String> {
+        let p = args.out.join(name);
+        std::fs::write(&p, body).map_err(|e| format!("cannot write {}: {e}", p.display()))
+    };
+    write("latest.txt", text.as_bytes())?;
+    write("latest.md", md.as_bytes())?;
+    let doc = serde_json::json!({
+        "benchmark": "maru-bench",
+        "quick": quick,
+        "seconds_per_figure": secs,
+        "rotate_mib": rotate / MIB,
+        "pool_gib": pool_gib,
+        "elapsed_s": elapsed,
+        "machine": mach,
+        "results": r,
+        "targets": targets(&r),
+    });
+    write(
+        "latest.json",
+        serde_json::to_string_pretty(&doc)
+            .map_err(|e| e.to_string())?
+            .as_bytes(),
+    )?;
+    if !r.maru.is_empty() || !r.redis.is_empty() || !r.memcpy.is_empty() {
+        let png = args.out.join("latest.png");
+        chart::draw(
+            &png,
+            "GB/s by system and chunk size (maru-bench, one run on loopback)",
+            &chart_panels(&r),
+        )?;
+    }
+    Ok(())
 }

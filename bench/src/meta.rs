@@ -2,67 +2,19 @@
 //! maru-server on loopback, with 1 and 8 client connections (one session each):
 //! exists of 1 and 32 keys, acquire+release of 32 keys, alloc+publish of one chunk.
 
+use crate::harness::percentile;
+use crate::procs::{stack, Scratch};
 use maru::wire::meta::{Backend, PublishEntry};
 use maru::worker::session::Session;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        unsafe {
-            libc::kill(self.0.id() as i32, libc::SIGTERM);
-        }
-        let _ = self.0.wait();
-    }
-}
-
-fn start(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, String), String> {
-    let _ = std::fs::remove_file(ready);
-    let child = Command::new(bin)
-        .args(args)
-        .arg("--port")
-        .arg("0")
-        .arg("--ready-file")
-        .arg(ready)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| {
-            format!(
-                "cannot start {}: {e} (build with cargo build --release --bins)",
-                bin.display()
-            )
-        })?;
-    let p = Proc(child);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if let Ok(s) = std::fs::read_to_string(ready) {
-            if s.ends_with('\n') {
-                return Ok((p, s.trim().to_string()));
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Err(format!("{} did not start", bin.display()))
-}
-
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Row {
     pub op: &'static str,
     pub conns: usize,
     pub ops_per_s: f64,
     pub p50_us: f64,
     pub p99_us: f64,
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
 fn open(server: &str, id: &str) -> Result<Session, String> {
@@ -154,67 +106,37 @@ fn run_op(
     })
 }
 
-/// Runs the metadata benchmark; `bin_dir` holds the daemons.
-pub fn run(bin_dir: &Path, secs: f64) -> Result<Vec<Row>, String> {
-    let work = std::env::temp_dir().join(format!("maru-bench-meta-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work).map_err(|e| e.to_string())?;
-    let pool = PathBuf::from(format!("/dev/shm/maru-bench-pool-{}", std::process::id()));
-    let result = (|| {
-        let (_rm, rm_addr) = start(
-            &bin_dir.join("maru-resource-manager"),
-            &[
-                "--state-dir".into(),
-                work.join("rm").display().to_string(),
-                "--fake-dax".into(),
-                format!("{}:2G", pool.display()),
-            ],
-            &work.join("rm.ready"),
-        )?;
-        let (_srv, server) = start(
-            &bin_dir.join("maru-server"),
-            &[
-                "--rm-address".into(),
-                rm_addr,
-                "--region-size".into(),
-                "64M".into(),
-                "--chunk-size".into(),
-                "4K".into(),
-                "--max-sessions".into(),
-                "1024".into(),
-            ],
-            &work.join("server.ready"),
-        )?;
-        // 32 published keys for the lookups.
-        let mut s = open(&server, "bench-writer")?;
-        let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
-        let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
-        let entries = keys
-            .iter()
-            .zip(&pages)
-            .map(|(k, p)| PublishEntry {
-                key: k.clone(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: 4096,
-            })
-            .collect();
-        s.publish(entries).map_err(|e| e.to_string())?;
-        let mut rows = Vec::new();
-        for op in [
-            "exists x1",
-            "exists x32",
-            "acquire+release x32",
-            "alloc+publish x1",
-        ] {
-            for conns in [1usize, 8] {
-                rows.push(run_op(&server, op, conns, secs, &keys)?);
-            }
+/// Runs the metadata benchmark on a fresh RM + maru-server (64 MiB regions, 4 KiB
+/// pages) over the scratch pool.
+pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
+    let st = stack(scratch, false, "64M", "4K")?;
+    let server = st.server.clone();
+    // 32 published keys for the lookups.
+    let mut s = open(&server, "bench-writer")?;
+    let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
+    let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
+    let entries = keys
+        .iter()
+        .zip(&pages)
+        .map(|(k, p)| PublishEntry {
+            key: k.clone(),
+            region_id: p.region_id,
+            offset: p.offset,
+            length: 4096,
+        })
+        .collect();
+    s.publish(entries).map_err(|e| e.to_string())?;
+    let mut rows = Vec::new();
+    for op in [
+        "exists x1",
+        "exists x32",
+        "acquire+release x32",
+        "alloc+publish x1",
+    ] {
+        for conns in [1usize, 8] {
+            rows.push(run_op(&server, op, conns, secs, &keys)?);
         }
-        let _ = s.close();
-        Ok(rows)
-    })();
-    let _ = std::fs::remove_dir_all(&work);
-    let _ = std::fs::remove_file(&pool);
-    result
+    }
+    let _ = s.close();
+    Ok(rows)
 }

@@ -89,6 +89,8 @@ pub struct Client {
     next_id: u64,
     welcome: Welcome,
     call_timeout: Duration,
+    /// Read buffer, allocated once (not zeroed on the stack for every reply).
+    rbuf: Box<[u8]>,
 }
 
 impl Client {
@@ -134,6 +136,7 @@ impl Client {
                 info: serde_json::Value::Null,
             },
             call_timeout: opts.call_timeout,
+            rbuf: vec![0u8; 64 * 1024].into_boxed_slice(),
         };
         c.handshake(opts)?;
         Ok(c)
@@ -252,7 +255,6 @@ impl Client {
     }
 
     fn read_frame(&mut self) -> Result<Frame, ClientError> {
-        let mut buf = [0u8; 64 * 1024];
         loop {
             match self.decoder.next_frame() {
                 Ok(Some(f)) => return Ok(f),
@@ -264,7 +266,7 @@ impl Client {
                     })
                 }
             }
-            match self.stream.read(&mut buf) {
+            match self.stream.read(&mut self.rbuf) {
                 Ok(0) => {
                     return Err(ClientError::Io {
                         peer: self.peer.clone(),
@@ -274,7 +276,7 @@ impl Client {
                         ),
                     })
                 }
-                Ok(n) => self.decoder.push(&buf[..n]),
+                Ok(n) => self.decoder.push(&self.rbuf[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.io_error(e)),
             }

@@ -112,6 +112,9 @@ pub struct Server {
     opts: ServerOptions,
     clock: Clock,
     signals: Option<SignalPipe>,
+    /// One read buffer for every connection (the loop is single-threaded), allocated
+    /// once rather than zeroed on the stack for every readable event.
+    rbuf: Box<[u8]>,
 }
 
 impl Server {
@@ -130,6 +133,7 @@ impl Server {
             opts,
             clock,
             signals: None,
+            rbuf: vec![0u8; READ_CHUNK].into_boxed_slice(),
         })
     }
 
@@ -171,7 +175,13 @@ impl Server {
                             return Ok(());
                         }
                     }
-                    tok => self.on_conn_event(service, tok, ev.is_readable(), ev.is_writable()),
+                    tok => self.on_conn_event(
+                        service,
+                        tok,
+                        ev.is_readable() || ev.is_read_closed(),
+                        ev.is_read_closed(),
+                        ev.is_writable(),
+                    ),
                 }
             }
             let now = self.clock.now_ms();
@@ -254,6 +264,7 @@ impl Server {
         service: &mut S,
         tok: Token,
         readable: bool,
+        read_closed: bool,
         writable: bool,
     ) {
         let now = self.clock.now_ms();
@@ -262,7 +273,7 @@ impl Server {
         };
         let mut alive = true;
         if readable && !conn.closing {
-            alive = read_all(conn);
+            alive = read_all(conn, &mut self.rbuf, read_closed);
             process_frames(conn, service, now);
         }
         if alive && (writable || !conn.out.is_empty()) {
@@ -330,13 +341,24 @@ impl Server {
     }
 }
 
+const READ_CHUNK: usize = 64 * 1024;
+
 /// Reads everything available; false when the peer closed or the socket failed.
-fn read_all(conn: &mut Conn) -> bool {
-    let mut buf = [0u8; 64 * 1024];
+///
+/// A read that did not fill the buffer drained the socket at that instant, so the loop
+/// stops there instead of paying one more `read` for `WouldBlock` (mio's readiness is
+/// edge-triggered: bytes or a FIN that arrive later raise a new event). When the event
+/// already said the peer closed, it reads on until end of stream.
+fn read_all(conn: &mut Conn, buf: &mut [u8], read_closed: bool) -> bool {
     loop {
-        match conn.stream.read(&mut buf) {
+        match conn.stream.read(buf) {
             Ok(0) => return false,
-            Ok(n) => conn.decoder.push(&buf[..n]),
+            Ok(n) => {
+                conn.decoder.push(&buf[..n]);
+                if n < buf.len() && !read_closed {
+                    return true;
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {

@@ -1,0 +1,143 @@
+//! Running N clients at once and turning their operations into a figure: GB/s over
+//! the wall time of the whole group, p50/p99 of one operation, and how many ran.
+//! Buffers that rotate over more memory than the caches hold keep the data cold.
+
+use serde::Serialize;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// One measured figure.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Fig {
+    pub gbs: f64,
+    pub ops_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// Operations measured (the p99 of few operations is close to their maximum).
+    pub ops: usize,
+}
+
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// What bounds one client's run: wall time and, where the operations consume space
+/// (stores into a pool without eviction), a number of operations.
+#[derive(Clone, Copy)]
+pub struct Bound {
+    pub secs: f64,
+    pub max_ops: usize,
+}
+
+/// Runs `op(i)` (returns the bytes it moved) repeatedly on each client of `clients`
+/// (each its own thread), all released at once, each until its bound.
+pub fn run_clients<F>(clients: Vec<F>, bound: Bound) -> Result<Fig, String>
+where
+    F: FnMut(usize) -> Result<u64, String> + Send + 'static,
+{
+    let n = clients.len();
+    let gate = Arc::new(Barrier::new(n + 1));
+    let handles: Vec<_> = clients
+        .into_iter()
+        .map(|mut op| {
+            let gate = gate.clone();
+            std::thread::spawn(move || -> Result<(u64, Vec<f64>), String> {
+                gate.wait();
+                let start = Instant::now();
+                let mut lat = Vec::new();
+                let mut bytes = 0u64;
+                let mut i = 0;
+                while i < bound.max_ops && start.elapsed().as_secs_f64() < bound.secs {
+                    let t = Instant::now();
+                    bytes += op(i)?;
+                    lat.push(t.elapsed().as_secs_f64() * 1e6);
+                    i += 1;
+                }
+                Ok((bytes, lat))
+            })
+        })
+        .collect();
+    gate.wait();
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let mut lat = Vec::new();
+    let mut first_err = None;
+    for h in handles {
+        match h.join() {
+            Ok(Ok((b, l))) => {
+                bytes += b;
+                lat.extend(l);
+            }
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert("a benchmark client panicked".to_string());
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let wall = start.elapsed().as_secs_f64().max(1e-9);
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(Fig {
+        gbs: bytes as f64 / wall / 1e9,
+        ops_per_s: lat.len() as f64 / wall,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+        ops: lat.len(),
+    })
+}
+
+/// A buffer of `len` bytes (pages touched, contents varied) cut into `chunk`-sized
+/// pieces handed out in rotation, so that consecutive operations use cold memory.
+pub struct Rotor {
+    buf: Vec<u8>,
+    chunk: usize,
+    next: usize,
+}
+
+impl Rotor {
+    pub fn new(len: usize, chunk: usize, seed: u64) -> Rotor {
+        let n = (len / chunk).max(1);
+        let mut buf = vec![0u8; n * chunk];
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for w in buf.chunks_mut(64) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            w[0] = x as u8;
+        }
+        Rotor {
+            buf,
+            chunk,
+            next: 0,
+        }
+    }
+
+    pub fn pieces(&self) -> usize {
+        self.buf.len() / self.chunk
+    }
+
+    /// The next piece's pointer (read or written by the caller).
+    pub fn next_ptr(&mut self) -> *mut u8 {
+        let i = self.next;
+        self.next = (self.next + 1) % self.pieces();
+        // SAFETY: i < pieces, so the piece lies inside buf.
+        unsafe { self.buf.as_mut_ptr().add(i * self.chunk) }
+    }
+
+    /// The start of the buffer (its first piece).
+    pub fn base(&self) -> *const u8 {
+        self.buf.as_ptr()
+    }
+}
+
+/// Sleeps while the daemons and the handler are idle; bounded by the caller's seconds.
+pub fn idle_for(secs: f64) {
+    std::thread::sleep(Duration::from_secs_f64(secs));
+}

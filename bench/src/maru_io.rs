@@ -1,0 +1,358 @@
+//! Maru store and load through the C ABI (`maru_handler_open`, `maru_store_batch`,
+//! `maru_load_batch`, `maru_store`, `maru_load`): the calls an inference runtime makes
+//! after dlopen, here linked from Rust. Each configuration gets a fresh RM + agent +
+//! maru-server over the same pre-faulted fake-DAX pool, with pages of the chunk size.
+
+use crate::harness::{run_clients, Bound, Fig, Rotor};
+use crate::procs::{stack, Scratch};
+use maru::ffi::handler::{
+    maru_handler_close, maru_handler_open, maru_handler_t, maru_load, maru_load_batch, maru_store,
+    maru_store_batch,
+};
+use maru::ffi::maru_status_t;
+use serde::Serialize;
+use std::ffi::{c_char, CString};
+use std::sync::Arc;
+
+pub const BATCH: usize = 32;
+pub const MIB: usize = 1 << 20;
+
+/// An open handler; closed on drop.
+pub struct CHandler(*mut maru_handler_t);
+
+// SAFETY: the C ABI documents the handler as thread-safe (calls from several threads
+// may run at once); the pointer is only freed in Drop, after every user is gone.
+unsafe impl Send for CHandler {}
+unsafe impl Sync for CHandler {}
+
+fn check(st: maru_status_t, what: &str) -> Result<(), String> {
+    if st == maru_status_t::MARU_OK {
+        return Ok(());
+    }
+    let msg = maru::ffi::last_error().map(|(_, m)| m).unwrap_or_default();
+    Err(format!("{what}: {st:?}: {msg}"))
+}
+
+impl CHandler {
+    pub fn open(cfg: &str) -> Result<CHandler, String> {
+        let c = CString::new(cfg).map_err(|e| e.to_string())?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated config and a writable out pointer.
+        check(
+            unsafe { maru_handler_open(c.as_ptr(), &mut h) },
+            "maru_handler_open",
+        )?;
+        Ok(CHandler(h))
+    }
+
+    /// Stores `ptrs[i]` (`len` bytes each) under `keys[i]`; all must be stored.
+    pub fn store_batch(
+        &self,
+        keys: &[CString],
+        ptrs: &[*const u8],
+        len: usize,
+    ) -> Result<(), String> {
+        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let lens = vec![len; keys.len()];
+        let mut stored = vec![false; keys.len()];
+        // SAFETY: arrays of keys.len() entries; each pointer has `len` readable bytes.
+        check(
+            unsafe {
+                maru_store_batch(
+                    self.0,
+                    kp.as_ptr(),
+                    ptrs.as_ptr(),
+                    lens.as_ptr(),
+                    keys.len(),
+                    kp[0],
+                    stored.as_mut_ptr(),
+                )
+            },
+            "maru_store_batch",
+        )?;
+        match stored.iter().filter(|&&s| !s).count() {
+            0 => Ok(()),
+            n => Err(format!(
+                "maru_store_batch skipped {n} of {} chunks (pool full or no staging slot)",
+                keys.len()
+            )),
+        }
+    }
+
+    pub fn store_one(&self, key: &CString, ptr: *const u8, len: usize) -> Result<(), String> {
+        let mut stored = false;
+        // SAFETY: `ptr` has `len` readable bytes.
+        check(
+            unsafe {
+                maru_store(
+                    self.0,
+                    key.as_ptr(),
+                    ptr,
+                    len,
+                    std::ptr::null(),
+                    &mut stored,
+                )
+            },
+            "maru_store",
+        )?;
+        if stored {
+            Ok(())
+        } else {
+            Err("maru_store skipped the chunk (pool full or no staging slot)".into())
+        }
+    }
+
+    /// Loads `keys[i]` into `bufs[i]` (`cap` bytes each); all must be found.
+    pub fn load_batch(
+        &self,
+        keys: &[CString],
+        bufs: &[*mut u8],
+        cap: usize,
+    ) -> Result<u64, String> {
+        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let caps = vec![cap; keys.len()];
+        let mut lens = vec![0usize; keys.len()];
+        let mut found = vec![false; keys.len()];
+        // SAFETY: arrays of keys.len() entries; each buffer has `cap` writable bytes.
+        check(
+            unsafe {
+                maru_load_batch(
+                    self.0,
+                    kp.as_ptr(),
+                    bufs.as_ptr(),
+                    caps.as_ptr(),
+                    lens.as_mut_ptr(),
+                    found.as_mut_ptr(),
+                    keys.len(),
+                    kp[0],
+                )
+            },
+            "maru_load_batch",
+        )?;
+        match found.iter().filter(|&&f| !f).count() {
+            0 => Ok(lens.iter().sum::<usize>() as u64),
+            n => Err(format!(
+                "maru_load_batch missed {n} of {} stored chunks",
+                keys.len()
+            )),
+        }
+    }
+
+    pub fn load_one(&self, key: &CString, buf: *mut u8, cap: usize) -> Result<u64, String> {
+        let mut len = 0usize;
+        // SAFETY: `buf` has `cap` writable bytes.
+        check(
+            unsafe { maru_load(self.0, key.as_ptr(), buf, cap, &mut len, std::ptr::null()) },
+            "maru_load",
+        )?;
+        Ok(len as u64)
+    }
+}
+
+impl Drop for CHandler {
+    fn drop(&mut self) {
+        // SAFETY: a handler from maru_handler_open, closed once.
+        let _ = unsafe { maru_handler_close(self.0) };
+    }
+}
+
+/// Staging slots of the benchmark's handlers: one batch in flight, unless overridden
+/// (to try other pipeline depths) by the environment variable `var`.
+fn slots(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+pub fn handler_config(server: &str, backend: &str, engine: &str, key_file: &str) -> String {
+    let mut c = serde_json::json!({
+        "backend": backend,
+        "server_url": server,
+        "engine_id": engine,
+        "namespace": "bench",
+        "load_slots": slots("MARU_BENCH_LOAD_SLOTS", BATCH),
+        "store_slots": slots("MARU_BENCH_STORE_SLOTS", BATCH),
+    });
+    if backend == "remote_cxl" {
+        c["transport"] = "soft".into();
+        c["agent_key_file"] = key_file.into();
+    }
+    c.to_string()
+}
+
+/// One configuration: `handlers` engines, each used by `threads` threads at once.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Config {
+    pub backend: &'static str,
+    pub chunk: usize,
+    pub handlers: usize,
+    pub threads: usize,
+}
+
+impl Config {
+    pub fn clients(&self) -> usize {
+        self.handlers * self.threads
+    }
+}
+
+/// The figures of one configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Result_ {
+    pub config: Config,
+    pub store_batch: Fig,
+    pub store_single: Fig,
+    pub load_batch: Fig,
+    pub load_single: Fig,
+}
+
+pub struct Sizes {
+    /// Seconds per figure.
+    pub secs: f64,
+    /// Source/destination memory each client rotates over.
+    pub rotate: usize,
+    /// Region size at maru-server.
+    pub region: usize,
+}
+
+/// Runs the four figures of `cfg` on a fresh stack.
+pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
+    let st = stack(
+        s,
+        cfg.backend == "remote_cxl",
+        &format!("{}", sz.region),
+        &format!("{}", cfg.chunk),
+    )?;
+    let key_file = s.key_file.display().to_string();
+    let handlers: Vec<Arc<CHandler>> = (0..cfg.handlers)
+        .map(|i| {
+            CHandler::open(&handler_config(
+                &st.server,
+                cfg.backend,
+                &format!("bench-{}-{}", cfg.backend, i),
+                &key_file,
+            ))
+            .map(Arc::new)
+        })
+        .collect::<Result<_, _>>()?;
+    let clients = cfg.clients();
+    // Space: the pool has no eviction, so stores are bounded by what fits, with one
+    // partly filled region per session to spare.
+    let usable = (s.pool_size as usize)
+        .saturating_sub(sz.region * (cfg.handlers + 2))
+        .max(cfg.chunk * BATCH * 2 * clients);
+    let per_client_chunks = usable / cfg.chunk / clients;
+    let batch_ops = (per_client_chunks * 3 / 4) / BATCH;
+    let single_ops = per_client_chunks - batch_ops * BATCH - BATCH;
+    let chunk = cfg.chunk;
+    let tag = move |c: usize, kind: &str, i: usize| {
+        CString::new(format!("{}-{}-{kind}-{c}-{i}", cfg.backend, chunk)).unwrap_or_default()
+    };
+    let client_handler = |c: usize| handlers[c / cfg.threads].clone();
+    // Warm-up (staging pages, connections, first region): one batch per client.
+    for c in 0..clients {
+        let h = client_handler(c);
+        let src = Rotor::new(chunk * BATCH, chunk, c as u64);
+        let keys: Vec<CString> = (0..BATCH).map(|i| tag(c, "warm", i)).collect();
+        let ptrs: Vec<*const u8> = (0..BATCH)
+            // SAFETY: i < BATCH pieces of `chunk` bytes each lie inside the rotor.
+            .map(|i| unsafe { src.base().add(i * chunk) })
+            .collect();
+        h.store_batch(&keys, &ptrs, chunk)?;
+        let mut dst = Rotor::new(chunk * BATCH, chunk, 0);
+        let bufs: Vec<*mut u8> = (0..BATCH).map(|_| dst.next_ptr()).collect();
+        h.load_batch(&keys, &bufs, chunk)?;
+    }
+    let bound = |max_ops| Bound {
+        secs: sz.secs,
+        max_ops,
+    };
+    let srcs: Vec<Arc<std::sync::Mutex<Rotor>>> = (0..clients)
+        .map(|c| {
+            Arc::new(std::sync::Mutex::new(Rotor::new(
+                sz.rotate,
+                chunk,
+                7 + c as u64,
+            )))
+        })
+        .collect();
+    let dsts: Vec<Arc<std::sync::Mutex<Rotor>>> = (0..clients)
+        .map(|_| Arc::new(std::sync::Mutex::new(Rotor::new(sz.rotate, chunk, 3))))
+        .collect();
+    // Batched stores: new keys each batch.
+    let counts = Arc::new(std::sync::Mutex::new(vec![0usize; clients]));
+    let ops: Vec<_> = (0..clients)
+        .map(|c| {
+            let h = client_handler(c);
+            let src = srcs[c].clone();
+            let counts = counts.clone();
+            move |i: usize| -> Result<u64, String> {
+                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "b", i * BATCH + j)).collect();
+                let ptrs: Vec<*const u8> = {
+                    let mut r = src.lock().map_err(|_| "poisoned")?;
+                    (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
+                };
+                h.store_batch(&keys, &ptrs, chunk)?;
+                if let Ok(mut n) = counts.lock() {
+                    n[c] = i + 1;
+                }
+                Ok((BATCH * chunk) as u64)
+            }
+        })
+        .collect();
+    let store_batch = run_clients(ops, bound(batch_ops.max(1)))?;
+    let stored: Vec<usize> = counts.lock().map_err(|_| "poisoned")?.clone();
+    // Single stores.
+    let ops: Vec<_> = (0..clients)
+        .map(|c| {
+            let h = client_handler(c);
+            let src = srcs[c].clone();
+            move |i: usize| -> Result<u64, String> {
+                let p = src.lock().map_err(|_| "poisoned")?.next_ptr() as *const u8;
+                h.store_one(&tag(c, "s", i), p, chunk)?;
+                Ok(chunk as u64)
+            }
+        })
+        .collect();
+    let store_single = run_clients(ops, bound(single_ops.max(1)))?;
+    // Batched loads over the keys each client stored in batches, in rotation.
+    let ops: Vec<_> = (0..clients)
+        .map(|c| {
+            let h = client_handler(c);
+            let dst = dsts[c].clone();
+            let n = stored[c].max(1);
+            move |i: usize| -> Result<u64, String> {
+                let b = i % n;
+                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "b", b * BATCH + j)).collect();
+                let bufs: Vec<*mut u8> = {
+                    let mut r = dst.lock().map_err(|_| "poisoned")?;
+                    (0..BATCH).map(|_| r.next_ptr()).collect()
+                };
+                h.load_batch(&keys, &bufs, chunk)
+            }
+        })
+        .collect();
+    let load_batch = run_clients(ops, bound(usize::MAX))?;
+    let ops: Vec<_> = (0..clients)
+        .map(|c| {
+            let h = client_handler(c);
+            let dst = dsts[c].clone();
+            let n = stored[c].max(1) * BATCH;
+            move |i: usize| -> Result<u64, String> {
+                let p = dst.lock().map_err(|_| "poisoned")?.next_ptr();
+                let k = i % n;
+                h.load_one(&tag(c, "b", k), p, chunk)
+            }
+        })
+        .collect();
+    let load_single = run_clients(ops, bound(usize::MAX))?;
+    drop(handlers);
+    drop(st);
+    Ok(Result_ {
+        config: cfg,
+        store_batch,
+        store_single,
+        load_batch,
+        load_single,
+    })
+}

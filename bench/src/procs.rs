@@ -1,0 +1,281 @@
+//! Processes the benchmark starts on loopback: the Maru daemons (resource manager on a
+//! fake DAX file in /dev/shm, remote CXL agent, maru-server) and redis-server. Every
+//! wait is bounded; every child is killed when its guard drops, also on error.
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use std::net::TcpListener;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A child process, stopped (SIGTERM, then SIGKILL after 3 s) when dropped.
+pub struct Proc {
+    child: Child,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on the pid of our own child, which we have not reaped yet.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The directory of the running binary (the daemons are built beside it).
+pub fn bin_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.to_path_buf()))
+        .unwrap_or_default()
+}
+
+/// Starts a Maru daemon with `--port 0 --ready-file F` and waits (≤ 20 s) for its address.
+pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, String), String> {
+    let _ = std::fs::remove_file(ready);
+    if !bin.is_file() {
+        return Err(format!(
+            "{} not found: build the daemons first (cargo build --release -p maru-daemons --bins)",
+            bin.display()
+        ));
+    }
+    let child = Command::new(bin)
+        .args(args)
+        .arg("--port")
+        .arg("0")
+        .arg("--ready-file")
+        .arg(ready)
+        .arg("--log-level")
+        .arg("warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+    let mut p = Proc { child };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(s) = std::fs::read_to_string(ready) {
+            if s.ends_with('\n') {
+                return Ok((p, s.trim().to_string()));
+            }
+        }
+        if let Ok(Some(st)) = p.child.try_wait() {
+            return Err(format!("{} exited during start-up: {st}", bin.display()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!(
+        "{} did not become ready within 20 s",
+        bin.display()
+    ))
+}
+
+/// A scratch directory and the shared fake-DAX pool file, removed on drop.
+pub struct Scratch {
+    pub dir: PathBuf,
+    pub pool: PathBuf,
+    pub pool_size: u64,
+    pub key_file: PathBuf,
+}
+
+impl Scratch {
+    pub fn new(pool_size: u64) -> Result<Scratch, String> {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("maru-bench-{pid}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let shm = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            dir.clone()
+        };
+        let pool = shm.join(format!("maru-bench-pool-{pid}"));
+        let _ = std::fs::remove_file(&pool);
+        let key_file = dir.join("agent.key");
+        let key = SharedKey::generate().map_err(|e| format!("agent key: {e}"))?;
+        write_new_key_file(&key_file, &key).map_err(|e| format!("agent key file: {e}"))?;
+        Ok(Scratch {
+            dir,
+            pool,
+            pool_size,
+            key_file,
+        })
+    }
+
+    /// A fresh path inside the scratch directory.
+    pub fn path(&self, tag: &str) -> PathBuf {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.dir.join(format!("{tag}-{n}"))
+    }
+
+    /// Allocates every page of the pool file now (tmpfs fallocate keeps the data, fills
+    /// holes), so that stores measure copies into memory, not first-touch page faults.
+    pub fn prefault_pool(&self) -> Result<(), String> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.pool)
+            .map_err(|e| format!("{}: {e}", self.pool.display()))?;
+        // SAFETY: fallocate(2) on a file descriptor we own, mode 0, within its size.
+        let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, self.pool_size as libc::off_t) };
+        if r != 0 {
+            return Err(format!(
+                "fallocate {}: {} (is /dev/shm large enough?)",
+                self.pool.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_file(&self.pool);
+    }
+}
+
+/// RM + (agent) + maru-server on loopback over the scratch pool, fresh RM state.
+pub struct Stack {
+    pub server: String,
+    pub rm: Proc,
+    pub agent: Option<Proc>,
+    pub srv: Proc,
+}
+
+pub fn stack(
+    s: &Scratch,
+    remote: bool,
+    region_size: &str,
+    chunk_size: &str,
+) -> Result<Stack, String> {
+    let bins = bin_dir();
+    let (rm, rm_addr) = start_daemon(
+        &bins.join("maru-resource-manager"),
+        &[
+            "--state-dir".into(),
+            s.path("rm-state").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:{}", s.pool.display(), s.pool_size),
+        ],
+        &s.path("rm.ready"),
+    )?;
+    let agent = if remote {
+        Some(start_daemon(
+            &bins.join("maru-remote-cxl-agent"),
+            &[
+                "--rm-address".into(),
+                rm_addr.clone(),
+                "--key-file".into(),
+                s.key_file.display().to_string(),
+                "--device".into(),
+                s.pool.display().to_string(),
+                "--node".into(),
+                "bench-mem0".into(),
+            ],
+            &s.path("agent.ready"),
+        )?)
+    } else {
+        None
+    };
+    let mut args = vec![
+        "--rm-address".to_string(),
+        rm_addr,
+        "--region-size".into(),
+        region_size.into(),
+        "--chunk-size".into(),
+        chunk_size.into(),
+        "--max-sessions".into(),
+        "1024".into(),
+    ];
+    if let Some((_, a)) = &agent {
+        args.extend([
+            "--remote-cxl-agent".into(),
+            a.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            s.key_file.display().to_string(),
+        ]);
+    }
+    let (srv, server) = start_daemon(&bins.join("maru-server"), &args, &s.path("server.ready"))?;
+    Ok(Stack {
+        server,
+        rm,
+        agent: agent.map(|(p, _)| p),
+        srv,
+    })
+}
+
+/// A free loopback port (bound, then released for the child to take).
+pub fn free_port() -> Result<u16, String> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind: {e}"))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| format!("local_addr: {e}"))
+}
+
+/// redis-server on loopback, no persistence; waits (≤ 10 s) until it answers PING.
+pub fn start_redis() -> Result<(Proc, String), String> {
+    let port = free_port()?;
+    let child = Command::new("redis-server")
+        .args([
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                "redis-server not found: run scripts/install-deps.sh (Debian package redis-server)"
+                    .to_string()
+            }
+            _ => format!("cannot start redis-server: {e}"),
+        })?;
+    let mut p = Proc { child };
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(mut c) = crate::redis::Resp::connect(&addr) {
+            if c.ping().is_ok() {
+                return Ok((p, addr));
+            }
+        }
+        if let Ok(Some(st)) = p.child.try_wait() {
+            return Err(format!("redis-server exited during start-up: {st}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err("redis-server did not answer PING within 10 s".into())
+}
