@@ -1,0 +1,695 @@
+//! maru-usage: what a Maru pool holds and who uses it, as one readable table. It asks
+//! maru-server for its statistics and usage (per session; shown per engine) and, with
+//! `--rm`, the resource manager for its pools and regions. `--watch` refreshes it.
+//!
+//! Exit status: 0 shown; 1 the RM part could not be read (the server part was shown);
+//! 2 bad usage or maru-server could not be reached.
+
+use clap::Parser;
+use maru::net::{default_client_id, Client, ClientError, ClientOptions};
+use maru::wire::meta::{self, MetaReply, MetaRequest, StatsReply, UsageReply};
+use maru::wire::rm::{self, PoolInfo, RegionInfo, RmReply, RmRequest};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::exit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "maru-usage",
+    version,
+    about = "Pools, regions, keys and hit rate of a Maru pool, per engine",
+    long_about = "Asks maru-server for its statistics and usage and shows them per engine (the \
+sessions of one engine_id summed); with --rm also the resource manager's pools and regions. \
+--watch refreshes every SECS seconds until q, Ctrl-C or --count refreshes."
+)]
+struct Args {
+    /// maru-server address.
+    #[arg(long, default_value = "127.0.0.1:5555", env = "MARU_SERVER_ADDRESS")]
+    server: String,
+    /// The pool's resource manager (host:port); adds its pools and regions.
+    #[arg(long, value_name = "HOST:PORT")]
+    rm: Option<String>,
+    /// Key file of the resource manager, when it requires one.
+    #[arg(long, env = "MARU_RM_KEY_FILE")]
+    rm_key_file: Option<PathBuf>,
+    /// Regions listed at most (the RM's, with --rm); the rest are counted.
+    #[arg(long, default_value_t = 20)]
+    max_regions: usize,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Refresh every SECS seconds (default 2) until q, Ctrl-C or --count refreshes.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+    watch: Option<f64>,
+    /// With --watch: stop after this many refreshes.
+    #[arg(long, default_value_t = 1800)]
+    count: u64,
+    /// Timeout of one request (milliseconds).
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+}
+
+/// What one refresh read.
+#[derive(Debug, serde::Serialize)]
+struct Snapshot {
+    server: String,
+    stats: StatsReply,
+    usage: UsageReply,
+    /// With --rm: the RM's address and what it answered (or why not).
+    rm: Option<RmView>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct RmView {
+    address: String,
+    pools: Vec<PoolInfo>,
+    regions: Vec<RegionInfo>,
+    error: Option<String>,
+}
+
+/// The sessions of one engine, summed.
+#[derive(Debug, Default, PartialEq)]
+struct EngineRow {
+    sessions: u64,
+    namespaces: BTreeSet<String>,
+    backends: BTreeSet<&'static str>,
+    regions: u64,
+    allocated: u64,
+    used: u64,
+    keys: u64,
+    key_bytes: u64,
+    hits: u64,
+    misses: u64,
+    leases: u64,
+    connected: u64,
+}
+
+/// Per engine id: the sessions of the stats reply joined with those of the usage reply
+/// by session id (a session that opened or ended between the two calls counts with
+/// what one of them said).
+fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, EngineRow> {
+    let mut out: BTreeMap<String, EngineRow> = BTreeMap::new();
+    let by_id: BTreeMap<u64, &meta::SessionUsage> =
+        usage.sessions.iter().map(|u| (u.session, u)).collect();
+    let mut seen = BTreeSet::new();
+    for s in &stats.sessions {
+        seen.insert(s.session);
+        let row = out.entry(s.engine_id.clone()).or_default();
+        row.sessions += 1;
+        row.regions += s.regions;
+        row.keys += s.keys;
+        row.key_bytes += s.key_bytes;
+        row.hits += s.hits;
+        row.misses += s.misses;
+        row.leases += s.leases;
+        if let Some(b) = s.backend {
+            row.backends.insert(b.as_str());
+        }
+        match by_id.get(&s.session) {
+            Some(u) => {
+                row.namespaces.insert(u.namespace.clone());
+                row.allocated += u.allocated;
+                row.used += u.used;
+                row.connected += u.connected as u64;
+            }
+            None => row.allocated += s.region_bytes,
+        }
+    }
+    for u in usage.sessions.iter().filter(|u| !seen.contains(&u.session)) {
+        let row = out.entry(u.engine_id.clone()).or_default();
+        row.sessions += 1;
+        row.regions += u.regions;
+        row.allocated += u.allocated;
+        row.used += u.used;
+        row.connected += u.connected as u64;
+        row.namespaces.insert(u.namespace.clone());
+        row.backends.insert(u.backend.as_str());
+    }
+    out
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+}
+
+fn rate(h: u64, m: u64) -> String {
+    if h + m == 0 {
+        "-".to_string()
+    } else {
+        format!("{:.1}%", 100.0 * h as f64 / (h + m) as f64)
+    }
+}
+
+fn joined<T: AsRef<str>>(set: impl IntoIterator<Item = T>) -> String {
+    let v: Vec<String> = set.into_iter().map(|s| s.as_ref().to_string()).collect();
+    if v.is_empty() {
+        "-".into()
+    } else {
+        v.join(",")
+    }
+}
+
+/// The tables of one snapshot.
+fn render(s: &Snapshot, max_regions: usize) -> String {
+    let mut o = String::new();
+    let t = &s.stats.total;
+    let _ = writeln!(
+        o,
+        "maru-server {}: {} sessions, {} regions ({} MiB), {} keys ({} MiB), hit rate {} ({} hits, {} misses), {} leases",
+        s.server, t.sessions, t.regions, mib(t.region_bytes), t.keys, mib(t.key_bytes),
+        rate(t.hits, t.misses), t.hits, t.misses, t.leases
+    );
+    let _ = writeln!(
+        o,
+        "region keeper: {} regions kept ({} MiB, {} keys, readable), {} going back ({} MiB)",
+        s.usage.kept_regions,
+        mib(s.usage.kept_bytes),
+        t.kept_keys,
+        s.usage.giving_back,
+        mib(s.usage.giving_back_bytes)
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5}",
+        "ENGINE",
+        "NAMESPACE",
+        "BACKEND",
+        "SESS",
+        "REGIONS",
+        "ALLOC_MiB",
+        "USED_MiB",
+        "KEYS",
+        "KEY_MiB",
+        "HITS",
+        "MISSES",
+        "HIT%",
+        "LEASES",
+        "CONN"
+    );
+    let rows = engines(&s.stats, &s.usage);
+    if rows.is_empty() {
+        let _ = writeln!(o, "(no engine has a session)");
+    }
+    for (engine, r) in &rows {
+        let _ = writeln!(
+            o,
+            "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5}",
+            engine,
+            joined(&r.namespaces),
+            joined(r.backends.iter()),
+            r.sessions,
+            r.regions,
+            mib(r.allocated),
+            mib(r.used),
+            r.keys,
+            mib(r.key_bytes),
+            r.hits,
+            r.misses,
+            rate(r.hits, r.misses),
+            r.leases,
+            format!("{}/{}", r.connected, r.sessions)
+        );
+    }
+    if let Some(rm) = &s.rm {
+        let _ = writeln!(o);
+        if let Some(e) = &rm.error {
+            let _ = writeln!(o, "resource manager {}: {e}", rm.address);
+            return o;
+        }
+        let _ = writeln!(o, "resource manager {}:", rm.address);
+        let _ = writeln!(
+            o,
+            "{:<4} {:<32} {:<7} {:>10} {:>10} {:>10} {:>7}  UUID",
+            "POOL", "PATH", "KIND", "TOTAL_MiB", "FREE_MiB", "DRAIN_MiB", "REGIONS"
+        );
+        for p in &rm.pools {
+            let n = rm.regions.iter().filter(|r| r.pool_id == p.pool_id).count();
+            let _ = writeln!(
+                o,
+                "{:<4} {:<32} {:<7} {:>10} {:>10} {:>10} {:>7}  {}",
+                p.pool_id,
+                p.path,
+                p.kind,
+                mib(p.total),
+                mib(p.free),
+                mib(p.draining),
+                n,
+                p.uuid
+            );
+        }
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "{:<7} {:<36} {:<4} {:>9} {:<9} HOLDS",
+            "REGION", "OWNER", "POOL", "LEN_MiB", "STATE"
+        );
+        for r in rm.regions.iter().take(max_regions) {
+            let holds: Vec<String> = r
+                .holds
+                .iter()
+                .map(|h| format!("{}@{}", h.node, h.epoch))
+                .collect();
+            let _ = writeln!(
+                o,
+                "{:<7} {:<36} {:<4} {:>9} {:<9} {}",
+                r.region_id,
+                r.owner,
+                r.pool_id,
+                mib(r.length),
+                r.state,
+                joined(&holds)
+            );
+        }
+        if rm.regions.len() > max_regions {
+            let _ = writeln!(
+                o,
+                "... and {} more regions (--max-regions)",
+                rm.regions.len() - max_regions
+            );
+        }
+    }
+    o
+}
+
+/// Connections kept across refreshes; a broken one is opened again on the next.
+struct Source {
+    server: String,
+    server_conn: Option<Client>,
+    rm: Option<String>,
+    rm_conn: Option<Client>,
+    rm_key: Option<maru::auth::SharedKey>,
+    timeout: Duration,
+}
+
+impl Source {
+    fn options(&self, service: &'static str, key: Option<maru::auth::SharedKey>) -> ClientOptions {
+        let mut o = ClientOptions::new(service, default_client_id("maru-usage@"));
+        o.key = key;
+        o.connect_timeout = self.timeout;
+        o.call_timeout = self.timeout;
+        o
+    }
+
+    fn server_call(&mut self, req: &MetaRequest) -> Result<MetaReply, String> {
+        if self.server_conn.is_none() {
+            let opts = self.options(meta::SERVICE, None);
+            let c = Client::connect(&self.server, &opts)
+                .map_err(|e| format!("cannot reach maru-server at {}: {e}", self.server))?;
+            self.server_conn = Some(c);
+        }
+        let Some(c) = self.server_conn.as_mut() else {
+            return Err("no connection".into());
+        };
+        let r = c.call::<_, MetaReply>(req);
+        if let Err(ClientError::Io { .. } | ClientError::Timeout { .. }) = &r {
+            self.server_conn = None;
+        }
+        r.map_err(|e| format!("maru-server at {}: {e}", self.server))
+    }
+
+    fn rm_call(&mut self, addr: &str, req: &RmRequest) -> Result<RmReply, String> {
+        if self.rm_conn.is_none() {
+            let opts = self.options(rm::SERVICE, self.rm_key.clone());
+            let c = Client::connect(addr, &opts)
+                .map_err(|e| format!("cannot reach the resource manager: {e}"))?;
+            self.rm_conn = Some(c);
+        }
+        let Some(c) = self.rm_conn.as_mut() else {
+            return Err("no connection".into());
+        };
+        let r = c.call::<_, RmReply>(req);
+        if let Err(ClientError::Io { .. } | ClientError::Timeout { .. }) = &r {
+            self.rm_conn = None;
+        }
+        r.map_err(|e| e.to_string())
+    }
+
+    fn rm_view(&mut self, addr: &str) -> RmView {
+        let mut v = RmView {
+            address: addr.to_string(),
+            pools: Vec::new(),
+            regions: Vec::new(),
+            error: None,
+        };
+        match self.rm_call(addr, &RmRequest::Pools) {
+            Ok(RmReply::Pools { pools }) => v.pools = pools,
+            Ok(other) => v.error = Some(format!("unexpected reply {other:?}")),
+            Err(e) => v.error = Some(e),
+        }
+        if v.error.is_none() {
+            match self.rm_call(addr, &RmRequest::Regions { owner: None }) {
+                Ok(RmReply::Regions { regions }) => v.regions = regions,
+                Ok(other) => v.error = Some(format!("unexpected reply {other:?}")),
+                Err(e) => v.error = Some(e),
+            }
+        }
+        v
+    }
+
+    fn snapshot(&mut self) -> Result<Snapshot, String> {
+        let stats = match self.server_call(&MetaRequest::Stats { session: None })? {
+            MetaReply::Stats(s) => s,
+            other => return Err(format!("unexpected reply to stats: {other:?}")),
+        };
+        let usage = match self.server_call(&MetaRequest::Usage)? {
+            MetaReply::Usage(u) => u,
+            other => return Err(format!("unexpected reply to usage: {other:?}")),
+        };
+        let rm = self.rm.clone().map(|a| self.rm_view(&a));
+        Ok(Snapshot {
+            server: self.server.clone(),
+            stats,
+            usage,
+            rm,
+        })
+    }
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT and SIGTERM end the watch loop (without SA_RESTART, so a wait returns at once).
+fn install_stop_signals() {
+    // SAFETY: the handler only stores to an atomic; sigaction is given a zeroed,
+    // then filled, struct that lives across the call.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut());
+        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
+    }
+}
+
+fn is_tty(fd: libc::c_int) -> bool {
+    // SAFETY: isatty only inspects the descriptor.
+    unsafe { libc::isatty(fd) == 1 }
+}
+
+/// A terminal on stdin in non-canonical mode without echo (keys arrive one by one),
+/// restored on drop.
+struct RawStdin {
+    saved: Option<libc::termios>,
+}
+
+impl RawStdin {
+    fn new() -> RawStdin {
+        if !is_tty(0) {
+            return RawStdin { saved: None };
+        }
+        // SAFETY: termios is plain data filled by tcgetattr; tcsetattr reads it.
+        unsafe {
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(0, &mut t) != 0 {
+                return RawStdin { saved: None };
+            }
+            let saved = t;
+            t.c_lflag &= !(libc::ICANON | libc::ECHO);
+            t.c_cc[libc::VMIN] = 1;
+            t.c_cc[libc::VTIME] = 0;
+            if libc::tcsetattr(0, libc::TCSANOW, &t) != 0 {
+                return RawStdin { saved: None };
+            }
+            RawStdin { saved: Some(saved) }
+        }
+    }
+
+    /// Waits up to `d`; true when q was typed or a stop signal came.
+    fn wait_quit(&self, d: Duration) -> bool {
+        let deadline = Instant::now() + d;
+        // Bounded: one poll per 100 ms at most until the deadline.
+        while !STOP.load(Ordering::SeqCst) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            let step = left.min(Duration::from_millis(100));
+            if self.saved.is_none() {
+                std::thread::sleep(step);
+                continue;
+            }
+            let mut pfd = libc::pollfd {
+                fd: 0,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, step.as_millis() as libc::c_int) };
+            if n > 0 {
+                let mut buf = [0u8; 64];
+                // SAFETY: reads at most buf.len() bytes into buf.
+                let got = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+                if got <= 0 {
+                    // The terminal went away: keep waiting on the clock only.
+                    std::thread::sleep(step);
+                } else if buf[..got as usize].iter().any(|&b| b == b'q' || b == b'Q') {
+                    return true;
+                }
+            }
+        }
+        true
+    }
+}
+
+impl Drop for RawStdin {
+    fn drop(&mut self) {
+        if let Some(t) = &self.saved {
+            // SAFETY: restores the settings read in new().
+            unsafe {
+                libc::tcsetattr(0, libc::TCSANOW, t);
+            }
+        }
+    }
+}
+
+fn utc_clock() -> String {
+    let s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+        % 86_400;
+    format!("{:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
+}
+
+fn show(snap: &Snapshot, args: &Args) {
+    if args.json {
+        println!("{}", serde_json::to_string(snap).unwrap_or_default());
+    } else {
+        print!("{}", render(snap, args.max_regions));
+    }
+}
+
+fn rm_failed(snap: &Snapshot) -> bool {
+    snap.rm.as_ref().is_some_and(|r| r.error.is_some())
+}
+
+fn watch(src: &mut Source, args: &Args, secs: f64) {
+    install_stop_signals();
+    let every = Duration::from_secs_f64(secs.max(0.1));
+    let clear = is_tty(1) && !args.json;
+    let stdin = RawStdin::new();
+    for i in 1..=args.count.max(1) {
+        let mut out = String::new();
+        if clear {
+            out.push_str("\x1b[H\x1b[2J");
+        }
+        if !args.json {
+            let _ = writeln!(
+                out,
+                "maru-usage: {}, every {secs} s ({i}/{}); q or Ctrl-C quits",
+                utc_clock(),
+                args.count
+            );
+        }
+        print!("{out}");
+        match src.snapshot() {
+            Ok(s) => show(&s, args),
+            Err(e) => println!("{e} (retrying)"),
+        }
+        let _ = std::io::stdout().flush();
+        if i == args.count || stdin.wait_quit(every) {
+            break;
+        }
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Some(s) = args.watch {
+        if !(s.is_finite() && s > 0.0) {
+            eprintln!("error: --watch {s}: give a number of seconds > 0");
+            exit(2);
+        }
+    }
+    let rm_key = args.rm_key_file.as_ref().map(|p| {
+        maru::auth::load_key_file(p).unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            exit(2)
+        })
+    });
+    let mut src = Source {
+        server: args.server.clone(),
+        server_conn: None,
+        rm: args.rm.clone(),
+        rm_conn: None,
+        rm_key,
+        timeout: Duration::from_millis(args.timeout_ms.max(1)),
+    };
+    if let Some(secs) = args.watch {
+        return watch(&mut src, &args, secs);
+    }
+    match src.snapshot() {
+        Ok(s) => {
+            show(&s, &args);
+            if rm_failed(&s) {
+                exit(1);
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit(2);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use maru::wire::meta::{Backend, SessionStats, SessionUsage, TotalStats};
+
+    fn stats(engine: &str, session: u64, hits: u64, misses: u64) -> SessionStats {
+        SessionStats {
+            session,
+            engine_id: engine.into(),
+            backend: Some(Backend::RemoteCxl),
+            keys: 3,
+            regions: 1,
+            region_bytes: 64 << 20,
+            key_bytes: 3 << 20,
+            hits,
+            misses,
+            leases: 1,
+        }
+    }
+
+    fn usage(engine: &str, session: u64, connected: bool) -> SessionUsage {
+        SessionUsage {
+            session,
+            engine_id: engine.into(),
+            client_id: format!("{engine}@host"),
+            backend: Backend::RemoteCxl,
+            namespace: "model".into(),
+            regions: 1,
+            allocated: 64 << 20,
+            used: 4 << 20,
+            connected,
+        }
+    }
+
+    fn reply(s: Vec<SessionStats>, u: Vec<SessionUsage>) -> (StatsReply, UsageReply) {
+        (
+            StatsReply {
+                total: TotalStats::default(),
+                sessions: s,
+            },
+            UsageReply {
+                sessions: u,
+                kept_regions: 0,
+                kept_bytes: 0,
+                giving_back: 0,
+                giving_back_bytes: 0,
+            },
+        )
+    }
+
+    #[test]
+    fn sessions_of_one_engine_are_summed() {
+        let (s, u) = reply(
+            vec![
+                stats("a", 1, 2, 2),
+                stats("a", 2, 4, 0),
+                stats("b", 3, 0, 5),
+            ],
+            vec![
+                usage("a", 1, true),
+                usage("a", 2, false),
+                usage("b", 3, true),
+            ],
+        );
+        let rows = engines(&s, &u);
+        assert_eq!(rows.len(), 2);
+        let a = &rows["a"];
+        assert_eq!((a.sessions, a.regions, a.keys), (2, 2, 6));
+        assert_eq!((a.hits, a.misses, a.leases, a.connected), (6, 2, 2, 1));
+        assert_eq!((a.allocated, a.used), (128 << 20, 8 << 20));
+        assert_eq!(rate(a.hits, a.misses), "75.0%");
+        assert_eq!(rows["b"].hits, 0);
+        assert_eq!(rate(0, 0), "-");
+    }
+
+    #[test]
+    fn a_session_in_only_one_reply_still_counts() {
+        let (s, u) = reply(vec![stats("a", 1, 1, 0)], vec![usage("c", 9, true)]);
+        let rows = engines(&s, &u);
+        assert_eq!(
+            rows["a"].allocated,
+            64 << 20,
+            "from the stats' region bytes"
+        );
+        assert_eq!(rows["c"].sessions, 1);
+        assert_eq!(rows["c"].used, 4 << 20);
+    }
+
+    #[test]
+    fn render_shows_engines_pools_and_caps_regions() {
+        let (s, u) = reply(
+            vec![stats("engine-1", 1, 3, 1)],
+            vec![usage("engine-1", 1, true)],
+        );
+        let region = |id| RegionInfo {
+            region_id: id,
+            owner: "maru-server@x".into(),
+            pool_id: 0,
+            offset: 0,
+            length: 64 << 20,
+            requested: 64 << 20,
+            state: "allocated".into(),
+            holds: vec![],
+        };
+        let snap = Snapshot {
+            server: "127.0.0.1:5555".into(),
+            stats: s,
+            usage: u,
+            rm: Some(RmView {
+                address: "127.0.0.1:9850".into(),
+                pools: vec![PoolInfo {
+                    pool_id: 0,
+                    path: "/dev/shm/p".into(),
+                    uuid: "u-1".into(),
+                    kind: "file".into(),
+                    total: 1 << 30,
+                    free: 512 << 20,
+                    align: 2 << 20,
+                    draining: 0,
+                }],
+                regions: (1..=3).map(region).collect(),
+                error: None,
+            }),
+        };
+        let out = render(&snap, 2);
+        assert!(out.contains("engine-1"), "{out}");
+        assert!(out.contains("75.0%"), "{out}");
+        assert!(out.contains("/dev/shm/p"), "{out}");
+        assert!(out.contains("1024.0"), "{out}");
+        assert!(out.contains("... and 1 more regions"), "{out}");
+        assert!(!rm_failed(&snap));
+    }
+}

@@ -1,0 +1,235 @@
+//! maru-usage against real daemons on loopback: RM (fake DAX, with a key), agent and
+//! maru-server; two engines share chunks over remote_cxl (soft transport) and the
+//! table shows both engines, their keys and hit rates, the pool and its regions.
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::worker::Handler;
+use std::process::{Command, Output};
+use support::{Daemon, Scratch};
+
+const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+const USAGE_BIN: &str = env!("CARGO_BIN_EXE_maru-usage");
+
+struct Stack {
+    agent_key: std::path::PathBuf,
+    rm_key: std::path::PathBuf,
+    pool: std::path::PathBuf,
+    rm: Daemon,
+    _agent: Daemon,
+    server: Daemon,
+    /// Last: removed after the daemons stopped.
+    _scratch: Scratch,
+}
+
+fn stack() -> Stack {
+    let mut s = Scratch::new("usage");
+    let pool = s.fake_dax("pool");
+    let agent_key = s.dir.join("agent.key");
+    let rm_key = s.dir.join("rm.key");
+    write_new_key_file(&agent_key, &SharedKey::generate().unwrap()).unwrap();
+    write_new_key_file(&rm_key, &SharedKey::generate().unwrap()).unwrap();
+    let p = |x: &std::path::Path| x.display().to_string();
+    let rm = Daemon::start(
+        RM_BIN,
+        &[
+            "--state-dir".into(),
+            p(&s.dir.join("rm")),
+            "--fake-dax".into(),
+            format!("{}:128M", pool.display()),
+            "--key-file".into(),
+            p(&rm_key),
+        ],
+        &s.dir,
+    );
+    let agent = Daemon::start(
+        AGENT_BIN,
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--rm-key-file".into(),
+            p(&rm_key),
+            "--key-file".into(),
+            p(&agent_key),
+            "--device".into(),
+            p(&pool),
+            "--node".into(),
+            "mem0".into(),
+        ],
+        &s.dir,
+    );
+    let server = Daemon::start(
+        SERVER_BIN,
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--rm-key-file".into(),
+            p(&rm_key),
+            "--remote-cxl-agent".into(),
+            agent.addr.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            p(&agent_key),
+            "--region-size".into(),
+            "8M".into(),
+            "--chunk-size".into(),
+            "64K".into(),
+        ],
+        &s.dir,
+    );
+    Stack {
+        _scratch: s,
+        agent_key,
+        rm_key,
+        pool,
+        rm,
+        _agent: agent,
+        server,
+    }
+}
+
+fn engine(st: &Stack, id: &str) -> Handler {
+    let cfg = serde_json::json!({
+        "backend": "remote_cxl",
+        "server_url": st.server.addr,
+        "engine_id": id,
+        "namespace": "usage-model",
+        "agent_key_file": st.agent_key.display().to_string(),
+        "load_slots": 4,
+        "store_slots": 8,
+    });
+    Handler::open(&cfg.to_string()).unwrap_or_else(|e| panic!("open {id}: {e}"))
+}
+
+fn usage(args: &[&str]) -> Output {
+    Command::new(USAGE_BIN)
+        .args(args)
+        .env_remove("MARU_SERVER_ADDRESS")
+        .env_remove("MARU_RM_KEY_FILE")
+        .output()
+        .expect("run maru-usage")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The row of an engine in the table, split into columns.
+fn row<'a>(out: &'a str, engine: &str) -> Vec<&'a str> {
+    out.lines()
+        .find(|l| l.starts_with(engine))
+        .unwrap_or_else(|| panic!("no row for {engine} in\n{out}"))
+        .split_whitespace()
+        .collect()
+}
+
+#[test]
+fn table_shows_engines_pool_and_regions() {
+    let st = stack();
+    let a = engine(&st, "usage-engine-a");
+    let b = engine(&st, "usage-engine-b");
+    let data: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 4096 + i as usize]).collect();
+    let keys: Vec<String> = (0..6).map(|i| format!("usage-{i}")).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    assert!(a.store_batch(&items, Some("r")).unwrap().iter().all(|&x| x));
+    // Engine B finds all six and misses two it asks for on top: 75 % hits.
+    let mut ask = keys.clone();
+    ask.extend(["usage-x".to_string(), "usage-y".to_string()]);
+    let got = b.load_batch(&ask, Some("r")).unwrap();
+    assert_eq!(got.iter().filter(|g| g.is_some()).count(), 6);
+
+    let rm_key = st.rm_key.display().to_string();
+    let o = usage(&[
+        "--server",
+        &st.server.addr,
+        "--rm",
+        &st.rm.addr,
+        "--rm-key-file",
+        &rm_key,
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    // Columns: ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS KEY_MiB HITS MISSES HIT% LEASES CONN
+    let ra = row(&out, "usage-engine-a");
+    assert_eq!(ra[1], "usage-model", "{out}");
+    assert_eq!(ra[2], "remote_cxl", "{out}");
+    assert_eq!(ra[7], "6", "engine A's regions hold its 6 keys\n{out}");
+    assert_eq!(ra[11], "-", "engine A asked for nothing\n{out}");
+    let rb = row(&out, "usage-engine-b");
+    assert_eq!((rb[9], rb[10], rb[11]), ("6", "2", "75.0%"), "{out}");
+    assert_eq!(rb[13], "1/1", "B's session is connected\n{out}");
+    assert!(out.contains("hit rate 75.0% (6 hits, 2 misses)"), "{out}");
+    assert!(
+        out.contains(&st.pool.display().to_string()),
+        "the pool\n{out}"
+    );
+    assert!(
+        out.contains("maru-server@"),
+        "regions owned by maru-server\n{out}"
+    );
+    assert!(
+        out.contains("mem0@"),
+        "the agent's hold on A's region\n{out}"
+    );
+
+    // JSON: the same figures for scripts.
+    let o = usage(&["--server", &st.server.addr, "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["stats"]["total"]["hits"], 6);
+    assert_eq!(v["usage"]["sessions"].as_array().map(|s| s.len()), Some(2));
+    assert!(v["rm"].is_null());
+
+    // --watch refreshes and stops after --count, without a terminal.
+    let o = usage(&[
+        "--server",
+        &st.server.addr,
+        "--watch",
+        "0.2",
+        "--count",
+        "3",
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert_eq!(out.matches("q or Ctrl-C quits").count(), 3, "{out}");
+    assert_eq!(out.matches("usage-engine-b").count(), 3, "{out}");
+
+    // The RM without its key: the server part is shown, the RM's error named, status 1.
+    let o = usage(&["--server", &st.server.addr, "--rm", &st.rm.addr]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(out.contains("usage-engine-a"), "{out}");
+    assert!(
+        out.contains(&format!("resource manager {}:", st.rm.addr)),
+        "{out}"
+    );
+
+    a.close().unwrap();
+    b.close().unwrap();
+    // After both closed: no engine, A's region kept by the region keeper.
+    let o = usage(&["--server", &st.server.addr]);
+    let out = text(&o);
+    assert!(out.contains("(no engine has a session)"), "{out}");
+    assert!(out.contains("region keeper: 1 regions kept"), "{out}");
+}
+
+#[test]
+fn unreachable_server_is_a_clear_error() {
+    let o = usage(&["--server", "127.0.0.1:1", "--timeout-ms", "500"]);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert!(
+        out.contains("cannot reach maru-server at 127.0.0.1:1"),
+        "{out}"
+    );
+}
