@@ -9,6 +9,13 @@ share KV cache chunks through Maru.
         h.store(keys[0], kv_bytes, route_key=keys[0])
         data = h.retrieve(keys[0], route_key=keys[0])   # None on a miss
 
+Zero-copy staging slots: ``h.acquire_slots(SlotPool.STORE, n)``, ``h.store_slots``,
+``h.load_slots`` and their asynchronous ``submit_*`` forms (:mod:`maru.slots`).
+
+Code written for the upstream Maru package (``from maru import MaruConfig,
+MaruHandler``; ``MaruHandler(MaruConfig(...))``) gets the compatible handler of
+:mod:`maru.compat`; see docs/migration.md.
+
 Set ``MARU_LIB`` to the path of libmaru.so to pick a specific build (see ``maru._lib``
 for where it is looked for otherwise).
 """
@@ -17,6 +24,7 @@ from ._lib import ABI_VERSION, version
 from ._lib import path as library_path
 from .errors import (
     BufferTooSmallError,
+    BusyError,
     ClosedError,
     ConfigError,
     InvalidArgumentError,
@@ -25,29 +33,45 @@ from .errors import (
     NoSpaceError,
     NotFoundError,
     RefusedError,
+    SlotReleasedError,
     Status,
     UnavailableError,
+    UnsupportedError,
 )
 from .handler import MaruHandler
+from .hook import set_memory_hook, set_memory_hook_auto
 from .keys import chunk_keys
+from .slots import Op, Slot, SlotPool
+from .compat import AllocHandle, MaruConfig, MemoryInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ABI_VERSION",
+    "AllocHandle",
     "BufferTooSmallError",
+    "BusyError",
     "ClosedError",
     "ConfigError",
     "InvalidArgumentError",
+    "MaruConfig",
     "MaruError",
     "MaruHandler",
     "MaruTimeoutError",
+    "MemoryInfo",
     "NoSpaceError",
     "NotFoundError",
+    "Op",
     "RefusedError",
+    "Slot",
+    "SlotPool",
+    "SlotReleasedError",
     "Status",
     "UnavailableError",
+    "UnsupportedError",
     "chunk_keys",
     "library_path",
+    "set_memory_hook",
+    "set_memory_hook_auto",
     "version",
 ]

@@ -135,3 +135,50 @@ def version() -> str:
     """libmaru's version, such as ``"0.1.0"``."""
     v: Optional[bytes] = lib.maru_version_string()
     return v.decode("utf-8", "replace") if v else ""
+
+# The zero-copy slot API, asynchronous operations, batched exists and the memory hook.
+
+
+class maru_slot_t(ctypes.Structure):
+    """``maru_slot_t``: one staging slot held by the caller."""
+
+    _fields_ = [("id", ctypes.c_uint64), ("data", ctypes.c_void_p), ("capacity", ctypes.c_size_t)]
+
+
+c_u64_p = ctypes.POINTER(ctypes.c_uint64)
+_OP = ctypes.c_void_p  # maru_op_t *
+#: ``maru_mem_register_fn``: ``int32_t (*)(void *ctx, void *ptr, size_t len)``.
+MEM_REGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+#: ``maru_mem_unregister_fn``: ``void (*)(void *ctx, void *ptr, size_t len)``.
+MEM_UNREGISTER_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+lib.maru_exists_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
+lib.maru_exists_batch.restype = _S
+lib.maru_slots_acquire.argtypes = [
+    _H, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(maru_slot_t), c_size_p
+]
+lib.maru_slots_acquire.restype = _S
+lib.maru_slots_release.argtypes = [_H, c_u64_p, ctypes.c_size_t]
+lib.maru_slots_release.restype = _S
+lib.maru_store_slots.argtypes = [_H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
+lib.maru_store_slots.restype = _S
+lib.maru_load_slots.argtypes = [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, c_size_p, c_bool_p]
+lib.maru_load_slots.restype = _S
+lib.maru_submit_store_slots.argtypes = [
+    _H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)
+]
+lib.maru_submit_store_slots.restype = _S
+lib.maru_submit_load_slots.argtypes = [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)]
+lib.maru_submit_load_slots.restype = _S
+lib.maru_op_poll.argtypes = [_OP]
+lib.maru_op_poll.restype = _S
+lib.maru_op_wait.argtypes = [_OP, ctypes.c_uint32]
+lib.maru_op_wait.restype = _S
+lib.maru_op_results.argtypes = [_OP, c_bool_p, c_size_p, ctypes.c_size_t]
+lib.maru_op_results.restype = _S
+lib.maru_op_free.argtypes = [_OP]
+lib.maru_op_free.restype = None
+lib.maru_set_memory_hook.argtypes = [MEM_REGISTER_FN, MEM_UNREGISTER_FN, ctypes.c_void_p]
+lib.maru_set_memory_hook.restype = _S
+lib.maru_set_memory_hook_auto.argtypes = []
+lib.maru_set_memory_hook_auto.restype = _S

@@ -3,8 +3,12 @@
 Every exception is a :class:`MaruError` carrying ``code`` (the status value) and
 ``message`` (the library's own text from ``maru_last_error()``, which names what failed,
 e.g. the unknown configuration field). Codes without a class of their own (AUTH,
-PROTOCOL, IO, BUSY, INTERNAL, PANIC, and any code added later) raise plain
+PROTOCOL, IO, INTERNAL, PANIC, and any code added later) raise plain
 :class:`MaruError`.
+
+``MARU_PENDING`` (:attr:`Status.PENDING`) is not an error: an asynchronous operation
+that has not finished yet. :meth:`maru.Op.poll` and :meth:`maru.Op.wait` turn it into
+``False``; :func:`error_for` refuses it (and ``OK``) instead of making an exception of it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ class Status(enum.IntEnum):
     CLOSED = 13
     BUFFER_TOO_SMALL = 14
     INTERNAL = 15
+    #: Not an error: the asynchronous operation is still running (``maru_op_poll``,
+    #: ``maru_op_wait`` past its timeout, ``maru_op_results`` before the end).
+    PENDING = 16
     PANIC = 99
+
+
+def is_error(code: int) -> bool:
+    """Whether a ``maru_status_t`` value is a failure (anything but OK and PENDING)."""
+    return int(code) not in (Status.OK, Status.PENDING)
 
 
 class MaruError(Exception):
@@ -101,6 +113,29 @@ class ClosedError(MaruError):
     """The handler (or a connection) is closed (``MARU_ERR_CLOSED``)."""
 
 
+class BusyError(MaruError):
+    """The object is in use by a running operation (``MARU_ERR_BUSY``), e.g. releasing a
+    staging slot lent to an asynchronous store: wait for the operation first."""
+
+
+class SlotReleasedError(MaruError, ValueError):
+    """A staging slot (or a view of one) was used after it was released, retired, or its
+    handler closed. Its memory may already hold another chunk, so the binding refuses
+    every access instead of showing it. Also a ``ValueError``, like the error a released
+    ``memoryview`` raises."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Status.INVALID_ARGUMENT, message)
+
+
+class UnsupportedError(MaruError, NotImplementedError):
+    """The call exists in the upstream Maru API but libmaru has no equivalent yet; the
+    message says what to use instead. Also a ``NotImplementedError``. Nothing was done."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Status.INTERNAL, message)
+
+
 _BY_CODE: Dict[int, Type[MaruError]] = {
     Status.NULL_ARGUMENT: InvalidArgumentError,
     Status.INVALID_ARGUMENT: InvalidArgumentError,
@@ -111,11 +146,14 @@ _BY_CODE: Dict[int, Type[MaruError]] = {
     Status.NO_SPACE: NoSpaceError,
     Status.TIMEOUT: MaruTimeoutError,
     Status.CLOSED: ClosedError,
+    Status.BUSY: BusyError,
     Status.BUFFER_TOO_SMALL: BufferTooSmallError,
 }
 
 
 def error_for(code: int, message: str) -> MaruError:
     """The exception for a status code and message (plain :class:`MaruError` for codes
-    without a class of their own)."""
+    without a class of their own). ``OK`` and ``PENDING`` are not errors: ValueError."""
+    if not is_error(code):
+        raise ValueError(f"status {int(code)} ({Status(int(code)).name}) is not an error")
     return _BY_CODE.get(int(code), MaruError)(int(code), message)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _buffer
 from ._buffer import Buffer
-from ._lib import last_error, lib, status_str
-from .errors import BufferTooSmallError, ClosedError, InvalidArgumentError, Status, error_for
+from ._lib import last_error, lib, maru_slot_t, status_str
+from .errors import (
+    BufferTooSmallError,
+    BusyError,
+    ClosedError,
+    InvalidArgumentError,
+    Status,
+    error_for,
+)
+from .slots import Op, Slot, SlotPool, _Views, as_lengths
 
 
 def _check(status: int) -> None:
@@ -51,7 +61,22 @@ class MaruHandler:
     ``route_key`` picks the pool a chunk goes to: pass a request's first chunk key for
     all its chunks (the batch methods default to their first key, single calls to the
     key itself).
+
+    Staging slots (:meth:`acquire_slots`, :meth:`store_slots`, :meth:`load_slots`,
+    :meth:`submit_store_slots`, :meth:`submit_load_slots`) give zero-copy access to the
+    handler's staging buffer as memoryviews; see :mod:`maru.slots` for their rules.
+
+    ``MaruHandler()`` with no configuration, or with a :class:`maru.compat.MaruConfig`,
+    makes the upstream-compatible handler :class:`maru.compat.MaruHandler` instead (so
+    code written for the upstream ``from maru import MaruConfig, MaruHandler`` runs).
     """
+
+    def __new__(cls, config: Any = None) -> Any:
+        if cls is MaruHandler and (config is None or _is_compat_config(config)):
+            from .compat import MaruHandler as CompatHandler
+
+            return CompatHandler(config)
+        return super().__new__(cls)
 
     def __init__(self, config: Union[Mapping[str, Any], str]) -> None:
         self._h: Optional[int] = None
@@ -60,6 +85,14 @@ class MaruHandler:
         self._active = 0
         self._closing = False
         self._chunk: Optional[int] = None
+        self._slot_lock = threading.RLock()
+        self._slots: "weakref.WeakValueDictionary[int, Slot]" = weakref.WeakValueDictionary()
+        # Slots given up while something derived from their views was still alive: the
+        # C slot stays held (its memory cannot be reused) until those objects are gone.
+        self._pending: Dict[int, _Views] = {}
+        self._dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
+        if not isinstance(config, (str, Mapping)):
+            raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
         h = ctypes.c_void_p()
         _check(lib.maru_handler_open(text.encode("utf-8"), ctypes.byref(h)))
@@ -104,14 +137,41 @@ class MaruHandler:
     def close(self) -> None:
         """Closes the handler's sessions, drained: the chunks it stored stay readable for
         other engines. Waits for calls in flight on other threads. Closing twice is
-        harmless."""
+        harmless.
+
+        Every staging slot's views are released first (the staging buffer goes away with
+        the handler). While an object derived from a slot's view (a slice, a numpy or
+        torch array over it) is alive, ``close`` raises ``BufferError`` and the handler
+        stays open: drop those objects and close again."""
+        with self._lock:
+            if self._h is None or self._closing:
+                return
+        with self._slot_lock:
+            stuck = [s.id for s in list(self._slots.values()) if s._revoke()]
+            while self._dropped:
+                i, v = self._dropped.popleft()
+                self._pending[i] = v
+            stuck += [i for i, v in self._pending.items() if v.revoke()]
+            if stuck:
+                raise BufferError(
+                    f"staging slots {sorted(stuck)} still have views in use (slices, numpy or torch arrays "
+                    "made from Slot.view, AllocHandle.buf or MemoryInfo.view): drop them, then close again"
+                )
         with self._lock:
             if self._h is None or self._closing:
                 return
             self._closing = True
             self._idle.wait_for(lambda: self._active == 0)
             h, self._h = self._h, None
-        _check(lib.maru_handler_close(h))
+        try:
+            _check(lib.maru_handler_close(h))
+        finally:
+            with self._slot_lock:
+                for s in list(self._slots.values()):
+                    s._revoke()
+                    s._state, s._why, s._c_released = "released", " (its handler was closed)", True
+                self._slots.clear()
+                self._pending.clear()
 
     def chunk_size(self) -> int:
         """The largest chunk :meth:`store` takes: the pools' page size (maru-server's
@@ -284,13 +344,18 @@ class MaruHandler:
         return found.value
 
     def batch_exists(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
-        """Whether each key is stored; ``route_key`` defaults to the first key (one
-        ``maru_exists`` call per key: the C API has no batched exists)."""
+        """Whether each key is stored, in one round trip (``maru_exists_batch``);
+        ``route_key`` defaults to the first key."""
         keys = list(keys)
         if not keys:
             return []
-        rk = route_key if route_key is not None else keys[0]
-        return [self.exists(k, rk) for k in keys]
+        n = len(keys)
+        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
+        found = (ctypes.c_bool * n)()
+        rk = _rk(route_key)
+        with self._use() as h:
+            _check(lib.maru_exists_batch(h, ks, n, rk, found))
+        return list(found)
 
     def stats(self) -> Dict[str, Any]:
         """The handler's counters (``maru_stats_json``) as a dict: per pool and in
@@ -305,6 +370,247 @@ class MaruHandler:
                 if st != Status.BUFFER_TOO_SMALL:
                     _check(st)
         raise error_for(Status.INTERNAL, "the statistics kept growing while they were read")
+
+    # Staging slots ----------------------------------------------------------------
+
+    def acquire_slots(self, pool: Union[SlotPool, int], n: int = 1, timeout: float = 1.0) -> List[Slot]:
+        """Takes between 1 and ``n`` staging slots of ``pool`` (:class:`SlotPool` ``LOAD``
+        or ``STORE``), waiting up to ``timeout`` seconds for at least one
+        (``maru_slots_acquire``). No free slot in time raises
+        :class:`~maru.NoSpaceError` (release slots or raise ``load_slots`` /
+        ``store_slots``). Each :class:`~maru.Slot` has a writable memoryview ``view``
+        straight over the staging buffer; release it when done."""
+        pool = SlotPool(pool)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, not {n!r}")
+        if timeout < 0:
+            raise ValueError("timeout must be >= 0")
+        self._sweep_pending()
+        out = (maru_slot_t * n)()
+        got = ctypes.c_size_t(0)
+        with self._use() as h:
+            _check(lib.maru_slots_acquire(h, int(pool), n, min(int(timeout * 1000), 0xFFFFFFFF), out, ctypes.byref(got)))
+            slots = [Slot(self, pool, out[i]) for i in range(got.value)]
+            with self._slot_lock:
+                for s in slots:
+                    self._slots[s.id] = s
+        return slots
+
+    def acquire_slot(self, pool: Union[SlotPool, int], timeout: float = 1.0) -> Slot:
+        """One staging slot of ``pool`` (:meth:`acquire_slots` with ``n=1``)."""
+        return self.acquire_slots(pool, 1, timeout)[0]
+
+    def release_slots(self, slots: Sequence[Slot]) -> None:
+        """Releases each slot (:meth:`Slot.release`)."""
+        for s in slots:
+            s.release()
+
+    def _own(self, slots: Sequence[Slot], keys: Sequence[str]) -> Tuple[Any, Any, int]:
+        slots = list(slots)
+        keys = list(keys)
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots: give one slot per key")
+        seen = set()
+        for s in slots:
+            if not isinstance(s, Slot):
+                raise TypeError(f"expected a Slot, not {type(s).__name__}")
+            if s._handler is not self:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"slot {s.id} belongs to another handler")
+            if s.id in seen:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"slot {s.id} appears twice in one call")
+            seen.add(s.id)
+            s._check()
+        n = len(keys)
+        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
+        ids = (ctypes.c_uint64 * n)(*(s.id for s in slots))
+        return ks, ids, n
+
+    def store_slots(
+        self,
+        keys: Sequence[str],
+        slots: Sequence[Slot],
+        lengths: Union[None, int, Sequence[int]] = None,
+        route_key: Optional[str] = None,
+    ) -> List[bool]:
+        """Stores ``lengths[i]`` bytes of ``slots[i]`` under ``keys[i]``
+        (``maru_store_slots``; ``lengths`` defaults to each slot's ``length``, as set by
+        :meth:`Slot.write`). On ``remote_cxl`` the WRITE goes from the slot: no copy.
+        Returns per chunk whether it is stored (or was already). The slots stay yours
+        (release them), except those whose chunk was not stored: they are retired."""
+        slots = list(slots)
+        lens_l = as_lengths(lengths, slots)
+        for s, ln in zip(slots, lens_l):
+            if not 1 <= ln <= s.capacity:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"length {ln} of slot {s.id} is not in 1..{s.capacity}")
+        if not slots:
+            return []
+        ks, ids, n = self._own(slots, keys)
+        lens = (ctypes.c_size_t * n)(*lens_l)
+        stored = (ctypes.c_bool * n)()
+        rk = _rk(route_key)
+        with self._use() as h:
+            st = lib.maru_store_slots(h, ks, ids, lens, n, rk, stored)
+            if st != Status.OK:
+                err = error_for(st, last_error() or status_str(st))
+                for s in slots:
+                    self._release_slot(s, "retired", " (its store failed)", force=True)
+                raise err
+        return self._apply_stored(slots, stored)
+
+    def load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> List[Optional[int]]:
+        """Loads ``keys[i]`` into ``slots[i]`` (``maru_load_slots``; on ``remote_cxl`` the
+        READ lands in the slot: no copy). Returns each chunk's length, None where it was
+        not loaded. Loaded slots get ``length`` and ``key``; read them through
+        :meth:`Slot.data`. Slots whose chunk was not loaded (a miss, a failed transfer)
+        are retired."""
+        slots = list(slots)
+        if not slots:
+            return []
+        ks, ids, n = self._own(slots, keys)
+        lens = (ctypes.c_size_t * n)()
+        found = (ctypes.c_bool * n)()
+        rk = _rk(route_key)
+        with self._use() as h:
+            st = lib.maru_load_slots(h, ks, ids, n, rk, lens, found)
+            if st != Status.OK:
+                err = error_for(st, last_error() or status_str(st))
+                for s in slots:
+                    self._release_slot(s, "retired", " (its load failed)", force=True)
+                raise err
+        return self._apply_loaded(list(keys), slots, found, lens)
+
+    def submit_store_slots(
+        self,
+        keys: Sequence[str],
+        slots: Sequence[Slot],
+        lengths: Union[None, int, Sequence[int]] = None,
+        route_key: Optional[str] = None,
+    ) -> Op:
+        """:meth:`store_slots` without waiting (``maru_submit_store_slots``): returns the
+        running :class:`~maru.Op`. The slots are lent to it until it finished (do not
+        write into them meanwhile; the wrapper refuses access)."""
+        slots = list(slots)
+        keys = list(keys)
+        lens_l = as_lengths(lengths, slots)
+        for s, ln in zip(slots, lens_l):
+            if not 1 <= ln <= s.capacity:
+                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"length {ln} of slot {s.id} is not in 1..{s.capacity}")
+        if not slots:
+            raise ValueError("nothing to submit: no slots")
+        ks, ids, n = self._own(slots, keys)
+        lens = (ctypes.c_size_t * n)(*lens_l)
+        op = ctypes.c_void_p()
+        with self._use() as h:
+            _check(lib.maru_submit_store_slots(h, ks, ids, lens, n, _rk(route_key), ctypes.byref(op)))
+        return self._lend(Op(self, "store", keys, slots, op.value))
+
+    def submit_load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> Op:
+        """:meth:`load_slots` without waiting (``maru_submit_load_slots``): returns the
+        running :class:`~maru.Op`; the slots are lent to it until it finished."""
+        slots = list(slots)
+        keys = list(keys)
+        if not slots:
+            raise ValueError("nothing to submit: no slots")
+        ks, ids, n = self._own(slots, keys)
+        op = ctypes.c_void_p()
+        with self._use() as h:
+            _check(lib.maru_submit_load_slots(h, ks, ids, n, _rk(route_key), ctypes.byref(op)))
+        return self._lend(Op(self, "load", keys, slots, op.value))
+
+    def _lend(self, op: Op) -> Op:
+        for s in op.slots:
+            s._op = op
+        return op
+
+    def _apply_stored(self, slots: List[Slot], stored: Any) -> List[bool]:
+        out = [bool(stored[i]) for i in range(len(slots))]
+        for s, ok in zip(slots, out):
+            if not ok:
+                self._release_slot(s, "retired", " (its chunk was not stored)", force=True)
+        return out
+
+    def _apply_loaded(self, keys: List[str], slots: List[Slot], found: Any, lens: Any) -> List[Optional[int]]:
+        out: List[Optional[int]] = []
+        for i, s in enumerate(slots):
+            if found[i]:
+                s.length, s.key = int(lens[i]), keys[i]
+                out.append(int(lens[i]))
+            else:
+                s.length = s.key = None
+                self._release_slot(s, "retired", " (its chunk was not loaded: a miss or a failed transfer)", force=True)
+                out.append(None)
+        return out
+
+    def _c_release(self, ids: List[int]) -> None:
+        if not ids:
+            return
+        arr = (ctypes.c_uint64 * len(ids))(*ids)
+        try:
+            with self._use() as h:
+                _check(lib.maru_slots_release(h, arr, len(ids)))
+        except ClosedError:
+            pass  # closing the handler gave every slot back
+
+    def _release_slot(self, slot: Slot, state: str, why: str = "", force: bool = False) -> None:
+        """Revokes the slot's views and gives it back (``force``: give it up in Python
+        even while derived views live; the C slot then stays held until they are gone)."""
+        with self._slot_lock:
+            if slot._state != "held":
+                return
+            alive = slot._revoke()
+            if alive and not force:
+                raise BufferError(
+                    f"staging slot {slot.id}: {alive} object(s) made from its views (slices, numpy or torch "
+                    "arrays) are still alive; drop them, then release again (the slot stays valid meanwhile)"
+                )
+            slot._state, slot._why = state, why
+            self._slots.pop(slot.id, None)
+            if alive:
+                self._pending[slot.id] = slot._views
+                return
+            slot._c_released = True
+        try:
+            self._c_release([slot.id])
+        except BusyError:
+            pass  # lent to an operation freed while running: it comes back at its end
+
+    def _slot_dropped(self, slot: Slot) -> None:
+        """A slot garbage collected while held (from ``Slot.__del__``, which may run
+        anywhere, even while this thread holds a lock): queued without locking, given
+        back by the next :meth:`acquire_slots` or :meth:`close`."""
+        if slot._state == "held" and slot._op is None:
+            self._dropped.append((slot.id, slot._views))
+
+    def _sweep_pending(self) -> None:
+        with self._slot_lock:
+            while self._dropped:
+                i, v = self._dropped.popleft()
+                self._pending[i] = v
+            free = [i for i, v in self._pending.items() if not v.revoke()]
+            for i in free:
+                del self._pending[i]
+        self._c_release(free)
+
+    @staticmethod
+    def set_memory_hook_auto() -> None:
+        """:func:`maru.set_memory_hook_auto` (process-wide, for handlers opened later)."""
+        from .hook import set_memory_hook_auto
+
+        set_memory_hook_auto()
+
+    def held_slots(self) -> List[Slot]:
+        """The slots this handler handed out that are still held in Python."""
+        with self._slot_lock:
+            return [s for s in self._slots.values() if s._state == "held"]
+
+
+
+def _is_compat_config(config: Any) -> bool:
+    try:
+        from .compat import MaruConfig
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(config, MaruConfig)
 
 
 # A valid address for a zero-length buffer: libmaru refuses NULL data pointers even for

@@ -1,6 +1,6 @@
 """Real daemons on loopback for the binding's tests, started once per session from the
-cargo build (``MARU_BIN_DIR``, else ``target/debug`` above the current directory or this
-file): maru-resource-manager on a fake DAX file in /dev/shm, a maru-remote-cxl-agent and
+cargo build (``MARU_BIN_DIR``, else the directory of ``MARU_LIB`` when it holds the
+daemons, else ``target/debug`` above the current directory or this file): maru-resource-manager on a fake DAX file in /dev/shm, a maru-remote-cxl-agent and
 maru-server, each on a free port (``--port 0`` + ``--ready-file``). They are stopped in
 reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed."""
 
@@ -27,11 +27,16 @@ def _bin_dir() -> Path:
     env = os.environ.get("MARU_BIN_DIR")
     if env:
         return Path(env)
+    lib = os.environ.get("MARU_LIB")
+    if lib:
+        d = Path(lib) if Path(lib).is_dir() else Path(lib).parent
+        if (d / "maru-server").is_file():
+            return d
     for d in (Path.cwd(), *Path(__file__).resolve().parents):
         cand = d / "target" / "debug"
         if (cand / "maru-server").is_file():
             return cand
-    raise RuntimeError("daemons not built: run `cargo build --workspace --bins` or set MARU_BIN_DIR")
+    raise RuntimeError("daemons not built: run `cargo build --workspace --bins` or set MARU_BIN_DIR (or MARU_LIB)")
 
 
 class Daemons:
@@ -108,7 +113,7 @@ class Daemons:
 def daemons() -> Iterator[Daemons]:
     d = Daemons()
     try:
-        d.rm = d.start("maru-resource-manager", "--state-dir", str(d.work / "rm"), "--fake-dax", f"{d.pool}:256M")
+        d.rm = d.start("maru-resource-manager", "--state-dir", str(d.work / "rm"), "--fake-dax", f"{d.pool}:1G")
         d.agent = d.start(
             "maru-remote-cxl-agent",
             "--rm-address", d.rm,
@@ -147,5 +152,28 @@ def config(daemons: Daemons) -> Callable[..., Dict[str, Any]]:
         }
         c.update(extra)
         return c
+
+    return make
+
+
+@pytest.fixture
+def compat_config(daemons: Daemons) -> Callable[..., Any]:
+    """``compat_config(backend, **fields)``: an upstream-style ``maru.compat.MaruConfig``
+    for the session's daemons (``chunk_size_bytes`` = their chunk size)."""
+    from maru.compat import MaruConfig
+
+    def make(backend: str, **extra: Any) -> Any:
+        fields: Dict[str, Any] = dict(
+            server_url=f"tcp://{daemons.server}",
+            chunk_size_bytes=CHUNK_SIZE,
+            storage_backend=backend,
+            agent_key_file=str(daemons.key),
+            cache_namespace="pytest-compat",
+            load_slots=8,
+            store_slots=8,
+            timeout_ms=5000,
+        )
+        fields.update(extra)
+        return MaruConfig(**fields)
 
     return make

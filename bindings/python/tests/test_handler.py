@@ -226,6 +226,8 @@ def test_a_closed_handler_refuses_calls(config, ns):
         lambda: h.batch_exists(["k"]),
         lambda: h.stats(),
         lambda: h.chunk_size(),
+        lambda: h.acquire_slots(maru.SlotPool.LOAD, 1),
+        lambda: h.acquire_slot(maru.SlotPool.STORE),
     ):
         with pytest.raises(ClosedError) as e:
             call()

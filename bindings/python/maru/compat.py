@@ -1,0 +1,830 @@
+"""The upstream Maru Python API (``MaruConfig``, ``MaruHandler``, ``AllocHandle``,
+``MemoryInfo``) on top of libmaru, so adapters written for the upstream package (the
+LMCache, SGLang and vLLM integrations) run on Maru in Rust.
+
+Import it under the upstream names, which all work:
+
+    from maru import MaruConfig, MaruHandler       # MaruHandler(MaruConfig(...)) is this one
+    from maru_handler import MaruHandler
+    from maru_handler.memory import AllocHandle, MemoryInfo
+    from maru_common import MaruConfig
+    from maru.compat import MaruConfig, MaruHandler
+
+``maru.MaruHandler`` is also the native handler (configured by a dict or JSON); given a
+:class:`MaruConfig`, or nothing, it builds this compatible one.
+
+What is the same: the method names, arguments, return values and their meaning:
+``connect() -> bool`` (False, not an exception, when it fails), ``close()``,
+``alloc(size)`` then fill ``handle.buf`` in place then ``store(key, handle)``,
+``retrieve(key) -> MemoryInfo | None`` whose ``view`` is a memoryview of the chunk,
+``exists``, ``batch_store(keys, handles)``, ``batch_retrieve``, ``batch_exists``,
+``healthcheck``, ``get_chunk_size``; RuntimeError when not connected, ValueError for a
+size over the chunk size or an exhausted pool. Keys may be str or int (an int is
+stored under its decimal string, as the LMCache connector's int keys need).
+
+What differs (docs/migration.md has the full table):
+
+* ``alloc`` hands out a **store staging slot**, not a page of an owned region, on both
+  backends: ``remote_cxl`` WRITEs from the slot (no copy), ``cxl`` copies it into the
+  region at ``store``. At most ``store_slots`` handles are outstanding; ``alloc`` waits
+  ``timeout_ms`` for one, then raises ValueError. ``store`` (or ``free``) consumes the
+  handle: its ``buf`` is released (using it raises). ``region_id``/``page_index`` are
+  None: the page is chosen at ``store``.
+* ``retrieve`` returns a view of a **load staging slot** on both backends (on
+  ``remote_cxl`` the chunk cannot be mapped in this host at all: it lives in a memory
+  node's CXL, and the READ lands in the slot). The view is valid until you call
+  ``info.release()`` (or leave ``with info:``), until the handler is closed, or, with
+  ``retrieve_recycle`` (the default), until its slot is needed by a later retrieve
+  after all ``load_slots`` slots are in use (on ``remote_cxl`` one load slot stays free for
+  the copying fallback below). A view whose slot went back raises
+  ``ValueError`` on any use: it never shows another key's bytes. A view from which
+  something was made that is still alive (``torch.frombuffer(info.view)``, a slice) is
+  never recycled; when no slot can be had, the chunk is copied into private memory
+  instead (``info.zero_copy`` is False), so retrieve never fails for want of slots.
+* ``pin``, ``unpin``, ``batch_pin``, ``batch_unpin`` and ``delete`` raise
+  :class:`~maru.UnsupportedError` (a ``NotImplementedError``): libmaru has no pin,
+  unpin or delete call yet. Nothing is faked.
+* ``free`` after ``store`` does not evict the key (upstream frees the page under it).
+* ``get_stats`` returns this handler's libmaru counters, not maru-server's GET_STATS;
+  ``healthcheck`` says whether the handler has a live session with a pool.
+* Upstream-only knobs (``pool_size``, ``use_async_rpc``, ``max_inflight``,
+  ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
+  accepted and validated as upstream does, and have no effect: regions and chunk size
+  come from maru-server (``--region-size``, ``--chunk-size``), and ``connect`` fails
+  when ``chunk_size_bytes`` is larger than the server's chunk size.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import handler as _native
+from .errors import (
+    ClosedError,
+    MaruError,
+    MaruTimeoutError,
+    NoSpaceError,
+    SlotReleasedError,
+    UnavailableError,
+    UnsupportedError,
+)
+from .slots import Slot, SlotPool
+
+log = logging.getLogger("maru.compat")
+
+Key = Union[str, int]
+
+#: Failures upstream reports as a False / None / [False, ...] result instead of raising
+#: (its RPC errors): the pool is unreachable or slow. Other errors still raise.
+_TRANSIENT = (UnavailableError, MaruTimeoutError, NoSpaceError)
+
+
+class NotConnectedError(ClosedError, RuntimeError):
+    """Upstream's RuntimeError for a call on a handler that is not connected (never
+    connected, closed, or closing). Also a :class:`~maru.ClosedError`."""
+
+
+class PoolExhaustedError(NoSpaceError, ValueError):
+    """Upstream's ValueError from ``alloc`` when no page can be had: here, no store
+    staging slot became free within ``timeout_ms``. Also a :class:`~maru.NoSpaceError`."""
+
+
+def _parse_server_url(url: str) -> str:
+    """``tcp://host:port`` (upstream's form) or ``host:port``, comma-separated for
+    several pools, as libmaru's ``host:port[,host:port...]``."""
+    out = []
+    for part in str(url).split(","):
+        p = part.strip()
+        if p.startswith("tcp://"):
+            p = p[len("tcp://") :]
+        if not p or ":" not in p:
+            raise ValueError(f"server_url {url!r}: each pool must be host:port or tcp://host:port")
+        out.append(p)
+    return ",".join(out)
+
+
+@dataclass
+class MaruConfig:
+    """The upstream ``MaruConfig`` (same fields, defaults and checks), plus libmaru's
+    own settings. Upstream fields without an effect on libmaru are accepted and
+    validated, then ignored (see the module docstring).
+
+    Upstream fields: ``server_url`` ("tcp://localhost:5555"; also "host:port", or
+    several comma-separated pools), ``instance_id`` (random UUID; the libmaru
+    ``engine_id`` unless ``engine_id`` is given), ``pool_size`` (100 MiB; ignored),
+    ``chunk_size_bytes`` (1 MiB; must not exceed maru-server's ``--chunk-size``, and
+    bounds ``alloc``), ``auto_connect`` (True: the ``with`` block connects),
+    ``timeout_ms`` (2000: libmaru's control-call and transfer-batch timeout, also how
+    long ``alloc`` waits for a slot), ``use_async_rpc``, ``max_inflight``, ``eager_map``,
+    ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats`` (ignored),
+    ``storage_backend`` / ``engine_id`` / ``cache_namespace`` (later upstream names:
+    backend, engine id, namespace).
+
+    libmaru's: ``backend`` ("cxl" or "remote_cxl"; default ``storage_backend`` or
+    "cxl"), ``transport`` ("soft" or "verbs", remote_cxl), ``rdma_device``,
+    ``agent_key_file`` (remote_cxl; default ``~/.maru/remote-cxl-agent.key``),
+    ``layout`` (KV-layout digest), ``load_slots`` / ``store_slots`` (32 each: retrieved
+    views and outstanding ``alloc`` handles held at once; the staging buffer is chunk
+    size × their sum), ``retrieve_recycle`` (True: see ``MaruHandler.retrieve``).
+    """
+
+    server_url: str = "tcp://localhost:5555"
+    instance_id: Optional[str] = None
+    pool_size: int = 1024 * 1024 * 100
+    chunk_size_bytes: int = 1024 * 1024
+    auto_connect: bool = True
+    timeout_ms: int = 2000
+    use_async_rpc: bool = True
+    max_inflight: int = 64
+    eager_map: bool = True
+    auto_expand: bool = True
+    expand_size: Optional[int] = None
+    rm_address: str = "127.0.0.1:9850"
+    enable_stats: bool = False
+    storage_backend: Optional[str] = None
+    engine_id: Optional[str] = None
+    cache_namespace: Optional[str] = None
+    # libmaru's own settings.
+    backend: Optional[str] = None
+    transport: Optional[str] = None
+    rdma_device: Optional[str] = None
+    agent_key_file: Optional[str] = None
+    layout: Optional[str] = None
+    load_slots: int = 32
+    store_slots: int = 32
+    retrieve_recycle: bool = True
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.instance_id is None:
+            self.instance_id = str(uuid.uuid4())
+        if self.chunk_size_bytes <= 0:
+            raise ValueError(f"chunk_size_bytes must be positive, got {self.chunk_size_bytes}")
+        if self.pool_size < 0:
+            raise ValueError("pool_size must be nonnegative")
+        if self.pool_size < self.chunk_size_bytes:
+            raise ValueError(f"pool_size ({self.pool_size}) must be >= chunk_size_bytes ({self.chunk_size_bytes})")
+        if self.expand_size is not None:
+            if not self.auto_expand:
+                raise ValueError("expand_size requires auto_expand=True")
+            if self.expand_size < self.chunk_size_bytes:
+                raise ValueError(
+                    f"expand_size ({self.expand_size}) must be >= chunk_size_bytes ({self.chunk_size_bytes})"
+                )
+        if self.backend and self.storage_backend and self.backend != self.storage_backend:
+            raise ValueError(f"backend {self.backend!r} and storage_backend {self.storage_backend!r} disagree")
+        b = self.backend or self.storage_backend or "cxl"
+        if b in ("cpu", "mixed"):
+            raise ValueError(
+                f"storage_backend {b!r} is not offered by libmaru: use 'cxl' (this host maps the CXL device) "
+                "or 'remote_cxl' (memory nodes' CXL over RDMA)"
+            )
+        if b not in ("cxl", "remote_cxl"):
+            raise ValueError(f"backend must be 'cxl' or 'remote_cxl', not {b!r}")
+        self.backend = b
+        if self.timeout_ms <= 0:
+            raise ValueError("timeout_ms must be positive")
+        for name in ("load_slots", "store_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, not {v!r}")
+        _parse_server_url(self.server_url)
+
+    def to_libmaru(self) -> Dict[str, Any]:
+        """The libmaru handler configuration (docs/configuration.md) this stands for."""
+        c: Dict[str, Any] = {
+            "backend": self.backend,
+            "server_url": _parse_server_url(self.server_url),
+            "engine_id": self.engine_id or self.instance_id,
+            "load_slots": self.load_slots,
+            "store_slots": self.store_slots,
+            "timeout_ms": self.timeout_ms,
+        }
+        for ours, theirs in (
+            ("namespace", self.cache_namespace),
+            ("layout", self.layout),
+            ("agent_key_file", self.agent_key_file),
+            ("transport", self.transport),
+            ("rdma_device", self.rdma_device),
+        ):
+            if theirs is not None:
+                c[ours] = theirs
+        c.update(self.extra)
+        return c
+
+
+def _k(key: Key) -> str:
+    if isinstance(key, bool):
+        raise TypeError("a key is a str or an int, not a bool")
+    if isinstance(key, int):
+        return str(key)
+    if isinstance(key, str):
+        return key
+    raise TypeError(f"a key is a str or an int, not {type(key).__name__}")
+
+
+class AllocHandle:
+    """What :meth:`MaruHandler.alloc` returns: ``buf`` is a writable memoryview of
+    ``size`` bytes that you fill in place, then pass the handle to
+    :meth:`MaruHandler.store`. Here ``buf`` lies in a **store staging slot** (both
+    backends), so ``region_id`` and ``page_index`` are None (the page is chosen when the
+    chunk is stored). ``store`` or ``free`` consumes the handle: ``buf`` is released
+    then, and any use of it raises ValueError."""
+
+    def __init__(self, slot: Slot, size: int) -> None:
+        self._slot = slot
+        self._size = size
+        self._buf: Optional[memoryview] = None
+        self.state = "allocated"  # allocated | stored | freed
+
+    def __repr__(self) -> str:
+        return f"<AllocHandle {self.state} size={self._size} slot={self._slot.id}>"
+
+    @property
+    def buf(self) -> memoryview:
+        """The writable memoryview to fill (``size`` bytes)."""
+        if self.state != "allocated":
+            raise SlotReleasedError(f"this AllocHandle was {self.state}: its buffer went back to libmaru")
+        if self._buf is None:
+            self._slot.length = self._size
+            self._buf = self._slot.data()
+        return self._buf
+
+    @property
+    def size(self) -> int:
+        """Requested size in bytes."""
+        return self._size
+
+    @property
+    def region_id(self) -> None:
+        """None: a staging slot belongs to no region (upstream: the page's region)."""
+        return None
+
+    @property
+    def page_index(self) -> None:
+        """None: a staging slot is no page (upstream: the page's index)."""
+        return None
+
+    @property
+    def slot_id(self) -> int:
+        """libmaru's id of the store staging slot behind ``buf``."""
+        return self._slot.id
+
+    def _consume(self, state: str) -> None:
+        self.state = state
+        self._buf = None
+        if not self._slot.released:
+            try:
+                self._slot.release()
+            except BufferError:
+                # A numpy/torch array over buf is still alive: give the slot up in Python,
+                # libmaru keeps it held until that array is gone.
+                self._slot._handler._release_slot(self._slot, "released", " (its handle was consumed)", force=True)
+
+
+class MemoryInfo:
+    """A chunk's bytes as a memoryview (``view``; its length is the chunk's).
+
+    Build one yourself (``MemoryInfo(view=memoryview(data))``) to pass data to
+    :meth:`MaruHandler.store` / :meth:`MaruHandler.batch_store`, as the LMCache
+    connector does. The ones :meth:`MaruHandler.retrieve` returns lie in a load staging
+    slot (``zero_copy`` True) or, when no slot was free, in private memory
+    (``zero_copy`` False); release them with :meth:`release` or a ``with`` block. After
+    that (or after the handler closed, or the slot was recycled) ``view`` raises
+    ValueError. ``region_id`` and ``page_index`` are None for retrieved chunks."""
+
+    def __init__(self, view: Any, region_id: Optional[int] = None, page_index: Optional[int] = None) -> None:
+        self._view: Optional[memoryview] = view if isinstance(view, memoryview) else memoryview(view)
+        self.region_id = region_id
+        self.page_index = page_index
+        self.key: Optional[str] = None
+        self.zero_copy = False
+        self._slot: Optional[Slot] = None
+        self._released = False
+
+    @classmethod
+    def _of_slot(cls, slot: Slot, key: str) -> "MemoryInfo":
+        m = cls(slot.data())
+        m._slot, m.key, m.zero_copy = slot, key, True
+        return m
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self._view or b'')} bytes"
+        return f"<MemoryInfo {self.key!r} {state}{' zero-copy' if self.zero_copy else ''}>"
+
+    def __enter__(self) -> "MemoryInfo":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    @property
+    def released(self) -> bool:
+        """Whether the view was released (by you, the handler's close, or recycling)."""
+        return self._released or (self._slot is not None and self._slot.released)
+
+    @property
+    def view(self) -> memoryview:
+        """The chunk's bytes. Raises :class:`~maru.SlotReleasedError` (a ValueError)
+        once released."""
+        if self.released or self._view is None:
+            why = self._slot._why if self._slot is not None and self._slot.released else ""
+            raise SlotReleasedError(f"the view of chunk {self.key!r} was released{why}; retrieve it again")
+        return self._view
+
+    @view.setter
+    def view(self, v: Any) -> None:
+        if self._slot is not None:
+            raise AttributeError("the view of a retrieved chunk cannot be replaced")
+        self._view = v if isinstance(v, memoryview) else memoryview(v)
+
+    def release(self) -> None:
+        """Gives the view (and its staging slot) back. Harmless twice. Raises
+        ``BufferError`` (nothing released) while an object made from the view, such as
+        ``torch.frombuffer(info.view)`` or a slice, is still alive."""
+        if self._released:
+            return
+        if self._slot is not None:
+            if not self._slot.released:
+                self._slot.release()
+        elif self._view is not None:
+            try:
+                self._view.release()
+            except BufferError:
+                pass  # private memory: what was made from it keeps it alive, nothing to protect
+        self._released = True
+        self._view = None
+
+
+def _unsupported(what: str, instead: str) -> UnsupportedError:
+    return UnsupportedError(f"{what} is not available on libmaru (no C call for it yet): {instead}")
+
+
+class MaruHandler:
+    """The upstream ``MaruHandler`` on libmaru. See the module docstring for what is
+    the same and what differs; every method's docstring says how it maps.
+
+    Thread-safe like upstream: calls may come from several threads."""
+
+    def __init__(self, config: Optional[MaruConfig] = None) -> None:
+        if config is not None and not isinstance(config, MaruConfig):
+            raise TypeError(
+                f"config must be a maru.compat.MaruConfig, not {type(config).__name__} "
+                "(a dict or JSON string configures the native maru.MaruHandler)"
+            )
+        self._config = config or MaruConfig()
+        self._native: Optional[_native.MaruHandler] = None
+        self._leftover: List[_native.MaruHandler] = []
+        self._lock = threading.RLock()
+        self._retained: "collections.deque[MemoryInfo]" = collections.deque()
+        self._connected = False
+        #: The error of the last failed ``connect`` (None after a successful one).
+        self.last_error: Optional[BaseException] = None
+
+    def __enter__(self) -> "MaruHandler":
+        if self._config.auto_connect:
+            self.connect()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<maru.compat.MaruHandler {self._config.backend} {'connected' if self._connected else 'not connected'}>"
+
+    # Connection ---------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether :meth:`connect` succeeded and :meth:`close` was not called since."""
+        return self._connected
+
+    @property
+    def instance_id(self) -> str:
+        """The configuration's ``instance_id``."""
+        return str(self._config.instance_id)
+
+    @property
+    def config(self) -> MaruConfig:
+        """The configuration."""
+        return self._config
+
+    @property
+    def native(self) -> _native.MaruHandler:
+        """The underlying native :class:`maru.MaruHandler` (slot API, ``route_key``,
+        ``retrieve_into``, ...). RuntimeError when not connected."""
+        return self._ensure()
+
+    def connect(self) -> bool:
+        """Opens the libmaru handler (sessions with maru-server, regions mapped or
+        reached through the agents). Returns True on success, False on failure (the
+        reason is logged and kept in ``last_error``), as upstream. Connecting again after
+        :meth:`close` opens a new handler."""
+        with self._lock:
+            if self._connected:
+                return True
+            try:
+                h = _native.MaruHandler(self._config.to_libmaru())
+            except (MaruError, TypeError, ValueError) as e:
+                log.error("maru connect to %s failed: %s", self._config.server_url, e)
+                self.last_error = e
+                return False
+            try:
+                chunk = h.chunk_size()
+            except MaruError as e:
+                h.close()
+                log.error("maru connect: %s", e)
+                self.last_error = e
+                return False
+            if self._config.chunk_size_bytes > chunk:
+                h.close()
+                self.last_error = ValueError(
+                    f"chunk_size_bytes {self._config.chunk_size_bytes} is larger than maru-server's chunk size "
+                    f"{chunk} (its --chunk-size): lower chunk_size_bytes or restart maru-server with a larger one"
+                )
+                log.error("maru connect: %s", self.last_error)
+                return False
+            self._native, self._connected, self.last_error = h, True, None
+            log.info("Connected: chunk_size=%d (server pages %d)", self._config.chunk_size_bytes, chunk)
+            return True
+
+    def close(self) -> None:
+        """Releases every retrieved view and outstanding ``alloc`` handle, then closes the
+        libmaru handler (drained: the chunks it stored stay readable by others). Never
+        raises, as upstream: if an object made from a view (a torch tensor over
+        ``info.view``) is still alive, the error is logged and the libmaru handler stays
+        open, so that object's memory stays valid, until a later ``close``."""
+        with self._lock:
+            for h in list(self._leftover):
+                try:
+                    h.close()
+                    self._leftover.remove(h)
+                except BufferError:
+                    pass
+            if not self._connected:
+                return
+            self._connected = False
+            h, self._native = self._native, None
+            while self._retained:
+                info = self._retained.popleft()
+                try:
+                    info.release()
+                except BufferError:
+                    pass
+        if h is None:
+            return
+        try:
+            h.close()
+        except BufferError as e:
+            log.error("maru close: %s; the handler stays open until a later close()", e)
+            self._leftover.append(h)
+        except MaruError as e:
+            log.error("maru close: %s", e)
+
+    def _ensure(self) -> _native.MaruHandler:
+        h = self._native
+        if not self._connected or h is None:
+            raise NotConnectedError(13, "Not connected. Call connect() first.")
+        return h
+
+    def _multi(self) -> bool:
+        return "," in self._config.server_url
+
+    def get_chunk_size(self) -> int:
+        """The configured ``chunk_size_bytes`` (as upstream; connect checked that
+        maru-server's pages are at least this large)."""
+        return self._config.chunk_size_bytes
+
+    # Store ------------------------------------------------------------------------
+
+    def alloc(self, size: int) -> AllocHandle:
+        """A handle whose ``buf`` (``size`` bytes, writable) you fill in place, then
+        :meth:`store`. The buffer is a **store staging slot** on both backends (not a
+        page of a region): ``remote_cxl`` WRITEs from it without a copy, ``cxl`` copies it
+        into the region at store. At most ``store_slots`` handles are outstanding: when
+        none frees within ``timeout_ms``, raises :class:`PoolExhaustedError` (a
+        ValueError, as upstream's exhausted pool). ``size`` over ``chunk_size_bytes``
+        raises ValueError; 0 too (libmaru stores no empty chunks)."""
+        h = self._ensure()
+        if size > self._config.chunk_size_bytes:
+            raise ValueError(f"Requested size {size} exceeds chunk_size {self._config.chunk_size_bytes}")
+        if size < 1:
+            raise ValueError(f"Requested size {size}: libmaru stores no empty chunks")
+        try:
+            slot = h.acquire_slot(SlotPool.STORE, timeout=self._config.timeout_ms / 1000)
+        except NoSpaceError as e:
+            raise PoolExhaustedError(
+                e.code,
+                f"Cannot allocate page: all {self._config.store_slots} store staging slots are in use "
+                f"(store or free handles, or raise MaruConfig.store_slots): {e.message}",
+            ) from e
+        return AllocHandle(slot, size)
+
+    def free(self, handle: AllocHandle) -> None:
+        """Gives back a handle's buffer without storing it. After :meth:`store` it is a
+        no-op (the buffer already went back; unlike upstream the stored chunk is not
+        evicted). Freeing twice raises ValueError, as upstream."""
+        self._ensure()
+        if not isinstance(handle, AllocHandle):
+            raise TypeError(f"expected an AllocHandle, not {type(handle).__name__}")
+        if handle.state == "freed":
+            raise ValueError("handle is not tracked (already freed)")
+        if handle.state == "allocated":
+            handle._consume("freed")
+        else:
+            handle.state = "freed"
+
+    def store(self, key: Key, handle: Any = None, data: Any = None) -> bool:
+        """Stores a chunk under ``key``: an :class:`AllocHandle` filled in place (no copy
+        on ``remote_cxl``), a :class:`MemoryInfo` (its ``view``), or any buffer (bytes,
+        memoryview, numpy array; also as ``data=``). Returns True when the chunk is
+        stored or was already present (first writer wins), False when it was skipped
+        (pool unreachable or slow, staging full), as upstream's RPC failure. The
+        handle is consumed either way."""
+        h = self._ensure()
+        k = _k(key)
+        if handle is None:
+            handle = data
+        elif data is not None:
+            raise TypeError("give either handle or data, not both")
+        if handle is None:
+            raise TypeError("store() needs a handle (from alloc) or data")
+        if isinstance(handle, AllocHandle):
+            if handle.state != "allocated":
+                raise ValueError(f"this AllocHandle was already {handle.state}")
+            try:
+                return h.store_slots([k], [handle._slot], [handle.size], route_key=k)[0]
+            except _TRANSIENT as e:
+                log.warning("store %s failed: %s", k, e)
+                return False
+            finally:
+                handle._consume("stored")
+        view = handle.view if isinstance(handle, MemoryInfo) else handle
+        try:
+            return h.store(k, view, route_key=k)
+        except _TRANSIENT as e:
+            log.warning("store %s failed: %s", k, e)
+            return False
+
+    def batch_store(self, keys: Sequence[Key], handles: Sequence[Any]) -> List[bool]:
+        """Stores several chunks (``handles[i]`` as for :meth:`store`) in as few calls as
+        possible: the AllocHandles in one ``maru_store_slots``, the rest in one
+        ``maru_store_batch``. Per key, what :meth:`store` returns ([False] * n when the
+        pool failed, as upstream). Every handle is consumed."""
+        h = self._ensure()
+        keys_s = [_k(k) for k in keys]
+        handles = list(handles)
+        if len(keys_s) != len(handles):
+            raise ValueError("keys and handles must have the same length")
+        for x in handles:
+            if isinstance(x, AllocHandle) and x.state != "allocated":
+                raise ValueError(f"an AllocHandle in the batch was already {x.state}")
+        out = [False] * len(keys_s)
+        slot_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle)]
+        data_i = [i for i, x in enumerate(handles) if not isinstance(x, AllocHandle)]
+        try:
+            if slot_i:
+                ks = [keys_s[i] for i in slot_i]
+                sl = [handles[i]._slot for i in slot_i]
+                ln = [handles[i].size for i in slot_i]
+                if self._multi():
+                    got = [h.store_slots([k], [s], [n], route_key=k)[0] for k, s, n in zip(ks, sl, ln)]
+                else:
+                    got = h.store_slots(ks, sl, ln)
+                for i, ok in zip(slot_i, got):
+                    out[i] = ok
+            if data_i:
+                items = [(keys_s[i], handles[i].view if isinstance(handles[i], MemoryInfo) else handles[i]) for i in data_i]
+                if self._multi():
+                    got = [h.store(k, d, route_key=k) for k, d in items]
+                else:
+                    got = h.batch_store(items)
+                for i, ok in zip(data_i, got):
+                    out[i] = ok
+        except _TRANSIENT as e:
+            log.error("batch_store of %d keys failed: %s", len(keys_s), e)
+            return [False] * len(keys_s)
+        finally:
+            for i in slot_i:
+                handles[i]._consume("stored")
+        return out
+
+    # Load -------------------------------------------------------------------------
+
+    def _view_budget(self) -> int:
+        """Load slots retrieved views may hold at once: all of them on ``cxl``; all but
+        one on ``remote_cxl``, whose copying loads (the fallback) need a free load slot."""
+        return self._config.load_slots - (1 if self._config.backend == "remote_cxl" else 0)
+
+    def _slots_for(self, h: _native.MaruHandler, n: int) -> List[Slot]:
+        """Up to ``n`` free load slots now, within the view budget, recycling the oldest
+        retrieved views nothing else refers to (when ``retrieve_recycle``)."""
+        got: List[Slot] = []
+        kept: List[MemoryInfo] = []
+        budget = self._view_budget()
+        while len(got) < n:
+            with self._lock:
+                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+            room = min(n - len(got), budget - in_use - len(got))
+            if room > 0:
+                try:
+                    got += h.acquire_slots(SlotPool.LOAD, room, timeout=0)
+                    continue
+                except NoSpaceError:
+                    pass
+            if not self._config.retrieve_recycle:
+                break
+            with self._lock:
+                info = self._retained.popleft() if self._retained else None
+            if info is None:
+                break
+            try:
+                info.release()
+            except BufferError:
+                kept.append(info)  # something made from it is alive: never recycled
+        with self._lock:
+            self._retained.extendleft(reversed(kept))
+        return got
+
+    def _retrieve_many(self, keys: List[str]) -> List[Optional[MemoryInfo]]:
+        h = self._ensure()
+        n = len(keys)
+        out: List[Optional[MemoryInfo]] = [None] * n
+        slots = self._slots_for(h, n)
+        m = len(slots)
+        if m:
+            if self._multi():
+                lens = [h.load_slots([k], [s], route_key=k)[0] for k, s in zip(keys[:m], slots)]
+            else:
+                lens = h.load_slots(keys[:m], slots, route_key=keys[0])
+            for i, (s, ln) in enumerate(zip(slots, lens)):
+                if ln is not None:
+                    info = MemoryInfo._of_slot(s, keys[i])
+                    out[i] = info
+                    with self._lock:
+                        self._retained.append(info)
+        if m < n:
+            # No slot for the rest: copies into private memory (valid as long as you like).
+            rest = keys[m:]
+            cap = h.chunk_size()
+            bufs = [bytearray(cap) for _ in rest]
+            if self._multi():
+                lens2 = [h.retrieve_into(k, b, route_key=k) for k, b in zip(rest, bufs)]
+            else:
+                lens2 = h.batch_retrieve_into(rest, bufs, route_key=keys[0])
+            for j, (k, b, ln) in enumerate(zip(rest, bufs, lens2)):
+                if ln is not None:
+                    info = MemoryInfo(memoryview(b)[:ln])
+                    info.key = k
+                    out[m + j] = info
+        return out
+
+    def retrieve(self, key: Key) -> Optional[MemoryInfo]:
+        """The chunk stored under ``key`` as a :class:`MemoryInfo` whose ``view`` is its
+        bytes, or None on a miss (or when the pool failed, as upstream).
+
+        Differs from upstream: the view is a **load staging slot** (both backends; on
+        ``remote_cxl`` the READ lands in it), not the mapped region. It is valid until
+        ``info.release()``, :meth:`close`, or, with ``retrieve_recycle``, a later
+        retrieve that needs its slot once all ``load_slots`` are in use; then any use of
+        it raises ValueError (it never shows another key's bytes). Views something was
+        made from (``torch.frombuffer(info.view)``) are never recycled; when no slot is
+        left the chunk is copied into private memory instead (``info.zero_copy`` False).
+        """
+        k = _k(key)
+        try:
+            return self._retrieve_many([k])[0]
+        except _TRANSIENT as e:
+            log.error("retrieve %s failed: %s", k, e)
+            return None
+
+    def batch_retrieve(self, keys: Sequence[Key]) -> List[Optional[MemoryInfo]]:
+        """:meth:`retrieve` for several keys in one load: a MemoryInfo or None per key
+        ([None] * n when the pool failed, as upstream). Keys beyond the free load
+        slots are copied into private memory."""
+        ks = [_k(k) for k in keys]
+        if not ks:
+            return []
+        try:
+            return self._retrieve_many(ks)
+        except _TRANSIENT as e:
+            log.error("batch_retrieve of %d keys failed: %s", len(ks), e)
+            return [None] * len(ks)
+
+    # Exists, pins, delete ---------------------------------------------------------
+
+    def exists(self, key: Key) -> bool:
+        """Whether ``key`` is stored (published)."""
+        k = _k(key)
+        return self._ensure().exists(k, route_key=k)
+
+    def batch_exists(self, keys: Sequence[Key]) -> List[bool]:
+        """Whether each key is stored, in one round trip (``maru_exists_batch``);
+        [False] * n when the pool failed, as upstream."""
+        h = self._ensure()
+        ks = [_k(k) for k in keys]
+        try:
+            if self._multi():
+                return [h.exists(k, route_key=k) for k in ks]
+            return h.batch_exists(ks)
+        except _TRANSIENT as e:
+            log.error("batch_exists of %d keys failed: %s", len(ks), e)
+            return [False] * len(ks)
+
+    def pin(self, key: Key) -> bool:
+        """Not available: raises :class:`~maru.UnsupportedError`. libmaru cannot pin a
+        key against eviction yet; use :meth:`exists` to test for it (no protection)."""
+        self._ensure()
+        raise _unsupported("pin()", "use exists() to test for the key; nothing protects it from eviction")
+
+    def unpin(self, key: Key) -> bool:
+        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`)."""
+        self._ensure()
+        raise _unsupported("unpin()", "there are no pins to undo (pin() is not available either)")
+
+    def batch_pin(self, keys: Sequence[Key]) -> List[bool]:
+        """Not available: raises :class:`~maru.UnsupportedError`; use
+        :meth:`batch_exists` (no protection from eviction)."""
+        self._ensure()
+        raise _unsupported("batch_pin()", "use batch_exists() to test for the keys; nothing protects them from eviction")
+
+    def batch_unpin(self, keys: Sequence[Key]) -> List[bool]:
+        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`batch_pin`)."""
+        self._ensure()
+        raise _unsupported("batch_unpin()", "there are no pins to undo (batch_pin() is not available either)")
+
+    def delete(self, key: Key) -> bool:
+        """Not available: raises :class:`~maru.UnsupportedError`. libmaru cannot remove
+        a key yet; keys are write-once and stay until maru-server frees their region."""
+        self._ensure()
+        raise _unsupported(
+            "delete()", "keys are write-once; store new data under a new key (maru-server frees regions it must reclaim)"
+        )
+
+    def prefetch_batch(self, keys: Sequence[Key]) -> int:
+        """How many of ``keys`` are stored (one ``batch_exists``), as upstream's
+        prefetch hint returns without a plugin; libmaru has no prefetch plugins."""
+        return sum(self.batch_exists(keys))
+
+    # Upstream internals of the cxl mapping (regions, pages, callbacks): none exist here.
+
+    def set_on_region_added(self, callback: Any) -> None:
+        """Not available (:class:`~maru.UnsupportedError`): a libmaru handler exposes no
+        regions; stage chunks through ``alloc`` or ``native.acquire_slots`` instead."""
+        raise _unsupported("set_on_region_added()", "regions are not exposed; use alloc() or native.acquire_slots()")
+
+    def get_buffer_view(self, region_id: int, offset: int, size: int) -> Optional[memoryview]:
+        """Not available (:class:`~maru.UnsupportedError`): regions are not mapped into
+        Python; use :meth:`retrieve` or ``native.load_slots``."""
+        raise _unsupported("get_buffer_view()", "regions are not exposed; use retrieve() or native.load_slots()")
+
+    def get_owned_region_ids(self) -> List[int]:
+        """Not available (:class:`~maru.UnsupportedError`): see ``get_stats()['total']``."""
+        raise _unsupported("get_owned_region_ids()", "regions are not exposed; get_stats()['total']['regions'] counts them")
+
+    def get_region_page_count(self, region_id: int) -> Optional[int]:
+        """Not available (:class:`~maru.UnsupportedError`)."""
+        raise _unsupported("get_region_page_count()", "regions are not exposed")
+
+    # Health and stats -------------------------------------------------------------
+
+    def healthcheck(self) -> bool:
+        """True when connected and the handler has a live session with a pool (libmaru's
+        background thread heartbeats the sessions; upstream sends a HEARTBEAT)."""
+        if not self._connected or self._native is None:
+            return False
+        try:
+            st = self._native.stats()
+        except MaruError as e:
+            log.warning("Healthcheck failed: %s", e)
+            return False
+        return any(p.get("up") for p in st.get("pools", []))
+
+    def get_stats(self) -> Dict[str, Any]:
+        """This handler's libmaru counters (``maru_stats_json``: per pool and ``total``:
+        stored, hits, misses, bytes, ...) and a ``compat`` part (retrieved views held,
+        chunk size). Differs from upstream, which returns maru-server's GET_STATS
+        (``kv_manager``, ``allocation_manager``, ...): run ``maru-server stats`` for the
+        server's view."""
+        st = self._ensure().stats()
+        with self._lock:
+            held = sum(1 for i in self._retained if not i.released)
+        st["compat"] = {
+            "instance_id": self.instance_id,
+            "chunk_size": self._config.chunk_size_bytes,
+            "retained_views": held,
+            "load_slots": self._config.load_slots,
+            "store_slots": self._config.store_slots,
+        }
+        return st
