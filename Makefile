@@ -7,14 +7,19 @@ DEBUG_DIR := $(TARGET_DIR)/debug
 .PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean install demo-rm
 
 help:
-	@echo "make demo    - install what is missing, build, run the one-host demo (two engines share KV)"
-	@echo "make demo-rm - the resource manager walk-through with maru-rm-ctl"
-	@echo "make test    - install what is missing, build, run every test (Rust, C, Python)"
-	@echo "make lint    - cargo fmt --check and cargo clippy -D warnings"
-	@echo "make header  - regenerate include/maru.h with cbindgen"
-	@echo "make release - optimised build of libmaru.so and the daemons"
-	@echo "make bench   - soft transport vs TCP loopback, metadata ops/s and latency (release build)"
-	@echo "make install - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM)"
+	@echo "make demo           - install what is missing, build, run the one-host demo (two engines share KV)"
+	@echo "make demo-multinode - the multi-node demo in network namespaces (memory, metadata, two worker nodes; root)"
+	@echo "make demo-rm        - the resource manager walk-through with maru-rm-ctl"
+	@echo "make test           - install what is missing, build, run every test (Rust, C, Python)"
+	@echo "make lint           - cargo fmt --check and cargo clippy -D warnings (with and without verbs)"
+	@echo "make header         - regenerate include/maru.h with cbindgen"
+	@echo "make release        - optimised build of libmaru.so and the daemons"
+	@echo "make bench          - Maru beside Redis, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
+	@echo "make fuzz-smoke     - every cargo-fuzz target for FUZZ_SECONDS each (make fuzz T=target: one, longer)"
+	@echo "make chaos          - kill -9 and restart every daemon and an engine under load; checks every byte"
+	@echo "make deny           - dependency licenses, bans and sources with cargo-deny"
+	@echo "make docs-check     - run the shell commands of README.md and docs/ as written"
+	@echo "make install        - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM)"
 
 deps:
 	@scripts/install-deps.sh
