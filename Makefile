@@ -19,7 +19,7 @@ help:
 	@echo "make chaos          - kill -9 and restart every daemon and an engine under load; checks every byte"
 	@echo "make deny           - dependency licenses, bans and sources with cargo-deny"
 	@echo "make docs-check     - run the shell commands of README.md and docs/ as written"
-	@echo "make install        - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM)"
+	@echo "make install        - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
 
 deps:
 	@scripts/install-deps.sh
@@ -77,7 +77,7 @@ clean:
 
 
 install: release
-	scripts/install.sh $(if $(STANDALONE),--standalone)
+	scripts/install.sh $(if $(STANDALONE),--standalone) $(if $(METADATA),--metadata)
 
 # Fragments of one concern each (bench, fuzzing, chaos, multi-node demo): mk/*.mk.
 include $(sort $(wildcard mk/*.mk))

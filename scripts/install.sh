@@ -1,23 +1,74 @@
 #!/usr/bin/env bash
 # Installs the Maru daemons, their systemd units, env files and the agent key.
-#   scripts/install.sh [--root DIR] [--standalone] [--bin-dir DIR]
+#   scripts/install.sh [--root DIR] [--standalone | --metadata] [--bin-dir DIR]
 # --root DIR     install under DIR instead of / (for packaging and tests)
 # --standalone   the agent's unit starts at boot on its own (node without an RM)
+# --metadata     the metadata node instead: maru-server (its unit and env file) and
+#                maru-usage; the agent key is copied there from a memory node
 # Env files and the key are written once and kept across reinstalls.
 set -euo pipefail
 root=
 standalone=0
+metadata=0
 bin_dir=target/release
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) root=$2; shift 2 ;;
         --standalone) standalone=1; shift ;;
+        --metadata) metadata=1; shift ;;
         --bin-dir) bin_dir=$2; shift 2 ;;
-        -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 here=$(cd "$(dirname "$0")/.." && pwd)
+if [ "$metadata" = 1 ] && [ "$standalone" = 1 ]; then
+    echo "install.sh: --metadata and --standalone are different nodes; pick one" >&2
+    exit 2
+fi
+
+write_once() { # path mode content
+    if [ -e "$1" ]; then echo "kept $1"; else printf '%s\n' "$3" > "$1"; chmod "$2" "$1"; echo "wrote $1"; fi
+}
+add_user() {
+    id maru >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin maru
+}
+
+if [ "$metadata" = 1 ]; then
+    for b in maru-server maru-usage; do
+        [ -x "$bin_dir/$b" ] || { echo "install.sh: $bin_dir/$b not built; run make release first" >&2; exit 2; }
+    done
+    install -d "$root/usr/local/bin" "$root/etc/systemd/system" "$root/etc/maru"
+    chmod 0755 "$root/etc/maru"
+    for b in maru-server maru-usage; do
+        install -m 0755 "$bin_dir/$b" "$root/usr/local/bin/$b"
+    done
+    install -m 0644 "$here/daemons/systemd/maru-server.service" "$root/etc/systemd/system/"
+    write_once "$root/etc/maru/server.env" 0644 "# maru-server settings (kept across reinstalls)
+# Listen address: workers reach it here (plaintext: loopback or a trusted network).
+MARU_SERVER_HOST=127.0.0.1
+MARU_SERVER_PORT=5555
+# The pool's resource manager (and its key file, when it requires one).
+MARU_RM_ADDRESS=127.0.0.1:9850
+#MARU_RM_KEY_FILE=/etc/maru/resource-manager.key
+# The agent key, copied from a memory node (mode 0600, owned by maru).
+MARU_REMOTE_CXL_AGENT_KEY_FILE=/etc/maru/remote-cxl-agent.key
+# One --remote-cxl-agent HOST:PORT per memory node of the pool (none: cxl workers only).
+MARU_SERVER_ARGS=--remote-cxl-agent 127.0.0.1:9860 --region-size 1G --chunk-size 4M"
+    key=$root/etc/maru/remote-cxl-agent.key
+    [ -e "$key" ] || echo "install.sh: copy the agent key from a memory node to /etc/maru/remote-cxl-agent.key (mode 0600, owner maru) before starting maru-server"
+    if [ -z "$root" ]; then
+        add_user
+        [ -e "$key" ] && chown maru:maru "$key"
+        if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+            systemctl daemon-reload
+            systemctl enable maru-server.service || true
+        fi
+    fi
+    echo "installed the metadata node (maru-server.service, /etc/maru/server.env)"
+    exit 0
+fi
+
 for b in maru-resource-manager maru-rm-ctl maru-remote-cxl-agent; do
     [ -x "$bin_dir/$b" ] || { echo "install.sh: $bin_dir/$b not built; run make release first" >&2; exit 2; }
 done
@@ -33,9 +84,6 @@ src=$here/daemons/systemd/maru-remote-cxl-agent.service
 [ "$standalone" = 1 ] && src=$here/daemons/systemd/maru-remote-cxl-agent-standalone.service
 install -m 0644 "$src" "$root/etc/systemd/system/$unit"
 
-write_once() { # path mode content
-    if [ -e "$1" ]; then echo "kept $1"; else printf '%s\n' "$3" > "$1"; chmod "$2" "$1"; echo "wrote $1"; fi
-}
 write_once "$root/etc/maru/resource-manager.env" 0644 "# maru-resource-manager settings (kept across reinstalls)
 MARU_RM_HOST=127.0.0.1
 MARU_RM_PORT=9850
@@ -62,7 +110,7 @@ else
     echo "wrote $key (mode 0600): copy it to maru-server and the workers"
 fi
 if [ -z "$root" ]; then
-    id maru >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin maru
+    add_user
     chown maru:maru "$key"
     if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
         systemctl daemon-reload

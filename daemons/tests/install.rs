@@ -9,6 +9,10 @@ use std::process::Command;
 use support::Scratch;
 
 fn install(root: &Path, standalone: bool) -> String {
+    install_with(root, if standalone { &["--standalone"] } else { &[] })
+}
+
+fn install_with(root: &Path, flags: &[&str]) -> String {
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_maru-resource-manager"))
         .parent()
         .unwrap();
@@ -19,9 +23,7 @@ fn install(root: &Path, standalone: bool) -> String {
         .arg(root)
         .arg("--bin-dir")
         .arg(bin_dir);
-    if standalone {
-        c.arg("--standalone");
-    }
+    c.args(flags);
     let out = c.output().unwrap();
     assert!(
         out.status.success(),
@@ -83,4 +85,47 @@ fn a_fresh_standalone_install_leaves_the_rm_address_to_fill_in() {
     install(&root, true);
     let env = std::fs::read_to_string(root.join("etc/maru/remote-cxl-agent.env")).unwrap();
     assert!(env.lines().any(|l| l == "MARU_RM_ADDRESS="), "{env}");
+}
+
+#[test]
+fn the_metadata_node_gets_maru_server_as_user_maru_and_its_env_file_once() {
+    let s = Scratch::new("install-meta");
+    let root = s.dir.join("root");
+    let out = install_with(&root, &["--metadata"]);
+    assert!(out.contains("copy the agent key"), "{out}");
+    for b in ["maru-server", "maru-usage"] {
+        assert!(root.join("usr/local/bin").join(b).is_file(), "{b}");
+    }
+    assert!(
+        !root.join("usr/local/bin/maru-resource-manager").exists(),
+        "a metadata node gets no memory-node daemons"
+    );
+    let unit =
+        std::fs::read_to_string(root.join("etc/systemd/system/maru-server.service")).unwrap();
+    assert!(unit.contains("User=maru"));
+    assert!(unit.contains("EnvironmentFile=/etc/maru/server.env"));
+    assert!(unit.contains("ExecStart=/usr/local/bin/maru-server $MARU_SERVER_ARGS"));
+    // The env file names only what maru-server reads (its flags' env variables).
+    let env_path = root.join("etc/maru/server.env");
+    let env = std::fs::read_to_string(&env_path).unwrap();
+    assert!(
+        env.lines().any(|l| l == "MARU_SERVER_HOST=127.0.0.1"),
+        "{env}"
+    );
+    std::fs::write(&env_path, "MARU_SERVER_HOST=10.0.0.3\n").unwrap();
+    assert!(install_with(&root, &["--metadata"]).contains("kept"));
+    assert_eq!(
+        std::fs::read_to_string(&env_path).unwrap(),
+        "MARU_SERVER_HOST=10.0.0.3\n"
+    );
+    // Its help and a wrong combination.
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/install.sh");
+    let bad = Command::new("bash")
+        .arg(&script)
+        .args(["--metadata", "--standalone", "--root"])
+        .arg(&root)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("pick one"));
 }

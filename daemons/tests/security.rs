@@ -452,5 +452,5 @@ fn systemd_units_run_the_daemons_as_an_unprivileged_user() {
             p.display()
         );
     }
-    assert!(units >= 3, "the units are in {}", dir.display());
+    assert!(units >= 4, "the units are in {}", dir.display());
 }
