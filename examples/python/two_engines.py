@@ -5,7 +5,9 @@ and stores it, once as the engine that finds the same prefix and loads it.
     python two_engines.py load CONFIG_JSON       # engine B (another process)
 
 Both compute the chunk keys of the same token ids with ``maru.chunk_keys`` (prefix-
-chained hashes within the namespace), so B finds A's chunks without knowing A.
+chained hashes within the namespace), so B finds A's chunks without knowing A. On the
+``cxl`` backend B reads them in place (``acquire_views``: no copy at all); on
+``remote_cxl`` it loads copies (``batch_retrieve``).
 examples/python/run.sh starts the daemons and runs both.
 """
 
@@ -41,9 +43,19 @@ def main() -> int:
             print(f"engine A: stored {sum(stored)}/{len(keys)} chunks in {time.perf_counter() - t0:.3f} s")
             return 0 if all(stored) else 1
         found = h.batch_exists(keys, route_key=route)
-        got = h.batch_retrieve([k for k, f in zip(keys, found) if f], route_key=route)
-        bad = sum(1 for k, g in zip(keys, got) if g != kv_of(k, size))
-        print(f"engine B: {sum(found)}/{len(keys)} chunks found, loaded in "
+        hits = [k for k, f in zip(keys, found) if f]
+        if cfg.get("backend") == "cxl":
+            # Read in place from the mapped CXL region (no copy), under leases released
+            # at once: where an engine would copy each view to the GPU, hash it here.
+            views = h.acquire_views(hits, route_key=route)
+            bad = sum(1 for k, v in zip(hits, views) if v is None or v.view != kv_of(k, size))
+            h.release_views(views)
+            how = "read in place"
+        else:
+            got = h.batch_retrieve(hits, route_key=route)
+            bad = sum(1 for k, g in zip(hits, got) if g != kv_of(k, size))
+            how = "loaded"
+        print(f"engine B: {sum(found)}/{len(keys)} chunks found, {how} in "
               f"{time.perf_counter() - t0:.3f} s, {bad} mismatched")
         return 0 if all(found) and bad == 0 else 1
 

@@ -10,7 +10,9 @@ share KV cache chunks through Maru.
         data = h.retrieve(keys[0], route_key=keys[0])   # None on a miss
 
 Zero-copy staging slots: ``h.acquire_slots(SlotPool.STORE, n)``, ``h.store_slots``,
-``h.load_slots`` and their asynchronous ``submit_*`` forms (:mod:`maru.slots`).
+``h.load_slots`` and their asynchronous ``submit_*`` forms (:mod:`maru.slots`). On
+``cxl``, chunks read in place: ``h.acquire_views(keys)`` (:mod:`maru.views`). Removing
+this engine's keys: ``h.remove(key)`` / ``h.batch_remove(keys)`` (:class:`RemoveResult`).
 
 Code written for the upstream Maru package (``from maru import MaruConfig,
 MaruHandler``; ``MaruHandler(MaruConfig(...))``) gets the compatible handler of
@@ -37,11 +39,13 @@ from .errors import (
     Status,
     UnavailableError,
     UnsupportedError,
+    ViewExpiredError,
 )
 from .handler import MaruHandler
 from .hook import set_memory_hook, set_memory_hook_auto
 from .keys import chunk_keys
 from .slots import Op, Slot, SlotPool
+from .views import RemoveResult, View
 from .compat import AllocHandle, MaruConfig, MemoryInfo
 
 __version__ = "0.1.0"
@@ -63,12 +67,15 @@ __all__ = [
     "NotFoundError",
     "Op",
     "RefusedError",
+    "RemoveResult",
     "Slot",
     "SlotPool",
     "SlotReleasedError",
     "Status",
     "UnavailableError",
     "UnsupportedError",
+    "View",
+    "ViewExpiredError",
     "chunk_keys",
     "library_path",
     "set_memory_hook",

@@ -182,3 +182,26 @@ lib.maru_set_memory_hook.argtypes = [MEM_REGISTER_FN, MEM_UNREGISTER_FN, ctypes.
 lib.maru_set_memory_hook.restype = _S
 lib.maru_set_memory_hook_auto.argtypes = []
 lib.maru_set_memory_hook_auto.restype = _S
+
+# Removal of own keys, slot ownership after a call, and in-place views (cxl).
+
+
+class maru_view_t(ctypes.Structure):
+    """``maru_view_t``: a chunk read in place from this host's mapping (backend cxl)."""
+
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("data", ctypes.c_void_p),
+        ("len", ctypes.c_size_t),
+        ("valid_ms", ctypes.c_uint64),
+    ]
+
+
+lib.maru_remove_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32)]
+lib.maru_remove_batch.restype = _S
+lib.maru_slots_held.argtypes = [_H, c_u64_p, ctypes.c_size_t, c_bool_p]
+lib.maru_slots_held.restype = _S
+lib.maru_views_acquire.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_view_t), c_bool_p]
+lib.maru_views_acquire.restype = _S
+lib.maru_views_release.argtypes = [_H, c_u64_p, ctypes.c_size_t]
+lib.maru_views_release.restype = _S

@@ -18,8 +18,9 @@ What is the same: the method names, arguments, return values and their meaning:
 ``alloc(size)`` then fill ``handle.buf`` in place then ``store(key, handle)``,
 ``retrieve(key) -> MemoryInfo | None`` whose ``view`` is a memoryview of the chunk,
 ``exists``, ``batch_store(keys, handles)``, ``batch_retrieve``, ``batch_exists``,
-``healthcheck``, ``get_chunk_size``; RuntimeError when not connected, ValueError for a
-size over the chunk size or an exhausted pool. Keys may be str or int (an int is
+``delete(key) -> bool`` (and ``batch_delete``), ``healthcheck``, ``get_chunk_size``;
+RuntimeError when not connected, ValueError for a size over the chunk size or an
+exhausted pool. Keys may be str or int (an int is
 stored under its decimal string, as the LMCache connector's int keys need).
 
 What differs (docs/migration.md has the full table):
@@ -30,23 +31,31 @@ What differs (docs/migration.md has the full table):
   ``timeout_ms`` for one, then raises ValueError. ``store`` (or ``free``) consumes the
   handle: its ``buf`` is released (using it raises). ``region_id``/``page_index`` are
   None: the page is chosen at ``store``.
-* ``retrieve`` returns a view of a **load staging slot** on both backends (on
-  ``remote_cxl`` the chunk cannot be mapped in this host at all: it lives in a memory
-  node's CXL, and the READ lands in the slot). The view is valid until you call
-  ``info.release()`` (or leave ``with info:``), until the handler is closed, or, with
-  ``retrieve_recycle`` (the default), until its slot is needed by a later retrieve
-  after all ``load_slots`` slots are in use (on ``remote_cxl`` one load slot stays free for
-  the copying fallback below). A view whose slot went back raises
-  ``ValueError`` on any use: it never shows another key's bytes. A view from which
-  something was made that is still alive (``torch.frombuffer(info.view)``, a slice) is
-  never recycled; when no slot can be had, the chunk is copied into private memory
-  instead (``info.zero_copy`` is False), so retrieve never fails for want of slots.
-* ``pin``, ``unpin``, ``batch_pin``, ``batch_unpin`` and ``delete`` raise
-  :class:`~maru.UnsupportedError` (a ``NotImplementedError``): libmaru has no pin,
-  unpin or delete call yet. Nothing is faked.
-* ``free`` after ``store`` does not evict the key (upstream frees the page under it).
+* ``retrieve`` on ``cxl`` returns a view of the chunk **in the mapped region**, with
+  no copy, as upstream, but read-only and under a lease (a :class:`maru.View`): valid
+  until ``info.release()`` (or leaving ``with info:``), the handler's close, a
+  ``delete`` of the key by this handler, the end of the lease (maru-server's
+  ``--lease-timeout-s``, 60 s by default), or, with ``retrieve_recycle`` (the
+  default), until a later retrieve needs room once ``max_views`` views are held. On
+  ``remote_cxl`` (the chunk lives in a memory node's CXL and cannot be mapped here)
+  it is a view of a **load staging slot** the READ landed in, valid until released,
+  closed, or recycled once all ``load_slots`` are in use (one load slot stays free for
+  the copying fallback below). A view that went back raises ``ValueError`` on any
+  use: it never shows another key's bytes. A view from which something was made that
+  is still alive (``torch.frombuffer(info.view)``, a slice) is never recycled; when no
+  view or slot can be had, the chunk is copied into private memory instead
+  (``info.zero_copy`` is False), so retrieve never fails for want of room.
+* ``delete`` removes only keys this engine stored (``maru_remove_batch``; another
+  engine's key returns False, where upstream's server would delete it) and is refused
+  while a reader holds the chunk (a lease; upstream refuses while pinned).
+* ``pin``, ``unpin``, ``batch_pin`` and ``batch_unpin`` raise
+  :class:`~maru.UnsupportedError` (a ``NotImplementedError``): libmaru has no pins, and
+  its leases end by themselves, so they cannot stand for one. Nothing is faked.
+* ``free`` after ``store`` does not evict the key (upstream frees the page under it;
+  use ``delete``).
 * ``get_stats`` returns this handler's libmaru counters, not maru-server's GET_STATS;
-  ``healthcheck`` says whether the handler has a live session with a pool.
+  ``healthcheck`` probes the pool with one round trip and says whether a session is
+  up.
 * Upstream-only knobs (``pool_size``, ``use_async_rpc``, ``max_inflight``,
   ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
   accepted and validated as upstream does, and have no effect: regions and chunk size
@@ -74,6 +83,7 @@ from .errors import (
     UnsupportedError,
 )
 from .slots import Slot, SlotPool
+from .views import RemoveResult, View
 
 log = logging.getLogger("maru.compat")
 
@@ -129,8 +139,10 @@ class MaruConfig:
     "cxl"), ``transport`` ("soft" or "verbs", remote_cxl), ``rdma_device``,
     ``agent_key_file`` (remote_cxl; default ``~/.maru/remote-cxl-agent.key``),
     ``layout`` (KV-layout digest), ``load_slots`` / ``store_slots`` (32 each: retrieved
-    views and outstanding ``alloc`` handles held at once; the staging buffer is chunk
-    size × their sum), ``retrieve_recycle`` (True: see ``MaruHandler.retrieve``).
+    views on ``remote_cxl`` and outstanding ``alloc`` handles held at once; the staging
+    buffer is chunk size × their sum), ``max_views`` (256: retrieved in-place views held
+    at once on ``cxl``, each a lease at maru-server), ``retrieve_recycle`` (True: see
+    ``MaruHandler.retrieve``).
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -157,6 +169,7 @@ class MaruConfig:
     layout: Optional[str] = None
     load_slots: int = 32
     store_slots: int = 32
+    max_views: int = 256
     retrieve_recycle: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -189,7 +202,7 @@ class MaruConfig:
         self.backend = b
         if self.timeout_ms <= 0:
             raise ValueError("timeout_ms must be positive")
-        for name in ("load_slots", "store_slots"):
+        for name in ("load_slots", "store_slots", "max_views"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, not {v!r}")
@@ -292,11 +305,14 @@ class MemoryInfo:
 
     Build one yourself (``MemoryInfo(view=memoryview(data))``) to pass data to
     :meth:`MaruHandler.store` / :meth:`MaruHandler.batch_store`, as the LMCache
-    connector does. The ones :meth:`MaruHandler.retrieve` returns lie in a load staging
-    slot (``zero_copy`` True) or, when no slot was free, in private memory
-    (``zero_copy`` False); release them with :meth:`release` or a ``with`` block. After
-    that (or after the handler closed, or the slot was recycled) ``view`` raises
-    ValueError. ``region_id`` and ``page_index`` are None for retrieved chunks."""
+    connector does. The ones :meth:`MaruHandler.retrieve` returns lie, with
+    ``zero_copy`` True, in the mapped CXL region itself on ``cxl`` (a read-only
+    :class:`maru.View` under a lease, as upstream's view of the mapping) or in a load
+    staging slot on ``remote_cxl``; or, when none could be had, in private memory
+    (``zero_copy`` False). Release them with :meth:`release` or a ``with`` block. After
+    that (or after the handler closed, the slot or view was recycled, or a view's lease
+    ran out) ``view`` raises ValueError. ``region_id`` and ``page_index`` are None for
+    retrieved chunks."""
 
     def __init__(self, view: Any, region_id: Optional[int] = None, page_index: Optional[int] = None) -> None:
         self._view: Optional[memoryview] = view if isinstance(view, memoryview) else memoryview(view)
@@ -305,6 +321,7 @@ class MemoryInfo:
         self.key: Optional[str] = None
         self.zero_copy = False
         self._slot: Optional[Slot] = None
+        self._mapped: Optional[View] = None
         self._released = False
 
     @classmethod
@@ -313,9 +330,16 @@ class MemoryInfo:
         m._slot, m.key, m.zero_copy = slot, key, True
         return m
 
+    @classmethod
+    def _of_view(cls, v: View) -> "MemoryInfo":
+        m = cls(v.view)
+        m._mapped, m.key, m.zero_copy = v, v.key, True
+        return m
+
     def __repr__(self) -> str:
         state = "released" if self.released else f"{len(self._view or b'')} bytes"
-        return f"<MemoryInfo {self.key!r} {state}{' zero-copy' if self.zero_copy else ''}>"
+        where = " in place" if self._mapped is not None else (" zero-copy" if self.zero_copy else "")
+        return f"<MemoryInfo {self.key!r} {state}{where}>"
 
     def __enter__(self) -> "MemoryInfo":
         return self
@@ -324,34 +348,62 @@ class MemoryInfo:
         self.release()
 
     @property
+    def in_place(self) -> bool:
+        """Whether ``view`` lies in the mapped CXL region itself (``cxl``: a
+        :class:`maru.View` under a lease), not in a staging slot or a copy."""
+        return self._mapped is not None
+
+    @property
+    def expires_in(self) -> Optional[float]:
+        """Seconds left before an in-place view's lease runs out (it then raises on
+        use); None for slot views and copies, which do not expire."""
+        return self._mapped.expires_in() if self._mapped is not None else None
+
+    @property
     def released(self) -> bool:
-        """Whether the view was released (by you, the handler's close, or recycling)."""
-        return self._released or (self._slot is not None and self._slot.released)
+        """Whether the view was released (by you, the handler's close, recycling, a
+        ``delete`` of its key by this handler, or the end of an in-place view's lease)."""
+        if self._released:
+            return True
+        if self._slot is not None:
+            return self._slot.released
+        if self._mapped is not None:
+            return self._mapped.released
+        return False
 
     @property
     def view(self) -> memoryview:
-        """The chunk's bytes. Raises :class:`~maru.SlotReleasedError` (a ValueError)
-        once released."""
+        """The chunk's bytes. Raises :class:`~maru.SlotReleasedError` (a ValueError;
+        :class:`~maru.ViewExpiredError` once an in-place view's lease ran out) once
+        released."""
         if self.released or self._view is None:
-            why = self._slot._why if self._slot is not None and self._slot.released else ""
+            if self._mapped is not None and self._mapped.expired:
+                self._mapped.view  # raises ViewExpiredError
+            why = ""
+            if self._slot is not None and self._slot.released:
+                why = self._slot._why
+            elif self._mapped is not None and self._mapped.released:
+                why = self._mapped._why
             raise SlotReleasedError(f"the view of chunk {self.key!r} was released{why}; retrieve it again")
         return self._view
 
     @view.setter
     def view(self, v: Any) -> None:
-        if self._slot is not None:
+        if self._slot is not None or self._mapped is not None:
             raise AttributeError("the view of a retrieved chunk cannot be replaced")
         self._view = v if isinstance(v, memoryview) else memoryview(v)
 
     def release(self) -> None:
-        """Gives the view (and its staging slot) back. Harmless twice. Raises
-        ``BufferError`` (nothing released) while an object made from the view, such as
-        ``torch.frombuffer(info.view)`` or a slice, is still alive."""
+        """Gives the view (and its staging slot, or its lease) back. Harmless twice.
+        Raises ``BufferError`` (nothing released) while an object made from the view,
+        such as ``torch.frombuffer(info.view)`` or a slice, is still alive."""
         if self._released:
             return
         if self._slot is not None:
             if not self._slot.released:
                 self._slot.release()
+        elif self._mapped is not None:
+            self._mapped.release()
         elif self._view is not None:
             try:
                 self._view.release()
@@ -362,7 +414,7 @@ class MemoryInfo:
 
 
 def _unsupported(what: str, instead: str) -> UnsupportedError:
-    return UnsupportedError(f"{what} is not available on libmaru (no C call for it yet): {instead}")
+    return UnsupportedError(f"{what} is not available on libmaru: {instead}")
 
 
 class MaruHandler:
@@ -623,9 +675,31 @@ class MaruHandler:
     # Load -------------------------------------------------------------------------
 
     def _view_budget(self) -> int:
-        """Load slots retrieved views may hold at once: all of them on ``cxl``; all but
-        one on ``remote_cxl``, whose copying loads (the fallback) need a free load slot."""
-        return self._config.load_slots - (1 if self._config.backend == "remote_cxl" else 0)
+        """Load slots retrieved views may hold at once on ``remote_cxl``: all but one,
+        since its copying loads (the fallback) need a free load slot."""
+        return self._config.load_slots - 1
+
+    def _retain(self, info: MemoryInfo) -> None:
+        with self._lock:
+            if len(self._retained) > 2 * max(self._config.max_views, self._config.load_slots):
+                self._retained = collections.deque(i for i in self._retained if not i.released)
+            self._retained.append(info)
+
+    def _recycle_one(self, kept: List[MemoryInfo]) -> bool:
+        """Releases the oldest retrieved view nothing else refers to; False when none is
+        left to recycle."""
+        while True:
+            with self._lock:
+                info = self._retained.popleft() if self._retained else None
+            if info is None:
+                return False
+            if info.released:
+                continue
+            try:
+                info.release()
+                return True
+            except BufferError:
+                kept.append(info)  # something made from it is alive: never recycled
 
     def _slots_for(self, h: _native.MaruHandler, n: int) -> List[Slot]:
         """Up to ``n`` free load slots now, within the view budget, recycling the oldest
@@ -643,39 +717,79 @@ class MaruHandler:
                     continue
                 except NoSpaceError:
                     pass
-            if not self._config.retrieve_recycle:
+            if not self._config.retrieve_recycle or not self._recycle_one(kept):
                 break
-            with self._lock:
-                info = self._retained.popleft() if self._retained else None
-            if info is None:
-                break
-            try:
-                info.release()
-            except BufferError:
-                kept.append(info)  # something made from it is alive: never recycled
         with self._lock:
             self._retained.extendleft(reversed(kept))
         return got
+
+    def _views_room(self, n: int) -> int:
+        """How many of ``n`` keys may be retrieved as in-place views now (``cxl``), within
+        ``max_views``, recycling the oldest retrieved views nothing else refers to (when
+        ``retrieve_recycle``)."""
+        kept: List[MemoryInfo] = []
+        while True:
+            with self._lock:
+                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+            room = self._config.max_views - in_use
+            if room >= n or not self._config.retrieve_recycle or not self._recycle_one(kept):
+                break
+        with self._lock:
+            self._retained.extendleft(reversed(kept))
+        return max(0, min(n, room))
+
+    def _load_in_place(self, h: _native.MaruHandler, keys: List[str], out: List[Optional[MemoryInfo]]) -> int:
+        """``cxl``: views over the mapped region for as many keys as fit; how many were tried."""
+        m = self._views_room(len(keys))
+        if not m:
+            return 0
+        if self._multi():
+            views = [h.acquire_view(k, route_key=k) for k in keys[:m]]
+        else:
+            views = h.acquire_views(keys[:m], route_key=keys[0])
+        for i, v in enumerate(views):
+            if v is not None:
+                info = MemoryInfo._of_view(v)
+                out[i] = info
+                self._retain(info)
+        return m
+
+    def _load_into_slots(self, h: _native.MaruHandler, keys: List[str], out: List[Optional[MemoryInfo]]) -> int:
+        """``remote_cxl``: loads into free load slots for as many keys as there are;
+        how many were tried. Slots of misses go back at once."""
+        slots = self._slots_for(h, len(keys))
+        m = len(slots)
+        if not m:
+            return 0
+        try:
+            if self._multi():
+                lens = [h.load_slots([k], [s], route_key=k)[0] for k, s in zip(keys[:m], slots)]
+            else:
+                lens = h.load_slots(keys[:m], slots, route_key=keys[0])
+        except BaseException:
+            for s in slots:
+                if not s.released:
+                    s.release()
+            raise
+        for i, (s, ln) in enumerate(zip(slots, lens)):
+            if ln is not None:
+                info = MemoryInfo._of_slot(s, keys[i])
+                out[i] = info
+                self._retain(info)
+            elif not s.released:
+                s.release()  # a plain miss: the slot is still ours, and free for the next load
+        return m
 
     def _retrieve_many(self, keys: List[str]) -> List[Optional[MemoryInfo]]:
         h = self._ensure()
         n = len(keys)
         out: List[Optional[MemoryInfo]] = [None] * n
-        slots = self._slots_for(h, n)
-        m = len(slots)
-        if m:
-            if self._multi():
-                lens = [h.load_slots([k], [s], route_key=k)[0] for k, s in zip(keys[:m], slots)]
-            else:
-                lens = h.load_slots(keys[:m], slots, route_key=keys[0])
-            for i, (s, ln) in enumerate(zip(slots, lens)):
-                if ln is not None:
-                    info = MemoryInfo._of_slot(s, keys[i])
-                    out[i] = info
-                    with self._lock:
-                        self._retained.append(info)
+        if self._config.backend == "cxl":
+            m = self._load_in_place(h, keys, out)
+        else:
+            m = self._load_into_slots(h, keys, out)
         if m < n:
-            # No slot for the rest: copies into private memory (valid as long as you like).
+            # No view or slot for the rest: copies into private memory (valid as long as you like).
             rest = keys[m:]
             cap = h.chunk_size()
             bufs = [bytearray(cap) for _ in rest]
@@ -694,13 +808,25 @@ class MaruHandler:
         """The chunk stored under ``key`` as a :class:`MemoryInfo` whose ``view`` is its
         bytes, or None on a miss (or when the pool failed, as upstream).
 
-        Differs from upstream: the view is a **load staging slot** (both backends; on
-        ``remote_cxl`` the READ lands in it), not the mapped region. It is valid until
+        On ``cxl`` the view lies in the mapped CXL region itself, with no copy, as
+        upstream: a read-only :class:`maru.View` holding a lease at maru-server, so the
+        chunk's page is not reused (its owner's ``delete`` is refused) while you read it.
+        Differs from upstream: it is valid until ``info.release()`` (or ``with info:``),
+        :meth:`close`, a :meth:`delete` of the key by this handler, or the end of its
+        lease (maru-server's ``--lease-timeout-s``, 60 s by default; ``info.expires_in``),
+        and with ``retrieve_recycle`` until a later retrieve needs room once
+        ``max_views`` views are held. The view is read-only (upstream's is writable).
+
+        On ``remote_cxl`` the chunk cannot be mapped here (it lives in a memory node's
+        CXL): the view is a **load staging slot** the READ landed in, valid until
         ``info.release()``, :meth:`close`, or, with ``retrieve_recycle``, a later
-        retrieve that needs its slot once all ``load_slots`` are in use; then any use of
-        it raises ValueError (it never shows another key's bytes). Views something was
-        made from (``torch.frombuffer(info.view)``) are never recycled; when no slot is
-        left the chunk is copied into private memory instead (``info.zero_copy`` False).
+        retrieve that needs its slot once all ``load_slots`` are in use (one load slot
+        stays free for copying loads).
+
+        A released view raises ValueError on any use: it never shows another key's
+        bytes. Views something was made from (``torch.frombuffer(info.view)``, a slice)
+        are never recycled; when no view or slot is left the chunk is copied into
+        private memory instead (``info.zero_copy`` False).
         """
         k = _k(key)
         try:
@@ -710,9 +836,10 @@ class MaruHandler:
             return None
 
     def batch_retrieve(self, keys: Sequence[Key]) -> List[Optional[MemoryInfo]]:
-        """:meth:`retrieve` for several keys in one load: a MemoryInfo or None per key
-        ([None] * n when the pool failed, as upstream). Keys beyond the free load
-        slots are copied into private memory."""
+        """:meth:`retrieve` for several keys in one call (one ``maru_views_acquire`` on
+        ``cxl``, one ``maru_load_slots`` on ``remote_cxl``): a MemoryInfo or None per key
+        ([None] * n when the pool failed, as upstream). Keys beyond ``max_views`` /
+        the free load slots are copied into private memory."""
         ks = [_k(k) for k in keys]
         if not ks:
             return []
@@ -742,35 +869,84 @@ class MaruHandler:
             log.error("batch_exists of %d keys failed: %s", len(ks), e)
             return [False] * len(ks)
 
+    _NO_PIN = (
+        "libmaru has no pins; the only protection it offers is a reader's lease (a cxl view), which ends "
+        "by itself after maru-server's --lease-timeout-s and cannot be renewed, so it cannot stand for a pin "
+        "that lasts until unpin(). Use exists()/batch_exists() to test for keys; a retrieved cxl view keeps "
+        "its chunk from being deleted while it is held"
+    )
+
     def pin(self, key: Key) -> bool:
-        """Not available: raises :class:`~maru.UnsupportedError`. libmaru cannot pin a
-        key against eviction yet; use :meth:`exists` to test for it (no protection)."""
+        """Not available: raises :class:`~maru.UnsupportedError`. An upstream pin lasts
+        until ``unpin``; libmaru's only protection, a reader's lease, expires by itself
+        and cannot be renewed, so nothing is faked. Use :meth:`exists`."""
         self._ensure()
-        raise _unsupported("pin()", "use exists() to test for the key; nothing protects it from eviction")
+        raise _unsupported("pin()", self._NO_PIN)
 
     def unpin(self, key: Key) -> bool:
         """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`)."""
         self._ensure()
-        raise _unsupported("unpin()", "there are no pins to undo (pin() is not available either)")
+        raise _unsupported("unpin()", "there are no pins to undo (pin() is not available: " + self._NO_PIN + ")")
 
     def batch_pin(self, keys: Sequence[Key]) -> List[bool]:
-        """Not available: raises :class:`~maru.UnsupportedError`; use
-        :meth:`batch_exists` (no protection from eviction)."""
+        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`); use
+        :meth:`batch_exists`."""
         self._ensure()
-        raise _unsupported("batch_pin()", "use batch_exists() to test for the keys; nothing protects them from eviction")
+        raise _unsupported("batch_pin()", self._NO_PIN)
 
     def batch_unpin(self, keys: Sequence[Key]) -> List[bool]:
-        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`batch_pin`)."""
+        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`)."""
         self._ensure()
-        raise _unsupported("batch_unpin()", "there are no pins to undo (batch_pin() is not available either)")
+        raise _unsupported("batch_unpin()", "there are no pins to undo (batch_pin() is not available: " + self._NO_PIN + ")")
 
     def delete(self, key: Key) -> bool:
-        """Not available: raises :class:`~maru.UnsupportedError`. libmaru cannot remove
-        a key yet; keys are write-once and stay until maru-server frees their region."""
-        self._ensure()
-        raise _unsupported(
-            "delete()", "keys are write-once; store new data under a new key (maru-server frees regions it must reclaim)"
-        )
+        """Removes ``key`` (``maru_remove_batch``): True when it was removed (no reader
+        finds it any more; its page is free for this engine's next stores), False
+        otherwise, as upstream's DELETE_KV ``success``: not stored, refused, or the pool
+        failed. Refused (logged) when **another engine stored it** (upstream's server
+        does not check the owner; libmaru removes only the caller's keys) or while a
+        reader holds it (a lease, like upstream's refusal while pinned). This handler's
+        own retrieved in-place views of the key (``cxl``) are released first, so they do
+        not hold it (they raise on use afterwards); one something was made from is
+        kept, and then the key is not removed."""
+        return self.batch_delete([key])[0]
+
+    def batch_delete(self, keys: Sequence[Key]) -> List[bool]:
+        """:meth:`delete` for several keys in one call (one ``maru_remove_batch``); per
+        key, True when removed ([False] * n when the pool failed)."""
+        h = self._ensure()
+        ks = [_k(k) for k in keys]
+        if not ks:
+            return []
+        self._release_own_views(set(ks))
+        try:
+            if self._multi():
+                res = [h.remove(k, route_key=k) for k in ks]
+            else:
+                res = h.batch_remove(ks)
+        except _TRANSIENT as e:
+            log.error("delete of %d keys failed: %s", len(ks), e)
+            return [False] * len(ks)
+        for k, r in zip(ks, res):
+            if r is RemoveResult.NOT_OWNER:
+                log.warning("delete %s refused: another engine stored it (libmaru removes only this engine's keys)", k)
+            elif r is RemoveResult.LEASED:
+                log.warning("delete %s refused: a reader holds it now (a lease); try again later", k)
+        return [r is RemoveResult.REMOVED for r in res]
+
+    def _release_own_views(self, keys: "set[str]") -> None:
+        """Releases this handler's retrieved in-place views of ``keys`` (their leases
+        would refuse the removal); those something was made from stay."""
+        with self._lock:
+            infos = [i for i in self._retained if i._mapped is not None and i.key in keys and not i.released]
+        for i in infos:
+            try:
+                v = i._mapped
+                assert v is not None
+                v._handler._release_view(v, "released", " (this handler deleted its key)")
+                i.release()
+            except BufferError:
+                log.warning("delete %s: a retrieved view of it is still in use (an array made from it), so it stays", i.key)
 
     def prefetch_batch(self, keys: Sequence[Key]) -> int:
         """How many of ``keys`` are stored (one ``batch_exists``), as upstream's
@@ -799,13 +975,22 @@ class MaruHandler:
 
     # Health and stats -------------------------------------------------------------
 
+    #: The key :meth:`healthcheck` asks for (never stored by the binding).
+    HEALTHCHECK_KEY = "__maru_compat_healthcheck__"
+
     def healthcheck(self) -> bool:
-        """True when connected and the handler has a live session with a pool (libmaru's
-        background thread heartbeats the sessions; upstream sends a HEARTBEAT)."""
-        if not self._connected or self._native is None:
+        """True when connected and a pool answers: one round trip to maru-server (an
+        ``exists`` of a probe key, as upstream's HEARTBEAT), then whether a pool's
+        session is up in ``maru_stats_json`` (a pool that failed to answer the probe is
+        set aside by libmaru, and counts as down until its background thread opens a new
+        session). With several pools the probe reaches the one its key routes to; True
+        when any pool is up. Never raises."""
+        h = self._native
+        if not self._connected or h is None:
             return False
         try:
-            st = self._native.stats()
+            h.exists(self.HEALTHCHECK_KEY, route_key=self.HEALTHCHECK_KEY)
+            st = h.stats()
         except MaruError as e:
             log.warning("Healthcheck failed: %s", e)
             return False
@@ -819,12 +1004,14 @@ class MaruHandler:
         server's view."""
         st = self._ensure().stats()
         with self._lock:
-            held = sum(1 for i in self._retained if not i.released)
+            live = [i for i in self._retained if not i.released]
         st["compat"] = {
             "instance_id": self.instance_id,
             "chunk_size": self._config.chunk_size_bytes,
-            "retained_views": held,
+            "retained_views": len(live),
+            "in_place_views": sum(1 for i in live if i.in_place),
             "load_slots": self._config.load_slots,
             "store_slots": self._config.store_slots,
+            "max_views": self._config.max_views,
         }
         return st

@@ -119,13 +119,21 @@ class BusyError(MaruError):
 
 
 class SlotReleasedError(MaruError, ValueError):
-    """A staging slot (or a view of one) was used after it was released, retired, or its
-    handler closed. Its memory may already hold another chunk, so the binding refuses
+    """A staging slot (or a view of one), or a view of a chunk in place
+    (:class:`maru.View`), was used after it was released, retired, or its handler
+    closed. Its memory may already hold another chunk, so the binding refuses
     every access instead of showing it. Also a ``ValueError``, like the error a released
     ``memoryview`` raises."""
 
     def __init__(self, message: str) -> None:
         super().__init__(Status.INVALID_ARGUMENT, message)
+
+
+class ViewExpiredError(SlotReleasedError):
+    """A view of a chunk in place (:class:`maru.View`, backend ``cxl``) was used after
+    its lease ran out (``valid_ms`` after it was acquired): the chunk's page may hold
+    another key's bytes by now, so the binding refuses the access. Acquire it again.
+    Also a :class:`SlotReleasedError` and a ``ValueError``."""
 
 
 class UnsupportedError(MaruError, NotImplementedError):

@@ -7,21 +7,24 @@ import contextlib
 import ctypes
 import json
 import threading
+import time
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _buffer
 from ._buffer import Buffer
-from ._lib import last_error, lib, maru_slot_t, status_str
+from ._lib import last_error, lib, maru_slot_t, maru_view_t, status_str
 from .errors import (
     BufferTooSmallError,
     BusyError,
     ClosedError,
     InvalidArgumentError,
+    MaruError,
     Status,
     error_for,
 )
 from .slots import Op, Slot, SlotPool, _Views, as_lengths
+from .views import RemoveResult, View, _Expirer
 
 
 def _check(status: int) -> None:
@@ -64,7 +67,10 @@ class MaruHandler:
 
     Staging slots (:meth:`acquire_slots`, :meth:`store_slots`, :meth:`load_slots`,
     :meth:`submit_store_slots`, :meth:`submit_load_slots`) give zero-copy access to the
-    handler's staging buffer as memoryviews; see :mod:`maru.slots` for their rules.
+    handler's staging buffer as memoryviews; see :mod:`maru.slots` for their rules. On
+    ``cxl``, :meth:`acquire_views` reads chunks in place in the mapped region (no copy
+    at all; see :mod:`maru.views`). :meth:`remove` / :meth:`batch_remove` unpublish
+    keys this engine stored.
 
     ``MaruHandler()`` with no configuration, or with a :class:`maru.compat.MaruConfig`,
     makes the upstream-compatible handler :class:`maru.compat.MaruHandler` instead (so
@@ -91,6 +97,15 @@ class MaruHandler:
         # C slot stays held (its memory cannot be reused) until those objects are gone.
         self._pending: Dict[int, _Views] = {}
         self._dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
+        # Slots given up in Python while lent to an operation that was freed running:
+        # they come back to the caller in libmaru at its end, and are released then.
+        self._release_later: List[int] = []
+        # Views of chunks in place (cxl): held ones, those given up while something made
+        # from them lives (the C view stays held, keeping the mapping), dropped ones.
+        self._views: "weakref.WeakValueDictionary[int, View]" = weakref.WeakValueDictionary()
+        self._view_pending: Dict[int, _Views] = {}
+        self._views_dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
+        self._expirer: Optional[_Expirer] = None
         if not isinstance(config, (str, Mapping)):
             raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
@@ -139,10 +154,11 @@ class MaruHandler:
         other engines. Waits for calls in flight on other threads. Closing twice is
         harmless.
 
-        Every staging slot's views are released first (the staging buffer goes away with
-        the handler). While an object derived from a slot's view (a slice, a numpy or
-        torch array over it) is alive, ``close`` raises ``BufferError`` and the handler
-        stays open: drop those objects and close again."""
+        Every staging slot's and every :class:`~maru.View`'s memoryviews are released
+        first (the staging buffer and the mapping go away with the handler). While an
+        object derived from one (a slice, a numpy or torch array over it) is alive,
+        ``close`` raises ``BufferError`` and the handler stays open: drop those objects
+        and close again."""
         with self._lock:
             if self._h is None or self._closing:
                 return
@@ -152,10 +168,20 @@ class MaruHandler:
                 i, v = self._dropped.popleft()
                 self._pending[i] = v
             stuck += [i for i, v in self._pending.items() if v.revoke()]
-            if stuck:
+            stuck_views = [v.id for v in list(self._views.values()) if v._revoke()]
+            while self._views_dropped:
+                i, vs = self._views_dropped.popleft()
+                self._view_pending[i] = vs
+            stuck_views += [i for i, vs in self._view_pending.items() if vs.revoke()]
+            if stuck or stuck_views:
+                what = []
+                if stuck:
+                    what.append(f"staging slots {sorted(stuck)}")
+                if stuck_views:
+                    what.append(f"views {sorted(stuck_views)}")
                 raise BufferError(
-                    f"staging slots {sorted(stuck)} still have views in use (slices, numpy or torch arrays "
-                    "made from Slot.view, AllocHandle.buf or MemoryInfo.view): drop them, then close again"
+                    f"{' and '.join(what)} still have views in use (slices, numpy or torch arrays "
+                    "made from Slot.view, View.view, AllocHandle.buf or MemoryInfo.view): drop them, then close again"
                 )
         with self._lock:
             if self._h is None or self._closing:
@@ -172,6 +198,16 @@ class MaruHandler:
                     s._state, s._why, s._c_released = "released", " (its handler was closed)", True
                 self._slots.clear()
                 self._pending.clear()
+                self._release_later.clear()
+                for vw in list(self._views.values()):
+                    vw._revoke()
+                    if vw._state == "held":
+                        vw._state, vw._why = "released", " (its handler was closed)"
+                    vw._c_released = True
+                self._views.clear()
+                self._view_pending.clear()
+                if self._expirer is not None:
+                    self._expirer.stop()
 
     def chunk_size(self) -> int:
         """The largest chunk :meth:`store` takes: the pools' page size (maru-server's
@@ -357,6 +393,40 @@ class MaruHandler:
             _check(lib.maru_exists_batch(h, ks, n, rk, found))
         return list(found)
 
+    # Remove --------------------------------------------------------------------------
+
+    def remove(self, key: str, route_key: Optional[str] = None) -> RemoveResult:
+        """Unpublishes ``key``, which this engine stored (``maru_remove_batch``): no
+        reader finds it afterwards and its page is free for this engine's next stores.
+        Returns a :class:`~maru.RemoveResult`: ``REMOVED``, ``NOT_FOUND`` (not stored, or
+        its pool is unavailable now), ``NOT_OWNER`` (refused: another engine stored it)
+        or ``LEASED`` (refused: a reader holds it now, e.g. through a
+        :class:`~maru.View`; try again later). ``route_key`` must be the one the chunk
+        was stored with (default: the key itself)."""
+        return self.batch_remove([key], key if route_key is None else route_key)[0]
+
+    def batch_remove(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[RemoveResult]:
+        """:meth:`remove` for a request's keys in one call (``maru_remove_batch``); a
+        :class:`~maru.RemoveResult` per key. ``route_key`` defaults to the first key (as
+        for :meth:`batch_store`)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        n = len(keys)
+        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
+        res = (ctypes.c_uint32 * n)()
+        rk = _rk(route_key)
+        self._sweep_views()  # views dropped unreleased would hold leases on our keys
+        with self._use() as h:
+            _check(lib.maru_remove_batch(h, ks, n, rk, res))
+        out = []
+        for i in range(n):
+            try:
+                out.append(RemoveResult(res[i]))
+            except ValueError:
+                raise error_for(Status.INTERNAL, f"maru_remove_batch gave {res[i]} for {keys[i]!r}, unknown to this binding") from None
+        return out
+
     def stats(self) -> Dict[str, Any]:
         """The handler's counters (``maru_stats_json``) as a dict: per pool and in
         ``"total"`` (stored, hits, misses, bytes, ...)."""
@@ -436,7 +506,9 @@ class MaruHandler:
         (``maru_store_slots``; ``lengths`` defaults to each slot's ``length``, as set by
         :meth:`Slot.write`). On ``remote_cxl`` the WRITE goes from the slot: no copy.
         Returns per chunk whether it is stored (or was already). The slots stay yours
-        (release them), except those whose chunk was not stored: they are retired."""
+        (release them), also after a skipped store or a failed call, except those that
+        libmaru took back after a transfer whose outcome was unknown
+        (``maru_slots_held`` says which): they are retired."""
         slots = list(slots)
         lens_l = as_lengths(lengths, slots)
         for s, ln in zip(slots, lens_l):
@@ -450,19 +522,19 @@ class MaruHandler:
         rk = _rk(route_key)
         with self._use() as h:
             st = lib.maru_store_slots(h, ks, ids, lens, n, rk, stored)
-            if st != Status.OK:
-                err = error_for(st, last_error() or status_str(st))
-                for s in slots:
-                    self._release_slot(s, "retired", " (its store failed)", force=True)
-                raise err
+        if st != Status.OK:
+            err = error_for(st, last_error() or status_str(st))
+            self._settle(slots, [False] * n, " (its store failed and libmaru took it back)")
+            raise err
         return self._apply_stored(slots, stored)
 
     def load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> List[Optional[int]]:
         """Loads ``keys[i]`` into ``slots[i]`` (``maru_load_slots``; on ``remote_cxl`` the
         READ lands in the slot: no copy). Returns each chunk's length, None where it was
         not loaded. Loaded slots get ``length`` and ``key``; read them through
-        :meth:`Slot.data`. Slots whose chunk was not loaded (a miss, a failed transfer)
-        are retired."""
+        :meth:`Slot.data`. A slot whose chunk was not loaded stays yours (``length`` and
+        ``key`` None) after a plain miss; only one libmaru took back after a transfer
+        whose outcome was unknown is retired (``maru_slots_held`` says which)."""
         slots = list(slots)
         if not slots:
             return []
@@ -472,11 +544,12 @@ class MaruHandler:
         rk = _rk(route_key)
         with self._use() as h:
             st = lib.maru_load_slots(h, ks, ids, n, rk, lens, found)
-            if st != Status.OK:
-                err = error_for(st, last_error() or status_str(st))
-                for s in slots:
-                    self._release_slot(s, "retired", " (its load failed)", force=True)
-                raise err
+        if st != Status.OK:
+            err = error_for(st, last_error() or status_str(st))
+            for s in slots:
+                s.length = s.key = None
+            self._settle(slots, [False] * n, " (its load failed and libmaru took it back)")
+            raise err
         return self._apply_loaded(list(keys), slots, found, lens)
 
     def submit_store_slots(
@@ -522,11 +595,25 @@ class MaruHandler:
             s._op = op
         return op
 
+    def _settle(self, slots: List[Slot], ok: List[bool], why: str) -> None:
+        """After a call: the slots whose chunk was not stored/loaded (``ok`` False) that
+        libmaru took back (``maru_slots_held``: no longer the caller's, after a transfer
+        whose outcome was unknown) are retired; the others stay held. When libmaru
+        cannot say (the handler closed meanwhile), they are all retired."""
+        bad = [s for s, k in zip(slots, ok) if not k and s._state == "held"]
+        if not bad:
+            return
+        try:
+            held = self._held_ids([s.id for s in bad])
+        except MaruError:
+            held = [False] * len(bad)
+        for s, kept in zip(bad, held):
+            if not kept:
+                self._release_slot(s, "retired", why, force=True)
+
     def _apply_stored(self, slots: List[Slot], stored: Any) -> List[bool]:
         out = [bool(stored[i]) for i in range(len(slots))]
-        for s, ok in zip(slots, out):
-            if not ok:
-                self._release_slot(s, "retired", " (its chunk was not stored)", force=True)
+        self._settle(slots, out, " (its chunk was not stored and libmaru took it back: the transfer's outcome was unknown)")
         return out
 
     def _apply_loaded(self, keys: List[str], slots: List[Slot], found: Any, lens: Any) -> List[Optional[int]]:
@@ -537,9 +624,38 @@ class MaruHandler:
                 out.append(int(lens[i]))
             else:
                 s.length = s.key = None
-                self._release_slot(s, "retired", " (its chunk was not loaded: a miss or a failed transfer)", force=True)
                 out.append(None)
+        self._settle(
+            slots,
+            [x is not None for x in out],
+            " (its chunk was not loaded and libmaru took it back: the transfer's outcome was unknown)",
+        )
         return out
+
+    def _held_ids(self, ids: List[int]) -> List[bool]:
+        if not ids:
+            return []
+        n = len(ids)
+        arr = (ctypes.c_uint64 * n)(*ids)
+        held = (ctypes.c_bool * n)()
+        with self._use() as h:
+            _check(lib.maru_slots_held(h, arr, n, held))
+        return list(held)
+
+    def slots_held(self, slots: Sequence[Union[Slot, int]]) -> List[bool]:
+        """Whether each slot (a :class:`~maru.Slot` or a slot id) is still this caller's
+        in libmaru (``maru_slots_held``): False once released, or taken back by libmaru
+        after a transfer whose outcome was unknown. The binding already retires such
+        slots after each call (``slot.released``); this asks libmaru directly."""
+        ids = []
+        for s in slots:
+            if isinstance(s, Slot):
+                ids.append(s.id)
+            elif isinstance(s, int) and not isinstance(s, bool) and s >= 0:
+                ids.append(s)
+            else:
+                raise TypeError(f"expected a Slot or a slot id, not {s!r}")
+        return self._held_ids(ids)
 
     def _c_release(self, ids: List[int]) -> None:
         if not ids:
@@ -572,7 +688,10 @@ class MaruHandler:
         try:
             self._c_release([slot.id])
         except BusyError:
-            pass  # lent to an operation freed while running: it comes back at its end
+            # Lent to an operation freed while running: it comes back to the caller at
+            # the operation's end; released then (by the next acquire or sweep).
+            with self._slot_lock:
+                self._release_later.append(slot.id)
 
     def _slot_dropped(self, slot: Slot) -> None:
         """A slot garbage collected while held (from ``Slot.__del__``, which may run
@@ -589,7 +708,128 @@ class MaruHandler:
             free = [i for i, v in self._pending.items() if not v.revoke()]
             for i in free:
                 del self._pending[i]
+            later, self._release_later = self._release_later, []
         self._c_release(free)
+        for i in later:
+            try:
+                self._c_release([i])
+            except BusyError:
+                with self._slot_lock:
+                    self._release_later.append(i)  # still running
+
+    # Views of chunks in place (cxl) --------------------------------------------------
+
+    def acquire_views(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[View]]:
+        """Reads a request's chunks in place, with no copy at all (``maru_views_acquire``,
+        backend ``cxl`` only): a :class:`~maru.View` per found key (its ``view`` is a
+        read-only memoryview over this host's mapping of the region), None for a miss.
+        Each view holds a lease that keeps the chunk's bytes until :meth:`View.release`
+        (or a ``with`` block, or :meth:`close`), and at most ``valid_ms`` ms; then it
+        expires (see :mod:`maru.views`). Release views as soon as their bytes are used.
+        ``route_key`` defaults to the first key. On ``remote_cxl`` raises
+        :class:`~maru.InvalidArgumentError` (no mapping here: use :meth:`load_slots`)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        self._sweep_views()
+        n = len(keys)
+        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
+        infos = (maru_view_t * n)()
+        found = (ctypes.c_bool * n)()
+        rk = _rk(route_key)
+        t0 = time.monotonic()
+        with self._use() as h:
+            _check(lib.maru_views_acquire(h, ks, n, rk, infos, found))
+            out: List[Optional[View]] = [View(self, keys[i], infos[i], t0) if found[i] else None for i in range(n)]
+            got = [v for v in out if v is not None]
+            with self._slot_lock:
+                for v in got:
+                    self._views[v.id] = v
+                if got and self._expirer is None:
+                    self._expirer = _Expirer(self)
+                exp = self._expirer
+        if got and exp is not None:
+            exp.add(got)
+        return out
+
+    def acquire_view(self, key: str, route_key: Optional[str] = None) -> Optional[View]:
+        """One chunk in place (:meth:`acquire_views` of one key; ``route_key`` defaults
+        to the key); None on a miss."""
+        return self.acquire_views([key], key if route_key is None else route_key)[0]
+
+    def release_views(self, views: Sequence[Optional[View]]) -> None:
+        """Releases each view (:meth:`View.release`); None entries (misses) are skipped."""
+        for v in views:
+            if v is not None:
+                v.release()
+
+    def held_views(self) -> List[View]:
+        """The views this handler handed out that are still held (not released, not
+        expired)."""
+        with self._slot_lock:
+            vs = list(self._views.values())
+        return [v for v in vs if not v.released]
+
+    def _c_release_views(self, ids: List[int]) -> None:
+        if not ids:
+            return
+        arr = (ctypes.c_uint64 * len(ids))(*ids)
+        try:
+            with self._use() as h:
+                _check(lib.maru_views_release(h, arr, len(ids)))
+        except ClosedError:
+            pass  # closing the handler ended every view
+
+    def _release_view(self, view: View, state: str, why: str = "", force: bool = False) -> None:
+        """Revokes the view's memoryviews and ends it in libmaru (``force``: give it up
+        in Python even while derived objects live; the C view then stays held, and so
+        the mapping, until they are gone)."""
+        with self._slot_lock:
+            if view._c_released:
+                if view._state == "held":
+                    view._state, view._why = state, why
+                return
+            alive = view._revoke()
+            if alive and not force:
+                raise BufferError(
+                    f"view {view.id} of chunk {view.key!r}: {alive} object(s) made from its memoryviews (slices, "
+                    "numpy or torch arrays) are still alive; drop them, then release again (the view stays valid "
+                    "meanwhile, until its lease runs out)"
+                )
+            if view._state == "held":
+                view._state, view._why = state, why
+            self._views.pop(view.id, None)
+            if alive:
+                self._view_pending[view.id] = view._views
+                return
+            self._view_pending.pop(view.id, None)
+            view._c_released = True
+        self._c_release_views([view.id])
+
+    def _expire_view(self, view: View) -> None:
+        """The view's lease ran out (the expiry thread, or an access that noticed)."""
+        if view._state != "held" or time.monotonic() < view._deadline:
+            return
+        try:
+            self._release_view(view, "expired", force=True)
+        except MaruError:
+            pass  # revoked in Python already; libmaru ends the lease with the handler
+
+    def _view_dropped(self, view: View) -> None:
+        """A view garbage collected while its C view is held (from ``View.__del__``):
+        queued without locking, ended by the next :meth:`acquire_views` or :meth:`close`."""
+        if not view._c_released:
+            self._views_dropped.append((view.id, view._views))
+
+    def _sweep_views(self) -> None:
+        with self._slot_lock:
+            while self._views_dropped:
+                i, vs = self._views_dropped.popleft()
+                self._view_pending[i] = vs
+            free = [i for i, vs in self._view_pending.items() if not vs.revoke()]
+            for i in free:
+                del self._view_pending[i]
+        self._c_release_views(free)
 
     @staticmethod
     def set_memory_hook_auto() -> None:

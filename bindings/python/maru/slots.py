@@ -18,11 +18,12 @@ Safety rules, enforced by the binding:
   ``torch.frombuffer(view)``) cannot be revoked by Python. So ``release()`` refuses
   (``BufferError``, the slot stays held and valid) while such an object is alive; drop
   it and release again. Closing the handler refuses likewise.
-* A slot whose chunk comes back not stored or not loaded (a skipped store, a load
-  miss, a failed transfer), and every slot of an operation that failed, is *retired*:
-  libmaru takes back a slot whose transfer outcome was unknown and the C API does not
-  say which one it took, so the binding gives such a slot up (releases it, a no-op when
-  libmaru already took it) and refuses further access. Acquire a new slot.
+* A slot whose chunk comes back not loaded after a plain miss, or not stored after a
+  skipped store, stays yours (a load miss leaves ``length`` and ``key`` None). Only a
+  slot libmaru took back after a transfer whose outcome was unknown (it may still be
+  written by the NIC) is *retired*: after every call the binding asks libmaru which
+  (``maru_slots_held``), and refuses further access to those; ``slot.released`` says
+  so. This holds for slots of a failed call or operation too. Acquire a new slot.
 * A slot lent to a running asynchronous operation cannot be released or accessed
   through the wrapper (:class:`~maru.BusyError`) until the operation finished.
 """
@@ -70,7 +71,7 @@ class _Views:
     def __init__(self) -> None:
         self._items: List[List[Any]] = []  # [array, memoryview or None]
 
-    def make(self, addr: int, n: int) -> memoryview:
+    def make(self, addr: int, n: int, readonly: bool = False) -> memoryview:
         if len(self._items) >= 8:
             self._prune()
         if n == 0:
@@ -79,6 +80,8 @@ class _Views:
         else:
             arr = (ctypes.c_ubyte * n).from_address(addr)
             mv = memoryview(arr).cast("B")
+        if readonly:
+            mv = mv.toreadonly()
         self._items.append([arr, mv])
         return mv
 
@@ -251,7 +254,7 @@ class Op:
     operation's own error if it failed; :meth:`results` waits and returns per chunk
     whether it was stored (store) or its length / None (load). Its slots are lent to it
     until it finished; then a load's slots have ``length`` and ``key`` set, and slots
-    whose chunk was not stored or loaded are retired (see :mod:`maru.slots`). Free it
+    libmaru took back are retired (see :mod:`maru.slots`). Free it
     with :meth:`close` or a ``with`` block (also done when it is garbage collected); an
     operation freed while running still runs to its end.
     """
@@ -318,8 +321,12 @@ class Op:
             s._op = None
         if err is not None:
             self._error = err
-            for s in self.slots:
-                self._handler._release_slot(s, "retired", " (its operation failed)", force=True)
+            if self.kind == "load":
+                for s in self.slots:
+                    s.length = s.key = None
+            self._handler._settle(
+                self.slots, [False] * n, " (its operation failed and libmaru took it back)"
+            )
             return
         if self.kind == "load":
             self._results = self._handler._apply_loaded(self.keys, self.slots, flags, lens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 import uuid
 
 import pytest
@@ -223,10 +224,11 @@ def test_alloc_is_a_store_slot_consumed_by_store(backend, compat_config, ns):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_retrieved_views_live_in_load_slots(backend, compat_config, ns):
-    # Views may hold 2 slots on both: remote_cxl keeps one more free for copying loads.
-    slots = 3 if backend == "remote_cxl" else 2
-    with MaruHandler(compat_config(backend, cache_namespace=ns, load_slots=slots)) as h:
+def test_retrieved_views_are_recycled(backend, compat_config, ns):
+    # Room for 2 views on both: remote_cxl keeps one more load slot free for copying
+    # loads; cxl's in-place views are bounded by max_views.
+    limit = dict(load_slots=3) if backend == "remote_cxl" else dict(max_views=2)
+    with MaruHandler(compat_config(backend, cache_namespace=ns, **limit)) as h:
         keys = [f"{ns}-{i}" for i in range(5)]
         assert h.batch_store(keys, [kv(i, 1000 + i) for i in range(5)]) == [True] * 5
         first = h.retrieve(keys[0])
@@ -267,8 +269,8 @@ def test_retrieved_views_live_in_load_slots(backend, compat_config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_recycling_when_disabled(backend, compat_config, ns):
-    slots = 2 if backend == "remote_cxl" else 1
-    with MaruHandler(compat_config(backend, cache_namespace=ns, load_slots=slots, retrieve_recycle=False)) as h:
+    limit = dict(load_slots=2) if backend == "remote_cxl" else dict(max_views=1)
+    with MaruHandler(compat_config(backend, cache_namespace=ns, retrieve_recycle=False, **limit)) as h:
         h.store(f"{ns}-x", b"x" * 10)
         a, b = h.retrieve(f"{ns}-x"), h.retrieve(f"{ns}-x")
         assert a.zero_copy and not b.zero_copy and not a.released
@@ -277,7 +279,7 @@ def test_no_recycling_when_disabled(backend, compat_config, ns):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pin_unpin_delete_are_not_faked(backend, compat_config, ns):
+def test_pins_are_not_faked(backend, compat_config, ns):
     with MaruHandler(compat_config(backend, cache_namespace=ns)) as h:
         assert h.store(f"{ns}-k", b"v")
         for call, what in (
@@ -285,17 +287,102 @@ def test_pin_unpin_delete_are_not_faked(backend, compat_config, ns):
             (lambda: h.unpin(f"{ns}-k"), "unpin()"),
             (lambda: h.batch_pin([f"{ns}-k"]), "batch_pin()"),
             (lambda: h.batch_unpin([f"{ns}-k"]), "batch_unpin()"),
-            (lambda: h.delete(f"{ns}-k"), "delete()"),
         ):
-            with pytest.raises(maru.UnsupportedError, match=r"not available on libmaru") as e:
+            with pytest.raises(maru.UnsupportedError, match=r"not available on libmaru.*lease") as e:
                 call()
             assert isinstance(e.value, NotImplementedError) and what in str(e.value)
-        assert h.exists(f"{ns}-k")  # delete did nothing
+        assert h.exists(f"{ns}-k")
 
 
-def test_close_with_a_view_in_use_keeps_its_memory(compat_config, ns, caplog):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_delete(backend, compat_config, ns, caplog):
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as w, MaruHandler(
+        compat_config(backend, cache_namespace=ns)
+    ) as other:
+        keys = [f"{ns}-{i}" for i in range(4)]
+        assert w.batch_store(keys, [kv(i, 2000) for i in range(4)]) == [True] * 4
+        assert w.delete(keys[0]) is True  # upstream: DELETE_KV success
+        assert not w.exists(keys[0]) and w.retrieve(keys[0]) is None and other.retrieve(keys[0]) is None
+        assert w.delete(keys[0]) is False  # not stored any more
+        assert w.batch_delete([keys[1], f"{ns}-never", keys[2]]) == [True, False, True]
+        assert w.batch_delete([]) == []
+        assert w.delete(int(1)) is False  # int keys, as LMCache passes them
+        # Another engine's key: refused (libmaru removes only the caller's own keys).
+        with caplog.at_level(logging.WARNING, logger="maru.compat"):
+            assert other.delete(keys[3]) is False
+        assert "another engine" in caplog.text and other.exists(keys[3])
+        # Stored again after delete: the new bytes.
+        assert w.store(keys[0], kv(50, 1500)) and other.retrieve(keys[0]).view.tobytes() == kv(50, 1500)
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as h:
+        h.close()
+        with pytest.raises(NotConnectedError):
+            h.delete("k")
+
+
+def test_delete_of_a_chunk_being_read_on_cxl(compat_config, ns, caplog):
+    with MaruHandler(compat_config("cxl", cache_namespace=ns)) as w, MaruHandler(
+        compat_config("cxl", cache_namespace=ns)
+    ) as r:
+        k = f"{ns}-read"
+        assert w.store(k, kv(60, 3000))
+        info = r.retrieve(k)  # an in-place view: a lease at maru-server
+        with caplog.at_level(logging.WARNING, logger="maru.compat"):
+            assert w.delete(k) is False  # refused while a reader holds it (upstream: while pinned)
+        assert "reader holds it" in caplog.text
+        assert info.view.tobytes() == kv(60, 3000)
+        info.release()
+        assert w.delete(k) is True
+        # The deleting handler's own retrieved views of the key are released first.
+        assert w.store(k, kv(61, 3000))
+        mine = w.retrieve(k)
+        v = mine.view
+        assert w.delete(k) is True and mine.released
+        with pytest.raises(ValueError):
+            v.tobytes()
+        with pytest.raises(maru.SlotReleasedError, match="deleted"):
+            mine.view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retrieve_is_in_place_on_cxl(backend, compat_config, ns):
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as h:
+        keys = [f"{ns}-{i}" for i in range(3)]
+        assert h.batch_store(keys, [kv(i, 5000 + i) for i in range(3)]) == [True] * 3
+        infos = h.batch_retrieve(keys + [f"{ns}-never"])
+        assert infos[-1] is None
+        for i, info in enumerate(infos[:-1]):
+            assert info.zero_copy and info.view.tobytes() == kv(i, 5000 + i)
+            if backend == "cxl":  # the mapped region itself, read-only, under a lease
+                assert info.in_place and info.view.readonly and 0 < info.expires_in <= 60
+            else:  # a load staging slot
+                assert not info.in_place and info.expires_in is None
+        stats = h.get_stats()["compat"]
+        assert stats["retained_views"] == 3 and stats["in_place_views"] == (3 if backend == "cxl" else 0)
+        if backend == "cxl":
+            assert len(h.native.held_views()) == 3
+            assert h.native.stats()["staging"]["free_load_slots"] == 8  # no load slot used
+        for info in infos[:-1]:
+            info.release()
+        if backend == "cxl":
+            assert h.native.held_views() == []
+        with pytest.raises(ValueError, match="released"):
+            infos[0].view
+        if backend == "cxl":  # an in-place view ends with its lease
+            info = h.retrieve(keys[0])
+            v = info.view
+            info._mapped._deadline = time.monotonic() - 1  # as if maru-server's lease ran out
+            assert info.released and info.expires_in == 0
+            with pytest.raises(maru.ViewExpiredError):
+                info.view
+            with pytest.raises(ValueError):
+                v[0]
+            assert h.native.held_views() == [] and h.delete(keys[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_with_a_view_in_use_keeps_its_memory(backend, compat_config, ns, caplog):
     np = pytest.importorskip("numpy")
-    h = MaruHandler(compat_config("remote_cxl", cache_namespace=ns))
+    h = MaruHandler(compat_config(backend, cache_namespace=ns))
     assert h.connect()
     h.store(f"{ns}-t", kv(9, 500))
     tensor = np.frombuffer(h.retrieve(f"{ns}-t").view, dtype=np.uint8)  # torch.frombuffer in LMCache

@@ -1,0 +1,250 @@
+"""Chunks read in place (backend ``cxl``), and what removing a key did.
+
+On ``cxl`` this host maps the CXL memory, so a chunk can be read where it lies, with no
+copy at all: :meth:`maru.MaruHandler.acquire_views` returns one :class:`View` per found
+key, whose :attr:`View.view` is a **read-only** memoryview straight over the mapped
+region (``maru_views_acquire``). Each view holds a lease at maru-server that keeps the
+chunk's page from being reused (its owner's ``remove`` is refused with
+:attr:`RemoveResult.LEASED`) until the view is released, and at most ``valid_ms``
+milliseconds (maru-server's ``--lease-timeout-s``, 60 s by default): release views as
+soon as their bytes are used (copied to the GPU, hashed, ...). ``remote_cxl`` has no
+such mapping (the chunks live in memory nodes' CXL): ``acquire_views`` raises
+:class:`~maru.InvalidArgumentError` there; load into staging slots instead
+(:meth:`maru.MaruHandler.load_slots`).
+
+Rules the binding enforces, so that a view never shows another key's bytes:
+
+* Releasing a view (:meth:`View.release`, leaving its ``with`` block, closing the
+  handler) releases every memoryview it handed out: using one raises ``ValueError``, and
+  the :class:`View` itself raises :class:`~maru.SlotReleasedError`.
+* When its lease runs out the view **expires**: its memoryviews are released (a
+  background timer does it on time, whether or not the view is used), and the
+  :class:`View` raises :class:`~maru.ViewExpiredError`. The binding measures
+  ``valid_ms`` from just before the acquire call, so it expires a little before the
+  lease does, never after.
+* A slice or a numpy/torch array made from a view cannot be revoked: ``release()`` (and
+  the handler's ``close()``) refuse with ``BufferError`` while one is alive, and the
+  view stays valid. Such an array is your responsibility once the lease ran out: drop
+  it before ``valid_ms`` passes (the mapping stays valid, its bytes may change).
+* ``View.address`` is a raw pointer: valid only while the view is held and not expired.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import heapq
+import itertools
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+
+from .errors import SlotReleasedError, ViewExpiredError
+from .slots import _Views
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handler import MaruHandler
+
+
+class RemoveResult(enum.IntEnum):
+    """``maru_remove_result_t``: what :meth:`maru.MaruHandler.batch_remove` did with
+    one key."""
+
+    #: Unpublished: no reader finds it any more; its page is free for this engine's
+    #: next stores.
+    REMOVED = 0
+    #: Not stored (or its pool is unavailable now).
+    NOT_FOUND = 1
+    #: Refused: another engine stored it (or maru-server's keeper holds it).
+    NOT_OWNER = 2
+    #: Refused: a reader holds a lease on it now (e.g. a :class:`View`); try later.
+    LEASED = 3
+
+    @property
+    def removed(self) -> bool:
+        """Whether the key was removed."""
+        return self is RemoveResult.REMOVED
+
+
+class View:
+    """A chunk read in place from this host's mapping of the CXL memory (backend
+    ``cxl``), from :meth:`maru.MaruHandler.acquire_views`.
+
+    Attributes: ``id`` (libmaru's view id), ``key``, ``length`` (the chunk's bytes),
+    ``valid_ms`` (the lease's duration). Read it through :attr:`view` (a read-only
+    memoryview over the mapped region, no copy), :meth:`data`, :meth:`read` (a copy)
+    or :attr:`address`; then :meth:`release` it, or use it as a context manager. See
+    :mod:`maru.views` for the rules.
+    """
+
+    def __init__(self, handler: "MaruHandler", key: str, info: Any, t0: float) -> None:
+        self._handler = handler
+        self.id: int = int(info.id)
+        self.key: str = key
+        self.length: int = int(info.len)
+        self.valid_ms: int = int(info.valid_ms)
+        self._addr: int = int(info.data or 0)
+        # Measured from before the acquire call: never later than the lease's end.
+        self._deadline: float = t0 + self.valid_ms / 1000.0
+        self._views = _Views()
+        self._view: Optional[memoryview] = None
+        self._state = "held"  # held | expired | released
+        self._why = ""
+        self._c_released = False
+
+    def __repr__(self) -> str:
+        return f"<View {self.id} {self.key!r} {self._state} length={self.length}>"
+
+    def __enter__(self) -> "View":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self._handler._view_dropped(self)
+        except Exception:
+            pass
+
+    def __len__(self) -> int:
+        return self.length
+
+    # State --------------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        """Whether the view was released or expired (no access any more)."""
+        if self._state == "held" and time.monotonic() >= self._deadline:
+            self._handler._expire_view(self)
+        return self._state != "held"
+
+    @property
+    def expired(self) -> bool:
+        """Whether the view's lease ran out (before it was released)."""
+        return self.released and self._state == "expired"
+
+    def expires_in(self) -> float:
+        """Seconds until the lease runs out (0 once expired or released)."""
+        if self.released:
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _check(self) -> None:
+        if self.released:
+            if self._state == "expired":
+                raise ViewExpiredError(
+                    f"the view of chunk {self.key!r} expired (its lease of {self.valid_ms} ms ran out): "
+                    "its page may hold other bytes now; acquire it again"
+                )
+            raise SlotReleasedError(f"the view of chunk {self.key!r} was released{self._why}; acquire it again")
+
+    # Access -------------------------------------------------------------------------
+
+    @property
+    def view(self) -> memoryview:
+        """A read-only memoryview of the chunk (``length`` bytes) in the mapped region,
+        the same object on every access until the view is released or expires (then it
+        is released too)."""
+        self._check()
+        if self._view is None:
+            self._view = self._views.make(self._addr, self.length, readonly=True)
+        return self._view
+
+    def data(self) -> memoryview:
+        """A new read-only memoryview of the chunk, released with the view."""
+        self._check()
+        return self._views.make(self._addr, self.length, readonly=True)
+
+    def read(self) -> bytes:
+        """A copy of the chunk's bytes."""
+        self._check()
+        b = ctypes.string_at(self._addr, self.length) if self.length else b""
+        self._check()  # expired while copying: the copy may mix in other bytes
+        return b
+
+    @property
+    def address(self) -> int:
+        """The chunk's address in the mapping (read-only memory; for a copy kernel or
+        ``cudaMemcpyAsync``). Valid only while the view is held and not expired: the
+        binding cannot revoke a raw address."""
+        self._check()
+        return self._addr
+
+    # Release ------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Ends the view: its lease goes back and every memoryview it handed out is
+        released. Harmless twice (and after expiry). Raises ``BufferError`` (nothing
+        released, the view stays valid) while an object made from one of its
+        memoryviews (a slice, a numpy or torch array) is alive."""
+        self._handler._release_view(self, "released")
+
+    def _revoke(self) -> int:
+        self._view = None
+        return self._views.revoke()
+
+
+def _held(ref: "weakref.ref[View]") -> bool:
+    v = ref()
+    return v is not None and v._state == "held"
+
+
+class _Expirer:
+    """One daemon thread per handler that expires views on time (revokes their
+    memoryviews when their lease runs out), started with the first view and ending when
+    none is left or the handler closed."""
+
+    def __init__(self, handler: "MaruHandler") -> None:
+        self._handler = weakref.ref(handler)
+        self._cv = threading.Condition()
+        self._heap: List[Tuple[float, int, "weakref.ref[View]"]] = []
+        self._seq = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+
+    def add(self, views: List[View]) -> None:
+        with self._cv:
+            if self._stop:
+                return
+            if len(self._heap) > 4096:
+                # Mostly views released long ago: keep only those still held.
+                live = [e for e in self._heap if _held(e[2])]
+                if len(live) < len(self._heap) // 2:
+                    heapq.heapify(live)
+                    self._heap = live
+            for v in views:
+                heapq.heappush(self._heap, (v._deadline, next(self._seq), weakref.ref(v)))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="maru-view-expiry", daemon=True)
+                self._thread.start()
+            else:
+                self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._heap.clear()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and self._heap:
+                    wait = self._heap[0][0] - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cv.wait(min(wait, 60.0))
+                if self._stop or not self._heap:
+                    self._thread = None
+                    return
+                _, _, ref = heapq.heappop(self._heap)
+            v = ref()
+            h = self._handler()
+            if v is not None and h is not None:
+                try:
+                    h._expire_view(v)
+                except Exception:  # pragma: no cover - never let the thread die
+                    pass
+            del v, h
