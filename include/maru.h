@@ -199,6 +199,8 @@ typedef struct maru_slot_t {
  * `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
  * close) and at most `valid_ms` milliseconds from the acquire: the view holds a lease
  * that keeps the chunk's page from being reused, and the lease ends by itself then.
+ * maru-server starts the lease's clock while the call is on its way, so count
+ * `valid_ms` from just before calling `maru_views_acquire`, not from its return.
  */
 typedef struct maru_view_t {
   uint64_t id;

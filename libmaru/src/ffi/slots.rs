@@ -420,6 +420,8 @@ pub extern "C" fn maru_set_memory_hook_auto() -> maru_status_t {
 /// `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
 /// close) and at most `valid_ms` milliseconds from the acquire: the view holds a lease
 /// that keeps the chunk's page from being reused, and the lease ends by itself then.
+/// maru-server starts the lease's clock while the call is on its way, so count
+/// `valid_ms` from just before calling `maru_views_acquire`, not from its return.
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -455,8 +457,10 @@ pub unsafe extern "C" fn maru_views_acquire(
             std::slice::from_raw_parts_mut(views, n),
             std::slice::from_raw_parts_mut(found, n),
         );
-        for (i, g) in got.into_iter().enumerate().take(n) {
-            (vs[i], fs[i]) = match g {
+        // Every entry is written: one the handler did not answer is a miss.
+        let mut got = got.into_iter();
+        for i in 0..n {
+            (vs[i], fs[i]) = match got.next().flatten() {
                 Some(v) => (
                     maru_view_t {
                         id: v.id,
