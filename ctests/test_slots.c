@@ -160,6 +160,16 @@ int main(void) {
         bool f1 = true;
         CHECK(maru_exists_batch(b, two, 1, keys[0], &f1) == MARU_OK && !f1);
         CHECK(maru_remove_batch(a, two, 1, NULL, NULL) == MARU_ERR_NULL_ARGUMENT);
+        /* A pin keeps a key from removal until its engine unpins it. */
+        const char *k2[2] = {keys[N - 2], "never-stored-pin"};
+        bool pinned[2] = {false, true};
+        CHECK(maru_pin_batch(b, k2, 2, keys[0], pinned) == MARU_OK && pinned[0] && !pinned[1]);
+        CHECK(maru_remove_batch(a, k2, 1, keys[0], res) == MARU_OK && res[0] == MARU_REMOVE_PINNED);
+        CHECK(maru_unpin_batch(a, k2, 1, keys[0], pinned) == MARU_OK && !pinned[0]); /* not a's pin */
+        CHECK(maru_unpin_batch(b, k2, 1, keys[0], pinned) == MARU_OK && pinned[0]);
+        CHECK(maru_remove_batch(a, k2, 1, keys[0], res) == MARU_OK && res[0] == MARU_REMOVED);
+        CHECK(maru_pin_batch(b, k2, 1, keys[0], NULL) == MARU_ERR_NULL_ARGUMENT);
+        CHECK(maru_unpin_batch(NULL, k2, 1, keys[0], pinned) == MARU_ERR_NULL_ARGUMENT);
     }
 
     /* Bad arguments. */

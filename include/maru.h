@@ -43,6 +43,10 @@ enum maru_remove_result_t
    * Refused: a reader holds a lease on it now; try again later.
    */
   MARU_REMOVE_LEASED = 3,
+  /**
+   * Refused: an engine pins it (`maru_pin_batch`) until it unpins it.
+   */
+  MARU_REMOVE_PINNED = 4,
 };
 #ifndef __cplusplus
 typedef uint32_t maru_remove_result_t;
@@ -391,6 +395,21 @@ maru_status_t maru_op_results(const struct maru_op_t *op, bool *flags, size_t *l
 maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
 
 /**
+ * Pins `n` keys of one request: `pinned[i]` says whether `keys[i]` was found and is
+ * pinned now. A pinned key is neither evicted nor removed (by any engine) until this
+ * handler unpins it (`maru_unpin_batch`) or closes, or its memory is lost (the memory
+ * node rebooted, its region went back). Pins count: two pins need two unpins.
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `pinned` `n` writable values.
+ */
+maru_status_t maru_pin_batch(const struct maru_handler_t *h,
+                             const char *const *keys,
+                             size_t n,
+                             const char *route_key,
+                             bool *pinned);
+
+/**
  * Unpublishes `n` keys of one request that this engine stored; `results[i]` (a
  * `maru_remove_result_t` value) says what happened to `keys[i]`.
  *
@@ -567,6 +586,19 @@ maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
                                       size_t n,
                                       const char *route_key,
                                       struct maru_op_t **op);
+
+/**
+ * Drops one of this handler's pins of each of `n` keys: `unpinned[i]` says whether it
+ * held one of `keys[i]`.
+ *
+ * # Safety
+ * `keys` holds `n` NUL-terminated strings; `unpinned` `n` writable values.
+ */
+maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
+                               const char *const *keys,
+                               size_t n,
+                               const char *route_key,
+                               bool *unpinned);
 
 /**
  * The version of libmaru, such as "0.1.0", as a static NUL-terminated string

@@ -937,6 +937,26 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
     );
     assert!(b.acquire_views(&one, Some("v")).unwrap()[0].is_none());
     assert!(a.remove_batch(&[], None).unwrap().is_empty());
+    // A pin (by any engine of the namespace) keeps a key from removal until unpinned.
+    let k1 = vec![keys[1].clone(), "view-never-stored".to_string()];
+    assert_eq!(
+        b.pin_batch(&k1, Some("v"), true).unwrap(),
+        vec![true, false]
+    );
+    assert_eq!(
+        a.remove_batch(&k1[..1], Some("v")).unwrap(),
+        vec![RemoveResult::Pinned]
+    );
+    assert_eq!(
+        a.pin_batch(&k1[..1], Some("v"), false).unwrap(),
+        vec![false],
+        "not a's pin"
+    );
+    assert_eq!(b.pin_batch(&k1[..1], Some("v"), false).unwrap(), vec![true]);
+    assert_eq!(
+        a.remove_batch(&k1[..1], Some("v")).unwrap(),
+        vec![RemoveResult::Removed]
+    );
     a.close().unwrap();
     b.close().unwrap();
 

@@ -536,6 +536,8 @@ pub enum maru_remove_result_t {
     MARU_REMOVE_NOT_OWNER = 2,
     /// Refused: a reader holds a lease on it now; try again later.
     MARU_REMOVE_LEASED = 3,
+    /// Refused: an engine pins it (`maru_pin_batch`) until it unpins it.
+    MARU_REMOVE_PINNED = 4,
 }
 
 /// Unpublishes `n` keys of one request that this engine stored; `results[i]` (a
@@ -564,8 +566,61 @@ pub unsafe extern "C" fn maru_remove_batch(
                 RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
                 RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
                 RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
+                RemoveResult::Pinned => maru_remove_result_t::MARU_REMOVE_PINNED,
             } as u32;
         }
+        Ok(())
+    })
+}
+
+/// Pins `n` keys of one request: `pinned[i]` says whether `keys[i]` was found and is
+/// pinned now. A pinned key is neither evicted nor removed (by any engine) until this
+/// handler unpins it (`maru_unpin_batch`) or closes, or its memory is lost (the memory
+/// node rebooted, its region went back). Pins count: two pins need two unpins.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `pinned` `n` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_pin_batch(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    pinned: *mut bool,
+) -> maru_status_t {
+    pin_ffi(h, keys, n, route_key, pinned, true)
+}
+
+/// Drops one of this handler's pins of each of `n` keys: `unpinned[i]` says whether it
+/// held one of `keys[i]`.
+///
+/// # Safety
+/// `keys` holds `n` NUL-terminated strings; `unpinned` `n` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn maru_unpin_batch(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    unpinned: *mut bool,
+) -> maru_status_t {
+    pin_ffi(h, keys, n, route_key, unpinned, false)
+}
+
+unsafe fn pin_ffi(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    out: *mut bool,
+    pin: bool,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(h, keys, out);
+        let ks = keys_of(keys, n)?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = handler(h).pin_batch(&ks, rk, pin).map_err(ffi_err)?;
+        std::slice::from_raw_parts_mut(out, n).copy_from_slice(&got);
         Ok(())
     })
 }

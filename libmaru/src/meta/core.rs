@@ -11,6 +11,7 @@ use super::errors::{refused, unsupported};
 use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
 use super::keys::KeyDirectory;
 use super::leases::LeaseTable;
+use super::pins::PinTable;
 use super::ports::{AgentPort, RmPort};
 use super::regions::{Holder, RegionTable};
 use super::sessions::{EndReason, SessionTable};
@@ -34,6 +35,7 @@ pub struct MetaCore {
     pub(super) regions: RegionTable,
     pub(super) keys: KeyDirectory,
     pub(super) leases: LeaseTable,
+    pub(super) pins: PinTable,
     pub(super) keeper: RegionKeeper,
     pub(super) totals: Totals,
 }
@@ -46,6 +48,7 @@ impl MetaCore {
             regions: RegionTable::new(),
             keys: KeyDirectory::new(),
             leases: LeaseTable::new(LEASE_LIMIT),
+            pins: PinTable::default(),
             keeper: RegionKeeper::new(KeeperTimes {
                 silence_ms: config.keeper_silence_ms,
                 check_ms: config.keeper_check_ms,
@@ -112,6 +115,8 @@ impl MetaCore {
             }
             MetaRequest::Victims { session, max } => self.victims(client_id, session, max, now_ms),
             MetaRequest::Remove { session, keys } => self.remove(client_id, session, &keys, now_ms),
+            MetaRequest::Pin { session, keys } => self.pin(client_id, session, &keys, now_ms),
+            MetaRequest::Unpin { session, keys } => self.unpin(client_id, session, &keys, now_ms),
             MetaRequest::ReturnRegion {
                 session,
                 region_id,
@@ -236,6 +241,7 @@ impl MetaCore {
             return reply;
         };
         reply.leases_ended = self.leases.end_session(id);
+        self.pins.end_session(id);
         for rid in s.regions {
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;
@@ -266,6 +272,7 @@ impl MetaCore {
     pub(super) fn hide_region(&mut self, region_id: u64) -> (usize, usize) {
         let dropped = self.keys.drop_region(region_id);
         let ended = self.leases.end_region(region_id);
+        self.pins.end_region(region_id);
         if let Some(r) = self.regions.get_mut(region_id) {
             // Keys are write-once, so a page that held one is written no more.
             for e in &dropped {

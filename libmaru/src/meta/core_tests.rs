@@ -946,3 +946,125 @@ fn a_closed_connection_ends_nothing() {
         "its next request marks it connected"
     );
 }
+
+fn pin(w: &mut World, client: &str, session: u64, keys: &[&str], on: bool) -> Vec<bool> {
+    let req = if on {
+        MetaRequest::Pin {
+            session,
+            keys: strings(keys),
+        }
+    } else {
+        MetaRequest::Unpin {
+            session,
+            keys: strings(keys),
+        }
+    };
+    match w.req(client, req) {
+        Ok(MetaReply::Pinned { pinned }) => pinned,
+        Ok(MetaReply::Unpinned { unpinned }) => unpinned,
+        r => panic!("pin: {r:?}"),
+    }
+}
+
+#[test]
+fn pinned_keys_are_neither_victims_nor_removed_until_unpinned() {
+    let mut w = World::remote();
+    let (a, _) = w.open(W1);
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["a0", "a1"]);
+    // Any session of the scope pins; a miss is not pinned.
+    assert_eq!(pin(&mut w, W2, b, &["a0", "nope"], true), vec![true, false]);
+    assert_eq!(pin(&mut w, W2, b, &["a0"], true), vec![true], "pins count");
+    let victims = |w: &mut World| match w.req(W1, MetaRequest::Victims { session: a, max: 9 }) {
+        Ok(MetaReply::Victims { victims }) => {
+            victims.into_iter().map(|v| v.key).collect::<Vec<_>>()
+        }
+        r => panic!("victims: {r:?}"),
+    };
+    assert_eq!(victims(&mut w), vec!["a1".to_string()]);
+    let remove = |w: &mut World| match w.req(
+        W1,
+        MetaRequest::Remove {
+            session: a,
+            keys: strings(&["a0"]),
+        },
+    ) {
+        Ok(MetaReply::Removed { results }) => results,
+        r => panic!("remove: {r:?}"),
+    };
+    assert_eq!(remove(&mut w), vec![RemoveResult::Pinned]);
+    assert_eq!(totals(&w).pinned_keys, 1);
+    // Unpin: only the pinning session's own pins, one per call.
+    assert_eq!(pin(&mut w, W1, a, &["a0"], false), vec![false]);
+    assert_eq!(
+        pin(&mut w, W2, b, &["a0", "nope"], false),
+        vec![true, false]
+    );
+    assert_eq!(remove(&mut w), vec![RemoveResult::Pinned], "one pin left");
+    assert_eq!(pin(&mut w, W2, b, &["a0"], false), vec![true]);
+    assert_eq!(pin(&mut w, W2, b, &["a0"], false), vec![false]);
+    assert_eq!(victims(&mut w).len(), 2);
+    assert_eq!(remove(&mut w), vec![RemoveResult::Removed]);
+    assert_eq!(totals(&w).pinned_keys, 0);
+}
+
+#[test]
+fn pins_end_with_their_session_and_with_their_region() {
+    let mut w = World::remote();
+    let (a, g) = w.open(W1);
+    let (b, _) = w.open(W2);
+    w.store(W1, a, &["k0", "k1"]);
+    pin(&mut w, W2, b, &["k0"], true);
+    let st = |w: &mut World, s: u64| match w.req(W1, MetaRequest::Stats { session: Some(s) }) {
+        Ok(MetaReply::Stats(st)) => st.sessions[0].pins,
+        r => panic!("stats: {r:?}"),
+    };
+    assert_eq!(st(&mut w, b), 1);
+    w.close(W2, b, true);
+    assert_eq!(totals(&w).pinned_keys, 0, "the reader's pins ended with it");
+    let (c, _) = w.open(W2);
+    pin(&mut w, W2, c, &["k0", "k1"], true);
+    assert_eq!(totals(&w).pinned_keys, 2);
+    // A returned region drops its keys, so their pins end too.
+    let Ok(MetaReply::Returned(_)) = w.req(
+        W1,
+        MetaRequest::ReturnRegion {
+            session: a,
+            region_id: g.handle.region_id,
+            released: true,
+        },
+    ) else {
+        panic!("return");
+    };
+    assert_eq!(totals(&w).pinned_keys, 0);
+    assert_eq!(st(&mut w, c), 0);
+    assert_eq!(pin(&mut w, W2, c, &["k0"], false), vec![false]);
+}
+
+#[test]
+fn pin_requests_check_the_session_and_the_batch() {
+    let mut w = World::remote();
+    let (a, _) = w.open(W1);
+    w.store(W1, a, &["k"]);
+    let e = w
+        .req(
+            W2,
+            MetaRequest::Pin {
+                session: a,
+                keys: strings(&["k"]),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused, "{e}");
+    let e = w
+        .req(
+            W1,
+            MetaRequest::Unpin {
+                session: a,
+                keys: vec!["k".to_string(); MAX_BATCH + 1],
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
+    assert_eq!(totals(&w).pinned_keys, 0);
+}

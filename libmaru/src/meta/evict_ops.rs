@@ -1,8 +1,9 @@
 //! Eviction: victims and remove act only on keys of the caller's own regions, and
-//! never on a leased key.
+//! never on a leased or pinned key. Pins: any session of the key's scope may pin it.
 
 use super::core::MetaCore;
-use super::errors::{check_batch, check_keys};
+use super::errors::{check_batch, check_keys, refused};
+use super::keys::KeyId;
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
 use crate::wire::WireError;
 
@@ -26,7 +27,7 @@ impl MetaCore {
             .flat_map(|&rid| {
                 self.keys
                     .lru(rid)
-                    .filter(|(_, k)| !self.leases.is_leased(*k))
+                    .filter(|(_, k)| !self.leases.is_leased(*k) && !self.pins.is_pinned(*k))
                     .take(max)
             })
             .collect();
@@ -78,6 +79,10 @@ impl MetaCore {
                 results.push(RemoveResult::Leased);
                 continue;
             }
+            if self.pins.is_pinned(k) {
+                results.push(RemoveResult::Pinned);
+                continue;
+            }
             self.keys.remove(k);
             if let Some(r) = self.regions.get_mut(loc.region_id) {
                 // A published key's page is allocated (publish checks it).
@@ -86,5 +91,65 @@ impl MetaCore {
             results.push(RemoveResult::Removed);
         }
         Ok(MetaReply::Removed { results })
+    }
+}
+
+impl MetaCore {
+    /// Pins each found key once more for the session; a miss is not pinned. Refused
+    /// whole when the session would pin more than its limit of distinct keys.
+    pub(super) fn pin(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        keys: &[String],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_keys(keys)?;
+        let id = self.session(client_id, session, now_ms)?;
+        let s = self.sessions.checked(id)?;
+        let found: Vec<Option<(KeyId, u64)>> = keys
+            .iter()
+            .map(|k| {
+                let kid = self.keys.find(s.scope, k)?;
+                Some((kid, self.keys.get(kid)?.loc.region_id))
+            })
+            .collect();
+        let hits: Vec<KeyId> = found.iter().flatten().map(|(k, _)| *k).collect();
+        self.pins
+            .check_room(id, &hits)
+            .map_err(|e| refused(e.to_string()))?;
+        let pinned = found
+            .into_iter()
+            .map(|f| match f {
+                Some((k, rid)) => {
+                    self.pins.pin(id, k, rid);
+                    true
+                }
+                None => false,
+            })
+            .collect();
+        Ok(MetaReply::Pinned { pinned })
+    }
+
+    /// Drops one of the session's pins of each key; false where it held none.
+    pub(super) fn unpin(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        keys: &[String],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        check_keys(keys)?;
+        let id = self.session(client_id, session, now_ms)?;
+        let scope = self.sessions.checked(id)?.scope;
+        let unpinned = keys
+            .iter()
+            .map(|k| {
+                self.keys
+                    .find(scope, k)
+                    .is_some_and(|kid| self.pins.unpin(id, kid))
+            })
+            .collect();
+        Ok(MetaReply::Unpinned { unpinned })
     }
 }

@@ -368,3 +368,40 @@ fn giving_the_kept_regions_back_leaves_nothing_at_the_rm() {
     assert!(w.rm.allocated.is_empty(), "{:?}", w.rm.allocated);
     w.assert_released_before_freed();
 }
+
+#[test]
+fn a_kept_region_with_pinned_keys_is_not_given_back_to_make_room() {
+    let mut w = World::with(config(&[A1, A2]), 3 * REGION);
+    let (a, g1) = w.open(W1);
+    let (c, g2) = w.open(W2);
+    w.store(W1, a, &["pinned"]);
+    w.store(W2, c, &["plain"]);
+    let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
+    w.close(W1, a, true);
+    w.close(W2, c, true);
+    w.tick();
+    let (b, _) = w.open("reader:1");
+    // r1 was read longest ago, but it holds a pinned key: r2 goes instead.
+    let Ok(MetaReply::Pinned { pinned }) = w.req(
+        "reader:1",
+        MetaRequest::Pin {
+            session: b,
+            keys: vec!["pinned".into()],
+        },
+    ) else {
+        panic!("pin");
+    };
+    assert_eq!(pinned, vec![true]);
+    w.advance(1_000);
+    w.acquire("reader:1", b, &["plain"]);
+    let e = w.expand("reader:1", b).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NoSpace, "{e}");
+    assert!(e.message.contains(&format!("kept region {r2}")), "{e}");
+    w.tick();
+    assert!(!w.at_rm(r2) && w.at_rm(r1));
+    w.expand("reader:1", b).unwrap();
+    // Only pinned regions are left: nothing is given back, and the error says why.
+    let e = w.expand("reader:1", b).unwrap_err();
+    assert!(e.message.contains("pinned keys"), "{e}");
+    assert_eq!(w.exists("reader:1", b, &["pinned"]), vec![true]);
+}

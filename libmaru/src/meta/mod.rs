@@ -10,8 +10,9 @@
 //!   allocated pages of its own regions; the first publish of a key wins;
 //! - keys are shared only within one namespace, KV layout and backend;
 //! - a region larger than the RM's largest pool is refused for good;
-//! - victims and remove act only on keys of the caller's own regions; leased keys
-//!   are neither victims nor removed;
+//! - victims and remove act only on keys of the caller's own regions; leased and
+//!   pinned keys are neither victims nor removed, and a region with pinned keys is
+//!   not given back to make room at the RM;
 //! - a returned region's keys stop being found at once and its leases end; the RM
 //!   frees a `remote_cxl` region only after its agent released it;
 //! - a session that stops sending requests expires; an ended session holds nothing
@@ -31,6 +32,7 @@ pub mod keeper;
 pub mod keys;
 pub mod leases;
 pub mod pages;
+pub mod pins;
 pub mod ports;
 mod read_ops;
 pub mod regions;

@@ -176,12 +176,13 @@ impl MetaCore {
         let victim = self
             .keeper
             .kept_ids()
+            .filter(|id| !self.pins.region_has_pins(*id))
             .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
             .min()
             .map(|(_, id)| id);
         let Some(id) = victim else {
-            return "maru-server keeps no region it could give back: retry later or give the \
-                    RM more memory"
+            return "maru-server keeps no region it could give back (none, or each holds \
+                    pinned keys): retry later, unpin keys or give the RM more memory"
                 .into();
         };
         self.keeper.lose(id, GiveBackReason::RmPressure, now_ms);

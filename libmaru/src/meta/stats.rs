@@ -17,6 +17,7 @@ impl MetaCore {
             hits: s.hits,
             misses: s.misses,
             leases: self.leases.held_by(s.id) as u64,
+            pins: self.pins.held_by(s.id) as u64,
             ..Default::default()
         };
         for &rid in &s.regions {
@@ -55,6 +56,7 @@ impl MetaCore {
             hits: self.totals.hits,
             misses: self.totals.misses,
             leases: self.leases.len() as u64,
+            pinned_keys: self.pins.keys() as u64,
             kept_regions: self.keeper.kept_len() as u64,
             giving_back: self.keeper.giving_back_len() as u64,
             ..Default::default()

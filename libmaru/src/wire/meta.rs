@@ -132,6 +132,12 @@ pub enum MetaRequest {
     /// Unpublish keys of the caller's own regions and free their pages. Keys of other
     /// sessions' regions and leased keys are refused per key and stay as they are.
     Remove { session: u64, keys: Vec<String> },
+    /// Pin found keys: a pinned key is neither a victim nor removed, and its region
+    /// is not given back to make room, until the session unpins it or ends (or the
+    /// region is lost). Counted per session and key. Misses are not pinned.
+    Pin { session: u64, keys: Vec<String> },
+    /// Drop one of this session's pins of each key.
+    Unpin { session: u64, keys: Vec<String> },
     /// Give a region of the session back. `released`: its agent confirmed the
     /// release (or the region was never mapped and the agent holds nothing). Without
     /// it a `remote_cxl` region is released by the server before the RM frees it.
@@ -288,6 +294,8 @@ pub enum RemoveResult {
     NotOwner,
     /// Refused: a reader holds a lease on it.
     Leased,
+    /// Refused: a session pins it.
+    Pinned,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -335,6 +343,9 @@ pub struct SessionStats {
     pub misses: u64,
     /// Leases the session holds now.
     pub leases: u64,
+    /// Distinct keys the session pins now.
+    #[serde(default)]
+    pub pins: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -348,6 +359,9 @@ pub struct TotalStats {
     pub hits: u64,
     pub misses: u64,
     pub leases: u64,
+    /// Distinct pinned keys.
+    #[serde(default)]
+    pub pinned_keys: u64,
     /// Regions of departed workers held by the region keeper, and their keys.
     pub kept_regions: u64,
     pub kept_keys: u64,
@@ -420,6 +434,14 @@ pub enum MetaReply {
     /// Per key, in order.
     Removed {
         results: Vec<RemoveResult>,
+    },
+    /// Per key, in order: found and pinned.
+    Pinned {
+        pinned: Vec<bool>,
+    },
+    /// Per key, in order: this session held a pin of it, and one was dropped.
+    Unpinned {
+        unpinned: Vec<bool>,
     },
     Returned(ReturnReply),
     Heartbeat(HeartbeatReply),
@@ -586,6 +608,12 @@ mod tests {
                 results: vec![RemoveResult::NotOwner, RemoveResult::Removed],
             },
             MetaReply::PagesFreed { freed: 2 },
+            MetaReply::Pinned {
+                pinned: vec![true, false],
+            },
+            MetaReply::Unpinned {
+                unpinned: vec![false],
+            },
             MetaReply::Usage(UsageReply {
                 sessions: vec![],
                 kept_regions: 1,
@@ -618,6 +646,8 @@ mod tests {
             Just("release_leases".to_string()),
             Just("victims".to_string()),
             Just("remove".to_string()),
+            Just("pin".to_string()),
+            Just("unpin".to_string()),
             Just("return_region".to_string()),
             Just("heartbeat".to_string()),
             Just("close".to_string()),

@@ -738,6 +738,24 @@ impl Handler {
         )
     }
 
+    /// Pins keys of one request (`pin`), or drops one pin of each (`!pin`): a pinned
+    /// key is neither evicted nor removed (by anyone) until this handler unpins it or
+    /// closes, or its region is lost. Per key: pinned (found) / a pin was dropped. A
+    /// pool that is unavailable answers `false`.
+    pub fn pin_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        pin: bool,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.inner
+            .with_pool(rk, vec![false; keys.len()], |p| p.pin(keys, pin))
+    }
+
     // ------------------------------------------------------------ slot API
 
     /// Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout` for at

@@ -316,6 +316,19 @@ impl StoragePool {
         Ok(found.len())
     }
 
+    /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
+    pub fn pin(&mut self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(self.max_batch) {
+            out.extend(if pin {
+                self.session.pin(chunk)?
+            } else {
+                self.session.unpin(chunk)?
+            });
+        }
+        Ok(out)
+    }
+
     /// Unpublishes keys this session stored (see `RemoveResult` for the others).
     pub fn remove(
         &mut self,

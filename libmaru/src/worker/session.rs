@@ -159,6 +159,28 @@ impl Session {
         }
     }
 
+    /// Pins found keys (per key: found and pinned).
+    pub fn pin(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        match self.call(&MetaRequest::Pin {
+            session: self.id,
+            keys: keys.to_vec(),
+        })? {
+            MetaReply::Pinned { pinned } => Ok(pinned),
+            r => Err(unexpected("pin", r)),
+        }
+    }
+
+    /// Drops one of this session's pins of each key (per key: one was dropped).
+    pub fn unpin(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        match self.call(&MetaRequest::Unpin {
+            session: self.id,
+            keys: keys.to_vec(),
+        })? {
+            MetaReply::Unpinned { unpinned } => Ok(unpinned),
+            r => Err(unexpected("unpin", r)),
+        }
+    }
+
     pub fn release_leases(&mut self, ids: Vec<u64>) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
