@@ -199,6 +199,10 @@ class maru_view_t(ctypes.Structure):
 
 lib.maru_remove_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32)]
 lib.maru_remove_batch.restype = _S
+lib.maru_pin_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
+lib.maru_pin_batch.restype = _S
+lib.maru_unpin_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
+lib.maru_unpin_batch.restype = _S
 lib.maru_slots_held.argtypes = [_H, c_u64_p, ctypes.c_size_t, c_bool_p]
 lib.maru_slots_held.restype = _S
 lib.maru_views_acquire.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_view_t), c_bool_p]

@@ -48,9 +48,10 @@ What differs (docs/migration.md has the full table):
 * ``delete`` removes only keys this engine stored (``maru_remove_batch``; another
   engine's key returns False, where upstream's server would delete it) and is refused
   while a reader holds the chunk (a lease; upstream refuses while pinned).
-* ``pin``, ``unpin``, ``batch_pin`` and ``batch_unpin`` raise
-  :class:`~maru.UnsupportedError` (a ``NotImplementedError``): libmaru has no pins, and
-  its leases end by themselves, so they cannot stand for one. Nothing is faked.
+* ``pin``, ``unpin``, ``batch_pin`` and ``batch_unpin`` are maru-server pins
+  (``maru_pin_batch``): a pinned key is neither evicted nor deleted until unpinned, as
+  upstream; they also end when this handler closes and when the key's memory is lost
+  (memory node rebooted, region gone back), where upstream's would outlive them.
 * ``free`` after ``store`` does not evict the key (upstream frees the page under it;
   use ``delete``).
 * ``get_stats`` returns this handler's libmaru counters, not maru-server's GET_STATS;
@@ -869,35 +870,48 @@ class MaruHandler:
             log.error("batch_exists of %d keys failed: %s", len(ks), e)
             return [False] * len(ks)
 
-    _NO_PIN = (
-        "libmaru has no pins; the only protection it offers is a reader's lease (a cxl view), which ends "
-        "by itself after maru-server's --lease-timeout-s and cannot be renewed, so it cannot stand for a pin "
-        "that lasts until unpin(). Use exists()/batch_exists() to test for keys; a retrieved cxl view keeps "
-        "its chunk from being deleted while it is held"
-    )
-
     def pin(self, key: Key) -> bool:
-        """Not available: raises :class:`~maru.UnsupportedError`. An upstream pin lasts
-        until ``unpin``; libmaru's only protection, a reader's lease, expires by itself
-        and cannot be renewed, so nothing is faked. Use :meth:`exists`."""
-        self._ensure()
-        raise _unsupported("pin()", self._NO_PIN)
+        """Pins ``key`` (``maru_pin_batch``), as upstream's PIN_KV: True when it exists
+        and is pinned now. A pinned key is neither evicted nor deleted (by any engine)
+        until this handler unpins it or closes; unlike upstream it also ends when its
+        memory is lost (the memory node rebooted, its region went back). Pins count per
+        handler and key. False when the pool failed."""
+        return self.batch_pin([key])[0]
 
     def unpin(self, key: Key) -> bool:
-        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`)."""
-        self._ensure()
-        raise _unsupported("unpin()", "there are no pins to undo (pin() is not available: " + self._NO_PIN + ")")
+        """Drops one of this handler's pins of ``key`` (UNPIN_KV): True when it held one."""
+        return self.batch_unpin([key])[0]
 
     def batch_pin(self, keys: Sequence[Key]) -> List[bool]:
-        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`); use
-        :meth:`batch_exists`."""
-        self._ensure()
-        raise _unsupported("batch_pin()", self._NO_PIN)
+        """Pins the leading keys that exist and stops at the first miss, as upstream's
+        BATCH_PIN_KV: True for each pinned key, False from the first miss on (those
+        after it are not left pinned). [False] * n when the pool failed."""
+        ks = [_k(k) for k in keys]
+        got = self._pin_calls(ks, True, "batch_pin")
+        if False in got:
+            first = got.index(False)
+            tail = [k for k, p in zip(ks[first:], got[first:]) if p]
+            if tail:
+                self._pin_calls(tail, False, "batch_pin")
+            got = got[:first] + [False] * (len(ks) - first)
+        return got
 
     def batch_unpin(self, keys: Sequence[Key]) -> List[bool]:
-        """Not available: raises :class:`~maru.UnsupportedError` (see :meth:`pin`)."""
-        self._ensure()
-        raise _unsupported("batch_unpin()", "there are no pins to undo (batch_pin() is not available: " + self._NO_PIN + ")")
+        """Drops one pin of each key (BATCH_UNPIN_KV): per key, whether this handler
+        held one. [False] * n when the pool failed."""
+        return self._pin_calls([_k(k) for k in keys], False, "batch_unpin")
+
+    def _pin_calls(self, ks: List[str], on: bool, what: str) -> List[bool]:
+        h = self._ensure()
+        if not ks:
+            return []
+        try:
+            if self._multi():
+                return [h.pin(k, route_key=k) if on else h.unpin(k, route_key=k) for k in ks]
+            return h.batch_pin(ks) if on else h.batch_unpin(ks)
+        except _TRANSIENT as e:
+            log.error("%s of %d keys failed: %s", what, len(ks), e)
+            return [False] * len(ks)
 
     def delete(self, key: Key) -> bool:
         """Removes ``key`` (``maru_remove_batch``): True when it was removed (no reader
@@ -932,6 +946,8 @@ class MaruHandler:
                 log.warning("delete %s refused: another engine stored it (libmaru removes only this engine's keys)", k)
             elif r is RemoveResult.LEASED:
                 log.warning("delete %s refused: a reader holds it now (a lease); try again later", k)
+            elif r is RemoveResult.PINNED:
+                log.warning("delete %s refused: it is pinned (unpin it first)", k)
         return [r is RemoveResult.REMOVED for r in res]
 
     def _release_own_views(self, keys: "set[str]") -> None:

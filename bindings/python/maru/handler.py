@@ -393,6 +393,41 @@ class MaruHandler:
             _check(lib.maru_exists_batch(h, ks, n, rk, found))
         return list(found)
 
+    # Pins ----------------------------------------------------------------------------
+
+    def pin(self, key: str, route_key: Optional[str] = None) -> bool:
+        """Pins ``key`` (``maru_pin_batch``): True when it is stored and pinned now. A
+        pinned key is neither evicted nor removed, by any engine, until this handler
+        unpins it or closes, or its memory is lost (the memory node rebooted, its
+        region went back). Pins count: two pins need two :meth:`unpin` calls."""
+        return self.batch_pin([key], key if route_key is None else route_key)[0]
+
+    def batch_pin(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
+        """:meth:`pin` for a request's keys in one round trip; per key, found and pinned
+        (a miss is not pinned). ``route_key`` defaults to the first key."""
+        return self._pins(keys, route_key, True)
+
+    def unpin(self, key: str, route_key: Optional[str] = None) -> bool:
+        """Drops one of this handler's pins of ``key``: True when it held one."""
+        return self.batch_unpin([key], key if route_key is None else route_key)[0]
+
+    def batch_unpin(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
+        """:meth:`unpin` for a request's keys in one round trip."""
+        return self._pins(keys, route_key, False)
+
+    def _pins(self, keys: Sequence[str], route_key: Optional[str], on: bool) -> List[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        n = len(keys)
+        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
+        out = (ctypes.c_bool * n)()
+        rk = _rk(route_key)
+        call = lib.maru_pin_batch if on else lib.maru_unpin_batch
+        with self._use() as h:
+            _check(call(h, ks, n, rk, out))
+        return list(out)
+
     # Remove --------------------------------------------------------------------------
 
     def remove(self, key: str, route_key: Optional[str] = None) -> RemoveResult:
@@ -400,8 +435,9 @@ class MaruHandler:
         reader finds it afterwards and its page is free for this engine's next stores.
         Returns a :class:`~maru.RemoveResult`: ``REMOVED``, ``NOT_FOUND`` (not stored, or
         its pool is unavailable now), ``NOT_OWNER`` (refused: another engine stored it)
-        or ``LEASED`` (refused: a reader holds it now, e.g. through a
-        :class:`~maru.View`; try again later). ``route_key`` must be the one the chunk
+        ``LEASED`` (refused: a reader holds it now, e.g. through a
+        :class:`~maru.View`; try again later) or ``PINNED`` (refused: an engine pins
+        it). ``route_key`` must be the one the chunk
         was stored with (default: the key itself)."""
         return self.batch_remove([key], key if route_key is None else route_key)[0]
 

@@ -60,6 +60,8 @@ class RemoveResult(enum.IntEnum):
     NOT_OWNER = 2
     #: Refused: a reader holds a lease on it now (e.g. a :class:`View`); try later.
     LEASED = 3
+    #: Refused: an engine pins it (:meth:`maru.MaruHandler.pin`) until it unpins it.
+    PINNED = 4
 
     @property
     def removed(self) -> bool:

@@ -279,19 +279,30 @@ def test_no_recycling_when_disabled(backend, compat_config, ns):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pins_are_not_faked(backend, compat_config, ns):
-    with MaruHandler(compat_config(backend, cache_namespace=ns)) as h:
-        assert h.store(f"{ns}-k", b"v")
-        for call, what in (
-            (lambda: h.pin(f"{ns}-k"), "pin()"),
-            (lambda: h.unpin(f"{ns}-k"), "unpin()"),
-            (lambda: h.batch_pin([f"{ns}-k"]), "batch_pin()"),
-            (lambda: h.batch_unpin([f"{ns}-k"]), "batch_unpin()"),
-        ):
-            with pytest.raises(maru.UnsupportedError, match=r"not available on libmaru.*lease") as e:
-                call()
-            assert isinstance(e.value, NotImplementedError) and what in str(e.value)
-        assert h.exists(f"{ns}-k")
+def test_pins_keep_keys_from_delete_until_unpinned(backend, compat_config, ns, caplog):
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as w, MaruHandler(
+        compat_config(backend, cache_namespace=ns)
+    ) as r:
+        keys = [f"{ns}-p{i}" for i in range(3)]
+        assert w.batch_store(keys, [kv(i, 1000) for i in range(3)]) == [True] * 3
+        assert r.pin(keys[0]) is True  # upstream PIN_KV: the key exists (and is pinned)
+        assert r.pin(f"{ns}-never") is False
+        with caplog.at_level(logging.WARNING, logger="maru.compat"):
+            assert w.delete(keys[0]) is False
+        assert "pinned" in caplog.text and w.exists(keys[0])
+        assert w.unpin(keys[0]) is False  # not w's pin
+        assert r.unpin(keys[0]) is True and r.unpin(keys[0]) is False
+        assert w.delete(keys[0]) is True
+        # BATCH_PIN_KV pins the leading hits and stops at the first miss.
+        got = r.batch_pin([keys[1], f"{ns}-never", keys[2]])
+        assert got == [True, False, False]
+        assert w.batch_delete([keys[1], keys[2]]) == [False, True], "only the leading hit stays pinned"
+        assert r.batch_unpin([keys[1], keys[2]]) == [True, False]
+        assert w.delete(keys[1]) is True
+        # Pins end when their handler closes.
+        assert w.store(keys[2], kv(9, 1000)) and r.batch_pin([keys[2]]) == [True]
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as w:
+        assert w.exists(keys[2])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

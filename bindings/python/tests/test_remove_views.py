@@ -67,6 +67,24 @@ def test_remove_of_another_engines_key_is_refused(backend, config, ns):
         assert w.remove(k) is RemoveResult.REMOVED
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pins_refuse_removal_count_and_end_with_their_handler(backend, config, ns):
+    with MaruHandler(config(backend, f"w-{ns}", namespace=ns)) as w:
+        k = f"{ns}-pinned"
+        assert w.store(k, payload(7))
+        with MaruHandler(config(backend, f"r-{ns}", namespace=ns)) as r:
+            assert r.batch_pin([k, f"{ns}-never"]) == [True, False]
+            assert r.pin(k) is True  # a second pin of the same key
+            assert w.remove(k) is RemoveResult.PINNED and not RemoveResult.PINNED.removed
+            assert r.unpin(k) is True
+            assert w.remove(k) is RemoveResult.PINNED, "one pin left"
+            assert w.unpin(k) is False, "w holds no pin of it"
+            assert r.stats()  # still serving
+            assert r.batch_unpin([]) == [] and r.batch_pin([]) == []
+        # r closed: its remaining pin ended with it.
+        assert w.remove(k) is RemoveResult.REMOVED
+
+
 def test_remove_of_a_leased_key_is_refused(config, ns):
     with MaruHandler(config("cxl", f"w-{ns}", namespace=ns)) as w, MaruHandler(
         config("cxl", f"r-{ns}", namespace=ns)
