@@ -9,7 +9,7 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::auth::SharedKey;
 use maru::net::{Client, ClientOptions};
 use maru::transport::soft::SoftTransport;
 use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
@@ -19,8 +19,6 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 use support::{connect, wait_until, Daemon, Scratch};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 /// How long the old owner's WRITE is held back: far longer than release, free,
@@ -102,34 +100,13 @@ struct Node {
 
 fn node() -> Node {
     let mut s = Scratch::new("late-write");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    let key = SharedKey::generate().unwrap();
-    write_new_key_file(&key_path, &key).unwrap();
-    let rm_d = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:64M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm_d.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
+    let support::MemoryNode {
+        pool,
+        key_path: _,
+        key,
+        agent,
+        rm: rm_d,
+    } = support::memory_node(&mut s, "64M");
     let rm = connect(&rm_d.addr, RM, "maru-server-test");
 
     Node {

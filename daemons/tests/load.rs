@@ -7,7 +7,7 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::auth::SharedKey;
 use maru::net::{Client, ClientOptions};
 use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
 use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
@@ -18,8 +18,6 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 use support::{connect, wait_until, Daemon, Scratch};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 
 const SESSIONS: usize = 64;
@@ -141,34 +139,13 @@ fn round(handlers: &[Handler], round: usize) -> Round {
 fn sixty_four_sessions_store_and_load_without_errors_lost_keys_or_growing_memory() {
     let started = Instant::now();
     let mut s = Scratch::new("load");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    let key = SharedKey::generate().unwrap();
-    write_new_key_file(&key_path, &key).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:512M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
+    let support::MemoryNode {
+        pool: _,
+        key_path,
+        key,
+        agent,
+        rm,
+    } = support::memory_node(&mut s, "512M");
     let server = Daemon::start(
         SERVER_BIN,
         &[

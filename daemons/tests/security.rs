@@ -8,7 +8,7 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::auth::SharedKey;
 use maru::net::{Client, ClientError, ClientOptions};
 use maru::transport::soft::proto::{Request, OP_WRITE};
 use maru::transport::soft::SoftTransport;
@@ -40,34 +40,13 @@ struct Node {
 
 fn node() -> Node {
     let mut s = Scratch::new("security");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    let key = SharedKey::generate().unwrap();
-    write_new_key_file(&key_path, &key).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:64M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
+    let support::MemoryNode {
+        pool,
+        key_path,
+        key,
+        agent,
+        rm,
+    } = support::memory_node(&mut s, "64M");
     Node {
         s,
         pool,

@@ -163,3 +163,52 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// A memory node on loopback: a resource manager over a fake-DAX pool and a remote CXL
+/// agent bound to it, with a fresh agent key (mode 0600). Dropped agent first.
+pub struct MemoryNode {
+    pub pool: PathBuf,
+    pub key_path: PathBuf,
+    pub key: maru::auth::SharedKey,
+    pub agent: Daemon,
+    pub rm: Daemon,
+}
+
+/// Starts a [`MemoryNode`] in `s` with a pool of `size` (`64M`, `1G`: the RM's syntax).
+pub fn memory_node(s: &mut Scratch, size: &str) -> MemoryNode {
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    let key = maru::auth::SharedKey::generate().expect("a random agent key");
+    maru::auth::keyfile::write_new_key_file(&key_path, &key).expect("the agent key file");
+    let rm = Daemon::start(
+        env!("CARGO_BIN_EXE_maru-resource-manager"),
+        &[
+            "--state-dir".into(),
+            s.dir.join("rm").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:{size}", pool.display()),
+        ],
+        &s.dir,
+    );
+    let agent = Daemon::start(
+        env!("CARGO_BIN_EXE_maru-remote-cxl-agent"),
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--key-file".into(),
+            key_path.display().to_string(),
+            "--device".into(),
+            pool.display().to_string(),
+            "--node".into(),
+            "mem0".into(),
+        ],
+        &s.dir,
+    );
+    MemoryNode {
+        pool,
+        key_path,
+        key,
+        agent,
+        rm,
+    }
+}
