@@ -159,7 +159,7 @@ fn table_shows_engines_pool_and_regions() {
     ]);
     let out = text(&o);
     assert!(o.status.success(), "{out}");
-    // Columns: ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS KEY_MiB HITS MISSES HIT% LEASES CONN
+    // Columns: ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS KEY_MiB HITS MISSES HIT% LEASES PINS CONN
     let ra = row(&out, "usage-engine-a");
     assert_eq!(ra[1], "usage-model", "{out}");
     assert_eq!(ra[2], "remote_cxl", "{out}");
@@ -167,7 +167,8 @@ fn table_shows_engines_pool_and_regions() {
     assert_eq!(ra[11], "-", "engine A asked for nothing\n{out}");
     let rb = row(&out, "usage-engine-b");
     assert_eq!((rb[9], rb[10], rb[11]), ("6", "2", "75.0%"), "{out}");
-    assert_eq!(rb[13], "1/1", "B's session is connected\n{out}");
+    assert_eq!(rb[13], "0", "B pins nothing\n{out}");
+    assert_eq!(rb[14], "1/1", "B's session is connected\n{out}");
     assert!(out.contains("hit rate 75.0% (6 hits, 2 misses)"), "{out}");
     assert!(
         out.contains(&st.pool.display().to_string()),

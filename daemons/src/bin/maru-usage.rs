@@ -85,6 +85,7 @@ struct EngineRow {
     hits: u64,
     misses: u64,
     leases: u64,
+    pins: u64,
     connected: u64,
 }
 
@@ -106,6 +107,7 @@ fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, EngineRow
         row.hits += s.hits;
         row.misses += s.misses;
         row.leases += s.leases;
+        row.pins += s.pins;
         if let Some(b) = s.backend {
             row.backends.insert(b.as_str());
         }
@@ -159,9 +161,9 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     let t = &s.stats.total;
     let _ = writeln!(
         o,
-        "maru-server {}: {} sessions, {} regions ({} MiB), {} keys ({} MiB), hit rate {} ({} hits, {} misses), {} leases",
+        "maru-server {}: {} sessions, {} regions ({} MiB), {} keys ({} MiB), hit rate {} ({} hits, {} misses), {} leases, {} pinned keys",
         s.server, t.sessions, t.regions, mib(t.region_bytes), t.keys, mib(t.key_bytes),
-        rate(t.hits, t.misses), t.hits, t.misses, t.leases
+        rate(t.hits, t.misses), t.hits, t.misses, t.leases, t.pinned_keys
     );
     let _ = writeln!(
         o,
@@ -175,7 +177,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5}",
+        "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
         "ENGINE",
         "NAMESPACE",
         "BACKEND",
@@ -189,6 +191,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         "MISSES",
         "HIT%",
         "LEASES",
+        "PINS",
         "CONN"
     );
     let rows = engines(&s.stats, &s.usage);
@@ -198,7 +201,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     for (engine, r) in &rows {
         let _ = writeln!(
             o,
-            "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5}",
+            "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
             engine,
             joined(&r.namespaces),
             joined(r.backends.iter()),
@@ -212,6 +215,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
             r.misses,
             rate(r.hits, r.misses),
             r.leases,
+            r.pins,
             format!("{}/{}", r.connected, r.sessions)
         );
     }
@@ -577,6 +581,7 @@ mod tests {
             hits,
             misses,
             leases: 1,
+            pins: 2,
         }
     }
 
@@ -628,7 +633,10 @@ mod tests {
         assert_eq!(rows.len(), 2);
         let a = &rows["a"];
         assert_eq!((a.sessions, a.regions, a.keys), (2, 2, 6));
-        assert_eq!((a.hits, a.misses, a.leases, a.connected), (6, 2, 2, 1));
+        assert_eq!(
+            (a.hits, a.misses, a.leases, a.pins, a.connected),
+            (6, 2, 2, 4, 1)
+        );
         assert_eq!((a.allocated, a.used), (128 << 20, 8 << 20));
         assert_eq!(rate(a.hits, a.misses), "75.0%");
         assert_eq!(rows["b"].hits, 0);
