@@ -437,6 +437,31 @@ fn tables(r: &Results) -> Vec<Table> {
             ]);
         }
         out.push(t);
+        if let Some(rtt) = r.meta_of(meta::RTT, 1) {
+            let mut t = Table::new(
+                "Metadata beside the TCP ping-pong (1 connection, p50, µs)",
+                &[
+                    "op",
+                    "p50",
+                    "tcp ping-pong p50",
+                    "op / ping-pong",
+                    "op - ping-pong",
+                ],
+            );
+            // One request, one reply each (the other ops are two requests).
+            for op in ["exists x1", "exists x32"] {
+                if let Some(m) = r.meta_of(op, 1) {
+                    t.row(vec![
+                        op.into(),
+                        us(m.p50_us),
+                        us(rtt.p50_us),
+                        f2(m.p50_us / rtt.p50_us),
+                        us(m.p50_us - rtt.p50_us),
+                    ]);
+                }
+            }
+            out.push(t);
+        }
     }
     if !r.idle.is_empty() {
         let mut t = Table::new(
@@ -753,6 +778,8 @@ fn run(args: Args) -> Result<(), String> {
             h.store_one(&key, src.base(), 256 * 1024)?;
             let mut dst = harness::Rotor::new(256 * 1024, 256 * 1024, 1);
             h.load_one(&key, dst.next_ptr(), 256 * 1024)?;
+            // The first region's pages are faulted in in the background (cxl): once.
+            h.settle_prefault()?;
             let mut procs_ = vec![
                 ("maru-resource-manager".to_string(), st.rm.pid()),
                 ("maru-server".to_string(), st.srv.pid()),

@@ -149,6 +149,47 @@ impl CHandler {
     }
 }
 
+impl CHandler {
+    /// The handler's counters (`maru_stats_json`).
+    pub fn stats(&self) -> Result<serde_json::Value, String> {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut len = 0usize;
+        // SAFETY: a writable buffer of `buf.len()` bytes and an out pointer.
+        check(
+            unsafe {
+                maru::ffi::handler::maru_stats_json(
+                    self.0,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    &mut len,
+                )
+            },
+            "maru_stats_json",
+        )?;
+        serde_json::from_slice(&buf[..len.min(buf.len())]).map_err(|e| format!("stats: {e}"))
+    }
+
+    /// Waits (up to 10 s) until the handler's background prefaulting of its regions
+    /// (`cxl`) has settled, so that an idle figure measures idleness, not that work.
+    pub fn settle_prefault(&self) -> Result<(), String> {
+        let read = || -> Result<u64, String> {
+            Ok(self.stats()?["total"]["prefaulted_bytes"]
+                .as_u64()
+                .unwrap_or(0))
+        };
+        let mut last = read()?;
+        let mut calm = 0;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while calm < 3 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let now = read()?;
+            calm = if now == last { calm + 1 } else { 0 };
+            last = now;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for CHandler {
     fn drop(&mut self) {
         // SAFETY: a handler from maru_handler_open, closed once.
@@ -236,10 +277,10 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         })
         .collect::<Result<_, _>>()?;
     let clients = cfg.clients();
-    // Space: the pool has no eviction, so stores are bounded by what fits, with one
-    // partly filled region per session to spare.
+    // Space: the pool has no eviction, so stores are bounded by what fits, with two
+    // regions per session to spare (one partly filled, one taken ahead of need).
     let usable = (s.pool_size as usize)
-        .saturating_sub(sz.region * (cfg.handlers + 2))
+        .saturating_sub(sz.region * (2 * cfg.handlers + 2))
         .max(cfg.chunk * BATCH * 2 * clients);
     let per_client_chunks = usable / cfg.chunk / clients;
     let batch_ops = (per_client_chunks * 3 / 4) / BATCH;

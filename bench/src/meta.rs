@@ -1,12 +1,23 @@
 //! The metadata benchmark: a real maru-resource-manager (fake DAX in /dev/shm) and
 //! maru-server on loopback, with 1 and 8 client connections (one session each):
-//! exists of 1 and 32 keys, acquire+release of 32 keys, alloc+publish of one chunk.
+//! exists of 1 and 32 keys, acquire+release of 32 keys, alloc+publish of one chunk;
+//! beside them, the limit of any request/reply: a plain TCP ping-pong between two
+//! threads on loopback (blocking reads on both sides, as the client and the server's
+//! event loop block between requests).
 
 use crate::harness::percentile;
 use crate::procs::{stack, Scratch};
 use maru::wire::meta::{Backend, PublishEntry};
 use maru::worker::session::Session;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
+
+/// Bytes of the ping (about an `exists` request of 32 keys) and of the pong.
+const PING: usize = 600;
+const PONG: usize = 64;
+/// The name of the ping-pong row.
+pub const RTT: &str = "tcp ping-pong (limit)";
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Row {
@@ -106,6 +117,52 @@ fn run_op(
     })
 }
 
+/// A TCP ping-pong on loopback: one thread writes `PING` bytes and waits for `PONG`
+/// bytes, which another thread writes back once it has read the ping. One op = one
+/// round trip. The floor under any metadata request (one request, one reply).
+pub fn tcp_rtt(secs: f64) -> Result<Row, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| format!("addr: {e}"))?;
+    let echo = std::thread::spawn(move || -> Result<(), String> {
+        let (mut s, _) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+        let _ = s.set_nodelay(true);
+        let mut ping = [0u8; PING];
+        let pong = [7u8; PONG];
+        loop {
+            match s.read_exact(&mut ping) {
+                Ok(()) => {}
+                // The client is done.
+                Err(_) => return Ok(()),
+            }
+            s.write_all(&pong).map_err(|e| format!("pong: {e}"))?;
+        }
+    });
+    let mut c = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    let _ = c.set_nodelay(true);
+    let ping = [1u8; PING];
+    let mut pong = [0u8; PONG];
+    let mut lat = Vec::new();
+    let start = Instant::now();
+    while start.elapsed().as_secs_f64() < secs {
+        let t = Instant::now();
+        c.write_all(&ping).map_err(|e| format!("ping: {e}"))?;
+        c.read_exact(&mut pong).map_err(|e| format!("pong: {e}"))?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    drop(c);
+    echo.join().map_err(|_| "ping-pong thread panicked")??;
+    let n = lat.len();
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok(Row {
+        op: RTT,
+        conns: 1,
+        ops_per_s: n as f64 / elapsed,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+    })
+}
+
 /// Runs the metadata benchmark on a fresh RM + maru-server (64 MiB regions, 4 KiB
 /// pages) over the scratch pool.
 pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
@@ -126,6 +183,9 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
         })
         .collect();
     s.publish(entries).map_err(|e| e.to_string())?;
+    // The round-trip floor first, then again after the ops: the box may change
+    // between them (the better of the two is the floor).
+    let first = tcp_rtt(secs / 2.0)?;
     let mut rows = Vec::new();
     for op in [
         "exists x1",
@@ -137,6 +197,12 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
             rows.push(run_op(&server, op, conns, secs, &keys)?);
         }
     }
+    let second = tcp_rtt(secs / 2.0)?;
+    rows.push(if second.p50_us < first.p50_us {
+        second
+    } else {
+        first
+    });
     let _ = s.close();
     Ok(rows)
 }

@@ -1043,7 +1043,11 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
                 .map(|&i| (keys[i].as_str(), data[i].as_slice()))
                 .collect();
             if bi % 2 == 0 {
-                assert!(a.store_batch(&items, Some("pf")).unwrap().iter().all(|&x| x));
+                assert!(a
+                    .store_batch(&items, Some("pf"))
+                    .unwrap()
+                    .iter()
+                    .all(|&x| x));
             } else {
                 for (k, d) in items {
                     assert!(a.store(k, d, Some("pf")).unwrap(), "{k} stored");
@@ -1059,10 +1063,17 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
                 .zip(&other)
                 .map(|(k, d)| (k.as_str(), d.as_slice()))
                 .collect();
-            assert!(h.store_batch(&items, Some("pf")).unwrap().iter().all(|&x| x));
+            assert!(h
+                .store_batch(&items, Some("pf"))
+                .unwrap()
+                .iter()
+                .all(|&x| x));
         }
         for batch in keys.chunks(32) {
-            for (k, g) in batch.iter().zip(reader.load_batch(batch, Some("pf")).unwrap()) {
+            for (k, g) in batch
+                .iter()
+                .zip(reader.load_batch(batch, Some("pf")).unwrap())
+            {
                 let i: usize = k.rsplit('-').next().unwrap().parse().unwrap();
                 let g = g.unwrap_or_else(|| panic!("{k} missing"));
                 assert_eq!(digest(&g), digest(&data[i]), "first bytes of {k}");
@@ -1086,10 +1097,17 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
                 .and_then(|f| f.set_len(2 << 20))
                 .unwrap();
             let path = probe.display().to_string();
-            let supported = maru::dax::map_range(&path, maru::dax::DeviceKind::File, 0, 2 << 20, 2 << 20, true)
-                .unwrap()
-                .populate_range(0, 2 << 20)
-                .unwrap();
+            let supported = maru::dax::map_range(
+                &path,
+                maru::dax::DeviceKind::File,
+                0,
+                2 << 20,
+                2 << 20,
+                true,
+            )
+            .unwrap()
+            .populate_range(0, 2 << 20)
+            .unwrap();
             let done = wait_until(Duration::from_secs(20), || {
                 a.stats()["total"]["prefaulted_bytes"].as_u64().unwrap() >= 8 << 20
             });

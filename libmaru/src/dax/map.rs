@@ -240,6 +240,77 @@ impl Mapping {
         Ok(())
     }
 
+    /// Copies `data` into the range at `offset` through the shared mapping.
+    ///
+    /// For a mapping shared between threads (`Arc<Mapping>`: one that a prefault
+    /// thread populates while stores write into it). Refused for read-only or
+    /// protected mappings and for bytes outside the range.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<(), DaxError> {
+        if self.protected {
+            return Err(DaxError::Protected {
+                path: self.path.clone(),
+            });
+        }
+        if !self.is_writable() {
+            return Err(DaxError::ReadOnly {
+                path: self.path.clone(),
+            });
+        }
+        let end = offset
+            .checked_add(data.len())
+            .filter(|&e| e <= self.len())
+            .ok_or_else(|| DaxError::OutOfRange {
+                path: self.path.clone(),
+                offset: self.offset + offset as u64,
+                length: data.len() as u64,
+                size: self.offset + self.len() as u64,
+            })?;
+        debug_assert!(end <= self.len());
+        // SAFETY: `offset..end` lies inside this writable, unprotected mapping, which
+        // stays mapped while `self` lives; `data` is caller memory, not this mapping's
+        // range (a `&[u8]` of it would need `as_slice`, and callers never pass one).
+        // The bytes are shared memory by design (see `map_file`): who writes which
+        // range is coordinated by region and page ownership.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len());
+        }
+        Ok(())
+    }
+
+    /// Faults `len` bytes at `offset` of the range in now
+    /// (`MADV_POPULATE_WRITE` on a writable mapping, `MADV_POPULATE_READ` on a
+    /// read-only one). Changes no byte. `Ok(false)`: not done, because the kernel
+    /// does not know the advice (before 5.14) or the range is protected.
+    pub fn populate_range(&self, offset: usize, len: usize) -> Result<bool, DaxError> {
+        if self.protected {
+            return Ok(false);
+        }
+        let Some(len) = offset
+            .checked_add(len)
+            .map(|e| e.min(self.len()))
+            .and_then(|e| e.checked_sub(offset))
+            .filter(|&l| l > 0)
+        else {
+            return Ok(true);
+        };
+        let advice = if self.is_writable() {
+            MADV_POPULATE_WRITE
+        } else {
+            MADV_POPULATE_READ
+        };
+        // SAFETY: `offset..offset + len` lies inside this mapping (clamped above), which
+        // stays mapped while `self` lives; populating changes no contents.
+        let r = unsafe { libc::madvise(self.as_ptr().add(offset).cast(), len, advice) };
+        if r != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EINVAL) {
+                return Ok(false);
+            }
+            return Err(DaxError::io(&self.path, "madvise(MADV_POPULATE)", err));
+        }
+        Ok(true)
+    }
+
     /// Faults the whole range in now (best effort), so the first transfer into
     /// it does not pay for page faults. Kernels before 5.14 do not know the
     /// advice (`EINVAL`); that is not an error.
@@ -328,6 +399,43 @@ mod tests {
     }
 
     #[test]
+    fn write_at_and_populate_range_keep_the_bytes() {
+        let p = pool_file("map-write-at", 2);
+        let w = map_range(p.as_str(), DeviceKind::File, 0, UNIT, UNIT, true).expect("map");
+        w.write_at(4096, b"kv bytes").expect("write_at");
+        w.write_at(UNIT as usize - 2, b"xy")
+            .expect("write_at at the end");
+        assert!(matches!(
+            w.write_at(UNIT as usize - 1, b"xy"),
+            Err(DaxError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            w.write_at(usize::MAX, b"x"),
+            Err(DaxError::OutOfRange { .. })
+        ));
+        // Populating (whole, in parts, past the end) changes no byte.
+        for (o, n) in [
+            (0, UNIT as usize),
+            (4096, 8192),
+            (UNIT as usize - 4096, 1 << 30),
+        ] {
+            w.populate_range(o, n).expect("populate_range");
+        }
+        assert!(w.populate_range(usize::MAX, 10).expect("empty range"));
+        let s = w.as_slice().expect("readable");
+        assert_eq!(&s[4096..4104], b"kv bytes");
+        assert_eq!(&s[UNIT as usize - 2..], b"xy");
+        assert!(s[..4096].iter().all(|&b| b == 0));
+        let r = map_range(p.as_str(), DeviceKind::File, 0, UNIT, UNIT, false).expect("map");
+        assert!(matches!(
+            r.write_at(0, b"x"),
+            Err(DaxError::ReadOnly { .. })
+        ));
+        r.populate_range(0, UNIT as usize).expect("populate read");
+        assert_eq!(&r.as_slice().expect("readable")[4096..4104], b"kv bytes");
+    }
+
+    #[test]
     fn protected_mapping_refuses_access() {
         let p = pool_file("map-protect", 2);
         let mut m = map_range(p.as_str(), DeviceKind::File, UNIT, UNIT, UNIT, true).expect("map");
@@ -336,6 +444,11 @@ mod tests {
         assert!(matches!(m.as_slice(), Err(DaxError::Protected { .. })));
         assert!(matches!(m.as_mut_slice(), Err(DaxError::Protected { .. })));
         m.populate().expect("no-op when protected");
+        assert!(!m.populate_range(0, 4096).expect("not done when protected"));
+        assert!(matches!(
+            m.write_at(0, b"x"),
+            Err(DaxError::Protected { .. })
+        ));
     }
 
     #[test]

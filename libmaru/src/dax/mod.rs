@@ -15,7 +15,7 @@ pub mod header;
 pub mod map;
 pub mod spec;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 pub use device::{open_pool, scan_uuid};
 pub use error::{DaxError, HeaderProblem};

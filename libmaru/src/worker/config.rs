@@ -38,6 +38,9 @@ fn default_timeout_ms() -> u64 {
 fn default_async_threads() -> usize {
     2
 }
+fn default_prefault() -> bool {
+    true
+}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -72,6 +75,11 @@ pub struct HandlerConfig {
     /// Threads that run submitted (asynchronous) operations; started on first use.
     #[serde(default = "default_async_threads")]
     pub async_threads: usize,
+    /// `cxl`: fault the pages of each own region in on a background thread as soon as
+    /// it is mapped, and map the next region ahead of need, so that stores do not
+    /// take page faults (`MADV_POPULATE_WRITE`; skipped where the kernel refuses).
+    #[serde(default = "default_prefault")]
+    pub prefault: bool,
 }
 
 impl HandlerConfig {

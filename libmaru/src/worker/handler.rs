@@ -190,7 +190,7 @@ impl Inner {
         )?;
         let dp = self.data_path(session.page_size)?;
         let mover: Box<dyn Mover> = match &dp.nic {
-            None => Box::new(CxlMover::new()),
+            None => Box::new(CxlMover::with_prefault(self.cfg.prefault)),
             Some(nic) => Box::new(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),
@@ -198,7 +198,7 @@ impl Inner {
                 self.timeout(),
             )),
         };
-        StoragePool::open(session, mover)
+        Ok(StoragePool::open(session, mover)?.with_spare_pages(super::pool::SPARE_PAGES))
     }
 
     fn set_up(&self, i: usize, up: bool) {
@@ -921,10 +921,7 @@ impl Handler {
         let mut total = PoolStats::default();
         for (i, p) in self.inner.pools.iter().enumerate() {
             let g = p.lock();
-            let s = g
-                .as_ref()
-                .ok()
-                .and_then(|g| g.as_ref().map(|p| p.stats.clone()));
+            let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats()));
             if let Some(s) = &s {
                 total.stored += s.stored;
                 total.store_skipped += s.store_skipped;
@@ -935,6 +932,8 @@ impl Handler {
                 total.load_failed += s.load_failed;
                 total.bytes_loaded += s.bytes_loaded;
                 total.regions += s.regions;
+                total.regions_ahead += s.regions_ahead;
+                total.prefaulted_bytes += s.prefaulted_bytes;
             }
             pools.push(
                 serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),

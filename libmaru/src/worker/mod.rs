@@ -9,6 +9,7 @@ pub mod hook;
 pub mod movers;
 pub mod ops;
 pub mod pool;
+pub mod prefault;
 pub mod router;
 pub mod session;
 pub mod slots;

@@ -2,6 +2,7 @@
 //! (`remote_cxl`) or copies through this host's own mapping of the CXL memory (`cxl`).
 
 use super::error::WorkerError;
+use super::prefault::{PrefaultStats, Prefaulter};
 use super::staging::{Slot, SlotPool, StagingSlots};
 use super::transfer::{execute, Isolation, PeerBatch, PeerOutcome};
 use crate::dax::{self, Mapping};
@@ -129,6 +130,16 @@ pub trait Mover: Send {
     /// be written into them after that). Returns (released, failed).
     fn release_all(&mut self) -> (usize, usize) {
         (0, 0)
+    }
+    /// True when a region should be adopted ahead of need (before the session's
+    /// regions are full), so that the work of making it usable (`cxl`: faulting its
+    /// pages in) happens off the store path.
+    fn wants_lead(&self) -> bool {
+        false
+    }
+    /// What prefaulting did (`cxl`), for stats.
+    fn prefault_stats(&self) -> Option<PrefaultStats> {
+        None
     }
 }
 
@@ -610,18 +621,33 @@ impl RemoteMover {
 
 /// `cxl`: this host maps the regions itself and copies with memcpy.
 pub struct CxlMover {
-    own: HashMap<u64, Mapping>,
+    /// The session's own regions, writable; shared with the prefault thread while it
+    /// populates them.
+    own: HashMap<u64, Arc<Mapping>>,
     /// Read-only mappings of regions (other engines' and, for views, our own), shared
     /// with the views handed out so that a view outlives neither its mapping nor
     /// keeps one alive longer than it needs.
     readers: HashMap<u64, Arc<Mapping>>,
+    /// Faults the pages of each adopted region in, off the store path (`None`: off).
+    prefault: Option<Prefaulter>,
 }
 
 impl CxlMover {
     pub fn new() -> CxlMover {
+        CxlMover::with_prefault(true)
+    }
+
+    /// A mover that prefaults its own regions in the background, or not.
+    pub fn with_prefault(on: bool) -> CxlMover {
+        CxlMover::with_prefaulter(on.then(Prefaulter::new))
+    }
+
+    /// A mover with the given prefaulter (tests: one whose kernel refuses).
+    pub fn with_prefaulter(prefault: Option<Prefaulter>) -> CxlMover {
         CxlMover {
             own: HashMap::new(),
             readers: HashMap::new(),
+            prefault,
         }
     }
 }
@@ -634,7 +660,7 @@ impl CxlMover {
             self.reader(l)?;
         }
         let m = match self.own.get(&l.region_id) {
-            Some(m) => m,
+            Some(m) => m.as_ref(),
             None => self.readers.get(&l.region_id)?.as_ref(),
         };
         m.as_slice()
@@ -691,6 +717,12 @@ impl Mover for CxlMover {
             true,
         )
         .map_err(|e| WorkerError::Config(e.to_string()))?;
+        let m = Arc::new(m);
+        if let Some(p) = self.prefault.as_mut() {
+            // Its pages are faulted in by the time the stores reach them (or while
+            // they do); the bytes stay as they are.
+            p.submit(m.clone());
+        }
         self.own.insert(h.region_id, m);
         Ok(())
     }
@@ -699,22 +731,26 @@ impl Mover for CxlMover {
         items
             .iter()
             .map(|it| {
-                let Some(m) = self.own.get_mut(&it.page.region_id) else {
+                let Some(m) = self.own.get(&it.page.region_id) else {
                     return false;
                 };
-                let Ok(bytes) = m.as_mut_slice() else {
-                    return false;
-                };
-                let (o, n) = (it.page.offset as usize, it.data.len());
-                match bytes.get_mut(o..o + n) {
-                    Some(dst) => {
-                        dst.copy_from_slice(it.data);
-                        true
+                match m.write_at(it.page.offset as usize, it.data) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        log::debug!("write into region {}: {e}", it.page.region_id);
+                        false
                     }
-                    None => false,
                 }
             })
             .collect()
+    }
+
+    fn wants_lead(&self) -> bool {
+        self.prefault.as_ref().is_some_and(|p| !p.stats().off)
+    }
+
+    fn prefault_stats(&self) -> Option<PrefaultStats> {
+        self.prefault.as_ref().map(Prefaulter::stats)
     }
 
     fn view(&mut self, l: &LeaseGrant) -> Option<View> {

@@ -6,7 +6,12 @@ use super::error::WorkerError;
 use super::movers::{Mover, ReadSink, SlotWrite, View, WriteItem};
 use super::session::Session;
 use super::staging::Slot;
-use crate::wire::meta::{LeaseGrant, PageGrant, PublishEntry};
+use crate::wire::meta::{LeaseGrant, PageGrant, PublishEntry, RegionGrant};
+use std::collections::VecDeque;
+
+/// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
+/// pages a store needs), so that most stores need no `alloc` round trip of their own.
+pub const SPARE_PAGES: usize = 32;
 
 /// Counters of a pool, reported by `stats()`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -20,6 +25,10 @@ pub struct PoolStats {
     pub load_failed: u64,
     pub bytes_loaded: u64,
     pub regions: u64,
+    /// Regions taken before the session's regions were full (see `Mover::wants_lead`).
+    pub regions_ahead: u64,
+    /// Bytes of own regions faulted in off the store path (`cxl`).
+    pub prefaulted_bytes: u64,
 }
 
 /// Writes the batch items `(index, page)` with the mover; true where complete.
@@ -30,14 +39,26 @@ type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &mut dyn Mover) + 'r;
 pub struct StoragePool {
     pub session: Session,
     mover: Box<dyn Mover>,
-    pub stats: PoolStats,
+    stats: PoolStats,
     max_batch: usize,
+    /// Pages of the session's regions allocated to it, holding no key and no write
+    /// in flight: used by the next stores before asking maru-server for more.
+    spare: VecDeque<PageGrant>,
+    /// The region adopted last and its page count: when stores reach its second half,
+    /// the next region is taken ahead (for movers that want a lead).
+    newest: Option<(u64, u64)>,
+    /// The newest region for which a region was taken (or tried) ahead already.
+    lead_tried: Option<u64>,
+    /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
+    /// at most twice as many are kept.
+    spare_target: usize,
 }
 
 impl StoragePool {
     pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
         mover.adopt(&session.first_region)?;
         let max_batch = session.handshake.max_batch.max(1);
+        let newest = Some(region_pages(&session.first_region));
         Ok(StoragePool {
             session,
             mover,
@@ -46,7 +67,112 @@ impl StoragePool {
                 ..PoolStats::default()
             },
             max_batch,
+            spare: VecDeque::new(),
+            newest,
+            lead_tried: None,
+            spare_target: 0,
         })
+    }
+
+    /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
+    /// they count as used at maru-server until a store fills them or the pool closes.
+    pub fn with_spare_pages(mut self, n: usize) -> StoragePool {
+        self.spare_target = n;
+        self
+    }
+
+    /// Counters of the pool (prefaulting included).
+    pub fn stats(&self) -> PoolStats {
+        let mut s = self.stats.clone();
+        s.prefaulted_bytes = self.mover.prefault_stats().map_or(0, |p| p.bytes);
+        s
+    }
+
+    /// Pages for `need` chunks: spare ones first, then one `alloc` that also takes
+    /// spares for later stores, expanding the session when its regions are full.
+    /// Fewer than `need` when the session cannot grow.
+    fn take_pages(
+        &mut self,
+        need: usize,
+        route_key: Option<&str>,
+    ) -> Result<Vec<PageGrant>, WorkerError> {
+        let from_spare = need.min(self.spare.len());
+        let mut pages: Vec<PageGrant> = self.spare.drain(..from_spare).collect();
+        if pages.len() == need {
+            return Ok(pages);
+        }
+        let short = need - pages.len();
+        let ask = (short + self.spare_target).min(self.max_batch.max(short));
+        let (got, _) = self.session.alloc(ask as u32, route_key)?;
+        self.note_fill(&got);
+        let mut got = got.into_iter();
+        pages.extend(got.by_ref().take(short));
+        self.spare.extend(got);
+        let mut missing = (need - pages.len()) as u32;
+        while missing > 0 {
+            // The session's regions are full: one more region, then the rest.
+            let grant = self.session.expand()?;
+            self.adopt(&grant)?;
+            let (more, m) = self.session.alloc(missing, route_key)?;
+            self.note_fill(&more);
+            if more.is_empty() && m == missing {
+                break;
+            }
+            pages.extend(more);
+            missing = m;
+        }
+        Ok(pages)
+    }
+
+    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        self.mover.adopt(grant)?;
+        self.stats.regions += 1;
+        self.newest = Some(region_pages(grant));
+        Ok(())
+    }
+
+    /// Remembers how far stores got into the newest region, and takes the next
+    /// region ahead when they reach its second half (once per region, best effort:
+    /// a pool without space answers the store that needs the region).
+    fn note_fill(&mut self, pages: &[PageGrant]) {
+        let Some((rid, n)) = self.newest else {
+            return;
+        };
+        if !self.mover.wants_lead() || self.lead_tried == Some(rid) {
+            return;
+        }
+        let deep = pages
+            .iter()
+            .any(|p| p.region_id == rid && p.page.saturating_mul(2) >= n);
+        if !deep {
+            return;
+        }
+        self.lead_tried = Some(rid);
+        let ahead = self.session.expand().and_then(|g| self.adopt(&g));
+        match ahead {
+            Ok(()) => self.stats.regions_ahead += 1,
+            Err(e) => log::debug!(
+                "pool {}: no region taken ahead ({e}); the next store that needs one asks again",
+                self.session.url
+            ),
+        }
+    }
+
+    /// Keeps pages that hold no key for the next stores; frees what is beyond the
+    /// bound.
+    fn keep_spare(&mut self, pages: Vec<PageGrant>) {
+        self.spare.extend(pages);
+        let max = 2 * self.spare_target;
+        if self.spare.len() > max {
+            let extra: Vec<PageGrant> = self.spare.drain(max..).collect();
+            if let Err(e) = self.session.free_pages(&extra) {
+                log::warn!(
+                    "pool {}: cannot return {} unused pages: {e}",
+                    self.session.url,
+                    extra.len()
+                );
+            }
+        }
     }
 
     pub fn page_size(&self) -> u64 {
@@ -154,19 +280,7 @@ impl StoragePool {
         if todo.is_empty() {
             return Ok(result);
         }
-        let (mut pages, mut missing) = self.session.alloc(todo.len() as u32, route_key)?;
-        while missing > 0 {
-            // The session's regions are full: one more region, then the rest.
-            let grant = self.session.expand()?;
-            self.mover.adopt(&grant)?;
-            self.stats.regions += 1;
-            let (more, m) = self.session.alloc(missing, route_key)?;
-            if more.is_empty() && m == missing {
-                break;
-            }
-            pages.extend(more);
-            missing = m;
-        }
+        let pages = self.take_pages(todo.len(), route_key)?;
         let placed: Vec<(usize, PageGrant)> =
             todo.iter().copied().zip(pages.iter().copied()).collect();
         let ok = write(self.mover.as_mut(), &placed);
@@ -223,13 +337,8 @@ impl StoragePool {
                 }
             }
         }
-        if let Err(e) = self.session.free_pages(&unused) {
-            log::warn!(
-                "pool {}: cannot return {} unused pages: {e}",
-                self.session.url,
-                unused.len()
-            );
-        }
+        // Pages that hold no key (and no write in flight) serve the next stores.
+        self.keep_spare(unused);
         Ok(result)
     }
 
@@ -407,6 +516,19 @@ impl StoragePool {
     }
 
     pub fn close(&mut self) -> Result<(), WorkerError> {
+        let spare: Vec<PageGrant> = self.spare.drain(..).collect();
+        if let Err(e) = self.session.free_pages(&spare) {
+            log::warn!(
+                "pool {}: cannot return {} spare pages before closing: {e}",
+                self.session.url,
+                spare.len()
+            );
+        }
         self.session.close()
     }
+}
+
+/// A region's id and page count.
+fn region_pages(g: &RegionGrant) -> (u64, u64) {
+    (g.handle.region_id, g.pages)
 }
