@@ -243,6 +243,27 @@ fn tables(r: &Results) -> Vec<Table> {
                     }
                 }
             }
+            for clients in [1, MANY] {
+                if let Some(f) = r
+                    .maru_of(backend, chunk, clients, 1)
+                    .and_then(|m| m.load_slots.as_ref())
+                {
+                    let name = if backend == "cxl" {
+                        "maru cxl"
+                    } else {
+                        "maru remote_cxl/soft"
+                    };
+                    let mut row = vec![
+                        name.into(),
+                        "load into slots".into(),
+                        chunk_name(chunk),
+                        clients.to_string(),
+                    ];
+                    row.extend(fig_cells(f));
+                    row.extend(["-".into(), "-".into(), "-".into()]);
+                    t.row(row);
+                }
+            }
         }
         for (op, set) in [("SET", true), ("GET", false)] {
             for clients in [1, MANY] {
@@ -343,6 +364,17 @@ fn tables(r: &Results) -> Vec<Table> {
     });
     add("remote_cxl load / Redis GET (4 clients)", &|c| {
         ratio(mb("remote_cxl", c, MANY, true), rg(c, MANY, true))
+    });
+    let slot_load = |b: &str, c: usize, n: usize| {
+        r.maru_of(b, c, n, 1)
+            .and_then(|m| m.load_slots.as_ref())
+            .map(|f| f.gbs)
+    };
+    add("remote_cxl load into slots / Redis GET (4 clients)", &|c| {
+        ratio(slot_load("remote_cxl", c, MANY), rg(c, MANY, true))
+    });
+    add("remote_cxl load into slots / Redis GET (1 client)", &|c| {
+        ratio(slot_load("remote_cxl", c, 1), rg(c, 1, true))
     });
     add("remote_cxl store / Redis SET (4 clients)", &|c| {
         ratio(mb("remote_cxl", c, MANY, false), rg(c, MANY, false))
@@ -539,6 +571,18 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         ratio(
             r.maru_of("remote_cxl", two, MANY, 1)
                 .map(|m| m.load_batch.gbs),
+            r.redis_of(two, MANY)
+                .map(|x| x.get_batch.gbs.max(x.get_single.gbs)),
+        ),
+        &x,
+        &|f| f >= 1.25,
+    );
+    push(
+        "remote_cxl/soft load into staging slots 2 MiB, 4 clients >= 1.25 x Redis GET (its best)",
+        ratio(
+            r.maru_of("remote_cxl", two, MANY, 1)
+                .and_then(|m| m.load_slots.as_ref())
+                .map(|f| f.gbs),
             r.redis_of(two, MANY)
                 .map(|x| x.get_batch.gbs.max(x.get_single.gbs)),
         ),

@@ -1,6 +1,8 @@
 //! Maru store and load through the C ABI (`maru_handler_open`, `maru_store_batch`,
-//! `maru_load_batch`, `maru_store`, `maru_load`): the calls an inference runtime makes
-//! after dlopen, here linked from Rust. Each configuration gets a fresh RM + agent +
+//! `maru_load_batch`, `maru_store`, `maru_load`, and loads into staging slots with
+//! `maru_slots_acquire` / `maru_load_slots` / `maru_slots_release`, the zero-copy path
+//! where the runtime's own kernel copies slot → GPU): the calls an inference runtime
+//! makes after dlopen, here linked from Rust. Each configuration gets a fresh RM + agent +
 //! maru-server over the same pre-faulted fake-DAX pool, with pages of the chunk size.
 
 use crate::harness::{run_clients, Bound, Fig, Rotor};
@@ -10,6 +12,9 @@ use maru::ffi::handler::{
     maru_store_batch,
 };
 use maru::ffi::maru_status_t;
+use maru::ffi::slots::{
+    maru_load_slots, maru_slot_pool_t, maru_slot_t, maru_slots_acquire, maru_slots_release,
+};
 use serde::Serialize;
 use std::ffi::{c_char, CString};
 use std::sync::Arc;
@@ -100,6 +105,69 @@ impl CHandler {
         } else {
             Err("maru_store skipped the chunk (pool full or no staging slot)".into())
         }
+    }
+
+    /// Loads `keys` into load staging slots (taken for the call, given back after):
+    /// what a runtime does before its own kernel copies each slot to the GPU. All must
+    /// be found; the bytes are not copied out of the slots.
+    pub fn load_slots_batch(&self, keys: &[CString]) -> Result<u64, String> {
+        let n = keys.len();
+        let mut slots = vec![
+            maru_slot_t {
+                id: 0,
+                data: std::ptr::null_mut(),
+                capacity: 0,
+            };
+            n
+        ];
+        let mut got = 0usize;
+        // SAFETY: `slots` has n writable entries and `got` is writable.
+        check(
+            unsafe {
+                maru_slots_acquire(
+                    self.0,
+                    maru_slot_pool_t::MARU_SLOT_LOAD as u32,
+                    n,
+                    5000,
+                    slots.as_mut_ptr(),
+                    &mut got,
+                )
+            },
+            "maru_slots_acquire",
+        )?;
+        let ids: Vec<u64> = slots[..got].iter().map(|s| s.id).collect();
+        let loaded = if got < n {
+            Err(format!("maru_slots_acquire gave {got} of {n} load slots"))
+        } else {
+            let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+            let mut lens = vec![0usize; n];
+            let mut found = vec![false; n];
+            // SAFETY: arrays of n entries; the slot ids are held by this thread.
+            check(
+                unsafe {
+                    maru_load_slots(
+                        self.0,
+                        kp.as_ptr(),
+                        ids.as_ptr(),
+                        n,
+                        kp[0],
+                        lens.as_mut_ptr(),
+                        found.as_mut_ptr(),
+                    )
+                },
+                "maru_load_slots",
+            )
+            .and_then(|()| match found.iter().filter(|&&f| !f).count() {
+                0 => Ok(lens.iter().sum::<usize>() as u64),
+                m => Err(format!("maru_load_slots missed {m} of {n} stored chunks")),
+            })
+        };
+        // SAFETY: `ids` are the slots taken above.
+        check(
+            unsafe { maru_slots_release(self.0, ids.as_ptr(), ids.len()) },
+            "maru_slots_release",
+        )?;
+        loaded
     }
 
     /// Loads `keys[i]` into `bufs[i]` (`cap` bytes each); all must be found.
@@ -245,6 +313,9 @@ pub struct Result_ {
     pub store_single: Fig,
     pub load_batch: Fig,
     pub load_single: Fig,
+    /// Batched loads into staging slots (no copy out); only with one thread per
+    /// handler, whose load slots hold one batch.
+    pub load_slots: Option<Fig>,
 }
 
 pub struct Sizes {
@@ -387,6 +458,23 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         })
         .collect();
     let load_single = run_clients(ops, bound(usize::MAX))?;
+    let load_slots = if cfg.threads == 1 {
+        let ops: Vec<_> = (0..clients)
+            .map(|c| {
+                let h = client_handler(c);
+                let n = stored[c].max(1);
+                move |i: usize| -> Result<u64, String> {
+                    let b = i % n;
+                    let keys: Vec<CString> =
+                        (0..BATCH).map(|j| tag(c, "b", b * BATCH + j)).collect();
+                    h.load_slots_batch(&keys)
+                }
+            })
+            .collect();
+        Some(run_clients(ops, bound(usize::MAX))?)
+    } else {
+        None
+    };
     drop(handlers);
     drop(st);
     Ok(Result_ {
@@ -395,5 +483,6 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         store_single,
         load_batch,
         load_single,
+        load_slots,
     })
 }
