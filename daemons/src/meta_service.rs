@@ -25,16 +25,19 @@ fn unexpected<T: std::fmt::Debug>(r: T) -> PortError {
 /// The RM as maru-server uses it.
 pub struct MetaRm {
     link: Link,
+    /// This server's client id at the RM (the owner of its regions).
+    client_id: String,
 }
 
 impl MetaRm {
     pub fn new(addr: &str, client_id: String, key: Option<maru::auth::SharedKey>) -> MetaRm {
-        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id.clone());
         opts.key = key;
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
         MetaRm {
             link: Link::new(addr, opts),
+            client_id,
         }
     }
 
@@ -70,6 +73,19 @@ impl RmPort for MetaRm {
             .map_err(port_error)?
         {
             RmReply::Free(_) => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
+        match self
+            .link
+            .call(&RmRequest::Regions {
+                owner: Some(self.client_id.clone()),
+            })
+            .map_err(port_error)?
+        {
+            RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
             r => Err(unexpected(r)),
         }
     }

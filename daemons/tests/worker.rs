@@ -18,6 +18,7 @@ const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 struct Stack {
     s: Scratch,
     key_path: std::path::PathBuf,
+    pool: std::path::PathBuf,
     rm: Daemon,
     _agent: Option<Daemon>,
     server: Daemon,
@@ -75,6 +76,7 @@ fn stack(remote: bool, extra_server: &[&str]) -> Stack {
     Stack {
         s,
         key_path,
+        pool,
         rm,
         _agent: agent,
         server,
@@ -791,6 +793,7 @@ fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_their_ag
         rm,
         _agent: agent,
         server,
+        ..
     } = stack(true, &[]);
     let agent = agent.unwrap();
     let cfg = serde_json::json!({
@@ -1125,4 +1128,58 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
         a.close().unwrap();
         reader.close().unwrap();
     }
+}
+
+/// An agent that restarts keeps its region's bytes (same boot id) but loses every
+/// registration, and its soft NIC listens on a new port: the owner's next transfer
+/// fails, drops that peer, maps its regions again and tries once more; readers (whose
+/// peer died too) find the chunks stored before and after the restart at the first
+/// load.
+#[test]
+fn after_its_agent_restarts_an_owner_maps_its_regions_again() {
+    let mut st = stack(true, &[]);
+    let a = Handler::open(&config(&st, "remote_cxl", "remap-writer")).unwrap();
+    let b = Handler::open(&config(&st, "remote_cxl", "remap-reader")).unwrap();
+    let keys = |tag: &str| -> Vec<String> { (0..8).map(|i| format!("{tag}-{i}")).collect() };
+    let data: Vec<Vec<u8>> = (0..8).map(chunk).collect();
+    let items = |ks: &[String]| -> Vec<(String, Vec<u8>)> {
+        ks.iter().cloned().zip(data.iter().cloned()).collect()
+    };
+    let store = |h: &Handler, ks: &[String]| -> bool {
+        let it = items(ks);
+        let refs: Vec<(&str, &[u8])> = it.iter().map(|(k, d)| (k.as_str(), d.as_slice())).collect();
+        h.store_batch(&refs, Some("remap"))
+            .is_ok_and(|r| r.iter().all(|&x| x))
+    };
+    let before = keys("before");
+    assert!(store(&a, &before));
+
+    let agent = st._agent.take().expect("a remote stack has an agent");
+    let port = agent.port();
+    agent.kill9();
+    let args: Vec<String> = vec![
+        "--rm-address".into(),
+        st.rm.addr.clone(),
+        "--key-file".into(),
+        st.key_path.display().to_string(),
+        "--device".into(),
+        st.pool.display().to_string(),
+        "--node".into(),
+        "mem0".into(),
+    ];
+    st._agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
+
+    let after = keys("after");
+    // The first store after the restart finds the old peer dead, drops it, maps the
+    // region again and tries once more: it lands at once.
+    assert!(
+        store(&a, &after),
+        "the owner's first store after the agent restarted lands"
+    );
+    for (k, d) in before.iter().chain(&after).zip(data.iter().chain(&data)) {
+        let got = b.load(k, Some("remap")).unwrap();
+        assert_eq!(got.as_deref().map(digest), Some(digest(d)), "{k}");
+    }
+    a.close().unwrap();
+    b.close().unwrap();
 }

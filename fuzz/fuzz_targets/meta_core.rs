@@ -18,6 +18,8 @@ struct Rm {
     next: u64,
     live: u64,
     fail_every: u64,
+    /// Regions allocated and not freed, for `owned_regions`.
+    ids: std::collections::BTreeSet<u64>,
 }
 
 impl RmPort for Rm {
@@ -27,6 +29,7 @@ impl RmPort for Rm {
             return Err(PortError::Refused("no space".into()));
         }
         self.live += 1;
+        self.ids.insert(self.next);
         Ok(AllocReply {
             handle: Handle {
                 region_id: self.next,
@@ -48,9 +51,14 @@ impl RmPort for Rm {
         })
     }
 
-    fn free(&mut self, _h: &Handle) -> Result<(), PortError> {
+    fn free(&mut self, h: &Handle) -> Result<(), PortError> {
         self.live = self.live.saturating_sub(1);
+        self.ids.remove(&h.region_id);
         Ok(())
+    }
+
+    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
+        Ok(self.ids.iter().copied().collect())
     }
 
     fn largest_pool(&mut self) -> Result<u64, PortError> {
@@ -98,6 +106,7 @@ fuzz_target!(|data: &[u8]| {
         next: 0,
         live: 0,
         fail_every: (ctl % 4) as u64,
+        ids: Default::default(),
     };
     let mut agents = Agents(0);
     let mut now = 1u64;

@@ -25,6 +25,9 @@ pub struct MetaConfig {
     pub keeper_check_ms: u64,
     /// How soon a failed release or free is tried again.
     pub retry_ms: u64,
+    /// How often the server asks the RM which regions it holds: well under the RM's
+    /// grace period, so that a restarted RM sees this owner back before it reaps.
+    pub rm_check_ms: u64,
     /// Most sessions open at a time (expired ones do not count).
     pub max_sessions: usize,
     /// Names this run of maru-server in the handshake: a worker that sees another
@@ -57,6 +60,7 @@ impl Default for MetaConfig {
             keeper_silence_ms: DEFAULT_KEEPER_SILENCE_MS,
             keeper_check_ms: 5_000,
             retry_ms: 1_000,
+            rm_check_ms: 1_000,
             max_sessions: 256,
             instance: new_instance(),
         }
@@ -93,6 +97,7 @@ impl MetaConfig {
             ("keeper silence", self.keeper_silence_ms),
             ("keeper check interval", self.keeper_check_ms),
             ("retry interval", self.retry_ms),
+            ("RM check interval", self.rm_check_ms),
         ] {
             if v == 0 {
                 return err(format!("the {name} must be at least 1 ms"));

@@ -38,6 +38,8 @@ pub struct MetaCore {
     pub(super) pins: PinTable,
     pub(super) keeper: RegionKeeper,
     pub(super) totals: Totals,
+    /// When to ask the RM next which regions it holds for this server.
+    next_rm_check_ms: u64,
 }
 
 impl MetaCore {
@@ -55,6 +57,7 @@ impl MetaCore {
                 retry_ms: config.retry_ms,
             }),
             totals: Totals::default(),
+            next_rm_check_ms: 0,
             cfg: config,
         })
     }
@@ -137,6 +140,10 @@ impl MetaCore {
     /// regions on their way back are released at their agent and freed at the RM.
     pub fn tick(&mut self, now_ms: u64, rm: &mut dyn RmPort, agents: &mut dyn AgentPort) {
         self.expire(now_ms);
+        if now_ms >= self.next_rm_check_ms && !self.regions.is_empty() {
+            self.next_rm_check_ms = now_ms.saturating_add(self.cfg.rm_check_ms);
+            self.check_rm(now_ms, rm);
+        }
         let events = self.keeper.run(now_ms, rm, agents);
         self.apply(&events);
     }
@@ -147,6 +154,8 @@ impl MetaCore {
             self.sessions.next_expiry(),
             self.leases.next_expiry(),
             self.keeper.next_deadline(),
+            // Only a server that holds regions has anything the RM could reap.
+            (!self.regions.is_empty()).then_some(self.next_rm_check_ms),
         ]
         .into_iter()
         .flatten()
@@ -280,6 +289,58 @@ impl MetaCore {
             }
         }
         (dropped.len(), ended)
+    }
+
+    /// Asks the RM which regions it holds for this server. A region of the table the
+    /// RM no longer lists was freed or reaped behind the server's back (the RM reaps an
+    /// owner that stayed away longer than its grace period): its keys stop being found
+    /// now, it leaves its session (whose worker is told at its next heartbeat: an
+    /// unknown region) or the keeper, and it goes the way of every give-back (release
+    /// at its agent, then a free the RM answers as already done). An unreachable RM
+    /// changes nothing; the next check tries again.
+    fn check_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) {
+        let held = match rm.owned_regions() {
+            Ok(ids) => ids.into_iter().collect::<std::collections::HashSet<u64>>(),
+            Err(e) => {
+                log::debug!("could not ask the RM for this server's regions: {e}");
+                return;
+            }
+        };
+        let gone: Vec<(u64, Holder)> = self
+            .regions
+            .iter()
+            .filter(|r| !held.contains(&r.handle.region_id))
+            .map(|r| (r.handle.region_id, r.holder))
+            .collect();
+        for (rid, holder) in gone {
+            let reason = GiveBackReason::RmDropped;
+            match holder {
+                Holder::GivingBack => continue, // already on its way out
+                Holder::Keeper => {
+                    self.keeper.lose(rid, reason, now_ms);
+                    self.apply(&[KeeperEvent::Lost {
+                        region_id: rid,
+                        reason,
+                    }]);
+                }
+                Holder::Session(sid) => {
+                    if let Some(s) = self.sessions.get_mut(sid) {
+                        s.regions.remove(&rid);
+                    }
+                    self.hide_region(rid);
+                    let Some(r) = self.regions.get_mut(rid) else {
+                        continue;
+                    };
+                    r.holder = Holder::GivingBack;
+                    let (handle, agent) = (r.handle.clone(), r.agent.clone());
+                    self.keeper.give_back(handle, agent, false, reason, now_ms);
+                }
+            }
+            log::warn!(
+                "region {rid}: the RM no longer holds it for maru-server (reaped after the \
+                 server was away longer than the RM's grace period?): its keys are dropped"
+            );
+        }
     }
 
     /// Applies what the keeper did: lost regions' keys go now, freed regions go.

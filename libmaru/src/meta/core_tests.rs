@@ -2,6 +2,7 @@
 //! fake ports, time passed in.
 
 use super::fakes::*;
+use super::MetaConfig;
 use crate::auth::read_token;
 use crate::wire::meta::{
     Backend, MetaReply, MetaRequest, PageRef, PublishEntry, RemoveResult, TotalStats,
@@ -578,7 +579,11 @@ fn expiry_is_seen_by_requests_before_any_tick() {
 
 #[test]
 fn any_request_of_a_session_keeps_it_alive() {
-    let mut w = World::remote();
+    let cfg = MetaConfig {
+        rm_check_ms: 60_000, // out of the way of the session's timer
+        ..config(&[A1, A2])
+    };
+    let mut w = World::with(cfg, 16 * REGION);
     let (a, _) = w.open(W1);
     for _ in 0..5 {
         w.advance(9_000);

@@ -114,6 +114,13 @@ impl RmPort for FakeRm {
         }
     }
 
+    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
+        if self.down {
+            return Err(PortError::Unreachable("connection refused".into()));
+        }
+        Ok(self.allocated.keys().copied().collect())
+    }
+
     fn largest_pool(&mut self) -> Result<u64, PortError> {
         if self.down {
             return Err(PortError::Unreachable("connection refused".into()));
@@ -185,6 +192,7 @@ pub fn config(agents: &[&str]) -> MetaConfig {
         lease_timeout_ms: 5_000,
         keeper_silence_ms: 30_000,
         keeper_check_ms: 5_000,
+        rm_check_ms: 1_000,
         retry_ms: 1_000,
         max_sessions: 8,
         instance: "fake-instance".into(),

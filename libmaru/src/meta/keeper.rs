@@ -45,6 +45,9 @@ pub enum GiveBackReason {
     RmPressure,
     /// maru-server gives all its kept regions back (before it stops).
     Shutdown,
+    /// The RM no longer holds it for this server (it reaped it while the server was
+    /// away longer than its grace period).
+    RmDropped,
 }
 
 impl GiveBackReason {
@@ -60,6 +63,7 @@ impl GiveBackReason {
                 "the RM refused a region and it was the kept region read longest ago"
             }
             GiveBackReason::Shutdown => "maru-server gives its kept regions back",
+            GiveBackReason::RmDropped => "the RM no longer holds it for this server",
         }
     }
 }

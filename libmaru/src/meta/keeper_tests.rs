@@ -405,3 +405,56 @@ fn a_kept_region_with_pinned_keys_is_not_given_back_to_make_room() {
     assert!(e.message.contains("pinned keys"), "{e}");
     assert_eq!(w.exists("reader:1", b, &["pinned"]), vec![true]);
 }
+
+#[test]
+fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
+    let mut w = World::remote();
+    let (a, g1) = w.open(W1);
+    let (b, g2) = w.open(W2);
+    w.store(W1, a, &["in-session"]);
+    w.store(W2, b, &["kept"]);
+    let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
+    w.close(W2, b, true); // r2 goes to the keeper
+    let (c, _) = w.open("reader:1");
+    w.tick();
+    assert_eq!(
+        w.exists("reader:1", c, &["in-session", "kept"]),
+        vec![true, true]
+    );
+    // The RM was away and back while this server did not reach it: it reaped both.
+    w.rm.down = true;
+    w.advance(5_000);
+    assert_eq!(
+        w.exists("reader:1", c, &["in-session", "kept"]),
+        vec![true, true],
+        "an unreachable RM changes nothing"
+    );
+    w.rm.down = false;
+    w.rm.allocated.remove(&r1);
+    w.rm.allocated.remove(&r2);
+    w.advance(1_000);
+    assert_eq!(
+        w.exists("reader:1", c, &["in-session", "kept"]),
+        vec![false, false]
+    );
+    // The owner learns at its next heartbeat that the region is gone.
+    let Ok(MetaReply::Heartbeat(h)) = w.req(
+        W1,
+        MetaRequest::Heartbeat {
+            session: a,
+            boot_ids: [(r1, BOOT.to_string())].into(),
+        },
+    ) else {
+        panic!("heartbeat");
+    };
+    assert_eq!(h.unknown_regions, vec![r1]);
+    // Both go the way of any give-back: released at the agent, the free answered as
+    // already done, and the table forgets them.
+    w.run_for(5_000, 500);
+    assert_eq!(w.core.regions_going_back(), 0);
+    assert_eq!(w.core.region_count(), 1, "only the reader's region is left");
+    // New stores of the owner go into a new region.
+    w.expand(W1, a).unwrap();
+    w.store(W1, a, &["again"]);
+    assert_eq!(w.exists("reader:1", c, &["again"]), vec![true]);
+}

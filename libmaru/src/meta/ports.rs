@@ -75,6 +75,11 @@ pub trait RmPort {
     fn free(&mut self, h: &Handle) -> Result<(), PortError>;
     /// Bytes usable for regions in the RM's largest pool.
     fn largest_pool(&mut self) -> Result<u64, PortError>;
+    /// Ids of the regions the RM holds for this server (its client id). Asked
+    /// regularly: the call keeps the connection, so a restarted RM sees its owner back
+    /// within its grace period, and a region missing from the answer was freed or
+    /// reaped by the RM.
+    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError>;
 }
 
 /// The pool's agents, each named `host:port` as configured.

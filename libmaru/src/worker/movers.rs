@@ -169,6 +169,12 @@ pub struct RemoteMover {
     reads: HashMap<(u64, u64, u64), ReadTarget>,
     timeout: Duration,
     last_skip_log: Option<Instant>,
+    /// Agents a transfer to failed: their peer is gone, and this mover's own regions
+    /// there are mapped again before their next use (an agent that restarted lost
+    /// their registrations, and its NIC may listen elsewhere).
+    remap: std::collections::HashSet<String>,
+    /// Set when a transfer of the current call dropped a failed peer.
+    peer_dropped: bool,
 }
 
 impl RemoteMover {
@@ -188,6 +194,8 @@ impl RemoteMover {
             reads: HashMap::new(),
             timeout,
             last_skip_log: None,
+            remap: std::collections::HashSet::new(),
+            peer_dropped: false,
         }
     }
 
@@ -205,10 +213,18 @@ impl RemoteMover {
     fn agent_call(&mut self, addr: &str, req: &AgentRequest) -> Result<AgentReply, WorkerError> {
         let conn = self.agent(addr);
         let was = conn.link.is_connected();
-        let r = conn.link.call::<_, AgentReply>(req);
+        let mut r = conn.link.call::<_, AgentReply>(req);
         if was && !conn.link.is_connected() {
-            // A new connection will be a new peer at the transport too.
+            // The connection broke (the agent may have restarted, losing its
+            // registrations): a new connection is a new peer at the transport too,
+            // and this mover's regions there are mapped again before their next use.
             conn.peer = None;
+            if r.is_err() {
+                // Failed on the dead connection, so the agent never saw it: once more
+                // on a fresh one.
+                r = conn.link.call::<_, AgentReply>(req);
+            }
+            self.remap.insert(addr.to_string());
         }
         Ok(r?)
     }
@@ -247,6 +263,71 @@ impl RemoteMover {
         Ok(p)
     }
 
+    /// A peer whose batch failed with a known outcome: closed at the transport and
+    /// forgotten; its agent's own regions are mapped again before their next use.
+    fn drop_failed_peer(&mut self, peer: PeerId) {
+        for (addr, c) in self.agents.iter_mut() {
+            if c.peer == Some(peer) {
+                c.peer = None;
+                // The agent's control connection likely went with it (a restart):
+                // connect afresh rather than find out on the next call.
+                c.link.reset();
+                self.remap.insert(addr.clone());
+                self.peer_dropped = true;
+            }
+        }
+        if let Err(e) = self.nic.fence(peer) {
+            log::debug!("closing a failed peer: {e}");
+        }
+    }
+
+    /// Maps this mover's own regions again at the agents a transfer failed to (see
+    /// `remap`). The agent keeps a region's bytes across its restart (the boot id says
+    /// whether the memory node rebooted; the heartbeat reports it to maru-server), but
+    /// not its registration. An agent that cannot be reached stays on the list.
+    fn remap_failed_agents(&mut self) {
+        if self.remap.is_empty() {
+            return;
+        }
+        let agents: Vec<String> = self.remap.iter().cloned().collect();
+        for agent in agents {
+            let regions: Vec<(u64, crate::wire::rm::Handle)> = self
+                .own
+                .iter()
+                .filter(|(_, r)| r.agent == agent)
+                .map(|(id, r)| (*id, r.handle.clone()))
+                .collect();
+            let mut all = true;
+            for (id, handle) in regions {
+                let req = AgentRequest::Map {
+                    handle,
+                    writable: true,
+                };
+                match self.agent_call(&agent, &req) {
+                    Ok(AgentReply::Mapped(m)) if !m.boot_id.is_empty() => {
+                        if let Some(c) = self.agents.get_mut(&agent) {
+                            c.boot_id = Some(m.boot_id.clone());
+                        }
+                        if let Some(r) = self.own.get_mut(&id) {
+                            r.map = m;
+                        }
+                    }
+                    Ok(r) => {
+                        log::warn!("region {id}: agent {agent} answered map with {r:?}");
+                        all = false;
+                    }
+                    Err(e) => {
+                        log::debug!("region {id}: mapping again at agent {agent} failed: {e}");
+                        all = false;
+                    }
+                }
+            }
+            if all {
+                self.remap.remove(&agent);
+            }
+        }
+    }
+
     /// Forgets the peers that isolation fenced.
     fn forget_peers(&mut self, fenced: &[PeerId]) {
         for c in self.agents.values_mut() {
@@ -272,14 +353,19 @@ impl RemoteMover {
     /// Runs the grouped transfers and records each item's outcome in `out` (the slot
     /// back unless its peer's outcome is unknown). True when any batch did not complete.
     fn settle(&mut self, group: PeerGroups, out: &mut [SlotOutcome]) -> bool {
+        let peers: Vec<PeerId> = group.batches.iter().map(|b| b.peer).collect();
         let outcomes = execute(self.nic.as_ref(), group.batches, self.timeout, &self.iso);
         let mut any_failed = false;
         let mut any_kept = false;
-        for (items, o) in group.order.iter().zip(outcomes) {
+        for ((items, o), peer) in group.order.iter().zip(outcomes).zip(peers) {
             let (ok, slots) = match o {
                 PeerOutcome::Done(s) => (true, s),
                 PeerOutcome::Failed(e, s) => {
                     log::debug!("transfer batch failed: {e}");
+                    // Its outcome is known (nothing of it is in flight): drop the peer,
+                    // so the next transfer connects again, and map our regions at its
+                    // agent again before their next use.
+                    self.drop_failed_peer(peer);
                     (false, s)
                 }
                 PeerOutcome::Kept(_) => {
@@ -380,42 +466,33 @@ impl Mover for RemoteMover {
     }
 
     fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(items.len());
-        let mut group = PeerGroups::default();
-        for (i, it) in items.into_iter().enumerate() {
-            out.push(SlotOutcome {
-                ok: false,
-                slot: None,
-            });
-            let target = self.own.get(&it.page.region_id).map(|r| {
-                (
-                    r.agent.clone(),
-                    r.map.addr,
-                    r.map.rkey,
-                    r.map.transport.clone(),
-                )
-            });
-            let Some((agent, addr, rkey, meta)) = target else {
-                out[i].slot = Some(it.slot);
-                continue;
-            };
-            let peer = match self.peer(&agent, &meta) {
-                Ok(p) if it.len <= it.slot.len() => p,
-                _ => {
-                    out[i].slot = Some(it.slot);
-                    continue;
-                }
-            };
-            let op = Op {
-                kind: OpKind::Write,
-                local_offset: it.slot.offset() as u64,
-                remote_addr: addr + it.page.offset,
-                rkey,
-                len: it.len as u64,
-            };
-            group.add(peer, op, it.slot, i);
+        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
+        self.peer_dropped = false;
+        let mut out = self.write_slots_once(items);
+        if !self.peer_dropped {
+            return out;
         }
-        self.settle(group, &mut out);
+        // One more try for what failed while a peer was dropped (an agent restarted,
+        // say): its outcome was known, nothing of it is in flight, and the next try
+        // connects again and maps the regions again.
+        let mut idx = Vec::new();
+        let mut again = Vec::new();
+        for (i, o) in out.iter_mut().enumerate() {
+            if o.ok {
+                continue;
+            }
+            if let Some(slot) = o.slot.take() {
+                idx.push(i);
+                again.push(SlotWrite {
+                    page: pages[i].0,
+                    slot,
+                    len: pages[i].1,
+                });
+            }
+        }
+        for (i, o) in idx.into_iter().zip(self.write_slots_once(again)) {
+            out[i] = o;
+        }
         out
     }
 
@@ -454,38 +531,31 @@ impl Mover for RemoteMover {
     }
 
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
-        let mut group = PeerGroups::default();
-        for (i, (l, slot)) in leases.iter().zip(slots).enumerate() {
-            out.push(SlotOutcome {
-                ok: false,
-                slot: None,
-            });
-            let peer = match self.read_target(l) {
-                Ok((agent, addr, rkey, meta)) if l.length as usize <= slot.len() => {
-                    match self.peer(&agent, &meta) {
-                        Ok(p) => Some((p, addr, rkey)),
-                        Err(_) => None,
-                    }
-                }
-                _ => None,
-            };
-            let Some((peer, addr, rkey)) = peer else {
-                out[i].slot = Some(slot);
-                continue;
-            };
-            let op = Op {
-                kind: OpKind::Read,
-                local_offset: slot.offset() as u64,
-                remote_addr: addr,
-                rkey,
-                len: l.length,
-            };
-            group.add(peer, op, slot, i);
+        self.peer_dropped = false;
+        let mut out = self.read_into_once(leases, slots);
+        if !self.peer_dropped {
+            return out;
         }
-        if self.settle(group, &mut out) {
-            // Read registrations may have gone with their region: map again next time.
-            self.reads.clear();
+        // One more try for the READs that failed while a peer was dropped (see
+        // `write_slots`).
+        let mut idx = Vec::new();
+        let mut again_leases = Vec::new();
+        let mut again_slots = Vec::new();
+        for (i, o) in out.iter_mut().enumerate() {
+            if o.ok {
+                continue;
+            }
+            if let Some(slot) = o.slot.take() {
+                idx.push(i);
+                again_leases.push(leases[i].clone());
+                again_slots.push(slot);
+            }
+        }
+        for (i, o) in idx
+            .into_iter()
+            .zip(self.read_into_once(&again_leases, again_slots))
+        {
+            out[i] = o;
         }
         out
     }
@@ -771,5 +841,88 @@ impl Mover for CxlMover {
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {
         BTreeMap::new()
+    }
+}
+
+/// One try of the transfers (`Mover::write_slots` and `Mover::read_into` add one
+/// more for what failed while a peer was dropped).
+impl RemoteMover {
+    fn write_slots_once(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        self.remap_failed_agents();
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(items.len());
+        let mut group = PeerGroups::default();
+        for (i, it) in items.into_iter().enumerate() {
+            out.push(SlotOutcome {
+                ok: false,
+                slot: None,
+            });
+            let target = self.own.get(&it.page.region_id).map(|r| {
+                (
+                    r.agent.clone(),
+                    r.map.addr,
+                    r.map.rkey,
+                    r.map.transport.clone(),
+                )
+            });
+            let Some((agent, addr, rkey, meta)) = target else {
+                out[i].slot = Some(it.slot);
+                continue;
+            };
+            let peer = match self.peer(&agent, &meta) {
+                Ok(p) if it.len <= it.slot.len() => p,
+                _ => {
+                    out[i].slot = Some(it.slot);
+                    continue;
+                }
+            };
+            let op = Op {
+                kind: OpKind::Write,
+                local_offset: it.slot.offset() as u64,
+                remote_addr: addr + it.page.offset,
+                rkey,
+                len: it.len as u64,
+            };
+            group.add(peer, op, it.slot, i);
+        }
+        self.settle(group, &mut out);
+        out
+    }
+
+    fn read_into_once(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        self.remap_failed_agents();
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
+        let mut group = PeerGroups::default();
+        for (i, (l, slot)) in leases.iter().zip(slots).enumerate() {
+            out.push(SlotOutcome {
+                ok: false,
+                slot: None,
+            });
+            let peer = match self.read_target(l) {
+                Ok((agent, addr, rkey, meta)) if l.length as usize <= slot.len() => {
+                    match self.peer(&agent, &meta) {
+                        Ok(p) => Some((p, addr, rkey)),
+                        Err(_) => None,
+                    }
+                }
+                _ => None,
+            };
+            let Some((peer, addr, rkey)) = peer else {
+                out[i].slot = Some(slot);
+                continue;
+            };
+            let op = Op {
+                kind: OpKind::Read,
+                local_offset: slot.offset() as u64,
+                remote_addr: addr,
+                rkey,
+                len: l.length,
+            };
+            group.add(peer, op, slot, i);
+        }
+        if self.settle(group, &mut out) {
+            // Read registrations may have gone with their region: map again next time.
+            self.reads.clear();
+        }
+        out
     }
 }
