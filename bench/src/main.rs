@@ -243,8 +243,17 @@ fn tables(r: &Results) -> Vec<Table> {
                     }
                 }
             }
+            // Batch-only figures: stores into reused pages, loads into staging slots.
             for clients in [1, MANY] {
-                if let Some(m) = r.maru_of(backend, chunk, clients, 1) {
+                let Some(m) = r.maru_of(backend, chunk, clients, 1) else {
+                    continue;
+                };
+                let extra = [
+                    ("store, reused pages", Some(&m.store_reused)),
+                    ("load into slots", m.load_slots.as_ref()),
+                ];
+                for (op, fig) in extra {
+                    let Some(f) = fig else { continue };
                     let name = if backend == "cxl" {
                         "maru cxl"
                     } else {
@@ -252,28 +261,7 @@ fn tables(r: &Results) -> Vec<Table> {
                     };
                     let mut row = vec![
                         name.into(),
-                        "store, reused pages".into(),
-                        chunk_name(chunk),
-                        clients.to_string(),
-                    ];
-                    row.extend(fig_cells(&m.store_reused));
-                    row.extend(["-".into(), "-".into(), "-".into()]);
-                    t.row(row);
-                }
-            }
-            for clients in [1, MANY] {
-                if let Some(f) = r
-                    .maru_of(backend, chunk, clients, 1)
-                    .and_then(|m| m.load_slots.as_ref())
-                {
-                    let name = if backend == "cxl" {
-                        "maru cxl"
-                    } else {
-                        "maru remote_cxl/soft"
-                    };
-                    let mut row = vec![
-                        name.into(),
-                        "load into slots".into(),
+                        op.into(),
                         chunk_name(chunk),
                         clients.to_string(),
                     ];

@@ -151,22 +151,52 @@ fn device_bytes(n: &Node, offset: u64, len: usize) -> Vec<u8> {
     bytes
 }
 
+/// The old owner of a region: the region allocated and mapped at the agent, a 1 MiB
+/// staging buffer of 0xEE registered with its own soft NIC, and its peer at the agent.
+struct OldOwner {
+    region: Handle,
+    agent: Client,
+    map: MapReply,
+    /// Registered with `nic`: kept alive (and in place) while the NIC may use it.
+    staging: Vec<u8>,
+    nic: SoftTransport,
+    peer: maru::transport::PeerId,
+}
+
+fn old_owner(n: &mut Node) -> OldOwner {
+    let region = alloc(&mut n.rm);
+    let mut agent = agent_client(&n.agent.addr, &n.key, "worker-old");
+    let map = map(&mut agent, &region);
+    let mut staging = vec![0xEEu8; MIB as usize];
+    let nic = SoftTransport::new("worker-old", Some(n.key.clone()));
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    let peer = nic.connect(&map.transport, &mut no_bringup).unwrap();
+    OldOwner {
+        region,
+        agent,
+        map,
+        staging,
+        nic,
+        peer,
+    }
+}
+
 #[test]
 fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owner() {
     let mut n = node();
     // The old owner maps its region and posts a WRITE that the NIC holds back.
-    let old = alloc(&mut n.rm);
-    let mut a = agent_client(&n.agent.addr, &n.key, "worker-old");
-    let ma = map(&mut a, &old);
-    let mut staging_a = vec![0xEEu8; MIB as usize];
-    let nic_a = SoftTransport::new("worker-old", Some(n.key.clone()));
-    nic_a
-        .register_local(LocalBuffer {
-            ptr: staging_a.as_mut_ptr(),
-            len: staging_a.len(),
-        })
-        .unwrap();
-    let peer_a = nic_a.connect(&ma.transport, &mut no_bringup).unwrap();
+    let OldOwner {
+        region: old,
+        agent: mut a,
+        map: ma,
+        staging: staging_a,
+        nic: nic_a,
+        peer: peer_a,
+    } = old_owner(&mut n);
     nic_a.inject_write_delay(DELAY);
     let posted = Instant::now();
     let late = std::thread::scope(|scope| {
@@ -242,18 +272,14 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
     // is slow: the release must wait for it (deregistration waits for operations on
     // the key), so it lands in the old owner's tenure and never in the next owner's.
     let mut n = node();
-    let old = alloc(&mut n.rm);
-    let mut a = agent_client(&n.agent.addr, &n.key, "worker-old");
-    let ma = map(&mut a, &old);
-    let mut staging_a = vec![0xEEu8; MIB as usize];
-    let nic_a = SoftTransport::new("worker-old", Some(n.key.clone()));
-    nic_a
-        .register_local(LocalBuffer {
-            ptr: staging_a.as_mut_ptr(),
-            len: staging_a.len(),
-        })
-        .unwrap();
-    let peer_a = nic_a.connect(&ma.transport, &mut no_bringup).unwrap();
+    let OldOwner {
+        region: old,
+        agent: mut a,
+        map: ma,
+        staging: staging_a,
+        nic: nic_a,
+        peer: peer_a,
+    } = old_owner(&mut n);
     let stall = Duration::from_millis(1500);
     nic_a.inject_payload_stall(stall);
     let posted = Instant::now();
