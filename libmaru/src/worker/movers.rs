@@ -225,6 +225,8 @@ impl RemoteMover {
                 r = conn.link.call::<_, AgentReply>(req);
             }
             self.remap.insert(addr.to_string());
+            // Read registrations went with the old connection.
+            self.reads.retain(|_, t| t.0 != addr);
         }
         Ok(r?)
     }
@@ -275,6 +277,10 @@ impl RemoteMover {
                 self.remap.insert(addr.clone());
                 self.peer_dropped = true;
             }
+        }
+        // A closed control connection takes its read registrations with it.
+        if self.peer_dropped {
+            self.reads.clear();
         }
         if let Err(e) = self.nic.fence(peer) {
             log::debug!("closing a failed peer: {e}");
