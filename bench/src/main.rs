@@ -218,6 +218,11 @@ fn tables(r: &Results) -> Vec<Table> {
     let fig_cells = |f: &Fig| vec![f2(f.gbs), us(f.p50_us), us(f.p99_us)];
     for &chunk in &CHUNKS {
         for backend in ["cxl", "remote_cxl"] {
+            let name = if backend == "cxl" {
+                "maru cxl"
+            } else {
+                "maru remote_cxl/soft"
+            };
             for (op, pick) in [("store", 0), ("load", 1)] {
                 for clients in [1, MANY] {
                     if let Some(m) = r.maru_of(backend, chunk, clients, 1) {
@@ -225,11 +230,6 @@ fn tables(r: &Results) -> Vec<Table> {
                             (&m.store_batch, &m.store_single)
                         } else {
                             (&m.load_batch, &m.load_single)
-                        };
-                        let name = if backend == "cxl" {
-                            "maru cxl"
-                        } else {
-                            "maru remote_cxl/soft"
                         };
                         let mut row = vec![
                             name.into(),
@@ -254,11 +254,6 @@ fn tables(r: &Results) -> Vec<Table> {
                 ];
                 for (op, fig) in extra {
                     let Some(f) = fig else { continue };
-                    let name = if backend == "cxl" {
-                        "maru cxl"
-                    } else {
-                        "maru remote_cxl/soft"
-                    };
                     let mut row = vec![
                         name.into(),
                         op.into(),

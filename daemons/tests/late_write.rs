@@ -151,9 +151,9 @@ fn device_bytes(n: &Node, offset: u64, len: usize) -> Vec<u8> {
     bytes
 }
 
-/// The old owner of a region: the region allocated and mapped at the agent, a 1 MiB
-/// staging buffer of 0xEE registered with its own soft NIC, and its peer at the agent.
-struct OldOwner {
+/// An owner of a region: the region mapped at the agent under client `id`, a 1 MiB
+/// staging buffer of `fill` registered with its own soft NIC, and its peer at the agent.
+struct Owner {
     region: Handle,
     agent: Client,
     map: MapReply,
@@ -163,19 +163,18 @@ struct OldOwner {
     peer: maru::transport::PeerId,
 }
 
-fn old_owner(n: &mut Node) -> OldOwner {
-    let region = alloc(&mut n.rm);
-    let mut agent = agent_client(&n.agent.addr, &n.key, "worker-old");
+fn owner(n: &Node, region: Handle, id: &str, fill: u8) -> Owner {
+    let mut agent = agent_client(&n.agent.addr, &n.key, id);
     let map = map(&mut agent, &region);
-    let mut staging = vec![0xEEu8; MIB as usize];
-    let nic = SoftTransport::new("worker-old", Some(n.key.clone()));
+    let mut staging = vec![fill; MIB as usize];
+    let nic = SoftTransport::new(id, Some(n.key.clone()));
     nic.register_local(LocalBuffer {
         ptr: staging.as_mut_ptr(),
         len: staging.len(),
     })
     .unwrap();
     let peer = nic.connect(&map.transport, &mut no_bringup).unwrap();
-    OldOwner {
+    Owner {
         region,
         agent,
         map,
@@ -185,11 +184,22 @@ fn old_owner(n: &mut Node) -> OldOwner {
     }
 }
 
+/// The old owner: a fresh region, its staging buffer 0xEE.
+fn old_owner(n: &mut Node) -> Owner {
+    let region = alloc(&mut n.rm);
+    owner(n, region, "worker-old", 0xEE)
+}
+
+/// The next owner of `region` (the old owner's range, given out again), staging 0x5A.
+fn new_owner(n: &Node, region: Handle) -> Owner {
+    owner(n, region, "worker-new", 0x5A)
+}
+
 #[test]
 fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owner() {
     let mut n = node();
     // The old owner maps its region and posts a WRITE that the NIC holds back.
-    let OldOwner {
+    let Owner {
         region: old,
         agent: mut a,
         map: ma,
@@ -218,17 +228,14 @@ fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owne
             (old.offset, old.length),
             "the RM reused the range (else this test shows nothing)"
         );
-        let mut b = agent_client(&n.agent.addr, &n.key, "worker-new");
-        let mb = map(&mut b, &new);
-        let mut staging_b = vec![0x5Au8; MIB as usize];
-        let nic_b = SoftTransport::new("worker-new", Some(n.key.clone()));
-        nic_b
-            .register_local(LocalBuffer {
-                ptr: staging_b.as_mut_ptr(),
-                len: staging_b.len(),
-            })
-            .unwrap();
-        let peer_b = nic_b.connect(&mb.transport, &mut no_bringup).unwrap();
+        let Owner {
+            agent: _b,
+            map: mb,
+            staging: mut staging_b,
+            nic: nic_b,
+            peer: peer_b,
+            ..
+        } = new_owner(&n, new.clone());
         let done = nic_b.post(peer_b, &[write_op(&mb, MIB)]).unwrap();
         assert_eq!(nic_b.wait(done, T), BatchState::Done);
         assert!(
@@ -272,7 +279,7 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
     // is slow: the release must wait for it (deregistration waits for operations on
     // the key), so it lands in the old owner's tenure and never in the next owner's.
     let mut n = node();
-    let OldOwner {
+    let Owner {
         region: old,
         agent: mut a,
         map: ma,
@@ -326,17 +333,14 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
     // The next owner gets the range and writes; nothing of the old WRITE comes after.
     let new = alloc(&mut n.rm);
     assert_eq!((new.offset, new.length), (old.offset, old.length));
-    let mut b = agent_client(&n.agent.addr, &n.key, "worker-new");
-    let mb = map(&mut b, &new);
-    let mut staging_b = vec![0x5Au8; MIB as usize];
-    let nic_b = SoftTransport::new("worker-new", Some(n.key.clone()));
-    nic_b
-        .register_local(LocalBuffer {
-            ptr: staging_b.as_mut_ptr(),
-            len: staging_b.len(),
-        })
-        .unwrap();
-    let peer_b = nic_b.connect(&mb.transport, &mut no_bringup).unwrap();
+    let Owner {
+        agent: _b,
+        map: mb,
+        staging: staging_b,
+        nic: nic_b,
+        peer: peer_b,
+        ..
+    } = new_owner(&n, new.clone());
     let done = nic_b.post(peer_b, &[write_op(&mb, MIB)]).unwrap();
     assert_eq!(nic_b.wait(done, T), BatchState::Done);
     // The old owner's next WRITE on the same connection is refused at the key check.

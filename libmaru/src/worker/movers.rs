@@ -481,24 +481,17 @@ impl Mover for RemoteMover {
         // One more try for what failed while a peer was dropped (an agent restarted,
         // say): its outcome was known, nothing of it is in flight, and the next try
         // connects again and maps the regions again.
-        let mut idx = Vec::new();
-        let mut again = Vec::new();
-        for (i, o) in out.iter_mut().enumerate() {
-            if o.ok {
-                continue;
-            }
-            if let Some(slot) = o.slot.take() {
-                idx.push(i);
-                again.push(SlotWrite {
-                    page: pages[i].0,
-                    slot,
-                    len: pages[i].1,
-                });
-            }
-        }
-        for (i, o) in idx.into_iter().zip(self.write_slots_once(again)) {
-            out[i] = o;
-        }
+        let (idx, slots) = take_failed(&mut out);
+        let again = idx
+            .iter()
+            .zip(slots)
+            .map(|(&i, slot)| SlotWrite {
+                page: pages[i].0,
+                slot,
+                len: pages[i].1,
+            })
+            .collect();
+        put_back(&mut out, &idx, self.write_slots_once(again));
         out
     }
 
@@ -544,25 +537,9 @@ impl Mover for RemoteMover {
         }
         // One more try for the READs that failed while a peer was dropped (see
         // `write_slots`).
-        let mut idx = Vec::new();
-        let mut again_leases = Vec::new();
-        let mut again_slots = Vec::new();
-        for (i, o) in out.iter_mut().enumerate() {
-            if o.ok {
-                continue;
-            }
-            if let Some(slot) = o.slot.take() {
-                idx.push(i);
-                again_leases.push(leases[i].clone());
-                again_slots.push(slot);
-            }
-        }
-        for (i, o) in idx
-            .into_iter()
-            .zip(self.read_into_once(&again_leases, again_slots))
-        {
-            out[i] = o;
-        }
+        let (idx, slots) = take_failed(&mut out);
+        let again: Vec<LeaseGrant> = idx.iter().map(|&i| leases[i].clone()).collect();
+        put_back(&mut out, &idx, self.read_into_once(&again, slots));
         out
     }
 
@@ -621,6 +598,23 @@ impl Drop for RemoteMover {
         if lost > 0 {
             log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");
         }
+    }
+}
+
+/// Takes the slots of the transfers that failed with a known outcome (their slot came
+/// back), with their places in `out`, to try them again.
+fn take_failed(out: &mut [SlotOutcome]) -> (Vec<usize>, Vec<Slot>) {
+    out.iter_mut()
+        .enumerate()
+        .filter(|(_, o)| !o.ok)
+        .filter_map(|(i, o)| o.slot.take().map(|s| (i, s)))
+        .unzip()
+}
+
+/// Puts the outcomes of a second try back in the places they were taken from.
+fn put_back(out: &mut [SlotOutcome], idx: &[usize], again: Vec<SlotOutcome>) {
+    for (&i, o) in idx.iter().zip(again) {
+        out[i] = o;
     }
 }
 
