@@ -427,15 +427,11 @@ impl StoragePool {
 
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&mut self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
-        let mut out = Vec::with_capacity(keys.len());
-        for chunk in keys.chunks(self.max_batch) {
-            out.extend(if pin {
-                self.session.pin(chunk)?
-            } else {
-                self.session.unpin(chunk)?
-            });
+        if pin {
+            self.per_batch(keys, Session::pin)
+        } else {
+            self.per_batch(keys, Session::unpin)
         }
-        Ok(out)
     }
 
     /// Unpublishes keys this session stored (see `RemoveResult` for the others).
@@ -443,17 +439,22 @@ impl StoragePool {
         &mut self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
-        let mut out = Vec::with_capacity(keys.len());
-        for chunk in keys.chunks(self.max_batch) {
-            out.extend(self.session.remove(chunk)?);
-        }
-        Ok(out)
+        self.per_batch(keys, Session::remove)
     }
 
     pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.per_batch(keys, Session::exists)
+    }
+
+    /// One session call per `max_batch` keys, the answers in order.
+    fn per_batch<T>(
+        &mut self,
+        keys: &[String],
+        call: impl Fn(&mut Session, &[String]) -> Result<Vec<T>, WorkerError>,
+    ) -> Result<Vec<T>, WorkerError> {
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.max_batch) {
-            out.extend(self.session.exists(chunk)?);
+            out.extend(call(&mut self.session, chunk)?);
         }
         Ok(out)
     }
