@@ -382,16 +382,7 @@ class MaruHandler:
     def batch_exists(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
         """Whether each key is stored, in one round trip (``maru_exists_batch``);
         ``route_key`` defaults to the first key."""
-        keys = list(keys)
-        if not keys:
-            return []
-        n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        found = (ctypes.c_bool * n)()
-        rk = _rk(route_key)
-        with self._use() as h:
-            _check(lib.maru_exists_batch(h, ks, n, rk, found))
-        return list(found)
+        return self._bool_batch(lib.maru_exists_batch, keys, route_key)
 
     # Pins ----------------------------------------------------------------------------
 
@@ -416,6 +407,11 @@ class MaruHandler:
         return self._pins(keys, route_key, False)
 
     def _pins(self, keys: Sequence[str], route_key: Optional[str], on: bool) -> List[bool]:
+        return self._bool_batch(lib.maru_pin_batch if on else lib.maru_unpin_batch, keys, route_key)
+
+    def _bool_batch(self, call: Any, keys: Sequence[str], route_key: Optional[str]) -> List[bool]:
+        """``call(h, keys, n, route_key, out)``, one C call for the request's keys, with a
+        bool per key."""
         keys = list(keys)
         if not keys:
             return []
@@ -423,7 +419,6 @@ class MaruHandler:
         ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
         out = (ctypes.c_bool * n)()
         rk = _rk(route_key)
-        call = lib.maru_pin_batch if on else lib.maru_unpin_batch
         with self._use() as h:
             _check(call(h, ks, n, rk, out))
         return list(out)
