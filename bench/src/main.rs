@@ -479,9 +479,12 @@ fn tables(r: &Results) -> Vec<Table> {
             ]);
         }
         out.push(t);
-        if let Some(rtt) = r.meta_of(meta::RTT, 1) {
+        if let Some(rtt) = r.meta_of(meta::RTT_SPIN, 1).or(r.meta_of(meta::RTT, 1)) {
             let mut t = Table::new(
-                "Metadata beside the TCP ping-pong (1 connection, p50, µs)",
+                &format!(
+                    "Metadata beside the TCP ping-pong ({}; 1 connection, p50, µs)",
+                    rtt.op
+                ),
                 &[
                     "op",
                     "p50",

@@ -12,7 +12,9 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why a call did not produce a result. `Remote` carries the daemon's own error;
 /// only a `Remote` error with code `refused` is a definitive refusal.
@@ -66,6 +68,10 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     pub call_timeout: Duration,
     pub max_frame: usize,
+    /// How long a call polls its socket for the reply before it blocks (zero: block at
+    /// once). A reply that comes within it saves the wake-up of a sleeping thread,
+    /// which on a VM is most of a loopback round trip; an idle client never spins.
+    pub reply_spin: Duration,
 }
 
 impl ClientOptions {
@@ -77,7 +83,55 @@ impl ClientOptions {
             connect_timeout: Duration::from_secs(5),
             call_timeout: Duration::from_secs(10),
             max_frame: DEFAULT_MAX_FRAME,
+            reply_spin: Duration::ZERO,
         }
+    }
+}
+
+/// Calls of this process waiting for their reply now. A call polls only while it is
+/// the only one: alone, a caller is bound by latency and polling saves it the wake-up;
+/// with other calls in flight, the CPU it would burn is what they (and the daemons on
+/// this host) need, so it blocks.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// One call's wait for its reply: polls until its deadline or until another call
+/// starts waiting, then blocks for good.
+struct Spinner {
+    until: Option<Instant>,
+    waiting: &'static AtomicUsize,
+}
+
+impl Spinner {
+    fn start(spin: Duration) -> Spinner {
+        Spinner::counted_in(&WAITING, spin)
+    }
+
+    fn counted_in(waiting: &'static AtomicUsize, spin: Duration) -> Spinner {
+        let alone = waiting.fetch_add(1, Ordering::AcqRel) == 0;
+        Spinner {
+            until: (alone && !spin.is_zero()).then(|| Instant::now() + spin),
+            waiting,
+        }
+    }
+
+    fn on(&self) -> bool {
+        self.until.is_some()
+    }
+
+    /// One empty poll.
+    fn tick(&mut self) {
+        match self.until {
+            Some(until) if Instant::now() >= until || self.waiting.load(Ordering::Acquire) > 1 => {
+                self.until = None
+            }
+            _ => std::hint::spin_loop(),
+        }
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -89,6 +143,7 @@ pub struct Client {
     next_id: u64,
     welcome: Welcome,
     call_timeout: Duration,
+    reply_spin: Duration,
     /// Read buffer, allocated once (not zeroed on the stack for every reply).
     rbuf: Box<[u8]>,
 }
@@ -136,6 +191,7 @@ impl Client {
                 info: serde_json::Value::Null,
             },
             call_timeout: opts.call_timeout,
+            reply_spin: opts.reply_spin,
             rbuf: vec![0u8; 64 * 1024].into_boxed_slice(),
         };
         c.handshake(opts)?;
@@ -201,6 +257,11 @@ impl Client {
         &self.peer
     }
 
+    /// Changes how long calls poll for their reply before they block.
+    pub fn set_reply_spin(&mut self, spin: Duration) {
+        self.reply_spin = spin;
+    }
+
     fn read_handshake<T: DeserializeOwned>(&mut self, what: &str) -> Result<T, ClientError> {
         let f = self.read_frame()?;
         match f.kind {
@@ -255,6 +316,7 @@ impl Client {
     }
 
     fn read_frame(&mut self) -> Result<Frame, ClientError> {
+        let mut spin = Spinner::start(self.reply_spin);
         loop {
             match self.decoder.next_frame() {
                 Ok(Some(f)) => return Ok(f),
@@ -266,7 +328,19 @@ impl Client {
                     })
                 }
             }
-            match self.stream.read(&mut self.rbuf) {
+            let got = if spin.on() {
+                match self.read_now() {
+                    Ok(Some(n)) => Ok(n),
+                    Ok(None) => {
+                        spin.tick();
+                        continue;
+                    }
+                    Err(e) => Err(e),
+                }
+            } else {
+                self.stream.read(&mut self.rbuf)
+            };
+            match got {
                 Ok(0) => {
                     return Err(ClientError::Io {
                         peer: self.peer.clone(),
@@ -280,6 +354,28 @@ impl Client {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.io_error(e)),
             }
+        }
+    }
+
+    /// Reads what has already arrived without blocking: `None` when nothing has.
+    fn read_now(&mut self) -> io::Result<Option<usize>> {
+        // SAFETY: rbuf is a live, writable buffer of rbuf.len() bytes and the descriptor
+        // belongs to self.stream for the whole call.
+        let n = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                self.rbuf.as_mut_ptr().cast(),
+                self.rbuf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(Some(n as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock => Ok(None),
+            _ => Err(e),
         }
     }
 
@@ -340,5 +436,95 @@ impl Client {
     /// Reads the next frame whatever its kind (tests).
     pub fn recv_frame(&mut self) -> Result<Frame, ClientError> {
         self.read_frame()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::{Clock, ConnId, Server, ServerOptions, Service};
+
+    /// Replies with the request's body after sleeping the number of ms it names.
+    struct SlowEcho;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Delay {
+        ms: u64,
+    }
+
+    impl Service for SlowEcho {
+        fn service_name(&self) -> &'static str {
+            "slow-echo"
+        }
+        fn on_request(&mut self, _: ConnId, _: &str, body: &[u8], _: u64) -> Vec<u8> {
+            let env: Envelope<Delay> = decode_json(body).expect("test request");
+            std::thread::sleep(Duration::from_millis(env.body.ms));
+            let reply = crate::wire::ReplyEnvelope {
+                id: env.id,
+                ok: Some(env.body),
+                err: None,
+            };
+            frame::encode(FrameKind::Reply, &encode_json(&reply))
+        }
+    }
+
+    fn slow_echo() -> String {
+        let mut server = Server::bind(
+            "127.0.0.1:0".parse().expect("addr"),
+            ServerOptions::default(),
+            Clock::new(),
+        )
+        .expect("bind on loopback");
+        let addr = server.local_addr().expect("addr").to_string();
+        // The loop runs until the test process ends.
+        std::thread::spawn(move || server.run(&mut SlowEcho));
+        addr
+    }
+
+    #[test]
+    fn a_polling_call_gets_replies_that_come_within_and_after_its_poll() {
+        let addr = slow_echo();
+        let mut opts = ClientOptions::new("slow-echo", "t");
+        opts.reply_spin = Duration::from_micros(500);
+        let mut c = Client::connect(&addr, &opts).expect("connect");
+        for delay_ms in [0u64, 5, 0, 20, 1, 0] {
+            let got: Delay = c.call(&Delay { ms: delay_ms }).expect("reply");
+            assert_eq!(got, Delay { ms: delay_ms });
+        }
+        c.set_reply_spin(Duration::ZERO);
+        let got: Delay = c.call(&Delay { ms: 3 }).expect("reply");
+        assert_eq!(got, Delay { ms: 3 });
+    }
+
+    #[test]
+    fn a_call_polls_only_while_no_other_call_waits() {
+        static W: AtomicUsize = AtomicUsize::new(0);
+        let spin = Duration::from_secs(60);
+        let mut first = Spinner::counted_in(&W, spin);
+        assert!(first.on(), "a lone call polls");
+        first.tick();
+        assert!(first.on(), "its deadline is far off");
+        let second = Spinner::counted_in(&W, spin);
+        assert!(!second.on(), "a second waiting call blocks at once");
+        first.tick();
+        assert!(
+            !first.on(),
+            "the first stops polling once another call waits"
+        );
+        drop(second);
+        drop(first);
+        assert_eq!(
+            W.load(Ordering::Acquire),
+            0,
+            "every wait is uncounted at its end"
+        );
+        let mut alone = Spinner::counted_in(&W, Duration::from_micros(1));
+        std::thread::sleep(Duration::from_millis(1));
+        alone.tick();
+        assert!(!alone.on(), "polling ends at its deadline");
+        assert!(
+            !Spinner::counted_in(&W, Duration::ZERO).on(),
+            "zero turns polling off"
+        );
     }
 }

@@ -84,6 +84,14 @@ impl Link {
             .ok_or_else(|| LinkError::Unreachable("no connection".into()))
     }
 
+    /// How long calls poll for their reply before they block (see `ClientOptions`).
+    pub fn set_reply_spin(&mut self, spin: std::time::Duration) {
+        self.opts.reply_spin = spin;
+        if let Some(c) = &mut self.client {
+            c.set_reply_spin(spin);
+        }
+    }
+
     /// Forgets the connection (the next call reconnects).
     pub fn reset(&mut self) {
         self.client = None;

@@ -38,6 +38,13 @@ fn default_timeout_ms() -> u64 {
 fn default_async_threads() -> usize {
     2
 }
+/// Default of `reply_spin_us`.
+pub const DEFAULT_REPLY_SPIN_US: u64 = 50;
+/// Most `reply_spin_us` may be (a longer spin only burns CPU).
+pub const MAX_REPLY_SPIN_US: u64 = 1_000;
+fn default_reply_spin_us() -> u64 {
+    DEFAULT_REPLY_SPIN_US
+}
 fn default_prefault() -> bool {
     true
 }
@@ -80,6 +87,11 @@ pub struct HandlerConfig {
     /// take page faults (`MADV_POPULATE_WRITE`; skipped where the kernel refuses).
     #[serde(default = "default_prefault")]
     pub prefault: bool,
+    /// How long a call to maru-server polls for its reply before the thread sleeps
+    /// (µs; 0: sleep at once). Most replies come within it, which saves the wake-up of
+    /// a sleeping thread; an idle handler never polls.
+    #[serde(default = "default_reply_spin_us")]
+    pub reply_spin_us: u64,
 }
 
 impl HandlerConfig {
@@ -110,6 +122,12 @@ impl HandlerConfig {
         if self.async_threads == 0 || self.async_threads > 64 {
             return Err("async_threads must be between 1 and 64".into());
         }
+        if self.reply_spin_us > MAX_REPLY_SPIN_US {
+            return Err(format!(
+                "reply_spin_us is {} µs; it must be at most {MAX_REPLY_SPIN_US} (0 turns polling off)",
+                self.reply_spin_us
+            ));
+        }
         if self.timeout_ms == 0 {
             return Err("timeout_ms must be positive".into());
         }
@@ -133,6 +151,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.load_slots, 16);
         assert_eq!(c.namespace, "default");
+        assert_eq!(c.reply_spin_us, DEFAULT_REPLY_SPIN_US);
         assert!(HandlerConfig::parse(
             r#"{"backend":"cxl","server_url":"a:1,b:2","engine_id":"e","load_slots":2}"#
         )
@@ -160,6 +179,16 @@ mod tests {
                 .contains("engine_id")
         );
         assert!(HandlerConfig::parse("not json").is_err());
+        let e = HandlerConfig::parse(
+            r#"{"backend":"cxl","server_url":"a:1","engine_id":"e","reply_spin_us":5000}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("reply_spin_us") && e.contains("1000"), "{e}");
+        let c = HandlerConfig::parse(
+            r#"{"backend":"cxl","server_url":"a:1","engine_id":"e","reply_spin_us":0}"#,
+        )
+        .unwrap();
+        assert_eq!(c.reply_spin_us, 0);
     }
 
     proptest! {

@@ -179,7 +179,7 @@ impl Inner {
 
     fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
         let url = &self.urls[i];
-        let session = Session::open(
+        let mut session = Session::open(
             url,
             &self.client_id,
             &self.cfg.engine_id,
@@ -188,6 +188,7 @@ impl Inner {
             self.backend(),
             self.timeout(),
         )?;
+        session.set_reply_spin(Duration::from_micros(self.cfg.reply_spin_us));
         let dp = self.data_path(session.page_size)?;
         let mover: Box<dyn Mover> = match &dp.nic {
             None => Box::new(CxlMover::with_prefault(self.cfg.prefault)),

@@ -73,6 +73,11 @@ impl Session {
         })
     }
 
+    /// How long each call polls for maru-server's reply before it blocks.
+    pub fn set_reply_spin(&mut self, spin: Duration) {
+        self.link.set_reply_spin(spin);
+    }
+
     fn call(&mut self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
         Ok(self.link.call::<_, MetaReply>(req)?)
     }
