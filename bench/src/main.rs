@@ -47,10 +47,16 @@ struct Args {
     /// Seconds of the idle CPU measurement (each of two).
     #[arg(long)]
     idle_seconds: Option<f64>,
-    /// Size of the fake-DAX pool in /dev/shm (GiB); bounds the bytes each store figure
-    /// writes (there is no eviction in the benchmark).
+    /// Size of the fake-DAX pool (GiB); bounds the bytes each store figure writes
+    /// (there is no eviction in the benchmark).
     #[arg(long)]
     pool_gib: Option<u64>,
+    /// Page size of the fake-DAX pool: 2M (a huge-page tmpfs the benchmark mounts for
+    /// itself, as a devdax device maps with 2 MiB pages; needs root, falls back to 4K)
+    /// or 4K (/dev/shm). With 2M, the cxl figures of 2 MiB chunks (1 client) are also
+    /// measured on a 4 KiB-page pool in /dev/shm.
+    #[arg(long, default_value = "2M", value_parser = ["2M", "4K"])]
+    pool_pages: String,
     /// Memory the clients of one figure rotate over (MiB), far beyond the caches.
     #[arg(long)]
     rotate_mib: Option<usize>,
@@ -71,6 +77,8 @@ struct Machine {
     cores: usize,
     memory_gib: f64,
     kernel: String,
+    /// Page size and place of the fake-DAX pool.
+    pool_pages: String,
     load_before: String,
     load_after: String,
 }
@@ -99,6 +107,7 @@ fn machine() -> Machine {
             .unwrap_or_default()
             .trim()
             .to_string(),
+        pool_pages: String::new(),
         load_before: loadavg(),
         load_after: String::new(),
     }
@@ -144,6 +153,9 @@ struct Results {
     tcp: Vec<TcpRow>,
     soft: Vec<SoftRow>,
     maru: Vec<maru_io::Result_>,
+    /// cxl, 2 MiB chunks, 1 client, on a pool of 4 KiB pages (when the main pool has
+    /// 2 MiB pages).
+    cxl_small_pages: Option<maru_io::Result_>,
     redis: Vec<redis::RedisResult>,
     meta: Vec<meta::Row>,
     idle: Vec<idle::IdleCpu>,
@@ -241,6 +253,22 @@ fn tables(r: &Results) -> Vec<Table> {
                         row.extend(fig_cells(s));
                         t.row(row);
                     }
+                }
+            }
+            if let (true, "cxl", Some(m)) = (chunk == 2 * MIB, backend, &r.cxl_small_pages) {
+                for (op, b, s) in [
+                    ("store", &m.store_batch, &m.store_single),
+                    ("load", &m.load_batch, &m.load_single),
+                ] {
+                    let mut row = vec![
+                        "maru cxl, 4 KiB pool pages".into(),
+                        op.into(),
+                        chunk_name(chunk),
+                        "1".into(),
+                    ];
+                    row.extend(fig_cells(b));
+                    row.extend(fig_cells(s));
+                    t.row(row);
                 }
             }
             // Batch-only figures: stores into reused pages, loads into staging slots.
@@ -354,6 +382,15 @@ fn tables(r: &Results) -> Vec<Table> {
     add("cxl store / memcpy (1 client, 1 thread)", &|c| {
         ratio(mb("cxl", c, 1, false), r.memcpy_of(c, 1).map(|f| f.gbs))
     });
+    if r.cxl_small_pages.is_some() {
+        add(
+            "cxl store / memcpy, pool of 4 KiB pages (1 client, 1 thread)",
+            &|c| {
+                let m = r.cxl_small_pages.as_ref().filter(|m| m.config.chunk == c);
+                ratio(m.map(|m| m.store_batch.gbs), r.memcpy_of(c, 1).map(|f| f.gbs))
+            },
+        );
+    }
     add(
         "cxl store into reused pages / memcpy (1 client, 1 thread)",
         &|c| {
@@ -557,6 +594,14 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &x,
         &|f| f >= 0.9,
     );
+    if let Some(m) = &r.cxl_small_pages {
+        push(
+            "for reference, not a device's page size: the same on a pool of 4 KiB tmpfs pages",
+            ratio(Some(m.store_batch.gbs), mc),
+            &x,
+            &|f| f >= 0.9,
+        );
+    }
     push(
         "cxl batch store 32 x 2 MiB into reused pages (a full cache) >= 0.9 x memcpy",
         ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.store_reused.gbs), mc),
@@ -729,7 +774,23 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let needs_stack = want("maru") || want("meta") || want("idle");
+    // First, before any thread starts (the namespace is entered by this thread only).
+    let huge = match (needs_stack, args.pool_pages.as_str()) {
+        (true, "2M") => match procs::HugeTmpfs::mount((pool_gib << 30) + 256 * MIB as u64) {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                eprintln!("maru-bench: no pool with 2 MiB pages ({e}); the pool lies in /dev/shm with 4 KiB pages");
+                Err(e)
+            }
+        },
+        _ => Err("--pool-pages 4K".to_string()),
+    };
     let mut mach = machine();
+    mach.pool_pages = match &huge {
+        Ok(_) => "2 MiB pages (tmpfs huge=always, mounted for the run; a devdax device maps with 2 MiB pages)".into(),
+        Err(why) => format!("4 KiB pages (/dev/shm tmpfs; {why})"),
+    };
     let started = std::time::Instant::now();
     let mut r = Results::default();
     let say = |s: &str| eprintln!("[{:>5.0} s] {s}", started.elapsed().as_secs_f64());
@@ -768,9 +829,9 @@ fn run(args: Args) -> Result<(), String> {
             });
         }
     }
-    let needs_stack = want("maru") || want("meta") || want("idle");
     let scratch = if needs_stack {
-        let s = procs::Scratch::new(pool_gib << 30)?;
+        let dir = huge.as_ref().ok().map(|h| h.dir.as_path());
+        let s = procs::Scratch::new("pool", pool_gib << 30, dir)?;
         // Create the pool once (a first RM), then allocate all its pages.
         {
             let _st = procs::stack(&s, false, "256M", "2M")?;
@@ -805,6 +866,27 @@ fn run(args: Args) -> Result<(), String> {
                     r.maru.push(maru_io::run(s, cfg, &sz)?);
                 }
             }
+        }
+        let cxl = args.backends.is_empty() || args.backends.iter().any(|b| b == "cxl");
+        if huge.is_ok() && cxl {
+            say("maru cxl 2 MiB x 1 handler, pool of 4 KiB pages in /dev/shm");
+            let small = procs::Scratch::new("small-pages", 2 << 30, None)?;
+            {
+                let _st = procs::stack(&small, false, "256M", "2M")?;
+            }
+            small.prefault_pool()?;
+            let cfg = Config {
+                backend: "cxl",
+                chunk: 2 * MIB,
+                handlers: 1,
+                threads: 1,
+            };
+            let sz = Sizes {
+                secs,
+                rotate,
+                region: 256 * MIB,
+            };
+            r.cxl_small_pages = Some(maru_io::run(&small, cfg, &sz)?);
         }
     }
     if want("redis") {
@@ -866,16 +948,18 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     drop(scratch);
+    drop(huge);
     mach.load_after = loadavg();
     let elapsed = started.elapsed().as_secs_f64();
 
     let ts = tables(&r);
     let header = format!(
-        "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
+        "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },
         secs,
         rotate / MIB,
         pool_gib,
+        mach.pool_pages,
         mach.cpu,
         mach.cores,
         mach.memory_gib,
