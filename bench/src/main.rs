@@ -387,7 +387,10 @@ fn tables(r: &Results) -> Vec<Table> {
             "cxl store / memcpy, pool of 4 KiB pages (1 client, 1 thread)",
             &|c| {
                 let m = r.cxl_small_pages.as_ref().filter(|m| m.config.chunk == c);
-                ratio(m.map(|m| m.store_batch.gbs), r.memcpy_of(c, 1).map(|f| f.gbs))
+                ratio(
+                    m.map(|m| m.store_batch.gbs),
+                    r.memcpy_of(c, 1).map(|f| f.gbs),
+                )
             },
         );
     }

@@ -47,6 +47,23 @@ impl Drop for Proc {
     }
 }
 
+/// A command whose process is killed when the benchmark dies (a signal, say) before
+/// its guard could stop it. The benchmark starts its children from the main thread,
+/// which lives as long as the process.
+fn with_parent(mut cmd: Command) -> Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl(2) is async-signal-safe and touches only the child being made.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
 /// The directory of the running binary (the daemons are built beside it).
 pub fn bin_dir() -> PathBuf {
     std::env::current_exe()
@@ -64,7 +81,7 @@ pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, 
             bin.display()
         ));
     }
-    let child = Command::new(bin)
+    let child = with_parent(Command::new(bin))
         .args(args)
         .arg("--port")
         .arg("0")
@@ -338,7 +355,7 @@ pub fn free_port() -> Result<u16, String> {
 /// redis-server on loopback, no persistence; waits (≤ 10 s) until it answers PING.
 pub fn start_redis() -> Result<(Proc, String), String> {
     let port = free_port()?;
-    let child = Command::new("redis-server")
+    let child = with_parent(Command::new("redis-server"))
         .args([
             "--save",
             "",

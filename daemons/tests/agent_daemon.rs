@@ -20,12 +20,13 @@ const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 
+/// The RM stops before its scratch directory goes (fields drop in order).
 struct Pool {
-    s: Scratch,
     pool: PathBuf,
     key_path: PathBuf,
     key: SharedKey,
     rm: Daemon,
+    s: Scratch,
 }
 
 fn pool() -> Pool {

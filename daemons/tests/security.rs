@@ -29,13 +29,14 @@ const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 
+/// The daemons stop before their scratch directory goes (fields drop in order).
 struct Node {
-    s: Scratch,
     pool: PathBuf,
     key_path: PathBuf,
     key: SharedKey,
-    rm: Daemon,
     agent: Daemon,
+    rm: Daemon,
+    s: Scratch,
 }
 
 fn node() -> Node {

@@ -15,13 +15,15 @@ const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
 const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 
+/// Fields drop in order: the daemons stop before their scratch directory goes (a
+/// running RM could write its state into it while it is being removed).
 struct Stack {
-    s: Scratch,
     key_path: std::path::PathBuf,
     pool: std::path::PathBuf,
-    rm: Daemon,
-    _agent: Option<Daemon>,
     server: Daemon,
+    _agent: Option<Daemon>,
+    rm: Daemon,
+    s: Scratch,
 }
 
 fn stack(remote: bool, extra_server: &[&str]) -> Stack {

@@ -10,7 +10,7 @@ pub mod handshake;
 pub mod link;
 pub mod server;
 mod signals;
-mod sockopt;
+pub(crate) mod sockopt;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};

@@ -289,6 +289,16 @@ struct Prefixed<'a> {
     stream: &'a TcpStream,
 }
 
+impl Prefixed<'_> {
+    /// `read_exact` of a payload: what was read ahead first, then the socket in bulk.
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        let n = buf.len().min(self.head.len() - self.pos);
+        buf[..n].copy_from_slice(&self.head[self.pos..self.pos + n]);
+        self.pos += n;
+        crate::net::sockopt::read_exact_bulk(self.stream, &mut buf[n..])
+    }
+}
+
 impl Read for Prefixed<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.pos < self.head.len() {
@@ -371,7 +381,7 @@ fn serve_op(
         // SAFETY: the range lies inside a live registration (checked above), whose
         // memory stays mapped while the gate is held shared.
         let dst = unsafe { std::slice::from_raw_parts_mut(ptr, req.len as usize) };
-        rd.read_exact(dst)?;
+        rd.read_payload(dst)?;
         drop(gate);
         out.write_all(
             &Completion {

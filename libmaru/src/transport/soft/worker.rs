@@ -14,7 +14,7 @@ use crate::transport::{
     BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
 };
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -175,7 +175,7 @@ fn read_exact_with_head(
         buf[..n].copy_from_slice(&head[..n]);
         head.drain(..n);
     }
-    stream.read_exact(&mut buf[n..])
+    crate::net::sockopt::read_exact_bulk(stream, &mut buf[n..])
 }
 
 fn read_completions(
