@@ -834,13 +834,7 @@ fn run(args: Args) -> Result<(), String> {
     }
     let scratch = if needs_stack {
         let dir = huge.as_ref().ok().map(|h| h.dir.as_path());
-        let s = procs::Scratch::new("pool", pool_gib << 30, dir)?;
-        // Create the pool once (a first RM), then allocate all its pages.
-        {
-            let _st = procs::stack(&s, false, "256M", "2M")?;
-        }
-        s.prefault_pool()?;
-        Some(s)
+        Some(procs::Scratch::with_pool("pool", pool_gib << 30, dir)?)
     } else {
         None
     };
@@ -873,11 +867,7 @@ fn run(args: Args) -> Result<(), String> {
         let cxl = args.backends.is_empty() || args.backends.iter().any(|b| b == "cxl");
         if huge.is_ok() && cxl {
             say("maru cxl 2 MiB x 1 handler, pool of 4 KiB pages in /dev/shm");
-            let small = procs::Scratch::new("small-pages", 2 << 30, None)?;
-            {
-                let _st = procs::stack(&small, false, "256M", "2M")?;
-            }
-            small.prefault_pool()?;
+            let small = procs::Scratch::with_pool("small-pages", 2 << 30, None)?;
             let cfg = Config {
                 backend: "cxl",
                 chunk: 2 * MIB,

@@ -160,7 +160,11 @@ pub fn tcp_rtt(secs: f64, spin: Duration) -> Result<Row, String> {
         let mut got = 0;
         let until = t + spin;
         while got < PONG && Instant::now() < until {
-            got += read_now(&c, &mut pong[got..]).map_err(|e| format!("pong: {e}"))?;
+            match maru::net::recv_now(&c, &mut pong[got..]) {
+                Ok(Some(0)) => return Err("pong: the echo thread closed".into()),
+                Ok(n) => got += n.unwrap_or(0),
+                Err(e) => return Err(format!("pong: {e}")),
+            }
             std::hint::spin_loop();
         }
         c.read_exact(&mut pong[got..])
@@ -179,31 +183,6 @@ pub fn tcp_rtt(secs: f64, spin: Duration) -> Result<Row, String> {
         p50_us: percentile(&lat, 0.5),
         p99_us: percentile(&lat, 0.99),
     })
-}
-
-/// Reads what has arrived without blocking (0 when nothing has).
-fn read_now(c: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: buf is a live, writable buffer of buf.len() bytes; c owns the descriptor.
-    let n = unsafe {
-        libc::recv(
-            c.as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_DONTWAIT,
-        )
-    };
-    if n > 0 {
-        return Ok(n as usize);
-    }
-    if n == 0 {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
-    let e = std::io::Error::last_os_error();
-    match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(0),
-        _ => Err(e),
-    }
 }
 
 /// The better (lower p50) of two runs of the same ping-pong.

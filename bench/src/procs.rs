@@ -194,7 +194,7 @@ pub struct Scratch {
 impl Scratch {
     /// A scratch directory whose pool file (`pool_size` bytes) lies in `pool_dir`, or
     /// in /dev/shm when that is None.
-    pub fn new(tag: &str, pool_size: u64, pool_dir: Option<&Path>) -> Result<Scratch, String> {
+    fn new(tag: &str, pool_size: u64, pool_dir: Option<&Path>) -> Result<Scratch, String> {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("maru-bench-{pid}-{tag}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -217,6 +217,21 @@ impl Scratch {
         })
     }
 
+    /// As `new`, with the pool created (by a first RM) and every page of it allocated
+    /// and touched (`prefault_pool`).
+    pub fn with_pool(
+        tag: &str,
+        pool_size: u64,
+        pool_dir: Option<&Path>,
+    ) -> Result<Scratch, String> {
+        let s = Scratch::new(tag, pool_size, pool_dir)?;
+        {
+            let _st = stack(&s, false, "256M", "2M")?;
+        }
+        s.prefault_pool()?;
+        Ok(s)
+    }
+
     /// A fresh path inside the scratch directory.
     pub fn path(&self, tag: &str) -> PathBuf {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -230,7 +245,7 @@ impl Scratch {
     /// to 3 GB/s for a first copy into fallocated pages, 3 GB/s into touched ones, whose
     /// remaining cost is the 4 KiB page faults of each new mapping, the worker's to
     /// avoid). Populating writes no byte: the RM's device header stays.
-    pub fn prefault_pool(&self) -> Result<(), String> {
+    fn prefault_pool(&self) -> Result<(), String> {
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)

@@ -12,7 +12,6 @@ use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -329,7 +328,7 @@ impl Client {
                 }
             }
             let got = if spin.on() {
-                match self.read_now() {
+                match super::sockopt::recv_now(&self.stream, &mut self.rbuf) {
                     Ok(Some(n)) => Ok(n),
                     Ok(None) => {
                         spin.tick();
@@ -354,28 +353,6 @@ impl Client {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.io_error(e)),
             }
-        }
-    }
-
-    /// Reads what has already arrived without blocking: `None` when nothing has.
-    fn read_now(&mut self) -> io::Result<Option<usize>> {
-        // SAFETY: rbuf is a live, writable buffer of rbuf.len() bytes and the descriptor
-        // belongs to self.stream for the whole call.
-        let n = unsafe {
-            libc::recv(
-                self.stream.as_raw_fd(),
-                self.rbuf.as_mut_ptr().cast(),
-                self.rbuf.len(),
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::WouldBlock => Ok(None),
-            _ => Err(e),
         }
     }
 

@@ -16,6 +16,7 @@ pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
 pub use server::{ConnId, Server, ServerOptions, Service};
 pub use signals::SignalPipe;
+pub use sockopt::recv_now;
 
 use std::time::Instant;
 

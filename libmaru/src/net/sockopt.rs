@@ -31,6 +31,29 @@ pub fn keepalive(sock: &impl AsRawFd) {
     set(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
 }
 
+/// Reads into `buf` what has already arrived, without blocking: `None` when nothing
+/// has (or the call was interrupted), `Some(0)` at the end of the stream.
+pub fn recv_now(sock: &impl AsRawFd, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+    // SAFETY: buf is a live, writable buffer of buf.len() bytes; the descriptor is
+    // open for the whole call (borrowed from its owner).
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n >= 0 {
+        return Ok(Some(n as usize));
+    }
+    let e = std::io::Error::last_os_error();
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(None),
+        _ => Err(e),
+    }
+}
+
 /// Payloads at least this long are read with a raised receive low-water mark.
 const LOWAT_FROM: usize = 128 << 10;
 /// The highest low-water mark asked for.
@@ -85,21 +108,14 @@ pub fn read_exact_bulk(stream: &std::net::TcpStream, buf: &mut [u8]) -> std::io:
         if got == buf.len() {
             break Ok(());
         }
-        let rest = &mut buf[got..];
-        // SAFETY: `rest` is a live, writable buffer of rest.len() bytes.
-        let n = unsafe { libc::recv(fd, rest.as_mut_ptr().cast(), rest.len(), libc::MSG_DONTWAIT) };
-        if n > 0 {
-            got += n as usize;
-            continue;
-        }
-        if n == 0 {
-            break Err(ErrorKind::UnexpectedEof.into());
-        }
-        let e = Error::last_os_error();
-        match e.kind() {
-            ErrorKind::WouldBlock => {}
-            ErrorKind::Interrupted => continue,
-            _ => break Err(e),
+        match recv_now(stream, &mut buf[got..]) {
+            Ok(Some(0)) => break Err(ErrorKind::UnexpectedEof.into()),
+            Ok(Some(n)) => {
+                got += n;
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => break Err(e),
         }
         let want = (buf.len() - got).min(cap);
         if want != mark {
