@@ -1,5 +1,5 @@
 # make bench: one benchmark program (bench/, maru-bench) that starts what it needs on
-# loopback (resource manager on a fake DAX file in /dev/shm, remote CXL agent,
+# loopback (resource manager on a fake DAX file on a 2 MiB-page tmpfs, remote CXL agent,
 # maru-server, redis-server) and writes bench/results/latest.{json,md,txt,png}.
 # BENCH_ARGS=--quick for a short run (a smoke test, about a quarter of the time).
 .PHONY: bench

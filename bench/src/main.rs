@@ -1,6 +1,7 @@
 //! maru-bench: Maru beside what users would pick instead and beside the physical
 //! limits, in one run on loopback. It starts what it needs (resource manager on a fake
-//! DAX file in /dev/shm, remote CXL agent, maru-server, redis-server) and measures:
+//! DAX file on a 2 MiB-page tmpfs it mounts for itself, or in /dev/shm; remote CXL
+//! agent, maru-server, redis-server) and measures:
 //!
 //! - Maru `cxl` and `remote_cxl` over `soft`, store and load through the C ABI, batches
 //!   of 32 and single chunks, 256 KiB and 2 MiB, 1 and 4 clients (engines), and one
