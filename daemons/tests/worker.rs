@@ -8,7 +8,7 @@ use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::worker::Handler;
 use sha2::{Digest, Sha256};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use support::{connect, wait_until, Daemon, Scratch};
 
 const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
@@ -398,6 +398,12 @@ impl maru::worker::movers::Mover for HalfMover {
     }
     fn boot_ids(&self) -> std::collections::BTreeMap<u64, String> {
         Default::default()
+    }
+    fn own_regions(&self) -> Vec<u64> {
+        self.inner.own_regions()
+    }
+    fn forget_region(&mut self, region_id: u64) {
+        self.inner.forget_region(region_id)
     }
     fn may_still_write(&self) -> bool {
         self.unfenced
@@ -1184,4 +1190,80 @@ fn after_its_agent_restarts_an_owner_maps_its_regions_again() {
     }
     a.close().unwrap();
     b.close().unwrap();
+}
+
+fn rm_args(st: &Stack, grace_s: u32) -> Vec<String> {
+    vec![
+        "--state-dir".into(),
+        st.s.dir.join("rm").display().to_string(),
+        "--fake-dax".into(),
+        format!("{}:256M", st.pool.display()),
+        "--grace-period-s".into(),
+        grace_s.to_string(),
+    ]
+}
+
+/// Kills the stack's RM (SIGKILL: its state on disk stays) and starts it again with
+/// `args` on `port` (0: a free one, where maru-server does not look for it).
+fn restart_rm(st: &mut Stack, args: &[String], port: u16) {
+    // SAFETY: kill(2) on our own, not yet reaped child.
+    unsafe {
+        libc::kill(st.rm.child.id() as i32, libc::SIGKILL);
+    }
+    let _ = st.rm.child.wait();
+    st.rm = Daemon::start_at(RM_BIN, args, &st.s.dir, port);
+}
+
+fn total_stat(h: &Handler, name: &str) -> u64 {
+    h.stats()["total"][name].as_u64().unwrap_or(0)
+}
+
+/// The RM reaps a region while maru-server cannot reach it (here: the RM restarted
+/// where maru-server does not look, then came back): maru-server drops the region at
+/// its next check, and the owner learns it at its next heartbeat. The owner then
+/// drops the spare pages it kept in that region and writes nothing more into it, so
+/// every next store lands in a new region and is published.
+#[test]
+fn stores_after_the_rm_took_a_region_back_go_to_a_new_one() {
+    let mut st = stack(false, &["--session-timeout-s", "3"]);
+    let h = Handler::open(&config(&st, "cxl", "engine-a")).unwrap();
+    let data: Vec<Vec<u8>> = (0..50).map(chunk).collect();
+    let keys: Vec<String> = (0..50).map(|i| format!("before-{i}")).collect();
+    let items = |keys: &[String], data: &[Vec<u8>]| -> Vec<(String, Vec<u8>)> {
+        keys.iter().cloned().zip(data.iter().cloned()).collect()
+    };
+    let store = |h: &Handler, it: &[(String, Vec<u8>)]| -> Vec<bool> {
+        let v: Vec<(&str, &[u8])> = it.iter().map(|(k, d)| (k.as_str(), d.as_slice())).collect();
+        h.store_batch(&v, Some("r")).unwrap()
+    };
+    // A few stores: the pool now keeps spare pages in its first region.
+    assert!(store(&h, &items(&keys[..5], &data[..5])).iter().all(|&x| x));
+    let port = st.rm.port();
+    let args = rm_args(&st, 1);
+    restart_rm(&mut st, &args, 0);
+    // The restarted RM reaps the regions of an owner absent past the grace period.
+    std::thread::sleep(Duration::from_millis(2500));
+    let args = rm_args(&st, 30);
+    restart_rm(&mut st, &args, port);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while total_stat(&h, "regions_lost") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the owner never heard that its region went"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after: Vec<String> = (0..50).map(|i| format!("after-{i}")).collect();
+    let ok = store(&h, &items(&after, &data));
+    assert!(ok.iter().all(|&x| x), "stores after the loss: {ok:?}");
+    let got = h.load_batch(&after, Some("r")).unwrap();
+    for (g, d) in got.iter().zip(&data) {
+        assert_eq!(g.as_deref().map(digest), Some(digest(d)));
+    }
+    assert_eq!(
+        h.exists_batch(&keys[..5], Some("r")).unwrap(),
+        vec![false; 5],
+        "the lost region's keys went with it"
+    );
+    h.close().unwrap();
 }

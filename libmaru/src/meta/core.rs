@@ -125,9 +125,11 @@ impl MetaCore {
                 region_id,
                 released,
             } => self.return_region(client_id, session, region_id, released, now_ms, rm),
-            MetaRequest::Heartbeat { session, boot_ids } => {
-                self.heartbeat(client_id, session, &boot_ids, now_ms)
-            }
+            MetaRequest::Heartbeat {
+                session,
+                boot_ids,
+                regions,
+            } => self.heartbeat(client_id, session, &boot_ids, &regions, now_ms),
             MetaRequest::Close { session, drained } => {
                 self.close(client_id, session, drained, now_ms)
             }

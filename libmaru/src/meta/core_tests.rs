@@ -9,6 +9,7 @@ use crate::wire::meta::{
     CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH,
 };
 use crate::wire::{ErrorCode, WireError};
+use std::collections::BTreeMap;
 
 fn code(r: Result<MetaReply, WireError>) -> ErrorCode {
     match r {
@@ -608,12 +609,26 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
         MetaRequest::Heartbeat {
             session: a,
             boot_ids: [(r, "boot-2".to_string()), (999, "x".to_string())].into(),
+            regions: vec![],
         },
     ) else {
         panic!("heartbeat");
     };
     assert_eq!(h.rebooted_regions, vec![r]);
     assert_eq!(h.unknown_regions, vec![999]);
+    // Regions named without boot ids (cxl): only those not the session's come back.
+    let Ok(MetaReply::Heartbeat(h)) = w.req(
+        W1,
+        MetaRequest::Heartbeat {
+            session: a,
+            boot_ids: BTreeMap::new(),
+            regions: vec![998, r],
+        },
+    ) else {
+        panic!("heartbeat");
+    };
+    assert_eq!(h.unknown_regions, vec![998]);
+    assert!(h.rebooted_regions.is_empty());
     assert_eq!(w.exists(W2, b, &["k"]), vec![false]);
     assert_eq!(totals(&w).leases, 0);
     let e = w.req(
@@ -621,6 +636,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
         MetaRequest::Heartbeat {
             session: a,
             boot_ids: [(r, String::new())].into(),
+            regions: vec![],
         },
     );
     assert_eq!(code(e), ErrorCode::BadRequest);
@@ -801,6 +817,7 @@ fn batches_over_the_cap_are_refused_whole() {
             boot_ids: (0..=MAX_BATCH as u64)
                 .map(|i| (i, "b".to_string()))
                 .collect(),
+            regions: vec![],
         },
     ] {
         let e = w.req(W1, req).unwrap_err();

@@ -404,7 +404,12 @@ impl World {
 
     pub fn heartbeat(&mut self, client: &str, session: u64, boots: &[(u64, &str)]) {
         let boot_ids = boots.iter().map(|(r, b)| (*r, b.to_string())).collect();
-        match self.req(client, MetaRequest::Heartbeat { session, boot_ids }) {
+        let req = MetaRequest::Heartbeat {
+            session,
+            boot_ids,
+            regions: vec![],
+        };
+        match self.req(client, req) {
             Ok(MetaReply::Heartbeat(_)) => {}
             other => panic!("heartbeat: {other:?}"),
         }

@@ -5,6 +5,7 @@
 use super::fakes::*;
 use crate::wire::meta::{Backend, MetaReply, MetaRequest, RemoveResult};
 use crate::wire::ErrorCode;
+use std::collections::BTreeMap;
 
 /// A world where W1's session has a region with key "k" (its first region) and an
 /// empty second region, then closes drained; W2's session reads.
@@ -443,11 +444,25 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
         MetaRequest::Heartbeat {
             session: a,
             boot_ids: [(r1, BOOT.to_string())].into(),
+            regions: vec![],
         },
     ) else {
         panic!("heartbeat");
     };
     assert_eq!(h.unknown_regions, vec![r1]);
+    // A cxl owner names its regions without boot ids: the same answer.
+    let Ok(MetaReply::Heartbeat(h)) = w.req(
+        W1,
+        MetaRequest::Heartbeat {
+            session: a,
+            boot_ids: BTreeMap::new(),
+            regions: vec![r1, r1],
+        },
+    ) else {
+        panic!("heartbeat");
+    };
+    assert_eq!(h.unknown_regions, vec![r1], "each region once");
+    assert!(h.rebooted_regions.is_empty());
     // Both go the way of any give-back: released at the agent, the free answered as
     // already done, and the table forgets them.
     w.run_for(5_000, 500);

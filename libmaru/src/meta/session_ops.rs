@@ -203,9 +203,11 @@ impl MetaCore {
         client_id: &str,
         session: u64,
         boot_ids: &BTreeMap<u64, String>,
+        regions: &[u64],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_batch("boot ids", boot_ids.len())?;
+        check_batch("regions", regions.len())?;
         for (rid, boot) in boot_ids {
             if boot.is_empty() || boot.len() > MAX_NAME_LEN {
                 return Err(bad_request(format!(
@@ -215,13 +217,21 @@ impl MetaCore {
             }
         }
         let id = self.session(client_id, session, now_ms)?;
-        let mut unknown_regions = Vec::new();
+        let owned = |me: &Self, rid: u64| {
+            me.sessions
+                .get(id)
+                .is_some_and(|s| s.regions.contains(&rid))
+        };
+        let mut unknown_regions: Vec<u64> = regions
+            .iter()
+            .copied()
+            .filter(|&rid| !boot_ids.contains_key(&rid) && !owned(self, rid))
+            .collect();
+        unknown_regions.sort_unstable();
+        unknown_regions.dedup();
         let mut rebooted_regions = Vec::new();
         for (&rid, boot) in boot_ids {
-            let owned = self
-                .sessions
-                .get(id)
-                .is_some_and(|s| s.regions.contains(&rid));
+            let owned = owned(self, rid);
             let Some(r) = self.regions.get_mut(rid).filter(|_| owned) else {
                 unknown_regions.push(rid);
                 continue;

@@ -146,11 +146,15 @@ pub enum MetaRequest {
         region_id: u64,
         released: bool,
     },
-    /// The session is alive; the boot id its agent reported for each region it maps.
+    /// The session is alive; the boot id its agent reported for each region it maps
+    /// (`remote_cxl`), and the regions it maps without one (`cxl`). Named regions that
+    /// are no longer the session's come back in `unknown_regions`.
     Heartbeat {
         session: u64,
         #[serde(default, deserialize_with = "region_keyed")]
         boot_ids: BTreeMap<u64, String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        regions: Vec<u64>,
     },
     /// End the session. `drained`: the worker settled its WRITEs and leaves its
     /// regions to the region keeper (regions with keys stay readable, the others go
@@ -513,6 +517,12 @@ mod tests {
             MetaRequest::Heartbeat {
                 session: 2,
                 boot_ids: [(7, "b0".to_string()), (u64::MAX, "b1".to_string())].into(),
+                regions: vec![],
+            },
+            MetaRequest::Heartbeat {
+                session: 2,
+                boot_ids: BTreeMap::new(),
+                regions: vec![3, u64::MAX],
             },
             MetaRequest::Publish {
                 session: 2,

@@ -935,6 +935,7 @@ impl Handler {
                 total.regions += s.regions;
                 total.regions_ahead += s.regions_ahead;
                 total.prefaulted_bytes += s.prefaulted_bytes;
+                total.regions_lost += s.regions_lost;
             }
             pools.push(
                 serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),

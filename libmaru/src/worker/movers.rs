@@ -112,6 +112,13 @@ pub trait Mover: Send {
     }
     /// Boot ids of the session's regions (for heartbeats).
     fn boot_ids(&self) -> BTreeMap<u64, String>;
+    /// The session's regions this mover can write into (for heartbeats, beside
+    /// `boot_ids`: maru-server answers which are no longer the session's).
+    fn own_regions(&self) -> Vec<u64>;
+    /// maru-server no longer counts the region among the session's (the RM took it
+    /// back): write nothing more into it and forget it. Nothing is released: the
+    /// region is no longer this session's to release.
+    fn forget_region(&mut self, region_id: u64);
     /// Gives back slots of transfers whose peer can now be fenced.
     fn reclaim(&mut self) {}
     /// True while a transfer of unknown outcome could still land somewhere (a peer
@@ -550,6 +557,15 @@ impl Mover for RemoteMover {
             .collect()
     }
 
+    fn own_regions(&self) -> Vec<u64> {
+        self.own.keys().copied().collect()
+    }
+
+    fn forget_region(&mut self, region_id: u64) {
+        self.own.remove(&region_id);
+        self.reads.retain(|&(r, _, _), _| r != region_id);
+    }
+
     fn reclaim(&mut self) {
         let fenced = self.iso.reclaim(self.nic.as_ref());
         if !fenced.is_empty() {
@@ -841,6 +857,16 @@ impl Mover for CxlMover {
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {
         BTreeMap::new()
+    }
+
+    fn own_regions(&self) -> Vec<u64> {
+        self.own.keys().copied().collect()
+    }
+
+    fn forget_region(&mut self, region_id: u64) {
+        // The mapping goes once the prefault thread (if it still has it) lets go.
+        self.own.remove(&region_id);
+        self.readers.remove(&region_id);
     }
 }
 

@@ -29,6 +29,8 @@ pub struct PoolStats {
     pub regions_ahead: u64,
     /// Bytes of own regions faulted in off the store path (`cxl`).
     pub prefaulted_bytes: u64,
+    /// Regions maru-server no longer counted among the session's (see `heartbeat`).
+    pub regions_lost: u64,
 }
 
 /// Writes the batch items `(index, page)` with the mover; true where complete.
@@ -462,7 +464,36 @@ impl StoragePool {
     pub fn heartbeat(&mut self) -> Result<(), WorkerError> {
         self.mover.reclaim();
         let boots = self.mover.boot_ids();
-        self.session.heartbeat(boots)
+        let regions = self
+            .mover
+            .own_regions()
+            .into_iter()
+            .filter(|r| !boots.contains_key(r))
+            .collect();
+        let reply = self.session.heartbeat(boots, regions)?;
+        for id in reply.unknown_regions {
+            self.lose_region(id);
+        }
+        Ok(())
+    }
+
+    /// maru-server says the region is no longer the session's (the RM took it back
+    /// while maru-server could not reach it, say): the spare pages in it go, and
+    /// nothing more is written into it. Stores go on in the session's other regions.
+    fn lose_region(&mut self, id: u64) {
+        let before = self.spare.len();
+        self.spare.retain(|p| p.region_id != id);
+        self.mover.forget_region(id);
+        if self.newest.is_some_and(|(r, _)| r == id) {
+            self.newest = None;
+        }
+        self.stats.regions = self.stats.regions.saturating_sub(1);
+        self.stats.regions_lost += 1;
+        log::warn!(
+            "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): {} spare page(s) in it dropped; nothing more is written into it",
+            self.session.url,
+            before - self.spare.len()
+        );
     }
 
     /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held

@@ -3,8 +3,8 @@
 use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
-    Backend, HandshakeReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef, PublishEntry,
-    RegionGrant, RemoveResult, SessionReply, SERVICE,
+    Backend, HandshakeReply, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant,
+    PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -197,12 +197,21 @@ impl Session {
         .map(|_| ())
     }
 
-    pub fn heartbeat(&mut self, boot_ids: BTreeMap<u64, String>) -> Result<(), WorkerError> {
-        self.call(&MetaRequest::Heartbeat {
+    /// The session is alive. `boot_ids` and `regions` name the regions the worker
+    /// writes into; the reply says which of them are no longer the session's.
+    pub fn heartbeat(
+        &mut self,
+        boot_ids: BTreeMap<u64, String>,
+        regions: Vec<u64>,
+    ) -> Result<HeartbeatReply, WorkerError> {
+        match self.call(&MetaRequest::Heartbeat {
             session: self.id,
             boot_ids,
-        })
-        .map(|_| ())
+            regions,
+        })? {
+            MetaReply::Heartbeat(h) => Ok(h),
+            r => Err(unexpected("heartbeat", r)),
+        }
     }
 
     pub fn close(&mut self) -> Result<(), WorkerError> {
