@@ -270,9 +270,10 @@ impl Mapping {
         // stays mapped while `self` lives; `data` is caller memory, not this mapping's
         // range (a `&[u8]` of it would need `as_slice`, and callers never pass one).
         // The bytes are shared memory by design (see `map_file`): who writes which
-        // range is coordinated by region and page ownership.
+        // range is coordinated by region and page ownership. The copy streams past the
+        // caches (see `copy`): the writer does not read these bytes again.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len());
+            super::copy::copy_to_shared(self.as_ptr().add(offset), data);
         }
         Ok(())
     }

@@ -8,7 +8,9 @@
 //! - [`header`]: the 32-byte device header (sans-I/O encode/decode).
 //! - [`device`]: opening a pool, creating its header, finding a device's UUID.
 //! - [`map`]: shared mappings of aligned ranges, quarantine by `PROT_NONE`.
+//! - [`copy`]: copies into shared memory with streaming (non-temporal) stores.
 
+pub mod copy;
 pub mod device;
 mod error;
 pub mod header;
