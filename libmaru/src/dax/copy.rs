@@ -1,28 +1,55 @@
-//! Copies into shared CXL memory with non-temporal stores.
+//! Copies with streaming (non-temporal) stores, for bytes the copying thread does not
+//! read again.
 //!
-//! A chunk stored into a region is read by other engines, not by the writer, so
-//! bringing its lines into the writer's cache only costs: an ordinary store first
-//! reads each line it writes (read for ownership, over the CXL link for real CXL
-//! memory), then the line is evicted again later. Streaming stores write whole lines
-//! without reading them and leave the cache alone. On this project's 2-core EPYC
-//! bench VM they copy 2 MiB chunks into cold memory about 1.3 times as fast as
-//! `memcpy` (see `docs/benchmarks.md`).
+//! - Into shared CXL memory ([`copy_to_shared`]): a stored chunk is read by other
+//!   engines, not by the writer. An ordinary store first reads each line it writes
+//!   (read for ownership; over the CXL link for real CXL memory) and the line is
+//!   evicted again later; streaming stores write whole lines without reading them and
+//!   leave the cache alone.
+//! - Out of a region or a staging slot into the caller's buffer ([`copy_out`]), for
+//!   chunks of 256 KiB or more: such a chunk goes on to the GPU by DMA, which reads
+//!   memory, and a batch of them is larger than the caches anyway.
 //!
-//! [`copy_to_shared`] ends with a store fence, so the bytes are globally visible
-//! before any later store or call of this thread (the publish that names them).
-//! Small copies, and targets other than x86_64, use an ordinary copy.
+//! On this project's 2-core EPYC bench VM streaming copies of 2 MiB chunks into cold
+//! memory run at about 1.3 times `memcpy` (see `docs/benchmarks.md`). Both end with a
+//! store fence, so the bytes are globally visible before any later store or call of
+//! this thread (the publish that names them, the reply that hands them over). Small
+//! copies, and targets other than x86_64, use an ordinary copy.
 
-/// Below this many bytes an ordinary copy is as fast and the fence not worth it.
-pub const STREAM_MIN: usize = 16 << 10;
+/// Stores into shared memory of at least this many bytes stream; below it an ordinary
+/// copy is as fast and the fence not worth it.
+pub const SHARED_STREAM_MIN: usize = 16 << 10;
 
-/// Copies `src` to `dst` (`src.len()` bytes), streaming the bulk of it past the caches
-/// when the copy is large; the bytes are visible to other CPUs when it returns.
+/// Copies out to caller memory of at least this many bytes stream; smaller chunks are
+/// likely read by the CPU next, from the cache an ordinary copy leaves them in.
+pub const OUT_STREAM_MIN: usize = 256 << 10;
+
+/// Copies `src` into shared memory at `dst`; the bytes are visible to other CPUs when
+/// it returns.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
 pub unsafe fn copy_to_shared(dst: *mut u8, src: &[u8]) {
+    // SAFETY: the caller's contract.
+    unsafe { copy_streaming(dst, src, SHARED_STREAM_MIN) }
+}
+
+/// Copies a loaded chunk into the caller's buffer (`dst.len() >= src.len()`; the
+/// bytes after `src.len()` are left as they are).
+pub fn copy_out(dst: &mut [u8], src: &[u8]) {
+    assert!(dst.len() >= src.len(), "copy_out: destination too small");
+    // SAFETY: `dst` is a distinct, writable slice of at least `src.len()` bytes (a
+    // `&mut` cannot alias the shared `src`).
+    unsafe { copy_streaming(dst.as_mut_ptr(), src, OUT_STREAM_MIN) }
+}
+
+/// Copies `src` to `dst`, streaming when `src.len() >= min`.
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
+unsafe fn copy_streaming(dst: *mut u8, src: &[u8], min: usize) {
     #[cfg(target_arch = "x86_64")]
-    if src.len() >= STREAM_MIN {
+    if src.len() >= min {
         if std::arch::is_x86_feature_detected!("avx") {
             // SAFETY: AVX is present (checked above); the caller's contract covers
             // the ranges.
@@ -33,6 +60,8 @@ pub unsafe fn copy_to_shared(dst: *mut u8, src: &[u8]) {
         }
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = min;
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
 }
@@ -130,19 +159,27 @@ mod tests {
         assert!(dst[off + len..].iter().all(|&b| b == 0xEE), "bytes after");
     }
 
+    unsafe fn out(d: *mut u8, s: &[u8]) {
+        // SAFETY: `check` hands a buffer with room for `s.len()` bytes at `d`.
+        copy_out(unsafe { std::slice::from_raw_parts_mut(d, s.len()) }, s)
+    }
+
     #[test]
     fn large_and_small_copies_at_every_alignment_keep_every_byte() {
         for len in [
             0,
             1,
             100,
-            STREAM_MIN - 1,
-            STREAM_MIN,
-            STREAM_MIN + 77,
+            SHARED_STREAM_MIN - 1,
+            SHARED_STREAM_MIN,
+            SHARED_STREAM_MIN + 77,
+            OUT_STREAM_MIN - 1,
+            OUT_STREAM_MIN + 5,
             1 << 20,
         ] {
             for off in [0, 1, 15, 16, 31, 33, 64] {
                 check(copy_to_shared, off % 5, off, len);
+                check(out, off % 3, off, len);
             }
         }
     }
@@ -172,6 +209,7 @@ mod tests {
         #[test]
         fn any_length_and_offset_copies_exactly(len in 0usize..200_000, off in 0usize..64, so in 0usize..64) {
             check(copy_to_shared, so, off, len);
+            check(out, so, off, len);
         }
     }
 }

@@ -674,8 +674,11 @@ impl Handler {
         route_key: Option<&str>,
     ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
         let mut out = vec![None; keys.len()];
-        self.inner
-            .load(keys, route_key, &mut |i, b| out[i] = Some(b.to_vec()))?;
+        self.inner.load(keys, route_key, &mut |i, b| {
+            let mut v = vec![0u8; b.len()];
+            crate::dax::copy::copy_out(&mut v, b);
+            out[i] = Some(v)
+        })?;
         Ok(out)
     }
 
@@ -698,7 +701,7 @@ impl Handler {
         self.inner.load(keys, route_key, &mut |i, b| {
             let dst = &mut bufs[i];
             out[i] = if b.len() <= dst.len() {
-                dst[..b.len()].copy_from_slice(b);
+                crate::dax::copy::copy_out(dst, b);
                 Loaded::Bytes(b.len())
             } else {
                 Loaded::TooSmall(b.len())
