@@ -1267,3 +1267,58 @@ fn stores_after_the_rm_took_a_region_back_go_to_a_new_one() {
     );
     h.close().unwrap();
 }
+
+/// Threads sharing a `cxl` handler: while one thread's load copies out of the shared
+/// mapping, another thread's request on the same pool goes through (the copy runs
+/// without the pool's lock). With the lock held over the copy, the second request
+/// waits for the first, which here waits for it: the test fails at its timeout.
+#[test]
+fn a_cxl_load_copies_without_holding_the_pool() {
+    let st = stack(false, &[]);
+    let h = std::sync::Arc::new(Handler::open(&config(&st, "cxl", "engine-a")).unwrap());
+    let keys: Vec<String> = (0..4).map(|i| format!("par-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..4).map(chunk).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    assert!(h
+        .store_batch(&items, Some("par"))
+        .unwrap()
+        .iter()
+        .all(|&x| x));
+    let (in_copy_tx, in_copy_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<Vec<bool>>();
+    let other = {
+        let h = h.clone();
+        let keys = keys.clone();
+        std::thread::spawn(move || {
+            // Once the first thread is inside its copy, ask the same pool.
+            in_copy_rx.recv().expect("the loader signals");
+            let _ = done_tx.send(h.exists_batch(&keys, Some("par")).unwrap());
+        })
+    };
+    let mut seen = Vec::new();
+    let mut answered = None;
+    h.load_each(&keys, Some("par"), &mut |i, b| {
+        if i == 0 {
+            in_copy_tx.send(()).expect("the other thread waits");
+            answered = done_rx.recv_timeout(Duration::from_secs(10)).ok();
+        }
+        seen.push((i, digest(b)));
+    })
+    .unwrap();
+    assert_eq!(
+        answered,
+        Some(vec![true; 4]),
+        "another thread's exists went through while a load was copying"
+    );
+    let want: Vec<(usize, [u8; 32])> = data.iter().map(|d| digest(d)).enumerate().collect();
+    assert_eq!(seen, want);
+    other.join().unwrap();
+    match std::sync::Arc::try_unwrap(h) {
+        Ok(h) => h.close().unwrap(),
+        Err(_) => panic!("the other thread still holds the handler"),
+    }
+}

@@ -311,7 +311,37 @@ impl Inner {
             return Ok(());
         };
         let rk = route_key.unwrap_or(first);
+        if self.cfg.backend == BackendKind::Cxl {
+            return self.load_in_place(keys, rk, sink);
+        }
         self.with_pool(rk, (), |p| p.load(keys, sink))
+    }
+
+    /// `cxl` loads: leases and views under the pool's lock, the copies out of the
+    /// shared mapping without it (each view keeps its mapping alive, each lease its
+    /// page from reuse), the leases' release under the lock again. So threads sharing
+    /// a handler copy side by side.
+    fn load_in_place(
+        &self,
+        keys: &[String],
+        rk: &str,
+        sink: &mut super::movers::ReadSink<'_>,
+    ) -> Result<(), WorkerError> {
+        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        let mut leases = Vec::with_capacity(got.len());
+        for (i, g) in got.iter().enumerate() {
+            if let Some((lease, view)) = g {
+                sink(i, view.bytes());
+                leases.push(lease.lease_id);
+            }
+        }
+        if !leases.is_empty() {
+            self.with_pool(rk, (), |p| {
+                p.release_leases(leases);
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 
     fn acquire_slots(
@@ -665,6 +695,19 @@ impl Handler {
             .load_batch(&[key.to_string()], route_key)?
             .pop()
             .flatten())
+    }
+
+    /// Loads the chunks of one request and hands each found one to `f(index, bytes)`
+    /// where it lies (`cxl`: the shared mapping; `remote_cxl`: the staging slot), with
+    /// no copy by the library; the bytes are valid only during the call of `f`. On
+    /// `cxl`, `f` runs without the pool's lock, so other threads of this handler go on.
+    pub fn load_each(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), WorkerError> {
+        self.inner.load(keys, route_key, f)
     }
 
     /// Loads the chunks of one request into new vectors (`None`: miss or failed read).

@@ -83,20 +83,31 @@ struct Inner {
 unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
-/// Page-aligned anonymous memory for the staging buffer.
+/// Anonymous memory for the staging buffer, aligned to 2 MiB and advised to use
+/// transparent huge pages (`MADV_HUGEPAGE`): the soft NIC's receive copies into it and
+/// the copy out of it touch 512 times fewer pages, and a verbs registration of it needs
+/// 512 times fewer translation entries. Where the kernel has no transparent huge pages
+/// the advice fails and the buffer stays on 4 KiB pages, which works the same.
 struct Buffer {
     ptr: *mut u8,
     len: usize,
 }
 
+/// The alignment (and huge-page size) of the staging buffer.
+const HUGE: usize = 2 << 20;
+
 impl Buffer {
     fn new(len: usize) -> std::io::Result<Buffer> {
         let len = len.max(1);
+        // Room to slide the start to a 2 MiB boundary; the slack is unmapped below.
+        let span = len
+            .checked_add(HUGE)
+            .ok_or_else(|| std::io::Error::other("staging buffer size overflows"))?;
         // SAFETY: an anonymous private mapping; checked for MAP_FAILED.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                span,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -106,7 +117,30 @@ impl Buffer {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Buffer { ptr: p.cast(), len })
+        let base = p as usize;
+        let start = (base + HUGE - 1) & !(HUGE - 1);
+        let (head, tail) = (start - base, span - (start - base) - len);
+        // SAFETY: both pieces lie inside the mapping just made and outside
+        // `start..start + len`; unmapping them leaves the buffer itself mapped.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+        // SAFETY: advice on the buffer's own range; it changes no byte.
+        if unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } != 0 {
+            log::debug!(
+                "staging buffer: no transparent huge pages ({}); 4 KiB pages",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(Buffer {
+            ptr: start as *mut u8,
+            len,
+        })
     }
 }
 
@@ -284,6 +318,20 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_buffer_starts_on_a_huge_page_boundary_and_every_byte_is_usable() {
+        for len in [2, 4096, HUGE, 3 * HUGE + 5] {
+            let b = Buffer::new(len).unwrap();
+            assert_eq!(b.ptr as usize % HUGE, 0, "len {len}");
+            assert_eq!(b.len, len);
+            // SAFETY: the buffer's own range.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(b.ptr, b.len) };
+            bytes[0] = 1;
+            bytes[len - 1] = 2;
+            assert_eq!((bytes[0], bytes[len - 1]), (1, 2));
+        }
+    }
 
     fn slots(l: usize, s: usize) -> StagingSlots {
         StagingSlots::new(StagingLayout {
