@@ -70,6 +70,13 @@ struct Args {
     /// Parts to run, comma-separated: limits, soft, maru, redis, meta, idle (default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
+    #[arg(long, value_delimiter = ',', value_parser = ["256K", "2M"])]
+    chunks: Vec<String>,
+    /// Client counts of the Maru and Redis figures, comma-separated: 1, 4 (engines with
+    /// a handler each) and 2 (one handler shared by two threads); default all.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(usize))]
+    clients: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -755,6 +762,15 @@ fn chart_panels(r: &Results) -> Vec<chart::Panel> {
         .collect()
 }
 
+/// A chunk size as `--chunks` spells it.
+fn chunk_flag(c: usize) -> String {
+    if c >= MIB {
+        format!("{}M", c / MIB)
+    } else {
+        format!("{}K", c / 1024)
+    }
+}
+
 fn main() {
     let args = Args::parse();
     if let Err(e) = run(args) {
@@ -770,6 +786,17 @@ fn run(args: Args) -> Result<(), String> {
     let pool_gib = args.pool_gib.unwrap_or(if quick { 2 } else { 4 });
     let rotate = args.rotate_mib.unwrap_or(if quick { 256 } else { 1024 }) * MIB;
     let want = |p: &str| args.only.is_empty() || args.only.iter().any(|o| o == p);
+    let chunks: Vec<usize> = CHUNKS
+        .iter()
+        .copied()
+        .filter(|&c| args.chunks.is_empty() || args.chunks.iter().any(|n| *n == chunk_flag(c)))
+        .collect();
+    for n in &args.clients {
+        if ![1, 2, MANY].contains(n) {
+            return Err(format!("--clients {n}: use 1, 2 or {MANY}"));
+        }
+    }
+    let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
     for o in &args.only {
         if !["limits", "soft", "maru", "redis", "meta", "idle"].contains(&o.as_str()) {
             return Err(format!(
@@ -800,7 +827,7 @@ fn run(args: Args) -> Result<(), String> {
     let say = |s: &str| eprintln!("[{:>5.0} s] {s}", started.elapsed().as_secs_f64());
 
     if want("limits") {
-        for &c in &CHUNKS {
+        for &c in &chunks {
             for threads in [1, 2] {
                 say(&format!("memcpy {} x {threads} thread(s)", chunk_name(c)));
                 // Each thread rotates over its own source and destination.
@@ -817,7 +844,7 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     if want("soft") {
-        for &c in &CHUNKS {
+        for &c in &chunks {
             say(&format!("raw soft transport {}", chunk_name(c)));
             let tcp = match r.tcp_of(c) {
                 Some(t) => t,
@@ -844,8 +871,11 @@ fn run(args: Args) -> Result<(), String> {
             if !args.backends.is_empty() && !args.backends.iter().any(|b| b == backend) {
                 continue;
             }
-            for &chunk in &CHUNKS {
+            for &chunk in &chunks {
                 for (handlers, threads) in [(1, 1), (MANY, 1), (1, 2)] {
+                    if !want_clients(handlers * threads) {
+                        continue;
+                    }
                     let cfg = Config {
                         backend,
                         chunk,
@@ -866,7 +896,7 @@ fn run(args: Args) -> Result<(), String> {
             }
         }
         let cxl = args.backends.is_empty() || args.backends.iter().any(|b| b == "cxl");
-        if huge.is_ok() && cxl {
+        if huge.is_ok() && cxl && chunks.contains(&(2 * MIB)) && want_clients(1) {
             say("maru cxl 2 MiB x 1 handler, pool of 4 KiB pages in /dev/shm");
             let small = procs::Scratch::with_pool("small-pages", 2 << 30, None)?;
             let cfg = Config {
@@ -885,8 +915,11 @@ fn run(args: Args) -> Result<(), String> {
     }
     if want("redis") {
         let (redis_proc, addr) = procs::start_redis()?;
-        for &chunk in &CHUNKS {
+        for &chunk in &chunks {
             for clients in [1, MANY] {
+                if !want_clients(clients) {
+                    continue;
+                }
                 say(&format!(
                     "redis {} x {clients} client(s)",
                     chunk_name(chunk)

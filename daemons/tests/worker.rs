@@ -1322,3 +1322,149 @@ fn a_cxl_load_copies_without_holding_the_pool() {
         Err(_) => panic!("the other thread still holds the handler"),
     }
 }
+
+/// The soft transport, counting the READ bytes of batches posted and not yet waited
+/// for (a batch is forgotten once its outcome is taken), and the most seen at once.
+struct CountingReads {
+    inner: maru::transport::soft::SoftTransport,
+    open: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+    most: std::sync::atomic::AtomicU64,
+    posts: std::sync::atomic::AtomicU64,
+}
+
+impl CountingReads {
+    /// (READ batches posted, most READ bytes in flight at once) since the last call.
+    fn take(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering;
+        (
+            self.posts.swap(0, Ordering::SeqCst),
+            self.most.swap(0, Ordering::SeqCst),
+        )
+    }
+}
+
+impl maru::transport::Transport for CountingReads {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn register_local(
+        &self,
+        b: maru::transport::LocalBuffer,
+    ) -> Result<(), maru::transport::TransportError> {
+        self.inner.register_local(b)
+    }
+    fn connect(
+        &self,
+        meta: &serde_json::Value,
+        bringup: &mut maru::transport::Bringup<'_>,
+    ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
+        self.inner.connect(meta, bringup)
+    }
+    fn post(
+        &self,
+        peer: maru::transport::PeerId,
+        ops: &[maru::transport::Op],
+    ) -> Result<maru::transport::BatchId, maru::transport::TransportError> {
+        use std::sync::atomic::Ordering;
+        let reads: u64 = ops
+            .iter()
+            .filter(|o| o.kind == maru::transport::OpKind::Read)
+            .map(|o| o.len)
+            .sum();
+        let mut open = self.open.lock().unwrap();
+        let id = self.inner.post(peer, ops)?;
+        if reads > 0 {
+            open.insert(id.0, reads);
+            self.posts.fetch_add(1, Ordering::SeqCst);
+            self.most.fetch_max(open.values().sum(), Ordering::SeqCst);
+        }
+        Ok(id)
+    }
+    fn state(&self, b: maru::transport::BatchId) -> maru::transport::BatchState {
+        self.inner.state(b)
+    }
+    fn wait(&self, b: maru::transport::BatchId, t: Duration) -> maru::transport::BatchState {
+        self.inner.wait(b, t)
+    }
+    fn forget(&self, b: maru::transport::BatchId) {
+        self.open.lock().unwrap().remove(&b.0);
+        self.inner.forget(b)
+    }
+    fn fence(&self, peer: maru::transport::PeerId) -> Result<(), maru::transport::TransportError> {
+        self.inner.fence(peer)
+    }
+}
+
+/// A load of many chunks, copying or into the caller's slots, READs them in windows
+/// of 2 MiB with at most two windows in flight (the copying load's slots take the
+/// next window once copied out), not all at once; every byte arrives, and every slot
+/// is back afterwards.
+#[test]
+fn loads_go_in_windows_of_at_most_two_in_flight_and_every_byte_arrives() {
+    use maru::worker::SlotPool;
+    const N: usize = 96; // 6 MiB of 64 KiB chunks: three windows
+    let st = stack(true, &[]);
+    let key = maru::auth::load_key_file(&st.key_path).unwrap();
+    let t = std::sync::Arc::new(CountingReads {
+        inner: maru::transport::soft::SoftTransport::new("windows-engine", Some(key)),
+        open: Default::default(),
+        most: 0.into(),
+        posts: 0.into(),
+    });
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config(&st, "remote_cxl", "windows")).unwrap();
+    cfg["load_slots"] = N.into();
+    cfg["store_slots"] = N.into();
+    let h = Handler::open_with_transport(&cfg.to_string(), t.clone()).unwrap();
+    let data: Vec<Vec<u8>> = (0..N)
+        .map(|i| self_checking_chunk(i as u64, 64 << 10))
+        .collect();
+    let keys: Vec<String> = (0..N).map(|i| format!("window-{i}")).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .map(|k| k.as_str())
+        .zip(data.iter().map(|d| d.as_slice()))
+        .collect();
+    assert_eq!(h.store_batch(&items, Some("w")).unwrap(), vec![true; N]);
+    t.take();
+
+    let got = h.load_batch(&keys, Some("w")).unwrap();
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(
+            g.as_deref().map(digest),
+            Some(digest(&data[i])),
+            "chunk {i}"
+        );
+    }
+    let (posts, most) = t.take();
+    assert!(posts >= 3, "{posts} READ batches: the load went in windows");
+    assert!(
+        most <= 4 << 20,
+        "{most} READ bytes in flight at once: at most two windows of 2 MiB"
+    );
+
+    let slots = h
+        .acquire_slots(SlotPool::Load, N, Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(slots.len(), N);
+    let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
+    let lens = h.load_slots(&keys, &ids, Some("w")).unwrap();
+    for (i, s) in slots.iter().enumerate() {
+        assert_eq!(lens[i], Some(64 << 10), "chunk {i}");
+        // SAFETY: our slot, holding the chunk just loaded.
+        let b = unsafe { std::slice::from_raw_parts(s.ptr, 64 << 10) };
+        assert_eq!(digest(b), digest(&data[i]), "chunk {i} in its slot");
+    }
+    let (posts, most) = t.take();
+    assert!(posts >= 3, "{posts} READ batches into slots");
+    assert!(most <= 4 << 20, "{most} READ bytes in flight into slots");
+    h.release_slots(&ids).unwrap();
+    assert_eq!(h.held_slots(), 0);
+    let all = h
+        .acquire_slots(SlotPool::Load, N, Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(all.len(), N, "every load slot is back");
+    h.release_slots(&all.iter().map(|s| s.id).collect::<Vec<_>>())
+        .unwrap();
+    h.close().unwrap();
+}

@@ -4,13 +4,14 @@
 use super::error::WorkerError;
 use super::prefault::{PrefaultStats, Prefaulter};
 use super::staging::{Slot, SlotPool, StagingSlots};
-use super::transfer::{execute, Isolation, PeerBatch, PeerOutcome};
+use super::transfer::{post, Isolation, PeerBatch, PeerOutcome, Posted};
 use crate::dax::{self, Mapping};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -366,11 +367,25 @@ impl RemoteMover {
     /// Runs the grouped transfers and records each item's outcome in `out` (the slot
     /// back unless its peer's outcome is unknown). True when any batch did not complete.
     fn settle(&mut self, group: PeerGroups, out: &mut [SlotOutcome]) -> bool {
-        let peers: Vec<PeerId> = group.batches.iter().map(|b| b.peer).collect();
-        let outcomes = execute(self.nic.as_ref(), group.batches, self.timeout, &self.iso);
+        let pending = self.post_group(group);
+        self.settle_posted(pending, out)
+    }
+
+    fn post_group(&self, group: PeerGroups) -> PostedGroup {
+        let peers = group.batches.iter().map(|b| b.peer).collect();
+        PostedGroup {
+            posted: post(self.nic.as_ref(), group.batches, self.timeout),
+            order: group.order,
+            peers,
+        }
+    }
+
+    /// Waits for a posted group; as `settle`.
+    fn settle_posted(&mut self, pending: PostedGroup, out: &mut [SlotOutcome]) -> bool {
+        let outcomes = pending.posted.finish(self.nic.as_ref(), &self.iso);
         let mut any_failed = false;
         let mut any_kept = false;
-        for ((items, o), peer) in group.order.iter().zip(outcomes).zip(peers) {
+        for ((items, o), peer) in pending.order.iter().zip(outcomes).zip(pending.peers) {
             let (ok, slots) = match o {
                 PeerOutcome::Done(s) => (true, s),
                 PeerOutcome::Failed(e, s) => {
@@ -399,6 +414,65 @@ impl RemoteMover {
         }
         any_failed
     }
+}
+
+/// A window of a copying load, in bytes (at least one chunk): its READs land in
+/// staging slots that are copied out to the caller as soon as the window completes,
+/// and then take a READ of a later window. So a load cycles through a few slots that
+/// stay in the CPU's cache, instead of filling (and evicting) as many slots as it has
+/// chunks before it copies the first out.
+const LOAD_WINDOW_BYTES: u64 = 2 << 20;
+/// A load keeps a second window in flight (to overlap the copy out of one window with
+/// the transfer of the next) only while the copying loads of this process have less
+/// than this many bytes in flight together; the first window of a load always goes.
+/// A lone load gains the overlap; on a host busy with many loads each keeps one
+/// window, since a second would only take cache from the others (bench: 4 engines at
+/// 2 MiB, 5.2 against 4.3 GB/s with one window each; one engine, 4.2 against 2.9 GB/s
+/// with two).
+const LOAD_IN_FLIGHT_BUDGET: u64 = 4 << 20;
+/// The bytes this process's copying loads have in flight.
+static LOAD_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+
+/// A window's share of [`LOAD_IN_FLIGHT`], given back when it is dropped.
+struct InFlightBytes(u64);
+
+impl InFlightBytes {
+    /// Counts `n` bytes in flight: always when `first`, else only within the budget.
+    fn take(n: u64, first: bool) -> Option<InFlightBytes> {
+        if first {
+            LOAD_IN_FLIGHT.fetch_add(n, Ordering::Relaxed);
+            return Some(InFlightBytes(n));
+        }
+        LOAD_IN_FLIGHT
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                (cur + n <= LOAD_IN_FLIGHT_BUDGET).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| InFlightBytes(n))
+    }
+}
+
+impl Drop for InFlightBytes {
+    fn drop(&mut self) {
+        LOAD_IN_FLIGHT.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
+/// Reads of one window of a copying load, posted and not yet waited for.
+struct PendingReads {
+    /// Index of the window's first lease in the request.
+    start: usize,
+    /// Its bytes, counted in flight until it is waited for (copying loads only).
+    in_flight: Option<InFlightBytes>,
+    out: Vec<SlotOutcome>,
+    group: PostedGroup,
+}
+
+/// A posted transfer with, per peer, the items its operations came from.
+struct PostedGroup {
+    posted: Posted,
+    order: Vec<Vec<usize>>,
+    peers: Vec<PeerId>,
 }
 
 impl Mover for RemoteMover {
@@ -502,51 +576,70 @@ impl Mover for RemoteMover {
         out
     }
 
+    /// Copying loads go through [`RemoteMover::read_windows`]: each window's slots are
+    /// handed to `sink` and then take a later window. After a window that failed,
+    /// nothing more is handed over.
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        let mut next = 0;
-        while next < leases.len() {
-            // A batch fits the free load slots (waiting up to 1 s for one).
-            let slots =
-                self.staging
-                    .acquire(SlotPool::Load, leases.len() - next, Duration::from_secs(1));
-            if slots.is_empty() {
-                log::warn!(
-                    "no load slot free within 1 s: {} chunk(s) not loaded",
-                    leases.len() - next
-                );
-                return;
-            }
-            let end = next + slots.len();
-            let outs = self.read_into(&leases[next..end], slots);
-            let mut failed = false;
-            for (k, o) in outs.iter().enumerate() {
-                match (&o.slot, o.ok) {
-                    (Some(s), true) => {
-                        let n = leases[next + k].length as usize;
-                        sink(next + k, &s.bytes()[..n]);
+        let staging = self.staging.clone();
+        let mut failed = false;
+        self.read_windows(
+            leases,
+            &mut |_, want, first| {
+                // The first window waits up to 1 s for a slot; a later one takes what
+                // is free now, or waits for the window ahead of it to give its back.
+                if first {
+                    let slots = staging.acquire(SlotPool::Load, want, Duration::from_secs(1));
+                    if slots.is_empty() {
+                        log::warn!("no load slot free within 1 s: chunks from here on not loaded");
                     }
-                    _ => failed = true,
+                    slots
+                } else {
+                    staging.try_acquire(SlotPool::Load, want)
                 }
-            }
-            if failed {
-                // A failed batch fails the request from that batch on.
-                return;
-            }
-            next = end;
-        }
+            },
+            &mut |start, outs| {
+                for (k, o) in outs.iter().enumerate() {
+                    match (&o.slot, o.ok) {
+                        (Some(s), true) => {
+                            let n = leases[start + k].length as usize;
+                            sink(start + k, &s.bytes()[..n]);
+                        }
+                        // A failed window fails the request from that window on.
+                        _ => failed = true,
+                    }
+                }
+                !failed
+            },
+        );
     }
 
+    /// Into the caller's slots, in windows too (see [`RemoteMover::read_windows`]):
+    /// fewer bytes queued at once at the peer, and every lease is tried.
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        self.peer_dropped = false;
-        let mut out = self.read_into_once(leases, slots);
-        if !self.peer_dropped {
-            return out;
-        }
-        // One more try for the READs that failed while a peer was dropped (see
-        // `write_slots`).
-        let (idx, slots) = take_failed(&mut out);
-        let again: Vec<LeaseGrant> = idx.iter().map(|&i| leases[i].clone()).collect();
-        put_back(&mut out, &idx, self.read_into_once(&again, slots));
+        let n = leases.len().min(slots.len());
+        let mut given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(given.len());
+        self.read_windows(
+            &leases[..n],
+            &mut |start, want, _| {
+                given[start..start + want]
+                    .iter_mut()
+                    .filter_map(Option::take)
+                    .collect()
+            },
+            &mut |start, outs| {
+                debug_assert_eq!(out.len(), start);
+                out.extend(outs);
+                true
+            },
+        );
+        // Slots beyond the leases are the caller's again, unused.
+        out.extend(
+            given
+                .into_iter()
+                .skip(out.len())
+                .map(|slot| SlotOutcome { ok: false, slot }),
+        );
         out
     }
 
@@ -914,7 +1007,77 @@ impl RemoteMover {
         out
     }
 
+    /// READs of `leases` in windows of [`LOAD_WINDOW_BYTES`] (at least one chunk), a
+    /// second window in flight within [`LOAD_IN_FLIGHT_BUDGET`]: it is posted before
+    /// the one ahead of it is waited for. `slots(start, want, first)` gives the slots
+    /// of the window of `want` leases from `start` (fewer: the window is cut to them;
+    /// none: nothing more is posted for now, or, for the `first` window, at all).
+    /// `done(start, outcomes)` gets each window's outcomes in order, one per lease,
+    /// and says whether to go on; after `false` nothing more is posted, and what is in
+    /// flight is waited for (its slots go back). READs that failed while a peer was
+    /// dropped are tried once more (see `write_slots`).
+    fn read_windows(
+        &mut self,
+        leases: &[LeaseGrant],
+        slots: &mut dyn FnMut(usize, usize, bool) -> Vec<Slot>,
+        done: &mut dyn FnMut(usize, Vec<SlotOutcome>) -> bool,
+    ) {
+        self.peer_dropped = false;
+        let mut inflight: std::collections::VecDeque<PendingReads> = Default::default();
+        let mut next = 0;
+        let mut stop = false;
+        loop {
+            while !stop && inflight.len() < 2 && next < leases.len() {
+                let chunk = leases[next].length.max(1);
+                let want = ((LOAD_WINDOW_BYTES / chunk).max(1) as usize).min(leases.len() - next);
+                let first = inflight.is_empty();
+                let bytes: u64 = leases[next..next + want].iter().map(|l| l.length).sum();
+                let Some(share) = InFlightBytes::take(bytes, first) else {
+                    break;
+                };
+                let got = slots(next, want, first);
+                if got.is_empty() {
+                    stop |= first;
+                    break;
+                }
+                let end = next + got.len().min(want);
+                let mut pending = self.post_reads(next, &leases[next..end], got);
+                pending.in_flight = Some(share);
+                inflight.push_back(pending);
+                next = end;
+            }
+            let Some(pending) = inflight.pop_front() else {
+                return;
+            };
+            let start = pending.start;
+            let mut outs = self.finish_reads(pending);
+            if self.peer_dropped && outs.iter().any(|o| !o.ok) {
+                let (idx, again_slots) = take_failed(&mut outs);
+                let again: Vec<LeaseGrant> =
+                    idx.iter().map(|&i| leases[start + i].clone()).collect();
+                let retried = self.read_into_once(&again, again_slots);
+                put_back(&mut outs, &idx, retried);
+            }
+            if stop {
+                continue;
+            }
+            stop = !done(start, outs);
+        }
+    }
+
     fn read_into_once(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        let pending = self.post_reads(0, leases, slots);
+        self.finish_reads(pending)
+    }
+
+    /// Posts a READ of each lease into the slot of the same index; `start` is where
+    /// `leases` begin in the request.
+    fn post_reads(
+        &mut self,
+        start: usize,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+    ) -> PendingReads {
         self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
@@ -945,10 +1108,50 @@ impl RemoteMover {
             };
             group.add(peer, op, slot, i);
         }
-        if self.settle(group, &mut out) {
+        PendingReads {
+            start,
+            in_flight: None,
+            out,
+            group: self.post_group(group),
+        }
+    }
+
+    /// Waits for posted READs: each lease's outcome, the slot of the same index.
+    fn finish_reads(&mut self, pending: PendingReads) -> Vec<SlotOutcome> {
+        let PendingReads { mut out, group, .. } = pending;
+        if self.settle_posted(group, &mut out) {
             // Read registrations may have gone with their region: map again next time.
             self.reads.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A load's first window always goes; a second only within the process's budget,
+    /// and a window's bytes count until it is dropped.
+    #[test]
+    fn a_second_window_goes_only_within_the_in_flight_budget() {
+        let before = LOAD_IN_FLIGHT.load(Ordering::SeqCst);
+        let first = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET, true).expect("a first window");
+        assert!(
+            InFlightBytes::take(1, false).is_none(),
+            "over the budget: no second window"
+        );
+        let huge = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET * 4, true).expect("a first window");
+        assert_eq!(
+            LOAD_IN_FLIGHT.load(Ordering::SeqCst),
+            before + LOAD_IN_FLIGHT_BUDGET * 5
+        );
+        drop((first, huge));
+        assert_eq!(LOAD_IN_FLIGHT.load(Ordering::SeqCst), before);
+        let a = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET / 2, true).expect("a first window");
+        let b = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET / 2 - before, false);
+        assert!(b.is_some(), "within the budget: a second window");
+        drop((a, b));
+        assert_eq!(LOAD_IN_FLIGHT.load(Ordering::SeqCst), before);
     }
 }

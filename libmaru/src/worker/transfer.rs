@@ -11,7 +11,7 @@
 //! DMA touches them any more.
 
 use super::staging::Slot;
-use crate::transport::{BatchState, Op, PeerId, Transport, TransportError};
+use crate::transport::{BatchId, BatchState, Op, PeerId, Transport, TransportError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -124,50 +124,99 @@ pub fn execute(
     timeout: Duration,
     iso: &Isolation,
 ) -> Vec<PeerOutcome> {
+    post(t, batches, timeout).finish(t, iso)
+}
+
+/// A transfer whose batches are on their way: [`Posted::finish`] waits for them and
+/// hands the slots back as [`execute`] does, so that a caller can post the next
+/// transfer before it waits for this one.
+#[must_use = "a posted transfer owns its slots until it is finished"]
+pub struct Posted {
+    parts: Vec<PostedPart>,
+    deadline: Instant,
+}
+
+/// One peer's batch as posted, or why it could not be, with its slots.
+type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
+
+/// Posts every peer's batch; each must complete within `timeout` of now.
+pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, timeout: Duration) -> Posted {
     let deadline = Instant::now() + timeout;
-    let mut posted = Vec::with_capacity(batches.len());
-    for b in batches {
-        match t.post(b.peer, &b.ops) {
-            Ok(id) => posted.push(Ok((b, id))),
-            // Nothing was sent for this peer: its slots come back with the outcome.
-            Err(e) => posted.push(Err((e, b.slots))),
-        }
-    }
-    posted
+    let parts = batches
         .into_iter()
-        .map(|p| match p {
-            Err((e, slots)) => PeerOutcome::Failed(e, slots),
-            Ok((b, id)) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let st = t.wait(id, left);
-                match st {
-                    BatchState::Done => {
-                        t.forget(id);
-                        PeerOutcome::Done(b.slots)
-                    }
-                    BatchState::Failed(e) => {
-                        t.forget(id);
-                        PeerOutcome::Failed(e, b.slots)
-                    }
-                    BatchState::Pending => {
-                        log::warn!(
-                            "transfer to peer {} did not finish in time: keeping its {} slots until the peer is fenced",
-                            b.peer.0,
-                            b.slots.len()
-                        );
-                        iso.keep(b.peer, b.slots);
-                        PeerOutcome::Kept(b.peer)
+        .map(|b| match t.post(b.peer, &b.ops) {
+            Ok(id) => Ok((b, id)),
+            // Nothing was sent for this peer: its slots come back with the outcome.
+            Err(e) => Err((e, b.slots)),
+        })
+        .collect();
+    Posted { parts, deadline }
+}
+
+impl Posted {
+    /// Waits for every peer's batch until the deadline set when it was posted; a peer
+    /// still pending then keeps its slots in `iso` until it is fenced.
+    pub fn finish(mut self, t: &dyn Transport, iso: &Isolation) -> Vec<PeerOutcome> {
+        let deadline = self.deadline;
+        std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(|p| match p {
+                Err((e, slots)) => PeerOutcome::Failed(e, slots),
+                Ok((b, id)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match t.wait(id, left) {
+                        BatchState::Done => {
+                            t.forget(id);
+                            PeerOutcome::Done(b.slots)
+                        }
+                        BatchState::Failed(e) => {
+                            t.forget(id);
+                            PeerOutcome::Failed(e, b.slots)
+                        }
+                        BatchState::Pending => {
+                            log::warn!(
+                                "transfer to peer {} did not finish in time: keeping its {} slots until the peer is fenced",
+                                b.peer.0,
+                                b.slots.len()
+                            );
+                            iso.keep(b.peer, b.slots);
+                            PeerOutcome::Kept(b.peer)
+                        }
                     }
                 }
+            })
+            .collect()
+    }
+}
+
+impl Drop for Posted {
+    /// Only a transfer dropped without [`Posted::finish`] (a bug, or a panic unwinding)
+    /// has parts left: their NIC may still move bytes into the slots, and nothing here
+    /// can fence it, so the slots never go back to their pool.
+    fn drop(&mut self) {
+        let mut lost = 0;
+        for p in std::mem::take(&mut self.parts) {
+            let slots = match p {
+                Ok((b, _)) => b.slots,
+                Err((_, s)) => s,
+            };
+            lost += slots.len();
+            for s in slots {
+                std::mem::forget(s);
             }
-        })
-        .collect()
+        }
+        if lost > 0 {
+            log::error!(
+                "a transfer was dropped unfinished: {lost} staging slot(s) stay out of use"
+            );
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::{BatchId, Bringup, LocalBuffer, OpKind};
+    use crate::transport::{Bringup, LocalBuffer, OpKind};
     use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
     use std::collections::{HashMap, HashSet};
     use std::sync::atomic::{AtomicU64, Ordering};
