@@ -1323,27 +1323,40 @@ fn a_cxl_load_copies_without_holding_the_pool() {
     }
 }
 
-/// The soft transport, counting the READ bytes of batches posted and not yet waited
-/// for (a batch is forgotten once its outcome is taken), and the most seen at once.
-struct CountingReads {
-    inner: maru::transport::soft::SoftTransport,
-    open: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
-    most: std::sync::atomic::AtomicU64,
-    posts: std::sync::atomic::AtomicU64,
+/// The soft transport, counting the bytes of READ and of WRITE batches posted and not
+/// yet waited for (a batch is forgotten once its outcome is taken), and the most seen
+/// at once.
+#[derive(Default)]
+struct Counts {
+    open: std::collections::HashMap<u64, u64>,
+    posts: u64,
+    most: u64,
 }
 
-impl CountingReads {
-    /// (READ batches posted, most READ bytes in flight at once) since the last call.
-    fn take(&self) -> (u64, u64) {
-        use std::sync::atomic::Ordering;
-        (
-            self.posts.swap(0, Ordering::SeqCst),
-            self.most.swap(0, Ordering::SeqCst),
-        )
+struct CountingTransfers {
+    inner: maru::transport::soft::SoftTransport,
+    reads: std::sync::Mutex<Counts>,
+    writes: std::sync::Mutex<Counts>,
+}
+
+impl CountingTransfers {
+    /// (batches posted, most bytes in flight at once) of one kind since the last call.
+    fn take(&self, kind: maru::transport::OpKind) -> (u64, u64) {
+        let mut c = self.counts(kind).lock().unwrap();
+        let r = (c.posts, c.most);
+        c.posts = 0;
+        c.most = 0;
+        r
+    }
+    fn counts(&self, kind: maru::transport::OpKind) -> &std::sync::Mutex<Counts> {
+        match kind {
+            maru::transport::OpKind::Read => &self.reads,
+            maru::transport::OpKind::Write => &self.writes,
+        }
     }
 }
 
-impl maru::transport::Transport for CountingReads {
+impl maru::transport::Transport for CountingTransfers {
     fn name(&self) -> &'static str {
         "counting"
     }
@@ -1365,19 +1378,15 @@ impl maru::transport::Transport for CountingReads {
         peer: maru::transport::PeerId,
         ops: &[maru::transport::Op],
     ) -> Result<maru::transport::BatchId, maru::transport::TransportError> {
-        use std::sync::atomic::Ordering;
-        let reads: u64 = ops
-            .iter()
-            .filter(|o| o.kind == maru::transport::OpKind::Read)
-            .map(|o| o.len)
-            .sum();
-        let mut open = self.open.lock().unwrap();
+        let Some(kind) = ops.first().map(|o| o.kind) else {
+            return self.inner.post(peer, ops);
+        };
+        let bytes: u64 = ops.iter().map(|o| o.len).sum();
+        let mut c = self.counts(kind).lock().unwrap();
         let id = self.inner.post(peer, ops)?;
-        if reads > 0 {
-            open.insert(id.0, reads);
-            self.posts.fetch_add(1, Ordering::SeqCst);
-            self.most.fetch_max(open.values().sum(), Ordering::SeqCst);
-        }
+        c.open.insert(id.0, bytes);
+        c.posts += 1;
+        c.most = c.most.max(c.open.values().sum());
         Ok(id)
     }
     fn state(&self, b: maru::transport::BatchId) -> maru::transport::BatchState {
@@ -1387,7 +1396,8 @@ impl maru::transport::Transport for CountingReads {
         self.inner.wait(b, t)
     }
     fn forget(&self, b: maru::transport::BatchId) {
-        self.open.lock().unwrap().remove(&b.0);
+        self.reads.lock().unwrap().open.remove(&b.0);
+        self.writes.lock().unwrap().open.remove(&b.0);
         self.inner.forget(b)
     }
     fn fence(&self, peer: maru::transport::PeerId) -> Result<(), maru::transport::TransportError> {
@@ -1395,39 +1405,67 @@ impl maru::transport::Transport for CountingReads {
     }
 }
 
-/// A load of many chunks, copying or into the caller's slots, READs them in windows
-/// of 2 MiB with at most two windows in flight (the copying load's slots take the
-/// next window once copied out), not all at once; every byte arrives, and every slot
-/// is back afterwards.
+/// Stores and loads of many chunks, copying or through the caller's slots, transfer
+/// them in windows of 2 MiB with at most two windows in flight, not all at once (a
+/// copying load's slots take the next window once copied out, a copying store's slots
+/// are filled for the next window while the one ahead is on the wire); every byte
+/// arrives, and every slot is back afterwards.
 #[test]
-fn loads_go_in_windows_of_at_most_two_in_flight_and_every_byte_arrives() {
+fn transfers_go_in_windows_of_at_most_two_in_flight_and_every_byte_arrives() {
+    use maru::transport::OpKind::{Read, Write};
     use maru::worker::SlotPool;
     const N: usize = 96; // 6 MiB of 64 KiB chunks: three windows
+    const LEN: usize = 64 << 10;
     let st = stack(true, &[]);
     let key = maru::auth::load_key_file(&st.key_path).unwrap();
-    let t = std::sync::Arc::new(CountingReads {
+    let t = std::sync::Arc::new(CountingTransfers {
         inner: maru::transport::soft::SoftTransport::new("windows-engine", Some(key)),
-        open: Default::default(),
-        most: 0.into(),
-        posts: 0.into(),
+        reads: Default::default(),
+        writes: Default::default(),
     });
     let mut cfg: serde_json::Value =
         serde_json::from_str(&config(&st, "remote_cxl", "windows")).unwrap();
     cfg["load_slots"] = N.into();
     cfg["store_slots"] = N.into();
     let h = Handler::open_with_transport(&cfg.to_string(), t.clone()).unwrap();
-    let data: Vec<Vec<u8>> = (0..N)
-        .map(|i| self_checking_chunk(i as u64, 64 << 10))
+    let in_windows = |what: &str, (posts, most): (u64, u64)| {
+        assert!(posts >= 3, "{what}: {posts} batches, not in windows");
+        assert!(
+            most <= 4 << 20,
+            "{what}: {most} bytes in flight at once, more than two windows of 2 MiB"
+        );
+    };
+    let data: Vec<Vec<u8>> = (0..2 * N)
+        .map(|i| self_checking_chunk(i as u64, LEN))
         .collect();
-    let keys: Vec<String> = (0..N).map(|i| format!("window-{i}")).collect();
-    let items: Vec<(&str, &[u8])> = keys
+    let keys: Vec<String> = (0..2 * N).map(|i| format!("window-{i}")).collect();
+
+    // Copying store of the first N, through the caller's slots for the next N.
+    let items: Vec<(&str, &[u8])> = keys[..N]
         .iter()
         .map(|k| k.as_str())
         .zip(data.iter().map(|d| d.as_slice()))
         .collect();
     assert_eq!(h.store_batch(&items, Some("w")).unwrap(), vec![true; N]);
-    t.take();
+    in_windows("copying store", t.take(Write));
+    let slots = h
+        .acquire_slots(SlotPool::Store, N, Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(slots.len(), N);
+    for (s, d) in slots.iter().zip(&data[N..]) {
+        // SAFETY: our slot, large enough for one chunk.
+        unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), s.ptr, LEN) };
+    }
+    let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
+    assert_eq!(
+        h.store_slots(&keys[N..], &ids, &[LEN; N], Some("w"))
+            .unwrap(),
+        vec![true; N]
+    );
+    in_windows("store from slots", t.take(Write));
+    h.release_slots(&ids).unwrap();
 
+    // Copying load of all 2N, then into the caller's slots.
     let got = h.load_batch(&keys, Some("w")).unwrap();
     for (i, g) in got.iter().enumerate() {
         assert_eq!(
@@ -1436,35 +1474,33 @@ fn loads_go_in_windows_of_at_most_two_in_flight_and_every_byte_arrives() {
             "chunk {i}"
         );
     }
-    let (posts, most) = t.take();
-    assert!(posts >= 3, "{posts} READ batches: the load went in windows");
-    assert!(
-        most <= 4 << 20,
-        "{most} READ bytes in flight at once: at most two windows of 2 MiB"
-    );
-
+    in_windows("copying load", t.take(Read));
     let slots = h
         .acquire_slots(SlotPool::Load, N, Duration::from_secs(5))
         .unwrap();
     assert_eq!(slots.len(), N);
     let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
-    let lens = h.load_slots(&keys, &ids, Some("w")).unwrap();
+    let lens = h.load_slots(&keys[N..], &ids, Some("w")).unwrap();
     for (i, s) in slots.iter().enumerate() {
-        assert_eq!(lens[i], Some(64 << 10), "chunk {i}");
+        assert_eq!(lens[i], Some(LEN), "chunk {}", N + i);
         // SAFETY: our slot, holding the chunk just loaded.
-        let b = unsafe { std::slice::from_raw_parts(s.ptr, 64 << 10) };
-        assert_eq!(digest(b), digest(&data[i]), "chunk {i} in its slot");
+        let b = unsafe { std::slice::from_raw_parts(s.ptr, LEN) };
+        assert_eq!(
+            digest(b),
+            digest(&data[N + i]),
+            "chunk {} in its slot",
+            N + i
+        );
     }
-    let (posts, most) = t.take();
-    assert!(posts >= 3, "{posts} READ batches into slots");
-    assert!(most <= 4 << 20, "{most} READ bytes in flight into slots");
+    in_windows("load into slots", t.take(Read));
     h.release_slots(&ids).unwrap();
+
     assert_eq!(h.held_slots(), 0);
-    let all = h
-        .acquire_slots(SlotPool::Load, N, Duration::from_secs(5))
-        .unwrap();
-    assert_eq!(all.len(), N, "every load slot is back");
-    h.release_slots(&all.iter().map(|s| s.id).collect::<Vec<_>>())
-        .unwrap();
+    for pool in [SlotPool::Load, SlotPool::Store] {
+        let all = h.acquire_slots(pool, N, Duration::from_secs(5)).unwrap();
+        assert_eq!(all.len(), N, "every {pool} slot is back");
+        h.release_slots(&all.iter().map(|s| s.id).collect::<Vec<_>>())
+            .unwrap();
+    }
     h.close().unwrap();
 }

@@ -16,6 +16,7 @@ pub mod slots;
 pub mod staging;
 pub mod transfer;
 pub mod views;
+pub mod windows;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::WorkerError;

@@ -5,13 +5,13 @@ use super::error::WorkerError;
 use super::prefault::{PrefaultStats, Prefaulter};
 use super::staging::{Slot, SlotPool, StagingSlots};
 use super::transfer::{post, Isolation, PeerBatch, PeerOutcome, Posted};
+use super::windows::{self, Windowed};
 use crate::dax::{self, Mapping};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -364,13 +364,6 @@ impl RemoteMover {
         }
     }
 
-    /// Runs the grouped transfers and records each item's outcome in `out` (the slot
-    /// back unless its peer's outcome is unknown). True when any batch did not complete.
-    fn settle(&mut self, group: PeerGroups, out: &mut [SlotOutcome]) -> bool {
-        let pending = self.post_group(group);
-        self.settle_posted(pending, out)
-    }
-
     fn post_group(&self, group: PeerGroups) -> PostedGroup {
         let peers = group.batches.iter().map(|b| b.peer).collect();
         PostedGroup {
@@ -380,7 +373,8 @@ impl RemoteMover {
         }
     }
 
-    /// Waits for a posted group; as `settle`.
+    /// Waits for a posted group and records each item's outcome in `out` (the slot
+    /// back unless its peer's outcome is unknown). True when any batch did not complete.
     fn settle_posted(&mut self, pending: PostedGroup, out: &mut [SlotOutcome]) -> bool {
         let outcomes = pending.posted.finish(self.nic.as_ref(), &self.iso);
         let mut any_failed = false;
@@ -416,56 +410,239 @@ impl RemoteMover {
     }
 }
 
-/// A window of a copying load, in bytes (at least one chunk): its READs land in
-/// staging slots that are copied out to the caller as soon as the window completes,
-/// and then take a READ of a later window. So a load cycles through a few slots that
-/// stay in the CPU's cache, instead of filling (and evicting) as many slots as it has
-/// chunks before it copies the first out.
-const LOAD_WINDOW_BYTES: u64 = 2 << 20;
-/// A load keeps a second window in flight (to overlap the copy out of one window with
-/// the transfer of the next) only while the copying loads of this process have less
-/// than this many bytes in flight together; the first window of a load always goes.
-/// A lone load gains the overlap; on a host busy with many loads each keeps one
-/// window, since a second would only take cache from the others (bench: 4 engines at
-/// 2 MiB, 5.2 against 4.3 GB/s with one window each; one engine, 4.2 against 2.9 GB/s
-/// with two).
-const LOAD_IN_FLIGHT_BUDGET: u64 = 4 << 20;
-/// The bytes this process's copying loads have in flight.
-static LOAD_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+/// Posts once more the items (with their slots) of a window that failed while a peer
+/// was dropped.
+type PostAgain<'a> = dyn FnMut(&mut RemoteMover, Vec<usize>, Vec<Slot>) -> PendingWindow + 'a;
 
-/// A window's share of [`LOAD_IN_FLIGHT`], given back when it is dropped.
-struct InFlightBytes(u64);
-
-impl InFlightBytes {
-    /// Counts `n` bytes in flight: always when `first`, else only within the budget.
-    fn take(n: u64, first: bool) -> Option<InFlightBytes> {
-        if first {
-            LOAD_IN_FLIGHT.fetch_add(n, Ordering::Relaxed);
-            return Some(InFlightBytes(n));
-        }
-        LOAD_IN_FLIGHT
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                (cur + n <= LOAD_IN_FLIGHT_BUDGET).then_some(cur + n)
-            })
-            .ok()
-            .map(|_| InFlightBytes(n))
-    }
-}
-
-impl Drop for InFlightBytes {
-    fn drop(&mut self) {
-        LOAD_IN_FLIGHT.fetch_sub(self.0, Ordering::Relaxed);
-    }
-}
-
-/// Reads of one window of a copying load, posted and not yet waited for.
-struct PendingReads {
-    /// Index of the window's first lease in the request.
-    start: usize,
-    /// Its bytes, counted in flight until it is waited for (copying loads only).
-    in_flight: Option<InFlightBytes>,
+/// One window of a transfer, posted and not yet waited for.
+struct PendingWindow {
+    /// The request's items it holds, in the order of `out`.
+    items: Vec<usize>,
     out: Vec<SlotOutcome>,
     group: PostedGroup,
+    reads: bool,
+}
+
+/// A copying store's windows: the caller's chunks are copied into store slots.
+struct StoreWindows<'a, 'd> {
+    m: &'a mut RemoteMover,
+    items: &'a [WriteItem<'d>],
+    ok: Vec<bool>,
+}
+
+impl Windowed for StoreWindows<'_, '_> {
+    type Posted = PendingWindow;
+    fn items(&self) -> usize {
+        self.items.len()
+    }
+    fn bytes(&self, i: usize) -> u64 {
+        self.items[i].data.len() as u64
+    }
+    fn slots(&mut self, _start: usize, want: usize, _first: bool) -> Vec<Slot> {
+        self.m.staging.try_acquire(SlotPool::Store, want)
+    }
+    fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
+        let mut writes = Vec::with_capacity(slots.len());
+        let mut index = Vec::with_capacity(slots.len());
+        for (i, (it, mut slot)) in self.items[start..].iter().zip(slots).enumerate() {
+            // A chunk larger than a slot is not stored (its slot goes back).
+            if it.data.len() > slot.len() {
+                continue;
+            }
+            slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
+            writes.push(SlotWrite {
+                page: it.page,
+                slot,
+                len: it.data.len(),
+            });
+            index.push(start + i);
+        }
+        self.m.post_writes(index, writes)
+    }
+    fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
+        let items = self.items;
+        self.m.finish_window(posted, &mut |m, which, slots| {
+            let writes = which
+                .iter()
+                .zip(slots)
+                .map(|(&i, slot)| SlotWrite {
+                    page: items[i].page,
+                    slot,
+                    len: items[i].data.len(),
+                })
+                .collect();
+            m.post_writes(which, writes)
+        })
+    }
+    fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
+        for (&i, o) in items.iter().zip(outcomes) {
+            self.ok[i] = o.ok;
+        }
+        true
+    }
+}
+
+/// A copying load's windows: each window's slots go to the sink, then to a later
+/// window.
+struct LoadWindows<'a, 's> {
+    m: &'a mut RemoteMover,
+    leases: &'a [LeaseGrant],
+    sink: &'a mut ReadSink<'s>,
+}
+
+impl Windowed for LoadWindows<'_, '_> {
+    type Posted = PendingWindow;
+    fn items(&self) -> usize {
+        self.leases.len()
+    }
+    fn bytes(&self, i: usize) -> u64 {
+        self.leases[i].length
+    }
+    fn slots(&mut self, start: usize, want: usize, first: bool) -> Vec<Slot> {
+        if !first {
+            // What is free now; else the window ahead gives its slots back.
+            return self.m.staging.try_acquire(SlotPool::Load, want);
+        }
+        let slots = self
+            .m
+            .staging
+            .acquire(SlotPool::Load, want, Duration::from_secs(1));
+        if slots.is_empty() {
+            log::warn!(
+                "no load slot free within 1 s: {} chunk(s) not loaded",
+                self.leases.len() - start
+            );
+        }
+        slots
+    }
+    fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
+        let end = start + slots.len();
+        self.m
+            .post_reads((start..end).collect(), &self.leases[start..end], slots)
+    }
+    fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
+        let leases = self.leases;
+        self.m.finish_window(posted, &mut |m, which, slots| {
+            let again: Vec<LeaseGrant> = which.iter().map(|&i| leases[i].clone()).collect();
+            m.post_reads(which, &again, slots)
+        })
+    }
+    fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
+        let mut all = true;
+        for (&i, o) in items.iter().zip(&outcomes) {
+            match (&o.slot, o.ok) {
+                (Some(s), true) => {
+                    let n = self.leases[i].length as usize;
+                    (self.sink)(i, &s.bytes()[..n]);
+                }
+                // A failed window fails the request from that window on.
+                _ => all = false,
+            }
+        }
+        all
+    }
+}
+
+/// What a transfer from or into the caller's slots moves.
+enum Given<'a> {
+    /// WRITEs: each slot's page and length.
+    Write(&'a [(PageGrant, usize)]),
+    /// READs: each slot's lease.
+    Read(&'a [LeaseGrant]),
+}
+
+/// Windows of a transfer between the caller's slots and pages: every item is tried,
+/// and each slot comes back in its outcome.
+struct GivenWindows<'a> {
+    m: &'a mut RemoteMover,
+    given: Vec<Option<Slot>>,
+    out: Vec<SlotOutcome>,
+    kind: Given<'a>,
+}
+
+impl GivenWindows<'_> {
+    fn post_items(&mut self, items: Vec<usize>, slots: Vec<Slot>) -> PendingWindow {
+        post_given(self.m, &self.kind, items, slots)
+    }
+
+    /// One outcome per given slot: the items' in order, then the slots no item used.
+    fn into_outcomes(self) -> Vec<SlotOutcome> {
+        let mut out = self.out;
+        let used = out.len();
+        out.extend(
+            self.given
+                .into_iter()
+                .skip(used)
+                .map(|slot| SlotOutcome { ok: false, slot }),
+        );
+        out
+    }
+}
+
+fn post_given(
+    m: &mut RemoteMover,
+    kind: &Given<'_>,
+    items: Vec<usize>,
+    slots: Vec<Slot>,
+) -> PendingWindow {
+    match kind {
+        Given::Write(pages) => {
+            let writes = items
+                .iter()
+                .zip(slots)
+                .map(|(&i, slot)| SlotWrite {
+                    page: pages[i].0,
+                    slot,
+                    len: pages[i].1,
+                })
+                .collect();
+            m.post_writes(items, writes)
+        }
+        Given::Read(leases) => {
+            let these: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
+            m.post_reads(items, &these, slots)
+        }
+    }
+}
+
+impl Windowed for GivenWindows<'_> {
+    type Posted = PendingWindow;
+    fn items(&self) -> usize {
+        match self.kind {
+            Given::Write(p) => p.len(),
+            Given::Read(l) => l.len(),
+        }
+    }
+    fn bytes(&self, i: usize) -> u64 {
+        match self.kind {
+            Given::Write(p) => p[i].1 as u64,
+            Given::Read(l) => l[i].length,
+        }
+    }
+    fn slots(&mut self, start: usize, want: usize, _first: bool) -> Vec<Slot> {
+        self.given[start..start + want]
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect()
+    }
+    fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
+        let items = (start..start + slots.len()).collect();
+        self.post_items(items, slots)
+    }
+    fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
+        let kind = &self.kind;
+        self.m.finish_window(posted, &mut |m, which, slots| {
+            post_given(m, kind, which, slots)
+        })
+    }
+    fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
+        debug_assert_eq!(
+            items.first().copied().unwrap_or(self.out.len()),
+            self.out.len()
+        );
+        self.out.extend(outcomes);
+        true
+    }
 }
 
 /// A posted transfer with, per peer, the items its operations came from.
@@ -515,132 +692,64 @@ impl Mover for RemoteMover {
         Ok(())
     }
 
+    /// Copies each window into store slots while the window ahead of it is on the
+    /// wire (see [`windows`]); stores never wait for a slot: with none free and nothing
+    /// in flight, the rest is skipped.
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        let mut ok = vec![false; items.len()];
-        let slot_size = self.staging.layout().slot_size;
-        let mut next = 0;
-        // Rounds of as many chunks as there are free store slots; a round's slots come
-        // back when its WRITEs completed. With no free slot at all, the rest is skipped.
-        while next < items.len() {
-            let slots = self
-                .staging
-                .try_acquire(SlotPool::Store, items.len() - next);
-            if slots.is_empty() {
-                self.log_skip(items.len() - next);
-                break;
-            }
-            let end = next + slots.len();
-            let mut round = Vec::with_capacity(slots.len());
-            let mut index = Vec::with_capacity(slots.len());
-            for (i, (it, mut slot)) in items[next..end].iter().zip(slots).enumerate() {
-                if it.data.len() > slot_size {
-                    continue;
-                }
-                slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
-                round.push(SlotWrite {
-                    page: it.page,
-                    slot,
-                    len: it.data.len(),
-                });
-                index.push(next + i);
-            }
-            for (i, o) in index.into_iter().zip(self.write_slots(round)) {
-                ok[i] = o.ok;
-            }
-            next = end;
+        self.peer_dropped = false;
+        let mut w = StoreWindows {
+            m: self,
+            items,
+            ok: vec![false; items.len()],
+        };
+        let posted = windows::run(&mut w);
+        let ok = w.ok;
+        if posted < items.len() {
+            self.log_skip(items.len() - posted);
         }
         ok
     }
 
+    /// From the caller's slots, window by window (see [`windows`]).
     fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         self.peer_dropped = false;
-        let mut out = self.write_slots_once(items);
-        if !self.peer_dropped {
-            return out;
-        }
-        // One more try for what failed while a peer was dropped (an agent restarted,
-        // say): its outcome was known, nothing of it is in flight, and the next try
-        // connects again and maps the regions again.
-        let (idx, slots) = take_failed(&mut out);
-        let again = idx
-            .iter()
-            .zip(slots)
-            .map(|(&i, slot)| SlotWrite {
-                page: pages[i].0,
-                slot,
-                len: pages[i].1,
-            })
-            .collect();
-        put_back(&mut out, &idx, self.write_slots_once(again));
-        out
+        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
+        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(pages.len()),
+            kind: Given::Write(&pages),
+        };
+        windows::run(&mut w);
+        w.into_outcomes()
     }
 
-    /// Copying loads go through [`RemoteMover::read_windows`]: each window's slots are
-    /// handed to `sink` and then take a later window. After a window that failed,
-    /// nothing more is handed over.
+    /// Each window's slots are handed to `sink` and then take a later window (see
+    /// [`windows`]). After a window that failed, nothing more is handed over.
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        let staging = self.staging.clone();
-        let mut failed = false;
-        self.read_windows(
+        self.peer_dropped = false;
+        windows::run(&mut LoadWindows {
+            m: self,
             leases,
-            &mut |_, want, first| {
-                // The first window waits up to 1 s for a slot; a later one takes what
-                // is free now, or waits for the window ahead of it to give its back.
-                if first {
-                    let slots = staging.acquire(SlotPool::Load, want, Duration::from_secs(1));
-                    if slots.is_empty() {
-                        log::warn!("no load slot free within 1 s: chunks from here on not loaded");
-                    }
-                    slots
-                } else {
-                    staging.try_acquire(SlotPool::Load, want)
-                }
-            },
-            &mut |start, outs| {
-                for (k, o) in outs.iter().enumerate() {
-                    match (&o.slot, o.ok) {
-                        (Some(s), true) => {
-                            let n = leases[start + k].length as usize;
-                            sink(start + k, &s.bytes()[..n]);
-                        }
-                        // A failed window fails the request from that window on.
-                        _ => failed = true,
-                    }
-                }
-                !failed
-            },
-        );
+            sink,
+        });
     }
 
-    /// Into the caller's slots, in windows too (see [`RemoteMover::read_windows`]):
-    /// fewer bytes queued at once at the peer, and every lease is tried.
+    /// Into the caller's slots, window by window (see [`windows`]); every lease is
+    /// tried.
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        self.peer_dropped = false;
         let n = leases.len().min(slots.len());
-        let mut given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(given.len());
-        self.read_windows(
-            &leases[..n],
-            &mut |start, want, _| {
-                given[start..start + want]
-                    .iter_mut()
-                    .filter_map(Option::take)
-                    .collect()
-            },
-            &mut |start, outs| {
-                debug_assert_eq!(out.len(), start);
-                out.extend(outs);
-                true
-            },
-        );
-        // Slots beyond the leases are the caller's again, unused.
-        out.extend(
-            given
-                .into_iter()
-                .skip(out.len())
-                .map(|slot| SlotOutcome { ok: false, slot }),
-        );
-        out
+        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(n),
+            kind: Given::Read(&leases[..n]),
+        };
+        windows::run(&mut w);
+        w.into_outcomes()
     }
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {
@@ -966,11 +1075,13 @@ impl Mover for CxlMover {
 /// One try of the transfers (`Mover::write_slots` and `Mover::read_into` add one
 /// more for what failed while a peer was dropped).
 impl RemoteMover {
-    fn write_slots_once(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+    /// Posts a WRITE from each item's slot into its page; `items` are the request's
+    /// items they are.
+    fn post_writes(&mut self, items: Vec<usize>, writes: Vec<SlotWrite>) -> PendingWindow {
         self.remap_failed_agents();
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(items.len());
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(writes.len());
         let mut group = PeerGroups::default();
-        for (i, it) in items.into_iter().enumerate() {
+        for (i, it) in writes.into_iter().enumerate() {
             out.push(SlotOutcome {
                 ok: false,
                 slot: None,
@@ -1003,81 +1114,22 @@ impl RemoteMover {
             };
             group.add(peer, op, it.slot, i);
         }
-        self.settle(group, &mut out);
-        out
-    }
-
-    /// READs of `leases` in windows of [`LOAD_WINDOW_BYTES`] (at least one chunk), a
-    /// second window in flight within [`LOAD_IN_FLIGHT_BUDGET`]: it is posted before
-    /// the one ahead of it is waited for. `slots(start, want, first)` gives the slots
-    /// of the window of `want` leases from `start` (fewer: the window is cut to them;
-    /// none: nothing more is posted for now, or, for the `first` window, at all).
-    /// `done(start, outcomes)` gets each window's outcomes in order, one per lease,
-    /// and says whether to go on; after `false` nothing more is posted, and what is in
-    /// flight is waited for (its slots go back). READs that failed while a peer was
-    /// dropped are tried once more (see `write_slots`).
-    fn read_windows(
-        &mut self,
-        leases: &[LeaseGrant],
-        slots: &mut dyn FnMut(usize, usize, bool) -> Vec<Slot>,
-        done: &mut dyn FnMut(usize, Vec<SlotOutcome>) -> bool,
-    ) {
-        self.peer_dropped = false;
-        let mut inflight: std::collections::VecDeque<PendingReads> = Default::default();
-        let mut next = 0;
-        let mut stop = false;
-        loop {
-            while !stop && inflight.len() < 2 && next < leases.len() {
-                let chunk = leases[next].length.max(1);
-                let want = ((LOAD_WINDOW_BYTES / chunk).max(1) as usize).min(leases.len() - next);
-                let first = inflight.is_empty();
-                let bytes: u64 = leases[next..next + want].iter().map(|l| l.length).sum();
-                let Some(share) = InFlightBytes::take(bytes, first) else {
-                    break;
-                };
-                let got = slots(next, want, first);
-                if got.is_empty() {
-                    stop |= first;
-                    break;
-                }
-                let end = next + got.len().min(want);
-                let mut pending = self.post_reads(next, &leases[next..end], got);
-                pending.in_flight = Some(share);
-                inflight.push_back(pending);
-                next = end;
-            }
-            let Some(pending) = inflight.pop_front() else {
-                return;
-            };
-            let start = pending.start;
-            let mut outs = self.finish_reads(pending);
-            if self.peer_dropped && outs.iter().any(|o| !o.ok) {
-                let (idx, again_slots) = take_failed(&mut outs);
-                let again: Vec<LeaseGrant> =
-                    idx.iter().map(|&i| leases[start + i].clone()).collect();
-                let retried = self.read_into_once(&again, again_slots);
-                put_back(&mut outs, &idx, retried);
-            }
-            if stop {
-                continue;
-            }
-            stop = !done(start, outs);
+        PendingWindow {
+            items,
+            out,
+            group: self.post_group(group),
+            reads: false,
         }
     }
 
-    fn read_into_once(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        let pending = self.post_reads(0, leases, slots);
-        self.finish_reads(pending)
-    }
-
-    /// Posts a READ of each lease into the slot of the same index; `start` is where
-    /// `leases` begin in the request.
+    /// Posts a READ of each lease into the slot of the same index; `items` are the
+    /// request's items they are.
     fn post_reads(
         &mut self,
-        start: usize,
+        items: Vec<usize>,
         leases: &[LeaseGrant],
         slots: Vec<Slot>,
-    ) -> PendingReads {
+    ) -> PendingWindow {
         self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
@@ -1108,50 +1160,42 @@ impl RemoteMover {
             };
             group.add(peer, op, slot, i);
         }
-        PendingReads {
-            start,
-            in_flight: None,
+        PendingWindow {
+            items,
             out,
             group: self.post_group(group),
+            reads: true,
         }
     }
 
-    /// Waits for posted READs: each lease's outcome, the slot of the same index.
-    fn finish_reads(&mut self, pending: PendingReads) -> Vec<SlotOutcome> {
-        let PendingReads { mut out, group, .. } = pending;
-        if self.settle_posted(group, &mut out) {
+    /// Waits for a posted window: its items and their outcomes. Transfers that failed
+    /// while a peer was dropped (an agent restarted, say: their outcome is known,
+    /// nothing of them is in flight) are posted once more through `again(items, slots)`
+    /// and waited for; the next try connects again and maps the regions again.
+    fn finish_window(
+        &mut self,
+        pending: PendingWindow,
+        again: &mut PostAgain<'_>,
+    ) -> (Vec<usize>, Vec<SlotOutcome>) {
+        let PendingWindow {
+            items,
+            mut out,
+            group,
+            reads,
+        } = pending;
+        let mut failed = self.settle_posted(group, &mut out);
+        if self.peer_dropped && out.iter().any(|o| !o.ok) {
+            let (idx, slots) = take_failed(&mut out);
+            let which = idx.iter().map(|&k| items[k]).collect();
+            let retry = again(self, which, slots);
+            let mut retried = retry.out;
+            failed = self.settle_posted(retry.group, &mut retried);
+            put_back(&mut out, &idx, retried);
+        }
+        if failed && reads {
             // Read registrations may have gone with their region: map again next time.
             self.reads.clear();
         }
-        out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A load's first window always goes; a second only within the process's budget,
-    /// and a window's bytes count until it is dropped.
-    #[test]
-    fn a_second_window_goes_only_within_the_in_flight_budget() {
-        let before = LOAD_IN_FLIGHT.load(Ordering::SeqCst);
-        let first = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET, true).expect("a first window");
-        assert!(
-            InFlightBytes::take(1, false).is_none(),
-            "over the budget: no second window"
-        );
-        let huge = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET * 4, true).expect("a first window");
-        assert_eq!(
-            LOAD_IN_FLIGHT.load(Ordering::SeqCst),
-            before + LOAD_IN_FLIGHT_BUDGET * 5
-        );
-        drop((first, huge));
-        assert_eq!(LOAD_IN_FLIGHT.load(Ordering::SeqCst), before);
-        let a = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET / 2, true).expect("a first window");
-        let b = InFlightBytes::take(LOAD_IN_FLIGHT_BUDGET / 2 - before, false);
-        assert!(b.is_some(), "within the budget: a second window");
-        drop((a, b));
-        assert_eq!(LOAD_IN_FLIGHT.load(Ordering::SeqCst), before);
+        (items, out)
     }
 }

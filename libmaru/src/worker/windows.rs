@@ -1,0 +1,297 @@
+//! Transfers of a request in windows. A remote_cxl store or load of many chunks does
+//! not post one transfer for all of them: it posts a window of [`WINDOW_BYTES`] (at
+//! least one chunk), and a second behind it, and waits for the first before it posts
+//! a third. A copying load hands each window over as soon as it completes and puts
+//! its slots under a later window; a copying store fills a window's slots while the
+//! window ahead of it is on the wire. So a request of any size cycles through a few
+//! staging slots that stay in the CPU's cache, instead of filling (and evicting) as
+//! many slots as it has chunks, and the peer never has a whole batch queued at once.
+//!
+//! The second window goes only while the windowed transfers of this process have
+//! less than [`IN_FLIGHT_BUDGET`] bytes in flight together; a request's first window
+//! always goes. A lone request gains the overlap of its copies with its transfers; on
+//! a host busy with many requests each keeps one window, since a second would only
+//! take cache from the others.
+//!
+//! [`run`] is the schedule alone: what a window is, when one is posted, waited for and
+//! handed over. What posting and waiting mean is the [`Windowed`] caller's.
+
+use super::movers::SlotOutcome;
+use super::staging::Slot;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A window's bytes (at least one chunk).
+pub const WINDOW_BYTES: u64 = 2 << 20;
+/// The bytes this process's windowed transfers may have in flight together before a
+/// request's second window waits (see the module documentation). Measured on the
+/// bench's 2-core VM: 4 engines loading 2 MiB chunks, 5.2 GB/s with one window each
+/// against 4.3 GB/s with two; one engine alone, 4.2 against 2.9 GB/s the other way.
+pub const IN_FLIGHT_BUDGET: u64 = 4 << 20;
+/// Windows of one request in flight at most.
+const DEPTH: usize = 2;
+
+/// The bytes this process's windowed transfers have in flight.
+static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+
+/// A window's share of [`IN_FLIGHT`], given back when it is dropped.
+struct InFlight(u64);
+
+impl InFlight {
+    /// Counts `n` bytes in flight: always for a request's `first` window, else only
+    /// within the budget.
+    fn take(n: u64, first: bool) -> Option<InFlight> {
+        if first {
+            IN_FLIGHT.fetch_add(n, Ordering::Relaxed);
+            return Some(InFlight(n));
+        }
+        IN_FLIGHT
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                (cur + n <= IN_FLIGHT_BUDGET).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| InFlight(n))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
+/// A request whose items go in windows.
+pub trait Windowed {
+    /// A posted window, until it is finished.
+    type Posted;
+    /// How many items the request has.
+    fn items(&self) -> usize;
+    /// The bytes item `i` moves.
+    fn bytes(&self, i: usize) -> u64;
+    /// Slots for the `want` items from `start` (at most `want`; fewer cut the window).
+    /// None: nothing more is posted until a window in flight is finished, or, for the
+    /// request's `first` window in flight, at all.
+    fn slots(&mut self, start: usize, want: usize, first: bool) -> Vec<Slot>;
+    /// Posts the items from `start`, one for each slot, without waiting.
+    fn post(&mut self, start: usize, slots: Vec<Slot>) -> Self::Posted;
+    /// Waits for a posted window: the items it holds and, in the same order, their
+    /// outcomes (each with its slot back, unless the transfer's outcome is unknown).
+    fn finish(&mut self, posted: Self::Posted) -> (Vec<usize>, Vec<SlotOutcome>);
+    /// A finished window, in the order posted; false: post nothing more (what is in
+    /// flight is still finished, and not handed over).
+    fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool;
+}
+
+/// Runs a request's windows (see the module documentation). Returns how many items
+/// were posted: from there on, none got a slot.
+pub fn run<W: Windowed>(w: &mut W) -> usize {
+    let n = w.items();
+    let mut inflight: VecDeque<(W::Posted, InFlight)> = VecDeque::new();
+    let mut next = 0;
+    let mut stop = false;
+    loop {
+        while !stop && inflight.len() < DEPTH && next < n {
+            let want = ((WINDOW_BYTES / w.bytes(next).max(1)).max(1) as usize).min(n - next);
+            let first = inflight.is_empty();
+            let bytes = (next..next + want).map(|i| w.bytes(i)).sum();
+            let Some(share) = InFlight::take(bytes, first) else {
+                break;
+            };
+            let mut slots = w.slots(next, want, first);
+            if slots.is_empty() {
+                stop |= first;
+                break;
+            }
+            slots.truncate(want);
+            let len = slots.len();
+            inflight.push_back((w.post(next, slots), share));
+            next += len;
+        }
+        let Some((posted, share)) = inflight.pop_front() else {
+            return next;
+        };
+        let (items, outcomes) = w.finish(posted);
+        drop(share);
+        if !stop {
+            stop = !w.done(&items, outcomes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
+
+    /// Posts nothing anywhere: records what the schedule does. Items fail where
+    /// `fail` says; `slots` hands out at most `free` slots of a small pool.
+    struct Script {
+        sizes: Vec<u64>,
+        staging: StagingSlots,
+        fail: Vec<usize>,
+        stop_on_failure: bool,
+        open: Vec<usize>,
+        most_open_bytes: u64,
+        posted: Vec<(usize, usize)>,
+        done: Vec<usize>,
+        outstanding_at_done: Vec<usize>,
+    }
+
+    impl Script {
+        fn new(sizes: Vec<u64>, slots: usize) -> Script {
+            Script {
+                sizes,
+                staging: StagingSlots::new(StagingLayout {
+                    slot_size: 64,
+                    load_slots: slots,
+                    store_slots: 0,
+                })
+                .unwrap(),
+                fail: Vec::new(),
+                stop_on_failure: false,
+                open: Vec::new(),
+                most_open_bytes: 0,
+                posted: Vec::new(),
+                done: Vec::new(),
+                outstanding_at_done: Vec::new(),
+            }
+        }
+    }
+
+    impl Windowed for Script {
+        type Posted = (usize, Vec<Slot>);
+        fn items(&self) -> usize {
+            self.sizes.len()
+        }
+        fn bytes(&self, i: usize) -> u64 {
+            self.sizes[i]
+        }
+        fn slots(&mut self, _start: usize, want: usize, _first: bool) -> Vec<Slot> {
+            self.staging.try_acquire(SlotPool::Load, want)
+        }
+        fn post(&mut self, start: usize, slots: Vec<Slot>) -> Self::Posted {
+            self.posted.push((start, slots.len()));
+            self.open.push(start);
+            let open_bytes: u64 = self
+                .open
+                .iter()
+                .map(|&s| {
+                    let len = self.posted.iter().find(|p| p.0 == s).map_or(0, |p| p.1);
+                    self.sizes[s..s + len].iter().sum::<u64>()
+                })
+                .sum();
+            self.most_open_bytes = self.most_open_bytes.max(open_bytes);
+            (start, slots)
+        }
+        fn finish(&mut self, (start, slots): Self::Posted) -> (Vec<usize>, Vec<SlotOutcome>) {
+            self.open.retain(|&s| s != start);
+            let items: Vec<usize> = (start..start + slots.len()).collect();
+            let outs = items
+                .iter()
+                .zip(slots)
+                .map(|(i, slot)| SlotOutcome {
+                    ok: !self.fail.contains(i),
+                    slot: Some(slot),
+                })
+                .collect();
+            (items, outs)
+        }
+        fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
+            self.outstanding_at_done.push(self.open.len());
+            let mut ok = true;
+            for (&i, o) in items.iter().zip(outcomes) {
+                self.done.push(i);
+                ok &= o.ok;
+            }
+            ok || !self.stop_on_failure
+        }
+    }
+
+    /// The budget is process-wide: these tests take it in turn.
+    static BUDGET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    #[test]
+    fn windows_of_the_window_size_two_in_flight_handed_over_in_order() {
+        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        // 24 chunks of 256 KiB: windows of 8, two in flight, three in all.
+        let mut s = Script::new(vec![256 << 10; 24], 64);
+        assert_eq!(run(&mut s), 24);
+        assert_eq!(s.posted, vec![(0, 8), (8, 8), (16, 8)]);
+        assert_eq!(s.done, (0..24).collect::<Vec<_>>());
+        assert_eq!(s.most_open_bytes, 4 << 20, "two windows of 2 MiB at most");
+        // When the first window is handed over, the second is still in flight.
+        assert_eq!(s.outstanding_at_done[0], 1);
+        assert_eq!(s.staging.free(SlotPool::Load), 64, "every slot is back");
+        // Chunks larger than a window go one a window.
+        let mut s = Script::new(vec![3 << 20; 3], 64);
+        assert_eq!(run(&mut s), 3);
+        assert_eq!(s.posted, vec![(0, 1), (1, 1), (2, 1)]);
+    }
+
+    #[test]
+    fn a_second_window_waits_while_the_process_is_over_its_budget() {
+        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        // Another request holds the whole budget: this one keeps one window in flight.
+        let other = InFlight::take(IN_FLIGHT_BUDGET, true).expect("a first window");
+        let mut s = Script::new(vec![256 << 10; 24], 64);
+        assert_eq!(run(&mut s), 24);
+        assert_eq!(s.posted.len(), 3);
+        assert!(
+            s.outstanding_at_done.iter().all(|&n| n == 0),
+            "one window at a time: {:?}",
+            s.outstanding_at_done
+        );
+        assert_eq!(s.most_open_bytes, 2 << 20);
+        drop(other);
+        assert_eq!(
+            IN_FLIGHT.load(Ordering::SeqCst),
+            0,
+            "every share given back"
+        );
+        assert!(
+            InFlight::take(1, false).is_some(),
+            "within the budget again"
+        );
+    }
+
+    #[test]
+    fn few_slots_cut_windows_and_none_for_the_first_stops_the_request() {
+        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        // 3 slots: a window of 3, then nothing free for a second until it is back.
+        let mut s = Script::new(vec![256 << 10; 8], 3);
+        assert_eq!(run(&mut s), 8);
+        assert_eq!(s.posted, vec![(0, 3), (3, 3), (6, 2)]);
+        assert_eq!(s.done, (0..8).collect::<Vec<_>>());
+        // No slot at all: nothing is posted.
+        let mut s = Script::new(vec![256 << 10; 8], 3);
+        let held = s.staging.try_acquire(SlotPool::Load, 3);
+        assert_eq!(run(&mut s), 0);
+        assert!(s.posted.is_empty() && s.done.is_empty());
+        drop(held);
+    }
+
+    #[test]
+    fn after_a_failed_window_nothing_more_is_posted_or_handed_over() {
+        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = Script::new(vec![256 << 10; 40], 64);
+        s.fail = vec![3];
+        s.stop_on_failure = true;
+        assert_eq!(
+            run(&mut s),
+            16,
+            "the window behind the failed one was in flight"
+        );
+        assert_eq!(s.posted, vec![(0, 8), (8, 8)]);
+        assert_eq!(
+            s.done,
+            (0..8).collect::<Vec<_>>(),
+            "the window in flight was finished, not handed over"
+        );
+        assert_eq!(s.staging.free(SlotPool::Load), 64, "its slots are back too");
+        // A caller that goes on after failures gets every window.
+        let mut s = Script::new(vec![256 << 10; 40], 64);
+        s.fail = vec![3, 20];
+        assert_eq!(run(&mut s), 40);
+        assert_eq!(s.done, (0..40).collect::<Vec<_>>());
+    }
+}
