@@ -15,7 +15,7 @@ use super::{device, is_aligned, DeviceKind};
 /// `MADV_POPULATE_READ` / `MADV_POPULATE_WRITE` (Linux 5.14); spelled out
 /// because not every libc crate version names them.
 const MADV_POPULATE_READ: libc::c_int = 22;
-const MADV_POPULATE_WRITE: libc::c_int = 23;
+pub(crate) const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// A mapped range of a pool. Unmapped on drop.
 pub struct Mapping {
