@@ -1504,3 +1504,45 @@ fn transfers_go_in_windows_of_at_most_two_in_flight_and_every_byte_arrives() {
     }
     h.close().unwrap();
 }
+
+/// Pages of `len` bytes at `ptr` that are in memory (`mincore`).
+fn resident_pages(ptr: *mut u8, len: usize) -> usize {
+    let page = 4096;
+    let start = ptr as usize & !(page - 1);
+    let n = (ptr as usize + len - start).div_ceil(page);
+    let mut v = vec![0u8; n];
+    // SAFETY: a page-aligned range inside the handler's staging buffer, which stays
+    // mapped while the handler is open; one byte per page.
+    let r = unsafe { libc::mincore(start as *mut libc::c_void, n * page, v.as_mut_ptr()) };
+    assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
+    v.iter().filter(|&&b| b & 1 == 1).count()
+}
+
+/// A remote_cxl handler's staging buffer is in memory from the open on, so no
+/// transfer stops to fault a page in (as an RDMA registration pins it); a cxl
+/// handler's, which only the slot API uses, costs memory only where it is touched.
+#[test]
+fn a_remote_cxl_handlers_staging_buffer_is_resident_from_the_open() {
+    use maru::worker::SlotPool;
+    let st = stack(true, &[]);
+    for backend in ["remote_cxl", "cxl"] {
+        let h = Handler::open(&config(&st, backend, &format!("resident-{backend}"))).unwrap();
+        let mut ids = Vec::new();
+        let (mut pages, mut resident) = (0, 0);
+        for pool in [SlotPool::Load, SlotPool::Store] {
+            for s in h.acquire_slots(pool, 64, Duration::from_secs(5)).unwrap() {
+                pages += s.capacity.div_ceil(4096);
+                resident += resident_pages(s.ptr, s.capacity);
+                ids.push(s.id);
+            }
+        }
+        assert_eq!(ids.len(), 24, "{backend}: every slot");
+        if backend == "remote_cxl" {
+            assert_eq!(resident, pages, "{backend}: every staging page in memory");
+        } else {
+            assert_eq!(resident, 0, "{backend}: no staging page touched yet");
+        }
+        h.release_slots(&ids).unwrap();
+        h.close().unwrap();
+    }
+}

@@ -154,6 +154,9 @@ impl Inner {
         let nic = match self.cfg.backend {
             BackendKind::Cxl => None,
             BackendKind::RemoteCxl => {
+                // Transfers land in it: resident from now on (cxl uses it only for
+                // the slot API, whose callers fault in what they touch).
+                staging.populate();
                 let key = agent_key(&self.cfg)?;
                 let nic = match &self.transport {
                     Some(t) => t.clone(),

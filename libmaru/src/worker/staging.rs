@@ -75,7 +75,7 @@ struct Inner {
     free: Mutex<FreeLists>,
     cv: Condvar,
     /// The buffer itself (owned here so it outlives every slot).
-    _buf: Buffer,
+    buf: Buffer,
 }
 
 // SAFETY: the raw base pointer is only dereferenced through slots, each of which is
@@ -137,19 +137,13 @@ impl Buffer {
                 std::io::Error::last_os_error()
             );
         }
-        let buf = Buffer {
+        Ok(Buffer {
             ptr: start as *mut u8,
             len,
-        };
-        buf.populate();
-        Ok(buf)
+        })
     }
 
-    /// Faults every page in now, as registering the buffer with an RDMA NIC does (it
-    /// pins them): otherwise the soft transport's first receive into each slot, in
-    /// the middle of a transfer, stops to have the kernel zero its page (seen as
-    /// 0.3–0.4 s stalls of all loads when 4 engines first used their slots). Best
-    /// effort: where it fails, pages are faulted in on first use as before.
+    /// Faults every page in now (see [`StagingSlots::populate`]).
     fn populate(&self) {
         // SAFETY: the buffer's own range, mapped and writable; populating it changes
         // no byte.
@@ -222,13 +216,23 @@ impl StagingSlots {
                 layout,
                 free: Mutex::new(free),
                 cv: Condvar::new(),
-                _buf: buf,
+                buf,
             }),
         })
     }
 
     pub fn layout(&self) -> StagingLayout {
         self.inner.layout
+    }
+
+    /// Faults every page of the buffer in now, as registering it with an RDMA NIC
+    /// does (it pins them), for a buffer that transfers land in: otherwise the soft
+    /// transport's first receive into each slot, in the middle of a transfer, stops to
+    /// have the kernel zero its page (seen as 0.3–0.4 s stalls of every load when 4
+    /// engines first used their slots). Best effort: where it fails, pages are faulted
+    /// in on first use.
+    pub fn populate(&self) {
+        self.inner.buf.populate();
     }
 
     /// The whole buffer (to register with the transport and the memory hook).
@@ -354,12 +358,13 @@ impl Drop for Slot {
 mod tests {
     use super::*;
 
-    /// Every page of a new buffer is in memory before any slot is used (`mincore`),
-    /// so no transfer stops to fault one in.
+    /// After `populate`, every page of the buffer is in memory before any slot is
+    /// used (`mincore`), so no transfer stops to fault one in.
     #[test]
-    fn every_page_of_the_buffer_is_faulted_in_when_it_is_made() {
+    fn every_page_of_a_populated_buffer_is_in_memory() {
         let len = 3 * HUGE + 4096;
         let b = Buffer::new(len).unwrap();
+        b.populate();
         let pages = len.div_ceil(4096);
         let mut resident = vec![0u8; pages];
         // SAFETY: the buffer's own, page-aligned range and a vector of one byte per page.
