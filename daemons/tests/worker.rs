@@ -647,6 +647,26 @@ fn an_engine_killed_mid_store_never_leaves_a_partial_chunk() {
     reader.close().unwrap();
 }
 
+/// The set-up half of a test transport that wraps the soft one in `inner`: the
+/// buffer registration and peer connection go straight through.
+macro_rules! delegate_setup {
+    () => {
+        fn register_local(
+            &self,
+            b: maru::transport::LocalBuffer,
+        ) -> Result<(), maru::transport::TransportError> {
+            self.inner.register_local(b)
+        }
+        fn connect(
+            &self,
+            meta: &serde_json::Value,
+            bringup: &mut maru::transport::Bringup<'_>,
+        ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
+            self.inner.connect(meta, bringup)
+        }
+    };
+}
+
 /// The soft transport, except that while `stall` is set a posted batch is never sent
 /// and stays pending until its peer is fenced (a peer that stopped answering).
 struct Stalling {
@@ -661,19 +681,7 @@ impl maru::transport::Transport for Stalling {
     fn name(&self) -> &'static str {
         "stalling"
     }
-    fn register_local(
-        &self,
-        b: maru::transport::LocalBuffer,
-    ) -> Result<(), maru::transport::TransportError> {
-        self.inner.register_local(b)
-    }
-    fn connect(
-        &self,
-        meta: &serde_json::Value,
-        bringup: &mut maru::transport::Bringup<'_>,
-    ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
-        self.inner.connect(meta, bringup)
-    }
+    delegate_setup!();
     fn post(
         &self,
         peer: maru::transport::PeerId,
@@ -1360,19 +1368,7 @@ impl maru::transport::Transport for CountingTransfers {
     fn name(&self) -> &'static str {
         "counting"
     }
-    fn register_local(
-        &self,
-        b: maru::transport::LocalBuffer,
-    ) -> Result<(), maru::transport::TransportError> {
-        self.inner.register_local(b)
-    }
-    fn connect(
-        &self,
-        meta: &serde_json::Value,
-        bringup: &mut maru::transport::Bringup<'_>,
-    ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
-        self.inner.connect(meta, bringup)
-    }
+    delegate_setup!();
     fn post(
         &self,
         peer: maru::transport::PeerId,
