@@ -168,13 +168,22 @@ while IFS=$'\t' read -r n file line mode reason; do
         timeout -k 5 "$block_limit" "${netns[@]}" unshare --mount --propagation private \
             "${envs[@]}" bash -c '
                 set -e
-                mount -t tmpfs -o size=8g docs-check /tmp
+                # The checkout and the target dir may lie under /tmp (a CI clone), which
+                # the fresh /tmp hides: keep a handle on both first, in the fresh
+                # /dev/shm, then put them back at their own paths.
                 mount -t tmpfs -o size=8g docs-check /dev/shm
-                mkdir -p /tmp/.docs-check/upper /tmp/.docs-check/work
-                mount -t overlay docs-check -o "lowerdir=$1,upperdir=/tmp/.docs-check/upper,workdir=/tmp/.docs-check/work" "$1" ||
+                keep=/dev/shm/.docs-check
+                mkdir -p "$keep/root" "$keep/target"
+                mount --bind "$1" "$keep/root"
+                mount --bind "$2" "$keep/target"
+                mount -t tmpfs -o size=8g docs-check /tmp
+                mkdir -p /tmp/.docs-check/upper /tmp/.docs-check/work "$1"
+                mount -t overlay docs-check -o "lowerdir=$keep/root,upperdir=/tmp/.docs-check/upper,workdir=/tmp/.docs-check/work" "$1" || {
                     echo "docs-check: no overlay mount here: the block runs in the checkout itself" >&2
+                    mount --bind "$keep/root" "$1"
+                }
                 mkdir -p "$1/target"
-                mount --bind "$2" "$1/target"
+                mount --bind "$keep/target" "$1/target"
                 cd "$1"
                 exec bash -euo pipefail "$3"' docs-check "$root" "$target" "$blocks/$id.sh" \
             </dev/null >"$log" 2>&1
