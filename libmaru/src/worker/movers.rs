@@ -442,7 +442,7 @@ impl Windowed for StoreWindows<'_, '_> {
         self.m.staging.try_acquire(SlotPool::Store, want)
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
-        let mut writes = Vec::with_capacity(slots.len());
+        let mut filled = Vec::with_capacity(slots.len());
         let mut index = Vec::with_capacity(slots.len());
         for (i, (it, mut slot)) in self.items[start..].iter().zip(slots).enumerate() {
             // A chunk larger than a slot is not stored (its slot goes back).
@@ -450,28 +450,17 @@ impl Windowed for StoreWindows<'_, '_> {
                 continue;
             }
             slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
-            writes.push(SlotWrite {
-                page: it.page,
-                slot,
-                len: it.data.len(),
-            });
+            filled.push(slot);
             index.push(start + i);
         }
-        self.m.post_writes(index, writes)
+        let items = self.items;
+        self.m
+            .post_writes(index, filled, &|i| (items[i].page, items[i].data.len()))
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let items = self.items;
         self.m.finish_window(posted, &mut |m, which, slots| {
-            let writes = which
-                .iter()
-                .zip(slots)
-                .map(|(&i, slot)| SlotWrite {
-                    page: items[i].page,
-                    slot,
-                    len: items[i].data.len(),
-                })
-                .collect();
-            m.post_writes(which, writes)
+            m.post_writes(which, slots, &|i| (items[i].page, items[i].data.len()))
         })
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
@@ -516,15 +505,13 @@ impl Windowed for LoadWindows<'_, '_> {
         slots
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
-        let end = start + slots.len();
-        self.m
-            .post_reads((start..end).collect(), &self.leases[start..end], slots)
+        let items = (start..start + slots.len()).collect();
+        self.m.post_reads(items, self.leases, slots)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let leases = self.leases;
         self.m.finish_window(posted, &mut |m, which, slots| {
-            let again: Vec<LeaseGrant> = which.iter().map(|&i| leases[i].clone()).collect();
-            m.post_reads(which, &again, slots)
+            m.post_reads(which, leases, slots)
         })
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
@@ -561,10 +548,6 @@ struct GivenWindows<'a> {
 }
 
 impl GivenWindows<'_> {
-    fn post_items(&mut self, items: Vec<usize>, slots: Vec<Slot>) -> PendingWindow {
-        post_given(self.m, &self.kind, items, slots)
-    }
-
     /// One outcome per given slot: the items' in order, then the slots no item used.
     fn into_outcomes(self) -> Vec<SlotOutcome> {
         let mut out = self.out;
@@ -579,6 +562,7 @@ impl GivenWindows<'_> {
     }
 }
 
+/// Posts the request's `items` from or into the caller's slots.
 fn post_given(
     m: &mut RemoteMover,
     kind: &Given<'_>,
@@ -586,22 +570,8 @@ fn post_given(
     slots: Vec<Slot>,
 ) -> PendingWindow {
     match kind {
-        Given::Write(pages) => {
-            let writes = items
-                .iter()
-                .zip(slots)
-                .map(|(&i, slot)| SlotWrite {
-                    page: pages[i].0,
-                    slot,
-                    len: pages[i].1,
-                })
-                .collect();
-            m.post_writes(items, writes)
-        }
-        Given::Read(leases) => {
-            let these: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
-            m.post_reads(items, &these, slots)
-        }
+        Given::Write(pages) => m.post_writes(items, slots, &|i| pages[i]),
+        Given::Read(leases) => m.post_reads(items, leases, slots),
     }
 }
 
@@ -627,7 +597,7 @@ impl Windowed for GivenWindows<'_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        self.post_items(items, slots)
+        post_given(self.m, &self.kind, items, slots)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let kind = &self.kind;
@@ -1072,21 +1042,27 @@ impl Mover for CxlMover {
     }
 }
 
-/// One try of the transfers (`Mover::write_slots` and `Mover::read_into` add one
-/// more for what failed while a peer was dropped).
+/// Windows of transfers: post, then wait (with one more try for what failed while a
+/// peer was dropped).
 impl RemoteMover {
-    /// Posts a WRITE from each item's slot into its page; `items` are the request's
-    /// items they are.
-    fn post_writes(&mut self, items: Vec<usize>, writes: Vec<SlotWrite>) -> PendingWindow {
+    /// Posts a WRITE of each of the request's `items` from the slot of the same index
+    /// into its page; `page(item)` is the page and the bytes to write.
+    fn post_writes(
+        &mut self,
+        items: Vec<usize>,
+        slots: Vec<Slot>,
+        page: &dyn Fn(usize) -> (PageGrant, usize),
+    ) -> PendingWindow {
         self.remap_failed_agents();
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(writes.len());
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
-        for (i, it) in writes.into_iter().enumerate() {
+        for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
             out.push(SlotOutcome {
                 ok: false,
                 slot: None,
             });
-            let target = self.own.get(&it.page.region_id).map(|r| {
+            let (page, len) = page(item);
+            let target = self.own.get(&page.region_id).map(|r| {
                 (
                     r.agent.clone(),
                     r.map.addr,
@@ -1095,24 +1071,24 @@ impl RemoteMover {
                 )
             });
             let Some((agent, addr, rkey, meta)) = target else {
-                out[i].slot = Some(it.slot);
+                out[i].slot = Some(slot);
                 continue;
             };
             let peer = match self.peer(&agent, &meta) {
-                Ok(p) if it.len <= it.slot.len() => p,
+                Ok(p) if len <= slot.len() => p,
                 _ => {
-                    out[i].slot = Some(it.slot);
+                    out[i].slot = Some(slot);
                     continue;
                 }
             };
             let op = Op {
                 kind: OpKind::Write,
-                local_offset: it.slot.offset() as u64,
-                remote_addr: addr + it.page.offset,
+                local_offset: slot.offset() as u64,
+                remote_addr: addr + page.offset,
                 rkey,
-                len: it.len as u64,
+                len: len as u64,
             };
-            group.add(peer, op, it.slot, i);
+            group.add(peer, op, slot, i);
         }
         PendingWindow {
             items,
@@ -1122,8 +1098,8 @@ impl RemoteMover {
         }
     }
 
-    /// Posts a READ of each lease into the slot of the same index; `items` are the
-    /// request's items they are.
+    /// Posts a READ of each of the request's `items` (its lease in `leases`, the
+    /// request's) into the slot of the same index.
     fn post_reads(
         &mut self,
         items: Vec<usize>,
@@ -1133,7 +1109,8 @@ impl RemoteMover {
         self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
-        for (i, (l, slot)) in leases.iter().zip(slots).enumerate() {
+        for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
+            let l = &leases[item];
             out.push(SlotOutcome {
                 ok: false,
                 slot: None,
