@@ -94,6 +94,7 @@ fn run_op(
                                 region_id: p.region_id,
                                 offset: p.offset,
                                 length: 4096,
+                                prev: None,
                             }])
                             .map_err(|e| e.to_string())?;
                         }
@@ -211,6 +212,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
             region_id: p.region_id,
             offset: p.offset,
             length: 4096,
+            prev: None,
         })
         .collect();
     s.publish(entries).map_err(|e| e.to_string())?;

@@ -78,6 +78,10 @@ struct Serve {
     /// Most live sessions.
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
+    /// Order of eviction victims: `prefix` (tails of prefix chains first) or `lru`
+    /// (plain least recently used, to measure against).
+    #[arg(long, default_value = "prefix")]
+    victim_order: String,
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -180,6 +184,10 @@ fn main() {
         session_timeout_ms: a.session_timeout_s * 1000,
         lease_timeout_ms: a.lease_timeout_s * 1000,
         max_sessions: a.max_sessions,
+        victim_order: a
+            .victim_order
+            .parse()
+            .unwrap_or_else(|e| die(format!("--victim-order: {e}"))),
         ..MetaConfig::default()
     };
     let core = MetaCore::new(cfg).unwrap_or_else(|e| die(e));

@@ -33,6 +33,33 @@ pub struct MetaConfig {
     /// Names this run of maru-server in the handshake: a worker that sees another
     /// instance after reconnecting knows the server restarted and lost its sessions.
     pub instance: String,
+    /// How `victims` orders a session's keys.
+    pub victim_order: VictimOrder,
+}
+
+/// The order in which `victims` offers a session's keys for eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VictimOrder {
+    /// Tails of prefix chains first (least recently used first among them), a key
+    /// only once no stored key follows it; then the rest by least recent use.
+    #[default]
+    PrefixAware,
+    /// Least recently used first, chains ignored (kept to measure against).
+    Lru,
+}
+
+impl std::str::FromStr for VictimOrder {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "prefix" => Ok(VictimOrder::PrefixAware),
+            "lru" => Ok(VictimOrder::Lru),
+            other => Err(ConfigError(format!(
+                "victim order {:?} is not one of prefix, lru",
+                other.chars().take(32).collect::<String>()
+            ))),
+        }
+    }
 }
 
 /// A fresh instance name (random; the process id and time if no randomness).
@@ -63,6 +90,7 @@ impl Default for MetaConfig {
             rm_check_ms: 1_000,
             max_sessions: 256,
             instance: new_instance(),
+            victim_order: VictimOrder::default(),
         }
     }
 }

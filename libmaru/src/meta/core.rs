@@ -26,6 +26,10 @@ use crate::wire::WireError;
 pub(super) struct Totals {
     pub hits: u64,
     pub misses: u64,
+    /// Keys removed by their owners (eviction).
+    pub removed: u64,
+    /// Removed keys that still had stored successors in their chain.
+    pub chains_cut: u64,
 }
 
 /// maru-server's core. See the [module docs](super) for the rules it keeps.

@@ -24,6 +24,7 @@ fn entry(key: &str, region_id: u64, offset: u64) -> PublishEntry {
         region_id,
         offset,
         length: 1000,
+        prev: None,
     }
 }
 
@@ -189,10 +190,12 @@ fn publish_needs_an_allocated_page_and_a_sane_length() {
         entry("k", r, p.offset + 1), // not a page start
         PublishEntry {
             length: 0,
+            prev: None,
             ..entry("k", r, p.offset)
         },
         PublishEntry {
             length: PAGE + 1,
+            prev: None,
             ..entry("k", r, p.offset)
         },
         entry("", r, p.offset),

@@ -1,14 +1,22 @@
 //! Eviction: victims and remove act only on keys of the caller's own regions, and
-//! never on a leased or pinned key. Pins: any session of the key's scope may pin it.
+//! never on a leased or pinned key. Victims come tail of a prefix chain first. Pins: any session of the key's scope may pin it.
 
+use super::config::VictimOrder;
 use super::core::MetaCore;
 use super::errors::{check_batch, check_keys, refused};
 use super::keys::KeyId;
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
 use crate::wire::WireError;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 impl MetaCore {
-    /// Up to `max` unleased keys of the session's regions, least recently used first.
+    /// Up to `max` keys of the session's regions that no lease or pin holds, in the
+    /// order they should go: with [`VictimOrder::PrefixAware`], tails of prefix
+    /// chains first (least recently used first), a chunk offered only once every
+    /// stored chunk after it is offered before it; then, if that is not `max`, the
+    /// rest least recently used first. With [`VictimOrder::Lru`], least recently
+    /// used first.
     pub(super) fn victims(
         &mut self,
         client_id: &str,
@@ -20,22 +28,66 @@ impl MetaCore {
         let id = self.session(client_id, session, now_ms)?;
         let s = self.sessions.checked(id)?;
         let max = max as usize;
-        // The `max` oldest unleased keys of each region, then the oldest of those.
-        let mut candidates: Vec<_> = s
-            .regions
-            .iter()
-            .flat_map(|&rid| {
-                self.keys
-                    .lru(rid)
-                    .filter(|(_, k)| !self.leases.is_leased(*k) && !self.pins.is_pinned(*k))
-                    .take(max)
-            })
-            .collect();
-        candidates.sort_unstable();
-        candidates.truncate(max);
-        let victims = candidates
+        let free = |k: KeyId| !self.leases.is_leased(k) && !self.pins.is_pinned(k);
+        let mut chosen: Vec<KeyId> = Vec::with_capacity(max);
+        let mut taken: HashSet<KeyId> = HashSet::new();
+        if self.cfg.victim_order == VictimOrder::PrefixAware {
+            // Oldest tail first; a chosen tail's predecessor joins once every stored
+            // successor of it is chosen.
+            let mut heap: BinaryHeap<Reverse<(u64, KeyId)>> = s
+                .regions
+                .iter()
+                .flat_map(|&rid| self.keys.tails(rid).filter(|(_, k)| free(*k)).take(max))
+                .map(Reverse)
+                .collect();
+            let mut chosen_successors: HashMap<&str, u32> = HashMap::new();
+            while chosen.len() < max {
+                let Some(Reverse((_, k))) = heap.pop() else {
+                    break;
+                };
+                if !taken.insert(k) {
+                    continue;
+                }
+                chosen.push(k);
+                let Some(e) = self.keys.get(k) else { continue };
+                let Some(prev) = e.prev.as_deref() else {
+                    continue;
+                };
+                let n = chosen_successors.entry(prev).or_insert(0);
+                *n += 1;
+                let Some(pk) = self.keys.find(e.scope, prev) else {
+                    continue;
+                };
+                let Some(pe) = self.keys.get(pk) else {
+                    continue;
+                };
+                if *n == self.keys.successors_of(e.scope, prev)
+                    && s.regions.contains(&pe.loc.region_id)
+                    && free(pk)
+                    && !taken.contains(&pk)
+                {
+                    heap.push(Reverse((pe.used(), pk)));
+                }
+            }
+        }
+        if chosen.len() < max {
+            // The `max` oldest of each region, then the oldest of those.
+            let mut rest: Vec<(u64, KeyId)> = s
+                .regions
+                .iter()
+                .flat_map(|&rid| {
+                    self.keys
+                        .lru(rid)
+                        .filter(|(_, k)| free(*k) && !taken.contains(k))
+                        .take(max)
+                })
+                .collect();
+            rest.sort_unstable();
+            chosen.extend(rest.into_iter().map(|(_, k)| k).take(max - chosen.len()));
+        }
+        let victims = chosen
             .into_iter()
-            .filter_map(|(_, k)| {
+            .filter_map(|k| {
                 let e = self.keys.get(k)?;
                 Some(KeyInfo {
                     key: e.name.clone(),
@@ -83,7 +135,13 @@ impl MetaCore {
                 results.push(RemoveResult::Pinned);
                 continue;
             }
-            self.keys.remove(k);
+            if let Some(e) = self.keys.remove(k) {
+                if self.keys.successors_of(e.scope, &e.name) > 0 {
+                    // Stored chunks after it can no longer be reached by a load.
+                    self.totals.chains_cut += 1;
+                }
+                self.totals.removed += 1;
+            }
             if let Some(r) = self.regions.get_mut(loc.region_id) {
                 // A published key's page is allocated (publish checks it).
                 let _ = r.pages.free(loc.offset / page_size);

@@ -196,6 +196,7 @@ pub fn config(agents: &[&str]) -> MetaConfig {
         retry_ms: 1_000,
         max_sessions: 8,
         instance: "fake-instance".into(),
+        victim_order: Default::default(),
     }
 }
 
@@ -343,11 +344,52 @@ impl World {
                 region_id: p.region_id,
                 offset: p.offset,
                 length: 1000,
+                prev: None,
             })
             .collect();
         let is_new = self.publish_at(client, session, entries).unwrap();
         assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
         pages
+    }
+
+    /// Like [`World::store`], each key published with the one before it as its
+    /// predecessor in a prefix chain (the first with `prev`).
+    pub fn store_chain(
+        &mut self,
+        client: &str,
+        session: u64,
+        prev: Option<&str>,
+        keys: &[&str],
+    ) -> Vec<PageGrant> {
+        let (pages, missing) = self.alloc(client, session, keys.len() as u32);
+        assert_eq!(missing, 0, "room for {} keys", keys.len());
+        let entries = keys
+            .iter()
+            .zip(&pages)
+            .enumerate()
+            .map(|(i, (k, p))| PublishEntry {
+                key: k.to_string(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 1000,
+                prev: if i == 0 {
+                    prev.map(str::to_string)
+                } else {
+                    Some(keys[i - 1].to_string())
+                },
+            })
+            .collect();
+        let is_new = self.publish_at(client, session, entries).unwrap();
+        assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
+        pages
+    }
+
+    /// The names `victims` offers, in its order.
+    pub fn victims(&mut self, client: &str, session: u64, max: u32) -> Vec<String> {
+        match self.req(client, MetaRequest::Victims { session, max }) {
+            Ok(MetaReply::Victims { victims }) => victims.into_iter().map(|v| v.key).collect(),
+            other => panic!("victims: {other:?}"),
+        }
     }
 
     pub fn exists(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<bool> {

@@ -4,6 +4,13 @@
 //! A key is in the directory only once it was published, so nothing finds a key
 //! whose bytes are not complete. Keys are write-once: the first publish of a key in
 //! a scope wins. Each page holds at most one key.
+//!
+//! Keys are prefix-chained: a publish may name the key before it in its chain. The
+//! directory counts, for every name, the stored keys that name it as their previous
+//! one (its successors), and keeps per region the keys with no stored successor (the
+//! tails) in least-recently-used order. A load stops at the first miss, so evicting
+//! a chunk that still has successors leaves them unreachable: victims are taken from
+//! the tails first (see `evict_ops`).
 
 use crate::wire::meta::Backend;
 use std::collections::{BTreeSet, HashMap};
@@ -42,8 +49,17 @@ pub struct KeyEntry {
     pub scope: ScopeId,
     pub name: String,
     pub loc: Location,
+    /// The key before this one in its prefix chain, as the publisher named it.
+    pub prev: Option<String>,
     /// Stamp of the last publish or read (larger is more recent).
     used: u64,
+}
+
+impl KeyEntry {
+    /// Stamp of the last publish or read (larger is more recent).
+    pub fn used(&self) -> u64 {
+        self.used
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +73,8 @@ pub enum Published {
 struct RegionKeys {
     /// (use stamp, key), oldest first.
     lru: BTreeSet<(u64, KeyId)>,
+    /// The keys of `lru` that no stored key names as its previous one.
+    tails: BTreeSet<(u64, KeyId)>,
     bytes: u64,
 }
 
@@ -69,6 +87,9 @@ pub struct KeyDirectory {
     entries: HashMap<KeyId, KeyEntry>,
     by_region: HashMap<u64, RegionKeys>,
     by_page: HashMap<(u64, u64), KeyId>,
+    /// How many stored keys name (scope, name) as their previous key; only names
+    /// with at least one are here, so it holds at most one entry per stored key.
+    successors: HashMap<(ScopeId, String), u32>,
     next_id: u64,
     stamp: u64,
 }
@@ -104,9 +125,17 @@ impl KeyDirectory {
         self.by_page.get(&(region_id, offset)).copied()
     }
 
-    /// Publishes `name` at `loc` unless the scope has it already. The caller checks
-    /// that the location is a page of the publisher's and holds no other key.
-    pub fn publish(&mut self, scope: ScopeId, name: &str, loc: Location) -> Published {
+    /// Publishes `name` at `loc` unless the scope has it already. `prev` is the key
+    /// before it in its chain, if the publisher knows it (it need not be stored).
+    /// The caller checks that the location is a page of the publisher's and holds
+    /// no other key.
+    pub fn publish(
+        &mut self,
+        scope: ScopeId,
+        name: &str,
+        loc: Location,
+        prev: Option<&str>,
+    ) -> Published {
         if let Some(id) = self.find(scope, name) {
             return Published::Exists(id);
         }
@@ -118,20 +147,77 @@ impl KeyDirectory {
             .entry(scope)
             .or_default()
             .insert(name.to_string(), id);
+        let is_tail = self.successors_of(scope, name) == 0;
         let r = self.by_region.entry(loc.region_id).or_default();
         r.lru.insert((used, id));
+        if is_tail {
+            r.tails.insert((used, id));
+        }
         r.bytes += loc.length;
         self.by_page.insert((loc.region_id, loc.offset), id);
+        // A key is not its own predecessor: that would keep it from ever being a tail.
+        let prev = prev.filter(|p| *p != name).map(str::to_string);
+        if let Some(p) = &prev {
+            self.add_successor(scope, p);
+        }
         self.entries.insert(
             id,
             KeyEntry {
                 scope,
                 name: name.to_string(),
                 loc,
+                prev,
                 used,
             },
         );
         Published::New(id)
+    }
+
+    /// How many stored keys name `name` as the key before them.
+    pub fn successors_of(&self, scope: ScopeId, name: &str) -> u32 {
+        // A borrowed lookup key would need a second map; names are short.
+        self.successors
+            .get(&(scope, name.to_string()))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn add_successor(&mut self, scope: ScopeId, prev: &str) {
+        let n = self
+            .successors
+            .entry((scope, prev.to_string()))
+            .or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            // `prev` was a tail (if it is stored) and is one no longer.
+            if let Some(pid) = self.find(scope, prev) {
+                if let Some(pe) = self.entries.get(&pid) {
+                    if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
+                        r.tails.remove(&(pe.used, pid));
+                    }
+                }
+            }
+        }
+    }
+
+    fn drop_successor(&mut self, scope: ScopeId, prev: &str) {
+        let k = (scope, prev.to_string());
+        let Some(n) = self.successors.get_mut(&k) else {
+            return;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        self.successors.remove(&k);
+        // `prev` (if it is stored) has no successor left: it is a tail now.
+        if let Some(pid) = self.find(scope, prev) {
+            if let Some(pe) = self.entries.get(&pid) {
+                if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
+                    r.tails.insert((pe.used, pid));
+                }
+            }
+        }
     }
 
     /// Marks the key as just read.
@@ -143,12 +229,18 @@ impl KeyDirectory {
         if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
             r.lru.remove(&(e.used, id));
             r.lru.insert((self.stamp, id));
+            if r.tails.remove(&(e.used, id)) {
+                r.tails.insert((self.stamp, id));
+            }
         }
         e.used = self.stamp;
     }
 
     pub fn remove(&mut self, id: KeyId) -> Option<KeyEntry> {
         let e = self.entries.remove(&id)?;
+        if let Some(p) = &e.prev {
+            self.drop_successor(e.scope, p);
+        }
         if let Some(names) = self.by_name.get_mut(&e.scope) {
             names.remove(&e.name);
             if names.is_empty() {
@@ -157,6 +249,7 @@ impl KeyDirectory {
         }
         if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
             r.lru.remove(&(e.used, id));
+            r.tails.remove(&(e.used, id));
             r.bytes -= e.loc.length;
             if r.lru.is_empty() {
                 self.by_region.remove(&e.loc.region_id);
@@ -189,6 +282,15 @@ impl KeyDirectory {
             .get(&region_id)
             .into_iter()
             .flat_map(|r| r.lru.iter().copied())
+    }
+
+    /// The region's keys that no stored key follows in a chain, least recently
+    /// used first.
+    pub fn tails(&self, region_id: u64) -> impl Iterator<Item = (u64, KeyId)> + '_ {
+        self.by_region
+            .get(&region_id)
+            .into_iter()
+            .flat_map(|r| r.tails.iter().copied())
     }
 }
 
@@ -223,7 +325,10 @@ mod tests {
             ..scope("ns", "l1")
         });
         assert_eq!(d.scope_id(scope("ns", "l1")), a, "interned");
-        assert!(matches!(d.publish(a, "k", loc(1, 0)), Published::New(_)));
+        assert!(matches!(
+            d.publish(a, "k", loc(1, 0), None),
+            Published::New(_)
+        ));
         assert!(d.find(a, "k").is_some());
         for s in [b, c, cxl] {
             assert!(d.find(s, "k").is_none());
@@ -234,10 +339,10 @@ mod tests {
     fn the_first_publish_wins() {
         let mut d = KeyDirectory::new();
         let s = d.scope_id(scope("ns", "l"));
-        let Published::New(id) = d.publish(s, "k", loc(1, 0)) else {
+        let Published::New(id) = d.publish(s, "k", loc(1, 0), None) else {
             panic!("first publish is new");
         };
-        assert_eq!(d.publish(s, "k", loc(2, 0)), Published::Exists(id));
+        assert_eq!(d.publish(s, "k", loc(2, 0), None), Published::Exists(id));
         assert_eq!(d.get(id).unwrap().loc, loc(1, 0));
         assert_eq!(d.at(2, 0), None, "the loser's page holds nothing");
     }
@@ -247,20 +352,79 @@ mod tests {
         let mut d = KeyDirectory::new();
         let s = d.scope_id(scope("ns", "l"));
         let ids: Vec<KeyId> = (0..3)
-            .map(|i| match d.publish(s, &format!("k{i}"), loc(1, i * 10)) {
-                Published::New(id) => id,
-                other => panic!("{other:?}"),
-            })
+            .map(
+                |i| match d.publish(s, &format!("k{i}"), loc(1, i * 10), None) {
+                    Published::New(id) => id,
+                    other => panic!("{other:?}"),
+                },
+            )
             .collect();
         d.touch(ids[0]);
         let order: Vec<KeyId> = d.lru(1).map(|(_, id)| id).collect();
         assert_eq!(order, vec![ids[1], ids[2], ids[0]]);
         assert_eq!((d.region_keys(1), d.region_bytes(1)), (3, 30));
-        d.publish(s, "other", loc(2, 0));
+        d.publish(s, "other", loc(2, 0), None);
         assert_eq!(d.drop_region(1).len(), 3);
         assert!(d.find(s, "k0").is_none());
         assert_eq!(d.at(1, 0), None);
         assert_eq!((d.region_keys(1), d.region_bytes(1), d.len()), (0, 0, 1));
         assert!(d.remove(ids[0]).is_none(), "already gone");
+    }
+
+    fn tails_of(d: &KeyDirectory, region_id: u64) -> Vec<String> {
+        d.tails(region_id)
+            .map(|(_, id)| d.get(id).unwrap().name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn a_key_is_a_tail_until_a_stored_key_names_it_as_its_previous_one() {
+        let mut d = KeyDirectory::new();
+        let s = d.scope_id(scope("ns", "l"));
+        d.publish(s, "a", loc(1, 0), None);
+        assert_eq!(tails_of(&d, 1), ["a"]);
+        d.publish(s, "b", loc(1, 10), Some("a"));
+        d.publish(s, "c", loc(1, 20), Some("b"));
+        assert_eq!(tails_of(&d, 1), ["c"], "a and b have successors");
+        assert_eq!(d.successors_of(s, "a"), 1);
+        // A second continuation of the same prefix.
+        d.publish(s, "b2", loc(1, 30), Some("a"));
+        assert_eq!(d.successors_of(s, "a"), 2);
+        let c = d.find(s, "c").unwrap();
+        d.remove(c);
+        assert_eq!(tails_of(&d, 1), ["b", "b2"], "b is a tail again");
+        let b2 = d.find(s, "b2").unwrap();
+        d.remove(b2);
+        assert_eq!(d.successors_of(s, "a"), 1, "b still follows a");
+        let b = d.find(s, "b").unwrap();
+        d.remove(b);
+        assert_eq!(tails_of(&d, 1), ["a"]);
+        assert!(d.successors.is_empty(), "no count outlives its keys");
+    }
+
+    #[test]
+    fn a_successor_published_first_still_counts_and_reads_keep_tail_order() {
+        let mut d = KeyDirectory::new();
+        let s = d.scope_id(scope("ns", "l"));
+        // Chunks of one chain may be published out of order, across regions.
+        d.publish(s, "b", loc(2, 0), Some("a"));
+        d.publish(s, "a", loc(1, 0), None);
+        assert_eq!(tails_of(&d, 1), Vec::<String>::new(), "b follows a");
+        assert_eq!(tails_of(&d, 2), ["b"]);
+        d.publish(s, "x", loc(2, 10), None);
+        let b = d.find(s, "b").unwrap();
+        d.touch(b);
+        assert_eq!(
+            tails_of(&d, 2),
+            ["x", "b"],
+            "a read moves a tail to the back"
+        );
+        // Chains are per scope: a key of another scope naming `x` is no successor.
+        let other = d.scope_id(scope("other", "l"));
+        d.publish(other, "y", loc(3, 0), Some("x"));
+        assert_eq!(tails_of(&d, 2), ["x", "b"]);
+        // A key naming itself is a chain's head, not its own successor.
+        d.publish(s, "self", loc(1, 10), Some("self"));
+        assert!(tails_of(&d, 1).contains(&"self".to_string()));
     }
 }

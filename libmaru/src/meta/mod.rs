@@ -44,11 +44,13 @@ mod store_ops;
 #[cfg(test)]
 mod core_tests;
 #[cfg(test)]
+mod evict_tests;
+#[cfg(test)]
 mod fakes;
 #[cfg(test)]
 mod keeper_tests;
 
-pub use self::config::{ConfigError, MetaConfig, DEFAULT_KEEPER_SILENCE_MS};
+pub use self::config::{ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS};
 pub use self::core::MetaCore;
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};

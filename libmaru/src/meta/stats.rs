@@ -55,6 +55,8 @@ impl MetaCore {
             regions: self.regions.len() as u64,
             hits: self.totals.hits,
             misses: self.totals.misses,
+            removed: self.totals.removed,
+            chains_cut: self.totals.chains_cut,
             leases: self.leases.len() as u64,
             pinned_keys: self.pins.keys() as u64,
             kept_regions: self.keeper.kept_len() as u64,

@@ -120,6 +120,9 @@ impl MetaCore {
         let mut pages: HashMap<(u64, u64), &str> = HashMap::new();
         for (i, e) in entries.iter().enumerate() {
             check_key(&e.key)?;
+            if let Some(p) = &e.prev {
+                check_key(p)?;
+            }
             let at = |what: String| format!("entry {i} (key {:?}): {what}", e.key);
             let Some(r) = self
                 .regions
@@ -175,7 +178,10 @@ impl MetaCore {
                     offset: e.offset,
                     length: e.length,
                 };
-                matches!(self.keys.publish(scope, &e.key, loc), Published::New(_))
+                matches!(
+                    self.keys.publish(scope, &e.key, loc, e.prev.as_deref()),
+                    Published::New(_)
+                )
             })
             .collect();
         Ok(MetaReply::Published { is_new })

@@ -71,6 +71,11 @@ pub struct PublishEntry {
     pub offset: u64,
     /// Bytes of the chunk (1 to the page size).
     pub length: u64,
+    /// The key of the chunk before this one in its prefix chain (none for a chain's
+    /// first chunk, or when the caller does not know). maru-server evicts the tails
+    /// of chains before their heads with it; it is never checked to exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prev: Option<String>,
 }
 
 /// One page of a region.
@@ -371,6 +376,13 @@ pub struct TotalStats {
     pub kept_keys: u64,
     /// Regions on their way back to the RM (release, then free).
     pub giving_back: u64,
+    /// Keys removed by their owners since the server started (evictions).
+    #[serde(default)]
+    pub removed: u64,
+    /// Of those, keys that still had stored successors in their prefix chain, which
+    /// no load can reach after them.
+    #[serde(default)]
+    pub chains_cut: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -531,6 +543,7 @@ mod tests {
                     region_id: 1,
                     offset: 0,
                     length: 9,
+                    prev: Some("j".into()),
                 }],
             },
             MetaRequest::FreePages {

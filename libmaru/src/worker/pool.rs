@@ -300,6 +300,8 @@ impl StoragePool {
                         region_id: page.region_id,
                         offset: page.offset,
                         length: lens[i] as u64,
+                        // A batch is the chunks of one request in chain order.
+                        prev: i.checked_sub(1).map(|j| keys[j].to_string()),
                     },
                 ));
             } else {

@@ -1,0 +1,315 @@
+//! Tests of eviction order: tails of prefix chains before their heads, leased and
+//! pinned keys never offered, and a replayed workload where prefix-aware victims
+//! keep at least the hit rate of plain LRU.
+
+use super::config::VictimOrder;
+use super::fakes::*;
+use super::MetaConfig;
+use crate::wire::meta::{MetaReply, MetaRequest, PublishEntry, RemoveResult};
+
+fn world(order: VictimOrder) -> World {
+    World::with(
+        MetaConfig {
+            victim_order: order,
+            ..config(&[A1])
+        },
+        16 * REGION,
+    )
+}
+
+fn remove(w: &mut World, client: &str, session: u64, keys: &[&str]) -> Vec<RemoveResult> {
+    let keys = keys.iter().map(|k| k.to_string()).collect();
+    match w.req(client, MetaRequest::Remove { session, keys }) {
+        Ok(MetaReply::Removed { results }) => results,
+        other => panic!("remove: {other:?}"),
+    }
+}
+
+#[test]
+fn tails_of_chains_are_victims_before_their_heads() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    w.store_chain(W1, a, None, &["c0", "c1", "c2", "c3"]);
+    w.store_chain(W1, a, None, &["d0", "d1"]);
+    // c3 is the oldest tail; once it goes, c2 is a tail older than d1, and so on.
+    assert_eq!(w.victims(W1, a, 3), ["c3", "c2", "c1"]);
+    assert_eq!(
+        w.victims(W1, a, 6),
+        ["c3", "c2", "c1", "c0", "d1", "d0"],
+        "every chain tail first"
+    );
+    // Plain LRU would offer the chain's head first and cut it.
+    let mut lru = world(VictimOrder::Lru);
+    let (b, _) = lru.open(W1);
+    lru.expand(W1, b).unwrap();
+    lru.store_chain(W1, b, None, &["c0", "c1", "c2", "c3"]);
+    lru.store_chain(W1, b, None, &["d0", "d1"]);
+    assert_eq!(lru.victims(W1, b, 3), ["c0", "c1", "c2"]);
+}
+
+#[test]
+fn a_chunk_with_two_continuations_goes_after_both() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    w.store_chain(W1, a, None, &["p0", "p1"]);
+    w.store_chain(W1, a, Some("p1"), &["x2"]);
+    w.store_chain(W1, a, Some("p1"), &["y2"]);
+    assert_eq!(w.victims(W1, a, 4), ["x2", "y2", "p1", "p0"]);
+    assert_eq!(
+        w.victims(W1, a, 1),
+        ["x2"],
+        "p1 is not offered while a continuation of it is stored"
+    );
+}
+
+#[test]
+fn a_read_tail_goes_after_older_tails_but_still_before_its_head() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    let (b, _) = w.open(W2);
+    w.store_chain(W1, a, None, &["c0", "c1"]);
+    w.store_chain(W1, a, None, &["d0", "d1"]);
+    // Another engine reads the whole c chain: it is now the most recently used.
+    let leases: Vec<u64> = w
+        .acquire(W2, b, &["c0", "c1"])
+        .into_iter()
+        .map(|l| l.unwrap().lease_id)
+        .collect();
+    w.release_leases(W2, b, leases).unwrap();
+    assert_eq!(w.victims(W1, a, 4), ["d1", "d0", "c1", "c0"]);
+}
+
+#[test]
+fn leased_and_pinned_tails_are_never_victims_and_keep_their_heads() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    let (b, _) = w.open(W2);
+    w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
+    w.store_chain(W1, a, None, &["d0", "d1"]);
+    w.store_chain(W1, a, None, &["e0"]);
+    // B holds a lease on c2 and pins e0.
+    w.acquire(W2, b, &["c2"]);
+    let Ok(MetaReply::Pinned { pinned }) = w.req(
+        W2,
+        MetaRequest::Pin {
+            session: b,
+            keys: vec!["e0".into()],
+        },
+    ) else {
+        panic!("pin");
+    };
+    assert_eq!(pinned, [true]);
+    // Tails first (d's); then, only because more were asked for, the rest by age.
+    let v = w.victims(W1, a, 10);
+    assert_eq!(v[..2], ["d1", "d0"]);
+    assert!(!v.contains(&"c2".to_string()), "leased: {v:?}");
+    assert!(!v.contains(&"e0".to_string()), "pinned: {v:?}");
+    assert_eq!(
+        w.victims(W1, a, 2),
+        ["d1", "d0"],
+        "c0 and c1 wait while tails exist"
+    );
+}
+
+#[test]
+fn removing_a_chunk_with_stored_successors_counts_a_cut_chain() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
+    assert_eq!(remove(&mut w, W1, a, &["c2"]), [RemoveResult::Removed]);
+    assert_eq!(w.core.total_stats().chains_cut, 0, "a tail cuts nothing");
+    assert_eq!(remove(&mut w, W1, a, &["c0"]), [RemoveResult::Removed]);
+    let t = w.core.total_stats();
+    assert_eq!((t.removed, t.chains_cut), (2, 1), "c1 is now unreachable");
+}
+
+#[test]
+fn a_previous_key_longer_than_a_key_is_refused_and_nothing_is_published() {
+    let mut w = world(VictimOrder::PrefixAware);
+    let (a, _) = w.open(W1);
+    let (pages, _) = w.alloc(W1, a, 1);
+    let r = w.req(
+        W1,
+        MetaRequest::Publish {
+            session: a,
+            entries: vec![PublishEntry {
+                key: "k".into(),
+                region_id: pages[0].region_id,
+                offset: pages[0].offset,
+                length: 10,
+                prev: Some("x".repeat(crate::wire::meta::MAX_KEY_LEN + 1)),
+            }],
+        },
+    );
+    assert!(r.is_err(), "{r:?}");
+    assert_eq!(w.exists(W1, a, &["k"]), [false]);
+}
+
+/// A small deterministic generator (xorshift64*), so the replay is the same in
+/// every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A replayed workload on one engine: `prompts` prompts, each a shared system
+/// prefix (one of `systems`) followed by its own chunks, requested with Zipf
+/// reuse. Each request loads its leading hits (a load stops at the first miss),
+/// then stores the rest, evicting `victims` when its regions are full. Returns
+/// the fraction of requested chunks that were leading hits after a warm-up, and
+/// the mean share of stored chunks that were dead weight (stored after a missing
+/// chunk of their chain, so no load reaches them), sampled every 50 requests.
+fn replay(order: VictimOrder) -> (f64, f64) {
+    const SYSTEMS: usize = 5;
+    const SYSTEM_CHUNKS: usize = 4;
+    const PROMPTS: usize = 100;
+    const OWN_CHUNKS: usize = 8;
+    const REQUESTS: usize = 3_000;
+    const WARM_UP: usize = 500;
+    // Working set: 5 × 4 shared + 100 × 8 own = 820 chunks; the cache holds 1/4.
+    let pages_per_region = 41;
+    let regions = 5;
+    let mut w = World::with(
+        MetaConfig {
+            victim_order: order,
+            region_size: pages_per_region * PAGE,
+            ..config(&[A1])
+        },
+        64 * pages_per_region * PAGE,
+    );
+    let (s, _) = w.open(W1);
+    for _ in 1..regions {
+        w.expand(W1, s).unwrap();
+    }
+    let chain = |p: usize| -> Vec<String> {
+        let sys = p % SYSTEMS;
+        (0..SYSTEM_CHUNKS)
+            .map(|i| format!("sys{sys}-{i}"))
+            .chain((0..OWN_CHUNKS).map(|i| format!("p{p}-{i}")))
+            .collect()
+    };
+    // Zipf(1) over the prompts, in a shuffled order of popularity.
+    let weights: Vec<f64> = (1..=PROMPTS).map(|r| 1.0 / r as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rank_to_prompt: Vec<usize> = (0..PROMPTS).collect();
+    for i in (1..PROMPTS).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        rank_to_prompt.swap(i, j);
+    }
+    let (mut hits, mut asked) = (0u64, 0u64);
+    let (mut dead_sum, mut samples) = (0.0, 0u32);
+    for req in 0..REQUESTS {
+        if req >= WARM_UP && req % 50 == 0 {
+            let (mut dead, mut stored) = (0usize, 0usize);
+            for p in 0..PROMPTS {
+                let keys = chain(p);
+                let own: Vec<&str> = keys[SYSTEM_CHUNKS..].iter().map(String::as_str).collect();
+                let sys: Vec<&str> = keys[..SYSTEM_CHUNKS].iter().map(String::as_str).collect();
+                let sys_whole = w.exists(W1, s, &sys).iter().all(|f| *f);
+                let found = w.exists(W1, s, &own);
+                let lead = if sys_whole {
+                    found.iter().take_while(|f| **f).count()
+                } else {
+                    0
+                };
+                stored += found.iter().filter(|f| **f).count();
+                dead += found[lead..].iter().filter(|f| **f).count();
+            }
+            dead_sum += dead as f64 / stored.max(1) as f64;
+            samples += 1;
+        }
+        let mut x = rng.unit() * total;
+        let rank = weights
+            .iter()
+            .position(|wt| {
+                x -= wt;
+                x <= 0.0
+            })
+            .unwrap_or(PROMPTS - 1);
+        let keys = chain(rank_to_prompt[rank]);
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let found = w.exists(W1, s, &refs);
+        let lead = found.iter().take_while(|f| **f).count();
+        if req >= WARM_UP {
+            hits += lead as u64;
+            asked += keys.len() as u64;
+        }
+        if lead > 0 {
+            // The load: leases on the leading hits (which marks them read), released.
+            let leases: Vec<u64> = w
+                .acquire(W1, s, &refs[..lead])
+                .into_iter()
+                .flatten()
+                .map(|l| l.lease_id)
+                .collect();
+            w.release_leases(W1, s, leases).unwrap();
+        }
+        // Store what the engine computed: every chunk after the first miss.
+        let todo = &refs[lead..];
+        if todo.is_empty() {
+            continue;
+        }
+        let (mut pages, missing) = w.alloc(W1, s, todo.len() as u32);
+        if missing > 0 {
+            let victims = w.victims(W1, s, missing);
+            let names: Vec<&str> = victims.iter().map(String::as_str).collect();
+            let removed = remove(&mut w, W1, s, &names);
+            assert!(removed.iter().all(|r| *r == RemoveResult::Removed));
+            let (more, still) = w.alloc(W1, s, missing);
+            assert_eq!(still, 0, "victims made room");
+            pages.extend(more);
+        }
+        let entries = todo
+            .iter()
+            .zip(&pages)
+            .enumerate()
+            .map(|(i, (k, p))| PublishEntry {
+                key: k.to_string(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 1000,
+                prev: (lead + i).checked_sub(1).map(|j| refs[j].to_string()),
+            })
+            .collect();
+        w.publish_at(W1, s, entries).unwrap();
+        w.now += 1;
+    }
+    (hits as f64 / asked as f64, dead_sum / f64::from(samples))
+}
+
+#[test]
+fn prefix_aware_victims_keep_at_least_the_hit_rate_of_plain_lru() {
+    let (prefix, prefix_dead) = replay(VictimOrder::PrefixAware);
+    let (lru, lru_dead) = replay(VictimOrder::Lru);
+    println!(
+        "replayed workload, cache 1/4 of the working set: hit rate prefix-aware {prefix:.3}, \
+         plain LRU {lru:.3}; dead weight prefix-aware {prefix_dead:.3}, plain LRU {lru_dead:.3}"
+    );
+    assert!(
+        prefix > 0.0 && lru > 0.0,
+        "the cache is used: {prefix} {lru}"
+    );
+    assert!(
+        prefix >= lru,
+        "prefix-aware eviction ({prefix:.3}) must not hit less than plain LRU ({lru:.3})"
+    );
+    assert!(
+        prefix_dead < lru_dead,
+        "prefix-aware eviction leaves less unreachable KV ({prefix_dead:.3}) than plain LRU \
+         ({lru_dead:.3})"
+    );
+}
