@@ -42,6 +42,7 @@ pub struct MetaCore {
     pub(super) pins: PinTable,
     pub(super) keeper: RegionKeeper,
     pub(super) totals: Totals,
+    pub(super) fair: super::fair_share::FairShare,
     /// When to ask the RM next which regions it holds for this server.
     next_rm_check_ms: u64,
 }
@@ -61,6 +62,7 @@ impl MetaCore {
                 retry_ms: config.retry_ms,
             }),
             totals: Totals::default(),
+            fair: Default::default(),
             next_rm_check_ms: 0,
             cfg: config,
         })
@@ -98,8 +100,16 @@ impl MetaCore {
                 namespace,
                 layout,
                 backend,
+                first_region,
             } => self.open_session(
-                client_id, &engine_id, &namespace, &layout, backend, now_ms, rm,
+                client_id,
+                &engine_id,
+                &namespace,
+                &layout,
+                backend,
+                first_region,
+                now_ms,
+                rm,
             ),
             MetaRequest::Expand { session } => self.expand(client_id, session, now_ms, rm),
             MetaRequest::Alloc {
@@ -252,6 +262,7 @@ impl MetaCore {
             given_back: Vec::new(),
             leases_ended: 0,
         };
+        self.fair.session_ended(id);
         let Some(s) = self.sessions.end(id, reason) else {
             return reply;
         };

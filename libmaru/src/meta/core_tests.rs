@@ -59,6 +59,7 @@ fn the_handshake_offers_remote_cxl_only_with_agents() {
             namespace: "ns".into(),
             layout: "l".into(),
             backend: Backend::RemoteCxl,
+            first_region: true,
         },
     );
     assert_eq!(code(r), ErrorCode::Unsupported);
@@ -268,6 +269,7 @@ fn keys_are_shared_only_within_namespace_layout_and_backend() {
             namespace: "ns".into(),
             layout: "another-model".into(),
             backend: Backend::RemoteCxl,
+            first_region: true,
         },
     ) else {
         panic!("open");
@@ -301,6 +303,7 @@ fn expand_is_refused_for_good_when_a_region_exceeds_the_largest_pool() {
             namespace: "ns".into(),
             layout: "l".into(),
             backend: Backend::RemoteCxl,
+            first_region: true,
         },
     );
     assert_eq!(code(r), ErrorCode::Refused);
@@ -660,6 +663,7 @@ fn the_session_limit_refuses_clearly() {
                 namespace: "ns".into(),
                 layout: "l".into(),
                 backend: Backend::RemoteCxl,
+                first_region: true,
             },
         )
         .unwrap_err();

@@ -313,3 +313,116 @@ fn prefix_aware_victims_keep_at_least_the_hit_rate_of_plain_lru() {
          ({lru_dead:.3})"
     );
 }
+
+fn return_region(w: &mut World, client: &str, session: u64, region_id: u64) {
+    match w.req(
+        client,
+        MetaRequest::ReturnRegion {
+            session,
+            region_id,
+            released: true,
+        },
+    ) {
+        Ok(MetaReply::Returned(r)) => assert!(r.freed, "freed at the RM"),
+        other => panic!("return_region: {other:?}"),
+    }
+}
+
+/// A pool with room for 4 regions: A holds 3 (one of them read long ago), B one.
+fn full_pool() -> (World, u64, u64, Vec<u64>) {
+    let mut w = World::with(config(&[A1]), 4 * REGION);
+    let (a, g) = w.open(W1);
+    let mut a_regions = vec![g.handle.region_id];
+    for _ in 0..2 {
+        w.now += 100;
+        a_regions.push(w.expand(W1, a).unwrap().handle.region_id);
+    }
+    let (b, _) = w.open(W2);
+    (w, a, b, a_regions)
+}
+
+#[test]
+fn opening_a_session_without_a_first_region_takes_none() {
+    let (mut w, _, _, _) = full_pool();
+    let c = w.open_without_region("worker-3:300");
+    assert_eq!(w.core.region_count(), 4, "nothing asked of the full RM");
+    let (pages, missing) = w.alloc("worker-3:300", c, 1);
+    assert_eq!(
+        (pages.len(), missing),
+        (0, 1),
+        "it expands at its first store"
+    );
+}
+
+#[test]
+fn a_new_engine_on_a_full_pool_gets_a_region_given_back_by_the_fullest_session() {
+    let (mut w, a, b, a_regions) = full_pool();
+    const W3: &str = "worker-3:300";
+    let c = w.open_without_region(W3);
+    // 4 regions, 3 storing sessions: a share of 1. A is 2 above it.
+    let e = w.expand(W3, c).unwrap_err();
+    assert_eq!(e.code, crate::wire::ErrorCode::NoSpace);
+    assert!(
+        e.message.contains(&format!("session {a}")) && e.message.contains("give back"),
+        "{}",
+        e.message
+    );
+    assert_eq!(w.core.total_stats().waiting_for_region, 1);
+    // A hears it at its next heartbeat: its region read longest ago. B does not.
+    assert_eq!(w.heartbeat_reply(W1, a).give_back, [a_regions[0]]);
+    assert!(w.heartbeat_reply(W2, b).give_back.is_empty());
+    // A second refusal while A has not answered asks nobody else.
+    assert!(w.expand(W3, c).is_err());
+    assert!(w.heartbeat_reply(W2, b).give_back.is_empty());
+    return_region(&mut w, W1, a, a_regions[0]);
+    assert!(w.heartbeat_reply(W1, a).give_back.is_empty(), "answered");
+    let g = w.expand(W3, c).expect("the region given back");
+    assert_eq!(w.core.region_count(), 4);
+    let t = w.core.total_stats();
+    assert_eq!((t.fair_share_returns, t.waiting_for_region), (1, 0));
+    assert!(g.pages > 0);
+}
+
+#[test]
+fn kept_regions_of_engines_that_left_go_before_any_live_engine_is_asked() {
+    let (mut w, a, b, _) = full_pool();
+    // B stores and leaves: its region is kept (its keys stay readable).
+    w.store(W2, b, &["b0"]);
+    w.close(W2, b, true);
+    const W3: &str = "worker-3:300";
+    let c = w.open_without_region(W3);
+    let e = w.expand(W3, c).unwrap_err();
+    assert!(e.message.contains("kept region"), "{}", e.message);
+    assert!(
+        w.heartbeat_reply(W1, a).give_back.is_empty(),
+        "A is not asked while a kept region is going back"
+    );
+}
+
+#[test]
+fn a_session_asked_for_a_region_that_ends_is_asked_no_more() {
+    let (mut w, a, _, _) = full_pool();
+    const W3: &str = "worker-3:300";
+    let c = w.open_without_region(W3);
+    assert!(w.expand(W3, c).is_err());
+    assert_eq!(w.heartbeat_reply(W1, a).give_back.len(), 1);
+    // The waiter leaves: nobody waits, A is asked no more.
+    w.close(W3, c, true);
+    assert!(w.heartbeat_reply(W1, a).give_back.is_empty());
+    assert_eq!(w.core.total_stats().waiting_for_region, 0);
+}
+
+#[test]
+fn a_waiter_that_stops_asking_is_forgotten_after_the_session_timeout() {
+    let (mut w, a, b, _) = full_pool();
+    const W3: &str = "worker-3:300";
+    let c = w.open_without_region(W3);
+    assert!(w.expand(W3, c).is_err());
+    w.alive = vec![(W1.into(), a), (W2.into(), b), (W3.into(), c)];
+    let timeout = w.core.config().session_timeout_ms;
+    w.run_for(timeout - 1_000, 1_000);
+    assert_eq!(w.heartbeat_reply(W1, a).give_back.len(), 1, "still wanted");
+    w.run_for(1_000, 1_000);
+    assert!(w.heartbeat_reply(W1, a).give_back.is_empty());
+    assert_eq!(w.core.total_stats().waiting_for_region, 0);
+}

@@ -5,7 +5,8 @@
 use super::ports::{AgentPort, PortError, RmPort};
 use super::{MetaConfig, MetaCore};
 use crate::wire::meta::{
-    Backend, LeaseGrant, MetaReply, MetaRequest, PageGrant, PublishEntry, RegionGrant,
+    Backend, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PublishEntry,
+    RegionGrant,
 };
 use crate::wire::rm::{AllocReply, Handle, PoolInfo};
 use crate::wire::WireError;
@@ -283,10 +284,44 @@ impl World {
                 namespace: namespace.into(),
                 layout: "llama-8b/bf16/256".into(),
                 backend,
+                first_region: true,
             },
         ) {
-            Ok(MetaReply::Session(s)) => (s.session, s.region),
+            Ok(MetaReply::Session(s)) => (s.session, s.region.expect("a first region")),
             other => panic!("open_session: {other:?}"),
+        }
+    }
+
+    /// Opens a session that takes no region until it expands.
+    pub fn open_without_region(&mut self, client: &str) -> u64 {
+        match self.req(
+            client,
+            MetaRequest::OpenSession {
+                engine_id: format!("engine-{client}"),
+                namespace: "ns".into(),
+                layout: "llama-8b/bf16/256".into(),
+                backend: Backend::RemoteCxl,
+                first_region: false,
+            },
+        ) {
+            Ok(MetaReply::Session(s)) => {
+                assert!(s.region.is_none());
+                s.session
+            }
+            other => panic!("open_session: {other:?}"),
+        }
+    }
+
+    /// The heartbeat's whole reply.
+    pub fn heartbeat_reply(&mut self, client: &str, session: u64) -> HeartbeatReply {
+        let req = MetaRequest::Heartbeat {
+            session,
+            boot_ids: Default::default(),
+            regions: vec![],
+        };
+        match self.req(client, req) {
+            Ok(MetaReply::Heartbeat(h)) => h,
+            other => panic!("heartbeat: {other:?}"),
         }
     }
 

@@ -28,6 +28,7 @@ mod config;
 mod core;
 mod errors;
 mod evict_ops;
+pub mod fair_share;
 pub mod keeper;
 pub mod keys;
 pub mod leases;

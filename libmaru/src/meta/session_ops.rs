@@ -3,6 +3,7 @@
 
 use super::core::MetaCore;
 use super::errors::{bad_request, check_batch, internal, no_space, permission, refused};
+use super::fair_share::{Ask, Holding};
 use super::keeper::{GiveBackReason, KeeperEvent};
 use super::keys::Scope;
 use super::pages::PageAllocator;
@@ -10,9 +11,10 @@ use super::ports::{PortError, RmPort};
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::EndReason;
 use crate::wire::meta::{
-    Backend, HeartbeatReply, MetaReply, ReturnReply, SessionReply, LEASE_LIMIT, MAX_NAME_LEN,
+    Backend, HeartbeatReply, MetaReply, RegionGrant, ReturnReply, SessionReply, LEASE_LIMIT,
+    MAX_NAME_LEN,
 };
-use crate::wire::WireError;
+use crate::wire::{ErrorCode, WireError};
 use std::collections::BTreeMap;
 
 fn check_name(what: &str, s: &str, required: bool) -> Result<(), WireError> {
@@ -36,6 +38,7 @@ impl MetaCore {
         namespace: &str,
         layout: &str,
         backend: Backend,
+        first_region: bool,
         now_ms: u64,
         rm: &mut dyn RmPort,
     ) -> Result<MetaReply, WireError> {
@@ -44,7 +47,11 @@ impl MetaCore {
         check_name("layout digest", layout, false)?;
         self.check_backend_configured(backend)?;
         self.sessions.check_room()?;
-        let mut region = self.alloc_region(backend, now_ms, rm)?;
+        let region = if first_region {
+            Some(self.alloc_region(backend, now_ms, rm)?)
+        } else {
+            None
+        };
         let scope = self.keys.scope_id(Scope {
             namespace: namespace.to_string(),
             layout: layout.to_string(),
@@ -53,17 +60,17 @@ impl MetaCore {
         let id = self
             .sessions
             .insert(client_id, engine_id, namespace, backend, scope, now_ms);
-        let rid = region.handle.region_id;
-        region.holder = Holder::Session(id);
-        let grant = region.grant(self.cfg.chunk_size);
-        self.regions.insert(region);
-        if let Some(s) = self.sessions.get_mut(id) {
-            s.regions.insert(rid);
-        }
+        let grant = region.map(|region| self.give_region(id, region));
         log::info!(
             "session {id} opened by {client_id} (engine {engine_id}, namespace {namespace:?}, \
-             {}) with region {rid}",
-            backend.as_str()
+             {}) with {}",
+            backend.as_str(),
+            grant
+                .as_ref()
+                .map_or("no region yet".to_string(), |g| format!(
+                    "region {}",
+                    g.handle.region_id
+                ))
         );
         Ok(MetaReply::Session(SessionReply {
             session: id,
@@ -87,15 +94,69 @@ impl MetaCore {
             Some(s) => s.backend,
             None => return Err(internal(format!("session {id} vanished"))),
         };
-        let mut region = self.alloc_region(backend, now_ms, rm)?;
+        let region = match self.alloc_region(backend, now_ms, rm) {
+            Ok(r) => r,
+            Err(mut e) if e.code == ErrorCode::NoSpace => {
+                self.fair.want(id, now_ms);
+                if !self.keeper.pressure_pending() {
+                    if let Some(ask) = self.ask_fair_share(now_ms) {
+                        e.message.push_str(&format!(
+                            "; session {} holds the most regions above its fair share and is \
+                             asked to give back region {}: retry shortly",
+                            ask.session, ask.region_id
+                        ));
+                    }
+                }
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        self.fair.done_waiting(id);
+        Ok(MetaReply::Region(self.give_region(id, region)))
+    }
+
+    /// Hands a new region to the session.
+    fn give_region(&mut self, session: u64, mut region: Region) -> RegionGrant {
         let rid = region.handle.region_id;
-        region.holder = Holder::Session(id);
+        region.holder = Holder::Session(session);
         let grant = region.grant(self.cfg.chunk_size);
         self.regions.insert(region);
-        if let Some(s) = self.sessions.get_mut(id) {
+        if let Some(s) = self.sessions.get_mut(session) {
             s.regions.insert(rid);
         }
-        Ok(MetaReply::Region(grant))
+        grant
+    }
+
+    /// Asks the session furthest above its fair share of the pool for a region, if
+    /// a storing session waits and none was asked lately (see `fair_share`).
+    fn ask_fair_share(&mut self, now_ms: u64) -> Option<Ask> {
+        let holdings: Vec<Holding> = self
+            .sessions
+            .iter()
+            .map(|s| Holding {
+                session: s.id,
+                regions: s
+                    .regions
+                    .iter()
+                    .filter_map(|&rid| {
+                        let r = self.regions.get(rid)?;
+                        Some((rid, r.last_read_ms, !self.pins.region_has_pins(rid)))
+                    })
+                    .collect(),
+            })
+            .collect();
+        let timeout = self.cfg.session_timeout_ms;
+        let ask = self
+            .fair
+            .decide(&holdings, self.regions.len(), now_ms, timeout, timeout)?;
+        log::info!(
+            "the pool is full and {} storing sessions wait for a region: session {} (most \
+             regions above its fair share) is asked to give back region {}",
+            self.fair.waiting(),
+            ask.session,
+            ask.region_id
+        );
+        Some(ask)
     }
 
     /// A new region from the RM, not yet in the table. A region larger than the
@@ -248,10 +309,18 @@ impl MetaCore {
             }
         }
         let expires_in_ms = self.cfg.session_timeout_ms;
+        self.fair.forget_stale(now_ms, self.cfg.session_timeout_ms);
+        let give_back = self
+            .fair
+            .asked_of(id)
+            .filter(|&rid| owned(self, rid))
+            .into_iter()
+            .collect();
         Ok(MetaReply::Heartbeat(HeartbeatReply {
             unknown_regions,
             rebooted_regions,
             expires_in_ms,
+            give_back,
         }))
     }
 
@@ -278,6 +347,7 @@ impl MetaCore {
             }
             return Err(Self::unknown_region(region_id));
         }
+        self.fair.region_gone(region_id, Some(id));
         let (keys_dropped, leases_ended) = self.hide_region(region_id);
         let Some(r) = self.regions.get_mut(region_id) else {
             return Err(internal(format!("region {region_id} vanished")));

@@ -57,6 +57,8 @@ impl MetaCore {
             misses: self.totals.misses,
             removed: self.totals.removed,
             chains_cut: self.totals.chains_cut,
+            fair_share_returns: self.fair.returned,
+            waiting_for_region: self.fair.waiting() as u64,
             leases: self.leases.len() as u64,
             pinned_keys: self.pins.keys() as u64,
             kept_regions: self.keeper.kept_len() as u64,

@@ -85,19 +85,27 @@ pub struct PageRef {
     pub page: u64,
 }
 
+fn yes() -> bool {
+    true
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum MetaRequest {
     /// What this server offers: capabilities, the RM address, the agents, sizes.
     Handshake {},
-    /// Open a storage session with its first region. `layout` is the worker's digest
-    /// of its KV layout (model, dtype, block and chunk size ...): keys are shared only
-    /// between sessions of the same namespace, layout and backend.
+    /// Open a storage session, with its first region unless `first_region` is false
+    /// (a reader that never stores holds no region; the first store `expand`s).
+    /// `layout` is the worker's digest of its KV layout (model, dtype, block and chunk
+    /// size ...): keys are shared only between sessions of the same namespace, layout
+    /// and backend.
     OpenSession {
         engine_id: String,
         namespace: String,
         layout: String,
         backend: Backend,
+        #[serde(default = "yes")]
+        first_region: bool,
     },
     /// One more region for the session.
     Expand { session: u64 },
@@ -231,7 +239,9 @@ pub struct HandshakeReply {
 pub struct SessionReply {
     pub session: u64,
     pub page_size: u64,
-    pub region: RegionGrant,
+    /// The first region; none when the open asked for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<RegionGrant>,
     /// Heartbeat well within this (a third of it, say).
     pub session_timeout_ms: u64,
     pub lease_timeout_ms: u64,
@@ -323,6 +333,11 @@ pub struct HeartbeatReply {
     /// Regions whose boot id changed: the memory node rebooted and their keys went.
     pub rebooted_regions: Vec<u64>,
     pub expires_in_ms: u64,
+    /// Regions the session is asked to give back (evict, release at the agent,
+    /// return): it holds more than its fair share of a full pool and another storing
+    /// session waits for a region.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub give_back: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -383,6 +398,12 @@ pub struct TotalStats {
     /// no load can reach after them.
     #[serde(default)]
     pub chains_cut: u64,
+    /// Regions sessions returned because maru-server asked them for their fair share.
+    #[serde(default)]
+    pub fair_share_returns: u64,
+    /// Storing sessions waiting for a region of the full pool now.
+    #[serde(default)]
+    pub waiting_for_region: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -494,6 +515,7 @@ mod tests {
             env.body,
             MetaRequest::OpenSession {
                 backend: Backend::RemoteCxl,
+                first_region: true,
                 ..
             }
         ));
@@ -607,7 +629,7 @@ mod tests {
             MetaReply::Session(SessionReply {
                 session: 3,
                 page_size: 1 << 20,
-                region: grant,
+                region: Some(grant),
                 session_timeout_ms: 30_000,
                 lease_timeout_ms: 60_000,
                 lease_limit: LEASE_LIMIT,

@@ -57,6 +57,7 @@ impl Session {
             namespace: namespace.into(),
             layout: layout.into(),
             backend,
+            first_region: true,
         };
         let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
             MetaReply::Session(s) => s,
@@ -68,7 +69,12 @@ impl Session {
             id: s.session,
             page_size: s.page_size,
             handshake,
-            first_region: s.region,
+            first_region: s.region.ok_or_else(|| {
+                WorkerError::Transport(format!(
+                    "maru-server at {url} opened session {} without the first region asked for",
+                    s.session
+                ))
+            })?,
             session_timeout_ms: s.session_timeout_ms,
         })
     }
