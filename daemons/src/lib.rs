@@ -4,4 +4,6 @@
 pub mod agent_service;
 pub mod common;
 pub mod meta_service;
+pub mod metrics;
+pub mod metrics_http;
 pub mod rm_service;

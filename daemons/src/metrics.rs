@@ -1,0 +1,308 @@
+//! What a daemon counts for Prometheus: requests by operation and result, their
+//! latency, bytes, connections (open, refused by reason), failed key proofs, and
+//! the gauges of its core (regions, holds, sessions ...), with its version and
+//! uptime. Every figure is an atomic, so the event loop updates them and the
+//! `/metrics` thread ([`crate::metrics_http`]) renders them without a lock between
+//! the two.
+//!
+//! Names follow Prometheus's conventions: `maru_<daemon>_...`, base units (seconds,
+//! bytes), counters ending in `_total`.
+
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The content type of what [`Metrics::render`] writes.
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+fn latency_histogram() -> Histogram {
+    // 10 µs to about 2.6 s, ×4 a bucket: loopback requests to a slow RM call.
+    Histogram::new(exponential_buckets(1e-5, 4.0, 10))
+}
+
+/// One daemon's metrics.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    latency: Family<Labels, Histogram, fn() -> Histogram>,
+    bytes: Family<Labels, Counter>,
+    connections_open: Gauge,
+    connections_refused: Family<Labels, Counter>,
+    auth_failures: Counter,
+    uptime: Gauge<f64, AtomicU64>,
+    gauges: BTreeMap<&'static str, Gauge>,
+}
+
+impl Metrics {
+    /// Metrics of `daemon` (`rm`, `agent`, `server`), with one gauge for each
+    /// `(name, help)` of its core.
+    pub fn new(daemon: &'static str, gauges: &[(&'static str, &'static str)]) -> Metrics {
+        let mut registry = Registry::with_prefix(format!("maru_{daemon}"));
+        let info: Family<Labels, Gauge> = Family::default();
+        info.get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_string())])
+            .set(1);
+        registry.register("build_info", "The daemon's version (always 1)", info);
+        let uptime = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "uptime_seconds",
+            "Seconds since the daemon started",
+            uptime.clone(),
+        );
+        let requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests served, by operation and result (ok or the error code)",
+            requests.clone(),
+        );
+        let latency =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to its reply, by operation",
+            latency.clone(),
+        );
+        let bytes = Family::<Labels, Counter>::default();
+        registry.register(
+            "bytes",
+            "Bytes received (in) and sent (out) on the daemon's connections",
+            bytes.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Client connections open now",
+            connections_open.clone(),
+        );
+        let connections_refused = Family::<Labels, Counter>::default();
+        registry.register(
+            "connections_refused",
+            "Connections refused or closed by the daemon, by reason",
+            connections_refused.clone(),
+        );
+        let auth_failures = Counter::default();
+        registry.register(
+            "auth_failures",
+            "Connections whose key proof failed",
+            auth_failures.clone(),
+        );
+        let gauges = gauges
+            .iter()
+            .map(|&(name, help)| {
+                let g = Gauge::default();
+                registry.register(name, help, g.clone());
+                (name, g)
+            })
+            .collect();
+        Metrics {
+            registry,
+            requests,
+            latency,
+            bytes,
+            connections_open,
+            connections_refused,
+            auth_failures,
+            uptime,
+            gauges,
+        }
+    }
+
+    /// A request of `op` answered with `result` (`ok`, or its error code) after
+    /// `seconds`.
+    pub fn request(&self, op: &str, result: &str, seconds: f64) {
+        self.requests
+            .get_or_create(&vec![
+                ("op", op.to_string()),
+                ("result", result.to_string()),
+            ])
+            .inc();
+        self.latency
+            .get_or_create(&vec![("op", op.to_string())])
+            .observe(seconds);
+    }
+
+    pub fn bytes_in(&self, n: u64) {
+        self.bytes
+            .get_or_create(&vec![("direction", "in".into())])
+            .inc_by(n);
+    }
+
+    pub fn bytes_out(&self, n: u64) {
+        self.bytes
+            .get_or_create(&vec![("direction", "out".into())])
+            .inc_by(n);
+    }
+
+    pub fn connection_opened(&self) {
+        self.connections_open.inc();
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections_open.dec();
+    }
+
+    /// A connection refused at accept or closed by the daemon (`cap`,
+    /// `handshake_timeout`, `idle`, `frame_too_large`, ...).
+    pub fn connection_refused(&self, reason: &str) {
+        self.connections_refused
+            .get_or_create(&vec![("reason", reason.to_string())])
+            .inc();
+    }
+
+    pub fn auth_failure(&self) {
+        self.auth_failures.inc();
+    }
+
+    /// Sets a gauge named at [`Metrics::new`]; an unknown name is a bug of the
+    /// daemon, logged once per call and otherwise ignored.
+    pub fn set(&self, name: &str, value: i64) {
+        match self.gauges.get(name) {
+            Some(g) => {
+                g.set(value);
+            }
+            None => log::debug!("metrics: no gauge {name:?}"),
+        }
+    }
+
+    /// The metrics in the Prometheus text format, with the uptime given.
+    pub fn render(&self, uptime_seconds: f64) -> String {
+        self.uptime.set(uptime_seconds);
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exposition format's rules a scraper relies on: every sample's family has
+    /// one HELP and one TYPE line before it, names are `[a-zA-Z_:][a-zA-Z0-9_:]*`,
+    /// label values are quoted, values parse as floats.
+    fn check_format(text: &str) -> Vec<(String, f64)> {
+        let mut typed: BTreeMap<String, String> = BTreeMap::new();
+        let mut samples = Vec::new();
+        let name_ok = |n: &str| {
+            !n.is_empty()
+                && n.chars().enumerate().all(|(i, c)| {
+                    c.is_ascii_alphabetic() || c == '_' || c == ':' || (i > 0 && c.is_ascii_digit())
+                })
+        };
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("TYPE name kind");
+                assert!(name_ok(name), "{line}");
+                assert!(
+                    ["counter", "gauge", "histogram", "untyped", "summary"].contains(&kind),
+                    "{line}"
+                );
+                assert!(
+                    typed.insert(name.into(), kind.into()).is_none(),
+                    "twice: {line}"
+                );
+                continue;
+            }
+            if line.starts_with("# HELP ") || line.is_empty() {
+                continue;
+            }
+            assert!(!line.starts_with('#'), "unknown comment {line}");
+            let (series, value) = line.rsplit_once(' ').expect("series value");
+            let name = series.split('{').next().unwrap();
+            assert!(name_ok(name), "{line}");
+            if let Some(labels) = series.strip_prefix(name) {
+                if !labels.is_empty() {
+                    assert!(labels.starts_with('{') && labels.ends_with('}'), "{line}");
+                    for pair in labels[1..labels.len() - 1].split(',') {
+                        let (k, v) = pair.split_once('=').expect("k=v");
+                        assert!(name_ok(k), "{line}");
+                        assert!(v.starts_with('"') && v.ends_with('"'), "{line}");
+                    }
+                }
+            }
+            let family = typed
+                .keys()
+                .filter(|f| name.starts_with(f.as_str()))
+                .max_by_key(|f| f.len())
+                .unwrap_or_else(|| panic!("no TYPE before {line}"));
+            assert!(
+                name.len() == family.len() || typed[family] == "histogram",
+                "{line}"
+            );
+            let v: f64 = value.parse().unwrap_or_else(|_| panic!("value of {line}"));
+            samples.push((series.to_string(), v));
+        }
+        samples
+    }
+
+    fn value(samples: &[(String, f64)], series: &str) -> f64 {
+        samples
+            .iter()
+            .find(|(s, _)| s == series)
+            .unwrap_or_else(|| panic!("no {series} in {samples:?}"))
+            .1
+    }
+
+    #[test]
+    fn figures_move_and_render_in_the_exposition_format() {
+        let m = Metrics::new("rm", &[("regions", "Regions allocated")]);
+        m.request("alloc", "ok", 0.0002);
+        m.request("alloc", "ok", 0.0004);
+        m.request("alloc", "no_space", 0.001);
+        m.bytes_in(100);
+        m.bytes_out(40);
+        m.connection_opened();
+        m.connection_opened();
+        m.connection_closed();
+        m.connection_refused("cap");
+        m.auth_failure();
+        m.set("regions", 7);
+        m.set("no_such_gauge", 1);
+        let text = m.render(12.5);
+        let s = check_format(&text);
+        assert_eq!(
+            value(&s, r#"maru_rm_requests_total{op="alloc",result="ok"}"#),
+            2.0
+        );
+        assert_eq!(
+            value(
+                &s,
+                r#"maru_rm_requests_total{op="alloc",result="no_space"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(&s, r#"maru_rm_request_duration_seconds_count{op="alloc"}"#),
+            3.0
+        );
+        assert_eq!(value(&s, r#"maru_rm_bytes_total{direction="in"}"#), 100.0);
+        assert_eq!(value(&s, "maru_rm_connections_open"), 1.0);
+        assert_eq!(
+            value(&s, r#"maru_rm_connections_refused_total{reason="cap"}"#),
+            1.0
+        );
+        assert_eq!(value(&s, "maru_rm_auth_failures_total"), 1.0);
+        assert_eq!(value(&s, "maru_rm_regions"), 7.0);
+        assert_eq!(value(&s, "maru_rm_uptime_seconds"), 12.5);
+        let version = format!(
+            r#"maru_rm_build_info{{version="{}"}}"#,
+            env!("CARGO_PKG_VERSION")
+        );
+        assert_eq!(value(&s, &version), 1.0);
+        // Histogram buckets are cumulative and end with +Inf = count.
+        assert_eq!(
+            value(
+                &s,
+                r#"maru_rm_request_duration_seconds_bucket{op="alloc",le="+Inf"}"#
+            ),
+            3.0
+        );
+    }
+}
