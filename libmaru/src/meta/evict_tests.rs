@@ -376,6 +376,9 @@ fn a_new_engine_on_a_full_pool_gets_a_region_given_back_by_the_fullest_session()
     assert!(w.heartbeat_reply(W2, b).give_back.is_empty());
     return_region(&mut w, W1, a, a_regions[0]);
     assert!(w.heartbeat_reply(W1, a).give_back.is_empty(), "answered");
+    // A, at its share now, does not take the region back while C waits.
+    let e = w.expand(W1, a).unwrap_err();
+    assert!(e.message.contains("fair share"), "{}", e.message);
     let g = w.expand(W3, c).expect("the region given back");
     assert_eq!(w.core.region_count(), 4);
     let t = w.core.total_stats();

@@ -3,8 +3,9 @@
 //! above its share to give one region back.
 //!
 //! The share is the pool's regions (every region maru-server holds) divided by the
-//! storing sessions (those holding a region, and those waiting for one), with a
-//! floor of one. The session with the most regions above its share is asked, at its
+//! storing sessions (those holding a region, and those waiting for one), rounded up,
+//! at least one. A session at its share does not take a new region while another
+//! waits (it evicts its own keys instead), so a region given back goes to the waiter. The session with the most regions above its share is asked, at its
 //! next heartbeat, for its region read longest ago that holds no pinned key; it
 //! evicts it, releases it at its agent and returns it, as every return. One request
 //! is outstanding at a time; an unanswered one is asked again of whoever is then
@@ -90,6 +91,37 @@ impl FairShare {
         self.wanting.len()
     }
 
+    /// Whether `session`, holding `held` regions, must let waiting sessions go first:
+    /// another session waits for a region and this one holds its share already. A
+    /// region given back for a waiter is then not taken again by whoever asks first
+    /// (the session that gave it back, typically), which would only move keys around.
+    pub fn must_yield(
+        &self,
+        session: u64,
+        held: usize,
+        holdings: &[Holding],
+        pool_regions: usize,
+    ) -> bool {
+        if !self.wanting.keys().any(|&s| s != session) {
+            return false;
+        }
+        held >= self.share(holdings, pool_regions)
+    }
+
+    /// Pool regions ÷ storing sessions (those holding a region, and those waiting),
+    /// rounded up, at least one. Rounded up, so that with regions that do not divide
+    /// evenly a session one region above another is not asked: giving it back would
+    /// only make the other one the larger, and the two would hand regions (and their
+    /// keys) back and forth.
+    pub fn share(&self, holdings: &[Holding], pool_regions: usize) -> usize {
+        let storing = holdings
+            .iter()
+            .filter(|h| !h.regions.is_empty() && !self.wanting.contains_key(&h.session))
+            .count()
+            + self.wanting.len();
+        pool_regions.div_ceil(storing.max(1)).max(1)
+    }
+
     /// Decides whether to ask a session for a region: forgets waiters that stopped
     /// asking `wait_ms` ago, keeps an outstanding ask younger than `ask_timeout_ms`,
     /// else picks the session furthest above its share. `pool_regions` counts every
@@ -112,12 +144,7 @@ impl FairShare {
         if self.wanting.is_empty() {
             return None;
         }
-        let storing = holdings
-            .iter()
-            .filter(|h| !h.regions.is_empty() && !self.wanting.contains_key(&h.session))
-            .count()
-            + self.wanting.len();
-        let share = (pool_regions / storing.max(1)).max(1);
+        let share = self.share(holdings, pool_regions);
         let ask = holdings
             .iter()
             .filter(|h| !self.wanting.contains_key(&h.session) && h.regions.len() > share)
@@ -236,6 +263,30 @@ mod tests {
         assert!(f.decide(&h, 6, 10_000, 10_000, 5_000).is_none());
         f.region_gone(again.region_id, None);
         assert_eq!(f.returned, 0, "not returned by the session asked");
+    }
+
+    #[test]
+    fn regions_that_do_not_divide_evenly_are_not_handed_back_and_forth() {
+        let mut f = FairShare::default();
+        f.want(2, 0);
+        // 3 regions, 2 storing sessions: a share of 2 (rounded up).
+        let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
+        assert_eq!(f.decide(&h, 3, 0, 10_000, 5_000), None);
+    }
+
+    #[test]
+    fn a_session_at_its_share_yields_to_a_waiter() {
+        let mut f = FairShare::default();
+        let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
+        assert!(!f.must_yield(1, 2, &h, 4), "nobody waits");
+        f.want(2, 0);
+        // 4 regions, 2 storing sessions: a share of 2, which session 1 holds.
+        assert!(f.must_yield(1, 2, &h, 4));
+        assert!(!f.must_yield(1, 1, &h, 4), "below its share it may grow");
+        assert!(
+            !f.must_yield(2, 1, &h, 4),
+            "the waiter itself never yields to itself"
+        );
     }
 
     #[test]

@@ -94,6 +94,17 @@ impl MetaCore {
             Some(s) => s.backend,
             None => return Err(internal(format!("session {id} vanished"))),
         };
+        let holdings = self.holdings();
+        let held = self.sessions.get(id).map_or(0, |s| s.regions.len());
+        let pool_regions = self.regions.len();
+        if self.fair.must_yield(id, held, &holdings, pool_regions) {
+            // It holds its share: it does not wait for more, it evicts.
+            self.fair.done_waiting(id);
+            return Err(no_space(format!(
+                "session {id} holds its fair share of the full pool ({held} of {pool_regions} \
+                 regions) while other engines wait for one: evict keys of its own regions"
+            )));
+        }
         let region = match self.alloc_region(backend, now_ms, rm) {
             Ok(r) => r,
             Err(mut e) if e.code == ErrorCode::NoSpace => {
@@ -130,21 +141,7 @@ impl MetaCore {
     /// Asks the session furthest above its fair share of the pool for a region, if
     /// a storing session waits and none was asked lately (see `fair_share`).
     fn ask_fair_share(&mut self, now_ms: u64) -> Option<Ask> {
-        let holdings: Vec<Holding> = self
-            .sessions
-            .iter()
-            .map(|s| Holding {
-                session: s.id,
-                regions: s
-                    .regions
-                    .iter()
-                    .filter_map(|&rid| {
-                        let r = self.regions.get(rid)?;
-                        Some((rid, r.last_read_ms, !self.pins.region_has_pins(rid)))
-                    })
-                    .collect(),
-            })
-            .collect();
+        let holdings = self.holdings();
         let timeout = self.cfg.session_timeout_ms;
         let ask = self
             .fair
@@ -157,6 +154,25 @@ impl MetaCore {
             ask.region_id
         );
         Some(ask)
+    }
+
+    /// Every session's regions, when each was last read, and whether it may be given
+    /// back (no pinned key).
+    fn holdings(&self) -> Vec<Holding> {
+        self.sessions
+            .iter()
+            .map(|s| Holding {
+                session: s.id,
+                regions: s
+                    .regions
+                    .iter()
+                    .filter_map(|&rid| {
+                        let r = self.regions.get(rid)?;
+                        Some((rid, r.last_read_ms, !self.pins.region_has_pins(rid)))
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     /// A new region from the RM, not yet in the table. A region larger than the

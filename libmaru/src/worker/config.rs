@@ -92,6 +92,11 @@ pub struct HandlerConfig {
     /// a sleeping thread; an idle handler never polls.
     #[serde(default = "default_reply_spin_us")]
     pub reply_spin_us: u64,
+    /// Most bytes of regions this engine holds in each pool (0: no limit). Past it,
+    /// stores evict the engine's own keys instead of taking another region; the
+    /// limit is counted in whole regions, at least one.
+    #[serde(default)]
+    pub max_bytes: u64,
 }
 
 impl HandlerConfig {

@@ -202,7 +202,9 @@ impl Inner {
                 self.timeout(),
             )),
         };
-        Ok(StoragePool::open(session, mover)?.with_spare_pages(super::pool::SPARE_PAGES))
+        Ok(StoragePool::open(session, mover)?
+            .with_spare_pages(super::pool::SPARE_PAGES)
+            .with_max_bytes(self.cfg.max_bytes))
     }
 
     fn set_up(&self, i: usize, up: bool) {
@@ -973,18 +975,7 @@ impl Handler {
             let g = p.lock();
             let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats()));
             if let Some(s) = &s {
-                total.stored += s.stored;
-                total.store_skipped += s.store_skipped;
-                total.already_present += s.already_present;
-                total.bytes_stored += s.bytes_stored;
-                total.hits += s.hits;
-                total.misses += s.misses;
-                total.load_failed += s.load_failed;
-                total.bytes_loaded += s.bytes_loaded;
-                total.regions += s.regions;
-                total.regions_ahead += s.regions_ahead;
-                total.prefaulted_bytes += s.prefaulted_bytes;
-                total.regions_lost += s.regions_lost;
+                total.add(s);
             }
             pools.push(
                 serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),

@@ -31,7 +31,61 @@ pub struct PoolStats {
     pub prefaulted_bytes: u64,
     /// Regions maru-server no longer counted among the session's (see `heartbeat`).
     pub regions_lost: u64,
+    /// Keys of the session's own regions removed to make room for new stores, and
+    /// their bytes.
+    pub evictions: u64,
+    pub bytes_evicted: u64,
+    /// Regions given back because maru-server asked for a fair share of a full pool.
+    pub regions_given_back: u64,
+    /// Chunks not stored because no page could be found or made free (every page of
+    /// the session leased or pinned, and no region to be had).
+    pub store_no_room: u64,
 }
+
+impl PoolStats {
+    /// Adds another pool's counters (the handler's total).
+    pub fn add(&mut self, s: &PoolStats) {
+        let PoolStats {
+            stored,
+            store_skipped,
+            already_present,
+            bytes_stored,
+            hits,
+            misses,
+            load_failed,
+            bytes_loaded,
+            regions,
+            regions_ahead,
+            prefaulted_bytes,
+            regions_lost,
+            evictions,
+            bytes_evicted,
+            regions_given_back,
+            store_no_room,
+        } = s;
+        // Every field named above: a new counter must be added here to compile.
+        self.stored += stored;
+        self.store_skipped += store_skipped;
+        self.already_present += already_present;
+        self.bytes_stored += bytes_stored;
+        self.hits += hits;
+        self.misses += misses;
+        self.load_failed += load_failed;
+        self.bytes_loaded += bytes_loaded;
+        self.regions += regions;
+        self.regions_ahead += regions_ahead;
+        self.prefaulted_bytes += prefaulted_bytes;
+        self.regions_lost += regions_lost;
+        self.evictions += evictions;
+        self.bytes_evicted += bytes_evicted;
+        self.regions_given_back += regions_given_back;
+        self.store_no_room += store_no_room;
+    }
+}
+
+/// Keys evicted at most per `victims` round trip beyond what a store needs, so that
+/// the next stores find free pages without evicting themselves.
+pub const EVICT_AHEAD: usize = 16;
 
 /// Writes the batch items `(index, page)` with the mover; true where complete.
 type PageWriter<'w> = dyn FnMut(&mut dyn Mover, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
@@ -54,26 +108,44 @@ pub struct StoragePool {
     /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
     /// at most twice as many are kept.
     spare_target: usize,
+    /// Most regions the session takes (`max_bytes`); none: no limit.
+    max_regions: Option<u64>,
 }
 
 impl StoragePool {
     pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
-        mover.adopt(&session.first_region)?;
+        if let Some(r) = &session.first_region {
+            mover.adopt(r)?;
+        }
         let max_batch = session.handshake.max_batch.max(1);
-        let newest = Some(region_pages(&session.first_region));
+        let newest = session.first_region.as_ref().map(region_pages);
         Ok(StoragePool {
-            session,
-            mover,
             stats: PoolStats {
-                regions: 1,
+                regions: u64::from(session.first_region.is_some()),
                 ..PoolStats::default()
             },
+            session,
+            mover,
             max_batch,
             spare: VecDeque::new(),
             newest,
             lead_tried: None,
             spare_target: 0,
+            max_regions: None,
         })
+    }
+
+    /// Holds at most `max_bytes` of regions (whole regions, at least one; 0: no
+    /// limit): past it, stores evict the session's own keys instead of expanding.
+    pub fn with_max_bytes(mut self, max_bytes: u64) -> StoragePool {
+        let region = self.session.handshake.region_size.max(1);
+        self.max_regions = (max_bytes > 0).then(|| (max_bytes / region).max(1));
+        self
+    }
+
+    /// Whether the session may take one more region (`max_bytes`).
+    fn may_grow(&self) -> bool {
+        self.max_regions.is_none_or(|m| self.stats.regions < m)
     }
 
     /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
@@ -112,9 +184,34 @@ impl StoragePool {
         self.spare.extend(got);
         let mut missing = (need - pages.len()) as u32;
         while missing > 0 {
-            // The session's regions are full: one more region, then the rest.
-            let grant = self.session.expand()?;
-            self.adopt(&grant)?;
+            // The session's regions are full: one more region, or else room made by
+            // evicting keys of its own regions; then the rest.
+            let grown = if self.may_grow() {
+                self.session.expand()
+            } else {
+                Err(WorkerError::NoSpace(format!(
+                    "the engine holds max_bytes of regions ({} of them)",
+                    self.stats.regions
+                )))
+            };
+            match grown {
+                Ok(grant) => self.adopt(&grant)?,
+                Err(WorkerError::NoSpace(why)) => {
+                    let freed =
+                        self.evict(missing as usize + EVICT_AHEAD.min(self.spare_target))?;
+                    if freed == 0 {
+                        self.stats.store_no_room += u64::from(missing);
+                        log::warn!(
+                            "pool {}: {missing} chunk(s) not stored: the pool has no region to \
+                             give ({why}) and every page of this engine's regions is leased, \
+                             pinned or in use",
+                            self.session.url
+                        );
+                        break;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
             let (more, m) = self.session.alloc(missing, route_key)?;
             self.note_fill(&more);
             if more.is_empty() && m == missing {
@@ -124,6 +221,35 @@ impl StoragePool {
             missing = m;
         }
         Ok(pages)
+    }
+
+    /// Removes up to `want` keys of the session's own regions, in the order
+    /// maru-server offers them (tails of prefix chains first; never a leased or
+    /// pinned key), so that their pages can take new chunks. A page is reused only
+    /// after maru-server acknowledged its key's removal, and a removal is refused
+    /// while a lease (a reader's, or one of this handler's views) covers it. Returns
+    /// how many keys went.
+    fn evict(&mut self, want: usize) -> Result<usize, WorkerError> {
+        let victims = self.session.victims(want.min(self.max_batch) as u32)?;
+        if victims.is_empty() {
+            return Ok(0);
+        }
+        let names: Vec<String> = victims.iter().map(|v| v.key.clone()).collect();
+        let results = self.session.remove(&names)?;
+        let mut freed = 0;
+        for (v, r) in victims.iter().zip(&results) {
+            if *r == crate::wire::meta::RemoveResult::Removed {
+                freed += 1;
+                self.stats.evictions += 1;
+                self.stats.bytes_evicted += v.length;
+            }
+        }
+        log::debug!(
+            "pool {}: evicted {freed} of {} victims to make room",
+            self.session.url,
+            victims.len()
+        );
+        Ok(freed)
     }
 
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
@@ -140,7 +266,7 @@ impl StoragePool {
         let Some((rid, n)) = self.newest else {
             return;
         };
-        if !self.mover.wants_lead() || self.lead_tried == Some(rid) {
+        if !self.mover.wants_lead() || self.lead_tried == Some(rid) || !self.may_grow() {
             return;
         }
         let deep = pages
@@ -476,7 +602,39 @@ impl StoragePool {
         for id in reply.unknown_regions {
             self.lose_region(id);
         }
+        for id in reply.give_back {
+            self.give_back_region(id);
+        }
         Ok(())
+    }
+
+    /// maru-server asks for one of the session's regions: the pool is full and
+    /// another storing engine waits while this one holds more than its share. No store
+    /// is in flight (the pool is locked); nothing more is written into the region, its
+    /// spare pages go, and it is returned (its keys go, maru-server releases it at its
+    /// agent before the RM frees it).
+    fn give_back_region(&mut self, id: u64) {
+        self.spare.retain(|p| p.region_id != id);
+        self.mover.forget_region(id);
+        if self.newest.is_some_and(|(r, _)| r == id) {
+            self.newest = None;
+        }
+        match self.session.return_region(id, false) {
+            Ok(()) => {
+                self.stats.regions = self.stats.regions.saturating_sub(1);
+                self.stats.regions_given_back += 1;
+                log::info!(
+                    "pool {}: region {id} given back for another engine's fair share of the \
+                     full pool",
+                    self.session.url
+                );
+            }
+            Err(e) => log::warn!(
+                "pool {}: region {id} could not be given back ({e}); nothing more is written \
+                 into it and maru-server asks again",
+                self.session.url
+            ),
+        }
     }
 
     /// maru-server says the region is no longer the session's (the RM took it back

@@ -3,8 +3,8 @@
 use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
-    Backend, HandshakeReply, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant,
-    PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
+    Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
+    PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,7 +15,8 @@ pub struct Session {
     pub id: u64,
     pub page_size: u64,
     pub handshake: HandshakeReply,
-    pub first_region: RegionGrant,
+    /// A region the open came with (none: the first store expands).
+    pub first_region: Option<RegionGrant>,
     pub session_timeout_ms: u64,
 }
 
@@ -57,7 +58,9 @@ impl Session {
             namespace: namespace.into(),
             layout: layout.into(),
             backend,
-            first_region: true,
+            // A region is taken by the first store: a reader that never stores holds
+            // none.
+            first_region: false,
         };
         let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
             MetaReply::Session(s) => s,
@@ -69,12 +72,7 @@ impl Session {
             id: s.session,
             page_size: s.page_size,
             handshake,
-            first_region: s.region.ok_or_else(|| {
-                WorkerError::Transport(format!(
-                    "maru-server at {url} opened session {} without the first region asked for",
-                    s.session
-                ))
-            })?,
+            first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
         })
     }
@@ -170,6 +168,17 @@ impl Session {
         }
     }
 
+    /// Up to `max` keys of the session's own regions to evict, in eviction order.
+    pub fn victims(&mut self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
+        match self.call(&MetaRequest::Victims {
+            session: self.id,
+            max,
+        })? {
+            MetaReply::Victims { victims } => Ok(victims),
+            r => Err(unexpected("victims", r)),
+        }
+    }
+
     /// Pins found keys (per key: found and pinned).
     pub fn pin(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         match self.call(&MetaRequest::Pin {
@@ -217,6 +226,19 @@ impl Session {
         })? {
             MetaReply::Heartbeat(h) => Ok(h),
             r => Err(unexpected("heartbeat", r)),
+        }
+    }
+
+    /// Gives one of the session's regions back: its keys go at once, maru-server
+    /// releases it at its agent unless `released`, then frees it at the RM.
+    pub fn return_region(&mut self, region_id: u64, released: bool) -> Result<(), WorkerError> {
+        match self.call(&MetaRequest::ReturnRegion {
+            session: self.id,
+            region_id,
+            released,
+        })? {
+            MetaReply::Returned(_) => Ok(()),
+            r => Err(unexpected("return_region", r)),
         }
     }
 

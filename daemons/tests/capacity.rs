@@ -1,0 +1,344 @@
+//! A full cache keeps caching: two engine processes store ten times the pool's size
+//! of prefix-chained chunks into a 256 MiB pool of 64 MiB regions. Once the pool is
+//! full they evict their own keys (tails of chains first) instead of failing; their
+//! most recent prompts all load back byte for byte; a third engine opened on the full
+//! pool stores within two heartbeats (a fair share given back by the engine holding
+//! the most); at the end every region is back at the RM and no hold is left.
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::net::Client;
+use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
+use maru::worker::Handler;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use support::{connect, wait_until, Daemon, Scratch};
+
+const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+
+const MIB: usize = 1 << 20;
+const POOL: usize = 256 * MIB;
+const CHUNK: usize = MIB;
+/// Chunks of one prompt (one prefix chain).
+const PROMPT: usize = 8;
+/// Each engine stores five times the pool: together ten times.
+const PROMPTS_PER_ENGINE: usize = 5 * POOL / CHUNK / PROMPT;
+/// The most recent prompts each engine loads back at the end (32 MiB each: they fit
+/// in one region with its spare pages; the pool's device header leaves room for
+/// three regions of 64 MiB, so one engine's share is one region).
+const RECENT: usize = 4;
+/// maru-server's session timeout; workers heartbeat every third of it.
+const SESSION_TIMEOUT_S: u64 = 3;
+
+const ENGINE_ENV: &str = "MARU_TEST_CAPACITY_ENGINE";
+
+fn key(engine: &str, prompt: usize, chunk: usize) -> String {
+    format!("{engine}-p{prompt:04}-c{chunk}")
+}
+
+/// A chunk's bytes: every word names its engine, prompt, chunk and position, so a
+/// page read back with another chunk's bytes (or a stale one) cannot pass.
+fn chunk_bytes(engine: &str, prompt: usize, chunk: usize) -> Vec<u8> {
+    let seed = engine.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let base = seed ^ ((prompt as u64) << 20) ^ ((chunk as u64) << 8);
+    let mut out = Vec::with_capacity(CHUNK);
+    for w in 0..(CHUNK / 8) as u64 {
+        out.extend_from_slice(&(base.wrapping_add(w.wrapping_mul(0x9e37_79b9))).to_le_bytes());
+    }
+    out
+}
+
+fn store_prompt(h: &Handler, engine: &str, prompt: usize) -> Vec<bool> {
+    let keys: Vec<String> = (0..PROMPT).map(|c| key(engine, prompt, c)).collect();
+    let data: Vec<Vec<u8>> = (0..PROMPT)
+        .map(|c| chunk_bytes(engine, prompt, c))
+        .collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    h.store_batch(&items, Some(keys[0].as_str()))
+        .unwrap_or_else(|e| panic!("{engine}: store of prompt {prompt} failed: {e}"))
+}
+
+/// Not a test by itself: one engine process of
+/// `two_engines_store_ten_times_the_pool_and_a_third_gets_its_share`. Stores its
+/// prompts, counts chunks not stored once it has stored its fair share, loads its
+/// most recent prompts back, reports, then waits for the stop file before closing.
+#[test]
+#[ignore = "run as a child process by two_engines_store_ten_times_the_pool_and_a_third_gets_its_share"]
+fn capacity_engine() {
+    let Ok(cfg) = std::env::var(ENGINE_ENV) else {
+        return;
+    };
+    let name = std::env::var("MARU_TEST_ENGINE_NAME").expect("engine name");
+    let report = PathBuf::from(std::env::var("MARU_TEST_REPORT").expect("report path"));
+    let stop = PathBuf::from(std::env::var("MARU_TEST_STOP").expect("stop path"));
+    let h = Handler::open(&cfg).expect("the engine opens its handler");
+    let share = POOL / 2 / CHUNK;
+    let (mut stored, mut failed_after_fill) = (0usize, 0usize);
+    for p in 0..PROMPTS_PER_ENGINE {
+        let ok = store_prompt(&h, &name, p);
+        let n = ok.iter().filter(|o| **o).count();
+        if stored >= share {
+            failed_after_fill += PROMPT - n;
+        }
+        stored += n;
+    }
+    let mut recent_missing = Vec::new();
+    for p in PROMPTS_PER_ENGINE - RECENT..PROMPTS_PER_ENGINE {
+        let keys: Vec<String> = (0..PROMPT).map(|c| key(&name, p, c)).collect();
+        let got = h.load_batch(&keys, Some(keys[0].as_str())).expect("load");
+        for (c, g) in got.into_iter().enumerate() {
+            match g {
+                Some(b) => assert!(
+                    b == chunk_bytes(&name, p, c),
+                    "{}: bytes differ",
+                    key(&name, p, c)
+                ),
+                None => recent_missing.push(key(&name, p, c)),
+            }
+        }
+    }
+    let stats = h.stats();
+    let out = serde_json::json!({
+        "stored": stored,
+        "failed_after_fill": failed_after_fill,
+        "recent_missing": recent_missing,
+        "stats": stats["total"],
+    });
+    std::fs::write(&report, out.to_string()).expect("write the report");
+    // Stay alive (heartbeating, able to give a region back) until the test says so.
+    let until = Instant::now() + Duration::from_secs(120);
+    while !stop.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    h.close().expect("close");
+}
+
+struct Stack {
+    key_path: PathBuf,
+    server: Daemon,
+    agent: Daemon,
+    rm: Daemon,
+    s: Scratch,
+}
+
+fn stack() -> Stack {
+    let mut s = Scratch::new("capacity");
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
+    let rm = Daemon::start(
+        RM_BIN,
+        &[
+            "--state-dir".into(),
+            s.dir.join("rm").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:{}M", pool.display(), POOL / MIB),
+        ],
+        &s.dir,
+    );
+    let agent = Daemon::start(
+        AGENT_BIN,
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--key-file".into(),
+            key_path.display().to_string(),
+            "--device".into(),
+            pool.display().to_string(),
+            "--node".into(),
+            "mem0".into(),
+        ],
+        &s.dir,
+    );
+    let server = Daemon::start(
+        SERVER_BIN,
+        &[
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--region-size".into(),
+            "64M".into(),
+            "--chunk-size".into(),
+            format!("{}K", CHUNK >> 10),
+            "--session-timeout-s".into(),
+            SESSION_TIMEOUT_S.to_string(),
+            "--remote-cxl-agent".into(),
+            agent.addr.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            key_path.display().to_string(),
+        ],
+        &s.dir,
+    );
+    Stack {
+        key_path,
+        server,
+        agent,
+        rm,
+        s,
+    }
+}
+
+fn config(st: &Stack, engine: &str) -> String {
+    config_for(st, "remote_cxl", engine)
+}
+
+fn config_for(st: &Stack, backend: &str, engine: &str) -> String {
+    serde_json::json!({
+        "backend": backend,
+        "server_url": st.server.addr,
+        "engine_id": engine,
+        "namespace": "capacity",
+        "agent_key_file": st.key_path.display().to_string(),
+        "load_slots": 16,
+        "store_slots": 16,
+    })
+    .to_string()
+}
+
+fn rm_regions(rm: &mut Client) -> usize {
+    match rm
+        .call(&RmRequest::Regions { owner: None })
+        .expect("regions")
+    {
+        RmReply::Regions { regions } => regions.len(),
+        r => panic!("{r:?}"),
+    }
+}
+
+fn rm_holds(rm: &mut Client) -> usize {
+    match rm.call(&RmRequest::Holds { node: None }).expect("holds") {
+        RmReply::Holds { holds } => holds.len(),
+        r => panic!("{r:?}"),
+    }
+}
+
+fn spawn_engine(st: &Stack, name: &str, dir: &Path) -> (std::process::Child, PathBuf) {
+    let report = dir.join(format!("{name}.json"));
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "capacity_engine", "--ignored", "--nocapture"])
+        .env(ENGINE_ENV, config(st, name))
+        .env("MARU_TEST_ENGINE_NAME", name)
+        .env("MARU_TEST_REPORT", &report)
+        .env("MARU_TEST_STOP", dir.join("stop"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    (child, report)
+}
+
+#[test]
+fn two_engines_store_ten_times_the_pool_and_a_third_gets_its_share() {
+    let st = stack();
+    let mut engines: Vec<(String, std::process::Child, PathBuf)> = ["engine-a", "engine-b"]
+        .iter()
+        .map(|n| {
+            let (c, r) = spawn_engine(&st, n, &st.s.dir);
+            (n.to_string(), c, r)
+        })
+        .collect();
+    let done = wait_until(Duration::from_secs(600), || {
+        engines
+            .iter_mut()
+            .all(|(_, c, r)| r.exists() || matches!(c.try_wait(), Ok(Some(_))))
+    });
+    assert!(done, "the engines did not finish storing within 600 s");
+    for (name, child, report) in &mut engines {
+        let text = std::fs::read_to_string(&*report)
+            .unwrap_or_else(|_| panic!("{name} exited without a report: {:?}", child.try_wait()));
+        let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            r["failed_after_fill"], 0,
+            "{name}: stores failed after the first fill: {r}"
+        );
+        assert_eq!(
+            r["recent_missing"].as_array().map(Vec::len),
+            Some(0),
+            "{name}: its most recent prompts must all hit: {r}"
+        );
+        assert!(
+            r["stats"]["evictions"].as_u64().unwrap_or(0) > 0,
+            "{name} evicted to keep storing: {r}"
+        );
+    }
+    // Both engines hold the whole pool now. A third one stores within two heartbeats.
+    let c = Handler::open(&config(&st, "engine-c")).expect("engine C opens on the full pool");
+    assert_eq!(c.stats()["total"]["regions"], 0, "opening took no region");
+    let beat = Duration::from_millis(SESSION_TIMEOUT_S * 1000 / 3);
+    let t = Instant::now();
+    let mut p = 0;
+    let stored = wait_until(2 * beat + Duration::from_secs(3), || {
+        p += 1;
+        store_prompt(&c, "engine-c", p).iter().all(|o| *o)
+    });
+    let took = t.elapsed();
+    assert!(
+        stored,
+        "engine C could not store within {took:?} (two heartbeats are {:?}): {}",
+        2 * beat,
+        c.stats()
+    );
+    c.close().unwrap();
+    std::fs::write(st.s.dir.join("stop"), b"").unwrap();
+    for (name, child, _) in &mut engines {
+        let ok = wait_until(Duration::from_secs(30), || {
+            matches!(child.try_wait(), Ok(Some(_)))
+        });
+        assert!(ok, "{name} did not close");
+        assert!(child.wait().unwrap().success(), "{name} failed");
+    }
+    // maru-server gives every kept region back on SIGTERM: then the RM holds nothing.
+    let mut rm = connect(&st.rm.addr, RM, "capacity-test");
+    let Stack { server, agent, .. } = st;
+    assert_eq!(server.terminate(), Some(0), "maru-server stops cleanly");
+    let empty = wait_until(Duration::from_secs(15), || {
+        rm_regions(&mut rm) == 0 && rm_holds(&mut rm) == 0
+    });
+    assert!(
+        empty,
+        "every region back at the RM and no hold left: {} regions, {} holds",
+        rm_regions(&mut rm),
+        rm_holds(&mut rm)
+    );
+    drop(agent);
+}
+
+/// `max_bytes` caps what one engine holds: past it, its stores evict its own keys
+/// instead of taking another region, and none of them fails (both backends).
+#[test]
+fn max_bytes_caps_the_regions_an_engine_holds_and_it_keeps_storing() {
+    for backend in ["remote_cxl", "cxl"] {
+        capped_engine_keeps_storing(backend);
+    }
+}
+
+fn capped_engine_keeps_storing(backend: &str) {
+    let st = stack();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config_for(&st, backend, "capped")).unwrap();
+    cfg["max_bytes"] = serde_json::json!(64 * MIB);
+    let h = Handler::open(&cfg.to_string()).unwrap();
+    let prompts = 3 * 64 / PROMPT; // three regions' worth
+    for p in 0..prompts {
+        let ok = store_prompt(&h, "capped", p);
+        assert!(
+            ok.iter().all(|o| *o),
+            "{backend}: prompt {p} not stored: {}",
+            h.stats()
+        );
+    }
+    let t = &h.stats()["total"];
+    assert_eq!(t["regions"], 1, "{backend}: {t}");
+    assert!(t["evictions"].as_u64().unwrap() >= 64, "{backend}: {t}");
+    let last: Vec<String> = (0..PROMPT).map(|c| key("capped", prompts - 1, c)).collect();
+    assert!(h.exists_batch(&last, None).unwrap().iter().all(|f| *f));
+    h.close().unwrap();
+}
