@@ -174,6 +174,11 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         s.usage.giving_back,
         mib(s.usage.giving_back_bytes)
     );
+    let _ = writeln!(
+        o,
+        "eviction: {} keys removed by their engines ({} of them cut a prefix chain), {} regions given back for a fair share, {} engines waiting for a region",
+        t.removed, t.chains_cut, t.fair_share_returns, t.waiting_for_region
+    );
     let _ = writeln!(o);
     let _ = writeln!(
         o,
@@ -692,7 +697,15 @@ mod tests {
                 error: None,
             }),
         };
+        let mut snap = snap;
+        snap.stats.total.removed = 40;
+        snap.stats.total.chains_cut = 3;
+        snap.stats.total.waiting_for_region = 1;
         let out = render(&snap, 2);
+        assert!(
+            out.contains("eviction: 40 keys removed by their engines (3 of them cut a prefix chain), 0 regions given back for a fair share, 1 engines waiting"),
+            "{out}"
+        );
         assert!(out.contains("engine-1"), "{out}");
         assert!(out.contains("75.0%"), "{out}");
         assert!(out.contains("/dev/shm/p"), "{out}");
