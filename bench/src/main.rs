@@ -286,6 +286,7 @@ fn tables(r: &Results) -> Vec<Table> {
                 };
                 let extra = [
                     ("store, reused pages", Some(&m.store_reused)),
+                    ("store into a full cache", Some(&m.store_full)),
                     ("load into slots", m.load_slots.as_ref()),
                 ];
                 for (op, fig) in extra {
@@ -411,6 +412,20 @@ fn tables(r: &Results) -> Vec<Table> {
             )
         },
     );
+    for (backend, clients) in [
+        ("cxl", 1),
+        ("cxl", MANY),
+        ("remote_cxl", 1),
+        ("remote_cxl", MANY),
+    ] {
+        add(
+            &format!("{backend} store into a full cache / into reused pages ({clients} clients)"),
+            &move |c| {
+                let m = r.maru_of(backend, c, clients, 1);
+                ratio(m.map(|m| m.store_full.gbs), m.map(|m| m.store_reused.gbs))
+            },
+        );
+    }
     add("cxl load / memcpy (1 client, 1 thread)", &|c| {
         ratio(mb("cxl", c, 1, true), r.memcpy_of(c, 1).map(|f| f.gbs))
     });
@@ -619,6 +634,25 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &x,
         &|f| f >= 0.9,
     );
+    for (backend, clients) in [
+        ("cxl", 1),
+        ("cxl", MANY),
+        ("remote_cxl", 1),
+        ("remote_cxl", MANY),
+    ] {
+        for c in [two, 256 * 1024] {
+            let m = r.maru_of(backend, c, clients, 1);
+            push(
+                &format!(
+                    "{backend} store into a full cache, {} x {clients} clients >= 0.8 x into reused pages",
+                    chunk_name(c)
+                ),
+                ratio(m.map(|m| m.store_full.gbs), m.map(|m| m.store_reused.gbs)),
+                &x,
+                &|f| f >= 0.8,
+            );
+        }
+    }
     push(
         "cxl batch load 32 x 2 MiB >= 0.9 x memcpy (1 thread)",
         ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.load_batch.gbs), mc),

@@ -340,6 +340,10 @@ pub struct Result_ {
     /// as a full cache that evicts reuses its pages): the copy and publish without the
     /// first touch of fresh pages. The time includes the remove (one round trip).
     pub store_reused: Fig,
+    /// Batched stores of new keys into a full pool: each store that finds no free
+    /// page evicts keys of its engine's regions (`victims` → `remove`) and reuses
+    /// their pages.
+    pub store_full: Fig,
 }
 
 pub struct Sizes {
@@ -372,8 +376,9 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         })
         .collect::<Result<_, _>>()?;
     let clients = cfg.clients();
-    // Space: the pool has no eviction, so stores are bounded by what fits, with two
-    // regions per session to spare (one partly filled, one taken ahead of need).
+    // Space: stores of the figures before the full-cache one stay within what fits,
+    // with two regions per session to spare (one partly filled, one taken ahead of
+    // need), so that they measure stores without eviction.
     let usable = (s.pool_size as usize)
         .saturating_sub(sz.region * (2 * cfg.handlers + 2))
         .max(cfg.chunk * BATCH * 2 * clients);
@@ -526,6 +531,33 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     } else {
         None
     };
+    // A full cache: new keys until the pool is full (not measured), then stores that
+    // evict to find their pages.
+    let full_ops = |kind: &'static str| -> Vec<_> {
+        (0..clients)
+            .map(|c| {
+                let h = client_handler(c);
+                let src = srcs[c].clone();
+                move |i: usize| -> Result<u64, String> {
+                    let keys: Vec<CString> =
+                        (0..BATCH).map(|j| tag(c, kind, i * BATCH + j)).collect();
+                    let ptrs: Vec<*const u8> = {
+                        let mut r = src.lock().map_err(|_| "poisoned")?;
+                        (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
+                    };
+                    h.store_batch(&keys, &ptrs, chunk)?;
+                    Ok((BATCH * chunk) as u64)
+                }
+            })
+            .collect()
+    };
+    let fill_batches = s.pool_size as usize / (chunk * BATCH) / clients + 2;
+    for (c, op) in full_ops("fill").into_iter().enumerate() {
+        for i in 0..fill_batches {
+            op(c * fill_batches + i)?;
+        }
+    }
+    let store_full = run_clients(full_ops("full"), bound(usize::MAX))?;
     drop(handlers);
     drop(st);
     Ok(Result_ {
@@ -536,5 +568,6 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         load_single,
         load_slots,
         store_reused,
+        store_full,
     })
 }
