@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod handler;
 pub mod hook;
+pub(crate) mod lifecycle;
 pub mod movers;
 pub mod ops;
 pub mod pool;
