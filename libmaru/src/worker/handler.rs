@@ -527,15 +527,9 @@ impl Inner {
         let mut since_beat = Duration::ZERO;
         let tick = Duration::from_secs(1).min(beat);
         while !self.stop.load(Ordering::SeqCst) {
-            let any_down = self
-                .pools
-                .iter()
-                .any(|p| p.lock().map(|g| g.is_none()).unwrap_or(false));
-            let wait = if any_down {
-                tick
-            } else {
-                beat.saturating_sub(since_beat).max(tick)
-            };
+            // Every tick: reconnect pools that are down, and let each pool's mover
+            // probe its agents (a restart or a reboot is seen within about a second).
+            let wait = tick;
             if let Ok(g) = self.wake.0.lock() {
                 // `stop` is set under this lock, so a close between the loop check and
                 // here is seen before waiting.
@@ -561,13 +555,17 @@ impl Inner {
                         }
                         Err(e) => log::debug!("pool {} still unavailable: {e}", self.urls[i]),
                     }
-                } else if since_beat >= beat {
+                } else {
                     let mut g = match self.pools[i].lock() {
                         Ok(g) => g,
                         Err(_) => continue,
                     };
                     if let Some(p) = g.as_mut() {
-                        if let Err(e) = p.heartbeat() {
+                        let r = match p.tick(super::clock::now_ms()) {
+                            Ok(()) if since_beat >= beat => p.heartbeat(),
+                            r => r,
+                        };
+                        if let Err(e) = r {
                             log::warn!("pool {}: heartbeat failed: {e}", self.urls[i]);
                             if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
                                 let old = g.take();

@@ -2,6 +2,8 @@
 //! storage session and a mover each), staging slots with separate load and store
 //! pools, the pool router, and transfer isolation.
 
+pub mod agents;
+pub(crate) mod clock;
 pub mod config;
 pub mod error;
 pub mod handler;

@@ -1,19 +1,27 @@
 //! What moves the bytes of a pool: one-sided transfers through staging slots
 //! (`remote_cxl`) or copies through this host's own mapping of the CXL memory (`cxl`).
 
+use super::agents::{require_boot_id, welcome_identity};
+use super::clock::now_ms;
 use super::error::WorkerError;
+use super::lifecycle::{Action, Lifecycle, Verdict};
 use super::prefault::{PrefaultStats, Prefaulter};
 use super::staging::{Slot, SlotPool, StagingSlots};
 use super::transfer::{post, Isolation, PeerBatch, PeerOutcome, Posted};
 use super::windows::{self, Windowed};
 use crate::dax::{self, Mapping};
-use crate::net::{ClientOptions, Link};
+use crate::net::{ClientOptions, Link, LinkError};
 use crate::transport::{Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Timeouts of an agent probe (connect, then the status call): short, because a
+/// probe runs under the pool's lock and an agent that does not answer is the case
+/// it is there to find.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A chunk to write into a page.
 pub struct WriteItem<'a> {
@@ -149,6 +157,25 @@ pub trait Mover: Send {
     fn prefault_stats(&self) -> Option<PrefaultStats> {
         None
     }
+    /// Periodic work at `now_ms` (probe the agents of own regions, map regions again
+    /// where an agent restarted). Returns the own regions to give back to maru-server
+    /// (their agent has been silent too long): the pool returns them and forgets them.
+    fn tick(&mut self, _now_ms: u64) -> Vec<u64> {
+        Vec::new()
+    }
+    /// Asks every agent of own regions who it is now (before a drained close).
+    fn check_agents(&mut self, _now_ms: u64) {}
+    /// True when maru-server must hear the regions' boot ids (a heartbeat) before
+    /// anything else is published: a region is new, or its memory node rebooted.
+    fn must_report(&self) -> bool {
+        false
+    }
+    /// maru-server received these boot ids (a heartbeat it answered).
+    fn reported(&mut self, _sent: &BTreeMap<u64, String>) {}
+    /// Why the last read that failed failed (an agent's refusal, say), once.
+    fn take_read_error(&mut self) -> Option<String> {
+        None
+    }
 }
 
 // ---------------------------------------------------------------- remote_cxl
@@ -162,7 +189,6 @@ struct OwnRegion {
 struct AgentConn {
     link: Link,
     peer: Option<PeerId>,
-    boot_id: Option<String>,
 }
 
 /// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
@@ -177,10 +203,13 @@ pub struct RemoteMover {
     reads: HashMap<(u64, u64, u64), ReadTarget>,
     timeout: Duration,
     last_skip_log: Option<Instant>,
-    /// Agents a transfer to failed: their peer is gone, and this mover's own regions
-    /// there are mapped again before their next use (an agent that restarted lost
-    /// their registrations, and its NIC may listen elsewhere).
-    remap: std::collections::HashSet<String>,
+    /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
+    /// this mover feeds it what agents answer and carries out what it decides.
+    life: Lifecycle,
+    /// A second, short-timeout connection per agent for probes.
+    probes: HashMap<String, Link>,
+    /// Why the last failed read failed, for the caller.
+    read_error: Option<String>,
     /// Set when a transfer of the current call dropped a failed peer.
     peer_dropped: bool,
 }
@@ -202,7 +231,9 @@ impl RemoteMover {
             reads: HashMap::new(),
             timeout,
             last_skip_log: None,
-            remap: std::collections::HashSet::new(),
+            life: Lifecycle::new(),
+            probes: HashMap::new(),
+            read_error: None,
             peer_dropped: false,
         }
     }
@@ -212,42 +243,108 @@ impl RemoteMover {
         self.agents
             .entry(addr.to_string())
             .or_insert_with(|| AgentConn {
-                link: Link::new(addr, opts).with_check(crate::wire::agent::require_boot_id),
+                link: Link::new(addr, opts).with_check(require_boot_id),
                 peer: None,
-                boot_id: None,
             })
     }
 
-    fn agent_call(&mut self, addr: &str, req: &AgentRequest) -> Result<AgentReply, WorkerError> {
+    /// Connects to `addr` if needed and tells the lifecycle who answered.
+    fn connect_agent(&mut self, addr: &str) -> Result<(), WorkerError> {
+        let now = now_ms();
         let conn = self.agent(addr);
-        let was = conn.link.is_connected();
+        if conn.link.is_connected() {
+            return Ok(());
+        }
+        let seen = conn.link.client().map(|c| welcome_identity(c));
+        match seen {
+            Ok((boot, epoch)) => {
+                let v = self.life.seen(addr, boot.as_deref(), epoch, now);
+                self.on_verdict(addr, v)
+            }
+            Err(e) => {
+                self.life.unreachable(addr, now);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Carries out what the lifecycle made of an agent's identity.
+    fn on_verdict(&mut self, addr: &str, v: Verdict) -> Result<(), WorkerError> {
+        match v {
+            Verdict::Same => return Ok(()),
+            Verdict::NoBoot => {
+                self.agent(addr).link.reset();
+                return Err(WorkerError::Unavailable(format!(
+                    "agent {addr} reports no boot id: treated as unreachable"
+                )));
+            }
+            Verdict::Restarted => log::info!(
+                "agent {addr} restarted (same boot): mapping this worker's regions there again"
+            ),
+            Verdict::Rebooted(ids) => log::warn!(
+                "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
+            ),
+        }
+        // Its registrations and data connection are gone with the old process.
+        let conn = self.agent(addr);
+        let peer = conn.peer.take();
+        if let Some(p) = peer {
+            self.iso.fence(self.nic.as_ref(), p);
+        }
+        self.reads.retain(|_, t| t.0 != addr);
+        Ok(())
+    }
+
+    fn agent_call(&mut self, addr: &str, req: &AgentRequest) -> Result<AgentReply, WorkerError> {
+        self.connect_agent(addr)?;
+        let conn = self.agent(addr);
         let mut r = conn.link.call::<_, AgentReply>(req);
-        if was && !conn.link.is_connected() {
+        if !conn.link.is_connected() {
             // The connection broke (the agent may have restarted, losing its
             // registrations): a new connection is a new peer at the transport too,
             // and this mover's regions there are mapped again before their next use.
             conn.peer = None;
+            self.life.link_broken(addr);
+            // Read registrations went with the old connection.
+            self.reads.retain(|_, t| t.0 != addr);
             if r.is_err() {
                 // Failed on the dead connection, so the agent never saw it: once more
                 // on a fresh one.
-                r = conn.link.call::<_, AgentReply>(req);
+                self.connect_agent(addr)?;
+                r = self.agent(addr).link.call::<_, AgentReply>(req);
             }
-            self.remap.insert(addr.to_string());
-            // Read registrations went with the old connection.
-            self.reads.retain(|_, t| t.0 != addr);
+        }
+        if let Err(LinkError::Unreachable(_)) = &r {
+            self.life.unreachable(addr, now_ms());
         }
         Ok(r?)
     }
 
-    fn check_boot(&mut self, addr: &str, boot: &str) -> Result<(), WorkerError> {
-        let conn = self.agent(addr);
-        match &conn.boot_id {
-            Some(b) if b != boot => Err(WorkerError::Unavailable(format!(
-                "memory node of agent {addr} rebooted (boot id {b} → {boot}): its regions are set aside"
-            ))),
-            _ => {
-                conn.boot_id = Some(boot.to_string());
-                Ok(())
+    /// Asks `addr` who it is on the probe connection (short timeouts), once more on a
+    /// fresh connection if the old one was dead.
+    fn probe(&mut self, addr: &str, now: u64) {
+        let mut opts = self.agent_opts.clone();
+        opts.connect_timeout = PROBE_TIMEOUT;
+        opts.call_timeout = PROBE_TIMEOUT;
+        let link = self
+            .probes
+            .entry(addr.to_string())
+            .or_insert_with(|| Link::new(addr, opts).with_check(require_boot_id));
+        let mut r = link.call::<_, AgentReply>(&AgentRequest::Status);
+        if r.is_err() && !link.is_connected() {
+            r = link.call::<_, AgentReply>(&AgentRequest::Status);
+        }
+        match r {
+            Ok(AgentReply::Status(st)) => {
+                let v = self.life.seen(addr, Some(&st.boot_id), Some(st.epoch), now);
+                if let Err(e) = self.on_verdict(addr, v) {
+                    log::warn!("{e}");
+                }
+            }
+            Ok(other) => log::warn!("agent {addr} answered status with {other:?}"),
+            Err(e) => {
+                log::debug!("agent {addr} did not answer a probe: {e}");
+                self.life.unreachable(addr, now);
             }
         }
     }
@@ -282,7 +379,7 @@ impl RemoteMover {
                 // The agent's control connection likely went with it (a restart):
                 // connect afresh rather than find out on the next call.
                 c.link.reset();
-                self.remap.insert(addr.clone());
+                self.life.link_broken(addr);
                 self.peer_dropped = true;
             }
         }
@@ -290,55 +387,74 @@ impl RemoteMover {
         if self.peer_dropped {
             self.reads.clear();
         }
-        if let Err(e) = self.nic.fence(peer) {
-            log::debug!("closing a failed peer: {e}");
+        // Recorded: only a fence that succeeded lets pages of its WRITEs be reused.
+        self.iso.fence(self.nic.as_ref(), peer);
+    }
+
+    /// Maps this mover's own regions again at the agents whose registrations may be
+    /// gone (a broken connection, a restart), unless one of them waits for
+    /// maru-server to hear of a reboot. The agent keeps a region's bytes across its
+    /// restart, not its registration. An agent that cannot be reached stays due.
+    fn remap_failed_agents(&mut self) {
+        let mut agents: Vec<String> = self.own.values().map(|r| r.agent.clone()).collect();
+        agents.sort();
+        agents.dedup();
+        agents.retain(|a| self.life.needs_remap(a) && self.life.may_map(a));
+        for agent in agents {
+            self.remap_agent(&agent);
         }
     }
 
-    /// Maps this mover's own regions again at the agents a transfer failed to (see
-    /// `remap`). The agent keeps a region's bytes across its restart (the boot id says
-    /// whether the memory node rebooted; the heartbeat reports it to maru-server), but
-    /// not its registration. An agent that cannot be reached stays on the list.
-    fn remap_failed_agents(&mut self) {
-        if self.remap.is_empty() {
+    fn remap_agent(&mut self, agent: &str) {
+        // Connect first: a new connection's welcome may reveal a reboot, and then
+        // nothing is mapped before maru-server dropped the keys.
+        if let Err(e) = self.connect_agent(agent) {
+            log::debug!("mapping again at agent {agent}: {e}");
             return;
         }
-        let agents: Vec<String> = self.remap.iter().cloned().collect();
-        for agent in agents {
-            let regions: Vec<(u64, crate::wire::rm::Handle)> = self
-                .own
-                .iter()
-                .filter(|(_, r)| r.agent == agent)
-                .map(|(id, r)| (*id, r.handle.clone()))
-                .collect();
-            let mut all = true;
-            for (id, handle) in regions {
-                let req = AgentRequest::Map {
-                    handle,
-                    writable: true,
-                };
-                match self.agent_call(&agent, &req) {
-                    Ok(AgentReply::Mapped(m)) if !m.boot_id.is_empty() => {
-                        if let Some(c) = self.agents.get_mut(&agent) {
-                            c.boot_id = Some(m.boot_id.clone());
-                        }
-                        if let Some(r) = self.own.get_mut(&id) {
-                            r.map = m;
-                        }
+        if !self.life.may_map(agent) {
+            return;
+        }
+        let regions: Vec<(u64, crate::wire::rm::Handle)> = self
+            .own
+            .iter()
+            .filter(|(_, r)| r.agent == agent)
+            .map(|(id, r)| (*id, r.handle.clone()))
+            .collect();
+        let mut all = true;
+        for (id, handle) in regions {
+            let req = AgentRequest::Map {
+                handle,
+                writable: true,
+            };
+            match self.agent_call(agent, &req) {
+                Ok(AgentReply::Mapped(m)) => {
+                    let v = self.life.seen(agent, Some(&m.boot_id), None, now_ms());
+                    let same = v == Verdict::Same;
+                    if let Err(e) = self.on_verdict(agent, v) {
+                        log::warn!("region {id}: {e}");
                     }
-                    Ok(r) => {
-                        log::warn!("region {id}: agent {agent} answered map with {r:?}");
+                    if !same || !self.life.may_map(agent) {
                         all = false;
+                        break;
                     }
-                    Err(e) => {
-                        log::debug!("region {id}: mapping again at agent {agent} failed: {e}");
-                        all = false;
+                    if let Some(r) = self.own.get_mut(&id) {
+                        r.map = m;
                     }
                 }
+                Ok(r) => {
+                    log::warn!("region {id}: agent {agent} answered map with {r:?}");
+                    all = false;
+                }
+                Err(e) => {
+                    log::debug!("region {id}: mapping again at agent {agent} failed: {e}");
+                    all = false;
+                    break;
+                }
             }
-            if all {
-                self.remap.remove(&agent);
-            }
+        }
+        if all {
+            self.life.remapped(agent);
         }
     }
 
@@ -364,12 +480,13 @@ impl RemoteMover {
         }
     }
 
-    fn post_group(&self, group: PeerGroups) -> PostedGroup {
+    fn post_group(&self, group: PeerGroups, writes: bool) -> PostedGroup {
         let peers = group.batches.iter().map(|b| b.peer).collect();
         PostedGroup {
             posted: post(self.nic.as_ref(), group.batches, self.timeout),
             order: group.order,
             peers,
+            writes,
         }
     }
 
@@ -377,6 +494,7 @@ impl RemoteMover {
     /// back unless its peer's outcome is unknown). True when any batch did not complete.
     fn settle_posted(&mut self, pending: PostedGroup, out: &mut [SlotOutcome]) -> bool {
         let outcomes = pending.posted.finish(self.nic.as_ref(), &self.iso);
+        let writes = pending.writes;
         let mut any_failed = false;
         let mut any_kept = false;
         for ((items, o), peer) in pending.order.iter().zip(outcomes).zip(pending.peers) {
@@ -384,9 +502,14 @@ impl RemoteMover {
                 PeerOutcome::Done(s) => (true, s),
                 PeerOutcome::Failed(e, s) => {
                     log::debug!("transfer batch failed: {e}");
-                    // Its outcome is known (nothing of it is in flight): drop the peer,
-                    // so the next transfer connects again, and map our regions at its
-                    // agent again before their next use.
+                    if writes && matches!(e, TransportError::PeerLost { .. }) {
+                        // Locally it is over, but the target may still apply WRITEs
+                        // it read: their pages wait for a fence that succeeds.
+                        self.iso.unknown_writes(peer);
+                    }
+                    // Nothing of it is in flight here: drop the peer (fenced), so the
+                    // next transfer connects again, and map our regions at its agent
+                    // again before their next use.
                     self.drop_failed_peer(peer);
                     (false, s)
                 }
@@ -620,6 +743,8 @@ struct PostedGroup {
     posted: Posted,
     order: Vec<Vec<usize>>,
     peers: Vec<PeerId>,
+    /// WRITEs (their pages matter when the connection is lost), or READs.
+    writes: bool,
 }
 
 impl Mover for RemoteMover {
@@ -644,13 +769,14 @@ impl Mover for RemoteMover {
                 )))
             }
         };
-        if m.boot_id.is_empty() {
-            return Err(WorkerError::Unavailable(format!(
-                "agent {agent} reports no boot id"
-            )));
+        let v = self
+            .life
+            .adopt(grant.handle.region_id, &agent, &m.boot_id, None, now_ms());
+        self.on_verdict(&agent, v)?;
+        if let Err(e) = self.peer(&agent, &m.transport) {
+            self.life.forget(grant.handle.region_id);
+            return Err(e);
         }
-        self.check_boot(&agent, &m.boot_id)?;
-        self.peer(&agent, &m.transport)?;
         self.own.insert(
             grant.handle.region_id,
             OwnRegion {
@@ -723,10 +849,52 @@ impl Mover for RemoteMover {
     }
 
     fn boot_ids(&self) -> BTreeMap<u64, String> {
-        self.own
-            .iter()
-            .map(|(id, r)| (*id, r.map.boot_id.clone()))
-            .collect()
+        self.life.boot_ids()
+    }
+
+    fn must_report(&self) -> bool {
+        self.life.must_report()
+    }
+
+    fn reported(&mut self, sent: &BTreeMap<u64, String>) {
+        self.life.reported(sent);
+        // Regions that waited for the report may be mapped again now.
+        self.remap_failed_agents();
+    }
+
+    fn take_read_error(&mut self) -> Option<String> {
+        self.read_error.take()
+    }
+
+    fn tick(&mut self, now_ms: u64) -> Vec<u64> {
+        let mut give_back = Vec::new();
+        for a in self.life.due(now_ms) {
+            match a {
+                Action::Probe(agent) => self.probe(&agent, now_ms),
+                Action::Remap(agent) => self.remap_agent(&agent),
+                // The pool asks `must_report` after the tick.
+                Action::ReportBoots => {}
+                Action::GiveBack { agent, regions } => {
+                    log::warn!(
+                        "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
+                        super::lifecycle::AGENT_SILENCE_MS / 1000
+                    );
+                    give_back.extend(regions);
+                }
+            }
+        }
+        // A probe may have found a restart: map again now, not at the next tick.
+        self.remap_failed_agents();
+        give_back
+    }
+
+    fn check_agents(&mut self, now_ms: u64) {
+        let mut agents: Vec<String> = self.own.values().map(|r| r.agent.clone()).collect();
+        agents.sort();
+        agents.dedup();
+        for a in agents {
+            self.probe(&a, now_ms);
+        }
     }
 
     fn own_regions(&self) -> Vec<u64> {
@@ -735,6 +903,7 @@ impl Mover for RemoteMover {
 
     fn forget_region(&mut self, region_id: u64) {
         self.own.remove(&region_id);
+        self.life.forget(region_id);
         self.reads.retain(|&(r, _, _), _| r != region_id);
     }
 
@@ -746,7 +915,7 @@ impl Mover for RemoteMover {
     }
 
     fn may_still_write(&self) -> bool {
-        !self.iso.peers().is_empty()
+        self.iso.may_still_write()
     }
 
     fn release_all(&mut self) -> (usize, usize) {
@@ -761,6 +930,7 @@ impl Mover for RemoteMover {
             match self.agent_call(&agent, &AgentRequest::Release { handle }) {
                 Ok(AgentReply::Released { .. }) => {
                     self.own.remove(&id);
+                    self.life.forget(id);
                     released += 1;
                 }
                 Ok(r) => {
@@ -840,6 +1010,12 @@ impl RemoteMover {
     /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
     fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
+            if !self.life.usable(l.region_id) {
+                return Err(WorkerError::Unavailable(format!(
+                    "region {}: its memory node rebooted; its keys are being dropped",
+                    l.region_id
+                )));
+            }
             return Ok((
                 r.agent.clone(),
                 r.map.addr + l.offset,
@@ -859,15 +1035,22 @@ impl RemoteMover {
             length: l.length,
             read_token: l.read_token.clone(),
         };
-        let m = match self.agent_call(&agent, &req)? {
-            AgentReply::Mapped(m) => m,
-            r => {
+        let m = match self.agent_call(&agent, &req) {
+            Ok(AgentReply::Mapped(m)) => m,
+            Ok(r) => {
                 return Err(WorkerError::Transport(format!(
                     "agent {agent} answered map_read with {r:?}"
                 )))
             }
+            Err(e) => {
+                return Err(WorkerError::Transport(format!(
+                    "agent {agent} refused to map region {} for reading: {e}",
+                    l.region_id
+                )))
+            }
         };
-        self.check_boot(&agent, &m.boot_id)?;
+        let v = self.life.seen(&agent, Some(&m.boot_id), None, now_ms());
+        self.on_verdict(&agent, v)?;
         let t = (agent, m.addr, m.rkey, m.transport);
         self.reads
             .insert((l.region_id, l.offset, l.length), t.clone());
@@ -1062,7 +1245,8 @@ impl RemoteMover {
                 slot: None,
             });
             let (page, len) = page(item);
-            let target = self.own.get(&page.region_id).map(|r| {
+            let usable = self.life.usable(page.region_id);
+            let target = self.own.get(&page.region_id).filter(|_| usable).map(|r| {
                 (
                     r.agent.clone(),
                     r.map.addr,
@@ -1093,7 +1277,7 @@ impl RemoteMover {
         PendingWindow {
             items,
             out,
-            group: self.post_group(group),
+            group: self.post_group(group, true),
             reads: false,
         }
     }
@@ -1119,10 +1303,21 @@ impl RemoteMover {
                 Ok((agent, addr, rkey, meta)) if l.length as usize <= slot.len() => {
                     match self.peer(&agent, &meta) {
                         Ok(p) => Some((p, addr, rkey)),
-                        Err(_) => None,
+                        Err(e) => {
+                            self.read_error = Some(e.to_string());
+                            None
+                        }
                     }
                 }
-                _ => None,
+                Ok(_) => None,
+                Err(e) => {
+                    // Said once per request, not per chunk.
+                    if self.read_error.is_none() {
+                        log::warn!("load of {} bytes of region {}: {e}", l.length, l.region_id);
+                    }
+                    self.read_error = Some(e.to_string());
+                    None
+                }
             };
             let Some((peer, addr, rkey)) = peer else {
                 out[i].slot = Some(slot);
@@ -1140,7 +1335,7 @@ impl RemoteMover {
         PendingWindow {
             items,
             out,
-            group: self.post_group(group),
+            group: self.post_group(group, false),
             reads: true,
         }
     }

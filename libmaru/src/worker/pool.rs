@@ -29,8 +29,11 @@ pub struct PoolStats {
     pub regions_ahead: u64,
     /// Bytes of own regions faulted in off the store path (`cxl`).
     pub prefaulted_bytes: u64,
-    /// Regions maru-server no longer counted among the session's (see `heartbeat`).
+    /// Regions maru-server no longer counted among the session's (see `heartbeat`),
+    /// or given back because their agent stayed silent (see `tick`).
     pub regions_lost: u64,
+    /// Why the last load that failed failed (an agent's refusal, say).
+    pub last_load_error: Option<String>,
 }
 
 /// Writes the batch items `(index, page)` with the mover; true where complete.
@@ -61,7 +64,7 @@ impl StoragePool {
         mover.adopt(&session.first_region)?;
         let max_batch = session.handshake.max_batch.max(1);
         let newest = Some(region_pages(&session.first_region));
-        Ok(StoragePool {
+        let mut pool = StoragePool {
             session,
             mover,
             stats: PoolStats {
@@ -73,7 +76,19 @@ impl StoragePool {
             newest,
             lead_tried: None,
             spare_target: 0,
-        })
+        };
+        pool.report_boots()?;
+        Ok(pool)
+    }
+
+    /// Tells maru-server the boot ids of the own regions (a heartbeat) when the mover
+    /// says it must hear them before anything else is published (a new region, or a
+    /// memory node that rebooted: maru-server then drops that region's keys).
+    fn report_boots(&mut self) -> Result<(), WorkerError> {
+        if self.mover.must_report() {
+            self.heartbeat()?;
+        }
+        Ok(())
     }
 
     /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
@@ -286,6 +301,9 @@ impl StoragePool {
         let placed: Vec<(usize, PageGrant)> =
             todo.iter().copied().zip(pages.iter().copied()).collect();
         let ok = write(self.mover.as_mut(), &placed);
+        // A region adopted for this store, or a reboot found by it: maru-server hears
+        // the boot ids before a key is published.
+        self.report_boots()?;
         let mut publish = Vec::new();
         let mut unused = Vec::new();
         for (&(i, page), good) in placed
@@ -422,7 +440,12 @@ impl StoragePool {
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
         read(&found, &grants, self.mover.as_mut());
+        if let Some(e) = self.mover.take_read_error() {
+            self.stats.last_load_error = Some(e);
+        }
         self.release_leases(grants.iter().map(|g| g.lease_id).collect());
+        // A reboot found by this read: every reader misses those keys from now on.
+        self.report_boots()?;
         self.stats.misses += (keys.len() - found.len()) as u64;
         Ok(found.len())
     }
@@ -470,11 +493,32 @@ impl StoragePool {
             .into_iter()
             .filter(|r| !boots.contains_key(r))
             .collect();
-        let reply = self.session.heartbeat(boots, regions)?;
+        let reply = self.session.heartbeat(boots.clone(), regions)?;
+        self.mover.reported(&boots);
+        for id in &reply.rebooted_regions {
+            log::warn!(
+                "pool {}: maru-server dropped the keys of region {id}: its memory node rebooted",
+                self.session.url
+            );
+        }
         for id in reply.unknown_regions {
             self.lose_region(id);
         }
         Ok(())
+    }
+
+    /// Periodic work (about once a second): the mover probes the agents of own
+    /// regions; regions whose agent stayed silent too long are given back to
+    /// maru-server (their keys go at once; its keeper releases them at the agent);
+    /// a reboot found is reported.
+    pub fn tick(&mut self, now_ms: u64) -> Result<(), WorkerError> {
+        for id in self.mover.tick(now_ms) {
+            match self.session.return_region(id, false) {
+                Ok(()) | Err(WorkerError::Refused(_)) => self.lose_region(id),
+                Err(e) => return Err(e),
+            }
+        }
+        self.report_boots()
     }
 
     /// maru-server says the region is no longer the session's (the RM took it back
@@ -548,6 +592,15 @@ impl StoragePool {
     }
 
     pub fn close(&mut self) -> Result<(), WorkerError> {
+        // maru-server hears the boot ids at a drained close too (the keeper compares
+        // them): ask the agents first, so a reboot not seen yet is reported now.
+        self.mover.check_agents(super::clock::now_ms());
+        if let Err(e) = self.heartbeat() {
+            log::warn!(
+                "pool {}: heartbeat before close failed: {e}",
+                self.session.url
+            );
+        }
         let spare: Vec<PageGrant> = self.spare.drain(..).collect();
         if let Err(e) = self.session.free_pages(&spare) {
             log::warn!(

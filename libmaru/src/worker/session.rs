@@ -197,6 +197,20 @@ impl Session {
         .map(|_| ())
     }
 
+    /// Gives one of the session's regions back: its keys stop being found at once.
+    /// `released`: the worker released it at its agent already (else maru-server's
+    /// region keeper does before the RM frees it).
+    pub fn return_region(&mut self, region_id: u64, released: bool) -> Result<(), WorkerError> {
+        match self.call(&MetaRequest::ReturnRegion {
+            session: self.id,
+            region_id,
+            released,
+        })? {
+            MetaReply::Returned(_) => Ok(()),
+            r => Err(unexpected("return_region", r)),
+        }
+    }
+
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
     pub fn heartbeat(
