@@ -32,6 +32,8 @@ struct DataPath {
     staging: StagingSlots,
     nic: Option<Arc<dyn Transport>>,
     agent_opts: ClientOptions,
+    /// Bytes in flight of the windowed transfers through this staging buffer.
+    budget: Arc<super::windows::InFlightBudget>,
 }
 
 /// A submitted slot operation, run with the slots lent to it.
@@ -175,6 +177,7 @@ impl Inner {
             staging,
             nic,
             agent_opts,
+            budget: Arc::default(),
         });
         *d = Some(dp.clone());
         Ok(dp)
@@ -200,6 +203,7 @@ impl Inner {
                 dp.staging.clone(),
                 dp.agent_opts.clone(),
                 self.timeout(),
+                dp.budget.clone(),
             )),
         };
         Ok(StoragePool::open(session, mover)?.with_spare_pages(super::pool::SPARE_PAGES))

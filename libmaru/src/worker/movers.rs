@@ -8,7 +8,7 @@ use super::lifecycle::{Action, Lifecycle, Verdict};
 use super::prefault::{PrefaultStats, Prefaulter};
 use super::staging::{Slot, SlotPool, StagingSlots};
 use super::transfer::{post, Isolation, PeerBatch, PeerOutcome, Posted};
-use super::windows::{self, Windowed};
+use super::windows::{self, InFlightBudget, Windowed};
 use crate::dax::{self, Mapping};
 use crate::net::{ClientOptions, Link, LinkError};
 use crate::transport::{Op, OpKind, PeerId, Transport, TransportError};
@@ -212,6 +212,8 @@ pub struct RemoteMover {
     read_error: Option<String>,
     /// Set when a transfer of the current call dropped a failed peer.
     peer_dropped: bool,
+    /// Bytes in flight of the windowed transfers of this data path (all its pools).
+    budget: Arc<InFlightBudget>,
 }
 
 impl RemoteMover {
@@ -220,6 +222,7 @@ impl RemoteMover {
         staging: StagingSlots,
         agent_opts: ClientOptions,
         timeout: Duration,
+        budget: Arc<InFlightBudget>,
     ) -> RemoteMover {
         RemoteMover {
             nic,
@@ -235,6 +238,7 @@ impl RemoteMover {
             probes: HashMap::new(),
             read_error: None,
             peer_dropped: false,
+            budget,
         }
     }
 
@@ -793,12 +797,13 @@ impl Mover for RemoteMover {
     /// in flight, the rest is skipped.
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
         self.peer_dropped = false;
+        let budget = self.budget.clone();
         let mut w = StoreWindows {
             m: self,
             items,
             ok: vec![false; items.len()],
         };
-        let posted = windows::run(&mut w);
+        let posted = windows::run(&mut w, &budget);
         let ok = w.ok;
         if posted < items.len() {
             self.log_skip(items.len() - posted);
@@ -809,6 +814,7 @@ impl Mover for RemoteMover {
     /// From the caller's slots, window by window (see [`windows`]).
     fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
         self.peer_dropped = false;
+        let budget = self.budget.clone();
         let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
         let mut w = GivenWindows {
@@ -817,7 +823,7 @@ impl Mover for RemoteMover {
             out: Vec::with_capacity(pages.len()),
             kind: Given::Write(&pages),
         };
-        windows::run(&mut w);
+        windows::run(&mut w, &budget);
         w.into_outcomes()
     }
 
@@ -825,17 +831,22 @@ impl Mover for RemoteMover {
     /// [`windows`]). After a window that failed, nothing more is handed over.
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
         self.peer_dropped = false;
-        windows::run(&mut LoadWindows {
-            m: self,
-            leases,
-            sink,
-        });
+        let budget = self.budget.clone();
+        windows::run(
+            &mut LoadWindows {
+                m: self,
+                leases,
+                sink,
+            },
+            &budget,
+        );
     }
 
     /// Into the caller's slots, window by window (see [`windows`]); every lease is
     /// tried.
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
         self.peer_dropped = false;
+        let budget = self.budget.clone();
         let n = leases.len().min(slots.len());
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut w = GivenWindows {
@@ -844,7 +855,7 @@ impl Mover for RemoteMover {
             out: Vec::with_capacity(n),
             kind: Given::Read(&leases[..n]),
         };
-        windows::run(&mut w);
+        windows::run(&mut w, &budget);
         w.into_outcomes()
     }
 
