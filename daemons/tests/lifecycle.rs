@@ -24,7 +24,7 @@ struct Stack {
     server: Daemon,
     agent: Option<Daemon>,
     agent_args: Vec<String>,
-    rm: Daemon,
+    _rm: Daemon,
     s: Scratch,
 }
 
@@ -80,7 +80,7 @@ fn stack(tag: &str) -> Stack {
         server,
         agent: Some(agent),
         agent_args,
-        rm,
+        _rm: rm,
         s,
     }
 }

@@ -1,11 +1,11 @@
 //! A storage session at one pool's maru-server: typed calls over a reconnecting link.
 
-use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant,
     PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
+use crate::worker::error::WorkerError;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
