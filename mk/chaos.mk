@@ -1,6 +1,7 @@
 # make chaos: RM, agent, maru-server and two engines on loopback (fake DAX, soft
 # transport); the engines store and load checksummed chunks while maru-chaos kill -9's
-# and restarts the agent, maru-server, the RM and engine A at seeded random points.
+# and restarts the agent (also with a new boot id: a reboot of its memory node, whose
+# keys must go), maru-server, the RM and engine A at seeded random points.
 # Fails on any load whose bytes differ from what was stored under its key, on a region
 # or hold left at the RM once everything closed, or on fewer kills than asked.
 # The seed is printed; CHAOS_SEED=<seed> make chaos replays it. CHAOS_KILLS (default

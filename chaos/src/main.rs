@@ -1,7 +1,7 @@
 //! `make chaos`: the RM, a remote CXL agent, maru-server and two engines on loopback
 //! (fake DAX, soft transport). The engines store and load checksummed chunks while
-//! this driver kill -9's and restarts, at seeded random points, the agent,
-//! maru-server, the RM and engine A. Afterwards it checks that no load returned bytes
+//! this driver kill -9's and restarts, at seeded random points, the agent (also with
+//! a new boot id: a reboot of its memory node), maru-server, the RM and engine A. Afterwards it checks that no load returned bytes
 //! other than those stored under its key, that every region went back to the RM once
 //! everything closed and the keeper drained, and that no hold is left without a
 //! region.
@@ -136,6 +136,9 @@ struct Cluster {
     engines: Vec<Proc>,
     engine_runs: usize,
     seed: u64,
+    /// The agent's boot id file: a "reboot" writes a new boot id before the restart.
+    boot_path: PathBuf,
+    boots: usize,
 }
 
 const ENGINE_KEYS: u64 = 150;
@@ -165,6 +168,8 @@ impl Cluster {
             "mem0".into(),
             "--quarantine-s".into(),
             "1".into(),
+            "--boot-id-file".into(),
+            self.boot_path.display().to_string(),
         ]
     }
 
@@ -237,10 +242,29 @@ impl Cluster {
         )
     }
 
+    /// Writes the boot id the agent reports from its next start.
+    fn write_boot_id(&self) -> Result<(), String> {
+        std::fs::write(&self.boot_path, format!("chaos-boot-{}\n", self.boots))
+            .map_err(|e| format!("{}: {e}", self.boot_path.display()))
+    }
+
     /// kill -9 one of them and bring it back (same port, same state); `what` is
-    /// "rm", "agent", "server" or "engine".
+    /// "rm", "agent", "reboot" (the agent, back with a new boot id: its memory node
+    /// rebooted, every key in it goes), "server" or "engine".
     fn kill_and_restart(&mut self, what: &str, pause: Duration) -> Result<(), String> {
         match what {
+            "reboot" => {
+                self.agent.kill9();
+                self.boots += 1;
+                self.write_boot_id()?;
+                std::thread::sleep(pause);
+                self.agent = Proc::daemon_at(
+                    &self.bin("maru-remote-cxl-agent"),
+                    &self.agent_args(),
+                    &self.s,
+                    self.agent_port,
+                )?;
+            }
             "rm" => {
                 self.rm.kill9();
                 std::thread::sleep(pause);
@@ -383,7 +407,11 @@ fn run(o: &Opts) -> Result<(), String> {
         engines: Vec::new(),
         engine_runs: 0,
         seed: o.seed,
+        boot_path: PathBuf::new(),
+        boots: 0,
     };
+    c.boot_path = c.s.dir.join("boot_id");
+    c.write_boot_id()?;
     c.rm = Proc::daemon_at(&c.bin("maru-resource-manager"), &c.rm_args(), &c.s, 0)?;
     c.rm_port = c.rm.port;
     c.agent = Proc::daemon_at(&c.bin("maru-remote-cxl-agent"), &c.agent_args(), &c.s, 0)?;
@@ -406,7 +434,7 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
 
     // The kill schedule: each victim equally often, in a seeded order, at seeded times.
     let mut rng = Rng::new(o.seed);
-    let victims = ["agent", "server", "rm", "engine"];
+    let victims = ["agent", "server", "rm", "engine", "reboot"];
     let mut schedule: Vec<&str> = (0..o.kills).map(|i| victims[i % victims.len()]).collect();
     for i in (1..schedule.len()).rev() {
         let j = rng.range(0, i as u64 + 1) as usize;
@@ -498,9 +526,10 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
         std::fs::read_to_string(c.s.dir.join("mismatches.txt")).unwrap_or_default();
     println!("chaos: summary (seed {})", o.seed);
     println!(
-        "  kills: {} total; agent {}, maru-server {}, rm {}, engine A {}",
+        "  kills: {} total; agent {} (with a new boot id {}), maru-server {}, rm {}, engine A {}",
         kills.values().sum::<usize>(),
         kills.get("agent").unwrap_or(&0),
+        kills.get("reboot").unwrap_or(&0),
         kills.get("server").unwrap_or(&0),
         kills.get("rm").unwrap_or(&0),
         kills.get("engine").unwrap_or(&0)

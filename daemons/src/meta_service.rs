@@ -119,7 +119,7 @@ impl MetaAgents {
     fn link(&mut self, agent: &str) -> &mut Link {
         let opts = self.opts.clone();
         self.links.entry(agent.to_string()).or_insert_with(|| {
-            Link::new(agent, opts).with_check(maru::wire::agent::require_boot_id)
+            Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id)
         })
     }
 }

@@ -133,15 +133,6 @@ pub enum AgentReply {
     },
 }
 
-/// Checks that an agent's welcome carries the memory node's boot id; an agent that
-/// reports none is treated as unreachable (fail closed: a reboot could not be seen).
-pub fn require_boot_id(c: &crate::net::Client) -> Result<(), String> {
-    match c.welcome().info.get("boot_id").and_then(|b| b.as_str()) {
-        Some(b) if !b.is_empty() => Ok(()),
-        _ => Err("the agent reported no boot id; treating it as unreachable".into()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

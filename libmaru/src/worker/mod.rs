@@ -1,22 +1,38 @@
-//! The worker data path: the handler an engine opens ([`Handler`]), its pools (a
-//! storage session and a mover each), staging slots with separate load and store
-//! pools, the pool router, and transfer isolation.
+//! The worker data path. A store reads top-down:
+//!
+//! - [`handler`]: [`Handler`], the calls an engine makes; which pool a request goes
+//!   to, the staging buffer and transport (`data_path`), the background thread;
+//! - [`pool`]: one maru-server's [`pool::StoragePool`]: pages, publish after WRITE,
+//!   leases (`store`, `load`), its storage [`session`], heartbeats and ticks;
+//! - [`movers`]: what moves the bytes: `remote` (agents, posting windows, transfer
+//!   isolation) or `cxl` (copies through this host's mapping);
+//! - the transport (`crate::transport`).
+//!
+//! Beside them: `lifecycle`, the sans-I/O core of the own regions' lifecycle (boot
+//! ids, restarts, silent agents); `transfer` (posted batches and the isolation of
+//! slots whose transfer outcome is unknown); `windows` (the schedule of a request's
+//! windows and the data path's in-flight budget); `staging`, `slots`, `views`,
+//! `router`, `ops`, `hook`, `prefault`. `clock` is the one place that reads the time.
 
+pub mod agents;
+pub(crate) mod clock;
 pub mod config;
-pub mod error;
-pub mod handler;
-pub mod hook;
+pub(crate) mod error;
+pub(crate) mod handler;
+pub(crate) mod hook;
+pub(crate) mod lifecycle;
 pub mod movers;
-pub mod ops;
+pub(crate) mod ops;
 pub mod pool;
-pub mod prefault;
-pub mod router;
-pub mod session;
-pub mod slots;
-pub mod staging;
-pub mod transfer;
-pub mod views;
-pub mod windows;
+pub(crate) mod prefault;
+pub(crate) mod router;
+pub(crate) mod slots;
+pub(crate) mod staging;
+pub(crate) mod transfer;
+pub(crate) mod views;
+pub(crate) mod windows;
+
+pub use pool::session;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::WorkerError;

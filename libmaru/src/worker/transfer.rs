@@ -12,6 +12,7 @@
 
 use super::staging::Slot;
 use crate::transport::{BatchId, BatchState, Op, PeerId, Transport, TransportError};
+use std::collections::BTreeSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -40,10 +41,25 @@ impl PeerOutcome {
     }
 }
 
-/// Slots of transfers whose outcome is unknown, per peer.
+/// Slots of transfers whose outcome is unknown, per peer, and what is known of each
+/// peer's fence. The rule (sans-I/O: [`Isolation::record_fence`]): a peer's kept
+/// slots come back, and pages its WRITEs may still reach are reused, only after a
+/// fence of that peer that *succeeded*. A failed fence, or a peer the transport no
+/// longer knows (`NoPeer`: another pool's fence may still be running, or it failed
+/// and forgot the peer), proves nothing: the slots stay kept.
 #[derive(Default)]
 pub struct Isolation {
-    kept: Mutex<Vec<(PeerId, Vec<Slot>)>>,
+    state: Mutex<IsoState>,
+}
+
+#[derive(Default)]
+struct IsoState {
+    kept: Vec<(PeerId, Vec<Slot>)>,
+    /// Peers whose fence succeeded: nothing of them touches memory any more.
+    fenced: BTreeSet<PeerId>,
+    /// Peers whose WRITEs failed with the connection (their outcome at the target is
+    /// unknown) and that have not been fenced yet.
+    unconfirmed: BTreeSet<PeerId>,
 }
 
 impl Isolation {
@@ -51,41 +67,71 @@ impl Isolation {
         Isolation::default()
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, IsoState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Slots kept now.
     pub fn kept_slots(&self) -> usize {
-        self.kept
-            .lock()
-            .map(|k| k.iter().map(|(_, s)| s.len()).sum())
-            .unwrap_or(0)
+        self.lock().kept.iter().map(|(_, s)| s.len()).sum()
     }
 
     /// Peers that have kept slots.
     pub fn peers(&self) -> Vec<PeerId> {
-        let mut p: Vec<PeerId> = self
-            .kept
-            .lock()
-            .map(|k| k.iter().map(|(p, _)| *p).collect())
-            .unwrap_or_default();
+        let mut p: Vec<PeerId> = self.lock().kept.iter().map(|(p, _)| *p).collect();
         p.sort();
         p.dedup();
         p
     }
 
     fn keep(&self, peer: PeerId, slots: Vec<Slot>) {
-        if let Ok(mut k) = self.kept.lock() {
-            k.push((peer, slots));
+        self.lock().kept.push((peer, slots));
+    }
+
+    /// WRITEs to `peer` failed with its connection: the target may still apply what it
+    /// read, so pages they aimed at stay out of use until the peer is fenced.
+    pub fn unknown_writes(&self, peer: PeerId) {
+        let mut st = self.lock();
+        if !st.fenced.contains(&peer) {
+            st.unconfirmed.insert(peer);
         }
+    }
+
+    /// True while a transfer of unknown outcome could still land somewhere: a peer
+    /// keeps slots, or its failed WRITEs were not fenced yet.
+    pub fn may_still_write(&self) -> bool {
+        let st = self.lock();
+        !st.kept.is_empty() || !st.unconfirmed.is_empty()
+    }
+
+    /// Records the outcome of a fence of `peer`; true when it proves the peer quiet
+    /// (only a success does).
+    pub fn record_fence(&self, peer: PeerId, outcome: &Result<(), TransportError>) -> bool {
+        let mut st = self.lock();
+        match outcome {
+            Ok(()) => {
+                st.fenced.insert(peer);
+                st.unconfirmed.remove(&peer);
+                true
+            }
+            Err(_) => st.fenced.contains(&peer),
+        }
+    }
+
+    /// Fences `peer` at the transport and records the outcome.
+    pub fn fence(&self, t: &dyn Transport, peer: PeerId) -> bool {
+        let r = t.fence(peer);
+        if let Err(e) = &r {
+            log::warn!("fence of peer {} failed: {e}", peer.0);
+        }
+        self.record_fence(peer, &r)
     }
 
     /// Gives up the slots whose peer could not be fenced without returning them to
     /// their pool (a DMA may still touch them): for a mover that goes away. Returns how
     /// many were left out of use.
     pub fn abandon(&self) -> usize {
-        let kept = self
-            .kept
-            .lock()
-            .map(|mut k| std::mem::take(&mut *k))
-            .unwrap_or_default();
+        let kept = std::mem::take(&mut self.lock().kept);
         let mut n = 0;
         for (_, slots) in kept {
             n += slots.len();
@@ -96,23 +142,40 @@ impl Isolation {
         n
     }
 
-    /// Fences every peer with kept slots and gives their slots back. Returns the
-    /// fenced peers: they must be connected again before use. A peer whose fence
-    /// fails keeps its slots (and is retried next time).
+    /// Fences every peer with kept slots (or unconfirmed WRITEs) not fenced yet, and
+    /// gives back the slots of every peer whose fence succeeded. Returns the peers
+    /// fenced: they must be connected again before use. A peer whose fence fails keeps
+    /// its slots (and is tried again next time).
     pub fn reclaim(&self, t: &dyn Transport) -> Vec<PeerId> {
+        let todo: Vec<PeerId> = {
+            let st = self.lock();
+            let mut p: Vec<PeerId> = st.kept.iter().map(|(p, _)| *p).collect();
+            p.extend(st.unconfirmed.iter().copied());
+            p.sort();
+            p.dedup();
+            p.retain(|p| !st.fenced.contains(p));
+            p
+        };
         let mut fenced = Vec::new();
-        for peer in self.peers() {
-            match t.fence(peer) {
-                Ok(()) | Err(TransportError::NoPeer(_)) => {
-                    // NoPeer: already fenced (e.g. by another reclaim): no DMA is left.
-                    if let Ok(mut k) = self.kept.lock() {
-                        k.retain(|(p, _)| *p != peer);
-                    }
-                    fenced.push(peer);
-                }
-                Err(e) => log::warn!("fence of peer {} failed, its slots stay kept: {e}", peer.0),
+        for peer in todo {
+            if self.fence(t, peer) {
+                fenced.push(peer);
             }
         }
+        let back: Vec<(PeerId, Vec<Slot>)> = {
+            let mut st = self.lock();
+            let fenced_now = st.fenced.clone();
+            let (back, keep) = std::mem::take(&mut st.kept)
+                .into_iter()
+                .partition(|(p, _)| fenced_now.contains(p));
+            st.kept = keep;
+            // Peer ids are never reused: forget fences nothing refers to any more.
+            let still: BTreeSet<PeerId> = st.kept.iter().map(|(p, _)| *p).collect();
+            st.fenced
+                .retain(|p| still.contains(p) || fenced.contains(p));
+            back
+        };
+        drop(back); // the slots go back to their pool here, exactly once
         fenced
     }
 }
@@ -229,6 +292,8 @@ mod tests {
         refuse_post: HashSet<u64>,
         batches: Mutex<HashMap<BatchId, (PeerId, BatchState)>>,
         fenced: Mutex<Vec<PeerId>>,
+        /// What `fence` answers (None: success).
+        fence_err: Mutex<Option<TransportError>>,
         next: AtomicU64,
     }
 
@@ -277,7 +342,10 @@ mod tests {
         }
         fn fence(&self, peer: PeerId) -> Result<(), TransportError> {
             self.fenced.lock().unwrap().push(peer);
-            Ok(())
+            match self.fence_err.lock().unwrap().clone() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            }
         }
     }
 
@@ -385,5 +453,81 @@ mod tests {
         assert_eq!(st.free(SlotPool::Load), 6);
         assert_eq!(iso.kept_slots(), 0);
         assert!(iso.reclaim(&t).is_empty());
+    }
+
+    fn one_kept(st: &StagingSlots, t: &FaultTransport, iso: &Isolation, peer: u64) {
+        let out = execute(t, vec![batch(st, peer, 2)], Duration::from_millis(1), iso);
+        assert!(matches!(out[0], PeerOutcome::Kept(_)));
+    }
+
+    #[test]
+    fn slots_come_back_only_after_a_fence_that_succeeded() {
+        let st = StagingSlots::new(StagingLayout {
+            slot_size: 64,
+            load_slots: 4,
+            store_slots: 0,
+        })
+        .unwrap();
+        let t = FaultTransport {
+            silent: [0].into(),
+            ..Default::default()
+        };
+        let iso = Isolation::new();
+        one_kept(&st, &t, &iso, 0);
+        // The fence fails (flushed completions did not drain): the slots stay kept.
+        *t.fence_err.lock().unwrap() = Some(TransportError::Setup("flush did not drain".into()));
+        assert!(iso.reclaim(&t).is_empty());
+        assert_eq!(iso.kept_slots(), 2);
+        assert!(iso.may_still_write());
+        // The transport forgot the failed peer: "no such peer" is no proof of quiet.
+        *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(0)));
+        assert!(iso.reclaim(&t).is_empty(), "NoPeer is not a fence");
+        assert_eq!(iso.kept_slots(), 2);
+        assert_eq!(st.free(SlotPool::Load), 2);
+        // A fence that succeeds gives them back, exactly once.
+        *t.fence_err.lock().unwrap() = None;
+        assert_eq!(iso.reclaim(&t), vec![PeerId(0)]);
+        assert_eq!(iso.kept_slots(), 0);
+        assert_eq!(st.free(SlotPool::Load), 4);
+        assert!(!iso.may_still_write());
+    }
+
+    #[test]
+    fn a_fence_that_succeeded_elsewhere_counts_and_is_not_needed_again() {
+        let st = StagingSlots::new(StagingLayout {
+            slot_size: 64,
+            load_slots: 4,
+            store_slots: 0,
+        })
+        .unwrap();
+        let t = FaultTransport {
+            silent: [3].into(),
+            ..Default::default()
+        };
+        let iso = Isolation::new();
+        one_kept(&st, &t, &iso, 3);
+        // The peer was fenced when its batch failed (recorded), then forgotten.
+        assert!(iso.record_fence(PeerId(3), &Ok(())));
+        *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(3)));
+        iso.reclaim(&t);
+        assert_eq!(st.free(SlotPool::Load), 4, "the recorded fence proves it");
+        assert!(t.fenced.lock().unwrap().is_empty(), "no second fence");
+    }
+
+    #[test]
+    fn pages_of_writes_lost_with_their_connection_wait_for_a_fence_that_succeeded() {
+        let t = FaultTransport::default();
+        let iso = Isolation::new();
+        iso.unknown_writes(PeerId(5));
+        assert!(
+            iso.may_still_write(),
+            "the target may still apply what it read"
+        );
+        *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(5)));
+        iso.reclaim(&t);
+        assert!(iso.may_still_write());
+        *t.fence_err.lock().unwrap() = None;
+        iso.reclaim(&t);
+        assert!(!iso.may_still_write());
     }
 }

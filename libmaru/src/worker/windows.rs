@@ -7,9 +7,10 @@
 //! staging slots that stay in the CPU's cache, instead of filling (and evicting) as
 //! many slots as it has chunks, and the peer never has a whole batch queued at once.
 //!
-//! The second window goes only while the windowed transfers of this process have
-//! less than [`IN_FLIGHT_BUDGET`] bytes in flight together; a request's first window
-//! always goes. A lone request gains the overlap of its copies with its transfers; on
+//! The second window goes only while the windowed transfers sharing a data path (a
+//! handler's staging buffer: its [`InFlightBudget`]) have less than
+//! [`IN_FLIGHT_BUDGET`] bytes in flight together; a request's first window always
+//! goes. A lone request gains the overlap of its copies with its transfers; on
 //! a host busy with many requests each keeps one window, since a second would only
 //! take cache from the others.
 //!
@@ -23,40 +24,63 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A window's bytes (at least one chunk).
 pub const WINDOW_BYTES: u64 = 2 << 20;
-/// The bytes this process's windowed transfers may have in flight together before a
-/// request's second window waits (see the module documentation). Measured on the
+/// The bytes the windowed transfers of one data path may have in flight together
+/// before a request's second window waits (see the module documentation). Measured on the
 /// bench's 2-core VM: 4 engines loading 2 MiB chunks, 5.2 GB/s with one window each
 /// against 4.3 GB/s with two; one engine alone, 4.2 against 2.9 GB/s the other way.
 pub const IN_FLIGHT_BUDGET: u64 = 4 << 20;
 /// Windows of one request in flight at most.
 const DEPTH: usize = 2;
 
-/// The bytes this process's windowed transfers have in flight.
-static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+/// The bytes in flight of the windowed transfers of one data path (shared by its
+/// pools' movers), against a limit.
+#[derive(Debug)]
+pub struct InFlightBudget {
+    bytes: AtomicU64,
+    limit: u64,
+}
 
-/// A window's share of [`IN_FLIGHT`], given back when it is dropped.
-struct InFlight(u64);
-
-impl InFlight {
-    /// Counts `n` bytes in flight: always for a request's `first` window, else only
-    /// within the budget.
-    fn take(n: u64, first: bool) -> Option<InFlight> {
-        if first {
-            IN_FLIGHT.fetch_add(n, Ordering::Relaxed);
-            return Some(InFlight(n));
-        }
-        IN_FLIGHT
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                (cur + n <= IN_FLIGHT_BUDGET).then_some(cur + n)
-            })
-            .ok()
-            .map(|_| InFlight(n))
+impl Default for InFlightBudget {
+    fn default() -> Self {
+        InFlightBudget::new(IN_FLIGHT_BUDGET)
     }
 }
 
-impl Drop for InFlight {
+impl InFlightBudget {
+    pub fn new(limit: u64) -> InFlightBudget {
+        InFlightBudget {
+            bytes: AtomicU64::new(0),
+            limit,
+        }
+    }
+
+    /// Bytes in flight now.
+    pub fn in_flight(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Counts `n` bytes in flight: always for a request's `first` window, else only
+    /// within the limit.
+    fn take(&self, n: u64, first: bool) -> Option<InFlight<'_>> {
+        if first {
+            self.bytes.fetch_add(n, Ordering::Relaxed);
+            return Some(InFlight(self, n));
+        }
+        self.bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                (cur + n <= self.limit).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| InFlight(self, n))
+    }
+}
+
+/// A window's share of its budget, given back when it is dropped.
+struct InFlight<'b>(&'b InFlightBudget, u64);
+
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        IN_FLIGHT.fetch_sub(self.0, Ordering::Relaxed);
+        self.0.bytes.fetch_sub(self.1, Ordering::Relaxed);
     }
 }
 
@@ -84,9 +108,9 @@ pub trait Windowed {
 
 /// Runs a request's windows (see the module documentation). Returns how many items
 /// were posted: from there on, none got a slot.
-pub fn run<W: Windowed>(w: &mut W) -> usize {
+pub fn run<W: Windowed>(w: &mut W, budget: &InFlightBudget) -> usize {
     let n = w.items();
-    let mut inflight: VecDeque<(W::Posted, InFlight)> = VecDeque::new();
+    let mut inflight: VecDeque<(W::Posted, InFlight<'_>)> = VecDeque::new();
     let mut next = 0;
     let mut stop = false;
     loop {
@@ -94,7 +118,7 @@ pub fn run<W: Windowed>(w: &mut W) -> usize {
             let want = ((WINDOW_BYTES / w.bytes(next).max(1)).max(1) as usize).min(n - next);
             let first = inflight.is_empty();
             let bytes = (next..next + want).map(|i| w.bytes(i)).sum();
-            let Some(share) = InFlight::take(bytes, first) else {
+            let Some(share) = budget.take(bytes, first) else {
                 break;
             };
             let mut slots = w.slots(next, want, first);
@@ -207,15 +231,12 @@ mod tests {
         }
     }
 
-    /// The budget is process-wide: these tests take it in turn.
-    static BUDGET: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
     #[test]
     fn windows_of_the_window_size_two_in_flight_handed_over_in_order() {
-        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        let budget = InFlightBudget::default();
         // 24 chunks of 256 KiB: windows of 8, two in flight, three in all.
         let mut s = Script::new(vec![256 << 10; 24], 64);
-        assert_eq!(run(&mut s), 24);
+        assert_eq!(run(&mut s, &budget), 24);
         assert_eq!(s.posted, vec![(0, 8), (8, 8), (16, 8)]);
         assert_eq!(s.done, (0..24).collect::<Vec<_>>());
         assert_eq!(s.most_open_bytes, 4 << 20, "two windows of 2 MiB at most");
@@ -224,17 +245,17 @@ mod tests {
         assert_eq!(s.staging.free(SlotPool::Load), 64, "every slot is back");
         // Chunks larger than a window go one a window.
         let mut s = Script::new(vec![3 << 20; 3], 64);
-        assert_eq!(run(&mut s), 3);
+        assert_eq!(run(&mut s, &budget), 3);
         assert_eq!(s.posted, vec![(0, 1), (1, 1), (2, 1)]);
     }
 
     #[test]
     fn a_second_window_waits_while_the_process_is_over_its_budget() {
-        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        let budget = InFlightBudget::default();
         // Another request holds the whole budget: this one keeps one window in flight.
-        let other = InFlight::take(IN_FLIGHT_BUDGET, true).expect("a first window");
+        let other = budget.take(IN_FLIGHT_BUDGET, true).expect("a first window");
         let mut s = Script::new(vec![256 << 10; 24], 64);
-        assert_eq!(run(&mut s), 24);
+        assert_eq!(run(&mut s, &budget), 24);
         assert_eq!(s.posted.len(), 3);
         assert!(
             s.outstanding_at_done.iter().all(|&n| n == 0),
@@ -243,41 +264,39 @@ mod tests {
         );
         assert_eq!(s.most_open_bytes, 2 << 20);
         drop(other);
-        assert_eq!(
-            IN_FLIGHT.load(Ordering::SeqCst),
-            0,
-            "every share given back"
-        );
-        assert!(
-            InFlight::take(1, false).is_some(),
-            "within the budget again"
-        );
+        assert_eq!(budget.in_flight(), 0, "every share given back");
+        assert!(budget.take(1, false).is_some(), "within the budget again");
+        // Another data path has its own budget: it never waits for this one's.
+        let mine = budget.take(IN_FLIGHT_BUDGET, true);
+        let other_path = InFlightBudget::default();
+        assert!(other_path.take(1, false).is_some());
+        drop(mine);
     }
 
     #[test]
     fn few_slots_cut_windows_and_none_for_the_first_stops_the_request() {
-        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        let budget = InFlightBudget::default();
         // 3 slots: a window of 3, then nothing free for a second until it is back.
         let mut s = Script::new(vec![256 << 10; 8], 3);
-        assert_eq!(run(&mut s), 8);
+        assert_eq!(run(&mut s, &budget), 8);
         assert_eq!(s.posted, vec![(0, 3), (3, 3), (6, 2)]);
         assert_eq!(s.done, (0..8).collect::<Vec<_>>());
         // No slot at all: nothing is posted.
         let mut s = Script::new(vec![256 << 10; 8], 3);
         let held = s.staging.try_acquire(SlotPool::Load, 3);
-        assert_eq!(run(&mut s), 0);
+        assert_eq!(run(&mut s, &budget), 0);
         assert!(s.posted.is_empty() && s.done.is_empty());
         drop(held);
     }
 
     #[test]
     fn after_a_failed_window_nothing_more_is_posted_or_handed_over() {
-        let _g = BUDGET.lock().unwrap_or_else(|p| p.into_inner());
+        let budget = InFlightBudget::default();
         let mut s = Script::new(vec![256 << 10; 40], 64);
         s.fail = vec![3];
         s.stop_on_failure = true;
         assert_eq!(
-            run(&mut s),
+            run(&mut s, &budget),
             16,
             "the window behind the failed one was in flight"
         );
@@ -291,7 +310,7 @@ mod tests {
         // A caller that goes on after failures gets every window.
         let mut s = Script::new(vec![256 << 10; 40], 64);
         s.fail = vec![3, 20];
-        assert_eq!(run(&mut s), 40);
+        assert_eq!(run(&mut s, &budget), 40);
         assert_eq!(s.done, (0..40).collect::<Vec<_>>());
     }
 }

@@ -4,7 +4,16 @@
 //! `post` writes the requests (and WRITE payloads straight from the staging buffer)
 //! on the caller's thread; one reader thread per peer takes completions and reads
 //! READ payloads straight into the staging buffer. That reader is the only thing that
-//! writes local memory, so stopping it (and joining it) is the soft transport's fence.
+//! writes local memory, so stopping it (and joining it) is the local half of the
+//! soft transport's fence.
+//!
+//! The remote half: a target applies a WRITE whose frame is already in its socket
+//! buffer even after the worker stopped listening. So the fence shuts only the write
+//! side, and waits (at most [`FENCE_WAIT`]) for the target's end of the connection:
+//! the target closes it only after it read every frame up to the worker's shutdown
+//! and applied each. Until then the fence fails, the peer stays (dead for new posts)
+//! and the next fence waits again; a fence of a peer already fenced succeeds at
+//! once, so two pools sharing a peer both learn that it is quiet.
 
 use super::proto::{self, Completion, Request, CPL_LEN};
 use crate::auth::SharedKey;
@@ -39,8 +48,15 @@ impl Shared {
     }
 }
 
+/// How long a fence waits for the target to confirm it applies nothing more.
+pub const FENCE_WAIT: Duration = Duration::from_secs(1);
+/// Fenced peer ids remembered (a fence of one of them succeeds again at once).
+const FENCED_MEMORY: usize = 4096;
+
 struct Peer {
     addr: String,
+    /// Held for the whole fence: a second fence of the peer waits for the first.
+    fence: Mutex<bool>,
     writer: Mutex<TcpStream>,
     inflight: Mutex<VecDeque<InFlight>>,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -55,6 +71,8 @@ pub struct SoftTransport {
     connect_timeout: Duration,
     local: OnceLock<LocalBuffer>,
     peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
+    /// Peers whose fence succeeded, oldest first.
+    fenced: Mutex<VecDeque<PeerId>>,
     shared: Arc<Shared>,
     next_peer: AtomicU64,
     next_batch: AtomicU64,
@@ -75,6 +93,7 @@ impl SoftTransport {
             connect_timeout: Duration::from_secs(5),
             local: OnceLock::new(),
             peers: Mutex::new(HashMap::new()),
+            fenced: Mutex::new(VecDeque::new()),
             shared: Arc::new(Shared {
                 batches: BatchTable::default(),
             }),
@@ -299,6 +318,7 @@ impl Transport for SoftTransport {
         let reader_stream = stream.try_clone().map_err(setup)?;
         let peer = Arc::new(Peer {
             addr: addr.clone(),
+            fence: Mutex::new(false),
             writer: Mutex::new(stream),
             inflight: Mutex::new(VecDeque::new()),
             reader: Mutex::new(None),
@@ -431,25 +451,79 @@ impl Transport for SoftTransport {
 
     fn fence(&self, peer_id: PeerId) -> Result<(), TransportError> {
         let peer = {
-            let mut peers = self
+            let peers = self
                 .peers
                 .lock()
                 .map_err(|_| TransportError::NoPeer(peer_id))?;
-            peers
-                .remove(&peer_id)
-                .ok_or(TransportError::NoPeer(peer_id))?
+            peers.get(&peer_id).cloned()
         };
+        let Some(peer) = peer else {
+            let known = self
+                .fenced
+                .lock()
+                .map(|f| f.contains(&peer_id))
+                .unwrap_or(false);
+            return if known {
+                Ok(())
+            } else {
+                Err(TransportError::NoPeer(peer_id))
+            };
+        };
+        let mut done = peer.fence.lock().unwrap_or_else(|p| p.into_inner());
+        if *done {
+            return Ok(());
+        }
+        // No new operation goes out; what was sent is the target's to finish.
         peer.dead.store(true, Ordering::SeqCst);
         if let Ok(w) = peer.writer.lock() {
-            let _ = w.shutdown(Shutdown::Both);
+            let _ = w.shutdown(Shutdown::Write);
         }
         let handle = peer.reader.lock().ok().and_then(|mut h| h.take());
         if let Some(h) = handle {
+            if !wait_finished(&h, FENCE_WAIT) {
+                if let Ok(mut r) = peer.reader.lock() {
+                    *r = Some(h);
+                }
+                return Err(TransportError::PeerLost {
+                    peer: peer.addr.clone(),
+                    message: format!(
+                        "fence: the target did not close the connection within {} ms, so it may still apply WRITEs it read; fenced again later",
+                        FENCE_WAIT.as_millis()
+                    ),
+                });
+            }
             // After the join, the reader wrote its last byte into the staging buffer.
             let _ = h.join();
         }
+        if let Ok(w) = peer.writer.lock() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
+        *done = true;
+        if let Ok(mut peers) = self.peers.lock() {
+            peers.remove(&peer_id);
+        }
+        if let Ok(mut f) = self.fenced.lock() {
+            f.push_back(peer_id);
+            while f.len() > FENCED_MEMORY {
+                f.pop_front();
+            }
+        }
         Ok(())
     }
+}
+
+/// Whether the thread finished within `limit` (polled: `JoinHandle` has no timed join).
+fn wait_finished(h: &JoinHandle<()>, limit: Duration) -> bool {
+    let step = Duration::from_millis(2);
+    let mut waited = Duration::ZERO;
+    while !h.is_finished() {
+        if waited >= limit {
+            return false;
+        }
+        std::thread::sleep(step);
+        waited += step;
+    }
+    true
 }
 
 impl Drop for SoftTransport {
@@ -460,7 +534,123 @@ impl Drop for SoftTransport {
             .map(|p| p.keys().copied().collect())
             .unwrap_or_default();
         for id in ids {
-            let _ = self.fence(id);
+            if self.fence(id).is_ok() {
+                continue;
+            }
+            // The staging buffer may go after this: stop the reader for good (a
+            // target that never closed may still apply WRITEs; nothing can wait for
+            // it here).
+            let peer = self.peers.lock().ok().and_then(|mut p| p.remove(&id));
+            if let Some(peer) = peer {
+                if let Ok(w) = peer.writer.lock() {
+                    let _ = w.shutdown(Shutdown::Both);
+                }
+                if let Some(h) = peer.reader.lock().ok().and_then(|mut h| h.take()) {
+                    let _ = h.join();
+                }
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::*;
+    use crate::net::handshake::{ServerHandshake, Step};
+    use crate::transport::no_bringup;
+    use crate::wire::{self, FrameDecoder};
+    use std::io::Read;
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+    use std::time::Instant;
+
+    /// A target that proves nothing but completes the handshake, then holds the
+    /// connection as a stopped agent would, until told to go on: then it reads every
+    /// byte up to the worker's shutdown (counting them, as if applying the WRITEs)
+    /// and only then closes.
+    fn slow_target() -> (String, mpsc::Sender<()>, mpsc::Receiver<usize>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<usize>();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut hs = ServerHandshake::new(proto::SERVICE, None, serde_json::Value::Null);
+            let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+            let mut buf = [0u8; 4096];
+            let mut applied = loop {
+                match dec.next_frame().unwrap() {
+                    Some(f) => match hs.on_frame(&f) {
+                        Step::Send(b) => s.write_all(&b).unwrap(),
+                        Step::Ready { send, .. } => {
+                            s.write_all(&send).unwrap();
+                            break dec.into_rest().len();
+                        }
+                        Step::Fail(e) => panic!("{}", e.message),
+                    },
+                    None => {
+                        let n = s.read(&mut buf).unwrap();
+                        dec.push(&buf[..n]);
+                    }
+                }
+            };
+            let _ = go_rx.recv();
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => applied += n,
+                }
+            }
+            done_tx.send(applied).unwrap();
+            // Closing only now: everything read was applied.
+        });
+        (addr, go_tx, done_rx)
+    }
+
+    #[test]
+    fn a_fence_succeeds_only_after_the_target_applied_every_write_it_read() {
+        let (addr, go, done) = slow_target();
+        let mut staging = vec![7u8; 1 << 16];
+        let nic = SoftTransport::new("fence-test", None);
+        nic.register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: staging.len(),
+        })
+        .unwrap();
+        let meta = serde_json::json!({"soft": {"addr": addr}});
+        let peer = nic.connect(&meta, &mut no_bringup).unwrap();
+        let write = Op {
+            kind: OpKind::Write,
+            local_offset: 0,
+            remote_addr: 0x1000,
+            rkey: 1,
+            len: 4096,
+        };
+        nic.post(peer, &[write]).unwrap();
+        // The WRITE sits in the target's socket buffer: no fence may succeed yet.
+        let t0 = Instant::now();
+        let r = nic.fence(peer);
+        assert!(
+            matches!(r, Err(TransportError::PeerLost { .. })),
+            "a fence while the target may still apply a WRITE: {r:?}"
+        );
+        assert!(t0.elapsed() >= FENCE_WAIT, "it waited for the target");
+        assert!(
+            matches!(nic.post(peer, &[write]), Err(TransportError::NoPeer(_))),
+            "nothing new goes to a peer being fenced"
+        );
+        // The target goes on, applies what it read, closes: the next fence succeeds.
+        go.send(()).unwrap();
+        let applied = done.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(applied >= 4096, "the WRITE was applied before the close");
+        nic.fence(peer).expect("the target confirmed");
+        // Again (another pool sharing the peer): already fenced, so it succeeds.
+        nic.fence(peer).expect("a fenced peer stays fenced");
+        assert!(matches!(
+            nic.fence(PeerId(999)),
+            Err(TransportError::NoPeer(_))
+        ));
+        drop(nic);
+        drop(staging);
     }
 }

@@ -1,11 +1,11 @@
 //! A storage session at one pool's maru-server: typed calls over a reconnecting link.
 
-use super::error::WorkerError;
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
     PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
+use crate::worker::error::WorkerError;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -212,6 +212,20 @@ impl Session {
         .map(|_| ())
     }
 
+    /// Gives one of the session's regions back: its keys stop being found at once.
+    /// `released`: the worker released it at its agent already (else maru-server's
+    /// region keeper does before the RM frees it).
+    pub fn return_region(&mut self, region_id: u64, released: bool) -> Result<(), WorkerError> {
+        match self.call(&MetaRequest::ReturnRegion {
+            session: self.id,
+            region_id,
+            released,
+        })? {
+            MetaReply::Returned(_) => Ok(()),
+            r => Err(unexpected("return_region", r)),
+        }
+    }
+
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
     pub fn heartbeat(
@@ -226,19 +240,6 @@ impl Session {
         })? {
             MetaReply::Heartbeat(h) => Ok(h),
             r => Err(unexpected("heartbeat", r)),
-        }
-    }
-
-    /// Gives one of the session's regions back: its keys go at once, maru-server
-    /// releases it at its agent unless `released`, then frees it at the RM.
-    pub fn return_region(&mut self, region_id: u64, released: bool) -> Result<(), WorkerError> {
-        match self.call(&MetaRequest::ReturnRegion {
-            session: self.id,
-            region_id,
-            released,
-        })? {
-            MetaReply::Returned(_) => Ok(()),
-            r => Err(unexpected("return_region", r)),
         }
     }
 

@@ -1,0 +1,158 @@
+//! The data path of a handler: the staging buffer (registered with the memory hook
+//! and, for `remote_cxl`, with the transport), made from the first pool's page size,
+//! and the pools' sessions and movers built on it.
+
+use super::{DataPath, Inner};
+use crate::auth::SharedKey;
+use crate::net::ClientOptions;
+use crate::transport::soft::SoftTransport;
+use crate::transport::{LocalBuffer, Transport};
+use crate::wire::meta::Backend;
+use crate::worker::config::{BackendKind, HandlerConfig, TransportKind};
+use crate::worker::error::WorkerError;
+use crate::worker::movers::{CxlMover, Mover, RemoteMover};
+use crate::worker::pool::StoragePool;
+use crate::worker::session::Session;
+use crate::worker::staging::{StagingLayout, StagingSlots};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn agent_key(cfg: &HandlerConfig) -> Result<SharedKey, WorkerError> {
+    let path = match &cfg.agent_key_file {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/root"))
+            .join(".maru/remote-cxl-agent.key"),
+    };
+    crate::auth::load_key_file(&path).map_err(|e| WorkerError::Config(format!("agent key: {e}")))
+}
+
+fn make_transport(
+    cfg: &HandlerConfig,
+    client_id: &str,
+    key: &SharedKey,
+) -> Result<Arc<dyn Transport>, WorkerError> {
+    match cfg.transport.unwrap_or(TransportKind::Soft) {
+        TransportKind::Soft => Ok(Arc::new(SoftTransport::new(
+            client_id.to_string(),
+            Some(key.clone()),
+        ))),
+        TransportKind::Verbs => verbs_transport(cfg),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_transport(cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerError> {
+    crate::transport::verbs::VerbsTransport::open(cfg.rdma_device.as_deref(), 1, None)
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .map_err(|e| WorkerError::Config(e.to_string()))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_transport(_cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerError> {
+    Err(WorkerError::Config("transport verbs: this libmaru was built without the verbs feature; use transport soft or rebuild with --features verbs".into()))
+}
+
+impl Inner {
+    pub(super) fn backend(&self) -> Backend {
+        match self.cfg.backend {
+            BackendKind::Cxl => Backend::Cxl,
+            BackendKind::RemoteCxl => Backend::RemoteCxl,
+        }
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        Duration::from_millis(self.cfg.timeout_ms)
+    }
+
+    /// The data path, created from the first session's page size.
+    pub(super) fn data_path(&self, page_size: u64) -> Result<Arc<DataPath>, WorkerError> {
+        let mut d = self.data.lock().map_err(|_| WorkerError::Closed)?;
+        if let Some(dp) = d.as_ref() {
+            if (dp.staging.layout().slot_size as u64) < page_size {
+                return Err(WorkerError::Config(format!(
+                    "pools have different page sizes ({} and {page_size}); give every maru-server of a handler the same --chunk-size",
+                    dp.staging.layout().slot_size
+                )));
+            }
+            return Ok(dp.clone());
+        }
+        let layout = StagingLayout {
+            slot_size: page_size as usize,
+            load_slots: self.cfg.load_slots,
+            store_slots: self.cfg.store_slots,
+        };
+        layout
+            .validate(page_size as usize, 1, 1)
+            .map_err(WorkerError::Config)?;
+        let staging = StagingSlots::new(layout).map_err(|e| {
+            WorkerError::NoSpace(format!(
+                "staging buffer of {} bytes: {e}",
+                layout.total_bytes()
+            ))
+        })?;
+        let (ptr, len) = staging.buffer();
+        // Before the first transfer uses the buffer (and before the NIC registers it).
+        let hook = crate::worker::hook::register(ptr, len)?;
+        let mut agent_opts =
+            ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
+        let nic = match self.cfg.backend {
+            BackendKind::Cxl => None,
+            BackendKind::RemoteCxl => {
+                // Transfers land in it: resident from now on (cxl uses it only for
+                // the slot API, whose callers fault in what they touch).
+                staging.populate();
+                let key = agent_key(&self.cfg)?;
+                let nic = match &self.transport {
+                    Some(t) => t.clone(),
+                    None => make_transport(&self.cfg, &self.client_id, &key)?,
+                };
+                nic.register_local(LocalBuffer { ptr, len })
+                    .map_err(|e| WorkerError::Config(e.to_string()))?;
+                agent_opts.key = Some(key);
+                Some(nic)
+            }
+        };
+        agent_opts.call_timeout = self.timeout();
+        agent_opts.connect_timeout = self.timeout().min(Duration::from_secs(5));
+        let dp = Arc::new(DataPath {
+            hook: Mutex::new(Some(hook)),
+            staging,
+            nic,
+            agent_opts,
+            budget: Arc::default(),
+        });
+        *d = Some(dp.clone());
+        Ok(dp)
+    }
+
+    pub(super) fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
+        let url = &self.urls[i];
+        let mut session = Session::open(
+            url,
+            &self.client_id,
+            &self.cfg.engine_id,
+            &self.cfg.namespace,
+            &self.cfg.layout,
+            self.backend(),
+            self.timeout(),
+        )?;
+        session.set_reply_spin(Duration::from_micros(self.cfg.reply_spin_us));
+        let dp = self.data_path(session.page_size)?;
+        let mover: Box<dyn Mover> = match &dp.nic {
+            None => Box::new(CxlMover::with_prefault(self.cfg.prefault)),
+            Some(nic) => Box::new(RemoteMover::new(
+                nic.clone(),
+                dp.staging.clone(),
+                dp.agent_opts.clone(),
+                self.timeout(),
+                dp.budget.clone(),
+            )),
+        };
+        Ok(StoragePool::open(session, mover)?
+            .with_spare_pages(crate::worker::pool::SPARE_PAGES)
+            .with_max_bytes(self.cfg.max_bytes))
+    }
+}

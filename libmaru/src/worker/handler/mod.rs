@@ -1,0 +1,537 @@
+//! The handler an engine opens: configuration, the pools (one per maru-server URL),
+//! the shared staging buffer and transport, and a background thread that heartbeats
+//! sessions and reconnects pools that went away (their prefixes miss meanwhile).
+//!
+//! A store reads top-down: [`Handler`] (the public calls, here) → `pools` (which pool)
+//! → `worker::pool` (pages, publish, leases) → `worker::movers` → the transport.
+
+mod background;
+mod data_path;
+mod pools;
+mod slot_ops;
+
+use super::config::{BackendKind, HandlerConfig};
+use super::error::WorkerError;
+use super::hook::Registration;
+use super::ops::{Executor, OpHandle, OpOutput};
+use super::pool::{PoolStats, StoragePool};
+use super::router::PoolRouter;
+use super::slots::{SlotInfo, SlotTable};
+use super::staging::{Slot, SlotPool, StagingSlots};
+use super::views::{ViewInfo, ViewTable};
+use crate::net::ClientOptions;
+use crate::transport::Transport;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// The staging buffer (both backends: the slot API uses it) and, for remote_cxl, the
+/// transport it is registered with; made once the slot size is known.
+struct DataPath {
+    /// Declared first: unregistered before the buffer can go.
+    hook: Mutex<Option<Registration>>,
+    staging: StagingSlots,
+    nic: Option<Arc<dyn Transport>>,
+    agent_opts: ClientOptions,
+    /// Bytes in flight of the windowed transfers through this staging buffer.
+    budget: Arc<super::windows::InFlightBudget>,
+}
+
+/// A submitted slot operation, run with the slots lent to it.
+type LentJob = Box<dyn FnOnce(Vec<Option<Slot>>) -> Result<OpOutput, WorkerError> + Send>;
+
+/// The outcome of loading one chunk into a caller's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loaded {
+    Miss,
+    /// Loaded, this many bytes.
+    Bytes(usize),
+    /// Found, but larger than the buffer (this many bytes): nothing was copied.
+    TooSmall(usize),
+}
+
+struct Inner {
+    cfg: HandlerConfig,
+    client_id: String,
+    urls: Vec<String>,
+    router: Mutex<PoolRouter>,
+    pools: Vec<Mutex<Option<StoragePool>>>,
+    /// Per pool: the session it lost, until it has a new one (see `set_aside`).
+    lost: Vec<Mutex<Option<StoragePool>>>,
+    data: Mutex<Option<Arc<DataPath>>>,
+    slots: Mutex<SlotTable>,
+    views: Mutex<ViewTable>,
+    executor: Executor,
+    /// A transport given by the caller instead of the configured one (tests).
+    transport: Option<Arc<dyn Transport>>,
+    stop: AtomicBool,
+    wake: (Mutex<()>, Condvar),
+}
+
+/// An open handler. Thread-safe; calls on different pools run in parallel.
+pub struct Handler {
+    inner: Arc<Inner>,
+    background: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Handler {
+    /// Opens a handler from its JSON configuration. A configuration error fails at
+    /// once; a pool that cannot be reached is retried in the background (at least one
+    /// must answer now, so that a wrong address is not mistaken for a pool that is down).
+    pub fn open(config_json: &str) -> Result<Handler, WorkerError> {
+        Handler::open_inner(config_json, None)
+    }
+
+    /// Opens a `remote_cxl` handler over the given transport instead of the configured
+    /// one (fault injection in tests).
+    #[doc(hidden)]
+    pub fn open_with_transport(
+        config_json: &str,
+        transport: Arc<dyn Transport>,
+    ) -> Result<Handler, WorkerError> {
+        Handler::open_inner(config_json, Some(transport))
+    }
+
+    fn open_inner(
+        config_json: &str,
+        transport: Option<Arc<dyn Transport>>,
+    ) -> Result<Handler, WorkerError> {
+        let cfg = HandlerConfig::parse(config_json).map_err(WorkerError::Config)?;
+        let urls = cfg.server_urls().map_err(WorkerError::Config)?;
+        let client_id = format!("{}@{}", cfg.engine_id, crate::net::default_client_id(""));
+        let cfg_threads = cfg.async_threads;
+        let inner = Arc::new(Inner {
+            router: Mutex::new(PoolRouter::new(urls.clone())),
+            pools: urls.iter().map(|_| Mutex::new(None)).collect(),
+            lost: urls.iter().map(|_| Mutex::new(None)).collect(),
+            urls,
+            cfg,
+            client_id,
+            data: Mutex::new(None),
+            slots: Mutex::new(SlotTable::default()),
+            views: Mutex::new(ViewTable::default()),
+            executor: Executor::new(cfg_threads),
+            transport,
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+        });
+        let mut last_err = None;
+        let mut opened = 0;
+        for i in 0..inner.pools.len() {
+            match inner.open_pool(i) {
+                Ok(p) => {
+                    if let Ok(mut g) = inner.pools[i].lock() {
+                        *g = Some(p);
+                    }
+                    opened += 1;
+                }
+                Err(e @ WorkerError::Config(_)) => return Err(e),
+                Err(e) => {
+                    log::warn!(
+                        "pool {} is unavailable at open: {e}; retrying in the background",
+                        inner.urls[i]
+                    );
+                    inner.set_up(i, false);
+                    last_err = Some(e);
+                }
+            }
+        }
+        if opened == 0 {
+            return Err(last_err.unwrap_or_else(|| WorkerError::Unavailable("no pool".into())));
+        }
+        let bg = inner.clone();
+        let background = std::thread::Builder::new()
+            .name("maru-handler".into())
+            .spawn(move || bg.background())
+            .map_err(|e| {
+                WorkerError::Unavailable(format!("cannot start the handler thread: {e}"))
+            })?;
+        Ok(Handler {
+            inner,
+            background: Mutex::new(Some(background)),
+        })
+    }
+
+    /// Stores one chunk under `key`. Returns false when it was skipped (no staging slot,
+    /// pool unavailable); true when stored now or already present.
+    pub fn store(
+        &self,
+        key: &str,
+        data: &[u8],
+        route_key: Option<&str>,
+    ) -> Result<bool, WorkerError> {
+        Ok(self
+            .store_batch(&[(key, data)], route_key)?
+            .first()
+            .copied()
+            .unwrap_or(false))
+    }
+
+    /// Stores the chunks of one request (`route_key`: its first chunk key by default).
+    pub fn store_batch(
+        &self,
+        items: &[(&str, &[u8])],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = items.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first.0);
+        self.inner
+            .with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+    }
+
+    pub fn load(&self, key: &str, route_key: Option<&str>) -> Result<Option<Vec<u8>>, WorkerError> {
+        Ok(self
+            .load_batch(&[key.to_string()], route_key)?
+            .pop()
+            .flatten())
+    }
+
+    /// Loads the chunks of one request and hands each found one to `f(index, bytes)`
+    /// where it lies (`cxl`: the shared mapping; `remote_cxl`: the staging slot), with
+    /// no copy by the library; the bytes are valid only during the call of `f`. On
+    /// `cxl`, `f` runs without the pool's lock, so other threads of this handler go on.
+    pub fn load_each(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), WorkerError> {
+        self.inner.load(keys, route_key, f)
+    }
+
+    /// Loads the chunks of one request into new vectors (`None`: miss or failed read).
+    pub fn load_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
+        let mut out = vec![None; keys.len()];
+        self.inner.load(keys, route_key, &mut |i, b| {
+            let mut v = vec![0u8; b.len()];
+            crate::dax::copy::copy_out(&mut v, b);
+            out[i] = Some(v)
+        })?;
+        Ok(out)
+    }
+
+    /// Loads the chunks of one request straight into the caller's buffers (one copy:
+    /// from the staging slot on `remote_cxl`, from the shared mapping on `cxl`).
+    pub fn load_into(
+        &self,
+        keys: &[String],
+        bufs: &mut [&mut [u8]],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Loaded>, WorkerError> {
+        if bufs.len() != keys.len() {
+            return Err(WorkerError::InvalidArgument(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                bufs.len()
+            )));
+        }
+        let mut out = vec![Loaded::Miss; keys.len()];
+        self.inner.load(keys, route_key, &mut |i, b| {
+            let dst = &mut bufs[i];
+            out[i] = if b.len() <= dst.len() {
+                crate::dax::copy::copy_out(dst, b);
+                Loaded::Bytes(b.len())
+            } else {
+                Loaded::TooSmall(b.len())
+            };
+        })?;
+        Ok(out)
+    }
+
+    pub fn exists_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.inner
+            .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+    }
+
+    /// Unpublishes keys this engine stored; per key: removed, not found, stored by
+    /// another engine (refused), or leased by a reader now (refused). A pool that is
+    /// unavailable answers `NotFound`.
+    pub fn remove_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.inner.with_pool(
+            rk,
+            vec![crate::wire::meta::RemoveResult::NotFound; keys.len()],
+            |p| p.remove(keys),
+        )
+    }
+
+    /// Pins keys of one request (`pin`), or drops one pin of each (`!pin`): a pinned
+    /// key is neither evicted nor removed (by anyone) until this handler unpins it or
+    /// closes, or its region is lost. Per key: pinned (found) / a pin was dropped. A
+    /// pool that is unavailable answers `false`.
+    pub fn pin_batch(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        pin: bool,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        self.inner
+            .with_pool(rk, vec![false; keys.len()], |p| p.pin(keys, pin))
+    }
+
+    // ------------------------------------------------------------ slot API
+
+    /// Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout` for at
+    /// least one. The caller fills (store) or reads (load) them in place and releases
+    /// them with [`Handler::release_slots`].
+    pub fn acquire_slots(
+        &self,
+        pool: SlotPool,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<Vec<SlotInfo>, WorkerError> {
+        self.inner.acquire_slots(pool, n, timeout)
+    }
+
+    /// Gives slots back. A slot lent to a running operation is refused (`Busy`).
+    pub fn release_slots(&self, ids: &[u64]) -> Result<(), WorkerError> {
+        self.inner.slot_table()?.release(ids)
+    }
+
+    /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]`, without a copy on
+    /// `remote_cxl` (the WRITE goes from the slot). The slots stay the caller's, except
+    /// one whose transfer outcome was unknown: libmaru keeps it (its id is no longer
+    /// valid; releasing it is a no-op).
+    pub fn store_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        lens: &[usize],
+        route_key: Option<&str>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let lent = self.inner.lend(ids)?;
+        self.inner.store_slots(keys, ids, lent, lens, route_key)
+    }
+
+    /// Loads chunk `keys[i]` into slot `ids[i]` (the READ lands in the slot); `Some(len)`
+    /// where it was loaded. The slots stay the caller's, as for `store_slots`.
+    pub fn load_slots(
+        &self,
+        keys: &[String],
+        ids: &[u64],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<usize>>, WorkerError> {
+        let lent = self.inner.lend(ids)?;
+        self.inner.load_slots(keys, ids, lent, route_key)
+    }
+
+    /// `store_slots` on an executor thread. The slots are lent to the operation until
+    /// it finishes.
+    pub fn submit_store_slots(
+        &self,
+        keys: Vec<String>,
+        ids: Vec<u64>,
+        lens: Vec<usize>,
+        route_key: Option<String>,
+    ) -> Result<OpHandle, WorkerError> {
+        self.submit_lent(ids, move |inner, ids, lent| {
+            inner
+                .store_slots(&keys, ids, lent, &lens, route_key.as_deref())
+                .map(OpOutput::Stored)
+        })
+    }
+
+    /// `load_slots` on an executor thread.
+    pub fn submit_load_slots(
+        &self,
+        keys: Vec<String>,
+        ids: Vec<u64>,
+        route_key: Option<String>,
+    ) -> Result<OpHandle, WorkerError> {
+        self.submit_lent(ids, move |inner, ids, lent| {
+            inner
+                .load_slots(&keys, ids, lent, route_key.as_deref())
+                .map(OpOutput::Loaded)
+        })
+    }
+
+    /// Lends the slots now and runs `f` with them on an executor thread.
+    fn submit_lent(
+        &self,
+        ids: Vec<u64>,
+        f: impl FnOnce(&Inner, &[u64], Vec<Option<Slot>>) -> Result<OpOutput, WorkerError>
+            + Send
+            + 'static,
+    ) -> Result<OpHandle, WorkerError> {
+        let inner = self.inner.clone();
+        let lent = self.inner.lend(&ids)?;
+        let back = ids.clone();
+        self.inner
+            .submit(&back, lent, Box::new(move |lent| f(&inner, &ids, lent)))
+    }
+
+    // ------------------------------------------------------------ views (cxl)
+
+    /// Views of chunks in place, without a copy (`cxl` only: this host's read-only
+    /// mapping of the region). Each found key's view holds a lease: its bytes stay the
+    /// key's until [`Handler::release_views`], for at most `valid_ms`.
+    pub fn acquire_views(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+    ) -> Result<Vec<Option<ViewInfo>>, WorkerError> {
+        if self.inner.cfg.backend != BackendKind::Cxl {
+            return Err(WorkerError::InvalidArgument(
+                "views of the shared mapping need backend cxl; on remote_cxl load into staging slots (maru_load_slots)".into(),
+            ));
+        }
+        let Some(first) = keys.first() else {
+            return Ok(Vec::new());
+        };
+        let rk = route_key.unwrap_or(first);
+        let got = self
+            .inner
+            .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        let mut t = self.inner.views.lock().map_err(|_| WorkerError::Closed)?;
+        Ok(got
+            .into_iter()
+            .map(|g| g.map(|(lease, view)| t.insert(rk, lease.lease_id, lease.expires_in_ms, view)))
+            .collect())
+    }
+
+    /// Ends views (and their leases). Unknown ids (already released) are ignored.
+    pub fn release_views(&self, ids: &[u64]) -> Result<(), WorkerError> {
+        let held = self
+            .inner
+            .views
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .take(ids);
+        self.inner.end_leases(held);
+        Ok(())
+    }
+
+    /// Views the caller holds now.
+    pub fn held_views(&self) -> usize {
+        self.inner.views.lock().map(|t| t.held()).unwrap_or(0)
+    }
+
+    /// Whether each slot id is still the caller's (held, possibly lent to a running
+    /// operation); false once released or taken back after a transfer whose outcome
+    /// was unknown.
+    pub fn slots_held(&self, ids: &[u64]) -> Result<Vec<bool>, WorkerError> {
+        let t = self.inner.slot_table()?;
+        Ok(ids.iter().map(|id| t.contains(*id)).collect())
+    }
+
+    /// Slots the caller holds now.
+    pub fn held_slots(&self) -> usize {
+        self.inner.slot_table().map(|t| t.held()).unwrap_or(0)
+    }
+
+    /// The page (chunk) size of the pools.
+    pub fn chunk_size(&self) -> Option<u64> {
+        self.inner.pools.iter().find_map(|p| {
+            p.lock()
+                .ok()
+                .and_then(|g| g.as_ref().map(|p| p.page_size()))
+        })
+    }
+
+    /// Counters per pool and total, as JSON.
+    pub fn stats(&self) -> serde_json::Value {
+        let mut pools = Vec::new();
+        let mut total = PoolStats::default();
+        for (i, p) in self.inner.pools.iter().enumerate() {
+            let g = p.lock();
+            let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats()));
+            if let Some(s) = &s {
+                total.add(s);
+            }
+            pools.push(
+                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),
+            );
+        }
+        let staging = self.inner.staging().ok().map(|st| {
+            let l = st.layout();
+            serde_json::json!({
+                "slot_size": l.slot_size,
+                "load_slots": l.load_slots,
+                "store_slots": l.store_slots,
+                "free_load_slots": st.free(SlotPool::Load),
+                "free_store_slots": st.free(SlotPool::Store),
+                "held_by_caller": self.held_slots(),
+            })
+        });
+        let backend = match self.inner.cfg.backend {
+            BackendKind::Cxl => "cxl",
+            BackendKind::RemoteCxl => "remote_cxl",
+        };
+        serde_json::json!({"backend": backend, "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total, "staging": staging})
+    }
+
+    /// Closes every session (drained: regions with keys go to maru-server's keeper).
+    pub fn close(&self) -> Result<(), WorkerError> {
+        {
+            let _g = self.inner.wake.0.lock();
+            if self.inner.stop.swap(true, Ordering::SeqCst) {
+                return Ok(());
+            }
+            self.inner.wake.1.notify_all();
+        }
+        if let Some(h) = self.background.lock().ok().and_then(|mut b| b.take()) {
+            let _ = h.join();
+        }
+        // Operations already running finish; queued ones fail with `Closed`.
+        self.inner.executor.shutdown();
+        let mut first_err = None;
+        for (i, p) in self.inner.pools.iter().enumerate() {
+            if let Ok(mut g) = p.lock() {
+                if let Some(mut pool) = g.take() {
+                    if let Err(e) = pool.close() {
+                        log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        if let Ok(mut t) = self.inner.slots.lock() {
+            t.clear();
+        }
+        // The sessions are closed: their leases ended with them; the views' mappings go.
+        if let Ok(mut t) = self.inner.views.lock() {
+            drop(t.clear());
+        }
+        // Every user of the staging buffer is gone: unregister it from the memory hook.
+        if let Some(dp) = self.inner.data.lock().ok().and_then(|mut d| d.take()) {
+            if let Ok(mut h) = dp.hook.lock() {
+                if let Some(mut reg) = h.take() {
+                    reg.release();
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Handler {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}

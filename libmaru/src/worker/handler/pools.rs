@@ -1,0 +1,140 @@
+//! Requests to the pools: each goes to the pool its route key picks; a pool that
+//! cannot be reached is set aside (its prefixes miss) for the background thread to
+//! reconnect, and the session it lost is settled once the pool has a new one.
+
+use super::Inner;
+use crate::worker::config::BackendKind;
+use crate::worker::error::WorkerError;
+use crate::worker::pool::StoragePool;
+use std::sync::atomic::Ordering;
+
+impl Inner {
+    pub(super) fn set_up(&self, i: usize, up: bool) {
+        if let Ok(mut r) = self.router.lock() {
+            if r.set_up(i, up) {
+                if up {
+                    log::info!("pool {} is available", self.urls[i]);
+                } else {
+                    log::warn!(
+                        "pool {} is unavailable: its prefixes miss until it is back",
+                        self.urls[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on the request's pool; an unavailable pool is set aside for the
+    /// background thread to reconnect, and the call answers `miss`.
+    pub(super) fn with_pool<T>(
+        &self,
+        route_key: &str,
+        miss: T,
+        f: impl FnOnce(&mut StoragePool) -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        let i = self
+            .router
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .pick(route_key);
+        let mut slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
+        let Some(pool) = slot.as_mut() else {
+            return Ok(miss);
+        };
+        match f(pool) {
+            // Unreachable, or our session is gone there (expired, unknown): set the pool
+            // aside; the background thread opens a new session.
+            Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
+                log::warn!("pool {}: {m}", self.urls[i]);
+                let old = slot.take();
+                drop(slot);
+                self.set_aside(i, old);
+                self.set_up(i, false);
+                self.wake.1.notify_all();
+                Ok(miss)
+            }
+            r => r,
+        }
+    }
+
+    /// Keeps the session a pool lost until the pool has a new one: only then is it
+    /// known whether maru-server restarted (its keeper is gone with it) or the old
+    /// session merely expired or was out of reach (maru-server's keeper has its regions).
+    pub(super) fn set_aside(&self, i: usize, old: Option<StoragePool>) {
+        if let (Some(old), Ok(mut l)) = (old, self.lost[i].lock()) {
+            // A pool set aside twice before it came back: the older one goes now.
+            *l = Some(old);
+        }
+    }
+
+    /// The pool has a new session: if it comes from another run of maru-server, release
+    /// the regions of the one set aside at their agents (no keeper will), else just let
+    /// it go (the keeper takes its regions over when it expires).
+    pub(super) fn settle_set_aside(&self, i: usize, new: &StoragePool) {
+        let Some(mut old) = self.lost[i].lock().ok().and_then(|mut l| l.take()) else {
+            return;
+        };
+        let (was, now) = (
+            old.session.handshake.instance.clone(),
+            new.session.handshake.instance.clone(),
+        );
+        if !was.is_empty() && was != now {
+            let (released, failed) = old.release_regions();
+            log::warn!(
+                "pool {}: maru-server restarted (instance {was} → {now}); released {released} region(s) of the lost session at their agents{}",
+                self.urls[i],
+                if failed > 0 {
+                    format!(", {failed} could not be released (the agents' sweep deregisters them once the RM forgets them)")
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+
+    pub(super) fn load(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        sink: &mut crate::worker::movers::ReadSink<'_>,
+    ) -> Result<(), WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let rk = route_key.unwrap_or(first);
+        if self.cfg.backend == BackendKind::Cxl {
+            return self.load_in_place(keys, rk, sink);
+        }
+        self.with_pool(rk, (), |p| p.load(keys, sink))
+    }
+
+    /// `cxl` loads: leases and views under the pool's lock, the copies out of the
+    /// shared mapping without it (each view keeps its mapping alive, each lease its
+    /// page from reuse), the leases' release under the lock again. So threads sharing
+    /// a handler copy side by side.
+    pub(super) fn load_in_place(
+        &self,
+        keys: &[String],
+        rk: &str,
+        sink: &mut crate::worker::movers::ReadSink<'_>,
+    ) -> Result<(), WorkerError> {
+        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        let mut leases = Vec::with_capacity(got.len());
+        for (i, g) in got.iter().enumerate() {
+            if let Some((lease, view)) = g {
+                sink(i, view.bytes());
+                leases.push(lease.lease_id);
+            }
+        }
+        if !leases.is_empty() {
+            self.with_pool(rk, (), |p| {
+                p.release_leases(leases);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+}

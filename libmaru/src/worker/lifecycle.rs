@@ -1,0 +1,438 @@
+//! The region lifecycle of a `remote_cxl` pool, as a sans-I/O core: what the worker
+//! knows of the agents its own regions live on, and the rules that follow from it.
+//! No sockets, threads or clocks here: the mover (the driver) feeds in what agents
+//! said (`seen`), what failed (`unreachable`, `link_broken`), what maru-server
+//! answered (`reported`) and the time (`now_ms`), and carries out what comes back
+//! (probe an agent, tell maru-server the boot ids, give regions back).
+//!
+//! Rules held here (each has a test below that fails without it):
+//! - **Reboot.** An agent that reports another boot id than the one the worker's
+//!   regions there were written under: the memory node rebooted and the bytes of those
+//!   regions died with it. The regions are neither read nor written, nor mapped again,
+//!   until maru-server has been told the new boot id (it drops their keys, for every
+//!   reader at once); then they serve new stores. An agent that reports no boot id is
+//!   unreachable.
+//! - **Boot ids before keys.** A region's boot id reaches maru-server before any key
+//!   of it is published, so maru-server always has a boot id to compare with: a reboot
+//!   before the region's first heartbeat is noticed too.
+//! - **Restart.** An agent that restarted on the same boot (new epoch) lost its
+//!   registrations but not the bytes: the worker maps its regions there again at
+//!   once (readers' `map_read` needs the owner's mapping), and the keys stay.
+//! - **Silence.** An agent silent for [`AGENT_SILENCE_MS`] loses the worker's regions
+//!   there: they are given back to maru-server (their keys go), as the region keeper
+//!   does for kept regions.
+
+use std::collections::BTreeMap;
+
+/// An agent unreachable this long loses the worker's regions there (as the region
+/// keeper's regions do).
+pub const AGENT_SILENCE_MS: u64 = 30_000;
+/// How often the agents of own regions are probed while they answer.
+pub const PROBE_EVERY_MS: u64 = 1_000;
+/// How often an agent that did not answer is probed again.
+pub const SILENT_PROBE_EVERY_MS: u64 = 5_000;
+
+/// What the worker made of an agent's identity (boot id and epoch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing changed (or the first time this agent is seen).
+    Same,
+    /// The agent restarted on the same boot: its registrations are gone, the bytes are
+    /// not. The worker's regions there are mapped again before their next use.
+    Restarted,
+    /// The memory node rebooted: the keys of these own regions are gone. They stay out
+    /// of use until maru-server has been told ([`Lifecycle::reported`]).
+    Rebooted(Vec<u64>),
+    /// The agent reported no boot id: it is treated as unreachable.
+    NoBoot,
+}
+
+/// What the driver must do now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Ask this agent who it is (boot id, epoch) and feed the answer to `seen`, or
+    /// its failure to `unreachable`.
+    Probe(String),
+    /// Map the worker's regions at this agent again (then `remapped`).
+    Remap(String),
+    /// Tell maru-server the boot ids of the own regions (a heartbeat) before anything
+    /// else is published: a region is new, or its memory node rebooted.
+    ReportBoots,
+    /// The agent has been silent for [`AGENT_SILENCE_MS`]: give these regions back
+    /// to maru-server (their keys go), then `forget` them.
+    GiveBack { agent: String, regions: Vec<u64> },
+}
+
+#[derive(Debug, Default)]
+struct AgentState {
+    boot: Option<String>,
+    epoch: Option<u64>,
+    /// The agent's registrations of our regions may be gone: map them again.
+    remap: bool,
+    /// Since when the agent has not answered (None: it answers).
+    silent_since: Option<u64>,
+    next_probe_ms: u64,
+}
+
+#[derive(Debug)]
+struct RegionState {
+    agent: String,
+    /// The boot id the region's bytes belong to.
+    boot: String,
+    /// maru-server has been told `boot` (it has something to compare with).
+    reported: bool,
+    /// Its memory node rebooted and maru-server has not been told yet: its keys are
+    /// stale, so it is neither read, written nor mapped again.
+    rebooted: bool,
+}
+
+/// The own regions of one pool and the agents they live on.
+#[derive(Debug, Default)]
+pub struct Lifecycle {
+    agents: BTreeMap<String, AgentState>,
+    regions: BTreeMap<u64, RegionState>,
+    silence_ms: u64,
+}
+
+impl Lifecycle {
+    pub fn new() -> Lifecycle {
+        Lifecycle {
+            silence_ms: AGENT_SILENCE_MS,
+            ..Lifecycle::default()
+        }
+    }
+
+    /// A new own region, mapped at `agent`, which reported `boot` in its map reply.
+    /// Returns the verdict on the agent (a changed boot concerns its other regions).
+    pub fn adopt(
+        &mut self,
+        region: u64,
+        agent: &str,
+        boot: &str,
+        epoch: Option<u64>,
+        now_ms: u64,
+    ) -> Verdict {
+        let v = self.seen(agent, Some(boot), epoch, now_ms);
+        if v != Verdict::NoBoot {
+            self.regions.insert(
+                region,
+                RegionState {
+                    agent: agent.to_string(),
+                    boot: boot.to_string(),
+                    reported: false,
+                    rebooted: false,
+                },
+            );
+        }
+        v
+    }
+
+    /// An agent said who it is (a new control connection's welcome, a probe's answer,
+    /// a map reply).
+    pub fn seen(
+        &mut self,
+        agent: &str,
+        boot: Option<&str>,
+        epoch: Option<u64>,
+        now_ms: u64,
+    ) -> Verdict {
+        let a = self.agents.entry(agent.to_string()).or_default();
+        let Some(boot) = boot.filter(|b| !b.is_empty()) else {
+            a.silent_since.get_or_insert(now_ms);
+            return Verdict::NoBoot;
+        };
+        a.silent_since = None;
+        let rebooted = a.boot.as_deref().is_some_and(|b| b != boot);
+        let restarted = !rebooted && matches!((a.epoch, epoch), (Some(x), Some(y)) if x != y);
+        a.boot = Some(boot.to_string());
+        if epoch.is_some() {
+            a.epoch = epoch;
+        }
+        if rebooted {
+            a.remap = true;
+            let mut ids = Vec::new();
+            for (id, r) in self.regions.iter_mut().filter(|(_, r)| r.agent == agent) {
+                if r.boot != boot {
+                    r.boot = boot.to_string();
+                    r.rebooted = true;
+                    r.reported = false;
+                    ids.push(*id);
+                }
+            }
+            return Verdict::Rebooted(ids);
+        }
+        if restarted {
+            a.remap = true;
+            return Verdict::Restarted;
+        }
+        Verdict::Same
+    }
+
+    /// The control connection to `agent` broke: its registrations may be gone.
+    pub fn link_broken(&mut self, agent: &str) {
+        self.agents.entry(agent.to_string()).or_default().remap = true;
+    }
+
+    /// `agent` did not answer (connect, call or probe failed).
+    pub fn unreachable(&mut self, agent: &str, now_ms: u64) {
+        let a = self.agents.entry(agent.to_string()).or_default();
+        a.silent_since.get_or_insert(now_ms);
+        a.next_probe_ms = now_ms + SILENT_PROBE_EVERY_MS;
+    }
+
+    /// Whether the worker's regions at `agent` must be mapped again before use.
+    pub fn needs_remap(&self, agent: &str) -> bool {
+        self.agents.get(agent).is_some_and(|a| a.remap)
+    }
+
+    /// Whether the regions at `agent` may be mapped again now: none of them waits for
+    /// maru-server to hear of a reboot (a reader could map it and read stale bytes).
+    pub fn may_map(&self, agent: &str) -> bool {
+        !self
+            .regions
+            .values()
+            .any(|r| r.agent == agent && r.rebooted)
+    }
+
+    /// Every region at `agent` is mapped again.
+    pub fn remapped(&mut self, agent: &str) {
+        if let Some(a) = self.agents.get_mut(agent) {
+            a.remap = false;
+        }
+    }
+
+    /// Whether an own region may be read or written now.
+    pub fn usable(&self, region: u64) -> bool {
+        self.regions.get(&region).is_some_and(|r| !r.rebooted)
+    }
+
+    /// The boot ids to send with a heartbeat.
+    pub fn boot_ids(&self) -> BTreeMap<u64, String> {
+        self.regions
+            .iter()
+            .map(|(id, r)| (*id, r.boot.clone()))
+            .collect()
+    }
+
+    /// Whether maru-server must hear the boot ids before anything else is published.
+    pub fn must_report(&self) -> bool {
+        self.regions.values().any(|r| !r.reported)
+    }
+
+    /// maru-server received `sent` (the boot ids of a heartbeat) and answered.
+    /// Regions whose boot id has not changed since are reported; rebooted ones serve
+    /// again (maru-server dropped their keys).
+    pub fn reported(&mut self, sent: &BTreeMap<u64, String>) {
+        for (id, boot) in sent {
+            if let Some(r) = self.regions.get_mut(id) {
+                if r.boot == *boot {
+                    r.reported = true;
+                    r.rebooted = false;
+                }
+            }
+        }
+    }
+
+    /// The region is no longer the session's.
+    pub fn forget(&mut self, region: u64) {
+        self.regions.remove(&region);
+    }
+
+    /// The own regions at `agent`.
+    pub fn regions_at(&self, agent: &str) -> Vec<u64> {
+        self.regions
+            .iter()
+            .filter(|(_, r)| r.agent == agent)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// What is due at `now_ms`: probes of the agents of own regions, their remaps,
+    /// a report of boot ids, regions of agents silent too long.
+    pub fn due(&mut self, now_ms: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        let mut agents: Vec<String> = self.regions.values().map(|r| r.agent.clone()).collect();
+        agents.sort();
+        agents.dedup();
+        for agent in agents {
+            let a = self.agents.entry(agent.clone()).or_default();
+            if let Some(since) = a.silent_since {
+                if now_ms.saturating_sub(since) >= self.silence_ms {
+                    out.push(Action::GiveBack {
+                        regions: self.regions_at(&agent),
+                        agent,
+                    });
+                    continue;
+                }
+            }
+            if now_ms >= a.next_probe_ms {
+                a.next_probe_ms = now_ms
+                    + if a.silent_since.is_some() {
+                        SILENT_PROBE_EVERY_MS
+                    } else {
+                        PROBE_EVERY_MS
+                    };
+                out.push(Action::Probe(agent.clone()));
+            }
+            if a.remap && a.silent_since.is_none() && self.may_map(&agent) {
+                out.push(Action::Remap(agent));
+            }
+        }
+        if self.must_report() {
+            out.push(Action::ReportBoots);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "10.0.0.1:9860";
+    const B: &str = "10.0.0.2:9860";
+
+    fn reported(l: &mut Lifecycle) {
+        let sent = l.boot_ids();
+        l.reported(&sent);
+    }
+
+    #[test]
+    fn a_changed_boot_id_puts_the_agents_regions_out_of_use_until_maru_server_knows() {
+        let mut l = Lifecycle::new();
+        assert_eq!(l.adopt(1, A, "boot-1", Some(7), 0), Verdict::Same);
+        assert_eq!(l.adopt(2, B, "boot-9", Some(3), 0), Verdict::Same);
+        reported(&mut l);
+        assert!(l.usable(1) && l.usable(2));
+        // The agent of region 1 comes back with a new boot id.
+        assert_eq!(
+            l.seen(A, Some("boot-2"), Some(8), 10),
+            Verdict::Rebooted(vec![1])
+        );
+        assert!(!l.usable(1), "stale bytes are neither read nor written");
+        assert!(l.usable(2), "other agents' regions go on");
+        assert!(
+            !l.may_map(A),
+            "not mapped again before maru-server drops the keys"
+        );
+        assert!(l.must_report());
+        let due = l.due(10);
+        assert!(due.contains(&Action::ReportBoots), "{due:?}");
+        assert!(!due.contains(&Action::Remap(A.into())), "{due:?}");
+        // The heartbeat carries the new boot id: maru-server compares and drops keys.
+        let sent = l.boot_ids();
+        assert_eq!(sent.get(&1).map(String::as_str), Some("boot-2"));
+        l.reported(&sent);
+        assert!(l.usable(1), "serves new stores under the new boot");
+        assert!(l.may_map(A) && l.needs_remap(A));
+        assert!(l.due(2_000).contains(&Action::Remap(A.into())));
+        l.remapped(A);
+        assert!(!l.needs_remap(A));
+    }
+
+    #[test]
+    fn a_report_sent_before_another_reboot_does_not_clear_it() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", None, 0);
+        let stale = l.boot_ids();
+        l.seen(A, Some("boot-2"), None, 5);
+        l.reported(&stale);
+        assert!(!l.usable(1), "maru-server heard boot-1, not boot-2");
+    }
+
+    #[test]
+    fn a_new_regions_boot_id_reaches_maru_server_before_its_keys_are_published() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", Some(1), 0);
+        assert!(
+            l.must_report(),
+            "maru-server would have no boot id to compare with"
+        );
+        reported(&mut l);
+        assert!(!l.must_report());
+        l.adopt(2, A, "boot-1", Some(1), 0);
+        assert!(l.must_report());
+    }
+
+    #[test]
+    fn an_agent_without_boot_id_is_unreachable() {
+        let mut l = Lifecycle::new();
+        assert_eq!(l.adopt(1, A, "", None, 0), Verdict::NoBoot);
+        assert!(!l.usable(1), "not adopted");
+        l.adopt(2, A, "boot-1", None, 0);
+        assert_eq!(l.seen(A, None, None, 100), Verdict::NoBoot);
+        let due = l.due(100 + AGENT_SILENCE_MS);
+        assert!(
+            due.iter().any(|a| matches!(a, Action::GiveBack { .. })),
+            "{due:?}"
+        );
+    }
+
+    #[test]
+    fn a_restart_on_the_same_boot_maps_again_and_keeps_the_keys() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", Some(1), 0);
+        reported(&mut l);
+        assert_eq!(l.seen(A, Some("boot-1"), Some(1), 5), Verdict::Same);
+        assert!(!l.needs_remap(A));
+        assert_eq!(l.seen(A, Some("boot-1"), Some(2), 10), Verdict::Restarted);
+        assert!(l.usable(1), "the bytes survived");
+        assert!(!l.must_report());
+        assert!(
+            l.due(10).contains(&Action::Remap(A.into())),
+            "mapped again at once"
+        );
+        // A broken control connection alone also maps again (registrations may be gone).
+        l.remapped(A);
+        l.link_broken(A);
+        assert!(l.needs_remap(A));
+    }
+
+    #[test]
+    fn an_agent_silent_for_30_s_loses_the_regions_there() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", None, 0);
+        l.adopt(2, A, "boot-1", None, 0);
+        l.adopt(3, B, "boot-9", None, 0);
+        reported(&mut l);
+        l.unreachable(A, 1_000);
+        // Still silent later: the first failure counts.
+        l.unreachable(A, 20_000);
+        let gives = |d: &[Action]| {
+            d.iter()
+                .filter_map(|a| match a {
+                    Action::GiveBack { agent, regions } => Some((agent.clone(), regions.clone())),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert!(gives(&l.due(1_000 + AGENT_SILENCE_MS - 1)).is_empty());
+        assert_eq!(
+            gives(&l.due(1_000 + AGENT_SILENCE_MS)),
+            vec![(A.to_string(), vec![1, 2])]
+        );
+        // An answer in time resets the count.
+        l.unreachable(B, 0);
+        l.seen(B, Some("boot-9"), None, 29_000);
+        assert!(gives(&l.due(60_000)).iter().all(|(a, _)| a != B));
+        l.forget(1);
+        l.forget(2);
+        assert!(gives(&l.due(100_000)).is_empty());
+    }
+
+    #[test]
+    fn agents_are_probed_every_second_and_silent_ones_every_five() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", None, 0);
+        reported(&mut l);
+        assert_eq!(l.due(0), vec![Action::Probe(A.into())]);
+        assert!(l.due(500).is_empty());
+        assert_eq!(l.due(PROBE_EVERY_MS), vec![Action::Probe(A.into())]);
+        l.unreachable(A, 1_000);
+        assert!(l.due(2_000).is_empty());
+        assert_eq!(
+            l.due(1_000 + SILENT_PROBE_EVERY_MS),
+            vec![Action::Probe(A.into())]
+        );
+    }
+}

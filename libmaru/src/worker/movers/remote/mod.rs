@@ -1,0 +1,326 @@
+//! `remote_cxl`: WRITE/READ between the staging slots of this host and regions of
+//! memory nodes, over a one-sided transport.
+//!
+//! - `agents`: the control connections to agents, their probes, and the region
+//!   lifecycle (boot ids, restarts, silence) they feed (`worker::lifecycle`);
+//! - `post`: a window of transfers posted one batch per peer and settled, with
+//!   transfer isolation for what did not finish;
+//! - `requests`: what a store or load posts window by window (`worker::windows`).
+
+mod agents;
+mod post;
+mod requests;
+
+use super::{Mover, ReadSink, SlotOutcome, SlotWrite, WriteItem};
+use crate::net::{ClientOptions, Link};
+use crate::transport::{PeerId, Transport};
+use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
+use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
+use crate::worker::clock::now_ms;
+use crate::worker::error::WorkerError;
+use crate::worker::lifecycle::{Action, Lifecycle};
+use crate::worker::staging::{Slot, StagingSlots};
+use crate::worker::transfer::Isolation;
+use crate::worker::windows::{self, InFlightBudget};
+use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct OwnRegion {
+    agent: String,
+    handle: crate::wire::rm::Handle,
+    map: MapReply,
+}
+
+struct AgentConn {
+    link: Link,
+    peer: Option<PeerId>,
+}
+
+/// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
+pub struct RemoteMover {
+    nic: Arc<dyn Transport>,
+    staging: StagingSlots,
+    iso: Isolation,
+    agent_opts: ClientOptions,
+    agents: HashMap<String, AgentConn>,
+    own: HashMap<u64, OwnRegion>,
+    /// Read registrations of leased ranges: (region, offset, length) → where.
+    reads: HashMap<(u64, u64, u64), ReadTarget>,
+    timeout: Duration,
+    last_skip_log: Option<Instant>,
+    /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
+    /// this mover feeds it what agents answer and carries out what it decides.
+    life: Lifecycle,
+    /// A second, short-timeout connection per agent for probes.
+    probes: HashMap<String, Link>,
+    /// Why the last failed read failed, for the caller.
+    read_error: Option<String>,
+    /// Set when a transfer of the current call dropped a failed peer.
+    peer_dropped: bool,
+    /// Bytes in flight of the windowed transfers of this data path (all its pools).
+    budget: Arc<InFlightBudget>,
+}
+
+/// A remote range to READ: its agent, address, key and transport metadata.
+type ReadTarget = (String, u64, u64, serde_json::Value);
+
+impl RemoteMover {
+    pub fn new(
+        nic: Arc<dyn Transport>,
+        staging: StagingSlots,
+        agent_opts: ClientOptions,
+        timeout: Duration,
+        budget: Arc<InFlightBudget>,
+    ) -> RemoteMover {
+        RemoteMover {
+            nic,
+            staging,
+            iso: Isolation::new(),
+            agent_opts,
+            agents: HashMap::new(),
+            own: HashMap::new(),
+            reads: HashMap::new(),
+            timeout,
+            last_skip_log: None,
+            life: Lifecycle::new(),
+            probes: HashMap::new(),
+            read_error: None,
+            peer_dropped: false,
+            budget,
+        }
+    }
+
+    fn log_skip(&mut self, n: usize) {
+        let now = Instant::now();
+        if self
+            .last_skip_log
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60))
+        {
+            log::warn!(
+                "store staging is full: skipping {n} chunk(s) (logged at most once a minute)"
+            );
+            self.last_skip_log = Some(now);
+        }
+    }
+}
+
+impl Mover for RemoteMover {
+    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        let agent = grant.agent.clone().ok_or_else(|| {
+            WorkerError::Config(format!(
+                "region {} has no agent: maru-server runs without --remote-cxl-agent",
+                grant.handle.region_id
+            ))
+        })?;
+        let m = match self.agent_call(
+            &agent,
+            &AgentRequest::Map {
+                handle: grant.handle.clone(),
+                writable: true,
+            },
+        )? {
+            AgentReply::Mapped(m) => m,
+            r => {
+                return Err(WorkerError::Transport(format!(
+                    "agent {agent} answered map with {r:?}"
+                )))
+            }
+        };
+        let v = self
+            .life
+            .adopt(grant.handle.region_id, &agent, &m.boot_id, None, now_ms());
+        self.on_verdict(&agent, v)?;
+        if let Err(e) = self.peer(&agent, &m.transport) {
+            self.life.forget(grant.handle.region_id);
+            return Err(e);
+        }
+        self.own.insert(
+            grant.handle.region_id,
+            OwnRegion {
+                agent,
+                handle: grant.handle.clone(),
+                map: m,
+            },
+        );
+        Ok(())
+    }
+
+    /// Copies each window into store slots while the window ahead of it is on the
+    /// wire (see [`windows`]); stores never wait for a slot: with none free and nothing
+    /// in flight, the rest is skipped.
+    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
+        self.peer_dropped = false;
+        let budget = self.budget.clone();
+        let mut w = StoreWindows {
+            m: self,
+            items,
+            ok: vec![false; items.len()],
+        };
+        let posted = windows::run(&mut w, &budget);
+        let ok = w.ok;
+        if posted < items.len() {
+            self.log_skip(items.len() - posted);
+        }
+        ok
+    }
+
+    /// From the caller's slots, window by window (see [`windows`]).
+    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        self.peer_dropped = false;
+        let budget = self.budget.clone();
+        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
+        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(pages.len()),
+            kind: Given::Write(&pages),
+        };
+        windows::run(&mut w, &budget);
+        w.into_outcomes()
+    }
+
+    /// Each window's slots are handed to `sink` and then take a later window (see
+    /// [`windows`]). After a window that failed, nothing more is handed over.
+    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        self.peer_dropped = false;
+        let budget = self.budget.clone();
+        windows::run(
+            &mut LoadWindows {
+                m: self,
+                leases,
+                sink,
+            },
+            &budget,
+        );
+    }
+
+    /// Into the caller's slots, window by window (see [`windows`]); every lease is
+    /// tried.
+    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        self.peer_dropped = false;
+        let budget = self.budget.clone();
+        let n = leases.len().min(slots.len());
+        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(n),
+            kind: Given::Read(&leases[..n]),
+        };
+        windows::run(&mut w, &budget);
+        w.into_outcomes()
+    }
+
+    fn boot_ids(&self) -> BTreeMap<u64, String> {
+        self.life.boot_ids()
+    }
+
+    fn must_report(&self) -> bool {
+        self.life.must_report()
+    }
+
+    fn reported(&mut self, sent: &BTreeMap<u64, String>) {
+        self.life.reported(sent);
+        // Regions that waited for the report may be mapped again now.
+        self.remap_failed_agents();
+    }
+
+    fn take_read_error(&mut self) -> Option<String> {
+        self.read_error.take()
+    }
+
+    fn tick(&mut self, now_ms: u64) -> Vec<u64> {
+        let mut give_back = Vec::new();
+        for a in self.life.due(now_ms) {
+            match a {
+                Action::Probe(agent) => self.probe(&agent, now_ms),
+                Action::Remap(agent) => self.remap_agent(&agent),
+                // The pool asks `must_report` after the tick.
+                Action::ReportBoots => {}
+                Action::GiveBack { agent, regions } => {
+                    log::warn!(
+                        "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
+                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000
+                    );
+                    give_back.extend(regions);
+                }
+            }
+        }
+        // A probe may have found a restart: map again now, not at the next tick.
+        self.remap_failed_agents();
+        give_back
+    }
+
+    fn check_agents(&mut self, now_ms: u64) {
+        let mut agents: Vec<String> = self.own.values().map(|r| r.agent.clone()).collect();
+        agents.sort();
+        agents.dedup();
+        for a in agents {
+            self.probe(&a, now_ms);
+        }
+    }
+
+    fn own_regions(&self) -> Vec<u64> {
+        self.own.keys().copied().collect()
+    }
+
+    fn forget_region(&mut self, region_id: u64) {
+        self.own.remove(&region_id);
+        self.life.forget(region_id);
+        self.reads.retain(|&(r, _, _), _| r != region_id);
+    }
+
+    fn reclaim(&mut self) {
+        let fenced = self.iso.reclaim(self.nic.as_ref());
+        if !fenced.is_empty() {
+            self.forget_peers(&fenced);
+        }
+    }
+
+    fn may_still_write(&self) -> bool {
+        self.iso.may_still_write()
+    }
+
+    fn release_all(&mut self) -> (usize, usize) {
+        let own: Vec<(String, crate::wire::rm::Handle)> = self
+            .own
+            .values()
+            .map(|r| (r.agent.clone(), r.handle.clone()))
+            .collect();
+        let (mut released, mut failed) = (0, 0);
+        for (agent, handle) in own {
+            let id = handle.region_id;
+            match self.agent_call(&agent, &AgentRequest::Release { handle }) {
+                Ok(AgentReply::Released { .. }) => {
+                    self.own.remove(&id);
+                    self.life.forget(id);
+                    released += 1;
+                }
+                Ok(r) => {
+                    log::warn!("agent {agent} answered the release of region {id} with {r:?}");
+                    failed += 1;
+                }
+                Err(e) => {
+                    log::warn!("agent {agent}: release of region {id} failed: {e}; the agent's sweep deregisters it once the RM forgets the region");
+                    failed += 1;
+                }
+            }
+        }
+        (released, failed)
+    }
+}
+
+impl Drop for RemoteMover {
+    fn drop(&mut self) {
+        // Fence what is still kept; slots of a peer that cannot be fenced never return
+        // to the pool (a late DMA could still land in them).
+        self.reclaim();
+        let lost = self.iso.abandon();
+        if lost > 0 {
+            log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! Loads of a pool: leases → the mover reads (or, on `cxl`, views in place) → the
+//! leases are released. A read that fails says why in the pool's stats.
+
+use super::{LeaseReader, StoragePool};
+use crate::wire::meta::LeaseGrant;
+use crate::worker::error::WorkerError;
+use crate::worker::movers::{ReadSink, View};
+use crate::worker::staging::Slot;
+
+impl StoragePool {
+    /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
+    /// during the call). Chunks not handed over missed or failed.
+    pub fn load(&mut self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+        let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
+        let mut base = 0;
+        while base < keys.len() {
+            let end = (base + self.max_batch).min(keys.len());
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
+                m.read(grants, &mut |k, b| {
+                    hits += 1;
+                    bytes += b.len() as u64;
+                    sink(base + lease_ix[k], b)
+                });
+            })?;
+            base = end;
+        }
+        self.count_loads(found, hits, bytes);
+        Ok(())
+    }
+
+    /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
+    /// in `slots[i]`. Each slot is back in `slots` afterwards, except one whose transfer
+    /// outcome is unknown (`None`: kept until its peer is fenced).
+    pub fn load_slots(
+        &mut self,
+        keys: &[String],
+        slots: &mut [Option<Slot>],
+    ) -> Result<Vec<Option<usize>>, WorkerError> {
+        let mut out = vec![None; keys.len()];
+        let mut found = 0;
+        let mut base = 0;
+        while base < keys.len() {
+            let end = (base + self.max_batch).min(keys.len());
+            let part = &mut slots[base..end];
+            let got = &mut out[base..end];
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
+                let mut ls = Vec::with_capacity(grants.len());
+                let mut gs = Vec::with_capacity(grants.len());
+                let mut ix = Vec::with_capacity(grants.len());
+                for (k, &i) in lease_ix.iter().enumerate() {
+                    if let Some(s) = part[i].take() {
+                        ls.push(s);
+                        gs.push(grants[k].clone());
+                        ix.push(i);
+                    }
+                }
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(m.read_into(&gs, ls)) {
+                    if o.ok {
+                        got[i] = Some(g.length as usize);
+                    }
+                    part[i] = o.slot;
+                }
+            })?;
+            base = end;
+        }
+        let hits = out.iter().filter(|o| o.is_some()).count() as u64;
+        let bytes = out.iter().flatten().map(|&n| n as u64).sum::<u64>();
+        self.count_loads(found, hits, bytes);
+        Ok(out)
+    }
+
+    pub(super) fn count_loads(&mut self, found: usize, hits: u64, bytes: u64) {
+        self.stats.hits += hits;
+        self.stats.bytes_loaded += bytes;
+        self.stats.load_failed += (found as u64).saturating_sub(hits);
+    }
+
+    /// One batch: acquire leases → `read(found indices, their leases, mover)` → release
+    /// the leases. Counts misses; returns how many keys were found.
+    pub(super) fn load_some(
+        &mut self,
+        keys: &[String],
+        read: &mut LeaseReader<'_>,
+    ) -> Result<usize, WorkerError> {
+        let leases = self.session.acquire(keys)?;
+        let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
+        let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
+        read(&found, &grants, self.mover.as_mut());
+        if let Some(e) = self.mover.take_read_error() {
+            self.stats.last_load_error = Some(e);
+        }
+        self.release_leases(grants.iter().map(|g| g.lease_id).collect());
+        // A reboot found by this read: every reader misses those keys from now on.
+        self.report_boots()?;
+        self.stats.misses += (keys.len() - found.len()) as u64;
+        Ok(found.len())
+    }
+
+    /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held
+    /// until the caller releases it with `release_leases`. Keys that missed or whose
+    /// view failed are `None` (their leases are released at once).
+    pub fn acquire_views(
+        &mut self,
+        keys: &[String],
+    ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(self.max_batch) {
+            let leases = self.session.acquire(part)?;
+            let mut unused = Vec::new();
+            for l in leases {
+                let Some(l) = l else {
+                    self.stats.misses += 1;
+                    out.push(None);
+                    continue;
+                };
+                match self.mover.view(&l) {
+                    Some(v) => {
+                        self.stats.hits += 1;
+                        self.stats.bytes_loaded += l.length;
+                        out.push(Some((l, v)));
+                    }
+                    None => {
+                        self.stats.load_failed += 1;
+                        unused.push(l.lease_id);
+                        out.push(None);
+                    }
+                }
+            }
+            self.release_leases(unused);
+        }
+        Ok(out)
+    }
+
+    /// Ends leases (they also end by themselves when they time out).
+    pub fn release_leases(&mut self, ids: Vec<u64>) {
+        if let Err(e) = self.session.release_leases(ids) {
+            log::warn!(
+                "pool {}: releasing leases failed (they expire on their own): {e}",
+                self.session.url
+            );
+        }
+    }
+}
