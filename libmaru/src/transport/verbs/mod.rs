@@ -41,14 +41,14 @@
 //!
 //! # The verbs calls behind a trait
 //!
-//! Every call the data path makes goes through [`ops::QueuePairOps`] (post a chain,
-//! poll, arm, move to ERR, destroy) and [`ops::MemoryOps`] (register, deregister).
-//! The bookkeeping over them ([`engine`] on the worker, [`qp_table`] at the agent)
+//! Every call the data path makes goes through `ops::QueuePairOps` (post a chain,
+//! poll, arm, move to ERR, destroy) and `ops::MemoryOps` (register, deregister).
+//! The bookkeeping over them (`engine.rs` on the worker, `qp_table.rs` at the agent)
 //! is tested over a fake queue pair (`fake.rs`) that completes in order, fails a
 //! request mid-chain, withholds flushes, fails destroys and refuses a post at a given
 //! request: `cargo test -p maru --features verbs --lib transport::verbs` needs no
 //! RDMA device. Queue pairs and completion queues are created and destroyed with
-//! direct rdma-core calls ([`sys`]), not sideway's owning types, whose drops assert
+//! direct rdma-core calls (`sys.rs`), not sideway's owning types, whose drops assert
 //! that a destroy succeeded: a failed destroy is an error that is retried, never a
 //! panic.
 //!

@@ -1,6 +1,6 @@
 //! The memory-node side: memory registrations with remote access, and responder RC
 //! queue pairs owned by the agent connection that brought them up
-//! ([`QpTable`](super::qp_table)).
+//! (`QpTable`, `qp_table.rs`).
 
 use super::device::{self, Device, MrTable};
 use super::ops::{Access, MemoryOps, QueuePairOps};
