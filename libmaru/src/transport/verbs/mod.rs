@@ -127,6 +127,7 @@
 //! rdma_rxe; siw is iWARP and refused) and a second process: see
 //! `docs/transports.md` for the first bring-up checklist and `maru-rdma-check`.
 
+pub mod check;
 pub(crate) mod device;
 mod engine;
 #[cfg(test)]
