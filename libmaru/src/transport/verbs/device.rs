@@ -4,11 +4,12 @@
 
 use super::ops::{Access, MemoryOps, MrKeys};
 use super::proto::{Endpoint, MTUS};
-use super::settings::{self, VerbsSettings};
+use super::settings::{self, event_action, EventAction, VerbsSettings};
 use crate::transport::TransportError;
 use rdma_mummy_sys::{
-    ibv_access_flags, ibv_dereg_mr, ibv_fork_init, ibv_is_fork_initialized, ibv_mr, ibv_port_state,
-    ibv_reg_mr, IBV_GID_TYPE_SYSFS_ROCE_V2, IBV_LINK_LAYER_ETHERNET,
+    ibv_access_flags, ibv_ack_async_event, ibv_async_event, ibv_dereg_mr, ibv_fork_init,
+    ibv_get_async_event, ibv_is_fork_initialized, ibv_mr, ibv_port_state, ibv_reg_mr,
+    IBV_GID_TYPE_SYSFS_ROCE_V2, IBV_LINK_LAYER_ETHERNET,
 };
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
 use sideway::ibverbs::device_context::DeviceContext;
@@ -113,6 +114,19 @@ fn fork_protection() -> Result<(), TransportError> {
     // SAFETY: as above.
     let status = unsafe { ibv_is_fork_initialized() };
     settings::check_fork(rc, status)
+}
+
+fn set_nonblocking(fd: i32) -> io::Result<()> {
+    // SAFETY: fcntl on an fd we were handed; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -266,6 +280,50 @@ impl Device {
         }
         *cur = a;
         Ok(())
+    }
+
+    /// The device's async-event fd, switched to non-blocking.
+    pub fn async_fd(&self) -> Result<i32, TransportError> {
+        // SAFETY: the context is alive (held by `self`).
+        let fd = unsafe { (*self.ctx.context().as_ptr()).async_fd };
+        set_nonblocking(fd)
+            .map_err(|e| setup(&format!("async event fd of {}", self.label()), e))?;
+        Ok(fd)
+    }
+
+    /// Reads every pending async event (the fd must be non-blocking), hands each to
+    /// `on_event` as (action, `ibv_event_type`, QPN or 0) and acknowledges it. Returns
+    /// how many were read.
+    pub fn read_async_events(&self, mut on_event: impl FnMut(EventAction, u32, u32)) -> usize {
+        // SAFETY: the context is alive (held by `self`).
+        let ctx = unsafe { self.ctx.context().as_ptr() };
+        let mut n = 0;
+        loop {
+            // SAFETY: ibv_async_event is plain data.
+            let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+            // SAFETY: valid context and out-pointer; the fd is non-blocking.
+            if unsafe { ibv_get_async_event(ctx, &mut ev) } != 0 {
+                return n;
+            }
+            n += 1;
+            let kind = ev.event_type as u32;
+            let action = event_action(kind);
+            let qpn = if action == EventAction::FailQp {
+                // SAFETY: a QP event carries its QP, valid until acknowledged.
+                let qp = unsafe { ev.element.qp };
+                // SAFETY: as above.
+                if qp.is_null() {
+                    0
+                } else {
+                    unsafe { (*qp).qp_num }
+                }
+            } else {
+                0
+            };
+            on_event(action, kind, qpn);
+            // SAFETY: read above, acknowledged once.
+            unsafe { ibv_ack_async_event(&mut ev) };
+        }
     }
 
     /// This side's endpoint for a queue pair.

@@ -63,7 +63,9 @@
 //! device's async events: a queue-pair error fails that peer, a port error or a
 //! fatal device error fails every peer, a port, LID or GID change reads the port's
 //! addresses again (a GID change also fails every peer, whose queue pairs use the old
-//! one).
+//! one). At the agent a thread of the target reads them off the event loop (an address
+//! change re-reads the LID and GID put in every registration's metadata) and retries
+//! failed queue-pair destroys.
 //!
 //! # Work requests: every one signalled
 //!

@@ -6,11 +6,15 @@ use super::device::{self, Device, MrTable};
 use super::ops::{Access, MemoryOps, QueuePairOps};
 use super::proto::{TargetHalf, TargetMeta, WorkerHalf};
 use super::qp_table::{QpOwner, QpTable};
+use super::settings::EventAction;
 use super::settings::VerbsSettings;
 use super::sys::RawQp;
 use crate::transport::{Registration, Target, TransportError};
 use rdma_mummy_sys::ibv_access_flags;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// At most this many responder queue pairs; past it a new one is refused (only
 /// queue pairs brought up without a connection are evicted to make room).
@@ -23,7 +27,62 @@ pub struct VerbsTarget {
     dev: Arc<Device>,
     instance: u64,
     mrs: MrTable,
-    qps: Mutex<QpTable>,
+    qps: Arc<Mutex<QpTable>>,
+    stop: Arc<AtomicBool>,
+    events: Option<JoinHandle<()>>,
+}
+
+/// How often the target's event thread wakes without an event (it then retries the
+/// destroy of queue pairs whose destroy failed).
+const EVENT_TICK: Duration = Duration::from_millis(500);
+
+/// Off the agent's event loop: reads the device's async events (a port, LID or GID
+/// change re-reads the address put in every registration's metadata; errors are
+/// logged — the worker side sees its own operations fail and connects again) and
+/// retries failed queue-pair destroys.
+fn event_loop(dev: Arc<Device>, qps: Arc<Mutex<QpTable>>, stop: Arc<AtomicBool>, fd: i32) {
+    let label = dev.label();
+    while !stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, EVENT_TICK.as_millis() as libc::c_int) };
+        if r > 0 {
+            let n = dev.read_async_events(|action, kind, qpn| match action {
+                EventAction::RefreshAddress => {
+                    log::info!("verbs target: async event {kind} on {label}: reading LID and GID again");
+                    if let Err(e) = dev.refresh_address() {
+                        log::warn!("verbs target: {e}");
+                    }
+                }
+                EventAction::FailQp => log::warn!(
+                    "verbs target: async event {kind} on responder queue pair {qpn} of {label}; its worker sees its operations fail and connects again"
+                ),
+                EventAction::FailAll => {
+                    log::error!("verbs target: async event {kind} on {label} (port or device error)")
+                }
+                EventAction::Ignore => log::debug!("verbs target: async event {kind} on {label}"),
+            });
+            if n == 0 {
+                // Readable without an event: do not spin.
+                std::thread::sleep(EVENT_TICK);
+            }
+        } else if r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+        {
+            log::error!(
+                "verbs target: poll on the async event fd failed: {}",
+                std::io::Error::last_os_error()
+            );
+            std::thread::sleep(EVENT_TICK);
+        }
+        let mut t = lock(&qps);
+        if t.zombies() > 0 {
+            t.retry();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -49,11 +108,24 @@ impl VerbsTarget {
     /// Opens the device and port of `settings`.
     pub fn open_with(settings: &VerbsSettings) -> Result<VerbsTarget, TransportError> {
         let dev = Arc::new(Device::open(settings)?);
+        let fd = dev.async_fd()?;
+        let qps = Arc::new(Mutex::new(QpTable::new(
+            MAX_TARGET_QPS,
+            MAX_QPS_PER_CONNECTION,
+        )));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (d, q, st) = (dev.clone(), qps.clone(), stop.clone());
+        let events = std::thread::Builder::new()
+            .name("verbs-target-events".into())
+            .spawn(move || event_loop(d, q, st, fd))
+            .map_err(|e| TransportError::Setup(format!("starting the event thread: {e}")))?;
         Ok(VerbsTarget {
             mrs: MrTable::new(dev.clone()),
             dev,
             instance: device::random_u64(),
-            qps: Mutex::new(QpTable::new(MAX_TARGET_QPS, MAX_QPS_PER_CONNECTION)),
+            qps,
+            stop,
+            events: Some(events),
         })
     }
 
@@ -187,6 +259,10 @@ impl Target for VerbsTarget {
 
 impl Drop for VerbsTarget {
     fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.events.take() {
+            let _ = h.join();
+        }
         // Queue pairs first, then the registrations (their Drop deregisters).
         let left = lock(&self.qps).close_all();
         if left > 0 {

@@ -6,15 +6,12 @@ use super::device::{self, Device, Mr};
 use super::engine::{Engine, EngineConfig, LocalReg};
 use super::ops::{Access, QueuePairOps};
 use super::proto::{gid_to_string, TargetHalf, TargetMeta, WorkerHalf};
-use super::settings::{event_action, EventAction, VerbsSettings};
+use super::settings::{EventAction, VerbsSettings};
 use super::sys::RawQp;
 use crate::transport::{
     BatchId, BatchState, Bringup, LocalBuffer, Op, PeerId, Transport, TransportError,
 };
-use rdma_mummy_sys::{
-    ibv_ack_async_event, ibv_ack_cq_events, ibv_async_event, ibv_cq, ibv_event_type,
-    ibv_get_async_event, ibv_get_cq_event,
-};
+use rdma_mummy_sys::{ibv_ack_cq_events, ibv_cq, ibv_event_type, ibv_get_cq_event};
 use sideway::ibverbs::completion::CompletionChannel;
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
@@ -92,12 +89,7 @@ impl VerbsTransport {
         channel.set_nonblocking(true).map_err(|e| {
             TransportError::Setup(format!("completion channel on {}: {e}", dev.label()))
         })?;
-        // The async-event fd is read without blocking too.
-        // SAFETY: the context is alive (held by `dev`).
-        let async_fd = unsafe { (*dev.ctx.context().as_ptr()).async_fd };
-        set_nonblocking(async_fd).map_err(|e| {
-            TransportError::Setup(format!("async event fd of {}: {e}", dev.label()))
-        })?;
+        let async_fd = dev.async_fd()?;
         let max_op_len = match dev.max_msg {
             0 => 1 << 31,
             n => u64::from(n),
@@ -170,42 +162,13 @@ impl VerbsTransport {
     }
 }
 
-fn set_nonblocking(fd: i32) -> std::io::Result<()> {
-    // SAFETY: fcntl on an fd we were handed; no memory is passed.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    if flags < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Reads every pending async event and acts on it.
-fn read_async_events(shared: &Shared) {
-    // SAFETY: the context is alive (held by `shared.dev`).
-    let ctx = unsafe { shared.dev.ctx.context().as_ptr() };
-    loop {
-        // SAFETY: ibv_async_event is plain data; the fd is non-blocking.
-        let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
-        // SAFETY: valid context and out-pointer.
-        if unsafe { ibv_get_async_event(ctx, &mut ev) } != 0 {
-            return;
-        }
-        let kind = ev.event_type as u32;
-        let label = shared.dev.label();
-        match event_action(kind) {
+/// Reads every pending async event and acts on it; returns how many it read.
+fn read_async_events(shared: &Shared) -> usize {
+    let label = shared.dev.label();
+    shared
+        .dev
+        .read_async_events(|action, kind, qpn| match action {
             EventAction::FailQp => {
-                // SAFETY: a QP event carries the QP.
-                let qp = unsafe { ev.element.qp };
-                // SAFETY: `qp` is valid until the event is acknowledged.
-                let qpn = if qp.is_null() {
-                    0
-                } else {
-                    unsafe { (*qp).qp_num }
-                };
                 log::error!(
                     "verbs: async event {kind} on queue pair {qpn} of {label}: the peer fails"
                 );
@@ -233,10 +196,7 @@ fn read_async_events(shared: &Shared) {
                 }
             }
             EventAction::Ignore => log::debug!("verbs: async event {kind} on {label}"),
-        }
-        // SAFETY: the event was read above and is acknowledged once.
-        unsafe { ibv_ack_async_event(&mut ev) };
-    }
+        })
 }
 
 fn progress_loop(shared: Arc<Shared>, channel: Arc<CompletionChannel>, async_fd: i32) {
@@ -267,8 +227,9 @@ fn progress_loop(shared: Arc<Shared>, channel: Arc<CompletionChannel>, async_fd:
             );
             std::thread::sleep(FALLBACK_POLL);
         }
-        if r > 0 && pfd[1].revents != 0 {
-            read_async_events(&shared);
+        let mut idle_wakeup = false;
+        if r > 0 && pfd[1].revents != 0 && read_async_events(&shared) == 0 {
+            idle_wakeup = true;
         }
         let mut woke: Vec<u64> = Vec::new();
         if r > 0 && pfd[0].revents != 0 {
@@ -284,6 +245,12 @@ fn progress_loop(shared: Arc<Shared>, channel: Arc<CompletionChannel>, async_fd:
                 unsafe { ibv_ack_cq_events(cq, 1) };
                 woke.push(ctx as usize as u64);
             }
+            idle_wakeup |= woke.is_empty();
+        }
+        if idle_wakeup {
+            // Readable without an event to read (an fd in an error state): do not
+            // spin on it.
+            std::thread::sleep(FALLBACK_POLL);
         }
         let now = Instant::now();
         woke.sort_unstable();
