@@ -11,8 +11,8 @@ use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
 /// `ibv_wc_status` values the fake produces.
-pub(crate) const WC_REM_ACCESS_ERR: u32 = 10;
-pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
+const WC_REM_ACCESS_ERR: u32 = 10;
+const WC_WR_FLUSH_ERR: u32 = 5;
 
 #[derive(Default)]
 pub(crate) struct FakeState {
