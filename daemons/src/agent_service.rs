@@ -171,6 +171,34 @@ impl MemPort for DaxMem {
 /// The transport's target as the core's NIC port.
 pub struct Nic {
     pub target: Arc<dyn Target>,
+    /// The same target when it is verbs: its responder queue pairs belong to the agent
+    /// connection that brought them up and go when it closes.
+    #[cfg(feature = "verbs")]
+    pub verbs: Option<Arc<maru::transport::verbs::VerbsTarget>>,
+}
+
+impl Nic {
+    fn accept_peer(
+        &self,
+        conn: ConnId,
+        info: &serde_json::Value,
+    ) -> Result<serde_json::Value, maru::transport::TransportError> {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            return v.accept_peer_on(conn, info);
+        }
+        let _ = conn;
+        self.target.accept_peer(info)
+    }
+
+    fn connection_closed(&self, conn: ConnId) {
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.verbs {
+            v.connection_closed(conn);
+            v.sweep();
+        }
+        let _ = conn;
+    }
 }
 
 impl NicPort for Nic {
@@ -227,7 +255,7 @@ impl Service for AgentService {
         self.info()
     }
 
-    fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+    fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         let env: Envelope<AgentRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
@@ -238,8 +266,7 @@ impl Service for AgentService {
         let result = match env.body {
             AgentRequest::ConnectPeer { info } => self
                 .nic
-                .target
-                .accept_peer(&info)
+                .accept_peer(conn, &info)
                 .map(|info| AgentReply::Peer { info })
                 .map_err(|e| {
                     WireError::new(
@@ -262,7 +289,8 @@ impl Service for AgentService {
         wire::reply_frame(env.id, result)
     }
 
-    fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {
+    fn on_close(&mut self, conn: ConnId, client_id: &str, now_ms: u64) {
+        self.nic.connection_closed(conn);
         self.core.client_closed(
             client_id,
             now_ms,

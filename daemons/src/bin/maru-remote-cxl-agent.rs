@@ -75,6 +75,18 @@ struct Args {
     /// RDMA device for --transport verbs (default: the first one).
     #[arg(long, env = "MARU_RDMA_DEVICE")]
     rdma_device: Option<String>,
+    /// Port of the RDMA device, from 1.
+    #[arg(long, default_value_t = 1, env = "MARU_RDMA_PORT")]
+    rdma_port: u8,
+    /// GID index (default: 0 on InfiniBand, a RoCE v2 GID on Ethernet).
+    #[arg(long, env = "MARU_RDMA_GID_INDEX")]
+    rdma_gid_index: Option<u8>,
+    /// GRH traffic class (RoCE: DSCP << 2 | ECN; the PFC class on a lossless fabric).
+    #[arg(long, default_value_t = 0, env = "MARU_RDMA_TRAFFIC_CLASS")]
+    rdma_traffic_class: u8,
+    /// Service level, 0-15.
+    #[arg(long, default_value_t = 0, env = "MARU_RDMA_SERVICE_LEVEL")]
+    rdma_service_level: u8,
     /// Seconds a released range stays mapped without access before it is unmapped.
     #[arg(long, default_value_t = DEFAULT_QUARANTINE_MS / 1000)]
     quarantine_s: u64,
@@ -93,8 +105,8 @@ struct Args {
     log_level: String,
 }
 
-fn target(args: &Args, key: &maru::auth::SharedKey) -> Arc<dyn Target> {
-    match args.transport {
+fn target(args: &Args, key: &maru::auth::SharedKey) -> Nic {
+    let target: Arc<dyn Target> = match args.transport {
         TransportKind::Soft => {
             let bind =
                 bind_addr(&args.host, args.data_port, "the soft NIC").unwrap_or_else(|e| die(e));
@@ -108,20 +120,38 @@ fn target(args: &Args, key: &maru::auth::SharedKey) -> Arc<dyn Target> {
             log::info!("soft NIC listening on {}", t.local_addr());
             Arc::new(t)
         }
-        TransportKind::Verbs => verbs_target(args),
+        TransportKind::Verbs => return verbs_target(args),
+    };
+    Nic {
+        target,
+        #[cfg(feature = "verbs")]
+        verbs: None,
     }
 }
 
 #[cfg(feature = "verbs")]
-fn verbs_target(args: &Args) -> Arc<dyn Target> {
-    match maru::transport::verbs::VerbsTarget::open(args.rdma_device.as_deref(), 1, None) {
-        Ok(t) => Arc::new(t),
+fn verbs_target(args: &Args) -> Nic {
+    let settings = maru::transport::verbs::VerbsSettings {
+        device: args.rdma_device.clone(),
+        port: args.rdma_port,
+        gid_index: args.rdma_gid_index,
+        traffic_class: args.rdma_traffic_class,
+        service_level: args.rdma_service_level,
+    };
+    match maru::transport::verbs::VerbsTarget::open_with(&settings) {
+        Ok(t) => {
+            let t = Arc::new(t);
+            Nic {
+                target: t.clone(),
+                verbs: Some(t),
+            }
+        }
         Err(e) => die(e),
     }
 }
 
 #[cfg(not(feature = "verbs"))]
-fn verbs_target(args: &Args) -> Arc<dyn Target> {
+fn verbs_target(args: &Args) -> Nic {
     die(format!(
         "--transport verbs{}: this build has no verbs support; rebuild with `cargo build --features verbs` or use --transport soft",
         args.rdma_device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
@@ -161,9 +191,7 @@ fn main() {
     )
     .unwrap_or_else(|e| die(e));
     let mem = DaxMem::new(&args.devices).unwrap_or_else(|e| die(e));
-    let nic = Nic {
-        target: target(&args, &key),
-    };
+    let nic = target(&args, &key);
     let rm = RmLink::new(args.rm_address.clone(), format!("agent@{node}"), rm_key);
     let addr = bind_addr(&args.host, args.port, "maru-remote-cxl-agent").unwrap_or_else(|e| die(e));
     let opts = ServerOptions {

@@ -48,6 +48,9 @@ fn default_reply_spin_us() -> u64 {
 fn default_prefault() -> bool {
     true
 }
+fn default_rdma_port() -> u8 {
+    1
+}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,6 +73,19 @@ pub struct HandlerConfig {
     pub transport: Option<TransportKind>,
     #[serde(default)]
     pub rdma_device: Option<String>,
+    /// Port of the RDMA device (transport verbs), from 1.
+    #[serde(default = "default_rdma_port")]
+    pub rdma_port: u8,
+    /// GID index to source packets from (default: 0 on InfiniBand, a RoCE v2 GID on
+    /// Ethernet).
+    #[serde(default)]
+    pub rdma_gid_index: Option<u8>,
+    /// GRH traffic class (RoCE: DSCP << 2 | ECN; the PFC class on a lossless fabric).
+    #[serde(default)]
+    pub rdma_traffic_class: u8,
+    /// Service level, 0-15.
+    #[serde(default)]
+    pub rdma_service_level: u8,
     /// Load staging slots (pipeline depth of loads).
     #[serde(default = "default_load_slots")]
     pub load_slots: usize,
@@ -136,6 +152,15 @@ impl HandlerConfig {
         if self.timeout_ms == 0 {
             return Err("timeout_ms must be positive".into());
         }
+        if self.rdma_port == 0 {
+            return Err("rdma_port must be at least 1 (RDMA ports are numbered from 1)".into());
+        }
+        if self.rdma_service_level > 15 {
+            return Err(format!(
+                "rdma_service_level is {}; service levels are 0-15",
+                self.rdma_service_level
+            ));
+        }
         if self.backend == BackendKind::Cxl && self.transport.is_some() {
             return Err("transport applies only to backend remote_cxl".into());
         }
@@ -194,6 +219,42 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.reply_spin_us, 0);
+    }
+
+    #[test]
+    fn rdma_settings_default_and_are_checked() {
+        let base = r#""backend":"remote_cxl","server_url":"a:1","engine_id":"e""#;
+        let c = HandlerConfig::parse(&format!("{{{base}}}")).unwrap();
+        assert_eq!(
+            (
+                c.rdma_port,
+                c.rdma_gid_index,
+                c.rdma_traffic_class,
+                c.rdma_service_level
+            ),
+            (1, None, 0, 0)
+        );
+        let c = HandlerConfig::parse(&format!(
+            r#"{{{base},"transport":"verbs","rdma_port":2,"rdma_gid_index":3,"rdma_traffic_class":106,"rdma_service_level":3}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                c.rdma_port,
+                c.rdma_gid_index,
+                c.rdma_traffic_class,
+                c.rdma_service_level
+            ),
+            (2, Some(3), 106, 3)
+        );
+        let e = HandlerConfig::parse(&format!(r#"{{{base},"rdma_port":0}}"#)).unwrap_err();
+        assert!(e.contains("rdma_port"), "{e}");
+        let e =
+            HandlerConfig::parse(&format!(r#"{{{base},"rdma_service_level":16}}"#)).unwrap_err();
+        assert!(e.contains("rdma_service_level"), "{e}");
+        let e =
+            HandlerConfig::parse(&format!(r#"{{{base},"rdma_traffic_class":256}}"#)).unwrap_err();
+        assert!(e.contains("rdma_traffic_class") || e.contains("256"), "{e}");
     }
 
     proptest! {

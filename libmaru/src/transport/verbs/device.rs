@@ -2,34 +2,22 @@
 //! machine (RESET → INIT → RTR → RTS, and → ERR for a fence). Shared by the worker and
 //! the target side.
 
-use super::proto::{gid_to_string, Endpoint, MTUS};
+use super::ops::{Access, MemoryOps, MrKeys};
+use super::proto::{Endpoint, MTUS};
+use super::settings::{self, event_action, EventAction, VerbsSettings};
 use crate::transport::TransportError;
 use rdma_mummy_sys::{
-    ibv_dereg_mr, ibv_mr, ibv_port_state, ibv_reg_mr, IBV_GID_TYPE_SYSFS_ROCE_V2,
-    IBV_LINK_LAYER_ETHERNET,
+    ibv_access_flags, ibv_ack_async_event, ibv_async_event, ibv_dereg_mr, ibv_fork_init,
+    ibv_get_async_event, ibv_is_fork_initialized, ibv_mr, ibv_port_state, ibv_reg_mr,
+    IBV_GID_TYPE_SYSFS_ROCE_V2, IBV_LINK_LAYER_ETHERNET,
 };
-use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
-use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
-use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairState, QueuePairType,
-};
-use sideway::ibverbs::AccessFlags;
+use std::collections::HashMap;
 use std::io;
 use std::ptr::NonNull;
-use std::sync::Arc;
-
-/// Hop limit in the GRH (RoCE v2 may be routed).
-const HOP_LIMIT: u8 = 64;
-/// Local ACK timeout exponent: 4.096 µs · 2^14 ≈ 67 ms per try.
-const ACK_TIMEOUT: u8 = 14;
-/// Transport retries and RNR retries (7 = the maximum; RNR 7 means "forever", but
-/// one-sided READ/WRITE never meet receiver-not-ready).
-const RETRY_CNT: u8 = 7;
-const RNR_RETRY: u8 = 7;
-const MIN_RNR_TIMER: u8 = 12;
+use std::sync::{Arc, Mutex, MutexGuard};
 /// At most this many RDMA READs in flight per queue pair.
 const MAX_RD_ATOMIC: u8 = 16;
 
@@ -88,11 +76,11 @@ fn rdma_core_loaded() -> bool {
 pub(crate) struct Device {
     pub name: String,
     pub port: u8,
+    pub settings: VerbsSettings,
     pub ctx: Arc<DeviceContext>,
     pub pd: Arc<ProtectionDomain>,
-    pub lid: u16,
-    pub gid: Gid,
-    pub gid_index: u8,
+    /// LID, GID and GID index: read at open, read again after a port or address event.
+    addr: Mutex<PortAddress>,
     /// RoCE: every packet carries a GRH.
     pub ethernet: bool,
     /// Active path MTU of the port, bytes.
@@ -106,23 +94,52 @@ pub(crate) struct Device {
     pub max_init_rd_atom: u8,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct PortAddress {
+    lid: u16,
+    gid: [u8; 16],
+    gid_index: u8,
+}
+
 fn setup(what: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Setup(format!("{what}: {e}"))
 }
 
+/// Turns fork protection on (`ibv_fork_init`, before any registration) and checks
+/// that it is in place (see [`settings::check_fork`]).
+fn fork_protection() -> Result<(), TransportError> {
+    // SAFETY: plain calls; ibv_fork_init is idempotent and only affects later
+    // registrations.
+    let rc = unsafe { ibv_fork_init() };
+    // SAFETY: as above.
+    let status = unsafe { ibv_is_fork_initialized() };
+    settings::check_fork(rc, status)
+}
+
+fn set_nonblocking(fd: i32) -> io::Result<()> {
+    // SAFETY: fcntl on an fd we were handed; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Device {
-    /// Opens `device` (or the first device) at `port`. `gid_index`: the GID to use;
-    /// `None` picks one (index 0 on InfiniBand, a RoCE v2 GID on Ethernet).
-    pub fn open(
-        device: Option<&str>,
-        port: u8,
-        gid_index: Option<u8>,
-    ) -> Result<Device, TransportError> {
-        if port == 0 {
-            return Err(TransportError::Setup(
-                "RDMA port numbers start at 1 (port 0 given)".into(),
-            ));
-        }
+    /// Opens the device and port of `settings`. Refuses iWARP and other non-InfiniBand
+    /// transports, inactive ports, and a process without fork protection.
+    pub fn open(settings: &VerbsSettings) -> Result<Device, TransportError> {
+        settings.check()?;
+        let device = settings.device.as_deref();
+        let port = settings.port;
         let list = match DeviceList::new() {
             Ok(l) => l,
             Err(e) => {
@@ -165,6 +182,8 @@ impl Device {
             return Err(unavailable(device, &why));
         };
         let name = dev.name();
+        settings::check_transport(&name, dev.transport_type() as i32)?;
+        fork_protection()?;
         let ctx = dev.open().map_err(|e| {
             TransportError::Unavailable(format!(
                 "cannot open RDMA device {name}: {e} ({})",
@@ -197,19 +216,7 @@ impl Device {
             )
         })?;
         let ethernet = p.link_layer == IBV_LINK_LAYER_ETHERNET;
-        let gid_tbl_len = p.gid_tbl_len.max(0) as u32;
-        let gid_index = match gid_index {
-            Some(i) => i,
-            None if ethernet => pick_roce_gid(&ctx, port, gid_tbl_len).ok_or_else(|| {
-                TransportError::Unavailable(format!(
-                    "port {port} of RDMA device {name} has no usable GID (is an IP address configured on its netdev?)"
-                ))
-            })?,
-            None => 0,
-        };
-        let gid = ctx
-            .query_gid(port, u32::from(gid_index))
-            .map_err(|e| setup(&format!("GID {gid_index} of {name} port {port}"), e))?;
+        let addr = port_address(&ctx, &name, port, settings.gid_index, ethernet)?;
         let pd = ctx
             .alloc_pd()
             .map_err(|e| setup(&format!("protection domain on {name}"), e))?;
@@ -217,11 +224,10 @@ impl Device {
         let clamp_u8 = |x: i32| x.clamp(0, i32::from(MAX_RD_ATOMIC)) as u8;
         Ok(Device {
             port,
+            settings: settings.clone(),
             ctx,
             pd,
-            lid: p.lid,
-            gid,
-            gid_index,
+            addr: Mutex::new(addr),
             ethernet,
             mtu,
             max_msg: p.max_msg_sz,
@@ -238,11 +244,94 @@ impl Device {
         format!("{}:{}", self.name, self.port)
     }
 
+    /// LID, GID and GID index in use.
+    pub fn lid_gid(&self) -> (u16, [u8; 16]) {
+        let a = *lock(&self.addr);
+        (a.lid, a.gid)
+    }
+
+    /// The GID (raw) and its index.
+    pub fn address(&self) -> ([u8; 16], u8) {
+        let a = *lock(&self.addr);
+        (a.gid, a.gid_index)
+    }
+
+    /// Reads LID and GID again (after a port, LID or GID change event). Queue pairs
+    /// brought up later use the new address; existing ones are failed by the event.
+    pub fn refresh_address(&self) -> Result<(), TransportError> {
+        let a = port_address(
+            &self.ctx,
+            &self.name,
+            self.port,
+            self.settings.gid_index,
+            self.ethernet,
+        )?;
+        let mut cur = lock(&self.addr);
+        if cur.lid != a.lid || cur.gid != a.gid {
+            log::info!(
+                "verbs: {} address changed: LID {} → {}, GID {} → {} (index {})",
+                self.label(),
+                cur.lid,
+                a.lid,
+                super::proto::gid_to_string(&cur.gid),
+                super::proto::gid_to_string(&a.gid),
+                a.gid_index
+            );
+        }
+        *cur = a;
+        Ok(())
+    }
+
+    /// The device's async-event fd, switched to non-blocking.
+    pub fn async_fd(&self) -> Result<i32, TransportError> {
+        // SAFETY: the context is alive (held by `self`).
+        let fd = unsafe { (*self.ctx.context().as_ptr()).async_fd };
+        set_nonblocking(fd)
+            .map_err(|e| setup(&format!("async event fd of {}", self.label()), e))?;
+        Ok(fd)
+    }
+
+    /// Reads every pending async event (the fd must be non-blocking), hands each to
+    /// `on_event` as (action, `ibv_event_type`, QPN or 0) and acknowledges it. Returns
+    /// how many were read.
+    pub fn read_async_events(&self, mut on_event: impl FnMut(EventAction, u32, u32)) -> usize {
+        // SAFETY: the context is alive (held by `self`).
+        let ctx = unsafe { self.ctx.context().as_ptr() };
+        let mut n = 0;
+        loop {
+            // SAFETY: ibv_async_event is plain data.
+            let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+            // SAFETY: valid context and out-pointer; the fd is non-blocking.
+            if unsafe { ibv_get_async_event(ctx, &mut ev) } != 0 {
+                return n;
+            }
+            n += 1;
+            let kind = ev.event_type as u32;
+            let action = event_action(kind);
+            let qpn = if action == EventAction::FailQp {
+                // SAFETY: a QP event carries its QP, valid until acknowledged.
+                let qp = unsafe { ev.element.qp };
+                // SAFETY: as above.
+                if qp.is_null() {
+                    0
+                } else {
+                    unsafe { (*qp).qp_num }
+                }
+            } else {
+                0
+            };
+            on_event(action, kind, qpn);
+            // SAFETY: read above, acknowledged once.
+            unsafe { ibv_ack_async_event(&mut ev) };
+        }
+    }
+
     /// This side's endpoint for a queue pair.
     pub fn endpoint(&self, qpn: u32, psn: u32, rd_atomic: u8) -> Endpoint {
+        let (lid, gid) = self.lid_gid();
         Endpoint {
-            lid: self.lid,
-            gid: self.gid.raw,
+            lid,
+            gid,
             qpn,
             psn,
             mtu: self.mtu,
@@ -258,11 +347,21 @@ impl Device {
         &self,
         ptr: *mut u8,
         len: usize,
-        access: AccessFlags,
+        access: Access,
     ) -> Result<Mr, io::Error> {
+        use ibv_access_flags as f;
+        let bits = match access {
+            Access::LocalWriteOnly => f::IBV_ACCESS_LOCAL_WRITE.0,
+            Access::RemoteRead => f::IBV_ACCESS_REMOTE_READ.0,
+            Access::RemoteReadWrite => {
+                f::IBV_ACCESS_REMOTE_READ.0
+                    | f::IBV_ACCESS_REMOTE_WRITE.0
+                    | f::IBV_ACCESS_LOCAL_WRITE.0
+            }
+        };
         // SAFETY: the PD is alive (held by `self` and by the Mr); the caller keeps the
         // range mapped.
-        let mr = unsafe { ibv_reg_mr(self.pd.pd().as_ptr(), ptr.cast(), len, access.into()) };
+        let mr = unsafe { ibv_reg_mr(self.pd.pd().as_ptr(), ptr.cast(), len, bits as i32) };
         match NonNull::new(mr) {
             Some(mr) => Ok(Mr {
                 mr,
@@ -271,104 +370,109 @@ impl Device {
             None => Err(io::Error::last_os_error()),
         }
     }
+}
 
-    /// Creates an RC queue pair on `cq` (send and receive).
-    pub fn create_rc_qp(
-        &self,
-        cq: &Arc<BasicCompletionQueue>,
-        max_send_wr: u32,
-    ) -> Result<BasicQueuePair, TransportError> {
-        self.pd
-            .create_qp_builder()
-            .setup_qp_type(QueuePairType::ReliableConnection)
-            .setup_send_cq(cq.clone())
-            .setup_recv_cq(cq.clone())
-            .setup_max_send_wr(max_send_wr)
-            .setup_max_recv_wr(1)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
-            .setup_max_inline_data(0)
-            .build()
-            .map_err(|e| {
-                setup(
-                    &format!("creating an RC queue pair on {}", self.label()),
-                    format!("{e} ({})", io::Error::last_os_error()),
-                )
-            })
-    }
-
-    /// RESET → INIT → RTR → RTS, towards `remote`. `psn`: this side's first send PSN;
-    /// `access`: the remote operations this queue pair accepts; `max_rd_atomic`: READs
-    /// this side issues at once; `max_dest_rd_atomic`: READs it serves at once.
-    pub fn connect_rc(
-        &self,
-        qp: &mut BasicQueuePair,
-        remote: &Endpoint,
-        psn: u32,
-        access: AccessFlags,
-        max_rd_atomic: u8,
-        max_dest_rd_atomic: u8,
-    ) -> Result<(), TransportError> {
-        let label = self.label();
-        let local_qpn = qp_num(qp);
-        let step = |s: &str, e: &dyn std::fmt::Display| {
-            TransportError::Setup(format!(
-                "queue pair {} on {label} towards QPN {} at {}: {s}: {e}",
-                local_qpn,
-                remote.qpn,
-                gid_to_string(&remote.gid)
+/// The port's LID and the GID to use.
+fn port_address(
+    ctx: &DeviceContext,
+    name: &str,
+    port: u8,
+    gid_index: Option<u8>,
+    ethernet: bool,
+) -> Result<PortAddress, TransportError> {
+    let pattr = ctx
+        .query_port(port)
+        .map_err(|e| setup(&format!("querying port {port} of {name}"), e))?;
+    let p = &pattr.attr;
+    let gid_tbl_len = p.gid_tbl_len.max(0) as u32;
+    let gid_index = match gid_index {
+        Some(i) => i,
+        None if ethernet => pick_roce_gid(ctx, port, gid_tbl_len).ok_or_else(|| {
+            TransportError::Unavailable(format!(
+                "port {port} of RDMA device {name} has no usable GID (is an IP address configured on its netdev?)"
             ))
-        };
-        let mut init = QueuePairAttribute::new();
-        init.setup_state(QueuePairState::Init)
-            .setup_pkey_index(0)
-            .setup_port(self.port)
-            .setup_access_flags(access);
-        qp.modify(&init).map_err(|e| step("RESET→INIT", &e))?;
+        })?,
+        None => 0,
+    };
+    let gid = ctx
+        .query_gid(port, u32::from(gid_index))
+        .map_err(|e| setup(&format!("GID {gid_index} of {name} port {port}"), e))?;
+    Ok(PortAddress {
+        lid: p.lid,
+        gid: gid.raw,
+        gid_index,
+    })
+}
 
-        let path_mtu = mtu_code(self.mtu.min(remote.mtu));
-        let mut ah = AddressHandleAttribute::new();
-        ah.setup_dest_lid(remote.lid)
-            .setup_port(self.port)
-            .setup_service_level(0);
-        if self.ethernet || remote.lid == 0 {
-            ah.setup_grh_dest_gid(&Gid { raw: remote.gid })
-                .setup_grh_src_gid_index(self.gid_index)
-                .setup_grh_hop_limit(HOP_LIMIT);
+/// Registrations by remote key (the agent's regions).
+pub(crate) struct MrTable {
+    dev: Arc<Device>,
+    mrs: Mutex<HashMap<u32, Mr>>,
+}
+
+impl MrTable {
+    pub fn new(dev: Arc<Device>) -> MrTable {
+        MrTable {
+            dev,
+            mrs: Mutex::new(HashMap::new()),
         }
-        let mut rtr = QueuePairAttribute::new();
-        rtr.setup_state(QueuePairState::ReadyToReceive)
-            .setup_path_mtu(path_mtu)
-            .setup_dest_qp_num(remote.qpn)
-            .setup_rq_psn(remote.psn)
-            .setup_max_dest_read_atomic(max_dest_rd_atomic)
-            .setup_min_rnr_timer(MIN_RNR_TIMER)
-            .setup_address_vector(&ah);
-        qp.modify(&rtr).map_err(|e| step("INIT→RTR", &e))?;
+    }
 
-        let mut rts = QueuePairAttribute::new();
-        rts.setup_state(QueuePairState::ReadyToSend)
-            .setup_sq_psn(psn)
-            .setup_timeout(ACK_TIMEOUT)
-            .setup_retry_cnt(RETRY_CNT)
-            .setup_rnr_retry(RNR_RETRY)
-            .setup_max_read_atomic(max_rd_atomic);
-        qp.modify(&rts).map_err(|e| step("RTR→RTS", &e))?;
-        Ok(())
+    pub fn len(&self) -> usize {
+        lock(&self.mrs).len()
+    }
+
+    pub fn contains(&self, rkey: u32) -> bool {
+        lock(&self.mrs).contains_key(&rkey)
     }
 }
 
-/// Moves a queue pair to ERR: the NIC stops processing it and flushes every posted
-/// work request with an error completion.
-pub(crate) fn to_error(qp: &mut BasicQueuePair) -> Result<(), TransportError> {
-    let mut attr = QueuePairAttribute::new();
-    attr.setup_state(QueuePairState::Error);
-    qp.modify(&attr)
-        .map_err(|e| TransportError::Setup(format!("queue pair {} → ERR: {e}", qp_num(qp))))
-}
+impl MemoryOps for MrTable {
+    unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MrKeys, String> {
+        // SAFETY: the caller keeps the range mapped until deregister succeeded.
+        let mr = unsafe { self.dev.register(ptr, len, access) }.map_err(|e| {
+            format!(
+                "registering {len} bytes at {ptr:p} with {}: {e}",
+                self.dev.label()
+            )
+        })?;
+        let keys = MrKeys {
+            lkey: mr.lkey(),
+            rkey: mr.rkey(),
+        };
+        let mut mrs = lock(&self.mrs);
+        if mrs.contains_key(&keys.rkey) {
+            // Two live registrations with one key: the NIC would never do that; keep
+            // the old one, give the new one back.
+            drop(mr);
+            return Err(format!(
+                "{} returned key {:#x}, which is still registered",
+                self.dev.label(),
+                keys.rkey
+            ));
+        }
+        mrs.insert(keys.rkey, mr);
+        Ok(keys)
+    }
 
-pub(crate) fn qp_num(qp: &BasicQueuePair) -> u32 {
-    qp.qp_number()
+    fn deregister(&self, rkey: u32) -> Result<(), String> {
+        let mut mrs = lock(&self.mrs);
+        let mr = mrs
+            .remove(&rkey)
+            .ok_or_else(|| format!("key {rkey:#x} is not registered"))?;
+        // ibv_dereg_mr returns once the NIC dropped the key: any later operation with
+        // it gets a remote access error, and none is still touching the range.
+        match mr.deregister() {
+            Ok(()) => Ok(()),
+            Err((mr, e)) => {
+                mrs.insert(rkey, mr);
+                Err(format!(
+                    "deregistering key {rkey:#x} on {}: {e}; it is still registered, retry",
+                    self.dev.label()
+                ))
+            }
+        }
+    }
 }
 
 /// A random 24-bit packet sequence number.
@@ -395,16 +499,6 @@ pub(crate) fn random_u64() -> u64 {
 fn mtu_bytes(code: u32) -> Option<u32> {
     // ibv_mtu: 1 = 256 … 5 = 4096.
     (1..=5).contains(&code).then(|| MTUS[(code - 1) as usize])
-}
-
-fn mtu_code(bytes: u32) -> Mtu {
-    match bytes {
-        0..=256 => Mtu::Mtu256,
-        257..=512 => Mtu::Mtu512,
-        513..=1024 => Mtu::Mtu1024,
-        1025..=2048 => Mtu::Mtu2048,
-        _ => Mtu::Mtu4096,
-    }
 }
 
 /// On RoCE: a RoCE v2 GID holding an IPv4-mapped address, else any RoCE v2 GID, else

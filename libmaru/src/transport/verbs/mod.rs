@@ -16,11 +16,14 @@
 //!   `ibv_dereg_mr`: when it returns, the NIC refuses the key (a late READ/WRITE gets a
 //!   remote access error, nothing is read or written) and no DMA is still touching the
 //!   range; if rdma-core reports a failure the region stays registered and the call
-//!   can be retried. [`accept_peer`](crate::transport::Target::accept_peer) creates
-//!   one responder RC queue pair for a worker, brings it to RTS towards the worker's
-//!   half ([`proto::WorkerHalf`]) and answers with ours ([`proto::TargetHalf`]); a
-//!   worker that connects again replaces its previous queue pair, and at most
-//!   [`target::MAX_TARGET_QPS`] are kept (oldest destroyed first).
+//!   can be retried. [`VerbsTarget::accept_peer_on`] creates a responder RC queue
+//!   pair owned by the agent connection that asked ([`QpOwner`]), brings it to RTS
+//!   towards the worker's half ([`proto::WorkerHalf`]) and answers with ours
+//!   ([`proto::TargetHalf`]); [`VerbsTarget::connection_closed`] destroys that
+//!   connection's queue pairs. A connection keeps at most
+//!   [`target::MAX_QPS_PER_CONNECTION`] (its newest replaces its oldest); past
+//!   [`target::MAX_TARGET_QPS`] in all a new one is refused — a live connection's
+//!   queue pair is never evicted.
 //! * [`VerbsTransport`] (worker) registers the staging buffer with LOCAL_WRITE only
 //!   (READs land in it; its queue pairs accept no remote operation at all).
 //!   [`connect`](crate::transport::Transport::connect) creates an RC queue pair and its
@@ -28,12 +31,41 @@
 //!   (lid, gid, qpn, psn, mtu, READ depth) through the `Bringup` callback (the agent's
 //!   control connection), takes the target's half and moves the queue pair
 //!   INIT → RTR → RTS (path MTU: the smaller of both ports'; READ depth: the smaller of
-//!   our initiator depth and the target's responder resources). One live queue pair per
-//!   agent: connecting again with the same metadata returns the same peer.
+//!   our initiator depth and the target's responder resources; GRH traffic class and
+//!   service level from [`VerbsSettings`]). One live queue pair per agent: connecting
+//!   again with the same metadata returns the same peer.
 //!   [`post`](crate::transport::Transport::post) turns each operation into one RDMA
 //!   READ/WRITE work request (one scatter entry in the registered staging buffer) and
-//!   posts them as a chain; a batch larger than the free send-queue room is posted in
-//!   pieces as completions free room.
+//!   posts as much as the send queue has room for as one chain; the rest waits in the
+//!   peer's backlog and is posted as completions free room. `post` never blocks.
+//!
+//! # The verbs calls behind a trait
+//!
+//! Every call the data path makes goes through `ops::QueuePairOps` (post a chain,
+//! poll, arm, move to ERR, destroy) and `ops::MemoryOps` (register, deregister).
+//! The bookkeeping over them (`engine.rs` on the worker, `qp_table.rs` at the agent)
+//! is tested over a fake queue pair (`fake.rs`) that completes in order, fails a
+//! request mid-chain, withholds flushes, fails destroys and refuses a post at a given
+//! request: `cargo test -p maru --features verbs --lib transport::verbs` needs no
+//! RDMA device. Queue pairs and completion queues are created and destroyed with
+//! direct rdma-core calls (`sys.rs`), not sideway's owning types, whose drops assert
+//! that a destroy succeeded: a failed destroy is an error that is retried, never a
+//! panic.
+//!
+//! # Open-time checks
+//!
+//! Only devices of the InfiniBand transport (InfiniBand and RoCE ports) are opened;
+//! iWARP (siw, cxgb, irdma in iWARP mode) and others are refused with a clear
+//! `Unavailable`. `ibv_fork_init` is called before anything is registered, and the
+//! open is refused unless `ibv_is_fork_initialized` reports fork protection enabled
+//! or unneeded (a `fork()` in the engine could otherwise leave the NIC writing READ
+//! data into pages the process no longer sees). The progress thread also reads the
+//! device's async events: a queue-pair error fails that peer, a port error or a
+//! fatal device error fails every peer, a port, LID or GID change reads the port's
+//! addresses again (a GID change also fails every peer, whose queue pairs use the old
+//! one). At the agent a thread of the target reads them off the event loop (an address
+//! change re-reads the LID and GID put in every registration's metadata) and retries
+//! failed queue-pair destroys.
 //!
 //! # Work requests: every one signalled
 //!
@@ -64,43 +96,59 @@
 //! refused in the metadata and both bring-up halves; DC (also NIC-checked) is not
 //! implemented in this build and refused too.
 //!
-//! # Progress: event fd plus a fallback, no busy polling
+//! # Progress: event fds plus a fallback, no busy polling
 //!
 //! One progress thread per transport blocks in `poll(2)` on the completion channel's
-//! (non-blocking) event fd, with a 100 ms timeout. On an event it reads every pending
-//! `ibv_get_cq_event`, acknowledges each at once, re-arms that completion queue
-//! (`ibv_req_notify_cq`) and only then drains it, so a completion landing after the
-//! drain raises a new event. On a timeout it re-arms and drains every queue pair: a
-//! lost or never-armed event delays a batch by at most 100 ms instead of stalling it.
-//! Drained completions update the batch table and wake `wait` through a `Condvar`, as
-//! the soft transport's reader does. Idle, the thread wakes ten times a second and
-//! polls each completion queue once; it never spins.
+//! and the async-event fd (both non-blocking), with a 100 ms timeout. On a completion
+//! event it reads every pending `ibv_get_cq_event`, acknowledges each at once, re-arms
+//! that completion queue (`ibv_req_notify_cq`) and only then drains it, so a
+//! completion landing after the drain raises a new event; then it posts what now fits
+//! from the backlog. Every 100 ms it sweeps every queue pair the same way (a lost
+//! event delays a batch by at most that), fails a backlog that found no send-queue
+//! room for 10 s (the peer with it: its queue pair goes to ERR), and retries the
+//! destroy of queue pairs whose destroy failed.
 //!
 //! # What fence proves
 //!
-//! [`fence`](crate::transport::Transport::fence) removes the peer (new posts get
-//! `NoPeer`), moves its queue pair to ERR — the NIC stops executing it and completes
-//! every posted request with a flush error — and drains its completion queue until
-//! every posted request has its completion (bounded by 5 s); then it destroys the
-//! queue pair. Since every request is signalled, an empty in-flight list means the NIC
-//! has finished with each of them: no DMA of that peer's operations touches the
-//! staging buffer any more, and their slots can be reused. If the flushes do not all
-//! arrive in time the queue pair is destroyed anyway, the operations are failed, and
-//! `fence` returns `PeerLost` so the caller keeps those slots out of use.
+//! [`fence`](crate::transport::Transport::fence) stops new posts to the peer, fails
+//! its backlog (never posted), moves its queue pair to ERR — the NIC stops executing
+//! it and completes every posted request with a flush error — drains its completion
+//! queue until every posted request has its completion (bounded by 5 s), then
+//! destroys the queue pair. Either proof makes the peer's slots reusable: every
+//! request accounted for (a full flush; every request is signalled, so an empty
+//! in-flight list means the NIC is done with each), or `ibv_destroy_qp` succeeded
+//! (the NIC executes nothing of it afterwards) — so a flush timeout followed by a
+//! successful destroy is a success. With neither, `fence` returns `PeerLost` and the
+//! peer is kept as a zombie: the caller keeps the slots, the next `fence` of that
+//! peer (and every sweep) retries the destroy, and only a successful destroy makes
+//! `fence` return `Ok` (after which the peer is unknown: `NoPeer`).
 //!
 //! # Not covered here
 //!
-//! Hosts without an RDMA device can only run the error paths (the unit tests below);
-//! the data path needs a NIC (or rdma_rxe / siw) and a second process.
+//! The bookkeeping runs over the fake; the rdma-core calls themselves need a NIC (or
+//! rdma_rxe; siw is iWARP and refused) and a second process: see
+//! `docs/transports.md` for the first bring-up checklist and `maru-rdma-check`.
 
+pub mod check;
 pub(crate) mod device;
+mod engine;
+#[cfg(test)]
+mod fake;
+mod ops;
 pub mod proto;
+mod qp_table;
+pub mod settings;
 mod status;
+mod sys;
 pub mod target;
 mod worker;
 
+pub use qp_table::QpOwner;
+pub use settings::VerbsSettings;
 pub use target::VerbsTarget;
 pub use worker::VerbsTransport;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_engine;

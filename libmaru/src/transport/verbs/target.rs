@@ -1,39 +1,88 @@
-//! The memory-node side: memory registrations with remote access, and one responder
-//! RC queue pair per worker.
+//! The memory-node side: memory registrations with remote access, and responder RC
+//! queue pairs owned by the agent connection that brought them up
+//! (`QpTable`, `qp_table.rs`).
 
-use super::device::{self, Device, Mr};
+use super::device::{self, Device, MrTable};
+use super::ops::{Access, MemoryOps, QueuePairOps};
 use super::proto::{TargetHalf, TargetMeta, WorkerHalf};
-use super::worker::destroy_qp;
+use super::qp_table::{QpOwner, QpTable};
+use super::settings::EventAction;
+use super::settings::VerbsSettings;
+use super::sys::RawQp;
 use crate::transport::{Registration, Target, TransportError};
-use sideway::ibverbs::completion::BasicCompletionQueue;
-use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair};
-use sideway::ibverbs::AccessFlags;
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
+use rdma_mummy_sys::ibv_access_flags;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
-/// At most this many responder queue pairs; past it the oldest is destroyed (a worker
-/// that still used it sees its operations fail and connects again).
+/// At most this many responder queue pairs; past it a new one is refused (only
+/// queue pairs brought up without a connection are evicted to make room).
 pub const MAX_TARGET_QPS: usize = 1024;
-
-struct TargetQp {
-    qp: BasicQueuePair,
-    _cq: Arc<BasicCompletionQueue>,
-}
-
-#[derive(Default)]
-struct Qps {
-    by_worker: HashMap<u64, TargetQp>,
-    /// Worker ids, oldest first.
-    order: VecDeque<u64>,
-}
+/// At most this many per agent connection; a connection's newest replaces its oldest.
+pub const MAX_QPS_PER_CONNECTION: usize = 16;
 
 /// The verbs transport, memory-node side (see the [module documentation](super)).
 pub struct VerbsTarget {
-    dev: Device,
+    dev: Arc<Device>,
     instance: u64,
-    mrs: Mutex<HashMap<u32, Mr>>,
-    qps: Mutex<Qps>,
+    mrs: MrTable,
+    qps: Arc<Mutex<QpTable>>,
+    stop: Arc<AtomicBool>,
+    events: Option<JoinHandle<()>>,
+}
+
+/// How often the target's event thread wakes without an event (it then retries the
+/// destroy of queue pairs whose destroy failed).
+const EVENT_TICK: Duration = Duration::from_millis(500);
+
+/// Off the agent's event loop: reads the device's async events (a port, LID or GID
+/// change re-reads the address put in every registration's metadata; errors are
+/// logged — the worker side sees its own operations fail and connects again) and
+/// retries failed queue-pair destroys.
+fn event_loop(dev: Arc<Device>, qps: Arc<Mutex<QpTable>>, stop: Arc<AtomicBool>, fd: i32) {
+    let label = dev.label();
+    while !stop.load(Ordering::SeqCst) {
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, EVENT_TICK.as_millis() as libc::c_int) };
+        if r > 0 {
+            let n = dev.read_async_events(|action, kind, qpn| match action {
+                EventAction::RefreshAddress => {
+                    log::info!("verbs target: async event {kind} on {label}: reading LID and GID again");
+                    if let Err(e) = dev.refresh_address() {
+                        log::warn!("verbs target: {e}");
+                    }
+                }
+                EventAction::FailQp => log::warn!(
+                    "verbs target: async event {kind} on responder queue pair {qpn} of {label}; its worker sees its operations fail and connects again"
+                ),
+                EventAction::FailAll => {
+                    log::error!("verbs target: async event {kind} on {label} (port or device error)")
+                }
+                EventAction::Ignore => log::debug!("verbs target: async event {kind} on {label}"),
+            });
+            if n == 0 {
+                // Readable without an event: do not spin.
+                std::thread::sleep(EVENT_TICK);
+            }
+        } else if r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+        {
+            log::error!(
+                "verbs target: poll on the async event fd failed: {}",
+                std::io::Error::last_os_error()
+            );
+            std::thread::sleep(EVENT_TICK);
+        }
+        let mut t = lock(&qps);
+        if t.zombies() > 0 {
+            t.retry();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -48,11 +97,35 @@ impl VerbsTarget {
         port: u8,
         gid_index: Option<u8>,
     ) -> Result<VerbsTarget, TransportError> {
+        VerbsTarget::open_with(&VerbsSettings {
+            device: device.map(str::to_string),
+            port,
+            gid_index,
+            ..VerbsSettings::default()
+        })
+    }
+
+    /// Opens the device and port of `settings`.
+    pub fn open_with(settings: &VerbsSettings) -> Result<VerbsTarget, TransportError> {
+        let dev = Arc::new(Device::open(settings)?);
+        let fd = dev.async_fd()?;
+        let qps = Arc::new(Mutex::new(QpTable::new(
+            MAX_TARGET_QPS,
+            MAX_QPS_PER_CONNECTION,
+        )));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (d, q, st) = (dev.clone(), qps.clone(), stop.clone());
+        let events = std::thread::Builder::new()
+            .name("verbs-target-events".into())
+            .spawn(move || event_loop(d, q, st, fd))
+            .map_err(|e| TransportError::Setup(format!("starting the event thread: {e}")))?;
         Ok(VerbsTarget {
-            dev: Device::open(device, port, gid_index)?,
+            mrs: MrTable::new(dev.clone()),
+            dev,
             instance: device::random_u64(),
-            mrs: Mutex::new(HashMap::new()),
-            qps: Mutex::new(Qps::default()),
+            qps,
+            stop,
+            events: Some(events),
         })
     }
 
@@ -63,11 +136,12 @@ impl VerbsTarget {
 
     /// The metadata a worker needs to reach this target (in every registration).
     pub fn meta(&self) -> serde_json::Value {
+        let (lid, gid) = self.dev.lid_gid();
         TargetMeta {
             device: self.dev.name.clone(),
             port: self.dev.port,
-            lid: Some(self.dev.lid),
-            gid: Some(self.dev.gid.raw),
+            lid: Some(lid),
+            gid: Some(gid),
             target: Some(self.instance),
         }
         .to_json()
@@ -75,21 +149,72 @@ impl VerbsTarget {
 
     /// Registrations alive.
     pub fn registrations(&self) -> usize {
-        lock(&self.mrs).len()
+        self.mrs.len()
     }
 
     /// Responder queue pairs alive.
     pub fn queue_pairs(&self) -> usize {
-        lock(&self.qps).by_worker.len()
+        lock(&self.qps).len()
     }
 
-    fn retire(&self, old: TargetQp, why: &str) {
-        let qpn = old.qp.qp_number();
-        if let Err(e) = destroy_qp(old.qp) {
-            log::error!("verbs target: {e}");
-        } else {
-            log::debug!("verbs target: queue pair {qpn} destroyed ({why})");
+    /// Responder queue pairs whose destroy failed (retried by [`VerbsTarget::sweep`]).
+    pub fn undestroyed_queue_pairs(&self) -> usize {
+        lock(&self.qps).zombies()
+    }
+
+    /// Brings up a responder queue pair owned by agent connection `conn` (answers the
+    /// worker's half with ours).
+    pub fn accept_peer_on(
+        &self,
+        conn: u64,
+        worker: &serde_json::Value,
+    ) -> Result<serde_json::Value, TransportError> {
+        self.accept(QpOwner::Connection(conn), worker)
+    }
+
+    /// Agent connection `conn` closed: its responder queue pairs are destroyed (a
+    /// failed destroy is retried by [`VerbsTarget::sweep`]).
+    pub fn connection_closed(&self, conn: u64) -> usize {
+        lock(&self.qps).close(QpOwner::Connection(conn))
+    }
+
+    /// Retries the destroy of queue pairs whose destroy failed.
+    pub fn sweep(&self) {
+        lock(&self.qps).retry();
+    }
+
+    fn accept(
+        &self,
+        owner: QpOwner,
+        worker: &serde_json::Value,
+    ) -> Result<serde_json::Value, TransportError> {
+        let wh = WorkerHalf::from_json(worker)?;
+        let resp = self.dev.max_rd_atom;
+        if resp == 0 {
+            return Err(TransportError::Setup(format!(
+                "{} serves no RDMA READ (max_qp_rd_atom 0)",
+                self.dev.label()
+            )));
         }
+        let owner = match owner {
+            QpOwner::Unbound(_) => QpOwner::Unbound(wh.worker),
+            o => o,
+        };
+        lock(&self.qps).admit(owner)?;
+        // A responder's send queue carries only READ responses and ACKs, generated by
+        // the NIC; it posts nothing itself, and no completion is ever polled.
+        let qp = RawQp::create(&self.dev, None, 0, 1)?;
+        let psn = device::random_psn();
+        // What the queue pair lets in; each registration's own access flags decide
+        // per region (read-only regions refuse WRITE at the NIC).
+        let access = ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+            | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        qp.connect(&self.dev, &wh.ep, psn, access, 0, resp)?;
+        let ours = TargetHalf {
+            ep: self.dev.endpoint(qp.qpn(), psn, resp),
+        };
+        lock(&self.qps).insert(owner, Arc::new(qp));
+        Ok(ours.to_json())
     }
 }
 
@@ -101,36 +226,17 @@ impl Target for VerbsTarget {
         writable: bool,
     ) -> Result<Registration, TransportError> {
         let access = if writable {
-            AccessFlags::RemoteRead | AccessFlags::RemoteWrite | AccessFlags::LocalWrite
+            Access::RemoteReadWrite
         } else {
-            AccessFlags::RemoteRead
+            Access::RemoteRead
         };
         let len_usize = usize::try_from(len)
             .map_err(|_| TransportError::Setup(format!("{len} bytes do not fit this host")))?;
         // SAFETY: the caller keeps the range mapped until deregister returns.
-        let mr = unsafe { self.dev.register(ptr, len_usize, access) }.map_err(|e| {
-            TransportError::Setup(format!(
-                "registering {len} bytes at {ptr:p} with {}: {e}",
-                self.dev.label()
-            ))
-        })?;
-        let rkey = mr.rkey();
-        match lock(&self.mrs).entry(rkey) {
-            Entry::Vacant(v) => {
-                v.insert(mr);
-            }
-            Entry::Occupied(_) => {
-                // Two live registrations with one key: the NIC would never do that;
-                // keep the old one, give the new one back.
-                drop(mr);
-                return Err(TransportError::Setup(format!(
-                    "{} returned key {rkey:#x}, which is still registered",
-                    self.dev.label()
-                )));
-            }
-        }
+        let keys =
+            unsafe { self.mrs.register(ptr, len_usize, access) }.map_err(TransportError::Setup)?;
         Ok(Registration {
-            rkey: u64::from(rkey),
+            rkey: u64::from(keys.rkey),
             addr: ptr as u64,
             transport: self.meta(),
         })
@@ -138,83 +244,29 @@ impl Target for VerbsTarget {
 
     fn deregister(&self, rkey: u64) -> Result<(), TransportError> {
         let key = u32::try_from(rkey).map_err(|_| TransportError::BadKey { rkey })?;
-        let mut mrs = lock(&self.mrs);
-        let mr = mrs.remove(&key).ok_or(TransportError::BadKey { rkey })?;
-        // ibv_dereg_mr returns once the NIC dropped the key: any later operation with
-        // it gets a remote access error, and none is still touching the range.
-        match mr.deregister() {
-            Ok(()) => Ok(()),
-            Err((mr, e)) => {
-                mrs.insert(key, mr);
-                Err(TransportError::Setup(format!(
-                    "deregistering key {rkey:#x} on {}: {e}; it is still registered, retry",
-                    self.dev.label()
-                )))
-            }
+        if !self.mrs.contains(key) {
+            return Err(TransportError::BadKey { rkey });
         }
+        self.mrs.deregister(key).map_err(TransportError::Setup)
     }
 
+    /// Without a connection to own it: keyed by the worker's declared id (see
+    /// [`QpOwner::Unbound`]). The agent uses [`VerbsTarget::accept_peer_on`].
     fn accept_peer(&self, worker: &serde_json::Value) -> Result<serde_json::Value, TransportError> {
-        let wh = WorkerHalf::from_json(worker)?;
-        let resp = self.dev.max_rd_atom;
-        if resp == 0 {
-            return Err(TransportError::Setup(format!(
-                "{} serves no RDMA READ (max_qp_rd_atom 0)",
-                self.dev.label()
-            )));
-        }
-        // A responder's send queue carries only READ responses and ACKs, generated by
-        // the NIC; it posts nothing itself, and no completion is ever polled.
-        let cq = self
-            .dev
-            .ctx
-            .create_cq_builder()
-            .setup_cqe(1)
-            .build()
-            .map_err(|e| {
-                TransportError::Setup(format!(
-                    "completion queue on {}: {e} ({})",
-                    self.dev.label(),
-                    std::io::Error::last_os_error()
-                ))
-            })?;
-        let mut qp = self.dev.create_rc_qp(&cq, 1)?;
-        let psn = device::random_psn();
-        // What the queue pair lets in; each registration's own access flags decide
-        // per region (read-only regions refuse WRITE at the NIC).
-        let access = AccessFlags::RemoteRead | AccessFlags::RemoteWrite;
-        if let Err(e) = self.dev.connect_rc(&mut qp, &wh.ep, psn, access, 0, resp) {
-            let _ = destroy_qp(qp);
-            return Err(e);
-        }
-        let ours = TargetHalf {
-            ep: self.dev.endpoint(qp.qp_number(), psn, resp),
-        };
-        let mut qps = lock(&self.qps);
-        if let Some(old) = qps.by_worker.remove(&wh.worker) {
-            qps.order.retain(|w| *w != wh.worker);
-            self.retire(old, "the worker connected again");
-        }
-        while qps.by_worker.len() >= MAX_TARGET_QPS {
-            let Some(oldest) = qps.order.pop_front() else {
-                break;
-            };
-            if let Some(old) = qps.by_worker.remove(&oldest) {
-                self.retire(old, "too many queue pairs");
-            }
-        }
-        qps.by_worker.insert(wh.worker, TargetQp { qp, _cq: cq });
-        qps.order.push_back(wh.worker);
-        Ok(ours.to_json())
+        self.accept(QpOwner::Unbound(0), worker)
     }
 }
 
 impl Drop for VerbsTarget {
     fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.events.take() {
+            let _ = h.join();
+        }
         // Queue pairs first, then the registrations (their Drop deregisters).
-        let qps = std::mem::take(&mut *lock(&self.qps));
-        for (_, q) in qps.by_worker {
-            self.retire(q, "target closed");
+        let left = lock(&self.qps).close_all();
+        if left > 0 {
+            log::error!("verbs target: {left} queue pair(s) could not be destroyed at close");
         }
     }
 }

@@ -563,3 +563,39 @@ fn completion_statuses_map_to_transport_errors() {
         TransportError::PeerLost { .. }
     ));
 }
+
+// --- on a host with an RDMA device ----------------------------------------------------
+
+/// The end-to-end check over a real device (or rdma_rxe: `rdma link add rxe0 type rxe
+/// netdev lo`). Skipped, with one line, where no device exists.
+#[test]
+fn a_loopback_bring_up_passes_every_check_on_an_rdma_device() {
+    let settings = super::VerbsSettings {
+        device: std::env::var("MARU_RDMA_DEVICE").ok(),
+        ..super::VerbsSettings::default()
+    };
+    match super::check::run(&settings) {
+        Err(TransportError::Unavailable(m)) => {
+            eprintln!("skipped: no usable RDMA device ({m})");
+        }
+        Err(e) => panic!("bring-up check failed: {e}"),
+        Ok(lines) => {
+            for l in &lines {
+                eprintln!(
+                    "{} {}: {}",
+                    if l.ok { "ok" } else { "FAIL" },
+                    l.what,
+                    l.detail
+                );
+            }
+            // The memlock line is advice (CI containers often cap it); the rest must pass.
+            assert!(
+                lines
+                    .iter()
+                    .filter(|l| l.what != "memlock limit")
+                    .all(|l| l.ok),
+                "{lines:#?}"
+            );
+        }
+    }
+}

@@ -45,7 +45,14 @@ fn make_transport(
 
 #[cfg(feature = "verbs")]
 fn verbs_transport(cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerError> {
-    crate::transport::verbs::VerbsTransport::open(cfg.rdma_device.as_deref(), 1, None)
+    let settings = crate::transport::verbs::VerbsSettings {
+        device: cfg.rdma_device.clone(),
+        port: cfg.rdma_port,
+        gid_index: cfg.rdma_gid_index,
+        traffic_class: cfg.rdma_traffic_class,
+        service_level: cfg.rdma_service_level,
+    };
+    crate::transport::verbs::VerbsTransport::open_with(&settings)
         .map(|t| Arc::new(t) as Arc<dyn Transport>)
         .map_err(|e| WorkerError::Config(e.to_string()))
 }
