@@ -13,11 +13,54 @@
 #include <stdint.h>
 
 /**
+ * Bytes one key takes in the output of `maru_chunk_keys`: 64 lowercase hex
+ * characters and the terminating NUL.
+ */
+#define MARU_CHUNK_KEY_SIZE 65
+
+/**
  * The version of the C ABI described by this header. It changes only when an
  * existing function, type or value changes incompatibly; additions keep it.
  * Compare it with `maru_abi_version()` after loading the library.
  */
 #define MARU_ABI_VERSION 1
+
+/**
+ * The level of a log message, most severe first.
+ */
+enum maru_log_level_t
+#ifdef __cplusplus
+  : uint32_t
+#endif // __cplusplus
+ {
+  /**
+   * Nothing (as a minimum level: no message is passed on).
+   */
+  MARU_LOG_OFF = 0,
+  /**
+   * Something failed that the runtime should see (a configuration refused by a daemon).
+   */
+  MARU_LOG_ERROR = 1,
+  /**
+   * Degraded but going on: a pool unavailable, staging full, the memory hook failed.
+   */
+  MARU_LOG_WARN = 2,
+  /**
+   * Lifecycle: regions mapped and given back, the memory hook's result.
+   */
+  MARU_LOG_INFO = 3,
+  /**
+   * Per-call detail for troubleshooting.
+   */
+  MARU_LOG_DEBUG = 4,
+  /**
+   * Everything.
+   */
+  MARU_LOG_TRACE = 5,
+};
+#ifndef __cplusplus
+typedef uint32_t maru_log_level_t;
+#endif // __cplusplus
 
 /**
  * What `maru_remove_batch` did with one key.
@@ -61,7 +104,13 @@ enum maru_slot_pool_t
   : uint32_t
 #endif // __cplusplus
  {
+  /**
+   * Slots that loads land in (`maru_load_slots`).
+   */
   MARU_SLOT_LOAD = 0,
+  /**
+   * Slots that stores go from (`maru_store_slots`).
+   */
   MARU_SLOT_STORE = 1,
 };
 #ifndef __cplusplus
@@ -166,31 +215,58 @@ typedef uint32_t maru_status_t;
 #endif // __cplusplus
 
 /**
- * An open handler. Create with `maru_handler_open`, free with `maru_handler_close`.
- * Thread-safe: calls from several threads may run at once.
+ * An open handler: the engine's connection to its Maru pools, with its staging slots.
+ *
+ * Create it with `maru_handler_open`; end it with `maru_handler_close` (or
+ * `maru_handler_free`, the same), or in two steps with `maru_handler_shutdown` then
+ * `maru_handler_free` when other threads may still be calling it.
+ *
+ * Threads: every call on a handler may run from any thread, concurrently with any
+ * other call on it, including `maru_handler_shutdown`. A call that begins after
+ * shutdown began returns `MARU_ERR_CLOSED`; one blocked in `maru_slots_acquire`
+ * wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
+ * be the last use of the pointer: calls in flight when it begins are waited for
+ * (bounded) and stay memory-safe, but no call may *begin* after it began.
  */
 typedef struct maru_handler_t maru_handler_t;
 
 /**
- * An asynchronous operation. Poll or wait on it, read its results, then free it
- * with `maru_op_free`.
+ * An asynchronous operation from `maru_submit_store_slots` or
+ * `maru_submit_load_slots`. Poll or wait on it, read its results, then free it with
+ * `maru_op_free`.
+ *
+ * Threads: `maru_op_poll`, `maru_op_wait` and `maru_op_results` may be called from
+ * any thread, also concurrently with each other (several threads may wait on one
+ * operation). `maru_op_free` must be the last call on it. An operation is
+ * independent of its handler's memory: it may be freed after the handler.
  */
 typedef struct maru_op_t maru_op_t;
 
 /**
- * `register(ctx, ptr, len)`: pin/register host memory with the GPU driver; 0 on success.
+ * `register(ctx, ptr, len)`: pin/register `len` bytes at `ptr` with the GPU driver
+ * (e.g. `cudaHostRegister`); return 0 on success.
  */
 typedef int32_t (*maru_mem_register_fn)(void *ctx, void *ptr, size_t len);
 
 /**
- * `unregister(ctx, ptr, len)`: undo `register`.
+ * `unregister(ctx, ptr, len)`: undo `register` for the same `ptr` and `len`.
  */
 typedef void (*maru_mem_unregister_fn)(void *ctx, void *ptr, size_t len);
 
 /**
+ * `fn(ctx, level, target, message)`: one log message. `target` names the part of
+ * libmaru that logged it (such as "maru::worker::pool"); both strings are
+ * NUL-terminated and valid only during the call.
+ */
+typedef void (*maru_log_fn)(void *ctx,
+                            maru_log_level_t level,
+                            const char *target,
+                            const char *message);
+
+/**
  * One staging slot held by the caller. `data` points to `capacity` bytes (one chunk)
  * inside the handler's staging buffer, valid until the slot is released or the
- * handler is closed. `id` names the slot in later calls; ids are never reused.
+ * handler is shut down. `id` names the slot in later calls; ids are never reused.
  */
 typedef struct maru_slot_t {
   uint64_t id;
@@ -201,9 +277,9 @@ typedef struct maru_slot_t {
 /**
  * A chunk read in place from this host's mapping of the CXL memory (backend `cxl`).
  * `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
- * close) and at most `valid_ms` milliseconds from the acquire: the view holds a lease
- * that keeps the chunk's page from being reused, and the lease ends by itself then.
- * maru-server starts the lease's clock while the call is on its way, so count
+ * shutdown) and at most `valid_ms` milliseconds from the acquire: the view holds a
+ * lease that keeps the chunk's page from being reused, and the lease ends by itself
+ * then. maru-server starts the lease's clock while the call is on its way, so count
  * `valid_ms` from just before calling `maru_views_acquire`, not from its return.
  */
 typedef struct maru_view_t {
@@ -218,72 +294,13 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * The ABI version of the loaded library. A caller that was compiled against
- * this header should refuse to use a library whose value differs from
- * `MARU_ABI_VERSION`. Never fails; does not change the last error.
- */
-uint32_t maru_abi_version(void);
-
-/**
- * Sets `*out` to the pools' chunk (page) size: the largest chunk `maru_store` takes.
- *
- * # Safety
- * `out` is writable.
- */
-maru_status_t maru_chunk_size(const struct maru_handler_t *h, uint64_t *out);
-
-/**
- * Sets `*found` to whether `key` is stored (published) in its pool.
- *
- * # Safety
- * `key`/`route_key` are NUL-terminated strings; `found` is writable.
- */
-maru_status_t maru_exists(const struct maru_handler_t *h,
-                          const char *key,
-                          const char *route_key,
-                          bool *found);
-
-/**
- * Sets `*found_out` (`n` values) to whether each of `keys` is stored, in one round
- * trip for a request's keys (`route_key`: NULL for the first key).
- *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `found_out` `n` writable values.
- */
-maru_status_t maru_exists_batch(const struct maru_handler_t *h,
-                                const char *const *keys,
-                                size_t n,
-                                const char *route_key,
-                                bool *found_out);
-
-/**
- * Closes the handler's sessions and frees it. NULL is ignored. The pointer must not
- * be used afterwards.
- *
- * # Safety
- * `h` is NULL or a handler from `maru_handler_open` not yet closed.
- */
-maru_status_t maru_handler_close(struct maru_handler_t *h);
-
-/**
- * Opens a handler from a JSON configuration (see docs/configuration.md): backend
- * (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
- * file, transport, staging slot counts, timeout. On success `*out` is the handler.
- * A configuration error returns `MARU_ERR_CONFIG` at once (do not retry);
- * `MARU_ERR_UNAVAILABLE` means no pool answered.
- *
- * # Safety
- * `config_json` is a NUL-terminated string; `out` points to writable storage.
- */
-maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t **out);
-
-/**
  * The message of the last call on this thread that failed, as a NUL-terminated
  * UTF-8 string; the empty string when the last call succeeded or none failed.
  *
  * Never NULL. The string belongs to libmaru and stays valid until the next
  * libmaru call on this thread other than `maru_last_error`,
  * `maru_last_error_copy` and `maru_status_str`; copy it to keep it.
+ * Threads: any thread; each thread has its own last error.
  */
 const char *maru_last_error(void);
 
@@ -300,20 +317,203 @@ const char *maru_last_error(void);
  * Returns `MARU_OK`, `MARU_ERR_BUFFER_TOO_SMALL`, or `MARU_ERR_NULL_ARGUMENT`
  * when `out_len` is NULL, or `buf` is NULL with `len > 0`.
  *
- * # Safety
- *
- * `buf` must be NULL or point to `len` writable bytes, and `out_len` must be
- * NULL or point to a writable `size_t`.
+ * Ownership: `buf` (`len` writable bytes) and `out_len` are the caller's.
+ * Threads: any thread; it reads that thread's own message.
  */
 maru_status_t maru_last_error_copy(char *buf, size_t len, size_t *out_len);
 
 /**
- * Loads `key` into `buf` (capacity `cap`); `*out_len` is its length. A miss returns
- * `MARU_ERR_NOT_FOUND`; a buffer too small returns `MARU_ERR_BUFFER_TOO_SMALL` with
- * the needed length in `*out_len`.
+ * A short, static description of a status code, such as "not found".
  *
- * # Safety
- * `key`/`route_key` are NUL-terminated strings; `buf` points to `cap` writable bytes.
+ * An unknown value gives "unknown status". Never NULL; the string is static
+ * and never freed. This call does not change the last error. Threads: any.
+ */
+const char *maru_status_str(maru_status_t status);
+
+/**
+ * Opens a handler from a JSON configuration (docs/configuration.md): `backend`
+ * (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
+ * file, transport, staging slot counts, `timeout_ms`. On success `*out` is the new
+ * handler.
+ *
+ * A configuration error (bad JSON, unknown field, malformed `server_url`) returns
+ * `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
+ * `server_url` answered; with several pools, the open succeeds when at least one
+ * answers and the others are retried in the background. A failing memory hook
+ * `register` returns `MARU_ERR_CONFIG`.
+ *
+ * Ownership: `config_json` is read during the call only; the handler in `*out` is
+ * the caller's until `maru_handler_close` (or `maru_handler_free`).
+ * Threads: any thread; handlers are independent of each other. The memory hook and
+ * log callback in force when the open starts are the ones it uses.
+ */
+maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t **out);
+
+/**
+ * Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap`
+ * bytes; `*out_len` is the JSON's length without the NUL. Too small a buffer returns
+ * `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes; `buf` may be
+ * NULL with `cap` 0 to ask for the length).
+ *
+ * The JSON holds per-pool counters (`pools`, `total`), the staging slots
+ * (`staging`) and the process-wide memory hook (`memory_hook`: `mode`,
+ * `pinned_bytes` registered now, `register_failures` so far).
+ *
+ * Ownership: `buf` and `out_len` are the caller's. Threads: any, concurrently with
+ * other calls.
+ */
+maru_status_t maru_stats_json(const struct maru_handler_t *h,
+                              char *buf,
+                              size_t cap,
+                              size_t *out_len);
+
+/**
+ * Sets `*out` to the pools' chunk (page) size: the largest chunk a store takes.
+ * `MARU_ERR_UNAVAILABLE` while no pool has been reached.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_chunk_size(const struct maru_handler_t *h, uint64_t *out);
+
+/**
+ * The first step of a two-step close, for a handler other threads may still be
+ * calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`), wakes calls
+ * blocked in `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and waits for the
+ * calls in flight to return, at most the configuration's `timeout_ms` (10 s by
+ * default; a call still running then returns `MARU_ERR_CLOSED` when it ends).
+ *
+ * Everything stays valid after it: the handler's memory, the slots and views the
+ * caller holds (their bytes may still be read), the sessions. Once the threads that
+ * used the handler are joined, end it with `maru_handler_free`.
+ *
+ * Returns `MARU_OK` (also when called again). Threads: any thread, concurrently with
+ * any call on `h` except `maru_handler_free`/`maru_handler_close`; a second call
+ * returns once the first finished waiting.
+ */
+maru_status_t maru_handler_shutdown(const struct maru_handler_t *h);
+
+/**
+ * Ends a handler: shuts it down if `maru_handler_shutdown` was not called (the same
+ * bounded wait for calls in flight), closes its sessions (the keys it stored stay
+ * readable by other engines; its slots, views and staging buffer end; the memory
+ * hook's `unregister` runs on this thread), and frees it. NULL is ignored.
+ *
+ * The pointer, and every slot and view of the handler, must not be used afterwards,
+ * and no call on `h` may begin once this one began. Calls already in flight are
+ * safe: the memory they use lives until the last of them returns.
+ *
+ * Returns `MARU_OK`, or the error of closing a session (the handler is freed all the
+ * same). Threads: any thread, once per handler.
+ */
+maru_status_t maru_handler_free(struct maru_handler_t *h);
+
+/**
+ * The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
+ * close the sessions, free. For a handler that other threads may still call, use
+ * `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+ */
+maru_status_t maru_handler_close(struct maru_handler_t *h);
+
+/**
+ * Sets the process-wide memory hook for handlers opened from now on: each handler
+ * calls `register(ctx, ptr, len)` with its staging buffer during `maru_handler_open`
+ * (a nonzero return fails the open with `MARU_ERR_CONFIG`), and `unregister(ctx,
+ * ptr, len)` (may be NULL) once when it is shut down. A NULL `register` removes the
+ * hook. Handlers already open keep the hook they were opened with.
+ *
+ * Threads: `register` runs on the thread calling `maru_handler_open`; `unregister`
+ * on the thread calling `maru_handler_shutdown`, `maru_handler_free` or
+ * `maru_handler_close`. This call may run concurrently with opens: an open uses
+ * either the old hook or the new one, never a mix.
+ *
+ * Ownership: the callbacks, and `ctx` for them, must stay valid while any handler
+ * opened with them is open.
+ */
+maru_status_t maru_set_memory_hook(maru_mem_register_fn register_,
+                                   maru_mem_unregister_fn unregister,
+                                   void *ctx);
+
+/**
+ * Sets the memory hook to `auto` for handlers opened from now on: libmaru dlopens
+ * libcudart (the absolute path in the environment variable `MARU_CUDART`, else
+ * libcudart.so, .so.12, .so.11.0 from the library search path) and pins each staging
+ * buffer with `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`, unpinning it at
+ * shutdown. Without CUDA, or when the pin fails, handlers work with pageable memory
+ * and a warning is logged; `maru_stats_json` tells whether memory was pinned
+ * (`memory_hook.pinned_bytes`, `memory_hook.register_failures`).
+ *
+ * Returns `MARU_ERR_CONFIG` when `MARU_CUDART` is set to a relative path (nothing
+ * is changed then). Threads: as `maru_set_memory_hook`; the CUDA calls run on the
+ * threads that open and shut down handlers.
+ */
+maru_status_t maru_set_memory_hook_auto(void);
+
+/**
+ * Derives the keys of the full chunks of `n_tokens` token ids, `chunk_tokens` ids
+ * per chunk, in namespace `ns`: the same keys as the Python `maru.chunk_keys`.
+ *
+ * With the chunks `c_0, c_1, ...` (a partial last chunk has no key) and `le32(c)`
+ * each id of `c` as a little-endian 32-bit integer:
+ * `d_0 = sha256("maru-chunk-v1" NUL namespace NUL le32(c_0))`,
+ * `d_i = sha256(d_{i-1} le32(c_i))`, and key `i` is `d_i` in 64 lowercase hex digits.
+ * A key depends on every token up to the end of its chunk and on the namespace: put
+ * everything that makes KV bytes incompatible (model, dtype, chunk size, rank) in
+ * the namespace.
+ *
+ * `keys_out` holds `cap` keys of `MARU_CHUNK_KEY_SIZE` bytes each; key `i` is written
+ * NUL-terminated at `keys_out + i * MARU_CHUNK_KEY_SIZE`. `*n_keys` is the number of
+ * keys (`n_tokens / chunk_tokens`); when that exceeds `cap` nothing is written and
+ * the call returns `MARU_ERR_BUFFER_TOO_SMALL`. `chunk_tokens` = 0 is
+ * `MARU_ERR_INVALID_ARGUMENT`; `tokens` and `keys_out` may be NULL when their count
+ * is 0. Needs no handler. Threads: any.
+ */
+maru_status_t maru_chunk_keys(const int32_t *tokens,
+                              size_t n_tokens,
+                              size_t chunk_tokens,
+                              const char *ns,
+                              char *keys_out,
+                              size_t cap,
+                              size_t *n_keys);
+
+/**
+ * Stores `len` bytes of `data` under `key`. `*stored` (may be NULL) is true when the
+ * chunk is stored now or was already stored (by this or another engine: its bytes
+ * are there either way), false when it was skipped: no free staging slot or the
+ * pool is unavailable. A skip is not an error; the engine recomputes that chunk
+ * later if it needs it.
+ *
+ * Ownership: `key`, `data`, `route_key` are read during the call only.
+ * Threads: any, concurrently with other calls on the handler.
+ */
+maru_status_t maru_store(const struct maru_handler_t *h,
+                         const char *key,
+                         const uint8_t *data,
+                         size_t len,
+                         const char *route_key,
+                         bool *stored);
+
+/**
+ * Stores `n` chunks of one request: `keys[i]` gets `lens[i]` bytes of `datas[i]`.
+ * `stored[i]` (the array may be NULL) as for `maru_store`. `n` may be 0 (the
+ * arrays may then be NULL).
+ *
+ * Ownership and threads: as `maru_store`.
+ */
+maru_status_t maru_store_batch(const struct maru_handler_t *h,
+                               const char *const *keys,
+                               const uint8_t *const *datas,
+                               const size_t *lens,
+                               size_t n,
+                               const char *route_key,
+                               bool *stored);
+
+/**
+ * Loads `key` into `buf` (capacity `cap`); `*out_len` is its length. A miss returns
+ * `MARU_ERR_NOT_FOUND`; too small a buffer returns `MARU_ERR_BUFFER_TOO_SMALL` with
+ * the length needed in `*out_len` (nothing is written to `buf` then).
+ *
+ * Ownership: `buf` (`cap` writable bytes) and `out_len` are the caller's.
+ * Threads: any, concurrently with other calls on the handler.
  */
 maru_status_t maru_load(const struct maru_handler_t *h,
                         const char *key,
@@ -323,13 +523,16 @@ maru_status_t maru_load(const struct maru_handler_t *h,
                         const char *route_key);
 
 /**
- * Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`); `lens[i]` is
- * each length (0 on a miss) and `found[i]` whether it was loaded. A chunk larger than
- * its buffer fails the call with `MARU_ERR_BUFFER_TOO_SMALL` (its `lens[i]` says the
- * size).
+ * Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`). Loading stops
+ * at the first miss (later chunks of a prefix are useless without it). On return,
+ * whatever the status, every `found[i]` and `lens[i]` is written: `found[i]` true
+ * and `lens[i]` its length where the chunk is in `bufs[i]`; otherwise `found[i]`
+ * false and `lens[i]` 0, except for a chunk larger than its buffer, whose `lens[i]`
+ * is the length it needs. Such a chunk makes the call return
+ * `MARU_ERR_BUFFER_TOO_SMALL`, the other chunks being loaded as usual.
  *
- * # Safety
- * Each array has `n` valid entries; `bufs[i]` points to `caps[i]` writable bytes.
+ * Ownership: `bufs[i]` (`caps[i]` writable bytes), `lens`, `found` are the caller's.
+ * Threads: any, concurrently with other calls on the handler.
  */
 maru_status_t maru_load_batch(const struct maru_handler_t *h,
                               const char *const *keys,
@@ -341,58 +544,38 @@ maru_status_t maru_load_batch(const struct maru_handler_t *h,
                               const char *route_key);
 
 /**
- * Loads chunk `keys[i]` into slot `ids[i]` for `n` chunks of one request. `found[i]`
- * says whether it was loaded and `lens[i]` its length (0 otherwise). A slot whose
- * transfer outcome was unknown is taken back by libmaru (its `found[i]` is false).
+ * Sets `*found` to whether `key` is stored (published, complete) in its pool.
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `ids`, `lens`, `found` `n` values each.
+ * Threads: any, concurrently with other calls on the handler.
  */
-maru_status_t maru_load_slots(const struct maru_handler_t *h,
-                              const char *const *keys,
-                              const uint64_t *ids,
-                              size_t n,
-                              const char *route_key,
-                              size_t *lens,
-                              bool *found);
+maru_status_t maru_exists(const struct maru_handler_t *h,
+                          const char *key,
+                          const char *route_key,
+                          bool *found);
 
 /**
- * Frees an operation. One still running goes on to its end (its slots come back to
- * the caller then); only its results are dropped. NULL is ignored.
+ * Sets `found_out[i]` to whether `keys[i]` is stored, for `n` keys of one request
+ * in one round trip.
  *
- * # Safety
- * `op` is NULL or an operation not yet freed.
+ * Threads: any, concurrently with other calls on the handler.
  */
-void maru_op_free(struct maru_op_t *op);
+maru_status_t maru_exists_batch(const struct maru_handler_t *h,
+                                const char *const *keys,
+                                size_t n,
+                                const char *route_key,
+                                bool *found_out);
 
 /**
- * `MARU_OK` when the operation finished successfully, `MARU_PENDING` while it runs,
- * or the operation's own error status (its message in `maru_last_error()`).
+ * Unpublishes `n` keys of one request that this engine stored; `results[i]` says
+ * what happened to `keys[i]`.
  *
- * # Safety
- * `op` is an operation from a `maru_submit_*` call, not yet freed.
+ * Threads: any, concurrently with other calls on the handler.
  */
-maru_status_t maru_op_poll(const struct maru_op_t *op);
-
-/**
- * The per-chunk results of a finished operation: `flags[i]` (stored for a store,
- * found for a load) and `lens[i]` (loaded length; may be NULL for a store) for the
- * `n` chunks it was submitted with (`n` must be that count). `MARU_PENDING` while it
- * runs; the operation's error when it failed.
- *
- * # Safety
- * `flags` (and `lens` when not NULL) point to `n` writable values.
- */
-maru_status_t maru_op_results(const struct maru_op_t *op, bool *flags, size_t *lens, size_t n);
-
-/**
- * Waits up to `timeout_ms` for the operation: the same results as `maru_op_poll`
- * (`MARU_PENDING` when the time passed first).
- *
- * # Safety
- * As `maru_op_poll`.
- */
-maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
+maru_status_t maru_remove_batch(const struct maru_handler_t *h,
+                                const char *const *keys,
+                                size_t n,
+                                const char *route_key,
+                                maru_remove_result_t *results);
 
 /**
  * Pins `n` keys of one request: `pinned[i]` says whether `keys[i]` was found and is
@@ -400,8 +583,7 @@ maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
  * handler unpins it (`maru_unpin_batch`) or closes, or its memory is lost (the memory
  * node rebooted, its region went back). Pins count: two pins need two unpins.
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `pinned` `n` writable values.
+ * Threads: any, concurrently with other calls on the handler.
  */
 maru_status_t maru_pin_batch(const struct maru_handler_t *h,
                              const char *const *keys,
@@ -410,165 +592,34 @@ maru_status_t maru_pin_batch(const struct maru_handler_t *h,
                              bool *pinned);
 
 /**
- * Unpublishes `n` keys of one request that this engine stored; `results[i]` (a
- * `maru_remove_result_t` value) says what happened to `keys[i]`.
+ * Drops one of this handler's pins of each of `n` keys: `unpinned[i]` says whether it
+ * held one of `keys[i]`.
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `results` `n` writable values.
+ * Threads: any, concurrently with other calls on the handler.
  */
-maru_status_t maru_remove_batch(const struct maru_handler_t *h,
-                                const char *const *keys,
-                                size_t n,
-                                const char *route_key,
-                                uint32_t *results);
-
-/**
- * Sets the process-wide memory hook for handlers opened from now on: each handler
- * calls `register(ctx, ptr, len)` with its staging buffer before first use (a nonzero
- * return fails `maru_handler_open` with `MARU_ERR_CONFIG`), and `unregister(ctx, ptr,
- * len)` (may be NULL) when it is closed. A NULL `register` removes the hook.
- *
- * # Safety
- * The callbacks stay callable, and `ctx` valid for them, while any handler opened
- * with them is open.
- */
-maru_status_t maru_set_memory_hook(maru_mem_register_fn register_,
-                                   maru_mem_unregister_fn unregister,
-                                   void *ctx);
-
-/**
- * Sets the memory hook to `auto` for handlers opened from now on: libmaru dlopens
- * libcudart (the library named by the environment variable `MARU_CUDART`, else
- * libcudart.so, .so.12, .so.11.0) and pins each staging buffer with
- * `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`, unpinning it on close.
- * Without CUDA the log says so and handlers work with pageable memory.
- */
-maru_status_t maru_set_memory_hook_auto(void);
-
-/**
- * Takes between 1 and `n` staging slots of `pool` (a `maru_slot_pool_t` value),
- * waiting up to `timeout_ms` for at least one; `out[0..*got]` describes them. No free
- * slot within the timeout returns `MARU_ERR_NO_SPACE` (release slots, or raise
- * `load_slots`/`store_slots`). Fill a store slot or read a loaded slot in place, then
- * give it back with `maru_slots_release`.
- *
- * # Safety
- * `out` points to `n` writable `maru_slot_t`; `got` is writable.
- */
-maru_status_t maru_slots_acquire(const struct maru_handler_t *h,
-                                 uint32_t pool,
-                                 size_t n,
-                                 uint32_t timeout_ms,
-                                 struct maru_slot_t *out,
-                                 size_t *got);
-
-/**
- * Whether each of `ids` is still a slot the caller holds (`held[i]`): false once it
- * was released, or taken back by libmaru after a transfer whose outcome was unknown.
- * Lets a caller keep its slots after a plain miss instead of guessing.
- *
- * # Safety
- * `ids` and `held` point to `n` values.
- */
-maru_status_t maru_slots_held(const struct maru_handler_t *h,
-                              const uint64_t *ids,
-                              size_t n,
-                              bool *held);
-
-/**
- * Gives slots back to their pools. A slot lent to an operation still running is
- * refused with `MARU_ERR_BUSY` (nothing is released then). An id libmaru already
- * took back (after a transfer whose outcome was unknown) is accepted and ignored, so
- * releasing every slot after every call is always right.
- *
- * # Safety
- * `ids` points to `n` values.
- */
-maru_status_t maru_slots_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
-
-/**
- * Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap` bytes;
- * `*out_len` is the JSON's length without the NUL. Too small a buffer returns
- * `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes).
- *
- * # Safety
- * `buf` points to `cap` writable bytes (may be NULL when `cap` is 0).
- */
-maru_status_t maru_stats_json(const struct maru_handler_t *h,
-                              char *buf,
-                              size_t cap,
-                              size_t *out_len);
-
-/**
- * A short, static description of a status code, such as "not found".
- *
- * `status` is a `maru_status_t` value; an unknown value gives
- * "unknown status". Never NULL; the string is static and never freed. This
- * call does not change the last error.
- */
-const char *maru_status_str(uint32_t status);
-
-/**
- * Stores `len` bytes under `key`. `route_key` (may be NULL: the key itself) picks the
- * pool: pass the request's first chunk key for every chunk of a request. `*stored`
- * (may be NULL) is false when the chunk was skipped (no free staging slot, pool
- * unavailable), true when it is stored or was already present.
- *
- * # Safety
- * `key`/`route_key` are NUL-terminated strings; `data` points to `len` bytes.
- */
-maru_status_t maru_store(const struct maru_handler_t *h,
-                         const char *key,
-                         const uint8_t *data,
-                         size_t len,
-                         const char *route_key,
-                         bool *stored);
-
-/**
- * Stores `n` chunks of one request (keys[i], datas[i], lens[i]); `stored[i]` (the
- * array may be NULL) as for `maru_store`.
- *
- * # Safety
- * Each array has `n` valid entries.
- */
-maru_status_t maru_store_batch(const struct maru_handler_t *h,
+maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
                                const char *const *keys,
-                               const uint8_t *const *datas,
-                               const size_t *lens,
                                size_t n,
                                const char *route_key,
-                               bool *stored);
+                               bool *unpinned);
 
 /**
- * Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` for `n` chunks of one
- * request (`route_key`: NULL for the first key). On `remote_cxl` the WRITE goes from
- * the slot itself: no copy. `stored[i]` (the array may be NULL) is true when the chunk
- * is stored or was already present. The slots stay the caller's (release them).
+ * Sends libmaru's log messages at `min_level` and more severe to `callback(ctx,
+ * level, target, message)` instead of stderr. A NULL `callback` goes back to stderr
+ * (`MARU_LOG`).
+ * Applies at once, to every handler.
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `ids`, `lens` (and `stored`) `n` values.
- */
-maru_status_t maru_store_slots(const struct maru_handler_t *h,
-                               const char *const *keys,
-                               const uint64_t *ids,
-                               const size_t *lens,
-                               size_t n,
-                               const char *route_key,
-                               bool *stored);
-
-/**
- * `maru_load_slots` without waiting; results with `maru_op_results` (`flags[i]` =
- * found, `lens[i]` = length).
+ * Threads: `callback` is called from whichever thread logs: the caller's threads inside
+ * libmaru calls, and libmaru's own threads (a handler's background thread, its
+ * executor threads), possibly several at once; it must not call libmaru. This call
+ * may run from any thread; once it returns, no thread is inside the previous callback,
+ * so its `ctx` may be freed then.
  *
- * # Safety
- * As `maru_load_slots`; `op` is writable.
+ * Ownership: `callback` and `ctx` must stay valid until replaced by another call.
+ * Returns `MARU_ERR_INVALID_ARGUMENT` for an unknown level, `MARU_ERR_BUSY` when the
+ * process already has another Rust logger (libmaru linked as a Rust crate).
  */
-maru_status_t maru_submit_load_slots(const struct maru_handler_t *h,
-                                     const char *const *keys,
-                                     const uint64_t *ids,
-                                     size_t n,
-                                     const char *route_key,
-                                     struct maru_op_t **op);
+maru_status_t maru_set_log_callback(maru_log_level_t min_level, maru_log_fn callback, void *ctx);
 
 /**
  * `maru_store_slots` without waiting: `*op` is the running operation. The arguments
@@ -576,8 +627,8 @@ maru_status_t maru_submit_load_slots(const struct maru_handler_t *h,
  * meanwhile returns `MARU_ERR_BUSY`). Read the per-chunk results with
  * `maru_op_results` (`flags[i]` = stored).
  *
- * # Safety
- * As `maru_store_slots`; `op` is writable.
+ * Ownership: the arrays are read during the call only; `*op` is the caller's until
+ * `maru_op_free`. Threads: any, concurrently with other calls.
  */
 maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
                                       const char *const *keys,
@@ -588,21 +639,137 @@ maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
                                       struct maru_op_t **op);
 
 /**
- * Drops one of this handler's pins of each of `n` keys: `unpinned[i]` says whether it
- * held one of `keys[i]`.
+ * `maru_load_slots` without waiting; results with `maru_op_results` (`flags[i]` =
+ * found, `lens[i]` = length).
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `unpinned` `n` writable values.
+ * Ownership and threads: as `maru_submit_store_slots`.
  */
-maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
+maru_status_t maru_submit_load_slots(const struct maru_handler_t *h,
+                                     const char *const *keys,
+                                     const uint64_t *ids,
+                                     size_t n,
+                                     const char *route_key,
+                                     struct maru_op_t **op);
+
+/**
+ * `MARU_OK` when the operation finished successfully, `MARU_PENDING` while it runs,
+ * or the operation's own error status (its message in `maru_last_error()`).
+ * Threads: any (see `maru_op_t`).
+ */
+maru_status_t maru_op_poll(const struct maru_op_t *op);
+
+/**
+ * Waits up to `timeout_ms` for the operation: the same results as `maru_op_poll`
+ * (`MARU_PENDING` when the time passed first). Threads: any, also several at once
+ * (see `maru_op_t`).
+ */
+maru_status_t maru_op_wait(const struct maru_op_t *op, uint32_t timeout_ms);
+
+/**
+ * The per-chunk results of a finished operation: `flags[i]` (stored for a store,
+ * found for a load) and `lens[i]` (loaded length; may be NULL for a store) for the
+ * `n` chunks it was submitted with (`n` must be that count). `MARU_PENDING` while it
+ * runs; the operation's error when it failed.
+ *
+ * Ownership: `flags` and `lens` are the caller's. Threads: any (see `maru_op_t`).
+ */
+maru_status_t maru_op_results(const struct maru_op_t *op, bool *flags, size_t *lens, size_t n);
+
+/**
+ * Frees an operation. One still running goes on to its end (its slots come back to
+ * the caller then); only its results are dropped. NULL is ignored. Threads: once,
+ * after every other call on `op` returned.
+ */
+void maru_op_free(struct maru_op_t *op);
+
+/**
+ * Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout_ms` for at
+ * least one; `out[0..*got]` describes them. No free slot within the timeout returns
+ * `MARU_ERR_NO_SPACE` (release slots, or raise `load_slots`/`store_slots`). Fill a
+ * store slot or read a loaded slot in place, then give it back with
+ * `maru_slots_release`. `n` = 0 returns at once with `*got` = 0; any error leaves
+ * `*got` = 0.
+ *
+ * Ownership: the slots are the caller's until released; their memory belongs to
+ * the handler and is valid until the slot is released or the handler shut down.
+ * Threads: any, concurrently with other calls; a shutdown wakes a waiting call,
+ * which returns `MARU_ERR_CLOSED` with no slot.
+ */
+maru_status_t maru_slots_acquire(const struct maru_handler_t *h,
+                                 maru_slot_pool_t pool,
+                                 size_t n,
+                                 uint32_t timeout_ms,
+                                 struct maru_slot_t *out,
+                                 size_t *got);
+
+/**
+ * Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` for `n` chunks of one
+ * request. On `remote_cxl` the WRITE goes from the slot itself: no copy. `stored[i]`
+ * (the array may be NULL) is true when the chunk is stored now or was already
+ * stored (by any engine), false when it was skipped. The slots stay the caller's
+ * (release them), except one whose transfer outcome was unknown: libmaru takes it
+ * back (`maru_slots_held` says false for it).
+ *
+ * Threads: any, concurrently with other calls; a slot is used by one call at a time
+ * (a second call on it returns `MARU_ERR_BUSY`).
+ */
+maru_status_t maru_store_slots(const struct maru_handler_t *h,
                                const char *const *keys,
+                               const uint64_t *ids,
+                               const size_t *lens,
                                size_t n,
                                const char *route_key,
-                               bool *unpinned);
+                               bool *stored);
+
+/**
+ * Loads chunk `keys[i]` into slot `ids[i]` for `n` chunks of one request. `found[i]`
+ * says whether it was loaded and `lens[i]` its length (0 otherwise). A slot whose
+ * transfer outcome was unknown is taken back by libmaru (its `found[i]` is false and
+ * `maru_slots_held` says false for it).
+ *
+ * Threads: as `maru_store_slots`.
+ */
+maru_status_t maru_load_slots(const struct maru_handler_t *h,
+                              const char *const *keys,
+                              const uint64_t *ids,
+                              size_t n,
+                              const char *route_key,
+                              size_t *lens,
+                              bool *found);
+
+/**
+ * Whether each of `ids` is still a slot the caller holds (`held[i]`): false once it
+ * was released, or taken back by libmaru after a transfer whose outcome was unknown.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_slots_held(const struct maru_handler_t *h,
+                              const uint64_t *ids,
+                              size_t n,
+                              bool *held);
+
+/**
+ * Gives `n` slots back to their pools; their memory must not be used afterwards.
+ * All or nothing: a slot lent to an operation still running returns `MARU_ERR_BUSY`,
+ * an id that was never acquired or was already released returns
+ * `MARU_ERR_INVALID_ARGUMENT`, and nothing is released then. An id libmaru took back
+ * (after a transfer whose outcome was unknown) is accepted once, so releasing every
+ * slot a call used is always right.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_slots_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
+
+/**
+ * The ABI version of the loaded library. A caller that was compiled against
+ * this header should refuse to use a library whose value differs from
+ * `MARU_ABI_VERSION`. Never fails; does not change the last error. Threads: any.
+ */
+uint32_t maru_abi_version(void);
 
 /**
  * The version of libmaru, such as "0.1.0", as a static NUL-terminated string
- * that is never freed. Never NULL; does not change the last error.
+ * that is never freed. Never NULL; does not change the last error. Threads: any.
  */
 const char *maru_version_string(void);
 
@@ -611,9 +778,10 @@ const char *maru_version_string(void);
  * `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: load into slots instead).
  * `found[i]` says whether `views[i]` holds chunk `keys[i]`; release every found view
  * with `maru_views_release` as soon as its bytes are used (e.g. copied to the GPU).
+ * `route_key`: as for `maru_load_batch` (NULL: the first key).
  *
- * # Safety
- * `keys` holds `n` NUL-terminated strings; `views` and `found` `n` writable values.
+ * Ownership: `views` and `found` are the caller's; the bytes a view points to belong
+ * to the handler. Threads: any, concurrently with other calls.
  */
 maru_status_t maru_views_acquire(const struct maru_handler_t *h,
                                  const char *const *keys,
@@ -624,10 +792,10 @@ maru_status_t maru_views_acquire(const struct maru_handler_t *h,
 
 /**
  * Ends views: their leases go back and their `data` must not be read any more. Ids
- * already released (or 0, from a view not found) are ignored.
+ * already released, and 0 (the id of a view not found), are ignored: a view's lease
+ * may also have ended by itself.
  *
- * # Safety
- * `ids` points to `n` values.
+ * Threads: any, concurrently with other calls.
  */
 maru_status_t maru_views_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
 
