@@ -53,12 +53,15 @@ test-c:
 
 VENV := $(CURDIR)/.venv
 
+# The tests run the package from the source tree against the debug build (MARU_LIB);
+# test_wheel.py builds the wheel itself (pip install ./bindings/python builds one with
+# libmaru inside, in release).
 test-python:
 	$(CARGO) build -p maru -p maru-daemons --bins --lib
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q pytest numpy
-	$(VENV)/bin/pip install -q ./bindings/python
-	$(VENV)/bin/pytest -q bindings/python/tests
+	$(VENV)/bin/pip install -q pytest numpy "setuptools>=70.1" setuptools-rust wheel
+	$(VENV)/bin/pip uninstall -q -y maru 2>/dev/null || true
+	MARU_LIB=$(DEBUG_DIR)/libmaru.so PYTHONPATH=$(CURDIR)/bindings/python $(VENV)/bin/pytest -q bindings/python/tests
 	PYTHON=$(VENV)/bin/python examples/python/run.sh $(DEBUG_DIR)
 
 lint: deps
