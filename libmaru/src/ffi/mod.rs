@@ -34,19 +34,43 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+// The order of these declarations is the order of the header (cbindgen follows it),
+// so each is its own group for rustfmt, which would sort them otherwise.
+
+// Which library is loaded.
+pub mod version;
+
+// The text behind a status.
+pub mod error;
+
+// Where libmaru's messages go.
+pub mod log;
+
+// Pinning the staging buffer: set before opening handlers.
+pub mod hook;
+
+// A handler: open, stats, shutdown, free.
+pub mod handler;
+
+// Chunks by key through the caller's buffers.
+pub mod kv;
+
+// Zero-copy staging slots.
+pub mod slots;
+
+// Asynchronous slot transfers.
+pub mod ops;
+
+// Chunks read in place (cxl).
+pub mod views;
+
+// Chunk keys (no handler needed).
+pub mod keys;
+
+// The rules every function keeps.
 pub mod args;
 pub mod boundary;
-pub mod error;
-pub mod handler;
-pub mod hook;
-pub mod keys;
-pub mod kv;
-pub mod log;
-pub mod ops;
-pub mod slots;
 pub mod status;
-pub mod version;
-pub mod views;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};
 pub use error::{
