@@ -40,6 +40,9 @@ impl Bridge {
             stderr: env_logger::Builder::new()
                 .parse_filters(spec)
                 .target(env_logger::Target::Stderr)
+                // Unit tests that open handlers install the bridge: let libtest
+                // capture its output like the tests' own.
+                .is_test(cfg!(test))
                 .build(),
             sink: RwLock::new(None),
         }
