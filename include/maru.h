@@ -494,6 +494,8 @@ maru_status_t maru_handler_free(struct maru_handler_t *h);
  * The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
  * close the sessions, free. For a handler that other threads may still call, use
  * `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+ *
+ * Threads: any thread, once per handler; no call on `h` may begin once it began.
  */
 maru_status_t maru_handler_close(struct maru_handler_t *h);
 
@@ -519,7 +521,8 @@ maru_status_t maru_store(const struct maru_handler_t *h,
  * `stored[i]` (the array may be NULL) as for `maru_store`. `n` may be 0 (the
  * arrays may then be NULL).
  *
- * Ownership and threads: as `maru_store`.
+ * Ownership: as `maru_store`. Threads: any, concurrently with other calls on the
+ * handler.
  */
 maru_status_t maru_store_batch(const struct maru_handler_t *h,
                                const char *const *keys,
@@ -724,7 +727,8 @@ maru_status_t maru_submit_store_slots(const struct maru_handler_t *h,
  * `maru_load_slots` without waiting; results with `maru_op_results` (`flags[i]` =
  * found, `lens[i]` = length).
  *
- * Ownership and threads: as `maru_submit_store_slots`.
+ * Ownership: as `maru_submit_store_slots`. Threads: any, concurrently with other
+ * calls.
  */
 maru_status_t maru_submit_load_slots(const struct maru_handler_t *h,
                                      const char *const *keys,

@@ -356,6 +356,8 @@ pub unsafe extern "C" fn maru_handler_free(h: *mut maru_handler_t) -> maru_statu
 /// The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
 /// close the sessions, free. For a handler that other threads may still call, use
 /// `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+///
+/// Threads: any thread, once per handler; no call on `h` may begin once it began.
 #[no_mangle]
 pub unsafe extern "C" fn maru_handler_close(h: *mut maru_handler_t) -> maru_status_t {
     maru_handler_free(h)

@@ -49,7 +49,8 @@ pub unsafe extern "C" fn maru_store(
 /// `stored[i]` (the array may be NULL) as for `maru_store`. `n` may be 0 (the
 /// arrays may then be NULL).
 ///
-/// Ownership and threads: as `maru_store`.
+/// Ownership: as `maru_store`. Threads: any, concurrently with other calls on the
+/// handler.
 #[no_mangle]
 pub unsafe extern "C" fn maru_store_batch(
     h: *const maru_handler_t,

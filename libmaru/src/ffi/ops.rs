@@ -58,7 +58,8 @@ pub unsafe extern "C" fn maru_submit_store_slots(
 /// `maru_load_slots` without waiting; results with `maru_op_results` (`flags[i]` =
 /// found, `lens[i]` = length).
 ///
-/// Ownership and threads: as `maru_submit_store_slots`.
+/// Ownership: as `maru_submit_store_slots`. Threads: any, concurrently with other
+/// calls.
 #[no_mangle]
 pub unsafe extern "C" fn maru_submit_load_slots(
     h: *const maru_handler_t,
