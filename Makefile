@@ -4,7 +4,7 @@ CARGO ?= cargo
 TARGET_DIR := $(CURDIR)/target
 DEBUG_DIR := $(TARGET_DIR)/debug
 
-.PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean install demo-rm
+.PHONY: help deps build release demo test test-rust test-c test-python lint fmt header clean install uninstall demo-rm
 
 help:
 	@echo "make demo           - install what is missing, build, run the one-host demo (two engines share KV)"
@@ -19,7 +19,8 @@ help:
 	@echo "make chaos          - kill -9 and restart every daemon and an engine under load; checks every byte"
 	@echo "make deny           - dependency licenses, bans and sources with cargo-deny"
 	@echo "make docs-check     - run the shell commands of README.md and docs/ as written"
-	@echo "make install        - daemons, systemd units, env files, agent key (STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
+	@echo "make install        - libmaru.so.0, libmaru.a, maru.h, maru.pc, daemons, units, env files, agent key (PREFIX=, DESTDIR=; WORKER=1: library only; STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
+	@echo "make uninstall      - remove what make install put under PREFIX (and DESTDIR); /etc/maru is kept"
 
 deps:
 	@scripts/install-deps.sh
@@ -52,12 +53,15 @@ test-c:
 
 VENV := $(CURDIR)/.venv
 
+# The tests run the package from the source tree against the debug build (MARU_LIB);
+# test_wheel.py builds the wheel itself (pip install ./bindings/python builds one with
+# libmaru inside, in release).
 test-python:
 	$(CARGO) build -p maru -p maru-daemons --bins --lib
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q pytest numpy
-	$(VENV)/bin/pip install -q ./bindings/python
-	$(VENV)/bin/pytest -q bindings/python/tests
+	$(VENV)/bin/pip install -q pytest numpy "setuptools>=70.1" setuptools-rust wheel
+	$(VENV)/bin/pip uninstall -q -y maru 2>/dev/null || true
+	MARU_LIB=$(DEBUG_DIR)/libmaru.so PYTHONPATH=$(CURDIR)/bindings/python $(VENV)/bin/pytest -q bindings/python/tests
 	PYTHON=$(VENV)/bin/python examples/python/run.sh $(DEBUG_DIR)
 
 lint: deps
@@ -76,8 +80,20 @@ clean:
 	rm -rf ctests/build
 
 
-install: release
-	scripts/install.sh $(if $(STANDALONE),--standalone) $(if $(METADATA),--metadata)
+# Installing builds with cargo only (no system packages: running needs none).
+# make install [PREFIX=/usr/local] [DESTDIR=] [WORKER=1|STANDALONE=1|METADATA=1]
+#              [INSTALL_FROM=target/release] [NO_BUILD=1]
+PREFIX ?= /usr/local
+DESTDIR ?=
+INSTALL_FROM ?= $(TARGET_DIR)/release
+INSTALL_ARGS = --prefix "$(PREFIX)" $(if $(DESTDIR),--destdir "$(DESTDIR)")
+
+install:
+	$(if $(NO_BUILD),,$(CARGO) build --release -p maru -p maru-daemons --bins --lib)
+	scripts/install.sh $(INSTALL_ARGS) --bin-dir "$(INSTALL_FROM)" $(if $(WORKER),--worker) $(if $(STANDALONE),--standalone) $(if $(METADATA),--metadata)
+
+uninstall:
+	scripts/install.sh --uninstall $(INSTALL_ARGS)
 
 # Fragments of one concern each (bench, fuzzing, chaos, multi-node demo): mk/*.mk.
 include $(sort $(wildcard mk/*.mk))

@@ -23,7 +23,10 @@ static const char *const symbols[] = {
     "maru_load_slots",      "maru_submit_store_slots", "maru_submit_load_slots",
     "maru_op_poll",         "maru_op_wait",           "maru_op_results",
     "maru_op_free",         "maru_set_memory_hook",   "maru_set_memory_hook_auto",
-    "maru_views_acquire",   "maru_views_release",   "maru_slots_held", "maru_remove_batch", "maru_pin_batch", "maru_unpin_batch",
+    "maru_views_acquire",   "maru_views_release",     "maru_slots_held",
+    "maru_remove_batch",    "maru_pin_batch",         "maru_unpin_batch",
+    "maru_handler_shutdown", "maru_handler_free",     "maru_set_log_callback",
+    "maru_chunk_keys",
 };
 
 #define SYM(lib, name, type, var)                                                   \

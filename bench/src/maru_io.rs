@@ -7,14 +7,10 @@
 
 use crate::harness::{run_clients, Bound, Fig, Rotor};
 use crate::procs::{stack, Scratch};
-use maru::ffi::handler::{
-    maru_handler_close, maru_handler_open, maru_handler_t, maru_load, maru_load_batch, maru_store,
-    maru_store_batch,
-};
-use maru::ffi::maru_status_t;
-use maru::ffi::slots::{
+use maru::ffi::{
+    maru_handler_close, maru_handler_open, maru_handler_t, maru_load, maru_load_batch,
     maru_load_slots, maru_remove_batch, maru_remove_result_t, maru_slot_pool_t, maru_slot_t,
-    maru_slots_acquire, maru_slots_release,
+    maru_slots_acquire, maru_slots_release, maru_status_t, maru_store, maru_store_batch,
 };
 use serde::Serialize;
 use std::ffi::{c_char, CString};
@@ -127,7 +123,7 @@ impl CHandler {
             unsafe {
                 maru_slots_acquire(
                     self.0,
-                    maru_slot_pool_t::MARU_SLOT_LOAD as u32,
+                    maru_slot_pool_t::MARU_SLOT_LOAD.into(),
                     n,
                     5000,
                     slots.as_mut_ptr(),
@@ -174,7 +170,7 @@ impl CHandler {
     /// Unpublishes `keys` (this handler stored them); all must be removed.
     pub fn remove_batch(&self, keys: &[CString]) -> Result<(), String> {
         let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
-        let mut res = vec![0u32; keys.len()];
+        let mut res = vec![maru_remove_result_t::MARU_REMOVE_NOT_FOUND; keys.len()];
         // SAFETY: arrays of keys.len() entries.
         check(
             unsafe { maru_remove_batch(self.0, kp.as_ptr(), kp.len(), kp[0], res.as_mut_ptr()) },
@@ -182,7 +178,7 @@ impl CHandler {
         )?;
         match res
             .iter()
-            .filter(|&&r| r != maru_remove_result_t::MARU_REMOVED as u32)
+            .filter(|&&r| r != maru_remove_result_t::MARU_REMOVED)
             .count()
         {
             0 => Ok(()),
@@ -245,12 +241,7 @@ impl CHandler {
         // SAFETY: a writable buffer of `buf.len()` bytes and an out pointer.
         check(
             unsafe {
-                maru::ffi::handler::maru_stats_json(
-                    self.0,
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    &mut len,
-                )
+                maru::ffi::maru_stats_json(self.0, buf.as_mut_ptr().cast(), buf.len(), &mut len)
             },
             "maru_stats_json",
         )?;

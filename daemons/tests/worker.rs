@@ -228,7 +228,13 @@ fn share_through_slots(backend: &str) {
         vec![None]
     );
     b.release_slots(&[s[0].id]).unwrap();
-    b.release_slots(&[s[0].id]).unwrap(); // already released: a no-op
+    assert!(
+        matches!(
+            b.release_slots(&[s[0].id]),
+            Err(WorkerError::InvalidArgument(_))
+        ),
+        "a double release is refused"
+    );
     assert_eq!(b.held_slots(), 0);
     let stats = b.stats();
     assert_eq!(stats["total"]["hits"], n as u64);

@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
 # Starts a memory node (RM on a fake DAX file in /dev/shm, agent) and maru-server on
 # loopback, builds examples/c/share_kv.c and runs it for both backends; stops everything.
-# Usage: examples/c/run.sh [DIR-WITH-BINARIES-AND-libmaru.so] (default target/debug)
+# Usage: examples/c/run.sh [DIR]
+#   DIR a cargo output directory (default target/debug; libmaru.so there or in deps/),
+#   or an installed prefix (DIR/bin/maru-server exists): the daemons from DIR/bin, the
+#   header and library found with `pkg-config maru` (set PKG_CONFIG_PATH, or
+#   PKG_CONFIG_SYSROOT_DIR and PKG_CONFIG_LIBDIR for a DESTDIR install).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-bin=$(cd "${1:-$root/target/debug}" && pwd)
-for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl libmaru.so; do
-    [ -e "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
+dir=$(cd "${1:-$root/target/debug}" && pwd)
+if [ -x "$dir/bin/maru-server" ]; then
+    bin=$dir/bin
+    cflags=$(pkg-config --cflags maru) || { echo "pkg-config does not find maru: set PKG_CONFIG_PATH to the install's lib/pkgconfig" >&2; exit 2; }
+    libdir=$(pkg-config --libs-only-L maru | sed 's/^ *-L//; s/ *$//')
+    lib=$libdir/libmaru.so.0
+else
+    bin=$dir
+    cflags="-I $root/include"
+    lib=$bin/libmaru.so
+    # `cargo build --bins` leaves the cdylib only in deps/.
+    [ -e "$lib" ] || lib=$bin/deps/libmaru.so
+fi
+for b in "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$lib"; do
+    [ -e "$b" ] || { echo "missing $b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
 done
 source "$root/scripts/daemons-lib.sh"
 work=$(mktemp -d /tmp/maru-example-c.XXXXXX)
 pool=/dev/shm/maru-example-c-$$
 trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
 export RUST_LOG=${RUST_LOG:-warn}
-cc -std=c11 -Wall -Wextra -I "$root/include" "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"
+# shellcheck disable=SC2086 # cflags is a list of flags
+cc -std=c11 -Wall -Wextra $cflags "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:256M" >/dev/null
 maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" \
@@ -25,5 +42,5 @@ for backend in remote_cxl cxl; do
     cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","agent_key_file":"%s"}' \
         "$backend" "$(cat "$work/server.addr")" "$1" "$work/agent.key"; }
     printf '%-10s ' "$backend:"
-    "$work/share_kv" "$bin/libmaru.so" "$(cfg example-$backend-a)" "$(cfg example-$backend-b)" 64
+    "$work/share_kv" "$lib" "$(cfg example-$backend-a)" "$(cfg example-$backend-b)" 64
 done

@@ -2,6 +2,7 @@ pub mod agent;
 pub mod auth;
 pub mod dax;
 pub mod ffi;
+pub mod logging;
 pub mod meta;
 pub mod net;
 pub mod rm;

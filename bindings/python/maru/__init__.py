@@ -18,9 +18,18 @@ Code written for the upstream Maru package (``from maru import MaruConfig,
 MaruHandler``; ``MaruHandler(MaruConfig(...))``) gets the compatible handler of
 :mod:`maru.compat`; see docs/migration.md.
 
-Set ``MARU_LIB`` to the path of libmaru.so to pick a specific build (see ``maru._lib``
-for where it is looked for otherwise).
+The package carries libmaru.so (``pip install ./bindings/python`` builds it with
+cargo); ``MARU_LIB`` names another build to use instead (see :mod:`maru._lib`).
+libmaru's log messages go to the ``maru.lib`` loggers of :mod:`logging` (WARNING and
+above; :func:`set_log_level` changes that).
+
+Layers, each importing only those below it: ``_lib`` (the C library and its
+prototypes), ``errors``; ``_book`` (memory handed to Python), ``_log``, ``hook``,
+``keys``; ``slots``, ``views``; ``handler``; ``compat`` (the upstream-compatible
+package); this module on top.
 """
+
+import logging as _logging
 
 from ._lib import ABI_VERSION, version
 from ._lib import path as library_path
@@ -46,7 +55,12 @@ from .hook import set_memory_hook, set_memory_hook_auto
 from .keys import chunk_keys
 from .slots import Op, Slot, SlotPool
 from .views import RemoveResult, View
+from ._log import set_log_level, stop_forwarding as stop_log_forwarding
 from .compat import AllocHandle, MaruConfig, MemoryInfo
+
+# Forward libmaru's messages to logging from the start, at the level the "maru.lib"
+# logger lets through now (WARNING unless the application configured it before).
+set_log_level(_logging.getLogger("maru.lib").getEffectiveLevel())
 
 __version__ = "0.1.0"
 
@@ -79,6 +93,8 @@ __all__ = [
     "chunk_keys",
     "library_path",
     "set_memory_hook",
+    "set_log_level",
     "set_memory_hook_auto",
+    "stop_log_forwarding",
     "version",
 ]

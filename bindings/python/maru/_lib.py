@@ -1,14 +1,15 @@
-"""Finding and loading libmaru.so, and the C prototypes of include/maru.h.
+"""Finding and loading libmaru.so, and the C prototypes of include/maru.h: the only
+module of the package that calls C (the layer every other module builds on).
 
 The library is looked for, in order:
 
 1. ``$MARU_LIB`` (a path to the ``.so``, or a directory holding ``libmaru.so``); when it
    is set and wrong, the import fails instead of falling back to another build;
-2. ``libmaru.so`` next to this package (``maru/libmaru.so``, if someone copied it there);
-3. ``target/release/libmaru.so`` then ``target/debug/libmaru.so`` in the current
-   directory and every directory above it, then the same above this package's file;
-4. ``ctypes.util.find_library("maru")`` (the system's library path).
+2. the library inside this package (``maru/libmaru*.so``): the wheel built by
+   ``pip install ./bindings/python`` carries it;
+3. ``ctypes.util.find_library("maru")``: a system install (``make install``).
 
+The current directory is never searched (a library planted there is never loaded).
 Importing checks ``maru_abi_version()`` against :data:`ABI_VERSION`.
 """
 
@@ -30,21 +31,10 @@ c_void_pp = ctypes.POINTER(ctypes.c_void_p)
 
 
 def candidates() -> List[Path]:
-    """Where the library is looked for, in order, without ``$MARU_LIB`` (deduplicated)."""
-    out: List[Path] = []
+    """The libraries inside this package, in the order they are tried (without
+    ``$MARU_LIB``): ``libmaru.so``, then a build backend's ``libmaru.*.so``."""
     here = Path(__file__).resolve().parent
-    out.append(here / "libmaru.so")
-    for start in (Path.cwd().resolve(), here):
-        for d in (start, *start.parents):
-            for profile in ("release", "debug"):
-                out.append(d / "target" / profile / "libmaru.so")
-    seen = set()
-    unique = []
-    for p in out:
-        if p not in seen:
-            seen.add(p)
-            unique.append(p)
-    return unique
+    return [here / "libmaru.so", *sorted(here.glob("libmaru.*.so"))]
 
 
 def _open(path: str) -> ctypes.CDLL:
@@ -71,7 +61,8 @@ def _load() -> ctypes.CDLL:
     if found:
         return _open(found)
     raise ImportError(
-        "libmaru.so not found: build it (cargo build -p maru) or set MARU_LIB to its path.\n"
+        "libmaru.so not found: install the package with its library (pip install ./bindings/python, "
+        "which builds it with cargo), install libmaru (make install), or set MARU_LIB to its path.\n"
         "Looked in (MARU_LIB unset):\n  "
         + "\n  ".join(str(p) for p in tried)
         + '\n  ctypes.util.find_library("maru") (nothing)'
@@ -97,6 +88,10 @@ lib.maru_handler_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(_H)]
 lib.maru_handler_open.restype = _S
 lib.maru_handler_close.argtypes = [_H]
 lib.maru_handler_close.restype = _S
+lib.maru_handler_shutdown.argtypes = [_H]
+lib.maru_handler_shutdown.restype = _S
+lib.maru_handler_free.argtypes = [_H]
+lib.maru_handler_free.restype = _S
 lib.maru_store.argtypes = [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
 lib.maru_store.restype = _S
 lib.maru_store_batch.argtypes = [_H, c_char_pp, c_void_pp, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
@@ -209,3 +204,19 @@ lib.maru_views_acquire.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char
 lib.maru_views_acquire.restype = _S
 lib.maru_views_release.argtypes = [_H, c_u64_p, ctypes.c_size_t]
 lib.maru_views_release.restype = _S
+
+# Logging and chunk keys.
+
+#: ``maru_log_fn``: ``void (*)(void *ctx, maru_log_level_t level, const char *target,
+#: const char *message)``.
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p)
+lib.maru_set_log_callback.argtypes = [ctypes.c_uint32, LOG_FN, ctypes.c_void_p]
+lib.maru_set_log_callback.restype = _S
+
+#: ``MARU_CHUNK_KEY_SIZE``: bytes of one key in ``maru_chunk_keys``' output.
+CHUNK_KEY_SIZE = 65
+lib.maru_chunk_keys.argtypes = [
+    ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p,
+    ctypes.c_char_p, ctypes.c_size_t, c_size_p,
+]
+lib.maru_chunk_keys.restype = _S

@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _buffer
+from . import hook as _hook
 from ._buffer import Buffer
 from ._lib import last_error, lib, maru_slot_t, maru_view_t, status_str
 from .errors import (
@@ -23,8 +24,9 @@ from .errors import (
     Status,
     error_for,
 )
-from .slots import Op, Slot, SlotPool, _Views, as_lengths
-from .views import RemoveResult, View, _Expirer
+from ._book import _Expirer, _Views
+from .slots import Op, Slot, SlotPool, as_lengths
+from .views import RemoveResult, View
 
 
 def _check(status: int) -> None:
@@ -78,10 +80,9 @@ class MaruHandler:
     """
 
     def __new__(cls, config: Any = None) -> Any:
-        if cls is MaruHandler and (config is None or _is_compat_config(config)):
-            from .compat import MaruHandler as CompatHandler
-
-            return CompatHandler(config)
+        upstream = _upstream
+        if cls is MaruHandler and upstream is not None and (config is None or isinstance(config, upstream[0])):
+            return upstream[1](config)
         return super().__new__(cls)
 
     def __init__(self, config: Union[Mapping[str, Any], str]) -> None:
@@ -865,9 +866,7 @@ class MaruHandler:
     @staticmethod
     def set_memory_hook_auto() -> None:
         """:func:`maru.set_memory_hook_auto` (process-wide, for handlers opened later)."""
-        from .hook import set_memory_hook_auto
-
-        set_memory_hook_auto()
+        _hook.set_memory_hook_auto()
 
     def held_slots(self) -> List[Slot]:
         """The slots this handler handed out that are still held in Python."""
@@ -876,12 +875,17 @@ class MaruHandler:
 
 
 
-def _is_compat_config(config: Any) -> bool:
-    try:
-        from .compat import MaruConfig
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(config, MaruConfig)
+# The upstream-compatible layer (maru.compat) sits above this module and registers its
+# (config class, handler class) here when it is imported, so that
+# ``MaruHandler(MaruConfig(...))`` gives its handler while this module never imports it.
+_upstream: Optional[Tuple[type, type]] = None
+
+
+def register_upstream(config_class: type, handler_class: type) -> None:
+    """Called by :mod:`maru.compat`: ``MaruHandler(config_class(...))`` and
+    ``MaruHandler()`` construct ``handler_class`` instead."""
+    global _upstream
+    _upstream = (config_class, handler_class)
 
 
 # A valid address for a zero-length buffer: libmaru refuses NULL data pointers even for

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
 from ._buffer import Buffer, _bytes_view
+from ._book import _Views
 from ._lib import last_error, lib, status_str
 from .errors import BusyError, SlotReleasedError, Status, error_for, is_error
 
@@ -55,69 +55,6 @@ class SlotPool(enum.IntEnum):
 def _raise_for(status: int) -> None:
     if is_error(status):
         raise error_for(status, last_error() or status_str(status))
-
-
-class _Views:
-    """The memoryviews handed out over one region of libmaru memory, revocable.
-
-    Each view is ``memoryview((c_ubyte * n).from_address(addr)).cast("B")``; ctypes
-    arrays made ``from_address`` do not own the memory, so releasing the memoryview is
-    what cuts Python's access. Derived views (slices, numpy arrays) keep the managed
-    buffer, and so the array, alive: ``sys.getrefcount`` on the array tells whether any
-    is left (CPython)."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self) -> None:
-        self._items: List[List[Any]] = []  # [array, memoryview or None]
-
-    def make(self, addr: int, n: int, readonly: bool = False) -> memoryview:
-        if len(self._items) >= 8:
-            self._prune()
-        if n == 0:
-            arr: Any = (ctypes.c_ubyte * 1).from_address(addr)
-            mv = memoryview(arr).cast("B")[:0]
-        else:
-            arr = (ctypes.c_ubyte * n).from_address(addr)
-            mv = memoryview(arr).cast("B")
-        if readonly:
-            mv = mv.toreadonly()
-        self._items.append([arr, mv])
-        return mv
-
-    def _prune(self) -> None:
-        """Forgets views nobody holds any more (only this list refers to them)."""
-        keep = []
-        for item in self._items:
-            # item[1]: the list's reference, getrefcount's argument; item[0]: the list's
-            # and the managed buffer's (while the memoryview lives).
-            if item[1] is not None and sys.getrefcount(item[1]) <= 2 and sys.getrefcount(item[0]) <= 3:
-                item[1].release()
-                continue
-            keep.append(item)
-        self._items = keep
-
-    def revoke(self) -> int:
-        """Releases every view; returns how many arrays are still referenced by objects
-        derived from them (0: nothing can reach the memory any more). Raises nothing:
-        a view exported to another object is left alive and counted."""
-        alive = 0
-        keep: List[List[Any]] = []
-        for item in self._items:
-            mv = item[1]
-            if mv is not None:
-                try:
-                    mv.release()
-                    item[1] = None
-                except BufferError:  # exported (numpy.frombuffer(view), ...)
-                    pass
-            del mv
-            # item holds one reference and getrefcount's argument another.
-            if item[1] is not None or sys.getrefcount(item[0]) > 2:
-                alive += 1
-                keep.append(item)
-        self._items = keep
-        return alive
 
 
 class Slot:

@@ -33,15 +33,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import heapq
-import itertools
-import threading
 import time
-import weakref
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import SlotReleasedError, ViewExpiredError
-from .slots import _Views
+from ._book import _Views
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handler import MaruHandler
@@ -186,67 +182,3 @@ class View:
     def _revoke(self) -> int:
         self._view = None
         return self._views.revoke()
-
-
-def _held(ref: "weakref.ref[View]") -> bool:
-    v = ref()
-    return v is not None and v._state == "held"
-
-
-class _Expirer:
-    """One daemon thread per handler that expires views on time (revokes their
-    memoryviews when their lease runs out), started with the first view and ending when
-    none is left or the handler closed."""
-
-    def __init__(self, handler: "MaruHandler") -> None:
-        self._handler = weakref.ref(handler)
-        self._cv = threading.Condition()
-        self._heap: List[Tuple[float, int, "weakref.ref[View]"]] = []
-        self._seq = itertools.count()
-        self._thread: Optional[threading.Thread] = None
-        self._stop = False
-
-    def add(self, views: List[View]) -> None:
-        with self._cv:
-            if self._stop:
-                return
-            if len(self._heap) > 4096:
-                # Mostly views released long ago: keep only those still held.
-                live = [e for e in self._heap if _held(e[2])]
-                if len(live) < len(self._heap) // 2:
-                    heapq.heapify(live)
-                    self._heap = live
-            for v in views:
-                heapq.heappush(self._heap, (v._deadline, next(self._seq), weakref.ref(v)))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="maru-view-expiry", daemon=True)
-                self._thread.start()
-            else:
-                self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._heap.clear()
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and self._heap:
-                    wait = self._heap[0][0] - time.monotonic()
-                    if wait <= 0:
-                        break
-                    self._cv.wait(min(wait, 60.0))
-                if self._stop or not self._heap:
-                    self._thread = None
-                    return
-                _, _, ref = heapq.heappop(self._heap)
-            v = ref()
-            h = self._handler()
-            if v is not None and h is not None:
-                try:
-                    h._expire_view(v)
-                except Exception:  # pragma: no cover - never let the thread die
-                    pass
-            del v, h

@@ -132,17 +132,100 @@ def test_maru_lib_overrides_and_a_wrong_one_is_an_import_error(tmp_path):
     assert "ImportError" in bad.stderr and "MARU_LIB" in bad.stderr and "nope.so" in bad.stderr
 
 
-def test_not_found_lists_where_it_looked(tmp_path):
-    # A copy of the package outside any checkout, imported from a directory outside one.
+def test_not_found_lists_where_it_looked_and_never_searches_the_working_directory(tmp_path):
+    # A copy of the package without its library, imported from a directory that holds a
+    # planted target/debug/libmaru.so: it must not be loaded.
     import shutil
 
     pkg = tmp_path / "site" / "maru"
-    shutil.copytree(Path(maru.__file__).resolve().parent, pkg, ignore=shutil.ignore_patterns("libmaru.so", "__pycache__"))
-    env = {k: v for k, v in os.environ.items() if k != "MARU_LIB"}
-    code = f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); import maru"
+    shutil.copytree(
+        Path(maru.__file__).resolve().parent, pkg, ignore=shutil.ignore_patterns("libmaru*.so", "__pycache__")
+    )
+    planted = tmp_path / "target" / "debug"
+    planted.mkdir(parents=True)
+    shutil.copy(maru.library_path, planted / "libmaru.so")
+    env = {k: v for k, v in os.environ.items() if k not in ("MARU_LIB", "PYTHONPATH")}
+    code = f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r}); import maru; print(maru.library_path)"
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     if r.returncode == 0:
-        assert False, "libmaru was found outside a checkout (installed system-wide?): " + r.stdout
+        assert str(planted) not in r.stdout, "a library in the working directory was loaded"
+        assert False, "libmaru was found outside the package (installed system-wide?): " + r.stdout
     assert "libmaru.so not found" in r.stderr and "MARU_LIB" in r.stderr
-    assert str(tmp_path.resolve() / "target" / "debug" / "libmaru.so") in r.stderr
     assert str(pkg.resolve() / "libmaru.so") in r.stderr
+    assert str(planted) not in r.stderr
+
+
+def test_the_c_and_python_chunk_keys_are_equal():
+    """maru_chunk_keys (C) and maru.chunk_keys (Python) give the same keys."""
+    import random
+
+    from maru import _lib
+
+    rng = random.Random(7)
+    cases = [([], 4, "m"), (list(range(10)), 4, "m/l"), ([-(2**31), 2**31 - 1, 0, 5], 2, "ns é")]
+    cases += [
+        ([rng.randrange(-(2**31), 2**31) for _ in range(rng.randrange(0, 600))], rng.choice([1, 16, 256]), f"ns{i}")
+        for i in range(20)
+    ]
+    for tokens, chunk, ns in cases:
+        n = len(tokens) // chunk
+        arr = (ctypes.c_int32 * max(len(tokens), 1))(*tokens)
+        out = ctypes.create_string_buffer(max(n, 1) * _lib.CHUNK_KEY_SIZE)
+        got = ctypes.c_size_t()
+        st = _lib.lib.maru_chunk_keys(arr, len(tokens), chunk, ns.encode(), out, n, ctypes.byref(got))
+        assert st == 0, _lib.last_error()
+        c_keys = [
+            out.raw[i * _lib.CHUNK_KEY_SIZE : i * _lib.CHUNK_KEY_SIZE + 64].decode() for i in range(got.value)
+        ]
+        assert c_keys == chunk_keys(tokens, chunk, ns), (len(tokens), chunk, ns)
+
+
+def test_libmaru_messages_reach_logging(caplog):
+    """libmaru's warnings (here: the open of a pool nobody serves) reach the maru.lib loggers."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="maru.lib"):
+        with pytest.raises(maru.UnavailableError):
+            maru.MaruHandler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
+    msgs = [r for r in caplog.records if r.name.startswith("maru.lib.")]
+    assert any("127.0.0.1:1" in r.getMessage() and r.levelno == logging.WARNING for r in msgs), caplog.text
+    # Below the level set, nothing is forwarded.
+    maru.set_log_level(logging.ERROR)
+    try:
+        caplog.clear()
+        with pytest.raises(maru.UnavailableError):
+            maru.MaruHandler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
+        assert not [r for r in caplog.records if r.name.startswith("maru.lib.")]
+    finally:
+        maru.set_log_level(logging.WARNING)
+
+
+def test_the_package_imports_one_way():
+    """Each module imports only modules of lower layers (no cycle, no reaching up)."""
+    import ast
+
+    layer = {
+        "_lib": 0, "errors": 0, "_buffer": 0, "keys": 0,
+        "_book": 1, "_log": 1, "hook": 1,
+        "slots": 2, "views": 2,
+        "handler": 3,
+        "compat": 4,
+        "__init__": 5,
+    }
+    root = Path(maru.__file__).resolve().parent
+    for path in [*root.glob("*.py"), root / "compat" / "__init__.py"]:
+        name = "compat" if path.parent.name == "compat" else path.stem
+        if name not in layer:  # modules added by others (maru.vllm*) sit on top
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                node.body = []  # annotations only
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = node.module.split(".")[0] if node.module else None
+            targets = [base] if base else [a.name for a in node.names]
+            for t in targets:
+                if t in layer:
+                    assert layer[t] < layer[name], f"{path.name} ({name}) imports {t}: not a lower layer"

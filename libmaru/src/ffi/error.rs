@@ -5,7 +5,7 @@
 //! [`ffi_guard`](super::boundary::ffi_guard)); the functions here only read it.
 
 use super::boundary::ffi_guard_value;
-use super::status::maru_status_t;
+use super::status::{maru_status_t, StatusArg};
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 
@@ -70,6 +70,7 @@ fn with_last_message<T>(f: impl FnOnce(&CStr) -> T) -> T {
 /// Never NULL. The string belongs to libmaru and stays valid until the next
 /// libmaru call on this thread other than `maru_last_error`,
 /// `maru_last_error_copy` and `maru_status_str`; copy it to keep it.
+/// Threads: any thread; each thread has its own last error.
 #[no_mangle]
 pub extern "C" fn maru_last_error() -> *const c_char {
     ffi_guard_value(c"".as_ptr(), || with_last_message(|m| m.as_ptr()))
@@ -87,10 +88,8 @@ pub extern "C" fn maru_last_error() -> *const c_char {
 /// Returns `MARU_OK`, `MARU_ERR_BUFFER_TOO_SMALL`, or `MARU_ERR_NULL_ARGUMENT`
 /// when `out_len` is NULL, or `buf` is NULL with `len > 0`.
 ///
-/// # Safety
-///
-/// `buf` must be NULL or point to `len` writable bytes, and `out_len` must be
-/// NULL or point to a writable `size_t`.
+/// Ownership: `buf` (`len` writable bytes) and `out_len` are the caller's.
+/// Threads: any thread; it reads that thread's own message.
 #[no_mangle]
 pub unsafe extern "C" fn maru_last_error_copy(
     buf: *mut c_char,
@@ -143,13 +142,12 @@ fn utf8_prefix_len(bytes: &[u8], max: usize) -> usize {
 
 /// A short, static description of a status code, such as "not found".
 ///
-/// `status` is a `maru_status_t` value; an unknown value gives
-/// "unknown status". Never NULL; the string is static and never freed. This
-/// call does not change the last error.
+/// An unknown value gives "unknown status". Never NULL; the string is static
+/// and never freed. This call does not change the last error. Threads: any.
 #[no_mangle]
-pub extern "C" fn maru_status_str(status: u32) -> *const c_char {
+pub extern "C" fn maru_status_str(status: StatusArg) -> *const c_char {
     ffi_guard_value(c"unknown status".as_ptr(), || {
-        maru_status_t::from_raw(status)
+        maru_status_t::from_raw(status.0)
             .map_or(c"unknown status", maru_status_t::description)
             .as_ptr()
     })
@@ -273,12 +271,12 @@ mod tests {
 
     #[test]
     fn status_str_is_static_and_distinct() {
-        let ok = unsafe { CStr::from_ptr(maru_status_str(0)) };
+        let ok = unsafe { CStr::from_ptr(maru_status_str(StatusArg(0))) };
         assert_eq!(ok.to_str().unwrap(), "ok");
-        let panic = unsafe { CStr::from_ptr(maru_status_str(99)) };
+        let panic = unsafe { CStr::from_ptr(maru_status_str(StatusArg(99))) };
         assert_eq!(panic.to_str().unwrap(), "panic inside libmaru");
-        let unknown = unsafe { CStr::from_ptr(maru_status_str(12345)) };
+        let unknown = unsafe { CStr::from_ptr(maru_status_str(StatusArg(12345))) };
         assert_eq!(unknown.to_str().unwrap(), "unknown status");
-        assert_ne!(maru_status_str(1), maru_status_str(2));
+        assert_ne!(maru_status_str(StatusArg(1)), maru_status_str(StatusArg(2)));
     }
 }

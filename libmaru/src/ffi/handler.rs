@@ -1,324 +1,265 @@
-//! The handler C API: open a handler from JSON, store/load/exists by key (single and
-//! batched, with a route key), stats as JSON, close.
+//! `maru_handler_t`: open, shut down, free; stats and chunk size.
+//!
+//! A handler's memory must outlive every call that uses it, including calls that are
+//! blocked when another thread closes it. So the pointer C holds is one reference of
+//! an `Arc`, and each call holds its own reference for its duration ([`Call`]): a
+//! call in flight never touches freed memory, whatever order the threads run in.
+//! The [`Gate`] counts the calls in flight, refuses new ones once shutdown began, and
+//! lets shutdown wait (bounded) for those running.
 
-use super::boundary::{check_not_null, ffi_guard, FfiError};
+use super::args::req_str;
+use super::boundary::{check_not_null, ffi_guard, require_non_null, FfiError};
 use super::status::maru_status_t;
-use crate::worker::{Handler, Loaded, WorkerError};
-use std::ffi::{c_char, CStr};
+use crate::worker::{Handler, HandlerConfig};
+use std::ffi::c_char;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-/// An open handler. Create with `maru_handler_open`, free with `maru_handler_close`.
-/// Thread-safe: calls from several threads may run at once.
+/// An open handler: the engine's connection to its Maru pools, with its staging slots.
+///
+/// Create it with `maru_handler_open`; end it with `maru_handler_close` (or
+/// `maru_handler_free`, the same), or in two steps with `maru_handler_shutdown` then
+/// `maru_handler_free` when other threads may still be calling it.
+///
+/// Threads: every call on a handler may run from any thread, concurrently with any
+/// other call on it, including `maru_handler_shutdown`. A call that begins after
+/// shutdown began returns `MARU_ERR_CLOSED`; one blocked in `maru_slots_acquire`
+/// wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
+/// be the last use of the pointer: calls in flight when it begins are waited for
+/// (bounded) and stay memory-safe, but no call may *begin* after it began.
 #[allow(non_camel_case_types)]
 pub struct maru_handler_t {
-    pub(super) inner: Handler,
+    inner: Handler,
+    gate: Gate,
+    /// How long shutdown waits for calls in flight: the configuration's `timeout_ms`.
+    close_wait: Duration,
+    /// Held for the whole of a shutdown, so a second one returns only after it ends.
+    closing: Mutex<()>,
 }
 
-fn status_of(e: &WorkerError) -> maru_status_t {
-    match e {
-        WorkerError::Config(_) => maru_status_t::MARU_ERR_CONFIG,
-        WorkerError::InvalidArgument(_) => maru_status_t::MARU_ERR_INVALID_ARGUMENT,
-        WorkerError::Unavailable(_) => maru_status_t::MARU_ERR_UNAVAILABLE,
-        WorkerError::Refused(_) => maru_status_t::MARU_ERR_REFUSED,
-        WorkerError::NoSpace(_) => maru_status_t::MARU_ERR_NO_SPACE,
-        WorkerError::Timeout(_) => maru_status_t::MARU_ERR_TIMEOUT,
-        WorkerError::Transport(_) => maru_status_t::MARU_ERR_IO,
-        WorkerError::Busy(_) => maru_status_t::MARU_ERR_BUSY,
-        WorkerError::Closed => maru_status_t::MARU_ERR_CLOSED,
+#[derive(Default)]
+struct GateState {
+    in_flight: usize,
+    /// Shutdown began: new calls are refused, blocked ones give up.
+    shut: bool,
+    /// The handler's sessions are closed (its staging memory may be gone).
+    closed: bool,
+}
+
+#[derive(Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    idle: Condvar,
+}
+
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // A panic inside a call is caught at the boundary while the gate is not held,
+        // so a poisoned lock only means a panic in this file: keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-pub(super) fn ffi_err(e: WorkerError) -> FfiError {
-    (status_of(&e), e.to_string())
+fn closed_error() -> FfiError {
+    (
+        maru_status_t::MARU_ERR_CLOSED,
+        "the handler is shut down (maru_handler_shutdown or maru_handler_close)".into(),
+    )
 }
 
-/// # Safety
-/// `p` is NULL or a NUL-terminated string.
-pub(super) unsafe fn opt_str<'a>(
-    p: *const c_char,
-    name: &str,
-) -> Result<Option<&'a str>, FfiError> {
-    if p.is_null() {
-        return Ok(None);
+/// One call in flight on a handler: a reference to it and a place in the gate's count.
+pub(crate) struct Call {
+    h: Arc<maru_handler_t>,
+}
+
+impl Call {
+    /// Enters the gate of `h`, or `MARU_ERR_CLOSED` once shutdown began.
+    ///
+    /// # Safety
+    /// `h` is a pointer from `maru_handler_open` whose `maru_handler_free` has not begun.
+    unsafe fn enter(h: *const maru_handler_t) -> Result<Call, FfiError> {
+        require_non_null(h, "h")?;
+        // The C caller's reference keeps the count above zero until free, and free
+        // may not begin before this call did (the documented rule).
+        Arc::increment_strong_count(h);
+        let h = Arc::from_raw(h);
+        let mut st = h.gate.lock();
+        if st.shut {
+            return Err(closed_error());
+        }
+        st.in_flight += 1;
+        drop(st);
+        // Counted now: from here on the Call's drop uncounts it.
+        Ok(Call { h })
     }
-    CStr::from_ptr(p).to_str().map(Some).map_err(|_| {
-        (
-            maru_status_t::MARU_ERR_INVALID_ARGUMENT,
-            format!("argument `{name}` is not UTF-8"),
-        )
-    })
+
+    pub(crate) fn handler(&self) -> &Handler {
+        &self.h.inner
+    }
+
+    /// Whether shutdown began while this call ran (a blocked call gives up then).
+    pub(crate) fn shutting_down(&self) -> bool {
+        self.h.gate.lock().shut
+    }
+
+    /// `MARU_ERR_CLOSED` when the handler's sessions were closed while this call ran
+    /// (shutdown stopped waiting for it): its results may name memory that is gone.
+    fn check_still_open(&self) -> Result<(), FfiError> {
+        if self.h.gate.lock().closed {
+            Err((
+                maru_status_t::MARU_ERR_CLOSED,
+                "the handler was shut down while this call ran; its results are not valid".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
 }
 
-/// # Safety
-/// `p` is a NUL-terminated string (checked non-NULL by the caller).
-pub(super) unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError> {
-    opt_str(p, name)?.ok_or((
-        maru_status_t::MARU_ERR_NULL_ARGUMENT,
-        format!("argument `{name}` is NULL"),
-    ))
+impl Drop for Call {
+    fn drop(&mut self) {
+        let mut st = self.h.gate.lock();
+        st.in_flight -= 1;
+        if st.in_flight == 0 {
+            self.h.gate.idle.notify_all();
+        }
+    }
 }
 
-/// # Safety
-/// `h` is a live handler from `maru_handler_open`.
-pub(super) unsafe fn handler<'a>(h: *const maru_handler_t) -> &'a Handler {
-    &(*h).inner
-}
-
-/// Opens a handler from a JSON configuration (see docs/configuration.md): backend
-/// (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
-/// file, transport, staging slot counts, timeout. On success `*out` is the handler.
-/// A configuration error returns `MARU_ERR_CONFIG` at once (do not retry);
-/// `MARU_ERR_UNAVAILABLE` means no pool answered.
+/// Runs `f` as one call on handler `h` (NULL: `MARU_ERR_NULL_ARGUMENT`): refused once
+/// shutdown began, counted while it runs, and turned into `MARU_ERR_CLOSED` when the
+/// handler was closed under it.
 ///
 /// # Safety
-/// `config_json` is a NUL-terminated string; `out` points to writable storage.
+/// As [`Call::enter`].
+pub(crate) unsafe fn with_handler<T>(
+    h: *const maru_handler_t,
+    f: impl FnOnce(&Call) -> Result<T, FfiError>,
+) -> Result<T, FfiError> {
+    let call = Call::enter(h)?;
+    let r = f(&call)?;
+    call.check_still_open()?;
+    Ok(r)
+}
+
+impl maru_handler_t {
+    /// Refuses new calls, wakes blocked ones and waits up to `close_wait` for the calls
+    /// in flight. Idempotent; a second caller waits for the first.
+    fn shutdown(&self) {
+        let _one_at_a_time = self.closing.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.gate.lock();
+        if st.shut {
+            return;
+        }
+        st.shut = true;
+        let deadline = Instant::now() + self.close_wait;
+        while st.in_flight > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                log::warn!(
+                    "maru_handler_shutdown: {} call(s) still running after {} ms; they will return MARU_ERR_CLOSED",
+                    st.in_flight,
+                    self.close_wait.as_millis()
+                );
+                break;
+            }
+            st = self
+                .gate
+                .idle
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Shuts down (if not yet), then closes the sessions: slots, views and the staging
+    /// buffer end, the memory hook's `unregister` runs. Idempotent.
+    fn close_sessions(&self) -> Result<(), FfiError> {
+        self.shutdown();
+        let _one_at_a_time = self.closing.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.gate.lock();
+        if st.closed {
+            return Ok(());
+        }
+        st.closed = true;
+        drop(st);
+        self.inner.close()?;
+        Ok(())
+    }
+}
+
+fn config_error(e: String) -> FfiError {
+    (
+        maru_status_t::MARU_ERR_CONFIG,
+        format!("configuration error: {e}"),
+    )
+}
+
+/// A `server_url` entry must be `host:port` (`[v6]:port` too): a malformed address is
+/// a configuration error, not a pool that is down.
+fn check_host_port(url: &str) -> Result<(), String> {
+    let bad = || format!("server_url entry {url:?} is not host:port (such as 10.0.0.3:5555)");
+    let (host, port) = url.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || host.contains('/') || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Opens a handler from a JSON configuration (docs/configuration.md): `backend`
+/// (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
+/// file, transport, staging slot counts, `timeout_ms`. On success `*out` is the new
+/// handler.
+///
+/// A configuration error (bad JSON, unknown field, malformed `server_url`) returns
+/// `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
+/// `server_url` answered; with several pools, the open succeeds when at least one
+/// answers and the others are retried in the background. A failing memory hook
+/// `register` returns `MARU_ERR_CONFIG`.
+///
+/// Ownership: `config_json` is read during the call only; the handler in `*out` is
+/// the caller's until `maru_handler_close` (or `maru_handler_free`).
+/// Threads: any thread; handlers are independent of each other. The memory hook and
+/// log callback in force when the open starts are the ones it uses.
 #[no_mangle]
 pub unsafe extern "C" fn maru_handler_open(
     config_json: *const c_char,
     out: *mut *mut maru_handler_t,
 ) -> maru_status_t {
+    crate::logging::install();
     ffi_guard(|| {
         check_not_null!(config_json, out);
         let cfg = req_str(config_json, "config_json")?;
-        let h = Handler::open(cfg).map_err(ffi_err)?;
-        *out = Box::into_raw(Box::new(maru_handler_t { inner: h }));
+        // Parsed here for the shutdown wait and the address check; Handler::open
+        // parses it again.
+        let parsed = HandlerConfig::parse(cfg).map_err(config_error)?;
+        for url in parsed.server_urls().map_err(config_error)? {
+            check_host_port(&url).map_err(config_error)?;
+        }
+        let close_wait = Duration::from_millis(parsed.timeout_ms);
+        let inner = Handler::open(cfg)?;
+        let h = Arc::new(maru_handler_t {
+            inner,
+            gate: Gate::default(),
+            close_wait,
+            closing: Mutex::new(()),
+        });
+        *out = Arc::into_raw(h).cast_mut();
         Ok(())
     })
 }
 
-/// Closes the handler's sessions and frees it. NULL is ignored. The pointer must not
-/// be used afterwards.
+/// Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap`
+/// bytes; `*out_len` is the JSON's length without the NUL. Too small a buffer returns
+/// `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes; `buf` may be
+/// NULL with `cap` 0 to ask for the length).
 ///
-/// # Safety
-/// `h` is NULL or a handler from `maru_handler_open` not yet closed.
-#[no_mangle]
-pub unsafe extern "C" fn maru_handler_close(h: *mut maru_handler_t) -> maru_status_t {
-    ffi_guard(|| {
-        if h.is_null() {
-            return Ok(());
-        }
-        let b = Box::from_raw(h);
-        b.inner.close().map_err(ffi_err)
-    })
-}
-
-/// Stores `len` bytes under `key`. `route_key` (may be NULL: the key itself) picks the
-/// pool: pass the request's first chunk key for every chunk of a request. `*stored`
-/// (may be NULL) is false when the chunk was skipped (no free staging slot, pool
-/// unavailable), true when it is stored or was already present.
+/// The JSON holds per-pool counters (`pools`, `total`), the staging slots
+/// (`staging`) and the process-wide memory hook (`memory_hook`: `mode`,
+/// `pinned_bytes` registered now, `register_failures` so far).
 ///
-/// # Safety
-/// `key`/`route_key` are NUL-terminated strings; `data` points to `len` bytes.
-#[no_mangle]
-pub unsafe extern "C" fn maru_store(
-    h: *const maru_handler_t,
-    key: *const c_char,
-    data: *const u8,
-    len: usize,
-    route_key: *const c_char,
-    stored: *mut bool,
-) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(h, key, data);
-        let k = req_str(key, "key")?;
-        let rk = opt_str(route_key, "route_key")?;
-        let d = std::slice::from_raw_parts(data, len);
-        let ok = handler(h).store(k, d, rk).map_err(ffi_err)?;
-        if !stored.is_null() {
-            *stored = ok;
-        }
-        Ok(())
-    })
-}
-
-/// Loads `key` into `buf` (capacity `cap`); `*out_len` is its length. A miss returns
-/// `MARU_ERR_NOT_FOUND`; a buffer too small returns `MARU_ERR_BUFFER_TOO_SMALL` with
-/// the needed length in `*out_len`.
-///
-/// # Safety
-/// `key`/`route_key` are NUL-terminated strings; `buf` points to `cap` writable bytes.
-#[no_mangle]
-pub unsafe extern "C" fn maru_load(
-    h: *const maru_handler_t,
-    key: *const c_char,
-    buf: *mut u8,
-    cap: usize,
-    out_len: *mut usize,
-    route_key: *const c_char,
-) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(h, key, buf, out_len);
-        let k = req_str(key, "key")?;
-        let rk = opt_str(route_key, "route_key")?;
-        let mut bufs = [buffer_of(buf, cap)];
-        let got = handler(h)
-            .load_into(&[k.to_string()], &mut bufs, rk)
-            .map_err(ffi_err)?;
-        match got.first().copied().unwrap_or(Loaded::Miss) {
-            Loaded::Miss => Err((
-                maru_status_t::MARU_ERR_NOT_FOUND,
-                format!("key {k} not found"),
-            )),
-            Loaded::Bytes(n) => {
-                *out_len = n;
-                Ok(())
-            }
-            Loaded::TooSmall(n) => {
-                *out_len = n;
-                Err((
-                    maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
-                    format!("key {k} has {n} bytes; the buffer holds {cap}"),
-                ))
-            }
-        }
-    })
-}
-
-/// The caller's buffer as a slice (empty for NULL).
-///
-/// # Safety
-/// `buf` is NULL or points to `cap` writable bytes not aliased during the call.
-unsafe fn buffer_of<'a>(buf: *mut u8, cap: usize) -> &'a mut [u8] {
-    if buf.is_null() || cap == 0 {
-        &mut []
-    } else {
-        std::slice::from_raw_parts_mut(buf, cap)
-    }
-}
-
-/// Sets `*found` to whether `key` is stored (published) in its pool.
-///
-/// # Safety
-/// `key`/`route_key` are NUL-terminated strings; `found` is writable.
-#[no_mangle]
-pub unsafe extern "C" fn maru_exists(
-    h: *const maru_handler_t,
-    key: *const c_char,
-    route_key: *const c_char,
-    found: *mut bool,
-) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(h, key, found);
-        let k = req_str(key, "key")?.to_string();
-        let rk = opt_str(route_key, "route_key")?;
-        *found = handler(h)
-            .exists_batch(&[k], rk)
-            .map_err(ffi_err)?
-            .first()
-            .copied()
-            .unwrap_or(false);
-        Ok(())
-    })
-}
-
-/// # Safety
-/// `keys` points to `n` NUL-terminated strings.
-pub(super) unsafe fn keys_of(
-    keys: *const *const c_char,
-    n: usize,
-) -> Result<Vec<String>, FfiError> {
-    let ks = std::slice::from_raw_parts(keys, n);
-    ks.iter()
-        .enumerate()
-        .map(|(i, &k)| req_str(k, &format!("keys[{i}]")).map(str::to_string))
-        .collect()
-}
-
-/// Stores `n` chunks of one request (keys[i], datas[i], lens[i]); `stored[i]` (the
-/// array may be NULL) as for `maru_store`.
-///
-/// # Safety
-/// Each array has `n` valid entries.
-#[no_mangle]
-pub unsafe extern "C" fn maru_store_batch(
-    h: *const maru_handler_t,
-    keys: *const *const c_char,
-    datas: *const *const u8,
-    lens: *const usize,
-    n: usize,
-    route_key: *const c_char,
-    stored: *mut bool,
-) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(h, keys, datas, lens);
-        let ks = keys_of(keys, n)?;
-        let ds = std::slice::from_raw_parts(datas, n);
-        let ls = std::slice::from_raw_parts(lens, n);
-        let mut items = Vec::with_capacity(n);
-        for i in 0..n {
-            super::boundary::require_non_null(ds[i], &format!("datas[{i}]"))?;
-            items.push((ks[i].as_str(), std::slice::from_raw_parts(ds[i], ls[i])));
-        }
-        let rk = opt_str(route_key, "route_key")?;
-        let ok = handler(h).store_batch(&items, rk).map_err(ffi_err)?;
-        if !stored.is_null() {
-            std::slice::from_raw_parts_mut(stored, n).copy_from_slice(&ok);
-        }
-        Ok(())
-    })
-}
-
-/// Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`); `lens[i]` is
-/// each length (0 on a miss) and `found[i]` whether it was loaded. A chunk larger than
-/// its buffer fails the call with `MARU_ERR_BUFFER_TOO_SMALL` (its `lens[i]` says the
-/// size).
-///
-/// # Safety
-/// Each array has `n` valid entries; `bufs[i]` points to `caps[i]` writable bytes.
-#[no_mangle]
-pub unsafe extern "C" fn maru_load_batch(
-    h: *const maru_handler_t,
-    keys: *const *const c_char,
-    bufs: *const *mut u8,
-    caps: *const usize,
-    lens: *mut usize,
-    found: *mut bool,
-    n: usize,
-    route_key: *const c_char,
-) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(h, keys, bufs, caps, lens, found);
-        let ks = keys_of(keys, n)?;
-        let rk = opt_str(route_key, "route_key")?;
-        let (bs, cs) = (
-            std::slice::from_raw_parts(bufs, n),
-            std::slice::from_raw_parts(caps, n),
-        );
-        let mut dst: Vec<&mut [u8]> = (0..n).map(|i| buffer_of(bs[i], cs[i])).collect();
-        let got = handler(h).load_into(&ks, &mut dst, rk).map_err(ffi_err)?;
-        let (ls, fs) = (
-            std::slice::from_raw_parts_mut(lens, n),
-            std::slice::from_raw_parts_mut(found, n),
-        );
-        let mut too_small = None;
-        for (i, g) in got.into_iter().enumerate() {
-            (fs[i], ls[i]) = match g {
-                Loaded::Miss => (false, 0),
-                Loaded::Bytes(len) => (true, len),
-                Loaded::TooSmall(len) => {
-                    too_small.get_or_insert(i);
-                    (false, len)
-                }
-            };
-        }
-        match too_small {
-            Some(i) => Err((
-                maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
-                format!(
-                    "chunk {} has {} bytes; bufs[{i}] holds {}",
-                    ks[i], ls[i], cs[i]
-                ),
-            )),
-            None => Ok(()),
-        }
-    })
-}
-
-/// Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap` bytes;
-/// `*out_len` is the JSON's length without the NUL. Too small a buffer returns
-/// `MARU_ERR_BUFFER_TOO_SMALL` (call again with `*out_len + 1` bytes).
-///
-/// # Safety
-/// `buf` points to `cap` writable bytes (may be NULL when `cap` is 0).
+/// Ownership: `buf` and `out_len` are the caller's. Threads: any, concurrently with
+/// other calls.
 #[no_mangle]
 pub unsafe extern "C" fn maru_stats_json(
     h: *const maru_handler_t,
@@ -327,33 +268,140 @@ pub unsafe extern "C" fn maru_stats_json(
     out_len: *mut usize,
 ) -> maru_status_t {
     ffi_guard(|| {
-        check_not_null!(h, out_len);
-        let s = handler(h).stats().to_string();
-        *out_len = s.len();
-        if buf.is_null() || cap < s.len() + 1 {
-            return Err((
-                maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
-                format!("stats need {} bytes", s.len() + 1),
-            ));
-        }
-        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
-        *buf.add(s.len()) = 0;
+        with_handler(h, |call| {
+            check_not_null!(out_len);
+            let mut stats = call.handler().stats();
+            if let Some(m) = stats.as_object_mut() {
+                m.insert("memory_hook".into(), super::hook::hook_stats_json());
+            }
+            let s = stats.to_string();
+            *out_len = s.len();
+            if buf.is_null() || cap < s.len() + 1 {
+                return Err((
+                    maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
+                    format!("stats need {} bytes", s.len() + 1),
+                ));
+            }
+            std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+            *buf.add(s.len()) = 0;
+            Ok(())
+        })
+    })
+}
+
+/// Sets `*out` to the pools' chunk (page) size: the largest chunk a store takes.
+/// `MARU_ERR_UNAVAILABLE` while no pool has been reached.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_chunk_size(h: *const maru_handler_t, out: *mut u64) -> maru_status_t {
+    ffi_guard(|| {
+        with_handler(h, |call| {
+            check_not_null!(out);
+            *out = call.handler().chunk_size().ok_or((
+                maru_status_t::MARU_ERR_UNAVAILABLE,
+                "no pool has been reached yet".to_string(),
+            ))?;
+            Ok(())
+        })
+    })
+}
+
+/// The first step of a two-step close, for a handler other threads may still be
+/// calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`), wakes calls
+/// blocked in `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and waits for the
+/// calls in flight to return, at most the configuration's `timeout_ms` (10 s by
+/// default; a call still running then returns `MARU_ERR_CLOSED` when it ends).
+///
+/// Everything stays valid after it: the handler's memory, the slots and views the
+/// caller holds (their bytes may still be read), the sessions. Once the threads that
+/// used the handler are joined, end it with `maru_handler_free`.
+///
+/// Returns `MARU_OK` (also when called again). Threads: any thread, concurrently with
+/// any call on `h` except `maru_handler_free`/`maru_handler_close`; a second call
+/// returns once the first finished waiting.
+#[no_mangle]
+pub unsafe extern "C" fn maru_handler_shutdown(h: *const maru_handler_t) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(h);
+        (*h).shutdown();
         Ok(())
     })
 }
 
-/// Sets `*out` to the pools' chunk (page) size: the largest chunk `maru_store` takes.
+/// Ends a handler: shuts it down if `maru_handler_shutdown` was not called (the same
+/// bounded wait for calls in flight), closes its sessions (the keys it stored stay
+/// readable by other engines; its slots, views and staging buffer end; the memory
+/// hook's `unregister` runs on this thread), and frees it. NULL is ignored.
 ///
-/// # Safety
-/// `out` is writable.
+/// The pointer, and every slot and view of the handler, must not be used afterwards,
+/// and no call on `h` may begin once this one began. Calls already in flight are
+/// safe: the memory they use lives until the last of them returns.
+///
+/// Returns `MARU_OK`, or the error of closing a session (the handler is freed all the
+/// same). Threads: any thread, once per handler.
 #[no_mangle]
-pub unsafe extern "C" fn maru_chunk_size(h: *const maru_handler_t, out: *mut u64) -> maru_status_t {
+pub unsafe extern "C" fn maru_handler_free(h: *mut maru_handler_t) -> maru_status_t {
     ffi_guard(|| {
-        check_not_null!(h, out);
-        *out = handler(h).chunk_size().ok_or((
-            maru_status_t::MARU_ERR_UNAVAILABLE,
-            "no pool is available".to_string(),
-        ))?;
-        Ok(())
+        if h.is_null() {
+            return Ok(());
+        }
+        let r = (*h).close_sessions();
+        // The caller's reference; calls in flight hold their own.
+        drop(Arc::from_raw(h.cast_const()));
+        r
     })
+}
+
+/// The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
+/// close the sessions, free. For a handler that other threads may still call, use
+/// `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+///
+/// Threads: any thread, once per handler; no call on `h` may begin once it began.
+#[no_mangle]
+pub unsafe extern "C" fn maru_handler_close(h: *mut maru_handler_t) -> maru_status_t {
+    maru_handler_free(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_malformed_server_url_is_a_configuration_error() {
+        for bad in [
+            "localhost",
+            "host:",
+            ":5555",
+            "host:port",
+            "host:0",
+            "tcp://h:1",
+            "h:70000",
+        ] {
+            assert!(check_host_port(bad).is_err(), "{bad}");
+        }
+        for good in ["127.0.0.1:5555", "[::1]:5555", "node-3.example:1"] {
+            assert!(check_host_port(good).is_ok(), "{good}");
+        }
+        let cfg = c"{\"backend\":\"cxl\",\"server_url\":\"nohostport\",\"engine_id\":\"e\"}";
+        let mut h = std::ptr::null_mut();
+        let st = unsafe { maru_handler_open(cfg.as_ptr(), &mut h) };
+        assert_eq!(st, maru_status_t::MARU_ERR_CONFIG);
+        assert!(h.is_null());
+    }
+
+    #[test]
+    fn calls_on_null_handlers_name_the_argument() {
+        let mut n = 0u64;
+        let st = unsafe { maru_chunk_size(std::ptr::null(), &mut n) };
+        assert_eq!(st, maru_status_t::MARU_ERR_NULL_ARGUMENT);
+        assert_eq!(
+            unsafe { maru_handler_close(std::ptr::null_mut()) },
+            maru_status_t::MARU_OK
+        );
+        assert_eq!(
+            unsafe { maru_handler_shutdown(std::ptr::null()) },
+            maru_status_t::MARU_ERR_NULL_ARGUMENT
+        );
+    }
 }

@@ -1,6 +1,9 @@
-//! The status code every fallible C function returns.
+//! The status code every fallible C function returns, and the one table from
+//! libmaru's errors (a daemon's [`ErrorCode`], the worker's [`WorkerError`]) to it.
 
+use super::boundary::FfiError;
 use crate::wire::ErrorCode;
+use crate::worker::WorkerError;
 
 /// The result of a libmaru call.
 ///
@@ -129,6 +132,35 @@ impl From<ErrorCode> for maru_status_t {
         }
     }
 }
+
+impl From<&WorkerError> for maru_status_t {
+    /// The status a C caller sees for an error of the data path.
+    fn from(e: &WorkerError) -> maru_status_t {
+        match e {
+            WorkerError::Config(_) => maru_status_t::MARU_ERR_CONFIG,
+            WorkerError::InvalidArgument(_) => maru_status_t::MARU_ERR_INVALID_ARGUMENT,
+            WorkerError::Unavailable(_) => maru_status_t::MARU_ERR_UNAVAILABLE,
+            WorkerError::Refused(_) => maru_status_t::MARU_ERR_REFUSED,
+            WorkerError::NoSpace(_) => maru_status_t::MARU_ERR_NO_SPACE,
+            WorkerError::Timeout(_) => maru_status_t::MARU_ERR_TIMEOUT,
+            WorkerError::Transport(_) => maru_status_t::MARU_ERR_IO,
+            WorkerError::Busy(_) => maru_status_t::MARU_ERR_BUSY,
+            WorkerError::Closed => maru_status_t::MARU_ERR_CLOSED,
+        }
+    }
+}
+
+impl From<WorkerError> for FfiError {
+    fn from(e: WorkerError) -> FfiError {
+        (maru_status_t::from(&e), e.to_string())
+    }
+}
+
+/// A status value as C passes it in: any 32-bit integer, so never transmuted into
+/// [`maru_status_t`]. The header spells it `maru_status_t` (cbindgen.toml renames it).
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatusArg(pub u32);
 
 #[cfg(test)]
 mod tests {

@@ -12,6 +12,7 @@
 use super::error::WorkerError;
 use once_cell::sync::OnceCell;
 use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::Mutex;
 
 /// `register(ctx, ptr, len)`: 0 on success.
@@ -32,6 +33,30 @@ pub enum MemoryHook {
 }
 
 static HOOK: Mutex<MemoryHook> = Mutex::new(MemoryHook::None);
+
+/// Bytes registered (pinned) by the hook now, over every handler of the process.
+static PINNED_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Registrations that failed or pinned nothing (auto without CUDA) since start.
+static REGISTER_FAILURES: AtomicU64 = AtomicU64::new(0);
+
+/// The process-wide hook counters: bytes registered now, failed registrations so far.
+pub fn hook_counters() -> (u64, u64) {
+    (
+        PINNED_BYTES.load(AtomicOrdering::Relaxed),
+        REGISTER_FAILURES.load(AtomicOrdering::Relaxed),
+    )
+}
+
+/// `MARU_CUDART` must be an absolute path: a relative one would be looked up in the
+/// library search path and the current directory of the moment, not where it says.
+pub fn check_cudart_env() -> Result<(), String> {
+    match std::env::var("MARU_CUDART") {
+        Ok(p) if !p.is_empty() && !std::path::Path::new(&p).is_absolute() => Err(format!(
+            "MARU_CUDART={p} is a relative path: give the absolute path of libcudart.so (or unset it to search libcudart.so, .so.12, .so.11.0)"
+        )),
+        _ => Ok(()),
+    }
+}
 
 /// Sets the hook for handlers opened from now on.
 pub fn set_memory_hook(h: MemoryHook) {
@@ -62,6 +87,7 @@ struct Cudart {
 fn cudart() -> &'static Result<Cudart, String> {
     static CUDART: OnceCell<Result<Cudart, String>> = OnceCell::new();
     CUDART.get_or_init(|| {
+        check_cudart_env()?;
         let candidates: Vec<String> = match std::env::var("MARU_CUDART") {
             Ok(p) if !p.is_empty() => vec![p],
             _ => ["libcudart.so", "libcudart.so.12", "libcudart.so.11.0"]
@@ -160,11 +186,13 @@ pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
                     log::warn!(
                         "memory hook auto: cudaHostRegister of the staging buffer ({len} bytes) failed with CUDA error {rc}; GPU copies use pageable memory"
                     );
+                    REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
                     Registered::Nothing
                 }
             }
             Err(why) => {
-                log::info!(
+                REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
+                log::warn!(
                     "memory hook auto: libcudart not found ({why}); the staging buffer is not pinned (set MARU_CUDART to the library's path if CUDA is installed elsewhere)"
                 );
                 Registered::Nothing
@@ -178,21 +206,30 @@ pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
             // SAFETY: the runtime's callback, called with its own context and a live buffer.
             let rc = unsafe { register(ctx as *mut c_void, ptr.cast(), len) };
             if rc != 0 {
+                REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
+                log::warn!("memory hook: register returned {rc} for the staging buffer ({len} bytes); the handler is not opened");
                 return Err(WorkerError::Config(format!(
                     "the memory hook's register callback returned {rc} for the staging buffer ({len} bytes at {ptr:p}); the handler is not opened"
                 )));
             }
-            log::debug!("memory hook: staging buffer of {len} bytes registered");
+            log::info!("memory hook: staging buffer of {len} bytes registered");
             Registered::Callbacks { unregister, ctx }
         }
     };
+    if !matches!(how, Registered::Nothing) {
+        PINNED_BYTES.fetch_add(len as u64, AtomicOrdering::Relaxed);
+    }
     Ok(Registration { how, ptr, len })
 }
 
 impl Registration {
     /// Unregisters now (idempotent).
     pub fn release(&mut self) {
-        match std::mem::replace(&mut self.how, Registered::Nothing) {
+        let how = std::mem::replace(&mut self.how, Registered::Nothing);
+        if !matches!(how, Registered::Nothing) {
+            PINNED_BYTES.fetch_sub(self.len as u64, AtomicOrdering::Relaxed);
+        }
+        match how {
             Registered::Nothing => {}
             Registered::Cuda(c) => {
                 // SAFETY: the pointer cudaHostRegister accepted, still mapped.

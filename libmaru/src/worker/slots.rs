@@ -6,7 +6,7 @@
 
 use super::error::WorkerError;
 use super::staging::{Slot, SlotPool};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// What the caller gets for one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +26,9 @@ enum Entry {
 pub struct SlotTable {
     next: u64,
     held: HashMap<u64, Entry>,
+    /// Ids libmaru took back after a transfer whose outcome was unknown: releasing one
+    /// is accepted once (the caller cannot tell them apart by itself), then forgotten.
+    taken_back: HashSet<u64>,
 }
 
 impl SlotTable {
@@ -81,24 +84,36 @@ impl SlotTable {
                 }
                 None => {
                     self.held.remove(id);
+                    self.taken_back.insert(*id);
                 }
             }
         }
     }
 
-    /// Returns slots to their pools. A slot in use by an operation is refused (and
-    /// nothing is released); an id not held (already released or taken back) is a no-op.
+    /// Returns slots to their pools, all or none. A slot in use by an operation is
+    /// refused (`Busy`); an id never acquired or already released is refused
+    /// (`InvalidArgument`: a double release is a caller bug worth seeing); an id libmaru
+    /// took back is accepted once.
     pub fn release(&mut self, ids: &[u64]) -> Result<(), WorkerError> {
-        if let Some(id) = ids
-            .iter()
-            .find(|id| matches!(self.held.get(id), Some(Entry::Busy)))
-        {
-            return Err(WorkerError::Busy(format!(
-                "slot {id} is in use by an operation: wait for it before releasing"
-            )));
+        for (i, id) in ids.iter().enumerate() {
+            match self.held.get(id) {
+                Some(Entry::Busy) => {
+                    return Err(WorkerError::Busy(format!(
+                        "slot {id} is in use by an operation: wait for it before releasing"
+                    )))
+                }
+                Some(Entry::Idle(_)) if !ids[..i].contains(id) => {}
+                None if self.taken_back.contains(id) && !ids[..i].contains(id) => {}
+                _ => {
+                    return Err(WorkerError::InvalidArgument(format!(
+                        "slot {id} is not held by this handler (never acquired, already released, or listed twice); nothing was released"
+                    )))
+                }
+            }
         }
         for id in ids {
             self.held.remove(id);
+            self.taken_back.remove(id);
         }
         Ok(())
     }
@@ -114,6 +129,7 @@ impl SlotTable {
     /// Drops every slot (close).
     pub fn clear(&mut self) {
         self.held.clear();
+        self.taken_back.clear();
     }
 }
 
@@ -150,12 +166,28 @@ mod tests {
             t.take(&[b.id]),
             Err(WorkerError::InvalidArgument(_))
         ));
-        t.release(&[b.id]).unwrap(); // taken back: releasing it is a no-op
+        t.release(&[b.id]).unwrap(); // taken back: releasing it is accepted once
+        assert!(
+            matches!(t.release(&[b.id]), Err(WorkerError::InvalidArgument(_))),
+            "a second release of a taken-back id is refused"
+        );
         drop(kept);
         // A new slot never gets an old id.
         let c = t.insert(st.try_acquire(SlotPool::Load, 1).pop().unwrap());
         assert!(c.id > b.id);
+        assert!(
+            matches!(
+                t.release(&[a.id, 999]),
+                Err(WorkerError::InvalidArgument(_))
+            ),
+            "an unknown id is refused"
+        );
+        assert!(t.contains(a.id), "all or nothing: a is still held");
         t.release(&[a.id, c.id]).unwrap();
+        assert!(
+            matches!(t.release(&[a.id]), Err(WorkerError::InvalidArgument(_))),
+            "a double release is refused"
+        );
         assert_eq!(t.held(), 0);
         assert_eq!(st.free(SlotPool::Load), 2);
     }

@@ -73,8 +73,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from . import handler as _native
-from .errors import (
+from .. import handler as _native
+from ..errors import (
     ClosedError,
     MaruError,
     MaruTimeoutError,
@@ -83,8 +83,8 @@ from .errors import (
     UnavailableError,
     UnsupportedError,
 )
-from .slots import Slot, SlotPool
-from .views import RemoveResult, View
+from ..slots import Slot, SlotPool
+from ..views import RemoveResult, View
 
 log = logging.getLogger("maru.compat")
 
@@ -1031,3 +1031,7 @@ class MaruHandler:
             "max_views": self._config.max_views,
         }
         return st
+
+
+# ``maru.MaruHandler(MaruConfig(...))`` (upstream code) builds this layer's handler.
+_native.register_upstream(MaruConfig, MaruHandler)

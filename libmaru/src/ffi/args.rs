@@ -1,0 +1,140 @@
+//! Reading C arguments: strings, (pointer, count) arrays, caller buffers.
+//!
+//! One rule for every array argument: with `n == 0` the pointer is never read and may
+//! be NULL (an empty `std::vector`'s `data()` may be); with `n > 0` a NULL pointer is
+//! `MARU_ERR_NULL_ARGUMENT` naming the argument. Rust's slice constructors require a
+//! non-NULL pointer even for length 0, so every array goes through these helpers.
+
+use super::boundary::{require_non_null, FfiError};
+use super::status::maru_status_t;
+use std::ffi::{c_char, CStr};
+
+/// An optional NUL-terminated UTF-8 string (`None` for NULL).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string that outlives `'a`.
+pub(crate) unsafe fn opt_str<'a>(
+    p: *const c_char,
+    name: &str,
+) -> Result<Option<&'a str>, FfiError> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    CStr::from_ptr(p).to_str().map(Some).map_err(|_| {
+        (
+            maru_status_t::MARU_ERR_INVALID_ARGUMENT,
+            format!("argument `{name}` is not UTF-8"),
+        )
+    })
+}
+
+/// A required NUL-terminated UTF-8 string.
+///
+/// # Safety
+/// As [`opt_str`].
+pub(crate) unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError> {
+    opt_str(p, name)?.ok_or((
+        maru_status_t::MARU_ERR_NULL_ARGUMENT,
+        format!("argument `{name}` is NULL"),
+    ))
+}
+
+/// `n` values the caller passes in; NULL is fine when `n == 0`.
+///
+/// # Safety
+/// When `n > 0`, `p` is NULL or points to `n` readable values that outlive `'a`.
+pub(crate) unsafe fn in_slice<'a, T>(
+    p: *const T,
+    n: usize,
+    name: &str,
+) -> Result<&'a [T], FfiError> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    require_non_null(p, name)?;
+    Ok(std::slice::from_raw_parts(p, n))
+}
+
+/// `n` values the call writes; NULL is fine when `n == 0`.
+///
+/// # Safety
+/// When `n > 0`, `p` is NULL or points to `n` writable values not aliased during `'a`.
+pub(crate) unsafe fn out_slice<'a, T>(
+    p: *mut T,
+    n: usize,
+    name: &str,
+) -> Result<&'a mut [T], FfiError> {
+    if n == 0 {
+        return Ok(&mut []);
+    }
+    require_non_null(p, name)?;
+    Ok(std::slice::from_raw_parts_mut(p, n))
+}
+
+/// An optional output array (NULL: the caller does not want it).
+///
+/// # Safety
+/// `p` is NULL or points to `n` writable values not aliased during `'a`.
+pub(crate) unsafe fn opt_out_slice<'a, T>(p: *mut T, n: usize) -> Option<&'a mut [T]> {
+    if p.is_null() {
+        None
+    } else if n == 0 {
+        Some(&mut [])
+    } else {
+        Some(std::slice::from_raw_parts_mut(p, n))
+    }
+}
+
+/// The caller's buffer of `cap` bytes (empty for NULL or 0).
+///
+/// # Safety
+/// `buf` is NULL or points to `cap` writable bytes not aliased during `'a`.
+pub(crate) unsafe fn buffer_of<'a>(buf: *mut u8, cap: usize) -> &'a mut [u8] {
+    if buf.is_null() || cap == 0 {
+        &mut []
+    } else {
+        std::slice::from_raw_parts_mut(buf, cap)
+    }
+}
+
+/// `n` keys (NUL-terminated UTF-8 strings), copied.
+///
+/// # Safety
+/// As [`in_slice`], and each entry is NULL or a NUL-terminated string.
+pub(crate) unsafe fn keys_of(
+    keys: *const *const c_char,
+    n: usize,
+) -> Result<Vec<String>, FfiError> {
+    in_slice(keys, n, "keys")?
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| req_str(k, &format!("keys[{i}]")).map(str::to_string))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ptr;
+
+    #[test]
+    fn empty_arrays_may_be_null() {
+        unsafe {
+            assert!(in_slice::<u64>(ptr::null(), 0, "ids").unwrap().is_empty());
+            assert!(out_slice::<bool>(ptr::null_mut(), 0, "found")
+                .unwrap()
+                .is_empty());
+            assert!(keys_of(ptr::null(), 0).unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn a_null_array_with_entries_names_the_argument() {
+        let e = unsafe { in_slice::<u64>(ptr::null(), 2, "ids") }.unwrap_err();
+        assert_eq!(e.0, maru_status_t::MARU_ERR_NULL_ARGUMENT);
+        assert!(e.1.contains("`ids`"), "{}", e.1);
+        let k = [c"a".as_ptr(), ptr::null()];
+        let e = unsafe { keys_of(k.as_ptr(), 2) }.unwrap_err();
+        assert!(e.1.contains("keys[1]"), "{}", e.1);
+    }
+}
