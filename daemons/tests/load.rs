@@ -278,8 +278,10 @@ fn sixty_four_sessions_store_and_load_without_errors_lost_keys_or_growing_memory
         rmc.call(&RmRequest::Regions { owner: None }),
         Ok(RmReply::Regions { regions }) if regions.is_empty()
     )));
+    // A bound against hangs, not a benchmark (make bench measures): on a loaded
+    // 2-core machine the run above takes 25-130 s.
     assert!(
-        started.elapsed() < Duration::from_secs(90),
+        started.elapsed() < Duration::from_secs(400),
         "the load test took {:?}",
         started.elapsed()
     );
