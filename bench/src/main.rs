@@ -48,8 +48,8 @@ struct Args {
     /// Seconds of the idle CPU measurement (each of two).
     #[arg(long)]
     idle_seconds: Option<f64>,
-    /// Size of the fake-DAX pool (GiB); bounds the bytes each store figure writes
-    /// (there is no eviction in the benchmark).
+    /// Size of the fake-DAX pool (GiB); bounds the bytes each store figure writes,
+    /// except "store into a full cache", which first fills it and then evicts.
     #[arg(long)]
     pool_gib: Option<u64>,
     /// Page size of the fake-DAX pool: 2M (a huge-page tmpfs the benchmark mounts for
