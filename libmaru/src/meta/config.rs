@@ -36,6 +36,7 @@ pub struct MetaConfig {
 }
 
 /// A fresh instance name (random; the process id and time if no randomness).
+#[allow(clippy::disallowed_methods)] // the time only where no randomness is left
 pub fn new_instance() -> String {
     crate::auth::random_bytes(8)
         .map(|b| crate::auth::to_hex(&b))
