@@ -275,8 +275,24 @@ impl RemoteMover {
         }
     }
 
-    /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
+    /// Where a lease's bytes are, if they may be read: only while their agent is on the
+    /// boot the key was written under (else the memory node rebooted and maru-server
+    /// has not heard it yet: the bytes are stale).
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
+        let t = self.locate(l)?;
+        if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
+            return Err(WorkerError::Unavailable(format!(
+                "region {}: written under boot id {}, which its agent {} no longer runs (the memory node rebooted): nothing is read",
+                l.region_id,
+                l.boot_id.as_deref().unwrap_or("?"),
+                t.0
+            )));
+        }
+        Ok(t)
+    }
+
+    /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
+    fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
             if !self.life.usable(l.region_id) {
                 return Err(WorkerError::Unavailable(format!(
