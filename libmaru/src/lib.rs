@@ -1,9 +1,11 @@
 pub mod agent;
 pub mod auth;
 pub mod dax;
+#[allow(clippy::disallowed_methods)] // the C boundary: its tests start threads
 pub mod ffi;
 pub mod logging;
 pub mod meta;
+#[allow(clippy::disallowed_methods)] // a driver: the event loop, clients and sockets
 pub mod net;
 pub mod rm;
 pub mod transport;

@@ -63,6 +63,7 @@ impl std::str::FromStr for VictimOrder {
 }
 
 /// A fresh instance name (random; the process id and time if no randomness).
+#[allow(clippy::disallowed_methods)] // the time only where no randomness is left
 pub fn new_instance() -> String {
     crate::auth::random_bytes(8)
         .map(|b| crate::auth::to_hex(&b))

@@ -606,6 +606,8 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
     let (a, g) = w.open(W1);
     let (b, _) = w.open(W2);
     let r = g.handle.region_id;
+    // The worker reports a region's boot id before it publishes keys in it.
+    w.heartbeat(W1, a, &[(r, BOOT)]);
     w.store(W1, a, &["k"]);
     w.acquire(W2, b, &["k"]);
     w.heartbeat(W1, a, &[(r, BOOT)]);
@@ -1096,4 +1098,31 @@ fn pin_requests_check_the_session_and_the_batch() {
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
     assert_eq!(totals(&w).pinned_keys, 0);
+}
+
+#[test]
+fn keys_published_before_any_boot_id_was_reported_go_at_the_first_report() {
+    let mut w = World::remote();
+    let (a, g) = w.open(W1);
+    let r = g.handle.region_id;
+    // Published before maru-server heard a boot id for the region: a reboot may have
+    // come in between, and nothing here could tell.
+    w.store(W1, a, &["k"]);
+    assert_eq!(w.exists(W1, a, &["k"]), vec![true]);
+    let Ok(MetaReply::Heartbeat(h)) = w.req(
+        W1,
+        MetaRequest::Heartbeat {
+            session: a,
+            boot_ids: [(r, BOOT.to_string())].into(),
+            regions: vec![],
+        },
+    ) else {
+        panic!("heartbeat");
+    };
+    assert_eq!(h.rebooted_regions, vec![r]);
+    assert_eq!(w.exists(W1, a, &["k"]), vec![false]);
+    // From now on the boot id is known: the same one keeps new keys.
+    w.store(W1, a, &["k2"]);
+    w.heartbeat(W1, a, &[(r, BOOT)]);
+    assert_eq!(w.exists(W1, a, &["k2"]), vec![true]);
 }

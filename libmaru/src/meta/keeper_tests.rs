@@ -14,6 +14,8 @@ fn left_behind() -> (World, u64, u64, u64, String) {
     let (a, g1) = w.open(W1);
     let g2 = w.expand(W1, a).unwrap();
     let (b, _) = w.open(W2);
+    // As a worker does: the boot id before the first key.
+    w.heartbeat(W1, a, &[(g1.handle.region_id, BOOT)]);
     w.store(W1, a, &["k"]);
     w.heartbeat(W1, a, &[(g1.handle.region_id, BOOT)]);
     let (kept, back) = w.close(W1, a, true);

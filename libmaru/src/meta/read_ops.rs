@@ -60,6 +60,7 @@ impl MetaCore {
                     agent: r.agent.clone(),
                     device: (r.backend == Backend::Cxl).then(|| r.device_range()),
                     expires_in_ms: self.cfg.lease_timeout_ms,
+                    boot_id: r.boot_id.clone(),
                 })
             });
             leases.push(grant);

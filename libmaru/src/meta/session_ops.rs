@@ -313,7 +313,12 @@ impl MetaCore {
                 unknown_regions.push(rid);
                 continue;
             };
-            let changed = r.boot_id.as_ref().is_some_and(|b| b != boot);
+            // Keys published before maru-server had any boot id for their region
+            // cannot be vouched for (a reboot may have come first): they go too.
+            let changed = match &r.boot_id {
+                Some(b) => b != boot,
+                None => self.keys.region_keys(rid) > 0,
+            };
             r.boot_id = Some(boot.clone());
             if changed {
                 let (keys, leases) = self.hide_region(rid);

@@ -13,8 +13,10 @@
 //! `verbs` (RC queue pairs; cargo feature `verbs`).
 
 pub(crate) mod batches;
+#[allow(clippy::disallowed_methods)] // a driver: sockets, reader threads
 pub mod soft;
 #[cfg(feature = "verbs")]
+#[allow(clippy::disallowed_methods)] // a driver: completion threads, deadlines
 pub mod verbs;
 
 use std::fmt;

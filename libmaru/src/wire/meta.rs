@@ -292,6 +292,11 @@ pub struct LeaseGrant {
     pub device: Option<DeviceRange>,
     /// The lease ends by itself after this long.
     pub expires_in_ms: u64,
+    /// The memory node's boot id the region's keys were written under, as its owner
+    /// reported it (`remote_cxl`). A reader whose agent reports another boot id reads
+    /// nothing: the node rebooted and maru-server has not heard it yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
 }
 
 /// A published key and where it is.
@@ -646,6 +651,7 @@ mod tests {
                         agent: None,
                         device: None,
                         expires_in_ms: 5,
+                        boot_id: Some("boot-1".into()),
                     }),
                 ],
             },

@@ -1,6 +1,6 @@
 //! The worker data path. A store reads top-down:
 //!
-//! - [`handler`]: [`Handler`], the calls an engine makes; which pool a request goes
+//! - `handler`: [`Handler`], the calls an engine makes; which pool a request goes
 //!   to, the staging buffer and transport (`data_path`), the background thread;
 //! - [`pool`]: one maru-server's [`pool::StoragePool`]: pages, publish after WRITE,
 //!   leases (`store`, `load`), its storage [`session`], heartbeats and ticks;

@@ -115,6 +115,7 @@ impl Prefaulter {
         }
     }
 
+    #[allow(clippy::disallowed_methods)] // a driver: starts the prefault thread
     fn start(&mut self) -> bool {
         let (tx, rx) = mpsc::channel();
         let (stop, progress, f) = (self.stop.clone(), self.progress.clone(), self.populate);

@@ -258,6 +258,7 @@ impl StagingSlots {
     }
 
     /// Takes between 1 and `n` slots, waiting up to `timeout` for at least one.
+    #[allow(clippy::disallowed_methods)] // a driver: waits on a deadline
     pub fn acquire(&self, pool: SlotPool, n: usize, timeout: Duration) -> Vec<Slot> {
         let deadline = Instant::now() + timeout;
         let Ok(mut f) = self.inner.free.lock() else {
@@ -355,6 +356,7 @@ impl Drop for Slot {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests drive threads and clocks
 mod tests {
     use super::*;
 

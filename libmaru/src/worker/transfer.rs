@@ -203,6 +203,7 @@ pub struct Posted {
 type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
 
 /// Posts every peer's batch; each must complete within `timeout` of now.
+#[allow(clippy::disallowed_methods)] // a driver: the deadline starts now
 pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, timeout: Duration) -> Posted {
     let deadline = Instant::now() + timeout;
     let parts = batches
@@ -219,6 +220,7 @@ pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, timeout: Duration) -> Po
 impl Posted {
     /// Waits for every peer's batch until the deadline set when it was posted; a peer
     /// still pending then keeps its slots in `iso` until it is fenced.
+    #[allow(clippy::disallowed_methods)] // a driver: waits until the deadline
     pub fn finish(mut self, t: &dyn Transport, iso: &Isolation) -> Vec<PeerOutcome> {
         let deadline = self.deadline;
         std::mem::take(&mut self.parts)

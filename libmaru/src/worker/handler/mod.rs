@@ -93,6 +93,7 @@ impl Handler {
         Handler::open_inner(config_json, Some(transport))
     }
 
+    #[allow(clippy::disallowed_methods)] // a driver: starts the background thread
     fn open_inner(
         config_json: &str,
         transport: Option<Arc<dyn Transport>>,

@@ -106,28 +106,46 @@ impl RemoteMover {
         Ok(r?)
     }
 
-    /// Asks `addr` who it is on the probe connection (short timeouts), once more on a
-    /// fresh connection if the old one was dead.
+    /// Asks whether `addr` answers, on a connection of its own (short timeouts, and a
+    /// client id of its own: the agent drops a client's read handles when one of its
+    /// connections closes, and this one holds none). The request is the cheapest the
+    /// agent has (an unmap of no region: nothing changes); who answers (boot id,
+    /// epoch) is in the welcome of the connection, checked on every probe, so a
+    /// restart is seen as soon as the old connection is found dead and a new one made.
     pub(super) fn probe(&mut self, addr: &str, now: u64) {
         let mut opts = self.agent_opts.clone();
+        opts.client_id = format!("{}#probe", opts.client_id);
         opts.connect_timeout = PROBE_TIMEOUT;
         opts.call_timeout = PROBE_TIMEOUT;
         let link = self
             .probes
             .entry(addr.to_string())
             .or_insert_with(|| Link::new(addr, opts).with_check(require_boot_id));
-        let mut r = link.call::<_, AgentReply>(&AgentRequest::Status);
-        if r.is_err() && !link.is_connected() {
-            r = link.call::<_, AgentReply>(&AgentRequest::Status);
+        let ping = AgentRequest::Unmap {
+            region_id: u64::MAX,
+        };
+        let was = link.is_connected();
+        let mut r = link.call::<_, AgentReply>(&ping);
+        if r.is_err() && was && !link.is_connected() {
+            // The old connection was dead (a restart, say): once on a fresh one.
+            r = link.call::<_, AgentReply>(&ping);
         }
-        match r {
-            Ok(AgentReply::Status(st)) => {
-                let v = self.life.seen(addr, Some(&st.boot_id), Some(st.epoch), now);
+        let who = match r {
+            Ok(_) => link.client().map(|c| welcome_identity(c)),
+            Err(e) => Err(e),
+        };
+        match who {
+            Ok((boot, epoch)) => {
+                let v = self.life.seen(addr, boot.as_deref(), epoch, now);
+                if v != Verdict::Same {
+                    // The control connection went with the old process: the next
+                    // call connects afresh (and its welcome is checked again).
+                    self.agent(addr).link.reset();
+                }
                 if let Err(e) = self.on_verdict(addr, v) {
                     log::warn!("{e}");
                 }
             }
-            Ok(other) => log::warn!("agent {addr} answered status with {other:?}"),
             Err(e) => {
                 log::debug!("agent {addr} did not answer a probe: {e}");
                 self.life.unreachable(addr, now);
@@ -257,8 +275,24 @@ impl RemoteMover {
         }
     }
 
-    /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
+    /// Where a lease's bytes are, if they may be read: only while their agent is on the
+    /// boot the key was written under (else the memory node rebooted and maru-server
+    /// has not heard it yet: the bytes are stale).
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
+        let t = self.locate(l)?;
+        if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
+            return Err(WorkerError::Unavailable(format!(
+                "region {}: written under boot id {}, which its agent {} no longer runs (the memory node rebooted): nothing is read",
+                l.region_id,
+                l.boot_id.as_deref().unwrap_or("?"),
+                t.0
+            )));
+        }
+        Ok(t)
+    }
+
+    /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
+    fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
             if !self.life.usable(l.region_id) {
                 return Err(WorkerError::Unavailable(format!(

@@ -25,7 +25,7 @@ use crate::worker::windows::{self, InFlightBudget};
 use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 struct OwnRegion {
     agent: String,
@@ -49,7 +49,7 @@ pub struct RemoteMover {
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
     timeout: Duration,
-    last_skip_log: Option<Instant>,
+    last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// this mover feeds it what agents answer and carries out what it decides.
     life: Lifecycle,
@@ -93,10 +93,10 @@ impl RemoteMover {
     }
 
     fn log_skip(&mut self, n: usize) {
-        let now = Instant::now();
+        let now = now_ms();
         if self
             .last_skip_log
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60))
+            .is_none_or(|t| now.saturating_sub(t) >= 60_000)
         {
             log::warn!(
                 "store staging is full: skipping {n} chunk(s) (logged at most once a minute)"
@@ -148,7 +148,7 @@ impl Mover for RemoteMover {
     }
 
     /// Copies each window into store slots while the window ahead of it is on the
-    /// wire (see [`windows`]); stores never wait for a slot: with none free and nothing
+    /// wire (see `worker::windows`); stores never wait for a slot: with none free and nothing
     /// in flight, the rest is skipped.
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
         self.peer_dropped = false;
@@ -166,7 +166,7 @@ impl Mover for RemoteMover {
         ok
     }
 
-    /// From the caller's slots, window by window (see [`windows`]).
+    /// From the caller's slots, window by window (see `worker::windows`).
     fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
         self.peer_dropped = false;
         let budget = self.budget.clone();
@@ -183,7 +183,7 @@ impl Mover for RemoteMover {
     }
 
     /// Each window's slots are handed to `sink` and then take a later window (see
-    /// [`windows`]). After a window that failed, nothing more is handed over.
+    /// `worker::windows`). After a window that failed, nothing more is handed over.
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
         self.peer_dropped = false;
         let budget = self.budget.clone();
@@ -197,7 +197,7 @@ impl Mover for RemoteMover {
         );
     }
 
-    /// Into the caller's slots, window by window (see [`windows`]); every lease is
+    /// Into the caller's slots, window by window (see `worker::windows`); every lease is
     /// tried.
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
         self.peer_dropped = false;
