@@ -5,7 +5,7 @@
 use maru::meta::{AgentPort, MetaCore, PortError, RmPort};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
-use maru::wire::meta::{MetaRequest, SERVICE};
+use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope};
 use std::collections::HashMap;
@@ -154,10 +154,86 @@ impl AgentPort for MetaAgents {
     }
 }
 
+/// Who each connection acts as. A session belongs to the connection that opened it
+/// (its *principal*), never to the client id a peer declares: a new connection acts
+/// on an existing session only when its hello presents that session's secret.
+#[derive(Default)]
+pub struct SessionBinding {
+    /// The principal of each open connection.
+    conns: HashMap<ConnId, String>,
+    /// Session secret (hex) → the principal whose sessions it opens.
+    secrets: HashMap<String, String>,
+    next_prune_ms: u64,
+}
+
+/// How often secrets of principals without a live session are forgotten.
+const PRUNE_MS: u64 = 5_000;
+
+impl SessionBinding {
+    /// Binds a new connection: to the principal of the session secret it presents,
+    /// or else to a principal of its own.
+    pub fn open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>) {
+        let known = resume.and_then(|r| {
+            self.secrets
+                .iter()
+                .find(|(s, _)| maru::auth::ct_eq(s.as_bytes(), r.as_bytes()))
+                .map(|(_, p)| p.clone())
+        });
+        if resume.is_some() && known.is_none() {
+            log::info!(
+                "connection {conn} of {} presented an unknown session secret",
+                maru::net::clip(client_id)
+            );
+        }
+        let principal = known.unwrap_or_else(|| format!("{client_id}#{conn}"));
+        self.conns.insert(conn, principal);
+    }
+
+    pub fn principal(&self, conn: ConnId) -> Option<&str> {
+        self.conns.get(&conn).map(String::as_str)
+    }
+
+    /// A new secret for a session `conn` opened.
+    pub fn new_secret(&mut self, conn: ConnId) -> Option<String> {
+        let principal = self.conns.get(&conn)?.clone();
+        let secret = maru::auth::to_hex(&maru::auth::random_bytes(16).ok()?);
+        self.secrets.insert(secret.clone(), principal);
+        Some(secret)
+    }
+
+    /// A connection closed; returns its principal when no other open connection
+    /// acts as it.
+    pub fn close(&mut self, conn: ConnId) -> Option<String> {
+        let p = self.conns.remove(&conn)?;
+        (!self.conns.values().any(|q| *q == p)).then_some(p)
+    }
+
+    /// Forgets secrets whose principal has no live session (at most every few seconds).
+    pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) {
+        if now_ms < self.next_prune_ms {
+            return;
+        }
+        self.next_prune_ms = now_ms + PRUNE_MS;
+        self.secrets.retain(|_, p| live(p));
+    }
+}
+
 pub struct MetaService {
     pub core: MetaCore,
     pub rm: MetaRm,
     pub agents: MetaAgents,
+    pub binding: SessionBinding,
+}
+
+impl MetaService {
+    pub fn new(core: MetaCore, rm: MetaRm, agents: MetaAgents) -> MetaService {
+        MetaService {
+            core,
+            rm,
+            agents,
+            binding: SessionBinding::default(),
+        }
+    }
 }
 
 impl Service for MetaService {
@@ -165,27 +241,48 @@ impl Service for MetaService {
         SERVICE
     }
 
-    fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+    fn on_open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>, _now_ms: u64) {
+        self.binding.open(conn, client_id, resume);
+    }
+
+    fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         let env: Envelope<MetaRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
-                log::info!("bad request from {client_id}: {}", e.message);
+                log::info!(
+                    "bad request from {}: {}",
+                    maru::net::clip(client_id),
+                    maru::net::clip(&e.message)
+                );
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
-        let result = self.core.handle(client_id, env.body, now_ms, &mut self.rm);
+        let principal = self
+            .binding
+            .principal(conn)
+            .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
+        let mut result = self
+            .core
+            .handle(&principal, env.body, now_ms, &mut self.rm);
+        if let Ok(MetaReply::Session(s)) = &mut result {
+            s.session_secret = self.binding.new_secret(conn);
+        }
         if let Err(e) = &result {
-            log::debug!("request {} from {client_id}: {e}", env.id);
+            log::debug!("request {} from {}: {e}", env.id, maru::net::clip(&principal));
         }
         wire::reply_frame(env.id, result)
     }
 
-    fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {
-        self.core.client_closed(client_id, now_ms);
+    fn on_close(&mut self, conn: ConnId, _client_id: &str, now_ms: u64) {
+        if let Some(p) = self.binding.close(conn) {
+            self.core.client_closed(&p, now_ms);
+        }
     }
 
     fn on_tick(&mut self, now_ms: u64) {
         self.core.tick(now_ms, &mut self.rm, &mut self.agents);
+        let core = &self.core;
+        self.binding.prune(now_ms, |p| core.has_session_of(p));
     }
 
     fn next_deadline(&self) -> Option<u64> {

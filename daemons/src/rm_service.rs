@@ -63,7 +63,7 @@ impl Service for RmService {
         SERVICE
     }
 
-    fn on_open(&mut self, _conn: ConnId, client_id: &str, _now_ms: u64) {
+    fn on_open(&mut self, _conn: ConnId, client_id: &str, _resume: Option<&str>, _now_ms: u64) {
         self.core.client_connected(client_id);
     }
 

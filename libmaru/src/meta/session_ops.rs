@@ -61,8 +61,10 @@ impl MetaCore {
             s.regions.insert(rid);
         }
         log::info!(
-            "session {id} opened by {client_id} (engine {engine_id}, namespace {namespace:?}, \
-             {}) with region {rid}",
+            "session {id} opened by {} (engine {}, namespace {}, {}) with region {rid}",
+            crate::net::clip(client_id),
+            crate::net::clip(engine_id),
+            crate::net::clip(namespace),
             backend.as_str()
         );
         Ok(MetaReply::Session(SessionReply {
@@ -72,6 +74,7 @@ impl MetaCore {
             session_timeout_ms: self.cfg.session_timeout_ms,
             lease_timeout_ms: self.cfg.lease_timeout_ms,
             lease_limit: LEASE_LIMIT,
+            session_secret: None,
         }))
     }
 

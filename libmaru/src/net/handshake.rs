@@ -2,6 +2,7 @@
 //! loop and the blocking responders (soft transport): feed it frames, send what it
 //! returns.
 
+use super::text::clip;
 use crate::auth::{fresh_nonce, ServerProof, SharedKey};
 use crate::wire::handshake::{AuthResult, Hello, Proof, Welcome};
 use crate::wire::{
@@ -13,6 +14,7 @@ enum State {
     Proof {
         proof: ServerProof,
         client_id: String,
+        resume: Option<String>,
     },
     Done,
 }
@@ -22,8 +24,13 @@ enum State {
 pub enum Step {
     /// Send these bytes and wait for the next frame.
     Send(Vec<u8>),
-    /// Send these bytes; the client `client_id` is authenticated.
-    Ready { send: Vec<u8>, client_id: String },
+    /// Send these bytes; the client `client_id` is authenticated. `resume`: the
+    /// session secret its hello carried, for the service to check.
+    Ready {
+        send: Vec<u8>,
+        client_id: String,
+        resume: Option<String>,
+    },
     /// Send this error frame and close.
     Fail(WireError),
 }
@@ -73,7 +80,11 @@ impl ServerHandshake {
         }
         match std::mem::replace(&mut self.state, State::Done) {
             State::Hello => self.on_hello(&f.body),
-            State::Proof { proof, client_id } => {
+            State::Proof {
+                proof,
+                client_id,
+                resume,
+            } => {
                 let Some(key) = &self.key else {
                     return fail(ErrorCode::Internal, "proof state without a key".into());
                 };
@@ -82,16 +93,20 @@ impl ServerHandshake {
                     Err(e) => {
                         return fail(
                             ErrorCode::Protocol,
-                            format!("expected a proof: {}", e.message),
+                            format!("expected a proof: {}", clip(&e.message)),
                         )
                     }
                 };
                 if let Err(e) = proof.check_client(key, &p.proof) {
-                    return fail(ErrorCode::Auth, format!("client {client_id}: {e}"));
+                    return fail(
+                        ErrorCode::Auth,
+                        format!("client {}: {e}", clip(&client_id)),
+                    );
                 }
                 Step::Ready {
                     send: handshake_frame(&AuthResult { ok: true }),
                     client_id,
+                    resume,
                 }
             }
             State::Done => fail(ErrorCode::Protocol, "handshake already finished".into()),
@@ -104,7 +119,7 @@ impl ServerHandshake {
             Err(e) => {
                 return fail(
                     ErrorCode::Protocol,
-                    format!("malformed hello: {}", e.message),
+                    format!("malformed hello: {}", clip(&e.message)),
                 )
             }
         };
@@ -122,7 +137,8 @@ impl ServerHandshake {
                 ErrorCode::Protocol,
                 format!(
                     "this port serves {}, not {}: check the address",
-                    self.service, hello.service
+                    self.service,
+                    clip(&hello.service)
                 ),
             );
         }
@@ -148,6 +164,7 @@ impl ServerHandshake {
             None => Step::Ready {
                 send: handshake_frame(&welcome),
                 client_id: hello.client_id,
+                resume: hello.resume,
             },
             Some(key) => {
                 let proof = match ServerProof::new(&hello.nonce, &nonce) {
@@ -158,6 +175,7 @@ impl ServerHandshake {
                 self.state = State::Proof {
                     proof,
                     client_id: hello.client_id,
+                    resume: hello.resume,
                 };
                 Step::Send(handshake_frame(&welcome))
             }

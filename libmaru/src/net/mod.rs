@@ -11,10 +11,12 @@ pub mod link;
 pub mod server;
 mod signals;
 pub(crate) mod sockopt;
+pub mod text;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
-pub use server::{ConnId, Server, ServerOptions, Service};
+pub use server::{ConnId, Server, ServerCounts, ServerOptions, Service};
+pub use text::clip;
 pub use signals::SignalPipe;
 pub use sockopt::recv_now;
 
