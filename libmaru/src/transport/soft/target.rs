@@ -41,7 +41,20 @@ struct Shared {
     next_conn: AtomicU64,
     ops: AtomicU64,
     rejected: AtomicU64,
+    /// Connections still in their handshake (each has a thread until it ends).
+    pending: AtomicU64,
 }
+
+/// Most data connections at once (each is served by its own thread); beyond it a new
+/// connection is closed at accept.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Most connections in their handshake at once: a quarter of the connections, so peers
+/// without the key cannot take the room of workers that proved it.
+pub const MAX_PENDING: u64 = 64;
+/// The whole handshake (hello and key proof) must finish within this.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+/// Largest frame before the key proof (a hello or a proof is a few hundred bytes).
+pub const PRE_AUTH_MAX_FRAME: usize = 4 << 10;
 
 /// The soft NIC responder of one agent.
 pub struct SoftTarget {
@@ -91,6 +104,7 @@ impl SoftTarget {
             next_conn: AtomicU64::new(1),
             ops: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
         });
         let s = shared.clone();
         std::thread::Builder::new()
@@ -216,6 +230,14 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
+        let open = shared.conns.lock().map(|c| c.len()).unwrap_or(usize::MAX);
+        if open >= MAX_CONNECTIONS || shared.pending.load(Ordering::SeqCst) >= MAX_PENDING {
+            // Closed at once (dropped): no thread, no buffer. Logged at debug only, so
+            // a flood of connections does not flood the log either.
+            log::debug!("soft NIC: refusing connection from {peer}: {open} open (limit)");
+            continue;
+        }
+        shared.pending.fetch_add(1, Ordering::SeqCst);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(c) = stream.try_clone() {
             if let Ok(mut conns) = shared.conns.lock() {
@@ -239,6 +261,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             });
         if let Err(e) = spawned {
             log::warn!("soft NIC: cannot start a connection thread: {e}");
+            shared.pending.fetch_sub(1, Ordering::SeqCst);
             if let Ok(mut c) = shared.conns.lock() {
                 c.remove(&id);
             }
@@ -246,12 +269,22 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// Runs the handshake; returns the bytes already read past it.
+/// Runs the handshake; returns the bytes already read past it. The whole handshake
+/// has [`HANDSHAKE_DEADLINE`], and frames before the proof are small.
 fn handshake(stream: &mut TcpStream, shared: &Shared) -> io::Result<Vec<u8>> {
     let mut hs = ServerHandshake::new(proto::SERVICE, shared.key.clone(), serde_json::Value::Null);
-    let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+    let mut dec = FrameDecoder::new(PRE_AUTH_MAX_FRAME);
     let mut buf = [0u8; 4096];
+    let deadline = std::time::Instant::now() + HANDSHAKE_DEADLINE;
     loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no handshake within the deadline",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
         match dec.next_frame() {
             Ok(Some(f)) => match hs.on_frame(&f) {
                 Step::Send(b) => stream.write_all(&b)?,
@@ -311,11 +344,22 @@ impl Read for Prefixed<'_> {
     }
 }
 
+/// Counts a connection as pending until dropped (its handshake ended, either way).
+struct PendingGuard<'a>(&'a AtomicU64);
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
+    let pending = PendingGuard(&shared.pending);
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(shared.io_timeout))?;
     stream.set_write_timeout(Some(shared.io_timeout))?;
     let head = handshake(&mut stream, shared)?;
+    drop(pending);
     // Idle between operations is fine: wait without a timeout for the next header.
     let mut rd = Prefixed {
         head,
