@@ -14,7 +14,6 @@ use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::wire::{self, FrameDecoder, FrameKind};
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use support::{connect, Daemon, Scratch};
@@ -56,6 +55,30 @@ fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
         }
     }
     false
+}
+
+/// Runs a daemon that should refuse to start: its exit code (None when it was still
+/// running after 10 s, then killed) and its stderr.
+fn refused_start(cmd: &mut Command) -> (Option<i32>, String) {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut code = None;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            code = st.code();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if code.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    (code, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 fn vm_rss_kib(pid: u32) -> u64 {
@@ -458,19 +481,15 @@ fn an_existing_pool_file_others_can_write_is_refused() {
     let pool = s.fake_dax("planted");
     std::fs::write(&pool, b"").unwrap();
     std::fs::set_permissions(&pool, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let out = Command::new(RM_BIN)
-        .args([
-            "--state-dir",
-            &s.dir.join("rm").display().to_string(),
-            "--fake-dax",
-            &format!("{}:64M", pool.display()),
-            "--port",
-            "0",
-        ])
-        .output()
-        .unwrap();
-    assert_ne!(out.status.code(), Some(0));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (code, err) = refused_start(Command::new(RM_BIN).args([
+        "--state-dir",
+        &s.dir.join("rm").display().to_string(),
+        "--fake-dax",
+        &format!("{}:64M", pool.display()),
+        "--port",
+        "0",
+    ]));
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("others can write"), "{err}");
 }
 
@@ -483,22 +502,16 @@ fn a_state_dir_others_can_write_is_refused() {
     let dir = s.dir.join("open-state");
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let run = |d: &Path| {
-        Command::new(RM_BIN)
-            .args([
-                "--state-dir",
-                &d.display().to_string(),
-                "--fake-dax",
-                &format!("{}:64M", pool.display()),
-                "--port",
-                "0",
-            ])
-            .output()
-            .unwrap()
-    };
-    let out = run(&dir);
-    assert_ne!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("others can write"));
+    let (code, err) = refused_start(Command::new(RM_BIN).args([
+        "--state-dir",
+        &dir.display().to_string(),
+        "--fake-dax",
+        &format!("{}:64M", pool.display()),
+        "--port",
+        "0",
+    ]));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("others can write"), "{err}");
     let d = rm(&mut s, &[]);
     let mode = std::fs::metadata(s.dir.join("rm"))
         .unwrap()
