@@ -9,6 +9,7 @@ use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope};
 use std::collections::HashMap;
+use std::sync::mpsc;
 use std::time::Duration;
 
 fn port_error(e: LinkError) -> PortError {
@@ -98,9 +99,118 @@ impl RmPort for MetaRm {
     }
 }
 
-/// The pool's agents, one reconnecting link each.
+/// How long a call to an agent may hold the event loop. A healthy agent answers well
+/// within it; past it the call goes on in the background, the keeper sees the agent
+/// as unreachable for now (it retries), and later calls take the answer.
+pub const AGENT_WAIT: Duration = Duration::from_millis(20);
+
+/// A call the keeper makes: map or release of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CallKey {
+    Map(u64),
+    Release(u64),
+}
+
+type Answer = Result<String, PortError>;
+
+/// One agent, reached from a thread of its own, so that an agent that stopped
+/// answering (SIGSTOP, a dead host) never stalls maru-server's event loop: at most
+/// one call is in flight per agent, and while it is, further calls to that agent fail
+/// at once (unreachable) instead of queueing behind it.
+struct AgentWorker {
+    jobs: mpsc::Sender<(CallKey, AgentRequest)>,
+    done: mpsc::Receiver<(CallKey, Answer)>,
+    in_flight: Option<CallKey>,
+    /// Answers that came after their call gave up waiting, for the next same call.
+    ready: HashMap<CallKey, (std::time::Instant, Answer)>,
+}
+
+/// An answer older than this is not handed to a later call (the call is made again).
+const READY_FOR: Duration = Duration::from_secs(10);
+
+/// Answers kept for later calls at most (a keeper retries what it needs).
+const READY_MAX: usize = 4096;
+
+impl AgentWorker {
+    fn start(agent: &str, opts: ClientOptions) -> AgentWorker {
+        let (jobs, rx) = mpsc::channel::<(CallKey, AgentRequest)>();
+        let (tx, done) = mpsc::channel();
+        let mut link = Link::new(agent, opts).with_check(maru::wire::agent::require_boot_id);
+        let name = format!("agent-link-{}", maru::net::clip(agent));
+        let spawned = std::thread::Builder::new().name(name).spawn(move || {
+            while let Ok((key, req)) = rx.recv() {
+                let answer = match link.call::<_, AgentReply>(&req).map_err(port_error) {
+                    Ok(AgentReply::Mapped(m)) => Ok(m.boot_id),
+                    Ok(AgentReply::Released { .. }) => Ok(String::new()),
+                    Ok(r) => Err(unexpected(r)),
+                    Err(e) => Err(e),
+                };
+                if tx.send((key, answer)).is_err() {
+                    return;
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("cannot start the link thread of agent {agent}: {e}");
+        }
+        AgentWorker {
+            jobs,
+            done,
+            in_flight: None,
+            ready: HashMap::new(),
+        }
+    }
+
+    fn take_done(&mut self) {
+        while let Ok((k, a)) = self.done.try_recv() {
+            if self.in_flight == Some(k) {
+                self.in_flight = None;
+            }
+            if self.ready.len() >= READY_MAX {
+                self.ready.clear();
+            }
+            self.ready.insert(k, (std::time::Instant::now(), a));
+        }
+    }
+
+    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest) -> Answer {
+        self.take_done();
+        if let Some((at, a)) = self.ready.remove(&key) {
+            if at.elapsed() < READY_FOR {
+                return a;
+            }
+        }
+        if let Some(busy) = self.in_flight {
+            return Err(PortError::Unreachable(format!(
+                "agent {agent} has not answered an earlier call ({busy:?}) yet"
+            )));
+        }
+        if self.jobs.send((key, req)).is_err() {
+            return Err(PortError::Unreachable(format!(
+                "the link thread of agent {agent} is gone"
+            )));
+        }
+        self.in_flight = Some(key);
+        match self.done.recv_timeout(AGENT_WAIT) {
+            Ok((k, a)) => {
+                self.in_flight = None;
+                if k == key {
+                    return a;
+                }
+                self.ready.insert(k, (std::time::Instant::now(), a));
+            }
+            Err(_) => {}
+        }
+        Err(PortError::Unreachable(format!(
+            "agent {agent} did not answer within {} ms; the call goes on in the background",
+            AGENT_WAIT.as_millis()
+        )))
+    }
+}
+
+/// The pool's agents, each on a link thread of its own ([`AgentWorker`]).
 pub struct MetaAgents {
-    links: HashMap<String, Link>,
+    workers: HashMap<String, AgentWorker>,
     opts: ClientOptions,
 }
 
@@ -111,46 +221,38 @@ impl MetaAgents {
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
         MetaAgents {
-            links: HashMap::new(),
+            workers: HashMap::new(),
             opts,
         }
     }
 
-    fn link(&mut self, agent: &str) -> &mut Link {
+    fn worker(&mut self, agent: &str) -> &mut AgentWorker {
         let opts = self.opts.clone();
-        self.links.entry(agent.to_string()).or_insert_with(|| {
-            Link::new(agent, opts).with_check(maru::wire::agent::require_boot_id)
-        })
+        self.workers
+            .entry(agent.to_string())
+            .or_insert_with(|| AgentWorker::start(agent, opts))
     }
 }
 
 impl AgentPort for MetaAgents {
     fn map(&mut self, agent: &str, h: &Handle) -> Result<String, PortError> {
-        match self
-            .link(agent)
-            .call(&AgentRequest::Map {
-                handle: h.clone(),
-                writable: false,
-            })
-            .map_err(port_error)?
-        {
-            AgentReply::Mapped(m) if !m.boot_id.is_empty() => Ok(m.boot_id),
-            AgentReply::Mapped(_) => Err(PortError::Unreachable(format!(
+        let req = AgentRequest::Map {
+            handle: h.clone(),
+            writable: false,
+        };
+        match self.worker(agent).call(agent, CallKey::Map(h.region_id), req) {
+            Ok(boot) if boot.is_empty() => Err(PortError::Unreachable(format!(
                 "agent {agent} reported no boot id"
             ))),
-            r => Err(unexpected(r)),
+            other => other,
         }
     }
 
     fn release(&mut self, agent: &str, h: &Handle) -> Result<(), PortError> {
-        match self
-            .link(agent)
-            .call(&AgentRequest::Release { handle: h.clone() })
-            .map_err(port_error)?
-        {
-            AgentReply::Released { .. } => Ok(()),
-            r => Err(unexpected(r)),
-        }
+        let req = AgentRequest::Release { handle: h.clone() };
+        self.worker(agent)
+            .call(agent, CallKey::Release(h.region_id), req)
+            .map(|_| ())
     }
 }
 

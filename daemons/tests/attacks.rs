@@ -555,3 +555,119 @@ fn the_soft_nic_bounds_connections_before_the_key_proof() {
         .connections
         == 0));
 }
+
+fn p99(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+/// 6: maru-server calls agents off its event loop: with an agent that accepts and
+/// never answers (as a SIGSTOPped one does), other sessions' `exists` stays fast
+/// while the region keeper tries that agent.
+#[test]
+fn a_stopped_agent_does_not_stall_other_sessions() {
+    let mut s = Scratch::new("att-stall");
+    let r = rm(&mut s, &[]);
+    // The stopped agent: the kernel accepts, nobody answers.
+    let stopped = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stopped_addr = stopped.local_addr().unwrap().to_string();
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h2 = held.clone();
+    std::thread::spawn(move || {
+        for c in stopped.incoming().flatten() {
+            h2.lock().unwrap().push(c);
+        }
+    });
+    let key = s.dir.join("agent.key");
+    maru::auth::keyfile::write_new_key_file(&key, &SharedKey::generate().unwrap()).unwrap();
+    let srv = Daemon::start(
+        SERVER_BIN,
+        &[
+            "--rm-address".into(),
+            r.addr.clone(),
+            "--remote-cxl-agent".into(),
+            stopped_addr,
+            "--remote-cxl-agent-key-file".into(),
+            key.display().to_string(),
+            "--region-size".into(),
+            "4M".into(),
+            "--chunk-size".into(),
+            "1M".into(),
+            "--session-timeout-s".into(),
+            "1".into(),
+        ],
+        &s.dir,
+    );
+    let mut observer = connect(&srv.addr, META, "observer");
+    let (obs, _) = open_session(&mut observer);
+    let mut exists = |n: usize| -> Vec<Duration> {
+        (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                observer
+                    .call::<_, MetaReply>(&MetaRequest::Exists {
+                        session: obs,
+                        keys: vec!["k".into()],
+                    })
+                    .unwrap();
+                t.elapsed()
+            })
+            .collect()
+    };
+    let normal = p99(exists(400));
+    // A writer on the stopped agent's region publishes a key and goes away: at its
+    // session's expiry the keeper takes the region over and maps it at that agent.
+    let mut victim = connect(&srv.addr, META, "writer");
+    let (vs, region) = match victim
+        .call::<_, MetaReply>(&MetaRequest::OpenSession {
+            engine_id: "writer".into(),
+            namespace: "ns".into(),
+            layout: "l".into(),
+            backend: Backend::RemoteCxl,
+        })
+        .unwrap()
+    {
+        MetaReply::Session(x) => (x.session, x.region.handle.region_id),
+        r => panic!("{r:?}"),
+    };
+    let page = match victim
+        .call::<_, MetaReply>(&MetaRequest::Alloc {
+            session: vs,
+            count: 1,
+            route_key: None,
+        })
+        .unwrap()
+    {
+        MetaReply::Pages(p) => p.pages[0],
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(page.region_id, region);
+    victim
+        .call::<_, MetaReply>(&MetaRequest::Publish {
+            session: vs,
+            entries: vec![maru::wire::meta::PublishEntry {
+                key: "kept".into(),
+                region_id: page.region_id,
+                offset: page.offset,
+                length: 1,
+            }],
+        })
+        .unwrap();
+    drop(victim);
+    // The keeper's calls hang for the agent's call timeout (5 s) each.
+    let start = Instant::now();
+    let mut during = Vec::new();
+    while start.elapsed() < Duration::from_secs(8) {
+        during.extend(exists(50));
+    }
+    assert!(
+        !held.lock().unwrap().is_empty(),
+        "the keeper never called the stopped agent"
+    );
+    let worst = *during.iter().max().unwrap();
+    let busy = p99(during);
+    assert!(
+        worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
+        "exists p99 {busy:?} (worst {worst:?}) with the agent stopped, {normal:?} normally"
+    );
+}
