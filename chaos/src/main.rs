@@ -436,7 +436,8 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
         *kills.entry(what).or_default() += 1;
         if (i + 1) % 10 == 0 {
             // Mid-run, the RM never has a hold of a region it does not list.
-            let (regions, holds) = rm_client(c.rm_port, &c.rm_key()).and_then(|mut rm| rm_view(&mut rm))?;
+            let (regions, holds) =
+                rm_client(c.rm_port, &c.rm_key()).and_then(|mut rm| rm_view(&mut rm))?;
             if let Some(h) = holds.iter().find(|(r, _)| !regions.contains(r)) {
                 return Err(format!(
                     "after {} kills the RM holds region {} for {} without listing it",

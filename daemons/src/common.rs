@@ -118,7 +118,7 @@ pub fn notify_ready() {
         <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(
             name,
         )
-            .and_then(|a| sock.send_to_addr(b"READY=1\n", &a))
+        .and_then(|a| sock.send_to_addr(b"READY=1\n", &a))
     } else {
         sock.send_to(b"READY=1\n", std::path::Path::new(&path))
     };

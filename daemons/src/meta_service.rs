@@ -173,7 +173,7 @@ impl AgentWorker {
         }
     }
 
-    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest) -> Answer {
+    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest, wait: Duration) -> Answer {
         self.take_done();
         if let Some((at, a)) = self.ready.remove(&key) {
             if at.elapsed() < READY_FOR {
@@ -191,19 +191,16 @@ impl AgentWorker {
             )));
         }
         self.in_flight = Some(key);
-        match self.done.recv_timeout(AGENT_WAIT) {
-            Ok((k, a)) => {
-                self.in_flight = None;
-                if k == key {
-                    return a;
-                }
-                self.ready.insert(k, (std::time::Instant::now(), a));
+        if let Ok((k, a)) = self.done.recv_timeout(wait) {
+            self.in_flight = None;
+            if k == key {
+                return a;
             }
-            Err(_) => {}
+            self.ready.insert(k, (std::time::Instant::now(), a));
         }
         Err(PortError::Unreachable(format!(
             "agent {agent} did not answer within {} ms; the call goes on in the background",
-            AGENT_WAIT.as_millis()
+            wait.as_millis()
         )))
     }
 }
@@ -212,6 +209,9 @@ impl AgentWorker {
 pub struct MetaAgents {
     workers: HashMap<String, AgentWorker>,
     opts: ClientOptions,
+    /// How long a call may wait on the loop ([`AGENT_WAIT`]; longer at shutdown,
+    /// when the loop serves nobody else).
+    wait: Duration,
 }
 
 impl MetaAgents {
@@ -223,7 +223,13 @@ impl MetaAgents {
         MetaAgents {
             workers: HashMap::new(),
             opts,
+            wait: AGENT_WAIT,
         }
+    }
+
+    /// Lets calls wait for their answer up to `wait` (at shutdown: the call timeout).
+    pub fn set_wait(&mut self, wait: Duration) {
+        self.wait = wait;
     }
 
     fn worker(&mut self, agent: &str) -> &mut AgentWorker {
@@ -240,7 +246,11 @@ impl AgentPort for MetaAgents {
             handle: h.clone(),
             writable: false,
         };
-        match self.worker(agent).call(agent, CallKey::Map(h.region_id), req) {
+        let wait = self.wait;
+        match self
+            .worker(agent)
+            .call(agent, CallKey::Map(h.region_id), req, wait)
+        {
             Ok(boot) if boot.is_empty() => Err(PortError::Unreachable(format!(
                 "agent {agent} reported no boot id"
             ))),
@@ -250,8 +260,9 @@ impl AgentPort for MetaAgents {
 
     fn release(&mut self, agent: &str, h: &Handle) -> Result<(), PortError> {
         let req = AgentRequest::Release { handle: h.clone() };
+        let wait = self.wait;
         self.worker(agent)
-            .call(agent, CallKey::Release(h.region_id), req)
+            .call(agent, CallKey::Release(h.region_id), req, wait)
             .map(|_| ())
     }
 }
@@ -363,14 +374,16 @@ impl Service for MetaService {
             .binding
             .principal(conn)
             .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
-        let mut result = self
-            .core
-            .handle(&principal, env.body, now_ms, &mut self.rm);
+        let mut result = self.core.handle(&principal, env.body, now_ms, &mut self.rm);
         if let Ok(MetaReply::Session(s)) = &mut result {
             s.session_secret = self.binding.new_secret(conn);
         }
         if let Err(e) = &result {
-            log::debug!("request {} from {}: {e}", env.id, maru::net::clip(&principal));
+            log::debug!(
+                "request {} from {}: {e}",
+                env.id,
+                maru::net::clip(&principal)
+            );
         }
         wire::reply_frame(env.id, result)
     }
@@ -394,6 +407,8 @@ impl Service for MetaService {
     /// On SIGTERM: give every kept region back (released at its agent, then freed at the
     /// RM), waiting at most 10 s for the agents and the RM.
     fn on_shutdown(&mut self, now_ms: u64) {
+        // Nobody else is served now: agent calls may wait for their answers.
+        self.agents.set_wait(Duration::from_secs(6));
         let n = self.core.give_back_kept(now_ms);
         let start = std::time::Instant::now();
         let mut now = now_ms;

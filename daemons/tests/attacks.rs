@@ -46,7 +46,8 @@ fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
     let deadline = Instant::now() + limit;
     let mut buf = [0u8; 4096];
     while Instant::now() < deadline {
-        s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
         match s.read(&mut buf) {
             Ok(0) => return true,
             Ok(_) => {}
@@ -143,8 +144,7 @@ fn running_the_rm_without_a_key_needs_a_flag_and_warns() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    assert!(support::wait_until(Duration::from_secs(10), || ready
-        .exists()));
+    assert!(support::wait_until(Duration::from_secs(10), || ready.exists()));
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -334,7 +334,11 @@ fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
         .find(|x| x.region_id == h.region_id)
         .expect("still mapped");
     assert_eq!(mine.holders.len(), 1, "{:?}", mine.holders);
-    assert!(mine.holders[0].starts_with("worker-1#"), "{:?}", mine.holders);
+    assert!(
+        mine.holders[0].starts_with("worker-1#"),
+        "{:?}",
+        mine.holders
+    );
     assert_ne!(m.rkey, 0);
 }
 
@@ -540,15 +544,15 @@ fn the_soft_nic_bounds_connections_before_the_key_proof() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let open = t.stats().connections;
-    assert!(
-        open <= 64,
-        "{open} connections kept before any key proof"
-    );
+    assert!(open <= 64, "{open} connections kept before any key proof");
     // Every flood connection is closed: at accept, or at the handshake deadline.
     let start = Instant::now();
     for mut c in flood {
         let left = Duration::from_secs(8).saturating_sub(start.elapsed());
-        assert!(closed_within(&mut c, left), "a silent connection stayed open");
+        assert!(
+            closed_within(&mut c, left),
+            "a silent connection stayed open"
+        );
     }
     assert!(support::wait_until(Duration::from_secs(2), || t
         .stats()
@@ -685,7 +689,12 @@ fn systemd_units_are_hardened_and_notify_readiness() {
     assert!(units.len() >= 4);
     for u in &units {
         let text = std::fs::read_to_string(u).unwrap();
-        for line in ["Type=notify", "LimitNOFILE=", "NoNewPrivileges=yes", "ProtectSystem=strict"] {
+        for line in [
+            "Type=notify",
+            "LimitNOFILE=",
+            "NoNewPrivileges=yes",
+            "ProtectSystem=strict",
+        ] {
             assert!(text.contains(line), "{} lacks {line}", u.display());
         }
     }
@@ -730,7 +739,8 @@ fn the_rm_notifies_systemd_once_it_listens() {
     let mut s = Scratch::new("att-notify");
     let sock_path = s.dir.join("notify.sock");
     let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
     let pool = s.fake_dax("p");
     let mut child = Command::new(RM_BIN)
         .args([

@@ -402,7 +402,10 @@ fn maru_server_refuses_an_agent_key_file_others_can_read() {
             "--remote-cxl-agent-key-file",
             &n.key_path.display().to_string(),
             "--rm-key-file",
-            &support::rm_key_path(&n.rm.addr).unwrap().display().to_string(),
+            &support::rm_key_path(&n.rm.addr)
+                .unwrap()
+                .display()
+                .to_string(),
             "--port",
             "0",
         ])

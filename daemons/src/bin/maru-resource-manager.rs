@@ -2,9 +2,9 @@
 //! regions, capability handles and holds. See docs/rm-protocol.md.
 
 use clap::Parser;
+use maru::auth::load_or_create_key;
 use maru::dax::{self, PoolSpec};
 use maru::net::{Clock, Server, SignalPipe};
-use maru::auth::load_or_create_key;
 use maru::rm::{check_pool_file, load_or_create_secret, DirStore, ResourceManager, RM_KEY_FILE};
 use maru_daemons::common::{
     bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
@@ -96,8 +96,8 @@ fn main() {
         );
         pools.push(info);
     }
-    let store = DirStore::open(&args.state_dir)
-        .unwrap_or_else(|e| die(format!("state directory: {e}")));
+    let store =
+        DirStore::open(&args.state_dir).unwrap_or_else(|e| die(format!("state directory: {e}")));
     let secret = load_or_create_secret(&args.state_dir).unwrap_or_else(|e| die(e));
     let clock = Clock::new();
     let mut core = ResourceManager::open(pools, Box::new(store), secret, clock.now_ms())

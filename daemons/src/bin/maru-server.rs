@@ -4,9 +4,7 @@
 
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use maru::meta::{MetaConfig, MetaCore};
-use maru::net::{
-    default_client_id, Client, ClientOptions, Clock, Server, SignalPipe,
-};
+use maru::net::{default_client_id, Client, ClientOptions, Clock, Server, SignalPipe};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru_daemons::common::{
     bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,

@@ -20,7 +20,9 @@ static RM_KEYS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
 const RM_NAME: &str = "maru-resource-manager";
 
 fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a String> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1))
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
 }
 
 /// The key file of the RM at `addr`, if one was started here with a key.
@@ -128,8 +130,9 @@ impl Daemon {
                     if is_rm && !args.iter().any(|a| a == "--insecure-no-key") {
                         let key = match arg_after(&args, "--key-file") {
                             Some(k) => Some(PathBuf::from(k)),
-                            None => arg_after(&args, "--state-dir")
-                                .map(|d| Path::new(d).join("rm.key")),
+                            None => {
+                                arg_after(&args, "--state-dir").map(|d| Path::new(d).join("rm.key"))
+                            }
                         };
                         if let (Some(k), Ok(mut keys)) = (key, RM_KEYS.lock()) {
                             keys.push((addr.clone(), k));

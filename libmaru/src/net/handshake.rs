@@ -98,10 +98,7 @@ impl ServerHandshake {
                     }
                 };
                 if let Err(e) = proof.check_client(key, &p.proof) {
-                    return fail(
-                        ErrorCode::Auth,
-                        format!("client {}: {e}", clip(&client_id)),
-                    );
+                    return fail(ErrorCode::Auth, format!("client {}: {e}", clip(&client_id)));
                 }
                 Step::Ready {
                     send: handshake_frame(&AuthResult { ok: true }),

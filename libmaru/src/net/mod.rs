@@ -16,9 +16,9 @@ pub mod text;
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
 pub use server::{ConnId, Server, ServerCounts, ServerOptions, Service};
-pub use text::clip;
 pub use signals::SignalPipe;
 pub use sockopt::recv_now;
+pub use text::clip;
 
 use std::time::Instant;
 

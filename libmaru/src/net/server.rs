@@ -308,10 +308,7 @@ impl Server {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
                     if self.conns.len() >= self.opts.max_connections {
-                        let why = format!(
-                            "{} connections already open (limit)",
-                            self.conns.len()
-                        );
+                        let why = format!("{} connections already open (limit)", self.conns.len());
                         self.refusal(peer, &why);
                         continue;
                     }
@@ -326,7 +323,10 @@ impl Server {
                             .map(|(t, _)| *t);
                         if let Some(t) = oldest {
                             let now = self.clock.now_ms();
-                            self.refusal(peer, "too many unfinished handshakes; closing the oldest");
+                            self.refusal(
+                                peer,
+                                "too many unfinished handshakes; closing the oldest",
+                            );
                             self.drop_conn(service, t, now);
                         }
                     }

@@ -33,4 +33,6 @@ pub use secret::{load_or_create_secret, SecretError, RM_KEY_FILE, SECRET_FILE, S
 pub use state::{HoldRecord, RegionRecord, RmState, STATE_VERSION};
 #[doc(hidden)]
 pub use store::parse_state;
-pub use store::{private_dir, DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE};
+pub use store::{
+    private_dir, DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE,
+};

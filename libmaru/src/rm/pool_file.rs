@@ -56,12 +56,17 @@ mod tests {
     fn open_or_linked_pool_files_are_refused() {
         let d = crate::rm::store::tests::TempDir::new("poolfile");
         let p = d.0.join("pool");
-        assert!(check_pool_file(&p).is_ok(), "a missing file is created later");
+        assert!(
+            check_pool_file(&p).is_ok(),
+            "a missing file is created later"
+        );
         std::fs::write(&p, b"x").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(check_pool_file(&p).is_ok());
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
-        assert!(check_pool_file(&p).unwrap_err().contains("others can write"));
+        assert!(check_pool_file(&p)
+            .unwrap_err()
+            .contains("others can write"));
         let l = d.0.join("link");
         std::os::unix::fs::symlink(&p, &l).unwrap();
         assert!(check_pool_file(&l).unwrap_err().contains("symbolic link"));

@@ -405,7 +405,10 @@ pub(crate) mod tests {
         let made = DirStore::open(d.0.join("new"));
         unsafe { libc::umask(old) };
         made.unwrap();
-        let mode = std::fs::metadata(d.0.join("new")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(d.0.join("new"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o700);
         let open = d.0.join("open");
         std::fs::create_dir(&open).unwrap();
