@@ -46,7 +46,45 @@ impl MetaRm {
     pub fn check(&mut self) -> Result<(), String> {
         self.link.client().map(|_| ()).map_err(|e| e.to_string())
     }
+
+    /// Keeps one connection to the RM open, from a thread of its own, with a cheap
+    /// call every `every` (or a third of the idle timeout the RM announces): the RM closes connections idle past its idle timeout, and
+    /// an owner with no connection left loses its regions after the RM's grace period.
+    /// A quiet server (no new region for minutes) must not look gone.
+    pub fn keep_alive(
+        addr: &str,
+        client_id: String,
+        key: Option<maru::auth::SharedKey>,
+        every: Duration,
+    ) {
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
+        opts.key = key;
+        opts.connect_timeout = Duration::from_secs(2);
+        opts.call_timeout = Duration::from_secs(5);
+        let mut link = Link::new(addr, opts);
+        let spawned = std::thread::Builder::new()
+            .name("rm-keepalive".into())
+            .spawn(move || loop {
+                if let Err(e) = link.call::<_, RmReply>(&RmRequest::Pools) {
+                    log::debug!("RM keep-alive: {e}");
+                }
+                // Well within the idle timeout the RM announces, if it is shorter.
+                let idle = link
+                    .client()
+                    .ok()
+                    .and_then(|c| c.welcome().info.get("idle_timeout_ms")?.as_u64())
+                    .filter(|ms| *ms > 0)
+                    .map_or(every, |ms| every.min(Duration::from_millis(ms / 3)));
+                std::thread::sleep(idle);
+            });
+        if let Err(e) = spawned {
+            log::warn!("cannot start the RM keep-alive thread: {e}");
+        }
+    }
 }
+
+/// How often maru-server's keep-alive connection calls the RM.
+pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
 impl RmPort for MetaRm {
     fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {

@@ -763,3 +763,43 @@ fn the_rm_notifies_systemd_once_it_listens() {
     let n = got.expect("READY=1 within 15 s");
     assert_eq!(&buf[..n], b"READY=1\n");
 }
+
+/// 4 (its consequence): the RM closes idle connections, and an owner with no
+/// connection loses its regions after the grace period. maru-server keeps a
+/// connection alive, so a quiet server keeps its regions.
+#[test]
+fn a_quiet_maru_server_keeps_its_regions_through_the_rms_idle_timeout() {
+    let mut s = Scratch::new("att-quiet");
+    let r = rm(&mut s, &["--idle-timeout-s", "1", "--grace-period-s", "1"]);
+    let srv = Daemon::start(
+        SERVER_BIN,
+        &[
+            "--rm-address".into(),
+            r.addr.clone(),
+            "--region-size".into(),
+            "4M".into(),
+            "--chunk-size".into(),
+            "1M".into(),
+            "--session-timeout-s".into(),
+            "60".into(),
+        ],
+        &s.dir,
+    );
+    let mut w = connect(&srv.addr, META, "quiet");
+    let _ = open_session(&mut w);
+    let mut obs = connect(&r.addr, RM, "observer");
+    let regions =
+        |obs: &mut Client| match obs.call::<_, RmReply>(&RmRequest::Regions { owner: None }) {
+            Ok(RmReply::Regions { regions }) => regions.len(),
+            r => panic!("{r:?}"),
+        };
+    assert_eq!(regions(&mut obs), 1);
+    // Several idle timeouts and grace periods, with the worker heartbeating only
+    // maru-server (which then has nothing to ask the RM).
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = w.call::<_, MetaReply>(&MetaRequest::Stats { session: None });
+        obs = connect(&r.addr, RM, "observer");
+        assert_eq!(regions(&mut obs), 1, "maru-server's region was freed");
+    }
+}

@@ -135,6 +135,7 @@ fn main() {
     }
     notify_ready();
     let mut service = RmService::new(core);
+    service.idle_timeout_ms = args.net.idle_timeout_s.saturating_mul(1000);
     if let Err(e) = server.run(&mut service) {
         die(format!("event loop failed: {e}"));
     }

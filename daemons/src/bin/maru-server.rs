@@ -9,7 +9,7 @@ use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru_daemons::common::{
     bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
 };
-use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService};
+use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService, RM_KEEPALIVE};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -202,12 +202,13 @@ fn main() {
         .as_ref()
         .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
     let client_id = default_client_id("maru-server@");
-    let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key);
+    let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key.clone());
     if let Err(e) = rm.check() {
         die(format!(
             "{e}; maru-server needs its resource manager (start it first or fix --rm-address)"
         ));
     }
+    MetaRm::keep_alive(&a.rm_address, client_id.clone(), rm_key, RM_KEEPALIVE);
     let agent_key = if a.agents.is_empty() {
         None
     } else {
