@@ -145,6 +145,14 @@ impl ServerHandshake {
                 "client id must be 1 to 255 bytes".into(),
             );
         }
+        // Client ids reach log lines and owner records: no control characters, so no
+        // peer can forge a line or hide text in them.
+        if hello.client_id.chars().any(char::is_control) {
+            return fail(
+                ErrorCode::Protocol,
+                "client id must not contain control characters".into(),
+            );
+        }
         let nonce = match fresh_nonce() {
             Ok(n) => n,
             Err(e) => return fail(ErrorCode::Internal, format!("cannot draw a nonce: {e}")),
@@ -176,6 +184,55 @@ impl ServerHandshake {
                 };
                 Step::Send(handshake_frame(&welcome))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::handshake::Hello;
+
+    fn hello(client_id: &str) -> Frame {
+        Frame::new(
+            FrameKind::Handshake,
+            encode_json(&Hello {
+                service: "maru-rm".into(),
+                version: PROTOCOL_VERSION,
+                client_id: client_id.into(),
+                nonce: "00".repeat(32),
+                resume: None,
+            }),
+        )
+    }
+
+    #[test]
+    fn client_ids_with_control_characters_are_refused() {
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        assert!(matches!(
+            hs.on_frame(&hello("a\nERROR forged")),
+            Step::Fail(_)
+        ));
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        assert!(matches!(hs.on_frame(&hello("host:42")), Step::Ready { .. }));
+    }
+
+    #[test]
+    fn a_wrong_service_name_is_echoed_cut() {
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        let f = Frame::new(
+            FrameKind::Handshake,
+            encode_json(&Hello {
+                service: "x".repeat(10_000),
+                version: PROTOCOL_VERSION,
+                client_id: "c".into(),
+                nonce: "00".repeat(32),
+                resume: None,
+            }),
+        );
+        match hs.on_frame(&f) {
+            Step::Fail(e) => assert!(e.message.len() < 400, "{}", e.message.len()),
+            s => panic!("{s:?}"),
         }
     }
 }
