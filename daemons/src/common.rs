@@ -46,8 +46,8 @@ pub fn die(msg: impl std::fmt::Display) -> ! {
 /// The bounds of a daemon's port (see `maru::net::ServerOptions`), as flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NetArgs {
-    /// Connections open at once; more are closed at accept. A quarter of them is kept
-    /// for clients that proved the key.
+    /// Connections open at once; more are closed at accept. At most a quarter of them
+    /// may be in their handshake, so the rest stays for clients that proved the key.
     #[arg(short = 'm', long, default_value_t = 1024, env = "MARU_MAX_CLIENTS")]
     pub max_clients: usize,
     /// Milliseconds a new connection has for its whole handshake (hello and key proof).
