@@ -14,9 +14,9 @@ export RUST_LOG=${RUST_LOG:-warn}
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:128M" >/dev/null
 rm_addr=$(cat "$work/rm.addr")
-server_args=(--rm-address "$rm_addr" --region-size 8M --chunk-size 64K)
+server_args=(--rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" --region-size 8M --chunk-size 64K)
 if [ "$backend" = remote_cxl ]; then
-    maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" \
+    maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" \
         --key-file "$work/agent.key" --device "$pool" --node ctest >/dev/null
     server_args+=(--remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key")
 fi

@@ -130,6 +130,14 @@ if [ "$worker" = 1 ]; then
     exit 0
 fi
 
+new_key() { # path what: a random key file, mode 0600, written once
+    if [ -e "$1" ]; then
+        echo "kept $1"
+    else
+        (umask 077; { echo "# maru shared key (keep mode 0600)"; od -An -tx1 -N32 /dev/urandom | tr -d ' \n'; echo; } > "$1")
+        echo "wrote $1 (mode 0600): $2"
+    fi
+}
 write_once() { # path mode content
     if [ -e "$1" ]; then echo "kept $1"; else printf '%s\n' "$3" > "$1"; chmod "$2" "$1"; echo "wrote $1"; fi
 }
@@ -151,18 +159,25 @@ if [ "$metadata" = 1 ]; then
 # Listen address: workers reach it here (plaintext: loopback or a trusted network).
 MARU_SERVER_HOST=127.0.0.1
 MARU_SERVER_PORT=5555
-# The pool's resource manager (and its key file, when it requires one).
+# The pool's resource manager and its key, copied from the RM's node (mode 0600, owner maru).
 MARU_RM_ADDRESS=127.0.0.1:9850
-#MARU_RM_KEY_FILE=/etc/maru/resource-manager.key
+MARU_RM_KEY_FILE=/etc/maru/resource-manager.key
+# The key workers prove to this server (written by make install; give it to the
+# workers, which name it in MARU_SERVER_KEY_FILE).
+MARU_SERVER_KEY_FILE=/etc/maru/server.key
 # The agent key, copied from a memory node (mode 0600, owned by maru).
 MARU_REMOTE_CXL_AGENT_KEY_FILE=/etc/maru/remote-cxl-agent.key
 # One --remote-cxl-agent HOST:PORT per memory node of the pool (none: cxl workers only).
 MARU_SERVER_ARGS=--remote-cxl-agent 127.0.0.1:9860 --region-size 1G --chunk-size 4M"
     key=$root/etc/maru/remote-cxl-agent.key
     [ -e "$key" ] || echo "install.sh: copy the agent key from a memory node to /etc/maru/remote-cxl-agent.key (mode 0600, owner maru) before starting maru-server"
+    [ -e "$root/etc/maru/resource-manager.key" ] || echo "install.sh: copy the RM key from the memory node to /etc/maru/resource-manager.key (mode 0600, owner maru) before starting maru-server"
+    new_key "$root/etc/maru/server.key" "copy it to the workers (MARU_SERVER_KEY_FILE)"
     if [ -z "$root" ]; then
         add_user
         [ -e "$key" ] && chown maru:maru "$key"
+        chown maru:maru "$root/etc/maru/server.key"
+        [ -e "$root/etc/maru/resource-manager.key" ] && chown maru:maru "$root/etc/maru/resource-manager.key"
         if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
             systemctl daemon-reload
             systemctl enable maru-server.service || true
@@ -192,6 +207,9 @@ write_once "$root/etc/maru/resource-manager.env" 0644 "# maru-resource-manager s
 MARU_RM_HOST=127.0.0.1
 MARU_RM_PORT=9850
 MARU_RM_STATE_DIR=/var/lib/maru-rm
+# The key every client proves (written by make install; copy it to maru-server and
+# standalone agents). Running without one needs --insecure-no-key.
+MARU_RM_KEY_FILE=/etc/maru/resource-manager.key
 # Pools: --dax /dev/daxX.Y (repeat) or --fake-dax PATH:SIZE
 MARU_RM_ARGS=--dax /dev/dax0.0"
 rm_addr=127.0.0.1:9850
@@ -203,19 +221,23 @@ MARU_RM_ADDRESS=$rm_addr
 MARU_REMOTE_CXL_AGENT_HOST=127.0.0.1
 MARU_REMOTE_CXL_AGENT_PORT=9860
 MARU_REMOTE_CXL_AGENT_KEY_FILE=/etc/maru/remote-cxl-agent.key
+# The RM's key (on a standalone node: copied from the RM's node).
+MARU_RM_KEY_FILE=/etc/maru/resource-manager.key
 MARU_TRANSPORT=soft
 MARU_AGENT_ARGS=--device /dev/dax0.0"
 
 key=$root/etc/maru/remote-cxl-agent.key
-if [ -e "$key" ]; then
-    echo "kept $key"
+new_key "$key" "copy it to maru-server and the workers"
+rm_key=$root/etc/maru/resource-manager.key
+if [ "$standalone" = 1 ]; then
+    [ -e "$rm_key" ] || echo "install.sh: copy the RM key from the RM's node to /etc/maru/resource-manager.key (mode 0600, owner maru) before starting the agent"
 else
-    (umask 077; { echo "# maru shared key (keep mode 0600)"; od -An -tx1 -N32 /dev/urandom | tr -d ' \n'; echo; } > "$key")
-    echo "wrote $key (mode 0600): copy it to maru-server and the workers"
+    new_key "$rm_key" "copy it to maru-server and standalone agents of this pool"
 fi
 if [ -z "$root" ]; then
     add_user
     chown maru:maru "$key"
+    [ -e "$rm_key" ] && chown maru:maru "$rm_key"
     if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
         systemctl daemon-reload
         # Disable first so a switch between the bound and the standalone form leaves no old links.

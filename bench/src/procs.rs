@@ -320,6 +320,8 @@ pub fn stack(
             &[
                 "--rm-address".into(),
                 rm_addr.clone(),
+                "--rm-key-file".into(),
+                s.path("rm-state").join("rm.key").display().to_string(),
                 "--key-file".into(),
                 s.key_file.display().to_string(),
                 "--device".into(),
@@ -335,6 +337,8 @@ pub fn stack(
     let mut args = vec![
         "--rm-address".to_string(),
         rm_addr,
+        "--rm-key-file".into(),
+        s.path("rm-state").join("rm.key").display().to_string(),
         "--region-size".into(),
         region_size.into(),
         "--chunk-size".into(),

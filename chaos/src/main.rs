@@ -148,6 +148,9 @@ impl Cluster {
         vec![
             "--state-dir".into(),
             self.s.dir.join("rm").display().to_string(),
+            // The RM's key (made on the first start); the agent and maru-server prove it.
+            "--key-file".into(),
+            self.rm_key().display().to_string(),
             "--fake-dax".into(),
             format!("{}:256M", self.pool.display()),
             // A dead maru-server's regions go back soon (its successor has a new id).
@@ -156,10 +159,16 @@ impl Cluster {
         ]
     }
 
+    fn rm_key(&self) -> PathBuf {
+        self.s.dir.join("rm.key")
+    }
+
     fn agent_args(&self) -> Vec<String> {
         vec![
             "--rm-address".into(),
             format!("127.0.0.1:{}", self.rm_port),
+            "--rm-key-file".into(),
+            self.rm_key().display().to_string(),
             "--key-file".into(),
             self.key_path.display().to_string(),
             "--device".into(),
@@ -177,6 +186,8 @@ impl Cluster {
         vec![
             "--rm-address".into(),
             format!("127.0.0.1:{}", self.rm_port),
+            "--rm-key-file".into(),
+            self.rm_key().display().to_string(),
             "--remote-cxl-agent".into(),
             format!("127.0.0.1:{}", self.agent_port),
             "--remote-cxl-agent-key-file".into(),
@@ -305,8 +316,9 @@ impl Cluster {
     }
 }
 
-fn rm_client(port: u16) -> Result<Client, String> {
+fn rm_client(port: u16, key: &std::path::Path) -> Result<Client, String> {
     let mut o = ClientOptions::new(RM, "chaos-observer");
+    o.key = Some(maru::auth::load_key_file(key).map_err(|e| format!("RM key: {e}"))?);
     o.call_timeout = Duration::from_secs(5);
     Client::connect(&format!("127.0.0.1:{port}"), &o).map_err(|e| format!("RM: {e}"))
 }
@@ -452,7 +464,8 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
         *kills.entry(what).or_default() += 1;
         if (i + 1) % 10 == 0 {
             // Mid-run, the RM never has a hold of a region it does not list.
-            let (regions, holds) = rm_client(c.rm_port).and_then(|mut rm| rm_view(&mut rm))?;
+            let (regions, holds) =
+                rm_client(c.rm_port, &c.rm_key()).and_then(|mut rm| rm_view(&mut rm))?;
             if let Some(h) = holds.iter().find(|(r, _)| !regions.contains(r)) {
                 return Err(format!(
                     "after {} kills the RM holds region {} for {} without listing it",
@@ -508,7 +521,7 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
     if server_exit != Some(0) {
         return Err(format!("maru-server did not stop cleanly: {server_exit:?}"));
     }
-    let mut rm = rm_client(c.rm_port)?;
+    let mut rm = rm_client(c.rm_port, &c.rm_key())?;
     let mut view = rm_view(&mut rm)?;
     let drained = procs::wait_until(Duration::from_secs(60), || match rm_view(&mut rm) {
         Ok(v) => {

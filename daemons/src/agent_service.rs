@@ -218,6 +218,13 @@ impl NicPort for Nic {
     }
 }
 
+/// Who holds what a connection maps: the connection itself (its id after the client
+/// id it declared, for the operator's eye). Another connection naming the same client
+/// id can neither unmap its regions nor, by closing, drop its read registrations.
+fn holder_of(conn: ConnId, client_id: &str) -> String {
+    format!("{client_id}#{conn}")
+}
+
 /// How often the sweep runs.
 pub const SWEEP_MS: u64 = 5_000;
 
@@ -256,10 +263,15 @@ impl Service for AgentService {
     }
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        let client_id = &holder_of(conn, client_id);
         let env: Envelope<AgentRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
-                log::info!("bad request from {client_id}: {}", e.message);
+                log::info!(
+                    "bad request from {}: {}",
+                    maru::net::clip(client_id),
+                    maru::net::clip(&e.message)
+                );
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
@@ -271,7 +283,7 @@ impl Service for AgentService {
                 .map_err(|e| {
                     WireError::new(
                         ErrorCode::Unsupported,
-                        format!("connect_peer from {client_id}: {e}"),
+                        format!("connect_peer from {}: {e}", maru::net::clip(client_id)),
                     )
                 }),
             req => self.core.handle(
@@ -284,7 +296,12 @@ impl Service for AgentService {
             ),
         };
         if let Err(e) = &result {
-            log::info!("request {} from {client_id}: {e}", env.id);
+            log::info!(
+                "request {} from {}: {}",
+                env.id,
+                maru::net::clip(client_id),
+                maru::net::clip(&e.to_string())
+            );
         }
         wire::reply_frame(env.id, result)
     }
@@ -292,7 +309,7 @@ impl Service for AgentService {
     fn on_close(&mut self, conn: ConnId, client_id: &str, now_ms: u64) {
         self.nic.connection_closed(conn);
         self.core.client_closed(
-            client_id,
+            &holder_of(conn, client_id),
             now_ms,
             &mut self.rm,
             &mut self.mem,

@@ -5,10 +5,11 @@
 use maru::meta::{AgentPort, MetaCore, PortError, RmPort};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
-use maru::wire::meta::{MetaRequest, SERVICE};
+use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope};
 use std::collections::HashMap;
+use std::sync::mpsc;
 use std::time::Duration;
 
 fn port_error(e: LinkError) -> PortError {
@@ -45,7 +46,45 @@ impl MetaRm {
     pub fn check(&mut self) -> Result<(), String> {
         self.link.client().map(|_| ()).map_err(|e| e.to_string())
     }
+
+    /// Keeps one connection to the RM open, from a thread of its own, with a cheap
+    /// call every `every` (or a third of the idle timeout the RM announces): the RM closes connections idle past its idle timeout, and
+    /// an owner with no connection left loses its regions after the RM's grace period.
+    /// A quiet server (no new region for minutes) must not look gone.
+    pub fn keep_alive(
+        addr: &str,
+        client_id: String,
+        key: Option<maru::auth::SharedKey>,
+        every: Duration,
+    ) {
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
+        opts.key = key;
+        opts.connect_timeout = Duration::from_secs(2);
+        opts.call_timeout = Duration::from_secs(5);
+        let mut link = Link::new(addr, opts);
+        let spawned = std::thread::Builder::new()
+            .name("rm-keepalive".into())
+            .spawn(move || loop {
+                if let Err(e) = link.call::<_, RmReply>(&RmRequest::Pools) {
+                    log::debug!("RM keep-alive: {e}");
+                }
+                // Well within the idle timeout the RM announces, if it is shorter.
+                let idle = link
+                    .client()
+                    .ok()
+                    .and_then(|c| c.welcome().info.get("idle_timeout_ms")?.as_u64())
+                    .filter(|ms| *ms > 0)
+                    .map_or(every, |ms| every.min(Duration::from_millis(ms / 3)));
+                std::thread::sleep(idle);
+            });
+        if let Err(e) = spawned {
+            log::warn!("cannot start the RM keep-alive thread: {e}");
+        }
+    }
 }
+
+/// How often maru-server's keep-alive connection calls the RM.
+pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
 impl RmPort for MetaRm {
     fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
@@ -98,10 +137,119 @@ impl RmPort for MetaRm {
     }
 }
 
-/// The pool's agents, one reconnecting link each.
+/// How long a call to an agent may hold the event loop. A healthy agent answers well
+/// within it; past it the call goes on in the background, the keeper sees the agent
+/// as unreachable for now (it retries), and later calls take the answer.
+pub const AGENT_WAIT: Duration = Duration::from_millis(20);
+
+/// A call the keeper makes: map or release of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CallKey {
+    Map(u64),
+    Release(u64),
+}
+
+type Answer = Result<String, PortError>;
+
+/// One agent, reached from a thread of its own, so that an agent that stopped
+/// answering (SIGSTOP, a dead host) never stalls maru-server's event loop: at most
+/// one call is in flight per agent, and while it is, further calls to that agent fail
+/// at once (unreachable) instead of queueing behind it.
+struct AgentWorker {
+    jobs: mpsc::Sender<(CallKey, AgentRequest)>,
+    done: mpsc::Receiver<(CallKey, Answer)>,
+    in_flight: Option<CallKey>,
+    /// Answers that came after their call gave up waiting, for the next same call.
+    ready: HashMap<CallKey, (std::time::Instant, Answer)>,
+}
+
+/// An answer older than this is not handed to a later call (the call is made again).
+const READY_FOR: Duration = Duration::from_secs(10);
+
+/// Answers kept for later calls at most (a keeper retries what it needs).
+const READY_MAX: usize = 4096;
+
+impl AgentWorker {
+    fn start(agent: &str, opts: ClientOptions) -> AgentWorker {
+        let (jobs, rx) = mpsc::channel::<(CallKey, AgentRequest)>();
+        let (tx, done) = mpsc::channel();
+        let mut link = Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id);
+        let name = format!("agent-link-{}", maru::net::clip(agent));
+        let spawned = std::thread::Builder::new().name(name).spawn(move || {
+            while let Ok((key, req)) = rx.recv() {
+                let answer = match link.call::<_, AgentReply>(&req).map_err(port_error) {
+                    Ok(AgentReply::Mapped(m)) => Ok(m.boot_id),
+                    Ok(AgentReply::Released { .. }) => Ok(String::new()),
+                    Ok(r) => Err(unexpected(r)),
+                    Err(e) => Err(e),
+                };
+                if tx.send((key, answer)).is_err() {
+                    return;
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("cannot start the link thread of agent {agent}: {e}");
+        }
+        AgentWorker {
+            jobs,
+            done,
+            in_flight: None,
+            ready: HashMap::new(),
+        }
+    }
+
+    fn take_done(&mut self) {
+        while let Ok((k, a)) = self.done.try_recv() {
+            if self.in_flight == Some(k) {
+                self.in_flight = None;
+            }
+            if self.ready.len() >= READY_MAX {
+                self.ready.clear();
+            }
+            self.ready.insert(k, (std::time::Instant::now(), a));
+        }
+    }
+
+    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest, wait: Duration) -> Answer {
+        self.take_done();
+        if let Some((at, a)) = self.ready.remove(&key) {
+            if at.elapsed() < READY_FOR {
+                return a;
+            }
+        }
+        if let Some(busy) = self.in_flight {
+            return Err(PortError::Unreachable(format!(
+                "agent {agent} has not answered an earlier call ({busy:?}) yet"
+            )));
+        }
+        if self.jobs.send((key, req)).is_err() {
+            return Err(PortError::Unreachable(format!(
+                "the link thread of agent {agent} is gone"
+            )));
+        }
+        self.in_flight = Some(key);
+        if let Ok((k, a)) = self.done.recv_timeout(wait) {
+            self.in_flight = None;
+            if k == key {
+                return a;
+            }
+            self.ready.insert(k, (std::time::Instant::now(), a));
+        }
+        Err(PortError::Unreachable(format!(
+            "agent {agent} did not answer within {} ms; the call goes on in the background",
+            wait.as_millis()
+        )))
+    }
+}
+
+/// The pool's agents, each on a link thread of its own ([`AgentWorker`]).
 pub struct MetaAgents {
-    links: HashMap<String, Link>,
+    workers: HashMap<String, AgentWorker>,
     opts: ClientOptions,
+    /// How long a call may wait on the loop ([`AGENT_WAIT`]; longer at shutdown,
+    /// when the loop serves nobody else).
+    wait: Duration,
 }
 
 impl MetaAgents {
@@ -111,46 +259,113 @@ impl MetaAgents {
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
         MetaAgents {
-            links: HashMap::new(),
+            workers: HashMap::new(),
             opts,
+            wait: AGENT_WAIT,
         }
     }
 
-    fn link(&mut self, agent: &str) -> &mut Link {
+    /// Lets calls wait for their answer up to `wait` (at shutdown: the call timeout).
+    pub fn set_wait(&mut self, wait: Duration) {
+        self.wait = wait;
+    }
+
+    fn worker(&mut self, agent: &str) -> &mut AgentWorker {
         let opts = self.opts.clone();
-        self.links.entry(agent.to_string()).or_insert_with(|| {
-            Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id)
-        })
+        self.workers
+            .entry(agent.to_string())
+            .or_insert_with(|| AgentWorker::start(agent, opts))
     }
 }
 
 impl AgentPort for MetaAgents {
     fn map(&mut self, agent: &str, h: &Handle) -> Result<String, PortError> {
+        let req = AgentRequest::Map {
+            handle: h.clone(),
+            writable: false,
+        };
+        let wait = self.wait;
         match self
-            .link(agent)
-            .call(&AgentRequest::Map {
-                handle: h.clone(),
-                writable: false,
-            })
-            .map_err(port_error)?
+            .worker(agent)
+            .call(agent, CallKey::Map(h.region_id), req, wait)
         {
-            AgentReply::Mapped(m) if !m.boot_id.is_empty() => Ok(m.boot_id),
-            AgentReply::Mapped(_) => Err(PortError::Unreachable(format!(
+            Ok(boot) if boot.is_empty() => Err(PortError::Unreachable(format!(
                 "agent {agent} reported no boot id"
             ))),
-            r => Err(unexpected(r)),
+            other => other,
         }
     }
 
     fn release(&mut self, agent: &str, h: &Handle) -> Result<(), PortError> {
-        match self
-            .link(agent)
-            .call(&AgentRequest::Release { handle: h.clone() })
-            .map_err(port_error)?
-        {
-            AgentReply::Released { .. } => Ok(()),
-            r => Err(unexpected(r)),
+        let req = AgentRequest::Release { handle: h.clone() };
+        let wait = self.wait;
+        self.worker(agent)
+            .call(agent, CallKey::Release(h.region_id), req, wait)
+            .map(|_| ())
+    }
+}
+
+/// Who each connection acts as. A session belongs to the connection that opened it
+/// (its *principal*), never to the client id a peer declares: a new connection acts
+/// on an existing session only when its hello presents that session's secret.
+#[derive(Default)]
+pub struct SessionBinding {
+    /// The principal of each open connection.
+    conns: HashMap<ConnId, String>,
+    /// Session secret (hex) → the principal whose sessions it opens.
+    secrets: HashMap<String, String>,
+    next_prune_ms: u64,
+}
+
+/// How often secrets of principals without a live session are forgotten.
+const PRUNE_MS: u64 = 5_000;
+
+impl SessionBinding {
+    /// Binds a new connection: to the principal of the session secret it presents,
+    /// or else to a principal of its own.
+    pub fn open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>) {
+        let known = resume.and_then(|r| {
+            self.secrets
+                .iter()
+                .find(|(s, _)| maru::auth::ct_eq(s.as_bytes(), r.as_bytes()))
+                .map(|(_, p)| p.clone())
+        });
+        if resume.is_some() && known.is_none() {
+            log::info!(
+                "connection {conn} of {} presented an unknown session secret",
+                maru::net::clip(client_id)
+            );
         }
+        let principal = known.unwrap_or_else(|| format!("{client_id}#{conn}"));
+        self.conns.insert(conn, principal);
+    }
+
+    pub fn principal(&self, conn: ConnId) -> Option<&str> {
+        self.conns.get(&conn).map(String::as_str)
+    }
+
+    /// A new secret for a session `conn` opened.
+    pub fn new_secret(&mut self, conn: ConnId) -> Option<String> {
+        let principal = self.conns.get(&conn)?.clone();
+        let secret = maru::auth::to_hex(&maru::auth::random_bytes(16).ok()?);
+        self.secrets.insert(secret.clone(), principal);
+        Some(secret)
+    }
+
+    /// A connection closed; returns its principal when no other open connection
+    /// acts as it.
+    pub fn close(&mut self, conn: ConnId) -> Option<String> {
+        let p = self.conns.remove(&conn)?;
+        (!self.conns.values().any(|q| *q == p)).then_some(p)
+    }
+
+    /// Forgets secrets whose principal has no live session (at most every few seconds).
+    pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) {
+        if now_ms < self.next_prune_ms {
+            return;
+        }
+        self.next_prune_ms = now_ms + PRUNE_MS;
+        self.secrets.retain(|_, p| live(p));
     }
 }
 
@@ -158,6 +373,18 @@ pub struct MetaService {
     pub core: MetaCore,
     pub rm: MetaRm,
     pub agents: MetaAgents,
+    pub binding: SessionBinding,
+}
+
+impl MetaService {
+    pub fn new(core: MetaCore, rm: MetaRm, agents: MetaAgents) -> MetaService {
+        MetaService {
+            core,
+            rm,
+            agents,
+            binding: SessionBinding::default(),
+        }
+    }
 }
 
 impl Service for MetaService {
@@ -165,27 +392,50 @@ impl Service for MetaService {
         SERVICE
     }
 
-    fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+    fn on_open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>, _now_ms: u64) {
+        self.binding.open(conn, client_id, resume);
+    }
+
+    fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         let env: Envelope<MetaRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
-                log::info!("bad request from {client_id}: {}", e.message);
+                log::info!(
+                    "bad request from {}: {}",
+                    maru::net::clip(client_id),
+                    maru::net::clip(&e.message)
+                );
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
-        let result = self.core.handle(client_id, env.body, now_ms, &mut self.rm);
+        let principal = self
+            .binding
+            .principal(conn)
+            .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
+        let mut result = self.core.handle(&principal, env.body, now_ms, &mut self.rm);
+        if let Ok(MetaReply::Session(s)) = &mut result {
+            s.session_secret = self.binding.new_secret(conn);
+        }
         if let Err(e) = &result {
-            log::debug!("request {} from {client_id}: {e}", env.id);
+            log::debug!(
+                "request {} from {}: {e}",
+                env.id,
+                maru::net::clip(&principal)
+            );
         }
         wire::reply_frame(env.id, result)
     }
 
-    fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {
-        self.core.client_closed(client_id, now_ms);
+    fn on_close(&mut self, conn: ConnId, _client_id: &str, now_ms: u64) {
+        if let Some(p) = self.binding.close(conn) {
+            self.core.client_closed(&p, now_ms);
+        }
     }
 
     fn on_tick(&mut self, now_ms: u64) {
         self.core.tick(now_ms, &mut self.rm, &mut self.agents);
+        let core = &self.core;
+        self.binding.prune(now_ms, |p| core.has_session_of(p));
     }
 
     fn next_deadline(&self) -> Option<u64> {
@@ -195,6 +445,8 @@ impl Service for MetaService {
     /// On SIGTERM: give every kept region back (released at its agent, then freed at the
     /// RM), waiting at most 10 s for the agents and the RM.
     fn on_shutdown(&mut self, now_ms: u64) {
+        // Nobody else is served now: agent calls may wait for their answers.
+        self.agents.set_wait(Duration::from_secs(6));
         let n = self.core.give_back_kept(now_ms);
         let start = std::time::Instant::now();
         let mut now = now_ms;

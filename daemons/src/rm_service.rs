@@ -11,6 +11,9 @@ pub struct RmService {
     /// Local owners whose connection closed while their process still ran (it may be
     /// exiting): checked again at the given time.
     recheck: Vec<(String, u64)>,
+    /// The port's idle timeout, announced in the welcome so that owners keep their
+    /// connection alive well within it (0: none).
+    pub idle_timeout_ms: u64,
 }
 
 /// How long after a local owner's last connection closed its process is checked again.
@@ -22,6 +25,7 @@ impl RmService {
             core,
             host: maru::net::hostname(),
             recheck: Vec::new(),
+            idle_timeout_ms: 0,
         }
     }
 
@@ -63,7 +67,11 @@ impl Service for RmService {
         SERVICE
     }
 
-    fn on_open(&mut self, _conn: ConnId, client_id: &str, _now_ms: u64) {
+    fn welcome_info(&self) -> serde_json::Value {
+        serde_json::json!({ "idle_timeout_ms": self.idle_timeout_ms })
+    }
+
+    fn on_open(&mut self, _conn: ConnId, client_id: &str, _resume: Option<&str>, _now_ms: u64) {
         self.core.client_connected(client_id);
     }
 

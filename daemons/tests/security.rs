@@ -401,6 +401,11 @@ fn maru_server_refuses_an_agent_key_file_others_can_read() {
             &n.agent.addr,
             "--remote-cxl-agent-key-file",
             &n.key_path.display().to_string(),
+            "--rm-key-file",
+            &support::rm_key_path(&n.rm.addr)
+                .unwrap()
+                .display()
+                .to_string(),
             "--port",
             "0",
         ])

@@ -33,9 +33,9 @@ export RUST_LOG=${RUST_LOG:-warn}
 cc -std=c11 -Wall -Wextra $cflags "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:256M" >/dev/null
-maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" \
+maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" --rm-key-file "$work/rm/rm.key" \
     --key-file "$work/agent.key" --device "$pool" --node example-mem0 >/dev/null
-maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" \
+maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" --rm-key-file "$work/rm/rm.key" \
     --remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key" \
     --region-size 16M --chunk-size 256K >/dev/null
 for backend in remote_cxl cxl; do

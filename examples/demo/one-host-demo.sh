@@ -22,12 +22,17 @@ echo "== memory node: maru-resource-manager on a 1 GiB fake DAX pool, maru-remot
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:1G" >/dev/null
 rm_addr=$(cat "$work/rm.addr")
-maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" \
+# The RM made its key on this first start (mode 0600): its clients prove it.
+rm_key="$work/rm/rm.key"
+maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" --rm-key-file "$rm_key" \
     --key-file "$work/agent.key" --device "$pool" --node demo-mem0 >/dev/null
 agent_addr=$(cat "$work/agent.addr")
 echo "== metadata node: maru-server (regions of 64 MiB, 1 MiB chunks)"
-maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$rm_addr" --remote-cxl-agent "$agent_addr" \
+# maru-server makes its own key (--key-file, 0600); the engines prove it (MARU_SERVER_KEY_FILE).
+maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$rm_addr" --rm-key-file "$rm_key" \
+    --key-file "$work/server.key" --remote-cxl-agent "$agent_addr" \
     --remote-cxl-agent-key-file "$work/agent.key" --region-size 64M --chunk-size 1M >/dev/null
+export MARU_SERVER_KEY_FILE="$work/server.key"
 server=$(cat "$work/server.addr")
 
 run_engine() { # backend engine-id

@@ -27,6 +27,8 @@ rm_pid=$!
 for _ in $(seq 1 100); do [ -s "$work/ready" ] && break; sleep 0.1; done
 [ -s "$work/ready" ] || { echo "maru-resource-manager did not start" >&2; exit 1; }
 export MARU_RM_ADDRESS=$(cat "$work/ready")
+# The RM made its key on this first start (state dir, mode 0600): maru-rm-ctl proves it.
+export MARU_RM_KEY_FILE="$work/state/rm.key"
 echo "listening on $MARU_RM_ADDRESS"
 ctl() { "$ctl_bin" "$@"; }
 

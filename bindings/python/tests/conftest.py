@@ -117,6 +117,7 @@ def daemons() -> Iterator[Daemons]:
         d.agent = d.start(
             "maru-remote-cxl-agent",
             "--rm-address", d.rm,
+            "--rm-key-file", str(d.work / "rm" / "rm.key"),
             "--key-file", str(d.key),
             "--device", str(d.pool),
             "--node", "pytest",
@@ -124,6 +125,7 @@ def daemons() -> Iterator[Daemons]:
         d.server = d.start(
             "maru-server",
             "--rm-address", d.rm,
+            "--rm-key-file", str(d.work / "rm" / "rm.key"),
             "--remote-cxl-agent", d.agent,
             "--remote-cxl-agent-key-file", str(d.key),
             "--region-size", "8M",

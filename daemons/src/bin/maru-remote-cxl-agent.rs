@@ -4,11 +4,13 @@
 
 use clap::{Parser, ValueEnum};
 use maru::agent::{AgentCore, DEFAULT_QUARANTINE_MS};
-use maru::net::{Clock, Server, ServerOptions, SignalPipe};
+use maru::net::{Clock, Server, SignalPipe};
 use maru::transport::soft::SoftTarget;
 use maru::transport::Target;
 use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink};
-use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
+use maru_daemons::common::{
+    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,9 +61,12 @@ struct Args {
         env = "MARU_REMOTE_CXL_AGENT_KEY_FILE"
     )]
     key_file: PathBuf,
-    /// Key file of the resource manager, when it requires one.
+    /// Key file of the resource manager (its STATE_DIR/rm.key, copied here mode 0600).
+    /// Without it the agent can reach only an RM started with --insecure-no-key.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
     rm_key_file: Option<PathBuf>,
+    #[command(flatten)]
+    net: NetArgs,
     /// Name of this memory node in the RM's holds (default: the host name).
     #[arg(long, env = "MARU_NODE")]
     node: Option<String>,
@@ -194,10 +199,8 @@ fn main() {
     let nic = target(&args, &key);
     let rm = RmLink::new(args.rm_address.clone(), format!("agent@{node}"), rm_key);
     let addr = bind_addr(&args.host, args.port, "maru-remote-cxl-agent").unwrap_or_else(|e| die(e));
-    let opts = ServerOptions {
-        key: Some(key),
-        ..ServerOptions::default()
-    };
+    raise_nofile_limit();
+    let opts = args.net.options(Some(key));
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
     let clock = Clock::new();
@@ -214,6 +217,7 @@ fn main() {
         write_ready_file(p, bound)
             .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
     }
+    notify_ready();
     if let Err(e) = server.run(&mut service) {
         die(format!("event loop failed: {e}"));
     }

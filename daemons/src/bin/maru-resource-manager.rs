@@ -2,10 +2,13 @@
 //! regions, capability handles and holds. See docs/rm-protocol.md.
 
 use clap::Parser;
+use maru::auth::load_or_create_key;
 use maru::dax::{self, PoolSpec};
-use maru::net::{Clock, Server, ServerOptions, SignalPipe};
-use maru::rm::{load_or_create_secret, DirStore, ResourceManager};
-use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
+use maru::net::{Clock, Server, SignalPipe};
+use maru::rm::{check_pool_file, load_or_create_secret, DirStore, ResourceManager, RM_KEY_FILE};
+use maru_daemons::common::{
+    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+};
 use maru_daemons::rm_service::RmService;
 use std::path::PathBuf;
 
@@ -43,12 +46,17 @@ struct Args {
     /// Seconds an owner may stay disconnected before its regions are freed.
     #[arg(short = 'g', long, default_value_t = 30)]
     grace_period_s: u64,
-    /// Require clients to prove this key (hex key file, mode 0600). Off by default.
-    #[arg(long, env = "MARU_RM_KEY_FILE")]
+    /// Key every client proves before any request (hex key file, mode 0600). Default
+    /// STATE_DIR/rm.key. Created (0600) if missing, so the first start makes the key
+    /// that maru-server, the agents and maru-rm-ctl are then given (--rm-key-file).
+    #[arg(long, env = "MARU_RM_KEY_FILE", conflicts_with = "insecure_no_key")]
     key_file: Option<PathBuf>,
-    /// Connections beyond this are closed at accept.
-    #[arg(short = 'm', long, default_value_t = 1024)]
-    max_clients: usize,
+    /// Serve without a key: then any process that reaches the port may free, hold and
+    /// unhold regions and drop holds. For throwaway tests only; logged as a warning.
+    #[arg(long)]
+    insecure_no_key: bool,
+    #[command(flatten)]
+    net: NetArgs,
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -65,7 +73,11 @@ fn main() {
         specs.push(PoolSpec::DevDax { path: d.clone() });
     }
     for f in &args.fake_dax {
-        specs.push(dax::parse_fake_dax(f).unwrap_or_else(|e| die(format!("--fake-dax {f}: {e}"))));
+        let spec = dax::parse_fake_dax(f).unwrap_or_else(|e| die(format!("--fake-dax {f}: {e}")));
+        if let PoolSpec::FakeDax { path, .. } = &spec {
+            check_pool_file(std::path::Path::new(path)).unwrap_or_else(|e| die(e));
+        }
+        specs.push(spec);
     }
     if specs.is_empty() {
         die("no pools: give at least one --dax /dev/daxX.Y or --fake-dax PATH:SIZE (e.g. /dev/shm/maru-pool0:4G)");
@@ -84,28 +96,29 @@ fn main() {
         );
         pools.push(info);
     }
-    if let Err(e) = std::fs::create_dir_all(&args.state_dir) {
-        die(format!(
-            "cannot create state directory {}: {e}",
-            args.state_dir.display()
-        ));
-    }
+    let store =
+        DirStore::open(&args.state_dir).unwrap_or_else(|e| die(format!("state directory: {e}")));
     let secret = load_or_create_secret(&args.state_dir).unwrap_or_else(|e| die(e));
-    let store = DirStore::open(&args.state_dir).unwrap_or_else(|e| die(e));
     let clock = Clock::new();
     let mut core = ResourceManager::open(pools, Box::new(store), secret, clock.now_ms())
         .unwrap_or_else(|e| die(e));
     core.set_grace_ms(args.grace_period_s * 1000);
-    let key = args
-        .key_file
-        .as_ref()
-        .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
-    let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
-    let opts = ServerOptions {
-        max_connections: args.max_clients,
-        key,
-        ..ServerOptions::default()
+    let key = if args.insecure_no_key {
+        log::warn!(
+            "running WITHOUT a key (--insecure-no-key): any process that reaches this port may \
+             free, hold and unhold regions and drop holds"
+        );
+        None
+    } else {
+        let path = args
+            .key_file
+            .clone()
+            .unwrap_or_else(|| args.state_dir.join(RM_KEY_FILE));
+        Some(load_or_create_key(&path).unwrap_or_else(|e| die(e)))
     };
+    raise_nofile_limit();
+    let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
+    let opts = args.net.options(key);
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
     let mut server = Server::bind(addr, opts, clock)
@@ -120,7 +133,9 @@ fn main() {
         write_ready_file(p, bound)
             .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
     }
+    notify_ready();
     let mut service = RmService::new(core);
+    service.idle_timeout_ms = args.net.idle_timeout_s.saturating_mul(1000);
     if let Err(e) = server.run(&mut service) {
         die(format!("event loop failed: {e}"));
     }

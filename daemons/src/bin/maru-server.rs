@@ -4,12 +4,12 @@
 
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use maru::meta::{MetaConfig, MetaCore};
-use maru::net::{
-    default_client_id, Client, ClientOptions, Clock, Server, ServerOptions, SignalPipe,
-};
+use maru::net::{default_client_id, Client, ClientOptions, Clock, Server, SignalPipe};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
-use maru_daemons::common::{bind_addr, die, init_logging, write_ready_file};
-use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService};
+use maru_daemons::common::{
+    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+};
+use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService, RM_KEEPALIVE};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -39,6 +39,9 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The server's key file, when it requires one.
+        #[arg(long, env = "MARU_SERVER_KEY_FILE")]
+        key_file: Option<PathBuf>,
     },
 }
 
@@ -53,9 +56,18 @@ struct Serve {
     /// The pool's resource manager.
     #[arg(long, default_value = "127.0.0.1:9850", env = "MARU_RM_ADDRESS")]
     rm_address: String,
-    /// Key file of the resource manager, when it requires one.
+    /// Key file of the resource manager (its STATE_DIR/rm.key, copied here mode 0600).
+    /// Without it the server can reach only an RM started with --insecure-no-key.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
     rm_key_file: Option<PathBuf>,
+    /// Key every worker proves before any request (hex key file, mode 0600; created if
+    /// missing). Workers find it through MARU_SERVER_KEY_FILE. Without it anyone who
+    /// reaches the port may open sessions (logged as a warning); a session still
+    /// answers only the connection that opened it, or one presenting its secret.
+    #[arg(long, env = "MARU_SERVER_KEY_FILE")]
+    key_file: Option<PathBuf>,
+    #[command(flatten)]
+    net: NetArgs,
     /// A remote CXL agent of the pool, host:port (repeat for each memory node of a shared
     /// pool). With agents the server offers remote_cxl_storage_v1.
     #[arg(long = "remote-cxl-agent", value_name = "HOST:PORT")]
@@ -94,8 +106,9 @@ fn size(flag: &str, v: &str) -> u64 {
     maru::dax::parse_size(v).unwrap_or_else(|e| die(format!("--{flag} {v}: {e}")))
 }
 
-fn stats(server: &str, session: Option<u64>, json: bool) {
-    let opts = ClientOptions::new(SERVICE, default_client_id("maru-server-stats@"));
+fn stats(server: &str, session: Option<u64>, json: bool, key_file: Option<PathBuf>) {
+    let mut opts = ClientOptions::new(SERVICE, default_client_id("maru-server-stats@"));
+    opts.key = key_file.map(|p| maru::auth::load_key_file(&p).unwrap_or_else(|e| die(e)));
     let mut c = Client::connect(server, &opts)
         .unwrap_or_else(|e| die(format!("cannot reach maru-server at {server}: {e}")));
     let reply: MetaReply = c
@@ -167,9 +180,10 @@ fn main() {
         server,
         session,
         json,
+        key_file,
     }) = cli.cmd
     {
-        return stats(&server, session, json);
+        return stats(&server, session, json, key_file);
     }
     let a = cli.serve;
     init_logging(&a.log_level);
@@ -196,12 +210,13 @@ fn main() {
         .as_ref()
         .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
     let client_id = default_client_id("maru-server@");
-    let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key);
+    let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key.clone());
     if let Err(e) = rm.check() {
         die(format!(
             "{e}; maru-server needs its resource manager (start it first or fix --rm-address)"
         ));
     }
+    MetaRm::keep_alive(&a.rm_address, client_id.clone(), rm_key, RM_KEEPALIVE);
     let agent_key = if a.agents.is_empty() {
         None
     } else {
@@ -218,7 +233,18 @@ fn main() {
     let addr = bind_addr(&a.host, a.port, "maru-server").unwrap_or_else(|e| die(e));
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
-    let mut server = Server::bind(addr, ServerOptions::default(), Clock::new())
+    let key = match &a.key_file {
+        Some(p) => Some(maru::auth::load_or_create_key(p).unwrap_or_else(|e| die(e))),
+        None => {
+            log::warn!(
+                "no --key-file: any process that reaches this port may open sessions and read \
+                 the pool's keys; give maru-server a key (workers: MARU_SERVER_KEY_FILE)"
+            );
+            None
+        }
+    };
+    raise_nofile_limit();
+    let mut server = Server::bind(addr, a.net.options(key), Clock::new())
         .and_then(|s| s.with_signals(pipe))
         .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
@@ -231,7 +257,8 @@ fn main() {
         write_ready_file(p, bound)
             .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
     }
-    let mut service = MetaService { core, rm, agents };
+    notify_ready();
+    let mut service = MetaService::new(core, rm, agents);
     if let Err(e) = server.run(&mut service) {
         die(format!("event loop failed: {e}"));
     }

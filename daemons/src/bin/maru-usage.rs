@@ -36,6 +36,9 @@ struct Args {
     /// Key file of the resource manager, when it requires one.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
     rm_key_file: Option<PathBuf>,
+    /// Key file of maru-server, when it requires one.
+    #[arg(long, env = "MARU_SERVER_KEY_FILE")]
+    server_key_file: Option<PathBuf>,
     /// Regions listed at most (the RM's, with --rm); the rest are counted.
     #[arg(long, default_value_t = 20)]
     max_regions: usize,
@@ -292,6 +295,7 @@ struct Source {
     rm: Option<String>,
     rm_conn: Option<Client>,
     rm_key: Option<maru::auth::SharedKey>,
+    server_key: Option<maru::auth::SharedKey>,
     timeout: Duration,
 }
 
@@ -306,7 +310,7 @@ impl Source {
 
     fn server_call(&mut self, req: &MetaRequest) -> Result<MetaReply, String> {
         if self.server_conn.is_none() {
-            let opts = self.options(meta::SERVICE, None);
+            let opts = self.options(meta::SERVICE, self.server_key.clone());
             let c = Client::connect(&self.server, &opts)
                 .map_err(|e| format!("cannot reach maru-server at {}: {e}", self.server))?;
             self.server_conn = Some(c);
@@ -538,18 +542,21 @@ fn main() {
             exit(2);
         }
     }
-    let rm_key = args.rm_key_file.as_ref().map(|p| {
+    let load = |p: &PathBuf| {
         maru::auth::load_key_file(p).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             exit(2)
         })
-    });
+    };
+    let rm_key = args.rm_key_file.as_ref().map(load);
+    let server_key = args.server_key_file.as_ref().map(load);
     let mut src = Source {
         server: args.server.clone(),
         server_conn: None,
         rm: args.rm.clone(),
         rm_conn: None,
         rm_key,
+        server_key,
         timeout: Duration::from_millis(args.timeout_ms.max(1)),
     };
     if let Some(secs) = args.watch {

@@ -6,9 +6,40 @@ use maru::net::{Client, ClientOptions};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// The key file of every resource manager started here, by address: an RM makes
+/// `STATE_DIR/rm.key` on its first start and proves nothing to a client without it.
+/// `connect` uses it for that address, and an agent or maru-server started with
+/// `--rm-address` of such an RM (and no `--rm-key-file`) is given it.
+static RM_KEYS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
+
+const RM_NAME: &str = "maru-resource-manager";
+
+fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+}
+
+/// The key file of the RM at `addr`, if one was started here with a key.
+pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
+    RM_KEYS
+        .lock()
+        .ok()?
+        .iter()
+        .rev()
+        .find(|(a, _)| a == addr)
+        .map(|(_, p)| p.clone())
+}
+
+/// The key of the RM at `addr` (see [`rm_key_path`]).
+pub fn rm_key(addr: &str) -> Option<maru::auth::SharedKey> {
+    rm_key_path(addr).map(|p| maru::auth::load_key_file(&p).expect("the RM's key file"))
+}
 
 /// A directory (and /dev/shm files) removed on drop.
 pub struct Scratch {
@@ -70,8 +101,16 @@ impl Daemon {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let ready = ready_dir.join(format!("ready-{n}"));
         let _ = std::fs::remove_file(&ready);
+        let mut args = args.to_vec();
+        let is_rm = bin.ends_with(RM_NAME);
+        if !is_rm && !args.iter().any(|a| a == "--rm-key-file") {
+            if let Some(k) = arg_after(&args, "--rm-address").and_then(|a| rm_key_path(a)) {
+                args.push("--rm-key-file".into());
+                args.push(k.display().to_string());
+            }
+        }
         let mut cmd = Command::new(bin);
-        cmd.args(args)
+        cmd.args(&args)
             .arg("--port")
             .arg(port.to_string())
             .arg("--ready-file")
@@ -87,9 +126,21 @@ impl Daemon {
         loop {
             if let Ok(s) = std::fs::read_to_string(&ready) {
                 if s.ends_with('\n') {
+                    let addr = s.trim().to_string();
+                    if is_rm && !args.iter().any(|a| a == "--insecure-no-key") {
+                        let key = match arg_after(&args, "--key-file") {
+                            Some(k) => Some(PathBuf::from(k)),
+                            None => {
+                                arg_after(&args, "--state-dir").map(|d| Path::new(d).join("rm.key"))
+                            }
+                        };
+                        if let (Some(k), Ok(mut keys)) = (key, RM_KEYS.lock()) {
+                            keys.push((addr.clone(), k));
+                        }
+                    }
                     return Daemon {
                         child,
-                        addr: s.trim().to_string(),
+                        addr,
                         name: bin.to_string(),
                     };
                 }
@@ -145,9 +196,12 @@ impl Drop for Daemon {
     }
 }
 
-/// Connects to a daemon as `client_id`.
+/// Connects to a daemon as `client_id` (with the RM's key when it is an RM started here).
 pub fn connect(addr: &str, service: &'static str, client_id: &str) -> Client {
     let mut o = ClientOptions::new(service, client_id);
+    if service == maru::wire::rm::SERVICE {
+        o.key = rm_key(addr);
+    }
     o.call_timeout = Duration::from_secs(10);
     Client::connect(addr, &o).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
 }

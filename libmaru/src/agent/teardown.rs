@@ -5,7 +5,8 @@
 //! (mapped, no access) and the hold to the RM. A release deregisters whoever else
 //! holds the region, because the owner is about to give it back.
 
-use super::core::{internal, refused, AgentCore, Ports};
+use super::core::{internal, refused, rm_error, AgentCore, Ports};
+use super::ports::RmCallError;
 use super::released::same_handle;
 use crate::wire::agent::AgentReply;
 use crate::wire::rm::Handle;
@@ -47,10 +48,27 @@ impl AgentCore {
     ) -> Result<AgentReply, WireError> {
         let id = handle.region_id;
         let Some(m) = self.mappings.get_mut(&id) else {
-            // Nothing registered here. The handle is still refused from now on, so a
-            // late map cannot register the range after the owner gave it back.
-            let deregistered = self.released.insert(handle, false);
-            return Ok(AgentReply::Released { deregistered });
+            // Nothing registered here. A handle the RM accepts is refused from now on,
+            // so a late map cannot register the range after the owner gave it back.
+            // One the RM refuses (a forgery, a freed region) is not recorded: its maps
+            // fail at the hold already, and recording it would let anyone with the
+            // agent key grow the list (and the sweep's work) without bound.
+            if self.released.contains(handle) {
+                return Ok(AgentReply::Released {
+                    deregistered: self.released.insert(handle, false),
+                });
+            }
+            return match p.rm.get_access(handle) {
+                Ok(_) => Ok(AgentReply::Released {
+                    deregistered: self.released.insert(handle, false),
+                }),
+                Err(RmCallError::Refused(m)) => Err(refused(format!(
+                    "region {id} is not mapped here and the resource manager does not accept \
+                     its handle ({}): nothing to release",
+                    crate::net::clip(&m)
+                ))),
+                Err(e) => Err(rm_error(id, "release check", e)),
+            };
         };
         if !same_handle(&m.handle, handle) {
             return Err(refused(format!(

@@ -205,3 +205,23 @@ fn a_repeated_release_reports_the_earlier_deregistration() {
     );
     assert_eq!(w.rm.count("unhold"), 1);
 }
+
+#[test]
+fn a_forged_release_of_a_region_never_mapped_is_refused_and_not_recorded() {
+    let mut w = World::new();
+    let h = w.rm.region();
+    let mut forged = h.clone();
+    forged.token = "00".repeat(16);
+    for i in 0..10_000u64 {
+        let mut f = forged.clone();
+        f.region_id = h.region_id + i;
+        let e = w.release("attacker", &f).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Refused, "{e}");
+    }
+    assert!(
+        w.core.released.handles().is_empty(),
+        "forged handles must not be recorded (the sweep would check each of them)"
+    );
+    // The real handle can still be mapped: the forgery blocked nothing.
+    w.map("owner", &h, true).unwrap();
+}

@@ -154,6 +154,48 @@ pub fn write_new_key_file(path: &Path, key: &SharedKey) -> std::io::Result<()> {
     f.sync_all()
 }
 
+/// Loads the key file at `path`, or creates one (a fresh random key, mode 0600, in a
+/// directory created 0700 if missing) when there is none.
+pub fn load_or_create_key(path: &Path) -> Result<SharedKey, KeyFileError> {
+    if !path.exists() {
+        let io = |err| KeyFileError::Io {
+            path: path.to_path_buf(),
+            err,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io)?;
+        }
+        let key = SharedKey::generate().map_err(io)?;
+        match write_new_key_file(path, &key) {
+            Ok(()) => log::info!(
+                "created key file {} (mode 0600): give it to this daemon's clients",
+                path.display()
+            ),
+            // Another process created it meanwhile: use that one.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    load_key_file(path)
+}
+
+/// Environment variable naming the key file a worker proves to maru-server.
+pub const SERVER_KEY_ENV: &str = "MARU_SERVER_KEY_FILE";
+
+/// The maru-server key a worker proves: the file named by `MARU_SERVER_KEY_FILE`, or
+/// none when it is unset (then only a server without a key accepts the worker).
+pub fn server_key_from_env() -> Result<Option<SharedKey>, KeyFileError> {
+    match std::env::var_os(SERVER_KEY_ENV) {
+        Some(p) if !p.is_empty() => load_key_file(Path::new(&p)).map(Some),
+        _ => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,9 @@
 pub mod keyfile;
 mod proof;
 
-pub use keyfile::{load_key_file, KeyFileError, SharedKey};
+pub use keyfile::{
+    load_key_file, load_or_create_key, server_key_from_env, KeyFileError, SharedKey,
+};
 pub use proof::{ClientProof, ProofError, ServerProof};
 
 use hmac::{Hmac, Mac};

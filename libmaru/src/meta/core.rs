@@ -203,6 +203,12 @@ impl MetaCore {
         self.sessions.client_closed(client_id);
     }
 
+    /// Whether `client_id` has a live session (the daemon forgets the session
+    /// secrets of clients that have none).
+    pub fn has_session_of(&self, client_id: &str) -> bool {
+        self.sessions.has_client(client_id)
+    }
+
     fn handshake(&self) -> HandshakeReply {
         let mut capabilities = vec![CAP_CXL_STORAGE.to_string()];
         if !self.cfg.agents.is_empty() {

@@ -62,8 +62,10 @@ impl MetaCore {
             .insert(client_id, engine_id, namespace, backend, scope, now_ms);
         let grant = region.map(|region| self.give_region(id, region));
         log::info!(
-            "session {id} opened by {client_id} (engine {engine_id}, namespace {namespace:?}, \
-             {}) with {}",
+            "session {id} opened by {} (engine {}, namespace {}, {}) with {}",
+            crate::net::clip(client_id),
+            crate::net::clip(engine_id),
+            crate::net::clip(namespace),
             backend.as_str(),
             grant
                 .as_ref()
@@ -79,6 +81,7 @@ impl MetaCore {
             session_timeout_ms: self.cfg.session_timeout_ms,
             lease_timeout_ms: self.cfg.lease_timeout_ms,
             lease_limit: LEASE_LIMIT,
+            session_secret: None,
         }))
     }
 

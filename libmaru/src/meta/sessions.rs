@@ -226,6 +226,11 @@ impl SessionTable {
         self.sessions.values()
     }
 
+    /// Whether `client_id` has a live session.
+    pub fn has_client(&self, client_id: &str) -> bool {
+        self.sessions.values().any(|s| s.client_id == client_id)
+    }
+
     /// A connection of `client_id` closed: its sessions keep running (the worker
     /// may reconnect) and expire only when their requests stop.
     pub fn client_closed(&mut self, client_id: &str) {

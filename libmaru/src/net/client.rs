@@ -71,6 +71,9 @@ pub struct ClientOptions {
     /// once). A reply that comes within it saves the wake-up of a sleeping thread,
     /// which on a VM is most of a loopback round trip; an idle client never spins.
     pub reply_spin: Duration,
+    /// A session secret to present in the hello (maru-server: the session this
+    /// client opened earlier, resumed on a new connection).
+    pub resume: Option<String>,
 }
 
 impl ClientOptions {
@@ -83,6 +86,7 @@ impl ClientOptions {
             call_timeout: Duration::from_secs(10),
             max_frame: DEFAULT_MAX_FRAME,
             reply_spin: Duration::ZERO,
+            resume: None,
         }
     }
 }
@@ -207,6 +211,7 @@ impl Client {
             version: PROTOCOL_VERSION,
             client_id: opts.client_id.clone(),
             nonce: nonce.clone(),
+            resume: opts.resume.clone(),
         };
         self.send(FrameKind::Handshake, &encode_json(&hello))?;
         let welcome: Welcome = self.read_handshake("welcome")?;
@@ -250,6 +255,33 @@ impl Client {
     /// What the daemon said in its welcome (version, info such as a boot id).
     pub fn welcome(&self) -> &Welcome {
         &self.welcome
+    }
+
+    /// Whether the daemon closed this connection (or sent something no call asked
+    /// for, such as the error frame of a closing daemon) while it sat idle: a call on
+    /// it would fail, so a caller connects afresh first. Does not block.
+    pub fn is_stale(&self) -> bool {
+        if self.decoder.buffered() > 0 {
+            return true;
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: b is a live buffer of 1 byte; the descriptor is open (owned by self).
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(&self.stream),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_PEEK,
+            )
+        };
+        if n >= 0 {
+            return true; // end of stream (0) or bytes nobody asked for
+        }
+        let e = io::Error::last_os_error();
+        !matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        )
     }
 
     pub fn peer(&self) -> &str {

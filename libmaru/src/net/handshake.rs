@@ -2,6 +2,7 @@
 //! loop and the blocking responders (soft transport): feed it frames, send what it
 //! returns.
 
+use super::text::clip;
 use crate::auth::{fresh_nonce, ServerProof, SharedKey};
 use crate::wire::handshake::{AuthResult, Hello, Proof, Welcome};
 use crate::wire::{
@@ -13,6 +14,7 @@ enum State {
     Proof {
         proof: ServerProof,
         client_id: String,
+        resume: Option<String>,
     },
     Done,
 }
@@ -22,8 +24,13 @@ enum State {
 pub enum Step {
     /// Send these bytes and wait for the next frame.
     Send(Vec<u8>),
-    /// Send these bytes; the client `client_id` is authenticated.
-    Ready { send: Vec<u8>, client_id: String },
+    /// Send these bytes; the client `client_id` is authenticated. `resume`: the
+    /// session secret its hello carried, for the service to check.
+    Ready {
+        send: Vec<u8>,
+        client_id: String,
+        resume: Option<String>,
+    },
     /// Send this error frame and close.
     Fail(WireError),
 }
@@ -73,7 +80,11 @@ impl ServerHandshake {
         }
         match std::mem::replace(&mut self.state, State::Done) {
             State::Hello => self.on_hello(&f.body),
-            State::Proof { proof, client_id } => {
+            State::Proof {
+                proof,
+                client_id,
+                resume,
+            } => {
                 let Some(key) = &self.key else {
                     return fail(ErrorCode::Internal, "proof state without a key".into());
                 };
@@ -82,16 +93,17 @@ impl ServerHandshake {
                     Err(e) => {
                         return fail(
                             ErrorCode::Protocol,
-                            format!("expected a proof: {}", e.message),
+                            format!("expected a proof: {}", clip(&e.message)),
                         )
                     }
                 };
                 if let Err(e) = proof.check_client(key, &p.proof) {
-                    return fail(ErrorCode::Auth, format!("client {client_id}: {e}"));
+                    return fail(ErrorCode::Auth, format!("client {}: {e}", clip(&client_id)));
                 }
                 Step::Ready {
                     send: handshake_frame(&AuthResult { ok: true }),
                     client_id,
+                    resume,
                 }
             }
             State::Done => fail(ErrorCode::Protocol, "handshake already finished".into()),
@@ -104,7 +116,7 @@ impl ServerHandshake {
             Err(e) => {
                 return fail(
                     ErrorCode::Protocol,
-                    format!("malformed hello: {}", e.message),
+                    format!("malformed hello: {}", clip(&e.message)),
                 )
             }
         };
@@ -122,7 +134,8 @@ impl ServerHandshake {
                 ErrorCode::Protocol,
                 format!(
                     "this port serves {}, not {}: check the address",
-                    self.service, hello.service
+                    self.service,
+                    clip(&hello.service)
                 ),
             );
         }
@@ -130,6 +143,14 @@ impl ServerHandshake {
             return fail(
                 ErrorCode::Protocol,
                 "client id must be 1 to 255 bytes".into(),
+            );
+        }
+        // Client ids reach log lines and owner records: no control characters, so no
+        // peer can forge a line or hide text in them.
+        if hello.client_id.chars().any(char::is_control) {
+            return fail(
+                ErrorCode::Protocol,
+                "client id must not contain control characters".into(),
             );
         }
         let nonce = match fresh_nonce() {
@@ -148,6 +169,7 @@ impl ServerHandshake {
             None => Step::Ready {
                 send: handshake_frame(&welcome),
                 client_id: hello.client_id,
+                resume: hello.resume,
             },
             Some(key) => {
                 let proof = match ServerProof::new(&hello.nonce, &nonce) {
@@ -158,9 +180,59 @@ impl ServerHandshake {
                 self.state = State::Proof {
                     proof,
                     client_id: hello.client_id,
+                    resume: hello.resume,
                 };
                 Step::Send(handshake_frame(&welcome))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::handshake::Hello;
+
+    fn hello(client_id: &str) -> Frame {
+        Frame::new(
+            FrameKind::Handshake,
+            encode_json(&Hello {
+                service: "maru-rm".into(),
+                version: PROTOCOL_VERSION,
+                client_id: client_id.into(),
+                nonce: "00".repeat(32),
+                resume: None,
+            }),
+        )
+    }
+
+    #[test]
+    fn client_ids_with_control_characters_are_refused() {
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        assert!(matches!(
+            hs.on_frame(&hello("a\nERROR forged")),
+            Step::Fail(_)
+        ));
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        assert!(matches!(hs.on_frame(&hello("host:42")), Step::Ready { .. }));
+    }
+
+    #[test]
+    fn a_wrong_service_name_is_echoed_cut() {
+        let mut hs = ServerHandshake::new("maru-rm", None, serde_json::Value::Null);
+        let f = Frame::new(
+            FrameKind::Handshake,
+            encode_json(&Hello {
+                service: "x".repeat(10_000),
+                version: PROTOCOL_VERSION,
+                client_id: "c".into(),
+                nonce: "00".repeat(32),
+                resume: None,
+            }),
+        );
+        match hs.on_frame(&f) {
+            Step::Fail(e) => assert!(e.message.len() < 400, "{}", e.message.len()),
+            s => panic!("{s:?}"),
         }
     }
 }

@@ -63,6 +63,11 @@ impl Link {
 
     /// The live connection (connecting if needed).
     pub fn client(&mut self) -> Result<&mut Client, LinkError> {
+        // A daemon closes connections idle past its timeout: notice that before a
+        // call is lost on it, and connect afresh.
+        if self.client.as_ref().is_some_and(Client::is_stale) {
+            self.client = None;
+        }
         if self.client.is_none() {
             let what = self.opts.service;
             let c = Client::connect(&self.addr, &self.opts).map_err(|e| match e {
@@ -90,6 +95,12 @@ impl Link {
         if let Some(c) = &mut self.client {
             c.set_reply_spin(spin);
         }
+    }
+
+    /// Presents `secret` in the hello of every later connection (a session secret
+    /// maru-server handed out: a reconnect proves the session is this client's).
+    pub fn set_resume(&mut self, secret: Option<String>) {
+        self.opts.resume = secret;
     }
 
     /// Forgets the connection (the next call reconnects).

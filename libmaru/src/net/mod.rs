@@ -11,12 +11,14 @@ pub mod link;
 pub mod server;
 mod signals;
 pub(crate) mod sockopt;
+pub mod text;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
-pub use server::{ConnId, Server, ServerOptions, Service};
+pub use server::{ConnId, Server, ServerCounts, ServerOptions, Service};
 pub use signals::SignalPipe;
 pub use sockopt::recv_now;
+pub use text::clip;
 
 use std::time::Instant;
 

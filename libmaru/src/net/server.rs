@@ -10,6 +10,7 @@
 
 use super::handshake::{ServerHandshake, Step};
 use super::sockopt;
+use super::text::clip;
 use super::{Clock, SignalPipe};
 use crate::auth::SharedKey;
 use crate::wire::{self, ErrorCode, FrameDecoder, FrameKind, WireError};
@@ -34,8 +35,9 @@ pub trait Service {
         serde_json::Value::Null
     }
 
-    /// A connection finished its handshake as `client_id`.
-    fn on_open(&mut self, _conn: ConnId, _client_id: &str, _now_ms: u64) {}
+    /// A connection finished its handshake as `client_id`; `resume` is the session
+    /// secret its hello carried (a reconnecting client), if any.
+    fn on_open(&mut self, _conn: ConnId, _client_id: &str, _resume: Option<&str>, _now_ms: u64) {}
 
     /// One request frame body; returns the reply frame to send (encoded).
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
@@ -55,27 +57,62 @@ pub trait Service {
     fn on_shutdown(&mut self, _now_ms: u64) {}
 }
 
-/// Settings of the loop.
+/// Settings of the loop: every bound a peer could otherwise push without limit.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Largest frame body accepted on a connection.
+    /// Largest frame body accepted on a connection after its handshake.
     pub max_frame: usize,
-    /// Connections beyond this are closed at accept.
+    /// Largest frame body accepted before the handshake finished (a hello or a proof
+    /// is a few hundred bytes): a peer without the key cannot make the daemon buffer more.
+    pub pre_auth_max_frame: usize,
+    /// Connections open at once; beyond it a new connection is closed at accept.
     pub max_connections: usize,
+    /// Connections still in their handshake at once. Kept below `max_connections` so
+    /// peers without the key cannot take the room of authenticated clients: a new one
+    /// beyond it pushes out the oldest connection still in its handshake.
+    pub max_pending: usize,
     /// Key every client must prove (and the server proves back). None: no proof.
     pub key: Option<SharedKey>,
-    /// A connection that has not finished its handshake after this long is closed.
+    /// A connection that has not finished its whole handshake after this long is closed.
     pub handshake_timeout_ms: u64,
+    /// A connection that sent no whole frame for this long after its handshake is
+    /// closed (0: never). Clients' heartbeats and calls refresh it.
+    pub idle_timeout_ms: u64,
+    /// Bytes of replies a connection may leave unread; beyond it the loop stops
+    /// reading its requests until it reads its replies (backpressure).
+    pub max_unsent: usize,
 }
+
+/// Default whole-handshake deadline (5 s).
+pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
+/// Default largest frame before the key proof (4 KiB).
+pub const DEFAULT_PRE_AUTH_MAX_FRAME: usize = 4 << 10;
+/// Default idle timeout after the handshake (5 minutes).
+pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 300_000;
+/// Default bound on a connection's unsent replies (4 MiB).
+pub const DEFAULT_MAX_UNSENT: usize = 4 << 20;
 
 impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             max_frame: wire::DEFAULT_MAX_FRAME,
+            pre_auth_max_frame: DEFAULT_PRE_AUTH_MAX_FRAME,
             max_connections: 1024,
+            max_pending: 256,
             key: None,
-            handshake_timeout_ms: 10_000,
+            handshake_timeout_ms: DEFAULT_HANDSHAKE_TIMEOUT_MS,
+            idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
+            max_unsent: DEFAULT_MAX_UNSENT,
         }
+    }
+}
+
+impl ServerOptions {
+    /// Pending connections allowed: `max_pending`, but always below the total cap
+    /// (a quarter of it is kept for authenticated clients) and at least one.
+    fn pending_cap(&self) -> usize {
+        let room = self.max_connections - self.max_connections / 4;
+        self.max_pending.min(room).max(1)
     }
 }
 
@@ -93,9 +130,24 @@ struct Conn {
     out_pos: usize,
     phase: Phase,
     opened_ms: u64,
+    /// When the last whole frame arrived (idle timeout).
+    last_frame_ms: u64,
     /// Close once `out` is flushed (after an error frame).
     closing: bool,
-    writable_registered: bool,
+    /// The socket may hold bytes not read yet (reading stopped at a bound).
+    unread: bool,
+    /// The interest registered now: (readable, writable).
+    interest: (bool, bool),
+}
+
+impl Conn {
+    fn unsent(&self) -> usize {
+        self.out.len() - self.out_pos
+    }
+
+    fn pending(&self) -> bool {
+        matches!(self.phase, Phase::Handshake(_))
+    }
 }
 
 const LISTENER: Token = Token(0);
@@ -115,6 +167,18 @@ pub struct Server {
     /// One read buffer for every connection (the loop is single-threaded), allocated
     /// once rather than zeroed on the stack for every readable event.
     rbuf: Box<[u8]>,
+    /// Connections still in their handshake.
+    pending: usize,
+    /// When a refusal at accept was last logged (one line per 10 s, not one per peer).
+    last_refusal_log_ms: Option<u64>,
+    refused_since_log: u64,
+}
+
+/// What a daemon's listener reports (for tests and metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerCounts {
+    pub connections: usize,
+    pub pending: usize,
 }
 
 impl Server {
@@ -134,11 +198,21 @@ impl Server {
             clock,
             signals: None,
             rbuf: vec![0u8; READ_CHUNK].into_boxed_slice(),
+            pending: 0,
+            last_refusal_log_ms: None,
+            refused_since_log: 0,
         })
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.listener.local_addr()
+    }
+
+    pub fn counts(&self) -> ServerCounts {
+        ServerCounts {
+            connections: self.conns.len(),
+            pending: self.pending,
+        }
     }
 
     /// Stops the loop on SIGINT/SIGTERM (after `on_shutdown`).
@@ -188,31 +262,73 @@ impl Server {
             if service.next_deadline().is_some_and(|d| d <= now) {
                 service.on_tick(now);
             }
-            self.expire_handshakes(service, now);
+            self.expire(service, now);
+        }
+    }
+
+    /// When connection `c` is due to be closed for silence, if ever.
+    fn deadline_of(&self, c: &Conn) -> Option<u64> {
+        if c.pending() {
+            Some(c.opened_ms.saturating_add(self.opts.handshake_timeout_ms))
+        } else if self.opts.idle_timeout_ms > 0 {
+            Some(c.last_frame_ms.saturating_add(self.opts.idle_timeout_ms))
+        } else {
+            None
         }
     }
 
     fn timeout<S: Service>(&self, service: &S, now: u64) -> Option<Duration> {
         let mut deadline = service.next_deadline();
         for c in self.conns.values() {
-            if !matches!(c.phase, Phase::Ready { .. }) {
-                let d = c.opened_ms + self.opts.handshake_timeout_ms;
+            if let Some(d) = self.deadline_of(c) {
                 deadline = Some(deadline.map_or(d, |x| x.min(d)));
             }
         }
         deadline.map(|d| Duration::from_millis(d.saturating_sub(now)))
     }
 
-    fn accept<S: Service>(&mut self, service: &S) {
+    fn refusal(&mut self, peer: SocketAddr, why: &str) {
+        let now = self.clock.now_ms();
+        self.refused_since_log += 1;
+        if self
+            .last_refusal_log_ms
+            .is_none_or(|t| now.saturating_sub(t) >= 10_000)
+        {
+            log::warn!(
+                "refusing connection from {peer}: {why} ({} refused since the last such line)",
+                self.refused_since_log
+            );
+            self.last_refusal_log_ms = Some(now);
+            self.refused_since_log = 0;
+        }
+    }
+
+    fn accept<S: Service>(&mut self, service: &mut S) {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
                     if self.conns.len() >= self.opts.max_connections {
-                        log::warn!(
-                            "refusing connection from {peer}: {} connections already open (limit)",
-                            self.conns.len()
-                        );
+                        let why = format!("{} connections already open (limit)", self.conns.len());
+                        self.refusal(peer, &why);
                         continue;
+                    }
+                    if self.pending >= self.opts.pending_cap() {
+                        // The oldest unfinished handshake makes room: a flood of peers
+                        // without the key cannot keep a real client out.
+                        let oldest = self
+                            .conns
+                            .iter()
+                            .filter(|(_, c)| c.pending())
+                            .min_by_key(|(_, c)| c.opened_ms)
+                            .map(|(t, _)| *t);
+                        if let Some(t) = oldest {
+                            let now = self.clock.now_ms();
+                            self.refusal(
+                                peer,
+                                "too many unfinished handshakes; closing the oldest",
+                            );
+                            self.drop_conn(service, t, now);
+                        }
                     }
                     let _ = stream.set_nodelay(true);
                     sockopt::keepalive(&stream);
@@ -229,13 +345,15 @@ impl Server {
                     let id = self.next_conn_id;
                     self.next_conn_id += 1;
                     log::debug!("connection {id} from {peer}");
+                    let now = self.clock.now_ms();
+                    self.pending += 1;
                     self.conns.insert(
                         token,
                         Conn {
                             id,
                             stream,
                             peer,
-                            decoder: FrameDecoder::new(self.opts.max_frame),
+                            decoder: FrameDecoder::new(self.opts.pre_auth_max_frame),
                             out: Vec::new(),
                             out_pos: 0,
                             phase: Phase::Handshake(ServerHandshake::new(
@@ -243,13 +361,16 @@ impl Server {
                                 self.opts.key.clone(),
                                 service.welcome_info(),
                             )),
-                            opened_ms: self.clock.now_ms(),
+                            opened_ms: now,
+                            last_frame_ms: now,
                             closing: false,
-                            writable_registered: false,
+                            unread: false,
+                            interest: (true, false),
                         },
                     );
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // EMFILE and friends: log and let the next readiness retry.
                     log::warn!("accept failed: {e}");
@@ -268,38 +389,50 @@ impl Server {
         writable: bool,
     ) {
         let now = self.clock.now_ms();
+        let opts = &self.opts;
         let Some(conn) = self.conns.get_mut(&tok) else {
             return;
         };
+        let was_pending = conn.pending();
+        conn.unread |= readable;
         let mut alive = true;
-        if readable && !conn.closing {
-            alive = read_all(conn, &mut self.rbuf, read_closed);
-            process_frames(conn, service, now);
-        }
-        if alive && (writable || !conn.out.is_empty()) {
+        if writable || conn.unsent() > 0 {
             alive = flush(conn);
         }
-        if alive && conn.closing && conn.out_pos >= conn.out.len() {
+        if alive {
+            alive = pump(conn, service, &mut self.rbuf, opts, read_closed, now);
+        }
+        if alive && conn.closing && conn.unsent() == 0 {
             alive = false;
+        }
+        if was_pending && !conn.pending() {
+            self.pending -= 1;
         }
         if !alive {
             self.drop_conn(service, tok, now);
             return;
         }
-        let want_write = conn.out_pos < conn.out.len();
-        if want_write != conn.writable_registered {
-            let interest = if want_write {
-                Interest::READABLE | Interest::WRITABLE
-            } else {
-                Interest::READABLE
+        // Read only while the unsent replies are under the bound; a peer that does
+        // not read its replies stops being read.
+        let want = (
+            !conn.closing && conn.unsent() <= opts.max_unsent,
+            conn.unsent() > 0,
+        );
+        if want != conn.interest {
+            let interest = match want {
+                (true, true) => Interest::READABLE | Interest::WRITABLE,
+                (true, false) => Interest::READABLE,
+                _ => Interest::WRITABLE,
             };
+            // Re-arming reports readiness again, so bytes left unread come back as
+            // an event once reading resumes.
             if self
                 .poll
                 .registry()
                 .reregister(&mut conn.stream, tok, interest)
                 .is_ok()
             {
-                conn.writable_registered = want_write;
+                conn.interest = want;
             }
         }
     }
@@ -308,8 +441,9 @@ impl Server {
         if let Some(mut c) = self.conns.remove(&tok) {
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
-            if let Phase::Ready { client_id } = &c.phase {
-                service.on_close(c.id, client_id, now);
+            match &c.phase {
+                Phase::Ready { client_id } => service.on_close(c.id, client_id, now),
+                Phase::Handshake(_) => self.pending -= 1,
             }
         }
     }
@@ -321,20 +455,30 @@ impl Server {
         }
     }
 
-    fn expire_handshakes<S: Service>(&mut self, service: &mut S, now: u64) {
-        let limit = self.opts.handshake_timeout_ms;
+    /// Closes connections past their handshake deadline or idle timeout.
+    fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
         let late: Vec<Token> = self
             .conns
             .iter()
-            .filter(|(_, c)| !matches!(c.phase, Phase::Ready { .. }) && now >= c.opened_ms + limit)
+            .filter(|(_, c)| self.deadline_of(c).is_some_and(|d| now >= d))
             .map(|(t, _)| *t)
             .collect();
         for t in late {
             if let Some(c) = self.conns.get(&t) {
-                log::info!(
-                    "closing connection from {}: no handshake within {limit} ms",
-                    c.peer
-                );
+                if c.pending() {
+                    log::info!(
+                        "closing connection from {}: no handshake within {} ms",
+                        c.peer,
+                        self.opts.handshake_timeout_ms
+                    );
+                } else {
+                    log::info!(
+                        "closing connection {} from {}: nothing received for {} ms",
+                        c.id,
+                        c.peer,
+                        self.opts.idle_timeout_ms
+                    );
+                }
             }
             self.drop_conn(service, t, now);
         }
@@ -343,26 +487,71 @@ impl Server {
 
 const READ_CHUNK: usize = 64 * 1024;
 
-/// Reads everything available; false when the peer closed or the socket failed.
+/// How a read pass ended.
+enum ReadEnd {
+    /// The socket had nothing more at that instant.
+    Drained,
+    /// The decoder holds as much as one frame may need: serve it before reading on.
+    Full,
+    /// The peer closed or the socket failed.
+    Gone,
+}
+
+/// Reads until the socket is drained or the decoder holds a whole frame's worth.
 ///
 /// A read that did not fill the buffer drained the socket at that instant, so the loop
 /// stops there instead of paying one more `read` for `WouldBlock` (mio's readiness is
 /// edge-triggered: bytes or a FIN that arrive later raise a new event). When the event
 /// already said the peer closed, it reads on until end of stream.
-fn read_all(conn: &mut Conn, buf: &mut [u8], read_closed: bool) -> bool {
+fn read_some(conn: &mut Conn, buf: &mut [u8], read_closed: bool) -> ReadEnd {
+    let cap = conn.decoder.max_body() + wire::frame::HEADER_LEN + buf.len();
     loop {
+        if conn.decoder.buffered() >= cap {
+            return ReadEnd::Full;
+        }
         match conn.stream.read(buf) {
-            Ok(0) => return false,
+            Ok(0) => return ReadEnd::Gone,
             Ok(n) => {
                 conn.decoder.push(&buf[..n]);
                 if n < buf.len() && !read_closed {
-                    return true;
+                    return ReadEnd::Drained;
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return ReadEnd::Drained,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 log::debug!("read from {} failed: {e}", conn.peer);
+                return ReadEnd::Gone;
+            }
+        }
+    }
+}
+
+/// Serves frames and reads more while the unsent replies stay under the bound.
+/// Returns false when the connection is gone.
+fn pump<S: Service>(
+    conn: &mut Conn,
+    service: &mut S,
+    buf: &mut [u8],
+    opts: &ServerOptions,
+    read_closed: bool,
+    now: u64,
+) -> bool {
+    loop {
+        process_frames(conn, service, opts, now);
+        if conn.unsent() > 0 && !flush(conn) {
+            return false;
+        }
+        if conn.closing || conn.unsent() > opts.max_unsent || !conn.unread {
+            return true;
+        }
+        match read_some(conn, buf, read_closed) {
+            ReadEnd::Full => {}
+            ReadEnd::Drained => conn.unread = false,
+            ReadEnd::Gone => {
+                // Serve what came before the close; the replies may still go out.
+                process_frames(conn, service, opts, now);
+                let _ = flush(conn);
                 return false;
             }
         }
@@ -389,25 +578,32 @@ fn flush(conn: &mut Conn) -> bool {
 }
 
 fn fail(conn: &mut Conn, code: ErrorCode, message: String) {
+    let message = clip(&message);
     log::info!("connection from {}: {message}; closing", conn.peer);
     conn.out
         .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
 }
 
-fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, now: u64) {
-    while !conn.closing {
+fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOptions, now: u64) {
+    while !conn.closing && conn.unsent() <= opts.max_unsent {
         let f = match conn.decoder.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => return,
             Err(e) => return fail(conn, ErrorCode::Protocol, e.to_string()),
         };
+        conn.last_frame_ms = now;
         match &mut conn.phase {
             Phase::Handshake(hs) => match hs.on_frame(&f) {
                 Step::Send(bytes) => conn.out.extend(bytes),
-                Step::Ready { send, client_id } => {
+                Step::Ready {
+                    send,
+                    client_id,
+                    resume,
+                } => {
                     conn.out.extend(send);
-                    service.on_open(conn.id, &client_id, now);
+                    conn.decoder.set_max_body(opts.max_frame);
+                    service.on_open(conn.id, &client_id, resume.as_deref(), now);
                     conn.phase = Phase::Ready { client_id };
                 }
                 Step::Fail(e) => return fail(conn, e.code, e.message),

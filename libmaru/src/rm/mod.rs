@@ -16,6 +16,7 @@ mod error;
 pub mod extents;
 pub mod holds;
 pub mod owners;
+mod pool_file;
 pub mod replies;
 mod secret;
 pub mod state;
@@ -27,8 +28,11 @@ pub use self::core::{
 pub use error::RmError;
 pub use extents::{ExtentAllocator, ExtentError};
 pub use holds::HoldLedger;
-pub use secret::{load_or_create_secret, SecretError, SECRET_FILE, SECRET_LEN};
+pub use pool_file::check_pool_file;
+pub use secret::{load_or_create_secret, SecretError, RM_KEY_FILE, SECRET_FILE, SECRET_LEN};
 pub use state::{HoldRecord, RegionRecord, RmState, STATE_VERSION};
 #[doc(hidden)]
 pub use store::parse_state;
-pub use store::{DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE};
+pub use store::{
+    private_dir, DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE,
+};

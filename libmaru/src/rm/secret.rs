@@ -14,6 +14,10 @@ use std::path::{Path, PathBuf};
 /// Name of the secret file in the state directory.
 pub const SECRET_FILE: &str = "secret";
 
+/// Name of the key file clients prove, in the state directory, when the RM is not
+/// given `--key-file` (created on the first start).
+pub const RM_KEY_FILE: &str = "rm.key";
+
 /// Length of the secret (bytes).
 pub const SECRET_LEN: usize = 32;
 

@@ -128,14 +128,12 @@ pub struct DirStore {
 }
 
 impl DirStore {
-    /// Uses `dir`, creating it (mode 0700) if it does not exist.
+    /// Uses `dir`, creating it (mode 0700) if it does not exist. Refuses a directory
+    /// that group or others can write, or that another user owns: whoever can write
+    /// it can swap the state (and plant links the RM would follow).
     pub fn open(dir: impl Into<PathBuf>) -> Result<DirStore, PersistError> {
         let dir = dir.into();
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&dir)
-            .map_err(|e| PersistError::new(Step::Write, &dir, e))?;
+        private_dir(&dir).map_err(|e| PersistError::new(Step::Write, &dir, e))?;
         Ok(DirStore { dir })
     }
 
@@ -146,6 +144,42 @@ impl DirStore {
     pub fn state_path(&self) -> PathBuf {
         self.dir.join(STATE_FILE)
     }
+}
+
+/// Creates `dir` (and missing parents) with mode 0700, then checks it: a directory,
+/// owned by this user (or root), not writable by group or others.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let m = std::fs::metadata(dir)?;
+    if !m.is_dir() {
+        return Err(std::io::Error::other("not a directory"));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if m.uid() != me && m.uid() != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "owned by uid {}, not by this user (uid {me}); use a directory of your own",
+                m.uid()
+            ),
+        ));
+    }
+    if m.mode() & 0o022 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "mode {:o}: group or others can write it; run `chmod 700 {}`",
+                m.mode() & 0o7777,
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Fsyncs a directory, so that a rename or a new file in it survives a crash.
@@ -160,11 +194,18 @@ impl StateStore for DirStore {
         let text = serde_json::to_vec_pretty(state).map_err(|e| {
             PersistError::new(Step::Write, &tmp, std::io::Error::other(e.to_string()))
         })?;
+        // A leftover temp file (or a link someone planted in its place) is removed,
+        // never followed: the new one is created exclusively, without following links.
+        match std::fs::remove_file(&tmp) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(PersistError::new(Step::Write, &tmp, e)),
+        }
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(|e| PersistError::new(Step::Write, &tmp, e))?;
         f.write_all(&text)
@@ -304,6 +345,8 @@ pub(crate) mod tests {
             ));
             let _ = std::fs::remove_dir_all(&p);
             std::fs::create_dir_all(&p).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o700)).unwrap();
             TempDir(p)
         }
     }
@@ -350,6 +393,40 @@ pub(crate) mod tests {
         // A leftover temporary file from a crashed save is ignored.
         std::fs::write(s.dir().join(STATE_TMP_FILE), b"{partial").unwrap();
         assert_eq!(again.load().unwrap(), Some(sample()));
+    }
+
+    #[test]
+    fn state_dir_is_created_private_and_refused_when_others_can_write() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = TempDir::new("perm");
+        // Whatever the umask, a new state directory is 0700.
+        // SAFETY: umask only swaps the process mask; restored below.
+        let old = unsafe { libc::umask(0) };
+        let made = DirStore::open(d.0.join("new"));
+        unsafe { libc::umask(old) };
+        made.unwrap();
+        let mode = std::fs::metadata(d.0.join("new"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let open = d.0.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = DirStore::open(&open).unwrap_err().to_string();
+        assert!(e.contains("others can write"), "{e}");
+    }
+
+    #[test]
+    fn a_planted_temp_file_link_is_not_followed() {
+        let d = TempDir::new("link");
+        let mut s = DirStore::open(d.0.join("st")).unwrap();
+        let victim = d.0.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::os::unix::fs::symlink(&victim, s.dir().join(STATE_TMP_FILE)).unwrap();
+        s.save(&sample()).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(s.load().unwrap(), Some(sample()));
     }
 
     #[test]

@@ -128,6 +128,12 @@ impl FrameDecoder {
         self.max_body
     }
 
+    /// Changes the largest body accepted from now on (a connection accepts only small
+    /// frames before its peer proved the key, and the full size after).
+    pub fn set_max_body(&mut self, max_body: usize) {
+        self.max_body = max_body;
+    }
+
     /// Adds bytes read from the peer.
     pub fn push(&mut self, bytes: &[u8]) {
         if self.failed.is_none() {

@@ -21,6 +21,10 @@ pub struct Hello {
     pub client_id: String,
     /// 32 random bytes, hex; fresh for every connection.
     pub nonce: String,
+    /// A session secret a service handed this client earlier (maru-server's
+    /// `open_session`): a reconnecting client proves with it that the session is its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -246,6 +246,10 @@ pub struct SessionReply {
     pub session_timeout_ms: u64,
     pub lease_timeout_ms: u64,
     pub lease_limit: usize,
+    /// The session's secret (hex): the session answers only the connection that
+    /// opened it, or a new connection whose hello presents this secret (`resume`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_secret: Option<String>,
 }
 
 /// A page taken by `alloc`.
@@ -638,6 +642,7 @@ mod tests {
                 session_timeout_ms: 30_000,
                 lease_timeout_ms: 60_000,
                 lease_limit: LEASE_LIMIT,
+                session_secret: Some("ab".into()),
             }),
             MetaReply::Leases {
                 leases: vec![

@@ -36,6 +36,8 @@ impl Session {
         timeout: Duration,
     ) -> Result<Session, WorkerError> {
         let mut opts = ClientOptions::new(SERVICE, client_id.to_string());
+        opts.key =
+            crate::auth::server_key_from_env().map_err(|e| WorkerError::Config(e.to_string()))?;
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
         let mut link = Link::new(url, opts);
@@ -66,6 +68,7 @@ impl Session {
             MetaReply::Session(s) => s,
             r => return Err(unexpected("open_session", r)),
         };
+        link.set_resume(s.session_secret.clone());
         Ok(Session {
             url: url.to_string(),
             link,
