@@ -206,6 +206,21 @@ impl Lifecycle {
         self.regions.get(&region).is_some_and(|r| !r.rebooted)
     }
 
+    /// Whether a lease on bytes written under `lease_boot` may be read at `agent` now:
+    /// only while the agent is on that boot (as last seen: its welcome, a probe or a
+    /// map reply). A lease without boot id (`cxl`, or a region maru-server has none
+    /// for) is read.
+    pub fn lease_readable(&self, agent: &str, lease_boot: Option<&str>) -> bool {
+        match lease_boot {
+            None => true,
+            Some(b) => self
+                .agents
+                .get(agent)
+                .and_then(|a| a.boot.as_deref())
+                .is_some_and(|now| now == b),
+        }
+    }
+
     /// The boot ids to send with a heartbeat.
     pub fn boot_ids(&self) -> BTreeMap<u64, String> {
         self.regions
@@ -328,6 +343,20 @@ mod tests {
         assert!(l.due(2_000).contains(&Action::Remap(A.into())));
         l.remapped(A);
         assert!(!l.needs_remap(A));
+    }
+
+    #[test]
+    fn a_lease_on_bytes_of_another_boot_is_not_read() {
+        let mut l = Lifecycle::new();
+        // A reader: no own region, it has seen the agent on boot-2.
+        l.seen(A, Some("boot-2"), Some(1), 0);
+        assert!(l.lease_readable(A, Some("boot-2")));
+        assert!(
+            !l.lease_readable(A, Some("boot-1")),
+            "written before a reboot maru-server has not heard of yet"
+        );
+        assert!(!l.lease_readable(B, Some("boot-1")), "an agent never seen");
+        assert!(l.lease_readable(A, None));
     }
 
     #[test]
