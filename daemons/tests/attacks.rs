@@ -364,6 +364,7 @@ fn open_session(c: &mut Client) -> (u64, Option<String>) {
             namespace: "ns".into(),
             layout: "l".into(),
             backend: Backend::Cxl,
+            first_region: true,
         })
         .unwrap()
     {
@@ -631,10 +632,17 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
             namespace: "ns".into(),
             layout: "l".into(),
             backend: Backend::RemoteCxl,
+            first_region: true,
         })
         .unwrap()
     {
-        MetaReply::Session(x) => (x.session, x.region.handle.region_id),
+        MetaReply::Session(x) => (
+            x.session,
+            x.region
+                .expect("the first region asked for")
+                .handle
+                .region_id,
+        ),
         r => panic!("{r:?}"),
     };
     let page = match victim
@@ -657,6 +665,7 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
                 region_id: page.region_id,
                 offset: page.offset,
                 length: 1,
+                prev: None,
             }],
         })
         .unwrap();
