@@ -24,9 +24,10 @@ libmaru's log messages go to the ``maru.lib`` loggers of :mod:`logging` (WARNING
 above; :func:`set_log_level` changes that).
 
 Layers, each importing only those below it: ``_lib`` (the C library and its
-prototypes), ``errors``; ``_book`` (memory handed to Python), ``_log``, ``hook``,
-``keys``; ``slots``, ``views``; ``handler``; ``compat`` (the upstream-compatible
-package); this module on top.
+prototypes), ``errors``, ``keys``; ``_capi`` (a typed wrapper of each C function, the
+only module above ``_lib`` that calls C); ``_book`` (memory handed to Python),
+``_log``, ``hook``; ``slots``, ``views``; ``handler``; ``compat`` (the
+upstream-compatible package); this module on top.
 """
 
 import logging as _logging

@@ -1,5 +1,6 @@
-"""Finding and loading libmaru.so, and the C prototypes of include/maru.h: the only
-module of the package that calls C (the layer every other module builds on).
+"""Finding and loading libmaru.so, and the C prototypes of include/maru.h. With
+:mod:`maru._capi` (typed wrappers of every C function) it is the C-call layer that
+every other module builds on: no other module calls libmaru.
 
 The library is looked for, in order:
 

@@ -13,12 +13,11 @@ the GIL for the call.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import threading
-from typing import Optional
 
-from ._lib import LOG_FN, last_error, lib
+from . import _capi
+from .errors import MaruError
 
 #: ``maru_log_level_t`` for each :mod:`logging` level and back.
 _TO_C = [(logging.DEBUG - 5, 5), (logging.DEBUG, 4), (logging.INFO, 3), (logging.WARNING, 2), (logging.ERROR, 1)]
@@ -27,7 +26,6 @@ _FROM_C = {1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO, 4: logging.DEB
 ROOT = "maru.lib"
 
 _lock = threading.Lock()
-_callback: Optional[object] = None  # the ctypes callback libmaru holds; kept alive here
 
 
 def _c_level(level: int) -> int:
@@ -38,11 +36,10 @@ def _c_level(level: int) -> int:
     return 1 if level <= logging.CRITICAL else 0
 
 
-def _forward(_ctx: object, level: int, target: Optional[bytes], message: Optional[bytes]) -> None:
+def _forward(level: int, target: str, message: str) -> None:
     try:
-        t = (target or b"").decode("utf-8", "replace")
-        name = ROOT + ("." + t.split("::", 1)[1].replace("::", ".") if "::" in t else "")
-        logging.getLogger(name).log(_FROM_C.get(level, logging.ERROR), "%s", (message or b"").decode("utf-8", "replace"))
+        name = ROOT + ("." + target.split("::", 1)[1].replace("::", ".") if "::" in target else "")
+        logging.getLogger(name).log(_FROM_C.get(level, logging.ERROR), "%s", message)
     except Exception:  # noqa: BLE001 - nothing may cross back into libmaru
         pass
 
@@ -50,22 +47,20 @@ def _forward(_ctx: object, level: int, target: Optional[bytes], message: Optiona
 def set_log_level(level: int = logging.WARNING) -> None:
     """Forwards libmaru's messages at ``level`` and above (a :mod:`logging` level) to
     the ``maru.lib`` loggers."""
-    global _callback
     with _lock:
-        cb = LOG_FN(_forward)
-        st = lib.maru_set_log_callback(_c_level(level), cb, None)
-        if st != 0:
-            raise RuntimeError(f"maru_set_log_callback: {last_error()}")
-        # libmaru no longer calls the previous callback once the call returned.
-        _callback = cb
+        try:
+            _capi.set_log_callback(_c_level(level), _forward)
+        except MaruError as e:
+            raise RuntimeError(f"maru_set_log_callback: {e.message}") from e
 
 
 def stop_forwarding() -> None:
     """libmaru logs to stderr again, filtered by ``MARU_LOG``/``RUST_LOG``."""
-    global _callback
     with _lock:
-        lib.maru_set_log_callback(0, ctypes.cast(None, LOG_FN), None)
-        _callback = None
+        try:
+            _capi.set_log_callback(0, None)
+        except MaruError:
+            pass  # nothing to do about it (also runs at exit)
 
 
 # libmaru's threads must not call into an interpreter that is shutting down.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import json
 import threading
 import time
@@ -12,9 +11,10 @@ import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _buffer
+from . import _capi
 from . import hook as _hook
 from ._buffer import Buffer
-from ._lib import last_error, lib, maru_slot_t, maru_view_t, status_str
+from ._capi import EMPTY_ADDR as _EMPTY_ADDR
 from .errors import (
     BufferTooSmallError,
     BusyError,
@@ -27,12 +27,6 @@ from .errors import (
 from ._book import _Expirer, _Views
 from .slots import Op, Slot, SlotPool, as_lengths
 from .views import RemoveResult, View
-
-
-def _check(status: int) -> None:
-    """Raises the exception for a failed call (with this thread's last error message)."""
-    if status != Status.OK:
-        raise error_for(status, last_error() or status_str(status))
 
 
 def _key(k: str, what: str = "key") -> bytes:
@@ -110,9 +104,7 @@ class MaruHandler:
         if not isinstance(config, (str, Mapping)):
             raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
-        h = ctypes.c_void_p()
-        _check(lib.maru_handler_open(text.encode("utf-8"), ctypes.byref(h)))
-        self._h = h.value
+        self._h = _capi.handler_open(text)
 
     def __enter__(self) -> "MaruHandler":
         return self
@@ -191,7 +183,7 @@ class MaruHandler:
             self._idle.wait_for(lambda: self._active == 0)
             h, self._h = self._h, None
         try:
-            _check(lib.maru_handler_close(h))
+            _capi.handler_close(h)
         finally:
             with self._slot_lock:
                 for s in list(self._slots.values()):
@@ -214,10 +206,8 @@ class MaruHandler:
         """The largest chunk :meth:`store` takes: the pools' page size (maru-server's
         ``--chunk-size``)."""
         if self._chunk is None:
-            out = ctypes.c_uint64()
             with self._use() as h:
-                _check(lib.maru_chunk_size(h, ctypes.byref(out)))
-            self._chunk = out.value
+                self._chunk = _capi.chunk_size(h)
         else:
             with self._use():
                 pass  # a closed handler still raises ClosedError
@@ -239,10 +229,8 @@ class MaruHandler:
         again next time.
         """
         k, rk = _key(key), _rk(route_key)
-        stored = ctypes.c_bool(False)
         with _buffer.readable(data) as (addr, n), self._use() as h:
-            _check(lib.maru_store(h, k, addr or _EMPTY_ADDR, n, rk, ctypes.byref(stored)))
-        return stored.value
+            return _capi.store(h, k, addr or _EMPTY_ADDR, n, rk)
 
     def store_ptr(self, key: str, ptr: int, length: int, route_key: Optional[str] = None) -> bool:
         """Stores ``length`` bytes at address ``ptr`` (host memory that stays valid during
@@ -254,10 +242,8 @@ class MaruHandler:
         if length < 0:
             raise ValueError("length must be ≥ 0")
         k, rk = _key(key), _rk(route_key)
-        stored = ctypes.c_bool(False)
         with self._use() as h:
-            _check(lib.maru_store(h, k, ptr or None, length, rk, ctypes.byref(stored)))
-        return stored.value
+            return _capi.store(h, k, ptr or None, length, rk)
 
     def batch_store(self, items: Sequence[Tuple[str, Buffer]], route_key: Optional[str] = None) -> List[bool]:
         """Stores a request's chunks in one call (``maru_store_batch``): ``items`` are
@@ -267,18 +253,16 @@ class MaruHandler:
         if not items:
             return []
         n = len(items)
-        keys = (ctypes.c_char_p * n)(*(_key(k, f"items[{i}] key") for i, (k, _) in enumerate(items)))
-        datas = (ctypes.c_void_p * n)()
-        lens = (ctypes.c_size_t * n)()
-        stored = (ctypes.c_bool * n)()
+        keys = [_key(k, f"items[{i}] key") for i, (k, _) in enumerate(items)]
+        datas = [0] * n
+        lens = [0] * n
         rk = _rk(route_key)
         with contextlib.ExitStack() as stack:
             for i, (_, d) in enumerate(items):
                 addr, ln = stack.enter_context(_buffer.readable(d))
                 datas[i], lens[i] = addr or _EMPTY_ADDR, ln
             with self._use() as h:
-                _check(lib.maru_store_batch(h, keys, datas, lens, n, rk, stored))
-        return list(stored)
+                return _capi.store_batch(h, keys, datas, lens, rk)
 
     # Load ----------------------------------------------------------------------------
 
@@ -288,15 +272,8 @@ class MaruHandler:
         None on a miss. A buffer too small raises :class:`~maru.BufferTooSmallError`
         whose ``needed`` is the chunk's size."""
         k, rk = _key(key), _rk(route_key)
-        got = ctypes.c_size_t(0)
         with _buffer.writable(buffer) as (addr, cap), self._use() as h:
-            st = lib.maru_load(h, k, addr or _EMPTY_ADDR, cap, ctypes.byref(got), rk)
-            if st == Status.NOT_FOUND:
-                return None
-            if st == Status.BUFFER_TOO_SMALL:
-                raise BufferTooSmallError(st, last_error() or status_str(st), needed=got.value)
-            _check(st)
-        return got.value
+            return _capi.load(h, k, addr or _EMPTY_ADDR, cap, rk)
 
     def retrieve(self, key: str, route_key: Optional[str] = None) -> Optional[bytes]:
         """Loads ``key`` and returns its bytes, or None on a miss. The buffer is
@@ -330,23 +307,16 @@ class MaruHandler:
         if not keys:
             return []
         n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        bufs = (ctypes.c_void_p * n)()
-        caps = (ctypes.c_size_t * n)()
-        lens = (ctypes.c_size_t * n)()
-        found = (ctypes.c_bool * n)()
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        bufs = [0] * n
+        caps = [0] * n
         rk = _rk(route_key)
         with contextlib.ExitStack() as stack:
             for i, b in enumerate(buffers):
                 addr, cap = stack.enter_context(_buffer.writable(b))
                 bufs[i], caps[i] = addr or _EMPTY_ADDR, cap
             with self._use() as h:
-                st = lib.maru_load_batch(h, ks, bufs, caps, lens, found, n, rk)
-                if st == Status.BUFFER_TOO_SMALL:
-                    needed = max(lens[i] for i in range(n) if lens[i] > caps[i])
-                    raise BufferTooSmallError(st, last_error() or status_str(st), needed=needed)
-                _check(st)
-        return [lens[i] if found[i] else None for i in range(n)]
+                return _capi.load_batch(h, ks, bufs, caps, rk)
 
     def batch_retrieve(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[bytes]]:
         """Loads a request's chunks in one call; each one's bytes, or None for a miss.
@@ -375,15 +345,13 @@ class MaruHandler:
     def exists(self, key: str, route_key: Optional[str] = None) -> bool:
         """Whether ``key`` is stored (published) in its pool."""
         k, rk = _key(key), _rk(route_key)
-        found = ctypes.c_bool(False)
         with self._use() as h:
-            _check(lib.maru_exists(h, k, rk, ctypes.byref(found)))
-        return found.value
+            return _capi.exists(h, k, rk)
 
     def batch_exists(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
         """Whether each key is stored, in one round trip (``maru_exists_batch``);
         ``route_key`` defaults to the first key."""
-        return self._bool_batch(lib.maru_exists_batch, keys, route_key)
+        return self._bool_batch(_capi.exists_batch, keys, route_key)
 
     # Pins ----------------------------------------------------------------------------
 
@@ -408,21 +376,18 @@ class MaruHandler:
         return self._pins(keys, route_key, False)
 
     def _pins(self, keys: Sequence[str], route_key: Optional[str], on: bool) -> List[bool]:
-        return self._bool_batch(lib.maru_pin_batch if on else lib.maru_unpin_batch, keys, route_key)
+        return self._bool_batch(_capi.pin_batch if on else _capi.unpin_batch, keys, route_key)
 
     def _bool_batch(self, call: Any, keys: Sequence[str], route_key: Optional[str]) -> List[bool]:
-        """``call(h, keys, n, route_key, out)``, one C call for the request's keys, with a
-        bool per key."""
+        """``call(h, keys, route_key)`` (a :mod:`maru._capi` wrapper), one C call for the
+        request's keys, with a bool per key."""
         keys = list(keys)
         if not keys:
             return []
-        n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        out = (ctypes.c_bool * n)()
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         rk = _rk(route_key)
         with self._use() as h:
-            _check(call(h, ks, n, rk, out))
-        return list(out)
+            return list(call(h, ks, rk))
 
     # Remove --------------------------------------------------------------------------
 
@@ -445,12 +410,11 @@ class MaruHandler:
         if not keys:
             return []
         n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        res = (ctypes.c_uint32 * n)()
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         rk = _rk(route_key)
         self._sweep_views()  # views dropped unreleased would hold leases on our keys
         with self._use() as h:
-            _check(lib.maru_remove_batch(h, ks, n, rk, res))
+            res = _capi.remove_batch(h, ks, rk)
         out = []
         for i in range(n):
             try:
@@ -462,16 +426,9 @@ class MaruHandler:
     def stats(self) -> Dict[str, Any]:
         """The handler's counters (``maru_stats_json``) as a dict: per pool and in
         ``"total"`` (stored, hits, misses, bytes, ...)."""
-        need = ctypes.c_size_t(0)
         with self._use() as h:
-            for _ in range(3):
-                buf = ctypes.create_string_buffer(need.value + 1) if need.value else None
-                st = lib.maru_stats_json(h, buf, len(buf) if buf else 0, ctypes.byref(need))
-                if st == Status.OK and buf is not None:
-                    return json.loads(buf.value.decode("utf-8"))
-                if st != Status.BUFFER_TOO_SMALL:
-                    _check(st)
-        raise error_for(Status.INTERNAL, "the statistics kept growing while they were read")
+            text = _capi.stats_json(h)
+        return json.loads(text)
 
     # Staging slots ----------------------------------------------------------------
 
@@ -488,11 +445,9 @@ class MaruHandler:
         if timeout < 0:
             raise ValueError("timeout must be >= 0")
         self._sweep_pending()
-        out = (maru_slot_t * n)()
-        got = ctypes.c_size_t(0)
         with self._use() as h:
-            _check(lib.maru_slots_acquire(h, int(pool), n, min(int(timeout * 1000), 0xFFFFFFFF), out, ctypes.byref(got)))
-            slots = [Slot(self, pool, out[i]) for i in range(got.value)]
+            infos = _capi.slots_acquire(h, int(pool), n, min(int(timeout * 1000), 0xFFFFFFFF))
+            slots = [Slot(self, pool, info) for info in infos]
             with self._slot_lock:
                 for s in slots:
                     self._slots[s.id] = s
@@ -507,7 +462,7 @@ class MaruHandler:
         for s in slots:
             s.release()
 
-    def _own(self, slots: Sequence[Slot], keys: Sequence[str]) -> Tuple[Any, Any, int]:
+    def _own(self, slots: Sequence[Slot], keys: Sequence[str]) -> Tuple[List[bytes], List[int], int]:
         slots = list(slots)
         keys = list(keys)
         if len(slots) != len(keys):
@@ -523,8 +478,8 @@ class MaruHandler:
             seen.add(s.id)
             s._check()
         n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        ids = (ctypes.c_uint64 * n)(*(s.id for s in slots))
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        ids = [s.id for s in slots]
         return ks, ids, n
 
     def store_slots(
@@ -549,15 +504,16 @@ class MaruHandler:
         if not slots:
             return []
         ks, ids, n = self._own(slots, keys)
-        lens = (ctypes.c_size_t * n)(*lens_l)
-        stored = (ctypes.c_bool * n)()
         rk = _rk(route_key)
+        failed: Optional[MaruError] = None
         with self._use() as h:
-            st = lib.maru_store_slots(h, ks, ids, lens, n, rk, stored)
-        if st != Status.OK:
-            err = error_for(st, last_error() or status_str(st))
+            try:
+                stored = _capi.store_slots(h, ks, ids, lens_l, rk)
+            except MaruError as e:
+                failed = e
+        if failed is not None:
             self._settle(slots, [False] * n, " (its store failed and libmaru took it back)")
-            raise err
+            raise failed
         return self._apply_stored(slots, stored)
 
     def load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> List[Optional[int]]:
@@ -571,17 +527,18 @@ class MaruHandler:
         if not slots:
             return []
         ks, ids, n = self._own(slots, keys)
-        lens = (ctypes.c_size_t * n)()
-        found = (ctypes.c_bool * n)()
         rk = _rk(route_key)
+        failed: Optional[MaruError] = None
         with self._use() as h:
-            st = lib.maru_load_slots(h, ks, ids, n, rk, lens, found)
-        if st != Status.OK:
-            err = error_for(st, last_error() or status_str(st))
+            try:
+                found, lens = _capi.load_slots(h, ks, ids, rk)
+            except MaruError as e:
+                failed = e
+        if failed is not None:
             for s in slots:
                 s.length = s.key = None
             self._settle(slots, [False] * n, " (its load failed and libmaru took it back)")
-            raise err
+            raise failed
         return self._apply_loaded(list(keys), slots, found, lens)
 
     def submit_store_slots(
@@ -602,12 +559,10 @@ class MaruHandler:
                 raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"length {ln} of slot {s.id} is not in 1..{s.capacity}")
         if not slots:
             raise ValueError("nothing to submit: no slots")
-        ks, ids, n = self._own(slots, keys)
-        lens = (ctypes.c_size_t * n)(*lens_l)
-        op = ctypes.c_void_p()
+        ks, ids, _ = self._own(slots, keys)
         with self._use() as h:
-            _check(lib.maru_submit_store_slots(h, ks, ids, lens, n, _rk(route_key), ctypes.byref(op)))
-        return self._lend(Op(self, "store", keys, slots, op.value))
+            op = _capi.submit_store_slots(h, ks, ids, lens_l, _rk(route_key))
+        return self._lend(Op(self, "store", keys, slots, op))
 
     def submit_load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> Op:
         """:meth:`load_slots` without waiting (``maru_submit_load_slots``): returns the
@@ -616,11 +571,10 @@ class MaruHandler:
         keys = list(keys)
         if not slots:
             raise ValueError("nothing to submit: no slots")
-        ks, ids, n = self._own(slots, keys)
-        op = ctypes.c_void_p()
+        ks, ids, _ = self._own(slots, keys)
         with self._use() as h:
-            _check(lib.maru_submit_load_slots(h, ks, ids, n, _rk(route_key), ctypes.byref(op)))
-        return self._lend(Op(self, "load", keys, slots, op.value))
+            op = _capi.submit_load_slots(h, ks, ids, _rk(route_key))
+        return self._lend(Op(self, "load", keys, slots, op))
 
     def _lend(self, op: Op) -> Op:
         for s in op.slots:
@@ -667,12 +621,8 @@ class MaruHandler:
     def _held_ids(self, ids: List[int]) -> List[bool]:
         if not ids:
             return []
-        n = len(ids)
-        arr = (ctypes.c_uint64 * n)(*ids)
-        held = (ctypes.c_bool * n)()
         with self._use() as h:
-            _check(lib.maru_slots_held(h, arr, n, held))
-        return list(held)
+            return _capi.slots_held(h, ids)
 
     def slots_held(self, slots: Sequence[Union[Slot, int]]) -> List[bool]:
         """Whether each slot (a :class:`~maru.Slot` or a slot id) is still this caller's
@@ -692,10 +642,9 @@ class MaruHandler:
     def _c_release(self, ids: List[int]) -> None:
         if not ids:
             return
-        arr = (ctypes.c_uint64 * len(ids))(*ids)
         try:
             with self._use() as h:
-                _check(lib.maru_slots_release(h, arr, len(ids)))
+                _capi.slots_release(h, ids)
         except ClosedError:
             pass  # closing the handler gave every slot back
 
@@ -764,15 +713,12 @@ class MaruHandler:
         if not keys:
             return []
         self._sweep_views()
-        n = len(keys)
-        ks = (ctypes.c_char_p * n)(*(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-        infos = (maru_view_t * n)()
-        found = (ctypes.c_bool * n)()
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         rk = _rk(route_key)
         t0 = time.monotonic()
         with self._use() as h:
-            _check(lib.maru_views_acquire(h, ks, n, rk, infos, found))
-            out: List[Optional[View]] = [View(self, keys[i], infos[i], t0) if found[i] else None for i in range(n)]
+            infos = _capi.views_acquire(h, ks, rk)
+            out: List[Optional[View]] = [None if info is None else View(self, key, info, t0) for key, info in zip(keys, infos)]
             got = [v for v in out if v is not None]
             with self._slot_lock:
                 for v in got:
@@ -805,10 +751,9 @@ class MaruHandler:
     def _c_release_views(self, ids: List[int]) -> None:
         if not ids:
             return
-        arr = (ctypes.c_uint64 * len(ids))(*ids)
         try:
             with self._use() as h:
-                _check(lib.maru_views_release(h, arr, len(ids)))
+                _capi.views_release(h, ids)
         except ClosedError:
             pass  # closing the handler ended every view
 
@@ -886,9 +831,3 @@ def register_upstream(config_class: type, handler_class: type) -> None:
     ``MaruHandler()`` construct ``handler_class`` instead."""
     global _upstream
     _upstream = (config_class, handler_class)
-
-
-# A valid address for a zero-length buffer: libmaru refuses NULL data pointers even for
-# zero bytes, and then reports the length itself as the problem.
-_EMPTY = (ctypes.c_char * 1)()
-_EMPTY_ADDR = ctypes.addressof(_EMPTY)

@@ -14,25 +14,15 @@ it is set.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from typing import Callable, Optional
 
-from ._lib import MEM_REGISTER_FN, MEM_UNREGISTER_FN, last_error, lib, status_str
-from .errors import Status, error_for
+from . import _capi
 
 log = logging.getLogger(__name__)
 
 RegisterFn = Callable[[int, int], int]
 UnregisterFn = Callable[[int, int], None]
-
-# The ctypes callbacks must outlive every handler opened with them: never dropped.
-_keep: list = []
-
-
-def _check(st: int) -> None:
-    if st != Status.OK:
-        raise error_for(st, last_error() or status_str(st))
 
 
 def set_memory_hook(register: Optional[RegisterFn], unregister: Optional[UnregisterFn] = None) -> None:
@@ -41,31 +31,28 @@ def set_memory_hook(register: Optional[RegisterFn], unregister: Optional[Unregis
     must return 0; ``unregister(ptr, length)`` when the handler closes. An exception in
     ``register`` counts as a failure (logged). ``register=None`` removes the hook."""
     if register is None:
-        _check(lib.maru_set_memory_hook(ctypes.cast(None, MEM_REGISTER_FN), ctypes.cast(None, MEM_UNREGISTER_FN), None))
+        _capi.set_memory_hook(None, None)
         return
 
-    def c_register(_ctx: int, ptr: int, length: int) -> int:
+    def safe_register(ptr: int, length: int) -> int:
         try:
-            return int(register(ptr or 0, length))
+            return int(register(ptr, length))
         except Exception:  # noqa: BLE001 - an exception must not cross into libmaru
-            log.exception("memory hook register(%#x, %d) raised", ptr or 0, length)
+            log.exception("memory hook register(%#x, %d) raised", ptr, length)
             return -1
 
-    def c_unregister(_ctx: int, ptr: int, length: int) -> None:
+    def safe_unregister(ptr: int, length: int) -> None:
         if unregister is None:
             return
         try:
-            unregister(ptr or 0, length)
+            unregister(ptr, length)
         except Exception:  # noqa: BLE001
-            log.exception("memory hook unregister(%#x, %d) raised", ptr or 0, length)
+            log.exception("memory hook unregister(%#x, %d) raised", ptr, length)
 
-    reg = MEM_REGISTER_FN(c_register)
-    unreg = MEM_UNREGISTER_FN(c_unregister) if unregister is not None else ctypes.cast(None, MEM_UNREGISTER_FN)
-    _keep.append((reg, unreg))
-    _check(lib.maru_set_memory_hook(reg, unreg, None))
+    _capi.set_memory_hook(safe_register, safe_unregister if unregister is not None else None)
 
 
 def set_memory_hook_auto() -> None:
     """Sets the memory hook to libmaru's CUDA auto-registration
     (``maru_set_memory_hook_auto``) for handlers opened from now on."""
-    _check(lib.maru_set_memory_hook_auto())
+    _capi.set_memory_hook_auto()

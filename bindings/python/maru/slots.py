@@ -36,10 +36,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 
+from . import _capi
 from ._buffer import Buffer, _bytes_view
 from ._book import _Views
-from ._lib import last_error, lib, status_str
-from .errors import BusyError, SlotReleasedError, Status, error_for, is_error
+from .errors import BusyError, MaruError, SlotReleasedError, Status, error_for
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handler import MaruHandler
@@ -50,11 +50,6 @@ class SlotPool(enum.IntEnum):
 
     LOAD = 0
     STORE = 1
-
-
-def _raise_for(status: int) -> None:
-    if is_error(status):
-        raise error_for(status, last_error() or status_str(status))
 
 
 class Slot:
@@ -223,7 +218,7 @@ class Op:
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
             try:
-                lib.maru_op_free(ptr)
+                _capi.op_free(ptr)
             except Exception:
                 pass
 
@@ -239,20 +234,20 @@ class Op:
                     s._op = None
                     self._handler._release_slot(s, "retired", " (its operation was freed while running)", force=True)
         if ptr is not None:
-            lib.maru_op_free(ptr)
+            _capi.op_free(ptr)
 
-    def _finish(self, status: int) -> None:
-        """Records the end of the operation (under the lock, once)."""
+    def _finish(self, err: Optional[MaruError]) -> None:
+        """Records the end of the operation (under the lock, once): ``err`` is its
+        failure, None when it succeeded (then its results are read)."""
         n = len(self.keys)
-        flags = (ctypes.c_bool * n)()
-        lens = (ctypes.c_size_t * n)()
-        if status == Status.OK:
-            st = lib.maru_op_results(self._ptr, flags, lens, n)
-            if st != Status.OK:
-                status = st
-        err: Optional[BaseException] = None
-        if status != Status.OK:
-            err = error_for(status, last_error() or status_str(status))
+        flags: List[bool] = [False] * n
+        lens: List[int] = [0] * n
+        if err is None:
+            assert self._ptr is not None
+            try:
+                flags, lens = _capi.op_results(self._ptr, n)
+            except MaruError as e:
+                err = e
         self._done = True
         for s in self.slots:
             s._op = None
@@ -276,10 +271,13 @@ class Op:
                 return True
             if self._ptr is None:
                 return True
-            st = lib.maru_op_wait(self._ptr, timeout_ms) if timeout_ms else lib.maru_op_poll(self._ptr)
-            if st == Status.PENDING:
-                return False
-            self._finish(st)
+            err: Optional[MaruError] = None
+            try:
+                if not (_capi.op_wait(self._ptr, timeout_ms) if timeout_ms else _capi.op_poll(self._ptr)):
+                    return False
+            except MaruError as e:
+                err = e
+            self._finish(err)
             return True
 
     @property

@@ -159,7 +159,7 @@ def test_the_c_and_python_chunk_keys_are_equal():
     """maru_chunk_keys (C) and maru.chunk_keys (Python) give the same keys."""
     import random
 
-    from maru import _lib
+    from maru import _capi
 
     rng = random.Random(7)
     cases = [([], 4, "m"), (list(range(10)), 4, "m/l"), ([-(2**31), 2**31 - 1, 0, 5], 2, "ns é")]
@@ -168,16 +168,11 @@ def test_the_c_and_python_chunk_keys_are_equal():
         for i in range(20)
     ]
     for tokens, chunk, ns in cases:
-        n = len(tokens) // chunk
-        arr = (ctypes.c_int32 * max(len(tokens), 1))(*tokens)
-        out = ctypes.create_string_buffer(max(n, 1) * _lib.CHUNK_KEY_SIZE)
-        got = ctypes.c_size_t()
-        st = _lib.lib.maru_chunk_keys(arr, len(tokens), chunk, ns.encode(), out, n, ctypes.byref(got))
-        assert st == 0, _lib.last_error()
-        c_keys = [
-            out.raw[i * _lib.CHUNK_KEY_SIZE : i * _lib.CHUNK_KEY_SIZE + 64].decode() for i in range(got.value)
-        ]
+        c_keys = _capi.chunk_keys(tokens, chunk, ns)  # maru_chunk_keys, each key NUL-terminated
+        assert len(c_keys) == len(tokens) // chunk
         assert c_keys == chunk_keys(tokens, chunk, ns), (len(tokens), chunk, ns)
+    with pytest.raises(maru.InvalidArgumentError):
+        _capi.chunk_keys([1, 2], 0, "m")  # a failed status becomes the package's exception
 
 
 def test_libmaru_messages_reach_logging(caplog):
@@ -206,11 +201,12 @@ def test_the_package_imports_one_way():
 
     layer = {
         "_lib": 0, "errors": 0, "_buffer": 0, "keys": 0,
-        "_book": 1, "_log": 1, "hook": 1,
-        "slots": 2, "views": 2,
-        "handler": 3,
-        "compat": 4,
-        "__init__": 5,
+        "_capi": 1,
+        "_book": 2, "_log": 2, "hook": 2,
+        "slots": 3, "views": 3,
+        "handler": 4,
+        "compat": 5,
+        "__init__": 6,
     }
     root = Path(maru.__file__).resolve().parent
     for path in [*root.glob("*.py"), root / "compat" / "__init__.py"]:
@@ -229,3 +225,63 @@ def test_the_package_imports_one_way():
             for t in targets:
                 if t in layer:
                     assert layer[t] < layer[name], f"{path.name} ({name}) imports {t}: not a lower layer"
+
+
+#: The C-call layer: the only modules that may call libmaru's functions.
+C_LAYER = {"_lib", "_capi"}
+
+
+def _c_calls(source: str) -> list:
+    """Where ``source`` reaches libmaru's C functions itself: an attribute ``maru_*``
+    that is not a type (``lib.maru_store``, ``_lib.lib.maru_op_free``), a
+    ``getattr(x, "maru_...")``, the library object (``from ._lib import lib``,
+    ``_lib.lib``, ``_capi.lib``), or a library loader of its own (``ctypes.CDLL``,
+    ``find_library``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute):
+            if node.attr.startswith("maru_") and not node.attr.endswith("_t"):
+                found.append((where, f".{node.attr}"))
+            if node.attr == "lib" and ast.unparse(node.value).endswith(("_lib", "_capi")):
+                found.append((where, f"{ast.unparse(node)}"))
+            if node.attr in ("CDLL", "cdll", "PyDLL", "LibraryLoader", "find_library"):
+                found.append((where, f".{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in C_LAYER:
+            found += [(where, f"import of {a.name} from {node.module}") for a in node.names if a.name in ("lib", "*")]
+        elif isinstance(node, ast.ImportFrom) and node.module == "ctypes":
+            found += [(where, f"import of ctypes.{a.name}") for a in node.names if a.name in ("CDLL", "cdll", "PyDLL", "*")]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("maru_")
+        ):
+            found.append((where, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return sorted(found)
+
+
+def test_only_the_c_layer_calls_libmaru():
+    """Every C call goes through the typed wrappers of the C-call layer (maru._lib,
+    maru._capi): no other module of the package (maru.vllm* and maru.compat included)
+    touches a maru_* function or the library object itself."""
+    # The scan sees what it must (else this test would pass on anything).
+    assert _c_calls("lib.maru_store(h, k)") and _c_calls("_lib.lib.maru_op_free(p)")
+    assert _c_calls("from ._lib import lib") and _c_calls("from maru import _lib\n_lib.lib")
+    assert _c_calls("from ._capi import lib") and _c_calls("maru._capi.lib") and _c_calls("from maru._lib import *")
+    assert _c_calls("getattr(lib, 'maru_store')")
+    assert _c_calls("ctypes.CDLL('libmaru.so')") and _c_calls("from ctypes import CDLL")
+    assert _c_calls("x = _lib.maru_slot_t() ; '``maru_store``'") == []  # types and docstrings are fine
+    root = Path(maru.__file__).resolve().parent
+    assert len(_c_calls((root / "_capi.py").read_text())) > 20  # the wrappers call C this way
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) == 1 and path.stem in C_LAYER:
+            continue
+        bad += [f"{rel}:{line}: {what}" for line, what in _c_calls(path.read_text())]
+    assert not bad, "C calls outside maru._lib / maru._capi (use a wrapper of maru._capi):\n" + "\n".join(bad)
