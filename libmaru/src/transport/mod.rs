@@ -173,9 +173,16 @@ pub trait Transport: Send + Sync {
     /// Drops the record of a finished batch.
     fn forget(&self, batch: BatchId);
 
-    /// Stops every operation of `peer`: once this returns, no DMA of that peer's
-    /// operations touches the local buffer, and its pending batches are failed. The
-    /// peer must be connected again before further use.
+    /// Stops every operation of `peer`: once this returns `Ok`, no DMA of that peer's
+    /// operations touches the local buffer, the target applies none of its WRITEs any
+    /// more, and its pending batches are failed. The peer must be connected again
+    /// before further use.
+    ///
+    /// The worker reuses slots and pages only on `Ok` (`worker::transfer::Isolation`),
+    /// so: a fence that cannot prove quiet returns an error and may be called again
+    /// for the same peer later (keep the peer until then); a fence of a peer already
+    /// fenced returns `Ok` again (two pools may share a peer); `NoPeer` is for ids
+    /// this transport never issued, and proves nothing.
     fn fence(&self, peer: PeerId) -> Result<(), TransportError>;
 }
 

@@ -300,6 +300,28 @@ impl Lifecycle {
     }
 }
 
+/// What becomes of the session a pool lost, once the pool has a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostSession {
+    /// The new session comes from another run of maru-server: the keeper that would
+    /// have taken the old session's regions over is gone with the old run, so the
+    /// worker releases them at their agents itself.
+    ReleaseAtAgents,
+    /// The same run (the session expired, or maru-server was out of reach): its
+    /// region keeper takes the regions over; the worker lets them go.
+    LeaveToKeeper,
+}
+
+/// Decides [`LostSession`] from maru-server's instance ids, old and new (an old one
+/// that is unknown, from a server that does not send one, decides nothing).
+pub fn lost_session(was_instance: &str, now_instance: &str) -> LostSession {
+    if !was_instance.is_empty() && was_instance != now_instance {
+        LostSession::ReleaseAtAgents
+    } else {
+        LostSession::LeaveToKeeper
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,5 +485,12 @@ mod tests {
             l.due(1_000 + SILENT_PROBE_EVERY_MS),
             vec![Action::Probe(A.into())]
         );
+    }
+
+    #[test]
+    fn a_lost_session_is_released_only_when_maru_server_restarted() {
+        assert_eq!(lost_session("run-1", "run-2"), LostSession::ReleaseAtAgents);
+        assert_eq!(lost_session("run-1", "run-1"), LostSession::LeaveToKeeper);
+        assert_eq!(lost_session("", "run-2"), LostSession::LeaveToKeeper);
     }
 }

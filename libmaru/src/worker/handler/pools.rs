@@ -5,6 +5,7 @@
 use super::Inner;
 use crate::worker::config::BackendKind;
 use crate::worker::error::WorkerError;
+use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
 use std::sync::atomic::Ordering;
 
@@ -81,7 +82,7 @@ impl Inner {
             old.session.handshake.instance.clone(),
             new.session.handshake.instance.clone(),
         );
-        if !was.is_empty() && was != now {
+        if lost_session(&was, &now) == LostSession::ReleaseAtAgents {
             let (released, failed) = old.release_regions();
             log::warn!(
                 "pool {}: maru-server restarted (instance {was} → {now}); released {released} region(s) of the lost session at their agents{}",

@@ -40,9 +40,7 @@ impl CxlMover {
             prefault,
         }
     }
-}
 
-impl CxlMover {
     /// The bytes of a lease in this host's mapping (mapping the owner's region read-only
     /// the first time).
     fn leased_bytes(&mut self, l: &LeaseGrant) -> Option<&[u8]> {
