@@ -23,11 +23,31 @@ fn unexpected<T: std::fmt::Debug>(r: T) -> PortError {
     PortError::Failed(format!("unexpected reply {r:?}"))
 }
 
-/// The RM as maru-server uses it.
+/// A call to the RM made off the event loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum RmKey {
+    /// This server's regions, asked after this many allocations had started.
+    Owned(u64),
+    Free(u64),
+    Largest,
+}
+
+/// The RM as maru-server uses it. An allocation runs on the loop (its request waits
+/// for the region); the periodic and keeper calls (which regions the RM holds for this
+/// server, frees, the largest pool) run on a thread of their own ([`OffLoop`]) and
+/// wait on the loop at most [`AGENT_WAIT`], so a stopped RM does not stall sessions
+/// that do not need it.
 pub struct MetaRm {
     link: Link,
     /// This server's client id at the RM (the owner of its regions).
     client_id: String,
+    bg: OffLoop<RmKey, RmRequest, Result<RmReply, PortError>>,
+    /// Allocations started: an answer about the server's regions asked before the
+    /// latest one may miss its region, so it is not used.
+    allocs: u64,
+    largest: Option<u64>,
+    wait: Duration,
+    addr: String,
 }
 
 impl MetaRm {
@@ -36,10 +56,31 @@ impl MetaRm {
         opts.key = key;
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
+        let mut bg_link = Link::new(addr, opts.clone());
+        let bg = OffLoop::start("rm-link".into(), move |req: RmRequest| {
+            bg_link.call::<_, RmReply>(&req).map_err(port_error)
+        });
         MetaRm {
             link: Link::new(addr, opts),
             client_id,
+            bg,
+            allocs: 0,
+            largest: None,
+            wait: AGENT_WAIT,
+            addr: addr.to_string(),
         }
+    }
+
+    /// Lets the off-loop calls wait up to `wait` (at shutdown).
+    pub fn set_wait(&mut self, wait: Duration) {
+        self.wait = wait;
+    }
+
+    fn bg_call(&mut self, key: RmKey, req: RmRequest) -> Result<RmReply, PortError> {
+        let peer = format!("the RM at {}", self.addr);
+        self.bg
+            .call(&peer, key, req, self.wait)
+            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
     }
 
     /// Connects now (maru-server refuses to start without its RM).
@@ -88,6 +129,7 @@ pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
 impl RmPort for MetaRm {
     fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
+        self.allocs += 1;
         match self
             .link
             .call(&RmRequest::Alloc {
@@ -103,36 +145,36 @@ impl RmPort for MetaRm {
     }
 
     fn free(&mut self, h: &Handle) -> Result<(), PortError> {
-        match self
-            .link
-            .call(&RmRequest::Free {
-                handle: h.clone(),
-                request_id: 0,
-            })
-            .map_err(port_error)?
-        {
+        let req = RmRequest::Free {
+            handle: h.clone(),
+            request_id: 0,
+        };
+        match self.bg_call(RmKey::Free(h.region_id), req)? {
             RmReply::Free(_) => Ok(()),
             r => Err(unexpected(r)),
         }
     }
 
     fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        match self
-            .link
-            .call(&RmRequest::Regions {
-                owner: Some(self.client_id.clone()),
-            })
-            .map_err(port_error)?
-        {
+        let req = RmRequest::Regions {
+            owner: Some(self.client_id.clone()),
+        };
+        match self.bg_call(RmKey::Owned(self.allocs), req)? {
             RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
             r => Err(unexpected(r)),
         }
     }
 
     fn largest_pool(&mut self) -> Result<u64, PortError> {
-        match self.link.call(&RmRequest::Pools).map_err(port_error)? {
-            RmReply::Pools { pools } => Ok(pools.iter().map(|p| p.total).max().unwrap_or(0)),
-            r => Err(unexpected(r)),
+        match self.bg_call(RmKey::Largest, RmRequest::Pools) {
+            Ok(RmReply::Pools { pools }) => {
+                let v = pools.iter().map(|p| p.total).max().unwrap_or(0);
+                self.largest = Some(v);
+                Ok(v)
+            }
+            Ok(r) => Err(unexpected(r)),
+            // The last answer stands while the RM is slow (pools seldom change).
+            Err(e) => self.largest.ok_or(e),
         }
     }
 }
@@ -151,16 +193,16 @@ enum CallKey {
 
 type Answer = Result<String, PortError>;
 
-/// One agent, reached from a thread of its own, so that an agent that stopped
-/// answering (SIGSTOP, a dead host) never stalls maru-server's event loop: at most
-/// one call is in flight per agent, and while it is, further calls to that agent fail
-/// at once (unreachable) instead of queueing behind it.
-struct AgentWorker {
-    jobs: mpsc::Sender<(CallKey, AgentRequest)>,
-    done: mpsc::Receiver<(CallKey, Answer)>,
-    in_flight: Option<CallKey>,
-    /// Answers that came after their call gave up waiting, for the next same call.
-    ready: HashMap<CallKey, (std::time::Instant, Answer)>,
+/// Calls to one peer, made from a thread of their own, so that a peer that stopped
+/// answering (SIGSTOP, a dead host) never stalls maru-server's event loop: at most one
+/// call is in flight per peer, and while it is, further calls to that peer fail at
+/// once (unreachable) instead of queueing behind it. A call waits on the loop only up
+/// to its `wait`; an answer that comes later is kept for the next same call.
+struct OffLoop<K, Q, A> {
+    jobs: mpsc::Sender<(K, Q)>,
+    done: mpsc::Receiver<(K, A)>,
+    in_flight: Option<K>,
+    ready: HashMap<K, (std::time::Instant, A)>,
 }
 
 /// An answer older than this is not handed to a later call (the call is made again).
@@ -169,29 +211,29 @@ const READY_FOR: Duration = Duration::from_secs(10);
 /// Answers kept for later calls at most (a keeper retries what it needs).
 const READY_MAX: usize = 4096;
 
-impl AgentWorker {
-    fn start(agent: &str, opts: ClientOptions) -> AgentWorker {
-        let (jobs, rx) = mpsc::channel::<(CallKey, AgentRequest)>();
+impl<K, Q, A> OffLoop<K, Q, A>
+where
+    K: Copy + Eq + std::hash::Hash + std::fmt::Debug + Send + 'static,
+    Q: Send + 'static,
+    A: Send + 'static,
+{
+    /// Starts the thread `name`, which answers each job with `call`.
+    fn start(name: String, mut call: impl FnMut(Q) -> A + Send + 'static) -> OffLoop<K, Q, A> {
+        let (jobs, rx) = mpsc::channel::<(K, Q)>();
         let (tx, done) = mpsc::channel();
-        let mut link = Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id);
-        let name = format!("agent-link-{}", maru::net::clip(agent));
-        let spawned = std::thread::Builder::new().name(name).spawn(move || {
-            while let Ok((key, req)) = rx.recv() {
-                let answer = match link.call::<_, AgentReply>(&req).map_err(port_error) {
-                    Ok(AgentReply::Mapped(m)) => Ok(m.boot_id),
-                    Ok(AgentReply::Released { .. }) => Ok(String::new()),
-                    Ok(r) => Err(unexpected(r)),
-                    Err(e) => Err(e),
-                };
-                if tx.send((key, answer)).is_err() {
-                    return;
+        let spawned = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                while let Ok((key, q)) = rx.recv() {
+                    if tx.send((key, call(q))).is_err() {
+                        return;
+                    }
                 }
-            }
-        });
+            });
         if let Err(e) = spawned {
-            log::error!("cannot start the link thread of agent {agent}: {e}");
+            log::error!("cannot start thread {name}: {e}");
         }
-        AgentWorker {
+        OffLoop {
             jobs,
             done,
             in_flight: None,
@@ -211,35 +253,58 @@ impl AgentWorker {
         }
     }
 
-    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest, wait: Duration) -> Answer {
+    /// The answer to `q`, or why there is none now (to be treated as unreachable).
+    fn call(&mut self, peer: &str, key: K, q: Q, wait: Duration) -> Result<A, String> {
         self.take_done();
         if let Some((at, a)) = self.ready.remove(&key) {
             if at.elapsed() < READY_FOR {
-                return a;
+                return Ok(a);
             }
         }
         if let Some(busy) = self.in_flight {
-            return Err(PortError::Unreachable(format!(
-                "agent {agent} has not answered an earlier call ({busy:?}) yet"
-            )));
+            return Err(format!(
+                "{peer} has not answered an earlier call ({busy:?}) yet"
+            ));
         }
-        if self.jobs.send((key, req)).is_err() {
-            return Err(PortError::Unreachable(format!(
-                "the link thread of agent {agent} is gone"
-            )));
+        if self.jobs.send((key, q)).is_err() {
+            return Err(format!("the link thread of {peer} is gone"));
         }
         self.in_flight = Some(key);
         if let Ok((k, a)) = self.done.recv_timeout(wait) {
             self.in_flight = None;
             if k == key {
-                return a;
+                return Ok(a);
             }
             self.ready.insert(k, (std::time::Instant::now(), a));
         }
-        Err(PortError::Unreachable(format!(
-            "agent {agent} did not answer within {} ms; the call goes on in the background",
+        Err(format!(
+            "{peer} did not answer within {} ms; the call goes on in the background",
             wait.as_millis()
-        )))
+        ))
+    }
+}
+
+/// One agent's calls ([`OffLoop`]).
+struct AgentWorker(OffLoop<CallKey, AgentRequest, Answer>);
+
+impl AgentWorker {
+    fn start(agent: &str, opts: ClientOptions) -> AgentWorker {
+        let mut link = Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id);
+        let name = format!("agent-link-{}", maru::net::clip(agent));
+        AgentWorker(OffLoop::start(name, move |req: AgentRequest| {
+            match link.call::<_, AgentReply>(&req).map_err(port_error) {
+                Ok(AgentReply::Mapped(m)) => Ok(m.boot_id),
+                Ok(AgentReply::Released { .. }) => Ok(String::new()),
+                Ok(r) => Err(unexpected(r)),
+                Err(e) => Err(e),
+            }
+        }))
+    }
+
+    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest, wait: Duration) -> Answer {
+        self.0
+            .call(&format!("agent {agent}"), key, req, wait)
+            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
     }
 }
 
@@ -445,8 +510,9 @@ impl Service for MetaService {
     /// On SIGTERM: give every kept region back (released at its agent, then freed at the
     /// RM), waiting at most 10 s for the agents and the RM.
     fn on_shutdown(&mut self, now_ms: u64) {
-        // Nobody else is served now: agent calls may wait for their answers.
+        // Nobody else is served now: agent and RM calls may wait for their answers.
         self.agents.set_wait(Duration::from_secs(6));
+        self.rm.set_wait(Duration::from_secs(6));
         let n = self.core.give_back_kept(now_ms);
         let start = std::time::Instant::now();
         let mut now = now_ms;

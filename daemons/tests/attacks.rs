@@ -815,3 +815,43 @@ fn a_quiet_maru_server_keeps_its_regions_through_the_rms_idle_timeout() {
         assert_eq!(regions(&mut obs), 1, "maru-server's region was freed");
     }
 }
+
+/// 6 (the RM side): with the RM stopped (SIGSTOP), maru-server's periodic check of its
+/// regions at the RM runs off its loop: sessions that do not need the RM stay fast.
+#[test]
+fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
+    let mut s = Scratch::new("att-rmstop");
+    let (srv, r) = meta(&mut s, &[]);
+    let mut c = connect(&srv.addr, META, "engine");
+    // The session's region makes the server check its regions at the RM every second.
+    let (id, _) = open_session(&mut c);
+    let mut exists = |n: usize| -> Vec<Duration> {
+        (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                c.call::<_, MetaReply>(&MetaRequest::Exists {
+                    session: id,
+                    keys: vec!["k".into()],
+                })
+                .unwrap();
+                t.elapsed()
+            })
+            .collect()
+    };
+    let normal = p99(exists(400));
+    let pid = r.child.id() as i32;
+    // SAFETY: signals to a child this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let start = Instant::now();
+    let mut during = Vec::new();
+    while start.elapsed() < Duration::from_secs(7) {
+        during.extend(exists(50));
+    }
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let worst = *during.iter().max().unwrap();
+    let busy = p99(during);
+    assert!(
+        worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
+        "exists p99 {busy:?} (worst {worst:?}) with the RM stopped, {normal:?} normally"
+    );
+}

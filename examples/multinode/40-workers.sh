@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 4: the worker nodes. Each runs one engine (maru-demo-engine: libmaru's handler,
-# backend remote_cxl over the soft transport) with only the metadata node's address and
-# the agent key. worker1 runs a prompt of N chunks: every chunk misses, is computed and
+# backend remote_cxl over the soft transport) with only the metadata node's address, its
+# key (MARU_SERVER_KEY_FILE) and the agent key. worker1 runs a prompt of N chunks: every chunk misses, is computed and
 # stored in mem0's CXL memory. worker2 runs a prompt that shares those N chunks as its
 # prefix and adds N more: the prefix is loaded from mem0 (checksums checked against
 # what worker2 would have computed), the rest computed and stored.
@@ -19,7 +19,7 @@ run_engine() { # node engine-id chunks
     cfg=$(printf '{"backend":"remote_cxl","transport":"soft","server_url":"%s","engine_id":"%s","namespace":"demo-model","layout":"demo-256KiB","agent_key_file":"%s","load_slots":16,"store_slots":32}' \
         "$MN_SERVER_ADDR" "$2" "$d/etc/maru/remote-cxl-agent.key")
     echo "   $1 ($(mn_ip "$1")): engine $2, $3 chunks, server_url $MN_SERVER_ADDR"
-    RUST_LOG=${RUST_LOG:-warn} mn_exec "$1" timeout 120 "$MARU_MN_BIN/maru-demo-engine" --config "$cfg" \
+    RUST_LOG=${RUST_LOG:-warn} MARU_SERVER_KEY_FILE="$d/etc/maru/server.key" mn_exec "$1" timeout 120 "$MARU_MN_BIN/maru-demo-engine" --config "$cfg" \
         --prompt "$prompt" --chunks "$3" --chunk-bytes $((256 << 10)) --compute-rounds 2 >"$d/run/engine.json"
 }
 echo "== worker nodes: worker1 computes and stores the prefix, worker2 shares it"

@@ -11,7 +11,8 @@ if [ -x "$MARU_MN_BIN/maru-usage" ]; then
     echo "== maru-usage on meta0 (server $MN_SERVER_ADDR, RM $MN_RM_ADDR)"
     echo "   (both engines closed: maru-server's region keeper keeps their regions with keys readable)"
     mn_exec meta0 "$MARU_MN_BIN/maru-usage" --server "$MN_SERVER_ADDR" --rm "$MN_RM_ADDR" \
-        --rm-key-file "$(mn_dir meta0)/etc/maru/resource-manager.key" | sed 's/^/   /'
+        --rm-key-file "$(mn_dir meta0)/etc/maru/resource-manager.key" \
+        --server-key-file "$(mn_dir meta0)/etc/maru/server.key" | sed 's/^/   /'
 fi
 python3 - "$w1" "$w2" <<'PY'
 import json, sys
