@@ -104,6 +104,7 @@ def main() -> int:
         "engine_id": a.engine_id,
         "dtype": a.dtype,
         "prompt_len": len(prompt),
+        "prompt": prompt,
         "ttft_s": ttft if ttft > 0 else None,
         "total_s": total,
         "start_s": start_s,

@@ -168,6 +168,14 @@ class MaruKVConnector(KVConnectorBase_V1):
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
         kv = TorchKVBlocks(kv_caches, self.settings.chunk_tokens // self._vllm_config.cache_config.block_size, num_blocks)
         self._worker.attach(kv)
+        self._worker.info = {
+            "digest": self.digest,
+            "namespace": self.settings.namespace,
+            "keyspace": core.keyspace(self.settings.namespace, self.digest, self.rank),
+            "chunk_tokens": self.settings.chunk_tokens,
+            "chunk_bytes": kv.chunk_bytes,
+        }
+        self._worker.write_stats()
         log.info("maru.vllm worker %d: %d layers, %d bytes a chunk (%s)", self.rank, len(kv.layers), kv.chunk_bytes, kv.describe())
         h = self._worker_slot.get()  # a configuration error stops the engine now
         if h is not None:

@@ -542,6 +542,7 @@ class WorkerCore:
         self.clock = clock
         self.stats = WorkerStats()
         self.stats_file = stats_file
+        self.info: Dict[str, Any] = {}  # written with the stats (digest, chunk size, ...)
         self._errors: Set[int] = set()
         self._pending: List[Tuple[Any, List[Any]]] = []  # (Op, slots)
         self._last_skip_log = -SKIP_LOG_INTERVAL_S
@@ -703,7 +704,7 @@ class WorkerCore:
         tmp = f"{path}.tmp{os.getpid()}"
         try:
             with open(tmp, "w") as f:
-                json.dump(self.stats.as_dict(), f)
+                json.dump({**self.info, **self.stats.as_dict()}, f)
             os.replace(tmp, path)
         except OSError as e:
             log.warning("maru.vllm worker: cannot write %s: %s", path, e)
