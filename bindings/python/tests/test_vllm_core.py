@@ -183,6 +183,7 @@ def test_lookup_counts_leading_stored_chunks_in_one_call() -> None:
     assert route == keys[0]
     assert s.matched_tokens("r", p, 256) == 5 * 128 - 256  # beyond what vLLM computed itself
     assert s.matched_tokens("r", p, 640) == 0
+    assert s.matched_tokens("r", p, 704) == 0  # vLLM computed more itself: never negative
 
 
 def test_lookup_never_matches_the_last_prompt_token() -> None:
