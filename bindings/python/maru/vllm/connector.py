@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..handler import MaruHandler
+from ..hook import set_memory_hook_auto
 from . import core
 from .core import ChunkTransfer, HandlerSlot, KVBlocks, SchedulerCore, WorkerCore
 
@@ -83,6 +84,12 @@ class MaruKVConnector(KVConnectorBase_V1):
                 "maru.vllm: kv_load_failure_policy is %r: a chunk that fails to load fails its request; "
                 "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
                 self._kv_transfer_config.kv_load_failure_policy,
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise ValueError(
+                f"maru.vllm: the model has {len(groups)} KV cache groups (hybrid attention); "
+                "only models with one group are supported"
             )
         s = self.settings
         self._scheduler: Optional[SchedulerCore] = None
@@ -177,6 +184,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         }
         self._worker.write_stats()
         log.info("maru.vllm worker %d: %d layers, %d bytes a chunk (%s)", self.rank, len(kv.layers), kv.chunk_bytes, kv.describe())
+        if kv.device.type == "cuda":
+            # Pin the staging buffer (cudaHostRegister) so that the copies between the
+            # GPU's blocks and the slots are DMA; process-wide, before the handler opens.
+            set_memory_hook_auto()
         h = self._worker_slot.get()  # a configuration error stops the engine now
         if h is not None:
             page = h.chunk_size()
@@ -263,6 +274,7 @@ class TorchKVBlocks(KVBlocks):
                 )
             self.layers.append((name, u8, dim, bb))
         self.chunk_bytes = sum(bb for *_, bb in self.layers) * self.bpc
+        self.device = self.layers[0][1].device
         self._shapes = sorted({(tuple(kv_caches[n].shape[1:]), str(kv_caches[n].dtype)) for n, *_ in self.layers})
 
     def describe(self) -> str:
