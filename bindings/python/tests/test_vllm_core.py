@@ -322,6 +322,18 @@ def test_plan_resumed_request_replaces_its_blocks() -> None:
     assert plan.stores[0].first_chunk == 1 and plan.stores[0].blocks == [[(0, 52), (1, 53)]]
 
 
+def test_plan_resumed_request_loads_again_into_its_new_blocks() -> None:
+    s, _, p = sched(stored_chunks=3)
+    n = s.matched_tokens("r", p, 0)
+    s.after_alloc("r", n)
+    s.plan([("r", p, list(range(17)), n, 1030 - n)], [])
+    # Preempted (its blocks freed), then looked up again and resumed with other blocks.
+    n = s.matched_tokens("r", p, 0)
+    s.after_alloc("r", n)
+    plan = s.plan([], [("r", list(range(40, 57)), True, n, 1030 - n)])
+    assert [(t.first_chunk, t.blocks) for t in plan.loads] == [(0, [[(0, 40), (1, 41)], [(0, 42), (1, 43)], [(0, 44), (1, 45)]])]
+
+
 def test_plan_skips_requests_without_token_prompt_and_forgets_finished() -> None:
     s, h, p = sched(stored_chunks=3)
     plan = s.plan([("mm", None, list(range(17)), 0, 1030)], [])

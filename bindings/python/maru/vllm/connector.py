@@ -157,8 +157,9 @@ class MaruKVConnector(KVConnectorBase_V1):
             )
             for i, req_id in enumerate(c.req_ids)
         ]
-        finished = set(so.finished_req_ids) | set(so.preempted_req_ids or ())
-        plan = self._scheduler.plan(new, cached, finished)
+        # A preempted request keeps its state: it comes back as a resumed cached request
+        # with new blocks (and a new lookup, which may load again).
+        plan = self._scheduler.plan(new, cached, so.finished_req_ids)
         return MaruConnectorMetadata(loads=plan.loads, stores=plan.stores)
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
