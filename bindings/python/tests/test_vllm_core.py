@@ -456,6 +456,9 @@ class FakeStore:
             self.chunks.setdefault(k, bytes(s.buf[:lengths]))
         return FakeOp([True] * len(keys))
 
+    def chunk_size(self) -> int:
+        return self.size
+
     def close(self) -> None:
         pass
 
@@ -529,6 +532,18 @@ def test_worker_disabled_loads_nothing() -> None:
     assert w.take_load_errors() == {0, 1}
     w.store([transfer(["k0"], [[0, 1]])])
     assert h.chunks == {}
+
+
+def test_worker_refuses_chunks_larger_than_the_page() -> None:
+    kv = BytesKV()  # 32-byte chunks
+    h = FakeStore(16)
+    w = WorkerCore(0, FakeSlot(h), kv)
+    assert "more than maru-server's chunk size 16" in (w.chunk_misfit(h) or "")
+    w.store([transfer(["k0"], [[0, 1]])])
+    w.load([transfer(["k0"], [[0, 1]])])
+    assert h.chunks == {} and w.take_load_errors() == {0, 1}
+    assert WorkerCore(0, FakeSlot(FakeStore(32)), kv).chunk_misfit(h) is not None
+    assert WorkerCore(0, FakeSlot(h), kv).chunk_misfit(FakeStore(32)) is None
 
 
 def test_worker_store_without_free_slots_skips_the_rest() -> None:

@@ -191,12 +191,9 @@ class MaruKVConnector(KVConnectorBase_V1):
             set_memory_hook_auto()
         h = self._worker_slot.get()  # a configuration error stops the engine now
         if h is not None:
-            page = h.chunk_size()
-            if kv.chunk_bytes > page:
-                raise ValueError(
-                    f"maru.vllm: a chunk of {self.settings.chunk_tokens} tokens is {kv.chunk_bytes} bytes, more than "
-                    f"maru-server's chunk size {page} (--chunk-size): lower maru_chunk_tokens or raise --chunk-size"
-                )
+            why = self._worker.chunk_misfit(h)
+            if why:
+                raise ValueError(f"maru.vllm: {why}")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None

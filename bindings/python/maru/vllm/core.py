@@ -547,6 +547,7 @@ class WorkerCore:
         self._pending: List[Tuple[Any, List[Any]]] = []  # (Op, slots)
         self._last_skip_log = -SKIP_LOG_INTERVAL_S
         self._disabled: Optional[str] = None
+        self._checked: Any = None  # the handler whose page size was checked
 
     def attach(self, kv: KVBlocks) -> None:
         self.kv = kv
@@ -555,10 +556,26 @@ class WorkerCore:
         log.error("maru.vllm worker: connector disabled: %s", why)
         self._disabled = why
 
+    def chunk_misfit(self, h: Any) -> Optional[str]:
+        """Why chunks do not fit in ``h``'s pages (maru-server's ``--chunk-size``), or None."""
+        page = h.chunk_size()
+        if self.kv is not None and self.kv.chunk_bytes > page:
+            return (f"a chunk is {self.kv.chunk_bytes} bytes, more than maru-server's chunk size {page} "
+                    f"(--chunk-size): lower maru_chunk_tokens or raise --chunk-size")
+        return None
+
     def _handler(self) -> Any:
         if self._disabled or self.kv is None:
             return None
-        return self.handler.get()
+        h = self.handler.get()
+        if h is not None and h is not self._checked:
+            # Also for a handler opened late (maru-server was away at start).
+            why = self.chunk_misfit(h)
+            if why:
+                self.disable(why)
+                return None
+            self._checked = h
+        return h
 
     # Loads ----------------------------------------------------------------------
 
