@@ -13,6 +13,10 @@ maru-server on free loopback ports, then runs each engine in its own process
      chunk, and its output differs (the loaded KV is really used);
   D  runs the prompt with another dtype (float32): another namespace digest, no hit.
 
+Then, once: an engine whose maru-server is unreachable computes everything and answers
+like the baseline; an engine with a bad setting (maru_chunk_tokens 100) fails at start
+with a message naming it.
+
 Every wait is bounded; every daemon is stopped at the end, also on failure.
 
     python e2e.py --bin target/debug --model DIR [--backends cxl,remote_cxl]
@@ -110,8 +114,9 @@ def engine_env() -> Dict[str, str]:
     return env
 
 
-def run_engine(work: Path, name: str, model: str, args: List[str]) -> Dict:
-    """Runs engine.py in its own process (bounded); returns its JSON (+ worker stats)."""
+def run_engine(work: Path, name: str, model: str, args: List[str], expect_fail: bool = False) -> Dict:
+    """Runs engine.py in its own process (bounded); returns its JSON (+ worker stats).
+    ``expect_fail``: the engine must fail; returns its exit code and log instead."""
     out = work / f"{name}.json"
     stats = work / f"{name}.stats.json"
     log = work / f"{name}.log"
@@ -131,6 +136,11 @@ def run_engine(work: Path, name: str, model: str, args: List[str]) -> Dict:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    if expect_fail:
+        if rc == 0:
+            raise RuntimeError(f"engine {name} was expected to fail but exited 0")
+        print(f"  {name:<18} {time.monotonic() - t0:5.1f} s  failed at start as expected (exit {rc})", flush=True)
+        return {"rc": rc, "log": log.read_text(errors="replace")}
     if rc != 0 or not out.exists():
         raise RuntimeError(f"engine {name} failed (exit {rc}):\n{tail(log)}")
     r = json.loads(out.read_text())
@@ -225,6 +235,15 @@ def main() -> int:
             check(rd["num_cached_tokens"] == 0 and rd["stats"].get("chunks_loaded", 0) == 0,
                   f"{backend}: D (float32, another namespace digest) found nothing")
             check(rd["stats"].get("digest") != st["digest"], f"{backend}: D's digest differs from B's")
+        print("== error paths")
+        mk = ["--connector", "maru", "--backend", "cxl", "--key", str(daemons.key), *common]
+        re_ = run_engine(work, "E-no-server", a.model, [*mk, "--server", "127.0.0.1:1", "--engine-id", "E"])
+        check(re_["num_cached_tokens"] == 0 and re_["tokens"] == base["tokens"],
+              "an unreachable maru-server means misses: E computed everything, same output as the baseline")
+        rf = run_engine(work, "F-bad-setting", a.model,
+                        [*mk, "--server", daemons.server, "--engine-id", "F", "--chunk-tokens", "100"], expect_fail=True)
+        check("maru_chunk_tokens 100 is not a multiple of vLLM's block size" in rf["log"],
+              "a bad setting (maru_chunk_tokens 100) stops the engine at start with a message naming it")
     except Exception as e:  # noqa: BLE001 - report and fail
         check(False, f"error: {e}")
     finally:

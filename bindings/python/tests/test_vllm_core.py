@@ -598,25 +598,36 @@ def test_worker_shares_chunks_between_engines(config: Any, backend: str) -> None
 # The torch copies (no vLLM) ----------------------------------------------------------------
 
 
-def test_torch_blocks_round_trip() -> None:
+@pytest.mark.parametrize("memmove", [True, False])
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-first"])
+def test_torch_blocks_round_trip(memmove: bool, layout: str) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     from maru.vllm.connector import TorchKVBlocks
 
+    shape = (16, 2, 4, 8) if layout == "blocks-first" else (2, 16, 4, 8)  # CPU / flash layouts
+
     def caches() -> Dict[str, Any]:
         return {
-            "model.layers.1.self_attn.attn": torch.zeros(16, 2, 4, 8, dtype=torch.bfloat16),
-            "model.layers.0.self_attn.attn": torch.zeros(16, 2, 4, 8, dtype=torch.bfloat16),
+            "model.layers.1.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16),
+            "model.layers.0.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16),
         }
+
+    def block(t: Any, b: int) -> Any:
+        return t[b] if layout == "blocks-first" else t[:, b]
 
     a, b = caches(), caches()
     for t in a.values():
         t.copy_(torch.randn(t.shape))
     ka, kb = TorchKVBlocks(a, 2, 16), TorchKVBlocks(b, 2, 16)
+    ka.use_memmove = kb.use_memmove = memmove  # the torch path is the GPU one
     assert ka.chunk_bytes == 2 * 2 * (2 * 4 * 8 * 2)
     buf = bytearray(ka.chunk_bytes)
     ka.copy_out([(0, 3), (1, 7)], memoryview(buf))
     kb.copy_in([(1, 9)], memoryview(buf))  # only position 1: block 7's bytes into block 9
     for name in a:
-        assert torch.equal(b[name][9], a[name][7])
-        assert not b[name][8].any()
+        assert torch.equal(block(b[name], 9), block(a[name], 7))
+        assert not block(b[name], 8).any() and not block(b[name], 10).any()
+    kb.copy_in([(0, 11), (1, 12)], memoryview(buf))
+    for name in a:
+        assert torch.equal(block(b[name], 11), block(a[name], 3)) and torch.equal(block(b[name], 12), block(a[name], 7))
