@@ -556,6 +556,19 @@ def test_worker_store_without_free_slots_skips_the_rest() -> None:
     assert w.stats.chunks_store_skipped == 1 and w.stats.chunks_stored == 2
 
 
+def test_worker_warm_up_touches_and_returns_every_load_slot() -> None:
+    h = FakeStore(64, load_slots=3)
+    w = WorkerCore(0, FakeSlot(h), BytesKV())
+    for s in h.acquire_slots(SlotPool.LOAD, 3):
+        s.buf[:] = b"x" * 64
+        s.release()
+    h.held.clear()
+    assert w.warm_up(h) == 3
+    assert all(s.released and s.buf == bytearray(64) for s in h.held)
+    h.free[SlotPool.LOAD] = 0
+    assert w.warm_up(h) == 0  # no slot: a warning, not an error
+
+
 def test_worker_writes_stats_file(tmp_path: Any) -> None:
     kv = BytesKV()
     path = tmp_path / "stats.json"
@@ -588,6 +601,7 @@ def test_worker_shares_chunks_between_engines(config: Any, backend: str) -> None
     sc = SchedulerCore(128, 64, [ks], loaded)
     assert sc.matched_tokens("q", p, 0) == 4 * 128  # 4 of (600 - 1) // 128 = 4 chunks
     r = WorkerCore(0, loaded, dst)
+    assert r.warm_up(loaded.get()) == 8  # the fixture's load_slots
     r.load([transfer(keys + [maru.chunk_keys(p, 128, ks + "-other")[0]], [[8, 9], [10, 11], [12, 13], [14, 15], [16, 17]])])
     assert r.take_load_errors() == {16, 17}  # the missing fifth chunk, nothing else
     for layer in range(2):

@@ -195,6 +195,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             why = self._worker.chunk_misfit(h)
             if why:
                 raise ValueError(f"maru.vllm: {why}")
+            self._worker.warm_up(h)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None

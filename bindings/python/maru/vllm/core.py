@@ -564,6 +564,23 @@ class WorkerCore:
                     f"(--chunk-size): lower maru_chunk_tokens or raise --chunk-size")
         return None
 
+    def warm_up(self, h: Any) -> int:
+        """Touches every load slot once, so that the first request's load does not pay
+        for faulting the staging buffer in (a cxl handler's is allocated lazily);
+        returns the slots touched."""
+        try:
+            slots = h.acquire_slots(SlotPool.LOAD, 1 << 12, timeout=0)
+        except MaruError as e:
+            log.warning("maru.vllm worker: load slots not warmed up: %s", e)
+            return 0
+        try:
+            for s in slots:
+                v = s.view
+                v[:] = bytes(len(v))
+        finally:
+            _release(slots)
+        return len(slots)
+
     def _handler(self) -> Any:
         if self._disabled or self.kv is None:
             return None
