@@ -41,6 +41,8 @@ def main() -> int:
     p.add_argument("--prompt-seed", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the prompt this many times (prefix caching is off: each run loads or computes again)")
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -98,7 +100,13 @@ def main() -> int:
     out = outs[0]
     m = out.metrics
     ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    ttfts = [ttft]
+    for _ in range(a.repeats - 1):
+        again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0]
+        m = again.metrics
+        ttfts.append(getattr(m, "first_token_latency", 0.0) if m is not None else 0.0)
     result = {
+        "ttfts_s": ttfts,
         "connector": a.connector,
         "backend": a.backend,
         "engine_id": a.engine_id,
