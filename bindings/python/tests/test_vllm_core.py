@@ -1,0 +1,647 @@
+"""maru.vllm without vLLM: settings, the namespace digest, chunk keys, the scheduler's
+lookups and step plans, the worker's loads and stores (error paths included) against
+fakes, and the worker against real daemons (the ``config`` fixture of conftest.py).
+What needs torch is skipped when torch is not installed; nothing here needs vLLM."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+import maru
+from maru import ConfigError, MaruError, NoSpaceError, SlotPool, Status, UnavailableError
+from maru.vllm import core
+from maru.vllm.core import (
+    ChunkTransfer,
+    HandlerSlot,
+    KVBlocks,
+    SchedulerCore,
+    WorkerCore,
+    keyspace,
+    leading_hits,
+    namespace_digest,
+    parse_settings,
+)
+
+BASE = {"maru_server_url": "127.0.0.1:5555", "maru_storage_backend": "cxl"}
+
+
+# Settings --------------------------------------------------------------------------
+
+
+def test_settings_defaults_and_handler_config() -> None:
+    s = parse_settings({**BASE, "maru_engine_id": "e1", "other_connector_key": 1}, 16)
+    assert (s.server_url, s.backend, s.engine_id, s.namespace, s.chunk_tokens) == ("127.0.0.1:5555", "cxl", "e1", "default", 256)
+    cfg = s.handler_config("e1-worker0", "abc")
+    assert cfg == {"backend": "cxl", "server_url": "127.0.0.1:5555", "engine_id": "e1-worker0", "namespace": "default", "layout": "abc"}
+    s = parse_settings({**BASE, "maru_storage_backend": "remote_cxl", "maru_remote_cxl_agent_key_file": "/k",
+                        "maru_load_slots": "8", "maru_store_slots": 4, "maru_chunk_tokens": 64}, 32)
+    cfg = s.handler_config("x", "d")
+    assert (cfg["agent_key_file"], cfg["load_slots"], cfg["store_slots"], s.chunk_tokens) == ("/k", 8, 4, 64)
+
+
+def test_settings_engine_id_defaults_to_host_and_pid() -> None:
+    assert parse_settings(BASE, 16).engine_id.startswith("vllm-")
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"maru_storage_backend": "cxl"}, "maru_server_url is required"),
+        ({"maru_server_url": "h:1"}, "maru_storage_backend is required"),
+        ({**BASE, "maru_storage_backend": "cpu"}, "'cpu' is not one of cxl, remote_cxl"),
+        ({**BASE, "maru_chunk_token": 256}, "unknown key(s) maru_chunk_token"),
+        ({**BASE, "maru_chunk_tokens": 100}, "not a multiple of vLLM's block size 16"),
+        ({**BASE, "maru_chunk_tokens": "many"}, "maru_chunk_tokens must be an integer"),
+        ({**BASE, "maru_chunk_tokens": True}, "maru_chunk_tokens must be an integer"),
+        ({**BASE, "maru_load_slots": 0}, "maru_load_slots must be positive"),
+        ({**BASE, "maru_cache_namespace": ""}, "maru_cache_namespace must be a non-empty string"),
+        ({**BASE, "maru_server_url": 5555}, "maru_server_url must be a non-empty string"),
+    ],
+)
+def test_bad_settings_name_the_key(extra: Dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_settings(extra, 16)
+    assert words in str(e.value)
+    assert "kv_connector_extra_config" in str(e.value)
+
+
+# Namespace digest --------------------------------------------------------------------
+
+HF = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 256, "num_key_value_heads": 2,
+      "head_dim": 64, "rope_theta": 10000.0, "rope_scaling": None, "vocab_size": 2048}
+
+
+def _digest(hf: Optional[Dict[str, Any]] = None, **kw: Any) -> str:
+    args: Dict[str, Any] = dict(dtype="torch.bfloat16", kv_cache_dtype="auto", block_size=128, chunk_tokens=256, tp_size=1)
+    args.update(kw)
+    return namespace_digest(HF if hf is None else hf, **args)
+
+
+def test_digest_ignores_model_path_and_versions() -> None:
+    local = {**HF, "_name_or_path": "/models/a", "transformers_version": "4.57.0", "_commit_hash": "abc",
+             "torch_dtype": "bfloat16", "eos_token_id": 1}
+    other = {**HF, "_name_or_path": "/mnt/other/path", "transformers_version": "5.0.0", "_commit_hash": None}
+    assert _digest(local) == _digest(other) == _digest()
+    assert len(_digest()) == 32
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": "torch.float32"},
+        {"kv_cache_dtype": "fp8"},
+        {"block_size": 64},
+        {"chunk_tokens": 512},
+        {"tp_size": 2},
+        {"hf": {**HF, "num_hidden_layers": 3}},
+        {"hf": {**HF, "rope_scaling": {"type": "linear", "factor": 2.0}}},
+    ],
+)
+def test_digest_changes_with_what_shapes_kv(change: Dict[str, Any]) -> None:
+    assert _digest(**change) != _digest()
+
+
+def test_digest_filters_nested_configs() -> None:
+    a = {**HF, "text_config": {"num_hidden_layers": 2, "_name_or_path": "/a"}}
+    b = {**HF, "text_config": {"num_hidden_layers": 2, "_name_or_path": "/b"}}
+    c = {**HF, "text_config": {"num_hidden_layers": 4, "_name_or_path": "/a"}}
+    assert _digest(a) == _digest(b) != _digest(c)
+
+
+def test_keyspace_has_namespace_digest_and_rank() -> None:
+    assert keyspace("llama", "d" * 32, 1) == "llama/" + "d" * 32 + "/tp1"
+    toks = list(range(512))
+    k0 = maru.chunk_keys(toks, 256, keyspace("n", "d", 0))
+    k1 = maru.chunk_keys(toks, 256, keyspace("n", "d", 1))
+    kn = maru.chunk_keys(toks, 256, keyspace("m", "d", 0))
+    assert len(set(k0) | set(k1) | set(kn)) == 6
+
+
+# Scheduler -------------------------------------------------------------------------------
+
+
+class FakeHandler:
+    def __init__(self, stored: Sequence[str] = (), fail: Optional[Exception] = None) -> None:
+        self.stored = set(stored)
+        self.fail = fail
+        self.calls: List[Tuple[List[str], Optional[str]]] = []
+        self.closed = False
+
+    def batch_exists(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[bool]:
+        self.calls.append((list(keys), route_key))
+        if self.fail is not None:
+            raise self.fail
+        return [k in self.stored for k in keys]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeSlot:
+    """``HandlerSlot`` stand-in: a fixed handler (or None: unreachable)."""
+
+    def __init__(self, handler: Any) -> None:
+        self.handler = handler
+        self.failures: List[Exception] = []
+
+    def get(self) -> Any:
+        return self.handler
+
+    def failed(self, e: Exception) -> None:
+        self.failures.append(e)
+
+    def close(self) -> None:
+        if self.handler is not None:
+            self.handler.close()
+
+
+NS = [keyspace("ns", "d", 0)]
+
+
+def prompt(n: int, seed: int = 1) -> List[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 50000) for _ in range(n)]
+
+
+def sched(stored_chunks: int = 0, p: Optional[List[int]] = None, chunk: int = 128, block: int = 64,
+          keyspaces: Sequence[str] = NS) -> Tuple[SchedulerCore, FakeHandler, List[int]]:
+    p = prompt(1030) if p is None else p
+    stored = [k for ks in keyspaces for k in maru.chunk_keys(p, chunk, ks)[:stored_chunks]]
+    h = FakeHandler(stored)
+    return SchedulerCore(chunk, block, keyspaces, FakeSlot(h)), h, p
+
+
+def test_lookup_counts_leading_stored_chunks_in_one_call() -> None:
+    s, h, p = sched(stored_chunks=5)
+    assert s.matched_tokens("r", p, 0) == 5 * 128
+    assert len(h.calls) == 1
+    keys, route = h.calls[0]
+    assert keys == maru.chunk_keys(p[: 8 * 128], 128, NS[0])  # (1030 - 1) // 128 = 8 full chunks
+    assert route == keys[0]
+    assert s.matched_tokens("r", p, 256) == 5 * 128 - 256  # beyond what vLLM computed itself
+    assert s.matched_tokens("r", p, 640) == 0
+    assert s.matched_tokens("r", p, 704) == 0  # vLLM computed more itself: never negative
+
+
+def test_lookup_never_matches_the_last_prompt_token() -> None:
+    p = prompt(1024)
+    s, h, _ = sched(stored_chunks=8, p=p)
+    assert s.matched_tokens("r", p, 0) == 7 * 128  # vLLM must compute at least one token
+    assert len(h.calls[0][0]) == 7
+
+
+def test_lookup_short_prompt_asks_nothing() -> None:
+    s, h, _ = sched(stored_chunks=8)
+    assert s.matched_tokens("r", prompt(128), 0) == 0
+    assert h.calls == []
+
+
+def test_lookup_stops_at_first_missing_chunk() -> None:
+    p = prompt(1030)
+    keys = maru.chunk_keys(p, 128, NS[0])
+    h = FakeHandler([keys[0], keys[1], keys[3], keys[4]])
+    s = SchedulerCore(128, 64, NS, FakeSlot(h))
+    assert s.matched_tokens("r", p, 0) == 256
+
+
+def test_lookup_needs_every_rank() -> None:
+    spaces = [keyspace("ns", "d", 0), keyspace("ns", "d", 1)]
+    p = prompt(1030)
+    k0 = maru.chunk_keys(p, 128, spaces[0])
+    k1 = maru.chunk_keys(p, 128, spaces[1])
+    h = FakeHandler(k0[:6] + k1[:3])
+    s = SchedulerCore(128, 64, spaces, FakeSlot(h))
+    assert s.matched_tokens("r", p, 0) == 3 * 128
+    assert len(h.calls) == 1 and len(h.calls[0][0]) == 16 and h.calls[0][1] == k0[0]
+    assert leading_hits([True, True, True, False], 2, 2) == 1
+    with pytest.raises(ValueError):
+        leading_hits([True], 2, 2)
+
+
+def test_unreachable_server_is_a_miss() -> None:
+    p = prompt(1030)
+    s = SchedulerCore(128, 64, NS, FakeSlot(None))
+    assert s.matched_tokens("r", p, 0) == 0
+    slot = FakeSlot(FakeHandler(fail=UnavailableError(Status.UNAVAILABLE, "gone")))
+    s = SchedulerCore(128, 64, NS, slot)
+    assert s.matched_tokens("r", p, 0) == 0
+    assert len(slot.failures) == 1
+
+
+def test_handler_slot_backs_off_and_reopens() -> None:
+    now = [100.0]
+    opened: List[Any] = []
+    fails = [UnavailableError(Status.UNAVAILABLE, "no server")]
+
+    def open_handler() -> Any:
+        if fails:
+            raise fails.pop()
+        h = FakeHandler()
+        opened.append(h)
+        return h
+
+    slot = HandlerSlot(open_handler, "test", clock=lambda: now[0])
+    assert slot.get() is None
+    now[0] += core.REOPEN_BACKOFF_S - 1
+    assert slot.get() is None and not opened  # still backing off: no reconnect storm
+    now[0] += 1
+    h = slot.get()
+    assert h is opened[0] and slot.get() is h
+    slot.failed(MaruError(Status.UNAVAILABLE, "broken"))
+    assert h.closed and slot.get() is None
+
+
+def test_handler_slot_raises_config_errors() -> None:
+    def bad() -> Any:
+        raise ConfigError(Status.CONFIG, "unknown field")
+
+    with pytest.raises(ConfigError):
+        HandlerSlot(bad, "test").get()
+
+
+def test_plan_loads_hits_into_the_allocated_blocks() -> None:
+    s, _, p = sched(stored_chunks=5)
+    n = s.matched_tokens("r", p, 0)
+    s.after_alloc("r", n)
+    blocks = list(range(100, 117))  # 17 blocks of 64 tokens for 1030 + 16 tokens
+    plan = s.plan([("r", p, blocks, n, len(p) - n)], [])
+    assert len(plan.loads) == 1
+    ld = plan.loads[0]
+    keys = maru.chunk_keys(p, 128, NS[0])
+    assert ld.keys == [keys[:5]] and ld.route_key == keys[0] and ld.first_chunk == 0
+    assert ld.blocks == [[(0, 100 + 2 * c), (1, 101 + 2 * c)] for c in range(5)]
+    # The rest of the prompt's full chunks are stored in this step; the loaded ones never.
+    assert [(t.first_chunk, t.keys[0]) for t in plan.stores] == [(5, keys[5:8])]
+    assert plan.stores[0].blocks[0] == [(0, 110), (1, 111)]
+
+
+def test_plan_load_skips_blocks_vllm_computed() -> None:
+    s, _, p = sched(stored_chunks=5)
+    n = s.matched_tokens("r", p, 192)  # vLLM's own prefix cache: 3 blocks of 64
+    assert n == 640 - 192
+    s.after_alloc("r", n)
+    blocks = list(range(17))
+    plan = s.plan([("r", p, blocks, 640, 390)], [])
+    ld = plan.loads[0]
+    assert ld.first_chunk == 1 and len(ld.keys[0]) == 4
+    assert ld.blocks[0] == [(1, 3)]  # block 2 is vLLM's: never written
+    assert ld.block_ids_from(1) == set(range(4, 10))
+
+
+def test_plan_streams_stores_as_prefill_completes_chunks() -> None:
+    s, _, p = sched(stored_chunks=0)
+    assert s.matched_tokens("r", p, 0) == 0
+    blocks = list(range(8))
+    plan = s.plan([("r", p, blocks, 0, 512)], [])  # chunked prefill: 512 tokens this step
+    assert [(t.first_chunk, len(t.keys[0])) for t in plan.stores] == [(0, 4)]
+    plan = s.plan([], [("r", list(range(8, 17)), False, 512, 300)])  # 812 done: chunks 4, 5
+    assert [(t.first_chunk, len(t.keys[0])) for t in plan.stores] == [(4, 2)]
+    assert plan.stores[0].blocks == [[(0, 8), (1, 9)], [(0, 10), (1, 11)]]
+    plan = s.plan([], [("r", None, False, 812, 218)])  # 1030: chunks 6, 7; the tail is partial
+    assert [(t.first_chunk, len(t.keys[0])) for t in plan.stores] == [(6, 2)]
+    plan = s.plan([], [("r", None, False, 1030, 1)])  # decode: nothing more
+    assert plan.stores == []
+
+
+def test_plan_does_not_restore_chunks_found_stored_even_without_a_load() -> None:
+    s, _, p = sched(stored_chunks=4)
+    assert s.matched_tokens("r", p, 512) == 0  # vLLM has them itself: nothing to load
+    plan = s.plan([("r", p, list(range(17)), 512, 518)], [])
+    assert plan.loads == []
+    assert [(t.first_chunk, len(t.keys[0])) for t in plan.stores] == [(4, 4)]
+
+
+def test_plan_resumed_request_replaces_its_blocks() -> None:
+    s, _, p = sched()
+    s.matched_tokens("r", p, 0)
+    s.plan([("r", p, [0, 1], 0, 128)], [])
+    plan = s.plan([], [("r", [50, 51, 52, 53], True, 128, 128)])
+    assert plan.stores[0].first_chunk == 1 and plan.stores[0].blocks == [[(0, 52), (1, 53)]]
+
+
+def test_plan_resumed_request_loads_again_into_its_new_blocks() -> None:
+    s, _, p = sched(stored_chunks=3)
+    n = s.matched_tokens("r", p, 0)
+    s.after_alloc("r", n)
+    s.plan([("r", p, list(range(17)), n, 1030 - n)], [])
+    # Preempted (its blocks freed), then looked up again and resumed with other blocks.
+    n = s.matched_tokens("r", p, 0)
+    s.after_alloc("r", n)
+    plan = s.plan([], [("r", list(range(40, 57)), True, n, 1030 - n)])
+    assert [(t.first_chunk, t.blocks) for t in plan.loads] == [(0, [[(0, 40), (1, 41)], [(0, 42), (1, 43)], [(0, 44), (1, 45)]])]
+
+
+def test_plan_skips_requests_without_token_prompt_and_forgets_finished() -> None:
+    s, h, p = sched(stored_chunks=3)
+    plan = s.plan([("mm", None, list(range(17)), 0, 1030)], [])
+    assert plan.loads == plan.stores == []
+    s.matched_tokens("r", p, 0)
+    s.plan([("r", p, list(range(17)), 0, 256)], [])
+    s.plan([], [], finished=["r"])
+    assert s.plan([], [("r", None, False, 256, 774)]).stores == []
+
+
+def test_after_alloc_without_lookup_is_a_bug() -> None:
+    s, _, _ = sched()
+    with pytest.raises(RuntimeError):
+        s.after_alloc("never-looked-up", 128)
+    s.after_alloc("never-looked-up", 0)  # nothing to load: fine
+
+
+def test_chunk_tokens_must_be_whole_blocks() -> None:
+    with pytest.raises(ValueError):
+        SchedulerCore(100, 64, NS, FakeSlot(None))
+
+
+# Worker ---------------------------------------------------------------------------------
+
+
+class BytesKV(KVBlocks):
+    """A KV cache of ``layers`` layers, each block ``bb`` bytes, in bytearrays."""
+
+    def __init__(self, layers: int = 2, bpc: int = 2, bb: int = 8, nblocks: int = 32) -> None:
+        self.layers, self.bpc, self.bb = layers, bpc, bb
+        self.mem = [[bytearray(bb) for _ in range(nblocks)] for _ in range(layers)]
+        self.chunk_bytes = layers * bpc * bb
+
+    def fill(self, seed: int) -> None:
+        rng = random.Random(seed)
+        for layer in self.mem:
+            for b in layer:
+                b[:] = bytes(rng.randrange(256) for _ in range(self.bb))
+
+    def copy_out(self, blocks: Sequence[Tuple[int, int]], dst: memoryview) -> None:
+        for layer in range(self.layers):
+            for pos, b in blocks:
+                off = (layer * self.bpc + pos) * self.bb
+                dst[off : off + self.bb] = self.mem[layer][b]
+
+    def copy_in(self, blocks: Sequence[Tuple[int, int]], src: memoryview) -> None:
+        for layer in range(self.layers):
+            for pos, b in blocks:
+                off = (layer * self.bpc + pos) * self.bb
+                self.mem[layer][b][:] = src[off : off + self.bb]
+
+
+class MemSlot:
+    def __init__(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+class FakeOp:
+    def __init__(self, results: List[bool]) -> None:
+        self._results = results
+        self.closed = False
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        return True
+
+    def results(self, timeout: float) -> List[bool]:
+        return self._results
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeStore:
+    """A handler with load and store slots over a dict of chunks."""
+
+    def __init__(self, slot_size: int, load_slots: int = 2, store_slots: int = 4) -> None:
+        self.chunks: Dict[str, bytes] = {}
+        self.size = slot_size
+        self.free = {SlotPool.LOAD: load_slots, SlotPool.STORE: store_slots}
+        self.held: List[MemSlot] = []
+        self.fail_load: Optional[Exception] = None
+        self.routes: List[Optional[str]] = []
+
+    def acquire_slots(self, pool: SlotPool, n: int, timeout: float = 1.0) -> List[MemSlot]:
+        k = min(n, self.free[pool] - sum(1 for s in self.held if not s.released and s.pool == pool))
+        if k <= 0:
+            raise NoSpaceError(Status.NO_SPACE, "no free slot")
+        out = []
+        for _ in range(k):
+            s = MemSlot(self.size)
+            s.pool = pool  # type: ignore[attr-defined]
+            out.append(s)
+        self.held.extend(out)
+        return out
+
+    def load_slots(self, keys: Sequence[str], slots: Sequence[MemSlot], route_key: Optional[str] = None) -> List[Optional[int]]:
+        self.routes.append(route_key)
+        if self.fail_load is not None:
+            raise self.fail_load
+        out: List[Optional[int]] = []
+        for k, s in zip(keys, slots):
+            d = self.chunks.get(k)
+            if d is not None:
+                s.buf[: len(d)] = d
+            out.append(None if d is None else len(d))
+        return out
+
+    def submit_store_slots(self, keys: Sequence[str], slots: Sequence[MemSlot], lengths: int = 0,
+                           route_key: Optional[str] = None) -> FakeOp:
+        self.routes.append(route_key)
+        for k, s in zip(keys, slots):
+            self.chunks.setdefault(k, bytes(s.buf[:lengths]))
+        return FakeOp([True] * len(keys))
+
+    def chunk_size(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        pass
+
+
+def transfer(keys: List[str], blocks: List[List[int]], first: int = 0) -> ChunkTransfer:
+    return ChunkTransfer("r", keys[0], first, [keys], [[(p, b) for p, b in enumerate(bl)] for bl in blocks])
+
+
+def test_worker_store_then_load_round_trip() -> None:
+    src, dst = BytesKV(), BytesKV()
+    src.fill(1)
+    h = FakeStore(64)
+    keys = ["k0", "k1", "k2"]
+    w = WorkerCore(0, FakeSlot(h), src)
+    w.store([transfer(keys, [[0, 1], [2, 3], [4, 5]])])
+    assert w.poll() == 0
+    assert w.stats.chunks_stored == 3 and w.stats.bytes_stored == 3 * src.chunk_bytes
+    assert all(s.released for s in h.held)  # store slots come back when the op finished
+    r = WorkerCore(0, FakeSlot(h), dst)
+    r.load([transfer(keys, [[10, 11], [12, 13], [14, 15]])])  # 3 chunks through 2 load slots
+    assert r.take_load_errors() == set()
+    assert r.stats.chunks_loaded == 3 and r.stats.bytes_loaded == 3 * dst.chunk_bytes
+    for layer in range(2):
+        for a, b in zip(range(6), range(10, 16)):
+            assert dst.mem[layer][b] == src.mem[layer][a]
+    assert all(s.released for s in h.held)
+    assert set(h.routes) == {"k0"}  # every chunk of a request goes to one pool
+
+
+def test_worker_load_miss_fails_that_chunk_and_all_later_ones() -> None:
+    kv = BytesKV()
+    h = FakeStore(64, load_slots=8)
+    h.chunks = {"k0": bytes(kv.chunk_bytes), "k2": bytes(kv.chunk_bytes)}  # k1 missing
+    w = WorkerCore(0, FakeSlot(h), kv)
+    w.load([transfer(["k0", "k1", "k2"], [[0, 1], [2, 3], [4, 5]])])
+    assert w.take_load_errors() == {2, 3, 4, 5}
+    assert w.take_load_errors() == set()  # reported once
+    assert (w.stats.chunks_loaded, w.stats.chunks_load_failed) == (1, 2)
+    assert all(s.released for s in h.held)
+
+
+def test_worker_load_of_a_short_chunk_fails() -> None:
+    kv = BytesKV()
+    h = FakeStore(64)
+    h.chunks = {"k0": bytes(kv.chunk_bytes - 1)}
+    w = WorkerCore(0, FakeSlot(h), kv)
+    w.load([transfer(["k0"], [[0, 1]])])
+    assert w.take_load_errors() == {0, 1}
+
+
+def test_worker_load_error_and_unreachable_server_fail_the_blocks() -> None:
+    kv = BytesKV()
+    h = FakeStore(64)
+    h.chunks = {"k0": bytes(kv.chunk_bytes)}
+    h.fail_load = UnavailableError(Status.UNAVAILABLE, "pool away")
+    slot = FakeSlot(h)
+    w = WorkerCore(0, slot, kv)
+    w.load([transfer(["k0"], [[0, 1]])])
+    assert w.take_load_errors() == {0, 1} and len(slot.failures) == 1
+    w = WorkerCore(0, FakeSlot(None), kv)
+    w.load([transfer(["k0", "k1"], [[0, 1], [2, 3]])])
+    assert w.take_load_errors() == {0, 1, 2, 3}
+
+
+def test_worker_disabled_loads_nothing() -> None:
+    kv = BytesKV()
+    h = FakeStore(64)
+    w = WorkerCore(0, FakeSlot(h), kv)
+    w.disable("chunk larger than the page")
+    w.load([transfer(["k0"], [[0, 1]])])
+    assert w.take_load_errors() == {0, 1}
+    w.store([transfer(["k0"], [[0, 1]])])
+    assert h.chunks == {}
+
+
+def test_worker_refuses_chunks_larger_than_the_page() -> None:
+    kv = BytesKV()  # 32-byte chunks
+    h = FakeStore(16)
+    w = WorkerCore(0, FakeSlot(h), kv)
+    assert "more than maru-server's chunk size 16" in (w.chunk_misfit(h) or "")
+    w.store([transfer(["k0"], [[0, 1]])])
+    w.load([transfer(["k0"], [[0, 1]])])
+    assert h.chunks == {} and w.take_load_errors() == {0, 1}
+    assert WorkerCore(0, FakeSlot(FakeStore(32)), kv).chunk_misfit(h) is not None
+    assert WorkerCore(0, FakeSlot(h), kv).chunk_misfit(FakeStore(32)) is None
+
+
+def test_worker_store_without_free_slots_skips_the_rest() -> None:
+    kv = BytesKV()
+    h = FakeStore(64, store_slots=2)
+    w = WorkerCore(0, FakeSlot(h), kv)
+    w.store([transfer(["k0", "k1", "k2"], [[0, 1], [2, 3], [4, 5]])])
+    w.poll()
+    assert sorted(h.chunks) == ["k0", "k1"]
+    assert w.stats.chunks_store_skipped == 1 and w.stats.chunks_stored == 2
+
+
+def test_worker_warm_up_touches_and_returns_every_load_slot() -> None:
+    h = FakeStore(64, load_slots=3)
+    w = WorkerCore(0, FakeSlot(h), BytesKV())
+    for s in h.acquire_slots(SlotPool.LOAD, 3):
+        s.buf[:] = b"x" * 64
+        s.release()
+    h.held.clear()
+    assert w.warm_up(h) == 3
+    assert all(s.released and s.buf == bytearray(64) for s in h.held)
+    h.free[SlotPool.LOAD] = 0
+    assert w.warm_up(h) == 0  # no slot: a warning, not an error
+
+
+def test_worker_writes_stats_file(tmp_path: Any) -> None:
+    kv = BytesKV()
+    path = tmp_path / "stats.json"
+    w = WorkerCore(0, FakeSlot(FakeStore(64)), kv, stats_file=str(path))
+    w.info = {"digest": "d"}
+    w.store([transfer(["k0"], [[0, 1]])])
+    w.poll()
+    import json
+
+    d = json.loads(path.read_text())
+    assert d["digest"] == "d" and d["chunks_stored"] == 1
+
+
+# Worker against real daemons (no vLLM) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["remote_cxl", "cxl"])
+def test_worker_shares_chunks_between_engines(config: Any, backend: str) -> None:
+    src, dst = BytesKV(bb=4096), BytesKV(bb=4096)
+    src.fill(3)
+    p = prompt(600)
+    ks = keyspace(f"vllm-test-{backend}", "d", 0)
+    keys = maru.chunk_keys(p, 128, ks)[:4]
+    stored = HandlerSlot(lambda: maru.MaruHandler(config(backend, f"vllm-{backend}-a")), "a")
+    w = WorkerCore(0, stored, src)
+    w.store([transfer(keys, [[0, 1], [2, 3], [4, 5], [6, 7]])])
+    assert w.poll(10.0) == 0 and w.stats.chunks_stored == 4
+    w.close()
+    loaded = HandlerSlot(lambda: maru.MaruHandler(config(backend, f"vllm-{backend}-b")), "b")
+    sc = SchedulerCore(128, 64, [ks], loaded)
+    assert sc.matched_tokens("q", p, 0) == 4 * 128  # 4 of (600 - 1) // 128 = 4 chunks
+    r = WorkerCore(0, loaded, dst)
+    assert r.warm_up(loaded.get()) == 8  # the fixture's load_slots
+    r.load([transfer(keys + [maru.chunk_keys(p, 128, ks + "-other")[0]], [[8, 9], [10, 11], [12, 13], [14, 15], [16, 17]])])
+    assert r.take_load_errors() == {16, 17}  # the missing fifth chunk, nothing else
+    for layer in range(2):
+        assert dst.mem[layer][8:16] == src.mem[layer][0:8]
+    r.close()
+
+
+# The torch copies (no vLLM) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memmove", [True, False])
+@pytest.mark.parametrize("layout", ["blocks-first", "kv-first"])
+def test_torch_blocks_round_trip(memmove: bool, layout: str) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    from maru.vllm.connector import TorchKVBlocks
+
+    shape = (16, 2, 4, 8) if layout == "blocks-first" else (2, 16, 4, 8)  # CPU / flash layouts
+
+    def caches() -> Dict[str, Any]:
+        return {
+            "model.layers.1.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16),
+            "model.layers.0.self_attn.attn": torch.zeros(*shape, dtype=torch.bfloat16),
+        }
+
+    def block(t: Any, b: int) -> Any:
+        return t[b] if layout == "blocks-first" else t[:, b]
+
+    a, b = caches(), caches()
+    for t in a.values():
+        t.copy_(torch.randn(t.shape))
+    ka, kb = TorchKVBlocks(a, 2, 16), TorchKVBlocks(b, 2, 16)
+    ka.use_memmove = kb.use_memmove = memmove  # the torch path is the GPU one
+    assert ka.chunk_bytes == 2 * 2 * (2 * 4 * 8 * 2)
+    buf = bytearray(ka.chunk_bytes)
+    ka.copy_out([(0, 3), (1, 7)], memoryview(buf))
+    kb.copy_in([(1, 9)], memoryview(buf))  # only position 1: block 7's bytes into block 9
+    for name in a:
+        assert torch.equal(block(b[name], 9), block(a[name], 7))
+        assert not block(b[name], 8).any() and not block(b[name], 10).any()
+    kb.copy_in([(0, 11), (1, 12)], memoryview(buf))
+    for name in a:
+        assert torch.equal(block(b[name], 11), block(a[name], 3)) and torch.equal(block(b[name], 12), block(a[name], 7))

@@ -1,0 +1,261 @@
+"""make test-vllm: real vLLM engines (CPU) sharing KV through MaruKVConnector.
+
+Starts a resource manager (fake DAX file in /dev/shm), a remote CXL agent and
+maru-server on free loopback ports, then runs each engine in its own process
+(engine.py) and checks, for each backend (cxl, remote_cxl):
+
+  A  computes a ~1,000-token prompt and stores its full chunks;
+  B  (new process, another engine id) runs the same prompt: the connector loads >= 90%
+     of the prompt's full chunks (vLLM's num_cached_tokens and the worker's counters),
+     and B's output tokens equal A's and those of an engine without connector;
+  C  runs the prompt in a namespace where the test stored noise under the prompt's
+     chunk keys through the binding (maru.MaruHandler.batch_store): C loads every
+     chunk, and its output differs (the loaded KV is really used);
+  D  runs the prompt with another dtype (float32): another namespace digest, no hit.
+
+Then, once: an engine whose maru-server is unreachable computes everything and answers
+like the baseline; an engine with a bad setting (maru_chunk_tokens 100) fails at start
+with a message naming it.
+
+Every wait is bounded; every daemon is stopped at the end, also on failure.
+
+    python e2e.py --bin target/debug --model DIR [--backends cxl,remote_cxl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 15.0
+ENGINE_TIMEOUT_S = float(os.environ.get("MARU_VLLM_ENGINE_TIMEOUT_S", "600"))
+
+
+class Daemons:
+    """RM, agent and maru-server on loopback; stop() kills what start() started."""
+
+    def __init__(self, bin_dir: Path, work: Path, chunk_size: str, region_size: str, pool_size: str):
+        self.bin = bin_dir
+        self.work = work
+        self.pool = Path(f"/dev/shm/maru-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.procs: List[subprocess.Popen] = []
+        self.key = work / "agent.key"
+        self.args = (chunk_size, region_size, pool_size)
+        self.rm = self.agent = self.server = ""
+
+    def start(self) -> None:
+        chunk_size, region_size, pool_size = self.args
+        bin_dir, work = self.bin, self.work
+        subprocess.run([str(bin_dir / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True, timeout=30)
+        self.rm = self._start("maru-resource-manager", "--state-dir", str(work / "rm"), "--fake-dax", f"{self.pool}:{pool_size}")
+        self.agent = self._start("maru-remote-cxl-agent", "--rm-address", self.rm, "--key-file", str(self.key),
+                                 "--device", str(self.pool), "--node", "vllm-e2e")
+        self.server = self._start("maru-server", "--rm-address", self.rm, "--remote-cxl-agent", self.agent,
+                                  "--remote-cxl-agent-key-file", str(self.key),
+                                  "--region-size", region_size, "--chunk-size", chunk_size)
+
+    def _start(self, name: str, *args: str) -> str:
+        ready = self.work / f"{name}.ready"
+        log = open(self.work / f"{name}.log", "wb")
+        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
+        p = subprocess.Popen([str(self.bin / name), *args, "--port", "0", "--ready-file", str(ready)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.procs.append(p)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if ready.exists():
+                text = ready.read_text()
+                if text.endswith("\n") and text.strip():
+                    return text.strip()
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail(self.work / f'{name}.log')}")
+            time.sleep(0.05)
+        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s:\n{tail(self.work / f'{name}.log')}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=STOP_TIMEOUT_S)
+        self.procs.clear()
+        self.pool.unlink(missing_ok=True)
+
+
+def tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def engine_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bindings" / "python"), env.get("PYTHONPATH", "")]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("RUST_LOG", "warn")
+    return env
+
+
+def run_engine(work: Path, name: str, model: str, args: List[str], expect_fail: bool = False) -> Dict:
+    """Runs engine.py in its own process (bounded); returns its JSON (+ worker stats).
+    ``expect_fail``: the engine must fail; returns its exit code and log instead."""
+    out = work / f"{name}.json"
+    stats = work / f"{name}.stats.json"
+    log = work / f"{name}.log"
+    cmd = [sys.executable, str(HERE / "engine.py"), "--model", model, "--out", str(out), "--stats-file", str(stats), *args]
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=engine_env(), start_new_session=True)
+        try:
+            rc = p.wait(timeout=ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=STOP_TIMEOUT_S)
+            raise RuntimeError(f"engine {name} did not finish within {ENGINE_TIMEOUT_S:.0f} s:\n{tail(log)}")
+        finally:
+            # vLLM's engine-core and worker processes are in the engine's session.
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if expect_fail:
+        if rc == 0:
+            raise RuntimeError(f"engine {name} was expected to fail but exited 0")
+        print(f"  {name:<18} {time.monotonic() - t0:5.1f} s  failed at start as expected (exit {rc})", flush=True)
+        return {"rc": rc, "log": log.read_text(errors="replace")}
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"engine {name} failed (exit {rc}):\n{tail(log)}")
+    r = json.loads(out.read_text())
+    r["stats"] = json.loads(stats.read_text()) if stats.exists() else {}
+    r["wall_s"] = time.monotonic() - t0
+    print(f"  {name:<18} {r['wall_s']:5.1f} s  cached tokens {r['num_cached_tokens']:>5}  "
+          f"chunks loaded {r['stats'].get('chunks_loaded', '-')!s:>3}  stored {r['stats'].get('chunks_stored', '-')!s:>3}  "
+          f"first tokens {r['tokens'][:6]}", flush=True)
+    return r
+
+
+def store_noise(backend: str, server: str, key: str, namespace: str, digest: str, chunk_tokens: int,
+                chunk_bytes: int, prompt: List[int]) -> int:
+    """Stores random KV under the prompt's chunk keys in ``namespace`` through the binding."""
+    import torch
+
+    import maru
+    from maru.vllm import keyspace
+
+    cfg = {"backend": backend, "server_url": server, "engine_id": f"{backend}-noise-writer",
+           "namespace": namespace, "layout": digest, "agent_key_file": key}
+    keys = maru.chunk_keys(prompt, chunk_tokens, keyspace(namespace, digest, 0))
+    g = torch.Generator().manual_seed(7)
+    items = []
+    for k in keys:
+        noise = torch.randn(chunk_bytes // 2, generator=g).to(torch.bfloat16)
+        items.append((k, noise.view(torch.uint8).numpy().tobytes()))
+    with maru.MaruHandler(cfg) as h:
+        ok = h.batch_store(items, route_key=keys[0])
+    return sum(ok)
+
+
+class Check:
+    def __init__(self) -> None:
+        self.failed: List[str] = []
+
+    def __call__(self, ok: bool, what: str) -> None:
+        print(f"  [{'ok' if ok else 'FAIL'}] {what}", flush=True)
+        if not ok:
+            self.failed.append(what)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bin", default=str(ROOT / "target" / "debug"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--backends", default="cxl,remote_cxl")
+    p.add_argument("--chunk-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=1030)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    a = p.parse_args()
+    lib = Path(a.bin) / "libmaru.so"
+    if lib.exists():
+        os.environ.setdefault("MARU_LIB", str(lib))
+    sys.path.insert(0, str(ROOT / "bindings" / "python"))
+    work = Path(tempfile.mkdtemp(prefix="maru-vllm-e2e-"))
+    check = Check()
+    common = ["--chunk-tokens", str(a.chunk_tokens), "--prompt-len", str(a.prompt_len), "--max-tokens", "16"]
+    full_chunks = (a.prompt_len - 1) // a.chunk_tokens  # chunks a lookup can match
+    t_start = time.monotonic()
+    daemons = Daemons(Path(a.bin), work, chunk_size="1M", region_size="64M", pool_size="1G")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        daemons.start()
+        print(f"daemons: RM {daemons.rm}, agent {daemons.agent}, maru-server {daemons.server}; work dir {work}")
+        base = run_engine(work, "baseline", a.model, ["--connector", "none", *common])
+        for backend in a.backends.split(","):
+            print(f"== {backend}")
+            mk = ["--connector", "maru", "--backend", backend, "--server", daemons.server, "--key", str(daemons.key), *common]
+            ra = run_engine(work, f"{backend}-A", a.model, [*mk, "--engine-id", f"{backend}-A", "--namespace", "e2e"])
+            check(ra["num_cached_tokens"] == 0, f"{backend}: A computed the whole prompt (no hit in an empty cache)")
+            check(ra["stats"].get("chunks_stored", 0) == a.prompt_len // a.chunk_tokens,
+                  f"{backend}: A stored all {a.prompt_len // a.chunk_tokens} full chunks ({ra['stats'].get('chunks_stored')})")
+            rb = run_engine(work, f"{backend}-B", a.model, [*mk, "--engine-id", f"{backend}-B", "--namespace", "e2e"])
+            loaded = rb["stats"].get("chunks_loaded", 0)
+            check(loaded >= 0.9 * full_chunks and rb["num_cached_tokens"] == loaded * a.chunk_tokens,
+                  f"{backend}: B loaded {loaded} of {full_chunks} chunks, vLLM counts {rb['num_cached_tokens']} external tokens")
+            check(rb["stats"].get("chunks_load_failed", 1) == 0, f"{backend}: B had no failed chunk load")
+            check(rb["stats"].get("chunks_stored", 1) == 0, f"{backend}: B stored nothing (never re-stores loaded chunks)")
+            check(rb["tokens"] == ra["tokens"] == base["tokens"],
+                  f"{backend}: B's output tokens equal A's and the no-connector baseline's")
+            st = rb["stats"]
+            n = store_noise(backend, daemons.server, str(daemons.key), "e2e-noise", st["digest"], st["chunk_tokens"],
+                            st["chunk_bytes"], rb["prompt"])
+            check(n == a.prompt_len // a.chunk_tokens, f"{backend}: stored noise under the prompt's {n} chunk keys (binding)")
+            rc = run_engine(work, f"{backend}-C-noise", a.model,
+                            [*mk, "--engine-id", f"{backend}-C", "--namespace", "e2e-noise"])
+            check(rc["stats"].get("chunks_loaded", 0) == full_chunks, f"{backend}: C loaded the {full_chunks} noise chunks")
+            check(rc["tokens"] != ra["tokens"], f"{backend}: C's output differs from A's (the loaded KV is used)")
+            rd = run_engine(work, f"{backend}-D-float32", a.model,
+                            [*mk, "--engine-id", f"{backend}-D", "--namespace", "e2e", "--dtype", "float32"])
+            check(rd["num_cached_tokens"] == 0 and rd["stats"].get("chunks_loaded", 0) == 0,
+                  f"{backend}: D (float32, another namespace digest) found nothing")
+            check(rd["stats"].get("digest") != st["digest"], f"{backend}: D's digest differs from B's")
+        print("== error paths")
+        mk = ["--connector", "maru", "--backend", "cxl", "--key", str(daemons.key), *common]
+        re_ = run_engine(work, "E-no-server", a.model, [*mk, "--server", "127.0.0.1:1", "--engine-id", "E"])
+        check(re_["num_cached_tokens"] == 0 and re_["tokens"] == base["tokens"],
+              "an unreachable maru-server means misses: E computed everything, same output as the baseline")
+        rf = run_engine(work, "F-bad-setting", a.model,
+                        [*mk, "--server", daemons.server, "--engine-id", "F", "--chunk-tokens", "100"], expect_fail=True)
+        check("maru_chunk_tokens 100 is not a multiple of vLLM's block size" in rf["log"],
+              "a bad setting (maru_chunk_tokens 100) stops the engine at start with a message naming it")
+    except Exception as e:  # noqa: BLE001 - report and fail
+        check(False, f"error: {e}")
+    finally:
+        daemons.stop()
+        if a.keep or check.failed:
+            print(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"test-vllm: {'FAILED: ' + '; '.join(check.failed) if check.failed else 'all checks passed'} "
+          f"({time.monotonic() - t_start:.0f} s)")
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
