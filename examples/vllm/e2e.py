@@ -61,9 +61,12 @@ class Daemons:
         bin_dir, work = self.bin, self.work
         subprocess.run([str(bin_dir / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True, timeout=30)
         self.rm = self._start("maru-resource-manager", "--state-dir", str(work / "rm"), "--fake-dax", f"{self.pool}:{pool_size}")
-        self.agent = self._start("maru-remote-cxl-agent", "--rm-address", self.rm, "--key-file", str(self.key),
-                                 "--device", str(self.pool), "--node", "vllm-e2e")
-        self.server = self._start("maru-server", "--rm-address", self.rm, "--remote-cxl-agent", self.agent,
+        # The RM makes its key on first start; its clients prove it.
+        rm_key = str(work / "rm" / "rm.key")
+        self.agent = self._start("maru-remote-cxl-agent", "--rm-address", self.rm, "--rm-key-file", rm_key,
+                                 "--key-file", str(self.key), "--device", str(self.pool), "--node", "vllm-e2e")
+        self.server = self._start("maru-server", "--rm-address", self.rm, "--rm-key-file", rm_key,
+                                  "--remote-cxl-agent", self.agent,
                                   "--remote-cxl-agent-key-file", str(self.key),
                                   "--region-size", region_size, "--chunk-size", chunk_size)
 
