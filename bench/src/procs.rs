@@ -304,11 +304,14 @@ pub fn stack(
     chunk_size: &str,
 ) -> Result<Stack, String> {
     let bins = bin_dir();
+    // One state directory: `Scratch::path` hands out a new path at each call.
+    let rm_state = s.path("rm-state");
+    let rm_key = rm_state.join("rm.key").display().to_string();
     let (rm, rm_addr) = start_daemon(
         &bins.join("maru-resource-manager"),
         &[
             "--state-dir".into(),
-            s.path("rm-state").display().to_string(),
+            rm_state.display().to_string(),
             "--fake-dax".into(),
             format!("{}:{}", s.pool.display(), s.pool_size),
         ],
@@ -321,7 +324,7 @@ pub fn stack(
                 "--rm-address".into(),
                 rm_addr.clone(),
                 "--rm-key-file".into(),
-                s.path("rm-state").join("rm.key").display().to_string(),
+                rm_key.clone(),
                 "--key-file".into(),
                 s.key_file.display().to_string(),
                 "--device".into(),
@@ -338,7 +341,7 @@ pub fn stack(
         "--rm-address".to_string(),
         rm_addr,
         "--rm-key-file".into(),
-        s.path("rm-state").join("rm.key").display().to_string(),
+        rm_key,
         "--region-size".into(),
         region_size.into(),
         "--chunk-size".into(),
