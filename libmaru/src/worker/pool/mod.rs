@@ -98,9 +98,13 @@ impl PoolStats {
     }
 }
 
-/// Keys evicted at most per `victims` round trip beyond what a store needs, so that
-/// the next stores find free pages without evicting themselves.
-pub const EVICT_AHEAD: usize = 16;
+/// Bytes of pages evicted ahead of need with each `victims` round trip (at least
+/// `EVICT_AHEAD_PAGES` pages), so that the stores after it find free pages without
+/// the two round trips of an eviction of their own: 32 MiB is 128 pages of 256 KiB
+/// (one eviction per four batches of 32) and a sliver of any pool.
+pub const EVICT_AHEAD_BYTES: u64 = 32 << 20;
+/// Pages evicted ahead at least.
+pub const EVICT_AHEAD_PAGES: usize = 16;
 
 /// Writes the batch items `(index, page)` with the mover; true where complete.
 type PageWriter<'w> = dyn FnMut(&mut dyn Mover, &[(usize, PageGrant)]) -> Vec<bool> + 'w;

@@ -4,7 +4,7 @@
 //! (after maru-server has the regions' boot ids) → pages not used are kept or freed,
 //! except pages a WRITE of unknown outcome may still reach.
 
-use super::{region_pages, PageWriter, StoragePool, EVICT_AHEAD};
+use super::{region_pages, PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
 use crate::wire::meta::{PageGrant, PublishEntry, RegionGrant, RemoveResult};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotWrite, WriteItem};
@@ -46,8 +46,8 @@ impl StoragePool {
             match grown {
                 Ok(grant) => self.adopt(&grant)?,
                 Err(WorkerError::NoSpace(why)) => {
-                    let freed =
-                        self.evict(missing as usize + EVICT_AHEAD.min(self.spare_target))?;
+                    let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
+                    let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
                     if freed == 0 {
                         self.stats.store_no_room += u64::from(missing);
                         log::warn!(
