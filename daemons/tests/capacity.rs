@@ -7,17 +7,12 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::Client;
 use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::worker::Handler;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Daemon, Scratch};
-
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+use support::{connect, wait_until, Stack};
 
 const MIB: usize = 1 << 20;
 const POOL: usize = 256 * MIB;
@@ -122,68 +117,19 @@ fn capacity_engine() {
     h.close().expect("close");
 }
 
-struct Stack {
-    key_path: PathBuf,
-    server: Daemon,
-    agent: Daemon,
-    rm: Daemon,
-    s: Scratch,
-}
-
 fn stack() -> Stack {
-    let mut s = Scratch::new("capacity");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{}M", pool.display(), POOL / MIB),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
-    let server = Daemon::start(
-        SERVER_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--region-size".into(),
-            "64M".into(),
-            "--chunk-size".into(),
-            format!("{}K", CHUNK >> 10),
-            "--session-timeout-s".into(),
-            SESSION_TIMEOUT_S.to_string(),
-            "--remote-cxl-agent".into(),
-            agent.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            key_path.display().to_string(),
-        ],
-        &s.dir,
-    );
-    Stack {
-        key_path,
-        server,
-        agent,
-        rm,
-        s,
-    }
+    let args: Vec<String> = [
+        "--region-size",
+        "64M",
+        "--chunk-size",
+        &format!("{}K", CHUNK >> 10),
+        "--session-timeout-s",
+        &SESSION_TIMEOUT_S.to_string(),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    support::stack("capacity", &format!("{}M", POOL / MIB), true, &args)
 }
 
 fn config(st: &Stack, engine: &str) -> String {

@@ -4,85 +4,19 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::worker::Handler;
 use sha2::{Digest, Sha256};
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Daemon, Scratch};
-
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
-
-/// Fields drop in order: the daemons stop before their scratch directory goes (a
-/// running RM could write its state into it while it is being removed).
-struct Stack {
-    key_path: std::path::PathBuf,
-    pool: std::path::PathBuf,
-    server: Daemon,
-    _agent: Option<Daemon>,
-    rm: Daemon,
-    s: Scratch,
-}
+use support::{connect, wait_until, Daemon, Stack, AGENT_BIN, RM_BIN, SERVER_BIN};
 
 fn stack(remote: bool, extra_server: &[&str]) -> Stack {
-    let mut s = Scratch::new("worker");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:256M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent = remote.then(|| {
-        Daemon::start(
-            AGENT_BIN,
-            &[
-                "--rm-address".into(),
-                rm.addr.clone(),
-                "--key-file".into(),
-                key_path.display().to_string(),
-                "--device".into(),
-                pool.display().to_string(),
-                "--node".into(),
-                "mem0".into(),
-            ],
-            &s.dir,
-        )
-    });
-    let mut args = vec![
-        "--rm-address".to_string(),
-        rm.addr.clone(),
-        "--region-size".into(),
-        "8M".into(),
-        "--chunk-size".into(),
-        "64K".into(),
-    ];
-    if let Some(a) = &agent {
-        args.extend([
-            "--remote-cxl-agent".into(),
-            a.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            key_path.display().to_string(),
-        ]);
-    }
+    let mut args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
     args.extend(extra_server.iter().map(|x| x.to_string()));
-    let server = Daemon::start(SERVER_BIN, &args, &s.dir);
-    Stack {
-        s,
-        key_path,
-        pool,
-        rm,
-        _agent: agent,
-        server,
-    }
+    support::stack("worker", "256M", remote, &args)
 }
 
 fn config(st: &Stack, backend: &str, engine: &str) -> String {
@@ -807,13 +741,13 @@ fn slots_of_a_stalled_peer_come_back_after_its_fence_and_the_peer_recovers() {
 /// releases them at their agents as soon as it has a session with the new run (it
 /// tells the two apart by the server's instance id), and serves again.
 #[test]
-fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_their_agents() {
+fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_theiragents() {
     use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
     let Stack {
         s,
         key_path,
         rm,
-        _agent: agent,
+        agent,
         server,
         ..
     } = stack(true, &[]);
@@ -1158,7 +1092,7 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
 /// peer died too) find the chunks stored before and after the restart at the first
 /// load.
 #[test]
-fn after_its_agent_restarts_an_owner_maps_its_regions_again() {
+fn after_itsagent_restarts_an_owner_maps_its_regions_again() {
     let mut st = stack(true, &[]);
     let a = Handler::open(&config(&st, "remote_cxl", "remap-writer")).unwrap();
     let b = Handler::open(&config(&st, "remote_cxl", "remap-reader")).unwrap();
@@ -1176,7 +1110,7 @@ fn after_its_agent_restarts_an_owner_maps_its_regions_again() {
     let before = keys("before");
     assert!(store(&a, &before));
 
-    let agent = st._agent.take().expect("a remote stack has an agent");
+    let agent = st.agent.take().expect("a remote stack has an agent");
     let port = agent.port();
     agent.kill9();
     let args: Vec<String> = vec![
@@ -1189,7 +1123,7 @@ fn after_its_agent_restarts_an_owner_maps_its_regions_again() {
         "--node".into(),
         "mem0".into(),
     ];
-    st._agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
+    st.agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
 
     let after = keys("after");
     // The first store after the restart finds the old peer dead, drops it, maps the

@@ -266,3 +266,73 @@ pub fn memory_node(s: &mut Scratch, size: &str) -> MemoryNode {
         rm,
     }
 }
+
+/// An RM on a fake-DAX pool of `pool` (e.g. "256M"), with `remote` an agent on it, and
+/// maru-server (`server_args` after its RM and agent flags). Fields drop in order: the
+/// daemons stop before their scratch directory goes (a running RM could write its
+/// state into it while it is being removed).
+pub struct Stack {
+    pub key_path: PathBuf,
+    pub pool: PathBuf,
+    pub server: Daemon,
+    pub agent: Option<Daemon>,
+    pub rm: Daemon,
+    pub s: Scratch,
+}
+
+pub const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
+pub const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
+pub const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+
+pub fn stack(tag: &str, pool_size: &str, remote: bool, server_args: &[String]) -> Stack {
+    use maru::auth::{keyfile::write_new_key_file, SharedKey};
+    let mut s = Scratch::new(tag);
+    let pool = s.fake_dax("pool");
+    let key_path = s.dir.join("agent.key");
+    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
+    let rm = Daemon::start(
+        RM_BIN,
+        &[
+            "--state-dir".into(),
+            s.dir.join("rm").display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:{pool_size}", pool.display()),
+        ],
+        &s.dir,
+    );
+    let agent = remote.then(|| {
+        Daemon::start(
+            AGENT_BIN,
+            &[
+                "--rm-address".into(),
+                rm.addr.clone(),
+                "--key-file".into(),
+                key_path.display().to_string(),
+                "--device".into(),
+                pool.display().to_string(),
+                "--node".into(),
+                "mem0".into(),
+            ],
+            &s.dir,
+        )
+    });
+    let mut args = vec!["--rm-address".to_string(), rm.addr.clone()];
+    if let Some(a) = &agent {
+        args.extend([
+            "--remote-cxl-agent".into(),
+            a.addr.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            key_path.display().to_string(),
+        ]);
+    }
+    args.extend_from_slice(server_args);
+    let server = Daemon::start(SERVER_BIN, &args, &s.dir);
+    Stack {
+        key_path,
+        pool,
+        server,
+        agent,
+        rm,
+        s,
+    }
+}
