@@ -32,16 +32,30 @@ enum RmKey {
     Largest,
 }
 
-/// The RM as maru-server uses it. An allocation runs on the loop (its request waits
-/// for the region); the periodic and keeper calls (which regions the RM holds for this
-/// server, frees, the largest pool) run on a thread of their own ([`OffLoop`]) and
-/// wait on the loop at most [`AGENT_WAIT`], so a stopped RM does not stall sessions
-/// that do not need it.
+/// The one allocation call (a late answer is a region of the configured size, good for
+/// whichever allocation asks next).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct AllocKey;
+
+/// How long an allocation may hold the event loop. A healthy RM answers (two fsyncs of
+/// its state) well within it; past it the allocation goes on in the background, the
+/// request is answered "retry", and the region is handed to the next allocation.
+pub const ALLOC_WAIT: Duration = Duration::from_millis(250);
+
+/// The RM as maru-server uses it. Every call runs on a thread of its own
+/// ([`OffLoop`]): allocations on `rm-alloc` (waiting on the loop at most
+/// [`ALLOC_WAIT`]), the periodic and keeper calls (which regions the RM holds for this
+/// server, frees, the largest pool) on `rm-link` (at most [`AGENT_WAIT`]). So a stopped
+/// RM stalls the loop for one allocation's wait per call timeout at most, and sessions
+/// that do not need it stay fast.
 pub struct MetaRm {
+    /// The start-up check's connection.
     link: Link,
     /// This server's client id at the RM (the owner of its regions).
     client_id: String,
     bg: OffLoop<RmKey, RmRequest, Result<RmReply, PortError>>,
+    alloc_bg: OffLoop<AllocKey, RmRequest, Result<RmReply, PortError>>,
+    alloc_wait: Duration,
     /// Allocations started: an answer about the server's regions asked before the
     /// latest one may miss its region, so it is not used.
     allocs: u64,
@@ -60,10 +74,20 @@ impl MetaRm {
         let bg = OffLoop::start("rm-link".into(), move |req: RmRequest| {
             bg_link.call::<_, RmReply>(&req).map_err(port_error)
         });
+        let mut alloc_link = Link::new(addr, opts.clone());
+        let mut alloc_bg = OffLoop::start("rm-alloc".into(), move |req: RmRequest| {
+            alloc_link.call::<_, RmReply>(&req).map_err(port_error)
+        });
+        // A region that came late is the RM's for this server until used: it never
+        // goes stale, so the next allocation takes it whatever its age (the region
+        // size is fixed). A late failure says nothing about the next call.
+        alloc_bg.fresh = |a, _age| a.is_ok();
         MetaRm {
             link: Link::new(addr, opts),
             client_id,
             bg,
+            alloc_bg,
+            alloc_wait: ALLOC_WAIT,
             allocs: 0,
             largest: None,
             wait: AGENT_WAIT,
@@ -129,16 +153,20 @@ pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
 impl RmPort for MetaRm {
     fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
+        // Counted before the answer: an answer about the server's regions asked
+        // before this point may miss the region this call hands out.
         self.allocs += 1;
-        match self
-            .link
-            .call(&RmRequest::Alloc {
-                size,
-                pool: None,
-                request_id: 0,
-            })
-            .map_err(port_error)?
-        {
+        let req = RmRequest::Alloc {
+            size,
+            pool: None,
+            request_id: 0,
+        };
+        let peer = format!("the RM at {}", self.addr);
+        let answer = self
+            .alloc_bg
+            .call(&peer, AllocKey, req, self.alloc_wait)
+            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))?;
+        match answer {
             RmReply::Alloc(a) => Ok(a),
             r => Err(unexpected(r)),
         }
@@ -203,6 +231,9 @@ struct OffLoop<K, Q, A> {
     done: mpsc::Receiver<(K, A)>,
     in_flight: Option<K>,
     ready: HashMap<K, (std::time::Instant, A)>,
+    /// Whether an answer of this age may be handed to a later call (default: younger
+    /// than [`READY_FOR`]).
+    fresh: fn(&A, Duration) -> bool,
 }
 
 /// An answer older than this is not handed to a later call (the call is made again).
@@ -238,6 +269,7 @@ where
             done,
             in_flight: None,
             ready: HashMap::new(),
+            fresh: |_, age| age < READY_FOR,
         }
     }
 
@@ -257,7 +289,7 @@ where
     fn call(&mut self, peer: &str, key: K, q: Q, wait: Duration) -> Result<A, String> {
         self.take_done();
         if let Some((at, a)) = self.ready.remove(&key) {
-            if at.elapsed() < READY_FOR {
+            if (self.fresh)(&a, at.elapsed()) {
                 return Ok(a);
             }
         }

@@ -855,3 +855,69 @@ fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
         "exists p99 {busy:?} (worst {worst:?}) with the RM stopped, {normal:?} normally"
     );
 }
+
+/// 6 (the RM side, allocations): with the RM stopped (SIGSTOP) while a session keeps
+/// asking for regions, maru-server's allocations run off its loop: the loop waits for
+/// one at most `ALLOC_WAIT` per call timeout, later ones fail at once ("retry"), and
+/// other sessions' `exists` stays within twice its normal p99.
+#[test]
+fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
+    let mut s = Scratch::new("att-rmalloc");
+    let (srv, r) = meta(&mut s, &[]);
+    let mut c = connect(&srv.addr, META, "engine");
+    let (id, _) = open_session(&mut c);
+    let mut exists = |n: usize| -> Vec<Duration> {
+        (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                c.call::<_, MetaReply>(&MetaRequest::Exists {
+                    session: id,
+                    keys: vec!["k".into()],
+                })
+                .unwrap();
+                t.elapsed()
+            })
+            .collect()
+    };
+    let normal = p99(exists(400));
+    // The allocating session: every `expand` asks the RM for a region.
+    let mut w = connect(&srv.addr, META, "storer");
+    let (ws, _) = open_session(&mut w);
+    let pid = r.child.id() as i32;
+    // SAFETY: signals to a child this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let storer = std::thread::spawn(move || {
+        let (mut asked, mut refused) = (0u32, 0u32);
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            asked += 1;
+            if w.call::<_, MetaReply>(&MetaRequest::Expand { session: ws })
+                .is_err()
+            {
+                refused += 1;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (asked, refused)
+    });
+    let start = Instant::now();
+    let mut during = Vec::new();
+    while start.elapsed() < Duration::from_secs(7) {
+        during.extend(exists(50));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (asked, refused) = storer.join().unwrap();
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert!(
+        asked > 10 && refused > 0,
+        "the storer asked {asked} times and got {refused} refusals: it never waited on the RM"
+    );
+    let worst = *during.iter().max().unwrap();
+    let busy = p99(during);
+    assert!(
+        worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
+        "exists p99 {busy:?} (worst {worst:?}) with the RM stopped during allocations, \
+         {normal:?} normally"
+    );
+}
