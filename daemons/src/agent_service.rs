@@ -1,6 +1,7 @@
 //! The remote CXL agent on the event loop: the agent core with its ports wired to a
 //! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
 
+use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use maru::dax::{self, Mapping};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
@@ -10,7 +11,37 @@ use maru::wire::rm::{AccessReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope, ErrorCode, WireError};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// The agent's gauges (`maru_agent_<name>`).
+pub const AGENT_GAUGES: &[(&str, &str)] = &[
+    ("mappings", "Regions mapped (live or retiring)"),
+    (
+        "registrations",
+        "Live NIC registrations of regions and read ranges",
+    ),
+    (
+        "holders",
+        "Holders of mapped regions (owners, keepers, readers)",
+    ),
+    (
+        "released_mappings",
+        "Mappings their owner released, waiting for their last holder",
+    ),
+    (
+        "quarantined",
+        "Deregistered ranges kept mapped without access",
+    ),
+    ("queued_unholds", "Unholds the RM has not confirmed yet"),
+    (
+        "failed_deregistrations",
+        "Deregistrations that failed, retried by the sweep",
+    ),
+    (
+        "holds_reset_pending",
+        "1 while the hold reset sent at start has not reached the RM",
+    ),
+];
 
 /// The RM, reached over a reconnecting link. Only an RM answer with code `refused`
 /// is a refusal.
@@ -234,6 +265,10 @@ pub struct AgentService {
     pub mem: DaxMem,
     pub nic: Nic,
     next_sweep: u64,
+    /// `--metrics`: figures for Prometheus.
+    metrics: Option<Arc<Metrics>>,
+    refresh: Refresh,
+    started: Instant,
 }
 
 impl AgentService {
@@ -245,11 +280,47 @@ impl AgentService {
             mem,
             nic,
             next_sweep: SWEEP_MS,
+            metrics: None,
+            refresh: Refresh::new(1000),
+            started: Instant::now(),
         }
     }
 
+    /// Counts requests into `m` and copies the core's figures into its gauges.
+    pub fn with_metrics(mut self, m: Arc<Metrics>) -> AgentService {
+        self.metrics = Some(m);
+        self
+    }
+
+    fn refresh_gauges(&mut self, now_ms: u64) {
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        if !self.refresh.due(now_ms) {
+            return;
+        }
+        let st = self.core.status();
+        let sum = |f: fn(&maru::wire::agent::MappingInfo) -> usize| {
+            st.mappings.iter().map(f).sum::<usize>() as i64
+        };
+        m.set("mappings", st.mappings.len() as i64);
+        m.set("registrations", sum(|x| x.registrations));
+        m.set("holders", sum(|x| x.holders.len()));
+        m.set("released_mappings", sum(|x| usize::from(x.released)));
+        m.set("failed_deregistrations", sum(|x| x.failed_deregistrations));
+        m.set("quarantined", st.quarantined as i64);
+        m.set("queued_unholds", st.queued_unholds as i64);
+        m.set("holds_reset_pending", i64::from(st.holds_reset_pending));
+    }
+
     fn info(&self) -> serde_json::Value {
-        serde_json::json!({ "boot_id": self.core.boot_id(), "node": self.core.node(), "epoch": self.core.epoch() })
+        serde_json::json!({
+            "boot_id": self.core.boot_id(),
+            "node": self.core.node(),
+            "epoch": self.core.epoch(),
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_s": self.started.elapsed().as_secs(),
+        })
     }
 }
 
@@ -264,6 +335,7 @@ impl Service for AgentService {
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         let client_id = &holder_of(conn, client_id);
+        let started = Instant::now();
         let env: Envelope<AgentRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
@@ -272,6 +344,13 @@ impl Service for AgentService {
                     maru::net::clip(client_id),
                     maru::net::clip(&e.message)
                 );
+                if let Some(m) = &self.metrics {
+                    m.request(
+                        "malformed",
+                        e.code.as_str(),
+                        started.elapsed().as_secs_f64(),
+                    );
+                }
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
@@ -303,6 +382,15 @@ impl Service for AgentService {
                 maru::net::clip(&e.to_string())
             );
         }
+        if let Some(m) = &self.metrics {
+            m.request(
+                &op_of(body),
+                result_of(&result),
+                started.elapsed().as_secs_f64(),
+            );
+            self.refresh.touch();
+            self.refresh_gauges(now_ms);
+        }
         wire::reply_frame(env.id, result)
     }
 
@@ -322,13 +410,17 @@ impl Service for AgentService {
             self.core
                 .sweep(now_ms, &mut self.rm, &mut self.mem, &mut self.nic);
             self.next_sweep = now_ms + SWEEP_MS;
+            self.refresh.touch();
         }
+        self.refresh_gauges(now_ms);
     }
 
     fn next_deadline(&self) -> Option<u64> {
-        Some(match self.core.next_deadline() {
+        let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
+        let next = match self.core.next_deadline() {
             Some(d) => d.min(self.next_sweep),
             None => self.next_sweep,
-        })
+        };
+        Some(gauges.map_or(next, |g| g.min(next)))
     }
 }

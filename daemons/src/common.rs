@@ -1,15 +1,86 @@
-//! Pieces every daemon binary uses: logging, bind-address checks, the ready file.
+//! Pieces every daemon binary uses: logging, exit codes, flag checks, bind-address
+//! checks, the ready file.
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
-/// Logs through `log` with `RUST_LOG` (or `level` when RUST_LOG is unset).
-pub fn init_logging(level: &str) {
+/// Exit status of a configuration error (a flag, a key file, a pool file): restarting
+/// does not help, so the systemd units do not (`RestartPreventExitStatus=78`).
+pub const EX_CONFIG: i32 = 78;
+/// Exit status when something the daemon depends on is unreachable or busy (its RM,
+/// its port): restarting later may help.
+pub const EX_UNAVAILABLE: i32 = 69;
+/// Exit status of any other failure.
+pub const EX_FAILURE: i32 = 1;
+
+/// `--log-level`: the levels `log` knows.
+pub const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One line of text each: time, level, target, message.
+    Text,
+    /// One JSON object a line: `ts`, `level`, `target`, `msg` (for log shippers).
+    Json,
+}
+
+/// Logs through `log` with `RUST_LOG` (or `level` when RUST_LOG is unset), as text or
+/// one JSON object a line.
+pub fn init_logging(level: &str, format: LogFormat) {
     let env = env_logger::Env::default().default_filter_or(level);
-    let _ = env_logger::Builder::from_env(env)
-        .format_timestamp_millis()
-        .try_init();
+    let mut b = env_logger::Builder::from_env(env);
+    b.format_timestamp_millis();
+    if format == LogFormat::Json {
+        b.format(|buf, r| {
+            let line = serde_json::json!({
+                "ts": buf.timestamp_millis().to_string(),
+                "level": r.level().as_str(),
+                "target": r.target(),
+                "msg": r.args().to_string(),
+            });
+            writeln!(buf, "{line}")
+        });
+    }
+    let _ = b.try_init();
+}
+
+/// Parses the command line; a wrong flag or value is a configuration error (status
+/// 78, the message printed once), `--help` and `--version` exit 0.
+pub fn parse_args<T: clap::Parser>() -> T {
+    match T::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() { EX_CONFIG } else { 0 })
+        }
+    }
+}
+
+/// Checks a `HOST:PORT` flag value without resolving it (a name may resolve later).
+pub fn check_host_port(flag: &str, v: &str) -> Result<(), String> {
+    let shown = shown(v);
+    if v.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let bad =
+        || format!("--{flag} {shown:?} is not HOST:PORT (for example 127.0.0.1:9850 or mem0:9850)");
+    let (host, port) = v.rsplit_once(':').ok_or_else(bad)?;
+    let host_ok = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_');
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && host_ok => Ok(()),
+        _ => Err(bad()),
+    }
+}
+
+/// A flag value as shown in a message: at most 64 characters.
+fn shown(v: &str) -> String {
+    v.chars().take(64).collect()
 }
 
 /// Parses `host` and `port` into an address; says plainly when it is not loopback,
@@ -36,22 +107,94 @@ pub fn write_ready_file(path: &Path, addr: SocketAddr) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// Prints `msg` as the reason the daemon cannot start and exits with status 2.
+/// Prints `msg` once as the reason the daemon cannot start (through the log when it
+/// is on, so a JSON log keeps its shape; else `error: msg` on stderr) and exits with
+/// `code` ([`EX_CONFIG`], [`EX_UNAVAILABLE`], [`EX_FAILURE`]).
+pub fn exit_with(code: i32, msg: impl std::fmt::Display) -> ! {
+    if log::log_enabled!(log::Level::Error) {
+        log::error!("{msg}");
+    } else {
+        eprintln!("error: {msg}");
+    }
+    std::process::exit(code)
+}
+
+/// A configuration error: exits with [`EX_CONFIG`] (78).
 pub fn die(msg: impl std::fmt::Display) -> ! {
-    log::error!("{msg}");
-    eprintln!("error: {msg}");
-    std::process::exit(2)
+    exit_with(EX_CONFIG, msg)
+}
+
+/// A dependency that cannot be reached: exits with [`EX_UNAVAILABLE`] (69).
+pub fn die_unavailable(msg: impl std::fmt::Display) -> ! {
+    exit_with(EX_UNAVAILABLE, msg)
+}
+
+/// Refuses `--host` on every address (0.0.0.0, ::) without `--advertise` when the
+/// address is handed to workers: they cannot connect to 0.0.0.0.
+pub fn check_advertise(host: &str, advertise: &str) -> Result<(), String> {
+    let unspecified = host.parse::<IpAddr>().is_ok_and(|ip| ip.is_unspecified());
+    if unspecified && advertise.trim().is_empty() {
+        return Err(format!(
+            "--host {host} listens on every address, but workers are handed the address to \
+             reach the soft NIC: give --advertise HOST (this node's address on the workers' network)"
+        ));
+    }
+    Ok(())
+}
+
+/// Flags every daemon has besides its port's bounds.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OpsArgs {
+    /// Serve Prometheus metrics over HTTP at /metrics on this address (PORT alone means
+    /// 127.0.0.1:PORT). Off by default.
+    #[arg(long, value_name = "ADDR", env = "MARU_METRICS")]
+    pub metrics: Option<String>,
+    /// Log level when RUST_LOG is unset.
+    #[arg(short = 'l', long, default_value = "info", value_parser = LOG_LEVELS)]
+    pub log_level: String,
+    /// Log as text lines or as one JSON object a line (ts, level, target, msg).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "MARU_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+impl OpsArgs {
+    /// Starts logging and checks `--metrics` (before any side effect).
+    pub fn start(&self) -> Option<SocketAddr> {
+        init_logging(&self.log_level, self.log_format);
+        self.metrics
+            .as_deref()
+            .map(|m| crate::metrics_http::parse_metrics_addr(m).unwrap_or_else(|e| die(e)))
+    }
+}
+
+/// Serves `metrics` at `addr` (when `--metrics` was given), reading the loop's
+/// counters; a port that cannot be bound stops the daemon.
+pub fn serve_metrics(
+    addr: Option<SocketAddr>,
+    metrics: &std::sync::Arc<crate::metrics::Metrics>,
+    server: &maru::net::Server,
+) {
+    let Some(addr) = addr else {
+        return;
+    };
+    metrics.watch_net(server.counters());
+    if let Err(e) = crate::metrics_http::serve(addr, metrics.clone(), std::time::Instant::now()) {
+        die_unavailable(format!("--metrics {addr}: cannot listen: {e}"));
+    }
 }
 
 /// The bounds of a daemon's port (see `maru::net::ServerOptions`), as flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NetArgs {
-    /// Connections open at once; more are closed at accept. At most a quarter of them
-    /// may be in their handshake, so the rest stays for clients that proved the key.
-    #[arg(short = 'm', long, default_value_t = 1024, env = "MARU_MAX_CLIENTS")]
-    pub max_clients: usize,
+    /// Connections open at once (at least 1); more are closed at accept. At most a
+    /// quarter of them may be in their handshake, so the rest stays for clients that
+    /// proved the key.
+    #[arg(short = 'm', long, default_value_t = 1024, env = "MARU_MAX_CLIENTS",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_clients: u64,
     /// Milliseconds a new connection has for its whole handshake (hello and key proof).
-    #[arg(long, default_value_t = maru::net::server::DEFAULT_HANDSHAKE_TIMEOUT_MS)]
+    #[arg(long, default_value_t = maru::net::server::DEFAULT_HANDSHAKE_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout_ms: u64,
     /// Seconds a connection may send nothing after its handshake before it is closed
     /// (0: never). Clients' heartbeats and calls keep it open.
@@ -65,9 +208,10 @@ pub struct NetArgs {
 impl NetArgs {
     /// The loop's options with these bounds and `key`.
     pub fn options(&self, key: Option<maru::auth::SharedKey>) -> maru::net::ServerOptions {
+        let max = self.max_clients.max(1) as usize;
         maru::net::ServerOptions {
-            max_connections: self.max_clients.max(1),
-            max_pending: (self.max_clients / 4).max(1),
+            max_connections: max,
+            max_pending: (max / 4).max(1),
             key,
             handshake_timeout_ms: self.handshake_timeout_ms,
             idle_timeout_ms: self.idle_timeout_s.saturating_mul(1000),

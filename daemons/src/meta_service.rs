@@ -2,6 +2,7 @@
 //! (as the owner of every region it hands out) and to the pool's agents (for the
 //! region keeper only; the data path never passes through here).
 
+use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use maru::meta::{AgentPort, MetaCore, PortError, RmPort};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
@@ -9,8 +10,47 @@ use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
 use maru::wire::{self, Envelope};
 use std::collections::HashMap;
-use std::sync::mpsc;
-use std::time::Duration;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+/// maru-server's gauges (`maru_server_<name>`).
+pub const SERVER_GAUGES: &[(&str, &str)] = &[
+    ("sessions", "Live storage sessions"),
+    ("regions", "Regions of sessions and of the region keeper"),
+    ("region_bytes", "Bytes of those regions"),
+    ("keys", "Published keys"),
+    ("key_bytes", "Bytes of published chunks"),
+    ("leases", "Leases held by readers"),
+    ("pinned_keys", "Distinct pinned keys"),
+    (
+        "kept_regions",
+        "Regions of departed workers held by the region keeper",
+    ),
+    ("kept_keys", "Keys in kept regions"),
+    (
+        "giving_back",
+        "Regions on their way back to the RM (release, then free)",
+    ),
+    (
+        "waiting_for_region",
+        "Storing sessions waiting for a region of the full pool",
+    ),
+];
+
+/// maru-server's totals since start (`maru_server_<name>_total`).
+pub const SERVER_TOTALS: &[(&str, &str)] = &[
+    ("hits", "Keys found by acquire"),
+    ("misses", "Keys not found by acquire"),
+    ("evictions", "Keys removed by their owners (evictions)"),
+    (
+        "chains_cut",
+        "Evicted keys that still had stored successors in their prefix chain",
+    ),
+    (
+        "fair_share_returns",
+        "Regions sessions returned when asked for their fair share",
+    ),
+];
 
 fn port_error(e: LinkError) -> PortError {
     match e {
@@ -367,6 +407,11 @@ impl MetaAgents {
         self.wait = wait;
     }
 
+    /// The options of the links to the agents (client id, key, timeouts).
+    pub fn options(&self) -> ClientOptions {
+        self.opts.clone()
+    }
+
     fn worker(&mut self, agent: &str) -> &mut AgentWorker {
         let opts = self.opts.clone();
         self.workers
@@ -471,6 +516,10 @@ pub struct MetaService {
     pub rm: MetaRm,
     pub agents: MetaAgents,
     pub binding: SessionBinding,
+    /// `--metrics`: figures for Prometheus.
+    metrics: Option<Arc<Metrics>>,
+    refresh: Refresh,
+    started: Instant,
 }
 
 impl MetaService {
@@ -480,6 +529,49 @@ impl MetaService {
             rm,
             agents,
             binding: SessionBinding::default(),
+            metrics: None,
+            refresh: Refresh::new(1000),
+            started: Instant::now(),
+        }
+    }
+
+    /// Counts requests into `m` and copies the core's figures into its gauges.
+    pub fn with_metrics(mut self, m: Arc<Metrics>) -> MetaService {
+        self.metrics = Some(m);
+        self
+    }
+
+    fn refresh_gauges(&mut self, now_ms: u64) {
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        if !self.refresh.due(now_ms) {
+            return;
+        }
+        let t = self.core.total_stats();
+        for (name, v) in [
+            ("sessions", t.sessions),
+            ("regions", t.regions),
+            ("region_bytes", t.region_bytes),
+            ("keys", t.keys),
+            ("key_bytes", t.key_bytes),
+            ("leases", t.leases),
+            ("pinned_keys", t.pinned_keys),
+            ("kept_regions", t.kept_regions),
+            ("kept_keys", t.kept_keys),
+            ("giving_back", t.giving_back),
+            ("waiting_for_region", t.waiting_for_region),
+        ] {
+            m.set(name, v as i64);
+        }
+        for (name, v) in [
+            ("hits", t.hits),
+            ("misses", t.misses),
+            ("evictions", t.removed),
+            ("chains_cut", t.chains_cut),
+            ("fair_share_returns", t.fair_share_returns),
+        ] {
+            m.set_total(name, v);
         }
     }
 }
@@ -489,11 +581,19 @@ impl Service for MetaService {
         SERVICE
     }
 
+    fn welcome_info(&self) -> serde_json::Value {
+        serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_s": self.started.elapsed().as_secs(),
+        })
+    }
+
     fn on_open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>, _now_ms: u64) {
         self.binding.open(conn, client_id, resume);
     }
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        let started = Instant::now();
         let env: Envelope<MetaRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
@@ -502,6 +602,13 @@ impl Service for MetaService {
                     maru::net::clip(client_id),
                     maru::net::clip(&e.message)
                 );
+                if let Some(m) = &self.metrics {
+                    m.request(
+                        "malformed",
+                        e.code.as_str(),
+                        started.elapsed().as_secs_f64(),
+                    );
+                }
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
@@ -520,6 +627,15 @@ impl Service for MetaService {
                 maru::net::clip(&principal)
             );
         }
+        if let Some(m) = &self.metrics {
+            m.request(
+                &op_of(body),
+                result_of(&result),
+                started.elapsed().as_secs_f64(),
+            );
+            self.refresh.touch();
+            self.refresh_gauges(now_ms);
+        }
         wire::reply_frame(env.id, result)
     }
 
@@ -533,10 +649,16 @@ impl Service for MetaService {
         self.core.tick(now_ms, &mut self.rm, &mut self.agents);
         let core = &self.core;
         self.binding.prune(now_ms, |p| core.has_session_of(p));
+        self.refresh.touch();
+        self.refresh_gauges(now_ms);
     }
 
     fn next_deadline(&self) -> Option<u64> {
-        self.core.next_deadline()
+        let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
+        [self.core.next_deadline(), gauges]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// On SIGTERM: give every kept region back (released at its agent, then freed at the
@@ -562,5 +684,66 @@ impl Service for MetaService {
         } else if n > 0 {
             log::info!("gave {n} kept region(s) back before stopping");
         }
+    }
+}
+
+/// How often maru-server checks its agents (reachable, key proof) after start.
+pub const AGENT_CHECK_EVERY: Duration = Duration::from_secs(30);
+
+/// Checks every agent at once and then every `every`, from a thread of its own: that
+/// it answers and that the agent key proves (a wrong `--remote-cxl-agent-key-file`
+/// would otherwise show only when the region keeper calls it). Logs each agent that
+/// fails, naming why, and each one that comes back; says nothing while nothing changes.
+pub fn watch_agents(agents: Vec<String>, opts: ClientOptions, every: Duration) {
+    if agents.is_empty() {
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("agent-check".into())
+        .spawn(move || {
+            let mut failing: HashMap<String, bool> = HashMap::new();
+            loop {
+                for a in &agents {
+                    let r = maru::net::Client::connect(a, &opts);
+                    let was = failing.get(a).copied();
+                    match r {
+                        Ok(c) if c.welcome().info.get("boot_id").is_some() => {
+                            if was != Some(false) {
+                                log::info!("agent {a}: reachable, agent key proved");
+                            }
+                            failing.insert(a.clone(), false);
+                        }
+                        Ok(_) => {
+                            if was != Some(true) {
+                                log::error!(
+                                    "agent {a}: answers without a boot id (not a maru-remote-cxl-agent?); \
+                                     its regions cannot be kept"
+                                );
+                            }
+                            failing.insert(a.clone(), true);
+                        }
+                        Err(e) => {
+                            if was != Some(true) {
+                                let why = match &e {
+                                    maru::net::ClientError::Auth { .. } => {
+                                        " (the agent key file, --remote-cxl-agent-key-file, is not this agent's --key-file?)"
+                                    }
+                                    _ => "",
+                                };
+                                log::error!(
+                                    "agent {a}: check failed: {}{why}; checked again every {} s",
+                                    maru::net::clip(&e.to_string()),
+                                    every.as_secs()
+                                );
+                            }
+                            failing.insert(a.clone(), true);
+                        }
+                    }
+                }
+                std::thread::sleep(every);
+            }
+        });
+    if let Err(e) = spawned {
+        log::warn!("cannot start the agent check thread: {e}");
     }
 }

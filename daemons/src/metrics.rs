@@ -8,6 +8,7 @@
 //! Names follow Prometheus's conventions: `maru_<daemon>_...`, base units (seconds,
 //! bytes), counters ending in `_total`.
 
+use maru::net::NetCounters;
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -16,6 +17,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -34,10 +36,15 @@ pub struct Metrics {
     latency: Family<Labels, Histogram, fn() -> Histogram>,
     bytes: Family<Labels, Counter>,
     connections_open: Gauge,
+    connections_accepted: Counter,
     connections_refused: Family<Labels, Counter>,
     auth_failures: Counter,
     uptime: Gauge<f64, AtomicU64>,
     gauges: BTreeMap<&'static str, Gauge>,
+    totals: BTreeMap<&'static str, Counter>,
+    /// The event loop's own counters (connections, refusals, key proofs, bytes),
+    /// copied into the families above at each render.
+    net: OnceLock<Arc<NetCounters>>,
 }
 
 impl Metrics {
@@ -80,6 +87,12 @@ impl Metrics {
             "Client connections open now",
             connections_open.clone(),
         );
+        let connections_accepted = Counter::default();
+        registry.register(
+            "connections_accepted",
+            "Client connections accepted since start",
+            connections_accepted.clone(),
+        );
         let connections_refused = Family::<Labels, Counter>::default();
         registry.register(
             "connections_refused",
@@ -106,11 +119,69 @@ impl Metrics {
             latency,
             bytes,
             connections_open,
+            connections_accepted,
             connections_refused,
             auth_failures,
             uptime,
             gauges,
+            totals: BTreeMap::new(),
+            net: OnceLock::new(),
         }
+    }
+
+    /// Adds one counter for each `(name, help)` of its core whose total the core
+    /// keeps (evictions, hits ...): set with [`Metrics::set_total`].
+    pub fn with_totals(mut self, totals: &[(&'static str, &'static str)]) -> Metrics {
+        for &(name, help) in totals {
+            let c = Counter::default();
+            self.registry.register(name, help, c.clone());
+            self.totals.insert(name, c);
+        }
+        self
+    }
+
+    /// Reads the connection figures from the daemon's event loop from now on.
+    pub fn watch_net(&self, counters: Arc<NetCounters>) {
+        let _ = self.net.set(counters);
+    }
+
+    /// Sets a counter named at [`Metrics::with_totals`] to the core's total (a total
+    /// never goes down; a lower value is ignored).
+    pub fn set_total(&self, name: &str, total: u64) {
+        match self.totals.get(name) {
+            Some(c) => raise(c, total),
+            None => log::debug!("metrics: no counter {name:?}"),
+        }
+    }
+
+    fn sync_net(&self) {
+        let Some(n) = self.net.get() else {
+            return;
+        };
+        let get = NetCounters::get;
+        self.connections_open.set(get(&n.open) as i64);
+        raise(&self.auth_failures, get(&n.auth_failures));
+        for (dir, v) in [("in", get(&n.bytes_in)), ("out", get(&n.bytes_out))] {
+            raise(
+                &self.bytes.get_or_create(&vec![("direction", dir.into())]),
+                v,
+            );
+        }
+        for (reason, v) in [
+            ("cap", get(&n.refused_cap)),
+            ("handshake_pending", get(&n.pushed_out)),
+            ("handshake_timeout", get(&n.handshake_timeouts)),
+            ("idle", get(&n.idle_closed)),
+            ("protocol", get(&n.protocol_errors)),
+        ] {
+            raise(
+                &self
+                    .connections_refused
+                    .get_or_create(&vec![("reason", reason.into())]),
+                v,
+            );
+        }
+        raise(&self.connections_accepted, get(&n.accepted));
     }
 
     /// A request of `op` answered with `result` (`ok`, or its error code) after
@@ -173,10 +244,80 @@ impl Metrics {
     /// The metrics in the Prometheus text format, with the uptime given.
     pub fn render(&self, uptime_seconds: f64) -> String {
         self.uptime.set(uptime_seconds);
+        self.sync_net();
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Raises counter `c` to `total` (a counter only grows).
+fn raise(c: &Counter, total: u64) {
+    let now = c.get();
+    if total > now {
+        c.inc_by(total - now);
+    }
+}
+
+/// The operation of a request body that decoded (`{"id": 7, "op": "alloc", ...}`):
+/// a label value from the daemon's own list of operations, never free text.
+pub fn op_of(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Op<'a> {
+        #[serde(borrow)]
+        op: std::borrow::Cow<'a, str>,
+    }
+    serde_json::from_slice::<Op>(body)
+        .map(|o| o.op.into_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// `ok`, or the error code of a failed request.
+pub fn result_of<T>(r: &Result<T, maru::wire::WireError>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(e) => e.code.as_str(),
+    }
+}
+
+/// When a service copies its core's figures into the gauges: after a change, at most
+/// once per `every_ms`, with a deadline so the last change is not left out.
+#[derive(Debug)]
+pub struct Refresh {
+    every_ms: u64,
+    last_ms: Option<u64>,
+    dirty: bool,
+}
+
+impl Refresh {
+    pub fn new(every_ms: u64) -> Refresh {
+        Refresh {
+            every_ms,
+            last_ms: None,
+            dirty: true,
+        }
+    }
+
+    /// Something changed.
+    pub fn touch(&mut self) {
+        self.dirty = true;
+    }
+
+    /// Whether the gauges are to be copied now (then they count as fresh).
+    pub fn due(&mut self, now_ms: u64) -> bool {
+        if self.dirty && self.last_ms.is_none_or(|l| now_ms >= l + self.every_ms) {
+            self.last_ms = Some(now_ms);
+            self.dirty = false;
+            return true;
+        }
+        false
+    }
+
+    /// When the loop must call back to copy a change left waiting.
+    pub fn deadline(&self) -> Option<u64> {
+        self.dirty
+            .then(|| self.last_ms.map_or(0, |l| l + self.every_ms))
     }
 }
 
@@ -297,6 +438,10 @@ mod tests {
         );
         assert_eq!(value(&s, &version), 1.0);
         // Histogram buckets are cumulative and end with +Inf = count.
+        assert!(
+            text.contains("maru_rm_connections_accepted_total 0"),
+            "{text}"
+        );
         assert_eq!(
             value(
                 &s,
@@ -304,5 +449,52 @@ mod tests {
             ),
             3.0
         );
+    }
+
+    #[test]
+    fn loop_counters_and_core_totals_only_grow() {
+        let m = Metrics::new("agent", &[]).with_totals(&[("evictions", "Keys evicted")]);
+        let net = Arc::new(NetCounters::default());
+        m.watch_net(net.clone());
+        net.open.store(3, std::sync::atomic::Ordering::Relaxed);
+        net.accepted.store(5, std::sync::atomic::Ordering::Relaxed);
+        net.auth_failures
+            .store(2, std::sync::atomic::Ordering::Relaxed);
+        net.refused_cap
+            .store(1, std::sync::atomic::Ordering::Relaxed);
+        net.bytes_in.store(10, std::sync::atomic::Ordering::Relaxed);
+        m.set_total("evictions", 4);
+        let s = check_format(&m.render(1.0));
+        assert_eq!(value(&s, "maru_agent_connections_open"), 3.0);
+        assert_eq!(value(&s, "maru_agent_connections_accepted_total"), 5.0);
+        assert_eq!(value(&s, "maru_agent_auth_failures_total"), 2.0);
+        assert_eq!(
+            value(&s, r#"maru_agent_connections_refused_total{reason="cap"}"#),
+            1.0
+        );
+        assert_eq!(value(&s, r#"maru_agent_bytes_total{direction="in"}"#), 10.0);
+        assert_eq!(value(&s, "maru_agent_evictions_total"), 4.0);
+        // A lower total (never sent by a core) leaves the counter as it was.
+        m.set_total("evictions", 1);
+        let s = check_format(&m.render(2.0));
+        assert_eq!(value(&s, "maru_agent_evictions_total"), 4.0);
+    }
+
+    #[test]
+    fn the_op_label_comes_from_the_request_and_refresh_is_bounded() {
+        assert_eq!(op_of(br#"{"id":1,"op":"alloc","size":2}"#), "alloc");
+        assert_eq!(op_of(b"not json"), "unknown");
+        let mut r = Refresh::new(1000);
+        assert!(r.due(0), "the first copy is at once");
+        assert_eq!(r.deadline(), None, "nothing waits");
+        r.touch();
+        assert!(!r.due(500), "at most once a second");
+        assert_eq!(
+            r.deadline(),
+            Some(1000),
+            "the change waiting is copied then"
+        );
+        assert!(r.due(1000));
+        assert!(!r.due(5000), "nothing changed");
     }
 }

@@ -1,9 +1,29 @@
 //! The resource manager on the event loop: decode a request, run it through the
 //! core, encode the reply. Owner tracking follows connections.
 
+use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use maru::net::{ConnId, Service};
 use maru::rm::ResourceManager;
-use maru::wire::{self, rm::RmRequest, rm::SERVICE, Envelope};
+use maru::wire::rm::{RmReply, RmRequest, SERVICE};
+use maru::wire::{self, Envelope};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The RM's gauges (`maru_rm_<name>`).
+pub const RM_GAUGES: &[(&str, &str)] = &[
+    ("regions", "Regions allocated (draining ones included)"),
+    ("holds", "Holds agents keep on regions"),
+    ("pools", "Pools served"),
+    ("pool_bytes", "Bytes usable for regions, over every pool"),
+    (
+        "pool_free_bytes",
+        "Bytes free for new regions, over every pool",
+    ),
+    (
+        "pool_draining_bytes",
+        "Bytes of freed regions still held by an agent",
+    ),
+];
 
 pub struct RmService {
     pub core: ResourceManager,
@@ -14,6 +34,10 @@ pub struct RmService {
     /// The port's idle timeout, announced in the welcome so that owners keep their
     /// connection alive well within it (0: none).
     pub idle_timeout_ms: u64,
+    /// `--metrics`: figures for Prometheus.
+    metrics: Option<Arc<Metrics>>,
+    refresh: Refresh,
+    started: Instant,
 }
 
 /// How long after a local owner's last connection closed its process is checked again.
@@ -26,6 +50,46 @@ impl RmService {
             host: maru::net::hostname(),
             recheck: Vec::new(),
             idle_timeout_ms: 0,
+            metrics: None,
+            refresh: Refresh::new(1000),
+            started: Instant::now(),
+        }
+    }
+
+    /// Counts requests into `m` and copies the core's figures into its gauges.
+    pub fn with_metrics(mut self, m: Arc<Metrics>) -> RmService {
+        self.metrics = Some(m);
+        self
+    }
+
+    /// Copies the core's figures into the gauges (at most once a second).
+    fn refresh_gauges(&mut self, now_ms: u64) {
+        let Some(m) = self.metrics.clone() else {
+            return;
+        };
+        if !self.refresh.due(now_ms) {
+            return;
+        }
+        let me = "maru-rm-metrics";
+        if let Ok(RmReply::Regions { regions }) =
+            self.core
+                .handle(me, RmRequest::Regions { owner: None }, now_ms)
+        {
+            m.set("regions", regions.len() as i64);
+        }
+        if let Ok(RmReply::Holds { holds }) =
+            self.core
+                .handle(me, RmRequest::Holds { node: None }, now_ms)
+        {
+            m.set("holds", holds.len() as i64);
+        }
+        if let Ok(RmReply::Pools { pools }) = self.core.handle(me, RmRequest::Pools, now_ms) {
+            m.set("pools", pools.len() as i64);
+            let sum =
+                |f: fn(&maru::wire::rm::PoolInfo) -> u64| pools.iter().map(f).sum::<u64>() as i64;
+            m.set("pool_bytes", sum(|p| p.total));
+            m.set("pool_free_bytes", sum(|p| p.free));
+            m.set("pool_draining_bytes", sum(|p| p.draining));
         }
     }
 
@@ -68,7 +132,11 @@ impl Service for RmService {
     }
 
     fn welcome_info(&self) -> serde_json::Value {
-        serde_json::json!({ "idle_timeout_ms": self.idle_timeout_ms })
+        serde_json::json!({
+            "idle_timeout_ms": self.idle_timeout_ms,
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_s": self.started.elapsed().as_secs(),
+        })
     }
 
     fn on_open(&mut self, _conn: ConnId, client_id: &str, _resume: Option<&str>, _now_ms: u64) {
@@ -76,16 +144,33 @@ impl Service for RmService {
     }
 
     fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        let started = Instant::now();
         let env: Envelope<RmRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
                 log::info!("bad request from {client_id}: {}", e.message);
+                if let Some(m) = &self.metrics {
+                    m.request(
+                        "malformed",
+                        e.code.as_str(),
+                        started.elapsed().as_secs_f64(),
+                    );
+                }
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
         let result = self.core.handle(client_id, env.body, now_ms);
         if let Err(e) = &result {
             log::debug!("request {} from {client_id} failed: {e}", env.id);
+        }
+        if let Some(m) = &self.metrics {
+            m.request(
+                &op_of(body),
+                result_of(&result),
+                started.elapsed().as_secs_f64(),
+            );
+            self.refresh.touch();
+            self.refresh_gauges(now_ms);
         }
         wire::reply_frame(env.id, result)
     }
@@ -114,15 +199,18 @@ impl Service for RmService {
             log::info!(
                 "grace period over: freed regions {reaped:?} of owners that did not come back"
             );
+            self.refresh.touch();
         }
+        self.refresh_gauges(now_ms);
     }
 
     fn next_deadline(&self) -> Option<u64> {
         let recheck = self.recheck.iter().map(|(_, t)| *t).min();
-        match (self.core.next_deadline(), recheck) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
+        [self.core.next_deadline(), recheck, gauges]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
 

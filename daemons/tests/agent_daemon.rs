@@ -293,19 +293,19 @@ fn start_up_refusals() {
     // No boot id.
     let missing = p.s.dir.join("no-boot-id");
     let out = run(&agent_args(&p, Some(&missing)));
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("boot id"));
     // Empty RM address.
     let mut a = agent_args(&p, None);
     a[1] = String::new();
     let out = run(&a);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("resource manager address is empty"));
     // A key file others can read.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&p.key_path, std::fs::Permissions::from_mode(0o644)).unwrap();
     let out = run(&agent_args(&p, None));
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("chmod 600"));
     std::fs::set_permissions(&p.key_path, std::fs::Permissions::from_mode(0o600)).unwrap();
     // verbs on a host without RDMA (or a build without it) fails with a clear message.

@@ -494,7 +494,7 @@ fn an_existing_pool_file_others_can_write_is_refused() {
         "--port",
         "0",
     ]));
-    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(code, Some(78), "{err}");
     assert!(err.contains("others can write"), "{err}");
 }
 
@@ -515,7 +515,7 @@ fn a_state_dir_others_can_write_is_refused() {
         "--port",
         "0",
     ]));
-    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(code, Some(78), "{err}");
     assert!(err.contains("others can write"), "{err}");
     let d = rm(&mut s, &[]);
     let mode = std::fs::metadata(s.dir.join("rm"))

@@ -303,7 +303,7 @@ fn a_key_file_requires_the_proof() {
         .arg("0")
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("chmod 600"));
 }
 
@@ -331,7 +331,7 @@ fn start_up_errors_are_clear() {
         .args(["--state-dir", s.dir.to_str().unwrap(), "--port", "0"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--fake-dax"));
     let out = std::process::Command::new(BIN)
         .args([
@@ -344,6 +344,6 @@ fn start_up_errors_are_clear() {
         ])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/dev/dax-none.0"));
 }

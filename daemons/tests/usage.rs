@@ -228,7 +228,7 @@ fn table_shows_engines_pool_and_regions() {
 fn unreachable_server_is_a_clear_error() {
     let o = usage(&["--server", "127.0.0.1:1", "--timeout-ms", "500"]);
     let out = text(&o);
-    assert_eq!(o.status.code(), Some(2), "{out}");
+    assert_eq!(o.status.code(), Some(69), "{out}");
     assert!(
         out.contains("cannot reach maru-server at 127.0.0.1:1"),
         "{out}"

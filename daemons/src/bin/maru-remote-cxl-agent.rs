@@ -7,10 +7,12 @@ use maru::agent::{AgentCore, DEFAULT_QUARANTINE_MS};
 use maru::net::{Clock, Server, SignalPipe};
 use maru::transport::soft::SoftTarget;
 use maru::transport::Target;
-use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink};
+use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink, AGENT_GAUGES};
 use maru_daemons::common::{
-    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+    bind_addr, check_advertise, check_host_port, die, die_unavailable, exit_with, notify_ready,
+    parse_args, raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
+use maru_daemons::metrics::Metrics;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,9 +107,8 @@ struct Args {
     /// Write the control address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
-    /// Log level when RUST_LOG is unset.
-    #[arg(short = 'l', long, default_value = "info")]
-    log_level: String,
+    #[command(flatten)]
+    ops: OpsArgs,
 }
 
 fn target(args: &Args, key: &maru::auth::SharedKey) -> Nic {
@@ -121,7 +122,9 @@ fn target(args: &Args, key: &maru::auth::SharedKey) -> Nic {
                 args.advertise.as_str()
             };
             let t = SoftTarget::start(bind, advertise, Some(key.clone()), Duration::from_secs(10))
-                .unwrap_or_else(|e| die(format!("soft NIC cannot listen on {bind}: {e}")));
+                .unwrap_or_else(|e| {
+                    die_unavailable(format!("soft NIC cannot listen on {bind}: {e}"))
+                });
             log::info!("soft NIC listening on {}", t.local_addr());
             Arc::new(t)
         }
@@ -164,10 +167,18 @@ fn verbs_target(args: &Args) -> Nic {
 }
 
 fn main() {
-    let args = Args::parse();
-    init_logging(&args.log_level);
+    let args: Args = parse_args();
+    let metrics_addr = args.ops.start();
     if args.rm_address.trim().is_empty() {
         die("the resource manager address is empty: set --rm-address or MARU_RM_ADDRESS");
+    }
+    check_host_port("rm-address", &args.rm_address).unwrap_or_else(|e| die(e));
+    if matches!(args.transport, TransportKind::Soft) {
+        check_advertise(&args.host, &args.advertise).unwrap_or_else(|e| die(e));
+    }
+    let addr = bind_addr(&args.host, args.port, "maru-remote-cxl-agent").unwrap_or_else(|e| die(e));
+    if matches!(args.transport, TransportKind::Soft) {
+        bind_addr(&args.host, args.data_port, "the soft NIC").unwrap_or_else(|e| die(e));
     }
     let boot_id = std::fs::read_to_string(&args.boot_id_file)
         .map(|s| s.trim().to_string())
@@ -198,7 +209,6 @@ fn main() {
     let mem = DaxMem::new(&args.devices).unwrap_or_else(|e| die(e));
     let nic = target(&args, &key);
     let rm = RmLink::new(args.rm_address.clone(), format!("agent@{node}"), rm_key);
-    let addr = bind_addr(&args.host, args.port, "maru-remote-cxl-agent").unwrap_or_else(|e| die(e));
     raise_nofile_limit();
     let opts = args.net.options(Some(key));
     let pipe = SignalPipe::install()
@@ -206,9 +216,14 @@ fn main() {
     let clock = Clock::new();
     let mut server = Server::bind(addr, opts, clock)
         .and_then(|s| s.with_signals(pipe))
-        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+        .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
     let mut service = AgentService::new(core, rm, mem, nic);
+    let metrics = Arc::new(Metrics::new("agent", AGENT_GAUGES));
+    serve_metrics(metrics_addr, &metrics, &server);
+    if metrics_addr.is_some() {
+        service = service.with_metrics(metrics);
+    }
     log::info!(
         "maru-remote-cxl-agent {node} (epoch {epoch}, boot {boot_id}) listening on {bound}, RM {}",
         args.rm_address
@@ -219,7 +234,7 @@ fn main() {
     }
     notify_ready();
     if let Err(e) = server.run(&mut service) {
-        die(format!("event loop failed: {e}"));
+        exit_with(EX_FAILURE, format!("event loop failed: {e}"));
     }
     log::info!("maru-remote-cxl-agent stopped");
 }

@@ -7,10 +7,13 @@ use maru::dax::{self, PoolSpec};
 use maru::net::{Clock, Server, SignalPipe};
 use maru::rm::{check_pool_file, load_or_create_secret, DirStore, ResourceManager, RM_KEY_FILE};
 use maru_daemons::common::{
-    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+    bind_addr, die, die_unavailable, exit_with, notify_ready, parse_args, raise_nofile_limit,
+    serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
-use maru_daemons::rm_service::RmService;
+use maru_daemons::metrics::Metrics;
+use maru_daemons::rm_service::{RmService, RM_GAUGES};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -60,14 +63,15 @@ struct Args {
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
-    /// Log level when RUST_LOG is unset (error, warn, info, debug, trace).
-    #[arg(short = 'l', long, default_value = "info")]
-    log_level: String,
+    #[command(flatten)]
+    ops: OpsArgs,
 }
 
 fn main() {
-    let args = Args::parse();
-    init_logging(&args.log_level);
+    let args: Args = parse_args();
+    // Every flag is checked before anything is created (pool file, state, key, socket).
+    let metrics_addr = args.ops.start();
+    let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
     let mut specs = Vec::new();
     for d in &args.dax {
         specs.push(PoolSpec::DevDax { path: d.clone() });
@@ -82,6 +86,14 @@ fn main() {
     if specs.is_empty() {
         die("no pools: give at least one --dax /dev/daxX.Y or --fake-dax PATH:SIZE (e.g. /dev/shm/maru-pool0:4G)");
     }
+    // A key file that exists is checked now (mode, content); a missing one is made
+    // once everything else is in place.
+    let key_path = args
+        .key_file
+        .clone()
+        .unwrap_or_else(|| args.state_dir.join(RM_KEY_FILE));
+    let existing_key = (!args.insecure_no_key && key_path.exists())
+        .then(|| maru::auth::load_key_file(&key_path).unwrap_or_else(|e| die(e)));
     let mut pools = Vec::new();
     for s in &specs {
         let info = dax::open_pool(s).unwrap_or_else(|e| die(e));
@@ -110,21 +122,21 @@ fn main() {
         );
         None
     } else {
-        let path = args
-            .key_file
-            .clone()
-            .unwrap_or_else(|| args.state_dir.join(RM_KEY_FILE));
-        Some(load_or_create_key(&path).unwrap_or_else(|e| die(e)))
+        Some(
+            existing_key
+                .unwrap_or_else(|| load_or_create_key(&key_path).unwrap_or_else(|e| die(e))),
+        )
     };
     raise_nofile_limit();
-    let addr = bind_addr(&args.host, args.port, "maru-resource-manager").unwrap_or_else(|e| die(e));
     let opts = args.net.options(key);
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
     let mut server = Server::bind(addr, opts, clock)
         .and_then(|s| s.with_signals(pipe))
-        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+        .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
+    let metrics = Arc::new(Metrics::new("rm", RM_GAUGES));
+    serve_metrics(metrics_addr, &metrics, &server);
     log::info!(
         "maru-resource-manager listening on {bound}, state in {}",
         args.state_dir.display()
@@ -135,9 +147,12 @@ fn main() {
     }
     notify_ready();
     let mut service = RmService::new(core);
+    if metrics_addr.is_some() {
+        service = service.with_metrics(metrics);
+    }
     service.idle_timeout_ms = args.net.idle_timeout_s.saturating_mul(1000);
     if let Err(e) = server.run(&mut service) {
-        die(format!("event loop failed: {e}"));
+        exit_with(EX_FAILURE, format!("event loop failed: {e}"));
     }
     log::info!("maru-resource-manager stopped");
 }

@@ -252,6 +252,14 @@ fn main() {
             epoch: *epoch,
         },
     };
+    if matches!(args.cmd, Cmd::Alloc { .. }) && args.client_id.is_none() {
+        usage(
+            "alloc needs --client-id NAME (or MARU_CLIENT_ID): without one the region's owner \
+             is this command's process, and the RM frees a local owner's regions as soon as it \
+             exits; free it later with the same --client-id"
+                .into(),
+        );
+    }
     let mut opts = ClientOptions::new(
         SERVICE,
         args.client_id

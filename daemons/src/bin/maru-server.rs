@@ -7,10 +7,16 @@ use maru::meta::{MetaConfig, MetaCore};
 use maru::net::{default_client_id, Client, ClientOptions, Clock, Server, SignalPipe};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru_daemons::common::{
-    bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
+    bind_addr, check_host_port, die, die_unavailable, exit_with, notify_ready, parse_args,
+    raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
-use maru_daemons::meta_service::{MetaAgents, MetaRm, MetaService, RM_KEEPALIVE};
+use maru_daemons::meta_service::{
+    watch_agents, MetaAgents, MetaRm, MetaService, AGENT_CHECK_EVERY, RM_KEEPALIVE, SERVER_GAUGES,
+    SERVER_TOTALS,
+};
+use maru_daemons::metrics::Metrics;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -97,9 +103,8 @@ struct Serve {
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
-    /// Log level when RUST_LOG is unset.
-    #[arg(short = 'l', long, default_value = "info")]
-    log_level: String,
+    #[command(flatten)]
+    ops: OpsArgs,
 }
 
 fn size(flag: &str, v: &str) -> u64 {
@@ -110,10 +115,11 @@ fn stats(server: &str, session: Option<u64>, json: bool, key_file: Option<PathBu
     let mut opts = ClientOptions::new(SERVICE, default_client_id("maru-server-stats@"));
     opts.key = key_file.map(|p| maru::auth::load_key_file(&p).unwrap_or_else(|e| die(e)));
     let mut c = Client::connect(server, &opts)
-        .unwrap_or_else(|e| die(format!("cannot reach maru-server at {server}: {e}")));
+        .unwrap_or_else(|e| die_unavailable(format!("cannot reach maru-server at {server}: {e}")));
+    let info = c.welcome().info.clone();
     let reply: MetaReply = c
         .call(&MetaRequest::Stats { session })
-        .unwrap_or_else(|e| die(e));
+        .unwrap_or_else(|e| die_unavailable(e));
     if json {
         println!(
             "{}",
@@ -122,8 +128,13 @@ fn stats(server: &str, session: Option<u64>, json: bool, key_file: Option<PathBu
         return;
     }
     let MetaReply::Stats(s) = reply else {
-        die(format!("unexpected reply {reply:?}"))
+        exit_with(EX_FAILURE, format!("unexpected reply {reply:?}"))
     };
+    println!(
+        "maru-server {} at {server}, up {} s",
+        info.get("version").and_then(|v| v.as_str()).unwrap_or("?"),
+        info.get("uptime_s").and_then(|v| v.as_u64()).unwrap_or(0)
+    );
     let rate = |h: u64, m: u64| {
         if h + m == 0 {
             "-".to_string()
@@ -175,7 +186,7 @@ fn default_agent_key() -> PathBuf {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli: Cli = parse_args();
     if let Some(Cmd::Stats {
         server,
         session,
@@ -186,10 +197,15 @@ fn main() {
         return stats(&server, session, json, key_file);
     }
     let a = cli.serve;
-    init_logging(&a.log_level);
+    let metrics_addr = a.ops.start();
     if a.rm_address.trim().is_empty() {
         die("the resource manager address is empty: set --rm-address or MARU_RM_ADDRESS");
     }
+    check_host_port("rm-address", &a.rm_address).unwrap_or_else(|e| die(e));
+    for g in &a.agents {
+        check_host_port("remote-cxl-agent", g).unwrap_or_else(|e| die(e));
+    }
+    let addr = bind_addr(&a.host, a.port, "maru-server").unwrap_or_else(|e| die(e));
     let cfg = MetaConfig {
         region_size: size("region-size", &a.region_size),
         chunk_size: size("chunk-size", &a.chunk_size),
@@ -212,7 +228,7 @@ fn main() {
     let client_id = default_client_id("maru-server@");
     let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key.clone());
     if let Err(e) = rm.check() {
-        die(format!(
+        die_unavailable(format!(
             "{e}; maru-server needs its resource manager (start it first or fix --rm-address)"
         ));
     }
@@ -230,7 +246,7 @@ fn main() {
         )
     };
     let agents = MetaAgents::new(client_id, agent_key);
-    let addr = bind_addr(&a.host, a.port, "maru-server").unwrap_or_else(|e| die(e));
+    watch_agents(a.agents.clone(), agents.options(), AGENT_CHECK_EVERY);
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
     let key = match &a.key_file {
@@ -246,8 +262,10 @@ fn main() {
     raise_nofile_limit();
     let mut server = Server::bind(addr, a.net.options(key), Clock::new())
         .and_then(|s| s.with_signals(pipe))
-        .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
+        .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
+    let metrics = Arc::new(Metrics::new("server", SERVER_GAUGES).with_totals(SERVER_TOTALS));
+    serve_metrics(metrics_addr, &metrics, &server);
     log::info!(
         "maru-server listening on {bound}, RM {}, agents {:?}",
         a.rm_address,
@@ -259,8 +277,11 @@ fn main() {
     }
     notify_ready();
     let mut service = MetaService::new(core, rm, agents);
+    if metrics_addr.is_some() {
+        service = service.with_metrics(metrics);
+    }
     if let Err(e) = server.run(&mut service) {
-        die(format!("event loop failed: {e}"));
+        exit_with(EX_FAILURE, format!("event loop failed: {e}"));
     }
     log::info!("maru-server stopped");
 }

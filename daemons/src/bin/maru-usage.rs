@@ -571,7 +571,8 @@ fn main() {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            exit(2);
+            // The server (or its key) is what it could not reach: a dependency.
+            exit(maru_daemons::common::EX_UNAVAILABLE);
         }
     }
 }

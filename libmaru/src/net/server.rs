@@ -20,6 +20,8 @@ use mio::{Events, Interest, Poll, Token};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Identifies one connection for the life of the server (never reused).
@@ -172,6 +174,45 @@ pub struct Server {
     /// When a refusal at accept was last logged (one line per 10 s, not one per peer).
     last_refusal_log_ms: Option<u64>,
     refused_since_log: u64,
+    counters: Arc<NetCounters>,
+}
+
+/// What the loop counts for a daemon's metrics: refusals and failed key proofs happen
+/// inside the loop, before any request reaches the service. Atomics, so another thread
+/// (a `/metrics` scrape) reads them while the loop runs; totals only ever grow, except
+/// `open`, the connections open now.
+#[derive(Debug, Default)]
+pub struct NetCounters {
+    /// Connections accepted (and kept) since start.
+    pub accepted: AtomicU64,
+    /// Connections open now (in their handshake or past it).
+    pub open: AtomicU64,
+    /// Closed at accept: the connection cap was reached.
+    pub refused_cap: AtomicU64,
+    /// Closed to make room: the oldest unfinished handshake when too many were pending.
+    pub pushed_out: AtomicU64,
+    /// Closed for not finishing the handshake in time.
+    pub handshake_timeouts: AtomicU64,
+    /// Closed after the idle timeout.
+    pub idle_closed: AtomicU64,
+    /// Key proofs that failed (wrong key, forged proof).
+    pub auth_failures: AtomicU64,
+    /// Connections closed for a broken frame stream or handshake (other than the key).
+    pub protocol_errors: AtomicU64,
+    /// Bytes read from and written to connections.
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+}
+
+impl NetCounters {
+    fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The value of one counter.
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
 }
 
 /// What a daemon's listener reports (for tests and metrics).
@@ -201,11 +242,17 @@ impl Server {
             pending: 0,
             last_refusal_log_ms: None,
             refused_since_log: 0,
+            counters: Arc::default(),
         })
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.listener.local_addr()
+    }
+
+    /// The loop's counters (shared: read them from any thread).
+    pub fn counters(&self) -> Arc<NetCounters> {
+        self.counters.clone()
     }
 
     pub fn counts(&self) -> ServerCounts {
@@ -309,6 +356,7 @@ impl Server {
                 Ok((mut stream, peer)) => {
                     if self.conns.len() >= self.opts.max_connections {
                         let why = format!("{} connections already open (limit)", self.conns.len());
+                        NetCounters::add(&self.counters.refused_cap, 1);
                         self.refusal(peer, &why);
                         continue;
                     }
@@ -323,6 +371,7 @@ impl Server {
                             .map(|(t, _)| *t);
                         if let Some(t) = oldest {
                             let now = self.clock.now_ms();
+                            NetCounters::add(&self.counters.pushed_out, 1);
                             self.refusal(
                                 peer,
                                 "too many unfinished handshakes; closing the oldest",
@@ -347,6 +396,8 @@ impl Server {
                     log::debug!("connection {id} from {peer}");
                     let now = self.clock.now_ms();
                     self.pending += 1;
+                    NetCounters::add(&self.counters.accepted, 1);
+                    NetCounters::add(&self.counters.open, 1);
                     self.conns.insert(
                         token,
                         Conn {
@@ -396,11 +447,20 @@ impl Server {
         let was_pending = conn.pending();
         conn.unread |= readable;
         let mut alive = true;
+        let counters = &*self.counters;
         if writable || conn.unsent() > 0 {
-            alive = flush(conn);
+            alive = flush(conn, counters);
         }
         if alive {
-            alive = pump(conn, service, &mut self.rbuf, opts, read_closed, now);
+            alive = pump(
+                conn,
+                service,
+                &mut self.rbuf,
+                opts,
+                counters,
+                read_closed,
+                now,
+            );
         }
         if alive && conn.closing && conn.unsent() == 0 {
             alive = false;
@@ -439,6 +499,7 @@ impl Server {
 
     fn drop_conn<S: Service>(&mut self, service: &mut S, tok: Token, now: u64) {
         if let Some(mut c) = self.conns.remove(&tok) {
+            self.counters.open.fetch_sub(1, Ordering::Relaxed);
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
             match &c.phase {
@@ -466,12 +527,14 @@ impl Server {
         for t in late {
             if let Some(c) = self.conns.get(&t) {
                 if c.pending() {
+                    NetCounters::add(&self.counters.handshake_timeouts, 1);
                     log::info!(
                         "closing connection from {}: no handshake within {} ms",
                         c.peer,
                         self.opts.handshake_timeout_ms
                     );
                 } else {
+                    NetCounters::add(&self.counters.idle_closed, 1);
                     log::info!(
                         "closing connection {} from {}: nothing received for {} ms",
                         c.id,
@@ -503,7 +566,12 @@ enum ReadEnd {
 /// stops there instead of paying one more `read` for `WouldBlock` (mio's readiness is
 /// edge-triggered: bytes or a FIN that arrive later raise a new event). When the event
 /// already said the peer closed, it reads on until end of stream.
-fn read_some(conn: &mut Conn, buf: &mut [u8], read_closed: bool) -> ReadEnd {
+fn read_some(
+    conn: &mut Conn,
+    buf: &mut [u8],
+    counters: &NetCounters,
+    read_closed: bool,
+) -> ReadEnd {
     let cap = conn.decoder.max_body() + wire::frame::HEADER_LEN + buf.len();
     loop {
         if conn.decoder.buffered() >= cap {
@@ -512,6 +580,7 @@ fn read_some(conn: &mut Conn, buf: &mut [u8], read_closed: bool) -> ReadEnd {
         match conn.stream.read(buf) {
             Ok(0) => return ReadEnd::Gone,
             Ok(n) => {
+                NetCounters::add(&counters.bytes_in, n as u64);
                 conn.decoder.push(&buf[..n]);
                 if n < buf.len() && !read_closed {
                     return ReadEnd::Drained;
@@ -534,24 +603,25 @@ fn pump<S: Service>(
     service: &mut S,
     buf: &mut [u8],
     opts: &ServerOptions,
+    counters: &NetCounters,
     read_closed: bool,
     now: u64,
 ) -> bool {
     loop {
-        process_frames(conn, service, opts, now);
-        if conn.unsent() > 0 && !flush(conn) {
+        process_frames(conn, service, opts, counters, now);
+        if conn.unsent() > 0 && !flush(conn, counters) {
             return false;
         }
         if conn.closing || conn.unsent() > opts.max_unsent || !conn.unread {
             return true;
         }
-        match read_some(conn, buf, read_closed) {
+        match read_some(conn, buf, counters, read_closed) {
             ReadEnd::Full => {}
             ReadEnd::Drained => conn.unread = false,
             ReadEnd::Gone => {
                 // Serve what came before the close; the replies may still go out.
-                process_frames(conn, service, opts, now);
-                let _ = flush(conn);
+                process_frames(conn, service, opts, counters, now);
+                let _ = flush(conn, counters);
                 return false;
             }
         }
@@ -559,11 +629,14 @@ fn pump<S: Service>(
 }
 
 /// Writes what is queued; false when the socket failed.
-fn flush(conn: &mut Conn) -> bool {
+fn flush(conn: &mut Conn, counters: &NetCounters) -> bool {
     while conn.out_pos < conn.out.len() {
         match conn.stream.write(&conn.out[conn.out_pos..]) {
             Ok(0) => return false,
-            Ok(n) => conn.out_pos += n,
+            Ok(n) => {
+                NetCounters::add(&counters.bytes_out, n as u64);
+                conn.out_pos += n
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -577,20 +650,37 @@ fn flush(conn: &mut Conn) -> bool {
     true
 }
 
-fn fail(conn: &mut Conn, code: ErrorCode, message: String) {
+fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: String) {
     let message = clip(&message);
-    log::info!("connection from {}: {message}; closing", conn.peer);
+    if code == ErrorCode::Auth {
+        // An operator wants to see these (a wrong key file, a probe): one line each,
+        // as each needs a connection of its own.
+        NetCounters::add(&counters.auth_failures, 1);
+        log::warn!(
+            "connection from {}: key proof failed: {message}; closing",
+            conn.peer
+        );
+    } else {
+        NetCounters::add(&counters.protocol_errors, 1);
+        log::info!("connection from {}: {message}; closing", conn.peer);
+    }
     conn.out
         .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
 }
 
-fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOptions, now: u64) {
+fn process_frames<S: Service>(
+    conn: &mut Conn,
+    service: &mut S,
+    opts: &ServerOptions,
+    counters: &NetCounters,
+    now: u64,
+) {
     while !conn.closing && conn.unsent() <= opts.max_unsent {
         let f = match conn.decoder.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => return,
-            Err(e) => return fail(conn, ErrorCode::Protocol, e.to_string()),
+            Err(e) => return fail(conn, counters, ErrorCode::Protocol, e.to_string()),
         };
         conn.last_frame_ms = now;
         match &mut conn.phase {
@@ -606,7 +696,7 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
                     service.on_open(conn.id, &client_id, resume.as_deref(), now);
                     conn.phase = Phase::Ready { client_id };
                 }
-                Step::Fail(e) => return fail(conn, e.code, e.message),
+                Step::Fail(e) => return fail(conn, counters, e.code, e.message),
             },
             Phase::Ready { client_id } if f.kind == FrameKind::Request => {
                 let reply = service.on_request(conn.id, client_id, &f.body, now);

@@ -1,0 +1,321 @@
+//! Strict flags (issue 24): every value is checked before the daemon creates anything
+//! (pool file, state, key, socket); a wrong one stops it with one clear message and
+//! exit status 78 (EX_CONFIG), a dependency that cannot be reached with 69
+//! (EX_UNAVAILABLE). One test per refused value, the exit code checked.
+
+mod support;
+
+use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use support::{Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
+
+const CTL_BIN: &str = env!("CARGO_BIN_EXE_maru-rm-ctl");
+const EX_CONFIG: i32 = 78;
+const EX_UNAVAILABLE: i32 = 69;
+
+/// Runs a command that should stop at once: its exit code (None: still running after
+/// 10 s, then killed) and its stderr.
+fn run(bin: &str, args: &[&str]) -> (Option<i32>, String) {
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut code = None;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            code = st.code();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if code.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    (code, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The RM's flags in `s` plus `extra`; the pool file and the state dir are not made.
+fn rm_args(s: &mut Scratch, extra: &[&str]) -> (Vec<String>, std::path::PathBuf) {
+    let pool = s.fake_dax("flags-pool");
+    let mut a = vec![
+        "--state-dir".to_string(),
+        s.dir.join("rm").display().to_string(),
+        "--fake-dax".into(),
+        format!("{}:64M", pool.display()),
+        "--port".into(),
+        "0".into(),
+    ];
+    a.extend(extra.iter().map(|x| x.to_string()));
+    (a, pool)
+}
+
+/// An RM flag value refused with 78, the message once, and nothing created.
+fn rm_refuses(tag: &str, extra: &[&str], says: &str) {
+    let mut s = Scratch::new(tag);
+    let (args, pool) = rm_args(&mut s, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, err) = run(RM_BIN, &args);
+    assert_eq!(code, Some(EX_CONFIG), "{extra:?}: {err}");
+    assert!(err.contains(says), "{extra:?}: {err}");
+    assert_eq!(
+        err.lines().filter(|l| l.contains(says)).count(),
+        1,
+        "printed once: {err}"
+    );
+    assert!(
+        !pool.exists(),
+        "{extra:?}: the pool file was created before the check"
+    );
+    assert!(
+        !s.dir.join("rm").exists(),
+        "{extra:?}: the state dir was created before the check"
+    );
+}
+
+#[test]
+fn a_bogus_log_level_is_refused() {
+    rm_refuses("fl-loglevel", &["--log-level", "bogus"], "bogus");
+}
+
+#[test]
+fn a_bogus_log_format_is_refused() {
+    rm_refuses("fl-logfmt", &["--log-format", "xml"], "xml");
+}
+
+#[test]
+fn zero_max_clients_is_refused() {
+    rm_refuses("fl-maxcl", &["--max-clients", "0"], "max-clients");
+}
+
+#[test]
+fn a_zero_handshake_timeout_is_refused() {
+    rm_refuses(
+        "fl-hs",
+        &["--handshake-timeout-ms", "0"],
+        "handshake-timeout-ms",
+    );
+}
+
+#[test]
+fn a_bad_metrics_address_is_refused() {
+    rm_refuses("fl-metrics", &["--metrics", "notanaddr"], "--metrics");
+}
+
+#[test]
+fn a_bad_rm_host_is_refused_before_the_pool_is_made() {
+    rm_refuses("fl-host", &["--host", "nohost"], "--host");
+}
+
+#[test]
+fn an_rm_without_pools_says_so_once() {
+    let s = Scratch::new("fl-nopool");
+    let (code, err) = run(
+        RM_BIN,
+        &[
+            "--state-dir",
+            &s.dir.join("rm").display().to_string(),
+            "--port",
+            "0",
+        ],
+    );
+    assert_eq!(code, Some(EX_CONFIG), "{err}");
+    assert_eq!(err.matches("no pools").count(), 1, "printed once: {err}");
+}
+
+/// The agent's flags with an RM address that is never called (the flags stop it first).
+fn agent_refuses(tag: &str, extra: &[&str], says: &str) {
+    let s = Scratch::new(tag);
+    let key = s.dir.join("agent.key");
+    write_new_key_file(&key, &SharedKey::generate().unwrap()).unwrap();
+    let boot = s.dir.join("boot_id");
+    std::fs::write(&boot, "0b0b0b0b-0000-4000-8000-000000000000\n").unwrap();
+    let mut args = vec![
+        "--key-file".to_string(),
+        key.display().to_string(),
+        "--boot-id-file".into(),
+        boot.display().to_string(),
+        "--port".into(),
+        "0".into(),
+    ];
+    args.extend(extra.iter().map(|x| x.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, err) = run(AGENT_BIN, &args);
+    assert_eq!(code, Some(EX_CONFIG), "{extra:?}: {err}");
+    assert!(err.contains(says), "{extra:?}: {err}");
+    assert_eq!(
+        err.lines().filter(|l| l.contains(says)).count(),
+        1,
+        "printed once: {err}"
+    );
+}
+
+#[test]
+fn an_agent_rm_address_that_is_not_host_port_is_refused() {
+    agent_refuses("fl-agrm", &["--rm-address", "notanaddr"], "notanaddr");
+}
+
+#[test]
+fn an_agent_on_every_address_without_advertise_is_refused() {
+    agent_refuses(
+        "fl-agadv",
+        &["--rm-address", "127.0.0.1:9", "--host", "0.0.0.0"],
+        "--advertise",
+    );
+}
+
+#[test]
+fn an_agent_log_level_typo_is_refused() {
+    agent_refuses(
+        "fl-aglog",
+        &["--rm-address", "127.0.0.1:9", "-l", "verbose"],
+        "verbose",
+    );
+}
+
+#[test]
+fn maru_server_refuses_an_agent_that_is_not_host_port() {
+    let (code, err) = run(
+        SERVER_BIN,
+        &[
+            "--rm-address",
+            "127.0.0.1:9",
+            "--remote-cxl-agent",
+            "mem0",
+            "--port",
+            "0",
+        ],
+    );
+    assert_eq!(code, Some(EX_CONFIG), "{err}");
+    assert!(err.contains("--remote-cxl-agent \"mem0\""), "{err}");
+}
+
+#[test]
+fn maru_server_without_its_rm_exits_unavailable() {
+    // Port 9 on loopback: nothing listens (connection refused at once).
+    let (code, err) = run(SERVER_BIN, &["--rm-address", "127.0.0.1:9", "--port", "0"]);
+    assert_eq!(code, Some(EX_UNAVAILABLE), "{err}");
+    assert_eq!(
+        err.matches("maru-server needs its resource manager")
+            .count(),
+        1,
+        "{err}"
+    );
+}
+
+#[test]
+fn rm_ctl_alloc_without_a_client_id_is_explained() {
+    let (code, err) = run(CTL_BIN, &["--rm", "127.0.0.1:9", "alloc", "2M"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--client-id"), "{err}");
+}
+
+/// Waits (≤ 15 s) until the file at `path` holds `what`; returns what it holds.
+fn wait_for_text(path: &Path, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut text = String::new();
+        if let Ok(mut f) = std::fs::File::open(path) {
+            let _ = f.read_to_string(&mut text);
+        }
+        if text.contains(what) || Instant::now() > deadline {
+            return text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// maru-server checks its agents at start: one whose key differs is named, with the
+/// flag to fix, while the server keeps running (and checking).
+#[test]
+fn maru_server_names_an_agent_whose_key_it_cannot_prove() {
+    let mut s = Scratch::new("fl-agkey");
+    let node = support::memory_node(&mut s, "64M");
+    let wrong = s.dir.join("wrong.key");
+    write_new_key_file(&wrong, &SharedKey::generate().unwrap()).unwrap();
+    let log = s.dir.join("server.log");
+    let mut child = Command::new(SERVER_BIN)
+        .args([
+            "--rm-address",
+            &node.rm.addr,
+            "--rm-key-file",
+            &support::rm_key_path(&node.rm.addr)
+                .unwrap()
+                .display()
+                .to_string(),
+            "--remote-cxl-agent",
+            &node.agent.addr,
+            "--remote-cxl-agent-key-file",
+            &wrong.display().to_string(),
+            "--port",
+            "0",
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let text = wait_for_text(&log, "check failed");
+    let running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(running, "maru-server stopped: {text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("check failed"))
+        .unwrap_or_else(|| panic!("no agent check line: {text}"));
+    assert!(line.contains(&node.agent.addr), "{line}");
+    assert!(line.contains("--remote-cxl-agent-key-file"), "{line}");
+}
+
+/// `--log-format json`: every line on stderr is one JSON object with ts, level,
+/// target and msg.
+#[test]
+fn json_logs_are_one_object_a_line() {
+    let mut s = Scratch::new("fl-json");
+    let (mut args, _pool) = rm_args(&mut s, &["--log-format", "json"]);
+    let ready = s.dir.join("ready");
+    args.extend(["--ready-file".to_string(), ready.display().to_string()]);
+    let log = s.dir.join("rm.log");
+    let mut child = Command::new(RM_BIN)
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let text = wait_for_text(&log, "listening on");
+    let _ = child.kill();
+    let _ = child.wait();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() >= 2, "{text}");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        for k in ["ts", "level", "target", "msg"] {
+            assert!(v[k].is_string(), "{k} missing in {l}");
+        }
+    }
+    assert!(lines.iter().any(|l| l.contains("listening on")), "{text}");
+    // And a refusal at start keeps the JSON shape (printed once, through the log).
+    let (code, err) = run(
+        RM_BIN,
+        &[
+            "--log-format",
+            "json",
+            "--state-dir",
+            "/nonexistent/x",
+            "--port",
+            "0",
+        ],
+    );
+    assert_eq!(code, Some(EX_CONFIG), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(err.trim()).unwrap_or_else(|e| panic!("{e}: {err}"));
+    assert_eq!(v["level"], "ERROR", "{err}");
+}
