@@ -68,6 +68,12 @@ impl ServerHandshake {
         matches!(self.state, State::Done)
     }
 
+    /// The server sent its challenge and proof and waits for the client's proof. A
+    /// client that closes now has seen the server's proof fail: its key differs.
+    pub fn awaits_proof(&self) -> bool {
+        matches!(self.state, State::Proof { .. })
+    }
+
     pub fn on_frame(&mut self, f: &Frame) -> Step {
         if f.kind != FrameKind::Handshake {
             return fail(

@@ -468,6 +468,20 @@ impl Server {
         if was_pending && !conn.pending() {
             self.pending -= 1;
         }
+        if !alive && !conn.closing {
+            if let Phase::Handshake(hs) = &conn.phase {
+                if hs.awaits_proof() {
+                    // The client checks the daemon's proof first and hangs up when it
+                    // fails: from here, a key mismatch (or a probe without the key).
+                    NetCounters::add(&self.counters.auth_failures, 1);
+                    log::warn!(
+                        "connection from {} closed before its key proof: its key is not this \
+                         daemon's?",
+                        conn.peer
+                    );
+                }
+            }
+        }
         if !alive {
             self.drop_conn(service, tok, now);
             return;
