@@ -706,6 +706,8 @@ fn systemd_units_are_hardened_and_notify_readiness() {
             "LimitNOFILE=",
             "NoNewPrivileges=yes",
             "ProtectSystem=strict",
+            // Issue 24: a configuration error (78) is not restarted.
+            "RestartPreventExitStatus=78",
         ] {
             assert!(text.contains(line), "{} lacks {line}", u.display());
         }

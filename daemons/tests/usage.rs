@@ -234,3 +234,94 @@ fn unreachable_server_is_a_clear_error() {
         "{out}"
     );
 }
+
+/// The agents' status (mappings, holders, boot id), every daemon's version and uptime,
+/// in the table and in `--json`; a closed output pipe ends `--watch` quietly.
+#[test]
+fn agents_versions_and_a_closed_pipe() {
+    let st = stack();
+    let a = engine(&st, "usage-engine-c");
+    let data = vec![7u8; 4096];
+    assert!(a
+        .store_batch(&[("usage-agent-0", data.as_slice())], Some("r"))
+        .unwrap()
+        .iter()
+        .all(|&x| x));
+    let agent_key = st.agent_key.display().to_string();
+    let rm_key = st.rm_key.display().to_string();
+    let args = [
+        "--server",
+        &st.server.addr,
+        "--rm",
+        &st.rm.addr,
+        "--rm-key-file",
+        &rm_key,
+        "--agent-key-file",
+        &agent_key,
+    ];
+    let o = usage(&args);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    let version = env!("CARGO_PKG_VERSION");
+    assert!(
+        out.contains(&format!("({}", format_args!("version {version}, up "))),
+        "{out}"
+    );
+    let agent_row = out
+        .lines()
+        .find(|l| l.starts_with(st._agent.addr.as_str()))
+        .unwrap_or_else(|| panic!("no agent row in\n{out}"));
+    let cols: Vec<&str> = agent_row.split_whitespace().collect();
+    assert_eq!(cols[1], "mem0", "{agent_row}");
+    assert_eq!(cols[3], "1", "engine C's region is mapped\n{out}");
+
+    let mut j = args.to_vec();
+    j.push("--json");
+    let o = usage(&j);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["server_info"]["version"], version);
+    assert!(v["server_info"]["uptime_s"].is_u64());
+    assert_eq!(v["rm"]["info"]["version"], version);
+    let ag = &v["agents"][0];
+    assert_eq!(ag["info"]["version"], version);
+    assert_eq!(ag["status"]["node"], "mem0");
+    assert!(!ag["status"]["boot_id"].as_str().unwrap().is_empty());
+    assert_eq!(
+        ag["status"]["mappings"].as_array().map(|m| m.len()),
+        Some(1)
+    );
+
+    // `maru-usage --watch | head -1`: the reader goes, maru-usage ends without a panic.
+    let mut child = Command::new(USAGE_BIN)
+        .args([
+            "--server",
+            &st.server.addr,
+            "--watch",
+            "0.1",
+            "--count",
+            "100",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    use std::io::Read;
+    child
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    drop(child.stdout.take());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -2,11 +2,18 @@
 //! maru-server for its statistics and usage (per session; shown per engine) and, with
 //! `--rm`, the resource manager for its pools and regions. `--watch` refreshes it.
 //!
-//! Exit status: 0 shown; 1 the RM part could not be read (the server part was shown);
-//! 2 bad usage or maru-server could not be reached.
+//! With an agent key (`--agent-key-file`) it also asks each of the pool's agents (those
+//! maru-server names, or `--agent`) for its status: mappings, holders, registrations,
+//! quarantine, queued unholds, boot id. Every daemon's version and uptime come from its
+//! welcome.
+//!
+//! Exit status: 0 shown; 1 the RM or an agent part could not be read (the server part
+//! was shown); 2 bad usage; 69 maru-server could not be reached. A closed output pipe
+//! (`maru-usage --watch | head -1`) ends it quietly.
 
 use clap::Parser;
 use maru::net::{default_client_id, Client, ClientError, ClientOptions};
+use maru::wire::agent::{self, AgentReply, AgentRequest, StatusReply};
 use maru::wire::meta::{self, MetaReply, MetaRequest, StatsReply, UsageReply};
 use maru::wire::rm::{self, PoolInfo, RegionInfo, RmReply, RmRequest};
 use std::collections::{BTreeMap, BTreeSet};
@@ -39,6 +46,13 @@ struct Args {
     /// Key file of maru-server, when it requires one.
     #[arg(long, env = "MARU_SERVER_KEY_FILE")]
     server_key_file: Option<PathBuf>,
+    /// Agent key file: adds the status of each agent of the pool (those maru-server
+    /// names, or --agent).
+    #[arg(long)]
+    agent_key_file: Option<PathBuf>,
+    /// An agent to show (host:port, repeatable; default: maru-server's agents).
+    #[arg(long = "agent", value_name = "HOST:PORT")]
+    agents: Vec<String>,
     /// Regions listed at most (the RM's, with --rm); the rest are counted.
     #[arg(long, default_value_t = 20)]
     max_regions: usize,
@@ -60,17 +74,67 @@ struct Args {
 #[derive(Debug, serde::Serialize)]
 struct Snapshot {
     server: String,
+    /// maru-server's version and uptime (its welcome).
+    server_info: DaemonInfo,
     stats: StatsReply,
     usage: UsageReply,
     /// With --rm: the RM's address and what it answered (or why not).
     rm: Option<RmView>,
+    /// With --agent-key-file: each agent's status (or why not).
+    agents: Vec<AgentView>,
+}
+
+/// A daemon's version and uptime, from the welcome of the connection.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+struct DaemonInfo {
+    version: Option<String>,
+    uptime_s: Option<u64>,
+}
+
+impl DaemonInfo {
+    fn of(c: &Client) -> DaemonInfo {
+        let i = &c.welcome().info;
+        DaemonInfo {
+            version: i
+                .get("version")
+                .and_then(|v| v.as_str())
+                .map(str::to_string),
+            uptime_s: i.get("uptime_s").and_then(|v| v.as_u64()),
+        }
+    }
+
+    fn text(&self) -> String {
+        format!(
+            "version {}, up {}",
+            self.version.as_deref().unwrap_or("?"),
+            self.uptime_s.map_or("?".into(), uptime)
+        )
+    }
+}
+
+fn uptime(s: u64) -> String {
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..=86399 => format!("{}h{:02}m", s / 3600, s / 60 % 60),
+        _ => format!("{}d{:02}h", s / 86400, s / 3600 % 24),
+    }
 }
 
 #[derive(Debug, serde::Serialize)]
 struct RmView {
     address: String,
+    info: DaemonInfo,
     pools: Vec<PoolInfo>,
     regions: Vec<RegionInfo>,
+    error: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct AgentView {
+    address: String,
+    info: DaemonInfo,
+    status: Option<StatusReply>,
     error: Option<String>,
 }
 
@@ -164,8 +228,8 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     let t = &s.stats.total;
     let _ = writeln!(
         o,
-        "maru-server {}: {} sessions, {} regions ({} MiB), {} keys ({} MiB), hit rate {} ({} hits, {} misses), {} leases, {} pinned keys",
-        s.server, t.sessions, t.regions, mib(t.region_bytes), t.keys, mib(t.key_bytes),
+        "maru-server {} ({}): {} sessions, {} regions ({} MiB), {} keys ({} MiB), hit rate {} ({} hits, {} misses), {} leases, {} pinned keys",
+        s.server, s.server_info.text(), t.sessions, t.regions, mib(t.region_bytes), t.keys, mib(t.key_bytes),
         rate(t.hits, t.misses), t.hits, t.misses, t.leases, t.pinned_keys
     );
     let _ = writeln!(
@@ -227,13 +291,16 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
             format!("{}/{}", r.connected, r.sessions)
         );
     }
+    if !s.agents.is_empty() {
+        render_agents(&mut o, &s.agents);
+    }
     if let Some(rm) = &s.rm {
         let _ = writeln!(o);
         if let Some(e) = &rm.error {
             let _ = writeln!(o, "resource manager {}: {e}", rm.address);
             return o;
         }
-        let _ = writeln!(o, "resource manager {}:", rm.address);
+        let _ = writeln!(o, "resource manager {} ({}):", rm.address, rm.info.text());
         let _ = writeln!(
             o,
             "{:<4} {:<32} {:<7} {:>10} {:>10} {:>10} {:>7}  UUID",
@@ -288,6 +355,59 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     o
 }
 
+/// The agents' table: one line each, an error line for one that did not answer.
+fn render_agents(o: &mut String, agents: &[AgentView]) {
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:<22} {:<12} {:<36} {:>8} {:>7} {:>5} {:>8} {:>7} {:>6} {:<8} {:>7}",
+        "AGENT",
+        "NODE",
+        "BOOT_ID",
+        "MAPPINGS",
+        "HOLDERS",
+        "REGS",
+        "RELEASED",
+        "QUARANT",
+        "UNHOLD",
+        "VERSION",
+        "UPTIME"
+    );
+    for a in agents {
+        let Some(st) = &a.status else {
+            let _ = writeln!(
+                o,
+                "{:<22} {}",
+                a.address,
+                a.error.as_deref().unwrap_or("no status")
+            );
+            continue;
+        };
+        let holders: usize = st.mappings.iter().map(|m| m.holders.len()).sum();
+        let regs: usize = st.mappings.iter().map(|m| m.registrations).sum();
+        let released = st.mappings.iter().filter(|m| m.released).count();
+        let _ = writeln!(
+            o,
+            "{:<22} {:<12} {:<36} {:>8} {:>7} {:>5} {:>8} {:>7} {:>6} {:<8} {:>7}",
+            a.address,
+            st.node,
+            st.boot_id,
+            st.mappings.len(),
+            holders,
+            regs,
+            released,
+            st.quarantined,
+            format!(
+                "{}{}",
+                st.queued_unholds,
+                if st.holds_reset_pending { "+R" } else { "" }
+            ),
+            a.info.version.as_deref().unwrap_or("?"),
+            a.info.uptime_s.map_or("?".into(), uptime)
+        );
+    }
+}
+
 /// Connections kept across refreshes; a broken one is opened again on the next.
 struct Source {
     server: String,
@@ -296,6 +416,10 @@ struct Source {
     rm_conn: Option<Client>,
     rm_key: Option<maru::auth::SharedKey>,
     server_key: Option<maru::auth::SharedKey>,
+    agent_key: Option<maru::auth::SharedKey>,
+    /// Agents given with --agent (else maru-server's, when there is an agent key).
+    agents: Vec<String>,
+    agent_conns: BTreeMap<String, Client>,
     timeout: Duration,
 }
 
@@ -342,15 +466,70 @@ impl Source {
         r.map_err(|e| e.to_string())
     }
 
+    fn agent_view(&mut self, addr: &str) -> AgentView {
+        let mut v = AgentView {
+            address: addr.to_string(),
+            info: DaemonInfo::default(),
+            status: None,
+            error: None,
+        };
+        if !self.agent_conns.contains_key(addr) {
+            let opts = self.options(agent::SERVICE, self.agent_key.clone());
+            match Client::connect(addr, &opts) {
+                Ok(c) => {
+                    self.agent_conns.insert(addr.to_string(), c);
+                }
+                Err(e) => {
+                    v.error = Some(format!("cannot reach the agent: {e}"));
+                    return v;
+                }
+            }
+        }
+        let Some(c) = self.agent_conns.get_mut(addr) else {
+            return v;
+        };
+        v.info = DaemonInfo::of(c);
+        match c.call::<_, AgentReply>(&AgentRequest::Status) {
+            Ok(AgentReply::Status(st)) => v.status = Some(st),
+            Ok(other) => v.error = Some(format!("unexpected reply {other:?}")),
+            Err(e) => {
+                if matches!(e, ClientError::Io { .. } | ClientError::Timeout { .. }) {
+                    self.agent_conns.remove(addr);
+                }
+                v.error = Some(e.to_string());
+            }
+        }
+        v
+    }
+
+    /// The agents to show: --agent, or maru-server's when an agent key was given.
+    fn agent_list(&mut self) -> Vec<String> {
+        if !self.agents.is_empty() || self.agent_key.is_none() {
+            return self.agents.clone();
+        }
+        match self.server_call(&MetaRequest::Handshake {}) {
+            Ok(MetaReply::Handshake(h)) => h.agents,
+            _ => Vec::new(),
+        }
+    }
+
     fn rm_view(&mut self, addr: &str) -> RmView {
         let mut v = RmView {
             address: addr.to_string(),
+            info: DaemonInfo::default(),
             pools: Vec::new(),
             regions: Vec::new(),
             error: None,
         };
         match self.rm_call(addr, &RmRequest::Pools) {
-            Ok(RmReply::Pools { pools }) => v.pools = pools,
+            Ok(RmReply::Pools { pools }) => {
+                v.pools = pools;
+                v.info = self
+                    .rm_conn
+                    .as_ref()
+                    .map(DaemonInfo::of)
+                    .unwrap_or_default();
+            }
             Ok(other) => v.error = Some(format!("unexpected reply {other:?}")),
             Err(e) => v.error = Some(e),
         }
@@ -373,12 +552,24 @@ impl Source {
             MetaReply::Usage(u) => u,
             other => return Err(format!("unexpected reply to usage: {other:?}")),
         };
+        let server_info = self
+            .server_conn
+            .as_ref()
+            .map(DaemonInfo::of)
+            .unwrap_or_default();
         let rm = self.rm.clone().map(|a| self.rm_view(&a));
+        let agents = self
+            .agent_list()
+            .iter()
+            .map(|a| self.agent_view(a))
+            .collect();
         Ok(Snapshot {
             server: self.server.clone(),
+            server_info,
             stats,
             usage,
             rm,
+            agents,
         })
     }
 }
@@ -492,16 +683,32 @@ fn utc_clock() -> String {
     format!("{:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
 }
 
+/// Writes `text` to stdout; a reader that went away (`| head -1`) ends the program
+/// quietly instead of a panic on the broken pipe.
+fn out(text: &str) {
+    let mut o = std::io::stdout().lock();
+    if o.write_all(text.as_bytes())
+        .and_then(|_| o.flush())
+        .is_err()
+    {
+        exit(0);
+    }
+}
+
 fn show(snap: &Snapshot, args: &Args) {
     if args.json {
-        println!("{}", serde_json::to_string(snap).unwrap_or_default());
+        out(&format!(
+            "{}\n",
+            serde_json::to_string(snap).unwrap_or_default()
+        ));
     } else {
-        print!("{}", render(snap, args.max_regions));
+        out(&render(snap, args.max_regions));
     }
 }
 
 fn rm_failed(snap: &Snapshot) -> bool {
     snap.rm.as_ref().is_some_and(|r| r.error.is_some())
+        || snap.agents.iter().any(|a| a.error.is_some())
 }
 
 fn watch(src: &mut Source, args: &Args, secs: f64) {
@@ -510,24 +717,23 @@ fn watch(src: &mut Source, args: &Args, secs: f64) {
     let clear = is_tty(1) && !args.json;
     let stdin = RawStdin::new();
     for i in 1..=args.count.max(1) {
-        let mut out = String::new();
+        let mut head = String::new();
         if clear {
-            out.push_str("\x1b[H\x1b[2J");
+            head.push_str("\x1b[H\x1b[2J");
         }
         if !args.json {
             let _ = writeln!(
-                out,
+                head,
                 "maru-usage: {}, every {secs} s ({i}/{}); q or Ctrl-C quits",
                 utc_clock(),
                 args.count
             );
         }
-        print!("{out}");
+        out(&head);
         match src.snapshot() {
             Ok(s) => show(&s, args),
-            Err(e) => println!("{e} (retrying)"),
+            Err(e) => out(&format!("{e} (retrying)\n")),
         }
-        let _ = std::io::stdout().flush();
         if i == args.count || stdin.wait_quit(every) {
             break;
         }
@@ -550,6 +756,7 @@ fn main() {
     };
     let rm_key = args.rm_key_file.as_ref().map(load);
     let server_key = args.server_key_file.as_ref().map(load);
+    let agent_key = args.agent_key_file.as_ref().map(load);
     let mut src = Source {
         server: args.server.clone(),
         server_conn: None,
@@ -557,6 +764,9 @@ fn main() {
         rm_conn: None,
         rm_key,
         server_key,
+        agent_key,
+        agents: args.agents.clone(),
+        agent_conns: BTreeMap::new(),
         timeout: Duration::from_millis(args.timeout_ms.max(1)),
     };
     if let Some(secs) = args.watch {
@@ -687,10 +897,21 @@ mod tests {
         };
         let snap = Snapshot {
             server: "127.0.0.1:5555".into(),
+            server_info: DaemonInfo {
+                version: Some("9.9.9".into()),
+                uptime_s: Some(3725),
+            },
             stats: s,
             usage: u,
+            agents: vec![AgentView {
+                address: "10.0.0.2:9860".into(),
+                info: DaemonInfo::default(),
+                status: None,
+                error: Some("cannot reach the agent: refused".into()),
+            }],
             rm: Some(RmView {
                 address: "127.0.0.1:9850".into(),
+                info: DaemonInfo::default(),
                 pools: vec![PoolInfo {
                     pool_id: 0,
                     path: "/dev/shm/p".into(),
@@ -710,6 +931,11 @@ mod tests {
         snap.stats.total.chains_cut = 3;
         snap.stats.total.waiting_for_region = 1;
         let out = render(&snap, 2);
+        assert!(out.contains("version 9.9.9, up 1h02m"), "{out}");
+        assert!(
+            out.contains("10.0.0.2:9860          cannot reach the agent"),
+            "{out}"
+        );
         assert!(
             out.contains("eviction: 40 keys removed by their engines (3 of them cut a prefix chain), 0 regions given back for a fair share, 1 engines waiting"),
             "{out}"
@@ -719,6 +945,8 @@ mod tests {
         assert!(out.contains("/dev/shm/p"), "{out}");
         assert!(out.contains("1024.0"), "{out}");
         assert!(out.contains("... and 1 more regions"), "{out}");
+        assert!(rm_failed(&snap), "an agent that did not answer makes the status 1");
+        snap.agents.clear();
         assert!(!rm_failed(&snap));
     }
 }
