@@ -945,7 +945,10 @@ mod tests {
         assert!(out.contains("/dev/shm/p"), "{out}");
         assert!(out.contains("1024.0"), "{out}");
         assert!(out.contains("... and 1 more regions"), "{out}");
-        assert!(rm_failed(&snap), "an agent that did not answer makes the status 1");
+        assert!(
+            rm_failed(&snap),
+            "an agent that did not answer makes the status 1"
+        );
         snap.agents.clear();
         assert!(!rm_failed(&snap));
     }
