@@ -8,7 +8,7 @@ use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
-use maru::wire::{self, Envelope};
+use maru::wire::{self, Envelope, ErrorCode, WireError};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -77,10 +77,11 @@ enum RmKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct AllocKey;
 
-/// How long an allocation may hold the event loop. A healthy RM answers (two fsyncs of
-/// its state) well within it; past it the allocation goes on in the background, the
-/// request is answered "retry", and the region is handed to the next allocation.
-pub const ALLOC_WAIT: Duration = Duration::from_millis(250);
+/// How long an allocation may hold the event loop. A healthy, idle RM answers within
+/// it; past it the allocation goes on in the background and the request that needs
+/// it waits off the loop ([`MetaService`] parks it and answers it once the region
+/// came), while the loop serves everyone else.
+pub const ALLOC_WAIT: Duration = Duration::from_millis(20);
 
 /// The RM as maru-server uses it. Every call runs on a thread of its own
 /// ([`OffLoop`]): allocations on `rm-alloc` (waiting on the loop at most
@@ -96,6 +97,9 @@ pub struct MetaRm {
     bg: OffLoop<RmKey, RmRequest, Result<RmReply, PortError>>,
     alloc_bg: OffLoop<AllocKey, RmRequest, Result<RmReply, PortError>>,
     alloc_wait: Duration,
+    /// The last allocation got no answer in time (or waited behind another): the
+    /// request is to be tried again once the allocation in flight is answered.
+    alloc_deferred: bool,
     /// Allocations started: an answer about the server's regions asked before the
     /// latest one may miss its region, so it is not used.
     allocs: u64,
@@ -128,6 +132,7 @@ impl MetaRm {
             bg,
             alloc_bg,
             alloc_wait: ALLOC_WAIT,
+            alloc_deferred: false,
             allocs: 0,
             largest: None,
             wait: AGENT_WAIT,
@@ -145,6 +150,18 @@ impl MetaRm {
         self.bg
             .call(&peer, key, req, self.wait)
             .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
+    }
+
+    /// Whether an allocation is in flight at the RM with no answer yet.
+    pub fn alloc_pending(&mut self) -> bool {
+        self.alloc_bg.take_done();
+        self.alloc_bg.in_flight.is_some()
+    }
+
+    /// Whether an allocation since the last call failed only because the RM had not
+    /// answered yet (clears the flag).
+    pub fn take_alloc_deferred(&mut self) -> bool {
+        std::mem::take(&mut self.alloc_deferred)
     }
 
     /// Connects now (maru-server refuses to start without its RM).
@@ -202,10 +219,13 @@ impl RmPort for MetaRm {
             request_id: 0,
         };
         let peer = format!("the RM at {}", self.addr);
-        let answer = self
-            .alloc_bg
-            .call(&peer, AllocKey, req, self.alloc_wait)
-            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))?;
+        let answer = match self.alloc_bg.call(&peer, AllocKey, req, self.alloc_wait) {
+            Ok(a) => a?,
+            Err(m) => {
+                self.alloc_deferred = true;
+                return Err(PortError::Unreachable(m));
+            }
+        };
         match answer {
             RmReply::Alloc(a) => Ok(a),
             r => Err(unexpected(r)),
@@ -511,11 +531,45 @@ impl SessionBinding {
     }
 }
 
+/// A request waiting for an allocation at the RM, off the loop.
+struct Parked {
+    conn: ConnId,
+    client_id: String,
+    body: Vec<u8>,
+    since_ms: u64,
+    started: Instant,
+}
+
+/// Requests waiting for the RM at most; more are answered "retry" at once.
+const PARKED_MAX: usize = 1024;
+/// How long a request waits for its allocation before it is answered "retry" (beyond
+/// the RM link's connect and call timeouts, so an answer the RM gives is used).
+pub const PARK_MAX_MS: u64 = 8_000;
+/// How often parked requests are looked at while they wait.
+const PARK_POLL_MS: u64 = 2;
+
+/// Whether a request may need a new region from the RM.
+fn may_allocate(req: &MetaRequest) -> bool {
+    matches!(
+        req,
+        MetaRequest::Expand { .. }
+            | MetaRequest::OpenSession {
+                first_region: true,
+                ..
+            }
+    )
+}
+
 pub struct MetaService {
     pub core: MetaCore,
     pub rm: MetaRm,
     pub agents: MetaAgents,
     pub binding: SessionBinding,
+    /// Requests waiting for an allocation (oldest first), and replies to requests
+    /// answered late, for the loop to send.
+    parked: std::collections::VecDeque<Parked>,
+    replies: Vec<(ConnId, Vec<u8>)>,
+    last_now_ms: u64,
     /// `--metrics`: figures for Prometheus.
     metrics: Option<Arc<Metrics>>,
     refresh: Refresh,
@@ -529,6 +583,9 @@ impl MetaService {
             rm,
             agents,
             binding: SessionBinding::default(),
+            parked: std::collections::VecDeque::new(),
+            replies: Vec::new(),
+            last_now_ms: 0,
             metrics: None,
             refresh: Refresh::new(1000),
             started: Instant::now(),
@@ -539,6 +596,108 @@ impl MetaService {
     pub fn with_metrics(mut self, m: Arc<Metrics>) -> MetaService {
         self.metrics = Some(m);
         self
+    }
+
+    /// Serves one request; `None` when it waits for an allocation at the RM (it
+    /// changed nothing and is served again once the RM answered).
+    fn serve(
+        &mut self,
+        conn: ConnId,
+        client_id: &str,
+        body: &[u8],
+        now_ms: u64,
+        started: Instant,
+    ) -> Option<Vec<u8>> {
+        let env: Envelope<MetaRequest> = match wire::decode_json(body) {
+            Ok(e) => e,
+            Err(e) => {
+                log::info!(
+                    "bad request from {}: {}",
+                    maru::net::clip(client_id),
+                    maru::net::clip(&e.message)
+                );
+                if let Some(m) = &self.metrics {
+                    m.request(
+                        "malformed",
+                        e.code.as_str(),
+                        started.elapsed().as_secs_f64(),
+                    );
+                }
+                return Some(wire::reply_frame::<()>(wire::request_id_of(body), Err(e)));
+            }
+        };
+        let allocating = may_allocate(&env.body);
+        if allocating && self.rm.alloc_pending() {
+            return None;
+        }
+        let principal = self
+            .binding
+            .principal(conn)
+            .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
+        self.rm.take_alloc_deferred();
+        let mut result = self.core.handle(&principal, env.body, now_ms, &mut self.rm);
+        if allocating && result.is_err() && self.rm.take_alloc_deferred() {
+            // Nothing changed (the region comes first): wait off the loop.
+            return None;
+        }
+        if let Ok(MetaReply::Session(s)) = &mut result {
+            s.session_secret = self.binding.new_secret(conn);
+        }
+        if let Err(e) = &result {
+            log::debug!(
+                "request {} from {}: {e}",
+                env.id,
+                maru::net::clip(&principal)
+            );
+        }
+        if let Some(m) = &self.metrics {
+            m.request(
+                &op_of(body),
+                result_of(&result),
+                started.elapsed().as_secs_f64(),
+            );
+            self.refresh.touch();
+            self.refresh_gauges(now_ms);
+        }
+        Some(wire::reply_frame(env.id, result))
+    }
+
+    /// Serves the parked requests whose allocation can go on now, in their order;
+    /// one that waited [`PARK_MAX_MS`] is answered "retry".
+    fn retry_parked(&mut self, now_ms: u64) {
+        let mut left = std::collections::VecDeque::new();
+        while let Some(p) = self.parked.pop_front() {
+            if now_ms.saturating_sub(p.since_ms) >= PARK_MAX_MS {
+                let e = WireError::new(
+                    ErrorCode::Internal,
+                    format!(
+                        "the RM at {} did not answer an allocation within {} s: retry",
+                        self.rm.addr,
+                        PARK_MAX_MS / 1000
+                    ),
+                );
+                if let Some(m) = &self.metrics {
+                    m.request(
+                        &op_of(&p.body),
+                        e.code.as_str(),
+                        p.started.elapsed().as_secs_f64(),
+                    );
+                }
+                let id = wire::request_id_of(&p.body);
+                self.replies
+                    .push((p.conn, wire::reply_frame::<()>(id, Err(e))));
+                continue;
+            }
+            if !left.is_empty() || self.rm.alloc_pending() {
+                left.push_back(p);
+                continue;
+            }
+            match self.serve(p.conn, &p.client_id, &p.body, now_ms, p.started) {
+                Some(r) => self.replies.push((p.conn, r)),
+                None => left.push_back(p),
+            }
+        }
+        self.parked = left;
     }
 
     fn refresh_gauges(&mut self, now_ms: u64) {
@@ -593,59 +752,45 @@ impl Service for MetaService {
     }
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        self.last_now_ms = now_ms;
         let started = Instant::now();
-        let env: Envelope<MetaRequest> = match wire::decode_json(body) {
-            Ok(e) => e,
-            Err(e) => {
-                log::info!(
-                    "bad request from {}: {}",
-                    maru::net::clip(client_id),
-                    maru::net::clip(&e.message)
-                );
-                if let Some(m) = &self.metrics {
-                    m.request(
-                        "malformed",
-                        e.code.as_str(),
-                        started.elapsed().as_secs_f64(),
-                    );
-                }
-                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
-            }
-        };
-        let principal = self
-            .binding
-            .principal(conn)
-            .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
-        let mut result = self.core.handle(&principal, env.body, now_ms, &mut self.rm);
-        if let Ok(MetaReply::Session(s)) = &mut result {
-            s.session_secret = self.binding.new_secret(conn);
+        if let Some(r) = self.serve(conn, client_id, body, now_ms, started) {
+            return r;
         }
-        if let Err(e) = &result {
-            log::debug!(
-                "request {} from {}: {e}",
-                env.id,
-                maru::net::clip(&principal)
+        if self.parked.len() >= PARKED_MAX {
+            let e = WireError::new(
+                ErrorCode::Internal,
+                format!(
+                    "{PARKED_MAX} requests already wait for the RM at {}: retry",
+                    self.rm.addr
+                ),
             );
+            return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
         }
-        if let Some(m) = &self.metrics {
-            m.request(
-                &op_of(body),
-                result_of(&result),
-                started.elapsed().as_secs_f64(),
-            );
-            self.refresh.touch();
-            self.refresh_gauges(now_ms);
-        }
-        wire::reply_frame(env.id, result)
+        self.parked.push_back(Parked {
+            conn,
+            client_id: client_id.to_string(),
+            body: body.to_vec(),
+            since_ms: now_ms,
+            started,
+        });
+        Vec::new()
+    }
+
+    fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {
+        std::mem::take(&mut self.replies)
     }
 
     fn on_close(&mut self, conn: ConnId, _client_id: &str, now_ms: u64) {
+        self.parked.retain(|p| p.conn != conn);
         if let Some(p) = self.binding.close(conn) {
             self.core.client_closed(&p, now_ms);
         }
     }
 
     fn on_tick(&mut self, now_ms: u64) {
+        self.last_now_ms = now_ms;
+        self.retry_parked(now_ms);
         self.core.tick(now_ms, &mut self.rm, &mut self.agents);
         let core = &self.core;
         self.binding.prune(now_ms, |p| core.has_session_of(p));
@@ -655,7 +800,8 @@ impl Service for MetaService {
 
     fn next_deadline(&self) -> Option<u64> {
         let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
-        [self.core.next_deadline(), gauges]
+        let parked = (!self.parked.is_empty()).then(|| self.last_now_ms + PARK_POLL_MS);
+        [self.core.next_deadline(), gauges, parked]
             .into_iter()
             .flatten()
             .min()

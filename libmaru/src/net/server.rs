@@ -41,8 +41,17 @@ pub trait Service {
     /// secret its hello carried (a reconnecting client), if any.
     fn on_open(&mut self, _conn: ConnId, _client_id: &str, _resume: Option<&str>, _now_ms: u64) {}
 
-    /// One request frame body; returns the reply frame to send (encoded).
+    /// One request frame body; returns the reply frame to send (encoded), or nothing
+    /// (an empty vector) when the reply comes later through [`Service::take_replies`].
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
+
+    /// Replies to requests answered later (see `on_request`), by connection: the loop
+    /// asks after every batch of events and every tick, and drops those of
+    /// connections that closed. A service with such replies waiting keeps a
+    /// `next_deadline` near, so the loop comes back for them.
+    fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {
+        Vec::new()
+    }
 
     /// A connection that had finished its handshake is gone.
     fn on_close(&mut self, _conn: ConnId, _client_id: &str, _now_ms: u64) {}
@@ -309,6 +318,7 @@ impl Server {
             if service.next_deadline().is_some_and(|d| d <= now) {
                 service.on_tick(now);
             }
+            self.deliver(service);
             self.expire(service, now);
         }
     }
@@ -508,6 +518,24 @@ impl Server {
             {
                 conn.interest = want;
             }
+        }
+    }
+
+    /// Queues the replies the service answered later and sends them.
+    fn deliver<S: Service>(&mut self, service: &mut S) {
+        for (id, reply) in service.take_replies() {
+            let Some(tok) = self
+                .conns
+                .iter()
+                .find(|(_, c)| c.id == id && !c.pending())
+                .map(|(t, _)| *t)
+            else {
+                continue; // closed meanwhile
+            };
+            if let Some(c) = self.conns.get_mut(&tok) {
+                c.out.extend(reply);
+            }
+            self.on_conn_event(service, tok, false, false, true);
         }
     }
 
