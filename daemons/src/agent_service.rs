@@ -197,14 +197,24 @@ impl Nic {
             v.connection_closed(conn);
             v.sweep();
         }
-        let _ = conn;
+        // Its data paths go; its registrations stay until deregistered.
+        self.target.owner_closed(conn);
     }
 }
 
 impl NicPort for Nic {
-    fn register(&mut self, ptr: u64, len: u64, writable: bool) -> Result<Registration, String> {
+    fn register(
+        &mut self,
+        holder: &str,
+        ptr: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<Registration, String> {
+        // The key is the holder's connection's only (its protection domain).
+        let owner = conn_of(holder)
+            .ok_or_else(|| format!("holder {holder:?} names no agent connection"))?;
         // SAFETY: the core deregisters a range before it asks the memory port to unmap it.
-        let r = unsafe { self.target.register(ptr as *mut u8, len, writable) }
+        let r = unsafe { self.target.register(owner, ptr as *mut u8, len, writable) }
             .map_err(|e| e.to_string())?;
         Ok(Registration {
             rkey: r.rkey,
@@ -223,6 +233,11 @@ impl NicPort for Nic {
 /// id can neither unmap its regions nor, by closing, drop its read registrations.
 fn holder_of(conn: ConnId, client_id: &str) -> String {
     format!("{client_id}#{conn}")
+}
+
+/// The connection a holder stands for (see [`holder_of`]).
+fn conn_of(holder: &str) -> Option<ConnId> {
+    holder.rsplit_once('#')?.1.parse().ok()
 }
 
 /// How often the sweep runs.
