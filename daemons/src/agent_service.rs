@@ -192,13 +192,13 @@ impl Nic {
     }
 
     fn connection_closed(&self, conn: ConnId) {
+        // Its data paths go (responder queue pairs, soft NIC connections); its
+        // registrations stay until deregistered, its protection domain with them.
+        self.target.owner_closed(conn);
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
-            v.connection_closed(conn);
             v.sweep();
         }
-        // Its data paths go; its registrations stay until deregistered.
-        self.target.owner_closed(conn);
     }
 }
 

@@ -73,12 +73,12 @@ pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
     let mut staging = vec![0u8; 2 * LEN];
     // SAFETY: `region` outlives its registration (deregistered below or at the
     // target's drop, which comes before `region`'s).
-    let reg = unsafe { target.register(region.as_mut_ptr(), LEN as u64, true) }?;
+    const CONN: u64 = 1;
+    let reg = unsafe { target.register(CONN, region.as_mut_ptr(), LEN as u64, true) }?;
     worker.register_local(LocalBuffer {
         ptr: staging.as_mut_ptr(),
         len: staging.len(),
     })?;
-    const CONN: u64 = 1;
     let peer = worker.connect(&reg.transport, &mut |half| {
         target.accept_peer_on(CONN, half)
     })?;

@@ -131,6 +131,7 @@
 
 pub mod check;
 pub(crate) mod device;
+mod domains;
 mod engine;
 #[cfg(test)]
 mod fake;

@@ -327,7 +327,7 @@ impl Transport for VerbsTransport {
             .max(1);
         // Every work request is signalled, so at most `depth` completions are pending;
         // the progress thread gets the peer's id back with each event.
-        let qp = RawQp::create(dev, Some(&self.channel), id.0, depth)?;
+        let qp = RawQp::create(dev, &dev.pd, Some(&self.channel), id.0, depth)?;
         let psn = device::random_psn();
         // On failure `qp` is dropped: destroyed, a failure logged (never a panic).
         let th = self.bring_up(&tm, &qp, psn, want_rd, bringup)?;
