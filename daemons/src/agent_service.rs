@@ -1,6 +1,7 @@
 //! The remote CXL agent on the event loop: the agent core with its ports wired to a
 //! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
 
+use crate::off_loop::Lane;
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use maru::dax::{self, Mapping};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
@@ -169,6 +170,7 @@ impl MemPort for DaxMem {
 }
 
 /// The transport's target as the core's NIC port.
+#[derive(Clone)]
 pub struct Nic {
     pub target: Arc<dyn Target>,
     /// The same target when it is verbs: its responder queue pairs belong to the agent
@@ -235,6 +237,61 @@ fn holder_of(conn: ConnId, client_id: &str) -> String {
     format!("{client_id}#{conn}")
 }
 
+/// A queue-pair bring-up of connection `conn` (touches only the transport).
+fn connect_peer(
+    nic: &Nic,
+    conn: ConnId,
+    holder: &str,
+    info: &serde_json::Value,
+) -> Result<AgentReply, WireError> {
+    nic.accept_peer(conn, info)
+        .map(|info| AgentReply::Peer { info })
+        .map_err(|e| {
+            WireError::new(
+                ErrorCode::Unsupported,
+                format!("connect_peer from {}: {e}", maru::net::clip(holder)),
+            )
+        })
+}
+
+/// Whether a request body is a queue-pair bring-up (served off the core's thread:
+/// RTR resolves neighbours, which may take seconds).
+pub fn is_connect_peer(body: &[u8]) -> bool {
+    matches!(
+        wire::decode_json::<Envelope<AgentRequest>>(body),
+        Ok(Envelope {
+            body: AgentRequest::ConnectPeer { .. },
+            ..
+        })
+    )
+}
+
+/// Serves queue-pair bring-ups on their own threads, next to the core's.
+pub fn bringup_lane(nic: &Nic) -> Lane {
+    let nic = nic.clone();
+    Lane {
+        picks: is_connect_peer,
+        serve: std::sync::Arc::new(move |conn, client_id, body| {
+            let holder = holder_of(conn, client_id);
+            match wire::decode_json::<Envelope<AgentRequest>>(body) {
+                Ok(Envelope {
+                    id,
+                    body: AgentRequest::ConnectPeer { info },
+                }) => wire::reply_frame(id, connect_peer(&nic, conn, &holder, &info)),
+                Ok(env) => wire::reply_frame::<()>(
+                    env.id,
+                    Err(WireError::new(ErrorCode::Internal, "not a connect_peer")),
+                ),
+                Err(e) => wire::reply_frame::<()>(wire::request_id_of(body), Err(e)),
+            }
+        }),
+        threads: BRINGUP_THREADS,
+    }
+}
+
+/// Threads serving queue-pair bring-ups at once.
+pub const BRINGUP_THREADS: usize = 4;
+
 /// The connection a holder stands for (see [`holder_of`]).
 fn conn_of(holder: &str) -> Option<ConnId> {
     holder.rsplit_once('#')?.1.parse().ok()
@@ -291,16 +348,7 @@ impl Service for AgentService {
             }
         };
         let result = match env.body {
-            AgentRequest::ConnectPeer { info } => self
-                .nic
-                .accept_peer(conn, &info)
-                .map(|info| AgentReply::Peer { info })
-                .map_err(|e| {
-                    WireError::new(
-                        ErrorCode::Unsupported,
-                        format!("connect_peer from {}: {e}", maru::net::clip(client_id)),
-                    )
-                }),
+            AgentRequest::ConnectPeer { info } => connect_peer(&self.nic, conn, client_id, &info),
             req => self.core.handle(
                 client_id,
                 req,

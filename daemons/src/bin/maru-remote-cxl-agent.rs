@@ -7,10 +7,11 @@ use maru::agent::{AgentCore, DEFAULT_QUARANTINE_MS};
 use maru::net::{Clock, Server, SignalPipe};
 use maru::transport::soft::SoftTarget;
 use maru::transport::Target;
-use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink};
+use maru_daemons::agent_service::{bringup_lane, AgentService, DaxMem, Nic, RmLink};
 use maru_daemons::common::{
     bind_addr, die, init_logging, notify_ready, raise_nofile_limit, write_ready_file, NetArgs,
 };
+use maru_daemons::off_loop::OffLoop;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -208,7 +209,12 @@ fn main() {
         .and_then(|s| s.with_signals(pipe))
         .unwrap_or_else(|e| die(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
-    let mut service = AgentService::new(core, rm, mem, nic);
+    // The core and its verbs work (registration, deregistration) run off the event
+    // loop on a thread of their own; queue-pair bring-ups on a small pool.
+    let lane = bringup_lane(&nic);
+    let service = AgentService::new(core, rm, mem, nic);
+    let mut service = OffLoop::new(service, server.replier(), Some(lane))
+        .unwrap_or_else(|e| die(format!("cannot start the agent's worker threads: {e}")));
     log::info!(
         "maru-remote-cxl-agent {node} (epoch {epoch}, boot {boot_id}) listening on {bound}, RM {}",
         args.rm_address

@@ -39,7 +39,10 @@ pub trait Service {
     /// secret its hello carried (a reconnecting client), if any.
     fn on_open(&mut self, _conn: ConnId, _client_id: &str, _resume: Option<&str>, _now_ms: u64) {}
 
-    /// One request frame body; returns the reply frame to send (encoded).
+    /// One request frame body; returns the reply frame to send (encoded). An empty
+    /// return means the reply comes later, through the server's [`Replier`] (work
+    /// done off the loop); the connection's requests are not read on while it has
+    /// [`MAX_DEFERRED`] replies outstanding.
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
 
     /// A connection that had finished its handshake is gone.
@@ -55,6 +58,36 @@ pub trait Service {
 
     /// Called once when the loop stops (signal): save what must be saved.
     fn on_shutdown(&mut self, _now_ms: u64) {}
+}
+
+/// Most replies one connection may have outstanding off the loop (deferred); its
+/// requests are read on only once one of them came back.
+pub const MAX_DEFERRED: usize = 8;
+
+/// Hands a reply computed off the loop (a deferred [`Service::on_request`]) back to
+/// the loop, which sends it on the connection (dropped if the connection is gone).
+/// Cloned into the threads that do the work.
+#[derive(Clone)]
+pub struct Replier {
+    tx: std::sync::mpsc::Sender<(ConnId, Vec<u8>)>,
+    waker: std::sync::Arc<mio::Waker>,
+}
+
+impl Replier {
+    /// Wakes the loop without a reply, so it asks the service's `next_deadline` again.
+    pub fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            log::error!("cannot wake the event loop: {e}");
+        }
+    }
+
+    pub fn send(&self, conn: ConnId, reply: Vec<u8>) {
+        if self.tx.send((conn, reply)).is_ok() {
+            if let Err(e) = self.waker.wake() {
+                log::error!("cannot wake the event loop for a deferred reply: {e}");
+            }
+        }
+    }
 }
 
 /// Settings of the loop: every bound a peer could otherwise push without limit.
@@ -138,6 +171,8 @@ struct Conn {
     unread: bool,
     /// The interest registered now: (readable, writable).
     interest: (bool, bool),
+    /// Replies the service deferred and has not handed back yet.
+    deferred: usize,
 }
 
 impl Conn {
@@ -148,11 +183,17 @@ impl Conn {
     fn pending(&self) -> bool {
         matches!(self.phase, Phase::Handshake(_))
     }
+
+    /// Whether its requests may be read and served now.
+    fn may_read(&self, opts: &ServerOptions) -> bool {
+        !self.closing && self.unsent() <= opts.max_unsent && self.deferred < MAX_DEFERRED
+    }
 }
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const FIRST_CONN: usize = 2;
+const WAKER: Token = Token(usize::MAX);
 
 /// The event loop over one listener.
 pub struct Server {
@@ -172,6 +213,8 @@ pub struct Server {
     /// When a refusal at accept was last logged (one line per 10 s, not one per peer).
     last_refusal_log_ms: Option<u64>,
     refused_since_log: u64,
+    replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
+    replier: Replier,
 }
 
 /// What a daemon's listener reports (for tests and metrics).
@@ -188,6 +231,8 @@ impl Server {
         let mut listener = TcpListener::bind(addr)?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = std::sync::Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
+        let (tx, replies) = std::sync::mpsc::channel();
         Ok(Server {
             poll,
             listener,
@@ -201,7 +246,29 @@ impl Server {
             pending: 0,
             last_refusal_log_ms: None,
             refused_since_log: 0,
+            replies,
+            replier: Replier { tx, waker },
         })
+    }
+
+    /// Where a service hands its deferred replies (see [`Service::on_request`]).
+    pub fn replier(&self) -> Replier {
+        self.replier.clone()
+    }
+
+    /// Sends the replies handed back since the last wake-up.
+    fn deliver<S: Service>(&mut self, service: &mut S) {
+        while let Ok((id, reply)) = self.replies.try_recv() {
+            let Some(tok) = self.conns.iter().find(|(_, c)| c.id == id).map(|(t, _)| *t) else {
+                continue; // closed meanwhile
+            };
+            if let Some(c) = self.conns.get_mut(&tok) {
+                c.deferred = c.deferred.saturating_sub(1);
+                c.out.extend(reply);
+            }
+            // Flush, and serve what waited for room.
+            self.on_conn_event(service, tok, false, false, true);
+        }
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -240,6 +307,7 @@ impl Server {
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
+                    WAKER => self.deliver(service),
                     SIGNALS => {
                         if self.signals.as_ref().is_some_and(|s| s.drain()) {
                             log::info!("signal received; shutting down");
@@ -366,6 +434,7 @@ impl Server {
                             closing: false,
                             unread: false,
                             interest: (true, false),
+                            deferred: 0,
                         },
                     );
                 }
@@ -414,10 +483,7 @@ impl Server {
         }
         // Read only while the unsent replies are under the bound; a peer that does
         // not read its replies stops being read.
-        let want = (
-            !conn.closing && conn.unsent() <= opts.max_unsent,
-            conn.unsent() > 0,
-        );
+        let want = (conn.may_read(opts), conn.unsent() > 0);
         if want != conn.interest {
             let interest = match want {
                 (true, true) => Interest::READABLE | Interest::WRITABLE,
@@ -542,7 +608,7 @@ fn pump<S: Service>(
         if conn.unsent() > 0 && !flush(conn) {
             return false;
         }
-        if conn.closing || conn.unsent() > opts.max_unsent || !conn.unread {
+        if !conn.may_read(opts) || !conn.unread {
             return true;
         }
         match read_some(conn, buf, read_closed) {
@@ -586,7 +652,7 @@ fn fail(conn: &mut Conn, code: ErrorCode, message: String) {
 }
 
 fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOptions, now: u64) {
-    while !conn.closing && conn.unsent() <= opts.max_unsent {
+    while conn.may_read(opts) {
         let f = match conn.decoder.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => return,
@@ -610,6 +676,9 @@ fn process_frames<S: Service>(conn: &mut Conn, service: &mut S, opts: &ServerOpt
             },
             Phase::Ready { client_id } if f.kind == FrameKind::Request => {
                 let reply = service.on_request(conn.id, client_id, &f.body, now);
+                if reply.is_empty() {
+                    conn.deferred += 1;
+                }
                 conn.out.extend(reply);
             }
             Phase::Ready { .. } => {
