@@ -1,8 +1,10 @@
 //! The soft NIC's responder on the memory node: serves READ/WRITE against its
 //! registration table and checks the remote key on every operation, as a NIC does.
 //!
-//! One thread (mio) serves every data connection, from the handshake on: a peer
-//! costs a small buffer and a descriptor, never a thread. A peer that has not proved
+//! A few threads (mio, one per core, at most [`MAX_SHARDS`]) serve every data
+//! connection: the first accepts and runs every handshake, and hands each proven
+//! connection to the threads in turn. A peer costs a small buffer and a descriptor,
+//! never a thread of its own. A peer that has not proved
 //! the key is closed at the handshake deadline; at most [`MAX_PENDING`] are in their
 //! handshake and [`MAX_CONNECTIONS`] are served at once. Bytes go straight between
 //! the socket and the registered memory: a WRITE's payload is read into the region,
@@ -88,25 +90,54 @@ struct Owners {
     owner_of: HashMap<u128, u64>,
 }
 
-struct Shared {
-    regs: RwLock<HashMap<u64, Arc<Reg>>>,
-    owners: Mutex<Owners>,
-    /// Owners closed since the loop last looked: their data connections go.
-    closed_owners: Mutex<Vec<u64>>,
-    key: Option<SharedKey>,
-    io_timeout: Duration,
-    stop: AtomicBool,
+/// One serving thread (its own `Poll`), seen from the others.
+struct Shard {
     waker: mio::Waker,
-    ops: AtomicU64,
-    rejected: AtomicU64,
-    /// Connections served now (they proved the key).
+    /// Proven connections handed to it by the accepting shard.
+    inbox: Mutex<Vec<Conn>>,
+    /// Owners closed since it last looked: their data connections go.
+    closed_owners: Mutex<Vec<u64>>,
+    /// Connections it serves now (they proved the key).
     serving: AtomicU64,
-    /// Connections in their handshake now.
+    /// Connections in their handshake now (shard 0 only).
     pending: AtomicU64,
 }
 
+struct Shared {
+    regs: RwLock<HashMap<u64, Arc<Reg>>>,
+    owners: Mutex<Owners>,
+    key: Option<SharedKey>,
+    io_timeout: Duration,
+    stop: AtomicBool,
+    shards: Vec<Shard>,
+    next_shard: AtomicU64,
+    ops: AtomicU64,
+    rejected: AtomicU64,
+}
+
+impl Shared {
+    fn serving(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.serving.load(Ordering::SeqCst))
+            .sum()
+    }
+
+    fn pending(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.pending.load(Ordering::SeqCst))
+            .sum()
+    }
+}
+
+/// Serving threads: one per core, at most this many. The first also accepts and runs
+/// every handshake; proven connections are spread over all of them.
+pub const MAX_SHARDS: usize = 4;
+
 /// Most data connections served at once; beyond it a new connection is closed at
-/// accept. They share one thread; this bounds descriptors and memory.
+/// accept. They share [`MAX_SHARDS`] threads at most; this bounds descriptors and
+/// memory.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Most connections in their handshake at once, so peers without the key cannot
 /// take the room of workers that proved it.
@@ -121,7 +152,7 @@ pub struct SoftTarget {
     shared: Arc<Shared>,
     addr: SocketAddr,
     advertise: String,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// Counters of a responder.
@@ -161,34 +192,52 @@ impl SoftTarget {
         } else {
             format!("{host}:{}", addr.port())
         };
-        let poll = mio::Poll::new()?;
-        let waker = mio::Waker::new(poll.registry(), WAKER)?;
+        let n = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, MAX_SHARDS);
+        let mut polls = Vec::with_capacity(n);
+        let mut shards = Vec::with_capacity(n);
+        for _ in 0..n {
+            let poll = mio::Poll::new()?;
+            shards.push(Shard {
+                waker: mio::Waker::new(poll.registry(), WAKER)?,
+                inbox: Mutex::new(Vec::new()),
+                closed_owners: Mutex::new(Vec::new()),
+                serving: AtomicU64::new(0),
+                pending: AtomicU64::new(0),
+            });
+            polls.push(poll);
+        }
         let shared = Arc::new(Shared {
             regs: RwLock::new(HashMap::new()),
             owners: Mutex::new(Owners::default()),
-            closed_owners: Mutex::new(Vec::new()),
             key,
             io_timeout,
             stop: AtomicBool::new(false),
-            waker,
+            shards,
+            next_shard: AtomicU64::new(0),
             ops: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
-            serving: AtomicU64::new(0),
-            pending: AtomicU64::new(0),
         });
-        let s = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("soft-nic".into())
-            .spawn(move || {
-                if let Err(e) = run_loop(listener, poll, &s) {
-                    log::error!("soft NIC: the event loop stopped: {e}");
-                }
-            })?;
+        let mut listener = Some(listener);
+        let mut threads = Vec::with_capacity(n);
+        for (i, poll) in polls.into_iter().enumerate() {
+            let (s, l) = (shared.clone(), listener.take());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("soft-nic{i}"))
+                    .spawn(move || {
+                        if let Err(e) = run_loop(i, l, poll, &s) {
+                            log::error!("soft NIC: event loop {i} stopped: {e}");
+                        }
+                    })?,
+            );
+        }
         Ok(SoftTarget {
             shared,
             addr,
             advertise,
-            thread: Mutex::new(Some(thread)),
+            threads: Mutex::new(threads),
         })
     }
 
@@ -206,8 +255,8 @@ impl SoftTarget {
         TargetStats {
             registrations: self.shared.regs.read().map(|r| r.len()).unwrap_or(0),
             ops: self.shared.ops.load(Ordering::Relaxed),
-            connections: self.shared.serving.load(Ordering::SeqCst) as usize,
-            pending: self.shared.pending.load(Ordering::SeqCst),
+            connections: self.shared.serving() as usize,
+            pending: self.shared.pending(),
             rejected: self.shared.rejected.load(Ordering::Relaxed),
         }
     }
@@ -215,8 +264,10 @@ impl SoftTarget {
     /// Stops serving and closes every data connection.
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = self.shared.waker.wake();
-        if let Some(t) = lock(&self.thread).take() {
+        for s in &self.shared.shards {
+            let _ = s.waker.wake();
+        }
+        for t in std::mem::take(&mut *lock(&self.threads)) {
             let _ = t.join();
         }
     }
@@ -317,8 +368,10 @@ impl Target for SoftTarget {
                 o.owner_of.remove(&s);
             }
         }
-        lock(&self.shared.closed_owners).push(owner);
-        let _ = self.shared.waker.wake();
+        for s in &self.shared.shards {
+            lock(&s.closed_owners).push(owner);
+            let _ = s.waker.wake();
+        }
     }
 }
 
@@ -387,11 +440,25 @@ enum Drive {
     Close(String),
 }
 
-fn run_loop(listener: TcpListener, mut poll: mio::Poll, shared: &Arc<Shared>) -> io::Result<()> {
-    listener.set_nonblocking(true)?;
-    let mut listener = mio::net::TcpListener::from_std(listener);
-    poll.registry()
-        .register(&mut listener, LISTENER, mio::Interest::READABLE)?;
+/// One serving thread. Shard 0 (`listener` given) also accepts and runs handshakes,
+/// and hands each proven connection to the shards in turn.
+fn run_loop(
+    me: usize,
+    listener: Option<TcpListener>,
+    mut poll: mio::Poll,
+    shared: &Arc<Shared>,
+) -> io::Result<()> {
+    let listener = match listener {
+        Some(l) => {
+            l.set_nonblocking(true)?;
+            let mut l = mio::net::TcpListener::from_std(l);
+            poll.registry()
+                .register(&mut l, LISTENER, mio::Interest::READABLE)?;
+            Some(l)
+        }
+        None => None,
+    };
+    let shard = &shared.shards[me];
     let mut events = mio::Events::with_capacity(256);
     let mut conns: HashMap<usize, Conn> = HashMap::new();
     let mut next = 0usize;
@@ -414,21 +481,46 @@ fn run_loop(listener: TcpListener, mut poll: mio::Poll, shared: &Arc<Shared>) ->
         }
         for ev in events.iter() {
             match ev.token() {
-                LISTENER => accept(&listener, &poll, &mut conns, &mut next, shared),
+                LISTENER => {
+                    if let Some(l) = &listener {
+                        accept(l, &poll, &mut conns, &mut next, shared);
+                    }
+                }
                 WAKER => {
-                    let closed = std::mem::take(&mut *lock(&shared.closed_owners));
+                    let closed = std::mem::take(&mut *lock(&shard.closed_owners));
                     conns.retain(|_, c| match &c.state {
                         State::Served(s) => !s.owner.is_some_and(|o| closed.contains(&o)),
                         State::Handshake(_) => true,
                     });
+                    let handed = std::mem::take(&mut *lock(&shard.inbox));
+                    for mut c in handed {
+                        let tok = free_token(&conns, &mut next);
+                        let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
+                        if let Err(e) =
+                            poll.registry()
+                                .register(&mut c.stream, mio::Token(tok), interest)
+                        {
+                            log::warn!("soft NIC: cannot take a connection from {}: {e}", c.peer);
+                            continue;
+                        }
+                        // Bytes may have come before it was registered here.
+                        if let Drive::Open = drive(&mut c, shared, &mut scratch) {
+                            conns.insert(tok, c);
+                        }
+                    }
                 }
                 tok => {
                     let Some(c) = conns.get_mut(&tok.0) else {
                         continue;
                     };
+                    let was_pending = matches!(c.state, State::Handshake(_));
                     if let Drive::Close(why) = drive(c, shared, &mut scratch) {
                         log::debug!("soft NIC: connection from {} closed: {why}", c.peer);
                         conns.remove(&tok.0);
+                        continue;
+                    }
+                    if was_pending && matches!(c.state, State::Served(_)) {
+                        hand_over(me, tok.0, &poll, &mut conns, shared);
                     }
                 }
             }
@@ -452,11 +544,46 @@ fn run_loop(listener: TcpListener, mut poll: mio::Poll, shared: &Arc<Shared>) ->
             .values()
             .filter(|c| matches!(c.state, State::Handshake(_)))
             .count();
-        shared.pending.store(pending as u64, Ordering::SeqCst);
-        shared
+        shard.pending.store(pending as u64, Ordering::SeqCst);
+        shard
             .serving
             .store((conns.len() - pending) as u64, Ordering::SeqCst);
     }
+}
+
+/// A token no connection of this shard uses.
+fn free_token(conns: &HashMap<usize, Conn>, next: &mut usize) -> usize {
+    loop {
+        let t = *next;
+        *next = (*next + 1) % WAKER.0;
+        if !conns.contains_key(&t) {
+            return t;
+        }
+    }
+}
+
+/// Gives a connection that just proved the key to the next shard in turn (keeps it
+/// when that is this one).
+fn hand_over(
+    me: usize,
+    tok: usize,
+    poll: &mio::Poll,
+    conns: &mut HashMap<usize, Conn>,
+    shared: &Shared,
+) {
+    let n = shared.shards.len() as u64;
+    let to = (shared.next_shard.fetch_add(1, Ordering::Relaxed) % n) as usize;
+    if to == me {
+        return;
+    }
+    let Some(mut c) = conns.remove(&tok) else {
+        return;
+    };
+    let _ = poll.registry().deregister(&mut c.stream);
+    let shard = &shared.shards[to];
+    lock(&shard.inbox).push(c);
+    shard.serving.fetch_add(1, Ordering::SeqCst);
+    let _ = shard.waker.wake();
 }
 
 /// When the connection is closed unless it makes progress.
@@ -489,7 +616,7 @@ fn accept(
             .values()
             .filter(|c| matches!(c.state, State::Handshake(_)))
             .count();
-        let serving = conns.len() - pending;
+        let serving = shared.serving() as usize;
         if serving >= MAX_CONNECTIONS || pending as u64 >= MAX_PENDING {
             // Closed at once (dropped); logged at debug only, so that a flood of
             // connections does not flood the log either.
@@ -499,13 +626,7 @@ fn accept(
             continue;
         }
         let _ = stream.set_nodelay(true);
-        let tok = loop {
-            let t = *next;
-            *next = (*next + 1) % WAKER.0;
-            if !conns.contains_key(&t) {
-                break t;
-            }
-        };
+        let tok = free_token(conns, next);
         let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
         if let Err(e) = poll
             .registry()
@@ -533,7 +654,7 @@ fn accept(
                 }),
             },
         );
-        shared.pending.fetch_add(1, Ordering::SeqCst);
+        shared.shards[0].pending.fetch_add(1, Ordering::SeqCst);
     }
 }
 
