@@ -374,4 +374,91 @@ mod tests {
             "served on the loop, B should have waited ({on_loop:?})"
         );
     }
+
+    /// Counts the requests the loop hands to the wrapped service.
+    struct Counting(OffLoop, Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Service for Counting {
+        fn service_name(&self) -> &'static str {
+            self.0.service_name()
+        }
+
+        fn on_request(&mut self, conn: ConnId, id: &str, body: &[u8], now: u64) -> Vec<u8> {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            self.0.on_request(conn, id, body, now)
+        }
+    }
+
+    /// A client that pipelines requests without waiting cannot queue more than
+    /// `MAX_DEFERRED` of them off the loop: the loop stops reading it meanwhile. Every
+    /// request is still answered, in order.
+    #[test]
+    fn a_pipelining_client_has_at_most_max_deferred_requests_queued() {
+        use std::io::{Read, Write};
+        const N: u64 = 40;
+        let mut server = Server::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            ServerOptions::default(),
+            Clock::new(),
+        )
+        .unwrap();
+        let addr = server.local_addr().unwrap().to_string();
+        let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (replier, s2) = (server.replier(), seen.clone());
+        std::thread::spawn(move || {
+            /// Each request takes 100 ms.
+            struct Slow;
+            impl Service for Slow {
+                fn service_name(&self) -> &'static str {
+                    SERVICE
+                }
+                fn on_request(&mut self, _: ConnId, _: &str, body: &[u8], _: u64) -> Vec<u8> {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let id = wire::request_id_of(body);
+                    wire::reply_frame(
+                        id,
+                        Ok::<_, wire::WireError>(AgentReply::Unmapped { removed: false }),
+                    )
+                }
+            }
+            let mut s = Counting(OffLoop::new(Slow, replier, None).unwrap(), s2);
+            let _ = server.run(&mut s);
+        });
+        let c = Client::connect(&addr, &ClientOptions::new(SERVICE, "pipe")).unwrap();
+        let (mut stream, _) = c.into_parts();
+        let mut out = Vec::new();
+        for id in 1..=N {
+            let body = wire::encode_json(&Envelope {
+                id,
+                body: AgentRequest::Status,
+            });
+            out.extend(wire::frame::encode(wire::FrameKind::Request, &body));
+        }
+        stream.write_all(&out).unwrap();
+        std::thread::sleep(Duration::from_millis(450));
+        let taken = seen.load(Ordering::SeqCst);
+        // About 4 answered in 450 ms, plus at most MAX_DEFERRED (8) waiting; without
+        // the bound the loop takes all 40 at once.
+        assert!(
+            taken <= 6 + maru::net::MAX_DEFERRED && taken < N as usize / 2,
+            "{taken} requests taken off the socket with ~4 answered"
+        );
+        let mut dec = wire::FrameDecoder::new(1 << 20);
+        let mut ids = Vec::new();
+        let mut buf = [0u8; 4096];
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        while ids.len() < N as usize {
+            match dec.next_frame().unwrap() {
+                Some(f) => ids.push(wire::request_id_of(&f.body)),
+                None => {
+                    let n = stream.read(&mut buf).unwrap();
+                    assert!(n > 0, "closed after {} replies", ids.len());
+                    dec.push(&buf[..n]);
+                }
+            }
+        }
+        assert_eq!(ids, (1..=N).collect::<Vec<_>>());
+    }
 }
