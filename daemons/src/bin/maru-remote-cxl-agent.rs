@@ -143,6 +143,7 @@ fn verbs_target(args: &Args) -> Nic {
         gid_index: args.rdma_gid_index,
         traffic_class: args.rdma_traffic_class,
         service_level: args.rdma_service_level,
+        ..maru::transport::verbs::VerbsSettings::default()
     };
     match maru::transport::verbs::VerbsTarget::open_with(&settings) {
         Ok(t) => {
