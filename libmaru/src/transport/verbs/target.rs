@@ -228,7 +228,11 @@ impl VerbsTarget {
         let ours = TargetHalf {
             ep: self.dev.endpoint(qp.qpn(), psn, resp),
         };
-        lock(&self.qps).insert(owner, Arc::new(qp));
+        if let Err(e) = lock(&self.qps).insert(owner, Arc::new(qp)) {
+            // Its connection closed during the bring-up: the domain made for it goes.
+            lock(&self.domains).close(owner);
+            return Err(e);
+        }
         Ok(ours.to_json())
     }
 }
