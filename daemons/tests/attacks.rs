@@ -564,6 +564,100 @@ fn the_soft_nic_bounds_connections_before_the_key_proof() {
         == 0));
 }
 
+/// 5 (keys): at the agent a key works only on the data path of the connection it
+/// was issued to. Worker B maps the same region (its own connection, the agent key)
+/// and presents worker A's key from A's map reply on its own soft NIC data
+/// connection: a bad-key completion, nothing written; A's own key works.
+#[test]
+fn a_worker_cannot_write_another_workers_region_with_its_key() {
+    use maru::transport::soft::SoftTransport;
+    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
+    let mut s = Scratch::new("att-keys");
+    let n = support::memory_node(&mut s, "64M");
+    let mut rmc = connect(&n.rm.addr, RM, "maru-server-test");
+    let h = match rmc
+        .call::<_, RmReply>(&RmRequest::Alloc {
+            size: 4 * MIB,
+            pool: None,
+            request_id: 0,
+        })
+        .unwrap()
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("{r:?}"),
+    };
+    let agent = |id: &str| {
+        let mut o = ClientOptions::new(AGENT, id);
+        o.key = Some(n.key.clone());
+        Client::connect(&n.agent.addr, &o).unwrap()
+    };
+    let map = |c: &mut Client| match c
+        .call::<_, AgentReply>(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .unwrap()
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("{r:?}"),
+    };
+    let (mut a, mut b) = (agent("worker-a"), agent("worker-b"));
+    let (ma, mb) = (map(&mut a), map(&mut b));
+    assert_ne!(ma.rkey, mb.rkey, "each connection gets its own key");
+    assert_ne!(ma.transport, mb.transport, "and its own data-path binding");
+    let transport = |id: &str, staging: &mut Vec<u8>| {
+        let t = SoftTransport::new(id, Some(n.key.clone()));
+        t.register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: staging.len(),
+        })
+        .unwrap();
+        t
+    };
+    let write = |rkey, fill: u8| Op {
+        kind: OpKind::Write,
+        local_offset: u64::from(fill == 0xBB) * 4096,
+        remote_addr: ma.addr,
+        rkey,
+        len: 4096,
+    };
+    let mut staging = vec![0xAAu8; 8192];
+    staging[4096..].fill(0xBB);
+    let tb = transport("worker-b", &mut staging);
+    let pb = tb.connect(&mb.transport, &mut no_bringup).unwrap();
+    let stolen = tb.post(pb, &[write(ma.rkey, 0xBB)]).unwrap();
+    assert!(
+        matches!(
+            tb.wait(stolen, Duration::from_secs(10)),
+            BatchState::Failed(maru::transport::TransportError::BadKey { .. })
+        ),
+        "B wrote with A's key"
+    );
+    // A's key on A's own data path works, and the bytes are A's.
+    let ta = transport("worker-a", &mut staging);
+    let pa = ta.connect(&ma.transport, &mut no_bringup).unwrap();
+    let w = ta.post(pa, &[write(ma.rkey, 0xAA)]).unwrap();
+    assert_eq!(ta.wait(w, Duration::from_secs(10)), BatchState::Done);
+    let r = ta
+        .post(
+            pa,
+            &[Op {
+                kind: OpKind::Read,
+                local_offset: 4096,
+                remote_addr: ma.addr,
+                rkey: ma.rkey,
+                len: 4096,
+            }],
+        )
+        .unwrap();
+    assert_eq!(ta.wait(r, Duration::from_secs(10)), BatchState::Done);
+    assert!(
+        staging[4096..].iter().all(|&x| x == 0xAA),
+        "the region holds A's bytes only"
+    );
+    drop((ta, tb));
+}
+
 /// Threads of this process now.
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task")
