@@ -414,6 +414,56 @@ struct Served {
     tx: Option<Tx>,
     /// Since when it is mid-operation without progress (`None`: idle).
     stalled_since: Option<Instant>,
+    /// The socket's receive low-water mark now (`SO_RCVLOWAT`, see [`wake_at`]).
+    lowat: usize,
+    /// The highest mark the receive buffer allows.
+    lowat_cap: usize,
+}
+
+/// A WRITE payload at least this long is read with a raised receive low-water mark.
+const LOWAT_FROM: u64 = 128 << 10;
+/// The highest mark set.
+const LOWAT_MAX: usize = 256 << 10;
+
+/// Sets the socket's receive low-water mark: while a large WRITE payload arrives, the
+/// loop is woken once per `mark` bytes rather than once per segment (on a VM each
+/// wake-up is an interrupt and an exit, the largest cost of a loopback stream after
+/// the copies). The mark never exceeds what is still to come, nor a quarter of the
+/// receive buffer, so it is always reached.
+fn wake_at(stream: &mio::net::TcpStream, mark: usize) {
+    use std::os::fd::AsRawFd;
+    let v = i32::try_from(mark).unwrap_or(i32::MAX);
+    // SAFETY: a valid socket and a pointer to one int of the size given.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        );
+    }
+}
+
+/// A quarter of the socket's receive buffer (at most [`LOWAT_MAX`]).
+fn lowat_cap(stream: &mio::net::TcpStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut v: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: a valid socket, an int and its length.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&mut v as *mut i32).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return 1;
+    }
+    (usize::try_from(v).unwrap_or(0) / 4).clamp(1, LOWAT_MAX)
 }
 
 enum State {
@@ -727,12 +777,15 @@ fn step_handshake(c: &mut Conn, buf: &mut [u8]) -> Result<bool, String> {
     if ready {
         let dec = std::mem::replace(&mut p.dec, FrameDecoder::new(0));
         c.head = dec.into_rest();
+        let cap = lowat_cap(&c.stream);
         c.state = State::Served(Served {
             owner: None,
             rx: Rx::Header { got: 0 },
             hdr: [0; REQ_LEN],
             tx: None,
             stalled_since: None,
+            lowat: 1,
+            lowat_cap: cap,
         });
         return Ok(true);
     }
@@ -879,6 +932,15 @@ fn receive(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> io::Result<bool
         }
         Rx::Payload { addr, left, .. } => {
             let (a, l) = (*addr, *left);
+            let mark = if l >= LOWAT_FROM {
+                (l as usize).min(s.lowat_cap)
+            } else {
+                1
+            };
+            if mark != s.lowat {
+                wake_at(&c.stream, mark);
+                s.lowat = mark;
+            }
             let want = l.min(1 << 30) as usize;
             // SAFETY: the range lies inside a live registration (checked when the
             // WRITE was accepted), whose memory stays mapped while its use is held.
@@ -899,6 +961,10 @@ fn receive(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> io::Result<bool
                     let seq = *seq;
                     // The use ends with the payload, before the completion is sent.
                     s.rx = Rx::Header { got: 0 };
+                    if s.lowat != 1 {
+                        wake_at(&c.stream, 1);
+                        s.lowat = 1;
+                    }
                     complete(&mut c.out, seq, proto::ST_OK, 0);
                 }
             }
