@@ -144,7 +144,7 @@ pub fn soft(
                 let mut region = vec![0u8; mem];
                 touch(&mut region);
                 // SAFETY: the region outlives its registration (deregistered below).
-                let reg = unsafe { target.register(region.as_mut_ptr(), mem as u64, true) }
+                let reg = unsafe { target.register(1, region.as_mut_ptr(), mem as u64, true) }
                     .map_err(|e| format!("register: {e}"))?;
                 let batch = 32usize;
                 let staging_len = (batch * chunk).min(mem);

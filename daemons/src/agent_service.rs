@@ -2,6 +2,7 @@
 //! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
 
 use crate::metrics::{op_of, result_of, Metrics, Refresh};
+use crate::off_loop::Lane;
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use maru::dax::{self, Mapping};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
@@ -200,6 +201,7 @@ impl MemPort for DaxMem {
 }
 
 /// The transport's target as the core's NIC port.
+#[derive(Clone)]
 pub struct Nic {
     pub target: Arc<dyn Target>,
     /// The same target when it is verbs: its responder queue pairs belong to the agent
@@ -223,19 +225,29 @@ impl Nic {
     }
 
     fn connection_closed(&self, conn: ConnId) {
+        // Its data paths go (responder queue pairs, soft NIC connections); its
+        // registrations stay until deregistered, its protection domain with them.
+        self.target.owner_closed(conn);
         #[cfg(feature = "verbs")]
         if let Some(v) = &self.verbs {
-            v.connection_closed(conn);
             v.sweep();
         }
-        let _ = conn;
     }
 }
 
 impl NicPort for Nic {
-    fn register(&mut self, ptr: u64, len: u64, writable: bool) -> Result<Registration, String> {
+    fn register(
+        &mut self,
+        holder: &str,
+        ptr: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<Registration, String> {
+        // The key is the holder's connection's only (its protection domain).
+        let owner = conn_of(holder)
+            .ok_or_else(|| format!("holder {holder:?} names no agent connection"))?;
         // SAFETY: the core deregisters a range before it asks the memory port to unmap it.
-        let r = unsafe { self.target.register(ptr as *mut u8, len, writable) }
+        let r = unsafe { self.target.register(owner, ptr as *mut u8, len, writable) }
             .map_err(|e| e.to_string())?;
         Ok(Registration {
             rkey: r.rkey,
@@ -254,6 +266,66 @@ impl NicPort for Nic {
 /// id can neither unmap its regions nor, by closing, drop its read registrations.
 fn holder_of(conn: ConnId, client_id: &str) -> String {
     format!("{client_id}#{conn}")
+}
+
+/// A queue-pair bring-up of connection `conn` (touches only the transport).
+fn connect_peer(
+    nic: &Nic,
+    conn: ConnId,
+    holder: &str,
+    info: &serde_json::Value,
+) -> Result<AgentReply, WireError> {
+    nic.accept_peer(conn, info)
+        .map(|info| AgentReply::Peer { info })
+        .map_err(|e| {
+            WireError::new(
+                ErrorCode::Unsupported,
+                format!("connect_peer from {}: {e}", maru::net::clip(holder)),
+            )
+        })
+}
+
+/// Whether a request body is a queue-pair bring-up (served off the core's thread:
+/// RTR resolves neighbours, which may take seconds).
+pub fn is_connect_peer(body: &[u8]) -> bool {
+    matches!(
+        wire::decode_json::<Envelope<AgentRequest>>(body),
+        Ok(Envelope {
+            body: AgentRequest::ConnectPeer { .. },
+            ..
+        })
+    )
+}
+
+/// Serves queue-pair bring-ups on their own threads, next to the core's.
+pub fn bringup_lane(nic: &Nic) -> Lane {
+    let nic = nic.clone();
+    Lane {
+        picks: is_connect_peer,
+        serve: std::sync::Arc::new(move |conn, client_id, body| {
+            let holder = holder_of(conn, client_id);
+            match wire::decode_json::<Envelope<AgentRequest>>(body) {
+                Ok(Envelope {
+                    id,
+                    body: AgentRequest::ConnectPeer { info },
+                }) => wire::reply_frame(id, connect_peer(&nic, conn, &holder, &info)),
+                Ok(env) => wire::reply_frame::<()>(
+                    env.id,
+                    Err(WireError::new(ErrorCode::Internal, "not a connect_peer")),
+                ),
+                Err(e) => wire::reply_frame::<()>(wire::request_id_of(body), Err(e)),
+            }
+        }),
+        threads: BRINGUP_THREADS,
+    }
+}
+
+/// Threads serving queue-pair bring-ups at once.
+pub const BRINGUP_THREADS: usize = 4;
+
+/// The connection a holder stands for (see [`holder_of`]).
+fn conn_of(holder: &str) -> Option<ConnId> {
+    holder.rsplit_once('#')?.1.parse().ok()
 }
 
 /// How often the sweep runs.
@@ -355,16 +427,7 @@ impl Service for AgentService {
             }
         };
         let result = match env.body {
-            AgentRequest::ConnectPeer { info } => self
-                .nic
-                .accept_peer(conn, &info)
-                .map(|info| AgentReply::Peer { info })
-                .map_err(|e| {
-                    WireError::new(
-                        ErrorCode::Unsupported,
-                        format!("connect_peer from {}: {e}", maru::net::clip(client_id)),
-                    )
-                }),
+            AgentRequest::ConnectPeer { info } => connect_peer(&self.nic, conn, client_id, &info),
             req => self.core.handle(
                 client_id,
                 req,

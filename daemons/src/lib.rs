@@ -6,4 +6,5 @@ pub mod common;
 pub mod meta_service;
 pub mod metrics;
 pub mod metrics_http;
+pub mod off_loop;
 pub mod rm_service;

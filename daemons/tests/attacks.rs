@@ -564,6 +564,200 @@ fn the_soft_nic_bounds_connections_before_the_key_proof() {
         == 0));
 }
 
+/// 5 (keys): at the agent a key works only on the data path of the connection it
+/// was issued to. Worker B maps the same region (its own connection, the agent key)
+/// and presents worker A's key from A's map reply on its own soft NIC data
+/// connection: a bad-key completion, nothing written; A's own key works.
+#[test]
+fn a_worker_cannot_write_another_workers_region_with_its_key() {
+    use maru::transport::soft::SoftTransport;
+    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
+    let mut s = Scratch::new("att-keys");
+    let n = support::memory_node(&mut s, "64M");
+    let mut rmc = connect(&n.rm.addr, RM, "maru-server-test");
+    let h = match rmc
+        .call::<_, RmReply>(&RmRequest::Alloc {
+            size: 4 * MIB,
+            pool: None,
+            request_id: 0,
+        })
+        .unwrap()
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("{r:?}"),
+    };
+    let agent = |id: &str| {
+        let mut o = ClientOptions::new(AGENT, id);
+        o.key = Some(n.key.clone());
+        Client::connect(&n.agent.addr, &o).unwrap()
+    };
+    let map = |c: &mut Client| match c
+        .call::<_, AgentReply>(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .unwrap()
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("{r:?}"),
+    };
+    let (mut a, mut b) = (agent("worker-a"), agent("worker-b"));
+    let (ma, mb) = (map(&mut a), map(&mut b));
+    assert_ne!(ma.rkey, mb.rkey, "each connection gets its own key");
+    assert_ne!(ma.transport, mb.transport, "and its own data-path binding");
+    let transport = |id: &str, staging: &mut Vec<u8>| {
+        let t = SoftTransport::new(id, Some(n.key.clone()));
+        t.register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: staging.len(),
+        })
+        .unwrap();
+        t
+    };
+    let write = |rkey, fill: u8| Op {
+        kind: OpKind::Write,
+        local_offset: u64::from(fill == 0xBB) * 4096,
+        remote_addr: ma.addr,
+        rkey,
+        len: 4096,
+    };
+    let mut staging = vec![0xAAu8; 8192];
+    staging[4096..].fill(0xBB);
+    let tb = transport("worker-b", &mut staging);
+    let pb = tb.connect(&mb.transport, &mut no_bringup).unwrap();
+    let stolen = tb.post(pb, &[write(ma.rkey, 0xBB)]).unwrap();
+    assert!(
+        matches!(
+            tb.wait(stolen, Duration::from_secs(10)),
+            BatchState::Failed(maru::transport::TransportError::BadKey { .. })
+        ),
+        "B wrote with A's key"
+    );
+    // A's key on A's own data path works, and the bytes are A's.
+    let ta = transport("worker-a", &mut staging);
+    let pa = ta.connect(&ma.transport, &mut no_bringup).unwrap();
+    let w = ta.post(pa, &[write(ma.rkey, 0xAA)]).unwrap();
+    assert_eq!(ta.wait(w, Duration::from_secs(10)), BatchState::Done);
+    let r = ta
+        .post(
+            pa,
+            &[Op {
+                kind: OpKind::Read,
+                local_offset: 4096,
+                remote_addr: ma.addr,
+                rkey: ma.rkey,
+                len: 4096,
+            }],
+        )
+        .unwrap();
+    assert_eq!(ta.wait(r, Duration::from_secs(10)), BatchState::Done);
+    assert!(
+        staging[4096..].iter().all(|&x| x == 0xAA),
+        "the region holds A's bytes only"
+    );
+    drop((ta, tb));
+}
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// 2 (the rest): connections that proved the key are served without a thread each.
+/// 300 of them (past the old cap of 256 threads) hold the responder's thread count
+/// flat, and a worker's WRITE and READ back still work meanwhile; a worker of another
+/// agent connection cannot use that worker's key.
+#[test]
+fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
+    use maru::transport::soft::{proto, SoftTransport};
+    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
+    let key = SharedKey::generate().unwrap();
+    let t = SoftTarget::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "",
+        Some(key.clone()),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let addr = t.local_addr().to_string();
+    let before = threads();
+    let mut opts = ClientOptions::new(proto::SERVICE, "many");
+    opts.key = Some(key.clone());
+    opts.connect_timeout = Duration::from_secs(5);
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        held.push(Client::connect(&addr, &opts).expect("a proven data connection"));
+    }
+    assert!(support::wait_until(Duration::from_secs(5), || t
+        .stats()
+        .connections
+        == 300));
+    let grown = threads().saturating_sub(before);
+    assert!(
+        grown < 32,
+        "{grown} more threads with 300 data connections open"
+    );
+    // A normal transfer among them.
+    let mut region = vec![0u8; 1 << 20];
+    // SAFETY: `region` outlives the registration (deregistered below).
+    let reg = unsafe { t.register(1, region.as_mut_ptr(), 1 << 20, true) }.unwrap();
+    let mut staging = vec![0u8; 1 << 20];
+    for (i, b) in staging[..1 << 19].iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let nic = SoftTransport::new("worker", Some(key.clone()));
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .unwrap();
+    let peer = nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let op = |kind, local_offset| Op {
+        kind,
+        local_offset,
+        remote_addr: reg.addr,
+        rkey: reg.rkey,
+        len: 1 << 19,
+    };
+    let w = nic.post(peer, &[op(OpKind::Write, 0)]).unwrap();
+    assert_eq!(nic.wait(w, Duration::from_secs(10)), BatchState::Done);
+    let r = nic.post(peer, &[op(OpKind::Read, 1 << 19)]).unwrap();
+    assert_eq!(nic.wait(r, Duration::from_secs(10)), BatchState::Done);
+    assert_eq!(staging[..1 << 19], staging[1 << 19..]);
+    // Another owner's worker presenting this key gets a bad-key completion.
+    let mut other_region = vec![0u8; 4096];
+    // SAFETY: as above.
+    let other = unsafe { t.register(2, other_region.as_mut_ptr(), 4096, true) }.unwrap();
+    let mut other_staging = vec![0u8; 4096];
+    let intruder = SoftTransport::new("worker-b", Some(key));
+    intruder
+        .register_local(LocalBuffer {
+            ptr: other_staging.as_mut_ptr(),
+            len: 4096,
+        })
+        .unwrap();
+    let p2 = intruder.connect(&other.transport, &mut no_bringup).unwrap();
+    let mut steal = op(OpKind::Write, 0);
+    steal.len = 4096;
+    let b = intruder.post(p2, &[steal]).unwrap();
+    assert!(matches!(
+        intruder.wait(b, Duration::from_secs(10)),
+        BatchState::Failed(maru::transport::TransportError::BadKey { .. })
+    ));
+    drop(held);
+    assert!(support::wait_until(Duration::from_secs(5), || t
+        .stats()
+        .connections
+        <= 2));
+    t.deregister(reg.rkey).unwrap();
+    t.deregister(other.rkey).unwrap();
+    drop(other_staging);
+    drop(other_region);
+    drop(region);
+}
+
 fn p99(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[(v.len() * 99 / 100).min(v.len() - 1)]

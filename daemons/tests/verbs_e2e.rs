@@ -107,6 +107,8 @@ fn config(st: &Stack, engine: &str) -> String {
         "agent_key_file": st.key_path.display().to_string(),
         "load_slots": 8,
         "store_slots": 16,
+        // Batches spread over two queue pairs per agent.
+        "rdma_qps_per_agent": 2,
     });
     if let Some(d) = device() {
         c["rdma_device"] = d.into();

@@ -40,6 +40,7 @@ fn main() {
         gid_index: a.rdma_gid_index,
         traffic_class: a.rdma_traffic_class,
         service_level: a.rdma_service_level,
+        ..VerbsSettings::default()
     };
     match check::run(&settings) {
         Ok(lines) => {

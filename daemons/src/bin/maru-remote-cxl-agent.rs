@@ -7,12 +7,13 @@ use maru::agent::{AgentCore, DEFAULT_QUARANTINE_MS};
 use maru::net::{Clock, Server, SignalPipe};
 use maru::transport::soft::SoftTarget;
 use maru::transport::Target;
-use maru_daemons::agent_service::{AgentService, DaxMem, Nic, RmLink, AGENT_GAUGES};
+use maru_daemons::agent_service::{bringup_lane, AgentService, DaxMem, Nic, RmLink, AGENT_GAUGES};
 use maru_daemons::common::{
     bind_addr, check_advertise, check_host_port, die, die_unavailable, exit_with, notify_ready,
     parse_args, raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
 use maru_daemons::metrics::Metrics;
+use maru_daemons::off_loop::OffLoop;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,6 +146,7 @@ fn verbs_target(args: &Args) -> Nic {
         gid_index: args.rdma_gid_index,
         traffic_class: args.rdma_traffic_class,
         service_level: args.rdma_service_level,
+        ..maru::transport::verbs::VerbsSettings::default()
     };
     match maru::transport::verbs::VerbsTarget::open_with(&settings) {
         Ok(t) => {
@@ -218,12 +220,21 @@ fn main() {
         .and_then(|s| s.with_signals(pipe))
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
+    let lane = bringup_lane(&nic);
     let mut service = AgentService::new(core, rm, mem, nic);
     let metrics = Arc::new(Metrics::new("agent", AGENT_GAUGES));
     serve_metrics(metrics_addr, &metrics, &server);
     if metrics_addr.is_some() {
         service = service.with_metrics(metrics);
     }
+    // The core and its verbs work (registration, deregistration) run off the event
+    // loop on a thread of their own; queue-pair bring-ups on a small pool.
+    let mut service = OffLoop::new(service, server.replier(), Some(lane)).unwrap_or_else(|e| {
+        exit_with(
+            EX_FAILURE,
+            format!("cannot start the agent's worker threads: {e}"),
+        )
+    });
     log::info!(
         "maru-remote-cxl-agent {node} (epoch {epoch}, boot {boot_id}) listening on {bound}, RM {}",
         args.rm_address

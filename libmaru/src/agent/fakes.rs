@@ -207,8 +207,11 @@ impl MemPort for FakeMem {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeReg {
+    /// The holder (agent connection) it was registered for: the only one whose data
+    /// path the NIC accepts it on.
+    pub holder: String,
     pub ptr: u64,
     pub len: u64,
     pub writable: bool,
@@ -230,10 +233,21 @@ impl FakeNic {
     pub fn accepts(&self, rkey: u64) -> bool {
         self.live.contains_key(&rkey)
     }
+
+    /// Whether the NIC accepts `rkey` on the data path of `holder`'s connection.
+    pub fn accepts_from(&self, holder: &str, rkey: u64) -> bool {
+        self.live.get(&rkey).is_some_and(|r| r.holder == holder)
+    }
 }
 
 impl NicPort for FakeNic {
-    fn register(&mut self, ptr: u64, len: u64, writable: bool) -> Result<Registration, String> {
+    fn register(
+        &mut self,
+        holder: &str,
+        ptr: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<Registration, String> {
         if self.fail_register {
             return Err("ibv_reg_mr: cannot allocate memory".into());
         }
@@ -242,7 +256,16 @@ impl NicPort for FakeNic {
             rkey += 1 << 40;
         }
         self.registers += 1;
-        self.live.insert(rkey, FakeReg { ptr, len, writable });
+        let holder = holder.to_string();
+        self.live.insert(
+            rkey,
+            FakeReg {
+                holder,
+                ptr,
+                len,
+                writable,
+            },
+        );
         Ok(Registration {
             rkey,
             addr: ptr,

@@ -104,7 +104,10 @@ impl AgentCore {
                 range.len, access.length
             )));
         }
-        let reg = match p.nic.register(range.ptr, range.len, grant.writable()) {
+        let reg = match p
+            .nic
+            .register(client, range.ptr, range.len, grant.writable())
+        {
             Ok(reg) => reg,
             Err(e) => {
                 // Never registered, so no key to outlive: unmap at once.
@@ -158,8 +161,8 @@ impl AgentCore {
         self.join(client, region_id, Grant::Range { offset, length }, nic)
     }
 
-    /// Adds `client` to the region's registration for `grant`, registering it first
-    /// if the region has none of that kind yet.
+    /// Gives `client` its own registration of the region for `grant` (in its
+    /// connection's protection domain), unless it has one already.
     fn join(
         &mut self,
         client: &str,
@@ -173,10 +176,10 @@ impl AgentCore {
             )));
         };
         let (offset, length) = grant.span(m.range.len);
-        if !m.join(grant, client) {
+        if m.registration(grant, client).is_none() {
             // offset + length lies inside the mapped range (checked by the caller).
             let reg = nic
-                .register(m.range.ptr + offset, length, grant.writable())
+                .register(client, m.range.ptr + offset, length, grant.writable())
                 .map_err(|e| {
                     internal(format!(
                         "cannot register {length} bytes at {offset} of region {region_id} with \
@@ -185,7 +188,7 @@ impl AgentCore {
                 })?;
             m.add_registration(grant, reg, client);
         }
-        match m.registration(grant) {
+        match m.registration(grant, client) {
             Some(reg) => Ok(map_reply(&self.boot_id, region_id, reg, offset, length)),
             None => Err(internal(format!(
                 "region {region_id}: its registration is missing right after the map; retry"

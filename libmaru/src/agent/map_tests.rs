@@ -140,13 +140,23 @@ fn a_failure_after_the_hold_undoes_it() {
 }
 
 #[test]
-fn a_region_mapped_once_is_shared_by_its_holders() {
+fn a_region_mapped_once_is_shared_by_its_holders_each_with_its_own_key() {
     let mut w = World::new();
     let h = w.rm.region();
     let a = w.map("owner", &h, true).unwrap();
     let b = w.map("owner2", &h, true).unwrap();
-    assert_eq!((a.rkey, a.addr), (b.rkey, b.addr));
-    assert_eq!((w.mem.maps, w.nic.registers), (1, 1));
+    assert_eq!(a.addr, b.addr);
+    assert_ne!(
+        a.rkey, b.rkey,
+        "a key belongs to the connection it was issued to"
+    );
+    assert!(w.nic.accepts_from("owner", a.rkey) && !w.nic.accepts_from("owner2", a.rkey));
+    assert!(w.nic.accepts_from("owner2", b.rkey) && !w.nic.accepts_from("owner", b.rkey));
+    assert_eq!((w.mem.maps, w.nic.registers), (1, 2));
+    // Mapping again on the same connection gives the same key.
+    let again = w.map("owner", &h, true).unwrap();
+    assert_eq!(again.rkey, a.rkey);
+    assert_eq!(w.nic.registers, 2);
     // A holder that does not write gets its own key, which cannot write.
     let k = w.map("keeper", &h, false).unwrap();
     assert_ne!(k.rkey, a.rkey);
@@ -199,7 +209,7 @@ fn a_read_handle_maps_only_a_region_mapped_here() {
     let r = w.map_read("reader", &h, 4096, 8192).unwrap();
     assert_eq!((r.offset_in_region, r.length), (4096, 8192));
     assert_eq!(r.addr, owner.addr + 4096);
-    let reg = w.nic.live[&r.rkey];
+    let reg = w.nic.live[&r.rkey].clone();
     assert!(!reg.writable, "a reader's key cannot write");
     assert_eq!((reg.ptr, reg.len), (owner.addr + 4096, 8192));
 }
@@ -232,18 +242,20 @@ fn a_read_range_lies_inside_its_region() {
 }
 
 #[test]
-fn readers_of_a_range_share_one_read_registration() {
+fn readers_of_a_range_get_read_registrations_of_their_own() {
     let mut w = World::new();
     let h = w.rm.region();
     let owner = w.map("owner", &h, true).unwrap();
     let a = w.map_read("ra", &h, 0, 4096).unwrap();
     let b = w.map_read("rb", &h, 0, 4096).unwrap();
-    assert_eq!(a.rkey, b.rkey);
-    assert_eq!(w.nic.registers, 2);
+    assert_ne!(a.rkey, b.rkey);
+    assert!(w.nic.accepts_from("ra", a.rkey) && !w.nic.accepts_from("rb", a.rkey));
+    assert_eq!(w.nic.registers, 3);
     assert!(w.unmap("ra", h.region_id));
-    assert!(w.nic.accepts(a.rkey), "rb still reads it");
-    assert!(w.unmap("rb", h.region_id));
     assert!(!w.nic.accepts(a.rkey));
+    assert!(w.nic.accepts(b.rkey), "rb still reads it");
+    assert!(w.unmap("rb", h.region_id));
+    assert!(!w.nic.accepts(b.rkey));
     assert!(w.nic.accepts(owner.rkey), "the owner's key is untouched");
     assert!(w.rm.held.contains(&h.region_id));
 }

@@ -1,9 +1,12 @@
 //! One region mapped at this agent: its range, its registrations and who holds them.
 //!
-//! A region is mapped once and shared by every holder. Each kind of access
-//! ([`Grant`]) has its own registration, so a reader's key can never write and a
-//! keeper that only holds the region gets no write key either. A registration lives
-//! while it has holders; a deregistration that fails keeps its key in `stuck`, and
+//! A region is mapped once and shared by every holder, but each holder (an agent
+//! connection) gets registrations of its own, one per kind of access ([`Grant`]):
+//! the NIC puts them in that connection's protection domain, so a key works only on
+//! the queue pair of the connection it was issued to, a reader's key can never
+//! write, and a keeper that only holds the region gets no write key either. A
+//! registration lives while its holder holds it; a deregistration that fails keeps
+//! its key in `stuck`, and
 //! until the sweep deregisters it the region is neither unmapped nor unheld: the NIC
 //! may still accept that key.
 
@@ -35,12 +38,6 @@ impl Grant {
     }
 }
 
-#[derive(Debug)]
-struct Slot {
-    reg: Registration,
-    holders: BTreeSet<String>,
-}
-
 /// A key whose deregistration failed, with the last error.
 #[derive(Debug)]
 struct Stuck {
@@ -53,7 +50,8 @@ pub(crate) struct RegionMapping {
     /// The handle the RM accepted when the region was mapped.
     pub handle: Handle,
     pub range: MappedRange,
-    slots: BTreeMap<Grant, Slot>,
+    /// One registration per holder and grant.
+    slots: BTreeMap<(String, Grant), Registration>,
     stuck: Vec<Stuck>,
     /// Going away (released, refused by the RM, or out of holders): takes no new
     /// holder, and leaves the table once every key is deregistered.
@@ -82,29 +80,17 @@ impl RegionMapping {
         m
     }
 
-    /// The registration for `grant`, if there is one.
-    pub fn registration(&self, grant: Grant) -> Option<&Registration> {
-        self.slots.get(&grant).map(|s| &s.reg)
-    }
-
-    /// Adds `client` to an existing registration. Returns false when there is none.
-    pub fn join(&mut self, grant: Grant, client: &str) -> bool {
-        match self.slots.get_mut(&grant) {
-            Some(s) => {
-                s.holders.insert(client.to_string());
-                true
-            }
-            None => false,
-        }
+    /// `client`'s registration for `grant`, if it has one.
+    pub fn registration(&self, grant: Grant, client: &str) -> Option<&Registration> {
+        self.slots.get(&(client.to_string(), grant))
     }
 
     pub fn add_registration(&mut self, grant: Grant, reg: Registration, client: &str) {
-        let holders = BTreeSet::from([client.to_string()]);
-        self.slots.insert(grant, Slot { reg, holders });
+        self.slots.insert((client.to_string(), grant), reg);
     }
 
     pub fn holds(&self, client: &str) -> bool {
-        self.slots.values().any(|s| s.holders.contains(client))
+        self.slots.keys().any(|(c, _)| c == client)
     }
 
     /// No registration is left: the region has no holder.
@@ -124,33 +110,28 @@ impl RegionMapping {
     }
 
     /// Drops `client` from every registration (only from read handles when
-    /// `reads_only`); the ones left without holders are deregistered. Returns whether
+    /// `reads_only`) and deregisters its registrations. Returns whether
     /// the client held anything that was dropped.
     pub fn drop_holder(&mut self, client: &str, reads_only: bool, nic: &mut dyn NicPort) -> bool {
-        let mut removed = false;
-        let mut empty = Vec::new();
-        for (grant, s) in &mut self.slots {
-            if reads_only && !matches!(grant, Grant::Range { .. }) {
-                continue;
-            }
-            removed |= s.holders.remove(client);
-            if s.holders.is_empty() {
-                empty.push(*grant);
-            }
-        }
-        for grant in empty {
-            if let Some(s) = self.slots.remove(&grant) {
-                self.deregister(s.reg.rkey, nic);
+        let gone: Vec<(String, Grant)> = self
+            .slots
+            .keys()
+            .filter(|(c, g)| c == client && (!reads_only || matches!(g, Grant::Range { .. })))
+            .cloned()
+            .collect();
+        for k in &gone {
+            if let Some(reg) = self.slots.remove(k) {
+                self.deregister(reg.rkey, nic);
             }
         }
-        removed
+        !gone.is_empty()
     }
 
     /// Deregisters every registration whoever holds it (release, or the RM no
     /// longer knows the handle).
     pub fn deregister_all(&mut self, nic: &mut dyn NicPort) {
-        for (_, s) in std::mem::take(&mut self.slots) {
-            self.deregister(s.reg.rkey, nic);
+        for (_, reg) in std::mem::take(&mut self.slots) {
+            self.deregister(reg.rkey, nic);
         }
     }
 
@@ -181,11 +162,7 @@ impl RegionMapping {
     }
 
     pub fn info(&self) -> MappingInfo {
-        let holders: BTreeSet<&str> = self
-            .slots
-            .values()
-            .flat_map(|s| s.holders.iter().map(String::as_str))
-            .collect();
+        let holders: BTreeSet<&str> = self.slots.keys().map(|(c, _)| c.as_str()).collect();
         MappingInfo {
             region_id: self.handle.region_id,
             offset: self.handle.offset,

@@ -101,8 +101,16 @@ pub struct Registration {
 /// The node's NIC.
 pub trait NicPort {
     /// Registers `len` bytes at `ptr` for remote READ, and remote WRITE when
-    /// `writable`.
-    fn register(&mut self, ptr: u64, len: u64, writable: bool) -> Result<Registration, String>;
+    /// `writable`, for `holder` only: the key works on the data path of the agent
+    /// connection `holder` stands for (its protection domain, its soft NIC binding)
+    /// and on no other, so a worker that learns another worker's key cannot use it.
+    fn register(
+        &mut self,
+        holder: &str,
+        ptr: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<Registration, String>;
     /// Deregisters a key. Returns once no operation is in flight on it: after `Ok`
     /// the NIC fails every operation that presents the key.
     fn deregister(&mut self, rkey: u64) -> Result<(), String>;

@@ -14,13 +14,15 @@ fn the_last_holder_unmapping_deregisters_then_unholds() {
     let h = w.rm.region();
     let id = h.region_id;
     let a = w.map("a", &h, true).unwrap();
-    w.map("b", &h, true).unwrap();
+    let b = w.map("b", &h, true).unwrap();
     assert!(w.unmap("a", id));
-    assert!(w.nic.accepts(a.rkey), "b still holds the region");
+    assert!(!w.nic.accepts(a.rkey), "a's own key goes with its unmap");
+    assert!(w.nic.accepts(b.rkey), "b still holds the region");
     assert_eq!(w.rm.count("unhold"), 0);
+    assert!(w.mem.unmaps.is_empty() && w.mem.range_at(a.addr).is_some_and(|r| !r.protected));
     assert!(!w.unmap("a", id), "a holds nothing any more");
     assert!(w.unmap("b", id));
-    assert!(!w.nic.accepts(a.rkey));
+    assert!(!w.nic.accepts(b.rkey));
     assert!(w.rm.held.is_empty());
     // The range stays mapped without access for the quarantine.
     let r = w.mem.range_at(a.addr).unwrap();

@@ -15,7 +15,9 @@ pub mod text;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
-pub use server::{ConnId, NetCounters, Server, ServerCounts, ServerOptions, Service};
+pub use server::{
+    ConnId, NetCounters, Replier, Server, ServerCounts, ServerOptions, Service, MAX_DEFERRED,
+};
 pub use signals::SignalPipe;
 pub use sockopt::recv_now;
 pub use text::clip;

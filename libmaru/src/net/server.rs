@@ -41,8 +41,11 @@ pub trait Service {
     /// secret its hello carried (a reconnecting client), if any.
     fn on_open(&mut self, _conn: ConnId, _client_id: &str, _resume: Option<&str>, _now_ms: u64) {}
 
-    /// One request frame body; returns the reply frame to send (encoded), or nothing
-    /// (an empty vector) when the reply comes later through [`Service::take_replies`].
+    /// One request frame body; returns the reply frame to send (encoded). An empty
+    /// return means the reply comes later: computed off the loop and handed over
+    /// through the server's [`Replier`], or computed by the service on the loop and
+    /// handed over through [`Service::take_replies`]. The connection's requests are
+    /// not read on while it has [`MAX_DEFERRED`] replies outstanding.
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
 
     /// Replies to requests answered later (see `on_request`), by connection: the loop
@@ -66,6 +69,36 @@ pub trait Service {
 
     /// Called once when the loop stops (signal): save what must be saved.
     fn on_shutdown(&mut self, _now_ms: u64) {}
+}
+
+/// Most replies one connection may have outstanding off the loop (deferred); its
+/// requests are read on only once one of them came back.
+pub const MAX_DEFERRED: usize = 8;
+
+/// Hands a reply computed off the loop (a deferred [`Service::on_request`]) back to
+/// the loop, which sends it on the connection (dropped if the connection is gone).
+/// Cloned into the threads that do the work.
+#[derive(Clone)]
+pub struct Replier {
+    tx: std::sync::mpsc::Sender<(ConnId, Vec<u8>)>,
+    waker: std::sync::Arc<mio::Waker>,
+}
+
+impl Replier {
+    /// Wakes the loop without a reply, so it asks the service's `next_deadline` again.
+    pub fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            log::error!("cannot wake the event loop: {e}");
+        }
+    }
+
+    pub fn send(&self, conn: ConnId, reply: Vec<u8>) {
+        if self.tx.send((conn, reply)).is_ok() {
+            if let Err(e) = self.waker.wake() {
+                log::error!("cannot wake the event loop for a deferred reply: {e}");
+            }
+        }
+    }
 }
 
 /// Settings of the loop: every bound a peer could otherwise push without limit.
@@ -149,6 +182,8 @@ struct Conn {
     unread: bool,
     /// The interest registered now: (readable, writable).
     interest: (bool, bool),
+    /// Replies the service deferred and has not handed back yet.
+    deferred: usize,
 }
 
 impl Conn {
@@ -159,11 +194,17 @@ impl Conn {
     fn pending(&self) -> bool {
         matches!(self.phase, Phase::Handshake(_))
     }
+
+    /// Whether its requests may be read and served now.
+    fn may_read(&self, opts: &ServerOptions) -> bool {
+        !self.closing && self.unsent() <= opts.max_unsent && self.deferred < MAX_DEFERRED
+    }
 }
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const FIRST_CONN: usize = 2;
+const WAKER: Token = Token(usize::MAX);
 
 /// The event loop over one listener.
 pub struct Server {
@@ -184,6 +225,8 @@ pub struct Server {
     last_refusal_log_ms: Option<u64>,
     refused_since_log: u64,
     counters: Arc<NetCounters>,
+    replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
+    replier: Replier,
 }
 
 /// What the loop counts for a daemon's metrics: refusals and failed key proofs happen
@@ -238,6 +281,8 @@ impl Server {
         let mut listener = TcpListener::bind(addr)?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = std::sync::Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
+        let (tx, replies) = std::sync::mpsc::channel();
         Ok(Server {
             poll,
             listener,
@@ -252,7 +297,14 @@ impl Server {
             last_refusal_log_ms: None,
             refused_since_log: 0,
             counters: Arc::default(),
+            replies,
+            replier: Replier { tx, waker },
         })
+    }
+
+    /// Where a service hands its deferred replies (see [`Service::on_request`]).
+    pub fn replier(&self) -> Replier {
+        self.replier.clone()
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -296,6 +348,7 @@ impl Server {
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
+                    WAKER => self.deliver(service),
                     SIGNALS => {
                         if self.signals.as_ref().is_some_and(|s| s.drain()) {
                             log::info!("signal received; shutting down");
@@ -427,6 +480,7 @@ impl Server {
                             closing: false,
                             unread: false,
                             interest: (true, false),
+                            deferred: 0,
                         },
                     );
                 }
@@ -498,10 +552,7 @@ impl Server {
         }
         // Read only while the unsent replies are under the bound; a peer that does
         // not read its replies stops being read.
-        let want = (
-            !conn.closing && conn.unsent() <= opts.max_unsent,
-            conn.unsent() > 0,
-        );
+        let want = (conn.may_read(opts), conn.unsent() > 0);
         if want != conn.interest {
             let interest = match want {
                 (true, true) => Interest::READABLE | Interest::WRITABLE,
@@ -521,9 +572,14 @@ impl Server {
         }
     }
 
-    /// Queues the replies the service answered later and sends them.
+    /// Sends the deferred replies that are ready: those handed over through the
+    /// [`Replier`] (work done off the loop) and those the service answered later on
+    /// the loop ([`Service::take_replies`]). A reply for a connection that closed
+    /// meanwhile is dropped.
     fn deliver<S: Service>(&mut self, service: &mut S) {
-        for (id, reply) in service.take_replies() {
+        let mut ready: Vec<(ConnId, Vec<u8>)> = self.replies.try_iter().collect();
+        ready.extend(service.take_replies());
+        for (id, reply) in ready {
             let Some(tok) = self
                 .conns
                 .iter()
@@ -533,8 +589,10 @@ impl Server {
                 continue; // closed meanwhile
             };
             if let Some(c) = self.conns.get_mut(&tok) {
+                c.deferred = c.deferred.saturating_sub(1);
                 c.out.extend(reply);
             }
+            // Flush, and serve what waited for room.
             self.on_conn_event(service, tok, false, false, true);
         }
     }
@@ -654,7 +712,7 @@ fn pump<S: Service>(
         if conn.unsent() > 0 && !flush(conn, counters) {
             return false;
         }
-        if conn.closing || conn.unsent() > opts.max_unsent || !conn.unread {
+        if !conn.may_read(opts) || !conn.unread {
             return true;
         }
         match read_some(conn, buf, counters, read_closed) {
@@ -718,7 +776,7 @@ fn process_frames<S: Service>(
     counters: &NetCounters,
     now: u64,
 ) {
-    while !conn.closing && conn.unsent() <= opts.max_unsent {
+    while conn.may_read(opts) {
         let f = match conn.decoder.next_frame() {
             Ok(Some(f)) => f,
             Ok(None) => return,
@@ -742,6 +800,9 @@ fn process_frames<S: Service>(
             },
             Phase::Ready { client_id } if f.kind == FrameKind::Request => {
                 let reply = service.on_request(conn.id, client_id, &f.body, now);
+                if reply.is_empty() {
+                    conn.deferred += 1;
+                }
                 conn.out.extend(reply);
             }
             Phase::Ready { .. } => {

@@ -208,12 +208,16 @@ pub struct Registration {
 
 /// The memory-node side: registers ranges the agent mapped.
 pub trait Target: Send + Sync {
-    /// Registers `len` bytes at `ptr` for remote READ (and WRITE when `writable`).
+    /// Registers `len` bytes at `ptr` for remote READ (and WRITE when `writable`),
+    /// for `owner` (the agent connection it is made for): the key works only on data
+    /// paths of that owner (its protection domain's queue pairs, the soft NIC
+    /// connections bound to it), so a worker that learns another's key cannot use it.
     ///
     /// # Safety
     /// The range must stay mapped until [`Target::deregister`] returned for its key.
     unsafe fn register(
         &self,
+        owner: u64,
         ptr: *mut u8,
         len: u64,
         writable: bool,
@@ -222,6 +226,12 @@ pub trait Target: Send + Sync {
     /// Deregisters: when this returns, every later operation with `rkey` fails with
     /// `BadKey` and none is still touching the range.
     fn deregister(&self, rkey: u64) -> Result<(), TransportError>;
+
+    /// The owner (agent connection) closed: its data paths are closed. Its
+    /// registrations stay until deregistered.
+    fn owner_closed(&self, owner: u64) {
+        let _ = owner;
+    }
 
     /// Answers a worker's connection data (RDMA queue-pair bring-up) with ours.
     /// Transports without such an exchange refuse.

@@ -48,6 +48,10 @@ fn default_reply_spin_us() -> u64 {
 fn default_prefault() -> bool {
     true
 }
+fn default_rdma_qps_per_agent() -> u8 {
+    1
+}
+
 fn default_rdma_port() -> u8 {
     1
 }
@@ -86,6 +90,10 @@ pub struct HandlerConfig {
     /// Service level, 0-15.
     #[serde(default)]
     pub rdma_service_level: u8,
+    /// Queue pairs to each agent (transport verbs, 1-8); batches spread over them,
+    /// and an error on one fails only its batches.
+    #[serde(default = "default_rdma_qps_per_agent")]
+    pub rdma_qps_per_agent: u8,
     /// Load staging slots (pipeline depth of loads).
     #[serde(default = "default_load_slots")]
     pub load_slots: usize,
@@ -154,6 +162,12 @@ impl HandlerConfig {
         }
         if self.rdma_port == 0 {
             return Err("rdma_port must be at least 1 (RDMA ports are numbered from 1)".into());
+        }
+        if !(1..=8).contains(&self.rdma_qps_per_agent) {
+            return Err(format!(
+                "rdma_qps_per_agent is {}; it must be 1-8",
+                self.rdma_qps_per_agent
+            ));
         }
         if self.rdma_service_level > 15 {
             return Err(format!(
@@ -255,6 +269,15 @@ mod tests {
         let e =
             HandlerConfig::parse(&format!(r#"{{{base},"rdma_traffic_class":256}}"#)).unwrap_err();
         assert!(e.contains("rdma_traffic_class") || e.contains("256"), "{e}");
+        let c = HandlerConfig::parse(&format!("{{{base}}}")).unwrap();
+        assert_eq!(c.rdma_qps_per_agent, 1);
+        let c = HandlerConfig::parse(&format!(r#"{{{base},"rdma_qps_per_agent":4}}"#)).unwrap();
+        assert_eq!(c.rdma_qps_per_agent, 4);
+        for bad in [0, 9] {
+            let e = HandlerConfig::parse(&format!(r#"{{{base},"rdma_qps_per_agent":{bad}}}"#))
+                .unwrap_err();
+            assert!(e.contains("rdma_qps_per_agent"), "{e}");
+        }
     }
 
     proptest! {

@@ -1,10 +1,15 @@
 //! The soft NIC's binary data-plane format, after the handshake.
 //!
-//! Request (40 bytes, little-endian): `u8 op` (1 READ, 2 WRITE), 7 zero bytes,
+//! Request (40 bytes, little-endian): `u8 op` (1 READ, 2 WRITE, 3 BIND), 7 zero bytes,
 //! `u64 seq`, `u64 remote_addr`, `u64 rkey`, `u64 len`; a WRITE is followed by `len`
 //! payload bytes. Completion (24 bytes): `u64 seq`, `u32 status`, `u32 0`, `u64 len`;
 //! a successful READ is followed by `len` payload bytes. Completions come in request
 //! order.
+//!
+//! BIND is a connection's first request: `remote_addr` and `rkey` carry the high and
+//! low halves of the binding secret of the owner (agent connection) whose keys this
+//! data connection uses (the `bind` field of the transport metadata). Until it
+//! succeeds every key is refused; keys of other owners are refused always.
 
 pub const REQ_LEN: usize = 40;
 pub const CPL_LEN: usize = 24;
@@ -15,6 +20,7 @@ pub const SERVICE: &str = "maru-soft-nic";
 
 pub const OP_READ: u8 = 1;
 pub const OP_WRITE: u8 = 2;
+pub const OP_BIND: u8 = 3;
 
 /// Completion status values.
 pub const ST_OK: u32 = 0;
@@ -64,7 +70,7 @@ impl Request {
             rkey: u64_at(b, 24),
             len: u64_at(b, 32),
         };
-        if r.op != OP_READ && r.op != OP_WRITE {
+        if r.op != OP_READ && r.op != OP_WRITE && r.op != OP_BIND {
             return Err(format!("unknown operation {}", r.op));
         }
         if b[1..8].iter().any(|&x| x != 0) {
@@ -187,7 +193,7 @@ mod tests {
             h[32..].copy_from_slice(&tail.to_le_bytes());
             if let Ok(r) = Request::decode(&h) {
                 prop_assert!(r.len <= MAX_OP_LEN);
-                prop_assert!(r.op == OP_READ || r.op == OP_WRITE);
+                prop_assert!(r.op == OP_READ || r.op == OP_WRITE || r.op == OP_BIND);
             }
         }
     }

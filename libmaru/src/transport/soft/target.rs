@@ -1,16 +1,29 @@
 //! The soft NIC's responder on the memory node: serves READ/WRITE against its
 //! registration table and checks the remote key on every operation, as a NIC does.
 //!
-//! One thread (mio) accepts connections and runs their handshakes: a peer that has
-//! not proved the key costs a small buffer, never a thread, and is closed at the
-//! handshake deadline. A connection that proved the key gets a thread of its own
-//! (at most [`MAX_CONNECTIONS`]), blocking I/O (it sleeps in the kernel while idle). Bytes go straight between the socket and the registered memory: a WRITE's
-//! payload is read into the region, a READ's is written from it, with no staging copy.
-//! Each registration has a gate: an operation holds it shared while it touches the
-//! range, and deregistration takes it exclusively, so when `deregister` returns no
-//! operation is touching the range and every later one fails with a bad key. A
-//! connection that stalls mid-operation times out (`io_timeout`), which bounds how long
-//! a deregistration can wait.
+//! A few threads (mio, one per core, at most [`MAX_SHARDS`]) serve every data
+//! connection: the first accepts and runs every handshake, and hands each proven
+//! connection to the threads in turn. A peer costs a small buffer and a descriptor,
+//! never a thread of its own. A peer that has not proved
+//! the key is closed at the handshake deadline; at most [`MAX_PENDING`] are in their
+//! handshake and [`MAX_CONNECTIONS`] are served at once. Bytes go straight between
+//! the socket and the registered memory: a WRITE's payload is read into the region,
+//! a READ's is written from it, with no staging copy. A connection reads its next
+//! request only once the previous one's reply left, so a peer that does not read
+//! holds at most one reply.
+//!
+//! Keys are bound like a NIC's protection domains: every registration belongs to one
+//! owner (the agent connection it was made for), and a data connection serves only
+//! the keys of the owner it bound itself to (`OP_BIND` with the owner's binding
+//! secret, which only the owner's map replies carry). Another owner's key fails with
+//! a bad-key completion and nothing is read or written. When an owner goes
+//! ([`SoftTarget::owner_closed`]) its data connections are closed.
+//!
+//! Each registration has a gate: an operation holds a use of it while it touches the
+//! range, and deregistration closes the gate and waits for the uses to end, so when
+//! `deregister` returns no operation is touching the range and every later one fails
+//! with a bad key. A connection that stalls mid-operation is closed after
+//! `io_timeout`, which bounds how long a deregistration can wait.
 
 use super::proto::{self, Completion, Request, CPL_LEN, REQ_LEN};
 use crate::auth::SharedKey;
@@ -19,39 +32,115 @@ use crate::transport::{Registration, Target, TransportError};
 use crate::wire::{self, FrameDecoder};
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+/// Whether a registration is alive and how many operations use it now.
+struct Gate {
+    alive: bool,
+    users: usize,
+}
 
 struct Reg {
     base: u64,
     len: u64,
     writable: bool,
-    /// true while registered; operations hold it shared.
-    gate: RwLock<bool>,
+    /// The owner (agent connection) it was registered for.
+    owner: u64,
+    gate: Mutex<Gate>,
+    idle: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An operation's use of a live registration; the registration's deregistration
+/// waits until every use is dropped.
+struct RegUse(Arc<Reg>);
+
+impl RegUse {
+    fn take(reg: Arc<Reg>) -> Option<RegUse> {
+        let mut g = lock(&reg.gate);
+        if !g.alive {
+            return None;
+        }
+        g.users += 1;
+        drop(g);
+        Some(RegUse(reg))
+    }
+}
+
+impl Drop for RegUse {
+    fn drop(&mut self) {
+        let mut g = lock(&self.0.gate);
+        g.users -= 1;
+        if g.users == 0 {
+            self.0.idle.notify_all();
+        }
+    }
+}
+
+/// The owners that registered something: their binding secrets, both ways.
+#[derive(Default)]
+struct Owners {
+    secret_of: HashMap<u64, u128>,
+    owner_of: HashMap<u128, u64>,
+}
+
+/// One serving thread (its own `Poll`), seen from the others.
+struct Shard {
+    waker: mio::Waker,
+    /// Proven connections handed to it by the accepting shard.
+    inbox: Mutex<Vec<Conn>>,
+    /// Owners closed since it last looked: their data connections go.
+    closed_owners: Mutex<Vec<u64>>,
+    /// Connections it serves now (they proved the key).
+    serving: AtomicU64,
+    /// Connections in their handshake now (shard 0 only).
+    pending: AtomicU64,
 }
 
 struct Shared {
     regs: RwLock<HashMap<u64, Arc<Reg>>>,
+    owners: Mutex<Owners>,
     key: Option<SharedKey>,
     io_timeout: Duration,
     stop: AtomicBool,
-    /// Open data connections (a handle each, to close them at shutdown), by id; a
-    /// connection's thread removes its own when it ends.
-    conns: Mutex<HashMap<u64, TcpStream>>,
-    next_conn: AtomicU64,
+    shards: Vec<Shard>,
+    next_shard: AtomicU64,
     ops: AtomicU64,
     rejected: AtomicU64,
-    /// Connections still in their handshake (each has a thread until it ends).
-    pending: AtomicU64,
 }
 
-/// Most data connections at once (each is served by its own thread); beyond it a new
-/// connection is closed at accept.
-pub const MAX_CONNECTIONS: usize = 256;
-/// Most connections in their handshake at once: a quarter of the connections, so peers
-/// without the key cannot take the room of workers that proved it.
+impl Shared {
+    fn serving(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.serving.load(Ordering::SeqCst))
+            .sum()
+    }
+
+    fn pending(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.pending.load(Ordering::SeqCst))
+            .sum()
+    }
+}
+
+/// Serving threads: one per core, at most this many. The first also accepts and runs
+/// every handshake; proven connections are spread over all of them.
+pub const MAX_SHARDS: usize = 4;
+
+/// Most data connections served at once; beyond it a new connection is closed at
+/// accept. They share [`MAX_SHARDS`] threads at most; this bounds descriptors and
+/// memory.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// Most connections in their handshake at once, so peers without the key cannot
+/// take the room of workers that proved it.
 pub const MAX_PENDING: u64 = 64;
 /// The whole handshake (hello and key proof) must finish within this.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
@@ -63,6 +152,7 @@ pub struct SoftTarget {
     shared: Arc<Shared>,
     addr: SocketAddr,
     advertise: String,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// Counters of a responder.
@@ -72,11 +162,14 @@ pub struct TargetStats {
     pub ops: u64,
     /// Data connections served now (they proved the key).
     pub connections: usize,
-    /// Connections in their handshake now (no thread each).
+    /// Connections in their handshake now.
     pub pending: u64,
     /// Operations refused for a bad key, range or access.
     pub rejected: u64,
 }
+
+const LISTENER: mio::Token = mio::Token(usize::MAX);
+const WAKER: mio::Token = mio::Token(usize::MAX - 1);
 
 impl SoftTarget {
     /// Listens on `bind` (port 0 picks one). `advertise` is the host workers connect
@@ -99,25 +192,52 @@ impl SoftTarget {
         } else {
             format!("{host}:{}", addr.port())
         };
+        let n = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, MAX_SHARDS);
+        let mut polls = Vec::with_capacity(n);
+        let mut shards = Vec::with_capacity(n);
+        for _ in 0..n {
+            let poll = mio::Poll::new()?;
+            shards.push(Shard {
+                waker: mio::Waker::new(poll.registry(), WAKER)?,
+                inbox: Mutex::new(Vec::new()),
+                closed_owners: Mutex::new(Vec::new()),
+                serving: AtomicU64::new(0),
+                pending: AtomicU64::new(0),
+            });
+            polls.push(poll);
+        }
         let shared = Arc::new(Shared {
             regs: RwLock::new(HashMap::new()),
+            owners: Mutex::new(Owners::default()),
             key,
             io_timeout,
             stop: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(1),
+            shards,
+            next_shard: AtomicU64::new(0),
             ops: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
-            pending: AtomicU64::new(0),
         });
-        let s = shared.clone();
-        std::thread::Builder::new()
-            .name("soft-nic-accept".into())
-            .spawn(move || accept_loop(listener, s))?;
+        let mut listener = Some(listener);
+        let mut threads = Vec::with_capacity(n);
+        for (i, poll) in polls.into_iter().enumerate() {
+            let (s, l) = (shared.clone(), listener.take());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("soft-nic{i}"))
+                    .spawn(move || {
+                        if let Err(e) = run_loop(i, l, poll, &s) {
+                            log::error!("soft NIC: event loop {i} stopped: {e}");
+                        }
+                    })?,
+            );
+        }
         Ok(SoftTarget {
             shared,
             addr,
             advertise,
+            threads: Mutex::new(threads),
         })
     }
 
@@ -125,31 +245,31 @@ impl SoftTarget {
         self.addr
     }
 
-    /// The `transport` metadata workers use to connect.
-    pub fn meta(&self) -> serde_json::Value {
-        serde_json::json!({ "soft": { "addr": self.advertise } })
+    /// The `transport` metadata a worker of `owner` uses to connect: the address and
+    /// the owner's binding secret.
+    fn meta(&self, secret: u128) -> serde_json::Value {
+        serde_json::json!({ "soft": { "addr": self.advertise, "bind": format!("{secret:032x}") } })
     }
 
     pub fn stats(&self) -> TargetStats {
         TargetStats {
             registrations: self.shared.regs.read().map(|r| r.len()).unwrap_or(0),
             ops: self.shared.ops.load(Ordering::Relaxed),
-            connections: self.shared.conns.lock().map(|c| c.len()).unwrap_or(0),
-            pending: self.shared.pending.load(Ordering::SeqCst),
+            connections: self.shared.serving() as usize,
+            pending: self.shared.pending(),
             rejected: self.shared.rejected.load(Ordering::Relaxed),
         }
     }
 
-    /// Stops accepting and closes every data connection.
+    /// Stops serving and closes every data connection.
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        if let Ok(conns) = self.shared.conns.lock() {
-            for c in conns.values() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
+        for s in &self.shared.shards {
+            let _ = s.waker.wake();
         }
-        // Wake the accept loop.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        for t in std::mem::take(&mut *lock(&self.threads)) {
+            let _ = t.join();
+        }
     }
 }
 
@@ -159,29 +279,45 @@ impl Drop for SoftTarget {
     }
 }
 
-fn random_rkey() -> Result<u64, TransportError> {
+fn random_u64() -> Result<u64, TransportError> {
     let b = crate::auth::random_bytes(8)
         .map_err(|e| TransportError::Setup(format!("cannot draw a key: {e}")))?;
     let mut x = [0u8; 8];
     x.copy_from_slice(&b);
-    Ok(u64::from_le_bytes(x) | 1)
+    Ok(u64::from_le_bytes(x))
 }
 
 impl Target for SoftTarget {
     unsafe fn register(
         &self,
+        owner: u64,
         ptr: *mut u8,
         len: u64,
         writable: bool,
     ) -> Result<Registration, TransportError> {
+        let secret = {
+            let mut o = lock(&self.shared.owners);
+            match o.secret_of.get(&owner) {
+                Some(s) => *s,
+                None => {
+                    let mut s = (u128::from(random_u64()?) << 64) | u128::from(random_u64()?);
+                    while s == 0 || o.owner_of.contains_key(&s) {
+                        s = (u128::from(random_u64()?) << 64) | u128::from(random_u64()?);
+                    }
+                    o.secret_of.insert(owner, s);
+                    o.owner_of.insert(s, owner);
+                    s
+                }
+            }
+        };
         let mut regs = self
             .shared
             .regs
             .write()
             .map_err(|_| TransportError::Setup("registration table poisoned".into()))?;
-        let mut rkey = random_rkey()?;
+        let mut rkey = random_u64()? | 1;
         while regs.contains_key(&rkey) {
-            rkey = random_rkey()?;
+            rkey = random_u64()? | 1;
         }
         let base = ptr as u64;
         regs.insert(
@@ -190,13 +326,18 @@ impl Target for SoftTarget {
                 base,
                 len,
                 writable,
-                gate: RwLock::new(true),
+                owner,
+                gate: Mutex::new(Gate {
+                    alive: true,
+                    users: 0,
+                }),
+                idle: Condvar::new(),
             }),
         );
         Ok(Registration {
             rkey,
             addr: base,
-            transport: self.meta(),
+            transport: self.meta(secret),
         })
     }
 
@@ -209,54 +350,175 @@ impl Target for SoftTarget {
                 .map_err(|_| TransportError::Setup("registration table poisoned".into()))?;
             regs.remove(&rkey).ok_or(TransportError::BadKey { rkey })?
         };
-        // Wait for operations in flight on this key; later ones see `false`.
-        match reg.gate.write() {
-            Ok(mut g) => *g = false,
-            Err(p) => *p.into_inner() = false,
+        // Wait for operations in flight on this key; later ones find it dead.
+        let mut g = lock(&reg.gate);
+        g.alive = false;
+        while g.users > 0 {
+            g = reg.idle.wait(g).unwrap_or_else(|p| p.into_inner());
         }
         Ok(())
     }
+
+    /// The owner's binding secret goes (no new data connection binds to it) and its
+    /// data connections are closed. Its registrations stay until deregistered.
+    fn owner_closed(&self, owner: u64) {
+        {
+            let mut o = lock(&self.shared.owners);
+            if let Some(s) = o.secret_of.remove(&owner) {
+                o.owner_of.remove(&s);
+            }
+        }
+        for s in &self.shared.shards {
+            lock(&s.closed_owners).push(owner);
+            let _ = s.waker.wake();
+        }
+    }
 }
 
-/// A connection still in its handshake: served by the accept thread's event loop,
-/// without a thread of its own.
+/// A connection still in its handshake.
 struct Pending {
-    stream: mio::net::TcpStream,
-    peer: String,
     hs: ServerHandshake,
     dec: FrameDecoder,
-    out: Vec<u8>,
-    deadline: std::time::Instant,
+    deadline: Instant,
     /// Close once `out` is written (after an error frame).
     closing: bool,
 }
 
-const LISTENER: mio::Token = mio::Token(usize::MAX);
+/// What a served connection is reading.
+enum Rx {
+    /// A request header; `got` bytes of it so far.
+    Header { got: usize },
+    /// A WRITE's payload, straight into the region.
+    Payload {
+        _reg: RegUse,
+        addr: u64,
+        left: u64,
+        seq: u64,
+    },
+    /// The payload of a refused WRITE, thrown away.
+    Discard { left: u64, seq: u64, status: u32 },
+}
 
-/// Accepts connections and runs their handshakes on one thread (mio): a peer that has
-/// not proved the key costs a small buffer, never a thread. A connection that proved
-/// it is handed to a thread of its own (at most [`MAX_CONNECTIONS`] at once).
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    if let Err(e) = run_accept_loop(listener, &shared) {
-        log::error!("soft NIC: the accept loop stopped: {e}");
+/// A READ's payload being sent from the region.
+struct Tx {
+    _reg: RegUse,
+    addr: u64,
+    left: u64,
+}
+
+struct Served {
+    /// The owner this connection bound itself to (none: every key is refused).
+    owner: Option<u64>,
+    rx: Rx,
+    hdr: [u8; REQ_LEN],
+    tx: Option<Tx>,
+    /// Since when it is mid-operation without progress (`None`: idle).
+    stalled_since: Option<Instant>,
+    /// The socket's receive low-water mark now (`SO_RCVLOWAT`, see [`wake_at`]).
+    lowat: usize,
+    /// The highest mark the receive buffer allows.
+    lowat_cap: usize,
+}
+
+/// A WRITE payload at least this long is read with a raised receive low-water mark.
+const LOWAT_FROM: u64 = 128 << 10;
+/// The highest mark set.
+const LOWAT_MAX: usize = 256 << 10;
+
+/// Sets the socket's receive low-water mark: while a large WRITE payload arrives, the
+/// loop is woken once per `mark` bytes rather than once per segment (on a VM each
+/// wake-up is an interrupt and an exit, the largest cost of a loopback stream after
+/// the copies). The mark never exceeds what is still to come, nor a quarter of the
+/// receive buffer, so it is always reached.
+fn wake_at(stream: &mio::net::TcpStream, mark: usize) {
+    use std::os::fd::AsRawFd;
+    let v = i32::try_from(mark).unwrap_or(i32::MAX);
+    // SAFETY: a valid socket and a pointer to one int of the size given.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        );
     }
 }
 
-fn run_accept_loop(listener: TcpListener, shared: &Arc<Shared>) -> io::Result<()> {
-    listener.set_nonblocking(true)?;
-    let mut listener = mio::net::TcpListener::from_std(listener);
-    let mut poll = mio::Poll::new()?;
-    poll.registry()
-        .register(&mut listener, LISTENER, mio::Interest::READABLE)?;
-    let mut events = mio::Events::with_capacity(128);
-    let mut pending: HashMap<usize, Pending> = HashMap::new();
+/// A quarter of the socket's receive buffer (at most [`LOWAT_MAX`]).
+fn lowat_cap(stream: &mio::net::TcpStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut v: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: a valid socket, an int and its length.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&mut v as *mut i32).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return 1;
+    }
+    (usize::try_from(v).unwrap_or(0) / 4).clamp(1, LOWAT_MAX)
+}
+
+enum State {
+    Handshake(Pending),
+    Served(Served),
+}
+
+struct Conn {
+    stream: mio::net::TcpStream,
+    peer: String,
+    /// Bytes read past the handshake, consumed before the socket.
+    head: Vec<u8>,
+    /// Bytes to send (handshake frames, completions).
+    out: Vec<u8>,
+    state: State,
+}
+
+/// A connection reads its next request only while less than this is unsent.
+const OUT_LIMIT: usize = 64 << 10;
+
+/// What driving a connection came to.
+enum Drive {
+    Open,
+    Close(String),
+}
+
+/// One serving thread. Shard 0 (`listener` given) also accepts and runs handshakes,
+/// and hands each proven connection to the shards in turn.
+fn run_loop(
+    me: usize,
+    listener: Option<TcpListener>,
+    mut poll: mio::Poll,
+    shared: &Arc<Shared>,
+) -> io::Result<()> {
+    let listener = match listener {
+        Some(l) => {
+            l.set_nonblocking(true)?;
+            let mut l = mio::net::TcpListener::from_std(l);
+            poll.registry()
+                .register(&mut l, LISTENER, mio::Interest::READABLE)?;
+            Some(l)
+        }
+        None => None,
+    };
+    let shard = &shared.shards[me];
+    let mut events = mio::Events::with_capacity(256);
+    let mut conns: HashMap<usize, Conn> = HashMap::new();
     let mut next = 0usize;
-    let mut buf = vec![0u8; 4096];
+    let mut scratch = vec![0u8; 64 << 10];
     loop {
-        let now = std::time::Instant::now();
-        let timeout = pending
+        let now = Instant::now();
+        let timeout = conns
             .values()
-            .map(|p| p.deadline.saturating_duration_since(now))
+            .filter_map(|c| deadline(c, shared.io_timeout))
+            .map(|d| d.saturating_duration_since(now))
             .min();
         if let Err(e) = poll.poll(&mut events, timeout) {
             if e.kind() == io::ErrorKind::Interrupted {
@@ -268,63 +530,124 @@ fn run_accept_loop(listener: TcpListener, shared: &Arc<Shared>) -> io::Result<()
             return Ok(());
         }
         for ev in events.iter() {
-            if ev.token() == LISTENER {
-                accept_pending(&listener, &poll, &mut pending, &mut next, shared);
-                continue;
-            }
-            let tok = ev.token().0;
-            let Some(p) = pending.get_mut(&tok) else {
-                continue;
-            };
-            match step_pending(p, &mut buf) {
-                PendingStep::Wait => {
-                    let interest = if p.out.is_empty() {
-                        mio::Interest::READABLE
-                    } else {
-                        mio::Interest::READABLE | mio::Interest::WRITABLE
+            match ev.token() {
+                LISTENER => {
+                    if let Some(l) = &listener {
+                        accept(l, &poll, &mut conns, &mut next, shared);
+                    }
+                }
+                WAKER => {
+                    let closed = std::mem::take(&mut *lock(&shard.closed_owners));
+                    conns.retain(|_, c| match &c.state {
+                        State::Served(s) => !s.owner.is_some_and(|o| closed.contains(&o)),
+                        State::Handshake(_) => true,
+                    });
+                    let handed = std::mem::take(&mut *lock(&shard.inbox));
+                    for mut c in handed {
+                        let tok = free_token(&conns, &mut next);
+                        let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
+                        if let Err(e) =
+                            poll.registry()
+                                .register(&mut c.stream, mio::Token(tok), interest)
+                        {
+                            log::warn!("soft NIC: cannot take a connection from {}: {e}", c.peer);
+                            continue;
+                        }
+                        // Bytes may have come before it was registered here.
+                        if let Drive::Open = drive(&mut c, shared, &mut scratch) {
+                            conns.insert(tok, c);
+                        }
+                    }
+                }
+                tok => {
+                    let Some(c) = conns.get_mut(&tok.0) else {
+                        continue;
                     };
-                    let _ = poll
-                        .registry()
-                        .reregister(&mut p.stream, ev.token(), interest);
-                }
-                PendingStep::Close(why) => {
-                    if let Some(mut p) = pending.remove(&tok) {
-                        log::info!("soft NIC: connection from {} refused: {why}", p.peer);
-                        let _ = poll.registry().deregister(&mut p.stream);
+                    let was_pending = matches!(c.state, State::Handshake(_));
+                    if let Drive::Close(why) = drive(c, shared, &mut scratch) {
+                        log::debug!("soft NIC: connection from {} closed: {why}", c.peer);
+                        conns.remove(&tok.0);
+                        continue;
                     }
-                }
-                PendingStep::Ready(head) => {
-                    if let Some(mut p) = pending.remove(&tok) {
-                        let _ = poll.registry().deregister(&mut p.stream);
-                        start_serving(p, head, shared);
+                    if was_pending && matches!(c.state, State::Served(_)) {
+                        hand_over(me, tok.0, &poll, &mut conns, shared);
                     }
                 }
             }
         }
-        let now = std::time::Instant::now();
-        let late: Vec<usize> = pending
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in late {
-            if let Some(mut p) = pending.remove(&t) {
+        let now = Instant::now();
+        conns.retain(|_, c| match deadline(c, shared.io_timeout) {
+            Some(d) if d <= now => {
                 log::info!(
-                    "soft NIC: closing connection from {}: no handshake within {} ms",
-                    p.peer,
-                    HANDSHAKE_DEADLINE.as_millis()
+                    "soft NIC: closing connection from {}: {}",
+                    c.peer,
+                    match c.state {
+                        State::Handshake(_) => "no handshake in time",
+                        State::Served(_) => "stalled mid-operation",
+                    }
                 );
-                let _ = poll.registry().deregister(&mut p.stream);
+                false
             }
-        }
-        shared.pending.store(pending.len() as u64, Ordering::SeqCst);
+            _ => true,
+        });
+        let pending = conns
+            .values()
+            .filter(|c| matches!(c.state, State::Handshake(_)))
+            .count();
+        shard.pending.store(pending as u64, Ordering::SeqCst);
+        shard
+            .serving
+            .store((conns.len() - pending) as u64, Ordering::SeqCst);
     }
 }
 
-fn accept_pending(
+/// A token no connection of this shard uses.
+fn free_token(conns: &HashMap<usize, Conn>, next: &mut usize) -> usize {
+    loop {
+        let t = *next;
+        *next = (*next + 1) % WAKER.0;
+        if !conns.contains_key(&t) {
+            return t;
+        }
+    }
+}
+
+/// Gives a connection that just proved the key to the next shard in turn (keeps it
+/// when that is this one).
+fn hand_over(
+    me: usize,
+    tok: usize,
+    poll: &mio::Poll,
+    conns: &mut HashMap<usize, Conn>,
+    shared: &Shared,
+) {
+    let n = shared.shards.len() as u64;
+    let to = (shared.next_shard.fetch_add(1, Ordering::Relaxed) % n) as usize;
+    if to == me {
+        return;
+    }
+    let Some(mut c) = conns.remove(&tok) else {
+        return;
+    };
+    let _ = poll.registry().deregister(&mut c.stream);
+    let shard = &shared.shards[to];
+    lock(&shard.inbox).push(c);
+    shard.serving.fetch_add(1, Ordering::SeqCst);
+    let _ = shard.waker.wake();
+}
+
+/// When the connection is closed unless it makes progress.
+fn deadline(c: &Conn, io_timeout: Duration) -> Option<Instant> {
+    match &c.state {
+        State::Handshake(p) => Some(p.deadline),
+        State::Served(s) => s.stalled_since.map(|t| t + io_timeout),
+    }
+}
+
+fn accept(
     listener: &mio::net::TcpListener,
     poll: &mio::Poll,
-    pending: &mut HashMap<usize, Pending>,
+    conns: &mut HashMap<usize, Conn>,
     next: &mut usize,
     shared: &Shared,
 ) {
@@ -339,87 +662,103 @@ fn accept_pending(
                 return;
             }
         };
-        let serving = shared.conns.lock().map(|c| c.len()).unwrap_or(usize::MAX);
-        if serving >= MAX_CONNECTIONS || pending.len() as u64 >= MAX_PENDING {
+        let pending = conns
+            .values()
+            .filter(|c| matches!(c.state, State::Handshake(_)))
+            .count();
+        let serving = shared.serving() as usize;
+        if serving >= MAX_CONNECTIONS || pending as u64 >= MAX_PENDING {
             // Closed at once (dropped); logged at debug only, so that a flood of
             // connections does not flood the log either.
             log::debug!(
-                "soft NIC: refusing connection from {peer}: {serving} served, {} in their handshake (limits)",
-                pending.len()
+                "soft NIC: refusing connection from {peer}: {serving} served, {pending} in their handshake (limits)"
             );
             continue;
         }
         let _ = stream.set_nodelay(true);
-        let tok = *next;
-        *next = (*next + 1) % LISTENER.0;
-        if let Err(e) =
-            poll.registry()
-                .register(&mut stream, mio::Token(tok), mio::Interest::READABLE)
+        let tok = free_token(conns, next);
+        let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
+        if let Err(e) = poll
+            .registry()
+            .register(&mut stream, mio::Token(tok), interest)
         {
             log::warn!("soft NIC: cannot register a connection from {peer}: {e}");
             continue;
         }
-        pending.insert(
+        conns.insert(
             tok,
-            Pending {
+            Conn {
                 stream,
                 peer: peer.to_string(),
-                hs: ServerHandshake::new(
-                    proto::SERVICE,
-                    shared.key.clone(),
-                    serde_json::Value::Null,
-                ),
-                dec: FrameDecoder::new(PRE_AUTH_MAX_FRAME),
+                head: Vec::new(),
                 out: Vec::new(),
-                deadline: std::time::Instant::now() + HANDSHAKE_DEADLINE,
-                closing: false,
+                state: State::Handshake(Pending {
+                    hs: ServerHandshake::new(
+                        proto::SERVICE,
+                        shared.key.clone(),
+                        serde_json::Value::Null,
+                    ),
+                    dec: FrameDecoder::new(PRE_AUTH_MAX_FRAME),
+                    deadline: Instant::now() + HANDSHAKE_DEADLINE,
+                    closing: false,
+                }),
             },
         );
+        shared.shards[0].pending.fetch_add(1, Ordering::SeqCst);
     }
 }
 
-enum PendingStep {
-    /// More bytes to read or write.
-    Wait,
-    /// Close it (refused, failed or gone).
-    Close(String),
-    /// Proved: serve it, starting with these bytes read past the handshake.
-    Ready(Vec<u8>),
+/// Moves the connection on as far as its socket allows now.
+fn drive(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> Drive {
+    if matches!(c.state, State::Handshake(_)) {
+        match step_handshake(c, scratch) {
+            Ok(true) => {}
+            Ok(false) => return Drive::Open,
+            Err(why) => return Drive::Close(why),
+        }
+    }
+    match serve(c, shared, scratch) {
+        Ok(()) => Drive::Open,
+        Err(e) => Drive::Close(e.to_string()),
+    }
 }
 
-/// Reads, runs the handshake, writes, as far as the socket allows now.
-fn step_pending(p: &mut Pending, buf: &mut [u8]) -> PendingStep {
+/// Reads, runs the handshake, writes. `Ok(true)`: proved, now served.
+fn step_handshake(c: &mut Conn, buf: &mut [u8]) -> Result<bool, String> {
+    let State::Handshake(p) = &mut c.state else {
+        return Ok(true);
+    };
     if !p.closing {
         loop {
-            match p.stream.read(buf) {
-                Ok(0) => return PendingStep::Close("closed by the peer".into()),
+            match c.stream.read(&mut buf[..4096]) {
+                Ok(0) => return Err("closed by the peer".into()),
                 Ok(n) => p.dec.push(&buf[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return PendingStep::Close(e.to_string()),
+                Err(e) => return Err(e.to_string()),
             }
             if p.dec.buffered() > PRE_AUTH_MAX_FRAME + wire::frame::HEADER_LEN {
                 break; // a whole frame's worth: decode it (or refuse it) first
             }
         }
     }
-    let mut ready = None;
-    while !p.closing && ready.is_none() {
+    let mut ready = false;
+    while !p.closing && !ready {
         match p.dec.next_frame() {
             Ok(Some(f)) => match p.hs.on_frame(&f) {
-                Step::Send(b) => p.out.extend(b),
+                Step::Send(b) => c.out.extend(b),
                 Step::Ready { send, .. } => {
-                    p.out.extend(send);
-                    ready = Some(());
+                    c.out.extend(send);
+                    ready = true;
                 }
                 Step::Fail(e) => {
-                    p.out.extend(wire::error_frame(&e));
+                    c.out.extend(wire::error_frame(&e));
                     p.closing = true;
                 }
             },
             Ok(None) => break,
             Err(e) => {
-                p.out.extend(wire::error_frame(&wire::WireError::new(
+                c.out.extend(wire::error_frame(&wire::WireError::new(
                     wire::ErrorCode::Protocol,
                     e.to_string(),
                 )));
@@ -427,195 +766,303 @@ fn step_pending(p: &mut Pending, buf: &mut [u8]) -> PendingStep {
             }
         }
     }
-    while !p.out.is_empty() {
-        match p.stream.write(&p.out) {
-            Ok(0) => return PendingStep::Close("write returned 0".into()),
+    flush_out(&mut c.stream, &mut c.out).map_err(|e| e.to_string())?;
+    if p.closing {
+        return if c.out.is_empty() {
+            Err("handshake failed".into())
+        } else {
+            Ok(false)
+        };
+    }
+    if ready {
+        let dec = std::mem::replace(&mut p.dec, FrameDecoder::new(0));
+        c.head = dec.into_rest();
+        let cap = lowat_cap(&c.stream);
+        c.state = State::Served(Served {
+            owner: None,
+            rx: Rx::Header { got: 0 },
+            hdr: [0; REQ_LEN],
+            tx: None,
+            stalled_since: None,
+            lowat: 1,
+            lowat_cap: cap,
+        });
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// Writes what `out` holds as far as the socket takes it.
+fn flush_out(stream: &mut mio::net::TcpStream, out: &mut Vec<u8>) -> io::Result<bool> {
+    let mut moved = false;
+    while !out.is_empty() {
+        match stream.write(out) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => {
-                p.out.drain(..n);
+                out.drain(..n);
+                moved = true;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return PendingStep::Close(e.to_string()),
+            Err(e) => return Err(e),
         }
     }
-    if p.closing && p.out.is_empty() {
-        return PendingStep::Close("handshake failed".into());
-    }
-    if ready.is_some() {
-        // What of the last handshake frame did not fit the socket buffer yet stays in
-        // `out`: the connection's own thread writes it first (`serve`).
-        let dec = std::mem::replace(&mut p.dec, FrameDecoder::new(0));
-        return PendingStep::Ready(dec.into_rest());
-    }
-    PendingStep::Wait
+    Ok(moved)
 }
 
-/// Hands a connection that proved the key to a thread of its own.
-fn start_serving(p: Pending, head: Vec<u8>, shared: &Arc<Shared>) {
-    use std::os::fd::{FromRawFd, IntoRawFd};
-    let Pending {
-        stream, peer, out, ..
-    } = p;
-    // SAFETY: the descriptor comes from a stream we own and give up here.
-    let stream = unsafe { TcpStream::from_raw_fd(stream.into_raw_fd()) };
-    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-    let kept = match stream.try_clone() {
-        Ok(c) => c,
-        Err(e) => return log::warn!("soft NIC: connection from {peer}: {e}"),
-    };
-    match shared.conns.lock() {
-        Ok(mut conns) => {
-            conns.insert(id, kept);
-        }
-        Err(_) => return,
+/// Reads into `dst`: bytes read ahead first, then the socket. `Ok(None)`: would block.
+fn read_some(c: &mut Conn, dst: &mut [u8]) -> io::Result<Option<usize>> {
+    if !c.head.is_empty() {
+        let n = dst.len().min(c.head.len());
+        dst[..n].copy_from_slice(&c.head[..n]);
+        c.head.drain(..n);
+        return Ok(Some(n));
     }
-    let s = shared.clone();
-    let spawned = std::thread::Builder::new()
-        .name("soft-nic-conn".into())
-        .spawn(move || {
-            match serve(stream, &s, &out, head) {
-                Ok(()) => log::debug!("soft NIC: {peer} disconnected"),
-                Err(e) => log::info!("soft NIC: connection from {peer} ended: {e}"),
-            }
-            // The handle kept for shutdown would hold the socket open (no FIN to
-            // a refused peer, one descriptor per closed connection): close it.
-            let kept = s.conns.lock().ok().and_then(|mut c| c.remove(&id));
-            if let Some(c) = kept {
-                let _ = c.shutdown(Shutdown::Both);
-            }
-        });
-    if let Err(e) = spawned {
-        log::warn!("soft NIC: cannot start a connection thread: {e}");
-        if let Ok(mut c) = shared.conns.lock() {
-            c.remove(&id);
-        }
-    }
-}
-
-/// A reader that first yields bytes read ahead during the handshake.
-struct Prefixed<'a> {
-    head: Vec<u8>,
-    pos: usize,
-    stream: &'a TcpStream,
-}
-
-impl Prefixed<'_> {
-    /// `read_exact` of a payload: what was read ahead first, then the socket in bulk.
-    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
-        let n = buf.len().min(self.head.len() - self.pos);
-        buf[..n].copy_from_slice(&self.head[self.pos..self.pos + n]);
-        self.pos += n;
-        crate::net::sockopt::read_exact_bulk(self.stream, &mut buf[n..])
-    }
-}
-
-impl Read for Prefixed<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.pos < self.head.len() {
-            let n = buf.len().min(self.head.len() - self.pos);
-            buf[..n].copy_from_slice(&self.head[self.pos..self.pos + n]);
-            self.pos += n;
-            return Ok(n);
-        }
-        (&*self.stream).read(buf)
-    }
-}
-
-/// Serves the operations of a connection that proved the key. `unsent`: the end of
-/// the handshake not written yet; `head`: bytes read past the handshake.
-fn serve(stream: TcpStream, shared: &Shared, unsent: &[u8], head: Vec<u8>) -> io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(shared.io_timeout))?;
-    stream.set_write_timeout(Some(shared.io_timeout))?;
-    (&stream).write_all(unsent)?;
-    // Idle between operations is fine: wait without a timeout for the next header.
-    let mut rd = Prefixed {
-        head,
-        pos: 0,
-        stream: &stream,
-    };
-    let mut hdr = [0u8; REQ_LEN];
     loop {
-        stream.set_read_timeout(None)?;
-        if let Err(e) = rd.read_exact(&mut hdr[..1]) {
-            return if e.kind() == io::ErrorKind::UnexpectedEof {
-                Ok(())
-            } else {
-                Err(e)
-            };
-        }
-        stream.set_read_timeout(Some(shared.io_timeout))?;
-        rd.read_exact(&mut hdr[1..])?;
-        let req =
-            Request::decode(&hdr).map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))?;
-        shared.ops.fetch_add(1, Ordering::Relaxed);
-        serve_op(&req, &mut rd, &stream, shared)?;
-    }
-}
-
-fn lookup(shared: &Shared, rkey: u64) -> Option<Arc<Reg>> {
-    shared.regs.read().ok()?.get(&rkey).cloned()
-}
-
-fn check(reg: &Reg, req: &Request) -> u32 {
-    proto::op_status(reg.base, reg.len, reg.writable, req)
-}
-
-fn serve_op(
-    req: &Request,
-    rd: &mut Prefixed<'_>,
-    mut out: &TcpStream,
-    shared: &Shared,
-) -> io::Result<()> {
-    let reg = lookup(shared, req.rkey);
-    // Holding the gate shared for the whole copy keeps deregistration waiting.
-    let gate = reg.as_ref().map(|r| r.gate.read());
-    let status = match (&reg, &gate) {
-        (Some(r), Some(Ok(alive))) if **alive => check(r, req),
-        _ => proto::ST_BAD_KEY,
-    };
-    if status != proto::ST_OK {
-        shared.rejected.fetch_add(1, Ordering::Relaxed);
-        drop(gate);
-        if req.op == proto::OP_WRITE {
-            // Consume and discard the payload: nothing is written.
-            io::copy(&mut rd.take(req.len), &mut io::sink())?;
-        }
-        let cpl = Completion {
-            seq: req.seq,
-            status,
-            len: 0,
-        };
-        return out.write_all(&cpl.encode());
-    }
-    let ptr = req.addr as *mut u8;
-    if req.op == proto::OP_WRITE {
-        // SAFETY: the range lies inside a live registration (checked above), whose
-        // memory stays mapped while the gate is held shared.
-        let dst = unsafe { std::slice::from_raw_parts_mut(ptr, req.len as usize) };
-        rd.read_payload(dst)?;
-        drop(gate);
-        out.write_all(
-            &Completion {
-                seq: req.seq,
-                status,
-                len: 0,
+        match c.stream.read(dst) {
+            Ok(0) if !dst.is_empty() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "closed by the peer",
+                ))
             }
-            .encode(),
-        )
-    } else {
-        // SAFETY: as above, for reading.
-        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, req.len as usize) };
-        let cpl = Completion {
-            seq: req.seq,
-            status,
-            len: req.len,
+            Ok(n) => return Ok(Some(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
-        .encode();
-        write_two(&mut out, &cpl, src)?;
-        drop(gate);
-        Ok(())
+    }
+}
+
+/// Sends unsent completions and the READ payload under way. Returns whether bytes
+/// moved.
+fn send(c: &mut Conn) -> io::Result<bool> {
+    let State::Served(s) = &mut c.state else {
+        return Ok(false);
+    };
+    let mut moved = false;
+    loop {
+        let payload: &[u8] = match &s.tx {
+            // SAFETY: the range lies inside a live registration (checked when the READ
+            // was accepted), whose memory stays mapped while its use is held.
+            Some(t) => unsafe { std::slice::from_raw_parts(t.addr as *const u8, t.left as usize) },
+            None => &[],
+        };
+        if c.out.is_empty() && payload.is_empty() {
+            s.tx = None;
+            return Ok(moved);
+        }
+        let r = if c.out.is_empty() {
+            c.stream.write(payload)
+        } else {
+            c.stream
+                .write_vectored(&[IoSlice::new(&c.out), IoSlice::new(payload)])
+        };
+        match r {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                moved = true;
+                let from_out = n.min(c.out.len());
+                c.out.drain(..from_out);
+                if let Some(t) = &mut s.tx {
+                    t.addr += (n - from_out) as u64;
+                    t.left -= (n - from_out) as u64;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(moved),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Serves requests until the socket blocks (or the peer does not read its replies).
+fn serve(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> io::Result<()> {
+    loop {
+        let mut moved = send(c)?;
+        let State::Served(s) = &c.state else {
+            return Ok(());
+        };
+        let may_read = match s.rx {
+            Rx::Header { .. } => s.tx.is_none() && c.out.len() < OUT_LIMIT,
+            _ => true,
+        };
+        if may_read {
+            moved |= receive(c, shared, scratch)?;
+        }
+        let State::Served(s) = &mut c.state else {
+            return Ok(());
+        };
+        let busy = !matches!(s.rx, Rx::Header { got: 0 }) || s.tx.is_some() || !c.out.is_empty();
+        if moved || !busy {
+            s.stalled_since = busy.then(Instant::now);
+        } else if s.stalled_since.is_none() {
+            s.stalled_since = Some(Instant::now());
+        }
+        if !moved {
+            return Ok(());
+        }
+    }
+}
+
+/// Reads what the socket holds now, one step. Returns whether bytes moved.
+fn receive(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> io::Result<bool> {
+    let State::Served(s) = &mut c.state else {
+        return Ok(false);
+    };
+    match &mut s.rx {
+        Rx::Header { got } => {
+            let at = *got;
+            let mut hdr = s.hdr;
+            let Some(n) = read_some(c, &mut hdr[at..])? else {
+                return Ok(false);
+            };
+            let State::Served(s) = &mut c.state else {
+                return Ok(false);
+            };
+            s.hdr = hdr;
+            if at + n < REQ_LEN {
+                s.rx = Rx::Header { got: at + n };
+                return Ok(true);
+            }
+            let req = Request::decode(&s.hdr)
+                .map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))?;
+            start(c, &req, shared);
+            Ok(true)
+        }
+        Rx::Payload { addr, left, .. } => {
+            let (a, l) = (*addr, *left);
+            let mark = if l >= LOWAT_FROM {
+                (l as usize).min(s.lowat_cap)
+            } else {
+                1
+            };
+            if mark != s.lowat {
+                wake_at(&c.stream, mark);
+                s.lowat = mark;
+            }
+            let want = l.min(1 << 30) as usize;
+            // SAFETY: the range lies inside a live registration (checked when the
+            // WRITE was accepted), whose memory stays mapped while its use is held.
+            let dst = unsafe { std::slice::from_raw_parts_mut(a as *mut u8, want) };
+            let Some(n) = read_some(c, dst)? else {
+                return Ok(false);
+            };
+            let State::Served(s) = &mut c.state else {
+                return Ok(false);
+            };
+            if let Rx::Payload {
+                addr, left, seq, ..
+            } = &mut s.rx
+            {
+                *addr += n as u64;
+                *left -= n as u64;
+                if *left == 0 {
+                    let seq = *seq;
+                    // The use ends with the payload, before the completion is sent.
+                    s.rx = Rx::Header { got: 0 };
+                    if s.lowat != 1 {
+                        wake_at(&c.stream, 1);
+                        s.lowat = 1;
+                    }
+                    complete(&mut c.out, seq, proto::ST_OK, 0);
+                }
+            }
+            Ok(true)
+        }
+        Rx::Discard { left, .. } => {
+            let want = (*left).min(scratch.len() as u64) as usize;
+            let Some(n) = read_some(c, &mut scratch[..want])? else {
+                return Ok(false);
+            };
+            let State::Served(s) = &mut c.state else {
+                return Ok(false);
+            };
+            if let Rx::Discard { left, seq, status } = &mut s.rx {
+                *left -= n as u64;
+                if *left == 0 {
+                    let (seq, status) = (*seq, *status);
+                    s.rx = Rx::Header { got: 0 };
+                    complete(&mut c.out, seq, status, 0);
+                }
+            }
+            Ok(true)
+        }
+    }
+}
+
+fn complete(out: &mut Vec<u8>, seq: u64, status: u32, len: u64) {
+    out.extend_from_slice(&Completion { seq, status, len }.encode());
+}
+
+/// Starts a request whose header was read: checks its key against the connection's
+/// owner, its range and access, then reads or sends its payload.
+fn start(c: &mut Conn, req: &Request, shared: &Shared) {
+    let State::Served(s) = &mut c.state else {
+        return;
+    };
+    s.rx = Rx::Header { got: 0 };
+    if req.op == proto::OP_BIND {
+        let secret = (u128::from(req.addr) << 64) | u128::from(req.rkey);
+        let owner = lock(&shared.owners).owner_of.get(&secret).copied();
+        let status = match owner {
+            Some(o) if s.owner.is_none_or(|b| b == o) => {
+                s.owner = Some(o);
+                proto::ST_OK
+            }
+            _ => proto::ST_BAD_KEY,
+        };
+        return complete(&mut c.out, req.seq, status, 0);
+    }
+    shared.ops.fetch_add(1, Ordering::Relaxed);
+    let reg = shared
+        .regs
+        .read()
+        .ok()
+        .and_then(|r| r.get(&req.rkey).cloned())
+        // A key of another owner is no key on this connection (as a key of another
+        // protection domain is none on a queue pair).
+        .filter(|r| s.owner == Some(r.owner))
+        .and_then(RegUse::take);
+    let status = match &reg {
+        Some(r) => proto::op_status(r.0.base, r.0.len, r.0.writable, req),
+        None => proto::ST_BAD_KEY,
+    };
+    match reg {
+        Some(r) if status == proto::ST_OK => {
+            if req.op == proto::OP_WRITE {
+                if req.len == 0 {
+                    complete(&mut c.out, req.seq, proto::ST_OK, 0);
+                } else {
+                    s.rx = Rx::Payload {
+                        _reg: r,
+                        addr: req.addr,
+                        left: req.len,
+                        seq: req.seq,
+                    };
+                }
+            } else {
+                complete(&mut c.out, req.seq, proto::ST_OK, req.len);
+                s.tx = Some(Tx {
+                    _reg: r,
+                    addr: req.addr,
+                    left: req.len,
+                });
+            }
+        }
+        _ => {
+            shared.rejected.fetch_add(1, Ordering::Relaxed);
+            if req.op == proto::OP_WRITE && req.len > 0 {
+                // Consume and discard the payload: nothing is written.
+                s.rx = Rx::Discard {
+                    left: req.len,
+                    seq: req.seq,
+                    status,
+                };
+            } else {
+                complete(&mut c.out, req.seq, status, 0);
+            }
+        }
     }
 }
 

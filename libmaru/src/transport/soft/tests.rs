@@ -54,7 +54,7 @@ fn write_then_read_back_many_ops_in_flight() {
     let mut r = rig(None, 1 << 20, 1 << 20);
     let reg = unsafe {
         r.target
-            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
     let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
@@ -102,7 +102,7 @@ fn large_chunks_many_in_flight_keep_every_byte() {
         let mut r = rig(None, half, 2 * half);
         let reg = unsafe {
             r.target
-                .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+                .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
         }
         .unwrap();
         let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
@@ -139,7 +139,7 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
     let reg = unsafe {
         r.target
-            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
     let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
@@ -160,7 +160,7 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
     // The connection keeps working for valid keys.
     let reg2 = unsafe {
         r.target
-            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
     assert_ne!(reg2.rkey, reg.rkey);
@@ -175,7 +175,11 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
 #[test]
 fn unknown_key_range_and_read_only_are_refused() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
-    let ro = unsafe { r.target.register(r.region.as_mut_ptr(), 32 * 1024, false) }.unwrap();
+    let ro = unsafe {
+        r.target
+            .register(1, r.region.as_mut_ptr(), 32 * 1024, false)
+    }
+    .unwrap();
     let peer = r.nic.connect(&ro.transport, &mut no_bringup).unwrap();
     r.staging.fill(1);
     let cases = [
@@ -211,7 +215,7 @@ fn fence_stops_the_peer() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
     let reg = unsafe {
         r.target
-            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
     let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
@@ -236,7 +240,7 @@ fn a_lost_responder_fails_pending_batches() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
     let reg = unsafe {
         r.target
-            .register(r.region.as_mut_ptr(), r.region.len() as u64, true)
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
     }
     .unwrap();
     let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
@@ -269,7 +273,7 @@ fn a_lost_responder_fails_pending_batches() {
 fn the_data_connection_proves_the_key() {
     let key = SharedKey::generate().unwrap();
     let mut r = rig(Some(key), 4096, 4096);
-    let reg = unsafe { r.target.register(r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
     assert!(r.nic.connect(&reg.transport, &mut no_bringup).is_ok());
     let mut staging = vec![0u8; 4096];
     let wrong = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
@@ -300,7 +304,7 @@ fn refused_and_closed_data_connections_are_closed_and_forgotten() {
     use std::io::{Read, Write};
     let key = SharedKey::generate().unwrap();
     let mut r = rig(Some(key), 4096, 4096);
-    let reg = unsafe { r.target.register(r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
     let addr = reg.transport["soft"]["addr"].as_str().unwrap().to_string();
     // A peer that skips the handshake is refused and sees the connection end at
     // once (not when some timeout fires), and no descriptor stays behind.
@@ -332,4 +336,99 @@ fn wait_for(mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     f()
+}
+
+/// A key works only on data connections of the owner it was registered for: worker B,
+/// with the agent key and its own binding, presenting worker A's key (address and
+/// all) gets a bad-key completion, and nothing of A's region is written or read.
+#[test]
+fn a_key_of_another_owner_is_refused_as_a_remote_access_error() {
+    let mut r = rig(None, 64 * 1024, 64 * 1024);
+    let mut region_b = vec![0u8; 4096];
+    let a = unsafe { r.target.register(1, r.region.as_mut_ptr(), 64 * 1024, true) }.unwrap();
+    let b = unsafe { r.target.register(2, region_b.as_mut_ptr(), 4096, true) }.unwrap();
+    assert_ne!(a.transport, b.transport, "each owner has its own binding");
+    let mut staging_b = vec![0x5Au8; 4096];
+    let nic_b = SoftTransport::new("worker-b", None);
+    nic_b
+        .register_local(LocalBuffer {
+            ptr: staging_b.as_mut_ptr(),
+            len: staging_b.len(),
+        })
+        .unwrap();
+    let peer_b = nic_b.connect(&b.transport, &mut no_bringup).unwrap();
+    // B's own key works on B's connection.
+    let ok = nic_b
+        .post(peer_b, &[op(OpKind::Write, 0, b.addr, b.rkey, 16)])
+        .unwrap();
+    assert_eq!(nic_b.wait(ok, T), BatchState::Done);
+    for kind in [OpKind::Write, OpKind::Read] {
+        let bad = nic_b
+            .post(peer_b, &[op(kind, 0, a.addr, a.rkey, 4096)])
+            .unwrap();
+        assert!(
+            matches!(
+                nic_b.wait(bad, T),
+                BatchState::Failed(TransportError::BadKey { .. })
+            ),
+            "{kind:?} with another owner's key"
+        );
+    }
+    assert!(
+        r.region.iter().all(|&x| x == 0),
+        "nothing of A's region written"
+    );
+    assert!(
+        staging_b[16..].iter().all(|&x| x == 0x5A),
+        "nothing of A's region read"
+    );
+    // A's own worker still uses its key.
+    let peer_a = r.nic.connect(&a.transport, &mut no_bringup).unwrap();
+    let w = r
+        .nic
+        .post(peer_a, &[op(OpKind::Write, 0, a.addr, a.rkey, 16)])
+        .unwrap();
+    assert_eq!(r.nic.wait(w, T), BatchState::Done);
+    drop(region_b);
+}
+
+/// A binding secret never issued binds nothing: the connection is refused.
+#[test]
+fn a_forged_binding_is_refused() {
+    let mut r = rig(None, 4096, 4096);
+    let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let mut meta = reg.transport.clone();
+    meta["soft"]["bind"] = serde_json::json!(format!("{:032x}", 12345u128));
+    assert!(matches!(
+        r.nic.connect(&meta, &mut no_bringup),
+        Err(TransportError::Setup(_))
+    ));
+}
+
+/// When the owner's agent connection closes, its data connections close too (as the
+/// verbs target destroys its queue pairs) and its binding is no longer accepted.
+#[test]
+fn a_closed_owner_loses_its_data_connections_and_binding() {
+    let mut r = rig(None, 4096, 4096);
+    let reg = unsafe { r.target.register(7, r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    assert!(wait_for(|| r.target.stats().connections == 1));
+    r.target.owner_closed(7);
+    assert!(wait_for(|| r.target.stats().connections == 0));
+    let b = r
+        .nic
+        .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 16)]);
+    if let Ok(b) = b {
+        assert!(matches!(r.nic.wait(b, T), BatchState::Failed(_)));
+    }
+    let again = SoftTransport::new("again", None);
+    let mut st = vec![0u8; 4096];
+    again
+        .register_local(LocalBuffer {
+            ptr: st.as_mut_ptr(),
+            len: 4096,
+        })
+        .unwrap();
+    assert!(again.connect(&reg.transport, &mut no_bringup).is_err());
+    r.target.deregister(reg.rkey).unwrap();
 }

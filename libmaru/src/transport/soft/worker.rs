@@ -55,6 +55,8 @@ const FENCED_MEMORY: usize = 4096;
 
 struct Peer {
     addr: String,
+    /// The binding secret this data connection bound itself to.
+    bind: u128,
     /// Held for the whole fence: a second fence of the peer waits for the first.
     fence: Mutex<bool>,
     writer: Mutex<TcpStream>,
@@ -147,6 +149,44 @@ fn peer_addr(meta: &serde_json::Value) -> Result<String, TransportError> {
         .and_then(|a| a.as_str())
         .map(str::to_string)
         .ok_or_else(|| TransportError::Setup(format!("transport metadata {meta} has no soft.addr: the agent does not run the soft transport")))
+}
+
+/// The owner's binding secret in the metadata (32 hex digits).
+fn peer_bind(meta: &serde_json::Value) -> Result<u128, TransportError> {
+    meta.get("soft")
+        .and_then(|s| s.get("bind"))
+        .and_then(|b| b.as_str())
+        .and_then(|b| u128::from_str_radix(b, 16).ok())
+        .ok_or_else(|| {
+            TransportError::Setup(format!(
+                "transport metadata {meta} has no soft.bind: the agent's soft NIC is too old"
+            ))
+        })
+}
+
+/// Binds a fresh data connection to the owner of `bind` (its first request).
+fn send_bind(stream: &mut TcpStream, head: &mut Vec<u8>, bind: u128) -> io::Result<()> {
+    let req = Request {
+        op: proto::OP_BIND,
+        seq: 0,
+        addr: (bind >> 64) as u64,
+        rkey: bind as u64,
+        len: 0,
+    };
+    stream.write_all(&req.encode())?;
+    let mut hdr = [0u8; CPL_LEN];
+    read_exact_with_head(stream, head, &mut hdr)?;
+    match Completion::decode(&hdr) {
+        c if c.seq == 0 && c.status == proto::ST_OK => Ok(()),
+        c => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the soft NIC refused the binding (status {}): the agent connection that \
+                 mapped these regions is gone",
+                c.status
+            ),
+        )),
+    }
 }
 
 fn reader_loop(
@@ -294,6 +334,7 @@ impl Transport for SoftTransport {
         _bringup: &mut Bringup<'_>,
     ) -> Result<PeerId, TransportError> {
         let addr = peer_addr(meta)?;
+        let bind = peer_bind(meta)?;
         let local = self.local()?;
         {
             let peers = self
@@ -302,7 +343,7 @@ impl Transport for SoftTransport {
                 .map_err(|_| TransportError::Setup("peer table poisoned".into()))?;
             if let Some((id, _)) = peers
                 .iter()
-                .find(|(_, p)| p.addr == addr && !p.dead.load(Ordering::SeqCst))
+                .find(|(_, p)| p.addr == addr && p.bind == bind && !p.dead.load(Ordering::SeqCst))
             {
                 return Ok(*id);
             }
@@ -312,12 +353,14 @@ impl Transport for SoftTransport {
         opts.connect_timeout = self.connect_timeout;
         let client = Client::connect(&addr, &opts)
             .map_err(|e| TransportError::Setup(format!("soft NIC at {addr}: {e}")))?;
-        let (stream, head) = client.into_parts();
+        let (mut stream, mut head) = client.into_parts();
         let setup = |e: io::Error| TransportError::Setup(format!("soft NIC at {addr}: {e}"));
+        send_bind(&mut stream, &mut head, bind).map_err(setup)?;
         stream.set_read_timeout(None).map_err(setup)?;
         let reader_stream = stream.try_clone().map_err(setup)?;
         let peer = Arc::new(Peer {
             addr: addr.clone(),
+            bind,
             fence: Mutex::new(false),
             writer: Mutex::new(stream),
             inflight: Mutex::new(VecDeque::new()),
@@ -578,13 +621,13 @@ mod fence_tests {
             let mut hs = ServerHandshake::new(proto::SERVICE, None, serde_json::Value::Null);
             let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
             let mut buf = [0u8; 4096];
-            let mut applied = loop {
+            let mut rest = loop {
                 match dec.next_frame().unwrap() {
                     Some(f) => match hs.on_frame(&f) {
                         Step::Send(b) => s.write_all(&b).unwrap(),
                         Step::Ready { send, .. } => {
                             s.write_all(&send).unwrap();
-                            break dec.into_rest().len();
+                            break dec.into_rest();
                         }
                         Step::Fail(e) => panic!("{}", e.message),
                     },
@@ -594,6 +637,19 @@ mod fence_tests {
                     }
                 }
             };
+            // The worker binds the connection first: accept it.
+            while rest.len() < proto::REQ_LEN {
+                let n = s.read(&mut buf).unwrap();
+                rest.extend_from_slice(&buf[..n]);
+            }
+            assert_eq!(rest[0], proto::OP_BIND);
+            let ok = Completion {
+                seq: 0,
+                status: proto::ST_OK,
+                len: 0,
+            };
+            s.write_all(&ok.encode()).unwrap();
+            let mut applied = rest.len() - proto::REQ_LEN;
             let _ = go_rx.recv();
             loop {
                 match s.read(&mut buf) {
@@ -617,7 +673,7 @@ mod fence_tests {
             len: staging.len(),
         })
         .unwrap();
-        let meta = serde_json::json!({"soft": {"addr": addr}});
+        let meta = serde_json::json!({"soft": {"addr": addr, "bind": "1"}});
         let peer = nic.connect(&meta, &mut no_bringup).unwrap();
         let write = Op {
             kind: OpKind::Write,

@@ -1,7 +1,9 @@
 //! The first bring-up check on one host: opens the device as an agent and as a worker
 //! would, brings a queue pair up between the two over loopback, WRITEs a pattern,
-//! READs it back, deregisters the region and expects a late WRITE with the released
-//! key to fail at the NIC, then fences and counts what is left. `maru-rdma-check`
+//! READs it back, expects a WRITE with that key from another connection's queue pair
+//! (another protection domain) to fail at the NIC, deregisters the region and expects
+//! a late WRITE with the released key to fail too, then fences and counts what is
+//! left. `maru-rdma-check`
 //! prints the lines; the RDMA-gated test runs the same function.
 
 use super::settings::VerbsSettings;
@@ -73,12 +75,12 @@ pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
     let mut staging = vec![0u8; 2 * LEN];
     // SAFETY: `region` outlives its registration (deregistered below or at the
     // target's drop, which comes before `region`'s).
-    let reg = unsafe { target.register(region.as_mut_ptr(), LEN as u64, true) }?;
+    const CONN: u64 = 1;
+    let reg = unsafe { target.register(CONN, region.as_mut_ptr(), LEN as u64, true) }?;
     worker.register_local(LocalBuffer {
         ptr: staging.as_mut_ptr(),
         len: staging.len(),
     })?;
-    const CONN: u64 = 1;
     let peer = worker.connect(&reg.transport, &mut |half| {
         target.accept_peer_on(CONN, half)
     })?;
@@ -119,6 +121,29 @@ pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
             if same { "matches" } else { "DIFFERS" }
         ),
     ));
+    // Another agent connection (its own protection domain) presenting this key.
+    const OTHER: u64 = 2;
+    let intruder = VerbsTransport::open_with(settings)?;
+    let mut other_staging = vec![0u8; LEN];
+    intruder.register_local(LocalBuffer {
+        ptr: other_staging.as_mut_ptr(),
+        len: other_staging.len(),
+    })?;
+    let other = intruder.connect(&reg.transport, &mut |half| {
+        target.accept_peer_on(OTHER, half)
+    })?;
+    let st = intruder
+        .post(other, &[op(OpKind::Write, 0)])
+        .map(|b| intruder.wait(b, Duration::from_secs(10)))?;
+    out.push(line(
+        "WRITE with the key from another connection",
+        matches!(st, BatchState::Failed(TransportError::BadKey { .. })),
+        format!("{st:?} (expected a remote access error: the key is in another protection domain)"),
+    ));
+    let _ = intruder.fence(other);
+    target.connection_closed(OTHER);
+    drop(intruder);
+    drop(other_staging);
     target.deregister(reg.rkey)?;
     let late = worker.post(peer, &[op(OpKind::Write, 0)])?;
     let st = wait(late);

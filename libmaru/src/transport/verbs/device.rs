@@ -349,26 +349,45 @@ impl Device {
         len: usize,
         access: Access,
     ) -> Result<Mr, io::Error> {
-        use ibv_access_flags as f;
-        let bits = match access {
-            Access::LocalWriteOnly => f::IBV_ACCESS_LOCAL_WRITE.0,
-            Access::RemoteRead => f::IBV_ACCESS_REMOTE_READ.0,
-            Access::RemoteReadWrite => {
-                f::IBV_ACCESS_REMOTE_READ.0
-                    | f::IBV_ACCESS_REMOTE_WRITE.0
-                    | f::IBV_ACCESS_LOCAL_WRITE.0
-            }
-        };
-        // SAFETY: the PD is alive (held by `self` and by the Mr); the caller keeps the
-        // range mapped.
-        let mr = unsafe { ibv_reg_mr(self.pd.pd().as_ptr(), ptr.cast(), len, bits as i32) };
-        match NonNull::new(mr) {
-            Some(mr) => Ok(Mr {
-                mr,
-                _pd: self.pd.clone(),
-            }),
-            None => Err(io::Error::last_os_error()),
+        // SAFETY: passed on.
+        unsafe { register_in(&self.pd, ptr, len, access) }
+    }
+
+    /// A new protection domain on this device.
+    pub fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>, String> {
+        self.ctx
+            .alloc_pd()
+            .map_err(|e| format!("protection domain on {}: {e}", self.label()))
+    }
+}
+
+/// Registers `len` bytes at `ptr` in protection domain `pd`.
+///
+/// # Safety
+/// The range must stay mapped until the returned registration is dropped.
+unsafe fn register_in(
+    pd: &Arc<ProtectionDomain>,
+    ptr: *mut u8,
+    len: usize,
+    access: Access,
+) -> Result<Mr, io::Error> {
+    use ibv_access_flags as f;
+    let bits = match access {
+        Access::LocalWriteOnly => f::IBV_ACCESS_LOCAL_WRITE.0,
+        Access::RemoteRead => f::IBV_ACCESS_REMOTE_READ.0,
+        Access::RemoteReadWrite => {
+            f::IBV_ACCESS_REMOTE_READ.0 | f::IBV_ACCESS_REMOTE_WRITE.0 | f::IBV_ACCESS_LOCAL_WRITE.0
         }
+    };
+    // SAFETY: the PD is alive (held by the caller and then by the Mr); the caller
+    // keeps the range mapped.
+    let mr = unsafe { ibv_reg_mr(pd.pd().as_ptr(), ptr.cast(), len, bits as i32) };
+    match NonNull::new(mr) {
+        Some(mr) => Ok(Mr {
+            mr,
+            _pd: pd.clone(),
+        }),
+        None => Err(io::Error::last_os_error()),
     }
 }
 
@@ -404,33 +423,36 @@ fn port_address(
     })
 }
 
-/// Registrations by remote key (the agent's regions).
+/// The registrations of one protection domain, by remote key (the regions an agent
+/// registered for one connection; that connection's responder queue pairs are made
+/// in the same domain, so the NIC accepts these keys from them only).
 pub(crate) struct MrTable {
     dev: Arc<Device>,
+    pd: Arc<ProtectionDomain>,
     mrs: Mutex<HashMap<u32, Mr>>,
 }
 
 impl MrTable {
-    pub fn new(dev: Arc<Device>) -> MrTable {
-        MrTable {
+    /// A new, empty protection domain on `dev`.
+    pub fn new(dev: Arc<Device>) -> Result<MrTable, String> {
+        let pd = dev.alloc_pd()?;
+        Ok(MrTable {
             dev,
+            pd,
             mrs: Mutex::new(HashMap::new()),
-        }
+        })
     }
 
-    pub fn len(&self) -> usize {
-        lock(&self.mrs).len()
-    }
-
-    pub fn contains(&self, rkey: u32) -> bool {
-        lock(&self.mrs).contains_key(&rkey)
+    /// The protection domain (queue pairs of its owner are created in it).
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
     }
 }
 
 impl MemoryOps for MrTable {
     unsafe fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MrKeys, String> {
         // SAFETY: the caller keeps the range mapped until deregister succeeded.
-        let mr = unsafe { self.dev.register(ptr, len, access) }.map_err(|e| {
+        let mr = unsafe { register_in(&self.pd, ptr, len, access) }.map_err(|e| {
             format!(
                 "registering {len} bytes at {ptr:p} with {}: {e}",
                 self.dev.label()

@@ -85,7 +85,9 @@ struct PeerState {
 
 pub(crate) struct Peer {
     pub label: String,
-    /// The `verbs` object of the metadata it was connected with (one peer per agent).
+    /// The `verbs` object of the metadata it was connected with (the transport finds
+    /// peers by it through their lane group, `lanes.rs`; the engine's tests here).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub meta: serde_json::Value,
     pub qp: Arc<dyn QueuePairOps>,
     state: Mutex<PeerState>,
@@ -328,11 +330,17 @@ impl Engine {
     }
 
     /// A live peer connected with this metadata and still usable.
+    #[cfg(test)]
     pub fn find_usable(&self, meta: &serde_json::Value) -> Option<PeerId> {
         lock(&self.peers)
             .iter()
             .find(|(_, p)| p.meta == *meta && p.usable())
             .map(|(id, _)| *id)
+    }
+
+    /// Whether `id` is a live peer or a zombie (not yet proved quiet).
+    pub fn knows(&self, id: PeerId) -> bool {
+        lock(&self.peers).contains_key(&id) || lock(&self.zombies).contains_key(&id)
     }
 
     pub fn peer(&self, id: PeerId) -> Option<Arc<Peer>> {

@@ -6,7 +6,7 @@
 //! `ibv_req_notify_cq`: a completion raises one only while the queue is armed, and
 //! raising it disarms the queue.
 
-use super::ops::{Completion, PostRefused, QueuePairOps, WorkRequest};
+use super::ops::{Access, Completion, MemoryOps, MrKeys, PostRefused, QueuePairOps, WorkRequest};
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
@@ -196,5 +196,98 @@ impl QueuePairOps for FakeQp {
         }
         s.destroyed = true;
         Ok(())
+    }
+}
+
+/// A NIC's key space for fake protection domains: keys are unique across domains,
+/// as a NIC's are.
+#[derive(Default)]
+pub(crate) struct FakeFabric {
+    next_key: std::sync::atomic::AtomicU32,
+    made: std::sync::atomic::AtomicUsize,
+}
+
+impl FakeFabric {
+    pub fn alloc_pd(self: &std::sync::Arc<Self>) -> FakePd {
+        self.made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        FakePd {
+            fabric: self.clone(),
+            mrs: Mutex::new(std::collections::HashMap::new()),
+            fail_deregister: Mutex::new(0),
+        }
+    }
+
+    /// Protection domains allocated so far.
+    pub fn domains_made(&self) -> usize {
+        self.made.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A protection domain without a NIC: its registrations by key, and the NIC's rule
+/// that a queue pair of this domain reaches only them.
+pub(crate) struct FakePd {
+    fabric: std::sync::Arc<FakeFabric>,
+    mrs: Mutex<std::collections::HashMap<u32, Access>>,
+    fail_deregister: Mutex<usize>,
+}
+
+impl FakePd {
+    /// Whether a queue pair of this domain may READ (or WRITE) with `rkey`: the key
+    /// must be registered in this domain with that access.
+    pub fn accepts(&self, rkey: u32, write: bool) -> bool {
+        let mrs = self.mrs.lock().unwrap_or_else(|p| p.into_inner());
+        match mrs.get(&rkey) {
+            Some(Access::RemoteReadWrite) => true,
+            Some(Access::RemoteRead) => !write,
+            _ => false,
+        }
+    }
+
+    /// The next `n` deregistrations fail.
+    pub fn fail_deregistrations(&self, n: usize) {
+        *self
+            .fail_deregister
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = n;
+    }
+}
+
+impl MemoryOps for FakePd {
+    unsafe fn register(
+        &self,
+        _ptr: *mut u8,
+        _len: usize,
+        access: Access,
+    ) -> Result<MrKeys, String> {
+        let k = self
+            .fabric
+            .next_key
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        self.mrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(k, access);
+        Ok(MrKeys { lkey: k, rkey: k })
+    }
+
+    fn deregister(&self, rkey: u32) -> Result<(), String> {
+        let mut f = self
+            .fail_deregister
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if *f > 0 {
+            *f -= 1;
+            return Err("ibv_dereg_mr: Device or resource busy".into());
+        }
+        match self
+            .mrs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rkey)
+        {
+            Some(_) => Ok(()),
+            None => Err(format!("key {rkey:#x} is not registered here")),
+        }
     }
 }

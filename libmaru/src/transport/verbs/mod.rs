@@ -7,8 +7,10 @@
 //!
 //! # How it maps to the trait
 //!
-//! * [`VerbsTarget`] (agent, memory node) opens one device port and one protection
-//!   domain. [`Target::register`](crate::transport::Target::register) registers a
+//! * [`VerbsTarget`] (agent, memory node) opens one device port, with one
+//!   protection domain per agent connection (`domains.rs`): the connection's
+//!   registrations and its responder queue pairs, so a key works only from the
+//!   queue pairs of the connection it was issued to. [`Target::register`](crate::transport::Target::register) registers a
 //!   memory region with REMOTE_READ (plus REMOTE_WRITE and LOCAL_WRITE when writable)
 //!   and returns its rkey, `addr = ptr`, and `{"verbs": {"qp_type": "rc", "device",
 //!   "port", "lid", "gid", "target"}}` as the metadata
@@ -32,8 +34,10 @@
 //!   control connection), takes the target's half and moves the queue pair
 //!   INIT → RTR → RTS (path MTU: the smaller of both ports'; READ depth: the smaller of
 //!   our initiator depth and the target's responder resources; GRH traffic class and
-//!   service level from [`VerbsSettings`]). One live queue pair per agent: connecting
-//!   again with the same metadata returns the same peer.
+//!   service level from [`VerbsSettings`]). With `qps_per_agent` > 1 it brings up
+//!   that many, and the peer is their group (`lanes.rs`): batches go to them in
+//!   turn, an error on one fails only its batches. Connecting again with the same
+//!   metadata returns the same peer while all its queue pairs are usable.
 //!   [`post`](crate::transport::Transport::post) turns each operation into one RDMA
 //!   READ/WRITE work request (one scatter entry in the registered staging buffer) and
 //!   posts as much as the send queue has room for as one chain; the rest waits in the
@@ -131,9 +135,11 @@
 
 pub mod check;
 pub(crate) mod device;
+mod domains;
 mod engine;
 #[cfg(test)]
 mod fake;
+mod lanes;
 mod ops;
 pub mod proto;
 mod qp_table;

@@ -29,7 +29,15 @@ pub(crate) struct QpTable {
     unbound: VecDeque<QpOwner>,
     max_total: usize,
     max_per_owner: usize,
+    /// Connections closed lately (at most [`CLOSED_MEMORY`]): a bring-up that finishes
+    /// after its connection closed (it runs off the agent's loop) is destroyed, not
+    /// kept for an owner that will never close again.
+    closed: VecDeque<u64>,
 }
+
+/// Closed connections remembered (their ids are never reused; a bring-up outlives
+/// its connection by at most its own duration).
+const CLOSED_MEMORY: usize = 4096;
 
 impl QpTable {
     pub fn new(max_total: usize, max_per_owner: usize) -> QpTable {
@@ -39,6 +47,7 @@ impl QpTable {
             unbound: VecDeque::new(),
             max_total,
             max_per_owner: max_per_owner.max(1),
+            closed: VecDeque::new(),
         }
     }
 
@@ -54,6 +63,9 @@ impl QpTable {
     /// Whether `owner` may bring up one more (checked before creating it); makes room
     /// by evicting the oldest unbound owner when that is the only way.
     pub fn admit(&mut self, owner: QpOwner) -> Result<(), TransportError> {
+        if self.is_closed(owner) {
+            return Err(closed_error(owner));
+        }
         let own = self.by_owner.get(&owner).map_or(0, VecDeque::len);
         if own >= self.max_per_owner {
             // It replaces its own oldest.
@@ -77,8 +89,21 @@ impl QpTable {
         Ok(())
     }
 
-    /// Adds `qp` for `owner`, destroying the owner's oldest past its share.
-    pub fn insert(&mut self, owner: QpOwner, qp: Arc<dyn QueuePairOps>) {
+    fn is_closed(&self, owner: QpOwner) -> bool {
+        matches!(owner, QpOwner::Connection(c) if self.closed.contains(&c))
+    }
+
+    /// Adds `qp` for `owner`, destroying the owner's oldest past its share. If the
+    /// owner's connection closed meanwhile, `qp` is destroyed instead (`Err`).
+    pub fn insert(
+        &mut self,
+        owner: QpOwner,
+        qp: Arc<dyn QueuePairOps>,
+    ) -> Result<(), TransportError> {
+        if self.is_closed(owner) {
+            self.retire(qp, "its connection closed during the bring-up");
+            return Err(closed_error(owner));
+        }
         if matches!(owner, QpOwner::Unbound(_)) && !self.unbound.contains(&owner) {
             self.unbound.push_back(owner);
         }
@@ -93,10 +118,19 @@ impl QpTable {
         for old in retired {
             self.retire(old, "its connection brought up a newer one");
         }
+        Ok(())
     }
 
     /// Destroys every queue pair of `owner` (its connection closed).
     pub fn close(&mut self, owner: QpOwner) -> usize {
+        if let QpOwner::Connection(c) = owner {
+            if !self.closed.contains(&c) {
+                if self.closed.len() >= CLOSED_MEMORY {
+                    self.closed.pop_front();
+                }
+                self.closed.push_back(c);
+            }
+        }
         self.unbound.retain(|o| *o != owner);
         let list = self.by_owner.remove(&owner).unwrap_or_default();
         let n = list.len();
@@ -144,6 +178,12 @@ impl QpTable {
     }
 }
 
+fn closed_error(owner: QpOwner) -> TransportError {
+    TransportError::Setup(format!(
+        "{owner:?} closed: no queue pair is brought up for it"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::fake::FakeQp;
@@ -157,11 +197,11 @@ mod tests {
     fn a_connection_never_replaces_another_connections_queue_pair() {
         let mut t = QpTable::new(8, 2);
         let (a, b) = (qp(1), qp(2));
-        t.insert(QpOwner::Connection(1), a.clone());
-        t.insert(QpOwner::Connection(2), b.clone());
+        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
+        t.insert(QpOwner::Connection(2), b.clone()).unwrap();
         // Connection 2 brings up two more: its own oldest goes, connection 1's stays.
-        t.insert(QpOwner::Connection(2), qp(3));
-        t.insert(QpOwner::Connection(2), qp(4));
+        t.insert(QpOwner::Connection(2), qp(3)).unwrap();
+        t.insert(QpOwner::Connection(2), qp(4)).unwrap();
         assert!(!a.state().destroyed);
         assert!(b.state().destroyed);
         assert_eq!(t.len(), 3);
@@ -171,9 +211,9 @@ mod tests {
     fn closing_a_connection_destroys_its_queue_pairs() {
         let mut t = QpTable::new(8, 4);
         let (a, b, c) = (qp(1), qp(2), qp(3));
-        t.insert(QpOwner::Connection(1), a.clone());
-        t.insert(QpOwner::Connection(1), b.clone());
-        t.insert(QpOwner::Connection(2), c.clone());
+        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
+        t.insert(QpOwner::Connection(1), b.clone()).unwrap();
+        t.insert(QpOwner::Connection(2), c.clone()).unwrap();
         assert_eq!(t.close(QpOwner::Connection(1)), 2);
         assert!(a.state().destroyed && b.state().destroyed);
         assert!(!c.state().destroyed);
@@ -186,9 +226,9 @@ mod tests {
         let mut t = QpTable::new(2, 4);
         let (a, b) = (qp(1), qp(2));
         t.admit(QpOwner::Connection(1)).unwrap();
-        t.insert(QpOwner::Connection(1), a.clone());
+        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
         t.admit(QpOwner::Connection(2)).unwrap();
-        t.insert(QpOwner::Connection(2), b.clone());
+        t.insert(QpOwner::Connection(2), b.clone()).unwrap();
         match t.admit(QpOwner::Connection(3)) {
             Err(TransportError::Setup(m)) => assert!(m.contains("at most 2"), "{m}"),
             other => panic!("{other:?}"),
@@ -202,11 +242,11 @@ mod tests {
     fn at_the_cap_only_unbound_queue_pairs_are_evicted() {
         let mut t = QpTable::new(2, 1);
         let (a, u) = (qp(1), qp(2));
-        t.insert(QpOwner::Connection(1), a.clone());
-        t.insert(QpOwner::Unbound(99), u.clone());
+        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
+        t.insert(QpOwner::Unbound(99), u.clone()).unwrap();
         t.admit(QpOwner::Connection(2)).unwrap();
         assert!(u.state().destroyed && !a.state().destroyed);
-        t.insert(QpOwner::Connection(2), qp(3));
+        t.insert(QpOwner::Connection(2), qp(3)).unwrap();
         assert!(t.admit(QpOwner::Unbound(5)).is_err());
     }
 
@@ -215,15 +255,30 @@ mod tests {
         let mut t = QpTable::new(2, 4);
         let a = qp(1);
         a.state().destroy_failures = 1;
-        t.insert(QpOwner::Connection(1), a.clone());
+        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
         t.close(QpOwner::Connection(1));
         assert_eq!((t.len(), t.zombies()), (0, 1));
         // A zombie still takes a place under the cap.
-        t.insert(QpOwner::Connection(2), qp(2));
+        t.insert(QpOwner::Connection(2), qp(2)).unwrap();
         assert!(t.admit(QpOwner::Connection(3)).is_err());
         t.retry();
         assert_eq!(t.zombies(), 0);
         assert!(a.state().destroyed);
         assert_eq!(t.close_all(), 0);
+    }
+
+    /// A bring-up that finishes after its connection closed (it runs off the agent's
+    /// loop) leaves no queue pair behind.
+    #[test]
+    fn a_bring_up_that_outlives_its_connection_is_destroyed() {
+        let mut t = QpTable::new(8, 2);
+        t.admit(QpOwner::Connection(1)).unwrap();
+        let late = qp(1);
+        t.close(QpOwner::Connection(1));
+        assert!(t.insert(QpOwner::Connection(1), late.clone()).is_err());
+        assert!(late.state().destroyed);
+        assert_eq!(t.len(), 0);
+        assert!(t.admit(QpOwner::Connection(1)).is_err());
+        t.admit(QpOwner::Connection(2)).unwrap();
     }
 }

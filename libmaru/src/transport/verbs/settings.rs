@@ -22,7 +22,13 @@ pub struct VerbsSettings {
     /// The InfiniBand service level (0-15; on RoCE the priority when no DSCP mapping
     /// is used).
     pub service_level: u8,
+    /// Worker side: queue pairs to each agent (1-8); batches are spread over them.
+    pub qps_per_agent: u8,
 }
+
+/// Most queue pairs a worker brings up to one agent (the agent keeps at most 16 per
+/// connection).
+pub const MAX_QPS_PER_AGENT: u8 = 8;
 
 impl Default for VerbsSettings {
     fn default() -> Self {
@@ -32,6 +38,7 @@ impl Default for VerbsSettings {
             gid_index: None,
             traffic_class: 0,
             service_level: 0,
+            qps_per_agent: 1,
         }
     }
 }
@@ -43,6 +50,12 @@ impl VerbsSettings {
             return Err(TransportError::Setup(
                 "RDMA port numbers start at 1 (port 0 given)".into(),
             ));
+        }
+        if self.qps_per_agent == 0 || self.qps_per_agent > MAX_QPS_PER_AGENT {
+            return Err(TransportError::Setup(format!(
+                "rdma_qps_per_agent is {}; it must be 1-{MAX_QPS_PER_AGENT}",
+                self.qps_per_agent
+            )));
         }
         if self.service_level > 15 {
             return Err(TransportError::Setup(format!(
@@ -183,5 +196,16 @@ mod tests {
             ..VerbsSettings::default()
         };
         assert!(s.check().unwrap_err().to_string().contains("0-15"));
+        for q in [0, MAX_QPS_PER_AGENT + 1] {
+            let s = VerbsSettings {
+                qps_per_agent: q,
+                ..VerbsSettings::default()
+            };
+            assert!(s
+                .check()
+                .unwrap_err()
+                .to_string()
+                .contains("rdma_qps_per_agent"));
+        }
     }
 }

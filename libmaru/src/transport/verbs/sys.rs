@@ -70,9 +70,11 @@ unsafe impl Sync for RawQp {}
 
 impl RawQp {
     /// Creates a completion queue of `depth + 1` entries (on `channel`, reporting
-    /// `cq_context` with each event) and an RC queue pair of `depth` send entries on it.
+    /// `cq_context` with each event) and an RC queue pair of `depth` send entries on
+    /// it, in protection domain `pd` (it reaches only that domain's registrations).
     pub fn create(
         dev: &Device,
+        pd: &Arc<ProtectionDomain>,
         channel: Option<&Arc<CompletionChannel>>,
         cq_context: u64,
         depth: u32,
@@ -110,7 +112,7 @@ impl RawQp {
             sq_sig_all: 0,
         };
         // SAFETY: valid PD and init attributes.
-        let qp = unsafe { ibv_create_qp(dev.pd.pd().as_ptr(), &mut init) };
+        let qp = unsafe { ibv_create_qp(pd.pd().as_ptr(), &mut init) };
         if qp.is_null() {
             let e = io::Error::last_os_error();
             // SAFETY: the CQ was just created and nothing else uses it.
@@ -137,7 +139,7 @@ impl RawQp {
             qpn,
             alive: Mutex::new(Alive { qp: true, cq: true }),
             channel: ManuallyDrop::new(channel.cloned()),
-            _pd: dev.pd.clone(),
+            _pd: pd.clone(),
             _ctx: dev.ctx.clone(),
         })
     }

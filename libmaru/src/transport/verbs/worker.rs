@@ -4,6 +4,7 @@
 
 use super::device::{self, Device, Mr};
 use super::engine::{Engine, EngineConfig, LocalReg};
+use super::lanes::Lanes;
 use super::ops::{Access, QueuePairOps};
 use super::proto::{gid_to_string, TargetHalf, TargetMeta, WorkerHalf};
 use super::settings::{EventAction, VerbsSettings};
@@ -41,6 +42,10 @@ struct Local {
 
 struct Shared {
     engine: Engine,
+    /// The peers the worker holds: groups of queue pairs (lanes) to one agent.
+    lanes: Lanes,
+    /// Queue pairs per agent.
+    qps_per_agent: u8,
     dev: Arc<Device>,
     stop: AtomicBool,
 }
@@ -99,6 +104,8 @@ impl VerbsTransport {
                 fence_timeout: FENCE_TIMEOUT,
                 sq_wait: SQ_WAIT,
             }),
+            lanes: Lanes::default(),
+            qps_per_agent: settings.qps_per_agent.max(1),
             dev,
             stop: AtomicBool::new(false),
         });
@@ -309,10 +316,11 @@ impl Transport for VerbsTransport {
         let lkey = self.local()?.reg.lkey;
         let key = meta.get("verbs").cloned().unwrap_or_default();
         let _one_at_a_time = lock(&self.connect_lock);
-        if let Some(id) = self.shared.engine.find_usable(&key) {
+        let sh = &self.shared;
+        if let Some(id) = sh.lanes.find_usable(&sh.engine, &key) {
             return Ok(id);
         }
-        let dev = &self.shared.dev;
+        let dev = &sh.dev;
         let want_rd = dev.max_init_rd_atom;
         if want_rd == 0 {
             return Err(TransportError::Setup(format!(
@@ -320,37 +328,48 @@ impl Transport for VerbsTransport {
                 dev.label()
             )));
         }
-        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let depth = SQ_DEPTH
             .min(dev.max_qp_wr)
             .min(dev.max_cqe.saturating_sub(1))
             .max(1);
-        // Every work request is signalled, so at most `depth` completions are pending;
-        // the progress thread gets the peer's id back with each event.
-        let qp = RawQp::create(dev, Some(&self.channel), id.0, depth)?;
-        let psn = device::random_psn();
-        // On failure `qp` is dropped: destroyed, a failure logged (never a panic).
-        let th = self.bring_up(&tm, &qp, psn, want_rd, bringup)?;
-        let label = format!(
-            "{}:{} at {} (QPN {}, local QPN {} on {})",
-            tm.device,
-            tm.port,
-            gid_to_string(&th.ep.gid),
-            th.ep.qpn,
-            qp.qpn(),
-            dev.label()
-        );
-        self.shared
-            .engine
-            .add_peer(id, label, key, Arc::new(qp), depth as usize, lkey);
-        Ok(id)
+        // Every lane is brought up before any is used: a failure drops (destroys) the
+        // ones made so far.
+        let mut made = Vec::new();
+        for _ in 0..sh.qps_per_agent {
+            let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+            // Every work request is signalled, so at most `depth` completions are
+            // pending; the progress thread gets the lane's id back with each event.
+            let qp = RawQp::create(dev, &dev.pd, Some(&self.channel), id.0, depth)?;
+            let psn = device::random_psn();
+            // On failure `qp` is dropped: destroyed, a failure logged (never a panic).
+            let th = self.bring_up(&tm, &qp, psn, want_rd, bringup)?;
+            let label = format!(
+                "{}:{} at {} (QPN {}, local QPN {} on {})",
+                tm.device,
+                tm.port,
+                gid_to_string(&th.ep.gid),
+                th.ep.qpn,
+                qp.qpn(),
+                dev.label()
+            );
+            made.push((id, label, qp));
+        }
+        let mut lanes = Vec::with_capacity(made.len());
+        for (id, label, qp) in made {
+            sh.engine
+                .add_peer(id, label, key.clone(), Arc::new(qp), depth as usize, lkey);
+            lanes.push(id);
+        }
+        let group = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        sh.lanes.add(&sh.engine, group, key, lanes);
+        Ok(group)
     }
 
     fn post(&self, peer_id: PeerId, ops: &[Op]) -> Result<BatchId, TransportError> {
         let local = self.local()?;
-        self.shared
-            .engine
-            .post(peer_id, ops, &local.reg, Instant::now())
+        let sh = &self.shared;
+        sh.lanes
+            .post(&sh.engine, peer_id, ops, &local.reg, Instant::now())
     }
 
     fn state(&self, batch: BatchId) -> BatchState {
@@ -366,7 +385,7 @@ impl Transport for VerbsTransport {
     }
 
     fn fence(&self, peer_id: PeerId) -> Result<(), TransportError> {
-        self.shared.engine.fence(peer_id)
+        self.shared.lanes.fence(&self.shared.engine, peer_id)
     }
 }
 

@@ -51,6 +51,7 @@ fn verbs_transport(cfg: &HandlerConfig) -> Result<Arc<dyn Transport>, WorkerErro
         gid_index: cfg.rdma_gid_index,
         traffic_class: cfg.rdma_traffic_class,
         service_level: cfg.rdma_service_level,
+        qps_per_agent: cfg.rdma_qps_per_agent,
     };
     crate::transport::verbs::VerbsTransport::open_with(&settings)
         .map(|t| Arc::new(t) as Arc<dyn Transport>)
