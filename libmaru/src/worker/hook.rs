@@ -170,7 +170,10 @@ enum Registered {
 
 /// Registers `ptr..ptr+len` (the staging buffer) with the hook in force.
 pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
-    register_as(ptr, len, "the staging buffer")
+    register_as(ptr, len, "the staging buffer").map_err(|e| match e {
+        WorkerError::Config(m) => WorkerError::Config(format!("{m}; the handler is not opened")),
+        e => e,
+    })
 }
 
 /// Registers `ptr..ptr+len`, named `what` in logs and errors.
