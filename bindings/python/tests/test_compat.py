@@ -371,8 +371,8 @@ def test_retrieve_is_in_place_on_cxl(backend, compat_config, ns):
         assert infos[-1] is None
         for i, info in enumerate(infos[:-1]):
             assert info.zero_copy and info.view.tobytes() == kv(i, 5000 + i)
-            if backend == "cxl":  # the mapped region itself, read-only, under a lease
-                assert info.in_place and info.view.readonly and 0 < info.expires_in <= 60
+            if backend == "cxl":  # the mapped region itself (exported writable, as upstream's), under a lease
+                assert info.in_place and not info.view.readonly and 0 < info.expires_in <= 60
             else:  # a load staging slot
                 assert not info.in_place and info.expires_in is None
         stats = h.get_stats()["compat"]

@@ -4,6 +4,7 @@ own words, against the daemons of conftest.py."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import uuid
 
@@ -132,3 +133,25 @@ def test_maru_eager_map_overrides_the_field_and_rejects_other_values(monkeypatch
         MaruConfig()
     monkeypatch.delenv("MARU_EAGER_MAP")
     assert MaruConfig(eager_map=False).eager_map is False
+
+
+@pytest.mark.parametrize("backend", ["cxl", "remote_cxl"])
+def test_sglang_batch_get_takes_addresses_of_retrieved_views(backend, compat_config, ns):
+    # MaruStorage.batch_get_v1: ctypes.c_char.from_buffer(info.view), then memmove out.
+    with MaruHandler(compat_config(backend, cache_namespace=ns)) as h:
+        keys = [f"{ns}-{i}" for i in range(3)]
+        assert h.batch_store(keys, [data(i, 3000) for i in range(3)]) == [True] * 3
+        dst = (ctypes.c_char * 3000)()
+        for i, info in enumerate(h.batch_retrieve(keys)):
+            src = ctypes.addressof(ctypes.c_char.from_buffer(info.view))
+            ctypes.memmove(dst, src, 3000)
+            assert bytes(dst) == data(i, 3000)
+
+
+def test_read_only_retrieved_views_on_request(compat_config, ns):
+    with MaruHandler(compat_config("cxl", cache_namespace=ns, retrieve_writable=False)) as h:
+        assert h.store(f"{ns}-ro", data(9, 100))
+        info = h.retrieve(f"{ns}-ro")
+        assert info.view.readonly
+        with pytest.raises(TypeError):
+            ctypes.c_char.from_buffer(info.view)

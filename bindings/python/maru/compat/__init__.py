@@ -159,7 +159,11 @@ class MaruConfig:
     views on ``remote_cxl`` and outstanding ``alloc`` handles held at once; the staging
     buffer is chunk size × their sum), ``max_views`` (256: retrieved in-place views held
     at once on ``cxl``, each a lease at maru-server), ``retrieve_recycle`` (True: see
-    ``MaruHandler.retrieve``).
+    ``MaruHandler.retrieve``), ``retrieve_writable`` (True: ``cxl`` in-place views are
+    exported writable, as upstream's, so ``ctypes.c_char.from_buffer(info.view)`` works;
+    the memory stays mapped read-only, so a write through them kills the process
+    instead of changing another engine's chunk; False: read-only memoryviews, a write
+    raises TypeError).
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -188,6 +192,7 @@ class MaruConfig:
     store_slots: int = 32
     max_views: int = 256
     retrieve_recycle: bool = True
+    retrieve_writable: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -415,8 +420,8 @@ class MemoryInfo:
         return m
 
     @classmethod
-    def _of_view(cls, v: View) -> "MemoryInfo":
-        m = cls(v.view)
+    def _of_view(cls, v: View, writable_flag: bool = False) -> "MemoryInfo":
+        m = cls(v.exported_writable() if writable_flag else v.view)
         m._mapped, m.key, m.zero_copy = v, v.key, True
         return m
 
@@ -925,7 +930,7 @@ class MaruHandler:
             views = h.acquire_views(keys[:m], route_key=keys[0])
         for i, v in enumerate(views):
             if v is not None:
-                info = MemoryInfo._of_view(v)
+                info = MemoryInfo._of_view(v, self._config.retrieve_writable)
                 loc = self._locate(h, v.address)
                 if loc is not None:
                     info.region_id, info.page_index = loc
