@@ -3,13 +3,14 @@
 //! does, each byte moved once, by the caller. Beside it, memcpy of the same chunks
 //! over the same amount of cold memory, measured in the same run, for the ratio.
 //!
-//! Two figures of 32 × 2 MiB per operation: chunk by chunk as `compat` does (take one
-//! page, fill it, publish it: one publish round trip per chunk) and batched (take 32,
-//! fill 32, publish 32). Each operation then removes its keys (one round trip), as a
-//! full cache that evicts reuses its pages; a warm-up cycles through the region once
-//! so that first touches of fresh pages are not measured.
+//! Three figures of 32 × 2 MiB per operation: as `compat`'s `alloc` (one page taken
+//! per chunk, from the pool's spare pages) + fill + `batch_store` (one publish of the
+//! 32); the same with a `store` per chunk (one publish round trip each); and all
+//! batched (take 32, fill 32, publish 32). Each operation then removes its keys (one
+//! round trip), as a full cache that evicts reuses its pages; a warm-up cycles through
+//! the region once so that first touches of fresh pages are not measured.
 
-use crate::harness::{run_clients, Bound, Fig, Rotor};
+use crate::harness::{percentile, Fig, Rotor};
 use crate::procs::{stack, Scratch};
 use crate::report::{f2, Table};
 use maru::ffi::{
@@ -22,11 +23,52 @@ use std::ffi::{c_char, CString};
 const BATCH: usize = 32;
 const CHUNK: usize = 2 << 20;
 const REGION: usize = 256 << 20;
+/// Turns of the figures and memcpy (see `run`).
+const ROUNDS: usize = 4;
+
+/// Runs `op` for `secs` on this thread: GB/s and the median operation.
+fn measure(op: &mut dyn FnMut(usize) -> Result<u64, String>, secs: f64) -> Result<Fig, String> {
+    let start = std::time::Instant::now();
+    let mut lat = Vec::new();
+    let mut bytes = 0u64;
+    let mut i = 0;
+    while start.elapsed().as_secs_f64() < secs || i == 0 {
+        let t = std::time::Instant::now();
+        bytes += op(i)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        i += 1;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    lat.sort_by(f64::total_cmp);
+    Ok(Fig {
+        gbs: bytes as f64 / wall / 1e9,
+        ops_per_s: i as f64 / wall,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+        ops: i,
+    })
+}
+
+/// Figures of equal time slices together: the mean rate, the median of the medians.
+fn average(figs: &[Fig]) -> Fig {
+    let n = figs.len().max(1) as f64;
+    let mut p50: Vec<f64> = figs.iter().map(|f| f.p50_us).collect();
+    p50.sort_by(f64::total_cmp);
+    Fig {
+        gbs: figs.iter().map(|f| f.gbs).sum::<f64>() / n,
+        ops_per_s: figs.iter().map(|f| f.ops_per_s).sum::<f64>() / n,
+        p50_us: percentile(&p50, 0.5),
+        p99_us: figs.iter().map(|f| f.p99_us).fold(0.0, f64::max),
+        ops: figs.iter().map(|f| f.ops).sum(),
+    }
+}
 
 /// The figures of writes in place, and memcpy measured beside them.
 #[derive(Debug, Clone, Serialize)]
 pub struct InPlaceResult {
-    /// Chunk by chunk, as compat's alloc + fill + store.
+    /// As compat's alloc (one page each) + fill + batch_store (one publish).
+    pub compat: Fig,
+    /// The same with one store (publish) per chunk.
     pub per_chunk: Fig,
     /// 32 pages taken, filled and published at once.
     pub batched: Fig,
@@ -117,17 +159,21 @@ impl Handler {
     }
 }
 
-/// Fills a page with the caller's copy (what the GPU's copy is in a runtime).
+/// Fills a page with the caller's copy (what the GPU's copy is in a runtime): streaming
+/// stores, as libmaru's own stores copy into shared memory (`maru::dax::copy`), so the
+/// figure compares with `maru_store_batch`'s.
 fn fill(page: &maru_page_t, src: *const u8) {
-    // SAFETY: a taken page of `capacity` >= CHUNK bytes in the writable mapping, and a
-    // source piece of CHUNK bytes inside the rotor.
-    unsafe { std::ptr::copy_nonoverlapping(src, page.data, CHUNK) };
+    // SAFETY: a source piece of CHUNK bytes inside the rotor; the destination is a
+    // taken page of `capacity` >= CHUNK bytes in the writable mapping.
+    unsafe {
+        let from = std::slice::from_raw_parts(src, CHUNK);
+        maru::dax::copy::copy_to_shared(page.data, from);
+    }
 }
 
 /// Runs the figures on a fresh cxl stack over the scratch pool.
 pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, String> {
     let rotate = rotate.max(CHUNK * BATCH * 2);
-    let memcpy = crate::limits::memcpy(CHUNK, 1, secs, rotate / 2);
     let st = stack(s, false, &REGION.to_string(), &CHUNK.to_string())?;
     let cfg = crate::maru_io::handler_config(
         &st.server,
@@ -144,7 +190,14 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
     )?;
     let h = std::sync::Arc::new(Handler(raw));
     let route = CString::new("in-place").map_err(|e| e.to_string())?;
-    let figure = |batched: bool, tag: &'static str| -> Result<Fig, String> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mode {
+        Compat,
+        PerChunk,
+        Batched,
+    }
+    type Op = Box<dyn FnMut(usize) -> Result<u64, String>>;
+    let make = |mode: Mode, tag: &'static str| -> Result<Op, String> {
         let h = h.clone();
         let route = route.clone();
         let mut src = Rotor::new(rotate, CHUNK, 11);
@@ -152,17 +205,29 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
             let keys: Vec<CString> = (0..BATCH)
                 .map(|j| CString::new(format!("{tag}-{i}-{j}")).unwrap_or_default())
                 .collect();
-            if batched {
-                let pages = h.take(BATCH, &route)?;
-                for p in &pages {
-                    fill(p, src.next_ptr());
+            match mode {
+                Mode::Batched => {
+                    let pages = h.take(BATCH, &route)?;
+                    for p in &pages {
+                        fill(p, src.next_ptr());
+                    }
+                    h.publish(&keys, &pages)?;
                 }
-                h.publish(&keys, &pages)?;
-            } else {
-                for k in &keys {
-                    let page = h.take(1, &route)?;
-                    fill(&page[0], src.next_ptr());
-                    h.publish(std::slice::from_ref(k), &page)?;
+                Mode::Compat => {
+                    let mut pages = Vec::with_capacity(BATCH);
+                    for _ in 0..BATCH {
+                        let page = h.take(1, &route)?;
+                        fill(&page[0], src.next_ptr());
+                        pages.push(page[0]);
+                    }
+                    h.publish(&keys, &pages)?;
+                }
+                Mode::PerChunk => {
+                    for k in &keys {
+                        let page = h.take(1, &route)?;
+                        fill(&page[0], src.next_ptr());
+                        h.publish(std::slice::from_ref(k), &page)?;
+                    }
                 }
             }
             h.remove(&keys)?;
@@ -172,19 +237,29 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
         for i in 0..REGION / (CHUNK * BATCH) + 2 {
             op((1 << 32) + i)?;
         }
-        run_clients(
-            vec![op],
-            Bound {
-                secs,
-                max_ops: usize::MAX,
-            },
-        )
+        Ok(Box::new(op))
     };
-    let per_chunk = figure(false, "c")?;
-    let batched = figure(true, "b")?;
+    let mut ops = [
+        make(Mode::Compat, "a")?,
+        make(Mode::PerChunk, "c")?,
+        make(Mode::Batched, "b")?,
+    ];
+    // The machine's load changes from second to second: the figures and memcpy are
+    // measured in turns, a slice of the time each, ROUNDS times, and averaged.
+    let slice = secs / ROUNDS as f64;
+    let mut rounds: [Vec<Fig>; 4] = Default::default();
+    for _ in 0..ROUNDS {
+        rounds[3].push(crate::limits::memcpy(CHUNK, 1, slice, rotate / 2));
+        for (k, op) in ops.iter_mut().enumerate() {
+            let fig = measure(&mut **op, slice)?;
+            rounds[k].push(fig);
+        }
+    }
+    let [compat, per_chunk, batched, memcpy] = rounds.map(|r| average(&r));
     drop(h);
     drop(st);
     Ok(InPlaceResult {
+        compat,
         per_chunk,
         batched,
         memcpy,
@@ -205,7 +280,8 @@ pub fn table(r: &InPlaceResult) -> Table {
         }
     };
     for (name, f) in [
-        ("compat alloc + fill + store, cxl, 32 x 2 MiB", &r.per_chunk),
+        ("compat alloc + fill + store, cxl, 32 x 2 MiB", &r.compat),
+        ("the same, a store (publish) per chunk", &r.per_chunk),
         ("the same, 32 pages taken and published at once", &r.batched),
         ("memcpy 2 MiB, 1 thread (same run)", &r.memcpy),
     ] {
