@@ -88,6 +88,9 @@ def test_lmcache_adapter_sequence(compat_config, ns):
             assert n is not None and info.page_index < n
             v = r.get_buffer_view(info.region_id, info.page_index * CHUNK_SIZE, CHUNK_SIZE)
             assert v is not None and v.readonly and v.tobytes() == data(1, CHUNK_SIZE)
+            part = r.get_by_location(info.region_id, info.page_index, 100)
+            assert part is not None and part.tobytes() == data(1, 100)
+            assert r.get_by_location(info.region_id, n, 100) is None  # past the region
             info.release()
 
 

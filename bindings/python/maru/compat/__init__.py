@@ -25,14 +25,17 @@ stored under its decimal string, as the LMCache connector's int keys need).
 
 What differs (docs/migration.md has the full table):
 
-* ``alloc`` hands out a **store staging slot**, not a page of an owned region, on both
-  backends: ``remote_cxl`` WRITEs from the slot (no copy), ``cxl`` copies it into the
-  region at ``store``. At most ``store_slots`` handles are outstanding; ``alloc`` waits
-  ``timeout_ms`` for one, then raises ValueError. ``store`` (or ``free``) consumes the
-  handle: its ``buf`` is released (using it raises). ``region_id``/``page_index`` are
-  None: the page is chosen at ``store``.
+* ``alloc`` on ``cxl`` (one pool) hands out the page itself, as upstream (written in
+  place, published by ``store``: each byte moved once), with its ``region_id`` and
+  ``page_index``; the LMCache adapter's surface (``set_on_region_added``,
+  ``get_buffer_view``, ``get_region_page_count``, keyword-built ``AllocHandle``) works
+  on it. On ``remote_cxl`` it hands out a **store staging slot** (WRITE from the slot,
+  no copy); at most ``store_slots`` handles are outstanding; ``alloc`` waits
+  ``timeout_ms`` for one, then raises ValueError; ``region_id``/``page_index`` raise
+  UnsupportedError (the page is chosen at ``store``). ``store`` (or ``free``) consumes
+  the handle: its ``buf`` is released (using it raises).
 * ``retrieve`` on ``cxl`` returns a view of the chunk **in the mapped region**, with
-  no copy, as upstream, but read-only and under a lease (a :class:`maru.View`): valid
+  no copy, as upstream, but mapped read-only and under a lease (a :class:`maru.View`): valid
   until ``info.release()`` (or leaving ``with info:``), the handler's close, a
   ``delete`` of the key by this handler, the end of the lease (maru-server's
   ``--lease-timeout-s``, 60 s by default), or, with ``retrieve_recycle`` (the
@@ -54,14 +57,16 @@ What differs (docs/migration.md has the full table):
   (memory node rebooted, region gone back), where upstream's would outlive them.
 * ``free`` after ``store`` does not evict the key (upstream frees the page under it;
   use ``delete``).
-* ``get_stats`` returns this handler's libmaru counters, not maru-server's GET_STATS;
+* ``get_stats`` carries upstream's sections with this handler's figures, not
+  maru-server's GET_STATS;
   ``healthcheck`` probes the pool with one round trip and says whether a session is
   up.
 * Upstream-only knobs (``pool_size``, ``use_async_rpc``, ``max_inflight``,
   ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
   accepted and validated as upstream does, and have no effect: regions and chunk size
   come from maru-server (``--region-size``, ``--chunk-size``), and ``connect`` fails
-  when ``chunk_size_bytes`` is larger than the server's chunk size.
+  when ``chunk_size_bytes`` is larger than the server's chunk size (the message names
+  both). ``MARU_EAGER_MAP`` overrides ``eager_map`` as upstream (other values: ValueError).
 """
 
 from __future__ import annotations
@@ -1170,17 +1175,19 @@ class MaruHandler:
         return None
 
     def _announce_regions(self, h: _native.MaruHandler) -> None:
-        """Calls the region-added callback for every region mapped since it last ran."""
+        """Calls the region-added callback for every region mapped since it last ran
+        (nothing to do without one: setting one replays every region mapped by then)."""
         cb = self._on_region_added
+        if cb is None:
+            return
         new = []
         with self._lock:
             for r in self._regions(h, refresh=True):
                 if r["region_id"] not in self._regions_seen:
                     self._regions_seen.add(r["region_id"])
                     new.append(r)
-        if cb is not None:
-            for r in new:
-                cb(r["region_id"], r["page_count"])
+        for r in new:
+            cb(r["region_id"], r["page_count"])
 
     def set_on_region_added(self, callback: Any) -> None:
         """Sets ``callback(region_id, page_count)``, called for every region this handler
@@ -1215,6 +1222,19 @@ class MaruHandler:
         if offset < 0 or size < 0 or offset + size > info["len"]:
             return None
         return mv[offset : offset + size]
+
+    def get_by_location(self, region_id: int, page_index: int, size: int) -> Optional[memoryview]:
+        """The first ``size`` bytes of page ``page_index`` of a region mapped here (what
+        LMCache's adapter looks up after a ``retrieve``, whose ``MemoryInfo`` names the
+        page): :meth:`get_buffer_view` at ``page_index`` × maru-server's page size. None
+        when the region is not mapped here or the range is outside it."""
+        page = self.get_region_page_count(region_id)
+        if page is None or not 0 <= page_index < page:
+            return None
+        r = next(x for x in self._regions(self._ensure()) if x["region_id"] == region_id)
+        if size > r["page_size"]:
+            return None
+        return self.get_buffer_view(region_id, page_index * int(r["page_size"]), size)
 
     def get_owned_region_ids(self) -> List[int]:
         """The engine's own regions mapped here (``cxl``; empty on ``remote_cxl``)."""
