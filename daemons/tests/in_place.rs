@@ -94,6 +94,11 @@ struct Watch {
 
 /// A pool of one 8 MiB region at most (128 pages of 64 KiB), no spare pages.
 fn watched_pool(st: &Stack, engine: &str) -> Watch {
+    watched_pool_of(st, engine, 8 << 20)
+}
+
+/// A pool of at most `max_bytes` of regions (0: no limit), no spare pages.
+fn watched_pool_of(st: &Stack, engine: &str, max_bytes: u64) -> Watch {
     let session = Session::open(
         &st.server.addr,
         engine,
@@ -113,7 +118,7 @@ fn watched_pool(st: &Stack, engine: &str) -> Watch {
     };
     let pool = StoragePool::open(session, Box::new(mover))
         .unwrap()
-        .with_max_bytes(8 << 20);
+        .with_max_bytes(max_bytes);
     Watch {
         pool,
         written,
@@ -281,4 +286,65 @@ fn remote_cxl_refuses_writes_in_place_with_the_staging_way_named() {
     assert!(e.to_string().contains("staging slots"), "{e}");
     assert!(h.regions().unwrap().is_empty());
     h.close().unwrap();
+}
+
+/// maru-server asks for a region back (another engine waits on a full pool): a region
+/// with pages taken for writing in place stays until they are published or given back
+/// (its takers would otherwise write into memory handed to another engine).
+#[test]
+fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
+    let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    // Room for two regions of 8 MiB (the device header takes the first 2 MiB).
+    let st = support::stack("inplace-fair", "20M", false, &args);
+    let mut a = watched_pool_of(&st, "hog", 0);
+    // Every page of both regions taken by A.
+    let mut pages = a.pool.take_in_place(256, Some("hog")).unwrap();
+    assert_eq!(a.pool.stats().regions, 2, "A holds the whole pool");
+    // B stores into the full pool: maru-server asks A for a fair share.
+    let mut b = watched_pool_of(&st, "waiter", 0);
+    let stored = b
+        .pool
+        .store(&[("w/c0", &bytes(1, 100)[..])], Some("w"))
+        .unwrap();
+    assert_eq!(stored, vec![false], "no room for B yet");
+    // Without the rule A gives it back at its first heartbeat: 3 s is ample.
+    let asked = support::wait_until(Duration::from_secs(3), || {
+        a.pool.heartbeat().unwrap();
+        b.pool
+            .store(&[("w/c0", &bytes(1, 100)[..])], Some("w"))
+            .unwrap()[0]
+            || a.pool.stats().regions < 2
+    });
+    assert!(
+        !asked || a.pool.stats().regions == 2,
+        "A gave back a region while its pages were being written in place: {:?}",
+        a.pool.stats()
+    );
+    assert_eq!(a.pool.stats().regions_given_back, 0);
+    // A gives back the pages of one region: that region can go now.
+    let first = pages[0].page.region_id;
+    let (mine, rest): (Vec<_>, Vec<_>) = pages.drain(..).partition(|p| p.page.region_id == first);
+    a.pool.give_back_in_place(mine);
+    let gone = support::wait_until(Duration::from_secs(10), || {
+        a.pool.heartbeat().unwrap();
+        a.pool.stats().regions_given_back == 1
+    });
+    assert!(
+        gone,
+        "the region is given back once nothing is written into it: {:?}",
+        a.pool.stats()
+    );
+    assert!(
+        support::wait_until(Duration::from_secs(10), || b
+            .pool
+            .store(&[("w/c0", &bytes(1, 100)[..])], Some("w"))
+            .unwrap()[0]),
+        "B stores into the region A gave back"
+    );
+    a.pool.give_back_in_place(rest);
+    a.pool.close().unwrap();
+    b.pool.close().unwrap();
 }
