@@ -46,6 +46,9 @@ int main(void) {
     CHECK(maru_exists_batch(b, keys, N, "req", found) == MARU_OK && !found[0]);
     /* Another handler cannot publish A's pages. */
     CHECK(maru_pages_publish(b, keys, pages, lens, N, NULL) == MARU_ERR_INVALID_ARGUMENT);
+    /* A length over the page: refused, nothing published, the pages stay A's. */
+    size_t too_long = pages[0].capacity + 1;
+    CHECK(maru_pages_publish(a, keys, pages, &too_long, 1, NULL) == MARU_ERR_INVALID_ARGUMENT);
     /* Give one back, publish the rest. */
     CHECK(maru_pages_give_back(a, &pages[N - 1], 1) == MARU_OK);
     bool published[N];

@@ -161,6 +161,20 @@ impl Handler {
         if let Some(k) = keys.iter().find(|k| k.is_empty()) {
             return Err(WorkerError::InvalidArgument(format!("empty key {k:?}")));
         }
+        {
+            // Checked while the pages are still the caller's (an error keeps them so).
+            let t = self.inner.in_place_table()?;
+            for ((loc, &len), key) in pages.iter().zip(lens).zip(keys) {
+                if let Some((_, p)) = t.pages.get(loc) {
+                    if len > p.capacity() {
+                        return Err(WorkerError::InvalidArgument(format!(
+                            "chunk {key} is {len} bytes, larger than its page ({})",
+                            p.capacity()
+                        )));
+                    }
+                }
+            }
+        }
         let (i, taken) = self.untable(pages)?;
         let writes = taken
             .into_iter()

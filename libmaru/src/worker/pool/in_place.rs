@@ -164,7 +164,8 @@ impl StoragePool {
                         w.key, w.len
                     )
                 };
-                // The pages stay the caller's: it may give them back.
+                // Nothing is published; the pages go back for later stores.
+                self.give_back_in_place(writes.into_iter().map(|w| w.page).collect());
                 return Err(WorkerError::InvalidArgument(why));
             }
         }
