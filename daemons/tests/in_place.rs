@@ -145,6 +145,11 @@ fn a_page_written_in_place_is_found_once_its_writer_publishes_it_and_only_by_it(
         !b.exists_batch(&keys, Some("req")).unwrap()[0],
         "nothing is found before its writer publishes"
     );
+    // A page named twice in one call is refused; the pages stay the writer's.
+    let twice = [locs[0], locs[0]];
+    let e = a.publish_in_place(&keys, &twice, &[10, 10]).unwrap_err();
+    assert!(e.to_string().contains("twice"), "{e}");
+    assert_eq!(a.held_in_place(), 2);
     // Another handler cannot publish the writer's pages.
     let e = b
         .publish_in_place(&keys, &locs, &[65536, 1000])

@@ -114,6 +114,13 @@ impl Handler {
 
     /// Takes the caller's pages out of the table, all of one pool.
     fn untable(&self, pages: &[(u64, u64)]) -> Result<(usize, Vec<InPlacePage>), WorkerError> {
+        let mut seen = std::collections::HashSet::with_capacity(pages.len());
+        if let Some(d) = pages.iter().find(|l| !seen.insert(**l)) {
+            return Err(WorkerError::InvalidArgument(format!(
+                "page {} of region {} is named twice in one call",
+                d.1, d.0
+            )));
+        }
         let mut t = self.inner.in_place_table()?;
         let mut pool = None;
         for loc in pages {
