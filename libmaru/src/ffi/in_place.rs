@@ -120,9 +120,8 @@ pub unsafe extern "C" fn maru_pages_take(
 /// written (nothing is published from a region no longer the engine's) or the pool is
 /// unavailable. Afterwards the pages are no longer the caller's, whatever the outcome.
 /// A page not taken by this handler (or already published or given back, or named
-/// twice), an empty key
-/// or a length over the page's capacity returns `MARU_ERR_INVALID_ARGUMENT`: nothing
-/// is published and the pages stay the caller's.
+/// twice), an empty key or a length over the page's capacity returns
+/// `MARU_ERR_INVALID_ARGUMENT`: nothing is published and the pages stay the caller's.
 ///
 /// Threads: any, concurrently with other calls.
 #[no_mangle]
