@@ -886,9 +886,11 @@ maru_status_t maru_pages_give_back(const struct maru_handler_t *h,
                                    size_t n);
 
 /**
- * The regions this host maps now (backend `cxl`; none on `remote_cxl`): the
- * engine's own (writable) and other engines' it has read from (read-only), by region
- * id. `out[0..min(cap, *count)]` describes them; `*count` is how many there are (call
+ * The mappings of regions this host holds now (backend `cxl`; none on `remote_cxl`):
+ * the engine's own regions (writable) and other engines' it has read from
+ * (read-only), by region id. An own region that was also read in place (views) has a
+ * second, read-only mapping, listed after its writable one: the `data` of a view lies
+ * in it. `out[0..min(cap, *count)]` describes them; `*count` is how many there are (call
  * again with a larger `out` if it exceeds `cap`). `out` may be NULL when `cap` is 0.
  *
  * Threads: any, concurrently with other calls.

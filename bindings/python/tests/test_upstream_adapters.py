@@ -35,6 +35,10 @@ def test_alloc_on_cxl_hands_out_the_page_itself_and_store_only_publishes_it(comp
         assert seen is not None and seen.tobytes() == data(1, 1000)
         assert w.store(f"{ns}-k", a) is True
         assert w.get_stats()["compat"]["pages_taken_in_place"] == 0
+        # Read back by its writer (an own region, read through its read-only mapping).
+        own = w.retrieve(f"{ns}-k")
+        assert (own.region_id, own.page_index) == (region, page) and own.view.tobytes() == data(1, 1000)
+        own.release()
         with MaruHandler(compat_config("cxl", cache_namespace=ns)) as r:
             info = r.retrieve(f"{ns}-k")
             assert info is not None and info.view.tobytes() == data(1, 1000)

@@ -933,6 +933,8 @@ class MaruHandler:
             views = [h.acquire_view(k, route_key=k) for k in keys[:m]]
         else:
             views = h.acquire_views(keys[:m], route_key=keys[0])
+        if any(v is not None for v in views):
+            self._region_index = h.regions()  # as mapped now, for the views' pages
         for i, v in enumerate(views):
             if v is not None:
                 info = MemoryInfo._of_view(v, self._config.retrieve_writable)
@@ -1167,11 +1169,11 @@ class MaruHandler:
         return self._region_index
 
     def _locate(self, h: _native.MaruHandler, addr: int) -> Optional[Tuple[int, int]]:
-        """(region id, page index) of an address in this host's mappings."""
-        for refresh in (False, True):
-            for r in self._regions(h, refresh):
-                if r["addr"] <= addr < r["addr"] + r["len"] and r["page_size"]:
-                    return r["region_id"], (addr - r["addr"]) // r["page_size"]
+        """(region id, page index) of an address in this host's mappings (as last
+        listed: the caller lists them after mapping)."""
+        for r in self._regions(h):
+            if r["addr"] <= addr < r["addr"] + r["len"] and r["page_size"]:
+                return r["region_id"], (addr - r["addr"]) // r["page_size"]
         return None
 
     def _announce_regions(self, h: _native.MaruHandler) -> None:

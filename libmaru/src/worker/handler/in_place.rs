@@ -246,7 +246,8 @@ impl Handler {
                 }
             }
         }
-        out.sort_by_key(|r| r.region_id);
+        // By region, the writable mapping of an own region before its read-only one.
+        out.sort_by_key(|r| (r.region_id, !r.writable));
         Ok(out)
     }
 

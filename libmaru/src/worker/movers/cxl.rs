@@ -149,12 +149,11 @@ impl Mover for CxlMover {
     }
 
     fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        // Own regions first: an own region read in place has a read-only mapping too.
         let own = self.own.iter();
-        let others = self
-            .readers
-            .iter()
-            .filter(|(r, _)| !self.own.contains_key(r));
-        own.chain(others).map(|(r, m)| (*r, m.clone())).collect()
+        own.chain(self.readers.iter())
+            .map(|(r, m)| (*r, m.clone()))
+            .collect()
     }
 
     fn wants_lead(&self) -> bool {

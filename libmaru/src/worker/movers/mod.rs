@@ -146,7 +146,8 @@ pub trait Mover: Send {
         false
     }
     /// The mappings this mover holds now, per region (own ones writable, others
-    /// read-only), for region views (`cxl`). Empty where it holds none.
+    /// read-only; an own region read in place also has its read-only mapping, listed
+    /// after the writable one), for region views (`cxl`). Empty where it holds none.
     fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
         Vec::new()
     }
