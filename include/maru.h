@@ -307,6 +307,36 @@ typedef struct maru_view_t {
   uint64_t valid_ms;
 } maru_view_t;
 
+/**
+ * A page of one of the engine's own regions, taken for writing a chunk in place
+ * (backend `cxl`). `data` points to `capacity` bytes (one chunk) in this host's
+ * writable mapping of the region, valid until the page is published or given back
+ * (or the handler shut down). `(region_id, page)` names the page in later calls;
+ * `offset` is its byte offset in the region.
+ */
+typedef struct maru_page_t {
+  uint64_t region_id;
+  uint64_t page;
+  uint64_t offset;
+  uint8_t *data;
+  size_t capacity;
+} maru_page_t;
+
+/**
+ * A region this host maps (backend `cxl`): `len` bytes at `data`, `page_count`
+ * pages of `page_size` bytes. `writable`: one of the engine's own regions (mapped
+ * writable); otherwise another engine's, read-only. The memory stays mapped until the
+ * handler is shut down.
+ */
+typedef struct maru_region_t {
+  uint64_t region_id;
+  uint8_t *data;
+  size_t len;
+  uint64_t page_size;
+  uint64_t page_count;
+  bool writable;
+} maru_region_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -383,12 +413,17 @@ maru_status_t maru_set_log_callback(maru_log_level_t min_level, maru_log_fn call
  * Sets the process-wide memory hook for handlers opened from now on: each handler
  * calls `register(ctx, ptr, len)` with its staging buffer during `maru_handler_open`
  * (a nonzero return fails the open with `MARU_ERR_CONFIG`), and `unregister(ctx,
- * ptr, len)` (may be NULL) once when it is shut down. A NULL `register` removes the
- * hook. Handlers already open keep the hook they were opened with.
+ * ptr, len)` (may be NULL) once when it is shut down. On `cxl` it also calls
+ * `register` once for each mapping of CXL memory it makes (its own regions, and other
+ * engines' it reads in place; a nonzero return is logged and the mapping used
+ * unregistered) and `unregister` once for it before it is unmapped. A NULL `register`
+ * removes the hook. Handlers already open keep the hook they were opened with.
  *
- * Threads: `register` runs on the thread calling `maru_handler_open`; `unregister`
- * on the thread calling `maru_handler_shutdown`, `maru_handler_free` or
- * `maru_handler_close`. This call may run concurrently with opens: an open uses
+ * Threads: `register` runs on the thread calling `maru_handler_open` (for a CXL
+ * mapping: the thread whose call maps it, or the handler's background thread);
+ * `unregister` on the thread calling `maru_handler_shutdown`, `maru_handler_free` or
+ * `maru_handler_close` (for a CXL mapping also the background thread, when its region
+ * is lost or given back). The callbacks must not call libmaru. This call may run concurrently with opens: an open uses
  * either the old hook or the new one, never a mix.
  *
  * Ownership: the callbacks, and `ctx` for them, must stay valid while any handler
@@ -402,8 +437,9 @@ maru_status_t maru_set_memory_hook(maru_mem_register_fn register_,
  * Sets the memory hook to `auto` for handlers opened from now on: libmaru dlopens
  * libcudart (the absolute path in the environment variable `MARU_CUDART`, else
  * libcudart.so, .so.12, .so.11.0 from the library search path) and pins each staging
- * buffer with `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`, unpinning it at
- * shutdown. Without CUDA, or when the pin fails, handlers work with pageable memory
+ * buffer and each CXL mapping (`cxl`) with `cudaHostRegister(ptr, len,
+ * cudaHostRegisterPortable)`, unpinning it at shutdown (a mapping: before it is
+ * unmapped). Without CUDA, or when the pin fails, handlers work with pageable memory
  * and a warning is logged; `maru_stats_json` tells whether memory was pinned
  * (`memory_hook.pinned_bytes`, `memory_hook.register_failures`).
  *
@@ -793,6 +829,89 @@ maru_status_t maru_views_acquire(const struct maru_handler_t *h,
  * Threads: any, concurrently with other calls.
  */
 maru_status_t maru_views_release(const struct maru_handler_t *h, const uint64_t *ids, size_t n);
+
+/**
+ * Takes up to `n` pages of the engine's own regions for writing chunks in place
+ * (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
+ * staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
+ * pool has no room (every page leased, pinned or taken, and no region to be had).
+ * `route_key` picks the pool, as the request's first chunk key does for
+ * `maru_store_batch` (NULL: the first pool's pick for "").
+ *
+ * Write each chunk at `data`, then publish it with `maru_pages_publish` (only then
+ * can it be found) or give the page back with `maru_pages_give_back`. A page taken is
+ * the caller's: no store reuses it, no eviction takes it, its region is not given
+ * back meanwhile. Each page is published only by its taker, and only while its
+ * region is still the engine's.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_pages_take(const struct maru_handler_t *h,
+                              size_t n,
+                              const char *route_key,
+                              struct maru_page_t *out,
+                              size_t *got);
+
+/**
+ * Publishes `n` pages written in place: `keys[i]` with the first `lens[i]` bytes of
+ * `pages[i]` (only its `region_id` and `page` are read), the chunks of one request
+ * in chain order, all taken with one route key. `published[i]` (the array may be
+ * NULL) is true when the chunk is stored now or was already stored (by any engine;
+ * its page then serves later stores), false when its region was lost while it was
+ * written (nothing is published from a region no longer the engine's) or the pool is
+ * unavailable. Afterwards the pages are no longer the caller's, whatever the outcome.
+ * A page not taken by this handler (or already published or given back, or named
+ * twice), an empty key or a length over the page's capacity returns
+ * `MARU_ERR_INVALID_ARGUMENT`: nothing is published and the pages stay the caller's.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_pages_publish(const struct maru_handler_t *h,
+                                 const char *const *keys,
+                                 const struct maru_page_t *pages,
+                                 const size_t *lens,
+                                 size_t n,
+                                 bool *published);
+
+/**
+ * Gives back `n` pages taken with `maru_pages_take` and not published (only their
+ * `region_id` and `page` are read): they serve later stores. Their `data` must not be
+ * written any more. A page not held returns `MARU_ERR_INVALID_ARGUMENT` and none is
+ * given back.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_pages_give_back(const struct maru_handler_t *h,
+                                   const struct maru_page_t *pages,
+                                   size_t n);
+
+/**
+ * The mappings of regions this host holds now (backend `cxl`; none on `remote_cxl`):
+ * the engine's own regions (writable) and other engines' it has read from
+ * (read-only), by region id. An own region that was also read in place (views) has a
+ * second, read-only mapping, listed after its writable one: the `data` of a view lies
+ * in it. `out[0..min(cap, *count)]` describes them; `*count` is how many there are (call
+ * again with a larger `out` if it exceeds `cap`). `out` may be NULL when `cap` is 0.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_regions_list(const struct maru_handler_t *h,
+                                struct maru_region_t *out,
+                                size_t cap,
+                                size_t *count);
+
+/**
+ * The region `region_id` as this host maps it: `*found` is false (and `*out`
+ * untouched) when it maps no such region. Its memory stays mapped until the handler
+ * is shut down, even if the region stops being the engine's: write into an own
+ * region only into pages taken with `maru_pages_take` and not yet published.
+ *
+ * Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_region_view(const struct maru_handler_t *h,
+                               uint64_t region_id,
+                               struct maru_region_t *out,
+                               bool *found);
 
 /**
  * Derives the keys of the full chunks of `n_tokens` token ids, `chunk_tokens` ids

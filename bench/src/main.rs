@@ -18,6 +18,7 @@
 mod chart;
 mod harness;
 mod idle;
+mod in_place;
 mod limits;
 mod maru_io;
 mod meta;
@@ -67,7 +68,8 @@ struct Args {
     /// Maru backends to measure (default both): cxl, remote_cxl.
     #[arg(long, value_delimiter = ',')]
     backends: Vec<String>,
-    /// Parts to run, comma-separated: limits, soft, maru, redis, meta, idle (default all).
+    /// Parts to run, comma-separated: limits, soft, maru, in_place, redis, meta, idle
+    /// (default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
@@ -167,6 +169,8 @@ struct Results {
     redis: Vec<redis::RedisResult>,
     meta: Vec<meta::Row>,
     idle: Vec<idle::IdleCpu>,
+    /// cxl writes in place (part `in_place`).
+    in_place: Option<in_place::InPlaceResult>,
 }
 
 const CHUNKS: [usize; 2] = [256 * 1024, 2 * MIB];
@@ -832,14 +836,18 @@ fn run(args: Args) -> Result<(), String> {
     }
     let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
     for o in &args.only {
-        if !["limits", "soft", "maru", "redis", "meta", "idle"].contains(&o.as_str()) {
+        if ![
+            "limits", "soft", "maru", "in_place", "redis", "meta", "idle",
+        ]
+        .contains(&o.as_str())
+        {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, redis, meta, idle"
+                "unknown part {o}: use limits, soft, maru, in_place, redis, meta, idle"
             ));
         }
     }
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
-    let needs_stack = want("maru") || want("meta") || want("idle");
+    let needs_stack = want("maru") || want("in_place") || want("meta") || want("idle");
     // First, before any thread starts (the namespace is entered by this thread only).
     let huge = match (needs_stack, args.pool_pages.as_str()) {
         (true, "2M") => match procs::HugeTmpfs::mount((pool_gib << 30) + 256 * MIB as u64) {
@@ -947,6 +955,10 @@ fn run(args: Args) -> Result<(), String> {
             r.cxl_small_pages = Some(maru_io::run(&small, cfg, &sz)?);
         }
     }
+    if let (true, Some(s)) = (want("in_place"), &scratch) {
+        say("maru cxl writes in place 2 MiB x 1 handler");
+        r.in_place = Some(in_place::run(s, secs, rotate)?);
+    }
     if want("redis") {
         let (redis_proc, addr) = procs::start_redis()?;
         for &chunk in &chunks {
@@ -1013,7 +1025,8 @@ fn run(args: Args) -> Result<(), String> {
     mach.load_after = loadavg();
     let elapsed = started.elapsed().as_secs_f64();
 
-    let ts = tables(&r);
+    let mut ts = tables(&r);
+    ts.extend(r.in_place.as_ref().map(in_place::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },

@@ -26,6 +26,8 @@ from ._lib import (
     MEM_UNREGISTER_FN,
     last_error,
     lib,
+    maru_page_t,
+    maru_region_t,
     maru_slot_t,
     maru_view_t,
     status_str,
@@ -293,6 +295,57 @@ def views_acquire(h: int, keys: Sequence[Key], route_key: RouteKey) -> List[Opti
 def views_release(h: int, ids: Sequence[int]) -> None:
     """``maru_views_release``."""
     _check(lib.maru_views_release(h, _ids(ids), len(ids)))
+
+
+# Writes in place and region views (cxl) ----------------------------------------------------
+
+
+def pages_take(h: int, n: int, route_key: RouteKey) -> List[maru_page_t]:
+    """``maru_pages_take``: up to ``n`` pages of own regions to write chunks in place."""
+    out = (maru_page_t * max(n, 1))()
+    got = ctypes.c_size_t(0)
+    _check(lib.maru_pages_take(h, n, route_key, out, ctypes.byref(got)))
+    return [out[i] for i in range(got.value)]
+
+
+def _pages(locs: Sequence[Tuple[int, int]]) -> "ctypes.Array[maru_page_t]":
+    arr = (maru_page_t * max(len(locs), 1))()
+    for i, (r, p) in enumerate(locs):
+        arr[i].region_id, arr[i].page = r, p
+    return arr
+
+
+def pages_publish(h: int, keys: Sequence[Key], locs: Sequence[Tuple[int, int]], lens: Sequence[int]) -> List[bool]:
+    """``maru_pages_publish``: per chunk, whether it is stored (now or already)."""
+    n = len(keys)
+    out = (ctypes.c_bool * max(n, 1))()
+    _check(lib.maru_pages_publish(h, _keys(keys), _pages(locs), _sizes(lens), n, out))
+    return [bool(out[i]) for i in range(n)]
+
+
+def pages_give_back(h: int, locs: Sequence[Tuple[int, int]]) -> None:
+    """``maru_pages_give_back``."""
+    _check(lib.maru_pages_give_back(h, _pages(locs), len(locs)))
+
+
+def regions_list(h: int) -> List[maru_region_t]:
+    """``maru_regions_list``: the regions this host maps now."""
+    cap = 16
+    while True:
+        out = (maru_region_t * cap)()
+        count = ctypes.c_size_t(0)
+        _check(lib.maru_regions_list(h, out, cap, ctypes.byref(count)))
+        if count.value <= cap:
+            return [out[i] for i in range(count.value)]
+        cap = count.value
+
+
+def region_view(h: int, region_id: int) -> Optional[maru_region_t]:
+    """``maru_region_view``: the region as this host maps it, None if it maps none."""
+    out = maru_region_t()
+    found = ctypes.c_bool(False)
+    _check(lib.maru_region_view(h, region_id, ctypes.byref(out), ctypes.byref(found)))
+    return out if found.value else None
 
 
 # Process-wide settings: memory hook, log callback --------------------------------------------

@@ -221,3 +221,42 @@ lib.maru_chunk_keys.argtypes = [
     ctypes.c_char_p, ctypes.c_size_t, c_size_p,
 ]
 lib.maru_chunk_keys.restype = _S
+
+# Writes in place and region views (cxl).
+
+
+class maru_page_t(ctypes.Structure):
+    """``maru_page_t``: a page of an own region taken for writing a chunk in place."""
+
+    _fields_ = [
+        ("region_id", ctypes.c_uint64),
+        ("page", ctypes.c_uint64),
+        ("offset", ctypes.c_uint64),
+        ("data", ctypes.c_void_p),
+        ("capacity", ctypes.c_size_t),
+    ]
+
+
+class maru_region_t(ctypes.Structure):
+    """``maru_region_t``: a region this host maps (backend cxl)."""
+
+    _fields_ = [
+        ("region_id", ctypes.c_uint64),
+        ("data", ctypes.c_void_p),
+        ("len", ctypes.c_size_t),
+        ("page_size", ctypes.c_uint64),
+        ("page_count", ctypes.c_uint64),
+        ("writable", ctypes.c_bool),
+    ]
+
+
+lib.maru_pages_take.argtypes = [_H, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_page_t), c_size_p]
+lib.maru_pages_take.restype = _S
+lib.maru_pages_publish.argtypes = [_H, c_char_pp, ctypes.POINTER(maru_page_t), c_size_p, ctypes.c_size_t, c_bool_p]
+lib.maru_pages_publish.restype = _S
+lib.maru_pages_give_back.argtypes = [_H, ctypes.POINTER(maru_page_t), ctypes.c_size_t]
+lib.maru_pages_give_back.restype = _S
+lib.maru_regions_list.argtypes = [_H, ctypes.POINTER(maru_region_t), ctypes.c_size_t, c_size_p]
+lib.maru_regions_list.restype = _S
+lib.maru_region_view.argtypes = [_H, ctypes.c_uint64, ctypes.POINTER(maru_region_t), c_bool_p]
+lib.maru_region_view.restype = _S

@@ -29,6 +29,12 @@ from .slots import Op, Slot, SlotPool, as_lengths
 from .views import RemoveResult, View
 
 
+class PageInfo(collections.namedtuple("PageInfo", "region_id page offset addr capacity buf")):
+    """A page of an own region taken for writing a chunk in place (cxl): its region id,
+    page index, byte offset in the region, address, capacity and a writable
+    memoryview ``buf`` of it."""
+
+
 def _key(k: str, what: str = "key") -> bytes:
     if not isinstance(k, str):
         raise TypeError(f"{what} must be a str, not {type(k).__name__}")
@@ -101,6 +107,8 @@ class MaruHandler:
         self._view_pending: Dict[int, _Views] = {}
         self._views_dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
         self._expirer: Optional[_Expirer] = None
+        # Memoryviews of pages taken for writing in place and of whole regions (cxl).
+        self._page_views = _Views()
         if not isinstance(config, (str, Mapping)):
             raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
@@ -699,6 +707,66 @@ class MaruHandler:
                     self._release_later.append(i)  # still running
 
     # Views of chunks in place (cxl) --------------------------------------------------
+
+    # Writes in place and region views (cxl) ------------------------------------------
+
+    def take_pages(self, n: int, route_key: Optional[str] = None) -> List["PageInfo"]:
+        """Takes up to ``n`` pages of this engine's own regions to write chunks in place
+        (``maru_pages_take``, backend ``cxl`` only; ``remote_cxl`` raises
+        :class:`~maru.InvalidArgumentError`). Each :class:`PageInfo` has ``buf``, a
+        writable memoryview of the page in the mapping: fill it, then
+        :meth:`publish_pages`, or :meth:`give_back_pages`. Fewer than ``n`` when the pool
+        has no room."""
+        with self._use() as h:
+            got = _capi.pages_take(h, n, _rk(route_key))
+        return [
+            PageInfo(p.region_id, p.page, p.offset, int(p.data or 0), p.capacity, self._page_views.make(int(p.data or 0), p.capacity))
+            for p in got
+        ]
+
+    def publish_pages(self, keys: Sequence[str], pages: Sequence[Tuple[int, int]], lens: Sequence[int]) -> List[bool]:
+        """Publishes pages written in place (``maru_pages_publish``): ``keys[i]`` with the
+        first ``lens[i]`` bytes of page ``pages[i]`` = (region id, page index), the chunks
+        of one request in chain order. Per chunk: stored (now or already); False when its
+        region was lost meanwhile or the pool is unavailable."""
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        with self._use() as h:
+            return _capi.pages_publish(h, ks, list(pages), list(lens))
+
+    def give_back_pages(self, pages: Sequence[Tuple[int, int]]) -> None:
+        """Gives back pages taken and not published (``maru_pages_give_back``)."""
+        with self._use() as h:
+            _capi.pages_give_back(h, list(pages))
+
+    def regions(self) -> List[Dict[str, Any]]:
+        """The regions this host maps now (``maru_regions_list``; none on
+        ``remote_cxl``): ``region_id``, ``len``, ``page_size``, ``page_count``,
+        ``writable`` (own regions)."""
+        with self._use() as h:
+            rs = _capi.regions_list(h)
+        return [
+            {
+                "region_id": r.region_id,
+                "addr": int(r.data or 0),
+                "len": r.len,
+                "page_size": r.page_size,
+                "page_count": r.page_count,
+                "writable": bool(r.writable),
+            }
+            for r in rs
+        ]
+
+    def region_view(self, region_id: int) -> Optional[Tuple[memoryview, Dict[str, Any]]]:
+        """A memoryview of a whole region this host maps (``maru_region_view``),
+        writable for own regions, with its description (as :meth:`regions`); None when
+        it maps no such region. The memory stays mapped until :meth:`close`: do not use
+        the view after that."""
+        with self._use() as h:
+            r = _capi.region_view(h, region_id)
+        if r is None:
+            return None
+        info = {"region_id": r.region_id, "len": r.len, "page_size": r.page_size, "page_count": r.page_count, "writable": bool(r.writable)}
+        return self._page_views.make(int(r.data or 0), r.len, readonly=not r.writable), info
 
     def acquire_views(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[View]]:
         """Reads a request's chunks in place, with no copy at all (``maru_views_acquire``,

@@ -155,6 +155,14 @@ class View:
         self._check()
         return self._views.make(self._addr, self.length, readonly=True)
 
+    def exported_writable(self) -> memoryview:
+        """A new memoryview of the chunk that *claims* to be writable, released with the
+        view: for code that takes an address with ``ctypes.c_char.from_buffer`` (which
+        refuses read-only buffers) and only reads. The memory is still mapped read-only:
+        a write through it kills the process (SIGSEGV), it never changes the chunk."""
+        self._check()
+        return self._views.make(self._addr, self.length, readonly=False)
+
     def read(self) -> bytes:
         """A copy of the chunk's bytes."""
         self._check()

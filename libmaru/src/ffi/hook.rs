@@ -1,5 +1,6 @@
-//! The memory hook: how the runtime registers (pins) the staging buffer with its GPU
-//! driver, so GPU copies to and from staging slots are DMA, not bounce copies.
+//! The memory hook: how the runtime registers (pins) the staging buffer and, on `cxl`,
+//! every mapping of CXL memory with its GPU driver, so GPU copies to and from staging
+//! slots and straight to and from CXL are DMA, not bounce copies.
 
 use super::boundary::ffi_guard;
 use super::status::maru_status_t;
@@ -20,12 +21,17 @@ pub type maru_mem_unregister_fn =
 /// Sets the process-wide memory hook for handlers opened from now on: each handler
 /// calls `register(ctx, ptr, len)` with its staging buffer during `maru_handler_open`
 /// (a nonzero return fails the open with `MARU_ERR_CONFIG`), and `unregister(ctx,
-/// ptr, len)` (may be NULL) once when it is shut down. A NULL `register` removes the
-/// hook. Handlers already open keep the hook they were opened with.
+/// ptr, len)` (may be NULL) once when it is shut down. On `cxl` it also calls
+/// `register` once for each mapping of CXL memory it makes (its own regions, and other
+/// engines' it reads in place; a nonzero return is logged and the mapping used
+/// unregistered) and `unregister` once for it before it is unmapped. A NULL `register`
+/// removes the hook. Handlers already open keep the hook they were opened with.
 ///
-/// Threads: `register` runs on the thread calling `maru_handler_open`; `unregister`
-/// on the thread calling `maru_handler_shutdown`, `maru_handler_free` or
-/// `maru_handler_close`. This call may run concurrently with opens: an open uses
+/// Threads: `register` runs on the thread calling `maru_handler_open` (for a CXL
+/// mapping: the thread whose call maps it, or the handler's background thread);
+/// `unregister` on the thread calling `maru_handler_shutdown`, `maru_handler_free` or
+/// `maru_handler_close` (for a CXL mapping also the background thread, when its region
+/// is lost or given back). The callbacks must not call libmaru. This call may run concurrently with opens: an open uses
 /// either the old hook or the new one, never a mix.
 ///
 /// Ownership: the callbacks, and `ctx` for them, must stay valid while any handler
@@ -54,8 +60,9 @@ pub unsafe extern "C" fn maru_set_memory_hook(
 /// Sets the memory hook to `auto` for handlers opened from now on: libmaru dlopens
 /// libcudart (the absolute path in the environment variable `MARU_CUDART`, else
 /// libcudart.so, .so.12, .so.11.0 from the library search path) and pins each staging
-/// buffer with `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`, unpinning it at
-/// shutdown. Without CUDA, or when the pin fails, handlers work with pageable memory
+/// buffer and each CXL mapping (`cxl`) with `cudaHostRegister(ptr, len,
+/// cudaHostRegisterPortable)`, unpinning it at shutdown (a mapping: before it is
+/// unmapped). Without CUDA, or when the pin fails, handlers work with pageable memory
 /// and a warning is logged; `maru_stats_json` tells whether memory was pinned
 /// (`memory_hook.pinned_bytes`, `memory_hook.register_failures`).
 ///

@@ -64,6 +64,9 @@ pub mod ops;
 // Chunks read in place (cxl).
 pub mod views;
 
+// Chunks written in place, and region views (cxl).
+pub mod in_place;
+
 // Chunk keys (no handler needed).
 pub mod keys;
 
@@ -82,6 +85,10 @@ pub use handler::{
     maru_handler_shutdown, maru_handler_t, maru_stats_json,
 };
 pub use hook::{maru_set_memory_hook, maru_set_memory_hook_auto};
+pub use in_place::{
+    maru_page_t, maru_pages_give_back, maru_pages_publish, maru_pages_take, maru_region_t,
+    maru_region_view, maru_regions_list,
+};
 pub use keys::{maru_chunk_keys, MARU_CHUNK_KEY_SIZE};
 pub use kv::{
     maru_exists, maru_exists_batch, maru_load, maru_load_batch, maru_pin_batch, maru_remove_batch,

@@ -168,8 +168,16 @@ enum Registered {
     },
 }
 
-/// Registers `ptr..ptr+len` with the hook in force.
+/// Registers `ptr..ptr+len` (the staging buffer) with the hook in force.
 pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
+    register_as(ptr, len, "the staging buffer").map_err(|e| match e {
+        WorkerError::Config(m) => WorkerError::Config(format!("{m}; the handler is not opened")),
+        e => e,
+    })
+}
+
+/// Registers `ptr..ptr+len`, named `what` in logs and errors.
+fn register_as(ptr: *mut u8, len: usize, what: &str) -> Result<Registration, WorkerError> {
     let how = match memory_hook() {
         MemoryHook::None => Registered::Nothing,
         MemoryHook::Auto => match cudart() {
@@ -178,13 +186,13 @@ pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
                 let rc = unsafe { (c.register)(ptr.cast(), len, CUDA_HOST_REGISTER_PORTABLE) };
                 if rc == 0 {
                     log::info!(
-                        "memory hook auto: staging buffer of {len} bytes pinned with cudaHostRegister ({})",
+                        "memory hook auto: {what} ({len} bytes) pinned with cudaHostRegister ({})",
                         c.path
                     );
                     Registered::Cuda(c)
                 } else {
                     log::warn!(
-                        "memory hook auto: cudaHostRegister of the staging buffer ({len} bytes) failed with CUDA error {rc}; GPU copies use pageable memory"
+                        "memory hook auto: cudaHostRegister of {what} ({len} bytes) failed with CUDA error {rc}; GPU copies use pageable memory"
                     );
                     REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
                     Registered::Nothing
@@ -193,7 +201,7 @@ pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
             Err(why) => {
                 REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
                 log::warn!(
-                    "memory hook auto: libcudart not found ({why}); the staging buffer is not pinned (set MARU_CUDART to the library's path if CUDA is installed elsewhere)"
+                    "memory hook auto: libcudart not found ({why}); {what} is not pinned (set MARU_CUDART to the library's path if CUDA is installed elsewhere)"
                 );
                 Registered::Nothing
             }
@@ -207,12 +215,12 @@ pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
             let rc = unsafe { register(ctx as *mut c_void, ptr.cast(), len) };
             if rc != 0 {
                 REGISTER_FAILURES.fetch_add(1, AtomicOrdering::Relaxed);
-                log::warn!("memory hook: register returned {rc} for the staging buffer ({len} bytes); the handler is not opened");
+                log::warn!("memory hook: register returned {rc} for {what} ({len} bytes)");
                 return Err(WorkerError::Config(format!(
-                    "the memory hook's register callback returned {rc} for the staging buffer ({len} bytes at {ptr:p}); the handler is not opened"
+                    "the memory hook's register callback returned {rc} for {what} ({len} bytes at {ptr:p})"
                 )));
             }
-            log::info!("memory hook: staging buffer of {len} bytes registered");
+            log::info!("memory hook: {what} ({len} bytes) registered");
             Registered::Callbacks { unregister, ctx }
         }
     };
@@ -253,6 +261,38 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+/// The memory-hook registrations of a `cxl` mover's mappings of CXL regions (its own
+/// and other engines'), so that a GPU runtime copies straight to and from CXL. Each
+/// mapping is registered once when it is made and unregistered once, before it can
+/// be unmapped: when its region is forgotten, or when these registrations drop (a
+/// mover declares them before its mappings). A refused registration is logged and the
+/// mapping used unregistered (the GPU then copies through pageable memory).
+#[derive(Default)]
+pub struct MappingHooks {
+    regs: Vec<(u64, Registration)>,
+}
+
+impl MappingHooks {
+    /// Registers the mapping of region `region_id` (each mapping once).
+    pub fn add(&mut self, region_id: u64, map: &crate::dax::Mapping) {
+        let ptr = map.as_ptr();
+        if self.regs.iter().any(|(_, r)| r.ptr == ptr) {
+            return;
+        }
+        let what = format!("the CXL mapping of region {region_id}");
+        match register_as(ptr, map.len(), &what) {
+            Ok(r) => self.regs.push((region_id, r)),
+            Err(e) => log::warn!("{e}; {what} stays unregistered"),
+        }
+    }
+
+    /// Unregisters every mapping of region `region_id`.
+    pub fn remove_region(&mut self, region_id: u64) {
+        // Dropping a registration unregisters it.
+        self.regs.retain(|(r, _)| *r != region_id);
     }
 }
 

@@ -25,14 +25,17 @@ stored under its decimal string, as the LMCache connector's int keys need).
 
 What differs (docs/migration.md has the full table):
 
-* ``alloc`` hands out a **store staging slot**, not a page of an owned region, on both
-  backends: ``remote_cxl`` WRITEs from the slot (no copy), ``cxl`` copies it into the
-  region at ``store``. At most ``store_slots`` handles are outstanding; ``alloc`` waits
-  ``timeout_ms`` for one, then raises ValueError. ``store`` (or ``free``) consumes the
-  handle: its ``buf`` is released (using it raises). ``region_id``/``page_index`` are
-  None: the page is chosen at ``store``.
+* ``alloc`` on ``cxl`` (one pool) hands out the page itself, as upstream (written in
+  place, published by ``store``: each byte moved once), with its ``region_id`` and
+  ``page_index``; the LMCache adapter's surface (``set_on_region_added``,
+  ``get_buffer_view``, ``get_region_page_count``, keyword-built ``AllocHandle``) works
+  on it. On ``remote_cxl`` it hands out a **store staging slot** (WRITE from the slot,
+  no copy); at most ``store_slots`` handles are outstanding; ``alloc`` waits
+  ``timeout_ms`` for one, then raises ValueError; ``region_id``/``page_index`` raise
+  UnsupportedError (the page is chosen at ``store``). ``store`` (or ``free``) consumes
+  the handle: its ``buf`` is released (using it raises).
 * ``retrieve`` on ``cxl`` returns a view of the chunk **in the mapped region**, with
-  no copy, as upstream, but read-only and under a lease (a :class:`maru.View`): valid
+  no copy, as upstream, but mapped read-only and under a lease (a :class:`maru.View`): valid
   until ``info.release()`` (or leaving ``with info:``), the handler's close, a
   ``delete`` of the key by this handler, the end of the lease (maru-server's
   ``--lease-timeout-s``, 60 s by default), or, with ``retrieve_recycle`` (the
@@ -54,24 +57,27 @@ What differs (docs/migration.md has the full table):
   (memory node rebooted, region gone back), where upstream's would outlive them.
 * ``free`` after ``store`` does not evict the key (upstream frees the page under it;
   use ``delete``).
-* ``get_stats`` returns this handler's libmaru counters, not maru-server's GET_STATS;
+* ``get_stats`` carries upstream's sections with this handler's figures, not
+  maru-server's GET_STATS;
   ``healthcheck`` probes the pool with one round trip and says whether a session is
   up.
 * Upstream-only knobs (``pool_size``, ``use_async_rpc``, ``max_inflight``,
   ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
   accepted and validated as upstream does, and have no effect: regions and chunk size
   come from maru-server (``--region-size``, ``--chunk-size``), and ``connect`` fails
-  when ``chunk_size_bytes`` is larger than the server's chunk size.
+  when ``chunk_size_bytes`` is larger than the server's chunk size (the message names
+  both). ``MARU_EAGER_MAP`` overrides ``eager_map`` as upstream (other values: ValueError).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import handler as _native
 from ..errors import (
@@ -80,6 +86,7 @@ from ..errors import (
     MaruTimeoutError,
     NoSpaceError,
     SlotReleasedError,
+    Status,
     UnavailableError,
     UnsupportedError,
 )
@@ -103,6 +110,20 @@ class NotConnectedError(ClosedError, RuntimeError):
 class PoolExhaustedError(NoSpaceError, ValueError):
     """Upstream's ValueError from ``alloc`` when no page can be had: here, no store
     staging slot became free within ``timeout_ms``. Also a :class:`~maru.NoSpaceError`."""
+
+
+def _env_bool(name: str) -> Optional[bool]:
+    """An optional boolean environment variable, as upstream reads them: None when
+    unset; ValueError for a value that is not 1/0, true/false, yes/no, on/off."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    v = raw.strip().lower()
+    if v in {"1", "true", "yes", "on"}:
+        return True
+    if v in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{name} must be one of: 1/0, true/false, yes/no, on/off (got {raw!r})")
 
 
 def _parse_server_url(url: str) -> str:
@@ -143,7 +164,11 @@ class MaruConfig:
     views on ``remote_cxl`` and outstanding ``alloc`` handles held at once; the staging
     buffer is chunk size × their sum), ``max_views`` (256: retrieved in-place views held
     at once on ``cxl``, each a lease at maru-server), ``retrieve_recycle`` (True: see
-    ``MaruHandler.retrieve``).
+    ``MaruHandler.retrieve``), ``retrieve_writable`` (True: ``cxl`` in-place views are
+    exported writable, as upstream's, so ``ctypes.c_char.from_buffer(info.view)`` works;
+    the memory stays mapped read-only, so a write through them kills the process
+    instead of changing another engine's chunk; False: read-only memoryviews, a write
+    raises TypeError).
     """
 
     server_url: str = "tcp://localhost:5555"
@@ -172,9 +197,15 @@ class MaruConfig:
     store_slots: int = 32
     max_views: int = 256
     retrieve_recycle: bool = True
+    retrieve_writable: bool = True
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # As upstream: MARU_EAGER_MAP=1/0 (true/false, yes/no, on/off) overrides the
+        # field; any other value is an error.
+        env = _env_bool("MARU_EAGER_MAP")
+        if env is not None:
+            self.eager_map = env
         if self.instance_id is None:
             self.instance_id = str(uuid.uuid4())
         if self.chunk_size_bytes <= 0:
@@ -245,19 +276,51 @@ def _k(key: Key) -> str:
 class AllocHandle:
     """What :meth:`MaruHandler.alloc` returns: ``buf`` is a writable memoryview of
     ``size`` bytes that you fill in place, then pass the handle to
-    :meth:`MaruHandler.store`. Here ``buf`` lies in a **store staging slot** (both
-    backends), so ``region_id`` and ``page_index`` are None (the page is chosen when the
-    chunk is stored). ``store`` or ``free`` consumes the handle: ``buf`` is released
-    then, and any use of it raises ValueError."""
+    :meth:`MaruHandler.store`.
 
-    def __init__(self, slot: Slot, size: int) -> None:
+    On ``cxl`` (one pool) ``buf`` is the page itself, in this host's writable mapping of
+    one of the engine's own regions, as upstream: ``region_id`` and ``page_index`` name
+    it, and ``store`` only publishes it (each byte is moved once, by you). On
+    ``remote_cxl`` (and with several pools) ``buf`` lies in a **store staging slot**: the
+    page is chosen at ``store``, so ``region_id`` / ``page_index`` raise
+    :class:`~maru.UnsupportedError`.
+
+    Built by keywords, as upstream's dataclass (``AllocHandle(buf=..., _region_id=...,
+    _page_index=..., _size=...)``, what LMCache's adapter passes to ``store`` and
+    ``free``), it names a page a previous ``alloc`` of the same handler took.
+
+    ``store`` or ``free`` consumes the handle: ``buf`` is released then, and any use of
+    it raises ValueError."""
+
+    def __init__(
+        self,
+        slot: Optional[Slot] = None,
+        size: Optional[int] = None,
+        *,
+        buf: Any = None,
+        _region_id: Optional[int] = None,
+        _page_index: Optional[int] = None,
+        _size: Optional[int] = None,
+    ) -> None:
         self._slot = slot
-        self._size = size
+        self._page: Any = None  # maru.handler.PageInfo of a page taken in place
+        self._region_id = _region_id
+        self._page_index = _page_index
+        self._size = int(size if size is not None else (_size or 0))
         self._buf: Optional[memoryview] = None
+        if buf is not None:
+            self._buf = buf if isinstance(buf, memoryview) else memoryview(buf)
         self.state = "allocated"  # allocated | stored | freed
 
+    @classmethod
+    def _of_page(cls, page: Any, size: int) -> "AllocHandle":
+        a = cls(None, size, _region_id=page.region_id, _page_index=page.page)
+        a._page = page
+        return a
+
     def __repr__(self) -> str:
-        return f"<AllocHandle {self.state} size={self._size} slot={self._slot.id}>"
+        where = f"slot={self._slot.id}" if self._slot is not None else f"region={self._region_id} page={self._page_index}"
+        return f"<AllocHandle {self.state} size={self._size} {where}>"
 
     @property
     def buf(self) -> memoryview:
@@ -265,8 +328,13 @@ class AllocHandle:
         if self.state != "allocated":
             raise SlotReleasedError(f"this AllocHandle was {self.state}: its buffer went back to libmaru")
         if self._buf is None:
-            self._slot.length = self._size
-            self._buf = self._slot.data()
+            if self._slot is not None:
+                self._slot.length = self._size
+                self._buf = self._slot.data()
+            elif self._page is not None:
+                self._buf = self._page.buf[: self._size]
+            else:
+                self._buf = memoryview(b"")
         return self._buf
 
     @property
@@ -275,24 +343,48 @@ class AllocHandle:
         return self._size
 
     @property
-    def region_id(self) -> None:
-        """None: a staging slot belongs to no region (upstream: the page's region)."""
-        return None
+    def _is_page(self) -> bool:
+        return self._slot is None and self._region_id is not None
 
     @property
-    def page_index(self) -> None:
-        """None: a staging slot is no page (upstream: the page's index)."""
-        return None
+    def region_id(self) -> int:
+        """The page's region (cxl). A staging slot (remote_cxl) belongs to no region:
+        :class:`~maru.UnsupportedError`."""
+        if self._region_id is None:
+            raise _unsupported(
+                "AllocHandle.region_id on a staging slot",
+                "on remote_cxl (or with several pools) alloc() hands out a store staging slot and the page is "
+                "chosen at store(); use slot_id, or backend cxl with one pool for pages written in place",
+            )
+        return self._region_id
 
     @property
-    def slot_id(self) -> int:
-        """libmaru's id of the store staging slot behind ``buf``."""
-        return self._slot.id
+    def page_index(self) -> int:
+        """The page's index in its region (cxl); :class:`~maru.UnsupportedError` for a
+        staging slot (see ``region_id``)."""
+        if self._page_index is None:
+            self.region_id  # raises
+        return int(self._page_index or 0)
+
+    @property
+    def slot_id(self) -> Optional[int]:
+        """libmaru's id of the store staging slot behind ``buf`` (None for a page)."""
+        return None if self._slot is None else self._slot.id
 
     def _consume(self, state: str) -> None:
         self.state = state
-        self._buf = None
-        if not self._slot.released:
+        buf, self._buf = self._buf, None
+        if self._page is not None:
+            # The page is published (or back): the views handed out over it end, so a
+            # late write through them raises instead of changing a published chunk.
+            for mv in (buf, self._page.buf):
+                try:
+                    if mv is not None:
+                        mv.release()
+                except BufferError:
+                    pass  # an array made from it lives on: the caller's to stop using
+            return
+        if self._slot is not None and not self._slot.released:
             try:
                 self._slot.release()
             except BufferError:
@@ -312,10 +404,11 @@ class MemoryInfo:
     staging slot on ``remote_cxl``; or, when none could be had, in private memory
     (``zero_copy`` False). Release them with :meth:`release` or a ``with`` block. After
     that (or after the handler closed, the slot or view was recycled, or a view's lease
-    ran out) ``view`` raises ValueError. ``region_id`` and ``page_index`` are None for
-    retrieved chunks."""
+    ran out) ``view`` raises ValueError. ``region_id`` and ``page_index`` (0 by default,
+    as upstream) name the chunk's page for in-place views on ``cxl``; they are 0 for
+    staging-slot views and copies."""
 
-    def __init__(self, view: Any, region_id: Optional[int] = None, page_index: Optional[int] = None) -> None:
+    def __init__(self, view: Any, region_id: int = 0, page_index: int = 0) -> None:
         self._view: Optional[memoryview] = view if isinstance(view, memoryview) else memoryview(view)
         self.region_id = region_id
         self.page_index = page_index
@@ -332,8 +425,8 @@ class MemoryInfo:
         return m
 
     @classmethod
-    def _of_view(cls, v: View) -> "MemoryInfo":
-        m = cls(v.view)
+    def _of_view(cls, v: View, writable_flag: bool = False) -> "MemoryInfo":
+        m = cls(v.exported_writable() if writable_flag else v.view)
         m._mapped, m.key, m.zero_copy = v, v.key, True
         return m
 
@@ -436,6 +529,13 @@ class MaruHandler:
         self._lock = threading.RLock()
         self._retained: "collections.deque[MemoryInfo]" = collections.deque()
         self._connected = False
+        # Pages taken in place by alloc (cxl), by (region id, page index).
+        self._pages: Dict[Tuple[int, int], AllocHandle] = {}
+        # Region-added callback, the regions it heard of, and region views handed out.
+        self._on_region_added: Any = None
+        self._regions_seen: "set[int]" = set()
+        self._region_views: Dict[int, Tuple[memoryview, Dict[str, Any]]] = {}
+        self._region_index: List[Dict[str, Any]] = []
         #: The error of the last failed ``connect`` (None after a successful one).
         self.last_error: Optional[BaseException] = None
 
@@ -529,6 +629,13 @@ class MaruHandler:
                 return
             self._connected = False
             h, self._native = self._native, None
+            # Pages still taken go back with the session; region views end with it.
+            for a in self._pages.values():
+                a._consume("freed")
+            self._pages.clear()
+            self._region_views.clear()
+            self._region_index = []
+            self._regions_seen.clear()
             while self._retained:
                 info = self._retained.popleft()
                 try:
@@ -561,19 +668,41 @@ class MaruHandler:
 
     # Store ------------------------------------------------------------------------
 
+    def _in_place(self) -> bool:
+        """Whether ``alloc`` hands out pages written in place: backend ``cxl``, one pool."""
+        return (self._config.backend or "cxl") == "cxl" and not self._multi()
+
     def alloc(self, size: int) -> AllocHandle:
         """A handle whose ``buf`` (``size`` bytes, writable) you fill in place, then
-        :meth:`store`. The buffer is a **store staging slot** on both backends (not a
-        page of a region): ``remote_cxl`` WRITEs from it without a copy, ``cxl`` copies it
-        into the region at store. At most ``store_slots`` handles are outstanding: when
-        none frees within ``timeout_ms``, raises :class:`PoolExhaustedError` (a
-        ValueError, as upstream's exhausted pool). ``size`` over ``chunk_size_bytes``
-        raises ValueError; 0 too (libmaru stores no empty chunks)."""
+        :meth:`store`. On ``cxl`` (one pool) ``buf`` is a page of one of this engine's own
+        regions in the mapping (``maru_pages_take``), as upstream: ``store`` publishes
+        it, so each byte is moved once; raises :class:`PoolExhaustedError` (a ValueError,
+        as upstream's exhausted pool) when no page can be had. On ``remote_cxl`` (or with
+        several pools) ``buf`` is a **store staging slot**: ``remote_cxl`` WRITEs from it
+        without a copy; at most ``store_slots`` handles are outstanding, and when none
+        frees within ``timeout_ms`` PoolExhaustedError is raised. ``size`` over
+        ``chunk_size_bytes`` raises ValueError; 0 too (libmaru stores no empty chunks)."""
         h = self._ensure()
         if size > self._config.chunk_size_bytes:
             raise ValueError(f"Requested size {size} exceeds chunk_size {self._config.chunk_size_bytes}")
         if size < 1:
             raise ValueError(f"Requested size {size}: libmaru stores no empty chunks")
+        if self._in_place():
+            try:
+                pages = h.take_pages(1)
+            except _TRANSIENT as e:
+                raise PoolExhaustedError(e.code, f"Cannot allocate page: {e.message}") from e
+            if not pages:
+                raise PoolExhaustedError(
+                    Status.NO_SPACE,
+                    "Cannot allocate page: every page of this engine's regions is taken, leased or pinned, "
+                    "and the pool gives no more regions",
+                )
+            a = AllocHandle._of_page(pages[0], size)
+            with self._lock:
+                self._pages[(pages[0].region_id, pages[0].page)] = a
+            self._announce_regions(h)
+            return a
         try:
             slot = h.acquire_slot(SlotPool.STORE, timeout=self._config.timeout_ms / 1000)
         except NoSpaceError as e:
@@ -584,19 +713,68 @@ class MaruHandler:
             ) from e
         return AllocHandle(slot, size)
 
+    def _page_of(self, handle: AllocHandle) -> AllocHandle:
+        """The outstanding page handle ``handle`` names (itself, or the one a
+        keyword-built handle names by region and page)."""
+        with self._lock:
+            a = self._pages.get((int(handle._region_id or 0), int(handle._page_index or 0)))
+        if a is None:
+            raise ValueError(
+                f"page {handle._page_index} of region {handle._region_id} is not allocated by this handler "
+                "(stored or freed already?)"
+            )
+        return a
+
     def free(self, handle: AllocHandle) -> None:
-        """Gives back a handle's buffer without storing it. After :meth:`store` it is a
-        no-op (the buffer already went back; unlike upstream the stored chunk is not
-        evicted). Freeing twice raises ValueError, as upstream."""
-        self._ensure()
+        """Gives back a handle's buffer without storing it: a page taken in place goes
+        back for later allocs (also when named by a keyword-built handle, as LMCache's
+        adapter does). After :meth:`store` it is a no-op (unlike upstream the stored
+        chunk is not evicted). Freeing twice raises ValueError, as upstream."""
+        h = self._ensure()
         if not isinstance(handle, AllocHandle):
             raise TypeError(f"expected an AllocHandle, not {type(handle).__name__}")
         if handle.state == "freed":
             raise ValueError("handle is not tracked (already freed)")
+        if handle._is_page and handle.state == "allocated":
+            try:
+                a = self._page_of(handle)
+            except ValueError:
+                raise ValueError("handle is not tracked (already freed)") from None
+            loc = (a._region_id or 0, a._page_index or 0)
+            with self._lock:
+                self._pages.pop(loc, None)
+            a._consume("freed")
+            handle.state = "freed"
+            try:
+                h.give_back_pages([loc])
+            except _TRANSIENT as e:
+                log.warning("free of page %s: %s", loc, e)
+            return
         if handle.state == "allocated":
             handle._consume("freed")
         else:
             handle.state = "freed"
+
+    def _publish(self, h: _native.MaruHandler, keys: List[str], handles: List[AllocHandle]) -> List[bool]:
+        """Publishes pages written in place (each consumed, whatever the outcome)."""
+        pages = [self._page_of(x) for x in handles]
+        locs = [(int(a._region_id or 0), int(a._page_index or 0)) for a in pages]
+        lens = []
+        for x, a in zip(handles, pages):
+            n = x._size if x is not a and x._size > 0 else a._size
+            lens.append(min(max(n, 1), a._page.capacity))
+        with self._lock:
+            for loc in locs:
+                self._pages.pop(loc, None)
+        try:
+            return h.publish_pages(keys, locs, lens)
+        except _TRANSIENT as e:
+            log.warning("store of %d chunk(s) written in place failed: %s", len(keys), e)
+            return [False] * len(keys)
+        finally:
+            for x, a in zip(handles, pages):
+                a._consume("stored")
+                x.state = "stored"
 
     def store(self, key: Key, handle: Any = None, data: Any = None) -> bool:
         """Stores a chunk under ``key``: an :class:`AllocHandle` filled in place (no copy
@@ -616,6 +794,8 @@ class MaruHandler:
         if isinstance(handle, AllocHandle):
             if handle.state != "allocated":
                 raise ValueError(f"this AllocHandle was already {handle.state}")
+            if handle._is_page:
+                return self._publish(h, [k], [handle])[0]
             try:
                 return h.store_slots([k], [handle._slot], [handle.size], route_key=k)[0]
             except _TRANSIENT as e:
@@ -644,7 +824,12 @@ class MaruHandler:
             if isinstance(x, AllocHandle) and x.state != "allocated":
                 raise ValueError(f"an AllocHandle in the batch was already {x.state}")
         out = [False] * len(keys_s)
-        slot_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle)]
+        page_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle) and x._is_page]
+        if page_i:
+            got = self._publish(h, [keys_s[i] for i in page_i], [handles[i] for i in page_i])
+            for i, ok in zip(page_i, got):
+                out[i] = ok
+        slot_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle) and not x._is_page]
         data_i = [i for i, x in enumerate(handles) if not isinstance(x, AllocHandle)]
         try:
             if slot_i:
@@ -748,11 +933,18 @@ class MaruHandler:
             views = [h.acquire_view(k, route_key=k) for k in keys[:m]]
         else:
             views = h.acquire_views(keys[:m], route_key=keys[0])
+        if any(v is not None for v in views):
+            self._region_index = h.regions()  # as mapped now, for the views' pages
         for i, v in enumerate(views):
             if v is not None:
-                info = MemoryInfo._of_view(v)
+                info = MemoryInfo._of_view(v, self._config.retrieve_writable)
+                loc = self._locate(h, v.address)
+                if loc is not None:
+                    info.region_id, info.page_index = loc
                 out[i] = info
                 self._retain(info)
+        if any(v is not None for v in views):
+            self._announce_regions(h)
         return m
 
     def _load_into_slots(self, h: _native.MaruHandler, keys: List[str], out: List[Optional[MemoryInfo]]) -> int:
@@ -969,25 +1161,93 @@ class MaruHandler:
         prefetch hint returns without a plugin; libmaru has no prefetch plugins."""
         return sum(self.batch_exists(keys))
 
-    # Upstream internals of the cxl mapping (regions, pages, callbacks): none exist here.
+    # Regions of the cxl mapping (LMCache's adapter builds its buffers from them).
+
+    def _regions(self, h: _native.MaruHandler, refresh: bool = False) -> List[Dict[str, Any]]:
+        if refresh or not self._region_index:
+            self._region_index = h.regions()
+        return self._region_index
+
+    def _locate(self, h: _native.MaruHandler, addr: int) -> Optional[Tuple[int, int]]:
+        """(region id, page index) of an address in this host's mappings (as last
+        listed: the caller lists them after mapping)."""
+        for r in self._regions(h):
+            if r["addr"] <= addr < r["addr"] + r["len"] and r["page_size"]:
+                return r["region_id"], (addr - r["addr"]) // r["page_size"]
+        return None
+
+    def _announce_regions(self, h: _native.MaruHandler) -> None:
+        """Calls the region-added callback for every region mapped since it last ran
+        (nothing to do without one: setting one replays every region mapped by then)."""
+        cb = self._on_region_added
+        if cb is None:
+            return
+        new = []
+        with self._lock:
+            for r in self._regions(h, refresh=True):
+                if r["region_id"] not in self._regions_seen:
+                    self._regions_seen.add(r["region_id"])
+                    new.append(r)
+        for r in new:
+            cb(r["region_id"], r["page_count"])
 
     def set_on_region_added(self, callback: Any) -> None:
-        """Not available (:class:`~maru.UnsupportedError`): a libmaru handler exposes no
-        regions; stage chunks through ``alloc`` or ``native.acquire_slots`` instead."""
-        raise _unsupported("set_on_region_added()", "regions are not exposed; use alloc() or native.acquire_slots()")
+        """Sets ``callback(region_id, page_count)``, called for every region this handler
+        maps (``cxl``): at once for those mapped already, then for each new one (an own
+        region taken by ``alloc``, another engine's mapped by ``retrieve``), as upstream.
+        None removes it. Pages are maru-server's pages (``--chunk-size``): give an adapter
+        that many bytes per page. On ``remote_cxl`` no region is mapped here: it is never
+        called."""
+        h = self._ensure()
+        with self._lock:
+            self._on_region_added = callback
+            self._regions_seen.clear()
+        if callback is not None:
+            self._announce_regions(h)
 
     def get_buffer_view(self, region_id: int, offset: int, size: int) -> Optional[memoryview]:
-        """Not available (:class:`~maru.UnsupportedError`): regions are not mapped into
-        Python; use :meth:`retrieve` or ``native.load_slots``."""
-        raise _unsupported("get_buffer_view()", "regions are not exposed; use retrieve() or native.load_slots()")
+        """A memoryview of ``size`` bytes at ``offset`` of a region this host maps
+        (``maru_region_view``): writable for the engine's own regions (write only into
+        pages ``alloc`` handed you and you have not stored yet), read-only for other
+        engines'. None when the region is not mapped here or the range is outside it.
+        The memory stays mapped until :meth:`close`."""
+        h = self._ensure()
+        with self._lock:
+            got = self._region_views.get(region_id)
+        if got is None:
+            got = h.region_view(region_id)
+            if got is None:
+                return None
+            with self._lock:
+                self._region_views[region_id] = got
+        mv, info = got
+        if offset < 0 or size < 0 or offset + size > info["len"]:
+            return None
+        return mv[offset : offset + size]
+
+    def get_by_location(self, region_id: int, page_index: int, size: int) -> Optional[memoryview]:
+        """The first ``size`` bytes of page ``page_index`` of a region mapped here (what
+        LMCache's adapter looks up after a ``retrieve``, whose ``MemoryInfo`` names the
+        page): :meth:`get_buffer_view` at ``page_index`` × maru-server's page size. None
+        when the region is not mapped here or the range is outside it."""
+        page = self.get_region_page_count(region_id)
+        if page is None or not 0 <= page_index < page:
+            return None
+        r = next(x for x in self._regions(self._ensure()) if x["region_id"] == region_id)
+        if size > r["page_size"]:
+            return None
+        return self.get_buffer_view(region_id, page_index * int(r["page_size"]), size)
 
     def get_owned_region_ids(self) -> List[int]:
-        """Not available (:class:`~maru.UnsupportedError`): see ``get_stats()['total']``."""
-        raise _unsupported("get_owned_region_ids()", "regions are not exposed; get_stats()['total']['regions'] counts them")
+        """The engine's own regions mapped here (``cxl``; empty on ``remote_cxl``)."""
+        return [r["region_id"] for r in self._regions(self._ensure(), refresh=True) if r["writable"]]
 
     def get_region_page_count(self, region_id: int) -> Optional[int]:
-        """Not available (:class:`~maru.UnsupportedError`)."""
-        raise _unsupported("get_region_page_count()", "regions are not exposed")
+        """Pages (maru-server's ``--chunk-size``) of a region mapped here; None if none."""
+        for r in self._regions(self._ensure(), refresh=True):
+            if r["region_id"] == region_id:
+                return int(r["page_count"])
+        return None
 
     # Health and stats -------------------------------------------------------------
 
@@ -1015,12 +1275,39 @@ class MaruHandler:
     def get_stats(self) -> Dict[str, Any]:
         """This handler's libmaru counters (``maru_stats_json``: per pool and ``total``:
         stored, hits, misses, bytes, ...) and a ``compat`` part (retrieved views held,
-        chunk size). Differs from upstream, which returns maru-server's GET_STATS
-        (``kv_manager``, ``allocation_manager``, ...): run ``maru-server stats`` for the
-        server's view."""
-        st = self._ensure().stats()
+        chunk size), and upstream's section names (``kv_manager``, ``allocation_manager``,
+        ``allocator``) holding this handler's figures. Upstream's come from maru-server's
+        GET_STATS (every engine's): run ``maru-server stats`` for the server's view."""
+        h = self._ensure()
+        st = h.stats()
         with self._lock:
             live = [i for i in self._retained if not i.released]
+            taken = len(self._pages)
+        tot = st.get("total") or {}
+        regions = h.regions()
+        own = [r for r in regions if r["writable"]]
+        # Upstream's sections, with this system's figures (maru-server's own view of
+        # every engine: ``maru-server stats``).
+        st["kv_manager"] = {
+            "stored": tot.get("stored", 0),
+            "already_present": tot.get("already_present", 0),
+            "hits": tot.get("hits", 0),
+            "misses": tot.get("misses", 0),
+            "bytes_stored": tot.get("bytes_stored", 0),
+            "evictions": tot.get("evictions", 0),
+        }
+        st["allocation_manager"] = {
+            "owned_regions": len(own) if own else tot.get("regions", 0),
+            "mapped_regions": len(regions),
+            "regions_lost": tot.get("regions_lost", 0),
+            "regions_given_back": tot.get("regions_given_back", 0),
+        }
+        st["allocator"] = {
+            "page_size": own[0]["page_size"] if own else h.chunk_size(),
+            "total_pages": sum(int(r["page_count"]) for r in own),
+            "pages_allocated": taken,
+            "store_no_room": tot.get("store_no_room", 0),
+        }
         st["compat"] = {
             "instance_id": self.instance_id,
             "chunk_size": self._config.chunk_size_bytes,
@@ -1029,6 +1316,7 @@ class MaruHandler:
             "load_slots": self._config.load_slots,
             "store_slots": self._config.store_slots,
             "max_views": self._config.max_views,
+            "pages_taken_in_place": taken,
         }
         return st
 

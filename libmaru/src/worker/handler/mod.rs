@@ -7,6 +7,7 @@
 
 mod background;
 mod data_path;
+mod in_place;
 mod pools;
 mod slot_ops;
 
@@ -25,6 +26,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+pub use in_place::{InPlaceInfo, RegionInfo};
 
 /// The staging buffer (both backends: the slot API uses it) and, for remote_cxl, the
 /// transport it is registered with; made once the slot size is known.
@@ -62,6 +65,9 @@ struct Inner {
     data: Mutex<Option<Arc<DataPath>>>,
     slots: Mutex<SlotTable>,
     views: Mutex<ViewTable>,
+    /// Pages taken for writing in place, and region views (see `in_place`).
+    in_place: Mutex<in_place::InPlaceTable>,
+    region_views: Mutex<in_place::RegionViews>,
     executor: Executor,
     /// A transport given by the caller instead of the configured one (tests).
     transport: Option<Arc<dyn Transport>>,
@@ -112,6 +118,8 @@ impl Handler {
             data: Mutex::new(None),
             slots: Mutex::new(SlotTable::default()),
             views: Mutex::new(ViewTable::default()),
+            in_place: Mutex::default(),
+            region_views: Mutex::default(),
             executor: Executor::new(cfg_threads),
             transport,
             stop: AtomicBool::new(false),
@@ -515,6 +523,7 @@ impl Handler {
         if let Ok(mut t) = self.inner.slots.lock() {
             t.clear();
         }
+        self.close_in_place();
         // The sessions are closed: their leases ended with them; the views' mappings go.
         if let Ok(mut t) = self.inner.views.lock() {
             drop(t.clear());

@@ -5,12 +5,16 @@ use super::{Mover, ReadSink, View, WriteItem};
 use crate::dax::{self, Mapping};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
 use crate::worker::error::WorkerError;
+use crate::worker::hook::MappingHooks;
 use crate::worker::prefault::{PrefaultStats, Prefaulter};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// `cxl`: this host maps the regions itself and copies with memcpy.
 pub struct CxlMover {
+    /// Memory-hook registrations of the mappings below (declared first: each is
+    /// unregistered before its mapping can go).
+    hooks: MappingHooks,
     /// The session's own regions, writable; shared with the prefault thread while it
     /// populates them.
     own: HashMap<u64, Arc<Mapping>>,
@@ -35,6 +39,7 @@ impl CxlMover {
     /// A mover with the given prefaulter (tests: one whose kernel refuses).
     pub fn with_prefaulter(prefault: Option<Prefaulter>) -> CxlMover {
         CxlMover {
+            hooks: MappingHooks::default(),
             own: HashMap::new(),
             readers: HashMap::new(),
             prefault,
@@ -73,6 +78,7 @@ impl CxlMover {
         )
         .ok()?;
         let m = Arc::new(m);
+        self.hooks.add(l.region_id, &m);
         self.readers.insert(l.region_id, m.clone());
         Some(m)
     }
@@ -111,6 +117,7 @@ impl Mover for CxlMover {
             // they do); the bytes stay as they are.
             p.submit(m.clone());
         }
+        self.hooks.add(h.region_id, &m);
         self.own.insert(h.region_id, m);
         Ok(())
     }
@@ -130,6 +137,22 @@ impl Mover for CxlMover {
                     }
                 }
             })
+            .collect()
+    }
+
+    fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
+        self.own.get(&region_id).cloned()
+    }
+
+    fn writes_in_place(&self) -> bool {
+        true
+    }
+
+    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        // Own regions first: an own region read in place has a read-only mapping too.
+        let own = self.own.iter();
+        own.chain(self.readers.iter())
+            .map(|(r, m)| (*r, m.clone()))
             .collect()
     }
 
@@ -166,7 +189,9 @@ impl Mover for CxlMover {
     }
 
     fn forget_region(&mut self, region_id: u64) {
-        // The mapping goes once the prefault thread (if it still has it) lets go.
+        // The mapping goes once the prefault thread (if it still has it) lets go;
+        // the memory hook hears of it first.
+        self.hooks.remove_region(region_id);
         self.own.remove(&region_id);
         self.readers.remove(&region_id);
     }

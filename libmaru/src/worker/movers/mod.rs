@@ -135,6 +135,22 @@ pub trait Mover: Send {
     fn view(&mut self, _lease: &LeaseGrant) -> Option<View> {
         None
     }
+    /// The writable mapping of one of the session's own regions, for writes in place by
+    /// the caller (`cxl`; see `pool::in_place`). `None` where the mover has none
+    /// (`remote_cxl`) or the region is no longer the session's.
+    fn own_mapping(&self, _region_id: u64) -> Option<Arc<Mapping>> {
+        None
+    }
+    /// True when the caller may write chunks into own regions in place (`own_mapping`).
+    fn writes_in_place(&self) -> bool {
+        false
+    }
+    /// The mappings this mover holds now, per region (own ones writable, others
+    /// read-only; an own region read in place also has its read-only mapping, listed
+    /// after the writable one), for region views (`cxl`). Empty where it holds none.
+    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        Vec::new()
+    }
     /// The session is gone with the maru-server that knew it (it restarted): no keeper
     /// will ever release the regions, so release them at their agents now (nothing can
     /// be written into them after that). Returns (released, failed).

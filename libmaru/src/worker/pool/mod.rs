@@ -6,6 +6,7 @@
 //! pool itself, its heartbeat and tick (the region lifecycle's reports and
 //! give-backs), and the calls on keys.
 
+mod in_place;
 mod load;
 pub mod session;
 mod store;
@@ -13,6 +14,7 @@ mod store;
 use super::error::WorkerError;
 use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
+pub use in_place::{InPlacePage, InPlaceWrite};
 use session::Session;
 use std::collections::VecDeque;
 
@@ -129,6 +131,9 @@ pub struct StoragePool {
     spare_target: usize,
     /// Most regions the session takes (`max_bytes`); none: no limit.
     max_regions: Option<u64>,
+    /// Per region, pages taken for writing in place and not yet published or given
+    /// back (see `in_place`).
+    in_place: std::collections::BTreeMap<u64, usize>,
 }
 impl StoragePool {
     pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
@@ -150,6 +155,7 @@ impl StoragePool {
             lead_tried: None,
             spare_target: 0,
             max_regions: None,
+            in_place: Default::default(),
         };
         pool.report_boots()?;
         Ok(pool)
@@ -257,6 +263,13 @@ impl StoragePool {
     /// spare pages go, and it is returned (its keys go, maru-server releases it at its
     /// agent before the RM frees it).
     fn give_back_region(&mut self, id: u64) {
+        if self.taken_in_place(id) {
+            log::info!(
+                "pool {}: region {id} not given back yet: pages of it are being written in place; maru-server asks again",
+                self.session.url
+            );
+            return;
+        }
         self.spare.retain(|p| p.region_id != id);
         self.mover.forget_region(id);
         if self.newest.is_some_and(|(r, _)| r == id) {

@@ -1,0 +1,226 @@
+//! Writes in place (backend `cxl`): take pages of the engine's own regions, write each
+//! chunk straight into the mapping (a GPU copies into it), publish or give the pages
+//! back. And views of whole regions this host maps.
+
+use super::args::{in_slice, keys_of, opt_out_slice, opt_str, out_slice};
+use super::boundary::{check_not_null, ffi_guard};
+use super::handler::{maru_handler_t, with_handler};
+use super::status::maru_status_t;
+use crate::worker::{RegionInfo, WorkerError};
+use std::ffi::c_char;
+
+/// A page of one of the engine's own regions, taken for writing a chunk in place
+/// (backend `cxl`). `data` points to `capacity` bytes (one chunk) in this host's
+/// writable mapping of the region, valid until the page is published or given back
+/// (or the handler shut down). `(region_id, page)` names the page in later calls;
+/// `offset` is its byte offset in the region.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct maru_page_t {
+    pub region_id: u64,
+    pub page: u64,
+    pub offset: u64,
+    pub data: *mut u8,
+    pub capacity: usize,
+}
+
+/// A region this host maps (backend `cxl`): `len` bytes at `data`, `page_count`
+/// pages of `page_size` bytes. `writable`: one of the engine's own regions (mapped
+/// writable); otherwise another engine's, read-only. The memory stays mapped until the
+/// handler is shut down.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct maru_region_t {
+    pub region_id: u64,
+    pub data: *mut u8,
+    pub len: usize,
+    pub page_size: u64,
+    pub page_count: u64,
+    pub writable: bool,
+}
+
+fn region_of(r: &RegionInfo) -> maru_region_t {
+    maru_region_t {
+        region_id: r.region_id,
+        data: r.ptr,
+        len: r.len,
+        page_size: r.page_size,
+        page_count: (r.len as u64).checked_div(r.page_size).unwrap_or(0),
+        writable: r.writable,
+    }
+}
+
+fn locs(pages: &[maru_page_t]) -> Vec<(u64, u64)> {
+    pages.iter().map(|p| (p.region_id, p.page)).collect()
+}
+
+/// Takes up to `n` pages of the engine's own regions for writing chunks in place
+/// (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
+/// staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
+/// pool has no room (every page leased, pinned or taken, and no region to be had).
+/// `route_key` picks the pool, as the request's first chunk key does for
+/// `maru_store_batch` (NULL: the first pool's pick for "").
+///
+/// Write each chunk at `data`, then publish it with `maru_pages_publish` (only then
+/// can it be found) or give the page back with `maru_pages_give_back`. A page taken is
+/// the caller's: no store reuses it, no eviction takes it, its region is not given
+/// back meanwhile. Each page is published only by its taker, and only while its
+/// region is still the engine's.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_pages_take(
+    h: *const maru_handler_t,
+    n: usize,
+    route_key: *const c_char,
+    out: *mut maru_page_t,
+    got: *mut usize,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(got);
+        *got = 0;
+        with_handler(h, |call| {
+            let dst = out_slice(out, n, "out")?;
+            let rk = opt_str(route_key, "route_key")?.unwrap_or("");
+            if n == 0 {
+                return Ok(());
+            }
+            let pages = call.handler().take_in_place(n, rk)?;
+            if call.shutting_down() {
+                let _ = call.handler().give_back_in_place(
+                    &pages
+                        .iter()
+                        .map(|p| (p.region_id, p.page))
+                        .collect::<Vec<_>>(),
+                );
+                return Err(WorkerError::Closed.into());
+            }
+            for (d, p) in dst.iter_mut().zip(&pages) {
+                *d = maru_page_t {
+                    region_id: p.region_id,
+                    page: p.page,
+                    offset: p.offset,
+                    data: p.ptr,
+                    capacity: p.capacity,
+                };
+            }
+            *got = pages.len();
+            Ok(())
+        })
+    })
+}
+
+/// Publishes `n` pages written in place: `keys[i]` with the first `lens[i]` bytes of
+/// `pages[i]` (only its `region_id` and `page` are read), the chunks of one request
+/// in chain order, all taken with one route key. `published[i]` (the array may be
+/// NULL) is true when the chunk is stored now or was already stored (by any engine;
+/// its page then serves later stores), false when its region was lost while it was
+/// written (nothing is published from a region no longer the engine's) or the pool is
+/// unavailable. Afterwards the pages are no longer the caller's, whatever the outcome.
+/// A page not taken by this handler (or already published or given back, or named
+/// twice), an empty key or a length over the page's capacity returns
+/// `MARU_ERR_INVALID_ARGUMENT`: nothing is published and the pages stay the caller's.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_pages_publish(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    pages: *const maru_page_t,
+    lens: *const usize,
+    n: usize,
+    published: *mut bool,
+) -> maru_status_t {
+    ffi_guard(|| {
+        with_handler(h, |call| {
+            let ks = keys_of(keys, n)?;
+            let ps = in_slice(pages, n, "pages")?;
+            let ls = in_slice(lens, n, "lens")?;
+            let ok = call.handler().publish_in_place(&ks, &locs(ps), ls)?;
+            if let Some(out) = opt_out_slice(published, n) {
+                out.copy_from_slice(&ok);
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Gives back `n` pages taken with `maru_pages_take` and not published (only their
+/// `region_id` and `page` are read): they serve later stores. Their `data` must not be
+/// written any more. A page not held returns `MARU_ERR_INVALID_ARGUMENT` and none is
+/// given back.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_pages_give_back(
+    h: *const maru_handler_t,
+    pages: *const maru_page_t,
+    n: usize,
+) -> maru_status_t {
+    ffi_guard(|| {
+        with_handler(h, |call| {
+            let ps = in_slice(pages, n, "pages")?;
+            call.handler().give_back_in_place(&locs(ps))?;
+            Ok(())
+        })
+    })
+}
+
+/// The mappings of regions this host holds now (backend `cxl`; none on `remote_cxl`):
+/// the engine's own regions (writable) and other engines' it has read from
+/// (read-only), by region id. An own region that was also read in place (views) has a
+/// second, read-only mapping, listed after its writable one: the `data` of a view lies
+/// in it. `out[0..min(cap, *count)]` describes them; `*count` is how many there are (call
+/// again with a larger `out` if it exceeds `cap`). `out` may be NULL when `cap` is 0.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_regions_list(
+    h: *const maru_handler_t,
+    out: *mut maru_region_t,
+    cap: usize,
+    count: *mut usize,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(count);
+        *count = 0;
+        with_handler(h, |call| {
+            let dst = out_slice(out, cap, "out")?;
+            let regions = call.handler().regions()?;
+            for (d, r) in dst.iter_mut().zip(&regions) {
+                *d = region_of(r);
+            }
+            *count = regions.len();
+            Ok(())
+        })
+    })
+}
+
+/// The region `region_id` as this host maps it: `*found` is false (and `*out`
+/// untouched) when it maps no such region. Its memory stays mapped until the handler
+/// is shut down, even if the region stops being the engine's: write into an own
+/// region only into pages taken with `maru_pages_take` and not yet published.
+///
+/// Threads: any, concurrently with other calls.
+#[no_mangle]
+pub unsafe extern "C" fn maru_region_view(
+    h: *const maru_handler_t,
+    region_id: u64,
+    out: *mut maru_region_t,
+    found: *mut bool,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(found);
+        *found = false;
+        check_not_null!(out);
+        with_handler(h, |call| {
+            if let Some(r) = call.handler().region_view(region_id)? {
+                *out = region_of(&r);
+                *found = true;
+            }
+            Ok(())
+        })
+    })
+}
