@@ -278,14 +278,11 @@ fn a_client_that_never_reads_its_replies_does_not_grow_the_daemon() {
     drop(raw);
 }
 
-/// 5: at the agent a region belongs to the connection that mapped it: another
-/// connection naming the same client id cannot unmap it, nor drop it by closing.
-#[test]
-fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
-    let mut s = Scratch::new("att-holder");
-    let n = support::memory_node(&mut s, "64M");
+/// A 4 MiB region allocated at the node's RM (as maru-server would), for tests that
+/// map it at the agent themselves.
+fn alloc_4mib(n: &support::MemoryNode) -> maru::wire::rm::Handle {
     let mut rmc = connect(&n.rm.addr, RM, "maru-server-test");
-    let h = match rmc
+    match rmc
         .call::<_, RmReply>(&RmRequest::Alloc {
             size: 4 * MIB,
             pool: None,
@@ -295,12 +292,24 @@ fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
     {
         RmReply::Alloc(a) => a.handle,
         r => panic!("{r:?}"),
-    };
-    let agent = |id: &str| {
-        let mut o = ClientOptions::new(AGENT, id);
-        o.key = Some(n.key.clone());
-        Client::connect(&n.agent.addr, &o).unwrap()
-    };
+    }
+}
+
+/// A connection to the node's agent with its key, under client id `id`.
+fn agent_client(n: &support::MemoryNode, id: &str) -> Client {
+    let mut o = ClientOptions::new(AGENT, id);
+    o.key = Some(n.key.clone());
+    Client::connect(&n.agent.addr, &o).unwrap()
+}
+
+/// 5: at the agent a region belongs to the connection that mapped it: another
+/// connection naming the same client id cannot unmap it, nor drop it by closing.
+#[test]
+fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
+    let mut s = Scratch::new("att-holder");
+    let n = support::memory_node(&mut s, "64M");
+    let h = alloc_4mib(&n);
+    let agent = |id: &str| agent_client(&n, id);
     let mut owner = agent("worker-1");
     let m = match owner
         .call::<_, AgentReply>(&AgentRequest::Map {
@@ -574,23 +583,8 @@ fn a_worker_cannot_write_another_workers_region_with_its_key() {
     use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
     let mut s = Scratch::new("att-keys");
     let n = support::memory_node(&mut s, "64M");
-    let mut rmc = connect(&n.rm.addr, RM, "maru-server-test");
-    let h = match rmc
-        .call::<_, RmReply>(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .unwrap()
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    };
-    let agent = |id: &str| {
-        let mut o = ClientOptions::new(AGENT, id);
-        o.key = Some(n.key.clone());
-        Client::connect(&n.agent.addr, &o).unwrap()
-    };
+    let h = alloc_4mib(&n);
+    let agent = |id: &str| agent_client(&n, id);
     let map = |c: &mut Client| match c
         .call::<_, AgentReply>(&AgentRequest::Map {
             handle: h.clone(),
