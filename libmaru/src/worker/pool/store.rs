@@ -20,6 +20,10 @@ use std::collections::BTreeMap;
 /// (other stores keep adopting regions meanwhile).
 const REPORT_TRIES: usize = 3;
 
+/// Rounds of making room (a region or evictions, then `alloc`) that found no page
+/// before a store gives up on the chunks still missing.
+const ROOM_ROUNDS: usize = 4;
+
 /// The pages a store took and, per region, its boot id when they were taken.
 pub(super) struct Taken {
     pub(super) pages: Vec<PageGrant>,
@@ -73,34 +77,41 @@ impl StoragePool {
         pages.extend(got.by_ref().take(short));
         self.book().spare.extend(got);
         let mut missing = (need - pages.len()) as u32;
+        // Rounds of making room that ended with no page: other stores of this pool
+        // make room at the same time (they may have evicted the victims offered here,
+        // or taken the pages freed here), so a few rounds are tried before giving up.
+        let mut dry = 0;
         while missing > 0 {
             // The session's regions are full: one more region, or else room made by
             // evicting keys of its own regions; then the rest.
-            match self.grow() {
-                Ok(()) => {}
+            let why = match self.grow() {
+                Ok(()) => None,
                 Err(WorkerError::NoSpace(why)) => {
                     let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
                     let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
-                    if freed == 0 {
-                        self.book().stats.store_no_room += u64::from(missing);
-                        log::warn!(
-                            "pool {}: {missing} chunk(s) not stored: the pool has no region to \
-                             give ({why}) and every page of this engine's regions is leased, \
-                             pinned or in use",
-                            self.session.url
-                        );
-                        break;
-                    }
+                    (freed == 0).then_some(why)
                 }
                 Err(e) => return Err(e),
-            }
+            };
             let (more, m) = self.session.alloc(missing, route_key)?;
             self.note_fill(&more);
-            if more.is_empty() && m == missing {
-                break;
-            }
+            let got_none = more.is_empty() && m == missing;
             pages.extend(more);
             missing = m;
+            if got_none {
+                dry += 1;
+                if dry >= ROOM_ROUNDS {
+                    self.book().stats.store_no_room += u64::from(missing);
+                    log::warn!(
+                        "pool {}: {missing} chunk(s) not stored: the pool has no region to \
+                         give ({}) and every page of this engine's regions is leased, \
+                         pinned or in use",
+                        self.session.url,
+                        why.as_deref().unwrap_or("a region taken was full at once")
+                    );
+                    break;
+                }
+            }
         }
         Ok(pages)
     }
