@@ -463,12 +463,14 @@ fn tables(r: &Results) -> Vec<Table> {
     add("cxl load / read bandwidth (1 client, 1 thread)", &|c| {
         ratio(mb("cxl", c, 1, true), r.read_of(c, 1))
     });
-    add("cxl store / streaming copy (4 clients; 2 threads' limit, 2 cores)", &|c| {
-        ratio(mb("cxl", c, MANY, false), r.stream_of(c, 2))
-    });
-    add("cxl load / streaming copy (4 clients; 2 threads' limit, 2 cores)", &|c| {
-        ratio(mb("cxl", c, MANY, true), r.stream_of(c, 2))
-    });
+    add(
+        "cxl store / streaming copy (4 clients; 2 threads' limit, 2 cores)",
+        &|c| ratio(mb("cxl", c, MANY, false), r.stream_of(c, 2)),
+    );
+    add(
+        "cxl load / streaming copy (4 clients; 2 threads' limit, 2 cores)",
+        &|c| ratio(mb("cxl", c, MANY, true), r.stream_of(c, 2)),
+    );
     add("soft load / tcp (remote_cxl, 1 client)", &|c| {
         ratio(mb("remote_cxl", c, 1, true), r.tcp_of(c))
     });

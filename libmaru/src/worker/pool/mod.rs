@@ -143,6 +143,9 @@ struct Book {
     writing: HashMap<u64, usize>,
     /// Regions being taken now (an `expand` in flight), counted against `max_bytes`.
     expanding: u64,
+    /// Regions maru-server asked for while stores wrote into them: no new store
+    /// writes into them, and the last store that does gives them back.
+    closing: std::collections::HashSet<u64>,
 }
 
 pub struct StoragePool {
@@ -315,8 +318,9 @@ impl StoragePool {
     }
 
     /// maru-server asks for one of the session's regions: the pool is full and
-    /// another storing engine waits while this one holds more than its share. Not
-    /// while a store writes into it (it is asked again); else nothing more is written
+    /// another storing engine waits while this one holds more than its share. While a
+    /// store writes into it, it is closing: no new store takes a page of it, and the
+    /// last store that wrote into it gives it back (`give_back_closed`); else nothing more is written
     /// into it (a store looks its mapping up after it marked its pages, under the same
     /// locks), its spare pages go, and it is returned (its keys go, maru-server
     /// releases it at its agent before the RM frees it).
@@ -324,14 +328,16 @@ impl StoragePool {
         {
             let mut m = self.mover();
             let mut b = self.book();
+            b.spare.retain(|p| p.region_id != id);
             if b.writing.get(&id).copied().unwrap_or(0) > 0 {
-                log::info!(
-                    "pool {}: region {id} is asked for while a store writes into it: given back when maru-server asks again",
+                log::debug!(
+                    "pool {}: region {id} is asked for while a store writes into it: given back when that store is done",
                     self.session.url
                 );
+                b.closing.insert(id);
                 return;
             }
-            b.spare.retain(|p| p.region_id != id);
+            b.closing.remove(&id);
             m.forget_region(id);
             if b.newest.is_some_and(|(r, _)| r == id) {
                 b.newest = None;
@@ -354,6 +360,12 @@ impl StoragePool {
                 self.session.url
             ),
         }
+    }
+
+    /// Gives back a closing region whose last store is done (see `give_back_region`).
+    pub(super) fn give_back_closed(&self, id: u64) {
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        self.give_back_region(id);
     }
 
     /// Periodic work (about once a second): the mover probes the agents of own
@@ -393,6 +405,7 @@ impl StoragePool {
             if b.newest.is_some_and(|(r, _)| r == id) {
                 b.newest = None;
             }
+            b.closing.remove(&id);
             b.stats.regions = b.stats.regions.saturating_sub(1);
             b.stats.regions_lost += 1;
             before - b.spare.len()

@@ -40,7 +40,7 @@ impl StoragePool {
         need: usize,
         route_key: Option<&str>,
     ) -> Result<Taken, WorkerError> {
-        let pages = self.find_pages(need, route_key)?;
+        let mut pages = self.find_pages(need, route_key)?;
         let boots = {
             let m = self.mover();
             let now = m.boot_ids();
@@ -50,6 +50,8 @@ impl StoragePool {
                 .collect()
         };
         let mut b = self.book();
+        // A region being given back takes no new store (its pages go back with it).
+        pages.retain(|p| !b.closing.contains(&p.region_id));
         for p in &pages {
             *b.writing.entry(p.region_id).or_default() += 1;
         }
@@ -400,14 +402,24 @@ impl StoragePool {
         let ok = write(self, &placed);
         let r = self.publish(keys, lens, present, &placed, &ok, &taken);
         // Whatever happened: the pages are no longer being written by this store.
-        let mut b = self.book();
-        for p in &taken.pages {
-            if let Some(n) = b.writing.get_mut(&p.region_id) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    b.writing.remove(&p.region_id);
+        let mut done = Vec::new();
+        {
+            let mut b = self.book();
+            for p in &taken.pages {
+                if let Some(n) = b.writing.get_mut(&p.region_id) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        b.writing.remove(&p.region_id);
+                        if b.closing.contains(&p.region_id) {
+                            done.push(p.region_id);
+                        }
+                    }
                 }
             }
+        }
+        // The last store into a region maru-server asked for gives it back.
+        for id in done {
+            self.give_back_closed(id);
         }
         r
     }
