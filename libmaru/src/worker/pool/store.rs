@@ -22,7 +22,7 @@ const REPORT_TRIES: usize = 3;
 
 /// Rounds of making room (a region or evictions, then `alloc`) that found no page
 /// before a store gives up on the chunks still missing.
-const ROOM_ROUNDS: usize = 4;
+const ROOM_ROUNDS: usize = 8;
 
 /// The pages a store took and, per region, its boot id when they were taken.
 pub(super) struct Taken {
@@ -95,11 +95,23 @@ impl StoragePool {
                 }
                 Err(e) => return Err(e),
             };
-            let (more, m) = self.session.alloc(missing, route_key)?;
-            self.note_fill(&more);
-            let got_none = more.is_empty() && m == missing;
-            pages.extend(more);
-            missing = m;
+            // Other stores of this pool may have taken the room made here as their
+            // spare pages (the pool's, so this store's too): those first.
+            let spare: Vec<PageGrant> = {
+                let mut b = self.book();
+                let n = (missing as usize).min(b.spare.len());
+                b.spare.drain(..n).collect()
+            };
+            missing -= spare.len() as u32;
+            let mut got_none = spare.is_empty();
+            pages.extend(spare);
+            if missing > 0 {
+                let (more, m) = self.session.alloc(missing, route_key)?;
+                self.note_fill(&more);
+                got_none &= more.is_empty() && m == missing;
+                pages.extend(more);
+                missing = m;
+            }
             if got_none {
                 dry += 1;
                 if dry >= ROOM_ROUNDS {
