@@ -153,6 +153,10 @@ pub struct StoragePool {
     mover: Mutex<Box<dyn Mover>>,
     book: Mutex<Book>,
     gate: RwLock<()>,
+    /// Taking a region (expand + the mover's adopt) holds it alone, an `alloc` shared:
+    /// maru-server allocates from any region of the session, so no store may get a
+    /// page of a region the mover has not made usable yet.
+    adopting: RwLock<()>,
     max_batch: usize,
     /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
     /// at most twice as many are kept.
@@ -181,6 +185,7 @@ impl StoragePool {
             session,
             mover: Mutex::new(mover),
             gate: RwLock::new(()),
+            adopting: RwLock::new(()),
             max_batch,
             spare_target: 0,
             max_regions: None,

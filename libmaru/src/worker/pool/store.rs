@@ -73,7 +73,7 @@ impl StoragePool {
         }
         let short = need - pages.len();
         let ask = (short + self.spare_target).min(self.max_batch.max(short));
-        let (got, _) = self.session.alloc(ask as u32, route_key)?;
+        let (got, _) = self.alloc(ask as u32, route_key)?;
         self.note_fill(&got);
         let mut got = got.into_iter();
         pages.extend(got.by_ref().take(short));
@@ -106,7 +106,7 @@ impl StoragePool {
             let mut got_none = spare.is_empty();
             pages.extend(spare);
             if missing > 0 {
-                let (more, m) = self.session.alloc(missing, route_key)?;
+                let (more, m) = self.alloc(missing, route_key)?;
                 self.note_fill(&more);
                 got_none &= more.is_empty() && m == missing;
                 pages.extend(more);
@@ -130,6 +130,16 @@ impl StoragePool {
         Ok(pages)
     }
 
+    /// `alloc` at maru-server, never while a region is being taken (see `adopting`).
+    fn alloc(
+        &self,
+        count: u32,
+        route_key: Option<&str>,
+    ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        let _shared = self.adopting.read().unwrap_or_else(|e| e.into_inner());
+        self.session.alloc(count, route_key)
+    }
+
     /// One more region for the session, within `max_bytes` (counting the regions
     /// other stores are taking now).
     fn grow(&self) -> Result<(), WorkerError> {
@@ -143,7 +153,10 @@ impl StoragePool {
             }
             b.expanding += 1;
         }
-        let r = self.session.expand().and_then(|g| self.adopt(&g));
+        let r = {
+            let _alone = self.adopting.write().unwrap_or_else(|e| e.into_inner());
+            self.session.expand().and_then(|g| self.adopt(&g))
+        };
         let mut b = self.book();
         b.expanding = b.expanding.saturating_sub(1);
         r
