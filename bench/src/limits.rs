@@ -16,9 +16,36 @@ fn touch(buf: &mut [u8]) {
     }
 }
 
+/// How a limit moves its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// `copy_from_slice`: a copy whose stores first read each line (read for
+    /// ownership).
+    Memcpy,
+    /// Streaming (non-temporal) stores, no read for ownership: what the `cxl` path
+    /// uses into the shared mapping and out of it for chunks of 256 KiB or more
+    /// (`maru::dax::copy`). The machine's copy bandwidth.
+    Stream,
+    /// Reads only (a sum over the source): the machine's read bandwidth.
+    Read,
+}
+
 /// memcpy of `chunk`-sized pieces with `threads` threads, each rotating over its own
 /// source and destination of `mem` bytes (together far beyond the caches).
 pub fn memcpy(chunk: usize, threads: usize, secs: f64, mem: usize) -> Fig {
+    copy(CopyKind::Memcpy, chunk, threads, secs, mem)
+}
+
+/// Sums the bytes as u64 words (vectorized): reads every line of `b`.
+fn sum(b: &[u8]) -> u64 {
+    b.chunks_exact(8)
+        .map(|w| u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+        .fold(0u64, u64::wrapping_add)
+}
+
+/// `kind` of `chunk`-sized pieces with `threads` threads, each rotating over its own
+/// source and destination of `mem` bytes (together far beyond the caches).
+pub fn copy(kind: CopyKind, chunk: usize, threads: usize, secs: f64, mem: usize) -> Fig {
     let handles: Vec<_> = (0..threads)
         .map(|_| {
             std::thread::spawn(move || {
@@ -36,7 +63,17 @@ pub fn memcpy(chunk: usize, threads: usize, secs: f64, mem: usize) -> Fig {
                     // Destination offset by half the buffer: neither side is warm.
                     let d = ((i + pieces / 2) % pieces) * chunk;
                     let t = Instant::now();
-                    dst[d..d + chunk].copy_from_slice(&src[s..s + chunk]);
+                    match kind {
+                        CopyKind::Memcpy => dst[d..d + chunk].copy_from_slice(&src[s..s + chunk]),
+                        // The library's own streaming copy (into the caller's memory
+                        // for chunks of 256 KiB or more; the same loop either way).
+                        CopyKind::Stream => {
+                            maru::dax::copy::copy_out(&mut dst[d..d + chunk], &src[s..s + chunk])
+                        }
+                        CopyKind::Read => {
+                            std::hint::black_box(sum(&src[s..s + chunk]));
+                        }
+                    }
                     lat.push(t.elapsed().as_secs_f64() * 1e6);
                     std::hint::black_box(&dst);
                     bytes += chunk as u64;

@@ -160,6 +160,10 @@ struct TargetRow {
 #[derive(Debug, Default, Serialize)]
 struct Results {
     memcpy: Vec<MemcpyRow>,
+    /// Streaming-store copies (no read for ownership): the machine's copy bandwidth.
+    stream: Vec<MemcpyRow>,
+    /// Reads only: the machine's read bandwidth.
+    read: Vec<MemcpyRow>,
     tcp: Vec<TcpRow>,
     soft: Vec<SoftRow>,
     maru: Vec<maru_io::Result_>,
@@ -182,6 +186,18 @@ impl Results {
             .iter()
             .find(|r| r.chunk == chunk && r.threads == threads)
             .map(|r| &r.fig)
+    }
+    fn stream_of(&self, chunk: usize, threads: usize) -> Option<f64> {
+        self.stream
+            .iter()
+            .find(|r| r.chunk == chunk && r.threads == threads)
+            .map(|r| r.fig.gbs)
+    }
+    fn read_of(&self, chunk: usize, threads: usize) -> Option<f64> {
+        self.read
+            .iter()
+            .find(|r| r.chunk == chunk && r.threads == threads)
+            .map(|r| r.fig.gbs)
     }
     fn tcp_of(&self, chunk: usize) -> Option<f64> {
         self.tcp.iter().find(|r| r.chunk == chunk).map(|r| r.gbs)
@@ -328,16 +344,25 @@ fn tables(r: &Results) -> Vec<Table> {
             }
         }
         for threads in [1, 2] {
-            if let Some(f) = r.memcpy_of(chunk, threads) {
-                let mut row = vec![
-                    "memcpy (limit)".into(),
-                    "copy".into(),
-                    chunk_name(chunk),
-                    format!("{threads} thr"),
-                ];
-                row.extend(["-".into(), "-".into(), "-".into()]);
-                row.extend(fig_cells(f));
-                t.row(row);
+            for (name, op, rows) in [
+                ("memcpy (limit)", "copy", &r.memcpy),
+                ("streaming copy (limit)", "copy, nt stores", &r.stream),
+                ("read (limit)", "read", &r.read),
+            ] {
+                if let Some(x) = rows
+                    .iter()
+                    .find(|x| x.chunk == chunk && x.threads == threads)
+                {
+                    let mut row = vec![
+                        name.into(),
+                        op.into(),
+                        chunk_name(chunk),
+                        format!("{threads} thr"),
+                    ];
+                    row.extend(["-".into(), "-".into(), "-".into()]);
+                    row.extend(fig_cells(&x.fig));
+                    t.row(row);
+                }
             }
         }
         if let Some(g) = r.tcp_of(chunk) {
@@ -433,6 +458,23 @@ fn tables(r: &Results) -> Vec<Table> {
     add("cxl load / memcpy (1 client, 1 thread)", &|c| {
         ratio(mb("cxl", c, 1, true), r.memcpy_of(c, 1).map(|f| f.gbs))
     });
+    add("cxl store / streaming copy (1 client, 1 thread)", &|c| {
+        ratio(mb("cxl", c, 1, false), r.stream_of(c, 1))
+    });
+    add("cxl load / streaming copy (1 client, 1 thread)", &|c| {
+        ratio(mb("cxl", c, 1, true), r.stream_of(c, 1))
+    });
+    add("cxl load / read bandwidth (1 client, 1 thread)", &|c| {
+        ratio(mb("cxl", c, 1, true), r.read_of(c, 1))
+    });
+    add(
+        "cxl store / streaming copy (4 clients; 2 threads' limit, 2 cores)",
+        &|c| ratio(mb("cxl", c, MANY, false), r.stream_of(c, 2)),
+    );
+    add(
+        "cxl load / streaming copy (4 clients; 2 threads' limit, 2 cores)",
+        &|c| ratio(mb("cxl", c, MANY, true), r.stream_of(c, 2)),
+    );
     add("soft load / tcp (remote_cxl, 1 client)", &|c| {
         ratio(mb("remote_cxl", c, 1, true), r.tcp_of(c))
     });
@@ -473,35 +515,55 @@ fn tables(r: &Results) -> Vec<Table> {
     });
     out.push(t);
 
-    // 3. The C ABI table of the worker issue: one handler, 1 and 2 threads.
+    // 3. The C ABI table: one handler used by N threads beside N handlers of one
+    // thread each (issue 23), against the limits of the backend.
     let mut t = Table::new(
-        "C ABI (maru_store_batch / maru_load_batch, batches of 32), one handler used by 1 and 2 threads",
-        &["backend", "chunk", "threads", "store GB/s", "load GB/s", "limit", "limit GB/s", "store/limit", "load/limit"],
+        "C ABI (maru_store_batch / maru_load_batch, batches of 32): one handler used by N threads beside N handlers of one thread",
+        &["backend", "chunk", "handlers x threads", "store GB/s", "load GB/s", "limit", "limit GB/s", "store/limit", "load/limit", "store vs N handlers", "load vs N handlers"],
     );
     for backend in ["remote_cxl", "cxl"] {
         for &chunk in &CHUNKS {
-            for threads in [1, 2] {
-                if let Some(m) = r.maru_of(backend, chunk, 1, threads) {
-                    let (lname, lim) = if backend == "cxl" {
-                        (
-                            format!("memcpy {threads} thr"),
-                            r.memcpy_of(chunk, threads).map(|f| f.gbs),
-                        )
-                    } else {
-                        ("tcp 1 stream".to_string(), r.tcp_of(chunk))
+            for (handlers, threads) in [(1, 1), (2, 1), (1, 2), (MANY, 1), (1, MANY)] {
+                let Some(m) = r.maru_of(backend, chunk, handlers, threads) else {
+                    continue;
+                };
+                let n = handlers * threads;
+                let (lname, lim) = if backend == "cxl" {
+                    // The machine has 2 cores: more threads do not raise the limit.
+                    let lt = n.min(2);
+                    (format!("streaming copy {lt} thr"), r.stream_of(chunk, lt))
+                } else {
+                    ("tcp 1 stream".to_string(), r.tcp_of(chunk))
+                };
+                let vs = |load: bool| {
+                    if threads == 1 {
+                        return "-".to_string();
+                    }
+                    let pick = |m: &maru_io::Result_| {
+                        if load {
+                            m.load_batch.gbs
+                        } else {
+                            m.store_batch.gbs
+                        }
                     };
-                    t.row(vec![
-                        backend.into(),
-                        chunk_name(chunk),
-                        threads.to_string(),
-                        f2(m.store_batch.gbs),
-                        f2(m.load_batch.gbs),
-                        lname,
-                        opt(lim),
-                        opt(ratio(Some(m.store_batch.gbs), lim)),
-                        opt(ratio(Some(m.load_batch.gbs), lim)),
-                    ]);
-                }
+                    opt(ratio(
+                        Some(pick(m)),
+                        r.maru_of(backend, chunk, n, 1).map(pick),
+                    ))
+                };
+                t.row(vec![
+                    backend.into(),
+                    chunk_name(chunk),
+                    format!("{handlers} x {threads}"),
+                    f2(m.store_batch.gbs),
+                    f2(m.load_batch.gbs),
+                    lname,
+                    opt(lim),
+                    opt(ratio(Some(m.store_batch.gbs), lim)),
+                    opt(ratio(Some(m.load_batch.gbs), lim)),
+                    vs(false),
+                    vs(true),
+                ]);
             }
         }
     }
@@ -589,7 +651,7 @@ fn tables(r: &Results) -> Vec<Table> {
         }
         out.push(t);
     }
-    let mut t = Table::new("Targets (issue 8)", &["target", "measured", "met"]);
+    let mut t = Table::new("Targets (issues 8 and 23)", &["target", "measured", "met"]);
     for x in targets(r) {
         t.row(vec![
             x.target,
@@ -663,6 +725,35 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &x,
         &|f| f >= 0.9,
     );
+    // One handler used by N threads against N handlers of one thread (issue 23).
+    for backend in ["cxl", "remote_cxl"] {
+        for c in [256 * 1024, two] {
+            for n in [2, MANY] {
+                for load in [false, true] {
+                    let pick = |m: &maru_io::Result_| {
+                        if load {
+                            m.load_batch.gbs
+                        } else {
+                            m.store_batch.gbs
+                        }
+                    };
+                    push(
+                        &format!(
+                            "{backend} {} {}: 1 handler x {n} threads >= 0.9 x {n} handlers x 1 thread",
+                            chunk_name(c),
+                            if load { "load" } else { "store" },
+                        ),
+                        ratio(
+                            r.maru_of(backend, c, 1, n).map(pick),
+                            r.maru_of(backend, c, n, 1).map(pick),
+                        ),
+                        &x,
+                        &|f| f >= 0.9,
+                    );
+                }
+            }
+        }
+    }
     push(
         "cxl single 256 KiB store >= 2 GB/s",
         r.maru_of("cxl", 256 * 1024, 1, 1)
@@ -879,6 +970,23 @@ fn run(args: Args) -> Result<(), String> {
                     threads,
                     fig,
                 });
+                say(&format!(
+                    "streaming copy {} x {threads} thread(s)",
+                    chunk_name(c)
+                ));
+                let fig = limits::copy(limits::CopyKind::Stream, c, threads, secs, rotate / 2);
+                r.stream.push(MemcpyRow {
+                    chunk: c,
+                    threads,
+                    fig,
+                });
+                say(&format!("read {} x {threads} thread(s)", chunk_name(c)));
+                let fig = limits::copy(limits::CopyKind::Read, c, threads, secs, rotate / 2);
+                r.read.push(MemcpyRow {
+                    chunk: c,
+                    threads,
+                    fig,
+                });
             }
             say(&format!("tcp loopback {}", chunk_name(c)));
             let gbs = limits::tcp_loopback(c, 1, secs, rotate / 2)?;
@@ -914,7 +1022,8 @@ fn run(args: Args) -> Result<(), String> {
                 continue;
             }
             for &chunk in &chunks {
-                for (handlers, threads) in [(1, 1), (MANY, 1), (1, 2)] {
+                // One handler used by N threads beside N handlers of one thread each.
+                for (handlers, threads) in [(1, 1), (2, 1), (1, 2), (MANY, 1), (1, MANY)] {
                     if !want_clients(handlers * threads) {
                         continue;
                     }

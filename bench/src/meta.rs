@@ -37,7 +37,7 @@ pub struct Row {
 
 /// A session as a handler opens it (with the default reply polling).
 fn open(server: &str, id: &str) -> Result<Session, String> {
-    let mut s = Session::open(
+    let s = Session::open(
         server,
         id,
         id,
@@ -63,7 +63,7 @@ fn run_op(
             let server = server.to_string();
             let keys = keys.to_vec();
             std::thread::spawn(move || -> Result<(usize, Vec<f64>), String> {
-                let mut s = open(&server, &format!("bench-{op}-{conns}-{c}"))?;
+                let s = open(&server, &format!("bench-{op}-{conns}-{c}"))?;
                 let mut lat = Vec::new();
                 let start = Instant::now();
                 let mut n = 0usize;
@@ -201,7 +201,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let st = stack(scratch, false, "64M", "4K")?;
     let server = st.server.clone();
     // 32 published keys for the lookups.
-    let mut s = open(&server, "bench-writer")?;
+    let s = open(&server, "bench-writer")?;
     let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
     let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
     let entries = keys

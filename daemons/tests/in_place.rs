@@ -172,7 +172,7 @@ fn a_page_written_in_place_is_found_once_its_writer_publishes_it_and_only_by_it(
 #[test]
 fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
     let st = stack();
-    let mut w = watched_pool(&st, "loser");
+    let w = watched_pool(&st, "loser");
     let pages = w.pool.take_in_place(1, Some("lost")).unwrap();
     assert_eq!(pages.len(), 1);
     pages[0].write(&bytes(7, 4096)).unwrap();
@@ -200,7 +200,7 @@ fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
 #[test]
 fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reused() {
     let st = stack();
-    let mut w = watched_pool(&st, "taker");
+    let w = watched_pool(&st, "taker");
     // Every page of the one region the pool may hold.
     let all = w.pool.take_in_place(200, Some("t")).unwrap();
     assert_eq!(all.len(), 128, "one region of 128 pages");
@@ -304,12 +304,12 @@ fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
         .collect();
     // Room for two regions of 8 MiB (the device header takes the first 2 MiB).
     let st = support::stack("inplace-fair", "20M", false, &args);
-    let mut a = watched_pool_of(&st, "hog", 0);
+    let a = watched_pool_of(&st, "hog", 0);
     // Every page of both regions taken by A.
     let mut pages = a.pool.take_in_place(256, Some("hog")).unwrap();
     assert_eq!(a.pool.stats().regions, 2, "A holds the whole pool");
     // B stores into the full pool: maru-server asks A for a fair share.
-    let mut b = watched_pool_of(&st, "waiter", 0);
+    let b = watched_pool_of(&st, "waiter", 0);
     let stored = b
         .pool
         .store(&[("w/c0", &bytes(1, 100)[..])], Some("w"))

@@ -390,7 +390,7 @@ fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
             seen: 0,
             unfenced,
         };
-        let mut pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+        let pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
         let keys: Vec<String> = (0..10).map(|i| format!("{engine}-{i}")).collect();
         let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
         let items: Vec<(&str, &[u8])> = keys
@@ -430,7 +430,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
         seen: 0,
         unfenced: false,
     };
-    let mut pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+    let pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
     let keys: Vec<String> = (0..10).map(|i| format!("half-{i}")).collect();
     let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
     let items: Vec<(&str, &[u8])> = keys

@@ -47,18 +47,20 @@ impl Inner {
                         Ok(p) => {
                             self.settle_set_aside(i, &p);
                             if let Ok(mut g) = self.pools[i].lock() {
-                                *g = Some(p);
+                                *g = Some(Arc::new(p));
                             }
                             self.set_up(i, true);
                         }
                         Err(e) => log::debug!("pool {} still unavailable: {e}", self.urls[i]),
                     }
                 } else {
-                    let mut g = match self.pools[i].lock() {
-                        Ok(g) => g,
+                    // The slot's lock only to take a reference: requests go on while
+                    // the pool ticks (its gate orders the tick against publishes).
+                    let pool = match self.pools[i].lock() {
+                        Ok(g) => g.clone(),
                         Err(_) => continue,
                     };
-                    if let Some(p) = g.as_mut() {
+                    if let Some(p) = pool {
                         let r = match p.tick(crate::worker::clock::now_ms()) {
                             Ok(()) if since_beat >= beat => p.heartbeat(),
                             r => r,
@@ -66,10 +68,7 @@ impl Inner {
                         if let Err(e) = r {
                             log::warn!("pool {}: heartbeat failed: {e}", self.urls[i]);
                             if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
-                                let old = g.take();
-                                drop(g);
-                                self.set_aside(i, old);
-                                self.set_up(i, false);
+                                self.take_down(i, &p);
                             }
                         }
                     }

@@ -138,7 +138,7 @@ impl Inner {
 
     pub(super) fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
         let url = &self.urls[i];
-        let mut session = Session::open(
+        let session = Session::open(
             url,
             &self.client_id,
             &self.cfg.engine_id,

@@ -55,15 +55,19 @@ impl Inner {
         self.in_place.lock().map_err(|_| WorkerError::Closed)
     }
 
-    fn pool_at(&self, i: usize) -> Result<MutexGuard<'_, Option<StoragePool>>, WorkerError> {
+    /// Pool `i`, if it has a session now (a reference: the pool's own locks guard
+    /// its bookkeeping).
+    fn pool_at(&self, i: usize) -> Result<Option<Arc<StoragePool>>, WorkerError> {
         if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(WorkerError::Closed);
         }
-        self.pools
+        Ok(self
+            .pools
             .get(i)
             .ok_or_else(|| WorkerError::InvalidArgument(format!("no pool {i}")))?
             .lock()
-            .map_err(|_| WorkerError::Closed)
+            .map_err(|_| WorkerError::Closed)?
+            .clone())
     }
 }
 
@@ -88,13 +92,10 @@ impl Handler {
             .lock()
             .map_err(|_| WorkerError::Closed)?
             .pick(route_key);
-        let pages = {
-            let mut g = self.inner.pool_at(i)?;
-            let Some(pool) = g.as_mut() else {
-                return Ok(Vec::new());
-            };
-            pool.take_in_place(n, Some(route_key))?
+        let Some(pool) = self.inner.pool_at(i)? else {
+            return Ok(Vec::new());
         };
+        let pages = pool.take_in_place(n, Some(route_key))?;
         let mut t = self.inner.in_place_table()?;
         Ok(pages
             .into_iter()
@@ -192,8 +193,7 @@ impl Handler {
                 len,
             })
             .collect();
-        let mut g = self.inner.pool_at(i)?;
-        let Some(pool) = g.as_mut() else {
+        let Some(pool) = self.inner.pool_at(i)? else {
             return Ok(vec![false; keys.len()]);
         };
         match pool.publish_in_place(writes) {
@@ -211,8 +211,7 @@ impl Handler {
     /// Gives back pages taken for writing in place and not published.
     pub fn give_back_in_place(&self, pages: &[(u64, u64)]) -> Result<(), WorkerError> {
         let (i, taken) = self.untable(pages)?;
-        let mut g = self.inner.pool_at(i)?;
-        if let Some(pool) = g.as_mut() {
+        if let Some(pool) = self.inner.pool_at(i)? {
             pool.give_back_in_place(taken);
         }
         Ok(())
@@ -232,8 +231,7 @@ impl Handler {
     pub fn regions(&self) -> Result<Vec<RegionInfo>, WorkerError> {
         let mut out = Vec::new();
         for i in 0..self.inner.pools.len() {
-            let g = self.inner.pool_at(i)?;
-            if let Some(pool) = g.as_ref() {
+            if let Some(pool) = self.inner.pool_at(i)? {
                 let page_size = pool.page_size();
                 for (region_id, m) in pool.mappings() {
                     out.push(RegionInfo {
@@ -256,8 +254,9 @@ impl Handler {
     /// `None` when this host does not map the region.
     pub fn region_view(&self, region_id: u64) -> Result<Option<RegionInfo>, WorkerError> {
         for i in 0..self.inner.pools.len() {
-            let g = self.inner.pool_at(i)?;
-            let Some(pool) = g.as_ref() else { continue };
+            let Some(pool) = self.inner.pool_at(i)? else {
+                continue;
+            };
             let page_size = pool.page_size();
             if let Some((_, m)) = pool.mappings().into_iter().find(|(r, _)| *r == region_id) {
                 let info = RegionInfo {

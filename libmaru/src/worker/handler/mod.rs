@@ -59,9 +59,12 @@ struct Inner {
     client_id: String,
     urls: Vec<String>,
     router: Mutex<PoolRouter>,
-    pools: Vec<Mutex<Option<StoragePool>>>,
+    /// Per pool: its storage session, shared by the requests running on it (the
+    /// pool's own locks guard its bookkeeping only: see `worker::pool`). The slot's
+    /// lock is held only to take a reference.
+    pools: Vec<Mutex<Option<Arc<StoragePool>>>>,
     /// Per pool: the session it lost, until it has a new one (see `set_aside`).
-    lost: Vec<Mutex<Option<StoragePool>>>,
+    lost: Vec<Mutex<Option<Arc<StoragePool>>>>,
     data: Mutex<Option<Arc<DataPath>>>,
     slots: Mutex<SlotTable>,
     views: Mutex<ViewTable>,
@@ -75,7 +78,7 @@ struct Inner {
     wake: (Mutex<()>, Condvar),
 }
 
-/// An open handler. Thread-safe; calls on different pools run in parallel.
+/// An open handler. Thread-safe; calls run in parallel, also on one pool.
 pub struct Handler {
     inner: Arc<Inner>,
     background: Mutex<Option<JoinHandle<()>>>,
@@ -131,7 +134,7 @@ impl Handler {
             match inner.open_pool(i) {
                 Ok(p) => {
                     if let Ok(mut g) = inner.pools[i].lock() {
-                        *g = Some(p);
+                        *g = Some(Arc::new(p));
                     }
                     opened += 1;
                 }
@@ -468,8 +471,8 @@ impl Handler {
         let mut pools = Vec::new();
         let mut total = PoolStats::default();
         for (i, p) in self.inner.pools.iter().enumerate() {
-            let g = p.lock();
-            let s = g.as_ref().ok().and_then(|g| g.as_ref().map(|p| p.stats()));
+            let pool = p.lock().ok().and_then(|g| g.clone());
+            let s = pool.map(|p| p.stats());
             if let Some(s) = &s {
                 total.add(s);
             }
@@ -511,12 +514,13 @@ impl Handler {
         self.inner.executor.shutdown();
         let mut first_err = None;
         for (i, p) in self.inner.pools.iter().enumerate() {
-            if let Ok(mut g) = p.lock() {
-                if let Some(mut pool) = g.take() {
-                    if let Err(e) = pool.close() {
-                        log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
-                        first_err.get_or_insert(e);
-                    }
+            // Requests still running on it hold their own reference; they fail once
+            // the session is closed.
+            let taken = p.lock().ok().and_then(|mut g| g.take());
+            if let Some(pool) = taken {
+                if let Err(e) = pool.close() {
+                    log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
+                    first_err.get_or_insert(e);
                 }
             }
         }

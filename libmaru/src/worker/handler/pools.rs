@@ -8,6 +8,7 @@ use crate::worker::error::WorkerError;
 use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 impl Inner {
     pub(super) fn set_up(&self, i: usize, up: bool) {
@@ -31,7 +32,7 @@ impl Inner {
         &self,
         route_key: &str,
         miss: T,
-        f: impl FnOnce(&mut StoragePool) -> Result<T, WorkerError>,
+        f: impl FnOnce(&StoragePool) -> Result<T, WorkerError>,
     ) -> Result<T, WorkerError> {
         if self.stop.load(Ordering::SeqCst) {
             return Err(WorkerError::Closed);
@@ -41,19 +42,19 @@ impl Inner {
             .lock()
             .map_err(|_| WorkerError::Closed)?
             .pick(route_key);
-        let mut slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
-        let Some(pool) = slot.as_mut() else {
-            return Ok(miss);
+        let pool = {
+            let slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
+            match slot.as_ref() {
+                Some(p) => p.clone(),
+                None => return Ok(miss),
+            }
         };
-        match f(pool) {
+        match f(&pool) {
             // Unreachable, or our session is gone there (expired, unknown): set the pool
             // aside; the background thread opens a new session.
             Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
                 log::warn!("pool {}: {m}", self.urls[i]);
-                let old = slot.take();
-                drop(slot);
-                self.set_aside(i, old);
-                self.set_up(i, false);
+                self.take_down(i, &pool);
                 self.wake.1.notify_all();
                 Ok(miss)
             }
@@ -61,10 +62,21 @@ impl Inner {
         }
     }
 
+    /// Sets pool `i` aside if it still holds `pool` (another request that failed on
+    /// it may have done so already, and the background thread opened a new one).
+    pub(super) fn take_down(&self, i: usize, pool: &Arc<StoragePool>) {
+        let old = match self.pools[i].lock() {
+            Ok(mut slot) if slot.as_ref().is_some_and(|p| Arc::ptr_eq(p, pool)) => slot.take(),
+            _ => return,
+        };
+        self.set_aside(i, old);
+        self.set_up(i, false);
+    }
+
     /// Keeps the session a pool lost until the pool has a new one: only then is it
     /// known whether maru-server restarted (its keeper is gone with it) or the old
     /// session merely expired or was out of reach (maru-server's keeper has its regions).
-    pub(super) fn set_aside(&self, i: usize, old: Option<StoragePool>) {
+    pub(super) fn set_aside(&self, i: usize, old: Option<Arc<StoragePool>>) {
         if let (Some(old), Ok(mut l)) = (old, self.lost[i].lock()) {
             // A pool set aside twice before it came back: the older one goes now.
             *l = Some(old);
@@ -75,7 +87,7 @@ impl Inner {
     /// the regions of the one set aside at their agents (no keeper will), else just let
     /// it go (the keeper takes its regions over when it expires).
     pub(super) fn settle_set_aside(&self, i: usize, new: &StoragePool) {
-        let Some(mut old) = self.lost[i].lock().ok().and_then(|mut l| l.take()) else {
+        let Some(old) = self.lost[i].lock().ok().and_then(|mut l| l.take()) else {
             return;
         };
         let (was, now) = (

@@ -184,6 +184,18 @@ impl Mover for CxlMover {
         BTreeMap::new()
     }
 
+    fn owns(&self, region_id: u64) -> bool {
+        self.own.contains_key(&region_id)
+    }
+
+    fn writes_direct(&self) -> bool {
+        true
+    }
+
+    fn direct(&self, region_id: u64) -> Option<Arc<Mapping>> {
+        self.own.get(&region_id).cloned()
+    }
+
     fn own_regions(&self) -> Vec<u64> {
         self.own.keys().copied().collect()
     }

@@ -115,6 +115,21 @@ pub trait Mover: Send {
     }
     /// Boot ids of the session's regions (for heartbeats).
     fn boot_ids(&self) -> BTreeMap<u64, String>;
+    /// Whether the region is one of the session's this mover writes into.
+    fn owns(&self, region_id: u64) -> bool {
+        self.own_regions().contains(&region_id)
+    }
+    /// True when the pool copies chunks itself through `direct` mappings, without
+    /// this mover's lock (`cxl`); else every transfer goes through the mover.
+    fn writes_direct(&self) -> bool {
+        false
+    }
+    /// The writable mapping of one of the session's regions, for a copy that runs
+    /// without the mover's lock (`None`: not a region it writes into, or not a mover
+    /// that maps them).
+    fn direct(&self, _region_id: u64) -> Option<Arc<Mapping>> {
+        None
+    }
     /// The session's regions this mover can write into (for heartbeats, beside
     /// `boot_ids`: maru-server answers which are no longer the session's).
     fn own_regions(&self) -> Vec<u64>;

@@ -13,8 +13,12 @@
 //!   may have been written into memory that is no longer this engine's: nothing is
 //!   published and the page is dropped with its region.
 //!
-//! The checks run with the pool borrowed mutably (under the handler's pool lock), so a
-//! heartbeat that loses the region cannot come between the check and the publish.
+//! A taken page counts as a page being written (the pool's `writing`, as a store's
+//! pages do until its publish ends), so its region is not given back meanwhile: a
+//! region maru-server asks for is closing and goes with the last writer. The checks
+//! and the publish run under the pool's gate (shared), which the heartbeat and the
+//! tick (what learns of lost regions and reboots) take alone, so a region cannot be
+//! lost between the check and the publish.
 
 use super::StoragePool;
 use crate::dax::Mapping;
@@ -28,6 +32,9 @@ use std::sync::Arc;
 pub struct InPlacePage {
     pub page: PageGrant,
     map: Arc<Mapping>,
+    /// The region's boot id when the page was taken (`remote_cxl`-style reports; `cxl`
+    /// regions have none and rely on the mapping's identity).
+    boot: Option<String>,
     capacity: usize,
 }
 
@@ -79,36 +86,40 @@ impl StoragePool {
     /// The mappings of regions the mover holds (`cxl`: own ones writable, others
     /// read-only), for region views.
     pub fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
-        self.mover.mappings()
+        self.mover().mappings()
     }
 
     /// Takes `n` pages of the session's own regions for writing in place (fewer when
     /// the session cannot grow and nothing can be evicted). `cxl` only.
     pub fn take_in_place(
-        &mut self,
+        &self,
         n: usize,
         route_key: Option<&str>,
     ) -> Result<Vec<InPlacePage>, WorkerError> {
-        if !self.mover.writes_in_place() {
+        if !self.mover().writes_in_place() {
             return Err(WorkerError::InvalidArgument(
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
-        let pages = self.take_pages(n, route_key)?;
+        // The pages are marked as being written (`writing`) from here on.
+        let taken = self.take_pages(n, route_key)?;
         let size = self.page_size() as usize;
-        let mut out = Vec::with_capacity(pages.len());
+        let mut out = Vec::with_capacity(taken.pages.len());
         let mut unusable = Vec::new();
-        for page in pages {
-            match self.mover.own_mapping(page.region_id) {
-                Some(map) if page.offset as usize + size <= map.len() => {
-                    *self.in_place.entry(page.region_id).or_default() += 1;
-                    out.push(InPlacePage {
-                        page,
-                        map,
-                        capacity: size,
-                    });
+        {
+            let m = self.mover();
+            for page in taken.pages {
+                match m.own_mapping(page.region_id) {
+                    Some(map) if page.offset as usize + size <= map.len() => {
+                        out.push(InPlacePage {
+                            page,
+                            map,
+                            boot: taken.boots.get(&page.region_id).cloned().flatten(),
+                            capacity: size,
+                        })
+                    }
+                    _ => unusable.push(page),
                 }
-                _ => unusable.push(page),
             }
         }
         if !unusable.is_empty() {
@@ -117,42 +128,25 @@ impl StoragePool {
                 self.session.url,
                 unusable.len()
             );
+            self.end_writing(unusable.iter().map(|p| p.region_id));
         }
         Ok(out)
     }
 
-    /// True while the page's region is the session's and mapped by the adoption the
-    /// page was taken from.
-    fn still_ours(&self, p: &InPlacePage) -> bool {
-        self.mover
+    /// True while the page's region is the session's, mapped by the adoption the page
+    /// was taken from, on the boot it was taken under.
+    fn still_ours(&self, p: &InPlacePage, boots: &std::collections::BTreeMap<u64, String>) -> bool {
+        self.mover()
             .own_mapping(p.page.region_id)
             .is_some_and(|m| Arc::ptr_eq(&m, &p.map))
-    }
-
-    /// The page is no longer taken (published, given back or dropped).
-    fn untake(&mut self, region_id: u64) {
-        if let Some(c) = self.in_place.get_mut(&region_id) {
-            *c -= 1;
-            if *c == 0 {
-                self.in_place.remove(&region_id);
-            }
-        }
-    }
-
-    /// Whether pages of the region are taken for writing in place now (it must not be
-    /// given back then: the takers would write into another engine's memory).
-    pub(super) fn taken_in_place(&self, region_id: u64) -> bool {
-        self.in_place.contains_key(&region_id)
+            && p.boot.as_ref() == boots.get(&p.page.region_id)
     }
 
     /// Publishes pages written in place (the chunks of one request, in chain order);
     /// per chunk: true when published now or already present. A page whose region is
     /// no longer the session's is not published (false) and dropped; a key another
     /// engine published first frees its page for later stores.
-    pub fn publish_in_place(
-        &mut self,
-        writes: Vec<InPlaceWrite>,
-    ) -> Result<Vec<bool>, WorkerError> {
+    pub fn publish_in_place(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
         let size = self.page_size() as usize;
         for w in &writes {
             if w.key.is_empty() || w.len > size {
@@ -169,24 +163,39 @@ impl StoragePool {
                 return Err(WorkerError::InvalidArgument(why));
             }
         }
-        // maru-server hears the regions' boot ids before a key is published.
-        self.report_boots()?;
+        let regions: Vec<u64> = writes.iter().map(|w| w.page.page.region_id).collect();
+        let r = self.publish_written(writes);
+        // Whatever happened, the pages are no longer being written.
+        self.end_writing(regions);
+        r
+    }
+
+    fn publish_written(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
+        if let Some(hook) = &self.before_publish {
+            let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
+            hook(self, &pages);
+        }
         let mut result = vec![false; writes.len()];
+        // maru-server hears the regions' boot ids before a key is published; no
+        // heartbeat or tick runs until the publishes below are answered.
+        let gate = self.gate_reported()?;
+        let boots = self.mover().boot_ids();
         let mut live = Vec::with_capacity(writes.len());
+        let mut lost = 0u64;
         for (i, w) in writes.into_iter().enumerate() {
-            self.untake(w.page.page.region_id);
-            if self.still_ours(&w.page) {
+            if gate.is_some() && self.still_ours(&w.page, &boots) {
                 live.push((i, w));
             } else {
-                self.stats.store_skipped += 1;
+                lost += 1;
                 log::warn!(
-                    "pool {}: chunk {} not published: region {} was lost while it was written in place",
+                    "pool {}: chunk {} not published: region {} was lost (or its boot changed) while it was written in place",
                     self.session.url,
                     w.key,
                     w.page.page.region_id
                 );
             }
         }
+        self.book().stats.store_skipped += lost;
         for batch in live.chunks(self.max_batch.max(1)) {
             let entries: Vec<PublishEntry> = batch
                 .iter()
@@ -203,20 +212,24 @@ impl StoragePool {
                 Ok(n) => n,
                 Err(e) => {
                     // Not published: the pages hold no key and go back for reuse.
+                    drop(gate);
                     self.keep_spare(batch.iter().map(|(_, w)| w.page.page).collect());
                     return Err(e);
                 }
             };
             let mut unused = Vec::new();
-            for ((i, w), new) in batch.iter().zip(is_new) {
-                result[*i] = true;
-                if new {
-                    self.stats.stored += 1;
-                    self.stats.bytes_stored += w.len as u64;
-                } else {
-                    // Another engine published the key first: the page is not needed.
-                    self.stats.already_present += 1;
-                    unused.push(w.page.page);
+            {
+                let mut b = self.book();
+                for ((i, w), new) in batch.iter().zip(is_new) {
+                    result[*i] = true;
+                    if new {
+                        b.stats.stored += 1;
+                        b.stats.bytes_stored += w.len as u64;
+                    } else {
+                        // Another engine published the key first: the page is not needed.
+                        b.stats.already_present += 1;
+                        unused.push(w.page.page);
+                    }
                 }
             }
             self.keep_spare(unused);
@@ -226,14 +239,17 @@ impl StoragePool {
 
     /// Gives back pages taken for writing in place and not published: those of regions
     /// still the session's serve later stores; the others are dropped with their region.
-    pub fn give_back_in_place(&mut self, pages: Vec<InPlacePage>) {
-        let mut back = Vec::with_capacity(pages.len());
-        for p in pages {
-            self.untake(p.page.region_id);
-            if self.still_ours(&p) {
-                back.push(p.page);
-            }
+    pub fn give_back_in_place(&self, pages: Vec<InPlacePage>) {
+        let regions: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
+        {
+            let boots = self.mover().boot_ids();
+            let back = pages
+                .into_iter()
+                .filter(|p| self.still_ours(p, &boots))
+                .map(|p| p.page)
+                .collect();
+            self.keep_spare(back);
         }
-        self.keep_spare(back);
+        self.end_writing(regions);
     }
 }

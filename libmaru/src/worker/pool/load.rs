@@ -1,22 +1,24 @@
 //! Loads of a pool: leases → the mover reads (or, on `cxl`, views in place) → the
-//! leases are released. A read that fails says why in the pool's stats.
+//! leases are released. A read that fails says why in the pool's stats. The leases
+//! are taken and released without a pool lock; on `cxl` the copies run without one
+//! too (each view keeps its mapping alive, each lease its page from reuse).
 
 use super::{LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{ReadSink, View};
+use crate::worker::movers::{ReadSink, SlotOutcome, View};
 use crate::worker::staging::Slot;
 
 impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
     /// during the call). Chunks not handed over missed or failed.
-    pub fn load(&mut self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+    pub fn load(&self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
         let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
-                m.read(grants, &mut |k, b| {
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
+                p.read_each(grants, &mut |k, b| {
                     hits += 1;
                     bytes += b.len() as u64;
                     sink(base + lease_ix[k], b)
@@ -28,11 +30,49 @@ impl StoragePool {
         Ok(())
     }
 
+    /// Reads each lease's bytes and hands them to `sink(i, bytes)`: on `cxl` from
+    /// views without the mover's lock, else through the mover.
+    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        if !self.mover().writes_direct() {
+            self.mover().read(leases, sink);
+            return;
+        }
+        for (i, l) in leases.iter().enumerate() {
+            let v = self.mover().view(l);
+            if let Some(v) = v {
+                sink(i, v.bytes());
+            }
+        }
+    }
+
+    /// Reads each lease into the slot of the same index (see `read_each`).
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        if !self.mover().writes_direct() {
+            return self.mover().read_into(leases, slots);
+        }
+        leases
+            .iter()
+            .zip(slots)
+            .map(|(l, mut s)| {
+                let v = self.mover().view(l);
+                let ok = match v {
+                    Some(v) if v.bytes().len() <= s.len() && !v.bytes().is_empty() => {
+                        let b = v.bytes();
+                        crate::dax::copy::copy_out(&mut s.bytes_mut()[..b.len()], b);
+                        true
+                    }
+                    _ => false,
+                };
+                SlotOutcome { ok, slot: Some(s) }
+            })
+            .collect()
+    }
+
     /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
     /// in `slots[i]`. Each slot is back in `slots` afterwards, except one whose transfer
     /// outcome is unknown (`None`: kept until its peer is fenced).
     pub fn load_slots(
-        &mut self,
+        &self,
         keys: &[String],
         slots: &mut [Option<Slot>],
     ) -> Result<Vec<Option<usize>>, WorkerError> {
@@ -43,7 +83,7 @@ impl StoragePool {
             let end = (base + self.max_batch).min(keys.len());
             let part = &mut slots[base..end];
             let got = &mut out[base..end];
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, m| {
+            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
                 let mut ls = Vec::with_capacity(grants.len());
                 let mut gs = Vec::with_capacity(grants.len());
                 let mut ix = Vec::with_capacity(grants.len());
@@ -54,7 +94,7 @@ impl StoragePool {
                         ix.push(i);
                     }
                 }
-                for ((i, g), o) in ix.into_iter().zip(&gs).zip(m.read_into(&gs, ls)) {
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls)) {
                     if o.ok {
                         got[i] = Some(g.length as usize);
                     }
@@ -69,30 +109,32 @@ impl StoragePool {
         Ok(out)
     }
 
-    pub(super) fn count_loads(&mut self, found: usize, hits: u64, bytes: u64) {
-        self.stats.hits += hits;
-        self.stats.bytes_loaded += bytes;
-        self.stats.load_failed += (found as u64).saturating_sub(hits);
+    pub(super) fn count_loads(&self, found: usize, hits: u64, bytes: u64) {
+        let mut b = self.book();
+        b.stats.hits += hits;
+        b.stats.bytes_loaded += bytes;
+        b.stats.load_failed += (found as u64).saturating_sub(hits);
     }
 
-    /// One batch: acquire leases → `read(found indices, their leases, mover)` → release
+    /// One batch: acquire leases → `read(found indices, their leases, pool)` → release
     /// the leases. Counts misses; returns how many keys were found.
     pub(super) fn load_some(
-        &mut self,
+        &self,
         keys: &[String],
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
         let leases = self.session.acquire(keys)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
-        read(&found, &grants, self.mover.as_mut());
-        if let Some(e) = self.mover.take_read_error() {
-            self.stats.last_load_error = Some(e);
+        read(&found, &grants, self);
+        let err = self.mover().take_read_error();
+        if let Some(e) = err {
+            self.book().stats.last_load_error = Some(e);
         }
         self.release_leases(grants.iter().map(|g| g.lease_id).collect());
         // A reboot found by this read: every reader misses those keys from now on.
         self.report_boots()?;
-        self.stats.misses += (keys.len() - found.len()) as u64;
+        self.book().stats.misses += (keys.len() - found.len()) as u64;
         Ok(found.len())
     }
 
@@ -100,31 +142,40 @@ impl StoragePool {
     /// until the caller releases it with `release_leases`. Keys that missed or whose
     /// view failed are `None` (their leases are released at once).
     pub fn acquire_views(
-        &mut self,
+        &self,
         keys: &[String],
     ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
         let mut out = Vec::with_capacity(keys.len());
         for part in keys.chunks(self.max_batch) {
             let leases = self.session.acquire(part)?;
             let mut unused = Vec::new();
+            let (mut misses, mut hits, mut bytes, mut failed) = (0, 0, 0, 0);
             for l in leases {
                 let Some(l) = l else {
-                    self.stats.misses += 1;
+                    misses += 1;
                     out.push(None);
                     continue;
                 };
-                match self.mover.view(&l) {
+                let v = self.mover().view(&l);
+                match v {
                     Some(v) => {
-                        self.stats.hits += 1;
-                        self.stats.bytes_loaded += l.length;
+                        hits += 1;
+                        bytes += l.length;
                         out.push(Some((l, v)));
                     }
                     None => {
-                        self.stats.load_failed += 1;
+                        failed += 1;
                         unused.push(l.lease_id);
                         out.push(None);
                     }
                 }
+            }
+            {
+                let mut b = self.book();
+                b.stats.misses += misses;
+                b.stats.hits += hits;
+                b.stats.bytes_loaded += bytes;
+                b.stats.load_failed += failed;
             }
             self.release_leases(unused);
         }
@@ -132,7 +183,7 @@ impl StoragePool {
     }
 
     /// Ends leases (they also end by themselves when they time out).
-    pub fn release_leases(&mut self, ids: Vec<u64>) {
+    pub fn release_leases(&self, ids: Vec<u64>) {
         if let Err(e) = self.session.release_leases(ids) {
             log::warn!(
                 "pool {}: releasing leases failed (they expire on their own): {e}",

@@ -5,7 +5,19 @@
 //! `store` and `load` hold those paths; `session` the calls to maru-server. Here: the
 //! pool itself, its heartbeat and tick (the region lifecycle's reports and
 //! give-backs), and the calls on keys.
-
+//!
+//! Threads share a pool (`&self` everywhere). What each lock guards:
+//! - `book`: the bookkeeping (spare pages, the regions stores are writing into, the
+//!   newest region, stats). Held for a few map operations, never across a copy, a
+//!   transfer or a round trip.
+//! - `mover`: the mover's own state (mappings, agents, the region lifecycle). `cxl`
+//!   copies run without it (the mover hands out the region's mapping, see
+//!   `Mover::direct`); `remote_cxl` transfers run under it.
+//! - `gate`: publishes share it; what changes which regions are the session's or
+//!   what their boot ids are (heartbeat, tick) takes it alone. So a publish that
+//!   re-checked its regions under the gate cannot race with their loss.
+//!
+//! Lock order: gate → mover → book; calls to maru-server hold neither mover nor book.
 mod in_place;
 mod load;
 pub mod session;
@@ -16,7 +28,8 @@ use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
 use session::Session;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, MutexGuard, RwLock};
 
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
@@ -108,16 +121,17 @@ pub const EVICT_AHEAD_BYTES: u64 = 32 << 20;
 /// Pages evicted ahead at least.
 pub const EVICT_AHEAD_PAGES: usize = 16;
 
-/// Writes the batch items `(index, page)` with the mover; true where complete.
-type PageWriter<'w> = dyn FnMut(&mut dyn Mover, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
-/// Reads the found items (their batch indices and leases) with the mover.
-type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &mut dyn Mover) + 'r;
+/// Writes the batch items `(index, page)` through the pool; true where complete.
+type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
+/// Reads the found items (their batch indices and leases) through the pool.
+type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool) + 'r;
+/// A test hook run between a store's copy and its publish (see `before_publish`).
+pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
 
-pub struct StoragePool {
-    pub session: Session,
-    mover: Box<dyn Mover>,
+/// The pool's bookkeeping, under its short lock.
+#[derive(Default)]
+struct Book {
     stats: PoolStats,
-    max_batch: usize,
     /// Pages of the session's regions allocated to it, holding no key and no write
     /// in flight: used by the next stores before asking maru-server for more.
     spare: VecDeque<PageGrant>,
@@ -126,15 +140,34 @@ pub struct StoragePool {
     newest: Option<(u64, u64)>,
     /// The newest region for which a region was taken (or tried) ahead already.
     lead_tried: Option<u64>,
+    /// Per region: pages handed to stores whose publish has not finished. Such a
+    /// region is not given back (maru-server asks again at the next heartbeat).
+    writing: HashMap<u64, usize>,
+    /// Regions being taken now (an `expand` in flight), counted against `max_bytes`.
+    expanding: u64,
+    /// Regions maru-server asked for while stores wrote into them: no new store
+    /// writes into them, and the last store that does gives them back.
+    closing: std::collections::HashSet<u64>,
+}
+
+pub struct StoragePool {
+    pub session: Session,
+    mover: Mutex<Box<dyn Mover>>,
+    book: Mutex<Book>,
+    gate: RwLock<()>,
+    /// Taking a region (expand + the mover's adopt) holds it alone, an `alloc` shared:
+    /// maru-server allocates from any region of the session, so no store may get a
+    /// page of a region the mover has not made usable yet.
+    adopting: RwLock<()>,
+    max_batch: usize,
     /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
     /// at most twice as many are kept.
     spare_target: usize,
     /// Most regions the session takes (`max_bytes`); none: no limit.
     max_regions: Option<u64>,
-    /// Per region, pages taken for writing in place and not yet published or given
-    /// back (see `in_place`).
-    in_place: std::collections::BTreeMap<u64, usize>,
+    before_publish: Option<BeforePublish>,
 }
+
 impl StoragePool {
     pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
         if let Some(r) = &session.first_region {
@@ -142,30 +175,44 @@ impl StoragePool {
         }
         let max_batch = session.handshake.max_batch.max(1);
         let newest = session.first_region.as_ref().map(region_pages);
-        let mut pool = StoragePool {
-            stats: PoolStats {
-                regions: u64::from(session.first_region.is_some()),
-                ..PoolStats::default()
-            },
+        let pool = StoragePool {
+            book: Mutex::new(Book {
+                stats: PoolStats {
+                    regions: u64::from(session.first_region.is_some()),
+                    ..PoolStats::default()
+                },
+                newest,
+                ..Book::default()
+            }),
             session,
-            mover,
+            mover: Mutex::new(mover),
+            gate: RwLock::new(()),
+            adopting: RwLock::new(()),
             max_batch,
-            spare: VecDeque::new(),
-            newest,
-            lead_tried: None,
             spare_target: 0,
             max_regions: None,
-            in_place: Default::default(),
+            before_publish: None,
         };
         pool.report_boots()?;
         Ok(pool)
     }
 
+    /// The bookkeeping (a poisoned lock is taken over: its data is counters and lists
+    /// that a panic between two statements leaves usable).
+    fn book(&self) -> MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mover(&self) -> MutexGuard<'_, Box<dyn Mover>> {
+        self.mover.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Tells maru-server the boot ids of the own regions (a heartbeat) when the mover
     /// says it must hear them before anything else is published (a new region, or a
     /// memory node that rebooted: maru-server then drops that region's keys).
-    fn report_boots(&mut self) -> Result<(), WorkerError> {
-        if self.mover.must_report() {
+    fn report_boots(&self) -> Result<(), WorkerError> {
+        let must = self.mover().must_report();
+        if must {
             self.heartbeat()?;
         }
         Ok(())
@@ -186,10 +233,19 @@ impl StoragePool {
         self
     }
 
+    /// Test hook: `f(pool, pages)` runs after a store's bytes were written into
+    /// `pages` and before they are published (a test makes a region vanish there).
+    #[doc(hidden)]
+    pub fn with_before_publish(mut self, f: BeforePublish) -> StoragePool {
+        self.before_publish = Some(f);
+        self
+    }
+
     /// Counters of the pool (prefaulting included).
     pub fn stats(&self) -> PoolStats {
-        let mut s = self.stats.clone();
-        s.prefaulted_bytes = self.mover.prefault_stats().map_or(0, |p| p.bytes);
+        let prefaulted = self.mover().prefault_stats().map_or(0, |p| p.bytes);
+        let mut s = self.book().stats.clone();
+        s.prefaulted_bytes = prefaulted;
         s
     }
 
@@ -198,7 +254,7 @@ impl StoragePool {
     }
 
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
-    pub fn pin(&mut self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
+    pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
         if pin {
             self.per_batch(keys, Session::pin)
         } else {
@@ -208,40 +264,51 @@ impl StoragePool {
 
     /// Unpublishes keys this session stored (see `RemoveResult` for the others).
     pub fn remove(
-        &mut self,
+        &self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
         self.per_batch(keys, Session::remove)
     }
 
-    pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         self.per_batch(keys, Session::exists)
     }
 
     /// One session call per `max_batch` keys, the answers in order.
     fn per_batch<T>(
-        &mut self,
+        &self,
         keys: &[String],
-        call: impl Fn(&mut Session, &[String]) -> Result<Vec<T>, WorkerError>,
+        call: impl Fn(&Session, &[String]) -> Result<Vec<T>, WorkerError>,
     ) -> Result<Vec<T>, WorkerError> {
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.max_batch) {
-            out.extend(call(&mut self.session, chunk)?);
+            out.extend(call(&self.session, chunk)?);
         }
         Ok(out)
     }
 
-    pub fn heartbeat(&mut self) -> Result<(), WorkerError> {
-        self.mover.reclaim();
-        let boots = self.mover.boot_ids();
-        let regions = self
-            .mover
-            .own_regions()
-            .into_iter()
-            .filter(|r| !boots.contains_key(r))
-            .collect();
+    /// Heartbeat: tells maru-server the own regions and their boot ids; regions it no
+    /// longer counts as the session's are lost, regions it asks for are given back.
+    /// Takes the gate alone: no publish runs meanwhile.
+    pub fn heartbeat(&self) -> Result<(), WorkerError> {
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        self.heartbeat_gated()
+    }
+
+    fn heartbeat_gated(&self) -> Result<(), WorkerError> {
+        let (boots, regions) = {
+            let mut m = self.mover();
+            m.reclaim();
+            let boots = m.boot_ids();
+            let regions = m
+                .own_regions()
+                .into_iter()
+                .filter(|r| !boots.contains_key(r))
+                .collect();
+            (boots, regions)
+        };
         let reply = self.session.heartbeat(boots.clone(), regions)?;
-        self.mover.reported(&boots);
+        self.mover().reported(&boots);
         for id in &reply.rebooted_regions {
             log::warn!(
                 "pool {}: maru-server dropped the keys of region {id}: its memory node rebooted",
@@ -258,27 +325,36 @@ impl StoragePool {
     }
 
     /// maru-server asks for one of the session's regions: the pool is full and
-    /// another storing engine waits while this one holds more than its share. No store
-    /// is in flight (the pool is locked); nothing more is written into the region, its
-    /// spare pages go, and it is returned (its keys go, maru-server releases it at its
-    /// agent before the RM frees it).
-    fn give_back_region(&mut self, id: u64) {
-        if self.taken_in_place(id) {
-            log::info!(
-                "pool {}: region {id} not given back yet: pages of it are being written in place; maru-server asks again",
-                self.session.url
-            );
-            return;
-        }
-        self.spare.retain(|p| p.region_id != id);
-        self.mover.forget_region(id);
-        if self.newest.is_some_and(|(r, _)| r == id) {
-            self.newest = None;
+    /// another storing engine waits while this one holds more than its share. While a
+    /// store writes into it, it is closing: no new store takes a page of it, and the
+    /// last store that wrote into it gives it back (`give_back_closed`); else nothing more is written
+    /// into it (a store looks its mapping up after it marked its pages, under the same
+    /// locks), its spare pages go, and it is returned (its keys go, maru-server
+    /// releases it at its agent before the RM frees it).
+    fn give_back_region(&self, id: u64) {
+        {
+            let mut m = self.mover();
+            let mut b = self.book();
+            b.spare.retain(|p| p.region_id != id);
+            if b.writing.get(&id).copied().unwrap_or(0) > 0 {
+                log::debug!(
+                    "pool {}: region {id} is asked for while a store writes into it: given back when that store is done",
+                    self.session.url
+                );
+                b.closing.insert(id);
+                return;
+            }
+            b.closing.remove(&id);
+            m.forget_region(id);
+            if b.newest.is_some_and(|(r, _)| r == id) {
+                b.newest = None;
+            }
         }
         match self.session.return_region(id, false) {
             Ok(()) => {
-                self.stats.regions = self.stats.regions.saturating_sub(1);
-                self.stats.regions_given_back += 1;
+                let mut b = self.book();
+                b.stats.regions = b.stats.regions.saturating_sub(1);
+                b.stats.regions_given_back += 1;
                 log::info!(
                     "pool {}: region {id} given back for another engine's fair share of the \
                      full pool",
@@ -293,56 +369,77 @@ impl StoragePool {
         }
     }
 
+    /// Gives back a closing region whose last store is done (see `give_back_region`).
+    pub(super) fn give_back_closed(&self, id: u64) {
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        self.give_back_region(id);
+    }
+
     /// Periodic work (about once a second): the mover probes the agents of own
     /// regions; regions whose agent stayed silent too long are given back to
     /// maru-server (their keys go at once; its keeper releases them at the agent);
-    /// a reboot found is reported.
-    pub fn tick(&mut self, now_ms: u64) -> Result<(), WorkerError> {
-        for id in self.mover.tick(now_ms) {
+    /// a reboot found is reported. Takes the gate alone (what it finds changes which
+    /// regions may be published into).
+    pub fn tick(&self, now_ms: u64) -> Result<(), WorkerError> {
+        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let back = self.mover().tick(now_ms);
+        for id in back {
             match self.session.return_region(id, false) {
                 Ok(()) | Err(WorkerError::Refused(_)) => self.lose_region(id),
                 Err(e) => return Err(e),
             }
         }
-        self.report_boots()
+        let must = self.mover().must_report();
+        if must {
+            self.heartbeat_gated()?;
+        }
+        Ok(())
     }
 
     /// maru-server says the region is no longer the session's (the RM took it back
     /// while maru-server could not reach it, say): the spare pages in it go, and
-    /// nothing more is written into it. Stores go on in the session's other regions.
-    fn lose_region(&mut self, id: u64) {
-        let before = self.spare.len();
-        self.spare.retain(|p| p.region_id != id);
-        self.mover.forget_region(id);
-        if self.newest.is_some_and(|(r, _)| r == id) {
-            self.newest = None;
-        }
-        self.stats.regions = self.stats.regions.saturating_sub(1);
-        self.stats.regions_lost += 1;
+    /// nothing more is written into it (no copy starts into it from now on; a store
+    /// that wrote into it does not publish). Stores go on in the session's other
+    /// regions.
+    #[doc(hidden)]
+    pub fn lose_region(&self, id: u64) {
+        let dropped = {
+            let mut m = self.mover();
+            let mut b = self.book();
+            let before = b.spare.len();
+            b.spare.retain(|p| p.region_id != id);
+            m.forget_region(id);
+            if b.newest.is_some_and(|(r, _)| r == id) {
+                b.newest = None;
+            }
+            b.closing.remove(&id);
+            b.stats.regions = b.stats.regions.saturating_sub(1);
+            b.stats.regions_lost += 1;
+            before - b.spare.len()
+        };
         log::warn!(
-            "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): {} spare page(s) in it dropped; nothing more is written into it",
+            "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): {dropped} spare page(s) in it dropped; nothing more is written into it",
             self.session.url,
-            before - self.spare.len()
         );
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's
     /// regions at their agents (see `Mover::release_all`).
-    pub fn release_regions(&mut self) -> (usize, usize) {
-        self.mover.release_all()
+    pub fn release_regions(&self) -> (usize, usize) {
+        self.mover().release_all()
     }
 
-    pub fn close(&mut self) -> Result<(), WorkerError> {
+    pub fn close(&self) -> Result<(), WorkerError> {
         // maru-server hears the boot ids at a drained close too (the keeper compares
         // them): ask the agents first, so a reboot not seen yet is reported now.
-        self.mover.check_agents(super::clock::now_ms());
+        self.mover().check_agents(super::clock::now_ms());
         if let Err(e) = self.heartbeat() {
             log::warn!(
                 "pool {}: heartbeat before close failed: {e}",
                 self.session.url
             );
         }
-        let spare: Vec<PageGrant> = self.spare.drain(..).collect();
+        let spare: Vec<PageGrant> = self.book().spare.drain(..).collect();
         if let Err(e) = self.session.free_pages(&spare) {
             log::warn!(
                 "pool {}: cannot return {} spare pages before closing: {e}",

@@ -1,4 +1,8 @@
-//! A storage session at one pool's maru-server: typed calls over a reconnecting link.
+//! A storage session at one pool's maru-server: typed calls over a small set of
+//! reconnecting links. Concurrent requests of a handler each take a link of their
+//! own (up to [`MAX_LINKS`]), so that one slow reply does not hold the others: every
+//! link after the first presents the session's secret in its hello, and maru-server
+//! binds it to the same principal (see `SessionBinding` in maru-server).
 
 use crate::net::{ClientOptions, Link};
 use crate::wire::meta::{
@@ -7,11 +11,24 @@ use crate::wire::meta::{
 };
 use crate::worker::error::WorkerError;
 use std::collections::BTreeMap;
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
+
+/// Connections a session opens at most (its requests in flight at once).
+pub const MAX_LINKS: usize = 8;
+
+/// The links of a session: idle ones, and how many exist.
+struct Links {
+    idle: Vec<Link>,
+    open: usize,
+    /// Options of a new link (with the session's secret).
+    opts: ClientOptions,
+}
 
 pub struct Session {
     pub url: String,
-    link: Link,
+    links: Mutex<Links>,
+    freed: Condvar,
     pub id: u64,
     pub page_size: u64,
     pub handshake: HandshakeReply,
@@ -40,7 +57,7 @@ impl Session {
             crate::auth::server_key_from_env().map_err(|e| WorkerError::Config(e.to_string()))?;
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
-        let mut link = Link::new(url, opts);
+        let mut link = Link::new(url, opts.clone());
         let handshake = match link.call::<_, MetaReply>(&MetaRequest::Handshake {})? {
             MetaReply::Handshake(h) => h,
             r => return Err(unexpected("handshake", r)),
@@ -69,9 +86,15 @@ impl Session {
             r => return Err(unexpected("open_session", r)),
         };
         link.set_resume(s.session_secret.clone());
+        opts.resume = s.session_secret.clone();
         Ok(Session {
             url: url.to_string(),
-            link,
+            links: Mutex::new(Links {
+                idle: vec![link],
+                open: 1,
+                opts,
+            }),
+            freed: Condvar::new(),
             id: s.session,
             page_size: s.page_size,
             handshake,
@@ -81,15 +104,47 @@ impl Session {
     }
 
     /// How long each call polls for maru-server's reply before it blocks.
-    pub fn set_reply_spin(&mut self, spin: Duration) {
-        self.link.set_reply_spin(spin);
+    pub fn set_reply_spin(&self, spin: Duration) {
+        if let Ok(mut l) = self.links.lock() {
+            l.opts.reply_spin = spin;
+            for link in &mut l.idle {
+                link.set_reply_spin(spin);
+            }
+        }
     }
 
-    fn call(&mut self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        Ok(self.link.call::<_, MetaReply>(req)?)
+    /// A link of its own for one call: an idle one, a new one (up to `MAX_LINKS`),
+    /// or else the next one given back.
+    fn take_link(&self) -> Result<Link, WorkerError> {
+        let closed = || WorkerError::Closed;
+        let mut l = self.links.lock().map_err(|_| closed())?;
+        loop {
+            if let Some(link) = l.idle.pop() {
+                return Ok(link);
+            }
+            if l.open < MAX_LINKS {
+                l.open += 1;
+                return Ok(Link::new(self.url.clone(), l.opts.clone()));
+            }
+            l = self.freed.wait(l).map_err(|_| closed())?;
+        }
     }
 
-    pub fn expand(&mut self) -> Result<RegionGrant, WorkerError> {
+    fn give_link(&self, link: Link) {
+        if let Ok(mut l) = self.links.lock() {
+            l.idle.push(link);
+        }
+        self.freed.notify_one();
+    }
+
+    fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
+        let mut link = self.take_link()?;
+        let r = link.call::<_, MetaReply>(req);
+        self.give_link(link);
+        Ok(r?)
+    }
+
+    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
         match self.call(&MetaRequest::Expand { session: self.id })? {
             MetaReply::Region(g) => Ok(g),
             r => Err(unexpected("expand", r)),
@@ -98,7 +153,7 @@ impl Session {
 
     /// Pages for `count` chunks; `missing` of them did not fit (expand first).
     pub fn alloc(
-        &mut self,
+        &self,
         count: u32,
         route_key: Option<&str>,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
@@ -112,7 +167,7 @@ impl Session {
         }
     }
 
-    pub fn free_pages(&mut self, pages: &[PageGrant]) -> Result<(), WorkerError> {
+    pub fn free_pages(&self, pages: &[PageGrant]) -> Result<(), WorkerError> {
         if pages.is_empty() {
             return Ok(());
         }
@@ -130,7 +185,7 @@ impl Session {
         .map(|_| ())
     }
 
-    pub fn publish(&mut self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
+    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
         match self.call(&MetaRequest::Publish {
             session: self.id,
             entries,
@@ -140,7 +195,7 @@ impl Session {
         }
     }
 
-    pub fn exists(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         match self.call(&MetaRequest::Exists {
             session: self.id,
             keys: keys.to_vec(),
@@ -150,7 +205,7 @@ impl Session {
         }
     }
 
-    pub fn acquire(&mut self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
         match self.call(&MetaRequest::Acquire {
             session: self.id,
             keys: keys.to_vec(),
@@ -161,7 +216,7 @@ impl Session {
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
-    pub fn remove(&mut self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
+    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
         match self.call(&MetaRequest::Remove {
             session: self.id,
             keys: keys.to_vec(),
@@ -172,7 +227,7 @@ impl Session {
     }
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
-    pub fn victims(&mut self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
+    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
         match self.call(&MetaRequest::Victims {
             session: self.id,
             max,
@@ -183,7 +238,7 @@ impl Session {
     }
 
     /// Pins found keys (per key: found and pinned).
-    pub fn pin(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         match self.call(&MetaRequest::Pin {
             session: self.id,
             keys: keys.to_vec(),
@@ -194,7 +249,7 @@ impl Session {
     }
 
     /// Drops one of this session's pins of each key (per key: one was dropped).
-    pub fn unpin(&mut self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
         match self.call(&MetaRequest::Unpin {
             session: self.id,
             keys: keys.to_vec(),
@@ -204,7 +259,7 @@ impl Session {
         }
     }
 
-    pub fn release_leases(&mut self, ids: Vec<u64>) -> Result<(), WorkerError> {
+    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -218,7 +273,7 @@ impl Session {
     /// Gives one of the session's regions back: its keys stop being found at once.
     /// `released`: the worker released it at its agent already (else maru-server's
     /// region keeper does before the RM frees it).
-    pub fn return_region(&mut self, region_id: u64, released: bool) -> Result<(), WorkerError> {
+    pub fn return_region(&self, region_id: u64, released: bool) -> Result<(), WorkerError> {
         match self.call(&MetaRequest::ReturnRegion {
             session: self.id,
             region_id,
@@ -232,7 +287,7 @@ impl Session {
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
     pub fn heartbeat(
-        &mut self,
+        &self,
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
     ) -> Result<HeartbeatReply, WorkerError> {
@@ -246,7 +301,7 @@ impl Session {
         }
     }
 
-    pub fn close(&mut self) -> Result<(), WorkerError> {
+    pub fn close(&self) -> Result<(), WorkerError> {
         self.call(&MetaRequest::Close {
             session: self.id,
             drained: true,

@@ -263,6 +263,10 @@ impl Mover for RemoteMover {
         }
     }
 
+    fn owns(&self, region_id: u64) -> bool {
+        self.own.contains_key(&region_id)
+    }
+
     fn own_regions(&self) -> Vec<u64> {
         self.own.keys().copied().collect()
     }

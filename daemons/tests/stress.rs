@@ -1,0 +1,564 @@
+//! One handler, many threads, against real daemons (RM on fake DAX, agent,
+//! maru-server on loopback):
+//! - a region that vanishes between a store's copy and its publish is never published
+//!   into, and nothing more is written into it;
+//! - 8 threads on one handler mix store / load / exists / remove / slots / views for a
+//!   bounded time while the agent and maru-server restart once: every loaded byte is
+//!   checked (a chunk's bytes derive from its key), every slot comes back once, and a
+//!   watchdog fails the test with each thread's state if one is stuck.
+
+mod support;
+
+use maru::worker::Handler;
+use maru::worker::SlotPool;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{Daemon, Stack, AGENT_BIN, SERVER_BIN};
+
+const CHUNK: usize = 64 * 1024;
+
+fn server_args() -> Vec<String> {
+    ["--region-size", "8M", "--chunk-size", "64K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect()
+}
+
+fn config(st: &Stack, backend: &str, engine: &str) -> String {
+    serde_json::json!({
+        "backend": backend,
+        "server_url": st.server.addr,
+        "engine_id": engine,
+        "namespace": "stress",
+        "agent_key_file": st.key_path.display().to_string(),
+        "load_slots": 16,
+        "store_slots": 16,
+        "timeout_ms": 4000,
+    })
+    .to_string()
+}
+
+/// The bytes of `key`: its length and content derive from the key alone, so any
+/// reader can check what it loaded.
+fn content(key: &str) -> Vec<u8> {
+    let mut x: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        x = (x ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let len = 512 + (x as usize % (CHUNK - 512));
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// A store whose region goes between its copy and its publish: maru-server takes
+/// the region back from the session (returned under it) and the pool hears it at a
+/// heartbeat, both in the pool's test hook, after the bytes were written. The pool
+/// re-checks its regions before publishing: the chunk is not stored, not found, and
+/// the next stores write into another region. (Checked to fail with the re-check
+/// removed: the publish then names a region that is not the session's, maru-server
+/// refuses it, and the store fails instead of answering "not stored".)
+#[test]
+fn a_region_lost_between_copy_and_publish_is_not_published_into() {
+    use maru::wire::meta::Backend;
+    use maru::worker::pool::StoragePool;
+    use maru::worker::session::Session;
+    let st = support::stack("stress-loss", "256M", false, &server_args());
+    let session = Session::open(
+        &st.server.addr,
+        "loser",
+        "loser",
+        "stress",
+        "default",
+        Backend::Cxl,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let lost: Arc<Mutex<Option<u64>>> = Arc::default();
+    let written: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let (l, w) = (lost.clone(), written.clone());
+    let hook = Box::new(
+        move |pool: &StoragePool, pages: &[maru::wire::meta::PageGrant]| {
+            w.lock().unwrap().extend(pages.iter().map(|p| p.region_id));
+            let mut l = l.lock().unwrap();
+            if l.is_none() {
+                let id = pages[0].region_id;
+                *l = Some(id);
+                // maru-server no longer counts the region as the session's...
+                pool.session.return_region(id, false).unwrap();
+                // ...and the pool hears it (as from the background thread's heartbeat).
+                pool.heartbeat().unwrap();
+            }
+        },
+    );
+    let pool = StoragePool::open(session, Box::new(maru::worker::movers::CxlMover::new()))
+        .unwrap()
+        .with_spare_pages(8)
+        .with_before_publish(hook);
+    let first = content("lost-0");
+    let r = pool.store(&[("lost-0", &first)], Some("loss"));
+    assert_eq!(
+        r.expect("a store whose region was lost before its publish answers, it does not fail"),
+        vec![false],
+        "the chunk written into a region lost before its publish is not stored"
+    );
+    let lost_id = lost.lock().unwrap().expect("the hook ran");
+    let s = pool.stats();
+    assert_eq!(s.regions_lost, 1);
+    assert_eq!(s.store_skipped, 1);
+    assert_eq!(s.stored, 0);
+    assert_eq!(pool.exists(&["lost-0".to_string()]).unwrap(), vec![false]);
+    // Later stores go to another region, never to the lost one.
+    written.lock().unwrap().clear();
+    let keys: Vec<String> = (1..6).map(|i| format!("lost-{i}")).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    assert_eq!(pool.store(&items, Some("loss")).unwrap(), vec![true; 5]);
+    let after = written.lock().unwrap().clone();
+    assert!(!after.is_empty());
+    assert!(
+        !after.contains(&lost_id),
+        "nothing is written into region {lost_id} after its loss (wrote into {after:?})"
+    );
+    let reader = Handler::open(&config(&st, "cxl", "reader")).unwrap();
+    assert_eq!(
+        reader
+            .exists_batch(&["lost-0".to_string()], Some("loss"))
+            .unwrap(),
+        vec![false]
+    );
+    for (k, d) in keys.iter().zip(&data) {
+        assert_eq!(
+            reader.load(k, Some("loss")).unwrap().as_deref(),
+            Some(d.as_slice())
+        );
+    }
+    reader.close().unwrap();
+    pool.close().unwrap();
+}
+
+/// What each worker thread is doing now, for the watchdog.
+struct Doing {
+    what: Mutex<Vec<(String, Instant)>>,
+}
+
+impl Doing {
+    fn set(&self, t: usize, what: String) {
+        if let Ok(mut w) = self.what.lock() {
+            w[t] = (what, Instant::now());
+        }
+    }
+}
+
+/// Counters of the run (what was checked).
+#[derive(Default)]
+struct Tally {
+    stored: AtomicU64,
+    loaded: AtomicU64,
+    bytes_checked: AtomicU64,
+    removed: AtomicU64,
+    slot_rounds: AtomicU64,
+    views: AtomicU64,
+    errors: AtomicU64,
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Keys the threads use: a small space, so that stores, loads and removes of
+/// different threads meet on the same keys.
+fn key(thread: u64, n: u64) -> String {
+    format!("s{thread}-k{n}")
+}
+
+const KEYS_PER_THREAD: u64 = 48;
+const THREADS: usize = 8;
+
+fn check(key: &str, got: &[u8], t: &Tally) {
+    let want = content(key);
+    assert!(
+        got == want.as_slice(),
+        "{key}: loaded {} bytes that are not the key's ({} bytes)",
+        got.len(),
+        want.len()
+    );
+    t.loaded.fetch_add(1, Ordering::Relaxed);
+    t.bytes_checked
+        .fetch_add(got.len() as u64, Ordering::Relaxed);
+}
+
+/// An error a request may answer while a daemon restarts (a bug: anything else).
+fn tolerable(e: &maru::worker::WorkerError, t: &Tally) {
+    use maru::worker::WorkerError as E;
+    match e {
+        E::InvalidArgument(m) => panic!("a request was refused as invalid: {m}"),
+        E::Closed => panic!("the handler answered closed while open"),
+        _ => {
+            t.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One thread's work until `stop`: a random mix of the handler's calls.
+fn worker(h: &Handler, me: usize, views: bool, stop: &AtomicBool, doing: &Doing, t: &Tally) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((me as u64 + 1) << 32));
+    let rk = |k: &str| k.to_string();
+    while !stop.load(Ordering::Relaxed) {
+        let op = rng.below(if views { 8 } else { 7 });
+        let n = 1 + rng.below(4);
+        let owner = if rng.below(2) == 0 {
+            me as u64
+        } else {
+            rng.below(THREADS as u64)
+        };
+        let base = rng.below(KEYS_PER_THREAD);
+        let keys: Vec<String> = (0..n)
+            .map(|i| key(owner, (base + i) % KEYS_PER_THREAD))
+            .collect();
+        let route = rk(&keys[0]);
+        doing.set(me, format!("op {op} on {keys:?}"));
+        match op {
+            0 | 1 => {
+                let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
+                let items: Vec<(&str, &[u8])> = keys
+                    .iter()
+                    .zip(&data)
+                    .map(|(k, d)| (k.as_str(), d.as_slice()))
+                    .collect();
+                match h.store_batch(&items, Some(&route)) {
+                    Ok(r) => {
+                        t.stored
+                            .fetch_add(r.iter().filter(|&&x| x).count() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => tolerable(&e, t),
+                }
+            }
+            2 => match h.load_batch(&keys, Some(&route)) {
+                Ok(got) => {
+                    for (k, g) in keys.iter().zip(got) {
+                        if let Some(g) = g {
+                            check(k, &g, t);
+                        }
+                    }
+                }
+                Err(e) => tolerable(&e, t),
+            },
+            3 => {
+                let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; CHUNK]).collect();
+                let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                match h.load_into(&keys, &mut refs, Some(&route)) {
+                    Ok(got) => {
+                        for ((k, g), b) in keys.iter().zip(got).zip(&bufs) {
+                            match g {
+                                maru::worker::Loaded::Bytes(len) => check(k, &b[..len], t),
+                                maru::worker::Loaded::TooSmall(len) => {
+                                    panic!("{k}: {len} bytes do not fit a chunk")
+                                }
+                                maru::worker::Loaded::Miss => {}
+                            }
+                        }
+                    }
+                    Err(e) => tolerable(&e, t),
+                }
+            }
+            4 => {
+                if rng.below(2) == 0 {
+                    if let Err(e) = h.exists_batch(&keys, Some(&route)) {
+                        tolerable(&e, t);
+                    }
+                } else {
+                    match h.remove_batch(&keys, Some(&route)) {
+                        Ok(r) => {
+                            let gone = r
+                                .iter()
+                                .filter(|x| **x == maru::wire::meta::RemoveResult::Removed)
+                                .count();
+                            t.removed.fetch_add(gone as u64, Ordering::Relaxed);
+                        }
+                        Err(e) => tolerable(&e, t),
+                    }
+                }
+            }
+            5 => slot_store(h, &keys, &route, t),
+            6 => slot_load(h, &keys, &route, t),
+            _ => match h.acquire_views(&keys, Some(&route)) {
+                Ok(vs) => {
+                    let mut ids = Vec::new();
+                    for (k, v) in keys.iter().zip(vs) {
+                        if let Some(v) = v {
+                            // SAFETY: the view's bytes stay the key's until released.
+                            let b = unsafe { std::slice::from_raw_parts(v.ptr, v.len) };
+                            check(k, b, t);
+                            ids.push(v.id);
+                        }
+                    }
+                    t.views.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                    h.release_views(&ids).expect("views are released once");
+                }
+                Err(e) => tolerable(&e, t),
+            },
+        }
+    }
+    doing.set(me, "done".into());
+}
+
+/// Store through staging slots: take, fill, store, give back (each slot once).
+fn slot_store(h: &Handler, keys: &[String], route: &str, t: &Tally) {
+    let slots = match h.acquire_slots(SlotPool::Store, keys.len(), Duration::from_secs(2)) {
+        Ok(s) => s,
+        Err(e) => return tolerable(&e, t),
+    };
+    let keys = &keys[..slots.len()];
+    let mut lens = Vec::new();
+    for (k, s) in keys.iter().zip(&slots) {
+        let d = content(k);
+        // SAFETY: the slot is the caller's until released.
+        unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), s.ptr, d.len()) };
+        lens.push(d.len());
+    }
+    let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
+    match h.store_slots(keys, &ids, &lens, Some(route)) {
+        Ok(r) => {
+            t.stored
+                .fetch_add(r.iter().filter(|&&x| x).count() as u64, Ordering::Relaxed);
+        }
+        Err(e) => tolerable(&e, t),
+    }
+    h.release_slots(&ids).expect("slots are released once");
+    t.slot_rounds.fetch_add(1, Ordering::Relaxed);
+}
+
+fn slot_load(h: &Handler, keys: &[String], route: &str, t: &Tally) {
+    let slots = match h.acquire_slots(SlotPool::Load, keys.len(), Duration::from_secs(2)) {
+        Ok(s) => s,
+        Err(e) => return tolerable(&e, t),
+    };
+    let keys = &keys[..slots.len()];
+    let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
+    match h.load_slots(keys, &ids, Some(route)) {
+        Ok(got) => {
+            for ((k, g), s) in keys.iter().zip(got).zip(&slots) {
+                if let Some(len) = g {
+                    // SAFETY: the slot is the caller's until released.
+                    let b = unsafe { std::slice::from_raw_parts(s.ptr, len) };
+                    check(k, b, t);
+                }
+            }
+        }
+        Err(e) => tolerable(&e, t),
+    }
+    h.release_slots(&ids).expect("slots are released once");
+    t.slot_rounds.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Restarts the agent (remote stacks) and then maru-server, each once, at their ports.
+fn restarts(st: &mut Stack, at: &[Duration; 2], start: Instant, stop: &AtomicBool) {
+    let wait_for = |d: Duration| {
+        while start.elapsed() < d && !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_for(at[0]);
+    if let Some(agent) = st.agent.take() {
+        let port = agent.port();
+        agent.kill9();
+        let args: Vec<String> = vec![
+            "--rm-address".into(),
+            st.rm.addr.clone(),
+            "--key-file".into(),
+            st.key_path.display().to_string(),
+            "--device".into(),
+            st.pool.display().to_string(),
+            "--node".into(),
+            "mem0".into(),
+        ];
+        st.agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
+        eprintln!("stress: agent restarted at {:?}", start.elapsed());
+    }
+    wait_for(at[1]);
+    let mut args = vec!["--rm-address".to_string(), st.rm.addr.clone()];
+    if let Some(a) = &st.agent {
+        args.extend([
+            "--remote-cxl-agent".into(),
+            a.addr.clone(),
+            "--remote-cxl-agent-key-file".into(),
+            st.key_path.display().to_string(),
+        ]);
+    }
+    args.extend(server_args());
+    let port = st.server.port();
+    // Replaced in place: the old process is killed before the new one binds its port.
+    let old = std::mem::replace(
+        &mut st.server,
+        Daemon {
+            child: std::process::Command::new("true")
+                .spawn()
+                .expect("a placeholder process"),
+            addr: String::new(),
+            name: "placeholder".into(),
+        },
+    );
+    old.kill9();
+    st.server = Daemon::start_at(SERVER_BIN, &args, &st.s.dir, port);
+    eprintln!("stress: maru-server restarted at {:?}", start.elapsed());
+}
+
+fn stress(backend: &str, run: Duration) {
+    let remote = backend == "remote_cxl";
+    let mut st = support::stack(&format!("stress-{backend}"), "512M", remote, &server_args());
+    let h = Arc::new(Handler::open(&config(&st, backend, "stressed")).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let doing = Arc::new(Doing {
+        what: Mutex::new(vec![("starting".into(), Instant::now()); THREADS]),
+    });
+    let tally = Arc::new(Tally::default());
+    let finished = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let views = backend == "cxl";
+    let workers: Vec<_> = (0..THREADS)
+        .map(|me| {
+            let (h, stop, doing, tally, finished) = (
+                h.clone(),
+                stop.clone(),
+                doing.clone(),
+                tally.clone(),
+                finished.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("stress-{me}"))
+                .spawn(move || {
+                    worker(&h, me, views, &stop, &doing, &tally);
+                    finished.fetch_add(1, Ordering::SeqCst);
+                })
+                .unwrap()
+        })
+        .collect();
+    // The watchdog: no call may run longer than `STUCK` (every wait of the handler is
+    // bounded by its timeout_ms and the slot timeouts), and the threads end soon
+    // after `stop`.
+    const STUCK: Duration = Duration::from_secs(40);
+    let watchdog = {
+        let (doing, stop, finished) = (doing.clone(), stop.clone(), finished.clone());
+        std::thread::spawn(move || -> Result<(), String> {
+            let end = start + run;
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                if Instant::now() >= end {
+                    stop.store(true, Ordering::SeqCst);
+                }
+                if finished.load(Ordering::SeqCst) == THREADS {
+                    return Ok(());
+                }
+                let w = doing.what.lock().map_err(|_| "poisoned".to_string())?;
+                let stuck: Vec<String> = w
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (what, since))| what != "done" && since.elapsed() > STUCK)
+                    .map(|(i, (what, since))| {
+                        format!("thread {i}: {what} for {:?}", since.elapsed())
+                    })
+                    .collect();
+                if !stuck.is_empty() {
+                    stop.store(true, Ordering::SeqCst);
+                    let all: Vec<String> = w
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (what, since))| {
+                            format!("  thread {i}: {what} (since {:?})", since.elapsed())
+                        })
+                        .collect();
+                    return Err(format!(
+                        "stuck: {stuck:?}\nall threads:\n{}",
+                        all.join("\n")
+                    ));
+                }
+            }
+        })
+    };
+    let at = [run / 3, run / 2 + run / 6];
+    restarts(&mut st, &at, start, &stop);
+    let verdict = watchdog.join().expect("the watchdog ends");
+    if let Err(e) = verdict {
+        // The stuck threads are left behind (the process ends with the test run).
+        panic!("{backend}: a thread is stuck: {e}");
+    }
+    for w in workers {
+        if let Err(p) = w.join() {
+            std::panic::resume_unwind(p);
+        }
+    }
+    let t = &tally;
+    eprintln!(
+        "stress {backend}: {:?}: stored {}, loaded and checked {} ({} MiB), removed {}, slot rounds {}, views {}, errors during restarts {}",
+        start.elapsed(),
+        t.stored.load(Ordering::Relaxed),
+        t.loaded.load(Ordering::Relaxed),
+        t.bytes_checked.load(Ordering::Relaxed) >> 20,
+        t.removed.load(Ordering::Relaxed),
+        t.slot_rounds.load(Ordering::Relaxed),
+        t.views.load(Ordering::Relaxed),
+        t.errors.load(Ordering::Relaxed),
+    );
+    assert!(t.stored.load(Ordering::Relaxed) > 0, "something was stored");
+    assert!(t.loaded.load(Ordering::Relaxed) > 0, "something was loaded");
+    assert!(t.slot_rounds.load(Ordering::Relaxed) > 0);
+    // Every slot is back: none held by the caller, all free (a slot kept for a
+    // transfer of unknown outcome comes back after its peer's fence, at a heartbeat).
+    let slots_back = || {
+        let s = h.stats();
+        let st = &s["staging"];
+        st["held_by_caller"].as_u64() == Some(0)
+            && st["free_load_slots"] == st["load_slots"]
+            && st["free_store_slots"] == st["store_slots"]
+    };
+    assert!(
+        support::wait_until(Duration::from_secs(15), slots_back),
+        "every slot comes back: {}",
+        h.stats()["staging"]
+    );
+    // Everything still found is the key's.
+    let everything: Vec<String> = (0..THREADS as u64)
+        .flat_map(|o| (0..KEYS_PER_THREAD).map(move |n| key(o, n)))
+        .collect();
+    let mut seen = HashSet::new();
+    for k in &everything {
+        if let Ok(Some(g)) = h.load(k, Some(k)) {
+            check(k, &g, t);
+            seen.insert(k.clone());
+        }
+    }
+    eprintln!("stress {backend}: {} keys found at the end", seen.len());
+    h.close().unwrap();
+}
+
+#[test]
+fn one_handler_eight_threads_remote_cxl_with_restarts() {
+    stress("remote_cxl", Duration::from_secs(24));
+}
+
+#[test]
+fn one_handler_eight_threads_cxl_with_views_and_a_server_restart() {
+    stress("cxl", Duration::from_secs(20));
+}
