@@ -475,7 +475,10 @@ maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t *
  * NULL with `cap` 0 to ask for the length).
  *
  * The JSON holds per-pool counters (`pools`, `total`), the staging slots
- * (`staging`) and the process-wide memory hook (`memory_hook`: `mode`,
+ * (`staging`), the calls by kind (`ops`: `store`, `load`, `exists`, `remove`,
+ * `store_slots`, `load_slots`, `views`, each with `ok`, `failed`, `items` and a
+ * latency histogram `latency_us_le` of `[bound_us, calls]` cumulative pairs and
+ * `latency_us_sum`) and the process-wide memory hook (`memory_hook`: `mode`,
  * `pinned_bytes` registered now, `register_failures` so far).
  *
  * Ownership: `buf` and `out_len` are the caller's. Threads: any, concurrently with

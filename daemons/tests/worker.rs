@@ -78,6 +78,19 @@ fn share_1000_chunks(backend: &str) {
     }
     let stats = b.stats();
     assert_eq!(stats["total"]["hits"], n as u64);
+    // Per call: results, chunks and a latency histogram (maru_stats_json's "ops").
+    let batches = n.div_ceil(32) as u64;
+    let ops = &a.stats()["ops"];
+    assert_eq!(ops["store"]["ok"], batches);
+    assert_eq!(ops["store"]["failed"], 0);
+    assert_eq!(ops["store"]["items"], n as u64);
+    let le = ops["store"]["latency_us_le"].as_array().expect("buckets");
+    let last = le.last().and_then(|b| b[1].as_u64()).unwrap();
+    assert!(last <= batches && le.len() == 14, "{le:?}");
+    assert!(ops["store"]["latency_us_sum"].as_u64().unwrap() > 0);
+    let ops = &stats["ops"];
+    assert_eq!(ops["load"]["ok"], batches);
+    assert_eq!(ops["exists"]["items"], n as u64);
     // A key nobody stored is a miss, not an error.
     assert_eq!(b.load("nope", Some("route")).unwrap(), None);
     a.close().unwrap();

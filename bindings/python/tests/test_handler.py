@@ -55,6 +55,11 @@ def test_two_engines_share_chunks(backend, config, ns):
         got = [b.retrieve(k, route_key=keys[0]) for k in keys]
         assert digests(got) == digests(data)
         assert b.stats()["total"]["hits"] >= 40
+        # Calls by kind, with a latency histogram (maru_stats_json's "ops").
+        store = a.stats()["ops"]["store"]
+        assert (store["ok"], store["failed"], store["items"]) == (40, 0, 40)
+        bounds = [le for le, _ in store["latency_us_le"]]
+        assert bounds == sorted(bounds) and store["latency_us_le"][-1][1] <= 40
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

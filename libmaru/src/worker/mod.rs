@@ -12,7 +12,7 @@
 //! ids, restarts, silent agents); `transfer` (posted batches and the isolation of
 //! slots whose transfer outcome is unknown); `windows` (the schedule of a request's
 //! windows and the data path's in-flight budget); `staging`, `slots`, `views`,
-//! `router`, `ops`, `hook`, `prefault`. `clock` is the one place that reads the time.
+//! `router`, `ops`, `op_stats` (per-call figures), `hook`, `prefault`. `clock` is the one place that reads the time.
 
 pub mod agents;
 pub(crate) mod clock;
@@ -22,6 +22,7 @@ pub(crate) mod handler;
 pub(crate) mod hook;
 pub(crate) mod lifecycle;
 pub mod movers;
+pub(crate) mod op_stats;
 pub(crate) mod ops;
 pub mod pool;
 pub(crate) mod prefault;

@@ -14,6 +14,7 @@ mod slot_ops;
 use super::config::{BackendKind, HandlerConfig};
 use super::error::WorkerError;
 use super::hook::Registration;
+use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
 use super::pool::{PoolStats, StoragePool};
 use super::router::PoolRouter;
@@ -76,6 +77,8 @@ struct Inner {
     transport: Option<Arc<dyn Transport>>,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
+    /// Calls by kind: results, chunks, durations (`stats()["ops"]`).
+    ops: OpStats,
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
@@ -127,6 +130,7 @@ impl Handler {
             transport,
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            ops: OpStats::default(),
         });
         let mut last_err = None;
         let mut opened = 0;
@@ -190,8 +194,25 @@ impl Handler {
             return Ok(Vec::new());
         };
         let rk = route_key.unwrap_or(first.0);
-        self.inner
-            .with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+        self.timed("store", items.len(), || {
+            self.inner
+                .with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+        })
+    }
+
+    /// Runs one call of kind `op` naming `items` chunks and counts it (result and
+    /// duration) in `stats()["ops"]`.
+    fn timed<T>(
+        &self,
+        op: &'static str,
+        items: usize,
+        f: impl FnOnce() -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
+        let t0 = super::clock::now_us();
+        let r = f();
+        let took = super::clock::now_us().saturating_sub(t0);
+        self.inner.ops.record(op, r.is_ok(), items, took);
+        r
     }
 
     pub fn load(&self, key: &str, route_key: Option<&str>) -> Result<Option<Vec<u8>>, WorkerError> {
@@ -211,7 +232,7 @@ impl Handler {
         route_key: Option<&str>,
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), WorkerError> {
-        self.inner.load(keys, route_key, f)
+        self.timed("load", keys.len(), || self.inner.load(keys, route_key, f))
     }
 
     /// Loads the chunks of one request into new vectors (`None`: miss or failed read).
@@ -221,7 +242,7 @@ impl Handler {
         route_key: Option<&str>,
     ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
         let mut out = vec![None; keys.len()];
-        self.inner.load(keys, route_key, &mut |i, b| {
+        self.load_each(keys, route_key, &mut |i, b| {
             let mut v = vec![0u8; b.len()];
             crate::dax::copy::copy_out(&mut v, b);
             out[i] = Some(v)
@@ -245,7 +266,7 @@ impl Handler {
             )));
         }
         let mut out = vec![Loaded::Miss; keys.len()];
-        self.inner.load(keys, route_key, &mut |i, b| {
+        self.load_each(keys, route_key, &mut |i, b| {
             let dst = &mut bufs[i];
             out[i] = if b.len() <= dst.len() {
                 crate::dax::copy::copy_out(dst, b);
@@ -266,8 +287,10 @@ impl Handler {
             return Ok(Vec::new());
         };
         let rk = route_key.unwrap_or(first);
-        self.inner
-            .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+        self.timed("exists", keys.len(), || {
+            self.inner
+                .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
+        })
     }
 
     /// Unpublishes keys this engine stored; per key: removed, not found, stored by
@@ -282,11 +305,13 @@ impl Handler {
             return Ok(Vec::new());
         };
         let rk = route_key.unwrap_or(first);
-        self.inner.with_pool(
-            rk,
-            vec![crate::wire::meta::RemoveResult::NotFound; keys.len()],
-            |p| p.remove(keys),
-        )
+        self.timed("remove", keys.len(), || {
+            self.inner.with_pool(
+                rk,
+                vec![crate::wire::meta::RemoveResult::NotFound; keys.len()],
+                |p| p.remove(keys),
+            )
+        })
     }
 
     /// Pins keys of one request (`pin`), or drops one pin of each (`!pin`): a pinned
@@ -337,8 +362,10 @@ impl Handler {
         lens: &[usize],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
-        let lent = self.inner.lend(ids)?;
-        self.inner.store_slots(keys, ids, lent, lens, route_key)
+        self.timed("store_slots", keys.len(), || {
+            let lent = self.inner.lend(ids)?;
+            self.inner.store_slots(keys, ids, lent, lens, route_key)
+        })
     }
 
     /// Loads chunk `keys[i]` into slot `ids[i]` (the READ lands in the slot); `Some(len)`
@@ -349,8 +376,10 @@ impl Handler {
         ids: &[u64],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<usize>>, WorkerError> {
-        let lent = self.inner.lend(ids)?;
-        self.inner.load_slots(keys, ids, lent, route_key)
+        self.timed("load_slots", keys.len(), || {
+            let lent = self.inner.lend(ids)?;
+            self.inner.load_slots(keys, ids, lent, route_key)
+        })
     }
 
     /// `store_slots` on an executor thread. The slots are lent to the operation until
@@ -417,9 +446,10 @@ impl Handler {
             return Ok(Vec::new());
         };
         let rk = route_key.unwrap_or(first);
-        let got = self
-            .inner
-            .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        let got = self.timed("views", keys.len(), || {
+            self.inner
+                .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))
+        })?;
         let mut t = self.inner.views.lock().map_err(|_| WorkerError::Closed)?;
         Ok(got
             .into_iter()
@@ -495,7 +525,7 @@ impl Handler {
             BackendKind::Cxl => "cxl",
             BackendKind::RemoteCxl => "remote_cxl",
         };
-        serde_json::json!({"backend": backend, "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total, "staging": staging})
+        serde_json::json!({"backend": backend, "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total, "staging": staging, "ops": self.inner.ops.snapshot()})
     }
 
     /// Closes every session (drained: regions with keys go to maru-server's keeper).

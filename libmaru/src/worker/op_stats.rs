@@ -1,0 +1,98 @@
+//! Per-operation figures of a handler (`stats()["ops"]`, `maru_stats_json`): how many
+//! calls of each kind succeeded or failed, how many chunks they carried, and how long
+//! they took (a histogram with fixed bounds, as a Prometheus histogram: cumulative
+//! counts per upper bound, a sum and a count). The elapsed time is measured by the
+//! caller (the handler, a driver) and passed in.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Upper bounds of the latency buckets, in microseconds (the last bucket, `+Inf`, is
+/// the count).
+pub const LATENCY_BOUNDS_US: [u64; 14] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+    5_000_000,
+];
+
+/// The figures of one kind of call.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct OpFigures {
+    /// Calls that returned without an error.
+    pub ok: u64,
+    /// Calls that returned an error.
+    pub failed: u64,
+    /// Chunks (keys, slots, pages) the calls named.
+    pub items: u64,
+    /// Sum of the calls' durations, microseconds.
+    pub latency_us_sum: u64,
+    /// Per bound of [`LATENCY_BOUNDS_US`]: calls that took at most that long
+    /// (cumulative, so the last entry is at most `ok + failed`).
+    pub latency_us_le: Vec<(u64, u64)>,
+}
+
+/// The figures of every kind of call of one handler.
+#[derive(Debug, Default)]
+pub struct OpStats {
+    ops: Mutex<BTreeMap<&'static str, OpFigures>>,
+}
+
+impl OpStats {
+    /// Counts one call of kind `op` that named `items` chunks, succeeded or not, and
+    /// took `elapsed_us`.
+    pub fn record(&self, op: &'static str, ok: bool, items: usize, elapsed_us: u64) {
+        let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        let f = ops.entry(op).or_insert_with(|| OpFigures {
+            latency_us_le: LATENCY_BOUNDS_US.iter().map(|&b| (b, 0)).collect(),
+            ..OpFigures::default()
+        });
+        if ok {
+            f.ok += 1;
+        } else {
+            f.failed += 1;
+        }
+        f.items += items as u64;
+        f.latency_us_sum = f.latency_us_sum.saturating_add(elapsed_us);
+        for (bound, n) in &mut f.latency_us_le {
+            if elapsed_us <= *bound {
+                *n += 1;
+            }
+        }
+    }
+
+    /// The figures so far, by kind of call.
+    pub fn snapshot(&self) -> BTreeMap<&'static str, OpFigures> {
+        self.ops.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_are_counted_by_kind_and_result_with_cumulative_latency_buckets() {
+        let s = OpStats::default();
+        s.record("store", true, 32, 40);
+        s.record("store", true, 32, 700);
+        s.record("store", false, 1, 2_000_000);
+        s.record("load", true, 4, 10_000_000);
+        let snap = s.snapshot();
+        let st = &snap["store"];
+        assert_eq!((st.ok, st.failed, st.items), (2, 1, 65));
+        assert_eq!(st.latency_us_sum, 2_000_740);
+        let le = |f: &OpFigures, b: u64| f.latency_us_le.iter().find(|(x, _)| *x == b).unwrap().1;
+        assert_eq!(le(st, 50), 1);
+        assert_eq!(le(st, 500), 1);
+        assert_eq!(le(st, 1_000), 2);
+        assert_eq!(le(st, 1_000_000), 2);
+        assert_eq!(le(st, 5_000_000), 3);
+        // Longer than the last bound: counted only in the sum and the count.
+        let ld = &snap["load"];
+        assert_eq!((ld.ok, le(ld, 5_000_000)), (1, 0));
+        // Cumulative: never decreasing along the bounds.
+        for f in snap.values() {
+            assert!(f.latency_us_le.windows(2).all(|w| w[0].1 <= w[1].1));
+        }
+    }
+}
