@@ -7,85 +7,34 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
+use maru::auth::SharedKey;
 use maru::worker::Handler;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use support::{wait_until, Daemon, Scratch};
-
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
-
-/// Fields drop in order: the daemons stop before their scratch directory goes.
-struct Stack {
-    key_path: PathBuf,
-    boot_path: PathBuf,
-    server: Daemon,
-    agent: Option<Daemon>,
-    agent_args: Vec<String>,
-    _rm: Daemon,
-    s: Scratch,
-}
+use support::{wait_until, Scratch, Stack};
 
 fn stack(tag: &str) -> Stack {
-    let mut s = Scratch::new(tag);
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
-    let boot_path = s.dir.join("boot_id");
-    std::fs::write(&boot_path, "boot-one\n").unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:256M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent_args: Vec<String> = vec![
-        "--rm-address".into(),
-        rm.addr.clone(),
-        "--key-file".into(),
-        key_path.display().to_string(),
-        "--device".into(),
-        pool.display().to_string(),
-        "--node".into(),
-        "mem0".into(),
-        "--boot-id-file".into(),
-        boot_path.display().to_string(),
-    ];
-    let agent = Daemon::start(AGENT_BIN, &agent_args, &s.dir);
-    let server = Daemon::start(
-        SERVER_BIN,
-        &[
-            "--rm-address".to_string(),
-            rm.addr.clone(),
-            "--region-size".into(),
-            "8M".into(),
-            "--chunk-size".into(),
-            "64K".into(),
-            "--remote-cxl-agent".into(),
-            agent.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            key_path.display().to_string(),
-        ],
-        &s.dir,
-    );
-    Stack {
-        key_path,
-        boot_path,
-        server,
-        agent: Some(agent),
-        agent_args,
-        _rm: rm,
-        s,
-    }
+    let server_args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    // The agent reads its boot id from a file the tests rewrite to "reboot" the node.
+    let boot = |s: &Scratch| {
+        let path = s.dir.join("boot_id");
+        std::fs::write(&path, "boot-one\n").unwrap();
+        vec!["--boot-id-file".into(), path.display().to_string()]
+    };
+    support::stack_with(tag, "256M", true, boot, &server_args)
 }
 
-impl Stack {
+/// What these tests do with a stack.
+trait Life {
+    fn config(&self, engine: &str) -> String;
+    /// kill -9 the agent and start it again on its port, with `boot` as boot id.
+    fn restart_agent_on(&mut self, boot: &str);
+    fn signal_agent(&self, sig: i32);
+}
+
+impl Life for Stack {
     fn config(&self, engine: &str) -> String {
         serde_json::json!({
             "backend": "remote_cxl",
@@ -100,18 +49,9 @@ impl Stack {
         .to_string()
     }
 
-    /// kill -9 the agent and start it again on its port, with `boot` as boot id.
-    fn restart_agent(&mut self, boot: &str) {
-        let agent = self.agent.take().expect("the agent runs");
-        let port = agent.port();
-        agent.kill9();
-        std::fs::write(&self.boot_path, format!("{boot}\n")).unwrap();
-        self.agent = Some(Daemon::start_at(
-            AGENT_BIN,
-            &self.agent_args,
-            &self.s.dir,
-            port,
-        ));
+    fn restart_agent_on(&mut self, boot: &str) {
+        std::fs::write(self.s.dir.join("boot_id"), format!("{boot}\n")).unwrap();
+        self.restart_agent();
     }
 
     fn signal_agent(&self, sig: i32) {
@@ -188,7 +128,7 @@ fn after_a_reboot_of_the_memory_node_no_old_key_loads_and_stores_resume_within_2
         "read before the reboot"
     );
 
-    st.restart_agent("boot-two");
+    st.restart_agent_on("boot-two");
     let t0 = Instant::now();
     // At once: no old chunk comes back, to the owner or the reader.
     for (who, h) in [("owner", &owner), ("reader", &reader)] {
@@ -232,7 +172,7 @@ fn after_an_agent_restart_on_the_same_boot_existing_keys_load_within_2_s() {
     let owner = Handler::open(&st.config("restart-owner")).unwrap();
     let ks = keys("kept", 8);
     assert!(store_all(&owner, "kept", &ks));
-    st.restart_agent("boot-one");
+    st.restart_agent_on("boot-one");
     let reader = Handler::open(&st.config("restart-reader")).unwrap();
     let t0 = Instant::now();
     let ok = wait_until(Duration::from_secs(2), || {

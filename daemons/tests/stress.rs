@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{Daemon, Stack, AGENT_BIN, SERVER_BIN};
+use support::Stack;
 
 const CHUNK: usize = 64 * 1024;
 
@@ -381,47 +381,12 @@ fn restarts(st: &mut Stack, at: &[Duration; 2], start: Instant, stop: &AtomicBoo
         }
     };
     wait_for(at[0]);
-    if let Some(agent) = st.agent.take() {
-        let port = agent.port();
-        agent.kill9();
-        let args: Vec<String> = vec![
-            "--rm-address".into(),
-            st.rm.addr.clone(),
-            "--key-file".into(),
-            st.key_path.display().to_string(),
-            "--device".into(),
-            st.pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ];
-        st.agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
+    if st.agent.is_some() {
+        st.restart_agent();
         eprintln!("stress: agent restarted at {:?}", start.elapsed());
     }
     wait_for(at[1]);
-    let mut args = vec!["--rm-address".to_string(), st.rm.addr.clone()];
-    if let Some(a) = &st.agent {
-        args.extend([
-            "--remote-cxl-agent".into(),
-            a.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            st.key_path.display().to_string(),
-        ]);
-    }
-    args.extend(server_args());
-    let port = st.server.port();
-    // Replaced in place: the old process is killed before the new one binds its port.
-    let old = std::mem::replace(
-        &mut st.server,
-        Daemon {
-            child: std::process::Command::new("true")
-                .spawn()
-                .expect("a placeholder process"),
-            addr: String::new(),
-            name: "placeholder".into(),
-        },
-    );
-    old.kill9();
-    st.server = Daemon::start_at(SERVER_BIN, &args, &st.s.dir, port);
+    st.restart_server();
     eprintln!("stress: maru-server restarted at {:?}", start.elapsed());
 }
 

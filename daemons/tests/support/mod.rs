@@ -162,6 +162,15 @@ impl Daemon {
         let _ = self.child.wait();
     }
 
+    /// kill -9 and start it again on its port (where its clients look) with `args`.
+    pub fn restart(&mut self, args: &[String], ready_dir: &Path) {
+        let port = self.port();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let bin = self.name.clone();
+        *self = Daemon::start_at(&bin, args, ready_dir, port);
+    }
+
     pub fn port(&self) -> u16 {
         self.addr
             .rsplit_once(':')
@@ -278,6 +287,25 @@ pub struct Stack {
     pub agent: Option<Daemon>,
     pub rm: Daemon,
     pub s: Scratch,
+    /// The agent's and maru-server's arguments as started (for restarts).
+    pub agent_args: Vec<String>,
+    pub server_args: Vec<String>,
+}
+
+impl Stack {
+    /// kill -9 the agent and start it again on its port.
+    pub fn restart_agent(&mut self) {
+        let args = self.agent_args.clone();
+        if let Some(a) = self.agent.as_mut() {
+            a.restart(&args, &self.s.dir);
+        }
+    }
+
+    /// kill -9 maru-server and start it again on its port.
+    pub fn restart_server(&mut self) {
+        let args = self.server_args.clone();
+        self.server.restart(&args, &self.s.dir);
+    }
 }
 
 pub const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
@@ -285,6 +313,18 @@ pub const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 pub const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 
 pub fn stack(tag: &str, pool_size: &str, remote: bool, server_args: &[String]) -> Stack {
+    stack_with(tag, pool_size, remote, |_| Vec::new(), server_args)
+}
+
+/// As [`stack`], the agent started with the arguments `agent_extra` makes in the
+/// scratch directory (a boot id file, say) after its usual ones.
+pub fn stack_with(
+    tag: &str,
+    pool_size: &str,
+    remote: bool,
+    agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
+    server_args: &[String],
+) -> Stack {
     use maru::auth::{keyfile::write_new_key_file, SharedKey};
     let mut s = Scratch::new(tag);
     let pool = s.fake_dax("pool");
@@ -300,22 +340,18 @@ pub fn stack(tag: &str, pool_size: &str, remote: bool, server_args: &[String]) -
         ],
         &s.dir,
     );
-    let agent = remote.then(|| {
-        Daemon::start(
-            AGENT_BIN,
-            &[
-                "--rm-address".into(),
-                rm.addr.clone(),
-                "--key-file".into(),
-                key_path.display().to_string(),
-                "--device".into(),
-                pool.display().to_string(),
-                "--node".into(),
-                "mem0".into(),
-            ],
-            &s.dir,
-        )
-    });
+    let mut agent_args: Vec<String> = vec![
+        "--rm-address".into(),
+        rm.addr.clone(),
+        "--key-file".into(),
+        key_path.display().to_string(),
+        "--device".into(),
+        pool.display().to_string(),
+        "--node".into(),
+        "mem0".into(),
+    ];
+    agent_args.extend(agent_extra(&s));
+    let agent = remote.then(|| Daemon::start(AGENT_BIN, &agent_args, &s.dir));
     let mut args = vec!["--rm-address".to_string(), rm.addr.clone()];
     if let Some(a) = &agent {
         args.extend([
@@ -334,5 +370,7 @@ pub fn stack(tag: &str, pool_size: &str, remote: bool, server_args: &[String]) -
         agent,
         rm,
         s,
+        agent_args,
+        server_args: args,
     }
 }
