@@ -58,30 +58,6 @@ fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
     false
 }
 
-/// Runs a daemon that should refuse to start: its exit code (None when it was still
-/// running after 10 s, then killed) and its stderr.
-fn refused_start(cmd: &mut Command) -> (Option<i32>, String) {
-    let mut child = cmd
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut code = None;
-    while Instant::now() < deadline {
-        if let Ok(Some(st)) = child.try_wait() {
-            code = st.code();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if code.is_none() {
-        let _ = child.kill();
-    }
-    let out = child.wait_with_output().unwrap();
-    (code, String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
 fn vm_rss_kib(pid: u32) -> u64 {
     let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     st.lines()
@@ -495,7 +471,7 @@ fn an_existing_pool_file_others_can_write_is_refused() {
     let pool = s.fake_dax("planted");
     std::fs::write(&pool, b"").unwrap();
     std::fs::set_permissions(&pool, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let (code, err) = refused_start(Command::new(RM_BIN).args([
+    let (code, err) = support::refused_start(Command::new(RM_BIN).args([
         "--state-dir",
         &s.dir.join("rm").display().to_string(),
         "--fake-dax",
@@ -516,7 +492,7 @@ fn a_state_dir_others_can_write_is_refused() {
     let dir = s.dir.join("open-state");
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let (code, err) = refused_start(Command::new(RM_BIN).args([
+    let (code, err) = support::refused_start(Command::new(RM_BIN).args([
         "--state-dir",
         &dir.display().to_string(),
         "--fake-dax",
@@ -796,20 +772,7 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
     );
     let mut observer = connect(&srv.addr, META, "observer");
     let (obs, _) = open_session(&mut observer);
-    let mut exists = |n: usize| -> Vec<Duration> {
-        (0..n)
-            .map(|_| {
-                let t = Instant::now();
-                observer
-                    .call::<_, MetaReply>(&MetaRequest::Exists {
-                        session: obs,
-                        keys: vec!["k".into()],
-                    })
-                    .unwrap();
-                t.elapsed()
-            })
-            .collect()
-    };
+    let mut exists = |n: usize| exists_timings(&mut observer, obs, n);
     let normal = p99(exists(400));
     // A writer on the stopped agent's region publishes a key and goes away: at its
     // session's expiry the keeper takes the region over and maps it at that agent.
@@ -1006,6 +969,21 @@ fn a_quiet_maru_server_keeps_its_regions_through_the_rms_idle_timeout() {
     }
 }
 
+/// How long each of `n` one-key `exists` calls of session `id` took.
+fn exists_timings(c: &mut Client, id: u64, n: usize) -> Vec<Duration> {
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            c.call::<_, MetaReply>(&MetaRequest::Exists {
+                session: id,
+                keys: vec!["k".into()],
+            })
+            .unwrap();
+            t.elapsed()
+        })
+        .collect()
+}
+
 /// 6 (the RM side): with the RM stopped (SIGSTOP), maru-server's periodic check of its
 /// regions at the RM runs off its loop: sessions that do not need the RM stay fast.
 #[test]
@@ -1015,19 +993,7 @@ fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
     let mut c = connect(&srv.addr, META, "engine");
     // The session's region makes the server check its regions at the RM every second.
     let (id, _) = open_session(&mut c);
-    let mut exists = |n: usize| -> Vec<Duration> {
-        (0..n)
-            .map(|_| {
-                let t = Instant::now();
-                c.call::<_, MetaReply>(&MetaRequest::Exists {
-                    session: id,
-                    keys: vec!["k".into()],
-                })
-                .unwrap();
-                t.elapsed()
-            })
-            .collect()
-    };
+    let mut exists = |n: usize| exists_timings(&mut c, id, n);
     let normal = p99(exists(400));
     let pid = r.child.id() as i32;
     // SAFETY: signals to a child this test started.
@@ -1056,19 +1022,7 @@ fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
     let (srv, r) = meta(&mut s, &[]);
     let mut c = connect(&srv.addr, META, "engine");
     let (id, _) = open_session(&mut c);
-    let mut exists = |n: usize| -> Vec<Duration> {
-        (0..n)
-            .map(|_| {
-                let t = Instant::now();
-                c.call::<_, MetaReply>(&MetaRequest::Exists {
-                    session: id,
-                    keys: vec!["k".into()],
-                })
-                .unwrap();
-                t.elapsed()
-            })
-            .collect()
-    };
+    let mut exists = |n: usize| exists_timings(&mut c, id, n);
     let normal = p99(exists(400));
     // The allocating session: every `expand` asks the RM for a region.
     let mut w = connect(&srv.addr, META, "storer");

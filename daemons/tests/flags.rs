@@ -19,27 +19,7 @@ const EX_UNAVAILABLE: i32 = 69;
 /// Runs a command that should stop at once: its exit code (None: still running after
 /// 10 s, then killed) and its stderr.
 fn run(bin: &str, args: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(bin)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut code = None;
-    while Instant::now() < deadline {
-        if let Ok(Some(st)) = child.try_wait() {
-            code = st.code();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if code.is_none() {
-        let _ = child.kill();
-    }
-    let out = child.wait_with_output().unwrap();
-    (code, String::from_utf8_lossy(&out.stderr).into_owned())
+    support::refused_start(Command::new(bin).args(args))
 }
 
 /// The RM's flags in `s` plus `extra`; the pool file and the state dir are not made.

@@ -374,3 +374,29 @@ pub fn stack_with(
         server_args: args,
     }
 }
+
+/// Runs a daemon that should refuse to start: its exit code (None when it was still
+/// running after 10 s, then killed) and its stderr.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn refused_start(cmd: &mut Command) -> (Option<i32>, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut code = None;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            code = st.code();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if code.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().unwrap();
+    (code, String::from_utf8_lossy(&out.stderr).into_owned())
+}
