@@ -271,6 +271,20 @@ fn alloc_4mib(n: &support::MemoryNode) -> maru::wire::rm::Handle {
     }
 }
 
+/// Maps region `h` writable over `c` (as a storing worker does).
+fn map_writable(c: &mut Client, h: &maru::wire::rm::Handle) -> maru::wire::agent::MapReply {
+    match c
+        .call::<_, AgentReply>(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .unwrap()
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("{r:?}"),
+    }
+}
+
 /// A connection to the node's agent with its key, under client id `id`.
 fn agent_client(n: &support::MemoryNode, id: &str) -> Client {
     let mut o = ClientOptions::new(AGENT, id);
@@ -287,16 +301,7 @@ fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
     let h = alloc_4mib(&n);
     let agent = |id: &str| agent_client(&n, id);
     let mut owner = agent("worker-1");
-    let m = match owner
-        .call::<_, AgentReply>(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .unwrap()
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    };
+    let m = map_writable(&mut owner, &h);
     let mut thief = agent("worker-1");
     match thief
         .call::<_, AgentReply>(&AgentRequest::Unmap {
@@ -561,16 +566,7 @@ fn a_worker_cannot_write_another_workers_region_with_its_key() {
     let n = support::memory_node(&mut s, "64M");
     let h = alloc_4mib(&n);
     let agent = |id: &str| agent_client(&n, id);
-    let map = |c: &mut Client| match c
-        .call::<_, AgentReply>(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .unwrap()
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    };
+    let map = |c: &mut Client| map_writable(c, &h);
     let (mut a, mut b) = (agent("worker-a"), agent("worker-b"));
     let (ma, mb) = (map(&mut a), map(&mut b));
     assert_ne!(ma.rkey, mb.rkey, "each connection gets its own key");

@@ -7,23 +7,9 @@
 
 mod support;
 
-use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::transport::TransportError;
 use maru::worker::Handler;
-use support::{Daemon, Scratch};
-
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
-
-/// Fields drop in order: the daemons stop before their scratch directory goes.
-struct Stack {
-    key_path: std::path::PathBuf,
-    server: Daemon,
-    _agent: Daemon,
-    _rm: Daemon,
-    _s: Scratch,
-}
+use support::{Scratch, Stack};
 
 fn device() -> Option<String> {
     std::env::var("MARU_RDMA_DEVICE").ok()
@@ -42,59 +28,18 @@ fn rdma_here() -> bool {
 }
 
 fn stack() -> Stack {
-    let mut s = Scratch::new("verbs");
-    let pool = s.fake_dax("pool");
-    let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:256M", pool.display()),
-        ],
-        &s.dir,
-    );
-    let mut agent_args = vec![
-        "--rm-address".to_string(),
-        rm.addr.clone(),
-        "--key-file".into(),
-        key_path.display().to_string(),
-        "--device".into(),
-        pool.display().to_string(),
-        "--node".into(),
-        "mem0".into(),
-        "--transport".into(),
-        "verbs".into(),
-    ];
-    if let Some(d) = device() {
-        agent_args.extend(["--rdma-device".into(), d]);
-    }
-    let agent = Daemon::start(AGENT_BIN, &agent_args, &s.dir);
-    let server = Daemon::start(
-        SERVER_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--region-size".into(),
-            "8M".into(),
-            "--chunk-size".into(),
-            "64K".into(),
-            "--remote-cxl-agent".into(),
-            agent.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            key_path.display().to_string(),
-        ],
-        &s.dir,
-    );
-    Stack {
-        key_path,
-        server,
-        _agent: agent,
-        _rm: rm,
-        _s: s,
-    }
+    let server_args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    let verbs = |_: &Scratch| {
+        let mut a = vec!["--transport".to_string(), "verbs".into()];
+        if let Some(d) = device() {
+            a.extend(["--rdma-device".into(), d]);
+        }
+        a
+    };
+    support::stack_with("verbs", "256M", true, verbs, &server_args)
 }
 
 fn config(st: &Stack, engine: &str) -> String {
