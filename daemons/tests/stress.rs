@@ -59,6 +59,56 @@ fn content(key: &str) -> Vec<u8> {
     out
 }
 
+/// remote_cxl: a request's transfers hold no lock of the handler while they are on the
+/// wire. One thread's store is stuck mid-payload (the soft NIC holds its WRITE's data
+/// back 1.5 s); another thread of the same handler loads a stored chunk meanwhile,
+/// and that load completes at once (its READ goes on the peer's other lane, planned
+/// and settled under the mover's short lock). Seen failing with transfers run under
+/// the pool's mover lock again (the load waited for the stuck store: 1.3 s).
+#[test]
+fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
+    use maru::transport::soft::SoftTransport;
+    let st = support::stack("stress-stuck", "256M", true, &server_args());
+    let key = maru::auth::load_key_file(&st.key_path).unwrap();
+    let nic = Arc::new(SoftTransport::new("stuck-writer", Some(key)).with_lanes(2));
+    let h = Handler::open_with_transport(&config(&st, "remote_cxl", "stuck"), nic.clone()).unwrap();
+    let a = content("stuck-a");
+    assert!(h.store("stuck-a", &a, Some("stuck")).unwrap());
+    let stall = Duration::from_millis(1500);
+    nic.inject_payload_stall(stall);
+    let b = content("stuck-b");
+    let (load_took, stored_b) = std::thread::scope(|s| {
+        let (h, b) = (&h, &b);
+        let storer = s.spawn(move || {
+            let t = Instant::now();
+            let r = h.store("stuck-b", b, Some("stuck"));
+            (r, t.elapsed())
+        });
+        // The store's WRITE is on the wire by now, its payload held back.
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let got = h.load("stuck-a", Some("stuck")).unwrap();
+        let took = t.elapsed();
+        assert_eq!(got.as_deref(), Some(a.as_slice()), "the loaded bytes");
+        let (r, store_took) = storer.join().unwrap();
+        assert!(
+            store_took >= stall,
+            "the store was held back ({store_took:?}): else the test shows nothing"
+        );
+        (took, r.unwrap())
+    });
+    assert!(stored_b, "the stuck store completes once its payload goes");
+    assert!(
+        load_took < Duration::from_millis(700),
+        "a load beside a store stuck on the wire took {load_took:?}"
+    );
+    nic.inject_payload_stall(Duration::ZERO);
+    assert_eq!(
+        h.load("stuck-b", Some("stuck")).unwrap().as_deref(),
+        Some(b.as_slice())
+    );
+}
+
 /// A store whose region goes between its copy and its publish: maru-server takes
 /// the region back from the session (returned under it) and the pool hears it at a
 /// heartbeat, both in the pool's test hook, after the bytes were written. The pool

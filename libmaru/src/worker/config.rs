@@ -49,7 +49,7 @@ fn default_prefault() -> bool {
     true
 }
 fn default_rdma_qps_per_agent() -> u8 {
-    1
+    2
 }
 
 fn default_rdma_port() -> u8 {
@@ -90,8 +90,9 @@ pub struct HandlerConfig {
     /// Service level, 0-15.
     #[serde(default)]
     pub rdma_service_level: u8,
-    /// Queue pairs to each agent (transport verbs, 1-8); batches spread over them,
-    /// and an error on one fails only its batches.
+    /// Queue pairs to each agent (transport verbs; data connections on soft), 1-8;
+    /// batches spread over them, so threads of one handler post side by side. On
+    /// verbs an error on one fails only its batches.
     #[serde(default = "default_rdma_qps_per_agent")]
     pub rdma_qps_per_agent: u8,
     /// Load staging slots (pipeline depth of loads).
@@ -270,7 +271,7 @@ mod tests {
             HandlerConfig::parse(&format!(r#"{{{base},"rdma_traffic_class":256}}"#)).unwrap_err();
         assert!(e.contains("rdma_traffic_class") || e.contains("256"), "{e}");
         let c = HandlerConfig::parse(&format!("{{{base}}}")).unwrap();
-        assert_eq!(c.rdma_qps_per_agent, 1);
+        assert_eq!(c.rdma_qps_per_agent, 2);
         let c = HandlerConfig::parse(&format!(r#"{{{base},"rdma_qps_per_agent":4}}"#)).unwrap();
         assert_eq!(c.rdma_qps_per_agent, 4);
         for bad in [0, 9] {

@@ -432,3 +432,85 @@ fn a_closed_owner_loses_its_data_connections_and_binding() {
     assert!(again.connect(&reg.transport, &mut no_bringup).is_err());
     r.target.deregister(reg.rkey).unwrap();
 }
+
+/// How long a READ posted while another thread's WRITE is stuck mid-payload on the
+/// same peer takes to complete, with `lanes` data connections per peer.
+fn read_beside_a_stalled_write(lanes: u8) -> (Duration, usize) {
+    let mut r = rig(None, 1 << 20, 1 << 20);
+    let reg = unsafe {
+        r.target
+            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
+    }
+    .unwrap();
+    let nic = SoftTransport::new("lanes", None).with_lanes(lanes);
+    nic.register_local(LocalBuffer {
+        ptr: r.staging.as_mut_ptr(),
+        len: r.staging.len(),
+    })
+    .unwrap();
+    let peer = nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    assert_eq!(
+        nic.connect(&reg.transport, &mut no_bringup).unwrap(),
+        peer,
+        "the same peer while its lanes are usable"
+    );
+    assert!(wait_for(
+        || r.target.stats().connections == usize::from(lanes)
+    ));
+    let connections = r.target.stats().connections;
+    nic.inject_payload_stall(Duration::from_millis(1500));
+    let read_took = std::thread::scope(|s| {
+        let nic = &nic;
+        let writer = s.spawn(move || {
+            let b = nic
+                .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 4096)])
+                .unwrap();
+            nic.wait(b, T)
+        });
+        // The WRITE's header is out and its payload held back on its lane.
+        std::thread::sleep(Duration::from_millis(200));
+        let t = std::time::Instant::now();
+        let b = nic
+            .post(
+                peer,
+                &[op(OpKind::Read, 8192, reg.addr + 8192, reg.rkey, 4096)],
+            )
+            .unwrap();
+        assert_eq!(nic.wait(b, T), BatchState::Done);
+        let took = t.elapsed();
+        assert_eq!(writer.join().unwrap(), BatchState::Done);
+        took
+    });
+    // A fence closes every lane of the peer.
+    nic.fence(peer).unwrap();
+    assert!(
+        wait_for(|| r.target.stats().connections == 0),
+        "{} data connections still open after the fence",
+        r.target.stats().connections
+    );
+    assert!(matches!(
+        nic.post(peer, &[op(OpKind::Read, 0, reg.addr, reg.rkey, 16)]),
+        Err(TransportError::NoPeer(_))
+    ));
+    (read_took, connections)
+}
+
+/// With two lanes, a batch goes on the lane with fewer operations in flight: a READ
+/// posted while another thread's WRITE is stuck on one connection completes at once on
+/// the other. With one lane it waits for the stuck WRITE (the contrast that shows the
+/// test sees lanes at all).
+#[test]
+fn batches_of_one_peer_spread_over_its_lanes_and_a_fence_closes_every_lane() {
+    let (two, conns) = read_beside_a_stalled_write(2);
+    assert_eq!(conns, 2, "one data connection per lane");
+    assert!(
+        two < Duration::from_millis(700),
+        "a READ beside a stalled WRITE took {two:?} with two lanes"
+    );
+    let (one, conns) = read_beside_a_stalled_write(1);
+    assert_eq!(conns, 1);
+    assert!(
+        one >= Duration::from_millis(1000),
+        "with one lane the READ queues behind the WRITE, took {one:?}"
+    );
+}

@@ -1,11 +1,14 @@
-//! The worker side of the soft NIC: one TCP connection per agent, many operations in
-//! flight, completions in order.
+//! The worker side of the soft NIC: per agent, one TCP connection per lane (the
+//! `lanes` setting, as verbs has queue pairs: `rdma_qps_per_agent`), many operations in
+//! flight on each, completions in order per lane.
 //!
 //! `post` writes the requests (and WRITE payloads straight from the staging buffer)
-//! on the caller's thread; one reader thread per peer takes completions and reads
-//! READ payloads straight into the staging buffer. That reader is the only thing that
-//! writes local memory, so stopping it (and joining it) is the local half of the
-//! soft transport's fence.
+//! on the caller's thread, a batch whole on the lane with the fewest operations in
+//! flight, so that threads posting at once write on different connections and the
+//! target serves them on different threads. One reader thread per lane takes
+//! completions and reads READ payloads straight into the staging buffer. The readers
+//! are the only things that write local memory, so stopping them (and joining them) is
+//! the local half of the soft transport's fence; a fence fences every lane.
 //!
 //! The remote half: a target applies a WRITE whose frame is already in its socket
 //! buffer even after the worker stopped listening. So the fence shuts only the write
@@ -53,12 +56,25 @@ pub const FENCE_WAIT: Duration = Duration::from_secs(1);
 /// Fenced peer ids remembered (a fence of one of them succeeds again at once).
 const FENCED_MEMORY: usize = 4096;
 
-struct Peer {
+/// A peer: its lanes, each a data connection of its own.
+struct Lanes {
     addr: String,
-    /// The binding secret this data connection bound itself to.
     bind: u128,
+    lanes: Vec<Arc<Peer>>,
     /// Held for the whole fence: a second fence of the peer waits for the first.
     fence: Mutex<bool>,
+}
+
+impl Lanes {
+    /// True while every lane can take operations.
+    fn alive(&self) -> bool {
+        self.lanes.iter().all(|l| !l.dead.load(Ordering::SeqCst))
+    }
+}
+
+/// One lane of a peer: a data connection and its reader.
+struct Peer {
+    addr: String,
     writer: Mutex<TcpStream>,
     inflight: Mutex<VecDeque<InFlight>>,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -72,7 +88,9 @@ pub struct SoftTransport {
     key: Option<SharedKey>,
     connect_timeout: Duration,
     local: OnceLock<LocalBuffer>,
-    peers: Mutex<HashMap<PeerId, Arc<Peer>>>,
+    peers: Mutex<HashMap<PeerId, Arc<Lanes>>>,
+    /// Data connections per peer (at least 1).
+    lanes: usize,
     /// Peers whose fence succeeded, oldest first.
     fenced: Mutex<VecDeque<PeerId>>,
     shared: Arc<Shared>,
@@ -95,6 +113,7 @@ impl SoftTransport {
             connect_timeout: Duration::from_secs(5),
             local: OnceLock::new(),
             peers: Mutex::new(HashMap::new()),
+            lanes: 1,
             fenced: Mutex::new(VecDeque::new()),
             shared: Arc::new(Shared {
                 batches: BatchTable::default(),
@@ -104,6 +123,13 @@ impl SoftTransport {
             write_delay_us: AtomicU64::new(0),
             payload_stall_us: AtomicU64::new(0),
         }
+    }
+
+    /// Opens `n` data connections (lanes) per peer, 1 to 8 (see the module
+    /// documentation); 1 by default.
+    pub fn with_lanes(mut self, n: u8) -> SoftTransport {
+        self.lanes = usize::from(n.clamp(1, 8));
+        self
     }
 
     /// Fault injection for tests: every WRITE posted from now on waits `delay` on the
@@ -127,12 +153,20 @@ impl SoftTransport {
         self.payload_stall_us.store(us, Ordering::SeqCst);
     }
 
+    /// The lane of peer `id` a batch goes on: the live one with the fewest operations
+    /// in flight.
     fn peer(&self, id: PeerId) -> Result<Arc<Peer>, TransportError> {
         let peers = self.peers.lock().map_err(|_| TransportError::NoPeer(id))?;
-        match peers.get(&id) {
-            Some(p) if !p.dead.load(Ordering::SeqCst) => Ok(p.clone()),
-            _ => Err(TransportError::NoPeer(id)),
-        }
+        peers
+            .get(&id)
+            .and_then(|p| {
+                p.lanes
+                    .iter()
+                    .filter(|l| !l.dead.load(Ordering::SeqCst))
+                    .min_by_key(|l| l.inflight.lock().map_or(usize::MAX, |q| q.len()))
+            })
+            .cloned()
+            .ok_or(TransportError::NoPeer(id))
     }
 
     fn local(&self) -> Result<LocalBuffer, TransportError> {
@@ -317,6 +351,87 @@ fn read_completions(
     }
 }
 
+impl SoftTransport {
+    /// A data connection to `addr`, bound to `bind`, with its reader.
+    fn open_lane(
+        &self,
+        addr: &str,
+        bind: u128,
+        local: &LocalBuffer,
+    ) -> Result<Arc<Peer>, TransportError> {
+        let mut opts = ClientOptions::new(proto::SERVICE, self.client_id.clone());
+        opts.key = self.key.clone();
+        opts.connect_timeout = self.connect_timeout;
+        let client = Client::connect(addr, &opts)
+            .map_err(|e| TransportError::Setup(format!("soft NIC at {addr}: {e}")))?;
+        let (mut stream, mut head) = client.into_parts();
+        let setup = |e: io::Error| TransportError::Setup(format!("soft NIC at {addr}: {e}"));
+        send_bind(&mut stream, &mut head, bind).map_err(setup)?;
+        stream.set_read_timeout(None).map_err(setup)?;
+        let reader_stream = stream.try_clone().map_err(setup)?;
+        let peer = Arc::new(Peer {
+            addr: addr.to_string(),
+            writer: Mutex::new(stream),
+            inflight: Mutex::new(VecDeque::new()),
+            reader: Mutex::new(None),
+            dead: AtomicBool::new(false),
+            next_seq: AtomicU64::new(1),
+        });
+        let (p, sh, local) = (peer.clone(), self.shared.clone(), local.clone());
+        let handle = std::thread::Builder::new()
+            .name("soft-transport-rx".into())
+            .spawn(move || reader_loop(p, reader_stream, head, local, sh))
+            .map_err(setup)?;
+        if let Ok(mut r) = peer.reader.lock() {
+            *r = Some(handle);
+        }
+        Ok(peer)
+    }
+}
+
+impl Peer {
+    /// Stops the lane for good: no more sends, the reader joined.
+    fn close(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.reader.lock().ok().and_then(|mut h| h.take()) {
+            let _ = h.join();
+        }
+    }
+
+    /// The first half of a lane's fence: no new operation goes out; what was sent is
+    /// the target's to finish.
+    fn stop_sending(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(Shutdown::Write);
+        }
+    }
+
+    /// The second half (see the module documentation): false when the target did not
+    /// close its end within [`FENCE_WAIT`] (the reader is kept, to wait again next
+    /// time).
+    fn wait_quiet(&self) -> bool {
+        let handle = self.reader.lock().ok().and_then(|mut h| h.take());
+        if let Some(h) = handle {
+            if !wait_finished(&h, FENCE_WAIT) {
+                if let Ok(mut r) = self.reader.lock() {
+                    *r = Some(h);
+                }
+                return false;
+            }
+            // After the join, the reader wrote its last byte into the staging buffer.
+            let _ = h.join();
+        }
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
+        true
+    }
+}
+
 impl Transport for SoftTransport {
     fn name(&self) -> &'static str {
         "soft"
@@ -343,44 +458,37 @@ impl Transport for SoftTransport {
                 .map_err(|_| TransportError::Setup("peer table poisoned".into()))?;
             if let Some((id, _)) = peers
                 .iter()
-                .find(|(_, p)| p.addr == addr && p.bind == bind && !p.dead.load(Ordering::SeqCst))
+                .find(|(_, p)| p.addr == addr && p.bind == bind && p.alive())
             {
                 return Ok(*id);
             }
         }
-        let mut opts = ClientOptions::new(proto::SERVICE, self.client_id.clone());
-        opts.key = self.key.clone();
-        opts.connect_timeout = self.connect_timeout;
-        let client = Client::connect(&addr, &opts)
-            .map_err(|e| TransportError::Setup(format!("soft NIC at {addr}: {e}")))?;
-        let (mut stream, mut head) = client.into_parts();
-        let setup = |e: io::Error| TransportError::Setup(format!("soft NIC at {addr}: {e}"));
-        send_bind(&mut stream, &mut head, bind).map_err(setup)?;
-        stream.set_read_timeout(None).map_err(setup)?;
-        let reader_stream = stream.try_clone().map_err(setup)?;
-        let peer = Arc::new(Peer {
-            addr: addr.clone(),
-            bind,
-            fence: Mutex::new(false),
-            writer: Mutex::new(stream),
-            inflight: Mutex::new(VecDeque::new()),
-            reader: Mutex::new(None),
-            dead: AtomicBool::new(false),
-            next_seq: AtomicU64::new(1),
-        });
-        let (p, sh) = (peer.clone(), self.shared.clone());
-        let handle = std::thread::Builder::new()
-            .name("soft-transport-rx".into())
-            .spawn(move || reader_loop(p, reader_stream, head, local, sh))
-            .map_err(setup)?;
-        if let Ok(mut r) = peer.reader.lock() {
-            *r = Some(handle);
+        let mut lanes = Vec::with_capacity(self.lanes);
+        for _ in 0..self.lanes {
+            match self.open_lane(&addr, bind, &local) {
+                Ok(l) => lanes.push(l),
+                Err(e) => {
+                    // Lanes opened already are closed: nothing was posted on them.
+                    for l in lanes {
+                        l.close();
+                    }
+                    return Err(e);
+                }
+            }
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         self.peers
             .lock()
             .map_err(|_| TransportError::Setup("peer table poisoned".into()))?
-            .insert(id, peer);
+            .insert(
+                id,
+                Arc::new(Lanes {
+                    addr,
+                    bind,
+                    lanes,
+                    fence: Mutex::new(false),
+                }),
+            );
         Ok(id)
     }
 
@@ -516,30 +624,24 @@ impl Transport for SoftTransport {
         if *done {
             return Ok(());
         }
-        // No new operation goes out; what was sent is the target's to finish.
-        peer.dead.store(true, Ordering::SeqCst);
-        if let Ok(w) = peer.writer.lock() {
-            let _ = w.shutdown(Shutdown::Write);
+        // Every lane stops first, so that their targets drain side by side; then
+        // each is waited for, even after one failed.
+        for l in &peer.lanes {
+            l.stop_sending();
         }
-        let handle = peer.reader.lock().ok().and_then(|mut h| h.take());
-        if let Some(h) = handle {
-            if !wait_finished(&h, FENCE_WAIT) {
-                if let Ok(mut r) = peer.reader.lock() {
-                    *r = Some(h);
-                }
-                return Err(TransportError::PeerLost {
-                    peer: peer.addr.clone(),
-                    message: format!(
-                        "fence: the target did not close the connection within {} ms, so it may still apply WRITEs it read; fenced again later",
-                        FENCE_WAIT.as_millis()
-                    ),
-                });
-            }
-            // After the join, the reader wrote its last byte into the staging buffer.
-            let _ = h.join();
-        }
-        if let Ok(w) = peer.writer.lock() {
-            let _ = w.shutdown(Shutdown::Both);
+        let quiet = peer
+            .lanes
+            .iter()
+            .map(|l| l.wait_quiet())
+            .fold(true, |a, b| a & b);
+        if !quiet {
+            return Err(TransportError::PeerLost {
+                peer: peer.addr.clone(),
+                message: format!(
+                    "fence: the target did not close a connection within {} ms, so it may still apply WRITEs it read; fenced again later",
+                    FENCE_WAIT.as_millis()
+                ),
+            });
         }
         *done = true;
         if let Ok(mut peers) = self.peers.lock() {
@@ -585,11 +687,8 @@ impl Drop for SoftTransport {
             // it here).
             let peer = self.peers.lock().ok().and_then(|mut p| p.remove(&id));
             if let Some(peer) = peer {
-                if let Ok(w) = peer.writer.lock() {
-                    let _ = w.shutdown(Shutdown::Both);
-                }
-                if let Some(h) = peer.reader.lock().ok().and_then(|mut h| h.take()) {
-                    let _ = h.join();
+                for l in &peer.lanes {
+                    l.close();
                 }
             }
         }

@@ -35,10 +35,10 @@ fn make_transport(
     key: &SharedKey,
 ) -> Result<Arc<dyn Transport>, WorkerError> {
     match cfg.transport.unwrap_or(TransportKind::Soft) {
-        TransportKind::Soft => Ok(Arc::new(SoftTransport::new(
-            client_id.to_string(),
-            Some(key.clone()),
-        ))),
+        TransportKind::Soft => Ok(Arc::new(
+            SoftTransport::new(client_id.to_string(), Some(key.clone()))
+                .with_lanes(cfg.rdma_qps_per_agent),
+        )),
         TransportKind::Verbs => verbs_transport(cfg),
     }
 }

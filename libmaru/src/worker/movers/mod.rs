@@ -65,6 +65,15 @@ impl std::fmt::Debug for View {
 /// Receives the bytes of lease `i` of a read (a view that is only valid during the call).
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
+/// Transfers that run without the pool's mover lock, side by side with other requests
+/// (see `Mover::transfers`). Same meaning as the `Mover` methods of the same names.
+pub trait Transfers: Send + Sync {
+    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool>;
+    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome>;
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome>;
+}
+
 pub trait Mover: Send {
     /// Makes one of the session's own regions usable (map it).
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError>;
@@ -112,6 +121,12 @@ pub trait Mover: Send {
             .zip(ok)
             .map(|(slot, ok)| SlotOutcome { ok, slot })
             .collect()
+    }
+    /// Where the pool's requests move bytes without holding the mover's lock
+    /// (`remote_cxl`: the mover locks its own state only to post and settle a window).
+    /// `None`: through the mover's methods, under its lock (or, on `cxl`, `direct`).
+    fn transfers(&self) -> Option<Arc<dyn Transfers>> {
+        None
     }
     /// Boot ids of the session's regions (for heartbeats).
     fn boot_ids(&self) -> BTreeMap<u64, String>;

@@ -3,7 +3,7 @@
 //! are taken and released without a pool lock; on `cxl` the copies run without one
 //! too (each view keeps its mapping alive, each lease its page from reuse).
 
-use super::{LeaseReader, StoragePool};
+use super::{DataPath, LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{ReadSink, SlotOutcome, View};
@@ -31,11 +31,13 @@ impl StoragePool {
     }
 
     /// Reads each lease's bytes and hands them to `sink(i, bytes)`: on `cxl` from
-    /// views without the mover's lock, else through the mover.
+    /// views without the mover's lock, on `remote_cxl` through its transfers (see
+    /// `write_items`).
     fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        if !self.mover().writes_direct() {
-            self.mover().read(leases, sink);
-            return;
+        match self.data_path() {
+            DataPath::Transfers(t) => return t.read(leases, sink),
+            DataPath::Mover => return self.mover().read(leases, sink),
+            DataPath::Direct => {}
         }
         for (i, l) in leases.iter().enumerate() {
             let v = self.mover().view(l);
@@ -47,8 +49,10 @@ impl StoragePool {
 
     /// Reads each lease into the slot of the same index (see `read_each`).
     fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        if !self.mover().writes_direct() {
-            return self.mover().read_into(leases, slots);
+        match self.data_path() {
+            DataPath::Transfers(t) => return t.read_into(leases, slots),
+            DataPath::Mover => return self.mover().read_into(leases, slots),
+            DataPath::Direct => {}
         }
         leases
             .iter()

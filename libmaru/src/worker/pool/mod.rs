@@ -12,7 +12,8 @@
 //!   transfer or a round trip.
 //! - `mover`: the mover's own state (mappings, agents, the region lifecycle). `cxl`
 //!   copies run without it (the mover hands out the region's mapping, see
-//!   `Mover::direct`); `remote_cxl` transfers run under it.
+//!   `Mover::direct`); `remote_cxl` transfers too (the mover hands out its
+//!   `Transfers`, which lock the mover's state only to post and settle a window).
 //! - `gate`: publishes share it; what changes which regions are the session's or
 //!   what their boot ids are (heartbeat, tick) takes it alone. So a publish that
 //!   re-checked its regions under the gate cannot race with their loss.
@@ -24,12 +25,12 @@ pub mod session;
 mod store;
 
 use super::error::WorkerError;
-use super::movers::Mover;
+use super::movers::{Mover, Transfers};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
 use session::Session;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
@@ -128,6 +129,16 @@ type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool) + 'r;
 /// A test hook run between a store's copy and its publish (see `before_publish`).
 pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
 
+/// How a request's bytes move (see `StoragePool::data_path`).
+enum DataPath {
+    /// Through the mover's transfers, without the mover's lock (`remote_cxl`).
+    Transfers(Arc<dyn Transfers>),
+    /// Copies through the mover's mappings, looked up chunk by chunk (`cxl`).
+    Direct,
+    /// Through the mover, under its lock.
+    Mover,
+}
+
 /// The pool's bookkeeping, under its short lock.
 #[derive(Default)]
 struct Book {
@@ -205,6 +216,16 @@ impl StoragePool {
 
     fn mover(&self) -> MutexGuard<'_, Box<dyn Mover>> {
         self.mover.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How a request moves bytes (the mover's lock is held only to ask).
+    fn data_path(&self) -> DataPath {
+        let m = self.mover();
+        match m.transfers() {
+            Some(t) => DataPath::Transfers(t),
+            None if m.writes_direct() => DataPath::Direct,
+            None => DataPath::Mover,
+        }
     }
 
     /// Tells maru-server the boot ids of the own regions (a heartbeat) when the mover

@@ -9,7 +9,9 @@
 //! this store; round trips without it) → `write_items` / `write_slots` (no pool lock
 //! on `cxl`) → `publish` (re-checks under the gate and the bookkeeping lock).
 
-use super::{region_pages, PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
+use super::{
+    region_pages, DataPath, PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES,
+};
 use crate::wire::meta::{PageGrant, PublishEntry, RegionGrant, RemoveResult};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
@@ -272,13 +274,16 @@ impl StoragePool {
         }
     }
 
-    /// Writes chunks into their pages; true where the bytes are complete. On `cxl`
-    /// each chunk is copied through its region's mapping without any pool lock; the
+    /// Writes chunks into their pages; true where the bytes are complete. On
+    /// `remote_cxl` through the mover's transfers, which lock its state only to post
+    /// and settle a window (`Mover::transfers`). On `cxl` each chunk is copied through its region's mapping without any pool lock; the
     /// mapping is looked up (briefly under the mover's lock) chunk by chunk, so no
     /// copy starts into a region after it was lost or given back.
     pub(super) fn write_items(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        if !self.mover().writes_direct() {
-            return self.mover().write(items);
+        match self.data_path() {
+            DataPath::Transfers(t) => return t.write(items),
+            DataPath::Mover => return self.mover().write(items),
+            DataPath::Direct => {}
         }
         items
             .iter()
@@ -299,8 +304,10 @@ impl StoragePool {
 
     /// Writes from the caller's staging slots (see `write_items`).
     pub(super) fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        if !self.mover().writes_direct() {
-            return self.mover().write_slots(items);
+        match self.data_path() {
+            DataPath::Transfers(t) => return t.write_slots(items),
+            DataPath::Mover => return self.mover().write_slots(items),
+            DataPath::Direct => {}
         }
         items
             .into_iter()

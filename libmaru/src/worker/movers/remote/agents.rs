@@ -3,7 +3,7 @@
 //! region lifecycle makes of what they say (a restart maps the regions again, a
 //! reboot puts them out of use until maru-server dropped their keys).
 
-use super::{AgentConn, ReadTarget, RemoteMover};
+use super::{AgentConn, ReadTarget, RemoteState};
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest};
@@ -15,11 +15,11 @@ use crate::worker::lifecycle::Verdict;
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
-/// probe runs under the pool's lock and an agent that does not answer is the case
+/// probe runs under the pool's and the mover state's locks and an agent that does not answer is the case
 /// it is there to find.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-impl RemoteMover {
+impl RemoteState {
     pub(super) fn agent(&mut self, addr: &str) -> &mut AgentConn {
         let opts = self.agent_opts.clone();
         self.agents
@@ -181,6 +181,7 @@ impl RemoteMover {
     /// A peer whose batch failed with a known outcome: closed at the transport and
     /// forgotten; its agent's own regions are mapped again before their next use.
     pub(super) fn drop_failed_peer(&mut self, peer: PeerId) {
+        let mut dropped = false;
         for (addr, c) in self.agents.iter_mut() {
             if c.peer == Some(peer) {
                 c.peer = None;
@@ -188,11 +189,11 @@ impl RemoteMover {
                 // connect afresh rather than find out on the next call.
                 c.link.reset();
                 self.life.link_broken(addr);
-                self.peer_dropped = true;
+                dropped = true;
             }
         }
         // A closed control connection takes its read registrations with it.
-        if self.peer_dropped {
+        if dropped {
             self.reads.clear();
         }
         // Recorded: only a fence that succeeded lets pages of its WRITEs be reused.

@@ -11,7 +11,7 @@ mod agents;
 mod post;
 mod requests;
 
-use super::{Mover, ReadSink, SlotOutcome, SlotWrite, WriteItem};
+use super::{Mover, ReadSink, SlotOutcome, SlotWrite, Transfers, WriteItem};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{PeerId, Transport};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
@@ -24,7 +24,8 @@ use crate::worker::transfer::Isolation;
 use crate::worker::windows::{self, InFlightBudget};
 use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 struct OwnRegion {
@@ -39,16 +40,44 @@ struct AgentConn {
 }
 
 /// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
+///
+/// Requests of one handler run side by side: the mover's state (agents, own regions,
+/// read registrations, the region lifecycle) is behind a short lock of its own, taken
+/// to post a window and to settle it, never while a window is on the wire or its slots
+/// are filled or emptied (see [`Shared`]). The pool hands requests to [`Shared`]
+/// without its own mover lock (`Mover::transfers`).
 pub struct RemoteMover {
+    shared: Arc<Shared>,
+}
+
+/// What the transfers of concurrent requests share: the state under its lock, and what
+/// needs no lock (the transport, transfer isolation, the staging slots and the
+/// in-flight budget are safe to use from any thread).
+pub(super) struct Shared {
+    st: Mutex<RemoteState>,
     nic: Arc<dyn Transport>,
+    iso: Arc<Isolation>,
     staging: StagingSlots,
-    iso: Isolation,
+    /// How long a window's transfers may take.
+    timeout: Duration,
+    /// Bytes in flight of the windowed transfers of this data path (all its pools).
+    budget: Arc<InFlightBudget>,
+    /// Store slots held by this mover's copying store windows on the wire (they come
+    /// back within a transfer; see `StoreWindows::slots`).
+    store_slots_on_wire: AtomicUsize,
+}
+
+/// The mover's state, under `Shared`'s lock. Held to look things up, post a window,
+/// settle one, or for the lifecycle's calls to agents (map, map_read, probes, which
+/// happen at adoption, after a restart, or once per range read).
+pub(super) struct RemoteState {
+    nic: Arc<dyn Transport>,
+    iso: Arc<Isolation>,
     agent_opts: ClientOptions,
     agents: HashMap<String, AgentConn>,
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
-    timeout: Duration,
     last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// this mover feeds it what agents answer and carries out what it decides.
@@ -57,10 +86,6 @@ pub struct RemoteMover {
     probes: HashMap<String, Link>,
     /// Why the last failed read failed, for the caller.
     read_error: Option<String>,
-    /// Set when a transfer of the current call dropped a failed peer.
-    peer_dropped: bool,
-    /// Bytes in flight of the windowed transfers of this data path (all its pools).
-    budget: Arc<InFlightBudget>,
 }
 
 /// A remote range to READ: its agent, address, key and transport metadata.
@@ -74,24 +99,37 @@ impl RemoteMover {
         timeout: Duration,
         budget: Arc<InFlightBudget>,
     ) -> RemoteMover {
+        let iso = Arc::new(Isolation::new());
         RemoteMover {
-            nic,
-            staging,
-            iso: Isolation::new(),
-            agent_opts,
-            agents: HashMap::new(),
-            own: HashMap::new(),
-            reads: HashMap::new(),
-            timeout,
-            last_skip_log: None,
-            life: Lifecycle::new(),
-            probes: HashMap::new(),
-            read_error: None,
-            peer_dropped: false,
-            budget,
+            shared: Arc::new(Shared {
+                st: Mutex::new(RemoteState {
+                    nic: nic.clone(),
+                    iso: iso.clone(),
+                    agent_opts,
+                    agents: HashMap::new(),
+                    own: HashMap::new(),
+                    reads: HashMap::new(),
+                    last_skip_log: None,
+                    life: Lifecycle::new(),
+                    probes: HashMap::new(),
+                    read_error: None,
+                }),
+                nic,
+                iso,
+                staging,
+                timeout,
+                budget,
+                store_slots_on_wire: AtomicUsize::new(0),
+            }),
         }
     }
 
+    fn st(&self) -> MutexGuard<'_, RemoteState> {
+        self.shared.lock()
+    }
+}
+
+impl RemoteState {
     fn log_skip(&mut self, n: usize) {
         let now = now_ms();
         if self
@@ -104,9 +142,165 @@ impl RemoteMover {
             self.last_skip_log = Some(now);
         }
     }
+
+    fn reclaim(&mut self) {
+        let fenced = self.iso.reclaim(self.nic.as_ref());
+        if !fenced.is_empty() {
+            self.forget_peers(&fenced);
+        }
+    }
+}
+
+impl Shared {
+    /// The state (a poisoned lock is taken over: a panic between two statements leaves
+    /// maps and counters that are still usable).
+    pub(super) fn lock(&self) -> MutexGuard<'_, RemoteState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Transfers for Shared {
+    /// Copies each window into store slots while the window ahead of it is on the
+    /// wire (see `worker::windows`); stores never wait for a slot: with none free and
+    /// nothing in flight, the rest is skipped.
+    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
+        let mut w = StoreWindows {
+            m: self,
+            items,
+            ok: vec![false; items.len()],
+        };
+        let posted = windows::run(&mut w, &self.budget);
+        let ok = w.ok;
+        if posted < items.len() {
+            self.lock().log_skip(items.len() - posted);
+        }
+        ok
+    }
+
+    /// From the caller's slots, window by window (see `worker::windows`).
+    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
+        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(pages.len()),
+            kind: Given::Write(&pages),
+        };
+        windows::run(&mut w, &self.budget);
+        w.into_outcomes()
+    }
+
+    /// Each window's slots are handed to `sink` and then take a later window (see
+    /// `worker::windows`). After a window that failed, nothing more is handed over.
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        windows::run(
+            &mut LoadWindows {
+                m: self,
+                leases,
+                sink,
+            },
+            &self.budget,
+        );
+    }
+
+    /// Into the caller's slots, window by window (see `worker::windows`); every lease
+    /// is tried.
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        let n = leases.len().min(slots.len());
+        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(n),
+            kind: Given::Read(&leases[..n]),
+        };
+        windows::run(&mut w, &self.budget);
+        w.into_outcomes()
+    }
 }
 
 impl Mover for RemoteMover {
+    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        self.st().adopt(grant)
+    }
+
+    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
+        self.shared.write(items)
+    }
+
+    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        self.shared.write_slots(items)
+    }
+
+    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        self.shared.read(leases, sink)
+    }
+
+    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+        self.shared.read_into(leases, slots)
+    }
+
+    fn transfers(&self) -> Option<Arc<dyn Transfers>> {
+        Some(self.shared.clone())
+    }
+
+    fn boot_ids(&self) -> BTreeMap<u64, String> {
+        self.st().life.boot_ids()
+    }
+
+    fn must_report(&self) -> bool {
+        self.st().life.must_report()
+    }
+
+    fn reported(&mut self, sent: &BTreeMap<u64, String>) {
+        let mut st = self.st();
+        st.life.reported(sent);
+        // Regions that waited for the report may be mapped again now.
+        st.remap_failed_agents();
+    }
+
+    fn take_read_error(&mut self) -> Option<String> {
+        self.st().read_error.take()
+    }
+
+    fn tick(&mut self, now_ms: u64) -> Vec<u64> {
+        self.st().tick(now_ms)
+    }
+
+    fn check_agents(&mut self, now_ms: u64) {
+        self.st().check_agents(now_ms)
+    }
+
+    fn owns(&self, region_id: u64) -> bool {
+        self.st().own.contains_key(&region_id)
+    }
+
+    fn own_regions(&self) -> Vec<u64> {
+        self.st().own.keys().copied().collect()
+    }
+
+    fn forget_region(&mut self, region_id: u64) {
+        let mut st = self.st();
+        st.own.remove(&region_id);
+        st.life.forget(region_id);
+        st.reads.retain(|&(r, _, _), _| r != region_id);
+    }
+
+    fn reclaim(&mut self) {
+        self.st().reclaim()
+    }
+
+    fn may_still_write(&self) -> bool {
+        self.shared.iso.may_still_write()
+    }
+
+    fn release_all(&mut self) -> (usize, usize) {
+        self.st().release_all()
+    }
+}
+
+impl RemoteState {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
         let agent = grant.agent.clone().ok_or_else(|| {
             WorkerError::Config(format!(
@@ -147,91 +341,6 @@ impl Mover for RemoteMover {
         Ok(())
     }
 
-    /// Copies each window into store slots while the window ahead of it is on the
-    /// wire (see `worker::windows`); stores never wait for a slot: with none free and nothing
-    /// in flight, the rest is skipped.
-    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        self.peer_dropped = false;
-        let budget = self.budget.clone();
-        let mut w = StoreWindows {
-            m: self,
-            items,
-            ok: vec![false; items.len()],
-        };
-        let posted = windows::run(&mut w, &budget);
-        let ok = w.ok;
-        if posted < items.len() {
-            self.log_skip(items.len() - posted);
-        }
-        ok
-    }
-
-    /// From the caller's slots, window by window (see `worker::windows`).
-    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        self.peer_dropped = false;
-        let budget = self.budget.clone();
-        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
-        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(pages.len()),
-            kind: Given::Write(&pages),
-        };
-        windows::run(&mut w, &budget);
-        w.into_outcomes()
-    }
-
-    /// Each window's slots are handed to `sink` and then take a later window (see
-    /// `worker::windows`). After a window that failed, nothing more is handed over.
-    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.peer_dropped = false;
-        let budget = self.budget.clone();
-        windows::run(
-            &mut LoadWindows {
-                m: self,
-                leases,
-                sink,
-            },
-            &budget,
-        );
-    }
-
-    /// Into the caller's slots, window by window (see `worker::windows`); every lease is
-    /// tried.
-    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        self.peer_dropped = false;
-        let budget = self.budget.clone();
-        let n = leases.len().min(slots.len());
-        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(n),
-            kind: Given::Read(&leases[..n]),
-        };
-        windows::run(&mut w, &budget);
-        w.into_outcomes()
-    }
-
-    fn boot_ids(&self) -> BTreeMap<u64, String> {
-        self.life.boot_ids()
-    }
-
-    fn must_report(&self) -> bool {
-        self.life.must_report()
-    }
-
-    fn reported(&mut self, sent: &BTreeMap<u64, String>) {
-        self.life.reported(sent);
-        // Regions that waited for the report may be mapped again now.
-        self.remap_failed_agents();
-    }
-
-    fn take_read_error(&mut self) -> Option<String> {
-        self.read_error.take()
-    }
-
     fn tick(&mut self, now_ms: u64) -> Vec<u64> {
         let mut give_back = Vec::new();
         for a in self.life.due(now_ms) {
@@ -263,31 +372,6 @@ impl Mover for RemoteMover {
         }
     }
 
-    fn owns(&self, region_id: u64) -> bool {
-        self.own.contains_key(&region_id)
-    }
-
-    fn own_regions(&self) -> Vec<u64> {
-        self.own.keys().copied().collect()
-    }
-
-    fn forget_region(&mut self, region_id: u64) {
-        self.own.remove(&region_id);
-        self.life.forget(region_id);
-        self.reads.retain(|&(r, _, _), _| r != region_id);
-    }
-
-    fn reclaim(&mut self) {
-        let fenced = self.iso.reclaim(self.nic.as_ref());
-        if !fenced.is_empty() {
-            self.forget_peers(&fenced);
-        }
-    }
-
-    fn may_still_write(&self) -> bool {
-        self.iso.may_still_write()
-    }
-
     fn release_all(&mut self) -> (usize, usize) {
         let own: Vec<(String, crate::wire::rm::Handle)> = self
             .own
@@ -317,11 +401,11 @@ impl Mover for RemoteMover {
     }
 }
 
-impl Drop for RemoteMover {
+impl Drop for Shared {
     fn drop(&mut self) {
         // Fence what is still kept; slots of a peer that cannot be fenced never return
         // to the pool (a late DMA could still land in them).
-        self.reclaim();
+        self.lock().reclaim();
         let lost = self.iso.abandon();
         if lost > 0 {
             log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");

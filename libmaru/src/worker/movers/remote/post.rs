@@ -1,21 +1,29 @@
-//! One window of transfers: operations grouped into a batch per peer, posted, and
-//! settled. A peer whose batch failed is dropped (and fenced: pages its WRITEs may
+//! One window of transfers: operations grouped into a batch per peer, posted (under
+//! the mover's state lock), waited for (without it), and settled (under it again). A peer whose batch failed is dropped (and fenced: pages its WRITEs may
 //! still reach wait for a fence that succeeded); a peer whose batch did not finish
 //! keeps its slots in transfer isolation. What failed while a peer was dropped is
 //! posted once more.
 
-use super::RemoteMover;
+use super::{RemoteState, Shared};
 use crate::transport::{Op, OpKind, PeerId, TransportError};
 use crate::wire::meta::{LeaseGrant, PageGrant};
-use crate::worker::movers::Mover;
 use crate::worker::movers::SlotOutcome;
 use crate::worker::staging::Slot;
 use crate::worker::transfer::{post, PeerBatch, PeerOutcome, Posted};
 
 /// Posts once more the items (with their slots) of a window that failed while a peer
 /// was dropped.
-pub(super) type PostAgain<'a> =
-    dyn FnMut(&mut RemoteMover, Vec<usize>, Vec<Slot>) -> PendingWindow + 'a;
+pub(super) type PostAgain<'a> = dyn FnMut(&mut RemoteState, Vec<usize>, Vec<Slot>) -> Planned + 'a;
+
+/// One window of a transfer, planned under the state's lock (targets looked up, peers
+/// connected) and not yet posted: `Shared::launch` posts it without the lock (on the
+/// soft transport a post writes the WRITE payloads on the socket).
+pub(super) struct Planned {
+    items: Vec<usize>,
+    out: Vec<SlotOutcome>,
+    group: PeerGroups,
+    reads: bool,
+}
 
 /// One window of a transfer, posted and not yet waited for.
 pub(super) struct PendingWindow {
@@ -79,25 +87,23 @@ pub(super) fn put_back(out: &mut [SlotOutcome], idx: &[usize], again: Vec<SlotOu
     }
 }
 
-impl RemoteMover {
-    pub(super) fn post_group(&self, group: PeerGroups, writes: bool) -> PostedGroup {
-        let peers = group.batches.iter().map(|b| b.peer).collect();
-        PostedGroup {
-            posted: post(self.nic.as_ref(), group.batches, self.timeout),
-            order: group.order,
-            peers,
-            writes,
-        }
-    }
-
-    /// Waits for a posted group and records each item's outcome in `out` (the slot
-    /// back unless its peer's outcome is unknown). True when any batch did not complete.
-    pub(super) fn settle_posted(&mut self, pending: PostedGroup, out: &mut [SlotOutcome]) -> bool {
-        let outcomes = pending.posted.finish(self.nic.as_ref(), &self.iso);
-        let writes = pending.writes;
+impl RemoteState {
+    /// Records each item's outcome of a group that was waited for in `out` (the slot
+    /// back unless its peer's outcome is unknown). Returns whether any batch did not
+    /// complete, and whether any failed with a known outcome (its peer is dropped: a
+    /// try on a fresh connection may succeed).
+    fn settle(
+        &mut self,
+        order: &[Vec<usize>],
+        peers: Vec<PeerId>,
+        writes: bool,
+        outcomes: Vec<PeerOutcome>,
+        out: &mut [SlotOutcome],
+    ) -> (bool, bool) {
         let mut any_failed = false;
+        let mut dropped = false;
         let mut any_kept = false;
-        for ((items, o), peer) in pending.order.iter().zip(outcomes).zip(pending.peers) {
+        for ((items, o), peer) in order.iter().zip(outcomes).zip(peers) {
             let (ok, slots) = match o {
                 PeerOutcome::Done(s) => (true, s),
                 PeerOutcome::Failed(e, s) => {
@@ -109,8 +115,10 @@ impl RemoteMover {
                     }
                     // Nothing of it is in flight here: drop the peer (fenced), so the
                     // next transfer connects again, and map our regions at its agent
-                    // again before their next use.
+                    // again before their next use. Another request may have dropped it
+                    // already: this one still tries its failed items again.
                     self.drop_failed_peer(peer);
+                    dropped = true;
                     (false, s)
                 }
                 PeerOutcome::Kept(_) => {
@@ -129,7 +137,7 @@ impl RemoteMover {
         if any_kept {
             self.reclaim();
         }
-        any_failed
+        (any_failed, dropped)
     }
 
     /// Posts a WRITE of each of the request's `items` from the slot of the same index
@@ -139,7 +147,7 @@ impl RemoteMover {
         items: Vec<usize>,
         slots: Vec<Slot>,
         page: &dyn Fn(usize) -> (PageGrant, usize),
-    ) -> PendingWindow {
+    ) -> Planned {
         self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
@@ -178,10 +186,10 @@ impl RemoteMover {
             };
             group.add(peer, op, slot, i);
         }
-        PendingWindow {
+        Planned {
             items,
             out,
-            group: self.post_group(group, true),
+            group,
             reads: false,
         }
     }
@@ -193,7 +201,7 @@ impl RemoteMover {
         items: Vec<usize>,
         leases: &[LeaseGrant],
         slots: Vec<Slot>,
-    ) -> PendingWindow {
+    ) -> Planned {
         self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
@@ -236,12 +244,43 @@ impl RemoteMover {
             };
             group.add(peer, op, slot, i);
         }
-        PendingWindow {
+        Planned {
             items,
             out,
-            group: self.post_group(group, false),
+            group,
             reads: true,
         }
+    }
+}
+
+impl Shared {
+    /// Posts a planned window (without the state's lock).
+    pub(super) fn launch(&self, p: Planned) -> PendingWindow {
+        let peers = p.group.batches.iter().map(|b| b.peer).collect();
+        PendingWindow {
+            items: p.items,
+            out: p.out,
+            group: PostedGroup {
+                posted: post(self.nic.as_ref(), p.group.batches, self.timeout),
+                order: p.group.order,
+                peers,
+                writes: !p.reads,
+            },
+            reads: p.reads,
+        }
+    }
+
+    /// Waits for a posted group without the state's lock, then settles it under the
+    /// lock (see `RemoteState::settle`).
+    fn wait(&self, group: PostedGroup, out: &mut [SlotOutcome]) -> (bool, bool) {
+        let PostedGroup {
+            posted,
+            order,
+            peers,
+            writes,
+        } = group;
+        let outcomes = posted.finish(self.nic.as_ref(), &self.iso);
+        self.lock().settle(&order, peers, writes, outcomes, out)
     }
 
     /// Waits for a posted window: its items and their outcomes. Transfers that failed
@@ -249,7 +288,7 @@ impl RemoteMover {
     /// nothing of them is in flight) are posted once more through `again(items, slots)`
     /// and waited for; the next try connects again and maps the regions again.
     pub(super) fn finish_window(
-        &mut self,
+        &self,
         pending: PendingWindow,
         again: &mut PostAgain<'_>,
     ) -> (Vec<usize>, Vec<SlotOutcome>) {
@@ -259,18 +298,19 @@ impl RemoteMover {
             group,
             reads,
         } = pending;
-        let mut failed = self.settle_posted(group, &mut out);
-        if self.peer_dropped && out.iter().any(|o| !o.ok) {
+        let (mut failed, dropped) = self.wait(group, &mut out);
+        if dropped && out.iter().any(|o| !o.ok) {
             let (idx, slots) = take_failed(&mut out);
             let which = idx.iter().map(|&k| items[k]).collect();
-            let retry = again(self, which, slots);
+            let planned = again(&mut self.lock(), which, slots);
+            let retry = self.launch(planned);
             let mut retried = retry.out;
-            failed = self.settle_posted(retry.group, &mut retried);
+            failed = self.wait(retry.group, &mut retried).0;
             put_back(&mut out, &idx, retried);
         }
         if failed && reads {
             // Read registrations may have gone with their region: map again next time.
-            self.reads.clear();
+            self.lock().reads.clear();
         }
         (items, out)
     }

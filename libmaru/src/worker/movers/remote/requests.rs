@@ -3,17 +3,22 @@
 //! each window's slots to the caller's sink, and the slot API moves the caller's own
 //! slots.
 
-use super::post::PendingWindow;
-use super::RemoteMover;
+use super::post::{PendingWindow, Planned};
+use super::{RemoteState, Shared};
 use crate::wire::meta::{LeaseGrant, PageGrant};
 use crate::worker::movers::{ReadSink, SlotOutcome, WriteItem};
 use crate::worker::staging::{Slot, SlotPool};
 use crate::worker::windows::Windowed;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+/// How long a store's first window waits for a store slot that other requests'
+/// windows hold on the wire (see `StoreWindows::slots`).
+const STORE_SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// A copying store's windows: the caller's chunks are copied into store slots.
 pub(super) struct StoreWindows<'a, 'd> {
-    pub(super) m: &'a mut RemoteMover,
+    pub(super) m: &'a Shared,
     pub(super) items: &'a [WriteItem<'d>],
     pub(super) ok: Vec<bool>,
 }
@@ -26,8 +31,18 @@ impl Windowed for StoreWindows<'_, '_> {
     fn bytes(&self, i: usize) -> u64 {
         self.items[i].data.len() as u64
     }
-    fn slots(&mut self, _start: usize, want: usize, _first: bool) -> Vec<Slot> {
-        self.m.staging.try_acquire(SlotPool::Store, want)
+    /// A request's first window waits (at most `STORE_SLOT_WAIT`) for a store slot
+    /// only while other requests' store windows hold slots on the wire: theirs come
+    /// back within a transfer. With none on the wire, slots are held by callers (the
+    /// slot API) for as long as they like, and the store skips at once.
+    fn slots(&mut self, _start: usize, want: usize, first: bool) -> Vec<Slot> {
+        let got = self.m.staging.try_acquire(SlotPool::Store, want);
+        if !got.is_empty() || !first || self.m.store_slots_on_wire.load(Ordering::Relaxed) == 0 {
+            return got;
+        }
+        self.m
+            .staging
+            .acquire(SlotPool::Store, want, STORE_SLOT_WAIT)
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let mut filled = Vec::with_capacity(slots.len());
@@ -43,13 +58,22 @@ impl Windowed for StoreWindows<'_, '_> {
         }
         let items = self.items;
         self.m
-            .post_writes(index, filled, &|i| (items[i].page, items[i].data.len()))
+            .store_slots_on_wire
+            .fetch_add(filled.len(), Ordering::Relaxed);
+        let planned = self
+            .m
+            .lock()
+            .post_writes(index, filled, &|i| (items[i].page, items[i].data.len()));
+        self.m.launch(planned)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let items = self.items;
-        self.m.finish_window(posted, &mut |m, which, slots| {
-            m.post_writes(which, slots, &|i| (items[i].page, items[i].data.len()))
-        })
+        let n = posted.items.len();
+        let r = self.m.finish_window(posted, &mut |st, which, slots| {
+            st.post_writes(which, slots, &|i| (items[i].page, items[i].data.len()))
+        });
+        self.m.store_slots_on_wire.fetch_sub(n, Ordering::Relaxed);
+        r
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
         for (&i, o) in items.iter().zip(outcomes) {
@@ -62,7 +86,7 @@ impl Windowed for StoreWindows<'_, '_> {
 /// A copying load's windows: each window's slots go to the sink, then to a later
 /// window.
 pub(super) struct LoadWindows<'a, 's> {
-    pub(super) m: &'a mut RemoteMover,
+    pub(super) m: &'a Shared,
     pub(super) leases: &'a [LeaseGrant],
     pub(super) sink: &'a mut ReadSink<'s>,
 }
@@ -94,12 +118,13 @@ impl Windowed for LoadWindows<'_, '_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        self.m.post_reads(items, self.leases, slots)
+        let planned = self.m.lock().post_reads(items, self.leases, slots);
+        self.m.launch(planned)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let leases = self.leases;
-        self.m.finish_window(posted, &mut |m, which, slots| {
-            m.post_reads(which, leases, slots)
+        self.m.finish_window(posted, &mut |st, which, slots| {
+            st.post_reads(which, leases, slots)
         })
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
@@ -129,7 +154,7 @@ pub(super) enum Given<'a> {
 /// Windows of a transfer between the caller's slots and pages: every item is tried,
 /// and each slot comes back in its outcome.
 pub(super) struct GivenWindows<'a> {
-    pub(super) m: &'a mut RemoteMover,
+    pub(super) m: &'a Shared,
     pub(super) given: Vec<Option<Slot>>,
     pub(super) out: Vec<SlotOutcome>,
     pub(super) kind: Given<'a>,
@@ -152,11 +177,11 @@ impl GivenWindows<'_> {
 
 /// Posts the request's `items` from or into the caller's slots.
 pub(super) fn post_given(
-    m: &mut RemoteMover,
+    m: &mut RemoteState,
     kind: &Given<'_>,
     items: Vec<usize>,
     slots: Vec<Slot>,
-) -> PendingWindow {
+) -> Planned {
     match kind {
         Given::Write(pages) => m.post_writes(items, slots, &|i| pages[i]),
         Given::Read(leases) => m.post_reads(items, leases, slots),
@@ -185,12 +210,13 @@ impl Windowed for GivenWindows<'_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        post_given(self.m, &self.kind, items, slots)
+        let planned = post_given(&mut self.m.lock(), &self.kind, items, slots);
+        self.m.launch(planned)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let kind = &self.kind;
-        self.m.finish_window(posted, &mut |m, which, slots| {
-            post_given(m, kind, which, slots)
+        self.m.finish_window(posted, &mut |st, which, slots| {
+            post_given(st, kind, which, slots)
         })
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
