@@ -288,3 +288,51 @@ fn capped_engine_keeps_storing(backend: &str) {
     assert!(h.exists_batch(&last, None).unwrap().iter().all(|f| *f));
     h.close().unwrap();
 }
+
+/// In a full pool a store makes room by evicting its own keys; after maru-server had
+/// no region to give, it does not ask again at every eviction round but at most once
+/// per 250 ms (each refused `expand` was a round trip before every eviction). One
+/// cxl engine stores three times a 256 MiB pool of 8 MiB regions in 16 KiB chunks;
+/// maru-server's metrics count the refused `expand`s. Seen failing with the back-off
+/// removed (one refused `expand` per eviction round).
+#[test]
+fn a_full_pool_is_not_asked_for_a_region_at_every_eviction_round() {
+    let port = support::free_port();
+    let args: Vec<String> = [
+        "--region-size",
+        "8M",
+        "--chunk-size",
+        "16K",
+        "--metrics",
+        &format!("127.0.0.1:{port}"),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let st = support::stack("backoff", "256M", false, &args);
+    let h = Handler::open(&config_for(&st, "cxl", "backoff")).unwrap();
+    let chunk = vec![7u8; 16 << 10];
+    let batches = 3 * POOL / (16 << 10) / 32;
+    let t = Instant::now();
+    for b in 0..batches {
+        let keys: Vec<String> = (0..32).map(|i| format!("bo-{b}-{i}")).collect();
+        let items: Vec<(&str, &[u8])> = keys.iter().map(|k| (k.as_str(), &chunk[..])).collect();
+        assert_eq!(h.store_batch(&items, Some("bo")).unwrap(), vec![true; 32]);
+    }
+    let took = t.elapsed();
+    let rounds = h.stats()["total"]["evictions"].as_u64().unwrap();
+    let refused: f64 = support::scrape(port)
+        .iter()
+        .filter(|(s, _)| {
+            s.starts_with("maru_server_requests_total{op=\"expand\"")
+                && !s.contains("result=\"ok\"")
+        })
+        .map(|(_, v)| v)
+        .sum();
+    let allowed = 2.0 + took.as_millis() as f64 / 250.0;
+    assert!(rounds > 0, "the pool filled and stores evicted");
+    assert!(
+        refused <= allowed,
+        "{refused} refused expands in {took:?} ({rounds} keys evicted): at most one per 250 ms ({allowed})"
+    );
+}

@@ -9,45 +9,10 @@ use maru::net::{Client, ClientOptions};
 use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
 use maru::wire::meta::{Backend, MetaReply, MetaRequest, SERVICE as META};
 use maru::wire::rm::SERVICE as RM;
-use std::io::{Read, Write};
+
 use std::net::TcpStream;
 use std::time::Duration;
-use support::{Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// GET /metrics: the samples, `series value` each.
-fn scrape(port: u16) -> Vec<(String, f64)> {
-    let mut c = TcpStream::connect(("127.0.0.1", port)).expect("the metrics port");
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
-        .unwrap();
-    let mut r = String::new();
-    c.read_to_string(&mut r).unwrap();
-    assert!(r.starts_with("HTTP/1.1 200 OK"), "{r}");
-    let body = r.split_once("\r\n\r\n").unwrap().1;
-    body.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| {
-            let (s, v) = l.rsplit_once(' ').unwrap();
-            (s.to_string(), v.parse().unwrap())
-        })
-        .collect()
-}
-
-fn get(samples: &[(String, f64)], series: &str) -> f64 {
-    samples
-        .iter()
-        .find(|(s, _)| s == series)
-        .map(|(_, v)| *v)
-        .unwrap_or(0.0)
-}
+use support::{free_port, get, scrape, Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
 
 fn has(samples: &[(String, f64)], prefix: &str) -> bool {
     samples.iter().any(|(s, _)| s.starts_with(prefix))

@@ -400,3 +400,40 @@ pub fn refused_start(cmd: &mut Command) -> (Option<i32>, String) {
     let out = child.wait_with_output().unwrap();
     (code, String::from_utf8_lossy(&out.stderr).into_owned())
 }
+
+/// A port free on loopback now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET /metrics: the samples, `series value` each.
+pub fn scrape(port: u16) -> Vec<(String, f64)> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics port");
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        .unwrap();
+    let mut r = String::new();
+    c.read_to_string(&mut r).unwrap();
+    assert!(r.starts_with("HTTP/1.1 200 OK"), "{r}");
+    let body = r.split_once("\r\n\r\n").unwrap().1;
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (s, v) = l.rsplit_once(' ').unwrap();
+            (s.to_string(), v.parse().unwrap())
+        })
+        .collect()
+}
+
+pub fn get(samples: &[(String, f64)], series: &str) -> f64 {
+    samples
+        .iter()
+        .find(|(s, _)| s == series)
+        .map(|(_, v)| *v)
+        .unwrap_or(0.0)
+}

@@ -377,7 +377,7 @@ impl SoftTransport {
             dead: AtomicBool::new(false),
             next_seq: AtomicU64::new(1),
         });
-        let (p, sh, local) = (peer.clone(), self.shared.clone(), local.clone());
+        let (p, sh, local) = (peer.clone(), self.shared.clone(), *local);
         let handle = std::thread::Builder::new()
             .name("soft-transport-rx".into())
             .spawn(move || reader_loop(p, reader_stream, head, local, sh))

@@ -156,6 +156,8 @@ struct Book {
     writing: HashMap<u64, usize>,
     /// Regions being taken now (an `expand` in flight), counted against `max_bytes`.
     expanding: u64,
+    /// When maru-server last had no region to give (see `EXPAND_BACKOFF_MS`).
+    refused_at: Option<u64>,
     /// Regions maru-server asked for while stores wrote into them: no new store
     /// writes into them, and the last store that does gives them back.
     closing: std::collections::HashSet<u64>,

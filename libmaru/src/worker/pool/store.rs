@@ -13,6 +13,7 @@ use super::{
     region_pages, DataPath, PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES,
 };
 use crate::wire::meta::{PageGrant, PublishEntry, RegionGrant, RemoveResult};
+use crate::worker::clock::now_ms;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
 use crate::worker::staging::Slot;
@@ -25,6 +26,14 @@ const REPORT_TRIES: usize = 3;
 /// Rounds of making room (a region or evictions, then `alloc`) that found no page
 /// before a store gives up on the chunks still missing.
 const ROOM_ROUNDS: usize = 8;
+
+/// After maru-server had no region to give (the pool is full), stores make room by
+/// evicting without asking again for this long: in a full pool every store that
+/// evicts would otherwise pay a refused `expand` round trip first (measured: 190 µs
+/// of the 740 µs a 256 KiB store's eviction round took). maru-server keeps counting
+/// the session as waiting for a region meanwhile (fair share), and the next `expand`
+/// after it takes the region given back.
+const EXPAND_BACKOFF_MS: u64 = 250;
 
 /// The pages a store took and, per region, its boot id when they were taken.
 pub(super) struct Taken {
@@ -145,12 +154,20 @@ impl StoragePool {
     /// One more region for the session, within `max_bytes` (counting the regions
     /// other stores are taking now).
     fn grow(&self) -> Result<(), WorkerError> {
+        let now = now_ms();
         {
             let mut b = self.book();
             if !self.may_grow(&b) {
                 return Err(WorkerError::NoSpace(format!(
                     "the engine holds max_bytes of regions ({} of them)",
                     b.stats.regions
+                )));
+            }
+            if let Some(at) = b.refused_at.filter(|&at| now < at + EXPAND_BACKOFF_MS) {
+                return Err(WorkerError::NoSpace(format!(
+                    "maru-server had no region to give {} ms ago (asked again {} ms after that)",
+                    now.saturating_sub(at),
+                    EXPAND_BACKOFF_MS
                 )));
             }
             b.expanding += 1;
@@ -161,6 +178,7 @@ impl StoragePool {
         };
         let mut b = self.book();
         b.expanding = b.expanding.saturating_sub(1);
+        b.refused_at = matches!(r, Err(WorkerError::NoSpace(_))).then_some(now);
         r
     }
 
