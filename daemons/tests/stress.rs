@@ -109,6 +109,71 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
     );
 }
 
+/// A store that gets pages of a region another store of the pool is taking (its
+/// `expand` answered, its adoption not done) waits for the adoption before it writes:
+/// maru-server allocates from any region of the session. The adoption of the second
+/// region is held back 400 ms; a store on another thread that finds the first region
+/// full gets pages of the second; every chunk of both stores is stored. Seen failing
+/// with the wait removed (10 chunks written into a region that had no mapping yet,
+/// so not stored).
+#[test]
+fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
+    use maru::wire::meta::Backend;
+    use maru::worker::pool::StoragePool;
+    use maru::worker::session::Session;
+    let st = support::stack("stress-adopt", "256M", false, &server_args());
+    let session = Session::open(
+        &st.server.addr,
+        "adopter",
+        "adopter",
+        "stress",
+        "default",
+        Backend::Cxl,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let adopting = Arc::new(AtomicBool::new(false));
+    let a = adopting.clone();
+    let pool = StoragePool::open(
+        session,
+        Box::new(maru::worker::movers::CxlMover::with_prefault(false)),
+    )
+    .unwrap()
+    .with_before_adopt(Box::new(move |_| {
+        a.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(400));
+    }));
+    // 8 MiB regions of 64 KiB pages: 128 pages each (the first region is the
+    // session's from its start; the second is taken when the first is full).
+    let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    // The first region full.
+    assert_eq!(
+        pool.store(&items[..128], Some("adopt")).unwrap(),
+        vec![true; 128]
+    );
+    std::thread::scope(|s| {
+        let pool = &pool;
+        let taker = s.spawn(|| pool.store(&items[128..138], Some("adopt")).unwrap());
+        // The taker is adopting the second region now.
+        assert!(support::wait_until(Duration::from_secs(5), || adopting.load(Ordering::SeqCst)));
+        let other = pool.store(&items[138..], Some("adopt")).unwrap();
+        assert_eq!(
+            other,
+            vec![true; 6],
+            "every chunk of the waiting store is stored"
+        );
+        assert_eq!(taker.join().unwrap(), vec![true; 10]);
+    });
+    let found = pool.exists(&keys).unwrap();
+    assert_eq!(found, vec![true; keys.len()]);
+}
+
 /// A store whose region goes between its copy and its publish: maru-server takes
 /// the region back from the session (returned under it) and the pool hears it at a
 /// heartbeat, both in the pool's test hook, after the bytes were written. The pool

@@ -128,6 +128,9 @@ type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)]) -> Vec<bool
 type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool) + 'r;
 /// A test hook run between a store's copy and its publish (see `before_publish`).
 pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
+/// A test hook run before the mover adopts a region the session took (see
+/// `with_before_adopt`).
+pub type BeforeAdopt = Box<dyn Fn(&RegionGrant) + Send + Sync>;
 
 /// How a request's bytes move (see `StoragePool::data_path`).
 enum DataPath {
@@ -168,9 +171,10 @@ pub struct StoragePool {
     mover: Mutex<Box<dyn Mover>>,
     book: Mutex<Book>,
     gate: RwLock<()>,
-    /// Taking a region (expand + the mover's adopt) holds it alone, an `alloc` shared:
-    /// maru-server allocates from any region of the session, so no store may get a
-    /// page of a region the mover has not made usable yet.
+    /// Taking a region (expand + the mover's adopt) holds it alone; an `alloc` that got
+    /// pages of a region the mover does not know yet takes it shared, so it waits
+    /// until that region is usable (maru-server allocates from any region of the
+    /// session).
     adopting: RwLock<()>,
     max_batch: usize,
     /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
@@ -179,6 +183,7 @@ pub struct StoragePool {
     /// Most regions the session takes (`max_bytes`); none: no limit.
     max_regions: Option<u64>,
     before_publish: Option<BeforePublish>,
+    before_adopt: Option<BeforeAdopt>,
 }
 
 impl StoragePool {
@@ -205,6 +210,7 @@ impl StoragePool {
             spare_target: 0,
             max_regions: None,
             before_publish: None,
+            before_adopt: None,
         };
         pool.report_boots()?;
         Ok(pool)
@@ -261,6 +267,14 @@ impl StoragePool {
     #[doc(hidden)]
     pub fn with_before_publish(mut self, f: BeforePublish) -> StoragePool {
         self.before_publish = Some(f);
+        self
+    }
+
+    /// Test hook: `f(grant)` runs before the mover adopts each region the session takes
+    /// after the pool opened (a test makes the adoption slow there).
+    #[doc(hidden)]
+    pub fn with_before_adopt(mut self, f: BeforeAdopt) -> StoragePool {
+        self.before_adopt = Some(f);
         self
     }
 

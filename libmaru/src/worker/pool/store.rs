@@ -141,14 +141,26 @@ impl StoragePool {
         Ok(pages)
     }
 
-    /// `alloc` at maru-server, never while a region is being taken (see `adopting`).
+    /// `alloc` at maru-server. maru-server allocates from any region of the session,
+    /// also one another store is taking now (its `expand` answered, the mover's
+    /// `adopt` not done): pages of a region the mover does not know yet wait for that
+    /// adoption (`adopting`, which the taker holds from before its `expand` until its
+    /// `adopt` ended), so no store writes into a region before it is usable. Other
+    /// allocs do not wait for a region being taken.
     fn alloc(
         &self,
         count: u32,
         route_key: Option<&str>,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        let _shared = self.adopting.read().unwrap_or_else(|e| e.into_inner());
-        self.session.alloc(count, route_key)
+        let got = self.session.alloc(count, route_key)?;
+        let new_region = {
+            let m = self.mover();
+            got.0.iter().any(|p| !m.owns(p.region_id))
+        };
+        if new_region {
+            drop(self.adopting.read().unwrap_or_else(|e| e.into_inner()));
+        }
+        Ok(got)
     }
 
     /// One more region for the session, within `max_bytes` (counting the regions
@@ -221,6 +233,9 @@ impl StoragePool {
     }
 
     pub(super) fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        if let Some(f) = &self.before_adopt {
+            f(grant);
+        }
         self.mover().adopt(grant)?;
         let mut b = self.book();
         b.stats.regions += 1;
