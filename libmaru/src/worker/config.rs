@@ -49,7 +49,7 @@ fn default_prefault() -> bool {
     true
 }
 fn default_rdma_qps_per_agent() -> u8 {
-    2
+    4
 }
 
 fn default_rdma_port() -> u8 {
@@ -271,7 +271,7 @@ mod tests {
             HandlerConfig::parse(&format!(r#"{{{base},"rdma_traffic_class":256}}"#)).unwrap_err();
         assert!(e.contains("rdma_traffic_class") || e.contains("256"), "{e}");
         let c = HandlerConfig::parse(&format!("{{{base}}}")).unwrap();
-        assert_eq!(c.rdma_qps_per_agent, 2);
+        assert_eq!(c.rdma_qps_per_agent, 4);
         let c = HandlerConfig::parse(&format!(r#"{{{base},"rdma_qps_per_agent":4}}"#)).unwrap();
         assert_eq!(c.rdma_qps_per_agent, 4);
         for bad in [0, 9] {
