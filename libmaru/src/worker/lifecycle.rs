@@ -234,6 +234,13 @@ impl Lifecycle {
         self.regions.values().any(|r| !r.reported)
     }
 
+    /// As `must_report`, for `regions` only (regions it does not know: no).
+    pub fn must_report_for(&self, regions: &[u64]) -> bool {
+        regions
+            .iter()
+            .any(|id| self.regions.get(id).is_some_and(|r| !r.reported))
+    }
+
     /// maru-server received `sent` (the boot ids of a heartbeat) and answered.
     /// Regions whose boot id has not changed since are reported; rebooted ones serve
     /// again (maru-server dropped their keys).
@@ -332,6 +339,22 @@ mod tests {
     fn reported(l: &mut Lifecycle) {
         let sent = l.boot_ids();
         l.reported(&sent);
+    }
+
+    /// A publish waits only for the report of the regions it writes into: a region
+    /// adopted by another store meanwhile does not hold it back.
+    #[test]
+    fn must_report_for_names_only_the_regions_asked_about() {
+        let mut l = Lifecycle::new();
+        assert_eq!(l.adopt(1, A, "boot-1", Some(7), 0), Verdict::Same);
+        reported(&mut l);
+        assert_eq!(l.adopt(2, A, "boot-1", Some(7), 0), Verdict::Same);
+        assert!(l.must_report());
+        assert!(!l.must_report_for(&[1]), "region 1 was reported");
+        assert!(l.must_report_for(&[1, 2]), "region 2 is new");
+        assert!(!l.must_report_for(&[9]), "a region it does not know");
+        reported(&mut l);
+        assert!(!l.must_report_for(&[1, 2]));
     }
 
     #[test]

@@ -210,6 +210,12 @@ pub trait Mover: Send {
     fn must_report(&self) -> bool {
         false
     }
+    /// True when maru-server must hear the boot id of one of `regions` before keys are
+    /// published into it (new, or its memory node rebooted). Other regions do not
+    /// matter to such a publish.
+    fn must_report_for(&self, _regions: &[u64]) -> bool {
+        self.must_report()
+    }
     /// maru-server received these boot ids (a heartbeat it answered).
     fn reported(&mut self, _sent: &BTreeMap<u64, String>) {}
     /// Why the last read that failed failed (an agent's refusal, say), once.

@@ -495,17 +495,19 @@ impl StoragePool {
         }
     }
 
-    /// The gate, shared, once maru-server has the boot ids of every own region (a
-    /// region adopted meanwhile, or a reboot found, is reported first); `None` when
-    /// other stores kept adopting regions through `REPORT_TRIES` reports: nothing
-    /// may be published then.
+    /// The gate, shared, once maru-server has the boot ids of `regions` (the regions a
+    /// publish writes keys into: one adopted meanwhile, or a reboot found, is reported
+    /// first); `None` when one of them still was not reported after `REPORT_TRIES`
+    /// reports (a reboot found again each time): nothing may be published then.
+    /// Regions other stores adopt meanwhile do not hold this publish back.
     pub(super) fn gate_reported(
         &self,
+        regions: &[u64],
     ) -> Result<Option<std::sync::RwLockReadGuard<'_, ()>>, WorkerError> {
         for _ in 0..REPORT_TRIES {
             self.report_boots()?;
             let g = self.gate.read().unwrap_or_else(|e| e.into_inner());
-            if !self.mover().must_report() {
+            if !self.mover().must_report_for(regions) {
                 return Ok(Some(g));
             }
         }
@@ -531,7 +533,10 @@ impl StoragePool {
         }
         // A region adopted for this store, or a reboot found by it: maru-server hears
         // the boot ids before a key is published.
-        let gate = self.gate_reported()?;
+        let mut regions: Vec<u64> = placed.iter().map(|(_, p)| p.region_id).collect();
+        regions.sort_unstable();
+        regions.dedup();
+        let gate = self.gate_reported(&regions)?;
         let reported = gate.is_some();
         let (still, boots_now) = {
             let m = self.mover();

@@ -253,6 +253,10 @@ impl Mover for RemoteMover {
         self.st().life.must_report()
     }
 
+    fn must_report_for(&self, regions: &[u64]) -> bool {
+        self.st().life.must_report_for(regions)
+    }
+
     fn reported(&mut self, sent: &BTreeMap<u64, String>) {
         let mut st = self.st();
         st.life.reported(sent);
