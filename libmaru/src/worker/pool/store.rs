@@ -28,7 +28,8 @@ const REPORT_TRIES: usize = 3;
 const ROOM_ROUNDS: usize = 8;
 
 /// After maru-server had no region to give (the pool is full), stores make room by
-/// evicting without asking again for this long: in a full pool every store that
+/// evicting without asking again for this long (unless an eviction found nothing to
+/// evict): in a full pool every store that
 /// evicts would otherwise pay a refused `expand` round trip first (measured: 190 µs
 /// of the 740 µs a 256 KiB store's eviction round took). maru-server keeps counting
 /// the session as waiting for a region meanwhile (fair share), and the next `expand`
@@ -102,6 +103,12 @@ impl StoragePool {
                 Err(WorkerError::NoSpace(why)) => {
                     let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
                     let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
+                    if freed == 0 {
+                        // Nothing of its own to evict: the next round asks for a
+                        // region again, back-off or not (another engine may have given
+                        // one back for this one's fair share).
+                        self.book().refused_at = None;
+                    }
                     (freed == 0).then_some(why)
                 }
                 Err(e) => return Err(e),
