@@ -40,6 +40,29 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
     .to_string()
 }
 
+/// `(key, bytes)` items of a store.
+fn pairs<'a>(keys: &'a [String], data: &'a [Vec<u8>]) -> Vec<(&'a str, &'a [u8])> {
+    keys.iter()
+        .zip(data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect()
+}
+
+/// A cxl storage session of engine `engine` at the stack's maru-server, for tests that
+/// drive a pool directly.
+fn cxl_session(st: &Stack, engine: &str) -> maru::worker::session::Session {
+    maru::worker::session::Session::open(
+        &st.server.addr,
+        engine,
+        engine,
+        "stress",
+        "default",
+        maru::wire::meta::Backend::Cxl,
+        Duration::from_secs(10),
+    )
+    .unwrap()
+}
+
 /// The bytes of `key`: its length and content derive from the key alone, so any
 /// reader can check what it loaded.
 fn content(key: &str) -> Vec<u8> {
@@ -118,20 +141,9 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
 /// so not stored).
 #[test]
 fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
-    use maru::wire::meta::Backend;
     use maru::worker::pool::StoragePool;
-    use maru::worker::session::Session;
     let st = support::stack("stress-adopt", "256M", false, &server_args());
-    let session = Session::open(
-        &st.server.addr,
-        "adopter",
-        "adopter",
-        "stress",
-        "default",
-        Backend::Cxl,
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let session = cxl_session(&st, "adopter");
     let adopting = Arc::new(AtomicBool::new(false));
     let a = adopting.clone();
     let pool = StoragePool::open(
@@ -147,11 +159,7 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
     // session's from its start; the second is taken when the first is full).
     let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
     let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = pairs(&keys, &data);
     // The first region full.
     assert_eq!(
         pool.store(&items[..128], Some("adopt")).unwrap(),
@@ -183,20 +191,9 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
 /// refuses it, and the store fails instead of answering "not stored".)
 #[test]
 fn a_region_lost_between_copy_and_publish_is_not_published_into() {
-    use maru::wire::meta::Backend;
     use maru::worker::pool::StoragePool;
-    use maru::worker::session::Session;
     let st = support::stack("stress-loss", "256M", false, &server_args());
-    let session = Session::open(
-        &st.server.addr,
-        "loser",
-        "loser",
-        "stress",
-        "default",
-        Backend::Cxl,
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let session = cxl_session(&st, "loser");
     let lost: Arc<Mutex<Option<u64>>> = Arc::default();
     let written: Arc<Mutex<Vec<u64>>> = Arc::default();
     let (l, w) = (lost.clone(), written.clone());
@@ -235,11 +232,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
     written.lock().unwrap().clear();
     let keys: Vec<String> = (1..6).map(|i| format!("lost-{i}")).collect();
     let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = pairs(&keys, &data);
     assert_eq!(pool.store(&items, Some("loss")).unwrap(), vec![true; 5]);
     let after = written.lock().unwrap().clone();
     assert!(!after.is_empty());
@@ -357,11 +350,7 @@ fn worker(h: &Handler, me: usize, views: bool, stop: &AtomicBool, doing: &Doing,
         match op {
             0 | 1 => {
                 let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-                let items: Vec<(&str, &[u8])> = keys
-                    .iter()
-                    .zip(&data)
-                    .map(|(k, d)| (k.as_str(), d.as_slice()))
-                    .collect();
+                let items = pairs(&keys, &data);
                 match h.store_batch(&items, Some(&route)) {
                     Ok(r) => {
                         t.stored
