@@ -253,15 +253,6 @@ fn metrics_are_off_by_default() {
     let mut s = Scratch::new("metrics-off");
     let pool = s.fake_dax("pool");
     let port = free_port();
-    let _rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:64M", pool.display()),
-        ],
-        &s.dir,
-    );
+    let _rm = Daemon::start(RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
     assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
 }

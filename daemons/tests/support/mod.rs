@@ -237,36 +237,40 @@ pub struct MemoryNode {
     pub rm: Daemon,
 }
 
+/// The arguments of a resource manager with its state in `s` and a fake-DAX pool
+/// `pool` of `size` (`64M`, `1G`: the RM's syntax).
+pub fn rm_args(s: &Scratch, pool: &Path, size: &str) -> Vec<String> {
+    vec![
+        "--state-dir".into(),
+        s.dir.join("rm").display().to_string(),
+        "--fake-dax".into(),
+        format!("{}:{size}", pool.display()),
+    ]
+}
+
+/// The arguments of an agent of node `mem0` for the RM at `rm`, with the key file
+/// `key_path` and the device `pool`.
+pub fn agent_args(rm: &str, key_path: &Path, pool: &Path) -> Vec<String> {
+    vec![
+        "--rm-address".into(),
+        rm.to_string(),
+        "--key-file".into(),
+        key_path.display().to_string(),
+        "--device".into(),
+        pool.display().to_string(),
+        "--node".into(),
+        "mem0".into(),
+    ]
+}
+
 /// Starts a [`MemoryNode`] in `s` with a pool of `size` (`64M`, `1G`: the RM's syntax).
 pub fn memory_node(s: &mut Scratch, size: &str) -> MemoryNode {
     let pool = s.fake_dax("pool");
     let key_path = s.dir.join("agent.key");
     let key = maru::auth::SharedKey::generate().expect("a random agent key");
     maru::auth::keyfile::write_new_key_file(&key_path, &key).expect("the agent key file");
-    let rm = Daemon::start(
-        env!("CARGO_BIN_EXE_maru-resource-manager"),
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{size}", pool.display()),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        env!("CARGO_BIN_EXE_maru-remote-cxl-agent"),
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
+    let rm = Daemon::start(RM_BIN, &rm_args(s, &pool, size), &s.dir);
+    let agent = Daemon::start(AGENT_BIN, &agent_args(&rm.addr, &key_path, &pool), &s.dir);
     MemoryNode {
         pool,
         key_path,
@@ -330,26 +334,8 @@ pub fn stack_with(
     let pool = s.fake_dax("pool");
     let key_path = s.dir.join("agent.key");
     write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{pool_size}", pool.display()),
-        ],
-        &s.dir,
-    );
-    let mut agent_args: Vec<String> = vec![
-        "--rm-address".into(),
-        rm.addr.clone(),
-        "--key-file".into(),
-        key_path.display().to_string(),
-        "--device".into(),
-        pool.display().to_string(),
-        "--node".into(),
-        "mem0".into(),
-    ];
+    let rm = Daemon::start(RM_BIN, &rm_args(&s, &pool, pool_size), &s.dir);
+    let mut agent_args = agent_args(&rm.addr, &key_path, &pool);
     agent_args.extend(agent_extra(&s));
     let agent = remote.then(|| Daemon::start(AGENT_BIN, &agent_args, &s.dir));
     let mut args = vec!["--rm-address".to_string(), rm.addr.clone()];

@@ -178,10 +178,7 @@ impl StoragePool {
         let mut result = vec![false; writes.len()];
         // maru-server hears the regions' boot ids before a key is published; no
         // heartbeat or tick runs until the publishes below are answered.
-        let mut regions: Vec<u64> = writes.iter().map(|w| w.page.page.region_id).collect();
-        regions.sort_unstable();
-        regions.dedup();
-        let gate = self.gate_reported(&regions)?;
+        let gate = self.gate_reported(writes.iter().map(|w| w.page.page.region_id))?;
         let boots = self.mover().boot_ids();
         let mut live = Vec::with_capacity(writes.len());
         let mut lost = 0u64;

@@ -509,12 +509,15 @@ impl StoragePool {
     /// Regions other stores adopt meanwhile do not hold this publish back.
     pub(super) fn gate_reported(
         &self,
-        regions: &[u64],
+        regions: impl IntoIterator<Item = u64>,
     ) -> Result<Option<std::sync::RwLockReadGuard<'_, ()>>, WorkerError> {
+        let mut regions: Vec<u64> = regions.into_iter().collect();
+        regions.sort_unstable();
+        regions.dedup();
         for _ in 0..REPORT_TRIES {
             self.report_boots()?;
             let g = self.gate.read().unwrap_or_else(|e| e.into_inner());
-            if !self.mover().must_report_for(regions) {
+            if !self.mover().must_report_for(&regions) {
                 return Ok(Some(g));
             }
         }
@@ -540,10 +543,7 @@ impl StoragePool {
         }
         // A region adopted for this store, or a reboot found by it: maru-server hears
         // the boot ids before a key is published.
-        let mut regions: Vec<u64> = placed.iter().map(|(_, p)| p.region_id).collect();
-        regions.sort_unstable();
-        regions.dedup();
-        let gate = self.gate_reported(&regions)?;
+        let gate = self.gate_reported(placed.iter().map(|(_, p)| p.region_id))?;
         let reported = gate.is_some();
         let (still, boots_now) = {
             let m = self.mover();
