@@ -22,6 +22,7 @@ mod in_place;
 mod limits;
 mod maru_io;
 mod meta;
+mod pairs;
 mod procs;
 mod redis;
 mod report;
@@ -68,15 +69,17 @@ struct Args {
     /// Maru backends to measure (default both): cxl, remote_cxl.
     #[arg(long, value_delimiter = ',')]
     backends: Vec<String>,
-    /// Parts to run, comma-separated: limits, soft, maru, in_place, redis, meta, idle
-    /// (default all).
+    /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
+    /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
+    /// redis, meta, idle (default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
     #[arg(long, value_delimiter = ',', value_parser = ["256K", "2M"])]
     chunks: Vec<String>,
-    /// Client counts of the Maru and Redis figures, comma-separated: 1, 4 (engines with
-    /// a handler each) and 2 (one handler shared by two threads); default all.
+    /// Client counts of the Maru, threads and Redis figures, comma-separated: 1, 2 and
+    /// 4 (engines with a handler each, and one handler shared by as many threads);
+    /// default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(usize))]
     clients: Vec<usize>,
 }
@@ -167,6 +170,8 @@ struct Results {
     tcp: Vec<TcpRow>,
     soft: Vec<SoftRow>,
     maru: Vec<maru_io::Result_>,
+    /// One handler used by N threads against N handlers, interleaved on one stack.
+    pairs: Vec<pairs::PairResult>,
     /// cxl, 2 MiB chunks, 1 client, on a pool of 4 KiB pages (when the main pool has
     /// 2 MiB pages).
     cxl_small_pages: Option<maru_io::Result_>,
@@ -220,6 +225,11 @@ impl Results {
         self.redis
             .iter()
             .find(|r| r.chunk == chunk && r.clients == clients)
+    }
+    fn pair_of(&self, backend: &str, chunk: usize, n: usize) -> Option<&pairs::PairResult> {
+        self.pairs
+            .iter()
+            .find(|p| p.backend == backend && p.chunk == chunk && p.n == n)
     }
     fn meta_of(&self, op: &str, conns: usize) -> Option<&meta::Row> {
         self.meta.iter().find(|r| r.op == op && r.conns == conns)
@@ -519,7 +529,7 @@ fn tables(r: &Results) -> Vec<Table> {
     // thread each (issue 23), against the limits of the backend.
     let mut t = Table::new(
         "C ABI (maru_store_batch / maru_load_batch, batches of 32): one handler used by N threads beside N handlers of one thread",
-        &["backend", "chunk", "handlers x threads", "store GB/s", "load GB/s", "limit", "limit GB/s", "store/limit", "load/limit", "store vs N handlers", "load vs N handlers"],
+        &["backend", "chunk", "handlers x threads", "store GB/s", "load GB/s", "limit", "limit GB/s", "store/limit", "load/limit"],
     );
     for backend in ["remote_cxl", "cxl"] {
         for &chunk in &CHUNKS {
@@ -535,22 +545,6 @@ fn tables(r: &Results) -> Vec<Table> {
                 } else {
                     ("tcp 1 stream".to_string(), r.tcp_of(chunk))
                 };
-                let vs = |load: bool| {
-                    if threads == 1 {
-                        return "-".to_string();
-                    }
-                    let pick = |m: &maru_io::Result_| {
-                        if load {
-                            m.load_batch.gbs
-                        } else {
-                            m.store_batch.gbs
-                        }
-                    };
-                    opt(ratio(
-                        Some(pick(m)),
-                        r.maru_of(backend, chunk, n, 1).map(pick),
-                    ))
-                };
                 t.row(vec![
                     backend.into(),
                     chunk_name(chunk),
@@ -561,13 +555,41 @@ fn tables(r: &Results) -> Vec<Table> {
                     opt(lim),
                     opt(ratio(Some(m.store_batch.gbs), lim)),
                     opt(ratio(Some(m.load_batch.gbs), lim)),
-                    vs(false),
-                    vs(true),
                 ]);
             }
         }
     }
     out.push(t);
+
+    // 4. The same comparison on one stack, the two sides taking turns (issue 23's
+    // targets read these).
+    if !r.pairs.is_empty() {
+        let mut t = Table::new(
+            "One handler used by N threads against N handlers of one thread, on one stack in interleaved passes (batches of 32; ratio: median of the pairs of passes)",
+            &["backend", "chunk", "N", "passes x MiB per side", "store 1 x N GB/s", "store N x 1 GB/s", "store ratio", "store ratios min-max", "load 1 x N GB/s", "load N x 1 GB/s", "load ratio", "load ratios min-max"],
+        );
+        let range = |c: &pairs::Compared| match (c.pass_ratios.first(), c.pass_ratios.last()) {
+            (Some(lo), Some(hi)) => format!("{lo:.2}-{hi:.2}"),
+            _ => "-".into(),
+        };
+        for p in &r.pairs {
+            t.row(vec![
+                p.backend.into(),
+                chunk_name(p.chunk),
+                p.n.to_string(),
+                format!("{} x {}", p.passes, p.pass_bytes / MIB),
+                f2(p.store.shared_gbs),
+                f2(p.store.apart_gbs),
+                f2(p.store.median()),
+                range(&p.store),
+                f2(p.load.shared_gbs),
+                f2(p.load.apart_gbs),
+                f2(p.load.median()),
+                range(&p.load),
+            ]);
+        }
+        out.push(t);
+    }
 
     if !r.soft.is_empty() {
         let mut t = Table::new(
@@ -725,28 +747,25 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &x,
         &|f| f >= 0.9,
     );
-    // One handler used by N threads against N handlers of one thread (issue 23).
+    // One handler used by N threads against N handlers of one thread (issue 23): the
+    // median of the pairs of interleaved passes on one stack.
     for backend in ["cxl", "remote_cxl"] {
         for c in [256 * 1024, two] {
             for n in [2, MANY] {
                 for load in [false, true] {
-                    let pick = |m: &maru_io::Result_| {
-                        if load {
-                            m.load_batch.gbs
-                        } else {
-                            m.store_batch.gbs
-                        }
-                    };
                     push(
                         &format!(
-                            "{backend} {} {}: 1 handler x {n} threads >= 0.9 x {n} handlers x 1 thread",
+                            "{backend} {} {}: 1 handler x {n} threads >= 0.9 x {n} handlers x 1 thread (interleaved passes)",
                             chunk_name(c),
                             if load { "load" } else { "store" },
                         ),
-                        ratio(
-                            r.maru_of(backend, c, 1, n).map(pick),
-                            r.maru_of(backend, c, n, 1).map(pick),
-                        ),
+                        r.pair_of(backend, c, n).map(|p| {
+                            if load {
+                                p.load.median()
+                            } else {
+                                p.store.median()
+                            }
+                        }),
                         &x,
                         &|f| f >= 0.9,
                     );
@@ -928,17 +947,18 @@ fn run(args: Args) -> Result<(), String> {
     let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
     for o in &args.only {
         if ![
-            "limits", "soft", "maru", "in_place", "redis", "meta", "idle",
+            "limits", "soft", "maru", "threads", "in_place", "redis", "meta", "idle",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, in_place, redis, meta, idle"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, redis, meta, idle"
             ));
         }
     }
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
-    let needs_stack = want("maru") || want("in_place") || want("meta") || want("idle");
+    let needs_stack =
+        want("maru") || want("threads") || want("in_place") || want("meta") || want("idle");
     // First, before any thread starts (the namespace is entered by this thread only).
     let huge = match (needs_stack, args.pool_pages.as_str()) {
         (true, "2M") => match procs::HugeTmpfs::mount((pool_gib << 30) + 256 * MIB as u64) {
@@ -1062,6 +1082,36 @@ fn run(args: Args) -> Result<(), String> {
                 region: 256 * MIB,
             };
             r.cxl_small_pages = Some(maru_io::run(&small, cfg, &sz)?);
+        }
+    }
+    if let (true, Some(s)) = (want("threads"), &scratch) {
+        for backend in ["cxl", "remote_cxl"] {
+            if !args.backends.is_empty() && !args.backends.iter().any(|b| b == backend) {
+                continue;
+            }
+            for &chunk in &chunks {
+                for n in [2, MANY] {
+                    if !want_clients(n) {
+                        continue;
+                    }
+                    say(&format!(
+                        "maru {backend} {}: 1 handler x {n} threads against {n} handlers, interleaved passes",
+                        chunk_name(chunk)
+                    ));
+                    // Each side's store passes take about twice a figure's seconds
+                    // (the median of the pairs' ratios needs a good many).
+                    let min_passes = if quick { 4 } else { 10 };
+                    r.pairs.push(pairs::run(
+                        s,
+                        backend,
+                        chunk,
+                        n,
+                        2.0 * secs,
+                        min_passes,
+                        rotate,
+                    )?);
+                }
+            }
         }
     }
     if let (true, Some(s)) = (want("in_place"), &scratch) {
