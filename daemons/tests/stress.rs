@@ -5,7 +5,9 @@
 //! - 8 threads on one handler mix store / load / exists / remove / slots / views for a
 //!   bounded time while the agent and maru-server restart once: every loaded byte is
 //!   checked (a chunk's bytes derive from its key), every slot comes back once, and a
-//!   watchdog fails the test with each thread's state if one is stuck.
+//!   watchdog fails the test with each thread's state if one is stuck;
+//! - one thread's remote transfer stuck on the wire, its `map_read` held at the agent,
+//!   or its region being taken does not hold another thread of the handler.
 
 mod support;
 
@@ -130,6 +132,96 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
         h.load("stuck-b", Some("stuck")).unwrap().as_deref(),
         Some(b.as_slice())
     );
+}
+
+/// remote_cxl: the first load of a range of another engine's region maps it for
+/// reading at its agent (`map_read`), a round trip that holds no lock of the handler.
+/// The agent is reached through a proxy that holds `map_read` requests back 1.5 s;
+/// while one thread's load of the writer's chunk waits for its `map_read`, another
+/// thread of the same handler loads the reader's own chunk (no `map_read`: its own
+/// region) and that completes at once. Seen failing with the `map_read` made under
+/// the mover's state lock again (the own load waited 1.3 s).
+#[test]
+fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
+    let mut st = support::stack("stress-mapread", "256M", true, &server_args());
+    let agent = st.agent.as_ref().map(|a| a.addr.clone()).unwrap();
+    let slow = Arc::new(AtomicBool::new(false));
+    let delay = Duration::from_millis(1500);
+    let proxy = support::holding_proxy(
+        &agent,
+        b"map_read",
+        slow.clone(),
+        delay,
+        Duration::from_secs(60),
+    );
+    // maru-server names the proxy as the regions' agent: workers' control
+    // connections go through it (the soft data connections do not).
+    for a in st.server_args.iter_mut() {
+        if *a == agent {
+            *a = proxy.clone();
+        }
+    }
+    st.restart_server();
+    let writer = Handler::open(&config(&st, "remote_cxl", "mapread-writer")).unwrap();
+    let w = content("mapread-w");
+    assert!(writer.store("mapread-w", &w, Some("mapread")).unwrap());
+    let reader = Handler::open(&config(&st, "remote_cxl", "mapread-reader")).unwrap();
+    let r = content("mapread-r");
+    assert!(reader.store("mapread-r", &r, Some("mapread")).unwrap());
+    // The reader's own chunk once: its peer is connected before the clock starts.
+    assert_eq!(
+        reader
+            .load("mapread-r", Some("mapread"))
+            .unwrap()
+            .as_deref(),
+        Some(r.as_slice())
+    );
+    slow.store(true, Ordering::SeqCst);
+    let own_took = std::thread::scope(|s| {
+        let (reader, w) = (&reader, &w);
+        let other = s.spawn(move || {
+            let t = Instant::now();
+            let got = reader.load("mapread-w", Some("mapread")).unwrap();
+            (got, t.elapsed())
+        });
+        // The other thread's map_read is held at the proxy by now.
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let got = reader.load("mapread-r", Some("mapread")).unwrap();
+        let took = t.elapsed();
+        assert_eq!(got.as_deref(), Some(r.as_slice()), "the own chunk's bytes");
+        let (got, other_took) = other.join().unwrap();
+        assert_eq!(
+            got.as_deref(),
+            Some(w.as_slice()),
+            "the writer's chunk's bytes"
+        );
+        assert!(
+            other_took >= delay,
+            "the map_read was held back ({other_took:?}): else the test shows nothing"
+        );
+        took
+    });
+    assert!(
+        own_took < Duration::from_millis(700),
+        "a load of an own chunk beside a map_read held at the agent took {own_took:?}"
+    );
+    // Mapped once: the next load of the writer's chunk sends no map_read (the proxy
+    // still holds them back).
+    let t = Instant::now();
+    assert_eq!(
+        reader
+            .load("mapread-w", Some("mapread"))
+            .unwrap()
+            .as_deref(),
+        Some(w.as_slice())
+    );
+    let again = t.elapsed();
+    assert!(
+        again < Duration::from_millis(700),
+        "a second load of the same range took {again:?}"
+    );
+    slow.store(false, Ordering::SeqCst);
 }
 
 /// A store that gets pages of a region another store of the pool is taking (its

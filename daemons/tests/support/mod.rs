@@ -5,8 +5,8 @@
 use maru::net::{Client, ClientOptions};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -422,4 +422,64 @@ pub fn get(samples: &[(String, f64)], series: &str) -> f64 {
         .find(|(s, _)| s == series)
         .map(|(_, v)| *v)
         .unwrap_or(0.0)
+}
+
+/// A TCP proxy on loopback in front of a daemon: what a client sends that contains
+/// `needle` is held back `delay` while `slow` is set (a daemon slow to answer one
+/// kind of request). Each connection's two pumps end with it; the acceptor ends after
+/// `life`.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn holding_proxy(
+    to: &str,
+    needle: &'static [u8],
+    slow: Arc<AtomicBool>,
+    delay: Duration,
+    life: Duration,
+) -> String {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    listener.set_nonblocking(true).unwrap();
+    let to = to.to_string();
+    let pump = move |mut from: TcpStream, mut into: TcpStream, hold: Option<Arc<AtomicBool>>| {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let held = hold.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+                    && buf[..n].windows(needle.len()).any(|w| w == needle);
+                if held {
+                    std::thread::sleep(delay);
+                }
+                if into.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            let _ = into.shutdown(Shutdown::Both);
+            let _ = from.shutdown(Shutdown::Both);
+        });
+    };
+    std::thread::spawn(move || {
+        let end = Instant::now() + life;
+        while Instant::now() < end {
+            match listener.accept() {
+                Ok((client, _)) => {
+                    let Ok(daemon) = TcpStream::connect(&to) else {
+                        continue;
+                    };
+                    let _ = client.set_nonblocking(false);
+                    if let (Ok(c2), Ok(d2)) = (client.try_clone(), daemon.try_clone()) {
+                        pump(client, daemon, Some(slow.clone()));
+                        pump(d2, c2, None);
+                    }
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    addr
 }

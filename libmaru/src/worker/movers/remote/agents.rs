@@ -1,17 +1,19 @@
 //! The agents of a remote mover: one control connection each (map, map_read,
-//! release), a short-timeout probe connection, the transport peer, and what the
-//! region lifecycle makes of what they say (a restart maps the regions again, a
+//! release; a load's map_reads use it without the state's lock, `Shared::map_reads`), a
+//! short-timeout probe connection, the transport peer, and what the region lifecycle
+//! makes of what they say (a restart maps the regions again, a
 //! reboot puts them out of use until maru-server dropped their keys).
 
-use super::{AgentConn, ReadTarget, RemoteState};
+use super::{AgentConn, ReadTarget, RemoteState, Shared};
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
-use crate::wire::agent::{AgentReply, AgentRequest};
+use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::LeaseGrant;
 use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::now_ms;
 use crate::worker::error::WorkerError;
 use crate::worker::lifecycle::Verdict;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
@@ -25,7 +27,9 @@ impl RemoteState {
         self.agents
             .entry(addr.to_string())
             .or_insert_with(|| AgentConn {
-                link: Link::new(addr, opts).with_check(require_boot_id),
+                link: Arc::new(Mutex::new(
+                    Link::new(addr, opts).with_check(require_boot_id),
+                )),
                 peer: None,
             })
     }
@@ -34,10 +38,10 @@ impl RemoteState {
     pub(super) fn connect_agent(&mut self, addr: &str) -> Result<(), WorkerError> {
         let now = now_ms();
         let conn = self.agent(addr);
-        if conn.link.is_connected() {
+        if conn.link().is_connected() {
             return Ok(());
         }
-        let seen = conn.link.client().map(|c| welcome_identity(c));
+        let seen = conn.link().client().map(|c| welcome_identity(c));
         match seen {
             Ok((boot, epoch)) => {
                 let v = self.life.seen(addr, boot.as_deref(), epoch, now);
@@ -55,7 +59,7 @@ impl RemoteState {
         match v {
             Verdict::Same => return Ok(()),
             Verdict::NoBoot => {
-                self.agent(addr).link.reset();
+                self.agent(addr).link().reset();
                 return Err(WorkerError::Unavailable(format!(
                     "agent {addr} reports no boot id: treated as unreachable"
                 )));
@@ -73,7 +77,7 @@ impl RemoteState {
         if let Some(p) = peer {
             self.iso.fence(self.nic.as_ref(), p);
         }
-        self.reads.retain(|_, t| t.0 != addr);
+        self.forget_reads(Some(addr));
         Ok(())
     }
 
@@ -84,20 +88,20 @@ impl RemoteState {
     ) -> Result<AgentReply, WorkerError> {
         self.connect_agent(addr)?;
         let conn = self.agent(addr);
-        let mut r = conn.link.call::<_, AgentReply>(req);
-        if !conn.link.is_connected() {
+        let mut r = conn.link().call::<_, AgentReply>(req);
+        if !conn.link().is_connected() {
             // The connection broke (the agent may have restarted, losing its
             // registrations): a new connection is a new peer at the transport too,
             // and this mover's regions there are mapped again before their next use.
             conn.peer = None;
             self.life.link_broken(addr);
             // Read registrations went with the old connection.
-            self.reads.retain(|_, t| t.0 != addr);
+            self.forget_reads(Some(addr));
             if r.is_err() {
                 // Failed on the dead connection, so the agent never saw it: once more
                 // on a fresh one.
                 self.connect_agent(addr)?;
-                r = self.agent(addr).link.call::<_, AgentReply>(req);
+                r = self.agent(addr).link().call::<_, AgentReply>(req);
             }
         }
         if let Err(LinkError::Unreachable(_)) = &r {
@@ -140,7 +144,7 @@ impl RemoteState {
                 if v != Verdict::Same {
                     // The control connection went with the old process: the next
                     // call connects afresh (and its welcome is checked again).
-                    self.agent(addr).link.reset();
+                    self.agent(addr).link().reset();
                 }
                 if let Err(e) = self.on_verdict(addr, v) {
                     log::warn!("{e}");
@@ -163,7 +167,8 @@ impl RemoteState {
         }
         let nic = self.nic.clone();
         let conn = self.agent(addr);
-        let link = &mut conn.link;
+        let shared_link = conn.link.clone();
+        let mut link = shared_link.lock().unwrap_or_else(|e| e.into_inner());
         let mut bringup = |info: &serde_json::Value| -> Result<serde_json::Value, TransportError> {
             match link.call::<_, AgentReply>(&AgentRequest::ConnectPeer { info: info.clone() }) {
                 Ok(AgentReply::Peer { info }) => Ok(info),
@@ -174,7 +179,8 @@ impl RemoteState {
         let p = nic
             .connect(meta, &mut bringup)
             .map_err(|e| WorkerError::Unavailable(format!("agent {addr}: {e}")))?;
-        conn.peer = Some(p);
+        drop(link);
+        self.agent(addr).peer = Some(p);
         Ok(p)
     }
 
@@ -187,14 +193,14 @@ impl RemoteState {
                 c.peer = None;
                 // The agent's control connection likely went with it (a restart):
                 // connect afresh rather than find out on the next call.
-                c.link.reset();
+                c.link().reset();
                 self.life.link_broken(addr);
                 dropped = true;
             }
         }
         // A closed control connection takes its read registrations with it.
         if dropped {
-            self.reads.clear();
+            self.forget_reads(None);
         }
         // Recorded: only a fence that succeeded lets pages of its WRITEs be reused.
         self.iso.fence(self.nic.as_ref(), peer);
@@ -314,13 +320,7 @@ impl RemoteState {
         let agent = l.agent.clone().ok_or_else(|| {
             WorkerError::Transport(format!("lease {} names no agent", l.lease_id))
         })?;
-        let req = AgentRequest::MapRead {
-            region_id: l.region_id,
-            offset: l.offset,
-            length: l.length,
-            read_token: l.read_token.clone(),
-        };
-        let m = match self.agent_call(&agent, &req) {
+        let m = match self.agent_call(&agent, &map_read_request(l)) {
             Ok(AgentReply::Mapped(m)) => m,
             Ok(r) => {
                 return Err(WorkerError::Transport(format!(
@@ -337,8 +337,158 @@ impl RemoteState {
         let v = self.life.seen(&agent, Some(&m.boot_id), None, now_ms());
         self.on_verdict(&agent, v)?;
         let t = (agent, m.addr, m.rkey, m.transport);
-        self.reads
-            .insert((l.region_id, l.offset, l.length), t.clone());
+        self.reads.insert(range(l), t.clone());
         Ok(t)
+    }
+
+    /// Forgets the read registrations at `agent` (at every agent: None): the agent
+    /// dropped them with a connection of this client, or a read failed. A `map_read`
+    /// made without the lock that started before this is not recorded.
+    pub(super) fn forget_reads(&mut self, agent: Option<&str>) {
+        match agent {
+            Some(a) => self.reads.retain(|_, t| t.0 != a),
+            None => self.reads.clear(),
+        }
+        self.reads_gen += 1;
+    }
+
+    /// The ranges of `leases` in other engines' regions that have no read
+    /// registration yet, by agent, each with the connection to ask on; and the
+    /// registrations' generation now.
+    fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> (Vec<ToMap>, u64) {
+        let mut out: Vec<ToMap> = Vec::new();
+        for l in leases {
+            if self.own.contains_key(&l.region_id) || self.reads.contains_key(&range(l)) {
+                continue;
+            }
+            // No agent named: `locate` says so when the window is planned.
+            let Some(agent) = l.agent.as_deref() else {
+                continue;
+            };
+            let at = match out.iter().position(|t| t.agent == agent) {
+                Some(at) => at,
+                None => {
+                    let link = self.agent(agent).link.clone();
+                    out.push(ToMap {
+                        agent: agent.to_string(),
+                        link,
+                        leases: Vec::new(),
+                    });
+                    out.len() - 1
+                }
+            };
+            if !out[at].leases.iter().any(|m| range(m) == range(l)) {
+                out[at].leases.push(l.clone());
+            }
+        }
+        (out, self.reads_gen)
+    }
+
+    /// Records what `map_read` calls made without the lock got at `agent`, unless
+    /// registrations were forgotten since they started (`gen`): `locate` then maps
+    /// what it needs again.
+    fn mapped_reads(&mut self, agent: &str, gen: u64, got: MapReads) {
+        let stale = gen != self.reads_gen;
+        if got.broke {
+            // As `agent_call` does with a connection that broke: the agent may have
+            // restarted; its registrations went with the connection, and a new one is
+            // a new peer at the transport.
+            self.agent(agent).peer = None;
+            self.life.link_broken(agent);
+            self.forget_reads(Some(agent));
+        }
+        if got.unreachable {
+            self.life.unreachable(agent, now_ms());
+        }
+        for (l, m) in got.mapped {
+            let v = self.life.seen(agent, Some(&m.boot_id), None, now_ms());
+            if let Err(e) = self.on_verdict(agent, v) {
+                log::warn!("region {}: {e}", l.0);
+                return;
+            }
+            if !stale && !got.broke {
+                self.reads
+                    .insert(l, (agent.to_string(), m.addr, m.rkey, m.transport));
+            }
+        }
+    }
+}
+
+/// A lease's range: (region, offset, length).
+fn range(l: &LeaseGrant) -> (u64, u64, u64) {
+    (l.region_id, l.offset, l.length)
+}
+
+fn map_read_request(l: &LeaseGrant) -> AgentRequest {
+    AgentRequest::MapRead {
+        region_id: l.region_id,
+        offset: l.offset,
+        length: l.length,
+        read_token: l.read_token.clone(),
+    }
+}
+
+/// Ranges to map for reading at one agent.
+struct ToMap {
+    agent: String,
+    link: Arc<Mutex<Link>>,
+    leases: Vec<LeaseGrant>,
+}
+
+/// What `map_read` calls on one connection got.
+#[derive(Default)]
+struct MapReads {
+    mapped: Vec<((u64, u64, u64), MapReply)>,
+    /// The connection broke on the way (what was mapped on it is gone).
+    broke: bool,
+    /// The agent did not answer (the outcome of the call is unknown).
+    unreachable: bool,
+}
+
+/// Asks `link`'s agent to map each of `leases` for reading, on the connection that
+/// is up: one that is down is connected under the state's lock (`connect_agent`
+/// checks who answers), so nothing is asked here then, nor after a call broke it.
+fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads {
+    let mut got = MapReads::default();
+    for l in leases {
+        if !link.is_connected() {
+            break;
+        }
+        let r = link.call::<_, AgentReply>(&map_read_request(l));
+        if !link.is_connected() {
+            got.broke = true;
+        }
+        match r {
+            Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
+            Ok(other) => log::warn!(
+                "agent {agent} answered map_read of region {} with {other:?}",
+                l.region_id
+            ),
+            Err(e) => {
+                // Said to the caller when the window is planned (`locate` asks again).
+                log::debug!("agent {agent}: map_read of region {}: {e}", l.region_id);
+                got.unreachable |= matches!(e, LinkError::Unreachable(_));
+            }
+        }
+    }
+    got
+}
+
+impl Shared {
+    /// Maps for reading, at their agents, the ranges of `leases` in other engines'
+    /// regions that have no registration yet, before a load plans its windows. The
+    /// round trips hold the agent's control connection, not the state's lock: a slow
+    /// agent holds the loads that read from it, not the handler's other requests.
+    /// What is not mapped here (the connection down, a registration forgotten in the
+    /// meantime) `locate` maps under the lock.
+    pub(super) fn map_reads(&self, leases: &[LeaseGrant]) {
+        let (todo, gen) = self.lock().reads_to_map(leases);
+        for t in todo {
+            let got = {
+                let mut link = t.link.lock().unwrap_or_else(|e| e.into_inner());
+                map_read_all(&mut link, &t.agent, &t.leases)
+            };
+            self.lock().mapped_reads(&t.agent, gen, got);
+        }
     }
 }

@@ -35,8 +35,16 @@ struct OwnRegion {
 }
 
 struct AgentConn {
-    link: Link,
+    /// The control connection. Behind a lock of its own: a load's `map_read`s use it
+    /// without the state's lock (`Shared::map_reads`); everything else under both.
+    link: Arc<Mutex<Link>>,
     peer: Option<PeerId>,
+}
+
+impl AgentConn {
+    fn link(&self) -> MutexGuard<'_, Link> {
+        self.link.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
@@ -68,8 +76,10 @@ pub(super) struct Shared {
 }
 
 /// The mover's state, under `Shared`'s lock. Held to look things up, post a window,
-/// settle one, or for the lifecycle's calls to agents (map, map_read, probes, which
-/// happen at adoption, after a restart, or once per range read).
+/// settle one, or for the lifecycle's calls to agents (map and probes, at adoption,
+/// after a restart, on the tick). A load's `map_read`s of other engines' ranges run
+/// without it, holding only the agent's control connection (`Shared::map_reads`),
+/// unless that connection is down or a registration went before the window's plan.
 pub(super) struct RemoteState {
     nic: Arc<dyn Transport>,
     iso: Arc<Isolation>,
@@ -78,6 +88,9 @@ pub(super) struct RemoteState {
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
+    /// Counts the times registrations were forgotten (`forget_reads`): a `map_read`
+    /// made without the lock is recorded only if none was since it started.
+    reads_gen: u64,
     last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// this mover feeds it what agents answer and carries out what it decides.
@@ -109,6 +122,7 @@ impl RemoteMover {
                     agents: HashMap::new(),
                     own: HashMap::new(),
                     reads: HashMap::new(),
+                    reads_gen: 0,
                     last_skip_log: None,
                     life: Lifecycle::new(),
                     probes: HashMap::new(),
@@ -194,6 +208,7 @@ impl Transfers for Shared {
     /// Each window's slots are handed to `sink` and then take a later window (see
     /// `worker::windows`). After a window that failed, nothing more is handed over.
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+        self.map_reads(leases);
         windows::run(
             &mut LoadWindows {
                 m: self,
@@ -208,6 +223,7 @@ impl Transfers for Shared {
     /// is tried.
     fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
+        self.map_reads(&leases[..n]);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut w = GivenWindows {
             m: self,
@@ -289,6 +305,7 @@ impl Mover for RemoteMover {
         st.own.remove(&region_id);
         st.life.forget(region_id);
         st.reads.retain(|&(r, _, _), _| r != region_id);
+        st.reads_gen += 1;
     }
 
     fn reclaim(&mut self) {

@@ -310,7 +310,7 @@ impl Shared {
         }
         if failed && reads {
             // Read registrations may have gone with their region: map again next time.
-            self.lock().reads.clear();
+            self.lock().forget_reads(None);
         }
         (items, out)
     }
