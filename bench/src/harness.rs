@@ -32,9 +32,48 @@ pub struct Bound {
     pub max_ops: usize,
 }
 
+/// What one run of clients measured, before it is made a figure: runs of the same
+/// figure add up (`add`).
+#[derive(Debug, Default)]
+pub struct Run {
+    pub bytes: u64,
+    /// Wall time of the group, seconds.
+    pub wall: f64,
+    /// Each operation's time, µs.
+    pub lat: Vec<f64>,
+}
+
+impl Run {
+    pub fn add(&mut self, other: Run) {
+        self.bytes += other.bytes;
+        self.wall += other.wall;
+        self.lat.extend(other.lat);
+    }
+
+    pub fn fig(mut self) -> Fig {
+        let wall = self.wall.max(1e-9);
+        self.lat.sort_by(|a, b| a.total_cmp(b));
+        Fig {
+            gbs: self.bytes as f64 / wall / 1e9,
+            ops_per_s: self.lat.len() as f64 / wall,
+            p50_us: percentile(&self.lat, 0.5),
+            p99_us: percentile(&self.lat, 0.99),
+            ops: self.lat.len(),
+        }
+    }
+}
+
 /// Runs `op(i)` (returns the bytes it moved) repeatedly on each client of `clients`
 /// (each its own thread), all released at once, each until its bound.
 pub fn run_clients<F>(clients: Vec<F>, bound: Bound) -> Result<Fig, String>
+where
+    F: FnMut(usize) -> Result<u64, String> + Send + 'static,
+{
+    run_clients_raw(clients, bound).map(Run::fig)
+}
+
+/// As [`run_clients`], what was measured before it is a figure.
+pub fn run_clients_raw<F>(clients: Vec<F>, bound: Bound) -> Result<Run, String>
 where
     F: FnMut(usize) -> Result<u64, String> + Send + 'static,
 {
@@ -82,14 +121,10 @@ where
     if let Some(e) = first_err {
         return Err(e);
     }
-    let wall = start.elapsed().as_secs_f64().max(1e-9);
-    lat.sort_by(|a, b| a.total_cmp(b));
-    Ok(Fig {
-        gbs: bytes as f64 / wall / 1e9,
-        ops_per_s: lat.len() as f64 / wall,
-        p50_us: percentile(&lat, 0.5),
-        p99_us: percentile(&lat, 0.99),
-        ops: lat.len(),
+    Ok(Run {
+        bytes,
+        wall: start.elapsed().as_secs_f64(),
+        lat,
     })
 }
 

@@ -5,7 +5,7 @@
 //! makes after dlopen, here linked from Rust. Each configuration gets a fresh RM + agent +
 //! maru-server over the same pre-faulted fake-DAX pool, with pages of the chunk size.
 
-use crate::harness::{run_clients, Bound, Fig, Rotor};
+use crate::harness::{run_clients, run_clients_raw, Bound, Fig, Rotor, Run};
 use crate::procs::{stack, Scratch};
 use maru::ffi::{
     maru_handler_close, maru_handler_open, maru_handler_t, maru_load, maru_load_batch,
@@ -17,6 +17,8 @@ use std::ffi::{c_char, CString};
 use std::sync::Arc;
 
 pub const BATCH: usize = 32;
+/// Turns each of "store, reused pages" and "store into a full cache" takes.
+const TURNS: usize = 4;
 pub const MIB: usize = 1 << 20;
 
 /// An open handler; closed on drop.
@@ -327,9 +329,10 @@ pub struct Result_ {
     /// Batched loads into staging slots (no copy out); only with one thread per
     /// handler, whose load slots hold one batch.
     pub load_slots: Option<Fig>,
-    /// Batched stores into pages used before (each batch removed after it is stored,
-    /// as a full cache that evicts reuses its pages): the copy and publish without the
-    /// first touch of fresh pages. The time includes the remove (one round trip).
+    /// Batched stores into pages used before, on the full pool (each batch removed
+    /// after it is stored, and the next stored into the pages it freed): the copy and
+    /// publish without choosing victims. The time includes the remove (one round trip).
+    /// Measured in turns with `store_full`.
     pub store_reused: Fig,
     /// Batched stores of new keys into a full pool: each store that finds no free
     /// page evicts keys of its engine's regions (`victims` → `remove`) and reuses
@@ -432,33 +435,6 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             }
         })
         .collect();
-    // Stores into reused pages first, while the pool has room: store a batch, remove
-    // it; the pages freed come back once each region's never-used pages are taken
-    // (page reuse is FIFO), so a first pass over them is not measured.
-    let warm_cycles = sz.region / (chunk * BATCH) + 2;
-    let ops: Vec<_> = (0..clients)
-        .map(|c| {
-            let h = client_handler(c);
-            let src = srcs[c].clone();
-            move |i: usize| -> Result<u64, String> {
-                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "r", i * BATCH + j)).collect();
-                let ptrs: Vec<*const u8> = {
-                    let mut r = src.lock().map_err(|_| "poisoned")?;
-                    (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
-                };
-                h.store_batch(&keys, &ptrs, chunk)?;
-                h.remove_batch(&keys)?;
-                Ok((BATCH * chunk) as u64)
-            }
-        })
-        .collect();
-    let mut ops = ops;
-    for (c, op) in ops.iter_mut().enumerate() {
-        for i in 0..warm_cycles {
-            op((1 << 32) + c * warm_cycles + i)?;
-        }
-    }
-    let store_reused = run_clients(ops, bound(usize::MAX))?;
     let store_batch = run_clients(ops_batch, bound(batch_ops.max(1)))?;
     let stored: Vec<usize> = counts.lock().map_err(|_| "poisoned")?.clone();
     // Single stores.
@@ -524,14 +500,15 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     };
     // A full cache: new keys until the pool is full (not measured), then stores that
     // evict to find their pages.
-    let full_ops = |kind: &'static str| -> Vec<_> {
+    let full_ops = |kind: String| -> Vec<_> {
         (0..clients)
             .map(|c| {
                 let h = client_handler(c);
                 let src = srcs[c].clone();
+                let kind = kind.clone();
                 move |i: usize| -> Result<u64, String> {
                     let keys: Vec<CString> =
-                        (0..BATCH).map(|j| tag(c, kind, i * BATCH + j)).collect();
+                        (0..BATCH).map(|j| tag(c, &kind, i * BATCH + j)).collect();
                     let ptrs: Vec<*const u8> = {
                         let mut r = src.lock().map_err(|_| "poisoned")?;
                         (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
@@ -542,13 +519,53 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             })
             .collect()
     };
+    // Stores into reused pages: a batch stored, then removed, so that the next batch
+    // goes into the pages it freed (in a full pool, the pages a remove frees are the
+    // next ones handed out).
+    let reused_ops = |kind: String| -> Vec<_> {
+        (0..clients)
+            .map(|c| {
+                let h = client_handler(c);
+                let src = srcs[c].clone();
+                let kind = kind.clone();
+                move |i: usize| -> Result<u64, String> {
+                    let keys: Vec<CString> =
+                        (0..BATCH).map(|j| tag(c, &kind, i * BATCH + j)).collect();
+                    let ptrs: Vec<*const u8> = {
+                        let mut r = src.lock().map_err(|_| "poisoned")?;
+                        (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
+                    };
+                    h.store_batch(&keys, &ptrs, chunk)?;
+                    h.remove_batch(&keys)?;
+                    Ok((BATCH * chunk) as u64)
+                }
+            })
+            .collect()
+    };
     let fill_batches = s.pool_size as usize / (chunk * BATCH) / clients + 2;
-    for (c, op) in full_ops("fill").into_iter().enumerate() {
+    for (c, op) in full_ops("fill".into()).into_iter().enumerate() {
         for i in 0..fill_batches {
             op(c * fill_batches + i)?;
         }
     }
-    let store_full = run_clients(full_ops("full"), bound(usize::MAX))?;
+    // The two figures whose ratio is the cost of eviction take turns on the full pool
+    // (the order swapped every turn), so that the machine's drift over the seconds
+    // they take weighs on both alike.
+    let turn = Bound {
+        secs: sz.secs / TURNS as f64,
+        max_ops: usize::MAX,
+    };
+    let (mut reused, mut full) = (Run::default(), Run::default());
+    for t in 0..TURNS {
+        if t % 2 == 0 {
+            reused.add(run_clients_raw(reused_ops(format!("r{t}")), turn)?);
+            full.add(run_clients_raw(full_ops(format!("full{t}")), turn)?);
+        } else {
+            full.add(run_clients_raw(full_ops(format!("full{t}")), turn)?);
+            reused.add(run_clients_raw(reused_ops(format!("r{t}")), turn)?);
+        }
+    }
+    let (store_reused, store_full) = (reused.fig(), full.fig());
     drop(handlers);
     drop(st);
     Ok(Result_ {
