@@ -17,8 +17,9 @@ use std::ffi::{c_char, CString};
 use std::sync::Arc;
 
 pub const BATCH: usize = 32;
-/// Turns each of "store, reused pages" and "store into a full cache" takes.
-const TURNS: usize = 4;
+/// Turns each of "store, reused pages" and "store into a full cache" takes, each of
+/// a quarter of a figure's seconds.
+const TURNS: usize = 8;
 pub const MIB: usize = 1 << 20;
 
 /// An open handler; closed on drop.
@@ -334,10 +335,19 @@ pub struct Result_ {
     /// publish without choosing victims. The time includes the remove (one round trip).
     /// Measured in turns with `store_full`.
     pub store_reused: Fig,
+    /// store_full / store_reused of each turn, sorted (the target reads the median).
+    pub full_vs_reused: Vec<f64>,
     /// Batched stores of new keys into a full pool: each store that finds no free
     /// page evicts keys of its engine's regions (`victims` → `remove`) and reuses
     /// their pages.
     pub store_full: Fig,
+}
+
+impl Result_ {
+    /// The median of the turns' full-cache / reused-pages ratios.
+    pub fn full_vs_reused_median(&self) -> f64 {
+        crate::harness::percentile(&self.full_vs_reused, 0.5)
+    }
 }
 
 pub struct Sizes {
@@ -552,19 +562,25 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     // (the order swapped every turn), so that the machine's drift over the seconds
     // they take weighs on both alike.
     let turn = Bound {
-        secs: sz.secs / TURNS as f64,
+        secs: sz.secs / 4.0,
         max_ops: usize::MAX,
     };
     let (mut reused, mut full) = (Run::default(), Run::default());
+    let mut full_vs_reused = Vec::with_capacity(TURNS);
+    let gbs = |r: &Run| r.bytes as f64 / r.wall.max(1e-9);
     for t in 0..TURNS {
-        if t % 2 == 0 {
-            reused.add(run_clients_raw(reused_ops(format!("r{t}")), turn)?);
-            full.add(run_clients_raw(full_ops(format!("full{t}")), turn)?);
+        let (r, f) = if t % 2 == 0 {
+            let r = run_clients_raw(reused_ops(format!("r{t}")), turn)?;
+            (r, run_clients_raw(full_ops(format!("full{t}")), turn)?)
         } else {
-            full.add(run_clients_raw(full_ops(format!("full{t}")), turn)?);
-            reused.add(run_clients_raw(reused_ops(format!("r{t}")), turn)?);
-        }
+            let f = run_clients_raw(full_ops(format!("full{t}")), turn)?;
+            (run_clients_raw(reused_ops(format!("r{t}")), turn)?, f)
+        };
+        full_vs_reused.push(gbs(&f) / gbs(&r).max(1e-9));
+        reused.add(r);
+        full.add(f);
     }
+    full_vs_reused.sort_by(|a, b| a.total_cmp(b));
     let (store_reused, store_full) = (reused.fig(), full.fig());
     drop(handlers);
     drop(st);
@@ -576,6 +592,7 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         load_single,
         load_slots,
         store_reused,
+        full_vs_reused,
         store_full,
     })
 }
