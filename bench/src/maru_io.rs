@@ -445,10 +445,12 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             }
         })
         .collect();
-    // Stores into reused pages: a batch stored, then removed, so that the next batch
-    // goes into the pages it freed (in a full pool, the pages a remove frees are the
-    // next ones handed out).
-    let reused_ops = |kind: String| -> Vec<_> {
+    // Batches of 32 new keys (`kind`), one call per client; with `remove`, each batch
+    // removed after it is stored, so that the next goes into the pages it freed ("store,
+    // reused pages": in a full pool the pages a remove frees are the next ones handed
+    // out); without it, stores that evict once the pool is full ("store into a full
+    // cache").
+    let store_ops = |kind: String, remove: bool| -> Vec<_> {
         (0..clients)
             .map(|c| {
                 let h = client_handler(c);
@@ -462,12 +464,16 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
                         (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
                     };
                     h.store_batch(&keys, &ptrs, chunk)?;
-                    h.remove_batch(&keys)?;
+                    if remove {
+                        h.remove_batch(&keys)?;
+                    }
                     Ok((BATCH * chunk) as u64)
                 }
             })
             .collect()
     };
+    let reused_ops = |kind: String| store_ops(kind, true);
+    let full_ops = |kind: String| store_ops(kind, false);
     // Not measured: a region's worth of batches per client stored and removed, the
     // handlers' background prefaulting of the regions taken settled, and a figure's
     // seconds more of stores and removes, so that the figures start on a handler past
@@ -550,25 +556,6 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     };
     // A full cache: new keys until the pool is full (not measured), then stores that
     // evict to find their pages.
-    let full_ops = |kind: String| -> Vec<_> {
-        (0..clients)
-            .map(|c| {
-                let h = client_handler(c);
-                let src = srcs[c].clone();
-                let kind = kind.clone();
-                move |i: usize| -> Result<u64, String> {
-                    let keys: Vec<CString> =
-                        (0..BATCH).map(|j| tag(c, &kind, i * BATCH + j)).collect();
-                    let ptrs: Vec<*const u8> = {
-                        let mut r = src.lock().map_err(|_| "poisoned")?;
-                        (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
-                    };
-                    h.store_batch(&keys, &ptrs, chunk)?;
-                    Ok((BATCH * chunk) as u64)
-                }
-            })
-            .collect()
-    };
     let fill_batches = s.pool_size as usize / (chunk * BATCH) / clients + 2;
     for (c, op) in full_ops("fill".into()).into_iter().enumerate() {
         for i in 0..fill_batches {
