@@ -128,6 +128,26 @@ where
     })
 }
 
+/// Two measurements taking `turns` turns, the first (`run(false, t)`) ahead in even
+/// turns and the second (`run(true, t)`) ahead in odd ones, so that the machine's
+/// drift weighs on both alike: each one's results, turn by turn.
+pub fn alternate<T>(
+    turns: usize,
+    mut run: impl FnMut(bool, usize) -> Result<T, String>,
+) -> Result<(Vec<T>, Vec<T>), String> {
+    let (mut a, mut b) = (Vec::with_capacity(turns), Vec::with_capacity(turns));
+    for t in 0..turns {
+        if t % 2 == 0 {
+            a.push(run(false, t)?);
+            b.push(run(true, t)?);
+        } else {
+            b.push(run(true, t)?);
+            a.push(run(false, t)?);
+        }
+    }
+    Ok((a, b))
+}
+
 /// A buffer of `len` bytes (pages touched, contents varied) cut into `chunk`-sized
 /// pieces handed out in rotation, so that consecutive operations use cold memory.
 pub struct Rotor {

@@ -5,7 +5,7 @@
 //! makes after dlopen, here linked from Rust. Each configuration gets a fresh RM + agent +
 //! maru-server over the same pre-faulted fake-DAX pool, with pages of the chunk size.
 
-use crate::harness::{run_clients, run_clients_raw, Bound, Fig, Rotor, Run};
+use crate::harness::{alternate, run_clients, run_clients_raw, Bound, Fig, Rotor, Run};
 use crate::procs::{stack, Scratch};
 use maru::ffi::{
     maru_handler_close, maru_handler_open, maru_handler_t, maru_load, maru_load_batch,
@@ -424,27 +424,8 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     let dsts: Vec<Arc<std::sync::Mutex<Rotor>>> = (0..clients)
         .map(|_| Arc::new(std::sync::Mutex::new(Rotor::new(sz.rotate, chunk, 3))))
         .collect();
-    // Batched stores: new keys each batch.
+    // How many batches each client's batched stores stored.
     let counts = Arc::new(std::sync::Mutex::new(vec![0usize; clients]));
-    let ops_batch: Vec<_> = (0..clients)
-        .map(|c| {
-            let h = client_handler(c);
-            let src = srcs[c].clone();
-            let counts = counts.clone();
-            move |i: usize| -> Result<u64, String> {
-                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "b", i * BATCH + j)).collect();
-                let ptrs: Vec<*const u8> = {
-                    let mut r = src.lock().map_err(|_| "poisoned")?;
-                    (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
-                };
-                h.store_batch(&keys, &ptrs, chunk)?;
-                if let Ok(mut n) = counts.lock() {
-                    n[c] = i + 1;
-                }
-                Ok((BATCH * chunk) as u64)
-            }
-        })
-        .collect();
     // Batches of 32 new keys (`kind`), one call per client; with `remove`, each batch
     // removed after it is stored, so that the next goes into the pages it freed ("store,
     // reused pages": in a full pool the pages a remove frees are the next ones handed
@@ -474,6 +455,21 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     };
     let reused_ops = |kind: String| store_ops(kind, true);
     let full_ops = |kind: String| store_ops(kind, false);
+    // Batched stores: new keys each batch, counted (the loads read them back).
+    let ops_batch: Vec<_> = full_ops("b".into())
+        .into_iter()
+        .enumerate()
+        .map(|(c, op)| {
+            let counts = counts.clone();
+            move |i: usize| -> Result<u64, String> {
+                let moved = op(i)?;
+                if let Ok(mut n) = counts.lock() {
+                    n[c] = i + 1;
+                }
+                Ok(moved)
+            }
+        })
+        .collect();
     // Not measured: a region's worth of batches per client stored and removed, the
     // handlers' background prefaulting of the regions taken settled, and a figure's
     // seconds more of stores and removes, so that the figures start on a handler past
@@ -569,22 +565,23 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         secs: sz.secs / 4.0,
         max_ops: usize::MAX,
     };
-    let (mut reused, mut full) = (Run::default(), Run::default());
-    let mut full_vs_reused = Vec::with_capacity(TURNS);
-    let gbs = |r: &Run| r.bytes as f64 / r.wall.max(1e-9);
-    for t in 0..TURNS {
-        let (r, f) = if t % 2 == 0 {
-            let r = run_clients_raw(reused_ops(format!("r{t}")), turn)?;
-            (r, run_clients_raw(full_ops(format!("full{t}")), turn)?)
+    let (reused_turns, full_turns) = alternate(TURNS, |is_full, t| {
+        if is_full {
+            run_clients_raw(full_ops(format!("full{t}")), turn)
         } else {
-            let f = run_clients_raw(full_ops(format!("full{t}")), turn)?;
-            (run_clients_raw(reused_ops(format!("r{t}")), turn)?, f)
-        };
-        full_vs_reused.push(gbs(&f) / gbs(&r).max(1e-9));
-        reused.add(r);
-        full.add(f);
-    }
+            run_clients_raw(reused_ops(format!("r{t}")), turn)
+        }
+    })?;
+    let gbs = |r: &Run| r.bytes as f64 / r.wall.max(1e-9);
+    let mut full_vs_reused: Vec<f64> = reused_turns
+        .iter()
+        .zip(&full_turns)
+        .map(|(r, f)| gbs(f) / gbs(r).max(1e-9))
+        .collect();
     full_vs_reused.sort_by(|a, b| a.total_cmp(b));
+    let (mut reused, mut full) = (Run::default(), Run::default());
+    reused_turns.into_iter().for_each(|r| reused.add(r));
+    full_turns.into_iter().for_each(|f| full.add(f));
     let (store_reused, store_full) = (reused.fig(), full.fig());
     drop(handlers);
     drop(st);

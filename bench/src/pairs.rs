@@ -15,7 +15,7 @@
 //! passes each client stores one more pass's keys and keeps them: the load passes
 //! read them back, each client its own.
 
-use crate::harness::{run_clients, Bound, Fig, Rotor};
+use crate::harness::{alternate, run_clients, Bound, Fig, Rotor};
 use crate::maru_io::{handler_config, CHandler, BATCH, MIB};
 use crate::procs::{stack, Scratch};
 use serde::Serialize;
@@ -181,27 +181,6 @@ impl Side {
     }
 }
 
-/// `passes` pairs of passes, the sides taking turns (the order swapped every pair):
-/// the shared side's figures and the apart side's, pass by pass.
-fn alternate(
-    shared: &Arc<Side>,
-    apart: &Arc<Side>,
-    passes: usize,
-    mut pass: impl FnMut(&Arc<Side>, usize) -> Result<Fig, String>,
-) -> Result<(Vec<Fig>, Vec<Fig>), String> {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for p in 0..passes {
-        if p % 2 == 0 {
-            a.push(pass(shared, p)?);
-            b.push(pass(apart, p)?);
-        } else {
-            b.push(pass(apart, p)?);
-            a.push(pass(shared, p)?);
-        }
-    }
-    Ok((a, b))
-}
-
 fn bound(max_ops: usize) -> Bound {
     Bound {
         secs: PASS_SECS,
@@ -274,7 +253,9 @@ pub fn run(
         }
     }
     let passes = ((secs / pass_secs.max(1e-6)).ceil() as usize).clamp(min_passes, MAX_PASSES);
-    let store = alternate(&shared, &apart, passes, |side, p| {
+    let side = |is_apart: bool| if is_apart { &apart } else { &shared };
+    let store = alternate(passes, |is_apart, p| {
+        let side = side(is_apart);
         let kind = format!("s{p}");
         let fig = side.store_pass(&kind, batches, chunk)?;
         side.remove_pass(&kind, batches)?;
@@ -284,8 +265,8 @@ pub fn run(
     for side in [&shared, &apart] {
         side.store_pass("load", batches, chunk)?;
     }
-    let load = alternate(&shared, &apart, passes, |side, _| {
-        side.load_pass("load", batches, chunk)
+    let load = alternate(passes, |is_apart, _| {
+        side(is_apart).load_pass("load", batches, chunk)
     })?;
     drop(shared);
     drop(apart);
