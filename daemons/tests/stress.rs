@@ -134,6 +134,29 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
     );
 }
 
+/// A `remote_cxl` stack whose regions name a proxy in front of the agent that holds
+/// back `delay` what workers send on their control and probe connections containing
+/// `needle`, while the flag returned is set (the soft data connections go straight to
+/// the agent); with the proxy's count of held messages.
+fn stack_behind_holding_proxy(
+    tag: &str,
+    needle: &'static [u8],
+    delay: Duration,
+) -> (Stack, Arc<AtomicBool>, Arc<AtomicUsize>) {
+    let mut st = support::stack(tag, "256M", true, &server_args());
+    let agent = st.agent.as_ref().map(|a| a.addr.clone()).unwrap();
+    let slow = Arc::new(AtomicBool::new(false));
+    let (proxy, held) =
+        support::holding_proxy(&agent, needle, slow.clone(), delay, Duration::from_secs(60));
+    for a in st.server_args.iter_mut() {
+        if *a == agent {
+            *a = proxy.clone();
+        }
+    }
+    st.restart_server();
+    (st, slow, held)
+}
+
 /// remote_cxl: the first load of a range of another engine's region maps it for
 /// reading at its agent (`map_read`), a round trip that holds no lock of the handler.
 /// The agent is reached through a proxy that holds `map_read` requests back 1.5 s;
@@ -143,25 +166,8 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
 /// the mover's state lock again (the own load waited 1.3 s).
 #[test]
 fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
-    let mut st = support::stack("stress-mapread", "256M", true, &server_args());
-    let agent = st.agent.as_ref().map(|a| a.addr.clone()).unwrap();
-    let slow = Arc::new(AtomicBool::new(false));
     let delay = Duration::from_millis(1500);
-    let proxy = support::holding_proxy(
-        &agent,
-        b"map_read",
-        slow.clone(),
-        delay,
-        Duration::from_secs(60),
-    );
-    // maru-server names the proxy as the regions' agent: workers' control
-    // connections go through it (the soft data connections do not).
-    for a in st.server_args.iter_mut() {
-        if *a == agent {
-            *a = proxy.clone();
-        }
-    }
-    st.restart_server();
+    let (st, slow, _) = stack_behind_holding_proxy("stress-mapread", b"map_read", delay);
     let writer = Handler::open(&config(&st, "remote_cxl", "mapread-writer")).unwrap();
     let w = content("mapread-w");
     assert!(writer.store("mapread-w", &w, Some("mapread")).unwrap());
@@ -222,6 +228,131 @@ fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
         "a second load of the same range took {again:?}"
     );
     slow.store(false, Ordering::SeqCst);
+}
+
+/// The `map` of a region a store takes (at the agent a hold at the RM and a NIC
+/// registration: on verbs that pins the region, tens of milliseconds for 256 MiB)
+/// does not hold the handler's other requests. Maps are held 1.5 s at a proxy in
+/// front of the agent; while one thread stores more chunks than its regions hold
+/// (it takes new ones), another thread's load of a chunk stored before completes at
+/// once. Seen failing with the map made under the mover's state lock again (the load
+/// waited 1.4 s).
+#[test]
+fn a_slow_map_of_a_region_taken_does_not_hold_a_load_of_another_thread() {
+    let delay = Duration::from_millis(1500);
+    let (st, slow, held) = stack_behind_holding_proxy("stress-adoptmap", b"\"op\":\"map\",", delay);
+    let h = Handler::open(&config(&st, "remote_cxl", "adoptmap")).unwrap();
+    let first = content("adoptmap-0");
+    assert!(h.store("adoptmap-0", &first, Some("adoptmap")).unwrap());
+    // Loaded once: the peer is connected before the clock starts.
+    assert_eq!(
+        h.load("adoptmap-0", Some("adoptmap")).unwrap().as_deref(),
+        Some(first.as_slice())
+    );
+    slow.store(true, Ordering::SeqCst);
+    // 300 chunks of up to 64 KiB: more than two regions of 8 MiB hold.
+    let keys: Vec<String> = (1..=300).map(|i| format!("adoptmap-{i}")).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
+    let took = std::thread::scope(|s| {
+        let (h, keys, data) = (&h, &keys, &data);
+        let storer = s.spawn(move || {
+            let t = Instant::now();
+            let stored: Vec<bool> = keys
+                .iter()
+                .zip(data)
+                .map(|(k, d)| h.store(k, d, Some("adoptmap")).unwrap())
+                .collect();
+            (stored, t.elapsed())
+        });
+        assert!(
+            support::wait_until(Duration::from_secs(10), || held.load(Ordering::SeqCst) > 0),
+            "no map reached the agent: the store took no region"
+        );
+        // The map is held at the proxy now, for 1.5 s.
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        let got = h.load("adoptmap-0", Some("adoptmap")).unwrap();
+        let took = t.elapsed();
+        assert_eq!(got.as_deref(), Some(first.as_slice()), "the loaded bytes");
+        let (stored, storer_took) = storer.join().unwrap();
+        assert_eq!(stored, vec![true; keys.len()], "every chunk of the store");
+        assert!(
+            storer_took >= delay,
+            "the store's map was held back ({storer_took:?}): else the test shows nothing"
+        );
+        took
+    });
+    assert!(
+        took < Duration::from_millis(700),
+        "a load beside the map of a region being taken took {took:?}"
+    );
+    slow.store(false, Ordering::SeqCst);
+    for (k, d) in keys.iter().zip(&data).step_by(37) {
+        assert_eq!(
+            h.load(k, Some("adoptmap")).unwrap().as_deref(),
+            Some(d.as_slice()),
+            "{k}"
+        );
+    }
+}
+
+/// The tick's probes of an agent (every second while it answers) do not hold the
+/// handler's requests: probes are held 900 ms at a proxy in front of the agent (just
+/// under the probe's 1 s timeout, an agent slow to answer), and a load and a store in
+/// the meantime complete at once. Seen failing with the probe made under the mover's
+/// state lock again, with the pool's tick made under its mover lock (the load waited
+/// for the probe each time), and with the tick's probes made under the publish gate
+/// (the store waited).
+#[test]
+fn a_slow_probe_does_not_hold_a_load_or_a_store() {
+    let delay = Duration::from_millis(900);
+    // The probe is an unmap of region u64::MAX.
+    let (st, slow, held) =
+        stack_behind_holding_proxy("stress-probe", b"18446744073709551615", delay);
+    let h = Handler::open(&config(&st, "remote_cxl", "probed")).unwrap();
+    let first = content("probed-0");
+    assert!(h.store("probed-0", &first, Some("probed")).unwrap());
+    assert_eq!(
+        h.load("probed-0", Some("probed")).unwrap().as_deref(),
+        Some(first.as_slice())
+    );
+    slow.store(true, Ordering::SeqCst);
+    let (mut load_took, mut store_took) = (Duration::ZERO, Duration::ZERO);
+    for i in 1..=2 {
+        let before = held.load(Ordering::SeqCst);
+        assert!(
+            support::wait_until(Duration::from_secs(10), || held.load(Ordering::SeqCst)
+                > before),
+            "no probe reached the agent in 10 s"
+        );
+        // A probe is held at the proxy now, for 900 ms.
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        let got = h.load("probed-0", Some("probed")).unwrap();
+        load_took = load_took.max(t.elapsed());
+        assert_eq!(got.as_deref(), Some(first.as_slice()), "the loaded bytes");
+        let key = format!("probed-{i}");
+        let t = Instant::now();
+        assert!(h.store(&key, &content(&key), Some("probed")).unwrap());
+        store_took = store_took.max(t.elapsed());
+    }
+    slow.store(false, Ordering::SeqCst);
+    assert!(
+        load_took < Duration::from_millis(350),
+        "a load beside a probe held at the agent took {load_took:?}"
+    );
+    assert!(
+        store_took < Duration::from_millis(350),
+        "a store beside a probe held at the agent took {store_took:?}"
+    );
+    for i in 1..=2 {
+        let key = format!("probed-{i}");
+        assert_eq!(
+            h.load(&key, Some("probed")).unwrap(),
+            Some(content(&key)),
+            "{key}"
+        );
+    }
 }
 
 /// A store that gets pages of a region another store of the pool is taking (its

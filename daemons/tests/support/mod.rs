@@ -426,8 +426,9 @@ pub fn get(samples: &[(String, f64)], series: &str) -> f64 {
 
 /// A TCP proxy on loopback in front of a daemon: what a client sends that contains
 /// `needle` is held back `delay` while `slow` is set (a daemon slow to answer one
-/// kind of request). Each connection's two pumps end with it; the acceptor ends after
-/// `life`.
+/// kind of request). Returns its address and the count of messages held so far
+/// (counted as the hold starts). Each connection's two pumps end with it; the
+/// acceptor ends after `life`.
 #[allow(dead_code)] // not every test binary uses every helper
 pub fn holding_proxy(
     to: &str,
@@ -435,7 +436,9 @@ pub fn holding_proxy(
     slow: Arc<AtomicBool>,
     delay: Duration,
     life: Duration,
-) -> String {
+) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let held_count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = held_count.clone();
     use std::io::{Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -443,6 +446,7 @@ pub fn holding_proxy(
     listener.set_nonblocking(true).unwrap();
     let to = to.to_string();
     let pump = move |mut from: TcpStream, mut into: TcpStream, hold: Option<Arc<AtomicBool>>| {
+        let counted = counted.clone();
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -453,6 +457,7 @@ pub fn holding_proxy(
                 let held = hold.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
                     && buf[..n].windows(needle.len()).any(|w| w == needle);
                 if held {
+                    counted.fetch_add(1, Ordering::SeqCst);
                     std::thread::sleep(delay);
                 }
                 if into.write_all(&buf[..n]).is_err() {
@@ -481,5 +486,5 @@ pub fn holding_proxy(
             }
         }
     });
-    addr
+    (addr, held_count)
 }

@@ -66,8 +66,12 @@ impl std::fmt::Debug for View {
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
 /// Transfers that run without the pool's mover lock, side by side with other requests
-/// (see `Mover::transfers`). Same meaning as the `Mover` methods of the same names.
+/// (see `Mover::transfers`), and the adoption of a region and the tick, whose round
+/// trips to agents must not hold the pool's other users of the mover (requests,
+/// publishes, the heartbeat). Same meaning as the `Mover` methods of the same names.
 pub trait Transfers: Send + Sync {
+    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError>;
+    fn tick(&self, now_ms: u64) -> Vec<u64>;
     fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool>;
     fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome>;
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);

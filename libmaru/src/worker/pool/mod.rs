@@ -133,6 +133,7 @@ pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
 pub type BeforeAdopt = Box<dyn Fn(&RegionGrant) + Send + Sync>;
 
 /// How a request's bytes move (see `StoragePool::data_path`).
+#[derive(Clone)]
 enum DataPath {
     /// Through the mover's transfers, without the mover's lock (`remote_cxl`).
     Transfers(Arc<dyn Transfers>),
@@ -169,6 +170,8 @@ struct Book {
 pub struct StoragePool {
     pub session: Session,
     mover: Mutex<Box<dyn Mover>>,
+    /// How requests move bytes, from the mover at open.
+    path: DataPath,
     book: Mutex<Book>,
     gate: RwLock<()>,
     /// Taking a region (expand + the mover's adopt) holds it alone; an `alloc` that got
@@ -191,6 +194,11 @@ impl StoragePool {
         if let Some(r) = &session.first_region {
             mover.adopt(r)?;
         }
+        let path = match mover.transfers() {
+            Some(t) => DataPath::Transfers(t),
+            None if mover.writes_direct() => DataPath::Direct,
+            None => DataPath::Mover,
+        };
         let max_batch = session.handshake.max_batch.max(1);
         let newest = session.first_region.as_ref().map(region_pages);
         let pool = StoragePool {
@@ -204,6 +212,7 @@ impl StoragePool {
             }),
             session,
             mover: Mutex::new(mover),
+            path,
             gate: RwLock::new(()),
             adopting: RwLock::new(()),
             max_batch,
@@ -226,14 +235,9 @@ impl StoragePool {
         self.mover.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// How a request moves bytes (the mover's lock is held only to ask).
+    /// How a request moves bytes (decided at open: a request takes no lock to ask).
     fn data_path(&self) -> DataPath {
-        let m = self.mover();
-        match m.transfers() {
-            Some(t) => DataPath::Transfers(t),
-            None if m.writes_direct() => DataPath::Direct,
-            None => DataPath::Mover,
-        }
+        self.path.clone()
     }
 
     /// Tells maru-server the boot ids of the own regions (a heartbeat) when the mover
@@ -415,11 +419,19 @@ impl StoragePool {
     /// Periodic work (about once a second): the mover probes the agents of own
     /// regions; regions whose agent stayed silent too long are given back to
     /// maru-server (their keys go at once; its keeper releases them at the agent);
-    /// a reboot found is reported. Takes the gate alone (what it finds changes which
-    /// regions may be published into).
+    /// a reboot found is reported. The probes hold no pool lock (`remote_cxl` ticks
+    /// through its transfers: a probe of an agent slow to answer holds no request);
+    /// what they found is acted on under the gate alone (it changes which regions may
+    /// be published into). A probe that finds a reboot while a publish is in flight
+    /// changes the regions' boot ids, so a publish re-checked after it skips their
+    /// chunks; one re-checked before it is answered before the report below, which
+    /// makes maru-server drop those keys.
     pub fn tick(&self, now_ms: u64) -> Result<(), WorkerError> {
+        let back = match self.data_path() {
+            DataPath::Transfers(t) => t.tick(now_ms),
+            DataPath::Direct | DataPath::Mover => self.mover().tick(now_ms),
+        };
         let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
-        let back = self.mover().tick(now_ms);
         for id in back {
             match self.session.return_region(id, false) {
                 Ok(()) | Err(WorkerError::Refused(_)) => self.lose_region(id),

@@ -243,7 +243,12 @@ impl StoragePool {
         if let Some(f) = &self.before_adopt {
             f(grant);
         }
-        self.mover().adopt(grant)?;
+        // remote_cxl maps the region at its agent without the mover's lock, which
+        // publishes and the heartbeat take (`Transfers::adopt`); cxl maps it locally.
+        match self.data_path() {
+            DataPath::Transfers(t) => t.adopt(grant)?,
+            DataPath::Direct | DataPath::Mover => self.mover().adopt(grant)?,
+        }
         let mut b = self.book();
         b.stats.regions += 1;
         b.newest = Some(region_pages(grant));

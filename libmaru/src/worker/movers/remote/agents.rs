@@ -1,24 +1,25 @@
 //! The agents of a remote mover: one control connection each (map, map_read,
-//! release; a load's map_reads use it without the state's lock, `Shared::map_reads`), a
-//! short-timeout probe connection, the transport peer, and what the region lifecycle
-//! makes of what they say (a restart maps the regions again, a
-//! reboot puts them out of use until maru-server dropped their keys).
+//! release), a short-timeout probe connection, the transport peer, and what the region
+//! lifecycle makes of what they say (a restart maps the regions again, a reboot puts
+//! them out of use until maru-server dropped their keys). The map of a region taken,
+//! a load's map_reads and the probes run without the state's lock (`Shared::adopt`,
+//! `Shared::map_reads`, `Shared::probe`), holding only their connection.
 
 use super::{AgentConn, ReadTarget, RemoteState, Shared};
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
-use crate::wire::meta::LeaseGrant;
+use crate::wire::meta::{LeaseGrant, RegionGrant};
 use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::now_ms;
 use crate::worker::error::WorkerError;
-use crate::worker::lifecycle::Verdict;
+use crate::worker::lifecycle::{Action, Verdict};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
-/// probe runs under the pool's and the mover state's locks and an agent that does not answer is the case
-/// it is there to find.
+/// probe holds the pool's tick (not the handler's requests: `Shared::probe`) and an
+/// agent that does not answer is the case it is there to find.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl RemoteState {
@@ -60,6 +61,8 @@ impl RemoteState {
             Verdict::Same => return Ok(()),
             Verdict::NoBoot => {
                 self.agent(addr).link().reset();
+                // Read registrations go with the connection.
+                self.forget_reads(Some(addr));
                 return Err(WorkerError::Unavailable(format!(
                     "agent {addr} reports no boot id: treated as unreachable"
                 )));
@@ -90,13 +93,7 @@ impl RemoteState {
         let conn = self.agent(addr);
         let mut r = conn.link().call::<_, AgentReply>(req);
         if !conn.link().is_connected() {
-            // The connection broke (the agent may have restarted, losing its
-            // registrations): a new connection is a new peer at the transport too,
-            // and this mover's regions there are mapped again before their next use.
-            conn.peer = None;
-            self.life.link_broken(addr);
-            // Read registrations went with the old connection.
-            self.forget_reads(Some(addr));
+            self.link_broke(addr);
             if r.is_err() {
                 // Failed on the dead connection, so the agent never saw it: once more
                 // on a fresh one.
@@ -110,34 +107,41 @@ impl RemoteState {
         Ok(r?)
     }
 
-    /// Asks whether `addr` answers, on a connection of its own (short timeouts, and a
-    /// client id of its own: the agent drops a client's read handles when one of its
-    /// connections closes, and this one holds none). The request is the cheapest the
-    /// agent has (an unmap of no region: nothing changes); who answers (boot id,
-    /// epoch) is in the welcome of the connection, checked on every probe, so a
-    /// restart is seen as soon as the old connection is found dead and a new one made.
-    pub(super) fn probe(&mut self, addr: &str, now: u64) {
+    /// The control connection to `addr` broke: the agent may have restarted, losing
+    /// its registrations (read registrations go with the connection anyway); a new
+    /// connection is a new peer at the transport too, and this mover's regions there
+    /// are mapped again before their next use.
+    fn link_broke(&mut self, addr: &str) {
+        self.agent(addr).peer = None;
+        self.life.link_broken(addr);
+        self.forget_reads(Some(addr));
+    }
+
+    /// The probe connection to `addr` (short timeouts, and a client id of its own: the
+    /// agent drops a client's read handles when one of its connections closes, and
+    /// this one holds none).
+    fn probe_link(&mut self, addr: &str) -> Arc<Mutex<Link>> {
         let mut opts = self.agent_opts.clone();
         opts.client_id = format!("{}#probe", opts.client_id);
         opts.connect_timeout = PROBE_TIMEOUT;
         opts.call_timeout = PROBE_TIMEOUT;
-        let link = self
-            .probes
+        self.probes
             .entry(addr.to_string())
-            .or_insert_with(|| Link::new(addr, opts).with_check(require_boot_id));
-        let ping = AgentRequest::Unmap {
-            region_id: u64::MAX,
-        };
-        let was = link.is_connected();
-        let mut r = link.call::<_, AgentReply>(&ping);
-        if r.is_err() && was && !link.is_connected() {
-            // The old connection was dead (a restart, say): once on a fresh one.
-            r = link.call::<_, AgentReply>(&ping);
-        }
-        let who = match r {
-            Ok(_) => link.client().map(|c| welcome_identity(c)),
-            Err(e) => Err(e),
-        };
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(
+                    Link::new(addr, opts).with_check(require_boot_id),
+                ))
+            })
+            .clone()
+    }
+
+    /// What a probe of `addr` found out (`who`: the boot id and epoch that answered).
+    fn probed(
+        &mut self,
+        addr: &str,
+        now: u64,
+        who: Result<(Option<String>, Option<u64>), LinkError>,
+    ) {
         match who {
             Ok((boot, epoch)) => {
                 let v = self.life.seen(addr, boot.as_deref(), epoch, now);
@@ -349,7 +353,7 @@ impl RemoteState {
             Some(a) => self.reads.retain(|_, t| t.0 != a),
             None => self.reads.clear(),
         }
-        self.reads_gen += 1;
+        self.regs_gen += 1;
     }
 
     /// The ranges of `leases` in other engines' regions that have no read
@@ -381,21 +385,16 @@ impl RemoteState {
                 out[at].leases.push(l.clone());
             }
         }
-        (out, self.reads_gen)
+        (out, self.regs_gen)
     }
 
     /// Records what `map_read` calls made without the lock got at `agent`, unless
     /// registrations were forgotten since they started (`gen`): `locate` then maps
     /// what it needs again.
     fn mapped_reads(&mut self, agent: &str, gen: u64, got: MapReads) {
-        let stale = gen != self.reads_gen;
+        let stale = gen != self.regs_gen;
         if got.broke {
-            // As `agent_call` does with a connection that broke: the agent may have
-            // restarted; its registrations went with the connection, and a new one is
-            // a new peer at the transport.
-            self.agent(agent).peer = None;
-            self.life.link_broken(agent);
-            self.forget_reads(Some(agent));
+            self.link_broke(agent);
         }
         if got.unreachable {
             self.life.unreachable(agent, now_ms());
@@ -428,6 +427,38 @@ fn map_read_request(l: &LeaseGrant) -> AgentRequest {
     }
 }
 
+/// `req` on `link` if its connection is up (one that is down is connected under the
+/// state's lock: `connect_agent` checks who answers), with whether the connection
+/// broke on the way; None if it was down.
+fn call_if_up(
+    link: &mut Link,
+    req: &AgentRequest,
+) -> Option<(Result<AgentReply, LinkError>, bool)> {
+    if !link.is_connected() {
+        return None;
+    }
+    let r = link.call::<_, AgentReply>(req);
+    Some((r, !link.is_connected()))
+}
+
+/// Asks `link`'s agent who it is (boot id, epoch). The request is the cheapest the
+/// agent has (an unmap of no region: nothing changes); who answers is in the welcome
+/// of the connection, checked on every probe, so a restart is seen as soon as the old
+/// connection is found dead and a new one made.
+fn ping(link: &mut Link) -> Result<(Option<String>, Option<u64>), LinkError> {
+    let ping = AgentRequest::Unmap {
+        region_id: u64::MAX,
+    };
+    let was = link.is_connected();
+    let mut r = link.call::<_, AgentReply>(&ping);
+    if r.is_err() && was && !link.is_connected() {
+        // The old connection was dead (a restart, say): once on a fresh one.
+        r = link.call::<_, AgentReply>(&ping);
+    }
+    r?;
+    link.client().map(|c| welcome_identity(c))
+}
+
 /// Ranges to map for reading at one agent.
 struct ToMap {
     agent: String,
@@ -451,13 +482,10 @@ struct MapReads {
 fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads {
     let mut got = MapReads::default();
     for l in leases {
-        if !link.is_connected() {
+        let Some((r, broke)) = call_if_up(link, &map_read_request(l)) else {
             break;
-        }
-        let r = link.call::<_, AgentReply>(&map_read_request(l));
-        if !link.is_connected() {
-            got.broke = true;
-        }
+        };
+        got.broke |= broke;
         match r {
             Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
             Ok(other) => log::warn!(
@@ -475,6 +503,95 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads
 }
 
 impl Shared {
+    /// Maps a region this worker took at its agent and records it. The `map` round
+    /// trip (the agent holds the region at the RM and registers it with its NIC: on
+    /// verbs that pins the region's pages, tens of milliseconds for 256 MiB) holds
+    /// the agent's control connection, not the state's lock: the handler's other
+    /// requests go on meanwhile. Connecting, when the connection is down, and
+    /// recording run under the lock; a map made on a connection that was down, broke,
+    /// or may have lost its registrations meanwhile (`regs_gen`) is made again there.
+    pub(super) fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        let agent = grant.agent.clone().ok_or_else(|| {
+            WorkerError::Config(format!(
+                "region {} has no agent: maru-server runs without --remote-cxl-agent",
+                grant.handle.region_id
+            ))
+        })?;
+        let req = AgentRequest::Map {
+            handle: grant.handle.clone(),
+            writable: true,
+        };
+        let (link, gen) = {
+            let mut st = self.lock();
+            st.connect_agent(&agent)?;
+            (st.agent(&agent).link.clone(), st.regs_gen)
+        };
+        let got = {
+            let mut link = link.lock().unwrap_or_else(|e| e.into_inner());
+            call_if_up(&mut link, &req)
+        };
+        let mut st = self.lock();
+        let reply = match got {
+            Some((Ok(r), _)) if st.regs_gen == gen => r,
+            // Refused (the connection stays): said as `agent_call` says it.
+            Some((Err(e), false)) => return Err(e.into()),
+            Some((_, broke)) => {
+                if broke {
+                    st.link_broke(&agent);
+                }
+                st.agent_call(&agent, &req)?
+            }
+            None => st.agent_call(&agent, &req)?,
+        };
+        st.adopted(grant, agent, reply)
+    }
+
+    /// What is due on the pool's tick: probes (without the state's lock, `probe`),
+    /// maps again after a restart, regions of agents silent too long to give back
+    /// (returned).
+    pub(super) fn tick(&self, now_ms: u64) -> Vec<u64> {
+        let due = self.lock().life.due(now_ms);
+        let mut give_back = Vec::new();
+        for a in due {
+            match a {
+                Action::Probe(agent) => self.probe(&agent, now_ms),
+                Action::Remap(agent) => self.lock().remap_agent(&agent),
+                // The pool asks `must_report` after the tick.
+                Action::ReportBoots => {}
+                Action::GiveBack { agent, regions } => {
+                    log::warn!(
+                        "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
+                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000
+                    );
+                    give_back.extend(regions);
+                }
+            }
+        }
+        // A probe may have found a restart: map again now, not at the next tick.
+        self.lock().remap_failed_agents();
+        give_back
+    }
+
+    /// Probes the agents of the own regions now.
+    pub(super) fn check_agents(&self, now_ms: u64) {
+        let mut agents: Vec<String> = self.lock().own.values().map(|r| r.agent.clone()).collect();
+        agents.sort();
+        agents.dedup();
+        for a in agents {
+            self.probe(&a, now_ms);
+        }
+    }
+
+    /// Asks whether `addr` answers, and who (`ping`), on its probe connection and
+    /// without the state's lock: an agent slow to answer (up to `PROBE_TIMEOUT` to
+    /// connect and as much to reply) holds the tick, not the handler's requests.
+    /// What it found is fed to the lifecycle under the lock.
+    fn probe(&self, addr: &str, now: u64) {
+        let link = self.lock().probe_link(addr);
+        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()));
+        self.lock().probed(addr, now, who);
+    }
+
     /// Maps for reading, at their agents, the ranges of `leases` in other engines'
     /// regions that have no registration yet, before a load plans its windows. The
     /// round trips hold the agent's control connection, not the state's lock: a slow

@@ -18,7 +18,7 @@ use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use crate::worker::clock::now_ms;
 use crate::worker::error::WorkerError;
-use crate::worker::lifecycle::{Action, Lifecycle};
+use crate::worker::lifecycle::Lifecycle;
 use crate::worker::staging::{Slot, StagingSlots};
 use crate::worker::transfer::Isolation;
 use crate::worker::windows::{self, InFlightBudget};
@@ -76,10 +76,13 @@ pub(super) struct Shared {
 }
 
 /// The mover's state, under `Shared`'s lock. Held to look things up, post a window,
-/// settle one, or for the lifecycle's calls to agents (map and probes, at adoption,
-/// after a restart, on the tick). A load's `map_read`s of other engines' ranges run
-/// without it, holding only the agent's control connection (`Shared::map_reads`),
-/// unless that connection is down or a registration went before the window's plan.
+/// settle one, to connect to an agent (its control connection or transport peer, when
+/// there is none), and for the maps that bring an agent's regions back after a
+/// restart. The round trips of normal running go without it, each holding only the
+/// connection it uses: the `map` of a region taken (`Shared::adopt`), a load's
+/// `map_read`s of other engines' ranges (`Shared::map_reads`) and the probes of the
+/// tick (`Shared::probe`); when a connection is down, or registrations may have gone
+/// meanwhile (`regs_gen`), the call is made again under the lock.
 pub(super) struct RemoteState {
     nic: Arc<dyn Transport>,
     iso: Arc<Isolation>,
@@ -88,15 +91,18 @@ pub(super) struct RemoteState {
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
-    /// Counts the times registrations were forgotten (`forget_reads`): a `map_read`
-    /// made without the lock is recorded only if none was since it started.
-    reads_gen: u64,
+    /// Counts the times registrations at agents may have gone (`forget_reads`: a
+    /// control connection dropped or found dead, an agent restarted, a region
+    /// forgotten): a `map` or `map_read` made without the lock is recorded only if
+    /// none went since it started.
+    regs_gen: u64,
     last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// this mover feeds it what agents answer and carries out what it decides.
     life: Lifecycle,
-    /// A second, short-timeout connection per agent for probes.
-    probes: HashMap<String, Link>,
+    /// A second, short-timeout connection per agent for probes (used without the
+    /// state's lock, `Shared::probe`; probes come from the pool's tick, one at a time).
+    probes: HashMap<String, Arc<Mutex<Link>>>,
     /// Why the last failed read failed, for the caller.
     read_error: Option<String>,
 }
@@ -122,7 +128,7 @@ impl RemoteMover {
                     agents: HashMap::new(),
                     own: HashMap::new(),
                     reads: HashMap::new(),
-                    reads_gen: 0,
+                    regs_gen: 0,
                     last_skip_log: None,
                     life: Lifecycle::new(),
                     probes: HashMap::new(),
@@ -174,6 +180,14 @@ impl Shared {
 }
 
 impl Transfers for Shared {
+    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
+        Shared::adopt(self, grant)
+    }
+
+    fn tick(&self, now_ms: u64) -> Vec<u64> {
+        Shared::tick(self, now_ms)
+    }
+
     /// Copies each window into store slots while the window ahead of it is on the
     /// wire (see `worker::windows`); stores never wait for a slot: with none free and
     /// nothing in flight, the rest is skipped.
@@ -238,7 +252,7 @@ impl Transfers for Shared {
 
 impl Mover for RemoteMover {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        self.st().adopt(grant)
+        self.shared.adopt(grant)
     }
 
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
@@ -285,11 +299,11 @@ impl Mover for RemoteMover {
     }
 
     fn tick(&mut self, now_ms: u64) -> Vec<u64> {
-        self.st().tick(now_ms)
+        self.shared.tick(now_ms)
     }
 
     fn check_agents(&mut self, now_ms: u64) {
-        self.st().check_agents(now_ms)
+        self.shared.check_agents(now_ms)
     }
 
     fn owns(&self, region_id: u64) -> bool {
@@ -305,7 +319,7 @@ impl Mover for RemoteMover {
         st.own.remove(&region_id);
         st.life.forget(region_id);
         st.reads.retain(|&(r, _, _), _| r != region_id);
-        st.reads_gen += 1;
+        st.regs_gen += 1;
     }
 
     fn reclaim(&mut self) {
@@ -322,20 +336,14 @@ impl Mover for RemoteMover {
 }
 
 impl RemoteState {
-    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        let agent = grant.agent.clone().ok_or_else(|| {
-            WorkerError::Config(format!(
-                "region {} has no agent: maru-server runs without --remote-cxl-agent",
-                grant.handle.region_id
-            ))
-        })?;
-        let m = match self.agent_call(
-            &agent,
-            &AgentRequest::Map {
-                handle: grant.handle.clone(),
-                writable: true,
-            },
-        )? {
+    /// Records a region taken, mapped at its agent (`reply` to the map).
+    fn adopted(
+        &mut self,
+        grant: &RegionGrant,
+        agent: String,
+        reply: AgentReply,
+    ) -> Result<(), WorkerError> {
+        let m = match reply {
             AgentReply::Mapped(m) => m,
             r => {
                 return Err(WorkerError::Transport(format!(
@@ -360,37 +368,6 @@ impl RemoteState {
             },
         );
         Ok(())
-    }
-
-    fn tick(&mut self, now_ms: u64) -> Vec<u64> {
-        let mut give_back = Vec::new();
-        for a in self.life.due(now_ms) {
-            match a {
-                Action::Probe(agent) => self.probe(&agent, now_ms),
-                Action::Remap(agent) => self.remap_agent(&agent),
-                // The pool asks `must_report` after the tick.
-                Action::ReportBoots => {}
-                Action::GiveBack { agent, regions } => {
-                    log::warn!(
-                        "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
-                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000
-                    );
-                    give_back.extend(regions);
-                }
-            }
-        }
-        // A probe may have found a restart: map again now, not at the next tick.
-        self.remap_failed_agents();
-        give_back
-    }
-
-    fn check_agents(&mut self, now_ms: u64) {
-        let mut agents: Vec<String> = self.own.values().map(|r| r.agent.clone()).collect();
-        agents.sort();
-        agents.dedup();
-        for a in agents {
-            self.probe(&a, now_ms);
-        }
     }
 
     fn release_all(&mut self) -> (usize, usize) {
