@@ -1032,7 +1032,22 @@ fn run(args: Args) -> Result<(), String> {
     }
     let scratch = if needs_stack {
         let dir = huge.as_ref().ok().map(|h| h.dir.as_path());
-        Some(procs::Scratch::with_pool("pool", pool_gib << 30, dir)?)
+        let s = procs::Scratch::with_pool("pool", pool_gib << 30, dir)?;
+        if let (Ok(_), Some(h)) = (&huge, s.huge_bytes) {
+            let share = h as f64 / s.pool_size.max(1) as f64;
+            mach.pool_pages = format!(
+                "{} ({:.1} % of it on 2 MiB pages)",
+                mach.pool_pages,
+                share * 100.0
+            );
+            if h < s.pool_size {
+                eprintln!(
+                    "maru-bench: only {:.1} % of the pool got 2 MiB pages (memory too fragmented); the rest has 4 KiB pages and stores into it are slower",
+                    share * 100.0
+                );
+            }
+        }
+        Some(s)
     } else {
         None
     };

@@ -189,6 +189,9 @@ pub struct Scratch {
     pub pool: PathBuf,
     pub pool_size: u64,
     pub key_file: PathBuf,
+    /// Bytes of the pool the kernel gave 2 MiB pages (`ShmemHugePages` grew by them
+    /// when the pool was allocated), where it could be told.
+    pub huge_bytes: Option<u64>,
 }
 
 impl Scratch {
@@ -214,6 +217,7 @@ impl Scratch {
             pool,
             pool_size,
             key_file,
+            huge_bytes: None,
         })
     }
 
@@ -224,11 +228,19 @@ impl Scratch {
         pool_size: u64,
         pool_dir: Option<&Path>,
     ) -> Result<Scratch, String> {
-        let s = Scratch::new(tag, pool_size, pool_dir)?;
+        let mut s = Scratch::new(tag, pool_size, pool_dir)?;
+        if pool_dir.is_some() {
+            compact_memory();
+        }
+        // Before the first RM: its device header takes the pool's first page.
+        let before = shmem_huge_bytes();
         {
             let _st = stack(&s, false, "256M", "2M")?;
         }
         s.prefault_pool()?;
+        s.huge_bytes = before
+            .zip(shmem_huge_bytes())
+            .map(|(b, a)| a.saturating_sub(b).min(pool_size));
         Ok(s)
     }
 
@@ -282,6 +294,24 @@ impl Scratch {
         burn_in(&m);
         Ok(())
     }
+}
+
+/// Asks the kernel to compact free memory (root only; best effort), so that a pool on
+/// a `huge=always` tmpfs gets 2 MiB pages throughout: the kernel falls back to 4 KiB
+/// pages where it finds no free 2 MiB block, and the figures before the pool (the
+/// limits, the raw transport) free gigabytes in pieces.
+fn compact_memory() {
+    if let Err(e) = std::fs::write("/proc/sys/vm/compact_memory", "1") {
+        eprintln!("maru-bench: could not compact memory before allocating the pool ({e})");
+    }
+}
+
+/// `ShmemHugePages` of /proc/meminfo, in bytes.
+fn shmem_huge_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("ShmemHugePages:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
 }
 
 /// Writes every byte of the pool once more with what it holds, by streaming stores
