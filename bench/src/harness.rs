@@ -50,11 +50,16 @@ impl Run {
         self.lat.extend(other.lat);
     }
 
+    /// Bytes per second over the wall time.
+    pub fn rate(&self) -> f64 {
+        self.bytes as f64 / self.wall.max(1e-9)
+    }
+
     pub fn fig(mut self) -> Fig {
         let wall = self.wall.max(1e-9);
         self.lat.sort_by(|a, b| a.total_cmp(b));
         Fig {
-            gbs: self.bytes as f64 / wall / 1e9,
+            gbs: self.rate() / 1e9,
             ops_per_s: self.lat.len() as f64 / wall,
             p50_us: percentile(&self.lat, 0.5),
             p99_us: percentile(&self.lat, 0.99),

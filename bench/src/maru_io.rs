@@ -572,11 +572,10 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             run_clients_raw(reused_ops(format!("r{t}")), turn)
         }
     })?;
-    let gbs = |r: &Run| r.bytes as f64 / r.wall.max(1e-9);
     let mut full_vs_reused: Vec<f64> = reused_turns
         .iter()
         .zip(&full_turns)
-        .map(|(r, f)| gbs(f) / gbs(r).max(1e-9))
+        .map(|(r, f)| f.rate() / r.rate().max(1e-9))
         .collect();
     full_vs_reused.sort_by(|a, b| a.total_cmp(b));
     let (mut reused, mut full) = (Run::default(), Run::default());

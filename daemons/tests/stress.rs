@@ -111,10 +111,7 @@ fn a_stuck_remote_store_does_not_hold_a_load_of_another_thread() {
         });
         // The store's WRITE is on the wire by now, its payload held back.
         std::thread::sleep(Duration::from_millis(200));
-        let t = Instant::now();
-        let got = h.load("stuck-a", Some("stuck")).unwrap();
-        let took = t.elapsed();
-        assert_eq!(got.as_deref(), Some(a.as_slice()), "the loaded bytes");
+        let took = timed_load(h, "stuck-a", "stuck", &a);
         let (r, store_took) = storer.join().unwrap();
         assert!(
             store_took >= stall,
@@ -157,6 +154,30 @@ fn stack_behind_holding_proxy(
     (st, slow, held)
 }
 
+/// Loads `key` (namespace `ns`) with `h`, checks the bytes are `want`, and says how
+/// long the load took.
+fn timed_load(h: &Handler, key: &str, ns: &str, want: &[u8]) -> Duration {
+    let t = Instant::now();
+    let got = h.load(key, Some(ns)).unwrap();
+    let took = t.elapsed();
+    assert_eq!(got.as_deref(), Some(want), "{key}: the loaded bytes");
+    took
+}
+
+/// A `remote_cxl` handler of engine `engine` on `st` that stored `key` (its
+/// `content`, in namespace `ns`) and loaded it back once, so that its peer at the
+/// agent is connected before a test's clock starts; with the bytes.
+fn handler_with_one_chunk(st: &Stack, engine: &str, key: &str, ns: &str) -> (Handler, Vec<u8>) {
+    let h = Handler::open(&config(st, "remote_cxl", engine)).unwrap();
+    let bytes = content(key);
+    assert!(h.store(key, &bytes, Some(ns)).unwrap());
+    assert_eq!(
+        h.load(key, Some(ns)).unwrap().as_deref(),
+        Some(bytes.as_slice())
+    );
+    (h, bytes)
+}
+
 /// remote_cxl: the first load of a range of another engine's region maps it for
 /// reading at its agent (`map_read`), a round trip that holds no lock of the handler.
 /// The agent is reached through a proxy that holds `map_read` requests back 1.5 s;
@@ -171,17 +192,7 @@ fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
     let writer = Handler::open(&config(&st, "remote_cxl", "mapread-writer")).unwrap();
     let w = content("mapread-w");
     assert!(writer.store("mapread-w", &w, Some("mapread")).unwrap());
-    let reader = Handler::open(&config(&st, "remote_cxl", "mapread-reader")).unwrap();
-    let r = content("mapread-r");
-    assert!(reader.store("mapread-r", &r, Some("mapread")).unwrap());
-    // The reader's own chunk once: its peer is connected before the clock starts.
-    assert_eq!(
-        reader
-            .load("mapread-r", Some("mapread"))
-            .unwrap()
-            .as_deref(),
-        Some(r.as_slice())
-    );
+    let (reader, r) = handler_with_one_chunk(&st, "mapread-reader", "mapread-r", "mapread");
     slow.store(true, Ordering::SeqCst);
     let own_took = std::thread::scope(|s| {
         let (reader, w) = (&reader, &w);
@@ -192,10 +203,7 @@ fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
         });
         // The other thread's map_read is held at the proxy by now.
         std::thread::sleep(Duration::from_millis(200));
-        let t = Instant::now();
-        let got = reader.load("mapread-r", Some("mapread")).unwrap();
-        let took = t.elapsed();
-        assert_eq!(got.as_deref(), Some(r.as_slice()), "the own chunk's bytes");
+        let took = timed_load(reader, "mapread-r", "mapread", &r);
         let (got, other_took) = other.join().unwrap();
         assert_eq!(
             got.as_deref(),
@@ -241,14 +249,7 @@ fn a_slow_map_read_does_not_hold_a_load_of_another_thread() {
 fn a_slow_map_of_a_region_taken_does_not_hold_a_load_of_another_thread() {
     let delay = Duration::from_millis(1500);
     let (st, slow, held) = stack_behind_holding_proxy("stress-adoptmap", b"\"op\":\"map\",", delay);
-    let h = Handler::open(&config(&st, "remote_cxl", "adoptmap")).unwrap();
-    let first = content("adoptmap-0");
-    assert!(h.store("adoptmap-0", &first, Some("adoptmap")).unwrap());
-    // Loaded once: the peer is connected before the clock starts.
-    assert_eq!(
-        h.load("adoptmap-0", Some("adoptmap")).unwrap().as_deref(),
-        Some(first.as_slice())
-    );
+    let (h, first) = handler_with_one_chunk(&st, "adoptmap", "adoptmap-0", "adoptmap");
     slow.store(true, Ordering::SeqCst);
     // 300 chunks of up to 64 KiB: more than two regions of 8 MiB hold.
     let keys: Vec<String> = (1..=300).map(|i| format!("adoptmap-{i}")).collect();
@@ -270,10 +271,7 @@ fn a_slow_map_of_a_region_taken_does_not_hold_a_load_of_another_thread() {
         );
         // The map is held at the proxy now, for 1.5 s.
         std::thread::sleep(Duration::from_millis(100));
-        let t = Instant::now();
-        let got = h.load("adoptmap-0", Some("adoptmap")).unwrap();
-        let took = t.elapsed();
-        assert_eq!(got.as_deref(), Some(first.as_slice()), "the loaded bytes");
+        let took = timed_load(h, "adoptmap-0", "adoptmap", &first);
         let (stored, storer_took) = storer.join().unwrap();
         assert_eq!(stored, vec![true; keys.len()], "every chunk of the store");
         assert!(
@@ -309,13 +307,7 @@ fn a_slow_probe_does_not_hold_a_load_or_a_store() {
     // The probe is an unmap of region u64::MAX.
     let (st, slow, held) =
         stack_behind_holding_proxy("stress-probe", b"18446744073709551615", delay);
-    let h = Handler::open(&config(&st, "remote_cxl", "probed")).unwrap();
-    let first = content("probed-0");
-    assert!(h.store("probed-0", &first, Some("probed")).unwrap());
-    assert_eq!(
-        h.load("probed-0", Some("probed")).unwrap().as_deref(),
-        Some(first.as_slice())
-    );
+    let (h, first) = handler_with_one_chunk(&st, "probed", "probed-0", "probed");
     slow.store(true, Ordering::SeqCst);
     let (mut load_took, mut store_took) = (Duration::ZERO, Duration::ZERO);
     for i in 1..=2 {
@@ -327,10 +319,7 @@ fn a_slow_probe_does_not_hold_a_load_or_a_store() {
         );
         // A probe is held at the proxy now, for 900 ms.
         std::thread::sleep(Duration::from_millis(100));
-        let t = Instant::now();
-        let got = h.load("probed-0", Some("probed")).unwrap();
-        load_took = load_took.max(t.elapsed());
-        assert_eq!(got.as_deref(), Some(first.as_slice()), "the loaded bytes");
+        load_took = load_took.max(timed_load(&h, "probed-0", "probed", &first));
         let key = format!("probed-{i}");
         let t = Instant::now();
         assert!(h.store(&key, &content(&key), Some("probed")).unwrap());
