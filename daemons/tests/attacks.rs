@@ -516,9 +516,9 @@ fn a_state_dir_others_can_write_is_refused() {
     drop(d);
 }
 
-/// 2: the soft NIC's data port: connections beyond the pending cap are closed at
-/// accept (no thread each), a silent one is closed at the handshake deadline, and a
-/// worker with the key still gets in.
+/// 2: the soft NIC's data port: connections beyond the pending cap push out the
+/// oldest silent ones (no thread each), the rest are closed at the handshake
+/// deadline.
 #[test]
 fn the_soft_nic_bounds_connections_before_the_key_proof() {
     let key = SharedKey::generate().unwrap();
@@ -632,9 +632,10 @@ fn threads() -> usize {
 }
 
 /// 2 (the rest): connections that proved the key are served without a thread each.
-/// 300 of them (past the old cap of 256 threads) hold the responder's thread count
-/// flat, and a worker's WRITE and READ back still work meanwhile; a worker of another
-/// agent connection cannot use that worker's key.
+/// 300 of them (past the old cap of 256 threads), bound to 5 owners (60 each, under
+/// the cap per owner), hold the responder's thread count flat, and a worker's WRITE
+/// and READ back still work meanwhile; a worker of another agent connection cannot
+/// use that worker's key.
 #[test]
 fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
     use maru::transport::soft::{proto, SoftTransport};
@@ -649,12 +650,29 @@ fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
     .unwrap();
     let addr = t.local_addr().to_string();
     let before = threads();
-    let mut opts = ClientOptions::new(proto::SERVICE, "many");
-    opts.key = Some(key.clone());
-    opts.connect_timeout = Duration::from_secs(5);
+    let mut owners_mem = vec![0u8; 5 * 4096];
+    let owners: Vec<_> = (0..5)
+        // SAFETY: `owners_mem` outlives the registrations (deregistered below).
+        .map(|i| {
+            unsafe {
+                t.register(
+                    100 + i,
+                    owners_mem.as_mut_ptr().add(i as usize * 4096),
+                    4096,
+                    true,
+                )
+            }
+            .unwrap()
+        })
+        .collect();
     let mut held = Vec::new();
-    for _ in 0..300 {
-        held.push(Client::connect(&addr, &opts).expect("a proven data connection"));
+    for i in 0..300 {
+        let owner = &owners[i % 5];
+        held.push(support::bound_soft_connection(
+            &addr,
+            &key,
+            &owner.transport,
+        ));
     }
     assert!(support::wait_until(Duration::from_secs(5), || t
         .stats()
@@ -719,9 +737,13 @@ fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
         <= 2));
     t.deregister(reg.rkey).unwrap();
     t.deregister(other.rkey).unwrap();
+    for o in owners {
+        t.deregister(o.rkey).unwrap();
+    }
     drop(other_staging);
     drop(other_region);
     drop(region);
+    drop(owners_mem);
 }
 
 fn p99(mut v: Vec<Duration>) -> Duration {
