@@ -638,7 +638,7 @@ fn threads() -> usize {
 /// use that worker's key.
 #[test]
 fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
-    use maru::transport::soft::{proto, SoftTransport};
+    use maru::transport::soft::SoftTransport;
     use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
     let key = SharedKey::generate().unwrap();
     let t = SoftTarget::start(
@@ -1090,4 +1090,85 @@ fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
         "exists p99 {busy:?} (worst {worst:?}) with the RM stopped during allocations, \
          {normal:?} normally"
     );
+}
+
+/// A keyholder of maru-server at `addr` with session of its own: the client and the
+/// session id.
+fn meta_keyholder(addr: &str, key: &std::path::Path, id: &str) -> (Client, u64) {
+    let mut o = ClientOptions::new(META, id);
+    o.key = Some(maru::auth::load_key_file(key).unwrap());
+    o.connect_timeout = Duration::from_secs(5);
+    o.call_timeout = Duration::from_secs(5);
+    let mut c = Client::connect(addr, &o).expect("a keyholder connects during the flood");
+    let (session, _) = open_session(&mut c);
+    (c, session)
+}
+
+fn meta_exists(c: &mut Client, session: u64) -> bool {
+    matches!(
+        c.call::<_, MetaReply>(&MetaRequest::Exists {
+            session,
+            keys: vec!["k".into()],
+        }),
+        Ok(MetaReply::Exists { .. })
+    )
+}
+
+/// Issue 33 (4): maru-server under floods of connections that never prove its key.
+/// 1,024 idle connections, then 1,024 connections each holding a partial frame just
+/// under the pre-auth limit, then 1,024 announcing 1 MiB frames and sending most of
+/// them: its RSS stays under 64 MiB, a client connected before keeps working, and a
+/// new keyholder connects and opens a session in each flood.
+#[test]
+fn maru_server_stays_small_and_lets_keyholders_in_under_pre_auth_floods() {
+    let mut s = Scratch::new("att-preauth");
+    let key = s.dir.join("server.key");
+    let (srv, _rm) = meta(&mut s, &["--key-file", &key.display().to_string()]);
+    let pid = srv.child.id();
+    let (mut before, session) = meta_keyholder(&srv.addr, &key, "before");
+    let partial = {
+        let mut f = wire::frame::encode_header(FrameKind::Handshake, 4000).to_vec();
+        f.extend(std::iter::repeat_n(b'{', 3999));
+        f
+    };
+    let big = {
+        let mut f = wire::frame::encode_header(FrameKind::Handshake, 1 << 20).to_vec();
+        f.extend(std::iter::repeat_n(b'{', (1 << 20) - 1));
+        f
+    };
+    for (name, bytes) in [
+        ("idle", &[][..]),
+        ("partial 4 KiB", &partial),
+        ("1 MiB", &big),
+    ] {
+        let start = Instant::now();
+        let mut flood = Vec::new();
+        for _ in 0..1024 {
+            let Ok(mut c) = TcpStream::connect(&srv.addr) else {
+                continue;
+            };
+            c.set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let _ = c.write_all(bytes);
+            flood.push(c);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let rss = vm_rss_kib(pid);
+        let t = Instant::now();
+        let (mut fresh, fresh_session) = meta_keyholder(&srv.addr, &key, "fresh");
+        assert!(meta_exists(&mut fresh, fresh_session), "{name}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "{name}: a keyholder took {:?} to get in",
+            t.elapsed()
+        );
+        assert!(meta_exists(&mut before, session), "{name}: the old client");
+        assert!(
+            rss < 64 * 1024,
+            "{name} flood: maru-server RSS {rss} KiB after {} connections in {:?}",
+            flood.len(),
+            start.elapsed()
+        );
+        drop(flood);
+    }
 }
