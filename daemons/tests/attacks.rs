@@ -1172,3 +1172,210 @@ fn maru_server_stays_small_and_lets_keyholders_in_under_pre_auth_floods() {
         drop(flood);
     }
 }
+
+/// A 4 MiB region of the RM at `rm` mapped writable at the agent at `agent` over a
+/// connection of its own (kept in the reply's owner: keep the client open).
+fn own_mapping(rm: &str, agent: &str, key: &SharedKey) -> (Client, maru::wire::agent::MapReply) {
+    let mut rmc = connect(rm, RM, "soft-flood-test");
+    let handle = match rmc
+        .call::<_, RmReply>(&RmRequest::Alloc {
+            size: 4 * MIB,
+            pool: None,
+            request_id: 0,
+        })
+        .unwrap()
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("{r:?}"),
+    };
+    let mut o = ClientOptions::new(AGENT, "soft-flood-owner");
+    o.key = Some(key.clone());
+    let mut c = Client::connect(agent, &o).unwrap();
+    let m = map_writable(&mut c, &handle);
+    (c, m)
+}
+
+/// Issue 33 (5): a peer without the agent key re-opening ~200 connections a second
+/// on the soft NIC's data port (each left silent until the NIC closes it) used to
+/// take every handshake slot, the NIC closing *new* connections at accept: workers
+/// got 6 of 80 connections and a new engine loaded 0 of 8 cached chunks. A newcomer
+/// now pushes out the oldest silent connection: at least 95 % of worker connects
+/// succeed and a new engine loads 8 of 8 during the flood.
+#[test]
+fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
+    use maru::transport::soft::SoftTransport;
+    use maru::transport::{no_bringup, LocalBuffer, Transport};
+    use maru::worker::Handler;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let server_args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .map(String::from)
+        .to_vec();
+    let st = support::stack("att-softflood", "256M", true, &server_args);
+    let key = maru::auth::load_key_file(&st.key_path).unwrap();
+    let agent = st.agent.as_ref().unwrap().addr.clone();
+    let config = |engine: &str| {
+        serde_json::json!({
+            "backend": "remote_cxl",
+            "server_url": st.server.addr,
+            "engine_id": engine,
+            "namespace": "softflood",
+            "agent_key_file": st.key_path.display().to_string(),
+            "timeout_ms": 5000,
+        })
+        .to_string()
+    };
+    let writer = Handler::open(&config("softflood-writer")).unwrap();
+    let chunks: Vec<(String, Vec<u8>)> = (0..8u8)
+        .map(|i| (format!("softflood-{i}"), vec![i + 1; 64 << 10]))
+        .collect();
+    for (k, v) in &chunks {
+        assert!(writer.store(k, v, None).unwrap(), "store {k}");
+    }
+    let (_owner, m) = own_mapping(&st.rm.addr, &agent, &key);
+    let soft: std::net::SocketAddr = m.transport["soft"]["addr"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooding = stop.clone();
+    let flood = std::thread::spawn(move || {
+        let mut held = std::collections::VecDeque::new();
+        let (start, mut opened) = (Instant::now(), 0u64);
+        while !flooding.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(60) {
+            if let Ok(c) = TcpStream::connect_timeout(&soft, Duration::from_millis(200)) {
+                held.push_back(c);
+                opened += 1;
+            }
+            if held.len() > 1200 {
+                held.pop_front();
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        opened as f64 / start.elapsed().as_secs_f64()
+    });
+    // The flood fills the handshake slots first.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut staging = vec![0u8; 4096];
+    let mut connected = 0;
+    for i in 0..80 {
+        let t = SoftTransport::new(format!("softflood-worker-{i}"), Some(key.clone()));
+        t.register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: staging.len(),
+        })
+        .unwrap();
+        if t.connect(&m.transport, &mut no_bringup).is_ok() {
+            connected += 1;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reader = Handler::open(&config("softflood-reader")).unwrap();
+    let loaded = chunks
+        .iter()
+        .filter(|(k, v)| reader.load(k, None).ok().flatten().as_deref() == Some(v.as_slice()))
+        .count();
+    stop.store(true, Ordering::SeqCst);
+    let rate = flood.join().unwrap();
+    assert!(
+        rate > 100.0,
+        "the flood opened only {rate:.0} connections/s"
+    );
+    assert!(
+        connected >= 76,
+        "{connected}/80 worker connects during a flood of {rate:.0} connections/s"
+    );
+    assert_eq!(loaded, 8, "chunks a new engine loaded during the flood");
+    drop((reader, writer));
+}
+
+/// Issue 33 (5): one holder of the agent key keeps 1,024 data connections that
+/// proved the key open and never binds them, re-opening each as it is closed (it
+/// used to keep them forever: other workers connected 0 of 10). Unbound connections
+/// now have their own cap (a newer one pushes out the oldest) and a deadline: 10 of
+/// 10 workers connect and write meanwhile.
+#[test]
+fn a_key_holder_hoarding_unbound_data_connections_does_not_keep_workers_out() {
+    use maru::transport::soft::{proto, SoftTransport};
+    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let key = SharedKey::generate().unwrap();
+    let t = SoftTarget::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "",
+        Some(key.clone()),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let addr = t.local_addr().to_string();
+    let stop = Arc::new(AtomicBool::new(false));
+    let proofs = Arc::new(AtomicUsize::new(0));
+    let hoarder = {
+        let (stop, proofs, key, addr) = (stop.clone(), proofs.clone(), key.clone(), addr.clone());
+        std::thread::spawn(move || {
+            let mut o = ClientOptions::new(proto::SERVICE, "hoarder");
+            o.key = Some(key);
+            o.connect_timeout = Duration::from_secs(2);
+            let mut held = std::collections::VecDeque::new();
+            let start = Instant::now();
+            while !stop.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(60) {
+                // Keep 1,024 open: drop those the NIC closed, open new ones.
+                held.retain(|c: &Client| !c.is_stale());
+                while held.len() < 1024 && !stop.load(Ordering::SeqCst) {
+                    match Client::connect(&addr, &o) {
+                        Ok(c) => {
+                            held.push_back(c);
+                            proofs.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    assert!(support::wait_until(Duration::from_secs(20), || proofs
+        .load(Ordering::SeqCst)
+        >= 1024));
+    let mut region = vec![0u8; 4096];
+    // SAFETY: `region` outlives the registration (deregistered below).
+    let reg = unsafe { t.register(1, region.as_mut_ptr(), 4096, true) }.unwrap();
+    let mut staging = vec![0x77u8; 4096];
+    let mut wrote = 0;
+    for i in 0..10 {
+        let w = SoftTransport::new(format!("hoard-worker-{i}"), Some(key.clone()));
+        w.register_local(LocalBuffer {
+            ptr: staging.as_mut_ptr(),
+            len: staging.len(),
+        })
+        .unwrap();
+        let Ok(peer) = w.connect(&reg.transport, &mut no_bringup) else {
+            continue;
+        };
+        let op = Op {
+            kind: OpKind::Write,
+            local_offset: 0,
+            remote_addr: reg.addr,
+            rkey: reg.rkey,
+            len: 4096,
+        };
+        if let Ok(b) = w.post(peer, &[op]) {
+            if w.wait(b, Duration::from_secs(10)) == BatchState::Done {
+                wrote += 1;
+            }
+        }
+    }
+    let st = t.stats();
+    stop.store(true, Ordering::SeqCst);
+    hoarder.join().unwrap();
+    assert_eq!(
+        wrote, 10,
+        "workers that connected and wrote meanwhile ({st:?})"
+    );
+    assert!(st.unbound <= 64, "{st:?}");
+    assert!(region.iter().all(|&x| x == 0x77));
+    t.deregister(reg.rkey).unwrap();
+    drop(region);
+}
