@@ -1379,3 +1379,126 @@ fn a_key_holder_hoarding_unbound_data_connections_does_not_keep_workers_out() {
     t.deregister(reg.rkey).unwrap();
     drop(region);
 }
+
+/// GET /metrics on loopback `port` within `limit`: whether a 200 reply came whole.
+fn scraped_within(port: u16, limit: Duration) -> bool {
+    let t = Instant::now();
+    let Ok(mut c) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), limit) else {
+        return false;
+    };
+    let left = limit
+        .saturating_sub(t.elapsed())
+        .max(Duration::from_millis(1));
+    c.set_read_timeout(Some(left)).unwrap();
+    c.set_write_timeout(Some(left)).unwrap();
+    if c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut got = Vec::new();
+    let whole = c.read_to_end(&mut got).is_ok();
+    whole
+        && t.elapsed() <= limit
+        && got.starts_with(b"HTTP/1.1 200 OK")
+        && String::from_utf8_lossy(&got).contains("maru_rm_uptime_seconds")
+}
+
+/// Raises this process's open-file limit to at least `want`; false when the hard
+/// limit does not allow it.
+fn raise_fd_limit(want: u64) -> bool {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: r is a valid rlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 || r.rlim_max < want {
+        return false;
+    }
+    if r.rlim_cur >= want {
+        return true;
+    }
+    r.rlim_cur = want;
+    // SAFETY: r is a valid rlimit.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0 }
+}
+
+/// Issue 33 (6): `/metrics` under attack. 20 slowloris connections (a request head
+/// trickled one byte a second) made every scrape wait 2 s per connection (0 of 2
+/// answered within 10 s), and 10,000 idle connections kept it dark even after they
+/// closed. Scrape connections now share one event loop, each costing a slot for at
+/// most 2 s: 2 of 2 scrapes within 10 s under slowloris, during the idle flood and
+/// after it.
+#[test]
+fn metrics_are_scraped_under_slowloris_and_idle_connection_floods() {
+    let mut s = Scratch::new("att-metrics");
+    let port = support::free_port();
+    let _d = rm(&mut s, &["--metrics", &port.to_string()]);
+    let limit = Duration::from_secs(10);
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    // Slowloris: 20 connections, each sending one more byte of its head every second.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loris = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let head = b"GET /metrics HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+            let mut conns: Vec<(TcpStream, usize)> = Vec::new();
+            let start = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                && start.elapsed() < Duration::from_secs(60)
+            {
+                // Re-open those the server closed, as a slowloris does.
+                conns.retain_mut(|(c, at)| {
+                    let ok = *at < head.len() && c.write_all(&head[*at..*at + 1]).is_ok();
+                    *at += 1;
+                    ok
+                });
+                while conns.len() < 20 {
+                    match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                        Ok(c) => conns.push((c, 0)),
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1000));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let under_loris = (0..2).filter(|_| scraped_within(port, limit)).count();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    loris.join().unwrap();
+    assert_eq!(
+        under_loris, 2,
+        "scrapes answered within 10 s under 20 slowloris connections"
+    );
+
+    if !raise_fd_limit(10_500) {
+        eprintln!(
+            "SKIPPED the 10,000 idle connections part: the open-file hard limit is under \
+             10,500 (ulimit -Hn); raise it to run it"
+        );
+        return;
+    }
+    // 10,000 connections opened at once (non-blocking connects), then left idle.
+    let t = Instant::now();
+    let idle: Vec<mio::net::TcpStream> = (0..10_000)
+        .filter_map(|_| mio::net::TcpStream::connect(addr).ok())
+        .collect();
+    let established =
+        |v: &[mio::net::TcpStream]| v.iter().filter(|c| c.peer_addr().is_ok()).count();
+    // A listener that keeps up accepts them within a few seconds; one that does not
+    // leaves the rest queued (which is the attack).
+    support::wait_until(Duration::from_secs(10), || established(&idle) >= 9_900);
+    let (n, took) = (established(&idle), t.elapsed());
+    let during = (0..2).filter(|_| scraped_within(port, limit)).count();
+    drop(idle);
+    let after = (0..2).filter(|_| scraped_within(port, limit)).count();
+    assert_eq!(
+        during, 2,
+        "scrapes answered within 10 s during 10,000 idle connections ({n} established in {took:?})"
+    );
+    assert_eq!(
+        after, 2,
+        "scrapes answered within 10 s after 10,000 idle connections"
+    );
+}
