@@ -1502,3 +1502,94 @@ fn metrics_are_scraped_under_slowloris_and_idle_connection_floods() {
         "scrapes answered within 10 s after 10,000 idle connections"
     );
 }
+
+/// Issue 33 (7): what peers without the key cause is logged as a few lines, not one
+/// line per connection (which let one loop write ~190 KB/s of log). 1,000 connections
+/// of four kinds (silent until the handshake deadline, a malformed hello, no key, a
+/// wrong key: the client checks the daemon's proof first and hangs up) add at most 3
+/// lines over the flood, and the summary line after it counts them.
+#[test]
+fn a_flood_of_keyless_connections_is_logged_as_a_few_summary_lines() {
+    let mut s = Scratch::new("att-logflood");
+    let pool = s.fake_dax("p");
+    let ready = s.dir.join("ready");
+    let log_path = s.dir.join("rm.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut child = Command::new(RM_BIN)
+        .args([
+            "--state-dir",
+            &s.dir.join("rm").display().to_string(),
+            "--fake-dax",
+            &format!("{}:64M", pool.display()),
+            "--handshake-timeout-ms",
+            "300",
+            "--port",
+            "0",
+            "--ready-file",
+            &ready.display().to_string(),
+        ])
+        .env("RUST_LOG", "info")
+        .stderr(log)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(support::wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
+    }));
+    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    let lines_now = || std::fs::read_to_string(&log_path).unwrap().lines().count();
+    let before = lines_now();
+    let start = Instant::now();
+    let mut silent = Vec::new();
+    for i in 0..250 {
+        // Silent: closed at the 300 ms handshake deadline.
+        silent.push(TcpStream::connect(&addr).unwrap());
+        // A malformed hello.
+        let mut c = TcpStream::connect(&addr).unwrap();
+        let _ = c.write_all(&wire::frame::encode(FrameKind::Handshake, b"{\"nope\":1}"));
+        closed_within(&mut c, Duration::from_secs(2));
+        // No key: the client sees the daemon wants one and hangs up.
+        let mut o = ClientOptions::new(RM, format!("keyless-{i}"));
+        o.connect_timeout = Duration::from_secs(2);
+        assert!(Client::connect(&addr, &o).is_err());
+        // A wrong key.
+        o.key = Some(SharedKey::generate().unwrap());
+        assert!(Client::connect(&addr, &o).is_err());
+    }
+    let flood_took = start.elapsed();
+    std::thread::sleep(Duration::from_millis(600));
+    drop(silent);
+    let during = lines_now() - before;
+    // The summary comes at the end of the first interval (10 s after the first line).
+    let summary = support::wait_until(Duration::from_secs(14), || {
+        std::fs::read_to_string(&log_path)
+            .unwrap()
+            .contains("more in the last")
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log_path).unwrap();
+    let added: Vec<&str> = text.lines().skip(before).collect();
+    assert!(
+        during <= 3,
+        "{during} log lines for 1,000 keyless connections in {flood_took:?}:\n{}",
+        added.join("\n")
+    );
+    assert!(summary, "no summary line:\n{}", added.join("\n"));
+    let line = added
+        .iter()
+        .find(|l| l.contains("more in the last"))
+        .unwrap();
+    assert!(
+        line.contains(": 999 more in the last"),
+        "every connection after the first is counted: {line}"
+    );
+    for kind in [
+        "no handshake in time",
+        "handshake refused",
+        "closed before their key proof",
+    ] {
+        assert!(line.contains(kind), "{kind} not counted: {line}");
+    }
+    assert!(line.len() < 600, "{line}");
+}

@@ -401,7 +401,7 @@ impl Server {
             }
             self.deliver(service);
             self.expire(service, now);
-            throttled_log::emit(self.prelog.due(now));
+            throttled_log::emit(module_path!(), self.prelog.due(now));
         }
     }
 
@@ -436,18 +436,21 @@ impl Server {
                         Admit::Refused => {
                             NetCounters::add(&self.counters.refused_cap, 1);
                             let open = self.conns.len();
-                            throttled_log::emit(self.prelog.note(
-                                now,
-                                log::Level::Warn,
-                                "refused at accept (every connection slot is a client's)",
-                                &peer.to_string(),
-                                || {
-                                    format!(
-                                        "refusing a connection from {peer}: {open} clients \
+                            throttled_log::emit(
+                                module_path!(),
+                                self.prelog.note(
+                                    now,
+                                    log::Level::Warn,
+                                    "refused at accept (every connection slot is a client's)",
+                                    &peer.to_string(),
+                                    || {
+                                        format!(
+                                            "refusing a connection from {peer}: {open} clients \
                                          connected, the limit (--max-clients)"
-                                    )
-                                },
-                            ));
+                                        )
+                                    },
+                                ),
+                            );
                             continue;
                         }
                         Admit::In { push_out: Some(t) } => {
@@ -639,6 +642,7 @@ impl Server {
             if let Some(end) = c.pre_auth_end.take() {
                 let peer = c.peer.to_string();
                 throttled_log::emit(
+                    module_path!(),
                     self.prelog
                         .note(now, end.level, end.kind, &peer, || end.line),
                 );

@@ -26,16 +26,17 @@ pub struct Line {
 }
 
 impl Line {
-    /// Writes the line through `log`.
-    pub fn emit(&self) {
-        log::log!(self.level, "{}", self.text);
+    /// Writes the line through `log` under `target` (the module of the caller, so a
+    /// `RUST_LOG` filter on it keeps working).
+    pub fn emit(&self, target: &str) {
+        log::log!(target: target, self.level, "{}", self.text);
     }
 }
 
-/// Writes every line through `log`.
-pub fn emit(lines: Vec<Line>) {
+/// Writes every line through `log` under `target` (see [`Line::emit`]).
+pub fn emit(target: &str, lines: Vec<Line>) {
     for l in lines {
-        l.emit();
+        l.emit(target);
     }
 }
 

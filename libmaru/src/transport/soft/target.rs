@@ -186,7 +186,10 @@ impl Shared {
         line: impl FnOnce() -> String,
     ) {
         let now = self.now_ms();
-        throttled_log::emit(lock(&self.log).note(now, level, kind, peer, line));
+        throttled_log::emit(
+            module_path!(),
+            lock(&self.log).note(now, level, kind, peer, line),
+        );
     }
 
     fn unbound(&self) -> u64 {
@@ -920,7 +923,7 @@ fn run_loop(
         match &mut door {
             Some(d) => {
                 d.expire(&mut conns, shared);
-                throttled_log::emit(lock(&shared.log).due(shared.now_ms()));
+                throttled_log::emit(module_path!(), lock(&shared.log).due(shared.now_ms()));
                 shard
                     .pending
                     .store(d.slots.count(HANDSHAKE) as u64, Ordering::SeqCst);
