@@ -257,7 +257,12 @@ fn a_client_that_never_reads_its_replies_does_not_grow_the_daemon() {
 /// A 4 MiB region allocated at the node's RM (as maru-server would), for tests that
 /// map it at the agent themselves.
 fn alloc_4mib(n: &support::MemoryNode) -> maru::wire::rm::Handle {
-    let mut rmc = connect(&n.rm.addr, RM, "maru-server-test");
+    alloc_4mib_at(&n.rm.addr)
+}
+
+/// A 4 MiB region allocated at the RM at `rm` (started here, with its key).
+fn alloc_4mib_at(rm: &str) -> maru::wire::rm::Handle {
+    let mut rmc = connect(rm, RM, "maru-server-test");
     match rmc
         .call::<_, RmReply>(&RmRequest::Alloc {
             size: 4 * MIB,
@@ -417,16 +422,17 @@ fn maru_server_with_a_key_refuses_workers_without_it() {
     let _ = open_session(&mut c);
 }
 
-/// 8: peer text in the log is cut and escaped: a hello full of newlines, sent by many
-/// connections, adds little to the log and forges no line.
-#[test]
-fn peer_text_in_the_log_is_cut_and_escaped() {
-    let mut s = Scratch::new("att-log");
+/// An RM in `s` logging at info level into `s.dir/rm.log`, with `extra` flags: the
+/// process, its address and the log's path.
+fn rm_logging(
+    s: &mut Scratch,
+    extra: &[&str],
+) -> (std::process::Child, String, std::path::PathBuf) {
     let pool = s.fake_dax("p");
     let ready = s.dir.join("ready");
     let log_path = s.dir.join("rm.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(RM_BIN)
+    let child = Command::new(RM_BIN)
         .args([
             "--state-dir",
             &s.dir.join("rm").display().to_string(),
@@ -437,6 +443,7 @@ fn peer_text_in_the_log_is_cut_and_escaped() {
             "--ready-file",
             &ready.display().to_string(),
         ])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stderr(log)
         .stdout(std::process::Stdio::null())
@@ -446,6 +453,15 @@ fn peer_text_in_the_log_is_cut_and_escaped() {
         std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
     }));
     let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    (child, addr, log_path)
+}
+
+/// 8: peer text in the log is cut and escaped: a hello full of newlines, sent by many
+/// connections, adds little to the log and forges no line.
+#[test]
+fn peer_text_in_the_log_is_cut_and_escaped() {
+    let mut s = Scratch::new("att-log");
+    let (mut child, addr, log_path) = rm_logging(&mut s, &[]);
     let evil = "\nFORGED error: x".repeat(200);
     let hello = serde_json::json!({"service": evil, "version": 1, "client_id": "c", "nonce": "00"});
     let frame = wire::frame::encode(FrameKind::Handshake, hello.to_string().as_bytes());
@@ -1176,18 +1192,7 @@ fn maru_server_stays_small_and_lets_keyholders_in_under_pre_auth_floods() {
 /// A 4 MiB region of the RM at `rm` mapped writable at the agent at `agent` over a
 /// connection of its own (kept in the reply's owner: keep the client open).
 fn own_mapping(rm: &str, agent: &str, key: &SharedKey) -> (Client, maru::wire::agent::MapReply) {
-    let mut rmc = connect(rm, RM, "soft-flood-test");
-    let handle = match rmc
-        .call::<_, RmReply>(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .unwrap()
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    };
+    let handle = alloc_4mib_at(rm);
     let mut o = ClientOptions::new(AGENT, "soft-flood-owner");
     o.key = Some(key.clone());
     let mut c = Client::connect(agent, &o).unwrap();
@@ -1511,32 +1516,7 @@ fn metrics_are_scraped_under_slowloris_and_idle_connection_floods() {
 #[test]
 fn a_flood_of_keyless_connections_is_logged_as_a_few_summary_lines() {
     let mut s = Scratch::new("att-logflood");
-    let pool = s.fake_dax("p");
-    let ready = s.dir.join("ready");
-    let log_path = s.dir.join("rm.log");
-    let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(RM_BIN)
-        .args([
-            "--state-dir",
-            &s.dir.join("rm").display().to_string(),
-            "--fake-dax",
-            &format!("{}:64M", pool.display()),
-            "--handshake-timeout-ms",
-            "300",
-            "--port",
-            "0",
-            "--ready-file",
-            &ready.display().to_string(),
-        ])
-        .env("RUST_LOG", "info")
-        .stderr(log)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    assert!(support::wait_until(Duration::from_secs(10), || {
-        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
-    }));
-    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    let (mut child, addr, log_path) = rm_logging(&mut s, &["--handshake-timeout-ms", "300"]);
     let lines_now = || std::fs::read_to_string(&log_path).unwrap().lines().count();
     let before = lines_now();
     let start = Instant::now();

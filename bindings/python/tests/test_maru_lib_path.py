@@ -3,25 +3,14 @@ dlopen against the working directory of the moment (``sub/../libmaru.so``) or, a
 bare name, searched on the loader's path (``./libmaru.so`` becomes ``libmaru.so`` for
 ``pathlib``), so a library planted where the process happens to run could be loaded."""
 
-import os
 import shutil
-import subprocess
-import sys
 
 import maru
+from test_unit import _import_in_subprocess
 
 
 def _import_with(maru_lib, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "MARU_LIB"}
-    env["MARU_LIB"] = maru_lib
-    return subprocess.run(
-        [sys.executable, "-c", "import maru; print(maru.library_path)"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return _import_in_subprocess({"MARU_LIB": maru_lib}, cwd)
 
 
 def test_a_relative_maru_lib_is_refused_even_when_it_names_a_real_library(tmp_path):

@@ -192,34 +192,30 @@ impl Shared {
         );
     }
 
-    fn unbound(&self) -> u64 {
+    /// One count of every shard (from shard `from` on), summed.
+    fn sum(&self, from: usize, count: impl Fn(&Shard) -> &AtomicU64) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.unbound.load(Ordering::SeqCst))
+            .skip(from)
+            .map(|s| count(s).load(Ordering::SeqCst))
             .sum()
+    }
+
+    fn unbound(&self) -> u64 {
+        self.sum(0, |s| &s.unbound)
     }
 
     /// Bound connections served by the threads other than the door's.
     fn serving_elsewhere(&self) -> usize {
-        self.shards
-            .iter()
-            .skip(1)
-            .map(|s| s.serving.load(Ordering::SeqCst) as usize)
-            .sum()
+        self.sum(1, |s| &s.serving) as usize
     }
 
     fn serving(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.serving.load(Ordering::SeqCst))
-            .sum()
+        self.sum(0, |s| &s.serving)
     }
 
     fn pending(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.pending.load(Ordering::SeqCst))
-            .sum()
+        self.sum(0, |s| &s.pending)
     }
 }
 

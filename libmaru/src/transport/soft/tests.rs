@@ -687,33 +687,52 @@ fn closed_within(s: &mut std::net::TcpStream, limit: Duration) -> bool {
     false
 }
 
-/// Proven connections that never bind hold no slot for long: past `MAX_UNBOUND` the
-/// oldest is pushed out at once, and the rest are closed at the bind deadline; a
-/// worker connects and binds among them.
-#[test]
-fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline() {
-    use super::target::{BIND_DEADLINE, MAX_UNBOUND};
+/// A rig whose NIC wants a key, with one registration of owner 1 over its region:
+/// the rig, the key, the registration and the NIC's address.
+fn keyed_rig() -> (Rig, SharedKey, crate::transport::Registration, String) {
     let key = SharedKey::generate().unwrap();
     let mut r = rig(Some(key.clone()), 4096, 4096);
+    // SAFETY: the region lives in the rig, which outlives the registration.
     let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
     let addr = reg.transport["soft"]["addr"].as_str().unwrap().to_string();
-    let start = std::time::Instant::now();
-    let mut idle: Vec<_> = (0..MAX_UNBOUND + 8)
-        .map(|_| proven(&addr, Some(&key)).0)
-        .collect();
-    assert!(wait_for(|| r.target.stats().unbound == MAX_UNBOUND as u64));
-    for (i, s) in idle.iter_mut().take(8).enumerate() {
-        assert!(
-            closed_within(s, Duration::from_secs(1)),
-            "unbound connection {i}, among the oldest, was not pushed out"
-        );
-    }
+    (r, key, reg, addr)
+}
+
+/// The rig's worker connects to `reg` and writes 16 bytes: its peer.
+fn worker_writes(r: &Rig, reg: &crate::transport::Registration) -> crate::transport::PeerId {
     let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
     let w = r
         .nic
         .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 16)])
         .unwrap();
     assert_eq!(r.nic.wait(w, T), BatchState::Done);
+    peer
+}
+
+/// The first `n` of `conns` (the oldest) are closed within a second.
+fn oldest_pushed_out(conns: &mut [std::net::TcpStream], n: usize, what: &str) {
+    for (i, s) in conns.iter_mut().take(n).enumerate() {
+        assert!(
+            closed_within(s, Duration::from_secs(1)),
+            "{what} {i}, among the oldest, was not pushed out"
+        );
+    }
+}
+
+/// Proven connections that never bind hold no slot for long: past `MAX_UNBOUND` the
+/// oldest is pushed out at once, and the rest are closed at the bind deadline; a
+/// worker connects and binds among them.
+#[test]
+fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline() {
+    use super::target::{BIND_DEADLINE, MAX_UNBOUND};
+    let (r, key, reg, addr) = keyed_rig();
+    let start = std::time::Instant::now();
+    let mut idle: Vec<_> = (0..MAX_UNBOUND + 8)
+        .map(|_| proven(&addr, Some(&key)).0)
+        .collect();
+    assert!(wait_for(|| r.target.stats().unbound == MAX_UNBOUND as u64));
+    oldest_pushed_out(&mut idle, 8, "unbound connection");
+    let peer = worker_writes(&r, &reg);
     for s in idle.iter_mut().skip(8) {
         let left = (BIND_DEADLINE + Duration::from_secs(3)).saturating_sub(start.elapsed());
         assert!(
@@ -744,26 +763,13 @@ fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline(
 #[test]
 fn a_flood_of_silent_connections_pushes_out_its_oldest_and_lets_a_worker_in() {
     use super::target::MAX_PENDING;
-    let key = SharedKey::generate().unwrap();
-    let mut r = rig(Some(key.clone()), 4096, 4096);
-    let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
-    let addr = reg.transport["soft"]["addr"].as_str().unwrap().to_string();
+    let (r, _key, reg, addr) = keyed_rig();
     let mut flood: Vec<std::net::TcpStream> = (0..MAX_PENDING + 16)
         .map(|_| std::net::TcpStream::connect(&addr).unwrap())
         .collect();
     assert!(wait_for(|| r.target.stats().pending == MAX_PENDING as u64));
-    for (i, s) in flood.iter_mut().take(16).enumerate() {
-        assert!(
-            closed_within(s, Duration::from_secs(1)),
-            "silent connection {i}, among the oldest, was not pushed out"
-        );
-    }
-    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
-    let w = r
-        .nic
-        .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 16)])
-        .unwrap();
-    assert_eq!(r.nic.wait(w, T), BatchState::Done);
+    oldest_pushed_out(&mut flood, 16, "silent connection");
+    let peer = worker_writes(&r, &reg);
     drop(flood);
     r.nic.fence(peer).unwrap();
     r.target.deregister(reg.rkey).unwrap();
