@@ -532,19 +532,25 @@ fn a_state_dir_others_can_write_is_refused() {
     drop(d);
 }
 
+/// A soft NIC on loopback that wants a fresh agent key: the key and the NIC.
+fn keyed_soft_target() -> (SharedKey, SoftTarget) {
+    let key = SharedKey::generate().unwrap();
+    let t = SoftTarget::start(
+        "127.0.0.1:0".parse().unwrap(),
+        "",
+        Some(key.clone()),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    (key, t)
+}
+
 /// 2: the soft NIC's data port: connections beyond the pending cap push out the
 /// oldest silent ones (no thread each), the rest are closed at the handshake
 /// deadline.
 #[test]
 fn the_soft_nic_bounds_connections_before_the_key_proof() {
-    let key = SharedKey::generate().unwrap();
-    let t = SoftTarget::start(
-        "127.0.0.1:0".parse().unwrap(),
-        "",
-        Some(key),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let (_key, t) = keyed_soft_target();
     let addr = t.local_addr();
     let flood: Vec<TcpStream> = (0..200)
         .filter_map(|_| TcpStream::connect(addr).ok())
@@ -656,14 +662,7 @@ fn threads() -> usize {
 fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
     use maru::transport::soft::SoftTransport;
     use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
-    let key = SharedKey::generate().unwrap();
-    let t = SoftTarget::start(
-        "127.0.0.1:0".parse().unwrap(),
-        "",
-        Some(key.clone()),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let (key, t) = keyed_soft_target();
     let addr = t.local_addr().to_string();
     let before = threads();
     let mut owners_mem = vec![0u8; 5 * 4096];
@@ -1306,14 +1305,7 @@ fn a_key_holder_hoarding_unbound_data_connections_does_not_keep_workers_out() {
     use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
-    let key = SharedKey::generate().unwrap();
-    let t = SoftTarget::start(
-        "127.0.0.1:0".parse().unwrap(),
-        "",
-        Some(key.clone()),
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let (key, t) = keyed_soft_target();
     let addr = t.local_addr().to_string();
     let stop = Arc::new(AtomicBool::new(false));
     let proofs = Arc::new(AtomicUsize::new(0));
