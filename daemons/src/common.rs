@@ -186,9 +186,10 @@ pub fn serve_metrics(
 /// The bounds of a daemon's port (see `maru::net::ServerOptions`), as flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NetArgs {
-    /// Connections open at once (at least 1); more are closed at accept. At most a
-    /// quarter of them may be in their handshake, so the rest stays for clients that
-    /// proved the key.
+    /// Connections open at once (at least 1). At most a quarter of them may be in their
+    /// handshake, so the rest stays for clients that proved the key: a new connection
+    /// beyond that, or when all are open, pushes out the oldest unfinished handshake,
+    /// and is closed at accept only when every connection is a client's.
     #[arg(short = 'm', long, default_value_t = 1024, env = "MARU_MAX_CLIENTS",
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_clients: u64,

@@ -1,20 +1,32 @@
 //! `--metrics ADDR`: the daemon's metrics over HTTP at `/metrics`, for Prometheus.
 //!
-//! One thread serves one connection at a time: each gets 2 s to send its request
-//! (at most 8 KiB of head) and to read the reply, then it is closed. A slow or
-//! hostile scraper therefore delays others by at most a few seconds and holds one
-//! socket; it never reaches the daemon's event loop, which only updates atomics.
+//! A thread of its own runs a small mio loop over every scrape connection at once:
+//! each may send at most 8 KiB of request head, and has 2 s for the whole exchange
+//! (request and reply), then it is closed. At most [`MAX_SCRAPERS`] connections are
+//! kept; one more pushes out the oldest ([`maru::net::Slots`]). A slow, silent or
+//! hostile scraper therefore costs one slot for at most 2 s and delays no other
+//! scrape: 20 slowloris connections or a flood of idle ones leave scrapes answered at
+//! once. A request that is already there when its connection is accepted is answered
+//! right then, so a scraper is served even while a flood pushes connections out. The
+//! daemon's event loop never sees any of it; it only updates atomics.
 
 use crate::metrics::{Metrics, CONTENT_TYPE};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use maru::net::{Admit, Slots, StageLimits};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Longest request head read (request line and headers).
 pub const MAX_HEAD: usize = 8 << 10;
-/// Time a scraper gets to send its request, and to take the reply.
+/// Time a scrape connection gets for its whole exchange: sending its request and
+/// taking the reply.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Scrape connections kept at once; one more pushes out the oldest.
+pub const MAX_SCRAPERS: usize = 64;
 
 /// The address of `--metrics`: `PORT` alone means loopback (`127.0.0.1:PORT`);
 /// otherwise `HOST:PORT`.
@@ -93,25 +105,145 @@ fn reply(code: u16, content_type: &str, body: String) -> Vec<u8> {
     out
 }
 
-fn serve_one(mut conn: TcpStream, metrics: &Metrics, started: Instant) {
-    let _ = conn.set_read_timeout(Some(IO_TIMEOUT));
-    let _ = conn.set_write_timeout(Some(IO_TIMEOUT));
-    let deadline = Instant::now() + IO_TIMEOUT;
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    let out = loop {
-        if let Some(r) = respond(&head, || metrics.render(started.elapsed().as_secs_f64())) {
-            break r;
+/// One scrape connection: its request head so far, then its reply.
+struct Scrape {
+    stream: TcpStream,
+    head: Vec<u8>,
+    /// The reply, once the request is whole; `sent` bytes of it are out.
+    reply: Option<Vec<u8>>,
+    sent: usize,
+}
+
+/// What to do with a scrape connection after it was served as far as it goes now.
+#[derive(PartialEq)]
+enum Next {
+    Wait,
+    Close,
+}
+
+impl Scrape {
+    /// Reads what came, answers a whole request, writes what the socket takes.
+    fn progress(&mut self, render: &dyn Fn() -> String) -> Next {
+        let mut buf = [0u8; 2048];
+        while self.reply.is_none() {
+            if let Some(r) = respond(&self.head, render) {
+                self.reply = Some(r);
+                break;
+            }
+            let room = (MAX_HEAD - self.head.len().min(MAX_HEAD)).min(buf.len());
+            // `respond` answered 431 once the head reached MAX_HEAD: room is not 0.
+            match self.stream.read(&mut buf[..room]) {
+                Ok(0) => return Next::Close,
+                Ok(n) => self.head.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return Next::Close,
+            }
         }
-        if Instant::now() >= deadline {
-            return;
+        let Some(reply) = &self.reply else {
+            return Next::Wait;
+        };
+        while self.sent < reply.len() {
+            match self.stream.write(&reply[self.sent..]) {
+                Ok(0) => return Next::Close,
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Wait,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return Next::Close,
+            }
         }
-        match conn.read(&mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&buf[..n.min(MAX_HEAD - head.len().min(MAX_HEAD))]),
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        Next::Close
+    }
+}
+
+const LISTENER: Token = Token(usize::MAX);
+
+/// The scrape loop: runs until the process ends (or its poll fails).
+fn run(mut listener: TcpListener, render: &dyn Fn() -> String) -> io::Result<()> {
+    let mut poll = Poll::new()?;
+    poll.registry()
+        .register(&mut listener, LISTENER, Interest::READABLE)?;
+    let started = Instant::now();
+    let now_ms = || started.elapsed().as_millis() as u64;
+    let mut slots: Slots<usize> = Slots::new(
+        MAX_SCRAPERS,
+        &[StageLimits {
+            cap: MAX_SCRAPERS,
+            deadline_ms: IO_TIMEOUT.as_millis() as u64,
+        }],
+    );
+    let mut conns: HashMap<usize, Scrape> = HashMap::new();
+    let mut next_token = 0usize;
+    let mut events = Events::with_capacity(256);
+    loop {
+        let timeout = slots
+            .next_deadline()
+            .map(|d| Duration::from_millis(d.saturating_sub(now_ms())));
+        if let Err(e) = poll.poll(&mut events, timeout) {
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
         }
-    };
-    let _ = conn.write_all(&out);
+        for ev in events.iter() {
+            if ev.token() != LISTENER {
+                let t = ev.token().0;
+                if let Some(c) = conns.get_mut(&t) {
+                    if c.progress(render) == Next::Close {
+                        conns.remove(&t);
+                        slots.remove(t);
+                    }
+                }
+                continue;
+            }
+            loop {
+                let (mut stream, _) = match listener.accept() {
+                    Ok(x) => x,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        // EMFILE and friends: the next readiness retries.
+                        log::warn!("metrics: accept failed: {e}");
+                        break;
+                    }
+                };
+                let t = next_token;
+                next_token = (next_token + 1) % LISTENER.0;
+                if let Err(e) = poll.registry().register(
+                    &mut stream,
+                    Token(t),
+                    Interest::READABLE | Interest::WRITABLE,
+                ) {
+                    log::warn!("metrics: cannot register a scrape connection: {e}");
+                    continue;
+                }
+                if let Admit::In {
+                    push_out: Some(old),
+                } = slots.admit(t, 0, now_ms())
+                {
+                    conns.remove(&old);
+                }
+                let mut c = Scrape {
+                    stream,
+                    head: Vec::new(),
+                    reply: None,
+                    sent: 0,
+                };
+                // The request usually came with the connection: answer it now, before
+                // later connections of a flood can push this one out.
+                if c.progress(render) == Next::Close {
+                    slots.remove(t);
+                } else {
+                    conns.insert(t, c);
+                }
+            }
+        }
+        for (t, _) in slots.expired(now_ms()) {
+            slots.remove(t);
+            conns.remove(&t);
+        }
+    }
 }
 
 /// Binds `addr` and serves the metrics from a thread of their own. The bind error,
@@ -126,14 +258,9 @@ pub fn serve(
     std::thread::Builder::new()
         .name("maru-metrics".into())
         .spawn(move || {
-            for conn in listener.incoming() {
-                match conn {
-                    Ok(c) => serve_one(c, &metrics, started),
-                    Err(e) => {
-                        log::warn!("metrics: accept failed: {e}");
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
+            let render = || metrics.render(started.elapsed().as_secs_f64());
+            if let Err(e) = run(listener, &render) {
+                log::error!("metrics: the scrape loop stopped: {e}; /metrics is no longer served");
             }
         })?;
     log::info!("metrics at http://{local}/metrics");
@@ -196,22 +323,62 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 431"), "{r}");
     }
 
-    #[test]
-    fn a_scrape_over_tcp_gets_the_counters_and_a_silent_client_does_not_block_it_for_long() {
-        let m = Arc::new(Metrics::new("server", &[("sessions", "Open sessions")]));
-        m.set("sessions", 3);
-        let addr = serve("127.0.0.1:0".parse().unwrap(), m.clone(), Instant::now()).unwrap();
-        // A client that connects and says nothing holds the server at most IO_TIMEOUT.
-        let _silent = TcpStream::connect(addr).unwrap();
-        let t = Instant::now();
-        let mut c = TcpStream::connect(addr).unwrap();
+    fn scrape(addr: SocketAddr) -> String {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
             .unwrap();
         let mut got = String::new();
         c.read_to_string(&mut got).unwrap();
-        assert!(t.elapsed() < IO_TIMEOUT + Duration::from_secs(3));
+        got
+    }
+
+    #[test]
+    fn a_scrape_over_tcp_gets_the_counters_while_silent_clients_wait_beside_it() {
+        let m = Arc::new(Metrics::new("server", &[("sessions", "Open sessions")]));
+        m.set("sessions", 3);
+        let addr = serve("127.0.0.1:0".parse().unwrap(), m.clone(), Instant::now()).unwrap();
+        // Clients that connect and say nothing cost a slot each, no time.
+        let silent: Vec<_> = (0..8)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let t = Instant::now();
+        let got = scrape(addr);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         assert!(got.contains("\nmaru_server_sessions 3\n"), "{got}");
         assert!(got.contains("maru_server_uptime_seconds "), "{got}");
+        drop(silent);
+    }
+
+    #[test]
+    fn past_the_cap_the_oldest_scrape_connection_is_pushed_out_and_the_rest_time_out() {
+        let m = Arc::new(Metrics::new("server", &[]));
+        let addr = serve("127.0.0.1:0".parse().unwrap(), m, Instant::now()).unwrap();
+        let start = Instant::now();
+        let mut idle: Vec<_> = (0..MAX_SCRAPERS + 4)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let closed = |s: &mut std::net::TcpStream, within: Duration| {
+            s.set_read_timeout(Some(within)).unwrap();
+            match s.read(&mut [0u8; 16]) {
+                Ok(n) => n == 0,
+                Err(e) => !matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ),
+            }
+        };
+        for s in idle.iter_mut().take(4) {
+            assert!(
+                closed(s, Duration::from_secs(1)),
+                "the oldest was not pushed out"
+            );
+        }
+        assert!(start.elapsed() < IO_TIMEOUT, "pushed out, not timed out");
+        for s in idle.iter_mut().skip(4) {
+            assert!(closed(s, IO_TIMEOUT + Duration::from_secs(2)));
+        }
+        assert!(start.elapsed() >= IO_TIMEOUT - Duration::from_millis(200));
+        assert!(scrape(addr).starts_with("HTTP/1.1 200 OK"));
     }
 }

@@ -49,6 +49,14 @@ def _load() -> ctypes.CDLL:
     env = os.environ.get("MARU_LIB")
     if env:
         p = Path(env)
+        if not p.is_absolute():
+            # dlopen would resolve a relative path against the working directory of
+            # the moment (`sub/../libmaru.so`) or, without a slash (`./` is dropped by
+            # Path), search the loader's path for a bare name: neither is where it says.
+            raise ImportError(
+                f"MARU_LIB={env} is a relative path: give the absolute path of libmaru.so "
+                "or of the directory holding it (or unset MARU_LIB to use the package's own library)"
+            )
         if p.is_dir():
             p = p / "libmaru.so"
         if not p.is_file():

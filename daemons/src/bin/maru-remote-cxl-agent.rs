@@ -33,7 +33,8 @@ enum TransportKind {
     about = "Maru remote CXL agent: maps and registers this memory node's CXL regions for remote workers",
     long_about = "Every connection must prove the agent key (--key-file) before it may map, unmap or release. \
 A map is checked and held at the resource manager before anything is registered; a release deregisters the \
-region whoever holds it, keeps its range mapped without access for the quarantine, then unholds it at the RM. \
+region whoever holds it, then unholds it at the RM at once and keeps its address range mapped without access for \
+the quarantine (so no new registration reuses those addresses). \
 Refuses to start without a boot id or with an empty RM address."
 )]
 struct Args {

@@ -488,3 +488,40 @@ pub fn holding_proxy(
     });
     (addr, held_count)
 }
+
+/// A soft NIC data connection to `addr` that proved `key` and bound itself to the
+/// owner of the registration whose transport metadata is `meta` (as a worker's lane
+/// does). Panics when the binding is refused.
+pub fn bound_soft_connection(
+    addr: &str,
+    key: &maru::auth::SharedKey,
+    meta: &serde_json::Value,
+) -> std::net::TcpStream {
+    use maru::transport::soft::proto;
+    use std::io::{Read, Write};
+    let mut opts = ClientOptions::new(proto::SERVICE, "bound-lane");
+    opts.key = Some(key.clone());
+    opts.connect_timeout = Duration::from_secs(10);
+    let c = Client::connect(addr, &opts).expect("a proven data connection");
+    let (mut s, head) = c.into_parts();
+    assert!(
+        head.is_empty(),
+        "nothing comes before the BIND's completion"
+    );
+    let secret = u128::from_str_radix(meta["soft"]["bind"].as_str().expect("soft.bind"), 16)
+        .expect("a hex binding secret");
+    let bind = proto::Request {
+        op: proto::OP_BIND,
+        seq: 0,
+        addr: (secret >> 64) as u64,
+        rkey: secret as u64,
+        len: 0,
+    };
+    s.write_all(&bind.encode()).expect("send BIND");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut cpl = [0u8; proto::CPL_LEN];
+    s.read_exact(&mut cpl).expect("the BIND's completion");
+    let c = proto::Completion::decode(&cpl);
+    assert_eq!(c.status, proto::ST_OK, "BIND refused: {c:?}");
+    s
+}

@@ -10,8 +10,10 @@ pub mod handshake;
 pub mod link;
 pub mod server;
 mod signals;
+pub mod slots;
 pub(crate) mod sockopt;
 pub mod text;
+pub mod throttled_log;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
@@ -19,8 +21,10 @@ pub use server::{
     ConnId, NetCounters, Replier, Server, ServerCounts, ServerOptions, Service, MAX_DEFERRED,
 };
 pub use signals::SignalPipe;
+pub use slots::{Admit, Slots, StageLimits};
 pub use sockopt::recv_now;
 pub use text::clip;
+pub use throttled_log::ThrottledLog;
 
 use std::time::Instant;
 

@@ -7,10 +7,19 @@
 //! service. A broken frame stream gets an `Error` frame and is closed; a malformed
 //! request gets an error reply and the connection stays; other connections never
 //! notice either.
+//!
+//! Before its handshake ends a connection is bounded tightly: it may hold at most one
+//! pre-auth frame (4 KiB) of unread bytes, it has a deadline, and at most
+//! `max_pending` such connections are kept, a newcomer pushing out the oldest
+//! ([`Slots`]); so whatever peers without the key send, they hold a few MiB at most
+//! and never the room of clients that proved it. What they cause is logged as one
+//! summary line per interval ([`ThrottledLog`]), not one line per connection.
 
 use super::handshake::{ServerHandshake, Step};
+use super::slots::{Admit, Slots, StageLimits};
 use super::sockopt;
 use super::text::clip;
+use super::throttled_log::{self, ThrottledLog};
 use super::{Clock, SignalPipe};
 use crate::auth::SharedKey;
 use crate::wire::{self, ErrorCode, FrameDecoder, FrameKind, WireError};
@@ -109,7 +118,9 @@ pub struct ServerOptions {
     /// Largest frame body accepted before the handshake finished (a hello or a proof
     /// is a few hundred bytes): a peer without the key cannot make the daemon buffer more.
     pub pre_auth_max_frame: usize,
-    /// Connections open at once; beyond it a new connection is closed at accept.
+    /// Connections open at once. When they are all open, a new connection pushes out
+    /// the oldest one still in its handshake; only when every one has finished its
+    /// handshake is a new connection closed at accept.
     pub max_connections: usize,
     /// Connections still in their handshake at once. Kept below `max_connections` so
     /// peers without the key cannot take the room of authenticated clients: a new one
@@ -165,6 +176,14 @@ enum Phase {
     Ready { client_id: String },
 }
 
+/// Why a connection that had not finished its handshake is closed, to be logged
+/// through the loop's [`ThrottledLog`] when it goes.
+struct PreAuthEnd {
+    level: log::Level,
+    kind: &'static str,
+    line: String,
+}
+
 struct Conn {
     id: ConnId,
     stream: TcpStream,
@@ -173,7 +192,8 @@ struct Conn {
     out: Vec<u8>,
     out_pos: usize,
     phase: Phase,
-    opened_ms: u64,
+    /// Set when it is closed before its handshake ended.
+    pre_auth_end: Option<PreAuthEnd>,
     /// When the last whole frame arrived (idle timeout).
     last_frame_ms: u64,
     /// Close once `out` is flushed (after an error frame).
@@ -219,11 +239,10 @@ pub struct Server {
     /// One read buffer for every connection (the loop is single-threaded), allocated
     /// once rather than zeroed on the stack for every readable event.
     rbuf: Box<[u8]>,
-    /// Connections still in their handshake.
-    pending: usize,
-    /// When a refusal at accept was last logged (one line per 10 s, not one per peer).
-    last_refusal_log_ms: Option<u64>,
-    refused_since_log: u64,
+    /// Connections still in their handshake, by age (caps, deadlines, push-outs).
+    slots: Slots<Token>,
+    /// What peers that did not finish the handshake caused: a line per interval.
+    prelog: ThrottledLog,
     counters: Arc<NetCounters>,
     replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
     replier: Replier,
@@ -283,6 +302,13 @@ impl Server {
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = std::sync::Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
         let (tx, replies) = std::sync::mpsc::channel();
+        let slots = Slots::new(
+            opts.max_connections,
+            &[StageLimits {
+                cap: opts.pending_cap(),
+                deadline_ms: opts.handshake_timeout_ms,
+            }],
+        );
         Ok(Server {
             poll,
             listener,
@@ -293,9 +319,11 @@ impl Server {
             clock,
             signals: None,
             rbuf: vec![0u8; READ_CHUNK].into_boxed_slice(),
-            pending: 0,
-            last_refusal_log_ms: None,
-            refused_since_log: 0,
+            slots,
+            prelog: ThrottledLog::new(
+                "connections that did not finish the handshake",
+                throttled_log::DEFAULT_INTERVAL_MS,
+            ),
             counters: Arc::default(),
             replies,
             replier: Replier { tx, waker },
@@ -319,7 +347,7 @@ impl Server {
     pub fn counts(&self) -> ServerCounts {
         ServerCounts {
             connections: self.conns.len(),
-            pending: self.pending,
+            pending: self.slots.len(),
         }
     }
 
@@ -373,92 +401,93 @@ impl Server {
             }
             self.deliver(service);
             self.expire(service, now);
+            throttled_log::emit(module_path!(), self.prelog.due(now));
         }
     }
 
-    /// When connection `c` is due to be closed for silence, if ever.
-    fn deadline_of(&self, c: &Conn) -> Option<u64> {
-        if c.pending() {
-            Some(c.opened_ms.saturating_add(self.opts.handshake_timeout_ms))
-        } else if self.opts.idle_timeout_ms > 0 {
-            Some(c.last_frame_ms.saturating_add(self.opts.idle_timeout_ms))
-        } else {
-            None
-        }
+    /// When connection `c`, past its handshake, is due to be closed for silence, if
+    /// ever (handshake deadlines are the slots').
+    fn idle_deadline(&self, c: &Conn) -> Option<u64> {
+        (!c.pending() && self.opts.idle_timeout_ms > 0)
+            .then(|| c.last_frame_ms.saturating_add(self.opts.idle_timeout_ms))
     }
 
     fn timeout<S: Service>(&self, service: &S, now: u64) -> Option<Duration> {
-        let mut deadline = service.next_deadline();
-        for c in self.conns.values() {
-            if let Some(d) = self.deadline_of(c) {
-                deadline = Some(deadline.map_or(d, |x| x.min(d)));
-            }
-        }
+        let deadline = self
+            .conns
+            .values()
+            .filter_map(|c| self.idle_deadline(c))
+            .chain(service.next_deadline())
+            .chain(self.slots.next_deadline())
+            .chain(self.prelog.next_deadline())
+            .min();
         deadline.map(|d| Duration::from_millis(d.saturating_sub(now)))
-    }
-
-    fn refusal(&mut self, peer: SocketAddr, why: &str) {
-        let now = self.clock.now_ms();
-        self.refused_since_log += 1;
-        if self
-            .last_refusal_log_ms
-            .is_none_or(|t| now.saturating_sub(t) >= 10_000)
-        {
-            log::warn!(
-                "refusing connection from {peer}: {why} ({} refused since the last such line)",
-                self.refused_since_log
-            );
-            self.last_refusal_log_ms = Some(now);
-            self.refused_since_log = 0;
-        }
     }
 
     fn accept<S: Service>(&mut self, service: &mut S) {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
-                    if self.conns.len() >= self.opts.max_connections {
-                        let why = format!("{} connections already open (limit)", self.conns.len());
-                        NetCounters::add(&self.counters.refused_cap, 1);
-                        self.refusal(peer, &why);
-                        continue;
-                    }
-                    if self.pending >= self.opts.pending_cap() {
-                        // The oldest unfinished handshake makes room: a flood of peers
-                        // without the key cannot keep a real client out.
-                        let oldest = self
-                            .conns
-                            .iter()
-                            .filter(|(_, c)| c.pending())
-                            .min_by_key(|(_, c)| c.opened_ms)
-                            .map(|(t, _)| *t);
-                        if let Some(t) = oldest {
-                            let now = self.clock.now_ms();
-                            NetCounters::add(&self.counters.pushed_out, 1);
-                            self.refusal(
-                                peer,
-                                "too many unfinished handshakes; closing the oldest",
+                    let now = self.clock.now_ms();
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    let settled = self.conns.len() - self.slots.len();
+                    match self.slots.admit(token, settled, now) {
+                        Admit::Refused => {
+                            NetCounters::add(&self.counters.refused_cap, 1);
+                            let open = self.conns.len();
+                            throttled_log::emit(
+                                module_path!(),
+                                self.prelog.note(
+                                    now,
+                                    log::Level::Warn,
+                                    "refused at accept (every connection slot is a client's)",
+                                    &peer.to_string(),
+                                    || {
+                                        format!(
+                                            "refusing a connection from {peer}: {open} clients \
+                                         connected, the limit (--max-clients)"
+                                        )
+                                    },
+                                ),
                             );
+                            continue;
+                        }
+                        Admit::In { push_out: Some(t) } => {
+                            // The oldest unfinished handshake makes room: a flood of
+                            // peers without the key cannot keep a real client out.
+                            NetCounters::add(&self.counters.pushed_out, 1);
+                            if let Some(c) = self.conns.get_mut(&t) {
+                                let cap = self.opts.pending_cap();
+                                c.pre_auth_end = Some(PreAuthEnd {
+                                    level: log::Level::Info,
+                                    kind: "pushed out by newer connections",
+                                    line: format!(
+                                        "closing the handshake of {} to make room for {peer}: \
+                                         it was the oldest of {cap} unfinished ones, or every \
+                                         other slot is a client's",
+                                        c.peer
+                                    ),
+                                });
+                            }
                             self.drop_conn(service, t, now);
                         }
+                        Admit::In { push_out: None } => {}
                     }
                     let _ = stream.set_nodelay(true);
                     sockopt::keepalive(&stream);
-                    let token = Token(self.next_token);
-                    self.next_token += 1;
                     if let Err(e) =
                         self.poll
                             .registry()
                             .register(&mut stream, token, Interest::READABLE)
                     {
                         log::warn!("cannot register connection from {peer}: {e}");
+                        self.slots.remove(token);
                         continue;
                     }
                     let id = self.next_conn_id;
                     self.next_conn_id += 1;
                     log::debug!("connection {id} from {peer}");
-                    let now = self.clock.now_ms();
-                    self.pending += 1;
                     NetCounters::add(&self.counters.accepted, 1);
                     NetCounters::add(&self.counters.open, 1);
                     self.conns.insert(
@@ -475,7 +504,7 @@ impl Server {
                                 self.opts.key.clone(),
                                 service.welcome_info(),
                             )),
-                            opened_ms: now,
+                            pre_auth_end: None,
                             last_frame_ms: now,
                             closing: false,
                             unread: false,
@@ -530,7 +559,7 @@ impl Server {
             alive = false;
         }
         if was_pending && !conn.pending() {
-            self.pending -= 1;
+            self.slots.remove(tok);
         }
         if !alive && !conn.closing {
             if let Phase::Handshake(hs) = &conn.phase {
@@ -538,11 +567,15 @@ impl Server {
                     // The client checks the daemon's proof first and hangs up when it
                     // fails: from here, a key mismatch (or a probe without the key).
                     NetCounters::add(&self.counters.auth_failures, 1);
-                    log::warn!(
-                        "connection from {} closed before its key proof: its key is not this \
-                         daemon's?",
-                        conn.peer
-                    );
+                    conn.pre_auth_end = Some(PreAuthEnd {
+                        level: log::Level::Warn,
+                        kind: "closed before their key proof",
+                        line: format!(
+                            "connection from {} closed before its key proof: its key is not \
+                             this daemon's?",
+                            conn.peer
+                        ),
+                    });
                 }
             }
         }
@@ -602,9 +635,17 @@ impl Server {
             self.counters.open.fetch_sub(1, Ordering::Relaxed);
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
-            match &c.phase {
-                Phase::Ready { client_id } => service.on_close(c.id, client_id, now),
-                Phase::Handshake(_) => self.pending -= 1,
+            self.slots.remove(tok);
+            if let Phase::Ready { client_id } = &c.phase {
+                service.on_close(c.id, client_id, now);
+            }
+            if let Some(end) = c.pre_auth_end.take() {
+                let peer = c.peer.to_string();
+                throttled_log::emit(
+                    module_path!(),
+                    self.prelog
+                        .note(now, end.level, end.kind, &peer, || end.line),
+                );
             }
         }
     }
@@ -619,20 +660,29 @@ impl Server {
     /// Closes connections past their handshake deadline or idle timeout.
     fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
         let late: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| self.deadline_of(c).is_some_and(|d| now >= d))
-            .map(|(t, _)| *t)
+            .slots
+            .expired(now)
+            .into_iter()
+            .map(|(t, _)| t)
+            .chain(
+                self.conns
+                    .iter()
+                    .filter(|(_, c)| self.idle_deadline(c).is_some_and(|d| now >= d))
+                    .map(|(t, _)| *t),
+            )
             .collect();
         for t in late {
-            if let Some(c) = self.conns.get(&t) {
+            if let Some(c) = self.conns.get_mut(&t) {
                 if c.pending() {
                     NetCounters::add(&self.counters.handshake_timeouts, 1);
-                    log::info!(
-                        "closing connection from {}: no handshake within {} ms",
-                        c.peer,
-                        self.opts.handshake_timeout_ms
-                    );
+                    c.pre_auth_end = Some(PreAuthEnd {
+                        level: log::Level::Info,
+                        kind: "no handshake in time",
+                        line: format!(
+                            "closing connection from {}: no handshake within {} ms",
+                            c.peer, self.opts.handshake_timeout_ms
+                        ),
+                    });
                 } else {
                     NetCounters::add(&self.counters.idle_closed, 1);
                     log::info!(
@@ -674,15 +724,25 @@ fn read_some(
 ) -> ReadEnd {
     let cap = conn.decoder.max_body() + wire::frame::HEADER_LEN + buf.len();
     loop {
-        if conn.decoder.buffered() >= cap {
+        // Before the handshake ends, no more than the frame under way may still need:
+        // a peer that proved nothing holds at most one pre-auth frame here, whatever
+        // it sends (the rest waits in the kernel, or the connection is closed).
+        let want = if conn.pending() {
+            conn.decoder.room().min(buf.len())
+        } else if conn.decoder.buffered() < cap {
+            buf.len()
+        } else {
+            0
+        };
+        if want == 0 {
             return ReadEnd::Full;
         }
-        match conn.stream.read(buf) {
+        match conn.stream.read(&mut buf[..want]) {
             Ok(0) => return ReadEnd::Gone,
             Ok(n) => {
                 NetCounters::add(&counters.bytes_in, n as u64);
                 conn.decoder.push(&buf[..n]);
-                if n < buf.len() && !read_closed {
+                if n < want && !read_closed {
                     return ReadEnd::Drained;
                 }
             }
@@ -753,13 +813,24 @@ fn flush(conn: &mut Conn, counters: &NetCounters) -> bool {
 fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: String) {
     let message = clip(&message);
     if code == ErrorCode::Auth {
-        // An operator wants to see these (a wrong key file, a probe): one line each,
-        // as each needs a connection of its own.
+        // An operator wants to see these (a wrong key file, a probe): logged through
+        // the loop's summary, as a flood of them costs nothing to send.
         NetCounters::add(&counters.auth_failures, 1);
-        log::warn!(
-            "connection from {}: key proof failed: {message}; closing",
-            conn.peer
-        );
+        conn.pre_auth_end = Some(PreAuthEnd {
+            level: log::Level::Warn,
+            kind: "key proof failed",
+            line: format!(
+                "connection from {}: key proof failed: {message}; closing",
+                conn.peer
+            ),
+        });
+    } else if conn.pending() {
+        NetCounters::add(&counters.protocol_errors, 1);
+        conn.pre_auth_end = Some(PreAuthEnd {
+            level: log::Level::Info,
+            kind: "handshake refused",
+            line: format!("connection from {}: {message}; closing", conn.peer),
+        });
     } else {
         NetCounters::add(&counters.protocol_errors, 1);
         log::info!("connection from {}: {message}; closing", conn.peer);

@@ -146,6 +146,14 @@ impl FrameDecoder {
         self.buf.len() - self.start
     }
 
+    /// Bytes it may still take before it holds as much as one frame of the largest
+    /// size needs. A reader that never reads more than this (and takes the frames out
+    /// before reading on) keeps at most one largest frame buffered: the bound on what
+    /// a peer that proved nothing yet can make a daemon hold.
+    pub fn room(&self) -> usize {
+        (self.max_body + HEADER_LEN).saturating_sub(self.buffered())
+    }
+
     /// The next whole frame, `Ok(None)` when more bytes are needed. Once it returned
     /// an error it keeps returning it: the stream is out of sync for good.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
@@ -229,6 +237,23 @@ mod tests {
         );
         assert_eq!(got[1], Frame::new(FrameKind::Reply, vec![]));
         assert_eq!(d.buffered(), 0);
+    }
+
+    #[test]
+    fn room_is_what_one_largest_frame_still_needs() {
+        let mut d = FrameDecoder::new(16);
+        assert_eq!(d.room(), 16 + HEADER_LEN);
+        d.push(&encode_header(FrameKind::Handshake, 16));
+        d.push(&[0; 10]);
+        assert_eq!(d.room(), 6);
+        d.push(&[0; 6]);
+        assert_eq!(
+            d.room(),
+            0,
+            "a whole largest frame is held: take it out first"
+        );
+        assert!(d.next_frame().unwrap().is_some());
+        assert_eq!(d.room(), 16 + HEADER_LEN);
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! BIND is a connection's first request: `remote_addr` and `rkey` carry the high and
 //! low halves of the binding secret of the owner (agent connection) whose keys this
 //! data connection uses (the `bind` field of the transport metadata). Until it
-//! succeeds every key is refused; keys of other owners are refused always.
+//! succeeds every key is refused; keys of other owners are refused always, and so is a
+//! BIND to another owner (`ST_BAD_KEY`). A BIND beyond the owner's cap of data
+//! connections completes with `ST_LIMIT`.
 
 pub const REQ_LEN: usize = 40;
 pub const CPL_LEN: usize = 24;
@@ -27,6 +29,9 @@ pub const ST_OK: u32 = 0;
 pub const ST_BAD_KEY: u32 = 1;
 pub const ST_RANGE: u32 = 2;
 pub const ST_READ_ONLY: u32 = 3;
+/// A BIND refused because the owner has as many data connections as the responder
+/// allows one owner (`target::MAX_PER_OWNER`).
+pub const ST_LIMIT: u32 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {

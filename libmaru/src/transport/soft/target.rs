@@ -2,11 +2,19 @@
 //! registration table and checks the remote key on every operation, as a NIC does.
 //!
 //! A few threads (mio, one per core, at most [`MAX_SHARDS`]) serve every data
-//! connection: the first accepts and runs every handshake, and hands each proven
-//! connection to the threads in turn. A peer costs a small buffer and a descriptor,
-//! never a thread of its own. A peer that has not proved
-//! the key is closed at the handshake deadline; at most [`MAX_PENDING`] are in their
-//! handshake and [`MAX_CONNECTIONS`] are served at once. Bytes go straight between
+//! connection: the first accepts, runs every handshake and every connection's BIND,
+//! and hands each bound connection to the threads in turn. A peer costs a small
+//! buffer and a descriptor, never a thread of its own.
+//!
+//! Slots go as on the daemons' control ports ([`Slots`]): a connection is first in
+//! its handshake (at most [`MAX_PENDING`] at once, [`PRE_AUTH_MAX_FRAME`] frames, the
+//! whole handshake within [`HANDSHAKE_DEADLINE`]), then proven but unbound (at most
+//! [`MAX_UNBOUND`], bound within [`BIND_DEADLINE`] of its proof), then bound to one
+//! owner (at most [`MAX_PER_OWNER`] per owner). A newcomer to a full stage pushes out
+//! that stage's oldest member, so neither a keyless flood nor a key holder that never
+//! binds keeps a worker out; of [`MAX_CONNECTIONS`] slots, a new connection is
+//! refused only when every one is bound. Closes before binding are logged as one
+//! summary line per interval ([`ThrottledLog`]). Bytes go straight between
 //! the socket and the registered memory: a WRITE's payload is read into the region,
 //! a READ's is written from it, with no staging copy. A connection reads its next
 //! request only once the previous one's reply left, so a peer that does not read
@@ -28,6 +36,9 @@
 use super::proto::{self, Completion, Request, CPL_LEN, REQ_LEN};
 use crate::auth::SharedKey;
 use crate::net::handshake::{ServerHandshake, Step};
+use crate::net::server::{DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_PRE_AUTH_MAX_FRAME};
+use crate::net::slots::{Admit, Slots, StageLimits};
+use crate::net::throttled_log::{self, ThrottledLog};
 use crate::transport::{Registration, Target, TransportError};
 use crate::wire::{self, FrameDecoder};
 use std::collections::HashMap;
@@ -83,11 +94,50 @@ impl Drop for RegUse {
     }
 }
 
-/// The owners that registered something: their binding secrets, both ways.
+/// The owners that registered something: their binding secrets, both ways, and how
+/// many data connections each has bound.
 #[derive(Default)]
 struct Owners {
     secret_of: HashMap<u64, u128>,
     owner_of: HashMap<u128, u64>,
+    bound: HashMap<u64, usize>,
+}
+
+/// A data connection's binding to its owner: counted in [`Owners::bound`] while it
+/// lives, whichever thread drops it.
+struct Binding {
+    owner: u64,
+    owners: Arc<Mutex<Owners>>,
+}
+
+impl Binding {
+    /// Binds to the owner of `secret`: `Err(status)` when the secret is unknown or the
+    /// owner has [`MAX_PER_OWNER`] data connections already.
+    fn take(owners: &Arc<Mutex<Owners>>, secret: u128) -> Result<Binding, u32> {
+        let mut o = lock(owners);
+        let owner = *o.owner_of.get(&secret).ok_or(proto::ST_BAD_KEY)?;
+        let n = o.bound.entry(owner).or_default();
+        if *n >= MAX_PER_OWNER {
+            return Err(proto::ST_LIMIT);
+        }
+        *n += 1;
+        Ok(Binding {
+            owner,
+            owners: owners.clone(),
+        })
+    }
+}
+
+impl Drop for Binding {
+    fn drop(&mut self) {
+        let mut o = lock(&self.owners);
+        if let Some(n) = o.bound.get_mut(&self.owner) {
+            *n -= 1;
+            if *n == 0 {
+                o.bound.remove(&self.owner);
+            }
+        }
+    }
 }
 
 /// One serving thread (its own `Poll`), seen from the others.
@@ -97,15 +147,22 @@ struct Shard {
     inbox: Mutex<Vec<Conn>>,
     /// Owners closed since it last looked: their data connections go.
     closed_owners: Mutex<Vec<u64>>,
-    /// Connections it serves now (they proved the key).
+    /// Bound connections it serves now.
     serving: AtomicU64,
     /// Connections in their handshake now (shard 0 only).
     pending: AtomicU64,
+    /// Proven connections not bound yet (shard 0 only).
+    unbound: AtomicU64,
 }
 
 struct Shared {
     regs: RwLock<HashMap<u64, Arc<Reg>>>,
-    owners: Mutex<Owners>,
+    owners: Arc<Mutex<Owners>>,
+    /// Closes before binding and refused bindings, a line per interval (shard 0
+    /// writes the summaries).
+    log: Mutex<ThrottledLog>,
+    /// The responder's clock: milliseconds since it started.
+    started: Instant,
     key: Option<SharedKey>,
     io_timeout: Duration,
     stop: AtomicBool,
@@ -116,18 +173,49 @@ struct Shared {
 }
 
 impl Shared {
-    fn serving(&self) -> u64 {
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Notes a connection closed or refused before binding (see [`ThrottledLog`]).
+    fn note(
+        &self,
+        level: log::Level,
+        kind: &'static str,
+        peer: &str,
+        line: impl FnOnce() -> String,
+    ) {
+        let now = self.now_ms();
+        throttled_log::emit(
+            module_path!(),
+            lock(&self.log).note(now, level, kind, peer, line),
+        );
+    }
+
+    /// One count of every shard (from shard `from` on), summed.
+    fn sum(&self, from: usize, count: impl Fn(&Shard) -> &AtomicU64) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.serving.load(Ordering::SeqCst))
+            .skip(from)
+            .map(|s| count(s).load(Ordering::SeqCst))
             .sum()
     }
 
+    fn unbound(&self) -> u64 {
+        self.sum(0, |s| &s.unbound)
+    }
+
+    /// Bound connections served by the threads other than the door's.
+    fn serving_elsewhere(&self) -> usize {
+        self.sum(1, |s| &s.serving) as usize
+    }
+
+    fn serving(&self) -> u64 {
+        self.sum(0, |s| &s.serving)
+    }
+
     fn pending(&self) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.pending.load(Ordering::SeqCst))
-            .sum()
+        self.sum(0, |s| &s.pending)
     }
 }
 
@@ -135,17 +223,29 @@ impl Shared {
 /// every handshake; proven connections are spread over all of them.
 pub const MAX_SHARDS: usize = 4;
 
-/// Most data connections served at once; beyond it a new connection is closed at
-/// accept. They share [`MAX_SHARDS`] threads at most; this bounds descriptors and
-/// memory.
+/// Most data connections open at once, in every stage. They share [`MAX_SHARDS`]
+/// threads at most; this bounds descriptors and memory. When all are open, a new
+/// connection pushes out the oldest one not bound yet, and is refused only when every
+/// one is bound.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Most connections in their handshake at once, so peers without the key cannot
-/// take the room of workers that proved it.
-pub const MAX_PENDING: u64 = 64;
-/// The whole handshake (hello and key proof) must finish within this.
-pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
-/// Largest frame before the key proof (a hello or a proof is a few hundred bytes).
-pub const PRE_AUTH_MAX_FRAME: usize = 4 << 10;
+/// take the room of workers that proved it: a new one beyond it pushes out the oldest.
+pub const MAX_PENDING: usize = 64;
+/// Most proven connections not bound yet: one more pushes out the oldest of them, so
+/// a key holder that never binds cannot take the room of workers that do.
+pub const MAX_UNBOUND: usize = 64;
+/// Most data connections bound to one owner (a worker opens 1 to 8 lanes per agent
+/// connection); a BIND beyond it completes with [`proto::ST_LIMIT`].
+pub const MAX_PER_OWNER: usize = 64;
+/// The whole handshake (hello and key proof) must finish within this (the daemons'
+/// control ports' default).
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS);
+/// A proven connection must bind within this of its proof (a worker sends BIND right
+/// after its handshake).
+pub const BIND_DEADLINE: Duration = Duration::from_secs(5);
+/// Largest frame before the key proof (a hello or a proof is a few hundred bytes; the
+/// daemons' control ports' default).
+pub const PRE_AUTH_MAX_FRAME: usize = DEFAULT_PRE_AUTH_MAX_FRAME;
 
 /// The soft NIC responder of one agent.
 pub struct SoftTarget {
@@ -160,8 +260,10 @@ pub struct SoftTarget {
 pub struct TargetStats {
     pub registrations: usize,
     pub ops: u64,
-    /// Data connections served now (they proved the key).
+    /// Data connections that proved the key, bound or not yet.
     pub connections: usize,
+    /// Of those, the ones not bound to an owner yet.
+    pub unbound: u64,
     /// Connections in their handshake now.
     pub pending: u64,
     /// Operations refused for a bad key, range or access.
@@ -205,12 +307,18 @@ impl SoftTarget {
                 closed_owners: Mutex::new(Vec::new()),
                 serving: AtomicU64::new(0),
                 pending: AtomicU64::new(0),
+                unbound: AtomicU64::new(0),
             });
             polls.push(poll);
         }
         let shared = Arc::new(Shared {
             regs: RwLock::new(HashMap::new()),
-            owners: Mutex::new(Owners::default()),
+            owners: Arc::new(Mutex::new(Owners::default())),
+            log: Mutex::new(ThrottledLog::new(
+                "soft NIC: data connections closed or refused before binding",
+                throttled_log::DEFAULT_INTERVAL_MS,
+            )),
+            started: Instant::now(),
             key,
             io_timeout,
             stop: AtomicBool::new(false),
@@ -255,7 +363,8 @@ impl SoftTarget {
         TargetStats {
             registrations: self.shared.regs.read().map(|r| r.len()).unwrap_or(0),
             ops: self.shared.ops.load(Ordering::Relaxed),
-            connections: self.shared.serving() as usize,
+            connections: (self.shared.serving() + self.shared.unbound()) as usize,
+            unbound: self.shared.unbound(),
             pending: self.shared.pending(),
             rejected: self.shared.rejected.load(Ordering::Relaxed),
         }
@@ -379,9 +488,10 @@ impl Target for SoftTarget {
 struct Pending {
     hs: ServerHandshake,
     dec: FrameDecoder,
-    deadline: Instant,
     /// Close once `out` is written (after an error frame).
     closing: bool,
+    /// Why the handshake was refused (for the log).
+    failure: Option<String>,
 }
 
 /// What a served connection is reading.
@@ -408,7 +518,7 @@ struct Tx {
 
 struct Served {
     /// The owner this connection bound itself to (none: every key is refused).
-    owner: Option<u64>,
+    binding: Option<Binding>,
     rx: Rx,
     hdr: [u8; REQ_LEN],
     tx: Option<Tx>,
@@ -490,21 +600,219 @@ enum Drive {
     Close(String),
 }
 
-/// One serving thread. Shard 0 (`listener` given) also accepts and runs handshakes,
-/// and hands each proven connection to the shards in turn.
+/// Shard 0's door: the listener, and every connection not bound yet, by stage.
+struct Door {
+    listener: mio::net::TcpListener,
+    slots: Slots<usize>,
+}
+
+/// The stages of [`Door::slots`].
+const HANDSHAKE: usize = 0;
+const UNBOUND: usize = 1;
+
+impl Door {
+    fn new(listener: mio::net::TcpListener) -> Door {
+        Door {
+            listener,
+            slots: Slots::new(
+                MAX_CONNECTIONS,
+                &[
+                    StageLimits {
+                        cap: MAX_PENDING,
+                        deadline_ms: HANDSHAKE_DEADLINE.as_millis() as u64,
+                    },
+                    StageLimits {
+                        cap: MAX_UNBOUND,
+                        deadline_ms: BIND_DEADLINE.as_millis() as u64,
+                    },
+                ],
+            ),
+        }
+    }
+
+    /// Accepts every connection waiting. Each takes a slot in its handshake, pushing
+    /// out the oldest unbound connection when the stage or the whole port is full; a
+    /// connection is refused only when every slot is bound.
+    fn accept(
+        &mut self,
+        poll: &mio::Poll,
+        conns: &mut HashMap<usize, Conn>,
+        next: &mut usize,
+        shared: &Shared,
+    ) {
+        loop {
+            let (mut stream, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // EMFILE and friends: the next readiness retries.
+                    log::warn!("soft NIC: accept failed: {e}");
+                    return;
+                }
+            };
+            let tok = free_token(conns, next);
+            let bound = conns.len() - self.slots.len() + shared.serving_elsewhere();
+            match self.slots.admit(tok, bound, shared.now_ms()) {
+                Admit::Refused => {
+                    shared.note(
+                        log::Level::Warn,
+                        "refused at accept (every slot bound)",
+                        &peer.to_string(),
+                        || {
+                            format!(
+                                "refusing a data connection from {peer}: {MAX_CONNECTIONS} \
+                                 bound data connections open (the limit)"
+                            )
+                        },
+                    );
+                    continue;
+                }
+                Admit::In { push_out } => {
+                    if let Some(c) = push_out.and_then(|t| conns.remove(&t)) {
+                        let proven = matches!(c.state, State::Served(_));
+                        shared.note(
+                            log::Level::Info,
+                            "pushed out by newer connections",
+                            &c.peer,
+                            || {
+                                format!(
+                                    "closing the {} connection from {} to make room for {peer}: \
+                                     it was the oldest",
+                                    if proven { "unbound" } else { "unproven" },
+                                    c.peer
+                                )
+                            },
+                        );
+                    }
+                }
+            }
+            let _ = stream.set_nodelay(true);
+            let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
+            if let Err(e) = poll
+                .registry()
+                .register(&mut stream, mio::Token(tok), interest)
+            {
+                log::warn!("soft NIC: cannot register a connection from {peer}: {e}");
+                self.slots.remove(tok);
+                continue;
+            }
+            conns.insert(
+                tok,
+                Conn {
+                    stream,
+                    peer: peer.to_string(),
+                    head: Vec::new(),
+                    out: Vec::new(),
+                    state: State::Handshake(Pending {
+                        hs: ServerHandshake::new(
+                            proto::SERVICE,
+                            shared.key.clone(),
+                            serde_json::Value::Null,
+                        ),
+                        dec: FrameDecoder::new(PRE_AUTH_MAX_FRAME),
+                        closing: false,
+                        failure: None,
+                    }),
+                },
+            );
+        }
+    }
+
+    /// After connection `tok` was driven: one that proved the key now must bind (its
+    /// stage pushes out its oldest member when full); one that bound leaves the door
+    /// for a serving thread.
+    fn moved_on(
+        &mut self,
+        me: usize,
+        tok: usize,
+        poll: &mio::Poll,
+        conns: &mut HashMap<usize, Conn>,
+        shared: &Shared,
+    ) {
+        let Some(stage) = self.slots.stage_of(tok) else {
+            return; // bound already, served here
+        };
+        let Some(State::Served(s)) = conns.get(&tok).map(|c| &c.state) else {
+            return;
+        };
+        if s.binding.is_some() {
+            self.slots.remove(tok);
+            hand_over(me, tok, poll, conns, shared);
+        } else if stage == HANDSHAKE {
+            let out = self.slots.advance(tok, UNBOUND, shared.now_ms());
+            if let Some(c) = out.and_then(|t| conns.remove(&t)) {
+                shared.note(
+                    log::Level::Info,
+                    "pushed out unbound by newer proven connections",
+                    &c.peer,
+                    || {
+                        format!(
+                            "closing the data connection from {}: it proved the key but did \
+                             not bind, and is the oldest of {MAX_UNBOUND} such",
+                            c.peer
+                        )
+                    },
+                );
+            }
+        }
+    }
+
+    /// Connection `tok`, gone: forgets its slot and notes why when it was not bound.
+    fn closed(&mut self, tok: usize, peer: &str, why: &str, shared: &Shared) {
+        let Some(stage) = self.slots.stage_of(tok) else {
+            log::debug!("soft NIC: connection from {peer} closed: {why}");
+            return;
+        };
+        self.slots.remove(tok);
+        let kind = if stage == HANDSHAKE {
+            "closed in their handshake"
+        } else {
+            "closed before binding"
+        };
+        shared.note(log::Level::Info, kind, peer, || {
+            format!("connection from {peer} {kind}: {why}")
+        });
+    }
+
+    /// Closes the connections past their stage's deadline.
+    fn expire(&mut self, conns: &mut HashMap<usize, Conn>, shared: &Shared) {
+        for (tok, stage) in self.slots.expired(shared.now_ms()) {
+            self.slots.remove(tok);
+            let Some(c) = conns.remove(&tok) else {
+                continue;
+            };
+            let (kind, within) = if stage == HANDSHAKE {
+                ("no handshake in time", HANDSHAKE_DEADLINE)
+            } else {
+                ("not bound in time", BIND_DEADLINE)
+            };
+            shared.note(log::Level::Info, kind, &c.peer, || {
+                format!(
+                    "closing the data connection from {}: {kind} ({} ms)",
+                    c.peer,
+                    within.as_millis()
+                )
+            });
+        }
+    }
+}
+
+/// One serving thread. Shard 0 (`listener` given) also accepts, runs handshakes and
+/// bindings, and hands each bound connection to the shards in turn.
 fn run_loop(
     me: usize,
     listener: Option<TcpListener>,
     mut poll: mio::Poll,
     shared: &Arc<Shared>,
 ) -> io::Result<()> {
-    let listener = match listener {
+    let mut door = match listener {
         Some(l) => {
             l.set_nonblocking(true)?;
             let mut l = mio::net::TcpListener::from_std(l);
             poll.registry()
                 .register(&mut l, LISTENER, mio::Interest::READABLE)?;
-            Some(l)
+            Some(Door::new(l))
         }
         None => None,
     };
@@ -515,10 +823,20 @@ fn run_loop(
     let mut scratch = vec![0u8; 64 << 10];
     loop {
         let now = Instant::now();
+        let now_ms = shared.now_ms();
+        let door_due = door.as_ref().and_then(|d| {
+            d.slots
+                .next_deadline()
+                .into_iter()
+                .chain(lock(&shared.log).next_deadline())
+                .min()
+                .map(|ms| Duration::from_millis(ms.saturating_sub(now_ms)))
+        });
         let timeout = conns
             .values()
-            .filter_map(|c| deadline(c, shared.io_timeout))
+            .filter_map(|c| stall_deadline(c, shared.io_timeout))
             .map(|d| d.saturating_duration_since(now))
+            .chain(door_due)
             .min();
         if let Err(e) = poll.poll(&mut events, timeout) {
             if e.kind() == io::ErrorKind::Interrupted {
@@ -532,14 +850,17 @@ fn run_loop(
         for ev in events.iter() {
             match ev.token() {
                 LISTENER => {
-                    if let Some(l) = &listener {
-                        accept(l, &poll, &mut conns, &mut next, shared);
+                    if let Some(d) = &mut door {
+                        d.accept(&poll, &mut conns, &mut next, shared);
                     }
                 }
                 WAKER => {
                     let closed = std::mem::take(&mut *lock(&shard.closed_owners));
                     conns.retain(|_, c| match &c.state {
-                        State::Served(s) => !s.owner.is_some_and(|o| closed.contains(&o)),
+                        State::Served(s) => !s
+                            .binding
+                            .as_ref()
+                            .is_some_and(|b| closed.contains(&b.owner)),
                         State::Handshake(_) => true,
                     });
                     let handed = std::mem::take(&mut *lock(&shard.inbox));
@@ -563,41 +884,54 @@ fn run_loop(
                     let Some(c) = conns.get_mut(&tok.0) else {
                         continue;
                     };
-                    let was_pending = matches!(c.state, State::Handshake(_));
                     if let Drive::Close(why) = drive(c, shared, &mut scratch) {
-                        log::debug!("soft NIC: connection from {} closed: {why}", c.peer);
+                        let peer = std::mem::take(&mut c.peer);
                         conns.remove(&tok.0);
+                        match &mut door {
+                            Some(d) => d.closed(tok.0, &peer, &why, shared),
+                            None => log::debug!("soft NIC: connection from {peer} closed: {why}"),
+                        }
                         continue;
                     }
-                    if was_pending && matches!(c.state, State::Served(_)) {
-                        hand_over(me, tok.0, &poll, &mut conns, shared);
+                    if let Some(d) = &mut door {
+                        d.moved_on(me, tok.0, &poll, &mut conns, shared);
                     }
                 }
             }
         }
         let now = Instant::now();
-        conns.retain(|_, c| match deadline(c, shared.io_timeout) {
-            Some(d) if d <= now => {
+        let stalled: Vec<usize> = conns
+            .iter()
+            .filter(|(_, c)| stall_deadline(c, shared.io_timeout).is_some_and(|d| d <= now))
+            .map(|(t, _)| *t)
+            .collect();
+        for tok in stalled {
+            if let Some(c) = conns.remove(&tok) {
                 log::info!(
-                    "soft NIC: closing connection from {}: {}",
-                    c.peer,
-                    match c.state {
-                        State::Handshake(_) => "no handshake in time",
-                        State::Served(_) => "stalled mid-operation",
-                    }
+                    "soft NIC: closing connection from {}: stalled mid-operation",
+                    c.peer
                 );
-                false
+                if let Some(d) = &mut door {
+                    d.slots.remove(tok);
+                }
             }
-            _ => true,
-        });
-        let pending = conns
-            .values()
-            .filter(|c| matches!(c.state, State::Handshake(_)))
-            .count();
-        shard.pending.store(pending as u64, Ordering::SeqCst);
-        shard
-            .serving
-            .store((conns.len() - pending) as u64, Ordering::SeqCst);
+        }
+        match &mut door {
+            Some(d) => {
+                d.expire(&mut conns, shared);
+                throttled_log::emit(module_path!(), lock(&shared.log).due(shared.now_ms()));
+                shard
+                    .pending
+                    .store(d.slots.count(HANDSHAKE) as u64, Ordering::SeqCst);
+                shard
+                    .unbound
+                    .store(d.slots.count(UNBOUND) as u64, Ordering::SeqCst);
+                shard
+                    .serving
+                    .store((conns.len() - d.slots.len()) as u64, Ordering::SeqCst);
+            }
+            None => shard.serving.store(conns.len() as u64, Ordering::SeqCst),
+        }
     }
 }
 
@@ -612,7 +946,7 @@ fn free_token(conns: &HashMap<usize, Conn>, next: &mut usize) -> usize {
     }
 }
 
-/// Gives a connection that just proved the key to the next shard in turn (keeps it
+/// Gives a connection that just bound itself to the next shard in turn (keeps it
 /// when that is this one).
 fn hand_over(
     me: usize,
@@ -636,75 +970,12 @@ fn hand_over(
     let _ = shard.waker.wake();
 }
 
-/// When the connection is closed unless it makes progress.
-fn deadline(c: &Conn, io_timeout: Duration) -> Option<Instant> {
+/// When a served connection is closed unless it makes progress (handshake and bind
+/// deadlines are the door's).
+fn stall_deadline(c: &Conn, io_timeout: Duration) -> Option<Instant> {
     match &c.state {
-        State::Handshake(p) => Some(p.deadline),
+        State::Handshake(_) => None,
         State::Served(s) => s.stalled_since.map(|t| t + io_timeout),
-    }
-}
-
-fn accept(
-    listener: &mio::net::TcpListener,
-    poll: &mio::Poll,
-    conns: &mut HashMap<usize, Conn>,
-    next: &mut usize,
-    shared: &Shared,
-) {
-    loop {
-        let (mut stream, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                // EMFILE and friends: the next readiness retries.
-                log::warn!("soft NIC: accept failed: {e}");
-                return;
-            }
-        };
-        let pending = conns
-            .values()
-            .filter(|c| matches!(c.state, State::Handshake(_)))
-            .count();
-        let serving = shared.serving() as usize;
-        if serving >= MAX_CONNECTIONS || pending as u64 >= MAX_PENDING {
-            // Closed at once (dropped); logged at debug only, so that a flood of
-            // connections does not flood the log either.
-            log::debug!(
-                "soft NIC: refusing connection from {peer}: {serving} served, {pending} in their handshake (limits)"
-            );
-            continue;
-        }
-        let _ = stream.set_nodelay(true);
-        let tok = free_token(conns, next);
-        let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
-        if let Err(e) = poll
-            .registry()
-            .register(&mut stream, mio::Token(tok), interest)
-        {
-            log::warn!("soft NIC: cannot register a connection from {peer}: {e}");
-            continue;
-        }
-        conns.insert(
-            tok,
-            Conn {
-                stream,
-                peer: peer.to_string(),
-                head: Vec::new(),
-                out: Vec::new(),
-                state: State::Handshake(Pending {
-                    hs: ServerHandshake::new(
-                        proto::SERVICE,
-                        shared.key.clone(),
-                        serde_json::Value::Null,
-                    ),
-                    dec: FrameDecoder::new(PRE_AUTH_MAX_FRAME),
-                    deadline: Instant::now() + HANDSHAKE_DEADLINE,
-                    closing: false,
-                }),
-            },
-        );
-        shared.shards[0].pending.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -724,52 +995,67 @@ fn drive(c: &mut Conn, shared: &Shared, scratch: &mut [u8]) -> Drive {
 }
 
 /// Reads, runs the handshake, writes. `Ok(true)`: proved, now served.
+///
+/// It never reads more than the frame under way may still need
+/// ([`FrameDecoder::room`]): a peer that has proved nothing holds at most one
+/// pre-auth frame here.
 fn step_handshake(c: &mut Conn, buf: &mut [u8]) -> Result<bool, String> {
     let State::Handshake(p) = &mut c.state else {
         return Ok(true);
     };
-    if !p.closing {
-        loop {
-            match c.stream.read(&mut buf[..4096]) {
+    let mut ready = false;
+    let mut drained = false;
+    while !p.closing && !ready && !drained {
+        let room = p.dec.room().min(buf.len());
+        if room > 0 {
+            match c.stream.read(&mut buf[..room]) {
                 Ok(0) => return Err("closed by the peer".into()),
                 Ok(n) => p.dec.push(&buf[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => drained = true,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.to_string()),
             }
-            if p.dec.buffered() > PRE_AUTH_MAX_FRAME + wire::frame::HEADER_LEN {
-                break; // a whole frame's worth: decode it (or refuse it) first
-            }
         }
-    }
-    let mut ready = false;
-    while !p.closing && !ready {
-        match p.dec.next_frame() {
-            Ok(Some(f)) => match p.hs.on_frame(&f) {
-                Step::Send(b) => c.out.extend(b),
-                Step::Ready { send, .. } => {
-                    c.out.extend(send);
-                    ready = true;
+        let mut progress = false;
+        while !p.closing && !ready {
+            match p.dec.next_frame() {
+                Ok(Some(f)) => {
+                    progress = true;
+                    match p.hs.on_frame(&f) {
+                        Step::Send(b) => c.out.extend(b),
+                        Step::Ready { send, .. } => {
+                            c.out.extend(send);
+                            ready = true;
+                        }
+                        Step::Fail(e) => {
+                            c.out.extend(wire::error_frame(&e));
+                            p.failure = Some(e.message);
+                            p.closing = true;
+                        }
+                    }
                 }
-                Step::Fail(e) => {
-                    c.out.extend(wire::error_frame(&e));
+                Ok(None) => break,
+                Err(e) => {
+                    c.out.extend(wire::error_frame(&wire::WireError::new(
+                        wire::ErrorCode::Protocol,
+                        e.to_string(),
+                    )));
+                    p.failure = Some(e.to_string());
                     p.closing = true;
                 }
-            },
-            Ok(None) => break,
-            Err(e) => {
-                c.out.extend(wire::error_frame(&wire::WireError::new(
-                    wire::ErrorCode::Protocol,
-                    e.to_string(),
-                )));
-                p.closing = true;
             }
+        }
+        if room == 0 && !progress {
+            break; // cannot happen (a full decoder holds a frame); never spin
         }
     }
     flush_out(&mut c.stream, &mut c.out).map_err(|e| e.to_string())?;
     if p.closing {
         return if c.out.is_empty() {
-            Err("handshake failed".into())
+            Err(format!(
+                "handshake refused: {}",
+                p.failure.as_deref().unwrap_or("protocol error")
+            ))
         } else {
             Ok(false)
         };
@@ -779,7 +1065,7 @@ fn step_handshake(c: &mut Conn, buf: &mut [u8]) -> Result<bool, String> {
         c.head = dec.into_rest();
         let cap = lowat_cap(&c.stream);
         c.state = State::Served(Served {
-            owner: None,
+            binding: None,
             rx: Rx::Header { got: 0 },
             hdr: [0; REQ_LEN],
             tx: None,
@@ -1004,13 +1290,39 @@ fn start(c: &mut Conn, req: &Request, shared: &Shared) {
     s.rx = Rx::Header { got: 0 };
     if req.op == proto::OP_BIND {
         let secret = (u128::from(req.addr) << 64) | u128::from(req.rkey);
-        let owner = lock(&shared.owners).owner_of.get(&secret).copied();
-        let status = match owner {
-            Some(o) if s.owner.is_none_or(|b| b == o) => {
-                s.owner = Some(o);
-                proto::ST_OK
+        let status = match &s.binding {
+            // Bound already: a connection serves one owner for good. Its own owner's
+            // secret again changes nothing; any other is refused.
+            Some(b) => {
+                if lock(&shared.owners).owner_of.get(&secret) == Some(&b.owner) {
+                    proto::ST_OK
+                } else {
+                    proto::ST_BAD_KEY
+                }
             }
-            _ => proto::ST_BAD_KEY,
+            None => match Binding::take(&shared.owners, secret) {
+                Ok(b) => {
+                    s.binding = Some(b);
+                    proto::ST_OK
+                }
+                Err(st) => {
+                    if st == proto::ST_LIMIT {
+                        shared.note(
+                            log::Level::Warn,
+                            "bindings refused (owner at its cap)",
+                            &c.peer,
+                            || {
+                                format!(
+                                    "refusing to bind the data connection from {}: its owner \
+                                     has {MAX_PER_OWNER} data connections already",
+                                    c.peer
+                                )
+                            },
+                        );
+                    }
+                    st
+                }
+            },
         };
         return complete(&mut c.out, req.seq, status, 0);
     }
@@ -1022,7 +1334,7 @@ fn start(c: &mut Conn, req: &Request, shared: &Shared) {
         .and_then(|r| r.get(&req.rkey).cloned())
         // A key of another owner is no key on this connection (as a key of another
         // protection domain is none on a queue pair).
-        .filter(|r| s.owner == Some(r.owner))
+        .filter(|r| s.binding.as_ref().is_some_and(|b| b.owner == r.owner))
         .and_then(RegUse::take);
     let status = match &reg {
         Some(r) => proto::op_status(r.0.base, r.0.len, r.0.writable, req),

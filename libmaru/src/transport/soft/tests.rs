@@ -514,3 +514,263 @@ fn batches_of_one_peer_spread_over_its_lanes_and_a_fence_closes_every_lane() {
         "with one lane the READ queues behind the WRITE, took {one:?}"
     );
 }
+
+/// A raw data connection that finished its handshake (key proved when `key` is
+/// given), not bound yet: the stream and the bytes read past the handshake.
+fn proven(addr: &str, key: Option<&SharedKey>) -> (std::net::TcpStream, Vec<u8>) {
+    let mut opts = crate::net::ClientOptions::new(super::proto::SERVICE, "raw");
+    opts.key = key.cloned();
+    opts.connect_timeout = T;
+    let c = crate::net::Client::connect(addr, &opts).expect("a proven data connection");
+    let (s, head) = c.into_parts();
+    s.set_read_timeout(Some(T)).unwrap();
+    (s, head)
+}
+
+/// The binding secret of a registration's transport metadata.
+fn secret(reg: &crate::transport::Registration) -> u128 {
+    u128::from_str_radix(reg.transport["soft"]["bind"].as_str().unwrap(), 16).unwrap()
+}
+
+/// Sends one request on a raw data connection and reads its completion.
+fn call(
+    s: &mut std::net::TcpStream,
+    head: &mut Vec<u8>,
+    req: super::proto::Request,
+    payload: &[u8],
+) -> super::proto::Completion {
+    use std::io::{Read, Write};
+    let mut bytes = req.encode().to_vec();
+    bytes.extend_from_slice(payload);
+    s.write_all(&bytes).unwrap();
+    let mut c = [0u8; super::proto::CPL_LEN];
+    let from_head = head.len().min(c.len());
+    c[..from_head].copy_from_slice(&head[..from_head]);
+    head.drain(..from_head);
+    s.read_exact(&mut c[from_head..]).unwrap();
+    super::proto::Completion::decode(&c)
+}
+
+fn bind_req(seq: u64, secret: u128) -> super::proto::Request {
+    super::proto::Request {
+        op: super::proto::OP_BIND,
+        seq,
+        addr: (secret >> 64) as u64,
+        rkey: secret as u64,
+        len: 0,
+    }
+}
+
+/// A data connection bound to one owner stays that owner's: a BIND with another
+/// owner's secret (which a worker holding two agent connections knows) is refused,
+/// and the other owner's key still fails on it with nothing written. Binding to its
+/// own owner again changes nothing.
+#[test]
+fn a_bound_data_connection_cannot_rebind_to_another_owner() {
+    use super::proto::{Request, OP_WRITE, ST_BAD_KEY, ST_OK};
+    let key = SharedKey::generate().unwrap();
+    let mut r = rig(Some(key.clone()), 4096, 4096);
+    let mut region_b = vec![0u8; 4096];
+    let a = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let b = unsafe { r.target.register(2, region_b.as_mut_ptr(), 4096, true) }.unwrap();
+    let addr = a.transport["soft"]["addr"].as_str().unwrap().to_string();
+    let (mut s, mut head) = proven(&addr, Some(&key));
+    assert_eq!(
+        call(&mut s, &mut head, bind_req(1, secret(&a)), &[]).status,
+        ST_OK
+    );
+    assert_eq!(
+        call(&mut s, &mut head, bind_req(2, secret(&a)), &[]).status,
+        ST_OK,
+        "its own owner again"
+    );
+    assert_eq!(
+        call(&mut s, &mut head, bind_req(3, secret(&b)), &[]).status,
+        ST_BAD_KEY,
+        "a bound connection rebound to another owner"
+    );
+    let write_b = Request {
+        op: OP_WRITE,
+        seq: 4,
+        addr: b.addr,
+        rkey: b.rkey,
+        len: 16,
+    };
+    assert_eq!(
+        call(&mut s, &mut head, write_b, &[0xEE; 16]).status,
+        ST_BAD_KEY
+    );
+    assert!(region_b.iter().all(|&x| x == 0), "B's region was written");
+    // A's own key still works on it.
+    let write_a = Request {
+        op: OP_WRITE,
+        seq: 5,
+        addr: a.addr,
+        rkey: a.rkey,
+        len: 16,
+    };
+    assert_eq!(call(&mut s, &mut head, write_a, &[0xAA; 16]).status, ST_OK);
+    assert!(r.region[..16].iter().all(|&x| x == 0xAA));
+    drop(s);
+    r.target.deregister(a.rkey).unwrap();
+    r.target.deregister(b.rkey).unwrap();
+    drop(region_b);
+}
+
+/// One owner binds at most `MAX_PER_OWNER` data connections: the next BIND completes
+/// with `ST_LIMIT`, another owner still binds, and a slot freed by a closed connection
+/// can be bound again.
+#[test]
+fn an_owner_binds_at_most_its_cap_of_data_connections() {
+    use super::proto::{ST_LIMIT, ST_OK};
+    use super::target::MAX_PER_OWNER;
+    let mut r = rig(None, 4096, 4096);
+    let mut region_b = vec![0u8; 4096];
+    let a = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let b = unsafe { r.target.register(2, region_b.as_mut_ptr(), 4096, true) }.unwrap();
+    let addr = a.transport["soft"]["addr"].as_str().unwrap().to_string();
+    let mut held = Vec::new();
+    for i in 0..MAX_PER_OWNER {
+        let (mut s, mut head) = proven(&addr, None);
+        let c = call(&mut s, &mut head, bind_req(1, secret(&a)), &[]);
+        assert_eq!(c.status, ST_OK, "binding {i} of {MAX_PER_OWNER}");
+        held.push(s);
+    }
+    let (mut extra, mut head) = proven(&addr, None);
+    assert_eq!(
+        call(&mut extra, &mut head, bind_req(1, secret(&a)), &[]).status,
+        ST_LIMIT
+    );
+    let (mut other, mut head_b) = proven(&addr, None);
+    assert_eq!(
+        call(&mut other, &mut head_b, bind_req(1, secret(&b)), &[]).status,
+        ST_OK,
+        "another owner is not held back"
+    );
+    assert!(wait_for(
+        || r.target.stats().connections == MAX_PER_OWNER + 2
+    ));
+    drop(held.pop());
+    assert!(wait_for(
+        || r.target.stats().connections == MAX_PER_OWNER + 1
+    ));
+    let mut seq = 2;
+    let bound_again = wait_for(|| {
+        seq += 1;
+        call(&mut extra, &mut head, bind_req(seq, secret(&a)), &[]).status == ST_OK
+    });
+    assert!(bound_again, "the closed connection's slot is free again");
+    drop((held, extra, other));
+    r.target.deregister(a.rkey).unwrap();
+    r.target.deregister(b.rkey).unwrap();
+    drop(region_b);
+}
+
+/// Whether the peer closed `s` within `limit`.
+fn closed_within(s: &mut std::net::TcpStream, limit: Duration) -> bool {
+    use std::io::Read;
+    let deadline = std::time::Instant::now() + limit;
+    let mut buf = [0u8; 256];
+    while std::time::Instant::now() < deadline {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// A rig whose NIC wants a key, with one registration of owner 1 over its region:
+/// the rig, the key, the registration and the NIC's address.
+fn keyed_rig() -> (Rig, SharedKey, crate::transport::Registration, String) {
+    let key = SharedKey::generate().unwrap();
+    let mut r = rig(Some(key.clone()), 4096, 4096);
+    // SAFETY: the region lives in the rig, which outlives the registration.
+    let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
+    let addr = reg.transport["soft"]["addr"].as_str().unwrap().to_string();
+    (r, key, reg, addr)
+}
+
+/// The rig's worker connects to `reg` and writes 16 bytes: its peer.
+fn worker_writes(r: &Rig, reg: &crate::transport::Registration) -> crate::transport::PeerId {
+    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let w = r
+        .nic
+        .post(peer, &[op(OpKind::Write, 0, reg.addr, reg.rkey, 16)])
+        .unwrap();
+    assert_eq!(r.nic.wait(w, T), BatchState::Done);
+    peer
+}
+
+/// The first `n` of `conns` (the oldest) are closed within a second.
+fn oldest_pushed_out(conns: &mut [std::net::TcpStream], n: usize, what: &str) {
+    for (i, s) in conns.iter_mut().take(n).enumerate() {
+        assert!(
+            closed_within(s, Duration::from_secs(1)),
+            "{what} {i}, among the oldest, was not pushed out"
+        );
+    }
+}
+
+/// Proven connections that never bind hold no slot for long: past `MAX_UNBOUND` the
+/// oldest is pushed out at once, and the rest are closed at the bind deadline; a
+/// worker connects and binds among them.
+#[test]
+fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline() {
+    use super::target::{BIND_DEADLINE, MAX_UNBOUND};
+    let (r, key, reg, addr) = keyed_rig();
+    let start = std::time::Instant::now();
+    let mut idle: Vec<_> = (0..MAX_UNBOUND + 8)
+        .map(|_| proven(&addr, Some(&key)).0)
+        .collect();
+    assert!(wait_for(|| r.target.stats().unbound == MAX_UNBOUND as u64));
+    oldest_pushed_out(&mut idle, 8, "unbound connection");
+    let peer = worker_writes(&r, &reg);
+    for s in idle.iter_mut().skip(8) {
+        let left = (BIND_DEADLINE + Duration::from_secs(3)).saturating_sub(start.elapsed());
+        assert!(
+            closed_within(s, left),
+            "an unbound connection outlived the bind deadline"
+        );
+    }
+    assert!(
+        start.elapsed() >= BIND_DEADLINE - Duration::from_millis(500),
+        "closed before the deadline"
+    );
+    assert!(
+        wait_for(|| {
+            let st = r.target.stats();
+            (st.unbound, st.connections) == (0, 1)
+        }),
+        "{:?}: only the worker's lane stays",
+        r.target.stats()
+    );
+    r.nic.fence(peer).unwrap();
+    r.target.deregister(reg.rkey).unwrap();
+}
+
+/// Connections that never finish their handshake hold no slot a worker needs: past
+/// `MAX_PENDING` a new one pushes out the oldest at once (it used to be the new one
+/// that was closed at accept, so a steady flood kept every worker out), and a worker
+/// connects while they keep coming.
+#[test]
+fn a_flood_of_silent_connections_pushes_out_its_oldest_and_lets_a_worker_in() {
+    use super::target::MAX_PENDING;
+    let (r, _key, reg, addr) = keyed_rig();
+    let mut flood: Vec<std::net::TcpStream> = (0..MAX_PENDING + 16)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    assert!(wait_for(|| r.target.stats().pending == MAX_PENDING as u64));
+    oldest_pushed_out(&mut flood, 16, "silent connection");
+    let peer = worker_writes(&r, &reg);
+    drop(flood);
+    r.nic.fence(peer).unwrap();
+    r.target.deregister(reg.rkey).unwrap();
+}
