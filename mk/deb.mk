@@ -23,7 +23,7 @@ DEB_STAGE := $(DEB_OUT)/stage
 DEB_MULTIARCH = $(shell gcc -print-multiarch 2>/dev/null || dpkg-architecture -qDEB_HOST_MULTIARCH)
 DEB_VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
-deb-tools:
+deb-tools: deps
 	@command -v cargo-deb >/dev/null || $(CARGO) install cargo-deb --locked --version $(CARGO_DEB_VERSION)
 	@command -v dpkg-shlibdeps >/dev/null || { echo "make deb needs dpkg-shlibdeps: apt-get install dpkg-dev"; exit 2; }
 	@command -v objcopy >/dev/null || { echo "make deb needs objcopy: apt-get install binutils"; exit 2; }

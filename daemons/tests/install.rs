@@ -23,16 +23,20 @@ fn install(root: &Path, standalone: bool) -> String {
     install_with(root, if standalone { &["--standalone"] } else { &[] })
 }
 
-fn install_with(root: &Path, flags: &[&str]) -> String {
-    let out = Command::new("bash")
+/// scripts/install.sh `flags` --root `root`, as it ran.
+fn run_script(root: &Path, flags: &[&str]) -> std::process::Output {
+    Command::new("bash")
         .arg(script())
+        .args(flags)
         .arg("--root")
         .arg(root)
-        .arg("--bin-dir")
-        .arg(bin_dir())
-        .args(flags)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+fn install_with(root: &Path, flags: &[&str]) -> String {
+    let bin = bin_dir().to_str().unwrap();
+    let out = run_script(root, &[&["--bin-dir", bin], flags].concat());
     assert!(
         out.status.success(),
         "install.sh failed: {}",
@@ -266,13 +270,7 @@ fn installed_programs_and_library_are_stripped_with_their_debug_info_apart() {
     assert!(!keep.join("usr/local/lib/debug").exists());
 
     // Uninstall removes the debug files and their directories too.
-    let out = Command::new("bash")
-        .arg(script())
-        .args(["--uninstall", "--root"])
-        .arg(&root)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    assert!(run_script(&root, &["--uninstall"]).status.success());
     assert!(!prefix.join("lib/debug").exists(), "debug files left");
 }
 
@@ -326,22 +324,11 @@ fn libdir_is_respected_in_the_paths_and_in_maru_pc() {
             assert_eq!(got, want, "{libdir}");
         }
         // The manifest names them where they are: uninstall removes them all.
-        let un = Command::new("bash")
-            .arg(script())
-            .args(["--uninstall", "--root"])
-            .arg(&root)
-            .output()
-            .unwrap();
-        assert!(un.status.success());
+        assert!(run_script(&root, &["--uninstall"]).status.success());
         let left = files_under(&root);
         assert!(left.is_empty(), "{libdir}: left after uninstall: {left:?}");
     }
-    let bad = Command::new("bash")
-        .arg(script())
-        .args(["--worker", "--libdir", "../lib", "--root"])
-        .arg(s.dir.join("bad"))
-        .output()
-        .unwrap();
+    let bad = run_script(&s.dir.join("bad"), &["--worker", "--libdir", "../lib"]);
     assert_eq!(bad.status.code(), Some(2));
 }
 
@@ -384,12 +371,7 @@ fn the_metadata_node_gets_maru_server_as_user_maru_and_its_env_file_once() {
         "MARU_SERVER_HOST=10.0.0.3\n"
     );
     // Its help and a wrong combination.
-    let bad = Command::new("bash")
-        .arg(script())
-        .args(["--metadata", "--standalone", "--root"])
-        .arg(&root)
-        .output()
-        .unwrap();
+    let bad = run_script(&root, &["--metadata", "--standalone"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("pick one"));
 }
