@@ -88,6 +88,13 @@ for link in multi-user.target.wants/maru-resource-manager.service \
 done
 [ ! -e /etc/systemd/system/multi-user.target.wants/maru-remote-cxl-agent-standalone.service ] ||
     fail "the standalone agent unit is enabled beside the bound one"
+# The units as systemd reads them, against the installed programs (offline: no
+# systemd needs to run).
+if command -v systemd-analyze >/dev/null; then
+    # (an unknown or misspelt setting is only a warning, exit 0: any output fails)
+    out=$(systemd-analyze verify /usr/lib/systemd/system/maru-*.service 2>&1) && [ -z "$out" ] ||
+        fail "systemd-analyze verify: $out"
+fi
 grep -q '^ExecStart=/usr/bin/maru-remote-cxl-agent --create-key ' /usr/lib/systemd/system/maru-remote-cxl-agent.service ||
     fail "the agent's unit does not start /usr/bin/maru-remote-cxl-agent --create-key"
 [ "$(pkg-config --modversion maru)" = "$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -1)" ] ||

@@ -49,7 +49,7 @@ while [ $# -gt 0 ]; do
         --worker) worker=1; shift ;;
         --uninstall) uninstall=1; shift ;;
         --bin-dir) bin_dir=$2; shift 2 ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
