@@ -19,8 +19,9 @@ help:
 	@echo "make chaos          - kill -9 and restart every daemon and an engine under load; checks every byte"
 	@echo "make deny           - dependency licenses, bans and sources with cargo-deny"
 	@echo "make docs-check     - run the shell commands of README.md and docs/ as written"
-	@echo "make install        - libmaru.so.0, libmaru.a, maru.h, maru.pc, daemons, units, env files, agent key (PREFIX=, DESTDIR=; WORKER=1: library only; STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
-	@echo "make uninstall      - remove what make install put under PREFIX (and DESTDIR); /etc/maru is kept"
+	@echo "make install        - libmaru.so.0, libmaru.a, maru.h, maru.pc, daemons, units, env files; no keys (the daemons make theirs on first start) (PREFIX=, DESTDIR=, LIBDIR=lib64 or lib/x86_64-linux-gnu; STRIP=0 keeps debug info; WORKER=1: library only; STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
+	@echo "make uninstall      - remove what make install put under PREFIX (and DESTDIR); /etc/maru and /var/lib/maru are kept"
+	@echo "make deb            - Debian packages libmaru0, libmaru-dev, maru-memory-node, maru-metadata-node, maru-dbg (target/debian/); make deb-test installs, runs and purges them (root)"
 
 deps:
 	@scripts/install-deps.sh
@@ -81,16 +82,19 @@ clean:
 
 
 # Installing builds with cargo only (no system packages: running needs none).
-# make install [PREFIX=/usr/local] [DESTDIR=] [WORKER=1|STANDALONE=1|METADATA=1]
-#              [INSTALL_FROM=target/release] [NO_BUILD=1]
+# make install [PREFIX=/usr/local] [DESTDIR=] [LIBDIR=lib] [STRIP=0]
+#              [WORKER=1|STANDALONE=1|METADATA=1] [INSTALL_FROM=target/release] [NO_BUILD=1]
+# LIBDIR: relative to PREFIX (lib64, lib/x86_64-linux-gnu) or absolute. STRIP=0 (or
+# no) keeps the debug information in place; otherwise it goes to PREFIX/lib/debug.
 PREFIX ?= /usr/local
 DESTDIR ?=
+LIBDIR ?= lib
 INSTALL_FROM ?= $(TARGET_DIR)/release
 INSTALL_ARGS = --prefix "$(PREFIX)" $(if $(DESTDIR),--destdir "$(DESTDIR)")
 
 install:
 	$(if $(NO_BUILD),,$(CARGO) build --release -p maru -p maru-daemons --bins --lib)
-	scripts/install.sh $(INSTALL_ARGS) --bin-dir "$(INSTALL_FROM)" $(if $(WORKER),--worker) $(if $(STANDALONE),--standalone) $(if $(METADATA),--metadata)
+	scripts/install.sh $(INSTALL_ARGS) --libdir "$(LIBDIR)" --bin-dir "$(INSTALL_FROM)" $(if $(filter 0 no,$(STRIP)),--no-strip) $(if $(WORKER),--worker) $(if $(STANDALONE),--standalone) $(if $(METADATA),--metadata)
 
 uninstall:
 	scripts/install.sh --uninstall $(INSTALL_ARGS)

@@ -15,6 +15,8 @@ have_cmd python3 || need+=(python3)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 have_cmd redis-server || need+=(redis-server)   # make bench: Maru beside Redis
 have_cmd valgrind || need+=(valgrind)           # ctests: the racing-close cases under valgrind
+have_cmd objcopy || need+=(binutils)            # make install: strips, debug files apart
+have_cmd dpkg-shlibdeps || need+=(dpkg-dev)     # make deb: the packages' Depends (cargo-deb itself: make deb-tools)
 
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then

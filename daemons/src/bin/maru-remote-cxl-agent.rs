@@ -58,13 +58,20 @@ struct Args {
     /// The resource manager of this pool.
     #[arg(long, default_value = "127.0.0.1:9850", env = "MARU_RM_ADDRESS")]
     rm_address: String,
-    /// Key file every connection proves (hex key, mode 0600; `maru-rm-ctl gen-key PATH` writes one).
+    /// Key file every connection proves (hex key, mode 0600; made by --create-key, or
+    /// `maru-rm-ctl gen-key PATH` writes one).
     #[arg(
         long,
         default_value = "/etc/maru/remote-cxl-agent.key",
         env = "MARU_REMOTE_CXL_AGENT_KEY_FILE"
     )]
     key_file: PathBuf,
+    /// Make --key-file (a new random key, mode 0600, its directory 0700) when it does not
+    /// exist, as the RM makes its own: for the agent beside the pool's RM, whose unit
+    /// passes it. The pool's other agents, maru-server and the workers are given a copy;
+    /// without this flag a missing key file refuses the start.
+    #[arg(long)]
+    create_key: bool,
     /// Key file of the resource manager (its STATE_DIR/rm.key, copied here mode 0600).
     /// Without it the agent can reach only an RM started with --insecure-no-key.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
@@ -191,7 +198,19 @@ fn main() {
                 args.boot_id_file.display()
             ))
         });
-    let key = maru::auth::load_key_file(&args.key_file).unwrap_or_else(|e| die(e));
+    // A key file that exists is checked now (as is one whose path cannot be looked at,
+    // so that its error is the one reported); a missing one is made (--create-key) only
+    // once the other flags and the devices have been checked.
+    let existing_key = (!matches!(args.key_file.try_exists(), Ok(false)))
+        .then(|| maru::auth::load_key_file(&args.key_file).unwrap_or_else(|e| die(e)));
+    if existing_key.is_none() && !args.create_key {
+        die(format!(
+            "the agent key file {} does not exist: copy the pool's agent key there (mode \
+             0600, owned by the user that runs the agent), or pass --create-key on the memory \
+             node of the pool's resource manager to make it",
+            args.key_file.display()
+        ));
+    }
     let rm_key = args
         .rm_key_file
         .as_ref()
@@ -210,6 +229,9 @@ fn main() {
     )
     .unwrap_or_else(|e| die(e));
     let mem = DaxMem::new(&args.devices).unwrap_or_else(|e| die(e));
+    let key = existing_key.unwrap_or_else(|| {
+        maru::auth::load_or_create_key(&args.key_file).unwrap_or_else(|e| die(e))
+    });
     let nic = target(&args, &key);
     let rm = RmLink::new(args.rm_address.clone(), format!("agent@{node}"), rm_key);
     raise_nofile_limit();
