@@ -22,6 +22,15 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; t
     echo "$venv"
     exit 0
 fi
+# One install at a time per venv (two clones' make test-vllm may start together): the
+# second waits for the first, then finds the stamp.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
+    echo "$venv"
+    exit 0
+fi
 
 log() { printf '[install-vllm] %s\n' "$*" >&2; }
 start=$(date +%s)

@@ -422,7 +422,7 @@ def test_get_stats_and_healthcheck(compat_config, ns):
         assert s["backend"] in ("remote_cxl", "remotecxl") and s["total"]["hits"] >= 1 and s["pools"][0]["up"]
         assert {"kv_manager", "allocation_manager", "allocator"} <= set(s)  # upstream's names, our figures
         assert h.healthcheck()
-        assert isinstance(h.native, maru.MaruHandler)
+        assert isinstance(h.native, maru.Handler)
     assert not h.healthcheck()
 
 

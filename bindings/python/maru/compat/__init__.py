@@ -76,6 +76,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -507,6 +508,15 @@ class MemoryInfo:
         self._view = None
 
 
+def _deref(r: "weakref.ref[MemoryInfo]") -> Optional[MemoryInfo]:
+    return r()
+
+
+def _live(r: "weakref.ref[MemoryInfo]") -> bool:
+    i = r()
+    return i is not None and not i.released
+
+
 def _unsupported(what: str, instead: str) -> UnsupportedError:
     return UnsupportedError(f"{what} is not available on libmaru: {instead}")
 
@@ -520,14 +530,16 @@ class MaruHandler:
     def __init__(self, config: Optional[MaruConfig] = None) -> None:
         if config is not None and not isinstance(config, MaruConfig):
             raise TypeError(
-                f"config must be a maru.compat.MaruConfig, not {type(config).__name__} "
-                "(a dict or JSON string configures the native maru.MaruHandler)"
+                f"config must be a maru.MaruConfig, not {type(config).__name__}: maru.MaruHandler is the "
+                "upstream-compatible handler; a dict or JSON string configures the native one, maru.Handler(config)"
             )
         self._config = config or MaruConfig()
         self._native: Optional[_native.MaruHandler] = None
         self._leftover: List[_native.MaruHandler] = []
         self._lock = threading.RLock()
-        self._retained: "collections.deque[MemoryInfo]" = collections.deque()
+        # Retrieved views, oldest first, held weakly: one the caller dropped (with all
+        # made from it) goes back to libmaru at once, its lease or slot with it.
+        self._retained: "collections.deque[weakref.ref[MemoryInfo]]" = collections.deque()
         self._connected = False
         # Pages taken in place by alloc (cxl), by (region id, page index).
         self._pages: Dict[Tuple[int, int], AllocHandle] = {}
@@ -637,7 +649,9 @@ class MaruHandler:
             self._region_index = []
             self._regions_seen.clear()
             while self._retained:
-                info = self._retained.popleft()
+                info = self._retained.popleft()()
+                if info is None:
+                    continue
                 try:
                     info.release()
                 except BufferError:
@@ -868,18 +882,22 @@ class MaruHandler:
     def _retain(self, info: MemoryInfo) -> None:
         with self._lock:
             if len(self._retained) > 2 * max(self._config.max_views, self._config.load_slots):
-                self._retained = collections.deque(i for i in self._retained if not i.released)
-            self._retained.append(info)
+                self._retained = collections.deque(r for r in self._retained if _live(r))
+            self._retained.append(weakref.ref(info))
+
+    def _live_views(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._retained if _live(r))
 
     def _recycle_one(self, kept: List[MemoryInfo]) -> bool:
         """Releases the oldest retrieved view nothing else refers to; False when none is
         left to recycle."""
         while True:
             with self._lock:
-                info = self._retained.popleft() if self._retained else None
-            if info is None:
-                return False
-            if info.released:
+                if not self._retained:
+                    return False
+                info = self._retained.popleft()()
+            if info is None or info.released:
                 continue
             try:
                 info.release()
@@ -895,7 +913,7 @@ class MaruHandler:
         budget = self._view_budget()
         while len(got) < n:
             with self._lock:
-                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+                in_use = self._live_views() + len(kept)
             room = min(n - len(got), budget - in_use - len(got))
             if room > 0:
                 try:
@@ -906,7 +924,7 @@ class MaruHandler:
             if not self._config.retrieve_recycle or not self._recycle_one(kept):
                 break
         with self._lock:
-            self._retained.extendleft(reversed(kept))
+            self._retained.extendleft(weakref.ref(i) for i in reversed(kept))
         return got
 
     def _views_room(self, n: int) -> int:
@@ -916,12 +934,12 @@ class MaruHandler:
         kept: List[MemoryInfo] = []
         while True:
             with self._lock:
-                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+                in_use = self._live_views() + len(kept)
             room = self._config.max_views - in_use
             if room >= n or not self._config.retrieve_recycle or not self._recycle_one(kept):
                 break
         with self._lock:
-            self._retained.extendleft(reversed(kept))
+            self._retained.extendleft(weakref.ref(i) for i in reversed(kept))
         return max(0, min(n, room))
 
     def _load_in_place(self, h: _native.MaruHandler, keys: List[str], out: List[Optional[MemoryInfo]]) -> int:
@@ -1146,7 +1164,7 @@ class MaruHandler:
         """Releases this handler's retrieved in-place views of ``keys`` (their leases
         would refuse the removal); those something was made from stay."""
         with self._lock:
-            infos = [i for i in self._retained if i._mapped is not None and i.key in keys and not i.released]
+            infos = [i for i in map(_deref, self._retained) if i is not None and i._mapped is not None and i.key in keys and not i.released]
         for i in infos:
             try:
                 v = i._mapped
@@ -1281,7 +1299,7 @@ class MaruHandler:
         h = self._ensure()
         st = h.stats()
         with self._lock:
-            live = [i for i in self._retained if not i.released]
+            live = [i for i in map(_deref, self._retained) if i is not None and not i.released]
             taken = len(self._pages)
         tot = st.get("total") or {}
         regions = h.regions()
@@ -1320,6 +1338,3 @@ class MaruHandler:
         }
         return st
 
-
-# ``maru.MaruHandler(MaruConfig(...))`` (upstream code) builds this layer's handler.
-_native.register_upstream(MaruConfig, MaruHandler)
