@@ -770,6 +770,39 @@ class MaruHandler:
             return None
         return got[1], {k: v for k, v in got[2].items() if k != "addr"}
 
+    def staging_buffer(self) -> Dict[str, int]:
+        """Where the staging buffer lies (``maru_staging_buffer``): ``addr``, ``len``,
+        ``slot_size``, ``load_slots`` (the first slots), ``store_slots`` (the rest). A
+        slot acquired from a pool lies at one of its pool's places."""
+        with self._use() as h:
+            st = _capi.staging_buffer(h)
+        return {
+            "addr": int(st.data or 0),
+            "len": int(st.len),
+            "slot_size": int(st.slot_size),
+            "load_slots": int(st.load_slots),
+            "store_slots": int(st.store_slots),
+        }
+
+    def staging_view(self) -> memoryview:
+        """A writable memoryview of the whole staging buffer, the same one every time
+        (released by :meth:`close`, which refuses while something made from it lives).
+        Read or write only the slots you hold: the others are libmaru's."""
+        with self._slot_lock:
+            got = self._region_exports.get(self.STAGING_EXPORT)
+        if got is None:
+            st = self.staging_buffer()
+            with self._slot_lock:
+                got = self._region_exports.get(self.STAGING_EXPORT)
+                if got is None:
+                    vs = _Views()
+                    got = (vs, vs.make(st["addr"], st["len"]), st)
+                    self._region_exports[self.STAGING_EXPORT] = got
+        return got[1]
+
+    #: The key of the staging buffer's memoryview among the region exports.
+    STAGING_EXPORT = -1
+
     def _region_export(self, region_id: int) -> Optional[Tuple[_Views, memoryview, Dict[str, Any]]]:
         """The one memoryview of a region's mapping this handler hands out (pages taken
         and region views are slices of it), made on first use; None when this host maps
