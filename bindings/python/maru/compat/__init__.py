@@ -127,6 +127,16 @@ def _env_bool(name: str) -> Optional[bool]:
     raise ValueError(f"{name} must be one of: 1/0, true/false, yes/no, on/off (got {raw!r})")
 
 
+#: MaruConfig fields an environment variable sets when the field is not given.
+_ENV_FIELDS = (
+    ("storage_backend", "MARU_STORAGE_BACKEND"),
+    ("agent_key_file", "MARU_AGENT_KEY_FILE"),
+    ("cache_namespace", "MARU_CACHE_NAMESPACE"),
+    ("transport", "MARU_TRANSPORT"),
+    ("rdma_device", "MARU_RDMA_DEVICE"),
+)
+
+
 def _parse_server_url(url: str) -> str:
     """``tcp://host:port`` (upstream's form) or ``host:port``, comma-separated for
     several pools, as libmaru's ``host:port[,host:port...]``."""
@@ -211,6 +221,13 @@ class MaruConfig:
         env = _env_bool("MARU_STAT")
         if env is not None:
             self.enable_stats = env
+        # Settings upstream's adapters have no key for (LMCache's MaruBackend builds its
+        # MaruConfig with a fixed set): environment variables give them when unset.
+        for name, var in _ENV_FIELDS:
+            if getattr(self, name) is None and os.environ.get(var):
+                if name == "storage_backend" and self.backend is not None:
+                    continue  # the backend was given
+                setattr(self, name, os.environ[var])
         if self.instance_id is None:
             self.instance_id = str(uuid.uuid4())
         if self.chunk_size_bytes <= 0:
@@ -1344,6 +1361,13 @@ class MaruHandler:
         """The regions ``alloc`` takes pages from: the engine's own regions mapped here
         (``cxl``), the staging store region where ``alloc`` hands out staging slots."""
         return [r["region_id"] for r in self._regions(self._ensure(), refresh=True) if r["writable"]]
+
+    def get_region_page_size(self, region_id: int) -> Optional[int]:
+        """Ours: the page size of a region mapped here (maru-server's ``--chunk-size``;
+        the slot size on the staging regions); None if none. Pages lie at
+        ``page_index`` x this, whatever ``chunk_size_bytes`` is."""
+        r = self._region(region_id)
+        return None if r is None else int(r["page_size"])
 
     def get_region_page_count(self, region_id: int) -> Optional[int]:
         """Pages (maru-server's ``--chunk-size``; staging slots on the staging regions)
