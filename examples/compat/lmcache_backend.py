@@ -105,7 +105,7 @@ def load(args: argparse.Namespace) -> None:
     # slot on remote_cxl): nothing can reuse the bytes under them.
     h = be._handler
     st = h.native.stats()["staging"]
-    held = len(h.native.held_views()) if h.config.backend == "cxl" else st["load_slots"] - st["free_load_slots"]
+    held = h.native.held_in_libmaru()["views"] if h.config.backend == "cxl" else st["load_slots"] - st["free_load_slots"]
     check(held >= min(args.keys, st["load_slots"] - 1), f"the chunks LMCache holds stay held ({held} held)")
     for i, o in enumerate(got):
         check(o is not None, f"chunk {i} found")
@@ -119,7 +119,7 @@ def load(args: argparse.Namespace) -> None:
     check(be.get_blocking(key(args.ns, 12345)) is None, "a miss is None")
     # Leases end with the objects: after LMCache dropped them nothing stays held.
     st = h.native.stats()["staging"]
-    check(len(h.native.held_views()) == 0, "no view held once LMCache dropped its objects")
+    check(h.native.held_in_libmaru() == {"slots": 0, "views": 0}, "nothing held once LMCache dropped its objects")
     check(st["free_load_slots"] == st["load_slots"], f"every load slot back ({st})")
     be.close()
     loop.call_soon_threadsafe(loop.stop)

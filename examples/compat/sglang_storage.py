@@ -104,7 +104,7 @@ def main() -> None:
     check(st.batch_get_v1(["never"], torch.arange(1)) == [False], "a miss reads nothing")
     h = st._handler.native
     s = h.stats()["staging"]
-    check(not h.held_views() and s["free_load_slots"] == s["load_slots"], f"nothing stays held ({s})")
+    check(h.held_in_libmaru() == {"slots": 0, "views": 0} and s["free_load_slots"] == s["load_slots"], f"nothing stays held ({s})")
     st.close()
     print(f"got {PAGES} pages, every byte equal", flush=True)
 

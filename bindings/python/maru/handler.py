@@ -922,6 +922,21 @@ class MaruHandler:
         """:func:`maru.set_memory_hook_auto` (process-wide, for handlers opened later)."""
         _hook.set_memory_hook_auto()
 
+    def held_in_libmaru(self) -> Dict[str, int]:
+        """How many slots and views this handler holds in libmaru now: those held
+        through a :class:`~maru.Slot` or :class:`~maru.View`, and those given up in
+        Python while something made from their memory (a memoryview, an array) is
+        still alive (they go back the moment it is freed)."""
+        with self._slot_lock:
+            slots = sum(1 for s in self._slots.values() if not s._c_released)
+            views = sum(1 for v in self._views.values() if not v._c_released)
+        for kind, _ in self._releases.waiting():
+            if kind == "slot":
+                slots += 1
+            else:
+                views += 1
+        return {"slots": slots, "views": views}
+
     def held_slots(self) -> List[Slot]:
         """The slots this handler handed out that are still held in Python."""
         with self._slot_lock:
