@@ -574,6 +574,7 @@ class MaruHandler:
         self._regions_seen: "set[int]" = set()
         self._region_index: List[Dict[str, Any]] = []
         self._staging_info: Optional[Dict[str, int]] = None
+        self._deleted = 0  # keys this handler deleted (for get_stats' total_entries)
         # The last retrieved view of each (region, page): see retrieved_view.
         self._at: Dict[Tuple[int, int], "weakref.ref[MemoryInfo]"] = {}
         #: The error of the last failed ``connect`` (None after a successful one).
@@ -1215,6 +1216,8 @@ class MaruHandler:
         except _TRANSIENT as e:
             log.error("delete of %d keys failed: %s", len(ks), e)
             return [False] * len(ks)
+        with self._lock:
+            self._deleted += sum(1 for r in res if r is RemoveResult.REMOVED)
         for k, r in zip(ks, res):
             if r is RemoveResult.NOT_OWNER:
                 log.warning("delete %s refused: another engine stored it (libmaru removes only this engine's keys)", k)
@@ -1412,38 +1415,66 @@ class MaruHandler:
 
     def get_stats(self) -> Dict[str, Any]:
         """This handler's libmaru counters (``maru_stats_json``: per pool and ``total``:
-        stored, hits, misses, bytes, ...) and a ``compat`` part (retrieved views held,
-        chunk size), and upstream's section names (``kv_manager``, ``allocation_manager``,
-        ``allocator``) holding this handler's figures. Upstream's come from maru-server's
-        GET_STATS (every engine's): run ``maru-server stats`` for the server's view."""
+        stored, hits, misses, bytes, ...), a ``compat`` part (retrieved views held,
+        chunk size), and upstream's sections and fields with this handler's figures:
+
+        * ``kv_manager``: ``total_entries`` (keys this handler stored that it has not
+          deleted and that were not evicted), ``total_size`` (their bytes, as far as
+          libmaru counts them: stored less evicted), plus ``stored``, ``hits``, ...;
+        * ``allocation_manager``: ``num_allocations`` (regions the engine owns),
+          ``total_allocated`` (their bytes, where mapped here), ``active_clients`` (1:
+          this handler);
+        * ``allocator``: ``page_count`` (pages ``alloc`` takes from: of the engine's own
+          regions, or the store staging slots), ``free_pages`` (those neither taken by
+          ``alloc`` nor holding one of this handler's chunks), ``allocated_pages``,
+          ``chunk_size``, ``page_size``.
+
+        Upstream's come from maru-server's GET_STATS (every engine's): run
+        ``maru-server stats`` for the server's view."""
         h = self._ensure()
         st = h.stats()
         with self._lock:
             live = [i for i in map(_deref, self._retained) if i is not None and not i.released]
             taken = len(self._pages)
+            deleted = self._deleted
         tot = st.get("total") or {}
         regions = h.regions()
         own = [r for r in regions if r["writable"]]
-        # Upstream's sections, with this system's figures (maru-server's own view of
-        # every engine: ``maru-server stats``).
+        entries = max(0, tot.get("stored", 0) - tot.get("evictions", 0) - deleted)
         st["kv_manager"] = {
+            "total_entries": entries,
+            "total_size": max(0, tot.get("bytes_stored", 0) - tot.get("bytes_evicted", 0)),
             "stored": tot.get("stored", 0),
             "already_present": tot.get("already_present", 0),
             "hits": tot.get("hits", 0),
             "misses": tot.get("misses", 0),
             "bytes_stored": tot.get("bytes_stored", 0),
             "evictions": tot.get("evictions", 0),
+            "deleted": deleted,
         }
         st["allocation_manager"] = {
-            "owned_regions": len(own) if own else tot.get("regions", 0),
+            "num_allocations": tot.get("regions", 0),
+            "total_allocated": sum(int(r["len"]) for r in own),
+            "active_clients": 1,
             "mapped_regions": len(regions),
             "regions_lost": tot.get("regions_lost", 0),
             "regions_given_back": tot.get("regions_given_back", 0),
         }
+        if self._in_place():
+            pages = sum(int(r["page_count"]) for r in own)
+            free = max(0, pages - taken - entries)
+            page_size = own[0]["page_size"] if own else h.chunk_size()
+        else:
+            stg = st.get("staging") or {}
+            pages, free = int(stg.get("store_slots", 0)), int(stg.get("free_store_slots", 0))
+            page_size = int(stg.get("slot_size", 0)) or h.chunk_size()
         st["allocator"] = {
-            "page_size": own[0]["page_size"] if own else h.chunk_size(),
-            "total_pages": sum(int(r["page_count"]) for r in own),
-            "pages_allocated": taken,
+            "page_count": pages,
+            "free_pages": free,
+            "allocated_pages": taken,
+            "chunk_size": self._config.chunk_size_bytes,
+            "page_size": page_size,
+            "utilization": (pages - free) / pages if pages else 0.0,
             "store_no_room": tot.get("store_no_room", 0),
         }
         st["compat"] = {
@@ -1455,6 +1486,7 @@ class MaruHandler:
             "store_slots": self._config.store_slots,
             "max_views": self._config.max_views,
             "pages_taken_in_place": taken,
+            "enable_stats": self._config.enable_stats,
         }
         return st
 
