@@ -151,12 +151,15 @@ class _Releases:
     def retry_later(self) -> None:
         """Queues again what libmaru refused for now (a slot lent to an operation that
         was freed while running comes back to the caller at the operation's end)."""
-        later, self._later = self._later, []
-        self._queue.extend(later)
+        if self._later:
+            later, self._later = self._later, []
+            self._queue.extend(later)
 
     def kick(self) -> None:
         """Gives back what is queued, if the handler's lock can be had at once (else its
         holder does it on its way out)."""
+        if not self._queue:
+            return
         h = self._handler()
         if h is None:
             return

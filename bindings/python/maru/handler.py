@@ -49,6 +49,22 @@ def _rk(route_key: Optional[str]) -> Optional[bytes]:
     return None if route_key is None else _key(route_key, "route_key")
 
 
+class _InUse:
+    """The context manager of :meth:`MaruHandler._use` (one per handler; the state is
+    the handler's)."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, handler: "MaruHandler") -> None:
+        self._h = handler
+
+    def __enter__(self) -> int:
+        return self._h._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._h._exit()
+
+
 class MaruHandler:
     """An engine's handler: store and retrieve KV chunks by key.
 
@@ -93,6 +109,7 @@ class MaruHandler:
         # Slots and views Python is done with, given back to libmaru the moment nothing
         # made from their memoryviews is alive any more (exact: see maru._book).
         self._releases = _Releases(self, self._c_release)
+        self._in_use = _InUse(self)
         self._expirer: Optional[_Expirer] = None
         # Memoryviews of the mapped regions (cxl), one per region mapping; pages taken
         # for writing in place are slices of them.
@@ -122,23 +139,27 @@ class MaruHandler:
         """Whether :meth:`close` was called."""
         return self._h is None or self._closing
 
-    @contextlib.contextmanager
-    def _use(self) -> Iterator[int]:
-        """The C handle for one call; keeps ``close`` from freeing it meanwhile. Gives
-        back what Python gave up (:class:`~maru._book._Releases`) on the way in and out."""
+    def _use(self) -> "_InUse":
+        """The C handle for one call (``with self._use() as h:``); keeps ``close`` from
+        freeing it meanwhile. Gives back what Python gave up
+        (:class:`~maru._book._Releases`) on the way in and out."""
+        return self._in_use
+
+    def _enter(self) -> int:
         rel = self._releases
-        rel.retry_later()
-        rel.kick()
+        if rel._queue or rel._later:
+            rel.retry_later()
+            rel.kick()
         with self._lock:
             if self._h is None or self._closing:
                 raise ClosedError(Status.CLOSED, "the handler is closed")
             self._active += 1
-            h = self._h
-        try:
-            yield h
-        finally:
-            self._done_use()
-            rel.kick()
+            return self._h
+
+    def _exit(self) -> None:
+        self._done_use()
+        if self._releases._queue:
+            self._releases.kick()
 
     def _try_use(self) -> Optional[Tuple[int, bool]]:
         """``(C handle, closed)`` without waiting for the lock (None when another thread,
@@ -158,8 +179,8 @@ class MaruHandler:
     def _done_use(self) -> None:
         with self._lock:
             self._active -= 1
-            if self._active == 0:
-                self._idle.notify_all()
+            if self._active == 0 and self._closing:
+                self._idle.notify_all()  # close() waits for the calls in flight
 
     def close(self) -> None:
         """Closes the handler's sessions, drained: the chunks it stored stay readable for
@@ -717,8 +738,8 @@ class MaruHandler:
             got = _capi.pages_take(h, n, _rk(route_key))
         out = []
         for p in got:
-            addr = int(p.data or 0)
-            exp = self._region_export(p.region_id)
+            addr = p.data or 0
+            exp = self._region_exports.get(p.region_id) or self._region_export(p.region_id)
             if exp is not None and exp[2]["addr"] <= addr and addr + p.capacity <= exp[2]["addr"] + exp[2]["len"]:
                 at = addr - exp[2]["addr"]
                 buf = exp[1][at : at + p.capacity]

@@ -575,6 +575,7 @@ class MaruHandler:
         self._region_index: List[Dict[str, Any]] = []
         self._staging_info: Optional[Dict[str, int]] = None
         self._deleted = 0  # keys this handler deleted (for get_stats' total_entries)
+        self._pages_in_place = False  # _in_place(), set at connect
         # The last retrieved view of each (region, page): see retrieved_view.
         self._at: Dict[Tuple[int, int], "weakref.ref[MemoryInfo]"] = {}
         #: The error of the last failed ``connect`` (None after a successful one).
@@ -659,6 +660,7 @@ class MaruHandler:
                     chunk,
                 )
             self._native, self._connected, self.last_error = h, True, None
+            self._pages_in_place = self._in_place()
             log.info("Connected: chunk_size=%d (server pages %d)", self._config.chunk_size_bytes, chunk)
             return True
 
@@ -739,7 +741,7 @@ class MaruHandler:
         :class:`PoolExhaustedError` (a ValueError, as upstream's exhausted pool) when no
         page or slot can be had within ``timeout_ms``. ``size`` over
         ``chunk_size_bytes`` raises ValueError; 0 too (libmaru stores no empty chunks)."""
-        return self.batched_alloc([size])[0]
+        return self.batched_alloc((size,))[0]
 
     def batched_alloc(self, sizes: Sequence[int]) -> List[AllocHandle]:
         """:meth:`alloc` for several chunks in one libmaru call (``maru_pages_take`` of
@@ -747,7 +749,6 @@ class MaruHandler:
         none. Raises :class:`PoolExhaustedError` when fewer can be had (those taken go
         back)."""
         h = self._ensure()
-        sizes = [int(n) for n in sizes]
         cap = self._config.chunk_size_bytes
         for n in sizes:
             if n > cap:
@@ -756,7 +757,7 @@ class MaruHandler:
                 raise ValueError(f"Requested size {n}: libmaru stores no empty chunks")
         if not sizes:
             return []
-        if self._in_place():
+        if self._pages_in_place:
             try:
                 pages = h.take_pages(len(sizes))
             except _TRANSIENT as e:
