@@ -170,3 +170,26 @@ def test_batched_alloc_is_all_or_none(backend, compat_config, ns):
             a.buf[:] = data(i, 100)
         assert h.batch_store([f"{ns}-b{i}" for i in range(3)], got) == [True] * 3
         assert [h.retrieve(f"{ns}-b{i}").view.tobytes() for i in range(3)] == [data(i, 100) for i in range(3)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_staging_buffer_holds_every_slot_where_it_says(backend, config):
+    """maru_staging_buffer: load slots first, then store slots, each slot at one of its
+    pool's places (what the staging regions of the compatible handler are built on)."""
+    with maru.Handler(config(backend, f"stg-{uuid.uuid4().hex[:6]}", load_slots=3, store_slots=2)) as h:
+        st = h.staging_buffer()
+        size = st["slot_size"]
+        assert (st["load_slots"], st["store_slots"]) == (3, 2) and st["len"] == 5 * size
+        assert size >= h.chunk_size()
+        loads = h.acquire_slots(maru.SlotPool.LOAD, 3)
+        stores = h.acquire_slots(maru.SlotPool.STORE, 2)
+        at = sorted((s.address - st["addr"]) // size for s in loads)
+        assert at == [0, 1, 2] and all((s.address - st["addr"]) % size == 0 for s in loads + stores)
+        assert sorted((s.address - st["addr"]) // size for s in stores) == [3, 4]
+        view = h.staging_view()
+        assert len(view) == st["len"] and h.staging_view() is view
+        stores[0].write(b"written in the slot")
+        at = stores[0].address - st["addr"]
+        assert view[at : at + 19].tobytes() == b"written in the slot"
+        for s in loads + stores:
+            s.release()
