@@ -259,6 +259,9 @@ def test_retrieved_views_are_recycled(backend, compat_config, ns):
         part4 = fourth.view[:10]
         fifth = h.retrieve(keys[4])
         assert not fifth.zero_copy and fifth.view.tobytes() == kv(4, 1004)
+        # A copy names a page of no mapping, which retrieved_view finds (LMCache's adapter).
+        assert fifth.region_id == compat.COPY_REGION and h.get_buffer_view(fifth.region_id, 0, 1) is None
+        assert h.retrieved_view(fifth.region_id, fifth.page_index) is fifth
         assert part3.tobytes() == kv(2, 1002)[:10] and part4.tobytes() == kv(3, 1003)[:10]
         with pytest.raises(BufferError):
             third.release()

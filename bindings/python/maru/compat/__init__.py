@@ -541,6 +541,10 @@ STAGING_STORE_REGION = 0x7FFF_FFFE
 #: The region id of the load staging slots ``retrieve`` reads into (``remote_cxl``):
 #: a retrieved ``MemoryInfo`` names its slot as a page of it.
 STAGING_LOAD_REGION = 0x7FFF_FFFF
+#: The region id a retrieved chunk copied into private memory names (when no view or
+#: slot could be had): its page is a counter, for :meth:`MaruHandler.retrieved_view`;
+#: no mapping has it (``get_buffer_view`` of it is None).
+COPY_REGION = 0x7FFF_FFFD
 
 
 def _unsupported(what: str, instead: str) -> UnsupportedError:
@@ -576,6 +580,7 @@ class MaruHandler:
         self._staging_info: Optional[Dict[str, int]] = None
         self._deleted = 0  # keys this handler deleted (for get_stats' total_entries)
         self._pages_in_place = False  # _in_place(), set at connect
+        self._copies = 0  # the last page number given a retrieved copy (COPY_REGION)
         # The last retrieved view of each (region, page): see retrieved_view.
         self._at: Dict[Tuple[int, int], "weakref.ref[MemoryInfo]"] = {}
         #: The error of the last failed ``connect`` (None after a successful one).
@@ -1078,6 +1083,11 @@ class MaruHandler:
                 if ln is not None:
                     info = MemoryInfo(memoryview(b)[:ln])
                     info.key = k
+                    # Named as a page of no mapping, so that retrieved_view finds it.
+                    with self._lock:
+                        self._copies = (self._copies + 1) & 0xFFFF_FFFF
+                        info.region_id, info.page_index = COPY_REGION, self._copies
+                        self._at[(COPY_REGION, self._copies)] = weakref.ref(info)
                     out[m + j] = info
         return out
 
