@@ -4,14 +4,15 @@ LMCache, SGLang and vLLM integrations) run on Maru in Rust.
 
 Import it under the upstream names, which all work:
 
-    from maru import MaruConfig, MaruHandler       # MaruHandler(MaruConfig(...)) is this one
+    from maru import MaruConfig, MaruHandler       # this module's classes
     from maru_handler import MaruHandler
     from maru_handler.memory import AllocHandle, MemoryInfo
     from maru_common import MaruConfig
     from maru.compat import MaruConfig, MaruHandler
 
-``maru.MaruHandler`` is also the native handler (configured by a dict or JSON); given a
-:class:`MaruConfig`, or nothing, it builds this compatible one.
+The native handler (configured by a dict or JSON) is ``maru.Handler``; a compatible
+handler reaches its own as ``h.native``. The adapters built on this API are in the
+packages ``maru_lmcache``, ``maru_sglang`` and ``maru_vllm``.
 
 What is the same: the method names, arguments, return values and their meaning:
 ``connect() -> bool`` (False, not an exception, when it fails), ``close()``,
@@ -30,10 +31,11 @@ What differs (docs/migration.md has the full table):
   ``page_index``; the LMCache adapter's surface (``set_on_region_added``,
   ``get_buffer_view``, ``get_region_page_count``, keyword-built ``AllocHandle``) works
   on it. On ``remote_cxl`` it hands out a **store staging slot** (WRITE from the slot,
-  no copy); at most ``store_slots`` handles are outstanding; ``alloc`` waits
-  ``timeout_ms`` for one, then raises ValueError; ``region_id``/``page_index`` raise
-  UnsupportedError (the page is chosen at ``store``). ``store`` (or ``free``) consumes
-  the handle: its ``buf`` is released (using it raises).
+  no copy), named as a page of the staging buffer's store region
+  (:data:`STAGING_STORE_REGION`), so the same surface works there; at most
+  ``store_slots`` handles are outstanding; ``alloc`` waits ``timeout_ms`` for one, then
+  raises ValueError. ``batched_alloc`` takes many in one call. ``store`` (or ``free``)
+  consumes the handle: its ``buf`` is released (using it raises).
 * ``retrieve`` on ``cxl`` returns a view of the chunk **in the mapped region**, with
   no copy, as upstream, but mapped read-only and under a lease (a :class:`maru.View`): valid
   until ``info.release()`` (or leaving ``with info:``), the handler's close, a
@@ -41,10 +43,12 @@ What differs (docs/migration.md has the full table):
   ``--lease-timeout-s``, 60 s by default), or, with ``retrieve_recycle`` (the
   default), until a later retrieve needs room once ``max_views`` views are held. On
   ``remote_cxl`` (the chunk lives in a memory node's CXL and cannot be mapped here)
-  it is a view of a **load staging slot** the READ landed in, valid until released,
-  closed, or recycled once all ``load_slots`` are in use (one load slot stays free for
-  the copying fallback below). A view that went back raises ``ValueError`` on any
-  use: it never shows another key's bytes. A view from which something was made that
+  it is a view of a **load staging slot** the READ landed in (named as a page of
+  :data:`STAGING_LOAD_REGION`), valid until released, closed, or recycled once all
+  ``load_slots`` are in use (one load slot stays free for the copying fallback below).
+  Either way the lease or slot also goes back the moment the ``MemoryInfo`` and
+  everything made from its ``view`` are gone (no ``release()`` needed). A view that went
+  back raises ``ValueError`` on any use: it never shows another key's bytes. A view from which something was made that
   is still alive (``torch.frombuffer(info.view)``, a slice) is never recycled; when no
   view or slot can be had, the chunk is copied into private memory instead
   (``info.zero_copy`` is False), so retrieve never fails for want of room.
@@ -65,8 +69,11 @@ What differs (docs/migration.md has the full table):
   ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
   accepted and validated as upstream does, and have no effect: regions and chunk size
   come from maru-server (``--region-size``, ``--chunk-size``), and ``connect`` fails
-  when ``chunk_size_bytes`` is larger than the server's chunk size (the message names
-  both). ``MARU_EAGER_MAP`` overrides ``eager_map`` as upstream (other values: ValueError).
+  when ``chunk_size_bytes`` does not divide the server's chunk (page) size (the message
+  names both). ``MARU_EAGER_MAP`` and ``MARU_STAT`` override ``eager_map`` and
+  ``enable_stats`` as upstream (other values: ValueError); ``MARU_STORAGE_BACKEND``,
+  ``MARU_AGENT_KEY_FILE``, ``MARU_CACHE_NAMESPACE``, ``MARU_TRANSPORT`` and
+  ``MARU_RDMA_DEVICE`` give the fields of ours left unset.
 """
 
 from __future__ import annotations
