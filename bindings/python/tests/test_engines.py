@@ -51,3 +51,15 @@ def test_sglang_storage_backend_factory_between_two_processes(backend, daemons):
     ns = f"sgl-{backend}-{uuid.uuid4().hex[:8]}"
     assert "set 6 pages" in run("sglang_storage.py", daemons, backend, "--role", "set", "--ns", ns)
     assert "every byte equal" in run("sglang_storage.py", daemons, backend, "--role", "get", "--ns", ns)
+
+
+def test_maru_vllm_is_the_connector_vllm_loads_by_upstreams_module_name():
+    pytest.importorskip("vllm")
+    import importlib
+
+    import maru.vllm.connector
+
+    # What vLLM does with "kv_connector_module_path": "maru_vllm", "kv_connector": "MaruKVConnector".
+    cls = getattr(importlib.import_module("maru_vllm"), "MaruKVConnector")
+    assert cls is maru.vllm.connector.MaruKVConnector
+    assert importlib.import_module("maru_vllm.connector").MaruKVConnector is cls
