@@ -337,6 +337,21 @@ typedef struct maru_region_t {
   bool writable;
 } maru_region_t;
 
+/**
+ * The handler's staging buffer: `len` bytes at `data`, cut into slots of
+ * `slot_size` bytes: `load_slots` load slots first (slot `i` at `data + i *
+ * slot_size`), then `store_slots` store slots. A slot acquired from a pool lies at one
+ * of its pool's places; the buffer stays mapped (and registered with the memory hook)
+ * until the handler is shut down.
+ */
+typedef struct maru_staging_t {
+  uint8_t *data;
+  size_t len;
+  size_t slot_size;
+  size_t load_slots;
+  size_t store_slots;
+} maru_staging_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -915,6 +930,15 @@ maru_status_t maru_region_view(const struct maru_handler_t *h,
                                uint64_t region_id,
                                struct maru_region_t *out,
                                bool *found);
+
+/**
+ * Describes the handler's staging buffer in `*out`. `MARU_ERR_UNAVAILABLE` while no
+ * pool has been reached yet (the buffer is made with the first pool's session).
+ *
+ * Ownership: the memory is the handler's; a caller reads or writes only the slots it
+ * holds. Threads: any, concurrently with other calls.
+ */
+maru_status_t maru_staging_buffer(const struct maru_handler_t *h, struct maru_staging_t *out);
 
 /**
  * Derives the keys of the full chunks of `n_tokens` token ids, `chunk_tokens` ids

@@ -6,7 +6,12 @@
 
 BENCH_ARGS ?=
 
+# The adapters' row (part in_place) runs bench/python/adapter_row.py with the
+# repository's .venv (numpy) against libmaru.so of this release build.
 bench: deps
 	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru-bench -p maru-daemons --bins
+	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru --lib
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q numpy
 	mkdir -p bench/results
-	$(TARGET_DIR)/release/maru-bench --out bench/results $(BENCH_ARGS)
+	MARU_BENCH_PYTHON=$(VENV)/bin/python $(TARGET_DIR)/release/maru-bench --out bench/results $(BENCH_ARGS)

@@ -1,4 +1,7 @@
-# make test-vllm: real vLLM engines (vLLM CPU, a tiny random Llama made here) share KV
+# make test-vllm: LMCache's own MaruBackend and SGLang's own StorageBackendFactory with
+# maru_sglang.MaruStorage, unedited, between two processes on both backends
+# (bindings/python/tests/test_engines.py; LMCache and SGLang installed --no-deps into the
+# vLLM venv); then real vLLM engines (vLLM CPU, a tiny random Llama made here) share KV
 # through maru.vllm.MaruKVConnector on both backends (examples/vllm/e2e.py): engine A
 # stores a prompt, engine B (another process) loads >= 90% of its chunks and answers the
 # same as A and as an engine without connector, noise stored under the keys changes the
@@ -15,6 +18,7 @@ vllm-venv:
 
 test-vllm: deps
 	$(CARGO) build -p maru -p maru-daemons --bins --lib
+	MARU_VLLM_VENV=$(VLLM_VENV) examples/vllm/run.sh adapters $(DEBUG_DIR)
 	MARU_VLLM_VENV=$(VLLM_VENV) examples/vllm/run.sh e2e $(DEBUG_DIR)
 
 demo-vllm: deps

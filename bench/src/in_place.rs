@@ -73,6 +73,114 @@ pub struct InPlaceResult {
     /// 32 pages taken, filled and published at once.
     pub batched: Fig,
     pub memcpy: Fig,
+    /// The adapters' way through Python (bench/python/adapter_row.py), or why not.
+    pub adapter: Result<AdapterRow, String>,
+}
+
+/// What LMCache's or SGLang's adapter does, through `maru.MaruHandler` in Python:
+/// `batched_alloc` of 32 pages, a numpy fill of each, `batch_store`, and a numpy copy of
+/// the same bytes into as much cold memory measured in turns with it (its memcpy).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct AdapterRow {
+    pub fill_store: PyFig,
+    pub memcpy: PyFig,
+    pub alloc: PyAlloc,
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct PyFig {
+    pub gbs: f64,
+    pub p50_us: f64,
+    pub ops: usize,
+}
+
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct PyAlloc {
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub ops: usize,
+}
+
+impl AdapterRow {
+    /// alloc + numpy fill + store over the numpy copy of the same bytes.
+    pub fn ratio(&self) -> f64 {
+        if self.memcpy.gbs > 0.0 {
+            self.fill_store.gbs / self.memcpy.gbs
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Runs bench/python/adapter_row.py against `server` with the Python of
+/// `MARU_BENCH_PYTHON` (make bench: the repository's .venv, with numpy), the package
+/// from bindings/python and the libmaru.so beside this binary; bounded by `secs` plus
+/// start-up and warm-up.
+fn adapter_row(server: &str, secs: f64) -> Result<AdapterRow, String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or("no repository root")?
+        .to_path_buf();
+    let py = std::env::var("MARU_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+    let lib = std::env::current_exe()
+        .map_err(|e| e.to_string())?
+        .with_file_name("libmaru.so");
+    if !lib.exists() {
+        return Err(format!(
+            "{} not built (cargo build --release -p maru --lib)",
+            lib.display()
+        ));
+    }
+    let out = std::env::temp_dir().join(format!("maru-bench-adapter-{}.json", std::process::id()));
+    let mut child = std::process::Command::new(&py)
+        .arg(root.join("bench/python/adapter_row.py"))
+        .args([
+            "--server",
+            server,
+            "--chunk",
+            &CHUNK.to_string(),
+            "--batch",
+            &BATCH.to_string(),
+        ])
+        .args(["--secs", &format!("{secs:.1}")])
+        .env("PYTHONPATH", root.join("bindings/python"))
+        .env("MARU_LIB", &lib)
+        .stdout(std::fs::File::create(&out).map_err(|e| e.to_string())?)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{py}: {e} (MARU_BENCH_PYTHON names a Python with numpy)"))?;
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_secs_f64(secs * 2.0 + 180.0);
+    let status = loop {
+        if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("adapter_row.py did not finish in time".into());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    if !status.success() {
+        let tail: String = err
+            .chars()
+            .rev()
+            .take(600)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        return Err(format!("adapter_row.py: {status}: {tail}"));
+    }
+    serde_json::from_str(text.trim()).map_err(|e| format!("adapter_row.py printed {text:?}: {e}"))
 }
 
 struct Handler(*mut maru_handler_t);
@@ -257,12 +365,15 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
     }
     let [compat, per_chunk, batched, memcpy] = rounds.map(|r| average(&r));
     drop(h);
+    // The Python adapters' way, on the same stack once the figures above are done.
+    let adapter = adapter_row(&st.server, secs);
     drop(st);
     Ok(InPlaceResult {
         compat,
         per_chunk,
         batched,
         memcpy,
+        adapter,
     })
 }
 
@@ -286,6 +397,37 @@ pub fn table(r: &InPlaceResult) -> Table {
         ("memcpy 2 MiB, 1 thread (same run)", &r.memcpy),
     ] {
         t.row(vec![name.into(), f2(f.gbs), f2(f.p50_us), ratio(f)]);
+    }
+    match &r.adapter {
+        Ok(a) => {
+            t.row(vec![
+                "adapters' way in Python: batched_alloc + numpy fill + batch_store, cxl, 32 x 2 MiB (x its numpy copy)".into(),
+                f2(a.fill_store.gbs),
+                f2(a.fill_store.p50_us),
+                format!("{:.2} x", a.ratio()),
+            ]);
+            t.row(vec![
+                "numpy copy of the same 2 MiB chunks (same script, in turns)".into(),
+                f2(a.memcpy.gbs),
+                f2(a.memcpy.p50_us),
+                "-".into(),
+            ]);
+            t.row(vec![
+                format!(
+                    "one alloc (maru.MaruHandler.alloc), p99 {:.1} us",
+                    a.alloc.p99_us
+                ),
+                "-".into(),
+                f2(a.alloc.p50_us),
+                "-".into(),
+            ]);
+        }
+        Err(e) => t.row(vec![
+            format!("adapters' way in Python: not measured: {e}"),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+        ]),
     }
     t
 }

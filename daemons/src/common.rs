@@ -17,6 +17,26 @@ pub const EX_FAILURE: i32 = 1;
 /// `--log-level`: the levels `log` knows.
 pub const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
 
+/// `--log-level`'s value: one of [`LOG_LEVELS`] in any case (`DEBUG`, as upstream's
+/// daemons spell it), or Python's `WARNING` / `CRITICAL` (upstream's maru-server), as
+/// `warn` / `error`.
+pub fn parse_log_level(s: &str) -> Result<String, String> {
+    let l = s.trim().to_ascii_lowercase();
+    let l = match l.as_str() {
+        "warning" => "warn".to_string(),
+        "critical" | "fatal" => "error".to_string(),
+        _ => l,
+    };
+    if LOG_LEVELS.contains(&l.as_str()) {
+        Ok(l)
+    } else {
+        Err(format!(
+            "{s:?} is not a log level: one of {} (any case; WARNING and CRITICAL too)",
+            LOG_LEVELS.join(", ")
+        ))
+    }
+}
+
 /// `--log-format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -150,7 +170,7 @@ pub struct OpsArgs {
     #[arg(long, value_name = "ADDR", env = "MARU_METRICS")]
     pub metrics: Option<String>,
     /// Log level when RUST_LOG is unset.
-    #[arg(short = 'l', long, default_value = "info", value_parser = LOG_LEVELS)]
+    #[arg(short = 'l', long, default_value = "info", value_parser = parse_log_level)]
     pub log_level: String,
     /// Log as text lines or as one JSON object a line (ts, level, target, msg).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "MARU_LOG_FORMAT")]
@@ -269,5 +289,21 @@ pub fn notify_ready() {
     };
     if let Err(e) = r {
         log::warn!("cannot tell systemd the daemon is ready: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_levels_in_any_case_and_python_names() {
+        assert_eq!(parse_log_level("DEBUG").unwrap(), "debug");
+        assert_eq!(parse_log_level("Info").unwrap(), "info");
+        assert_eq!(parse_log_level("WARNING").unwrap(), "warn");
+        assert_eq!(parse_log_level("CRITICAL").unwrap(), "error");
+        assert_eq!(parse_log_level("off").unwrap(), "off");
+        let e = parse_log_level("verbose").unwrap_err();
+        assert!(e.contains("verbose") && e.contains("debug"), "{e}");
     }
 }

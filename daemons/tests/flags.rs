@@ -299,3 +299,45 @@ fn json_logs_are_one_object_a_line() {
         serde_json::from_str(err.trim()).unwrap_or_else(|e| panic!("{e}: {err}"));
     assert_eq!(v["level"], "ERROR", "{err}");
 }
+
+/// Upstream's spellings start the daemons: `--log-level DEBUG` (and Python's
+/// `WARNING`), the RM's `--grace-period`. The level is the one given: the INFO line
+/// "listening on" appears at DEBUG and not at WARNING.
+#[test]
+fn upstream_spellings_of_log_level_and_grace_period_are_accepted() {
+    for (level, info_lines) in [("DEBUG", true), ("WARNING", false)] {
+        let mut s = Scratch::new("fl-upstream");
+        let (mut args, _pool) = rm_args(&mut s, &["--log-level", level, "--grace-period", "5"]);
+        let ready = s.dir.join("ready");
+        args.extend(["--ready-file".to_string(), ready.display().to_string()]);
+        let log = s.dir.join("rm.log");
+        let mut child = Command::new(RM_BIN)
+            .args(&args)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !ready.exists() && Instant::now() < deadline {
+            if let Ok(Some(st)) = child.try_wait() {
+                let mut err = String::new();
+                let _ = std::fs::File::open(&log).and_then(|mut f| f.read_to_string(&mut err));
+                panic!("--log-level {level} --grace-period 5: exited with {st}: {err}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            ready.exists(),
+            "--log-level {level}: not ready in 20 s: {text}"
+        );
+        assert_eq!(
+            text.contains("listening on"),
+            info_lines,
+            "--log-level {level}: {text}"
+        );
+    }
+}

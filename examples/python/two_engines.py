@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from maru import MaruHandler, chunk_keys
+from maru import Handler, chunk_keys
 
 CHUNK_TOKENS = 256
 PROMPT = list(range(1000, 1000 + 32 * CHUNK_TOKENS))  # a long shared system prompt
@@ -33,7 +33,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
-    with MaruHandler(cfg) as h:
+    with Handler(cfg) as h:
         keys = chunk_keys(PROMPT, CHUNK_TOKENS, cfg.get("namespace", "default"))
         size = min(h.chunk_size(), 256 * 1024)
         route = keys[0]  # every chunk of a request goes to the pool of its first key

@@ -9,7 +9,7 @@ maru-server on free loopback ports, then runs each engine in its own process
      of the prompt's full chunks (vLLM's num_cached_tokens and the worker's counters),
      and B's output tokens equal A's and those of an engine without connector;
   C  runs the prompt in a namespace where the test stored noise under the prompt's
-     chunk keys through the binding (maru.MaruHandler.batch_store): C loads every
+     chunk keys through the binding (maru.Handler.batch_store): C loads every
      chunk, and its output differs (the loaded KV is really used);
   D  runs the prompt with another dtype (float32): another namespace digest, no hit.
 
@@ -171,7 +171,7 @@ def store_noise(backend: str, server: str, key: str, namespace: str, digest: str
     for k in keys:
         noise = torch.randn(chunk_bytes // 2, generator=g).to(torch.bfloat16)
         items.append((k, noise.view(torch.uint8).numpy().tobytes()))
-    with maru.MaruHandler(cfg) as h:
+    with maru.Handler(cfg) as h:
         ok = h.batch_store(items, route_key=keys[0])
     return sum(ok)
 

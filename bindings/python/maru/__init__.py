@@ -1,10 +1,10 @@
 """The ``maru`` package: Python binding of libmaru.so (ctypes), for inference engines that
 share KV cache chunks through Maru.
 
-    from maru import MaruHandler, chunk_keys
+    from maru import Handler, chunk_keys
     cfg = {"backend": "remote_cxl", "server_url": "127.0.0.1:5555", "engine_id": "engine-0",
            "namespace": "llama-3.1-8b/bf16-b16-c256"}
-    with MaruHandler(cfg) as h:
+    with Handler(cfg) as h:
         keys = chunk_keys(token_ids, 256, cfg["namespace"])
         h.store(keys[0], kv_bytes, route_key=keys[0])
         data = h.retrieve(keys[0], route_key=keys[0])   # None on a miss
@@ -14,9 +14,10 @@ Zero-copy staging slots: ``h.acquire_slots(SlotPool.STORE, n)``, ``h.store_slots
 ``cxl``, chunks read in place: ``h.acquire_views(keys)`` (:mod:`maru.views`). Removing
 this engine's keys: ``h.remove(key)`` / ``h.batch_remove(keys)`` (:class:`RemoveResult`).
 
-Code written for the upstream Maru package (``from maru import MaruConfig,
-MaruHandler``; ``MaruHandler(MaruConfig(...))``) gets the compatible handler of
-:mod:`maru.compat`; see docs/migration.md.
+``maru.Handler`` is the native handler (configured by a dict or JSON string).
+``maru.MaruConfig`` and ``maru.MaruHandler`` are the upstream Maru package's API, as
+upstream code imports it (``from maru import MaruConfig, MaruHandler``): the
+compatible handler of :mod:`maru.compat`; see docs/migration.md.
 
 The package carries libmaru.so (``pip install ./bindings/python`` builds it with
 cargo); ``MARU_LIB`` names another build to use instead (see :mod:`maru._lib`).
@@ -51,13 +52,13 @@ from .errors import (
     UnsupportedError,
     ViewExpiredError,
 )
-from .handler import MaruHandler
+from .handler import Handler
 from .hook import set_memory_hook, set_memory_hook_auto
 from .keys import chunk_keys
 from .slots import Op, Slot, SlotPool
 from .views import RemoveResult, View
 from ._log import set_log_level, stop_forwarding as stop_log_forwarding
-from .compat import AllocHandle, MaruConfig, MemoryInfo
+from .compat import AllocHandle, MaruConfig, MaruHandler, MemoryInfo
 
 # Forward libmaru's messages to logging from the start, at the level the "maru.lib"
 # logger lets through now (WARNING unless the application configured it before).
@@ -72,6 +73,7 @@ __all__ = [
     "BusyError",
     "ClosedError",
     "ConfigError",
+    "Handler",
     "InvalidArgumentError",
     "MaruConfig",
     "MaruError",

@@ -29,6 +29,7 @@ from ._lib import (
     maru_page_t,
     maru_region_t,
     maru_slot_t,
+    maru_staging_t,
     maru_view_t,
     status_str,
 )
@@ -346,6 +347,13 @@ def region_view(h: int, region_id: int) -> Optional[maru_region_t]:
     found = ctypes.c_bool(False)
     _check(lib.maru_region_view(h, region_id, ctypes.byref(out), ctypes.byref(found)))
     return out if found.value else None
+
+
+def staging_buffer(h: int) -> maru_staging_t:
+    """``maru_staging_buffer``: where the staging buffer lies and how it is cut."""
+    out = maru_staging_t()
+    _check(lib.maru_staging_buffer(h, ctypes.byref(out)))
+    return out
 
 
 # Process-wide settings: memory hook, log callback --------------------------------------------

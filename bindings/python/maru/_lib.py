@@ -268,3 +268,19 @@ lib.maru_regions_list.argtypes = [_H, ctypes.POINTER(maru_region_t), ctypes.c_si
 lib.maru_regions_list.restype = _S
 lib.maru_region_view.argtypes = [_H, ctypes.c_uint64, ctypes.POINTER(maru_region_t), c_bool_p]
 lib.maru_region_view.restype = _S
+
+
+class maru_staging_t(ctypes.Structure):
+    """``maru_staging_t``: the handler's staging buffer and how it is cut into slots."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("len", ctypes.c_size_t),
+        ("slot_size", ctypes.c_size_t),
+        ("load_slots", ctypes.c_size_t),
+        ("store_slots", ctypes.c_size_t),
+    ]
+
+
+lib.maru_staging_buffer.argtypes = [_H, ctypes.POINTER(maru_staging_t)]
+lib.maru_staging_buffer.restype = _S

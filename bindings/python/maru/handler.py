@@ -24,7 +24,7 @@ from .errors import (
     Status,
     error_for,
 )
-from ._book import _Expirer, _Views
+from ._book import _Expirer, _Releases, _Views
 from .slots import Op, Slot, SlotPool, as_lengths
 from .views import RemoveResult, View
 
@@ -47,6 +47,22 @@ def _key(k: str, what: str = "key") -> bytes:
 
 def _rk(route_key: Optional[str]) -> Optional[bytes]:
     return None if route_key is None else _key(route_key, "route_key")
+
+
+class _InUse:
+    """The context manager of :meth:`MaruHandler._use` (one per handler; the state is
+    the handler's)."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, handler: "MaruHandler") -> None:
+        self._h = handler
+
+    def __enter__(self) -> int:
+        return self._h._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._h._exit()
 
 
 class MaruHandler:
@@ -74,16 +90,10 @@ class MaruHandler:
     at all; see :mod:`maru.views`). :meth:`remove` / :meth:`batch_remove` unpublish
     keys this engine stored.
 
-    ``MaruHandler()`` with no configuration, or with a :class:`maru.compat.MaruConfig`,
-    makes the upstream-compatible handler :class:`maru.compat.MaruHandler` instead (so
-    code written for the upstream ``from maru import MaruConfig, MaruHandler`` runs).
+    This is ``maru.Handler``. The package's ``maru.MaruHandler`` is the
+    upstream-compatible handler (:class:`maru.compat.MaruHandler`, configured by a
+    ``MaruConfig``), as in the upstream Maru package.
     """
-
-    def __new__(cls, config: Any = None) -> Any:
-        upstream = _upstream
-        if cls is MaruHandler and upstream is not None and (config is None or isinstance(config, upstream[0])):
-            return upstream[1](config)
-        return super().__new__(cls)
 
     def __init__(self, config: Union[Mapping[str, Any], str]) -> None:
         self._h: Optional[int] = None
@@ -94,21 +104,16 @@ class MaruHandler:
         self._chunk: Optional[int] = None
         self._slot_lock = threading.RLock()
         self._slots: "weakref.WeakValueDictionary[int, Slot]" = weakref.WeakValueDictionary()
-        # Slots given up while something derived from their views was still alive: the
-        # C slot stays held (its memory cannot be reused) until those objects are gone.
-        self._pending: Dict[int, _Views] = {}
-        self._dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
-        # Slots given up in Python while lent to an operation that was freed running:
-        # they come back to the caller in libmaru at its end, and are released then.
-        self._release_later: List[int] = []
-        # Views of chunks in place (cxl): held ones, those given up while something made
-        # from them lives (the C view stays held, keeping the mapping), dropped ones.
+        # Views of chunks in place (cxl) held in Python.
         self._views: "weakref.WeakValueDictionary[int, View]" = weakref.WeakValueDictionary()
-        self._view_pending: Dict[int, _Views] = {}
-        self._views_dropped: "collections.deque[Tuple[int, _Views]]" = collections.deque()
+        # Slots and views Python is done with, given back to libmaru the moment nothing
+        # made from their memoryviews is alive any more (exact: see maru._book).
+        self._releases = _Releases(self, self._c_release)
+        self._in_use = _InUse(self)
         self._expirer: Optional[_Expirer] = None
-        # Memoryviews of pages taken for writing in place and of whole regions (cxl).
-        self._page_views = _Views()
+        # Memoryviews of the mapped regions (cxl), one per region mapping; pages taken
+        # for writing in place are slices of them.
+        self._region_exports: Dict[int, Tuple[_Views, memoryview, Dict[str, Any]]] = {}
         if not isinstance(config, (str, Mapping)):
             raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
@@ -134,21 +139,48 @@ class MaruHandler:
         """Whether :meth:`close` was called."""
         return self._h is None or self._closing
 
-    @contextlib.contextmanager
-    def _use(self) -> Iterator[int]:
-        """The C handle for one call; keeps ``close`` from freeing it meanwhile."""
+    def _use(self) -> "_InUse":
+        """The C handle for one call (``with self._use() as h:``); keeps ``close`` from
+        freeing it meanwhile. Gives back what Python gave up
+        (:class:`~maru._book._Releases`) on the way in and out."""
+        return self._in_use
+
+    def _enter(self) -> int:
+        rel = self._releases
+        if rel._queue or rel._later:
+            rel.retry_later()
+            rel.kick()
         with self._lock:
             if self._h is None or self._closing:
                 raise ClosedError(Status.CLOSED, "the handler is closed")
             self._active += 1
-            h = self._h
+            return self._h
+
+    def _exit(self) -> None:
+        self._done_use()
+        if self._releases._queue:
+            self._releases.kick()
+
+    def _try_use(self) -> Optional[Tuple[int, bool]]:
+        """``(C handle, closed)`` without waiting for the lock (None when another thread,
+        or this one further up, holds it); when not closed, the caller ends with
+        :meth:`_done_use`. For :class:`~maru._book._Releases`, whose callbacks run
+        anywhere."""
+        if not self._lock.acquire(blocking=False):
+            return None
         try:
-            yield h
+            if self._h is None or self._closing:
+                return 0, True
+            self._active += 1
+            return self._h, False
         finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    self._idle.notify_all()
+            self._lock.release()
+
+    def _done_use(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._closing:
+                self._idle.notify_all()  # close() waits for the calls in flight
 
     def close(self) -> None:
         """Closes the handler's sessions, drained: the chunks it stored stay readable for
@@ -165,24 +197,21 @@ class MaruHandler:
                 return
         with self._slot_lock:
             stuck = [s.id for s in list(self._slots.values()) if s._revoke()]
-            while self._dropped:
-                i, v = self._dropped.popleft()
-                self._pending[i] = v
-            stuck += [i for i, v in self._pending.items() if v.revoke()]
             stuck_views = [v.id for v in list(self._views.values()) if v._revoke()]
-            while self._views_dropped:
-                i, vs = self._views_dropped.popleft()
-                self._view_pending[i] = vs
-            stuck_views += [i for i, vs in self._view_pending.items() if vs.revoke()]
-            if stuck or stuck_views:
+            for kind, i in self._releases.waiting():
+                (stuck if kind == "slot" else stuck_views).append(i)
+            stuck_regions = [r for r, (vs, _, _) in list(self._region_exports.items()) if vs.revoke()]
+            if stuck or stuck_views or stuck_regions:
                 what = []
                 if stuck:
                     what.append(f"staging slots {sorted(stuck)}")
                 if stuck_views:
                     what.append(f"views {sorted(stuck_views)}")
+                if stuck_regions:
+                    what.append(f"regions {sorted(stuck_regions)}")
                 raise BufferError(
-                    f"{' and '.join(what)} still have views in use (slices, numpy or torch arrays "
-                    "made from Slot.view, View.view, AllocHandle.buf or MemoryInfo.view): drop them, then close again"
+                    f"{' and '.join(what)} still have views in use (slices, numpy or torch arrays made from "
+                    "Slot.view, View.view, AllocHandle.buf, MemoryInfo.view or a region view): drop them, then close again"
                 )
         with self._lock:
             if self._h is None or self._closing:
@@ -198,15 +227,14 @@ class MaruHandler:
                     s._revoke()
                     s._state, s._why, s._c_released = "released", " (its handler was closed)", True
                 self._slots.clear()
-                self._pending.clear()
-                self._release_later.clear()
                 for vw in list(self._views.values()):
                     vw._revoke()
                     if vw._state == "held":
                         vw._state, vw._why = "released", " (its handler was closed)"
                     vw._c_released = True
                 self._views.clear()
-                self._view_pending.clear()
+                self._releases.clear()
+                self._region_exports.clear()
                 if self._expirer is not None:
                     self._expirer.stop()
 
@@ -420,7 +448,6 @@ class MaruHandler:
         n = len(keys)
         ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         rk = _rk(route_key)
-        self._sweep_views()  # views dropped unreleased would hold leases on our keys
         with self._use() as h:
             res = _capi.remove_batch(h, ks, rk)
         out = []
@@ -452,7 +479,6 @@ class MaruHandler:
             raise ValueError(f"n must be a positive int, not {n!r}")
         if timeout < 0:
             raise ValueError("timeout must be >= 0")
-        self._sweep_pending()
         with self._use() as h:
             infos = _capi.slots_acquire(h, int(pool), n, min(int(timeout * 1000), 0xFFFFFFFF))
             slots = [Slot(self, pool, info) for info in infos]
@@ -647,18 +673,33 @@ class MaruHandler:
                 raise TypeError(f"expected a Slot or a slot id, not {s!r}")
         return self._held_ids(ids)
 
-    def _c_release(self, ids: List[int]) -> None:
-        if not ids:
-            return
+    @staticmethod
+    def _c_release(h: int, kind: str, ids: List[int]) -> List[Tuple[str, int]]:
+        """Gives slots or views back in libmaru (for :class:`~maru._book._Releases`);
+        returns the slots libmaru refused for now: lent to an operation freed while
+        running, they come back to the caller at its end and are released then."""
+        call = _capi.slots_release if kind == "slot" else _capi.views_release
         try:
-            with self._use() as h:
-                _capi.slots_release(h, ids)
-        except ClosedError:
-            pass  # closing the handler gave every slot back
+            call(h, ids)
+            return []
+        except BusyError:
+            pass
+        except MaruError:
+            return []  # closed meanwhile, or already back: nothing of it is held
+        later = []
+        for i in ids:
+            try:
+                call(h, [i])
+            except BusyError:
+                later.append((kind, i))
+            except MaruError:
+                pass
+        return later
 
     def _release_slot(self, slot: Slot, state: str, why: str = "", force: bool = False) -> None:
         """Revokes the slot's views and gives it back (``force``: give it up in Python
-        even while derived views live; the C slot then stays held until they are gone)."""
+        even while objects made from its views live; the C slot then goes back the
+        moment the last of them is freed)."""
         with self._slot_lock:
             if slot._state != "held":
                 return
@@ -670,41 +711,17 @@ class MaruHandler:
                 )
             slot._state, slot._why = state, why
             self._slots.pop(slot.id, None)
-            if alive:
-                self._pending[slot.id] = slot._views
-                return
             slot._c_released = True
-        try:
-            self._c_release([slot.id])
-        except BusyError:
-            # Lent to an operation freed while running: it comes back to the caller at
-            # the operation's end; released then (by the next acquire or sweep).
-            with self._slot_lock:
-                self._release_later.append(slot.id)
+        self._releases.give_up("slot", slot.id, slot._views)
 
     def _slot_dropped(self, slot: Slot) -> None:
         """A slot garbage collected while held (from ``Slot.__del__``, which may run
-        anywhere, even while this thread holds a lock): queued without locking, given
-        back by the next :meth:`acquire_slots` or :meth:`close`."""
-        if slot._state == "held" and slot._op is None:
-            self._dropped.append((slot.id, slot._views))
-
-    def _sweep_pending(self) -> None:
-        with self._slot_lock:
-            while self._dropped:
-                i, v = self._dropped.popleft()
-                self._pending[i] = v
-            free = [i for i, v in self._pending.items() if not v.revoke()]
-            for i in free:
-                del self._pending[i]
-            later, self._release_later = self._release_later, []
-        self._c_release(free)
-        for i in later:
-            try:
-                self._c_release([i])
-            except BusyError:
-                with self._slot_lock:
-                    self._release_later.append(i)  # still running
+        anywhere, even while this thread holds a lock): given back when nothing reaches
+        its memory any more, at once when no memoryview of it (or object made from
+        one) is left."""
+        if slot._state == "held" and slot._op is None and not slot._c_released:
+            slot._c_released = True
+            self._releases.give_up("slot", slot.id, slot._views, revoke=False)
 
     # Views of chunks in place (cxl) --------------------------------------------------
 
@@ -719,10 +736,17 @@ class MaruHandler:
         has no room."""
         with self._use() as h:
             got = _capi.pages_take(h, n, _rk(route_key))
-        return [
-            PageInfo(p.region_id, p.page, p.offset, int(p.data or 0), p.capacity, self._page_views.make(int(p.data or 0), p.capacity))
-            for p in got
-        ]
+        out = []
+        for p in got:
+            addr = p.data or 0
+            exp = self._region_exports.get(p.region_id) or self._region_export(p.region_id)
+            if exp is not None and exp[2]["addr"] <= addr and addr + p.capacity <= exp[2]["addr"] + exp[2]["len"]:
+                at = addr - exp[2]["addr"]
+                buf = exp[1][at : at + p.capacity]
+            else:  # not in the mapping region_view names: a memoryview of its own
+                buf = _Views().make(addr, p.capacity)
+            out.append(PageInfo(p.region_id, p.page, p.offset, addr, p.capacity, buf))
+        return out
 
     def publish_pages(self, keys: Sequence[str], pages: Sequence[Tuple[int, int]], lens: Sequence[int]) -> List[bool]:
         """Publishes pages written in place (``maru_pages_publish``): ``keys[i]`` with the
@@ -759,14 +783,74 @@ class MaruHandler:
     def region_view(self, region_id: int) -> Optional[Tuple[memoryview, Dict[str, Any]]]:
         """A memoryview of a whole region this host maps (``maru_region_view``),
         writable for own regions, with its description (as :meth:`regions`); None when
-        it maps no such region. The memory stays mapped until :meth:`close`: do not use
-        the view after that."""
+        it maps no such region. The same memoryview every time; the memory stays mapped
+        until :meth:`close`, which releases it (and refuses while something made from it,
+        a slice or an array, is alive)."""
+        got = self._region_export(region_id)
+        if got is None:
+            return None
+        return got[1], {k: v for k, v in got[2].items() if k != "addr"}
+
+    def staging_buffer(self) -> Dict[str, int]:
+        """Where the staging buffer lies (``maru_staging_buffer``): ``addr``, ``len``,
+        ``slot_size``, ``load_slots`` (the first slots), ``store_slots`` (the rest). A
+        slot acquired from a pool lies at one of its pool's places."""
+        with self._use() as h:
+            st = _capi.staging_buffer(h)
+        return {
+            "addr": int(st.data or 0),
+            "len": int(st.len),
+            "slot_size": int(st.slot_size),
+            "load_slots": int(st.load_slots),
+            "store_slots": int(st.store_slots),
+        }
+
+    def staging_view(self) -> memoryview:
+        """A writable memoryview of the whole staging buffer, the same one every time
+        (released by :meth:`close`, which refuses while something made from it lives).
+        Read or write only the slots you hold: the others are libmaru's."""
+        with self._slot_lock:
+            got = self._region_exports.get(self.STAGING_EXPORT)
+        if got is None:
+            st = self.staging_buffer()
+            with self._slot_lock:
+                got = self._region_exports.get(self.STAGING_EXPORT)
+                if got is None:
+                    vs = _Views()
+                    got = (vs, vs.make(st["addr"], st["len"]), st)
+                    self._region_exports[self.STAGING_EXPORT] = got
+        return got[1]
+
+    #: The key of the staging buffer's memoryview among the region exports.
+    STAGING_EXPORT = -1
+
+    def _region_export(self, region_id: int) -> Optional[Tuple[_Views, memoryview, Dict[str, Any]]]:
+        """The one memoryview of a region's mapping this handler hands out (pages taken
+        and region views are slices of it), made on first use; None when this host maps
+        no such region."""
+        with self._slot_lock:
+            got = self._region_exports.get(region_id)
+        if got is not None:
+            return got
         with self._use() as h:
             r = _capi.region_view(h, region_id)
         if r is None:
             return None
-        info = {"region_id": r.region_id, "len": r.len, "page_size": r.page_size, "page_count": r.page_count, "writable": bool(r.writable)}
-        return self._page_views.make(int(r.data or 0), r.len, readonly=not r.writable), info
+        info = {
+            "region_id": r.region_id,
+            "addr": int(r.data or 0),
+            "len": r.len,
+            "page_size": r.page_size,
+            "page_count": r.page_count,
+            "writable": bool(r.writable),
+        }
+        with self._slot_lock:
+            got = self._region_exports.get(region_id)
+            if got is None:
+                vs = _Views()
+                got = (vs, vs.make(info["addr"], r.len, readonly=not r.writable), info)
+                self._region_exports[region_id] = got
+        return got
 
     def acquire_views(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[View]]:
         """Reads a request's chunks in place, with no copy at all (``maru_views_acquire``,
@@ -780,7 +864,6 @@ class MaruHandler:
         keys = list(keys)
         if not keys:
             return []
-        self._sweep_views()
         ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         rk = _rk(route_key)
         t0 = time.monotonic()
@@ -816,19 +899,10 @@ class MaruHandler:
             vs = list(self._views.values())
         return [v for v in vs if not v.released]
 
-    def _c_release_views(self, ids: List[int]) -> None:
-        if not ids:
-            return
-        try:
-            with self._use() as h:
-                _capi.views_release(h, ids)
-        except ClosedError:
-            pass  # closing the handler ended every view
-
     def _release_view(self, view: View, state: str, why: str = "", force: bool = False) -> None:
         """Revokes the view's memoryviews and ends it in libmaru (``force``: give it up
-        in Python even while derived objects live; the C view then stays held, and so
-        the mapping, until they are gone)."""
+        in Python even while derived objects live; the C view, its lease and the mapping
+        then end the moment the last of them is freed)."""
         with self._slot_lock:
             if view._c_released:
                 if view._state == "held":
@@ -844,12 +918,8 @@ class MaruHandler:
             if view._state == "held":
                 view._state, view._why = state, why
             self._views.pop(view.id, None)
-            if alive:
-                self._view_pending[view.id] = view._views
-                return
-            self._view_pending.pop(view.id, None)
             view._c_released = True
-        self._c_release_views([view.id])
+        self._releases.give_up("view", view.id, view._views)
 
     def _expire_view(self, view: View) -> None:
         """The view's lease ran out (the expiry thread, or an access that noticed)."""
@@ -861,25 +931,32 @@ class MaruHandler:
             pass  # revoked in Python already; libmaru ends the lease with the handler
 
     def _view_dropped(self, view: View) -> None:
-        """A view garbage collected while its C view is held (from ``View.__del__``):
-        queued without locking, ended by the next :meth:`acquire_views` or :meth:`close`."""
+        """A view garbage collected while its C view is held (from ``View.__del__``,
+        which may run anywhere): its lease ends when nothing reaches its memory any
+        more, at once when no memoryview of it (or object made from one) is left."""
         if not view._c_released:
-            self._views_dropped.append((view.id, view._views))
-
-    def _sweep_views(self) -> None:
-        with self._slot_lock:
-            while self._views_dropped:
-                i, vs = self._views_dropped.popleft()
-                self._view_pending[i] = vs
-            free = [i for i, vs in self._view_pending.items() if not vs.revoke()]
-            for i in free:
-                del self._view_pending[i]
-        self._c_release_views(free)
+            view._c_released = True
+            self._releases.give_up("view", view.id, view._views, revoke=False)
 
     @staticmethod
     def set_memory_hook_auto() -> None:
         """:func:`maru.set_memory_hook_auto` (process-wide, for handlers opened later)."""
         _hook.set_memory_hook_auto()
+
+    def held_in_libmaru(self) -> Dict[str, int]:
+        """How many slots and views this handler holds in libmaru now: those held
+        through a :class:`~maru.Slot` or :class:`~maru.View`, and those given up in
+        Python while something made from their memory (a memoryview, an array) is
+        still alive (they go back the moment it is freed)."""
+        with self._slot_lock:
+            slots = sum(1 for s in self._slots.values() if not s._c_released)
+            views = sum(1 for v in self._views.values() if not v._c_released)
+        for kind, _ in self._releases.waiting():
+            if kind == "slot":
+                slots += 1
+            else:
+                views += 1
+        return {"slots": slots, "views": views}
 
     def held_slots(self) -> List[Slot]:
         """The slots this handler handed out that are still held in Python."""
@@ -887,15 +964,5 @@ class MaruHandler:
             return [s for s in self._slots.values() if s._state == "held"]
 
 
-
-# The upstream-compatible layer (maru.compat) sits above this module and registers its
-# (config class, handler class) here when it is imported, so that
-# ``MaruHandler(MaruConfig(...))`` gives its handler while this module never imports it.
-_upstream: Optional[Tuple[type, type]] = None
-
-
-def register_upstream(config_class: type, handler_class: type) -> None:
-    """Called by :mod:`maru.compat`: ``MaruHandler(config_class(...))`` and
-    ``MaruHandler()`` construct ``handler_class`` instead."""
-    global _upstream
-    _upstream = (config_class, handler_class)
+#: The native handler's public name (``maru.Handler``).
+Handler = MaruHandler

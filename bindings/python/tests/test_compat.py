@@ -151,9 +151,9 @@ def test_upstream_sequence(backend, compat_config, ns):
             assert handle.size == len(kv(i))
             if backend == "cxl":  # a page of an own region, written in place
                 assert handle.region_id >= 1 and handle.page_index >= 0 and handle.slot_id is None
-            else:  # a staging slot: no region yet
-                with pytest.raises(maru.UnsupportedError, match="remote_cxl"):
-                    handle.region_id
+            else:  # a store staging slot, named as a page of the staging store region
+                assert handle.region_id == compat.STAGING_STORE_REGION and handle.slot_id is not None
+                assert 0 <= handle.page_index < 8
             handle.buf[:] = kv(i)
             assert w.store(keys[i], handle) is True
         assert w.exists(keys[0]) and not w.exists(f"{ns}-never")
@@ -259,6 +259,9 @@ def test_retrieved_views_are_recycled(backend, compat_config, ns):
         part4 = fourth.view[:10]
         fifth = h.retrieve(keys[4])
         assert not fifth.zero_copy and fifth.view.tobytes() == kv(4, 1004)
+        # A copy names a page of no mapping, which retrieved_view finds (LMCache's adapter).
+        assert fifth.region_id == compat.COPY_REGION and h.get_buffer_view(fifth.region_id, 0, 1) is None
+        assert h.retrieved_view(fifth.region_id, fifth.page_index) is fifth
         assert part3.tobytes() == kv(2, 1002)[:10] and part4.tobytes() == kv(3, 1003)[:10]
         with pytest.raises(BufferError):
             third.release()
@@ -422,16 +425,20 @@ def test_get_stats_and_healthcheck(compat_config, ns):
         assert s["backend"] in ("remote_cxl", "remotecxl") and s["total"]["hits"] >= 1 and s["pools"][0]["up"]
         assert {"kv_manager", "allocation_manager", "allocator"} <= set(s)  # upstream's names, our figures
         assert h.healthcheck()
-        assert isinstance(h.native, maru.MaruHandler)
+        assert isinstance(h.native, maru.Handler)
     assert not h.healthcheck()
 
 
-def test_region_internals_on_remote_cxl_are_empty(compat_config, ns):
-    # No region is mapped on a GPU node: no callback, no view, no owned region.
+def test_regions_on_remote_cxl_are_the_staging_buffers(compat_config, ns):
+    # No region of the pool is mapped on a GPU node: the only regions are the staging
+    # buffer's, and no real region id reaches anything.
     with MaruHandler(compat_config("remote_cxl", cache_namespace=ns)) as h:
         h.store(f"{ns}-p", b"p")
         assert h.prefetch_batch([f"{ns}-p", f"{ns}-q"]) == 1
         seen = []
         h.set_on_region_added(lambda r, n: seen.append(r))
-        assert seen == [] and h.get_owned_region_ids() == []
+        assert seen == [compat.STAGING_STORE_REGION, compat.STAGING_LOAD_REGION]
+        assert h.get_owned_region_ids() == [compat.STAGING_STORE_REGION]
         assert h.get_buffer_view(1, 0, 10) is None and h.get_region_page_count(1) is None
+        with pytest.raises(maru.UnsupportedError, match="pool_handle"):
+            h.pool_handle

@@ -18,7 +18,7 @@ from maru import (
     ClosedError,
     ConfigError,
     InvalidArgumentError,
-    MaruHandler,
+    Handler,
     UnavailableError,
     chunk_keys,
 )
@@ -43,7 +43,7 @@ def ns() -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_engines_share_chunks(backend, config, ns):
-    with MaruHandler(config(backend, f"a-{ns}", namespace=ns)) as a, MaruHandler(
+    with Handler(config(backend, f"a-{ns}", namespace=ns)) as a, Handler(
         config(backend, f"b-{ns}", namespace=ns)
     ) as b:
         assert a.chunk_size() == b.chunk_size() == CHUNK_SIZE
@@ -71,10 +71,10 @@ def test_engines_with_a_common_prompt_prefix_share_its_chunks(backend, config, n
     keys_a, keys_b = chunk_keys(prompt_a, chunk_tokens, ns), chunk_keys(prompt_b, chunk_tokens, ns)
     assert keys_a[:3] == keys_b[:3] and keys_a[3] != keys_b[3] and len(keys_b) == 4
     kv = {k: payload(i, 30_000) for i, k in enumerate(keys_a)}
-    with MaruHandler(config(backend, f"a-{ns}", namespace=ns)) as a:
+    with Handler(config(backend, f"a-{ns}", namespace=ns)) as a:
         assert all(a.batch_store([(k, kv[k]) for k in keys_a]))
     # a has closed: its chunks stay readable for b (region keeper).
-    with MaruHandler(config(backend, f"b-{ns}", namespace=ns)) as b:
+    with Handler(config(backend, f"b-{ns}", namespace=ns)) as b:
         assert b.batch_exists(keys_b) == [True, True, True, False]
         got = b.batch_retrieve(keys_b)
         assert got[3] is None
@@ -85,7 +85,7 @@ def test_engines_with_a_common_prompt_prefix_share_its_chunks(backend, config, n
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batches(backend, config, ns):
-    with MaruHandler(config(backend, f"e-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"e-{ns}", namespace=ns)) as h:
         keys = [f"{ns}-{i}" for i in range(20)]
         data = [payload(i, 1000 + 3000 * i) for i in range(20)]
         items = [(k, d if i % 3 else memoryview(bytearray(d))) for i, (k, d) in enumerate(zip(keys, data))]
@@ -110,7 +110,7 @@ def test_batches(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_buffers_in_and_out(backend, config, ns):
-    with MaruHandler(config(backend, f"e-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"e-{ns}", namespace=ns)) as h:
         src = bytearray(payload(7))
         ro = bytes(src)
         assert h.store(f"{ns}-ba", src)
@@ -148,7 +148,7 @@ def test_buffers_in_and_out(backend, config, ns):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_numpy_arrays(backend, config, ns):
     np = pytest.importorskip("numpy")
-    with MaruHandler(config(backend, f"np-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"np-{ns}", namespace=ns)) as h:
         arr = np.arange(4096, dtype=np.float32).reshape(64, 64)
         assert h.store(f"{ns}-arr", arr)
         ro = arr.copy()
@@ -166,7 +166,7 @@ def test_numpy_arrays(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_miss_is_none(backend, config, ns):
-    with MaruHandler(config(backend, f"miss-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"miss-{ns}", namespace=ns)) as h:
         assert h.retrieve(f"{ns}-never") is None
         assert h.retrieve_into(f"{ns}-never", bytearray(10)) is None
         assert not h.exists(f"{ns}-never")
@@ -174,7 +174,7 @@ def test_a_miss_is_none(backend, config, ns):
 
 
 def test_bad_arguments_are_refused(config, ns):
-    with MaruHandler(config("cxl", f"big-{ns}", namespace=ns)) as h:
+    with Handler(config("cxl", f"big-{ns}", namespace=ns)) as h:
         with pytest.raises(InvalidArgumentError):
             h.store(f"{ns}-too-big", b"x" * (h.chunk_size() + 1))
         with pytest.raises(InvalidArgumentError, match="empty"):
@@ -198,23 +198,23 @@ def test_bad_config_names_the_field(config, extra, field):
     bad = config("cxl", "x")
     bad.update(extra)
     with pytest.raises(ConfigError) as e:
-        MaruHandler(bad)
+        Handler(bad)
     assert field in str(e.value) and e.value.code == maru.Status.CONFIG
     c = config("cxl", "x")
     del c["server_url"]
     with pytest.raises(ConfigError, match="server_url"):
-        MaruHandler(c)
+        Handler(c)
     with pytest.raises(ConfigError):
-        MaruHandler("{not json")
+        Handler("{not json")
 
 
 def test_no_server_is_unavailable(config):
     with pytest.raises(UnavailableError, match="127.0.0.1:1"):
-        MaruHandler(config("remote_cxl", "nobody", server_url="127.0.0.1:1"))
+        Handler(config("remote_cxl", "nobody", server_url="127.0.0.1:1"))
 
 
 def test_a_closed_handler_refuses_calls(config, ns):
-    h = MaruHandler(config("cxl", f"closing-{ns}", namespace=ns))
+    h = Handler(config("cxl", f"closing-{ns}", namespace=ns))
     assert h.store(f"{ns}-k", b"v")
     with h:
         pass  # __exit__ closes
@@ -238,13 +238,13 @@ def test_a_closed_handler_refuses_calls(config, ns):
             call()
         assert e.value.code == maru.Status.CLOSED
     # What it stored outlives it.
-    with MaruHandler(config("cxl", f"reader-{ns}", namespace=ns)) as r:
+    with Handler(config("cxl", f"reader-{ns}", namespace=ns)) as r:
         assert r.retrieve(f"{ns}-k") == b"v"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_threads_and_close(backend, config, ns):
-    h = MaruHandler(config(backend, f"threads-{ns}", namespace=ns))
+    h = Handler(config(backend, f"threads-{ns}", namespace=ns))
     errors: List[BaseException] = []
     closed = []
     start = threading.Barrier(5)
@@ -276,7 +276,7 @@ def test_threads_and_close(backend, config, ns):
 
 
 def test_stats_count_hits(config, ns):
-    with MaruHandler(config("remote_cxl", f"s-{ns}", namespace=ns)) as h:
+    with Handler(config("remote_cxl", f"s-{ns}", namespace=ns)) as h:
         h.store(f"{ns}-1", b"x" * 100)
         assert h.retrieve(f"{ns}-1") == b"x" * 100
         s = h.stats()

@@ -4,7 +4,6 @@ conftest.py."""
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import time
 import uuid
@@ -12,7 +11,7 @@ import uuid
 import pytest
 
 import maru
-from maru import MaruHandler, RemoveResult, SlotPool, SlotReleasedError, View, ViewExpiredError
+from maru import Handler, RemoveResult, SlotPool, SlotReleasedError, View, ViewExpiredError
 
 BACKENDS = ["remote_cxl", "cxl"]
 
@@ -31,7 +30,7 @@ def ns() -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_remove_own_keys(backend, config, ns):
-    with MaruHandler(config(backend, f"w-{ns}", namespace=ns)) as w, MaruHandler(
+    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
         config(backend, f"r-{ns}", namespace=ns)
     ) as r:
         keys = [f"{ns}-{i}" for i in range(3)]
@@ -56,7 +55,7 @@ def test_remove_own_keys(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_remove_of_another_engines_key_is_refused(backend, config, ns):
-    with MaruHandler(config(backend, f"w-{ns}", namespace=ns)) as w, MaruHandler(
+    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
         config(backend, f"o-{ns}", namespace=ns)
     ) as other:
         k = f"{ns}-theirs"
@@ -69,10 +68,10 @@ def test_remove_of_another_engines_key_is_refused(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pins_refuse_removal_count_and_end_with_their_handler(backend, config, ns):
-    with MaruHandler(config(backend, f"w-{ns}", namespace=ns)) as w:
+    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w:
         k = f"{ns}-pinned"
         assert w.store(k, payload(7))
-        with MaruHandler(config(backend, f"r-{ns}", namespace=ns)) as r:
+        with Handler(config(backend, f"r-{ns}", namespace=ns)) as r:
             assert r.batch_pin([k, f"{ns}-never"]) == [True, False]
             assert r.pin(k) is True  # a second pin of the same key
             assert w.remove(k) is RemoveResult.PINNED and not RemoveResult.PINNED.removed
@@ -86,7 +85,7 @@ def test_pins_refuse_removal_count_and_end_with_their_handler(backend, config, n
 
 
 def test_remove_of_a_leased_key_is_refused(config, ns):
-    with MaruHandler(config("cxl", f"w-{ns}", namespace=ns)) as w, MaruHandler(
+    with Handler(config("cxl", f"w-{ns}", namespace=ns)) as w, Handler(
         config("cxl", f"r-{ns}", namespace=ns)
     ) as r:
         k = f"{ns}-leased"
@@ -103,13 +102,18 @@ def test_remove_of_a_leased_key_is_refused(config, ns):
             assert w.remove(k) is RemoveResult.LEASED
             assert mine.view.tobytes() == payload(3)
         assert w.remove(k) is RemoveResult.REMOVED
-        # A view dropped without release ends its lease before the next remove.
+        # A view dropped without release ends its lease the moment it is freed: no
+        # collection, no later call of the reader needed.
         assert w.store(k, payload(4))
         dropped = r.acquire_view(k)
         assert w.remove(k) is RemoveResult.LEASED
         del dropped
-        gc.collect()
-        r._sweep_views()  # what r's next acquire_views / remove / close does
+        assert w.remove(k) is RemoveResult.REMOVED
+        # A memoryview of it outlives the View object: the lease lasts while it does.
+        assert w.store(k, payload(5))
+        mv = r.acquire_view(k).view
+        assert w.remove(k) is RemoveResult.LEASED and mv.tobytes() == payload(5)
+        del mv
         assert w.remove(k) is RemoveResult.REMOVED
 
 
@@ -118,7 +122,7 @@ def test_remove_of_a_leased_key_is_refused(config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slots_are_kept_after_a_miss(backend, config, ns):
-    with MaruHandler(config(backend, f"m-{ns}", namespace=ns, load_slots=2)) as h:
+    with Handler(config(backend, f"m-{ns}", namespace=ns, load_slots=2)) as h:
         k = f"{ns}-k"
         assert h.store(k, payload(5, 3000))
         slots = h.acquire_slots(SlotPool.LOAD, 2)
@@ -151,7 +155,7 @@ def test_slots_are_kept_after_a_miss(backend, config, ns):
 
 
 def test_views_read_in_place(config, ns):
-    with MaruHandler(config("cxl", f"w-{ns}", namespace=ns)) as w, MaruHandler(
+    with Handler(config("cxl", f"w-{ns}", namespace=ns)) as w, Handler(
         config("cxl", f"r-{ns}", namespace=ns)
     ) as r:
         keys = [f"{ns}-{i}" for i in range(3)]
@@ -177,7 +181,7 @@ def test_views_read_in_place(config, ns):
 
 
 def test_a_view_after_release_raises(config, ns):
-    with MaruHandler(config("cxl", f"v-{ns}", namespace=ns)) as h:
+    with Handler(config("cxl", f"v-{ns}", namespace=ns)) as h:
         k = f"{ns}-k"
         assert h.store(k, payload(7))
         with h.acquire_view(k) as v:
@@ -207,7 +211,7 @@ def test_a_view_after_release_raises(config, ns):
 
 def test_numpy_over_a_view_blocks_release_and_close(config, ns):
     np = pytest.importorskip("numpy")
-    h = MaruHandler(config("cxl", f"np-{ns}", namespace=ns))
+    h = Handler(config("cxl", f"np-{ns}", namespace=ns))
     k = f"{ns}-k"
     assert h.store(k, payload(9, 4096))
     v = h.acquire_view(k)
@@ -226,7 +230,7 @@ def test_numpy_over_a_view_blocks_release_and_close(config, ns):
 
 
 def test_a_view_expires_with_its_lease(config, ns):
-    with MaruHandler(config("cxl", f"e-{ns}", namespace=ns)) as h:
+    with Handler(config("cxl", f"e-{ns}", namespace=ns)) as h:
         k = f"{ns}-k"
         assert h.store(k, payload(10))
         v = h.acquire_view(k)
@@ -257,7 +261,7 @@ def test_a_view_expires_with_its_lease(config, ns):
 
 
 def test_views_are_refused_on_remote_cxl(config, ns):
-    with MaruHandler(config("remote_cxl", f"rc-{ns}", namespace=ns)) as h:
+    with Handler(config("remote_cxl", f"rc-{ns}", namespace=ns)) as h:
         assert h.store(f"{ns}-k", b"v")
         with pytest.raises(maru.InvalidArgumentError, match="maru_load_slots"):
             h.acquire_views([f"{ns}-k"])
@@ -266,7 +270,7 @@ def test_views_are_refused_on_remote_cxl(config, ns):
 
 
 def test_views_of_a_closed_handler(config, ns):
-    h = MaruHandler(config("cxl", f"c-{ns}", namespace=ns))
+    h = Handler(config("cxl", f"c-{ns}", namespace=ns))
     assert h.store(f"{ns}-k", b"abc")
     v = h.acquire_view(f"{ns}-k")
     mv = v.view
@@ -284,7 +288,7 @@ def test_views_of_a_closed_handler(config, ns):
 def test_views_from_several_threads(config, ns):
     import threading
 
-    with MaruHandler(config("cxl", f"t-{ns}", namespace=ns)) as h:
+    with Handler(config("cxl", f"t-{ns}", namespace=ns)) as h:
         errors = []
 
         def worker(t: int) -> None:

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 import maru
-from maru import BusyError, MaruHandler, NoSpaceError, Op, Slot, SlotPool, SlotReleasedError
+from maru import BusyError, Handler, NoSpaceError, Op, Slot, SlotPool, SlotReleasedError
 
 from conftest import CHUNK_SIZE
 
@@ -29,7 +29,7 @@ def ns() -> str:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_store_and_load_through_slots(backend, config, ns):
-    with MaruHandler(config(backend, f"w-{ns}", namespace=ns)) as w, MaruHandler(
+    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
         config(backend, f"r-{ns}", namespace=ns)
     ) as r:
         keys = [f"{ns}-{i}" for i in range(4)]
@@ -71,7 +71,7 @@ def test_store_and_load_through_slots(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_slot_operations(backend, config, ns):
-    with MaruHandler(config(backend, f"a-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"a-{ns}", namespace=ns)) as h:
         keys = [f"{ns}-{i}" for i in range(3)]
         slots = [h.acquire_slot(SlotPool.STORE) for _ in keys]
         for i, s in enumerate(slots):
@@ -95,7 +95,7 @@ def test_async_slot_operations(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_busy_slot_is_refused(backend, config, ns):
-    with MaruHandler(config(backend, f"b-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"b-{ns}", namespace=ns)) as h:
         s = h.acquire_slot(SlotPool.STORE)
         s.write(b"x" * 5000)
         op = h.submit_store_slots([f"{ns}-k"], [s])
@@ -122,7 +122,7 @@ def test_a_busy_slot_is_refused(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_view_after_release_raises(backend, config, ns):
-    with MaruHandler(config(backend, f"v-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"v-{ns}", namespace=ns)) as h:
         s = h.acquire_slot(SlotPool.STORE)
         v = s.view
         d = s.data()
@@ -158,7 +158,7 @@ def test_a_view_after_release_raises(backend, config, ns):
 
 def test_numpy_over_a_slot_blocks_release_and_close(config, ns):
     np = pytest.importorskip("numpy")
-    h = MaruHandler(config("cxl", f"np-{ns}", namespace=ns))
+    h = Handler(config("cxl", f"np-{ns}", namespace=ns))
     s = h.acquire_slot(SlotPool.STORE)
     arr = np.frombuffer(s.view, dtype=np.uint8)
     with pytest.raises(BufferError):
@@ -176,7 +176,7 @@ def test_numpy_over_a_slot_blocks_release_and_close(config, ns):
 
 
 def test_slots_run_out_and_come_back(config, ns):
-    with MaruHandler(config("remote_cxl", f"n-{ns}", namespace=ns, load_slots=2)) as h:
+    with Handler(config("remote_cxl", f"n-{ns}", namespace=ns, load_slots=2)) as h:
         held = h.acquire_slots(SlotPool.LOAD, 5)
         assert len(held) == 2
         with pytest.raises(NoSpaceError, match="load"):
@@ -193,7 +193,7 @@ def test_slots_run_out_and_come_back(config, ns):
 
 
 def test_slots_of_a_closed_handler(config, ns):
-    h = MaruHandler(config("remote_cxl", f"c-{ns}", namespace=ns))
+    h = Handler(config("remote_cxl", f"c-{ns}", namespace=ns))
     s = h.acquire_slot(SlotPool.STORE)
     v = s.view
     h.close()
@@ -217,7 +217,7 @@ def test_memory_hook_callbacks(config, ns):
 
     try:
         maru.set_memory_hook(register, unregister)
-        with MaruHandler(config("remote_cxl", f"hook-{ns}", namespace=ns)) as h:
+        with Handler(config("remote_cxl", f"hook-{ns}", namespace=ns)) as h:
             s = h.acquire_slot(SlotPool.LOAD)
             assert calls and calls[0][0] == "register"
             _, ptr, length = calls[0]
@@ -227,14 +227,14 @@ def test_memory_hook_callbacks(config, ns):
         # A register that fails fails the open, as a configuration error.
         maru.set_memory_hook(lambda p, n: 1)
         with pytest.raises(maru.ConfigError):
-            MaruHandler(config("remote_cxl", f"hook2-{ns}", namespace=ns))
+            Handler(config("remote_cxl", f"hook2-{ns}", namespace=ns))
         maru.set_memory_hook_auto()  # no CUDA here: handlers work with pageable memory
-        with MaruHandler(config("cxl", f"hook3-{ns}", namespace=ns)) as h:
+        with Handler(config("cxl", f"hook3-{ns}", namespace=ns)) as h:
             assert h.store(f"{ns}-k", b"v")
     finally:
         maru.set_memory_hook(None)
     n = len(calls)
-    with MaruHandler(config("cxl", f"hook4-{ns}", namespace=ns)):
+    with Handler(config("cxl", f"hook4-{ns}", namespace=ns)):
         pass
     assert len(calls) == n  # removed
 
@@ -252,7 +252,7 @@ def test_pending_is_not_an_error():
 def test_dropped_operations_and_threads(backend, config, ns):
     import threading
 
-    with MaruHandler(config(backend, f"t-{ns}", namespace=ns)) as h:
+    with Handler(config(backend, f"t-{ns}", namespace=ns)) as h:
         s = h.acquire_slot(SlotPool.STORE)
         s.write(b"d" * 300)
         h.submit_store_slots([f"{ns}-dropped"], [s])  # the Op is dropped at once

@@ -181,7 +181,7 @@ def test_libmaru_messages_reach_logging(caplog):
 
     with caplog.at_level(logging.WARNING, logger="maru.lib"):
         with pytest.raises(maru.UnavailableError):
-            maru.MaruHandler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
+            maru.Handler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
     msgs = [r for r in caplog.records if r.name.startswith("maru.lib.")]
     assert any("127.0.0.1:1" in r.getMessage() and r.levelno == logging.WARNING for r in msgs), caplog.text
     # Below the level set, nothing is forwarded.
@@ -189,7 +189,7 @@ def test_libmaru_messages_reach_logging(caplog):
     try:
         caplog.clear()
         with pytest.raises(maru.UnavailableError):
-            maru.MaruHandler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
+            maru.Handler({"backend": "cxl", "server_url": "127.0.0.1:1", "engine_id": "e", "timeout_ms": 300})
         assert not [r for r in caplog.records if r.name.startswith("maru.lib.")]
     finally:
         maru.set_log_level(logging.WARNING)

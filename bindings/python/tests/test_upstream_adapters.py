@@ -98,14 +98,32 @@ def test_lmcache_adapter_sequence(compat_config, ns):
             info.release()
 
 
-def test_remote_cxl_alloc_is_a_staging_slot_without_a_region(compat_config, ns):
+def test_remote_cxl_alloc_is_a_page_of_the_staging_store_region(compat_config, ns):
+    """On remote_cxl alloc hands out store staging slots as pages of a region of the
+    staging buffer: region_id/page_index, get_buffer_view of that page (the slot's own
+    bytes), a keyword-built handle naming it stores what was written there."""
+    from maru.compat import STAGING_LOAD_REGION, STAGING_STORE_REGION
+
     with MaruHandler(compat_config("remote_cxl", cache_namespace=ns)) as w:
+        seen = {}
+        w.set_on_region_added(lambda rid, n: seen.__setitem__(rid, n))
+        assert seen == {STAGING_STORE_REGION: 8, STAGING_LOAD_REGION: 8}  # store_slots, load_slots
+        assert w.get_owned_region_ids() == [STAGING_STORE_REGION]
         a = w.alloc(100)
-        assert a.slot_id is not None
-        with pytest.raises(maru.UnsupportedError, match="remote_cxl"):
-            a.region_id
-        a.buf[:] = data(3, 100)
-        assert w.store(f"{ns}-r", a) is True
+        assert a.slot_id is not None and a.region_id == STAGING_STORE_REGION
+        page = w.get_buffer_view(a.region_id, a.page_index * CHUNK_SIZE, 100)
+        page[:] = data(3, 100)
+        assert a.buf.tobytes() == data(3, 100), "the page view and the handle's buf are one slot"
+        ref = AllocHandle(buf=memoryview(b""), _region_id=a.region_id, _page_index=a.page_index, _size=100)
+        assert w.store(f"{ns}-r", ref) is True
+        with pytest.raises(ValueError):
+            a.buf  # consumed with the store
+        with MaruHandler(compat_config("remote_cxl", cache_namespace=ns)) as r:
+            info = r.retrieve(f"{ns}-r")
+            assert info.region_id == STAGING_LOAD_REGION and info.view.tobytes() == data(3, 100)
+            # The load slot it landed in, read as a page of the staging load region.
+            assert r.get_by_location(info.region_id, info.page_index, 100).tobytes() == data(3, 100)
+            assert r.retrieved_view(info.region_id, info.page_index) is info
 
 
 def test_a_chunk_size_above_the_servers_page_fails_connect_naming_both_sizes(compat_config, ns, caplog):

@@ -592,12 +592,12 @@ def test_worker_shares_chunks_between_engines(config: Any, backend: str) -> None
     p = prompt(600)
     ks = keyspace(f"vllm-test-{backend}", "d", 0)
     keys = maru.chunk_keys(p, 128, ks)[:4]
-    stored = HandlerSlot(lambda: maru.MaruHandler(config(backend, f"vllm-{backend}-a")), "a")
+    stored = HandlerSlot(lambda: maru.Handler(config(backend, f"vllm-{backend}-a")), "a")
     w = WorkerCore(0, stored, src)
     w.store([transfer(keys, [[0, 1], [2, 3], [4, 5], [6, 7]])])
     assert w.poll(10.0) == 0 and w.stats.chunks_stored == 4
     w.close()
-    loaded = HandlerSlot(lambda: maru.MaruHandler(config(backend, f"vllm-{backend}-b")), "b")
+    loaded = HandlerSlot(lambda: maru.Handler(config(backend, f"vllm-{backend}-b")), "b")
     sc = SchedulerCore(128, 64, [ks], loaded)
     assert sc.matched_tokens("q", p, 0) == 4 * 128  # 4 of (600 - 1) // 128 = 4 chunks
     r = WorkerCore(0, loaded, dst)

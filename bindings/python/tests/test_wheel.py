@@ -47,7 +47,9 @@ def test_the_wheel_carries_libmaru_and_imports_from_anywhere(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     code = (
-        "import maru, maru.compat, maru_handler, maru_common; "
+        "import maru, maru.compat, maru_handler, maru_common, maru_lmcache, maru_sglang, maru_vllm; "
+        "import maru_sglang.config, maru_handler.memory.types, maru_common.logging_setup; "
+        "assert maru.MaruHandler is maru.compat.MaruHandler and maru_sglang.MaruSGLangConfig; "
         "print(maru.library_path); "
         "print(maru.chunk_keys([1, 2, 3, 4], 2, 'ns')[1])"
     )

@@ -46,8 +46,14 @@ struct Args {
     /// Created if absent; SIZE must be a multiple of 2 MiB.
     #[arg(long = "fake-dax", value_name = "PATH:SIZE")]
     fake_dax: Vec<String>,
-    /// Seconds an owner may stay disconnected before its regions are freed.
-    #[arg(short = 'g', long, default_value_t = 30)]
+    /// Seconds an owner may stay disconnected before its regions are freed
+    /// (`--grace-period`, upstream's spelling, is the same flag).
+    #[arg(
+        short = 'g',
+        long,
+        visible_alias = "grace-period",
+        default_value_t = 30
+    )]
     grace_period_s: u64,
     /// Key every client proves before any request (hex key file, mode 0600). Default
     /// STATE_DIR/rm.key. Created (0600) if missing, so the first start makes the key

@@ -67,6 +67,9 @@ pub mod views;
 // Chunks written in place, and region views (cxl).
 pub mod in_place;
 
+// Where the staging buffer lies, for runtimes that hand its slots out as pages.
+pub mod staging;
+
 // Chunk keys (no handler needed).
 pub mod keys;
 
@@ -103,6 +106,7 @@ pub use slots::{
     maru_load_slots, maru_slot_pool_t, maru_slot_t, maru_slots_acquire, maru_slots_held,
     maru_slots_release, maru_store_slots, SlotPoolArg,
 };
+pub use staging::{maru_staging_buffer, maru_staging_t};
 pub use status::{maru_status_t, StatusArg};
 pub use version::{maru_abi_version, maru_version_string, MARU_ABI_VERSION};
 pub use views::{maru_view_t, maru_views_acquire, maru_views_release};

@@ -4,14 +4,15 @@ LMCache, SGLang and vLLM integrations) run on Maru in Rust.
 
 Import it under the upstream names, which all work:
 
-    from maru import MaruConfig, MaruHandler       # MaruHandler(MaruConfig(...)) is this one
+    from maru import MaruConfig, MaruHandler       # this module's classes
     from maru_handler import MaruHandler
     from maru_handler.memory import AllocHandle, MemoryInfo
     from maru_common import MaruConfig
     from maru.compat import MaruConfig, MaruHandler
 
-``maru.MaruHandler`` is also the native handler (configured by a dict or JSON); given a
-:class:`MaruConfig`, or nothing, it builds this compatible one.
+The native handler (configured by a dict or JSON) is ``maru.Handler``; a compatible
+handler reaches its own as ``h.native``. The adapters built on this API are in the
+packages ``maru_lmcache``, ``maru_sglang`` and ``maru_vllm``.
 
 What is the same: the method names, arguments, return values and their meaning:
 ``connect() -> bool`` (False, not an exception, when it fails), ``close()``,
@@ -30,10 +31,11 @@ What differs (docs/migration.md has the full table):
   ``page_index``; the LMCache adapter's surface (``set_on_region_added``,
   ``get_buffer_view``, ``get_region_page_count``, keyword-built ``AllocHandle``) works
   on it. On ``remote_cxl`` it hands out a **store staging slot** (WRITE from the slot,
-  no copy); at most ``store_slots`` handles are outstanding; ``alloc`` waits
-  ``timeout_ms`` for one, then raises ValueError; ``region_id``/``page_index`` raise
-  UnsupportedError (the page is chosen at ``store``). ``store`` (or ``free``) consumes
-  the handle: its ``buf`` is released (using it raises).
+  no copy), named as a page of the staging buffer's store region
+  (:data:`STAGING_STORE_REGION`), so the same surface works there; at most
+  ``store_slots`` handles are outstanding; ``alloc`` waits ``timeout_ms`` for one, then
+  raises ValueError. ``batched_alloc`` takes many in one call. ``store`` (or ``free``)
+  consumes the handle: its ``buf`` is released (using it raises).
 * ``retrieve`` on ``cxl`` returns a view of the chunk **in the mapped region**, with
   no copy, as upstream, but mapped read-only and under a lease (a :class:`maru.View`): valid
   until ``info.release()`` (or leaving ``with info:``), the handler's close, a
@@ -41,10 +43,12 @@ What differs (docs/migration.md has the full table):
   ``--lease-timeout-s``, 60 s by default), or, with ``retrieve_recycle`` (the
   default), until a later retrieve needs room once ``max_views`` views are held. On
   ``remote_cxl`` (the chunk lives in a memory node's CXL and cannot be mapped here)
-  it is a view of a **load staging slot** the READ landed in, valid until released,
-  closed, or recycled once all ``load_slots`` are in use (one load slot stays free for
-  the copying fallback below). A view that went back raises ``ValueError`` on any
-  use: it never shows another key's bytes. A view from which something was made that
+  it is a view of a **load staging slot** the READ landed in (named as a page of
+  :data:`STAGING_LOAD_REGION`), valid until released, closed, or recycled once all
+  ``load_slots`` are in use (one load slot stays free for the copying fallback below).
+  Either way the lease or slot also goes back the moment the ``MemoryInfo`` and
+  everything made from its ``view`` are gone (no ``release()`` needed). A view that went
+  back raises ``ValueError`` on any use: it never shows another key's bytes. A view from which something was made that
   is still alive (``torch.frombuffer(info.view)``, a slice) is never recycled; when no
   view or slot can be had, the chunk is copied into private memory instead
   (``info.zero_copy`` is False), so retrieve never fails for want of room.
@@ -65,8 +69,11 @@ What differs (docs/migration.md has the full table):
   ``eager_map``, ``auto_expand``, ``expand_size``, ``rm_address``, ``enable_stats``) are
   accepted and validated as upstream does, and have no effect: regions and chunk size
   come from maru-server (``--region-size``, ``--chunk-size``), and ``connect`` fails
-  when ``chunk_size_bytes`` is larger than the server's chunk size (the message names
-  both). ``MARU_EAGER_MAP`` overrides ``eager_map`` as upstream (other values: ValueError).
+  when ``chunk_size_bytes`` does not divide the server's chunk (page) size (the message
+  names both). ``MARU_EAGER_MAP`` and ``MARU_STAT`` override ``eager_map`` and
+  ``enable_stats`` as upstream (other values: ValueError); ``MARU_STORAGE_BACKEND``,
+  ``MARU_AGENT_KEY_FILE``, ``MARU_CACHE_NAMESPACE``, ``MARU_TRANSPORT`` and
+  ``MARU_RDMA_DEVICE`` give the fields of ours left unset.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -124,6 +132,16 @@ def _env_bool(name: str) -> Optional[bool]:
     if v in {"0", "false", "no", "off"}:
         return False
     raise ValueError(f"{name} must be one of: 1/0, true/false, yes/no, on/off (got {raw!r})")
+
+
+#: MaruConfig fields an environment variable sets when the field is not given.
+_ENV_FIELDS = (
+    ("storage_backend", "MARU_STORAGE_BACKEND"),
+    ("agent_key_file", "MARU_AGENT_KEY_FILE"),
+    ("cache_namespace", "MARU_CACHE_NAMESPACE"),
+    ("transport", "MARU_TRANSPORT"),
+    ("rdma_device", "MARU_RDMA_DEVICE"),
+)
 
 
 def _parse_server_url(url: str) -> str:
@@ -206,6 +224,17 @@ class MaruConfig:
         env = _env_bool("MARU_EAGER_MAP")
         if env is not None:
             self.eager_map = env
+        # MARU_STAT=1/0 overrides enable_stats, as upstream (other values: ValueError).
+        env = _env_bool("MARU_STAT")
+        if env is not None:
+            self.enable_stats = env
+        # Settings upstream's adapters have no key for (LMCache's MaruBackend builds its
+        # MaruConfig with a fixed set): environment variables give them when unset.
+        for name, var in _ENV_FIELDS:
+            if getattr(self, name) is None and os.environ.get(var):
+                if name == "storage_backend" and self.backend is not None:
+                    continue  # the backend was given
+                setattr(self, name, os.environ[var])
         if self.instance_id is None:
             self.instance_id = str(uuid.uuid4())
         if self.chunk_size_bytes <= 0:
@@ -281,9 +310,10 @@ class AllocHandle:
     On ``cxl`` (one pool) ``buf`` is the page itself, in this host's writable mapping of
     one of the engine's own regions, as upstream: ``region_id`` and ``page_index`` name
     it, and ``store`` only publishes it (each byte is moved once, by you). On
-    ``remote_cxl`` (and with several pools) ``buf`` lies in a **store staging slot**: the
-    page is chosen at ``store``, so ``region_id`` / ``page_index`` raise
-    :class:`~maru.UnsupportedError`.
+    ``remote_cxl`` (and with several pools) ``buf`` is a **store staging slot**
+    (``store`` WRITEs from it, no copy), named as page ``page_index`` of region
+    :data:`STAGING_STORE_REGION`, so adapters that keep a buffer per page
+    (:meth:`MaruHandler.get_buffer_view`) work the same.
 
     Built by keywords, as upstream's dataclass (``AllocHandle(buf=..., _region_id=...,
     _page_index=..., _size=...)``, what LMCache's adapter passes to ``store`` and
@@ -343,25 +373,20 @@ class AllocHandle:
         return self._size
 
     @property
-    def _is_page(self) -> bool:
-        return self._slot is None and self._region_id is not None
-
-    @property
     def region_id(self) -> int:
-        """The page's region (cxl). A staging slot (remote_cxl) belongs to no region:
-        :class:`~maru.UnsupportedError`."""
+        """The page's region: one of the engine's own regions (``cxl``), or
+        :data:`STAGING_STORE_REGION` for a store staging slot (``remote_cxl``)."""
         if self._region_id is None:
             raise _unsupported(
-                "AllocHandle.region_id on a staging slot",
-                "on remote_cxl (or with several pools) alloc() hands out a store staging slot and the page is "
-                "chosen at store(); use slot_id, or backend cxl with one pool for pages written in place",
+                "AllocHandle.region_id of a handle that names no page",
+                "build it with _region_id and _page_index, or take it from MaruHandler.alloc()",
             )
         return self._region_id
 
     @property
     def page_index(self) -> int:
-        """The page's index in its region (cxl); :class:`~maru.UnsupportedError` for a
-        staging slot (see ``region_id``)."""
+        """The page's index in its region (for a staging slot: the slot's index among
+        the store slots)."""
         if self._page_index is None:
             self.region_id  # raises
         return int(self._page_index or 0)
@@ -507,6 +532,28 @@ class MemoryInfo:
         self._view = None
 
 
+def _deref(r: "weakref.ref[MemoryInfo]") -> Optional[MemoryInfo]:
+    return r()
+
+
+def _live(r: "weakref.ref[MemoryInfo]") -> bool:
+    i = r()
+    return i is not None and not i.released
+
+
+#: Where ``alloc`` hands out staging slots (``remote_cxl``, several pools), the region
+#: id its handles name: page ``i`` is store staging slot ``i``. Far above the RM's
+#: region ids (a counter from 1).
+STAGING_STORE_REGION = 0x7FFF_FFFE
+#: The region id of the load staging slots ``retrieve`` reads into (``remote_cxl``):
+#: a retrieved ``MemoryInfo`` names its slot as a page of it.
+STAGING_LOAD_REGION = 0x7FFF_FFFF
+#: The region id a retrieved chunk copied into private memory names (when no view or
+#: slot could be had): its page is a counter, for :meth:`MaruHandler.retrieved_view`;
+#: no mapping has it (``get_buffer_view`` of it is None).
+COPY_REGION = 0x7FFF_FFFD
+
+
 def _unsupported(what: str, instead: str) -> UnsupportedError:
     return UnsupportedError(f"{what} is not available on libmaru: {instead}")
 
@@ -520,22 +567,29 @@ class MaruHandler:
     def __init__(self, config: Optional[MaruConfig] = None) -> None:
         if config is not None and not isinstance(config, MaruConfig):
             raise TypeError(
-                f"config must be a maru.compat.MaruConfig, not {type(config).__name__} "
-                "(a dict or JSON string configures the native maru.MaruHandler)"
+                f"config must be a maru.MaruConfig, not {type(config).__name__}: maru.MaruHandler is the "
+                "upstream-compatible handler; a dict or JSON string configures the native one, maru.Handler(config)"
             )
         self._config = config or MaruConfig()
         self._native: Optional[_native.MaruHandler] = None
         self._leftover: List[_native.MaruHandler] = []
         self._lock = threading.RLock()
-        self._retained: "collections.deque[MemoryInfo]" = collections.deque()
+        # Retrieved views, oldest first, held weakly: one the caller dropped (with all
+        # made from it) goes back to libmaru at once, its lease or slot with it.
+        self._retained: "collections.deque[weakref.ref[MemoryInfo]]" = collections.deque()
         self._connected = False
         # Pages taken in place by alloc (cxl), by (region id, page index).
         self._pages: Dict[Tuple[int, int], AllocHandle] = {}
         # Region-added callback, the regions it heard of, and region views handed out.
         self._on_region_added: Any = None
         self._regions_seen: "set[int]" = set()
-        self._region_views: Dict[int, Tuple[memoryview, Dict[str, Any]]] = {}
         self._region_index: List[Dict[str, Any]] = []
+        self._staging_info: Optional[Dict[str, int]] = None
+        self._deleted = 0  # keys this handler deleted (for get_stats' total_entries)
+        self._pages_in_place = False  # _in_place(), set at connect
+        self._copies = 0  # the last page number given a retrieved copy (COPY_REGION)
+        # The last retrieved view of each (region, page): see retrieved_view.
+        self._at: Dict[Tuple[int, int], "weakref.ref[MemoryInfo]"] = {}
         #: The error of the last failed ``connect`` (None after a successful one).
         self.last_error: Optional[BaseException] = None
 
@@ -600,15 +654,25 @@ class MaruHandler:
                 log.error("maru connect: %s", e)
                 self.last_error = e
                 return False
-            if self._config.chunk_size_bytes > chunk:
+            want = self._config.chunk_size_bytes
+            if want > chunk or chunk % want:
                 h.close()
+                why = "is larger than" if want > chunk else "does not divide"
                 self.last_error = ValueError(
-                    f"chunk_size_bytes {self._config.chunk_size_bytes} is larger than maru-server's chunk size "
-                    f"{chunk} (its --chunk-size): lower chunk_size_bytes or restart maru-server with a larger one"
+                    f"chunk_size_bytes {want} {why} maru-server's chunk size {chunk} (its --chunk-size, the page "
+                    f"size): set chunk_size_bytes to {chunk} (or a divisor of it), or restart maru-server with "
+                    f"--chunk-size {want}"
                 )
                 log.error("maru connect: %s", self.last_error)
                 return False
+            if want < chunk:
+                log.warning(
+                    "chunk_size_bytes %d is smaller than maru-server's pages (%d bytes): each chunk takes a whole page",
+                    want,
+                    chunk,
+                )
             self._native, self._connected, self.last_error = h, True, None
+            self._pages_in_place = self._in_place()
             log.info("Connected: chunk_size=%d (server pages %d)", self._config.chunk_size_bytes, chunk)
             return True
 
@@ -633,11 +697,14 @@ class MaruHandler:
             for a in self._pages.values():
                 a._consume("freed")
             self._pages.clear()
-            self._region_views.clear()
             self._region_index = []
+            self._staging_info = None
+            self._at.clear()
             self._regions_seen.clear()
             while self._retained:
-                info = self._retained.popleft()
+                info = self._retained.popleft()()
+                if info is None:
+                    continue
                 try:
                     info.release()
                 except BufferError:
@@ -669,53 +736,91 @@ class MaruHandler:
     # Store ------------------------------------------------------------------------
 
     def _in_place(self) -> bool:
-        """Whether ``alloc`` hands out pages written in place: backend ``cxl``, one pool."""
+        """Whether ``alloc`` hands out pages written in place: backend ``cxl``, one pool.
+        Otherwise it hands out store staging slots, shown as pages of
+        :data:`STAGING_STORE_REGION`."""
         return (self._config.backend or "cxl") == "cxl" and not self._multi()
 
     def alloc(self, size: int) -> AllocHandle:
         """A handle whose ``buf`` (``size`` bytes, writable) you fill in place, then
         :meth:`store`. On ``cxl`` (one pool) ``buf`` is a page of one of this engine's own
         regions in the mapping (``maru_pages_take``), as upstream: ``store`` publishes
-        it, so each byte is moved once; raises :class:`PoolExhaustedError` (a ValueError,
-        as upstream's exhausted pool) when no page can be had. On ``remote_cxl`` (or with
-        several pools) ``buf`` is a **store staging slot**: ``remote_cxl`` WRITEs from it
-        without a copy; at most ``store_slots`` handles are outstanding, and when none
-        frees within ``timeout_ms`` PoolExhaustedError is raised. ``size`` over
+        it, so each byte is moved once. On ``remote_cxl`` (or with several pools) ``buf``
+        is a **store staging slot** (``remote_cxl`` WRITEs from it without a copy), named
+        as page ``slot index`` of region :data:`STAGING_STORE_REGION`; at most
+        ``store_slots`` handles are outstanding. Either way ``region_id`` and
+        ``page_index`` name the page, and :meth:`get_buffer_view` reaches it.
+        :class:`PoolExhaustedError` (a ValueError, as upstream's exhausted pool) when no
+        page or slot can be had within ``timeout_ms``. ``size`` over
         ``chunk_size_bytes`` raises ValueError; 0 too (libmaru stores no empty chunks)."""
+        return self.batched_alloc((size,))[0]
+
+    def batched_alloc(self, sizes: Sequence[int]) -> List[AllocHandle]:
+        """:meth:`alloc` for several chunks in one libmaru call (``maru_pages_take`` of
+        ``len(sizes)`` pages, or ``maru_slots_acquire`` of as many store slots): all or
+        none. Raises :class:`PoolExhaustedError` when fewer can be had (those taken go
+        back)."""
         h = self._ensure()
-        if size > self._config.chunk_size_bytes:
-            raise ValueError(f"Requested size {size} exceeds chunk_size {self._config.chunk_size_bytes}")
-        if size < 1:
-            raise ValueError(f"Requested size {size}: libmaru stores no empty chunks")
-        if self._in_place():
+        cap = self._config.chunk_size_bytes
+        for n in sizes:
+            if n > cap:
+                raise ValueError(f"Requested size {n} exceeds chunk_size {cap}")
+            if n < 1:
+                raise ValueError(f"Requested size {n}: libmaru stores no empty chunks")
+        if not sizes:
+            return []
+        if self._pages_in_place:
             try:
-                pages = h.take_pages(1)
+                pages = h.take_pages(len(sizes))
             except _TRANSIENT as e:
                 raise PoolExhaustedError(e.code, f"Cannot allocate page: {e.message}") from e
-            if not pages:
+            if len(pages) < len(sizes):
+                if pages:
+                    h.give_back_pages([(p.region_id, p.page) for p in pages])
                 raise PoolExhaustedError(
                     Status.NO_SPACE,
-                    "Cannot allocate page: every page of this engine's regions is taken, leased or pinned, "
-                    "and the pool gives no more regions",
+                    f"Cannot allocate {len(sizes)} page(s) ({len(pages)} to be had): every page of this engine's "
+                    "regions is taken, leased or pinned, and the pool gives no more regions",
                 )
-            a = AllocHandle._of_page(pages[0], size)
+            out = [AllocHandle._of_page(p, n) for p, n in zip(pages, sizes)]
+            new_region = False
             with self._lock:
-                self._pages[(pages[0].region_id, pages[0].page)] = a
-            self._announce_regions(h)
-            return a
+                for a, p in zip(out, pages):
+                    self._pages[(p.region_id, p.page)] = a
+                    new_region = new_region or p.region_id not in self._regions_seen
+            if new_region:
+                self._announce_regions(h)
+            return out
         try:
-            slot = h.acquire_slot(SlotPool.STORE, timeout=self._config.timeout_ms / 1000)
+            slots = h.acquire_slots(SlotPool.STORE, len(sizes), timeout=self._config.timeout_ms / 1000)
         except NoSpaceError as e:
             raise PoolExhaustedError(
                 e.code,
                 f"Cannot allocate page: all {self._config.store_slots} store staging slots are in use "
                 f"(store or free handles, or raise MaruConfig.store_slots): {e.message}",
             ) from e
-        return AllocHandle(slot, size)
+        if len(slots) < len(sizes):
+            h.release_slots(slots)
+            raise PoolExhaustedError(
+                Status.NO_SPACE,
+                f"Cannot allocate {len(sizes)} page(s): only {len(slots)} of {self._config.store_slots} store "
+                "staging slots are free (store or free handles, or raise MaruConfig.store_slots)",
+            )
+        st = self._staging(h)
+        base = st["addr"] + st["load_slots"] * st["slot_size"]
+        out = []
+        with self._lock:
+            for s_, n in zip(slots, sizes):
+                a = AllocHandle(s_, n, _region_id=STAGING_STORE_REGION, _page_index=(s_._addr - base) // st["slot_size"])
+                self._pages[(STAGING_STORE_REGION, a._page_index)] = a
+                out.append(a)
+        return out
 
     def _page_of(self, handle: AllocHandle) -> AllocHandle:
-        """The outstanding page handle ``handle`` names (itself, or the one a
-        keyword-built handle names by region and page)."""
+        """The outstanding handle ``handle`` names (itself, or the one a keyword-built
+        handle names by region and page)."""
+        if handle._slot is not None or handle._page is not None:
+            return handle
         with self._lock:
             a = self._pages.get((int(handle._region_id or 0), int(handle._page_index or 0)))
         if a is None:
@@ -725,96 +830,94 @@ class MaruHandler:
             )
         return a
 
+    def _forget(self, a: AllocHandle) -> None:
+        with self._lock:
+            if self._pages.get((a._region_id, a._page_index)) is a:
+                del self._pages[(a._region_id, a._page_index)]
+
     def free(self, handle: AllocHandle) -> None:
-        """Gives back a handle's buffer without storing it: a page taken in place goes
-        back for later allocs (also when named by a keyword-built handle, as LMCache's
-        adapter does). After :meth:`store` it is a no-op (unlike upstream the stored
-        chunk is not evicted). Freeing twice raises ValueError, as upstream."""
+        """Gives back a handle's buffer without storing it: its page or slot goes back
+        for later allocs (also when named by a keyword-built handle, as LMCache's adapter
+        does). After :meth:`store` it is a no-op (unlike upstream the stored chunk is not
+        evicted). Freeing twice raises ValueError, as upstream."""
         h = self._ensure()
         if not isinstance(handle, AllocHandle):
             raise TypeError(f"expected an AllocHandle, not {type(handle).__name__}")
         if handle.state == "freed":
             raise ValueError("handle is not tracked (already freed)")
-        if handle._is_page and handle.state == "allocated":
-            try:
-                a = self._page_of(handle)
-            except ValueError:
-                raise ValueError("handle is not tracked (already freed)") from None
-            loc = (a._region_id or 0, a._page_index or 0)
-            with self._lock:
-                self._pages.pop(loc, None)
-            a._consume("freed")
+        if handle.state != "allocated":
             handle.state = "freed"
-            try:
-                h.give_back_pages([loc])
-            except _TRANSIENT as e:
-                log.warning("free of page %s: %s", loc, e)
             return
-        if handle.state == "allocated":
-            handle._consume("freed")
-        else:
-            handle.state = "freed"
-
-    def _publish(self, h: _native.MaruHandler, keys: List[str], handles: List[AllocHandle]) -> List[bool]:
-        """Publishes pages written in place (each consumed, whatever the outcome)."""
-        pages = [self._page_of(x) for x in handles]
-        locs = [(int(a._region_id or 0), int(a._page_index or 0)) for a in pages]
-        lens = []
-        for x, a in zip(handles, pages):
-            n = x._size if x is not a and x._size > 0 else a._size
-            lens.append(min(max(n, 1), a._page.capacity))
-        with self._lock:
-            for loc in locs:
-                self._pages.pop(loc, None)
         try:
-            return h.publish_pages(keys, locs, lens)
+            a = self._page_of(handle)
+        except ValueError:
+            raise ValueError("handle is not tracked (already freed)") from None
+        self._forget(a)
+        a._consume("freed")
+        handle.state = "freed"
+        if a._page is not None:
+            try:
+                h.give_back_pages([(a._region_id, a._page_index)])
+            except _TRANSIENT as e:
+                log.warning("free of page %s of region %s: %s", a._page_index, a._region_id, e)
+
+    def _store_handles(self, h: _native.MaruHandler, keys: List[str], handles: List[AllocHandle]) -> List[bool]:
+        """Stores filled handles (or keyword-built ones naming them), each consumed
+        whatever the outcome: pages written in place are published
+        (``maru_pages_publish``), staging slots stored (``maru_store_slots``)."""
+        got = [self._page_of(x) for x in handles]
+        lens = []
+        for x, a in zip(handles, got):
+            n = x._size if x is not a and x._size > 0 else a._size
+            cap = a._page.capacity if a._page is not None else a._slot.capacity
+            lens.append(min(max(n, 1), cap))
+        for a in got:
+            self._forget(a)
+        out = [False] * len(keys)
+        try:
+            pi = [i for i, a in enumerate(got) if a._page is not None]
+            si = [i for i, a in enumerate(got) if a._page is None]
+            if pi:
+                res = h.publish_pages([keys[i] for i in pi], [(got[i]._region_id, got[i]._page_index) for i in pi], [lens[i] for i in pi])
+                for i, ok in zip(pi, res):
+                    out[i] = ok
+            if si:
+                if self._multi():
+                    res = [h.store_slots([keys[i]], [got[i]._slot], [lens[i]], route_key=keys[i])[0] for i in si]
+                else:
+                    res = h.store_slots([keys[i] for i in si], [got[i]._slot for i in si], [lens[i] for i in si])
+                for i, ok in zip(si, res):
+                    out[i] = ok
         except _TRANSIENT as e:
-            log.warning("store of %d chunk(s) written in place failed: %s", len(keys), e)
+            log.warning("store of %d chunk(s) filled in place failed: %s", len(keys), e)
             return [False] * len(keys)
         finally:
-            for x, a in zip(handles, pages):
+            for x, a in zip(handles, got):
                 a._consume("stored")
                 x.state = "stored"
+        return out
 
     def store(self, key: Key, handle: Any = None, data: Any = None) -> bool:
-        """Stores a chunk under ``key``: an :class:`AllocHandle` filled in place (no copy
-        on ``remote_cxl``), a :class:`MemoryInfo` (its ``view``), or any buffer (bytes,
-        memoryview, numpy array; also as ``data=``). Returns True when the chunk is
-        stored or was already present (first writer wins), False when it was skipped
-        (pool unreachable or slow, staging full), as upstream's RPC failure. The
-        handle is consumed either way."""
-        h = self._ensure()
-        k = _k(key)
+        """Stores a chunk under ``key``: an :class:`AllocHandle` filled in place (no copy;
+        also a keyword-built one naming an allocated page, as LMCache's adapter passes),
+        a :class:`MemoryInfo` (its ``view``), or any buffer (bytes, memoryview, numpy
+        array; also as ``data=``). Returns True when the chunk is stored or was already
+        present (first writer wins), False when it was skipped (pool unreachable or
+        slow, no room), as upstream's RPC failure. The handle is consumed either way."""
         if handle is None:
             handle = data
         elif data is not None:
             raise TypeError("give either handle or data, not both")
         if handle is None:
             raise TypeError("store() needs a handle (from alloc) or data")
-        if isinstance(handle, AllocHandle):
-            if handle.state != "allocated":
-                raise ValueError(f"this AllocHandle was already {handle.state}")
-            if handle._is_page:
-                return self._publish(h, [k], [handle])[0]
-            try:
-                return h.store_slots([k], [handle._slot], [handle.size], route_key=k)[0]
-            except _TRANSIENT as e:
-                log.warning("store %s failed: %s", k, e)
-                return False
-            finally:
-                handle._consume("stored")
-        view = handle.view if isinstance(handle, MemoryInfo) else handle
-        try:
-            return h.store(k, view, route_key=k)
-        except _TRANSIENT as e:
-            log.warning("store %s failed: %s", k, e)
-            return False
+        return self.batch_store([key], [handle])[0]
 
     def batch_store(self, keys: Sequence[Key], handles: Sequence[Any]) -> List[bool]:
         """Stores several chunks (``handles[i]`` as for :meth:`store`) in as few calls as
-        possible: the AllocHandles in one ``maru_store_slots``, the rest in one
-        ``maru_store_batch``. Per key, what :meth:`store` returns ([False] * n when the
-        pool failed, as upstream). Every handle is consumed."""
+        possible: pages written in place in one ``maru_pages_publish``, staging slots in
+        one ``maru_store_slots``, the rest in one ``maru_store_batch``. Per key, what
+        :meth:`store` returns ([False] * n when the pool failed, as upstream). Every
+        handle is consumed."""
         h = self._ensure()
         keys_s = [_k(k) for k in keys]
         handles = list(handles)
@@ -822,40 +925,26 @@ class MaruHandler:
             raise ValueError("keys and handles must have the same length")
         for x in handles:
             if isinstance(x, AllocHandle) and x.state != "allocated":
-                raise ValueError(f"an AllocHandle in the batch was already {x.state}")
+                raise ValueError(f"this AllocHandle was already {x.state}")
         out = [False] * len(keys_s)
-        page_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle) and x._is_page]
-        if page_i:
-            got = self._publish(h, [keys_s[i] for i in page_i], [handles[i] for i in page_i])
-            for i, ok in zip(page_i, got):
+        hi = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle)]
+        if hi:
+            got = self._store_handles(h, [keys_s[i] for i in hi], [handles[i] for i in hi])
+            for i, ok in zip(hi, got):
                 out[i] = ok
-        slot_i = [i for i, x in enumerate(handles) if isinstance(x, AllocHandle) and not x._is_page]
-        data_i = [i for i, x in enumerate(handles) if not isinstance(x, AllocHandle)]
-        try:
-            if slot_i:
-                ks = [keys_s[i] for i in slot_i]
-                sl = [handles[i]._slot for i in slot_i]
-                ln = [handles[i].size for i in slot_i]
-                if self._multi():
-                    got = [h.store_slots([k], [s], [n], route_key=k)[0] for k, s, n in zip(ks, sl, ln)]
-                else:
-                    got = h.store_slots(ks, sl, ln)
-                for i, ok in zip(slot_i, got):
-                    out[i] = ok
-            if data_i:
-                items = [(keys_s[i], handles[i].view if isinstance(handles[i], MemoryInfo) else handles[i]) for i in data_i]
+        di = [i for i, x in enumerate(handles) if not isinstance(x, AllocHandle)]
+        if di:
+            items = [(keys_s[i], handles[i].view if isinstance(handles[i], MemoryInfo) else handles[i]) for i in di]
+            try:
                 if self._multi():
                     got = [h.store(k, d, route_key=k) for k, d in items]
                 else:
                     got = h.batch_store(items)
-                for i, ok in zip(data_i, got):
-                    out[i] = ok
-        except _TRANSIENT as e:
-            log.error("batch_store of %d keys failed: %s", len(keys_s), e)
-            return [False] * len(keys_s)
-        finally:
-            for i in slot_i:
-                handles[i]._consume("stored")
+            except _TRANSIENT as e:
+                log.error("batch_store of %d keys failed: %s", len(items), e)
+                got = [False] * len(items)
+            for i, ok in zip(di, got):
+                out[i] = ok
         return out
 
     # Load -------------------------------------------------------------------------
@@ -868,18 +957,25 @@ class MaruHandler:
     def _retain(self, info: MemoryInfo) -> None:
         with self._lock:
             if len(self._retained) > 2 * max(self._config.max_views, self._config.load_slots):
-                self._retained = collections.deque(i for i in self._retained if not i.released)
-            self._retained.append(info)
+                self._retained = collections.deque(r for r in self._retained if _live(r))
+                self._at = {k: r for k, r in self._at.items() if _live(r)}
+            r = weakref.ref(info)
+            self._retained.append(r)
+            self._at[(info.region_id, info.page_index)] = r
+
+    def _live_views(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._retained if _live(r))
 
     def _recycle_one(self, kept: List[MemoryInfo]) -> bool:
         """Releases the oldest retrieved view nothing else refers to; False when none is
         left to recycle."""
         while True:
             with self._lock:
-                info = self._retained.popleft() if self._retained else None
-            if info is None:
-                return False
-            if info.released:
+                if not self._retained:
+                    return False
+                info = self._retained.popleft()()
+            if info is None or info.released:
                 continue
             try:
                 info.release()
@@ -895,7 +991,7 @@ class MaruHandler:
         budget = self._view_budget()
         while len(got) < n:
             with self._lock:
-                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+                in_use = self._live_views() + len(kept)
             room = min(n - len(got), budget - in_use - len(got))
             if room > 0:
                 try:
@@ -906,7 +1002,7 @@ class MaruHandler:
             if not self._config.retrieve_recycle or not self._recycle_one(kept):
                 break
         with self._lock:
-            self._retained.extendleft(reversed(kept))
+            self._retained.extendleft(weakref.ref(i) for i in reversed(kept))
         return got
 
     def _views_room(self, n: int) -> int:
@@ -916,12 +1012,12 @@ class MaruHandler:
         kept: List[MemoryInfo] = []
         while True:
             with self._lock:
-                in_use = sum(1 for i in self._retained if not i.released) + len(kept)
+                in_use = self._live_views() + len(kept)
             room = self._config.max_views - in_use
             if room >= n or not self._config.retrieve_recycle or not self._recycle_one(kept):
                 break
         with self._lock:
-            self._retained.extendleft(reversed(kept))
+            self._retained.extendleft(weakref.ref(i) for i in reversed(kept))
         return max(0, min(n, room))
 
     def _load_in_place(self, h: _native.MaruHandler, keys: List[str], out: List[Optional[MemoryInfo]]) -> int:
@@ -933,8 +1029,6 @@ class MaruHandler:
             views = [h.acquire_view(k, route_key=k) for k in keys[:m]]
         else:
             views = h.acquire_views(keys[:m], route_key=keys[0])
-        if any(v is not None for v in views):
-            self._region_index = h.regions()  # as mapped now, for the views' pages
         for i, v in enumerate(views):
             if v is not None:
                 info = MemoryInfo._of_view(v, self._config.retrieve_writable)
@@ -967,6 +1061,8 @@ class MaruHandler:
         for i, (s, ln) in enumerate(zip(slots, lens)):
             if ln is not None:
                 info = MemoryInfo._of_slot(s, keys[i])
+                st = self._staging(h)
+                info.region_id, info.page_index = STAGING_LOAD_REGION, (s._addr - st["addr"]) // st["slot_size"]
                 out[i] = info
                 self._retain(info)
             elif not s.released:
@@ -994,6 +1090,11 @@ class MaruHandler:
                 if ln is not None:
                     info = MemoryInfo(memoryview(b)[:ln])
                     info.key = k
+                    # Named as a page of no mapping, so that retrieved_view finds it.
+                    with self._lock:
+                        self._copies = (self._copies + 1) & 0xFFFF_FFFF
+                        info.region_id, info.page_index = COPY_REGION, self._copies
+                        self._at[(COPY_REGION, self._copies)] = weakref.ref(info)
                     out[m + j] = info
         return out
 
@@ -1133,6 +1234,8 @@ class MaruHandler:
         except _TRANSIENT as e:
             log.error("delete of %d keys failed: %s", len(ks), e)
             return [False] * len(ks)
+        with self._lock:
+            self._deleted += sum(1 for r in res if r is RemoveResult.REMOVED)
         for k, r in zip(ks, res):
             if r is RemoveResult.NOT_OWNER:
                 log.warning("delete %s refused: another engine stored it (libmaru removes only this engine's keys)", k)
@@ -1146,7 +1249,7 @@ class MaruHandler:
         """Releases this handler's retrieved in-place views of ``keys`` (their leases
         would refuse the removal); those something was made from stay."""
         with self._lock:
-            infos = [i for i in self._retained if i._mapped is not None and i.key in keys and not i.released]
+            infos = [i for i in map(_deref, self._retained) if i is not None and i._mapped is not None and i.key in keys and not i.released]
         for i in infos:
             try:
                 v = i._mapped
@@ -1161,19 +1264,39 @@ class MaruHandler:
         prefetch hint returns without a plugin; libmaru has no prefetch plugins."""
         return sum(self.batch_exists(keys))
 
-    # Regions of the cxl mapping (LMCache's adapter builds its buffers from them).
+    # Regions (LMCache's adapter builds its buffers from them): on cxl the mapped
+    # regions; where alloc hands out staging slots (remote_cxl, several pools), the
+    # staging buffer too, as two regions whose pages are the store and the load slots.
+
+    def _staging(self, h: _native.MaruHandler) -> Dict[str, int]:
+        st = self._staging_info
+        if st is None:
+            st = self._staging_info = h.staging_buffer()
+        return st
+
+    def _staging_regions(self, h: _native.MaruHandler) -> List[Dict[str, Any]]:
+        if self._in_place():
+            return []
+        st = self._staging(h)
+        size = st["slot_size"]
+        load = {"region_id": STAGING_LOAD_REGION, "addr": st["addr"], "len": size * st["load_slots"],
+                "page_size": size, "page_count": st["load_slots"], "writable": False, "staging": True}
+        store = {"region_id": STAGING_STORE_REGION, "addr": st["addr"] + load["len"], "len": size * st["store_slots"],
+                 "page_size": size, "page_count": st["store_slots"], "writable": True, "staging": True}
+        return [store, load]
 
     def _regions(self, h: _native.MaruHandler, refresh: bool = False) -> List[Dict[str, Any]]:
         if refresh or not self._region_index:
-            self._region_index = h.regions()
+            self._region_index = h.regions() + self._staging_regions(h)
         return self._region_index
 
     def _locate(self, h: _native.MaruHandler, addr: int) -> Optional[Tuple[int, int]]:
-        """(region id, page index) of an address in this host's mappings (as last
-        listed: the caller lists them after mapping)."""
-        for r in self._regions(h):
-            if r["addr"] <= addr < r["addr"] + r["len"] and r["page_size"]:
-                return r["region_id"], (addr - r["addr"]) // r["page_size"]
+        """(region id, page index) of an address in this host's mappings (listed again
+        when it lies in none listed so far: a region mapped since)."""
+        for refresh in (False, True):
+            for r in self._regions(h, refresh):
+                if r["addr"] <= addr < r["addr"] + r["len"] and r["page_size"]:
+                    return r["region_id"], (addr - r["addr"]) // r["page_size"]
         return None
 
     def _announce_regions(self, h: _native.MaruHandler) -> None:
@@ -1193,11 +1316,11 @@ class MaruHandler:
 
     def set_on_region_added(self, callback: Any) -> None:
         """Sets ``callback(region_id, page_count)``, called for every region this handler
-        maps (``cxl``): at once for those mapped already, then for each new one (an own
-        region taken by ``alloc``, another engine's mapped by ``retrieve``), as upstream.
-        None removes it. Pages are maru-server's pages (``--chunk-size``): give an adapter
-        that many bytes per page. On ``remote_cxl`` no region is mapped here: it is never
-        called."""
+        maps: at once for those mapped already, then for each new one (an own region
+        taken by ``alloc``, another engine's mapped by ``retrieve``), as upstream. None
+        removes it. Pages are maru-server's pages (``--chunk-size``). Where ``alloc``
+        hands out staging slots (``remote_cxl``), the staging buffer's two regions
+        (:data:`STAGING_STORE_REGION`, :data:`STAGING_LOAD_REGION`) are announced at once."""
         h = self._ensure()
         with self._lock:
             self._on_region_added = callback
@@ -1209,17 +1332,19 @@ class MaruHandler:
         """A memoryview of ``size`` bytes at ``offset`` of a region this host maps
         (``maru_region_view``): writable for the engine's own regions (write only into
         pages ``alloc`` handed you and you have not stored yet), read-only for other
-        engines'. None when the region is not mapped here or the range is outside it.
-        The memory stays mapped until :meth:`close`."""
+        engines'; of the staging buffer's regions (``remote_cxl``), writable (write only
+        into store slots ``alloc`` handed you). None when the region is not mapped here
+        or the range is outside it. The memory stays mapped until :meth:`close`."""
         h = self._ensure()
-        with self._lock:
-            got = self._region_views.get(region_id)
-        if got is None:
-            got = h.region_view(region_id)
-            if got is None:
+        r = next((x for x in self._regions(h) if x["region_id"] == region_id), None)
+        if r is not None and r.get("staging"):
+            if offset < 0 or size < 0 or offset + size > r["len"]:
                 return None
-            with self._lock:
-                self._region_views[region_id] = got
+            at = r["addr"] - self._staging(h)["addr"] + offset
+            return h.staging_view()[at : at + size]
+        got = h.region_view(region_id)
+        if got is None:
+            return None
         mv, info = got
         if offset < 0 or size < 0 or offset + size > info["len"]:
             return None
@@ -1230,24 +1355,58 @@ class MaruHandler:
         LMCache's adapter looks up after a ``retrieve``, whose ``MemoryInfo`` names the
         page): :meth:`get_buffer_view` at ``page_index`` × maru-server's page size. None
         when the region is not mapped here or the range is outside it."""
-        page = self.get_region_page_count(region_id)
-        if page is None or not 0 <= page_index < page:
-            return None
-        r = next(x for x in self._regions(self._ensure()) if x["region_id"] == region_id)
-        if size > r["page_size"]:
+        r = self._region(region_id)
+        if r is None or not 0 <= page_index < int(r["page_count"]) or size > r["page_size"]:
             return None
         return self.get_buffer_view(region_id, page_index * int(r["page_size"]), size)
 
+    def retrieved_view(self, region_id: int, page_index: int) -> Optional[MemoryInfo]:
+        """Ours: the live :class:`MemoryInfo` this handler's last ``retrieve`` of page
+        ``page_index`` of ``region_id`` returned (None when it was released or dropped
+        since). An adapter that reads a retrieved chunk through a buffer of its own
+        (LMCache's ``get_by_location``) makes its tensor from ``info.view`` instead, so
+        the lease (or load slot) is held exactly as long as that tensor lives."""
+        with self._lock:
+            r = self._at.get((region_id, page_index))
+        info = r() if r is not None else None
+        return None if info is None or info.released else info
+
+    def _region(self, region_id: int) -> Optional[Dict[str, Any]]:
+        for refresh in (False, True):
+            for r in self._regions(self._ensure(), refresh):
+                if r["region_id"] == region_id:
+                    return r
+        return None
+
     def get_owned_region_ids(self) -> List[int]:
-        """The engine's own regions mapped here (``cxl``; empty on ``remote_cxl``)."""
+        """The regions ``alloc`` takes pages from: the engine's own regions mapped here
+        (``cxl``), the staging store region where ``alloc`` hands out staging slots."""
         return [r["region_id"] for r in self._regions(self._ensure(), refresh=True) if r["writable"]]
 
+    def get_region_page_size(self, region_id: int) -> Optional[int]:
+        """Ours: the page size of a region mapped here (maru-server's ``--chunk-size``;
+        the slot size on the staging regions); None if none. Pages lie at
+        ``page_index`` x this, whatever ``chunk_size_bytes`` is."""
+        r = self._region(region_id)
+        return None if r is None else int(r["page_size"])
+
     def get_region_page_count(self, region_id: int) -> Optional[int]:
-        """Pages (maru-server's ``--chunk-size``) of a region mapped here; None if none."""
-        for r in self._regions(self._ensure(), refresh=True):
-            if r["region_id"] == region_id:
-                return int(r["page_count"])
-        return None
+        """Pages (maru-server's ``--chunk-size``; staging slots on the staging regions)
+        of a region mapped here; None if none."""
+        r = self._region(region_id)
+        return None if r is None else int(r["page_count"])
+
+    @property
+    def pool_handle(self) -> Any:
+        """Upstream's RM handle of the first owned region: not available. A region's
+        handle is the capability that maps and frees it; libmaru keeps it to itself
+        (only the owner and maru-server hold it). Raises :class:`~maru.UnsupportedError`;
+        :meth:`get_owned_region_ids` and :meth:`get_region_page_count` describe the
+        regions."""
+        raise _unsupported(
+            "MaruHandler.pool_handle (the RM handle of a region)",
+            "libmaru keeps region handles to itself; use get_owned_region_ids() and get_region_page_count()",
+        )
 
     # Health and stats -------------------------------------------------------------
 
@@ -1274,38 +1433,66 @@ class MaruHandler:
 
     def get_stats(self) -> Dict[str, Any]:
         """This handler's libmaru counters (``maru_stats_json``: per pool and ``total``:
-        stored, hits, misses, bytes, ...) and a ``compat`` part (retrieved views held,
-        chunk size), and upstream's section names (``kv_manager``, ``allocation_manager``,
-        ``allocator``) holding this handler's figures. Upstream's come from maru-server's
-        GET_STATS (every engine's): run ``maru-server stats`` for the server's view."""
+        stored, hits, misses, bytes, ...), a ``compat`` part (retrieved views held,
+        chunk size), and upstream's sections and fields with this handler's figures:
+
+        * ``kv_manager``: ``total_entries`` (keys this handler stored that it has not
+          deleted and that were not evicted), ``total_size`` (their bytes, as far as
+          libmaru counts them: stored less evicted), plus ``stored``, ``hits``, ...;
+        * ``allocation_manager``: ``num_allocations`` (regions the engine owns),
+          ``total_allocated`` (their bytes, where mapped here), ``active_clients`` (1:
+          this handler);
+        * ``allocator``: ``page_count`` (pages ``alloc`` takes from: of the engine's own
+          regions, or the store staging slots), ``free_pages`` (those neither taken by
+          ``alloc`` nor holding one of this handler's chunks), ``allocated_pages``,
+          ``chunk_size``, ``page_size``.
+
+        Upstream's come from maru-server's GET_STATS (every engine's): run
+        ``maru-server stats`` for the server's view."""
         h = self._ensure()
         st = h.stats()
         with self._lock:
-            live = [i for i in self._retained if not i.released]
+            live = [i for i in map(_deref, self._retained) if i is not None and not i.released]
             taken = len(self._pages)
+            deleted = self._deleted
         tot = st.get("total") or {}
         regions = h.regions()
         own = [r for r in regions if r["writable"]]
-        # Upstream's sections, with this system's figures (maru-server's own view of
-        # every engine: ``maru-server stats``).
+        entries = max(0, tot.get("stored", 0) - tot.get("evictions", 0) - deleted)
         st["kv_manager"] = {
+            "total_entries": entries,
+            "total_size": max(0, tot.get("bytes_stored", 0) - tot.get("bytes_evicted", 0)),
             "stored": tot.get("stored", 0),
             "already_present": tot.get("already_present", 0),
             "hits": tot.get("hits", 0),
             "misses": tot.get("misses", 0),
             "bytes_stored": tot.get("bytes_stored", 0),
             "evictions": tot.get("evictions", 0),
+            "deleted": deleted,
         }
         st["allocation_manager"] = {
-            "owned_regions": len(own) if own else tot.get("regions", 0),
+            "num_allocations": tot.get("regions", 0),
+            "total_allocated": sum(int(r["len"]) for r in own),
+            "active_clients": 1,
             "mapped_regions": len(regions),
             "regions_lost": tot.get("regions_lost", 0),
             "regions_given_back": tot.get("regions_given_back", 0),
         }
+        if self._in_place():
+            pages = sum(int(r["page_count"]) for r in own)
+            free = max(0, pages - taken - entries)
+            page_size = own[0]["page_size"] if own else h.chunk_size()
+        else:
+            stg = st.get("staging") or {}
+            pages, free = int(stg.get("store_slots", 0)), int(stg.get("free_store_slots", 0))
+            page_size = int(stg.get("slot_size", 0)) or h.chunk_size()
         st["allocator"] = {
-            "page_size": own[0]["page_size"] if own else h.chunk_size(),
-            "total_pages": sum(int(r["page_count"]) for r in own),
-            "pages_allocated": taken,
+            "page_count": pages,
+            "free_pages": free,
+            "allocated_pages": taken,
+            "chunk_size": self._config.chunk_size_bytes,
+            "page_size": page_size,
+            "utilization": (pages - free) / pages if pages else 0.0,
             "store_no_room": tot.get("store_no_room", 0),
         }
         st["compat"] = {
@@ -1317,9 +1504,7 @@ class MaruHandler:
             "store_slots": self._config.store_slots,
             "max_views": self._config.max_views,
             "pages_taken_in_place": taken,
+            "enable_stats": self._config.enable_stats,
         }
         return st
 
-
-# ``maru.MaruHandler(MaruConfig(...))`` (upstream code) builds this layer's handler.
-_native.register_upstream(MaruConfig, MaruHandler)

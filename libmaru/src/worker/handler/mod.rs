@@ -19,7 +19,7 @@ use super::ops::{Executor, OpHandle, OpOutput};
 use super::pool::{PoolStats, StoragePool};
 use super::router::PoolRouter;
 use super::slots::{SlotInfo, SlotTable};
-use super::staging::{Slot, SlotPool, StagingSlots};
+use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 use super::views::{ViewInfo, ViewTable};
 use crate::net::ClientOptions;
 use crate::transport::Transport;
@@ -485,6 +485,13 @@ impl Handler {
     /// Slots the caller holds now.
     pub fn held_slots(&self) -> usize {
         self.inner.slot_table().map(|t| t.held()).unwrap_or(0)
+    }
+
+    /// The staging buffer (its address, and how it is cut into slots: the load slots
+    /// first, then the store slots), for a caller that hands its slots out as pages.
+    pub fn staging_buffer(&self) -> Result<(*mut u8, StagingLayout), WorkerError> {
+        let st = self.inner.staging()?;
+        Ok((st.buffer().0, st.layout()))
     }
 
     /// The page (chunk) size of the pools.

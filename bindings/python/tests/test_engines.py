@@ -1,0 +1,65 @@
+"""LMCache's and SGLang's own Maru backends, unedited, on this package alone (its
+maru, maru_lmcache and maru_sglang), between two processes, on both backends, against
+the daemons of conftest.py. Run where LMCache and SGLang are installed (make test-vllm
+installs them into the vLLM venv); skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPAT = ROOT / "examples" / "compat"
+TIMEOUT_S = 300
+
+BACKENDS = ["cxl", "remote_cxl"]
+
+
+def run(script: str, daemons, backend: str, *args: str) -> str:
+    env = dict(os.environ, MARU_STORAGE_BACKEND=backend, MARU_AGENT_KEY_FILE=str(daemons.key))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bindings" / "python"), env.get("PYTHONPATH", "")])
+    p = subprocess.run(
+        [sys.executable, str(COMPAT / script), "--server", daemons.server, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{script} {' '.join(args)} failed ({p.returncode}):\n{out[-4000:]}"
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lmcache_maru_backend_between_two_processes(backend, daemons):
+    pytest.importorskip("torch")
+    pytest.importorskip("lmcache.v1.storage_backend.maru_backend")
+    ns = f"lmc-{backend}-{uuid.uuid4().hex[:8]}"
+    assert "stored 8 chunks" in run("lmcache_backend.py", daemons, backend, "--role", "store", "--ns", ns)
+    assert "every byte equal" in run("lmcache_backend.py", daemons, backend, "--role", "load", "--ns", ns)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sglang_storage_backend_factory_between_two_processes(backend, daemons):
+    pytest.importorskip("torch")
+    pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+    ns = f"sgl-{backend}-{uuid.uuid4().hex[:8]}"
+    assert "set 6 pages" in run("sglang_storage.py", daemons, backend, "--role", "set", "--ns", ns)
+    assert "every byte equal" in run("sglang_storage.py", daemons, backend, "--role", "get", "--ns", ns)
+
+
+def test_maru_vllm_is_the_connector_vllm_loads_by_upstreams_module_name():
+    pytest.importorskip("vllm")
+    import importlib
+
+    import maru.vllm.connector
+
+    # What vLLM does with "kv_connector_module_path": "maru_vllm", "kv_connector": "MaruKVConnector".
+    cls = getattr(importlib.import_module("maru_vllm"), "MaruKVConnector")
+    assert cls is maru.vllm.connector.MaruKVConnector
+    assert importlib.import_module("maru_vllm.connector").MaruKVConnector is cls
