@@ -391,30 +391,116 @@ fn a_session_answers_only_its_connection_or_its_secret() {
         })
         .is_err());
     let mut forged = ClientOptions::new(META, "engine-7");
+    forged.key = support::server_key(&srv.addr);
     forged.resume = Some("00".repeat(16));
     assert!(exists(&mut Client::connect(&srv.addr, &forged).unwrap()).is_err());
     let mut o = ClientOptions::new(META, "engine-7");
+    o.key = support::server_key(&srv.addr);
     o.resume = Some(secret);
     let mut back = Client::connect(&srv.addr, &o).unwrap();
     assert!(exists(&mut back).is_ok(), "the secret resumes the session");
     assert!(exists(&mut victim).is_ok());
 }
 
-/// maru-server with `--key-file` serves no worker that does not prove it.
+/// Starts maru-server by hand (no key added by the test support) with `args`, HOME
+/// set to `home`; returns the child and its address once it listens. Its stderr goes
+/// to `log`.
+fn server_by_hand(
+    s: &mut Scratch,
+    home: &std::path::Path,
+    args: &[&str],
+    log: std::fs::File,
+) -> (std::process::Child, String, Daemon) {
+    let r = rm(s, &[]);
+    let ready = s.dir.join("server-ready");
+    let _ = std::fs::remove_file(&ready);
+    let mut cmd = Command::new(SERVER_BIN);
+    cmd.args([
+        "--rm-address",
+        &r.addr,
+        "--rm-key-file",
+        &support::rm_key_path(&r.addr).unwrap().display().to_string(),
+        "--region-size",
+        "4M",
+        "--chunk-size",
+        "1M",
+        "--port",
+        "0",
+        "--ready-file",
+        &ready.display().to_string(),
+    ])
+    .args(args)
+    .env("HOME", home)
+    .env_remove("MARU_SERVER_KEY_FILE")
+    .env("RUST_LOG", "warn")
+    .stdin(std::process::Stdio::null())
+    .stdout(std::process::Stdio::null())
+    .stderr(log);
+    let child = cmd.spawn().unwrap();
+    assert!(support::wait_until(Duration::from_secs(15), || {
+        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
+    }));
+    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    (child, addr, r)
+}
+
+/// Issue 33: maru-server started without `--key-file` makes its key on first start
+/// (~/.maru/server.key, 0600) and serves no worker that does not prove it.
 #[test]
-fn maru_server_with_a_key_refuses_workers_without_it() {
+fn maru_server_makes_its_key_on_first_start_and_refuses_workers_without_it() {
+    use std::os::unix::fs::PermissionsExt;
     let mut s = Scratch::new("att-srvkey");
-    let key = s.dir.join("server.key");
-    let (srv, _rm) = meta(&mut s, &["--key-file", &key.display().to_string()]);
+    let home = s.dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let log = std::fs::File::create(s.dir.join("server.log")).unwrap();
+    let (mut child, addr, _rm) = server_by_hand(&mut s, &home, &[], log);
+    let key = home.join(".maru/server.key");
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "maru-server's key file is private");
     let o = ClientOptions::new(META, "w");
     assert!(matches!(
-        Client::connect(&srv.addr, &o),
+        Client::connect(&addr, &o),
+        Err(ClientError::Auth { .. })
+    ));
+    let mut wrong = ClientOptions::new(META, "w");
+    wrong.key = Some(SharedKey::generate().unwrap());
+    assert!(matches!(
+        Client::connect(&addr, &wrong),
         Err(ClientError::Auth { .. })
     ));
     let mut o = ClientOptions::new(META, "w");
     o.key = Some(maru::auth::load_key_file(&key).unwrap());
-    let mut c = Client::connect(&srv.addr, &o).unwrap();
+    let mut c = Client::connect(&addr, &o).unwrap();
     let _ = open_session(&mut c);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Issue 33: running maru-server without a key is an explicit flag, and says so.
+#[test]
+fn running_maru_server_without_a_key_needs_a_flag_and_warns() {
+    let mut s = Scratch::new("att-srvnokey");
+    let home = s.dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let log_path = s.dir.join("server.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let (mut child, addr, _rm) = server_by_hand(&mut s, &home, &["--insecure-no-key"], log);
+    let mut c = Client::connect(&addr, &ClientOptions::new(META, "w")).expect("no key asked");
+    let _ = open_session(&mut c);
+    let _ = child.kill();
+    let _ = child.wait();
+    let err = std::fs::read_to_string(&log_path).unwrap();
+    assert!(err.contains("WITHOUT a key"), "{err}");
+    assert!(!home.join(".maru/server.key").exists());
+    // A key and --insecure-no-key together are a configuration error.
+    let (code, err) = support::refused_start(Command::new(SERVER_BIN).args([
+        "--insecure-no-key",
+        "--key-file",
+        &s.dir.join("k").display().to_string(),
+        "--port",
+        "0",
+    ]));
+    assert_eq!(code, Some(78), "{err}");
 }
 
 /// 8: peer text in the log is cut and escaped: a hello full of newlines, sent by many

@@ -94,6 +94,7 @@ fn engine(st: &Stack, id: &str) -> Handler {
     let cfg = serde_json::json!({
         "backend": "remote_cxl",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": id,
         "namespace": "usage-model",
         "agent_key_file": st.agent_key.display().to_string(),

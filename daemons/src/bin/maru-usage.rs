@@ -796,6 +796,7 @@ mod tests {
         SessionStats {
             session,
             engine_id: engine.into(),
+            tenant: "default".into(),
             backend: Some(Backend::RemoteCxl),
             keys: 3,
             regions: 1,
@@ -813,6 +814,7 @@ mod tests {
             session,
             engine_id: engine.into(),
             client_id: format!("{engine}@host"),
+            tenant: "default".into(),
             backend: Backend::RemoteCxl,
             namespace: "model".into(),
             regions: 1,

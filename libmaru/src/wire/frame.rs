@@ -104,6 +104,10 @@ pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Room a decoder keeps between frames; a bigger buffer (left by a big frame) goes
+/// back once it is empty.
+const KEEP_CAPACITY: usize = 64 << 10;
+
 /// Incremental frame decoder.
 #[derive(Debug)]
 pub struct FrameDecoder {
@@ -185,8 +189,14 @@ impl FrameDecoder {
         let body = avail[HEADER_LEN..4 + len].to_vec();
         self.start += 4 + len;
         if self.start == self.buf.len() {
-            self.buf.clear();
             self.start = 0;
+            if self.buf.capacity() > KEEP_CAPACITY {
+                // A big frame passed: its room goes back, so an idle connection that
+                // once sent one does not keep it.
+                self.buf = Vec::new();
+            } else {
+                self.buf.clear();
+            }
         }
         Ok(Some(Frame { kind, body }))
     }
@@ -229,6 +239,17 @@ mod tests {
         );
         assert_eq!(got[1], Frame::new(FrameKind::Reply, vec![]));
         assert_eq!(d.buffered(), 0);
+    }
+
+    #[test]
+    fn a_big_frame_leaves_no_big_buffer_behind() {
+        let mut d = FrameDecoder::new(4 << 20);
+        d.push(&encode(FrameKind::Request, &vec![7u8; 2 << 20]));
+        assert_eq!(d.next_frame().unwrap().unwrap().body.len(), 2 << 20);
+        assert!(d.buf.capacity() <= KEEP_CAPACITY, "{}", d.buf.capacity());
+        d.push(&encode(FrameKind::Request, b"small"));
+        assert_eq!(d.next_frame().unwrap().unwrap().body, b"small");
+        assert!(d.buf.capacity() <= KEEP_CAPACITY);
     }
 
     #[test]
