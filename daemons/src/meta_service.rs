@@ -954,3 +954,27 @@ pub fn watch_agents(agents: Vec<String>, opts: ClientOptions, every: Duration) {
         log::warn!("cannot start the agent check thread: {e}");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_secret_resumes_only_under_the_tenant_that_opened_it() {
+        let mut b = SessionBinding::default();
+        b.open(1, "engine", "victim", None);
+        let secret = b.new_secret(1).unwrap();
+        let owner = b.bound(1).unwrap().owner.clone();
+        // Another connection of the same tenant with the secret acts as the owner.
+        b.open(2, "engine", "victim", Some(&secret));
+        assert_eq!(b.bound(2).unwrap().owner, owner);
+        // A key holder of another tenant who learned the secret does not.
+        b.open(3, "engine", "attacker", Some(&secret));
+        let thief = b.bound(3).unwrap();
+        assert_ne!(thief.owner, owner);
+        assert_eq!(thief.tenant, "attacker");
+        // Nor does a declared client id by itself.
+        b.open(4, "engine", "victim", None);
+        assert_ne!(b.bound(4).unwrap().owner, owner);
+    }
+}
