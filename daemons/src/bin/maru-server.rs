@@ -106,12 +106,15 @@ struct Serve {
     #[arg(long, default_value = "4M")]
     chunk_size: String,
     /// A session that sends nothing for this long expires (its regions go to the keeper).
+    /// A region a session holds without storing in it goes back after a third of this
+    /// (0.2 to 10 s: about one heartbeat of its worker).
     #[arg(long, default_value_t = 30)]
     session_timeout_s: u64,
     /// A lease not released for this long ends.
     #[arg(long, default_value_t = 60)]
     lease_timeout_s: u64,
-    /// Most live sessions.
+    /// Most live sessions, all tenants together (each tenant's own limit is in
+    /// --tenants: max_sessions, 64 by default).
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Order of eviction victims: `prefix` (tails of prefix chains first) or `lru`
