@@ -338,14 +338,16 @@ impl MetaCore {
         let holdings = self.holdings();
         let pool_regions = self.regions.len();
         let held = self.regions_of(tenant);
-        if self.fair.must_yield(tenant, &holdings, pool_regions) {
+        let id = session.unwrap_or(0);
+        if self.fair.must_yield(id, tenant, &holdings, pool_regions) {
             // It holds its share: it does not wait for more, it evicts.
             if let Some(id) = session {
                 self.fair.done_waiting(id);
             }
             return Err(no_space(format!(
-                "tenant {tenant} holds its fair share of the full pool ({held} of {pool_regions} \
-                 regions) while other tenants wait for one: evict keys of its own regions"
+                "session {id} of tenant {tenant} holds its fair share of the full pool \
+                 (tenant: {held} of {pool_regions} regions) while other sessions wait for \
+                 one: evict keys of its own regions"
             )));
         }
         if let Some(cap) = self.region_cap(tenant).filter(|&cap| held >= cap) {

@@ -1,18 +1,22 @@
-//! A fair share of a full pool, counted per principal (tenant), not per session: a
-//! storing session that cannot get a region, while the keeper has nothing to give
-//! back, makes maru-server ask the tenant furthest above its share to give one region
-//! back. A tenant opening more sessions does not get more of the pool.
+//! A fair share of a full pool, counted per principal (tenant) first, then per
+//! session within a tenant: a storing session that cannot get a region, while the
+//! keeper has nothing to give back, makes maru-server ask for one region back — of the
+//! tenant furthest above its share, or, when no tenant is above its share, of the
+//! session of the waiter's own tenant furthest above its share of that tenant's
+//! regions. A tenant opening more sessions does not get more of the pool; the engines
+//! of one tenant share its regions as engines shared the pool before tenants.
 //!
-//! The share is the pool's regions (every region maru-server holds) divided by the
-//! storing tenants (those whose sessions hold a region, and those with a session
-//! waiting for one), rounded up, at least one. A tenant at its share does not take a
-//! new region while another tenant waits (its session evicts its own keys instead), so
-//! a region given back goes to the waiter. The tenant with the most regions above its
-//! share is asked, at the next heartbeat of the session holding it, for its region
-//! read longest ago that holds no pinned key; that session evicts it, releases it at
-//! its agent and returns it, as every return. One request is outstanding at a time;
-//! an unanswered one is asked again of whoever is then furthest above its share once
-//! `ask_timeout_ms` passed.
+//! A tenant's share is the pool's regions (every region maru-server holds) divided by
+//! the storing tenants (those whose sessions hold a region, and those with a session
+//! waiting for one), rounded up, at least one. A session's share is its tenant's
+//! regions divided by the tenant's storing sessions, rounded up, at least one. A
+//! tenant at its share does not take a new region while another tenant waits, nor a
+//! session at its share while another session of its tenant waits (it evicts its own
+//! keys instead), so a region given back goes to the waiter. The one asked gives, at
+//! the next heartbeat of the session holding it, its region read longest ago that holds
+//! no pinned key; that session evicts it, releases it at its agent and returns it, as
+//! every return. One request is outstanding at a time; an unanswered one is asked
+//! again of whoever is then furthest above its share once `ask_timeout_ms` passed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -51,6 +55,24 @@ fn per_tenant(holdings: &[Holding]) -> BTreeMap<&str, usize> {
         *m.entry(h.tenant.as_str()).or_insert(0) += h.regions.len();
     }
     m
+}
+
+/// Of `candidates`, the one with the most regions (`n`), then the region read longest
+/// ago that may be given back: (session, region).
+fn pick<'a>(candidates: impl Iterator<Item = (&'a Holding, usize)>) -> Option<(u64, u64)> {
+    candidates
+        .filter_map(|(h, n)| {
+            let (last_read, rid) = h
+                .regions
+                .iter()
+                .filter(|(_, _, may)| *may)
+                .map(|&(rid, read, _)| (read, rid))
+                .min()?;
+            // Most above its share first; then the region read longest ago.
+            Some((std::cmp::Reverse(n), last_read, h.session, rid))
+        })
+        .min()
+        .map(|(_, _, session, rid)| (session, rid))
 }
 
 impl FairShare {
@@ -110,17 +132,40 @@ impl FairShare {
         self.wanting.values().map(|(t, _)| t.as_str()).collect()
     }
 
-    /// Whether `tenant`, asking for a region, must let waiting tenants go first:
-    /// a session of another tenant waits for a region and this tenant holds its
-    /// share already. A region given back for a waiter is then not taken again by
-    /// whoever asks first (the tenant that gave it back, typically), which would only
+    /// Whether `session` of `tenant`, asking for a region, must let waiting sessions
+    /// go first: a session of another tenant waits and `tenant` holds its share
+    /// already, or another session of `tenant` waits and `session` holds its share of
+    /// the tenant's regions. A region given back for a waiter is then not taken again
+    /// by whoever asks first (the one that gave it back, typically), which would only
     /// move keys around.
-    pub fn must_yield(&self, tenant: &str, holdings: &[Holding], pool_regions: usize) -> bool {
-        if !self.wanting.values().any(|(t, _)| t != tenant) {
-            return false;
+    pub fn must_yield(
+        &self,
+        session: u64,
+        tenant: &str,
+        holdings: &[Holding],
+        pool_regions: usize,
+    ) -> bool {
+        let other_tenant_waits = self.wanting.values().any(|(t, _)| t != tenant);
+        if other_tenant_waits {
+            let held = per_tenant(holdings).get(tenant).copied().unwrap_or(0);
+            if held >= self.share(holdings, pool_regions) {
+                return true;
+            }
         }
-        let held = per_tenant(holdings).get(tenant).copied().unwrap_or(0);
-        held >= self.share(holdings, pool_regions)
+        let own_tenant_waits = self
+            .wanting
+            .iter()
+            .any(|(s, (t, _))| *s != session && t == tenant);
+        if own_tenant_waits {
+            let held = holdings
+                .iter()
+                .find(|h| h.session == session)
+                .map_or(0, |h| h.regions.len());
+            if held >= self.session_share(tenant, holdings) {
+                return true;
+            }
+        }
+        false
     }
 
     /// Storing tenants: those holding a region, those waiting, and `also` (a tenant
@@ -145,10 +190,24 @@ impl FairShare {
         pool_regions.div_ceil(storing.max(1)).max(1)
     }
 
+    /// A session's share of its tenant's regions: they ÷ the tenant's storing
+    /// sessions (holding a region, or waiting), rounded up, at least one.
+    pub fn session_share(&self, tenant: &str, holdings: &[Holding]) -> usize {
+        let mine = holdings.iter().filter(|h| h.tenant == tenant);
+        let regions: usize = mine.clone().map(|h| h.regions.len()).sum();
+        let storing = mine
+            .filter(|h| !h.regions.is_empty() && !self.wanting.contains_key(&h.session))
+            .count()
+            + self.wanting.values().filter(|(t, _)| t == tenant).count();
+        regions.div_ceil(storing.max(1)).max(1)
+    }
+
     /// Decides whether to ask a session for a region: forgets waiters that stopped
     /// asking `wait_ms` ago, keeps an outstanding ask younger than `ask_timeout_ms`,
     /// else picks the tenant furthest above its share and, of its regions that may go,
-    /// the one read longest ago. `pool_regions` counts every region maru-server holds.
+    /// the one read longest ago; with no tenant above its share, the session furthest
+    /// above its share of a waiting tenant's regions. `pool_regions` counts every
+    /// region maru-server holds.
     pub fn decide(
         &mut self,
         holdings: &[Holding],
@@ -170,29 +229,27 @@ impl FairShare {
         let share = self.share(holdings, pool_regions);
         let waiting = self.waiting_tenants();
         let held = per_tenant(holdings);
-        let ask = holdings
-            .iter()
-            .filter(|h| !waiting.contains(h.tenant.as_str()))
-            .filter_map(|h| {
-                let n = held.get(h.tenant.as_str()).copied().unwrap_or(0);
-                if n <= share {
-                    return None;
-                }
-                let (last_read, rid) = h
-                    .regions
-                    .iter()
-                    .filter(|(_, _, may)| *may)
-                    .map(|&(rid, read, _)| (read, rid))
-                    .min()?;
-                // Most above its share first; then the region read longest ago.
-                Some((std::cmp::Reverse(n), last_read, h.session, rid))
-            })
-            .min()
-            .map(|(_, _, session, region_id)| Ask {
-                session,
-                region_id,
-                at_ms: now_ms,
-            });
+        // First the tenants above their share (never a waiting one).
+        let across = pick(holdings.iter().filter_map(|h| {
+            let n = held.get(h.tenant.as_str()).copied().unwrap_or(0);
+            (!waiting.contains(h.tenant.as_str()) && n > share).then_some((h, n))
+        }));
+        // Then, within a waiting tenant, its sessions above their share (never a
+        // waiting session).
+        let within = || {
+            pick(holdings.iter().filter_map(|h| {
+                let n = h.regions.len();
+                let above = waiting.contains(h.tenant.as_str())
+                    && !self.wanting.contains_key(&h.session)
+                    && n > self.session_share(&h.tenant, holdings);
+                above.then_some((h, n))
+            }))
+        };
+        let ask = across.or_else(within).map(|(session, region_id)| Ask {
+            session,
+            region_id,
+            at_ms: now_ms,
+        });
         self.asked = ask;
         ask
     }
@@ -319,17 +376,17 @@ mod tests {
     fn a_session_at_its_share_yields_to_a_waiter() {
         let mut f = FairShare::default();
         let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
-        assert!(!f.must_yield("t1", &h, 4), "nobody waits");
+        assert!(!f.must_yield(1, "t1", &h, 4), "nobody waits");
         want(&mut f, 2, 0);
         // 4 regions, 2 storing tenants: a share of 2, which tenant t1 holds.
-        assert!(f.must_yield("t1", &h, 4));
+        assert!(f.must_yield(1, "t1", &h, 4));
         let below = [holding(1, &[(10, 0)]), holding(2, &[(20, 0)])];
         assert!(
-            !f.must_yield("t1", &below, 4),
+            !f.must_yield(1, "t1", &below, 4),
             "below its share it may grow"
         );
         assert!(
-            !f.must_yield("t2", &h, 4),
+            !f.must_yield(2, "t2", &h, 4),
             "the waiter itself never yields to itself"
         );
     }
@@ -353,13 +410,44 @@ mod tests {
             "its region read longest ago"
         );
         assert!(
-            f.must_yield("sybil", &h, 16),
+            f.must_yield(1, "sybil", &h, 16),
             "it holds more than its share"
         );
-        assert!(!f.must_yield("victim", &h, 16));
+        assert!(!f.must_yield(20, "victim", &h, 16));
         // Counted per session (the old rule) each sybil session held one region, under
         // a share of ceil(16/15) = 2, and nobody was asked.
         assert_eq!(f.storing_tenants(&h, Some("newcomer")), 3);
+    }
+
+    #[test]
+    fn sessions_of_one_tenant_share_its_regions_when_no_tenant_is_above_its_share() {
+        let mut f = FairShare::default();
+        // One tenant, three engines: A holds 3 regions, B 1, C none and waits.
+        let h = [
+            of("t", 1, &[(10, 5), (11, 1), (12, 9)]),
+            of("t", 2, &[(20, 0)]),
+            of("t", 3, &[]),
+        ];
+        f.want(3, "t", 0);
+        // 4 regions, 3 storing sessions of t: a session share of 2; A is above it.
+        assert_eq!(f.session_share("t", &h), 2);
+        let ask = f.decide(&h, 4, 0, 10_000, 5_000).expect("A is asked");
+        assert_eq!((ask.session, ask.region_id), (1, 11));
+        assert!(f.must_yield(1, "t", &h, 4), "A holds more than its share");
+        assert!(!f.must_yield(2, "t", &h, 4), "B is below it");
+        // Another tenant above its share goes first.
+        let mut g = FairShare::default();
+        let h2 = [
+            of("t", 1, &[(10, 5), (11, 1), (12, 9)]),
+            of("t", 3, &[]),
+            of("u", 4, &[(40, 7), (41, 8), (42, 3), (43, 2), (44, 6)]),
+        ];
+        g.want(3, "t", 0);
+        let ask = g.decide(&h2, 8, 0, 10_000, 5_000).unwrap();
+        assert_eq!(
+            ask.session, 4,
+            "tenant u holds 5 of 8 regions, its share is 4"
+        );
     }
 
     #[test]

@@ -435,6 +435,9 @@ fn the_rms_answer_decides_every_waiter_it_concerns() {
         assert_eq!(e.code, ErrorCode::NoSpace, "{e}");
     }
     // The RM is unreachable: every waiter hears "retry" from the one failure.
+    let mut w = World::with(config(&[]), REGION);
+    let a = w.open_without_region(W1);
+    let b = w.open_without_region(W2);
     let ta = w.send(W1, MetaRequest::Expand { session: a }).unwrap_err();
     let tb = w.send(W2, MetaRequest::Expand { session: b }).unwrap_err();
     let Some(super::Action::Alloc { alloc, .. }) = w.core.next_action() else {
