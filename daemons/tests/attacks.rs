@@ -1268,6 +1268,15 @@ fn code_of(r: Result<MetaReply, ClientError>) -> maru::wire::ErrorCode {
 /// tenant loads the victim's bytes, byte-exact, and the victim's own remove works.
 fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
     let t = tenanted(&format!("att-poison-{backend}"), "", &[]);
+    // A key the server does not hold is refused at the handshake, naming why.
+    let mut stranger = ClientOptions::new(META, "stranger");
+    stranger.key = Some(SharedKey::generate().unwrap());
+    match Client::connect(&t.server.addr, &stranger) {
+        Err(ClientError::Auth { message, .. }) => {
+            assert!(message.contains("not one this server accepts"), "{message}")
+        }
+        other => panic!("a stranger's key: {:?}", other.err()),
+    }
     let chunk = 1 << 20;
     let keys: Vec<String> = (0..8).map(|i| format!("{backend}-prompt-{i}")).collect();
     let victim_bytes: Vec<Vec<u8>> = (0..8)

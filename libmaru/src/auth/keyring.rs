@@ -156,17 +156,19 @@ impl Keyring {
         self.read().iter().map(|e| e.name.clone()).collect()
     }
 
-    /// The key a hello names by `key_id` (its name and the key). A hello naming none
-    /// gets the only key of a one-key ring (clients that predate key ids).
+    /// The key a hello names by `key_id` (its name and the key). A one-key ring
+    /// answers with its key whatever the hello names (or none, for clients that
+    /// predate key ids): the proof then tells a client with another key, as it always
+    /// did ("the peer does not hold the same key file").
     pub fn find(&self, key_id: Option<&str>) -> Result<(String, SharedKey), NoKey> {
         let entries = self.read();
-        let found = match key_id {
-            Some(id) => entries
+        let found = match (key_id, entries.as_slice()) {
+            (_, [only]) => only,
+            (Some(id), _) => entries
                 .iter()
                 .find(|e| crate::auth::ct_eq(e.id.as_bytes(), id.as_bytes()))
                 .ok_or_else(|| NoKey::Unknown(id.to_string()))?,
-            None if entries.len() == 1 => &entries[0],
-            None => {
+            (None, _) => {
                 return Err(NoKey::Unnamed {
                     keys: entries.len(),
                 })
@@ -201,9 +203,14 @@ mod tests {
             Err(NoKey::Unknown(_))
         ));
         assert_eq!(ring.find(None).unwrap_err(), NoKey::Unnamed { keys: 2 });
-        // A one-key ring serves clients that name no key.
+        // A one-key ring proves its key to whoever asks: clients that name no key, and
+        // clients with another key, which then fail the proof as before key ids.
         let one = Keyring::single(key(1));
         assert_eq!(one.find(None).unwrap().0, DEFAULT_KEY_NAME);
+        assert_eq!(
+            one.find(Some(&key(2).id())).unwrap().1.bytes(),
+            key(1).bytes()
+        );
     }
 
     #[test]
