@@ -72,12 +72,7 @@ pub fn parse(text: &str, dir: &Path) -> Result<Parsed, String> {
     let mut specs = Vec::with_capacity(f.tenants.len() + 1);
     let mut key_files = Vec::new();
     if !f.tenants.contains_key(DEFAULT_TENANT) {
-        specs.push(TenantSpec {
-            name: DEFAULT_TENANT.into(),
-            write: None,
-            read: Vec::new(),
-            limits: DEFAULT_TENANT_LIMITS,
-        });
+        specs.push(TenantSpec::unclaimed(DEFAULT_TENANT_LIMITS));
     }
     for (name, t) in &f.tenants {
         let is_default = name == DEFAULT_TENANT;

@@ -51,7 +51,6 @@ impl Rm {
             },
         })
     }
-
 }
 
 impl RmPort for Rm {
@@ -110,12 +109,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let tenants = Tenants::new(vec![
-        TenantSpec {
-            name: DEFAULT_TENANT.into(),
-            write: None,
-            read: Vec::new(),
-            limits: Default::default(),
-        },
+        TenantSpec::unclaimed(Default::default()),
         TenantSpec::writer("t2", &["ns2", "b*"]).expect("a tenant"),
     ])
     .expect("tenants");
@@ -131,9 +125,15 @@ fuzz_target!(|data: &[u8]| {
     let mut pending: Vec<(u64, u64)> = Vec::new();
     for (i, line) in rest.split(|&b| b == b'\n').take(48).enumerate() {
         let caller = if i % 3 == 2 {
-            Caller { owner: "w2", tenant: "t2" }
+            Caller {
+                owner: "w2",
+                tenant: "t2",
+            }
         } else {
-            Caller { owner: "w1", tenant: DEFAULT_TENANT }
+            Caller {
+                owner: "w1",
+                tenant: DEFAULT_TENANT,
+            }
         };
         if let Ok(env) = decode_json::<Envelope<MetaRequest>>(line) {
             let _ = core.handle(&caller, i as u64, env.body, now, &mut rm);

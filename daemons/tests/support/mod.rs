@@ -32,15 +32,19 @@ fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a String> {
         .and_then(|i| args.get(i + 1))
 }
 
-/// The key file of the RM at `addr`, if one was started here with a key.
-pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
-    RM_KEYS
-        .lock()
+/// The key file recorded in `keys` for the daemon at `addr` (the latest started there).
+fn key_of(keys: &Mutex<Vec<(String, PathBuf)>>, addr: &str) -> Option<PathBuf> {
+    keys.lock()
         .ok()?
         .iter()
         .rev()
         .find(|(a, _)| a == addr)
         .map(|(_, p)| p.clone())
+}
+
+/// The key file of the RM at `addr`, if one was started here with a key.
+pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
+    key_of(&RM_KEYS, addr)
 }
 
 /// The key of the RM at `addr` (see [`rm_key_path`]).
@@ -50,13 +54,7 @@ pub fn rm_key(addr: &str) -> Option<maru::auth::SharedKey> {
 
 /// The key file of the maru-server at `addr`, if one was started here with a key.
 pub fn server_key_path(addr: &str) -> Option<PathBuf> {
-    SERVER_KEYS
-        .lock()
-        .ok()?
-        .iter()
-        .rev()
-        .find(|(a, _)| a == addr)
-        .map(|(_, p)| p.clone())
+    key_of(&SERVER_KEYS, addr)
 }
 
 /// The key file of the maru-server at `addr` as a handler's `server_key_file`.

@@ -45,7 +45,7 @@ pub(crate) struct OpenArgs {
 }
 
 #[derive(Debug)]
-enum Want {
+pub(super) enum Want {
     /// A new session with its first region (the session is made when it comes).
     Open { args: OpenArgs, access: Access },
     /// One more region for the session.
@@ -190,8 +190,8 @@ impl MetaCore {
     }
 
     /// Checks that `caller` may take a region now, then parks the request until the
-    /// RM answers. `session`: the session expanding (None for an open).
-    fn park(
+    /// RM answers (for an expand, its session was checked to be the caller's).
+    pub(super) fn park(
         &mut self,
         caller: &Caller<'_>,
         ticket: Ticket,
@@ -227,31 +227,6 @@ impl MetaCore {
         });
         self.start_alloc();
         Ok(())
-    }
-
-    /// Parks an open with its first region.
-    pub(super) fn park_open(
-        &mut self,
-        caller: &Caller<'_>,
-        ticket: Ticket,
-        args: OpenArgs,
-        access: Access,
-        now_ms: u64,
-        rm: &mut dyn RmPort,
-    ) -> Result<(), WireError> {
-        self.park(caller, ticket, Want::Open { args, access }, now_ms, rm)
-    }
-
-    /// Parks an expand of `session` (checked to be the caller's).
-    pub(super) fn park_expand(
-        &mut self,
-        caller: &Caller<'_>,
-        ticket: Ticket,
-        session: u64,
-        now_ms: u64,
-        rm: &mut dyn RmPort,
-    ) -> Result<(), WireError> {
-        self.park(caller, ticket, Want::Expand { session }, now_ms, rm)
     }
 
     fn start_alloc(&mut self) {

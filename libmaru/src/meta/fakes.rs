@@ -189,6 +189,21 @@ impl AgentPort for FakeAgents {
     }
 }
 
+/// A publish entry of 1000 bytes of `key` at `offset` of the region.
+pub fn entry(key: &str, region_id: u64, offset: u64) -> PublishEntry {
+    PublishEntry {
+        key: key.into(),
+        region_id,
+        offset,
+        length: 1000,
+        prev: None,
+    }
+}
+
+pub fn strings(keys: &[&str]) -> Vec<String> {
+    keys.iter().map(|k| k.to_string()).collect()
+}
+
 pub fn config(agents: &[&str]) -> MetaConfig {
     MetaConfig {
         region_size: REGION,
@@ -256,12 +271,7 @@ impl World {
     /// where [`open`](Self::open) opens its sessions; the default tenant writes the
     /// rest.
     pub fn split_tenants(&mut self, clients: &[&str]) {
-        let mut specs = vec![super::TenantSpec {
-            name: DEFAULT_TENANT.into(),
-            write: None,
-            read: Vec::new(),
-            limits: Default::default(),
-        }];
+        let mut specs = vec![super::TenantSpec::unclaimed(Default::default())];
         for (i, c) in clients.iter().enumerate() {
             let t = format!("t{i}");
             specs.push(super::TenantSpec::writer(&t, &[&format!("ns-{t}")]).unwrap());

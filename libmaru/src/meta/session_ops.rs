@@ -1,7 +1,7 @@
 //! Sessions and their regions: open, expand (both wait for the RM in `alloc_ops`),
 //! heartbeat, return, close.
 
-use super::alloc_ops::OpenArgs;
+use super::alloc_ops::{OpenArgs, Want};
 use super::core::{Caller, MetaCore, Ticket};
 use super::errors::{bad_request, check_batch, internal, no_space, permission};
 use super::fair_share::{Ask, Holding};
@@ -55,7 +55,7 @@ impl MetaCore {
         }
         self.check_session_room(caller.tenant)?;
         if first_region && access == Access::Write {
-            self.park_open(caller, ticket, args, access, now_ms, rm)?;
+            self.park(caller, ticket, Want::Open { args, access }, now_ms, rm)?;
             return Ok(None);
         }
         Ok(Some(self.new_session(caller, &args, access, None, now_ms)))
@@ -83,7 +83,7 @@ impl MetaCore {
                 s.tenant
             )));
         }
-        self.park_expand(caller, ticket, id, now_ms, rm)?;
+        self.park(caller, ticket, Want::Expand { session: id }, now_ms, rm)?;
         Ok(None)
     }
 

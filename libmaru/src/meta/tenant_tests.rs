@@ -2,13 +2,20 @@
 //! rule, fake ports, time passed in.
 
 use super::fakes::*;
-use super::tenants::{NsPattern, TenantLimits, TenantSpec, Tenants, DEFAULT_TENANT};
-use crate::wire::meta::{Backend, MetaReply, MetaRequest, PublishEntry, RemoveResult};
+use super::tenants::{NsPattern, TenantLimits, TenantSpec, Tenants};
+use crate::wire::meta::{Backend, MetaReply, MetaRequest, RemoveResult};
 use crate::wire::{ErrorCode, WireError};
 
 const VICTIM: &str = "victim-engine:1";
 const READER: &str = "victim-reader:2";
 const ATTACKER: &str = "attacker:3";
+
+/// Default limits but for the one `f` changes.
+fn limits(f: impl FnOnce(&mut TenantLimits)) -> TenantLimits {
+    let mut l = TenantLimits::default();
+    f(&mut l);
+    l
+}
 
 fn spec(name: &str, write: &[&str], read: &[&str], limits: TenantLimits) -> TenantSpec {
     TenantSpec {
@@ -26,12 +33,7 @@ fn world(limits: TenantLimits) -> World {
     cfg.max_sessions = 64;
     let mut w = World::with(cfg, 16 * REGION);
     let tenants = Tenants::new(vec![
-        TenantSpec {
-            name: DEFAULT_TENANT.into(),
-            write: None,
-            read: Vec::new(),
-            limits: TenantLimits::default(),
-        },
+        TenantSpec::unclaimed(Default::default()),
         spec("victim", &["v-*"], &[], limits),
         spec("attacker", &["a-*"], &["v-*"], limits),
     ])
@@ -61,20 +63,6 @@ fn session(r: Result<MetaReply, WireError>) -> u64 {
         Ok(MetaReply::Session(s)) => s.session,
         other => panic!("open_session: {other:?}"),
     }
-}
-
-fn entry(key: &str, region_id: u64, offset: u64) -> PublishEntry {
-    PublishEntry {
-        key: key.into(),
-        region_id,
-        offset,
-        length: 1000,
-        prev: None,
-    }
-}
-
-fn keys(k: &[&str]) -> Vec<String> {
-    k.iter().map(|s| s.to_string()).collect()
 }
 
 #[test]
@@ -127,11 +115,11 @@ fn another_tenant_cannot_publish_pin_or_remove_in_a_victims_namespace() {
     for req in [
         MetaRequest::Pin {
             session: spy,
-            keys: keys(&["k0"]),
+            keys: strings(&["k0"]),
         },
         MetaRequest::Remove {
             session: spy,
-            keys: keys(&["k0"]),
+            keys: strings(&["k0"]),
         },
     ] {
         let e = w.req(ATTACKER, req).unwrap_err();
@@ -144,7 +132,7 @@ fn another_tenant_cannot_publish_pin_or_remove_in_a_victims_namespace() {
         VICTIM,
         MetaRequest::Remove {
             session: victim,
-            keys: keys(&["k1"]),
+            keys: strings(&["k1"]),
         },
     ) else {
         panic!("remove");
@@ -175,11 +163,7 @@ fn the_first_publish_wins_among_the_sessions_of_one_tenant() {
 
 #[test]
 fn sessions_count_per_tenant_opens_waiting_for_a_region_included() {
-    let limits = TenantLimits {
-        max_sessions: 2,
-        ..TenantLimits::default()
-    };
-    let mut w = world(limits);
+    let mut w = world(limits(|l| l.max_sessions = 2));
     session(open(&mut w, VICTIM, "v-1", false));
     // An open waiting for its region counts.
     let waiting = w
@@ -208,11 +192,7 @@ fn sessions_count_per_tenant_opens_waiting_for_a_region_included() {
 
 #[test]
 fn pins_count_per_tenant_across_its_sessions() {
-    let limits = TenantLimits {
-        max_pins: 3,
-        ..TenantLimits::default()
-    };
-    let mut w = world(limits);
+    let mut w = world(limits(|l| l.max_pins = 3));
     let a = session(open(&mut w, VICTIM, "v-1", true));
     w.store(VICTIM, a, &["k0", "k1", "k2", "k3"]);
     let b = session(open(&mut w, READER, "v-1", false));
@@ -221,7 +201,7 @@ fn pins_count_per_tenant_across_its_sessions() {
             c,
             MetaRequest::Pin {
                 session: s,
-                keys: keys(k),
+                keys: strings(k),
             },
         )
     };
@@ -263,11 +243,7 @@ fn a_tenant_gets_no_more_than_its_share_however_many_sessions_it_opens() {
 
 #[test]
 fn max_regions_caps_a_tenant_even_alone() {
-    let limits = TenantLimits {
-        max_regions: 2,
-        ..TenantLimits::default()
-    };
-    let mut w = world(limits);
+    let mut w = world(limits(|l| l.max_regions = 2));
     let v = session(open(&mut w, VICTIM, "v-1", true));
     w.expand(VICTIM, v).unwrap();
     let e = w.expand(VICTIM, v).unwrap_err();
@@ -397,11 +373,7 @@ fn a_region_nobody_waits_for_any_more_goes_back() {
 
 #[test]
 fn requests_waiting_for_a_region_are_bounded_per_tenant() {
-    let limits = TenantLimits {
-        max_parked: 2,
-        ..TenantLimits::default()
-    };
-    let mut w = world(limits);
+    let mut w = world(limits(|l| l.max_parked = 2));
     let v = session(open(&mut w, VICTIM, "v-1", false));
     for _ in 0..2 {
         w.send(VICTIM, MetaRequest::Expand { session: v })
@@ -465,12 +437,7 @@ fn reloaded_tenants_end_sessions_whose_access_changed() {
     let a = session(open(&mut w, ATTACKER, "a-1", false));
     // The operator takes the victim tenant out of the tenants file.
     let tenants = Tenants::new(vec![
-        TenantSpec {
-            name: DEFAULT_TENANT.into(),
-            write: None,
-            read: Vec::new(),
-            limits: TenantLimits::default(),
-        },
+        TenantSpec::unclaimed(Default::default()),
         spec("attacker", &["a-*"], &[], TenantLimits::default()),
     ])
     .unwrap();
@@ -480,7 +447,7 @@ fn reloaded_tenants_end_sessions_whose_access_changed() {
             VICTIM,
             MetaRequest::Exists {
                 session: v,
-                keys: keys(&["k"]),
+                keys: strings(&["k"]),
             },
         )
         .unwrap_err();

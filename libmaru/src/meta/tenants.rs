@@ -128,6 +128,17 @@ pub struct TenantSpec {
 }
 
 impl TenantSpec {
+    /// The default tenant (maru-server's own key), writing every namespace no other
+    /// tenant writes.
+    pub fn unclaimed(limits: TenantLimits) -> TenantSpec {
+        TenantSpec {
+            name: DEFAULT_TENANT.to_string(),
+            write: None,
+            read: Vec::new(),
+            limits,
+        }
+    }
+
     /// A tenant writing `write` (and reading it), with default limits.
     pub fn writer(name: &str, write: &[&str]) -> Result<TenantSpec, ConfigError> {
         Ok(TenantSpec {
@@ -181,12 +192,7 @@ impl Default for Tenants {
     /// The default tenant alone, writing every namespace.
     fn default() -> Self {
         Tenants {
-            specs: vec![TenantSpec {
-                name: DEFAULT_TENANT.to_string(),
-                write: None,
-                read: Vec::new(),
-                limits: DEFAULT_TENANT_LIMITS,
-            }],
+            specs: vec![TenantSpec::unclaimed(DEFAULT_TENANT_LIMITS)],
         }
     }
 }
