@@ -698,9 +698,11 @@ impl MetaService {
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
+        // Every connection is bound at its handshake; one that is not gets no tenant
+        // (no namespace opens for it), never the default tenant's rights.
         let bound = self.binding.bound(conn).cloned().unwrap_or_else(|| Bound {
             owner: format!("{client_id}#{conn}"),
-            tenant: DEFAULT_TENANT.to_string(),
+            tenant: String::new(),
         });
         let caller = Caller {
             owner: &bound.owner,
