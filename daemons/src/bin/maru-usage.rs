@@ -903,6 +903,7 @@ mod tests {
             length: 64 << 20,
             requested: 64 << 20,
             state: "allocated".into(),
+            token: None,
             holds: vec![],
         };
         let snap = Snapshot {
