@@ -68,7 +68,7 @@ mod keeper_tests;
 mod tenant_tests;
 
 pub use self::config::{
-    heartbeat_ms, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
+    heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
 pub use self::core::{Action, Caller, MetaCore, Ticket};
 pub use self::durable::Recovered;
