@@ -178,6 +178,15 @@ impl Daemon {
             .unwrap_or(0)
     }
 
+    /// Sends `sig` to the process (`libc::SIGSTOP` stalls it as a swapping or busy
+    /// node would: its sockets still accept connections and take bytes, nothing
+    /// answers; `libc::SIGCONT` lets it go on).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child this test started and still owns.
+        let r = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(r, 0, "kill({}, {sig})", self.child.id());
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -329,11 +338,24 @@ pub fn stack_with(
     agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
     server_args: &[String],
 ) -> Stack {
-    use maru::auth::{keyfile::write_new_key_file, SharedKey};
+    let key = maru::auth::SharedKey::generate().unwrap();
+    stack_keyed(tag, pool_size, remote, &key, agent_extra, server_args)
+}
+
+/// As [`stack_with`], with the agent key `key` (stacks that one handler reaches
+/// share it: a handler has one agent key file).
+pub fn stack_keyed(
+    tag: &str,
+    pool_size: &str,
+    remote: bool,
+    key: &maru::auth::SharedKey,
+    agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
+    server_args: &[String],
+) -> Stack {
     let mut s = Scratch::new(tag);
     let pool = s.fake_dax("pool");
     let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
+    maru::auth::keyfile::write_new_key_file(&key_path, key).unwrap();
     let rm = Daemon::start(RM_BIN, &rm_args(&s, &pool, pool_size), &s.dir);
     let mut agent_args = agent_args(&rm.addr, &key_path, &pool);
     agent_args.extend(agent_extra(&s));

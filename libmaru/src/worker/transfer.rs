@@ -10,11 +10,12 @@
 //! its flushed completions drained, or the soft reader stopped) is the proof that no
 //! DMA touches them any more.
 
+use super::clock::Deadline;
 use super::staging::Slot;
 use crate::transport::{BatchId, BatchState, Op, PeerId, Transport, TransportError};
 use std::collections::BTreeSet;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One peer's part of a transfer.
 pub struct PeerBatch {
@@ -118,9 +119,10 @@ impl Isolation {
         }
     }
 
-    /// Fences `peer` at the transport and records the outcome.
-    pub fn fence(&self, t: &dyn Transport, peer: PeerId) -> bool {
-        let r = t.fence(peer);
+    /// Fences `peer` at the transport (waiting for its proof until `by`) and records
+    /// the outcome.
+    pub fn fence(&self, t: &dyn Transport, peer: PeerId, by: Deadline) -> bool {
+        let r = t.fence_within(peer, by.left());
         if let Err(e) = &r {
             log::warn!("fence of peer {} failed: {e}", peer.0);
         }
@@ -142,11 +144,12 @@ impl Isolation {
         n
     }
 
-    /// Fences every peer with kept slots (or unconfirmed WRITEs) not fenced yet, and
-    /// gives back the slots of every peer whose fence succeeded. Returns the peers
-    /// fenced: they must be connected again before use. A peer whose fence fails keeps
-    /// its slots (and is tried again next time).
-    pub fn reclaim(&self, t: &dyn Transport) -> Vec<PeerId> {
+    /// Fences every peer with kept slots (or unconfirmed WRITEs) not fenced yet (the
+    /// fences wait for their proof until `by`), and gives back the slots of every peer
+    /// whose fence succeeded. Returns the peers fenced: they must be connected again
+    /// before use. A peer whose fence fails keeps its slots (and is tried again next
+    /// time).
+    pub fn reclaim(&self, t: &dyn Transport, by: Deadline) -> Vec<PeerId> {
         let todo: Vec<PeerId> = {
             let st = self.lock();
             let mut p: Vec<PeerId> = st.kept.iter().map(|(p, _)| *p).collect();
@@ -158,7 +161,7 @@ impl Isolation {
         };
         let mut fenced = Vec::new();
         for peer in todo {
-            if self.fence(t, peer) {
+            if self.fence(t, peer, by) {
                 fenced.push(peer);
             }
         }
@@ -187,7 +190,7 @@ pub fn execute(
     timeout: Duration,
     iso: &Isolation,
 ) -> Vec<PeerOutcome> {
-    post(t, batches, timeout).finish(t, iso)
+    post(t, batches, Deadline::after(timeout)).finish(t, iso)
 }
 
 /// A transfer whose batches are on their way: [`Posted::finish`] waits for them and
@@ -196,19 +199,17 @@ pub fn execute(
 #[must_use = "a posted transfer owns its slots until it is finished"]
 pub struct Posted {
     parts: Vec<PostedPart>,
-    deadline: Instant,
+    deadline: Deadline,
 }
 
 /// One peer's batch as posted, or why it could not be, with its slots.
 type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
 
-/// Posts every peer's batch; each must complete within `timeout` of now.
-#[allow(clippy::disallowed_methods)] // a driver: the deadline starts now
-pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, timeout: Duration) -> Posted {
-    let deadline = Instant::now() + timeout;
+/// Posts every peer's batch; each must complete by `deadline`.
+pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadline) -> Posted {
     let parts = batches
         .into_iter()
-        .map(|b| match t.post(b.peer, &b.ops) {
+        .map(|b| match t.post_within(b.peer, &b.ops, deadline.left()) {
             Ok(id) => Ok((b, id)),
             // Nothing was sent for this peer: its slots come back with the outcome.
             Err(e) => Err((e, b.slots)),
@@ -220,7 +221,6 @@ pub fn post(t: &dyn Transport, batches: Vec<PeerBatch>, timeout: Duration) -> Po
 impl Posted {
     /// Waits for every peer's batch until the deadline set when it was posted; a peer
     /// still pending then keeps its slots in `iso` until it is fenced.
-    #[allow(clippy::disallowed_methods)] // a driver: waits until the deadline
     pub fn finish(mut self, t: &dyn Transport, iso: &Isolation) -> Vec<PeerOutcome> {
         let deadline = self.deadline;
         std::mem::take(&mut self.parts)
@@ -228,8 +228,7 @@ impl Posted {
             .map(|p| match p {
                 Err((e, slots)) => PeerOutcome::Failed(e, slots),
                 Ok((b, id)) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match t.wait(id, left) {
+                    match t.wait(id, deadline.left()) {
                         BatchState::Done => {
                             t.forget(id);
                             PeerOutcome::Done(b.slots)
@@ -285,6 +284,11 @@ mod tests {
     use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
     use std::collections::{HashMap, HashSet};
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A deadline for fences of the fake transport (which answer at once).
+    fn soon() -> Deadline {
+        Deadline::after(Duration::from_secs(1))
+    }
 
     /// A transport whose peers either complete at once, fail, or never answer until fenced.
     #[derive(Default)]
@@ -406,7 +410,7 @@ mod tests {
                 12 - kept_n,
                 "only the silent peer's slots are kept"
             );
-            assert_eq!(iso.reclaim(&t), vec![PeerId(silent_peer)]);
+            assert_eq!(iso.reclaim(&t, soon()), vec![PeerId(silent_peer)]);
             assert_eq!(*t.fenced.lock().unwrap(), vec![PeerId(silent_peer)]);
             assert_eq!(iso.kept_slots(), 0);
             assert_eq!(
@@ -454,7 +458,7 @@ mod tests {
         drop(out);
         assert_eq!(st.free(SlotPool::Load), 6);
         assert_eq!(iso.kept_slots(), 0);
-        assert!(iso.reclaim(&t).is_empty());
+        assert!(iso.reclaim(&t, soon()).is_empty());
     }
 
     fn one_kept(st: &StagingSlots, t: &FaultTransport, iso: &Isolation, peer: u64) {
@@ -478,17 +482,17 @@ mod tests {
         one_kept(&st, &t, &iso, 0);
         // The fence fails (flushed completions did not drain): the slots stay kept.
         *t.fence_err.lock().unwrap() = Some(TransportError::Setup("flush did not drain".into()));
-        assert!(iso.reclaim(&t).is_empty());
+        assert!(iso.reclaim(&t, soon()).is_empty());
         assert_eq!(iso.kept_slots(), 2);
         assert!(iso.may_still_write());
         // The transport forgot the failed peer: "no such peer" is no proof of quiet.
         *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(0)));
-        assert!(iso.reclaim(&t).is_empty(), "NoPeer is not a fence");
+        assert!(iso.reclaim(&t, soon()).is_empty(), "NoPeer is not a fence");
         assert_eq!(iso.kept_slots(), 2);
         assert_eq!(st.free(SlotPool::Load), 2);
         // A fence that succeeds gives them back, exactly once.
         *t.fence_err.lock().unwrap() = None;
-        assert_eq!(iso.reclaim(&t), vec![PeerId(0)]);
+        assert_eq!(iso.reclaim(&t, soon()), vec![PeerId(0)]);
         assert_eq!(iso.kept_slots(), 0);
         assert_eq!(st.free(SlotPool::Load), 4);
         assert!(!iso.may_still_write());
@@ -511,7 +515,7 @@ mod tests {
         // The peer was fenced when its batch failed (recorded), then forgotten.
         assert!(iso.record_fence(PeerId(3), &Ok(())));
         *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(3)));
-        iso.reclaim(&t);
+        iso.reclaim(&t, soon());
         assert_eq!(st.free(SlotPool::Load), 4, "the recorded fence proves it");
         assert!(t.fenced.lock().unwrap().is_empty(), "no second fence");
     }
@@ -526,10 +530,10 @@ mod tests {
             "the target may still apply what it read"
         );
         *t.fence_err.lock().unwrap() = Some(TransportError::NoPeer(PeerId(5)));
-        iso.reclaim(&t);
+        iso.reclaim(&t, soon());
         assert!(iso.may_still_write());
         *t.fence_err.lock().unwrap() = None;
-        iso.reclaim(&t);
+        iso.reclaim(&t, soon());
         assert!(!iso.may_still_write());
     }
 }

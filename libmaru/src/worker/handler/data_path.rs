@@ -160,6 +160,7 @@ impl Inner {
             )),
         };
         Ok(StoragePool::open(session, mover)?
+            .with_timeout(self.timeout())
             .with_spare_pages(crate::worker::pool::SPARE_PAGES)
             .with_max_bytes(self.cfg.max_bytes))
     }

@@ -9,6 +9,7 @@ mod remote;
 pub use cxl::CxlMover;
 pub use remote::RemoteMover;
 
+use super::clock::Deadline;
 use super::error::WorkerError;
 use super::prefault::PrefaultStats;
 use super::staging::Slot;
@@ -66,16 +67,21 @@ impl std::fmt::Debug for View {
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
 /// Transfers that run without the pool's mover lock, side by side with other requests
-/// (see `Mover::transfers`), and the adoption of a region and the tick, whose round
-/// trips to agents must not hold the pool's other users of the mover (requests,
-/// publishes, the heartbeat). Same meaning as the `Mover` methods of the same names.
+/// (see `Mover::transfers`), and the adoption of a region and the tick (probes, maps
+/// again, fences of kept slots), whose round trips to agents and fences must not hold
+/// the pool's other users of the mover (requests, publishes, the heartbeat). Same meaning as
+/// the `Mover` methods of the same names; every wait on an agent (connect,
+/// handshake, call, transfer, fence) made for a request ends by the request's
+/// deadline `by`.
 pub trait Transfers: Send + Sync {
-    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError>;
+    fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError>;
     fn tick(&self, now_ms: u64) -> Vec<u64>;
-    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool>;
-    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome>;
-    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome>;
+    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool>;
+    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome>;
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline);
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome>;
+    /// Asks every agent of own regions who it is now (before a drained close).
+    fn check_agents(&self, now_ms: u64);
 }
 
 pub trait Mover: Send {
@@ -156,8 +162,6 @@ pub trait Mover: Send {
     /// back): write nothing more into it and forget it. Nothing is released: the
     /// region is no longer this session's to release.
     fn forget_region(&mut self, region_id: u64);
-    /// Gives back slots of transfers whose peer can now be fenced.
-    fn reclaim(&mut self) {}
     /// True while a transfer of unknown outcome could still land somewhere (a peer
     /// that timed out could not be fenced yet): pages of failed writes must not be
     /// reused then.

@@ -102,7 +102,7 @@ impl StoragePool {
             ));
         }
         // The pages are marked as being written (`writing`) from here on.
-        let taken = self.take_pages(n, route_key)?;
+        let taken = self.take_pages(n, route_key, self.deadline())?;
         let size = self.page_size() as usize;
         let mut out = Vec::with_capacity(taken.pages.len());
         let mut unusable = Vec::new();

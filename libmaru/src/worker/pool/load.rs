@@ -5,6 +5,7 @@
 
 use super::{DataPath, LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{ReadSink, SlotOutcome, View};
 use crate::worker::staging::Slot;
@@ -13,16 +14,21 @@ impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
     /// during the call). Chunks not handed over missed or failed.
     pub fn load(&self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+        let by = self.deadline();
         let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
-                p.read_each(grants, &mut |k, b| {
-                    hits += 1;
-                    bytes += b.len() as u64;
-                    sink(base + lease_ix[k], b)
-                });
+            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
+                p.read_each(
+                    grants,
+                    &mut |k, b| {
+                        hits += 1;
+                        bytes += b.len() as u64;
+                        sink(base + lease_ix[k], b)
+                    },
+                    by,
+                );
             })?;
             base = end;
         }
@@ -33,9 +39,9 @@ impl StoragePool {
     /// Reads each lease's bytes and hands them to `sink(i, bytes)`: on `cxl` from
     /// views without the mover's lock, on `remote_cxl` through its transfers (see
     /// `write_items`).
-    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
         match self.data_path() {
-            DataPath::Transfers(t) => return t.read(leases, sink),
+            DataPath::Transfers(t) => return t.read(leases, sink, by),
             DataPath::Mover => return self.mover().read(leases, sink),
             DataPath::Direct => {}
         }
@@ -48,9 +54,9 @@ impl StoragePool {
     }
 
     /// Reads each lease into the slot of the same index (see `read_each`).
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
         match self.data_path() {
-            DataPath::Transfers(t) => return t.read_into(leases, slots),
+            DataPath::Transfers(t) => return t.read_into(leases, slots, by),
             DataPath::Mover => return self.mover().read_into(leases, slots),
             DataPath::Direct => {}
         }
@@ -80,6 +86,7 @@ impl StoragePool {
         keys: &[String],
         slots: &mut [Option<Slot>],
     ) -> Result<Vec<Option<usize>>, WorkerError> {
+        let by = self.deadline();
         let mut out = vec![None; keys.len()];
         let mut found = 0;
         let mut base = 0;
@@ -87,7 +94,7 @@ impl StoragePool {
             let end = (base + self.max_batch).min(keys.len());
             let part = &mut slots[base..end];
             let got = &mut out[base..end];
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
+            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
                 let mut ls = Vec::with_capacity(grants.len());
                 let mut gs = Vec::with_capacity(grants.len());
                 let mut ix = Vec::with_capacity(grants.len());
@@ -98,7 +105,7 @@ impl StoragePool {
                         ix.push(i);
                     }
                 }
-                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls)) {
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls, by)) {
                     if o.ok {
                         got[i] = Some(g.length as usize);
                     }
@@ -125,12 +132,13 @@ impl StoragePool {
     pub(super) fn load_some(
         &self,
         keys: &[String],
+        by: Deadline,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
         let leases = self.session.acquire(keys)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
-        read(&found, &grants, self);
+        read(&found, &grants, self, by);
         let err = self.mover().take_read_error();
         if let Some(e) = err {
             self.book().stats.last_load_error = Some(e);

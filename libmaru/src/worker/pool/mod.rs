@@ -24,6 +24,7 @@ mod load;
 pub mod session;
 mod store;
 
+use super::clock::Deadline;
 use super::error::WorkerError;
 use super::movers::{Mover, Transfers};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
@@ -31,6 +32,10 @@ pub use in_place::{InPlacePage, InPlaceWrite};
 use session::Session;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+/// A request's timeout unless `with_timeout` says otherwise (`timeout_ms`'s default).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
@@ -122,10 +127,12 @@ pub const EVICT_AHEAD_BYTES: u64 = 32 << 20;
 /// Pages evicted ahead at least.
 pub const EVICT_AHEAD_PAGES: usize = 16;
 
-/// Writes the batch items `(index, page)` through the pool; true where complete.
-type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
-/// Reads the found items (their batch indices and leases) through the pool.
-type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool) + 'r;
+/// Writes the batch items `(index, page)` through the pool, by the request's
+/// deadline; true where complete.
+type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)], Deadline) -> Vec<bool> + 'w;
+/// Reads the found items (their batch indices and leases) through the pool, by the
+/// request's deadline.
+type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool, Deadline) + 'r;
 /// A test hook run between a store's copy and its publish (see `before_publish`).
 pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
 /// A test hook run before the mover adopts a region the session took (see
@@ -185,6 +192,9 @@ pub struct StoragePool {
     spare_target: usize,
     /// Most regions the session takes (`max_bytes`); none: no limit.
     max_regions: Option<u64>,
+    /// A request's timeout (`timeout_ms`): its waits on agents (connects, calls,
+    /// transfers, fences) end this long after it started (see `Deadline`).
+    timeout: Duration,
     before_publish: Option<BeforePublish>,
     before_adopt: Option<BeforeAdopt>,
 }
@@ -218,6 +228,7 @@ impl StoragePool {
             max_batch,
             spare_target: 0,
             max_regions: None,
+            timeout: DEFAULT_TIMEOUT,
             before_publish: None,
             before_adopt: None,
         };
@@ -256,6 +267,18 @@ impl StoragePool {
     pub fn with_spare_pages(mut self, n: usize) -> StoragePool {
         self.spare_target = n;
         self
+    }
+
+    /// Bounds each request's waits on agents by `timeout` from its start (10 s by
+    /// default, as `timeout_ms`).
+    pub fn with_timeout(mut self, timeout: Duration) -> StoragePool {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The deadline of a request starting now.
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.timeout)
     }
 
     /// Holds at most `max_bytes` of regions (whole regions, at least one; 0: no
@@ -338,8 +361,7 @@ impl StoragePool {
 
     fn heartbeat_gated(&self) -> Result<(), WorkerError> {
         let (boots, regions) = {
-            let mut m = self.mover();
-            m.reclaim();
+            let m = self.mover();
             let boots = m.boot_ids();
             let regions = m
                 .own_regions()
@@ -481,7 +503,11 @@ impl StoragePool {
     pub fn close(&self) -> Result<(), WorkerError> {
         // maru-server hears the boot ids at a drained close too (the keeper compares
         // them): ask the agents first, so a reboot not seen yet is reported now.
-        self.mover().check_agents(super::clock::now_ms());
+        let now = super::clock::now_ms();
+        match self.data_path() {
+            DataPath::Transfers(t) => t.check_agents(now),
+            DataPath::Direct | DataPath::Mover => self.mover().check_agents(now),
+        }
         if let Err(e) = self.heartbeat() {
             log::warn!(
                 "pool {}: heartbeat before close failed: {e}",

@@ -13,7 +13,7 @@ use super::{
     region_pages, DataPath, PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES,
 };
 use crate::wire::meta::{PageGrant, PublishEntry, RegionGrant, RemoveResult};
-use crate::worker::clock::now_ms;
+use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
 use crate::worker::staging::Slot;
@@ -36,6 +36,29 @@ const ROOM_ROUNDS: usize = 8;
 /// after it takes the region given back.
 const EXPAND_BACKOFF_MS: u64 = 250;
 
+/// Why `grow` took no region.
+#[derive(Debug)]
+enum NoRegion {
+    /// maru-server had none to give, or the session holds `max_bytes`: room is made
+    /// by evicting.
+    Full(String),
+    /// One was taken and could not be made usable by the request's deadline (its
+    /// agent did not answer, say): it went back, and this store goes on without it.
+    Unusable(WorkerError),
+    /// A call failed (maru-server, or the configuration).
+    Failed(WorkerError),
+}
+
+impl std::fmt::Display for NoRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoRegion::Full(why) => f.write_str(why),
+            NoRegion::Unusable(e) => write!(f, "a region taken is not usable: {e}"),
+            NoRegion::Failed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
 /// The pages a store took and, per region, its boot id when they were taken.
 pub(super) struct Taken {
     pub(super) pages: Vec<PageGrant>,
@@ -51,8 +74,9 @@ impl StoragePool {
         &self,
         need: usize,
         route_key: Option<&str>,
+        by: Deadline,
     ) -> Result<Taken, WorkerError> {
-        let mut pages = self.find_pages(need, route_key)?;
+        let mut pages = self.find_pages(need, route_key, by)?;
         let boots = {
             let m = self.mover();
             let now = m.boot_ids();
@@ -74,6 +98,7 @@ impl StoragePool {
         &self,
         need: usize,
         route_key: Option<&str>,
+        by: Deadline,
     ) -> Result<Vec<PageGrant>, WorkerError> {
         let mut pages: Vec<PageGrant> = {
             let mut b = self.book();
@@ -86,7 +111,7 @@ impl StoragePool {
         let short = need - pages.len();
         let ask = (short + self.spare_target).min(self.max_batch.max(short));
         let (got, _) = self.alloc(ask as u32, route_key)?;
-        self.note_fill(&got);
+        self.note_fill(&got, by);
         let mut got = got.into_iter();
         pages.extend(got.by_ref().take(short));
         self.book().spare.extend(got);
@@ -98,9 +123,17 @@ impl StoragePool {
         while missing > 0 {
             // The session's regions are full: one more region, or else room made by
             // evicting keys of its own regions; then the rest.
-            let why = match self.grow() {
+            let why = match self.grow(by) {
                 Ok(()) => None,
-                Err(WorkerError::NoSpace(why)) => {
+                Err(NoRegion::Unusable(e)) => {
+                    log::warn!(
+                        "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server",
+                        self.session.url
+                    );
+                    break;
+                }
+                Err(NoRegion::Failed(e)) => return Err(e),
+                Err(NoRegion::Full(why)) => {
                     let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
                     let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
                     if freed == 0 {
@@ -111,7 +144,6 @@ impl StoragePool {
                     }
                     (freed == 0).then_some(why)
                 }
-                Err(e) => return Err(e),
             };
             // Other stores of this pool may have taken the room made here as their
             // spare pages (the pool's, so this store's too): those first.
@@ -125,7 +157,7 @@ impl StoragePool {
             pages.extend(spare);
             if missing > 0 {
                 let (more, m) = self.alloc(missing, route_key)?;
-                self.note_fill(&more);
+                self.note_fill(&more, by);
                 got_none &= more.is_empty() && m == missing;
                 pages.extend(more);
                 missing = m;
@@ -171,19 +203,19 @@ impl StoragePool {
     }
 
     /// One more region for the session, within `max_bytes` (counting the regions
-    /// other stores are taking now).
-    fn grow(&self) -> Result<(), WorkerError> {
+    /// other stores are taking now), made usable by `by`.
+    fn grow(&self, by: Deadline) -> Result<(), NoRegion> {
         let now = now_ms();
         {
             let mut b = self.book();
             if !self.may_grow(&b) {
-                return Err(WorkerError::NoSpace(format!(
+                return Err(NoRegion::Full(format!(
                     "the engine holds max_bytes of regions ({} of them)",
                     b.stats.regions
                 )));
             }
             if let Some(at) = b.refused_at.filter(|&at| now < at + EXPAND_BACKOFF_MS) {
-                return Err(WorkerError::NoSpace(format!(
+                return Err(NoRegion::Full(format!(
                     "maru-server had no region to give {} ms ago (asked again {} ms after that)",
                     now.saturating_sub(at),
                     EXPAND_BACKOFF_MS
@@ -193,12 +225,36 @@ impl StoragePool {
         }
         let r = {
             let _alone = self.adopting.write().unwrap_or_else(|e| e.into_inner());
-            self.session.expand().and_then(|g| self.adopt(&g))
+            self.session
+                .expand()
+                .map(|g| (self.adopt(&g, by), g.handle.region_id))
         };
-        let mut b = self.book();
-        b.expanding = b.expanding.saturating_sub(1);
-        b.refused_at = matches!(r, Err(WorkerError::NoSpace(_))).then_some(now);
-        r
+        {
+            let mut b = self.book();
+            b.expanding = b.expanding.saturating_sub(1);
+            b.refused_at = matches!(r, Err(WorkerError::NoSpace(_))).then_some(now);
+        }
+        match r {
+            Ok((Ok(()), _)) => Ok(()),
+            Err(WorkerError::NoSpace(why)) => Err(NoRegion::Full(why)),
+            Err(e) => Err(NoRegion::Failed(e)),
+            Ok((Err(e), id)) => {
+                // The session has the region, the mover could not map it (its agent
+                // did not answer by the request's deadline, say): it goes back at
+                // once (maru-server's keeper releases it at its agent), so that no
+                // store gets pages of a region no mover knows.
+                if let Err(re) = self.session.return_region(id, false) {
+                    log::warn!(
+                        "pool {}: region {id}, taken and not made usable, could not be given back ({re})",
+                        self.session.url
+                    );
+                }
+                match e {
+                    WorkerError::Config(_) => Err(NoRegion::Failed(e)),
+                    e => Err(NoRegion::Unusable(e)),
+                }
+            }
+        }
     }
 
     /// Removes up to `want` keys of the session's own regions, in the order
@@ -239,14 +295,14 @@ impl StoragePool {
             .is_none_or(|m| b.stats.regions + b.expanding < m)
     }
 
-    pub(super) fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
+    pub(super) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         if let Some(f) = &self.before_adopt {
             f(grant);
         }
         // remote_cxl maps the region at its agent without the mover's lock, which
         // publishes and the heartbeat take (`Transfers::adopt`); cxl maps it locally.
         match self.data_path() {
-            DataPath::Transfers(t) => t.adopt(grant)?,
+            DataPath::Transfers(t) => t.adopt(grant, by)?,
             DataPath::Direct | DataPath::Mover => self.mover().adopt(grant)?,
         }
         let mut b = self.book();
@@ -258,7 +314,7 @@ impl StoragePool {
     /// Remembers how far stores got into the newest region, and takes the next
     /// region ahead when they reach its second half (once per region, best effort:
     /// a pool without space answers the store that needs the region).
-    pub(super) fn note_fill(&self, pages: &[PageGrant]) {
+    pub(super) fn note_fill(&self, pages: &[PageGrant], by: Deadline) {
         if !self.mover().wants_lead() {
             return;
         }
@@ -279,7 +335,7 @@ impl StoragePool {
             // Set before the round trip: one store takes the region ahead.
             b.lead_tried = Some(rid);
         }
-        match self.grow() {
+        match self.grow(by) {
             Ok(()) => self.book().stats.regions_ahead += 1,
             Err(e) => log::debug!(
                 "pool {}: no region taken ahead ({e}); the next store that needs one asks again",
@@ -324,9 +380,9 @@ impl StoragePool {
     /// and settle a window (`Mover::transfers`). On `cxl` each chunk is copied through its region's mapping without any pool lock; the
     /// mapping is looked up (briefly under the mover's lock) chunk by chunk, so no
     /// copy starts into a region after it was lost or given back.
-    pub(super) fn write_items(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
+    pub(super) fn write_items(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         match self.data_path() {
-            DataPath::Transfers(t) => return t.write(items),
+            DataPath::Transfers(t) => return t.write(items, by),
             DataPath::Mover => return self.mover().write(items),
             DataPath::Direct => {}
         }
@@ -348,9 +404,9 @@ impl StoragePool {
     }
 
     /// Writes from the caller's staging slots (see `write_items`).
-    pub(super) fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+    pub(super) fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
         match self.data_path() {
-            DataPath::Transfers(t) => return t.write_slots(items),
+            DataPath::Transfers(t) => return t.write_slots(items, by),
             DataPath::Mover => return self.mover().write_slots(items),
             DataPath::Direct => {}
         }
@@ -358,10 +414,13 @@ impl StoragePool {
             .into_iter()
             .map(|it| {
                 let data = &it.slot.bytes()[..it.len.min(it.slot.len())];
-                let ok = self.write_items(&[WriteItem {
-                    page: it.page,
-                    data,
-                }])[0];
+                let ok = self.write_items(
+                    &[WriteItem {
+                        page: it.page,
+                        data,
+                    }],
+                    by,
+                )[0];
                 SlotOutcome {
                     ok,
                     slot: Some(it.slot),
@@ -376,12 +435,13 @@ impl StoragePool {
         items: &[(&str, &[u8])],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
+        let by = self.deadline();
         let mut done = vec![false; items.len()];
         for (ci, chunk) in items.chunks(self.max_batch).enumerate() {
             let base = ci * self.max_batch;
             let keys: Vec<&str> = chunk.iter().map(|(k, _)| *k).collect();
             let lens: Vec<usize> = chunk.iter().map(|(_, d)| d.len()).collect();
-            let r = self.store_some(&keys, &lens, route_key, &mut |p, todo| {
+            let r = self.store_some(&keys, &lens, route_key, by, &mut |p, todo, by| {
                 let writes: Vec<WriteItem<'_>> = todo
                     .iter()
                     .map(|&(i, page)| WriteItem {
@@ -389,7 +449,7 @@ impl StoragePool {
                         data: chunk[i].1,
                     })
                     .collect();
-                p.write_items(&writes)
+                p.write_items(&writes, by)
             })?;
             done[base..base + r.len()].copy_from_slice(&r);
         }
@@ -406,6 +466,7 @@ impl StoragePool {
         lens: &[usize],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
+        let by = self.deadline();
         let mut done = vec![false; keys.len()];
         let mut base = 0;
         while base < keys.len() {
@@ -415,7 +476,8 @@ impl StoragePool {
                 &keys[base..end],
                 &lens[base..end],
                 route_key,
-                &mut |p, todo| {
+                by,
+                &mut |p, todo, by| {
                     let mut writes = Vec::with_capacity(todo.len());
                     let mut placed = Vec::with_capacity(todo.len());
                     for (k, &(i, page)) in todo.iter().enumerate() {
@@ -429,7 +491,7 @@ impl StoragePool {
                         }
                     }
                     let mut ok = vec![false; todo.len()];
-                    for ((k, i), o) in placed.into_iter().zip(p.write_slots(writes)) {
+                    for ((k, i), o) in placed.into_iter().zip(p.write_slots(writes, by)) {
                         ok[k] = o.ok;
                         part[i] = o.slot;
                     }
@@ -450,6 +512,7 @@ impl StoragePool {
         keys: &[&str],
         lens: &[usize],
         route_key: Option<&str>,
+        by: Deadline,
         write: &mut PageWriter<'_>,
     ) -> Result<Vec<bool>, WorkerError> {
         for (k, &n) in keys.iter().zip(lens) {
@@ -470,13 +533,13 @@ impl StoragePool {
         if todo.is_empty() {
             return Ok(present);
         }
-        let taken = self.take_pages(todo.len(), route_key)?;
+        let taken = self.take_pages(todo.len(), route_key, by)?;
         let placed: Vec<(usize, PageGrant)> = todo
             .iter()
             .copied()
             .zip(taken.pages.iter().copied())
             .collect();
-        let ok = write(self, &placed);
+        let ok = write(self, &placed, by);
         let r = self.publish(keys, lens, present, &placed, &ok, &taken);
         // Whatever happened: the pages are no longer being written by this store.
         self.end_writing(taken.pages.iter().map(|p| p.region_id));

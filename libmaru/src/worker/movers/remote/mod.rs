@@ -3,25 +3,33 @@
 //!
 //! - `agents`: the control connections to agents, their probes, and the region
 //!   lifecycle (boot ids, restarts, silence) they feed (`worker::lifecycle`);
+//! - `link`: an agent's control connection, used by one caller at a time;
 //! - `post`: a window of transfers posted one batch per peer and settled, with
 //!   transfer isolation for what did not finish;
 //! - `requests`: what a store or load posts window by window (`worker::windows`).
+//!
+//! No lock is held across a round trip, a connect or a fence: the state's lock
+//! guards maps and counters only; a round trip to an agent holds that agent's control
+//! connection (taken for the call, see `link`), and every such wait made for a
+//! request ends by the request's deadline.
 
 mod agents;
+mod link;
 mod post;
 mod requests;
 
 use super::{Mover, ReadSink, SlotOutcome, SlotWrite, Transfers, WriteItem};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{PeerId, Transport};
-use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
+use crate::wire::agent::MapReply;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
-use crate::worker::clock::now_ms;
+use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::lifecycle::Lifecycle;
 use crate::worker::staging::{Slot, StagingSlots};
 use crate::worker::transfer::Isolation;
 use crate::worker::windows::{self, InFlightBudget};
+use link::AgentLink;
 use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicUsize;
@@ -35,25 +43,20 @@ struct OwnRegion {
 }
 
 struct AgentConn {
-    /// The control connection. Behind a lock of its own: a load's `map_read`s use it
-    /// without the state's lock (`Shared::map_reads`); everything else under both.
-    link: Arc<Mutex<Link>>,
+    /// The control connection (map, map_read, release, a peer's bring-up), taken by
+    /// one caller at a time and never under the state's lock (see `link`).
+    link: Arc<AgentLink>,
     peer: Option<PeerId>,
-}
-
-impl AgentConn {
-    fn link(&self) -> MutexGuard<'_, Link> {
-        self.link.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 /// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
 ///
 /// Requests of one handler run side by side: the mover's state (agents, own regions,
 /// read registrations, the region lifecycle) is behind a short lock of its own, taken
-/// to post a window and to settle it, never while a window is on the wire or its slots
-/// are filled or emptied (see [`Shared`]). The pool hands requests to [`Shared`]
-/// without its own mover lock (`Mover::transfers`).
+/// to plan a window and to settle it, never while a window is on the wire, its slots
+/// are filled or emptied, an agent is called or a peer connected or fenced (see
+/// [`Shared`]). The pool hands requests to [`Shared`] without its own mover lock
+/// (`Mover::transfers`).
 pub struct RemoteMover {
     shared: Arc<Shared>,
 }
@@ -66,45 +69,42 @@ pub(super) struct Shared {
     nic: Arc<dyn Transport>,
     iso: Arc<Isolation>,
     staging: StagingSlots,
-    /// How long a window's transfers may take.
+    /// A request's timeout (`timeout_ms`): the deadline of the calls made for the
+    /// mover's own calls outside requests (the tick's maps again, a release).
     timeout: Duration,
     /// Bytes in flight of the windowed transfers of this data path (all its pools).
     budget: Arc<InFlightBudget>,
     /// Store slots held by this mover's copying store windows on the wire (they come
     /// back within a transfer; see `StoreWindows::slots`).
     store_slots_on_wire: AtomicUsize,
+    /// A second, short-timeout connection per agent for probes (the pool's tick, one
+    /// at a time).
+    probes: Mutex<HashMap<String, Arc<Mutex<Link>>>>,
+    agent_opts: ClientOptions,
 }
 
-/// The mover's state, under `Shared`'s lock. Held to look things up, post a window,
-/// settle one, to connect to an agent (its control connection or transport peer, when
-/// there is none), and for the maps that bring an agent's regions back after a
-/// restart. The round trips of normal running go without it, each holding only the
-/// connection it uses: the `map` of a region taken (`Shared::adopt`), a load's
-/// `map_read`s of other engines' ranges (`Shared::map_reads`) and the probes of the
-/// tick (`Shared::probe`); when a connection is down, or registrations may have gone
-/// meanwhile (`regs_gen`), the call is made again under the lock.
+/// The mover's state, under `Shared`'s lock: looked up and changed, never waited on.
+/// What needs an agent (a connect, a map, a `map_read`, a peer's bring-up, a fence)
+/// runs without it and records its outcome under it.
 pub(super) struct RemoteState {
-    nic: Arc<dyn Transport>,
-    iso: Arc<Isolation>,
     agent_opts: ClientOptions,
     agents: HashMap<String, AgentConn>,
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
-    /// Counts the times registrations at agents may have gone (`forget_reads`: a
+    /// Counts the times read registrations at agents may have gone (`forget_reads`: a
     /// control connection dropped or found dead, an agent restarted, a region
-    /// forgotten): a `map` or `map_read` made without the lock is recorded only if
-    /// none went since it started.
+    /// forgotten): a `map_read` made without the lock is recorded only if none went
+    /// since it started.
     regs_gen: u64,
     last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// this mover feeds it what agents answer and carries out what it decides.
     life: Lifecycle,
-    /// A second, short-timeout connection per agent for probes (used without the
-    /// state's lock, `Shared::probe`; probes come from the pool's tick, one at a time).
-    probes: HashMap<String, Arc<Mutex<Link>>>,
     /// Why the last failed read failed, for the caller.
     read_error: Option<String>,
+    /// Peers to fence once the lock is let go (a fence waits on the peer).
+    to_fence: Vec<PeerId>,
 }
 
 /// A remote range to READ: its agent, address, key and transport metadata.
@@ -122,17 +122,15 @@ impl RemoteMover {
         RemoteMover {
             shared: Arc::new(Shared {
                 st: Mutex::new(RemoteState {
-                    nic: nic.clone(),
-                    iso: iso.clone(),
-                    agent_opts,
+                    agent_opts: agent_opts.clone(),
                     agents: HashMap::new(),
                     own: HashMap::new(),
                     reads: HashMap::new(),
                     regs_gen: 0,
                     last_skip_log: None,
                     life: Lifecycle::new(),
-                    probes: HashMap::new(),
                     read_error: None,
+                    to_fence: Vec::new(),
                 }),
                 nic,
                 iso,
@@ -140,12 +138,19 @@ impl RemoteMover {
                 timeout,
                 budget,
                 store_slots_on_wire: AtomicUsize::new(0),
+                probes: Mutex::new(HashMap::new()),
+                agent_opts,
             }),
         }
     }
 
     fn st(&self) -> MutexGuard<'_, RemoteState> {
         self.shared.lock()
+    }
+
+    /// A deadline for a call made outside a request (through the `Mover` methods).
+    fn by(&self) -> Deadline {
+        Deadline::after(self.shared.timeout)
     }
 }
 
@@ -162,13 +167,6 @@ impl RemoteState {
             self.last_skip_log = Some(now);
         }
     }
-
-    fn reclaim(&mut self) {
-        let fenced = self.iso.reclaim(self.nic.as_ref());
-        if !fenced.is_empty() {
-            self.forget_peers(&fenced);
-        }
-    }
 }
 
 impl Shared {
@@ -180,8 +178,8 @@ impl Shared {
 }
 
 impl Transfers for Shared {
-    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        Shared::adopt(self, grant)
+    fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
+        Shared::adopt(self, grant, by)
     }
 
     fn tick(&self, now_ms: u64) -> Vec<u64> {
@@ -191,11 +189,12 @@ impl Transfers for Shared {
     /// Copies each window into store slots while the window ahead of it is on the
     /// wire (see `worker::windows`); stores never wait for a slot: with none free and
     /// nothing in flight, the rest is skipped.
-    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
+    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         let mut w = StoreWindows {
             m: self,
             items,
             ok: vec![false; items.len()],
+            by,
         };
         let posted = windows::run(&mut w, &self.budget);
         let ok = w.ok;
@@ -206,7 +205,7 @@ impl Transfers for Shared {
     }
 
     /// From the caller's slots, window by window (see `worker::windows`).
-    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
         let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
         let mut w = GivenWindows {
@@ -214,6 +213,7 @@ impl Transfers for Shared {
             given,
             out: Vec::with_capacity(pages.len()),
             kind: Given::Write(&pages),
+            by,
         };
         windows::run(&mut w, &self.budget);
         w.into_outcomes()
@@ -221,13 +221,14 @@ impl Transfers for Shared {
 
     /// Each window's slots are handed to `sink` and then take a later window (see
     /// `worker::windows`). After a window that failed, nothing more is handed over.
-    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.map_reads(leases);
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.map_reads(leases, by);
         windows::run(
             &mut LoadWindows {
                 m: self,
                 leases,
                 sink,
+                by,
             },
             &self.budget,
         );
@@ -235,40 +236,45 @@ impl Transfers for Shared {
 
     /// Into the caller's slots, window by window (see `worker::windows`); every lease
     /// is tried.
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
-        self.map_reads(&leases[..n]);
+        self.map_reads(&leases[..n], by);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut w = GivenWindows {
             m: self,
             given,
             out: Vec::with_capacity(n),
             kind: Given::Read(&leases[..n]),
+            by,
         };
         windows::run(&mut w, &self.budget);
         w.into_outcomes()
+    }
+
+    fn check_agents(&self, now_ms: u64) {
+        Shared::check_agents(self, now_ms)
     }
 }
 
 impl Mover for RemoteMover {
     fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        self.shared.adopt(grant)
+        self.shared.adopt(grant, self.by())
     }
 
     fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        self.shared.write(items)
+        Transfers::write(self.shared.as_ref(), items, self.by())
     }
 
     fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        self.shared.write_slots(items)
+        Transfers::write_slots(self.shared.as_ref(), items, self.by())
     }
 
     fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.shared.read(leases, sink)
+        Transfers::read(self.shared.as_ref(), leases, sink, self.by())
     }
 
     fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        self.shared.read_into(leases, slots)
+        Transfers::read_into(self.shared.as_ref(), leases, slots, self.by())
     }
 
     fn transfers(&self) -> Option<Arc<dyn Transfers>> {
@@ -288,10 +294,9 @@ impl Mover for RemoteMover {
     }
 
     fn reported(&mut self, sent: &BTreeMap<u64, String>) {
-        let mut st = self.st();
-        st.life.reported(sent);
-        // Regions that waited for the report may be mapped again now.
-        st.remap_failed_agents();
+        // Regions that waited for the report may be mapped again now: the tick (or
+        // the next window to them) does it.
+        self.st().life.reported(sent);
     }
 
     fn take_read_error(&mut self) -> Option<String> {
@@ -322,80 +327,12 @@ impl Mover for RemoteMover {
         st.regs_gen += 1;
     }
 
-    fn reclaim(&mut self) {
-        self.st().reclaim()
-    }
-
     fn may_still_write(&self) -> bool {
         self.shared.iso.may_still_write()
     }
 
     fn release_all(&mut self) -> (usize, usize) {
-        self.st().release_all()
-    }
-}
-
-impl RemoteState {
-    /// Records a region taken, mapped at its agent (`reply` to the map).
-    fn adopted(
-        &mut self,
-        grant: &RegionGrant,
-        agent: String,
-        reply: AgentReply,
-    ) -> Result<(), WorkerError> {
-        let m = match reply {
-            AgentReply::Mapped(m) => m,
-            r => {
-                return Err(WorkerError::Transport(format!(
-                    "agent {agent} answered map with {r:?}"
-                )))
-            }
-        };
-        let v = self
-            .life
-            .adopt(grant.handle.region_id, &agent, &m.boot_id, None, now_ms());
-        self.on_verdict(&agent, v)?;
-        if let Err(e) = self.peer(&agent, &m.transport) {
-            self.life.forget(grant.handle.region_id);
-            return Err(e);
-        }
-        self.own.insert(
-            grant.handle.region_id,
-            OwnRegion {
-                agent,
-                handle: grant.handle.clone(),
-                map: m,
-            },
-        );
-        Ok(())
-    }
-
-    fn release_all(&mut self) -> (usize, usize) {
-        let own: Vec<(String, crate::wire::rm::Handle)> = self
-            .own
-            .values()
-            .map(|r| (r.agent.clone(), r.handle.clone()))
-            .collect();
-        let (mut released, mut failed) = (0, 0);
-        for (agent, handle) in own {
-            let id = handle.region_id;
-            match self.agent_call(&agent, &AgentRequest::Release { handle }) {
-                Ok(AgentReply::Released { .. }) => {
-                    self.own.remove(&id);
-                    self.life.forget(id);
-                    released += 1;
-                }
-                Ok(r) => {
-                    log::warn!("agent {agent} answered the release of region {id} with {r:?}");
-                    failed += 1;
-                }
-                Err(e) => {
-                    log::warn!("agent {agent}: release of region {id} failed: {e}; the agent's sweep deregisters it once the RM forgets the region");
-                    failed += 1;
-                }
-            }
-        }
-        (released, failed)
+        self.shared.release_all()
     }
 }
 
@@ -403,7 +340,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // Fence what is still kept; slots of a peer that cannot be fenced never return
         // to the pool (a late DMA could still land in them).
-        self.lock().reclaim();
+        self.reclaim(Deadline::after(Duration::from_secs(1)));
         let lost = self.iso.abandon();
         if lost > 0 {
             log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");
