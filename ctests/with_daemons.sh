@@ -3,6 +3,8 @@
 # (remote_cxl) and maru-server, on free ports; cleans up after itself.
 # Usage: with_daemons.sh BIN_DIR BACKEND POOLS TEST [ARGS...]
 # POOLS is 1 or 2 (two maru-servers on the same RM and agent: server_url lists both).
+# With MARU_CTEST_SERVER_KEY=1, maru-server requires a key (--key-file): the test gets
+# its path in MARU_SERVER_KEY_FILE, and another key in MARU_TEST_WRONG_KEY.
 set -euo pipefail
 bin=$1; backend=$2; pools=$3; shift 3
 case $pools in 1|2) ;; *) echo "POOLS must be 1 or 2, not $pools" >&2; exit 2;; esac
@@ -15,6 +17,12 @@ export RUST_LOG=${RUST_LOG:-warn}
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:128M" >/dev/null
 rm_addr=$(cat "$work/rm.addr")
 server_args=(--rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" --region-size 8M --chunk-size 64K)
+if [ "${MARU_CTEST_SERVER_KEY:-}" = 1 ]; then
+    "$bin/maru-rm-ctl" gen-key "$work/server.key" >/dev/null
+    "$bin/maru-rm-ctl" gen-key "$work/wrong.key" >/dev/null
+    server_args+=(--key-file "$work/server.key")
+    export MARU_SERVER_KEY_FILE=$work/server.key MARU_TEST_WRONG_KEY=$work/wrong.key
+fi
 if [ "$backend" = remote_cxl ]; then
     maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" \
         --key-file "$work/agent.key" --device "$pool" --node ctest >/dev/null

@@ -174,12 +174,18 @@ fn run_thread(h: &Handler, me: usize, rks: &[String], t0: Instant, stop: &Atomic
 
 /// Every 100 ms: each pool is up and keeps the session it opened with.
 fn watch_sessions(h: &Handler, stop: &AtomicBool) -> Vec<String> {
-    let sessions = |s: &serde_json::Value| -> Vec<(bool, Option<u64>)> {
+    let sessions = |s: &serde_json::Value| -> Vec<(bool, Option<u64>, Option<String>)> {
         s["pools"]
             .as_array()
             .map(|ps| {
                 ps.iter()
-                    .map(|p| (p["up"].as_bool() == Some(true), p["session"].as_u64()))
+                    .map(|p| {
+                        (
+                            p["up"].as_bool() == Some(true),
+                            p["session"].as_u64(),
+                            p["instance"].as_str().map(str::to_string),
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default()

@@ -35,6 +35,7 @@ import logging as _logging
 from ._lib import ABI_VERSION, version
 from ._lib import path as library_path
 from .errors import (
+    AuthError,
     BufferTooSmallError,
     BusyError,
     ClosedError,
@@ -68,6 +69,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ABI_VERSION",
     "AllocHandle",
+    "AuthError",
     "BufferTooSmallError",
     "BusyError",
     "ClosedError",

@@ -16,7 +16,9 @@ pub enum LinkError {
     Remote(WireError),
     /// The daemon could not be reached, or the call's outcome is unknown.
     Unreachable(String),
-    /// The daemon reached, but refused to talk (key proof, version) or broke the protocol.
+    /// The daemon reached, but a key proof failed (ours or its own).
+    Auth(String),
+    /// The daemon reached, but refused to talk (version) or broke the protocol.
     Rejected(String),
 }
 
@@ -24,7 +26,9 @@ impl fmt::Display for LinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LinkError::Remote(e) => write!(f, "{e}"),
-            LinkError::Unreachable(m) | LinkError::Rejected(m) => f.write_str(m),
+            LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
+                f.write_str(m)
+            }
         }
     }
 }
@@ -85,9 +89,10 @@ impl Link {
                 None => Client::connect(&self.addr, &self.opts),
             };
             let c = c.map_err(|e| match e {
-                ClientError::Auth { .. }
-                | ClientError::Protocol { .. }
-                | ClientError::Remote(_) => {
+                ClientError::Auth { .. } => {
+                    LinkError::Auth(format!("{what} at {}: {e}", self.addr))
+                }
+                ClientError::Protocol { .. } | ClientError::Remote(_) => {
                     LinkError::Rejected(format!("{what} at {}: {e}", self.addr))
                 }
                 _ => LinkError::Unreachable(format!("{what} at {}: {e}", self.addr)),

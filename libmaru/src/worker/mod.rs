@@ -36,7 +36,7 @@ pub(crate) mod windows;
 pub use pool::session;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
-pub use error::WorkerError;
+pub use error::{Peer, WorkerError};
 pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo};
 pub use hook::{set_memory_hook, MemoryHook};
 pub use ops::{OpHandle, OpOutput};

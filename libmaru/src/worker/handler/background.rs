@@ -31,11 +31,12 @@ impl Inner {
         self.pools[i].lock().ok().and_then(|g| g.clone())
     }
 
-    /// A heartbeat or tick of pool `i` failed with `e`: a pool whose session is gone
-    /// is set aside (the heartbeat thread opens a new one).
+    /// A heartbeat or tick of pool `i` failed with `e`: a pool whose session is lost
+    /// is set aside (the heartbeat thread opens a new one); any other failure is
+    /// tried again at the next beat.
     fn failed(&self, i: usize, p: &Arc<StoragePool>, what: &str, e: WorkerError) {
         log::warn!("pool {}: {what} failed: {e}", self.urls[i]);
-        if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
+        if matches!(e, WorkerError::SessionLost { .. }) {
             self.take_down(i, p);
         }
     }

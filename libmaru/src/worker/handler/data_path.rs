@@ -159,9 +159,11 @@ impl Inner {
                 dp.budget.clone(),
             )),
         };
-        Ok(StoragePool::open(session, mover)?
+        let pool = StoragePool::open(session, mover)?
             .with_timeout(self.timeout())
             .with_spare_pages(crate::worker::pool::SPARE_PAGES)
-            .with_max_bytes(self.cfg.max_bytes))
+            .with_max_bytes(self.cfg.max_bytes);
+        pool.greet_agents()?;
+        Ok(pool)
     }
 }

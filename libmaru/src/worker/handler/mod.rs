@@ -13,7 +13,7 @@ mod pools;
 mod slot_ops;
 
 use super::config::{BackendKind, HandlerConfig};
-use super::error::WorkerError;
+use super::error::{Peer, WorkerError};
 use super::hook::Registration;
 use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
@@ -144,7 +144,8 @@ impl Handler {
                     }
                     opened += 1;
                 }
-                Err(e @ WorkerError::Config(_)) => return Err(e),
+                // A wrong configuration or key: the caller must fix it.
+                Err(e) if e.is_fatal() => return Err(e),
                 Err(e) => {
                     log::warn!(
                         "pool {} is unavailable at open: {e}; retrying in the background",
@@ -156,7 +157,8 @@ impl Handler {
             }
         }
         if opened == 0 {
-            return Err(last_err.unwrap_or_else(|| WorkerError::Unavailable("no pool".into())));
+            return Err(last_err
+                .unwrap_or_else(|| WorkerError::Config("server_url names no maru-server".into())));
         }
         let mut background = Vec::new();
         for (name, tick) in [("maru-handler", false), ("maru-tick", true)] {
@@ -172,9 +174,10 @@ impl Handler {
                     for h in background {
                         let _ = h.join();
                     }
-                    return Err(WorkerError::Unavailable(format!(
-                        "cannot start the handler's {name} thread: {e}"
-                    )));
+                    return Err(WorkerError::unavailable(
+                        Peer::Host,
+                        format!("cannot start the handler's {name} thread: {e}"),
+                    ));
                 }
             }
         }
@@ -517,13 +520,15 @@ impl Handler {
         let mut total = PoolStats::default();
         for (i, p) in self.inner.pools.iter().enumerate() {
             let pool = p.lock().ok().and_then(|g| g.clone());
+            // Which session of which run of maru-server serves the pool now.
             let session = pool.as_ref().map(|p| p.session.id);
+            let instance = pool.as_ref().map(|p| p.session.handshake.instance.clone());
             let s = pool.map(|p| p.stats());
             if let Some(s) = &s {
                 total.add(s);
             }
             pools.push(
-                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "session": session, "stats": s}),
+                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "session": session, "instance": instance, "stats": s}),
             );
         }
         let staging = self.inner.staging().ok().map(|st| {

@@ -82,6 +82,9 @@ pub trait Transfers: Send + Sync {
     fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome>;
     /// Asks every agent of own regions who it is now (before a drained close).
     fn check_agents(&self, now_ms: u64);
+    /// Connects to the pool's agents (at open), so that a key that does not prove
+    /// fails then ([`WorkerError::Auth`]); an agent that does not answer is no error.
+    fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError>;
 }
 
 pub trait Mover: Send {

@@ -71,7 +71,7 @@ impl InPlacePage {
         }
         self.map
             .write_at(self.page.offset as usize, data)
-            .map_err(|e| WorkerError::Unavailable(e.to_string()))
+            .map_err(|e| WorkerError::Transport(format!("write in place: {e}")))
     }
 }
 

@@ -276,6 +276,15 @@ impl StoragePool {
         self
     }
 
+    /// Connects to the pool's agents (`remote_cxl`), so that an agent key that does
+    /// not prove fails the open ([`WorkerError::Auth`]) rather than the first store.
+    pub(crate) fn greet_agents(&self) -> Result<(), WorkerError> {
+        match self.data_path() {
+            DataPath::Transfers(t) => t.greet(&self.session.handshake.agents, self.deadline()),
+            DataPath::Direct | DataPath::Mover => Ok(()),
+        }
+    }
+
     /// The deadline of a request starting now.
     fn deadline(&self) -> Deadline {
         Deadline::after(self.timeout)
@@ -456,7 +465,7 @@ impl StoragePool {
         let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
         for id in back {
             match self.session.return_region(id, false) {
-                Ok(()) | Err(WorkerError::Refused(_)) => self.lose_region(id),
+                Ok(()) | Err(WorkerError::Refused { .. }) => self.lose_region(id),
                 Err(e) => return Err(e),
             }
         }

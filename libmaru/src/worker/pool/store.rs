@@ -249,9 +249,11 @@ impl StoragePool {
                         self.session.url
                     );
                 }
-                match e {
-                    WorkerError::Config(_) => Err(NoRegion::Failed(e)),
-                    e => Err(NoRegion::Unusable(e)),
+                if e.is_fatal() {
+                    // A wrong configuration or key: the caller's to fix.
+                    Err(NoRegion::Failed(e))
+                } else {
+                    Err(NoRegion::Unusable(e))
                 }
             }
         }

@@ -18,7 +18,7 @@ use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
 use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::{now_ms, Deadline};
-use crate::worker::error::WorkerError;
+use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,9 +39,15 @@ pub(super) fn agent_link(addr: &str, opts: crate::net::ClientOptions) -> Link {
 }
 
 fn timed_out(agent: &str, what: &str) -> WorkerError {
-    WorkerError::Unavailable(format!(
-        "agent {agent}: {what} within the request's timeout"
-    ))
+    WorkerError::unavailable(
+        Peer::Agent(agent.to_string()),
+        format!("{what} within the request's timeout"),
+    )
+}
+
+/// A call to `agent` failed with `e`.
+fn at(agent: &str, e: LinkError) -> WorkerError {
+    WorkerError::from_link(Peer::Agent(agent.to_string()), e)
 }
 
 impl RemoteState {
@@ -69,9 +75,10 @@ impl RemoteState {
                 self.agent(addr).link.reset_later();
                 // Read registrations go with the connection.
                 self.forget_reads(Some(addr));
-                return Err(WorkerError::Unavailable(format!(
-                    "agent {addr} reports no boot id: treated as unreachable"
-                )));
+                return Err(WorkerError::unavailable(
+                    Peer::Agent(addr.to_string()),
+                    "it reports no boot id: treated as unreachable",
+                ));
             }
             Verdict::Restarted => log::info!(
                 "agent {addr} restarted (same boot): mapping this worker's regions there again"
@@ -210,12 +217,14 @@ impl RemoteState {
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         let t = self.locate(l)?;
         if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
-            return Err(WorkerError::Unavailable(format!(
-                "region {}: written under boot id {}, which its agent {} no longer runs (the memory node rebooted): nothing is read",
-                l.region_id,
-                l.boot_id.as_deref().unwrap_or("?"),
-                t.0
-            )));
+            return Err(WorkerError::unavailable(
+                Peer::Agent(t.0.clone()),
+                format!(
+                    "region {}: written under boot id {}, which the agent no longer runs (the memory node rebooted): nothing is read",
+                    l.region_id,
+                    l.boot_id.as_deref().unwrap_or("?"),
+                ),
+            ));
         }
         Ok(t)
     }
@@ -225,10 +234,13 @@ impl RemoteState {
     fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
             if !self.life.usable(l.region_id) {
-                return Err(WorkerError::Unavailable(format!(
-                    "region {}: its memory node rebooted; its keys are being dropped",
-                    l.region_id
-                )));
+                return Err(WorkerError::unavailable(
+                    Peer::Agent(r.agent.clone()),
+                    format!(
+                        "region {}: its memory node rebooted; its keys are being dropped",
+                        l.region_id
+                    ),
+                ));
             }
             return Ok((
                 r.agent.clone(),
@@ -446,7 +458,7 @@ impl Shared {
                 }
                 Err(e) => {
                     st.life.unreachable(addr, now);
-                    Err(e.into())
+                    Err(at(addr, e))
                 }
             }
         };
@@ -482,7 +494,7 @@ impl Shared {
         if let Err(LinkError::Unreachable(_)) = &r {
             self.lock().life.unreachable(addr, now_ms());
         }
-        Ok(r?)
+        r.map_err(|e| at(addr, e))
     }
 
     /// Maps this mover's own regions at `addr` again (their registrations may be gone:
@@ -578,7 +590,12 @@ impl Shared {
         let p = self
             .nic
             .connect_within(&meta, &mut bringup, by.left())
-            .map_err(|e| WorkerError::Unavailable(format!("agent {addr}: {e}")))?;
+            .map_err(|e| {
+                WorkerError::unavailable(
+                    Peer::Agent(addr.to_string()),
+                    format!("its data connection: {e}"),
+                )
+            })?;
         self.lock().agent(addr).peer = Some(p);
         Ok(p)
     }
@@ -595,6 +612,25 @@ impl Shared {
             self.remap(addr, &mut lease, by);
         }
         self.peer(addr, &mut lease, by).map(|_| ())
+    }
+
+    /// Connects to each of `agents` (the pool's, from maru-server's handshake), by
+    /// `by`, so that a key that does not prove fails now, at open, and not at the
+    /// first store (a configuration error only the caller can fix). An agent that
+    /// does not answer is no error: its regions are mapped when they come.
+    pub(super) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+        for addr in agents {
+            let link = self.lock().link_of(addr);
+            let Some(mut lease) = link.take(by) else {
+                continue;
+            };
+            match self.connect(addr, &mut lease, by) {
+                Err(e @ WorkerError::Auth { .. }) => return Err(e),
+                Err(e) => log::warn!("{e}; its regions are mapped when a store takes one"),
+                Ok(()) => {}
+            }
+        }
+        Ok(())
     }
 
     /// Maps a region this worker took at its agent and records it, then connects its

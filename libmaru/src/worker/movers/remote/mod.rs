@@ -254,6 +254,10 @@ impl Transfers for Shared {
     fn check_agents(&self, now_ms: u64) {
         Shared::check_agents(self, now_ms)
     }
+
+    fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+        Shared::greet(self, agents, by)
+    }
 }
 
 impl Mover for RemoteMover {
