@@ -358,15 +358,12 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
     let session = cxl_session(&st, "adopter");
     let adopting = Arc::new(AtomicBool::new(false));
     let a = adopting.clone();
-    let pool = StoragePool::open(
-        session,
-        Box::new(maru::worker::movers::CxlMover::with_prefault(false)),
-    )
-    .unwrap()
-    .with_before_adopt(Box::new(move |_| {
-        a.store(true, Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(400));
-    }));
+    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(false))
+        .unwrap()
+        .with_before_adopt(Box::new(move |_| {
+            a.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(400));
+        }));
     // 8 MiB regions of 64 KiB pages: 128 pages each (the first region is the
     // session's from its start; the second is taken when the first is full).
     let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
@@ -423,7 +420,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
             }
         },
     );
-    let pool = StoragePool::open(session, Box::new(maru::worker::movers::CxlMover::new()))
+    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(true))
         .unwrap()
         .with_spare_pages(8)
         .with_before_publish(hook);

@@ -206,7 +206,7 @@ pub trait Transport: Send + Sync {
     /// more, and its pending batches are failed. The peer must be connected again
     /// before further use.
     ///
-    /// The worker reuses slots and pages only on `Ok` (`worker::transfer::Isolation`),
+    /// The worker reuses slots and pages only on `Ok` (`worker::movers::remote::isolation`),
     /// so: a fence that cannot prove quiet returns an error and may be called again
     /// for the same peer later (keep the peer until then); a fence of a peer already
     /// fenced returns `Ok` again (two pools may share a peer); `NoPeer` is for ids

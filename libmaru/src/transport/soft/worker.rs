@@ -148,7 +148,7 @@ impl SoftTransport {
     /// queue. `post` returns only after the delay; a test posts from another thread to
     /// let the owner give its region back while the WRITE is still on its way.
     /// `Duration::ZERO` turns it off. Never set by the library itself.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn inject_write_delay(&self, delay: Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
         self.write_delay_us.store(us, Ordering::SeqCst);
@@ -158,7 +158,7 @@ impl SoftTransport {
     /// header, then waits `stall` on the posting thread before its payload, as a WRITE
     /// whose data is slow to arrive (the NIC has started it). `Duration::ZERO` turns
     /// it off. Never set by the library itself.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn inject_payload_stall(&self, stall: Duration) {
         let us = u64::try_from(stall.as_micros()).unwrap_or(u64::MAX);
         self.payload_stall_us.store(us, Ordering::SeqCst);

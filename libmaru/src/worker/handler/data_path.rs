@@ -10,7 +10,7 @@ use crate::transport::{LocalBuffer, Transport};
 use crate::wire::meta::Backend;
 use crate::worker::config::{BackendKind, HandlerConfig, TransportKind};
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{CxlMover, Mover, RemoteMover};
+use crate::worker::movers::{Mover, RemoteMover};
 use crate::worker::pool::StoragePool;
 use crate::worker::session::Session;
 use crate::worker::staging::{StagingLayout, StagingSlots};
@@ -149,9 +149,9 @@ impl Inner {
         )?;
         session.set_reply_spin(Duration::from_micros(self.cfg.reply_spin_us));
         let dp = self.data_path(session.page_size)?;
-        let mover: Box<dyn Mover> = match &dp.nic {
-            None => Box::new(CxlMover::with_prefault(self.cfg.prefault)),
-            Some(nic) => Box::new(RemoteMover::new(
+        let mover = match &dp.nic {
+            None => Mover::cxl(self.cfg.prefault),
+            Some(nic) => Mover::Remote(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),
                 dp.agent_opts.clone(),

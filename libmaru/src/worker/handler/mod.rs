@@ -40,7 +40,7 @@ struct DataPath {
     nic: Option<Arc<dyn Transport>>,
     agent_opts: ClientOptions,
     /// Bytes in flight of the windowed transfers through this staging buffer.
-    budget: Arc<super::windows::InFlightBudget>,
+    budget: Arc<super::movers::remote::windows::InFlightBudget>,
 }
 
 /// A submitted slot operation, run with the slots lent to it.
@@ -98,8 +98,8 @@ impl Handler {
     }
 
     /// Opens a `remote_cxl` handler over the given transport instead of the configured
-    /// one (fault injection in tests).
-    #[doc(hidden)]
+    /// one (fault injection in tests; cargo feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     pub fn open_with_transport(
         config_json: &str,
         transport: Arc<dyn Transport>,

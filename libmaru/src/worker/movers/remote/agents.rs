@@ -11,7 +11,7 @@
 //! requests, pools, heartbeats or ticks.
 
 use super::link::{AgentLink, LinkLease};
-use super::{AgentConn, OwnRegion, ReadTarget, RemoteState, Shared};
+use super::{AgentConn, OwnRegion, ReadTarget, RemoteMover, RemoteState};
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
@@ -24,11 +24,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
-/// probe holds the pool's tick (not the handler's requests: `Shared::probe`) and an
+/// probe holds the pool's tick (not the handler's requests: `RemoteMover::probe`) and an
 /// agent that does not answer is the case it is there to find.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// How long the tick's fences wait for their proof (see `Shared::reclaim`).
+/// How long the tick's fences wait for their proof (see `RemoteMover::reclaim`).
 const TICK_FENCE_WAIT: Duration = Duration::from_secs(1);
 
 /// A control link to an agent: an agent that reports no boot id in its welcome is
@@ -65,6 +65,20 @@ impl RemoteState {
         self.agent(addr).link.clone()
     }
 
+    /// An agent said who it is (a new control connection's welcome, a probe's answer,
+    /// a map reply): the lifecycle's verdict, carried out (`on_verdict`). `Err` for an
+    /// agent that reports no boot id.
+    pub(crate) fn seen(
+        &mut self,
+        addr: &str,
+        boot: Option<&str>,
+        epoch: Option<u64>,
+        now_ms: u64,
+    ) -> Result<Verdict, WorkerError> {
+        let v = self.life.seen(addr, boot, epoch, now_ms);
+        self.on_verdict(addr, v.clone()).map(|()| v)
+    }
+
     /// Carries out what the lifecycle made of an agent's identity: a restart or a
     /// reboot drops the peer (queued to be fenced) and the read registrations there;
     /// an agent without boot id is unreachable (its control connection goes).
@@ -83,9 +97,13 @@ impl RemoteState {
             Verdict::Restarted => log::info!(
                 "agent {addr} restarted (same boot): mapping this worker's regions there again"
             ),
-            Verdict::Rebooted(ids) => log::warn!(
-                "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
-            ),
+            Verdict::Rebooted(ids) => {
+                // Publishes re-checked before this are answered before it is reported.
+                self.reboots += 1;
+                log::warn!(
+                    "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
+                )
+            }
         }
         // Its registrations and data connection are gone with the old process.
         if let Some(p) = self.agent(addr).peer.take() {
@@ -99,7 +117,7 @@ impl RemoteState {
     /// its registrations (read registrations go with the connection anyway); a new
     /// connection is a new peer at the transport too, and this mover's regions there
     /// are mapped again before their next use.
-    fn link_broke(&mut self, addr: &str) {
+    pub(super) fn link_broke(&mut self, addr: &str) {
         self.agent(addr).peer = None;
         self.life.link_broken(addr);
         self.forget_reads(Some(addr));
@@ -114,13 +132,13 @@ impl RemoteState {
     ) {
         match who {
             Ok((boot, epoch)) => {
-                let v = self.life.seen(addr, boot.as_deref(), epoch, now);
-                if v != Verdict::Same {
+                let v = self.seen(addr, boot.as_deref(), epoch, now);
+                if v != Ok(Verdict::Same) {
                     // The control connection went with the old process: the next
                     // call connects afresh (and its welcome is checked again).
                     self.agent(addr).link.reset_later();
                 }
-                if let Err(e) = self.on_verdict(addr, v) {
+                if let Err(e) = v {
                     log::warn!("{e}");
                 }
             }
@@ -134,7 +152,7 @@ impl RemoteState {
     /// A peer whose batch failed with a known outcome: forgotten (and queued to be
     /// fenced: only a fence that succeeded lets pages of its WRITEs be reused); its
     /// agent's own regions are mapped again before their next use.
-    pub(super) fn drop_failed_peer(&mut self, peer: PeerId) {
+    pub(crate) fn drop_failed_peer(&mut self, peer: PeerId) {
         let mut dropped = false;
         for (addr, c) in self.agents.iter_mut() {
             if c.peer == Some(peer) {
@@ -191,7 +209,7 @@ impl RemoteState {
     }
 
     /// Of `agents`, those a window cannot use before something is done without the
-    /// lock (`Shared::ready`): no peer yet, or regions to map again.
+    /// lock (`RemoteMover::ready`): no peer yet, or regions to map again.
     pub(super) fn unready(&mut self, agents: impl IntoIterator<Item = String>) -> Vec<String> {
         let mut out: Vec<String> = agents
             .into_iter()
@@ -230,7 +248,7 @@ impl RemoteState {
     }
 
     /// Where a lease's bytes are: our own mapping, or a read registration at its agent
-    /// (made by `Shared::map_reads`, without the lock).
+    /// (made by `RemoteMover::map_reads`, without the lock).
     fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
             if !self.life.usable(l.region_id) {
@@ -260,14 +278,12 @@ impl RemoteState {
     }
 
     /// Forgets the read registrations at `agent` (at every agent: None): the agent
-    /// dropped them with a connection of this client, or a read failed. A `map_read`
-    /// made without the lock that started before this is not recorded.
+    /// dropped them with a connection of this client, or a read failed.
     pub(super) fn forget_reads(&mut self, agent: Option<&str>) {
         match agent {
             Some(a) => self.reads.retain(|_, t| t.0 != a),
             None => self.reads.clear(),
         }
-        self.regs_gen += 1;
     }
 
     /// The ranges of `leases` in other engines' regions that have no read
@@ -301,24 +317,23 @@ impl RemoteState {
         out
     }
 
-    /// Records what `map_read` calls made without the lock got at `agent`, unless
-    /// registrations were forgotten since they started (`gen`): the window planned
-    /// then fails those ranges, and the next load maps them again.
-    fn mapped_reads(&mut self, agent: &str, gen: u64, got: MapReads) {
-        let stale = gen != self.regs_gen;
+    /// Records what `map_read` calls made without the lock got at `agent`. They were
+    /// made on the agent's control connection, taken for them: what could drop the
+    /// registrations meanwhile is that connection breaking (`broke`: nothing is
+    /// recorded) or the agent restarting (its verdict, recorded here).
+    pub(super) fn mapped_reads(&mut self, agent: &str, got: MapReads, now_ms: u64) {
         if got.broke {
             self.link_broke(agent);
         }
         if got.unreachable {
-            self.life.unreachable(agent, now_ms());
+            self.life.unreachable(agent, now_ms);
         }
         for (l, m) in got.mapped {
-            let v = self.life.seen(agent, Some(&m.boot_id), None, now_ms());
-            if let Err(e) = self.on_verdict(agent, v) {
+            if let Err(e) = self.seen(agent, Some(&m.boot_id), None, now_ms) {
                 log::warn!("region {}: {e}", l.0);
                 return;
             }
-            if !stale && !got.broke {
+            if !got.broke {
                 self.reads
                     .insert(l, (agent.to_string(), m.addr, m.rkey, m.transport));
             }
@@ -327,11 +342,12 @@ impl RemoteState {
 
     /// Records a region taken, mapped at its agent (`reply` to the map); returns the
     /// transport metadata of its NIC.
-    fn adopted(
+    pub(crate) fn adopted(
         &mut self,
         grant: &RegionGrant,
         agent: &str,
         reply: AgentReply,
+        now_ms: u64,
     ) -> Result<serde_json::Value, WorkerError> {
         let m = match reply {
             AgentReply::Mapped(m) => m,
@@ -343,7 +359,7 @@ impl RemoteState {
         };
         let v = self
             .life
-            .adopt(grant.handle.region_id, agent, &m.boot_id, None, now_ms());
+            .adopt(grant.handle.region_id, agent, &m.boot_id, None, now_ms);
         self.on_verdict(agent, v)?;
         let meta = m.transport.clone();
         self.own.insert(
@@ -399,7 +415,7 @@ struct ToMap {
 
 /// What `map_read` calls on one connection got.
 #[derive(Default)]
-struct MapReads {
+pub(super) struct MapReads {
     mapped: Vec<((u64, u64, u64), MapReply)>,
     /// The connection broke on the way (what was mapped on it is gone).
     broke: bool,
@@ -435,7 +451,7 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadlin
     got
 }
 
-impl Shared {
+impl RemoteMover {
     /// Makes the control connection to `addr` if it is down (its connect and
     /// handshake by `by`) and tells the lifecycle who answered.
     fn connect(
@@ -452,10 +468,7 @@ impl Shared {
         let r = {
             let mut st = self.lock();
             match who {
-                Ok((boot, epoch)) => {
-                    let v = st.life.seen(addr, boot.as_deref(), epoch, now);
-                    st.on_verdict(addr, v)
-                }
+                Ok((boot, epoch)) => st.seen(addr, boot.as_deref(), epoch, now).map(|_| ()),
                 Err(e) => {
                     st.life.unreachable(addr, now);
                     Err(at(addr, e))
@@ -528,12 +541,11 @@ impl Shared {
             match self.call(addr, lease, &req, by) {
                 Ok(AgentReply::Mapped(m)) => {
                     let mut st = self.lock();
-                    let v = st.life.seen(addr, Some(&m.boot_id), None, now_ms());
-                    let same = v == Verdict::Same;
-                    if let Err(e) = st.on_verdict(addr, v) {
+                    let v = st.seen(addr, Some(&m.boot_id), None, now_ms());
+                    if let Err(e) = &v {
                         log::warn!("region {id}: {e}");
                     }
-                    if !same || !st.life.may_map(addr) {
+                    if v != Ok(Verdict::Same) || !st.life.may_map(addr) {
                         all = false;
                         break;
                     }
@@ -618,7 +630,7 @@ impl Shared {
     /// `by`, so that a key that does not prove fails now, at open, and not at the
     /// first store (a configuration error only the caller can fix). An agent that
     /// does not answer is no error: its regions are mapped when they come.
-    pub(super) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+    pub(crate) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
         for addr in agents {
             let link = self.lock().link_of(addr);
             let Some(mut lease) = link.take(by) else {
@@ -638,7 +650,7 @@ impl Shared {
     /// the RM and registers it with its NIC: on verbs that pins the region's pages,
     /// tens of milliseconds for 256 MiB) holds the agent's control connection only:
     /// the handler's other requests go on meanwhile.
-    pub(super) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
+    pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         let agent = grant.agent.clone().ok_or_else(|| {
             WorkerError::Config(format!(
                 "region {} has no agent: maru-server runs without --remote-cxl-agent",
@@ -654,7 +666,7 @@ impl Shared {
             .take(by)
             .ok_or_else(|| timed_out(&agent, "its control connection was not free"))?;
         let reply = self.call(&agent, &mut lease, &req, by)?;
-        let adopted = self.lock().adopted(grant, &agent, reply);
+        let adopted = self.lock().adopted(grant, &agent, reply, now_ms());
         self.fence_queued(by);
         adopted?;
         if let Err(e) = self.peer(&agent, &mut lease, by) {
@@ -671,7 +683,7 @@ impl Shared {
     /// (when no request has the agent's connection: such a request maps them itself),
     /// fences of kept slots, regions of agents silent too long to give back
     /// (returned).
-    pub(super) fn tick(&self, now_ms: u64) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
         for a in due {
@@ -710,7 +722,7 @@ impl Shared {
     }
 
     /// Probes the agents of the own regions now.
-    pub(super) fn check_agents(&self, now_ms: u64) {
+    pub(crate) fn check_agents(&self, now_ms: u64) {
         let mut agents: Vec<String> = self.lock().own.values().map(|r| r.agent.clone()).collect();
         agents.sort();
         agents.dedup();
@@ -764,9 +776,8 @@ impl Shared {
                 log::debug!("agent {}: no map_read: {e}", t.agent);
                 continue;
             }
-            let gen = self.lock().regs_gen;
             let got = map_read_all(&mut lease, &t.agent, &t.leases, by);
-            self.lock().mapped_reads(&t.agent, gen, got);
+            self.lock().mapped_reads(&t.agent, got, now_ms());
         }
     }
 
@@ -775,24 +786,51 @@ impl Shared {
     /// peer's unconfirmed WRITEs stay, and `reclaim` fences it again).
     pub(super) fn fence_queued(&self, by: Deadline) {
         let peers = std::mem::take(&mut self.lock().to_fence);
-        for p in peers {
-            self.iso.fence(self.nic.as_ref(), p, by);
+        if !peers.is_empty() {
+            self.fence_round(peers, by);
         }
     }
 
     /// Fences the peers that keep slots or whose WRITEs' outcome is unknown (until
     /// `by`), gives back what a fence that succeeded frees, and forgets those peers.
     pub(super) fn reclaim(&self, by: Deadline) {
-        let fenced = self.iso.reclaim(self.nic.as_ref(), by);
-        if !fenced.is_empty() {
-            self.lock().forget_peers(&fenced);
+        let peers = self.lock().iso.to_fence();
+        if !peers.is_empty() {
+            self.fence_round(peers, by);
         }
+    }
+
+    /// Fences `peers` (without the lock, each until `by`), records the outcomes and
+    /// forgets the peers proven quiet; the slots that frees go back to their pool
+    /// after the lock is let go.
+    fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
+        let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
+            .into_iter()
+            .map(|p| {
+                let r = self.nic.fence_within(p, by.left());
+                if let Err(e) = &r {
+                    log::warn!("fence of peer {} failed: {e}", p.0);
+                }
+                (p, r)
+            })
+            .collect();
+        let back = {
+            let mut st = self.lock();
+            let proven: Vec<PeerId> = outcomes
+                .iter()
+                .filter(|(p, r)| st.iso.record_fence(*p, r))
+                .map(|(p, _)| *p)
+                .collect();
+            st.forget_peers(&proven);
+            st.iso.release(&proven)
+        };
+        drop(back);
     }
 
     /// Releases every own region at its agent (the session is gone with the
     /// maru-server that knew it, so no keeper will); each release within the timeout.
     /// Returns (released, failed).
-    pub(super) fn release_all(&self) -> (usize, usize) {
+    pub(crate) fn release_all(&self) -> (usize, usize) {
         let own: Vec<(String, crate::wire::rm::Handle)> = self
             .lock()
             .own
@@ -828,5 +866,228 @@ impl Shared {
             }
         }
         (released, failed)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests start fake agents on threads
+mod tests {
+    use super::*;
+    use crate::net::handshake::{ServerHandshake, Step};
+    use crate::net::ClientOptions;
+    use crate::wire::{self, FrameDecoder};
+    use std::io::{Read, Write};
+
+    const A: &str = "a:1";
+
+    fn state() -> RemoteState {
+        RemoteState::new(ClientOptions::new("test", "t"))
+    }
+
+    fn grant(id: u64) -> RegionGrant {
+        serde_json::from_value(serde_json::json!({
+            "handle": {"region_id": id, "offset": 0, "length": 1 << 20, "token": "00"},
+            "pool": {"pool_id": 0, "path": "p", "uuid": "u", "kind": "file", "total": 1,
+                     "free": 1, "align": 1, "draining": 0},
+            "agent": A, "page_size": 4096, "pages": 256
+        }))
+        .unwrap()
+    }
+
+    fn mapped(id: u64, boot: &str) -> AgentReply {
+        AgentReply::Mapped(MapReply {
+            region_id: id,
+            addr: 0x10000,
+            rkey: 42,
+            length: 1 << 20,
+            offset_in_region: 0,
+            transport: serde_json::Value::Null,
+            boot_id: boot.into(),
+        })
+    }
+
+    /// An own region at `A`, its peer connected, a read registration there.
+    fn running() -> RemoteState {
+        let mut st = state();
+        st.adopted(&grant(1), A, mapped(1, "boot-1"), 0).unwrap();
+        st.agent(A).peer = Some(PeerId(3));
+        st.reads
+            .insert((7, 0, 8), (A.into(), 0, 1, serde_json::Value::Null));
+        st
+    }
+
+    #[test]
+    fn a_restart_on_the_same_boot_drops_the_peer_and_the_reads_and_maps_again() {
+        let mut st = running();
+        st.seen(A, Some("boot-1"), Some(1), 0).unwrap();
+        assert_eq!(
+            st.seen(A, Some("boot-1"), Some(2), 5),
+            Ok(Verdict::Restarted)
+        );
+        assert_eq!(st.agent(A).peer, None, "its data connection went with it");
+        assert_eq!(
+            st.to_fence,
+            vec![PeerId(3)],
+            "fenced once the lock is let go"
+        );
+        assert!(st.reads.is_empty(), "its registrations went with it");
+        assert!(
+            st.remap_due(A),
+            "the regions are mapped again before their next use"
+        );
+        assert!(st.life.usable(1), "the bytes survived: the keys stay");
+        assert_eq!(st.reboots, 0);
+    }
+
+    #[test]
+    fn a_reboot_puts_the_regions_out_of_use_and_is_counted() {
+        let mut st = running();
+        assert_eq!(
+            st.seen(A, Some("boot-2"), None, 5),
+            Ok(Verdict::Rebooted(vec![1]))
+        );
+        assert_eq!(
+            st.reboots, 1,
+            "publishes re-checked before it are waited for"
+        );
+        assert!(!st.life.usable(1));
+        assert!(
+            !st.remap_due(A),
+            "not mapped again before maru-server dropped the keys"
+        );
+        assert_eq!(st.to_fence, vec![PeerId(3)]);
+    }
+
+    #[test]
+    fn an_agent_that_reports_no_boot_id_is_unreachable() {
+        let mut st = running();
+        assert!(matches!(
+            st.seen(A, None, None, 5),
+            Err(WorkerError::Unavailable { .. })
+        ));
+        assert!(st.reads.is_empty());
+    }
+
+    #[test]
+    fn a_lease_written_under_another_boot_is_not_read() {
+        let mut st = state();
+        st.seen(A, Some("boot-2"), None, 0).unwrap();
+        st.reads
+            .insert((7, 0, 8), (A.into(), 0, 1, serde_json::Value::Null));
+        let lease = |boot: &str| LeaseGrant {
+            lease_id: 1,
+            region_id: 7,
+            offset: 0,
+            length: 8,
+            read_token: "00".into(),
+            agent: Some(A.into()),
+            device: None,
+            expires_in_ms: 1000,
+            boot_id: Some(boot.into()),
+        };
+        assert!(st.read_target(&lease("boot-2")).is_ok());
+        assert!(
+            st.read_target(&lease("boot-1")).is_err(),
+            "written before a reboot maru-server has not heard of yet"
+        );
+        let mut unmapped = lease("boot-2");
+        unmapped.region_id = 8;
+        assert!(
+            st.read_target(&unmapped).is_err(),
+            "no registration: not read"
+        );
+    }
+
+    #[test]
+    fn a_map_read_made_on_a_connection_that_broke_is_not_recorded() {
+        let mut st = state();
+        let m = match mapped(7, "boot-1") {
+            AgentReply::Mapped(m) => m,
+            _ => unreachable!(),
+        };
+        st.mapped_reads(
+            A,
+            MapReads {
+                mapped: vec![((7, 0, 8), m.clone())],
+                broke: true,
+                unreachable: false,
+            },
+            0,
+        );
+        assert!(
+            st.reads.is_empty(),
+            "its registrations went with the connection"
+        );
+        assert!(st.life.needs_remap(A));
+        st.mapped_reads(
+            A,
+            MapReads {
+                mapped: vec![((7, 0, 8), m)],
+                ..MapReads::default()
+            },
+            0,
+        );
+        assert_eq!(st.reads.len(), 1);
+    }
+
+    /// An agent that welcomes with `info` (after a handshake without a key), then
+    /// holds the connection until the client goes.
+    fn agent_welcoming(info: serde_json::Value) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let spawn = std::thread::Builder::new().spawn(move || {
+            for s in l.incoming().flatten() {
+                let info = info.clone();
+                let _ = std::thread::Builder::new().spawn(move || {
+                    let mut s = s;
+                    let mut hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
+                    let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        match dec.next_frame() {
+                            Ok(Some(f)) => match hs.on_frame(&f) {
+                                Step::Send(b) => {
+                                    let _ = s.write_all(&b);
+                                }
+                                Step::Ready { send, .. } => {
+                                    let _ = s.write_all(&send);
+                                    // Held until the client closes it.
+                                    let _ = s.read(&mut buf);
+                                    return;
+                                }
+                                Step::Fail(_) => return,
+                            },
+                            Ok(None) => match s.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => dec.push(&buf[..n]),
+                            },
+                            Err(_) => return,
+                        }
+                    }
+                });
+            }
+        });
+        assert!(spawn.is_ok());
+        addr
+    }
+
+    /// Rule (d): a welcome without a boot id is refused by the link itself, before
+    /// anything is asked of the agent (and whatever asks next: a map, a peer's
+    /// bring-up, a map_read). Seen failing with the link made without
+    /// `require_boot_id` (the connection was taken).
+    #[test]
+    fn a_welcome_without_a_boot_id_is_refused_by_the_link_itself() {
+        let opts = ClientOptions::new(crate::wire::agent::SERVICE, "t");
+        let without = agent_welcoming(serde_json::json!({"epoch": 3}));
+        let mut link = agent_link(&without, opts.clone());
+        match link.client() {
+            Err(LinkError::Unreachable(m)) => assert!(m.contains("boot id"), "{m}"),
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("a welcome without a boot id was taken"),
+        }
+        let with = agent_welcoming(serde_json::json!({"boot_id": "b-1", "epoch": 3}));
+        let mut link = agent_link(&with, opts);
+        let c = link.client().expect("a welcome with a boot id");
+        assert_eq!(welcome_identity(c), (Some("b-1".to_string()), Some(3)));
     }
 }

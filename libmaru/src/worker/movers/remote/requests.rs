@@ -1,15 +1,15 @@
-//! What a remote store or load posts, window by window (see `worker::windows`): a
+//! What a remote store or load posts, window by window (see `windows`): a
 //! copying store fills store slots from the caller's chunks, a copying load hands
 //! each window's slots to the caller's sink, and the slot API moves the caller's own
 //! slots.
 
 use super::post::{PendingWindow, Planned};
-use super::Shared;
+use super::windows::Windowed;
+use super::RemoteMover;
 use crate::wire::meta::{LeaseGrant, PageGrant};
 use crate::worker::clock::Deadline;
 use crate::worker::movers::{ReadSink, SlotOutcome, WriteItem};
 use crate::worker::staging::{Slot, SlotPool};
-use crate::worker::windows::Windowed;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ const LOAD_SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// A copying store's windows: the caller's chunks are copied into store slots.
 pub(super) struct StoreWindows<'a, 'd> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) items: &'a [WriteItem<'d>],
     pub(super) ok: Vec<bool>,
     /// The request's deadline.
@@ -97,7 +97,7 @@ impl Windowed for StoreWindows<'_, '_> {
 /// A copying load's windows: each window's slots go to the sink, then to a later
 /// window.
 pub(super) struct LoadWindows<'a, 's> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) leases: &'a [LeaseGrant],
     pub(super) sink: &'a mut ReadSink<'s>,
     /// The request's deadline.
@@ -168,7 +168,7 @@ pub(super) enum Given<'a> {
 /// Windows of a transfer between the caller's slots and pages: every item is tried,
 /// and each slot comes back in its outcome.
 pub(super) struct GivenWindows<'a> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) given: Vec<Option<Slot>>,
     pub(super) out: Vec<SlotOutcome>,
     pub(super) kind: Given<'a>,
@@ -193,7 +193,7 @@ impl GivenWindows<'_> {
 
 /// Plans the request's `items` from or into the caller's slots.
 fn plan_given(
-    m: &Shared,
+    m: &RemoteMover,
     kind: &Given<'_>,
     items: Vec<usize>,
     slots: Vec<Slot>,
