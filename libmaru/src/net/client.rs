@@ -160,8 +160,8 @@ pub struct Client {
     write_timeout: Duration,
 }
 
-/// How far the time left of an exchange may fall below a socket's timeout before the
-/// timeout is set again.
+/// How far the time left of an exchange may move from a socket's timeout before the
+/// timeout is set again (a call's wait may end up to this much early, never late).
 const TIMEOUT_SLACK: Duration = Duration::from_millis(20);
 
 impl Client {
@@ -274,7 +274,7 @@ impl Client {
         } else {
             &mut self.write_timeout
         };
-        if left + TIMEOUT_SLACK < *set || left > *set {
+        if left + TIMEOUT_SLACK < *set || left > *set + TIMEOUT_SLACK {
             let r = if reads {
                 self.stream.set_read_timeout(Some(left))
             } else {

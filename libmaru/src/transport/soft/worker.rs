@@ -780,7 +780,8 @@ impl Until<'_> {
             ));
         }
         let cur = Duration::from_micros(self.timeout_us.load(Ordering::Relaxed));
-        if left + Duration::from_millis(20) < cur || left > cur {
+        let slack = Duration::from_millis(20);
+        if left + slack < cur || left > cur + slack {
             self.s.set_write_timeout(Some(left))?;
             self.timeout_us.store(micros(left), Ordering::Relaxed);
         }
