@@ -68,20 +68,7 @@ fn cxl_session(st: &Stack, engine: &str) -> maru::worker::session::Session {
 /// The bytes of `key`: its length and content derive from the key alone, so any
 /// reader can check what it loaded.
 fn content(key: &str) -> Vec<u8> {
-    let mut x: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        x = (x ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    let len = 512 + (x as usize % (CHUNK - 512));
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    support::key_bytes(key, CHUNK)
 }
 
 /// remote_cxl: a request's transfers hold no lock of the handler while they are on the

@@ -35,16 +35,7 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
 fn chunk(i: usize) -> Vec<u8> {
     // Deterministic, different per chunk, various lengths up to the 64 KiB page.
     let len = 1024 + (i * 977) % (63 * 1024);
-    let mut out = Vec::with_capacity(len);
-    let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    support::seeded_bytes((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15), len)
 }
 
 fn digest(b: &[u8]) -> [u8; 32] {

@@ -510,3 +510,28 @@ pub fn holding_proxy(
     });
     (addr, held_count)
 }
+
+/// `len` bytes that follow from `seed` alone (xorshift), so any reader can check what
+/// it loaded.
+pub fn seeded_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// The bytes of `key` for pages of `page` bytes: their length (512 bytes to a page) and
+/// content derive from the key alone.
+pub fn key_bytes(key: &str, page: usize) -> Vec<u8> {
+    let mut x: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        x = (x ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    seeded_bytes(x, 512 + (x as usize % (page - 512)))
+}

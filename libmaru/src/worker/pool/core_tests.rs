@@ -4,36 +4,17 @@
 use super::core::{BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan, EXPAND_BACKOFF_MS};
 use crate::net::ClientOptions;
 use crate::transport::PeerId;
-use crate::wire::agent::{AgentReply, MapReply};
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
-use crate::wire::rm::{Handle, PoolInfo};
+use crate::worker::movers::remote::fixtures::{self, mapped, PAGE};
 use crate::worker::movers::remote::RemoteState;
 use std::collections::BTreeMap;
 
-const PAGE: u64 = 64 << 10;
 const AGENT: &str = "10.0.0.1:9860";
 
 fn grant(id: u64, pages: u64) -> RegionGrant {
     RegionGrant {
-        handle: Handle {
-            region_id: id,
-            offset: id << 30,
-            length: pages * PAGE,
-            token: "00".repeat(16),
-        },
-        pool: PoolInfo {
-            pool_id: 0,
-            path: "/dev/shm/pool".into(),
-            uuid: "u".into(),
-            kind: "file".into(),
-            total: 1 << 40,
-            free: 1 << 40,
-            align: PAGE,
-            draining: 0,
-        },
-        agent: Some(AGENT.into()),
-        page_size: PAGE,
         pages,
+        ..fixtures::grant(id, AGENT)
     }
 }
 
@@ -76,18 +57,6 @@ fn take_region_at(c: &mut PoolCore, id: u64, n: u64, agent: &str) {
             .expect("adopted");
     }
     assert!(!c.adopt_end(&grant(id, n), true));
-}
-
-fn mapped(id: u64, boot: &str) -> AgentReply {
-    AgentReply::Mapped(MapReply {
-        region_id: id,
-        addr: 0x1000,
-        rkey: 7,
-        length: PAGE * 128,
-        offset_in_region: 0,
-        transport: serde_json::json!({}),
-        boot_id: boot.into(),
-    })
 }
 
 fn no_news() -> HeartbeatReply {

@@ -201,18 +201,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let published: Vec<(PageGrant, u64)> = plan
-            .publish
-            .iter()
-            .map(|&k| (writes[k].page.page, writes[k].len as u64))
-            .collect();
-        let answer = self.session.publish(entries);
-        let back = self.core.lock().publish_end(
-            plan.ticket,
-            &published,
-            answer.as_ref().ok().map(Vec::as_slice),
-        );
-        self.core.notify();
+        let (answer, back) = self.send_publish(plan.ticket, entries);
         // Not answered: the keys may be published, so their pages stay out of use.
         answer?;
         for &k in &plan.publish {

@@ -451,6 +451,37 @@ impl StoragePool {
         Ok(super::core::PublishPlan::default())
     }
 
+    /// Sends a publish the core re-checked (`ticket`) and tells the core how it went
+    /// (the publish is no longer in flight); with the pages it freed for later stores
+    /// (keys another engine published first).
+    pub(super) fn send_publish(
+        &self,
+        ticket: Option<u64>,
+        entries: Vec<PublishEntry>,
+    ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
+        let page_size = self.page_size().max(1);
+        let published: Vec<(PageGrant, u64)> = entries
+            .iter()
+            .map(|e| {
+                let page = PageGrant {
+                    region_id: e.region_id,
+                    page: e.offset / page_size,
+                    offset: e.offset,
+                    length: page_size,
+                };
+                (page, e.length)
+            })
+            .collect();
+        let answer = self.session.publish(entries);
+        let back = self.core.lock().publish_end(
+            ticket,
+            &published,
+            answer.as_ref().ok().map(Vec::as_slice),
+        );
+        self.core.notify();
+        (answer, back)
+    }
+
     /// Publishes the chunks whose bytes are complete (`ok`), into regions that are
     /// still the pool's on the boot they were written under (the core's re-check). A
     /// chunk that fails the check is not published and counts as skipped. Pages not
@@ -509,18 +540,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let published: Vec<(PageGrant, u64)> = entries
-            .iter()
-            .zip(&plan.publish)
-            .map(|(e, &k)| (placed[k].1, e.length))
-            .collect();
-        let answer = self.session.publish(entries);
-        let back = self.core.lock().publish_end(
-            plan.ticket,
-            &published,
-            answer.as_ref().ok().map(Vec::as_slice),
-        );
-        self.core.notify();
+        let (answer, back) = self.send_publish(plan.ticket, entries);
         let is_new = match answer {
             Ok(n) => n,
             Err(e) => {

@@ -872,6 +872,7 @@ impl RemoteMover {
 #[cfg(test)]
 #[allow(clippy::disallowed_methods)] // tests start fake agents on threads
 mod tests {
+    use super::super::fixtures::{grant, mapped};
     use super::*;
     use crate::net::handshake::{ServerHandshake, Step};
     use crate::net::ClientOptions;
@@ -884,32 +885,10 @@ mod tests {
         RemoteState::new(ClientOptions::new("test", "t"))
     }
 
-    fn grant(id: u64) -> RegionGrant {
-        serde_json::from_value(serde_json::json!({
-            "handle": {"region_id": id, "offset": 0, "length": 1 << 20, "token": "00"},
-            "pool": {"pool_id": 0, "path": "p", "uuid": "u", "kind": "file", "total": 1,
-                     "free": 1, "align": 1, "draining": 0},
-            "agent": A, "page_size": 4096, "pages": 256
-        }))
-        .unwrap()
-    }
-
-    fn mapped(id: u64, boot: &str) -> AgentReply {
-        AgentReply::Mapped(MapReply {
-            region_id: id,
-            addr: 0x10000,
-            rkey: 42,
-            length: 1 << 20,
-            offset_in_region: 0,
-            transport: serde_json::Value::Null,
-            boot_id: boot.into(),
-        })
-    }
-
     /// An own region at `A`, its peer connected, a read registration there.
     fn running() -> RemoteState {
         let mut st = state();
-        st.adopted(&grant(1), A, mapped(1, "boot-1"), 0).unwrap();
+        st.adopted(&grant(1, A), A, mapped(1, "boot-1"), 0).unwrap();
         st.agent(A).peer = Some(PeerId(3));
         st.reads
             .insert((7, 0, 8), (A.into(), 0, 1, serde_json::Value::Null));

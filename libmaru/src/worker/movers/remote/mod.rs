@@ -297,3 +297,38 @@ impl Drop for RemoteMover {
         }
     }
 }
+
+/// Regions and map replies for the unit tests of the remote state and the pool core.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use crate::wire::agent::{AgentReply, MapReply};
+    use crate::wire::meta::RegionGrant;
+
+    /// Pages of the test regions.
+    pub const PAGE: u64 = 64 << 10;
+
+    /// Region `id` of 128 pages, served by `agent`.
+    pub fn grant(id: u64, agent: &str) -> RegionGrant {
+        serde_json::from_value(serde_json::json!({
+            "handle": {"region_id": id, "offset": id << 30, "length": 128 * PAGE,
+                       "token": "00".repeat(16)},
+            "pool": {"pool_id": 0, "path": "/dev/shm/pool", "uuid": "u", "kind": "file",
+                     "total": 1u64 << 40, "free": 1u64 << 40, "align": PAGE, "draining": 0},
+            "agent": agent, "page_size": PAGE, "pages": 128
+        }))
+        .unwrap_or_else(|e| panic!("a test region: {e}"))
+    }
+
+    /// An agent's reply to the map of region `id`, from a node on `boot`.
+    pub fn mapped(id: u64, boot: &str) -> AgentReply {
+        AgentReply::Mapped(MapReply {
+            region_id: id,
+            addr: 0x10000,
+            rkey: 42,
+            length: 128 * PAGE,
+            offset_in_region: 0,
+            transport: serde_json::Value::Null,
+            boot_id: boot.into(),
+        })
+    }
+}

@@ -517,11 +517,10 @@ impl RemoteMover {
 
 #[cfg(test)]
 mod tests {
+    use super::super::fixtures::{grant, mapped};
     use super::*;
     use crate::net::ClientOptions;
     use crate::transport::{Bringup, LocalBuffer};
-    use crate::wire::agent::{AgentReply, MapReply};
-    use crate::wire::meta::RegionGrant;
     use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
     use std::collections::{HashMap, HashSet};
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -725,28 +724,6 @@ mod tests {
         );
     }
 
-    fn grant(id: u64) -> RegionGrant {
-        serde_json::from_value(serde_json::json!({
-            "handle": {"region_id": id, "offset": 0, "length": 1 << 20, "token": "00"},
-            "pool": {"pool_id": 0, "path": "p", "uuid": "u", "kind": "file", "total": 1,
-                     "free": 1, "align": 1, "draining": 0},
-            "agent": "a:1", "page_size": 4096, "pages": 256
-        }))
-        .unwrap()
-    }
-
-    fn mapped(id: u64, boot: &str) -> AgentReply {
-        AgentReply::Mapped(MapReply {
-            region_id: id,
-            addr: 0x10000,
-            rkey: 42,
-            length: 1 << 20,
-            offset_in_region: 0,
-            transport: serde_json::Value::Null,
-            boot_id: boot.into(),
-        })
-    }
-
     /// A window writes only into own regions that are usable, through agents with a
     /// data connection: an item of a region unknown, of an agent not connected yet,
     /// or of a region whose node rebooted gets its slot back and is not posted.
@@ -754,7 +731,7 @@ mod tests {
     fn a_window_plans_writes_only_into_usable_regions_whose_agent_has_a_peer() {
         let sl = staging(4);
         let mut st = state();
-        st.adopted(&grant(1), "a:1", mapped(1, "boot-1"), 0)
+        st.adopted(&grant(1, "a:1"), "a:1", mapped(1, "boot-1"), 0)
             .unwrap();
         let page = |region: u64| PageGrant {
             region_id: region,
