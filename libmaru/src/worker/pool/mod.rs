@@ -33,6 +33,9 @@ use std::time::Duration;
 /// A request's timeout unless `with_timeout` says otherwise (`timeout_ms`'s default).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long opening a pool waits for its agents to prove the key (`greet_agents`).
+const GREET_WAIT: Duration = Duration::from_secs(2);
+
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
 pub const SPARE_PAGES: usize = 32;
@@ -246,9 +249,11 @@ impl StoragePool {
 
     /// Connects to the pool's agents (`remote_cxl`), so that an agent key that does
     /// not prove fails the open ([`WorkerError::Auth`]) rather than the first store.
+    /// All of them within [`GREET_WAIT`] (or the timeout, if shorter): an agent that
+    /// does not answer delays no open for long, and is connected when needed.
     pub(crate) fn greet_agents(&self) -> Result<(), WorkerError> {
-        self.mover
-            .greet(&self.session.handshake.agents, self.deadline())
+        let by = Deadline::after(self.timeout.min(GREET_WAIT));
+        self.mover.greet(&self.session.handshake.agents, by)
     }
 
     /// The deadline of a request starting now.
