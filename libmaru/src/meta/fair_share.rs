@@ -116,6 +116,20 @@ impl FairShare {
         }
     }
 
+    /// The give-back asked and not answered yet.
+    pub fn asked(&self) -> Option<Ask> {
+        self.asked
+    }
+
+    /// maru-server took a region of `session` for the waiters itself (nobody was
+    /// writing or reading it): an ask of `session` is answered.
+    pub fn taken(&mut self, session: u64) {
+        if self.asked.is_some_and(|a| a.session == session) {
+            self.asked = None;
+            self.returned += 1;
+        }
+    }
+
     /// The region this session is asked to give back, if any.
     pub fn asked_of(&self, session: u64) -> Option<u64> {
         self.asked

@@ -29,7 +29,12 @@ impl MetaCore {
         let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut pages = Vec::with_capacity(count as usize);
+        // A region the session is asked to give back gets no new page.
+        let asked = self.fair.asked_of(id);
         for &rid in &s.regions {
+            if asked == Some(rid) {
+                continue;
+            }
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;
             };
@@ -54,7 +59,12 @@ impl MetaCore {
             self.note_region_use(rid, now_ms);
         }
         let missing = count - pages.len() as u32;
-        Ok(MetaReply::Pages(PagesReply { pages, missing }))
+        let give_back = self.asked_back(id);
+        Ok(MetaReply::Pages(PagesReply {
+            pages,
+            missing,
+            give_back,
+        }))
     }
 
     /// Frees pages of the session that hold no key. All or nothing.
@@ -192,6 +202,7 @@ impl MetaCore {
                 )
             })
             .collect();
-        Ok(MetaReply::Published { is_new })
+        let give_back = self.asked_back(id);
+        Ok(MetaReply::Published { is_new, give_back })
     }
 }

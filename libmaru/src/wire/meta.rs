@@ -267,6 +267,10 @@ pub struct PagesReply {
     pub pages: Vec<PageGrant>,
     /// Pages asked for that the session's regions could not give: call `expand`.
     pub missing: u32,
+    /// Regions the session is asked to give back (as `HeartbeatReply::give_back`),
+    /// carried on this reply so that a storing session hears it at its next call.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub give_back: Vec<u64>,
 }
 
 /// Where a cxl reader finds a region on its own device.
@@ -478,6 +482,9 @@ pub enum MetaReply {
     /// Per entry, in order.
     Published {
         is_new: Vec<bool>,
+        /// Regions the session is asked to give back (as `HeartbeatReply::give_back`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        give_back: Vec<u64>,
     },
     /// Per key, in order.
     Exists {

@@ -29,6 +29,9 @@
 //!   maru-server drops that publish's keys with the others.
 //! - **A region asked back is closing.** No new store takes its pages; the last store
 //!   that writes into it gives it back once its publish is answered.
+//! - **An ask on any reply is acted on at once** (`asked_on_reply`): maru-server
+//!   carries its fair-share ask on the replies to `alloc` and `publish` too, so a
+//!   storing engine gives the region back at its next call, not its next heartbeat.
 //! - **A region whose agent stayed silent goes back once no publish into it is in
 //!   flight.**
 //! - **Pages of failed writes stay out of use while a write of unknown outcome may
@@ -436,6 +439,21 @@ impl PoolCore {
         }
         self.forget(id);
         Some(Gone::GiveBack(id))
+    }
+
+    /// maru-server asked for these regions on the reply to a store's call (`alloc`,
+    /// `publish`): acted on at once, as an ask at a heartbeat, so that a waiting engine
+    /// gets its region within a round trip of this engine's next call. A region not
+    /// (or no longer) the pool's is ignored here: maru-server's ask stays and a
+    /// heartbeat carries it again if it still stands.
+    pub fn asked_on_reply(&mut self, regions: &[u64]) -> Vec<Gone> {
+        let mut out = Vec::new();
+        for &id in regions {
+            if self.owns(id) {
+                out.extend(self.ask_back(id));
+            }
+        }
+        out
     }
 
     /// A region given back was returned (`ok`) or maru-server refused or did not

@@ -178,6 +178,31 @@ fn a_region_asked_back_while_written_into_takes_no_new_stores_pages() {
     assert!(c.take_spare(8).is_empty(), "nor kept for later");
 }
 
+/// A fair-share ask carried on the reply to a store's call (not a heartbeat) is acted
+/// on at once: an idle region goes back now, one being written into closes and goes
+/// with its last writer; a region not the pool's is left to the heartbeat. Seen
+/// failing with `asked_on_reply` emptied (nothing given back until the heartbeat).
+#[test]
+fn an_ask_on_a_stores_reply_is_acted_on_at_once() {
+    let mut c = cxl();
+    c.set_spare_target(8);
+    take_region(&mut c, 1, 128);
+    take_region(&mut c, 2, 128);
+    take_region(&mut c, 3, 128);
+    c.keep_spare(pages(1, 0..3));
+    assert_eq!(c.asked_on_reply(&[1]), vec![Gone::GiveBack(1)]);
+    assert!(!c.owns(1) && c.take_spare(8).is_empty());
+    c.mark_writing(vec![page(2, 0)]);
+    assert!(c.asked_on_reply(&[2]).is_empty(), "a store writes into it");
+    assert_eq!(c.mark_writing(vec![page(2, 1)]).pages, vec![]);
+    assert_eq!(c.end_writing([2]), vec![Gone::GiveBack(2)]);
+    assert!(
+        c.asked_on_reply(&[9]).is_empty(),
+        "not the pool's: the heartbeat carries the ask again if it stands"
+    );
+    assert!(c.owns(3));
+}
+
 #[test]
 fn the_last_writer_into_a_closing_region_gives_it_back() {
     let mut c = cxl();

@@ -153,6 +153,7 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
         let got = self.session.alloc(count, route_key)?;
+        self.act_on_asks();
         drop(self.core.wait_while(by, |c| c.waits_for_adoption(&got.0)));
         Ok(got)
     }
@@ -425,6 +426,18 @@ impl StoragePool {
     /// Pages of these regions (one entry per page) are no longer being written (their
     /// store or writer in place published or dropped them): the last writer into a
     /// region maru-server asked for gives it back.
+    /// Regions maru-server asked back on the reply to a call of this session: given
+    /// back now (or by their last writer), not at the next heartbeat.
+    pub(super) fn act_on_asks(&self) {
+        let asked = self.session.take_asked();
+        if asked.is_empty() {
+            return;
+        }
+        let gone = self.core.lock().asked_on_reply(&asked);
+        self.core.notify();
+        self.carry_out(gone);
+    }
+
     pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>) {
         let done = self.core.lock().end_writing(regions);
         self.carry_out(done);
@@ -479,6 +492,7 @@ impl StoragePool {
             answer.as_ref().ok().map(Vec::as_slice),
         );
         self.core.notify();
+        self.act_on_asks();
         (answer, back)
     }
 
