@@ -91,6 +91,17 @@ impl GiveBackReason {
     }
 }
 
+/// The first retry of a failed release or free comes this soon: a daemon's port
+/// answers "unreachable" when the peer did not answer within a few ms while the call
+/// goes on in the background (a loaded RM), and a session may be waiting for the
+/// region. Retries then back off, doubling, up to `retry_ms`.
+const FIRST_RETRY_MS: u64 = 25;
+
+fn retry_after(failures: u32, retry_ms: u64) -> u64 {
+    let n = failures.saturating_sub(1).min(16);
+    FIRST_RETRY_MS.saturating_mul(1 << n).min(retry_ms)
+}
+
 /// What the core must do after the keeper acted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeeperEvent {
@@ -406,7 +417,7 @@ impl RegionKeeper {
             }
             Err(e) => {
                 g.failures += 1;
-                g.next_try_ms = now.saturating_add(retry_ms);
+                g.next_try_ms = now.saturating_add(retry_after(g.failures, retry_ms));
                 log_failure(id, g.failures, &format!("release at agent {agent}"), &e);
             }
         }
@@ -427,7 +438,7 @@ impl RegionKeeper {
             }
             Err(e) => {
                 g.failures += 1;
-                g.next_try_ms = now.saturating_add(retry_ms);
+                g.next_try_ms = now.saturating_add(retry_after(g.failures, retry_ms));
                 log_failure(id, g.failures, "free at the RM", &e);
                 return None;
             }

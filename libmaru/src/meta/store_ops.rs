@@ -29,9 +29,20 @@ impl MetaCore {
         let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut pages = Vec::with_capacity(count as usize);
-        // A region the session is asked to give back gets no new page.
+        // A region the session is asked to give back gets no new page. Regions it
+        // holds unused (no page taken, no key: one just given) come first, so that a
+        // region given to a storing session is not taken back as unused while the
+        // session fills pages its evictions freed elsewhere.
         let asked = self.fair.asked_of(id);
-        for &rid in &s.regions {
+        let mut order: Vec<u64> = s.regions.iter().copied().collect();
+        order.sort_by_key(|rid| {
+            let unused = self
+                .regions
+                .get(*rid)
+                .is_some_and(|r| r.unused_since_ms.is_some());
+            (!unused, *rid)
+        });
+        for rid in order {
             if asked == Some(rid) {
                 continue;
             }
