@@ -451,3 +451,71 @@ fn newcomer_on_a_full_pool(backend: &str) {
     drop(st);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn skipped(h: &Handler, reason: &str) -> u64 {
+    h.stats()["total"]["skipped"][reason].as_u64().unwrap_or(0)
+}
+
+/// Every chunk a store skips is counted under its reason in the handler's stats
+/// (issue 34): over `max_bytes` with every key of its region pinned, no region to be
+/// had with every key pinned, and the pool unavailable (maru-server stopped). Seen
+/// failing with the `pool_unavailable` count taken out of `store_on_pool` (0, not 8).
+#[test]
+fn skipped_chunks_are_counted_per_reason() {
+    let args: Vec<String> = ["--region-size", "16M", "--chunk-size", "1024K"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    // Three regions of 16 MiB fit the 64 MiB pool beside its header.
+    let st = support::stack("skips", "64M", false, &args);
+    let open = |name: &str, max_bytes: usize| {
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&config_for(&st, "cxl", name)).unwrap();
+        if max_bytes > 0 {
+            cfg["max_bytes"] = serde_json::json!(max_bytes);
+        }
+        Handler::open(&cfg.to_string()).unwrap()
+    };
+    let pin_all = |h: &Handler, engine: &str, prompts: usize| {
+        let keys: Vec<String> = (0..prompts)
+            .flat_map(|p| (0..PROMPT).map(move |c| key(engine, p, c)))
+            .collect();
+        assert!(h.pin_batch(&keys, None, true).unwrap().iter().all(|p| *p));
+    };
+    // Capped at one region, every key of it pinned: the next prompt is skipped.
+    let capped = open("capped", 16 * MIB);
+    for p in 0..2 {
+        assert!(store_prompt(&capped, "capped", p).iter().all(|o| *o));
+    }
+    pin_all(&capped, "capped", 2);
+    assert_eq!(store_prompt(&capped, "capped", 2), vec![false; PROMPT]);
+    assert_eq!(
+        skipped(&capped, "max_bytes"),
+        PROMPT as u64,
+        "{}",
+        capped.stats()
+    );
+    assert_eq!(skipped(&capped, "no_region"), 0);
+    // The rest of the pool, every key pinned: no region to be had.
+    let full = open("full", 0);
+    for p in 0..4 {
+        assert!(store_prompt(&full, "full", p).iter().all(|o| *o));
+    }
+    pin_all(&full, "full", 4);
+    assert_eq!(store_prompt(&full, "full", 4), vec![false; PROMPT]);
+    assert_eq!(
+        skipped(&full, "no_region"),
+        PROMPT as u64,
+        "{}",
+        full.stats()
+    );
+    // maru-server stops: the pool is unavailable.
+    let Stack { server, .. } = st;
+    drop(server);
+    assert_eq!(store_prompt(&full, "full", 5), vec![false; PROMPT]);
+    assert_eq!(skipped(&full, "pool_unavailable"), PROMPT as u64);
+    let t = &full.stats()["total"]["skipped"];
+    assert_eq!(t["no_slot"], 0, "{t}");
+    drop(capped);
+    drop(full);
+}

@@ -186,6 +186,8 @@ pub struct PoolCore {
     /// The mover wants a region taken ahead of need (`cxl` prefaults it).
     wants_lead: bool,
     pub stats: PoolStats,
+    /// Why stores were skipped, and when each reason was last logged.
+    skips: crate::worker::skips::SkipLog,
     spare: VecDeque<PageGrant>,
     regions: BTreeMap<u64, Region>,
     next_adoption: u64,
@@ -214,6 +216,7 @@ impl PoolCore {
             max_regions: None,
             wants_lead: false,
             stats: PoolStats::default(),
+            skips: Default::default(),
             spare: VecDeque::new(),
             regions: BTreeMap::new(),
             next_adoption: 1,
@@ -277,6 +280,31 @@ impl PoolCore {
     /// the adoption and boot it had).
     pub fn token_is(&self, region: u64, token: Option<&Token>) -> bool {
         token.is_some() && self.token(region).as_ref() == token
+    }
+
+    /// `n` chunks of a store were not stored for `reason` at `now_ms`: counted (in
+    /// `stats.skipped`), and the WARN line to log when one is due for that reason
+    /// (see `skips`).
+    pub fn skipped(
+        &mut self,
+        reason: crate::worker::skips::SkipReason,
+        n: u64,
+        now_ms: u64,
+        what: &str,
+    ) -> Option<String> {
+        let line = self.skips.note(reason, n, now_ms, what);
+        self.stats.skipped = self.skips.counts;
+        line
+    }
+
+    /// Why a store found no page: `max_bytes` when the session holds its limit of
+    /// regions, else no region to be had.
+    pub fn no_room_reason(&self) -> crate::worker::skips::SkipReason {
+        if self.may_grow() {
+            crate::worker::skips::SkipReason::NoRegion
+        } else {
+            crate::worker::skips::SkipReason::MaxBytes
+        }
     }
 
     /// Whether the session may take one more region now (`max_bytes`, counting the

@@ -555,3 +555,23 @@ fn a_region_maru_server_no_longer_counts_is_lost_with_its_spare_pages() {
     assert!(c.take_spare(8).is_empty());
     assert!(c.own_regions().is_empty());
 }
+
+/// Skips are counted per reason in the pool's stats; a store that finds no page is
+/// `max_bytes` when the session holds its limit of regions, else `no_region`. Seen
+/// failing with `no_room_reason` always answering `NoRegion`.
+#[test]
+fn skips_are_counted_per_reason_and_max_bytes_is_told_apart() {
+    use crate::worker::skips::SkipReason;
+    let mut c = cxl();
+    assert_eq!(c.no_room_reason(), SkipReason::NoRegion, "no region yet");
+    c.set_max_regions(Some(1));
+    take_region(&mut c, 1, 4);
+    assert_eq!(c.no_room_reason(), SkipReason::MaxBytes);
+    assert!(c.skipped(SkipReason::MaxBytes, 3, 0, "pool p").is_some());
+    assert!(
+        c.skipped(SkipReason::MaxBytes, 2, 1, "pool p").is_none(),
+        "once per interval"
+    );
+    assert!(c.skipped(SkipReason::NoSlot, 1, 1, "pool p").is_some());
+    assert_eq!((c.stats.skipped.max_bytes, c.stats.skipped.no_slot), (5, 1));
+}

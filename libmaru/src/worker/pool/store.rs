@@ -94,6 +94,13 @@ impl StoragePool {
             let why = match self.grow(by) {
                 Ok(()) => None,
                 Err(NoRegion::Unusable(e)) => {
+                    let what = format!("pool {}", self.session.url);
+                    self.core.lock().skipped(
+                        crate::worker::skips::SkipReason::NoRegion,
+                        u64::from(missing),
+                        now_ms(),
+                        &what,
+                    );
                     log::warn!(
                         "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server",
                         self.session.url
@@ -126,14 +133,22 @@ impl StoragePool {
             if got_none {
                 dry += 1;
                 if dry >= ROOM_ROUNDS {
-                    self.core.lock().stats.store_no_room += u64::from(missing);
-                    log::warn!(
-                        "pool {}: {missing} chunk(s) not stored: the pool has no region to \
+                    let what = format!("pool {}", self.session.url);
+                    let line = {
+                        let mut c = self.core.lock();
+                        c.stats.store_no_room += u64::from(missing);
+                        let reason = c.no_room_reason();
+                        c.skipped(reason, u64::from(missing), now_ms(), &what)
+                    };
+                    log::debug!(
+                        "{what}: {missing} chunk(s) not stored: the pool has no region to \
                          give ({}) and every page of this engine's regions is leased, \
                          pinned or in use",
-                        self.session.url,
                         why.as_deref().unwrap_or("a region taken was full at once")
                     );
+                    if let Some(line) = line {
+                        log::warn!("{line}");
+                    }
                     break;
                 }
             }
