@@ -364,6 +364,38 @@ impl MetaCore {
         }
     }
 
+    /// Session `id`'s fair share of the pool now, in regions: the RM's pools (or,
+    /// before they are known, the regions maru-server holds) ÷ the storing tenants
+    /// (its own counted), within its tenant's `max_regions`, ÷ the tenant's storing
+    /// sessions (itself counted); rounded up, at least one. One pass over the sessions.
+    pub(super) fn share_regions(&self, id: u64) -> u64 {
+        let Some(me) = self.sessions.get(id) else {
+            return 1;
+        };
+        let tenant = me.tenant.as_str();
+        let pool = self.waits.sizes.map_or(self.regions.len() as u64, |s| {
+            s.total / self.cfg.region_size.max(1)
+        });
+        let mut tenants = std::collections::BTreeSet::new();
+        tenants.insert(tenant);
+        let mut mine = 0u64;
+        for s in self.sessions.iter() {
+            let storing = !s.regions.is_empty() || self.fair.is_waiting(s.id);
+            if storing {
+                tenants.insert(s.tenant.as_str());
+                if s.tenant == tenant && s.id != id {
+                    mine += 1;
+                }
+            }
+        }
+        let mut share = pool.div_ceil(tenants.len() as u64).max(1);
+        let max = self.tenants.limits(tenant).max_regions as u64;
+        if max > 0 {
+            share = share.min(max);
+        }
+        share.div_ceil(mine + 1).max(1)
+    }
+
     /// Regions `tenant`'s sessions hold.
     pub(super) fn regions_of(&self, tenant: &str) -> usize {
         self.sessions

@@ -137,6 +137,11 @@ impl FairShare {
             .map(|a| a.region_id)
     }
 
+    /// Whether `session` waits for a region.
+    pub fn is_waiting(&self, session: u64) -> bool {
+        self.wanting.contains_key(&session)
+    }
+
     /// Sessions waiting for a region.
     pub fn waiting(&self) -> usize {
         self.wanting.len()

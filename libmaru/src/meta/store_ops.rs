@@ -71,10 +71,12 @@ impl MetaCore {
         }
         let missing = count - pages.len() as u32;
         let give_back = self.asked_back(id);
+        let share_regions = Some(self.share_regions(id));
         Ok(MetaReply::Pages(PagesReply {
             pages,
             missing,
             give_back,
+            share_regions,
         }))
     }
 

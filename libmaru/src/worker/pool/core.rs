@@ -44,6 +44,8 @@
 //!   unless an eviction found nothing of theirs to evict; **the next region is taken
 //!   ahead** (for movers that want a lead) once stores reach the second half of the
 //!   newest, once per region.
+//! - **Pages taken in place are at most half the session's share** of the pool
+//!   (`in_place_room`), so a caller's `maru_pages_take` cannot starve its own stores.
 //! - **Pages of a region being taken wait for its adoption**: maru-server allocates
 //!   from any region of the session, also one whose map is not done.
 
@@ -188,6 +190,8 @@ pub struct PoolCore {
     pub stats: PoolStats,
     /// Why stores were skipped, and when each reason was last logged.
     skips: crate::worker::skips::SkipLog,
+    /// Pages taken for writing in place and not yet published or given back.
+    in_place_out: usize,
     spare: VecDeque<PageGrant>,
     regions: BTreeMap<u64, Region>,
     next_adoption: u64,
@@ -217,6 +221,7 @@ impl PoolCore {
             wants_lead: false,
             stats: PoolStats::default(),
             skips: Default::default(),
+            in_place_out: 0,
             spare: VecDeque::new(),
             regions: BTreeMap::new(),
             next_adoption: 1,
@@ -295,6 +300,31 @@ impl PoolCore {
         let line = self.skips.note(reason, n, now_ms, what);
         self.stats.skipped = self.skips.counts;
         line
+    }
+
+    /// Pages that may be taken for writing in place now: at most half of the
+    /// session's fair share of the pool (`share_regions`, as maru-server last told it,
+    /// within `max_bytes`; one region before either is known) is held taken at once,
+    /// so the engine's own stores keep room. `region_pages`: pages of one region.
+    pub fn in_place_room(&self, share_regions: Option<u64>, region_pages: u64) -> usize {
+        let share = match (share_regions, self.max_regions) {
+            (Some(s), Some(m)) => s.min(m),
+            (Some(s), None) => s,
+            (None, Some(m)) => m,
+            (None, None) => 1,
+        };
+        let limit = (share.saturating_mul(region_pages) / 2).max(1) as usize;
+        limit.saturating_sub(self.in_place_out)
+    }
+
+    /// `n` pages were taken for writing in place (`taken`), or published or given
+    /// back (`!taken`).
+    pub fn in_place_moved(&mut self, n: usize, taken: bool) {
+        if taken {
+            self.in_place_out += n;
+        } else {
+            self.in_place_out = self.in_place_out.saturating_sub(n);
+        }
     }
 
     /// Why a store found no page: `max_bytes` when the session holds its limit of

@@ -575,3 +575,24 @@ fn skips_are_counted_per_reason_and_max_bytes_is_told_apart() {
     assert!(c.skipped(SkipReason::NoSlot, 1, 1, "pool p").is_some());
     assert_eq!((c.stats.skipped.max_bytes, c.stats.skipped.no_slot), (5, 1));
 }
+
+/// Rule: pages taken for writing in place are at most half of the session's share
+/// (as maru-server told it, within `max_bytes`; one region before either is known),
+/// counting what is held taken now. Seen failing with the `in_place_out` count left
+/// out of `in_place_room` (a second take got the whole half again).
+#[test]
+fn pages_taken_in_place_are_at_most_half_the_share() {
+    let mut c = cxl();
+    assert_eq!(
+        c.in_place_room(None, 64),
+        32,
+        "one region before the share is known"
+    );
+    assert_eq!(c.in_place_room(Some(4), 64), 128);
+    c.in_place_moved(100, true);
+    assert_eq!(c.in_place_room(Some(4), 64), 28, "what is held counts");
+    c.in_place_moved(100, false);
+    c.set_max_regions(Some(2));
+    assert_eq!(c.in_place_room(Some(4), 64), 64, "within max_bytes");
+    assert_eq!(c.in_place_room(Some(1), 1), 1, "at least one page");
+}

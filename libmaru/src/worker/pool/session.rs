@@ -43,6 +43,9 @@ pub struct Session {
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
     asked: Mutex<Vec<u64>>,
+    /// The session's fair share in regions as maru-server last told it (`alloc`
+    /// replies); 0: not heard yet.
+    share_regions: AtomicU64,
 }
 
 fn unexpected(what: &str, r: MetaReply) -> WorkerError {
@@ -116,6 +119,7 @@ impl Session {
             session_timeout_ms: s.session_timeout_ms,
             answered_ms: AtomicU64::new(now_ms()),
             asked: Mutex::new(Vec::new()),
+            share_regions: AtomicU64::new(0),
         })
     }
 
@@ -177,6 +181,12 @@ impl Session {
         }
     }
 
+    /// The session's fair share in regions as maru-server last told it (None: no
+    /// `alloc` answered yet, or a maru-server that does not tell).
+    pub fn share_regions(&self) -> Option<u64> {
+        Some(self.share_regions.load(Ordering::Relaxed)).filter(|&s| s > 0)
+    }
+
     /// The regions asked back since the last call (for the pool core to act on).
     pub fn take_asked(&self) -> Vec<u64> {
         let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
@@ -203,6 +213,9 @@ impl Session {
         })? {
             MetaReply::Pages(p) => {
                 self.note_asked(p.give_back);
+                if let Some(s) = p.share_regions {
+                    self.share_regions.store(s.max(1), Ordering::Relaxed);
+                }
                 Ok((p.pages, p.missing))
             }
             r => Err(unexpected("alloc", r)),
