@@ -4,7 +4,6 @@
 
 use super::fakes::*;
 use crate::wire::meta::{Backend, MetaReply, MetaRequest, RemoveResult};
-use crate::wire::ErrorCode;
 use std::collections::BTreeMap;
 
 /// A world where W1's session has a region with key "k" (its first region) and an
