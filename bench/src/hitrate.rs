@@ -29,7 +29,7 @@ use maru::wire::rm::{AllocReply, Handle, PoolInfo};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
 
-use crate::report::{f2, Table};
+use crate::report::Table;
 
 const ENGINES: usize = 4;
 const SYSTEMS: usize = 8;
@@ -507,7 +507,11 @@ pub fn table(r: &HitRateResult) -> Table {
         ("LRU (one global cache)", r.lru_global),
         ("Belady (offline optimum)", r.belady),
     ] {
-        t.row(vec![name.into(), f2(v), f2(v / r.belady.max(1e-9))]);
+        t.row(vec![
+            name.into(),
+            format!("{v:.3}"),
+            format!("{:.3}", v / r.belady.max(1e-9)),
+        ]);
     }
     t
 }
