@@ -482,3 +482,21 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
     w.store(W1, a, &["again"]);
     assert_eq!(w.exists("reader:1", c, &["again"]), vec![true]);
 }
+
+/// Rule: a failed release (or free) of a region going back is tried again after
+/// 25 ms, doubling up to `retry_ms`: a daemon's port answers "unreachable" after a
+/// few ms while the call goes on, and a session may be waiting for the room. Seen
+/// failing with the first retry at `retry_ms` (nothing released 30 ms later).
+#[test]
+fn a_failed_release_is_tried_again_soon() {
+    let (mut w, _, kept, _, agent) = left_behind();
+    w.tick();
+    w.agents.down.insert(agent.clone());
+    assert_eq!(w.core.give_back_kept(w.now), 1);
+    w.tick(); // the release fails
+    w.agents.down.clear();
+    w.now += 30;
+    w.tick();
+    assert!(!w.at_rm(kept), "released and freed 30 ms later");
+    w.assert_released_before_freed();
+}
