@@ -9,7 +9,10 @@
 //! goes to the oldest waiting request that may still take it (checked again: its
 //! session may have ended, its tenant may have reached its share meanwhile), and a
 //! region nobody may take goes back. A request that waited `park_max_ms` is answered
-//! "retry" while the allocation goes on.
+//! "retry" while the allocation goes on. A request the RM refused while room is on its
+//! way (every kept region of departed engines given back at once, or a fair-share
+//! region taken or asked for) waits for a region to be freed, at most
+//! [`ROOM_WAIT_MS`], then is answered `no_space`.
 //!
 //! Limits: a tenant parks at most its `max_parked` requests, all tenants together at
 //! most `max_parked` of the configuration; beyond them a request is answered "retry"

@@ -12,11 +12,13 @@
 //! regions divided by the tenant's storing sessions, rounded up, at least one. A
 //! tenant at its share does not take a new region while another tenant waits, nor a
 //! session at its share while another session of its tenant waits (it evicts its own
-//! keys instead), so a region given back goes to the waiter. The one asked gives, at
-//! the next heartbeat of the session holding it, its region read longest ago that holds
-//! no pinned key; that session evicts it, releases it at its agent and returns it, as
-//! every return. One request is outstanding at a time; an unanswered one is asked
-//! again of whoever is then furthest above its share once `ask_timeout_ms` passed.
+//! keys instead), so a region given back goes to the waiter. The one picked gives its
+//! region read longest ago that holds no pinned key: maru-server takes it at once when
+//! that session is idle in one of its regions (see `MetaCore::ask_fair_share`), else
+//! the ask rides on the session's next reply (`alloc`, `publish`, `heartbeat`) and the
+//! session evicts it, releases it at its agent and returns it, as every return. One
+//! request is outstanding at a time; an unanswered one is asked again of whoever is
+//! then furthest above its share once `ask_timeout_ms` passed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
