@@ -6,8 +6,10 @@
 //! blocking client the CLIs, tests and library use to talk to a daemon.
 
 pub mod client;
+pub mod fair;
 pub mod handshake;
 pub mod link;
+pub mod room;
 pub mod server;
 mod signals;
 pub mod slots;
