@@ -21,10 +21,11 @@ if [ "$backend" = remote_cxl ]; then
         --key-file "$work/agent.key" --device "$pool" --node ctest >/dev/null
     server_args+=(--remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key")
 fi
-maru_start "$work/server.addr" "$bin/maru-server" "${server_args[@]}" >/dev/null
+maru_start "$work/server.addr" "$bin/maru-server" "${server_args[@]}" --state-dir "$work/server-state" >/dev/null
 server=$(cat "$work/server.addr")
 if [ "$pools" = 2 ]; then
-    maru_start "$work/server2.addr" "$bin/maru-server" "${server_args[@]}" >/dev/null
+    # Each server keeps its own directory (one server per state directory).
+    maru_start "$work/server2.addr" "$bin/maru-server" "${server_args[@]}" --state-dir "$work/server2-state" >/dev/null
     server="$server,$(cat "$work/server2.addr")"
 fi
 cfg() { printf '{"backend":"%s","server_url":"%s","server_key_file":"%s","engine_id":"%s","agent_key_file":"%s","load_slots":8,"store_slots":16}' "$backend" "$server" "$work/server.key" "$1" "$work/agent.key"; }

@@ -141,6 +141,15 @@ impl Daemon {
             args.push("--key-file".into());
             args.push(ready_dir.join("server.key").display().to_string());
         }
+        // Tests of a restart that empties the directory, and several servers in one
+        // scratch directory: in memory unless the test names a state directory.
+        if is_server
+            && !args
+                .iter()
+                .any(|a| a == "--state-dir" || a == "--in-memory")
+        {
+            args.push("--in-memory".into());
+        }
         if !is_rm && !args.iter().any(|a| a == "--rm-key-file") {
             if let Some(k) = arg_after(&args, "--rm-address").and_then(|a| rm_key_path(a)) {
                 args.push("--rm-key-file".into());

@@ -43,11 +43,10 @@ impl Inner {
             for i in 0..self.pools.len() {
                 let down = self.pools[i].lock().map(|g| g.is_none()).unwrap_or(false);
                 if down {
-                    match self.open_pool(i) {
+                    match self.reopen_pool(i) {
                         Ok(p) => {
-                            self.settle_set_aside(i, &p);
                             if let Ok(mut g) = self.pools[i].lock() {
-                                *g = Some(Arc::new(p));
+                                *g = Some(p);
                             }
                             self.set_up(i, true);
                         }

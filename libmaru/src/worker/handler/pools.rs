@@ -83,6 +83,42 @@ impl Inner {
         }
     }
 
+    /// Brings pool `i` back: the session it lost when maru-server still knows it (a
+    /// maru-server with a durable directory restarted, or it was out of reach for a
+    /// while): its links reconnect presenting the session's secret and a heartbeat is
+    /// answered, so the session goes on with its own regions and keys. Else a new
+    /// session, and the lost one is settled (see `settle_set_aside`). Unavailable
+    /// while maru-server cannot be reached.
+    pub(super) fn reopen_pool(&self, i: usize) -> Result<Arc<StoragePool>, WorkerError> {
+        let lost = self.lost[i].lock().ok().and_then(|l| l.clone());
+        if let Some(old) = lost {
+            match old.heartbeat() {
+                Ok(()) => {
+                    if let Ok(mut l) = self.lost[i].lock() {
+                        if l.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
+                            *l = None;
+                        }
+                    }
+                    log::info!(
+                        "pool {}: maru-server knows session {} again: it goes on",
+                        self.urls[i],
+                        old.session.id
+                    );
+                    return Ok(old);
+                }
+                Err(WorkerError::Unavailable(m)) => return Err(WorkerError::Unavailable(m)),
+                Err(e) => log::info!(
+                    "pool {}: session {} does not go on ({e}); opening a new one",
+                    self.urls[i],
+                    old.session.id
+                ),
+            }
+        }
+        let p = Arc::new(self.open_pool(i)?);
+        self.settle_set_aside(i, &p);
+        Ok(p)
+    }
+
     /// The pool has a new session: if it comes from another run of maru-server, release
     /// the regions of the one set aside at their agents (no keeper will), else just let
     /// it go (the keeper takes its regions over when it expires).
