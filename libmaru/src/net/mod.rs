@@ -11,6 +11,8 @@ pub mod handshake;
 pub mod link;
 pub mod room;
 pub mod server;
+#[cfg(test)]
+mod server_tests;
 mod signals;
 pub mod slots;
 pub(crate) mod sockopt;

@@ -195,6 +195,9 @@ pub const DEFAULT_FRAME_ROOM_PER_TENANT: usize = 16 << 20;
 /// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
 /// a flood of tiny requests pays for its decoding and replies too.
 const FRAME_COST: u64 = 512;
+/// What a turn costs however little it did (its reads and bookkeeping): a round ends
+/// even when turns find nothing to do.
+const TURN_COST: u64 = 256;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -690,6 +693,7 @@ impl Server {
                 now,
             };
             let (spent, alive) = ctx.run(conn, service, &mut self.rbuf, budget);
+            let spent = spent + TURN_COST;
             // A connection that finished its handshake takes its next turn with its
             // tenant.
             let more = alive && conn.class == class && conn.has_work(&self.opts);
