@@ -387,6 +387,35 @@ mod tests {
             }
         }
 
+        /// What the event loop reads by agrees with what the decoder returns:
+        /// `frame_ready` says whether `next_frame` has a frame or an error, `next_len`
+        /// is that frame's size; and the buffer never grows past the frame under way
+        /// or what was pushed, whichever is larger (no power-of-two slack).
+        #[test]
+        fn ready_and_len_agree_with_next_frame(
+            data in proptest::collection::vec(any::<u8>(), 0..2048),
+            max in 0usize..512,
+            piece in 1usize..300,
+        ) {
+            let mut d = FrameDecoder::new(max);
+            'outer: for chunk in data.chunks(piece) {
+                d.push(chunk);
+                let bound = d.next_len().unwrap_or(0).max(d.buffered()).max(KEEP_CAPACITY);
+                prop_assert!(d.buf.capacity() <= bound, "{} > {}", d.buf.capacity(), bound);
+                loop {
+                    let (ready, len) = (d.frame_ready(), d.next_len());
+                    match d.next_frame() {
+                        Ok(Some(f)) => {
+                            prop_assert!(ready);
+                            prop_assert_eq!(len, Some(f.body.len() + HEADER_LEN));
+                        }
+                        Ok(None) => { prop_assert!(!ready); break; }
+                        Err(_) => { prop_assert!(ready); break 'outer; }
+                    }
+                }
+            }
+        }
+
         /// Encoded frames decode to themselves whatever the split points.
         #[test]
         fn encode_decode_round_trip(bodies in proptest::collection::vec(
