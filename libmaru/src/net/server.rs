@@ -175,6 +175,9 @@ pub struct ServerOptions {
     /// every client of a daemon without tenants is one) hold at once. Raised to at
     /// least one largest frame.
     pub frame_room_per_tenant: usize,
+    /// While a frame waits for room, a connection granted room whose peer sent nothing
+    /// of its frame for this long is closed, giving the room back.
+    pub frame_stall_ms: u64,
 }
 
 /// Default whole-handshake deadline (5 s).
@@ -192,6 +195,8 @@ pub const SMALL_FRAME: usize = 16 << 10;
 pub const DEFAULT_FRAME_ROOM: usize = 32 << 20;
 /// Default share of that room one tenant may hold (16 MiB).
 pub const DEFAULT_FRAME_ROOM_PER_TENANT: usize = 16 << 20;
+/// Default time a peer granted room may send nothing while others wait (10 s).
+pub const DEFAULT_FRAME_STALL_MS: u64 = 10_000;
 /// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
 /// a flood of tiny requests pays for its decoding and replies too.
 const FRAME_COST: u64 = 512;
@@ -212,6 +217,7 @@ impl Default for ServerOptions {
             max_unsent: DEFAULT_MAX_UNSENT,
             frame_room: DEFAULT_FRAME_ROOM,
             frame_room_per_tenant: DEFAULT_FRAME_ROOM_PER_TENANT,
+            frame_stall_ms: DEFAULT_FRAME_STALL_MS,
         }
     }
 }
@@ -544,6 +550,7 @@ impl Server {
             .chain(service.next_deadline())
             .chain(self.slots.next_deadline())
             .chain(self.prelog.next_deadline())
+            .chain(self.room.next_stall(self.opts.frame_stall_ms))
             .min();
         deadline.map(|d| Duration::from_millis(d.saturating_sub(now)))
     }
@@ -804,7 +811,7 @@ impl Server {
             self.counters.open.fetch_sub(1, Ordering::Relaxed);
             NetCounters::sub(&self.counters.buffered, c.decoder.buffered() as u64);
             self.queue.remove(tok);
-            let granted = self.room.give_back(tok);
+            let granted = self.room.give_back(tok, now);
             self.wake_granted(granted);
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
@@ -832,6 +839,7 @@ impl Server {
 
     /// Closes connections past their handshake deadline or idle timeout.
     fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
+        self.close_stalled(service, now);
         let late: Vec<Token> = self
             .slots
             .expired(now)
@@ -866,6 +874,34 @@ impl Server {
                     );
                 }
             }
+            self.drop_conn(service, t, now);
+        }
+    }
+
+    /// While frames wait for room, closes the connections granted room whose peers
+    /// sent nothing of their frames for `frame_stall_ms`: room others need goes back.
+    /// One the loop itself does not read (replies it owes are not back yet) is not the
+    /// peer's doing: its clock starts again.
+    fn close_stalled<S: Service>(&mut self, service: &mut S, now: u64) {
+        for t in self.room.stalled(now, self.opts.frame_stall_ms) {
+            let Some(c) = self.conns.get(&t) else {
+                self.room.give_back(t, now);
+                continue;
+            };
+            if c.deferred > 0 {
+                self.room.moved(t, now);
+                continue;
+            }
+            NetCounters::add(&self.counters.protocol_errors, 1);
+            log::warn!(
+                "closing connection {} from {}: granted room for a {} byte request, it \
+                 sent none of it for {} ms while others waited for room \
+                 (--frame-room-mib)",
+                c.id,
+                c.peer,
+                self.room.granted(t),
+                self.opts.frame_stall_ms
+            );
             self.drop_conn(service, t, now);
         }
     }
@@ -940,6 +976,7 @@ impl Turn<'_> {
                     NetCounters::add(&self.counters.bytes_in, n as u64);
                     NetCounters::add(&self.counters.buffered, n as u64);
                     conn.decoder.push(&buf[..n]);
+                    self.room.moved(self.tok, self.now);
                     spent += n as u64;
                     // A read that did not fill what it asked for drained the socket at
                     // that instant: readiness is edge-triggered, so bytes or a FIN that
@@ -981,7 +1018,7 @@ impl Turn<'_> {
         NetCounters::sub(&self.counters.buffered, before.saturating_sub(left) as u64);
         if matches!(f, Ok(Some(_))) && self.room.granted(self.tok) > 0 {
             // A grant is for one whole frame: this one.
-            self.granted.extend(self.room.give_back(self.tok));
+            self.granted.extend(self.room.give_back(self.tok, self.now));
         }
         f
     }
@@ -999,7 +1036,9 @@ impl Turn<'_> {
         match conn.decoder.next_len() {
             // Larger than any frame: the decoder refuses it before reading on.
             Some(n) if n > SMALL_FRAME && n <= largest => {
-                if self.room.granted(self.tok) == 0 && !self.room.ask(conn.class, self.tok, n) {
+                if self.room.granted(self.tok) == 0
+                    && !self.room.ask(conn.class, self.tok, n, self.now)
+                {
                     return Allowance::Wait;
                 }
                 Allowance::Bytes(n.saturating_sub(held))

@@ -185,3 +185,62 @@ fn one_tenants_stalled_frames_leave_room_for_another_tenants() {
         "tenant b's frame was not served beside tenant a's stalled ones"
     );
 }
+
+/// Whether the loop closed `s` within `limit` (replies it sent are read and dropped).
+fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// Two connections are granted the whole room (2 MiB) and then send nothing more of
+/// their frames. Nobody waiting, they keep it past `frame_stall_ms` (a slow peer then
+/// harms no one); once a third's 1 MiB frame waits for room, those silent for
+/// `frame_stall_ms` are closed and the waiting frame is read and answered.
+#[test]
+fn a_granted_frame_whose_peer_stalls_while_others_wait_is_closed() {
+    let (addr, counters) = start(ServerOptions {
+        frame_room: 2 * MIB,
+        frame_room_per_tenant: 2 * MIB,
+        frame_stall_ms: 500,
+        ..ServerOptions::default()
+    });
+    let mut stalled: Vec<(TcpStream, Vec<u8>, usize)> = (0..2)
+        .map(|_| (connected(&addr, None), request(MIB - 64), 0))
+        .collect();
+    push_all(&mut stalled, |f| f.len() - 1024);
+    // Nobody waits: past the stall time, both are still open.
+    std::thread::sleep(Duration::from_millis(800));
+    for (s, _, _) in stalled.iter_mut() {
+        assert!(
+            !closed_within(s, Duration::from_millis(50)),
+            "closed though nobody waited"
+        );
+    }
+    let mut waiting = vec![(connected(&addr, None), request(MIB - 64), 0)];
+    push_all(&mut waiting, |f| f.len());
+    assert!(
+        NetCounters::get(&counters.frame_room_waits) > 0,
+        "it waited"
+    );
+    assert_eq!(
+        reply_within(&mut waiting[0].0, Duration::from_secs(5)),
+        Some(MIB - 64),
+        "the waiting frame was never read"
+    );
+    let closed = stalled
+        .iter_mut()
+        .filter_map(|(s, _, _)| closed_within(s, Duration::from_secs(2)).then_some(()))
+        .count();
+    assert!(closed >= 1, "no stalled connection was closed");
+}
