@@ -17,6 +17,7 @@
 
 mod chart;
 mod harness;
+mod hitrate;
 mod idle;
 mod in_place;
 mod limits;
@@ -71,7 +72,8 @@ struct Args {
     backends: Vec<String>,
     /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
     /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
-    /// redis, meta, idle (default all).
+    /// redis, meta, idle, hitrate (a chat trace replayed through maru-server's eviction
+    /// beside LRU and Belady; default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
@@ -180,6 +182,9 @@ struct Results {
     idle: Vec<idle::IdleCpu>,
     /// cxl writes in place (part `in_place`).
     in_place: Option<in_place::InPlaceResult>,
+    /// Hit rate of a multi-turn chat trace replayed through maru-server's eviction
+    /// (part `hitrate`).
+    hitrate: Option<hitrate::HitRateResult>,
 }
 
 const CHUNKS: [usize; 2] = [256 * 1024, 2 * MIB];
@@ -964,12 +969,12 @@ fn run(args: Args) -> Result<(), String> {
     let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
     for o in &args.only {
         if ![
-            "limits", "soft", "maru", "threads", "in_place", "redis", "meta", "idle",
+            "limits", "soft", "maru", "threads", "in_place", "redis", "meta", "idle", "hitrate",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, threads, in_place, redis, meta, idle"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, redis, meta, idle, hitrate"
             ));
         }
     }
@@ -1167,6 +1172,10 @@ fn run(args: Args) -> Result<(), String> {
         }
         drop(redis_proc);
     }
+    if want("hitrate") {
+        say("hit rate of a multi-turn chat trace through maru-server's eviction");
+        r.hitrate = Some(hitrate::run(quick)?);
+    }
     if let (true, Some(s)) = (want("meta"), &scratch) {
         say("metadata ops");
         r.meta = meta::run(s, secs)?;
@@ -1218,6 +1227,7 @@ fn run(args: Args) -> Result<(), String> {
 
     let mut ts = tables(&r);
     ts.extend(r.in_place.as_ref().map(in_place::table));
+    ts.extend(r.hitrate.as_ref().map(hitrate::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },
