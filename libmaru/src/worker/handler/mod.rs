@@ -557,7 +557,21 @@ impl Handler {
     }
 
     /// Closes every session (drained: regions with keys go to maru-server's keeper).
+    /// Operations submitted before are settled first: queued ones run, and the wait
+    /// for them all ends after `timeout_ms` (one still running then ends with
+    /// `Closed`), so a submitted store's chunks are stored before the session ends.
     pub fn close(&self) -> Result<(), WorkerError> {
+        if self.inner.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let left = self.inner.executor.settle(self.inner.timeout());
+        if left > 0 {
+            log::warn!(
+                "handler {}: {left} submitted operation(s) still queued or running after {} ms (timeout_ms) at close: they end with MARU_ERR_CLOSED",
+                self.inner.cfg.engine_id,
+                self.inner.cfg.timeout_ms
+            );
+        }
         {
             let _g = self.inner.wake.0.lock();
             if self.inner.stop.swap(true, Ordering::SeqCst) {

@@ -89,7 +89,8 @@ impl StoragePool {
     }
 
     /// Takes `n` pages of the session's own regions for writing in place (fewer when
-    /// the session cannot grow and nothing can be evicted). `cxl` only.
+    /// the session cannot grow and nothing can be evicted), at most maru-server's
+    /// batch limit (`max_batch` of its handshake) in one call. `cxl` only.
     pub fn take_in_place(
         &self,
         n: usize,
@@ -100,6 +101,8 @@ impl StoragePool {
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
+        // One alloc takes at most a batch: more is "fewer than asked", not an error.
+        let n = n.min(self.max_batch);
         // The pages are marked as being written (`writing`) from here on.
         let taken = self.take_pages(n, route_key, self.deadline())?;
         let size = self.page_size() as usize;
