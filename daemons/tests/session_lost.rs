@@ -27,6 +27,7 @@ fn config(st: &Stack, engine: &str) -> String {
     serde_json::json!({
         "backend": "cxl",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "lost",
         "load_slots": 4,

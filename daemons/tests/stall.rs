@@ -196,6 +196,7 @@ fn stalled_run(stacks: &[Stack], stall: &dyn Fn(bool)) {
     let cfg = serde_json::json!({
         "backend": "remote_cxl",
         "server_url": urls.join(","),
+        "server_key_file": support::server_key_file(&urls[0]),
         "engine_id": "stalled",
         "namespace": "stall",
         "agent_key_file": stacks[0].key_path.display().to_string(),
@@ -315,13 +316,17 @@ fn two_stacks(tag: &str, agent_extra: impl FnOnce(&support::Scratch) -> Vec<Stri
         agent_extra,
         &server_args(),
     );
+    // The handler proves one maru-server key to both pools: b's server uses a's key.
+    let mut b_server = server_args();
+    b_server.push("--key-file".into());
+    b_server.push(support::server_key_file(&a.server.addr));
     let b = support::stack_keyed(
         &format!("{tag}-b"),
         "256M",
         true,
         &key,
         |_| Vec::new(),
-        &server_args(),
+        &b_server,
     );
     vec![a, b]
 }
