@@ -247,7 +247,11 @@ mod tests {
             .submit(Box::new(|| Ok(OpOutput::Stored(vec![false]))))
             .unwrap();
         let t0 = Instant::now();
-        assert_eq!(ex.settle(Duration::from_millis(100)), 2, "both still pending");
+        assert_eq!(
+            ex.settle(Duration::from_millis(100)),
+            2,
+            "both still pending"
+        );
         assert!(t0.elapsed() < Duration::from_secs(5));
         let release = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(50));

@@ -134,7 +134,7 @@ impl Handler {
             wake: (Mutex::new(()), Condvar::new()),
             ops: OpStats::default(),
         });
-        let mut last_err = None;
+        let mut failed = Vec::new();
         let mut opened = 0;
         for i in 0..inner.pools.len() {
             match inner.open_pool(i) {
@@ -144,21 +144,29 @@ impl Handler {
                     }
                     opened += 1;
                 }
-                // A wrong configuration or key: the caller must fix it.
-                Err(e) if e.is_fatal() => return Err(e),
-                Err(e) => {
-                    log::warn!(
-                        "pool {} is unavailable at open: {e}; retrying in the background",
-                        inner.urls[i]
-                    );
-                    inner.set_up(i, false);
-                    last_err = Some(e);
+                // A wrong configuration or key: the caller must fix it. The pools
+                // opened already close again (a failed open leaves no session).
+                Err(e) if e.is_fatal() => {
+                    Handler::abandon(inner);
+                    return Err(e);
                 }
+                Err(e) => failed.push((i, e)),
             }
         }
         if opened == 0 {
-            return Err(last_err
+            // Nothing retries: the open fails with the last pool's error.
+            Handler::abandon(inner);
+            return Err(failed
+                .pop()
+                .map(|(_, e)| e)
                 .unwrap_or_else(|| WorkerError::Config("server_url names no maru-server".into())));
+        }
+        for (i, e) in failed {
+            log::warn!(
+                "pool {} is unavailable at open: {e}; retrying in the background (its prefixes miss until then)",
+                inner.urls[i]
+            );
+            inner.set_up(i, false);
         }
         let mut background = Vec::new();
         for (name, tick) in [("maru-handler", false), ("maru-tick", true)] {
@@ -169,11 +177,11 @@ impl Handler {
             match spawned {
                 Ok(h) => background.push(h),
                 Err(e) => {
-                    inner.stop.store(true, Ordering::SeqCst);
-                    inner.wake.1.notify_all();
-                    for h in background {
-                        let _ = h.join();
-                    }
+                    // Closing joins the threads started already and the sessions.
+                    drop(Handler {
+                        inner,
+                        background: Mutex::new(background),
+                    });
                     return Err(WorkerError::unavailable(
                         Peer::Host,
                         format!("cannot start the handler's {name} thread: {e}"),
@@ -185,6 +193,18 @@ impl Handler {
             inner,
             background: Mutex::new(background),
         })
+    }
+
+    /// Ends what a failed open made: the sessions of the pools opened already, the
+    /// staging buffer's memory-hook registration.
+    fn abandon(inner: Arc<Inner>) {
+        let h = Handler {
+            inner,
+            background: Mutex::new(Vec::new()),
+        };
+        if let Err(e) = h.close() {
+            log::warn!("closing what a failed open made: {e}");
+        }
     }
 
     /// Stores one chunk under `key`. Returns false when it was skipped (no staging slot,

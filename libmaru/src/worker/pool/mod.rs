@@ -193,12 +193,21 @@ impl StoragePool {
             timeout: DEFAULT_TIMEOUT,
             hooks: TestHooks::default(),
         };
-        if let Some(r) = pool.session.first_region.clone() {
-            pool.mover.adopt(&r, pool.deadline())?;
-            pool.core.lock().adopted(&r);
+        if let Err(e) = pool.start() {
+            pool.session.close_failed_open(&e);
+            return Err(e);
         }
-        pool.report_boots()?;
         Ok(pool)
+    }
+
+    /// Maps the session's first region, if it came with one, and tells maru-server
+    /// its memory node's boot id.
+    fn start(&self) -> Result<(), WorkerError> {
+        if let Some(r) = self.session.first_region.clone() {
+            self.mover.adopt(&r, self.deadline())?;
+            self.core.lock().adopted(&r);
+        }
+        self.report_boots()
     }
 
     /// Bounds each request's waits on agents by `timeout` from its start (10 s by

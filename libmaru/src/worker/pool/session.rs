@@ -351,4 +351,25 @@ impl Session {
         })
         .map(|_| ())
     }
+
+    /// Closes the session of an open that failed after it was opened (`why`: a bad
+    /// agent key, an agent that refused, a staging buffer that could not be made...),
+    /// so that a failed open leaves no session at maru-server (none in `maru-usage`,
+    /// none counted against `--max-sessions`). A close that fails is logged: the
+    /// session then ends when its heartbeats stop (`session_timeout_ms`).
+    pub fn close_failed_open(&self, why: &WorkerError) {
+        match self.close() {
+            Ok(()) => log::debug!(
+                "pool {}: session {} closed: the open failed ({why})",
+                self.url,
+                self.id
+            ),
+            Err(e) => log::warn!(
+                "pool {}: session {} of a failed open ({why}) could not be closed: {e}; maru-server ends it after {} ms without heartbeats",
+                self.url,
+                self.id,
+                self.session_timeout_ms
+            ),
+        }
+    }
 }
