@@ -56,19 +56,23 @@ enum maru_log_level_t
    */
   MARU_LOG_OFF = 0,
   /**
-   * Something failed that the runtime should see (a configuration refused by a daemon).
+   * What a person must fix: a failed open (a configuration, a key, a refusal).
    */
   MARU_LOG_ERROR = 1,
   /**
-   * Degraded but going on: a pool unavailable, staging full, the memory hook failed.
+   * Degraded but going on: a pool, an agent or a session unavailable, stores
+   * skipped and loads missing because of it (at most one line per cause and pool or
+   * agent every 10 s), a memory node rebooted, the memory hook failed.
    */
   MARU_LOG_WARN = 2,
   /**
-   * Lifecycle: regions mapped and given back, the memory hook's result.
+   * Lifecycle: a handler opened and closed, a pool's session opened or going on
+   * after maru-server restarted, regions mapped and given back, an agent restarted,
+   * the memory hook's result.
    */
   MARU_LOG_INFO = 3,
   /**
-   * Per-call detail for troubleshooting.
+   * Per-call detail for troubleshooting: each call's kind, chunks, time, error.
    */
   MARU_LOG_DEBUG = 4,
   /**
@@ -477,7 +481,9 @@ maru_status_t maru_set_memory_hook_auto(void);
  * `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
  * `server_url` answered; with several pools, the open succeeds when at least one
  * answers and the others are retried in the background. A failing memory hook
- * `register` returns `MARU_ERR_CONFIG`.
+ * `register` returns `MARU_ERR_CONFIG`. A failed open leaves nothing open (no
+ * session at any maru-server) and logs one line: ERROR for what a person must fix
+ * (configuration, key, a refusal), WARN when no maru-server answered.
  *
  * Ownership: `config_json` is read during the call only; the handler in `*out` is
  * the caller's until `maru_handler_close` (or `maru_handler_free`).
@@ -589,9 +595,10 @@ maru_status_t maru_handler_close(struct maru_handler_t *h);
  *   a transfer that failed, a region taken whose agent did not map it);
  * - its region was lost, or its memory node rebooted, before it was published.
  *
- * Each skip counts in the stats (`maru_stats_json`: `store_skipped`,
- * `store_no_room`) and is named, with its cause, in a warning of the log (at most
- * one line per cause and pool every 10 s).
+ * Skips count in the stats (`maru_stats_json`: `store_skipped`, `store_no_room`).
+ * A pool that is unavailable or has no room, a region that could not be made usable
+ * and an agent that does not answer are named in a warning of the log, at most one
+ * line per cause and pool (or agent) every 10 s.
  *
  * Ownership: `key`, `data`, `route_key` are read during the call only.
  * Threads: any, concurrently with other calls on the handler.

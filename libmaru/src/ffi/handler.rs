@@ -270,7 +270,9 @@ fn check_host_port(url: &str) -> Result<(), String> {
 /// `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
 /// `server_url` answered; with several pools, the open succeeds when at least one
 /// answers and the others are retried in the background. A failing memory hook
-/// `register` returns `MARU_ERR_CONFIG`.
+/// `register` returns `MARU_ERR_CONFIG`. A failed open leaves nothing open (no
+/// session at any maru-server) and logs one line: ERROR for what a person must fix
+/// (configuration, key, a refusal), WARN when no maru-server answered.
 ///
 /// Ownership: `config_json` is read during the call only; the handler in `*out` is
 /// the caller's until `maru_handler_close` (or `maru_handler_free`).
@@ -283,6 +285,40 @@ pub unsafe extern "C" fn maru_handler_open(
 ) -> maru_status_t {
     crate::logging::install();
     ffi_guard(|| {
+        let r = open_handler(config_json, out);
+        if let Err((status, why)) = &r {
+            log_open_failure(*status, why);
+        }
+        r
+    })
+}
+
+/// One line for a failed open: ERROR for what a person must fix (the configuration,
+/// a key, a refusal by a daemon), WARN for what may pass (no maru-server answered).
+fn log_open_failure(status: maru_status_t, why: &str) {
+    match status {
+        maru_status_t::MARU_ERR_CONFIG
+        | maru_status_t::MARU_ERR_AUTH
+        | maru_status_t::MARU_ERR_REFUSED
+        | maru_status_t::MARU_ERR_INVALID_ARGUMENT
+        | maru_status_t::MARU_ERR_NULL_ARGUMENT => log::error!(
+            "maru_handler_open failed ({status:?}): {why}; nothing was opened: fix the configuration and open again"
+        ),
+        _ => log::warn!(
+            "maru_handler_open failed ({status:?}): {why}; nothing was opened: open again when maru-server answers"
+        ),
+    }
+}
+
+/// The body of `maru_handler_open`.
+///
+/// # Safety
+/// As `maru_handler_open`.
+unsafe fn open_handler(
+    config_json: *const c_char,
+    out: *mut *mut maru_handler_t,
+) -> Result<(), FfiError> {
+    {
         check_not_null!(config_json, out);
         let cfg = req_str(config_json, "config_json")?;
         // Parsed here for the shutdown wait and the address check; Handler::open
@@ -301,7 +337,7 @@ pub unsafe extern "C" fn maru_handler_open(
         });
         *out = Arc::into_raw(h).cast_mut();
         Ok(())
-    })
+    }
 }
 
 /// Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap`

@@ -29,9 +29,10 @@ use std::ffi::c_char;
 ///   a transfer that failed, a region taken whose agent did not map it);
 /// - its region was lost, or its memory node rebooted, before it was published.
 ///
-/// Each skip counts in the stats (`maru_stats_json`: `store_skipped`,
-/// `store_no_room`) and is named, with its cause, in a warning of the log (at most
-/// one line per cause and pool every 10 s).
+/// Skips count in the stats (`maru_stats_json`: `store_skipped`, `store_no_room`).
+/// A pool that is unavailable or has no room, a region that could not be made usable
+/// and an agent that does not answer are named in a warning of the log, at most one
+/// line per cause and pool (or agent) every 10 s.
 ///
 /// Ownership: `key`, `data`, `route_key` are read during the call only.
 /// Threads: any, concurrently with other calls on the handler.

@@ -29,6 +29,7 @@ pub(crate) mod router;
 pub(crate) mod slots;
 pub(crate) mod staging;
 pub(crate) mod views;
+pub(crate) mod warn_limit;
 
 pub use pool::session;
 

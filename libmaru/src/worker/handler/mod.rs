@@ -189,6 +189,12 @@ impl Handler {
                 }
             }
         }
+        log::info!(
+            "handler of engine {}: opened ({:?}, {opened} of {} pool(s) available)",
+            inner.cfg.engine_id,
+            inner.cfg.backend,
+            inner.urls.len()
+        );
         Ok(Handler {
             inner,
             background: Mutex::new(background),
@@ -250,6 +256,10 @@ impl Handler {
         let r = f();
         let took = super::clock::now_us().saturating_sub(t0);
         self.inner.ops.record(op, r.is_ok(), items, took);
+        match &r {
+            Ok(_) => log::debug!("{op} of {items} chunk(s): done in {took} us"),
+            Err(e) => log::debug!("{op} of {items} chunk(s): failed in {took} us: {e}"),
+        }
         r
     }
 
@@ -636,6 +646,16 @@ impl Handler {
                     reg.release();
                 }
             }
+        }
+        match &first_err {
+            None => log::info!(
+                "handler of engine {}: closed (its sessions ended; the keys it stored stay readable)",
+                self.inner.cfg.engine_id
+            ),
+            Some(e) => log::warn!(
+                "handler of engine {}: closed; a session did not close cleanly ({e}): maru-server ends it when its heartbeats stop",
+                self.inner.cfg.engine_id
+            ),
         }
         first_err.map_or(Ok(()), Err)
     }

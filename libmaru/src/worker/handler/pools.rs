@@ -7,6 +7,7 @@ use crate::worker::config::BackendKind;
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
+use crate::worker::warn_limit;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -46,7 +47,16 @@ impl Inner {
             let slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
             match slot.as_ref() {
                 Some(p) => p.clone(),
-                None => return Ok(miss),
+                None => {
+                    if let Some(n) = warn_limit::allow(&self.urls[i], "unavailable") {
+                        log::warn!(
+                            "pool {} is unavailable: the loads routed to it miss and the stores are skipped until a session opens again{}",
+                            self.urls[i],
+                            warn_limit::held_back(n)
+                        );
+                    }
+                    return Ok(miss);
+                }
             }
         };
         match f(&pool) {

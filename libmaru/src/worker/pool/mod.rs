@@ -200,11 +200,41 @@ impl StoragePool {
         Ok(pool)
     }
 
+    /// Has the mover make a region the session took usable, with an INFO line when
+    /// it did (the header promises one per region mapped and given back).
+    pub(super) fn adopt_region(
+        &self,
+        grant: &RegionGrant,
+        by: Deadline,
+    ) -> Result<(), WorkerError> {
+        self.mover.adopt(grant, by)?;
+        let h = &grant.handle;
+        match &grant.agent {
+            None => log::info!(
+                "pool {}: region {} mapped writable ({} bytes at offset {} of {}, {} pages)",
+                self.session.url,
+                h.region_id,
+                h.length,
+                h.offset,
+                grant.pool.path,
+                grant.pages
+            ),
+            Some(agent) => log::info!(
+                "pool {}: region {} mapped at agent {agent} ({} bytes, {} pages)",
+                self.session.url,
+                h.region_id,
+                h.length,
+                grant.pages
+            ),
+        }
+        Ok(())
+    }
+
     /// Maps the session's first region, if it came with one, and tells maru-server
     /// its memory node's boot id.
     fn start(&self) -> Result<(), WorkerError> {
         if let Some(r) = self.session.first_region.clone() {
-            self.mover.adopt(&r, self.deadline())?;
+            self.adopt_region(&r, self.deadline())?;
             self.core.lock().adopted(&r);
         }
         self.report_boots()

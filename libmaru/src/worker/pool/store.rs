@@ -16,6 +16,7 @@ use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
 use crate::worker::staging::Slot;
+use crate::worker::warn_limit;
 
 /// Times a publish asks for the regions' boot ids to be reported before it gives up
 /// (other stores keep adopting regions meanwhile).
@@ -94,10 +95,13 @@ impl StoragePool {
             let why = match self.grow(by) {
                 Ok(()) => None,
                 Err(NoRegion::Unusable(e)) => {
-                    log::warn!(
-                        "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server",
-                        self.session.url
-                    );
+                    if let Some(n) = warn_limit::allow(&self.session.url, "unusable_region") {
+                        log::warn!(
+                            "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server{}",
+                            self.session.url,
+                            warn_limit::held_back(n)
+                        );
+                    }
                     break;
                 }
                 Err(NoRegion::Failed(e)) => return Err(e),
@@ -127,13 +131,16 @@ impl StoragePool {
                 dry += 1;
                 if dry >= ROOM_ROUNDS {
                     self.core.lock().stats.store_no_room += u64::from(missing);
-                    log::warn!(
-                        "pool {}: {missing} chunk(s) not stored: the pool has no region to \
-                         give ({}) and every page of this engine's regions is leased, \
-                         pinned or in use",
-                        self.session.url,
-                        why.as_deref().unwrap_or("a region taken was full at once")
-                    );
+                    if let Some(n) = warn_limit::allow(&self.session.url, "no_room") {
+                        log::warn!(
+                            "pool {}: {missing} chunk(s) not stored: the pool has no region to \
+                             give ({}) and every page of this engine's regions is leased, \
+                             pinned or in use{}",
+                            self.session.url,
+                            why.as_deref().unwrap_or("a region taken was full at once"),
+                            warn_limit::held_back(n)
+                        );
+                    }
                     break;
                 }
             }
@@ -181,7 +188,7 @@ impl StoragePool {
         if let Some(f) = &self.hooks.before_adopt {
             f(&grant);
         }
-        let r = self.mover.adopt(&grant, by);
+        let r = self.adopt_region(&grant, by);
         let back = self.core.lock().adopt_end(&grant, r.is_ok());
         self.core.notify();
         let Err(e) = r else {
@@ -283,13 +290,41 @@ impl StoragePool {
     /// bytes are complete.
     pub(super) fn write_items(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         let ok = self.mover.write(items, by);
-        match &self.hooks.after_write {
+        let ok: Vec<bool> = match &self.hooks.after_write {
             Some(f) => items
                 .iter()
                 .zip(ok)
                 .map(|(it, ok)| f(&it.page, ok))
                 .collect(),
             None => ok,
+        };
+        self.warn_unwritten(items.iter().map(|it| &it.page).zip(ok.iter().copied()));
+        ok
+    }
+
+    /// A warning (at most one per pool every 10 s) when chunks were not stored
+    /// because their bytes could not be written: an agent that does not answer, a
+    /// transfer that failed, a region lost meanwhile.
+    fn warn_unwritten<'a>(&self, written: impl Iterator<Item = (&'a PageGrant, bool)>) {
+        let mut regions: Vec<u64> = Vec::new();
+        let mut n = 0usize;
+        for (p, ok) in written {
+            if !ok {
+                n += 1;
+                if !regions.contains(&p.region_id) {
+                    regions.push(p.region_id);
+                }
+            }
+        }
+        if n == 0 {
+            return;
+        }
+        if let Some(held) = warn_limit::allow(&self.session.url, "unwritten") {
+            log::warn!(
+                "pool {}: {n} chunk(s) not stored: their bytes could not be written into region(s) {regions:?} by the request's deadline (an agent that does not answer, a failed transfer); they are skipped{}",
+                self.session.url,
+                warn_limit::held_back(held)
+            );
         }
     }
 
@@ -302,6 +337,7 @@ impl StoragePool {
                 o.ok = f(p, o.ok);
             }
         }
+        self.warn_unwritten(pages.iter().zip(out.iter().map(|o| o.ok)));
         out
     }
 
