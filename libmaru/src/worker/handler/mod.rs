@@ -24,6 +24,7 @@ use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 use super::views::{ViewInfo, ViewTable};
 use crate::net::ClientOptions;
 use crate::transport::Transport;
+use crate::worker::clock::Deadline;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -495,8 +496,9 @@ impl Handler {
         };
         let rk = route_key.unwrap_or(first);
         let got = self.timed("views", keys.len(), || {
-            self.inner
-                .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))
+            self.inner.with_pool(rk, vec![None; keys.len()], |p| {
+                p.acquire_views(keys, Deadline::after(self.inner.timeout()))
+            })
         })?;
         let mut t = self.inner.views.lock().map_err(|_| WorkerError::Closed)?;
         Ok(got

@@ -3,6 +3,7 @@
 //! reconnect, and the session it lost is settled once the pool has a new one.
 
 use super::Inner;
+use crate::worker::clock::Deadline;
 use crate::worker::config::BackendKind;
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{lost_session, LostSession};
@@ -103,7 +104,13 @@ impl Inner {
                 peer: Peer::Server(_),
                 ..
             } => {
-                log::warn!("pool {}: {e}; the request misses", self.urls[i]);
+                if let Some(n) = warn_limit::allow(&self.urls[i], "server_unreachable") {
+                    log::warn!(
+                        "pool {}: {e}; its requests miss (stores skipped) while maru-server does not answer{}",
+                        self.urls[i],
+                        warn_limit::held_back(n)
+                    );
+                }
                 self.wake.1.notify_all();
                 Ok(miss)
             }
@@ -219,7 +226,9 @@ impl Inner {
         rk: &str,
         sink: &mut crate::worker::movers::ReadSink<'_>,
     ) -> Result<(), WorkerError> {
-        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        // One deadline for the request's calls: the leases, and their release.
+        let by = Deadline::after(self.timeout());
+        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys, by))?;
         let mut leases = Vec::with_capacity(got.len());
         for (i, g) in got.iter().enumerate() {
             if let Some((lease, view)) = g {
@@ -229,7 +238,7 @@ impl Inner {
         }
         if !leases.is_empty() {
             self.with_pool(rk, (), |p| {
-                p.release_leases(leases);
+                p.release_leases_by(leases, by);
                 Ok(())
             })?;
         }

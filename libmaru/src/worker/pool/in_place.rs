@@ -204,7 +204,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries);
+        let (answer, back) = self.send_publish(plan.ticket, entries, self.deadline());
         // Not answered: the keys may be published, so their pages stay out of use.
         answer?;
         for &k in &plan.publish {

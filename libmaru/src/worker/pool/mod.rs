@@ -326,9 +326,9 @@ impl StoragePool {
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
         if pin {
-            self.per_batch(keys, Session::pin)
+            self.per_batch(keys, |s, k, by| s.pin_by(k, by))
         } else {
-            self.per_batch(keys, Session::unpin)
+            self.per_batch(keys, |s, k, by| s.unpin_by(k, by))
         }
     }
 
@@ -337,22 +337,24 @@ impl StoragePool {
         &self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
-        self.per_batch(keys, Session::remove)
+        self.per_batch(keys, |s, k, by| s.remove_by(k, by))
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.per_batch(keys, Session::exists)
+        self.per_batch(keys, |s, k, by| s.exists_by(k, by))
     }
 
-    /// One session call per `max_batch` keys, the answers in order.
+    /// One session call per `max_batch` keys, the answers in order, all by one
+    /// request deadline.
     fn per_batch<T>(
         &self,
         keys: &[String],
-        call: impl Fn(&Session, &[String]) -> Result<Vec<T>, WorkerError>,
+        call: impl Fn(&Session, &[String], Deadline) -> Result<Vec<T>, WorkerError>,
     ) -> Result<Vec<T>, WorkerError> {
+        let by = self.deadline();
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.max_batch) {
-            out.extend(call(&self.session, chunk)?);
+            out.extend(call(&self.session, chunk, by)?);
         }
         Ok(out)
     }

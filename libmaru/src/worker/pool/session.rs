@@ -9,7 +9,7 @@ use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
     PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
-use crate::worker::clock::now_ms;
+use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -127,7 +127,8 @@ impl Session {
 
     /// A link of its own for one call: an idle one, a new one (up to `MAX_LINKS`),
     /// or else the next one given back.
-    fn take_link(&self) -> Result<Link, WorkerError> {
+    /// Waits at most until `by` for a link given back.
+    fn take_link(&self, by: Deadline) -> Result<Link, WorkerError> {
         let closed = || WorkerError::Closed;
         let mut l = self.links.lock().map_err(|_| closed())?;
         loop {
@@ -138,7 +139,17 @@ impl Session {
                 l.open += 1;
                 return Ok(Link::new(self.url.clone(), l.opts.clone()));
             }
-            l = self.freed.wait(l).map_err(|_| closed())?;
+            let left = by.left();
+            if left.is_zero() {
+                return Err(WorkerError::unavailable(
+                    Peer::Server(self.url.clone()),
+                    format!(
+                        "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
+                        self.url
+                    ),
+                ));
+            }
+            l = self.freed.wait_timeout(l, left).map_err(|_| closed())?.0;
         }
     }
 
@@ -149,9 +160,40 @@ impl Session {
         self.freed.notify_one();
     }
 
+    /// The session's own call timeout from now (calls made outside a request).
+    fn own_deadline(&self) -> Deadline {
+        let limit = self
+            .links
+            .lock()
+            .map(|l| l.opts.call_timeout)
+            .unwrap_or(Duration::from_secs(10));
+        Deadline::after(limit)
+    }
+
+    /// A call outside any request (heartbeat, close, giving pages, leases or regions
+    /// back): bounded by the session's own call timeout.
     fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        let mut link = self.take_link()?;
-        let r = link.call::<_, MetaReply>(req);
+        self.call_by(req, self.own_deadline())
+    }
+
+    /// A call made for a request: waiting for a free link, connecting, the request
+    /// and its reply all end by the request's deadline `by` (`timeout_ms` from its
+    /// start), so a stalled maru-server costs a request about its timeout, however
+    /// many calls it makes.
+    fn call_by(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
+        let mut link = self.take_link(by)?;
+        let left = by.left();
+        if left.is_zero() {
+            self.give_link(link);
+            return Err(WorkerError::unavailable(
+                Peer::Server(self.url.clone()),
+                format!(
+                    "maru-server at {}: the request's deadline passed before this call",
+                    self.url
+                ),
+            ));
+        }
+        let r = link.call_within::<_, MetaReply>(req, left);
         self.give_link(link);
         if !matches!(r, Err(LinkError::Unreachable(_))) {
             self.answered_ms.store(now_ms(), Ordering::Relaxed);
@@ -159,24 +201,28 @@ impl Session {
         r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
     }
 
-    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
-        match self.call(&MetaRequest::Expand { session: self.id })? {
+    pub(crate) fn expand_by(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
+        match self.call_by(&MetaRequest::Expand { session: self.id }, by)? {
             MetaReply::Region(g) => Ok(g),
             r => Err(unexpected("expand", r)),
         }
     }
 
     /// Pages for `count` chunks; `missing` of them did not fit (expand first).
-    pub fn alloc(
+    pub(crate) fn alloc_by(
         &self,
         count: u32,
         route_key: Option<&str>,
+        by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        match self.call(&MetaRequest::Alloc {
-            session: self.id,
-            count,
-            route_key: route_key.map(str::to_string),
-        })? {
+        match self.call_by(
+            &MetaRequest::Alloc {
+                session: self.id,
+                count,
+                route_key: route_key.map(str::to_string),
+            },
+            by,
+        )? {
             MetaReply::Pages(p) => Ok((p.pages, p.missing)),
             r => Err(unexpected("alloc", r)),
         }
@@ -200,88 +246,128 @@ impl Session {
         .map(|_| ())
     }
 
-    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Publish {
-            session: self.id,
-            entries,
-        })? {
+    pub(crate) fn publish_by(
+        &self,
+        entries: Vec<PublishEntry>,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Publish {
+                session: self.id,
+                entries,
+            },
+            by,
+        )? {
             MetaReply::Published { is_new } => Ok(is_new),
             r => Err(unexpected("publish", r)),
         }
     }
 
-    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Exists {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn exists_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Exists {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Exists { found } => Ok(found),
             r => Err(unexpected("exists", r)),
         }
     }
 
-    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        match self.call(&MetaRequest::Acquire {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn acquire_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Acquire {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Leases { leases } => Ok(leases),
             r => Err(unexpected("acquire", r)),
         }
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
-    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
-        match self.call(&MetaRequest::Remove {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn remove_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<RemoveResult>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Remove {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Removed { results } => Ok(results),
             r => Err(unexpected("remove", r)),
         }
     }
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
-    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
-        match self.call(&MetaRequest::Victims {
-            session: self.id,
-            max,
-        })? {
+    pub(crate) fn victims_by(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Victims {
+                session: self.id,
+                max,
+            },
+            by,
+        )? {
             MetaReply::Victims { victims } => Ok(victims),
             r => Err(unexpected("victims", r)),
         }
     }
 
     /// Pins found keys (per key: found and pinned).
-    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Pin {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn pin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Pin {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Pinned { pinned } => Ok(pinned),
             r => Err(unexpected("pin", r)),
         }
     }
 
     /// Drops one of this session's pins of each key (per key: one was dropped).
-    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Unpin {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn unpin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Unpin {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Unpinned { unpinned } => Ok(unpinned),
             r => Err(unexpected("unpin", r)),
         }
     }
 
-    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
+    pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
         }
-        self.call(&MetaRequest::ReleaseLeases {
-            session: self.id,
-            lease_ids: ids,
-        })
+        self.call_by(
+            &MetaRequest::ReleaseLeases {
+                session: self.id,
+                lease_ids: ids,
+            },
+            by,
+        )
         .map(|_| ())
     }
 
@@ -297,6 +383,60 @@ impl Session {
             MetaReply::Returned(_) => Ok(()),
             r => Err(unexpected("return_region", r)),
         }
+    }
+
+    /// As `expand_by`, within the session's call timeout from now.
+    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
+        self.expand_by(self.own_deadline())
+    }
+
+    /// As `alloc_by`, within the session's call timeout from now.
+    pub fn alloc(
+        &self,
+        count: u32,
+        route_key: Option<&str>,
+    ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        self.alloc_by(count, route_key, self.own_deadline())
+    }
+
+    /// As `publish_by`, within the session's call timeout from now.
+    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
+        self.publish_by(entries, self.own_deadline())
+    }
+
+    /// As `exists_by`, within the session's call timeout from now.
+    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.exists_by(keys, self.own_deadline())
+    }
+
+    /// As `acquire_by`, within the session's call timeout from now.
+    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+        self.acquire_by(keys, self.own_deadline())
+    }
+
+    /// As `remove_by`, within the session's call timeout from now.
+    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
+        self.remove_by(keys, self.own_deadline())
+    }
+
+    /// As `victims_by`, within the session's call timeout from now.
+    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
+        self.victims_by(max, self.own_deadline())
+    }
+
+    /// As `pin_by`, within the session's call timeout from now.
+    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.pin_by(keys, self.own_deadline())
+    }
+
+    /// As `unpin_by`, within the session's call timeout from now.
+    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.unpin_by(keys, self.own_deadline())
+    }
+
+    /// As `release_leases_by`, within the session's call timeout from now.
+    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
+        self.release_leases_by(ids, self.own_deadline())
     }
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker

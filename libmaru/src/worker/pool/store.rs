@@ -107,7 +107,7 @@ impl StoragePool {
                 Err(NoRegion::Failed(e)) => return Err(e),
                 Err(NoRegion::Full(why)) => {
                     let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
-                    let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
+                    let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES), by)?;
                     if freed == 0 {
                         self.core.lock().evicted_nothing();
                     }
@@ -159,7 +159,7 @@ impl StoragePool {
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        let got = self.session.alloc(count, route_key)?;
+        let got = self.session.alloc_by(count, route_key, by)?;
         drop(self.core.wait_while(by, |c| c.waits_for_adoption(&got.0)));
         Ok(got)
     }
@@ -172,7 +172,7 @@ impl StoragePool {
             .lock()
             .grow_begin(now_ms())
             .map_err(NoRegion::Full)?;
-        let grant = match self.session.expand() {
+        let grant = match self.session.expand_by(by) {
             Ok(g) => g,
             Err(e) => {
                 let full = matches!(e, WorkerError::NoSpace(_));
@@ -220,13 +220,15 @@ impl StoragePool {
     /// after maru-server acknowledged its key's removal, and a removal is refused
     /// while a lease (a reader's, or one of this handler's views) covers it. Returns
     /// how many keys went.
-    fn evict(&self, want: usize) -> Result<usize, WorkerError> {
-        let victims = self.session.victims(want.min(self.max_batch) as u32)?;
+    fn evict(&self, want: usize, by: Deadline) -> Result<usize, WorkerError> {
+        let victims = self
+            .session
+            .victims_by(want.min(self.max_batch) as u32, by)?;
         if victims.is_empty() {
             return Ok(0);
         }
         let names: Vec<String> = victims.iter().map(|v| v.key.clone()).collect();
-        let results = self.session.remove(&names)?;
+        let results = self.session.remove_by(&names, by)?;
         let mut freed = 0;
         {
             let mut c = self.core.lock();
@@ -439,7 +441,7 @@ impl StoragePool {
             }
         }
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = self.session.exists(&owned)?;
+        let present = self.session.exists_by(&owned, by)?;
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
         self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
         if todo.is_empty() {
@@ -452,7 +454,7 @@ impl StoragePool {
             .zip(taken.pages.iter().copied())
             .collect();
         let ok = write(self, &placed, by);
-        let r = self.publish(keys, lens, present, &placed, &ok, &taken);
+        let r = self.publish(keys, lens, present, &placed, &ok, &taken, by);
         // Whatever happened: the pages are no longer being written by this store.
         self.end_writing(taken.pages.iter().map(|p| p.region_id));
         r
@@ -494,6 +496,7 @@ impl StoragePool {
         &self,
         ticket: Option<u64>,
         entries: Vec<PublishEntry>,
+        by: Deadline,
     ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
         let page_size = self.page_size().max(1);
         let published: Vec<(PageGrant, u64)> = entries
@@ -508,7 +511,7 @@ impl StoragePool {
                 (page, e.length)
             })
             .collect();
-        let answer = self.session.publish(entries);
+        let answer = self.session.publish_by(entries, by);
         let back = self.core.lock().publish_end(
             ticket,
             &published,
@@ -522,6 +525,7 @@ impl StoragePool {
     /// still the pool's on the boot they were written under (the core's re-check). A
     /// chunk that fails the check is not published and counts as skipped. Pages not
     /// used are kept or freed.
+    #[allow(clippy::too_many_arguments)] // one store's state, and its deadline
     pub(super) fn publish(
         &self,
         keys: &[&str],
@@ -530,6 +534,7 @@ impl StoragePool {
         placed: &[(usize, PageGrant)],
         ok: &[bool],
         taken: &Taken,
+        by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
         if let Some(hook) = &self.hooks.before_publish {
             hook(self, &taken.pages);
@@ -576,7 +581,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries);
+        let (answer, back) = self.send_publish(plan.ticket, entries, by);
         let is_new = match answer {
             Ok(n) => n,
             Err(e) => {
