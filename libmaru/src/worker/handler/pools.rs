@@ -78,18 +78,8 @@ impl Inner {
         e: WorkerError,
         miss: T,
     ) -> Result<T, WorkerError> {
-        let e = match e {
-            // A refusal of maru-server may mean the session is gone: its heartbeat says.
-            e @ (WorkerError::Refused { .. } | WorkerError::Permission { .. })
-                if e.from_server() =>
-            {
-                match pool.heartbeat() {
-                    Err(lost @ WorkerError::SessionLost { .. }) => lost,
-                    _ => e,
-                }
-            }
-            e => e,
-        };
+        // A session maru-server no longer has comes back as `SessionLost` (its
+        // `no_session` code): no heartbeat is needed to tell.
         match e {
             WorkerError::SessionLost { .. } => {
                 log::warn!(

@@ -9,6 +9,7 @@ use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
     PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
+use crate::wire::ErrorCode;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use std::collections::BTreeMap;
@@ -198,7 +199,13 @@ impl Session {
         if !matches!(r, Err(LinkError::Unreachable(_))) {
             self.answered_ms.store(now_ms(), Ordering::Relaxed);
         }
-        r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
+        r.map_err(|e| self.error_of(e))
+    }
+
+    /// The error of a call: maru-server's `no_session` (the session is not open
+    /// there any more) is [`WorkerError::SessionLost`].
+    fn error_of(&self, e: LinkError) -> WorkerError {
+        session_error(&self.url, self.id, e)
     }
 
     pub(crate) fn expand_by(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
@@ -442,10 +449,9 @@ impl Session {
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
     ///
-    /// A heartbeat names nothing but the session, so maru-server refusing it means the
-    /// session is gone (expired, unknown after a restart, not this client's): that is
-    /// [`WorkerError::SessionLost`], as is maru-server out of reach for longer than
-    /// the session timeout (it expired the session meanwhile).
+    /// maru-server answering `no_session` (expired, unknown after a restart, not this
+    /// client's) is [`WorkerError::SessionLost`], as is maru-server out of reach for
+    /// longer than the session timeout (it expired the session meanwhile).
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
@@ -459,9 +465,6 @@ impl Session {
         match r {
             Ok(MetaReply::Heartbeat(h)) => Ok(h),
             Ok(r) => Err(unexpected("heartbeat", r)),
-            Err(WorkerError::Refused { reason, .. } | WorkerError::Permission { reason, .. }) => {
-                Err(self.lost(reason))
-            }
             Err(e @ WorkerError::Unavailable { .. }) => {
                 let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
                 if silent >= self.session_timeout_ms {
@@ -511,5 +514,53 @@ impl Session {
                 self.session_timeout_ms
             ),
         }
+    }
+}
+
+/// The error of a call of session `session` at maru-server `url`: its `no_session`
+/// code (the session is not open there any more) is [`WorkerError::SessionLost`];
+/// anything else as any call's.
+fn session_error(url: &str, session: u64, e: LinkError) -> WorkerError {
+    match e {
+        LinkError::Remote(w) if w.code == ErrorCode::NoSession => WorkerError::SessionLost {
+            url: url.to_string(),
+            session,
+            reason: w.message,
+        },
+        e => WorkerError::from_link(Peer::Server(url.to_string()), e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::WireError;
+
+    #[test]
+    fn no_session_is_a_lost_session_and_a_refusal_is_not() {
+        let gone = WireError::new(
+            ErrorCode::NoSession,
+            "session 7 expired: open a new session",
+        );
+        match session_error("h:1", 7, LinkError::Remote(gone)) {
+            WorkerError::SessionLost {
+                url,
+                session,
+                reason,
+            } => {
+                assert_eq!((url.as_str(), session), ("h:1", 7));
+                assert!(reason.contains("expired"), "{reason}");
+            }
+            e => panic!("no_session must be SessionLost, not {e:?}"),
+        }
+        let refused = WireError::new(ErrorCode::Refused, "the region can never be allocated");
+        assert!(matches!(
+            session_error("h:1", 7, LinkError::Remote(refused)),
+            WorkerError::Refused { .. }
+        ));
+        assert!(matches!(
+            session_error("h:1", 7, LinkError::Unreachable("down".into())),
+            WorkerError::Unavailable { .. }
+        ));
     }
 }
