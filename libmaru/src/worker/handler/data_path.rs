@@ -103,7 +103,7 @@ impl Inner {
         })?;
         let (ptr, len) = staging.buffer();
         // Before the first transfer uses the buffer (and before the NIC registers it).
-        let hook = crate::worker::hook::register(ptr, len)?;
+        let hook = crate::worker::hook::register(ptr, len, self.hook)?;
         let mut agent_opts =
             ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
         let nic = match self.cfg.backend {
@@ -159,7 +159,7 @@ impl Inner {
             }
         };
         let mover = match &dp.nic {
-            None => Mover::cxl(self.cfg.prefault),
+            None => Mover::cxl_with_hook(self.cfg.prefault, self.hook),
             Some(nic) => Mover::Remote(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),

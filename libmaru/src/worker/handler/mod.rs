@@ -81,6 +81,9 @@ struct Inner {
     wake: (Mutex<()>, Condvar),
     /// Calls by kind: results, chunks, durations (`stats()["ops"]`).
     ops: OpStats,
+    /// The memory hook in force when the handler opened: its staging buffer and every
+    /// CXL mapping it makes are registered with it.
+    hook: crate::worker::MemoryHook,
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
@@ -134,6 +137,7 @@ impl Handler {
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             ops: OpStats::default(),
+            hook: crate::worker::hook::memory_hook(),
         });
         let mut failed = Vec::new();
         let mut opened = 0;
