@@ -56,19 +56,23 @@ enum maru_log_level_t
    */
   MARU_LOG_OFF = 0,
   /**
-   * Something failed that the runtime should see (a configuration refused by a daemon).
+   * What a person must fix: a failed open (a configuration, a key, a refusal).
    */
   MARU_LOG_ERROR = 1,
   /**
-   * Degraded but going on: a pool unavailable, staging full, the memory hook failed.
+   * Degraded but going on: a pool, an agent or a session unavailable, stores
+   * skipped and loads missing because of it (at most one line per cause and pool or
+   * agent every 10 s), a memory node rebooted, the memory hook failed.
    */
   MARU_LOG_WARN = 2,
   /**
-   * Lifecycle: regions mapped and given back, the memory hook's result.
+   * Lifecycle: a handler opened and closed, a pool's session opened or going on
+   * after maru-server restarted, regions mapped and given back, an agent restarted,
+   * the memory hook's result.
    */
   MARU_LOG_INFO = 3,
   /**
-   * Per-call detail for troubleshooting.
+   * Per-call detail for troubleshooting: each call's kind, chunks, time, error.
    */
   MARU_LOG_DEBUG = 4,
   /**
@@ -241,8 +245,9 @@ typedef uint32_t maru_status_t;
  *
  * Threads: every call on a handler may run from any thread, concurrently with any
  * other call on it, including `maru_handler_shutdown`. A call that begins after
- * shutdown began returns `MARU_ERR_CLOSED`; one blocked in `maru_slots_acquire`
- * wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
+ * shutdown began returns `MARU_ERR_CLOSED` (but for the releases of slots, views and
+ * pages, which succeed until `maru_handler_free`); one blocked in
+ * `maru_slots_acquire` wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
  * be the last use of the pointer: calls in flight when it begins are waited for
  * (bounded) and stay memory-safe, but no call may *begin* after it began.
  */
@@ -284,7 +289,8 @@ typedef void (*maru_mem_unregister_fn)(void *ctx, void *ptr, size_t len);
 /**
  * One staging slot held by the caller. `data` points to `capacity` bytes (one chunk)
  * inside the handler's staging buffer, valid until the slot is released or the
- * handler is shut down. `id` names the slot in later calls; ids are never reused.
+ * handler freed (`maru_handler_free` or `maru_handler_close`; it stays valid after
+ * `maru_handler_shutdown`). `id` names the slot in later calls; ids are never reused.
  */
 typedef struct maru_slot_t {
   uint64_t id;
@@ -295,7 +301,7 @@ typedef struct maru_slot_t {
 /**
  * A chunk read in place from this host's mapping of the CXL memory (backend `cxl`).
  * `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
- * shutdown) and at most `valid_ms` milliseconds from the acquire: the view holds a
+ * `maru_handler_free`) and at most `valid_ms` milliseconds from the acquire: the view holds a
  * lease that keeps the chunk's page from being reused, and the lease ends by itself
  * then. maru-server starts the lease's clock while the call is on its way, so count
  * `valid_ms` from just before calling `maru_views_acquire`, not from its return.
@@ -311,7 +317,7 @@ typedef struct maru_view_t {
  * A page of one of the engine's own regions, taken for writing a chunk in place
  * (backend `cxl`). `data` points to `capacity` bytes (one chunk) in this host's
  * writable mapping of the region, valid until the page is published or given back
- * (or the handler shut down). `(region_id, page)` names the page in later calls;
+ * (or the handler freed). `(region_id, page)` names the page in later calls;
  * `offset` is its byte offset in the region.
  */
 typedef struct maru_page_t {
@@ -326,7 +332,7 @@ typedef struct maru_page_t {
  * A region this host maps (backend `cxl`): `len` bytes at `data`, `page_count`
  * pages of `page_size` bytes. `writable`: one of the engine's own regions (mapped
  * writable); otherwise another engine's, read-only. The memory stays mapped until the
- * handler is shut down.
+ * handler is freed (`maru_handler_free` or `maru_handler_close`).
  */
 typedef struct maru_region_t {
   uint64_t region_id;
@@ -342,7 +348,7 @@ typedef struct maru_region_t {
  * `slot_size` bytes: `load_slots` load slots first (slot `i` at `data + i *
  * slot_size`), then `store_slots` store slots. A slot acquired from a pool lies at one
  * of its pool's places; the buffer stays mapped (and registered with the memory hook)
- * until the handler is shut down.
+ * until the handler is freed (`maru_handler_free` or `maru_handler_close`).
  */
 typedef struct maru_staging_t {
   uint8_t *data;
@@ -475,7 +481,9 @@ maru_status_t maru_set_memory_hook_auto(void);
  * `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
  * `server_url` answered; with several pools, the open succeeds when at least one
  * answers and the others are retried in the background. A failing memory hook
- * `register` returns `MARU_ERR_CONFIG`.
+ * `register` returns `MARU_ERR_CONFIG`. A failed open leaves nothing open (no
+ * session at any maru-server) and logs one line: ERROR for what a person must fix
+ * (configuration, key, a refusal), WARN when no maru-server answered.
  *
  * Ownership: `config_json` is read during the call only; the handler in `*out` is
  * the caller's until `maru_handler_close` (or `maru_handler_free`).
@@ -520,14 +528,24 @@ maru_status_t maru_chunk_size(const struct maru_handler_t *h, uint64_t *out);
 
 /**
  * The first step of a two-step close, for a handler other threads may still be
- * calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`), wakes calls
- * blocked in `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and waits for the
- * calls in flight to return, at most the configuration's `timeout_ms` (10 s by
- * default; a call still running then returns `MARU_ERR_CLOSED` when it ends).
+ * calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`; releases of
+ * slots, views and pages still succeed), wakes calls blocked in
+ * `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and returns only once every
+ * call in flight has left libmaru, so the runtime may free or unregister the
+ * buffers those calls used as soon as it returns.
+ *
+ * The wait is bounded by the configuration's `timeout_ms` (10 s by default); every
+ * call bounds its own waits by it too, so only a call held by the runtime itself (a
+ * memory hook callback that does not return, say) outlives it. Such a call returns
+ * `MARU_ERR_CLOSED`, never `MARU_OK`, whenever it ends, and may still write its
+ * output arguments until then: keep its buffers until it returned (a warning names
+ * how many calls shutdown stopped waiting for).
  *
  * Everything stays valid after it: the handler's memory, the slots and views the
- * caller holds (their bytes may still be read), the sessions. Once the threads that
- * used the handler are joined, end it with `maru_handler_free`.
+ * caller holds (their bytes may still be read, and released), the sessions, and the
+ * operations already submitted (they run on; `maru_handler_free` settles them).
+ * Once the threads that used the handler are joined, end it with
+ * `maru_handler_free`.
  *
  * Returns `MARU_OK` (also when called again). Threads: any thread, concurrently with
  * any call on `h` except `maru_handler_free`/`maru_handler_close`; a second call
@@ -537,13 +555,18 @@ maru_status_t maru_handler_shutdown(const struct maru_handler_t *h);
 
 /**
  * Ends a handler: shuts it down if `maru_handler_shutdown` was not called (the same
- * bounded wait for calls in flight), closes its sessions (the keys it stored stay
- * readable by other engines; its slots, views and staging buffer end; the memory
- * hook's `unregister` runs on this thread), and frees it. NULL is ignored.
+ * bounded wait for calls in flight), settles the operations submitted with
+ * `maru_submit_store_slots`/`maru_submit_load_slots` (queued ones run, and each
+ * finishes within its own `timeout_ms`; the wait for all of them ends after
+ * `timeout_ms`, and one still running then ends with `MARU_ERR_CLOSED`), closes the
+ * sessions (the keys it stored stay readable by other engines; its slots, views and
+ * staging buffer end; the memory hook's `unregister` runs on this thread), and frees
+ * it. NULL is ignored.
  *
  * The pointer, and every slot and view of the handler, must not be used afterwards,
  * and no call on `h` may begin once this one began. Calls already in flight are
- * safe: the memory they use lives until the last of them returns.
+ * safe: the memory they use lives until the last of them returns. Operations stay
+ * valid (free them with `maru_op_free`): their results are final once this returns.
  *
  * Returns `MARU_OK`, or the error of closing a session (the handler is freed all the
  * same). Threads: any thread, once per handler.
@@ -552,8 +575,9 @@ maru_status_t maru_handler_free(struct maru_handler_t *h);
 
 /**
  * The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
- * close the sessions, free. For a handler that other threads may still call, use
- * `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+ * settle the submitted operations (a submitted store's chunks are stored, bounded by
+ * `timeout_ms`), close the sessions, free. For a handler that other threads may still
+ * call, use `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
  *
  * Threads: any thread, once per handler; no call on `h` may begin once it began.
  */
@@ -562,12 +586,27 @@ maru_status_t maru_handler_close(struct maru_handler_t *h);
 /**
  * Stores `len` bytes of `data` under `key`. `*stored` (may be NULL) is true when the
  * chunk is stored now or was already stored (by this or another engine: its bytes
- * are there either way), false when it was skipped. A skip is not an error; the
- * engine recomputes that chunk later if it needs it. Its reason is counted in
- * `maru_stats_json`'s `total.skipped`: `no_region` (no region to be had and nothing
- * of the engine's own to evict), `no_slot` (no free staging slot),
- * `pool_unavailable` (maru-server away), `max_bytes` (the engine's `max_bytes`
- * reached and nothing to evict); each reason logs one WARN line per 10 s.
+ * are there either way), false when it was skipped. A skip is not an error (the call
+ * returns `MARU_OK`); the engine recomputes that chunk later if it needs it. A chunk
+ * is skipped when:
+ * - no store staging slot frees up in time (`remote_cxl`);
+ * - its pool is unavailable (maru-server out of reach, or the session lost until a
+ *   new one opens);
+ * - the pool has no page for it: it is full, every page of this engine's regions is
+ *   leased, pinned or being written, and no region is to be had;
+ * - it waits for a region: the pool is full and the region it gets (one another
+ *   engine gives back for its fair share) has not come within the call;
+ * - its bytes could not be written by `timeout_ms` (an agent that does not answer,
+ *   a transfer that failed, a region taken whose agent did not map it);
+ * - its region was lost, or its memory node rebooted, before it was published.
+ *
+ * Each skip's reason is counted in `maru_stats_json`'s `total.skipped`: `no_region`
+ * (no region to be had, or none came within the call, and nothing of the engine's
+ * own to evict), `no_slot` (no free staging slot), `pool_unavailable` (maru-server
+ * away, or the session lost), `max_bytes` (the engine's `max_bytes` reached and
+ * nothing to evict); each reason logs one WARN line per 10 s. An agent that does
+ * not answer, or a region that could not be made usable, is named in a warning of
+ * the log, at most one line per cause and agent every 10 s.
  *
  * Ownership: `key`, `data`, `route_key` are read during the call only.
  * Threads: any, concurrently with other calls on the handler.
@@ -611,8 +650,11 @@ maru_status_t maru_load(const struct maru_handler_t *h,
                         const char *route_key);
 
 /**
- * Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`). Loading stops
- * at the first miss (later chunks of a prefix are useless without it). On return,
+ * Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`). Every chunk
+ * found is loaded, also one after a miss: `found` may have holes (a chunk evicted
+ * since the lookup, say). A runtime that caches prefixes uses the leading run of
+ * `found` (the chunks after a miss are of no use to it without the missing one; to
+ * move none of them, load only the leading run of `maru_exists_batch`). On return,
  * whatever the status, every `found[i]` and `lens[i]` is written: `found[i]` true
  * and `lens[i]` its length where the chunk is in `bufs[i]`; otherwise `found[i]`
  * false and `lens[i]` 0, except for a chunk larger than its buffer, whose `lens[i]`
@@ -700,7 +742,7 @@ maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
  * `*got` = 0.
  *
  * Ownership: the slots are the caller's until released; their memory belongs to
- * the handler and is valid until the slot is released or the handler shut down.
+ * the handler and is valid until the slot is released or the handler freed.
  * Threads: any, concurrently with other calls; a shutdown wakes a waiting call,
  * which returns `MARU_ERR_CLOSED` with no slot.
  */
@@ -765,6 +807,10 @@ maru_status_t maru_slots_held(const struct maru_handler_t *h,
  * `MARU_ERR_INVALID_ARGUMENT`, and nothing is released then. An id libmaru took back
  * (after a transfer whose outcome was unknown) is accepted once, so releasing every
  * slot a call used is always right.
+ *
+ * Also after `maru_handler_shutdown` (until `maru_handler_free`): the release
+ * succeeds as before, so a runtime's "release after every call" needs no special
+ * case at shutdown. After `maru_handler_free` the slots are gone with the handler.
  *
  * Threads: any, concurrently with other calls.
  */
@@ -852,7 +898,8 @@ maru_status_t maru_views_acquire(const struct maru_handler_t *h,
 /**
  * Ends views: their leases go back and their `data` must not be read any more. Ids
  * already released, and 0 (the id of a view not found), are ignored: a view's lease
- * may also have ended by itself.
+ * may also have ended by itself. Also after `maru_handler_shutdown` (until
+ * `maru_handler_free`): the release succeeds as before.
  *
  * Threads: any, concurrently with other calls.
  */
@@ -861,8 +908,11 @@ maru_status_t maru_views_release(const struct maru_handler_t *h, const uint64_t 
 /**
  * Takes up to `n` pages of the engine's own regions for writing chunks in place
  * (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
- * staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
- * pool has no room (every page leased, pinned or taken, and no region to be had).
+ * staging slots instead). `out[0..*got]` describes them (`out` must have room for
+ * `n`). `*got` is at most `n` and at most 4096 (maru-server's batch limit, the
+ * most pages one request takes): ask again for more. It is fewer than `n` when the
+ * pool has no room (every page leased, pinned or taken, and no region to be had);
+ * a larger `n` is never an error.
  *
  * Limit: the caller holds at most half of its fair share of the pool taken at once
  * (maru-server's regions ÷ the storing tenants, ÷ its tenant's storing engines,
@@ -911,7 +961,8 @@ maru_status_t maru_pages_publish(const struct maru_handler_t *h,
  * Gives back `n` pages taken with `maru_pages_take` and not published (only their
  * `region_id` and `page` are read): they serve later stores. Their `data` must not be
  * written any more. A page not held returns `MARU_ERR_INVALID_ARGUMENT` and none is
- * given back.
+ * given back. Also after `maru_handler_shutdown` (until `maru_handler_free`): the
+ * give-back succeeds as before.
  *
  * Threads: any, concurrently with other calls.
  */
@@ -936,9 +987,12 @@ maru_status_t maru_regions_list(const struct maru_handler_t *h,
 
 /**
  * The region `region_id` as this host maps it: `*found` is false (and `*out`
- * untouched) when it maps no such region. Its memory stays mapped until the handler
- * is shut down, even if the region stops being the engine's: write into an own
- * region only into pages taken with `maru_pages_take` and not yet published.
+ * untouched) when it maps no such region. An own region that was also read in place
+ * has two mappings (see `maru_regions_list`): this returns its writable one
+ * (`writable` true), never the read-only mapping the views of it point into. Its
+ * memory stays mapped until the handler is freed, even if the region stops being the
+ * engine's: write into an own region only into pages taken with `maru_pages_take`
+ * and not yet published.
  *
  * Threads: any, concurrently with other calls.
  */

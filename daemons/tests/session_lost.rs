@@ -1,7 +1,8 @@
 //! A lost session is the only error that sets a pool aside: a refusal of maru-server
 //! that is not about the session reaches the caller and leaves the pool and its
 //! session as they are; a session maru-server no longer has (it restarted) is found
-//! lost (its heartbeat is refused), the pool is set aside, and a new session opens.
+//! lost (maru-server answers its heartbeat with `no_session`), the pool is set aside,
+//! and a new session opens.
 
 mod support;
 
@@ -86,7 +87,7 @@ fn a_refusal_that_is_not_about_the_session_leaves_the_pool_up() {
 }
 
 /// maru-server restarts (a new run: it knows no session of before). With no request
-/// made, the pool's heartbeat is refused: the session is lost, the pool is set aside
+/// made, the pool's heartbeat is answered `no_session`: the session is lost, the pool is set aside
 /// and a new session opens within a few heartbeats; stores work on it.
 #[test]
 fn a_session_maru_server_no_longer_has_is_lost_and_a_new_one_opens() {

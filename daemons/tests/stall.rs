@@ -431,3 +431,114 @@ fn a_half_open_data_port_costs_a_call_at_most_its_timeout() {
     let stall = |on: bool| stalled.store(on, Ordering::SeqCst);
     stalled_run(&stacks, &stall);
 }
+
+/// maru-server stalled (issue 32): every maru-server call a request makes (exists,
+/// alloc, publish, acquire...) ends by the request's deadline (`timeout_ms` from its
+/// start), so a stalled maru-server costs a request about its timeout, however many
+/// calls it makes or connections it opens. The engine reaches maru-server through a
+/// proxy. Two stalls: maru-server SIGSTOPped for 3 s (no store, load or exists
+/// returns later than 2 x its timeout), then 5 s in which the proxy holds every
+/// session request 800 ms (each call alone answers within its own timeout, but a
+/// store's calls add up to 1.6 s or more unless they share the request's deadline:
+/// none may take more than 1.5 x the timeout). Then the pool stores and loads again.
+#[test]
+fn a_stalled_maru_server_costs_a_call_at_most_its_timeout() {
+    const T_MS: u64 = 1000;
+    let st = support::stack("stall-server", "64M", false, &server_args());
+    let slow = Arc::new(AtomicBool::new(false));
+    let (proxy, held) = support::holding_proxy(
+        &st.server.addr,
+        b"\"session\":",
+        slow.clone(),
+        Duration::from_millis(800),
+        Duration::from_secs(120),
+    );
+    let cfg = serde_json::json!({
+        "backend": "cxl",
+        "server_url": proxy,
+        "server_key_file": support::server_key_file(&st.server.addr),
+        "engine_id": "stall-server-engine",
+        "load_slots": 4,
+        "store_slots": 8,
+        "timeout_ms": T_MS,
+    });
+    let h = Handler::open(&cfg.to_string()).expect("open");
+    // 48 chunks a store: more than the pool's spare pages, so a store makes several
+    // maru-server calls (exists, alloc, expand or evict, publish).
+    let batch = |tag: &str| -> (Vec<String>, Vec<Vec<u8>>) {
+        let keys: Vec<String> = (0..48).map(|c| format!("stall-server-{tag}-{c}")).collect();
+        let data = keys.iter().map(|k| content(k)).collect();
+        (keys, data)
+    };
+    let store = |keys: &[String], data: &[Vec<u8>]| {
+        let items: Vec<(&str, &[u8])> = keys
+            .iter()
+            .zip(data)
+            .map(|(k, d)| (k.as_str(), d.as_slice()))
+            .collect();
+        h.store_batch(&items, None)
+    };
+    let (before, before_data) = batch("before");
+    assert_eq!(store(&before, &before_data).unwrap(), vec![true; 48]);
+
+    let mut worst = Duration::ZERO;
+    let mut calls = 0;
+    let mut n = 0;
+    let mut run_for = |d: Duration, limit: Duration, phase: &str| {
+        let t0 = Instant::now();
+        while t0.elapsed() < d {
+            let (keys, data) = batch(&format!("{phase}-{n}"));
+            n += 1;
+            for what in ["store", "load", "exists"] {
+                let start = Instant::now();
+                let r = match what {
+                    "store" => store(&keys, &data).map(|_| ()),
+                    "load" => h.load_batch(&before, None).map(|_| ()),
+                    _ => h.exists_batch(&before, None).map(|_| ()),
+                };
+                let took = start.elapsed();
+                calls += 1;
+                worst = worst.max(took);
+                assert!(
+                    took <= limit,
+                    "{phase}: {what} took {took:?} (timeout {T_MS} ms): {r:?}"
+                );
+            }
+        }
+    };
+    st.server.signal(libc::SIGSTOP);
+    run_for(
+        Duration::from_secs(3),
+        Duration::from_millis(2 * T_MS),
+        "stopped",
+    );
+    st.server.signal(libc::SIGCONT);
+    slow.store(true, Ordering::SeqCst);
+    run_for(
+        Duration::from_secs(5),
+        Duration::from_millis(3 * T_MS / 2),
+        "slow",
+    );
+    slow.store(false, Ordering::SeqCst);
+    eprintln!(
+        "{calls} calls with maru-server stalled ({} requests held), the slowest {worst:?}",
+        held.load(Ordering::SeqCst)
+    );
+    // The pool comes back: stores are stored and the chunks stored before load.
+    let t0 = Instant::now();
+    let back = support::wait_until(Duration::from_secs(30), || {
+        let (keys, data) = batch(&format!("after-{}", t0.elapsed().as_millis()));
+        let stored = store(&keys, &data).is_ok_and(|s| s == vec![true; 48]);
+        let loaded = h.load_batch(&before, None).is_ok_and(|got| {
+            got.iter()
+                .zip(&before_data)
+                .all(|(g, d)| g.as_ref() == Some(d))
+        });
+        stored && loaded
+    });
+    assert!(
+        back,
+        "the pool did not store and load again within 30 s of the stall"
+    );
+    drop(h);
+}

@@ -436,3 +436,54 @@ fn tenants_have_a_column_and_a_filter() {
     own.close().unwrap();
     alpha.close().unwrap();
 }
+
+/// A failed open leaves nothing open (issue 36): an engine whose `agent_key_file` is
+/// not the agent's fails to open with an auth error, again and again, and maru-server
+/// (at most one session per tenant here) keeps no session of it: `maru-usage` shows
+/// no row for it and a good engine still opens.
+#[test]
+fn a_failed_open_leaves_no_session_open() {
+    let st = stack_with(
+        Scratch::new("usage-failed-open"),
+        &["--max-sessions".into(), "1".into()],
+    );
+    let wrong = st.agent_key.with_file_name("wrong-agent.key");
+    write_new_key_file(&wrong, &SharedKey::generate().unwrap()).unwrap();
+    let cfg = serde_json::json!({
+        "backend": "remote_cxl",
+        "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
+        "engine_id": "bad-agent-key",
+        "agent_key_file": wrong.display().to_string(),
+        "load_slots": 4,
+        "store_slots": 8,
+        "timeout_ms": 3000,
+    });
+    for attempt in 0..3 {
+        match Handler::open(&cfg.to_string()) {
+            Ok(_) => panic!("attempt {attempt}: an open with a wrong agent key succeeded"),
+            Err(e) => assert!(e.is_fatal(), "attempt {attempt}: {e}"),
+        }
+    }
+    let out = text(&usage(&[
+        "--server",
+        &st.server.addr,
+        "--timeout-ms",
+        "3000",
+    ]));
+    assert!(
+        !out.contains("bad-agent-key"),
+        "the failed opens left a session:\n{out}"
+    );
+    // With --max-sessions 1, a session left over would refuse this one.
+    let good = engine(&st, "good-engine");
+    assert!(good.store("k", &[7u8; 4096], None).unwrap());
+    let out = text(&usage(&[
+        "--server",
+        &st.server.addr,
+        "--timeout-ms",
+        "3000",
+    ]));
+    assert!(out.contains("good-engine"), "{out}");
+    drop(good);
+}

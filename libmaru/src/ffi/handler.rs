@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 ///
 /// Threads: every call on a handler may run from any thread, concurrently with any
 /// other call on it, including `maru_handler_shutdown`. A call that begins after
-/// shutdown began returns `MARU_ERR_CLOSED`; one blocked in `maru_slots_acquire`
-/// wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
+/// shutdown began returns `MARU_ERR_CLOSED` (but for the releases of slots, views and
+/// pages, which succeed until `maru_handler_free`); one blocked in
+/// `maru_slots_acquire` wakes with `MARU_ERR_CLOSED`. `maru_handler_free` (or `maru_handler_close`) must
 /// be the last use of the pointer: calls in flight when it begins are waited for
 /// (bounded) and stay memory-safe, but no call may *begin* after it began.
 #[allow(non_camel_case_types)]
@@ -40,8 +41,12 @@ pub struct maru_handler_t {
 #[derive(Default)]
 struct GateState {
     in_flight: usize,
-    /// Shutdown began: new calls are refused, blocked ones give up.
+    /// Shutdown began: new calls are refused (releases excepted), blocked ones give up.
     shut: bool,
+    /// Shutdown stopped waiting while calls were still in flight: each of them
+    /// returns `MARU_ERR_CLOSED` when it leaves (its caller may have freed its
+    /// buffers once shutdown returned).
+    gave_up: bool,
     /// The handler's sessions are closed (its staging memory may be gone).
     closed: bool,
 }
@@ -70,6 +75,12 @@ fn closed_error() -> FfiError {
 /// One call in flight on a handler: a reference to it and a place in the gate's count.
 pub(crate) struct Call {
     h: Arc<maru_handler_t>,
+    /// Entered before shutdown began: such a call still running when shutdown stops
+    /// waiting is abandoned (it returns `MARU_ERR_CLOSED`). A release entered after
+    /// shutdown is never abandoned.
+    before_shut: bool,
+    /// Still in the gate's count (left by `leave`, or by `drop` on a panic).
+    counted: bool,
 }
 
 impl Call {
@@ -78,19 +89,34 @@ impl Call {
     /// # Safety
     /// `h` is a pointer from `maru_handler_open` whose `maru_handler_free` has not begun.
     unsafe fn enter(h: *const maru_handler_t) -> Result<Call, FfiError> {
+        Call::enter_with(h, false)
+    }
+
+    /// Enters the gate of `h` also after shutdown began (a release: the handler's
+    /// slots, views and pages stay valid until `maru_handler_free`, and giving them
+    /// back is always right).
+    ///
+    /// # Safety
+    /// As [`Call::enter`].
+    unsafe fn enter_with(h: *const maru_handler_t, after_shutdown: bool) -> Result<Call, FfiError> {
         require_non_null(h, "h")?;
         // The C caller's reference keeps the count above zero until free, and free
         // may not begin before this call did (the documented rule).
         Arc::increment_strong_count(h);
         let h = Arc::from_raw(h);
         let mut st = h.gate.lock();
-        if st.shut {
+        if st.shut && !after_shutdown {
             return Err(closed_error());
         }
+        let before_shut = !st.shut;
         st.in_flight += 1;
         drop(st);
-        // Counted now: from here on the Call's drop uncounts it.
-        Ok(Call { h })
+        // Counted now: from here on `leave` (or the Call's drop) uncounts it.
+        Ok(Call {
+            h,
+            before_shut,
+            counted: true,
+        })
     }
 
     pub(crate) fn handler(&self) -> &Handler {
@@ -102,22 +128,35 @@ impl Call {
         self.h.gate.lock().shut
     }
 
-    /// `MARU_ERR_CLOSED` when the handler's sessions were closed while this call ran
-    /// (shutdown stopped waiting for it): its results may name memory that is gone.
-    fn check_still_open(&self) -> Result<(), FfiError> {
-        if self.h.gate.lock().closed {
-            Err((
-                maru_status_t::MARU_ERR_CLOSED,
-                "the handler was shut down while this call ran; its results are not valid".into(),
-            ))
-        } else {
-            Ok(())
+    /// Leaves the gate with the call's result: `MARU_ERR_CLOSED` instead when the
+    /// handler was closed under it, or when shutdown stopped waiting for it (its
+    /// results may name memory that is gone, or reach the caller after it went on).
+    /// Decided and uncounted under one lock, so a call either left before shutdown
+    /// gave up (and shutdown saw it leave) or returns `MARU_ERR_CLOSED`.
+    fn leave<T>(mut self, r: Result<T, FfiError>) -> Result<T, FfiError> {
+        let mut st = self.h.gate.lock();
+        let late = st.closed || (st.gave_up && self.before_shut);
+        st.in_flight -= 1;
+        self.counted = false;
+        if st.in_flight == 0 {
+            self.h.gate.idle.notify_all();
         }
+        drop(st);
+        if late {
+            return Err((
+                maru_status_t::MARU_ERR_CLOSED,
+                "the handler was shut down while this call ran (shutdown stopped waiting for it after timeout_ms); its results are not valid".into(),
+            ));
+        }
+        r
     }
 }
 
 impl Drop for Call {
     fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
         let mut st = self.h.gate.lock();
         st.in_flight -= 1;
         if st.in_flight == 0 {
@@ -128,7 +167,7 @@ impl Drop for Call {
 
 /// Runs `f` as one call on handler `h` (NULL: `MARU_ERR_NULL_ARGUMENT`): refused once
 /// shutdown began, counted while it runs, and turned into `MARU_ERR_CLOSED` when the
-/// handler was closed under it.
+/// handler was closed under it or shutdown stopped waiting for it.
 ///
 /// # Safety
 /// As [`Call::enter`].
@@ -137,9 +176,23 @@ pub(crate) unsafe fn with_handler<T>(
     f: impl FnOnce(&Call) -> Result<T, FfiError>,
 ) -> Result<T, FfiError> {
     let call = Call::enter(h)?;
-    let r = f(&call)?;
-    call.check_still_open()?;
-    Ok(r)
+    let r = f(&call);
+    call.leave(r)
+}
+
+/// As [`with_handler`], also after `maru_handler_shutdown` (until
+/// `maru_handler_free`): for the calls that give back what the caller holds (slots,
+/// views, pages), which a runtime makes after every call, also the last ones.
+///
+/// # Safety
+/// As [`Call::enter`].
+pub(crate) unsafe fn with_handler_releasing<T>(
+    h: *const maru_handler_t,
+    f: impl FnOnce(&Call) -> Result<T, FfiError>,
+) -> Result<T, FfiError> {
+    let call = Call::enter_with(h, true)?;
+    let r = f(&call);
+    call.leave(r)
 }
 
 impl maru_handler_t {
@@ -156,8 +209,9 @@ impl maru_handler_t {
         while st.in_flight > 0 {
             let now = Instant::now();
             if now >= deadline {
+                st.gave_up = true;
                 log::warn!(
-                    "maru_handler_shutdown: {} call(s) still running after {} ms; they will return MARU_ERR_CLOSED",
+                    "maru_handler_shutdown: {} call(s) still running after {} ms (timeout_ms); they will return MARU_ERR_CLOSED: keep the buffers they use until they return",
                     st.in_flight,
                     self.close_wait.as_millis()
                 );
@@ -216,7 +270,9 @@ fn check_host_port(url: &str) -> Result<(), String> {
 /// `MARU_ERR_CONFIG` at once: do not retry. `MARU_ERR_UNAVAILABLE` means no pool of
 /// `server_url` answered; with several pools, the open succeeds when at least one
 /// answers and the others are retried in the background. A failing memory hook
-/// `register` returns `MARU_ERR_CONFIG`.
+/// `register` returns `MARU_ERR_CONFIG`. A failed open leaves nothing open (no
+/// session at any maru-server) and logs one line: ERROR for what a person must fix
+/// (configuration, key, a refusal), WARN when no maru-server answered.
 ///
 /// Ownership: `config_json` is read during the call only; the handler in `*out` is
 /// the caller's until `maru_handler_close` (or `maru_handler_free`).
@@ -229,6 +285,40 @@ pub unsafe extern "C" fn maru_handler_open(
 ) -> maru_status_t {
     crate::logging::install();
     ffi_guard(|| {
+        let r = open_handler(config_json, out);
+        if let Err((status, why)) = &r {
+            log_open_failure(*status, why);
+        }
+        r
+    })
+}
+
+/// One line for a failed open: ERROR for what a person must fix (the configuration,
+/// a key, a refusal by a daemon), WARN for what may pass (no maru-server answered).
+fn log_open_failure(status: maru_status_t, why: &str) {
+    match status {
+        maru_status_t::MARU_ERR_CONFIG
+        | maru_status_t::MARU_ERR_AUTH
+        | maru_status_t::MARU_ERR_REFUSED
+        | maru_status_t::MARU_ERR_INVALID_ARGUMENT
+        | maru_status_t::MARU_ERR_NULL_ARGUMENT => log::error!(
+            "maru_handler_open failed ({status:?}): {why}; nothing was opened: fix the configuration and open again"
+        ),
+        _ => log::warn!(
+            "maru_handler_open failed ({status:?}): {why}; nothing was opened: open again when maru-server answers"
+        ),
+    }
+}
+
+/// The body of `maru_handler_open`.
+///
+/// # Safety
+/// As `maru_handler_open`.
+unsafe fn open_handler(
+    config_json: *const c_char,
+    out: *mut *mut maru_handler_t,
+) -> Result<(), FfiError> {
+    {
         check_not_null!(config_json, out);
         let cfg = req_str(config_json, "config_json")?;
         // Parsed here for the shutdown wait and the address check; Handler::open
@@ -247,7 +337,7 @@ pub unsafe extern "C" fn maru_handler_open(
         });
         *out = Arc::into_raw(h).cast_mut();
         Ok(())
-    })
+    }
 }
 
 /// Writes the handler's statistics as JSON (NUL-terminated) into `buf` of `cap`
@@ -317,14 +407,24 @@ pub unsafe extern "C" fn maru_chunk_size(h: *const maru_handler_t, out: *mut u64
 }
 
 /// The first step of a two-step close, for a handler other threads may still be
-/// calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`), wakes calls
-/// blocked in `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and waits for the
-/// calls in flight to return, at most the configuration's `timeout_ms` (10 s by
-/// default; a call still running then returns `MARU_ERR_CLOSED` when it ends).
+/// calling: refuses new calls on `h` (they return `MARU_ERR_CLOSED`; releases of
+/// slots, views and pages still succeed), wakes calls blocked in
+/// `maru_slots_acquire` (they return `MARU_ERR_CLOSED`), and returns only once every
+/// call in flight has left libmaru, so the runtime may free or unregister the
+/// buffers those calls used as soon as it returns.
+///
+/// The wait is bounded by the configuration's `timeout_ms` (10 s by default); every
+/// call bounds its own waits by it too, so only a call held by the runtime itself (a
+/// memory hook callback that does not return, say) outlives it. Such a call returns
+/// `MARU_ERR_CLOSED`, never `MARU_OK`, whenever it ends, and may still write its
+/// output arguments until then: keep its buffers until it returned (a warning names
+/// how many calls shutdown stopped waiting for).
 ///
 /// Everything stays valid after it: the handler's memory, the slots and views the
-/// caller holds (their bytes may still be read), the sessions. Once the threads that
-/// used the handler are joined, end it with `maru_handler_free`.
+/// caller holds (their bytes may still be read, and released), the sessions, and the
+/// operations already submitted (they run on; `maru_handler_free` settles them).
+/// Once the threads that used the handler are joined, end it with
+/// `maru_handler_free`.
 ///
 /// Returns `MARU_OK` (also when called again). Threads: any thread, concurrently with
 /// any call on `h` except `maru_handler_free`/`maru_handler_close`; a second call
@@ -339,13 +439,18 @@ pub unsafe extern "C" fn maru_handler_shutdown(h: *const maru_handler_t) -> maru
 }
 
 /// Ends a handler: shuts it down if `maru_handler_shutdown` was not called (the same
-/// bounded wait for calls in flight), closes its sessions (the keys it stored stay
-/// readable by other engines; its slots, views and staging buffer end; the memory
-/// hook's `unregister` runs on this thread), and frees it. NULL is ignored.
+/// bounded wait for calls in flight), settles the operations submitted with
+/// `maru_submit_store_slots`/`maru_submit_load_slots` (queued ones run, and each
+/// finishes within its own `timeout_ms`; the wait for all of them ends after
+/// `timeout_ms`, and one still running then ends with `MARU_ERR_CLOSED`), closes the
+/// sessions (the keys it stored stay readable by other engines; its slots, views and
+/// staging buffer end; the memory hook's `unregister` runs on this thread), and frees
+/// it. NULL is ignored.
 ///
 /// The pointer, and every slot and view of the handler, must not be used afterwards,
 /// and no call on `h` may begin once this one began. Calls already in flight are
-/// safe: the memory they use lives until the last of them returns.
+/// safe: the memory they use lives until the last of them returns. Operations stay
+/// valid (free them with `maru_op_free`): their results are final once this returns.
 ///
 /// Returns `MARU_OK`, or the error of closing a session (the handler is freed all the
 /// same). Threads: any thread, once per handler.
@@ -363,8 +468,9 @@ pub unsafe extern "C" fn maru_handler_free(h: *mut maru_handler_t) -> maru_statu
 }
 
 /// The same as `maru_handler_free`: shut down (waiting, bounded, for calls in flight),
-/// close the sessions, free. For a handler that other threads may still call, use
-/// `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
+/// settle the submitted operations (a submitted store's chunks are stored, bounded by
+/// `timeout_ms`), close the sessions, free. For a handler that other threads may still
+/// call, use `maru_handler_shutdown`, join those threads, then `maru_handler_free`.
 ///
 /// Threads: any thread, once per handler; no call on `h` may begin once it began.
 #[no_mangle]

@@ -4,7 +4,7 @@
 
 use super::args::{in_slice, keys_of, opt_out_slice, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard};
-use super::handler::{maru_handler_t, with_handler};
+use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::{RegionInfo, WorkerError};
 use std::ffi::c_char;
@@ -12,7 +12,7 @@ use std::ffi::c_char;
 /// A page of one of the engine's own regions, taken for writing a chunk in place
 /// (backend `cxl`). `data` points to `capacity` bytes (one chunk) in this host's
 /// writable mapping of the region, valid until the page is published or given back
-/// (or the handler shut down). `(region_id, page)` names the page in later calls;
+/// (or the handler freed). `(region_id, page)` names the page in later calls;
 /// `offset` is its byte offset in the region.
 #[allow(non_camel_case_types)]
 #[repr(C)]
@@ -28,7 +28,7 @@ pub struct maru_page_t {
 /// A region this host maps (backend `cxl`): `len` bytes at `data`, `page_count`
 /// pages of `page_size` bytes. `writable`: one of the engine's own regions (mapped
 /// writable); otherwise another engine's, read-only. The memory stays mapped until the
-/// handler is shut down.
+/// handler is freed (`maru_handler_free` or `maru_handler_close`).
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -58,8 +58,11 @@ fn locs(pages: &[maru_page_t]) -> Vec<(u64, u64)> {
 
 /// Takes up to `n` pages of the engine's own regions for writing chunks in place
 /// (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
-/// staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
-/// pool has no room (every page leased, pinned or taken, and no region to be had).
+/// staging slots instead). `out[0..*got]` describes them (`out` must have room for
+/// `n`). `*got` is at most `n` and at most 4096 (maru-server's batch limit, the
+/// most pages one request takes): ask again for more. It is fewer than `n` when the
+/// pool has no room (every page leased, pinned or taken, and no region to be had);
+/// a larger `n` is never an error.
 ///
 /// Limit: the caller holds at most half of its fair share of the pool taken at once
 /// (maru-server's regions ÷ the storing tenants, ÷ its tenant's storing engines,
@@ -156,7 +159,8 @@ pub unsafe extern "C" fn maru_pages_publish(
 /// Gives back `n` pages taken with `maru_pages_take` and not published (only their
 /// `region_id` and `page` are read): they serve later stores. Their `data` must not be
 /// written any more. A page not held returns `MARU_ERR_INVALID_ARGUMENT` and none is
-/// given back.
+/// given back. Also after `maru_handler_shutdown` (until `maru_handler_free`): the
+/// give-back succeeds as before.
 ///
 /// Threads: any, concurrently with other calls.
 #[no_mangle]
@@ -166,7 +170,7 @@ pub unsafe extern "C" fn maru_pages_give_back(
     n: usize,
 ) -> maru_status_t {
     ffi_guard(|| {
-        with_handler(h, |call| {
+        with_handler_releasing(h, |call| {
             let ps = in_slice(pages, n, "pages")?;
             call.handler().give_back_in_place(&locs(ps))?;
             Ok(())
@@ -205,9 +209,12 @@ pub unsafe extern "C" fn maru_regions_list(
 }
 
 /// The region `region_id` as this host maps it: `*found` is false (and `*out`
-/// untouched) when it maps no such region. Its memory stays mapped until the handler
-/// is shut down, even if the region stops being the engine's: write into an own
-/// region only into pages taken with `maru_pages_take` and not yet published.
+/// untouched) when it maps no such region. An own region that was also read in place
+/// has two mappings (see `maru_regions_list`): this returns its writable one
+/// (`writable` true), never the read-only mapping the views of it point into. Its
+/// memory stays mapped until the handler is freed, even if the region stops being the
+/// engine's: write into an own region only into pages taken with `maru_pages_take`
+/// and not yet published.
 ///
 /// Threads: any, concurrently with other calls.
 #[no_mangle]

@@ -15,12 +15,27 @@ use std::ffi::c_char;
 
 /// Stores `len` bytes of `data` under `key`. `*stored` (may be NULL) is true when the
 /// chunk is stored now or was already stored (by this or another engine: its bytes
-/// are there either way), false when it was skipped. A skip is not an error; the
-/// engine recomputes that chunk later if it needs it. Its reason is counted in
-/// `maru_stats_json`'s `total.skipped`: `no_region` (no region to be had and nothing
-/// of the engine's own to evict), `no_slot` (no free staging slot),
-/// `pool_unavailable` (maru-server away), `max_bytes` (the engine's `max_bytes`
-/// reached and nothing to evict); each reason logs one WARN line per 10 s.
+/// are there either way), false when it was skipped. A skip is not an error (the call
+/// returns `MARU_OK`); the engine recomputes that chunk later if it needs it. A chunk
+/// is skipped when:
+/// - no store staging slot frees up in time (`remote_cxl`);
+/// - its pool is unavailable (maru-server out of reach, or the session lost until a
+///   new one opens);
+/// - the pool has no page for it: it is full, every page of this engine's regions is
+///   leased, pinned or being written, and no region is to be had;
+/// - it waits for a region: the pool is full and the region it gets (one another
+///   engine gives back for its fair share) has not come within the call;
+/// - its bytes could not be written by `timeout_ms` (an agent that does not answer,
+///   a transfer that failed, a region taken whose agent did not map it);
+/// - its region was lost, or its memory node rebooted, before it was published.
+///
+/// Each skip's reason is counted in `maru_stats_json`'s `total.skipped`: `no_region`
+/// (no region to be had, or none came within the call, and nothing of the engine's
+/// own to evict), `no_slot` (no free staging slot), `pool_unavailable` (maru-server
+/// away, or the session lost), `max_bytes` (the engine's `max_bytes` reached and
+/// nothing to evict); each reason logs one WARN line per 10 s. An agent that does
+/// not answer, or a region that could not be made usable, is named in a warning of
+/// the log, at most one line per cause and agent every 10 s.
 ///
 /// Ownership: `key`, `data`, `route_key` are read during the call only.
 /// Threads: any, concurrently with other calls on the handler.
@@ -130,8 +145,11 @@ pub unsafe extern "C" fn maru_load(
     })
 }
 
-/// Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`). Loading stops
-/// at the first miss (later chunks of a prefix are useless without it). On return,
+/// Loads `n` chunks of one request into `bufs[i]` (capacity `caps[i]`). Every chunk
+/// found is loaded, also one after a miss: `found` may have holes (a chunk evicted
+/// since the lookup, say). A runtime that caches prefixes uses the leading run of
+/// `found` (the chunks after a miss are of no use to it without the missing one; to
+/// move none of them, load only the leading run of `maru_exists_batch`). On return,
 /// whatever the status, every `found[i]` and `lens[i]` is written: `found[i]` true
 /// and `lens[i]` its length where the chunk is in `bufs[i]`; otherwise `found[i]`
 /// false and `lens[i]` 0, except for a chunk larger than its buffer, whose `lens[i]`

@@ -15,13 +15,17 @@ use std::ffi::{c_char, c_void, CString};
 pub enum maru_log_level_t {
     /// Nothing (as a minimum level: no message is passed on).
     MARU_LOG_OFF = 0,
-    /// Something failed that the runtime should see (a configuration refused by a daemon).
+    /// What a person must fix: a failed open (a configuration, a key, a refusal).
     MARU_LOG_ERROR = 1,
-    /// Degraded but going on: a pool unavailable, staging full, the memory hook failed.
+    /// Degraded but going on: a pool, an agent or a session unavailable, stores
+    /// skipped and loads missing because of it (at most one line per cause and pool or
+    /// agent every 10 s), a memory node rebooted, the memory hook failed.
     MARU_LOG_WARN = 2,
-    /// Lifecycle: regions mapped and given back, the memory hook's result.
+    /// Lifecycle: a handler opened and closed, a pool's session opened or going on
+    /// after maru-server restarted, regions mapped and given back, an agent restarted,
+    /// the memory hook's result.
     MARU_LOG_INFO = 3,
-    /// Per-call detail for troubleshooting.
+    /// Per-call detail for troubleshooting: each call's kind, chunks, time, error.
     MARU_LOG_DEBUG = 4,
     /// Everything.
     MARU_LOG_TRACE = 5,

@@ -3,7 +3,7 @@
 
 use super::args::{in_slice, keys_of, opt_out_slice, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard, FfiError};
-use super::handler::{maru_handler_t, with_handler};
+use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::{SlotPool, WorkerError};
 use std::ffi::c_char;
@@ -35,7 +35,8 @@ impl From<maru_slot_pool_t> for SlotPoolArg {
 
 /// One staging slot held by the caller. `data` points to `capacity` bytes (one chunk)
 /// inside the handler's staging buffer, valid until the slot is released or the
-/// handler is shut down. `id` names the slot in later calls; ids are never reused.
+/// handler freed (`maru_handler_free` or `maru_handler_close`; it stays valid after
+/// `maru_handler_shutdown`). `id` names the slot in later calls; ids are never reused.
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -68,7 +69,7 @@ const ACQUIRE_SLICE: Duration = Duration::from_millis(20);
 /// `*got` = 0.
 ///
 /// Ownership: the slots are the caller's until released; their memory belongs to
-/// the handler and is valid until the slot is released or the handler shut down.
+/// the handler and is valid until the slot is released or the handler freed.
 /// Threads: any, concurrently with other calls; a shutdown wakes a waiting call,
 /// which returns `MARU_ERR_CLOSED` with no slot.
 #[no_mangle]
@@ -234,6 +235,10 @@ pub unsafe extern "C" fn maru_slots_held(
 /// (after a transfer whose outcome was unknown) is accepted once, so releasing every
 /// slot a call used is always right.
 ///
+/// Also after `maru_handler_shutdown` (until `maru_handler_free`): the release
+/// succeeds as before, so a runtime's "release after every call" needs no special
+/// case at shutdown. After `maru_handler_free` the slots are gone with the handler.
+///
 /// Threads: any, concurrently with other calls.
 #[no_mangle]
 pub unsafe extern "C" fn maru_slots_release(
@@ -242,7 +247,7 @@ pub unsafe extern "C" fn maru_slots_release(
     n: usize,
 ) -> maru_status_t {
     ffi_guard(|| {
-        with_handler(h, |call| {
+        with_handler_releasing(h, |call| {
             let is = in_slice(ids, n, "ids")?;
             call.handler().release_slots(is)?;
             Ok(())

@@ -11,7 +11,7 @@ use super::status::maru_status_t;
 /// `slot_size` bytes: `load_slots` load slots first (slot `i` at `data + i *
 /// slot_size`), then `store_slots` store slots. A slot acquired from a pool lies at one
 /// of its pool's places; the buffer stays mapped (and registered with the memory hook)
-/// until the handler is shut down.
+/// until the handler is freed (`maru_handler_free` or `maru_handler_close`).
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]

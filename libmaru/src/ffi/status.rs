@@ -129,6 +129,8 @@ impl From<ErrorCode> for maru_status_t {
             // The change is not yet durable at the daemon; retrying is the cure.
             ErrorCode::Storage => maru_status_t::MARU_ERR_UNAVAILABLE,
             ErrorCode::Internal => maru_status_t::MARU_ERR_INTERNAL,
+            // A session gone: a new one is opened (as `SessionLost`, below).
+            ErrorCode::NoSession => maru_status_t::MARU_ERR_UNAVAILABLE,
         }
     }
 }

@@ -3,14 +3,14 @@
 
 use super::args::{in_slice, keys_of, opt_str, out_slice};
 use super::boundary::ffi_guard;
-use super::handler::{maru_handler_t, with_handler};
+use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::WorkerError;
 use std::ffi::c_char;
 
 /// A chunk read in place from this host's mapping of the CXL memory (backend `cxl`).
 /// `data` points to `len` bytes, read-only, valid until `maru_views_release` (or
-/// shutdown) and at most `valid_ms` milliseconds from the acquire: the view holds a
+/// `maru_handler_free`) and at most `valid_ms` milliseconds from the acquire: the view holds a
 /// lease that keeps the chunk's page from being reused, and the lease ends by itself
 /// then. maru-server starts the lease's clock while the call is on its way, so count
 /// `valid_ms` from just before calling `maru_views_acquire`, not from its return.
@@ -84,7 +84,8 @@ pub unsafe extern "C" fn maru_views_acquire(
 
 /// Ends views: their leases go back and their `data` must not be read any more. Ids
 /// already released, and 0 (the id of a view not found), are ignored: a view's lease
-/// may also have ended by itself.
+/// may also have ended by itself. Also after `maru_handler_shutdown` (until
+/// `maru_handler_free`): the release succeeds as before.
 ///
 /// Threads: any, concurrently with other calls.
 #[no_mangle]
@@ -94,7 +95,7 @@ pub unsafe extern "C" fn maru_views_release(
     n: usize,
 ) -> maru_status_t {
     ffi_guard(|| {
-        with_handler(h, |call| {
+        with_handler_releasing(h, |call| {
             call.handler().release_views(in_slice(ids, n, "ids")?)?;
             Ok(())
         })

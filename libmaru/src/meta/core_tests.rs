@@ -552,7 +552,7 @@ fn a_session_that_stops_sending_expires_and_holds_nothing() {
     w.heartbeat(W2, b, &[]);
     assert_eq!(w.core.session_count(), 1);
     let e = w.req(W1, MetaRequest::Expand { session: a }).unwrap_err();
-    assert_eq!(e.code, ErrorCode::Refused);
+    assert_eq!(e.code, ErrorCode::NoSession);
     assert!(e.message.contains("expired"), "{e}");
     let t = totals(&w);
     assert_eq!((t.sessions, t.leases), (1, 0), "its leases ended");
@@ -728,7 +728,7 @@ fn a_lease_of_another_session_is_refused_and_nothing_is_released() {
 }
 
 #[test]
-fn unknown_sessions_and_sessions_of_other_clients_are_refused() {
+fn unknown_sessions_and_sessions_of_other_clients_answer_no_session() {
     let mut w = World::remote();
     let (a, _) = w.open(W1);
     w.store(W1, a, &["k"]);
@@ -751,7 +751,7 @@ fn unknown_sessions_and_sessions_of_other_clients_are_refused() {
             MetaRequest::Victims { session, max: 5 },
         ] {
             let e = w.req(client, req).unwrap_err();
-            assert_eq!(e.code, ErrorCode::Refused, "{e}");
+            assert_eq!(e.code, ErrorCode::NoSession, "{e}");
             assert!(e.message.contains("open a new session"), "{e}");
         }
     }
@@ -1072,7 +1072,7 @@ fn pin_requests_check_the_session_and_the_batch() {
             },
         )
         .unwrap_err();
-    assert_eq!(e.code, ErrorCode::Refused, "{e}");
+    assert_eq!(e.code, ErrorCode::NoSession, "{e}");
     let e = w
         .req(
             W1,

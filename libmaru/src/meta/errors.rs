@@ -4,7 +4,8 @@
 //! `bad_request` (malformed input: nothing changed), `permission` (another session's
 //! region or lease: nothing changed), `no_space` (the RM has no room now: retry),
 //! `unsupported` (not configured here), `internal` (the RM could not be reached, or
-//! an inconsistency: retry).
+//! an inconsistency: retry), `no_session` (the session named is not open here:
+//! unknown, expired, closed or another client's; nothing was done).
 
 use super::leases::LeaseError;
 use super::sessions::SessionError;
@@ -61,9 +62,21 @@ pub(super) fn check_keys(keys: &[String]) -> Result<(), WireError> {
     keys.iter().try_for_each(|k| check_key(k))
 }
 
+/// A session that is not open here: its client opens a new one.
+pub(super) fn no_session(m: impl Into<String>) -> WireError {
+    WireError::new(ErrorCode::NoSession, m)
+}
+
 impl From<SessionError> for WireError {
     fn from(e: SessionError) -> WireError {
-        refused(e.to_string())
+        match e {
+            // The client's session is gone: a code of its own, so the client knows
+            // without asking again (a heartbeat) that it must open a new one.
+            SessionError::Unknown { .. }
+            | SessionError::Ended { .. }
+            | SessionError::NotYours { .. } => no_session(e.to_string()),
+            SessionError::Full { .. } => refused(e.to_string()),
+        }
     }
 }
 

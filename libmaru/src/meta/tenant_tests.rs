@@ -359,7 +359,7 @@ fn a_region_nobody_waits_for_any_more_goes_back() {
     assert!(w.rm.allocated.is_empty());
     w.run_actions();
     let e = w.answers.remove(&t).unwrap().unwrap_err();
-    assert_eq!(e.code, ErrorCode::Refused, "its session is closed: {e}");
+    assert_eq!(e.code, ErrorCode::NoSession, "its session is closed: {e}");
     assert!(w.rm.allocated.is_empty(), "allocated, then freed");
     assert_eq!(w.core.region_count(), 0);
     // A cancelled request (its connection closed) takes no region either.
@@ -451,7 +451,7 @@ fn reloaded_tenants_end_sessions_whose_access_changed() {
             },
         )
         .unwrap_err();
-    assert_eq!(e.code, ErrorCode::Refused, "{e}");
+    assert_eq!(e.code, ErrorCode::NoSession, "{e}");
     assert_eq!(w.exists(ATTACKER, a, &["k"]), [false]);
     // Its region with keys is kept, as at a drained close.
     assert_eq!(w.core.total_stats().kept_regions, 1);

@@ -92,6 +92,9 @@ pub enum ErrorCode {
     Unsupported,
     /// A bug or an unexpected condition inside the daemon.
     Internal,
+    /// The session the request names is not open here (unknown, expired, closed, or
+    /// another client's): nothing was done; the client opens a new session.
+    NoSession,
 }
 
 impl ErrorCode {
@@ -108,6 +111,7 @@ impl ErrorCode {
             ErrorCode::Storage => "storage",
             ErrorCode::Unsupported => "unsupported",
             ErrorCode::Internal => "internal",
+            ErrorCode::NoSession => "no_session",
         }
     }
 }

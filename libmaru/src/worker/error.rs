@@ -105,7 +105,9 @@ impl WorkerError {
     pub fn from_wire(peer: Peer, e: WireError) -> WorkerError {
         let reason = e.message;
         match e.code {
-            ErrorCode::Refused => WorkerError::Refused { peer, reason },
+            // A session call maps this to `SessionLost` (`Session::call_by`, which
+            // knows the session); elsewhere it is a refusal.
+            ErrorCode::Refused | ErrorCode::NoSession => WorkerError::Refused { peer, reason },
             ErrorCode::Permission => WorkerError::Permission { peer, reason },
             ErrorCode::Auth => WorkerError::Auth { peer, reason },
             ErrorCode::NoSpace | ErrorCode::NoPool => WorkerError::NoSpace(reason),

@@ -20,8 +20,9 @@ pub type RegisterFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, l
 /// `unregister(ctx, ptr, len)`.
 pub type UnregisterFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, len: usize);
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub enum MemoryHook {
+    #[default]
     None,
     Auto,
     Callbacks {
@@ -168,17 +169,23 @@ enum Registered {
     },
 }
 
-/// Registers `ptr..ptr+len` (the staging buffer) with the hook in force.
-pub fn register(ptr: *mut u8, len: usize) -> Result<Registration, WorkerError> {
-    register_as(ptr, len, "the staging buffer").map_err(|e| match e {
+/// Registers `ptr..ptr+len` (the staging buffer) with `hook` (the handler's: the one
+/// in force when it was opened).
+pub fn register(ptr: *mut u8, len: usize, hook: MemoryHook) -> Result<Registration, WorkerError> {
+    register_as(ptr, len, "the staging buffer", hook).map_err(|e| match e {
         WorkerError::Config(m) => WorkerError::Config(format!("{m}; the handler is not opened")),
         e => e,
     })
 }
 
-/// Registers `ptr..ptr+len`, named `what` in logs and errors.
-fn register_as(ptr: *mut u8, len: usize, what: &str) -> Result<Registration, WorkerError> {
-    let how = match memory_hook() {
+/// Registers `ptr..ptr+len` with `hook`, named `what` in logs and errors.
+fn register_as(
+    ptr: *mut u8,
+    len: usize,
+    what: &str,
+    hook: MemoryHook,
+) -> Result<Registration, WorkerError> {
+    let how = match hook {
         MemoryHook::None => Registered::Nothing,
         MemoryHook::Auto => match cudart() {
             Ok(c) => {
@@ -273,9 +280,20 @@ impl Drop for Registration {
 #[derive(Default)]
 pub struct MappingHooks {
     regs: Vec<(u64, Registration)>,
+    /// The hook the mappings are registered with: their handler's (the hook in force
+    /// when it was opened), not whatever is set when a mapping is made.
+    hook: MemoryHook,
 }
 
 impl MappingHooks {
+    /// Registrations made with `hook`.
+    pub fn new(hook: MemoryHook) -> MappingHooks {
+        MappingHooks {
+            regs: Vec::new(),
+            hook,
+        }
+    }
+
     /// Registers the mapping of region `region_id` (each mapping once).
     pub fn add(&mut self, region_id: u64, map: &crate::dax::Mapping) {
         let ptr = map.as_ptr();
@@ -283,7 +301,7 @@ impl MappingHooks {
             return;
         }
         let what = format!("the CXL mapping of region {region_id}");
-        match register_as(ptr, map.len(), &what) {
+        match register_as(ptr, map.len(), &what, self.hook) {
             Ok(r) => self.regs.push((region_id, r)),
             Err(e) => log::warn!("{e}; {what} stays unregistered"),
         }
@@ -326,7 +344,7 @@ mod tests {
             unregister: Some(unreg),
             ctx: 42,
         });
-        let mut r = register(buf.as_mut_ptr(), 4096).unwrap();
+        let mut r = register(buf.as_mut_ptr(), 4096, memory_hook()).unwrap();
         assert_eq!(REGS.load(Ordering::SeqCst), 4096);
         r.release();
         drop(r);
@@ -340,9 +358,11 @@ mod tests {
             unregister: None,
             ctx: 0,
         });
-        let e = register(buf.as_mut_ptr(), 4096).err().unwrap();
+        let e = register(buf.as_mut_ptr(), 4096, memory_hook())
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("returned -7"), "{e}");
         set_memory_hook(MemoryHook::None);
-        assert!(register(buf.as_mut_ptr(), 4096).is_ok());
+        assert!(register(buf.as_mut_ptr(), 4096, memory_hook()).is_ok());
     }
 }

@@ -30,6 +30,7 @@ pub mod skips;
 pub(crate) mod slots;
 pub(crate) mod staging;
 pub(crate) mod views;
+pub(crate) mod warn_limit;
 
 pub use pool::session;
 

@@ -71,11 +71,37 @@ type Job = Box<dyn FnOnce() -> OpResult + Send>;
 /// The queue and the threads, once started.
 type Running = (Sender<(Job, OpHandle)>, Vec<JoinHandle<()>>);
 
+/// Jobs submitted and not finished yet (queued or running), and a condition that
+/// says when that count reaches zero.
+#[derive(Default)]
+struct Pending {
+    count: Mutex<usize>,
+    idle: Condvar,
+}
+
+impl Pending {
+    fn add(&self) {
+        if let Ok(mut c) = self.count.lock() {
+            *c += 1;
+        }
+    }
+
+    fn done(&self) {
+        if let Ok(mut c) = self.count.lock() {
+            *c = c.saturating_sub(1);
+            if *c == 0 {
+                self.idle.notify_all();
+            }
+        }
+    }
+}
+
 /// A fixed number of threads running submitted jobs in order of submission.
 pub struct Executor {
     threads: usize,
     /// `Err(())` once shut down: no thread is started again after that.
     inner: Mutex<Result<Option<Running>, ()>>,
+    pending: Arc<Pending>,
 }
 
 impl Executor {
@@ -83,6 +109,27 @@ impl Executor {
         Executor {
             threads: threads.max(1),
             inner: Mutex::new(Ok(None)),
+            pending: Arc::default(),
+        }
+    }
+
+    /// Waits up to `timeout` until every job submitted so far has finished (queued
+    /// ones run meanwhile); the number still queued or running then (0: all done).
+    #[allow(clippy::disallowed_methods)] // a driver: waits on a deadline
+    pub fn settle(&self, timeout: Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        let Ok(mut c) = self.pending.count.lock() else {
+            return 0;
+        };
+        loop {
+            let now = Instant::now();
+            if *c == 0 || now >= deadline {
+                return *c;
+            }
+            match self.pending.idle.wait_timeout(c, deadline - now) {
+                Ok((g, _)) => c = g,
+                Err(_) => return 0,
+            }
         }
     }
 
@@ -96,11 +143,13 @@ impl Executor {
             let mut hs = Vec::with_capacity(self.threads);
             for i in 0..self.threads {
                 let rx = rx.clone();
+                let pending = self.pending.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("maru-op-{i}"))
                     .spawn(move || {
                         while let Ok((job, op)) = rx.recv() {
                             op.finish(job());
+                            pending.done();
                         }
                     })
                     .map_err(|e| {
@@ -115,8 +164,11 @@ impl Executor {
         }
         let op = OpHandle::new();
         let (tx, _) = g.as_ref().ok_or(WorkerError::Closed)?;
-        tx.send((job, op.clone()))
-            .map_err(|_| WorkerError::Closed)?;
+        self.pending.add();
+        if tx.send((job, op.clone())).is_err() {
+            self.pending.done();
+            return Err(WorkerError::Closed);
+        }
         Ok(op)
     }
 
@@ -172,10 +224,42 @@ mod tests {
         let queued = ex
             .submit(Box::new(|| Ok(OpOutput::Loaded(vec![Some(3), None]))))
             .unwrap();
+        assert_eq!(ex.settle(Duration::from_secs(10)), 0, "every job finished");
         ex.shutdown();
         assert_eq!(
             queued.poll(),
             Some(Ok(OpOutput::Loaded(vec![Some(3), None])))
         );
+    }
+
+    #[test]
+    #[allow(clippy::disallowed_methods)] // a test: its own thread and clock
+    fn settle_waits_for_queued_and_running_jobs_and_no_longer_than_its_bound() {
+        let ex = Executor::new(1);
+        let (gate_tx, gate_rx) = crossbeam::channel::bounded::<()>(0);
+        let held = ex
+            .submit(Box::new(move || {
+                let _ = gate_rx.recv_timeout(Duration::from_secs(10));
+                Ok(OpOutput::Stored(vec![true]))
+            }))
+            .unwrap();
+        let queued = ex
+            .submit(Box::new(|| Ok(OpOutput::Stored(vec![false]))))
+            .unwrap();
+        let t0 = Instant::now();
+        assert_eq!(
+            ex.settle(Duration::from_millis(100)),
+            2,
+            "both still pending"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            gate_tx.send(()).unwrap();
+        });
+        assert_eq!(ex.settle(Duration::from_secs(10)), 0);
+        assert!(held.poll().is_some() && queued.poll().is_some(), "both ran");
+        release.join().unwrap();
+        ex.shutdown();
     }
 }

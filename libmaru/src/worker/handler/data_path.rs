@@ -103,7 +103,7 @@ impl Inner {
         })?;
         let (ptr, len) = staging.buffer();
         // Before the first transfer uses the buffer (and before the NIC registers it).
-        let hook = crate::worker::hook::register(ptr, len)?;
+        let hook = crate::worker::hook::register(ptr, len, self.hook)?;
         let mut agent_opts =
             ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
         let nic = match self.cfg.backend {
@@ -150,9 +150,16 @@ impl Inner {
             self.timeout(),
         )?;
         session.set_reply_spin(Duration::from_micros(self.cfg.reply_spin_us));
-        let dp = self.data_path(session.page_size)?;
+        // From here on a failure closes the session again: a failed open leaves none.
+        let dp = match self.data_path(session.page_size) {
+            Ok(dp) => dp,
+            Err(e) => {
+                session.close_failed_open(&e);
+                return Err(e);
+            }
+        };
         let mover = match &dp.nic {
-            None => Mover::cxl(self.cfg.prefault),
+            None => Mover::cxl_with_hook(self.cfg.prefault, self.hook),
             Some(nic) => Mover::Remote(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),
@@ -165,7 +172,17 @@ impl Inner {
             .with_timeout(self.timeout())
             .with_spare_pages(crate::worker::pool::SPARE_PAGES)
             .with_max_bytes(self.cfg.max_bytes);
-        pool.greet_agents()?;
+        if let Err(e) = pool.greet_agents() {
+            pool.session.close_failed_open(&e);
+            return Err(e);
+        }
+        log::info!(
+            "pool {url}: session {} opened (engine {}, backend {:?}, pages of {} bytes)",
+            pool.session.id,
+            self.cfg.engine_id,
+            self.cfg.backend,
+            pool.session.page_size
+        );
         Ok(pool)
     }
 }

@@ -245,14 +245,21 @@ impl Handler {
 
     /// A view of a region this host maps (see [`Handler::regions`]); its mapping is
     /// held until the handler closes, so the memory stays mapped while it is open.
-    /// `None` when this host does not map the region.
+    /// An own region also read in place has two mappings: the writable one is
+    /// returned. `None` when this host does not map the region.
     pub fn region_view(&self, region_id: u64) -> Result<Option<RegionInfo>, WorkerError> {
         for i in 0..self.inner.pools.len() {
             let Some(pool) = self.inner.pool_at(i)? else {
                 continue;
             };
             let page_size = pool.page_size();
-            if let Some((_, m)) = pool.mappings().into_iter().find(|(r, _)| *r == region_id) {
+            // The writable mapping of an own region before its read-only one.
+            let found = pool
+                .mappings()
+                .into_iter()
+                .filter(|(r, _)| *r == region_id)
+                .max_by_key(|(_, m)| m.is_writable());
+            if let Some((_, m)) = found {
                 let info = RegionInfo {
                     region_id,
                     ptr: m.as_ptr(),

@@ -24,6 +24,7 @@ use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 use super::views::{ViewInfo, ViewTable};
 use crate::net::ClientOptions;
 use crate::transport::Transport;
+use crate::worker::clock::Deadline;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -83,6 +84,9 @@ struct Inner {
     /// Stores skipped because their pool was unavailable (the pools count the other
     /// reasons: see `skips`).
     skips: Mutex<crate::worker::skips::SkipLog>,
+    /// The memory hook in force when the handler opened: its staging buffer and every
+    /// CXL mapping it makes are registered with it.
+    hook: crate::worker::MemoryHook,
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
@@ -137,8 +141,9 @@ impl Handler {
             wake: (Mutex::new(()), Condvar::new()),
             ops: OpStats::default(),
             skips: Mutex::default(),
+            hook: crate::worker::hook::memory_hook(),
         });
-        let mut last_err = None;
+        let mut failed = Vec::new();
         let mut opened = 0;
         for i in 0..inner.pools.len() {
             match inner.open_pool(i) {
@@ -148,21 +153,29 @@ impl Handler {
                     }
                     opened += 1;
                 }
-                // A wrong configuration or key: the caller must fix it.
-                Err(e) if e.is_fatal() => return Err(e),
-                Err(e) => {
-                    log::warn!(
-                        "pool {} is unavailable at open: {e}; retrying in the background",
-                        inner.urls[i]
-                    );
-                    inner.set_up(i, false);
-                    last_err = Some(e);
+                // A wrong configuration or key: the caller must fix it. The pools
+                // opened already close again (a failed open leaves no session).
+                Err(e) if e.is_fatal() => {
+                    Handler::abandon(inner);
+                    return Err(e);
                 }
+                Err(e) => failed.push((i, e)),
             }
         }
         if opened == 0 {
-            return Err(last_err
+            // Nothing retries: the open fails with the last pool's error.
+            Handler::abandon(inner);
+            return Err(failed
+                .pop()
+                .map(|(_, e)| e)
                 .unwrap_or_else(|| WorkerError::Config("server_url names no maru-server".into())));
+        }
+        for (i, e) in failed {
+            log::warn!(
+                "pool {} is unavailable at open: {e}; retrying in the background (its prefixes miss until then)",
+                inner.urls[i]
+            );
+            inner.set_up(i, false);
         }
         let mut background = Vec::new();
         for (name, tick) in [("maru-handler", false), ("maru-tick", true)] {
@@ -173,11 +186,11 @@ impl Handler {
             match spawned {
                 Ok(h) => background.push(h),
                 Err(e) => {
-                    inner.stop.store(true, Ordering::SeqCst);
-                    inner.wake.1.notify_all();
-                    for h in background {
-                        let _ = h.join();
-                    }
+                    // Closing joins the threads started already and the sessions.
+                    drop(Handler {
+                        inner,
+                        background: Mutex::new(background),
+                    });
                     return Err(WorkerError::unavailable(
                         Peer::Host,
                         format!("cannot start the handler's {name} thread: {e}"),
@@ -185,10 +198,28 @@ impl Handler {
                 }
             }
         }
+        log::info!(
+            "handler of engine {}: opened ({:?}, {opened} of {} pool(s) available)",
+            inner.cfg.engine_id,
+            inner.cfg.backend,
+            inner.urls.len()
+        );
         Ok(Handler {
             inner,
             background: Mutex::new(background),
         })
+    }
+
+    /// Ends what a failed open made: the sessions of the pools opened already, the
+    /// staging buffer's memory-hook registration.
+    fn abandon(inner: Arc<Inner>) {
+        let h = Handler {
+            inner,
+            background: Mutex::new(Vec::new()),
+        };
+        if let Err(e) = h.close() {
+            log::warn!("closing what a failed open made: {e}");
+        }
     }
 
     /// Stores one chunk under `key`. Returns false when it was skipped (no staging slot,
@@ -234,6 +265,10 @@ impl Handler {
         let r = f();
         let took = super::clock::now_us().saturating_sub(t0);
         self.inner.ops.record(op, r.is_ok(), items, took);
+        match &r {
+            Ok(_) => log::debug!("{op} of {items} chunk(s): done in {took} us"),
+            Err(e) => log::debug!("{op} of {items} chunk(s): failed in {took} us: {e}"),
+        }
         r
     }
 
@@ -469,8 +504,9 @@ impl Handler {
         };
         let rk = route_key.unwrap_or(first);
         let got = self.timed("views", keys.len(), || {
-            self.inner
-                .with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))
+            self.inner.with_pool(rk, vec![None; keys.len()], |p| {
+                p.acquire_views(keys, Deadline::after(self.inner.timeout()))
+            })
         })?;
         let mut t = self.inner.views.lock().map_err(|_| WorkerError::Closed)?;
         Ok(got
@@ -564,7 +600,21 @@ impl Handler {
     }
 
     /// Closes every session (drained: regions with keys go to maru-server's keeper).
+    /// Operations submitted before are settled first: queued ones run, and the wait
+    /// for them all ends after `timeout_ms` (one still running then ends with
+    /// `Closed`), so a submitted store's chunks are stored before the session ends.
     pub fn close(&self) -> Result<(), WorkerError> {
+        if self.inner.stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let left = self.inner.executor.settle(self.inner.timeout());
+        if left > 0 {
+            log::warn!(
+                "handler {}: {left} submitted operation(s) still queued or running after {} ms (timeout_ms) at close: they end with MARU_ERR_CLOSED",
+                self.inner.cfg.engine_id,
+                self.inner.cfg.timeout_ms
+            );
+        }
         {
             let _g = self.inner.wake.0.lock();
             if self.inner.stop.swap(true, Ordering::SeqCst) {
@@ -609,6 +659,16 @@ impl Handler {
                     reg.release();
                 }
             }
+        }
+        match &first_err {
+            None => log::info!(
+                "handler of engine {}: closed (its sessions ended; the keys it stored stay readable)",
+                self.inner.cfg.engine_id
+            ),
+            Some(e) => log::warn!(
+                "handler of engine {}: closed; a session did not close cleanly ({e}): maru-server ends it when its heartbeats stop",
+                self.inner.cfg.engine_id
+            ),
         }
         first_err.map_or(Ok(()), Err)
     }

@@ -3,10 +3,12 @@
 //! reconnect, and the session it lost is settled once the pool has a new one.
 
 use super::Inner;
+use crate::worker::clock::Deadline;
 use crate::worker::config::BackendKind;
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
+use crate::worker::warn_limit;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -46,7 +48,16 @@ impl Inner {
             let slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
             match slot.as_ref() {
                 Some(p) => p.clone(),
-                None => return Ok(miss),
+                None => {
+                    if let Some(n) = warn_limit::allow(&self.urls[i], "unavailable") {
+                        log::warn!(
+                            "pool {} is unavailable: the loads routed to it miss and the stores are skipped until a session opens again{}",
+                            self.urls[i],
+                            warn_limit::held_back(n)
+                        );
+                    }
+                    return Ok(miss);
+                }
             }
         };
         match f(&pool) {
@@ -100,18 +111,8 @@ impl Inner {
         e: WorkerError,
         miss: T,
     ) -> Result<T, WorkerError> {
-        let e = match e {
-            // A refusal of maru-server may mean the session is gone: its heartbeat says.
-            e @ (WorkerError::Refused { .. } | WorkerError::Permission { .. })
-                if e.from_server() =>
-            {
-                match pool.heartbeat() {
-                    Err(lost @ WorkerError::SessionLost { .. }) => lost,
-                    _ => e,
-                }
-            }
-            e => e,
-        };
+        // A session maru-server no longer has comes back as `SessionLost` (its
+        // `no_session` code): no heartbeat is needed to tell.
         match e {
             WorkerError::SessionLost { .. } => {
                 log::warn!(
@@ -126,7 +127,13 @@ impl Inner {
                 peer: Peer::Server(_),
                 ..
             } => {
-                log::warn!("pool {}: {e}; the request misses", self.urls[i]);
+                if let Some(n) = warn_limit::allow(&self.urls[i], "server_unreachable") {
+                    log::warn!(
+                        "pool {}: {e}; its requests miss (stores skipped) while maru-server does not answer{}",
+                        self.urls[i],
+                        warn_limit::held_back(n)
+                    );
+                }
                 self.wake.1.notify_all();
                 Ok(miss)
             }
@@ -242,7 +249,9 @@ impl Inner {
         rk: &str,
         sink: &mut crate::worker::movers::ReadSink<'_>,
     ) -> Result<(), WorkerError> {
-        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys))?;
+        // One deadline for the request's calls: the leases, and their release.
+        let by = Deadline::after(self.timeout());
+        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys, by))?;
         let mut leases = Vec::with_capacity(got.len());
         for (i, g) in got.iter().enumerate() {
             if let Some((lease, view)) = g {
@@ -252,7 +261,7 @@ impl Inner {
         }
         if !leases.is_empty() {
             self.with_pool(rk, (), |p| {
-                p.release_leases(leases);
+                p.release_leases_by(leases, by);
                 Ok(())
             })?;
         }

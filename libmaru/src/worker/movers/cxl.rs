@@ -45,12 +45,22 @@ impl CxlMover {
         CxlMover::with_prefaulter(on.then(Prefaulter::new))
     }
 
-    /// A mover with the given prefaulter (tests: one whose kernel refuses).
+    /// A mover with the given prefaulter (tests: one whose kernel refuses), whose
+    /// mappings are registered with the memory hook in force now.
     pub fn with_prefaulter(prefault: Option<Prefaulter>) -> CxlMover {
         CxlMover {
-            maps: Mutex::new(Maps::default()),
+            maps: Mutex::new(Maps {
+                hooks: MappingHooks::new(crate::worker::hook::memory_hook()),
+                ..Maps::default()
+            }),
             prefault: Mutex::new(prefault),
         }
+    }
+
+    /// The mover with its mappings registered with `hook` (its handler's).
+    pub fn with_hook(self, hook: crate::worker::hook::MemoryHook) -> CxlMover {
+        self.maps().hooks = MappingHooks::new(hook);
+        self
     }
 
     fn maps(&self) -> MutexGuard<'_, Maps> {

@@ -80,6 +80,11 @@ impl Mover {
         Mover::Cxl(CxlMover::with_prefault(prefault))
     }
 
+    /// As [`Mover::cxl`], its mappings registered with `hook` (the handler's).
+    pub(crate) fn cxl_with_hook(prefault: bool, hook: crate::worker::hook::MemoryHook) -> Mover {
+        Mover::Cxl(CxlMover::with_prefault(prefault).with_hook(hook))
+    }
+
     /// Makes a region the session took usable: maps it (`cxl`: locally; `remote_cxl`:
     /// at its agent, and connects its peer), every wait by `by`.
     pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {

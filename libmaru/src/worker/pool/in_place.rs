@@ -93,7 +93,8 @@ impl StoragePool {
     }
 
     /// Takes `n` pages of the session's own regions for writing in place (fewer when
-    /// the session cannot grow and nothing can be evicted). `cxl` only.
+    /// the session cannot grow and nothing can be evicted), at most maru-server's
+    /// batch limit (`max_batch` of its handshake) in one call. `cxl` only.
     pub fn take_in_place(
         &self,
         n: usize,
@@ -104,6 +105,8 @@ impl StoragePool {
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
+        // One alloc takes at most a batch: more is "fewer than asked", not an error.
+        let n = n.min(self.max_batch);
         // At most half the session's share is held taken in place (`in_place_room`):
         // its share comes with `alloc` replies, asked first if not heard yet.
         if self.session.share_regions().is_none() {
@@ -229,7 +232,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries);
+        let (answer, back) = self.send_publish(plan.ticket, entries, self.deadline());
         // Not answered: the keys may be published, so their pages stay out of use.
         answer?;
         for &k in &plan.publish {

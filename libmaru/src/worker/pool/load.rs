@@ -105,7 +105,7 @@ impl StoragePool {
         by: Deadline,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
-        let leases = self.session.acquire(keys)?;
+        let leases = self.session.acquire_by(keys, by)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
         read(&found, &grants, self, by);
@@ -115,7 +115,7 @@ impl StoragePool {
                 c.stats.last_load_error = Some(e);
             }
         }
-        self.release_leases(grants.iter().map(|g| g.lease_id).collect());
+        self.release_leases_by(grants.iter().map(|g| g.lease_id).collect(), by);
         // A reboot found by this read: every reader misses those keys from now on.
         self.report_boots()?;
         self.core.lock().stats.misses += (keys.len() - found.len()) as u64;
@@ -128,10 +128,11 @@ impl StoragePool {
     pub fn acquire_views(
         &self,
         keys: &[String],
+        by: Deadline,
     ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
         let mut out = Vec::with_capacity(keys.len());
         for part in keys.chunks(self.max_batch) {
-            let leases = self.session.acquire(part)?;
+            let leases = self.session.acquire_by(part, by)?;
             let mut unused = Vec::new();
             let (mut misses, mut hits, mut bytes, mut failed) = (0, 0, 0, 0);
             for l in leases {
@@ -161,18 +162,31 @@ impl StoragePool {
                 c.stats.bytes_loaded += bytes;
                 c.stats.load_failed += failed;
             }
-            self.release_leases(unused);
+            self.release_leases_by(unused, by);
         }
         Ok(out)
     }
 
-    /// Ends leases (they also end by themselves when they time out).
+    /// Ends leases (they also end by themselves when they time out), within the
+    /// pool's timeout from now.
     pub fn release_leases(&self, ids: Vec<u64>) {
-        if let Err(e) = self.session.release_leases(ids) {
-            log::warn!(
-                "pool {}: releasing leases failed (they expire on their own): {e}",
-                self.session.url
-            );
+        self.release_leases_by(ids, self.deadline());
+    }
+
+    /// Ends leases of a request, by its deadline `by`: one not released in time ends
+    /// by itself when its lease times out.
+    pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) {
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(e) = self.session.release_leases_by(ids, by) {
+            if let Some(n) = crate::worker::warn_limit::allow(&self.session.url, "lease_release") {
+                log::warn!(
+                    "pool {}: releasing leases failed (they expire on their own): {e}{}",
+                    self.session.url,
+                    crate::worker::warn_limit::held_back(n)
+                );
+            }
         }
     }
 }

@@ -197,12 +197,51 @@ impl StoragePool {
             timeout: DEFAULT_TIMEOUT,
             hooks: TestHooks::default(),
         };
-        if let Some(r) = pool.session.first_region.clone() {
-            pool.mover.adopt(&r, pool.deadline())?;
-            pool.core.lock().adopted(&r);
+        if let Err(e) = pool.start() {
+            pool.session.close_failed_open(&e);
+            return Err(e);
         }
-        pool.report_boots()?;
         Ok(pool)
+    }
+
+    /// Has the mover make a region the session took usable, with an INFO line when
+    /// it did (the header promises one per region mapped and given back).
+    pub(super) fn adopt_region(
+        &self,
+        grant: &RegionGrant,
+        by: Deadline,
+    ) -> Result<(), WorkerError> {
+        self.mover.adopt(grant, by)?;
+        let h = &grant.handle;
+        match &grant.agent {
+            None => log::info!(
+                "pool {}: region {} mapped writable ({} bytes at offset {} of {}, {} pages)",
+                self.session.url,
+                h.region_id,
+                h.length,
+                h.offset,
+                grant.pool.path,
+                grant.pages
+            ),
+            Some(agent) => log::info!(
+                "pool {}: region {} mapped at agent {agent} ({} bytes, {} pages)",
+                self.session.url,
+                h.region_id,
+                h.length,
+                grant.pages
+            ),
+        }
+        Ok(())
+    }
+
+    /// Maps the session's first region, if it came with one, and tells maru-server
+    /// its memory node's boot id.
+    fn start(&self) -> Result<(), WorkerError> {
+        if let Some(r) = self.session.first_region.clone() {
+            self.adopt_region(&r, self.deadline())?;
+            self.core.lock().adopted(&r);
+        }
+        self.report_boots()
     }
 
     /// Bounds each request's waits on agents by `timeout` from its start (10 s by
@@ -291,9 +330,9 @@ impl StoragePool {
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
         if pin {
-            self.per_batch(keys, Session::pin)
+            self.per_batch(keys, |s, k, by| s.pin_by(k, by))
         } else {
-            self.per_batch(keys, Session::unpin)
+            self.per_batch(keys, |s, k, by| s.unpin_by(k, by))
         }
     }
 
@@ -302,22 +341,24 @@ impl StoragePool {
         &self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
-        self.per_batch(keys, Session::remove)
+        self.per_batch(keys, |s, k, by| s.remove_by(k, by))
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.per_batch(keys, Session::exists)
+        self.per_batch(keys, |s, k, by| s.exists_by(k, by))
     }
 
-    /// One session call per `max_batch` keys, the answers in order.
+    /// One session call per `max_batch` keys, the answers in order, all by one
+    /// request deadline.
     fn per_batch<T>(
         &self,
         keys: &[String],
-        call: impl Fn(&Session, &[String]) -> Result<Vec<T>, WorkerError>,
+        call: impl Fn(&Session, &[String], Deadline) -> Result<Vec<T>, WorkerError>,
     ) -> Result<Vec<T>, WorkerError> {
+        let by = self.deadline();
         let mut out = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.max_batch) {
-            out.extend(call(&self.session, chunk)?);
+            out.extend(call(&self.session, chunk, by)?);
         }
         Ok(out)
     }

@@ -9,7 +9,8 @@ use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
     PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
-use crate::worker::clock::now_ms;
+use crate::wire::ErrorCode;
+use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -135,7 +136,8 @@ impl Session {
 
     /// A link of its own for one call: an idle one, a new one (up to `MAX_LINKS`),
     /// or else the next one given back.
-    fn take_link(&self) -> Result<Link, WorkerError> {
+    /// Waits at most until `by` for a link given back.
+    fn take_link(&self, by: Deadline) -> Result<Link, WorkerError> {
         let closed = || WorkerError::Closed;
         let mut l = self.links.lock().map_err(|_| closed())?;
         loop {
@@ -146,7 +148,17 @@ impl Session {
                 l.open += 1;
                 return Ok(Link::new(self.url.clone(), l.opts.clone()));
             }
-            l = self.freed.wait(l).map_err(|_| closed())?;
+            let left = by.left();
+            if left.is_zero() {
+                return Err(WorkerError::unavailable(
+                    Peer::Server(self.url.clone()),
+                    format!(
+                        "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
+                        self.url
+                    ),
+                ));
+            }
+            l = self.freed.wait_timeout(l, left).map_err(|_| closed())?.0;
         }
     }
 
@@ -157,14 +169,45 @@ impl Session {
         self.freed.notify_one();
     }
 
+    /// The session's own call timeout from now (calls made outside a request).
+    fn own_deadline(&self) -> Deadline {
+        let limit = self
+            .links
+            .lock()
+            .map(|l| l.opts.call_timeout)
+            .unwrap_or(Duration::from_secs(10));
+        Deadline::after(limit)
+    }
+
+    /// A call outside any request (heartbeat, close, giving pages, leases or regions
+    /// back): bounded by the session's own call timeout.
     fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        let mut link = self.take_link()?;
-        let r = link.call::<_, MetaReply>(req);
+        self.call_by(req, self.own_deadline())
+    }
+
+    /// A call made for a request: waiting for a free link, connecting, the request
+    /// and its reply all end by the request's deadline `by` (`timeout_ms` from its
+    /// start), so a stalled maru-server costs a request about its timeout, however
+    /// many calls it makes.
+    fn call_by(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
+        let mut link = self.take_link(by)?;
+        let left = by.left();
+        if left.is_zero() {
+            self.give_link(link);
+            return Err(WorkerError::unavailable(
+                Peer::Server(self.url.clone()),
+                format!(
+                    "maru-server at {}: the request's deadline passed before this call",
+                    self.url
+                ),
+            ));
+        }
+        let r = link.call_within::<_, MetaReply>(req, left);
         self.give_link(link);
         if !matches!(r, Err(LinkError::Unreachable(_))) {
             self.answered_ms.store(now_ms(), Ordering::Relaxed);
         }
-        r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
+        r.map_err(|e| self.error_of(e))
     }
 
     /// maru-server asked for these regions back on a reply (any call of a storing
@@ -193,24 +236,34 @@ impl Session {
         std::mem::take(&mut *a)
     }
 
-    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
-        match self.call(&MetaRequest::Expand { session: self.id })? {
+    /// The error of a call: maru-server's `no_session` (the session is not open
+    /// there any more) is [`WorkerError::SessionLost`].
+    fn error_of(&self, e: LinkError) -> WorkerError {
+        session_error(&self.url, self.id, e)
+    }
+
+    pub(crate) fn expand_by(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
+        match self.call_by(&MetaRequest::Expand { session: self.id }, by)? {
             MetaReply::Region(g) => Ok(g),
             r => Err(unexpected("expand", r)),
         }
     }
 
     /// Pages for `count` chunks; `missing` of them did not fit (expand first).
-    pub fn alloc(
+    pub(crate) fn alloc_by(
         &self,
         count: u32,
         route_key: Option<&str>,
+        by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        match self.call(&MetaRequest::Alloc {
-            session: self.id,
-            count,
-            route_key: route_key.map(str::to_string),
-        })? {
+        match self.call_by(
+            &MetaRequest::Alloc {
+                session: self.id,
+                count,
+                route_key: route_key.map(str::to_string),
+            },
+            by,
+        )? {
             MetaReply::Pages(p) => {
                 self.note_asked(p.give_back);
                 if let Some(s) = p.share_regions {
@@ -240,11 +293,18 @@ impl Session {
         .map(|_| ())
     }
 
-    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Publish {
-            session: self.id,
-            entries,
-        })? {
+    pub(crate) fn publish_by(
+        &self,
+        entries: Vec<PublishEntry>,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Publish {
+                session: self.id,
+                entries,
+            },
+            by,
+        )? {
             MetaReply::Published { is_new, give_back } => {
                 self.note_asked(give_back);
                 Ok(is_new)
@@ -253,78 +313,111 @@ impl Session {
         }
     }
 
-    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Exists {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn exists_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Exists {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Exists { found } => Ok(found),
             r => Err(unexpected("exists", r)),
         }
     }
 
-    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        match self.call(&MetaRequest::Acquire {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn acquire_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Acquire {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Leases { leases } => Ok(leases),
             r => Err(unexpected("acquire", r)),
         }
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
-    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
-        match self.call(&MetaRequest::Remove {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn remove_by(
+        &self,
+        keys: &[String],
+        by: Deadline,
+    ) -> Result<Vec<RemoveResult>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Remove {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Removed { results } => Ok(results),
             r => Err(unexpected("remove", r)),
         }
     }
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
-    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
-        match self.call(&MetaRequest::Victims {
-            session: self.id,
-            max,
-        })? {
+    pub(crate) fn victims_by(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Victims {
+                session: self.id,
+                max,
+            },
+            by,
+        )? {
             MetaReply::Victims { victims } => Ok(victims),
             r => Err(unexpected("victims", r)),
         }
     }
 
     /// Pins found keys (per key: found and pinned).
-    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Pin {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn pin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Pin {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Pinned { pinned } => Ok(pinned),
             r => Err(unexpected("pin", r)),
         }
     }
 
     /// Drops one of this session's pins of each key (per key: one was dropped).
-    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        match self.call(&MetaRequest::Unpin {
-            session: self.id,
-            keys: keys.to_vec(),
-        })? {
+    pub(crate) fn unpin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call_by(
+            &MetaRequest::Unpin {
+                session: self.id,
+                keys: keys.to_vec(),
+            },
+            by,
+        )? {
             MetaReply::Unpinned { unpinned } => Ok(unpinned),
             r => Err(unexpected("unpin", r)),
         }
     }
 
-    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
+    pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
         }
-        self.call(&MetaRequest::ReleaseLeases {
-            session: self.id,
-            lease_ids: ids,
-        })
+        self.call_by(
+            &MetaRequest::ReleaseLeases {
+                session: self.id,
+                lease_ids: ids,
+            },
+            by,
+        )
         .map(|_| ())
     }
 
@@ -342,13 +435,66 @@ impl Session {
         }
     }
 
+    /// As `expand_by`, within the session's call timeout from now.
+    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
+        self.expand_by(self.own_deadline())
+    }
+
+    /// As `alloc_by`, within the session's call timeout from now.
+    pub fn alloc(
+        &self,
+        count: u32,
+        route_key: Option<&str>,
+    ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        self.alloc_by(count, route_key, self.own_deadline())
+    }
+
+    /// As `publish_by`, within the session's call timeout from now.
+    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
+        self.publish_by(entries, self.own_deadline())
+    }
+
+    /// As `exists_by`, within the session's call timeout from now.
+    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.exists_by(keys, self.own_deadline())
+    }
+
+    /// As `acquire_by`, within the session's call timeout from now.
+    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
+        self.acquire_by(keys, self.own_deadline())
+    }
+
+    /// As `remove_by`, within the session's call timeout from now.
+    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
+        self.remove_by(keys, self.own_deadline())
+    }
+
+    /// As `victims_by`, within the session's call timeout from now.
+    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
+        self.victims_by(max, self.own_deadline())
+    }
+
+    /// As `pin_by`, within the session's call timeout from now.
+    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.pin_by(keys, self.own_deadline())
+    }
+
+    /// As `unpin_by`, within the session's call timeout from now.
+    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        self.unpin_by(keys, self.own_deadline())
+    }
+
+    /// As `release_leases_by`, within the session's call timeout from now.
+    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
+        self.release_leases_by(ids, self.own_deadline())
+    }
+
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
     ///
-    /// A heartbeat names nothing but the session, so maru-server refusing it means the
-    /// session is gone (expired, unknown after a restart, not this client's): that is
-    /// [`WorkerError::SessionLost`], as is maru-server out of reach for longer than
-    /// the session timeout (it expired the session meanwhile).
+    /// maru-server answering `no_session` (expired, unknown after a restart, not this
+    /// client's) is [`WorkerError::SessionLost`], as is maru-server out of reach for
+    /// longer than the session timeout (it expired the session meanwhile).
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
@@ -362,9 +508,6 @@ impl Session {
         match r {
             Ok(MetaReply::Heartbeat(h)) => Ok(h),
             Ok(r) => Err(unexpected("heartbeat", r)),
-            Err(WorkerError::Refused { reason, .. } | WorkerError::Permission { reason, .. }) => {
-                Err(self.lost(reason))
-            }
             Err(e @ WorkerError::Unavailable { .. }) => {
                 let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
                 if silent >= self.session_timeout_ms {
@@ -393,5 +536,74 @@ impl Session {
             drained: true,
         })
         .map(|_| ())
+    }
+
+    /// Closes the session of an open that failed after it was opened (`why`: a bad
+    /// agent key, an agent that refused, a staging buffer that could not be made...),
+    /// so that a failed open leaves no session at maru-server (none in `maru-usage`,
+    /// none counted against `--max-sessions`). A close that fails is logged: the
+    /// session then ends when its heartbeats stop (`session_timeout_ms`).
+    pub fn close_failed_open(&self, why: &WorkerError) {
+        match self.close() {
+            Ok(()) => log::debug!(
+                "pool {}: session {} closed: the open failed ({why})",
+                self.url,
+                self.id
+            ),
+            Err(e) => log::warn!(
+                "pool {}: session {} of a failed open ({why}) could not be closed: {e}; maru-server ends it after {} ms without heartbeats",
+                self.url,
+                self.id,
+                self.session_timeout_ms
+            ),
+        }
+    }
+}
+
+/// The error of a call of session `session` at maru-server `url`: its `no_session`
+/// code (the session is not open there any more) is [`WorkerError::SessionLost`];
+/// anything else as any call's.
+fn session_error(url: &str, session: u64, e: LinkError) -> WorkerError {
+    match e {
+        LinkError::Remote(w) if w.code == ErrorCode::NoSession => WorkerError::SessionLost {
+            url: url.to_string(),
+            session,
+            reason: w.message,
+        },
+        e => WorkerError::from_link(Peer::Server(url.to_string()), e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::WireError;
+
+    #[test]
+    fn no_session_is_a_lost_session_and_a_refusal_is_not() {
+        let gone = WireError::new(
+            ErrorCode::NoSession,
+            "session 7 expired: open a new session",
+        );
+        match session_error("h:1", 7, LinkError::Remote(gone)) {
+            WorkerError::SessionLost {
+                url,
+                session,
+                reason,
+            } => {
+                assert_eq!((url.as_str(), session), ("h:1", 7));
+                assert!(reason.contains("expired"), "{reason}");
+            }
+            e => panic!("no_session must be SessionLost, not {e:?}"),
+        }
+        let refused = WireError::new(ErrorCode::Refused, "the region can never be allocated");
+        assert!(matches!(
+            session_error("h:1", 7, LinkError::Remote(refused)),
+            WorkerError::Refused { .. }
+        ));
+        assert!(matches!(
+            session_error("h:1", 7, LinkError::Unreachable("down".into())),
+            WorkerError::Unavailable { .. }
+        ));
     }
 }

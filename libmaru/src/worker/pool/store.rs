@@ -16,6 +16,7 @@ use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
 use crate::worker::staging::Slot;
+use crate::worker::warn_limit;
 
 /// Times a publish asks for the regions' boot ids to be reported before it gives up
 /// (other stores keep adopting regions meanwhile).
@@ -101,16 +102,19 @@ impl StoragePool {
                         now_ms(),
                         &what,
                     );
-                    log::warn!(
-                        "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server",
-                        self.session.url
-                    );
+                    if let Some(n) = warn_limit::allow(&self.session.url, "unusable_region") {
+                        log::warn!(
+                            "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server{}",
+                            self.session.url,
+                            warn_limit::held_back(n)
+                        );
+                    }
                     break;
                 }
                 Err(NoRegion::Failed(e)) => return Err(e),
                 Err(NoRegion::Full(why)) => {
                     let ahead = (EVICT_AHEAD_BYTES / self.page_size().max(1)) as usize;
-                    let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES))?;
+                    let freed = self.evict(missing as usize + ahead.max(EVICT_AHEAD_PAGES), by)?;
                     if freed == 0 {
                         self.core.lock().evicted_nothing();
                     }
@@ -167,7 +171,7 @@ impl StoragePool {
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        let got = self.session.alloc(count, route_key)?;
+        let got = self.session.alloc_by(count, route_key, by)?;
         self.act_on_asks();
         drop(self.core.wait_while(by, |c| c.waits_for_adoption(&got.0)));
         Ok(got)
@@ -181,7 +185,7 @@ impl StoragePool {
             .lock()
             .grow_begin(now_ms())
             .map_err(NoRegion::Full)?;
-        let grant = match self.session.expand() {
+        let grant = match self.session.expand_by(by) {
             Ok(g) => g,
             Err(e) => {
                 let full = matches!(e, WorkerError::NoSpace(_));
@@ -197,7 +201,7 @@ impl StoragePool {
         if let Some(f) = &self.hooks.before_adopt {
             f(&grant);
         }
-        let r = self.mover.adopt(&grant, by);
+        let r = self.adopt_region(&grant, by);
         let back = self.core.lock().adopt_end(&grant, r.is_ok());
         self.core.notify();
         let Err(e) = r else {
@@ -229,13 +233,15 @@ impl StoragePool {
     /// after maru-server acknowledged its key's removal, and a removal is refused
     /// while a lease (a reader's, or one of this handler's views) covers it. Returns
     /// how many keys went.
-    fn evict(&self, want: usize) -> Result<usize, WorkerError> {
-        let victims = self.session.victims(want.min(self.max_batch) as u32)?;
+    fn evict(&self, want: usize, by: Deadline) -> Result<usize, WorkerError> {
+        let victims = self
+            .session
+            .victims_by(want.min(self.max_batch) as u32, by)?;
         if victims.is_empty() {
             return Ok(0);
         }
         let names: Vec<String> = victims.iter().map(|v| v.key.clone()).collect();
-        let results = self.session.remove(&names)?;
+        let results = self.session.remove_by(&names, by)?;
         let mut freed = 0;
         {
             let mut c = self.core.lock();
@@ -299,13 +305,41 @@ impl StoragePool {
     /// bytes are complete.
     pub(super) fn write_items(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         let ok = self.mover.write(items, by);
-        match &self.hooks.after_write {
+        let ok: Vec<bool> = match &self.hooks.after_write {
             Some(f) => items
                 .iter()
                 .zip(ok)
                 .map(|(it, ok)| f(&it.page, ok))
                 .collect(),
             None => ok,
+        };
+        self.warn_unwritten(items.iter().map(|it| &it.page).zip(ok.iter().copied()));
+        ok
+    }
+
+    /// A warning (at most one per pool every 10 s) when chunks were not stored
+    /// because their bytes could not be written: an agent that does not answer, a
+    /// transfer that failed, a region lost meanwhile.
+    fn warn_unwritten<'a>(&self, written: impl Iterator<Item = (&'a PageGrant, bool)>) {
+        let mut regions: Vec<u64> = Vec::new();
+        let mut n = 0usize;
+        for (p, ok) in written {
+            if !ok {
+                n += 1;
+                if !regions.contains(&p.region_id) {
+                    regions.push(p.region_id);
+                }
+            }
+        }
+        if n == 0 {
+            return;
+        }
+        if let Some(held) = warn_limit::allow(&self.session.url, "unwritten") {
+            log::warn!(
+                "pool {}: {n} chunk(s) not stored: their bytes could not be written into region(s) {regions:?} by the request's deadline (an agent that does not answer, a failed transfer); they are skipped{}",
+                self.session.url,
+                warn_limit::held_back(held)
+            );
         }
     }
 
@@ -318,6 +352,7 @@ impl StoragePool {
                 o.ok = f(p, o.ok);
             }
         }
+        self.warn_unwritten(pages.iter().zip(out.iter().map(|o| o.ok)));
         out
     }
 
@@ -419,7 +454,7 @@ impl StoragePool {
             }
         }
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = self.session.exists(&owned)?;
+        let present = self.session.exists_by(&owned, by)?;
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
         self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
         if todo.is_empty() {
@@ -432,7 +467,7 @@ impl StoragePool {
             .zip(taken.pages.iter().copied())
             .collect();
         let ok = write(self, &placed, by);
-        let r = self.publish(keys, lens, present, &placed, &ok, &taken);
+        let r = self.publish(keys, lens, present, &placed, &ok, &taken, by);
         // Whatever happened: the pages are no longer being written by this store.
         self.end_writing(taken.pages.iter().map(|p| p.region_id));
         r
@@ -486,6 +521,7 @@ impl StoragePool {
         &self,
         ticket: Option<u64>,
         entries: Vec<PublishEntry>,
+        by: Deadline,
     ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
         let page_size = self.page_size().max(1);
         let published: Vec<(PageGrant, u64)> = entries
@@ -500,7 +536,7 @@ impl StoragePool {
                 (page, e.length)
             })
             .collect();
-        let answer = self.session.publish(entries);
+        let answer = self.session.publish_by(entries, by);
         let back = self.core.lock().publish_end(
             ticket,
             &published,
@@ -515,6 +551,7 @@ impl StoragePool {
     /// still the pool's on the boot they were written under (the core's re-check). A
     /// chunk that fails the check is not published and counts as skipped. Pages not
     /// used are kept or freed.
+    #[allow(clippy::too_many_arguments)] // one store's state, and its deadline
     pub(super) fn publish(
         &self,
         keys: &[&str],
@@ -523,6 +560,7 @@ impl StoragePool {
         placed: &[(usize, PageGrant)],
         ok: &[bool],
         taken: &Taken,
+        by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
         if let Some(hook) = &self.hooks.before_publish {
             hook(self, &taken.pages);
@@ -569,7 +607,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries);
+        let (answer, back) = self.send_publish(plan.ticket, entries, by);
         let is_new = match answer {
             Ok(n) => n,
             Err(e) => {

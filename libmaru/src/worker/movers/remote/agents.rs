@@ -143,7 +143,13 @@ impl RemoteState {
                 }
             }
             Err(e) => {
-                log::debug!("agent {addr} did not answer a probe: {e}");
+                match crate::worker::warn_limit::allow(addr, "agent_silent") {
+                    Some(n) => log::warn!(
+                        "agent {addr} did not answer a probe ({e}): stores into its regions are skipped and loads from it miss while it does not answer; its regions go back to maru-server if it stays silent{}",
+                        crate::worker::warn_limit::held_back(n)
+                    ),
+                    None => log::debug!("agent {addr} did not answer a probe: {e}"),
+                }
                 self.life.unreachable(addr, now);
             }
         }
