@@ -429,6 +429,7 @@ impl World {
             session,
             boot_ids: Default::default(),
             regions: vec![],
+            leases: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(h)) => h,
@@ -602,6 +603,7 @@ impl World {
             session,
             boot_ids,
             regions: vec![],
+            leases: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(_)) => {}
