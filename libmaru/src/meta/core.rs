@@ -260,6 +260,7 @@ impl MetaCore {
             self.next_rm_check_ms = now_ms.saturating_add(self.cfg.rm_check_ms);
             self.check_rm(now_ms, rm);
         }
+        self.hold_back_regions(now_ms);
         let events = self.keeper.run(now_ms, rm, agents);
         self.apply(&events);
     }

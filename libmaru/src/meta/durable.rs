@@ -47,6 +47,9 @@ use std::collections::{BTreeMap, BTreeSet};
 /// LEASE_RUN_SHIFT` (2^40 leases per run before they reach the next run's).
 pub const LEASE_RUN_SHIFT: u32 = 40;
 
+/// How often a region held back for the leases of the last run is looked at again.
+const HOLD_BACK_RECHECK_MS: u64 = 1_000;
+
 /// A page freed by a key's removal, waiting to be handed out again.
 #[derive(Debug, Clone, Copy)]
 struct PendingPage {
@@ -251,9 +254,45 @@ impl MetaCore {
             p.batch <= durable && p.not_before_ms <= now_ms && (over || !p.recovered)
         });
         j.pending = wait;
+        let mut regions = BTreeSet::new();
         for p in ready {
             if let Some(r) = self.regions.get_mut_quiet(p.region_id) {
                 r.pages.put_back(p.page);
+                regions.insert(p.region_id);
+            }
+        }
+        // A region whose last waiting page came back may be unused now.
+        for rid in regions {
+            self.note_region_use(rid, now_ms);
+        }
+    }
+
+    /// Holds back regions going back that hold a page a reader of the last run may
+    /// still read (a recovered key's page waiting for the leases of that run): neither
+    /// released nor freed at the RM, which could hand the range out again to be
+    /// rewritten under that reader. Looked at again at least every second.
+    pub(super) fn hold_back_regions(&mut self, now_ms: u64) {
+        let Some(j) = &self.journal else {
+            return;
+        };
+        let over = j.old_leases_over(now_ms);
+        let until = j.recovered.as_ref().map_or(0, |o| o.until_ms);
+        let recheck = now_ms.saturating_add(HOLD_BACK_RECHECK_MS).min(until);
+        let mut holds: BTreeMap<u64, u64> = BTreeMap::new();
+        for p in &j.pending {
+            let t = if p.recovered && !over {
+                recheck.max(p.not_before_ms)
+            } else {
+                p.not_before_ms
+            };
+            if t > now_ms {
+                let h = holds.entry(p.region_id).or_default();
+                *h = (*h).max(t);
+            }
+        }
+        for (rid, t) in holds {
+            if self.keeper.is_giving_back(rid) {
+                self.keeper.hold_back(rid, t);
             }
         }
     }

@@ -579,3 +579,74 @@ fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
     persist(&mut w, &mut img);
     assert_eq!(w.alloc(W1, s, 1).1, 0);
 }
+
+#[test]
+fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
+    let mut cfg = config(&[]);
+    cfg.unused_region_ms = 1_000;
+    let mut w = World::with(cfg.clone(), 16 * REGION);
+    w.core = MetaCore::new(cfg).unwrap().keep_durable();
+    let mut img = Image::default();
+    let (s, _, pages) = full_region(&mut w, &mut img);
+    let rid = pages[0].region_id;
+    restart(&mut w, &img);
+    w.core.recovered_rm(&held(&w), w.now);
+    // The writer evicts every key of its region; the reader has not said yet.
+    for i in 0..REGION / PAGE {
+        let k = format!("k{i}");
+        assert_eq!(
+            remove(&mut w, W1, s, &k),
+            crate::wire::meta::RemoveResult::Removed
+        );
+    }
+    persist(&mut w, &mut img);
+    w.alive = vec![(W1.into(), s)];
+    w.advance(2_000);
+    persist(&mut w, &mut img);
+    assert!(
+        w.at_rm(rid)
+            && w.core
+                .regions
+                .get(rid)
+                .is_some_and(|r| r.holder == super::regions::Holder::Session(s)),
+        "the region stays the writer's while a reader of the last run may read it"
+    );
+    assert_eq!(w.alloc(W1, s, 1).1, 1);
+}
+
+#[test]
+fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it() {
+    let mut w = durable(&[]);
+    let mut img = Image::default();
+    let (s, r, pages) = full_region(&mut w, &mut img);
+    let rid = pages[0].region_id;
+    restart(&mut w, &img);
+    w.core.recovered_rm(&held(&w), w.now);
+    say_leases(&mut w, W1, s, vec![]);
+    // The writer returns its region (asked for its fair share, say) before the reader
+    // said which leases it holds: its keys go, but its memory is not handed out.
+    let ret = w.req(
+        W1,
+        MetaRequest::ReturnRegion {
+            session: s,
+            region_id: rid,
+            released: true,
+        },
+    );
+    assert!(
+        matches!(ret, Ok(MetaReply::Returned(ref x)) if !x.freed),
+        "{ret:?}"
+    );
+    persist(&mut w, &mut img);
+    w.advance(1_000);
+    assert!(
+        w.at_rm(rid),
+        "held back while a reader of the last run may read it"
+    );
+    say_leases(&mut w, W2, r, vec![]);
+    w.advance(1_000);
+    assert!(
+        !w.at_rm(rid),
+        "freed once every session of the last run said"
+    );
+}

@@ -265,6 +265,7 @@ impl MetaCore {
             GiveBackReason::Returned,
             now_ms,
         );
+        self.hold_back_regions(now_ms);
         let freed = match self.keeper.free_now(region_id, now_ms, rm) {
             Some(e) => {
                 self.apply(&[e]);
