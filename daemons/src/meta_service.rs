@@ -88,7 +88,9 @@ pub const SERVER_TOTALS: &[(&str, &str)] = &[
 fn port_error(e: LinkError) -> PortError {
     match e {
         LinkError::Remote(w) => PortError::from(w),
-        LinkError::Unreachable(m) | LinkError::Rejected(m) => PortError::Unreachable(m),
+        LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
+            PortError::Unreachable(m)
+        }
     }
 }
 

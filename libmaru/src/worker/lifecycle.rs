@@ -221,6 +221,16 @@ impl Lifecycle {
         }
     }
 
+    /// The boot id an own region's bytes belong to (None: not an own region).
+    pub fn boot_of(&self, region: u64) -> Option<&str> {
+        self.regions.get(&region).map(|r| r.boot.as_str())
+    }
+
+    /// Whether a reboot was found that maru-server has not been told yet.
+    pub fn rebooted_unreported(&self) -> bool {
+        self.regions.values().any(|r| r.rebooted)
+    }
+
     /// The boot ids to send with a heartbeat.
     pub fn boot_ids(&self) -> BTreeMap<u64, String> {
         self.regions

@@ -4,14 +4,16 @@
 //! link after the first presents the session's secret in its hello, and maru-server
 //! binds it to the same principal (see `SessionBinding` in maru-server).
 
-use crate::net::{ClientOptions, Link};
+use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, HeldLease, KeyInfo, LeaseGrant, MetaReply,
     MetaRequest, PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply,
     SERVICE,
 };
-use crate::worker::error::WorkerError;
+use crate::worker::clock::now_ms;
+use crate::worker::error::{Peer, WorkerError};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -41,6 +43,9 @@ pub struct Session {
     /// A region the open came with (none: the first store expands).
     pub first_region: Option<RegionGrant>,
     pub session_timeout_ms: u64,
+    /// When maru-server last answered a call of this session (`clock::now_ms`): one
+    /// out of reach for longer than the session timeout has expired the session.
+    answered_ms: AtomicU64,
 }
 
 fn unexpected(what: &str, r: MetaReply) -> WorkerError {
@@ -66,7 +71,11 @@ impl Session {
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
         let mut link = Link::new(url, opts.clone());
-        let handshake = match link.call::<_, MetaReply>(&MetaRequest::Handshake {})? {
+        let at = |e| WorkerError::from_link(Peer::Server(url.to_string()), e);
+        let handshake = match link
+            .call::<_, MetaReply>(&MetaRequest::Handshake {})
+            .map_err(at)?
+        {
             MetaReply::Handshake(h) => h,
             r => return Err(unexpected("handshake", r)),
         };
@@ -89,7 +98,7 @@ impl Session {
             // none.
             first_region: false,
         };
-        let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
+        let s: SessionReply = match link.call::<_, MetaReply>(&req).map_err(at)? {
             MetaReply::Session(s) => s,
             r => return Err(unexpected("open_session", r)),
         };
@@ -109,6 +118,7 @@ impl Session {
             handshake,
             first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
+            answered_ms: AtomicU64::new(now_ms()),
         })
     }
 
@@ -150,7 +160,10 @@ impl Session {
         let mut link = self.take_link()?;
         let r = link.call::<_, MetaReply>(req);
         self.give_link(link);
-        Ok(r?)
+        if !matches!(r, Err(LinkError::Unreachable(_))) {
+            self.answered_ms.store(now_ms(), Ordering::Relaxed);
+        }
+        r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
     }
 
     pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
@@ -220,7 +233,7 @@ impl Session {
             keys: keys.to_vec(),
         })? {
             MetaReply::Leases { leases } => {
-                let now = crate::worker::clock::now_ms();
+                let now = now_ms();
                 if let Ok(mut h) = self.held.lock() {
                     for l in leases.iter().flatten() {
                         let ends = now.saturating_add(l.expires_in_ms);
@@ -309,12 +322,17 @@ impl Session {
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
+    ///
+    /// A heartbeat names nothing but the session, so maru-server refusing it means the
+    /// session is gone (expired, unknown after a restart, not this client's): that is
+    /// [`WorkerError::SessionLost`], as is maru-server out of reach for longer than
+    /// the session timeout (it expired the session meanwhile).
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
     ) -> Result<HeartbeatReply, WorkerError> {
-        let now = crate::worker::clock::now_ms();
+        let now = now_ms();
         // More than a request carries (leases of two runs at once): say nothing, and
         // a restarted server waits out the lease timeout for this session instead.
         let leases = self.held.lock().ok().and_then(|mut h| {
@@ -330,14 +348,37 @@ impl Session {
                     .collect()
             })
         });
-        match self.call(&MetaRequest::Heartbeat {
+        let r = self.call(&MetaRequest::Heartbeat {
             session: self.id,
             boot_ids,
             regions,
             leases,
-        })? {
-            MetaReply::Heartbeat(h) => Ok(h),
-            r => Err(unexpected("heartbeat", r)),
+        });
+        match r {
+            Ok(MetaReply::Heartbeat(h)) => Ok(h),
+            Ok(r) => Err(unexpected("heartbeat", r)),
+            Err(WorkerError::Refused { reason, .. } | WorkerError::Permission { reason, .. }) => {
+                Err(self.lost(reason))
+            }
+            Err(e @ WorkerError::Unavailable { .. }) => {
+                let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
+                if silent >= self.session_timeout_ms {
+                    Err(self.lost(format!(
+                        "no answer for {silent} ms, longer than the session timeout ({e})"
+                    )))
+                } else {
+                    Err(e)
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn lost(&self, reason: String) -> WorkerError {
+        WorkerError::SessionLost {
+            url: self.url.clone(),
+            session: self.id,
+            reason,
         }
     }
 
