@@ -50,6 +50,11 @@ pub const LEASE_RUN_SHIFT: u32 = 40;
 /// How often a region held back for the leases of the last run is looked at again.
 const HOLD_BACK_RECHECK_MS: u64 = 1_000;
 
+/// The longest region a restore takes from a record (longer ones, or ones whose page
+/// count is not their length in chunks, are left out and go back if the RM holds
+/// them): a record read back never makes the server hold pages beyond a region's.
+pub const MAX_RESTORED_REGION: u64 = 64 << 30;
+
 /// A page freed by a key's removal, waiting to be handed out again.
 #[derive(Debug, Clone, Copy)]
 struct PendingPage {
@@ -553,7 +558,7 @@ impl MetaCore {
                 sessions_left_out = true;
                 continue;
             };
-            next_session = next_session.max(s.id + 1);
+            next_session = next_session.max(s.id.saturating_add(1));
             core.sessions.restore(
                 Session {
                     id: s.id,
@@ -577,6 +582,21 @@ impl MetaCore {
         core.sessions.restore_next(next_session);
         for g in &image.regions {
             let rid = g.handle.region_id;
+            let longest = core.cfg.region_size.max(MAX_RESTORED_REGION);
+            if g.handle.length > longest
+                || g.pages != g.handle.length / chunk
+                || core.regions.contains(rid)
+            {
+                log::warn!(
+                    "recovery: region {rid} is recorded with {} pages of {chunk} bytes in {} \
+                     bytes (at most {longest} bytes in pages of this server's chunk size), or \
+                     twice; left out (the RM takes it back)",
+                    g.pages,
+                    g.handle.length
+                );
+                out.left_out += 1;
+                continue;
+            }
             let holder = match g.holder {
                 HolderRecord::Session(sid) => match core.sessions.get_mut(sid) {
                     Some(s) => {

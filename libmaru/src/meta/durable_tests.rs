@@ -650,3 +650,34 @@ fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it(
         "freed once every session of the last run said"
     );
 }
+
+#[test]
+fn a_region_record_longer_than_a_region_or_with_another_page_count_is_left_out() {
+    let mut w = durable(&[]);
+    let mut img = Image::default();
+    let (_, _, pages) = full_region(&mut w, &mut img);
+    let rid = pages[0].region_id;
+    let good = img
+        .regions
+        .iter()
+        .find(|r| r.handle.region_id == rid)
+        .cloned();
+    let good = good.expect("the region is recorded");
+    // Page counts no region has: a restore never builds an allocator that large.
+    let mut huge = good.clone();
+    huge.handle.region_id = rid + 1000;
+    huge.handle.length = u64::MAX / 2;
+    huge.pages = huge.handle.length / PAGE;
+    let mut miscounted = good.clone();
+    miscounted.handle.region_id = rid + 1001;
+    miscounted.pages = u64::MAX;
+    img.regions.push(huge);
+    img.regions.push(miscounted);
+    let keys = img.keys.len() as u64;
+    let rec = restart(&mut w, &img);
+    assert_eq!(
+        (rec.regions, rec.keys, rec.left_out),
+        (1, keys, 2),
+        "{rec:?}"
+    );
+}
