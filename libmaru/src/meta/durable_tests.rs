@@ -580,6 +580,8 @@ fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
     assert_eq!(w.alloc(W1, s, 1).1, 0);
 }
 
+/// Seen failing with `PageAllocator::in_use` counting allocated pages only (the region
+/// went back as unused while a page of it waited for the last run's leases).
 #[test]
 fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
     let mut cfg = config(&[]);
@@ -614,6 +616,8 @@ fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
     assert_eq!(w.alloc(W1, s, 1).1, 1);
 }
 
+/// Seen failing with `hold_back_regions` doing nothing (the returned region was freed
+/// at the RM before the reader of the last run said which leases it holds).
 #[test]
 fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it() {
     let mut w = durable(&[]);
