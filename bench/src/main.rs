@@ -179,6 +179,8 @@ struct Results {
     cxl_small_pages: Option<maru_io::Result_>,
     redis: Vec<redis::RedisResult>,
     meta: Vec<meta::Row>,
+    /// A durable directory of `meta::RECOVERY_KEYS` keys, stopped and started again.
+    meta_recovery: Option<meta::Recovery>,
     idle: Vec<idle::IdleCpu>,
     /// cxl writes in place (part `in_place`).
     in_place: Option<in_place::InPlaceResult>,
@@ -635,6 +637,28 @@ fn tables(r: &Results) -> Vec<Table> {
             ]);
         }
         out.push(t);
+        if let Some(rec) = &r.meta_recovery {
+            let mut t = Table::new(
+                "Recovery of a durable directory (maru-server stopped, started again on it)",
+                &[
+                    "keys",
+                    "fill s",
+                    "directory MiB",
+                    "start on it, ms",
+                    "start on empty, ms",
+                    "sampled keys found",
+                ],
+            );
+            t.row(vec![
+                rec.keys.to_string(),
+                f2(rec.fill_s),
+                f0(rec.dir_mib),
+                f0(rec.start_ms),
+                f0(rec.empty_start_ms),
+                format!("{} of {}", rec.found, rec.sampled),
+            ]);
+            out.push(t);
+        }
         if let Some(rtt) = r.meta_of(meta::RTT_SPIN, 1).or(r.meta_of(meta::RTT, 1)) {
             let mut t = Table::new(
                 &format!(
@@ -847,12 +871,39 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &|f| format!("{f:.1} us"),
         &|f| f <= 200.0,
     );
-    for op in ["exists x1", "alloc+publish x1"] {
+    for op in ["exists x1", meta::PUBLISH] {
         push(
             &format!("{op}, 8 conns >= 30000 ops/s"),
             r.meta_of(op, 8).map(|m| m.ops_per_s),
             &|f| format!("{f:.0} ops/s"),
             &|f| f >= 30000.0,
+        );
+    }
+    for conns in [1, 8] {
+        push(
+            &format!("alloc+publish durable >= 0.8 x in-memory ({conns} conns, interleaved)"),
+            ratio(
+                r.meta_of(meta::PUBLISH_DURABLE, conns).map(|m| m.ops_per_s),
+                r.meta_of(meta::PUBLISH, conns).map(|m| m.ops_per_s),
+            ),
+            &x,
+            &|f| f >= 0.8,
+        );
+    }
+    if let Some(rec) = &r.meta_recovery {
+        push(
+            &format!(
+                "a durable directory of {} keys recovers whole (start until serving reported)",
+                rec.keys
+            ),
+            Some(rec.start_ms),
+            &|f| {
+                format!(
+                    "{f:.0} ms; {} of {} sampled keys found",
+                    rec.found, rec.sampled
+                )
+            },
+            &|_| rec.found == rec.sampled,
         );
     }
     for i in &r.idle {
@@ -1179,6 +1230,11 @@ fn run(args: Args) -> Result<(), String> {
     if let (true, Some(s)) = (want("meta"), &scratch) {
         say("metadata ops");
         r.meta = meta::run(s, secs)?;
+        say(&format!(
+            "recovery of a durable directory of {} keys",
+            meta::RECOVERY_KEYS
+        ));
+        r.meta_recovery = Some(meta::recovery(s, meta::RECOVERY_KEYS)?);
     }
     if let (true, Some(s)) = (want("idle"), &scratch) {
         for backend in ["remote_cxl", "cxl"] {

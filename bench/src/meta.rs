@@ -5,9 +5,17 @@
 //! threads on loopback, once with blocking reads on both sides and once with the client
 //! polling for the pong for up to the handler's default `reply_spin_us` before it
 //! blocks, as Maru's sessions do (the server's event loop blocks between requests).
+//!
+//! The rows above run against a maru-server that keeps its directory in memory only
+//! (`--in-memory`). Beside them, alloc+publish also runs against a second maru-server
+//! on the same RM that keeps its directory durable (`--state-dir` on the scratch
+//! directory's disk), in rounds interleaved with the in-memory one's so that both see
+//! the same machine. Last, the recovery of a durable directory of 1 M keys: a
+//! maru-server on its own RM is filled, stopped, and started again on its directory;
+//! the time from its start until it serves (its ready file) is the recovery time.
 
 use crate::harness::percentile;
-use crate::procs::{stack, Scratch};
+use crate::procs::{bin_dir, server_args, stack_with, start_daemon, start_daemon_within, Scratch};
 use maru::wire::meta::{Backend, PublishEntry};
 use maru::worker::session::Session;
 use std::io::{Read, Write};
@@ -21,6 +29,16 @@ const PONG: usize = 64;
 pub const RTT: &str = "tcp ping-pong (limit)";
 /// The name of the ping-pong row where the client polls first, as sessions do.
 pub const RTT_SPIN: &str = "tcp ping-pong, client polls (limit)";
+
+/// The alloc+publish rows: against the in-memory maru-server, and the durable one.
+pub const PUBLISH: &str = "alloc+publish x1";
+pub const PUBLISH_DURABLE: &str = "alloc+publish x1, durable";
+/// Interleaved rounds of each alloc+publish figure (each `secs / 2` long).
+const ROUNDS: usize = 4;
+/// Keys of the recovery figure, and their page size (1 KiB: 1 GiB of regions).
+pub const RECOVERY_KEYS: usize = 1 << 20;
+const RECOVERY_CHUNK: u64 = 1024;
+const RECOVERY_REGION: u64 = 64 << 20;
 
 fn reply_spin() -> Duration {
     Duration::from_micros(maru::worker::config::DEFAULT_REPLY_SPIN_US)
@@ -54,6 +72,40 @@ fn open(server: &str, key: &std::path::Path, id: &str) -> Result<Session, String
     Ok(s)
 }
 
+/// The recovery of a durable directory.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Recovery {
+    pub keys: usize,
+    /// Seconds the filling took (alloc + publish in batches of `MAX_BATCH`).
+    pub fill_s: f64,
+    /// Size of the directory's files on disk (MiB).
+    pub dir_mib: f64,
+    /// From the start of maru-server on the directory until it serves (ms).
+    pub start_ms: f64,
+    /// The same for a maru-server on an empty directory, for scale (ms).
+    pub empty_start_ms: f64,
+    /// Of a sample of the keys, how many the restarted server found.
+    pub found: usize,
+    pub sampled: usize,
+}
+
+/// One figure's ops: (count, seconds, latencies in µs).
+type Part = (usize, f64, Vec<f64>);
+
+fn row(op: &'static str, conns: usize, parts: Vec<Part>) -> Row {
+    let total: usize = parts.iter().map(|p| p.0).sum();
+    let secs: f64 = parts.iter().map(|p| p.1).sum();
+    let mut lat: Vec<f64> = parts.into_iter().flat_map(|p| p.2).collect();
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Row {
+        op,
+        conns,
+        ops_per_s: total as f64 / secs,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+    }
+}
+
 fn run_op(
     server: &str,
     key: &std::path::Path,
@@ -62,13 +114,51 @@ fn run_op(
     secs: f64,
     keys: &[String],
 ) -> Result<Row, String> {
-    let handles: Vec<_> = (0..conns)
-        .map(|c| {
-            let server = server.to_string();
-            let key = key.to_path_buf();
+    Ok(row(
+        op,
+        conns,
+        vec![measure(server, key, op, conns, secs, keys, "")?],
+    ))
+}
+
+/// `conns` sessions doing `op` for `secs`; `tag` tells apart the session names and
+/// published keys of several runs on one server.
+fn measure(
+    server: &str,
+    key: &std::path::Path,
+    op: &'static str,
+    conns: usize,
+    secs: f64,
+    keys: &[String],
+    tag: &str,
+) -> Result<Part, String> {
+    let sessions = (0..conns)
+        .map(|c| open(server, key, &format!("bench-{op}-{conns}-{c}{tag}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (part, sessions) = measure_on(sessions, op, secs, keys, tag)?;
+    for s in sessions {
+        let _ = s.close();
+    }
+    Ok(part)
+}
+
+/// `op` on each of `sessions` (one thread each) for `secs`; gives the sessions back
+/// (a session keeps its regions: rounds on the same sessions take no more memory).
+fn measure_on(
+    sessions: Vec<Session>,
+    op: &'static str,
+    secs: f64,
+    keys: &[String],
+    tag: &str,
+) -> Result<(Part, Vec<Session>), String> {
+    let conns = sessions.len();
+    let handles: Vec<_> = sessions
+        .into_iter()
+        .enumerate()
+        .map(|(c, s)| {
             let keys = keys.to_vec();
-            std::thread::spawn(move || -> Result<(usize, Vec<f64>), String> {
-                let s = open(&server, &key, &format!("bench-{op}-{conns}-{c}"))?;
+            let tag = tag.to_string();
+            std::thread::spawn(move || -> Result<(usize, Vec<f64>, Session), String> {
                 let mut lat = Vec::new();
                 let start = Instant::now();
                 let mut n = 0usize;
@@ -93,7 +183,7 @@ fn run_op(
                                 continue;
                             }
                             let p = pages[0];
-                            let key = format!("pub-{conns}-{c}-{n}");
+                            let key = format!("pub{tag}-{conns}-{c}-{n}");
                             s.publish(vec![PublishEntry {
                                 key,
                                 region_id: p.region_id,
@@ -107,30 +197,24 @@ fn run_op(
                     lat.push(t.elapsed().as_secs_f64() * 1e6);
                     n += 1;
                 }
-                let _ = s.close();
-                Ok((n, lat))
+                Ok((n, lat, s))
             })
         })
         .collect();
     let start = Instant::now();
     let mut total = 0;
     let mut lat = Vec::new();
+    let mut back = Vec::with_capacity(conns);
     for h in handles {
-        let (n, l) = h
+        let (n, l, s) = h
             .join()
             .map_err(|_| "bench thread panicked".to_string())??;
         total += n;
         lat.extend(l);
+        back.push(s);
     }
     let elapsed = start.elapsed().as_secs_f64().max(secs);
-    lat.sort_by(|a, b| a.total_cmp(b));
-    Ok(Row {
-        op,
-        conns,
-        ops_per_s: total as f64 / elapsed,
-        p50_us: percentile(&lat, 0.5),
-        p99_us: percentile(&lat, 0.99),
-    })
+    Ok(((total, elapsed, lat), back))
 }
 
 /// A TCP ping-pong on loopback: one thread writes `PING` bytes and waits for `PONG`
@@ -200,10 +284,10 @@ fn better(a: Row, b: Row) -> Row {
     }
 }
 
-/// Runs the metadata benchmark on a fresh RM + maru-server (64 MiB regions, 4 KiB
+/// Runs the metadata benchmark on a fresh RM + in-memory maru-server (64 MiB regions, 4 KiB
 /// pages) over the scratch pool.
 pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
-    let st = stack(scratch, false, "64M", "4K")?;
+    let st = stack_with(scratch, false, "64M", "4K", false)?;
     let server = st.server.clone();
     // 32 published keys for the lookups.
     let s = open(&server, &scratch.server_key, "bench-writer")?;
@@ -226,12 +310,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let first = tcp_rtt(secs / 2.0, Duration::ZERO)?;
     let first_spin = tcp_rtt(secs / 2.0, reply_spin())?;
     let mut rows = Vec::new();
-    for op in [
-        "exists x1",
-        "exists x32",
-        "acquire+release x32",
-        "alloc+publish x1",
-    ] {
+    for op in ["exists x1", "exists x32", "acquire+release x32"] {
         for conns in [1usize, 8] {
             rows.push(run_op(
                 &server,
@@ -243,8 +322,167 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
             )?);
         }
     }
+    // alloc+publish against both servers, in interleaved rounds.
+    let state = scratch.path("server-state");
+    let (durable_proc, durable) = start_daemon(
+        &bin_dir().join("maru-server"),
+        &server_args(
+            scratch,
+            &st.rm_addr,
+            &st.rm_key,
+            None,
+            "64M",
+            "4K",
+            Some(&state),
+        ),
+        &scratch.path("server.ready"),
+    )?;
+    for conns in [1usize, 8] {
+        // The same sessions in every round: each keeps its region.
+        let mut on = [&server, &durable].map(|srv| {
+            (0..conns)
+                .map(|c| {
+                    open(
+                        srv,
+                        &scratch.server_key,
+                        &format!("bench-{PUBLISH}-{conns}-{c}"),
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()
+        });
+        let mut parts: [Vec<Part>; 2] = [Vec::new(), Vec::new()];
+        for round in 0..ROUNDS {
+            let tag = format!("-r{round}");
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for i in order {
+                let sessions = std::mem::replace(&mut on[i], Ok(Vec::new()))?;
+                let (part, back) = measure_on(sessions, PUBLISH, secs / 2.0, &keys, &tag)?;
+                parts[i].push(part);
+                on[i] = Ok(back);
+            }
+        }
+        for s in on.into_iter().flatten().flatten() {
+            let _ = s.close();
+        }
+        let [mem, dur] = parts;
+        rows.push(row(PUBLISH, conns, mem));
+        rows.push(row(PUBLISH_DURABLE, conns, dur));
+    }
+    drop(durable_proc);
     rows.push(better(first, tcp_rtt(secs / 2.0, Duration::ZERO)?));
     rows.push(better(first_spin, tcp_rtt(secs / 2.0, reply_spin())?));
     let _ = s.close();
     Ok(rows)
+}
+
+/// Fills a durable directory with `keys` keys (1 KiB pages) through a maru-server on
+/// an RM of its own (a sparse fake-DAX file in the scratch directory: nothing touches
+/// its bytes), stops it (SIGTERM), and times its start on that directory until it
+/// serves; then checks a sample of the keys.
+pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
+    let bins = bin_dir();
+    let regions = (keys as u64 * RECOVERY_CHUNK).div_ceil(RECOVERY_REGION) + 4;
+    let rm_state = scratch.path("recovery-rm-state");
+    let rm_key = rm_state.join("rm.key").display().to_string();
+    let pool = scratch.path("recovery-pool");
+    let (_rm, rm_addr) = start_daemon(
+        &bins.join("maru-resource-manager"),
+        &[
+            "--state-dir".into(),
+            rm_state.display().to_string(),
+            "--fake-dax".into(),
+            format!("{}:{}", pool.display(), regions * RECOVERY_REGION),
+        ],
+        &scratch.path("rm.ready"),
+    )?;
+    let state = scratch.path("recovery-state");
+    let args = server_args(
+        scratch,
+        &rm_addr,
+        &rm_key,
+        None,
+        &RECOVERY_REGION.to_string(),
+        &RECOVERY_CHUNK.to_string(),
+        Some(&state),
+    );
+    let server = bins.join("maru-server");
+    let started = Instant::now();
+    let (srv, addr) = start_daemon(&server, &args, &scratch.path("server.ready"))?;
+    let empty_start_ms = started.elapsed().as_secs_f64() * 1e3;
+    let s = open(&addr, &scratch.server_key, "bench-recovery-fill")?;
+    let name = |i: usize| format!("recovered-{i}");
+    let started = Instant::now();
+    let mut n = 0;
+    while n < keys {
+        let want = (keys - n).min(maru::wire::meta::MAX_BATCH) as u32;
+        let (pages, missing) = s.alloc(want, None).map_err(|e| e.to_string())?;
+        if pages.is_empty() && missing > 0 {
+            s.expand().map_err(|e| format!("expand at key {n}: {e}"))?;
+            continue;
+        }
+        if pages.is_empty() {
+            return Err(format!("recovery fill: no page at key {n}"));
+        }
+        let entries: Vec<PublishEntry> = pages
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PublishEntry {
+                key: name(n + i),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: RECOVERY_CHUNK,
+                prev: None,
+            })
+            .collect();
+        let done = s.publish(entries).map_err(|e| e.to_string())?;
+        if done.iter().any(|d| !d) {
+            return Err(format!("recovery fill: a publish at key {n} was refused"));
+        }
+        n += pages.len();
+    }
+    let fill_s = started.elapsed().as_secs_f64();
+    let _ = s.close();
+    // SIGTERM: the writer makes what is left durable before it exits.
+    drop(srv);
+    let dir_mib = dir_bytes(&state) as f64 / (1 << 20) as f64;
+    let started = Instant::now();
+    let (_srv, addr) = start_daemon_within(
+        &server,
+        &args,
+        &scratch.path("server.ready"),
+        Duration::from_secs(300),
+    )?;
+    let start_ms = started.elapsed().as_secs_f64() * 1e3;
+    let s = open(&addr, &scratch.server_key, "bench-recovery-check")?;
+    let sample: Vec<String> = (0..keys).step_by((keys / 1000).max(1)).map(name).collect();
+    let found = s
+        .exists(&sample)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .filter(|f| **f)
+        .count();
+    let _ = s.close();
+    Ok(Recovery {
+        keys,
+        fill_s,
+        dir_mib,
+        start_ms,
+        empty_start_ms,
+        found,
+        sampled: sample.len(),
+    })
+}
+
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
 }

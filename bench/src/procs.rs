@@ -74,6 +74,16 @@ pub fn bin_dir() -> PathBuf {
 
 /// Starts a Maru daemon with `--port 0 --ready-file F` and waits (≤ 20 s) for its address.
 pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, String), String> {
+    start_daemon_within(bin, args, ready, Duration::from_secs(20))
+}
+
+/// [`start_daemon`] that waits up to `within` for the ready file.
+pub fn start_daemon_within(
+    bin: &Path,
+    args: &[String],
+    ready: &Path,
+    within: Duration,
+) -> Result<(Proc, String), String> {
     let _ = std::fs::remove_file(ready);
     if !bin.is_file() {
         return Err(format!(
@@ -95,7 +105,7 @@ pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, 
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
     let mut p = Proc { child };
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if let Ok(s) = std::fs::read_to_string(ready) {
             if s.ends_with('\n') {
@@ -108,7 +118,7 @@ pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, 
         std::thread::sleep(Duration::from_millis(20));
     }
     Err(format!(
-        "{} did not become ready within 20 s",
+        "{} did not become ready within {within:?}",
         bin.display()
     ))
 }
@@ -354,16 +364,33 @@ impl Drop for Scratch {
 /// RM + (agent) + maru-server on loopback over the scratch pool, fresh RM state.
 pub struct Stack {
     pub server: String,
+    /// The RM's address and the key file that proves to it, for more maru-servers.
+    pub rm_addr: String,
+    pub rm_key: String,
     pub rm: Proc,
     pub agent: Option<Proc>,
     pub srv: Proc,
 }
 
+/// An RM on the scratch pool, an agent when `remote`, and a maru-server keeping its
+/// directory durable in a state directory of its own (as a deployed one does).
 pub fn stack(
     s: &Scratch,
     remote: bool,
     region_size: &str,
     chunk_size: &str,
+) -> Result<Stack, String> {
+    stack_with(s, remote, region_size, chunk_size, true)
+}
+
+/// [`stack`] whose maru-server keeps its directory durable or (`durable` false) in
+/// memory only.
+pub fn stack_with(
+    s: &Scratch,
+    remote: bool,
+    region_size: &str,
+    chunk_size: &str,
+    durable: bool,
 ) -> Result<Stack, String> {
     let bins = bin_dir();
     // One state directory: `Scratch::path` hands out a new path at each call.
@@ -399,11 +426,43 @@ pub fn stack(
     } else {
         None
     };
+    let agent_addr = agent.as_ref().map(|(_, a)| a.as_str());
+    let state = s.path("server-state");
+    let (srv, server) = start_server(
+        s,
+        &rm_addr,
+        &rm_key,
+        agent_addr,
+        region_size,
+        chunk_size,
+        durable.then_some(state.as_path()),
+    )?;
+    Ok(Stack {
+        server,
+        rm_addr,
+        rm_key,
+        rm,
+        agent: agent.map(|(p, _)| p),
+        srv,
+    })
+}
+
+/// The arguments of a maru-server on the RM at `rm_addr` (and the agent at `agent`,
+/// if any) keeping its directory in `state` (None: in memory only).
+pub fn server_args(
+    s: &Scratch,
+    rm_addr: &str,
+    rm_key: &str,
+    agent: Option<&str>,
+    region_size: &str,
+    chunk_size: &str,
+    state: Option<&Path>,
+) -> Vec<String> {
     let mut args = vec![
         "--rm-address".to_string(),
-        rm_addr,
+        rm_addr.into(),
         "--rm-key-file".into(),
-        rm_key,
+        rm_key.into(),
         "--region-size".into(),
         region_size.into(),
         "--chunk-size".into(),
@@ -413,21 +472,37 @@ pub fn stack(
         "--key-file".into(),
         s.server_key.display().to_string(),
     ];
-    if let Some((_, a)) = &agent {
+    match state {
+        Some(dir) => args.extend(["--state-dir".into(), dir.display().to_string()]),
+        None => args.push("--in-memory".into()),
+    }
+    if let Some(a) = agent {
         args.extend([
             "--remote-cxl-agent".into(),
-            a.clone(),
+            a.into(),
             "--remote-cxl-agent-key-file".into(),
             s.key_file.display().to_string(),
         ]);
     }
-    let (srv, server) = start_daemon(&bins.join("maru-server"), &args, &s.path("server.ready"))?;
-    Ok(Stack {
-        server,
-        rm,
-        agent: agent.map(|(p, _)| p),
-        srv,
-    })
+    args
+}
+
+/// A maru-server (see [`server_args`]); its process and address.
+pub fn start_server(
+    s: &Scratch,
+    rm_addr: &str,
+    rm_key: &str,
+    agent: Option<&str>,
+    region_size: &str,
+    chunk_size: &str,
+    state: Option<&Path>,
+) -> Result<(Proc, String), String> {
+    let args = server_args(s, rm_addr, rm_key, agent, region_size, chunk_size, state);
+    start_daemon(
+        &bin_dir().join("maru-server"),
+        &args,
+        &s.path("server.ready"),
+    )
 }
 
 /// A free loopback port (bound, then released for the child to take).

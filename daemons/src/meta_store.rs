@@ -13,7 +13,6 @@ use maru::meta::records::{
     decode_json, decode_key, encode_json, encode_key, Changes, Image, Record, RegionRecord,
     ScopeRecord, SessionRecord, FORMAT,
 };
-use maru::net::Replier;
 use redb::{Database, ReadableTable, TableDefinition};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -30,6 +29,9 @@ const SCOPES: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
 /// sha256 (hex) of a session secret → its owner and tenant.
 const SECRETS: TableDefinition<&str, &[u8]> = TableDefinition::new("secrets");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+/// The meta record of the longest lease a start must wait out for the run before it.
+const LEASE_TIMEOUT: &str = "lease_timeout_ms";
 
 /// The store's file in the state directory.
 pub const DIRECTORY_FILE: &str = "directory.redb";
@@ -58,8 +60,13 @@ pub struct Loaded {
     pub secrets: Vec<(String, SecretRecord)>,
     /// Names this directory (and so the server) across restarts.
     pub instance: String,
-    /// Starts of maru-server on this directory, this one included.
+    /// Starts of maru-server on this directory, this one included (also in
+    /// `image.run`; `image.lease_timeout_ms` is the longest lease of the last run).
     pub run: u64,
+    /// When the lease timeout recorded for the next start may come down to this
+    /// run's (once every lease of the last run, longer, has run out; see
+    /// [`StoreWriter::start`]): None when it is this run's already.
+    pub lease_timeout_settles: Option<(Duration, u64)>,
     /// How long reading the directory took.
     pub read: Duration,
 }
@@ -82,9 +89,14 @@ impl MetaStore {
     /// that does not decode stops the start with an error naming the file, the table
     /// and the record: the directory is not served half-read. A commit cut by a
     /// crash is rolled back by the store to the last whole one.
+    ///
+    /// `lease_timeout_ms` is this run's: recorded before anything is served (the
+    /// longer of it and the last run's, while leases of the last run may run), so
+    /// that the next start knows how long a lease of this run may last.
     pub fn open(
         dir: &Path,
         new_instance: impl FnOnce() -> String,
+        lease_timeout_ms: u64,
     ) -> Result<(MetaStore, Loaded), String> {
         let started = Instant::now();
         maru::rm::private_dir(dir)
@@ -129,8 +141,12 @@ impl MetaStore {
             path: path.clone(),
             _lock: lock,
         };
-        let (instance, run) = store.start_run(new_instance)?;
-        let (image, secrets) = store.read_all()?;
+        let (instance, run, last_lease_ms) = store.start_run(new_instance, lease_timeout_ms)?;
+        let (mut image, secrets) = store.read_all()?;
+        image.run = run;
+        image.lease_timeout_ms = last_lease_ms;
+        let lease_timeout_settles = (last_lease_ms > lease_timeout_ms)
+            .then(|| (Duration::from_millis(last_lease_ms), lease_timeout_ms));
         Ok((
             store,
             Loaded {
@@ -138,6 +154,7 @@ impl MetaStore {
                 secrets,
                 instance,
                 run,
+                lease_timeout_settles,
                 read: started.elapsed(),
             },
         ))
@@ -147,11 +164,17 @@ impl MetaStore {
         &self.path
     }
 
-    /// Makes every table, checks the format, and counts this start.
-    fn start_run(&self, new_instance: impl FnOnce() -> String) -> Result<(String, u64), String> {
+    /// Makes every table, checks the format, counts this start and records its lease
+    /// timeout (the longer of it and the last run's). Returns the instance, the run
+    /// and the last run's lease timeout (0: none recorded).
+    fn start_run(
+        &self,
+        new_instance: impl FnOnce() -> String,
+        lease_timeout_ms: u64,
+    ) -> Result<(String, u64, u64), String> {
         let p = &self.path;
         let txn = self.db.begin_write().map_err(|e| err(p, "begin", e))?;
-        let (instance, run) = {
+        let (instance, run, last_lease_ms) = {
             let mut meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
             let get = |t: &redb::Table<&str, &[u8]>, k: &str| -> Result<Option<Vec<u8>>, String> {
                 Ok(t.get(k)
@@ -176,19 +199,26 @@ impl MetaStore {
                 Some(i) => String::from_utf8_lossy(&i).to_string(),
                 None => new_instance(),
             };
-            let run = get(&meta, "run")?
-                .and_then(|r| String::from_utf8_lossy(&r).parse::<u64>().ok())
-                .unwrap_or(0)
-                + 1;
+            let number = |k: &str| -> Result<u64, String> {
+                Ok(get(&meta, k)?
+                    .and_then(|r| String::from_utf8_lossy(&r).parse::<u64>().ok())
+                    .unwrap_or(0))
+            };
+            let run = number("run")? + 1;
+            let last_lease_ms = number(LEASE_TIMEOUT)?;
             for (k, v) in [
                 ("format", FORMAT.to_string()),
                 ("instance", instance.clone()),
                 ("run", run.to_string()),
+                (
+                    LEASE_TIMEOUT,
+                    last_lease_ms.max(lease_timeout_ms).to_string(),
+                ),
             ] {
                 meta.insert(k, v.as_bytes())
                     .map_err(|e| err(p, "meta", e))?;
             }
-            (instance, run)
+            (instance, run, last_lease_ms)
         };
         for name in ["keys", "regions", "sessions"] {
             let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
@@ -198,7 +228,19 @@ impl MetaStore {
         txn.open_table(SCOPES).map_err(|e| err(p, "scopes", e))?;
         txn.open_table(SECRETS).map_err(|e| err(p, "secrets", e))?;
         txn.commit().map_err(|e| err(p, "commit", e))?;
-        Ok((instance, run))
+        Ok((instance, run, last_lease_ms))
+    }
+
+    /// Records the lease timeout the next start waits out for this run's leases.
+    fn record_lease_timeout(&self, ms: u64) -> Result<(), String> {
+        let p = &self.path;
+        let txn = self.db.begin_write().map_err(|e| err(p, "begin", e))?;
+        {
+            let mut meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
+            meta.insert(LEASE_TIMEOUT, ms.to_string().as_bytes())
+                .map_err(|e| err(p, "meta", e))?;
+        }
+        txn.commit().map_err(|e| err(p, "commit", e))
     }
 
     fn read_all(&self) -> Result<(Image, Vec<(String, SecretRecord)>), String> {
@@ -368,8 +410,14 @@ pub struct StoreWriter {
 const RETRY: Duration = Duration::from_secs(1);
 
 impl StoreWriter {
-    /// Starts the writer; it wakes the loop through `waker` after each commit.
-    pub fn start(store: MetaStore, waker: Replier) -> StoreWriter {
+    /// Starts the writer; it wakes the loop by calling `wake` after each commit.
+    /// `settle`: after that long, record that lease timeout for the next start
+    /// ([`Loaded::lease_timeout_settles`]).
+    pub fn start(
+        store: MetaStore,
+        wake: impl Fn() + Send + 'static,
+        settle: Option<(Duration, u64)>,
+    ) -> StoreWriter {
         let (tx, rx) = mpsc::channel::<Msg>();
         let durable_seq = Arc::new(AtomicU64::new(0));
         let durable_batch = Arc::new(AtomicU64::new(0));
@@ -387,7 +435,32 @@ impl StoreWriter {
             .name("meta-store".into())
             .spawn(move || {
                 let mut syncs: Vec<mpsc::Sender<()>> = Vec::new();
-                while let Ok(first) = rx.recv() {
+                let mut settle = settle.map(|(after, ms)| (Instant::now() + after, ms));
+                loop {
+                    let first = match settle {
+                        Some((at, ms)) => {
+                            match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                                Ok(m) => m,
+                                Err(mpsc::RecvTimeoutError::Timeout) => {
+                                    match store.record_lease_timeout(ms) {
+                                        Ok(()) => settle = None,
+                                        Err(e) => {
+                                            log::warn!(
+                                                "cannot record the lease timeout: {e}; retrying"
+                                            );
+                                            settle = Some((Instant::now() + RETRY, ms));
+                                        }
+                                    }
+                                    continue;
+                                }
+                                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                            }
+                        }
+                        None => match rx.recv() {
+                            Ok(m) => m,
+                            Err(_) => break,
+                        },
+                    };
                     let mut jobs = Vec::new();
                     for m in std::iter::once(first).chain(rx.try_iter()) {
                         match m {
@@ -423,7 +496,7 @@ impl StoreWriter {
                         if let Some(j) = jobs.last() {
                             ds.fetch_max(j.seq, Ordering::SeqCst);
                         }
-                        waker.wake();
+                        wake();
                     }
                     for s in syncs.drain(..) {
                         let _ = s.send(());
@@ -542,7 +615,7 @@ mod tests {
     #[test]
     fn batches_come_back_after_a_reopen_with_the_same_instance() {
         let d = dir();
-        let (store, loaded) = MetaStore::open(&d, || "inst-1".into()).unwrap();
+        let (store, loaded) = MetaStore::open(&d, || "inst-1".into(), 60_000).unwrap();
         assert_eq!((loaded.run, loaded.instance.as_str()), (1, "inst-1"));
         let c = Changes {
             batch: 1,
@@ -576,7 +649,7 @@ mod tests {
             }])
             .unwrap();
         drop(store);
-        let (_s, loaded) = MetaStore::open(&d, || "other".into()).unwrap();
+        let (_s, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
         assert_eq!((loaded.run, loaded.instance.as_str()), (2, "inst-1"));
         assert_eq!(loaded.image.keys.len(), 1);
         assert_eq!(loaded.image.keys[0].used, 50, "the read's stamp");
@@ -588,8 +661,8 @@ mod tests {
     #[test]
     fn a_second_server_on_the_same_directory_is_refused() {
         let d = dir();
-        let (_a, _) = MetaStore::open(&d, || "i".into()).unwrap();
-        let e = MetaStore::open(&d, || "i".into()).err().unwrap();
+        let (_a, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+        let e = MetaStore::open(&d, || "i".into(), 60_000).err().unwrap();
         assert!(e.contains("in use by another maru-server"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -598,7 +671,7 @@ mod tests {
     fn a_corrupted_file_is_a_start_error_naming_it_never_a_panic() {
         let d = dir();
         {
-            let (store, _) = MetaStore::open(&d, || "i".into()).unwrap();
+            let (store, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
             let recs = (1..200).map(|i| Record::Key(key(i))).collect();
             store
                 .commit(&[Job {
@@ -623,7 +696,7 @@ mod tests {
                 *x ^= 0x5a;
             }
             std::fs::write(&f, &b).unwrap();
-            match MetaStore::open(&d, || "i".into()) {
+            match MetaStore::open(&d, || "i".into(), 60_000) {
                 Ok((_s, l)) => assert!(l.image.keys.len() <= 199),
                 Err(e) => {
                     assert!(e.contains(&f.display().to_string()), "{e}");
@@ -632,6 +705,31 @@ mod tests {
             }
         }
         assert!(errors > 0, "some corruption is seen");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_longer_lease_timeout_of_the_last_run_stays_recorded_until_its_leases_ran_out() {
+        let d = dir();
+        drop(MetaStore::open(&d, || "i".into(), 600_000).unwrap());
+        // A start with a shorter timeout waits out the last run's leases...
+        let (store, l) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+        assert_eq!((l.image.run, l.image.lease_timeout_ms), (2, 600_000));
+        assert_eq!(
+            l.lease_timeout_settles,
+            Some((Duration::from_millis(600_000), 60_000))
+        );
+        drop(store);
+        // ...and so does the start after it, when it stopped before they ran out.
+        let (store, l) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+        assert_eq!(l.image.lease_timeout_ms, 600_000);
+        // Once they ran out, the writer records this run's.
+        let mut w = StoreWriter::start(store, || {}, Some((Duration::ZERO, 60_000)));
+        std::thread::sleep(Duration::from_millis(200));
+        w.close();
+        let (_s, l) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+        assert_eq!((l.image.run, l.image.lease_timeout_ms), (4, 60_000));
+        assert_eq!(l.lease_timeout_settles, None);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -1982,6 +1982,7 @@ fn sybil_sessions_of_one_tenant_get_no_more_than_its_share() {
                 session: *s,
                 boot_ids: Default::default(),
                 regions: vec![],
+                leases: None,
             });
         }
         std::thread::sleep(Duration::from_millis(100));

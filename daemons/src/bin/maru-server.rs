@@ -370,8 +370,8 @@ fn main() {
                 .unwrap_or(std::path::Path::new("."))
                 .join("maru-server-state")
         });
-        let (store, loaded) =
-            MetaStore::open(&dir, maru::meta::new_instance).unwrap_or_else(|e| die(e));
+        let (store, loaded) = MetaStore::open(&dir, maru::meta::new_instance, cfg.lease_timeout_ms)
+            .unwrap_or_else(|e| die(e));
         log::info!(
             "durable directory {} (instance {}, start {}): {} keys, {} regions, {} sessions \
              read in {} ms",
@@ -462,7 +462,8 @@ fn main() {
                 ..recovery
             };
             let binding = SessionBinding::restored(loaded.run, loaded.secrets);
-            (core, Some((store, binding, recovery)))
+            let settle = loaded.lease_timeout_settles;
+            (core, Some((store, binding, recovery, settle)))
         }
     };
     raise_nofile_limit();
@@ -483,7 +484,7 @@ fn main() {
     }
     notify_ready();
     let mut service = MetaService::new(core, rm, agents, server.replier());
-    if let Some((store, binding, recovery)) = durable {
+    if let Some((store, binding, recovery, settle)) = durable {
         log::info!(
             "recovered {} keys in {} regions and {} sessions in {} ms ({} keys dropped)",
             recovery.keys,
@@ -492,7 +493,8 @@ fn main() {
             recovery.took_ms,
             recovery.dropped_keys
         );
-        let writer = StoreWriter::start(store, server.replier());
+        let waker = server.replier();
+        let writer = StoreWriter::start(store, move || waker.wake(), settle);
         service = service.with_store(writer, binding, recovery);
     }
     watch_signals(pipe, service.stop_flag(), server.replier());

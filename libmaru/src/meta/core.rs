@@ -230,7 +230,15 @@ impl MetaCore {
                 session,
                 boot_ids,
                 regions,
-            } => self.heartbeat(client_id, session, &boot_ids, &regions, now_ms),
+                leases,
+            } => self.heartbeat(
+                client_id,
+                session,
+                &boot_ids,
+                &regions,
+                leases.as_deref(),
+                now_ms,
+            ),
             MetaRequest::Close { session, drained } => {
                 self.close(client_id, session, drained, now_ms)
             }
@@ -252,6 +260,7 @@ impl MetaCore {
             self.next_rm_check_ms = now_ms.saturating_add(self.cfg.rm_check_ms);
             self.check_rm(now_ms, rm);
         }
+        self.hold_back_regions(now_ms);
         let events = self.keeper.run(now_ms, rm, agents);
         self.apply(&events);
     }
@@ -395,6 +404,7 @@ impl MetaCore {
         };
         reply.leases_ended = self.leases.end_session(id);
         self.pins.end_session(id);
+        self.old_leases_session_ended(id, now_ms);
         for rid in s.regions {
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;
@@ -429,7 +439,7 @@ impl MetaCore {
         self.pins.end_region(region_id);
         // Keys are write-once, so a page that held one is written no more.
         for (k, e) in &dropped {
-            self.free_key_page(region_id, e.loc.offset / self.cfg.chunk_size, *k);
+            self.free_key_page(region_id, e.loc.offset / self.cfg.chunk_size, *k, e.scope);
         }
         (dropped.len(), ended)
     }

@@ -604,6 +604,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             session: a,
             boot_ids: [(r, "boot-2".to_string()), (999, "x".to_string())].into(),
             regions: vec![],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");
@@ -617,6 +618,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             session: a,
             boot_ids: BTreeMap::new(),
             regions: vec![998, r],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");
@@ -631,6 +633,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             session: a,
             boot_ids: [(r, String::new())].into(),
             regions: vec![],
+            leases: None,
         },
     );
     assert_eq!(code(e), ErrorCode::BadRequest);
@@ -813,6 +816,7 @@ fn batches_over_the_cap_are_refused_whole() {
                 .map(|i| (i, "b".to_string()))
                 .collect(),
             regions: vec![],
+            leases: None,
         },
     ] {
         let e = w.req(W1, req).unwrap_err();
@@ -1101,6 +1105,7 @@ fn keys_published_before_any_boot_id_was_reported_go_at_the_first_report() {
             session: a,
             boot_ids: [(r, BOOT.to_string())].into(),
             regions: vec![],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");

@@ -5,11 +5,21 @@
 //!
 //! The rule that keeps bytes right across a crash: **a page is handed out again only
 //! after its key's removal is durable** (and, for a key that a restart brought back,
-//! only after every lease granted before the restart has run out: readers of the
-//! last run may still be reading it). So a recovered key never points at a page
-//! rewritten with other bytes. Pages handed out (`alloc`) and regions granted are
-//! in the batch of the request, and the driver sends its reply only once that batch
-//! is durable; so after a restart a page a worker may be writing is still its own.
+//! only once no lease of the last run may still cover it: readers of the last run may
+//! still be reading it). So a recovered key never points at a page rewritten with
+//! other bytes. Pages handed out (`alloc`) and regions granted are in the batch of the
+//! request, and the driver sends its reply only once that batch is durable; so after
+//! a restart a page a worker may be writing is still its own.
+//!
+//! Leases are not kept durable (every load takes some; an fsync before each acquire's
+//! reply would cost every load a disk write). Instead a worker says in each heartbeat
+//! which leases it still holds. After a restart, the first such heartbeat of each
+//! session of the last run puts its leases back (same ids, same end); once every
+//! session of the last run has said (or ended), pages of recovered keys are handed out
+//! again at once. A session that never says (its worker is gone, or too old to say)
+//! holds that up until its session expires, at most until the longest lease of the
+//! last run could have run out. Lease ids carry the run (see [`LEASE_RUN_SHIFT`]), so
+//! an id of the last run never names a lease of this one.
 //!
 //! After [`restore`](MetaCore::restore), before serving, the driver tells the core
 //! which regions the RM still holds for the server
@@ -20,7 +30,7 @@
 use super::config::{ConfigError, MetaConfig};
 use super::core::MetaCore;
 use super::keeper::{GiveBackReason, KeeperEvent};
-use super::keys::{KeyDirectory, KeyId, Location, Published, Scope};
+use super::keys::{KeyDirectory, KeyId, Location, Published, Scope, ScopeId};
 use super::pages::PageAllocator;
 use super::ports::PortError;
 use super::records::{
@@ -29,19 +39,51 @@ use super::records::{
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::Session;
 use super::tenants::Tenants;
-use crate::wire::meta::Backend;
+use crate::wire::meta::{Backend, HeldLease};
 use crate::wire::rm::{Handle, RegionInfo};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// Lease ids of run `r` of a server on its state directory are above `r <<
+/// LEASE_RUN_SHIFT` (2^40 leases per run before they reach the next run's).
+pub const LEASE_RUN_SHIFT: u32 = 40;
+
+/// How often a region held back for the leases of the last run is looked at again.
+const HOLD_BACK_RECHECK_MS: u64 = 1_000;
+
+/// The longest region a restore takes from a record (longer ones, or ones whose page
+/// count is not their length in chunks, are left out and go back if the RM holds
+/// them): a record read back never makes the server hold pages beyond a region's.
+pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 
 /// A page freed by a key's removal, waiting to be handed out again.
 #[derive(Debug, Clone, Copy)]
 struct PendingPage {
     /// The batch that carries the removal.
     batch: u64,
-    /// Not before this time (a recovered key's page: leases of the last run).
+    /// Not before this time (a lease of the last run a worker said it holds).
     not_before_ms: u64,
     region_id: u64,
     page: u64,
+    /// A key of the last run held it: it also waits for the leases of that run
+    /// ([`OldLeases`]).
+    recovered: bool,
+    /// The scope of the key that held it.
+    scope: ScopeId,
+}
+
+/// The leases of the last run, which a restart does not know.
+#[derive(Debug)]
+struct OldLeases {
+    /// Keys up to this id were recovered.
+    last_key: u64,
+    /// Every lease of the last run has run out by then.
+    until_ms: u64,
+    /// Sessions of the last run that have not yet said which leases they hold.
+    silent: BTreeSet<u64>,
+    /// Some session of the last run was not restored: only `until_ms` ends the wait.
+    unknown: bool,
+    /// Lease ids up to this one are of earlier runs.
+    base: u64,
 }
 
 /// The core's side of durability.
@@ -52,10 +94,19 @@ pub(super) struct Journal {
     /// The last batch the driver made durable.
     durable: u64,
     pending: Vec<PendingPage>,
-    /// Keys up to this id were recovered; their pages wait for `until_ms`.
-    recovered: Option<(u64, u64)>,
+    /// Until every lease of the last run is accounted for (None: none can be left).
+    recovered: Option<OldLeases>,
     /// The latest time the core was given.
     now_ms: u64,
+}
+
+impl Journal {
+    /// Whether no lease of the last run can still cover a recovered key's page.
+    fn old_leases_over(&self, now_ms: u64) -> bool {
+        self.recovered
+            .as_ref()
+            .is_none_or(|o| now_ms >= o.until_ms || (o.silent.is_empty() && !o.unknown))
+    }
 }
 
 /// What a restore found.
@@ -188,15 +239,65 @@ impl MetaCore {
         let Some(j) = &mut self.journal else {
             return;
         };
+        let over = j.old_leases_over(now_ms);
+        if over {
+            if let Some(o) = j.recovered.take() {
+                let why = if now_ms >= o.until_ms {
+                    format!(
+                        "the longest lease of the last run has run out ({} session(s) of it \
+                         never said which leases they hold)",
+                        o.silent.len()
+                    )
+                } else {
+                    "every session of the last run said which leases it holds, or ended".into()
+                };
+                log::info!("recovery: pages of recovered keys are handed out again: {why}");
+            }
+        }
         let durable = j.durable;
-        let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j
-            .pending
-            .iter()
-            .partition(|p| p.batch <= durable && p.not_before_ms <= now_ms);
+        let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j.pending.iter().partition(|p| {
+            p.batch <= durable && p.not_before_ms <= now_ms && (over || !p.recovered)
+        });
         j.pending = wait;
+        let mut regions = BTreeSet::new();
         for p in ready {
             if let Some(r) = self.regions.get_mut_quiet(p.region_id) {
                 r.pages.put_back(p.page);
+                regions.insert(p.region_id);
+            }
+        }
+        // A region whose last waiting page came back may be unused now.
+        for rid in regions {
+            self.note_region_use(rid, now_ms);
+        }
+    }
+
+    /// Holds back regions going back that hold a page a reader of the last run may
+    /// still read (a recovered key's page waiting for the leases of that run): neither
+    /// released nor freed at the RM, which could hand the range out again to be
+    /// rewritten under that reader. Looked at again at least every second.
+    pub(super) fn hold_back_regions(&mut self, now_ms: u64) {
+        let Some(j) = &self.journal else {
+            return;
+        };
+        let over = j.old_leases_over(now_ms);
+        let until = j.recovered.as_ref().map_or(0, |o| o.until_ms);
+        let recheck = now_ms.saturating_add(HOLD_BACK_RECHECK_MS).min(until);
+        let mut holds: BTreeMap<u64, u64> = BTreeMap::new();
+        for p in &j.pending {
+            let t = if p.recovered && !over {
+                recheck.max(p.not_before_ms)
+            } else {
+                p.not_before_ms
+            };
+            if t > now_ms {
+                let h = holds.entry(p.region_id).or_default();
+                *h = (*h).max(t);
+            }
+        }
+        for (rid, t) in holds {
+            if self.keeper.is_giving_back(rid) {
+                self.keeper.hold_back(rid, t);
             }
         }
     }
@@ -204,16 +305,118 @@ impl MetaCore {
     /// When a page held for old leases may be handed out.
     pub(super) fn next_page_deadline(&self) -> Option<u64> {
         let j = self.journal.as_ref()?;
+        let until = j
+            .recovered
+            .as_ref()
+            .filter(|_| !j.old_leases_over(j.now_ms))
+            .map_or(0, |o| o.until_ms);
         j.pending
             .iter()
             .filter(|p| p.batch <= j.durable)
-            .map(|p| p.not_before_ms)
+            .map(|p| {
+                if p.recovered {
+                    p.not_before_ms.max(until)
+                } else {
+                    p.not_before_ms
+                }
+            })
             .min()
+    }
+
+    /// Sessions of the last run that have not said which leases they hold, while
+    /// pages of recovered keys wait for them (None: nothing waits for them).
+    pub fn last_run_sessions_silent(&self) -> Option<usize> {
+        let j = self.journal.as_ref()?;
+        let o = j.recovered.as_ref()?;
+        Some(o.silent.len())
+    }
+
+    /// A session says which leases it holds (a heartbeat): a session of the last run,
+    /// the first time after a restart, gets those of its leases on recovered keys
+    /// back (same id, at most until the last run's leases run out; a key removed since
+    /// the restart keeps its page from reuse as long), and no longer holds up the
+    /// pages of recovered keys. A lease on a key of another scope (not one the session
+    /// can read), or of this run, is ignored. Later heartbeats change nothing here.
+    pub(super) fn leases_held(&mut self, session: u64, held: &[HeldLease], now_ms: u64) {
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        let Some(old) = &mut j.recovered else {
+            return;
+        };
+        if !old.silent.remove(&session) {
+            return;
+        }
+        let (until, base, last_key) = (old.until_ms, old.base, old.last_key);
+        let Some(scope) = self.sessions.get(session).map(|s| s.scope) else {
+            return;
+        };
+        let chunk = self.cfg.chunk_size;
+        let (mut leases, mut pages, mut ignored) = (0, 0, 0);
+        for h in held {
+            let ends = now_ms.saturating_add(h.expires_in_ms).min(until);
+            if h.lease_id > base || ends <= now_ms || h.offset % chunk != 0 {
+                ignored += 1;
+                continue;
+            }
+            match self.keys.at(h.region_id, h.offset) {
+                Some(k)
+                    if k.get() <= last_key
+                        && self.keys.get(k).is_some_and(|e| e.scope == scope)
+                        && self.leases.check_room(session, 1).is_ok()
+                        && self
+                            .leases
+                            .grant_as(h.lease_id, session, k, h.region_id, ends) =>
+                {
+                    leases += 1;
+                }
+                Some(_) => ignored += 1,
+                None => {
+                    let page = h.offset / chunk;
+                    let mut found = false;
+                    for p in j.pending.iter_mut().filter(|p| {
+                        p.recovered
+                            && p.region_id == h.region_id
+                            && p.page == page
+                            && p.scope == scope
+                    }) {
+                        p.not_before_ms = p.not_before_ms.max(ends);
+                        found = true;
+                    }
+                    if found {
+                        pages += 1;
+                    } else {
+                        ignored += 1;
+                    }
+                }
+            }
+        }
+        let silent = old.silent.len();
+        log::info!(
+            "recovery: session {session} of the last run holds {} lease(s): {leases} put back, \
+             {pages} on pages of keys removed since the restart, {ignored} ignored; {silent} \
+             session(s) of the last run not heard from yet",
+            held.len()
+        );
+        self.put_back_pages(now_ms);
+    }
+
+    /// A session ended: it no longer holds up the pages of recovered keys (its leases
+    /// ended with it).
+    pub(super) fn old_leases_session_ended(&mut self, session: u64, now_ms: u64) {
+        let ended = self
+            .journal
+            .as_mut()
+            .and_then(|j| j.recovered.as_mut())
+            .is_some_and(|o| o.silent.remove(&session));
+        if ended {
+            self.put_back_pages(now_ms);
+        }
     }
 
     /// Frees the page of key `key` (removed, or dropped with its region): at once
     /// without a durable directory, else once the removal is durable.
-    pub(super) fn free_key_page(&mut self, region_id: u64, page: u64, key: KeyId) {
+    pub(super) fn free_key_page(&mut self, region_id: u64, page: u64, key: KeyId, scope: ScopeId) {
         let Some(r) = self.regions.get_mut(region_id) else {
             return;
         };
@@ -224,15 +427,17 @@ impl MetaCore {
         if r.pages.free_later(page).is_err() {
             return;
         }
-        let not_before_ms = match j.recovered {
-            Some((last, until)) if key.get() <= last => until,
-            _ => 0,
-        };
+        let recovered = j
+            .recovered
+            .as_ref()
+            .is_some_and(|o| key.get() <= o.last_key);
         j.pending.push(PendingPage {
             batch: j.batch,
-            not_before_ms,
+            not_before_ms: 0,
             region_id,
             page,
+            recovered,
+            scope,
         });
     }
 
@@ -297,6 +502,8 @@ impl MetaCore {
                 .iter()
                 .filter_map(|(id, _)| self.key_record(id))
                 .collect(),
+            run: 0,
+            lease_timeout_ms: self.cfg.lease_timeout_ms,
         }
     }
 
@@ -307,6 +514,12 @@ impl MetaCore {
     /// fits (a key of a region not held, a page out of range) is left out and its
     /// record removed. Sessions whose tenant lost its access end as a drained close.
     ///
+    /// Pages of recovered keys that are removed wait for the leases of the last run
+    /// (see the [module docs](self)): until every restored session said which leases
+    /// it holds or ended, at most the longer of `image.lease_timeout_ms` and this
+    /// run's lease timeout from `now_ms`. Lease ids start after `image.run <<`
+    /// [`LEASE_RUN_SHIFT`].
+    ///
     /// Serve nothing before [`recovered_rm`](Self::recovered_rm) and
     /// [`recovered_boots`](Self::recovered_boots).
     pub fn restore(
@@ -315,11 +528,14 @@ impl MetaCore {
         image: Image,
         now_ms: u64,
     ) -> Result<(MetaCore, Recovered), ConfigError> {
-        let lease_ms = cfg.lease_timeout_ms;
+        let lease_ms = cfg.lease_timeout_ms.max(image.lease_timeout_ms);
         let chunk = cfg.chunk_size;
         let mut core = MetaCore::new(cfg)?.with_tenants(tenants).keep_durable();
         core.note_now(now_ms);
+        let base = image.run.checked_shl(LEASE_RUN_SHIFT).unwrap_or(0);
+        core.leases.start_ids_after(base);
         let mut out = Recovered::default();
+        let mut sessions_left_out = false;
         for s in &image.scopes {
             let scope = Scope {
                 namespace: s.namespace.clone(),
@@ -339,9 +555,10 @@ impl MetaCore {
                     s.scope
                 );
                 out.left_out += 1;
+                sessions_left_out = true;
                 continue;
             };
-            next_session = next_session.max(s.id + 1);
+            next_session = next_session.max(s.id.saturating_add(1));
             core.sessions.restore(
                 Session {
                     id: s.id,
@@ -365,6 +582,21 @@ impl MetaCore {
         core.sessions.restore_next(next_session);
         for g in &image.regions {
             let rid = g.handle.region_id;
+            let longest = core.cfg.region_size.max(MAX_RESTORED_REGION);
+            if g.handle.length > longest
+                || g.pages != g.handle.length / chunk
+                || core.regions.contains(rid)
+            {
+                log::warn!(
+                    "recovery: region {rid} is recorded with {} pages of {chunk} bytes in {} \
+                     bytes (at most {longest} bytes in pages of this server's chunk size), or \
+                     twice; left out (the RM takes it back)",
+                    g.pages,
+                    g.handle.length
+                );
+                out.left_out += 1;
+                continue;
+            }
             let holder = match g.holder {
                 HolderRecord::Session(sid) => match core.sessions.get_mut(sid) {
                     Some(s) => {
@@ -474,7 +706,13 @@ impl MetaCore {
             }
         }
         if let Some(j) = &mut core.journal {
-            j.recovered = Some((core.keys.last_id(), now_ms.saturating_add(lease_ms)));
+            j.recovered = Some(OldLeases {
+                last_key: core.keys.last_id(),
+                until_ms: now_ms.saturating_add(lease_ms),
+                silent: core.sessions.iter().map(|s| s.id).collect(),
+                unknown: sessions_left_out,
+                base,
+            });
         }
         let tenants = core.tenants.clone();
         core.set_tenants(tenants, now_ms);

@@ -164,7 +164,7 @@ impl MetaCore {
             }
             // A published key's page is allocated (publish checks it); it is handed
             // out again once the removal is durable.
-            self.free_key_page(loc.region_id, loc.offset / page_size, k);
+            self.free_key_page(loc.region_id, loc.offset / page_size, k, scope);
             results.push(RemoveResult::Removed);
             freed_in.push(loc.region_id);
         }

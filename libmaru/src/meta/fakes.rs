@@ -439,6 +439,7 @@ impl World {
             session,
             boot_ids: Default::default(),
             regions: vec![],
+            leases: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(h)) => h,
@@ -612,6 +613,7 @@ impl World {
             session,
             boot_ids,
             regions: vec![],
+            leases: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(_)) => {}

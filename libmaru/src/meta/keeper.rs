@@ -423,12 +423,21 @@ impl RegionKeeper {
         }
     }
 
-    /// Frees a give-back at the RM if its release is done. `Freed` when the RM no
-    /// longer has the region (freed now, or unknown to it already).
+    /// Holds a region going back (neither released nor freed) until `until`: a
+    /// reader may still read it (see `MetaCore::old_leases_hold`).
+    pub fn hold_back(&mut self, id: u64, until: u64) {
+        if let Some(g) = self.giving_back.get_mut(&id) {
+            g.next_try_ms = g.next_try_ms.max(until);
+        }
+    }
+
+    /// Frees a give-back at the RM if its release is done (and it is not held back).
+    /// `Freed` when the RM no longer has the region (freed now, or unknown to it
+    /// already).
     pub fn free_now(&mut self, id: u64, now: u64, rm: &mut dyn RmPort) -> Option<KeeperEvent> {
         let retry_ms = self.times.retry_ms;
         let g = self.giving_back.get_mut(&id)?;
-        if !g.released {
+        if !g.released || g.next_try_ms > now {
             return None;
         }
         match rm.free(&g.handle) {

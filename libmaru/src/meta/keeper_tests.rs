@@ -454,6 +454,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             session: a,
             boot_ids: [(r1, BOOT.to_string())].into(),
             regions: vec![],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");
@@ -466,6 +467,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             session: a,
             boot_ids: BTreeMap::new(),
             regions: vec![r1, r1],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");

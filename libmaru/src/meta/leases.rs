@@ -117,10 +117,45 @@ impl LeaseTable {
         Ok(())
     }
 
+    /// Lease ids from now on come after `base` (a restarted server's: see
+    /// [`MetaCore::restore`](super::MetaCore::restore)), so that an id a worker holds
+    /// from an earlier run never names a lease of this one.
+    pub fn start_ids_after(&mut self, base: u64) {
+        self.next_id = self.next_id.max(base);
+    }
+
+    /// The last id handed out (or the base ids start after).
+    pub fn last_id(&self) -> u64 {
+        self.next_id
+    }
+
     /// Grants a lease; the caller checked the room first.
     pub fn grant(&mut self, session: u64, key: KeyId, region_id: u64, expires_ms: u64) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
+        self.insert(id, session, key, region_id, expires_ms);
+        id
+    }
+
+    /// Grants a lease under an id an earlier run of the server handed out (a worker
+    /// said it still holds it), so that the worker's release of that id ends it. False
+    /// when the id is in use here.
+    pub fn grant_as(
+        &mut self,
+        id: u64,
+        session: u64,
+        key: KeyId,
+        region_id: u64,
+        expires_ms: u64,
+    ) -> bool {
+        if self.leases.contains_key(&id) {
+            return false;
+        }
+        self.insert(id, session, key, region_id, expires_ms);
+        true
+    }
+
+    fn insert(&mut self, id: u64, session: u64, key: KeyId, region_id: u64, expires_ms: u64) {
         self.leases.insert(
             id,
             Lease {
@@ -134,7 +169,6 @@ impl LeaseTable {
         *self.per_key.entry(key).or_default() += 1;
         self.per_region.entry(region_id).or_default().insert(id);
         self.expiry.insert((expires_ms, id));
-        id
     }
 
     fn end(&mut self, id: u64) -> Option<Lease> {

@@ -37,6 +37,8 @@ pub struct PageAllocator {
     free: VecDeque<u64>,
     allocated: Vec<bool>,
     used: u64,
+    /// Pages freed with `free_later`, not yet put back.
+    held: u64,
 }
 
 impl PageAllocator {
@@ -46,6 +48,7 @@ impl PageAllocator {
             free: (0..pages).collect(),
             allocated: vec![false; pages as usize],
             used: 0,
+            held: 0,
         }
     }
 
@@ -55,6 +58,12 @@ impl PageAllocator {
 
     pub fn used(&self) -> u64 {
         self.used
+    }
+
+    /// Pages allocated, or freed and not handed out again yet (see
+    /// [`free_later`](Self::free_later)): the region is in use while any is.
+    pub fn in_use(&self) -> u64 {
+        self.used + self.held
     }
 
     pub fn free_count(&self) -> u64 {
@@ -101,6 +110,7 @@ impl PageAllocator {
         self.check_free(page)?;
         self.allocated[page as usize] = false;
         self.used -= 1;
+        self.held += 1;
         Ok(())
     }
 
@@ -109,6 +119,7 @@ impl PageAllocator {
         if self.is_allocated(page) || page >= self.pages() || self.free.contains(&page) {
             return;
         }
+        self.held = self.held.saturating_sub(1);
         self.free.push_back(page);
     }
 
@@ -133,6 +144,7 @@ impl PageAllocator {
             free: (0..pages).filter(|&p| !taken[p as usize]).collect(),
             allocated: taken,
             used,
+            held: 0,
         }
     }
 

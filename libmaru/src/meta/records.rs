@@ -129,6 +129,12 @@ pub struct Image {
     pub next_session: u64,
     pub regions: Vec<RegionRecord>,
     pub keys: Vec<KeyRecord>,
+    /// Starts of the server on this store, the one restoring included (0: none
+    /// counted); lease ids of each run are apart.
+    pub run: u64,
+    /// The longest lease the last run could have granted (its lease timeout, or a
+    /// longer one of a run before it whose leases may still run).
+    pub lease_timeout_ms: u64,
 }
 
 impl Image {

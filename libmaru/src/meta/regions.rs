@@ -37,9 +37,11 @@ pub struct Region {
 }
 
 impl Region {
-    /// Notes at `now_ms` whether the region is in use (a page taken or a key in it).
+    /// Notes at `now_ms` whether the region is in use (a page taken or a key in it,
+    /// or a freed page not handed out again yet: a reader of the last run may still
+    /// read it, so the region does not go back either).
     pub fn note_use(&mut self, now_ms: u64) {
-        self.unused_since_ms = if self.pages.used() > 0 {
+        self.unused_since_ms = if self.pages.in_use() > 0 {
             None
         } else {
             self.unused_since_ms.or(Some(now_ms))

@@ -11,7 +11,7 @@ use super::regions::{Holder, Region};
 use super::sessions::EndReason;
 use super::tenants::Access;
 use crate::wire::meta::{
-    Backend, HeartbeatReply, MetaReply, RegionGrant, ReturnReply, MAX_NAME_LEN,
+    Backend, HeartbeatReply, HeldLease, MetaReply, RegionGrant, ReturnReply, MAX_NAME_LEN,
 };
 use crate::wire::WireError;
 use std::collections::BTreeMap;
@@ -230,10 +230,12 @@ impl MetaCore {
         session: u64,
         boot_ids: &BTreeMap<u64, String>,
         regions: &[u64],
+        leases: Option<&[HeldLease]>,
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_batch("boot ids", boot_ids.len())?;
         check_batch("regions", regions.len())?;
+        check_batch("leases", leases.map_or(0, <[HeldLease]>::len))?;
         for (rid, boot) in boot_ids {
             if boot.is_empty() || boot.len() > MAX_NAME_LEN {
                 return Err(bad_request(format!(
@@ -243,6 +245,9 @@ impl MetaCore {
             }
         }
         let id = self.session(client_id, session, now_ms)?;
+        if let Some(held) = leases {
+            self.leases_held(id, held, now_ms);
+        }
         let owned = |me: &Self, rid: u64| {
             me.sessions
                 .get(id)
@@ -335,6 +340,7 @@ impl MetaCore {
             GiveBackReason::Returned,
             now_ms,
         );
+        self.hold_back_regions(now_ms);
         let freed = match self.keeper.free_now(region_id, now_ms, rm) {
             Some(e) => {
                 self.apply(&[e]);

@@ -276,6 +276,7 @@ fn a_region_held_without_storing_goes_back_after_the_unused_limit() {
             session: idle,
             boot_ids: [(g.handle.region_id, BOOT.to_string())].into(),
             regions: vec![],
+            leases: None,
         },
     ) else {
         panic!("heartbeat");

@@ -162,12 +162,21 @@ pub enum MetaRequest {
     /// The session is alive; the boot id its agent reported for each region it maps
     /// (`remote_cxl`), and the regions it maps without one (`cxl`). Named regions that
     /// are no longer the session's come back in `unknown_regions`.
+    ///
+    /// `leases`: the leases the worker holds now (reading, or views it lent out),
+    /// at most [`LEASE_LIMIT`]. A maru-server that restarted on its durable directory
+    /// keeps the pages of those keys from reuse while they run, and hands the pages
+    /// of other recovered keys out again once every session of its last run has
+    /// said what it holds (or ended). None: a worker that does not say (an older
+    /// one): the server then waits out the lease timeout for it.
     Heartbeat {
         session: u64,
         #[serde(default, deserialize_with = "region_keyed")]
         boot_ids: BTreeMap<u64, String>,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         regions: Vec<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        leases: Option<Vec<HeldLease>>,
     },
     /// End the session. `drained`: the worker settled its WRITEs and leaves its
     /// regions to the region keeper (regions with keys stay readable, the others go
@@ -311,6 +320,16 @@ pub struct LeaseGrant {
     /// nothing: the node rebooted and maru-server has not heard it yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_id: Option<String>,
+}
+
+/// A lease a worker still holds, as it tells maru-server in its heartbeats: the id
+/// and the page it was granted for, and how long it has left.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HeldLease {
+    pub lease_id: u64,
+    pub region_id: u64,
+    pub offset: u64,
+    pub expires_in_ms: u64,
 }
 
 /// A published key and where it is.
@@ -591,11 +610,18 @@ mod tests {
                 session: 2,
                 boot_ids: [(7, "b0".to_string()), (u64::MAX, "b1".to_string())].into(),
                 regions: vec![],
+                leases: None,
             },
             MetaRequest::Heartbeat {
                 session: 2,
                 boot_ids: BTreeMap::new(),
                 regions: vec![3, u64::MAX],
+                leases: Some(vec![HeldLease {
+                    lease_id: u64::MAX,
+                    region_id: 3,
+                    offset: 1 << 20,
+                    expires_in_ms: 59_000,
+                }]),
             },
             MetaRequest::Publish {
                 session: 2,

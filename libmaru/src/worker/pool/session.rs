@@ -6,13 +6,14 @@
 
 use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
-    Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
-    PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
+    Backend, HandshakeReply, HeartbeatReply, HeldLease, KeyInfo, LeaseGrant, MetaReply,
+    MetaRequest, PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply,
+    SERVICE,
 };
 use crate::wire::ErrorCode;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -32,6 +33,11 @@ pub struct Session {
     pub url: String,
     links: Mutex<Links>,
     freed: Condvar,
+    /// The leases held now, by id: (region, offset, when it runs out), told in each
+    /// heartbeat (a restarted maru-server keeps their pages from reuse). A lease is
+    /// forgotten once its release is sent, whatever the answer (nothing reads under
+    /// it any more), or once it ran out.
+    held: Mutex<HashMap<u64, (u64, u64, u64)>>,
     pub id: u64,
     pub page_size: u64,
     pub handshake: HandshakeReply,
@@ -113,6 +119,7 @@ impl Session {
                 opts,
             }),
             freed: Condvar::new(),
+            held: Mutex::new(HashMap::new()),
             id: s.session,
             page_size: s.page_size,
             handshake,
@@ -342,7 +349,16 @@ impl Session {
             },
             by,
         )? {
-            MetaReply::Leases { leases } => Ok(leases),
+            MetaReply::Leases { leases } => {
+                let now = now_ms();
+                if let Ok(mut h) = self.held.lock() {
+                    for l in leases.iter().flatten() {
+                        let ends = now.saturating_add(l.expires_in_ms);
+                        h.insert(l.lease_id, (l.region_id, l.offset, ends));
+                    }
+                }
+                Ok(leases)
+            }
             r => Err(unexpected("acquire", r)),
         }
     }
@@ -410,6 +426,11 @@ impl Session {
     pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
+        }
+        if let Ok(mut h) = self.held.lock() {
+            for id in &ids {
+                h.remove(id);
+            }
         }
         self.call_by(
             &MetaRequest::ReleaseLeases {
@@ -500,10 +521,27 @@ impl Session {
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
     ) -> Result<HeartbeatReply, WorkerError> {
+        let now = now_ms();
+        // More than a request carries (leases of two runs at once): say nothing, and
+        // a restarted server waits out the lease timeout for this session instead.
+        let leases = self.held.lock().ok().and_then(|mut h| {
+            h.retain(|_, (_, _, ends)| *ends > now);
+            (h.len() <= crate::wire::meta::MAX_BATCH).then(|| {
+                h.iter()
+                    .map(|(&lease_id, &(region_id, offset, ends))| HeldLease {
+                        lease_id,
+                        region_id,
+                        offset,
+                        expires_in_ms: ends - now,
+                    })
+                    .collect()
+            })
+        });
         let r = self.call(&MetaRequest::Heartbeat {
             session: self.id,
             boot_ids,
             regions,
+            leases,
         });
         match r {
             Ok(MetaReply::Heartbeat(h)) => Ok(h),
