@@ -399,6 +399,7 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
             session: a,
             boot_ids: Default::default(),
             regions: a_regions.clone(),
+            leases: None,
         },
     ) else {
         panic!("heartbeat");
