@@ -967,6 +967,19 @@ maru_status_t maru_chunk_keys(const int32_t *tokens,
                               size_t cap,
                               size_t *n_keys);
 
+/**
+ * Checks that the file at `path` (a NUL-terminated path) holds a key a handler can
+ * prove (the agents' key of `agent_key_file`, maru-server's key): readable, with no
+ * access for group or others (mode 0600),
+ * and a key of at least 16 bytes in hex. `MARU_OK`, or `MARU_ERR_CONFIG` with the
+ * reason in `maru_last_error()` (it names the file and what to do). Whether a daemon
+ * holds the same key is not checked here: `maru_handler_open` proves it
+ * (`MARU_ERR_AUTH` when it does not match).
+ *
+ * Ownership: `path` is read during the call only. Threads: any.
+ */
+maru_status_t maru_key_file_check(const char *path);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

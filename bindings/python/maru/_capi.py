@@ -16,6 +16,7 @@ long as libmaru may call them.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -443,3 +444,12 @@ def chunk_keys(tokens: Sequence[int], chunk: int, namespace: str) -> List[str]:
     _check(lib.maru_chunk_keys(arr, len(tokens), chunk, namespace.encode("utf-8"), out, n, ctypes.byref(got)))
     raw = out.raw
     return [raw[i * CHUNK_KEY_SIZE : (i + 1) * CHUNK_KEY_SIZE].split(b"\0", 1)[0].decode("ascii") for i in range(got.value)]
+
+
+# Key files -------------------------------------------------------------------------------
+
+
+def key_file_check(path: str) -> None:
+    """``maru_key_file_check``: raises :class:`~maru.ConfigError` (naming the file and
+    what to do) unless ``path`` holds a key a handler can prove."""
+    _check(lib.maru_key_file_check(os.fsencode(path)))

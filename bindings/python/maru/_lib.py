@@ -229,6 +229,8 @@ lib.maru_chunk_keys.argtypes = [
     ctypes.c_char_p, ctypes.c_size_t, c_size_p,
 ]
 lib.maru_chunk_keys.restype = _S
+lib.maru_key_file_check.argtypes = [ctypes.c_char_p]
+lib.maru_key_file_check.restype = _S
 
 # Writes in place and region views (cxl).
 

@@ -5,8 +5,9 @@
 //! (where messages go), [`hook`] (pinning the staging buffer), [`handler`] (open,
 //! stats, shutdown, free), [`kv`] (chunks by key), [`slots`] (zero-copy staging
 //! slots), [`ops`] (asynchronous slot transfers), [`views`] (chunks in place on
-//! `cxl`), [`keys`] (chunk keys). [`status`] holds the one table from libmaru's
-//! errors to status codes; [`boundary`] and [`args`] the rules every function keeps.
+//! `cxl`), [`keys`] (chunk keys), [`key_file`] (checking a key file). [`status`]
+//! holds the one table from libmaru's errors to status codes; [`boundary`] and
+//! [`args`] the rules every function keeps.
 //!
 //! Rules every exported function follows (rustls-ffi style):
 //!
@@ -73,6 +74,9 @@ pub mod staging;
 // Chunk keys (no handler needed).
 pub mod keys;
 
+// Checking a key file before a handler proves it (no handler needed).
+pub mod key_file;
+
 // The rules every function keeps.
 pub mod args;
 pub mod boundary;
@@ -92,6 +96,7 @@ pub use in_place::{
     maru_page_t, maru_pages_give_back, maru_pages_publish, maru_pages_take, maru_region_t,
     maru_region_view, maru_regions_list,
 };
+pub use key_file::maru_key_file_check;
 pub use keys::{maru_chunk_keys, MARU_CHUNK_KEY_SIZE};
 pub use kv::{
     maru_exists, maru_exists_batch, maru_load, maru_load_batch, maru_pin_batch, maru_remove_batch,
