@@ -14,7 +14,8 @@ export RUST_LOG=${RUST_LOG:-warn}
 "$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
 maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:128M" >/dev/null
 rm_addr=$(cat "$work/rm.addr")
-server_args=(--rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" --region-size 8M --chunk-size 64K)
+# maru-server makes its key on first start (both servers share it); the engines prove it.
+server_args=(--rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" --key-file "$work/server.key" --region-size 8M --chunk-size 64K)
 if [ "$backend" = remote_cxl ]; then
     maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$rm_addr" --rm-key-file "$work/rm/rm.key" \
         --key-file "$work/agent.key" --device "$pool" --node ctest >/dev/null
@@ -26,6 +27,6 @@ if [ "$pools" = 2 ]; then
     maru_start "$work/server2.addr" "$bin/maru-server" "${server_args[@]}" >/dev/null
     server="$server,$(cat "$work/server2.addr")"
 fi
-cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","agent_key_file":"%s","load_slots":8,"store_slots":16}' "$backend" "$server" "$1" "$work/agent.key"; }
+cfg() { printf '{"backend":"%s","server_url":"%s","server_key_file":"%s","engine_id":"%s","agent_key_file":"%s","load_slots":8,"store_slots":16}' "$backend" "$server" "$work/server.key" "$1" "$work/agent.key"; }
 export MARU_TEST_CONFIG_A=$(cfg ctest-engine-a) MARU_TEST_CONFIG_B=$(cfg ctest-engine-b) MARU_TEST_BACKEND=$backend MARU_TEST_POOLS=$pools
 "$@"

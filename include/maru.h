@@ -467,7 +467,8 @@ maru_status_t maru_set_memory_hook_auto(void);
 /**
  * Opens a handler from a JSON configuration (docs/configuration.md): `backend`
  * (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
- * file, transport, staging slot counts, `timeout_ms`. On success `*out` is the new
+ * file, maru-server key file (`server_key_file`, default `MARU_SERVER_KEY_FILE`),
+ * transport, staging slot counts, `timeout_ms`. On success `*out` is the new
  * handler.
  *
  * A configuration error (bad JSON, unknown field, malformed `server_url`) returns

@@ -283,12 +283,7 @@ fn fill(page: &maru_page_t, src: *const u8) {
 pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, String> {
     let rotate = rotate.max(CHUNK * BATCH * 2);
     let st = stack(s, false, &REGION.to_string(), &CHUNK.to_string())?;
-    let cfg = crate::maru_io::handler_config(
-        &st.server,
-        "cxl",
-        "bench-in-place",
-        &s.key_file.display().to_string(),
-    );
+    let cfg = crate::maru_io::handler_config(&st.server, "cxl", "bench-in-place", s);
     let c = CString::new(cfg).map_err(|e| e.to_string())?;
     let mut raw = std::ptr::null_mut();
     // SAFETY: a NUL-terminated config and a writable out pointer.

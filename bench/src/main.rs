@@ -1179,7 +1179,7 @@ fn run(args: Args) -> Result<(), String> {
                 &st.server,
                 backend,
                 "bench-idle",
-                &s.key_file.display().to_string(),
+                s,
             ))?;
             // Use the data path once, so that its connections and threads exist.
             let src = harness::Rotor::new(256 * 1024, 256 * 1024, 1);

@@ -288,10 +288,13 @@ fn slots(var: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-pub fn handler_config(server: &str, backend: &str, engine: &str, key_file: &str) -> String {
+/// A handler's configuration for the stack of scratch `s` (its maru-server key, and
+/// its agent key for remote_cxl).
+pub fn handler_config(server: &str, backend: &str, engine: &str, s: &Scratch) -> String {
     let mut c = serde_json::json!({
         "backend": backend,
         "server_url": server,
+        "server_key_file": s.server_key.display().to_string(),
         "engine_id": engine,
         "namespace": "bench",
         "load_slots": slots("MARU_BENCH_LOAD_SLOTS", BATCH),
@@ -299,7 +302,7 @@ pub fn handler_config(server: &str, backend: &str, engine: &str, key_file: &str)
     });
     if backend == "remote_cxl" {
         c["transport"] = "soft".into();
-        c["agent_key_file"] = key_file.into();
+        c["agent_key_file"] = s.key_file.display().to_string().into();
     }
     c.to_string()
 }
@@ -367,14 +370,13 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         &format!("{}", sz.region),
         &format!("{}", cfg.chunk),
     )?;
-    let key_file = s.key_file.display().to_string();
     let handlers: Vec<Arc<CHandler>> = (0..cfg.handlers)
         .map(|i| {
             CHandler::open(&handler_config(
                 &st.server,
                 cfg.backend,
                 &format!("bench-{}-{}", cfg.backend, i),
-                &key_file,
+                s,
             ))
             .map(Arc::new)
         })

@@ -35,11 +35,14 @@ pub struct Row {
     pub p99_us: f64,
 }
 
-/// A session as a handler opens it (with the default reply polling).
-fn open(server: &str, id: &str) -> Result<Session, String> {
+/// A session as a handler opens it (with the default reply polling), proving the
+/// server's key.
+fn open(server: &str, key: &std::path::Path, id: &str) -> Result<Session, String> {
+    let key = maru::auth::load_key_file(key).map_err(|e| e.to_string())?;
     let s = Session::open(
         server,
         id,
+        Some(key),
         id,
         "bench",
         "bench",
@@ -53,6 +56,7 @@ fn open(server: &str, id: &str) -> Result<Session, String> {
 
 fn run_op(
     server: &str,
+    key: &std::path::Path,
     op: &'static str,
     conns: usize,
     secs: f64,
@@ -61,9 +65,10 @@ fn run_op(
     let handles: Vec<_> = (0..conns)
         .map(|c| {
             let server = server.to_string();
+            let key = key.to_path_buf();
             let keys = keys.to_vec();
             std::thread::spawn(move || -> Result<(usize, Vec<f64>), String> {
-                let s = open(&server, &format!("bench-{op}-{conns}-{c}"))?;
+                let s = open(&server, &key, &format!("bench-{op}-{conns}-{c}"))?;
                 let mut lat = Vec::new();
                 let start = Instant::now();
                 let mut n = 0usize;
@@ -201,7 +206,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let st = stack(scratch, false, "64M", "4K")?;
     let server = st.server.clone();
     // 32 published keys for the lookups.
-    let s = open(&server, "bench-writer")?;
+    let s = open(&server, &scratch.server_key, "bench-writer")?;
     let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
     let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
     let entries = keys
@@ -228,7 +233,14 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
         "alloc+publish x1",
     ] {
         for conns in [1usize, 8] {
-            rows.push(run_op(&server, op, conns, secs, &keys)?);
+            rows.push(run_op(
+                &server,
+                &scratch.server_key,
+                op,
+                conns,
+                secs,
+                &keys,
+            )?);
         }
     }
     rows.push(better(first, tcp_rtt(secs / 2.0, Duration::ZERO)?));

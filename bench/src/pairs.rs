@@ -207,9 +207,8 @@ pub fn run(
         &format!("{region}"),
         &format!("{chunk}"),
     )?;
-    let key_file = s.key_file.display().to_string();
     let open = |name: String| -> Result<Arc<CHandler>, String> {
-        CHandler::open(&handler_config(&st.server, backend, &name, &key_file)).map(Arc::new)
+        CHandler::open(&handler_config(&st.server, backend, &name, s)).map(Arc::new)
     };
     let rotors = |seed: u64| -> Vec<Arc<Mutex<Rotor>>> {
         (0..n)

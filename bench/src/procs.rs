@@ -189,6 +189,8 @@ pub struct Scratch {
     pub pool: PathBuf,
     pub pool_size: u64,
     pub key_file: PathBuf,
+    /// maru-server's key (made at its first start), which the handlers prove.
+    pub server_key: PathBuf,
     /// Bytes of the pool the kernel gave 2 MiB pages (`ShmemHugePages` grew by them
     /// when the pool was allocated), where it could be told.
     pub huge_bytes: Option<u64>,
@@ -212,7 +214,9 @@ impl Scratch {
         let key_file = dir.join("agent.key");
         let key = SharedKey::generate().map_err(|e| format!("agent key: {e}"))?;
         write_new_key_file(&key_file, &key).map_err(|e| format!("agent key file: {e}"))?;
+        let server_key = dir.join("server.key");
         Ok(Scratch {
+            server_key,
             dir,
             pool,
             pool_size,
@@ -406,6 +410,8 @@ pub fn stack(
         chunk_size.into(),
         "--max-sessions".into(),
         "1024".into(),
+        "--key-file".into(),
+        s.server_key.display().to_string(),
     ];
     if let Some((_, a)) = &agent {
         args.extend([

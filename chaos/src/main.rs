@@ -163,6 +163,11 @@ impl Cluster {
         self.s.dir.join("rm.key")
     }
 
+    /// maru-server's key (made on its first start); the engines prove it.
+    fn server_key(&self) -> PathBuf {
+        self.s.dir.join("server.key")
+    }
+
     fn agent_args(&self) -> Vec<String> {
         vec![
             "--rm-address".into(),
@@ -200,6 +205,8 @@ impl Cluster {
             "2".into(),
             "--lease-timeout-s".into(),
             "5".into(),
+            "--key-file".into(),
+            self.server_key().display().to_string(),
         ]
     }
 
@@ -213,6 +220,7 @@ impl Cluster {
         let config = serde_json::json!({
             "backend": "remote_cxl",
             "server_url": format!("127.0.0.1:{}", self.server_port),
+            "server_key_file": self.server_key().display().to_string(),
             "engine_id": format!("engine-{name}"),
             "namespace": "chaos",
             "agent_key_file": self.key_path.display().to_string(),

@@ -229,11 +229,16 @@ pub struct NetArgs {
 impl NetArgs {
     /// The loop's options with these bounds and `key`.
     pub fn options(&self, key: Option<maru::auth::SharedKey>) -> maru::net::ServerOptions {
+        self.options_with_keys(key.map(maru::auth::Keyring::single))
+    }
+
+    /// As [`options`](Self::options), with several named keys (maru-server's tenants).
+    pub fn options_with_keys(&self, keys: Option<maru::auth::Keyring>) -> maru::net::ServerOptions {
         let max = self.max_clients.max(1) as usize;
         maru::net::ServerOptions {
             max_connections: max,
             max_pending: (max / 4).max(1),
-            key,
+            keys,
             handshake_timeout_ms: self.handshake_timeout_ms,
             idle_timeout_ms: self.idle_timeout_s.saturating_mul(1000),
             max_unsent: (self.max_unsent_kib as usize).saturating_mul(1024),

@@ -8,3 +8,4 @@ pub mod metrics;
 pub mod metrics_http;
 pub mod off_loop;
 pub mod rm_service;
+pub mod tenants_file;

@@ -3,13 +3,17 @@
 //! region keeper only; the data path never passes through here).
 
 use crate::metrics::{op_of, result_of, Metrics, Refresh};
-use maru::meta::{AgentPort, MetaCore, PortError, RmPort};
-use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
+use crate::tenants_file::TenantsFile;
+use maru::meta::{
+    Action, AgentPort, Caller, MetaCore, PoolSizes, PortError, RmPort, Ticket, DEFAULT_TENANT,
+};
+use maru::net::{ClientOptions, ConnId, Link, LinkError, Replier, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
-use maru::wire::{self, Envelope, ErrorCode, WireError};
+use maru::wire::{self, Envelope, WireError};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -34,6 +38,10 @@ pub const SERVER_GAUGES: &[(&str, &str)] = &[
     (
         "waiting_for_region",
         "Storing sessions waiting for a region of the full pool",
+    ),
+    (
+        "waiting_for_rm",
+        "Requests waiting for the RM to allocate a region",
     ),
 ];
 
@@ -69,43 +77,71 @@ enum RmKey {
     /// This server's regions, asked after this many allocations had started.
     Owned(u64),
     Free(u64),
-    Largest,
+    Pools,
 }
 
-/// The one allocation call (a late answer is a region of the configured size, good for
-/// whichever allocation asks next).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct AllocKey;
-
-/// How long an allocation may hold the event loop. A healthy, idle RM answers within
-/// it; past it the allocation goes on in the background and the request that needs
-/// it waits off the loop ([`MetaService`] parks it and answers it once the region
-/// came), while the loop serves everyone else.
-pub const ALLOC_WAIT: Duration = Duration::from_millis(20);
-
-/// The RM as maru-server uses it. Every call runs on a thread of its own
-/// ([`OffLoop`]): allocations on `rm-alloc` (waiting on the loop at most
-/// [`ALLOC_WAIT`]), the periodic and keeper calls (which regions the RM holds for this
-/// server, frees, the largest pool) on `rm-link` (at most [`AGENT_WAIT`]). So a stopped
-/// RM stalls the loop for one allocation's wait per call timeout at most, and sessions
-/// that do not need it stay fast.
+/// The RM as maru-server uses it. Every call runs on a thread of its own: the core's
+/// allocations ([`Action::Alloc`]) on `rm-alloc`, whose answers wake the loop and go to
+/// the core as events ([`MetaCore::alloc_done`]); the periodic and keeper calls (which
+/// regions the RM holds for this server, frees, the pools' sizes) on `rm-link`, each
+/// waiting on the loop at most [`AGENT_WAIT`]. So a stopped RM never stalls the loop,
+/// and sessions that do not need it stay fast.
 pub struct MetaRm {
     /// The start-up check's connection.
     link: Link,
     /// This server's client id at the RM (the owner of its regions).
     client_id: String,
+    opts: ClientOptions,
     bg: OffLoop<RmKey, RmRequest, Result<RmReply, PortError>>,
-    alloc_bg: OffLoop<AllocKey, RmRequest, Result<RmReply, PortError>>,
-    alloc_wait: Duration,
-    /// The last allocation got no answer in time (or waited behind another): the
-    /// request is to be tried again once the allocation in flight is answered.
-    alloc_deferred: bool,
+    allocator: Option<Allocator>,
     /// Allocations started: an answer about the server's regions asked before the
     /// latest one may miss its region, so it is not used.
     allocs: u64,
-    largest: Option<u64>,
+    sizes: Option<PoolSizes>,
     wait: Duration,
     addr: String,
+}
+
+/// Allocations at the RM, one at a time, on the thread `rm-alloc`.
+struct Allocator {
+    jobs: mpsc::Sender<(u64, u64)>,
+    done: mpsc::Receiver<(u64, Result<AllocReply, PortError>)>,
+    /// An answer is waiting in `done` (set before the loop is woken).
+    ready: Arc<AtomicBool>,
+}
+
+impl Allocator {
+    fn start(mut link: Link, waker: Replier) -> Allocator {
+        let (jobs, rx) = mpsc::channel::<(u64, u64)>();
+        let (tx, done) = mpsc::channel();
+        let ready = Arc::new(AtomicBool::new(false));
+        let flag = ready.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rm-alloc".into())
+            .spawn(move || {
+                while let Ok((alloc, size)) = rx.recv() {
+                    let req = RmRequest::Alloc {
+                        size,
+                        pool: None,
+                        request_id: 0,
+                    };
+                    let answer = match link.call::<_, RmReply>(&req).map_err(port_error) {
+                        Ok(RmReply::Alloc(a)) => Ok(a),
+                        Ok(r) => Err(unexpected(r)),
+                        Err(e) => Err(e),
+                    };
+                    if tx.send((alloc, answer)).is_err() {
+                        return;
+                    }
+                    flag.store(true, Ordering::SeqCst);
+                    waker.wake();
+                }
+            });
+        if let Err(e) = spawned {
+            log::error!("cannot start thread rm-alloc: {e}");
+        }
+        Allocator { jobs, done, ready }
+    }
 }
 
 impl MetaRm {
@@ -118,26 +154,58 @@ impl MetaRm {
         let bg = OffLoop::start("rm-link".into(), move |req: RmRequest| {
             bg_link.call::<_, RmReply>(&req).map_err(port_error)
         });
-        let mut alloc_link = Link::new(addr, opts.clone());
-        let mut alloc_bg = OffLoop::start("rm-alloc".into(), move |req: RmRequest| {
-            alloc_link.call::<_, RmReply>(&req).map_err(port_error)
-        });
-        // A region that came late is the RM's for this server until used: it never
-        // goes stale, so the next allocation takes it whatever its age (the region
-        // size is fixed). A late failure says nothing about the next call.
-        alloc_bg.fresh = |a, _age| a.is_ok();
         MetaRm {
-            link: Link::new(addr, opts),
+            link: Link::new(addr, opts.clone()),
             client_id,
+            opts,
             bg,
-            alloc_bg,
-            alloc_wait: ALLOC_WAIT,
-            alloc_deferred: false,
+            allocator: None,
             allocs: 0,
-            largest: None,
+            sizes: None,
             wait: AGENT_WAIT,
             addr: addr.to_string(),
         }
+    }
+
+    /// Starts the allocation thread; its answers wake the loop through `waker`.
+    fn start_allocator(&mut self, waker: Replier) {
+        let link = Link::new(self.addr.clone(), self.opts.clone());
+        self.allocator = Some(Allocator::start(link, waker));
+    }
+
+    /// Sends the core's allocation to the RM (answered through [`take_allocs`]).
+    fn start_alloc(&mut self, alloc: u64, size: u64) -> Result<(), PortError> {
+        // Counted before the answer: an answer about the server's regions asked
+        // before this point may miss the region this call hands out.
+        self.allocs += 1;
+        let sent = self
+            .allocator
+            .as_ref()
+            .is_some_and(|a| a.jobs.send((alloc, size)).is_ok());
+        if sent {
+            Ok(())
+        } else {
+            Err(PortError::Unreachable(format!(
+                "the allocation thread for the RM at {} is gone",
+                self.addr
+            )))
+        }
+    }
+
+    /// Whether an allocation's answer waits to be taken.
+    fn alloc_answered(&self) -> bool {
+        self.allocator
+            .as_ref()
+            .is_some_and(|a| a.ready.load(Ordering::SeqCst))
+    }
+
+    /// The answers of allocations that came back.
+    fn take_allocs(&mut self) -> Vec<(u64, Result<AllocReply, PortError>)> {
+        let Some(a) = &self.allocator else {
+            return Vec::new();
+        };
+        a.ready.store(false, Ordering::SeqCst);
+        a.done.try_iter().collect()
     }
 
     /// Lets the off-loop calls wait up to `wait` (at shutdown).
@@ -150,18 +218,6 @@ impl MetaRm {
         self.bg
             .call(&peer, key, req, self.wait)
             .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
-    }
-
-    /// Whether an allocation is in flight at the RM with no answer yet.
-    pub fn alloc_pending(&mut self) -> bool {
-        self.alloc_bg.take_done();
-        self.alloc_bg.in_flight.is_some()
-    }
-
-    /// Whether an allocation since the last call failed only because the RM had not
-    /// answered yet (clears the flag).
-    pub fn take_alloc_deferred(&mut self) -> bool {
-        std::mem::take(&mut self.alloc_deferred)
     }
 
     /// Connects now (maru-server refuses to start without its RM).
@@ -209,29 +265,6 @@ impl MetaRm {
 pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
 impl RmPort for MetaRm {
-    fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
-        // Counted before the answer: an answer about the server's regions asked
-        // before this point may miss the region this call hands out.
-        self.allocs += 1;
-        let req = RmRequest::Alloc {
-            size,
-            pool: None,
-            request_id: 0,
-        };
-        let peer = format!("the RM at {}", self.addr);
-        let answer = match self.alloc_bg.call(&peer, AllocKey, req, self.alloc_wait) {
-            Ok(a) => a?,
-            Err(m) => {
-                self.alloc_deferred = true;
-                return Err(PortError::Unreachable(m));
-            }
-        };
-        match answer {
-            RmReply::Alloc(a) => Ok(a),
-            r => Err(unexpected(r)),
-        }
-    }
-
     fn free(&mut self, h: &Handle) -> Result<(), PortError> {
         let req = RmRequest::Free {
             handle: h.clone(),
@@ -253,16 +286,19 @@ impl RmPort for MetaRm {
         }
     }
 
-    fn largest_pool(&mut self) -> Result<u64, PortError> {
-        match self.bg_call(RmKey::Largest, RmRequest::Pools) {
+    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
+        match self.bg_call(RmKey::Pools, RmRequest::Pools) {
             Ok(RmReply::Pools { pools }) => {
-                let v = pools.iter().map(|p| p.total).max().unwrap_or(0);
-                self.largest = Some(v);
+                let v = PoolSizes {
+                    largest: pools.iter().map(|p| p.total).max().unwrap_or(0),
+                    total: pools.iter().map(|p| p.total).sum(),
+                };
+                self.sizes = Some(v);
                 Ok(v)
             }
             Ok(r) => Err(unexpected(r)),
             // The last answer stands while the RM is slow (pools seldom change).
-            Err(e) => self.largest.ok_or(e),
+            Err(e) => self.sizes.ok_or(e),
         }
     }
 }
@@ -291,9 +327,6 @@ struct OffLoop<K, Q, A> {
     done: mpsc::Receiver<(K, A)>,
     in_flight: Option<K>,
     ready: HashMap<K, (std::time::Instant, A)>,
-    /// Whether an answer of this age may be handed to a later call (default: younger
-    /// than [`READY_FOR`]).
-    fresh: fn(&A, Duration) -> bool,
 }
 
 /// An answer older than this is not handed to a later call (the call is made again).
@@ -329,7 +362,6 @@ where
             done,
             in_flight: None,
             ready: HashMap::new(),
-            fresh: |_, age| age < READY_FOR,
         }
     }
 
@@ -349,7 +381,7 @@ where
     fn call(&mut self, peer: &str, key: K, q: Q, wait: Duration) -> Result<A, String> {
         self.take_done();
         if let Some((at, a)) = self.ready.remove(&key) {
-            if (self.fresh)(&a, at.elapsed()) {
+            if at.elapsed() < READY_FOR {
                 return Ok(a);
             }
         }
@@ -468,96 +500,105 @@ impl AgentPort for MetaAgents {
 }
 
 /// Who each connection acts as. A session belongs to the connection that opened it
-/// (its *principal*), never to the client id a peer declares: a new connection acts
-/// on an existing session only when its hello presents that session's secret.
+/// (its *owner*), never to the client id a peer declares: a new connection acts on an
+/// existing session only when its hello presents that session's secret and it proved
+/// the key of the same tenant. The tenant is the keyring's name of the key the
+/// connection proved (the `default` tenant without a key).
 #[derive(Default)]
 pub struct SessionBinding {
-    /// The principal of each open connection.
-    conns: HashMap<ConnId, String>,
-    /// Session secret (hex) → the principal whose sessions it opens.
-    secrets: HashMap<String, String>,
+    /// The owner and tenant of each open connection.
+    conns: HashMap<ConnId, Bound>,
+    /// Session secret (hex) → the owner and tenant whose sessions it opens.
+    secrets: HashMap<String, Bound>,
     next_prune_ms: u64,
 }
 
-/// How often secrets of principals without a live session are forgotten.
+/// Whom a connection acts as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bound {
+    pub owner: String,
+    pub tenant: String,
+}
+
+/// How often secrets of owners without a live session are forgotten.
 const PRUNE_MS: u64 = 5_000;
 
 impl SessionBinding {
-    /// Binds a new connection: to the principal of the session secret it presents,
-    /// or else to a principal of its own.
-    pub fn open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>) {
+    /// Binds a new connection: to the owner of the session secret it presents when
+    /// it proved that owner's tenant, or else to an owner of its own.
+    pub fn open(&mut self, conn: ConnId, client_id: &str, tenant: &str, resume: Option<&str>) {
         let known = resume.and_then(|r| {
             self.secrets
                 .iter()
                 .find(|(s, _)| maru::auth::ct_eq(s.as_bytes(), r.as_bytes()))
-                .map(|(_, p)| p.clone())
+                .map(|(_, b)| b.clone())
         });
-        if resume.is_some() && known.is_none() {
-            log::info!(
-                "connection {conn} of {} presented an unknown session secret",
-                maru::net::clip(client_id)
-            );
-        }
-        let principal = known.unwrap_or_else(|| format!("{client_id}#{conn}"));
-        self.conns.insert(conn, principal);
+        let bound = match known {
+            Some(b) if b.tenant == tenant => b,
+            Some(b) => {
+                log::warn!(
+                    "connection {conn} of {} (tenant {tenant}) presented the session secret of \
+                     tenant {}: refused, it acts as itself",
+                    maru::net::clip(client_id),
+                    b.tenant
+                );
+                Bound {
+                    owner: format!("{client_id}#{conn}"),
+                    tenant: tenant.to_string(),
+                }
+            }
+            None => {
+                if resume.is_some() {
+                    log::info!(
+                        "connection {conn} of {} presented an unknown session secret",
+                        maru::net::clip(client_id)
+                    );
+                }
+                Bound {
+                    owner: format!("{client_id}#{conn}"),
+                    tenant: tenant.to_string(),
+                }
+            }
+        };
+        self.conns.insert(conn, bound);
     }
 
-    pub fn principal(&self, conn: ConnId) -> Option<&str> {
-        self.conns.get(&conn).map(String::as_str)
+    pub fn bound(&self, conn: ConnId) -> Option<&Bound> {
+        self.conns.get(&conn)
     }
 
     /// A new secret for a session `conn` opened.
     pub fn new_secret(&mut self, conn: ConnId) -> Option<String> {
-        let principal = self.conns.get(&conn)?.clone();
+        let bound = self.conns.get(&conn)?.clone();
         let secret = maru::auth::to_hex(&maru::auth::random_bytes(16).ok()?);
-        self.secrets.insert(secret.clone(), principal);
+        self.secrets.insert(secret.clone(), bound);
         Some(secret)
     }
 
-    /// A connection closed; returns its principal when no other open connection
-    /// acts as it.
+    /// A connection closed; returns its owner when no other open connection acts
+    /// as it.
     pub fn close(&mut self, conn: ConnId) -> Option<String> {
-        let p = self.conns.remove(&conn)?;
-        (!self.conns.values().any(|q| *q == p)).then_some(p)
+        let b = self.conns.remove(&conn)?;
+        (!self.conns.values().any(|q| q.owner == b.owner)).then_some(b.owner)
     }
 
-    /// Forgets secrets whose principal has no live session (at most every few seconds).
+    /// Forgets secrets whose owner has no live session (at most every few seconds).
     pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) {
         if now_ms < self.next_prune_ms {
             return;
         }
         self.next_prune_ms = now_ms + PRUNE_MS;
-        self.secrets.retain(|_, p| live(p));
+        self.secrets.retain(|_, b| live(&b.owner));
     }
 }
 
-/// A request waiting for an allocation at the RM, off the loop.
-struct Parked {
+/// A request answered later: it waits in the core for a region from the RM.
+struct Pending {
     conn: ConnId,
-    client_id: String,
-    body: Vec<u8>,
-    since_ms: u64,
+    /// The request's id (its reply carries it).
+    id: u64,
+    op: String,
     started: Instant,
-}
-
-/// Requests waiting for the RM at most; more are answered "retry" at once.
-const PARKED_MAX: usize = 1024;
-/// How long a request waits for its allocation before it is answered "retry" (beyond
-/// the RM link's connect and call timeouts, so an answer the RM gives is used).
-pub const PARK_MAX_MS: u64 = 8_000;
-/// How often parked requests are looked at while they wait.
-const PARK_POLL_MS: u64 = 2;
-
-/// Whether a request may need a new region from the RM.
-fn may_allocate(req: &MetaRequest) -> bool {
-    matches!(
-        req,
-        MetaRequest::Expand { .. }
-            | MetaRequest::OpenSession {
-                first_region: true,
-                ..
-            }
-    )
 }
 
 pub struct MetaService {
@@ -565,11 +606,14 @@ pub struct MetaService {
     pub rm: MetaRm,
     pub agents: MetaAgents,
     pub binding: SessionBinding,
-    /// Requests waiting for an allocation (oldest first), and replies to requests
-    /// answered late, for the loop to send.
-    parked: std::collections::VecDeque<Parked>,
+    /// Requests waiting in the core, by ticket, and each connection's tickets.
+    pending: HashMap<Ticket, Pending>,
+    tickets_of: HashMap<ConnId, Vec<Ticket>>,
+    next_ticket: Ticket,
+    /// Replies to requests answered late, for the loop to send.
     replies: Vec<(ConnId, Vec<u8>)>,
-    last_now_ms: u64,
+    /// `--tenants`: the file, read again when it changes.
+    tenants_file: Option<TenantsFile>,
     /// `--metrics`: figures for Prometheus.
     metrics: Option<Arc<Metrics>>,
     refresh: Refresh,
@@ -577,15 +621,19 @@ pub struct MetaService {
 }
 
 impl MetaService {
-    pub fn new(core: MetaCore, rm: MetaRm, agents: MetaAgents) -> MetaService {
+    /// The service; `waker` wakes the loop when the RM answers an allocation.
+    pub fn new(core: MetaCore, mut rm: MetaRm, agents: MetaAgents, waker: Replier) -> MetaService {
+        rm.start_allocator(waker);
         MetaService {
             core,
             rm,
             agents,
             binding: SessionBinding::default(),
-            parked: std::collections::VecDeque::new(),
+            pending: HashMap::new(),
+            tickets_of: HashMap::new(),
+            next_ticket: 0,
             replies: Vec::new(),
-            last_now_ms: 0,
+            tenants_file: None,
             metrics: None,
             refresh: Refresh::new(1000),
             started: Instant::now(),
@@ -598,16 +646,40 @@ impl MetaService {
         self
     }
 
-    /// Serves one request; `None` when it waits for an allocation at the RM (it
-    /// changed nothing and is served again once the RM answered).
-    fn serve(
+    /// Reads `file` again whenever it changes and puts its tenants in force.
+    pub fn with_tenants_file(mut self, file: TenantsFile) -> MetaService {
+        self.tenants_file = Some(file);
+        self
+    }
+
+    /// The reply frame of a request's result, counted in the metrics.
+    fn reply(
         &mut self,
         conn: ConnId,
-        client_id: &str,
-        body: &[u8],
-        now_ms: u64,
+        id: u64,
+        op: &str,
         started: Instant,
-    ) -> Option<Vec<u8>> {
+        mut result: Result<MetaReply, WireError>,
+        now_ms: u64,
+    ) -> Vec<u8> {
+        if let Ok(MetaReply::Session(s)) = &mut result {
+            s.session_secret = self.binding.new_secret(conn);
+        }
+        if let Err(e) = &result {
+            log::debug!("request {id} on connection {conn}: {e}");
+        }
+        if let Some(m) = &self.metrics {
+            m.request(op, result_of(&result), started.elapsed().as_secs_f64());
+            self.refresh.touch();
+            self.refresh_gauges(now_ms);
+        }
+        wire::reply_frame(id, result)
+    }
+
+    /// Serves one request: its reply, or an empty one when it waits in the core for
+    /// a region (answered by [`deliver`](Self::deliver)).
+    fn serve(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        let started = Instant::now();
         let env: Envelope<MetaRequest> = match wire::decode_json(body) {
             Ok(e) => e,
             Err(e) => {
@@ -623,81 +695,70 @@ impl MetaService {
                         started.elapsed().as_secs_f64(),
                     );
                 }
-                return Some(wire::reply_frame::<()>(wire::request_id_of(body), Err(e)));
+                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
-        let allocating = may_allocate(&env.body);
-        if allocating && self.rm.alloc_pending() {
-            return None;
+        // Every connection is bound at its handshake; one that is not gets no tenant
+        // (no namespace opens for it), never the default tenant's rights.
+        let bound = self.binding.bound(conn).cloned().unwrap_or_else(|| Bound {
+            owner: format!("{client_id}#{conn}"),
+            tenant: String::new(),
+        });
+        let caller = Caller {
+            owner: &bound.owner,
+            tenant: &bound.tenant,
+        };
+        self.next_ticket += 1;
+        let ticket = self.next_ticket;
+        let op = op_of(body);
+        let answer = self
+            .core
+            .handle(&caller, ticket, env.body, now_ms, &mut self.rm);
+        self.run_actions(now_ms);
+        match answer {
+            Some(r) => self.reply(conn, env.id, &op, started, r, now_ms),
+            None => {
+                self.pending.insert(
+                    ticket,
+                    Pending {
+                        conn,
+                        id: env.id,
+                        op,
+                        started,
+                    },
+                );
+                self.tickets_of.entry(conn).or_default().push(ticket);
+                Vec::new()
+            }
         }
-        let principal = self
-            .binding
-            .principal(conn)
-            .map_or_else(|| format!("{client_id}#{conn}"), str::to_string);
-        self.rm.take_alloc_deferred();
-        let mut result = self.core.handle(&principal, env.body, now_ms, &mut self.rm);
-        if allocating && result.is_err() && self.rm.take_alloc_deferred() {
-            // Nothing changed (the region comes first): wait off the loop.
-            return None;
-        }
-        if let Ok(MetaReply::Session(s)) = &mut result {
-            s.session_secret = self.binding.new_secret(conn);
-        }
-        if let Err(e) = &result {
-            log::debug!(
-                "request {} from {}: {e}",
-                env.id,
-                maru::net::clip(&principal)
-            );
-        }
-        if let Some(m) = &self.metrics {
-            m.request(
-                &op_of(body),
-                result_of(&result),
-                started.elapsed().as_secs_f64(),
-            );
-            self.refresh.touch();
-            self.refresh_gauges(now_ms);
-        }
-        Some(wire::reply_frame(env.id, result))
     }
 
-    /// Serves the parked requests whose allocation can go on now, in their order;
-    /// one that waited [`PARK_MAX_MS`] is answered "retry".
-    fn retry_parked(&mut self, now_ms: u64) {
-        let mut left = std::collections::VecDeque::new();
-        while let Some(p) = self.parked.pop_front() {
-            if now_ms.saturating_sub(p.since_ms) >= PARK_MAX_MS {
-                let e = WireError::new(
-                    ErrorCode::Internal,
-                    format!(
-                        "the RM at {} did not answer an allocation within {} s: retry",
-                        self.rm.addr,
-                        PARK_MAX_MS / 1000
-                    ),
-                );
-                if let Some(m) = &self.metrics {
-                    m.request(
-                        &op_of(&p.body),
-                        e.code.as_str(),
-                        p.started.elapsed().as_secs_f64(),
-                    );
-                }
-                let id = wire::request_id_of(&p.body);
-                self.replies
-                    .push((p.conn, wire::reply_frame::<()>(id, Err(e))));
-                continue;
-            }
-            if !left.is_empty() || self.rm.alloc_pending() {
-                left.push_back(p);
-                continue;
-            }
-            match self.serve(p.conn, &p.client_id, &p.body, now_ms, p.started) {
-                Some(r) => self.replies.push((p.conn, r)),
-                None => left.push_back(p),
+    /// Carries out the core's actions: allocations go to the RM off the loop.
+    fn run_actions(&mut self, now_ms: u64) {
+        while let Some(Action::Alloc { alloc, size }) = self.core.next_action() {
+            if let Err(e) = self.rm.start_alloc(alloc, size) {
+                self.core.alloc_done(alloc, Err(e), now_ms, &mut self.rm);
             }
         }
-        self.parked = left;
+    }
+
+    /// Feeds the RM's answers to the core and turns the core's late answers into
+    /// replies.
+    fn deliver(&mut self, now_ms: u64) {
+        for (alloc, answer) in self.rm.take_allocs() {
+            self.core.alloc_done(alloc, answer, now_ms, &mut self.rm);
+        }
+        self.run_actions(now_ms);
+        for (ticket, result) in self.core.take_answers() {
+            let Some(p) = self.pending.remove(&ticket) else {
+                continue;
+            };
+            if let Some(t) = self.tickets_of.get_mut(&p.conn) {
+                t.retain(|x| *x != ticket);
+            }
+            let frame = self.reply(p.conn, p.id, &p.op, p.started, result, now_ms);
+            self.replies.push((p.conn, frame));
+        }
     }
 
     fn refresh_gauges(&mut self, now_ms: u64) {
@@ -720,6 +781,7 @@ impl MetaService {
             ("kept_keys", t.kept_keys),
             ("giving_back", t.giving_back),
             ("waiting_for_region", t.waiting_for_region),
+            ("waiting_for_rm", t.waiting_for_rm),
         ] {
             m.set(name, v as i64);
         }
@@ -747,34 +809,20 @@ impl Service for MetaService {
         })
     }
 
-    fn on_open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>, _now_ms: u64) {
-        self.binding.open(conn, client_id, resume);
+    fn on_open(
+        &mut self,
+        conn: ConnId,
+        client_id: &str,
+        key_name: Option<&str>,
+        resume: Option<&str>,
+        _now_ms: u64,
+    ) {
+        let tenant = key_name.unwrap_or(DEFAULT_TENANT);
+        self.binding.open(conn, client_id, tenant, resume);
     }
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
-        self.last_now_ms = now_ms;
-        let started = Instant::now();
-        if let Some(r) = self.serve(conn, client_id, body, now_ms, started) {
-            return r;
-        }
-        if self.parked.len() >= PARKED_MAX {
-            let e = WireError::new(
-                ErrorCode::Internal,
-                format!(
-                    "{PARKED_MAX} requests already wait for the RM at {}: retry",
-                    self.rm.addr
-                ),
-            );
-            return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
-        }
-        self.parked.push_back(Parked {
-            conn,
-            client_id: client_id.to_string(),
-            body: body.to_vec(),
-            since_ms: now_ms,
-            started,
-        });
-        Vec::new()
+        self.serve(conn, client_id, body, now_ms)
     }
 
     fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {
@@ -782,16 +830,28 @@ impl Service for MetaService {
     }
 
     fn on_close(&mut self, conn: ConnId, _client_id: &str, now_ms: u64) {
-        self.parked.retain(|p| p.conn != conn);
-        if let Some(p) = self.binding.close(conn) {
-            self.core.client_closed(&p, now_ms);
+        for t in self.tickets_of.remove(&conn).unwrap_or_default() {
+            self.pending.remove(&t);
+            self.core.cancel(t);
+        }
+        if let Some(owner) = self.binding.close(conn) {
+            self.core.client_closed(&owner, now_ms);
         }
     }
 
     fn on_tick(&mut self, now_ms: u64) {
-        self.last_now_ms = now_ms;
-        self.retry_parked(now_ms);
+        if let Some(f) = &mut self.tenants_file {
+            if let Some(tenants) = f.reload_if_changed(now_ms) {
+                let ended = self.core.set_tenants(tenants, now_ms);
+                log::info!(
+                    "tenants of {} in force: {:?}; {ended} session(s) ended",
+                    f.path().display(),
+                    self.core.tenants().names().collect::<Vec<_>>()
+                );
+            }
+        }
         self.core.tick(now_ms, &mut self.rm, &mut self.agents);
+        self.deliver(now_ms);
         let core = &self.core;
         self.binding.prune(now_ms, |p| core.has_session_of(p));
         self.refresh.touch();
@@ -800,8 +860,11 @@ impl Service for MetaService {
 
     fn next_deadline(&self) -> Option<u64> {
         let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
-        let parked = (!self.parked.is_empty()).then(|| self.last_now_ms + PARK_POLL_MS);
-        [self.core.next_deadline(), gauges, parked]
+        // An allocation answered (the loop was woken for it), or answers of the core
+        // to hand over: at once.
+        let answered = (self.rm.alloc_answered() || self.core.has_answers()).then_some(0);
+        let tenants = self.tenants_file.as_ref().map(TenantsFile::next_check_ms);
+        [self.core.next_deadline(), gauges, answered, tenants]
             .into_iter()
             .flatten()
             .min()
@@ -891,5 +954,29 @@ pub fn watch_agents(agents: Vec<String>, opts: ClientOptions, every: Duration) {
         });
     if let Err(e) = spawned {
         log::warn!("cannot start the agent check thread: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_secret_resumes_only_under_the_tenant_that_opened_it() {
+        let mut b = SessionBinding::default();
+        b.open(1, "engine", "victim", None);
+        let secret = b.new_secret(1).unwrap();
+        let owner = b.bound(1).unwrap().owner.clone();
+        // Another connection of the same tenant with the secret acts as the owner.
+        b.open(2, "engine", "victim", Some(&secret));
+        assert_eq!(b.bound(2).unwrap().owner, owner);
+        // A key holder of another tenant who learned the secret does not.
+        b.open(3, "engine", "attacker", Some(&secret));
+        let thief = b.bound(3).unwrap();
+        assert_ne!(thief.owner, owner);
+        assert_eq!(thief.tenant, "attacker");
+        // Nor does a declared client id by itself.
+        b.open(4, "engine", "victim", None);
+        assert_ne!(b.bound(4).unwrap().owner, owner);
     }
 }

@@ -31,6 +31,7 @@ enum Job {
     Open {
         conn: ConnId,
         client_id: String,
+        key_name: Option<String>,
         resume: Option<String>,
         now: u64,
     },
@@ -130,9 +131,16 @@ fn run<S: Service>(
             Job::Open {
                 conn,
                 client_id,
+                key_name,
                 resume,
                 now,
-            } => s.on_open(conn, &client_id, resume.as_deref(), now),
+            } => s.on_open(
+                conn,
+                &client_id,
+                key_name.as_deref(),
+                resume.as_deref(),
+                now,
+            ),
             Job::Request {
                 conn,
                 client_id,
@@ -198,10 +206,18 @@ impl Service for OffLoop {
         w
     }
 
-    fn on_open(&mut self, conn: ConnId, client_id: &str, resume: Option<&str>, now_ms: u64) {
+    fn on_open(
+        &mut self,
+        conn: ConnId,
+        client_id: &str,
+        key_name: Option<&str>,
+        resume: Option<&str>,
+        now_ms: u64,
+    ) {
         self.queue(Job::Open {
             conn,
             client_id: client_id.to_string(),
+            key_name: key_name.map(str::to_string),
             resume: resume.map(str::to_string),
             now: now_ms,
         });

@@ -139,7 +139,14 @@ impl Service for RmService {
         })
     }
 
-    fn on_open(&mut self, _conn: ConnId, client_id: &str, _resume: Option<&str>, _now_ms: u64) {
+    fn on_open(
+        &mut self,
+        _conn: ConnId,
+        client_id: &str,
+        _key_name: Option<&str>,
+        _resume: Option<&str>,
+        _now_ms: u64,
+    ) {
         self.core.client_connected(client_id);
     }
 

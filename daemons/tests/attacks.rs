@@ -396,30 +396,116 @@ fn a_session_answers_only_its_connection_or_its_secret() {
         })
         .is_err());
     let mut forged = ClientOptions::new(META, "engine-7");
+    forged.key = support::server_key(&srv.addr);
     forged.resume = Some("00".repeat(16));
     assert!(exists(&mut Client::connect(&srv.addr, &forged).unwrap()).is_err());
     let mut o = ClientOptions::new(META, "engine-7");
+    o.key = support::server_key(&srv.addr);
     o.resume = Some(secret);
     let mut back = Client::connect(&srv.addr, &o).unwrap();
     assert!(exists(&mut back).is_ok(), "the secret resumes the session");
     assert!(exists(&mut victim).is_ok());
 }
 
-/// maru-server with `--key-file` serves no worker that does not prove it.
+/// Starts maru-server by hand (no key added by the test support) with `args`, HOME
+/// set to `home`; returns the child and its address once it listens. Its stderr goes
+/// to `log`.
+fn server_by_hand(
+    s: &mut Scratch,
+    home: &std::path::Path,
+    args: &[&str],
+    log: std::fs::File,
+) -> (std::process::Child, String, Daemon) {
+    let r = rm(s, &[]);
+    let ready = s.dir.join("server-ready");
+    let _ = std::fs::remove_file(&ready);
+    let mut cmd = Command::new(SERVER_BIN);
+    cmd.args([
+        "--rm-address",
+        &r.addr,
+        "--rm-key-file",
+        &support::rm_key_path(&r.addr).unwrap().display().to_string(),
+        "--region-size",
+        "4M",
+        "--chunk-size",
+        "1M",
+        "--port",
+        "0",
+        "--ready-file",
+        &ready.display().to_string(),
+    ])
+    .args(args)
+    .env("HOME", home)
+    .env_remove("MARU_SERVER_KEY_FILE")
+    .env("RUST_LOG", "warn")
+    .stdin(std::process::Stdio::null())
+    .stdout(std::process::Stdio::null())
+    .stderr(log);
+    let child = cmd.spawn().unwrap();
+    assert!(support::wait_until(Duration::from_secs(15), || {
+        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
+    }));
+    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    (child, addr, r)
+}
+
+/// Issue 33: maru-server started without `--key-file` makes its key on first start
+/// (~/.maru/server.key, 0600) and serves no worker that does not prove it.
 #[test]
-fn maru_server_with_a_key_refuses_workers_without_it() {
+fn maru_server_makes_its_key_on_first_start_and_refuses_workers_without_it() {
+    use std::os::unix::fs::PermissionsExt;
     let mut s = Scratch::new("att-srvkey");
-    let key = s.dir.join("server.key");
-    let (srv, _rm) = meta(&mut s, &["--key-file", &key.display().to_string()]);
+    let home = s.dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let log = std::fs::File::create(s.dir.join("server.log")).unwrap();
+    let (mut child, addr, _rm) = server_by_hand(&mut s, &home, &[], log);
+    let key = home.join(".maru/server.key");
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "maru-server's key file is private");
     let o = ClientOptions::new(META, "w");
     assert!(matches!(
-        Client::connect(&srv.addr, &o),
+        Client::connect(&addr, &o),
+        Err(ClientError::Auth { .. })
+    ));
+    let mut wrong = ClientOptions::new(META, "w");
+    wrong.key = Some(SharedKey::generate().unwrap());
+    assert!(matches!(
+        Client::connect(&addr, &wrong),
         Err(ClientError::Auth { .. })
     ));
     let mut o = ClientOptions::new(META, "w");
     o.key = Some(maru::auth::load_key_file(&key).unwrap());
-    let mut c = Client::connect(&srv.addr, &o).unwrap();
+    let mut c = Client::connect(&addr, &o).unwrap();
     let _ = open_session(&mut c);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Issue 33: running maru-server without a key is an explicit flag, and says so.
+#[test]
+fn running_maru_server_without_a_key_needs_a_flag_and_warns() {
+    let mut s = Scratch::new("att-srvnokey");
+    let home = s.dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let log_path = s.dir.join("server.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let (mut child, addr, _rm) = server_by_hand(&mut s, &home, &["--insecure-no-key"], log);
+    let mut c = Client::connect(&addr, &ClientOptions::new(META, "w")).expect("no key asked");
+    let _ = open_session(&mut c);
+    let _ = child.kill();
+    let _ = child.wait();
+    let err = std::fs::read_to_string(&log_path).unwrap();
+    assert!(err.contains("WITHOUT a key"), "{err}");
+    assert!(!home.join(".maru/server.key").exists());
+    // A key and --insecure-no-key together are a configuration error.
+    let (code, err) = support::refused_start(Command::new(SERVER_BIN).args([
+        "--insecure-no-key",
+        "--key-file",
+        &s.dir.join("k").display().to_string(),
+        "--port",
+        "0",
+    ]));
+    assert_eq!(code, Some(78), "{err}");
 }
 
 /// An RM in `s` logging at info level into `s.dir/rm.log`, with `extra` flags: the
@@ -1564,4 +1650,472 @@ fn a_flood_of_keyless_connections_is_logged_as_a_few_summary_lines() {
         assert!(line.contains(kind), "{kind} not counted: {line}");
     }
     assert!(line.len() < 600, "{line}");
+}
+
+/// A memory node (RM and agent over a 64 MiB fake-DAX pool) and maru-server with the
+/// tenants `victim` (writes `victim-model`) and `attacker` (writes `attacker-model`,
+/// reads `victim-model`: the most another key holder could be given), each with its
+/// own key file. Regions of 4 MiB, chunks of 1 MiB; `extra` after the usual flags.
+struct Tenanted {
+    server: Daemon,
+    node: support::MemoryNode,
+    victim_key: std::path::PathBuf,
+    attacker_key: std::path::PathBuf,
+    s: Scratch,
+}
+
+fn tenanted(tag: &str, attacker_limits: &str, extra: &[&str]) -> Tenanted {
+    let mut s = Scratch::new(tag);
+    let node = support::memory_node(&mut s, "64M");
+    let (victim_key, attacker_key) = (s.dir.join("victim.key"), s.dir.join("attacker.key"));
+    for k in [&victim_key, &attacker_key] {
+        maru::auth::keyfile::write_new_key_file(k, &SharedKey::generate().unwrap()).unwrap();
+    }
+    let tenants = s.dir.join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "[tenants.victim]\nkey_file = \"victim.key\"\nwrite = [\"victim-model\"]\n\n\
+             [tenants.attacker]\nkey_file = \"attacker.key\"\nwrite = [\"attacker-model\"]\n\
+             read = [\"victim-model\"]\n{attacker_limits}\n"
+        ),
+    )
+    .unwrap();
+    let mut args: Vec<String> = [
+        "--rm-address",
+        &node.rm.addr,
+        "--remote-cxl-agent",
+        &node.agent.addr,
+        "--remote-cxl-agent-key-file",
+        &node.key_path.display().to_string(),
+        "--region-size",
+        "4M",
+        "--chunk-size",
+        "1M",
+        "--tenants",
+        &tenants.display().to_string(),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let server = Daemon::start(SERVER_BIN, &args, &s.dir);
+    Tenanted {
+        server,
+        node,
+        victim_key,
+        attacker_key,
+        s,
+    }
+}
+
+impl Tenanted {
+    /// A protocol client proving `key`.
+    fn client(&self, key: &std::path::Path, id: &str) -> Client {
+        let mut o = ClientOptions::new(META, id);
+        o.key = Some(maru::auth::load_key_file(key).unwrap());
+        o.call_timeout = Duration::from_secs(15);
+        Client::connect(&self.server.addr, &o).unwrap()
+    }
+
+    /// A handler of engine `engine` in `namespace`, proving `key`.
+    fn handler(
+        &self,
+        backend: &str,
+        key: &std::path::Path,
+        engine: &str,
+        namespace: &str,
+    ) -> maru::worker::Handler {
+        let cfg = serde_json::json!({
+            "backend": backend,
+            "server_url": self.server.addr,
+            "server_key_file": key.display().to_string(),
+            "agent_key_file": self.node.key_path.display().to_string(),
+            "engine_id": engine,
+            "namespace": namespace,
+            "load_slots": 8,
+            "store_slots": 8,
+        });
+        maru::worker::Handler::open(&cfg.to_string()).unwrap()
+    }
+}
+
+fn open_in(c: &mut Client, ns: &str, first_region: bool) -> Result<MetaReply, ClientError> {
+    c.call::<_, MetaReply>(&MetaRequest::OpenSession {
+        engine_id: "e".into(),
+        namespace: ns.into(),
+        layout: "l".into(),
+        backend: Backend::Cxl,
+        first_region,
+    })
+}
+
+fn code_of(r: Result<MetaReply, ClientError>) -> maru::wire::ErrorCode {
+    match r {
+        Err(ClientError::Remote(e)) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+/// Issue 33, item 1 and 2: a key holder of another tenant computes the victim's chunk
+/// keys and tries to publish them first (its own handler storing zeros, and by hand
+/// into pages of its own), to pin them and to remove them. None of it works: the
+/// victim's later store of the same keys is stored, another engine of the victim's
+/// tenant loads the victim's bytes, byte-exact, and the victim's own remove works.
+fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
+    let t = tenanted(&format!("att-poison-{backend}"), "", &[]);
+    // A key the server does not hold is refused at the handshake, naming why.
+    let mut stranger = ClientOptions::new(META, "stranger");
+    stranger.key = Some(SharedKey::generate().unwrap());
+    match Client::connect(&t.server.addr, &stranger) {
+        Err(ClientError::Auth { message, .. }) => {
+            assert!(message.contains("not one this server accepts"), "{message}")
+        }
+        other => panic!("a stranger's key: {:?}", other.err()),
+    }
+    let chunk = 1 << 20;
+    let keys: Vec<String> = (0..8).map(|i| format!("{backend}-prompt-{i}")).collect();
+    let victim_bytes: Vec<Vec<u8>> = (0..8)
+        .map(|i| (0..chunk).map(|j| (j * 7 + i * 31 + 1) as u8).collect())
+        .collect();
+    // 1. The attacker's engine stores zeros under the victim's keys in the victim's
+    // namespace, first: its tenant only reads there, so nothing is stored.
+    let attacker = t.handler(backend, &t.attacker_key, "attacker-engine", "victim-model");
+    let zeros = vec![0u8; chunk];
+    let items: Vec<(&str, &[u8])> = keys.iter().map(|k| (k.as_str(), &zeros[..])).collect();
+    if let Ok(stored) = attacker.store_batch(&items, Some(&keys[0])) {
+        assert!(
+            !stored.iter().any(|&x| x),
+            "the attacker stored into the victim's namespace: {stored:?}"
+        );
+    }
+    // 2. By hand: a page of its own, published under the victim's namespace.
+    let mut raw = t.client(&t.attacker_key, "attacker-raw");
+    let spy = match open_in(&mut raw, "victim-model", false).unwrap() {
+        MetaReply::Session(s) => s.session,
+        r => panic!("{r:?}"),
+    };
+    let own = match open_in(&mut raw, "attacker-model", true).unwrap() {
+        MetaReply::Session(s) => s.session,
+        r => panic!("{r:?}"),
+    };
+    let page = match raw
+        .call::<_, MetaReply>(&MetaRequest::Alloc {
+            session: own,
+            count: 1,
+            route_key: None,
+        })
+        .unwrap()
+    {
+        MetaReply::Pages(p) => p.pages[0],
+        r => panic!("{r:?}"),
+    };
+    let forged = MetaRequest::Publish {
+        session: spy,
+        entries: vec![maru::wire::meta::PublishEntry {
+            key: keys[0].clone(),
+            region_id: page.region_id,
+            offset: page.offset,
+            length: chunk as u64,
+            prev: None,
+        }],
+    };
+    assert_eq!(
+        code_of(raw.call::<_, MetaReply>(&forged)),
+        maru::wire::ErrorCode::Permission
+    );
+    // 3. The victim stores its chunks: every one is stored.
+    let victim = t.handler(backend, &t.victim_key, "victim-engine", "victim-model");
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&victim_bytes)
+        .map(|(k, b)| (k.as_str(), &b[..]))
+        .collect();
+    assert_eq!(
+        victim.store_batch(&items, Some(&keys[0])).unwrap(),
+        vec![true; 8],
+        "the victim's store was refused or skipped"
+    );
+    // 4. The attacker can neither pin nor remove them.
+    for req in [
+        MetaRequest::Pin {
+            session: spy,
+            keys: keys.clone(),
+        },
+        MetaRequest::Remove {
+            session: spy,
+            keys: keys.clone(),
+        },
+    ] {
+        assert_eq!(
+            code_of(raw.call::<_, MetaReply>(&req)),
+            maru::wire::ErrorCode::Permission
+        );
+    }
+    // 5. Another engine of the victim's tenant loads the victim's bytes.
+    let reader = t.handler(backend, &t.victim_key, "victim-reader", "victim-model");
+    let got = reader.load_batch(&keys, Some(&keys[0])).unwrap();
+    let mut wrong = 0usize;
+    for (g, want) in got.iter().zip(&victim_bytes) {
+        let g = g.as_ref().expect("the victim's chunk is found");
+        wrong += g.iter().zip(want).filter(|(a, b)| a != b).count() + want.len().abs_diff(g.len());
+    }
+    assert_eq!(wrong, 0, "{wrong} wrong bytes loaded");
+    // 6. Nothing pins them: the victim's own remove works.
+    assert_eq!(
+        victim.remove_batch(&keys[..1], Some(&keys[0])).unwrap(),
+        vec![maru::wire::meta::RemoveResult::Removed]
+    );
+    drop((attacker, victim, reader));
+    drop(t.s);
+}
+
+#[test]
+fn another_tenant_cannot_poison_pin_or_remove_a_victims_keys_cxl() {
+    another_tenant_cannot_poison_pin_or_remove("cxl");
+}
+
+#[test]
+fn another_tenant_cannot_poison_pin_or_remove_a_victims_keys_remote_cxl() {
+    another_tenant_cannot_poison_pin_or_remove("remote_cxl");
+}
+
+/// Regions of the pool at the RM of `t` (its pools' bytes ÷ 4 MiB).
+fn pool_regions(t: &Tenanted) -> usize {
+    let mut rmc = connect(&t.node.rm.addr, RM, "observer");
+    match rmc.call::<_, RmReply>(&RmRequest::Pools).unwrap() {
+        RmReply::Pools { pools } => {
+            (pools.iter().map(|p| p.total).sum::<u64>() / (4 * MIB)) as usize
+        }
+        r => panic!("{r:?}"),
+    }
+}
+
+/// Issue 33, item 3: one process of one tenant opens 14 sessions (each asking for a
+/// region at open) and expands them as far as it can, while another tenant stores.
+/// It gets no more than its tenant's share of the pool, the other tenant gets the
+/// rest, and its sessions that never store give their regions back within about one
+/// heartbeat (session timeout 3 s: a heartbeat of 1 s) though they heartbeat.
+#[test]
+fn sybil_sessions_of_one_tenant_get_no_more_than_its_share() {
+    let t = tenanted(
+        "att-sybil",
+        "max_sessions = 32\n",
+        &["--session-timeout-s", "3"],
+    );
+    let pool = pool_regions(&t);
+    assert!(pool >= 8, "a pool of {pool} regions");
+    let share = pool.div_ceil(2);
+    // The victim stores: one region, a page taken.
+    let mut v = t.client(&t.victim_key, "victim");
+    let vs = match open_in(&mut v, "victim-model", true).unwrap() {
+        MetaReply::Session(s) => s.session,
+        r => panic!("{r:?}"),
+    };
+    let take_page = |c: &mut Client, session: u64| {
+        c.call::<_, MetaReply>(&MetaRequest::Alloc {
+            session,
+            count: 4,
+            route_key: None,
+        })
+        .unwrap()
+    };
+    take_page(&mut v, vs);
+    // The sybil: 14 sessions, a region each at open, then every expand it can get.
+    let mut sybils: Vec<(Client, u64)> = Vec::new();
+    let mut sybil_regions = 0;
+    for i in 0..14 {
+        let mut c = t.client(&t.attacker_key, &format!("sybil-{i}"));
+        // Refused a first region (its share is taken): it opens without one.
+        let opened = open_in(&mut c, "attacker-model", true)
+            .or_else(|_| open_in(&mut c, "attacker-model", false));
+        match opened.unwrap() {
+            MetaReply::Session(s) => {
+                sybil_regions += usize::from(s.region.is_some());
+                sybils.push((c, s.session));
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    for (c, s) in &mut sybils {
+        while c
+            .call::<_, MetaReply>(&MetaRequest::Expand { session: *s })
+            .is_ok()
+        {
+            sybil_regions += 1;
+        }
+    }
+    let granted_at = Instant::now();
+    assert!(
+        sybil_regions <= share,
+        "14 sessions of one tenant took {sybil_regions} of {pool} regions (share {share})"
+    );
+    // The victim gets the rest of the pool.
+    let mut victim_regions = 1;
+    while v
+        .call::<_, MetaReply>(&MetaRequest::Expand { session: vs })
+        .is_ok()
+    {
+        victim_regions += 1;
+    }
+    assert!(
+        victim_regions >= pool - share,
+        "the victim got {victim_regions} of {pool} regions beside the sybil's {sybil_regions}"
+    );
+    // The sybil's sessions heartbeat but never store: their regions go back within
+    // about a heartbeat.
+    let mut admin = connect(&t.server.addr, META, "operator");
+    let sybil_held = |admin: &mut Client| match admin.call::<_, MetaReply>(&MetaRequest::Usage) {
+        Ok(MetaReply::Usage(u)) => u
+            .sessions
+            .iter()
+            .filter(|s| s.tenant == "attacker")
+            .map(|s| s.regions)
+            .sum::<u64>(),
+        r => panic!("{r:?}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while sybil_held(&mut admin) > 0 && Instant::now() < deadline {
+        for (c, s) in &mut sybils {
+            let _ = c.call::<_, MetaReply>(&MetaRequest::Heartbeat {
+                session: *s,
+                boot_ids: Default::default(),
+                regions: vec![],
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        sybil_held(&mut admin),
+        0,
+        "the sybil's unused regions stayed"
+    );
+    assert!(
+        granted_at.elapsed() < Duration::from_millis(2_500),
+        "given back after {:?}",
+        granted_at.elapsed()
+    );
+    // Their sessions are alive (they heartbeat); the victim takes the room.
+    assert!(v
+        .call::<_, MetaReply>(&MetaRequest::Expand { session: vs })
+        .is_ok());
+}
+
+/// Issue 33, item 4: with the RM stopped, a key holder's 128 connections (a session
+/// each) flood maru-server with expands padded to 256 KiB. Requests waiting for the
+/// RM are held decoded and bounded per tenant (the rest are answered "retry" at once),
+/// so maru-server's RSS stays under 64 MiB (it reached 1,153 MiB when waiting requests
+/// were kept as their frames); another tenant's session is still answered.
+#[test]
+fn a_parked_expand_flood_keeps_maru_server_small() {
+    let t = tenanted(
+        "att-parkflood",
+        "max_sessions = 200\n",
+        &["--max-sessions", "512", "--max-clients", "1024"],
+    );
+    let pid = t.server.child.id();
+    let mut victim = t.client(&t.victim_key, "victim");
+    let vs = match open_in(&mut victim, "victim-model", false).unwrap() {
+        MetaReply::Session(s) => s.session,
+        r => panic!("{r:?}"),
+    };
+    let mut floods = Vec::new();
+    for i in 0..128 {
+        let mut c = t.client(&t.attacker_key, &format!("flood-{i}"));
+        let s = match open_in(&mut c, "attacker-model", false).unwrap() {
+            MetaReply::Session(s) => s.session,
+            r => panic!("{r:?}"),
+        };
+        floods.push((c, s));
+    }
+    let before = vm_rss_kib(pid);
+    let rm_pid = t.node.rm.child.id() as i32;
+    // SAFETY: signals to a child this test started.
+    unsafe { libc::kill(rm_pid, libc::SIGSTOP) };
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let retries = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pad = " ".repeat(256 << 10);
+    let threads: Vec<_> = floods
+        .into_iter()
+        .map(|(c, session)| {
+            let (stop, retries, pad) = (stop.clone(), retries.clone(), pad.clone());
+            std::thread::spawn(move || {
+                let (mut raw, _) = c.into_parts();
+                raw.set_read_timeout(Some(Duration::from_millis(1)))
+                    .unwrap();
+                let mut dec = FrameDecoder::new(1 << 20);
+                let mut buf = vec![0u8; 64 << 10];
+                let mut id = 0u64;
+                // One padded expand at a time, as fast as maru-server reads them, and
+                // whatever replies came meanwhile.
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    id += 1;
+                    // Padded with whitespace: cheap to decode, so the flood is bytes
+                    // for maru-server to hold, not CPU.
+                    let body = serde_json::json!({"id": id, "op": "expand", "session": session});
+                    let f =
+                        wire::frame::encode(FrameKind::Request, format!("{body}{pad}").as_bytes());
+                    if raw.write_all(&f).is_err() {
+                        return;
+                    }
+                    while let Ok(n) = raw.read(&mut buf) {
+                        if n == 0 {
+                            return;
+                        }
+                        dec.push(&buf[..n]);
+                        while let Ok(Some(f)) = dec.next_frame() {
+                            if String::from_utf8_lossy(&f.body).contains("wait for a region") {
+                                retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    // The other tenant's calls, timed (the loop decodes every padded frame: under
+    // this flood they are slow on a loaded debug build, which is CPU, not memory).
+    let probe_stop = stop.clone();
+    let probe = std::thread::spawn(move || {
+        let mut worst = Duration::ZERO;
+        let mut failed = 0;
+        while !probe_stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let t0 = Instant::now();
+            let r = victim.call::<_, MetaReply>(&MetaRequest::Exists {
+                session: vs,
+                keys: vec!["k".into()],
+            });
+            worst = worst.max(t0.elapsed());
+            failed += usize::from(r.is_err());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        (worst, failed)
+    });
+    let start = Instant::now();
+    let mut peak = before;
+    // Long enough for a debug build to decode more than 64 MiB of requests.
+    while start.elapsed() < Duration::from_secs(8) {
+        peak = peak.max(vm_rss_kib(pid));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: as above.
+    unsafe { libc::kill(rm_pid, libc::SIGCONT) };
+    for th in threads {
+        let _ = th.join();
+    }
+    peak = peak.max(vm_rss_kib(pid));
+    let (worst, failed) = probe.join().unwrap();
+    eprintln!(
+        "RSS {before} KiB before, {peak} KiB at most; the other tenant's exists waited at \
+         most {worst:?} ({failed} failed)"
+    );
+    assert!(
+        peak < 64 * 1024,
+        "maru-server's RSS went from {before} KiB to {peak} KiB under the flood"
+    );
+    assert!(
+        retries.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no expand was answered 'retry' at once: the flood did not reach the limit"
+    );
 }

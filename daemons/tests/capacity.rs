@@ -140,6 +140,7 @@ fn config_for(st: &Stack, backend: &str, engine: &str) -> String {
     serde_json::json!({
         "backend": backend,
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "capacity",
         "agent_key_file": st.key_path.display().to_string(),

@@ -26,6 +26,7 @@ fn config(st: &Stack, engine: &str) -> String {
     serde_json::json!({
         "backend": "cxl",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "llama-test",
         "load_slots": 4,
@@ -102,6 +103,7 @@ fn watched_pool_of(st: &Stack, engine: &str, max_bytes: u64) -> Watch {
     let session = Session::open(
         &st.server.addr,
         engine,
+        support::server_key(&st.server.addr),
         engine,
         "llama-test",
         "default",
@@ -279,6 +281,7 @@ fn remote_cxl_refuses_writes_in_place_with_the_staging_way_named() {
     let cfg = serde_json::json!({
         "backend": "remote_cxl",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": "r",
         "namespace": "llama-test",
         "agent_key_file": st.key_path.display().to_string(),

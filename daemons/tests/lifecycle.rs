@@ -39,6 +39,7 @@ impl Life for Stack {
         serde_json::json!({
             "backend": "remote_cxl",
             "server_url": self.server.addr,
+            "server_key_file": support::server_key_file(&self.server.addr),
             "engine_id": engine,
             "namespace": "llama-test",
             "agent_key_file": self.key_path.display().to_string(),

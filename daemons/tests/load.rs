@@ -177,6 +177,7 @@ fn sixty_four_sessions_store_and_load_without_errors_lost_keys_or_growing_memory
                 let config = serde_json::json!({
                     "backend": "remote_cxl",
                     "server_url": server.addr,
+                    "server_key_file": support::server_key_file(&server.addr),
                     "engine_id": format!("load-engine-{i:02}"),
                     "namespace": "load",
                     "agent_key_file": key_path.display().to_string(),

@@ -32,6 +32,7 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
     serde_json::json!({
         "backend": backend,
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "stress",
         "agent_key_file": st.key_path.display().to_string(),
@@ -56,6 +57,7 @@ fn cxl_session(st: &Stack, engine: &str) -> maru::worker::session::Session {
     maru::worker::session::Session::open(
         &st.server.addr,
         engine,
+        support::server_key(&st.server.addr),
         engine,
         "stress",
         "default",

@@ -94,6 +94,7 @@ fn engine(st: &Stack, id: &str) -> Handler {
     let cfg = serde_json::json!({
         "backend": "remote_cxl",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": id,
         "namespace": "usage-model",
         "agent_key_file": st.agent_key.display().to_string(),
@@ -103,13 +104,22 @@ fn engine(st: &Stack, id: &str) -> Handler {
     Handler::open(&cfg.to_string()).unwrap_or_else(|e| panic!("open {id}: {e}"))
 }
 
+/// Runs maru-usage with `args`, proving the key of the maru-server named by
+/// `--server` when it was started here (MARU_SERVER_KEY_FILE).
 fn usage(args: &[&str]) -> Output {
-    Command::new(USAGE_BIN)
-        .args(args)
+    let server = args
+        .iter()
+        .position(|a| *a == "--server")
+        .and_then(|i| args.get(i + 1));
+    let mut cmd = Command::new(USAGE_BIN);
+    cmd.args(args)
         .env_remove("MARU_SERVER_ADDRESS")
         .env_remove("MARU_RM_KEY_FILE")
-        .output()
-        .expect("run maru-usage")
+        .env_remove("MARU_SERVER_KEY_FILE");
+    if let Some(k) = server.and_then(|a| support::server_key_path(a)) {
+        cmd.env("MARU_SERVER_KEY_FILE", k);
+    }
+    cmd.output().expect("run maru-usage")
 }
 
 fn text(o: &Output) -> String {
@@ -302,6 +312,10 @@ fn agents_versions_and_a_closed_pipe() {
             "--count",
             "100",
         ])
+        .env(
+            "MARU_SERVER_KEY_FILE",
+            support::server_key_path(&st.server.addr).unwrap(),
+        )
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

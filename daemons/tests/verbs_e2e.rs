@@ -47,6 +47,7 @@ fn config(st: &Stack, engine: &str) -> String {
         "backend": "remote_cxl",
         "transport": "verbs",
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "verbs-test",
         "agent_key_file": st.key_path.display().to_string(),

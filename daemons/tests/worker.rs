@@ -23,6 +23,7 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
     serde_json::json!({
         "backend": backend,
         "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
         "engine_id": engine,
         "namespace": "llama-test",
         "agent_key_file": st.key_path.display().to_string(),
@@ -276,7 +277,7 @@ fn a_pool_that_goes_away_misses_and_serves_again_when_it_is_back() {
     let mut second = Daemon::start(SERVER_BIN, &args, &st.s.dir);
     let urls = format!("{},{}", st.server.addr, second.addr);
     let cfg = |engine: &str| {
-        serde_json::json!({"backend": "cxl", "server_url": urls, "engine_id": engine, "load_slots": 4, "store_slots": 4}).to_string()
+        serde_json::json!({"backend": "cxl", "server_url": urls, "server_key_file": support::server_key_file(&second.addr), "engine_id": engine, "load_slots": 4, "store_slots": 4}).to_string()
     };
     let h = Handler::open(&cfg("router-engine")).unwrap();
     let router = maru::worker::PoolRouter::new(vec![st.server.addr.clone(), second.addr.clone()]);
@@ -390,6 +391,7 @@ fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
         let session = Session::open(
             &st.server.addr,
             &engine,
+            support::server_key(&st.server.addr),
             &engine,
             "llama-test",
             "default",
@@ -431,6 +433,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
     let session = Session::open(
         &st.server.addr,
         "writer",
+        support::server_key(&st.server.addr),
         "writer",
         "llama-test",
         "default",
@@ -767,6 +770,7 @@ fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_theirage
     let agent = agent.unwrap();
     let cfg = serde_json::json!({
         "backend": "remote_cxl", "server_url": server.addr, "engine_id": "restart-engine",
+        "server_key_file": support::server_key_file(&server.addr),
         "agent_key_file": key_path.display().to_string(), "load_slots": 4, "store_slots": 4,
     })
     .to_string();

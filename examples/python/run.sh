@@ -23,10 +23,11 @@ maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "
     --key-file "$work/agent.key" --device "$pool" --node example-mem0 >/dev/null
 maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" --rm-key-file "$work/rm/rm.key" \
     --remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key" \
-    --region-size 16M --chunk-size 256K >/dev/null
+    --key-file "$work/server.key" --region-size 16M --chunk-size 256K >/dev/null
+# maru-server made its key on first start; the engines prove it (server_key_file).
 for backend in remote_cxl cxl; do
-    cfg() { printf '{"backend":"%s","server_url":"%s","engine_id":"%s","namespace":"example-model","agent_key_file":"%s"}' \
-        "$backend" "$(cat "$work/server.addr")" "$1" "$work/agent.key"; }
+    cfg() { printf '{"backend":"%s","server_url":"%s","server_key_file":"%s","engine_id":"%s","namespace":"example-model","agent_key_file":"%s"}' \
+        "$backend" "$(cat "$work/server.addr")" "$work/server.key" "$1" "$work/agent.key"; }
     echo "== $backend"
     "$py" "$root/examples/python/two_engines.py" store "$(cfg py-$backend-a)"
     "$py" "$root/examples/python/two_engines.py" load "$(cfg py-$backend-b)"

@@ -53,6 +53,8 @@ class Daemons:
         self.pool = Path(f"/dev/shm/maru-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.procs: List[subprocess.Popen] = []
         self.key = work / "agent.key"
+        # maru-server makes its key on first start; every engine proves it.
+        self.server_key = work / "server.key"
         self.args = (chunk_size, region_size, pool_size)
         self.rm = self.agent = self.server = ""
 
@@ -68,7 +70,10 @@ class Daemons:
         self.server = self._start("maru-server", "--rm-address", self.rm, "--rm-key-file", rm_key,
                                   "--remote-cxl-agent", self.agent,
                                   "--remote-cxl-agent-key-file", str(self.key),
+                                  "--key-file", str(self.server_key),
                                   "--region-size", region_size, "--chunk-size", chunk_size)
+        # Handlers in this process and the engines it starts find the key here.
+        os.environ["MARU_SERVER_KEY_FILE"] = str(self.server_key)
 
     def _start(self, name: str, *args: str) -> str:
         ready = self.work / f"{name}.ready"

@@ -1,13 +1,14 @@
 //! maru-server's core under hostile requests: request lines (as the daemon decodes
-//! them) from two clients, run by a real `MetaCore` over an RM and agents that answer
-//! (and sometimes refuse or fail), with time moving on and the keeper ticking. Bad
-//! counts, offsets, lengths, ids of other sessions: errors, never a panic, and the
-//! core never holds more regions than the RM handed out.
+//! them) from two clients of two tenants, run by a real `MetaCore` over an RM and
+//! agents that answer (and sometimes refuse or fail; allocations answered at once, late
+//! or never), with time moving on and the keeper ticking. Bad counts, offsets, lengths,
+//! ids of other sessions or tenants: errors, never a panic, and the core never holds
+//! more regions than the RM handed out.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use maru::meta::ports::{AgentPort, PortError, RmPort};
-use maru::meta::{MetaConfig, MetaCore};
+use maru::meta::ports::{AgentPort, PoolSizes, PortError, RmPort};
+use maru::meta::{Action, Caller, MetaConfig, MetaCore, TenantSpec, Tenants, DEFAULT_TENANT};
 use maru::wire::meta::MetaRequest;
 use maru::wire::rm::{AllocReply, Handle, PoolInfo};
 use maru::wire::{decode_json, Envelope};
@@ -22,7 +23,7 @@ struct Rm {
     ids: std::collections::BTreeSet<u64>,
 }
 
-impl RmPort for Rm {
+impl Rm {
     fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
         self.next += 1;
         if self.fail_every > 0 && self.next.is_multiple_of(self.fail_every) {
@@ -50,7 +51,9 @@ impl RmPort for Rm {
             },
         })
     }
+}
 
+impl RmPort for Rm {
     fn free(&mut self, h: &Handle) -> Result<(), PortError> {
         self.live = self.live.saturating_sub(1);
         self.ids.remove(&h.region_id);
@@ -61,8 +64,11 @@ impl RmPort for Rm {
         Ok(self.ids.iter().copied().collect())
     }
 
-    fn largest_pool(&mut self) -> Result<u64, PortError> {
-        Ok(1 << 30)
+    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
+        Ok(PoolSizes {
+            largest: 1 << 30,
+            total: 1 << 30,
+        })
     }
 }
 
@@ -99,9 +105,15 @@ fuzz_target!(|data: &[u8]| {
         max_sessions: 4,
         ..MetaConfig::default()
     };
-    let Ok(mut core) = MetaCore::new(cfg) else {
+    let Ok(core) = MetaCore::new(cfg) else {
         return;
     };
+    let tenants = Tenants::new(vec![
+        TenantSpec::unclaimed(Default::default()),
+        TenantSpec::writer("t2", &["ns2", "b*"]).expect("a tenant"),
+    ])
+    .expect("tenants");
+    let mut core = core.with_tenants(tenants);
     let mut rm = Rm {
         next: 0,
         live: 0,
@@ -110,13 +122,37 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut agents = Agents(0);
     let mut now = 1u64;
+    let mut pending: Vec<(u64, u64)> = Vec::new();
     for (i, line) in rest.split(|&b| b == b'\n').take(48).enumerate() {
-        let client = if i % 3 == 2 { "w2" } else { "w1" };
+        let caller = if i % 3 == 2 {
+            Caller {
+                owner: "w2",
+                tenant: "t2",
+            }
+        } else {
+            Caller {
+                owner: "w1",
+                tenant: DEFAULT_TENANT,
+            }
+        };
         if let Ok(env) = decode_json::<Envelope<MetaRequest>>(line) {
-            let _ = core.handle(client, env.body, now, &mut rm);
+            let _ = core.handle(&caller, i as u64, env.body, now, &mut rm);
         } else if line.first() == Some(&b'x') {
-            core.client_closed(client, now);
+            core.client_closed(caller.owner, now);
+        } else if line.first() == Some(&b'c') {
+            core.cancel(i.saturating_sub(1) as u64);
         }
+        // The RM answers allocations at once, one line later, or never (by the line).
+        while let Some(Action::Alloc { alloc, size }) = core.next_action() {
+            pending.push((alloc, size));
+        }
+        if line.len() % 3 != 1 {
+            for (alloc, size) in pending.drain(..) {
+                let r = rm.alloc(size);
+                core.alloc_done(alloc, r, now, &mut rm);
+            }
+        }
+        let _ = core.take_answers();
         now += 1 + (line.len() as u64 % 4) * 1_000;
         core.tick(now, &mut rm, &mut agents);
         assert!(

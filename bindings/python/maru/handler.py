@@ -71,7 +71,9 @@ class MaruHandler:
     ``config`` is the JSON configuration (a dict, or a JSON string) of
     docs/configuration.md: ``backend`` (``"remote_cxl"`` or ``"cxl"``), ``server_url``,
     ``engine_id``, and optionally ``namespace``, ``layout``, ``agent_key_file``,
-    ``transport``, ``load_slots``, ``store_slots``, ``timeout_ms``. A wrong configuration
+    ``server_key_file`` (the maru-server key, or its tenant's; default
+    ``MARU_SERVER_KEY_FILE``), ``transport``, ``load_slots``, ``store_slots``,
+    ``timeout_ms``. A wrong configuration
     raises :class:`~maru.ConfigError` naming the field; no reachable pool raises
     :class:`~maru.UnavailableError`.
 

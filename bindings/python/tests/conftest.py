@@ -41,7 +41,8 @@ def _bin_dir() -> Path:
 
 class Daemons:
     """The daemons of one test session and their addresses (``rm``, ``agent``,
-    ``server``), the agent key file (``key``) and the fake DAX file (``pool``)."""
+    ``server``), the agent key file (``key``), maru-server's key file (``server_key``,
+    made by maru-server on its first start) and the fake DAX file (``pool``)."""
 
     def __init__(self) -> None:
         self.bin = _bin_dir()
@@ -51,6 +52,7 @@ class Daemons:
         self.names: List[str] = []
         self.logs: List[Any] = []
         self.key = self.work / "agent.key"
+        self.server_key = self.work / "server.key"
         self.rm = self.agent = self.server = ""
         subprocess.run(
             [str(self.bin / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True, timeout=30
@@ -128,10 +130,21 @@ def daemons() -> Iterator[Daemons]:
             "--rm-key-file", str(d.work / "rm" / "rm.key"),
             "--remote-cxl-agent", d.agent,
             "--remote-cxl-agent-key-file", str(d.key),
+            "--key-file", str(d.server_key),
             "--region-size", "8M",
             "--chunk-size", "64K",
         )
-        yield d
+        # maru-server made its key on first start; handlers whose configuration names
+        # none (compat, vLLM settings) prove the one MARU_SERVER_KEY_FILE names.
+        before = os.environ.get("MARU_SERVER_KEY_FILE")
+        os.environ["MARU_SERVER_KEY_FILE"] = str(d.server_key)
+        try:
+            yield d
+        finally:
+            if before is None:
+                os.environ.pop("MARU_SERVER_KEY_FILE", None)
+            else:
+                os.environ["MARU_SERVER_KEY_FILE"] = before
     finally:
         d.stop()
 
@@ -145,6 +158,7 @@ def config(daemons: Daemons) -> Callable[..., Dict[str, Any]]:
         c: Dict[str, Any] = {
             "backend": backend,
             "server_url": daemons.server,
+            "server_key_file": str(daemons.server_key),
             "engine_id": engine,
             "namespace": "pytest",
             "agent_key_file": str(daemons.key),

@@ -3,7 +3,7 @@
 //! touches KV bytes. `maru-server stats` prints a running server's statistics.
 
 use clap::{Args as ClapArgs, Parser, Subcommand};
-use maru::meta::{MetaConfig, MetaCore};
+use maru::meta::{heartbeat_ms, MetaConfig, MetaCore};
 use maru::net::{default_client_id, Client, ClientOptions, Clock, Server, SignalPipe};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru_daemons::common::{
@@ -15,6 +15,7 @@ use maru_daemons::meta_service::{
     SERVER_TOTALS,
 };
 use maru_daemons::metrics::Metrics;
+use maru_daemons::tenants_file::TenantsFile;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -45,9 +46,16 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
-        /// The server's key file, when it requires one.
+        /// The server's key file (default ~/.maru/server.key when it exists; none:
+        /// only a server started with --insecure-no-key answers).
         #[arg(long, env = "MARU_SERVER_KEY_FILE")]
         key_file: Option<PathBuf>,
+    },
+    /// Write a new key file (mode 0600) for a tenant of the tenants file; refuses to
+    /// overwrite one.
+    GenKey {
+        /// Where to write it.
+        path: PathBuf,
     },
 }
 
@@ -66,12 +74,22 @@ struct Serve {
     /// Without it the server can reach only an RM started with --insecure-no-key.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
     rm_key_file: Option<PathBuf>,
-    /// Key every worker proves before any request (hex key file, mode 0600; created if
-    /// missing). Workers find it through MARU_SERVER_KEY_FILE. Without it anyone who
-    /// reaches the port may open sessions (logged as a warning); a session still
-    /// answers only the connection that opened it, or one presenting its secret.
-    #[arg(long, env = "MARU_SERVER_KEY_FILE")]
+    /// Key every client proves before any request (hex key file, mode 0600), default
+    /// ~/.maru/server.key. Created (0600) if missing, so the first start makes the key
+    /// the workers are then given (MARU_SERVER_KEY_FILE, or server_key_file in their
+    /// configuration). Its holders are the tenant `default`: every namespace no tenant
+    /// of --tenants writes, and the operator's view of every session (stats, usage).
+    #[arg(long, env = "MARU_SERVER_KEY_FILE", conflicts_with = "insecure_no_key")]
     key_file: Option<PathBuf>,
+    /// Serve without a key: then any process that reaches the port may open sessions,
+    /// publish keys first into any namespace (other engines then load its bytes) and
+    /// read every namespace. For throwaway tests only; logged as a warning.
+    #[arg(long)]
+    insecure_no_key: bool,
+    /// Tenants file (TOML): each tenant's key file, the namespaces it writes and reads,
+    /// its limits (docs/operations.md, "Tenants"). Read again within 2 s of a change.
+    #[arg(long, env = "MARU_SERVER_TENANTS", conflicts_with = "insecure_no_key")]
+    tenants: Option<PathBuf>,
     #[command(flatten)]
     net: NetArgs,
     /// A remote CXL agent of the pool, host:port (repeat for each memory node of a shared
@@ -88,12 +106,15 @@ struct Serve {
     #[arg(long, default_value = "4M")]
     chunk_size: String,
     /// A session that sends nothing for this long expires (its regions go to the keeper).
+    /// A region a session holds without storing in it goes back after a third of this
+    /// (0.2 to 10 s: about one heartbeat of its worker).
     #[arg(long, default_value_t = 30)]
     session_timeout_s: u64,
     /// A lease not released for this long ends.
     #[arg(long, default_value_t = 60)]
     lease_timeout_s: u64,
-    /// Most live sessions.
+    /// Most live sessions, all tenants together (each tenant's own limit is in
+    /// --tenants: max_sessions, 64 by default).
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
     /// Order of eviction victims: `prefix` (tails of prefix chains first) or `lru`
@@ -113,6 +134,7 @@ fn size(flag: &str, v: &str) -> u64 {
 
 fn stats(server: &str, session: Option<u64>, json: bool, key_file: Option<PathBuf>) {
     let mut opts = ClientOptions::new(SERVICE, default_client_id("maru-server-stats@"));
+    let key_file = key_file.or_else(|| Some(default_server_key()).filter(|p| p.exists()));
     opts.key = key_file.map(|p| maru::auth::load_key_file(&p).unwrap_or_else(|e| die(e)));
     let mut c = Client::connect(server, &opts)
         .unwrap_or_else(|e| die_unavailable(format!("cannot reach maru-server at {server}: {e}")));
@@ -178,23 +200,46 @@ fn stats(server: &str, session: Option<u64>, json: bool, key_file: Option<PathBu
     );
 }
 
-fn default_agent_key() -> PathBuf {
+fn home_file(name: &str) -> PathBuf {
     std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/root"))
-        .join(".maru/remote-cxl-agent.key")
+        .join(".maru")
+        .join(name)
+}
+
+fn default_agent_key() -> PathBuf {
+    home_file("remote-cxl-agent.key")
+}
+
+/// maru-server's own key file when `--key-file` is not given.
+fn default_server_key() -> PathBuf {
+    home_file("server.key")
+}
+
+fn gen_key(path: &std::path::Path) {
+    let key = maru::auth::SharedKey::generate()
+        .unwrap_or_else(|e| exit_with(EX_FAILURE, format!("cannot draw random bytes: {e}")));
+    maru::auth::keyfile::write_new_key_file(path, &key)
+        .unwrap_or_else(|e| die(format!("cannot create key file {}: {e}", path.display())));
+    println!(
+        "wrote {} (mode 0600): name it as a tenant's key_file in the tenants file, and give \
+         it to that tenant's workers (server_key_file or MARU_SERVER_KEY_FILE)",
+        path.display()
+    );
 }
 
 fn main() {
     let cli: Cli = parse_args();
-    if let Some(Cmd::Stats {
-        server,
-        session,
-        json,
-        key_file,
-    }) = cli.cmd
-    {
-        return stats(&server, session, json, key_file);
+    match cli.cmd {
+        Some(Cmd::Stats {
+            server,
+            session,
+            json,
+            key_file,
+        }) => return stats(&server, session, json, key_file),
+        Some(Cmd::GenKey { path }) => return gen_key(&path),
+        None => {}
     }
     let a = cli.serve;
     let metrics_addr = a.ops.start();
@@ -218,9 +263,17 @@ fn main() {
             .victim_order
             .parse()
             .unwrap_or_else(|e| die(format!("--victim-order: {e}"))),
+        // A region a session holds without storing goes back within about one of its
+        // worker's heartbeats.
+        unused_region_ms: heartbeat_ms(a.session_timeout_s * 1000),
         ..MetaConfig::default()
     };
-    let core = MetaCore::new(cfg).unwrap_or_else(|e| die(e));
+    let mut core = MetaCore::new(cfg).unwrap_or_else(|e| die(e));
+    // The key (and the tenants file) are checked before anything connects; a missing
+    // key file is made once the rest is in place.
+    let key_path = a.key_file.clone().unwrap_or_else(default_server_key);
+    let existing_key = (!a.insecure_no_key && key_path.exists())
+        .then(|| maru::auth::load_key_file(&key_path).unwrap_or_else(|e| die(e)));
     let rm_key = a
         .rm_key_file
         .as_ref()
@@ -249,18 +302,37 @@ fn main() {
     watch_agents(a.agents.clone(), agents.options(), AGENT_CHECK_EVERY);
     let pipe = SignalPipe::install()
         .unwrap_or_else(|e| die(format!("cannot install signal handlers: {e}")));
-    let key = match &a.key_file {
-        Some(p) => Some(maru::auth::load_or_create_key(p).unwrap_or_else(|e| die(e))),
-        None => {
-            log::warn!(
-                "no --key-file: any process that reaches this port may open sessions and read \
-                 the pool's keys; give maru-server a key (workers: MARU_SERVER_KEY_FILE)"
+    let keys = if a.insecure_no_key {
+        log::warn!(
+            "running WITHOUT a key (--insecure-no-key): any process that reaches this port \
+             may open sessions, publish keys first into any namespace (other engines then \
+             load its bytes) and read every namespace"
+        );
+        None
+    } else {
+        let key = existing_key.unwrap_or_else(|| {
+            maru::auth::load_or_create_key(&key_path).unwrap_or_else(|e| die(e))
+        });
+        let ring = maru::auth::Keyring::single(key.clone());
+        Some((key, ring))
+    };
+    let tenants_file = match (&a.tenants, &keys) {
+        (Some(path), Some((key, ring))) => {
+            let (file, tenants) =
+                TenantsFile::open(path, key.clone(), ring.clone()).unwrap_or_else(|e| die(e));
+            log::info!(
+                "tenants of {}: {:?}",
+                path.display(),
+                tenants.names().collect::<Vec<_>>()
             );
-            None
+            core = core.with_tenants(tenants);
+            Some(file)
         }
+        _ => None,
     };
     raise_nofile_limit();
-    let mut server = Server::bind(addr, a.net.options(key), Clock::new())
+    let keyring = keys.map(|(_, ring)| ring);
+    let mut server = Server::bind(addr, a.net.options_with_keys(keyring), Clock::new())
         .and_then(|s| s.with_signals(pipe))
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
@@ -276,9 +348,12 @@ fn main() {
             .unwrap_or_else(|e| die(format!("cannot write {}: {e}", p.display())));
     }
     notify_ready();
-    let mut service = MetaService::new(core, rm, agents);
+    let mut service = MetaService::new(core, rm, agents, server.replier());
     if metrics_addr.is_some() {
         service = service.with_metrics(metrics);
+    }
+    if let Some(f) = tenants_file {
+        service = service.with_tenants_file(f);
     }
     if let Err(e) = server.run(&mut service) {
         exit_with(EX_FAILURE, format!("event loop failed: {e}"));

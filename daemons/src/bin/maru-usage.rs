@@ -43,7 +43,8 @@ struct Args {
     /// Key file of the resource manager, when it requires one.
     #[arg(long, env = "MARU_RM_KEY_FILE")]
     rm_key_file: Option<PathBuf>,
-    /// Key file of maru-server, when it requires one.
+    /// Key file of maru-server (default ~/.maru/server.key when it exists). Its own key
+    /// shows every session; a tenant's key, that tenant's sessions only.
     #[arg(long, env = "MARU_SERVER_KEY_FILE")]
     server_key_file: Option<PathBuf>,
     /// Agent key file: adds the status of each agent of the pool (those maru-server
@@ -755,7 +756,14 @@ fn main() {
         })
     };
     let rm_key = args.rm_key_file.as_ref().map(load);
-    let server_key = args.server_key_file.as_ref().map(load);
+    let default_server_key = std::env::var_os("HOME")
+        .map(|h| PathBuf::from(h).join(".maru/server.key"))
+        .filter(|p| p.exists());
+    let server_key = args
+        .server_key_file
+        .as_ref()
+        .or(default_server_key.as_ref())
+        .map(load);
     let agent_key = args.agent_key_file.as_ref().map(load);
     let mut src = Source {
         server: args.server.clone(),
@@ -796,6 +804,7 @@ mod tests {
         SessionStats {
             session,
             engine_id: engine.into(),
+            tenant: "default".into(),
             backend: Some(Backend::RemoteCxl),
             keys: 3,
             regions: 1,
@@ -813,6 +822,7 @@ mod tests {
             session,
             engine_id: engine.into(),
             client_id: format!("{engine}@host"),
+            tenant: "default".into(),
             backend: Backend::RemoteCxl,
             namespace: "model".into(),
             regions: 1,

@@ -17,7 +17,14 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// `--rm-address` of such an RM (and no `--rm-key-file`) is given it.
 static RM_KEYS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
 
+/// The key file of every maru-server started here, by address. A maru-server
+/// started without `--key-file` or `--insecure-no-key` gets `DIR/server.key` of the
+/// directory it is started in (made at its first start), so servers of one test share
+/// one key (a handler with several pools proves one key to all of them).
+static SERVER_KEYS: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
+
 const RM_NAME: &str = "maru-resource-manager";
+const SERVER_NAME: &str = "maru-server";
 
 fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a String> {
     args.iter()
@@ -25,10 +32,9 @@ fn arg_after<'a>(args: &'a [String], flag: &str) -> Option<&'a String> {
         .and_then(|i| args.get(i + 1))
 }
 
-/// The key file of the RM at `addr`, if one was started here with a key.
-pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
-    RM_KEYS
-        .lock()
+/// The key file recorded in `keys` for the daemon at `addr` (the latest started there).
+fn key_of(keys: &Mutex<Vec<(String, PathBuf)>>, addr: &str) -> Option<PathBuf> {
+    keys.lock()
         .ok()?
         .iter()
         .rev()
@@ -36,9 +42,32 @@ pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
         .map(|(_, p)| p.clone())
 }
 
+/// The key file of the RM at `addr`, if one was started here with a key.
+pub fn rm_key_path(addr: &str) -> Option<PathBuf> {
+    key_of(&RM_KEYS, addr)
+}
+
 /// The key of the RM at `addr` (see [`rm_key_path`]).
 pub fn rm_key(addr: &str) -> Option<maru::auth::SharedKey> {
     rm_key_path(addr).map(|p| maru::auth::load_key_file(&p).expect("the RM's key file"))
+}
+
+/// The key file of the maru-server at `addr`, if one was started here with a key.
+pub fn server_key_path(addr: &str) -> Option<PathBuf> {
+    key_of(&SERVER_KEYS, addr)
+}
+
+/// The key file of the maru-server at `addr` as a handler's `server_key_file`.
+pub fn server_key_file(addr: &str) -> String {
+    server_key_path(addr)
+        .unwrap_or_else(|| panic!("no maru-server with a key was started here at {addr}"))
+        .display()
+        .to_string()
+}
+
+/// The key of the maru-server at `addr` (see [`server_key_path`]).
+pub fn server_key(addr: &str) -> Option<maru::auth::SharedKey> {
+    server_key_path(addr).map(|p| maru::auth::load_key_file(&p).expect("the server's key file"))
 }
 
 /// A directory (and /dev/shm files) removed on drop.
@@ -103,6 +132,15 @@ impl Daemon {
         let _ = std::fs::remove_file(&ready);
         let mut args = args.to_vec();
         let is_rm = bin.ends_with(RM_NAME);
+        let is_server = bin.ends_with(SERVER_NAME);
+        if is_server
+            && !args
+                .iter()
+                .any(|a| a == "--key-file" || a == "--insecure-no-key")
+        {
+            args.push("--key-file".into());
+            args.push(ready_dir.join("server.key").display().to_string());
+        }
         if !is_rm && !args.iter().any(|a| a == "--rm-key-file") {
             if let Some(k) = arg_after(&args, "--rm-address").and_then(|a| rm_key_path(a)) {
                 args.push("--rm-key-file".into());
@@ -136,6 +174,13 @@ impl Daemon {
                         };
                         if let (Some(k), Ok(mut keys)) = (key, RM_KEYS.lock()) {
                             keys.push((addr.clone(), k));
+                        }
+                    }
+                    if is_server {
+                        if let (Some(k), Ok(mut keys)) =
+                            (arg_after(&args, "--key-file"), SERVER_KEYS.lock())
+                        {
+                            keys.push((addr.clone(), PathBuf::from(k)));
                         }
                     }
                     return Daemon {
@@ -205,11 +250,15 @@ impl Drop for Daemon {
     }
 }
 
-/// Connects to a daemon as `client_id` (with the RM's key when it is an RM started here).
+/// Connects to a daemon as `client_id` (with the key of an RM or a maru-server
+/// started here).
 pub fn connect(addr: &str, service: &'static str, client_id: &str) -> Client {
     let mut o = ClientOptions::new(service, client_id);
     if service == maru::wire::rm::SERVICE {
         o.key = rm_key(addr);
+    }
+    if service == maru::wire::meta::SERVICE {
+        o.key = server_key(addr);
     }
     o.call_timeout = Duration::from_secs(10);
     Client::connect(addr, &o).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))

@@ -31,6 +31,15 @@ impl SharedKey {
         &self.0
     }
 
+    /// The key's public name: 8 bytes of an HMAC of the key, as hex. A client names
+    /// the key it is about to prove with it (the hello's `key_id`), so that a server
+    /// holding several keys (maru-server's tenants) knows which one to prove back and
+    /// check; it tells nothing about the key's bytes, and naming a key proves nothing:
+    /// only the proof over both nonces does.
+    pub fn id(&self) -> String {
+        super::to_hex(&super::hmac_parts(&self.0, &[b"maru-key-id"])[..8])
+    }
+
     /// A new random 32-byte key.
     pub fn generate() -> std::io::Result<SharedKey> {
         Ok(SharedKey(super::random_bytes(32)?))

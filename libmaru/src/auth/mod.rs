@@ -1,16 +1,18 @@
 //! Authentication: HMAC-SHA256 key proofs over per-connection nonces (both ways),
-//! key files, read tokens.
+//! key files, keyrings (named keys: maru-server's tenants), read tokens.
 //!
 //! The proof is sans-I/O: [`ClientProof`] and [`ServerProof`] take the peer's
 //! handshake messages and return what to send, so every rule (a replayed proof
 //! fails, both sides prove the key, a wrong key fails) is tested without sockets.
 
 pub mod keyfile;
+pub mod keyring;
 mod proof;
 
 pub use keyfile::{
     load_key_file, load_or_create_key, server_key_from_env, KeyFileError, SharedKey,
 };
+pub use keyring::{Keyring, KeyringError, NoKey, DEFAULT_KEY_NAME};
 pub use proof::{ClientProof, ProofError, ServerProof};
 
 use hmac::{Hmac, Mac};

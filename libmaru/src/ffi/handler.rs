@@ -208,7 +208,8 @@ fn check_host_port(url: &str) -> Result<(), String> {
 
 /// Opens a handler from a JSON configuration (docs/configuration.md): `backend`
 /// (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
-/// file, transport, staging slot counts, `timeout_ms`. On success `*out` is the new
+/// file, maru-server key file (`server_key_file`, default `MARU_SERVER_KEY_FILE`),
+/// transport, staging slot counts, `timeout_ms`. On success `*out` is the new
 /// handler.
 ///
 /// A configuration error (bad JSON, unknown field, malformed `server_url`) returns

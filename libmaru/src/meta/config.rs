@@ -35,6 +35,22 @@ pub struct MetaConfig {
     pub instance: String,
     /// How `victims` orders a session's keys.
     pub victim_order: VictimOrder,
+    /// A region its session holds without a page taken or a key in it for this long
+    /// goes back (a session that never stores gives its regions back): about one
+    /// heartbeat of a worker.
+    pub unused_region_ms: u64,
+    /// A request waiting for a region longer than this is answered "retry" (the
+    /// allocation goes on; its region goes to the next request that needs one).
+    pub park_max_ms: u64,
+    /// Requests waiting for a region at once, all tenants together.
+    pub max_parked: usize,
+}
+
+/// How long a worker waits between heartbeats for a session timeout (a third of it,
+/// within 0.2 to 10 s): the unused-region limit maru-server derives from its
+/// `--session-timeout-s`.
+pub fn heartbeat_ms(session_timeout_ms: u64) -> u64 {
+    (session_timeout_ms / 3).clamp(200, 10_000)
 }
 
 /// The order in which `victims` offers a session's keys for eviction.
@@ -92,6 +108,9 @@ impl Default for MetaConfig {
             max_sessions: 256,
             instance: new_instance(),
             victim_order: VictimOrder::default(),
+            unused_region_ms: heartbeat_ms(30_000),
+            park_max_ms: 8_000,
+            max_parked: 1024,
         }
     }
 }
@@ -127,6 +146,8 @@ impl MetaConfig {
             ("keeper check interval", self.keeper_check_ms),
             ("retry interval", self.retry_ms),
             ("RM check interval", self.rm_check_ms),
+            ("unused-region limit", self.unused_region_ms),
+            ("longest wait for a region", self.park_max_ms),
         ] {
             if v == 0 {
                 return err(format!("the {name} must be at least 1 ms"));
@@ -134,6 +155,9 @@ impl MetaConfig {
         }
         if self.max_sessions == 0 {
             return err("the session limit must be at least 1".into());
+        }
+        if self.max_parked == 0 {
+            return err("the limit of requests waiting for a region must be at least 1".into());
         }
         for (i, a) in self.agents.iter().enumerate() {
             let port_ok = a

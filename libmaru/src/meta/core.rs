@@ -3,11 +3,13 @@
 //! call. No sockets, threads or clocks.
 //!
 //! The requests themselves are carried out in `session_ops` (sessions and regions),
-//! `store_ops` (pages and publish), `read_ops` (exists and leases), `evict_ops`
-//! (victims and remove) and `stats`.
+//! `alloc_ops` (requests that wait for a region from the RM), `store_ops` (pages and
+//! publish), `read_ops` (exists and leases), `evict_ops` (victims and remove) and
+//! `stats`.
 
+use super::alloc_ops::RegionWaits;
 use super::config::{ConfigError, MetaConfig};
-use super::errors::{refused, unsupported};
+use super::errors::{permission, refused, unsupported};
 use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
 use super::keys::KeyDirectory;
 use super::leases::LeaseTable;
@@ -15,6 +17,7 @@ use super::pins::PinTable;
 use super::ports::{AgentPort, RmPort};
 use super::regions::{Holder, RegionTable};
 use super::sessions::{EndReason, SessionTable};
+use super::tenants::{Access, Tenants};
 use crate::wire::meta::{
     Backend, CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE,
     CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH, SERVICE,
@@ -32,6 +35,28 @@ pub(super) struct Totals {
     pub chains_cut: u64,
 }
 
+/// Who sends a request: the owner its connection acts as (the sessions it opens
+/// belong to it: a connection, or one presenting a session's secret) and the tenant
+/// whose key the connection proved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller<'a> {
+    pub owner: &'a str,
+    pub tenant: &'a str,
+}
+
+/// Names a request whose answer may come later ([`MetaCore::take_answers`]): the
+/// driver's choice, unique among its requests in flight.
+pub type Ticket = u64;
+
+/// What the core asks its driver to do, and to report back as an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// ALLOC a region of `size` bytes at the RM, then call
+    /// [`MetaCore::alloc_done`] with `alloc` and the outcome. One is in flight at a
+    /// time.
+    Alloc { alloc: u64, size: u64 },
+}
+
 /// maru-server's core. See the [module docs](super) for the rules it keeps.
 pub struct MetaCore {
     pub(super) cfg: MetaConfig,
@@ -43,6 +68,11 @@ pub struct MetaCore {
     pub(super) keeper: RegionKeeper,
     pub(super) totals: Totals,
     pub(super) fair: super::fair_share::FairShare,
+    pub(super) tenants: Tenants,
+    /// Requests waiting for a region from the RM, and the allocation in flight.
+    pub(super) waits: RegionWaits,
+    /// When the next region held unused reaches the unused-region limit.
+    pub(super) next_unused_ms: Option<u64>,
     /// When to ask the RM next which regions it holds for this server.
     next_rm_check_ms: u64,
 }
@@ -56,6 +86,9 @@ impl MetaCore {
             keys: KeyDirectory::new(),
             leases: LeaseTable::new(LEASE_LIMIT),
             pins: PinTable::default(),
+            tenants: Tenants::default(),
+            waits: RegionWaits::default(),
+            next_unused_ms: None,
             keeper: RegionKeeper::new(KeeperTimes {
                 silence_ms: config.keeper_silence_ms,
                 check_ms: config.keeper_check_ms,
@@ -72,6 +105,47 @@ impl MetaCore {
         &self.cfg
     }
 
+    /// The core with these tenants (default: one tenant, `default`, writing every
+    /// namespace).
+    pub fn with_tenants(mut self, tenants: Tenants) -> MetaCore {
+        self.tenants = tenants;
+        self
+    }
+
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// Puts new tenants in force (a reloaded tenants file). A session whose tenant is
+    /// gone, or whose access to its namespace changed, ends as a drained close does
+    /// (its regions with keys are kept and stay readable by whoever may read them);
+    /// its worker opens a new session with the access it has now. Returns how many
+    /// sessions ended.
+    pub fn set_tenants(&mut self, tenants: Tenants, now_ms: u64) -> usize {
+        let stale: Vec<(u64, String, Access)> = self
+            .sessions
+            .iter()
+            .map(|s| {
+                (
+                    s.id,
+                    s.tenant.clone(),
+                    tenants.access(&s.tenant, &s.namespace),
+                )
+            })
+            .filter(|(id, _, access)| self.sessions.get(*id).is_some_and(|s| s.access != *access))
+            .collect();
+        self.tenants = tenants;
+        for (id, tenant, access) in &stale {
+            log::warn!(
+                "session {id} of tenant {tenant} ends: its access to its namespace is now \
+                 {access:?} (tenants reloaded)"
+            );
+            self.end_session(*id, EndReason::Closed, true, now_ms);
+        }
+        self.waits.forget_tenants(&self.tenants);
+        stale.len()
+    }
+
     /// Sessions open now (expired ones are gone).
     pub fn session_count(&self) -> usize {
         self.sessions.len()
@@ -82,18 +156,23 @@ impl MetaCore {
         self.regions.len()
     }
 
-    /// Carries out one request of `client_id`. Requests of a session must come from
-    /// the client that opened it. An error changes nothing, except that a refused
-    /// region request may make the keeper give a kept region back.
+    /// Carries out one request of `caller`. Requests of a session must come from the
+    /// owner that opened it. An error changes nothing, except that a refused region
+    /// request may make the keeper give a kept region back.
+    ///
+    /// `None`: the request waits for a region from the RM (see [`Action::Alloc`]); its
+    /// answer comes later from [`take_answers`](Self::take_answers) under `ticket`.
     pub fn handle(
         &mut self,
-        client_id: &str,
+        caller: &Caller<'_>,
+        ticket: Ticket,
         req: MetaRequest,
         now_ms: u64,
         rm: &mut dyn RmPort,
-    ) -> Result<MetaReply, WireError> {
+    ) -> Option<Result<MetaReply, WireError>> {
         self.expire(now_ms);
-        match req {
+        let client_id = caller.owner;
+        let r = match req {
             MetaRequest::Handshake {} => Ok(MetaReply::Handshake(self.handshake())),
             MetaRequest::OpenSession {
                 engine_id,
@@ -101,17 +180,20 @@ impl MetaCore {
                 layout,
                 backend,
                 first_region,
-            } => self.open_session(
-                client_id,
-                &engine_id,
-                &namespace,
-                &layout,
-                backend,
-                first_region,
-                now_ms,
-                rm,
-            ),
-            MetaRequest::Expand { session } => self.expand(client_id, session, now_ms, rm),
+            } => {
+                let open = super::alloc_ops::OpenArgs {
+                    engine_id,
+                    namespace,
+                    layout,
+                    backend,
+                };
+                return self
+                    .open_session(caller, ticket, open, first_region, now_ms, rm)
+                    .transpose();
+            }
+            MetaRequest::Expand { session } => {
+                return self.expand(caller, ticket, session, now_ms, rm).transpose()
+            }
             MetaRequest::Alloc {
                 session,
                 count,
@@ -147,15 +229,18 @@ impl MetaCore {
             MetaRequest::Close { session, drained } => {
                 self.close(client_id, session, drained, now_ms)
             }
-            MetaRequest::Stats { session } => self.stats(session),
-            MetaRequest::Usage => Ok(MetaReply::Usage(self.usage())),
-        }
+            MetaRequest::Stats { session } => self.stats(caller, session),
+            MetaRequest::Usage => Ok(MetaReply::Usage(self.usage(caller))),
+        };
+        Some(r)
     }
 
     /// Timers: expired leases and sessions end, the keeper checks its mappings, and
     /// regions on their way back are released at their agent and freed at the RM.
     pub fn tick(&mut self, now_ms: u64, rm: &mut dyn RmPort, agents: &mut dyn AgentPort) {
         self.expire(now_ms);
+        self.expire_waits(now_ms);
+        self.take_back_unused(now_ms);
         if now_ms >= self.next_rm_check_ms && !self.regions.is_empty() {
             self.next_rm_check_ms = now_ms.saturating_add(self.cfg.rm_check_ms);
             self.check_rm(now_ms, rm);
@@ -170,6 +255,8 @@ impl MetaCore {
             self.sessions.next_expiry(),
             self.leases.next_expiry(),
             self.keeper.next_deadline(),
+            self.waits.next_deadline(self.cfg.park_max_ms),
+            self.next_unused_ms,
             // Only a server that holds regions has anything the RM could reap.
             (!self.regions.is_empty()).then_some(self.next_rm_check_ms),
         ]
@@ -237,16 +324,42 @@ impl MetaCore {
         now_ms: u64,
     ) -> Result<u64, WireError> {
         self.sessions.lookup(client_id, id)?;
+        self.touch_session(id, now_ms);
+        Ok(id)
+    }
+
+    /// As [`session`](Self::session), for a request that changes what is stored
+    /// (publish, pin, remove): the session's tenant must write its namespace.
+    pub(super) fn writing_session(
+        &mut self,
+        client_id: &str,
+        id: u64,
+        what: &str,
+        now_ms: u64,
+    ) -> Result<u64, WireError> {
+        let s = self.sessions.lookup(client_id, id)?;
+        if s.access != Access::Write {
+            return Err(permission(format!(
+                "session {id} may not {what}: its tenant {} reads namespace {:?} and does \
+                 not write it (the tenants file names each namespace's writing tenant)",
+                s.tenant,
+                crate::net::clip(&s.namespace)
+            )));
+        }
+        self.touch_session(id, now_ms);
+        Ok(id)
+    }
+
+    fn touch_session(&mut self, id: u64, now_ms: u64) {
         if let Some(s) = self.sessions.get_mut(id) {
             s.last_seen_ms = s.last_seen_ms.max(now_ms);
             s.connected = true;
         }
-        Ok(id)
     }
 
     /// Ends leases and sessions whose time is up. State only: what the ports must
     /// do for an expired session's regions is left to the next tick.
-    fn expire(&mut self, now_ms: u64) {
+    pub(super) fn expire(&mut self, now_ms: u64) {
         self.leases.expire(now_ms);
         for id in self.sessions.expired(now_ms) {
             log::info!("session {id} expired: its regions go to the region keeper");
@@ -278,6 +391,7 @@ impl MetaCore {
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;
             };
+            r.unused_since_ms = None;
             if drained && self.keys.region_keys(rid) > 0 {
                 r.holder = Holder::Keeper;
                 self.keeper

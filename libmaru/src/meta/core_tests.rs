@@ -18,20 +18,6 @@ fn code(r: Result<MetaReply, WireError>) -> ErrorCode {
     }
 }
 
-fn entry(key: &str, region_id: u64, offset: u64) -> PublishEntry {
-    PublishEntry {
-        key: key.into(),
-        region_id,
-        offset,
-        length: 1000,
-        prev: None,
-    }
-}
-
-fn strings(keys: &[&str]) -> Vec<String> {
-    keys.iter().map(|k| k.to_string()).collect()
-}
-
 fn totals(w: &World) -> TotalStats {
     w.core.total_stats()
 }

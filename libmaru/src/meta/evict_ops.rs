@@ -1,10 +1,13 @@
 //! Eviction: victims and remove act only on keys of the caller's own regions, and
-//! never on a leased or pinned key. Victims come tail of a prefix chain first. Pins: any session of the key's scope may pin it.
+//! never on a leased or pinned key. Victims come tail of a prefix chain first. Pins:
+//! any session of the key's scope whose tenant writes its namespace may pin it (the
+//! pins of a tenant's sessions count toward its limit); remove and pin need that too.
 
 use super::config::VictimOrder;
 use super::core::MetaCore;
 use super::errors::{check_batch, check_keys, refused};
 use super::keys::KeyId;
+use super::pins::PinLimit;
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
 use crate::wire::WireError;
 use std::cmp::Reverse;
@@ -125,10 +128,11 @@ impl MetaCore {
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_keys(keys)?;
-        let id = self.session(client_id, session, now_ms)?;
+        let id = self.writing_session(client_id, session, "remove keys", now_ms)?;
         let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut results = Vec::with_capacity(keys.len());
+        let mut freed_in = Vec::new();
         for name in keys {
             let Some(k) = self.keys.find(s.scope, name) else {
                 results.push(RemoveResult::NotFound);
@@ -162,6 +166,11 @@ impl MetaCore {
                 let _ = r.pages.free(loc.offset / page_size);
             }
             results.push(RemoveResult::Removed);
+            freed_in.push(loc.region_id);
+        }
+        freed_in.dedup();
+        for rid in freed_in {
+            self.note_region_use(rid, now_ms);
         }
         Ok(MetaReply::Removed { results })
     }
@@ -169,7 +178,7 @@ impl MetaCore {
 
 impl MetaCore {
     /// Pins each found key once more for the session; a miss is not pinned. Refused
-    /// whole when the session would pin more than its limit of distinct keys.
+    /// whole when the pins of the tenant's sessions would pass its limit.
     pub(super) fn pin(
         &mut self,
         client_id: &str,
@@ -178,7 +187,7 @@ impl MetaCore {
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_keys(keys)?;
-        let id = self.session(client_id, session, now_ms)?;
+        let id = self.writing_session(client_id, session, "pin keys", now_ms)?;
         let s = self.sessions.checked(id)?;
         let found: Vec<Option<(KeyId, u64)>> = keys
             .iter()
@@ -188,9 +197,24 @@ impl MetaCore {
             })
             .collect();
         let hits: Vec<KeyId> = found.iter().flatten().map(|(k, _)| *k).collect();
-        self.pins
-            .check_room(id, &hits)
-            .map_err(|e| refused(e.to_string()))?;
+        let tenant = &s.tenant;
+        let held: usize = self
+            .sessions
+            .iter()
+            .filter(|o| o.tenant == *tenant)
+            .map(|o| self.pins.held_by(o.id))
+            .sum();
+        let asked = self.pins.new_for(id, &hits);
+        let limit = self.tenants.limits(tenant).max_pins;
+        if held + asked > limit {
+            let e = PinLimit {
+                tenant: tenant.clone(),
+                held,
+                asked,
+                limit,
+            };
+            return Err(refused(e.to_string()));
+        }
         let pinned = found
             .into_iter()
             .map(|f| match f {

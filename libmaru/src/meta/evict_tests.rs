@@ -331,6 +331,8 @@ fn return_region(w: &mut World, client: &str, session: u64, region_id: u64) {
 /// A pool with room for 4 regions: A holds 3 (one of them read long ago), B one.
 fn full_pool() -> (World, u64, u64, Vec<u64>) {
     let mut w = World::with(config(&[A1]), 4 * REGION);
+    // Shares count tenants: each engine a tenant of its own.
+    w.split_tenants(&[W1, W2, "worker-3:300"]);
     let (a, g) = w.open(W1);
     let mut a_regions = vec![g.handle.region_id];
     for _ in 0..2 {

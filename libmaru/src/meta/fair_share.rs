@@ -1,23 +1,31 @@
-//! A fair share of a full pool: a storing session that cannot get a region, while
-//! the keeper has nothing to give back, makes maru-server ask the session furthest
-//! above its share to give one region back.
+//! A fair share of a full pool, counted per principal (tenant) first, then per
+//! session within a tenant: a storing session that cannot get a region, while the
+//! keeper has nothing to give back, makes maru-server ask for one region back — of the
+//! tenant furthest above its share, or, when no tenant is above its share, of the
+//! session of the waiter's own tenant furthest above its share of that tenant's
+//! regions. A tenant opening more sessions does not get more of the pool; the engines
+//! of one tenant share its regions as engines shared the pool before tenants.
 //!
-//! The share is the pool's regions (every region maru-server holds) divided by the
-//! storing sessions (those holding a region, and those waiting for one), rounded up,
-//! at least one. A session at its share does not take a new region while another
-//! waits (it evicts its own keys instead), so a region given back goes to the waiter. The session with the most regions above its share is asked, at its
-//! next heartbeat, for its region read longest ago that holds no pinned key; it
-//! evicts it, releases it at its agent and returns it, as every return. One request
-//! is outstanding at a time; an unanswered one is asked again of whoever is then
-//! furthest above its share once `ask_timeout_ms` passed.
+//! A tenant's share is the pool's regions (every region maru-server holds) divided by
+//! the storing tenants (those whose sessions hold a region, and those with a session
+//! waiting for one), rounded up, at least one. A session's share is its tenant's
+//! regions divided by the tenant's storing sessions, rounded up, at least one. A
+//! tenant at its share does not take a new region while another tenant waits, nor a
+//! session at its share while another session of its tenant waits (it evicts its own
+//! keys instead), so a region given back goes to the waiter. The one asked gives, at
+//! the next heartbeat of the session holding it, its region read longest ago that holds
+//! no pinned key; that session evicts it, releases it at its agent and returns it, as
+//! every return. One request is outstanding at a time; an unanswered one is asked
+//! again of whoever is then furthest above its share once `ask_timeout_ms` passed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What the fair-share rule remembers between requests.
 #[derive(Debug, Default)]
 pub struct FairShare {
-    /// Sessions refused a region for want of room, and when they last asked.
-    wanting: BTreeMap<u64, u64>,
+    /// Sessions refused a region for want of room: their tenant and when they last
+    /// asked.
+    wanting: BTreeMap<u64, (String, u64)>,
     /// The give-back asked and not yet answered.
     asked: Option<Ask>,
     /// Regions returned because they were asked for, since the server started.
@@ -36,13 +44,41 @@ pub struct Ask {
 #[derive(Debug, Clone)]
 pub struct Holding {
     pub session: u64,
+    pub tenant: String,
     pub regions: Vec<(u64, u64, bool)>,
 }
 
+/// Regions held per tenant.
+fn per_tenant(holdings: &[Holding]) -> BTreeMap<&str, usize> {
+    let mut m = BTreeMap::new();
+    for h in holdings {
+        *m.entry(h.tenant.as_str()).or_insert(0) += h.regions.len();
+    }
+    m
+}
+
+/// Of `candidates`, the one with the most regions (`n`), then the region read longest
+/// ago that may be given back: (session, region).
+fn pick<'a>(candidates: impl Iterator<Item = (&'a Holding, usize)>) -> Option<(u64, u64)> {
+    candidates
+        .filter_map(|(h, n)| {
+            let (last_read, rid) = h
+                .regions
+                .iter()
+                .filter(|(_, _, may)| *may)
+                .map(|&(rid, read, _)| (read, rid))
+                .min()?;
+            // Most above its share first; then the region read longest ago.
+            Some((std::cmp::Reverse(n), last_read, h.session, rid))
+        })
+        .min()
+        .map(|(_, _, session, rid)| (session, rid))
+}
+
 impl FairShare {
-    /// `session` was refused a region for want of room at `now_ms`.
-    pub fn want(&mut self, session: u64, now_ms: u64) {
-        self.wanting.insert(session, now_ms);
+    /// `session` of `tenant` was refused a region for want of room at `now_ms`.
+    pub fn want(&mut self, session: u64, tenant: &str, now_ms: u64) {
+        self.wanting.insert(session, (tenant.to_string(), now_ms));
     }
 
     /// `session` got a region, or ended: it waits no longer, and a give-back asked
@@ -62,7 +98,7 @@ impl FairShare {
     /// give-back asked is no longer needed.
     pub fn forget_stale(&mut self, now_ms: u64, wait_ms: u64) {
         self.wanting
-            .retain(|_, since| now_ms.saturating_sub(*since) < wait_ms);
+            .retain(|_, (_, since)| now_ms.saturating_sub(*since) < wait_ms);
         if self.wanting.is_empty() {
             self.asked = None;
         }
@@ -87,44 +123,90 @@ impl FairShare {
             .map(|a| a.region_id)
     }
 
+    /// Sessions waiting for a region.
     pub fn waiting(&self) -> usize {
         self.wanting.len()
     }
 
-    /// Whether `session`, holding `held` regions, must let waiting sessions go first:
-    /// another session waits for a region and this one holds its share already. A
-    /// region given back for a waiter is then not taken again by whoever asks first
-    /// (the session that gave it back, typically), which would only move keys around.
+    fn waiting_tenants(&self) -> BTreeSet<&str> {
+        self.wanting.values().map(|(t, _)| t.as_str()).collect()
+    }
+
+    /// Whether `session` of `tenant`, asking for a region, must let waiting sessions
+    /// go first: a session of another tenant waits and `tenant` holds its share
+    /// already, or another session of `tenant` waits and `session` holds its share of
+    /// the tenant's regions. A region given back for a waiter is then not taken again
+    /// by whoever asks first (the one that gave it back, typically), which would only
+    /// move keys around.
     pub fn must_yield(
         &self,
         session: u64,
-        held: usize,
+        tenant: &str,
         holdings: &[Holding],
         pool_regions: usize,
     ) -> bool {
-        if !self.wanting.keys().any(|&s| s != session) {
-            return false;
+        let other_tenant_waits = self.wanting.values().any(|(t, _)| t != tenant);
+        if other_tenant_waits {
+            let held = per_tenant(holdings).get(tenant).copied().unwrap_or(0);
+            if held >= self.share(holdings, pool_regions) {
+                return true;
+            }
         }
-        held >= self.share(holdings, pool_regions)
+        let own_tenant_waits = self
+            .wanting
+            .iter()
+            .any(|(s, (t, _))| *s != session && t == tenant);
+        if own_tenant_waits {
+            let held = holdings
+                .iter()
+                .find(|h| h.session == session)
+                .map_or(0, |h| h.regions.len());
+            if held >= self.session_share(tenant, holdings) {
+                return true;
+            }
+        }
+        false
     }
 
-    /// Pool regions ÷ storing sessions (those holding a region, and those waiting),
-    /// rounded up, at least one. Rounded up, so that with regions that do not divide
-    /// evenly a session one region above another is not asked: giving it back would
-    /// only make the other one the larger, and the two would hand regions (and their
-    /// keys) back and forth.
+    /// Storing tenants: those holding a region, those waiting, and `also` (a tenant
+    /// asking for its first region).
+    pub fn storing_tenants(&self, holdings: &[Holding], also: Option<&str>) -> usize {
+        let mut t: BTreeSet<&str> = per_tenant(holdings)
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(t, _)| t)
+            .collect();
+        t.extend(self.waiting_tenants());
+        t.extend(also);
+        t.len()
+    }
+
+    /// Pool regions ÷ storing tenants, rounded up, at least one. Rounded up, so that
+    /// with regions that do not divide evenly a tenant one region above another is
+    /// not asked: giving it back would only make the other one the larger, and the
+    /// two would hand regions (and their keys) back and forth.
     pub fn share(&self, holdings: &[Holding], pool_regions: usize) -> usize {
-        let storing = holdings
-            .iter()
+        let storing = self.storing_tenants(holdings, None);
+        pool_regions.div_ceil(storing.max(1)).max(1)
+    }
+
+    /// A session's share of its tenant's regions: they ÷ the tenant's storing
+    /// sessions (holding a region, or waiting), rounded up, at least one.
+    pub fn session_share(&self, tenant: &str, holdings: &[Holding]) -> usize {
+        let mine = holdings.iter().filter(|h| h.tenant == tenant);
+        let regions: usize = mine.clone().map(|h| h.regions.len()).sum();
+        let storing = mine
             .filter(|h| !h.regions.is_empty() && !self.wanting.contains_key(&h.session))
             .count()
-            + self.wanting.len();
-        pool_regions.div_ceil(storing.max(1)).max(1)
+            + self.wanting.values().filter(|(t, _)| t == tenant).count();
+        regions.div_ceil(storing.max(1)).max(1)
     }
 
     /// Decides whether to ask a session for a region: forgets waiters that stopped
     /// asking `wait_ms` ago, keeps an outstanding ask younger than `ask_timeout_ms`,
-    /// else picks the session furthest above its share. `pool_regions` counts every
+    /// else picks the tenant furthest above its share and, of its regions that may go,
+    /// the one read longest ago; with no tenant above its share, the session furthest
+    /// above its share of a waiting tenant's regions. `pool_regions` counts every
     /// region maru-server holds.
     pub fn decide(
         &mut self,
@@ -145,30 +227,29 @@ impl FairShare {
             return None;
         }
         let share = self.share(holdings, pool_regions);
-        let ask = holdings
-            .iter()
-            .filter(|h| !self.wanting.contains_key(&h.session) && h.regions.len() > share)
-            .filter_map(|h| {
-                let (last_read, rid, _) = h
-                    .regions
-                    .iter()
-                    .filter(|(_, _, may)| *may)
-                    .map(|&(rid, read, may)| (read, rid, may))
-                    .min()?;
-                // Most above its share first; then the region read longest ago.
-                Some((
-                    std::cmp::Reverse(h.regions.len()),
-                    last_read,
-                    h.session,
-                    rid,
-                ))
-            })
-            .min()
-            .map(|(_, _, session, region_id)| Ask {
-                session,
-                region_id,
-                at_ms: now_ms,
-            });
+        let waiting = self.waiting_tenants();
+        let held = per_tenant(holdings);
+        // First the tenants above their share (never a waiting one).
+        let across = pick(holdings.iter().filter_map(|h| {
+            let n = held.get(h.tenant.as_str()).copied().unwrap_or(0);
+            (!waiting.contains(h.tenant.as_str()) && n > share).then_some((h, n))
+        }));
+        // Then, within a waiting tenant, its sessions above their share (never a
+        // waiting session).
+        let within = || {
+            pick(holdings.iter().filter_map(|h| {
+                let n = h.regions.len();
+                let above = waiting.contains(h.tenant.as_str())
+                    && !self.wanting.contains_key(&h.session)
+                    && n > self.session_share(&h.tenant, holdings);
+                above.then_some((h, n))
+            }))
+        };
+        let ask = across.or_else(within).map(|(session, region_id)| Ask {
+            session,
+            region_id,
+            at_ms: now_ms,
+        });
         self.asked = ask;
         ask
     }
@@ -178,17 +259,32 @@ impl FairShare {
 mod tests {
     use super::*;
 
+    /// Session `session` of its own tenant (`t<session>`).
     fn holding(session: u64, regions: &[(u64, u64)]) -> Holding {
+        of("", session, regions)
+    }
+
+    /// Session `session` of tenant `tenant` (`t<session>` when empty).
+    fn of(tenant: &str, session: u64, regions: &[(u64, u64)]) -> Holding {
         Holding {
             session,
+            tenant: if tenant.is_empty() {
+                format!("t{session}")
+            } else {
+                tenant.into()
+            },
             regions: regions.iter().map(|&(r, t)| (r, t, true)).collect(),
         }
+    }
+
+    fn want(f: &mut FairShare, session: u64, now: u64) {
+        f.want(session, &format!("t{session}"), now);
     }
 
     #[test]
     fn the_session_furthest_above_its_share_gives_its_least_read_region() {
         let mut f = FairShare::default();
-        f.want(3, 100);
+        want(&mut f, 3, 100);
         // 6 regions, 3 storing sessions: a share of 2. Session 1 holds 4.
         let h = [
             holding(1, &[(10, 50), (11, 20), (12, 90), (13, 70)]),
@@ -208,7 +304,7 @@ mod tests {
     #[test]
     fn nobody_is_asked_when_every_session_is_within_its_share() {
         let mut f = FairShare::default();
-        f.want(5, 0);
+        want(&mut f, 5, 0);
         // 4 regions, 5 storing sessions: the floor of one region each.
         let h: Vec<Holding> = (1..=4).map(|s| holding(s, &[(s * 10, 0)])).collect();
         assert_eq!(f.decide(&h, 4, 0, 10_000, 5_000), None);
@@ -221,10 +317,11 @@ mod tests {
     #[test]
     fn regions_with_pinned_keys_are_never_asked_for() {
         let mut f = FairShare::default();
-        f.want(2, 0);
+        want(&mut f, 2, 0);
         let h = [
             Holding {
                 session: 1,
+                tenant: "t1".into(),
                 regions: vec![(10, 0, false), (11, 5, true), (12, 1, false)],
             },
             holding(2, &[]),
@@ -232,10 +329,11 @@ mod tests {
         let ask = f.decide(&h, 3, 0, 10_000, 5_000).unwrap();
         assert_eq!(ask.region_id, 11, "10 and 12 hold pinned keys");
         let mut g = FairShare::default();
-        g.want(2, 0);
+        want(&mut g, 2, 0);
         let pinned = [
             Holding {
                 session: 1,
+                tenant: "t1".into(),
                 regions: vec![(10, 0, false), (11, 0, false)],
             },
             holding(2, &[]),
@@ -246,7 +344,7 @@ mod tests {
     #[test]
     fn an_unanswered_ask_is_made_again_and_stale_waiters_are_forgotten() {
         let mut f = FairShare::default();
-        f.want(3, 0);
+        want(&mut f, 3, 0);
         let h = [
             holding(1, &[(10, 0), (11, 1), (12, 2)]),
             holding(2, &[(20, 0), (21, 0), (22, 0)]),
@@ -268,7 +366,7 @@ mod tests {
     #[test]
     fn regions_that_do_not_divide_evenly_are_not_handed_back_and_forth() {
         let mut f = FairShare::default();
-        f.want(2, 0);
+        want(&mut f, 2, 0);
         // 3 regions, 2 storing sessions: a share of 2 (rounded up).
         let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
         assert_eq!(f.decide(&h, 3, 0, 10_000, 5_000), None);
@@ -278,21 +376,84 @@ mod tests {
     fn a_session_at_its_share_yields_to_a_waiter() {
         let mut f = FairShare::default();
         let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
-        assert!(!f.must_yield(1, 2, &h, 4), "nobody waits");
-        f.want(2, 0);
-        // 4 regions, 2 storing sessions: a share of 2, which session 1 holds.
-        assert!(f.must_yield(1, 2, &h, 4));
-        assert!(!f.must_yield(1, 1, &h, 4), "below its share it may grow");
+        assert!(!f.must_yield(1, "t1", &h, 4), "nobody waits");
+        want(&mut f, 2, 0);
+        // 4 regions, 2 storing tenants: a share of 2, which tenant t1 holds.
+        assert!(f.must_yield(1, "t1", &h, 4));
+        let below = [holding(1, &[(10, 0)]), holding(2, &[(20, 0)])];
         assert!(
-            !f.must_yield(2, 1, &h, 4),
+            !f.must_yield(1, "t1", &below, 4),
+            "below its share it may grow"
+        );
+        assert!(
+            !f.must_yield(2, "t2", &h, 4),
             "the waiter itself never yields to itself"
+        );
+    }
+
+    #[test]
+    fn shares_count_tenants_not_sessions() {
+        let mut f = FairShare::default();
+        // 14 sessions of one tenant, a region each; the victim's one session holds 2
+        // and waits for more. 16 regions, 2 storing tenants: a share of 8 each.
+        let mut h: Vec<Holding> = (1..=14).map(|s| of("sybil", s, &[(100 + s, s)])).collect();
+        h.push(of("victim", 20, &[(1, 0), (2, 0)]));
+        assert_eq!(f.storing_tenants(&h, None), 2);
+        f.want(20, "victim", 0);
+        assert_eq!(f.share(&h, 16), 8);
+        let ask = f
+            .decide(&h, 16, 0, 10_000, 5_000)
+            .expect("the sybil tenant is asked");
+        assert_eq!(
+            (ask.session, ask.region_id),
+            (1, 101),
+            "its region read longest ago"
+        );
+        assert!(
+            f.must_yield(1, "sybil", &h, 16),
+            "it holds more than its share"
+        );
+        assert!(!f.must_yield(20, "victim", &h, 16));
+        // Counted per session (the old rule) each sybil session held one region, under
+        // a share of ceil(16/15) = 2, and nobody was asked.
+        assert_eq!(f.storing_tenants(&h, Some("newcomer")), 3);
+    }
+
+    #[test]
+    fn sessions_of_one_tenant_share_its_regions_when_no_tenant_is_above_its_share() {
+        let mut f = FairShare::default();
+        // One tenant, three engines: A holds 3 regions, B 1, C none and waits.
+        let h = [
+            of("t", 1, &[(10, 5), (11, 1), (12, 9)]),
+            of("t", 2, &[(20, 0)]),
+            of("t", 3, &[]),
+        ];
+        f.want(3, "t", 0);
+        // 4 regions, 3 storing sessions of t: a session share of 2; A is above it.
+        assert_eq!(f.session_share("t", &h), 2);
+        let ask = f.decide(&h, 4, 0, 10_000, 5_000).expect("A is asked");
+        assert_eq!((ask.session, ask.region_id), (1, 11));
+        assert!(f.must_yield(1, "t", &h, 4), "A holds more than its share");
+        assert!(!f.must_yield(2, "t", &h, 4), "B is below it");
+        // Another tenant above its share goes first.
+        let mut g = FairShare::default();
+        let h2 = [
+            of("t", 1, &[(10, 5), (11, 1), (12, 9)]),
+            of("t", 3, &[]),
+            of("u", 4, &[(40, 7), (41, 8), (42, 3), (43, 2), (44, 6)]),
+        ];
+        g.want(3, "t", 0);
+        let ask = g.decide(&h2, 8, 0, 10_000, 5_000).unwrap();
+        assert_eq!(
+            ask.session, 4,
+            "tenant u holds 5 of 8 regions, its share is 4"
         );
     }
 
     #[test]
     fn a_waiting_session_is_not_asked_to_give_to_itself() {
         let mut f = FairShare::default();
-        f.want(1, 0);
+        want(&mut f, 1, 0);
         let h = [
             holding(1, &[(10, 0), (11, 0), (12, 0)]),
             holding(2, &[(20, 0)]),

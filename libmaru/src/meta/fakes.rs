@@ -2,8 +2,8 @@
 //! agents that answer, fail, refuse or stay silent on demand. Both write one shared
 //! log, so tests check the order of releases and frees.
 
-use super::ports::{AgentPort, PortError, RmPort};
-use super::{MetaConfig, MetaCore};
+use super::ports::{AgentPort, PoolSizes, PortError, RmPort};
+use super::{Action, Caller, MetaConfig, MetaCore, Ticket, DEFAULT_TENANT};
 use crate::wire::meta::{
     Backend, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PublishEntry,
     RegionGrant,
@@ -59,8 +59,9 @@ impl FakeRm {
     }
 }
 
-impl RmPort for FakeRm {
-    fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
+impl FakeRm {
+    /// ALLOC, as the daemon carries out the core's `Action::Alloc`.
+    pub fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError> {
         if self.down {
             return Err(PortError::Unreachable("connection refused".into()));
         }
@@ -93,7 +94,9 @@ impl RmPort for FakeRm {
             },
         })
     }
+}
 
+impl RmPort for FakeRm {
     fn free(&mut self, h: &Handle) -> Result<(), PortError> {
         if self.down {
             return Err(PortError::Unreachable("connection refused".into()));
@@ -122,11 +125,14 @@ impl RmPort for FakeRm {
         Ok(self.allocated.keys().copied().collect())
     }
 
-    fn largest_pool(&mut self) -> Result<u64, PortError> {
+    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
         if self.down {
             return Err(PortError::Unreachable("connection refused".into()));
         }
-        Ok(self.largest)
+        Ok(PoolSizes {
+            largest: self.largest,
+            total: self.largest,
+        })
     }
 }
 
@@ -183,6 +189,21 @@ impl AgentPort for FakeAgents {
     }
 }
 
+/// A publish entry of 1000 bytes of `key` at `offset` of the region.
+pub fn entry(key: &str, region_id: u64, offset: u64) -> PublishEntry {
+    PublishEntry {
+        key: key.into(),
+        region_id,
+        offset,
+        length: 1000,
+        prev: None,
+    }
+}
+
+pub fn strings(keys: &[&str]) -> Vec<String> {
+    keys.iter().map(|k| k.to_string()).collect()
+}
+
 pub fn config(agents: &[&str]) -> MetaConfig {
     MetaConfig {
         region_size: REGION,
@@ -198,6 +219,11 @@ pub fn config(agents: &[&str]) -> MetaConfig {
         max_sessions: 8,
         instance: "fake-instance".into(),
         victim_order: Default::default(),
+        // Long: tests of other rules open sessions that hold regions without storing
+        // (readers); the unused-region rule has tests of its own.
+        unused_region_ms: 3_600_000,
+        park_max_ms: 8_000,
+        max_parked: 64,
     }
 }
 
@@ -210,6 +236,11 @@ pub struct World {
     pub now: u64,
     /// Sessions that heartbeat at every step of the clock (readers in long tests).
     pub alive: Vec<(String, u64)>,
+    /// The tenant each client's key proves (`default` when not named here).
+    pub tenant_of: BTreeMap<String, String>,
+    /// Answers of requests that waited for the RM, by ticket.
+    pub answers: BTreeMap<Ticket, Result<MetaReply, WireError>>,
+    next_ticket: Ticket,
 }
 
 impl World {
@@ -225,7 +256,44 @@ impl World {
             log,
             now: 1_000,
             alive: Vec::new(),
+            tenant_of: BTreeMap::new(),
+            answers: BTreeMap::new(),
+            next_ticket: 0,
         }
+    }
+
+    /// `client` proves the key of `tenant` from now on.
+    pub fn as_tenant(&mut self, client: &str, tenant: &str) {
+        self.tenant_of.insert(client.into(), tenant.into());
+    }
+
+    /// Each client a tenant of its own (`t0`, `t1`, ...), writing namespace `ns-tK`,
+    /// where [`open`](Self::open) opens its sessions; the default tenant writes the
+    /// rest.
+    pub fn split_tenants(&mut self, clients: &[&str]) {
+        let mut specs = vec![super::TenantSpec::unclaimed(Default::default())];
+        for (i, c) in clients.iter().enumerate() {
+            let t = format!("t{i}");
+            specs.push(super::TenantSpec::writer(&t, &[&format!("ns-{t}")]).unwrap());
+            self.as_tenant(c, &t);
+        }
+        let tenants = super::Tenants::new(specs).unwrap();
+        self.core.set_tenants(tenants, self.now);
+    }
+
+    /// The namespace `open` uses for `client`: its tenant's (see `split_tenants`).
+    pub fn ns_of(&self, client: &str) -> String {
+        match self.tenant_of.get(client) {
+            Some(t) if t.starts_with('t') => format!("ns-{t}"),
+            _ => "ns".into(),
+        }
+    }
+
+    fn tenant(&self, client: &str) -> String {
+        self.tenant_of
+            .get(client)
+            .cloned()
+            .unwrap_or_else(|| DEFAULT_TENANT.into())
     }
 
     /// Two agents, room for 16 regions.
@@ -238,12 +306,53 @@ impl World {
         World::with(config(&[]), 16 * REGION)
     }
 
+    /// One request, and (when it waits for a region) the RM's answer at once.
     pub fn req(&mut self, client: &str, req: MetaRequest) -> Result<MetaReply, WireError> {
-        self.core.handle(client, req, self.now, &mut self.rm)
+        match self.send(client, req) {
+            Ok(r) => r,
+            Err(t) => {
+                self.run_actions();
+                self.answers
+                    .remove(&t)
+                    .expect("an answer once the RM answered")
+            }
+        }
+    }
+
+    /// One request: its answer, or the ticket of a request that waits for the RM
+    /// (whose allocation is left to [`run_actions`](Self::run_actions)).
+    pub fn send(
+        &mut self,
+        client: &str,
+        req: MetaRequest,
+    ) -> Result<Result<MetaReply, WireError>, Ticket> {
+        self.next_ticket += 1;
+        let ticket = self.next_ticket;
+        let tenant = self.tenant(client);
+        let caller = Caller {
+            owner: client,
+            tenant: &tenant,
+        };
+        let r = self
+            .core
+            .handle(&caller, ticket, req, self.now, &mut self.rm);
+        self.answers.extend(self.core.take_answers());
+        r.ok_or(ticket)
+    }
+
+    /// Carries out the core's actions as the daemon does (the fake RM answers at
+    /// once) and collects the answers.
+    pub fn run_actions(&mut self) {
+        while let Some(Action::Alloc { alloc, size }) = self.core.next_action() {
+            let r = self.rm.alloc(size);
+            self.core.alloc_done(alloc, r, self.now, &mut self.rm);
+        }
+        self.answers.extend(self.core.take_answers());
     }
 
     pub fn tick(&mut self) {
         self.core.tick(self.now, &mut self.rm, &mut self.agents);
+        self.answers.extend(self.core.take_answers());
     }
 
     /// Moves the clock on, heartbeats the sessions kept alive, runs the timers.
@@ -294,13 +403,15 @@ impl World {
 
     /// Opens a session that takes no region until it expands.
     pub fn open_without_region(&mut self, client: &str) -> u64 {
+        let namespace = self.ns_of(client);
+        let backend = self.backend();
         match self.req(
             client,
             MetaRequest::OpenSession {
                 engine_id: format!("engine-{client}"),
-                namespace: "ns".into(),
+                namespace,
                 layout: "llama-8b/bf16/256".into(),
-                backend: Backend::RemoteCxl,
+                backend,
                 first_region: false,
             },
         ) {
@@ -325,13 +436,19 @@ impl World {
         }
     }
 
-    pub fn open(&mut self, client: &str) -> (u64, RegionGrant) {
-        let backend = if self.core.config().agents.is_empty() {
+    /// The backend of the world: remote_cxl with agents, else cxl.
+    pub fn backend(&self) -> Backend {
+        if self.core.config().agents.is_empty() {
             Backend::Cxl
         } else {
             Backend::RemoteCxl
-        };
-        self.open_in(client, "ns", backend)
+        }
+    }
+
+    pub fn open(&mut self, client: &str) -> (u64, RegionGrant) {
+        let backend = self.backend();
+        let ns = self.ns_of(client);
+        self.open_in(client, &ns, backend)
     }
 
     pub fn expand(&mut self, client: &str, session: u64) -> Result<RegionGrant, WireError> {

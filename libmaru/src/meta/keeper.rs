@@ -48,6 +48,10 @@ pub enum GiveBackReason {
     /// The RM no longer holds it for this server (it reaped it while the server was
     /// away longer than its grace period).
     RmDropped,
+    /// Its session held it without taking a page for the unused-region limit.
+    Unused,
+    /// The RM answered an allocation after the request that asked for it went away.
+    Unclaimed,
 }
 
 impl GiveBackReason {
@@ -64,6 +68,8 @@ impl GiveBackReason {
             }
             GiveBackReason::Shutdown => "maru-server gives its kept regions back",
             GiveBackReason::RmDropped => "the RM no longer holds it for this server",
+            GiveBackReason::Unused => "its session held it without storing in it",
+            GiveBackReason::Unclaimed => "the request it was allocated for went away",
         }
     }
 }

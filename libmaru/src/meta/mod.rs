@@ -9,6 +9,14 @@
 //! - a key is found only after it was published, and a session publishes only into
 //!   allocated pages of its own regions; the first publish of a key wins;
 //! - keys are shared only within one namespace, KV layout and backend;
+//! - a key proves a [tenant](tenants); a session opens only in a namespace its tenant
+//!   writes or reads, and publishes, pins and removes only where it writes; each
+//!   namespace has one writing tenant;
+//! - limits count per tenant: sessions, regions (the fair share of a pool counts
+//!   tenants), pins, requests waiting for a region; a region held without storing
+//!   goes back;
+//! - a region comes from the RM as an [action](Action) and its answer as an event:
+//!   requests that need one wait, decoded and bounded, while others are served;
 //! - a region larger than the RM's largest pool is refused for good;
 //! - victims and remove act only on keys of the caller's own regions; leased and
 //!   pinned keys are neither victims nor removed, and a region with pinned keys is
@@ -24,6 +32,7 @@
 //!   [`MAX_BATCH`](crate::wire::meta::MAX_BATCH)) gets a clear error and changes
 //!   nothing.
 
+mod alloc_ops;
 mod config;
 mod core;
 mod errors;
@@ -41,6 +50,7 @@ mod session_ops;
 pub mod sessions;
 mod stats;
 mod store_ops;
+pub mod tenants;
 
 #[cfg(test)]
 mod core_tests;
@@ -50,9 +60,14 @@ mod evict_tests;
 mod fakes;
 #[cfg(test)]
 mod keeper_tests;
+#[cfg(test)]
+mod tenant_tests;
 
-pub use self::config::{ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS};
-pub use self::core::MetaCore;
+pub use self::config::{
+    heartbeat_ms, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
+};
+pub use self::core::{Action, Caller, MetaCore, Ticket};
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
-pub use ports::{AgentPort, PortError, RmPort};
+pub use ports::{AgentPort, PoolSizes, PortError, RmPort};
+pub use tenants::{Access, NsPattern, TenantLimits, TenantSpec, Tenants, DEFAULT_TENANT};

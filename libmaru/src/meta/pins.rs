@@ -6,19 +6,18 @@
 //! then its bytes are gone whatever anybody asked.
 //!
 //! Pins are counted per (session, key): two pins of one key by one session need two
-//! unpins. Each session holds at most [`PIN_LIMIT`] distinct pinned keys; a pin
-//! request that would pass it is refused whole.
+//! unpins. A tenant's sessions hold at most its pin limit of (session, key) pins
+//! together (each session's distinct pinned keys, summed); a pin request that would
+//! pass it is refused whole. Only a session whose tenant writes the key's namespace
+//! pins (see `tenants`).
 
 use super::keys::KeyId;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 
-/// Most distinct keys one session may hold pinned.
-pub const PIN_LIMIT: usize = 65_536;
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PinLimit {
-    pub session: u64,
+    pub tenant: String,
     pub held: usize,
     pub asked: usize,
     pub limit: usize,
@@ -28,14 +27,14 @@ impl fmt::Display for PinLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "session {} pins {} keys and asks to pin {} more; a session pins at most {}: \
-             unpin keys it no longer needs",
-            self.session, self.held, self.asked, self.limit
+            "the sessions of tenant {} pin {} keys and ask to pin {} more; a tenant pins at \
+             most {}: unpin keys it no longer needs (or raise max_pins in the tenants file)",
+            self.tenant, self.held, self.asked, self.limit
         )
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct PinTable {
     /// (session, key) → how many times that session pinned it.
     counts: HashMap<(u64, KeyId), u32>,
@@ -46,27 +45,9 @@ pub struct PinTable {
     /// region → pinned keys in it (for the keeper and for a lost region).
     per_region: HashMap<u64, HashSet<KeyId>>,
     region_of: HashMap<KeyId, u64>,
-    limit: usize,
-}
-
-impl Default for PinTable {
-    fn default() -> Self {
-        PinTable::new(PIN_LIMIT)
-    }
 }
 
 impl PinTable {
-    pub fn new(limit: usize) -> PinTable {
-        PinTable {
-            counts: HashMap::new(),
-            per_key: HashMap::new(),
-            per_session: HashMap::new(),
-            per_region: HashMap::new(),
-            region_of: HashMap::new(),
-            limit,
-        }
-    }
-
     /// Distinct pinned keys.
     pub fn keys(&self) -> usize {
         self.per_key.len()
@@ -85,27 +66,19 @@ impl PinTable {
         self.per_region.contains_key(&region_id)
     }
 
-    /// Whether `session` may pin `keys` (distinct keys it does not pin yet count).
-    pub fn check_room(&self, session: u64, keys: &[KeyId]) -> Result<(), PinLimit> {
+    /// How many distinct keys of `keys` `session` does not pin yet (what pinning
+    /// them adds to its count).
+    pub fn new_for(&self, session: u64, keys: &[KeyId]) -> usize {
         let mine = self.per_session.get(&session);
-        let new: HashSet<KeyId> = keys
-            .iter()
+        keys.iter()
             .copied()
             .filter(|k| !mine.is_some_and(|m| m.contains(k)))
-            .collect();
-        let held = self.held_by(session);
-        if held + new.len() > self.limit {
-            return Err(PinLimit {
-                session,
-                held,
-                asked: new.len(),
-                limit: self.limit,
-            });
-        }
-        Ok(())
+            .collect::<HashSet<KeyId>>()
+            .len()
     }
 
-    /// Pins `key` (in `region_id`) once more for `session`; the caller checked room.
+    /// Pins `key` (in `region_id`) once more for `session`; the caller checked the
+    /// tenant's limit.
     pub fn pin(&mut self, session: u64, key: KeyId, region_id: u64) {
         *self.counts.entry((session, key)).or_default() += 1;
         self.per_key.entry(key).or_default().insert(session);
@@ -203,7 +176,7 @@ mod tests {
 
     #[test]
     fn pins_count_per_session_and_end_with_the_last_unpin() {
-        let mut t = PinTable::new(10);
+        let mut t = PinTable::default();
         t.pin(1, key(1), 9);
         t.pin(1, key(1), 9);
         t.pin(2, key(1), 9);
@@ -220,7 +193,7 @@ mod tests {
 
     #[test]
     fn pins_end_with_their_session_key_or_region() {
-        let mut t = PinTable::new(10);
+        let mut t = PinTable::default();
         t.pin(1, key(1), 9);
         t.pin(1, key(2), 8);
         t.pin(2, key(2), 8);
@@ -236,15 +209,13 @@ mod tests {
     }
 
     #[test]
-    fn the_limit_counts_distinct_new_keys_and_refuses_clearly() {
-        let mut t = PinTable::new(2);
+    fn new_pins_count_distinct_keys_the_session_does_not_pin_yet() {
+        let mut t = PinTable::default();
         t.pin(1, key(1), 9);
         // Pinning a key again, or the same new key twice, takes one place.
-        t.check_room(1, &[key(1), key(2), key(2)]).unwrap();
+        assert_eq!(t.new_for(1, &[key(1), key(2), key(2)]), 1);
         t.pin(1, key(2), 9);
-        let e = t.check_room(1, &[key(1), key(3)]).unwrap_err();
-        assert_eq!(e.asked, 1);
-        assert!(e.to_string().contains("at most 2"), "{e}");
-        t.check_room(2, &[key(1), key(2)]).unwrap();
+        assert_eq!(t.new_for(1, &[key(1), key(3)]), 1);
+        assert_eq!(t.new_for(2, &[key(1), key(2)]), 2);
     }
 }

@@ -3,10 +3,14 @@
 //! these over its RM and agent connections; tests implement them with fakes that
 //! record calls and fail on demand.
 //!
-//! Every call is synchronous and returns its outcome. The core never blocks on
-//! anything else and never looks at a clock.
+//! Every call is synchronous and returns its outcome; the daemon answers from what
+//! its links already know where a peer is slow. Allocating a region is not a port
+//! call: it is an [action](super::Action) of the core, and the RM's answer comes back
+//! as an event ([`MetaCore::alloc_done`](super::MetaCore::alloc_done)), so a request
+//! waiting for a region never holds the daemon. The core never blocks on anything
+//! and never looks at a clock.
 
-use crate::wire::rm::{AllocReply, Handle};
+use crate::wire::rm::Handle;
 use crate::wire::{ErrorCode, WireError};
 use std::fmt;
 
@@ -64,17 +68,23 @@ impl fmt::Display for PortError {
 
 impl std::error::Error for PortError {}
 
+/// The sizes of the RM's pools, in bytes usable for regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSizes {
+    /// The largest pool: no region larger than it can ever be allocated.
+    pub largest: u64,
+    /// All pools together: what the tenants storing in them share.
+    pub total: u64,
+}
+
 /// The resource manager, as maru-server (the owner of every region it hands out)
-/// uses it.
+/// uses it. Allocations are the core's [actions](super::Action).
 pub trait RmPort {
-    /// ALLOC a region of at least `size` bytes. `Refused` when the RM has no room
-    /// (or no pool): nothing was allocated.
-    fn alloc(&mut self, size: u64) -> Result<AllocReply, PortError>;
     /// FREE a region. `Refused` when the RM does not know the handle (already freed):
     /// nothing is left to free. A held region drains at the RM until its last UNHOLD.
     fn free(&mut self, h: &Handle) -> Result<(), PortError>;
-    /// Bytes usable for regions in the RM's largest pool.
-    fn largest_pool(&mut self) -> Result<u64, PortError>;
+    /// Bytes usable for regions in the RM's pools.
+    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError>;
     /// Ids of the regions the RM holds for this server (its client id). Asked
     /// regularly: the call keeps the connection, so a restarted RM sees its owner back
     /// within its grace period, and a region missing from the answer was freed or

@@ -30,9 +30,22 @@ pub struct Region {
     pub last_read_ms: u64,
     /// The memory node's boot id its owner last reported.
     pub boot_id: Option<String>,
+    /// Since when its session has held it without a page taken or a key in it (None
+    /// while it holds one, or when no session holds it): a region held unused for
+    /// the unused-region limit goes back.
+    pub unused_since_ms: Option<u64>,
 }
 
 impl Region {
+    /// Notes at `now_ms` whether the region is in use (a page taken or a key in it).
+    pub fn note_use(&mut self, now_ms: u64) {
+        self.unused_since_ms = if self.pages.used() > 0 {
+            None
+        } else {
+            self.unused_since_ms.or(Some(now_ms))
+        };
+    }
+
     pub fn grant(&self, page_size: u64) -> RegionGrant {
         RegionGrant {
             handle: self.handle.clone(),

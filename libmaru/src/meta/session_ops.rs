@@ -1,20 +1,19 @@
-//! Sessions and their regions: open, expand, heartbeat, return, close; getting a
-//! region from the RM, and making room there from the keeper's regions.
+//! Sessions and their regions: open, expand (both wait for the RM in `alloc_ops`),
+//! heartbeat, return, close.
 
-use super::core::MetaCore;
-use super::errors::{bad_request, check_batch, internal, no_space, permission, refused};
+use super::alloc_ops::{OpenArgs, Want};
+use super::core::{Caller, MetaCore, Ticket};
+use super::errors::{bad_request, check_batch, internal, no_space, permission};
 use super::fair_share::{Ask, Holding};
-use super::keeper::{GiveBackReason, KeeperEvent};
-use super::keys::Scope;
-use super::pages::PageAllocator;
-use super::ports::{PortError, RmPort};
-use super::regions::{agent_for, Holder, Region};
+use super::keeper::GiveBackReason;
+use super::ports::RmPort;
+use super::regions::{Holder, Region};
 use super::sessions::EndReason;
+use super::tenants::Access;
 use crate::wire::meta::{
-    Backend, HeartbeatReply, MetaReply, RegionGrant, ReturnReply, SessionReply, LEASE_LIMIT,
-    MAX_NAME_LEN,
+    Backend, HeartbeatReply, MetaReply, RegionGrant, ReturnReply, MAX_NAME_LEN,
 };
-use crate::wire::{ErrorCode, WireError};
+use crate::wire::WireError;
 use std::collections::BTreeMap;
 
 fn check_name(what: &str, s: &str, required: bool) -> Result<(), WireError> {
@@ -30,107 +29,71 @@ fn check_name(what: &str, s: &str, required: bool) -> Result<(), WireError> {
 }
 
 impl MetaCore {
-    #[allow(clippy::too_many_arguments)]
+    /// Opens a session in a namespace its tenant writes or reads. A writing session
+    /// asked for its first region waits for it (`Ok(None)`); a reading one gets none.
     pub(super) fn open_session(
         &mut self,
-        client_id: &str,
-        engine_id: &str,
-        namespace: &str,
-        layout: &str,
-        backend: Backend,
+        caller: &Caller<'_>,
+        ticket: Ticket,
+        args: OpenArgs,
         first_region: bool,
         now_ms: u64,
         rm: &mut dyn RmPort,
-    ) -> Result<MetaReply, WireError> {
-        check_name("engine id", engine_id, true)?;
-        check_name("namespace", namespace, false)?;
-        check_name("layout digest", layout, false)?;
-        self.check_backend_configured(backend)?;
-        self.sessions.check_room()?;
-        let region = if first_region {
-            Some(self.alloc_region(backend, now_ms, rm)?)
-        } else {
-            None
-        };
-        let scope = self.keys.scope_id(Scope {
-            namespace: namespace.to_string(),
-            layout: layout.to_string(),
-            backend,
-        });
-        let id = self
-            .sessions
-            .insert(client_id, engine_id, namespace, backend, scope, now_ms);
-        let grant = region.map(|region| self.give_region(id, region));
-        log::info!(
-            "session {id} opened by {} (engine {}, namespace {}, {}) with {}",
-            crate::net::clip(client_id),
-            crate::net::clip(engine_id),
-            crate::net::clip(namespace),
-            backend.as_str(),
-            grant
-                .as_ref()
-                .map_or("no region yet".to_string(), |g| format!(
-                    "region {}",
-                    g.handle.region_id
-                ))
-        );
-        Ok(MetaReply::Session(SessionReply {
-            session: id,
-            page_size: self.cfg.chunk_size,
-            region: grant,
-            session_timeout_ms: self.cfg.session_timeout_ms,
-            lease_timeout_ms: self.cfg.lease_timeout_ms,
-            lease_limit: LEASE_LIMIT,
-            session_secret: None,
-        }))
+    ) -> Result<Option<MetaReply>, WireError> {
+        check_name("engine id", &args.engine_id, true)?;
+        check_name("namespace", &args.namespace, false)?;
+        check_name("layout digest", &args.layout, false)?;
+        self.check_backend_configured(args.backend)?;
+        let access = self.tenants.access(caller.tenant, &args.namespace);
+        if access == Access::None {
+            return Err(permission(format!(
+                "tenant {} may neither write nor read namespace {:?}: the tenants file names \
+                 the namespaces of each tenant",
+                caller.tenant,
+                crate::net::clip(&args.namespace)
+            )));
+        }
+        self.check_session_room(caller.tenant)?;
+        if first_region && access == Access::Write {
+            self.park(caller, ticket, Want::Open { args, access }, now_ms, rm)?;
+            return Ok(None);
+        }
+        Ok(Some(self.new_session(caller, &args, access, None, now_ms)))
     }
 
+    /// One more region for a writing session: waits for the RM (`Ok(None)`) once the
+    /// tenant's share and limits allow it.
     pub(super) fn expand(
         &mut self,
-        client_id: &str,
+        caller: &Caller<'_>,
+        ticket: Ticket,
         session: u64,
         now_ms: u64,
         rm: &mut dyn RmPort,
-    ) -> Result<MetaReply, WireError> {
-        let id = self.session(client_id, session, now_ms)?;
-        let backend = match self.sessions.get(id) {
-            Some(s) => s.backend,
-            None => return Err(internal(format!("session {id} vanished"))),
-        };
-        let holdings = self.holdings();
-        let held = self.sessions.get(id).map_or(0, |s| s.regions.len());
-        let pool_regions = self.regions.len();
-        if self.fair.must_yield(id, held, &holdings, pool_regions) {
-            // It holds its share: it does not wait for more, it evicts.
-            self.fair.done_waiting(id);
+    ) -> Result<Option<MetaReply>, WireError> {
+        let id = self.session(caller.owner, session, now_ms)?;
+        let s = self.sessions.checked(id)?;
+        if s.access != Access::Write {
+            // Not a refusal: a worker that stores into a namespace it only reads skips
+            // its stores, and goes on loading.
             return Err(no_space(format!(
-                "session {id} holds its fair share of the full pool ({held} of {pool_regions} \
-                 regions) while other engines wait for one: evict keys of its own regions"
+                "session {id} reads namespace {:?} and its tenant {} does not write it: it \
+                 gets no region, its stores are skipped",
+                crate::net::clip(&s.namespace),
+                s.tenant
             )));
         }
-        let region = match self.alloc_region(backend, now_ms, rm) {
-            Ok(r) => r,
-            Err(mut e) if e.code == ErrorCode::NoSpace => {
-                self.fair.want(id, now_ms);
-                if !self.keeper.pressure_pending() {
-                    if let Some(ask) = self.ask_fair_share(now_ms) {
-                        e.message.push_str(&format!(
-                            "; session {} holds the most regions above its fair share and is \
-                             asked to give back region {}: retry shortly",
-                            ask.session, ask.region_id
-                        ));
-                    }
-                }
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
-        self.fair.done_waiting(id);
-        Ok(MetaReply::Region(self.give_region(id, region)))
+        self.park(caller, ticket, Want::Expand { session: id }, now_ms, rm)?;
+        Ok(None)
     }
 
     /// Hands a new region to the session.
-    fn give_region(&mut self, session: u64, mut region: Region) -> RegionGrant {
+    pub(super) fn give_region(
+        &mut self,
+        session: u64,
+        mut region: Region,
+        now_ms: u64,
+    ) -> RegionGrant {
         let rid = region.handle.region_id;
         region.holder = Holder::Session(session);
         let grant = region.grant(self.cfg.chunk_size);
@@ -138,20 +101,22 @@ impl MetaCore {
         if let Some(s) = self.sessions.get_mut(session) {
             s.regions.insert(rid);
         }
+        self.note_region_use(rid, now_ms);
         grant
     }
 
-    /// Asks the session furthest above its fair share of the pool for a region, if
-    /// a storing session waits and none was asked lately (see `fair_share`).
-    fn ask_fair_share(&mut self, now_ms: u64) -> Option<Ask> {
+    /// Asks the session holding the region read longest ago of the tenant furthest
+    /// above its fair share for that region, if a storing session waits and none was
+    /// asked lately (see `fair_share`).
+    pub(super) fn ask_fair_share(&mut self, now_ms: u64) -> Option<Ask> {
         let holdings = self.holdings();
         let timeout = self.cfg.session_timeout_ms;
         let ask = self
             .fair
             .decide(&holdings, self.regions.len(), now_ms, timeout, timeout)?;
         log::info!(
-            "the pool is full and {} storing sessions wait for a region: session {} (most \
-             regions above its fair share) is asked to give back region {}",
+            "the pool is full and {} storing sessions wait for a region: session {} (of the \
+             tenant most regions above its fair share) is asked to give back region {}",
             self.fair.waiting(),
             ask.session,
             ask.region_id
@@ -159,13 +124,14 @@ impl MetaCore {
         Some(ask)
     }
 
-    /// Every session's regions, when each was last read, and whether it may be given
-    /// back (no pinned key).
-    fn holdings(&self) -> Vec<Holding> {
+    /// Every session's tenant and regions, when each was last read, and whether it
+    /// may be given back (no pinned key).
+    pub(super) fn holdings(&self) -> Vec<Holding> {
         self.sessions
             .iter()
             .map(|s| Holding {
                 session: s.id,
+                tenant: s.tenant.clone(),
                 regions: s
                     .regions
                     .iter()
@@ -176,106 +142,6 @@ impl MetaCore {
                     .collect(),
             })
             .collect()
-    }
-
-    /// A new region from the RM, not yet in the table. A region larger than the
-    /// RM's largest pool is refused for good; a refusal of the RM makes the keeper
-    /// give back the kept region read longest ago (one at a time), and the caller
-    /// may retry.
-    fn alloc_region(
-        &mut self,
-        backend: Backend,
-        now_ms: u64,
-        rm: &mut dyn RmPort,
-    ) -> Result<Region, WireError> {
-        let size = self.cfg.region_size;
-        match rm.largest_pool() {
-            Ok(largest) if size > largest => {
-                return Err(refused(format!(
-                    "a region of {size} bytes is larger than the RM's largest pool ({largest} \
-                     bytes), so it can never be allocated: lower the region size \
-                     (maru_pool_size) or give the RM a larger pool; do not retry"
-                )));
-            }
-            Ok(_) => {}
-            // The allocation itself will tell.
-            Err(e) => log::debug!("could not ask the RM for its largest pool: {e}"),
-        }
-        let a = match rm.alloc(size) {
-            Ok(a) => a,
-            Err(PortError::Refused(m)) => {
-                let room = self.make_room_at_rm(now_ms, rm);
-                return Err(no_space(format!(
-                    "the RM refused a region of {size} bytes ({m}); {room}"
-                )));
-            }
-            Err(e) => {
-                return Err(internal(format!(
-                    "could not get a region of {size} bytes from the RM at {} ({e}): retry",
-                    self.cfg.rm_address
-                )))
-            }
-        };
-        let rid = a.handle.region_id;
-        if self.regions.contains(rid) {
-            // Freeing it would free the region we already have under that id.
-            return Err(internal(format!(
-                "the RM handed out region {rid}, which maru-server holds already"
-            )));
-        }
-        let pages = a.handle.length / self.cfg.chunk_size;
-        if pages == 0 {
-            let _ = rm.free(&a.handle);
-            return Err(internal(format!(
-                "the RM gave region {rid} of {} bytes for {size} asked, less than one page",
-                a.handle.length
-            )));
-        }
-        let agent = match backend {
-            Backend::RemoteCxl => agent_for(rid, &self.cfg.agents),
-            Backend::Cxl => None,
-        };
-        Ok(Region {
-            handle: a.handle,
-            pool: a.pool,
-            agent,
-            backend,
-            pages: PageAllocator::new(pages),
-            holder: Holder::GivingBack,
-            last_read_ms: now_ms,
-            boot_id: None,
-        })
-    }
-
-    /// Gives back one kept region, the one read longest ago, unless one given back
-    /// for this reason has not reached the RM yet. Says what it did.
-    fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> String {
-        if self.keeper.pressure_pending() {
-            return "a kept region is being given back to make room: retry shortly".into();
-        }
-        let victim = self
-            .keeper
-            .kept_ids()
-            .filter(|id| !self.pins.region_has_pins(*id))
-            .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
-            .min()
-            .map(|(_, id)| id);
-        let Some(id) = victim else {
-            return "maru-server keeps no region it could give back (none, or each holds \
-                    pinned keys): retry later, unpin keys or give the RM more memory"
-                .into();
-        };
-        self.keeper.lose(id, GiveBackReason::RmPressure, now_ms);
-        self.apply(&[KeeperEvent::Lost {
-            region_id: id,
-            reason: GiveBackReason::RmPressure,
-        }]);
-        // Without an agent to ask first, the RM can free it right away.
-        if let Some(e) = self.keeper.free_now(id, now_ms, rm) {
-            self.apply(&[e]);
-            return format!("kept region {id}, read longest ago, was given back: retry");
-        }
-        format!("kept region {id}, read longest ago, is being given back: retry shortly")
     }
 
     pub(super) fn heartbeat(
@@ -325,6 +191,7 @@ impl MetaCore {
             r.boot_id = Some(boot.clone());
             if changed {
                 let (keys, leases) = self.hide_region(rid);
+                self.note_region_use(rid, now_ms);
                 log::warn!(
                     "session {id}: the memory node of region {rid} rebooted (boot id now \
                      {boot}): {keys} keys dropped, {leases} leases ended"

@@ -7,6 +7,7 @@
 //! bounded record of ended sessions remains only to say why a late request fails.
 
 use super::keys::ScopeId;
+use super::tenants::Access;
 use crate::wire::meta::Backend;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
@@ -23,7 +24,12 @@ pub enum EndReason {
 #[derive(Debug, Clone)]
 pub struct Session {
     pub id: u64,
+    /// Who may act on it: the connection that opened it, or one presenting its secret.
     pub client_id: String,
+    /// The tenant whose key that connection proved.
+    pub tenant: String,
+    /// What the tenant may do in the session's namespace (read or write).
+    pub access: Access,
     pub engine_id: String,
     pub namespace: String,
     pub backend: Backend,
@@ -89,6 +95,17 @@ impl fmt::Display for SessionError {
     }
 }
 
+/// What a new session is made of.
+#[derive(Debug, Clone, Copy)]
+pub struct NewSession<'a> {
+    pub client_id: &'a str,
+    pub tenant: &'a str,
+    pub access: Access,
+    pub engine_id: &'a str,
+    pub namespace: &'a str,
+    pub backend: Backend,
+}
+
 #[derive(Debug)]
 pub struct SessionTable {
     sessions: BTreeMap<u64, Session>,
@@ -129,22 +146,24 @@ impl SessionTable {
         Ok(())
     }
 
-    pub fn insert(
-        &mut self,
-        client_id: &str,
-        engine_id: &str,
-        namespace: &str,
-        backend: Backend,
-        scope: ScopeId,
-        now_ms: u64,
-    ) -> u64 {
+    pub fn insert(&mut self, new: NewSession<'_>, scope: ScopeId, now_ms: u64) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
+        let NewSession {
+            client_id,
+            tenant,
+            access,
+            engine_id,
+            namespace,
+            backend,
+        } = new;
         self.sessions.insert(
             id,
             Session {
                 id,
                 client_id: client_id.to_string(),
+                tenant: tenant.to_string(),
+                access,
                 engine_id: engine_id.to_string(),
                 namespace: namespace.to_string(),
                 backend,
@@ -226,6 +245,14 @@ impl SessionTable {
         self.sessions.values()
     }
 
+    /// Live sessions of `tenant`.
+    pub fn count_of(&self, tenant: &str) -> usize {
+        self.sessions
+            .values()
+            .filter(|s| s.tenant == tenant)
+            .count()
+    }
+
     /// Whether `client_id` has a live session.
     pub fn has_client(&self, client_id: &str) -> bool {
         self.sessions.values().any(|s| s.client_id == client_id)
@@ -247,6 +274,17 @@ mod tests {
     use super::*;
     use crate::meta::keys::{KeyDirectory, Scope};
 
+    fn new(client_id: &str) -> NewSession<'_> {
+        NewSession {
+            client_id,
+            tenant: "t",
+            access: Access::Write,
+            engine_id: "e",
+            namespace: "ns",
+            backend: Backend::Cxl,
+        }
+    }
+
     fn table(max: usize) -> (SessionTable, ScopeId) {
         let mut d = KeyDirectory::new();
         let scope = d.scope_id(Scope {
@@ -260,7 +298,7 @@ mod tests {
     #[test]
     fn sessions_belong_to_their_client_and_ended_ones_say_why() {
         let (mut t, scope) = table(4);
-        let a = t.insert("c1", "e", "ns", Backend::Cxl, scope, 0);
+        let a = t.insert(new("c1"), scope, 0);
         assert!(t.lookup("c1", a).is_ok());
         assert!(matches!(
             t.lookup("c2", a),
@@ -278,7 +316,7 @@ mod tests {
     #[test]
     fn ended_sessions_do_not_count_toward_the_limit() {
         let (mut t, scope) = table(1);
-        let a = t.insert("c", "e", "ns", Backend::Cxl, scope, 0);
+        let a = t.insert(new("c"), scope, 0);
         assert!(matches!(t.check_room(), Err(SessionError::Full { .. })));
         assert_eq!(t.expired(99), Vec::<u64>::new());
         assert_eq!(t.expired(100), vec![a]);
@@ -290,7 +328,7 @@ mod tests {
     fn ended_records_are_bounded() {
         let (mut t, scope) = table(1);
         for _ in 0..ENDED_RECORDS + 10 {
-            let id = t.insert("c", "e", "ns", Backend::Cxl, scope, 0);
+            let id = t.insert(new("c"), scope, 0);
             t.end(id, EndReason::Closed);
         }
         assert_eq!(t.ended.len(), ENDED_RECORDS);

@@ -1,8 +1,11 @@
-//! Counters and usage, per session and in total.
+//! Counters and usage, per session and in total. The default tenant (maru-server's
+//! own key: the operator's tools) sees every session; another tenant sees only its
+//! own sessions, and the totals.
 
-use super::core::MetaCore;
+use super::core::{Caller, MetaCore};
 use super::errors::refused;
 use super::sessions::Session;
+use super::tenants::DEFAULT_TENANT;
 use crate::wire::meta::{
     MetaReply, SessionStats, SessionUsage, StatsReply, TotalStats, UsageReply,
 };
@@ -13,6 +16,7 @@ impl MetaCore {
         let mut st = SessionStats {
             session: s.id,
             engine_id: s.engine_id.clone(),
+            tenant: s.tenant.clone(),
             backend: Some(s.backend),
             hits: s.hits,
             misses: s.misses,
@@ -29,16 +33,26 @@ impl MetaCore {
         st
     }
 
-    /// Stats of one session (any client may ask) or of all, with the totals.
-    pub(super) fn stats(&self, session: Option<u64>) -> Result<MetaReply, WireError> {
+    /// Whether `caller` sees session `s` in stats and usage.
+    fn shows(caller: &Caller<'_>, s: &Session) -> bool {
+        caller.tenant == DEFAULT_TENANT || s.tenant == caller.tenant
+    }
+
+    /// Stats of one session or of all the caller sees, with the totals.
+    pub(super) fn stats(
+        &self,
+        caller: &Caller<'_>,
+        session: Option<u64>,
+    ) -> Result<MetaReply, WireError> {
         let sessions = match session {
-            Some(id) => match self.sessions.get(id) {
+            Some(id) => match self.sessions.get(id).filter(|s| Self::shows(caller, s)) {
                 Some(s) => vec![self.session_stats(s)],
                 None => return Err(refused(format!("unknown session {id}"))),
             },
             None => self
                 .sessions
                 .iter()
+                .filter(|s| Self::shows(caller, s))
                 .map(|s| self.session_stats(s))
                 .collect(),
         };
@@ -59,6 +73,7 @@ impl MetaCore {
             chains_cut: self.totals.chains_cut,
             fair_share_returns: self.fair.returned,
             waiting_for_region: self.fair.waiting() as u64,
+            waiting_for_rm: self.waits.len() as u64,
             leases: self.leases.len() as u64,
             pinned_keys: self.pins.keys() as u64,
             kept_regions: self.keeper.kept_len() as u64,
@@ -77,11 +92,12 @@ impl MetaCore {
         t
     }
 
-    pub(super) fn usage(&self) -> UsageReply {
+    pub(super) fn usage(&self, caller: &Caller<'_>) -> UsageReply {
         let page_size = self.cfg.chunk_size;
         let sessions = self
             .sessions
             .iter()
+            .filter(|s| Self::shows(caller, s))
             .map(|s| {
                 let regions = s.regions.iter().filter_map(|&rid| self.regions.get(rid));
                 let (mut allocated, mut used) = (0, 0);
@@ -93,6 +109,7 @@ impl MetaCore {
                     session: s.id,
                     engine_id: s.engine_id.clone(),
                     client_id: s.client_id.clone(),
+                    tenant: s.tenant.clone(),
                     backend: s.backend,
                     namespace: s.namespace.clone(),
                     regions: s.regions.len() as u64,

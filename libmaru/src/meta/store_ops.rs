@@ -48,6 +48,11 @@ impl MetaCore {
                 break;
             }
         }
+        let mut touched: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
+        touched.dedup();
+        for rid in touched {
+            self.note_region_use(rid, now_ms);
+        }
         let missing = count - pages.len() as u32;
         Ok(MetaReply::Pages(PagesReply { pages, missing }))
     }
@@ -99,12 +104,15 @@ impl MetaCore {
                 // Checked above; nothing else touched the pages since.
                 let _ = r.pages.free(p.page);
             }
+            self.note_region_use(p.region_id, now_ms);
         }
         Ok(MetaReply::PagesFreed { freed: pages.len() })
     }
 
-    /// Publishes keys into allocated pages of the caller's own regions. All entries
-    /// are checked before any is published; the first publish of a key wins.
+    /// Publishes keys into allocated pages of the caller's own regions, for a session
+    /// whose tenant writes its namespace. All entries are checked before any is
+    /// published; the first publish of a key wins (among the sessions of that tenant:
+    /// no other tenant writes the namespace).
     pub(super) fn publish(
         &mut self,
         client_id: &str,
@@ -113,7 +121,7 @@ impl MetaCore {
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_batch("entries", entries.len())?;
-        let id = self.session(client_id, session, now_ms)?;
+        let id = self.writing_session(client_id, session, "publish", now_ms)?;
         let s = self.sessions.checked(id)?;
         let scope = s.scope;
         let page_size = self.cfg.chunk_size;

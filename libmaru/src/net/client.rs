@@ -212,6 +212,7 @@ impl Client {
             client_id: opts.client_id.clone(),
             nonce: nonce.clone(),
             resume: opts.resume.clone(),
+            key_id: opts.key.as_ref().map(SharedKey::id),
         };
         self.send(FrameKind::Handshake, &encode_json(&hello))?;
         let welcome: Welcome = self.read_handshake("welcome")?;

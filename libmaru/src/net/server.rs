@@ -21,7 +21,7 @@ use super::sockopt;
 use super::text::clip;
 use super::throttled_log::{self, ThrottledLog};
 use super::{Clock, SignalPipe};
-use crate::auth::SharedKey;
+use crate::auth::Keyring;
 use crate::wire::{self, ErrorCode, FrameDecoder, FrameKind, WireError};
 use mio::net::{TcpListener, TcpStream};
 use mio::unix::SourceFd;
@@ -46,9 +46,18 @@ pub trait Service {
         serde_json::Value::Null
     }
 
-    /// A connection finished its handshake as `client_id`; `resume` is the session
-    /// secret its hello carried (a reconnecting client), if any.
-    fn on_open(&mut self, _conn: ConnId, _client_id: &str, _resume: Option<&str>, _now_ms: u64) {}
+    /// A connection finished its handshake as `client_id`, having proved the key its
+    /// daemon's keyring names `key_name` (None when the daemon has no key); `resume`
+    /// is the session secret its hello carried (a reconnecting client), if any.
+    fn on_open(
+        &mut self,
+        _conn: ConnId,
+        _client_id: &str,
+        _key_name: Option<&str>,
+        _resume: Option<&str>,
+        _now_ms: u64,
+    ) {
+    }
 
     /// One request frame body; returns the reply frame to send (encoded). An empty
     /// return means the reply comes later: computed off the loop and handed over
@@ -126,8 +135,9 @@ pub struct ServerOptions {
     /// peers without the key cannot take the room of authenticated clients: a new one
     /// beyond it pushes out the oldest connection still in its handshake.
     pub max_pending: usize,
-    /// Key every client must prove (and the server proves back). None: no proof.
-    pub key: Option<SharedKey>,
+    /// Keys a client may prove (the server proves the one the client names back;
+    /// one key for most daemons, one per tenant for maru-server). None: no proof.
+    pub keys: Option<Keyring>,
     /// A connection that has not finished its whole handshake after this long is closed.
     pub handshake_timeout_ms: u64,
     /// A connection that sent no whole frame for this long after its handshake is
@@ -154,7 +164,7 @@ impl Default for ServerOptions {
             pre_auth_max_frame: DEFAULT_PRE_AUTH_MAX_FRAME,
             max_connections: 1024,
             max_pending: 256,
-            key: None,
+            keys: None,
             handshake_timeout_ms: DEFAULT_HANDSHAKE_TIMEOUT_MS,
             idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
             max_unsent: DEFAULT_MAX_UNSENT,
@@ -499,9 +509,9 @@ impl Server {
                             decoder: FrameDecoder::new(self.opts.pre_auth_max_frame),
                             out: Vec::new(),
                             out_pos: 0,
-                            phase: Phase::Handshake(ServerHandshake::new(
+                            phase: Phase::Handshake(ServerHandshake::with_keys(
                                 service.service_name(),
-                                self.opts.key.clone(),
+                                self.opts.keys.clone(),
                                 service.welcome_info(),
                             )),
                             pre_auth_end: None,
@@ -861,10 +871,17 @@ fn process_frames<S: Service>(
                     send,
                     client_id,
                     resume,
+                    key_name,
                 } => {
                     conn.out.extend(send);
                     conn.decoder.set_max_body(opts.max_frame);
-                    service.on_open(conn.id, &client_id, resume.as_deref(), now);
+                    service.on_open(
+                        conn.id,
+                        &client_id,
+                        key_name.as_deref(),
+                        resume.as_deref(),
+                        now,
+                    );
                     conn.phase = Phase::Ready { client_id };
                 }
                 Step::Fail(e) => return fail(conn, counters, e.code, e.message),

@@ -104,6 +104,10 @@ pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Room a decoder keeps between frames; a bigger buffer (left by a big frame) goes
+/// back once it is empty.
+const KEEP_CAPACITY: usize = 64 << 10;
+
 /// Incremental frame decoder.
 #[derive(Debug)]
 pub struct FrameDecoder {
@@ -193,8 +197,14 @@ impl FrameDecoder {
         let body = avail[HEADER_LEN..4 + len].to_vec();
         self.start += 4 + len;
         if self.start == self.buf.len() {
-            self.buf.clear();
             self.start = 0;
+            if self.buf.capacity() > KEEP_CAPACITY {
+                // A big frame passed: its room goes back, so an idle connection that
+                // once sent one does not keep it.
+                self.buf = Vec::new();
+            } else {
+                self.buf.clear();
+            }
         }
         Ok(Some(Frame { kind, body }))
     }
@@ -254,6 +264,17 @@ mod tests {
         );
         assert!(d.next_frame().unwrap().is_some());
         assert_eq!(d.room(), 16 + HEADER_LEN);
+    }
+
+    #[test]
+    fn a_big_frame_leaves_no_big_buffer_behind() {
+        let mut d = FrameDecoder::new(4 << 20);
+        d.push(&encode(FrameKind::Request, &vec![7u8; 2 << 20]));
+        assert_eq!(d.next_frame().unwrap().unwrap().body.len(), 2 << 20);
+        assert!(d.buf.capacity() <= KEEP_CAPACITY, "{}", d.buf.capacity());
+        d.push(&encode(FrameKind::Request, b"small"));
+        assert_eq!(d.next_frame().unwrap().unwrap().body, b"small");
+        assert!(d.buf.capacity() <= KEEP_CAPACITY);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Handshake messages. Every connection starts with them, before any request:
 //!
-//! 1. client → [`Hello`]: protocol name and version, client id, a fresh nonce;
+//! 1. client → [`Hello`]: protocol name and version, client id, a fresh nonce, and
+//!    (with a key) the key's id;
 //! 2. server → [`Welcome`]: version, server's fresh nonce, whether a key is
 //!    required, and (with a key) the server's proof over both nonces;
 //! 3. client → [`Proof`] (only with a key): the client's proof over both nonces;
@@ -25,6 +26,11 @@ pub struct Hello {
     /// `open_session`): a reconnecting client proves with it that the session is its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<String>,
+    /// The [id](crate::auth::SharedKey::id) of the key the client is about to prove
+    /// (absent without a key). A server holding several keys proves this one back and
+    /// checks the client's proof with it; naming a key proves nothing by itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -363,6 +363,9 @@ pub struct CloseReply {
 pub struct SessionStats {
     pub session: u64,
     pub engine_id: String,
+    /// The tenant whose key opened it.
+    #[serde(default)]
+    pub tenant: String,
     pub backend: Option<Backend>,
     /// Published keys in the session's regions.
     pub keys: u64,
@@ -413,6 +416,9 @@ pub struct TotalStats {
     /// Storing sessions waiting for a region of the full pool now.
     #[serde(default)]
     pub waiting_for_region: u64,
+    /// Requests waiting for the RM to allocate a region now.
+    #[serde(default)]
+    pub waiting_for_rm: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -426,6 +432,9 @@ pub struct SessionUsage {
     pub session: u64,
     pub engine_id: String,
     pub client_id: String,
+    /// The tenant whose key opened it.
+    #[serde(default)]
+    pub tenant: String,
     pub backend: Backend,
     pub namespace: String,
     pub regions: u64,

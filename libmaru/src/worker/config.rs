@@ -73,6 +73,11 @@ pub struct HandlerConfig {
     /// Agent key file (remote_cxl; default ~/.maru/remote-cxl-agent.key).
     #[serde(default)]
     pub agent_key_file: Option<String>,
+    /// The maru-server key this engine proves: its tenant's key file (default: the
+    /// file named by `MARU_SERVER_KEY_FILE`; neither: no proof, which only a server
+    /// started with `--insecure-no-key` accepts).
+    #[serde(default)]
+    pub server_key_file: Option<String>,
     #[serde(default)]
     pub transport: Option<TransportKind>,
     #[serde(default)]
@@ -135,6 +140,16 @@ impl HandlerConfig {
             serde_json::from_str(json).map_err(|e| format!("configuration JSON: {e}"))?;
         c.check()?;
         Ok(c)
+    }
+
+    /// The maru-server key to prove (see `server_key_file`).
+    pub fn server_key(&self) -> Result<Option<crate::auth::SharedKey>, String> {
+        match &self.server_key_file {
+            Some(p) => crate::auth::load_key_file(std::path::Path::new(p))
+                .map(Some)
+                .map_err(|e| format!("server_key_file: {e}")),
+            None => crate::auth::server_key_from_env().map_err(|e| e.to_string()),
+        }
     }
 
     pub fn server_urls(&self) -> Result<Vec<String>, String> {

@@ -145,9 +145,11 @@ impl Inner {
 
     pub(super) fn open_pool(&self, i: usize) -> Result<StoragePool, WorkerError> {
         let url = &self.urls[i];
+        let key = self.cfg.server_key().map_err(WorkerError::Config)?;
         let session = Session::open(
             url,
             &self.client_id,
+            key,
             &self.cfg.engine_id,
             &self.cfg.namespace,
             &self.cfg.layout,

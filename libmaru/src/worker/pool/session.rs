@@ -42,10 +42,13 @@ fn unexpected(what: &str, r: MetaReply) -> WorkerError {
 }
 
 impl Session {
-    /// Handshake and open a session. `backend` must be among the server's capabilities.
+    /// Handshake (proving `key`, the engine's tenant key, when given) and open a
+    /// session. `backend` must be among the server's capabilities.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         url: &str,
         client_id: &str,
+        key: Option<crate::auth::SharedKey>,
         engine_id: &str,
         namespace: &str,
         layout: &str,
@@ -53,8 +56,7 @@ impl Session {
         timeout: Duration,
     ) -> Result<Session, WorkerError> {
         let mut opts = ClientOptions::new(SERVICE, client_id.to_string());
-        opts.key =
-            crate::auth::server_key_from_env().map_err(|e| WorkerError::Config(e.to_string()))?;
+        opts.key = key;
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
         let mut link = Link::new(url, opts.clone());

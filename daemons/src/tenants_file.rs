@@ -1,0 +1,334 @@
+//! maru-server's tenants file (`--tenants FILE`, TOML): each tenant's key file and
+//! namespaces, and its limits. The keys go into the server's keyring (the handshake
+//! names the connection's tenant by the key it proved), the rest into the core
+//! ([`Tenants`]). The file is read again when it changes; a file that does not parse
+//! or check leaves the tenants in force as they were (logged).
+//!
+//! ```toml
+//! [tenants.alpha]
+//! key_file = "alpha.key"           # relative to this file; mode 0600
+//! write = ["llama-3.1-8b", "alpha-*"]
+//! read = ["shared-*"]
+//! max_sessions = 64                # optional limits, per tenant
+//! max_regions = 0                  # 0: its share of the pool only
+//! max_pins = 65536
+//! max_parked = 32
+//!
+//! [tenants.default]                # optional: the tenant of the server's own key
+//! write = ["*"]                    # absent: every namespace no other tenant writes
+//! ```
+
+use maru::auth::{load_key_file, Keyring, SharedKey};
+use maru::meta::tenants::{DEFAULT_LIMITS, DEFAULT_TENANT_LIMITS};
+use maru::meta::{NsPattern, TenantLimits, TenantSpec, Tenants, DEFAULT_TENANT};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+/// How often the file is looked at for a change.
+pub const CHECK_EVERY_MS: u64 = 2_000;
+
+/// Largest tenants file read (a few hundred tenants fit in far less).
+const MAX_FILE: u64 = 1 << 20;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileText {
+    #[serde(default)]
+    tenants: BTreeMap<String, TenantText>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantText {
+    key_file: Option<PathBuf>,
+    write: Option<Vec<String>>,
+    #[serde(default)]
+    read: Vec<String>,
+    max_sessions: Option<usize>,
+    max_regions: Option<usize>,
+    max_pins: Option<usize>,
+    max_parked: Option<usize>,
+}
+
+/// What a tenants file says: the core's tenants, and each tenant's key file.
+#[derive(Debug)]
+pub struct Parsed {
+    pub tenants: Tenants,
+    pub key_files: Vec<(String, PathBuf)>,
+}
+
+fn patterns(tenant: &str, what: &str, v: &[String]) -> Result<Vec<NsPattern>, String> {
+    v.iter()
+        .map(|p| NsPattern::parse(p).map_err(|e| format!("tenant {tenant}, {what}: {}", e.0)))
+        .collect()
+}
+
+/// Parses and checks the text of a tenants file found in `dir` (key files are
+/// relative to it). The default tenant (the server's own key) is always there.
+pub fn parse(text: &str, dir: &Path) -> Result<Parsed, String> {
+    let f: FileText = toml::from_str(text).map_err(|e| e.to_string())?;
+    let mut specs = Vec::with_capacity(f.tenants.len() + 1);
+    let mut key_files = Vec::new();
+    if !f.tenants.contains_key(DEFAULT_TENANT) {
+        specs.push(TenantSpec::unclaimed(DEFAULT_TENANT_LIMITS));
+    }
+    for (name, t) in &f.tenants {
+        let is_default = name == DEFAULT_TENANT;
+        let base = if is_default {
+            DEFAULT_TENANT_LIMITS
+        } else {
+            DEFAULT_LIMITS
+        };
+        let limits = TenantLimits {
+            max_sessions: t.max_sessions.unwrap_or(base.max_sessions),
+            max_regions: t.max_regions.unwrap_or(base.max_regions),
+            max_pins: t.max_pins.unwrap_or(base.max_pins),
+            max_parked: t.max_parked.unwrap_or(base.max_parked),
+        };
+        match (&t.key_file, is_default) {
+            (Some(_), true) => {
+                return Err(format!(
+                    "tenant {DEFAULT_TENANT} has the server's own key (--key-file): give it no \
+                     key_file"
+                ))
+            }
+            (None, false) => return Err(format!("tenant {name} has no key_file")),
+            (Some(k), false) => key_files.push((name.clone(), dir.join(k))),
+            (None, true) => {}
+        }
+        if !is_default && t.write.is_none() {
+            return Err(format!(
+                "tenant {name} writes no namespace: give it write = [\"namespace\", ...] \
+                 (an empty list for a tenant that only reads)"
+            ));
+        }
+        specs.push(TenantSpec {
+            name: name.clone(),
+            write: t
+                .write
+                .as_deref()
+                .map(|w| patterns(name, "write", w))
+                .transpose()?,
+            read: patterns(name, "read", &t.read)?,
+            limits,
+        });
+    }
+    let tenants = Tenants::new(specs).map_err(|e| e.0)?;
+    Ok(Parsed { tenants, key_files })
+}
+
+/// Reads `path` and every key file it names: the tenants and the named keys of the
+/// keyring (the server's own key under the default tenant's name).
+pub fn load(
+    path: &Path,
+    server_key: &SharedKey,
+) -> Result<(Tenants, Vec<(String, SharedKey)>), String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if meta.len() > MAX_FILE {
+        return Err(format!(
+            "{} is {} bytes; a tenants file is at most {MAX_FILE}",
+            path.display(),
+            meta.len()
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let p = parse(&text, dir).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut keys = vec![(DEFAULT_TENANT.to_string(), server_key.clone())];
+    for (name, file) in &p.key_files {
+        let k = load_key_file(file).map_err(|e| {
+            format!(
+                "{}: tenant {name}: {e} (make one with `maru-server gen-key {}`)",
+                path.display(),
+                file.display()
+            )
+        })?;
+        keys.push((name.clone(), k));
+    }
+    Ok((p.tenants, keys))
+}
+
+/// The tenants file of a running server: read again when it changed.
+pub struct TenantsFile {
+    path: PathBuf,
+    server_key: SharedKey,
+    keyring: Keyring,
+    seen: Option<(SystemTime, u64)>,
+    next_check_ms: u64,
+}
+
+fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+impl TenantsFile {
+    /// Reads the file now (an error stops the server: the operator is there) and
+    /// puts its keys into `keyring`.
+    pub fn open(
+        path: &Path,
+        server_key: SharedKey,
+        keyring: Keyring,
+    ) -> Result<(TenantsFile, Tenants), String> {
+        let seen = stamp(path);
+        let (tenants, keys) = load(path, &server_key)?;
+        keyring
+            .replace(keys)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let f = TenantsFile {
+            path: path.to_path_buf(),
+            server_key,
+            keyring,
+            seen,
+            next_check_ms: 0,
+        };
+        Ok((f, tenants))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn next_check_ms(&self) -> u64 {
+        self.next_check_ms
+    }
+
+    /// The new tenants if the file changed since it was last read and reads well
+    /// (its keys already in the keyring); None otherwise.
+    pub fn reload_if_changed(&mut self, now_ms: u64) -> Option<Tenants> {
+        if now_ms < self.next_check_ms {
+            return None;
+        }
+        self.next_check_ms = now_ms + CHECK_EVERY_MS;
+        let now = stamp(&self.path);
+        if now == self.seen {
+            return None;
+        }
+        self.seen = now;
+        let loaded = load(&self.path, &self.server_key).and_then(|(t, keys)| {
+            self.keyring
+                .replace(keys)
+                .map_err(|e| format!("{}: {e}", self.path.display()))?;
+            Ok(t)
+        });
+        match loaded {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::error!("tenants file not reloaded, the tenants in force stay: {e}");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use maru::meta::Access;
+    use proptest::prelude::*;
+
+    const EXAMPLE: &str = r#"
+        [tenants.alpha]
+        key_file = "alpha.key"
+        write = ["llama-8b", "alpha-*"]
+        read = ["shared-*"]
+        max_sessions = 4
+
+        [tenants.beta]
+        key_file = "/etc/maru/beta.key"
+        write = ["shared-docs"]
+    "#;
+
+    #[test]
+    fn a_tenants_file_names_keys_namespaces_and_limits() {
+        let p = parse(EXAMPLE, Path::new("/etc/maru/tenants")).unwrap();
+        assert_eq!(
+            p.key_files,
+            [
+                (
+                    "alpha".to_string(),
+                    PathBuf::from("/etc/maru/tenants/alpha.key")
+                ),
+                ("beta".to_string(), PathBuf::from("/etc/maru/beta.key")),
+            ]
+        );
+        let t = &p.tenants;
+        assert_eq!(t.access("alpha", "alpha-1"), Access::Write);
+        assert_eq!(t.access("alpha", "shared-docs"), Access::Read);
+        assert_eq!(t.access("default", "anything-else"), Access::Write);
+        assert_eq!(t.access("default", "llama-8b"), Access::None);
+        assert_eq!(t.limits("alpha").max_sessions, 4);
+        assert_eq!(t.limits("beta").max_pins, DEFAULT_LIMITS.max_pins);
+    }
+
+    #[test]
+    fn mistakes_are_refused_with_what_to_change() {
+        for (text, says) in [
+            ("[tenants.a]\nwrite = [\"x\"]", "no key_file"),
+            ("[tenants.a]\nkey_file = \"k\"", "writes no namespace"),
+            ("[tenants.default]\nkey_file = \"k\"", "server's own key"),
+            ("[tenants.a]\nkey_file = \"k\"\nwrite = [\"x\"]\ncolour = 1", "unknown field"),
+            (
+                "[tenants.a]\nkey_file = \"k\"\nwrite = [\"x*\"]\n[tenants.b]\nkey_file = \"l\"\nwrite = [\"xy\"]",
+                "one writing tenant",
+            ),
+            ("[tenants.\"a b\"]\nkey_file = \"k\"\nwrite = []", "tenant name"),
+            ("[tenants.a]\nkey_file = \"k\"\nwrite = [\"a*b\"]", "only at the end"),
+        ] {
+            let e = parse(text, Path::new(".")).unwrap_err();
+            assert!(e.contains(says), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_changed_file_is_read_again_and_a_broken_one_keeps_the_tenants() {
+        let dir = std::env::temp_dir().join(format!("maru-tenants-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = SharedKey::generate().unwrap();
+        maru::auth::keyfile::write_new_key_file(&dir.join("a.key"), &key).unwrap();
+        let path = dir.join("tenants.toml");
+        std::fs::write(
+            &path,
+            "[tenants.a]\nkey_file = \"a.key\"\nwrite = [\"a\"]\n",
+        )
+        .unwrap();
+        let server = SharedKey::generate().unwrap();
+        let ring = Keyring::single(server.clone());
+        let (mut f, t) = TenantsFile::open(&path, server, ring.clone()).unwrap();
+        assert_eq!(t.access("a", "a"), Access::Write);
+        assert_eq!(ring.find(Some(&key.id())).unwrap().0, "a");
+        assert!(f.reload_if_changed(0).is_none(), "unchanged");
+        std::fs::write(
+            &path,
+            "[tenants.a]\nkey_file = \"a.key\"\nwrite = [\"b\"]\n# more\n",
+        )
+        .unwrap();
+        let t = f.reload_if_changed(CHECK_EVERY_MS).expect("read again");
+        assert_eq!(t.access("a", "b"), Access::Write);
+        std::fs::write(&path, "[tenants.a]\nwrite = [\"b\"]\n# broken now\n\n").unwrap();
+        assert!(f.reload_if_changed(2 * CHECK_EVERY_MS).is_none());
+        assert_eq!(
+            ring.find(Some(&key.id())).unwrap().0,
+            "a",
+            "the keys in force stay"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    proptest! {
+        /// Any text: a parse or an error, never a panic.
+        #[test]
+        fn the_parser_never_panics(s in ".{0,400}") {
+            let _ = parse(&s, Path::new("."));
+        }
+
+        #[test]
+        fn tables_with_odd_values(name in "[a-z]{1,8}", w in proptest::collection::vec(".{0,12}", 0..4)) {
+            let text = format!("[tenants.{name}]\nkey_file = \"k\"\nwrite = {w:?}\n");
+            let _ = parse(&text, Path::new("."));
+        }
+    }
+}

@@ -1,0 +1,618 @@
+//! Requests that need a region: `open_session` with its first region, and `expand`.
+//!
+//! A region comes from the RM, which may be slow or stopped, so asking for one is an
+//! [action](Action) of the core and the RM's answer an event
+//! ([`alloc_done`](MetaCore::alloc_done)): the request is checked at once (its session,
+//! its tenant's access, share and limits) and then waits here, parked, decoded (a
+//! parked request holds at most its three names, each at most `MAX_NAME_LEN` bytes,
+//! never the frame it came in). One allocation is in flight at a time; its region
+//! goes to the oldest waiting request that may still take it (checked again: its
+//! session may have ended, its tenant may have reached its share meanwhile), and a
+//! region nobody may take goes back. A request that waited `park_max_ms` is answered
+//! "retry" while the allocation goes on.
+//!
+//! Limits: a tenant parks at most its `max_parked` requests, all tenants together at
+//! most `max_parked` of the configuration; beyond them a request is answered "retry"
+//! at once.
+//!
+//! A tenant storing alongside others holds at most its share of the RM's pools
+//! (their regions ÷ the storing tenants, rounded up) and at most its `max_regions`: a
+//! tenant cannot take the pool by opening many sessions. A region its session holds
+//! without a page taken or a key in it for `unused_region_ms` goes back (a session
+//! that never stores gives its regions back within about one heartbeat).
+
+use super::core::{Action, Caller, MetaCore, Ticket};
+use super::errors::{internal, no_space, permission, refused};
+use super::keeper::{GiveBackReason, KeeperEvent};
+use super::keys::Scope;
+use super::pages::PageAllocator;
+use super::ports::{PoolSizes, PortError, RmPort};
+use super::regions::{agent_for, Holder, Region};
+use super::sessions::NewSession;
+use super::tenants::{Access, Tenants};
+use crate::wire::meta::{Backend, MetaReply, RegionGrant, SessionReply, LEASE_LIMIT};
+use crate::wire::rm::AllocReply;
+use crate::wire::WireError;
+use std::collections::VecDeque;
+
+/// What a new session asks for.
+#[derive(Debug, Clone)]
+pub(crate) struct OpenArgs {
+    pub engine_id: String,
+    pub namespace: String,
+    pub layout: String,
+    pub backend: Backend,
+}
+
+#[derive(Debug)]
+pub(super) enum Want {
+    /// A new session with its first region (the session is made when it comes).
+    Open { args: OpenArgs, access: Access },
+    /// One more region for the session.
+    Expand { session: u64 },
+}
+
+#[derive(Debug)]
+struct Parked {
+    ticket: Ticket,
+    owner: String,
+    tenant: String,
+    since_ms: u64,
+    want: Want,
+}
+
+/// Requests waiting for a region, the allocation in flight, and what to hand the
+/// driver.
+#[derive(Debug, Default)]
+pub(crate) struct RegionWaits {
+    parked: VecDeque<Parked>,
+    in_flight: Option<u64>,
+    next_alloc: u64,
+    actions: VecDeque<Action>,
+    answers: Vec<(Ticket, Result<MetaReply, WireError>)>,
+    /// The RM's pool sizes as last heard.
+    sizes: Option<PoolSizes>,
+}
+
+impl RegionWaits {
+    fn parked_of(&self, tenant: &str) -> usize {
+        self.parked.iter().filter(|p| p.tenant == tenant).count()
+    }
+
+    pub(super) fn opens_of(&self, tenant: &str) -> usize {
+        self.parked
+            .iter()
+            .filter(|p| p.tenant == tenant && matches!(p.want, Want::Open { .. }))
+            .count()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// When the oldest waiting request has waited `park_max_ms`.
+    pub(super) fn next_deadline(&self, park_max_ms: u64) -> Option<u64> {
+        self.parked
+            .front()
+            .map(|p| p.since_ms.saturating_add(park_max_ms))
+    }
+
+    /// Tenants changed: an open waiting in a namespace its tenant no longer writes is
+    /// answered now (an expand finds its session ended when its region comes).
+    pub(super) fn forget_tenants(&mut self, tenants: &Tenants) {
+        let mut keep = VecDeque::new();
+        while let Some(p) = self.parked.pop_front() {
+            match &p.want {
+                Want::Open { args, .. }
+                    if tenants.access(&p.tenant, &args.namespace) != Access::Write =>
+                {
+                    self.answers.push((
+                        p.ticket,
+                        Err(permission(format!(
+                            "tenant {} no longer writes namespace {:?} (tenants reloaded)",
+                            p.tenant,
+                            crate::net::clip(&args.namespace)
+                        ))),
+                    ))
+                }
+                _ => keep.push_back(p),
+            }
+        }
+        self.parked = keep;
+    }
+}
+
+impl MetaCore {
+    /// The next thing the driver must do (and report back).
+    pub fn next_action(&mut self) -> Option<Action> {
+        self.waits.actions.pop_front()
+    }
+
+    /// Answers to requests that waited (see [`handle`](Self::handle)), by ticket.
+    pub fn take_answers(&mut self) -> Vec<(Ticket, Result<MetaReply, WireError>)> {
+        std::mem::take(&mut self.waits.answers)
+    }
+
+    /// Whether answers are waiting to be taken.
+    pub fn has_answers(&self) -> bool {
+        !self.waits.answers.is_empty()
+    }
+
+    /// Requests waiting for a region from the RM.
+    pub fn waiting_for_rm(&self) -> usize {
+        self.waits.len()
+    }
+
+    /// The request `ticket` no longer needs an answer (its connection closed).
+    pub fn cancel(&mut self, ticket: Ticket) {
+        self.waits.parked.retain(|p| p.ticket != ticket);
+    }
+
+    /// The RM answered the allocation `alloc` (see [`Action::Alloc`]).
+    pub fn alloc_done(
+        &mut self,
+        alloc: u64,
+        result: Result<AllocReply, PortError>,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) {
+        self.expire(now_ms);
+        if self.waits.in_flight != Some(alloc) {
+            log::warn!("an answer to allocation {alloc}, which is not in flight");
+            if let Ok(a) = result {
+                self.give_back_unclaimed(a, now_ms, rm);
+            }
+            return;
+        }
+        self.waits.in_flight = None;
+        match result {
+            Ok(a) => self.hand_out(a, now_ms, rm),
+            Err(PortError::Refused(m)) => {
+                if let Some(p) = self.waits.parked.pop_front() {
+                    let e = self.rm_full(&p, &m, now_ms, rm);
+                    self.waits.answers.push((p.ticket, Err(e)));
+                }
+            }
+            Err(e) => {
+                // The RM cannot be reached (or failed): the same for every waiter.
+                let msg = format!(
+                    "could not get a region of {} bytes from the RM at {} ({e}): retry",
+                    self.cfg.region_size, self.cfg.rm_address
+                );
+                for p in std::mem::take(&mut self.waits.parked) {
+                    self.waits
+                        .answers
+                        .push((p.ticket, Err(internal(msg.clone()))));
+                }
+            }
+        }
+        self.start_alloc();
+    }
+
+    /// Checks that `caller` may take a region now, then parks the request until the
+    /// RM answers (for an expand, its session was checked to be the caller's).
+    pub(super) fn park(
+        &mut self,
+        caller: &Caller<'_>,
+        ticket: Ticket,
+        want: Want,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) -> Result<(), WireError> {
+        let session = match &want {
+            Want::Expand { session } => Some(*session),
+            Want::Open { .. } => None,
+        };
+        self.check_pool(rm)?;
+        self.check_share(caller.tenant, session)?;
+        let limit = self.tenants.limits(caller.tenant).max_parked;
+        let mine = self.waits.parked_of(caller.tenant);
+        if mine >= limit || self.waits.len() >= self.cfg.max_parked {
+            return Err(internal(format!(
+                "{} requests of tenant {} and {} in all wait for a region from the RM at {} \
+                 (at most {limit} of one tenant, {} in all): retry",
+                mine,
+                caller.tenant,
+                self.waits.len(),
+                self.cfg.rm_address,
+                self.cfg.max_parked
+            )));
+        }
+        self.waits.parked.push_back(Parked {
+            ticket,
+            owner: caller.owner.to_string(),
+            tenant: caller.tenant.to_string(),
+            since_ms: now_ms,
+            want,
+        });
+        self.start_alloc();
+        Ok(())
+    }
+
+    fn start_alloc(&mut self) {
+        if self.waits.in_flight.is_some() || self.waits.parked.is_empty() {
+            return;
+        }
+        self.waits.next_alloc += 1;
+        let alloc = self.waits.next_alloc;
+        self.waits.in_flight = Some(alloc);
+        self.waits.actions.push_back(Action::Alloc {
+            alloc,
+            size: self.cfg.region_size,
+        });
+    }
+
+    /// Requests that waited `park_max_ms` are answered "retry".
+    pub(super) fn expire_waits(&mut self, now_ms: u64) {
+        let max = self.cfg.park_max_ms;
+        while let Some(p) = self.waits.parked.front() {
+            if now_ms.saturating_sub(p.since_ms) < max {
+                break;
+            }
+            let Some(p) = self.waits.parked.pop_front() else {
+                break;
+            };
+            self.waits.answers.push((
+                p.ticket,
+                Err(internal(format!(
+                    "the RM at {} did not answer an allocation within {} ms: retry",
+                    self.cfg.rm_address, max
+                ))),
+            ));
+        }
+    }
+
+    /// A region larger than the RM's largest pool is refused for good.
+    fn check_pool(&mut self, rm: &mut dyn RmPort) -> Result<(), WireError> {
+        match rm.pool_sizes() {
+            Ok(s) => self.waits.sizes = Some(s),
+            // The allocation itself will tell.
+            Err(e) => log::debug!("could not ask the RM for its pools: {e}"),
+        }
+        let size = self.cfg.region_size;
+        match self.waits.sizes {
+            Some(s) if size > s.largest => Err(refused(format!(
+                "a region of {size} bytes is larger than the RM's largest pool ({} bytes), so \
+                 it can never be allocated: lower the region size (maru_pool_size) or give \
+                 the RM a larger pool; do not retry",
+                s.largest
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Most regions `tenant` may hold now: its share of the RM's pools among the
+    /// storing tenants (itself counted), and its `max_regions`. None: no bound.
+    pub(super) fn region_cap(&self, tenant: &str) -> Option<usize> {
+        let holdings = self.holdings();
+        let storing = self.fair.storing_tenants(&holdings, Some(tenant));
+        let share = self.waits.sizes.filter(|_| storing > 1).map(|s| {
+            let pool = (s.total / self.cfg.region_size.max(1)) as usize;
+            pool.div_ceil(storing).max(1)
+        });
+        let max = self.tenants.limits(tenant).max_regions;
+        match (share, max) {
+            (s, 0) => s,
+            (Some(s), m) => Some(s.min(m)),
+            (None, m) => Some(m),
+        }
+    }
+
+    /// Regions `tenant`'s sessions hold.
+    pub(super) fn regions_of(&self, tenant: &str) -> usize {
+        self.sessions
+            .iter()
+            .filter(|s| s.tenant == tenant)
+            .map(|s| s.regions.len())
+            .sum()
+    }
+
+    /// Whether `tenant` may take one more region now: it does not hold its share of a
+    /// full pool while another tenant waits (see `fair_share`), nor its cap.
+    fn check_share(&mut self, tenant: &str, session: Option<u64>) -> Result<(), WireError> {
+        let holdings = self.holdings();
+        let pool_regions = self.regions.len();
+        let held = self.regions_of(tenant);
+        let id = session.unwrap_or(0);
+        if self.fair.must_yield(id, tenant, &holdings, pool_regions) {
+            // It holds its share: it does not wait for more, it evicts.
+            if let Some(id) = session {
+                self.fair.done_waiting(id);
+            }
+            return Err(no_space(format!(
+                "session {id} of tenant {tenant} holds its fair share of the full pool \
+                 (tenant: {held} of {pool_regions} regions) while other sessions wait for \
+                 one: evict keys of its own regions"
+            )));
+        }
+        if let Some(cap) = self.region_cap(tenant).filter(|&cap| held >= cap) {
+            return Err(no_space(format!(
+                "tenant {tenant} holds {held} regions, its share of the pool among the tenants \
+                 storing in it (or its max_regions): {cap}; evict keys of its own regions"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The RM's region `a` goes to the oldest waiting request that may take it.
+    fn hand_out(&mut self, a: AllocReply, now_ms: u64, rm: &mut dyn RmPort) {
+        let rid = a.handle.region_id;
+        if self.regions.contains(rid) {
+            // Freeing it would free the region we already have under that id.
+            let e = internal(format!(
+                "the RM handed out region {rid}, which maru-server holds already"
+            ));
+            log::error!("{e}");
+            if let Some(p) = self.waits.parked.pop_front() {
+                self.waits.answers.push((p.ticket, Err(e)));
+            }
+            return;
+        }
+        if a.handle.length / self.cfg.chunk_size == 0 {
+            let _ = rm.free(&a.handle);
+            if let Some(p) = self.waits.parked.pop_front() {
+                let e = internal(format!(
+                    "the RM gave region {rid} of {} bytes for {} asked, less than one page",
+                    a.handle.length, self.cfg.region_size
+                ));
+                self.waits.answers.push((p.ticket, Err(e)));
+            }
+            return;
+        }
+        while let Some(p) = self.waits.parked.pop_front() {
+            let r = self.complete(&p, &a, now_ms);
+            let taken = r.is_ok();
+            self.waits.answers.push((p.ticket, r));
+            if taken {
+                return;
+            }
+        }
+        self.give_back_unclaimed(a, now_ms, rm);
+    }
+
+    /// Gives the region to the waiting request `p`, checked again.
+    fn complete(
+        &mut self,
+        p: &Parked,
+        a: &AllocReply,
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        match &p.want {
+            Want::Expand { session } => {
+                let id = self.session(&p.owner, *session, now_ms)?;
+                self.check_share(&p.tenant, Some(id))?;
+                let backend = self.sessions.checked(id)?.backend;
+                let region = self.region_from(a, backend, now_ms);
+                self.fair.done_waiting(id);
+                Ok(MetaReply::Region(self.give_region(id, region, now_ms)))
+            }
+            Want::Open { args, access } => {
+                self.check_session_room(&p.tenant)?;
+                self.check_share(&p.tenant, None)?;
+                let region = self.region_from(a, args.backend, now_ms);
+                let caller = Caller {
+                    owner: &p.owner,
+                    tenant: &p.tenant,
+                };
+                Ok(self.new_session(&caller, args, *access, Some(region), now_ms))
+            }
+        }
+    }
+
+    /// Whether `tenant` may open one more session (the server's and its own limit).
+    pub(super) fn check_session_room(&self, tenant: &str) -> Result<(), WireError> {
+        self.sessions.check_room()?;
+        let max = self.tenants.limits(tenant).max_sessions;
+        let open = self.sessions.count_of(tenant) + self.waits.opens_of(tenant);
+        if open >= max {
+            return Err(refused(format!(
+                "tenant {tenant} has {open} sessions open (or opening) and may have at most \
+                 {max}: close sessions, or raise max_sessions in the tenants file"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A new session, with its first region if it came with one.
+    pub(super) fn new_session(
+        &mut self,
+        caller: &Caller<'_>,
+        args: &OpenArgs,
+        access: Access,
+        region: Option<Region>,
+        now_ms: u64,
+    ) -> MetaReply {
+        let scope = self.keys.scope_id(Scope {
+            namespace: args.namespace.clone(),
+            layout: args.layout.clone(),
+            backend: args.backend,
+        });
+        let new = NewSession {
+            client_id: caller.owner,
+            tenant: caller.tenant,
+            access,
+            engine_id: &args.engine_id,
+            namespace: &args.namespace,
+            backend: args.backend,
+        };
+        let id = self.sessions.insert(new, scope, now_ms);
+        let grant: Option<RegionGrant> = region.map(|r| self.give_region(id, r, now_ms));
+        log::info!(
+            "session {id} opened by {} of tenant {} (engine {}, namespace {}, {}{}) with {}",
+            crate::net::clip(caller.owner),
+            caller.tenant,
+            crate::net::clip(&args.engine_id),
+            crate::net::clip(&args.namespace),
+            args.backend.as_str(),
+            if access == Access::Write {
+                ""
+            } else {
+                ", reads only"
+            },
+            grant
+                .as_ref()
+                .map_or("no region yet".to_string(), |g| format!(
+                    "region {}",
+                    g.handle.region_id
+                ))
+        );
+        MetaReply::Session(SessionReply {
+            session: id,
+            page_size: self.cfg.chunk_size,
+            region: grant,
+            session_timeout_ms: self.cfg.session_timeout_ms,
+            lease_timeout_ms: self.cfg.lease_timeout_ms,
+            lease_limit: LEASE_LIMIT,
+            session_secret: None,
+        })
+    }
+
+    /// The RM's region as a region of `backend`, not yet in the table.
+    fn region_from(&self, a: &AllocReply, backend: Backend, now_ms: u64) -> Region {
+        let rid = a.handle.region_id;
+        let agent = match backend {
+            Backend::RemoteCxl => agent_for(rid, &self.cfg.agents),
+            Backend::Cxl => None,
+        };
+        Region {
+            handle: a.handle.clone(),
+            pool: a.pool.clone(),
+            agent,
+            backend,
+            pages: PageAllocator::new(a.handle.length / self.cfg.chunk_size),
+            holder: Holder::GivingBack,
+            last_read_ms: now_ms,
+            boot_id: None,
+            unused_since_ms: None,
+        }
+    }
+
+    /// A region the RM handed out that no request takes: straight back (nobody
+    /// mapped it, so no agent holds it).
+    fn give_back_unclaimed(&mut self, a: AllocReply, now_ms: u64, rm: &mut dyn RmPort) {
+        let rid = a.handle.region_id;
+        if self.regions.contains(rid) {
+            log::error!("the RM handed out region {rid}, which maru-server holds already");
+            return;
+        }
+        let region = self.region_from(&a, Backend::Cxl, now_ms);
+        self.regions.insert(region);
+        self.keeper
+            .give_back(a.handle, None, true, GiveBackReason::Unclaimed, now_ms);
+        if let Some(e) = self.keeper.free_now(rid, now_ms, rm) {
+            self.apply(&[e]);
+        }
+    }
+
+    /// The RM refused the region `p` waited for: make room for later (the keeper's
+    /// region read longest ago; the fair share of a full pool), and say so.
+    fn rm_full(&mut self, p: &Parked, why: &str, now_ms: u64, rm: &mut dyn RmPort) -> WireError {
+        let room = self.make_room_at_rm(now_ms, rm);
+        let mut e = no_space(format!(
+            "the RM refused a region of {} bytes ({why}); {room}",
+            self.cfg.region_size
+        ));
+        if let Want::Expand { session } = p.want {
+            if self.sessions.get(session).is_some() {
+                self.fair.want(session, &p.tenant, now_ms);
+                if !self.keeper.pressure_pending() {
+                    if let Some(ask) = self.ask_fair_share(now_ms) {
+                        e.message.push_str(&format!(
+                            "; session {} of the tenant furthest above its fair share is asked \
+                             to give back region {}: retry shortly",
+                            ask.session, ask.region_id
+                        ));
+                    }
+                }
+            }
+        }
+        e
+    }
+
+    /// Gives back one kept region, the one read longest ago, unless one given back
+    /// for this reason has not reached the RM yet. Says what it did.
+    fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> String {
+        if self.keeper.pressure_pending() {
+            return "a kept region is being given back to make room: retry shortly".into();
+        }
+        let victim = self
+            .keeper
+            .kept_ids()
+            .filter(|id| !self.pins.region_has_pins(*id))
+            .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
+            .min()
+            .map(|(_, id)| id);
+        let Some(id) = victim else {
+            return "maru-server keeps no region it could give back (none, or each holds \
+                    pinned keys): retry later, unpin keys or give the RM more memory"
+                .into();
+        };
+        self.keeper.lose(id, GiveBackReason::RmPressure, now_ms);
+        self.apply(&[KeeperEvent::Lost {
+            region_id: id,
+            reason: GiveBackReason::RmPressure,
+        }]);
+        // Without an agent to ask first, the RM can free it right away.
+        if let Some(e) = self.keeper.free_now(id, now_ms, rm) {
+            self.apply(&[e]);
+            return format!("kept region {id}, read longest ago, was given back: retry");
+        }
+        format!("kept region {id}, read longest ago, is being given back: retry shortly")
+    }
+
+    /// Notes whether a region of a session is in use now (see `Region::note_use`).
+    pub(super) fn note_region_use(&mut self, region_id: u64, now_ms: u64) {
+        let limit = self.cfg.unused_region_ms;
+        let Some(r) = self.regions.get_mut(region_id) else {
+            return;
+        };
+        if !matches!(r.holder, Holder::Session(_)) {
+            return;
+        }
+        r.note_use(now_ms);
+        if let Some(t) = r.unused_since_ms {
+            let due = t.saturating_add(limit);
+            self.next_unused_ms = Some(self.next_unused_ms.map_or(due, |d| d.min(due)));
+        }
+    }
+
+    /// Regions sessions held unused for the unused-region limit go back: released at
+    /// their agent (the worker may have mapped it), then freed. The worker hears of it
+    /// as an unknown region at its next heartbeat. Also finds when the next one is due
+    /// (at every tick: regions that left their sessions are forgotten so).
+    pub(super) fn take_back_unused(&mut self, now_ms: u64) {
+        let limit = self.cfg.unused_region_ms;
+        let mut next: Option<u64> = None;
+        let mut due = Vec::new();
+        for r in self.regions.iter() {
+            let (Holder::Session(sid), Some(t)) = (r.holder, r.unused_since_ms) else {
+                continue;
+            };
+            if now_ms.saturating_sub(t) >= limit {
+                due.push((r.handle.region_id, sid));
+            } else {
+                let d = t.saturating_add(limit);
+                next = Some(next.map_or(d, |n| n.min(d)));
+            }
+        }
+        self.next_unused_ms = next;
+        for (rid, sid) in due {
+            if let Some(s) = self.sessions.get_mut(sid) {
+                s.regions.remove(&rid);
+            }
+            self.fair.region_gone(rid, None);
+            let Some(r) = self.regions.get_mut(rid) else {
+                continue;
+            };
+            r.holder = Holder::GivingBack;
+            r.unused_since_ms = None;
+            let (handle, agent) = (r.handle.clone(), r.agent.clone());
+            log::info!(
+                "region {rid}: session {sid} held it for {limit} ms without storing in it; \
+                 it goes back"
+            );
+            self.keeper
+                .give_back(handle, agent, false, GiveBackReason::Unused, now_ms);
+        }
+    }
+}
