@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import random
+import subprocess
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -138,10 +139,8 @@ def test_a_handler_refused_at_start_stops_the_engine_and_later_only_logs(code: S
         slot.get()
     msg = str(e.value)
     assert "maru.vllm scheduler" in msg and "maru-server at h:1 refused the key proof" in msg
-    if code == Status.AUTH:
-        assert "maru_server_key_file is '/s.key'" in msg and "maru_remote_cxl_agent_key_file is '/a.key'" in msg
-    else:
-        assert "server_key_file is maru_server_key_file" in msg
+    assert "maru_server_key_file is '/s.key'" in msg and "maru_remote_cxl_agent_key_file is '/a.key'" in msg
+    assert ("refused this engine's key" if code == Status.AUTH else "maru_<field>") in msg
     with caplog.at_level(logging.ERROR, logger="maru.vllm"):
         assert slot.get() is None  # backing off: not even tried
         now[0] += core.REOPEN_BACKOFF_S
@@ -850,6 +849,98 @@ def test_worker_shares_chunks_between_engines(config: Any, backend: str) -> None
         assert dst.bufs[layer][8 * 4096 : 16 * 4096] == src.bufs[layer][0 : 8 * 4096]
     assert loaded.get().held_in_libmaru() == {"slots": 0, "views": 0}
     r.close()
+
+
+def gen_key(daemons: Any, name: str) -> str:
+    path = daemons.work / name
+    if not path.exists():
+        subprocess.run([str(daemons.bin / "maru-rm-ctl"), "gen-key", str(path)], check=True, capture_output=True, timeout=30)
+    return str(path)
+
+
+def start_side(config: Any, backend: str, side: str, **settings: Any) -> Any:
+    """Opens one side of a connector as the engine's start does (key files checked,
+    then the handler's first open); returns its handler."""
+    base = config(backend, "x")
+    extra = {"maru_server_url": base["server_url"], "maru_storage_backend": backend,
+             "maru_cache_namespace": base["namespace"], "maru_server_key_file": base["server_key_file"],
+             "maru_timeout_ms": 3000}
+    if backend == "remote_cxl":
+        extra["maru_remote_cxl_agent_key_file"] = base["agent_key_file"]
+    extra.update(settings)
+    s = parse_settings(extra, 64)
+    s.check_key_files()
+    slot = core.handler_slot(s, side, s.handler_config(f"start-{side}", "d", lookups_only=side == "scheduler"))
+    return slot.get()
+
+
+@pytest.mark.parametrize("side", ["scheduler", "worker 0"])
+@pytest.mark.parametrize("backend", ["remote_cxl", "cxl"])
+def test_a_wrong_maru_server_key_stops_either_side_at_start(daemons: Any, config: Any, backend: str, side: str) -> None:
+    """maru_server_key_file naming another key than maru-server's: the side's start
+    raises ValueError naming the setting, its file, and libmaru's reason (the key proof
+    failed at maru-server); the right key opens."""
+    wrong = gen_key(daemons, "wrong-server.key")
+    with pytest.raises(ValueError) as e:
+        start_side(config, backend, side, maru_server_key_file=wrong)
+    msg = str(e.value)
+    assert f"maru.vllm {side}" in msg and f"maru_server_key_file is {wrong!r}" in msg, msg
+    assert "maru-server" in msg, msg
+    start_side(config, backend, side).close()
+
+
+@pytest.mark.parametrize("side", ["scheduler", "worker 0"])
+def test_a_wrong_agent_key_stops_either_side_at_start(daemons: Any, config: Any, side: str) -> None:
+    """maru_remote_cxl_agent_key_file naming another key than the agents': the side's
+    start raises ValueError naming the setting (the handler proves the agents' key at
+    open); it used to start and then skip every store."""
+    if not hasattr(maru, "AuthError"):
+        pytest.skip("this libmaru proves the agents' key at the first store, not at open (AuthError arrives with it)")
+    wrong = gen_key(daemons, "wrong-agent.key")
+    with pytest.raises(ValueError) as e:
+        start_side(config, "remote_cxl", side, maru_remote_cxl_agent_key_file=wrong)
+    msg = str(e.value)
+    assert f"maru.vllm {side}" in msg and f"maru_remote_cxl_agent_key_file is {wrong!r}" in msg and "agent" in msg, msg
+
+
+def test_libmaru_lines_come_out_once_in_the_engines_format(config: Any, daemons: Any) -> None:
+    """After log_through (what the vLLM connector does at import, in each process),
+    libmaru's lines come out through the engine's handler in its format (level, process
+    name, libmaru's module), once, even when the process makes two connectors
+    (scheduler and worker) and the application also logs to the root logger."""
+    import io
+
+    engine = logging.getLogger("fake-engine")
+    out = io.StringIO()
+    h = logging.StreamHandler(out)
+    h.setFormatter(logging.Formatter("(%(processName)s pid=%(process)d) %(levelname)s [%(filename)s:%(lineno)d] %(message)s"))
+    engine.addHandler(h)
+    engine.setLevel(logging.INFO)
+    engine.propagate = False
+    root_out = io.StringIO()
+    root_handler = logging.StreamHandler(root_out)
+    logging.getLogger().addHandler(root_handler)
+    m = logging.getLogger("maru")
+    saved = (list(m.handlers), m.propagate, m.level)
+    try:
+        core.log_through("fake-engine")
+        core.log_through("fake-engine")  # the second connector of the process
+        cfg = dict(config("cxl", "log-lines"), server_url=f"127.0.0.1:1,{daemons.server}")
+        with maru.Handler(cfg):
+            pass
+        core.log.warning("maru.vllm worker: a line of the connector")
+    finally:
+        m.handlers[:], m.propagate = saved[0], saved[1]
+        m.setLevel(saved[2])
+        engine.removeHandler(h)
+        logging.getLogger().removeHandler(root_handler)
+        maru.set_log_level(logging.WARNING)
+    lines = out.getvalue().splitlines()
+    pool = [ln for ln in lines if "pool 127.0.0.1:1 is unavailable at open" in ln]
+    assert len(pool) == 1, lines
+    assert pool[0].startswith(f"(MainProcess pid={os.getpid()}) WARNING [maru::worker::handler:0] "), pool[0]
+    assert sum("a line of the connector" in ln for ln in lines) == 1, lines
+    assert "unavailable at open" not in root_out.getvalue()  # no second copy
 
 
 def rss_bytes() -> int:

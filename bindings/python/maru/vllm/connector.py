@@ -26,12 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..handler import MaruHandler
 from ..hook import set_memory_hook_auto
 from . import core
-from .core import ChunkTransfer, HandlerSlot, KVBlocks, LayerMemory, PagedKV, SchedulerCore, WorkerCore
+from .core import ChunkTransfer, KVBlocks, LayerMemory, PagedKV, SchedulerCore, WorkerCore
 
 log = core.log
+# This connector's and libmaru's log lines in vLLM's format, once per process.
+core.log_through("vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,7 +101,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # Lookups only: no staging slots, no staging buffer in this process.
             cfg = s.handler_config(f"{s.engine_id}-scheduler", self.digest, lookups_only=True)
-            slot = HandlerSlot(lambda: MaruHandler(cfg), "scheduler", start_error=s.start_error)
+            slot = core.handler_slot(s, "scheduler", cfg)
             slot.get()  # a refused setting or key stops the engine now
             keyspaces = [core.keyspace(s.namespace, self.digest, r) for r in range(self.tp_size)]
             self._scheduler = SchedulerCore(s.chunk_tokens, block_size, keyspaces, slot)
@@ -111,7 +112,7 @@ class MaruKVConnector(KVConnectorBase_V1):
 
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
             cfg = s.handler_config(f"{s.engine_id}-worker{self.rank}", self.digest)
-            self._worker_slot = HandlerSlot(lambda: MaruHandler(cfg), f"worker {self.rank}", start_error=s.start_error)
+            self._worker_slot = core.handler_slot(s, f"worker {self.rank}", cfg)
             self._worker = WorkerCore(self.rank, self._worker_slot, stats_file=s.stats_file,
                                       in_place=s.backend == "cxl", timeout_ms=s.timeout_ms)
 

@@ -88,6 +88,36 @@ _NON_KV_CONFIG_FIELDS = frozenset(
 )
 
 
+# Logs ------------------------------------------------------------------------------
+
+
+def log_through(engine_logger: str = "vllm") -> None:
+    """Sends the records of the ``maru`` loggers (this connector's, ``maru.vllm``, and
+    libmaru's own lines, ``maru.lib.*``) through the handlers of the engine's logger,
+    so they come out in its format (vLLM's: process name and pid, level, time, where)
+    at its level, once each: the ``maru`` logger takes the engine's handlers once per
+    process, however many connectors the process makes (scheduler and worker in one
+    process, several engines), and does not propagate (no second copy through the
+    root logger). libmaru's lines are forwarded from the engine's level (INFO: pools
+    going away and back, the staging buffer pinned)."""
+    src = logging.getLogger(engine_logger)
+    dst = logging.getLogger("maru")
+    for h in src.handlers:
+        if h not in dst.handlers:
+            dst.addHandler(h)
+    if not src.handlers:
+        return  # the engine logs through the root logger: so does maru (propagation)
+    dst.propagate = False
+    if dst.level == logging.NOTSET:
+        dst.setLevel(src.getEffectiveLevel())
+    from .._log import set_log_level
+
+    set_log_level(logging.getLogger(ROOT_LIB).getEffectiveLevel())
+
+
+ROOT_LIB = "maru.lib"
+
+
 # Settings --------------------------------------------------------------------------
 
 
@@ -162,16 +192,15 @@ class Settings:
     def start_error(self, what: str, e: MaruError) -> ValueError:
         """The error that stops the engine when a handler cannot open for a reason no
         retry fixes (``FATAL_AT_START``): it names the settings involved."""
+        keys = "; ".join(f"{n} is {p!r}" for n, p in self.key_files()) or "maru_server_key_file is unset"
         if e.code == Status.AUTH:
-            keys = "; ".join(f"{n} is {p!r}" for n, p in self.key_files()) or "maru_server_key_file is unset"
             return ValueError(
                 f"maru.vllm {what}: a daemon refused this engine's key at start: {e.message} ({keys}): "
                 "give that setting the key file of the daemon the message names"
             )
         return ValueError(
             f"maru.vllm {what}: libmaru refused the settings at start: {e.message} "
-            "(each handler field is the kv_connector_extra_config key maru_<field>, "
-            "server_key_file is maru_server_key_file, agent_key_file maru_remote_cxl_agent_key_file)"
+            f"(a handler field <field> is the kv_connector_extra_config key maru_<field>; the key files: {keys})"
         )
 
 
@@ -428,6 +457,15 @@ class HandlerSlot:
         h, self.handler = self.handler, None
         if h is not None:
             h.close()
+
+
+def handler_slot(settings: Settings, what: str, config: Dict[str, Any]) -> HandlerSlot:
+    """The handler of one side (``what``: "scheduler", "worker 0", ...) of an engine with
+    these settings; its first ``get()``, at the engine's start, stops the engine naming
+    the setting when a daemon refuses a key or libmaru the configuration."""
+    from ..handler import Handler
+
+    return HandlerSlot(lambda: Handler(config), what, start_error=settings.start_error)
 
 
 @dataclass
