@@ -1003,33 +1003,48 @@ class WorkerCore:
         self._skip["room"](n, "maru.vllm worker: no free %s: %d chunks of request %s not stored%s", what, n, t.req_id,
                            " (raise maru_store_slots)" if what == "store slot" else "")
 
+    def _room(self, t: ChunkTransfer, take: Callable[[int], List[Any]], what: str) -> List[Any]:
+        """Room for ``t``'s chunks (pages or store slots, ``take(n)`` gives up to ``n``);
+        the chunks that find none are counted and logged."""
+        n = len(t.blocks)
+        try:
+            room = take(n)
+        except NoSpaceError:
+            room = []
+        except MaruError as e:
+            self._store_failed(t, n, e)
+            return []
+        if len(room) < n:
+            self._no_room(t, n - len(room), what)
+        return room
+
+    def _copy_out(self, t: ChunkTransfer, addrs: Sequence[int]) -> Optional[Exception]:
+        """Copies ``t``'s first ``len(addrs)`` chunks out of the blocks to ``addrs``."""
+        try:
+            for addr, blocks in zip(addrs, t.blocks):
+                self.kv.copy_out(blocks, addr, self.kv.chunk_bytes)
+        except Exception as e:  # noqa: BLE001 - a failed store is a later miss, never a crash
+            return e
+        return None
+
     def _store_in_place(self, h: Any, t: ChunkTransfer) -> None:
         """cxl: each chunk copied straight into a page of an own region, then the
         request's pages published in one call."""
         keys = t.keys[self.rank]
-        size = self.kv.chunk_bytes
-        try:
-            pages = h.take_pages(len(keys), route_key=t.route_key)
-        except MaruError as e:
-            self._store_failed(t, len(keys), e)
-            return
-        if len(pages) < len(keys):
-            self._no_room(t, len(keys) - len(pages), "page in the pool")
+        pages = self._room(t, lambda n: h.take_pages(n, route_key=t.route_key), "page in the pool")
         if not pages:
             return
-        try:
-            for p, blocks in zip(pages, t.blocks):
-                self.kv.copy_out(blocks, p.addr, size)
-        except Exception as e:  # noqa: BLE001 - a failed store is a later miss, never a crash
+        err = self._copy_out(t, [p.addr for p in pages])
+        if err is None:
+            self.stats.chunks_store_submitted += len(pages)
+            try:
+                ok = h.publish_pages(keys[: len(pages)], [(p.region_id, p.page) for p in pages],
+                                     [self.kv.chunk_bytes] * len(pages))
+            except MaruError as e:
+                err = e
+        if err is not None:
             self._give_back(h, pages)
-            self._store_failed(t, len(pages), e)
-            return
-        self.stats.chunks_store_submitted += len(pages)
-        try:
-            ok = h.publish_pages(keys[: len(pages)], [(p.region_id, p.page) for p in pages], [size] * len(pages))
-        except MaruError as e:
-            self._give_back(h, pages)
-            self._store_failed(t, len(pages), e)
+            self._store_failed(t, len(pages), err)
             return
         self._stored(h, [bool(x) for x in ok])
 
@@ -1042,25 +1057,18 @@ class WorkerCore:
     def _store_through_slots(self, h: Any, t: ChunkTransfer) -> None:
         """remote_cxl: each chunk copied into a store slot, submitted asynchronously."""
         keys = t.keys[self.rank]
-        size = self.kv.chunk_bytes
-        try:
-            slots = h.acquire_slots(SlotPool.STORE, len(keys), timeout=0)
-        except NoSpaceError:
-            slots = []
-        except MaruError as e:
-            self._store_failed(t, len(keys), e)
-            return
-        if len(slots) < len(keys):
-            self._no_room(t, len(keys) - len(slots), "store slot")
+        slots = self._room(t, lambda n: h.acquire_slots(SlotPool.STORE, n, timeout=0), "store slot")
         if not slots:
             return
-        try:
-            for slot, blocks in zip(slots, t.blocks):
-                self.kv.copy_out(blocks, slot.address, size)
-            op = h.submit_store_slots(keys[: len(slots)], slots, lengths=size, route_key=t.route_key)
-        except Exception as e:  # noqa: BLE001 - a failed store is a later miss, never a crash
+        err = self._copy_out(t, [s.address for s in slots])
+        if err is None:
+            try:
+                op = h.submit_store_slots(keys[: len(slots)], slots, lengths=self.kv.chunk_bytes, route_key=t.route_key)
+            except MaruError as e:
+                err = e
+        if err is not None:
             _release(slots)
-            self._store_failed(t, len(slots), e)
+            self._store_failed(t, len(slots), err)
             return
         self.stats.chunks_store_submitted += len(slots)
         self._pending.append((op, slots))
