@@ -75,6 +75,7 @@ def main() -> int:
     lib = Path(a.bin) / "libmaru.so"
     if lib.exists():
         os.environ.setdefault("MARU_LIB", str(lib))
+    sys.path.insert(0, str(ROOT / "bindings" / "python"))  # the raw loads beside the connector's
     work = Path(tempfile.mkdtemp(prefix="maru-vllm-demo-"))
     common = ["--prompt-len", str(a.prompt_len), "--chunk-tokens", str(a.chunk_tokens), "--max-tokens", "8"]
     rep = ["--repeats", str(a.repeats)]
@@ -137,8 +138,12 @@ def main() -> int:
         print(f"{row['name']:<26} {ran_on(r):>16} {r['num_cached_tokens']:>14} {row['bytes'] / 2**20:>10.1f} "
               f"{r['ttft_s'] * 1000:>8.0f} {r['ttft_first_s'] * 1000:>8.0f} {r['ttft_s'] / base_ttft:>11.2f} {store}  "
               f"{f'{agree}/{len(ref)} tokens':>18}")
-    same = all(row["r"].get("ran_on") == rows[0]["r"].get("ran_on") for row in rows) and all(
-        row["store"].get("ran_on") == rows[0]["r"].get("ran_on") for row in rows if row["store"])
+    def compute(r: Dict) -> tuple:
+        o = r.get("ran_on") or {}
+        return o.get("torch_threads"), o.get("cores")
+
+    same = all(compute(row["r"]) == compute(rows[0]["r"]) for row in rows) and all(
+        compute(row["store"]) == compute(rows[0]["r"]) for row in rows if row["store"])
     ok &= same
     print(f"every engine ran with the same threads and cores: {'yes' if same else 'NO'}")
     print()

@@ -278,8 +278,13 @@ def main() -> int:
             print(f"== {backend}")
             mk = ["--connector", "maru", "--backend", backend, *keys, *common]
             ra = run_engine(work, f"{backend}-A", a.model, [*mk, "--engine-id", f"{backend}-A", "--namespace", "e2e"])
-            check(ra["ran_on"] == base["ran_on"],
+            same = {k: v for k, v in ra["ran_on"].items() if k != "maru_thread_cores"}
+            check(same == {k: v for k, v in base["ran_on"].items() if k != "maru_thread_cores"},
                   f"{backend}: A ran with the baseline's threads and cores ({ran_on(ra)}; baseline {ran_on(base)})")
+            off = set(ra["ran_on"].get("maru_thread_cores", []))
+            compute = set(ra["ran_on"].get("cores", []))
+            check(bool(off) and (not off & compute or off == compute == set(os.sched_getaffinity(0))),
+                  f"{backend}: libmaru's threads in A's worker run off its compute cores ({sorted(off)}, compute {sorted(compute)})")
             check(ra["num_cached_tokens"] == 0, f"{backend}: A computed the whole prompt (no hit in an empty cache)")
             check(ra["stats"].get("chunks_stored", 0) == a.prompt_len // a.chunk_tokens,
                   f"{backend}: A stored all {a.prompt_len // a.chunk_tokens} full chunks ({ra['stats'].get('chunks_stored')})")
@@ -289,7 +294,8 @@ def main() -> int:
                   f"{backend}: B loaded {loaded} of {full_chunks} chunks, vLLM counts {rb['num_cached_tokens']} external tokens")
             check(rb["stats"].get("chunks_load_failed", 1) == 0, f"{backend}: B had no failed chunk load")
             check(rb["stats"].get("chunks_stored", 1) == 0, f"{backend}: B stored nothing (never re-stores loaded chunks)")
-            check(rb["tokens"] == ra["tokens"] == base["tokens"] and rb["ran_on"] == base["ran_on"],
+            check(rb["tokens"] == ra["tokens"] == base["tokens"] and rb["ran_on"]["cores"] == base["ran_on"]["cores"]
+                  and rb["ran_on"]["torch_threads"] == base["ran_on"]["torch_threads"],
                   f"{backend}: B's output tokens equal A's and the no-connector baseline's, with the same threads")
             st = rb["stats"]
             n = store_noise(backend, daemons.server, str(daemons.key), str(daemons.server_key), "e2e-noise",

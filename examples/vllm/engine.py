@@ -30,9 +30,18 @@ def _ran_on(worker: object) -> dict:
     """Runs in the worker process: what its compute ran with."""
     import torch
 
+    maru_cores = set()  # the cores libmaru's threads may run on (its heartbeat, operations, transport)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(("maru-", "soft-transport")):
+                    maru_cores |= os.sched_getaffinity(int(tid))
+        except OSError:
+            continue
     return {
         "torch_threads": torch.get_num_threads(),
         "cores": sorted(os.sched_getaffinity(0)),
+        "maru_thread_cores": sorted(maru_cores),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "default"),
     }

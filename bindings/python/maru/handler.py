@@ -889,10 +889,12 @@ class MaruHandler:
         return self.acquire_views([key], key if route_key is None else route_key)[0]
 
     def release_views(self, views: Sequence[Optional[View]]) -> None:
-        """Releases each view (:meth:`View.release`); None entries (misses) are skipped."""
-        for v in views:
-            if v is not None:
-                v.release()
+        """Releases each view (:meth:`View.release`); None entries (misses) are skipped.
+        Their leases go back together (one call per pool)."""
+        with self._releases.batched():
+            for v in views:
+                if v is not None:
+                    v.release()
 
     def held_views(self) -> List[View]:
         """The views this handler handed out that are still held (not released, not

@@ -530,6 +530,7 @@ class FakeStore:
         self.routes: List[Optional[str]] = []
         self.submitted: Dict[str, int] = {}
         self.views: List[FakeView] = []
+        self.view_releases = 0
         self.pages_free = pages
         self.pages: Dict[int, FakePage] = {}
         self.given_back: List[Tuple[int, int]] = []
@@ -566,6 +567,12 @@ class FakeStore:
         out = [None if d is None else FakeView(d) for d in self._get(keys, route_key)]
         self.views.extend(v for v in out if v is not None)
         return out
+
+    def release_views(self, views: Sequence[Optional[FakeView]]) -> None:
+        self.view_releases += 1
+        for v in views:
+            if v is not None:
+                v.release()
 
     def _put(self, key: str, data: bytes) -> bool:
         self.submitted[key] = self.submitted.get(key, 0) + 1
@@ -941,6 +948,96 @@ def test_libmaru_lines_come_out_once_in_the_engines_format(config: Any, daemons:
     assert pool[0].startswith(f"(MainProcess pid={os.getpid()}) WARNING [maru::worker::handler:0] "), pool[0]
     assert sum("a line of the connector" in ln for ln in lines) == 1, lines
     assert "unavailable at open" not in root_out.getvalue()  # no second copy
+
+
+def test_a_cxl_load_gives_its_leases_back_in_one_call(config: Any, monkeypatch: Any) -> None:
+    """A load read in place gives the leases of its chunks back in one call (one round
+    trip to maru-server), not one per chunk: with maru-server's core busy, 23 round
+    trips cost a load tens of milliseconds."""
+    src, dst = BytesKV(bb=4096, nblocks=64), BytesKV(bb=4096, nblocks=64)
+    src.fill(4)
+    keys = maru.chunk_keys(prompt(23 * 128 + 1, seed=23), 128, "one-release")
+    w = WorkerCore(0, HandlerSlot(lambda: maru.Handler(connector_config(config, "cxl", "rel-a")), "a"), src, in_place=True)
+    w.store([transfer(keys, [[2 * i, 2 * i + 1] for i in range(23)])])
+    assert w.stats.chunks_stored == 23
+    w.close()
+    r = WorkerCore(0, HandlerSlot(lambda: maru.Handler(connector_config(config, "cxl", "rel-b")), "b"), dst, in_place=True)
+    calls: List[int] = []
+    real = maru._capi.views_release
+    monkeypatch.setattr(maru._capi, "views_release", lambda h, ids: (calls.append(len(ids)), real(h, ids))[1])
+    r.load([transfer(keys, [[2 * i, 2 * i + 1] for i in range(23)])])
+    assert r.take_load_errors() == set() and r.stats.chunks_loaded == 23
+    assert calls == [23], calls
+    assert dst.bufs[0][: 46 * 4096] == src.bufs[0][: 46 * 4096]
+    r.close()
+
+
+def threads_by_name() -> Dict[str, List[frozenset]]:
+    """This process's threads: name -> the cores each may run on."""
+    out: Dict[str, List[frozenset]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out.setdefault(name, []).append(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_libmaru_threads_run_off_the_compute_cores(config: Any) -> None:
+    """A worker thread bound to its compute core (as vLLM binds its OpenMP master) opens
+    its handler and stores under Placement.off_compute: every thread libmaru starts
+    (heartbeat, asynchronous operations, the soft transport) runs on the other cores,
+    and the calling thread is on its compute core again after each call."""
+    cores = sorted(os.sched_getaffinity(0))
+    compute, other = {cores[-1]}, set(cores[:-1])
+    result: Dict[str, Any] = {}
+
+    def worker() -> None:
+        os.sched_setaffinity(0, compute)
+        place = core.Placement.off_compute(wider=cores)
+        assert place.cores == frozenset(other)
+        slot = HandlerSlot(lambda: maru.Handler(connector_config(config, "remote_cxl", "placed")), "placed", place=place)
+        kv = BytesKV(bb=4096)
+        kv.fill(9)
+        w = WorkerCore(0, slot, kv)
+        keys = maru.chunk_keys(prompt(300, seed=77), 128, "placed")
+        w.store([transfer(keys, [[0, 1], [2, 3]])])
+        result["after_call"] = set(os.sched_getaffinity(0))
+        result["stored"] = (w.poll(10.0), w.stats.chunks_stored)
+        result["threads"] = threads_by_name()
+        w.close()
+
+    import threading
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert result["after_call"] == compute and result["stored"] == (0, 2), result
+    maru_threads = {n: a for n, a in result["threads"].items() if n.startswith(("maru-", "soft-transport"))}
+    assert "maru-handler" in maru_threads and any(n.startswith("maru-op") for n in maru_threads), maru_threads
+    assert all(a == frozenset(other) for affs in maru_threads.values() for a in affs), maru_threads
+
+
+def test_placement_runs_each_call_on_its_cores_and_back() -> None:
+    seen: List[Any] = []
+
+    class H:
+        size = 5
+
+        def call(self, x: int) -> int:
+            seen.append(os.sched_getaffinity(0))
+            return x + 1
+
+    before = os.sched_getaffinity(0)
+    target = {sorted(before)[0]}
+    h = core.Placement(target).wrap(H())
+    assert h.call(1) == 2 and h.size == 5
+    assert seen == [target] and os.sched_getaffinity(0) == before
+    plain = H()
+    assert core.Placement().wrap(plain) is plain
 
 
 def rss_bytes() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -111,9 +112,9 @@ class MaruKVConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-            cfg = s.handler_config(f"{s.engine_id}-worker{self.rank}", self.digest)
-            self._worker_slot = core.handler_slot(s, f"worker {self.rank}", cfg)
-            self._worker = WorkerCore(self.rank, self._worker_slot, stats_file=s.stats_file,
+            # The handler opens in register_kv_caches, once vLLM bound this process's
+            # compute threads (Placement).
+            self._worker = WorkerCore(self.rank, None, stats_file=s.stats_file,
                                       in_place=s.backend == "cxl", timeout_ms=s.timeout_ms)
 
     # Scheduler side ----------------------------------------------------------------
@@ -195,7 +196,14 @@ class MaruKVConnector(KVConnectorBase_V1):
             # Pin the staging buffer (cudaHostRegister) so that the copies between the
             # GPU's blocks and the slots are DMA; process-wide, before the handler opens.
             set_memory_hook_auto()
-        h = self._worker_slot.get()  # a refused setting or key stops the engine now
+        # libmaru's calls, and the threads it starts in them, off the compute cores.
+        place = core.Placement.off_compute()
+        s = self.settings
+        cfg = s.handler_config(f"{s.engine_id}-worker{self.rank}", self.digest)
+        self._worker.handler = core.handler_slot(s, f"worker {self.rank}", cfg, place)
+        log.info("maru.vllm worker %d: libmaru's calls and threads on cores %s (this thread on %s)", self.rank,
+                 sorted(place.cores) or "as this thread", sorted(os.sched_getaffinity(0)))
+        h = self._worker.handler.get()  # a refused setting or key stops the engine now
         if h is not None:
             why = self._worker.chunk_misfit(h)
             if why:

@@ -14,6 +14,7 @@ stored and loaded; a partial last chunk is always computed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -22,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..errors import ConfigError, MaruError, NoSpaceError, Status, UnavailableError
 from ..key_files import check_key_file
@@ -86,6 +87,73 @@ _NON_KV_CONFIG_FIELDS = frozenset(
         "decoder_start_token_id",
     }
 )
+
+
+# Where libmaru's threads run ----------------------------------------------------------
+
+
+class Placement:
+    """The cores a worker's libmaru calls run on: vLLM binds a CPU worker's main thread
+    (its OpenMP master, which also runs the connector) to its compute cores, and a
+    thread inherits the cores of the thread that starts it, so libmaru's threads
+    (heartbeat, asynchronous operations, transport, prefault), started inside its
+    calls, would take CPU from the forward pass. Each call runs with the calling
+    thread's affinity set to ``cores`` (those the process may use that the compute does
+    not), and set back after it; the connector's own copies stay on the compute cores.
+    ``cores`` None or empty: nothing changes."""
+
+    def __init__(self, cores: Optional[Iterable[int]] = None):
+        self.cores = frozenset(cores or ())
+
+    @staticmethod
+    def off_compute(wider: Optional[Iterable[int]] = None) -> "Placement":
+        """The cores of ``wider`` (by default those of the parent process: vLLM's
+        engine-core process, which is not bound) that this thread is not bound to."""
+        try:
+            mine = os.sched_getaffinity(0)
+            allowed = set(wider) if wider is not None else os.sched_getaffinity(os.getppid())
+        except OSError:
+            return Placement()
+        return Placement(allowed - mine)
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if not self.cores:
+            yield
+            return
+        try:
+            saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cores)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, saved)
+
+    def wrap(self, handler: Any) -> Any:
+        """``handler`` whose method calls run on these cores (itself when none)."""
+        return _Placed(handler, self) if self.cores else handler
+
+
+class _Placed:
+    """A handler whose method calls run under a :class:`Placement`."""
+
+    def __init__(self, handler: Any, place: Placement):
+        self._h = handler
+        self._place = place
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._h, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._place():
+                return attr(*args, **kwargs)
+
+        return call
 
 
 # Logs ------------------------------------------------------------------------------
@@ -402,8 +470,10 @@ class HandlerSlot:
     ERROR (rate-limited) and retried with the backoff, as the engine keeps serving."""
 
     def __init__(self, open_handler: Callable[[], Any], what: str, clock: Callable[[], float] = time.monotonic,
-                 start_error: Optional[Callable[[str, MaruError], Exception]] = None):
+                 start_error: Optional[Callable[[str, MaruError], Exception]] = None,
+                 place: Optional[Placement] = None):
         self._open = open_handler
+        self._place = place or Placement()
         self._what = what
         self._clock = clock
         self._start_error = start_error
@@ -426,7 +496,8 @@ class HandlerSlot:
             return None
         first, self._started = not self._started, True
         try:
-            self.handler = self._open()
+            with self._place():
+                self.handler = self._place.wrap(self._open())
         except MaruError as e:
             self._retry_at = now + REOPEN_BACKOFF_S
             if e.code in FATAL_AT_START:
@@ -459,13 +530,14 @@ class HandlerSlot:
             h.close()
 
 
-def handler_slot(settings: Settings, what: str, config: Dict[str, Any]) -> HandlerSlot:
+def handler_slot(settings: Settings, what: str, config: Dict[str, Any], place: Optional[Placement] = None) -> HandlerSlot:
     """The handler of one side (``what``: "scheduler", "worker 0", ...) of an engine with
     these settings; its first ``get()``, at the engine's start, stops the engine naming
-    the setting when a daemon refuses a key or libmaru the configuration."""
+    the setting when a daemon refuses a key or libmaru the configuration. ``place``:
+    the cores its calls (and the threads libmaru starts in them) run on."""
     from ..handler import Handler
 
-    return HandlerSlot(lambda: Handler(config), what, start_error=settings.start_error)
+    return HandlerSlot(lambda: Handler(config), what, start_error=settings.start_error, place=place)
 
 
 @dataclass
@@ -864,7 +936,7 @@ class WorkerCore:
         return None
 
     def _handler(self) -> Any:
-        if self._disabled or self.kv is None:
+        if self._disabled or self.kv is None or self.handler is None:
             return None
         h = self.handler.get()
         if h is not None and h is not self._checked:
@@ -927,9 +999,10 @@ class WorkerCore:
                     if v is None or not self._loaded(t, i + j, v.length, v.address, keys[i + j]):
                         return i + j
             finally:
-                for v in views:
-                    if v is not None:
-                        _release_view(v)
+                try:
+                    h.release_views(views)  # the leases in one call
+                except Exception as e:  # noqa: BLE001 - released with the handler at the latest
+                    log.warning("maru.vllm worker: cannot release views: %s", e)
         return None
 
     def _load_through_slots(self, h: Any, t: ChunkTransfer) -> Optional[int]:
@@ -980,23 +1053,26 @@ class WorkerCore:
     # Stores ---------------------------------------------------------------------
 
     def store(self, transfers: Sequence[ChunkTransfer]) -> None:
-        start = self.clock()
+        """The step's stores (``wait_for_save``); ``stats.store_s`` counts the time the
+        step spends here when it has chunks to store."""
         self.poll()
-        if transfers:
-            h = self._handler()
-            if h is None:
-                n = sum(len(t.blocks) for t in transfers)
-                self.stats.chunks_store_skipped += n
-                if not self._disabled:
-                    self._skip["away"](n, "maru.vllm worker: maru-server unreachable: %d chunks not stored", n)
-            else:
-                for t in transfers:
-                    if self.in_place:
-                        self._store_in_place(h, t)
-                    else:
-                        self._store_through_slots(h, t)
-            self.write_stats()
+        if not transfers:
+            return
+        start = self.clock()
+        h = self._handler()
+        if h is None:
+            n = sum(len(t.blocks) for t in transfers)
+            self.stats.chunks_store_skipped += n
+            if not self._disabled:
+                self._skip["away"](n, "maru.vllm worker: maru-server unreachable: %d chunks not stored", n)
+        else:
+            for t in transfers:
+                if self.in_place:
+                    self._store_in_place(h, t)
+                else:
+                    self._store_through_slots(h, t)
         self.stats.store_s += self.clock() - start
+        self.write_stats()
 
     def _no_room(self, t: ChunkTransfer, n: int, what: str) -> None:
         self.stats.chunks_store_skipped += n
@@ -1117,7 +1193,7 @@ class WorkerCore:
                 still.append((op, slots))
                 continue
             if ok is not None:
-                self._stored(self.handler.handler, ok)
+                self._stored(getattr(self.handler, "handler", None), ok)
             _free_op(op)
             _release(slots)
         changed = len(still) != len(self._pending)
@@ -1142,7 +1218,8 @@ class WorkerCore:
         left = self.poll(SHUTDOWN_WAIT_S)
         if left:
             log.warning("maru.vllm worker: %d stores still in flight at shutdown", left)
-        self.handler.close()
+        if self.handler is not None:
+            self.handler.close()
 
 
 def pools_down(h: Any) -> List[str]:
@@ -1159,14 +1236,6 @@ def _free_op(op: Any) -> None:
         op.close()
     except Exception as e:  # noqa: BLE001
         log.warning("maru.vllm: cannot free %r: %s", op, e)
-
-
-def _release_view(v: Any) -> None:
-    """Ends a chunk read in place (its lease); a failure is logged, never raised."""
-    try:
-        v.release()
-    except Exception as e:  # noqa: BLE001
-        log.warning("maru.vllm: cannot release %r: %s", v, e)
 
 
 def _release(slots: Sequence[Any]) -> None:
