@@ -352,6 +352,15 @@ typedef struct maru_staging_t {
   size_t store_slots;
 } maru_staging_t;
 
+/**
+ * One piece to copy: `len` bytes from `src` to `dst`.
+ */
+typedef struct maru_copy_t {
+  uint8_t *dst;
+  const uint8_t *src;
+  size_t len;
+} maru_copy_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -980,6 +989,22 @@ maru_status_t maru_chunk_keys(const int32_t *tokens,
  * Ownership: `path` is read during the call only. Threads: any.
  */
 maru_status_t maru_key_file_check(const char *path);
+
+/**
+ * Copies each of the `n` pieces of `copies` (`len` bytes from `src` to `dst`; a piece
+ * of 0 bytes is skipped). `into_shared`: the destinations are Maru's memory that other
+ * processes read (a page taken with `maru_pages_take`, a store slot): pieces of 16 KiB
+ * or more are written with streaming stores, which do not read the lines they write.
+ * Otherwise (the runtime's own memory, from a view or a load slot) pieces of 256 KiB
+ * or more stream. The bytes are visible to other threads when the call returns. A
+ * piece with a NULL address (and `len` > 0) fails the call before anything is copied
+ * (`MARU_ERR_NULL_ARGUMENT`, naming it).
+ *
+ * Ownership: every `src` must be readable and every `dst` writable for `len` bytes
+ * during the call, and no piece may overlap another piece's destination or its own
+ * source; libmaru cannot check this (as with `memcpy`). Threads: any.
+ */
+maru_status_t maru_copy(const struct maru_copy_t *copies, size_t n, bool into_shared);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -27,6 +27,7 @@ from ._lib import (
     MEM_UNREGISTER_FN,
     last_error,
     lib,
+    maru_copy_t,
     maru_page_t,
     maru_region_t,
     maru_slot_t,
@@ -453,3 +454,14 @@ def key_file_check(path: str) -> None:
     """``maru_key_file_check``: raises :class:`~maru.ConfigError` (naming the file and
     what to do) unless ``path`` holds a key a handler can prove."""
     _check(lib.maru_key_file_check(os.fsencode(path)))
+
+
+# Copies ----------------------------------------------------------------------------------
+
+
+def copy(pieces: Sequence[Tuple[int, int, int]], into_shared: bool) -> None:
+    """``maru_copy``: each ``(dst, src, len)`` piece, in one call."""
+    n = len(pieces)
+    if not n:
+        return
+    _check(lib.maru_copy((maru_copy_t * n)(*pieces), n, bool(into_shared)))

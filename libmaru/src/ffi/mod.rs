@@ -5,7 +5,8 @@
 //! (where messages go), [`hook`] (pinning the staging buffer), [`handler`] (open,
 //! stats, shutdown, free), [`kv`] (chunks by key), [`slots`] (zero-copy staging
 //! slots), [`ops`] (asynchronous slot transfers), [`views`] (chunks in place on
-//! `cxl`), [`keys`] (chunk keys), [`key_file`] (checking a key file). [`status`]
+//! `cxl`), [`keys`] (chunk keys), [`key_file`] (checking a key file), [`copy`]
+//! (copies between a runtime's memory and Maru's). [`status`]
 //! holds the one table from libmaru's errors to status codes; [`boundary`] and
 //! [`args`] the rules every function keeps.
 //!
@@ -77,12 +78,16 @@ pub mod keys;
 // Checking a key file before a handler proves it (no handler needed).
 pub mod key_file;
 
+// Copies between a runtime's memory and Maru's (no handler needed).
+pub mod copy;
+
 // The rules every function keeps.
 pub mod args;
 pub mod boundary;
 pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};
+pub use copy::{maru_copy, maru_copy_t};
 pub use error::{
     clear_last_error, last_error, maru_last_error, maru_last_error_copy, maru_status_str,
     set_last_error,

@@ -14,8 +14,6 @@ stored and loaded; a partial last chunk is always computed.
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -25,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
+from ..copies import copy_ranges
 from ..errors import ConfigError, MaruError, NoSpaceError, Status, UnavailableError
 from ..key_files import check_key_file
 from ..keys import chunk_keys
@@ -92,18 +91,29 @@ _NON_KV_CONFIG_FIELDS = frozenset(
 # Where libmaru's threads run ----------------------------------------------------------
 
 
+#: Names of the threads libmaru starts (``maru-handler``, ``maru-op-N``,
+#: ``maru-prefault``, the transports').
+LIBMARU_THREADS = ("maru-", "soft-transport", "verbs-")
+# Calls a new thread that still has its creator's name is looked at again (a thread
+# libmaru starts names itself as soon as it runs).
+YOUNG_LOOKS = 3
+
+
 class Placement:
-    """The cores a worker's libmaru calls run on: vLLM binds a CPU worker's main thread
-    (its OpenMP master, which also runs the connector) to its compute cores, and a
-    thread inherits the cores of the thread that starts it, so libmaru's threads
+    """The cores libmaru's threads in a worker run on. vLLM binds a CPU worker's main
+    thread (its OpenMP master, which also runs the connector) to its compute cores, and
+    a thread inherits the cores of the thread that starts it, so libmaru's threads
     (heartbeat, asynchronous operations, transport, prefault), started inside its
-    calls, would take CPU from the forward pass. Each call runs with the calling
-    thread's affinity set to ``cores`` (those the process may use that the compute does
-    not), and set back after it; the connector's own copies stay on the compute cores.
-    ``cores`` None or empty: nothing changes."""
+    calls, would take CPU from the forward pass. After each libmaru call that started a
+    thread, libmaru's new threads are moved to ``cores`` (those the process may use that
+    the compute does not); the threads they start inherit those. The calling thread
+    itself stays where it is (moving it to another core and back costs a wait for that
+    core at each call). ``cores`` None or empty: nothing changes."""
 
     def __init__(self, cores: Optional[Iterable[int]] = None):
         self.cores = frozenset(cores or ())
+        self._seen: Set[int] = set()  # threads looked at (moved, or not libmaru's)
+        self._young: Dict[int, int] = {}  # new threads still named as their creator -> looks
 
     @staticmethod
     def off_compute(wider: Optional[Iterable[int]] = None) -> "Placement":
@@ -116,29 +126,49 @@ class Placement:
             return Placement()
         return Placement(allowed - mine)
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
+    def settle(self) -> int:
+        """Moves libmaru's threads started since the last look to ``cores``; returns how
+        many it moved. Cheap when no thread was started (one read of the thread list).
+        A thread libmaru starts in the background (the transport's, started by an
+        operation's thread) is moved at the next call. A new thread that still has its
+        creator's name (it names itself once it runs) is looked at again at the next
+        calls."""
         if not self.cores:
-            yield
-            return
+            return 0
         try:
-            saved = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cores)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, saved)
+            tids = set(map(int, os.listdir("/proc/self/task")))
+            self._seen &= tids
+            if not tids - self._seen:
+                return 0
+            with open("/proc/thread-self/comm") as f:
+                inherited = f.read()
+            moved = 0
+            for tid in tids - self._seen:
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        name = f.read()
+                    if name.startswith(LIBMARU_THREADS):
+                        os.sched_setaffinity(tid, self.cores)
+                        moved += 1
+                    elif name == inherited and self._young.get(tid, 0) < YOUNG_LOOKS:
+                        self._young[tid] = self._young.get(tid, 0) + 1
+                        continue
+                except OSError:
+                    pass  # gone meanwhile
+                self._young.pop(tid, None)
+                self._seen.add(tid)
+            return moved
+        except (OSError, ValueError):
+            return 0
 
     def wrap(self, handler: Any) -> Any:
-        """``handler`` whose method calls run on these cores (itself when none)."""
+        """``handler`` whose method calls are followed by :meth:`settle` (itself when
+        there are no cores to move threads to)."""
         return _Placed(handler, self) if self.cores else handler
 
 
 class _Placed:
-    """A handler whose method calls run under a :class:`Placement`."""
+    """A handler whose method calls are followed by its :class:`Placement`'s settle."""
 
     def __init__(self, handler: Any, place: Placement):
         self._h = handler
@@ -150,8 +180,10 @@ class _Placed:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            with self._place():
+            try:
                 return attr(*args, **kwargs)
+            finally:
+                self._place.settle()
 
         return call
 
@@ -496,8 +528,8 @@ class HandlerSlot:
             return None
         first, self._started = not self._started, True
         try:
-            with self._place():
-                self.handler = self._place.wrap(self._open())
+            self.handler = self._place.wrap(self._open())
+            self._place.settle()  # the threads the open started
         except MaruError as e:
             self._retry_at = now + REOPEN_BACKOFF_S
             if e.code in FATAL_AT_START:
@@ -799,9 +831,11 @@ class LayerMemory:
 
 
 class PagedKV(KVBlocks):
-    """A KV cache in host memory (``layers``, in layer order) copied with ``memmove``:
-    one copy per layer and piece for each run of blocks that are consecutive both in
-    the chunk and in the cache (usually the whole chunk), never a copy per token.
+    """A KV cache in host memory (``layers``, in layer order), copied by libmaru
+    (:func:`maru.copy_ranges`, streaming stores for large pieces) in one call per chunk:
+    one piece per layer and piece of a block for each run of blocks that are
+    consecutive both in the chunk and in the cache (usually the whole chunk), never a
+    copy per token.
 
     A chunk is, for each layer, for each piece, its ``blocks_per_chunk`` blocks' bytes
     one after the other."""
@@ -848,20 +882,19 @@ class PagedKV(KVBlocks):
             raise ValueError(f"a chunk here is {self.chunk_bytes} bytes, not {size}")
 
     def copy_out(self, blocks: Sequence[Tuple[int, int]], addr: int, size: int) -> None:
+        """Into Maru's memory at ``addr`` (a page or a store slot, read by others)."""
         self._check(size)
         if [p for p, _ in blocks] != list(range(self.bpc)):
             raise ValueError("a stored chunk needs all its blocks")
-        mv = ctypes.memmove
-        for off, at, n in self.moves(blocks):
-            mv(addr + off, at, n)
-            self.copies += 1
+        pieces = [(addr + off, at, n) for off, at, n in self.moves(blocks)]
+        copy_ranges(pieces, into_shared=True)
+        self.copies += len(pieces)
 
     def copy_in(self, blocks: Sequence[Tuple[int, int]], addr: int, size: int) -> None:
         self._check(size)
-        mv = ctypes.memmove
-        for off, at, n in self.moves(blocks):
-            mv(at, addr + off, n)
-            self.copies += 1
+        pieces = [(at, addr + off, n) for off, at, n in self.moves(blocks)]
+        copy_ranges(pieces)
+        self.copies += len(pieces)
 
 
 @dataclass
@@ -870,6 +903,7 @@ class WorkerStats:
     bytes_loaded: int = 0
     chunks_load_failed: int = 0
     load_s: float = 0.0  # time spent loading (lookups of leases, transfers, copies)
+    load_best_gbs: float = 0.0  # the fastest step's loads (bytes over their time)
     chunks_stored: int = 0
     bytes_stored: int = 0
     chunks_store_submitted: int = 0
@@ -951,6 +985,7 @@ class WorkerCore:
     # Loads ----------------------------------------------------------------------
 
     def load(self, transfers: Sequence[ChunkTransfer]) -> None:
+        step_start, step_bytes = self.clock(), self.stats.bytes_loaded
         for t in transfers:
             start = self.clock()
             failed_from = self._load_one(t)
@@ -962,6 +997,10 @@ class WorkerCore:
                 log.warning("maru.vllm worker: request %s: %d of %d chunks not loaded (from chunk %d): recomputed",
                             t.req_id, lost, len(t.blocks), t.first_chunk + failed_from)
         if transfers:
+            took = self.clock() - step_start
+            if took > 0:
+                rate = (self.stats.bytes_loaded - step_bytes) / took / 1e9
+                self.stats.load_best_gbs = max(self.stats.load_best_gbs, rate)
             self.write_stats()
 
     def _load_one(self, t: ChunkTransfer) -> Optional[int]:
