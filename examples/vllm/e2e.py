@@ -131,6 +131,15 @@ def compute_cores() -> str:
     return os.environ.get("MARU_VLLM_OMP_CORES") or ",".join(map(str, cores[1:] if len(cores) > 1 else cores))
 
 
+def core_set(spec: str) -> set:
+    """vLLM's core list syntax (``1,3-5``) as a set."""
+    out = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
 def threads_env() -> Dict[str, str]:
     """The same OpenMP binding for every engine: with it set, vLLM does not give an
     engine with a KV connector one more core than one without."""

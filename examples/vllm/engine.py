@@ -26,6 +26,45 @@ import sys
 import time
 
 
+def raw_load_in_worker(llm: object, a: argparse.Namespace, extra: dict, prompt: list) -> float:
+    """The same run's raw batch load: in the worker process (its cores, beside vLLM's
+    other processes), ``maru.Handler.batch_retrieve_into`` of the chunks the connector
+    loaded (the prompt's full chunks less the last token) into host buffers, each pass
+    into buffers of its own (filled when allocated, as vLLM fills its KV cache, and
+    not in the caches since: as the blocks a request gets); the best pass's GB/s."""
+    from maru.vllm.core import parse_settings
+
+    with open(a.stats_file) as f:
+        info = json.load(f)
+    settings = parse_settings(extra, a.chunk_tokens)
+    cfg = settings.handler_config(f"{a.engine_id}-raw", info["digest"])
+    import maru
+
+    keys = maru.chunk_keys(prompt, a.chunk_tokens, info["keyspace"])[: (len(prompt) - 1) // a.chunk_tokens]
+    return llm.collective_rpc(_raw_load, args=(cfg, keys, info["chunk_bytes"], a.raw_load))[0]
+
+
+def _raw_load(worker: object, cfg: dict, keys: list, size: int, passes: int) -> float:
+    """Runs in the worker process (see raw_load_in_worker)."""
+    import time
+
+    import numpy as np
+
+    import maru
+
+    bufs = [[np.ones(size, np.uint8) for _ in keys] for _ in range(passes)]
+    best = 0.0
+    with maru.Handler(cfg) as h:
+        for dst in bufs:
+            t = time.perf_counter()
+            got = h.batch_retrieve_into(keys, dst, route_key=keys[0])
+            dt = time.perf_counter() - t
+            if any(n != size for n in got):
+                raise RuntimeError(f"raw load: not every chunk found ({got})")
+            best = max(best, len(keys) * size / dt / 1e9)
+    return best
+
+
 def _ran_on(worker: object) -> dict:
     """Runs in the worker process: what its compute ran with."""
     import torch
@@ -58,6 +97,8 @@ def main() -> int:
     p.add_argument("--server-key", default="", help="maru_server_key_file")
     p.add_argument("--shared", type=int, default=0, help="N requests sharing a prefix, scheduled in one step")
     p.add_argument("--shared-tokens", type=int, default=512)
+    p.add_argument("--raw-load", type=int, default=0,
+                   help="after the requests, N passes of a raw batch load of the prompt's stored chunks in the worker")
     p.add_argument("--engine-id", default="")
     p.add_argument("--namespace", default="e2e")
     p.add_argument("--chunk-tokens", type=int, default=128)
@@ -150,7 +191,11 @@ def main() -> int:
         again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0]
         m = again.metrics
         ttfts.append(getattr(m, "first_token_latency", 0.0) if m is not None else 0.0)
+    raw = None
+    if a.raw_load and a.connector == "maru":
+        raw = raw_load_in_worker(llm, a, extra, prompt)
     result = {
+        "raw_load_gbs": raw,
         "ttfts_s": ttfts,
         "connector": a.connector,
         "backend": a.backend,
