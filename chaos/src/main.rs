@@ -207,6 +207,10 @@ impl Cluster {
             "5".into(),
             "--key-file".into(),
             self.server_key().display().to_string(),
+            // Its directory is durable: a restart keeps every key, and every load
+            // after it is checked like the others.
+            "--state-dir".into(),
+            self.s.dir.join("server-state").display().to_string(),
         ]
     }
 
@@ -512,7 +516,8 @@ fn exercise(c: &mut Cluster, o: &Opts, started: Instant) -> Result<(), String> {
     }
 
     // Close everything: engines first (they close their sessions), then maru-server
-    // (SIGTERM: its keeper gives every kept region back).
+    // (SIGTERM: it keeps its regions for its next start; the RM reaps them after its
+    // grace period, and the agent's sweep lets go of them).
     std::fs::write(c.s.dir.join("stop"), b"stop").map_err(|e| format!("stop file: {e}"))?;
     for (e, name) in c.engines.iter_mut().zip(["A", "B"]) {
         match e.wait_exit(Duration::from_secs(30)) {

@@ -4,6 +4,7 @@
 pub mod agent_service;
 pub mod common;
 pub mod meta_service;
+pub mod meta_store;
 pub mod metrics;
 pub mod metrics_http;
 pub mod off_loop;

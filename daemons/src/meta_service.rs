@@ -2,6 +2,7 @@
 //! (as the owner of every region it hands out) and to the pool's agents (for the
 //! region keeper only; the data path never passes through here).
 
+use crate::meta_store::{SecretOp, SecretRecord, StoreWriter};
 use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use crate::tenants_file::TenantsFile;
 use maru::meta::{
@@ -43,6 +44,26 @@ pub const SERVER_GAUGES: &[(&str, &str)] = &[
         "waiting_for_rm",
         "Requests waiting for the RM to allocate a region",
     ),
+    (
+        "recovered_keys",
+        "Keys the last start recovered from the durable directory (--state-dir)",
+    ),
+    (
+        "recovered_regions",
+        "Regions the last start recovered from the durable directory",
+    ),
+    (
+        "recovery_ms",
+        "How long the last start took to recover the directory, in ms",
+    ),
+    (
+        "pages_waiting",
+        "Freed pages waiting for their key's removal to be durable (or for old leases)",
+    ),
+    (
+        "replies_waiting_for_store",
+        "Replies waiting for the changes they follow to be durable",
+    ),
 ];
 
 /// maru-server's totals since start (`maru_server_<name>_total`).
@@ -58,12 +79,18 @@ pub const SERVER_TOTALS: &[(&str, &str)] = &[
         "fair_share_returns",
         "Regions sessions returned when asked for their fair share",
     ),
+    (
+        "store_commits",
+        "Commits of the durable directory (each makes every batch waiting durable)",
+    ),
 ];
 
 fn port_error(e: LinkError) -> PortError {
     match e {
         LinkError::Remote(w) => PortError::from(w),
-        LinkError::Unreachable(m) | LinkError::Rejected(m) => PortError::Unreachable(m),
+        LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
+            PortError::Unreachable(m)
+        }
     }
 }
 
@@ -218,6 +245,19 @@ impl MetaRm {
         self.bg
             .call(&peer, key, req, self.wait)
             .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
+    }
+
+    /// The regions the RM holds for this server, with their handles' tokens, asked
+    /// on the start-up connection (a restart, before serving).
+    pub fn owned_region_infos(&mut self) -> Result<Vec<maru::wire::rm::RegionInfo>, String> {
+        let req = RmRequest::Regions {
+            owner: Some(self.client_id.clone()),
+        };
+        match self.link.call::<_, RmReply>(&req) {
+            Ok(RmReply::Regions { regions }) => Ok(regions),
+            Ok(r) => Err(format!("unexpected reply {r:?}")),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Connects now (maru-server refuses to start without its RM).
@@ -504,13 +544,20 @@ impl AgentPort for MetaAgents {
 /// existing session only when its hello presents that session's secret and it proved
 /// the key of the same tenant. The tenant is the keyring's name of the key the
 /// connection proved (the `default` tenant without a key).
+///
+/// Secrets are kept by a keyed hash only (so the durable directory never holds one
+/// that would open a session), and an owner's name carries the server's run number,
+/// so a connection of a later run never takes the name of an owner recorded by an
+/// earlier one.
 #[derive(Default)]
 pub struct SessionBinding {
     /// The owner and tenant of each open connection.
     conns: HashMap<ConnId, Bound>,
-    /// Session secret (hex) → the owner and tenant whose sessions it opens.
+    /// Hash of a session secret → the owner and tenant whose sessions it opens.
     secrets: HashMap<String, Bound>,
     next_prune_ms: u64,
+    /// Starts of this server on its state directory (0 without one).
+    run: u64,
 }
 
 /// Whom a connection acts as.
@@ -523,16 +570,48 @@ pub struct Bound {
 /// How often secrets of owners without a live session are forgotten.
 const PRUNE_MS: u64 = 5_000;
 
+/// The keyed hash a session secret is kept under.
+pub fn secret_hash(secret: &str) -> String {
+    maru::auth::to_hex(&maru::auth::hmac_parts(
+        b"maru-server session secret",
+        &[secret.as_bytes()],
+    ))
+}
+
 impl SessionBinding {
+    /// A binding for run `run` of the server, knowing the secrets an earlier run
+    /// handed out (by hash).
+    pub fn restored(run: u64, secrets: Vec<(String, SecretRecord)>) -> SessionBinding {
+        SessionBinding {
+            run,
+            secrets: secrets
+                .into_iter()
+                .map(|(h, r)| {
+                    (
+                        h,
+                        Bound {
+                            owner: r.owner,
+                            tenant: r.tenant,
+                        },
+                    )
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn own(&self, client_id: &str, conn: ConnId) -> String {
+        if self.run == 0 {
+            format!("{client_id}#{conn}")
+        } else {
+            format!("{client_id}#{}.{conn}", self.run)
+        }
+    }
+
     /// Binds a new connection: to the owner of the session secret it presents when
     /// it proved that owner's tenant, or else to an owner of its own.
     pub fn open(&mut self, conn: ConnId, client_id: &str, tenant: &str, resume: Option<&str>) {
-        let known = resume.and_then(|r| {
-            self.secrets
-                .iter()
-                .find(|(s, _)| maru::auth::ct_eq(s.as_bytes(), r.as_bytes()))
-                .map(|(_, b)| b.clone())
-        });
+        let known = resume.and_then(|r| self.secrets.get(&secret_hash(r)).cloned());
         let bound = match known {
             Some(b) if b.tenant == tenant => b,
             Some(b) => {
@@ -543,7 +622,7 @@ impl SessionBinding {
                     b.tenant
                 );
                 Bound {
-                    owner: format!("{client_id}#{conn}"),
+                    owner: self.own(client_id, conn),
                     tenant: tenant.to_string(),
                 }
             }
@@ -555,7 +634,7 @@ impl SessionBinding {
                     );
                 }
                 Bound {
-                    owner: format!("{client_id}#{conn}"),
+                    owner: self.own(client_id, conn),
                     tenant: tenant.to_string(),
                 }
             }
@@ -567,12 +646,20 @@ impl SessionBinding {
         self.conns.get(&conn)
     }
 
-    /// A new secret for a session `conn` opened.
-    pub fn new_secret(&mut self, conn: ConnId) -> Option<String> {
+    /// A new secret for a session `conn` opened, and what to keep of it.
+    pub fn new_secret(&mut self, conn: ConnId) -> Option<(String, SecretOp)> {
         let bound = self.conns.get(&conn)?.clone();
         let secret = maru::auth::to_hex(&maru::auth::random_bytes(16).ok()?);
-        self.secrets.insert(secret.clone(), bound);
-        Some(secret)
+        let hash = secret_hash(&secret);
+        self.secrets.insert(hash.clone(), bound.clone());
+        let keep = SecretOp::Put(
+            hash,
+            SecretRecord {
+                owner: bound.owner,
+                tenant: bound.tenant,
+            },
+        );
+        Some((secret, keep))
     }
 
     /// A connection closed; returns its owner when no other open connection acts
@@ -582,13 +669,23 @@ impl SessionBinding {
         (!self.conns.values().any(|q| q.owner == b.owner)).then_some(b.owner)
     }
 
-    /// Forgets secrets whose owner has no live session (at most every few seconds).
-    pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) {
+    /// Forgets secrets whose owner has no live session (at most every few seconds);
+    /// returns what to remove from the kept ones.
+    pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) -> Vec<SecretOp> {
         if now_ms < self.next_prune_ms {
-            return;
+            return Vec::new();
         }
         self.next_prune_ms = now_ms + PRUNE_MS;
-        self.secrets.retain(|_, b| live(&b.owner));
+        let gone: Vec<String> = self
+            .secrets
+            .iter()
+            .filter(|(_, b)| !live(&b.owner))
+            .map(|(h, _)| h.clone())
+            .collect();
+        for h in &gone {
+            self.secrets.remove(h);
+        }
+        gone.into_iter().map(SecretOp::Delete).collect()
     }
 }
 
@@ -600,6 +697,33 @@ struct Pending {
     op: String,
     started: Instant,
 }
+
+/// What a restart recovered, for `stats`, `/metrics` and `maru-usage`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recovery {
+    pub keys: u64,
+    pub regions: u64,
+    pub sessions: u64,
+    /// Keys dropped after the store was read: regions the RM no longer held, memory
+    /// nodes that rebooted, records that no longer fit.
+    pub dropped_keys: u64,
+    /// From opening the state directory to serving.
+    pub took_ms: u64,
+}
+
+/// The durable directory as the service drives it.
+struct Durable {
+    writer: StoreWriter,
+    /// Replies waiting for their job to be durable: (job, connection, frame).
+    held: std::collections::VecDeque<(u64, ConnId, Vec<u8>)>,
+    /// Secret changes for the next job.
+    secrets: Vec<SecretOp>,
+    /// When to hand the core's reads (use stamps) to the store next.
+    next_flush_ms: u64,
+}
+
+/// Reads (use stamps) go to the store at least this often.
+const FLUSH_MS: u64 = 200;
 
 pub struct MetaService {
     pub core: MetaCore,
@@ -618,6 +742,21 @@ pub struct MetaService {
     metrics: Option<Arc<Metrics>>,
     refresh: Refresh,
     started: Instant,
+    /// `--state-dir`: replies that change the directory wait until it is durable.
+    durable: Option<Durable>,
+    recovery: Option<Recovery>,
+    /// Set by SIGTERM/SIGINT (see [`watch_signals`]); the loop then drains and exits.
+    stop: Arc<AtomicBool>,
+    stopping: Stopping,
+    last_now_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopping {
+    No,
+    /// Replies answered and the store flushed: exit at the next tick (after the loop
+    /// sent them).
+    Drained,
 }
 
 impl MetaService {
@@ -637,6 +776,11 @@ impl MetaService {
             metrics: None,
             refresh: Refresh::new(1000),
             started: Instant::now(),
+            durable: None,
+            recovery: None,
+            stop: Arc::new(AtomicBool::new(false)),
+            stopping: Stopping::No,
+            last_now_ms: 0,
         }
     }
 
@@ -652,6 +796,30 @@ impl MetaService {
         self
     }
 
+    /// Keeps the directory durable through `writer` (the core keeps its journal),
+    /// with the binding of this run and what the restart recovered.
+    pub fn with_store(
+        mut self,
+        writer: StoreWriter,
+        binding: SessionBinding,
+        recovery: Recovery,
+    ) -> MetaService {
+        self.binding = binding;
+        self.recovery = Some(recovery);
+        self.durable = Some(Durable {
+            writer,
+            held: Default::default(),
+            secrets: Vec::new(),
+            next_flush_ms: 0,
+        });
+        self
+    }
+
+    /// The flag a signal sets to stop the service (see [`watch_signals`]).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        self.stop.clone()
+    }
+
     /// The reply frame of a request's result, counted in the metrics.
     fn reply(
         &mut self,
@@ -663,7 +831,12 @@ impl MetaService {
         now_ms: u64,
     ) -> Vec<u8> {
         if let Ok(MetaReply::Session(s)) = &mut result {
-            s.session_secret = self.binding.new_secret(conn);
+            s.session_secret = self.binding.new_secret(conn).map(|(secret, keep)| {
+                if let Some(d) = &mut self.durable {
+                    d.secrets.push(keep);
+                }
+                secret
+            });
         }
         if let Err(e) = &result {
             log::debug!("request {id} on connection {conn}: {e}");
@@ -676,9 +849,37 @@ impl MetaService {
         wire::reply_frame(id, result)
     }
 
+    /// Hands what changed (and the secrets made) to the store; returns the job that
+    /// carries it (or the last one sent, when nothing changed).
+    fn flush(&mut self, now_ms: u64) -> u64 {
+        let Some(d) = &mut self.durable else {
+            return 0;
+        };
+        d.next_flush_ms = now_ms.saturating_add(FLUSH_MS);
+        let changes = self.core.take_changes();
+        if changes.is_none() && d.secrets.is_empty() {
+            return d.writer.sent_seq();
+        }
+        let secrets = std::mem::take(&mut d.secrets);
+        d.writer.send(changes, secrets)
+    }
+
+    /// Sends `frame` now, or once what changed before it is durable.
+    fn send_after(&mut self, conn: ConnId, frame: Vec<u8>, changed: bool, now_ms: u64) -> Vec<u8> {
+        if self.durable.is_none() || !changed {
+            return frame;
+        }
+        let seq = self.flush(now_ms);
+        if let Some(d) = &mut self.durable {
+            d.held.push_back((seq, conn, frame));
+        }
+        Vec::new()
+    }
+
     /// Serves one request: its reply, or an empty one when it waits in the core for
-    /// a region (answered by [`deliver`](Self::deliver)).
+    /// a region (answered by [`deliver`](Self::deliver)) or for the store.
     fn serve(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
+        self.last_now_ms = now_ms;
         let started = Instant::now();
         let env: Envelope<MetaRequest> = match wire::decode_json(body) {
             Ok(e) => e,
@@ -698,6 +899,13 @@ impl MetaService {
                 return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
             }
         };
+        if self.stop.load(Ordering::SeqCst) {
+            let e = WireError::new(
+                wire::ErrorCode::Internal,
+                "maru-server is stopping (SIGTERM): retry, it answers again once restarted",
+            );
+            return wire::reply_frame::<()>(env.id, Err(e));
+        }
         // Every connection is bound at its handshake; one that is not gets no tenant
         // (no namespace opens for it), never the default tenant's rights.
         let bound = self.binding.bound(conn).cloned().unwrap_or_else(|| Bound {
@@ -711,12 +919,18 @@ impl MetaService {
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         let op = op_of(body);
+        let mark = self.core.change_mark();
         let answer = self
             .core
             .handle(&caller, ticket, env.body, now_ms, &mut self.rm);
         self.run_actions(now_ms);
         match answer {
-            Some(r) => self.reply(conn, env.id, &op, started, r, now_ms),
+            Some(r) => {
+                let frame = self.reply(conn, env.id, &op, started, r, now_ms);
+                let secrets = self.durable.as_ref().is_some_and(|d| !d.secrets.is_empty());
+                let changed = self.core.change_mark() != mark || secrets;
+                self.send_after(conn, frame, changed, now_ms)
+            }
             None => {
                 self.pending.insert(
                     ticket,
@@ -743,7 +957,7 @@ impl MetaService {
     }
 
     /// Feeds the RM's answers to the core and turns the core's late answers into
-    /// replies.
+    /// replies (once what they changed is durable).
     fn deliver(&mut self, now_ms: u64) {
         for (alloc, answer) in self.rm.take_allocs() {
             self.core.alloc_done(alloc, answer, now_ms, &mut self.rm);
@@ -757,8 +971,40 @@ impl MetaService {
                 t.retain(|x| *x != ticket);
             }
             let frame = self.reply(p.conn, p.id, &p.op, p.started, result, now_ms);
-            self.replies.push((p.conn, frame));
+            // A late answer hands out a region or opens a session: durable first.
+            let frame = self.send_after(p.conn, frame, true, now_ms);
+            if !frame.is_empty() {
+                self.replies.push((p.conn, frame));
+            }
         }
+    }
+
+    /// Replies whose changes are durable now, and pages their removals freed.
+    fn release_durable(&mut self) {
+        let Some(d) = &mut self.durable else {
+            return;
+        };
+        let seq = d.writer.durable_seq();
+        while d.held.front().is_some_and(|(s, _, _)| *s <= seq) {
+            if let Some((_, conn, frame)) = d.held.pop_front() {
+                self.replies.push((conn, frame));
+            }
+        }
+        let batch = d.writer.durable_batch();
+        if batch > self.core.durable_batch() {
+            self.core.durable(batch, self.last_now_ms);
+        }
+    }
+
+    /// Recovery figures, as `stats` shows them.
+    fn total_stats(&self) -> maru::wire::meta::TotalStats {
+        let mut t = self.core.total_stats();
+        if let Some(r) = &self.recovery {
+            t.recovered_keys = r.keys;
+            t.recovered_regions = r.regions;
+            t.recovery_ms = r.took_ms;
+        }
+        t
     }
 
     fn refresh_gauges(&mut self, now_ms: u64) {
@@ -768,7 +1014,7 @@ impl MetaService {
         if !self.refresh.due(now_ms) {
             return;
         }
-        let t = self.core.total_stats();
+        let t = self.total_stats();
         for (name, v) in [
             ("sessions", t.sessions),
             ("regions", t.regions),
@@ -782,6 +1028,14 @@ impl MetaService {
             ("giving_back", t.giving_back),
             ("waiting_for_region", t.waiting_for_region),
             ("waiting_for_rm", t.waiting_for_rm),
+            ("recovered_keys", t.recovered_keys),
+            ("recovered_regions", t.recovered_regions),
+            ("recovery_ms", t.recovery_ms),
+            ("pages_waiting", self.core.pages_waiting() as u64),
+            (
+                "replies_waiting_for_store",
+                self.durable.as_ref().map_or(0, |d| d.held.len() as u64),
+            ),
         ] {
             m.set(name, v as i64);
         }
@@ -791,9 +1045,77 @@ impl MetaService {
             ("evictions", t.removed),
             ("chains_cut", t.chains_cut),
             ("fair_share_returns", t.fair_share_returns),
+            (
+                "store_commits",
+                self.durable
+                    .as_ref()
+                    .map_or(0, |d| d.writer.commits.load(Ordering::Relaxed)),
+            ),
         ] {
             m.set_total(name, v);
         }
+    }
+
+    /// SIGTERM: every request read so far is answered (those waiting for the store
+    /// once it flushed), then the process exits. With a durable directory every
+    /// region stays with maru-server at the RM (within its grace period) so that the
+    /// next start keeps every key; without one, kept regions are given back first.
+    fn drain(&mut self, now_ms: u64) {
+        log::info!("signal received; answering what was asked and stopping");
+        self.deliver(now_ms);
+        if self.durable.is_some() {
+            self.flush(now_ms);
+            let synced = self
+                .durable
+                .as_ref()
+                .is_some_and(|d| d.writer.sync(Duration::from_secs(10)));
+            if !synced {
+                log::error!("the store did not flush within 10 s; what it did not write is lost");
+            }
+            self.release_durable();
+            if let Some(d) = &mut self.durable {
+                // Durable or not, nothing more will be: answer what was asked.
+                for (_, conn, frame) in d.held.drain(..) {
+                    self.replies.push((conn, frame));
+                }
+            }
+        } else {
+            self.give_back_before_stop(now_ms);
+        }
+        self.stopping = Stopping::Drained;
+    }
+
+    /// Without a durable directory: give every kept region back (released at its
+    /// agent, then freed at the RM), waiting at most 10 s for the agents and the RM.
+    fn give_back_before_stop(&mut self, now_ms: u64) {
+        // Nobody else is served now: agent and RM calls may wait for their answers.
+        self.agents.set_wait(Duration::from_secs(6));
+        self.rm.set_wait(Duration::from_secs(6));
+        let n = self.core.give_back_kept(now_ms);
+        let start = std::time::Instant::now();
+        let mut now = now_ms;
+        while self.core.regions_going_back() > 0 && start.elapsed() < Duration::from_secs(10) {
+            self.core.tick(now, &mut self.rm, &mut self.agents);
+            if self.core.regions_going_back() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            now += 100;
+        }
+        let left = self.core.regions_going_back();
+        if left > 0 {
+            log::warn!("stopping with {left} region(s) not yet given back; the RM frees them after its grace period");
+        } else if n > 0 {
+            log::info!("gave {n} kept region(s) back before stopping");
+        }
+    }
+
+    fn exit(&mut self) -> ! {
+        if let Some(d) = &mut self.durable {
+            d.writer.close();
+        }
+        log::info!("maru-server stopped");
+        std::process::exit(0)
     }
 }
 
@@ -826,6 +1148,7 @@ impl Service for MetaService {
     }
 
     fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {
+        self.release_durable();
         std::mem::take(&mut self.replies)
     }
 
@@ -840,6 +1163,12 @@ impl Service for MetaService {
     }
 
     fn on_tick(&mut self, now_ms: u64) {
+        self.last_now_ms = now_ms;
+        match self.stopping {
+            Stopping::Drained => self.exit(),
+            Stopping::No if self.stop.load(Ordering::SeqCst) => return self.drain(now_ms),
+            Stopping::No => {}
+        }
         if let Some(f) = &mut self.tenants_file {
             if let Some(tenants) = f.reload_if_changed(now_ms) {
                 let ended = self.core.set_tenants(tenants, now_ms);
@@ -850,49 +1179,73 @@ impl Service for MetaService {
                 );
             }
         }
-        self.core.tick(now_ms, &mut self.rm, &mut self.agents);
+        if self.core.next_deadline().is_some_and(|d| d <= now_ms) {
+            self.core.tick(now_ms, &mut self.rm, &mut self.agents);
+        }
         self.deliver(now_ms);
         let core = &self.core;
-        self.binding.prune(now_ms, |p| core.has_session_of(p));
+        let pruned = self.binding.prune(now_ms, |p| core.has_session_of(p));
+        if let Some(d) = &mut self.durable {
+            d.secrets.extend(pruned);
+            // Reads (use stamps) and what timers changed; replies wait for nothing here.
+            self.flush(now_ms);
+        }
         self.refresh.touch();
         self.refresh_gauges(now_ms);
     }
 
     fn next_deadline(&self) -> Option<u64> {
+        if self.stopping == Stopping::Drained || self.stop.load(Ordering::SeqCst) {
+            return Some(0);
+        }
         let gauges = self.metrics.as_ref().and_then(|_| self.refresh.deadline());
         // An allocation answered (the loop was woken for it), or answers of the core
         // to hand over: at once.
         let answered = (self.rm.alloc_answered() || self.core.has_answers()).then_some(0);
         let tenants = self.tenants_file.as_ref().map(TenantsFile::next_check_ms);
-        [self.core.next_deadline(), gauges, answered, tenants]
+        let flush = self.durable.as_ref().map(|d| d.next_flush_ms);
+        [self.core.next_deadline(), gauges, answered, tenants, flush]
             .into_iter()
             .flatten()
             .min()
     }
 
-    /// On SIGTERM: give every kept region back (released at its agent, then freed at the
-    /// RM), waiting at most 10 s for the agents and the RM.
+    /// The loop stopped on a signal it was given itself (maru-server watches its
+    /// signals with [`watch_signals`] instead, to drain first).
     fn on_shutdown(&mut self, now_ms: u64) {
-        // Nobody else is served now: agent and RM calls may wait for their answers.
-        self.agents.set_wait(Duration::from_secs(6));
-        self.rm.set_wait(Duration::from_secs(6));
-        let n = self.core.give_back_kept(now_ms);
-        let start = std::time::Instant::now();
-        let mut now = now_ms;
-        while self.core.regions_going_back() > 0 && start.elapsed() < Duration::from_secs(10) {
-            self.core.tick(now, &mut self.rm, &mut self.agents);
-            if self.core.regions_going_back() == 0 {
-                break;
+        if self.durable.is_some() {
+            self.flush(now_ms);
+            if let Some(d) = &mut self.durable {
+                d.writer.sync(Duration::from_secs(10));
+                d.writer.close();
             }
-            std::thread::sleep(Duration::from_millis(100));
-            now += 100;
+        } else {
+            self.give_back_before_stop(now_ms);
         }
-        let left = self.core.regions_going_back();
-        if left > 0 {
-            log::warn!("stopping with {left} region(s) not yet given back; the RM frees them after its grace period");
-        } else if n > 0 {
-            log::info!("gave {n} kept region(s) back before stopping");
-        }
+    }
+}
+
+/// Watches SIGTERM and SIGINT on a thread of its own: the first sets `stop` and wakes
+/// the loop, which answers what it was asked, flushes the durable directory and exits
+/// (see `MetaService::drain`).
+pub fn watch_signals(pipe: maru::net::SignalPipe, stop: Arc<AtomicBool>, waker: Replier) {
+    let spawned = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || loop {
+            let mut fds = [libc::pollfd {
+                fd: pipe.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // SAFETY: one valid pollfd for the pipe this thread owns.
+            unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
+            if pipe.drain() {
+                stop.store(true, Ordering::SeqCst);
+                waker.wake();
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start the signal thread: {e}");
     }
 }
 
@@ -965,7 +1318,7 @@ mod tests {
     fn a_session_secret_resumes_only_under_the_tenant_that_opened_it() {
         let mut b = SessionBinding::default();
         b.open(1, "engine", "victim", None);
-        let secret = b.new_secret(1).unwrap();
+        let (secret, _) = b.new_secret(1).unwrap();
         let owner = b.bound(1).unwrap().owner.clone();
         // Another connection of the same tenant with the secret acts as the owner.
         b.open(2, "engine", "victim", Some(&secret));

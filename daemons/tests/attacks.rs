@@ -1311,6 +1311,7 @@ fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
             "engine_id": engine,
             "namespace": "softflood",
             "agent_key_file": st.key_path.display().to_string(),
+            "server_key_file": support::server_key_file(&st.server.addr),
             "timeout_ms": 5000,
         })
         .to_string()

@@ -4,12 +4,13 @@
 
 mod support;
 
-use maru::wire::meta::{Backend, LeaseGrant, RegionGrant};
-use maru::worker::movers::{CxlMover, Mover, ReadSink, WriteItem};
-use maru::worker::pool::{InPlaceWrite, StoragePool};
+use maru::wire::meta::Backend;
+use maru::worker::movers::Mover;
+use maru::worker::pool::{InPlaceWrite, StoragePool, TestHooks};
 use maru::worker::session::Session;
-use maru::worker::{Handler, WorkerError};
-use std::collections::{BTreeMap, BTreeSet};
+use maru::worker::Handler;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use support::Stack;
@@ -41,56 +42,12 @@ fn bytes(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// A cxl mover that records the pages stores write into and, when told, says its
-/// regions' agent went silent (so the pool gives them back and forgets them).
-struct Watched {
-    inner: CxlMover,
-    written: Arc<Mutex<BTreeSet<(u64, u64)>>>,
-    silent: Arc<Mutex<bool>>,
-}
-
-impl Mover for Watched {
-    fn adopt(&mut self, g: &RegionGrant) -> Result<(), WorkerError> {
-        self.inner.adopt(g)
-    }
-    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        let mut w = self.written.lock().unwrap();
-        for it in items {
-            w.insert((it.page.region_id, it.page.page));
-        }
-        self.inner.write(items)
-    }
-    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.inner.read(leases, sink)
-    }
-    fn boot_ids(&self) -> BTreeMap<u64, String> {
-        BTreeMap::new()
-    }
-    fn own_regions(&self) -> Vec<u64> {
-        self.inner.own_regions()
-    }
-    fn forget_region(&mut self, region_id: u64) {
-        self.inner.forget_region(region_id)
-    }
-    fn own_mapping(&self, region_id: u64) -> Option<Arc<maru::dax::Mapping>> {
-        self.inner.own_mapping(region_id)
-    }
-    fn writes_in_place(&self) -> bool {
-        true
-    }
-    fn tick(&mut self, _now_ms: u64) -> Vec<u64> {
-        if *self.silent.lock().unwrap() {
-            self.inner.own_regions()
-        } else {
-            Vec::new()
-        }
-    }
-}
-
+/// A cxl pool that records the pages stores write into and, when told, finds its
+/// regions' agent silent (so the pool gives them back and forgets them).
 struct Watch {
     pool: StoragePool,
     written: Arc<Mutex<BTreeSet<(u64, u64)>>>,
-    silent: Arc<Mutex<bool>>,
+    silent: Arc<AtomicBool>,
 }
 
 /// A pool of one 8 MiB region at most (128 pages of 64 KiB), no spare pages.
@@ -111,16 +68,21 @@ fn watched_pool_of(st: &Stack, engine: &str, max_bytes: u64) -> Watch {
         Duration::from_secs(10),
     )
     .unwrap();
-    let written = Arc::new(Mutex::new(BTreeSet::new()));
-    let silent = Arc::new(Mutex::new(false));
-    let mover = Watched {
-        inner: CxlMover::with_prefault(false),
-        written: written.clone(),
-        silent: silent.clone(),
+    let written: Arc<Mutex<BTreeSet<(u64, u64)>>> = Arc::default();
+    let silent = Arc::new(AtomicBool::new(false));
+    let w = written.clone();
+    let hooks = TestHooks {
+        after_write: Some(Box::new(move |p, ok| {
+            w.lock().unwrap().insert((p.region_id, p.page));
+            ok
+        })),
+        silent: Some(silent.clone()),
+        ..TestHooks::default()
     };
-    let pool = StoragePool::open(session, Box::new(mover))
+    let pool = StoragePool::open(session, Mover::cxl(false))
         .unwrap()
-        .with_max_bytes(max_bytes);
+        .with_max_bytes(max_bytes)
+        .with_test_hooks(hooks);
     Watch {
         pool,
         written,
@@ -179,9 +141,9 @@ fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
     assert_eq!(pages.len(), 1);
     pages[0].write(&bytes(7, 4096)).unwrap();
     // Its region is given back (its agent silent too long) while it is written.
-    *w.silent.lock().unwrap() = true;
+    w.silent.store(true, Ordering::SeqCst);
     w.pool.tick(0).unwrap();
-    *w.silent.lock().unwrap() = false;
+    w.silent.store(false, Ordering::SeqCst);
     let mut pages = pages;
     let r = w
         .pool

@@ -70,20 +70,7 @@ fn cxl_session(st: &Stack, engine: &str) -> maru::worker::session::Session {
 /// The bytes of `key`: its length and content derive from the key alone, so any
 /// reader can check what it loaded.
 fn content(key: &str) -> Vec<u8> {
-    let mut x: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        x = (x ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    let len = 512 + (x as usize % (CHUNK - 512));
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    support::key_bytes(key, CHUNK)
 }
 
 /// remote_cxl: a request's transfers hold no lock of the handler while they are on the
@@ -360,15 +347,12 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
     let session = cxl_session(&st, "adopter");
     let adopting = Arc::new(AtomicBool::new(false));
     let a = adopting.clone();
-    let pool = StoragePool::open(
-        session,
-        Box::new(maru::worker::movers::CxlMover::with_prefault(false)),
-    )
-    .unwrap()
-    .with_before_adopt(Box::new(move |_| {
-        a.store(true, Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(400));
-    }));
+    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(false))
+        .unwrap()
+        .with_before_adopt(Box::new(move |_| {
+            a.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(400));
+        }));
     // 8 MiB regions of 64 KiB pages: 128 pages each (the first region is the
     // session's from its start; the second is taken when the first is full).
     let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
@@ -425,7 +409,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
             }
         },
     );
-    let pool = StoragePool::open(session, Box::new(maru::worker::movers::CxlMover::new()))
+    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(true))
         .unwrap()
         .with_spare_pages(8)
         .with_before_publish(hook);

@@ -36,16 +36,7 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
 fn chunk(i: usize) -> Vec<u8> {
     // Deterministic, different per chunk, various lengths up to the 64 KiB page.
     let len = 1024 + (i * 977) % (63 * 1024);
-    let mut out = Vec::with_capacity(len);
-    let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    support::seeded_bytes((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15), len)
 }
 
 fn digest(b: &[u8]) -> [u8; 32] {
@@ -317,51 +308,25 @@ fn a_pool_that_goes_away_misses_and_serves_again_when_it_is_back() {
     drop(second);
 }
 
-/// A mover whose writes of odd-numbered chunks never complete (as when an engine dies
-/// or a transfer fails mid-store).
-struct HalfMover {
-    inner: maru::worker::movers::CxlMover,
-    seen: usize,
-    /// Pretend a failed write's outcome is unknown and its peer not fenced yet.
+/// A cxl pool whose writes of odd-numbered chunks never complete (as when an engine
+/// dies or a transfer fails mid-store), and that may pretend a failed write's outcome
+/// is unknown (its peer not fenced yet).
+fn half_pool(
+    session: maru::worker::session::Session,
     unfenced: bool,
-}
-
-impl maru::worker::movers::Mover for HalfMover {
-    fn adopt(
-        &mut self,
-        g: &maru::wire::meta::RegionGrant,
-    ) -> Result<(), maru::worker::WorkerError> {
-        self.inner.adopt(g)
-    }
-    fn write(&mut self, items: &[maru::worker::movers::WriteItem<'_>]) -> Vec<bool> {
-        let mut ok = self.inner.write(items);
-        for o in ok.iter_mut() {
-            if self.seen % 2 == 1 {
-                *o = false;
-            }
-            self.seen += 1;
-        }
-        ok
-    }
-    fn read(
-        &mut self,
-        leases: &[maru::wire::meta::LeaseGrant],
-        sink: &mut maru::worker::movers::ReadSink<'_>,
-    ) {
-        self.inner.read(leases, sink)
-    }
-    fn boot_ids(&self) -> std::collections::BTreeMap<u64, String> {
-        Default::default()
-    }
-    fn own_regions(&self) -> Vec<u64> {
-        self.inner.own_regions()
-    }
-    fn forget_region(&mut self, region_id: u64) {
-        self.inner.forget_region(region_id)
-    }
-    fn may_still_write(&self) -> bool {
-        self.unfenced
-    }
+) -> maru::worker::pool::StoragePool {
+    let seen = std::sync::atomic::AtomicUsize::new(0);
+    let hooks = maru::worker::pool::TestHooks {
+        after_write: Some(Box::new(move |_, ok| {
+            let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            ok && n % 2 == 0
+        })),
+        unfenced,
+        ..Default::default()
+    };
+    maru::worker::pool::StoragePool::open(session, maru::worker::movers::Mover::cxl(true))
+        .unwrap()
+        .with_test_hooks(hooks)
 }
 
 /// Bytes of pages in use by the session of `engine` at maru-server.
@@ -400,12 +365,7 @@ fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
         )
         .unwrap();
         let page = session.page_size;
-        let mover = HalfMover {
-            inner: maru::worker::movers::CxlMover::new(),
-            seen: 0,
-            unfenced,
-        };
-        let pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+        let pool = half_pool(session, unfenced);
         let keys: Vec<String> = (0..10).map(|i| format!("{engine}-{i}")).collect();
         let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
         let items: Vec<(&str, &[u8])> = keys
@@ -441,12 +401,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
         t,
     )
     .unwrap();
-    let mover = HalfMover {
-        inner: maru::worker::movers::CxlMover::new(),
-        seen: 0,
-        unfenced: false,
-    };
-    let pool = maru::worker::pool::StoragePool::open(session, Box::new(mover)).unwrap();
+    let pool = half_pool(session, false);
     let keys: Vec<String> = (0..10).map(|i| format!("half-{i}")).collect();
     let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
     let items: Vec<(&str, &[u8])> = keys

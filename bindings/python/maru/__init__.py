@@ -36,6 +36,7 @@ import logging as _logging
 from ._lib import ABI_VERSION, version
 from ._lib import path as library_path
 from .errors import (
+    AuthError,
     BufferTooSmallError,
     BusyError,
     ClosedError,
@@ -71,6 +72,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ABI_VERSION",
     "AllocHandle",
+    "AuthError",
     "BufferTooSmallError",
     "BusyError",
     "ClosedError",

@@ -2,9 +2,8 @@
 
 Every exception is a :class:`MaruError` carrying ``code`` (the status value) and
 ``message`` (the library's own text from ``maru_last_error()``, which names what failed,
-e.g. the unknown configuration field). Codes without a class of their own (AUTH,
-PROTOCOL, IO, INTERNAL, PANIC, and any code added later) raise plain
-:class:`MaruError`.
+e.g. the unknown configuration field). Codes without a class of their own (PROTOCOL,
+IO, INTERNAL, PANIC, and any code added later) raise plain :class:`MaruError`.
 
 ``MARU_PENDING`` (:attr:`Status.PENDING`) is not an error: an asynchronous operation
 that has not finished yet. :meth:`maru.Op.poll` and :meth:`maru.Op.wait` turn it into
@@ -96,6 +95,13 @@ class NotFoundError(MaruError):
     returns None for a missing key instead of raising this."""
 
 
+class AuthError(MaruError):
+    """A key proof failed (``MARU_ERR_AUTH``): maru-server's (``MARU_SERVER_KEY_FILE``)
+    or an agent's (``agent_key_file``) key does not match the daemon's, or the daemon
+    does not allow this client. The message names the daemon; retrying will not
+    help."""
+
+
 class RefusedError(MaruError):
     """A daemon refused definitively (``MARU_ERR_REFUSED``); nothing was done."""
 
@@ -151,6 +157,7 @@ _BY_CODE: Dict[int, Type[MaruError]] = {
     Status.UNAVAILABLE: UnavailableError,
     Status.NOT_FOUND: NotFoundError,
     Status.REFUSED: RefusedError,
+    Status.AUTH: AuthError,
     Status.NO_SPACE: NoSpaceError,
     Status.TIMEOUT: MaruTimeoutError,
     Status.CLOSED: ClosedError,

@@ -57,6 +57,7 @@ def test_status_codes_map_to_exceptions():
         6: maru.RefusedError,
         7: maru.NoSpaceError,
         8: maru.MaruTimeoutError,
+        9: maru.AuthError,
         13: maru.ClosedError,
         14: maru.BufferTooSmallError,
     }
@@ -64,7 +65,7 @@ def test_status_codes_map_to_exceptions():
         e = error_for(code, f"message {code}")
         assert type(e) is cls and e.code == code and str(e) == f"message {code}"
         assert isinstance(e, maru.MaruError)
-    for code in (9, 10, 11, 15, 99, 1234):
+    for code in (10, 11, 15, 99, 1234):
         assert type(error_for(code, "m")) is maru.MaruError
     assert error_for(1234, "m").status is None and error_for(5, "m").status is Status.NOT_FOUND
     assert "NOT_FOUND" in repr(error_for(5, "m"))

@@ -11,9 +11,10 @@ use maru_daemons::common::{
     raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
 use maru_daemons::meta_service::{
-    watch_agents, MetaAgents, MetaRm, MetaService, AGENT_CHECK_EVERY, RM_KEEPALIVE, SERVER_GAUGES,
-    SERVER_TOTALS,
+    watch_agents, watch_signals, MetaAgents, MetaRm, MetaService, Recovery, SessionBinding,
+    AGENT_CHECK_EVERY, RM_KEEPALIVE, SERVER_GAUGES, SERVER_TOTALS,
 };
+use maru_daemons::meta_store::{MetaStore, StoreWriter};
 use maru_daemons::metrics::Metrics;
 use maru_daemons::tenants_file::TenantsFile;
 use std::path::PathBuf;
@@ -121,6 +122,16 @@ struct Serve {
     /// (plain least recently used, to measure against).
     #[arg(long, default_value = "prefix")]
     victim_order: String,
+    /// Directory where the key directory is kept durable (keys, regions, sessions:
+    /// a restart or an upgrade keeps the cache). Default: `maru-server-state` beside
+    /// the key file (~/.maru/maru-server-state; /var/lib/maru/maru-server-state under
+    /// the systemd unit). Created 0700; one server per directory.
+    #[arg(long, env = "MARU_SERVER_STATE_DIR", conflicts_with = "in_memory")]
+    state_dir: Option<PathBuf>,
+    /// Keep the key directory in memory only: a restart empties the cache, and on
+    /// SIGTERM the region keeper gives its regions back. For throwaway servers.
+    #[arg(long)]
+    in_memory: bool,
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -229,6 +240,67 @@ fn gen_key(path: &std::path::Path) {
     );
 }
 
+/// Rebuilds the core from the directory read, then checks it against the world before
+/// anything is served: the regions the RM still holds for this server, and the boot
+/// id of every agent.
+fn recover(
+    cfg: MetaConfig,
+    tenants: maru::meta::Tenants,
+    clock: &Clock,
+    rm: &mut MetaRm,
+    agents: &MetaAgents,
+    image: maru::meta::records::Image,
+) -> (MetaCore, Recovery) {
+    let started = std::time::Instant::now();
+    let agent_list = cfg.agents.clone();
+    let (mut core, rec) =
+        MetaCore::restore(cfg, tenants, image, clock.now_ms()).unwrap_or_else(|e| die(e));
+    // The RM must answer: without its answer no recovered key can be vouched for.
+    let mut tries = 0;
+    let held = loop {
+        match rm.owned_region_infos() {
+            Ok(h) => break h,
+            Err(e) if tries < 20 => {
+                tries += 1;
+                log::warn!("recovery: cannot ask the RM which regions it holds ({e}); retrying");
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            Err(e) => die_unavailable(format!(
+                "recovery: the RM did not say which regions it holds for maru-server: {e}"
+            )),
+        }
+    };
+    let (_, dropped_rm) = core.recovered_rm(&held, clock.now_ms());
+    let mut boots = std::collections::BTreeMap::new();
+    for agent in agent_list {
+        let answer = Client::connect(&agent, &agents.options())
+            .map_err(|e| maru::meta::PortError::Unreachable(e.to_string()))
+            .and_then(|c| {
+                c.welcome()
+                    .info
+                    .get("boot_id")
+                    .and_then(|b| b.as_str())
+                    .filter(|b| !b.is_empty())
+                    .map(str::to_string)
+                    .ok_or_else(|| maru::meta::PortError::Unreachable("no boot id".into()))
+            });
+        if let Err(e) = &answer {
+            log::warn!("recovery: agent {agent} did not say its boot id ({e}); its regions' keys stay, checked later");
+        }
+        boots.insert(agent, answer);
+    }
+    let dropped_boots = core.recovered_boots(&boots, clock.now_ms());
+    let stats = core.total_stats();
+    let recovery = Recovery {
+        keys: stats.keys,
+        regions: stats.regions,
+        sessions: rec.sessions,
+        dropped_keys: rec.left_out + (dropped_rm + dropped_boots) as u64,
+        took_ms: started.elapsed().as_millis() as u64,
+    };
+    (core, recovery)
+}
+
 fn main() {
     let cli: Cli = parse_args();
     match cli.cmd {
@@ -251,7 +323,7 @@ fn main() {
         check_host_port("remote-cxl-agent", g).unwrap_or_else(|e| die(e));
     }
     let addr = bind_addr(&a.host, a.port, "maru-server").unwrap_or_else(|e| die(e));
-    let cfg = MetaConfig {
+    let mut cfg = MetaConfig {
         region_size: size("region-size", &a.region_size),
         chunk_size: size("chunk-size", &a.chunk_size),
         agents: a.agents.clone(),
@@ -268,7 +340,7 @@ fn main() {
         unused_region_ms: heartbeat_ms(a.session_timeout_s * 1000),
         ..MetaConfig::default()
     };
-    let mut core = MetaCore::new(cfg).unwrap_or_else(|e| die(e));
+    MetaCore::new(cfg.clone()).unwrap_or_else(|e| die(e));
     // The key (and the tenants file) are checked before anything connects; a missing
     // key file is made once the rest is in place.
     let key_path = a.key_file.clone().unwrap_or_else(default_server_key);
@@ -278,7 +350,52 @@ fn main() {
         .rm_key_file
         .as_ref()
         .map(|p| maru::auth::load_key_file(p).unwrap_or_else(|e| die(e)));
-    let client_id = default_client_id("maru-server@");
+    let clock = Clock::new();
+    // The RM first: a server that cannot start touches no state directory.
+    if let Err(e) = MetaRm::new(
+        &a.rm_address,
+        default_client_id("maru-server@"),
+        rm_key.clone(),
+    )
+    .check()
+    {
+        die_unavailable(format!(
+            "{e}; maru-server needs its resource manager (start it first or fix --rm-address)"
+        ));
+    }
+    let opened = (!a.in_memory).then(|| {
+        let dir = a.state_dir.clone().unwrap_or_else(|| {
+            key_path
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join("maru-server-state")
+        });
+        let (store, loaded) =
+            MetaStore::open(&dir, maru::meta::new_instance).unwrap_or_else(|e| die(e));
+        log::info!(
+            "durable directory {} (instance {}, start {}): {} keys, {} regions, {} sessions \
+             read in {} ms",
+            store.path().display(),
+            loaded.instance,
+            loaded.run,
+            loaded.image.keys.len(),
+            loaded.image.regions.len(),
+            loaded.image.sessions.len(),
+            loaded.read.as_millis()
+        );
+        (store, loaded)
+    });
+    // A server with a durable directory is one logical server across restarts: the
+    // same instance for workers (they resume their sessions) and the same owner at the
+    // RM (which keeps its regions for its grace period, not freeing them when the
+    // process exits as it does for an owner named by host and pid).
+    let client_id = match &opened {
+        Some((_, l)) => {
+            cfg.instance = l.instance.clone();
+            format!("maru-server/{}@{}", l.instance, maru::net::hostname())
+        }
+        None => default_client_id("maru-server@"),
+    };
     let mut rm = MetaRm::new(&a.rm_address, client_id.clone(), rm_key.clone());
     if let Err(e) = rm.check() {
         die_unavailable(format!(
@@ -316,24 +433,41 @@ fn main() {
         let ring = maru::auth::Keyring::single(key.clone());
         Some((key, ring))
     };
+    let mut tenants = maru::meta::Tenants::default();
     let tenants_file = match (&a.tenants, &keys) {
         (Some(path), Some((key, ring))) => {
-            let (file, tenants) =
+            let (file, t) =
                 TenantsFile::open(path, key.clone(), ring.clone()).unwrap_or_else(|e| die(e));
             log::info!(
                 "tenants of {}: {:?}",
                 path.display(),
-                tenants.names().collect::<Vec<_>>()
+                t.names().collect::<Vec<_>>()
             );
-            core = core.with_tenants(tenants);
+            tenants = t;
             Some(file)
         }
         _ => None,
     };
+    let (core, durable) = match opened {
+        None => (
+            MetaCore::new(cfg)
+                .unwrap_or_else(|e| die(e))
+                .with_tenants(tenants),
+            None,
+        ),
+        Some((store, loaded)) => {
+            let (core, recovery) = recover(cfg, tenants, &clock, &mut rm, &agents, loaded.image);
+            let recovery = Recovery {
+                took_ms: loaded.read.as_millis() as u64 + recovery.took_ms,
+                ..recovery
+            };
+            let binding = SessionBinding::restored(loaded.run, loaded.secrets);
+            (core, Some((store, binding, recovery)))
+        }
+    };
     raise_nofile_limit();
     let keyring = keys.map(|(_, ring)| ring);
-    let mut server = Server::bind(addr, a.net.options_with_keys(keyring), Clock::new())
-        .and_then(|s| s.with_signals(pipe))
+    let mut server = Server::bind(addr, a.net.options_with_keys(keyring), clock)
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
     let metrics = Arc::new(Metrics::new("server", SERVER_GAUGES).with_totals(SERVER_TOTALS));
@@ -349,6 +483,19 @@ fn main() {
     }
     notify_ready();
     let mut service = MetaService::new(core, rm, agents, server.replier());
+    if let Some((store, binding, recovery)) = durable {
+        log::info!(
+            "recovered {} keys in {} regions and {} sessions in {} ms ({} keys dropped)",
+            recovery.keys,
+            recovery.regions,
+            recovery.sessions,
+            recovery.took_ms,
+            recovery.dropped_keys
+        );
+        let writer = StoreWriter::start(store, server.replier());
+        service = service.with_store(writer, binding, recovery);
+    }
+    watch_signals(pipe, service.stop_flag(), server.replier());
     if metrics_addr.is_some() {
         service = service.with_metrics(metrics);
     }

@@ -247,6 +247,13 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         "eviction: {} keys removed by their engines ({} of them cut a prefix chain), {} regions given back for a fair share, {} engines waiting for a region",
         t.removed, t.chains_cut, t.fair_share_returns, t.waiting_for_region
     );
+    if t.recovery_ms > 0 || t.recovered_keys > 0 {
+        let _ = writeln!(
+            o,
+            "durable directory: its last start recovered {} keys in {} regions in {} ms",
+            t.recovered_keys, t.recovered_regions, t.recovery_ms
+        );
+    }
     let _ = writeln!(o);
     let _ = writeln!(
         o,
@@ -903,6 +910,7 @@ mod tests {
             length: 64 << 20,
             requested: 64 << 20,
             state: "allocated".into(),
+            token: None,
             holds: vec![],
         };
         let snap = Snapshot {
@@ -940,7 +948,20 @@ mod tests {
         snap.stats.total.removed = 40;
         snap.stats.total.chains_cut = 3;
         snap.stats.total.waiting_for_region = 1;
+        assert!(
+            !render(&snap, 2).contains("durable directory"),
+            "in memory: no line"
+        );
+        snap.stats.total.recovered_keys = 1200;
+        snap.stats.total.recovered_regions = 5;
+        snap.stats.total.recovery_ms = 37;
         let out = render(&snap, 2);
+        assert!(
+            out.contains(
+                "durable directory: its last start recovered 1200 keys in 5 regions in 37 ms"
+            ),
+            "{out}"
+        );
         assert!(out.contains("version 9.9.9, up 1h02m"), "{out}");
         assert!(
             out.contains("10.0.0.2:9860          cannot reach the agent"),

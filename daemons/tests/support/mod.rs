@@ -141,6 +141,15 @@ impl Daemon {
             args.push("--key-file".into());
             args.push(ready_dir.join("server.key").display().to_string());
         }
+        // Tests of a restart that empties the directory, and several servers in one
+        // scratch directory: in memory unless the test names a state directory.
+        if is_server
+            && !args
+                .iter()
+                .any(|a| a == "--state-dir" || a == "--in-memory")
+        {
+            args.push("--in-memory".into());
+        }
         if !is_rm && !args.iter().any(|a| a == "--rm-key-file") {
             if let Some(k) = arg_after(&args, "--rm-address").and_then(|a| rm_key_path(a)) {
                 args.push("--rm-key-file".into());
@@ -221,6 +230,15 @@ impl Daemon {
             .rsplit_once(':')
             .and_then(|(_, p)| p.parse().ok())
             .unwrap_or(0)
+    }
+
+    /// Sends `sig` to the process (`libc::SIGSTOP` stalls it as a swapping or busy
+    /// node would: its sockets still accept connections and take bytes, nothing
+    /// answers; `libc::SIGCONT` lets it go on).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child this test started and still owns.
+        let r = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(r, 0, "kill({}, {sig})", self.child.id());
     }
 
     pub fn is_running(&mut self) -> bool {
@@ -378,11 +396,24 @@ pub fn stack_with(
     agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
     server_args: &[String],
 ) -> Stack {
-    use maru::auth::{keyfile::write_new_key_file, SharedKey};
+    let key = maru::auth::SharedKey::generate().unwrap();
+    stack_keyed(tag, pool_size, remote, &key, agent_extra, server_args)
+}
+
+/// As [`stack_with`], with the agent key `key` (stacks that one handler reaches
+/// share it: a handler has one agent key file).
+pub fn stack_keyed(
+    tag: &str,
+    pool_size: &str,
+    remote: bool,
+    key: &maru::auth::SharedKey,
+    agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
+    server_args: &[String],
+) -> Stack {
     let mut s = Scratch::new(tag);
     let pool = s.fake_dax("pool");
     let key_path = s.dir.join("agent.key");
-    write_new_key_file(&key_path, &SharedKey::generate().unwrap()).unwrap();
+    maru::auth::keyfile::write_new_key_file(&key_path, key).unwrap();
     let rm = Daemon::start(RM_BIN, &rm_args(&s, &pool, pool_size), &s.dir);
     let mut agent_args = agent_args(&rm.addr, &key_path, &pool);
     agent_args.extend(agent_extra(&s));
@@ -573,4 +604,29 @@ pub fn bound_soft_connection(
     let c = proto::Completion::decode(&cpl);
     assert_eq!(c.status, proto::ST_OK, "BIND refused: {c:?}");
     s
+}
+
+/// `len` bytes that follow from `seed` alone (xorshift), so any reader can check what
+/// it loaded.
+pub fn seeded_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// The bytes of `key` for pages of `page` bytes: their length (512 bytes to a page) and
+/// content derive from the key alone.
+pub fn key_bytes(key: &str, page: usize) -> Vec<u8> {
+    let mut x: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        x = (x ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    seeded_bytes(x, 512 + (x as usize % (page - 512)))
 }

@@ -139,8 +139,14 @@ impl From<&WorkerError> for maru_status_t {
         match e {
             WorkerError::Config(_) => maru_status_t::MARU_ERR_CONFIG,
             WorkerError::InvalidArgument(_) => maru_status_t::MARU_ERR_INVALID_ARGUMENT,
-            WorkerError::Unavailable(_) => maru_status_t::MARU_ERR_UNAVAILABLE,
-            WorkerError::Refused(_) => maru_status_t::MARU_ERR_REFUSED,
+            WorkerError::Unavailable { .. } => maru_status_t::MARU_ERR_UNAVAILABLE,
+            // A new session is opened in the background: transient.
+            WorkerError::SessionLost { .. } => maru_status_t::MARU_ERR_UNAVAILABLE,
+            // As a daemon's `auth` and `permission` codes (above).
+            WorkerError::Auth { .. } | WorkerError::Permission { .. } => {
+                maru_status_t::MARU_ERR_AUTH
+            }
+            WorkerError::Refused { .. } => maru_status_t::MARU_ERR_REFUSED,
             WorkerError::NoSpace(_) => maru_status_t::MARU_ERR_NO_SPACE,
             WorkerError::Timeout(_) => maru_status_t::MARU_ERR_TIMEOUT,
             WorkerError::Transport(_) => maru_status_t::MARU_ERR_IO,
@@ -226,6 +232,48 @@ mod tests {
                 code == ErrorCode::Refused,
                 "{code:?}"
             );
+        }
+    }
+
+    /// A key that does not prove reaches a C caller as MARU_ERR_AUTH, whichever
+    /// daemon it was (it used to be a refusal or a configuration error).
+    #[test]
+    fn a_failed_key_proof_is_auth_and_a_lost_session_unavailable() {
+        use crate::worker::Peer;
+        let agent = Peer::Agent("10.0.0.2:9860".into());
+        let server = Peer::Server("10.0.0.1:5555".into());
+        for (e, want) in [
+            (
+                WorkerError::Auth {
+                    peer: agent.clone(),
+                    reason: "key".into(),
+                },
+                maru_status_t::MARU_ERR_AUTH,
+            ),
+            (
+                WorkerError::Permission {
+                    peer: server.clone(),
+                    reason: "not yours".into(),
+                },
+                maru_status_t::MARU_ERR_AUTH,
+            ),
+            (
+                WorkerError::Refused {
+                    peer: server,
+                    reason: "no".into(),
+                },
+                maru_status_t::MARU_ERR_REFUSED,
+            ),
+            (
+                WorkerError::SessionLost {
+                    url: "10.0.0.1:5555".into(),
+                    session: 3,
+                    reason: "expired".into(),
+                },
+                maru_status_t::MARU_ERR_UNAVAILABLE,
+            ),
+        ] {
+            assert_eq!(maru_status_t::from(&e), want, "{e}");
         }
     }
 }

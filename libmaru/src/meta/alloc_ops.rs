@@ -156,6 +156,7 @@ impl MetaCore {
         now_ms: u64,
         rm: &mut dyn RmPort,
     ) {
+        self.note_now(now_ms);
         self.expire(now_ms);
         if self.waits.in_flight != Some(alloc) {
             log::warn!("an answer to allocation {alloc}, which is not in flight");
@@ -563,7 +564,7 @@ impl MetaCore {
     /// Notes whether a region of a session is in use now (see `Region::note_use`).
     pub(super) fn note_region_use(&mut self, region_id: u64, now_ms: u64) {
         let limit = self.cfg.unused_region_ms;
-        let Some(r) = self.regions.get_mut(region_id) else {
+        let Some(r) = self.regions.get_mut_quiet(region_id) else {
             return;
         };
         if !matches!(r.holder, Holder::Session(_)) {

@@ -75,6 +75,9 @@ pub struct MetaCore {
     pub(super) next_unused_ms: Option<u64>,
     /// When to ask the RM next which regions it holds for this server.
     next_rm_check_ms: u64,
+    /// Changes to make durable and pages waiting for it (see `durable`); None: the
+    /// directory lives in memory only.
+    pub(super) journal: Option<super::durable::Journal>,
 }
 
 impl MetaCore {
@@ -97,6 +100,7 @@ impl MetaCore {
             totals: Totals::default(),
             fair: Default::default(),
             next_rm_check_ms: 0,
+            journal: None,
             cfg: config,
         })
     }
@@ -170,6 +174,7 @@ impl MetaCore {
         now_ms: u64,
         rm: &mut dyn RmPort,
     ) -> Option<Result<MetaReply, WireError>> {
+        self.note_now(now_ms);
         self.expire(now_ms);
         let client_id = caller.owner;
         let r = match req {
@@ -238,6 +243,8 @@ impl MetaCore {
     /// Timers: expired leases and sessions end, the keeper checks its mappings, and
     /// regions on their way back are released at their agent and freed at the RM.
     pub fn tick(&mut self, now_ms: u64, rm: &mut dyn RmPort, agents: &mut dyn AgentPort) {
+        self.note_now(now_ms);
+        self.put_back_pages(now_ms);
         self.expire(now_ms);
         self.expire_waits(now_ms);
         self.take_back_unused(now_ms);
@@ -257,6 +264,7 @@ impl MetaCore {
             self.keeper.next_deadline(),
             self.waits.next_deadline(self.cfg.park_max_ms),
             self.next_unused_ms,
+            self.next_page_deadline(),
             // Only a server that holds regions has anything the RM could reap.
             (!self.regions.is_empty()).then_some(self.next_rm_check_ms),
         ]
@@ -419,11 +427,9 @@ impl MetaCore {
         let dropped = self.keys.drop_region(region_id);
         let ended = self.leases.end_region(region_id);
         self.pins.end_region(region_id);
-        if let Some(r) = self.regions.get_mut(region_id) {
-            // Keys are write-once, so a page that held one is written no more.
-            for e in &dropped {
-                let _ = r.pages.free(e.loc.offset / self.cfg.chunk_size);
-            }
+        // Keys are write-once, so a page that held one is written no more.
+        for (k, e) in &dropped {
+            self.free_key_page(region_id, e.loc.offset / self.cfg.chunk_size, *k);
         }
         (dropped.len(), ended)
     }

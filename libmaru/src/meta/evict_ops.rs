@@ -130,11 +130,12 @@ impl MetaCore {
         check_keys(keys)?;
         let id = self.writing_session(client_id, session, "remove keys", now_ms)?;
         let s = self.sessions.checked(id)?;
+        let (scope, own) = (s.scope, s.regions.clone());
         let page_size = self.cfg.chunk_size;
         let mut results = Vec::with_capacity(keys.len());
         let mut freed_in = Vec::new();
         for name in keys {
-            let Some(k) = self.keys.find(s.scope, name) else {
+            let Some(k) = self.keys.find(scope, name) else {
                 results.push(RemoveResult::NotFound);
                 continue;
             };
@@ -142,7 +143,7 @@ impl MetaCore {
                 results.push(RemoveResult::NotFound);
                 continue;
             };
-            if !s.regions.contains(&loc.region_id) {
+            if !own.contains(&loc.region_id) {
                 results.push(RemoveResult::NotOwner);
                 continue;
             }
@@ -161,10 +162,9 @@ impl MetaCore {
                 }
                 self.totals.removed += 1;
             }
-            if let Some(r) = self.regions.get_mut(loc.region_id) {
-                // A published key's page is allocated (publish checks it).
-                let _ = r.pages.free(loc.offset / page_size);
-            }
+            // A published key's page is allocated (publish checks it); it is handed
+            // out again once the removal is durable.
+            self.free_key_page(loc.region_id, loc.offset / page_size, k);
             results.push(RemoveResult::Removed);
             freed_in.push(loc.region_id);
         }

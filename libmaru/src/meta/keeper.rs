@@ -52,6 +52,10 @@ pub enum GiveBackReason {
     Unused,
     /// The RM answered an allocation after the request that asked for it went away.
     Unclaimed,
+    /// It was on its way back when maru-server stopped, or the RM held it for
+    /// maru-server though its directory did not know it (an allocation answered as
+    /// it stopped).
+    Recovered,
 }
 
 impl GiveBackReason {
@@ -70,6 +74,9 @@ impl GiveBackReason {
             GiveBackReason::RmDropped => "the RM no longer holds it for this server",
             GiveBackReason::Unused => "its session held it without storing in it",
             GiveBackReason::Unclaimed => "the request it was allocated for went away",
+            GiveBackReason::Recovered => {
+                "it was going back, or unknown to the directory, when maru-server restarted"
+            }
         }
     }
 }
@@ -195,6 +202,12 @@ impl RegionKeeper {
         );
         self.give_back(k.handle, k.agent, false, reason, now);
         true
+    }
+
+    /// Forgets a region without giving it back (the RM no longer has it).
+    pub fn forget(&mut self, region_id: u64) {
+        self.kept.remove(&region_id);
+        self.giving_back.remove(&region_id);
     }
 
     pub fn is_kept(&self, region_id: u64) -> bool {

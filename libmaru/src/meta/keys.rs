@@ -13,7 +13,7 @@
 //! the tails first (see `evict_ops`).
 
 use crate::wire::meta::Backend;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Which sessions share keys: the same namespace, KV layout digest and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -30,6 +30,10 @@ pub struct ScopeId(u32);
 pub struct KeyId(u64);
 
 impl KeyId {
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
     #[cfg(test)]
     pub(crate) fn test_id(n: u64) -> KeyId {
         KeyId(n)
@@ -92,6 +96,20 @@ pub struct KeyDirectory {
     successors: HashMap<(ScopeId, String), u32>,
     next_id: u64,
     stamp: u64,
+    /// What changed since the last [`take_journal`](Self::take_journal), when the
+    /// directory is kept durable.
+    journal: Option<KeyJournal>,
+}
+
+/// Keys and scopes changed since the last batch of records.
+#[derive(Debug, Default)]
+pub struct KeyJournal {
+    pub scopes: Vec<ScopeId>,
+    pub put: HashSet<KeyId>,
+    pub gone: HashSet<KeyId>,
+    pub used: HashSet<KeyId>,
+    /// Changes other than reads.
+    pub changes: u64,
 }
 
 impl KeyDirectory {
@@ -100,8 +118,90 @@ impl KeyDirectory {
     }
 
     pub fn scope_id(&mut self, scope: Scope) -> ScopeId {
-        let next = ScopeId(self.scopes.len() as u32);
-        *self.scopes.entry(scope).or_insert(next)
+        if let Some(&id) = self.scopes.get(&scope) {
+            return id;
+        }
+        // After the largest id: restored scopes keep theirs.
+        let next = ScopeId(self.scopes.values().map(|v| v.0 + 1).max().unwrap_or(0));
+        let id = *self.scopes.entry(scope).or_insert(next);
+        if id == next {
+            if let Some(j) = &mut self.journal {
+                j.scopes.push(id);
+                j.changes += 1;
+            }
+        }
+        id
+    }
+
+    /// Records what changes from now on (see [`take_journal`](Self::take_journal)).
+    pub fn keep_journal(&mut self) {
+        self.journal.get_or_insert_with(KeyJournal::default);
+    }
+
+    /// Changes other than reads so far.
+    pub fn changes(&self) -> u64 {
+        self.journal.as_ref().map_or(0, |j| j.changes)
+    }
+
+    /// What changed since the last call (None when no journal is kept).
+    pub fn take_journal(&mut self) -> Option<KeyJournal> {
+        let j = self.journal.as_mut()?;
+        let changes = j.changes;
+        let taken = std::mem::take(j);
+        j.changes = changes;
+        Some(taken)
+    }
+
+    /// The scope named `id`.
+    pub fn scope(&self, id: ScopeId) -> Option<&Scope> {
+        self.scopes.iter().find(|(_, v)| **v == id).map(|(k, _)| k)
+    }
+
+    pub fn scope_number(id: ScopeId) -> u32 {
+        id.0
+    }
+
+    /// Puts a scope back under its recorded id (recovery). False when the id or the
+    /// scope is taken by another.
+    pub fn restore_scope(&mut self, id: u32, scope: Scope) -> bool {
+        if self.scopes.values().any(|v| v.0 == id) || self.scopes.contains_key(&scope) {
+            return false;
+        }
+        self.scopes.insert(scope, ScopeId(id));
+        true
+    }
+
+    /// The scope recorded as `id`, if restored.
+    pub fn restored_scope(&self, id: u32) -> Option<ScopeId> {
+        self.scopes.values().copied().find(|v| v.0 == id)
+    }
+
+    /// Puts a recorded key back with its id and use stamp (recovery); later ids and
+    /// stamps come after every restored one.
+    pub fn restore(
+        &mut self,
+        id: u64,
+        scope: ScopeId,
+        name: &str,
+        loc: Location,
+        prev: Option<&str>,
+        used: u64,
+    ) -> Published {
+        let (next, stamp) = (self.next_id, self.stamp);
+        self.next_id = id.saturating_sub(1);
+        self.stamp = used.saturating_sub(1);
+        let r = self.publish(scope, name, loc, prev);
+        self.next_id = next.max(id);
+        self.stamp = stamp.max(used);
+        if let (Some(j), Published::New(k)) = (&mut self.journal, r) {
+            j.put.remove(&k);
+        }
+        r
+    }
+
+    /// Ids at most this were restored (0: none).
+    pub fn last_id(&self) -> u64 {
+        self.next_id
     }
 
     pub fn len(&self) -> usize {
@@ -170,6 +270,10 @@ impl KeyDirectory {
                 used,
             },
         );
+        if let Some(j) = &mut self.journal {
+            j.put.insert(id);
+            j.changes += 1;
+        }
         Published::New(id)
     }
 
@@ -234,6 +338,9 @@ impl KeyDirectory {
             }
         }
         e.used = self.stamp;
+        if let Some(j) = &mut self.journal {
+            j.used.insert(id);
+        }
     }
 
     pub fn remove(&mut self, id: KeyId) -> Option<KeyEntry> {
@@ -256,16 +363,37 @@ impl KeyDirectory {
             }
         }
         self.by_page.remove(&(e.loc.region_id, e.loc.offset));
+        if let Some(j) = &mut self.journal {
+            j.put.remove(&id);
+            j.used.remove(&id);
+            j.gone.insert(id);
+            j.changes += 1;
+        }
         Some(e)
     }
 
     /// Removes every key of the region at once; returns the removed entries.
-    pub fn drop_region(&mut self, region_id: u64) -> Vec<KeyEntry> {
+    pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, KeyEntry)> {
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
             Some(r) => r.lru.iter().map(|(_, id)| *id).collect(),
             None => return Vec::new(),
         };
-        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+        ids.into_iter()
+            .filter_map(|id| Some((id, self.remove(id)?)))
+            .collect()
+    }
+
+    /// Every key with its id (records of a whole directory).
+    pub fn iter(&self) -> impl Iterator<Item = (KeyId, &KeyEntry)> {
+        self.entries.iter().map(|(k, e)| (*k, e))
+    }
+
+    /// Notes that a recorded key was left out at recovery (its record goes).
+    pub fn note_gone(&mut self, id: u64) {
+        if let Some(j) = &mut self.journal {
+            j.gone.insert(KeyId(id));
+            j.changes += 1;
+        }
     }
 
     pub fn region_keys(&self, region_id: u64) -> usize {

@@ -35,6 +35,7 @@
 mod alloc_ops;
 mod config;
 mod core;
+mod durable;
 mod errors;
 mod evict_ops;
 pub mod fair_share;
@@ -45,6 +46,7 @@ pub mod pages;
 pub mod pins;
 pub mod ports;
 mod read_ops;
+pub mod records;
 pub mod regions;
 mod session_ops;
 pub mod sessions;
@@ -55,6 +57,8 @@ pub mod tenants;
 #[cfg(test)]
 mod core_tests;
 #[cfg(test)]
+mod durable_tests;
+#[cfg(test)]
 mod evict_tests;
 #[cfg(test)]
 mod fakes;
@@ -64,9 +68,10 @@ mod keeper_tests;
 mod tenant_tests;
 
 pub use self::config::{
-    heartbeat_ms, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
+    heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
 pub use self::core::{Action, Caller, MetaCore, Ticket};
+pub use self::durable::Recovered;
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
 pub use ports::{AgentPort, PoolSizes, PortError, RmPort};

@@ -92,6 +92,62 @@ impl PageAllocator {
         self.free.push_back(page);
         Ok(())
     }
+
+    /// Frees `page` but keeps it out of the free list until
+    /// [`put_back`](Self::put_back): its key's removal is not durable yet, and a
+    /// page handed out again before it is could be rewritten under a key a restart
+    /// brings back.
+    pub fn free_later(&mut self, page: u64) -> Result<(), PageError> {
+        self.check_free(page)?;
+        self.allocated[page as usize] = false;
+        self.used -= 1;
+        Ok(())
+    }
+
+    /// A page freed with [`free_later`](Self::free_later) may be handed out again.
+    pub fn put_back(&mut self, page: u64) {
+        if self.is_allocated(page) || page >= self.pages() || self.free.contains(&page) {
+            return;
+        }
+        self.free.push_back(page);
+    }
+
+    /// The allocated pages, in index order.
+    pub fn allocated_pages(&self) -> Vec<u64> {
+        (0..self.pages())
+            .filter(|&p| self.is_allocated(p))
+            .collect()
+    }
+
+    /// A region of `pages` pages of which `allocated` are taken (recovery); the
+    /// others are free, in index order. Pages out of range are ignored.
+    pub fn restore(pages: u64, allocated: &[u64]) -> PageAllocator {
+        let mut taken = vec![false; pages as usize];
+        for &p in allocated {
+            if let Some(t) = taken.get_mut(p as usize) {
+                *t = true;
+            }
+        }
+        let used = taken.iter().filter(|t| **t).count() as u64;
+        PageAllocator {
+            free: (0..pages).filter(|&p| !taken[p as usize]).collect(),
+            allocated: taken,
+            used,
+        }
+    }
+
+    /// Marks a free page allocated (a recovered key sits in it).
+    pub fn take(&mut self, page: u64) -> bool {
+        match self.allocated.get_mut(page as usize) {
+            Some(a) if !*a => {
+                *a = true;
+                self.used += 1;
+                self.free.retain(|&p| p != page);
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -122,6 +178,25 @@ mod tests {
         assert_eq!(p.alloc(), Some(1));
         assert_eq!(p.alloc(), Some(0));
         assert_eq!(p.alloc(), None);
+    }
+
+    #[test]
+    fn a_page_freed_later_is_handed_out_only_once_put_back() {
+        let mut p = PageAllocator::new(2);
+        let a = p.alloc().unwrap();
+        let b = p.alloc().unwrap();
+        p.free_later(a).unwrap();
+        assert_eq!(p.free_later(a), Err(PageError::NotAllocated { page: a }));
+        assert_eq!(p.alloc(), None, "not back yet");
+        p.put_back(a);
+        p.put_back(a);
+        assert_eq!(p.alloc(), Some(a));
+        assert_eq!(p.alloc(), None, "put back once");
+        let r = PageAllocator::restore(3, &[b, 9]);
+        assert_eq!(
+            (r.used(), r.free_count(), r.allocated_pages()),
+            (1, 2, vec![b])
+        );
     }
 
     #[test]

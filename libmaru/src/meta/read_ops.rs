@@ -47,7 +47,7 @@ impl MetaCore {
         for k in found {
             let grant = k.and_then(|k| {
                 let loc = self.keys.get(k)?.loc;
-                let r = self.regions.get_mut(loc.region_id)?;
+                let r = self.regions.get_mut_quiet(loc.region_id)?;
                 r.last_read_ms = now_ms;
                 let lease_id = self.leases.grant(id, k, loc.region_id, expires_ms);
                 self.keys.touch(k);

@@ -4,7 +4,7 @@
 use super::pages::PageAllocator;
 use crate::wire::meta::{Backend, DeviceRange, RegionGrant};
 use crate::wire::rm::{Handle, PoolInfo};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Holder {
@@ -87,6 +87,10 @@ fn splitmix64(x: u64) -> u64 {
 #[derive(Debug, Default)]
 pub struct RegionTable {
     regions: BTreeMap<u64, Region>,
+    /// Regions changed since the last [`take_dirty`](Self::take_dirty), when the
+    /// table is kept durable: every insert, remove and `get_mut` counts.
+    dirty: Option<BTreeSet<u64>>,
+    changes: u64,
 }
 
 impl RegionTable {
@@ -107,7 +111,36 @@ impl RegionTable {
     }
 
     pub fn insert(&mut self, region: Region) {
+        self.mark(region.handle.region_id);
         self.regions.insert(region.handle.region_id, region);
+    }
+
+    /// Records which regions change from now on.
+    pub fn keep_journal(&mut self) {
+        self.dirty.get_or_insert_with(BTreeSet::new);
+    }
+
+    fn mark(&mut self, id: u64) {
+        if let Some(d) = &mut self.dirty {
+            d.insert(id);
+            self.changes += 1;
+        }
+    }
+
+    /// Changes so far.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// Regions changed since the last call.
+    pub fn take_dirty(&mut self) -> BTreeSet<u64> {
+        self.dirty.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The region, for a change of what is not kept durable (when it was last read,
+    /// whether it is in use; pages put back).
+    pub fn get_mut_quiet(&mut self, id: u64) -> Option<&mut Region> {
+        self.regions.get_mut(&id)
     }
 
     pub fn get(&self, id: u64) -> Option<&Region> {
@@ -115,11 +148,18 @@ impl RegionTable {
     }
 
     pub fn get_mut(&mut self, id: u64) -> Option<&mut Region> {
+        if self.regions.contains_key(&id) {
+            self.mark(id);
+        }
         self.regions.get_mut(&id)
     }
 
     pub fn remove(&mut self, id: u64) -> Option<Region> {
-        self.regions.remove(&id)
+        let r = self.regions.remove(&id);
+        if r.is_some() {
+            self.mark(id);
+        }
+        r
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Region> {

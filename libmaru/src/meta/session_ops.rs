@@ -178,17 +178,22 @@ impl MetaCore {
         let mut rebooted_regions = Vec::new();
         for (&rid, boot) in boot_ids {
             let owned = owned(self, rid);
-            let Some(r) = self.regions.get_mut(rid).filter(|_| owned) else {
+            let Some(r) = self.regions.get(rid).filter(|_| owned) else {
                 unknown_regions.push(rid);
                 continue;
             };
+            if r.boot_id.as_deref() == Some(boot.as_str()) {
+                continue; // nothing new (and nothing to record)
+            }
             // Keys published before maru-server had any boot id for their region
             // cannot be vouched for (a reboot may have come first): they go too.
             let changed = match &r.boot_id {
                 Some(b) => b != boot,
                 None => self.keys.region_keys(rid) > 0,
             };
-            r.boot_id = Some(boot.clone());
+            if let Some(r) = self.regions.get_mut(rid) {
+                r.boot_id = Some(boot.clone());
+            }
             if changed {
                 let (keys, leases) = self.hide_region(rid);
                 self.note_region_use(rid, now_ms);

@@ -114,6 +114,10 @@ pub struct SessionTable {
     next_id: u64,
     max: usize,
     timeout_ms: u64,
+    /// Sessions opened or ended since the last [`take_dirty`](Self::take_dirty),
+    /// when the table is kept durable.
+    dirty: Option<std::collections::BTreeSet<u64>>,
+    changes: u64,
 }
 
 impl SessionTable {
@@ -125,7 +129,47 @@ impl SessionTable {
             next_id: 0,
             max,
             timeout_ms,
+            dirty: None,
+            changes: 0,
         }
+    }
+
+    /// Records which sessions open or end from now on.
+    pub fn keep_journal(&mut self) {
+        self.dirty.get_or_insert_with(Default::default);
+    }
+
+    fn mark(&mut self, id: u64) {
+        if let Some(d) = &mut self.dirty {
+            d.insert(id);
+            self.changes += 1;
+        }
+    }
+
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// Sessions opened or ended since the last call.
+    pub fn take_dirty(&mut self) -> std::collections::BTreeSet<u64> {
+        self.dirty.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Later sessions get ids from `next` on (recovery).
+    pub fn restore_next(&mut self, next: u64) {
+        self.next_id = self.next_id.max(next.saturating_sub(1));
+    }
+
+    /// The id the next session gets.
+    pub fn next_id(&self) -> u64 {
+        self.next_id + 1
+    }
+
+    /// Puts a recorded session back (recovery): it is not connected, and its time
+    /// runs from `now_ms`. Later sessions get ids after `next` and after it.
+    pub fn restore(&mut self, s: Session, next: u64) {
+        self.next_id = self.next_id.max(s.id).max(next.saturating_sub(1));
+        self.sessions.insert(s.id, s);
     }
 
     pub fn len(&self) -> usize {
@@ -175,6 +219,7 @@ impl SessionTable {
                 misses: 0,
             },
         );
+        self.mark(id);
         id
     }
 
@@ -214,6 +259,7 @@ impl SessionTable {
     /// Removes the session and remembers why it ended.
     pub fn end(&mut self, id: u64, reason: EndReason) -> Option<Session> {
         let s = self.sessions.remove(&id)?;
+        self.mark(id);
         self.ended.push_back(id);
         self.ended_reason.insert(id, reason);
         while self.ended.len() > ENDED_RECORDS {

@@ -149,12 +149,48 @@ pub struct Client {
     reply_spin: Duration,
     /// Read buffer, allocated once (not zeroed on the stack for every reply).
     rbuf: Box<[u8]>,
+    /// When the exchange in progress (a handshake, a call) must be over, and how long
+    /// it was given (for the error): every read and write waits at most until then,
+    /// so a peer that sends a byte now and then holds a call no longer than its limit.
+    until: Instant,
+    limit: Duration,
+    /// The socket's read and write timeouts as set now (set again only when the time
+    /// left moves away from them: a reply read at once costs no system call).
+    read_timeout: Duration,
+    write_timeout: Duration,
 }
 
+/// How far the time left of an exchange may move from a socket's timeout before the
+/// timeout is set again (a call's wait may end up to this much early, never late).
+const TIMEOUT_SLACK: Duration = Duration::from_millis(20);
+
 impl Client {
-    /// Connects to `addr` (`host:port`) and runs the handshake.
+    /// Connects to `addr` (`host:port`) and runs the handshake (the connect within
+    /// `opts.connect_timeout`, each step of the handshake within `opts.call_timeout`).
     pub fn connect(addr: &str, opts: &ClientOptions) -> Result<Client, ClientError> {
+        Client::open(addr, opts, None)
+    }
+
+    /// As [`Client::connect`], the connect and the whole handshake within `limit`
+    /// (and the connect within `opts.connect_timeout`): a peer that accepts the
+    /// connection and never answers (a stopped process, a half-open path) costs at
+    /// most `limit`.
+    pub fn connect_within(
+        addr: &str,
+        opts: &ClientOptions,
+        limit: Duration,
+    ) -> Result<Client, ClientError> {
+        Client::open(addr, opts, Some(limit))
+    }
+
+    fn open(
+        addr: &str,
+        opts: &ClientOptions,
+        limit: Option<Duration>,
+    ) -> Result<Client, ClientError> {
         let peer = addr.to_string();
+        let start = Instant::now();
+        let until = limit.map(|l| start + l);
         let io_err = |err| ClientError::Io {
             peer: peer.clone(),
             err,
@@ -163,7 +199,18 @@ impl Client {
         let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
         let mut stream = None;
         for a in addrs {
-            match TcpStream::connect_timeout(&a, opts.connect_timeout) {
+            let wait = match until {
+                Some(u) => u.saturating_duration_since(Instant::now()),
+                None => opts.connect_timeout,
+            }
+            .min(opts.connect_timeout);
+            if wait.is_zero() {
+                return Err(ClientError::Timeout {
+                    peer,
+                    after: limit.unwrap_or(opts.connect_timeout),
+                });
+            }
+            match TcpStream::connect_timeout(&a, wait) {
                 Ok(s) => {
                     stream = Some(s);
                     break;
@@ -196,12 +243,68 @@ impl Client {
             call_timeout: opts.call_timeout,
             reply_spin: opts.reply_spin,
             rbuf: vec![0u8; 64 * 1024].into_boxed_slice(),
+            until: Instant::now() + opts.call_timeout,
+            limit: opts.call_timeout,
+            read_timeout: opts.call_timeout,
+            write_timeout: opts.call_timeout,
         };
-        c.handshake(opts)?;
+        c.handshake(opts, until.map(|u| (u, limit.unwrap_or_default())))?;
         Ok(c)
     }
 
-    fn handshake(&mut self, opts: &ClientOptions) -> Result<(), ClientError> {
+    /// Starts an exchange that must be over within `limit`.
+    fn begin(&mut self, limit: Duration) {
+        self.until = Instant::now() + limit;
+        self.limit = limit;
+    }
+
+    /// The time left of the exchange, with the socket's timeout of that direction
+    /// brought to it (`reads`: the read timeout, else the write timeout); a timeout
+    /// error once none is left.
+    fn bound(&mut self, reads: bool) -> Result<(), ClientError> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ClientError::Timeout {
+                peer: self.peer.clone(),
+                after: self.limit,
+            });
+        }
+        let set = if reads {
+            &mut self.read_timeout
+        } else {
+            &mut self.write_timeout
+        };
+        if left + TIMEOUT_SLACK < *set || left > *set + TIMEOUT_SLACK {
+            let r = if reads {
+                self.stream.set_read_timeout(Some(left))
+            } else {
+                self.stream.set_write_timeout(Some(left))
+            };
+            r.map_err(|err| ClientError::Io {
+                peer: self.peer.clone(),
+                err,
+            })?;
+            *set = left;
+        }
+        Ok(())
+    }
+
+    /// The hello, the welcome and (with a key) the two proofs; each read and write
+    /// within `opts.call_timeout`, and all of it by `until` when given (with the limit
+    /// it came from, for the error).
+    fn handshake(
+        &mut self,
+        opts: &ClientOptions,
+        until: Option<(Instant, Duration)>,
+    ) -> Result<(), ClientError> {
+        let step = |c: &mut Client| match until {
+            Some((u, l)) => {
+                c.until = u;
+                c.limit = l;
+            }
+            None => c.begin(opts.call_timeout),
+        };
+        step(self);
         let nonce = fresh_nonce().map_err(|err| ClientError::Io {
             peer: self.peer.clone(),
             err,
@@ -215,6 +318,7 @@ impl Client {
             key_id: opts.key.as_ref().map(SharedKey::id),
         };
         self.send(FrameKind::Handshake, &encode_json(&hello))?;
+        step(self);
         let welcome: Welcome = self.read_handshake("welcome")?;
         let peer = self.peer.clone();
         let auth = |message: String| ClientError::Auth {
@@ -242,7 +346,9 @@ impl Client {
                 let answer = cp
                     .answer(key, &welcome.nonce, &sp)
                     .map_err(|e| auth(e.to_string()))?;
+                step(self);
                 self.send(FrameKind::Handshake, &encode_json(&Proof { proof: answer }))?;
+                step(self);
                 let r: AuthResult = self.read_handshake("auth result")?;
                 if !r.ok {
                     return Err(auth("the server rejected our proof".into()));
@@ -325,9 +431,27 @@ impl Client {
 
     fn send(&mut self, kind: FrameKind, body: &[u8]) -> Result<(), ClientError> {
         let bytes = frame::encode(kind, body);
-        self.stream
-            .write_all(&bytes)
-            .map_err(|err| self.io_error(err))
+        self.write_until(&bytes)
+    }
+
+    /// Writes all of `bytes` by the end of the exchange in progress (a peer that
+    /// stopped reading fills the socket's buffer, and each write then waits).
+    fn write_until(&mut self, mut bytes: &[u8]) -> Result<(), ClientError> {
+        while !bytes.is_empty() {
+            self.bound(false)?;
+            match self.stream.write(bytes) {
+                Ok(0) => {
+                    return Err(self.io_error(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "the connection took no more bytes",
+                    )))
+                }
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(e)),
+            }
+        }
+        Ok(())
     }
 
     fn io_error(&self, err: io::Error) -> ClientError {
@@ -337,7 +461,7 @@ impl Client {
         ) {
             ClientError::Timeout {
                 peer: self.peer.clone(),
-                after: self.call_timeout,
+                after: self.limit,
             }
         } else {
             ClientError::Io {
@@ -370,6 +494,7 @@ impl Client {
                     Err(e) => Err(e),
                 }
             } else {
+                self.bound(true)?;
                 self.stream.read(&mut self.rbuf)
             };
             match got {
@@ -389,11 +514,21 @@ impl Client {
         }
     }
 
-    /// Sends one request and waits for its reply.
+    /// Sends one request and waits for its reply, all of it within the call timeout.
     pub fn call<Req: Serialize, Rep: DeserializeOwned>(
         &mut self,
         req: &Req,
     ) -> Result<Rep, ClientError> {
+        self.call_within(req, self.call_timeout)
+    }
+
+    /// As [`Client::call`], the request sent and its reply read within `limit`.
+    pub fn call_within<Req: Serialize, Rep: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+        limit: Duration,
+    ) -> Result<Rep, ClientError> {
+        self.begin(limit);
         let id = self.next_id;
         self.next_id += 1;
         self.send(
@@ -431,20 +566,23 @@ impl Client {
         }
     }
 
-    /// Ends framing: the socket and any bytes already read past the handshake.
+    /// Ends framing: the socket (its read and write timeouts the call timeout again)
+    /// and any bytes already read past the handshake.
     pub fn into_parts(self) -> (TcpStream, Vec<u8>) {
+        let _ = self.stream.set_read_timeout(Some(self.call_timeout));
+        let _ = self.stream.set_write_timeout(Some(self.call_timeout));
         (self.stream, self.decoder.into_rest())
     }
 
     /// Sends raw bytes (tests use it to send garbage).
     pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
-        self.stream
-            .write_all(bytes)
-            .map_err(|err| self.io_error(err))
+        self.begin(self.call_timeout);
+        self.write_until(bytes)
     }
 
     /// Reads the next frame whatever its kind (tests).
     pub fn recv_frame(&mut self) -> Result<Frame, ClientError> {
+        self.begin(self.call_timeout);
         self.read_frame()
     }
 }
@@ -489,6 +627,70 @@ mod tests {
         // The loop runs until the test process ends.
         std::thread::spawn(move || server.run(&mut SlowEcho));
         addr
+    }
+
+    /// A peer that accepts connections and does what `serve` does with each.
+    fn raw_peer(serve: fn(std::net::TcpStream)) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind on loopback");
+        let addr = l.local_addr().expect("addr").to_string();
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                std::thread::spawn(move || serve(s));
+            }
+        });
+        addr
+    }
+
+    /// A stopped process, or a half-open path: the connection is accepted (by the
+    /// kernel) and nothing ever answers. `connect_within` gives up at its limit, not
+    /// after the call timeout of each handshake step.
+    #[test]
+    fn a_peer_that_accepts_and_never_answers_costs_a_connect_its_limit() {
+        let addr = raw_peer(|s| {
+            std::thread::sleep(Duration::from_secs(30));
+            drop(s);
+        });
+        let mut opts = ClientOptions::new("slow-echo", "t");
+        opts.call_timeout = Duration::from_secs(10);
+        let t = Instant::now();
+        let r = Client::connect_within(&addr, &opts, Duration::from_millis(300));
+        let took = t.elapsed();
+        assert!(
+            matches!(r, Err(ClientError::Timeout { .. })),
+            "{:?}",
+            r.err()
+        );
+        assert!(
+            took >= Duration::from_millis(290) && took < Duration::from_millis(1500),
+            "{took:?}"
+        );
+    }
+
+    /// A peer that sends its welcome one byte every 50 ms: each read gets a byte well
+    /// within any socket timeout, and the exchange still ends at its limit.
+    #[test]
+    fn a_trickling_peer_holds_an_exchange_no_longer_than_its_limit() {
+        let addr = raw_peer(|mut s| {
+            let mut hdr = frame::encode(FrameKind::Handshake, &[b' '; 4096]);
+            hdr.truncate(64);
+            for b in hdr {
+                if s.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let mut opts = ClientOptions::new("slow-echo", "t");
+        opts.call_timeout = Duration::from_secs(10);
+        let t = Instant::now();
+        let r = Client::connect_within(&addr, &opts, Duration::from_millis(400));
+        let took = t.elapsed();
+        assert!(
+            matches!(r, Err(ClientError::Timeout { .. })),
+            "{:?}",
+            r.err()
+        );
+        assert!(took < Duration::from_millis(1500), "{took:?}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use super::{Client, ClientError, ClientOptions};
 use crate::wire::WireError;
 use serde::{de::DeserializeOwned, Serialize};
 use std::fmt;
+use std::time::{Duration, Instant};
 
 /// Why a call on a link failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,7 +16,9 @@ pub enum LinkError {
     Remote(WireError),
     /// The daemon could not be reached, or the call's outcome is unknown.
     Unreachable(String),
-    /// The daemon reached, but refused to talk (key proof, version) or broke the protocol.
+    /// The daemon reached, but a key proof failed (ours or its own).
+    Auth(String),
+    /// The daemon reached, but refused to talk (version) or broke the protocol.
     Rejected(String),
 }
 
@@ -23,7 +26,9 @@ impl fmt::Display for LinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LinkError::Remote(e) => write!(f, "{e}"),
-            LinkError::Unreachable(m) | LinkError::Rejected(m) => f.write_str(m),
+            LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
+                f.write_str(m)
+            }
         }
     }
 }
@@ -63,6 +68,15 @@ impl Link {
 
     /// The live connection (connecting if needed).
     pub fn client(&mut self) -> Result<&mut Client, LinkError> {
+        self.connect(None)
+    }
+
+    /// As [`Link::client`], a connection made now (and its handshake) within `limit`.
+    pub fn client_within(&mut self, limit: Duration) -> Result<&mut Client, LinkError> {
+        self.connect(Some(limit))
+    }
+
+    fn connect(&mut self, limit: Option<Duration>) -> Result<&mut Client, LinkError> {
         // A daemon closes connections idle past its timeout: notice that before a
         // call is lost on it, and connect afresh.
         if self.client.as_ref().is_some_and(Client::is_stale) {
@@ -70,10 +84,15 @@ impl Link {
         }
         if self.client.is_none() {
             let what = self.opts.service;
-            let c = Client::connect(&self.addr, &self.opts).map_err(|e| match e {
-                ClientError::Auth { .. }
-                | ClientError::Protocol { .. }
-                | ClientError::Remote(_) => {
+            let c = match limit {
+                Some(l) => Client::connect_within(&self.addr, &self.opts, l),
+                None => Client::connect(&self.addr, &self.opts),
+            };
+            let c = c.map_err(|e| match e {
+                ClientError::Auth { .. } => {
+                    LinkError::Auth(format!("{what} at {}: {e}", self.addr))
+                }
+                ClientError::Protocol { .. } | ClientError::Remote(_) => {
                     LinkError::Rejected(format!("{what} at {}: {e}", self.addr))
                 }
                 _ => LinkError::Unreachable(format!("{what} at {}: {e}", self.addr)),
@@ -90,7 +109,7 @@ impl Link {
     }
 
     /// How long calls poll for their reply before they block (see `ClientOptions`).
-    pub fn set_reply_spin(&mut self, spin: std::time::Duration) {
+    pub fn set_reply_spin(&mut self, spin: Duration) {
         self.opts.reply_spin = spin;
         if let Some(c) = &mut self.client {
             c.set_reply_spin(spin);
@@ -108,6 +127,15 @@ impl Link {
         self.client = None;
     }
 
+    /// Drops a connection the daemon closed while it sat idle (see
+    /// [`Client::is_stale`]); whether a connection is open now.
+    pub fn refresh(&mut self) -> bool {
+        if self.client.as_ref().is_some_and(Client::is_stale) {
+            self.client = None;
+        }
+        self.client.is_some()
+    }
+
     /// Whether a connection is open now.
     pub fn is_connected(&self) -> bool {
         self.client.is_some()
@@ -117,10 +145,34 @@ impl Link {
         &mut self,
         req: &Req,
     ) -> Result<Rep, LinkError> {
+        self.call_inner(req, None)
+    }
+
+    /// As [`Link::call`], with the connect (if one is needed), its handshake, the
+    /// request and its reply all within `limit`.
+    pub fn call_within<Req: Serialize, Rep: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+        limit: Duration,
+    ) -> Result<Rep, LinkError> {
+        self.call_inner(req, Some(limit))
+    }
+
+    #[allow(clippy::disallowed_methods)] // a driver: the limit starts now
+    fn call_inner<Req: Serialize, Rep: DeserializeOwned>(
+        &mut self,
+        req: &Req,
+        limit: Option<Duration>,
+    ) -> Result<Rep, LinkError> {
         let addr = self.addr.clone();
         let what = self.opts.service;
-        let c = self.client()?;
-        match c.call::<Req, Rep>(req) {
+        let until = limit.map(|l| Instant::now() + l);
+        let c = self.connect(limit)?;
+        let r = match until {
+            Some(u) => c.call_within::<Req, Rep>(req, u.saturating_duration_since(Instant::now())),
+            None => c.call::<Req, Rep>(req),
+        };
+        match r {
             Ok(r) => Ok(r),
             Err(ClientError::Remote(e)) => Err(LinkError::Remote(e)),
             Err(e) => {

@@ -327,7 +327,7 @@ impl ResourceManager {
                 pools: (0..self.pools.len()).map(|i| self.pool_info(i)).collect(),
             })),
             RmRequest::Regions { owner } => Ok(unchanged(RmReply::Regions {
-                regions: self.region_infos(owner.as_deref()),
+                regions: self.region_infos(owner.as_deref(), client_id),
             })),
             RmRequest::Holds { node } => Ok(unchanged(RmReply::Holds {
                 holds: self.holds.list(node.as_deref()),
@@ -716,11 +716,22 @@ impl ResourceManager {
         }
     }
 
-    fn region_infos(&self, owner: Option<&str>) -> Vec<RegionInfo> {
+    /// Regions (of `owner`, or all). An owner asking for its own regions also gets
+    /// their tokens: a restarted owner (maru-server) frees a region its records lost.
+    fn region_infos(&self, owner: Option<&str>, asker: &str) -> Vec<RegionInfo> {
         self.regions
             .values()
             .filter(|r| owner.is_none() || owner == Some(r.rec.owner.as_str()))
             .map(|r| RegionInfo {
+                token: (owner == Some(asker) && !r.rec.draining).then(|| {
+                    region_token(
+                        &self.secret,
+                        r.rec.region_id,
+                        r.rec.offset,
+                        r.rec.length,
+                        r.rec.nonce,
+                    )
+                }),
                 region_id: r.rec.region_id,
                 owner: r.rec.owner.clone(),
                 pool_id: r.pool.map_or(ABSENT_POOL, |i| i as u32),

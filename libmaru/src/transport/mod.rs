@@ -161,8 +161,36 @@ pub trait Transport: Send + Sync {
         bringup: &mut Bringup<'_>,
     ) -> Result<PeerId, TransportError>;
 
+    /// As [`Transport::connect`], waiting at most `limit` for the peer (its data
+    /// connections and their handshakes). `bringup` bounds its own round trips (the
+    /// caller's control connection). By default `connect`, for transports whose
+    /// connect waits on nothing but `bringup`.
+    fn connect_within(
+        &self,
+        meta: &serde_json::Value,
+        bringup: &mut Bringup<'_>,
+        limit: Duration,
+    ) -> Result<PeerId, TransportError> {
+        let _ = limit;
+        self.connect(meta, bringup)
+    }
+
     /// Posts a batch to one peer. Operations complete in order.
     fn post(&self, peer: PeerId, ops: &[Op]) -> Result<BatchId, TransportError>;
+
+    /// As [`Transport::post`], waiting at most `limit` to hand the batch over (a
+    /// soft NIC writes the requests and WRITE payloads on the caller's thread, and a
+    /// peer that stopped reading fills the socket). By default `post`, for transports
+    /// whose post does not wait on the peer.
+    fn post_within(
+        &self,
+        peer: PeerId,
+        ops: &[Op],
+        limit: Duration,
+    ) -> Result<BatchId, TransportError> {
+        let _ = limit;
+        self.post(peer, ops)
+    }
 
     /// The batch's state now (no waiting).
     fn state(&self, batch: BatchId) -> BatchState;
@@ -178,12 +206,21 @@ pub trait Transport: Send + Sync {
     /// more, and its pending batches are failed. The peer must be connected again
     /// before further use.
     ///
-    /// The worker reuses slots and pages only on `Ok` (`worker::transfer::Isolation`),
+    /// The worker reuses slots and pages only on `Ok` (`worker::movers::remote::isolation`),
     /// so: a fence that cannot prove quiet returns an error and may be called again
     /// for the same peer later (keep the peer until then); a fence of a peer already
     /// fenced returns `Ok` again (two pools may share a peer); `NoPeer` is for ids
     /// this transport never issued, and proves nothing.
     fn fence(&self, peer: PeerId) -> Result<(), TransportError>;
+
+    /// As [`Transport::fence`], waiting at most `wait` for the proof (a fence that
+    /// runs out of it fails, proves nothing, and may be made again later). By default
+    /// `fence`, for transports whose fence waits on nothing the peer does (verbs: the
+    /// local NIC flushes the queue pair).
+    fn fence_within(&self, peer: PeerId, wait: Duration) -> Result<(), TransportError> {
+        let _ = wait;
+        self.fence(peer)
+    }
 }
 
 /// Carries a transport's connection data to the target and returns the answer.

@@ -419,6 +419,14 @@ pub struct TotalStats {
     /// Requests waiting for the RM to allocate a region now.
     #[serde(default)]
     pub waiting_for_rm: u64,
+    /// What the last start recovered from the durable directory (`--state-dir`):
+    /// keys, regions, and how long it took (0 for a server in memory).
+    #[serde(default)]
+    pub recovered_keys: u64,
+    #[serde(default)]
+    pub recovered_regions: u64,
+    #[serde(default)]
+    pub recovery_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

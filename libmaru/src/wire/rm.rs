@@ -150,6 +150,10 @@ pub struct RegionInfo {
     /// `allocated` or `draining`.
     pub state: String,
     pub holds: Vec<HoldInfo>,
+    /// The region's handle token, only in the answer to its owner asking for its own
+    /// regions (a restarted maru-server gives back a region its directory lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

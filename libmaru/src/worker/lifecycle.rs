@@ -221,6 +221,16 @@ impl Lifecycle {
         }
     }
 
+    /// The boot id an own region's bytes belong to (None: not an own region).
+    pub fn boot_of(&self, region: u64) -> Option<&str> {
+        self.regions.get(&region).map(|r| r.boot.as_str())
+    }
+
+    /// Whether a reboot was found that maru-server has not been told yet.
+    pub fn rebooted_unreported(&self) -> bool {
+        self.regions.values().any(|r| r.rebooted)
+    }
+
     /// The boot ids to send with a heartbeat.
     pub fn boot_ids(&self) -> BTreeMap<u64, String> {
         self.regions
@@ -310,9 +320,12 @@ impl Lifecycle {
 /// What becomes of the session a pool lost, once the pool has a new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostSession {
-    /// The new session comes from another run of maru-server: the keeper that would
-    /// have taken the old session's regions over is gone with the old run, so the
-    /// worker releases them at their agents itself.
+    /// The new session comes from another instance of maru-server (one that started
+    /// without the old one's directory: in memory, or a new state directory): the
+    /// keeper that would have taken the old session's regions over is gone with it,
+    /// so the worker releases them at their agents itself. A maru-server that kept
+    /// its directory is the same instance across restarts (and the worker usually
+    /// goes on with its old session: `reopen_pool`).
     ReleaseAtAgents,
     /// The same run (the session expired, or maru-server was out of reach): its
     /// region keeper takes the regions over; the worker lets them go.

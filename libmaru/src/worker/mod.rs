@@ -9,10 +9,9 @@
 //! - the transport (`crate::transport`).
 //!
 //! Beside them: `lifecycle`, the sans-I/O core of the own regions' lifecycle (boot
-//! ids, restarts, silent agents); `transfer` (posted batches and the isolation of
-//! slots whose transfer outcome is unknown); `windows` (the schedule of a request's
-//! windows and the data path's in-flight budget); `staging`, `slots`, `views`,
-//! `router`, `ops`, `op_stats` (per-call figures), `hook`, `prefault`. `clock` is the one place that reads the time.
+//! ids, restarts, silent agents), which the pool core (`pool::core`) holds for
+//! `remote_cxl`; `staging`, `slots`, `views`, `router`, `ops`, `op_stats` (per-call
+//! figures), `hook`, `prefault`. `clock` is the one place that reads the time.
 
 pub mod agents;
 pub(crate) mod clock;
@@ -29,19 +28,16 @@ pub(crate) mod prefault;
 pub(crate) mod router;
 pub(crate) mod slots;
 pub(crate) mod staging;
-pub(crate) mod transfer;
 pub(crate) mod views;
-pub(crate) mod windows;
 
 pub use pool::session;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
-pub use error::WorkerError;
+pub use error::{Peer, WorkerError};
 pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo};
 pub use hook::{set_memory_hook, MemoryHook};
 pub use ops::{OpHandle, OpOutput};
 pub use router::{parse_server_urls, PoolRouter};
 pub use slots::SlotInfo;
 pub use staging::{Slot, SlotPool, StagingLayout, StagingSlots};
-pub use transfer::{execute, Isolation, PeerBatch, PeerOutcome};
 pub use views::ViewInfo;

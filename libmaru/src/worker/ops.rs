@@ -104,7 +104,10 @@ impl Executor {
                         }
                     })
                     .map_err(|e| {
-                        WorkerError::Unavailable(format!("cannot start an executor thread: {e}"))
+                        WorkerError::unavailable(
+                            crate::worker::error::Peer::Host,
+                            format!("cannot start an executor thread: {e}"),
+                        )
                     })?;
                 hs.push(h);
             }

@@ -4,7 +4,7 @@
 //!
 //! A [`Slot`] is owned: it goes back to its pool when dropped, so it returns exactly
 //! once by construction. A transfer whose outcome is unknown keeps its slots by keeping
-//! the `Slot` values (see `transfer.rs`), not by bookkeeping on the side.
+//! the `Slot` values (see `movers/remote/isolation.rs`), not by bookkeeping on the side.
 
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};

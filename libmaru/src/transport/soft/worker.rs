@@ -31,7 +31,7 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 struct InFlight {
     seq: u64,
@@ -53,6 +53,11 @@ impl Shared {
 
 /// How long a fence waits for the target to confirm it applies nothing more.
 pub const FENCE_WAIT: Duration = Duration::from_secs(1);
+/// How long `post` may take to write a batch (`post_within` takes its own limit).
+const POST_WAIT: Duration = Duration::from_secs(10);
+/// How long `connect` gives a peer's handshakes and bindings beyond the TCP connect
+/// (`connect_within` takes its own limit).
+const CONNECT_HANDSHAKE: Duration = Duration::from_secs(10);
 /// Fenced peer ids remembered (a fence of one of them succeeds again at once).
 const FENCED_MEMORY: usize = 4096;
 
@@ -75,7 +80,13 @@ impl Lanes {
 /// One lane of a peer: a data connection and its reader.
 struct Peer {
     addr: String,
+    /// Held by one poster while it writes a batch (bounded: see `post_within`).
     writer: Mutex<TcpStream>,
+    /// The writer's write timeout as set now, in µs.
+    write_timeout_us: AtomicU64,
+    /// The same socket, to shut it down without the writer's lock (a poster may sit
+    /// in a write to a peer that stopped reading: the shutdown ends that write).
+    ctl: TcpStream,
     inflight: Mutex<VecDeque<InFlight>>,
     reader: Mutex<Option<JoinHandle<()>>>,
     dead: AtomicBool,
@@ -137,7 +148,7 @@ impl SoftTransport {
     /// queue. `post` returns only after the delay; a test posts from another thread to
     /// let the owner give its region back while the WRITE is still on its way.
     /// `Duration::ZERO` turns it off. Never set by the library itself.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn inject_write_delay(&self, delay: Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
         self.write_delay_us.store(us, Ordering::SeqCst);
@@ -147,7 +158,7 @@ impl SoftTransport {
     /// header, then waits `stall` on the posting thread before its payload, as a WRITE
     /// whose data is slow to arrive (the NIC has started it). `Duration::ZERO` turns
     /// it off. Never set by the library itself.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn inject_payload_stall(&self, stall: Duration) {
         let us = u64::try_from(stall.as_micros()).unwrap_or(u64::MAX);
         self.payload_stall_us.store(us, Ordering::SeqCst);
@@ -352,26 +363,45 @@ fn read_completions(
 }
 
 impl SoftTransport {
-    /// A data connection to `addr`, bound to `bind`, with its reader.
+    /// A data connection to `addr`, bound to `bind`, with its reader; the connect, the
+    /// handshake and the binding by `until`.
     fn open_lane(
         &self,
         addr: &str,
         bind: u128,
         local: &LocalBuffer,
+        until: Instant,
     ) -> Result<Arc<Peer>, TransportError> {
         let mut opts = ClientOptions::new(proto::SERVICE, self.client_id.clone());
         opts.key = self.key.clone();
         opts.connect_timeout = self.connect_timeout;
-        let client = Client::connect(addr, &opts)
+        let left = || until.saturating_duration_since(Instant::now());
+        let client = Client::connect_within(addr, &opts, left())
             .map_err(|e| TransportError::Setup(format!("soft NIC at {addr}: {e}")))?;
         let (mut stream, mut head) = client.into_parts();
         let setup = |e: io::Error| TransportError::Setup(format!("soft NIC at {addr}: {e}"));
+        let bind_wait = left();
+        if bind_wait.is_zero() {
+            return Err(TransportError::Setup(format!(
+                "soft NIC at {addr}: no time left to bind the connection"
+            )));
+        }
+        stream.set_read_timeout(Some(bind_wait)).map_err(setup)?;
+        stream.set_write_timeout(Some(bind_wait)).map_err(setup)?;
         send_bind(&mut stream, &mut head, bind).map_err(setup)?;
+        // WRITE payloads go out on the posting thread: a peer that stops reading
+        // fails them after the usual call timeout, as before.
+        stream
+            .set_write_timeout(Some(opts.call_timeout))
+            .map_err(setup)?;
         stream.set_read_timeout(None).map_err(setup)?;
         let reader_stream = stream.try_clone().map_err(setup)?;
+        let ctl = stream.try_clone().map_err(setup)?;
         let peer = Arc::new(Peer {
             addr: addr.to_string(),
             writer: Mutex::new(stream),
+            write_timeout_us: AtomicU64::new(micros(opts.call_timeout)),
+            ctl,
             inflight: Mutex::new(VecDeque::new()),
             reader: Mutex::new(None),
             dead: AtomicBool::new(false),
@@ -393,9 +423,7 @@ impl Peer {
     /// Stops the lane for good: no more sends, the reader joined.
     fn close(&self) {
         self.dead.store(true, Ordering::SeqCst);
-        if let Ok(w) = self.writer.lock() {
-            let _ = w.shutdown(Shutdown::Both);
-        }
+        let _ = self.ctl.shutdown(Shutdown::Both);
         if let Some(h) = self.reader.lock().ok().and_then(|mut h| h.take()) {
             let _ = h.join();
         }
@@ -405,18 +433,15 @@ impl Peer {
     /// the target's to finish.
     fn stop_sending(&self) {
         self.dead.store(true, Ordering::SeqCst);
-        if let Ok(w) = self.writer.lock() {
-            let _ = w.shutdown(Shutdown::Write);
-        }
+        let _ = self.ctl.shutdown(Shutdown::Write);
     }
 
     /// The second half (see the module documentation): false when the target did not
-    /// close its end within [`FENCE_WAIT`] (the reader is kept, to wait again next
-    /// time).
-    fn wait_quiet(&self) -> bool {
+    /// close its end by `until` (the reader is kept, to wait again next time).
+    fn wait_quiet(&self, until: Instant) -> bool {
         let handle = self.reader.lock().ok().and_then(|mut h| h.take());
         if let Some(h) = handle {
-            if !wait_finished(&h, FENCE_WAIT) {
+            if !wait_finished(&h, until) {
                 if let Ok(mut r) = self.reader.lock() {
                     *r = Some(h);
                 }
@@ -425,9 +450,7 @@ impl Peer {
             // After the join, the reader wrote its last byte into the staging buffer.
             let _ = h.join();
         }
-        if let Ok(w) = self.writer.lock() {
-            let _ = w.shutdown(Shutdown::Both);
-        }
+        let _ = self.ctl.shutdown(Shutdown::Both);
         true
     }
 }
@@ -446,8 +469,20 @@ impl Transport for SoftTransport {
     fn connect(
         &self,
         meta: &serde_json::Value,
-        _bringup: &mut Bringup<'_>,
+        bringup: &mut Bringup<'_>,
     ) -> Result<PeerId, TransportError> {
+        self.connect_within(meta, bringup, self.connect_timeout + CONNECT_HANDSHAKE)
+    }
+
+    /// Opens the lanes one after the other, all of them by `limit` from now.
+    #[allow(clippy::disallowed_methods)] // a driver: the limit starts now
+    fn connect_within(
+        &self,
+        meta: &serde_json::Value,
+        _bringup: &mut Bringup<'_>,
+        limit: Duration,
+    ) -> Result<PeerId, TransportError> {
+        let until = Instant::now() + limit;
         let addr = peer_addr(meta)?;
         let bind = peer_bind(meta)?;
         let local = self.local()?;
@@ -465,7 +500,7 @@ impl Transport for SoftTransport {
         }
         let mut lanes = Vec::with_capacity(self.lanes);
         for _ in 0..self.lanes {
-            match self.open_lane(&addr, bind, &local) {
+            match self.open_lane(&addr, bind, &local, until) {
                 Ok(l) => lanes.push(l),
                 Err(e) => {
                     // Lanes opened already are closed: nothing was posted on them.
@@ -493,6 +528,22 @@ impl Transport for SoftTransport {
     }
 
     fn post(&self, peer_id: PeerId, ops: &[Op]) -> Result<BatchId, TransportError> {
+        self.post_within(peer_id, ops, POST_WAIT)
+    }
+
+    /// The batch written by `limit` from now: the lane's writer taken (another poster
+    /// may have it) and every request and WRITE payload written (a peer that stopped
+    /// reading fills the socket) within it. A writer not free in time posts nothing
+    /// (the lane is stuck: `PeerLost`); a write that runs out of time shuts the lane
+    /// down, as any failed write does.
+    #[allow(clippy::disallowed_methods)] // a driver: the limit starts now
+    fn post_within(
+        &self,
+        peer_id: PeerId,
+        ops: &[Op],
+        limit: Duration,
+    ) -> Result<BatchId, TransportError> {
+        let until = Instant::now() + limit;
         let local = self.local()?;
         for op in ops {
             local.check(op.local_offset, op.len)?;
@@ -504,12 +555,22 @@ impl Transport for SoftTransport {
             }
         }
         let peer = self.peer(peer_id)?;
+        let Some(w) = lock_until(&peer.writer, until) else {
+            return Err(TransportError::PeerLost {
+                peer: peer.addr.clone(),
+                message: format!(
+                    "its lane was still taken by another batch after {} ms (the peer does not read)",
+                    limit.as_millis()
+                ),
+            });
+        };
         let batch = BatchId(self.next_batch.fetch_add(1, Ordering::Relaxed));
         self.shared.batches.insert(batch, ops.len());
-        let mut w = peer
-            .writer
-            .lock()
-            .map_err(|_| TransportError::NoPeer(peer_id))?;
+        let mut w = Until {
+            s: &w,
+            until,
+            timeout_us: &peer.write_timeout_us,
+        };
         for (i, op) in ops.iter().enumerate() {
             let seq = peer.next_seq.fetch_add(1, Ordering::Relaxed);
             let req = Request {
@@ -564,7 +625,7 @@ impl Transport for SoftTransport {
                         w.write_all(src)
                     })
                 } else {
-                    super::target::write_two(&mut *w, &req.encode(), src)
+                    super::target::write_two(&mut w, &req.encode(), src)
                 }
             } else {
                 w.write_all(&req.encode())
@@ -572,7 +633,7 @@ impl Transport for SoftTransport {
             if let Err(e) = res {
                 // The reader fails everything in flight once the socket is shut down;
                 // operations not yet written are failed here.
-                let _ = w.shutdown(Shutdown::Both);
+                let _ = peer.ctl.shutdown(Shutdown::Both);
                 for _ in i + 1..ops.len() {
                     self.shared.complete(
                         batch,
@@ -601,6 +662,14 @@ impl Transport for SoftTransport {
     }
 
     fn fence(&self, peer_id: PeerId) -> Result<(), TransportError> {
+        self.fence_within(peer_id, FENCE_WAIT)
+    }
+
+    /// Every lane stops sending at once and their targets drain side by side: the
+    /// fence waits `wait` in all, not per lane.
+    #[allow(clippy::disallowed_methods)] // a driver: the wait starts now
+    fn fence_within(&self, peer_id: PeerId, wait: Duration) -> Result<(), TransportError> {
+        let until = Instant::now() + wait;
         let peer = {
             let peers = self
                 .peers
@@ -620,7 +689,18 @@ impl Transport for SoftTransport {
                 Err(TransportError::NoPeer(peer_id))
             };
         };
-        let mut done = peer.fence.lock().unwrap_or_else(|p| p.into_inner());
+        // A second fence of the peer while one runs proves nothing now: it fails at
+        // once, and is made again later (when the first may have succeeded).
+        let mut done = match peer.fence.try_lock() {
+            Ok(d) => d,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                return Err(TransportError::PeerLost {
+                    peer: peer.addr.clone(),
+                    message: "fence: another fence of this peer is under way".into(),
+                })
+            }
+        };
         if *done {
             return Ok(());
         }
@@ -632,14 +712,14 @@ impl Transport for SoftTransport {
         let quiet = peer
             .lanes
             .iter()
-            .map(|l| l.wait_quiet())
+            .map(|l| l.wait_quiet(until))
             .fold(true, |a, b| a & b);
         if !quiet {
             return Err(TransportError::PeerLost {
                 peer: peer.addr.clone(),
                 message: format!(
                     "fence: the target did not close a connection within {} ms, so it may still apply WRITEs it read; fenced again later",
-                    FENCE_WAIT.as_millis()
+                    wait.as_millis()
                 ),
             });
         }
@@ -657,16 +737,81 @@ impl Transport for SoftTransport {
     }
 }
 
-/// Whether the thread finished within `limit` (polled: `JoinHandle` has no timed join).
-fn wait_finished(h: &JoinHandle<()>, limit: Duration) -> bool {
+/// The lock of `m` once it is free, or None if it still is not at `until` (polled:
+/// a lane's writer is held only while a batch is written, so it is short unless the
+/// peer stopped reading).
+#[allow(clippy::disallowed_methods)] // a driver: waits until a deadline
+fn lock_until<T>(m: &Mutex<T>, until: Instant) -> Option<std::sync::MutexGuard<'_, T>> {
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if Instant::now() >= until {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Writes on a lane's socket that end by `until`: before each write the socket's
+/// write timeout is brought to the time left (set again only when it moved, so a
+/// batch written at once costs no system call), and none is made once it passed.
+struct Until<'a> {
+    s: &'a TcpStream,
+    until: Instant,
+    timeout_us: &'a AtomicU64,
+}
+
+impl Until<'_> {
+    #[allow(clippy::disallowed_methods)] // a driver: waits until a deadline
+    fn bound(&self) -> io::Result<()> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the batch was not written in time",
+            ));
+        }
+        let cur = Duration::from_micros(self.timeout_us.load(Ordering::Relaxed));
+        let slack = Duration::from_millis(20);
+        if left + slack < cur || left > cur + slack {
+            self.s.set_write_timeout(Some(left))?;
+            self.timeout_us.store(micros(left), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+impl Write for Until<'_> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.bound()?;
+        (&*self.s).write(b)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.bound()?;
+        (&*self.s).write_vectored(bufs)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether the thread finished by `until` (polled: `JoinHandle` has no timed join).
+#[allow(clippy::disallowed_methods)] // a driver: waits until a deadline
+fn wait_finished(h: &JoinHandle<()>, until: Instant) -> bool {
     let step = Duration::from_millis(2);
-    let mut waited = Duration::ZERO;
     while !h.is_finished() {
-        if waited >= limit {
+        if Instant::now() >= until {
             return false;
         }
         std::thread::sleep(step);
-        waited += step;
     }
     true
 }

@@ -1,81 +1,91 @@
-//! The handler's background thread: about once a second it reconnects pools that went
-//! away and lets each pool's mover probe its agents (the region lifecycle); it
-//! heartbeats each session well within its timeout.
+//! The handler's background threads. `heartbeats`: heartbeats each session well within
+//! its timeout, and about once a second reopens pools that went away. `ticks`: about
+//! once a second lets each pool's mover probe its agents (the region lifecycle). Two
+//! threads, so that an agent slow to answer a probe (up to its probe timeout, once per
+//! agent) never delays a session's heartbeat, and neither waits behind a request: a
+//! pool's tick and heartbeat hold no lock across a round trip to an agent.
 
 use super::Inner;
 use crate::worker::error::WorkerError;
+use crate::worker::pool::StoragePool;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 impl Inner {
-    pub(super) fn background(self: &Arc<Self>) {
+    /// Waits `d` or until the handler closes; false once it is closing.
+    fn pause(&self, d: Duration) -> bool {
+        if let Ok(g) = self.wake.0.lock() {
+            // `stop` is set under this lock, so a close between the caller's check and
+            // here is seen before waiting.
+            if self.stop.load(Ordering::SeqCst) {
+                return false;
+            }
+            let _ = self.wake.1.wait_timeout(g, d);
+        }
+        !self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Pool `i` if it is up (its slot's lock only to take a reference).
+    fn pool_up(&self, i: usize) -> Option<Arc<StoragePool>> {
+        self.pools[i].lock().ok().and_then(|g| g.clone())
+    }
+
+    /// A heartbeat or tick of pool `i` failed with `e`: a pool whose session is lost
+    /// is set aside (the heartbeat thread opens a new one); any other failure is
+    /// tried again at the next beat.
+    fn failed(&self, i: usize, p: &Arc<StoragePool>, what: &str, e: WorkerError) {
+        log::warn!("pool {}: {what} failed: {e}", self.urls[i]);
+        if matches!(e, WorkerError::SessionLost { .. }) {
+            self.take_down(i, p);
+        }
+    }
+
+    pub(super) fn heartbeats(self: &Arc<Self>) {
         // Heartbeat well within the shortest session timeout of the pools.
-        let timeout_ms = self
-            .pools
-            .iter()
-            .filter_map(|p| {
-                p.lock()
-                    .ok()
-                    .and_then(|g| g.as_ref().map(|p| p.session.session_timeout_ms))
-            })
+        let timeout_ms = (0..self.pools.len())
+            .filter_map(|i| self.pool_up(i).map(|p| p.session.session_timeout_ms))
             .min()
             .unwrap_or(30_000);
         let beat = Duration::from_millis((timeout_ms / 3).clamp(200, 10_000));
+        let step = Duration::from_secs(1).min(beat);
         let mut since_beat = Duration::ZERO;
-        let tick = Duration::from_secs(1).min(beat);
-        while !self.stop.load(Ordering::SeqCst) {
-            // Every tick: reconnect pools that are down, and let each pool's mover
-            // probe its agents (a restart or a reboot is seen within about a second).
-            let wait = tick;
-            if let Ok(g) = self.wake.0.lock() {
-                // `stop` is set under this lock, so a close between the loop check and
-                // here is seen before waiting.
-                if self.stop.load(Ordering::SeqCst) {
-                    return;
-                }
-                let _ = self.wake.1.wait_timeout(g, wait);
-            }
-            if self.stop.load(Ordering::SeqCst) {
-                return;
-            }
-            since_beat += wait;
+        while self.pause(step) {
+            since_beat += step;
+            let due = since_beat >= beat;
             for i in 0..self.pools.len() {
-                let down = self.pools[i].lock().map(|g| g.is_none()).unwrap_or(false);
-                if down {
-                    match self.open_pool(i) {
+                match self.pool_up(i) {
+                    None => match self.reopen_pool(i) {
                         Ok(p) => {
-                            self.settle_set_aside(i, &p);
                             if let Ok(mut g) = self.pools[i].lock() {
-                                *g = Some(Arc::new(p));
+                                *g = Some(p);
                             }
                             self.set_up(i, true);
                         }
                         Err(e) => log::debug!("pool {} still unavailable: {e}", self.urls[i]),
-                    }
-                } else {
-                    // The slot's lock only to take a reference: requests go on while
-                    // the pool ticks (its gate orders the tick against publishes).
-                    let pool = match self.pools[i].lock() {
-                        Ok(g) => g.clone(),
-                        Err(_) => continue,
-                    };
-                    if let Some(p) = pool {
-                        let r = match p.tick(crate::worker::clock::now_ms()) {
-                            Ok(()) if since_beat >= beat => p.heartbeat(),
-                            r => r,
-                        };
-                        if let Err(e) = r {
-                            log::warn!("pool {}: heartbeat failed: {e}", self.urls[i]);
-                            if matches!(e, WorkerError::Unavailable(_) | WorkerError::Refused(_)) {
-                                self.take_down(i, &p);
-                            }
+                    },
+                    Some(p) if due => {
+                        if let Err(e) = p.heartbeat() {
+                            self.failed(i, &p, "heartbeat", e);
                         }
                     }
+                    Some(_) => {}
                 }
             }
-            if since_beat >= beat {
+            if due {
                 since_beat = Duration::ZERO;
+            }
+        }
+    }
+
+    pub(super) fn ticks(self: &Arc<Self>) {
+        while self.pause(Duration::from_secs(1)) {
+            for i in 0..self.pools.len() {
+                if let Some(p) = self.pool_up(i) {
+                    if let Err(e) = p.tick(crate::worker::clock::now_ms()) {
+                        self.failed(i, &p, "tick", e);
+                    }
+                }
             }
         }
     }

@@ -10,7 +10,7 @@ use crate::transport::{LocalBuffer, Transport};
 use crate::wire::meta::Backend;
 use crate::worker::config::{BackendKind, HandlerConfig, TransportKind};
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{CxlMover, Mover, RemoteMover};
+use crate::worker::movers::{Mover, RemoteMover};
 use crate::worker::pool::StoragePool;
 use crate::worker::session::Session;
 use crate::worker::staging::{StagingLayout, StagingSlots};
@@ -158,9 +158,9 @@ impl Inner {
         )?;
         session.set_reply_spin(Duration::from_micros(self.cfg.reply_spin_us));
         let dp = self.data_path(session.page_size)?;
-        let mover: Box<dyn Mover> = match &dp.nic {
-            None => Box::new(CxlMover::with_prefault(self.cfg.prefault)),
-            Some(nic) => Box::new(RemoteMover::new(
+        let mover = match &dp.nic {
+            None => Mover::cxl(self.cfg.prefault),
+            Some(nic) => Mover::Remote(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),
                 dp.agent_opts.clone(),
@@ -168,8 +168,11 @@ impl Inner {
                 dp.budget.clone(),
             )),
         };
-        Ok(StoragePool::open(session, mover)?
+        let pool = StoragePool::open(session, mover)?
+            .with_timeout(self.timeout())
             .with_spare_pages(crate::worker::pool::SPARE_PAGES)
-            .with_max_bytes(self.cfg.max_bytes))
+            .with_max_bytes(self.cfg.max_bytes);
+        pool.greet_agents()?;
+        Ok(pool)
     }
 }

@@ -197,13 +197,7 @@ impl Handler {
             return Ok(vec![false; keys.len()]);
         };
         match pool.publish_in_place(writes) {
-            Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
-                log::warn!(
-                    "pool {}: {m}; chunks written in place not published",
-                    self.inner.urls[i]
-                );
-                Ok(vec![false; keys.len()])
-            }
+            Err(e) => self.inner.pool_failed(i, &pool, e, vec![false; keys.len()]),
             r => r,
         }
     }

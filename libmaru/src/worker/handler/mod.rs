@@ -1,6 +1,7 @@
 //! The handler an engine opens: configuration, the pools (one per maru-server URL),
-//! the shared staging buffer and transport, and a background thread that heartbeats
-//! sessions and reconnects pools that went away (their prefixes miss meanwhile).
+//! the shared staging buffer and transport, and two background threads: one
+//! heartbeats sessions and reconnects pools that went away (their prefixes miss
+//! meanwhile), the other ticks the pools (probes of agents, the region lifecycle).
 //!
 //! A store reads top-down: [`Handler`] (the public calls, here) → `pools` (which pool)
 //! → `worker::pool` (pages, publish, leases) → `worker::movers` → the transport.
@@ -12,7 +13,7 @@ mod pools;
 mod slot_ops;
 
 use super::config::{BackendKind, HandlerConfig};
-use super::error::WorkerError;
+use super::error::{Peer, WorkerError};
 use super::hook::Registration;
 use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
@@ -39,7 +40,7 @@ struct DataPath {
     nic: Option<Arc<dyn Transport>>,
     agent_opts: ClientOptions,
     /// Bytes in flight of the windowed transfers through this staging buffer.
-    budget: Arc<super::windows::InFlightBudget>,
+    budget: Arc<super::movers::remote::windows::InFlightBudget>,
 }
 
 /// A submitted slot operation, run with the slots lent to it.
@@ -84,7 +85,8 @@ struct Inner {
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
 pub struct Handler {
     inner: Arc<Inner>,
-    background: Mutex<Option<JoinHandle<()>>>,
+    /// The heartbeat thread and the tick thread (see `background`).
+    background: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Handler {
@@ -96,8 +98,8 @@ impl Handler {
     }
 
     /// Opens a `remote_cxl` handler over the given transport instead of the configured
-    /// one (fault injection in tests).
-    #[doc(hidden)]
+    /// one (fault injection in tests; cargo feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     pub fn open_with_transport(
         config_json: &str,
         transport: Arc<dyn Transport>,
@@ -142,7 +144,8 @@ impl Handler {
                     }
                     opened += 1;
                 }
-                Err(e @ WorkerError::Config(_)) => return Err(e),
+                // A wrong configuration or key: the caller must fix it.
+                Err(e) if e.is_fatal() => return Err(e),
                 Err(e) => {
                     log::warn!(
                         "pool {} is unavailable at open: {e}; retrying in the background",
@@ -154,18 +157,33 @@ impl Handler {
             }
         }
         if opened == 0 {
-            return Err(last_err.unwrap_or_else(|| WorkerError::Unavailable("no pool".into())));
+            return Err(last_err
+                .unwrap_or_else(|| WorkerError::Config("server_url names no maru-server".into())));
         }
-        let bg = inner.clone();
-        let background = std::thread::Builder::new()
-            .name("maru-handler".into())
-            .spawn(move || bg.background())
-            .map_err(|e| {
-                WorkerError::Unavailable(format!("cannot start the handler thread: {e}"))
-            })?;
+        let mut background = Vec::new();
+        for (name, tick) in [("maru-handler", false), ("maru-tick", true)] {
+            let bg = inner.clone();
+            let spawned = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || if tick { bg.ticks() } else { bg.heartbeats() });
+            match spawned {
+                Ok(h) => background.push(h),
+                Err(e) => {
+                    inner.stop.store(true, Ordering::SeqCst);
+                    inner.wake.1.notify_all();
+                    for h in background {
+                        let _ = h.join();
+                    }
+                    return Err(WorkerError::unavailable(
+                        Peer::Host,
+                        format!("cannot start the handler's {name} thread: {e}"),
+                    ));
+                }
+            }
+        }
         Ok(Handler {
             inner,
-            background: Mutex::new(Some(background)),
+            background: Mutex::new(background),
         })
     }
 
@@ -518,12 +536,15 @@ impl Handler {
         let mut total = PoolStats::default();
         for (i, p) in self.inner.pools.iter().enumerate() {
             let pool = p.lock().ok().and_then(|g| g.clone());
+            // Which session of which run of maru-server serves the pool now.
+            let session = pool.as_ref().map(|p| p.session.id);
+            let instance = pool.as_ref().map(|p| p.session.handshake.instance.clone());
             let s = pool.map(|p| p.stats());
             if let Some(s) = &s {
                 total.add(s);
             }
             pools.push(
-                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "stats": s}),
+                serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "session": session, "instance": instance, "stats": s}),
             );
         }
         let staging = self.inner.staging().ok().map(|st| {
@@ -553,7 +574,12 @@ impl Handler {
             }
             self.inner.wake.1.notify_all();
         }
-        if let Some(h) = self.background.lock().ok().and_then(|mut b| b.take()) {
+        let threads = self
+            .background
+            .lock()
+            .map(|mut b| std::mem::take(&mut *b))
+            .unwrap_or_default();
+        for h in threads {
             let _ = h.join();
         }
         // Operations already running finish; queued ones fail with `Closed`.

@@ -4,7 +4,7 @@
 
 use super::Inner;
 use crate::worker::config::BackendKind;
-use crate::worker::error::WorkerError;
+use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
 use std::sync::atomic::Ordering;
@@ -50,15 +50,54 @@ impl Inner {
             }
         };
         match f(&pool) {
-            // Unreachable, or our session is gone there (expired, unknown): set the pool
-            // aside; the background thread opens a new session.
-            Err(WorkerError::Unavailable(m)) | Err(WorkerError::Refused(m)) => {
-                log::warn!("pool {}: {m}", self.urls[i]);
-                self.take_down(i, &pool);
+            Err(e) => self.pool_failed(i, &pool, e, miss),
+            r => r,
+        }
+    }
+
+    /// A request on pool `i` failed with `e`. Its session lost (see
+    /// `Session::heartbeat`): the pool is set aside, the heartbeat thread
+    /// opens a new session, and the request answers `miss`; the only error that sets
+    /// a pool aside. maru-server out of reach: `miss` too (the session may live on;
+    /// the heartbeat thread finds out). Anything else is the caller's.
+    pub(super) fn pool_failed<T>(
+        &self,
+        i: usize,
+        pool: &Arc<StoragePool>,
+        e: WorkerError,
+        miss: T,
+    ) -> Result<T, WorkerError> {
+        let e = match e {
+            // A refusal of maru-server may mean the session is gone: its heartbeat says.
+            e @ (WorkerError::Refused { .. } | WorkerError::Permission { .. })
+                if e.from_server() =>
+            {
+                match pool.heartbeat() {
+                    Err(lost @ WorkerError::SessionLost { .. }) => lost,
+                    _ => e,
+                }
+            }
+            e => e,
+        };
+        match e {
+            WorkerError::SessionLost { .. } => {
+                log::warn!(
+                    "pool {}: {e}; its prefixes miss until a new session is open",
+                    self.urls[i]
+                );
+                self.take_down(i, pool);
                 self.wake.1.notify_all();
                 Ok(miss)
             }
-            r => r,
+            WorkerError::Unavailable {
+                peer: Peer::Server(_),
+                ..
+            } => {
+                log::warn!("pool {}: {e}; the request misses", self.urls[i]);
+                self.wake.1.notify_all();
+                Ok(miss)
+            }
+            e => Err(e),
         }
     }
 
@@ -81,6 +120,42 @@ impl Inner {
             // A pool set aside twice before it came back: the older one goes now.
             *l = Some(old);
         }
+    }
+
+    /// Brings pool `i` back: the session it lost when maru-server still knows it (a
+    /// maru-server with a durable directory restarted, or it was out of reach for a
+    /// while): its links reconnect presenting the session's secret and a heartbeat is
+    /// answered, so the session goes on with its own regions and keys. Else a new
+    /// session, and the lost one is settled (see `settle_set_aside`). Unavailable
+    /// while maru-server cannot be reached.
+    pub(super) fn reopen_pool(&self, i: usize) -> Result<Arc<StoragePool>, WorkerError> {
+        let lost = self.lost[i].lock().ok().and_then(|l| l.clone());
+        if let Some(old) = lost {
+            match old.heartbeat() {
+                Ok(()) => {
+                    if let Ok(mut l) = self.lost[i].lock() {
+                        if l.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
+                            *l = None;
+                        }
+                    }
+                    log::info!(
+                        "pool {}: maru-server knows session {} again: it goes on",
+                        self.urls[i],
+                        old.session.id
+                    );
+                    return Ok(old);
+                }
+                Err(e @ WorkerError::Unavailable { .. }) => return Err(e),
+                Err(e) => log::info!(
+                    "pool {}: session {} does not go on ({e}); opening a new one",
+                    self.urls[i],
+                    old.session.id
+                ),
+            }
+        }
+        let p = Arc::new(self.open_pool(i)?);
+        self.settle_set_aside(i, &p);
+        Ok(p)
     }
 
     /// The pool has a new session: if it comes from another run of maru-server, release

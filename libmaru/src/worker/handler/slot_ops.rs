@@ -21,7 +21,10 @@ impl Inner {
             .map_err(|_| WorkerError::Closed)?
             .as_ref()
             .map(|d| d.staging.clone())
-            .ok_or_else(|| WorkerError::Unavailable("no pool has been reached yet".into()))
+            .ok_or_else(|| WorkerError::unavailable(
+                    crate::worker::error::Peer::Host,
+                    "no pool has been reached yet: the staging buffer is made from the first pool's page size",
+                ))
     }
 
     pub(super) fn acquire_slots(

@@ -1,20 +1,20 @@
-//! What moves the bytes of a pool: one-sided transfers through staging slots
-//! (`remote_cxl`, [`RemoteMover`]) or copies through this host's own mapping of the
-//! CXL memory (`cxl`, [`CxlMover`]). The [`Mover`] trait is what a pool asks of
-//! either.
+//! What moves the bytes of a pool: copies through this host's own mapping of the CXL
+//! memory (`cxl`, [`CxlMover`]) or one-sided transfers through staging slots
+//! (`remote_cxl`, [`RemoteMover`], with everything only it needs under `remote/`).
+//! [`Mover`] is the one enum a pool holds and asks.
 
 mod cxl;
-mod remote;
+pub(crate) mod remote;
 
 pub use cxl::CxlMover;
 pub use remote::RemoteMover;
 
+use super::clock::Deadline;
 use super::error::WorkerError;
 use super::prefault::PrefaultStats;
 use super::staging::Slot;
 use crate::dax::Mapping;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// A chunk to write into a page.
@@ -65,165 +65,150 @@ impl std::fmt::Debug for View {
 /// Receives the bytes of lease `i` of a read (a view that is only valid during the call).
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
-/// Transfers that run without the pool's mover lock, side by side with other requests
-/// (see `Mover::transfers`), and the adoption of a region and the tick, whose round
-/// trips to agents must not hold the pool's other users of the mover (requests,
-/// publishes, the heartbeat). Same meaning as the `Mover` methods of the same names.
-pub trait Transfers: Send + Sync {
-    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError>;
-    fn tick(&self, now_ms: u64) -> Vec<u64>;
-    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool>;
-    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome>;
-    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome>;
+/// What moves a pool's bytes.
+pub enum Mover {
+    /// This host maps the regions and copies.
+    Cxl(CxlMover),
+    /// One-sided WRITE/READ through the staging slots; its state is in the pool core
+    /// it was made with (`RemoteMover::new`).
+    Remote(RemoteMover),
 }
 
-pub trait Mover: Send {
-    /// Makes one of the session's own regions usable (map it).
-    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError>;
-    /// Writes each item into its page; true where the bytes are complete in the region.
-    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool>;
-    /// Writes from the caller's staging slots. By default through `write` (a mover that
-    /// copies anyway); a one-sided mover posts from the slots themselves.
-    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        let ok = {
-            let writes: Vec<WriteItem<'_>> = items
-                .iter()
-                .map(|it| WriteItem {
-                    page: it.page,
-                    data: &it.slot.bytes()[..it.len.min(it.slot.len())],
-                })
-                .collect();
-            self.write(&writes)
-        };
-        items
-            .into_iter()
-            .zip(ok)
-            .map(|(it, ok)| SlotOutcome {
-                ok,
-                slot: Some(it.slot),
-            })
-            .collect()
+impl Mover {
+    /// `cxl`, its regions prefaulted in the background, or not.
+    pub fn cxl(prefault: bool) -> Mover {
+        Mover::Cxl(CxlMover::with_prefault(prefault))
     }
-    /// Reads each lease's bytes and hands them to `sink(i, bytes)`; a lease whose read
-    /// failed is not handed over. A failed batch fails the rest of the request.
-    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>);
-    /// Reads each lease into the slot of the same index. By default through `read`.
-    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
-        let mut ok = vec![false; slots.len()];
-        self.read(leases, &mut |i, bytes| {
-            if let Some(Some(s)) = slots.get_mut(i) {
-                if bytes.len() <= s.len() {
-                    s.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
-                    ok[i] = true;
-                }
-            }
-        });
-        slots
-            .into_iter()
-            .zip(ok)
-            .map(|(slot, ok)| SlotOutcome { ok, slot })
-            .collect()
+
+    /// Makes a region the session took usable: maps it (`cxl`: locally; `remote_cxl`:
+    /// at its agent, and connects its peer), every wait by `by`.
+    pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
+        match self {
+            Mover::Cxl(m) => m.adopt(grant),
+            Mover::Remote(m) => m.adopt(grant, by),
+        }
     }
-    /// Where the pool's requests move bytes without holding the mover's lock
-    /// (`remote_cxl`: the mover locks its own state only to post and settle a window).
-    /// `None`: through the mover's methods, under its lock (or, on `cxl`, `direct`).
-    fn transfers(&self) -> Option<Arc<dyn Transfers>> {
-        None
+
+    /// Writes each item into its page; true where the bytes are complete.
+    pub(crate) fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
+        match self {
+            Mover::Cxl(m) => m.write(items),
+            Mover::Remote(m) => m.write(items, by),
+        }
     }
-    /// Boot ids of the session's regions (for heartbeats).
-    fn boot_ids(&self) -> BTreeMap<u64, String>;
-    /// Whether the region is one of the session's this mover writes into.
-    fn owns(&self, region_id: u64) -> bool {
-        self.own_regions().contains(&region_id)
+
+    /// Writes from the caller's staging slots (no copy on `remote_cxl`).
+    pub(crate) fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
+        match self {
+            Mover::Cxl(m) => m.write_slots(items),
+            Mover::Remote(m) => m.write_slots(items, by),
+        }
     }
-    /// True when the pool copies chunks itself through `direct` mappings, without
-    /// this mover's lock (`cxl`); else every transfer goes through the mover.
-    fn writes_direct(&self) -> bool {
-        false
+
+    /// Hands each lease's bytes to `sink(i, bytes)` (a view valid during the call); a
+    /// lease whose read failed is not handed over.
+    pub(crate) fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        match self {
+            Mover::Cxl(m) => m.read(leases, sink),
+            Mover::Remote(m) => m.read(leases, sink, by),
+        }
     }
-    /// The writable mapping of one of the session's regions, for a copy that runs
-    /// without the mover's lock (`None`: not a region it writes into, or not a mover
-    /// that maps them).
-    fn direct(&self, _region_id: u64) -> Option<Arc<Mapping>> {
-        None
+
+    /// Reads each lease into the slot of the same index.
+    pub(crate) fn read_into(
+        &self,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        by: Deadline,
+    ) -> Vec<SlotOutcome> {
+        match self {
+            Mover::Cxl(m) => m.read_into(leases, slots),
+            Mover::Remote(m) => m.read_into(leases, slots, by),
+        }
     }
-    /// The session's regions this mover can write into (for heartbeats, beside
-    /// `boot_ids`: maru-server answers which are no longer the session's).
-    fn own_regions(&self) -> Vec<u64>;
-    /// maru-server no longer counts the region among the session's (the RM took it
-    /// back): write nothing more into it and forget it. Nothing is released: the
-    /// region is no longer this session's to release.
-    fn forget_region(&mut self, region_id: u64);
-    /// Gives back slots of transfers whose peer can now be fenced.
-    fn reclaim(&mut self) {}
-    /// True while a transfer of unknown outcome could still land somewhere (a peer
-    /// that timed out could not be fenced yet): pages of failed writes must not be
-    /// reused then.
-    fn may_still_write(&self) -> bool {
-        false
+
+    /// The leased bytes in place (`cxl`).
+    pub(crate) fn view(&self, lease: &LeaseGrant) -> Option<View> {
+        match self {
+            Mover::Cxl(m) => m.view(lease),
+            Mover::Remote(_) => None,
+        }
     }
-    /// The leased bytes in place, for a reader that uses them without a copy (`cxl`:
-    /// this host's read-only mapping of the region). `None` where the mover cannot.
-    fn view(&mut self, _lease: &LeaseGrant) -> Option<View> {
-        None
+
+    /// The writable mapping of an own region, for writes in place (`cxl`).
+    pub(crate) fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
+        match self {
+            Mover::Cxl(m) => m.own_mapping(region_id),
+            Mover::Remote(_) => None,
+        }
     }
-    /// The writable mapping of one of the session's own regions, for writes in place by
-    /// the caller (`cxl`; see `pool::in_place`). `None` where the mover has none
-    /// (`remote_cxl`) or the region is no longer the session's.
-    fn own_mapping(&self, _region_id: u64) -> Option<Arc<Mapping>> {
-        None
+
+    /// The mappings this host holds, for region views (`cxl`).
+    pub(crate) fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        match self {
+            Mover::Cxl(m) => m.mappings(),
+            Mover::Remote(_) => Vec::new(),
+        }
     }
-    /// True when the caller may write chunks into own regions in place (`own_mapping`).
-    fn writes_in_place(&self) -> bool {
-        false
+
+    /// A region the pool no longer writes into: `cxl` unmaps it (once the copies and
+    /// views holding it let go); the remote state forgot it with the pool core.
+    pub(crate) fn forget(&self, region_id: u64) {
+        if let Mover::Cxl(m) = self {
+            m.forget(region_id)
+        }
     }
-    /// The mappings this mover holds now, per region (own ones writable, others
-    /// read-only; an own region read in place also has its read-only mapping, listed
-    /// after the writable one), for region views (`cxl`). Empty where it holds none.
-    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
-        Vec::new()
+
+    /// Periodic work (`remote_cxl`: probes, maps again, fences): the own regions
+    /// whose agent has been silent too long, to give back.
+    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
+        match self {
+            Mover::Cxl(_) => Vec::new(),
+            Mover::Remote(m) => m.tick(now_ms),
+        }
     }
-    /// The session is gone with the maru-server that knew it (it restarted): no keeper
-    /// will ever release the regions, so release them at their agents now (nothing can
-    /// be written into them after that). Returns (released, failed).
-    fn release_all(&mut self) -> (usize, usize) {
-        (0, 0)
-    }
-    /// True when a region should be adopted ahead of need (before the session's
-    /// regions are full), so that the work of making it usable (`cxl`: faulting its
-    /// pages in) happens off the store path.
-    fn wants_lead(&self) -> bool {
-        false
-    }
-    /// What prefaulting did (`cxl`), for stats.
-    fn prefault_stats(&self) -> Option<PrefaultStats> {
-        None
-    }
-    /// Periodic work at `now_ms` (probe the agents of own regions, map regions again
-    /// where an agent restarted). Returns the own regions to give back to maru-server
-    /// (their agent has been silent too long): the pool returns them and forgets them.
-    fn tick(&mut self, _now_ms: u64) -> Vec<u64> {
-        Vec::new()
-    }
+
     /// Asks every agent of own regions who it is now (before a drained close).
-    fn check_agents(&mut self, _now_ms: u64) {}
-    /// True when maru-server must hear the regions' boot ids (a heartbeat) before
-    /// anything else is published: a region is new, or its memory node rebooted.
-    fn must_report(&self) -> bool {
-        false
+    pub(crate) fn check_agents(&self, now_ms: u64) {
+        if let Mover::Remote(m) = self {
+            m.check_agents(now_ms)
+        }
     }
-    /// True when maru-server must hear the boot id of one of `regions` before keys are
-    /// published into it (new, or its memory node rebooted). Other regions do not
-    /// matter to such a publish.
-    fn must_report_for(&self, _regions: &[u64]) -> bool {
-        self.must_report()
+
+    /// Proves the agent key to the pool's agents (at open).
+    pub(crate) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+        match self {
+            Mover::Cxl(_) => Ok(()),
+            Mover::Remote(m) => m.greet(agents, by),
+        }
     }
-    /// maru-server received these boot ids (a heartbeat it answered).
-    fn reported(&mut self, _sent: &BTreeMap<u64, String>) {}
-    /// Why the last read that failed failed (an agent's refusal, say), once.
-    fn take_read_error(&mut self) -> Option<String> {
-        None
+
+    /// Releases every own region at its agent (the maru-server that knew the session
+    /// restarted); (released, failed).
+    pub(crate) fn release_all(&self) -> (usize, usize) {
+        match self {
+            Mover::Cxl(_) => (0, 0),
+            Mover::Remote(m) => m.release_all(),
+        }
+    }
+
+    /// Whether a region is taken ahead of need (`cxl` prefaults it).
+    pub(crate) fn wants_lead(&self) -> bool {
+        match self {
+            Mover::Cxl(m) => m.wants_lead(),
+            Mover::Remote(_) => false,
+        }
+    }
+
+    pub(crate) fn prefault_stats(&self) -> Option<PrefaultStats> {
+        match self {
+            Mover::Cxl(m) => m.prefault_stats(),
+            Mover::Remote(_) => None,
+        }
+    }
+
+    /// True when the caller may write chunks into own regions in place (`cxl`).
+    pub(crate) fn writes_in_place(&self) -> bool {
+        matches!(self, Mover::Cxl(_))
     }
 }

@@ -13,13 +13,13 @@
 //!   may have been written into memory that is no longer this engine's: nothing is
 //!   published and the page is dropped with its region.
 //!
-//! A taken page counts as a page being written (the pool's `writing`, as a store's
+//! A taken page counts as a page being written (the core's `writing`, as a store's
 //! pages do until its publish ends), so its region is not given back meanwhile: a
-//! region maru-server asks for is closing and goes with the last writer. The checks
-//! and the publish run under the pool's gate (shared), which the heartbeat and the
-//! tick (what learns of lost regions and reboots) take alone, so a region cannot be
-//! lost between the check and the publish.
+//! region maru-server asks for is closing and goes with the last writer. The re-check
+//! (the page's region still the pool's, on the adoption and boot it was taken under:
+//! its `Token`) and the publish are the core's, as for stores.
 
+use super::core::{Taken, Token};
 use super::StoragePool;
 use crate::dax::Mapping;
 use crate::wire::meta::{PageGrant, PublishEntry};
@@ -32,9 +32,8 @@ use std::sync::Arc;
 pub struct InPlacePage {
     pub page: PageGrant,
     map: Arc<Mapping>,
-    /// The region's boot id when the page was taken (`remote_cxl`-style reports; `cxl`
-    /// regions have none and rely on the mapping's identity).
-    boot: Option<String>,
+    /// What its region was when the page was taken (the adoption that mapped it).
+    token: Option<Token>,
     capacity: usize,
 }
 
@@ -71,7 +70,7 @@ impl InPlacePage {
         }
         self.map
             .write_at(self.page.offset as usize, data)
-            .map_err(|e| WorkerError::Unavailable(e.to_string()))
+            .map_err(|e| WorkerError::Transport(format!("write in place: {e}")))
     }
 }
 
@@ -86,7 +85,7 @@ impl StoragePool {
     /// The mappings of regions the mover holds (`cxl`: own ones writable, others
     /// read-only), for region views.
     pub fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
-        self.mover().mappings()
+        self.mover.mappings()
     }
 
     /// Takes `n` pages of the session's own regions for writing in place (fewer when
@@ -96,30 +95,25 @@ impl StoragePool {
         n: usize,
         route_key: Option<&str>,
     ) -> Result<Vec<InPlacePage>, WorkerError> {
-        if !self.mover().writes_in_place() {
+        if !self.mover.writes_in_place() {
             return Err(WorkerError::InvalidArgument(
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
         // The pages are marked as being written (`writing`) from here on.
-        let taken = self.take_pages(n, route_key)?;
+        let taken = self.take_pages(n, route_key, self.deadline())?;
         let size = self.page_size() as usize;
         let mut out = Vec::with_capacity(taken.pages.len());
         let mut unusable = Vec::new();
-        {
-            let m = self.mover();
-            for page in taken.pages {
-                match m.own_mapping(page.region_id) {
-                    Some(map) if page.offset as usize + size <= map.len() => {
-                        out.push(InPlacePage {
-                            page,
-                            map,
-                            boot: taken.boots.get(&page.region_id).cloned().flatten(),
-                            capacity: size,
-                        })
-                    }
-                    _ => unusable.push(page),
-                }
+        for &page in &taken.pages {
+            match self.mover.own_mapping(page.region_id) {
+                Some(map) if page.offset as usize + size <= map.len() => out.push(InPlacePage {
+                    page,
+                    map,
+                    token: taken.token(page.region_id),
+                    capacity: size,
+                }),
+                _ => unusable.push(page),
             }
         }
         if !unusable.is_empty() {
@@ -133,19 +127,11 @@ impl StoragePool {
         Ok(out)
     }
 
-    /// True while the page's region is the session's, mapped by the adoption the page
-    /// was taken from, on the boot it was taken under.
-    fn still_ours(&self, p: &InPlacePage, boots: &std::collections::BTreeMap<u64, String>) -> bool {
-        self.mover()
-            .own_mapping(p.page.region_id)
-            .is_some_and(|m| Arc::ptr_eq(&m, &p.map))
-            && p.boot.as_ref() == boots.get(&p.page.region_id)
-    }
-
     /// Publishes pages written in place (the chunks of one request, in chain order);
     /// per chunk: true when published now or already present. A page whose region is
-    /// no longer the session's is not published (false) and dropped; a key another
-    /// engine published first frees its page for later stores.
+    /// no longer the pool's (on the adoption it was taken from) is not published
+    /// (false) and dropped; a key another engine published first frees its page for
+    /// later stores.
     pub fn publish_in_place(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
         let size = self.page_size() as usize;
         for w in &writes {
@@ -163,93 +149,81 @@ impl StoragePool {
                 return Err(WorkerError::InvalidArgument(why));
             }
         }
-        let regions: Vec<u64> = writes.iter().map(|w| w.page.page.region_id).collect();
-        let r = self.publish_written(writes);
-        // Whatever happened, the pages are no longer being written.
-        self.end_writing(regions);
-        r
+        let mut result = Vec::with_capacity(writes.len());
+        let mut writes = writes.into_iter();
+        loop {
+            let batch: Vec<InPlaceWrite> = writes.by_ref().take(self.max_batch).collect();
+            if batch.is_empty() {
+                return Ok(result);
+            }
+            let regions: Vec<u64> = batch.iter().map(|w| w.page.page.region_id).collect();
+            let r = self.publish_written(batch);
+            // Whatever happened, the pages are no longer being written.
+            self.end_writing(regions);
+            result.extend(r?);
+        }
     }
 
     fn publish_written(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
-        if let Some(hook) = &self.before_publish {
-            let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
+        let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
+        if let Some(hook) = &self.hooks.before_publish {
             hook(self, &pages);
         }
+        let taken = Taken::of(writes.iter().map(|w| (w.page.page, w.page.token.clone())));
         let mut result = vec![false; writes.len()];
-        // maru-server hears the regions' boot ids before a key is published; no
-        // heartbeat or tick runs until the publishes below are answered.
-        let gate = self.gate_reported(writes.iter().map(|w| w.page.page.region_id))?;
-        let boots = self.mover().boot_ids();
-        let mut live = Vec::with_capacity(writes.len());
-        let mut lost = 0u64;
-        for (i, w) in writes.into_iter().enumerate() {
-            if gate.is_some() && self.still_ours(&w.page, &boots) {
-                live.push((i, w));
-            } else {
-                lost += 1;
-                log::warn!(
-                    "pool {}: chunk {} not published: region {} was lost (or its boot changed) while it was written in place",
-                    self.session.url,
-                    w.key,
-                    w.page.page.region_id
-                );
-            }
+        let plan = self.recheck(&pages, &vec![true; writes.len()], &taken)?;
+        if plan.lost > 0 {
+            log::warn!(
+                "pool {}: {} chunk(s) written in place not published: their region was lost (or taken again) meanwhile",
+                self.session.url,
+                plan.lost
+            );
         }
-        self.book().stats.store_skipped += lost;
-        for batch in live.chunks(self.max_batch.max(1)) {
-            let entries: Vec<PublishEntry> = batch
-                .iter()
-                .enumerate()
-                .map(|(j, (_, w))| PublishEntry {
+        // Pages of regions no longer the pool's are dropped with them.
+        self.keep_spare(plan.unused);
+        if plan.publish.is_empty() {
+            return Ok(result);
+        }
+        let entries: Vec<PublishEntry> = plan
+            .publish
+            .iter()
+            .enumerate()
+            .map(|(j, &k)| {
+                let w = &writes[k];
+                PublishEntry {
                     key: w.key.clone(),
                     region_id: w.page.page.region_id,
                     offset: w.page.page.offset,
                     length: w.len as u64,
-                    prev: j.checked_sub(1).map(|p| batch[p].1.key.clone()),
-                })
-                .collect();
-            let is_new = match self.session.publish(entries) {
-                Ok(n) => n,
-                Err(e) => {
-                    // Not published: the pages hold no key and go back for reuse.
-                    drop(gate);
-                    self.keep_spare(batch.iter().map(|(_, w)| w.page.page).collect());
-                    return Err(e);
+                    prev: j
+                        .checked_sub(1)
+                        .map(|p| writes[plan.publish[p]].key.clone()),
                 }
-            };
-            let mut unused = Vec::new();
-            {
-                let mut b = self.book();
-                for ((i, w), new) in batch.iter().zip(is_new) {
-                    result[*i] = true;
-                    if new {
-                        b.stats.stored += 1;
-                        b.stats.bytes_stored += w.len as u64;
-                    } else {
-                        // Another engine published the key first: the page is not needed.
-                        b.stats.already_present += 1;
-                        unused.push(w.page.page);
-                    }
-                }
-            }
-            self.keep_spare(unused);
+            })
+            .collect();
+        let (answer, back) = self.send_publish(plan.ticket, entries);
+        // Not answered: the keys may be published, so their pages stay out of use.
+        answer?;
+        for &k in &plan.publish {
+            result[k] = true;
         }
+        self.keep_spare(back);
         Ok(result)
     }
 
     /// Gives back pages taken for writing in place and not published: those of regions
-    /// still the session's serve later stores; the others are dropped with their region.
+    /// still the pool's serve later stores; the others are dropped with their region.
     pub fn give_back_in_place(&self, pages: Vec<InPlacePage>) {
         let regions: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
-        {
-            let boots = self.mover().boot_ids();
-            let back = pages
+        let back = {
+            let c = self.core.lock();
+            pages
                 .into_iter()
-                .filter(|p| self.still_ours(p, &boots))
+                .filter(|p| c.token_is(p.page.region_id, p.token.as_ref()))
                 .map(|p| p.page)
-                .collect();
-            self.keep_spare(back);
-        }
+                .collect()
+        };
+        self.keep_spare(back);
         self.end_writing(regions);
     }
 }

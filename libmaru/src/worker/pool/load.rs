@@ -3,8 +3,9 @@
 //! are taken and released without a pool lock; on `cxl` the copies run without one
 //! too (each view keeps its mapping alive, each lease its page from reuse).
 
-use super::{DataPath, LeaseReader, StoragePool};
+use super::{LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{ReadSink, SlotOutcome, View};
 use crate::worker::staging::Slot;
@@ -13,16 +14,21 @@ impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
     /// during the call). Chunks not handed over missed or failed.
     pub fn load(&self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+        let by = self.deadline();
         let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
-                p.read_each(grants, &mut |k, b| {
-                    hits += 1;
-                    bytes += b.len() as u64;
-                    sink(base + lease_ix[k], b)
-                });
+            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
+                p.read_each(
+                    grants,
+                    &mut |k, b| {
+                        hits += 1;
+                        bytes += b.len() as u64;
+                        sink(base + lease_ix[k], b)
+                    },
+                    by,
+                );
             })?;
             base = end;
         }
@@ -30,46 +36,16 @@ impl StoragePool {
         Ok(())
     }
 
-    /// Reads each lease's bytes and hands them to `sink(i, bytes)`: on `cxl` from
-    /// views without the mover's lock, on `remote_cxl` through its transfers (see
-    /// `write_items`).
-    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        match self.data_path() {
-            DataPath::Transfers(t) => return t.read(leases, sink),
-            DataPath::Mover => return self.mover().read(leases, sink),
-            DataPath::Direct => {}
-        }
-        for (i, l) in leases.iter().enumerate() {
-            let v = self.mover().view(l);
-            if let Some(v) = v {
-                sink(i, v.bytes());
-            }
-        }
+    /// Reads each lease's bytes and hands them to `sink(i, bytes)` through the mover
+    /// (`cxl`: from its views, no lock held while `sink` runs; `remote_cxl`: window by
+    /// window, by `by`).
+    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.mover.read(leases, sink, by)
     }
 
     /// Reads each lease into the slot of the same index (see `read_each`).
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        match self.data_path() {
-            DataPath::Transfers(t) => return t.read_into(leases, slots),
-            DataPath::Mover => return self.mover().read_into(leases, slots),
-            DataPath::Direct => {}
-        }
-        leases
-            .iter()
-            .zip(slots)
-            .map(|(l, mut s)| {
-                let v = self.mover().view(l);
-                let ok = match v {
-                    Some(v) if v.bytes().len() <= s.len() && !v.bytes().is_empty() => {
-                        let b = v.bytes();
-                        crate::dax::copy::copy_out(&mut s.bytes_mut()[..b.len()], b);
-                        true
-                    }
-                    _ => false,
-                };
-                SlotOutcome { ok, slot: Some(s) }
-            })
-            .collect()
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
+        self.mover.read_into(leases, slots, by)
     }
 
     /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
@@ -80,6 +56,7 @@ impl StoragePool {
         keys: &[String],
         slots: &mut [Option<Slot>],
     ) -> Result<Vec<Option<usize>>, WorkerError> {
+        let by = self.deadline();
         let mut out = vec![None; keys.len()];
         let mut found = 0;
         let mut base = 0;
@@ -87,7 +64,7 @@ impl StoragePool {
             let end = (base + self.max_batch).min(keys.len());
             let part = &mut slots[base..end];
             let got = &mut out[base..end];
-            found += self.load_some(&keys[base..end], &mut |lease_ix, grants, p| {
+            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
                 let mut ls = Vec::with_capacity(grants.len());
                 let mut gs = Vec::with_capacity(grants.len());
                 let mut ix = Vec::with_capacity(grants.len());
@@ -98,7 +75,7 @@ impl StoragePool {
                         ix.push(i);
                     }
                 }
-                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls)) {
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls, by)) {
                     if o.ok {
                         got[i] = Some(g.length as usize);
                     }
@@ -114,10 +91,10 @@ impl StoragePool {
     }
 
     pub(super) fn count_loads(&self, found: usize, hits: u64, bytes: u64) {
-        let mut b = self.book();
-        b.stats.hits += hits;
-        b.stats.bytes_loaded += bytes;
-        b.stats.load_failed += (found as u64).saturating_sub(hits);
+        let mut c = self.core.lock();
+        c.stats.hits += hits;
+        c.stats.bytes_loaded += bytes;
+        c.stats.load_failed += (found as u64).saturating_sub(hits);
     }
 
     /// One batch: acquire leases → `read(found indices, their leases, pool)` → release
@@ -125,20 +102,23 @@ impl StoragePool {
     pub(super) fn load_some(
         &self,
         keys: &[String],
+        by: Deadline,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
         let leases = self.session.acquire(keys)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
-        read(&found, &grants, self);
-        let err = self.mover().take_read_error();
-        if let Some(e) = err {
-            self.book().stats.last_load_error = Some(e);
+        read(&found, &grants, self, by);
+        {
+            let mut c = self.core.lock();
+            if let Some(e) = c.remote.as_mut().and_then(|r| r.take_read_error()) {
+                c.stats.last_load_error = Some(e);
+            }
         }
         self.release_leases(grants.iter().map(|g| g.lease_id).collect());
         // A reboot found by this read: every reader misses those keys from now on.
         self.report_boots()?;
-        self.book().stats.misses += (keys.len() - found.len()) as u64;
+        self.core.lock().stats.misses += (keys.len() - found.len()) as u64;
         Ok(found.len())
     }
 
@@ -160,7 +140,7 @@ impl StoragePool {
                     out.push(None);
                     continue;
                 };
-                let v = self.mover().view(&l);
+                let v = self.mover.view(&l);
                 match v {
                     Some(v) => {
                         hits += 1;
@@ -175,11 +155,11 @@ impl StoragePool {
                 }
             }
             {
-                let mut b = self.book();
-                b.stats.misses += misses;
-                b.stats.hits += hits;
-                b.stats.bytes_loaded += bytes;
-                b.stats.load_failed += failed;
+                let mut c = self.core.lock();
+                c.stats.misses += misses;
+                c.stats.hits += hits;
+                c.stats.bytes_loaded += bytes;
+                c.stats.load_failed += failed;
             }
             self.release_leases(unused);
         }

@@ -1,36 +1,40 @@
-//! One pool (one maru-server) of a handler: its storage session and its mover.
-//! Store = pages → bytes into the region → publish (publish only after the bytes are
-//! complete). Load = leases → READ/copy → release the leases.
+//! One pool (one maru-server) of a handler: its storage session, its mover and its
+//! core. Store = pages → bytes into the region → publish (publish only after the
+//! bytes are complete). Load = leases → READ/copy → release the leases.
 //!
-//! `store` and `load` hold those paths; `session` the calls to maru-server. Here: the
-//! pool itself, its heartbeat and tick (the region lifecycle's reports and
-//! give-backs), and the calls on keys.
+//! `core` is the pool's state and rules (sans-I/O); `store`, `load` and `in_place`
+//! drive them; `session` makes the calls to maru-server. Here: the pool itself, its
+//! heartbeat and tick (reports, regions lost and given back), and the calls on keys.
 //!
-//! Threads share a pool (`&self` everywhere). What each lock guards:
-//! - `book`: the bookkeeping (spare pages, the regions stores are writing into, the
-//!   newest region, stats). Held for a few map operations, never across a copy, a
-//!   transfer or a round trip.
-//! - `mover`: the mover's own state (mappings, agents, the region lifecycle). `cxl`
-//!   copies run without it (the mover hands out the region's mapping, see
-//!   `Mover::direct`); `remote_cxl` transfers too (the mover hands out its
-//!   `Transfers`, which lock the mover's state only to post and settle a window).
-//! - `gate`: publishes share it; what changes which regions are the session's or
-//!   what their boot ids are (heartbeat, tick) takes it alone. So a publish that
-//!   re-checked its regions under the gate cannot race with their loss.
-//!
-//! Lock order: gate → mover → book; calls to maru-server hold neither mover nor book.
+//! Threads share a pool (`&self` everywhere). Its one lock is the core's
+//! ([`core::CoreCell`]), taken for a few map operations, never across a copy, a
+//! transfer, a round trip, a connect or a fence; stores waiting for an adoption and
+//! heartbeats waiting for publishes wait on its condition, each until its deadline.
+//! The movers' own locks are leaves (`cxl`'s mappings; an agent's control
+//! connection, taken by one caller at a time and never while the core is locked).
+pub(crate) mod core;
+#[cfg(test)]
+mod core_tests;
 mod in_place;
 mod load;
 pub mod session;
 mod store;
 
+use self::core::{BeatCheck, CoreCell, Gone, PoolCore};
+use super::clock::Deadline;
 use super::error::WorkerError;
-use super::movers::{Mover, Transfers};
+use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
 use session::Session;
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A request's timeout unless `with_timeout` says otherwise (`timeout_ms`'s default).
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long opening a pool waits for its agents to prove the key (`greet_agents`).
+const GREET_WAIT: Duration = Duration::from_secs(2);
 
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
@@ -122,170 +126,156 @@ pub const EVICT_AHEAD_BYTES: u64 = 32 << 20;
 /// Pages evicted ahead at least.
 pub const EVICT_AHEAD_PAGES: usize = 16;
 
-/// Writes the batch items `(index, page)` through the pool; true where complete.
-type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)]) -> Vec<bool> + 'w;
-/// Reads the found items (their batch indices and leases) through the pool.
-type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool) + 'r;
-/// A test hook run between a store's copy and its publish (see `before_publish`).
+/// Writes the batch items `(index, page)` through the pool, by the request's
+/// deadline; true where complete.
+type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)], Deadline) -> Vec<bool> + 'w;
+/// Reads the found items (their batch indices and leases) through the pool, by the
+/// request's deadline.
+type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool, Deadline) + 'r;
+/// A test hook run between a store's copy and its publish (see `TestHooks`).
 pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
 /// A test hook run before the mover adopts a region the session took (see
-/// `with_before_adopt`).
+/// `TestHooks`).
 pub type BeforeAdopt = Box<dyn Fn(&RegionGrant) + Send + Sync>;
+/// A test hook that sees each chunk written (its page, whether its bytes are
+/// complete) and answers whether they are (see `TestHooks`).
+pub type AfterWrite = Box<dyn Fn(&PageGrant, bool) -> bool + Send + Sync>;
 
-/// How a request's bytes move (see `StoragePool::data_path`).
-#[derive(Clone)]
-enum DataPath {
-    /// Through the mover's transfers, without the mover's lock (`remote_cxl`).
-    Transfers(Arc<dyn Transfers>),
-    /// Copies through the mover's mappings, looked up chunk by chunk (`cxl`).
-    Direct,
-    /// Through the mover, under its lock.
-    Mover,
-}
-
-/// The pool's bookkeeping, under its short lock.
+/// Faults and observation points a test puts into a pool (cargo feature
+/// `test-hooks`; never set by the library itself).
 #[derive(Default)]
-struct Book {
-    stats: PoolStats,
-    /// Pages of the session's regions allocated to it, holding no key and no write
-    /// in flight: used by the next stores before asking maru-server for more.
-    spare: VecDeque<PageGrant>,
-    /// The region adopted last and its page count: when stores reach its second half,
-    /// the next region is taken ahead (for movers that want a lead).
-    newest: Option<(u64, u64)>,
-    /// The newest region for which a region was taken (or tried) ahead already.
-    lead_tried: Option<u64>,
-    /// Per region: pages handed to stores whose publish has not finished. Such a
-    /// region is not given back (maru-server asks again at the next heartbeat).
-    writing: HashMap<u64, usize>,
-    /// Regions being taken now (an `expand` in flight), counted against `max_bytes`.
-    expanding: u64,
-    /// When maru-server last had no region to give (see `EXPAND_BACKOFF_MS`).
-    refused_at: Option<u64>,
-    /// Regions maru-server asked for while stores wrote into them: no new store
-    /// writes into them, and the last store that does gives them back.
-    closing: std::collections::HashSet<u64>,
+pub struct TestHooks {
+    /// Runs after a store's bytes were written into its pages and before they are
+    /// published (a test makes a region vanish there).
+    pub before_publish: Option<BeforePublish>,
+    /// Runs before the mover adopts each region the session takes after the pool
+    /// opened (a test makes the adoption slow there).
+    pub before_adopt: Option<BeforeAdopt>,
+    /// Sees each chunk a store wrote and says whether its bytes are complete (a test
+    /// fails some writes, or notes the pages written).
+    pub after_write: Option<AfterWrite>,
+    /// Pretends a transfer of unknown outcome may still land (pages of failed writes
+    /// are then kept out of use).
+    pub unfenced: bool,
+    /// While set, the tick finds the agent of every own region silent too long.
+    pub silent: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 pub struct StoragePool {
     pub session: Session,
-    mover: Mutex<Box<dyn Mover>>,
-    /// How requests move bytes, from the mover at open.
-    path: DataPath,
-    book: Mutex<Book>,
-    gate: RwLock<()>,
-    /// Taking a region (expand + the mover's adopt) holds it alone; an `alloc` that got
-    /// pages of a region the mover does not know yet takes it shared, so it waits
-    /// until that region is usable (maru-server allocates from any region of the
-    /// session).
-    adopting: RwLock<()>,
+    /// The pool's state and rules, behind its one lock.
+    core: Arc<CoreCell>,
+    mover: Mover,
     max_batch: usize,
-    /// Pages to take ahead with each `alloc` (0: none, unused pages are freed at once);
-    /// at most twice as many are kept.
-    spare_target: usize,
-    /// Most regions the session takes (`max_bytes`); none: no limit.
-    max_regions: Option<u64>,
-    before_publish: Option<BeforePublish>,
-    before_adopt: Option<BeforeAdopt>,
+    /// A request's timeout (`timeout_ms`): its waits on agents (connects, calls,
+    /// transfers, fences) end this long after it started (see `Deadline`).
+    timeout: Duration,
+    hooks: TestHooks,
 }
 
 impl StoragePool {
-    pub fn open(session: Session, mut mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
-        if let Some(r) = &session.first_region {
-            mover.adopt(r)?;
+    pub fn open(session: Session, mover: Mover) -> Result<StoragePool, WorkerError> {
+        let core = match &mover {
+            Mover::Remote(m) => m.core(),
+            Mover::Cxl(_) => Arc::new(CoreCell::new(PoolCore::new(session.page_size, None))),
+        };
+        {
+            let mut c = core.lock();
+            c.set_page_size(session.page_size);
+            c.set_wants_lead(mover.wants_lead());
         }
-        let path = match mover.transfers() {
-            Some(t) => DataPath::Transfers(t),
-            None if mover.writes_direct() => DataPath::Direct,
-            None => DataPath::Mover,
-        };
         let max_batch = session.handshake.max_batch.max(1);
-        let newest = session.first_region.as_ref().map(region_pages);
         let pool = StoragePool {
-            book: Mutex::new(Book {
-                stats: PoolStats {
-                    regions: u64::from(session.first_region.is_some()),
-                    ..PoolStats::default()
-                },
-                newest,
-                ..Book::default()
-            }),
             session,
-            mover: Mutex::new(mover),
-            path,
-            gate: RwLock::new(()),
-            adopting: RwLock::new(()),
+            core,
+            mover,
             max_batch,
-            spare_target: 0,
-            max_regions: None,
-            before_publish: None,
-            before_adopt: None,
+            timeout: DEFAULT_TIMEOUT,
+            hooks: TestHooks::default(),
         };
+        if let Some(r) = pool.session.first_region.clone() {
+            pool.mover.adopt(&r, pool.deadline())?;
+            pool.core.lock().adopted(&r);
+        }
         pool.report_boots()?;
         Ok(pool)
     }
 
-    /// The bookkeeping (a poisoned lock is taken over: its data is counters and lists
-    /// that a panic between two statements leaves usable).
-    fn book(&self) -> MutexGuard<'_, Book> {
-        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    /// Bounds each request's waits on agents by `timeout` from its start (10 s by
+    /// default, as `timeout_ms`).
+    pub fn with_timeout(mut self, timeout: Duration) -> StoragePool {
+        self.timeout = timeout;
+        self
     }
 
-    fn mover(&self) -> MutexGuard<'_, Box<dyn Mover>> {
-        self.mover.lock().unwrap_or_else(|e| e.into_inner())
+    /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
+    /// they count as used at maru-server until a store fills them or the pool closes.
+    pub fn with_spare_pages(self, n: usize) -> StoragePool {
+        self.core.lock().set_spare_target(n);
+        self
     }
 
-    /// How a request moves bytes (decided at open: a request takes no lock to ask).
-    fn data_path(&self) -> DataPath {
-        self.path.clone()
+    /// Holds at most `max_bytes` of regions (whole regions, at least one; 0: no
+    /// limit): past it, stores evict the session's own keys instead of expanding.
+    pub fn with_max_bytes(self, max_bytes: u64) -> StoragePool {
+        let region = self.session.handshake.region_size.max(1);
+        let max = (max_bytes > 0).then(|| (max_bytes / region).max(1));
+        self.core.lock().set_max_regions(max);
+        self
     }
 
-    /// Tells maru-server the boot ids of the own regions (a heartbeat) when the mover
-    /// says it must hear them before anything else is published (a new region, or a
-    /// memory node that rebooted: maru-server then drops that region's keys).
+    /// Test hooks (see [`TestHooks`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn with_test_hooks(mut self, hooks: TestHooks) -> StoragePool {
+        self.hooks = hooks;
+        self
+    }
+
+    /// Test hook: `f(pool, pages)` runs after a store's bytes were written into
+    /// `pages` and before they are published.
+    #[cfg(feature = "test-hooks")]
+    pub fn with_before_publish(mut self, f: BeforePublish) -> StoragePool {
+        self.hooks.before_publish = Some(f);
+        self
+    }
+
+    /// Test hook: `f(grant)` runs before the mover adopts each region the session
+    /// takes after the pool opened.
+    #[cfg(feature = "test-hooks")]
+    pub fn with_before_adopt(mut self, f: BeforeAdopt) -> StoragePool {
+        self.hooks.before_adopt = Some(f);
+        self
+    }
+
+    /// Connects to the pool's agents (`remote_cxl`), so that an agent key that does
+    /// not prove fails the open ([`WorkerError::Auth`]) rather than the first store.
+    /// All of them within [`GREET_WAIT`] (or the timeout, if shorter): an agent that
+    /// does not answer delays no open for long, and is connected when needed.
+    pub(crate) fn greet_agents(&self) -> Result<(), WorkerError> {
+        let by = Deadline::after(self.timeout.min(GREET_WAIT));
+        self.mover.greet(&self.session.handshake.agents, by)
+    }
+
+    /// The deadline of a request starting now.
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.timeout)
+    }
+
+    /// Tells maru-server the boot ids of the own regions (a heartbeat) when it must
+    /// hear them before anything else is published (a new region, or a memory node
+    /// that rebooted: maru-server then drops that region's keys).
     fn report_boots(&self) -> Result<(), WorkerError> {
-        let must = self.mover().must_report();
+        let must = self.core.lock().must_report();
         if must {
             self.heartbeat()?;
         }
         Ok(())
     }
 
-    /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
-    /// they count as used at maru-server until a store fills them or the pool closes.
-    pub fn with_spare_pages(mut self, n: usize) -> StoragePool {
-        self.spare_target = n;
-        self
-    }
-
-    /// Holds at most `max_bytes` of regions (whole regions, at least one; 0: no
-    /// limit): past it, stores evict the session's own keys instead of expanding.
-    pub fn with_max_bytes(mut self, max_bytes: u64) -> StoragePool {
-        let region = self.session.handshake.region_size.max(1);
-        self.max_regions = (max_bytes > 0).then(|| (max_bytes / region).max(1));
-        self
-    }
-
-    /// Test hook: `f(pool, pages)` runs after a store's bytes were written into
-    /// `pages` and before they are published (a test makes a region vanish there).
-    #[doc(hidden)]
-    pub fn with_before_publish(mut self, f: BeforePublish) -> StoragePool {
-        self.before_publish = Some(f);
-        self
-    }
-
-    /// Test hook: `f(grant)` runs before the mover adopts each region the session takes
-    /// after the pool opened (a test makes the adoption slow there).
-    #[doc(hidden)]
-    pub fn with_before_adopt(mut self, f: BeforeAdopt) -> StoragePool {
-        self.before_adopt = Some(f);
-        self
-    }
-
     /// Counters of the pool (prefaulting included).
     pub fn stats(&self) -> PoolStats {
-        let prefaulted = self.mover().prefault_stats().map_or(0, |p| p.bytes);
-        let mut s = self.book().stats.clone();
+        let prefaulted = self.mover.prefault_stats().map_or(0, |p| p.bytes);
+        let mut s = self.core.lock().stats.clone();
         s.prefaulted_bytes = prefaulted;
         s
     }
@@ -329,166 +319,120 @@ impl StoragePool {
     }
 
     /// Heartbeat: tells maru-server the own regions and their boot ids; regions it no
-    /// longer counts as the session's are lost, regions it asks for are given back.
-    /// Takes the gate alone: no publish runs meanwhile.
+    /// longer counts as the session's are lost, regions it asks for are given back (now,
+    /// or by their last writer). A report of a reboot waits (until a request's
+    /// timeout) for the publishes re-checked before the reboot was found: maru-server
+    /// drops their keys with the others. No lock is held across the round trip.
     pub fn heartbeat(&self) -> Result<(), WorkerError> {
-        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
-        self.heartbeat_gated()
-    }
-
-    fn heartbeat_gated(&self) -> Result<(), WorkerError> {
-        let (boots, regions) = {
-            let mut m = self.mover();
-            m.reclaim();
-            let boots = m.boot_ids();
-            let regions = m
-                .own_regions()
-                .into_iter()
-                .filter(|r| !boots.contains_key(r))
-                .collect();
-            (boots, regions)
+        let check = self
+            .core
+            .wait_while(self.deadline(), |c| c.heartbeat_begin() == BeatCheck::Wait)
+            .heartbeat_begin();
+        let (boots, regions) = match check {
+            BeatCheck::Go { boots, regions } => (boots, regions),
+            BeatCheck::Wait => {
+                return Err(WorkerError::Timeout(format!(
+                    "pool {}: the report of a reboot waited {} ms for publishes still unanswered",
+                    self.session.url,
+                    self.timeout.as_millis()
+                )))
+            }
         };
         let reply = self.session.heartbeat(boots.clone(), regions)?;
-        self.mover().reported(&boots);
+        let gone = self.core.lock().heartbeat_answered(&boots, &reply);
+        self.core.notify();
         for id in &reply.rebooted_regions {
             log::warn!(
                 "pool {}: maru-server dropped the keys of region {id}: its memory node rebooted",
                 self.session.url
             );
         }
-        for id in reply.unknown_regions {
-            self.lose_region(id);
-        }
-        for id in reply.give_back {
-            self.give_back_region(id);
-        }
+        self.carry_out(gone);
         Ok(())
     }
 
-    /// maru-server asks for one of the session's regions: the pool is full and
-    /// another storing engine waits while this one holds more than its share. While a
-    /// store writes into it, it is closing: no new store takes a page of it, and the
-    /// last store that wrote into it gives it back (`give_back_closed`); else nothing more is written
-    /// into it (a store looks its mapping up after it marked its pages, under the same
-    /// locks), its spare pages go, and it is returned (its keys go, maru-server
-    /// releases it at its agent before the RM frees it).
-    fn give_back_region(&self, id: u64) {
-        {
-            let mut m = self.mover();
-            let mut b = self.book();
-            b.spare.retain(|p| p.region_id != id);
-            if b.writing.get(&id).copied().unwrap_or(0) > 0 {
-                log::debug!(
-                    "pool {}: region {id} is asked for while a store writes into it: given back when that store is done",
-                    self.session.url
-                );
-                b.closing.insert(id);
-                return;
-            }
-            b.closing.remove(&id);
-            m.forget_region(id);
-            if b.newest.is_some_and(|(r, _)| r == id) {
-                b.newest = None;
+    /// Carries out what the core decided about regions the pool no longer writes
+    /// into: the mover forgets them; a region maru-server asked for is returned (its
+    /// keys go, maru-server releases it at its agent before the RM frees it).
+    pub(super) fn carry_out(&self, gone: Vec<Gone>) {
+        for g in gone {
+            self.mover.forget(g.region());
+            match g {
+                Gone::Lost(id) => log::warn!(
+                    "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): its spare pages dropped; nothing more is written into it",
+                    self.session.url,
+                ),
+                Gone::GiveBack(id) => {
+                    let r = self.session.return_region(id, false);
+                    self.core.lock().given_back(r.is_ok());
+                    match r {
+                        Ok(()) => log::info!(
+                            "pool {}: region {id} given back for another engine's fair share of the full pool",
+                            self.session.url
+                        ),
+                        Err(e) => log::warn!(
+                            "pool {}: region {id} could not be given back ({e}); nothing more is written into it and maru-server asks again",
+                            self.session.url
+                        ),
+                    }
+                }
             }
         }
-        match self.session.return_region(id, false) {
-            Ok(()) => {
-                let mut b = self.book();
-                b.stats.regions = b.stats.regions.saturating_sub(1);
-                b.stats.regions_given_back += 1;
-                log::info!(
-                    "pool {}: region {id} given back for another engine's fair share of the \
-                     full pool",
-                    self.session.url
-                );
-            }
-            Err(e) => log::warn!(
-                "pool {}: region {id} could not be given back ({e}); nothing more is written \
-                 into it and maru-server asks again",
-                self.session.url
-            ),
-        }
-    }
-
-    /// Gives back a closing region whose last store is done (see `give_back_region`).
-    pub(super) fn give_back_closed(&self, id: u64) {
-        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
-        self.give_back_region(id);
     }
 
     /// Periodic work (about once a second): the mover probes the agents of own
-    /// regions; regions whose agent stayed silent too long are given back to
-    /// maru-server (their keys go at once; its keeper releases them at the agent);
-    /// a reboot found is reported. The probes hold no pool lock (`remote_cxl` ticks
-    /// through its transfers: a probe of an agent slow to answer holds no request);
-    /// what they found is acted on under the gate alone (it changes which regions may
-    /// be published into). A probe that finds a reboot while a publish is in flight
-    /// changes the regions' boot ids, so a publish re-checked after it skips their
-    /// chunks; one re-checked before it is answered before the report below, which
-    /// makes maru-server drop those keys.
+    /// regions (without any pool lock: a probe of an agent slow to answer holds no
+    /// request); regions whose agent stayed silent too long go back to maru-server
+    /// once no publish into them is in flight (their keys go at once; its keeper
+    /// releases them at the agent); a reboot found is reported.
     pub fn tick(&self, now_ms: u64) -> Result<(), WorkerError> {
-        let back = match self.data_path() {
-            DataPath::Transfers(t) => t.tick(now_ms),
-            DataPath::Direct | DataPath::Mover => self.mover().tick(now_ms),
+        let mut silent = self.mover.tick(now_ms);
+        if self
+            .hooks
+            .silent
+            .as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
+        {
+            silent.extend(self.core.lock().own_regions());
+        }
+        let ready = {
+            let mut c = self.core.lock();
+            c.going(&silent);
+            c.returnable()
         };
-        let _gate = self.gate.write().unwrap_or_else(|e| e.into_inner());
-        for id in back {
+        for id in ready {
+            self.mover.forget(id);
             match self.session.return_region(id, false) {
-                Ok(()) | Err(WorkerError::Refused(_)) => self.lose_region(id),
+                Ok(()) | Err(WorkerError::Refused { .. }) => {
+                    self.core.lock().lose(id);
+                    log::warn!(
+                        "pool {}: region {id} given back: its agent did not answer for too long (its keys go)",
+                        self.session.url
+                    );
+                }
                 Err(e) => return Err(e),
             }
         }
-        let must = self.mover().must_report();
-        if must {
-            self.heartbeat_gated()?;
-        }
-        Ok(())
-    }
-
-    /// maru-server says the region is no longer the session's (the RM took it back
-    /// while maru-server could not reach it, say): the spare pages in it go, and
-    /// nothing more is written into it (no copy starts into it from now on; a store
-    /// that wrote into it does not publish). Stores go on in the session's other
-    /// regions.
-    #[doc(hidden)]
-    pub fn lose_region(&self, id: u64) {
-        let dropped = {
-            let mut m = self.mover();
-            let mut b = self.book();
-            let before = b.spare.len();
-            b.spare.retain(|p| p.region_id != id);
-            m.forget_region(id);
-            if b.newest.is_some_and(|(r, _)| r == id) {
-                b.newest = None;
-            }
-            b.closing.remove(&id);
-            b.stats.regions = b.stats.regions.saturating_sub(1);
-            b.stats.regions_lost += 1;
-            before - b.spare.len()
-        };
-        log::warn!(
-            "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): {dropped} spare page(s) in it dropped; nothing more is written into it",
-            self.session.url,
-        );
+        self.report_boots()
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's
     /// regions at their agents (see `Mover::release_all`).
     pub fn release_regions(&self) -> (usize, usize) {
-        self.mover().release_all()
+        self.mover.release_all()
     }
 
     pub fn close(&self) -> Result<(), WorkerError> {
         // maru-server hears the boot ids at a drained close too (the keeper compares
         // them): ask the agents first, so a reboot not seen yet is reported now.
-        self.mover().check_agents(super::clock::now_ms());
+        self.mover.check_agents(super::clock::now_ms());
         if let Err(e) = self.heartbeat() {
             log::warn!(
                 "pool {}: heartbeat before close failed: {e}",
                 self.session.url
             );
         }
-        let spare: Vec<PageGrant> = self.book().spare.drain(..).collect();
+        let spare = self.core.lock().drain_spare();
         if let Err(e) = self.session.free_pages(&spare) {
             log::warn!(
                 "pool {}: cannot return {} spare pages before closing: {e}",
@@ -498,9 +442,4 @@ impl StoragePool {
         }
         self.session.close()
     }
-}
-
-/// A region's id and page count.
-fn region_pages(g: &RegionGrant) -> (u64, u64) {
-    (g.handle.region_id, g.pages)
 }

@@ -4,13 +4,15 @@
 //! link after the first presents the session's secret in its hello, and maru-server
 //! binds it to the same principal (see `SessionBinding` in maru-server).
 
-use crate::net::{ClientOptions, Link};
+use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, KeyInfo, LeaseGrant, MetaReply, MetaRequest,
     PageGrant, PageRef, PublishEntry, RegionGrant, RemoveResult, SessionReply, SERVICE,
 };
-use crate::worker::error::WorkerError;
+use crate::worker::clock::now_ms;
+use crate::worker::error::{Peer, WorkerError};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -35,6 +37,9 @@ pub struct Session {
     /// A region the open came with (none: the first store expands).
     pub first_region: Option<RegionGrant>,
     pub session_timeout_ms: u64,
+    /// When maru-server last answered a call of this session (`clock::now_ms`): one
+    /// out of reach for longer than the session timeout has expired the session.
+    answered_ms: AtomicU64,
 }
 
 fn unexpected(what: &str, r: MetaReply) -> WorkerError {
@@ -60,7 +65,11 @@ impl Session {
         opts.connect_timeout = timeout.min(Duration::from_secs(5));
         opts.call_timeout = timeout;
         let mut link = Link::new(url, opts.clone());
-        let handshake = match link.call::<_, MetaReply>(&MetaRequest::Handshake {})? {
+        let at = |e| WorkerError::from_link(Peer::Server(url.to_string()), e);
+        let handshake = match link
+            .call::<_, MetaReply>(&MetaRequest::Handshake {})
+            .map_err(at)?
+        {
             MetaReply::Handshake(h) => h,
             r => return Err(unexpected("handshake", r)),
         };
@@ -83,7 +92,7 @@ impl Session {
             // none.
             first_region: false,
         };
-        let s: SessionReply = match link.call::<_, MetaReply>(&req)? {
+        let s: SessionReply = match link.call::<_, MetaReply>(&req).map_err(at)? {
             MetaReply::Session(s) => s,
             r => return Err(unexpected("open_session", r)),
         };
@@ -102,6 +111,7 @@ impl Session {
             handshake,
             first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
+            answered_ms: AtomicU64::new(now_ms()),
         })
     }
 
@@ -143,7 +153,10 @@ impl Session {
         let mut link = self.take_link()?;
         let r = link.call::<_, MetaReply>(req);
         self.give_link(link);
-        Ok(r?)
+        if !matches!(r, Err(LinkError::Unreachable(_))) {
+            self.answered_ms.store(now_ms(), Ordering::Relaxed);
+        }
+        r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
     }
 
     pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
@@ -288,18 +301,46 @@ impl Session {
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
     /// writes into; the reply says which of them are no longer the session's.
+    ///
+    /// A heartbeat names nothing but the session, so maru-server refusing it means the
+    /// session is gone (expired, unknown after a restart, not this client's): that is
+    /// [`WorkerError::SessionLost`], as is maru-server out of reach for longer than
+    /// the session timeout (it expired the session meanwhile).
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
     ) -> Result<HeartbeatReply, WorkerError> {
-        match self.call(&MetaRequest::Heartbeat {
+        let r = self.call(&MetaRequest::Heartbeat {
             session: self.id,
             boot_ids,
             regions,
-        })? {
-            MetaReply::Heartbeat(h) => Ok(h),
-            r => Err(unexpected("heartbeat", r)),
+        });
+        match r {
+            Ok(MetaReply::Heartbeat(h)) => Ok(h),
+            Ok(r) => Err(unexpected("heartbeat", r)),
+            Err(WorkerError::Refused { reason, .. } | WorkerError::Permission { reason, .. }) => {
+                Err(self.lost(reason))
+            }
+            Err(e @ WorkerError::Unavailable { .. }) => {
+                let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
+                if silent >= self.session_timeout_ms {
+                    Err(self.lost(format!(
+                        "no answer for {silent} ms, longer than the session timeout ({e})"
+                    )))
+                } else {
+                    Err(e)
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn lost(&self, reason: String) -> WorkerError {
+        WorkerError::SessionLost {
+            url: self.url.clone(),
+            session: self.id,
+            reason,
         }
     }
 

@@ -1,26 +1,54 @@
 //! The agents of a remote mover: one control connection each (map, map_read,
-//! release), a short-timeout probe connection, the transport peer, and what the region
-//! lifecycle makes of what they say (a restart maps the regions again, a reboot puts
-//! them out of use until maru-server dropped their keys). The map of a region taken,
-//! a load's map_reads and the probes run without the state's lock (`Shared::adopt`,
-//! `Shared::map_reads`, `Shared::probe`), holding only their connection.
+//! release, a peer's bring-up), a short-timeout probe connection, the transport peer,
+//! and what the region lifecycle makes of what they say (a restart maps the regions
+//! again, a reboot puts them out of use until maru-server dropped their keys).
+//!
+//! Every round trip to an agent, every connect and every fence runs without the
+//! state's lock, holding only the connection it uses (`link`), and a wait made for a
+//! request ends by the request's deadline; what it found is recorded under the lock
+//! (`RemoteState`, which never waits). So an agent that stalls costs the requests
+//! that need it about their timeout, and holds nothing of the handler's other
+//! requests, pools, heartbeats or ticks.
 
-use super::{AgentConn, ReadTarget, RemoteState, Shared};
+use super::link::{AgentLink, LinkLease};
+use super::{AgentConn, OwnRegion, ReadTarget, RemoteMover, RemoteState};
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
 use crate::worker::agents::{require_boot_id, welcome_identity};
-use crate::worker::clock::now_ms;
-use crate::worker::error::WorkerError;
+use crate::worker::clock::{now_ms, Deadline};
+use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
-/// probe holds the pool's tick (not the handler's requests: `Shared::probe`) and an
+/// probe holds the pool's tick (not the handler's requests: `RemoteMover::probe`) and an
 /// agent that does not answer is the case it is there to find.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long the tick's fences wait for their proof (see `RemoteMover::reclaim`).
+const TICK_FENCE_WAIT: Duration = Duration::from_secs(1);
+
+/// A control link to an agent: an agent that reports no boot id in its welcome is
+/// refused by the link itself, before anything is asked of it (a worker could not
+/// tell a reboot of its memory node).
+pub(super) fn agent_link(addr: &str, opts: crate::net::ClientOptions) -> Link {
+    Link::new(addr, opts).with_check(require_boot_id)
+}
+
+fn timed_out(agent: &str, what: &str) -> WorkerError {
+    WorkerError::unavailable(
+        Peer::Agent(agent.to_string()),
+        format!("{what} within the request's timeout"),
+    )
+}
+
+/// A call to `agent` failed with `e`.
+fn at(agent: &str, e: LinkError) -> WorkerError {
+    WorkerError::from_link(Peer::Agent(agent.to_string()), e)
+}
 
 impl RemoteState {
     pub(super) fn agent(&mut self, addr: &str) -> &mut AgentConn {
@@ -28,111 +56,71 @@ impl RemoteState {
         self.agents
             .entry(addr.to_string())
             .or_insert_with(|| AgentConn {
-                link: Arc::new(Mutex::new(
-                    Link::new(addr, opts).with_check(require_boot_id),
-                )),
+                link: Arc::new(AgentLink::new(agent_link(addr, opts))),
                 peer: None,
             })
     }
 
-    /// Connects to `addr` if needed and tells the lifecycle who answered.
-    pub(super) fn connect_agent(&mut self, addr: &str) -> Result<(), WorkerError> {
-        let now = now_ms();
-        let conn = self.agent(addr);
-        if conn.link().is_connected() {
-            return Ok(());
-        }
-        let seen = conn.link().client().map(|c| welcome_identity(c));
-        match seen {
-            Ok((boot, epoch)) => {
-                let v = self.life.seen(addr, boot.as_deref(), epoch, now);
-                self.on_verdict(addr, v)
-            }
-            Err(e) => {
-                self.life.unreachable(addr, now);
-                Err(e.into())
-            }
-        }
+    pub(super) fn link_of(&mut self, addr: &str) -> Arc<AgentLink> {
+        self.agent(addr).link.clone()
     }
 
-    /// Carries out what the lifecycle made of an agent's identity.
+    /// An agent said who it is (a new control connection's welcome, a probe's answer,
+    /// a map reply): the lifecycle's verdict, carried out (`on_verdict`). `Err` for an
+    /// agent that reports no boot id.
+    pub(crate) fn seen(
+        &mut self,
+        addr: &str,
+        boot: Option<&str>,
+        epoch: Option<u64>,
+        now_ms: u64,
+    ) -> Result<Verdict, WorkerError> {
+        let v = self.life.seen(addr, boot, epoch, now_ms);
+        self.on_verdict(addr, v.clone()).map(|()| v)
+    }
+
+    /// Carries out what the lifecycle made of an agent's identity: a restart or a
+    /// reboot drops the peer (queued to be fenced) and the read registrations there;
+    /// an agent without boot id is unreachable (its control connection goes).
     pub(super) fn on_verdict(&mut self, addr: &str, v: Verdict) -> Result<(), WorkerError> {
         match v {
             Verdict::Same => return Ok(()),
             Verdict::NoBoot => {
-                self.agent(addr).link().reset();
+                self.agent(addr).link.reset_later();
                 // Read registrations go with the connection.
                 self.forget_reads(Some(addr));
-                return Err(WorkerError::Unavailable(format!(
-                    "agent {addr} reports no boot id: treated as unreachable"
-                )));
+                return Err(WorkerError::unavailable(
+                    Peer::Agent(addr.to_string()),
+                    "it reports no boot id: treated as unreachable",
+                ));
             }
             Verdict::Restarted => log::info!(
                 "agent {addr} restarted (same boot): mapping this worker's regions there again"
             ),
-            Verdict::Rebooted(ids) => log::warn!(
-                "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
-            ),
+            Verdict::Rebooted(ids) => {
+                // Publishes re-checked before this are answered before it is reported.
+                self.reboots += 1;
+                log::warn!(
+                    "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
+                )
+            }
         }
         // Its registrations and data connection are gone with the old process.
-        let conn = self.agent(addr);
-        let peer = conn.peer.take();
-        if let Some(p) = peer {
-            self.iso.fence(self.nic.as_ref(), p);
+        if let Some(p) = self.agent(addr).peer.take() {
+            self.to_fence.push(p);
         }
         self.forget_reads(Some(addr));
         Ok(())
-    }
-
-    pub(super) fn agent_call(
-        &mut self,
-        addr: &str,
-        req: &AgentRequest,
-    ) -> Result<AgentReply, WorkerError> {
-        self.connect_agent(addr)?;
-        let conn = self.agent(addr);
-        let mut r = conn.link().call::<_, AgentReply>(req);
-        if !conn.link().is_connected() {
-            self.link_broke(addr);
-            if r.is_err() {
-                // Failed on the dead connection, so the agent never saw it: once more
-                // on a fresh one.
-                self.connect_agent(addr)?;
-                r = self.agent(addr).link().call::<_, AgentReply>(req);
-            }
-        }
-        if let Err(LinkError::Unreachable(_)) = &r {
-            self.life.unreachable(addr, now_ms());
-        }
-        Ok(r?)
     }
 
     /// The control connection to `addr` broke: the agent may have restarted, losing
     /// its registrations (read registrations go with the connection anyway); a new
     /// connection is a new peer at the transport too, and this mover's regions there
     /// are mapped again before their next use.
-    fn link_broke(&mut self, addr: &str) {
+    pub(super) fn link_broke(&mut self, addr: &str) {
         self.agent(addr).peer = None;
         self.life.link_broken(addr);
         self.forget_reads(Some(addr));
-    }
-
-    /// The probe connection to `addr` (short timeouts, and a client id of its own: the
-    /// agent drops a client's read handles when one of its connections closes, and
-    /// this one holds none).
-    fn probe_link(&mut self, addr: &str) -> Arc<Mutex<Link>> {
-        let mut opts = self.agent_opts.clone();
-        opts.client_id = format!("{}#probe", opts.client_id);
-        opts.connect_timeout = PROBE_TIMEOUT;
-        opts.call_timeout = PROBE_TIMEOUT;
-        self.probes
-            .entry(addr.to_string())
-            .or_insert_with(|| {
-                Arc::new(Mutex::new(
-                    Link::new(addr, opts).with_check(require_boot_id),
-                ))
-            })
-            .clone()
     }
 
     /// What a probe of `addr` found out (`who`: the boot id and epoch that answered).
@@ -144,13 +132,13 @@ impl RemoteState {
     ) {
         match who {
             Ok((boot, epoch)) => {
-                let v = self.life.seen(addr, boot.as_deref(), epoch, now);
-                if v != Verdict::Same {
+                let v = self.seen(addr, boot.as_deref(), epoch, now);
+                if v != Ok(Verdict::Same) {
                     // The control connection went with the old process: the next
                     // call connects afresh (and its welcome is checked again).
-                    self.agent(addr).link().reset();
+                    self.agent(addr).link.reset_later();
                 }
-                if let Err(e) = self.on_verdict(addr, v) {
+                if let Err(e) = v {
                     log::warn!("{e}");
                 }
             }
@@ -161,43 +149,17 @@ impl RemoteState {
         }
     }
 
-    pub(super) fn peer(
-        &mut self,
-        addr: &str,
-        meta: &serde_json::Value,
-    ) -> Result<PeerId, WorkerError> {
-        if let Some(p) = self.agent(addr).peer {
-            return Ok(p);
-        }
-        let nic = self.nic.clone();
-        let conn = self.agent(addr);
-        let shared_link = conn.link.clone();
-        let mut link = shared_link.lock().unwrap_or_else(|e| e.into_inner());
-        let mut bringup = |info: &serde_json::Value| -> Result<serde_json::Value, TransportError> {
-            match link.call::<_, AgentReply>(&AgentRequest::ConnectPeer { info: info.clone() }) {
-                Ok(AgentReply::Peer { info }) => Ok(info),
-                Ok(r) => Err(TransportError::Setup(format!("unexpected reply {r:?}"))),
-                Err(e) => Err(TransportError::Setup(e.to_string())),
-            }
-        };
-        let p = nic
-            .connect(meta, &mut bringup)
-            .map_err(|e| WorkerError::Unavailable(format!("agent {addr}: {e}")))?;
-        drop(link);
-        self.agent(addr).peer = Some(p);
-        Ok(p)
-    }
-
-    /// A peer whose batch failed with a known outcome: closed at the transport and
-    /// forgotten; its agent's own regions are mapped again before their next use.
-    pub(super) fn drop_failed_peer(&mut self, peer: PeerId) {
+    /// A peer whose batch failed with a known outcome: forgotten (and queued to be
+    /// fenced: only a fence that succeeded lets pages of its WRITEs be reused); its
+    /// agent's own regions are mapped again before their next use.
+    pub(crate) fn drop_failed_peer(&mut self, peer: PeerId) {
         let mut dropped = false;
         for (addr, c) in self.agents.iter_mut() {
             if c.peer == Some(peer) {
                 c.peer = None;
                 // The agent's control connection likely went with it (a restart):
                 // connect afresh rather than find out on the next call.
-                c.link().reset();
+                c.link.reset_later();
                 self.life.link_broken(addr);
                 dropped = true;
             }
@@ -206,75 +168,56 @@ impl RemoteState {
         if dropped {
             self.forget_reads(None);
         }
-        // Recorded: only a fence that succeeded lets pages of its WRITEs be reused.
-        self.iso.fence(self.nic.as_ref(), peer);
+        self.to_fence.push(peer);
     }
 
-    /// Maps this mover's own regions again at the agents whose registrations may be
-    /// gone (a broken connection, a restart), unless one of them waits for
-    /// maru-server to hear of a reboot. The agent keeps a region's bytes across its
-    /// restart, not its registration. An agent that cannot be reached stays due.
-    pub(super) fn remap_failed_agents(&mut self) {
-        let mut agents: Vec<String> = self.own.values().map(|r| r.agent.clone()).collect();
+    /// Whether this mover's regions at `agent` are to be mapped again now: their
+    /// registrations may be gone (a broken connection, a restart) and none of them
+    /// waits for maru-server to hear of a reboot.
+    pub(super) fn remap_due(&self, agent: &str) -> bool {
+        self.life.needs_remap(agent)
+            && self.life.may_map(agent)
+            && self.own.values().any(|r| r.agent == agent)
+    }
+
+    /// The agents whose regions are to be mapped again now, and that answer.
+    fn remaps_due(&self) -> Vec<String> {
+        let mut agents: Vec<String> = self
+            .own
+            .values()
+            .map(|r| r.agent.clone())
+            .filter(|a| self.remap_due(a))
+            .collect();
         agents.sort();
         agents.dedup();
-        agents.retain(|a| self.life.needs_remap(a) && self.life.may_map(a));
-        for agent in agents {
-            self.remap_agent(&agent);
-        }
+        agents
     }
 
-    pub(super) fn remap_agent(&mut self, agent: &str) {
-        // Connect first: a new connection's welcome may reveal a reboot, and then
-        // nothing is mapped before maru-server dropped the keys.
-        if let Err(e) = self.connect_agent(agent) {
-            log::debug!("mapping again at agent {agent}: {e}");
-            return;
-        }
-        if !self.life.may_map(agent) {
-            return;
-        }
-        let regions: Vec<(u64, crate::wire::rm::Handle)> = self
-            .own
-            .iter()
-            .filter(|(_, r)| r.agent == agent)
-            .map(|(id, r)| (*id, r.handle.clone()))
+    /// The transport metadata to reach `agent`'s NIC with (its newest map reply: on
+    /// soft it binds the data connections to the control connection that mapped).
+    fn transport_of(&self, agent: &str) -> Option<serde_json::Value> {
+        self.own
+            .values()
+            .find(|r| r.agent == agent)
+            .map(|r| r.map.transport.clone())
+            .or_else(|| {
+                self.reads
+                    .values()
+                    .find(|t| t.0 == agent)
+                    .map(|t| t.3.clone())
+            })
+    }
+
+    /// Of `agents`, those a window cannot use before something is done without the
+    /// lock (`RemoteMover::ready`): no peer yet, or regions to map again.
+    pub(super) fn unready(&mut self, agents: impl IntoIterator<Item = String>) -> Vec<String> {
+        let mut out: Vec<String> = agents
+            .into_iter()
+            .filter(|a| self.agent(a).peer.is_none() || self.remap_due(a))
             .collect();
-        let mut all = true;
-        for (id, handle) in regions {
-            let req = AgentRequest::Map {
-                handle,
-                writable: true,
-            };
-            match self.agent_call(agent, &req) {
-                Ok(AgentReply::Mapped(m)) => {
-                    let v = self.life.seen(agent, Some(&m.boot_id), None, now_ms());
-                    let same = v == Verdict::Same;
-                    if let Err(e) = self.on_verdict(agent, v) {
-                        log::warn!("region {id}: {e}");
-                    }
-                    if !same || !self.life.may_map(agent) {
-                        all = false;
-                        break;
-                    }
-                    if let Some(r) = self.own.get_mut(&id) {
-                        r.map = m;
-                    }
-                }
-                Ok(r) => {
-                    log::warn!("region {id}: agent {agent} answered map with {r:?}");
-                    all = false;
-                }
-                Err(e) => {
-                    log::debug!("region {id}: mapping again at agent {agent} failed: {e}");
-                    all = false;
-                    break;
-                }
-            }
-        }
-        if all {
-            self.life.remapped(agent);
-        }
+        out.sort();
+        out.dedup();
+        out
     }
 
     /// Forgets the peers that isolation fenced.
@@ -292,24 +235,30 @@ impl RemoteState {
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         let t = self.locate(l)?;
         if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
-            return Err(WorkerError::Unavailable(format!(
-                "region {}: written under boot id {}, which its agent {} no longer runs (the memory node rebooted): nothing is read",
-                l.region_id,
-                l.boot_id.as_deref().unwrap_or("?"),
-                t.0
-            )));
+            return Err(WorkerError::unavailable(
+                Peer::Agent(t.0.clone()),
+                format!(
+                    "region {}: written under boot id {}, which the agent no longer runs (the memory node rebooted): nothing is read",
+                    l.region_id,
+                    l.boot_id.as_deref().unwrap_or("?"),
+                ),
+            ));
         }
         Ok(t)
     }
 
-    /// Where a lease's bytes are: our own mapping, or a read registration at its agent.
+    /// Where a lease's bytes are: our own mapping, or a read registration at its agent
+    /// (made by `RemoteMover::map_reads`, without the lock).
     fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if let Some(r) = self.own.get(&l.region_id) {
             if !self.life.usable(l.region_id) {
-                return Err(WorkerError::Unavailable(format!(
-                    "region {}: its memory node rebooted; its keys are being dropped",
-                    l.region_id
-                )));
+                return Err(WorkerError::unavailable(
+                    Peer::Agent(r.agent.clone()),
+                    format!(
+                        "region {}: its memory node rebooted; its keys are being dropped",
+                        l.region_id
+                    ),
+                ));
             }
             return Ok((
                 r.agent.clone(),
@@ -318,48 +267,28 @@ impl RemoteState {
                 r.map.transport.clone(),
             ));
         }
-        if let Some(t) = self.reads.get(&(l.region_id, l.offset, l.length)) {
+        if let Some(t) = self.reads.get(&range(l)) {
             return Ok(t.clone());
         }
-        let agent = l.agent.clone().ok_or_else(|| {
-            WorkerError::Transport(format!("lease {} names no agent", l.lease_id))
-        })?;
-        let m = match self.agent_call(&agent, &map_read_request(l)) {
-            Ok(AgentReply::Mapped(m)) => m,
-            Ok(r) => {
-                return Err(WorkerError::Transport(format!(
-                    "agent {agent} answered map_read with {r:?}"
-                )))
-            }
-            Err(e) => {
-                return Err(WorkerError::Transport(format!(
-                    "agent {agent} refused to map region {} for reading: {e}",
-                    l.region_id
-                )))
-            }
-        };
-        let v = self.life.seen(&agent, Some(&m.boot_id), None, now_ms());
-        self.on_verdict(&agent, v)?;
-        let t = (agent, m.addr, m.rkey, m.transport);
-        self.reads.insert(range(l), t.clone());
-        Ok(t)
+        Err(WorkerError::Transport(format!(
+            "region {} at agent {}: the range is not mapped for reading (its map_read failed or did not answer in time)",
+            l.region_id,
+            l.agent.as_deref().unwrap_or("?")
+        )))
     }
 
     /// Forgets the read registrations at `agent` (at every agent: None): the agent
-    /// dropped them with a connection of this client, or a read failed. A `map_read`
-    /// made without the lock that started before this is not recorded.
+    /// dropped them with a connection of this client, or a read failed.
     pub(super) fn forget_reads(&mut self, agent: Option<&str>) {
         match agent {
             Some(a) => self.reads.retain(|_, t| t.0 != a),
             None => self.reads.clear(),
         }
-        self.regs_gen += 1;
     }
 
     /// The ranges of `leases` in other engines' regions that have no read
-    /// registration yet, by agent, each with the connection to ask on; and the
-    /// registrations' generation now.
-    fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> (Vec<ToMap>, u64) {
+    /// registration yet, by agent, each with the connection to ask on.
+    fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> Vec<ToMap> {
         let mut out: Vec<ToMap> = Vec::new();
         for l in leases {
             if self.own.contains_key(&l.region_id) || self.reads.contains_key(&range(l)) {
@@ -372,7 +301,7 @@ impl RemoteState {
             let at = match out.iter().position(|t| t.agent == agent) {
                 Some(at) => at,
                 None => {
-                    let link = self.agent(agent).link.clone();
+                    let link = self.link_of(agent);
                     out.push(ToMap {
                         agent: agent.to_string(),
                         link,
@@ -385,31 +314,63 @@ impl RemoteState {
                 out[at].leases.push(l.clone());
             }
         }
-        (out, self.regs_gen)
+        out
     }
 
-    /// Records what `map_read` calls made without the lock got at `agent`, unless
-    /// registrations were forgotten since they started (`gen`): `locate` then maps
-    /// what it needs again.
-    fn mapped_reads(&mut self, agent: &str, gen: u64, got: MapReads) {
-        let stale = gen != self.regs_gen;
+    /// Records what `map_read` calls made without the lock got at `agent`. They were
+    /// made on the agent's control connection, taken for them: what could drop the
+    /// registrations meanwhile is that connection breaking (`broke`: nothing is
+    /// recorded) or the agent restarting (its verdict, recorded here).
+    pub(super) fn mapped_reads(&mut self, agent: &str, got: MapReads, now_ms: u64) {
         if got.broke {
             self.link_broke(agent);
         }
         if got.unreachable {
-            self.life.unreachable(agent, now_ms());
+            self.life.unreachable(agent, now_ms);
         }
         for (l, m) in got.mapped {
-            let v = self.life.seen(agent, Some(&m.boot_id), None, now_ms());
-            if let Err(e) = self.on_verdict(agent, v) {
+            if let Err(e) = self.seen(agent, Some(&m.boot_id), None, now_ms) {
                 log::warn!("region {}: {e}", l.0);
                 return;
             }
-            if !stale && !got.broke {
+            if !got.broke {
                 self.reads
                     .insert(l, (agent.to_string(), m.addr, m.rkey, m.transport));
             }
         }
+    }
+
+    /// Records a region taken, mapped at its agent (`reply` to the map); returns the
+    /// transport metadata of its NIC.
+    pub(crate) fn adopted(
+        &mut self,
+        grant: &RegionGrant,
+        agent: &str,
+        reply: AgentReply,
+        now_ms: u64,
+    ) -> Result<serde_json::Value, WorkerError> {
+        let m = match reply {
+            AgentReply::Mapped(m) => m,
+            r => {
+                return Err(WorkerError::Transport(format!(
+                    "agent {agent} answered map with {r:?}"
+                )))
+            }
+        };
+        let v = self
+            .life
+            .adopt(grant.handle.region_id, agent, &m.boot_id, None, now_ms);
+        self.on_verdict(agent, v)?;
+        let meta = m.transport.clone();
+        self.own.insert(
+            grant.handle.region_id,
+            OwnRegion {
+                agent: agent.to_string(),
+                handle: grant.handle.clone(),
+                map: m,
+            },
+        );
+        Ok(meta)
     }
 }
 
@@ -427,20 +388,6 @@ fn map_read_request(l: &LeaseGrant) -> AgentRequest {
     }
 }
 
-/// `req` on `link` if its connection is up (one that is down is connected under the
-/// state's lock: `connect_agent` checks who answers), with whether the connection
-/// broke on the way; None if it was down.
-fn call_if_up(
-    link: &mut Link,
-    req: &AgentRequest,
-) -> Option<(Result<AgentReply, LinkError>, bool)> {
-    if !link.is_connected() {
-        return None;
-    }
-    let r = link.call::<_, AgentReply>(req);
-    Some((r, !link.is_connected()))
-}
-
 /// Asks `link`'s agent who it is (boot id, epoch). The request is the cheapest the
 /// agent has (an unmap of no region: nothing changes); who answers is in the welcome
 /// of the connection, checked on every probe, so a restart is seen as soon as the old
@@ -452,7 +399,7 @@ fn ping(link: &mut Link) -> Result<(Option<String>, Option<u64>), LinkError> {
     let was = link.is_connected();
     let mut r = link.call::<_, AgentReply>(&ping);
     if r.is_err() && was && !link.is_connected() {
-        // The old connection was dead (a restart, say): once on a fresh one.
+        // The old connection was dead (a restart, say): once more on a fresh one.
         r = link.call::<_, AgentReply>(&ping);
     }
     r?;
@@ -462,13 +409,13 @@ fn ping(link: &mut Link) -> Result<(Option<String>, Option<u64>), LinkError> {
 /// Ranges to map for reading at one agent.
 struct ToMap {
     agent: String,
-    link: Arc<Mutex<Link>>,
+    link: Arc<AgentLink>,
     leases: Vec<LeaseGrant>,
 }
 
 /// What `map_read` calls on one connection got.
 #[derive(Default)]
-struct MapReads {
+pub(super) struct MapReads {
     mapped: Vec<((u64, u64, u64), MapReply)>,
     /// The connection broke on the way (what was mapped on it is gone).
     broke: bool,
@@ -476,16 +423,17 @@ struct MapReads {
     unreachable: bool,
 }
 
-/// Asks `link`'s agent to map each of `leases` for reading, on the connection that
-/// is up: one that is down is connected under the state's lock (`connect_agent`
-/// checks who answers), so nothing is asked here then, nor after a call broke it.
-fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads {
+/// Asks `link`'s agent to map each of `leases` for reading, each call by `by`, on the
+/// connection that is up (connected by the caller): nothing more is asked after a
+/// call broke it.
+fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadline) -> MapReads {
     let mut got = MapReads::default();
     for l in leases {
-        let Some((r, broke)) = call_if_up(link, &map_read_request(l)) else {
+        if !link.is_connected() || by.passed() {
             break;
-        };
-        got.broke |= broke;
+        }
+        let r = link.call_within::<_, AgentReply>(&map_read_request(l), by.left());
+        got.broke |= !link.is_connected();
         match r {
             Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
             Ok(other) => log::warn!(
@@ -493,7 +441,8 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads
                 l.region_id
             ),
             Err(e) => {
-                // Said to the caller when the window is planned (`locate` asks again).
+                // Said to the caller when the window is planned (the range is not
+                // mapped then).
                 log::debug!("agent {agent}: map_read of region {}: {e}", l.region_id);
                 got.unreachable |= matches!(e, LinkError::Unreachable(_));
             }
@@ -502,15 +451,206 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant]) -> MapReads
     got
 }
 
-impl Shared {
-    /// Maps a region this worker took at its agent and records it. The `map` round
-    /// trip (the agent holds the region at the RM and registers it with its NIC: on
-    /// verbs that pins the region's pages, tens of milliseconds for 256 MiB) holds
-    /// the agent's control connection, not the state's lock: the handler's other
-    /// requests go on meanwhile. Connecting, when the connection is down, and
-    /// recording run under the lock; a map made on a connection that was down, broke,
-    /// or may have lost its registrations meanwhile (`regs_gen`) is made again there.
-    pub(super) fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
+impl RemoteMover {
+    /// Makes the control connection to `addr` if it is down (its connect and
+    /// handshake by `by`) and tells the lifecycle who answered.
+    fn connect(
+        &self,
+        addr: &str,
+        lease: &mut LinkLease<'_>,
+        by: Deadline,
+    ) -> Result<(), WorkerError> {
+        if lease.refresh() {
+            return Ok(());
+        }
+        let now = now_ms();
+        let who = lease.client_within(by.left()).map(|c| welcome_identity(c));
+        let r = {
+            let mut st = self.lock();
+            match who {
+                Ok((boot, epoch)) => st.seen(addr, boot.as_deref(), epoch, now).map(|_| ()),
+                Err(e) => {
+                    st.life.unreachable(addr, now);
+                    Err(at(addr, e))
+                }
+            }
+        };
+        if r.is_err() {
+            lease.reset();
+        }
+        self.fence_queued(by);
+        r
+    }
+
+    /// `req` on `addr`'s control connection, connecting first, all by `by`. A call
+    /// that failed on a connection found dead is made once more on a fresh one (the
+    /// agent never saw it).
+    fn call(
+        &self,
+        addr: &str,
+        lease: &mut LinkLease<'_>,
+        req: &AgentRequest,
+        by: Deadline,
+    ) -> Result<AgentReply, WorkerError> {
+        self.connect(addr, lease, by)?;
+        let mut r = lease.call_within::<_, AgentReply>(req, by.left());
+        if !lease.is_connected() {
+            self.lock().link_broke(addr);
+            if r.is_err() && !by.passed() {
+                self.connect(addr, lease, by)?;
+                r = lease.call_within::<_, AgentReply>(req, by.left());
+                if !lease.is_connected() {
+                    self.lock().link_broke(addr);
+                }
+            }
+        }
+        if let Err(LinkError::Unreachable(_)) = &r {
+            self.lock().life.unreachable(addr, now_ms());
+        }
+        r.map_err(|e| at(addr, e))
+    }
+
+    /// Maps this mover's own regions at `addr` again (their registrations may be gone:
+    /// a broken connection, a restart), unless one of them waits for maru-server to
+    /// hear of a reboot. The agent keeps a region's bytes across its restart, not its
+    /// registration. An agent that cannot be reached stays due.
+    fn remap(&self, addr: &str, lease: &mut LinkLease<'_>, by: Deadline) {
+        // Connect first: a new connection's welcome may reveal a reboot, and then
+        // nothing is mapped before maru-server dropped the keys.
+        if let Err(e) = self.connect(addr, lease, by) {
+            log::debug!("mapping again at agent {addr}: {e}");
+            return;
+        }
+        let regions: Vec<(u64, crate::wire::rm::Handle)> = {
+            let st = self.lock();
+            if !st.life.may_map(addr) {
+                return;
+            }
+            st.own
+                .iter()
+                .filter(|(_, r)| r.agent == addr)
+                .map(|(id, r)| (*id, r.handle.clone()))
+                .collect()
+        };
+        let mut all = true;
+        for (id, handle) in regions {
+            let req = AgentRequest::Map {
+                handle,
+                writable: true,
+            };
+            match self.call(addr, lease, &req, by) {
+                Ok(AgentReply::Mapped(m)) => {
+                    let mut st = self.lock();
+                    let v = st.seen(addr, Some(&m.boot_id), None, now_ms());
+                    if let Err(e) = &v {
+                        log::warn!("region {id}: {e}");
+                    }
+                    if v != Ok(Verdict::Same) || !st.life.may_map(addr) {
+                        all = false;
+                        break;
+                    }
+                    if let Some(r) = st.own.get_mut(&id) {
+                        r.map = m;
+                    }
+                }
+                Ok(r) => {
+                    log::warn!("region {id}: agent {addr} answered map with {r:?}");
+                    all = false;
+                }
+                Err(e) => {
+                    log::debug!("region {id}: mapping again at agent {addr} failed: {e}");
+                    all = false;
+                    break;
+                }
+            }
+        }
+        if all {
+            self.lock().life.remapped(addr);
+        }
+        self.fence_queued(by);
+    }
+
+    /// The data connection to `addr` (made now if there is none: on verbs its
+    /// queue pairs are brought up over the control connection), by `by`.
+    fn peer(
+        &self,
+        addr: &str,
+        lease: &mut LinkLease<'_>,
+        by: Deadline,
+    ) -> Result<PeerId, WorkerError> {
+        let meta = {
+            let mut st = self.lock();
+            if let Some(p) = st.agent(addr).peer {
+                return Ok(p);
+            }
+            st.transport_of(addr)
+        };
+        let meta = meta.ok_or_else(|| {
+            WorkerError::Transport(format!(
+                "agent {addr}: no region mapped there names its NIC"
+            ))
+        })?;
+        self.connect(addr, lease, by)?;
+        let mut bringup = |info: &serde_json::Value| -> Result<serde_json::Value, TransportError> {
+            let req = AgentRequest::ConnectPeer { info: info.clone() };
+            match lease.call_within::<_, AgentReply>(&req, by.left()) {
+                Ok(AgentReply::Peer { info }) => Ok(info),
+                Ok(r) => Err(TransportError::Setup(format!("unexpected reply {r:?}"))),
+                Err(e) => Err(TransportError::Setup(e.to_string())),
+            }
+        };
+        let p = self
+            .nic
+            .connect_within(&meta, &mut bringup, by.left())
+            .map_err(|e| {
+                WorkerError::unavailable(
+                    Peer::Agent(addr.to_string()),
+                    format!("its data connection: {e}"),
+                )
+            })?;
+        self.lock().agent(addr).peer = Some(p);
+        Ok(p)
+    }
+
+    /// Gets `addr` ready for a window, by `by`: its control connection up, this
+    /// mover's regions there mapped again if that is due, its data connection made.
+    pub(super) fn ready(&self, addr: &str, by: Deadline) -> Result<(), WorkerError> {
+        let link = self.lock().link_of(addr);
+        let mut lease = link
+            .take(by)
+            .ok_or_else(|| timed_out(addr, "its control connection was not free"))?;
+        self.connect(addr, &mut lease, by)?;
+        if self.lock().remap_due(addr) {
+            self.remap(addr, &mut lease, by);
+        }
+        self.peer(addr, &mut lease, by).map(|_| ())
+    }
+
+    /// Connects to each of `agents` (the pool's, from maru-server's handshake), by
+    /// `by`, so that a key that does not prove fails now, at open, and not at the
+    /// first store (a configuration error only the caller can fix). An agent that
+    /// does not answer is no error: its regions are mapped when they come.
+    pub(crate) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+        for addr in agents {
+            let link = self.lock().link_of(addr);
+            let Some(mut lease) = link.take(by) else {
+                continue;
+            };
+            match self.connect(addr, &mut lease, by) {
+                Err(e @ WorkerError::Auth { .. }) => return Err(e),
+                Err(e) => log::warn!("{e}; its regions are mapped when a store takes one"),
+                Ok(()) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps a region this worker took at its agent and records it, then connects its
+    /// peer; every wait by `by`. The `map` round trip (the agent holds the region at
+    /// the RM and registers it with its NIC: on verbs that pins the region's pages,
+    /// tens of milliseconds for 256 MiB) holds the agent's control connection only:
+    /// the handler's other requests go on meanwhile.
+    pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         let agent = grant.agent.clone().ok_or_else(|| {
             WorkerError::Config(format!(
                 "region {} has no agent: maru-server runs without --remote-cxl-agent",
@@ -521,41 +661,35 @@ impl Shared {
             handle: grant.handle.clone(),
             writable: true,
         };
-        let (link, gen) = {
+        let link = self.lock().link_of(&agent);
+        let mut lease = link
+            .take(by)
+            .ok_or_else(|| timed_out(&agent, "its control connection was not free"))?;
+        let reply = self.call(&agent, &mut lease, &req, by)?;
+        let adopted = self.lock().adopted(grant, &agent, reply, now_ms());
+        self.fence_queued(by);
+        adopted?;
+        if let Err(e) = self.peer(&agent, &mut lease, by) {
+            let id = grant.handle.region_id;
             let mut st = self.lock();
-            st.connect_agent(&agent)?;
-            (st.agent(&agent).link.clone(), st.regs_gen)
-        };
-        let got = {
-            let mut link = link.lock().unwrap_or_else(|e| e.into_inner());
-            call_if_up(&mut link, &req)
-        };
-        let mut st = self.lock();
-        let reply = match got {
-            Some((Ok(r), _)) if st.regs_gen == gen => r,
-            // Refused (the connection stays): said as `agent_call` says it.
-            Some((Err(e), false)) => return Err(e.into()),
-            Some((_, broke)) => {
-                if broke {
-                    st.link_broke(&agent);
-                }
-                st.agent_call(&agent, &req)?
-            }
-            None => st.agent_call(&agent, &req)?,
-        };
-        st.adopted(grant, agent, reply)
+            st.own.remove(&id);
+            st.life.forget(id);
+            return Err(e);
+        }
+        Ok(())
     }
 
-    /// What is due on the pool's tick: probes (without the state's lock, `probe`),
-    /// maps again after a restart, regions of agents silent too long to give back
+    /// What is due on the pool's tick: probes (`probe`), maps again after a restart
+    /// (when no request has the agent's connection: such a request maps them itself),
+    /// fences of kept slots, regions of agents silent too long to give back
     /// (returned).
-    pub(super) fn tick(&self, now_ms: u64) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
         for a in due {
             match a {
                 Action::Probe(agent) => self.probe(&agent, now_ms),
-                Action::Remap(agent) => self.lock().remap_agent(&agent),
+                Action::Remap(agent) => self.remap_if_free(&agent),
                 // The pool asks `must_report` after the tick.
                 Action::ReportBoots => {}
                 Action::GiveBack { agent, regions } => {
@@ -568,12 +702,27 @@ impl Shared {
             }
         }
         // A probe may have found a restart: map again now, not at the next tick.
-        self.lock().remap_failed_agents();
+        let due = self.lock().remaps_due();
+        for agent in due {
+            self.remap_if_free(&agent);
+        }
+        let by = Deadline::after(TICK_FENCE_WAIT);
+        self.fence_queued(by);
+        self.reclaim(by);
         give_back
     }
 
+    /// Maps the regions at `agent` again if no request has its connection now.
+    fn remap_if_free(&self, agent: &str) {
+        let link = self.lock().link_of(agent);
+        let lease = link.try_take();
+        if let Some(mut lease) = lease {
+            self.remap(agent, &mut lease, Deadline::after(self.timeout));
+        }
+    }
+
     /// Probes the agents of the own regions now.
-    pub(super) fn check_agents(&self, now_ms: u64) {
+    pub(crate) fn check_agents(&self, now_ms: u64) {
         let mut agents: Vec<String> = self.lock().own.values().map(|r| r.agent.clone()).collect();
         agents.sort();
         agents.dedup();
@@ -582,30 +731,342 @@ impl Shared {
         }
     }
 
+    /// The probe connection to `addr` (short timeouts, and a client id of its own: the
+    /// agent drops a client's read handles when one of its connections closes, and
+    /// this one holds none).
+    fn probe_link(&self, addr: &str) -> Arc<Mutex<Link>> {
+        let mut opts = self.agent_opts.clone();
+        opts.client_id = format!("{}#probe", opts.client_id);
+        opts.connect_timeout = PROBE_TIMEOUT;
+        opts.call_timeout = PROBE_TIMEOUT;
+        self.probes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(addr.to_string())
+            .or_insert_with(|| Arc::new(Mutex::new(agent_link(addr, opts))))
+            .clone()
+    }
+
     /// Asks whether `addr` answers, and who (`ping`), on its probe connection and
     /// without the state's lock: an agent slow to answer (up to `PROBE_TIMEOUT` to
     /// connect and as much to reply) holds the tick, not the handler's requests.
     /// What it found is fed to the lifecycle under the lock.
     fn probe(&self, addr: &str, now: u64) {
-        let link = self.lock().probe_link(addr);
+        let link = self.probe_link(addr);
         let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()));
         self.lock().probed(addr, now, who);
     }
 
     /// Maps for reading, at their agents, the ranges of `leases` in other engines'
     /// regions that have no registration yet, before a load plans its windows. The
-    /// round trips hold the agent's control connection, not the state's lock: a slow
-    /// agent holds the loads that read from it, not the handler's other requests.
-    /// What is not mapped here (the connection down, a registration forgotten in the
-    /// meantime) `locate` maps under the lock.
-    pub(super) fn map_reads(&self, leases: &[LeaseGrant]) {
-        let (todo, gen) = self.lock().reads_to_map(leases);
+    /// round trips hold the agent's control connection, not the state's lock, and end
+    /// by `by`: a slow agent holds the loads that read from it, not the handler's
+    /// other requests. What is not mapped here is not read.
+    pub(super) fn map_reads(&self, leases: &[LeaseGrant], by: Deadline) {
+        let todo = self.lock().reads_to_map(leases);
         for t in todo {
-            let got = {
-                let mut link = t.link.lock().unwrap_or_else(|e| e.into_inner());
-                map_read_all(&mut link, &t.agent, &t.leases)
+            let Some(mut lease) = t.link.take(by) else {
+                log::debug!(
+                    "agent {}: no map_read: its connection was not free in time",
+                    t.agent
+                );
+                continue;
             };
-            self.lock().mapped_reads(&t.agent, gen, got);
+            if let Err(e) = self.connect(&t.agent, &mut lease, by) {
+                log::debug!("agent {}: no map_read: {e}", t.agent);
+                continue;
+            }
+            let got = map_read_all(&mut lease, &t.agent, &t.leases, by);
+            self.lock().mapped_reads(&t.agent, got, now_ms());
         }
+    }
+
+    /// Fences the peers the state queued (a restart, a reboot, a failed batch), each
+    /// fence waiting for its proof until `by` (one that fails proves nothing: the
+    /// peer's unconfirmed WRITEs stay, and `reclaim` fences it again).
+    pub(super) fn fence_queued(&self, by: Deadline) {
+        let peers = std::mem::take(&mut self.lock().to_fence);
+        if !peers.is_empty() {
+            self.fence_round(peers, by);
+        }
+    }
+
+    /// Fences the peers that keep slots or whose WRITEs' outcome is unknown (until
+    /// `by`), gives back what a fence that succeeded frees, and forgets those peers.
+    pub(super) fn reclaim(&self, by: Deadline) {
+        let peers = self.lock().iso.to_fence();
+        if !peers.is_empty() {
+            self.fence_round(peers, by);
+        }
+    }
+
+    /// Fences `peers` (without the lock, each until `by`), records the outcomes and
+    /// forgets the peers proven quiet; the slots that frees go back to their pool
+    /// after the lock is let go.
+    fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
+        let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
+            .into_iter()
+            .map(|p| {
+                let r = self.nic.fence_within(p, by.left());
+                if let Err(e) = &r {
+                    log::warn!("fence of peer {} failed: {e}", p.0);
+                }
+                (p, r)
+            })
+            .collect();
+        let back = {
+            let mut st = self.lock();
+            let proven: Vec<PeerId> = outcomes
+                .iter()
+                .filter(|(p, r)| st.iso.record_fence(*p, r))
+                .map(|(p, _)| *p)
+                .collect();
+            st.forget_peers(&proven);
+            st.iso.release(&proven)
+        };
+        drop(back);
+    }
+
+    /// Releases every own region at its agent (the session is gone with the
+    /// maru-server that knew it, so no keeper will); each release within the timeout.
+    /// Returns (released, failed).
+    pub(crate) fn release_all(&self) -> (usize, usize) {
+        let own: Vec<(String, crate::wire::rm::Handle)> = self
+            .lock()
+            .own
+            .values()
+            .map(|r| (r.agent.clone(), r.handle.clone()))
+            .collect();
+        let (mut released, mut failed) = (0, 0);
+        for (agent, handle) in own {
+            let id = handle.region_id;
+            let by = Deadline::after(self.timeout);
+            let link = self.lock().link_of(&agent);
+            let r = match link.take(by) {
+                Some(mut lease) => {
+                    self.call(&agent, &mut lease, &AgentRequest::Release { handle }, by)
+                }
+                None => Err(timed_out(&agent, "its control connection was not free")),
+            };
+            match r {
+                Ok(AgentReply::Released { .. }) => {
+                    let mut st = self.lock();
+                    st.own.remove(&id);
+                    st.life.forget(id);
+                    released += 1;
+                }
+                Ok(r) => {
+                    log::warn!("agent {agent} answered the release of region {id} with {r:?}");
+                    failed += 1;
+                }
+                Err(e) => {
+                    log::warn!("agent {agent}: release of region {id} failed: {e}; the agent's sweep deregisters it once the RM forgets the region");
+                    failed += 1;
+                }
+            }
+        }
+        (released, failed)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests start fake agents on threads
+mod tests {
+    use super::super::fixtures::{grant, mapped};
+    use super::*;
+    use crate::net::handshake::{ServerHandshake, Step};
+    use crate::net::ClientOptions;
+    use crate::wire::{self, FrameDecoder};
+    use std::io::{Read, Write};
+
+    const A: &str = "a:1";
+
+    fn state() -> RemoteState {
+        RemoteState::new(ClientOptions::new("test", "t"))
+    }
+
+    /// An own region at `A`, its peer connected, a read registration there.
+    fn running() -> RemoteState {
+        let mut st = state();
+        st.adopted(&grant(1, A), A, mapped(1, "boot-1"), 0).unwrap();
+        st.agent(A).peer = Some(PeerId(3));
+        st.reads
+            .insert((7, 0, 8), (A.into(), 0, 1, serde_json::Value::Null));
+        st
+    }
+
+    #[test]
+    fn a_restart_on_the_same_boot_drops_the_peer_and_the_reads_and_maps_again() {
+        let mut st = running();
+        st.seen(A, Some("boot-1"), Some(1), 0).unwrap();
+        assert_eq!(
+            st.seen(A, Some("boot-1"), Some(2), 5),
+            Ok(Verdict::Restarted)
+        );
+        assert_eq!(st.agent(A).peer, None, "its data connection went with it");
+        assert_eq!(
+            st.to_fence,
+            vec![PeerId(3)],
+            "fenced once the lock is let go"
+        );
+        assert!(st.reads.is_empty(), "its registrations went with it");
+        assert!(
+            st.remap_due(A),
+            "the regions are mapped again before their next use"
+        );
+        assert!(st.life.usable(1), "the bytes survived: the keys stay");
+        assert_eq!(st.reboots, 0);
+    }
+
+    #[test]
+    fn a_reboot_puts_the_regions_out_of_use_and_is_counted() {
+        let mut st = running();
+        assert_eq!(
+            st.seen(A, Some("boot-2"), None, 5),
+            Ok(Verdict::Rebooted(vec![1]))
+        );
+        assert_eq!(
+            st.reboots, 1,
+            "publishes re-checked before it are waited for"
+        );
+        assert!(!st.life.usable(1));
+        assert!(
+            !st.remap_due(A),
+            "not mapped again before maru-server dropped the keys"
+        );
+        assert_eq!(st.to_fence, vec![PeerId(3)]);
+    }
+
+    #[test]
+    fn an_agent_that_reports_no_boot_id_is_unreachable() {
+        let mut st = running();
+        assert!(matches!(
+            st.seen(A, None, None, 5),
+            Err(WorkerError::Unavailable { .. })
+        ));
+        assert!(st.reads.is_empty());
+    }
+
+    #[test]
+    fn a_lease_written_under_another_boot_is_not_read() {
+        let mut st = state();
+        st.seen(A, Some("boot-2"), None, 0).unwrap();
+        st.reads
+            .insert((7, 0, 8), (A.into(), 0, 1, serde_json::Value::Null));
+        let lease = |boot: &str| LeaseGrant {
+            lease_id: 1,
+            region_id: 7,
+            offset: 0,
+            length: 8,
+            read_token: "00".into(),
+            agent: Some(A.into()),
+            device: None,
+            expires_in_ms: 1000,
+            boot_id: Some(boot.into()),
+        };
+        assert!(st.read_target(&lease("boot-2")).is_ok());
+        assert!(
+            st.read_target(&lease("boot-1")).is_err(),
+            "written before a reboot maru-server has not heard of yet"
+        );
+        let mut unmapped = lease("boot-2");
+        unmapped.region_id = 8;
+        assert!(
+            st.read_target(&unmapped).is_err(),
+            "no registration: not read"
+        );
+    }
+
+    #[test]
+    fn a_map_read_made_on_a_connection_that_broke_is_not_recorded() {
+        let mut st = state();
+        let m = match mapped(7, "boot-1") {
+            AgentReply::Mapped(m) => m,
+            _ => unreachable!(),
+        };
+        st.mapped_reads(
+            A,
+            MapReads {
+                mapped: vec![((7, 0, 8), m.clone())],
+                broke: true,
+                unreachable: false,
+            },
+            0,
+        );
+        assert!(
+            st.reads.is_empty(),
+            "its registrations went with the connection"
+        );
+        assert!(st.life.needs_remap(A));
+        st.mapped_reads(
+            A,
+            MapReads {
+                mapped: vec![((7, 0, 8), m)],
+                ..MapReads::default()
+            },
+            0,
+        );
+        assert_eq!(st.reads.len(), 1);
+    }
+
+    /// An agent that welcomes with `info` (after a handshake without a key), then
+    /// holds the connection until the client goes.
+    fn agent_welcoming(info: serde_json::Value) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let spawn = std::thread::Builder::new().spawn(move || {
+            for s in l.incoming().flatten() {
+                let info = info.clone();
+                let _ = std::thread::Builder::new().spawn(move || {
+                    let mut s = s;
+                    let mut hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
+                    let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        match dec.next_frame() {
+                            Ok(Some(f)) => match hs.on_frame(&f) {
+                                Step::Send(b) => {
+                                    let _ = s.write_all(&b);
+                                }
+                                Step::Ready { send, .. } => {
+                                    let _ = s.write_all(&send);
+                                    // Held until the client closes it.
+                                    let _ = s.read(&mut buf);
+                                    return;
+                                }
+                                Step::Fail(_) => return,
+                            },
+                            Ok(None) => match s.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => dec.push(&buf[..n]),
+                            },
+                            Err(_) => return,
+                        }
+                    }
+                });
+            }
+        });
+        assert!(spawn.is_ok());
+        addr
+    }
+
+    /// Rule (d): a welcome without a boot id is refused by the link itself, before
+    /// anything is asked of the agent (and whatever asks next: a map, a peer's
+    /// bring-up, a map_read). Seen failing with the link made without
+    /// `require_boot_id` (the connection was taken).
+    #[test]
+    fn a_welcome_without_a_boot_id_is_refused_by_the_link_itself() {
+        let opts = ClientOptions::new(crate::wire::agent::SERVICE, "t");
+        let without = agent_welcoming(serde_json::json!({"epoch": 3}));
+        let mut link = agent_link(&without, opts.clone());
+        match link.client() {
+            Err(LinkError::Unreachable(m)) => assert!(m.contains("boot id"), "{m}"),
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("a welcome without a boot id was taken"),
+        }
+        let with = agent_welcoming(serde_json::json!({"boot_id": "b-1", "epoch": 3}));
+        let mut link = agent_link(&with, opts);
+        let c = link.client().expect("a welcome with a boot id");
+        assert_eq!(welcome_identity(c), (Some("b-1".to_string()), Some(3)));
     }
 }

@@ -1,32 +1,48 @@
 //! `remote_cxl`: WRITE/READ between the staging slots of this host and regions of
 //! memory nodes, over a one-sided transport.
 //!
+//! - [`RemoteMover`] (here): the driver, one per pool: the transport, the staging
+//!   slots, the agents' control and probe connections, the in-flight budget; its
+//!   state ([`RemoteState`]) is part of the pool core, under the pool's one lock;
 //! - `agents`: the control connections to agents, their probes, and the region
 //!   lifecycle (boot ids, restarts, silence) they feed (`worker::lifecycle`);
-//! - `post`: a window of transfers posted one batch per peer and settled, with
-//!   transfer isolation for what did not finish;
-//! - `requests`: what a store or load posts window by window (`worker::windows`).
+//! - `link`: an agent's control connection, used by one caller at a time;
+//! - `post`: a window of transfers posted one batch per peer and settled;
+//! - `isolation`: the slots of transfers of unknown outcome, kept until their peer
+//!   is fenced;
+//! - `requests`: what a store or load posts window by window; `windows`: the
+//!   schedule of a request's windows and the data path's in-flight budget.
+//!
+//! No lock is held across a round trip, a connect or a fence: the core's lock is
+//! taken to look things up and record outcomes only; a round trip to an agent holds
+//! that agent's control connection (taken for the call, see `link`), and every such
+//! wait made for a request ends by the request's deadline.
 
 mod agents;
+pub(crate) mod isolation;
+mod link;
 mod post;
 mod requests;
+pub mod windows;
 
-use super::{Mover, ReadSink, SlotOutcome, SlotWrite, Transfers, WriteItem};
+use super::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
 use crate::net::{ClientOptions, Link};
 use crate::transport::{PeerId, Transport};
-use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
-use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
-use crate::worker::clock::now_ms;
-use crate::worker::error::WorkerError;
+use crate::wire::agent::MapReply;
+use crate::wire::meta::{LeaseGrant, PageGrant};
+use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::lifecycle::Lifecycle;
+use crate::worker::pool::core::{CoreCell, PoolCore};
 use crate::worker::staging::{Slot, StagingSlots};
-use crate::worker::transfer::Isolation;
-use crate::worker::windows::{self, InFlightBudget};
+use isolation::Isolation;
+use link::AgentLink;
 use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use windows::InFlightBudget;
 
 struct OwnRegion {
     agent: String,
@@ -35,123 +51,83 @@ struct OwnRegion {
 }
 
 struct AgentConn {
-    /// The control connection. Behind a lock of its own: a load's `map_read`s use it
-    /// without the state's lock (`Shared::map_reads`); everything else under both.
-    link: Arc<Mutex<Link>>,
+    /// The control connection (map, map_read, release, a peer's bring-up), taken by
+    /// one caller at a time and never under the core's lock (see `link`); here only
+    /// as a handle the driver takes out.
+    link: Arc<AgentLink>,
     peer: Option<PeerId>,
 }
 
-impl AgentConn {
-    fn link(&self) -> MutexGuard<'_, Link> {
-        self.link.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
-///
-/// Requests of one handler run side by side: the mover's state (agents, own regions,
-/// read registrations, the region lifecycle) is behind a short lock of its own, taken
-/// to post a window and to settle it, never while a window is on the wire or its slots
-/// are filled or emptied (see [`Shared`]). The pool hands requests to [`Shared`]
-/// without its own mover lock (`Mover::transfers`).
-pub struct RemoteMover {
-    shared: Arc<Shared>,
-}
-
-/// What the transfers of concurrent requests share: the state under its lock, and what
-/// needs no lock (the transport, transfer isolation, the staging slots and the
-/// in-flight budget are safe to use from any thread).
-pub(super) struct Shared {
-    st: Mutex<RemoteState>,
-    nic: Arc<dyn Transport>,
-    iso: Arc<Isolation>,
-    staging: StagingSlots,
-    /// How long a window's transfers may take.
-    timeout: Duration,
-    /// Bytes in flight of the windowed transfers of this data path (all its pools).
-    budget: Arc<InFlightBudget>,
-    /// Store slots held by this mover's copying store windows on the wire (they come
-    /// back within a transfer; see `StoreWindows::slots`).
-    store_slots_on_wire: AtomicUsize,
-}
-
-/// The mover's state, under `Shared`'s lock. Held to look things up, post a window,
-/// settle one, to connect to an agent (its control connection or transport peer, when
-/// there is none), and for the maps that bring an agent's regions back after a
-/// restart. The round trips of normal running go without it, each holding only the
-/// connection it uses: the `map` of a region taken (`Shared::adopt`), a load's
-/// `map_read`s of other engines' ranges (`Shared::map_reads`) and the probes of the
-/// tick (`Shared::probe`); when a connection is down, or registrations may have gone
-/// meanwhile (`regs_gen`), the call is made again under the lock.
-pub(super) struct RemoteState {
-    nic: Arc<dyn Transport>,
-    iso: Arc<Isolation>,
+/// The `remote_cxl` part of the pool core: agents and their peers, the own regions'
+/// maps, read registrations, the region lifecycle, transfer isolation. Looked up and
+/// changed under the core's lock, never waited on: what needs an agent (a connect, a
+/// map, a `map_read`, a peer's bring-up, a fence) runs without the lock and records
+/// its outcome here.
+pub struct RemoteState {
     agent_opts: ClientOptions,
     agents: HashMap<String, AgentConn>,
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
-    /// Counts the times registrations at agents may have gone (`forget_reads`: a
-    /// control connection dropped or found dead, an agent restarted, a region
-    /// forgotten): a `map` or `map_read` made without the lock is recorded only if
-    /// none went since it started.
-    regs_gen: u64,
     last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
-    /// this mover feeds it what agents answer and carries out what it decides.
-    life: Lifecycle,
-    /// A second, short-timeout connection per agent for probes (used without the
-    /// state's lock, `Shared::probe`; probes come from the pool's tick, one at a time).
-    probes: HashMap<String, Arc<Mutex<Link>>>,
+    /// fed what agents answer, its decisions carried out by the driver.
+    pub(crate) life: Lifecycle,
+    /// How many reboots were found (see `PoolCore::heartbeat_begin`).
+    pub(crate) reboots: u64,
     /// Why the last failed read failed, for the caller.
     read_error: Option<String>,
+    /// Peers to fence once the lock is let go (a fence waits on the peer).
+    to_fence: Vec<PeerId>,
+    /// Slots of transfers of unknown outcome, and what is known of their peers.
+    iso: Isolation,
 }
 
 /// A remote range to READ: its agent, address, key and transport metadata.
 type ReadTarget = (String, u64, u64, serde_json::Value);
 
-impl RemoteMover {
-    pub fn new(
-        nic: Arc<dyn Transport>,
-        staging: StagingSlots,
-        agent_opts: ClientOptions,
-        timeout: Duration,
-        budget: Arc<InFlightBudget>,
-    ) -> RemoteMover {
-        let iso = Arc::new(Isolation::new());
-        RemoteMover {
-            shared: Arc::new(Shared {
-                st: Mutex::new(RemoteState {
-                    nic: nic.clone(),
-                    iso: iso.clone(),
-                    agent_opts,
-                    agents: HashMap::new(),
-                    own: HashMap::new(),
-                    reads: HashMap::new(),
-                    regs_gen: 0,
-                    last_skip_log: None,
-                    life: Lifecycle::new(),
-                    probes: HashMap::new(),
-                    read_error: None,
-                }),
-                nic,
-                iso,
-                staging,
-                timeout,
-                budget,
-                store_slots_on_wire: AtomicUsize::new(0),
-            }),
+impl RemoteState {
+    /// The state of a pool whose agents are reached with `agent_opts`.
+    pub fn new(agent_opts: ClientOptions) -> RemoteState {
+        RemoteState {
+            agent_opts,
+            agents: HashMap::new(),
+            own: HashMap::new(),
+            reads: HashMap::new(),
+            last_skip_log: None,
+            life: Lifecycle::new(),
+            reboots: 0,
+            read_error: None,
+            to_fence: Vec::new(),
+            iso: Isolation::default(),
         }
     }
 
-    fn st(&self) -> MutexGuard<'_, RemoteState> {
-        self.shared.lock()
+    /// The region is no longer the session's: nothing more is written into it or read
+    /// through its registrations.
+    pub fn forget_region(&mut self, region_id: u64) {
+        self.own.remove(&region_id);
+        self.life.forget(region_id);
+        self.reads.retain(|&(r, _, _), _| r != region_id);
     }
-}
 
-impl RemoteState {
-    fn log_skip(&mut self, n: usize) {
-        let now = now_ms();
+    /// WRITEs to `peer` failed with its connection: the target may still apply what it
+    /// read (see `Isolation::unknown_writes`).
+    pub(crate) fn unknown_writes(&mut self, peer: PeerId) {
+        self.iso.unknown_writes(peer);
+    }
+
+    /// True while a transfer of unknown outcome could still land somewhere.
+    pub fn may_still_write(&self) -> bool {
+        self.iso.may_still_write()
+    }
+
+    /// Why the last read that failed failed, once.
+    pub fn take_read_error(&mut self) -> Option<String> {
+        self.read_error.take()
+    }
+
+    fn log_skip(&mut self, n: usize, now: u64) {
         if self
             .last_skip_log
             .is_none_or(|t| now.saturating_sub(t) >= 60_000)
@@ -162,51 +138,103 @@ impl RemoteState {
             self.last_skip_log = Some(now);
         }
     }
+}
 
-    fn reclaim(&mut self) {
-        let fenced = self.iso.reclaim(self.nic.as_ref());
-        if !fenced.is_empty() {
-            self.forget_peers(&fenced);
+/// The core, locked, seen as the remote mover's state.
+pub(super) struct StateGuard<'a>(MutexGuard<'a, PoolCore>);
+
+impl Deref for StateGuard<'_> {
+    type Target = RemoteState;
+    fn deref(&self) -> &RemoteState {
+        // A remote mover's pool core has remote state from its start (`Mover::remote`).
+        self.0.remote.as_ref().unwrap_or_else(|| unreachable!())
+    }
+}
+
+impl DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut RemoteState {
+        self.0.remote.as_mut().unwrap_or_else(|| unreachable!())
+    }
+}
+
+/// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
+///
+/// Requests of one handler run side by side: its state (agents, own regions, read
+/// registrations, the region lifecycle) is in the pool core, behind its one short
+/// lock, taken to plan a window and to settle it, never while a window is on the
+/// wire, its slots are filled or emptied, an agent is called or a peer connected or
+/// fenced.
+pub struct RemoteMover {
+    core: Arc<CoreCell>,
+    nic: Arc<dyn Transport>,
+    staging: StagingSlots,
+    /// A request's timeout (`timeout_ms`): the deadline of the calls the mover makes
+    /// outside requests (the tick's maps again, a release).
+    timeout: Duration,
+    /// Bytes in flight of the windowed transfers of this data path (all its pools).
+    budget: Arc<InFlightBudget>,
+    /// Store slots held by this mover's copying store windows on the wire (they come
+    /// back within a transfer; see `StoreWindows::slots`).
+    store_slots_on_wire: AtomicUsize,
+    /// A second, short-timeout connection per agent for probes (the pool's tick, one
+    /// at a time).
+    probes: Mutex<HashMap<String, Arc<Mutex<Link>>>>,
+    agent_opts: ClientOptions,
+}
+
+impl RemoteMover {
+    /// A mover over `nic` and `staging`, reaching agents with `agent_opts`; it makes
+    /// the pool core its state lives in (the pool takes it: `core`).
+    pub fn new(
+        nic: Arc<dyn Transport>,
+        staging: StagingSlots,
+        agent_opts: ClientOptions,
+        timeout: Duration,
+        budget: Arc<InFlightBudget>,
+    ) -> RemoteMover {
+        let state = RemoteState::new(agent_opts.clone());
+        RemoteMover {
+            core: Arc::new(CoreCell::new(PoolCore::new(1, Some(state)))),
+            nic,
+            staging,
+            timeout,
+            budget,
+            store_slots_on_wire: AtomicUsize::new(0),
+            probes: Mutex::new(HashMap::new()),
+            agent_opts,
         }
     }
-}
 
-impl Shared {
-    /// The state (a poisoned lock is taken over: a panic between two statements leaves
-    /// maps and counters that are still usable).
-    pub(super) fn lock(&self) -> MutexGuard<'_, RemoteState> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Transfers for Shared {
-    fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        Shared::adopt(self, grant)
+    /// The pool core this mover's state is in.
+    pub(crate) fn core(&self) -> Arc<CoreCell> {
+        self.core.clone()
     }
 
-    fn tick(&self, now_ms: u64) -> Vec<u64> {
-        Shared::tick(self, now_ms)
+    /// The state, under the core's lock.
+    pub(super) fn lock(&self) -> StateGuard<'_> {
+        StateGuard(self.core.lock())
     }
 
     /// Copies each window into store slots while the window ahead of it is on the
-    /// wire (see `worker::windows`); stores never wait for a slot: with none free and
-    /// nothing in flight, the rest is skipped.
-    fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
+    /// wire (see `windows`); stores never wait for a slot: with none free and nothing
+    /// in flight, the rest is skipped.
+    pub fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         let mut w = StoreWindows {
             m: self,
             items,
             ok: vec![false; items.len()],
+            by,
         };
         let posted = windows::run(&mut w, &self.budget);
         let ok = w.ok;
         if posted < items.len() {
-            self.lock().log_skip(items.len() - posted);
+            self.lock().log_skip(items.len() - posted, now_ms());
         }
         ok
     }
 
-    /// From the caller's slots, window by window (see `worker::windows`).
-    fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+    /// From the caller's slots, window by window (see `windows`).
+    pub fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
         let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
         let mut w = GivenWindows {
@@ -214,199 +242,93 @@ impl Transfers for Shared {
             given,
             out: Vec::with_capacity(pages.len()),
             kind: Given::Write(&pages),
+            by,
         };
         windows::run(&mut w, &self.budget);
         w.into_outcomes()
     }
 
     /// Each window's slots are handed to `sink` and then take a later window (see
-    /// `worker::windows`). After a window that failed, nothing more is handed over.
-    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.map_reads(leases);
+    /// `windows`). After a window that failed, nothing more is handed over.
+    pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.map_reads(leases, by);
         windows::run(
             &mut LoadWindows {
                 m: self,
                 leases,
                 sink,
+                by,
             },
             &self.budget,
         );
     }
 
-    /// Into the caller's slots, window by window (see `worker::windows`); every lease
-    /// is tried.
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+    /// Into the caller's slots, window by window (see `windows`); every lease is
+    /// tried.
+    pub fn read_into(
+        &self,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        by: Deadline,
+    ) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
-        self.map_reads(&leases[..n]);
+        self.map_reads(&leases[..n], by);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut w = GivenWindows {
             m: self,
             given,
             out: Vec::with_capacity(n),
             kind: Given::Read(&leases[..n]),
+            by,
         };
         windows::run(&mut w, &self.budget);
         w.into_outcomes()
     }
 }
 
-impl Mover for RemoteMover {
-    fn adopt(&mut self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        self.shared.adopt(grant)
-    }
-
-    fn write(&mut self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        self.shared.write(items)
-    }
-
-    fn write_slots(&mut self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        self.shared.write_slots(items)
-    }
-
-    fn read(&mut self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        self.shared.read(leases, sink)
-    }
-
-    fn read_into(&mut self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        self.shared.read_into(leases, slots)
-    }
-
-    fn transfers(&self) -> Option<Arc<dyn Transfers>> {
-        Some(self.shared.clone())
-    }
-
-    fn boot_ids(&self) -> BTreeMap<u64, String> {
-        self.st().life.boot_ids()
-    }
-
-    fn must_report(&self) -> bool {
-        self.st().life.must_report()
-    }
-
-    fn must_report_for(&self, regions: &[u64]) -> bool {
-        self.st().life.must_report_for(regions)
-    }
-
-    fn reported(&mut self, sent: &BTreeMap<u64, String>) {
-        let mut st = self.st();
-        st.life.reported(sent);
-        // Regions that waited for the report may be mapped again now.
-        st.remap_failed_agents();
-    }
-
-    fn take_read_error(&mut self) -> Option<String> {
-        self.st().read_error.take()
-    }
-
-    fn tick(&mut self, now_ms: u64) -> Vec<u64> {
-        self.shared.tick(now_ms)
-    }
-
-    fn check_agents(&mut self, now_ms: u64) {
-        self.shared.check_agents(now_ms)
-    }
-
-    fn owns(&self, region_id: u64) -> bool {
-        self.st().own.contains_key(&region_id)
-    }
-
-    fn own_regions(&self) -> Vec<u64> {
-        self.st().own.keys().copied().collect()
-    }
-
-    fn forget_region(&mut self, region_id: u64) {
-        let mut st = self.st();
-        st.own.remove(&region_id);
-        st.life.forget(region_id);
-        st.reads.retain(|&(r, _, _), _| r != region_id);
-        st.regs_gen += 1;
-    }
-
-    fn reclaim(&mut self) {
-        self.st().reclaim()
-    }
-
-    fn may_still_write(&self) -> bool {
-        self.shared.iso.may_still_write()
-    }
-
-    fn release_all(&mut self) -> (usize, usize) {
-        self.st().release_all()
-    }
-}
-
-impl RemoteState {
-    /// Records a region taken, mapped at its agent (`reply` to the map).
-    fn adopted(
-        &mut self,
-        grant: &RegionGrant,
-        agent: String,
-        reply: AgentReply,
-    ) -> Result<(), WorkerError> {
-        let m = match reply {
-            AgentReply::Mapped(m) => m,
-            r => {
-                return Err(WorkerError::Transport(format!(
-                    "agent {agent} answered map with {r:?}"
-                )))
-            }
-        };
-        let v = self
-            .life
-            .adopt(grant.handle.region_id, &agent, &m.boot_id, None, now_ms());
-        self.on_verdict(&agent, v)?;
-        if let Err(e) = self.peer(&agent, &m.transport) {
-            self.life.forget(grant.handle.region_id);
-            return Err(e);
-        }
-        self.own.insert(
-            grant.handle.region_id,
-            OwnRegion {
-                agent,
-                handle: grant.handle.clone(),
-                map: m,
-            },
-        );
-        Ok(())
-    }
-
-    fn release_all(&mut self) -> (usize, usize) {
-        let own: Vec<(String, crate::wire::rm::Handle)> = self
-            .own
-            .values()
-            .map(|r| (r.agent.clone(), r.handle.clone()))
-            .collect();
-        let (mut released, mut failed) = (0, 0);
-        for (agent, handle) in own {
-            let id = handle.region_id;
-            match self.agent_call(&agent, &AgentRequest::Release { handle }) {
-                Ok(AgentReply::Released { .. }) => {
-                    self.own.remove(&id);
-                    self.life.forget(id);
-                    released += 1;
-                }
-                Ok(r) => {
-                    log::warn!("agent {agent} answered the release of region {id} with {r:?}");
-                    failed += 1;
-                }
-                Err(e) => {
-                    log::warn!("agent {agent}: release of region {id} failed: {e}; the agent's sweep deregisters it once the RM forgets the region");
-                    failed += 1;
-                }
-            }
-        }
-        (released, failed)
-    }
-}
-
-impl Drop for Shared {
+impl Drop for RemoteMover {
     fn drop(&mut self) {
         // Fence what is still kept; slots of a peer that cannot be fenced never return
         // to the pool (a late DMA could still land in them).
-        self.lock().reclaim();
-        let lost = self.iso.abandon();
+        self.reclaim(Deadline::after(Duration::from_secs(1)));
+        let lost = self.lock().iso.abandon();
         if lost > 0 {
             log::warn!("{lost} staging slot(s) stay out of use: their peer could not be fenced");
         }
+    }
+}
+
+/// Regions and map replies for the unit tests of the remote state and the pool core.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use crate::wire::agent::{AgentReply, MapReply};
+    use crate::wire::meta::RegionGrant;
+
+    /// Pages of the test regions.
+    pub const PAGE: u64 = 64 << 10;
+
+    /// Region `id` of 128 pages, served by `agent`.
+    pub fn grant(id: u64, agent: &str) -> RegionGrant {
+        serde_json::from_value(serde_json::json!({
+            "handle": {"region_id": id, "offset": id << 30, "length": 128 * PAGE,
+                       "token": "00".repeat(16)},
+            "pool": {"pool_id": 0, "path": "/dev/shm/pool", "uuid": "u", "kind": "file",
+                     "total": 1u64 << 40, "free": 1u64 << 40, "align": PAGE, "draining": 0},
+            "agent": agent, "page_size": PAGE, "pages": 128
+        }))
+        .unwrap_or_else(|e| panic!("a test region: {e}"))
+    }
+
+    /// An agent's reply to the map of region `id`, from a node on `boot`.
+    pub fn mapped(id: u64, boot: &str) -> AgentReply {
+        AgentReply::Mapped(MapReply {
+            region_id: id,
+            addr: 0x10000,
+            rkey: 42,
+            length: 128 * PAGE,
+            offset_in_region: 0,
+            transport: serde_json::Value::Null,
+            boot_id: boot.into(),
+        })
     }
 }

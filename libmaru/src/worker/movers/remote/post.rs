@@ -1,23 +1,102 @@
-//! One window of transfers: operations grouped into a batch per peer, posted (under
-//! the mover's state lock), waited for (without it), and settled (under it again). A peer whose batch failed is dropped (and fenced: pages its WRITEs may
-//! still reach wait for a fence that succeeded); a peer whose batch did not finish
-//! keeps its slots in transfer isolation. What failed while a peer was dropped is
-//! posted once more.
+//! One window of transfers: the agents it needs made ready (connected, regions
+//! mapped again, peers connected: without the state's lock, by the request's
+//! deadline), operations grouped into a batch per peer and planned under the state's
+//! lock, posted and waited for without it, and settled under it again. A peer whose
+//! batch failed is dropped (and fenced, without the lock: pages its WRITEs may still
+//! reach wait for a fence that succeeded); a peer whose batch did not finish keeps
+//! its slots in transfer isolation. What failed while a peer was dropped is posted
+//! once more.
 
-use super::{RemoteState, Shared};
-use crate::transport::{Op, OpKind, PeerId, TransportError};
+use super::isolation::{PeerBatch, PeerOutcome};
+use super::{RemoteMover, RemoteState};
+use crate::transport::{BatchId, BatchState, Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::meta::{LeaseGrant, PageGrant};
+use crate::worker::clock::Deadline;
 use crate::worker::movers::SlotOutcome;
 use crate::worker::staging::Slot;
-use crate::worker::transfer::{post, PeerBatch, PeerOutcome, Posted};
 
-/// Posts once more the items (with their slots) of a window that failed while a peer
-/// was dropped.
-pub(super) type PostAgain<'a> = dyn FnMut(&mut RemoteState, Vec<usize>, Vec<Slot>) -> Planned + 'a;
+/// A transfer whose batches are on their way: [`Posted::finish`] waits for them and
+/// hands the slots back, so that a caller can post the next transfer before it waits
+/// for this one.
+#[must_use = "a posted transfer owns its slots until it is finished"]
+pub(super) struct Posted {
+    parts: Vec<PostedPart>,
+    deadline: Deadline,
+}
 
-/// One window of a transfer, planned under the state's lock (targets looked up, peers
-/// connected) and not yet posted: `Shared::launch` posts it without the lock (on the
-/// soft transport a post writes the WRITE payloads on the socket).
+/// One peer's batch as posted, or why it could not be, with its slots.
+type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
+
+/// Posts every peer's batch (each handed over by `deadline`); each must complete by
+/// then.
+pub(super) fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadline) -> Posted {
+    let parts = batches
+        .into_iter()
+        .map(|b| match t.post_within(b.peer, &b.ops, deadline.left()) {
+            Ok(id) => Ok((b, id)),
+            // Nothing was sent for this peer: its slots come back with the outcome.
+            Err(e) => Err((e, b.slots)),
+        })
+        .collect();
+    Posted { parts, deadline }
+}
+
+impl Posted {
+    /// Waits for every peer's batch until the deadline set when it was posted; a peer
+    /// still pending then hands its slots over as `Kept` (for transfer isolation).
+    pub(super) fn finish(mut self, t: &dyn Transport) -> Vec<PeerOutcome> {
+        let deadline = self.deadline;
+        std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(|p| match p {
+                Err((e, slots)) => PeerOutcome::Failed(e, slots),
+                Ok((b, id)) => match t.wait(id, deadline.left()) {
+                    BatchState::Done => {
+                        t.forget(id);
+                        PeerOutcome::Done(b.slots)
+                    }
+                    BatchState::Failed(e) => {
+                        t.forget(id);
+                        PeerOutcome::Failed(e, b.slots)
+                    }
+                    BatchState::Pending => PeerOutcome::Kept(b.peer, b.slots),
+                },
+            })
+            .collect()
+    }
+}
+
+impl Drop for Posted {
+    /// Only a transfer dropped without [`Posted::finish`] (a bug, or a panic unwinding)
+    /// has parts left: their NIC may still move bytes into the slots, and nothing here
+    /// can fence it, so the slots never go back to their pool.
+    fn drop(&mut self) {
+        let mut lost = 0;
+        for p in std::mem::take(&mut self.parts) {
+            let slots = match p {
+                Ok((b, _)) => b.slots,
+                Err((_, s)) => s,
+            };
+            lost += slots.len();
+            for s in slots {
+                std::mem::forget(s);
+            }
+        }
+        if lost > 0 {
+            log::error!(
+                "a transfer was dropped unfinished: {lost} staging slot(s) stay out of use"
+            );
+        }
+    }
+}
+
+/// Plans once more the items (with their slots) of a window that failed while a peer
+/// was dropped (`RemoteMover::plan_writes` or `plan_reads`).
+pub(super) type PostAgain<'a> = dyn FnMut(&RemoteMover, Vec<usize>, Vec<Slot>) -> Planned + 'a;
+
+/// One window of a transfer, planned under the state's lock (targets and peers looked
+/// up) and not yet posted: `RemoteMover::launch` posts it without the lock (on the soft
+/// transport a post writes the WRITE payloads on the socket).
 pub(super) struct Planned {
     items: Vec<usize>,
     out: Vec<SlotOutcome>,
@@ -87,11 +166,38 @@ pub(super) fn put_back(out: &mut [SlotOutcome], idx: &[usize], again: Vec<SlotOu
     }
 }
 
+/// What settling a window found.
+struct Settled {
+    /// A batch did not complete.
+    failed: bool,
+    /// A batch failed with a known outcome (its peer is dropped: a try on a fresh
+    /// connection may succeed).
+    dropped: bool,
+    /// A batch's outcome is unknown (its slots are kept until its peer is fenced).
+    kept: bool,
+}
+
+impl Planned {
+    /// A window that posts nothing: every slot comes back, no item done.
+    fn nothing(items: Vec<usize>, slots: Vec<Slot>, reads: bool) -> Planned {
+        Planned {
+            items,
+            out: slots
+                .into_iter()
+                .map(|s| SlotOutcome {
+                    ok: false,
+                    slot: Some(s),
+                })
+                .collect(),
+            group: PeerGroups::default(),
+            reads,
+        }
+    }
+}
+
 impl RemoteState {
     /// Records each item's outcome of a group that was waited for in `out` (the slot
-    /// back unless its peer's outcome is unknown). Returns whether any batch did not
-    /// complete, and whether any failed with a known outcome (its peer is dropped: a
-    /// try on a fresh connection may succeed).
+    /// back unless its peer's outcome is unknown).
     fn settle(
         &mut self,
         order: &[Vec<usize>],
@@ -99,7 +205,7 @@ impl RemoteState {
         writes: bool,
         outcomes: Vec<PeerOutcome>,
         out: &mut [SlotOutcome],
-    ) -> (bool, bool) {
+    ) -> Settled {
         let mut any_failed = false;
         let mut dropped = false;
         let mut any_kept = false;
@@ -111,7 +217,7 @@ impl RemoteState {
                     if writes && matches!(e, TransportError::PeerLost { .. }) {
                         // Locally it is over, but the target may still apply WRITEs
                         // it read: their pages wait for a fence that succeeds.
-                        self.iso.unknown_writes(peer);
+                        self.unknown_writes(peer);
                     }
                     // Nothing of it is in flight here: drop the peer (fenced), so the
                     // next transfer connects again, and map our regions at its agent
@@ -121,7 +227,9 @@ impl RemoteState {
                     dropped = true;
                     (false, s)
                 }
-                PeerOutcome::Kept(_) => {
+                PeerOutcome::Kept(p, slots) => {
+                    // The NIC may still move bytes into them: kept until p is fenced.
+                    self.iso.keep(p, slots);
                     any_kept = true;
                     (false, Vec::new())
                 }
@@ -134,21 +242,57 @@ impl RemoteState {
                 };
             }
         }
-        if any_kept {
-            self.reclaim();
+        Settled {
+            failed: any_failed,
+            dropped,
+            kept: any_kept,
         }
-        (any_failed, dropped)
     }
 
-    /// Posts a WRITE of each of the request's `items` from the slot of the same index
-    /// into its page; `page(item)` is the page and the bytes to write.
-    pub(super) fn post_writes(
+    /// The agents of the own regions of `items`' pages (`page(item)`).
+    fn agents_of_pages(
+        &self,
+        items: &[usize],
+        page: &dyn Fn(usize) -> (PageGrant, usize),
+    ) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|&i| self.own.get(&page(i).0.region_id))
+            .map(|r| r.agent.clone())
+            .collect()
+    }
+
+    /// The agents `leases` are read from (own regions, or mapped for reading).
+    fn agents_of_leases(&self, items: &[usize], leases: &[LeaseGrant]) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|&i| {
+                let l = &leases[i];
+                match self.own.get(&l.region_id) {
+                    Some(r) => Some(r.agent.clone()),
+                    None => self
+                        .reads
+                        .get(&(l.region_id, l.offset, l.length))
+                        .map(|t| t.0.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// The peer of `agent`, if it is connected.
+    fn peer_of(&self, agent: &str) -> Option<PeerId> {
+        self.agents.get(agent).and_then(|c| c.peer)
+    }
+
+    /// Plans a WRITE of each of the request's `items` from the slot of the same index
+    /// into its page; `page(item)` is the page and the bytes to write. An item whose
+    /// region is not usable, or whose agent has no peer, gets its slot back.
+    fn post_writes(
         &mut self,
         items: Vec<usize>,
         slots: Vec<Slot>,
         page: &dyn Fn(usize) -> (PageGrant, usize),
     ) -> Planned {
-        self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
         for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
@@ -158,20 +302,17 @@ impl RemoteState {
             });
             let (page, len) = page(item);
             let usable = self.life.usable(page.region_id);
-            let target = self.own.get(&page.region_id).filter(|_| usable).map(|r| {
-                (
-                    r.agent.clone(),
-                    r.map.addr,
-                    r.map.rkey,
-                    r.map.transport.clone(),
-                )
-            });
-            let Some((agent, addr, rkey, meta)) = target else {
+            let target = self
+                .own
+                .get(&page.region_id)
+                .filter(|_| usable)
+                .map(|r| (r.agent.clone(), r.map.addr, r.map.rkey));
+            let Some((agent, addr, rkey)) = target else {
                 out[i].slot = Some(slot);
                 continue;
             };
-            let peer = match self.peer(&agent, &meta) {
-                Ok(p) if len <= slot.len() => p,
+            let peer = match self.peer_of(&agent) {
+                Some(p) if len <= slot.len() => p,
                 _ => {
                     out[i].slot = Some(slot);
                     continue;
@@ -194,15 +335,14 @@ impl RemoteState {
         }
     }
 
-    /// Posts a READ of each of the request's `items` (its lease in `leases`, the
+    /// Plans a READ of each of the request's `items` (its lease in `leases`, the
     /// request's) into the slot of the same index.
-    pub(super) fn post_reads(
+    fn post_reads(
         &mut self,
         items: Vec<usize>,
         leases: &[LeaseGrant],
         slots: Vec<Slot>,
     ) -> Planned {
-        self.remap_failed_agents();
         let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
         let mut group = PeerGroups::default();
         for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
@@ -212,11 +352,13 @@ impl RemoteState {
                 slot: None,
             });
             let peer = match self.read_target(l) {
-                Ok((agent, addr, rkey, meta)) if l.length as usize <= slot.len() => {
-                    match self.peer(&agent, &meta) {
-                        Ok(p) => Some((p, addr, rkey)),
-                        Err(e) => {
-                            self.read_error = Some(e.to_string());
+                Ok((agent, addr, rkey, _)) if l.length as usize <= slot.len() => {
+                    match self.peer_of(&agent) {
+                        Some(p) => Some((p, addr, rkey)),
+                        None => {
+                            self.read_error = Some(format!(
+                                "agent {agent}: no data connection (it did not answer in time)"
+                            ));
                             None
                         }
                     }
@@ -253,15 +395,64 @@ impl RemoteState {
     }
 }
 
-impl Shared {
-    /// Posts a planned window (without the state's lock).
-    pub(super) fn launch(&self, p: Planned) -> PendingWindow {
+impl RemoteMover {
+    /// Makes the agents of `agents` that a window cannot use yet ready (without the
+    /// state's lock, by `by`); one that is not stays unready and the window's items
+    /// there fail.
+    fn prepare(&self, agents: Vec<String>, by: Deadline) {
+        let unready = self.lock().unready(agents);
+        for agent in unready {
+            if let Err(e) = self.ready(&agent, by) {
+                log::debug!("agent {agent} not ready for a transfer: {e}");
+            }
+        }
+    }
+
+    /// Plans WRITEs of `items` from `slots` (see `RemoteState::post_writes`), their
+    /// agents made ready first; nothing once `by` passed (a batch posted then would
+    /// keep its slots until a fence).
+    pub(super) fn plan_writes(
+        &self,
+        items: Vec<usize>,
+        slots: Vec<Slot>,
+        page: &dyn Fn(usize) -> (PageGrant, usize),
+        by: Deadline,
+    ) -> Planned {
+        if by.passed() {
+            return Planned::nothing(items, slots, false);
+        }
+        let agents = self.lock().agents_of_pages(&items, page);
+        self.prepare(agents, by);
+        self.lock().post_writes(items, slots, page)
+    }
+
+    /// Plans READs of `items` into `slots` (see `RemoteState::post_reads`): the ranges
+    /// not mapped for reading are mapped and the agents made ready first.
+    pub(super) fn plan_reads(
+        &self,
+        items: Vec<usize>,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        by: Deadline,
+    ) -> Planned {
+        if by.passed() {
+            return Planned::nothing(items, slots, true);
+        }
+        let window: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
+        self.map_reads(&window, by);
+        let agents = self.lock().agents_of_leases(&items, leases);
+        self.prepare(agents, by);
+        self.lock().post_reads(items, leases, slots)
+    }
+
+    /// Posts a planned window (without the state's lock); it must complete by `by`.
+    pub(super) fn launch(&self, p: Planned, by: Deadline) -> PendingWindow {
         let peers = p.group.batches.iter().map(|b| b.peer).collect();
         PendingWindow {
             items: p.items,
             out: p.out,
             group: PostedGroup {
-                posted: post(self.nic.as_ref(), p.group.batches, self.timeout),
+                posted: post(self.nic.as_ref(), p.group.batches, by),
                 order: p.group.order,
                 peers,
                 writes: !p.reads,
@@ -270,17 +461,23 @@ impl Shared {
         }
     }
 
-    /// Waits for a posted group without the state's lock, then settles it under the
-    /// lock (see `RemoteState::settle`).
-    fn wait(&self, group: PostedGroup, out: &mut [SlotOutcome]) -> (bool, bool) {
+    /// Waits for a posted group without the state's lock, settles it under the lock
+    /// (see `RemoteState::settle`), then fences what that queued and, when a batch
+    /// kept its slots, the peers that keep slots (without the lock, until `by`).
+    fn wait(&self, group: PostedGroup, out: &mut [SlotOutcome], by: Deadline) -> Settled {
         let PostedGroup {
             posted,
             order,
             peers,
             writes,
         } = group;
-        let outcomes = posted.finish(self.nic.as_ref(), &self.iso);
-        self.lock().settle(&order, peers, writes, outcomes, out)
+        let outcomes = posted.finish(self.nic.as_ref());
+        let settled = self.lock().settle(&order, peers, writes, outcomes, out);
+        self.fence_queued(by);
+        if settled.kept {
+            self.reclaim(by);
+        }
+        settled
     }
 
     /// Waits for a posted window: its items and their outcomes. Transfers that failed
@@ -291,6 +488,7 @@ impl Shared {
         &self,
         pending: PendingWindow,
         again: &mut PostAgain<'_>,
+        by: Deadline,
     ) -> (Vec<usize>, Vec<SlotOutcome>) {
         let PendingWindow {
             items,
@@ -298,14 +496,15 @@ impl Shared {
             group,
             reads,
         } = pending;
-        let (mut failed, dropped) = self.wait(group, &mut out);
-        if dropped && out.iter().any(|o| !o.ok) {
+        let settled = self.wait(group, &mut out, by);
+        let mut failed = settled.failed;
+        if settled.dropped && out.iter().any(|o| !o.ok) {
             let (idx, slots) = take_failed(&mut out);
             let which = idx.iter().map(|&k| items[k]).collect();
-            let planned = again(&mut self.lock(), which, slots);
-            let retry = self.launch(planned);
+            let planned = again(self, which, slots);
+            let retry = self.launch(planned, by);
             let mut retried = retry.out;
-            failed = self.wait(retry.group, &mut retried).0;
+            failed = self.wait(retry.group, &mut retried, by).failed;
             put_back(&mut out, &idx, retried);
         }
         if failed && reads {
@@ -313,5 +512,258 @@ impl Shared {
             self.lock().forget_reads(None);
         }
         (items, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{grant, mapped};
+    use super::*;
+    use crate::net::ClientOptions;
+    use crate::transport::{Bringup, LocalBuffer};
+    use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
+    use std::collections::{HashMap, HashSet};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// A transport whose peers complete at once, fail, refuse the post, or never answer.
+    #[derive(Default)]
+    struct FaultTransport {
+        silent: HashSet<u64>,
+        failing: HashSet<u64>,
+        lost: HashSet<u64>,
+        refuse_post: HashSet<u64>,
+        batches: Mutex<HashMap<BatchId, BatchState>>,
+        next: AtomicU64,
+    }
+
+    impl Transport for FaultTransport {
+        fn name(&self) -> &'static str {
+            "fault"
+        }
+        fn register_local(&self, _b: LocalBuffer) -> Result<(), TransportError> {
+            Ok(())
+        }
+        fn connect(
+            &self,
+            _m: &serde_json::Value,
+            _b: &mut Bringup<'_>,
+        ) -> Result<PeerId, TransportError> {
+            Ok(PeerId(0))
+        }
+        fn post(&self, peer: PeerId, _ops: &[Op]) -> Result<BatchId, TransportError> {
+            if self.refuse_post.contains(&peer.0) {
+                return Err(TransportError::NoPeer(peer));
+            }
+            let id = BatchId(self.next.fetch_add(1, Ordering::Relaxed));
+            let st = if self.silent.contains(&peer.0) {
+                BatchState::Pending
+            } else if self.failing.contains(&peer.0) {
+                BatchState::Failed(TransportError::BadKey { rkey: 1 })
+            } else if self.lost.contains(&peer.0) {
+                BatchState::Failed(TransportError::PeerLost {
+                    peer: "p".into(),
+                    message: "reset".into(),
+                })
+            } else {
+                BatchState::Done
+            };
+            self.batches.lock().unwrap().insert(id, st);
+            Ok(id)
+        }
+        fn state(&self, b: BatchId) -> BatchState {
+            self.batches
+                .lock()
+                .unwrap()
+                .get(&b)
+                .cloned()
+                .unwrap_or(BatchState::Failed(TransportError::NoBatch(b)))
+        }
+        fn wait(&self, b: BatchId, _t: Duration) -> BatchState {
+            self.state(b)
+        }
+        fn forget(&self, b: BatchId) {
+            self.batches.lock().unwrap().remove(&b);
+        }
+        fn fence(&self, _peer: PeerId) -> Result<(), TransportError> {
+            Ok(())
+        }
+    }
+
+    fn staging(n: usize) -> StagingSlots {
+        StagingSlots::new(StagingLayout {
+            slot_size: 64,
+            load_slots: n,
+            store_slots: n,
+        })
+        .unwrap()
+    }
+
+    fn batch(st: &StagingSlots, peer: u64, n: usize, kind: OpKind) -> PeerBatch {
+        let slots = st.try_acquire(SlotPool::Load, n);
+        assert_eq!(slots.len(), n);
+        let ops = slots
+            .iter()
+            .map(|s| Op {
+                kind,
+                local_offset: s.offset() as u64,
+                remote_addr: 0,
+                rkey: 1,
+                len: 8,
+            })
+            .collect();
+        PeerBatch {
+            peer: PeerId(peer),
+            ops,
+            slots,
+        }
+    }
+
+    fn state() -> RemoteState {
+        RemoteState::new(ClientOptions::new("test", "t"))
+    }
+
+    /// The slots of a window's batches, back in `out` by item (see `settle`).
+    fn settle_all(
+        st: &mut RemoteState,
+        outcomes: Vec<PeerOutcome>,
+        sizes: &[usize],
+        writes: bool,
+    ) -> (Settled, Vec<SlotOutcome>) {
+        let mut order = Vec::new();
+        let mut next = 0;
+        for &n in sizes {
+            order.push((next..next + n).collect::<Vec<_>>());
+            next += n;
+        }
+        let peers = (0..sizes.len() as u64).map(PeerId).collect();
+        let mut out: Vec<SlotOutcome> = (0..next)
+            .map(|_| SlotOutcome {
+                ok: false,
+                slot: None,
+            })
+            .collect();
+        let s = st.settle(&order, peers, writes, outcomes, &mut out);
+        (s, out)
+    }
+
+    /// A transfer to four peers: one answers, one never does, one fails, one refuses
+    /// the post. Only the silent peer's slots stay out (kept until it is fenced); the
+    /// others come back with their outcomes, exactly once.
+    #[test]
+    fn only_the_silent_peers_slots_are_kept_and_the_others_come_back_with_their_outcome() {
+        let sl = staging(12);
+        let t = FaultTransport {
+            silent: [1].into(),
+            failing: [2].into(),
+            refuse_post: [3].into(),
+            ..Default::default()
+        };
+        let batches = (0..4).map(|p| batch(&sl, p, 3, OpKind::Read)).collect();
+        let outcomes = post(&t, batches, Deadline::after(Duration::from_millis(1))).finish(&t);
+        assert!(matches!(outcomes[0], PeerOutcome::Done(ref s) if s.len() == 3));
+        assert!(matches!(outcomes[1], PeerOutcome::Kept(PeerId(1), ref s) if s.len() == 3));
+        assert!(matches!(
+            outcomes[2],
+            PeerOutcome::Failed(TransportError::BadKey { .. }, ref s) if s.len() == 3
+        ));
+        assert!(matches!(
+            outcomes[3],
+            PeerOutcome::Failed(TransportError::NoPeer(_), ref s) if s.len() == 3
+        ));
+        let mut st = state();
+        let (s, out) = settle_all(&mut st, outcomes, &[3, 3, 3, 3], false);
+        assert!(s.kept && s.failed && s.dropped);
+        assert_eq!(out.iter().filter(|o| o.ok).count(), 3);
+        assert_eq!(out.iter().filter(|o| o.slot.is_none()).count(), 3);
+        drop(out);
+        assert_eq!(
+            sl.free(SlotPool::Load),
+            9,
+            "only the silent peer's slots are out"
+        );
+        assert_eq!(st.iso.kept_slots(), 3);
+        assert!(st.may_still_write());
+    }
+
+    /// A batch of WRITEs that failed with its connection: its peer is dropped (queued
+    /// for a fence), the read registrations go, and its pages' outcome stays unknown
+    /// until a fence succeeds (`may_still_write`).
+    #[test]
+    fn a_write_batch_lost_with_its_connection_drops_its_peer_and_stays_unconfirmed() {
+        let sl = staging(4);
+        let t = FaultTransport {
+            lost: [0].into(),
+            ..Default::default()
+        };
+        let mut st = state();
+        st.agent("a:1").peer = Some(PeerId(0));
+        st.reads
+            .insert((9, 0, 8), ("a:1".into(), 0, 1, serde_json::Value::Null));
+        let outcomes = post(
+            &t,
+            vec![batch(&sl, 0, 2, OpKind::Write)],
+            Deadline::after(Duration::from_millis(1)),
+        )
+        .finish(&t);
+        let (s, out) = settle_all(&mut st, outcomes, &[2], true);
+        assert!(s.failed && s.dropped && !s.kept);
+        assert!(out.iter().all(|o| !o.ok && o.slot.is_some()), "slots back");
+        assert_eq!(
+            st.agent("a:1").peer,
+            None,
+            "dropped: the next transfer connects again"
+        );
+        assert_eq!(st.to_fence, vec![PeerId(0)]);
+        assert!(st.reads.is_empty());
+        assert!(st.life.needs_remap("a:1"));
+        assert!(
+            st.may_still_write(),
+            "the target may still apply what it read"
+        );
+    }
+
+    /// A window writes only into own regions that are usable, through agents with a
+    /// data connection: an item of a region unknown, of an agent not connected yet,
+    /// or of a region whose node rebooted gets its slot back and is not posted.
+    #[test]
+    fn a_window_plans_writes_only_into_usable_regions_whose_agent_has_a_peer() {
+        let sl = staging(4);
+        let mut st = state();
+        st.adopted(&grant(1, "a:1"), "a:1", mapped(1, "boot-1"), 0)
+            .unwrap();
+        let page = |region: u64| PageGrant {
+            region_id: region,
+            page: 1,
+            offset: 4096,
+            length: 4096,
+        };
+        let plan = |st: &mut RemoteState, region: u64| {
+            let slots = sl.try_acquire(SlotPool::Store, 1);
+            st.post_writes(vec![0], slots, &|_| (page(region), 32))
+        };
+        let p = plan(&mut st, 1);
+        assert!(
+            p.group.batches.is_empty(),
+            "no peer yet: `ready` connects first"
+        );
+        assert!(p.out[0].slot.is_some());
+        assert_eq!(st.unready(["a:1".to_string()]), vec!["a:1".to_string()]);
+        st.agent("a:1").peer = Some(PeerId(5));
+        assert!(st.unready(["a:1".to_string()]).is_empty());
+        let p = plan(&mut st, 1);
+        assert_eq!(p.group.batches.len(), 1);
+        assert_eq!(p.group.batches[0].ops[0].remote_addr, 0x10000 + 4096);
+        drop(p);
+        assert!(
+            plan(&mut st, 2).group.batches.is_empty(),
+            "not an own region"
+        );
+        st.seen("a:1", Some("boot-2"), None, 5).unwrap();
+        assert!(
+            plan(&mut st, 1).group.batches.is_empty(),
+            "its node rebooted: neither read nor written until maru-server knows"
+        );
     }
 }

@@ -1,14 +1,15 @@
-//! What a remote store or load posts, window by window (see `worker::windows`): a
+//! What a remote store or load posts, window by window (see `windows`): a
 //! copying store fills store slots from the caller's chunks, a copying load hands
 //! each window's slots to the caller's sink, and the slot API moves the caller's own
 //! slots.
 
 use super::post::{PendingWindow, Planned};
-use super::{RemoteState, Shared};
+use super::windows::Windowed;
+use super::RemoteMover;
 use crate::wire::meta::{LeaseGrant, PageGrant};
+use crate::worker::clock::Deadline;
 use crate::worker::movers::{ReadSink, SlotOutcome, WriteItem};
 use crate::worker::staging::{Slot, SlotPool};
-use crate::worker::windows::Windowed;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -16,11 +17,16 @@ use std::time::Duration;
 /// windows hold on the wire (see `StoreWindows::slots`).
 const STORE_SLOT_WAIT: Duration = Duration::from_secs(1);
 
+/// How long a load's first window waits for a load slot.
+const LOAD_SLOT_WAIT: Duration = Duration::from_secs(1);
+
 /// A copying store's windows: the caller's chunks are copied into store slots.
 pub(super) struct StoreWindows<'a, 'd> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) items: &'a [WriteItem<'d>],
     pub(super) ok: Vec<bool>,
+    /// The request's deadline.
+    pub(super) by: Deadline,
 }
 
 impl Windowed for StoreWindows<'_, '_> {
@@ -42,7 +48,7 @@ impl Windowed for StoreWindows<'_, '_> {
         }
         self.m
             .staging
-            .acquire(SlotPool::Store, want, STORE_SLOT_WAIT)
+            .acquire(SlotPool::Store, want, STORE_SLOT_WAIT.min(self.by.left()))
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let mut filled = Vec::with_capacity(slots.len());
@@ -60,18 +66,23 @@ impl Windowed for StoreWindows<'_, '_> {
         self.m
             .store_slots_on_wire
             .fetch_add(filled.len(), Ordering::Relaxed);
-        let planned = self
-            .m
-            .lock()
-            .post_writes(index, filled, &|i| (items[i].page, items[i].data.len()));
-        self.m.launch(planned)
+        let by = self.by;
+        let planned =
+            self.m
+                .plan_writes(index, filled, &|i| (items[i].page, items[i].data.len()), by);
+        self.m.launch(planned, by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let items = self.items;
         let n = posted.items.len();
-        let r = self.m.finish_window(posted, &mut |st, which, slots| {
-            st.post_writes(which, slots, &|i| (items[i].page, items[i].data.len()))
-        });
+        let by = self.by;
+        let r = self.m.finish_window(
+            posted,
+            &mut |m, which, slots| {
+                m.plan_writes(which, slots, &|i| (items[i].page, items[i].data.len()), by)
+            },
+            by,
+        );
         self.m.store_slots_on_wire.fetch_sub(n, Ordering::Relaxed);
         r
     }
@@ -86,9 +97,11 @@ impl Windowed for StoreWindows<'_, '_> {
 /// A copying load's windows: each window's slots go to the sink, then to a later
 /// window.
 pub(super) struct LoadWindows<'a, 's> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) leases: &'a [LeaseGrant],
     pub(super) sink: &'a mut ReadSink<'s>,
+    /// The request's deadline.
+    pub(super) by: Deadline,
 }
 
 impl Windowed for LoadWindows<'_, '_> {
@@ -104,13 +117,12 @@ impl Windowed for LoadWindows<'_, '_> {
             // What is free now; else the window ahead gives its slots back.
             return self.m.staging.try_acquire(SlotPool::Load, want);
         }
-        let slots = self
-            .m
-            .staging
-            .acquire(SlotPool::Load, want, Duration::from_secs(1));
+        let wait = LOAD_SLOT_WAIT.min(self.by.left());
+        let slots = self.m.staging.acquire(SlotPool::Load, want, wait);
         if slots.is_empty() {
             log::warn!(
-                "no load slot free within 1 s: {} chunk(s) not loaded",
+                "no load slot free within {} ms: {} chunk(s) not loaded",
+                wait.as_millis(),
                 self.leases.len() - start
             );
         }
@@ -118,14 +130,16 @@ impl Windowed for LoadWindows<'_, '_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        let planned = self.m.lock().post_reads(items, self.leases, slots);
-        self.m.launch(planned)
+        let planned = self.m.plan_reads(items, self.leases, slots, self.by);
+        self.m.launch(planned, self.by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
-        let leases = self.leases;
-        self.m.finish_window(posted, &mut |st, which, slots| {
-            st.post_reads(which, leases, slots)
-        })
+        let (leases, by) = (self.leases, self.by);
+        self.m.finish_window(
+            posted,
+            &mut |m, which, slots| m.plan_reads(which, leases, slots, by),
+            by,
+        )
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
         let mut all = true;
@@ -154,10 +168,12 @@ pub(super) enum Given<'a> {
 /// Windows of a transfer between the caller's slots and pages: every item is tried,
 /// and each slot comes back in its outcome.
 pub(super) struct GivenWindows<'a> {
-    pub(super) m: &'a Shared,
+    pub(super) m: &'a RemoteMover,
     pub(super) given: Vec<Option<Slot>>,
     pub(super) out: Vec<SlotOutcome>,
     pub(super) kind: Given<'a>,
+    /// The request's deadline.
+    pub(super) by: Deadline,
 }
 
 impl GivenWindows<'_> {
@@ -175,16 +191,17 @@ impl GivenWindows<'_> {
     }
 }
 
-/// Posts the request's `items` from or into the caller's slots.
-pub(super) fn post_given(
-    m: &mut RemoteState,
+/// Plans the request's `items` from or into the caller's slots.
+fn plan_given(
+    m: &RemoteMover,
     kind: &Given<'_>,
     items: Vec<usize>,
     slots: Vec<Slot>,
+    by: Deadline,
 ) -> Planned {
     match kind {
-        Given::Write(pages) => m.post_writes(items, slots, &|i| pages[i]),
-        Given::Read(leases) => m.post_reads(items, leases, slots),
+        Given::Write(pages) => m.plan_writes(items, slots, &|i| pages[i], by),
+        Given::Read(leases) => m.plan_reads(items, leases, slots, by),
     }
 }
 
@@ -210,14 +227,16 @@ impl Windowed for GivenWindows<'_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        let planned = post_given(&mut self.m.lock(), &self.kind, items, slots);
-        self.m.launch(planned)
+        let planned = plan_given(self.m, &self.kind, items, slots, self.by);
+        self.m.launch(planned, self.by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
-        let kind = &self.kind;
-        self.m.finish_window(posted, &mut |st, which, slots| {
-            post_given(st, kind, which, slots)
-        })
+        let (kind, by) = (&self.kind, self.by);
+        self.m.finish_window(
+            posted,
+            &mut |m, which, slots| plan_given(m, kind, which, slots, by),
+            by,
+        )
     }
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
         debug_assert_eq!(

@@ -17,8 +17,8 @@
 //! [`run`] is the schedule alone: what a window is, when one is posted, waited for and
 //! handed over. What posting and waiting mean is the [`Windowed`] caller's.
 
-use super::movers::SlotOutcome;
-use super::staging::Slot;
+use crate::worker::movers::SlotOutcome;
+use crate::worker::staging::Slot;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -1,0 +1,637 @@
+//! maru-server's durable directory (`--state-dir`): the metadata core's record
+//! batches ([`maru::meta::records`]) kept in an embedded B-tree store (redb: crash-safe
+//! commits with checksums, space reused as keys come and go), one table per kind of
+//! record, plus the session secrets and the server's instance and run number.
+//!
+//! Batches are written by a thread of their own ([`StoreWriter`]): the event loop
+//! hands over each batch and goes on; the writer takes every batch waiting, commits
+//! them together (one fsync for all: a group commit), then says how far it got and
+//! wakes the loop, which sends the replies that waited for those batches. So publish
+//! throughput does not depend on one fsync per request.
+
+use maru::meta::records::{
+    decode_json, decode_key, encode_json, encode_key, Changes, Image, Record, RegionRecord,
+    ScopeRecord, SessionRecord, FORMAT,
+};
+use maru::net::Replier;
+use redb::{Database, ReadableTable, TableDefinition};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+const KEYS: TableDefinition<u64, &[u8]> = TableDefinition::new("keys");
+/// Use stamps newer than the key's record (reads since it was written).
+const USED: TableDefinition<u64, u64> = TableDefinition::new("used");
+const REGIONS: TableDefinition<u64, &[u8]> = TableDefinition::new("regions");
+const SESSIONS: TableDefinition<u64, &[u8]> = TableDefinition::new("sessions");
+const SCOPES: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
+/// sha256 (hex) of a session secret → its owner and tenant.
+const SECRETS: TableDefinition<&str, &[u8]> = TableDefinition::new("secrets");
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+/// The store's file in the state directory.
+pub const DIRECTORY_FILE: &str = "directory.redb";
+/// Held (flock) while a maru-server uses the state directory.
+pub const LOCK_FILE: &str = "lock";
+/// The store's page cache: a recovery reads every key once.
+const CACHE_BYTES: usize = 64 << 20;
+
+/// A session secret kept across restarts (its hash only).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SecretRecord {
+    pub owner: String,
+    pub tenant: String,
+}
+
+/// A change to the kept session secrets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretOp {
+    Put(String, SecretRecord),
+    Delete(String),
+}
+
+/// What a state directory held at start.
+pub struct Loaded {
+    pub image: Image,
+    pub secrets: Vec<(String, SecretRecord)>,
+    /// Names this directory (and so the server) across restarts.
+    pub instance: String,
+    /// Starts of maru-server on this directory, this one included.
+    pub run: u64,
+    /// How long reading the directory took.
+    pub read: Duration,
+}
+
+/// An open state directory.
+pub struct MetaStore {
+    db: Database,
+    path: PathBuf,
+    /// The lock file, held (flock) while the store is open.
+    _lock: std::fs::File,
+}
+
+fn err(path: &Path, what: &str, e: impl std::fmt::Display) -> String {
+    format!("{} ({what}): {e}", path.display())
+}
+
+impl MetaStore {
+    /// Opens (or makes) the state directory `dir` (0700, refused when others can
+    /// write it), locks it against a second maru-server, and reads it. A record
+    /// that does not decode stops the start with an error naming the file, the table
+    /// and the record: the directory is not served half-read. A commit cut by a
+    /// crash is rolled back by the store to the last whole one.
+    pub fn open(
+        dir: &Path,
+        new_instance: impl FnOnce() -> String,
+    ) -> Result<(MetaStore, Loaded), String> {
+        let started = Instant::now();
+        maru::rm::private_dir(dir)
+            .map_err(|e| format!("state directory {}: {e}", dir.display()))?;
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| err(&lock_path, "lock", e))?;
+        // SAFETY: flock on a file descriptor this function owns.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(format!(
+                "state directory {} is in use by another maru-server: give each server its \
+                 own --state-dir (or --in-memory for a throwaway one)",
+                dir.display()
+            ));
+        }
+        let path = dir.join(DIRECTORY_FILE);
+        let db = std::panic::catch_unwind(|| {
+            Database::builder()
+                .set_cache_size(CACHE_BYTES)
+                .create(&path)
+        })
+        .map_err(|_| {
+            err(
+                &path,
+                "open",
+                "the store panicked reading the file (corrupted?)",
+            )
+        })?
+        .map_err(|e| {
+            err(
+                &path,
+                "open",
+                format!("{e}; move the file away to start with an empty directory"),
+            )
+        })?;
+        let store = MetaStore {
+            db,
+            path: path.clone(),
+            _lock: lock,
+        };
+        let (instance, run) = store.start_run(new_instance)?;
+        let (image, secrets) = store.read_all()?;
+        Ok((
+            store,
+            Loaded {
+                image,
+                secrets,
+                instance,
+                run,
+                read: started.elapsed(),
+            },
+        ))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes every table, checks the format, and counts this start.
+    fn start_run(&self, new_instance: impl FnOnce() -> String) -> Result<(String, u64), String> {
+        let p = &self.path;
+        let txn = self.db.begin_write().map_err(|e| err(p, "begin", e))?;
+        let (instance, run) = {
+            let mut meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
+            let get = |t: &redb::Table<&str, &[u8]>, k: &str| -> Result<Option<Vec<u8>>, String> {
+                Ok(t.get(k)
+                    .map_err(|e| err(p, "meta", e))?
+                    .map(|v| v.value().to_vec()))
+            };
+            if let Some(f) = get(&meta, "format")? {
+                let f = String::from_utf8_lossy(&f).to_string();
+                if f != FORMAT.to_string() {
+                    return Err(err(
+                        p,
+                        "meta",
+                        format!(
+                            "written in record format {f}, this maru-server reads format \
+                             {FORMAT}: start the maru-server that wrote it, or move the file \
+                             away to start with an empty directory"
+                        ),
+                    ));
+                }
+            }
+            let instance = match get(&meta, "instance")? {
+                Some(i) => String::from_utf8_lossy(&i).to_string(),
+                None => new_instance(),
+            };
+            let run = get(&meta, "run")?
+                .and_then(|r| String::from_utf8_lossy(&r).parse::<u64>().ok())
+                .unwrap_or(0)
+                + 1;
+            for (k, v) in [
+                ("format", FORMAT.to_string()),
+                ("instance", instance.clone()),
+                ("run", run.to_string()),
+            ] {
+                meta.insert(k, v.as_bytes())
+                    .map_err(|e| err(p, "meta", e))?;
+            }
+            (instance, run)
+        };
+        for name in ["keys", "regions", "sessions"] {
+            let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
+            txn.open_table(def).map_err(|e| err(p, name, e))?;
+        }
+        txn.open_table(USED).map_err(|e| err(p, "used", e))?;
+        txn.open_table(SCOPES).map_err(|e| err(p, "scopes", e))?;
+        txn.open_table(SECRETS).map_err(|e| err(p, "secrets", e))?;
+        txn.commit().map_err(|e| err(p, "commit", e))?;
+        Ok((instance, run))
+    }
+
+    fn read_all(&self) -> Result<(Image, Vec<(String, SecretRecord)>), String> {
+        let p = &self.path;
+        let txn = self.db.begin_read().map_err(|e| err(p, "begin", e))?;
+        let mut img = Image::default();
+        let bad = |table: &str, id: String, e: String| {
+            format!(
+                "{}: record {id} of table {table} does not decode ({e}); the directory is not \
+                 served half-read: move the file away to start with an empty directory",
+                p.display()
+            )
+        };
+        let t = txn.open_table(SCOPES).map_err(|e| err(p, "scopes", e))?;
+        for item in t.iter().map_err(|e| err(p, "scopes", e))? {
+            let (k, v) = item.map_err(|e| err(p, "scopes", e))?;
+            let s: ScopeRecord = decode_json("scope", v.value())
+                .map_err(|e| bad("scopes", k.value().to_string(), e.0))?;
+            img.scopes.push(s);
+        }
+        let t = txn
+            .open_table(SESSIONS)
+            .map_err(|e| err(p, "sessions", e))?;
+        for item in t.iter().map_err(|e| err(p, "sessions", e))? {
+            let (k, v) = item.map_err(|e| err(p, "sessions", e))?;
+            let s: SessionRecord = decode_json("session", v.value())
+                .map_err(|e| bad("sessions", k.value().to_string(), e.0))?;
+            img.sessions.push(s);
+        }
+        let t = txn.open_table(REGIONS).map_err(|e| err(p, "regions", e))?;
+        for item in t.iter().map_err(|e| err(p, "regions", e))? {
+            let (k, v) = item.map_err(|e| err(p, "regions", e))?;
+            let r: RegionRecord = decode_json("region", v.value())
+                .map_err(|e| bad("regions", k.value().to_string(), e.0))?;
+            img.regions.push(r);
+        }
+        let used = txn.open_table(USED).map_err(|e| err(p, "used", e))?;
+        let t = txn.open_table(KEYS).map_err(|e| err(p, "keys", e))?;
+        for item in t.iter().map_err(|e| err(p, "keys", e))? {
+            let (k, v) = item.map_err(|e| err(p, "keys", e))?;
+            let id = k.value();
+            let mut rec =
+                decode_key(id, v.value()).map_err(|e| bad("keys", id.to_string(), e.0))?;
+            if let Some(u) = used.get(id).map_err(|e| err(p, "used", e))? {
+                rec.used = rec.used.max(u.value());
+            }
+            img.keys.push(rec);
+        }
+        let meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
+        img.next_session = meta
+            .get("next_session")
+            .map_err(|e| err(p, "meta", e))?
+            .and_then(|v| String::from_utf8_lossy(v.value()).parse().ok())
+            .unwrap_or(0);
+        let t = txn.open_table(SECRETS).map_err(|e| err(p, "secrets", e))?;
+        let mut secrets = Vec::new();
+        for item in t.iter().map_err(|e| err(p, "secrets", e))? {
+            let (k, v) = item.map_err(|e| err(p, "secrets", e))?;
+            let s: SecretRecord = decode_json("secret", v.value())
+                .map_err(|e| bad("secrets", "(a secret's hash)".into(), e.0))?;
+            secrets.push((k.value().to_string(), s));
+        }
+        Ok((img, secrets))
+    }
+
+    /// Applies jobs in one transaction and commits (durable when this returns Ok).
+    fn commit(&self, jobs: &[Job]) -> Result<(), String> {
+        let p = &self.path;
+        let txn = self.db.begin_write().map_err(|e| err(p, "begin", e))?;
+        {
+            let mut keys = txn.open_table(KEYS).map_err(|e| err(p, "keys", e))?;
+            let mut used = txn.open_table(USED).map_err(|e| err(p, "used", e))?;
+            let mut regions = txn.open_table(REGIONS).map_err(|e| err(p, "regions", e))?;
+            let mut sessions = txn
+                .open_table(SESSIONS)
+                .map_err(|e| err(p, "sessions", e))?;
+            let mut scopes = txn.open_table(SCOPES).map_err(|e| err(p, "scopes", e))?;
+            let mut secrets = txn.open_table(SECRETS).map_err(|e| err(p, "secrets", e))?;
+            let mut meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
+            let w = |e: redb::StorageError| err(p, "write", e);
+            for job in jobs {
+                for r in job.changes.iter().flat_map(|c| &c.records) {
+                    match r {
+                        Record::Scope(s) => {
+                            scopes.insert(s.id, encode_json(s).as_slice()).map_err(w)?;
+                        }
+                        Record::Session(s) => {
+                            sessions
+                                .insert(s.id, encode_json(s).as_slice())
+                                .map_err(w)?;
+                        }
+                        Record::SessionGone(id) => {
+                            sessions.remove(*id).map_err(w)?;
+                        }
+                        Record::NextSession(n) => {
+                            meta.insert("next_session", n.to_string().as_bytes())
+                                .map_err(w)?;
+                        }
+                        Record::Region(g) => {
+                            regions
+                                .insert(g.handle.region_id, encode_json(g).as_slice())
+                                .map_err(w)?;
+                        }
+                        Record::RegionGone(id) => {
+                            regions.remove(*id).map_err(w)?;
+                        }
+                        Record::Key(k) => {
+                            keys.insert(k.id, encode_key(k).as_slice()).map_err(w)?;
+                            used.remove(k.id).map_err(w)?;
+                        }
+                        Record::KeyGone(id) => {
+                            keys.remove(*id).map_err(w)?;
+                            used.remove(*id).map_err(w)?;
+                        }
+                        Record::Used { id, used: u } => {
+                            used.insert(*id, *u).map_err(w)?;
+                        }
+                    }
+                }
+                for s in &job.secrets {
+                    match s {
+                        SecretOp::Put(h, rec) => {
+                            secrets
+                                .insert(h.as_str(), encode_json(rec).as_slice())
+                                .map_err(w)?;
+                        }
+                        SecretOp::Delete(h) => {
+                            secrets.remove(h.as_str()).map_err(w)?;
+                        }
+                    }
+                }
+            }
+        }
+        txn.commit().map_err(|e| err(p, "commit", e))
+    }
+}
+
+/// What the loop hands the writer.
+struct Job {
+    seq: u64,
+    changes: Option<Changes>,
+    secrets: Vec<SecretOp>,
+}
+
+enum Msg {
+    Job(Job),
+    /// Answer once every job sent before is durable (shutdown).
+    Sync(mpsc::Sender<()>),
+}
+
+/// The writer thread and what it has made durable.
+pub struct StoreWriter {
+    tx: Option<mpsc::Sender<Msg>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    next_seq: u64,
+    /// The last job made durable, and the last core batch among them.
+    durable_seq: Arc<AtomicU64>,
+    durable_batch: Arc<AtomicU64>,
+    /// A commit failed (it is retried; replies wait meanwhile).
+    failing: Arc<AtomicBool>,
+    /// Commits and jobs committed (group commit: jobs per commit).
+    pub commits: Arc<AtomicU64>,
+    pub jobs: Arc<AtomicU64>,
+}
+
+/// How soon a failed commit is tried again.
+const RETRY: Duration = Duration::from_secs(1);
+
+impl StoreWriter {
+    /// Starts the writer; it wakes the loop through `waker` after each commit.
+    pub fn start(store: MetaStore, waker: Replier) -> StoreWriter {
+        let (tx, rx) = mpsc::channel::<Msg>();
+        let durable_seq = Arc::new(AtomicU64::new(0));
+        let durable_batch = Arc::new(AtomicU64::new(0));
+        let failing = Arc::new(AtomicBool::new(false));
+        let commits = Arc::new(AtomicU64::new(0));
+        let jobs_n = Arc::new(AtomicU64::new(0));
+        let (ds, db, fl, cm, jn) = (
+            durable_seq.clone(),
+            durable_batch.clone(),
+            failing.clone(),
+            commits.clone(),
+            jobs_n.clone(),
+        );
+        let thread = std::thread::Builder::new()
+            .name("meta-store".into())
+            .spawn(move || {
+                let mut syncs: Vec<mpsc::Sender<()>> = Vec::new();
+                while let Ok(first) = rx.recv() {
+                    let mut jobs = Vec::new();
+                    for m in std::iter::once(first).chain(rx.try_iter()) {
+                        match m {
+                            Msg::Job(j) => jobs.push(j),
+                            Msg::Sync(s) => syncs.push(s),
+                        }
+                    }
+                    if !jobs.is_empty() {
+                        let mut tries = 0u32;
+                        while let Err(e) = store.commit(&jobs) {
+                            tries += 1;
+                            fl.store(true, Ordering::SeqCst);
+                            if tries == 1 || tries % 60 == 0 {
+                                log::error!(
+                                    "cannot make the directory durable: {e}; retrying every {} s \
+                                     (replies that change it wait)",
+                                    RETRY.as_secs()
+                                );
+                            }
+                            std::thread::sleep(RETRY);
+                        }
+                        fl.store(false, Ordering::SeqCst);
+                        cm.fetch_add(1, Ordering::Relaxed);
+                        jn.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+                        if let Some(b) = jobs
+                            .iter()
+                            .filter_map(|j| j.changes.as_ref())
+                            .map(|c| c.batch)
+                            .max()
+                        {
+                            db.fetch_max(b, Ordering::SeqCst);
+                        }
+                        if let Some(j) = jobs.last() {
+                            ds.fetch_max(j.seq, Ordering::SeqCst);
+                        }
+                        waker.wake();
+                    }
+                    for s in syncs.drain(..) {
+                        let _ = s.send(());
+                    }
+                }
+                // The sender is gone: close the store cleanly (no repair at next start).
+                drop(store);
+            });
+        let thread = match thread {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::error!("cannot start the store thread: {e}");
+                None
+            }
+        };
+        StoreWriter {
+            tx: Some(tx),
+            thread,
+            next_seq: 0,
+            durable_seq,
+            durable_batch,
+            failing,
+            commits,
+            jobs: jobs_n,
+        }
+    }
+
+    /// Hands over a batch (and secret changes); returns its job number, durable once
+    /// [`durable_seq`](Self::durable_seq) reaches it.
+    pub fn send(&mut self, changes: Option<Changes>, secrets: Vec<SecretOp>) -> u64 {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let job = Job {
+            seq,
+            changes,
+            secrets,
+        };
+        if let Some(tx) = &self.tx {
+            if tx.send(Msg::Job(job)).is_err() {
+                log::error!("the store thread is gone: changes are no longer made durable");
+            }
+        }
+        seq
+    }
+
+    pub fn durable_seq(&self) -> u64 {
+        self.durable_seq.load(Ordering::SeqCst)
+    }
+
+    pub fn durable_batch(&self) -> u64 {
+        self.durable_batch.load(Ordering::SeqCst)
+    }
+
+    pub fn sent_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    pub fn is_failing(&self) -> bool {
+        self.failing.load(Ordering::SeqCst)
+    }
+
+    /// Waits until every job sent so far is durable, at most `wait`.
+    pub fn sync(&self, wait: Duration) -> bool {
+        let Some(tx) = &self.tx else {
+            return false;
+        };
+        let (stx, srx) = mpsc::channel();
+        if tx.send(Msg::Sync(stx)).is_err() {
+            return false;
+        }
+        srx.recv_timeout(wait).is_ok()
+    }
+
+    /// Stops the writer after what was sent, and closes the store.
+    pub fn close(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for StoreWriter {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use maru::meta::records::KeyRecord;
+
+    fn key(id: u64) -> KeyRecord {
+        KeyRecord {
+            id,
+            scope: 0,
+            name: format!("k{id}"),
+            region_id: 1,
+            offset: id * 4096,
+            length: 10,
+            prev: None,
+            used: id,
+        }
+    }
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "maru-store-test-{}-{}",
+            std::process::id(),
+            maru::auth::to_hex(&maru::auth::random_bytes(4).unwrap())
+        ));
+        d
+    }
+
+    #[test]
+    fn batches_come_back_after_a_reopen_with_the_same_instance() {
+        let d = dir();
+        let (store, loaded) = MetaStore::open(&d, || "inst-1".into()).unwrap();
+        assert_eq!((loaded.run, loaded.instance.as_str()), (1, "inst-1"));
+        let c = Changes {
+            batch: 1,
+            records: vec![
+                Record::Key(key(1)),
+                Record::Key(key(2)),
+                Record::Used { id: 1, used: 50 },
+                Record::NextSession(7),
+            ],
+        };
+        let job = Job {
+            seq: 1,
+            changes: Some(c),
+            secrets: vec![SecretOp::Put(
+                "h".into(),
+                SecretRecord {
+                    owner: "o".into(),
+                    tenant: "t".into(),
+                },
+            )],
+        };
+        store.commit(&[job]).unwrap();
+        store
+            .commit(&[Job {
+                seq: 2,
+                changes: Some(Changes {
+                    batch: 2,
+                    records: vec![Record::KeyGone(2)],
+                }),
+                secrets: vec![],
+            }])
+            .unwrap();
+        drop(store);
+        let (_s, loaded) = MetaStore::open(&d, || "other".into()).unwrap();
+        assert_eq!((loaded.run, loaded.instance.as_str()), (2, "inst-1"));
+        assert_eq!(loaded.image.keys.len(), 1);
+        assert_eq!(loaded.image.keys[0].used, 50, "the read's stamp");
+        assert_eq!(loaded.image.next_session, 7);
+        assert_eq!(loaded.secrets.len(), 1);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_second_server_on_the_same_directory_is_refused() {
+        let d = dir();
+        let (_a, _) = MetaStore::open(&d, || "i".into()).unwrap();
+        let e = MetaStore::open(&d, || "i".into()).err().unwrap();
+        assert!(e.contains("in use by another maru-server"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_corrupted_file_is_a_start_error_naming_it_never_a_panic() {
+        let d = dir();
+        {
+            let (store, _) = MetaStore::open(&d, || "i".into()).unwrap();
+            let recs = (1..200).map(|i| Record::Key(key(i))).collect();
+            store
+                .commit(&[Job {
+                    seq: 1,
+                    changes: Some(Changes {
+                        batch: 1,
+                        records: recs,
+                    }),
+                    secrets: vec![],
+                }])
+                .unwrap();
+        }
+        let f = d.join(DIRECTORY_FILE);
+        let clean = std::fs::read(&f).unwrap();
+        // Garbage over every part of the file in turn: each open answers (an error
+        // that names the file, or a directory as of the last whole commit).
+        let mut errors = 0;
+        for at in (0..clean.len()).step_by(clean.len() / 16 + 1) {
+            let mut b = clean.clone();
+            let end = (at + 512).min(b.len());
+            for x in &mut b[at..end] {
+                *x ^= 0x5a;
+            }
+            std::fs::write(&f, &b).unwrap();
+            match MetaStore::open(&d, || "i".into()) {
+                Ok((_s, l)) => assert!(l.image.keys.len() <= 199),
+                Err(e) => {
+                    assert!(e.contains(&f.display().to_string()), "{e}");
+                    errors += 1;
+                }
+            }
+        }
+        assert!(errors > 0, "some corruption is seen");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -1,0 +1,651 @@
+//! A durable directory: the core emits what changed as numbered batches of
+//! [records](super::records), its driver makes them durable in order and says so,
+//! and a restarted server rebuilds the core from them. Sans-I/O: no file is touched
+//! here.
+//!
+//! The rule that keeps bytes right across a crash: **a page is handed out again only
+//! after its key's removal is durable** (and, for a key that a restart brought back,
+//! only after every lease granted before the restart has run out: readers of the
+//! last run may still be reading it). So a recovered key never points at a page
+//! rewritten with other bytes. Pages handed out (`alloc`) and regions granted are
+//! in the batch of the request, and the driver sends its reply only once that batch
+//! is durable; so after a restart a page a worker may be writing is still its own.
+//!
+//! After [`restore`](MetaCore::restore), before serving, the driver tells the core
+//! which regions the RM still holds for the server
+//! ([`recovered_rm`](MetaCore::recovered_rm)) and what boot id each agent reports
+//! ([`recovered_boots`](MetaCore::recovered_boots)): a region the RM no longer holds
+//! loses its keys and goes, a region of a rebooted memory node loses its keys.
+
+use super::config::{ConfigError, MetaConfig};
+use super::core::MetaCore;
+use super::keeper::{GiveBackReason, KeeperEvent};
+use super::keys::{KeyDirectory, KeyId, Location, Published, Scope};
+use super::pages::PageAllocator;
+use super::ports::PortError;
+use super::records::{
+    Changes, HolderRecord, Image, KeyRecord, Record, RegionRecord, ScopeRecord, SessionRecord,
+};
+use super::regions::{agent_for, Holder, Region};
+use super::sessions::Session;
+use super::tenants::Tenants;
+use crate::wire::meta::Backend;
+use crate::wire::rm::{Handle, RegionInfo};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A page freed by a key's removal, waiting to be handed out again.
+#[derive(Debug, Clone, Copy)]
+struct PendingPage {
+    /// The batch that carries the removal.
+    batch: u64,
+    /// Not before this time (a recovered key's page: leases of the last run).
+    not_before_ms: u64,
+    region_id: u64,
+    page: u64,
+}
+
+/// The core's side of durability.
+#[derive(Debug, Default)]
+pub(super) struct Journal {
+    /// The batch that changes made now go into (the next `take_changes`).
+    batch: u64,
+    /// The last batch the driver made durable.
+    durable: u64,
+    pending: Vec<PendingPage>,
+    /// Keys up to this id were recovered; their pages wait for `until_ms`.
+    recovered: Option<(u64, u64)>,
+    /// The latest time the core was given.
+    now_ms: u64,
+}
+
+/// What a restore found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Recovered {
+    pub keys: u64,
+    pub regions: u64,
+    pub sessions: u64,
+    /// Records left out (naming what they no longer fit: a missing region or scope,
+    /// a page out of range); their records go with the next batch.
+    pub left_out: u64,
+}
+
+impl MetaCore {
+    /// Keeps the directory durable from now on: changes are recorded for
+    /// [`take_changes`](Self::take_changes), and a page freed by a key's removal is
+    /// handed out again only once that removal is [`durable`](Self::durable).
+    pub fn keep_durable(mut self) -> MetaCore {
+        self.keys.keep_journal();
+        self.regions.keep_journal();
+        self.sessions.keep_journal();
+        self.journal = Some(Journal {
+            batch: 1,
+            ..Default::default()
+        });
+        self
+    }
+
+    pub fn is_durable(&self) -> bool {
+        self.journal.is_some()
+    }
+
+    /// Counts changes that must be durable before a reply that follows them goes
+    /// out: the driver compares it before and after a request.
+    pub fn change_mark(&self) -> u64 {
+        self.keys.changes() + self.regions.changes() + self.sessions.changes()
+    }
+
+    /// The batch that changes made now go into.
+    pub fn open_batch(&self) -> u64 {
+        self.journal.as_ref().map_or(0, |j| j.batch)
+    }
+
+    pub(super) fn note_now(&mut self, now_ms: u64) {
+        if let Some(j) = &mut self.journal {
+            j.now_ms = j.now_ms.max(now_ms);
+        }
+    }
+
+    /// The records of everything that changed since the last call, as the next
+    /// batch (None when nothing changed). Batches must be made durable in order.
+    pub fn take_changes(&mut self) -> Option<Changes> {
+        self.journal.as_ref()?;
+        let kj = self.keys.take_journal().unwrap_or_default();
+        let regions = self.regions.take_dirty();
+        let sessions = self.sessions.take_dirty();
+        let mut records = Vec::new();
+        for id in kj.scopes {
+            if let Some(s) = self.keys.scope(id) {
+                records.push(Record::Scope(ScopeRecord {
+                    id: KeyDirectory::scope_number(id),
+                    namespace: s.namespace.clone(),
+                    layout: s.layout.clone(),
+                    backend: s.backend,
+                }));
+            }
+        }
+        for id in &sessions {
+            records.push(match self.sessions.get(*id) {
+                Some(s) => Record::Session(self.session_record(s)),
+                None => Record::SessionGone(*id),
+            });
+        }
+        if !sessions.is_empty() {
+            records.push(Record::NextSession(self.sessions.next_id()));
+        }
+        for id in regions {
+            records.push(match self.regions.get(id) {
+                Some(r) => Record::Region(region_record(r)),
+                None => Record::RegionGone(id),
+            });
+        }
+        for id in kj.gone {
+            records.push(Record::KeyGone(id.get()));
+        }
+        for id in &kj.put {
+            if let Some(r) = self.key_record(*id) {
+                records.push(Record::Key(r));
+            }
+        }
+        for id in kj.used.difference(&kj.put) {
+            if let Some(e) = self.keys.get(*id) {
+                records.push(Record::Used {
+                    id: id.get(),
+                    used: e.used(),
+                });
+            }
+        }
+        if records.is_empty() {
+            return None;
+        }
+        let j = self.journal.as_mut()?;
+        let batch = j.batch;
+        j.batch += 1;
+        Some(Changes { batch, records })
+    }
+
+    /// The driver made every batch up to `batch` durable: pages whose removal it
+    /// carried are handed out again.
+    pub fn durable(&mut self, batch: u64, now_ms: u64) {
+        self.note_now(now_ms);
+        if let Some(j) = &mut self.journal {
+            j.durable = j.durable.max(batch);
+        }
+        self.put_back_pages(now_ms);
+    }
+
+    /// The last batch made durable.
+    pub fn durable_batch(&self) -> u64 {
+        self.journal.as_ref().map_or(0, |j| j.durable)
+    }
+
+    /// Pages freed and not yet handed out again (their removal is not durable yet,
+    /// or they held recovered keys whose old leases may still run).
+    pub fn pages_waiting(&self) -> usize {
+        self.journal.as_ref().map_or(0, |j| j.pending.len())
+    }
+
+    pub(super) fn put_back_pages(&mut self, now_ms: u64) {
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        let durable = j.durable;
+        let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j
+            .pending
+            .iter()
+            .partition(|p| p.batch <= durable && p.not_before_ms <= now_ms);
+        j.pending = wait;
+        for p in ready {
+            if let Some(r) = self.regions.get_mut_quiet(p.region_id) {
+                r.pages.put_back(p.page);
+            }
+        }
+    }
+
+    /// When a page held for old leases may be handed out.
+    pub(super) fn next_page_deadline(&self) -> Option<u64> {
+        let j = self.journal.as_ref()?;
+        j.pending
+            .iter()
+            .filter(|p| p.batch <= j.durable)
+            .map(|p| p.not_before_ms)
+            .min()
+    }
+
+    /// Frees the page of key `key` (removed, or dropped with its region): at once
+    /// without a durable directory, else once the removal is durable.
+    pub(super) fn free_key_page(&mut self, region_id: u64, page: u64, key: KeyId) {
+        let Some(r) = self.regions.get_mut(region_id) else {
+            return;
+        };
+        let Some(j) = &mut self.journal else {
+            let _ = r.pages.free(page);
+            return;
+        };
+        if r.pages.free_later(page).is_err() {
+            return;
+        }
+        let not_before_ms = match j.recovered {
+            Some((last, until)) if key.get() <= last => until,
+            _ => 0,
+        };
+        j.pending.push(PendingPage {
+            batch: j.batch,
+            not_before_ms,
+            region_id,
+            page,
+        });
+    }
+
+    fn session_record(&self, s: &Session) -> SessionRecord {
+        SessionRecord {
+            id: s.id,
+            owner: s.client_id.clone(),
+            tenant: s.tenant.clone(),
+            writes: s.access == super::tenants::Access::Write,
+            engine_id: s.engine_id.clone(),
+            namespace: s.namespace.clone(),
+            backend: s.backend,
+            scope: KeyDirectory::scope_number(s.scope),
+        }
+    }
+
+    fn key_record(&self, id: KeyId) -> Option<KeyRecord> {
+        let e = self.keys.get(id)?;
+        Some(KeyRecord {
+            id: id.get(),
+            scope: KeyDirectory::scope_number(e.scope),
+            name: e.name.clone(),
+            region_id: e.loc.region_id,
+            offset: e.loc.offset,
+            length: e.loc.length,
+            prev: e.prev.clone(),
+            used: e.used(),
+        })
+    }
+
+    /// The whole directory as records (a store written from scratch, tests).
+    pub fn image(&self) -> Image {
+        let mut scopes = Vec::new();
+        let mut seen = BTreeSet::new();
+        for (_, e) in self.keys.iter() {
+            seen.insert(e.scope);
+        }
+        for s in self.sessions.iter() {
+            seen.insert(s.scope);
+        }
+        for id in seen {
+            if let Some(s) = self.keys.scope(id) {
+                scopes.push(ScopeRecord {
+                    id: KeyDirectory::scope_number(id),
+                    namespace: s.namespace.clone(),
+                    layout: s.layout.clone(),
+                    backend: s.backend,
+                });
+            }
+        }
+        Image {
+            scopes,
+            sessions: self
+                .sessions
+                .iter()
+                .map(|s| self.session_record(s))
+                .collect(),
+            next_session: self.sessions.next_id(),
+            regions: self.regions.iter().map(region_record).collect(),
+            keys: self
+                .keys
+                .iter()
+                .filter_map(|(id, _)| self.key_record(id))
+                .collect(),
+        }
+    }
+
+    /// A durable core rebuilt from what a store holds. Sessions come back
+    /// disconnected, their time running from `now_ms` (a worker resumes its session,
+    /// or it expires and its regions go to the keeper); kept regions go back to the
+    /// keeper, regions that were going back go on their way. A record that no longer
+    /// fits (a key of a region not held, a page out of range) is left out and its
+    /// record removed. Sessions whose tenant lost its access end as a drained close.
+    ///
+    /// Serve nothing before [`recovered_rm`](Self::recovered_rm) and
+    /// [`recovered_boots`](Self::recovered_boots).
+    pub fn restore(
+        cfg: MetaConfig,
+        tenants: Tenants,
+        image: Image,
+        now_ms: u64,
+    ) -> Result<(MetaCore, Recovered), ConfigError> {
+        let lease_ms = cfg.lease_timeout_ms;
+        let chunk = cfg.chunk_size;
+        let mut core = MetaCore::new(cfg)?.with_tenants(tenants).keep_durable();
+        core.note_now(now_ms);
+        let mut out = Recovered::default();
+        for s in &image.scopes {
+            let scope = Scope {
+                namespace: s.namespace.clone(),
+                layout: s.layout.clone(),
+                backend: s.backend,
+            };
+            if !core.keys.restore_scope(s.id, scope) {
+                log::warn!("recovery: scope {} is recorded twice; left out", s.id);
+            }
+        }
+        let mut next_session = image.next_session;
+        for s in &image.sessions {
+            let Some(scope) = core.keys.restored_scope(s.scope) else {
+                log::warn!(
+                    "recovery: session {} names scope {}, which is not recorded; left out",
+                    s.id,
+                    s.scope
+                );
+                out.left_out += 1;
+                continue;
+            };
+            next_session = next_session.max(s.id + 1);
+            core.sessions.restore(
+                Session {
+                    id: s.id,
+                    client_id: s.owner.clone(),
+                    tenant: s.tenant.clone(),
+                    access: s.access(),
+                    engine_id: s.engine_id.clone(),
+                    namespace: s.namespace.clone(),
+                    backend: s.backend,
+                    scope,
+                    regions: BTreeSet::new(),
+                    last_seen_ms: now_ms,
+                    connected: false,
+                    hits: 0,
+                    misses: 0,
+                },
+                next_session,
+            );
+            out.sessions += 1;
+        }
+        core.sessions.restore_next(next_session);
+        for g in &image.regions {
+            let rid = g.handle.region_id;
+            let holder = match g.holder {
+                HolderRecord::Session(sid) => match core.sessions.get_mut(sid) {
+                    Some(s) => {
+                        s.regions.insert(rid);
+                        Holder::Session(sid)
+                    }
+                    // Its session was not recorded: the keeper has it (below).
+                    None => Holder::Keeper,
+                },
+                HolderRecord::Keeper => Holder::Keeper,
+                HolderRecord::GivingBack => Holder::GivingBack,
+            };
+            core.regions.insert(Region {
+                handle: g.handle.clone(),
+                pool: g.pool.clone(),
+                agent: g.agent.clone(),
+                backend: g.backend,
+                pages: PageAllocator::restore(g.pages, &g.allocated),
+                holder,
+                last_read_ms: now_ms,
+                boot_id: g.boot_id.clone(),
+                unused_since_ms: None,
+            });
+            out.regions += 1;
+        }
+        for k in &image.keys {
+            let fits = core
+                .regions
+                .get(k.region_id)
+                .filter(|r| r.holder != Holder::GivingBack)
+                .map(|r| {
+                    k.offset % chunk == 0
+                        && k.offset / chunk < r.pages.pages()
+                        && k.length > 0
+                        && k.length <= chunk
+                });
+            let scope = core.keys.restored_scope(k.scope);
+            let (Some(true), Some(scope)) = (fits, scope) else {
+                log::warn!(
+                    "recovery: key {:?} (record {}) of region {} at offset {} does not fit a \
+                     recorded region and scope; left out",
+                    crate::net::clip(&k.name),
+                    k.id,
+                    k.region_id,
+                    k.offset
+                );
+                core.keys.note_gone(k.id);
+                out.left_out += 1;
+                continue;
+            };
+            if core.keys.at(k.region_id, k.offset).is_some() {
+                log::warn!(
+                    "recovery: two keys recorded at offset {} of region {}; key record {} left \
+                     out",
+                    k.offset,
+                    k.region_id,
+                    k.id
+                );
+                core.keys.note_gone(k.id);
+                out.left_out += 1;
+                continue;
+            }
+            let loc = Location {
+                region_id: k.region_id,
+                offset: k.offset,
+                length: k.length,
+            };
+            match core
+                .keys
+                .restore(k.id, scope, &k.name, loc, k.prev.as_deref(), k.used)
+            {
+                Published::New(_) => {
+                    if let Some(r) = core.regions.get_mut_quiet(k.region_id) {
+                        r.pages.take(k.offset / chunk);
+                    }
+                    out.keys += 1;
+                }
+                Published::Exists(_) => {
+                    core.keys.note_gone(k.id);
+                    out.left_out += 1;
+                }
+            }
+        }
+        // Regions of the keeper: readable while they hold keys; the rest go back.
+        let ids: Vec<(u64, Holder)> = core
+            .regions
+            .iter()
+            .map(|r| (r.handle.region_id, r.holder))
+            .collect();
+        for (rid, holder) in ids {
+            let keys = core.keys.region_keys(rid);
+            let Some(r) = core.regions.get_mut(rid) else {
+                continue;
+            };
+            let (handle, agent) = (r.handle.clone(), r.agent.clone());
+            match holder {
+                Holder::Keeper if keys > 0 => {
+                    let boot = r.boot_id.clone();
+                    core.keeper.keep(handle, agent, boot, now_ms);
+                }
+                Holder::Keeper | Holder::GivingBack => {
+                    r.holder = Holder::GivingBack;
+                    core.keeper
+                        .give_back(handle, agent, false, GiveBackReason::Recovered, now_ms);
+                }
+                Holder::Session(_) => r.note_use(now_ms),
+            }
+        }
+        if let Some(j) = &mut core.journal {
+            j.recovered = Some((core.keys.last_id(), now_ms.saturating_add(lease_ms)));
+        }
+        let tenants = core.tenants.clone();
+        core.set_tenants(tenants, now_ms);
+        Ok((core, out))
+    }
+
+    /// Which regions the RM holds for this server, asked after a restore: a region
+    /// of the directory the RM no longer holds (same id, offset and length) loses its
+    /// keys and goes (nothing is left to free); a region the RM holds that the
+    /// directory does not know (an allocation answered as the server stopped) goes
+    /// back, released at its agent first. Returns (regions dropped, keys dropped).
+    pub fn recovered_rm(&mut self, held: &[RegionInfo], now_ms: u64) -> (usize, usize) {
+        self.note_now(now_ms);
+        let by_id: BTreeMap<u64, &RegionInfo> = held.iter().map(|r| (r.region_id, r)).collect();
+        let gone: Vec<u64> = self
+            .regions
+            .iter()
+            .filter(|r| {
+                !by_id
+                    .get(&r.handle.region_id)
+                    .is_some_and(|i| i.offset == r.handle.offset && i.length == r.handle.length)
+            })
+            .map(|r| r.handle.region_id)
+            .collect();
+        let mut keys = 0;
+        for rid in &gone {
+            let (k, _) = self.hide_region(*rid);
+            keys += k;
+            if let Some(Holder::Session(sid)) = self.regions.get(*rid).map(|r| r.holder) {
+                if let Some(s) = self.sessions.get_mut(sid) {
+                    s.regions.remove(rid);
+                }
+            }
+            self.keeper.forget(*rid);
+            self.fair.region_gone(*rid, None);
+            self.regions.remove(*rid);
+            log::warn!(
+                "recovery: region {rid} is no longer held by the RM for maru-server (reaped \
+                 while it was away longer than the RM's grace period?): {k} keys dropped"
+            );
+        }
+        for info in held {
+            if self.regions.contains(info.region_id) {
+                continue;
+            }
+            let Some(token) = info.token.clone() else {
+                log::warn!(
+                    "recovery: the RM holds region {} for maru-server, which its directory \
+                     does not know, and names no handle for it: it stays allocated until the \
+                     RM reaps it",
+                    info.region_id
+                );
+                continue;
+            };
+            let handle = Handle {
+                region_id: info.region_id,
+                offset: info.offset,
+                length: info.length,
+                token,
+            };
+            self.give_back_orphan(handle, now_ms);
+        }
+        (gone.len(), keys)
+    }
+
+    /// A region the RM holds for the server that its directory does not know: back,
+    /// released at the agent that would serve it first (a worker may have mapped it).
+    fn give_back_orphan(&mut self, handle: Handle, now_ms: u64) {
+        let rid = handle.region_id;
+        log::info!("recovery: region {rid} is held at the RM but unknown here; it goes back");
+        let agent = agent_for(rid, &self.cfg.agents);
+        let pages = (handle.length / self.cfg.chunk_size).max(1);
+        self.regions.insert(Region {
+            handle: handle.clone(),
+            pool: crate::wire::rm::PoolInfo {
+                pool_id: 0,
+                path: String::new(),
+                uuid: String::new(),
+                kind: String::new(),
+                total: 0,
+                free: 0,
+                align: 0,
+                draining: 0,
+            },
+            agent: agent.clone(),
+            backend: if agent.is_some() {
+                Backend::RemoteCxl
+            } else {
+                Backend::Cxl
+            },
+            pages: PageAllocator::new(pages),
+            holder: Holder::GivingBack,
+            last_read_ms: now_ms,
+            boot_id: None,
+            unused_since_ms: None,
+        });
+        self.keeper
+            .give_back(handle, agent, false, GiveBackReason::Recovered, now_ms);
+    }
+
+    /// What each agent reported as its boot id, asked after a restore: the keys of a
+    /// region whose memory node booted since they were written (another boot id, or
+    /// none recorded) are dropped; a kept region goes back. An agent that did not
+    /// answer decides nothing here (the keeper and the worker check it later, and a
+    /// reader's lease names the recorded boot id). Returns the keys dropped.
+    pub fn recovered_boots(
+        &mut self,
+        boots: &BTreeMap<String, Result<String, PortError>>,
+        now_ms: u64,
+    ) -> usize {
+        self.note_now(now_ms);
+        let regions: Vec<(u64, String, Option<String>, Holder)> = self
+            .regions
+            .iter()
+            .filter(|r| self.keys.region_keys(r.handle.region_id) > 0)
+            .filter_map(|r| {
+                Some((
+                    r.handle.region_id,
+                    r.agent.clone()?,
+                    r.boot_id.clone(),
+                    r.holder,
+                ))
+            })
+            .collect();
+        let mut dropped = 0;
+        for (rid, agent, recorded, holder) in regions {
+            let now = match boots.get(&agent) {
+                Some(Ok(b)) if !b.is_empty() => b,
+                _ => continue,
+            };
+            if recorded.as_deref() == Some(now.as_str()) {
+                continue;
+            }
+            let keys = self.keys.region_keys(rid);
+            log::warn!(
+                "recovery: agent {agent} reports boot id {now} for region {rid}, whose keys were \
+                 written under {}: its {keys} keys are dropped",
+                recorded.as_deref().unwrap_or("no recorded boot id")
+            );
+            dropped += keys;
+            if holder == Holder::Keeper {
+                let reason = GiveBackReason::Rebooted;
+                self.keeper.lose(rid, reason, now_ms);
+                self.apply(&[KeeperEvent::Lost {
+                    region_id: rid,
+                    reason,
+                }]);
+            } else {
+                self.hide_region(rid);
+                if let Some(r) = self.regions.get_mut(rid) {
+                    r.boot_id = Some(now.clone());
+                }
+            }
+        }
+        dropped
+    }
+}
+
+fn region_record(r: &Region) -> RegionRecord {
+    RegionRecord {
+        handle: r.handle.clone(),
+        pool: r.pool.clone(),
+        agent: r.agent.clone(),
+        backend: r.backend,
+        holder: match r.holder {
+            Holder::Session(s) => HolderRecord::Session(s),
+            Holder::Keeper => HolderRecord::Keeper,
+            Holder::GivingBack => HolderRecord::GivingBack,
+        },
+        boot_id: r.boot_id.clone(),
+        pages: r.pages.pages(),
+        allocated: r.pages.allocated_pages(),
+    }
+}

@@ -1,0 +1,758 @@
+//! The pool core: what a pool knows and the rules it follows, as a state machine with
+//! no sockets, threads or clocks inside. The drivers (`store`, `load`, `in_place`,
+//! the heartbeat and tick in `mod.rs`, the movers) feed it what happened (pages
+//! maru-server allocated, a region taken and mapped, a publish answered, a heartbeat's
+//! reply, the time as `now_ms`) and carry out what it answers (ask for a region,
+//! wait for an adoption, report the boot ids first, give a region back, fence a
+//! peer). One short lock around it ([`CoreCell`]), never held across a round trip, a
+//! connect, a fence or a copy.
+//!
+//! What it holds: the pages kept for the next stores (`spare`), the own regions with
+//! their pages being written and whether maru-server asked for them back
+//! (`closing`), the regions being taken (`expanding`, `adopting`), the back-off after
+//! maru-server had no region to give, the region taken ahead, the publishes in flight
+//! and, for `remote_cxl`, the remote mover's state (agents, peers, the own regions'
+//! maps, read registrations, the region lifecycle, transfer isolation:
+//! [`RemoteState`]).
+//!
+//! Rules held here (each has a test in `core_tests.rs` that fails without it):
+//! - **Publish only into a region still the pool's, on the boot written under.** A
+//!   store notes each region's [`Token`] (the adoption that mapped it, and its memory
+//!   node's boot id) when it takes its pages; its publish re-checks them: a region
+//!   lost, given back, taken again, or whose node rebooted in between is not published
+//!   into. One check, in one place.
+//! - **maru-server has the boot ids first.** A publish into a region whose boot id
+//!   maru-server has not heard (a new region, or a reboot) waits for a report.
+//! - **A reboot's report waits for the publishes re-checked before it.** A heartbeat
+//!   that tells maru-server a new boot id (it then drops the region's keys) is not
+//!   sent while a publish re-checked before the reboot was found is unanswered:
+//!   maru-server drops that publish's keys with the others.
+//! - **A region asked back is closing.** No new store takes its pages; the last store
+//!   that writes into it gives it back once its publish is answered.
+//! - **A region whose agent stayed silent goes back once no publish into it is in
+//!   flight.**
+//! - **Pages of failed writes stay out of use while a write of unknown outcome may
+//!   land.** (A peer that keeps slots, or WRITEs lost with their connection whose peer
+//!   no fence has confirmed.)
+//! - **A publish whose answer never came keeps its pages out of use.** maru-server may
+//!   have published the keys; their pages go back with their region.
+//! - **Regions within `max_bytes`**, counting the regions being taken; **after no
+//!   region to give, stores evict for [`EXPAND_BACKOFF_MS`]** before asking again,
+//!   unless an eviction found nothing of theirs to evict; **the next region is taken
+//!   ahead** (for movers that want a lead) once stores reach the second half of the
+//!   newest, once per region.
+//! - **Pages of a region being taken wait for its adoption**: maru-server allocates
+//!   from any region of the session, also one whose map is not done.
+
+use super::PoolStats;
+use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
+use crate::worker::clock::Deadline;
+use crate::worker::movers::remote::RemoteState;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// After maru-server had no region to give (the pool is full), stores make room by
+/// evicting without asking again for this long (unless an eviction found nothing to
+/// evict): in a full pool every store that evicts would otherwise pay a refused
+/// `expand` round trip first (measured: 190 µs of the 740 µs a 256 KiB store's
+/// eviction round took). maru-server keeps counting the session as waiting for a
+/// region meanwhile (fair share), and the next `expand` after it takes the region
+/// given back.
+pub const EXPAND_BACKOFF_MS: u64 = 250;
+
+/// What a region's pages were written under: the adoption that mapped it (a region
+/// lost and taken again is another adoption) and, on `remote_cxl`, the boot id of
+/// its memory node. A publish goes only into a region whose token is unchanged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Token {
+    adoption: u64,
+    boot: Option<String>,
+}
+
+#[derive(Debug)]
+struct Region {
+    /// Which adoption mapped it (unique in the pool).
+    adoption: u64,
+    /// Pages handed to stores (and writers in place) whose publish has not ended:
+    /// such a region is not given back (it is closing).
+    writing: usize,
+    /// maru-server asked for it while stores wrote into it: no new store takes its
+    /// pages, and the last writer gives it back.
+    closing: bool,
+    /// Its agent stayed silent too long: it goes back to maru-server once no publish
+    /// into it is in flight; nothing more is published into it.
+    going: bool,
+}
+
+/// A publish sent and not answered yet: the regions it writes keys into, and how
+/// many reboots the pool had found when it was re-checked.
+#[derive(Debug)]
+struct InFlight {
+    regions: Vec<u64>,
+    reboots: u64,
+}
+
+/// The pages a store took, marked as being written, and the token of each of their
+/// regions then.
+#[derive(Debug, Default)]
+pub struct Taken {
+    pub pages: Vec<PageGrant>,
+    tokens: BTreeMap<u64, Token>,
+}
+
+impl Taken {
+    /// Pages taken earlier, each with its region's token then (writes in place).
+    pub fn of(pages: impl IntoIterator<Item = (PageGrant, Option<Token>)>) -> Taken {
+        let mut taken = Taken::default();
+        for (p, t) in pages {
+            if let Some(t) = t {
+                taken.tokens.insert(p.region_id, t);
+            }
+            taken.pages.push(p);
+        }
+        taken
+    }
+
+    /// The token of a page's region when it was taken.
+    pub fn token(&self, region: u64) -> Option<Token> {
+        self.tokens.get(&region).cloned()
+    }
+}
+
+/// What a publish may do now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PublishCheck {
+    /// maru-server must hear the boot ids of one of its regions first (a heartbeat),
+    /// then ask again.
+    Report,
+    Go(PublishPlan),
+}
+
+/// The outcome of a publish's re-check.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PublishPlan {
+    /// Set when something is to be published: hand it back to `publish_end`.
+    pub ticket: Option<u64>,
+    /// Indices (into the pages given) of the chunks to publish.
+    pub publish: Vec<usize>,
+    /// Pages that hold no key and no write in flight: for the next stores.
+    pub unused: Vec<PageGrant>,
+    /// Chunks written completely but not published: their region was lost, given
+    /// back, taken again or rebooted since the store took its pages.
+    pub lost: u64,
+    /// Pages of failed writes kept out of use (a write of unknown outcome may land).
+    pub held: usize,
+}
+
+/// What a heartbeat may do now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BeatCheck {
+    /// A reboot's report waits for publishes re-checked before it was found.
+    Wait,
+    /// Send these boot ids (by region) and these regions without one.
+    Go {
+        boots: BTreeMap<u64, String>,
+        regions: Vec<u64>,
+    },
+}
+
+/// A region the pool no longer writes into, for its driver to carry out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// maru-server no longer counts it among the session's: unmap it (`cxl`).
+    Lost(u64),
+    /// maru-server asked for it: unmap it, then return it.
+    GiveBack(u64),
+}
+
+impl Gone {
+    pub fn region(self) -> u64 {
+        match self {
+            Gone::Lost(r) | Gone::GiveBack(r) => r,
+        }
+    }
+}
+
+/// A pool's state (see the module documentation).
+pub struct PoolCore {
+    page_size: u64,
+    /// Pages to take ahead with each `alloc`; at most twice as many are kept.
+    spare_target: usize,
+    /// Most regions the session takes (`max_bytes`); none: no limit.
+    max_regions: Option<u64>,
+    /// The mover wants a region taken ahead of need (`cxl` prefaults it).
+    wants_lead: bool,
+    pub stats: PoolStats,
+    spare: VecDeque<PageGrant>,
+    regions: BTreeMap<u64, Region>,
+    next_adoption: u64,
+    /// Regions being taken (an `expand` sent, its adoption not done): counted
+    /// against `max_regions`.
+    expanding: u64,
+    /// Regions maru-server gave whose adoption is not done.
+    adopting: BTreeSet<u64>,
+    /// When maru-server last had no region to give.
+    refused_at: Option<u64>,
+    /// The region adopted last and its page count.
+    newest: Option<(u64, u64)>,
+    /// The newest region for which one was taken (or tried) ahead already.
+    lead_tried: Option<u64>,
+    publishing: BTreeMap<u64, InFlight>,
+    next_ticket: u64,
+    /// The `remote_cxl` mover's state (None on `cxl`).
+    pub remote: Option<RemoteState>,
+}
+
+impl PoolCore {
+    pub fn new(page_size: u64, remote: Option<RemoteState>) -> PoolCore {
+        PoolCore {
+            page_size: page_size.max(1),
+            spare_target: 0,
+            max_regions: None,
+            wants_lead: false,
+            stats: PoolStats::default(),
+            spare: VecDeque::new(),
+            regions: BTreeMap::new(),
+            next_adoption: 1,
+            expanding: 0,
+            adopting: BTreeSet::new(),
+            refused_at: None,
+            newest: None,
+            lead_tried: None,
+            publishing: BTreeMap::new(),
+            next_ticket: 1,
+            remote,
+        }
+    }
+
+    pub fn set_page_size(&mut self, page_size: u64) {
+        self.page_size = page_size.max(1);
+    }
+
+    pub fn set_spare_target(&mut self, n: usize) {
+        self.spare_target = n;
+    }
+
+    pub fn spare_target(&self) -> usize {
+        self.spare_target
+    }
+
+    pub fn set_max_regions(&mut self, max: Option<u64>) {
+        self.max_regions = max;
+    }
+
+    pub fn set_wants_lead(&mut self, on: bool) {
+        self.wants_lead = on;
+    }
+
+    // ------------------------------------------------------------------ regions
+
+    /// The own regions (ids).
+    pub fn own_regions(&self) -> Vec<u64> {
+        self.regions.keys().copied().collect()
+    }
+
+    pub fn owns(&self, region: u64) -> bool {
+        self.regions.contains_key(&region)
+    }
+
+    /// The token of an own region now (None: not the pool's).
+    fn token(&self, region: u64) -> Option<Token> {
+        let r = self.regions.get(&region)?;
+        let boot = self
+            .remote
+            .as_ref()
+            .and_then(|s| s.life.boot_of(region))
+            .map(str::to_string);
+        Some(Token {
+            adoption: r.adoption,
+            boot,
+        })
+    }
+
+    /// Whether an own region's token now is `token` (the region still the pool's, on
+    /// the adoption and boot it had).
+    pub fn token_is(&self, region: u64, token: Option<&Token>) -> bool {
+        token.is_some() && self.token(region).as_ref() == token
+    }
+
+    /// Whether the session may take one more region now (`max_bytes`, counting the
+    /// regions being taken).
+    fn may_grow(&self) -> bool {
+        self.max_regions
+            .is_none_or(|m| self.regions.len() as u64 + self.expanding < m)
+    }
+
+    /// A store wants one more region: `Err(why)` when it may not ask for one now (the
+    /// session holds `max_bytes`, or maru-server had none to give less than
+    /// [`EXPAND_BACKOFF_MS`] ago); else it asks (`expand`), then says how that went
+    /// (`expand_answered`, and `adopt_end` once the mover mapped it).
+    pub fn grow_begin(&mut self, now_ms: u64) -> Result<(), String> {
+        if !self.may_grow() {
+            return Err(format!(
+                "the engine holds max_bytes of regions ({} of them)",
+                self.regions.len()
+            ));
+        }
+        if let Some(at) = self
+            .refused_at
+            .filter(|&at| now_ms < at + EXPAND_BACKOFF_MS)
+        {
+            return Err(format!(
+                "maru-server had no region to give {} ms ago (asked again {} ms after that)",
+                now_ms.saturating_sub(at),
+                EXPAND_BACKOFF_MS
+            ));
+        }
+        self.expanding += 1;
+        Ok(())
+    }
+
+    /// maru-server answered an `expand`: with the region (`Some`, to adopt now) or
+    /// with no region to give (`None`: stores evict for a while) or an error
+    /// (`failed`: nothing changes but the count of regions being taken).
+    pub fn expand_answered(&mut self, region: Option<u64>, failed: bool, now_ms: u64) {
+        match region {
+            Some(id) => {
+                self.adopting.insert(id);
+                self.refused_at = None;
+            }
+            None => {
+                self.expanding = self.expanding.saturating_sub(1);
+                if !failed {
+                    self.refused_at = Some(now_ms);
+                }
+            }
+        }
+    }
+
+    /// The mover mapped the region taken (`ok`) or could not (then it goes back to
+    /// maru-server at once: true, so that no store gets pages of a region no mover
+    /// knows). Stores waiting for it go on.
+    pub fn adopt_end(&mut self, grant: &RegionGrant, ok: bool) -> bool {
+        let id = grant.handle.region_id;
+        self.expanding = self.expanding.saturating_sub(1);
+        self.adopting.remove(&id);
+        if ok {
+            self.adopted(grant);
+        } else if let Some(r) = self.remote.as_mut() {
+            r.forget_region(id);
+        }
+        !ok
+    }
+
+    /// A region the session holds is mapped (taken by a store, or the session's first).
+    pub fn adopted(&mut self, grant: &RegionGrant) {
+        let id = grant.handle.region_id;
+        let adoption = self.next_adoption;
+        self.next_adoption += 1;
+        self.regions.insert(
+            id,
+            Region {
+                adoption,
+                writing: 0,
+                closing: false,
+                going: false,
+            },
+        );
+        self.stats.regions = self.regions.len() as u64;
+        self.newest = Some((id, grant.pages));
+    }
+
+    /// Whether a store given `pages` must wait before writing: one is of a region not
+    /// known yet while another store is taking a region (maru-server allocates from
+    /// any region of the session, also one whose map is not done).
+    pub fn waits_for_adoption(&self, pages: &[PageGrant]) -> bool {
+        !self.adopting.is_empty() && pages.iter().any(|p| !self.owns(p.region_id))
+    }
+
+    /// Whether a region is to be taken ahead now, `pages` having been allocated: once
+    /// stores reach the second half of the newest region, once per region (set here,
+    /// before the round trip: one store takes it).
+    pub fn lead_due(&mut self, pages: &[PageGrant]) -> bool {
+        if !self.wants_lead || !self.may_grow() {
+            return false;
+        }
+        let Some((rid, n)) = self.newest else {
+            return false;
+        };
+        if self.lead_tried == Some(rid) {
+            return false;
+        }
+        let deep = pages
+            .iter()
+            .any(|p| p.region_id == rid && p.page.saturating_mul(2) >= n);
+        if deep {
+            self.lead_tried = Some(rid);
+        }
+        deep
+    }
+
+    /// An eviction found nothing of the session's own to evict: the next round asks
+    /// for a region again, back-off or not (another engine may have given one back
+    /// for this one's fair share).
+    pub fn evicted_nothing(&mut self) {
+        self.refused_at = None;
+    }
+
+    /// Forgets an own region (lost, given back): its spare pages go, nothing more is
+    /// published into it, and the mover's state of it goes.
+    fn forget(&mut self, id: u64) -> usize {
+        let before = self.spare.len();
+        self.spare.retain(|p| p.region_id != id);
+        self.regions.remove(&id);
+        self.stats.regions = self.regions.len() as u64;
+        if self.newest.is_some_and(|(r, _)| r == id) {
+            self.newest = None;
+        }
+        if let Some(r) = self.remote.as_mut() {
+            r.forget_region(id);
+        }
+        before - self.spare.len()
+    }
+
+    /// maru-server no longer counts the region among the session's (the RM took it
+    /// back while maru-server could not reach it, say): whatever is being written
+    /// into it, nothing more is published into it. Returns the spare pages dropped.
+    pub fn lose(&mut self, id: u64) -> usize {
+        let dropped = self.forget(id);
+        self.stats.regions_lost += 1;
+        dropped
+    }
+
+    /// maru-server asks for the region (another engine waits while this one holds
+    /// more than its share of a full pool). While stores write into it, it is
+    /// closing: its spare pages go and no new store takes a page of it; else it is
+    /// forgotten now and returned (`Some`).
+    pub fn ask_back(&mut self, id: u64) -> Option<Gone> {
+        let Some(r) = self.regions.get_mut(&id) else {
+            // Not ours (any more): maru-server asks again until it is returned.
+            return Some(Gone::GiveBack(id));
+        };
+        if r.writing > 0 {
+            r.closing = true;
+            self.spare.retain(|p| p.region_id != id);
+            return None;
+        }
+        self.forget(id);
+        Some(Gone::GiveBack(id))
+    }
+
+    /// A region given back was returned (`ok`) or maru-server refused or did not
+    /// answer (it asks again at a later heartbeat).
+    pub fn given_back(&mut self, ok: bool) {
+        if ok {
+            self.stats.regions_given_back += 1;
+        }
+    }
+
+    /// The agents of these regions stayed silent too long: they go back once no
+    /// publish into them is in flight (`returnable`), and nothing more is published
+    /// or written into them (their spare pages go).
+    pub fn going(&mut self, regions: &[u64]) {
+        for id in regions {
+            if let Some(r) = self.regions.get_mut(id) {
+                r.going = true;
+            }
+            self.spare.retain(|p| p.region_id != *id);
+        }
+    }
+
+    /// Regions going back that no publish in flight writes keys into.
+    pub fn returnable(&self) -> Vec<u64> {
+        self.regions
+            .iter()
+            .filter(|(id, r)| r.going && !self.publishing.values().any(|p| p.regions.contains(id)))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    // ------------------------------------------------------------------ pages
+
+    /// Up to `need` of the pages kept for the next stores.
+    pub fn take_spare(&mut self, need: usize) -> Vec<PageGrant> {
+        let n = need.min(self.spare.len());
+        self.spare.drain(..n).collect()
+    }
+
+    /// Keeps pages that hold no key for the next stores (those of own regions that
+    /// are not closing or going); returns what is beyond twice the spare target, to
+    /// free at maru-server.
+    pub fn keep_spare(&mut self, pages: Vec<PageGrant>) -> Vec<PageGrant> {
+        for p in pages {
+            let usable = self
+                .regions
+                .get(&p.region_id)
+                .is_some_and(|r| !r.closing && !r.going);
+            if usable {
+                self.spare.push_back(p);
+            }
+        }
+        let max = 2 * self.spare_target;
+        if self.spare.len() > max {
+            self.spare.drain(max..).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Every spare page (at close, to free).
+    pub fn drain_spare(&mut self) -> Vec<PageGrant> {
+        self.spare.drain(..).collect()
+    }
+
+    /// Marks `pages` as being written by one store (their regions are not given back
+    /// until `end_writing`) and notes each region's token. Pages of a region that is
+    /// closing, going, or not the pool's are not taken (they go back with it).
+    pub fn mark_writing(&mut self, pages: Vec<PageGrant>) -> Taken {
+        let mut taken = Taken::default();
+        for p in pages {
+            let Some(r) = self.regions.get_mut(&p.region_id) else {
+                continue;
+            };
+            if r.closing || r.going {
+                continue;
+            }
+            r.writing += 1;
+            taken.pages.push(p);
+        }
+        for p in &taken.pages {
+            if let std::collections::btree_map::Entry::Vacant(e) = taken.tokens.entry(p.region_id) {
+                if let Some(t) = self.token(p.region_id) {
+                    e.insert(t);
+                }
+            }
+        }
+        taken
+    }
+
+    /// Pages of these regions (one entry per page) are no longer being written:
+    /// returns the closing regions whose last writer this was, forgotten now, to give
+    /// back.
+    pub fn end_writing(&mut self, regions: impl IntoIterator<Item = u64>) -> Vec<Gone> {
+        let mut done = Vec::new();
+        for id in regions {
+            if let Some(r) = self.regions.get_mut(&id) {
+                r.writing = r.writing.saturating_sub(1);
+                if r.writing == 0 && r.closing {
+                    done.push(id);
+                }
+            }
+        }
+        done.sort_unstable();
+        done.dedup();
+        done.into_iter()
+            .map(|id| {
+                self.forget(id);
+                Gone::GiveBack(id)
+            })
+            .collect()
+    }
+
+    /// A store's publish re-check: of `pages` (each written completely where `ok`),
+    /// the chunks that may be published now, all of them in regions still the pool's
+    /// on the token noted when they were taken. `Report` while maru-server has not
+    /// heard the boot id of one of their regions (`give_up`: it still has not after a
+    /// few reports: nothing is published). The publish is in flight from here until
+    /// `publish_end`.
+    pub fn publish_begin(
+        &mut self,
+        pages: &[PageGrant],
+        ok: &[bool],
+        taken: &Taken,
+        give_up: bool,
+    ) -> PublishCheck {
+        let mut regions: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
+        regions.sort_unstable();
+        regions.dedup();
+        let unreported = self
+            .remote
+            .as_ref()
+            .is_some_and(|r| r.life.must_report_for(&regions));
+        if unreported && !give_up {
+            return PublishCheck::Report;
+        }
+        let mut plan = PublishPlan::default();
+        let mut unused = Vec::new();
+        for (k, p) in pages.iter().enumerate() {
+            let good = ok.get(k).copied().unwrap_or(false);
+            let same = !unreported
+                && self.regions.get(&p.region_id).is_some_and(|r| !r.going)
+                && self.token(p.region_id).as_ref() == taken.tokens.get(&p.region_id);
+            if good && same {
+                plan.publish.push(k);
+            } else {
+                if good {
+                    plan.lost += 1;
+                }
+                unused.push(*p);
+            }
+        }
+        if !unused.is_empty() && self.may_still_write() {
+            plan.held = unused.len();
+            unused.clear();
+        }
+        plan.unused = unused;
+        self.stats.store_skipped += (pages.len() - plan.publish.len()) as u64;
+        if !plan.publish.is_empty() {
+            let ticket = self.next_ticket;
+            self.next_ticket += 1;
+            let mut regions: Vec<u64> = plan.publish.iter().map(|&k| pages[k].region_id).collect();
+            regions.sort_unstable();
+            regions.dedup();
+            self.publishing.insert(
+                ticket,
+                InFlight {
+                    regions,
+                    reboots: self.reboots(),
+                },
+            );
+            plan.ticket = Some(ticket);
+        }
+        PublishCheck::Go(plan)
+    }
+
+    /// maru-server answered a publish (`is_new` per chunk published, with its page and
+    /// length), or its answer never came (`None`: the keys may be published, so their
+    /// pages stay out of use). Returns the pages to keep for later stores: those of
+    /// keys another engine published first.
+    pub fn publish_end(
+        &mut self,
+        ticket: Option<u64>,
+        published: &[(PageGrant, u64)],
+        is_new: Option<&[bool]>,
+    ) -> Vec<PageGrant> {
+        if let Some(t) = ticket {
+            self.publishing.remove(&t);
+        }
+        let Some(is_new) = is_new else {
+            return Vec::new();
+        };
+        let mut unused = Vec::new();
+        for ((page, len), &new) in published.iter().zip(is_new) {
+            if new {
+                self.stats.stored += 1;
+                self.stats.bytes_stored += len;
+            } else {
+                // Another engine published the key first; this page is not needed.
+                self.stats.already_present += 1;
+                unused.push(*page);
+            }
+        }
+        unused
+    }
+
+    /// Whether nothing that is still in flight can land any more in pages of failed
+    /// writes (see `RemoteState::may_still_write`).
+    pub fn may_still_write(&self) -> bool {
+        self.remote.as_ref().is_some_and(|r| r.may_still_write())
+    }
+
+    // ------------------------------------------------------------------ reports
+
+    /// How many reboots were found so far (publishes re-checked before one must be
+    /// answered before it is reported).
+    fn reboots(&self) -> u64 {
+        self.remote.as_ref().map_or(0, |r| r.reboots)
+    }
+
+    /// Whether maru-server must hear boot ids before anything else is published (a
+    /// new region, or a reboot).
+    pub fn must_report(&self) -> bool {
+        self.remote.as_ref().is_some_and(|r| r.life.must_report())
+    }
+
+    /// What a heartbeat sends now: the own regions' boot ids and the own regions
+    /// without one, unless it would report a reboot while a publish re-checked before
+    /// that reboot is unanswered (`Wait`).
+    pub fn heartbeat_begin(&self) -> BeatCheck {
+        let boots = self
+            .remote
+            .as_ref()
+            .map(|r| r.life.boot_ids())
+            .unwrap_or_default();
+        if let Some(r) = &self.remote {
+            let reboot_unreported = r.life.rebooted_unreported();
+            if reboot_unreported && self.publishing.values().any(|p| p.reboots < r.reboots) {
+                return BeatCheck::Wait;
+            }
+        }
+        let regions = self
+            .regions
+            .keys()
+            .copied()
+            .filter(|r| !boots.contains_key(r))
+            .collect();
+        BeatCheck::Go { boots, regions }
+    }
+
+    /// maru-server answered a heartbeat that sent `sent`: those boot ids are reported;
+    /// regions it no longer counts as the session's are lost; regions it asks for go
+    /// back (now, or by their last writer). Returns what the driver carries out.
+    pub fn heartbeat_answered(
+        &mut self,
+        sent: &BTreeMap<u64, String>,
+        reply: &HeartbeatReply,
+    ) -> Vec<Gone> {
+        if let Some(r) = self.remote.as_mut() {
+            r.life.reported(sent);
+        }
+        let mut out = Vec::new();
+        for &id in &reply.unknown_regions {
+            self.lose(id);
+            out.push(Gone::Lost(id));
+        }
+        for &id in &reply.give_back {
+            out.extend(self.ask_back(id));
+        }
+        out
+    }
+}
+
+/// The pool core behind its one short lock, with the condition stores wait on (an
+/// adoption done, a publish answered).
+pub struct CoreCell {
+    core: Mutex<PoolCore>,
+    changed: Condvar,
+}
+
+impl CoreCell {
+    pub fn new(core: PoolCore) -> CoreCell {
+        CoreCell {
+            core: Mutex::new(core),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// The core (a poisoned lock is taken over: a panic between two statements leaves
+    /// maps and counters that are still usable).
+    pub fn lock(&self) -> MutexGuard<'_, PoolCore> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Something waiters may be waiting for happened.
+    pub fn notify(&self) {
+        self.changed.notify_all();
+    }
+
+    /// The core once `blocked` is false, or at `by` (then `blocked` may still hold).
+    pub fn wait_while(
+        &self,
+        by: Deadline,
+        mut blocked: impl FnMut(&mut PoolCore) -> bool,
+    ) -> MutexGuard<'_, PoolCore> {
+        let mut g = self.lock();
+        while blocked(&mut g) {
+            let left = by.left();
+            if left.is_zero() {
+                break;
+            }
+            g = self
+                .changed
+                .wait_timeout(g, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        g
+    }
+}
