@@ -1,5 +1,5 @@
 """A key that does not prove raises AuthError (``MARU_ERR_AUTH``) at open: a wrong
-agent key, and a wrong maru-server key (``MARU_SERVER_KEY_FILE``)."""
+agent key, and a wrong maru-server key (``server_key_file``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 import maru
-from maru import AuthError, MaruHandler
+from maru import AuthError, Handler
 
 
 def gen_key(daemons, name: str) -> str:
@@ -36,6 +36,7 @@ def keyed_server(daemons, key: str) -> Iterator[str]:
             "--region-size", "8M",
             "--chunk-size", "64K",
             "--port", "0",
+            "--in-memory",
             "--ready-file", str(ready),
         ],
         stdin=subprocess.DEVNULL,
@@ -56,22 +57,21 @@ def keyed_server(daemons, key: str) -> Iterator[str]:
 def test_a_wrong_agent_key_is_an_auth_error(daemons, config):
     wrong = gen_key(daemons, "wrong-agent.key")
     with pytest.raises(AuthError) as e:
-        MaruHandler(config("remote_cxl", "auth-agent", agent_key_file=wrong))
+        Handler(config("remote_cxl", "auth-agent", agent_key_file=wrong))
     assert e.value.code == maru.Status.AUTH
     assert "agent" in e.value.message and "authentication" in e.value.message, e.value.message
 
 
-def test_a_wrong_maru_server_key_is_an_auth_error(daemons, config, monkeypatch):
-    key = gen_key(daemons, "server.key")
+def test_a_wrong_maru_server_key_is_an_auth_error(daemons, config):
+    # The session's daemons already have a server.key: this server gets its own.
+    key = gen_key(daemons, "keyed-server.key")
     wrong = gen_key(daemons, "wrong-server.key")
     with keyed_server(daemons, key) as keyed:
-        monkeypatch.setenv("MARU_SERVER_KEY_FILE", wrong)
         with pytest.raises(AuthError) as e:
-            MaruHandler(config("cxl", "auth-server", server_url=keyed))
+            Handler(config("cxl", "auth-server", server_url=keyed, server_key_file=wrong))
         assert e.value.code == maru.Status.AUTH
         assert "maru-server" in e.value.message and "key" in e.value.message, e.value.message
         # The right key opens.
-        monkeypatch.setenv("MARU_SERVER_KEY_FILE", key)
-        with MaruHandler(config("cxl", "auth-server", server_url=keyed)) as h:
+        with Handler(config("cxl", "auth-server", server_url=keyed, server_key_file=key)) as h:
             assert h.store("auth-k", b"bytes")
             assert h.retrieve("auth-k") == b"bytes"

@@ -192,7 +192,7 @@ def test_bad_arguments_are_refused(config, ns):
 
 @pytest.mark.parametrize(
     "extra,field",
-    [({"load_slot": 3}, "load_slot"), ({"backend": "nvme"}, "nvme"), ({"load_slots": 0}, "load_slots")],
+    [({"load_slot": 3}, "load_slot"), ({"backend": "nvme"}, "nvme"), ({"async_threads": 0}, "async_threads")],
 )
 def test_bad_config_names_the_field(config, extra, field):
     bad = config("cxl", "x")
