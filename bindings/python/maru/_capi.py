@@ -79,6 +79,12 @@ def handler_open(config_json: str) -> int:
     return int(h.value or 0)
 
 
+def handler_shutdown(h: int) -> None:
+    """``maru_handler_shutdown``: new calls on ``h`` answer CLOSED, waiters wake; returns
+    once the calls in flight left libmaru (at most the handler's ``timeout_ms``)."""
+    _check(lib.maru_handler_shutdown(h))
+
+
 def handler_close(h: int) -> None:
     """``maru_handler_close``: the handle is invalid afterwards, even when it raises."""
     _check(lib.maru_handler_close(h))
