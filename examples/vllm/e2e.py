@@ -287,13 +287,15 @@ def main() -> int:
             print(f"== {backend}")
             mk = ["--connector", "maru", "--backend", backend, *keys, *common]
             ra = run_engine(work, f"{backend}-A", a.model, [*mk, "--engine-id", f"{backend}-A", "--namespace", "e2e"])
-            same = {k: v for k, v in ra["ran_on"].items() if k != "maru_thread_cores"}
-            check(same == {k: v for k, v in base["ran_on"].items() if k != "maru_thread_cores"},
+            libmaru = ("maru_thread_cores", "maru_threads")
+            same = {k: v for k, v in ra["ran_on"].items() if k not in libmaru}
+            check(same == {k: v for k, v in base["ran_on"].items() if k not in libmaru},
                   f"{backend}: A ran with the baseline's threads and cores ({ran_on(ra)}; baseline {ran_on(base)})")
             off = set(ra["ran_on"].get("maru_thread_cores", []))
             compute = set(ra["ran_on"].get("cores", []))
             check(bool(off) and (not off & compute or off == compute == set(os.sched_getaffinity(0))),
-                  f"{backend}: libmaru's threads in A's worker run off its compute cores ({sorted(off)}, compute {sorted(compute)})")
+                  f"{backend}: libmaru's threads in A's worker run off its compute cores ({sorted(off)}, compute {sorted(compute)}"
+                  + (f"; {ra['ran_on'].get('maru_threads')})" if off & compute else ")"))
             check(ra["num_cached_tokens"] == 0, f"{backend}: A computed the whole prompt (no hit in an empty cache)")
             check(ra["stats"].get("chunks_stored", 0) == a.prompt_len // a.chunk_tokens,
                   f"{backend}: A stored all {a.prompt_len // a.chunk_tokens} full chunks ({ra['stats'].get('chunks_stored')})")

@@ -70,17 +70,22 @@ def _ran_on(worker: object) -> dict:
     import torch
 
     maru_cores = set()  # the cores libmaru's threads may run on (its heartbeat, operations, transport)
+    maru_threads = {}  # each of those threads' name and cores (to tell which one when a check fails)
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith(("maru-", "soft-transport")):
-                    maru_cores |= os.sched_getaffinity(int(tid))
+                name = f.read().strip()
+            if name.startswith(("maru-", "soft-transport")):
+                cores = os.sched_getaffinity(int(tid))
+                maru_cores |= cores
+                maru_threads[f"{name}/{tid}"] = sorted(cores)
         except OSError:
             continue
     return {
         "torch_threads": torch.get_num_threads(),
         "cores": sorted(os.sched_getaffinity(0)),
         "maru_thread_cores": sorted(maru_cores),
+        "maru_threads": maru_threads,
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "default"),
     }

@@ -1050,6 +1050,47 @@ def test_placement_settles_after_each_call_and_leaves_the_caller_where_it_is() -
     assert p.settle() == 0
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_thread_that_names_itself_late_is_still_moved() -> None:
+    """A thread libmaru starts names itself when it first runs; on a busy compute core
+    that can come after several quick calls (seen in make test-vllm: the handler's
+    maru-tick thread left on the compute core). Settle keeps looking at a new thread
+    named as its creator until it names itself (for YOUNG_S seconds), however many
+    calls come first."""
+    cores = sorted(os.sched_getaffinity(0))
+    compute, other = {cores[-1]}, {cores[0]}
+    import threading
+
+    rename, renamed, done = threading.Event(), threading.Event(), threading.Event()
+    result: Dict[str, Any] = {}
+
+    def late() -> None:  # inherits the creator's name and cores, as a native thread would
+        rename.wait(10)
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write("maru-late")
+        renamed.set()
+        done.wait(10)
+        result["cores"] = os.sched_getaffinity(0)
+
+    def caller() -> None:
+        os.sched_setaffinity(0, compute)
+        place = core.Placement(other)
+        t = threading.Thread(target=late)
+        t.start()
+        for _ in range(10):  # many calls before the thread names itself
+            place.settle()
+        rename.set()
+        renamed.wait(10)
+        result["moved"] = place.settle()
+        done.set()
+        t.join(10)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(30)
+    assert result.get("moved") == 1 and result.get("cores") == other, result
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -94,9 +94,10 @@ _NON_KV_CONFIG_FIELDS = frozenset(
 #: Names of the threads libmaru starts (``maru-handler``, ``maru-op-N``,
 #: ``maru-prefault``, the transports').
 LIBMARU_THREADS = ("maru-", "soft-transport", "verbs-")
-# Calls a new thread that still has its creator's name is looked at again (a thread
-# libmaru starts names itself as soon as it runs).
-YOUNG_LOOKS = 3
+# How long a new thread that still has its creator's name is looked at again: a thread
+# libmaru starts names itself when it first runs, which on a busy compute core (the
+# creator's, which it inherits) can come after several calls.
+YOUNG_S = 10.0
 
 
 class Placement:
@@ -113,7 +114,7 @@ class Placement:
     def __init__(self, cores: Optional[Iterable[int]] = None):
         self.cores = frozenset(cores or ())
         self._seen: Set[int] = set()  # threads looked at (moved, or not libmaru's)
-        self._young: Dict[int, int] = {}  # new threads still named as their creator -> looks
+        self._young: Dict[int, float] = {}  # new threads still named as their creator -> first seen
 
     @staticmethod
     def off_compute(wider: Optional[Iterable[int]] = None) -> "Placement":
@@ -132,7 +133,7 @@ class Placement:
         A thread libmaru starts in the background (the transport's, started by an
         operation's thread) is moved at the next call. A new thread that still has its
         creator's name (it names itself once it runs) is looked at again at the next
-        calls."""
+        calls, for ``YOUNG_S`` seconds."""
         if not self.cores:
             return 0
         try:
@@ -150,8 +151,7 @@ class Placement:
                     if name.startswith(LIBMARU_THREADS):
                         os.sched_setaffinity(tid, self.cores)
                         moved += 1
-                    elif name == inherited and self._young.get(tid, 0) < YOUNG_LOOKS:
-                        self._young[tid] = self._young.get(tid, 0) + 1
+                    elif name == inherited and time.monotonic() - self._young.setdefault(tid, time.monotonic()) < YOUNG_S:
                         continue
                 except OSError:
                     pass  # gone meanwhile
