@@ -504,7 +504,12 @@ maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t *
  * `store_slots`, `load_slots`, `views`, each with `ok`, `failed`, `items` and a
  * latency histogram `latency_us_le` of `[bound_us, calls]` cumulative pairs and
  * `latency_us_sum`) and the process-wide memory hook (`memory_hook`: `mode`,
- * `pinned_bytes` registered now, `register_failures` so far).
+ * `pinned_bytes` registered now, `register_failures` so far). `total.skipped` (and each pool's `stats.skipped`) counts
+ * the chunks skipped per reason: `no_region` (maru-server had no region to give and
+ * nothing of the engine's own could be evicted), `no_slot` (no free staging slot),
+ * `pool_unavailable` (the pool's maru-server is away; reconnecting), `max_bytes`
+ * (the engine holds `max_bytes` of regions and nothing of them could be evicted).
+ * Each reason also logs one WARN line per 10 s.
  *
  * Ownership: `buf` and `out_len` are the caller's. Threads: any, concurrently with
  * other calls.
@@ -566,9 +571,12 @@ maru_status_t maru_handler_close(struct maru_handler_t *h);
 /**
  * Stores `len` bytes of `data` under `key`. `*stored` (may be NULL) is true when the
  * chunk is stored now or was already stored (by this or another engine: its bytes
- * are there either way), false when it was skipped: no free staging slot or the
- * pool is unavailable. A skip is not an error; the engine recomputes that chunk
- * later if it needs it.
+ * are there either way), false when it was skipped. A skip is not an error; the
+ * engine recomputes that chunk later if it needs it. Its reason is counted in
+ * `maru_stats_json`'s `total.skipped`: `no_region` (no region to be had and nothing
+ * of the engine's own to evict), `no_slot` (no free staging slot),
+ * `pool_unavailable` (maru-server away), `max_bytes` (the engine's `max_bytes`
+ * reached and nothing to evict); each reason logs one WARN line per 10 s.
  *
  * Ownership: `key`, `data`, `route_key` are read during the call only.
  * Threads: any, concurrently with other calls on the handler.
@@ -716,7 +724,8 @@ maru_status_t maru_slots_acquire(const struct maru_handler_t *h,
  * Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` for `n` chunks of one
  * request. On `remote_cxl` the WRITE goes from the slot itself: no copy. `stored[i]`
  * (the array may be NULL) is true when the chunk is stored now or was already
- * stored (by any engine), false when it was skipped. The slots stay the caller's
+ * stored (by any engine), false when it was skipped (its reason counted in
+ * `maru_stats_json`'s `total.skipped`, see `maru_store`). The slots stay the caller's
  * (release them), except one whose transfer outcome was unknown: libmaru takes it
  * back (`maru_slots_held` says false for it).
  *
@@ -863,6 +872,12 @@ maru_status_t maru_views_release(const struct maru_handler_t *h, const uint64_t 
  * (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
  * staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
  * pool has no room (every page leased, pinned or taken, and no region to be had).
+ *
+ * Limit: the caller holds at most half of its fair share of the pool taken at once
+ * (maru-server's regions ÷ the storing tenants, ÷ its tenant's storing engines,
+ * within `max_bytes`; one region before maru-server has told the share), counting
+ * pages taken earlier and not yet published or given back; a take beyond it gets
+ * fewer pages (0 once the limit is reached), so the engine's own stores keep room.
  * `route_key` picks the pool, as the request's first chunk key does for
  * `maru_store_batch` (NULL: the first pool's pick for "").
  *

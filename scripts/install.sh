@@ -230,6 +230,7 @@ if [ "$metadata" = 1 ]; then
     write_env "$here/daemons/systemd/server.env" server.env
     host_setup
     keys_note "maru-server makes its key /var/lib/maru/server.key on its first start: give it to the workers (MARU_SERVER_KEY_FILE)"
+    keys_note "tenants (engines that do not trust each other, a key each): set MARU_SERVER_TENANTS in /etc/maru/server.env (docs/operations.md, \"Tenants\")"
     keys_note "unless the memory node runs on this host, copy its RM key and agent key to /var/lib/maru/resource-manager.key and /var/lib/maru/remote-cxl-agent.key (mode 0600, owner maru) before starting maru-server"
     if [ -z "$root" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
         systemctl daemon-reload

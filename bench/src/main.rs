@@ -18,6 +18,7 @@
 mod chart;
 mod connector;
 mod harness;
+mod hitrate;
 mod idle;
 mod in_place;
 mod limits;
@@ -73,7 +74,8 @@ struct Args {
     backends: Vec<String>,
     /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
     /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
-    /// connector (the vLLM connector's worker, Python), redis, meta, idle (default all).
+    /// connector (the vLLM connector's worker, Python), redis, meta, idle, hitrate (a chat
+    /// trace replayed through maru-server's eviction beside LRU and Belady; default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
@@ -184,6 +186,9 @@ struct Results {
     in_place: Option<in_place::InPlaceResult>,
     /// The vLLM connector's worker, both backends (part `connector`).
     connector: Vec<connector::ConnectorResult>,
+    /// Hit rate of a multi-turn chat trace replayed through maru-server's eviction
+    /// (part `hitrate`).
+    hitrate: Option<hitrate::HitRateResult>,
 }
 
 const CHUNKS: [usize; 2] = [256 * 1024, 2 * MIB];
@@ -999,11 +1004,12 @@ fn run(args: Args) -> Result<(), String> {
             "redis",
             "meta",
             "idle",
+            "hitrate",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate"
             ));
         }
     }
@@ -1209,6 +1215,10 @@ fn run(args: Args) -> Result<(), String> {
         }
         drop(redis_proc);
     }
+    if want("hitrate") {
+        say("hit rate of a multi-turn chat trace through maru-server's eviction");
+        r.hitrate = Some(hitrate::run(quick)?);
+    }
     if let (true, Some(s)) = (want("meta"), &scratch) {
         say("metadata ops");
         r.meta = meta::run(s, secs)?;
@@ -1265,6 +1275,7 @@ fn run(args: Args) -> Result<(), String> {
             r.batch_load(b, connector::CHUNK)
         }));
     }
+    ts.extend(r.hitrate.as_ref().map(hitrate::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },

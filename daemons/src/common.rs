@@ -224,6 +224,13 @@ pub struct NetArgs {
     /// KiB of replies a client may leave unread before its requests are no longer read.
     #[arg(long, default_value_t = (maru::net::server::DEFAULT_MAX_UNSENT >> 10) as u64)]
     pub max_unsent_kib: u64,
+    /// MiB of requests larger than 16 KiB held while they arrive, every client
+    /// together; the clients of one key (one tenant) hold at most half of it (and at
+    /// least one largest request, 1 MiB). Such a request is read only once it fits
+    /// whole; until then its connection is not read.
+    #[arg(long, default_value_t = (maru::net::server::DEFAULT_FRAME_ROOM >> 20) as u64,
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub frame_room_mib: u64,
 }
 
 impl NetArgs {
@@ -242,6 +249,8 @@ impl NetArgs {
             handshake_timeout_ms: self.handshake_timeout_ms,
             idle_timeout_ms: self.idle_timeout_s.saturating_mul(1000),
             max_unsent: (self.max_unsent_kib as usize).saturating_mul(1024),
+            frame_room: (self.frame_room_mib as usize) << 20,
+            frame_room_per_tenant: ((self.frame_room_mib as usize) << 20) / 2,
             ..maru::net::ServerOptions::default()
         }
     }

@@ -39,6 +39,8 @@ pub struct Metrics {
     connections_accepted: Counter,
     connections_refused: Family<Labels, Counter>,
     auth_failures: Counter,
+    request_bytes_buffered: Gauge,
+    frame_room_waits: Counter,
     uptime: Gauge<f64, AtomicU64>,
     gauges: BTreeMap<&'static str, Gauge>,
     totals: BTreeMap<&'static str, Counter>,
@@ -105,6 +107,18 @@ impl Metrics {
             "Connections whose key proof failed",
             auth_failures.clone(),
         );
+        let request_bytes_buffered = Gauge::default();
+        registry.register(
+            "request_bytes_buffered",
+            "Bytes of requests received and not yet served, partly received ones included",
+            request_bytes_buffered.clone(),
+        );
+        let frame_room_waits = Counter::default();
+        registry.register(
+            "frame_room_waits",
+            "Times a request larger than 16 KiB waited, unread, for room (--frame-room-mib)",
+            frame_room_waits.clone(),
+        );
         let gauges = gauges
             .iter()
             .map(|&(name, help)| {
@@ -122,6 +136,8 @@ impl Metrics {
             connections_accepted,
             connections_refused,
             auth_failures,
+            request_bytes_buffered,
+            frame_room_waits,
             uptime,
             gauges,
             totals: BTreeMap::new(),
@@ -161,6 +177,8 @@ impl Metrics {
         let get = NetCounters::get;
         self.connections_open.set(get(&n.open) as i64);
         raise(&self.auth_failures, get(&n.auth_failures));
+        self.request_bytes_buffered.set(get(&n.buffered) as i64);
+        raise(&self.frame_room_waits, get(&n.frame_room_waits));
         for (dir, v) in [("in", get(&n.bytes_in)), ("out", get(&n.bytes_out))] {
             raise(
                 &self.bytes.get_or_create(&vec![("direction", dir.into())]),
@@ -463,6 +481,9 @@ mod tests {
         net.refused_cap
             .store(1, std::sync::atomic::Ordering::Relaxed);
         net.bytes_in.store(10, std::sync::atomic::Ordering::Relaxed);
+        net.buffered.store(7, std::sync::atomic::Ordering::Relaxed);
+        net.frame_room_waits
+            .store(2, std::sync::atomic::Ordering::Relaxed);
         m.set_total("evictions", 4);
         let s = check_format(&m.render(1.0));
         assert_eq!(value(&s, "maru_agent_connections_open"), 3.0);
@@ -473,6 +494,8 @@ mod tests {
             1.0
         );
         assert_eq!(value(&s, r#"maru_agent_bytes_total{direction="in"}"#), 10.0);
+        assert_eq!(value(&s, "maru_agent_request_bytes_buffered"), 7.0);
+        assert_eq!(value(&s, "maru_agent_frame_room_waits_total"), 2.0);
         assert_eq!(value(&s, "maru_agent_evictions_total"), 4.0);
         // A lower total (never sent by a core) leaves the counter as it was.
         m.set_total("evictions", 1);

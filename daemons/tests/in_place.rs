@@ -165,20 +165,27 @@ fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
 fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reused() {
     let st = stack();
     let w = watched_pool(&st, "taker");
-    // Every page of the one region the pool may hold.
+    // Half the one region the pool may hold (its share, within max_bytes): a take
+    // never holds more at once, so the engine's own stores keep room.
     let all = w.pool.take_in_place(200, Some("t")).unwrap();
-    assert_eq!(all.len(), 128, "one region of 128 pages");
+    assert_eq!(all.len(), 64, "half of one region of 128 pages");
     assert!(
         w.pool.take_in_place(1, Some("t")).unwrap().is_empty(),
-        "no page is left while all are taken"
+        "no more while half the share is taken"
+    );
+    let stored = w.pool.store(&[("t/own", &bytes(9, 100)[..])], Some("t"));
+    assert_eq!(
+        stored.unwrap(),
+        vec![true],
+        "the taker's own store has room"
     );
     w.pool.give_back_in_place(all);
     let again = w.pool.take_in_place(128, Some("t")).unwrap();
-    assert_eq!(again.len(), 128, "pages given back are taken again");
+    assert_eq!(again.len(), 64, "pages given back are taken again");
     // Keep 8 pages taken; publish the rest, then store more chunks than fit: the
     // stores evict published keys, and never reuse a taken page.
     let mut again = again;
-    let kept: Vec<_> = again.split_off(120);
+    let kept: Vec<_> = again.split_off(56);
     let kept_locs: BTreeSet<(u64, u64)> = kept
         .iter()
         .map(|p| (p.page.region_id, p.page.page))
@@ -270,9 +277,22 @@ fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
     // Room for two regions of 8 MiB (the device header takes the first 2 MiB).
     let st = support::stack("inplace-fair", "20M", false, &args);
     let a = watched_pool_of(&st, "hog", 0);
-    // Every page of both regions taken by A.
+    // A stores 100 chunks into its first region, then takes half its share (both
+    // regions) in place: pages of both regions are taken.
+    let keys: Vec<String> = (0..100).map(|i| format!("hog/c{i:03}")).collect();
+    let data = bytes(3, 100);
+    let items: Vec<(&str, &[u8])> = keys.iter().map(|k| (k.as_str(), &data[..])).collect();
+    assert!(a
+        .pool
+        .store(&items, Some("hog"))
+        .unwrap()
+        .iter()
+        .all(|s| *s));
     let mut pages = a.pool.take_in_place(256, Some("hog")).unwrap();
+    assert_eq!(pages.len(), 128, "half of its share of two regions");
     assert_eq!(a.pool.stats().regions, 2, "A holds the whole pool");
+    let taken_in: BTreeSet<u64> = pages.iter().map(|p| p.page.region_id).collect();
+    assert_eq!(taken_in.len(), 2, "pages of both regions taken");
     // B stores into the full pool: maru-server asks A for a fair share.
     let b = watched_pool_of(&st, "waiter", 0);
     let stored = b

@@ -364,6 +364,14 @@ fn the_metadata_node_gets_maru_server_as_user_maru_and_its_env_file_once() {
             .any(|l| l == "MARU_SERVER_KEY_FILE=/var/lib/maru/server.key"),
         "{env}"
     );
+    // Tenants: a commented line naming the variable, and where to read how.
+    assert!(
+        env.lines()
+            .any(|l| l == "#MARU_SERVER_TENANTS=/etc/maru/tenants.toml"),
+        "{env}"
+    );
+    assert!(env.contains("docs/operations.md, \"Tenants\""), "{env}");
+    assert!(out.contains("MARU_SERVER_TENANTS"), "{out}");
     std::fs::write(&env_path, "MARU_SERVER_HOST=10.0.0.3\n").unwrap();
     assert!(install_with(&root, &["--metadata"]).contains("kept"));
     assert_eq!(

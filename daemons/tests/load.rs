@@ -121,7 +121,13 @@ fn round(handlers: &[Handler], round: usize) -> Round {
                         .load_batch(part, Some("load"))
                         .unwrap_or_else(|e| panic!("session {s}: load: {e}"));
                     for (k, g) in part.iter().zip(got) {
-                        let g = g.unwrap_or_else(|| panic!("session {s}: key {k} lost"));
+                        let g = g.unwrap_or_else(|| {
+                            let st = h.stats();
+                            panic!(
+                                "session {s}: key {k} lost (load_failed {}, last_load_error {})",
+                                st["pools"][0]["load_failed"], st["pools"][0]["last_load_error"]
+                            )
+                        });
                         assert!(g == chunk_of(k), "session {s}: key {k}: wrong bytes");
                     }
                 }

@@ -26,7 +26,11 @@ struct Stack {
 }
 
 fn stack() -> Stack {
-    let mut s = Scratch::new("usage");
+    stack_with(Scratch::new("usage"), &[])
+}
+
+/// As [`stack`], in `s`, with `server_extra` on maru-server's command line.
+fn stack_with(mut s: Scratch, server_extra: &[String]) -> Stack {
     let pool = s.fake_dax("pool");
     let agent_key = s.dir.join("agent.key");
     let rm_key = s.dir.join("rm.key");
@@ -76,7 +80,10 @@ fn stack() -> Stack {
             "8M".into(),
             "--chunk-size".into(),
             "64K".into(),
-        ],
+        ]
+        .into_iter()
+        .chain(server_extra.iter().cloned())
+        .collect::<Vec<String>>(),
         &s.dir,
     );
     Stack {
@@ -91,12 +98,22 @@ fn stack() -> Stack {
 }
 
 fn engine(st: &Stack, id: &str) -> Handler {
+    engine_as(
+        st,
+        id,
+        &support::server_key_file(&st.server.addr),
+        "usage-model",
+    )
+}
+
+/// An engine proving the maru-server key `key_file` (its tenant's) in `namespace`.
+fn engine_as(st: &Stack, id: &str, key_file: &str, namespace: &str) -> Handler {
     let cfg = serde_json::json!({
         "backend": "remote_cxl",
         "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
+        "server_key_file": key_file,
         "engine_id": id,
-        "namespace": "usage-model",
+        "namespace": namespace,
         "agent_key_file": st.agent_key.display().to_string(),
         "load_slots": 4,
         "store_slots": 8,
@@ -130,13 +147,22 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// The row of an engine in the table, split into columns.
+/// The row of an engine in the table, split into columns: its tenant, then the
+/// columns from ENGINE on.
+fn tenant_row<'a>(out: &'a str, engine: &str) -> (&'a str, Vec<&'a str>) {
+    let cols: Vec<&str> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|c| c.get(1) == Some(&engine))
+        .unwrap_or_else(|| panic!("no row for {engine} in\n{out}"));
+    (cols[0], cols[1..].to_vec())
+}
+
+/// The columns of an engine's row from ENGINE on (its tenant is `default`).
 fn row<'a>(out: &'a str, engine: &str) -> Vec<&'a str> {
-    out.lines()
-        .find(|l| l.starts_with(engine))
-        .unwrap_or_else(|| panic!("no row for {engine} in\n{out}"))
-        .split_whitespace()
-        .collect()
+    let (tenant, cols) = tenant_row(out, engine);
+    assert_eq!(tenant, "default", "{out}");
+    cols
 }
 
 #[test]
@@ -169,7 +195,8 @@ fn table_shows_engines_pool_and_regions() {
     ]);
     let out = text(&o);
     assert!(o.status.success(), "{out}");
-    // Columns: ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS KEY_MiB HITS MISSES HIT% LEASES PINS CONN
+    // Columns: TENANT, then (row) ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS
+    // KEY_MiB HITS MISSES HIT% LEASES PINS CONN
     let ra = row(&out, "usage-engine-a");
     assert_eq!(ra[1], "usage-model", "{out}");
     assert_eq!(ra[2], "remote_cxl", "{out}");
@@ -338,4 +365,74 @@ fn agents_versions_and_a_closed_pipe() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Tenants in maru-usage: a TENANT column (the tenant whose key opened the sessions),
+/// and `--tenant` to show some tenants only, in the table and in `--json`.
+#[test]
+fn tenants_have_a_column_and_a_filter() {
+    let s = Scratch::new("usage-tenants");
+    let alpha_key = s.dir.join("alpha.key");
+    write_new_key_file(&alpha_key, &SharedKey::generate().unwrap()).unwrap();
+    let tenants = s.dir.join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        "[tenants.alpha]\nkey_file = \"alpha.key\"\nwrite = [\"alpha-model\"]\n",
+    )
+    .unwrap();
+    let st = stack_with(s, &["--tenants".into(), tenants.display().to_string()]);
+    let own = engine(&st, "usage-engine-own");
+    let alpha = engine_as(
+        &st,
+        "usage-engine-alpha",
+        &alpha_key.display().to_string(),
+        "alpha-model",
+    );
+    let data = vec![5u8; 4096];
+    for (h, k) in [(&own, "usage-own-0"), (&alpha, "usage-alpha-0")] {
+        assert!(h
+            .store_batch(&[(k, data.as_slice())], Some("r"))
+            .unwrap()
+            .iter()
+            .all(|&x| x));
+    }
+    // maru-server's own key sees both tenants, each row naming its tenant.
+    let o = usage(&["--server", &st.server.addr]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("\nTENANT "), "{out}");
+    assert_eq!(tenant_row(&out, "usage-engine-own").0, "default", "{out}");
+    let (tenant, cols) = tenant_row(&out, "usage-engine-alpha");
+    assert_eq!((tenant, cols[1]), ("alpha", "alpha-model"), "{out}");
+    // --tenant alpha: alpha's engines only.
+    let o = usage(&["--server", &st.server.addr, "--tenant", "alpha"]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("tenants shown (--tenant): alpha"), "{out}");
+    assert_eq!(tenant_row(&out, "usage-engine-alpha").0, "alpha");
+    assert!(!out.contains("usage-engine-own"), "{out}");
+    // And in JSON.
+    let o = usage(&["--server", &st.server.addr, "--tenant", "alpha", "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["tenants"], serde_json::json!(["alpha"]));
+    for part in ["usage", "stats"] {
+        let sessions = v[part]["sessions"].as_array().unwrap();
+        assert_eq!(sessions.len(), 1, "{part}: {sessions:?}");
+        assert_eq!(sessions[0]["tenant"], "alpha");
+    }
+    // A tenant without sessions: said so.
+    let o = usage(&["--server", &st.server.addr, "--tenant", "nobody"]);
+    let out = text(&o);
+    assert!(
+        out.contains("(no engine of these tenants has a session)"),
+        "{out}"
+    );
+    // The help says so.
+    let o = Command::new(USAGE_BIN).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--tenant <NAME>"), "{help}");
+    assert!(help.contains("TENANT"), "{help}");
+    own.close().unwrap();
+    alpha.close().unwrap();
 }

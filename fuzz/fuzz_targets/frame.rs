@@ -1,5 +1,7 @@
 //! The frame decoder of every connection: arbitrary bytes, pushed in arbitrary
-//! pieces, give frames or an error, never a panic, and never a frame over the limit.
+//! pieces, give frames or an error, never a panic, and never a frame over the limit;
+//! `frame_ready` and `next_len` (what the event loop reads by) agree with
+//! `next_frame`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -17,13 +19,24 @@ fuzz_target!(|data: &[u8]| {
     'outer: for chunk in rest.chunks(piece) {
         dec.push(chunk);
         loop {
+            // What the event loop reads by: frame_ready (next_frame has a frame or the
+            // error for it) and next_len (the frame's size, header included).
+            let (ready, len) = (dec.frame_ready(), dec.next_len());
             match dec.next_frame() {
                 Ok(Some(f)) => {
+                    assert!(ready, "a frame came though frame_ready said no");
+                    assert_eq!(len, Some(f.body.len() + HEADER_LEN));
                     assert!(f.body.len() <= max_body, "frame over the limit");
                     frames.push(f);
                 }
-                Ok(None) => break,
-                Err(_) => break 'outer,
+                Ok(None) => {
+                    assert!(!ready, "frame_ready said yes and nothing came");
+                    break;
+                }
+                Err(_) => {
+                    assert!(ready, "an error came though frame_ready said no");
+                    break 'outer;
+                }
             }
         }
     }

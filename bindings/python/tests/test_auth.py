@@ -1,5 +1,6 @@
 """A key that does not prove raises AuthError (``MARU_ERR_AUTH``) at open: a wrong
-agent key, and a wrong maru-server key (``server_key_file``)."""
+agent key, and a wrong maru-server key (``server_key_file``, and
+``MARU_SERVER_KEY_FILE`` when the configuration names none)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def keyed_server(daemons, key: str) -> Iterator[str]:
     """A maru-server of the session's RM that every worker must prove ``key`` to; its
     address."""
     ready = daemons.work / "keyed-server.ready"
+    log = daemons.work / "keyed-server.log"
+    err = open(log, "wb")
     p = subprocess.Popen(
         [
             str(daemons.bin / "maru-server"),
@@ -35,23 +38,26 @@ def keyed_server(daemons, key: str) -> Iterator[str]:
             "--key-file", key,
             "--region-size", "8M",
             "--chunk-size", "64K",
-            "--port", "0",
             "--in-memory",
+            "--port", "0",
             "--ready-file", str(ready),
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=err,
     )
     try:
         deadline = time.monotonic() + 20
         while not (ready.exists() and ready.read_text().endswith("\n")):
-            assert p.poll() is None and time.monotonic() < deadline, "the keyed maru-server did not start"
+            if p.poll() is not None or time.monotonic() >= deadline:
+                p.kill()
+                raise AssertionError(f"the keyed maru-server did not start: {log.read_text()[-2000:]}")
             time.sleep(0.02)
         yield ready.read_text().strip()
     finally:
         p.terminate()
         p.wait(timeout=15)
+        err.close()
 
 
 def test_a_wrong_agent_key_is_an_auth_error(daemons, config):
@@ -62,8 +68,7 @@ def test_a_wrong_agent_key_is_an_auth_error(daemons, config):
     assert "agent" in e.value.message and "authentication" in e.value.message, e.value.message
 
 
-def test_a_wrong_maru_server_key_is_an_auth_error(daemons, config):
-    # The session's daemons already have a server.key: this server gets its own.
+def test_a_wrong_maru_server_key_is_an_auth_error(daemons, config, monkeypatch):
     key = gen_key(daemons, "keyed-server.key")
     wrong = gen_key(daemons, "wrong-server.key")
     with keyed_server(daemons, key) as keyed:
@@ -71,7 +76,14 @@ def test_a_wrong_maru_server_key_is_an_auth_error(daemons, config):
             Handler(config("cxl", "auth-server", server_url=keyed, server_key_file=wrong))
         assert e.value.code == maru.Status.AUTH
         assert "maru-server" in e.value.message and "key" in e.value.message, e.value.message
+        # The same through the environment, for a configuration that names no key file.
+        cfg = config("cxl", "auth-server", server_url=keyed)
+        del cfg["server_key_file"]
+        monkeypatch.setenv("MARU_SERVER_KEY_FILE", wrong)
+        with pytest.raises(AuthError):
+            Handler(cfg)
         # The right key opens.
-        with Handler(config("cxl", "auth-server", server_url=keyed, server_key_file=key)) as h:
+        monkeypatch.setenv("MARU_SERVER_KEY_FILE", key)
+        with Handler(cfg) as h:
             assert h.store("auth-k", b"bytes")
             assert h.retrieve("auth-k") == b"bytes"

@@ -1,6 +1,7 @@
 //! maru-usage: what a Maru pool holds and who uses it, as one readable table. It asks
-//! maru-server for its statistics and usage (per session; shown per engine) and, with
-//! `--rm`, the resource manager for its pools and regions. `--watch` refreshes it.
+//! maru-server for its statistics and usage (per session; shown per tenant and engine,
+//! `--tenant` keeps some tenants only) and, with `--rm`, the resource manager for its
+//! pools and regions. `--watch` refreshes it.
 //!
 //! With an agent key (`--agent-key-file`) it also asks each of the pool's agents (those
 //! maru-server names, or `--agent`) for its status: mappings, holders, registrations,
@@ -28,10 +29,12 @@ use std::time::{Duration, Instant};
 #[command(
     name = "maru-usage",
     version,
-    about = "Pools, regions, keys and hit rate of a Maru pool, per engine",
-    long_about = "Asks maru-server for its statistics and usage and shows them per engine (the \
-sessions of one engine_id summed); with --rm also the resource manager's pools and regions. \
---watch refreshes every SECS seconds until q, Ctrl-C or --count refreshes."
+    about = "Pools, regions, keys and hit rate of a Maru pool, per tenant and engine",
+    long_about = "Asks maru-server for its statistics and usage and shows them per tenant and \
+engine (the sessions of one engine_id of one tenant summed; TENANT is the tenant whose key \
+opened them, `default` for maru-server's own key); --tenant keeps only the sessions of the \
+tenants it names, in the table and in --json. With --rm also the resource manager's pools \
+and regions. --watch refreshes every SECS seconds until q, Ctrl-C or --count refreshes."
 )]
 struct Args {
     /// maru-server address.
@@ -47,6 +50,10 @@ struct Args {
     /// shows every session; a tenant's key, that tenant's sessions only.
     #[arg(long, env = "MARU_SERVER_KEY_FILE")]
     server_key_file: Option<PathBuf>,
+    /// Show only the sessions of this tenant (repeatable), in the table and in --json;
+    /// maru-server's totals stay those of every session the key may see.
+    #[arg(long = "tenant", value_name = "NAME")]
+    tenants: Vec<String>,
     /// Agent key file: adds the status of each agent of the pool (those maru-server
     /// names, or --agent).
     #[arg(long)]
@@ -77,6 +84,8 @@ struct Snapshot {
     server: String,
     /// maru-server's version and uptime (its welcome).
     server_info: DaemonInfo,
+    /// --tenant: the tenants whose sessions `stats` and `usage` keep (empty: all).
+    tenants: Vec<String>,
     stats: StatsReply,
     usage: UsageReply,
     /// With --rm: the RM's address and what it answered (or why not).
@@ -157,17 +166,22 @@ struct EngineRow {
     connected: u64,
 }
 
-/// Per engine id: the sessions of the stats reply joined with those of the usage reply
-/// by session id (a session that opened or ended between the two calls counts with
-/// what one of them said).
-fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, EngineRow> {
-    let mut out: BTreeMap<String, EngineRow> = BTreeMap::new();
+/// Who a row of the table is: a tenant and an engine id of it.
+type RowKey = (String, String);
+
+/// Per tenant and engine id: the sessions of the stats reply joined with those of the
+/// usage reply by session id (a session that opened or ended between the two calls
+/// counts with what one of them said).
+fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey, EngineRow> {
+    let mut out: BTreeMap<RowKey, EngineRow> = BTreeMap::new();
     let by_id: BTreeMap<u64, &meta::SessionUsage> =
         usage.sessions.iter().map(|u| (u.session, u)).collect();
     let mut seen = BTreeSet::new();
     for s in &stats.sessions {
         seen.insert(s.session);
-        let row = out.entry(s.engine_id.clone()).or_default();
+        let row = out
+            .entry((s.tenant.clone(), s.engine_id.clone()))
+            .or_default();
         row.sessions += 1;
         row.regions += s.regions;
         row.keys += s.keys;
@@ -190,7 +204,9 @@ fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, EngineRow
         }
     }
     for u in usage.sessions.iter().filter(|u| !seen.contains(&u.session)) {
-        let row = out.entry(u.engine_id.clone()).or_default();
+        let row = out
+            .entry((u.tenant.clone(), u.engine_id.clone()))
+            .or_default();
         row.sessions += 1;
         row.regions += u.regions;
         row.allocated += u.allocated;
@@ -255,9 +271,13 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         );
     }
     let _ = writeln!(o);
+    if !s.tenants.is_empty() {
+        let _ = writeln!(o, "tenants shown (--tenant): {}", s.tenants.join(", "));
+    }
     let _ = writeln!(
         o,
-        "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+        "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+        "TENANT",
         "ENGINE",
         "NAMESPACE",
         "BACKEND",
@@ -275,13 +295,16 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         "CONN"
     );
     let rows = engines(&s.stats, &s.usage);
-    if rows.is_empty() {
+    if rows.is_empty() && s.tenants.is_empty() {
         let _ = writeln!(o, "(no engine has a session)");
+    } else if rows.is_empty() {
+        let _ = writeln!(o, "(no engine of these tenants has a session)");
     }
-    for (engine, r) in &rows {
+    for ((tenant, engine), r) in &rows {
         let _ = writeln!(
             o,
-            "{:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+            "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+            if tenant.is_empty() { "-" } else { tenant },
             engine,
             joined(&r.namespaces),
             joined(r.backends.iter()),
@@ -416,9 +439,20 @@ fn render_agents(o: &mut String, agents: &[AgentView]) {
     }
 }
 
+/// Keeps only the sessions of `tenants` (none named: every session).
+fn keep_tenants(stats: &mut StatsReply, usage: &mut UsageReply, tenants: &[String]) {
+    if tenants.is_empty() {
+        return;
+    }
+    stats.sessions.retain(|s| tenants.contains(&s.tenant));
+    usage.sessions.retain(|u| tenants.contains(&u.tenant));
+}
+
 /// Connections kept across refreshes; a broken one is opened again on the next.
 struct Source {
     server: String,
+    /// --tenant.
+    tenants: Vec<String>,
     server_conn: Option<Client>,
     rm: Option<String>,
     rm_conn: Option<Client>,
@@ -571,9 +605,12 @@ impl Source {
             .iter()
             .map(|a| self.agent_view(a))
             .collect();
+        let (mut stats, mut usage) = (stats, usage);
+        keep_tenants(&mut stats, &mut usage, &self.tenants);
         Ok(Snapshot {
             server: self.server.clone(),
             server_info,
+            tenants: self.tenants.clone(),
             stats,
             usage,
             rm,
@@ -774,6 +811,7 @@ fn main() {
     let agent_key = args.agent_key_file.as_ref().map(load);
     let mut src = Source {
         server: args.server.clone(),
+        tenants: args.tenants.clone(),
         server_conn: None,
         rm: args.rm.clone(),
         rm_conn: None,
@@ -839,6 +877,11 @@ mod tests {
         }
     }
 
+    /// The row of `engine` of the tenant `default`.
+    fn of(engine: &str) -> RowKey {
+        ("default".into(), engine.into())
+    }
+
     fn reply(s: Vec<SessionStats>, u: Vec<SessionUsage>) -> (StatsReply, UsageReply) {
         (
             StatsReply {
@@ -871,7 +914,7 @@ mod tests {
         );
         let rows = engines(&s, &u);
         assert_eq!(rows.len(), 2);
-        let a = &rows["a"];
+        let a = &rows[&of("a")];
         assert_eq!((a.sessions, a.regions, a.keys), (2, 2, 6));
         assert_eq!(
             (a.hits, a.misses, a.leases, a.pins, a.connected),
@@ -879,8 +922,38 @@ mod tests {
         );
         assert_eq!((a.allocated, a.used), (128 << 20, 8 << 20));
         assert_eq!(rate(a.hits, a.misses), "75.0%");
-        assert_eq!(rows["b"].hits, 0);
+        assert_eq!(rows[&of("b")].hits, 0);
         assert_eq!(rate(0, 0), "-");
+    }
+
+    #[test]
+    fn each_tenants_engines_are_rows_of_their_own_and_tenant_keeps_only_those_named() {
+        let in_tenant = |mut st: SessionStats, mut us: SessionUsage, tenant: &str| {
+            st.tenant = tenant.into();
+            us.tenant = tenant.into();
+            (st, us)
+        };
+        let (s1, u1) = in_tenant(stats("e", 1, 1, 0), usage("e", 1, true), "alpha");
+        let (s2, u2) = in_tenant(stats("e", 2, 0, 1), usage("e", 2, true), "beta");
+        let (s3, u3) = (stats("f", 3, 0, 0), usage("f", 3, false));
+        let (mut s, mut u) = reply(vec![s1, s2, s3], vec![u1, u2, u3]);
+        // One engine id in two tenants: two rows.
+        let rows = engines(&s, &u);
+        let alpha = ("alpha".to_string(), "e".to_string());
+        let beta = ("beta".to_string(), "e".to_string());
+        assert_eq!(rows.len(), 3);
+        assert_eq!((rows[&alpha].hits, rows[&beta].misses), (1, 1));
+        keep_tenants(&mut s, &mut u, &["alpha".into(), "default".into()]);
+        let rows = engines(&s, &u);
+        assert_eq!(
+            rows.keys().cloned().collect::<Vec<_>>(),
+            vec![alpha, of("f")],
+            "beta's sessions left out"
+        );
+        keep_tenants(&mut s, &mut u, &[]);
+        assert_eq!(engines(&s, &u).len(), 2, "no --tenant: every session kept");
+        keep_tenants(&mut s, &mut u, &["gamma".into()]);
+        assert!(s.sessions.is_empty() && u.sessions.is_empty());
     }
 
     #[test]
@@ -888,12 +961,12 @@ mod tests {
         let (s, u) = reply(vec![stats("a", 1, 1, 0)], vec![usage("c", 9, true)]);
         let rows = engines(&s, &u);
         assert_eq!(
-            rows["a"].allocated,
+            rows[&of("a")].allocated,
             64 << 20,
             "from the stats' region bytes"
         );
-        assert_eq!(rows["c"].sessions, 1);
-        assert_eq!(rows["c"].used, 4 << 20);
+        assert_eq!(rows[&of("c")].sessions, 1);
+        assert_eq!(rows[&of("c")].used, 4 << 20);
     }
 
     #[test]
@@ -919,6 +992,7 @@ mod tests {
                 version: Some("9.9.9".into()),
                 uptime_s: Some(3725),
             },
+            tenants: Vec::new(),
             stats: s,
             usage: u,
             agents: vec![AgentView {
@@ -971,7 +1045,12 @@ mod tests {
             out.contains("eviction: 40 keys removed by their engines (3 of them cut a prefix chain), 0 regions given back for a fair share, 1 engines waiting"),
             "{out}"
         );
-        assert!(out.contains("engine-1"), "{out}");
+        assert!(out.contains("\nTENANT       ENGINE "), "{out}");
+        assert!(
+            out.lines().any(|l| l.starts_with("default      engine-1 ")),
+            "the tenant, then the engine\n{out}"
+        );
+        assert!(!out.contains("tenants shown"), "{out}");
         assert!(out.contains("75.0%"), "{out}");
         assert!(out.contains("/dev/shm/p"), "{out}");
         assert!(out.contains("1024.0"), "{out}");
@@ -982,5 +1061,14 @@ mod tests {
         );
         snap.agents.clear();
         assert!(!rm_failed(&snap));
+        // --tenant names what is shown, and says so when none of them has a session.
+        snap.tenants = vec!["alpha".into()];
+        keep_tenants(&mut snap.stats, &mut snap.usage, &["alpha".into()]);
+        let out = render(&snap, 2);
+        assert!(out.contains("tenants shown (--tenant): alpha"), "{out}");
+        assert!(
+            out.contains("(no engine of these tenants has a session)"),
+            "{out}"
+        );
     }
 }

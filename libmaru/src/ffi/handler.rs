@@ -260,7 +260,12 @@ pub unsafe extern "C" fn maru_handler_open(
 /// `store_slots`, `load_slots`, `views`, each with `ok`, `failed`, `items` and a
 /// latency histogram `latency_us_le` of `[bound_us, calls]` cumulative pairs and
 /// `latency_us_sum`) and the process-wide memory hook (`memory_hook`: `mode`,
-/// `pinned_bytes` registered now, `register_failures` so far).
+/// `pinned_bytes` registered now, `register_failures` so far). `total.skipped` (and each pool's `stats.skipped`) counts
+/// the chunks skipped per reason: `no_region` (maru-server had no region to give and
+/// nothing of the engine's own could be evicted), `no_slot` (no free staging slot),
+/// `pool_unavailable` (the pool's maru-server is away; reconnecting), `max_bytes`
+/// (the engine holds `max_bytes` of regions and nothing of them could be evicted).
+/// Each reason also logs one WARN line per 10 s.
 ///
 /// Ownership: `buf` and `out_len` are the caller's. Threads: any, concurrently with
 /// other calls.

@@ -60,6 +60,12 @@ fn locs(pages: &[maru_page_t]) -> Vec<(u64, u64)> {
 /// (backend `cxl`; `remote_cxl` returns `MARU_ERR_INVALID_ARGUMENT`: fill store
 /// staging slots instead). `out[0..*got]` describes them; fewer than `n` when the
 /// pool has no room (every page leased, pinned or taken, and no region to be had).
+///
+/// Limit: the caller holds at most half of its fair share of the pool taken at once
+/// (maru-server's regions ÷ the storing tenants, ÷ its tenant's storing engines,
+/// within `max_bytes`; one region before maru-server has told the share), counting
+/// pages taken earlier and not yet published or given back; a take beyond it gets
+/// fewer pages (0 once the limit is reached), so the engine's own stores keep room.
 /// `route_key` picks the pool, as the request's first chunk key does for
 /// `maru_store_batch` (NULL: the first pool's pick for "").
 ///

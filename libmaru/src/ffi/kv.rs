@@ -15,9 +15,12 @@ use std::ffi::c_char;
 
 /// Stores `len` bytes of `data` under `key`. `*stored` (may be NULL) is true when the
 /// chunk is stored now or was already stored (by this or another engine: its bytes
-/// are there either way), false when it was skipped: no free staging slot or the
-/// pool is unavailable. A skip is not an error; the engine recomputes that chunk
-/// later if it needs it.
+/// are there either way), false when it was skipped. A skip is not an error; the
+/// engine recomputes that chunk later if it needs it. Its reason is counted in
+/// `maru_stats_json`'s `total.skipped`: `no_region` (no region to be had and nothing
+/// of the engine's own to evict), `no_slot` (no free staging slot),
+/// `pool_unavailable` (maru-server away), `max_bytes` (the engine's `max_bytes`
+/// reached and nothing to evict); each reason logs one WARN line per 10 s.
 ///
 /// Ownership: `key`, `data`, `route_key` are read during the call only.
 /// Threads: any, concurrently with other calls on the handler.

@@ -136,7 +136,8 @@ pub unsafe extern "C" fn maru_slots_acquire(
 /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` for `n` chunks of one
 /// request. On `remote_cxl` the WRITE goes from the slot itself: no copy. `stored[i]`
 /// (the array may be NULL) is true when the chunk is stored now or was already
-/// stored (by any engine), false when it was skipped. The slots stay the caller's
+/// stored (by any engine), false when it was skipped (its reason counted in
+/// `maru_stats_json`'s `total.skipped`, see `maru_store`). The slots stay the caller's
 /// (release them), except one whose transfer outcome was unknown: libmaru takes it
 /// back (`maru_slots_held` says false for it).
 ///

@@ -9,7 +9,10 @@
 //! goes to the oldest waiting request that may still take it (checked again: its
 //! session may have ended, its tenant may have reached its share meanwhile), and a
 //! region nobody may take goes back. A request that waited `park_max_ms` is answered
-//! "retry" while the allocation goes on.
+//! "retry" while the allocation goes on. A request the RM refused while room is on its
+//! way (every kept region of departed engines given back at once, or a fair-share
+//! region taken or asked for) waits for a region to be freed, at most
+//! [`ROOM_WAIT_MS`], then is answered `no_space`.
 //!
 //! Limits: a tenant parks at most its `max_parked` requests, all tenants together at
 //! most `max_parked` of the configuration; beyond them a request is answered "retry"
@@ -52,6 +55,11 @@ pub(super) enum Want {
     Expand { session: u64 },
 }
 
+/// How long a request the RM refused waits for the room on its way (kept regions
+/// or a fair-share region going back) before it is answered `no_space` (its worker
+/// then evicts its own keys, or skips).
+pub const ROOM_WAIT_MS: u64 = 1_000;
+
 #[derive(Debug)]
 struct Parked {
     ticket: Ticket,
@@ -59,6 +67,9 @@ struct Parked {
     tenant: String,
     since_ms: u64,
     want: Want,
+    /// The RM refused it and room is on its way: until when it waits for that room,
+    /// and its answer then.
+    room: Option<(u64, WireError)>,
 }
 
 /// Requests waiting for a region, the allocation in flight, and what to hand the
@@ -72,6 +83,12 @@ pub(crate) struct RegionWaits {
     answers: Vec<(Ticket, Result<MetaReply, WireError>)>,
     /// The RM's pool sizes as last heard.
     sizes: Option<PoolSizes>,
+    /// The RM refused the oldest waiting request and room is on its way (kept
+    /// regions or a fair-share region going back): the next allocation waits for a
+    /// region to be freed (or the request's `park_max_ms`).
+    room_coming: bool,
+    /// Regions the RM freed since the server started (a free ends `room_coming`).
+    pub(super) freed: u64,
 }
 
 impl RegionWaits {
@@ -90,11 +107,19 @@ impl RegionWaits {
         self.parked.len()
     }
 
-    /// When the oldest waiting request has waited `park_max_ms`.
+    /// When the oldest waiting request has waited `park_max_ms`, or one waiting for
+    /// room has waited [`ROOM_WAIT_MS`].
     pub(super) fn next_deadline(&self, park_max_ms: u64) -> Option<u64> {
+        let room = self
+            .parked
+            .iter()
+            .filter_map(|p| p.room.as_ref().map(|r| r.0));
         self.parked
             .front()
             .map(|p| p.since_ms.saturating_add(park_max_ms))
+            .into_iter()
+            .chain(room)
+            .min()
     }
 
     /// Tenants changed: an open waiting in a namespace its tenant no longer writes is
@@ -170,8 +195,24 @@ impl MetaCore {
             Ok(a) => self.hand_out(a, now_ms, rm),
             Err(PortError::Refused(m)) => {
                 if let Some(p) = self.waits.parked.pop_front() {
-                    let e = self.rm_full(&p, &m, now_ms, rm);
-                    self.waits.answers.push((p.ticket, Err(e)));
+                    let freed = self.waits.freed;
+                    let (e, coming) = self.rm_full(&p, &m, now_ms, rm);
+                    let young = now_ms.saturating_sub(p.since_ms) < self.cfg.park_max_ms;
+                    if coming && young {
+                        // It waits for the room on its way: answered when a region
+                        // is freed, or `no_space` after `ROOM_WAIT_MS`.
+                        log::debug!("a region request waits for room: {}", e.message);
+                        let mut p = p;
+                        let by = p
+                            .room
+                            .as_ref()
+                            .map_or(now_ms.saturating_add(ROOM_WAIT_MS), |r| r.0);
+                        p.room = Some((by, e));
+                        self.waits.parked.push_front(p);
+                        self.waits.room_coming = self.waits.freed == freed;
+                    } else {
+                        self.waits.answers.push((p.ticket, Err(e)));
+                    }
                 }
             }
             Err(e) => {
@@ -225,13 +266,17 @@ impl MetaCore {
             tenant: caller.tenant.to_string(),
             since_ms: now_ms,
             want,
+            room: None,
         });
         self.start_alloc();
         Ok(())
     }
 
-    fn start_alloc(&mut self) {
+    pub(super) fn start_alloc(&mut self) {
         if self.waits.in_flight.is_some() || self.waits.parked.is_empty() {
+            return;
+        }
+        if self.waits.room_coming {
             return;
         }
         self.waits.next_alloc += 1;
@@ -261,6 +306,29 @@ impl MetaCore {
                 ))),
             ));
         }
+        // Requests the RM refused that waited for room long enough: `no_space`.
+        let mut keep = VecDeque::new();
+        while let Some(p) = self.waits.parked.pop_front() {
+            match p.room {
+                Some((by, ref e)) if now_ms >= by => {
+                    let e = e.clone();
+                    self.waits.answers.push((p.ticket, Err(e)));
+                }
+                _ => keep.push_back(p),
+            }
+        }
+        self.waits.parked = keep;
+        if self.waits.room_coming && self.waits.parked.iter().all(|p| p.room.is_none()) {
+            self.waits.room_coming = false;
+            self.start_alloc();
+        }
+    }
+
+    /// The RM freed a region: a request waiting for room asks for it now.
+    pub(super) fn region_freed(&mut self) {
+        self.waits.freed += 1;
+        self.waits.room_coming = false;
+        self.start_alloc();
     }
 
     /// A region larger than the RM's largest pool is refused for good.
@@ -297,6 +365,38 @@ impl MetaCore {
             (Some(s), m) => Some(s.min(m)),
             (None, m) => Some(m),
         }
+    }
+
+    /// Session `id`'s fair share of the pool now, in regions: the RM's pools (or,
+    /// before they are known, the regions maru-server holds) ÷ the storing tenants
+    /// (its own counted), within its tenant's `max_regions`, ÷ the tenant's storing
+    /// sessions (itself counted); rounded up, at least one. One pass over the sessions.
+    pub(super) fn share_regions(&self, id: u64) -> u64 {
+        let Some(me) = self.sessions.get(id) else {
+            return 1;
+        };
+        let tenant = me.tenant.as_str();
+        let pool = self.waits.sizes.map_or(self.regions.len() as u64, |s| {
+            s.total / self.cfg.region_size.max(1)
+        });
+        let mut tenants = std::collections::BTreeSet::new();
+        tenants.insert(tenant);
+        let mut mine = 0u64;
+        for s in self.sessions.iter() {
+            let storing = !s.regions.is_empty() || self.fair.is_waiting(s.id);
+            if storing {
+                tenants.insert(s.tenant.as_str());
+                if s.tenant == tenant && s.id != id {
+                    mine += 1;
+                }
+            }
+        }
+        let mut share = pool.div_ceil(tenants.len() as u64).max(1);
+        let max = self.tenants.limits(tenant).max_regions as u64;
+        if max > 0 {
+            share = share.min(max);
+        }
+        share.div_ceil(mine + 1).max(1)
     }
 
     /// Regions `tenant`'s sessions hold.
@@ -505,10 +605,18 @@ impl MetaCore {
         }
     }
 
-    /// The RM refused the region `p` waited for: make room for later (the keeper's
-    /// region read longest ago; the fair share of a full pool), and say so.
-    fn rm_full(&mut self, p: &Parked, why: &str, now_ms: u64, rm: &mut dyn RmPort) -> WireError {
-        let room = self.make_room_at_rm(now_ms, rm);
+    /// The RM refused the region `p` waited for: make room (every kept region of
+    /// departed engines first; else, for a storing session, a region of the session
+    /// furthest above its fair share), and say so. True when room is on its way, so
+    /// that `p` may wait for it rather than be refused.
+    fn rm_full(
+        &mut self,
+        p: &Parked,
+        why: &str,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) -> (WireError, bool) {
+        let (room, mut coming) = self.make_room_at_rm(now_ms, rm);
         let mut e = no_space(format!(
             "the RM refused a region of {} bytes ({why}); {room}",
             self.cfg.region_size
@@ -516,49 +624,71 @@ impl MetaCore {
         if let Want::Expand { session } = p.want {
             if self.sessions.get(session).is_some() {
                 self.fair.want(session, &p.tenant, now_ms);
-                if !self.keeper.pressure_pending() {
-                    if let Some(ask) = self.ask_fair_share(now_ms) {
+                if !coming {
+                    let ask = self.ask_fair_share(now_ms, rm);
+                    if let Some(ask) = ask {
                         e.message.push_str(&format!(
-                            "; session {} of the tenant furthest above its fair share is asked \
-                             to give back region {}: retry shortly",
+                            "; session {} of the tenant furthest above its fair share gives \
+                             back region {}: retry shortly",
                             ask.session, ask.region_id
                         ));
                     }
+                    // Taken now, or asked before and not answered yet.
+                    coming = ask.is_some() || self.fair.asked().is_some();
                 }
             }
         }
-        e
+        (e, coming)
     }
 
-    /// Gives back one kept region, the one read longest ago, unless one given back
-    /// for this reason has not reached the RM yet. Says what it did.
-    fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> String {
-        if self.keeper.pressure_pending() {
-            return "a kept region is being given back to make room: retry shortly".into();
-        }
-        let victim = self
+    /// Gives back every kept region that holds no pinned key, read longest ago first
+    /// (departed engines' keys go before any live engine evicts its own). Says what
+    /// it did, and whether room is on its way (given back now, or earlier and not
+    /// freed yet).
+    fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> (String, bool) {
+        let mut victims: Vec<(u64, u64)> = self
             .keeper
             .kept_ids()
             .filter(|id| !self.pins.region_has_pins(*id))
             .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
-            .min()
-            .map(|(_, id)| id);
-        let Some(id) = victim else {
-            return "maru-server keeps no region it could give back (none, or each holds \
-                    pinned keys): retry later, unpin keys or give the RM more memory"
-                .into();
-        };
-        self.keeper.lose(id, GiveBackReason::RmPressure, now_ms);
-        self.apply(&[KeeperEvent::Lost {
-            region_id: id,
-            reason: GiveBackReason::RmPressure,
-        }]);
-        // Without an agent to ask first, the RM can free it right away.
-        if let Some(e) = self.keeper.free_now(id, now_ms, rm) {
-            self.apply(&[e]);
-            return format!("kept region {id}, read longest ago, was given back: retry");
+            .collect();
+        victims.sort_unstable();
+        if victims.is_empty() {
+            if self.keeper.pressure_pending() {
+                return (
+                    "regions are being given back to make room: retry shortly".into(),
+                    true,
+                );
+            }
+            return (
+                "maru-server keeps no region of a departed engine it could give back (none, \
+                 or each holds pinned keys)"
+                    .into(),
+                false,
+            );
         }
-        format!("kept region {id}, read longest ago, is being given back: retry shortly")
+        let mut freed = 0;
+        for &(_, id) in &victims {
+            self.keeper.lose(id, GiveBackReason::RmPressure, now_ms);
+            self.apply(&[KeeperEvent::Lost {
+                region_id: id,
+                reason: GiveBackReason::RmPressure,
+            }]);
+            // Without an agent to ask first, the RM can free it right away.
+            if let Some(e) = self.keeper.free_now(id, now_ms, rm) {
+                self.apply(&[e]);
+                freed += 1;
+            }
+        }
+        let ids: Vec<u64> = victims.iter().map(|&(_, id)| id).collect();
+        (
+            format!(
+                "{} kept region(s) of departed engines ({ids:?}) given back, {freed} freed \
+                 already: retry shortly",
+                ids.len()
+            ),
+            true,
+        )
     }
 
     /// Notes whether a region of a session is in use now (see `Region::note_use`).

@@ -498,6 +498,7 @@ impl MetaCore {
                 }
                 KeeperEvent::Freed { region_id } => {
                     self.regions.remove(region_id);
+                    self.region_freed();
                 }
             }
         }

@@ -12,11 +12,13 @@
 //! regions divided by the tenant's storing sessions, rounded up, at least one. A
 //! tenant at its share does not take a new region while another tenant waits, nor a
 //! session at its share while another session of its tenant waits (it evicts its own
-//! keys instead), so a region given back goes to the waiter. The one asked gives, at
-//! the next heartbeat of the session holding it, its region read longest ago that holds
-//! no pinned key; that session evicts it, releases it at its agent and returns it, as
-//! every return. One request is outstanding at a time; an unanswered one is asked
-//! again of whoever is then furthest above its share once `ask_timeout_ms` passed.
+//! keys instead), so a region given back goes to the waiter. The one picked gives its
+//! region read longest ago that holds no pinned key: maru-server takes it at once when
+//! that session is idle in one of its regions (see `MetaCore::ask_fair_share`), else
+//! the ask rides on the session's next reply (`alloc`, `publish`, `heartbeat`) and the
+//! session evicts it, releases it at its agent and returns it, as every return. One
+//! request is outstanding at a time; an unanswered one is asked again of whoever is
+//! then furthest above its share once `ask_timeout_ms` passed.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -116,11 +118,30 @@ impl FairShare {
         }
     }
 
+    /// The give-back asked and not answered yet.
+    pub fn asked(&self) -> Option<Ask> {
+        self.asked
+    }
+
+    /// maru-server took a region of `session` for the waiters itself (nobody was
+    /// writing or reading it): an ask of `session` is answered.
+    pub fn taken(&mut self, session: u64) {
+        if self.asked.is_some_and(|a| a.session == session) {
+            self.asked = None;
+            self.returned += 1;
+        }
+    }
+
     /// The region this session is asked to give back, if any.
     pub fn asked_of(&self, session: u64) -> Option<u64> {
         self.asked
             .filter(|a| a.session == session)
             .map(|a| a.region_id)
+    }
+
+    /// Whether `session` waits for a region.
+    pub fn is_waiting(&self, session: u64) -> bool {
+        self.wanting.contains_key(&session)
     }
 
     /// Sessions waiting for a region.

@@ -312,6 +312,16 @@ impl World {
             Ok(r) => r,
             Err(t) => {
                 self.run_actions();
+                // A request the RM refused may wait for room on its way (a region
+                // going back): the clock moves in 10 ms steps, ticking, until it is
+                // answered (at most `ROOM_WAIT_MS`).
+                let mut waited = 0;
+                while !self.answers.contains_key(&t) && waited <= super::alloc_ops::ROOM_WAIT_MS {
+                    self.now += 10;
+                    waited += 10;
+                    self.tick();
+                    self.run_actions();
+                }
                 self.answers
                     .remove(&t)
                     .expect("an answer once the RM answered")
@@ -479,7 +489,7 @@ impl World {
         entries: Vec<PublishEntry>,
     ) -> Result<Vec<bool>, WireError> {
         match self.req(client, MetaRequest::Publish { session, entries })? {
-            MetaReply::Published { is_new } => Ok(is_new),
+            MetaReply::Published { is_new, .. } => Ok(is_new),
             other => panic!("publish: {other:?}"),
         }
     }

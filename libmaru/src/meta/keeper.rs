@@ -11,8 +11,9 @@
 //! - the agent refuses the handle,
 //! - the agent has not answered for `silence_ms` (its keys stop being found at once;
 //!   the release and free wait until the agent answers again),
-//! - or the RM refused a region request and this region was read longest ago (the
-//!   core picks it; one at a time).
+//! - or the RM refused a region request of a live session (the core gives every
+//!   kept region that holds no pinned key back at once, read longest ago first:
+//!   departed engines' keys go before any live engine evicts its own).
 //!
 //! Giving a region back means: its keys are dropped at once (the core does that on
 //! [`KeeperEvent::Lost`]), then its agent releases it, then the RM frees it. The RM
@@ -41,8 +42,13 @@ pub enum GiveBackReason {
     AgentRefused,
     /// The agent did not answer for the silence limit.
     AgentSilent,
-    /// The RM refused a region request and this kept region was read longest ago.
+    /// The RM refused a region request: every kept region goes back (departed
+    /// engines' keys go before any live engine evicts its own).
     RmPressure,
+    /// maru-server took it from a session above its fair share of a full pool for a
+    /// session waiting for a region (no page of it was being written, no key of it
+    /// leased or pinned).
+    FairShare,
     /// maru-server gives all its kept regions back (before it stops).
     Shutdown,
     /// The RM no longer holds it for this server (it reaped it while the server was
@@ -68,7 +74,11 @@ impl GiveBackReason {
             GiveBackReason::AgentRefused => "its agent refused the handle",
             GiveBackReason::AgentSilent => "its agent did not answer",
             GiveBackReason::RmPressure => {
-                "the RM refused a region and it was the kept region read longest ago"
+                "the RM refused a region and kept regions of departed engines go first"
+            }
+            GiveBackReason::FairShare => {
+                "its session holds more than its fair share of the full pool and another \
+                 session waits for a region"
             }
             GiveBackReason::Shutdown => "maru-server gives its kept regions back",
             GiveBackReason::RmDropped => "the RM no longer holds it for this server",
@@ -79,6 +89,17 @@ impl GiveBackReason {
             }
         }
     }
+}
+
+/// The first retry of a failed release or free comes this soon: a daemon's port
+/// answers "unreachable" when the peer did not answer within a few ms while the call
+/// goes on in the background (a loaded RM), and a session may be waiting for the
+/// region. Retries then back off, doubling, up to `retry_ms`.
+const FIRST_RETRY_MS: u64 = 25;
+
+fn retry_after(failures: u32, retry_ms: u64) -> u64 {
+    let n = failures.saturating_sub(1).min(16);
+    FIRST_RETRY_MS.saturating_mul(1 << n).min(retry_ms)
 }
 
 /// What the core must do after the keeper acted.
@@ -245,11 +266,15 @@ impl RegionKeeper {
         self.giving_back.len()
     }
 
-    /// A region given up for the RM's sake has not reached the RM yet.
+    /// A region given up to make room (kept regions for the RM's sake, a region
+    /// taken for a fair share) has not reached the RM yet.
     pub fn pressure_pending(&self) -> bool {
-        self.giving_back
-            .values()
-            .any(|g| g.reason == GiveBackReason::RmPressure)
+        self.giving_back.values().any(|g| {
+            matches!(
+                g.reason,
+                GiveBackReason::RmPressure | GiveBackReason::FairShare
+            )
+        })
     }
 
     pub fn next_deadline(&self) -> Option<u64> {
@@ -392,7 +417,7 @@ impl RegionKeeper {
             }
             Err(e) => {
                 g.failures += 1;
-                g.next_try_ms = now.saturating_add(retry_ms);
+                g.next_try_ms = now.saturating_add(retry_after(g.failures, retry_ms));
                 log_failure(id, g.failures, &format!("release at agent {agent}"), &e);
             }
         }
@@ -413,7 +438,7 @@ impl RegionKeeper {
             }
             Err(e) => {
                 g.failures += 1;
-                g.next_try_ms = now.saturating_add(retry_ms);
+                g.next_try_ms = now.saturating_add(retry_after(g.failures, retry_ms));
                 log_failure(id, g.failures, "free at the RM", &e);
                 return None;
             }

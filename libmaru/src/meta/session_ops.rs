@@ -107,21 +107,101 @@ impl MetaCore {
 
     /// Asks the session holding the region read longest ago of the tenant furthest
     /// above its fair share for that region, if a storing session waits and none was
-    /// asked lately (see `fair_share`).
-    pub(super) fn ask_fair_share(&mut self, now_ms: u64) -> Option<Ask> {
+    /// asked lately (see `fair_share`). A region of that session that nobody can be
+    /// writing or reading now (every page taken holds a published key, no lease, no
+    /// pin: its worker is idle there) is taken back at once, read longest ago first,
+    /// so the waiter does not wait for that session's next call; otherwise the
+    /// session is asked at its next call (any reply to it carries the ask).
+    pub(super) fn ask_fair_share(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> Option<Ask> {
         let holdings = self.holdings();
         let timeout = self.cfg.session_timeout_ms;
         let ask = self
             .fair
             .decide(&holdings, self.regions.len(), now_ms, timeout, timeout)?;
+        if let Some(rid) = self.quiet_region_of(ask.session) {
+            self.take_for_fair_share(ask.session, rid, now_ms, rm);
+            return Some(Ask {
+                region_id: rid,
+                ..ask
+            });
+        }
         log::info!(
             "the pool is full and {} storing sessions wait for a region: session {} (of the \
-             tenant most regions above its fair share) is asked to give back region {}",
+             tenant most regions above its fair share) is asked to give back region {} at its \
+             next call",
             self.fair.waiting(),
             ask.session,
             ask.region_id
         );
         Some(ask)
+    }
+
+    /// The region `session` is asked to give back (still its own), for any reply to
+    /// it: a storing session hears it at its next call, an idle one at its next
+    /// heartbeat.
+    pub(super) fn asked_back(&self, session: u64) -> Vec<u64> {
+        self.fair
+            .asked_of(session)
+            .filter(|&rid| {
+                self.sessions
+                    .get(session)
+                    .is_some_and(|s| s.regions.contains(&rid))
+            })
+            .into_iter()
+            .collect()
+    }
+
+    /// Of `session`'s regions, the one read longest ago that nobody can be writing or
+    /// reading now: every page handed out holds a published key (no store of its
+    /// worker has pages there), and no key of it is leased or pinned.
+    fn quiet_region_of(&self, session: u64) -> Option<u64> {
+        let s = self.sessions.get(session)?;
+        s.regions
+            .iter()
+            .filter_map(|&rid| {
+                let r = self.regions.get(rid)?;
+                let quiet = r.pages.used() == self.keys.region_keys(rid) as u64
+                    && !self.leases.region_has_leases(rid)
+                    && !self.pins.region_has_pins(rid);
+                quiet.then_some((r.last_read_ms, rid))
+            })
+            .min()
+            .map(|(_, rid)| rid)
+    }
+
+    /// Takes `region_id` from `session` for a waiting session's fair share: its keys
+    /// go now, it is released at its agent (its worker may have it mapped) and freed
+    /// at the RM. The worker hears of it as a region no longer its own at its next
+    /// heartbeat; it had no page there to write into.
+    fn take_for_fair_share(
+        &mut self,
+        session: u64,
+        region_id: u64,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) {
+        if let Some(s) = self.sessions.get_mut(session) {
+            s.regions.remove(&region_id);
+        }
+        self.fair.taken(session);
+        let (keys, _) = self.hide_region(region_id);
+        let Some(r) = self.regions.get_mut(region_id) else {
+            return;
+        };
+        r.holder = Holder::GivingBack;
+        r.unused_since_ms = None;
+        let (handle, agent) = (r.handle.clone(), r.agent.clone());
+        log::info!(
+            "the pool is full and {} storing sessions wait for a region: region {region_id} \
+             ({keys} keys, none being written, leased or pinned) is taken back from session \
+             {session}, the one furthest above its fair share",
+            self.fair.waiting()
+        );
+        self.keeper
+            .give_back(handle, agent, false, GiveBackReason::FairShare, now_ms);
+        if let Some(e) = self.keeper.free_now(region_id, now_ms, rm) {
+            self.apply(&[e]);
+        }
     }
 
     /// Every session's tenant and regions, when each was last read, and whether it
@@ -206,12 +286,7 @@ impl MetaCore {
         }
         let expires_in_ms = self.cfg.session_timeout_ms;
         self.fair.forget_stale(now_ms, self.cfg.session_timeout_ms);
-        let give_back = self
-            .fair
-            .asked_of(id)
-            .filter(|&rid| owned(self, rid))
-            .into_iter()
-            .collect();
+        let give_back = self.asked_back(id);
         Ok(MetaReply::Heartbeat(HeartbeatReply {
             unknown_regions,
             rebooted_regions,

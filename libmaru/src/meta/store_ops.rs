@@ -29,7 +29,23 @@ impl MetaCore {
         let s = self.sessions.checked(id)?;
         let page_size = self.cfg.chunk_size;
         let mut pages = Vec::with_capacity(count as usize);
-        for &rid in &s.regions {
+        // A region the session is asked to give back gets no new page. Regions it
+        // holds unused (no page taken, no key: one just given) come first, so that a
+        // region given to a storing session is not taken back as unused while the
+        // session fills pages its evictions freed elsewhere.
+        let asked = self.fair.asked_of(id);
+        let mut order: Vec<u64> = s.regions.iter().copied().collect();
+        order.sort_by_key(|rid| {
+            let unused = self
+                .regions
+                .get(*rid)
+                .is_some_and(|r| r.unused_since_ms.is_some());
+            (!unused, *rid)
+        });
+        for rid in order {
+            if asked == Some(rid) {
+                continue;
+            }
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;
             };
@@ -54,7 +70,14 @@ impl MetaCore {
             self.note_region_use(rid, now_ms);
         }
         let missing = count - pages.len() as u32;
-        Ok(MetaReply::Pages(PagesReply { pages, missing }))
+        let give_back = self.asked_back(id);
+        let share_regions = Some(self.share_regions(id));
+        Ok(MetaReply::Pages(PagesReply {
+            pages,
+            missing,
+            give_back,
+            share_regions,
+        }))
     }
 
     /// Frees pages of the session that hold no key. All or nothing.
@@ -192,6 +215,7 @@ impl MetaCore {
                 )
             })
             .collect();
-        Ok(MetaReply::Published { is_new })
+        let give_back = self.asked_back(id);
+        Ok(MetaReply::Published { is_new, give_back })
     }
 }

@@ -6,9 +6,13 @@
 //! blocking client the CLIs, tests and library use to talk to a daemon.
 
 pub mod client;
+pub mod fair;
 pub mod handshake;
 pub mod link;
+pub mod room;
 pub mod server;
+#[cfg(test)]
+mod server_tests;
 mod signals;
 pub mod slots;
 pub(crate) mod sockopt;

@@ -14,8 +14,28 @@
 //! ([`Slots`]); so whatever peers without the key send, they hold a few MiB at most
 //! and never the room of clients that proved it. What they cause is logged as one
 //! summary line per interval ([`ThrottledLog`]), not one line per connection.
+//!
+//! After the handshake the loop is shared fairly and holds a bounded number of bytes:
+//!
+//! - Connections are served in rounds, not for as long as their sockets hold bytes: a
+//!   readiness event only queues the connection ([`FairQueue`]); each round every
+//!   tenant (the key a connection proved; every connection still in its handshake is
+//!   one class more) may read and decode [`fair::DEFAULT_QUANTUM`] bytes, its
+//!   connections taking turns of at most [`fair::DEFAULT_TURN`] bytes (one frame more
+//!   at most: a frame is decoded whole). Between rounds the loop polls for new events
+//!   without sleeping. So many connections of one tenant, each pipelining its largest
+//!   requests, delay another tenant's request by about one round, not by every
+//!   pipeline.
+//! - A connection may hold [`SMALL_FRAME`] bytes of frames it has not sent whole yet;
+//!   a larger frame is read only once its whole size is granted out of
+//!   `frame_room`, of which one tenant holds at most `frame_room_per_tenant`
+//!   ([`FrameRoom`]). A frame that does not fit waits unread (backpressure), so
+//!   partly received frames take at most `max_connections` × `SMALL_FRAME` plus
+//!   `frame_room`, however many connections send how much.
 
+use super::fair::{self, FairQueue};
 use super::handshake::{ServerHandshake, Step};
+use super::room::FrameRoom;
 use super::slots::{Admit, Slots, StageLimits};
 use super::sockopt;
 use super::text::clip;
@@ -146,6 +166,18 @@ pub struct ServerOptions {
     /// Bytes of replies a connection may leave unread; beyond it the loop stops
     /// reading its requests until it reads its replies (backpressure).
     pub max_unsent: usize,
+    /// Bytes of frames larger than [`SMALL_FRAME`] the loop holds while they arrive,
+    /// every connection together: such a frame is read only once its whole size fits
+    /// here, else its connection is not read until room comes back. Raised to at
+    /// least `frame_room_per_tenant`.
+    pub frame_room: usize,
+    /// The most of `frame_room` the connections of one tenant (the key they proved;
+    /// every client of a daemon without tenants is one) hold at once. Raised to at
+    /// least one largest frame.
+    pub frame_room_per_tenant: usize,
+    /// While a frame waits for room, a connection granted room whose peer sent nothing
+    /// of its frame for this long is closed, giving the room back.
+    pub frame_stall_ms: u64,
 }
 
 /// Default whole-handshake deadline (5 s).
@@ -156,6 +188,21 @@ pub const DEFAULT_PRE_AUTH_MAX_FRAME: usize = 4 << 10;
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 300_000;
 /// Default bound on a connection's unsent replies (4 MiB).
 pub const DEFAULT_MAX_UNSENT: usize = 4 << 20;
+/// Bytes of frames any connection may hold without asking for room (16 KiB): most
+/// requests, and the start of a larger frame (its length prefix).
+pub const SMALL_FRAME: usize = 16 << 10;
+/// Default room for larger frames while they arrive, every connection together (32 MiB).
+pub const DEFAULT_FRAME_ROOM: usize = 32 << 20;
+/// Default share of that room one tenant may hold (16 MiB).
+pub const DEFAULT_FRAME_ROOM_PER_TENANT: usize = 16 << 20;
+/// Default time a peer granted room may send nothing while others wait (10 s).
+pub const DEFAULT_FRAME_STALL_MS: u64 = 10_000;
+/// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
+/// a flood of tiny requests pays for its decoding and replies too.
+const FRAME_COST: u64 = 512;
+/// What a turn costs however little it did (its reads and bookkeeping): a round ends
+/// even when turns find nothing to do.
+const TURN_COST: u64 = 256;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -168,6 +215,9 @@ impl Default for ServerOptions {
             handshake_timeout_ms: DEFAULT_HANDSHAKE_TIMEOUT_MS,
             idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
             max_unsent: DEFAULT_MAX_UNSENT,
+            frame_room: DEFAULT_FRAME_ROOM,
+            frame_room_per_tenant: DEFAULT_FRAME_ROOM_PER_TENANT,
+            frame_stall_ms: DEFAULT_FRAME_STALL_MS,
         }
     }
 }
@@ -208,8 +258,16 @@ struct Conn {
     last_frame_ms: u64,
     /// Close once `out` is flushed (after an error frame).
     closing: bool,
-    /// The socket may hold bytes not read yet (reading stopped at a bound).
+    /// The socket may hold bytes not read yet (reading stopped at a bound or a turn's
+    /// budget; readiness is edge-triggered, so the loop remembers).
     unread: bool,
+    /// The peer closed its side: read on to the end of the stream.
+    peer_closed: bool,
+    /// Its frame under way waits for room ([`FrameRoom`]): not read until granted.
+    waiting_room: bool,
+    /// Whose turn it takes ([`FairQueue`]) and whose room it uses: its tenant, or
+    /// [`PRE_AUTH`] during its handshake.
+    class: Class,
     /// The interest registered now: (readable, writable).
     interest: (bool, bool),
     /// Replies the service deferred and has not handed back yet.
@@ -228,6 +286,40 @@ impl Conn {
     /// Whether its requests may be read and served now.
     fn may_read(&self, opts: &ServerOptions) -> bool {
         !self.closing && self.unsent() <= opts.max_unsent && self.deferred < MAX_DEFERRED
+    }
+
+    /// Whether a turn would do something: frames to serve, or bytes to read that it
+    /// may hold.
+    fn has_work(&self, opts: &ServerOptions) -> bool {
+        self.may_read(opts) && !self.waiting_room && (self.unread || self.decoder.frame_ready())
+    }
+}
+
+/// A class of connections ([`FairQueue`], [`FrameRoom`]): one per tenant.
+type Class = u32;
+/// The class of every connection still in its handshake.
+const PRE_AUTH: Class = 0;
+/// The class of the clients of a daemon that has no key.
+const NO_KEY: Class = 1;
+
+/// The classes of the keys clients proved, by the key's name (a daemon's keyring
+/// names a handful: its tenants).
+#[derive(Default)]
+struct Classes {
+    by_name: HashMap<String, Class>,
+}
+
+impl Classes {
+    fn of(&mut self, key_name: Option<&str>) -> Class {
+        let Some(name) = key_name else {
+            return NO_KEY;
+        };
+        if let Some(c) = self.by_name.get(name) {
+            return *c;
+        }
+        let c = self.by_name.len() as Class + NO_KEY + 1;
+        self.by_name.insert(name.to_string(), c);
+        c
     }
 }
 
@@ -253,6 +345,11 @@ pub struct Server {
     slots: Slots<Token>,
     /// What peers that did not finish the handshake caused: a line per interval.
     prelog: ThrottledLog,
+    /// Connections with work, served in rounds by tenant.
+    queue: FairQueue<Class, Token>,
+    /// Room for frames larger than [`SMALL_FRAME`] while they arrive.
+    room: FrameRoom<Class, Token>,
+    classes: Classes,
     counters: Arc<NetCounters>,
     replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
     replier: Replier,
@@ -283,11 +380,20 @@ pub struct NetCounters {
     /// Bytes read from and written to connections.
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Bytes of request frames read and not yet served, partly received ones
+    /// included, every connection together (a gauge).
+    pub buffered: AtomicU64,
+    /// Times a frame larger than [`SMALL_FRAME`] waited for room to be read.
+    pub frame_room_waits: AtomicU64,
 }
 
 impl NetCounters {
     fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sub(c: &AtomicU64, n: u64) {
+        c.fetch_sub(n, Ordering::Relaxed);
     }
 
     /// The value of one counter.
@@ -319,6 +425,11 @@ impl Server {
                 deadline_ms: opts.handshake_timeout_ms,
             }],
         );
+        let room = FrameRoom::new(
+            opts.frame_room,
+            opts.frame_room_per_tenant,
+            opts.max_frame.max(opts.pre_auth_max_frame) + wire::frame::HEADER_LEN,
+        );
         Ok(Server {
             poll,
             listener,
@@ -334,6 +445,9 @@ impl Server {
                 "connections that did not finish the handshake",
                 throttled_log::DEFAULT_INTERVAL_MS,
             ),
+            queue: FairQueue::new(fair::DEFAULT_QUANTUM, fair::DEFAULT_TURN),
+            room,
+            classes: Classes::default(),
             counters: Arc::default(),
             replies,
             replier: Replier { tx, waker },
@@ -376,7 +490,12 @@ impl Server {
         let mut events = Events::with_capacity(256);
         loop {
             let now = self.clock.now_ms();
-            let timeout = self.timeout(service, now);
+            // Connections with work left: look for new events without sleeping.
+            let timeout = if self.queue.is_empty() {
+                self.timeout(service, now)
+            } else {
+                Some(Duration::ZERO)
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -396,7 +515,7 @@ impl Server {
                             return Ok(());
                         }
                     }
-                    tok => self.on_conn_event(
+                    tok => self.on_event(
                         service,
                         tok,
                         ev.is_readable() || ev.is_read_closed(),
@@ -405,6 +524,7 @@ impl Server {
                     ),
                 }
             }
+            self.serve_round(service);
             let now = self.clock.now_ms();
             if service.next_deadline().is_some_and(|d| d <= now) {
                 service.on_tick(now);
@@ -430,6 +550,7 @@ impl Server {
             .chain(service.next_deadline())
             .chain(self.slots.next_deadline())
             .chain(self.prelog.next_deadline())
+            .chain(self.room.next_stall(self.opts.frame_stall_ms))
             .min();
         deadline.map(|d| Duration::from_millis(d.saturating_sub(now)))
     }
@@ -518,6 +639,9 @@ impl Server {
                             last_frame_ms: now,
                             closing: false,
                             unread: false,
+                            peer_closed: false,
+                            waiting_room: false,
+                            class: PRE_AUTH,
                             interest: (true, false),
                             deferred: 0,
                         },
@@ -534,7 +658,9 @@ impl Server {
         }
     }
 
-    fn on_conn_event<S: Service>(
+    /// A readiness event: replies go out at once; reading waits for the connection's
+    /// turn ([`serve_round`](Self::serve_round)).
+    fn on_event<S: Service>(
         &mut self,
         service: &mut S,
         tok: Token,
@@ -542,32 +668,69 @@ impl Server {
         read_closed: bool,
         writable: bool,
     ) {
+        let Some(conn) = self.conns.get_mut(&tok) else {
+            return;
+        };
+        conn.unread |= readable;
+        conn.peer_closed |= read_closed;
+        let was_pending = conn.pending();
+        let alive = !(writable || conn.unsent() > 0) || flush(conn, &self.counters);
+        self.settle(service, tok, alive, was_pending);
+    }
+
+    /// One round: each class of connections with work gets its share of the loop
+    /// ([`FairQueue`]), each connection at most a turn's budget at a time.
+    fn serve_round<S: Service>(&mut self, service: &mut S) {
+        while let Some((tok, budget)) = self.queue.next_turn() {
+            let now = self.clock.now_ms();
+            let Some(conn) = self.conns.get_mut(&tok) else {
+                self.queue.end_turn(0, false);
+                continue;
+            };
+            let was_pending = conn.pending();
+            let class = conn.class;
+            let mut granted = Vec::new();
+            let mut ctx = Turn {
+                tok,
+                opts: &self.opts,
+                counters: &self.counters,
+                room: &mut self.room,
+                classes: &mut self.classes,
+                granted: &mut granted,
+                now,
+            };
+            let (spent, alive) = ctx.run(conn, service, &mut self.rbuf, budget);
+            let spent = spent + TURN_COST;
+            // A connection that finished its handshake takes its next turn with its
+            // tenant.
+            let more = alive && conn.class == class && conn.has_work(&self.opts);
+            self.queue.end_turn(spent, more);
+            self.settle(service, tok, alive, was_pending);
+            self.wake_granted(granted);
+        }
+    }
+
+    /// Connections whose frames were granted room: they are read again.
+    fn wake_granted(&mut self, granted: Vec<Token>) {
+        for t in granted {
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.waiting_room = false;
+                if c.has_work(&self.opts) {
+                    self.queue.ready(c.class, t);
+                }
+            }
+        }
+    }
+
+    /// After an event or a turn: closes the connection when it is gone or done,
+    /// registers the interest it has now and queues it when it has work.
+    fn settle<S: Service>(&mut self, service: &mut S, tok: Token, alive: bool, was_pending: bool) {
         let now = self.clock.now_ms();
         let opts = &self.opts;
         let Some(conn) = self.conns.get_mut(&tok) else {
             return;
         };
-        let was_pending = conn.pending();
-        conn.unread |= readable;
-        let mut alive = true;
-        let counters = &*self.counters;
-        if writable || conn.unsent() > 0 {
-            alive = flush(conn, counters);
-        }
-        if alive {
-            alive = pump(
-                conn,
-                service,
-                &mut self.rbuf,
-                opts,
-                counters,
-                read_closed,
-                now,
-            );
-        }
-        if alive && conn.closing && conn.unsent() == 0 {
-            alive = false;
-        }
+        let alive = alive && !(conn.closing && conn.unsent() == 0);
         if was_pending && !conn.pending() {
             self.slots.remove(tok);
         }
@@ -613,6 +776,9 @@ impl Server {
                 conn.interest = want;
             }
         }
+        if conn.has_work(opts) {
+            self.queue.ready(conn.class, tok);
+        }
     }
 
     /// Sends the deferred replies that are ready: those handed over through the
@@ -635,14 +801,18 @@ impl Server {
                 c.deferred = c.deferred.saturating_sub(1);
                 c.out.extend(reply);
             }
-            // Flush, and serve what waited for room.
-            self.on_conn_event(service, tok, false, false, true);
+            // Flush, and queue what waited for room.
+            self.on_event(service, tok, false, false, true);
         }
     }
 
     fn drop_conn<S: Service>(&mut self, service: &mut S, tok: Token, now: u64) {
         if let Some(mut c) = self.conns.remove(&tok) {
             self.counters.open.fetch_sub(1, Ordering::Relaxed);
+            NetCounters::sub(&self.counters.buffered, c.decoder.buffered() as u64);
+            self.queue.remove(tok);
+            let granted = self.room.give_back(tok, now);
+            self.wake_granted(granted);
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
             self.slots.remove(tok);
@@ -669,6 +839,7 @@ impl Server {
 
     /// Closes connections past their handshake deadline or idle timeout.
     fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
+        self.close_stalled(service, now);
         let late: Vec<Token> = self
             .slots
             .expired(now)
@@ -706,93 +877,222 @@ impl Server {
             self.drop_conn(service, t, now);
         }
     }
-}
 
-const READ_CHUNK: usize = 64 * 1024;
-
-/// How a read pass ended.
-enum ReadEnd {
-    /// The socket had nothing more at that instant.
-    Drained,
-    /// The decoder holds as much as one frame may need: serve it before reading on.
-    Full,
-    /// The peer closed or the socket failed.
-    Gone,
-}
-
-/// Reads until the socket is drained or the decoder holds a whole frame's worth.
-///
-/// A read that did not fill the buffer drained the socket at that instant, so the loop
-/// stops there instead of paying one more `read` for `WouldBlock` (mio's readiness is
-/// edge-triggered: bytes or a FIN that arrive later raise a new event). When the event
-/// already said the peer closed, it reads on until end of stream.
-fn read_some(
-    conn: &mut Conn,
-    buf: &mut [u8],
-    counters: &NetCounters,
-    read_closed: bool,
-) -> ReadEnd {
-    let cap = conn.decoder.max_body() + wire::frame::HEADER_LEN + buf.len();
-    loop {
-        // Before the handshake ends, no more than the frame under way may still need:
-        // a peer that proved nothing holds at most one pre-auth frame here, whatever
-        // it sends (the rest waits in the kernel, or the connection is closed).
-        let want = if conn.pending() {
-            conn.decoder.room().min(buf.len())
-        } else if conn.decoder.buffered() < cap {
-            buf.len()
-        } else {
-            0
-        };
-        if want == 0 {
-            return ReadEnd::Full;
-        }
-        match conn.stream.read(&mut buf[..want]) {
-            Ok(0) => return ReadEnd::Gone,
-            Ok(n) => {
-                NetCounters::add(&counters.bytes_in, n as u64);
-                conn.decoder.push(&buf[..n]);
-                if n < want && !read_closed {
-                    return ReadEnd::Drained;
-                }
+    /// While frames wait for room, closes the connections granted room whose peers
+    /// sent nothing of their frames for `frame_stall_ms`: room others need goes back.
+    /// One the loop itself does not read (replies it owes are not back yet) is not the
+    /// peer's doing: its clock starts again.
+    fn close_stalled<S: Service>(&mut self, service: &mut S, now: u64) {
+        for t in self.room.stalled(now, self.opts.frame_stall_ms) {
+            let Some(c) = self.conns.get(&t) else {
+                self.room.give_back(t, now);
+                continue;
+            };
+            if c.deferred > 0 {
+                self.room.moved(t, now);
+                continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return ReadEnd::Drained,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                log::debug!("read from {} failed: {e}", conn.peer);
-                return ReadEnd::Gone;
-            }
+            NetCounters::add(&self.counters.protocol_errors, 1);
+            log::warn!(
+                "closing connection {} from {}: granted room for a {} byte request, it \
+                 sent none of it for {} ms while others waited for room \
+                 (--frame-room-mib)",
+                c.id,
+                c.peer,
+                self.room.granted(t),
+                self.opts.frame_stall_ms
+            );
+            self.drop_conn(service, t, now);
         }
     }
 }
 
-/// Serves frames and reads more while the unsent replies stay under the bound.
-/// Returns false when the connection is gone.
-fn pump<S: Service>(
-    conn: &mut Conn,
-    service: &mut S,
-    buf: &mut [u8],
-    opts: &ServerOptions,
-    counters: &NetCounters,
-    read_closed: bool,
+const READ_CHUNK: usize = 64 * 1024;
+
+/// One turn of one connection, and what it may use besides the connection.
+struct Turn<'a> {
+    tok: Token,
+    opts: &'a ServerOptions,
+    counters: &'a NetCounters,
+    room: &'a mut FrameRoom<Class, Token>,
+    classes: &'a mut Classes,
+    /// Connections granted room when this one gave its grant back.
+    granted: &'a mut Vec<Token>,
     now: u64,
-) -> bool {
-    loop {
-        process_frames(conn, service, opts, counters, now);
-        if conn.unsent() > 0 && !flush(conn, counters) {
-            return false;
+}
+
+/// How much a connection may read now.
+enum Allowance {
+    Bytes(usize),
+    /// Its frame under way waits for room.
+    Wait,
+}
+
+impl Turn<'_> {
+    /// Serves `conn`'s whole frames and reads more, until it used `budget` bytes (read
+    /// and served; a frame is served whole, so one frame more at most), has nothing
+    /// more to do, or must wait: for its peer to read its replies, for deferred
+    /// replies, for room for its frame. A connection that finished its handshake ends
+    /// its turn there (its next one is its tenant's). Returns the bytes used and
+    /// whether the connection is still there.
+    fn run<S: Service>(
+        &mut self,
+        conn: &mut Conn,
+        service: &mut S,
+        buf: &mut [u8],
+        budget: u64,
+    ) -> (u64, bool) {
+        let class = conn.class;
+        let mut spent = 0u64;
+        loop {
+            while spent < budget && conn.may_read(self.opts) && conn.class == class {
+                match self.take_frame(conn) {
+                    Ok(Some(f)) => {
+                        spent += (f.body.len() + wire::frame::HEADER_LEN) as u64 + FRAME_COST;
+                        self.serve(conn, service, f);
+                    }
+                    Ok(None) => break,
+                    Err(e) => fail(conn, self.counters, ErrorCode::Protocol, e.to_string()),
+                }
+            }
+            if conn.unsent() > 0 && !flush(conn, self.counters) {
+                return (spent, false);
+            }
+            if spent >= budget || !conn.may_read(self.opts) || conn.class != class || !conn.unread {
+                return (spent, true);
+            }
+            let want = match self.allowance(conn) {
+                Allowance::Bytes(0) => return (spent, true),
+                Allowance::Bytes(n) => n.min(buf.len()),
+                Allowance::Wait => {
+                    conn.waiting_room = true;
+                    NetCounters::add(&self.counters.frame_room_waits, 1);
+                    return (spent, true);
+                }
+            };
+            match conn.stream.read(&mut buf[..want]) {
+                Ok(0) => return (spent, self.gone(conn, service)),
+                Ok(n) => {
+                    NetCounters::add(&self.counters.bytes_in, n as u64);
+                    NetCounters::add(&self.counters.buffered, n as u64);
+                    conn.decoder.push(&buf[..n]);
+                    self.room.moved(self.tok, self.now);
+                    spent += n as u64;
+                    // A read that did not fill what it asked for drained the socket at
+                    // that instant: readiness is edge-triggered, so bytes or a FIN that
+                    // come later raise a new event. A peer that closed is read on to
+                    // the end of its stream.
+                    if n < want && !conn.peer_closed {
+                        conn.unread = false;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.unread = false,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::debug!("read from {} failed: {e}", conn.peer);
+                    return (spent, self.gone(conn, service));
+                }
+            }
         }
-        if !conn.may_read(opts) || !conn.unread {
-            return true;
+    }
+
+    /// The peer closed or the socket failed: what came before is served, its replies
+    /// may still go out; the connection is gone.
+    fn gone<S: Service>(&mut self, conn: &mut Conn, service: &mut S) -> bool {
+        while conn.may_read(self.opts) {
+            match self.take_frame(conn) {
+                Ok(Some(f)) => self.serve(conn, service, f),
+                Ok(None) | Err(_) => break,
+            }
         }
-        match read_some(conn, buf, counters, read_closed) {
-            ReadEnd::Full => {}
-            ReadEnd::Drained => conn.unread = false,
-            ReadEnd::Gone => {
-                // Serve what came before the close; the replies may still go out.
-                process_frames(conn, service, opts, counters, now);
-                let _ = flush(conn, counters);
-                return false;
+        let _ = flush(conn, self.counters);
+        false
+    }
+
+    /// The next whole frame, its bytes counted out of the buffered gauge and the
+    /// room it was granted given back.
+    fn take_frame(&mut self, conn: &mut Conn) -> Result<Option<wire::Frame>, wire::FrameError> {
+        let before = conn.decoder.buffered();
+        let f = conn.decoder.next_frame();
+        let left = conn.decoder.buffered();
+        NetCounters::sub(&self.counters.buffered, before.saturating_sub(left) as u64);
+        if matches!(f, Ok(Some(_))) && self.room.granted(self.tok) > 0 {
+            // A grant is for one whole frame: this one.
+            self.granted.extend(self.room.give_back(self.tok, self.now));
+        }
+        f
+    }
+
+    /// How many bytes `conn` may read now: before its handshake ends, no more than the
+    /// pre-auth frame under way may still need (a peer that proved nothing holds at
+    /// most one such frame, whatever it sends); after, up to [`SMALL_FRAME`] buffered,
+    /// or the whole frame under way once its room is granted.
+    fn allowance(&mut self, conn: &Conn) -> Allowance {
+        if conn.pending() {
+            return Allowance::Bytes(conn.decoder.room());
+        }
+        let held = conn.decoder.buffered();
+        let largest = self.opts.max_frame + wire::frame::HEADER_LEN;
+        match conn.decoder.next_len() {
+            // Larger than any frame: the decoder refuses it before reading on.
+            Some(n) if n > SMALL_FRAME && n <= largest => {
+                if self.room.granted(self.tok) == 0
+                    && !self.room.ask(conn.class, self.tok, n, self.now)
+                {
+                    return Allowance::Wait;
+                }
+                Allowance::Bytes(n.saturating_sub(held))
+            }
+            _ => Allowance::Bytes(SMALL_FRAME.saturating_sub(held)),
+        }
+    }
+
+    /// One whole frame: a handshake step, or a request for the service.
+    fn serve<S: Service>(&mut self, conn: &mut Conn, service: &mut S, f: wire::Frame) {
+        conn.last_frame_ms = self.now;
+        match &mut conn.phase {
+            Phase::Handshake(hs) => match hs.on_frame(&f) {
+                Step::Send(bytes) => conn.out.extend(bytes),
+                Step::Ready {
+                    send,
+                    client_id,
+                    resume,
+                    key_name,
+                } => {
+                    conn.out.extend(send);
+                    conn.decoder.set_max_body(self.opts.max_frame);
+                    conn.class = self.classes.of(key_name.as_deref());
+                    service.on_open(
+                        conn.id,
+                        &client_id,
+                        key_name.as_deref(),
+                        resume.as_deref(),
+                        self.now,
+                    );
+                    conn.phase = Phase::Ready { client_id };
+                }
+                Step::Fail(e) => fail(conn, self.counters, e.code, e.message),
+            },
+            Phase::Ready { client_id } if f.kind == FrameKind::Request => {
+                let reply = service.on_request(conn.id, client_id, &f.body, self.now);
+                if reply.is_empty() {
+                    conn.deferred += 1;
+                }
+                conn.out.extend(reply);
+            }
+            Phase::Ready { .. } => {
+                // The frame was intact, so the stream is still in sync: reply and go on.
+                let id = wire::request_id_of(&f.body);
+                conn.out.extend(wire::reply_frame::<()>(
+                    id,
+                    Err(WireError::new(
+                        ErrorCode::Protocol,
+                        format!(
+                            "unexpected {:?} frame after the handshake; send Request frames",
+                            f.kind
+                        ),
+                    )),
+                ));
             }
         }
     }
@@ -848,65 +1148,4 @@ fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: Strin
     conn.out
         .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
-}
-
-fn process_frames<S: Service>(
-    conn: &mut Conn,
-    service: &mut S,
-    opts: &ServerOptions,
-    counters: &NetCounters,
-    now: u64,
-) {
-    while conn.may_read(opts) {
-        let f = match conn.decoder.next_frame() {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
-            Err(e) => return fail(conn, counters, ErrorCode::Protocol, e.to_string()),
-        };
-        conn.last_frame_ms = now;
-        match &mut conn.phase {
-            Phase::Handshake(hs) => match hs.on_frame(&f) {
-                Step::Send(bytes) => conn.out.extend(bytes),
-                Step::Ready {
-                    send,
-                    client_id,
-                    resume,
-                    key_name,
-                } => {
-                    conn.out.extend(send);
-                    conn.decoder.set_max_body(opts.max_frame);
-                    service.on_open(
-                        conn.id,
-                        &client_id,
-                        key_name.as_deref(),
-                        resume.as_deref(),
-                        now,
-                    );
-                    conn.phase = Phase::Ready { client_id };
-                }
-                Step::Fail(e) => return fail(conn, counters, e.code, e.message),
-            },
-            Phase::Ready { client_id } if f.kind == FrameKind::Request => {
-                let reply = service.on_request(conn.id, client_id, &f.body, now);
-                if reply.is_empty() {
-                    conn.deferred += 1;
-                }
-                conn.out.extend(reply);
-            }
-            Phase::Ready { .. } => {
-                // The frame was intact, so the stream is still in sync: reply and go on.
-                let id = wire::request_id_of(&f.body);
-                conn.out.extend(wire::reply_frame::<()>(
-                    id,
-                    Err(WireError::new(
-                        ErrorCode::Protocol,
-                        format!(
-                            "unexpected {:?} frame after the handshake; send Request frames",
-                            f.kind
-                        ),
-                    )),
-                ));
-            }
-        }
-    }
 }

@@ -106,7 +106,7 @@ pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
 
 /// Room a decoder keeps between frames; a bigger buffer (left by a big frame) goes
 /// back once it is empty.
-const KEEP_CAPACITY: usize = 64 << 10;
+const KEEP_CAPACITY: usize = 16 << 10;
 
 /// Incremental frame decoder.
 #[derive(Debug)]
@@ -115,6 +115,16 @@ pub struct FrameDecoder {
     start: usize,
     max_body: usize,
     failed: Option<FrameError>,
+}
+
+/// What the bytes buffered say about the next frame.
+enum Peek {
+    /// Its length prefix has not arrived yet.
+    Unknown,
+    /// It takes this many bytes, header included.
+    Len(usize),
+    /// The stream is broken here.
+    Bad(FrameError),
 }
 
 impl FrameDecoder {
@@ -138,11 +148,20 @@ impl FrameDecoder {
         self.max_body = max_body;
     }
 
-    /// Adds bytes read from the peer.
+    /// Adds bytes read from the peer. The buffer grows to what the frame under way
+    /// needs, not to the next power of two: a reader that bounds what it pushes
+    /// bounds what the decoder holds.
     pub fn push(&mut self, bytes: &[u8]) {
-        if self.failed.is_none() {
-            self.buf.extend_from_slice(bytes);
+        if self.failed.is_some() {
+            return;
         }
+        self.compact();
+        let need = match self.peek() {
+            Peek::Len(n) => n.max(self.buf.len() + bytes.len()),
+            _ => self.buf.len() + bytes.len(),
+        };
+        self.buf.reserve_exact(need.saturating_sub(self.buf.len()));
+        self.buf.extend_from_slice(bytes);
     }
 
     /// Bytes received but not yet part of a returned frame.
@@ -158,44 +177,73 @@ impl FrameDecoder {
         (self.max_body + HEADER_LEN).saturating_sub(self.buffered())
     }
 
-    /// The next whole frame, `Ok(None)` when more bytes are needed. Once it returned
-    /// an error it keeps returning it: the stream is out of sync for good.
-    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+    /// The bytes the next frame takes, header included, once its length prefix has
+    /// arrived (whether or not the frame is valid: [`next_frame`](Self::next_frame)
+    /// says that).
+    pub fn next_len(&self) -> Option<usize> {
+        let avail = &self.buf[self.start..];
+        (avail.len() >= 4)
+            .then(|| u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize + 4)
+    }
+
+    /// Whether [`next_frame`](Self::next_frame) has something to return now: a whole
+    /// frame, or the error that ends the stream.
+    pub fn frame_ready(&self) -> bool {
+        match self.peek() {
+            Peek::Unknown => false,
+            Peek::Len(n) => self.buffered() >= n,
+            Peek::Bad(_) => true,
+        }
+    }
+
+    fn peek(&self) -> Peek {
         if let Some(e) = &self.failed {
-            return Err(e.clone());
+            return Peek::Bad(e.clone());
         }
         let avail = &self.buf[self.start..];
-        if avail.len() < 4 {
-            self.compact();
-            return Ok(None);
-        }
-        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
-        let err = if len == 0 {
-            Some(FrameError::Empty)
+        let Some(n) = self.next_len() else {
+            return Peek::Unknown;
+        };
+        let len = n - 4;
+        if len == 0 {
+            Peek::Bad(FrameError::Empty)
         } else if len - 1 > self.max_body {
-            Some(FrameError::TooLarge {
+            Peek::Bad(FrameError::TooLarge {
                 len: len - 1,
                 max: self.max_body,
             })
         } else if avail.len() > 4 && FrameKind::from_u8(avail[4]).is_none() {
-            Some(FrameError::UnknownKind(avail[4]))
+            Peek::Bad(FrameError::UnknownKind(avail[4]))
         } else {
-            None
+            Peek::Len(n)
+        }
+    }
+
+    /// The next whole frame, `Ok(None)` when more bytes are needed. Once it returned
+    /// an error it keeps returning it: the stream is out of sync for good.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        let n = match self.peek() {
+            Peek::Unknown => {
+                self.compact();
+                return Ok(None);
+            }
+            Peek::Bad(e) => {
+                self.failed = Some(e.clone());
+                self.buf = Vec::new();
+                self.start = 0;
+                return Err(e);
+            }
+            Peek::Len(n) if self.buffered() < n => {
+                self.compact();
+                return Ok(None);
+            }
+            Peek::Len(n) => n,
         };
-        if let Some(e) = err {
-            self.failed = Some(e.clone());
-            self.buf = Vec::new();
-            self.start = 0;
-            return Err(e);
-        }
-        if avail.len() < 4 + len {
-            self.compact();
-            return Ok(None);
-        }
-        // Checked above: the kind byte is known.
+        let avail = &self.buf[self.start..];
+        // Checked by peek: the kind byte is known.
         let kind = FrameKind::from_u8(avail[4]).ok_or(FrameError::UnknownKind(avail[4]))?;
-        let body = avail[HEADER_LEN..4 + len].to_vec();
-        self.start += 4 + len;
+        let body = avail[HEADER_LEN..n].to_vec();
+        self.start += n;
         if self.start == self.buf.len() {
             self.start = 0;
             if self.buf.capacity() > KEEP_CAPACITY {
@@ -278,6 +326,29 @@ mod tests {
     }
 
     #[test]
+    fn the_next_frames_size_is_known_from_its_prefix_and_held_exactly() {
+        let mut d = FrameDecoder::new(1 << 20);
+        assert_eq!(d.next_len(), None);
+        d.push(&encode_header(FrameKind::Request, 300_000));
+        assert_eq!(d.next_len(), Some(300_000 + HEADER_LEN));
+        assert!(!d.frame_ready());
+        for _ in 0..10 {
+            d.push(&[b' '; 30_000]);
+        }
+        assert!(d.frame_ready());
+        assert_eq!(
+            d.buf.capacity(),
+            300_000 + HEADER_LEN,
+            "the frame's size, not the next power of two"
+        );
+        assert_eq!(d.next_frame().unwrap().unwrap().body.len(), 300_000);
+        // A broken prefix is something next_frame returns (an error) at once.
+        d.push(&encode_header(FrameKind::Request, 2 << 20));
+        assert!(d.frame_ready());
+        assert!(d.next_frame().is_err());
+    }
+
+    #[test]
     fn oversized_is_refused_before_the_body_arrives() {
         let mut d = FrameDecoder::new(16);
         d.push(&encode_header(FrameKind::Request, 17));
@@ -312,6 +383,35 @@ mod tests {
                 match d.next_frame() {
                     Ok(Some(f)) => prop_assert!(f.body.len() <= max),
                     Ok(None) | Err(_) => break,
+                }
+            }
+        }
+
+        /// What the event loop reads by agrees with what the decoder returns:
+        /// `frame_ready` says whether `next_frame` has a frame or an error, `next_len`
+        /// is that frame's size; and the buffer never grows past the frame under way
+        /// or what was pushed, whichever is larger (no power-of-two slack).
+        #[test]
+        fn ready_and_len_agree_with_next_frame(
+            data in proptest::collection::vec(any::<u8>(), 0..2048),
+            max in 0usize..512,
+            piece in 1usize..300,
+        ) {
+            let mut d = FrameDecoder::new(max);
+            'outer: for chunk in data.chunks(piece) {
+                d.push(chunk);
+                let bound = d.next_len().unwrap_or(0).max(d.buffered()).max(KEEP_CAPACITY);
+                prop_assert!(d.buf.capacity() <= bound, "{} > {}", d.buf.capacity(), bound);
+                loop {
+                    let (ready, len) = (d.frame_ready(), d.next_len());
+                    match d.next_frame() {
+                        Ok(Some(f)) => {
+                            prop_assert!(ready);
+                            prop_assert_eq!(len, Some(f.body.len() + HEADER_LEN));
+                        }
+                        Ok(None) => { prop_assert!(!ready); break; }
+                        Err(_) => { prop_assert!(ready); break 'outer; }
+                    }
                 }
             }
         }

@@ -267,6 +267,16 @@ pub struct PagesReply {
     pub pages: Vec<PageGrant>,
     /// Pages asked for that the session's regions could not give: call `expand`.
     pub missing: u32,
+    /// Regions the session is asked to give back (as `HeartbeatReply::give_back`),
+    /// carried on this reply so that a storing session hears it at its next call.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub give_back: Vec<u64>,
+    /// The session's fair share of the pool now, in regions: the RM's pools ÷ the
+    /// storing tenants (itself counted), within its tenant's `max_regions`, ÷ its
+    /// tenant's storing sessions; rounded up, at least one. The worker holds at most
+    /// half of it in pages taken for writing in place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_regions: Option<u64>,
 }
 
 /// Where a cxl reader finds a region on its own device.
@@ -478,6 +488,9 @@ pub enum MetaReply {
     /// Per entry, in order.
     Published {
         is_new: Vec<bool>,
+        /// Regions the session is asked to give back (as `HeartbeatReply::give_back`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        give_back: Vec<u64>,
     },
     /// Per key, in order.
     Exists {

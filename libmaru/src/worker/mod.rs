@@ -11,7 +11,7 @@
 //! Beside them: `lifecycle`, the sans-I/O core of the own regions' lifecycle (boot
 //! ids, restarts, silent agents), which the pool core (`pool::core`) holds for
 //! `remote_cxl`; `staging`, `slots`, `views`, `router`, `ops`, `op_stats` (per-call
-//! figures), `hook`, `prefault`. `clock` is the one place that reads the time.
+//! figures), `hook`, `prefault`, `skips` (why stores were skipped). `clock` is the one place that reads the time.
 
 pub mod agents;
 pub(crate) mod clock;
@@ -26,6 +26,7 @@ pub(crate) mod ops;
 pub mod pool;
 pub(crate) mod prefault;
 pub(crate) mod router;
+pub mod skips;
 pub(crate) mod slots;
 pub(crate) mod staging;
 pub(crate) mod views;

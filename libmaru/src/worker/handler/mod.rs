@@ -80,6 +80,9 @@ struct Inner {
     wake: (Mutex<()>, Condvar),
     /// Calls by kind: results, chunks, durations (`stats()["ops"]`).
     ops: OpStats,
+    /// Stores skipped because their pool was unavailable (the pools count the other
+    /// reasons: see `skips`).
+    skips: Mutex<crate::worker::skips::SkipLog>,
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
@@ -133,6 +136,7 @@ impl Handler {
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             ops: OpStats::default(),
+            skips: Mutex::default(),
         });
         let mut last_err = None;
         let mut opened = 0;
@@ -214,7 +218,7 @@ impl Handler {
         let rk = route_key.unwrap_or(first.0);
         self.timed("store", items.len(), || {
             self.inner
-                .with_pool(rk, vec![false; items.len()], |p| p.store(items, Some(rk)))
+                .store_on_pool(rk, items.len(), |p| p.store(items, Some(rk)))
         })
     }
 
@@ -546,6 +550,9 @@ impl Handler {
             pools.push(
                 serde_json::json!({"url": self.inner.urls[i], "up": s.is_some(), "session": session, "instance": instance, "stats": s}),
             );
+        }
+        if let Ok(sk) = self.inner.skips.lock() {
+            total.skipped.add(&sk.counts);
         }
         let staging = self.inner.staging().ok().map(|st| {
             let l = st.layout();

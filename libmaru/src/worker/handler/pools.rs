@@ -55,6 +55,39 @@ impl Inner {
         }
     }
 
+    /// As `with_pool` for a store of `n` chunks: when the pool is unavailable (set
+    /// aside, or lost during the call) the chunks are skipped, counted under
+    /// `pool_unavailable`, and a WARN says so (once per reason per interval).
+    pub(super) fn store_on_pool(
+        &self,
+        route_key: &str,
+        n: usize,
+        f: impl FnOnce(&StoragePool) -> Result<Vec<bool>, WorkerError>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let mut reached = false;
+        let r = self.with_pool(route_key, vec![false; n], |p| {
+            let r = f(p);
+            reached = r.is_ok();
+            r
+        });
+        if r.is_ok() && !reached {
+            let i = self.router.lock().map(|r| r.pick(route_key)).unwrap_or(0);
+            let what = format!("pool {}", self.urls.get(i).map_or("?", |u| u.as_str()));
+            let line = self.skips.lock().ok().and_then(|mut s| {
+                s.note(
+                    crate::worker::skips::SkipReason::PoolUnavailable,
+                    n as u64,
+                    crate::worker::clock::now_ms(),
+                    &what,
+                )
+            });
+            if let Some(line) = line {
+                log::warn!("{line}");
+            }
+        }
+        r
+    }
+
     /// A request on pool `i` failed with `e`. Its session lost (see
     /// `Session::heartbeat`): the pool is set aside, the heartbeat thread
     /// opens a new session, and the request answers `miss`; the only error that sets

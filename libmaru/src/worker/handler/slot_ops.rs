@@ -125,7 +125,7 @@ impl Inner {
                 }
             }
             let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
-            self.with_pool(rk, vec![false; keys.len()], |p| {
+            self.store_on_pool(rk, keys.len(), |p| {
                 p.store_slots(&ks, slots, lens, Some(rk))
             })
         })

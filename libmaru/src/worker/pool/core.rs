@@ -29,6 +29,9 @@
 //!   maru-server drops that publish's keys with the others.
 //! - **A region asked back is closing.** No new store takes its pages; the last store
 //!   that writes into it gives it back once its publish is answered.
+//! - **An ask on any reply is acted on at once** (`asked_on_reply`): maru-server
+//!   carries its fair-share ask on the replies to `alloc` and `publish` too, so a
+//!   storing engine gives the region back at its next call, not its next heartbeat.
 //! - **A region whose agent stayed silent goes back once no publish into it is in
 //!   flight.**
 //! - **Pages of failed writes stay out of use while a write of unknown outcome may
@@ -41,6 +44,8 @@
 //!   unless an eviction found nothing of theirs to evict; **the next region is taken
 //!   ahead** (for movers that want a lead) once stores reach the second half of the
 //!   newest, once per region.
+//! - **Pages taken in place are at most half the session's share** of the pool
+//!   (`in_place_room`), so a caller's `maru_pages_take` cannot starve its own stores.
 //! - **Pages of a region being taken wait for its adoption**: maru-server allocates
 //!   from any region of the session, also one whose map is not done.
 
@@ -183,6 +188,10 @@ pub struct PoolCore {
     /// The mover wants a region taken ahead of need (`cxl` prefaults it).
     wants_lead: bool,
     pub stats: PoolStats,
+    /// Why stores were skipped, and when each reason was last logged.
+    skips: crate::worker::skips::SkipLog,
+    /// Pages taken for writing in place and not yet published or given back.
+    in_place_out: usize,
     spare: VecDeque<PageGrant>,
     regions: BTreeMap<u64, Region>,
     next_adoption: u64,
@@ -211,6 +220,8 @@ impl PoolCore {
             max_regions: None,
             wants_lead: false,
             stats: PoolStats::default(),
+            skips: Default::default(),
+            in_place_out: 0,
             spare: VecDeque::new(),
             regions: BTreeMap::new(),
             next_adoption: 1,
@@ -274,6 +285,56 @@ impl PoolCore {
     /// the adoption and boot it had).
     pub fn token_is(&self, region: u64, token: Option<&Token>) -> bool {
         token.is_some() && self.token(region).as_ref() == token
+    }
+
+    /// `n` chunks of a store were not stored for `reason` at `now_ms`: counted (in
+    /// `stats.skipped`), and the WARN line to log when one is due for that reason
+    /// (see `skips`).
+    pub fn skipped(
+        &mut self,
+        reason: crate::worker::skips::SkipReason,
+        n: u64,
+        now_ms: u64,
+        what: &str,
+    ) -> Option<String> {
+        let line = self.skips.note(reason, n, now_ms, what);
+        self.stats.skipped = self.skips.counts;
+        line
+    }
+
+    /// Pages that may be taken for writing in place now: at most half of the
+    /// session's fair share of the pool (`share_regions`, as maru-server last told it,
+    /// within `max_bytes`; one region before either is known) is held taken at once,
+    /// so the engine's own stores keep room. `region_pages`: pages of one region.
+    pub fn in_place_room(&self, share_regions: Option<u64>, region_pages: u64) -> usize {
+        let share = match (share_regions, self.max_regions) {
+            (Some(s), Some(m)) => s.min(m),
+            (Some(s), None) => s,
+            (None, Some(m)) => m,
+            (None, None) => 1,
+        };
+        let limit = (share.saturating_mul(region_pages) / 2).max(1) as usize;
+        limit.saturating_sub(self.in_place_out)
+    }
+
+    /// `n` pages were taken for writing in place (`taken`), or published or given
+    /// back (`!taken`).
+    pub fn in_place_moved(&mut self, n: usize, taken: bool) {
+        if taken {
+            self.in_place_out += n;
+        } else {
+            self.in_place_out = self.in_place_out.saturating_sub(n);
+        }
+    }
+
+    /// Why a store found no page: `max_bytes` when the session holds its limit of
+    /// regions, else no region to be had.
+    pub fn no_room_reason(&self) -> crate::worker::skips::SkipReason {
+        if self.may_grow() {
+            crate::worker::skips::SkipReason::NoRegion
+        } else {
+            crate::worker::skips::SkipReason::MaxBytes
+        }
     }
 
     /// Whether the session may take one more region now (`max_bytes`, counting the
@@ -436,6 +497,21 @@ impl PoolCore {
         }
         self.forget(id);
         Some(Gone::GiveBack(id))
+    }
+
+    /// maru-server asked for these regions on the reply to a store's call (`alloc`,
+    /// `publish`): acted on at once, as an ask at a heartbeat, so that a waiting engine
+    /// gets its region within a round trip of this engine's next call. A region not
+    /// (or no longer) the pool's is ignored here: maru-server's ask stays and a
+    /// heartbeat carries it again if it still stands.
+    pub fn asked_on_reply(&mut self, regions: &[u64]) -> Vec<Gone> {
+        let mut out = Vec::new();
+        for &id in regions {
+            if self.owns(id) {
+                out.extend(self.ask_back(id));
+            }
+        }
+        out
     }
 
     /// A region given back was returned (`ok`) or maru-server refused or did not

@@ -13,6 +13,10 @@
 //!   may have been written into memory that is no longer this engine's: nothing is
 //!   published and the page is dropped with its region.
 //!
+//! A caller holds at most half of its session's fair share of the pool taken in
+//! place at once (maru-server tells the share with each `alloc` reply; within
+//! `max_bytes`): a take beyond it gets fewer pages, so its own stores keep room.
+//!
 //! A taken page counts as a page being written (the core's `writing`, as a store's
 //! pages do until its publish ends), so its region is not given back meanwhile: a
 //! region maru-server asks for is closing and goes with the last writer. The re-check
@@ -100,6 +104,27 @@ impl StoragePool {
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
+        // At most half the session's share is held taken in place (`in_place_room`):
+        // its share comes with `alloc` replies, asked first if not heard yet.
+        if self.session.share_regions().is_none() {
+            self.session.alloc(0, route_key)?;
+        }
+        let region_pages = self.session.handshake.region_size / self.page_size().max(1);
+        let room = self
+            .core
+            .lock()
+            .in_place_room(self.session.share_regions(), region_pages);
+        if room < n {
+            log::debug!(
+                "pool {}: {n} page(s) asked to write in place, {room} given: at most half of the engine's share of the pool ({:?} regions) is held taken at once",
+                self.session.url,
+                self.session.share_regions()
+            );
+        }
+        let n = n.min(room);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         // The pages are marked as being written (`writing`) from here on.
         let taken = self.take_pages(n, route_key, self.deadline())?;
         let size = self.page_size() as usize;
@@ -124,6 +149,7 @@ impl StoragePool {
             );
             self.end_writing(unusable.iter().map(|p| p.region_id));
         }
+        self.core.lock().in_place_moved(out.len(), true);
         Ok(out)
     }
 
@@ -149,6 +175,8 @@ impl StoragePool {
                 return Err(WorkerError::InvalidArgument(why));
             }
         }
+        // No longer held taken, whatever the publish does (see `in_place_room`).
+        self.core.lock().in_place_moved(writes.len(), false);
         let mut result = Vec::with_capacity(writes.len());
         let mut writes = writes.into_iter();
         loop {
@@ -215,6 +243,7 @@ impl StoragePool {
     /// still the pool's serve later stores; the others are dropped with their region.
     pub fn give_back_in_place(&self, pages: Vec<InPlacePage>) {
         let regions: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
+        self.core.lock().in_place_moved(regions.len(), false);
         let back = {
             let c = self.core.lock();
             pages

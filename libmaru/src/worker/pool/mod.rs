@@ -70,6 +70,8 @@ pub struct PoolStats {
     /// Chunks not stored because no page could be found or made free (every page of
     /// the session leased or pinned, and no region to be had).
     pub store_no_room: u64,
+    /// Chunks not stored, per reason (see `skips`).
+    pub skipped: crate::worker::skips::SkipCounts,
 }
 
 impl PoolStats {
@@ -94,6 +96,7 @@ impl PoolStats {
             bytes_evicted,
             regions_given_back,
             store_no_room,
+            skipped,
         } = s;
         // Every field named above: a new counter must be added here to compile.
         self.stored += stored;
@@ -115,6 +118,7 @@ impl PoolStats {
         self.bytes_evicted += bytes_evicted;
         self.regions_given_back += regions_given_back;
         self.store_no_room += store_no_room;
+        self.skipped.add(skipped);
     }
 }
 

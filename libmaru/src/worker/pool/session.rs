@@ -40,6 +40,12 @@ pub struct Session {
     /// When maru-server last answered a call of this session (`clock::now_ms`): one
     /// out of reach for longer than the session timeout has expired the session.
     answered_ms: AtomicU64,
+    /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
+    /// acted on (see [`take_asked`](Self::take_asked)).
+    asked: Mutex<Vec<u64>>,
+    /// The session's fair share in regions as maru-server last told it (`alloc`
+    /// replies); 0: not heard yet.
+    share_regions: AtomicU64,
 }
 
 fn unexpected(what: &str, r: MetaReply) -> WorkerError {
@@ -112,6 +118,8 @@ impl Session {
             first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
             answered_ms: AtomicU64::new(now_ms()),
+            asked: Mutex::new(Vec::new()),
+            share_regions: AtomicU64::new(0),
         })
     }
 
@@ -159,6 +167,32 @@ impl Session {
         r.map_err(|e| WorkerError::from_link(Peer::Server(self.url.clone()), e))
     }
 
+    /// maru-server asked for these regions back on a reply (any call of a storing
+    /// session carries the ask, so it is heard at once, not at the next heartbeat).
+    fn note_asked(&self, regions: Vec<u64>) {
+        if regions.is_empty() {
+            return;
+        }
+        let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        for r in regions {
+            if !a.contains(&r) {
+                a.push(r);
+            }
+        }
+    }
+
+    /// The session's fair share in regions as maru-server last told it (None: no
+    /// `alloc` answered yet, or a maru-server that does not tell).
+    pub fn share_regions(&self) -> Option<u64> {
+        Some(self.share_regions.load(Ordering::Relaxed)).filter(|&s| s > 0)
+    }
+
+    /// The regions asked back since the last call (for the pool core to act on).
+    pub fn take_asked(&self) -> Vec<u64> {
+        let mut a = self.asked.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *a)
+    }
+
     pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
         match self.call(&MetaRequest::Expand { session: self.id })? {
             MetaReply::Region(g) => Ok(g),
@@ -177,7 +211,13 @@ impl Session {
             count,
             route_key: route_key.map(str::to_string),
         })? {
-            MetaReply::Pages(p) => Ok((p.pages, p.missing)),
+            MetaReply::Pages(p) => {
+                self.note_asked(p.give_back);
+                if let Some(s) = p.share_regions {
+                    self.share_regions.store(s.max(1), Ordering::Relaxed);
+                }
+                Ok((p.pages, p.missing))
+            }
             r => Err(unexpected("alloc", r)),
         }
     }
@@ -205,7 +245,10 @@ impl Session {
             session: self.id,
             entries,
         })? {
-            MetaReply::Published { is_new } => Ok(is_new),
+            MetaReply::Published { is_new, give_back } => {
+                self.note_asked(give_back);
+                Ok(is_new)
+            }
             r => Err(unexpected("publish", r)),
         }
     }

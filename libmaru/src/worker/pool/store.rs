@@ -94,6 +94,13 @@ impl StoragePool {
             let why = match self.grow(by) {
                 Ok(()) => None,
                 Err(NoRegion::Unusable(e)) => {
+                    let what = format!("pool {}", self.session.url);
+                    self.core.lock().skipped(
+                        crate::worker::skips::SkipReason::NoRegion,
+                        u64::from(missing),
+                        now_ms(),
+                        &what,
+                    );
                     log::warn!(
                         "pool {}: {missing} chunk(s) not stored: a region taken for them could not be made usable ({e}); it went back to maru-server",
                         self.session.url
@@ -126,14 +133,22 @@ impl StoragePool {
             if got_none {
                 dry += 1;
                 if dry >= ROOM_ROUNDS {
-                    self.core.lock().stats.store_no_room += u64::from(missing);
-                    log::warn!(
-                        "pool {}: {missing} chunk(s) not stored: the pool has no region to \
+                    let what = format!("pool {}", self.session.url);
+                    let line = {
+                        let mut c = self.core.lock();
+                        c.stats.store_no_room += u64::from(missing);
+                        let reason = c.no_room_reason();
+                        c.skipped(reason, u64::from(missing), now_ms(), &what)
+                    };
+                    log::debug!(
+                        "{what}: {missing} chunk(s) not stored: the pool has no region to \
                          give ({}) and every page of this engine's regions is leased, \
                          pinned or in use",
-                        self.session.url,
                         why.as_deref().unwrap_or("a region taken was full at once")
                     );
+                    if let Some(line) = line {
+                        log::warn!("{line}");
+                    }
                     break;
                 }
             }
@@ -153,6 +168,7 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
         let got = self.session.alloc(count, route_key)?;
+        self.act_on_asks();
         drop(self.core.wait_while(by, |c| c.waits_for_adoption(&got.0)));
         Ok(got)
     }
@@ -425,6 +441,18 @@ impl StoragePool {
     /// Pages of these regions (one entry per page) are no longer being written (their
     /// store or writer in place published or dropped them): the last writer into a
     /// region maru-server asked for gives it back.
+    /// Regions maru-server asked back on the reply to a call of this session: given
+    /// back now (or by their last writer), not at the next heartbeat.
+    pub(super) fn act_on_asks(&self) {
+        let asked = self.session.take_asked();
+        if asked.is_empty() {
+            return;
+        }
+        let gone = self.core.lock().asked_on_reply(&asked);
+        self.core.notify();
+        self.carry_out(gone);
+    }
+
     pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>) {
         let done = self.core.lock().end_writing(regions);
         self.carry_out(done);
@@ -479,6 +507,7 @@ impl StoragePool {
             answer.as_ref().ok().map(Vec::as_slice),
         );
         self.core.notify();
+        self.act_on_asks();
         (answer, back)
     }
 

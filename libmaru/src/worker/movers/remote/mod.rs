@@ -69,7 +69,6 @@ pub struct RemoteState {
     own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     reads: HashMap<(u64, u64, u64), ReadTarget>,
-    last_skip_log: Option<u64>,
     /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
     /// fed what agents answer, its decisions carried out by the driver.
     pub(crate) life: Lifecycle,
@@ -94,7 +93,6 @@ impl RemoteState {
             agents: HashMap::new(),
             own: HashMap::new(),
             reads: HashMap::new(),
-            last_skip_log: None,
             life: Lifecycle::new(),
             reboots: 0,
             read_error: None,
@@ -125,18 +123,6 @@ impl RemoteState {
     /// Why the last read that failed failed, once.
     pub fn take_read_error(&mut self) -> Option<String> {
         self.read_error.take()
-    }
-
-    fn log_skip(&mut self, n: usize, now: u64) {
-        if self
-            .last_skip_log
-            .is_none_or(|t| now.saturating_sub(t) >= 60_000)
-        {
-            log::warn!(
-                "store staging is full: skipping {n} chunk(s) (logged at most once a minute)"
-            );
-            self.last_skip_log = Some(now);
-        }
     }
 }
 
@@ -228,7 +214,15 @@ impl RemoteMover {
         let posted = windows::run(&mut w, &self.budget);
         let ok = w.ok;
         if posted < items.len() {
-            self.lock().log_skip(items.len() - posted, now_ms());
+            let line = self.core.lock().skipped(
+                crate::worker::skips::SkipReason::NoSlot,
+                (items.len() - posted) as u64,
+                now_ms(),
+                "remote_cxl store staging",
+            );
+            if let Some(line) = line {
+                log::warn!("{line}");
+            }
         }
         ok
     }
