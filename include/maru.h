@@ -358,6 +358,15 @@ typedef struct maru_staging_t {
   size_t store_slots;
 } maru_staging_t;
 
+/**
+ * One piece to copy: `len` bytes from `src` to `dst`.
+ */
+typedef struct maru_copy_t {
+  uint8_t *dst;
+  const uint8_t *src;
+  size_t len;
+} maru_copy_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1036,6 +1045,35 @@ maru_status_t maru_chunk_keys(const int32_t *tokens,
                               char *keys_out,
                               size_t cap,
                               size_t *n_keys);
+
+/**
+ * Checks that the file at `path` (a NUL-terminated path) holds a key a handler can
+ * prove (the agents' key of `agent_key_file`, maru-server's key): readable, with no
+ * access for group or others (mode 0600),
+ * and a key of at least 16 bytes in hex. `MARU_OK`, or `MARU_ERR_CONFIG` with the
+ * reason in `maru_last_error()` (it names the file and what to do). Whether a daemon
+ * holds the same key is not checked here: `maru_handler_open` proves it
+ * (`MARU_ERR_AUTH` when it does not match).
+ *
+ * Ownership: `path` is read during the call only. Threads: any.
+ */
+maru_status_t maru_key_file_check(const char *path);
+
+/**
+ * Copies each of the `n` pieces of `copies` (`len` bytes from `src` to `dst`; a piece
+ * of 0 bytes is skipped). `into_shared`: the destinations are Maru's memory that other
+ * processes read (a page taken with `maru_pages_take`, a store slot): pieces of 16 KiB
+ * or more are written with streaming stores, which do not read the lines they write.
+ * Otherwise (the runtime's own memory, from a view or a load slot) pieces of 256 KiB
+ * or more stream. The bytes are visible to other threads when the call returns. A
+ * piece with a NULL address (and `len` > 0) fails the call before anything is copied
+ * (`MARU_ERR_NULL_ARGUMENT`, naming it).
+ *
+ * Ownership: every `src` must be readable and every `dst` writable for `len` bytes
+ * during the call, and no piece may overlap another piece's destination or its own
+ * source; libmaru cannot check this (as with `memcpy`). Threads: any.
+ */
+maru_status_t maru_copy(const struct maru_copy_t *copies, size_t n, bool into_shared);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -16,6 +16,7 @@
 //! latest.{json,md,txt,png} into the output directory.
 
 mod chart;
+mod connector;
 mod harness;
 mod hitrate;
 mod idle;
@@ -25,6 +26,7 @@ mod maru_io;
 mod meta;
 mod pairs;
 mod procs;
+mod python_row;
 mod redis;
 mod report;
 
@@ -72,8 +74,8 @@ struct Args {
     backends: Vec<String>,
     /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
     /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
-    /// redis, meta, idle, hitrate (a chat trace replayed through maru-server's eviction
-    /// beside LRU and Belady; default all).
+    /// connector (the vLLM connector's worker, Python), redis, meta, idle, hitrate (a chat
+    /// trace replayed through maru-server's eviction beside LRU and Belady; default all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
@@ -184,6 +186,8 @@ struct Results {
     idle: Vec<idle::IdleCpu>,
     /// cxl writes in place (part `in_place`).
     in_place: Option<in_place::InPlaceResult>,
+    /// The vLLM connector's worker, both backends (part `connector`).
+    connector: Vec<connector::ConnectorResult>,
     /// Hit rate of a multi-turn chat trace replayed through maru-server's eviction
     /// (part `hitrate`).
     hitrate: Option<hitrate::HitRateResult>,
@@ -214,6 +218,12 @@ impl Results {
     fn tcp_of(&self, chunk: usize) -> Option<f64> {
         self.tcp.iter().find(|r| r.chunk == chunk).map(|r| r.gbs)
     }
+    /// The batch load of one client of `backend` at `chunk` (GB/s), for the rows judged
+    /// by it.
+    fn batch_load(&self, backend: &str, chunk: usize) -> Option<f64> {
+        self.maru_of(backend, chunk, 1, 1).map(|m| m.load_batch.gbs)
+    }
+
     fn maru_of(
         &self,
         backend: &str,
@@ -787,6 +797,22 @@ fn targets(r: &Results) -> Vec<TargetRow> {
         &|f| format!("{f:.1} us"),
         &|f| f <= 10.0,
     );
+    // Issue 38: the vLLM connector's loads into a paged KV cache, beside the raw batch
+    // load of the same run, chunk size and backend.
+    for c in &r.connector {
+        push(
+            &format!(
+                "vLLM connector load into a paged KV cache, {} 32 x 2 MiB (Python) >= 0.5 x {} batch load 2 MiB",
+                c.backend, c.backend
+            ),
+            ratio(
+                c.row.as_ref().ok().map(|row| row.load.gbs),
+                r.batch_load(c.backend, connector::CHUNK),
+            ),
+            &x,
+            &|f| f >= 0.5,
+        );
+    }
     push(
         "cxl batch load 32 x 2 MiB >= 0.9 x memcpy (1 thread)",
         ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.load_batch.gbs), mc),
@@ -1020,18 +1046,31 @@ fn run(args: Args) -> Result<(), String> {
     let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
     for o in &args.only {
         if ![
-            "limits", "soft", "maru", "threads", "in_place", "redis", "meta", "idle", "hitrate",
+            "limits",
+            "soft",
+            "maru",
+            "threads",
+            "in_place",
+            "connector",
+            "redis",
+            "meta",
+            "idle",
+            "hitrate",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, threads, in_place, redis, meta, idle, hitrate"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate"
             ));
         }
     }
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
-    let needs_stack =
-        want("maru") || want("threads") || want("in_place") || want("meta") || want("idle");
+    let needs_stack = want("maru")
+        || want("threads")
+        || want("in_place")
+        || want("connector")
+        || want("meta")
+        || want("idle");
     // First, before any thread starts (the namespace is entered by this thread only).
     let huge = match (needs_stack, args.pool_pages.as_str()) {
         (true, "2M") => match procs::HugeTmpfs::mount((pool_gib << 30) + 256 * MIB as u64) {
@@ -1206,6 +1245,10 @@ fn run(args: Args) -> Result<(), String> {
         say("maru cxl writes in place 2 MiB x 1 handler");
         r.in_place = Some(in_place::run(s, secs, rotate)?);
     }
+    if let (true, Some(s)) = (want("connector"), &scratch) {
+        say("vLLM connector's worker (Python) 2 MiB, cxl and remote_cxl");
+        r.connector = connector::run(s, secs);
+    }
     if want("redis") {
         let (redis_proc, addr) = procs::start_redis()?;
         for &chunk in &chunks {
@@ -1283,6 +1326,11 @@ fn run(args: Args) -> Result<(), String> {
 
     let mut ts = tables(&r);
     ts.extend(r.in_place.as_ref().map(in_place::table));
+    if !r.connector.is_empty() {
+        ts.push(connector::table(&r.connector, &|b| {
+            r.batch_load(b, connector::CHUNK)
+        }));
+    }
     ts.extend(r.hitrate.as_ref().map(hitrate::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",

@@ -10,7 +10,10 @@ and writes what happened as JSON. Used by e2e.py (make test-vllm) and demo.py
 The JSON: tokens (generated ids), num_cached_tokens (vLLM's count of prompt tokens not
 computed: with prefix caching off, those the connector loaded), ttft_s (wall time of
 generating the first token, after a warm-up request too short to touch the
-connector), total_s, start_s (engine start-up).
+connector), total_s, start_s (engine start-up), ran_on (what the worker process ran
+with, asked of it: torch's threads, the cores its main thread may run on, the vLLM
+settings that decided them). --shared N runs N requests in one step instead, each the
+prompt's first --shared-tokens tokens followed by tokens of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,71 @@ import sys
 import time
 
 
+def raw_load_in_worker(llm: object, a: argparse.Namespace, extra: dict, prompt: list) -> float:
+    """The same run's raw batch load: in the worker process (its cores, beside vLLM's
+    other processes), ``maru.Handler.batch_retrieve_into`` of the chunks the connector
+    loaded (the prompt's full chunks less the last token) into host buffers, each pass
+    into buffers of its own (filled when allocated, as vLLM fills its KV cache, and
+    not in the caches since: as the blocks a request gets); the best pass's GB/s."""
+    from maru.vllm.core import parse_settings
+
+    with open(a.stats_file) as f:
+        info = json.load(f)
+    settings = parse_settings(extra, a.chunk_tokens)
+    cfg = settings.handler_config(f"{a.engine_id}-raw", info["digest"])
+    import maru
+
+    keys = maru.chunk_keys(prompt, a.chunk_tokens, info["keyspace"])[: (len(prompt) - 1) // a.chunk_tokens]
+    return llm.collective_rpc(_raw_load, args=(cfg, keys, info["chunk_bytes"], a.raw_load))[0]
+
+
+def _raw_load(worker: object, cfg: dict, keys: list, size: int, passes: int) -> float:
+    """Runs in the worker process (see raw_load_in_worker)."""
+    import time
+
+    import numpy as np
+
+    import maru
+
+    bufs = [[np.ones(size, np.uint8) for _ in keys] for _ in range(passes)]
+    best = 0.0
+    with maru.Handler(cfg) as h:
+        for dst in bufs:
+            t = time.perf_counter()
+            got = h.batch_retrieve_into(keys, dst, route_key=keys[0])
+            dt = time.perf_counter() - t
+            if any(n != size for n in got):
+                raise RuntimeError(f"raw load: not every chunk found ({got})")
+            best = max(best, len(keys) * size / dt / 1e9)
+    return best
+
+
+def _ran_on(worker: object) -> dict:
+    """Runs in the worker process: what its compute ran with."""
+    import torch
+
+    maru_cores = set()  # the cores libmaru's threads may run on (its heartbeat, operations, transport)
+    maru_threads = {}  # each of those threads' name and cores (to tell which one when a check fails)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(("maru-", "soft-transport")):
+                cores = os.sched_getaffinity(int(tid))
+                maru_cores |= cores
+                maru_threads[f"{name}/{tid}"] = sorted(cores)
+        except OSError:
+            continue
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cores": sorted(os.sched_getaffinity(0)),
+        "maru_thread_cores": sorted(maru_cores),
+        "maru_threads": maru_threads,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "default"),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -30,7 +98,12 @@ def main() -> int:
     p.add_argument("--connector", choices=("none", "maru", "example"), default="maru")
     p.add_argument("--backend", default="cxl")
     p.add_argument("--server", default="")
-    p.add_argument("--key", default="")
+    p.add_argument("--key", default="", help="maru_remote_cxl_agent_key_file")
+    p.add_argument("--server-key", default="", help="maru_server_key_file")
+    p.add_argument("--shared", type=int, default=0, help="N requests sharing a prefix, scheduled in one step")
+    p.add_argument("--shared-tokens", type=int, default=512)
+    p.add_argument("--raw-load", type=int, default=0,
+                   help="after the requests, N passes of a raw batch load of the prompt's stored chunks in the worker")
     p.add_argument("--engine-id", default="")
     p.add_argument("--namespace", default="e2e")
     p.add_argument("--chunk-tokens", type=int, default=128)
@@ -45,6 +118,8 @@ def main() -> int:
                    help="run the prompt this many times (prefix caching is off: each run loads or computes again)")
     a = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # ran_on asks the worker process itself (a function sent to it).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -60,6 +135,8 @@ def main() -> int:
         }
         if a.key:
             extra["maru_remote_cxl_agent_key_file"] = a.key
+        if a.server_key:
+            extra["maru_server_key_file"] = a.server_key
         if a.stats_file:
             extra["maru_stats_file"] = a.stats_file
         kw["kv_transfer_config"] = {
@@ -75,6 +152,9 @@ def main() -> int:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": a.example_dir},
         }
+    if a.shared:
+        # Room for all of them in one step.
+        kw["max_num_batched_tokens"] = max(4096, a.shared * a.prompt_len)
     t0 = time.monotonic()
     llm = LLM(
         model=a.model,
@@ -87,6 +167,7 @@ def main() -> int:
         **kw,
     )
     start_s = time.monotonic() - t0
+    ran_on = llm.collective_rpc(_ran_on)[0]
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(a.prompt_seed)
     prompt = [rng.randrange(2, vocab) for _ in range(a.prompt_len)]
@@ -94,6 +175,16 @@ def main() -> int:
     # Warm-up: shorter than any chunk, so the connector neither loads nor stores.
     warm = [rng.randrange(2, vocab) for _ in range(16)]
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    if a.shared:
+        # N requests with one shared prefix, in one generate call: one step schedules them.
+        own = a.prompt_len - a.shared_tokens
+        prompts = [prompt[: a.shared_tokens] + [rng.randrange(2, vocab) for _ in range(own)] for _ in range(a.shared)]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], greedy, use_tqdm=False)
+        with open(a.out, "w") as f:
+            json.dump({"shared": a.shared, "prompts": prompts, "ran_on": ran_on, "start_s": start_s,
+                       "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                       "tokens": list(outs[0].outputs[0].token_ids)}, f)
+        return 0
     t1 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)
     total = time.monotonic() - t1
@@ -105,7 +196,11 @@ def main() -> int:
         again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)[0]
         m = again.metrics
         ttfts.append(getattr(m, "first_token_latency", 0.0) if m is not None else 0.0)
+    raw = None
+    if a.raw_load and a.connector == "maru":
+        raw = raw_load_in_worker(llm, a, extra, prompt)
     result = {
+        "raw_load_gbs": raw,
         "ttfts_s": ttfts,
         "connector": a.connector,
         "backend": a.backend,
@@ -116,6 +211,7 @@ def main() -> int:
         "ttft_s": ttft if ttft > 0 else None,
         "total_s": total,
         "start_s": start_s,
+        "ran_on": ran_on,
         "num_cached_tokens": out.num_cached_tokens or 0,
         "tokens": list(out.outputs[0].token_ids),
     }

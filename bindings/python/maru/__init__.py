@@ -56,6 +56,8 @@ from .errors import (
 from .handler import Handler
 from .hook import set_memory_hook, set_memory_hook_auto
 from .keys import chunk_keys
+from .key_files import check_key_file
+from .copies import copy_ranges
 from .slots import Op, Slot, SlotPool
 from .views import RemoveResult, View
 from ._log import set_log_level, stop_forwarding as stop_log_forwarding
@@ -95,7 +97,9 @@ __all__ = [
     "UnsupportedError",
     "View",
     "ViewExpiredError",
+    "check_key_file",
     "chunk_keys",
+    "copy_ranges",
     "library_path",
     "set_memory_hook",
     "set_log_level",

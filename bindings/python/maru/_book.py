@@ -9,13 +9,14 @@ itself (the handler passes in the call that gives objects back).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import heapq
 import itertools
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handler import MaruHandler
@@ -123,6 +124,22 @@ class _Releases:
         self._later: List[Tuple[str, int]] = []
         # Given up while something made from their memory lives: kind, id -> views.
         self._waiting: Dict[Tuple[str, int], _Views] = {}
+        # Per thread: inside batched(), what this thread gives up is queued and goes
+        # back at the block's end (another thread's kick may take it earlier).
+        self._batching = threading.local()
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Objects this thread gives up inside the block go back together at its end:
+        one call per kind (views: one lease release per pool) instead of one each."""
+        depth = getattr(self._batching, "depth", 0)
+        self._batching.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._batching.depth = depth
+            if not depth:
+                self.kick()
 
     def give_up(self, kind: str, ident: int, views: _Views, revoke: bool = True) -> None:
         """Python is done with slot or view ``ident``: its memoryviews are released
@@ -142,7 +159,8 @@ class _Releases:
         if self._waiting.pop(key, None) is None:
             return
         self._queue.append(key)
-        self.kick()
+        if not getattr(self._batching, "depth", 0):
+            self.kick()
 
     def waiting(self) -> List[Tuple[str, int]]:
         """What is given up and still reachable from Python objects."""

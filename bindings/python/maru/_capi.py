@@ -16,6 +16,7 @@ long as libmaru may call them.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -26,6 +27,7 @@ from ._lib import (
     MEM_UNREGISTER_FN,
     last_error,
     lib,
+    maru_copy_t,
     maru_page_t,
     maru_region_t,
     maru_slot_t,
@@ -75,6 +77,12 @@ def handler_open(config_json: str) -> int:
     h = ctypes.c_void_p()
     _check(lib.maru_handler_open(config_json.encode("utf-8"), ctypes.byref(h)))
     return int(h.value or 0)
+
+
+def handler_shutdown(h: int) -> None:
+    """``maru_handler_shutdown``: new calls on ``h`` answer CLOSED, waiters wake; returns
+    once the calls in flight left libmaru (at most the handler's ``timeout_ms``)."""
+    _check(lib.maru_handler_shutdown(h))
 
 
 def handler_close(h: int) -> None:
@@ -443,3 +451,23 @@ def chunk_keys(tokens: Sequence[int], chunk: int, namespace: str) -> List[str]:
     _check(lib.maru_chunk_keys(arr, len(tokens), chunk, namespace.encode("utf-8"), out, n, ctypes.byref(got)))
     raw = out.raw
     return [raw[i * CHUNK_KEY_SIZE : (i + 1) * CHUNK_KEY_SIZE].split(b"\0", 1)[0].decode("ascii") for i in range(got.value)]
+
+
+# Key files -------------------------------------------------------------------------------
+
+
+def key_file_check(path: str) -> None:
+    """``maru_key_file_check``: raises :class:`~maru.ConfigError` (naming the file and
+    what to do) unless ``path`` holds a key a handler can prove."""
+    _check(lib.maru_key_file_check(os.fsencode(path)))
+
+
+# Copies ----------------------------------------------------------------------------------
+
+
+def copy(pieces: Sequence[Tuple[int, int, int]], into_shared: bool) -> None:
+    """``maru_copy``: each ``(dst, src, len)`` piece, in one call."""
+    n = len(pieces)
+    if not n:
+        return
+    _check(lib.maru_copy((maru_copy_t * n)(*pieces), n, bool(into_shared)))

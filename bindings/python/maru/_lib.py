@@ -229,6 +229,18 @@ lib.maru_chunk_keys.argtypes = [
     ctypes.c_char_p, ctypes.c_size_t, c_size_p,
 ]
 lib.maru_chunk_keys.restype = _S
+lib.maru_key_file_check.argtypes = [ctypes.c_char_p]
+lib.maru_key_file_check.restype = _S
+
+
+class maru_copy_t(ctypes.Structure):
+    """``maru_copy_t``: one piece of a ``maru_copy``."""
+
+    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+lib.maru_copy.argtypes = [ctypes.POINTER(maru_copy_t), ctypes.c_size_t, ctypes.c_bool]
+lib.maru_copy.restype = _S
 
 # Writes in place and region views (cxl).
 

@@ -39,7 +39,12 @@ def _c_level(level: int) -> int:
 def _forward(level: int, target: str, message: str) -> None:
     try:
         name = ROOT + ("." + target.split("::", 1)[1].replace("::", ".") if "::" in target else "")
-        logging.getLogger(name).log(_FROM_C.get(level, logging.ERROR), "%s", message)
+        logger = logging.getLogger(name)
+        py_level = _FROM_C.get(level, logging.ERROR)
+        if logger.isEnabledFor(py_level):
+            # The record names libmaru's module (``maru::worker::pool``) where a record
+            # names a file, not this bridge.
+            logger.handle(logger.makeRecord(name, py_level, target or "libmaru", 0, "%s", (message,), None))
     except Exception:  # noqa: BLE001 - nothing may cross back into libmaru
         pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import threading
 import time
 import weakref
@@ -27,6 +28,9 @@ from .errors import (
 from ._book import _Expirer, _Releases, _Views
 from .slots import Op, Slot, SlotPool, as_lengths
 from .views import RemoveResult, View
+
+
+log = logging.getLogger(__name__)
 
 
 class PageInfo(collections.namedtuple("PageInfo", "region_id page offset addr capacity buf")):
@@ -103,6 +107,10 @@ class MaruHandler:
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._closing = False
+        # A handle close() gave up waiting for: freed by the last call to leave.
+        self._free_on_exit: Optional[int] = None
+        # How long close() waits for calls in flight in Python once libmaru shut down.
+        self._close_wait_s = 10.0
         self._chunk: Optional[int] = None
         self._slot_lock = threading.RLock()
         self._slots: "weakref.WeakValueDictionary[int, Slot]" = weakref.WeakValueDictionary()
@@ -120,6 +128,9 @@ class MaruHandler:
             raise TypeError(f"config must be a dict or a JSON string, not {type(config).__name__}")
         text = config if isinstance(config, str) else json.dumps(dict(config))
         self._h = _capi.handler_open(text)
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            # libmaru accepted it: timeout_ms, when given, is a positive integer.
+            self._close_wait_s = int(json.loads(text).get("timeout_ms", 10_000)) / 1000
 
     def __enter__(self) -> "MaruHandler":
         return self
@@ -179,15 +190,29 @@ class MaruHandler:
             self._lock.release()
 
     def _done_use(self) -> None:
+        free = None
         with self._lock:
             self._active -= 1
             if self._active == 0 and self._closing:
                 self._idle.notify_all()  # close() waits for the calls in flight
+                free, self._free_on_exit = self._free_on_exit, None
+        if free is not None:
+            # close() returned before this call left: the handle is freed now that no
+            # call of Python's can use it any more.
+            with contextlib.suppress(MaruError):
+                _capi.handler_close(free)
 
     def close(self) -> None:
         """Closes the handler's sessions, drained: the chunks it stored stay readable for
-        other engines. Waits for calls in flight on other threads. Closing twice is
-        harmless.
+        other engines. Closing twice is harmless.
+
+        Calls in flight on other threads: libmaru's handler is shut down first
+        (``maru_handler_shutdown``), so a thread waiting in :meth:`acquire_slots` gets
+        :class:`~maru.ClosedError` at once and calls inside libmaru return within the
+        configuration's ``timeout_ms``; then ``close`` waits, at most ``timeout_ms``
+        more, for those calls to leave Python's wrappers. A call still inside after that
+        does not hold ``close`` up: the handler is freed when that call leaves (every
+        libmaru call it makes meanwhile raises :class:`~maru.ClosedError`).
 
         Every staging slot's and every :class:`~maru.View`'s memoryviews are released
         first (the staging buffer and the mapping go away with the handler). While an
@@ -218,10 +243,26 @@ class MaruHandler:
         with self._lock:
             if self._h is None or self._closing:
                 return
-            self._closing = True
-            self._idle.wait_for(lambda: self._active == 0)
-            h, self._h = self._h, None
+            self._closing = True  # no new call begins
+            h = self._h
         try:
+            # Wakes libmaru's waiters and refuses their next calls (CLOSED); returns
+            # once the calls inside libmaru left it, at most timeout_ms.
+            try:
+                _capi.handler_shutdown(h)
+            except MaruError as e:  # close all the same: maru_handler_close shuts down too
+                log.warning("maru.Handler.close: maru_handler_shutdown failed: %s", e)
+            with self._lock:
+                self._h = None
+                if not self._idle.wait_for(lambda: self._active == 0, timeout=self._close_wait_s):
+                    # A call is still in Python's wrappers (and may call libmaru
+                    # again, which answers CLOSED): the last one to leave frees.
+                    self._free_on_exit = h
+                    log.warning(
+                        "maru.Handler.close: %d call(s) still in flight after %.1f s; the handler is freed when they return",
+                        self._active, self._close_wait_s,
+                    )
+                    return
             _capi.handler_close(h)
         finally:
             with self._slot_lock:
@@ -889,10 +930,12 @@ class MaruHandler:
         return self.acquire_views([key], key if route_key is None else route_key)[0]
 
     def release_views(self, views: Sequence[Optional[View]]) -> None:
-        """Releases each view (:meth:`View.release`); None entries (misses) are skipped."""
-        for v in views:
-            if v is not None:
-                v.release()
+        """Releases each view (:meth:`View.release`); None entries (misses) are skipped.
+        Their leases go back together (one call per pool)."""
+        with self._releases.batched():
+            for v in views:
+                if v is not None:
+                    v.release()
 
     def held_views(self) -> List[View]:
         """The views this handler handed out that are still held (not released, not

@@ -192,7 +192,7 @@ def test_bad_arguments_are_refused(config, ns):
 
 @pytest.mark.parametrize(
     "extra,field",
-    [({"load_slot": 3}, "load_slot"), ({"backend": "nvme"}, "nvme"), ({"load_slots": 0}, "load_slots")],
+    [({"load_slot": 3}, "load_slot"), ({"backend": "nvme"}, "nvme"), ({"async_threads": 0}, "async_threads")],
 )
 def test_bad_config_names_the_field(config, extra, field):
     bad = config("cxl", "x")
@@ -273,6 +273,84 @@ def test_threads_and_close(backend, config, ns):
         assert not t.is_alive()
     assert errors == []
     assert closed, "close() did not overlap the workers"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_wakes_a_thread_waiting_for_a_slot(backend, config, ns):
+    # close() shuts libmaru's handler down before it waits for Python's calls in
+    # flight: a thread blocked in acquire_slots gets ClosedError at once (not a
+    # NoSpaceError when its timeout ends) and close returns without waiting it out.
+    h = Handler(config(backend, f"wake-{ns}", namespace=ns, store_slots=2))
+    held = h.acquire_slots(maru.SlotPool.STORE, 2)
+    while len(held) < 2:
+        held += h.acquire_slots(maru.SlotPool.STORE, 2 - len(held))
+    outcome: List[object] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        t0 = time.monotonic()
+        try:
+            h.acquire_slots(maru.SlotPool.STORE, 1, timeout=6)
+            outcome.append("got a slot")
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+        outcome.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert waiting.wait(timeout=10)
+    time.sleep(0.3)  # the waiter is inside maru_slots_acquire now
+    t0 = time.monotonic()
+    h.close()
+    took = time.monotonic() - t0
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert isinstance(outcome[0], ClosedError), outcome
+    assert outcome[0].code == maru.Status.CLOSED
+    assert took < 2.0, f"close took {took:.2f} s with a thread waiting for a slot"
+    assert outcome[1] < 2.5, f"the waiter returned after {outcome[1]:.2f} s"
+    assert h.closed and all(s.released for s in held)
+
+
+def test_close_waits_a_bounded_time_for_a_call_in_python(config, ns):
+    # A call still inside Python code (here: between its libmaru calls) when libmaru
+    # has shut down is waited for at most the handler's timeout_ms; close then
+    # returns, and the handle is freed by the call itself when it leaves, so it never
+    # uses a freed handler.
+    h = Handler(config("cxl", f"bounded-{ns}", namespace=ns, timeout_ms=500))
+    inside = threading.Event()
+    leave = threading.Event()
+    errors: List[BaseException] = []
+
+    def stuck() -> None:
+        try:
+            with h._use() as c:
+                inside.set()
+                leave.wait(timeout=20)
+                # libmaru answers CLOSED after the shutdown, not a use after free.
+                try:
+                    maru._capi.chunk_size(c)
+                    errors.append(AssertionError("a call after close answered OK"))
+                except ClosedError:
+                    pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    assert inside.wait(timeout=10)
+    t0 = time.monotonic()
+    h.close()
+    took = time.monotonic() - t0
+    assert 0.4 < took < 3.0, f"close took {took:.2f} s with timeout_ms 500"
+    assert h.closed
+    with pytest.raises(ClosedError):
+        h.store("k", b"v")
+    leave.set()
+    t.join(timeout=10)
+    assert not t.is_alive() and errors == []
+    assert h._h is None  # freed by the call that left last
 
 
 def test_stats_count_hits(config, ns):

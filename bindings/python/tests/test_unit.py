@@ -203,7 +203,7 @@ def test_the_package_imports_one_way():
     layer = {
         "_lib": 0, "errors": 0, "_buffer": 0, "keys": 0,
         "_capi": 1,
-        "_book": 2, "_log": 2, "hook": 2,
+        "_book": 2, "_log": 2, "hook": 2, "key_files": 2, "copies": 2,
         "slots": 3, "views": 3,
         "handler": 4,
         "compat": 5,
@@ -286,3 +286,42 @@ def test_only_the_c_layer_calls_libmaru():
             continue
         bad += [f"{rel}:{line}: {what}" for line, what in _c_calls(path.read_text())]
     assert not bad, "C calls outside maru._lib / maru._capi (use a wrapper of maru._capi):\n" + "\n".join(bad)
+
+
+def test_check_key_file_names_the_file_and_what_is_wrong(tmp_path):
+    """maru.check_key_file is libmaru's own key-file loader (maru_key_file_check): a
+    good key passes; a missing, too open or malformed file is a ConfigError naming it."""
+    import os
+
+    good = tmp_path / "good.key"
+    good.write_text("00112233445566778899aabbccddeeff\n")
+    os.chmod(good, 0o600)
+    maru.check_key_file(good)
+    missing, open_, junk = tmp_path / "missing.key", tmp_path / "open.key", tmp_path / "junk.key"
+    open_.write_text(good.read_text())
+    os.chmod(open_, 0o644)
+    junk.write_text("not a key\n")
+    os.chmod(junk, 0o600)
+    for bad, words in ((missing, "missing.key"), (open_, "chmod 600"), (junk, "junk.key")):
+        with pytest.raises(maru.ConfigError) as e:
+            maru.check_key_file(bad)
+        assert words in e.value.message, e.value.message
+
+
+def test_copy_ranges_copies_every_piece_in_one_call():
+    """maru.copy_ranges (maru_copy): every piece lands, large ones (streamed) and
+    small; a NULL address fails the call before anything is copied."""
+    src = bytearray(os.urandom(700 << 10))
+    dst = bytearray(len(src))
+    a = ctypes.addressof((ctypes.c_char * len(src)).from_buffer(src))
+    b = ctypes.addressof((ctypes.c_char * len(dst)).from_buffer(dst))
+    cut = [0, 10, 300 << 10, 700 << 10]
+    pieces = [(b + x, a + x, y - x) for x, y in zip(cut, cut[1:])][::-1]
+    for shared in (False, True):
+        dst[:] = bytes(len(dst))
+        maru.copy_ranges(pieces, into_shared=shared)
+        assert dst == src
+    dst[:] = bytes(len(dst))
+    with pytest.raises(maru.MaruError) as e:
+        maru.copy_ranges([(b, a, 8), (0, a, 8)])
+    assert "copies[1]" in e.value.message and dst[:8] == bytes(8)

@@ -5,8 +5,10 @@
 //! (where messages go), [`hook`] (pinning the staging buffer), [`handler`] (open,
 //! stats, shutdown, free), [`kv`] (chunks by key), [`slots`] (zero-copy staging
 //! slots), [`ops`] (asynchronous slot transfers), [`views`] (chunks in place on
-//! `cxl`), [`keys`] (chunk keys). [`status`] holds the one table from libmaru's
-//! errors to status codes; [`boundary`] and [`args`] the rules every function keeps.
+//! `cxl`), [`keys`] (chunk keys), [`key_file`] (checking a key file), [`copy`]
+//! (copies between a runtime's memory and Maru's). [`status`]
+//! holds the one table from libmaru's errors to status codes; [`boundary`] and
+//! [`args`] the rules every function keeps.
 //!
 //! Rules every exported function follows (rustls-ffi style):
 //!
@@ -73,12 +75,19 @@ pub mod staging;
 // Chunk keys (no handler needed).
 pub mod keys;
 
+// Checking a key file before a handler proves it (no handler needed).
+pub mod key_file;
+
+// Copies between a runtime's memory and Maru's (no handler needed).
+pub mod copy;
+
 // The rules every function keeps.
 pub mod args;
 pub mod boundary;
 pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};
+pub use copy::{maru_copy, maru_copy_t};
 pub use error::{
     clear_last_error, last_error, maru_last_error, maru_last_error_copy, maru_status_str,
     set_last_error,
@@ -92,6 +101,7 @@ pub use in_place::{
     maru_page_t, maru_pages_give_back, maru_pages_publish, maru_pages_take, maru_region_t,
     maru_region_view, maru_regions_list,
 };
+pub use key_file::maru_key_file_check;
 pub use keys::{maru_chunk_keys, MARU_CHUNK_KEY_SIZE};
 pub use kv::{
     maru_exists, maru_exists_batch, maru_load, maru_load_batch, maru_pin_batch, maru_remove_batch,

@@ -97,7 +97,9 @@ pub unsafe extern "C" fn maru_slots_acquire(
                 let left = deadline.saturating_duration_since(Instant::now());
                 match call.handler().acquire_slots(pool, n, left.min(ACQUIRE_SLICE)) {
                     Ok(s) => break s,
-                    Err(WorkerError::NoSpace(_)) if left > ACQUIRE_SLICE => {
+                    Err(WorkerError::NoSpace(_))
+                        if left > ACQUIRE_SLICE && call.handler().slots_configured(pool) > 0 =>
+                    {
                         if call.shutting_down() {
                             return Err(WorkerError::Closed.into());
                         }

@@ -100,10 +100,13 @@ pub struct HandlerConfig {
     /// verbs an error on one fails only its batches.
     #[serde(default = "default_rdma_qps_per_agent")]
     pub rdma_qps_per_agent: u8,
-    /// Load staging slots (pipeline depth of loads).
+    /// Load staging slots (pipeline depth of loads). 0: none (slot loads and
+    /// `remote_cxl` loads miss at once); with `store_slots` 0 too the handler has no
+    /// staging buffer at all (a process that only looks keys up).
     #[serde(default = "default_load_slots")]
     pub load_slots: usize,
-    /// Store staging slots (what stores keep in flight).
+    /// Store staging slots (what stores keep in flight). 0: none (slot stores and
+    /// `remote_cxl` stores are skipped at once).
     #[serde(default = "default_store_slots")]
     pub store_slots: usize,
     /// Timeout of one transfer batch and of control calls (ms).
@@ -157,12 +160,6 @@ impl HandlerConfig {
         self.server_urls()?;
         if self.engine_id.trim().is_empty() {
             return Err("engine_id is empty: give each engine a stable, unique id".into());
-        }
-        if self.load_slots == 0 {
-            return Err("load_slots must be at least 1".into());
-        }
-        if self.store_slots == 0 {
-            return Err("store_slots must be at least 1".into());
         }
         if self.async_threads == 0 || self.async_threads > 64 {
             return Err("async_threads must be between 1 and 64".into());

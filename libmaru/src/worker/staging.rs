@@ -38,6 +38,14 @@ impl StagingLayout {
         self.slot_size * (self.load_slots + self.store_slots)
     }
 
+    /// The slots of one pool (0: the handler has none of that kind).
+    pub fn slots(&self, pool: SlotPool) -> usize {
+        match pool {
+            SlotPool::Load => self.load_slots,
+            SlotPool::Store => self.store_slots,
+        }
+    }
+
     /// Checks the layout against one request's working set: `chunk` bytes per slot,
     /// `min_load` and `min_store` slots at least. A configured size that cannot hold
     /// that is a configuration error (reported at open, never retried).
@@ -98,7 +106,13 @@ const HUGE: usize = 2 << 20;
 
 impl Buffer {
     fn new(len: usize) -> std::io::Result<Buffer> {
-        let len = len.max(1);
+        if len == 0 {
+            // No slot at all (a handler that only looks keys up): no mapping.
+            return Ok(Buffer {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            });
+        }
         // Room to slide the start to a 2 MiB boundary; the slack is unmapped below.
         let span = len
             .checked_add(HUGE)
@@ -145,6 +159,9 @@ impl Buffer {
 
     /// Faults every page in now (see [`StagingSlots::populate`]).
     fn populate(&self) {
+        if self.len == 0 {
+            return;
+        }
         // SAFETY: the buffer's own range, mapped and writable; populating it changes
         // no byte.
         let r = unsafe {
@@ -175,6 +192,9 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        if self.len == 0 {
+            return; // nothing was mapped
+        }
         // SAFETY: unmapping what `new` mapped.
         unsafe {
             libc::munmap(self.ptr.cast(), self.len);
@@ -235,9 +255,13 @@ impl StagingSlots {
         self.inner.buf.populate();
     }
 
-    /// The whole buffer (to register with the transport and the memory hook).
+    /// The whole buffer (to register with the transport and the memory hook); null
+    /// and 0 bytes for a layout of no slots.
     pub fn buffer(&self) -> (*mut u8, usize) {
-        (self.inner.base, self.inner.layout.total_bytes())
+        match self.inner.layout.total_bytes() {
+            0 => (std::ptr::null_mut(), 0),
+            len => (self.inner.base, len),
+        }
     }
 
     /// Free slots of a pool now.
@@ -265,7 +289,8 @@ impl StagingSlots {
             return Vec::new();
         };
         loop {
-            if n == 0 || !list(&f, pool).is_empty() {
+            // A pool of no slots never has one free: no wait.
+            if n == 0 || !list(&f, pool).is_empty() || self.inner.layout.slots(pool) == 0 {
                 return self.take(&mut f, pool, n);
             }
             let now = Instant::now();
@@ -388,6 +413,30 @@ mod tests {
             bytes[len - 1] = 2;
             assert_eq!((bytes[0], bytes[len - 1]), (1, 2));
         }
+    }
+
+    /// A handler configured with no slots (a process that only looks keys up) maps no
+    /// staging memory, and asking a pool of no slots for one answers at once instead
+    /// of waiting out the timeout.
+    #[test]
+    fn no_slots_map_nothing_and_never_wait() {
+        let none = slots(0, 0);
+        assert_eq!(none.buffer().1, 0);
+        none.populate();
+        let t = Instant::now();
+        assert!(none
+            .acquire(SlotPool::Load, 1, Duration::from_secs(5))
+            .is_empty());
+        assert!(none
+            .acquire(SlotPool::Store, 4, Duration::from_secs(5))
+            .is_empty());
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        // One kind only: the other still lends and waits as before.
+        let loads = slots(2, 0);
+        assert!(loads
+            .acquire(SlotPool::Store, 1, Duration::from_secs(5))
+            .is_empty());
+        assert_eq!(loads.acquire(SlotPool::Load, 3, Duration::ZERO).len(), 2);
     }
 
     fn slots(l: usize, s: usize) -> StagingSlots {

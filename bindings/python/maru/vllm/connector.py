@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -26,13 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..handler import MaruHandler
 from ..hook import set_memory_hook_auto
 from . import core
-from .core import ChunkTransfer, HandlerSlot, KVBlocks, SchedulerCore, WorkerCore
+from .core import ChunkTransfer, KVBlocks, LayerMemory, PagedKV, SchedulerCore, WorkerCore
 
-# Under vLLM, log through vLLM's logging configuration (its handlers sit on "vllm").
-core.log = log = logging.getLogger("vllm.maru")
+log = core.log
+# This connector's and libmaru's log lines in vLLM's format, once per process.
+core.log_through("vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,12 +94,16 @@ class MaruKVConnector(KVConnectorBase_V1):
                 "only models with one group are supported"
             )
         s = self.settings
+        # Both sides, before anything opens: a key file that is missing, unreadable, open
+        # to others or not a key stops the engine naming its setting.
+        s.check_key_files()
         self._scheduler: Optional[SchedulerCore] = None
         self._worker: Optional[WorkerCore] = None
         if role == KVConnectorRole.SCHEDULER:
-            cfg = s.handler_config(f"{s.engine_id}-scheduler", self.digest)
-            slot = HandlerSlot(lambda: MaruHandler(cfg), "scheduler")
-            slot.get()  # a configuration error stops the engine now
+            # Lookups only: no staging slots, no staging buffer in this process.
+            cfg = s.handler_config(f"{s.engine_id}-scheduler", self.digest, lookups_only=True)
+            slot = core.handler_slot(s, "scheduler", cfg)
+            slot.get()  # a refused setting or key stops the engine now
             keyspaces = [core.keyspace(s.namespace, self.digest, r) for r in range(self.tp_size)]
             self._scheduler = SchedulerCore(s.chunk_tokens, block_size, keyspaces, slot)
             log.info("maru.vllm scheduler: backend %s, server %s, namespace %s, digest %s, %d tokens a chunk",
@@ -107,9 +112,10 @@ class MaruKVConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-            cfg = s.handler_config(f"{s.engine_id}-worker{self.rank}", self.digest)
-            self._worker_slot = HandlerSlot(lambda: MaruHandler(cfg), f"worker {self.rank}")
-            self._worker = WorkerCore(self.rank, self._worker_slot, stats_file=s.stats_file)
+            # The handler opens in register_kv_caches, once vLLM bound this process's
+            # compute threads (Placement).
+            self._worker = WorkerCore(self.rank, None, stats_file=s.stats_file,
+                                      in_place=s.backend == "cxl", timeout_ms=s.timeout_ms)
 
     # Scheduler side ----------------------------------------------------------------
 
@@ -190,12 +196,18 @@ class MaruKVConnector(KVConnectorBase_V1):
             # Pin the staging buffer (cudaHostRegister) so that the copies between the
             # GPU's blocks and the slots are DMA; process-wide, before the handler opens.
             set_memory_hook_auto()
-        h = self._worker_slot.get()  # a configuration error stops the engine now
+        # libmaru's calls, and the threads it starts in them, off the compute cores.
+        place = core.Placement.off_compute()
+        s = self.settings
+        cfg = s.handler_config(f"{s.engine_id}-worker{self.rank}", self.digest)
+        self._worker.handler = core.handler_slot(s, f"worker {self.rank}", cfg, place)
+        log.info("maru.vllm worker %d: libmaru's calls and threads on cores %s (this thread on %s)", self.rank,
+                 sorted(place.cores) or "as this thread", sorted(os.sched_getaffinity(0)))
+        h = self._worker.handler.get()  # a refused setting or key stops the engine now
         if h is not None:
             why = self._worker.chunk_misfit(h)
             if why:
                 raise ValueError(f"maru.vllm: {why}")
-            self._worker.warm_up(h)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._worker is not None
@@ -241,16 +253,22 @@ def _layer_order(name: str) -> Tuple[int, str]:
 
 class TorchKVBlocks(KVBlocks):
     """The engine's KV cache as whole blocks of bytes. A chunk is, for each layer (in
-    layer order), its ``blocks_per_chunk`` blocks one after the other. A layer's tensor
-    must be contiguous with the block index in dimension 0 (vLLM's CPU layout
+    layer order), its ``blocks_per_chunk`` blocks one after the other (each piece of
+    them: see :class:`~maru.vllm.core.LayerMemory`). A layer's tensor must be
+    contiguous with the block index in dimension 0 (vLLM's CPU layout
     ``[num_blocks, kv_heads, block_size, 2*head_size]``) or 1 (``[2, num_blocks, ...]``:
-    K blocks, then V blocks)."""
+    K blocks, then V blocks).
+
+    On CPU the copies are :class:`~maru.vllm.core.PagedKV`'s ``memmove`` of whole runs of
+    blocks (torch's index copies cost far more here); on another device each layer is
+    copied with one ``index_select`` / ``index_copy_`` per chunk."""
 
     def __init__(self, kv_caches: Dict[str, torch.Tensor], blocks_per_chunk: int, num_blocks: Optional[int]):
         if not kv_caches:
             raise ValueError("maru.vllm: vLLM registered no KV cache layers")
         self.bpc = blocks_per_chunk
         self.layers: List[Tuple[str, torch.Tensor, int, int]] = []  # name, uint8 view, block dim, block bytes
+        memory: List[LayerMemory] = []
         seen = set()
         for name in sorted(kv_caches, key=_layer_order):
             t = kv_caches[name]
@@ -263,90 +281,60 @@ class TorchKVBlocks(KVBlocks):
             if t.shape[0] == nb:
                 dim = 0
                 u8 = t.view(torch.uint8).reshape(nb, -1)
-                bb = u8.shape[1]
+                pieces, piece = 1, u8.shape[1]
             elif t.dim() > 1 and t.shape[1] == nb:
                 dim = 1
                 u8 = t.view(torch.uint8).reshape(t.shape[0], nb, -1)
-                bb = u8.shape[0] * u8.shape[2]
+                pieces, piece = u8.shape[0], u8.shape[2]
             else:
                 raise ValueError(
                     f"maru.vllm: cannot find the block dimension ({nb} blocks) of layer {name}'s KV cache {tuple(t.shape)}"
                 )
-            self.layers.append((name, u8, dim, bb))
+            self.layers.append((name, u8, dim, pieces * piece))
+            memory.append(LayerMemory(u8.data_ptr(), nb, pieces, piece))
         self.chunk_bytes = sum(bb for *_, bb in self.layers) * self.bpc
         self.device = self.layers[0][1].device
-        # CPU caches are copied with memmove (torch's copy kernels cost ~25 ms per 256 KiB
-        # here, memmove microseconds); other devices through torch.
-        self.use_memmove = self.device.type == "cpu"
+        self.host = PagedKV(memory, blocks_per_chunk) if self.device.type == "cpu" else None
         self._shapes = sorted({(tuple(kv_caches[n].shape[1:]), str(kv_caches[n].dtype)) for n, *_ in self.layers})
 
     def describe(self) -> str:
         t = self.layers[0][1]
         return f"block dim {self.layers[0][2]}, device {t.device}, layer shapes {self._shapes}"
 
-    def _moves(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
-        """``(offset in the chunk, address in the cache, length)`` of every piece of
-        ``blocks`` (CPU tensors: the copies are plain memmoves, no torch kernel)."""
-        out = []
+    @staticmethod
+    def _memory(addr: int, size: int) -> torch.Tensor:
+        return torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
+
+    def copy_out(self, blocks: Sequence[Tuple[int, int]], addr: int, size: int) -> None:
+        if self.host is not None:
+            self.host.copy_out(blocks, addr, size)
+            return
+        if [p for p, _ in blocks] != list(range(self.bpc)) or size != self.chunk_bytes:
+            raise ValueError("a stored chunk needs all its blocks")
+        out = self._memory(addr, size)
+        ids = torch.tensor([b for _, b in blocks], dtype=torch.long, device=self.device)
         off = 0
         for _, u8, dim, bb in self.layers:
-            base = u8.data_ptr()
-            if dim == 0:
-                pieces, piece, nb = 1, bb, u8.shape[0]
-            else:
-                pieces, piece, nb = u8.shape[0], u8.shape[2], u8.shape[1]
-            for i in range(pieces):
-                for pos, b in blocks:
-                    out.append((off + (i * self.bpc + pos) * piece, base + (i * nb + b) * piece, piece))
-            off += bb * self.bpc
-        return out
+            n = bb * self.bpc
+            out[off : off + n].copy_(u8.index_select(dim, ids).reshape(-1))
+            off += n
 
-    def copy_out(self, blocks: Sequence[Tuple[int, int]], dst: memoryview) -> None:
-        if [p for p, _ in blocks] != list(range(self.bpc)):
-            raise ValueError("a stored chunk needs all its blocks")
-        if self.use_memmove:
-            buf = (ctypes.c_char * len(dst)).from_buffer(dst)
-            try:
-                at = ctypes.addressof(buf)
-                for off, addr, n in self._moves(blocks):
-                    ctypes.memmove(at + off, addr, n)
-            finally:
-                del buf
+    def copy_in(self, blocks: Sequence[Tuple[int, int]], addr: int, size: int) -> None:
+        if self.host is not None:
+            self.host.copy_in(blocks, addr, size)
             return
-        out = torch.frombuffer(dst, dtype=torch.uint8)
-        try:
-            ids = torch.tensor([b for _, b in blocks], dtype=torch.long, device=self.device)
-            off = 0
-            for _, u8, dim, bb in self.layers:
-                n = bb * self.bpc
-                out[off : off + n].copy_(u8.index_select(dim, ids).reshape(-1))
-                off += n
-        finally:
-            del out
-
-    def copy_in(self, blocks: Sequence[Tuple[int, int]], src: memoryview) -> None:
-        if self.use_memmove:
-            buf = (ctypes.c_char * len(src)).from_buffer(src)
-            try:
-                at = ctypes.addressof(buf)
-                for off, addr, n in self._moves(blocks):
-                    ctypes.memmove(addr, at + off, n)
-            finally:
-                del buf
-            return
-        data = torch.frombuffer(src, dtype=torch.uint8)
-        try:
-            pos = torch.tensor([p for p, _ in blocks], dtype=torch.long)
-            ids = torch.tensor([b for _, b in blocks], dtype=torch.long, device=self.device)
-            whole = len(blocks) == self.bpc
-            off = 0
-            for _, u8, dim, bb in self.layers:
-                n = bb * self.bpc
-                part = data[off : off + n]
-                part = part.view(self.bpc, -1) if dim == 0 else part.view(u8.shape[0], self.bpc, -1)
-                if not whole:
-                    part = part.index_select(dim, pos)
-                u8.index_copy_(dim, ids, part.to(self.device))
-                off += n
-        finally:
-            del data
+        if size != self.chunk_bytes:
+            raise ValueError(f"a chunk here is {self.chunk_bytes} bytes, not {size}")
+        data = self._memory(addr, size)
+        pos = torch.tensor([p for p, _ in blocks], dtype=torch.long)
+        ids = torch.tensor([b for _, b in blocks], dtype=torch.long, device=self.device)
+        whole = len(blocks) == self.bpc
+        off = 0
+        for _, u8, dim, bb in self.layers:
+            n = bb * self.bpc
+            part = data[off : off + n]
+            part = part.view(self.bpc, -1) if dim == 0 else part.view(u8.shape[0], self.bpc, -1)
+            if not whole:
+                part = part.index_select(dim, pos)
+            u8.index_copy_(dim, ids, part.to(self.device))
+            off += n

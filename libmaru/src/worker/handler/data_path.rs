@@ -92,8 +92,10 @@ impl Inner {
             load_slots: self.cfg.load_slots,
             store_slots: self.cfg.store_slots,
         };
+        // No slot of a kind is allowed (0: that kind of slot transfer is skipped or
+        // misses at once); none at all is a handler without staging buffer.
         layout
-            .validate(page_size as usize, 1, 1)
+            .validate(page_size as usize, 0, 0)
             .map_err(WorkerError::Config)?;
         let staging = StagingSlots::new(layout).map_err(|e| {
             WorkerError::NoSpace(format!(
@@ -103,7 +105,10 @@ impl Inner {
         })?;
         let (ptr, len) = staging.buffer();
         // Before the first transfer uses the buffer (and before the NIC registers it).
-        let hook = crate::worker::hook::register(ptr, len, self.hook)?;
+        let hook = match len {
+            0 => None,
+            _ => Some(crate::worker::hook::register(ptr, len, self.hook)?),
+        };
         let mut agent_opts =
             ClientOptions::new(crate::wire::agent::SERVICE, self.client_id.clone());
         let nic = match self.cfg.backend {
@@ -117,8 +122,10 @@ impl Inner {
                     Some(t) => t.clone(),
                     None => make_transport(&self.cfg, &self.client_id, &key)?,
                 };
-                nic.register_local(LocalBuffer { ptr, len })
-                    .map_err(|e| WorkerError::Config(e.to_string()))?;
+                if len > 0 {
+                    nic.register_local(LocalBuffer { ptr, len })
+                        .map_err(|e| WorkerError::Config(e.to_string()))?;
+                }
                 agent_opts.key = Some(key);
                 Some(nic)
             }
@@ -126,7 +133,7 @@ impl Inner {
         agent_opts.call_timeout = self.timeout();
         agent_opts.connect_timeout = self.timeout().min(Duration::from_secs(5));
         let dp = Arc::new(DataPath {
-            hook: Mutex::new(Some(hook)),
+            hook: Mutex::new(hook),
             staging,
             nic,
             agent_opts,

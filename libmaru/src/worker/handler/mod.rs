@@ -403,6 +403,15 @@ impl Handler {
         self.inner.acquire_slots(pool, n, timeout)
     }
 
+    /// The slots of `pool` this handler was configured with (0: none; asking for one
+    /// fails at once).
+    pub fn slots_configured(&self, pool: SlotPool) -> usize {
+        match pool {
+            SlotPool::Load => self.inner.cfg.load_slots,
+            SlotPool::Store => self.inner.cfg.store_slots,
+        }
+    }
+
     /// Gives slots back. A slot lent to a running operation is refused (`Busy`).
     pub fn release_slots(&self, ids: &[u64]) -> Result<(), WorkerError> {
         self.inner.slot_table()?.release(ids)
