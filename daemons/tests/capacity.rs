@@ -404,6 +404,22 @@ fn newcomer_on_a_full_pool(backend: &str) {
     for p in 0..prompts {
         store_prompt(&b, "engine-b", p);
     }
+    // The set-up, not the claim: on a loaded machine B's first take-back can outlast
+    // its request's 1 s wait and B backs off its expands; B goes on storing (at most
+    // 30 s) until it holds a region, so that C meets two engines sharing the pool.
+    let settle = Instant::now();
+    let mut p = prompts;
+    while regions_of(&b) == 0 && settle.elapsed() < Duration::from_secs(30) {
+        store_prompt(&b, "engine-b", p);
+        p += 1;
+    }
+    if p > prompts {
+        println!(
+            "{backend}: B stored {} more prompts ({:?}) before it held a region",
+            p - prompts,
+            settle.elapsed()
+        );
+    }
     let beat = Duration::from_millis(SESSION_TIMEOUT_S * 1000 / 3);
     std::thread::sleep(2 * beat);
     let (ra, rb) = (regions_of(&a), regions_of(&b));
