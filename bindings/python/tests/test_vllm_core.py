@@ -1091,6 +1091,42 @@ def test_a_thread_that_names_itself_late_is_still_moved() -> None:
     assert result.get("moved") == 1 and result.get("cores") == other, result
 
 
+
+def test_threads_an_open_started_are_moved_even_when_no_call_follows():
+    """The open's threads may name themselves only after the open returned, and a worker
+    may make no later call through the wrapper: ``settle_started`` looks again until
+    they are named (bounded). Seen failing with a single ``settle`` (moved 0)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    cores = sorted(os.sched_getaffinity(0))
+    compute, other = {cores[-1]}, {cores[0]}
+    import threading
+
+    named, done = threading.Event(), threading.Event()
+    result: Dict[str, Any] = {}
+
+    def late() -> None:  # names itself 50 ms after it started
+        time.sleep(0.05)
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write("maru-late-open")
+        named.set()
+        done.wait(10)
+        result["cores"] = os.sched_getaffinity(0)
+
+    def caller() -> None:
+        os.sched_setaffinity(0, compute)
+        place = core.Placement(other)
+        t = threading.Thread(target=late)
+        t.start()
+        result["moved"] = place.settle_started(timeout_s=2.0)
+        done.set()
+        t.join(10)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(30)
+    assert result.get("moved") == 1 and result.get("cores") == other, result
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -127,6 +127,19 @@ class Placement:
             return Placement()
         return Placement(allowed - mine)
 
+    def settle_started(self, timeout_s: float = 1.0) -> int:
+        """``settle`` right after a call that started threads (the open): the threads
+        it started may not have named themselves yet, and no later call may come to
+        look again (a worker whose calls do not go through the handler's wrapper), so
+        this looks again every 5 ms until no new thread is left unnamed, at most
+        ``timeout_s``; returns how many it moved."""
+        moved = self.settle()
+        deadline = time.monotonic() + timeout_s
+        while self._young and time.monotonic() < deadline:
+            time.sleep(0.005)
+            moved += self.settle()
+        return moved
+
     def settle(self) -> int:
         """Moves libmaru's threads started since the last look to ``cores``; returns how
         many it moved. Cheap when no thread was started (one read of the thread list).
@@ -529,7 +542,7 @@ class HandlerSlot:
         first, self._started = not self._started, True
         try:
             self.handler = self._place.wrap(self._open())
-            self._place.settle()  # the threads the open started
+            self._place.settle_started()  # the threads the open started
         except MaruError as e:
             self._retry_at = now + REOPEN_BACKOFF_S
             if e.code in FATAL_AT_START:
