@@ -1116,6 +1116,7 @@ def test_threads_an_open_started_are_moved_even_when_no_call_follows():
     def caller() -> None:
         os.sched_setaffinity(0, compute)
         place = core.Placement(other)
+        place.settle()  # libmaru threads of other tests in this process: seen already
         t = threading.Thread(target=late)
         t.start()
         result["moved"] = place.settle_started(timeout_s=2.0)
