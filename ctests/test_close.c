@@ -20,21 +20,11 @@
 #include <time.h>
 
 #include "check.h"
+#include "clock.h"
 
 #define WORKERS 3
 #define BLOCKED 3
 #define MAX_SLOTS 64
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static void sleep_ms(long ms) {
-    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
-}
 
 struct shared {
     maru_handler_t *h;

@@ -23,19 +23,9 @@
 #include <time.h>
 
 #include "check.h"
+#include "clock.h"
 
 #define CHUNK 4096
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static void sleep_ms(long ms) {
-    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
-}
 
 static const char *backend;
 static char tag[32];
