@@ -117,10 +117,12 @@ fn capacity_engine() {
     h.close().expect("close");
 }
 
-fn stack() -> Stack {
-    let args: Vec<String> = [
+/// maru-server's flags of these tests: regions of `region_size`, their chunk size and
+/// session timeout.
+fn server_args(region_size: &str) -> Vec<String> {
+    [
         "--region-size",
-        "64M",
+        region_size,
         "--chunk-size",
         &format!("{}K", CHUNK >> 10),
         "--session-timeout-s",
@@ -128,7 +130,11 @@ fn stack() -> Stack {
     ]
     .iter()
     .map(|a| a.to_string())
-    .collect();
+    .collect()
+}
+
+fn stack() -> Stack {
+    let args = server_args("64M");
     support::stack("capacity", &format!("{}M", POOL / MIB), true, &args)
 }
 
@@ -369,17 +375,7 @@ fn a_newcomer_on_a_pool_full_of_idle_engines_stores_within_a_second_and_shares_e
 }
 
 fn newcomer_on_a_full_pool(backend: &str, equal_shares: bool) {
-    let args: Vec<String> = [
-        "--region-size",
-        "16M",
-        "--chunk-size",
-        &format!("{}K", CHUNK >> 10),
-        "--session-timeout-s",
-        &SESSION_TIMEOUT_S.to_string(),
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect();
+    let mut args = server_args("16M");
     // Shares are per principal (tenant): each engine its own tenant and namespace.
     let dir = std::env::temp_dir().join(format!("maru-newcomer-{backend}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -394,7 +390,6 @@ fn newcomer_on_a_full_pool(backend: &str, equal_shares: bool) {
     }
     let tenants = dir.join("tenants.toml");
     std::fs::write(&tenants, toml).unwrap();
-    let mut args = args;
     args.extend(["--tenants".to_string(), tenants.display().to_string()]);
     let st = support::stack("newcomer", &format!("{}M", POOL / MIB), true, &args);
     let open = |name: &str| {
