@@ -410,6 +410,36 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
     assert!(w.expand(W1, a).is_err(), "the pool is full");
 }
 
+/// Rule: an engine refused a region on the pool it filled alone does not stay a
+/// waiter (a waiting tenant is never asked to give back): the next engine's first
+/// expand is answered within its round trip. Seen failing with `forget_satisfied`
+/// taken out of `FairShare::decide` (B's expand refused `no_space`, A not asked until
+/// its own refusal was a session timeout old).
+#[test]
+fn an_engine_that_filled_the_pool_alone_and_was_refused_gives_the_next_engine_a_region() {
+    let mut w = World::with(config(&[A1]), 4 * REGION);
+    w.split_tenants(&[W1, W2, W3]);
+    let (a, _) = w.open(W1);
+    for _ in 0..3 {
+        w.now += 100;
+        w.expand(W1, a).expect("room at the RM");
+    }
+    w.now += 100;
+    assert!(w.expand(W1, a).is_err(), "the pool is full");
+    w.now += 100;
+    let b = w.open_without_region(W2);
+    let t = w.send(W2, MetaRequest::Expand { session: b }).unwrap_err();
+    w.run_actions();
+    w.tick();
+    w.run_actions();
+    assert!(
+        matches!(w.answers.remove(&t), Some(Ok(MetaReply::Region(_)))),
+        "B's first expand got a region of A: {:?}",
+        w.answers
+    );
+    assert_eq!(w.core.total_stats().waiting_for_region, 0);
+}
+
 /// Rule: a session furthest above its share that is writing into every region is
 /// asked on the reply to its next call (any call, not only a heartbeat), gets no new
 /// page of the region asked, and the newcomer's request waits for that region (at

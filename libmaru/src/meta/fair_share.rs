@@ -106,6 +106,36 @@ impl FairShare {
         }
     }
 
+    /// Forgets waiters that hold their share already: their tenant holds its share of
+    /// the pool and the session its share of the tenant's regions. An engine alone on
+    /// a pool it filled is refused a region and noted as waiting; counted as waiting
+    /// it would never be asked to give back (a waiting tenant is never asked) until it
+    /// stopped asking for `wait_ms`, and a newcomer got nothing meanwhile (seen: 3 s,
+    /// the session timeout, after which the newcomer had stopped storing).
+    fn forget_satisfied(&mut self, holdings: &[Holding], pool_regions: usize) {
+        if self.wanting.is_empty() {
+            return;
+        }
+        let share = self.share(holdings, pool_regions);
+        let held = per_tenant(holdings);
+        let satisfied: Vec<u64> = self
+            .wanting
+            .iter()
+            .filter(|(s, (t, _))| {
+                let mine = holdings
+                    .iter()
+                    .find(|h| h.session == **s)
+                    .map_or(0, |h| h.regions.len());
+                held.get(t.as_str()).copied().unwrap_or(0) >= share
+                    && mine >= self.session_share(t, holdings)
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        for s in satisfied {
+            self.wanting.remove(&s);
+        }
+    }
+
     /// The region went back to the RM (returned, or lost otherwise).
     pub fn region_gone(&mut self, region_id: u64, returned_by: Option<u64>) {
         if let Some(a) = self.asked {
@@ -238,6 +268,7 @@ impl FairShare {
         ask_timeout_ms: u64,
     ) -> Option<Ask> {
         self.forget_stale(now_ms, wait_ms);
+        self.forget_satisfied(holdings, pool_regions);
         if let Some(a) = self.asked {
             if now_ms.saturating_sub(a.at_ms) < ask_timeout_ms {
                 return None;
@@ -469,6 +500,35 @@ mod tests {
             ask.session, 4,
             "tenant u holds 5 of 8 regions, its share is 4"
         );
+    }
+
+    /// Rule: a waiter holding its share waits no longer. Seen failing without
+    /// `forget_satisfied` (nobody asked: A, alone on the pool it filled and refused a
+    /// region then, counted as a waiting tenant until it stopped asking).
+    #[test]
+    fn an_engine_refused_on_the_pool_it_filled_alone_is_asked_when_a_newcomer_waits() {
+        let mut f = FairShare::default();
+        let alone = [holding(1, &[(10, 5), (11, 1), (12, 9), (13, 7)])];
+        want(&mut f, 1, 0);
+        assert_eq!(f.decide(&alone, 4, 0, 10_000, 5_000), None);
+        assert_eq!(f.waiting(), 0, "A holds all of its share: it waits no longer");
+        want(&mut f, 1, 100);
+        want(&mut f, 2, 200);
+        let h = [alone[0].clone(), holding(2, &[])];
+        let ask = f
+            .decide(&h, 4, 200, 10_000, 5_000)
+            .expect("A is above its share of 2");
+        assert_eq!((ask.session, ask.region_id), (1, 11));
+        assert!(!f.is_waiting(1) && f.is_waiting(2));
+        // A waiter below its share keeps waiting.
+        let mut g = FairShare::default();
+        want(&mut g, 2, 0);
+        let h = [
+            holding(1, &[(10, 0), (11, 0), (12, 0)]),
+            holding(2, &[(20, 0)]),
+        ];
+        assert!(g.decide(&h, 4, 0, 10_000, 5_000).is_some());
+        assert!(g.is_waiting(2));
     }
 
     #[test]
