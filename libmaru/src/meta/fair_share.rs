@@ -511,7 +511,11 @@ mod tests {
         let alone = [holding(1, &[(10, 5), (11, 1), (12, 9), (13, 7)])];
         want(&mut f, 1, 0);
         assert_eq!(f.decide(&alone, 4, 0, 10_000, 5_000), None);
-        assert_eq!(f.waiting(), 0, "A holds all of its share: it waits no longer");
+        assert_eq!(
+            f.waiting(),
+            0,
+            "A holds all of its share: it waits no longer"
+        );
         want(&mut f, 1, 100);
         want(&mut f, 2, 200);
         let h = [alone[0].clone(), holding(2, &[])];
