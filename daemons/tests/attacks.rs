@@ -1983,6 +1983,7 @@ fn sybil_sessions_of_one_tenant_get_no_more_than_its_share() {
                 boot_ids: Default::default(),
                 regions: vec![],
                 leases: None,
+                skipped: None,
             });
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -261,6 +261,79 @@ fn table_shows_engines_pool_and_regions() {
     assert!(out.contains("region keeper: 1 regions kept"), "{out}");
 }
 
+/// Issue 34: the chunks an engine's stores skip reach maru-server with its heartbeat
+/// and show, per reason, in maru-usage's SKIPPED column and totals (and in `--json`).
+/// An engine capped at one region (`max_bytes`) with every key of it pinned skips its
+/// next stores as `max_bytes`; maru-usage shows them within two heartbeats (1 s each
+/// here). Seen failing (SKIPPED `0` after 5 s) with the worker sending `skipped: None`.
+#[test]
+fn an_engines_skipped_chunks_show_per_reason_within_a_heartbeat() {
+    let st = stack_with(
+        Scratch::new("usage-skips"),
+        &["--session-timeout-s".into(), "3".into()],
+    );
+    let cfg = serde_json::json!({
+        "backend": "remote_cxl",
+        "server_url": st.server.addr,
+        "server_key_file": support::server_key_file(&st.server.addr),
+        "engine_id": "usage-skipper",
+        "namespace": "usage-model",
+        "agent_key_file": st.agent_key.display().to_string(),
+        "load_slots": 4,
+        "store_slots": 8,
+        "max_bytes": 8 << 20,
+    });
+    let h = Handler::open(&cfg.to_string()).expect("open");
+    // One region of 8 MiB holds 128 pages of 64 KiB: fill it, pin every key.
+    let data = vec![7u8; 4096];
+    let store = |from: usize, n: usize| -> usize {
+        let keys: Vec<String> = (from..from + n).map(|i| format!("skip-{i}")).collect();
+        let items: Vec<(&str, &[u8])> = keys.iter().map(|k| (k.as_str(), &data[..])).collect();
+        let ok = h.store_batch(&items, None).expect("store");
+        ok.iter().filter(|o| **o).count()
+    };
+    let mut stored = 0;
+    for b in 0..8 {
+        stored += store(b * 16, 16);
+    }
+    assert_eq!(stored, 128, "one region's pages");
+    let keys: Vec<String> = (0..128).map(|i| format!("skip-{i}")).collect();
+    assert!(h.pin_batch(&keys, None, true).unwrap().iter().all(|p| *p));
+    assert_eq!(
+        store(128, 8),
+        0,
+        "nothing to evict, no region beyond max_bytes"
+    );
+    let skipped = h.stats()["total"]["skipped"]["max_bytes"].as_u64();
+    assert_eq!(skipped, Some(8), "{}", h.stats());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let out = loop {
+        let o = usage(&["--server", &st.server.addr]);
+        let out = text(&o);
+        assert!(o.status.success(), "{out}");
+        // Columns from ENGINE on: ... LEASES PINS CONN SKIPPED.
+        if row(&out, "usage-skipper")[15] == "max_bytes:8" {
+            break out;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no skip counts after 5 s\n{out}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert!(
+        out.contains(
+            "skipped chunks (stores not stored, as the workers' last heartbeats said): max_bytes:8"
+        ),
+        "{out}"
+    );
+    let o = usage(&["--server", &st.server.addr, "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["stats"]["total"]["skipped"]["max_bytes"], 8, "{v}");
+    assert_eq!(v["stats"]["sessions"][0]["skipped"]["no_region"], 0, "{v}");
+    h.close().unwrap();
+}
+
 #[test]
 fn unreachable_server_is_a_clear_error() {
     let o = usage(&["--server", "127.0.0.1:1", "--timeout-ms", "500"]);

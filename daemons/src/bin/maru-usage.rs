@@ -15,8 +15,10 @@
 use clap::Parser;
 use maru::net::{default_client_id, Client, ClientError, ClientOptions};
 use maru::wire::agent::{self, AgentReply, AgentRequest, StatusReply};
+use maru::wire::meta::SkipCounts;
 use maru::wire::meta::{self, MetaReply, MetaRequest, StatsReply, UsageReply};
 use maru::wire::rm::{self, PoolInfo, RegionInfo, RmReply, RmRequest};
+use maru::worker::skips::SkipReason;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -33,7 +35,9 @@ use std::time::{Duration, Instant};
     long_about = "Asks maru-server for its statistics and usage and shows them per tenant and \
 engine (the sessions of one engine_id of one tenant summed; TENANT is the tenant whose key \
 opened them, `default` for maru-server's own key); --tenant keeps only the sessions of the \
-tenants it names, in the table and in --json. With --rm also the resource manager's pools \
+tenants it names, in the table and in --json. SKIPPED: the chunks each engine's stores \
+skipped (stored=false, status OK) per reason (no_region, no_slot, pool_unavailable, \
+max_bytes), as its workers' last heartbeats said. With --rm also the resource manager's pools \
 and regions. --watch refreshes every SECS seconds until q, Ctrl-C or --count refreshes."
 )]
 struct Args {
@@ -164,6 +168,8 @@ struct EngineRow {
     leases: u64,
     pins: u64,
     connected: u64,
+    /// Chunks its stores skipped, per reason, as its sessions' last heartbeats said.
+    skipped: SkipCounts,
 }
 
 /// Who a row of the table is: a tenant and an engine id of it.
@@ -190,6 +196,7 @@ fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey, EngineRow
         row.misses += s.misses;
         row.leases += s.leases;
         row.pins += s.pins;
+        row.skipped.add(&s.skipped);
         if let Some(b) = s.backend {
             row.backends.insert(b.as_str());
         }
@@ -230,6 +237,20 @@ fn rate(h: u64, m: u64) -> String {
     }
 }
 
+/// Skip counts as `reason:count` of the reasons that skipped, `0` when none did.
+fn skips(c: &SkipCounts) -> String {
+    let v: Vec<String> = SkipReason::ALL
+        .iter()
+        .filter(|r| c.get(**r) > 0)
+        .map(|r| format!("{}:{}", r.as_str(), c.get(*r)))
+        .collect();
+    if v.is_empty() {
+        "0".into()
+    } else {
+        v.join(",")
+    }
+}
+
 fn joined<T: AsRef<str>>(set: impl IntoIterator<Item = T>) -> String {
     let v: Vec<String> = set.into_iter().map(|s| s.as_ref().to_string()).collect();
     if v.is_empty() {
@@ -263,6 +284,11 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         "eviction: {} keys removed by their engines ({} of them cut a prefix chain), {} regions given back for a fair share, {} engines waiting for a region",
         t.removed, t.chains_cut, t.fair_share_returns, t.waiting_for_region
     );
+    let _ = writeln!(
+        o,
+        "skipped chunks (stores not stored, as the workers' last heartbeats said): {}",
+        skips(&t.skipped)
+    );
     if t.recovery_ms > 0 || t.recovered_keys > 0 {
         let _ = writeln!(
             o,
@@ -276,7 +302,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     }
     let _ = writeln!(
         o,
-        "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+        "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5} {:>7}",
         "TENANT",
         "ENGINE",
         "NAMESPACE",
@@ -292,7 +318,8 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
         "HIT%",
         "LEASES",
         "PINS",
-        "CONN"
+        "CONN",
+        "SKIPPED"
     );
     let rows = engines(&s.stats, &s.usage);
     if rows.is_empty() && s.tenants.is_empty() {
@@ -303,7 +330,7 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
     for ((tenant, engine), r) in &rows {
         let _ = writeln!(
             o,
-            "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5}",
+            "{:<12} {:<24} {:<16} {:<11} {:>4} {:>7} {:>9} {:>8} {:>7} {:>8} {:>8} {:>8} {:>7} {:>6} {:>5} {:>5} {:>7}",
             if tenant.is_empty() { "-" } else { tenant },
             engine,
             joined(&r.namespaces),
@@ -319,7 +346,8 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
             rate(r.hits, r.misses),
             r.leases,
             r.pins,
-            format!("{}/{}", r.connected, r.sessions)
+            format!("{}/{}", r.connected, r.sessions),
+            skips(&r.skipped)
         );
     }
     if !s.agents.is_empty() {
@@ -859,6 +887,10 @@ mod tests {
             misses,
             leases: 1,
             pins: 2,
+            skipped: SkipCounts {
+                max_bytes: session,
+                ..Default::default()
+            },
         }
     }
 
@@ -921,6 +953,8 @@ mod tests {
             (6, 2, 2, 4, 1)
         );
         assert_eq!((a.allocated, a.used), (128 << 20, 8 << 20));
+        assert_eq!(skips(&a.skipped), "max_bytes:3", "sessions 1 and 2 summed");
+        assert_eq!(skips(&SkipCounts::default()), "0");
         assert_eq!(rate(a.hits, a.misses), "75.0%");
         assert_eq!(rows[&of("b")].hits, 0);
         assert_eq!(rate(0, 0), "-");

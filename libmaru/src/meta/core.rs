@@ -231,12 +231,16 @@ impl MetaCore {
                 boot_ids,
                 regions,
                 leases,
+                skipped,
             } => self.heartbeat(
                 client_id,
                 session,
-                &boot_ids,
-                &regions,
-                leases.as_deref(),
+                &super::session_ops::Beat {
+                    boot_ids: &boot_ids,
+                    regions: &regions,
+                    leases: leases.as_deref(),
+                    skipped,
+                },
                 now_ms,
             ),
             MetaRequest::Close { session, drained } => {

@@ -61,6 +61,7 @@ fn say_leases(w: &mut World, client: &str, session: u64, leases: Vec<HeldLease>)
         boot_ids: Default::default(),
         regions: vec![],
         leases: Some(leases),
+        skipped: None,
     };
     match w.req(client, req) {
         Ok(MetaReply::Heartbeat(_)) => {}
@@ -233,6 +234,7 @@ fn a_region_the_rm_no_longer_holds_loses_its_recovered_keys() {
             boot_ids: Default::default(),
             regions: vec![rid],
             leases: None,
+            skipped: None,
         },
     );
     match hb {

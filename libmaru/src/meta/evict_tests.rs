@@ -400,6 +400,7 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
             boot_ids: Default::default(),
             regions: a_regions.clone(),
             leases: None,
+            skipped: None,
         },
     ) else {
         panic!("heartbeat");

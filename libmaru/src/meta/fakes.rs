@@ -440,6 +440,7 @@ impl World {
             boot_ids: Default::default(),
             regions: vec![],
             leases: None,
+            skipped: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(h)) => h,
@@ -614,6 +615,7 @@ impl World {
             boot_ids,
             regions: vec![],
             leases: None,
+            skipped: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(_)) => {}

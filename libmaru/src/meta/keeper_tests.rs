@@ -455,6 +455,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             boot_ids: [(r1, BOOT.to_string())].into(),
             regions: vec![],
             leases: None,
+            skipped: None,
         },
     ) else {
         panic!("heartbeat");
@@ -468,6 +469,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             boot_ids: BTreeMap::new(),
             regions: vec![r1, r1],
             leases: None,
+            skipped: None,
         },
     ) else {
         panic!("heartbeat");

@@ -11,7 +11,8 @@ use super::regions::{Holder, Region};
 use super::sessions::EndReason;
 use super::tenants::Access;
 use crate::wire::meta::{
-    Backend, HeartbeatReply, HeldLease, MetaReply, RegionGrant, ReturnReply, MAX_NAME_LEN,
+    Backend, HeartbeatReply, HeldLease, MetaReply, RegionGrant, ReturnReply, SkipCounts,
+    MAX_NAME_LEN,
 };
 use crate::wire::WireError;
 use std::collections::BTreeMap;
@@ -26,6 +27,15 @@ fn check_name(what: &str, s: &str, required: bool) -> Result<(), WireError> {
         )));
     }
     Ok(())
+}
+
+/// What a heartbeat says (see `MetaRequest::Heartbeat`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Beat<'a> {
+    pub boot_ids: &'a BTreeMap<u64, String>,
+    pub regions: &'a [u64],
+    pub leases: Option<&'a [HeldLease]>,
+    pub skipped: Option<SkipCounts>,
 }
 
 impl MetaCore {
@@ -228,11 +238,15 @@ impl MetaCore {
         &mut self,
         client_id: &str,
         session: u64,
-        boot_ids: &BTreeMap<u64, String>,
-        regions: &[u64],
-        leases: Option<&[HeldLease]>,
+        beat: &Beat<'_>,
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
+        let Beat {
+            boot_ids,
+            regions,
+            leases,
+            skipped,
+        } = *beat;
         check_batch("boot ids", boot_ids.len())?;
         check_batch("regions", regions.len())?;
         check_batch("leases", leases.map_or(0, <[HeldLease]>::len))?;
@@ -247,6 +261,9 @@ impl MetaCore {
         let id = self.session(client_id, session, now_ms)?;
         if let Some(held) = leases {
             self.leases_held(id, held, now_ms);
+        }
+        if let Some(counts) = skipped {
+            self.sessions.note_skipped(id, counts);
         }
         let owned = |me: &Self, rid: u64| {
             me.sessions

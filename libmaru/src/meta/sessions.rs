@@ -8,7 +8,7 @@
 
 use super::keys::ScopeId;
 use super::tenants::Access;
-use crate::wire::meta::Backend;
+use crate::wire::meta::{Backend, SkipCounts};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 
@@ -118,6 +118,9 @@ pub struct SessionTable {
     /// when the table is kept durable.
     dirty: Option<std::collections::BTreeSet<u64>>,
     changes: u64,
+    /// Per open session, the skip counts its worker's last heartbeat reported (not
+    /// kept durable: the next heartbeat after a restart says them again).
+    skipped: BTreeMap<u64, SkipCounts>,
 }
 
 impl SessionTable {
@@ -131,6 +134,7 @@ impl SessionTable {
             timeout_ms,
             dirty: None,
             changes: 0,
+            skipped: BTreeMap::new(),
         }
     }
 
@@ -256,9 +260,23 @@ impl SessionTable {
         }
     }
 
+    /// Keeps the skip counts session `id`'s worker reported (the last report wins;
+    /// one entry per open session).
+    pub fn note_skipped(&mut self, id: u64, counts: SkipCounts) {
+        if self.sessions.contains_key(&id) {
+            self.skipped.insert(id, counts);
+        }
+    }
+
+    /// The skip counts session `id`'s worker last reported (0 before any).
+    pub fn skipped(&self, id: u64) -> SkipCounts {
+        self.skipped.get(&id).copied().unwrap_or_default()
+    }
+
     /// Removes the session and remembers why it ended.
     pub fn end(&mut self, id: u64, reason: EndReason) -> Option<Session> {
         let s = self.sessions.remove(&id)?;
+        self.skipped.remove(&id);
         self.mark(id);
         self.ended.push_back(id);
         self.ended_reason.insert(id, reason);

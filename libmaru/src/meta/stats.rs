@@ -22,6 +22,7 @@ impl MetaCore {
             misses: s.misses,
             leases: self.leases.held_by(s.id) as u64,
             pins: self.pins.held_by(s.id) as u64,
+            skipped: self.sessions.skipped(s.id),
             ..Default::default()
         };
         for &rid in &s.regions {
@@ -83,6 +84,9 @@ impl MetaCore {
         for r in self.regions.iter() {
             t.region_bytes += r.handle.length;
             t.key_bytes += self.keys.region_bytes(r.handle.region_id);
+        }
+        for s in self.sessions.iter() {
+            t.skipped.add(&self.sessions.skipped(s.id));
         }
         t.kept_keys = self
             .keeper

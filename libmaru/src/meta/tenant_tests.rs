@@ -277,6 +277,7 @@ fn a_region_held_without_storing_goes_back_after_the_unused_limit() {
             boot_ids: [(g.handle.region_id, BOOT.to_string())].into(),
             regions: vec![],
             leases: None,
+            skipped: None,
         },
     ) else {
         panic!("heartbeat");

@@ -177,6 +177,11 @@ pub enum MetaRequest {
         regions: Vec<u64>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         leases: Option<Vec<HeldLease>>,
+        /// The chunks the worker's stores into this pool skipped since it opened, per
+        /// reason (absent from older workers); maru-server keeps the last report of
+        /// each session for `stats` and `maru-usage`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        skipped: Option<SkipCounts>,
     },
     /// End the session. `drained`: the worker settled its WRITEs and leaves its
     /// regions to the region keeper (regions with keys stay readable, the others go
@@ -332,6 +337,23 @@ pub struct HeldLease {
     pub expires_in_ms: u64,
 }
 
+/// Chunks a worker's stores skipped (their result `false`, status OK), per reason,
+/// since its handler opened the session's pool: as it tells maru-server in its
+/// heartbeats, and as `stats` shows the last report per session. Reasons a worker
+/// does not know are absent (0); reasons this build does not know are ignored.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct SkipCounts {
+    /// No region to be had and nothing of the engine's own to evict.
+    pub no_region: u64,
+    /// No free staging slot.
+    pub no_slot: u64,
+    /// maru-server unavailable.
+    pub pool_unavailable: u64,
+    /// The engine's `max_bytes` reached and nothing to evict.
+    pub max_bytes: u64,
+}
+
 /// A published key and where it is.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct KeyInfo {
@@ -411,6 +433,10 @@ pub struct SessionStats {
     /// Distinct keys the session pins now.
     #[serde(default)]
     pub pins: u64,
+    /// Chunks its worker skipped, per reason, as its last heartbeat said (0 before
+    /// one said, and for older workers).
+    #[serde(default)]
+    pub skipped: SkipCounts,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -456,6 +482,10 @@ pub struct TotalStats {
     pub recovered_regions: u64,
     #[serde(default)]
     pub recovery_ms: u64,
+    /// Chunks skipped per reason, as the open sessions' workers last said, summed
+    /// (saturating: the counts are the workers' word).
+    #[serde(default)]
+    pub skipped: SkipCounts,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -611,6 +641,7 @@ mod tests {
                 boot_ids: [(7, "b0".to_string()), (u64::MAX, "b1".to_string())].into(),
                 regions: vec![],
                 leases: None,
+                skipped: None,
             },
             MetaRequest::Heartbeat {
                 session: 2,
@@ -622,6 +653,11 @@ mod tests {
                     offset: 1 << 20,
                     expires_in_ms: 59_000,
                 }]),
+                skipped: Some(SkipCounts {
+                    no_region: 1,
+                    max_bytes: u64::MAX,
+                    ..Default::default()
+                }),
             },
             MetaRequest::Publish {
                 session: 2,
@@ -660,6 +696,8 @@ mod tests {
             br#"{"id":1,"op":"open_session","engine_id":"e","namespace":"n","layout":"l",
                  "backend":"cpu"}"#,
             br#"{"id":1,"op":"heartbeat","session":1,"boot_ids":{"x":"b"}}"#,
+            br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"no_region":-1}}"#,
+            br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"max_bytes":1e30}}"#,
             br#"{"id":1,"op":"exists","session":1,"keys":"k"}"#,
             br#"[1,2]"#,
         ] {
@@ -811,6 +849,8 @@ mod tests {
                     Just("layout".to_string()), Just("region_id".to_string()),
                     Just("released".to_string()), Just("drained".to_string()),
                     Just("max".to_string()), Just("route_key".to_string()),
+                    Just("leases".to_string()), Just("regions".to_string()),
+                    Just("skipped".to_string()),
                     Just("id".to_string()), "[a-z_]{1,8}",
                 ],
                 odd_value(),

@@ -4,8 +4,6 @@
 //! since its last line. Sans-I/O: the time comes in as `now_ms`, the line goes out
 //! for the caller to log.
 
-use serde::Serialize;
-
 /// One WARN line per reason per this many ms.
 pub const LOG_EVERY_MS: u64 = 10_000;
 
@@ -61,14 +59,9 @@ impl SkipReason {
     }
 }
 
-/// Chunks skipped, per reason, since the handler opened.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct SkipCounts {
-    pub no_region: u64,
-    pub no_slot: u64,
-    pub pool_unavailable: u64,
-    pub max_bytes: u64,
-}
+/// Chunks skipped, per reason, since the handler opened (the heartbeat carries a
+/// pool's counts to maru-server).
+pub use crate::wire::meta::SkipCounts;
 
 impl SkipCounts {
     pub fn get(&self, r: SkipReason) -> u64 {
@@ -89,14 +82,18 @@ impl SkipCounts {
         }
     }
 
+    /// Adds `o`'s counts, saturating (maru-server sums counts its workers report).
     pub fn add(&mut self, o: &SkipCounts) {
         for r in SkipReason::ALL {
-            *self.slot(r) += o.get(r);
+            let n = self.slot(r);
+            *n = n.saturating_add(o.get(r));
         }
     }
 
     pub fn total(&self) -> u64 {
-        SkipReason::ALL.iter().map(|r| self.get(*r)).sum()
+        SkipReason::ALL
+            .iter()
+            .fold(0u64, |t, r| t.saturating_add(self.get(*r)))
     }
 }
 

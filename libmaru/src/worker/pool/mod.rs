@@ -383,7 +383,8 @@ impl StoragePool {
                 )))
             }
         };
-        let reply = self.session.heartbeat(boots.clone(), regions)?;
+        let skipped = self.core.lock().stats.skipped;
+        let reply = self.session.heartbeat(boots.clone(), regions, skipped)?;
         let gone = self.core.lock().heartbeat_answered(&boots, &reply);
         self.core.notify();
         for id in &reply.rebooted_regions {

@@ -515,11 +515,13 @@ impl Session {
     ///
     /// maru-server answering `no_session` (expired, unknown after a restart, not this
     /// client's) is [`WorkerError::SessionLost`], as is maru-server out of reach for
-    /// longer than the session timeout (it expired the session meanwhile).
+    /// longer than the session timeout (it expired the session meanwhile). `skipped`:
+    /// the pool's skip counts since it opened, for `stats` and `maru-usage`.
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
+        skipped: crate::wire::meta::SkipCounts,
     ) -> Result<HeartbeatReply, WorkerError> {
         let now = now_ms();
         // More than a request carries (leases of two runs at once): say nothing, and
@@ -542,6 +544,7 @@ impl Session {
             boot_ids,
             regions,
             leases,
+            skipped: Some(skipped),
         });
         match r {
             Ok(MetaReply::Heartbeat(h)) => Ok(h),
