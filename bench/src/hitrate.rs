@@ -20,6 +20,9 @@
 //!   per-engine split; Belady evicts the chunk whose next use is furthest away (the
 //!   offline optimum for chunk hits, an upper bound here: a hit counts only in the
 //!   leading run).
+//! - **SLRU**, **LRU + reads** (one global cache each): frequency-aware orders that
+//!   know only what maru-server knows, measured to see whether counting reads beats
+//!   recency on this trace (it does not: docs/benchmarks.md).
 
 use maru::meta::{
     AgentPort, Caller, MetaConfig, MetaCore, PoolSizes, PortError, RmPort, VictimOrder,
@@ -463,6 +466,101 @@ fn replay_belady(t: &Trace, capacity: usize) -> f64 {
     hits as f64 / asked.max(1) as f64
 }
 
+/// Segmented LRU over one global cache of `capacity` chunks: a chunk read again
+/// (in a leading run) since it was stored moves to the protected segment (at most
+/// `protected` of the capacity, its oldest demoted back); chunks never read again go
+/// first, least recently used first. A frequency-aware order that knows only what
+/// maru-server knows (stores and reads).
+fn replay_slru(t: &Trace, capacity: usize, protected: f64) -> f64 {
+    // Per chunk: its stamp and whether it is protected.
+    let mut state: HashMap<u32, (u64, bool)> = HashMap::new();
+    let mut probation: BTreeSet<(u64, u32)> = BTreeSet::new();
+    let mut kept: BTreeSet<(u64, u32)> = BTreeSet::new();
+    let max_kept = (capacity as f64 * protected) as usize;
+    let (mut hits, mut asked, mut clock) = (0usize, 0usize, 0u64);
+    for r in &t.requests {
+        let lead = r
+            .chunks
+            .iter()
+            .take_while(|c| state.contains_key(c))
+            .count();
+        hits += lead;
+        asked += r.chunks.len();
+        for (i, &c) in r.chunks.iter().enumerate() {
+            clock += 1;
+            let was = state.get(&c).copied();
+            if let Some((old, prot)) = was {
+                if prot {
+                    kept.remove(&(old, c));
+                } else {
+                    probation.remove(&(old, c));
+                }
+            }
+            let prot = was.is_some_and(|(_, p)| p) || (was.is_some() && i < lead);
+            state.insert(c, (clock, prot));
+            if prot {
+                kept.insert((clock, c));
+            } else {
+                probation.insert((clock, c));
+            }
+            while kept.len() > max_kept {
+                if let Some((st, v)) = kept.pop_first() {
+                    state.insert(v, (st, false));
+                    probation.insert((st, v));
+                }
+            }
+            while probation.len() + kept.len() > capacity {
+                let v = match probation.pop_first() {
+                    Some((_, v)) => v,
+                    None => match kept.pop_first() {
+                        Some((_, v)) => v,
+                        None => break,
+                    },
+                };
+                state.remove(&v);
+            }
+        }
+    }
+    hits as f64 / asked.max(1) as f64
+}
+
+/// One global cache of `capacity` chunks ordered by last use plus `bonus` per read
+/// (in a leading run) since the chunk was stored: recency with a frequency credit
+/// that ages as the clock moves on (the lowest goes).
+fn replay_lru_freq(t: &Trace, capacity: usize, bonus: u64) -> f64 {
+    let mut state: HashMap<u32, (u64, u64)> = HashMap::new();
+    let mut order: BTreeSet<(u64, u32)> = BTreeSet::new();
+    let (mut hits, mut asked, mut clock) = (0usize, 0usize, 0u64);
+    for r in &t.requests {
+        let lead = r
+            .chunks
+            .iter()
+            .take_while(|c| state.contains_key(c))
+            .count();
+        hits += lead;
+        asked += r.chunks.len();
+        for (i, &c) in r.chunks.iter().enumerate() {
+            clock += 1;
+            let reads = match state.get(&c).copied() {
+                Some((prio, n)) => {
+                    order.remove(&(prio, c));
+                    n + u64::from(i < lead)
+                }
+                None => 0,
+            };
+            let prio = clock + bonus * reads;
+            state.insert(c, (prio, reads));
+            order.insert((prio, c));
+            while order.len() > capacity {
+                if let Some((_, v)) = order.pop_first() {
+                    state.remove(&v);
+                }
+            }
+        }
+    }
+    hits as f64 / asked.max(1) as f64
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct HitRateResult {
     pub requests: usize,
@@ -472,6 +570,10 @@ pub struct HitRateResult {
     pub maru: f64,
     pub lru_core: f64,
     pub lru_global: f64,
+    /// Segmented LRU (80 % protected), one global cache.
+    pub slru_global: f64,
+    /// Last use plus a quarter of the capacity per read, one global cache.
+    pub lru_freq_global: f64,
     pub belady: f64,
 }
 
@@ -489,6 +591,8 @@ pub fn run(quick: bool) -> Result<HitRateResult, String> {
         maru: replay_core(&t, VictimOrder::PrefixAware, regions)?,
         lru_core: replay_core(&t, VictimOrder::Lru, regions)?,
         lru_global: replay_lru(&t, capacity as usize),
+        slru_global: replay_slru(&t, capacity as usize, 0.8),
+        lru_freq_global: replay_lru_freq(&t, capacity as usize, capacity / 4),
         belady: replay_belady(&t, capacity as usize),
     })
 }
@@ -505,6 +609,11 @@ pub fn table(r: &HitRateResult) -> Table {
         ("Maru (maru-server, prefix-aware)", r.maru),
         ("LRU (maru-server, --victim-order lru)", r.lru_core),
         ("LRU (one global cache)", r.lru_global),
+        ("SLRU, 80 % protected (one global cache)", r.slru_global),
+        (
+            "LRU + a quarter cache per read (one global cache)",
+            r.lru_freq_global,
+        ),
         ("Belady (offline optimum)", r.belady),
     ] {
         t.row(vec![
@@ -528,7 +637,16 @@ mod tests {
         let belady = replay_belady(&t, cap);
         let lru = replay_lru(&t, cap);
         let maru = replay_core(&t, VictimOrder::PrefixAware, regions).unwrap();
-        assert!(maru > 0.0 && lru > 0.0, "{maru} {lru}");
-        assert!(belady >= lru && belady >= maru, "{belady} {lru} {maru}");
+        let slru = replay_slru(&t, cap, 0.8);
+        let freq = replay_lru_freq(&t, cap, cap as u64 / 4);
+        assert!(
+            maru > 0.0 && lru > 0.0 && slru > 0.0 && freq > 0.0,
+            "{maru} {lru} {slru} {freq}"
+        );
+        for p in [lru, maru, slru, freq] {
+            assert!(belady >= p, "Belady {belady} below {p}");
+        }
+        // With every chunk protected-capable and no bonus, both are plain LRU.
+        assert_eq!(replay_lru_freq(&t, cap, 0), lru);
     }
 }
