@@ -12,7 +12,9 @@
 //! regions divided by the tenant's storing sessions, rounded up, at least one. A
 //! tenant at its share does not take a new region while another tenant waits, nor a
 //! session at its share while another session of its tenant waits (it evicts its own
-//! keys instead), so a region given back goes to the waiter. The one picked gives its
+//! keys instead), so a region given back goes to the waiter; a waiter that holds its
+//! share (one that filled the pool alone and was refused more, say) waits no longer,
+//! so it can be asked when the next one comes. The one picked gives its
 //! region read longest ago that holds no pinned key: maru-server takes it at once when
 //! that session is idle in one of its regions (see `MetaCore::ask_fair_share`), else
 //! the ask rides on the session's next reply (`alloc`, `publish`, `heartbeat`) and the
