@@ -882,6 +882,11 @@ impl MetaService {
     /// Hands what changed (and the secrets made) to the store; returns the job that
     /// carries it (or the last one sent, when nothing changed).
     fn flush(&mut self, now_ms: u64) -> u64 {
+        self.flush_as(now_ms, true)
+    }
+
+    /// As [`flush`](Self::flush); `urgent`: a reply waits for it.
+    fn flush_as(&mut self, now_ms: u64, urgent: bool) -> u64 {
         let Some(d) = &mut self.durable else {
             return 0;
         };
@@ -891,7 +896,7 @@ impl MetaService {
             return d.writer.sent_seq();
         }
         let secrets = std::mem::take(&mut d.secrets);
-        d.writer.send(changes, secrets)
+        d.writer.send(changes, secrets, urgent)
     }
 
     /// Sends `frame` now, or once what changed before it is durable. `early`: what
@@ -908,11 +913,16 @@ impl MetaService {
         if self.durable.is_none() || !changed {
             return frame;
         }
-        let seq = self.flush(now_ms);
+        let early = early
+            && self
+                .durable
+                .as_mut()
+                .is_some_and(|d| d.may_answer_early(now_ms));
+        let seq = self.flush_as(now_ms, !early);
         let Some(d) = &mut self.durable else {
             return frame;
         };
-        if early && d.may_answer_early(now_ms) {
+        if early {
             if d.early.back().is_none_or(|(s, _)| *s < seq) {
                 d.early.push_back((seq, now_ms));
             }

@@ -72,7 +72,7 @@ pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 /// of a region): an alloc is answered from pages whose reservation is durable, with
 /// no commit of its own. A crash loses the pages of the reserve until their session
 /// frees them or ends (a restart cannot tell which of them were handed out).
-pub const RESERVE_BLOCK: u64 = 128;
+pub const RESERVE_BLOCK: u64 = 1024;
 
 /// When the reply to the request just handled may go, with a durable directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
