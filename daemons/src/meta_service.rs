@@ -6,7 +6,8 @@ use crate::meta_store::{SecretOp, SecretRecord, StoreWriter};
 use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use crate::tenants_file::TenantsFile;
 use maru::meta::{
-    Action, AgentPort, Caller, MetaCore, PoolSizes, PortError, RmPort, Ticket, DEFAULT_TENANT,
+    Action, AgentPort, Caller, MetaCore, PoolSizes, PortError, ReplyTiming, RmPort, Ticket,
+    DEFAULT_TENANT,
 };
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Replier, Service};
 use maru::wire::agent::{AgentReply, AgentRequest};
@@ -720,10 +721,38 @@ struct Durable {
     secrets: Vec<SecretOp>,
     /// When to hand the core's reads (use stamps) to the store next.
     next_flush_ms: u64,
+    /// Jobs whose requests were answered before they were durable (a publish, an
+    /// alloc from the reserve): (job, when sent), oldest first.
+    early: std::collections::VecDeque<(u64, u64)>,
 }
 
 /// Reads (use stamps) go to the store at least this often.
 const FLUSH_MS: u64 = 200;
+
+/// Replies go before their commit (see [`ReplyTiming::Early`]) only while the store
+/// keeps up: at most this many jobs answered early and not yet durable, the oldest
+/// sent at most [`EARLY_MAX_MS`] ago, and no commit failing. Otherwise they wait for
+/// their commit as every other change: what a crash may lose stays within a few
+/// commits (about [`EARLY_MAX_MS`]), and a stalled disk never queues changes without
+/// bound.
+const EARLY_MAX_JOBS: usize = 4096;
+const EARLY_MAX_MS: u64 = 250;
+
+impl Durable {
+    /// Whether a reply may go before its commit now.
+    fn may_answer_early(&mut self, now_ms: u64) -> bool {
+        let seq = self.writer.durable_seq();
+        while self.early.front().is_some_and(|(s, _)| *s <= seq) {
+            self.early.pop_front();
+        }
+        !self.writer.is_failing()
+            && self.early.len() < EARLY_MAX_JOBS
+            && self
+                .early
+                .front()
+                .is_none_or(|(_, at)| now_ms.saturating_sub(*at) <= EARLY_MAX_MS)
+    }
+}
 
 pub struct MetaService {
     pub core: MetaCore,
@@ -811,6 +840,7 @@ impl MetaService {
             held: Default::default(),
             secrets: Vec::new(),
             next_flush_ms: 0,
+            early: Default::default(),
         });
         self
     }
@@ -852,6 +882,11 @@ impl MetaService {
     /// Hands what changed (and the secrets made) to the store; returns the job that
     /// carries it (or the last one sent, when nothing changed).
     fn flush(&mut self, now_ms: u64) -> u64 {
+        self.flush_as(now_ms, true)
+    }
+
+    /// As [`flush`](Self::flush); `urgent`: a reply waits for it.
+    fn flush_as(&mut self, now_ms: u64, urgent: bool) -> u64 {
         let Some(d) = &mut self.durable else {
             return 0;
         };
@@ -861,18 +896,39 @@ impl MetaService {
             return d.writer.sent_seq();
         }
         let secrets = std::mem::take(&mut d.secrets);
-        d.writer.send(changes, secrets)
+        d.writer.send(changes, secrets, urgent)
     }
 
-    /// Sends `frame` now, or once what changed before it is durable.
-    fn send_after(&mut self, conn: ConnId, frame: Vec<u8>, changed: bool, now_ms: u64) -> Vec<u8> {
+    /// Sends `frame` now, or once what changed before it is durable. `early`: what
+    /// changed is handed to the store now, but the reply need not wait for it (while
+    /// the store keeps up).
+    fn send_after(
+        &mut self,
+        conn: ConnId,
+        frame: Vec<u8>,
+        changed: bool,
+        early: bool,
+        now_ms: u64,
+    ) -> Vec<u8> {
         if self.durable.is_none() || !changed {
             return frame;
         }
-        let seq = self.flush(now_ms);
-        if let Some(d) = &mut self.durable {
-            d.held.push_back((seq, conn, frame));
+        let early = early
+            && self
+                .durable
+                .as_mut()
+                .is_some_and(|d| d.may_answer_early(now_ms));
+        let seq = self.flush_as(now_ms, !early);
+        let Some(d) = &mut self.durable else {
+            return frame;
+        };
+        if early {
+            if d.early.back().is_none_or(|(s, _)| *s < seq) {
+                d.early.push_back((seq, now_ms));
+            }
+            return frame;
         }
+        d.held.push_back((seq, conn, frame));
         Vec::new()
     }
 
@@ -928,8 +984,11 @@ impl MetaService {
             Some(r) => {
                 let frame = self.reply(conn, env.id, &op, started, r, now_ms);
                 let secrets = self.durable.as_ref().is_some_and(|d| !d.secrets.is_empty());
-                let changed = self.core.change_mark() != mark || secrets;
-                self.send_after(conn, frame, changed, now_ms)
+                let timing = self.core.reply_timing();
+                let changed =
+                    self.core.change_mark() != mark || secrets || timing == ReplyTiming::AfterAll;
+                let early = timing == ReplyTiming::Early && !secrets;
+                self.send_after(conn, frame, changed, early, now_ms)
             }
             None => {
                 self.pending.insert(
@@ -972,7 +1031,7 @@ impl MetaService {
             }
             let frame = self.reply(p.conn, p.id, &p.op, p.started, result, now_ms);
             // A late answer hands out a region or opens a session: durable first.
-            let frame = self.send_after(p.conn, frame, true, now_ms);
+            let frame = self.send_after(p.conn, frame, true, false, now_ms);
             if !frame.is_empty() {
                 self.replies.push((p.conn, frame));
             }

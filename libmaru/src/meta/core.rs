@@ -175,6 +175,7 @@ impl MetaCore {
         rm: &mut dyn RmPort,
     ) -> Option<Result<MetaReply, WireError>> {
         self.note_now(now_ms);
+        self.set_reply_timing(super::durable::ReplyTiming::default());
         self.expire(now_ms);
         let client_id = caller.owner;
         let r = match req {

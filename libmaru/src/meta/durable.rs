@@ -7,9 +7,22 @@
 //! after its key's removal is durable** (and, for a key that a restart brought back,
 //! only once no lease of the last run may still cover it: readers of the last run may
 //! still be reading it). So a recovered key never points at a page rewritten with
-//! other bytes. Pages handed out (`alloc`) and regions granted are in the batch of the
-//! request, and the driver sends its reply only once that batch is durable; so after
-//! a restart a page a worker may be writing is still its own.
+//! other bytes.
+//!
+//! **A page is never handed out twice.** Pages are reserved for a session in blocks
+//! ahead of need ([`RESERVE_BLOCK`]): a reserved page is allocated in its region's
+//! record, and an alloc hands out reserved pages once the batch that recorded them is
+//! durable, with no commit of its own ([`ReplyTiming::Early`]); a page taken otherwise
+//! (no durable reserve left) is answered once its record is durable. A restart cannot
+//! tell which recorded pages without a key were handed out (reserved, or a publish
+//! lost), so it hands none of them out again: they stay their session's until it frees
+//! them (then they wait for the leases of the last run, like pages of recovered keys:
+//! a reader may still read a key whose publish was lost) or its region goes.
+//!
+//! **A publish is answered before its commit** (the driver hands its batch to the
+//! store at once): a crash in that window loses the key, never bytes, since its page
+//! stays its session's as above. Removals, frees, regions granted and sessions
+//! opened or closed are answered once their batch is durable.
 //!
 //! Leases are not kept durable (every load takes some; an fsync before each acquire's
 //! reply would cost every load a disk write). Instead a worker says in each heartbeat
@@ -55,6 +68,27 @@ const HOLD_BACK_RECHECK_MS: u64 = 1_000;
 /// them): a record read back never makes the server hold pages beyond a region's.
 pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 
+/// Pages reserved for a session at a time, ahead of its allocs (at most an eighth
+/// of a region): an alloc is answered from pages whose reservation is durable, with
+/// no commit of its own. A crash loses the pages of the reserve until their session
+/// frees them or ends (a restart cannot tell which of them were handed out).
+pub const RESERVE_BLOCK: u64 = 1024;
+
+/// When the reply to the request just handled may go, with a durable directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplyTiming {
+    /// Once what the request changed is durable (at once when it changed nothing).
+    #[default]
+    AfterItsChanges,
+    /// At once, before what it changed is durable: a publish (a crash in the window
+    /// loses the key, never bytes), an alloc answered from pages whose reservation
+    /// is durable (what it changed is only the reserve's next block).
+    Early,
+    /// Once every batch so far is durable, even if the request changed nothing
+    /// itself: an alloc that took reserved pages whose reservation is not yet.
+    AfterAll,
+}
+
 /// A page freed by a key's removal, waiting to be handed out again.
 #[derive(Debug, Clone, Copy)]
 struct PendingPage {
@@ -98,6 +132,14 @@ pub(super) struct Journal {
     recovered: Option<OldLeases>,
     /// The latest time the core was given.
     now_ms: u64,
+    /// When the reply to the request being handled may go.
+    reply: ReplyTiming,
+    /// Pages a restore found allocated without a key, (region, page), while leases
+    /// of the last run may cover them: reserved ones, or ones whose publish was lost
+    /// (answered before its commit), which a reader of the last run may still read.
+    /// Never handed out again while allocated; once their session frees them, they
+    /// wait like pages of recovered keys.
+    in_doubt: BTreeSet<(u64, u64)>,
 }
 
 impl Journal {
@@ -137,6 +179,64 @@ impl MetaCore {
 
     pub fn is_durable(&self) -> bool {
         self.journal.is_some()
+    }
+
+    /// When the reply to the request just handled may go (see [`ReplyTiming`]);
+    /// `AfterItsChanges` without a durable directory.
+    pub fn reply_timing(&self) -> ReplyTiming {
+        self.journal
+            .as_ref()
+            .map_or(ReplyTiming::default(), |j| j.reply)
+    }
+
+    pub(super) fn set_reply_timing(&mut self, t: ReplyTiming) {
+        if let Some(j) = &mut self.journal {
+            j.reply = t;
+        }
+    }
+
+    /// Pages reserved for a session at a time (see [`RESERVE_BLOCK`]).
+    fn reserve_block(&self) -> u64 {
+        let pages = self.cfg.region_size / self.cfg.chunk_size.max(1);
+        RESERVE_BLOCK.min(pages / 8).max(1)
+    }
+
+    /// Reserves a block of pages for `session` in its regions (`order`, but not
+    /// `asked`: the one it is asked to give back) when fewer than half a block are
+    /// reserved: they go in the open batch, and allocs take them once it is durable.
+    pub(super) fn top_up_reserve(&mut self, session: u64, asked: Option<u64>, order: &[u64]) {
+        let Some(batch) = self.journal.as_ref().map(|j| j.batch) else {
+            return;
+        };
+        let block = self.reserve_block();
+        let mine = || order.iter().copied().filter(|r| Some(*r) != asked);
+        let have: u64 = mine()
+            .filter_map(|r| self.regions.get(r))
+            .map(|r| r.pages.reserved())
+            .sum();
+        if have * 2 >= block {
+            return;
+        }
+        let mut want = block - have;
+        for rid in mine() {
+            if self
+                .regions
+                .get(rid)
+                .is_none_or(|r| r.pages.free_count() == 0)
+            {
+                continue;
+            }
+            if let Some(r) = self.regions.get_mut(rid) {
+                want -= r.pages.reserve(want, batch);
+            }
+            if want == 0 {
+                break;
+            }
+        }
+        log::trace!(
+            "session {session}: {} page(s) reserved in batch {batch}",
+            block - have - want
+        );
     }
 
     /// Counts changes that must be durable before a reply that follows them goes
@@ -253,6 +353,7 @@ impl MetaCore {
                 };
                 log::info!("recovery: pages of recovered keys are handed out again: {why}");
             }
+            j.in_doubt.clear();
         }
         let durable = j.durable;
         let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j.pending.iter().partition(|p| {
@@ -293,6 +394,14 @@ impl MetaCore {
             if t > now_ms {
                 let h = holds.entry(p.region_id).or_default();
                 *h = (*h).max(t);
+            }
+        }
+        if !over {
+            for &(rid, _) in &j.in_doubt {
+                if recheck > now_ms {
+                    let h = holds.entry(rid).or_default();
+                    *h = (*h).max(recheck);
+                }
             }
         }
         for (rid, t) in holds {
@@ -439,6 +548,37 @@ impl MetaCore {
             recovered,
             scope,
         });
+    }
+
+    /// Frees a page its session holds without a key (`free_pages`): at once, unless
+    /// a restore found it allocated without a key while leases of the last run may
+    /// still cover it (its publish may have been lost in the crash, and a reader of
+    /// the last run may still read it): then it waits like a page of a recovered key.
+    pub(super) fn free_unkeyed_page(&mut self, region_id: u64, page: u64, scope: ScopeId) {
+        let doubt = self
+            .journal
+            .as_mut()
+            .is_some_and(|j| j.in_doubt.remove(&(region_id, page)) && !j.old_leases_over(j.now_ms));
+        let Some(r) = self.regions.get_mut(region_id) else {
+            return;
+        };
+        if !doubt {
+            let _ = r.pages.free(page);
+            return;
+        }
+        if r.pages.free_later(page).is_err() {
+            return;
+        }
+        if let Some(j) = &mut self.journal {
+            j.pending.push(PendingPage {
+                batch: j.batch,
+                not_before_ms: 0,
+                region_id,
+                page,
+                recovered: true,
+                scope,
+            });
+        }
     }
 
     fn session_record(&self, s: &Session) -> SessionRecord {
@@ -705,7 +845,25 @@ impl MetaCore {
                 Holder::Session(_) => r.note_use(now_ms),
             }
         }
+        let mut in_doubt = BTreeSet::new();
+        for r in core.regions.iter() {
+            let rid = r.handle.region_id;
+            for page in r.pages.allocated_pages() {
+                if core.keys.at(rid, page * chunk).is_none() {
+                    in_doubt.insert((rid, page));
+                }
+            }
+        }
+        if !in_doubt.is_empty() {
+            log::info!(
+                "recovery: {} page(s) are allocated without a key (reserved for their session, \
+                 or their publish was lost): not handed out again until their session frees \
+                 them or its region goes",
+                in_doubt.len()
+            );
+        }
         if let Some(j) = &mut core.journal {
+            j.in_doubt = in_doubt;
             j.recovered = Some(OldLeases {
                 last_key: core.keys.last_id(),
                 until_ms: now_ms.saturating_add(lease_ms),

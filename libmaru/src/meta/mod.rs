@@ -71,7 +71,7 @@ pub use self::config::{
     heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
 pub use self::core::{Action, Caller, MetaCore, Ticket};
-pub use self::durable::{Recovered, LEASE_RUN_SHIFT};
+pub use self::durable::{Recovered, ReplyTiming, LEASE_RUN_SHIFT, RESERVE_BLOCK};
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
 pub use ports::{AgentPort, PoolSizes, PortError, RmPort};

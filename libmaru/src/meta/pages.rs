@@ -4,6 +4,12 @@
 //! possible after its key went. A page is freed only if it is allocated: a double
 //! free is refused instead of putting the page on the list twice (which would hand
 //! it to two writers).
+//!
+//! With a durable directory, pages are also *reserved* for the region's session in
+//! blocks ahead of need: a reserved page counts as allocated in the region's record
+//! (so a restart never hands it to anyone), but not as handed out (no key may be
+//! published into it, nobody may free it). [`take_reserved`](PageAllocator::take_reserved)
+//! hands one out, once the batch that recorded its reservation is durable.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -39,6 +45,10 @@ pub struct PageAllocator {
     used: u64,
     /// Pages freed with `free_later`, not yet put back.
     held: u64,
+    /// Pages reserved (not handed out), in the order reserved, each with the tag the
+    /// caller gave (the batch that records the reservation).
+    reserve: VecDeque<(u64, u64)>,
+    in_reserve: Vec<bool>,
 }
 
 impl PageAllocator {
@@ -49,6 +59,8 @@ impl PageAllocator {
             allocated: vec![false; pages as usize],
             used: 0,
             held: 0,
+            reserve: VecDeque::new(),
+            in_reserve: vec![false; pages as usize],
         }
     }
 
@@ -102,6 +114,40 @@ impl PageAllocator {
         Ok(())
     }
 
+    /// Reserves up to `count` free pages (see the [module docs](self)), tagged
+    /// `tag`; returns how many.
+    pub fn reserve(&mut self, count: u64, tag: u64) -> u64 {
+        let mut n = 0;
+        while n < count {
+            let Some(page) = self.free.pop_front() else {
+                break;
+            };
+            self.in_reserve[page as usize] = true;
+            self.reserve.push_back((page, tag));
+            n += 1;
+        }
+        n
+    }
+
+    /// Hands out the page reserved first, if its tag is at most `upto` (tags are
+    /// given in order: the batches of the reservations).
+    pub fn take_reserved(&mut self, upto: u64) -> Option<u64> {
+        let &(page, tag) = self.reserve.front()?;
+        if tag > upto {
+            return None;
+        }
+        self.reserve.pop_front();
+        self.in_reserve[page as usize] = false;
+        self.allocated[page as usize] = true;
+        self.used += 1;
+        Some(page)
+    }
+
+    /// Pages reserved and not handed out.
+    pub fn reserved(&self) -> u64 {
+        self.reserve.len() as u64
+    }
+
     /// Frees `page` but keeps it out of the free list until
     /// [`put_back`](Self::put_back): its key's removal is not durable yet, and a
     /// page handed out again before it is could be rewritten under a key a restart
@@ -116,22 +162,30 @@ impl PageAllocator {
 
     /// A page freed with [`free_later`](Self::free_later) may be handed out again.
     pub fn put_back(&mut self, page: u64) {
-        if self.is_allocated(page) || page >= self.pages() || self.free.contains(&page) {
+        if self.is_allocated(page)
+            || page >= self.pages()
+            || self.in_reserve[page as usize]
+            || self.free.contains(&page)
+        {
             return;
         }
         self.held = self.held.saturating_sub(1);
         self.free.push_back(page);
     }
 
-    /// The allocated pages, in index order.
+    /// The pages allocated or reserved, in index order (what a record keeps: a
+    /// restart hands none of them out again).
     pub fn allocated_pages(&self) -> Vec<u64> {
         (0..self.pages())
-            .filter(|&p| self.is_allocated(p))
+            .filter(|&p| self.is_allocated(p) || self.in_reserve[p as usize])
             .collect()
     }
 
     /// A region of `pages` pages of which `allocated` are taken (recovery); the
-    /// others are free, in index order. Pages out of range are ignored.
+    /// others are free, in index order. Pages out of range are ignored. A page that
+    /// was reserved comes back allocated: whether it was handed out before the crash
+    /// is not known, so it is never handed out again (its session frees it, or it
+    /// goes with the region).
     pub fn restore(pages: u64, allocated: &[u64]) -> PageAllocator {
         let mut taken = vec![false; pages as usize];
         for &p in allocated {
@@ -145,11 +199,16 @@ impl PageAllocator {
             allocated: taken,
             used,
             held: 0,
+            reserve: VecDeque::new(),
+            in_reserve: vec![false; pages as usize],
         }
     }
 
     /// Marks a free page allocated (a recovered key sits in it).
     pub fn take(&mut self, page: u64) -> bool {
+        if self.in_reserve.get(page as usize).copied().unwrap_or(false) {
+            return false;
+        }
         match self.allocated.get_mut(page as usize) {
             Some(a) if !*a => {
                 *a = true;
@@ -209,6 +268,34 @@ mod tests {
             (r.used(), r.free_count(), r.allocated_pages()),
             (1, 2, vec![b])
         );
+    }
+
+    #[test]
+    fn reserved_pages_are_recorded_but_handed_out_only_up_to_the_durable_tag() {
+        let mut p = PageAllocator::new(4);
+        assert_eq!(p.reserve(2, 7), 2);
+        assert_eq!(p.reserve(1, 8), 1);
+        assert_eq!(p.allocated_pages(), vec![0, 1, 2], "a record keeps them");
+        assert!(!p.is_allocated(0), "not handed out: no publish, no free");
+        assert_eq!(p.check_free(0), Err(PageError::NotAllocated { page: 0 }));
+        assert_eq!((p.used(), p.in_use(), p.reserved()), (0, 0, 3));
+        assert_eq!(p.take_reserved(6), None, "its batch is not durable");
+        assert_eq!(p.take_reserved(7), Some(0));
+        assert_eq!(p.take_reserved(7), Some(1));
+        assert_eq!(p.take_reserved(7), None);
+        assert_eq!(p.alloc(), Some(3), "a direct alloc skips the reserve");
+        assert_eq!(p.alloc(), None);
+        p.put_back(2);
+        assert_eq!(
+            p.alloc(),
+            None,
+            "a reserved page is never put on the free list"
+        );
+        assert_eq!(p.take_reserved(u64::MAX), Some(2));
+        assert_eq!((p.used(), p.reserved()), (4, 0));
+        // A restart: every recorded page is taken, none reserved.
+        let r = PageAllocator::restore(4, &[0, 2]);
+        assert_eq!((r.used(), r.reserved(), r.free_count()), (2, 0, 2));
     }
 
     #[test]

@@ -129,6 +129,13 @@ impl RegionTable {
         }
     }
 
+    /// Records `id` as changed (its next record carries its pages).
+    pub fn mark_dirty(&mut self, id: u64) {
+        if self.regions.contains_key(&id) {
+            self.mark(id);
+        }
+    }
+
     /// Changes so far.
     pub fn changes(&self) -> u64 {
         self.changes

@@ -2,6 +2,7 @@
 //! publishing keys after the worker's WRITE completed.
 
 use super::core::MetaCore;
+use super::durable::ReplyTiming;
 use super::errors::{bad_request, check_batch, check_key, permission};
 use super::keys::{Location, Published};
 use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
@@ -42,27 +43,52 @@ impl MetaCore {
                 .is_some_and(|r| r.unused_since_ms.is_some());
             (!unused, *rid)
         });
-        for rid in order {
-            if asked == Some(rid) {
-                continue;
-            }
-            let Some(r) = self.regions.get_mut(rid) else {
-                continue;
-            };
-            while pages.len() < count as usize {
-                let Some(page) = r.pages.alloc() else {
-                    break;
+        // With a durable directory, pages come from the session's reserve first:
+        // those whose reservation is durable (the reply needs no commit), then those
+        // whose reservation is not yet (the reply waits for it), then free ones (the
+        // reply waits for their record).
+        let durable = self.is_durable().then(|| self.durable_batch());
+        let passes: &[Option<u64>] = match durable {
+            Some(d) => &[Some(d), Some(u64::MAX), None],
+            None => &[None],
+        };
+        for &upto in passes {
+            for &rid in &order {
+                if asked == Some(rid) || pages.len() == count as usize {
+                    continue;
+                }
+                let Some(r) = self.regions.get_mut_quiet(rid) else {
+                    continue;
                 };
-                pages.push(PageGrant {
-                    region_id: rid,
-                    page,
-                    offset: page * page_size,
-                    length: page_size,
-                });
+                let before = pages.len();
+                while pages.len() < count as usize {
+                    let page = match upto {
+                        Some(u) => r.pages.take_reserved(u),
+                        None => r.pages.alloc(),
+                    };
+                    let Some(page) = page else {
+                        break;
+                    };
+                    pages.push(PageGrant {
+                        region_id: rid,
+                        page,
+                        offset: page * page_size,
+                        length: page_size,
+                    });
+                }
+                if pages.len() > before && upto != durable {
+                    if upto.is_none() {
+                        self.regions.mark_dirty(rid);
+                    }
+                    self.set_reply_timing(ReplyTiming::AfterAll);
+                }
             }
-            if pages.len() == count as usize {
-                break;
+        }
+        if durable.is_some() {
+            if self.reply_timing() == ReplyTiming::AfterItsChanges {
+                self.set_reply_timing(ReplyTiming::Early);
             }
+            self.top_up_reserve(id, asked, &order);
         }
         let mut touched: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
         touched.dedup();
@@ -122,11 +148,10 @@ impl MetaCore {
                 )));
             }
         }
+        let scope = s.scope;
         for p in pages {
-            if let Some(r) = self.regions.get_mut(p.region_id) {
-                // Checked above; nothing else touched the pages since.
-                let _ = r.pages.free(p.page);
-            }
+            // Checked above; nothing else touched the pages since.
+            self.free_unkeyed_page(p.region_id, p.page, scope);
             self.note_region_use(p.region_id, now_ms);
         }
         Ok(MetaReply::PagesFreed { freed: pages.len() })
@@ -215,6 +240,11 @@ impl MetaCore {
                 )
             })
             .collect();
+        // A lost publish is a lost key, never wrong bytes: the reply goes before its
+        // commit (see `durable`).
+        if self.journal.is_some() {
+            self.set_reply_timing(ReplyTiming::Early);
+        }
         let give_back = self.asked_back(id);
         Ok(MetaReply::Published { is_new, give_back })
     }
