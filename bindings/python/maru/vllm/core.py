@@ -850,8 +850,8 @@ class LayerMemory:
 
 class PagedKV(KVBlocks):
     """A KV cache in host memory (``layers``, in layer order), copied by libmaru
-    (:func:`maru.copy_ranges`, streaming stores for large pieces) in one call per chunk:
-    one piece per layer and piece of a block for each run of blocks that are
+    (:func:`maru.copy_ranges`: streaming stores for a large batch, one fence) in one call
+    per chunk stored and per batch of chunks loaded: one piece per layer and piece of a block for each run of blocks that are
     consecutive both in the chunk and in the cache (usually the whole chunk), never a
     copy per token.
 
