@@ -325,3 +325,8 @@ def test_copy_ranges_copies_every_piece_in_one_call():
     with pytest.raises(maru.MaruError) as e:
         maru.copy_ranges([(b, a, 8), (0, a, 8)])
     assert "copies[1]" in e.value.message and dst[:8] == bytes(8)
+    # Pieces that are not three non-negative integers are refused before any copy.
+    for bad in ([(b, a, 8), (-1, a, 8)], [(b, a, 8), (b, a)], [(b, a), (b, a, 8, 8)], [(b, a, 8), (b, a, "8")]):
+        with pytest.raises(ValueError, match="maru_copy"):
+            maru.copy_ranges(bad)
+        assert dst[:8] == bytes(8)
