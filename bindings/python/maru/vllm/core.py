@@ -867,13 +867,22 @@ class PagedKV(KVBlocks):
         self.bpc = blocks_per_chunk
         self.chunk_bytes = sum(m.block_bytes for m in self.layers) * blocks_per_chunk
         self.copies = 0  # memmove calls made (for the tests: few large copies)
+        self._blocks = min(m.num_blocks for m in self.layers)
+        # Per layer and piece: (its offset in a chunk, the address of its block 0, its
+        # bytes per block); a move of run (pos, b, n) is (off + pos * p, at + b * p, n * p).
+        self._pieces: List[Tuple[int, int, int]] = []
+        off = 0
+        for m in self.layers:
+            for i in range(m.pieces):
+                self._pieces.append((off + i * self.bpc * m.piece, m.addr + i * m.num_blocks * m.piece, m.piece))
+            off += m.block_bytes * self.bpc
 
     def _runs(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
         """``(first position, first block, count)`` of each run of blocks consecutive in
         the chunk and in the cache; refuses positions or block ids out of range (a
         wrong id must never write outside the cache)."""
         runs: List[Tuple[int, int, int]] = []
-        nb = min(m.num_blocks for m in self.layers)
+        nb = self._blocks
         for pos, b in blocks:
             if not (0 <= pos < self.bpc and 0 <= b < nb):
                 raise ValueError(f"block {b} at position {pos} is outside the cache ({nb} blocks, {self.bpc} a chunk)")
@@ -886,14 +895,10 @@ class PagedKV(KVBlocks):
     def moves(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
         """``(offset in the chunk, address in the cache, bytes)`` of each copy."""
         runs = self._runs(blocks)
-        out: List[Tuple[int, int, int]] = []
-        off = 0
-        for m in self.layers:
-            for i in range(m.pieces):
-                for pos, b, n in runs:
-                    out.append((off + (i * self.bpc + pos) * m.piece, m.addr + (i * m.num_blocks + b) * m.piece, n * m.piece))
-            off += m.block_bytes * self.bpc
-        return out
+        if len(runs) == 1:  # the usual case: the chunk's blocks are consecutive
+            pos, b, n = runs[0]
+            return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces]
+        return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces for pos, b, n in runs]
 
     def _check(self, size: int) -> None:
         if size != self.chunk_bytes:
