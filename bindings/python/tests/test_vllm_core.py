@@ -574,6 +574,14 @@ class FakeStore:
             if v is not None:
                 v.release()
 
+    def acquire_spans(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[Tuple[int, int, int]]]:
+        views = self.acquire_views(keys, route_key)
+        return [None if v is None else (id(v), v.address, v.length) for v in views]
+
+    def release_spans(self, ids: Sequence[int]) -> None:
+        held = {id(v): v for v in self.views}
+        self.release_views([held[i] for i in ids])
+
     def _put(self, key: str, data: bytes) -> bool:
         self.submitted[key] = self.submitted.get(key, 0) + 1
         if self.store_ok:

@@ -949,7 +949,7 @@ class WorkerCore:
     """The worker side of one tensor-parallel rank.
 
     Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) each chunk
-    is read in place in the CXL mapping (``acquire_views``) and copied straight into the
+    is read in place in the CXL mapping (``acquire_spans``) and copied straight into the
     engine's blocks; on ``remote_cxl`` the load slots are cut in two halves, so that
     one half's chunks are copied into the blocks while the other's transfer runs. Any
     chunk that is not loaded whole (a miss, a short chunk, an error) marks its blocks
@@ -1066,17 +1066,19 @@ class WorkerCore:
         return None if whole == len(found) else first + whole
 
     def _load_in_place(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """cxl: each chunk read in place under a lease, one copy into the blocks."""
+        """cxl: each chunk read in place under a lease (``acquire_spans``: the views'
+        addresses, no View objects, as the bytes are copied at once), one copy into the
+        blocks, then the leases given back in one call."""
         keys = t.keys[self.rank]
         for i in range(0, len(keys), VIEW_BATCH):
-            views = h.acquire_views(keys[i : i + VIEW_BATCH], route_key=t.route_key)
+            spans = h.acquire_spans(keys[i : i + VIEW_BATCH], route_key=t.route_key)
             try:
-                failed = self._loaded(t, i, [(None, 0) if v is None else (v.length, v.address) for v in views])
+                failed = self._loaded(t, i, [(None, 0) if s is None else (s[2], s[1]) for s in spans])
                 if failed is not None:
                     return failed
             finally:
                 try:
-                    h.release_views(views)  # the leases in one call
+                    h.release_spans([s[0] for s in spans if s is not None])  # the leases in one call
                 except Exception as e:  # noqa: BLE001 - released with the handler at the latest
                     log.warning("maru.vllm worker: cannot release views: %s", e)
         return None
