@@ -1064,8 +1064,11 @@ maru_status_t maru_key_file_check(const char *path);
  * of 0 bytes is skipped). `into_shared`: the destinations are Maru's memory that other
  * processes read (a page taken with `maru_pages_take`, a store slot): pieces of 16 KiB
  * or more are written with streaming stores, which do not read the lines they write.
- * Otherwise (the runtime's own memory, from a view or a load slot) pieces of 256 KiB
- * or more stream. The bytes are visible to other threads when the call returns. A
+ * Otherwise (the runtime's own memory, from a view or a load slot) the pieces of 4 KiB
+ * or more stream when all the pieces together are 256 KiB or more (a chunk scattered
+ * over a paged KV cache leaves the caches as a whole, however small its pieces); a
+ * smaller call copies ordinarily. One store fence ends the call (not one per piece);
+ * the bytes are visible to other threads when the call returns. A
  * piece with a NULL address (and `len` > 0) fails the call before anything is copied
  * (`MARU_ERR_NULL_ARGUMENT`, naming it).
  *

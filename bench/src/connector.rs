@@ -64,7 +64,14 @@ pub fn run(s: &Scratch, secs: f64) -> Vec<ConnectorResult> {
 pub fn table(rows: &[ConnectorResult], raw: &dyn Fn(&str) -> Option<f64>) -> Table {
     let mut t = Table::new(
         "vLLM connector (maru.vllm's worker, Python) between Maru and a paged KV cache, 32 x 2 MiB",
-        &["backend", "op", "GB/s", "p50 us", "x batch load"],
+        &[
+            "backend",
+            "op",
+            "GB/s",
+            "copies GB/s",
+            "p50 us",
+            "x batch load",
+        ],
     );
     for r in rows {
         match &r.row {
@@ -77,6 +84,7 @@ pub fn table(rows: &[ConnectorResult], raw: &dyn Fn(&str) -> Option<f64>) -> Tab
                     r.backend.into(),
                     "load into the blocks".into(),
                     f2(row.load.gbs),
+                    row.load.copy_gbs.map(f2).unwrap_or_else(|| "-".into()),
                     f2(row.load.p50_us),
                     x,
                 ]);
@@ -84,6 +92,7 @@ pub fn table(rows: &[ConnectorResult], raw: &dyn Fn(&str) -> Option<f64>) -> Tab
                     r.backend.into(),
                     "store out of the blocks".into(),
                     f2(row.store.gbs),
+                    "-".into(),
                     f2(row.store.p50_us),
                     "-".into(),
                 ]);
@@ -91,6 +100,7 @@ pub fn table(rows: &[ConnectorResult], raw: &dyn Fn(&str) -> Option<f64>) -> Tab
             Err(e) => t.row(vec![
                 r.backend.into(),
                 format!("not measured: {e}"),
+                "-".into(),
                 "-".into(),
                 "-".into(),
                 "-".into(),

@@ -92,6 +92,10 @@ pub struct PyFig {
     pub gbs: f64,
     pub p50_us: f64,
     pub ops: usize,
+    /// Of a load into a paged KV cache (the connector's row): the copies into the
+    /// blocks alone, GB/s (the rest of the time is leases, transfers and Python).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_gbs: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]

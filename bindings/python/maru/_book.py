@@ -234,12 +234,17 @@ class _Expirer:
                 if len(live) < len(self._heap) // 2:
                     heapq.heapify(live)
                     self._heap = live
+            head = self._heap[0][0] if self._heap else None
             for v in views:
                 heapq.heappush(self._heap, (v._deadline, next(self._seq), weakref.ref(v)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="maru-view-expiry", daemon=True)
                 self._thread.start()
-            else:
+            elif head is None or self._heap[0][0] < head:
+                # The thread sleeps until the earliest deadline it saw: it is woken only
+                # when that moved earlier. Views acquired later expire later, so most
+                # adds (a load's views) wake nobody: waking the thread each time made
+                # it take the GIL from the loading thread at every load.
                 self._cv.notify()
 
     def stop(self) -> None:

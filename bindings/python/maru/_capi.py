@@ -15,7 +15,9 @@ long as libmaru may call them.
 
 from __future__ import annotations
 
+import array
 import ctypes
+import itertools
 import os
 import threading
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -466,8 +468,25 @@ def key_file_check(path: str) -> None:
 
 
 def copy(pieces: Sequence[Tuple[int, int, int]], into_shared: bool) -> None:
-    """``maru_copy``: each ``(dst, src, len)`` piece, in one call."""
+    """``maru_copy``: each ``(dst, src, len)`` piece, in one call. The pieces are packed
+    as 64-bit words in one step (a ``maru_copy_t`` is three of them on a 64-bit host):
+    a ctypes structure per piece cost about 1.5 us each, 0.7 ms for the 512 pieces of a
+    batch of 32 chunks over 16 layers."""
     n = len(pieces)
     if not n:
         return
-    _check(lib.maru_copy((maru_copy_t * n)(*pieces), n, bool(into_shared)))
+    if _COPY_AS_WORDS:
+        if any(len(p) != 3 for p in pieces):
+            raise ValueError("maru_copy: every piece is (dst, src, len)")
+        try:
+            words = array.array("Q", itertools.chain.from_iterable(pieces))
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"maru_copy: a piece is not three non-negative integers: {e}") from None
+        arr = ctypes.cast((ctypes.c_uint64 * (3 * n)).from_buffer(words), ctypes.POINTER(maru_copy_t))
+    else:
+        arr = (maru_copy_t * n)(*pieces)
+    _check(lib.maru_copy(arr, n, bool(into_shared)))
+
+
+# maru_copy_t as three 64-bit words (pointers and size_t of 64 bits, no padding).
+_COPY_AS_WORDS = ctypes.sizeof(maru_copy_t) == 24 and ctypes.sizeof(ctypes.c_void_p) == 8 and array.array("Q").itemsize == 8

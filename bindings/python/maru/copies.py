@@ -1,6 +1,7 @@
 """Copies between the caller's memory and Maru's (a chunk read in place, a staging
-slot, a page taken for writing in place) with libmaru's own copy (``maru_copy``):
-streaming stores for large pieces, one call for all the pieces of a batch. For an
+slot, a page taken for writing in place) with libmaru's own copy (``maru_copy``): one
+call for all the pieces of a batch, streaming stores when the batch is large (its
+pieces of 4 KiB or more; see ``maru_copy`` in include/maru.h), one store fence. For an
 engine whose KV cache is in host memory, where a chunk is several pieces (its blocks,
 layer by layer)."""
 

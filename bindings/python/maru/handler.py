@@ -924,6 +924,30 @@ class MaruHandler:
             exp.add(got)
         return out
 
+    def acquire_spans(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[Tuple[int, int, int]]]:
+        """The leases of :meth:`acquire_views` without :class:`~maru.View` objects: per
+        found key ``(view id, address, length)`` of the chunk in this host's mapping,
+        None for a miss. Nothing in Python guards the address (no memoryview to revoke,
+        no expiry): for a caller that copies the bytes at once (the vLLM connector's
+        loads, with :func:`maru.copy_ranges`) and then gives the ids back with
+        :meth:`release_spans`, well within the lease (``valid_ms``, 60 s by default).
+        Spans still held when the handler closes end with it. ``cxl`` only."""
+        keys = list(keys)
+        if not keys:
+            return []
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        with self._use() as h:
+            infos = _capi.views_acquire(h, ks, _rk(route_key))
+        return [None if i is None else (i.id, int(i.data or 0), i.len) for i in infos]
+
+    def release_spans(self, ids: Sequence[int]) -> None:
+        """Ends the leases of spans (their ids from :meth:`acquire_spans`) in one call;
+        the addresses must not be read after it."""
+        ids = list(ids)
+        if ids:
+            with self._use() as h:
+                _capi.views_release(h, ids)
+
     def acquire_view(self, key: str, route_key: Optional[str] = None) -> Optional[View]:
         """One chunk in place (:meth:`acquire_views` of one key; ``route_key`` defaults
         to the key); None on a miss."""

@@ -4,6 +4,7 @@ conftest.py."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 import uuid
@@ -178,6 +179,24 @@ def test_views_read_in_place(config, ns):
         r.release_views(views)
         assert r.held_views() == [] and all(v.released for v in views[:-1])
         assert r.acquire_views([]) == [] and r.acquire_view(f"{ns}-miss") is None
+
+
+def test_spans_read_in_place_and_their_leases_end_on_release(config, ns):
+    """acquire_spans: the leases of views without View objects (the vLLM connector's
+    loads): each found chunk's (id, address, length) over its stored bytes, None for a
+    miss; a span holds its lease (the key cannot be removed) until release_spans."""
+    with Handler(config("cxl", f"s-{ns}", namespace=ns)) as h:
+        keys = [f"{ns}-s{i}" for i in range(3)]
+        assert h.batch_store([(k, payload(i, 3000 + i)) for i, k in enumerate(keys)]) == [True] * 3
+        spans = h.acquire_spans(keys + [f"{ns}-miss"])
+        assert spans[-1] is None and len({s[0] for s in spans[:-1]}) == 3
+        for i, (_, addr, n) in enumerate(spans[:-1]):
+            assert n == 3000 + i and ctypes.string_at(addr, n) == payload(i, n)
+        assert h.remove(keys[0]) is RemoveResult.LEASED
+        h.release_spans([s[0] for s in spans if s is not None])
+        assert h.remove(keys[0]) is RemoveResult.REMOVED
+        assert h.acquire_spans([]) == [] and h.held_views() == []
+        h.release_spans([])
 
 
 def test_a_view_after_release_raises(config, ns):

@@ -325,3 +325,55 @@ def test_copy_ranges_copies_every_piece_in_one_call():
     with pytest.raises(maru.MaruError) as e:
         maru.copy_ranges([(b, a, 8), (0, a, 8)])
     assert "copies[1]" in e.value.message and dst[:8] == bytes(8)
+    # Pieces that are not three non-negative integers are refused before any copy.
+    for bad in ([(b, a, 8), (-1, a, 8)], [(b, a, 8), (b, a)], [(b, a), (b, a, 8, 8)], [(b, a, 8), (b, a, "8")]):
+        with pytest.raises(ValueError, match="maru_copy"):
+            maru.copy_ranges(bad)
+        assert dst[:8] == bytes(8)
+
+
+def test_view_expiry_thread_is_woken_only_for_an_earlier_deadline():
+    """maru._book._Expirer: adding views that expire after those queued wakes nobody
+    (a load's views, every load: waking the thread took the GIL from the loading
+    thread); a view that expires first wakes it, and it is expired on time."""
+    import threading
+    import time
+
+    from maru._book import _Expirer
+
+    class Handler:
+        def __init__(self):
+            self.expired = []
+
+        def _expire_view(self, v):
+            self.expired.append(v)
+
+    class V:
+        def __init__(self, in_s):
+            self._deadline = time.monotonic() + in_s
+            self._state = "held"
+
+    class Counting(threading.Condition):
+        notified = 0
+
+        def notify(self, n=1):
+            Counting.notified += 1
+            super().notify(n)
+
+    h = Handler()
+    e = _Expirer(h)
+    e._cv = Counting()
+    keep = [V(60)]
+    e.add(keep)  # starts the thread
+    for i in range(5):
+        keep.append(V(61 + i))
+        e.add(keep[-1:])
+    assert Counting.notified == 0
+    soon = V(0.1)
+    e.add([soon])
+    assert Counting.notified == 1
+    deadline = time.monotonic() + 5
+    while not h.expired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h.expired == [soon]
+    e.stop()

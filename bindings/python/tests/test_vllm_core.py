@@ -574,6 +574,14 @@ class FakeStore:
             if v is not None:
                 v.release()
 
+    def acquire_spans(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[Tuple[int, int, int]]]:
+        views = self.acquire_views(keys, route_key)
+        return [None if v is None else (id(v), v.address, v.length) for v in views]
+
+    def release_spans(self, ids: Sequence[int]) -> None:
+        held = {id(v): v for v in self.views}
+        self.release_views([held[i] for i in ids])
+
     def _put(self, key: str, data: bytes) -> bool:
         self.submitted[key] = self.submitted.get(key, 0) + 1
         if self.store_ok:
@@ -649,6 +657,37 @@ def test_copies_are_one_per_layer_and_piece_for_consecutive_blocks() -> None:
         kv.copy_in([(0, 20), (1, 21), (2, 40), (3, 41)], addr_of(buf), len(buf))
         assert kv.copies == 3 * per_run * 2
         assert kv.block(1, 40) == kv.block(1, 10) and kv.block(2, 21) == kv.block(2, 9)
+
+
+@pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
+def test_large_odd_pieces_move_every_byte_and_nothing_else(kv_first: bool) -> None:
+    """Chunks of odd-sized pieces (several KiB, not a multiple of 32, at odd offsets),
+    a batch well above the size from which libmaru's copy streams them: a chunk copied
+    out of scattered runs of blocks, then into other blocks, two chunks in one call,
+    one of them only partly (its last two positions); every byte lands where it
+    belongs and no other byte of the cache changes."""
+    piece = 24_577
+    layers, bpc, nblocks = 3, 4, 24
+    src = BytesKV(layers=layers, bpc=bpc, bb=2 * piece, nblocks=nblocks, kv_first=kv_first)
+    dst = BytesKV(layers=layers, bpc=bpc, bb=2 * piece, nblocks=nblocks, kv_first=kv_first)
+    rng = random.Random(5)
+    for b in src.bufs:
+        b[:] = rng.randbytes(len(b))
+    assert src.chunk_bytes == layers * bpc * 2 * piece and src.chunk_bytes > 256 << 10
+    bufs = [bytearray(src.chunk_bytes + 1) for _ in range(2)]  # +1: the chunk at an odd offset
+    at = [addr_of(b) + 1 for b in bufs]
+    src.copy_out([(0, 3), (1, 4), (2, 9), (3, 10)], at[0], src.chunk_bytes)
+    src.copy_out([(0, 20), (1, 1), (2, 2), (3, 17)], at[1], src.chunk_bytes)
+    # Chunk 0 whole into blocks 12..15; of chunk 1 only positions 2 and 3 (a request
+    # whose first blocks were computed) into blocks 5 and 7.
+    dst.copy_in_many([([(0, 12), (1, 13), (2, 14), (3, 15)], at[0]), ([(2, 5), (3, 7)], at[1])], src.chunk_bytes)
+    moved = {12: 3, 13: 4, 14: 9, 15: 10, 5: 2, 7: 17}
+    for layer in range(layers):
+        for b in range(nblocks):
+            want = src.block(layer, moved[b]) if b in moved else bytes(2 * piece)
+            assert dst.block(layer, b) == want, (layer, b)
+    for b in bufs:
+        assert b[0] == 0  # the byte before the chunk
 
 
 def test_copies_refuse_blocks_outside_the_cache() -> None:

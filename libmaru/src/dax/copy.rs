@@ -43,11 +43,30 @@ pub fn copy_out(dst: &mut [u8], src: &[u8]) {
     unsafe { copy_streaming(dst.as_mut_ptr(), src, OUT_STREAM_MIN) }
 }
 
+/// Pieces of a batch copied out to caller memory ([`copy_pieces`]) stream from this
+/// size when the whole batch is at least [`OUT_STREAM_MIN`]: the batch as a whole is
+/// what leaves the caches (a chunk scattered over a paged KV cache, e.g. 128 KiB per
+/// layer, is as cold as one 2 MiB piece), and below a page the fixed cost of the
+/// unaligned head and tail outweighs what streaming saves.
+pub const PIECE_STREAM_MIN: usize = 4 << 10;
+
 /// Copies `src` to `dst`, streaming when `src.len() >= min`.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
 unsafe fn copy_streaming(dst: *mut u8, src: &[u8], min: usize) {
+    // SAFETY: the caller's contract.
+    if unsafe { copy_unfenced(dst, src, min) } {
+        fence();
+    }
+}
+
+/// Copies `src` to `dst`, streaming (without the closing fence) when
+/// `src.len() >= min`; returns whether it streamed.
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
+unsafe fn copy_unfenced(dst: *mut u8, src: &[u8], min: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if src.len() >= min {
         if std::arch::is_x86_feature_detected!("avx") {
@@ -58,18 +77,63 @@ unsafe fn copy_streaming(dst: *mut u8, src: &[u8], min: usize) {
             // SAFETY: SSE2 is part of x86_64; the caller's contract covers the ranges.
             unsafe { x86::stream_sse2(dst, src) };
         }
-        return;
+        return true;
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = min;
     // SAFETY: the caller's contract.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+    false
+}
+
+/// The store fence that makes streaming stores globally visible (nothing elsewhere).
+fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86_64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// The piece size from which [`copy_pieces`] streams the pieces of this batch.
+fn stream_from(pieces: &[(*mut u8, *const u8, usize)], into_shared: bool) -> usize {
+    if into_shared {
+        SHARED_STREAM_MIN
+    } else if pieces.iter().map(|p| p.2).sum::<usize>() >= OUT_STREAM_MIN {
+        PIECE_STREAM_MIN
+    } else {
+        usize::MAX
+    }
+}
+
+/// Copies each `(dst, src, len)` piece, with one store fence at the end (not one per
+/// piece): a batch of pieces, as `maru_copy` gets them. `into_shared` (Maru's memory
+/// that other processes read): pieces of [`SHARED_STREAM_MIN`] or more stream, as with
+/// [`copy_to_shared`]. Otherwise (the caller's memory): when the batch totals
+/// [`OUT_STREAM_MIN`] or more, its pieces of [`PIECE_STREAM_MIN`] or more stream, as a
+/// single piece of that size would with [`copy_out`]; a smaller batch is copied
+/// ordinarily. The bytes are visible to other CPUs when it returns.
+///
+/// # Safety
+/// Each `dst` must be valid for writes of `len` bytes and each `src` for reads of
+/// `len` bytes, and no piece's destination may overlap its own source or another
+/// piece's destination. Pieces of 0 bytes are skipped (their addresses unused).
+pub unsafe fn copy_pieces(pieces: &[(*mut u8, *const u8, usize)], into_shared: bool) {
+    let min = stream_from(pieces, into_shared);
+    let mut streamed = false;
+    for &(dst, src, len) in pieces.iter().filter(|p| p.2 > 0) {
+        // SAFETY: the caller's contract.
+        streamed |= unsafe { copy_unfenced(dst, std::slice::from_raw_parts(src, len), min) };
+    }
+    if streamed {
+        fence();
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_loadu_si128, _mm_sfence,
+        __m128i, __m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_loadu_si128,
         _mm_stream_si128,
     };
 
@@ -81,7 +145,8 @@ mod x86 {
         (head, body)
     }
 
-    /// 32-byte streaming stores, 128 bytes per step.
+    /// 32-byte streaming stores, 128 bytes per step, without the closing store fence
+    /// (the caller's).
     ///
     /// # Safety
     /// AVX must be present; `dst` valid for `src.len()` bytes, not overlapping `src`.
@@ -107,11 +172,11 @@ mod x86 {
                 i += 128;
             }
             std::ptr::copy_nonoverlapping(s.add(i), dst.add(i), n - i);
-            _mm_sfence();
         }
     }
 
-    /// 16-byte streaming stores, 64 bytes per step (every x86_64 has SSE2).
+    /// 16-byte streaming stores, 64 bytes per step (every x86_64 has SSE2), without
+    /// the closing store fence (the caller's).
     ///
     /// # Safety
     /// `dst` valid for `src.len()` bytes, not overlapping `src`.
@@ -131,7 +196,6 @@ mod x86 {
                 i += 64;
             }
             std::ptr::copy_nonoverlapping(s.add(i), dst.add(i), n - i);
-            _mm_sfence();
         }
     }
 }
@@ -205,7 +269,84 @@ mod tests {
         }
     }
 
+    /// Copies pieces of `lens` (each at an odd offset in both buffers, with gaps
+    /// between them) in one [`copy_pieces`] call, in reverse order, with an empty piece
+    /// of NULL addresses among them; checks every piece and that no byte between or
+    /// around them changed.
+    fn check_pieces(lens: &[usize], into_shared: bool) {
+        let gap = 37;
+        let total: usize = lens.iter().map(|n| n + gap).sum::<usize>() + gap;
+        let src = pattern(total, 11);
+        let mut dst = vec![0xEEu8; total];
+        let mut pieces = vec![(std::ptr::null_mut(), std::ptr::null(), 0)];
+        let mut at = gap;
+        for &n in lens {
+            // SAFETY: `at + n <= total` in both buffers.
+            pieces.push(unsafe { (dst.as_mut_ptr().add(at), src.as_ptr().add(at), n) });
+            at += n + gap;
+        }
+        pieces.reverse();
+        // SAFETY: the pieces lie inside `src` and `dst` (separate), none overlapping.
+        unsafe { copy_pieces(&pieces, into_shared) };
+        let mut at = gap;
+        for (i, &n) in lens.iter().enumerate() {
+            assert!(dst[at..at + n] == src[at..at + n], "piece {i} of {n} bytes");
+            assert!(
+                dst[at - gap..at].iter().all(|&b| b == 0xEE),
+                "bytes before piece {i}"
+            );
+            at += n + gap;
+        }
+        assert!(
+            dst[at - gap..].iter().all(|&b| b == 0xEE),
+            "bytes after the last piece"
+        );
+    }
+
+    #[test]
+    fn a_batch_of_pieces_keeps_every_byte_and_touches_nothing_else() {
+        // A paged KV cache's chunk (16 layers of 2 blocks): 32 pieces of 64 KiB + 3, a
+        // batch far above OUT_STREAM_MIN; then pieces around PIECE_STREAM_MIN; then a
+        // batch below OUT_STREAM_MIN (copied ordinarily).
+        let kv: Vec<usize> = (0..32).map(|i| (64 << 10) + 3 + i).collect();
+        let around = [
+            PIECE_STREAM_MIN - 1,
+            PIECE_STREAM_MIN,
+            PIECE_STREAM_MIN + 1,
+            1,
+            127,
+            OUT_STREAM_MIN + 5,
+        ];
+        for into_shared in [false, true] {
+            check_pieces(&kv, into_shared);
+            check_pieces(&around, into_shared);
+            check_pieces(&[100, 5000, 70_001], into_shared);
+            check_pieces(&[], into_shared);
+        }
+    }
+
+    #[test]
+    fn a_batch_streams_by_its_total_size_not_only_its_pieces() {
+        let piece = |len| (std::ptr::null_mut(), std::ptr::null(), len);
+        // One chunk of a paged KV cache: 16 layers of 128 KiB, each below OUT_STREAM_MIN.
+        let chunk: Vec<_> = (0..16).map(|_| piece(128 << 10)).collect();
+        assert_eq!(stream_from(&chunk, false), PIECE_STREAM_MIN);
+        assert_eq!(stream_from(&chunk, true), SHARED_STREAM_MIN);
+        // A small batch stays in the caches for the caller to read next.
+        let small = [piece(64 << 10), piece(64 << 10)];
+        assert_eq!(stream_from(&small, false), usize::MAX);
+        assert_eq!(
+            stream_from(&[piece(OUT_STREAM_MIN)], false),
+            PIECE_STREAM_MIN
+        );
+    }
+
     proptest! {
+        #[test]
+        fn any_pieces_copy_exactly(lens in proptest::collection::vec(0usize..40_000, 0..24), into_shared: bool) {
+            check_pieces(&lens, into_shared);
+        }
+
         #[test]
         fn any_length_and_offset_copies_exactly(len in 0usize..200_000, off in 0usize..64, so in 0usize..64) {
             check(copy_to_shared, so, off, len);

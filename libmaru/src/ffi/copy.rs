@@ -34,8 +34,11 @@ fn check(copies: &[maru_copy_t]) -> Result<(), FfiError> {
 /// of 0 bytes is skipped). `into_shared`: the destinations are Maru's memory that other
 /// processes read (a page taken with `maru_pages_take`, a store slot): pieces of 16 KiB
 /// or more are written with streaming stores, which do not read the lines they write.
-/// Otherwise (the runtime's own memory, from a view or a load slot) pieces of 256 KiB
-/// or more stream. The bytes are visible to other threads when the call returns. A
+/// Otherwise (the runtime's own memory, from a view or a load slot) the pieces of 4 KiB
+/// or more stream when all the pieces together are 256 KiB or more (a chunk scattered
+/// over a paged KV cache leaves the caches as a whole, however small its pieces); a
+/// smaller call copies ordinarily. One store fence ends the call (not one per piece);
+/// the bytes are visible to other threads when the call returns. A
 /// piece with a NULL address (and `len` > 0) fails the call before anything is copied
 /// (`MARU_ERR_NULL_ARGUMENT`, naming it).
 ///
@@ -51,18 +54,13 @@ pub unsafe extern "C" fn maru_copy(
     ffi_guard(|| {
         let copies = in_slice(copies, n, "copies")?;
         check(copies)?;
-        for c in copies.iter().filter(|c| c.len > 0) {
-            // SAFETY: the caller's contract: `src` readable and `dst` writable for `len`
-            // bytes, not overlapping.
-            unsafe {
-                let src = std::slice::from_raw_parts(c.src, c.len);
-                if into_shared {
-                    crate::dax::copy::copy_to_shared(c.dst, src);
-                } else {
-                    crate::dax::copy::copy_out(std::slice::from_raw_parts_mut(c.dst, c.len), src);
-                }
-            }
-        }
+        let pieces: Vec<(*mut u8, *const u8, usize)> = copies
+            .iter()
+            .map(|c| (c.dst, c.src.cast(), c.len))
+            .collect();
+        // SAFETY: the caller's contract: every `src` readable and every `dst` writable
+        // for `len` bytes, not overlapping.
+        unsafe { crate::dax::copy::copy_pieces(&pieces, into_shared) };
         Ok(())
     })
 }

@@ -850,8 +850,8 @@ class LayerMemory:
 
 class PagedKV(KVBlocks):
     """A KV cache in host memory (``layers``, in layer order), copied by libmaru
-    (:func:`maru.copy_ranges`, streaming stores for large pieces) in one call per chunk:
-    one piece per layer and piece of a block for each run of blocks that are
+    (:func:`maru.copy_ranges`: streaming stores for a large batch, one fence) in one call
+    per chunk stored and per batch of chunks loaded: one piece per layer and piece of a block for each run of blocks that are
     consecutive both in the chunk and in the cache (usually the whole chunk), never a
     copy per token.
 
@@ -867,13 +867,22 @@ class PagedKV(KVBlocks):
         self.bpc = blocks_per_chunk
         self.chunk_bytes = sum(m.block_bytes for m in self.layers) * blocks_per_chunk
         self.copies = 0  # memmove calls made (for the tests: few large copies)
+        self._blocks = min(m.num_blocks for m in self.layers)
+        # Per layer and piece: (its offset in a chunk, the address of its block 0, its
+        # bytes per block); a move of run (pos, b, n) is (off + pos * p, at + b * p, n * p).
+        self._pieces: List[Tuple[int, int, int]] = []
+        off = 0
+        for m in self.layers:
+            for i in range(m.pieces):
+                self._pieces.append((off + i * self.bpc * m.piece, m.addr + i * m.num_blocks * m.piece, m.piece))
+            off += m.block_bytes * self.bpc
 
     def _runs(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
         """``(first position, first block, count)`` of each run of blocks consecutive in
         the chunk and in the cache; refuses positions or block ids out of range (a
         wrong id must never write outside the cache)."""
         runs: List[Tuple[int, int, int]] = []
-        nb = min(m.num_blocks for m in self.layers)
+        nb = self._blocks
         for pos, b in blocks:
             if not (0 <= pos < self.bpc and 0 <= b < nb):
                 raise ValueError(f"block {b} at position {pos} is outside the cache ({nb} blocks, {self.bpc} a chunk)")
@@ -886,14 +895,10 @@ class PagedKV(KVBlocks):
     def moves(self, blocks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
         """``(offset in the chunk, address in the cache, bytes)`` of each copy."""
         runs = self._runs(blocks)
-        out: List[Tuple[int, int, int]] = []
-        off = 0
-        for m in self.layers:
-            for i in range(m.pieces):
-                for pos, b, n in runs:
-                    out.append((off + (i * self.bpc + pos) * m.piece, m.addr + (i * m.num_blocks + b) * m.piece, n * m.piece))
-            off += m.block_bytes * self.bpc
-        return out
+        if len(runs) == 1:  # the usual case: the chunk's blocks are consecutive
+            pos, b, n = runs[0]
+            return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces]
+        return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces for pos, b, n in runs]
 
     def _check(self, size: int) -> None:
         if size != self.chunk_bytes:
@@ -944,7 +949,7 @@ class WorkerCore:
     """The worker side of one tensor-parallel rank.
 
     Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) each chunk
-    is read in place in the CXL mapping (``acquire_views``) and copied straight into the
+    is read in place in the CXL mapping (``acquire_spans``) and copied straight into the
     engine's blocks; on ``remote_cxl`` the load slots are cut in two halves, so that
     one half's chunks are copied into the blocks while the other's transfer runs. Any
     chunk that is not loaded whole (a miss, a short chunk, an error) marks its blocks
@@ -1061,17 +1066,19 @@ class WorkerCore:
         return None if whole == len(found) else first + whole
 
     def _load_in_place(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """cxl: each chunk read in place under a lease, one copy into the blocks."""
+        """cxl: each chunk read in place under a lease (``acquire_spans``: the views'
+        addresses, no View objects, as the bytes are copied at once), one copy into the
+        blocks, then the leases given back in one call."""
         keys = t.keys[self.rank]
         for i in range(0, len(keys), VIEW_BATCH):
-            views = h.acquire_views(keys[i : i + VIEW_BATCH], route_key=t.route_key)
+            spans = h.acquire_spans(keys[i : i + VIEW_BATCH], route_key=t.route_key)
             try:
-                failed = self._loaded(t, i, [(None, 0) if v is None else (v.length, v.address) for v in views])
+                failed = self._loaded(t, i, [(None, 0) if s is None else (s[2], s[1]) for s in spans])
                 if failed is not None:
                     return failed
             finally:
                 try:
-                    h.release_views(views)  # the leases in one call
+                    h.release_spans([s[0] for s in spans if s is not None])  # the leases in one call
                 except Exception as e:  # noqa: BLE001 - released with the handler at the latest
                     log.warning("maru.vllm worker: cannot release views: %s", e)
         return None
