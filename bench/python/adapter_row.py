@@ -8,13 +8,17 @@ judged by), and alone, one alloc (a page taken and given back).
 Prints one JSON object: fill_store {gbs, p50_us, ops}, memcpy {gbs, p50_us, ops},
 alloc {p50_us, p99_us, ops}. Run by maru-bench (part in_place) against its cxl stack:
 
-    python adapter_row.py --server HOST:PORT --chunk 2097152 --batch 32 --secs 8
+    python adapter_row.py --server HOST:PORT --server-key-file KEY --chunk 2097152 --batch 32 --secs 8
+
+The compat config has no field for maru-server's key: the key file is given to libmaru
+through ``MARU_SERVER_KEY_FILE``, as an LMCache or SGLang deployment gives it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import uuid
 
@@ -42,6 +46,7 @@ def measure(op, secs):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--server", required=True)
+    p.add_argument("--server-key-file", help="maru-server's key (sets MARU_SERVER_KEY_FILE)")
     p.add_argument("--chunk", type=int, default=2 << 20)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--secs", type=float, default=8.0)
@@ -52,6 +57,8 @@ def main() -> None:
     src = np.random.default_rng(3).integers(0, 256, size=(n_src, chunk), dtype=np.uint8)
     dst = np.empty_like(src)  # memcpy's destination: as much cold memory
     dst[:] = 1
+    if a.server_key_file:
+        os.environ["MARU_SERVER_KEY_FILE"] = a.server_key_file
     cfg = MaruConfig(server_url=f"tcp://{a.server}", chunk_size_bytes=chunk, storage_backend="cxl",
                      instance_id=f"bench-adapter-{uuid.uuid4().hex[:6]}", timeout_ms=10000)
     h = MaruHandler(cfg)

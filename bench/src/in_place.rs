@@ -116,11 +116,18 @@ impl AdapterRow {
     }
 }
 
-/// Runs bench/python/adapter_row.py against `server` (see `python_row::run`).
-fn adapter_row(server: &str, secs: f64) -> Result<AdapterRow, String> {
+/// Runs bench/python/adapter_row.py against `server`, proving `server_key` (see
+/// `python_row::run`).
+fn adapter_row(
+    server: &str,
+    server_key: &std::path::Path,
+    secs: f64,
+) -> Result<AdapterRow, String> {
     let args = [
         "--server".to_string(),
         server.to_string(),
+        "--server-key-file".into(),
+        server_key.display().to_string(),
         "--chunk".into(),
         CHUNK.to_string(),
         "--batch".into(),
@@ -309,7 +316,7 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
     let [compat, per_chunk, batched, memcpy] = rounds.map(|r| average(&r));
     drop(h);
     // The Python adapters' way, on the same stack once the figures above are done.
-    let adapter = adapter_row(&st.server, secs);
+    let adapter = adapter_row(&st.server, &s.server_key, secs);
     drop(st);
     Ok(InPlaceResult {
         compat,
