@@ -393,33 +393,50 @@ fn replay_core(t: &Trace, order: VictimOrder, regions: u64) -> Result<f64, Strin
     Ok(hits as f64 / asked.max(1) as f64)
 }
 
+/// The hit rate of a replay: `serve` takes each request's chunks in turn, returns the
+/// length of its leading run that was cached (a prefix cache loads only that) and
+/// records the request in its cache.
+fn hit_rate(t: &Trace, mut serve: impl FnMut(&[u32]) -> usize) -> f64 {
+    let (mut hits, mut asked) = (0usize, 0usize);
+    for r in &t.requests {
+        hits += serve(&r.chunks);
+        asked += r.chunks.len();
+    }
+    hits as f64 / asked.max(1) as f64
+}
+
+/// How many of `chunks`, from the first, are in `cache`.
+fn leading_run<V>(chunks: &[u32], cache: &HashMap<u32, V>) -> usize {
+    chunks.iter().take_while(|c| cache.contains_key(c)).count()
+}
+
+/// Drops the lowest entries of `order` (and their chunks from `cache`) until at most
+/// `capacity` are left.
+fn evict_lowest<V>(order: &mut BTreeSet<(u64, u32)>, cache: &mut HashMap<u32, V>, capacity: usize) {
+    while order.len() > capacity {
+        if let Some((_, v)) = order.pop_first() {
+            cache.remove(&v);
+        }
+    }
+}
+
 /// Global LRU of `capacity` chunks.
 fn replay_lru(t: &Trace, capacity: usize) -> f64 {
     let mut stamp: HashMap<u32, u64> = HashMap::new();
     let mut order: BTreeSet<(u64, u32)> = BTreeSet::new();
-    let (mut hits, mut asked, mut clock) = (0usize, 0usize, 0u64);
-    for r in &t.requests {
-        let lead = r
-            .chunks
-            .iter()
-            .take_while(|c| stamp.contains_key(c))
-            .count();
-        hits += lead;
-        asked += r.chunks.len();
-        for &c in &r.chunks {
+    let mut clock = 0u64;
+    hit_rate(t, |chunks| {
+        let lead = leading_run(chunks, &stamp);
+        for &c in chunks {
             clock += 1;
             if let Some(old) = stamp.insert(c, clock) {
                 order.remove(&(old, c));
             }
             order.insert((clock, c));
-            while order.len() > capacity {
-                if let Some((_, v)) = order.pop_first() {
-                    stamp.remove(&v);
-                }
-            }
+            evict_lowest(&mut order, &mut stamp, capacity);
         }
-    }
-    hits as f64 / asked.max(1) as f64
+        lead
+    })
 }
 
 /// Belady's MIN over the same accesses: the chunk used again furthest ahead goes.
@@ -440,12 +457,10 @@ fn replay_belady(t: &Trace, capacity: usize) -> f64 {
     }
     let mut when: HashMap<u32, u64> = HashMap::new();
     let mut order: BTreeSet<(u64, u32)> = BTreeSet::new();
-    let (mut hits, mut asked, mut pos) = (0usize, 0usize, 0usize);
-    for r in &t.requests {
-        let lead = r.chunks.iter().take_while(|c| when.contains_key(c)).count();
-        hits += lead;
-        asked += r.chunks.len();
-        for &c in &r.chunks {
+    let mut pos = 0usize;
+    hit_rate(t, |chunks| {
+        let lead = leading_run(chunks, &when);
+        for &c in chunks {
             let n = next[pos];
             pos += 1;
             if let Some(old) = when.remove(&c) {
@@ -462,8 +477,8 @@ fn replay_belady(t: &Trace, capacity: usize) -> f64 {
                 }
             }
         }
-    }
-    hits as f64 / asked.max(1) as f64
+        lead
+    })
 }
 
 /// Segmented LRU over one global cache of `capacity` chunks: a chunk read again
@@ -477,16 +492,10 @@ fn replay_slru(t: &Trace, capacity: usize, protected: f64) -> f64 {
     let mut probation: BTreeSet<(u64, u32)> = BTreeSet::new();
     let mut kept: BTreeSet<(u64, u32)> = BTreeSet::new();
     let max_kept = (capacity as f64 * protected) as usize;
-    let (mut hits, mut asked, mut clock) = (0usize, 0usize, 0u64);
-    for r in &t.requests {
-        let lead = r
-            .chunks
-            .iter()
-            .take_while(|c| state.contains_key(c))
-            .count();
-        hits += lead;
-        asked += r.chunks.len();
-        for (i, &c) in r.chunks.iter().enumerate() {
+    let mut clock = 0u64;
+    hit_rate(t, |chunks| {
+        let lead = leading_run(chunks, &state);
+        for (i, &c) in chunks.iter().enumerate() {
             clock += 1;
             let was = state.get(&c).copied();
             if let Some((old, prot)) = was {
@@ -520,8 +529,8 @@ fn replay_slru(t: &Trace, capacity: usize, protected: f64) -> f64 {
                 state.remove(&v);
             }
         }
-    }
-    hits as f64 / asked.max(1) as f64
+        lead
+    })
 }
 
 /// One global cache of `capacity` chunks ordered by last use plus `bonus` per read
@@ -530,16 +539,10 @@ fn replay_slru(t: &Trace, capacity: usize, protected: f64) -> f64 {
 fn replay_lru_freq(t: &Trace, capacity: usize, bonus: u64) -> f64 {
     let mut state: HashMap<u32, (u64, u64)> = HashMap::new();
     let mut order: BTreeSet<(u64, u32)> = BTreeSet::new();
-    let (mut hits, mut asked, mut clock) = (0usize, 0usize, 0u64);
-    for r in &t.requests {
-        let lead = r
-            .chunks
-            .iter()
-            .take_while(|c| state.contains_key(c))
-            .count();
-        hits += lead;
-        asked += r.chunks.len();
-        for (i, &c) in r.chunks.iter().enumerate() {
+    let mut clock = 0u64;
+    hit_rate(t, |chunks| {
+        let lead = leading_run(chunks, &state);
+        for (i, &c) in chunks.iter().enumerate() {
             clock += 1;
             let reads = match state.get(&c).copied() {
                 Some((prio, n)) => {
@@ -551,14 +554,10 @@ fn replay_lru_freq(t: &Trace, capacity: usize, bonus: u64) -> f64 {
             let prio = clock + bonus * reads;
             state.insert(c, (prio, reads));
             order.insert((prio, c));
-            while order.len() > capacity {
-                if let Some((_, v)) = order.pop_first() {
-                    state.remove(&v);
-                }
-            }
+            evict_lowest(&mut order, &mut state, capacity);
         }
-    }
-    hits as f64 / asked.max(1) as f64
+        lead
+    })
 }
 
 #[derive(Debug, Clone, Serialize)]
