@@ -1096,39 +1096,20 @@ def test_a_thread_that_names_itself_late_is_still_moved() -> None:
     maru-tick thread left on the compute core). Settle keeps looking at a new thread
     named as its creator until it names itself (for YOUNG_S seconds), however many
     calls come first."""
-    cores = sorted(os.sched_getaffinity(0))
-    compute, other = {cores[-1]}, {cores[0]}
     import threading
 
-    rename, renamed, done = threading.Event(), threading.Event(), threading.Event()
-    result: Dict[str, Any] = {}
+    rename = threading.Event()
 
-    def late() -> None:  # inherits the creator's name and cores, as a native thread would
-        rename.wait(10)
-        with open("/proc/thread-self/comm", "w") as f:
-            f.write("maru-late")
-        renamed.set()
-        done.wait(10)
-        result["cores"] = os.sched_getaffinity(0)
-
-    def caller() -> None:
-        os.sched_setaffinity(0, compute)
-        place = core.Placement(other)
-        t = threading.Thread(target=late)
-        t.start()
+    def scenario(place: Any, start_late: Any) -> int:
+        named = start_late()
         for _ in range(10):  # many calls before the thread names itself
             place.settle()
         rename.set()
-        renamed.wait(10)
-        result["moved"] = place.settle()
-        done.set()
-        t.join(10)
+        named.wait(10)
+        return place.settle()
 
-    t = threading.Thread(target=caller)
-    t.start()
-    t.join(30)
-    assert result.get("moved") == 1 and result.get("cores") == other, result
-
+    moved, cores, other = _placement_with_a_late_thread("maru-late", lambda: rename.wait(10), scenario)
+    assert moved == 1 and cores == other, (moved, cores)
 
 
 def test_threads_an_open_started_are_moved_even_when_no_call_follows():
@@ -1137,35 +1118,59 @@ def test_threads_an_open_started_are_moved_even_when_no_call_follows():
     they are named (bounded). Seen failing with a single ``settle`` (moved 0)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")
-    cores = sorted(os.sched_getaffinity(0))
-    compute, other = {cores[-1]}, {cores[0]}
+
+    def scenario(place: Any, start_late: Any) -> int:
+        place.settle()  # libmaru threads of other tests in this process: seen already
+        start_late()
+        return place.settle_started(timeout_s=2.0)
+
+    # The thread names itself 50 ms after it started.
+    moved, cores, other = _placement_with_a_late_thread("maru-late-open", lambda: time.sleep(0.05), scenario)
+    assert moved == 1 and cores == other, (moved, cores)
+
+
+def _placement_with_a_late_thread(name: str, before_naming: Any, scenario: Any) -> Tuple[Any, Any, set]:
+    """A thread pinned to the last core makes a ``Placement`` that moves threads to the
+    first core and returns ``scenario(place, start_late)``. ``start_late()`` starts a
+    thread that inherits its creator's name and cores (as a native thread would), runs
+    ``before_naming()``, names itself ``name`` (the Event ``start_late`` returns is set
+    then) and, once the scenario is over, notes its cores. Returns what ``scenario``
+    returned, those cores, and the first core's set."""
     import threading
 
-    named, done = threading.Event(), threading.Event()
+    cores = sorted(os.sched_getaffinity(0))
+    compute, other = {cores[-1]}, {cores[0]}
+    done = threading.Event()
     result: Dict[str, Any] = {}
+    threads: List[threading.Thread] = []
 
-    def late() -> None:  # names itself 50 ms after it started
-        time.sleep(0.05)
+    def late(named: threading.Event) -> None:
+        before_naming()
         with open("/proc/thread-self/comm", "w") as f:
-            f.write("maru-late-open")
+            f.write(name)
         named.set()
         done.wait(10)
         result["cores"] = os.sched_getaffinity(0)
 
+    def start_late() -> threading.Event:
+        named = threading.Event()
+        t = threading.Thread(target=late, args=(named,))
+        t.start()
+        threads.append(t)
+        return named
+
     def caller() -> None:
         os.sched_setaffinity(0, compute)
-        place = core.Placement(other)
-        place.settle()  # libmaru threads of other tests in this process: seen already
-        t = threading.Thread(target=late)
-        t.start()
-        result["moved"] = place.settle_started(timeout_s=2.0)
+        result["moved"] = scenario(core.Placement(other), start_late)
         done.set()
-        t.join(10)
+        for t in threads:
+            t.join(10)
 
     t = threading.Thread(target=caller)
     t.start()
     t.join(30)
-    assert result.get("moved") == 1 and result.get("cores") == other, result
+    return result.get("moved"), result.get("cores"), other
+
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
