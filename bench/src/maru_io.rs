@@ -78,8 +78,9 @@ impl CHandler {
         match stored.iter().filter(|&&s| !s).count() {
             0 => Ok(()),
             n => Err(format!(
-                "maru_store_batch skipped {n} of {} chunks (pool full or no staging slot)",
-                keys.len()
+                "maru_store_batch skipped {n} of {} chunks; the handler's counters: {}",
+                keys.len(),
+                self.counters_for_error()
             )),
         }
     }
@@ -103,7 +104,10 @@ impl CHandler {
         if stored {
             Ok(())
         } else {
-            Err("maru_store skipped the chunk (pool full or no staging slot)".into())
+            Err(format!(
+                "maru_store skipped the chunk; the handler's counters: {}",
+                self.counters_for_error()
+            ))
         }
     }
 
@@ -249,6 +253,14 @@ impl CHandler {
             "maru_stats_json",
         )?;
         serde_json::from_slice(&buf[..len.min(buf.len())]).map_err(|e| format!("stats: {e}"))
+    }
+
+    /// The handler's counters for an error message (why chunks were skipped).
+    fn counters_for_error(&self) -> String {
+        match self.stats() {
+            Ok(v) => v["total"].to_string(),
+            Err(e) => format!("(unreadable: {e})"),
+        }
     }
 
     /// Waits (up to 10 s) until the handler's background prefaulting of its regions

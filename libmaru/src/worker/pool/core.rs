@@ -103,9 +103,23 @@ struct InFlight {
 pub struct Taken {
     pub pages: Vec<PageGrant>,
     tokens: BTreeMap<u64, Token>,
+    /// Pages not taken because their region is not the pool's (its adoption not
+    /// done by the store's deadline, or the region lost): they hold no key, and the
+    /// store frees them at maru-server and looks for others. (Pages of a closing or
+    /// going region are not here: they go back with their region.)
+    pub foreign: Vec<PageGrant>,
 }
 
 impl Taken {
+    /// Adds the pages of another round of taking (the tokens noted first stay).
+    pub fn merge(&mut self, more: Taken) {
+        for (r, t) in more.tokens {
+            self.tokens.entry(r).or_insert(t);
+        }
+        self.pages.extend(more.pages);
+        self.foreign.extend(more.foreign);
+    }
+
     /// Pages taken earlier, each with its region's token then (writes in place).
     pub fn of(pages: impl IntoIterator<Item = (PageGrant, Option<Token>)>) -> Taken {
         let mut taken = Taken::default();
@@ -122,6 +136,16 @@ impl Taken {
     pub fn token(&self, region: u64) -> Option<Token> {
         self.tokens.get(&region).cloned()
     }
+}
+
+/// Pages `keep_spare` did not keep, to free at maru-server: `extra` (of own
+/// regions, beyond the spare bound) and `foreign` (of regions not the pool's: being
+/// adopted still, or lost, when maru-server refuses their free) apart, since a free
+/// is all or nothing.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Unkept {
+    pub extra: Vec<PageGrant>,
+    pub foreign: Vec<PageGrant>,
 }
 
 /// What a publish may do now.
@@ -423,8 +447,13 @@ impl PoolCore {
     /// Whether a store given `pages` must wait before writing: one is of a region not
     /// known yet while another store is taking a region (maru-server allocates from
     /// any region of the session, also one whose map is not done).
+    ///
+    /// While an `expand` is in flight (`expanding`), not only once its answer is
+    /// noted (`adopting`): maru-server may hand pages of the region it just gave to
+    /// another store's `alloc` before the store that asked for it has read the
+    /// answer.
     pub fn waits_for_adoption(&self, pages: &[PageGrant]) -> bool {
-        !self.adopting.is_empty() && pages.iter().any(|p| !self.owns(p.region_id))
+        self.expanding > 0 && pages.iter().any(|p| !self.owns(p.region_id))
     }
 
     /// Whether a region is to be taken ahead now, `pages` having been allocated: once
@@ -552,24 +581,25 @@ impl PoolCore {
     }
 
     /// Keeps pages that hold no key for the next stores (those of own regions that
-    /// are not closing or going); returns what is beyond twice the spare target, to
-    /// free at maru-server.
-    pub fn keep_spare(&mut self, pages: Vec<PageGrant>) -> Vec<PageGrant> {
+    /// are not closing or going); returns what is beyond twice the spare target, and
+    /// the pages of regions not the pool's, to free at maru-server (pages of a
+    /// closing or going region go back with it).
+    pub fn keep_spare(&mut self, pages: Vec<PageGrant>) -> Unkept {
+        let mut foreign = Vec::new();
         for p in pages {
-            let usable = self
-                .regions
-                .get(&p.region_id)
-                .is_some_and(|r| !r.closing && !r.going);
-            if usable {
-                self.spare.push_back(p);
+            match self.regions.get(&p.region_id) {
+                Some(r) if !r.closing && !r.going => self.spare.push_back(p),
+                Some(_) => {}
+                None => foreign.push(p),
             }
         }
         let max = 2 * self.spare_target;
-        if self.spare.len() > max {
+        let extra = if self.spare.len() > max {
             self.spare.drain(max..).collect()
         } else {
             Vec::new()
-        }
+        };
+        Unkept { extra, foreign }
     }
 
     /// Every spare page (at close, to free).
@@ -579,11 +609,13 @@ impl PoolCore {
 
     /// Marks `pages` as being written by one store (their regions are not given back
     /// until `end_writing`) and notes each region's token. Pages of a region that is
-    /// closing, going, or not the pool's are not taken (they go back with it).
+    /// closing or going are not taken (they go back with it); pages of a region not
+    /// the pool's are not taken either, and come back in `Taken::foreign`.
     pub fn mark_writing(&mut self, pages: Vec<PageGrant>) -> Taken {
         let mut taken = Taken::default();
         for p in pages {
             let Some(r) = self.regions.get_mut(&p.region_id) else {
+                taken.foreign.push(p);
                 continue;
             };
             if r.closing || r.going {

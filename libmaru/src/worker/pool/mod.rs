@@ -152,8 +152,9 @@ pub struct TestHooks {
     /// Runs after a store's bytes were written into its pages and before they are
     /// published (a test makes a region vanish there).
     pub before_publish: Option<BeforePublish>,
-    /// Runs before the mover adopts each region the session takes after the pool
-    /// opened (a test makes the adoption slow there).
+    /// Runs when maru-server has answered an `expand` with a region, before the pool
+    /// notes the answer and its mover adopts the region (a test makes that moment
+    /// long there: maru-server may already hand the region's pages to other stores).
     pub before_adopt: Option<BeforeAdopt>,
     /// Sees each chunk a store wrote and says whether its bytes are complete (a test
     /// fails some writes, or notes the pages written).
@@ -405,7 +406,7 @@ impl StoragePool {
             self.mover.forget(g.region());
             match g {
                 Gone::Lost(id) => log::warn!(
-                    "pool {}: region {id} is no longer this session's (its memory went back to the resource manager): its spare pages dropped; nothing more is written into it",
+                    "pool {}: region {id} is no longer this session's at maru-server (taken back while idle for another engine's fair share of a full pool, or its memory went back to the resource manager): its keys are gone and nothing more is written into it",
                     self.session.url,
                 ),
                 Gone::GiveBack(id) => {

@@ -9,7 +9,7 @@
 //! Every decision is the core's, under its lock; the round trips (maru-server,
 //! agents) and the copies run without it.
 
-use super::core::{PublishCheck, Taken};
+use super::core::{PublishCheck, Taken, Unkept};
 use super::{PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
 use crate::wire::meta::{PageGrant, PublishEntry, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
@@ -25,6 +25,10 @@ const REPORT_TRIES: usize = 3;
 /// Rounds of making room (a region or evictions, then `alloc`) that found no page
 /// before a store gives up on the chunks still missing.
 const ROOM_ROUNDS: usize = 8;
+
+/// Rounds of taking pages when some were of a region not the pool's (see
+/// `take_pages`).
+const TAKE_ROUNDS: usize = 3;
 
 /// Why `grow` took no region.
 #[derive(Debug)]
@@ -55,14 +59,71 @@ impl StoragePool {
     /// Fewer than `need` when the session cannot grow. The pages are marked as being
     /// written (their regions are not given back until `end_writing`), and the token
     /// of each of their regions noted (see `core::Token`).
+    ///
+    /// Pages of a region that is not the pool's (its adoption not done by `by`, or
+    /// the region lost meanwhile) are freed and others looked for, a few rounds; the
+    /// chunks still without a page then are counted as skipped (no region), never
+    /// left out silently.
     pub(super) fn take_pages(
         &self,
         need: usize,
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<Taken, WorkerError> {
-        let pages = self.find_pages(need, route_key, by)?;
-        Ok(self.core.lock().mark_writing(pages))
+        let mut taken = Taken::default();
+        // Chunks `find_pages` found no page for (it counted them as skipped).
+        let mut counted = 0;
+        let mut strays = 0;
+        for _ in 0..TAKE_ROUNDS {
+            let want = need - taken.pages.len() - counted;
+            if want == 0 {
+                break;
+            }
+            let pages = self.find_pages(want, route_key, by)?;
+            let short = want - pages.len();
+            counted += short;
+            let mut more = self.core.lock().mark_writing(pages);
+            let foreign = std::mem::take(&mut more.foreign);
+            strays = foreign.len();
+            taken.merge(more);
+            self.free_foreign(foreign);
+            if strays == 0 || short > 0 {
+                break;
+            }
+        }
+        let left = (need - taken.pages.len() - counted) as u64;
+        if left > 0 {
+            let what = format!("pool {}", self.session.url);
+            let line = self.core.lock().skipped(
+                crate::worker::skips::SkipReason::NoRegion,
+                left,
+                now_ms(),
+                &what,
+            );
+            log::debug!(
+                "{what}: {left} chunk(s) not stored: {strays} page(s) maru-server gave were of a region this pool has not made usable by the request's deadline (or lost)"
+            );
+            if let Some(line) = line {
+                log::warn!("{line}");
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Frees pages maru-server gave of a region that is not the pool's (see
+    /// `Taken::foreign`): they hold no key. A region lost meanwhile took them with
+    /// it, and maru-server refuses the free: nothing to do then.
+    fn free_foreign(&self, pages: Vec<PageGrant>) {
+        if pages.is_empty() {
+            return;
+        }
+        if let Err(e) = self.session.free_pages(&pages) {
+            log::debug!(
+                "pool {}: {} page(s) of a region not this pool's not freed ({e}); they go with their region",
+                self.session.url,
+                pages.len()
+            );
+        }
     }
 
     fn find_pages(
@@ -82,8 +143,8 @@ impl StoragePool {
         self.note_fill(&got, by);
         let mut got = got.into_iter();
         pages.extend(got.by_ref().take(short));
-        let extra = self.core.lock().keep_spare(got.collect());
-        self.free(extra);
+        let unkept = self.core.lock().keep_spare(got.collect());
+        self.free_unkept(unkept);
         let mut missing = (need - pages.len()) as u32;
         // Rounds of making room that ended with no page: other stores of this pool
         // make room at the same time (they may have evicted the victims offered here,
@@ -190,6 +251,8 @@ impl StoragePool {
             Err(e) => {
                 let full = matches!(e, WorkerError::NoSpace(_));
                 self.core.lock().expand_answered(None, !full, now_ms());
+                // Stores waiting for a region being taken (`waits_for_adoption`) go on.
+                self.core.notify();
                 return Err(match e {
                     WorkerError::NoSpace(why) => NoRegion::Full(why),
                     e => NoRegion::Failed(e),
@@ -197,10 +260,10 @@ impl StoragePool {
             }
         };
         let id = grant.handle.region_id;
-        self.core.lock().expand_answered(Some(id), false, now_ms());
         if let Some(f) = &self.hooks.before_adopt {
             f(&grant);
         }
+        self.core.lock().expand_answered(Some(id), false, now_ms());
         let r = self.adopt_region(&grant, by);
         let back = self.core.lock().adopt_end(&grant, r.is_ok());
         self.core.notify();
@@ -297,8 +360,14 @@ impl StoragePool {
         if pages.is_empty() {
             return;
         }
-        let extra = self.core.lock().keep_spare(pages);
-        self.free(extra);
+        let unkept = self.core.lock().keep_spare(pages);
+        self.free_unkept(unkept);
+    }
+
+    /// Frees what `keep_spare` did not keep.
+    fn free_unkept(&self, unkept: Unkept) {
+        self.free(unkept.extra);
+        self.free_foreign(unkept.foreign);
     }
 
     /// Writes chunks into their pages through the mover, by `by`; true where the
