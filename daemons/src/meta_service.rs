@@ -722,9 +722,20 @@ struct Durable {
     /// When to hand the core's reads (use stamps) to the store next.
     next_flush_ms: u64,
     /// Jobs whose requests were answered before they were durable (a publish, an
-    /// alloc from the reserve): (job, when sent), oldest first.
+    /// alloc from the reserve): (job, when the first of them was answered), oldest
+    /// first.
     early: std::collections::VecDeque<(u64, u64)>,
+    /// Changes of requests answered early that are still in the core, not yet handed
+    /// to the store: since when (they go at most [`LAZY_COMMIT_MS`] later, or sooner
+    /// with the next change a reply waits for).
+    lazy_since_ms: Option<u64>,
 }
+
+/// Changes whose replies went early are handed to the store at most this long after
+/// the first of them (with every change made meanwhile, as one job: one hand-over and
+/// one wake-up of the store thread per window, not one per request). A crash loses at
+/// most about this much more than the commit in flight.
+const LAZY_COMMIT_MS: u64 = 4;
 
 /// Reads (use stamps) go to the store at least this often.
 const FLUSH_MS: u64 = 200;
@@ -841,6 +852,7 @@ impl MetaService {
             secrets: Vec::new(),
             next_flush_ms: 0,
             early: Default::default(),
+            lazy_since_ms: None,
         });
         self
     }
@@ -879,29 +891,30 @@ impl MetaService {
         wire::reply_frame(id, result)
     }
 
-    /// Hands what changed (and the secrets made) to the store; returns the job that
-    /// carries it (or the last one sent, when nothing changed).
+    /// Hands everything that changed (and the secrets made) to the store, early
+    /// answered changes gathered so far included; returns the job that carries it
+    /// (or the last one sent, when nothing changed).
     fn flush(&mut self, now_ms: u64) -> u64 {
-        self.flush_as(now_ms, true)
-    }
-
-    /// As [`flush`](Self::flush); `urgent`: a reply waits for it.
-    fn flush_as(&mut self, now_ms: u64, urgent: bool) -> u64 {
         let Some(d) = &mut self.durable else {
             return 0;
         };
         d.next_flush_ms = now_ms.saturating_add(FLUSH_MS);
+        let lazy = d.lazy_since_ms.take();
         let changes = self.core.take_changes();
         if changes.is_none() && d.secrets.is_empty() {
             return d.writer.sent_seq();
         }
         let secrets = std::mem::take(&mut d.secrets);
-        d.writer.send(changes, secrets, urgent)
+        let seq = d.writer.send(changes, secrets);
+        if let Some(at) = lazy {
+            d.early.push_back((seq, at));
+        }
+        seq
     }
 
-    /// Sends `frame` now, or once what changed before it is durable. `early`: what
-    /// changed is handed to the store now, but the reply need not wait for it (while
-    /// the store keeps up).
+    /// Sends `frame` now, or once what changed before it is durable. `early`: the
+    /// reply need not wait for what changed (while the store keeps up), which goes to
+    /// the store with the next hand-over, at most [`LAZY_COMMIT_MS`] from now.
     fn send_after(
         &mut self,
         conn: ConnId,
@@ -918,16 +931,16 @@ impl MetaService {
                 .durable
                 .as_mut()
                 .is_some_and(|d| d.may_answer_early(now_ms));
-        let seq = self.flush_as(now_ms, !early);
-        let Some(d) = &mut self.durable else {
-            return frame;
-        };
         if early {
-            if d.early.back().is_none_or(|(s, _)| *s < seq) {
-                d.early.push_back((seq, now_ms));
+            if let Some(d) = &mut self.durable {
+                d.lazy_since_ms.get_or_insert(now_ms);
             }
             return frame;
         }
+        let seq = self.flush(now_ms);
+        let Some(d) = &mut self.durable else {
+            return frame;
+        };
         d.held.push_back((seq, conn, frame));
         Vec::new()
     }
@@ -975,6 +988,8 @@ impl MetaService {
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         let op = op_of(body);
+        // A commit the loop was not woken for may have ended since its last look.
+        self.catch_up_durable();
         let mark = self.core.change_mark();
         let answer = self
             .core
@@ -1043,12 +1058,24 @@ impl MetaService {
         let Some(d) = &mut self.durable else {
             return;
         };
+        if !d.held.is_empty() || self.core.pages_waiting() > 0 {
+            d.writer.wake_when_durable();
+        }
         let seq = d.writer.durable_seq();
         while d.held.front().is_some_and(|(s, _, _)| *s <= seq) {
             if let Some((_, conn, frame)) = d.held.pop_front() {
                 self.replies.push((conn, frame));
             }
         }
+        self.catch_up_durable();
+    }
+
+    /// Tells the core how far the store got (pages reserved in batches durable now
+    /// are handed out with no wait; pages freed by removals durable now come back).
+    fn catch_up_durable(&mut self) {
+        let Some(d) = &self.durable else {
+            return;
+        };
         let batch = d.writer.durable_batch();
         if batch > self.core.durable_batch() {
             self.core.durable(batch, self.last_now_ms);
@@ -1262,7 +1289,10 @@ impl Service for MetaService {
         // to hand over: at once.
         let answered = (self.rm.alloc_answered() || self.core.has_answers()).then_some(0);
         let tenants = self.tenants_file.as_ref().map(TenantsFile::next_check_ms);
-        let flush = self.durable.as_ref().map(|d| d.next_flush_ms);
+        let flush = self.durable.as_ref().map(|d| match d.lazy_since_ms {
+            Some(at) => d.next_flush_ms.min(at.saturating_add(LAZY_COMMIT_MS)),
+            None => d.next_flush_ms,
+        });
         [self.core.next_deadline(), gauges, answered, tenants, flush]
             .into_iter()
             .flatten()

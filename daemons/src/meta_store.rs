@@ -383,15 +383,7 @@ struct Job {
     seq: u64,
     changes: Option<Changes>,
     secrets: Vec<SecretOp>,
-    /// A reply waits for it: committed at once. Otherwise (its replies went early)
-    /// it may wait up to [`LAZY_COMMIT`] after the last commit, to go with others.
-    urgent: bool,
 }
-
-/// Jobs whose replies went out early are committed at most this long after the last
-/// commit (sooner with an urgent job): fewer commits while publishes stream in, and
-/// a crash loses at most about this much more.
-const LAZY_COMMIT: Duration = Duration::from_millis(4);
 
 enum Msg {
     Job(Job),
@@ -412,13 +404,16 @@ pub struct StoreWriter {
     /// Commits and jobs committed (group commit: jobs per commit).
     pub commits: Arc<AtomicU64>,
     pub jobs: Arc<AtomicU64>,
+    /// The loop waits for the next commit: wake it after it.
+    wanted: Arc<AtomicBool>,
 }
 
 /// How soon a failed commit is tried again.
 const RETRY: Duration = Duration::from_secs(1);
 
 impl StoreWriter {
-    /// Starts the writer; it wakes the loop by calling `wake` after each commit.
+    /// Starts the writer; it wakes the loop by calling `wake` after a commit the loop
+    /// waits for ([`wake_when_durable`](Self::wake_when_durable)).
     /// `settle`: after that long, record that lease timeout for the next start
     /// ([`Loaded::lease_timeout_settles`]).
     pub fn start(
@@ -432,18 +427,19 @@ impl StoreWriter {
         let failing = Arc::new(AtomicBool::new(false));
         let commits = Arc::new(AtomicU64::new(0));
         let jobs_n = Arc::new(AtomicU64::new(0));
-        let (ds, db, fl, cm, jn) = (
+        let wanted = Arc::new(AtomicBool::new(false));
+        let (ds, db, fl, cm, jn, wn) = (
             durable_seq.clone(),
             durable_batch.clone(),
             failing.clone(),
             commits.clone(),
             jobs_n.clone(),
+            wanted.clone(),
         );
         let thread = std::thread::Builder::new()
             .name("meta-store".into())
             .spawn(move || {
                 let mut syncs: Vec<mpsc::Sender<()>> = Vec::new();
-                let mut last_commit = Instant::now();
                 let mut settle = settle.map(|(after, ms)| (Instant::now() + after, ms));
                 loop {
                     let first = match settle {
@@ -470,32 +466,14 @@ impl StoreWriter {
                             Err(_) => break,
                         },
                     };
+                    // Everything waiting goes into one commit: jobs that came while the
+                    // last commit ran share this one (the loop itself gathers early
+                    // answered changes for up to its lazy window before it sends them).
                     let mut jobs = Vec::new();
-                    let mut urgent = false;
-                    let mut take = |m: Msg, jobs: &mut Vec<Job>, urgent: &mut bool| match m {
-                        Msg::Job(j) => {
-                            *urgent |= j.urgent;
-                            jobs.push(j);
-                        }
-                        Msg::Sync(s) => {
-                            *urgent = true;
-                            syncs.push(s);
-                        }
-                    };
                     for m in std::iter::once(first).chain(rx.try_iter()) {
-                        take(m, &mut jobs, &mut urgent);
-                    }
-                    // Only early-answered jobs: let more join them until LAZY_COMMIT
-                    // after the last commit, or until an urgent one comes.
-                    let due = last_commit + LAZY_COMMIT;
-                    while !urgent {
-                        let left = due.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break;
-                        }
-                        match rx.recv_timeout(left) {
-                            Ok(m) => take(m, &mut jobs, &mut urgent),
-                            Err(_) => break,
+                        match m {
+                            Msg::Job(j) => jobs.push(j),
+                            Msg::Sync(s) => syncs.push(s),
                         }
                     }
                     if !jobs.is_empty() {
@@ -513,7 +491,6 @@ impl StoreWriter {
                             std::thread::sleep(RETRY);
                         }
                         fl.store(false, Ordering::SeqCst);
-                        last_commit = Instant::now();
                         cm.fetch_add(1, Ordering::Relaxed);
                         jn.fetch_add(jobs.len() as u64, Ordering::Relaxed);
                         if let Some(b) = jobs
@@ -527,7 +504,12 @@ impl StoreWriter {
                         if let Some(j) = jobs.last() {
                             ds.fetch_max(j.seq, Ordering::SeqCst);
                         }
-                        wake();
+                        // Only when the loop waits for a commit: a commit of early
+                        // answered changes alone does not wake it (it sees how far the
+                        // store got before its next request).
+                        if wn.swap(false, Ordering::SeqCst) {
+                            wake();
+                        }
                     }
                     for s in syncs.drain(..) {
                         let _ = s.send(());
@@ -552,20 +534,27 @@ impl StoreWriter {
             failing,
             commits,
             jobs: jobs_n,
+            wanted,
         }
     }
 
+    /// Wake the loop after the next commit (a reply or a freed page waits for it).
+    /// Set it before looking at [`durable_seq`](Self::durable_seq): a commit that
+    /// ends in between wakes the loop, one that ended before is seen there.
+    pub fn wake_when_durable(&self) {
+        self.wanted.store(true, Ordering::SeqCst);
+    }
+
     /// Hands over a batch (and secret changes); returns its job number, durable once
-    /// [`durable_seq`](Self::durable_seq) reaches it. `urgent`: a reply waits for it
-    /// (else it may wait up to [`LAZY_COMMIT`] for others to join its commit).
-    pub fn send(&mut self, changes: Option<Changes>, secrets: Vec<SecretOp>, urgent: bool) -> u64 {
+    /// [`durable_seq`](Self::durable_seq) reaches it. The writer commits it at once
+    /// with every job waiting (one commit for all of them).
+    pub fn send(&mut self, changes: Option<Changes>, secrets: Vec<SecretOp>) -> u64 {
         self.next_seq += 1;
         let seq = self.next_seq;
         let job = Job {
             seq,
             changes,
             secrets,
-            urgent,
         };
         if let Some(tx) = &self.tx {
             if tx.send(Msg::Job(job)).is_err() {
@@ -669,7 +658,6 @@ mod tests {
                     tenant: "t".into(),
                 },
             )],
-            urgent: true,
         };
         store.commit(&[job]).unwrap();
         store
@@ -680,7 +668,6 @@ mod tests {
                     records: vec![Record::KeyGone(2)],
                 }),
                 secrets: vec![],
-                urgent: true,
             }])
             .unwrap();
         drop(store);
@@ -716,7 +703,6 @@ mod tests {
                         records: recs,
                     }),
                     secrets: vec![],
-                    urgent: true,
                 }])
                 .unwrap();
         }
@@ -769,11 +755,11 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
-    /// A job whose replies went early is committed by itself within about
-    /// `LAZY_COMMIT` (nothing has to follow it), and lazy jobs sent together share a
-    /// commit. Seen failing with the lazy wait looping until an urgent job comes.
+    /// A job is committed by itself (nothing has to follow it), and jobs sent while a
+    /// commit runs share the next one (a group commit). Seen failing with a commit per
+    /// job.
     #[test]
-    fn a_lazy_job_is_committed_soon_alone_and_lazy_jobs_share_commits() {
+    fn a_job_is_committed_alone_and_jobs_sent_together_share_commits() {
         let d = dir();
         let (store, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
         let mut w = StoreWriter::start(store, || {}, None);
@@ -784,20 +770,20 @@ mod tests {
             })
         };
         let started = Instant::now();
-        let seq = w.send(batch(1), vec![], false);
+        let seq = w.send(batch(1), vec![]);
         while w.durable_seq() < seq && started.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(w.durable_seq(), seq, "a lazy job alone is committed");
+        assert_eq!(w.durable_seq(), seq, "a job alone is committed");
         let commits = w.commits.load(Ordering::Relaxed);
         let mut last = 0;
         for b in 2..12 {
-            last = w.send(batch(b), vec![], false);
+            last = w.send(batch(b), vec![]);
         }
         assert!(w.sync(Duration::from_secs(5)));
         assert_eq!(w.durable_seq(), last);
         let n = w.commits.load(Ordering::Relaxed) - commits;
-        assert!(n < 10, "10 lazy jobs sent at once took {n} commits");
+        assert!(n < 10, "10 jobs sent at once took {n} commits");
         w.close();
         let (_s, l) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
         assert_eq!(l.image.keys.len(), 11);
