@@ -958,15 +958,15 @@ class WorkerStats:
 class WorkerCore:
     """The worker side of one tensor-parallel rank.
 
-    Loads (synchronous, before the forward pass): into a cache in host memory (vLLM on
-    CPU) on either backend, one libmaru call per batch of chunks (``load_pieces``) takes
-    their leases, copies each chunk's pieces straight into the engine's blocks (on
-    ``cxl`` from the CXL mapping, on ``remote_cxl`` from the staging buffer after the
-    transfer) and gives the leases back. Into a cache libmaru cannot address (a GPU's):
-    on ``cxl`` (``in_place``) each chunk is read in place in the CXL mapping
-    (``acquire_spans``) and copied into the blocks; on ``remote_cxl`` the load slots
-    are cut in two halves, so that one half's chunks are copied into the blocks while
-    the other's transfer runs. Any
+    Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) into a
+    cache in host memory (vLLM on CPU), one libmaru call per batch of chunks
+    (``load_pieces``) takes their leases, copies each chunk's pieces from the CXL
+    mapping straight into the engine's blocks and gives the leases back; into a cache
+    libmaru cannot address (a GPU's) each chunk is read in place (``acquire_spans``)
+    and copied into the blocks. On ``remote_cxl`` the load slots are cut in two
+    halves, so that one half's chunks are copied into the blocks while the other's
+    transfer runs (``load_pieces`` works there too, but in ``make demo-vllm`` some of
+    its loads took 200-700 ms where the slots take ~10 ms: not understood yet). Any
     chunk that is not loaded whole (a miss, a short chunk, an error) marks its blocks
     and those of every later chunk of the request as failed (:meth:`take_load_errors`):
     vLLM recomputes them, never uses wrong KV.
@@ -1052,7 +1052,7 @@ class WorkerCore:
         if h is None:
             return 0
         try:
-            if self.kv.host_moves(t.blocks[0]) is not None:
+            if self.in_place and self.kv.host_moves(t.blocks[0]) is not None:
                 return self._load_pieces(h, t)
             return self._load_in_place(h, t) if self.in_place else self._load_through_slots(h, t)
         except MaruError as e:
@@ -1083,7 +1083,7 @@ class WorkerCore:
         return None if whole == len(found) else first + whole
 
     def _load_pieces(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """A cache in host memory, either backend: per batch of chunks one
+        """``cxl``, a cache in host memory: per batch of chunks one
         ``load_pieces`` call, the leases taken, the chunks' pieces copied straight into
         their blocks while held and the leases given back inside libmaru (the fixed
         cost of a load: one call, not three and the Python between them)."""
