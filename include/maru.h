@@ -287,6 +287,17 @@ typedef int32_t (*maru_mem_register_fn)(void *ctx, void *ptr, size_t len);
 typedef void (*maru_mem_unregister_fn)(void *ctx, void *ptr, size_t len);
 
 /**
+ * One piece of a chunk that `maru_load_pieces` copies: the `len` bytes at `offset` of
+ * chunk `keys[chunk]`, written to `dst`.
+ */
+typedef struct maru_piece_t {
+  size_t chunk;
+  size_t offset;
+  uint8_t *dst;
+  size_t len;
+} maru_piece_t;
+
+/**
  * One staging slot held by the caller. `data` points to `capacity` bytes (one chunk)
  * inside the handler's staging buffer, valid until the slot is released or the
  * handler freed (`maru_handler_free` or `maru_handler_close`; it stays valid after
@@ -741,6 +752,42 @@ maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
                                size_t n,
                                const char *route_key,
                                bool *unpinned);
+
+/**
+ * Loads `n` chunks of one request and copies pieces of them straight into the
+ * caller's memory: each `pieces[j]` is `len` bytes at `offset` of chunk
+ * `keys[pieces[j].chunk]`, written to `dst` (a chunk may have any number of pieces,
+ * in any order, none too). The leases of the chunks are taken, the pieces copied
+ * while they are held (on `cxl` from this host's mapping, on `remote_cxl` from the
+ * handler's staging buffer after the transfer) and the leases given back, all inside
+ * this call, each wait bounded by the handler's `timeout_ms`: one call where
+ * `maru_views_acquire`, `maru_copy` and `maru_views_release` take three. Both
+ * backends. `route_key`: as for `maru_load_batch` (NULL: the first key).
+ *
+ * Every piece is checked before anything is loaded: a chunk index not below `n` or
+ * an `offset + len` that overflows is `MARU_ERR_INVALID_ARGUMENT`, a NULL `dst` with
+ * `len` > 0 `MARU_ERR_NULL_ARGUMENT`, each naming the piece. Then, whatever the
+ * status, every `found[i]` and `lens[i]` is written: `found[i]` true where chunk `i`
+ * was found and all its pieces copied; `lens[i]` the chunk's length wherever it was
+ * found (also for a chunk shorter than one of its pieces needs: none of its pieces
+ * is copied and `found[i]` is false), 0 for a miss or a failed read. A chunk missing
+ * does not stop the others (`found` may have holes, as with `maru_load_batch`).
+ *
+ * Ownership: `keys`, `pieces`, `lens` and `found` are the caller's; every `dst` must
+ * be writable for its `len` bytes during the call, and no two pieces' destinations
+ * may overlap (libmaru cannot check this, as with `memcpy`). Large calls stream
+ * their copies (as `maru_copy` into the runtime's memory): the bytes are visible to
+ * other threads when the call returns. Threads: any, concurrently with other calls on
+ * the handler.
+ */
+maru_status_t maru_load_pieces(const struct maru_handler_t *h,
+                               const char *const *keys,
+                               size_t n,
+                               const char *route_key,
+                               const struct maru_piece_t *pieces,
+                               size_t n_pieces,
+                               size_t *lens,
+                               bool *found);
 
 /**
  * Takes between 1 and `n` staging slots of `pool`, waiting up to `timeout_ms` for at

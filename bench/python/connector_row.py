@@ -1,15 +1,17 @@
 """The vLLM connector's row of make bench: what maru.vllm's worker does between Maru
 and vLLM's paged KV cache, outside vLLM. The cache is vLLM's CPU layout in numpy
 (16 layers, each ``[num_blocks, block bytes]``, blocks of 128 tokens, 2 blocks a chunk),
-the handler the connector's own (``Settings.handler_config``: cxl reads chunks in place
-and writes them into pages, remote_cxl goes through its staging slots) and the copies
-the connector's (``PagedKV``, ``WorkerCore``).
+the handler the connector's own (``Settings.handler_config``: cxl writes chunks into
+pages, remote_cxl stores through its staging slots; loads on both are one
+``maru_load_pieces`` call per batch) and the copies the connector's (``PagedKV``,
+``WorkerCore``).
 
 Stores ``--stored`` chunks once (timed: the step's copies and submits, then until they
 are published), checks one batch's bytes after a load, then loads batches of
 ``--batch`` chunks of them into other blocks for ``--secs`` (new blocks each batch).
-Prints one JSON object: load {gbs, p50_us, ops, copy_gbs (the copies into the blocks
-alone)}, store {gbs, p50_us, ops}.
+Prints one JSON object: load {gbs, p50_us, ops, copy_gbs (the connector's
+``maru_load_pieces`` calls alone: leases, transfers and copies into the blocks inside
+libmaru)}, store {gbs, p50_us, ops}.
 
     python connector_row.py --config '{"backend": "cxl", "server_url": ...}' --chunk 2097152 --batch 32 --secs 4
 """

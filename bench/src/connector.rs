@@ -68,7 +68,7 @@ pub fn table(rows: &[ConnectorResult], raw: &dyn Fn(&str) -> Option<f64>) -> Tab
             "backend",
             "op",
             "GB/s",
-            "copies GB/s",
+            "libmaru call GB/s",
             "p50 us",
             "x batch load",
         ],

@@ -92,8 +92,9 @@ pub struct PyFig {
     pub gbs: f64,
     pub p50_us: f64,
     pub ops: usize,
-    /// Of a load into a paged KV cache (the connector's row): the copies into the
-    /// blocks alone, GB/s (the rest of the time is leases, transfers and Python).
+    /// Of a load into a paged KV cache (the connector's row): the time of its
+    /// `maru_load_pieces` calls alone (leases, transfers and the copies into the
+    /// blocks, inside libmaru), GB/s; the rest of the load's time is Python.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy_gbs: Option<f64>,
 }

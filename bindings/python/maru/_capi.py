@@ -20,7 +20,7 @@ import ctypes
 import itertools
 import os
 import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._lib import (
     CHUNK_KEY_SIZE,
@@ -31,6 +31,7 @@ from ._lib import (
     lib,
     maru_copy_t,
     maru_page_t,
+    maru_piece_t,
     maru_region_t,
     maru_slot_t,
     maru_staging_t,
@@ -161,6 +162,21 @@ def load_batch(
         raise BufferTooSmallError(st, last_error() or status_str(st), needed=needed)
     _check(st)
     return [lens[i] if found[i] else None for i in range(n)]
+
+
+def load_pieces(
+    h: int, keys: Sequence[Key], pieces: Sequence[Tuple[int, int, int, int]], route_key: RouteKey
+) -> List[Tuple[bool, int]]:
+    """``maru_load_pieces``: per chunk, whether all its pieces were copied and its
+    length (0 for a miss). ``pieces`` are ``(chunk index, offset, dst, len)``, packed
+    as 64-bit words in one step as for :func:`copy`."""
+    n = len(keys)
+    m = len(pieces)
+    lens = (ctypes.c_size_t * max(n, 1))()
+    found = (ctypes.c_bool * max(n, 1))()
+    arr = _packed(pieces, 4, maru_piece_t, "maru_load_pieces", "(chunk, offset, dst, len)")
+    _check(lib.maru_load_pieces(h, _keys(keys), n, route_key, arr, m, lens, found))
+    return [(bool(found[i]), lens[i]) for i in range(n)]
 
 
 # Exists, pins, remove -------------------------------------------------------------------
@@ -475,18 +491,25 @@ def copy(pieces: Sequence[Tuple[int, int, int]], into_shared: bool) -> None:
     n = len(pieces)
     if not n:
         return
-    if _COPY_AS_WORDS:
-        if any(len(p) != 3 for p in pieces):
-            raise ValueError("maru_copy: every piece is (dst, src, len)")
-        try:
-            words = array.array("Q", itertools.chain.from_iterable(pieces))
-        except (OverflowError, TypeError) as e:
-            raise ValueError(f"maru_copy: a piece is not three non-negative integers: {e}") from None
-        arr = ctypes.cast((ctypes.c_uint64 * (3 * n)).from_buffer(words), ctypes.POINTER(maru_copy_t))
-    else:
-        arr = (maru_copy_t * n)(*pieces)
+    arr = _packed(pieces, 3, maru_copy_t, "maru_copy", "(dst, src, len)")
     _check(lib.maru_copy(arr, n, bool(into_shared)))
 
 
-# maru_copy_t as three 64-bit words (pointers and size_t of 64 bits, no padding).
-_COPY_AS_WORDS = ctypes.sizeof(maru_copy_t) == 24 and ctypes.sizeof(ctypes.c_void_p) == 8 and array.array("Q").itemsize == 8
+def _packed(rows: Sequence[Sequence[int]], width: int, struct: type, call: str, shape: str) -> Any:
+    """``rows`` as an array of ``struct`` (``width`` fields of 64 bits each): packed as
+    64-bit words in one step where the host's pointers and sizes are 64 bits, a ctypes
+    structure per row otherwise. A row not of ``width`` non-negative integers raises
+    ValueError naming ``call`` and ``shape``."""
+    if _AS_WORDS and ctypes.sizeof(struct) == 8 * width:
+        if any(len(r) != width for r in rows):
+            raise ValueError(f"{call}: every piece is {shape}")
+        try:
+            words = array.array("Q", itertools.chain.from_iterable(rows))
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"{call}: a piece is not {width} non-negative integers: {e}") from None
+        return ctypes.cast((ctypes.c_uint64 * max(width * len(rows), 1)).from_buffer(words), ctypes.POINTER(struct))
+    return (struct * max(len(rows), 1))(*rows)
+
+
+# Pointers and size_t of 64 bits: a structure of them is that many 64-bit words, no padding.
+_AS_WORDS = ctypes.sizeof(ctypes.c_void_p) == 8 and ctypes.sizeof(ctypes.c_size_t) == 8 and array.array("Q").itemsize == 8

@@ -242,6 +242,17 @@ class maru_copy_t(ctypes.Structure):
 lib.maru_copy.argtypes = [ctypes.POINTER(maru_copy_t), ctypes.c_size_t, ctypes.c_bool]
 lib.maru_copy.restype = _S
 
+
+class maru_piece_t(ctypes.Structure):
+    """``maru_piece_t``: one piece of a chunk that ``maru_load_pieces`` copies."""
+
+    _fields_ = [("chunk", ctypes.c_size_t), ("offset", ctypes.c_size_t), ("dst", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+lib.maru_load_pieces.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_piece_t),
+                                 ctypes.c_size_t, c_size_p, c_bool_p]
+lib.maru_load_pieces.restype = _S
+
 # Writes in place and region views (cxl).
 
 

@@ -397,6 +397,27 @@ class MaruHandler:
             with self._use() as h:
                 return _capi.load_batch(h, ks, bufs, caps, rk)
 
+    def load_pieces(
+        self, keys: Sequence[str], pieces: Sequence[Tuple[int, int, int, int]], route_key: Optional[str] = None
+    ) -> List[Tuple[bool, int]]:
+        """Loads a request's chunks and copies pieces of them into memory of the
+        caller's, in one call (``maru_load_pieces``: the leases taken, the pieces copied
+        while held, the leases given back, inside libmaru). ``pieces`` are ``(chunk
+        index, offset in the chunk, destination address, length)``; every destination
+        must be writable for its length and apart from the others (not checked, as with
+        :func:`maru.copy_ranges`). Per chunk: ``(copied, length)``, ``copied`` true where
+        the chunk was found and all its pieces copied, ``length`` the chunk's length
+        where found (also when a piece lies past its end: then nothing of it is copied),
+        0 for a miss. Both backends. ``route_key`` defaults to the first key."""
+        keys = list(keys)
+        if not keys:
+            if pieces:
+                raise ValueError(f"{len(pieces)} pieces but no key")
+            return []
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        with self._use() as h:
+            return _capi.load_pieces(h, ks, pieces, _rk(route_key))
+
     def batch_retrieve(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[bytes]]:
         """Loads a request's chunks in one call; each one's bytes, or None for a miss.
         ``route_key`` defaults to the first key."""

@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import random
+import re
 import subprocess
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -471,6 +472,19 @@ class BytesKV(PagedKV):
         return bytes(k + v)
 
 
+class GpuLikeKV(BytesKV):
+    """A BytesKV whose loads go as a GPU cache's do (no host addresses for libmaru:
+    ``acquire_spans`` on cxl, the load slots on remote_cxl)."""
+
+    def host_moves(self, blocks: Sequence[Tuple[int, int]]) -> Optional[List[Tuple[int, int, int]]]:
+        return None
+
+
+def kv_for(path: str, **kw: Any) -> BytesKV:
+    """The cache a load test runs on: ``host`` (loads by ``load_pieces``) or ``gpu``."""
+    return BytesKV(**kw) if path == "host" else GpuLikeKV(**kw)
+
+
 class MemSlot:
     def __init__(self, size: int) -> None:
         self.buf = bytearray(size)
@@ -531,6 +545,7 @@ class FakeStore:
         self.submitted: Dict[str, int] = {}
         self.views: List[FakeView] = []
         self.view_releases = 0
+        self.piece_calls = 0
         self.pages_free = pages
         self.pages: Dict[int, FakePage] = {}
         self.given_back: List[Tuple[int, int]] = []
@@ -582,6 +597,24 @@ class FakeStore:
         held = {id(v): v for v in self.views}
         self.release_views([held[i] for i in ids])
 
+    def load_pieces(self, keys: Sequence[str], pieces: Sequence[Tuple[int, int, int, int]],
+                    route_key: Optional[str] = None) -> List[Tuple[bool, int]]:
+        """As libmaru's: a found chunk's pieces copied all or none (one past its end)."""
+        self.piece_calls += 1
+        out = []
+        for i, d in enumerate(self._get(keys, route_key)):
+            mine = [p for p in pieces if p[0] == i]
+            if d is None:
+                out.append((False, 0))
+                continue
+            whole = all(off + n <= len(d) for _, off, _, n in mine)
+            if whole:
+                src = bytearray(d)
+                for _, off, dst, n in mine:
+                    ctypes.memmove(dst, addr_of(src) + off, n)
+            out.append((whole, len(d)))
+        return out
+
     def _put(self, key: str, data: bytes) -> bool:
         self.submitted[key] = self.submitted.get(key, 0) + 1
         if self.store_ok:
@@ -621,10 +654,11 @@ def transfer(keys: List[str], blocks: List[List[int]], first: int = 0, req: str 
     return ChunkTransfer(req, keys[0], first, [keys], [[(p, b) for p, b in enumerate(bl)] for bl in blocks])
 
 
+@pytest.mark.parametrize("cache", ["host", "gpu"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["remote_cxl", "cxl"])
 @pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
-def test_worker_store_then_load_round_trip(in_place: bool, kv_first: bool) -> None:
-    src, dst = BytesKV(kv_first=kv_first), BytesKV(kv_first=kv_first)
+def test_worker_store_then_load_round_trip(in_place: bool, kv_first: bool, cache: str) -> None:
+    src, dst = BytesKV(kv_first=kv_first), kv_for(cache, kv_first=kv_first)
     src.fill(1)
     h = FakeStore(64)
     keys = ["k0", "k1", "k2"]
@@ -642,6 +676,7 @@ def test_worker_store_then_load_round_trip(in_place: bool, kv_first: bool) -> No
             assert dst.block(layer, b) == src.block(layer, a)
     assert all(s.released for s in h.held) and all(v.released for v in h.views)
     assert set(h.routes) == {"k0"}  # every chunk of a request goes to one pool
+    assert h.piece_calls == (1 if cache == "host" and in_place else 0)  # one call loads the three
 
 
 def test_copies_are_one_per_layer_and_piece_for_consecutive_blocks() -> None:
@@ -701,9 +736,10 @@ def test_copies_refuse_blocks_outside_the_cache() -> None:
         kv.copy_in([(0, 1)], addr_of(buf), 31)
 
 
+@pytest.mark.parametrize("cache", ["host", "gpu"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["remote_cxl", "cxl"])
-def test_worker_load_miss_fails_that_chunk_and_all_later_ones(in_place: bool) -> None:
-    kv = BytesKV()
+def test_worker_load_miss_fails_that_chunk_and_all_later_ones(in_place: bool, cache: str) -> None:
+    kv = kv_for(cache)
     h = FakeStore(64, load_slots=8)
     h.chunks = {"k0": bytes(kv.chunk_bytes), "k2": bytes(kv.chunk_bytes)}  # k1 missing
     w = WorkerCore(0, FakeSlot(h), kv, in_place=in_place)
@@ -714,9 +750,10 @@ def test_worker_load_miss_fails_that_chunk_and_all_later_ones(in_place: bool) ->
     assert all(s.released for s in h.held) and all(v.released for v in h.views)
 
 
+@pytest.mark.parametrize("cache", ["host", "gpu"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["remote_cxl", "cxl"])
-def test_worker_load_of_a_short_chunk_fails(in_place: bool) -> None:
-    kv = BytesKV()
+def test_worker_load_of_a_short_chunk_fails(in_place: bool, cache: str) -> None:
+    kv = kv_for(cache)
     h = FakeStore(64)
     h.chunks = {"k0": bytes(kv.chunk_bytes - 1)}
     w = WorkerCore(0, FakeSlot(h), kv, in_place=in_place)
@@ -724,9 +761,10 @@ def test_worker_load_of_a_short_chunk_fails(in_place: bool) -> None:
     assert w.take_load_errors() == {0, 1}
 
 
+@pytest.mark.parametrize("cache", ["host", "gpu"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["remote_cxl", "cxl"])
-def test_worker_load_error_and_unreachable_server_fail_the_blocks(in_place: bool) -> None:
-    kv = BytesKV()
+def test_worker_load_error_and_unreachable_server_fail_the_blocks(in_place: bool, cache: str) -> None:
+    kv = kv_for(cache)
     h = FakeStore(64)
     h.chunks = {"k0": bytes(kv.chunk_bytes)}
     h.fail_load = UnavailableError(Status.UNAVAILABLE, "pool away")
@@ -992,8 +1030,9 @@ def test_libmaru_lines_come_out_once_in_the_engines_format(config: Any, daemons:
 def test_a_cxl_load_gives_its_leases_back_in_one_call(config: Any, monkeypatch: Any) -> None:
     """A load read in place gives the leases of its chunks back in one call (one round
     trip to maru-server), not one per chunk: with maru-server's core busy, 23 round
-    trips cost a load tens of milliseconds."""
-    src, dst = BytesKV(bb=4096, nblocks=64), BytesKV(bb=4096, nblocks=64)
+    trips cost a load tens of milliseconds. (A cache libmaru cannot address, as a
+    GPU's: a host cache loads with one load_pieces call, below.)"""
+    src, dst = BytesKV(bb=4096, nblocks=64), GpuLikeKV(bb=4096, nblocks=64)
     src.fill(4)
     keys = maru.chunk_keys(prompt(23 * 128 + 1, seed=23), 128, "one-release")
     w = WorkerCore(0, HandlerSlot(lambda: maru.Handler(connector_config(config, "cxl", "rel-a")), "a"), src, in_place=True)
@@ -1008,6 +1047,74 @@ def test_a_cxl_load_gives_its_leases_back_in_one_call(config: Any, monkeypatch: 
     assert r.take_load_errors() == set() and r.stats.chunks_loaded == 23
     assert calls == [23], calls
     assert dst.bufs[0][: 46 * 4096] == src.bufs[0][: 46 * 4096]
+    r.close()
+
+
+@pytest.mark.parametrize("backend", ["remote_cxl", "cxl"])
+def test_load_pieces_copies_found_chunks_under_their_leases(config: Any, backend: str) -> None:
+    """Handler.load_pieces against daemons: chunks of odd lengths in pieces at odd
+    offsets, in any order, a chunk with no piece, a missing key between found ones
+    (reported, the others loaded), a chunk shorter than its pieces need (nothing of it
+    copied, its length reported); a piece naming no key and a NULL destination are
+    refused before anything is loaded; nothing is left held."""
+    rng = random.Random(11)
+    lens = [5000, 4097, 3, 6001]
+    chunks = [rng.randbytes(n) for n in lens]
+    ns = f"pieces-{os.getpid()}-{time.monotonic_ns()}"
+    keys = [f"{ns}-{backend}-p{i}" for i in range(4)]
+    with maru.Handler(config(backend, f"pieces-{backend}-a")) as a:
+        assert all(a.batch_store(list(zip(keys, chunks))))
+    dst = bytearray(20000)
+    base = addr_of(dst)
+    # chunk 0 in two pieces (the second first), chunk 1 none, a miss, chunk 2 asks for
+    # 4 bytes of its 3, chunk 3 whole at an odd address.
+    ask = [keys[0], keys[1], f"{ns}-{backend}-missing", keys[2], keys[3]]
+    pieces = [(0, 1001, base + 1 + 1001, 3999), (0, 0, base + 1, 1001), (3, 0, base + 6000, 4), (4, 0, base + 7001, 6001)]
+    with maru.Handler(config(backend, f"pieces-{backend}-b")) as b:
+        got = b.load_pieces(ask, pieces)
+        assert got == [(True, 5000), (True, 4097), (False, 0), (False, 3), (True, 6001)], got
+        assert dst[1:5001] == chunks[0] and dst[7001:13002] == chunks[3]
+        assert dst[0] == 0 and dst[5001:7001] == bytes(2000) and dst[13002:] == bytes(len(dst) - 13002)
+        assert b.held_in_libmaru() == {"slots": 0, "views": 0}
+        for bad, err in (((5, 0, base, 1), "pieces[1] names chunk 5 of 5 keys"), ((0, 0, 0, 1), "pieces[1] has a NULL dst")):
+            with pytest.raises(MaruError, match=re.escape(err)):
+                b.load_pieces(ask, [(0, 0, base + 15000, 10), bad])
+        assert dst[15000:15010] == bytes(10)  # nothing loaded before the refusal
+        assert b.load_pieces([], []) == []
+
+
+@pytest.mark.parametrize("backend", ["cxl"])
+def test_a_host_cache_loads_with_one_call_per_batch(config: Any, backend: str, monkeypatch: Any) -> None:
+    """The worker's load into a cache in host memory on cxl: one load_pieces call for the
+    request's 23 chunks (no spans, no slots, nothing left held), a chunk whose first
+    block vLLM computed (only its second block loaded), blocks of an odd size."""
+    src, dst = BytesKV(bb=4099, nblocks=64), BytesKV(bb=4099, nblocks=64)
+    src.fill(4)
+    keys = maru.chunk_keys(prompt(23 * 128 + 1, seed=29), 128, f"one-call-{backend}")
+    w = WorkerCore(0, HandlerSlot(lambda: maru.Handler(connector_config(config, backend, f"one-{backend}-a")), "a"), src,
+                   in_place=backend == "cxl")
+    for first in range(0, 23, 8):  # as many as the store slots a step
+        part = range(first, min(first + 8, 23))
+        w.store([ChunkTransfer("s", keys[0], first, [keys[first : part.stop]], [[(0, 2 * i), (1, 2 * i + 1)] for i in part])])
+        assert w.poll(10.0) == 0
+    assert w.stats.chunks_stored == 23, w.stats
+    w.close()
+    loaded = HandlerSlot(lambda: maru.Handler(connector_config(config, backend, f"one-{backend}-b")), "b")
+    r = WorkerCore(0, loaded, dst, in_place=backend == "cxl")
+    calls: List[int] = []
+    real = maru._capi.load_pieces
+    monkeypatch.setattr(maru._capi, "load_pieces", lambda h, k, p, rk: (calls.append(len(k)), real(h, k, p, rk))[1])
+    for other in ("views_acquire", "load_batch"):
+        monkeypatch.setattr(maru._capi, other, lambda *a: pytest.fail("not the load_pieces path"))
+    blocks = [[(0, 2 * i), (1, 2 * i + 1)] for i in range(22)] + [[(1, 45)]]
+    r.load([ChunkTransfer("q", keys[0], 0, [keys], blocks)])
+    assert r.take_load_errors() == set() and r.stats.chunks_loaded == 23
+    assert calls == [23], calls
+    for layer in range(2):
+        assert dst.bufs[layer][: 44 * 4099] == src.bufs[layer][: 44 * 4099]
+        assert dst.bufs[layer][44 * 4099 : 45 * 4099] == bytes(4099)  # computed by vLLM: not written
+        assert dst.block(layer, 45) == src.block(layer, 45)
+    assert loaded.get().held_in_libmaru() == {"slots": 0, "views": 0}
     r.close()
 
 

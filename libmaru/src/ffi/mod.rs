@@ -3,7 +3,8 @@
 //! One file per C type or group, in the order the header lists them:
 //! [`version`] (which library is loaded), [`error`] (last error text), [`log`]
 //! (where messages go), [`hook`] (pinning the staging buffer), [`handler`] (open,
-//! stats, shutdown, free), [`kv`] (chunks by key), [`slots`] (zero-copy staging
+//! stats, shutdown, free), [`kv`] (chunks by key), [`pieces`] (chunks by key copied
+//! in pieces into a paged cache), [`slots`] (zero-copy staging
 //! slots), [`ops`] (asynchronous slot transfers), [`views`] (chunks in place on
 //! `cxl`), [`keys`] (chunk keys), [`key_file`] (checking a key file), [`copy`]
 //! (copies between a runtime's memory and Maru's). [`status`]
@@ -56,6 +57,9 @@ pub mod handler;
 
 // Chunks by key through the caller's buffers.
 pub mod kv;
+
+// Chunks by key copied in pieces into the caller's memory (a paged KV cache).
+pub mod pieces;
 
 // Zero-copy staging slots.
 pub mod slots;
@@ -112,6 +116,7 @@ pub use ops::{
     maru_op_free, maru_op_poll, maru_op_results, maru_op_t, maru_op_wait, maru_submit_load_slots,
     maru_submit_store_slots,
 };
+pub use pieces::{maru_load_pieces, maru_piece_t};
 pub use slots::{
     maru_load_slots, maru_slot_pool_t, maru_slot_t, maru_slots_acquire, maru_slots_held,
     maru_slots_release, maru_store_slots, SlotPoolArg,

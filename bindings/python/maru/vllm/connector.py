@@ -260,7 +260,8 @@ class TorchKVBlocks(KVBlocks):
     K blocks, then V blocks).
 
     On CPU the copies are :class:`~maru.vllm.core.PagedKV`'s ``memmove`` of whole runs of
-    blocks (torch's index copies cost far more here); on another device each layer is
+    blocks (loads: libmaru copies those pieces itself, :meth:`host_moves`; torch's index
+    copies cost far more here); on another device each layer is
     copied with one ``index_select`` / ``index_copy_`` per chunk."""
 
     def __init__(self, kv_caches: Dict[str, torch.Tensor], blocks_per_chunk: int, num_blocks: Optional[int]):
@@ -304,6 +305,9 @@ class TorchKVBlocks(KVBlocks):
     @staticmethod
     def _memory(addr: int, size: int) -> torch.Tensor:
         return torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
+
+    def host_moves(self, blocks: Sequence[Tuple[int, int]]) -> Optional[List[Tuple[int, int, int]]]:
+        return self.host.moves(blocks) if self.host is not None else None
 
     def copy_out(self, blocks: Sequence[Tuple[int, int]], addr: int, size: int) -> None:
         if self.host is not None:

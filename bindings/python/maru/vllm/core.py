@@ -828,6 +828,13 @@ class KVBlocks:
         for blocks, addr in chunks:
             self.copy_in(blocks, addr, size)
 
+    def host_moves(self, blocks: Sequence[Tuple[int, int]]) -> Optional[List[Tuple[int, int, int]]]:
+        """For a cache in host memory: ``(offset in the chunk, address in the cache,
+        bytes)`` of each piece that loads a chunk into ``blocks`` (libmaru then copies
+        them itself, ``Handler.load_pieces``); None for a cache it cannot address (on a
+        GPU: the loads go through :meth:`copy_in_many`)."""
+        return None
+
 
 @dataclass(frozen=True)
 class LayerMemory:
@@ -900,6 +907,9 @@ class PagedKV(KVBlocks):
             return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces]
         return [(off + pos * p, at + b * p, n * p) for off, at, p in self._pieces for pos, b, n in runs]
 
+    def host_moves(self, blocks: Sequence[Tuple[int, int]]) -> Optional[List[Tuple[int, int, int]]]:
+        return self.moves(blocks)
+
     def _check(self, size: int) -> None:
         if size != self.chunk_bytes:
             raise ValueError(f"a chunk here is {self.chunk_bytes} bytes, not {size}")
@@ -931,7 +941,7 @@ class WorkerStats:
     chunks_load_failed: int = 0
     load_s: float = 0.0  # time spent loading (lookups of leases, transfers, copies)
     load_best_gbs: float = 0.0  # the fastest step's loads (bytes over their time)
-    load_copy_s: float = 0.0  # of load_s, the copies into the blocks
+    load_copy_s: float = 0.0  # of load_s, the copies into the blocks (with load_pieces: its calls, leases included)
     chunks_stored: int = 0
     bytes_stored: int = 0
     chunks_store_submitted: int = 0
@@ -948,10 +958,15 @@ class WorkerStats:
 class WorkerCore:
     """The worker side of one tensor-parallel rank.
 
-    Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) each chunk
-    is read in place in the CXL mapping (``acquire_spans``) and copied straight into the
-    engine's blocks; on ``remote_cxl`` the load slots are cut in two halves, so that
-    one half's chunks are copied into the blocks while the other's transfer runs. Any
+    Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) into a
+    cache in host memory (vLLM on CPU), one libmaru call per batch of chunks
+    (``load_pieces``) takes their leases, copies each chunk's pieces from the CXL
+    mapping straight into the engine's blocks and gives the leases back; into a cache
+    libmaru cannot address (a GPU's) each chunk is read in place (``acquire_spans``)
+    and copied into the blocks. On ``remote_cxl`` the load slots are cut in two
+    halves, so that one half's chunks are copied into the blocks while the other's
+    transfer runs (``load_pieces`` works there too, but in ``make demo-vllm`` some of
+    its loads took 200-700 ms where the slots take ~10 ms: not understood yet). Any
     chunk that is not loaded whole (a miss, a short chunk, an error) marks its blocks
     and those of every later chunk of the request as failed (:meth:`take_load_errors`):
     vLLM recomputes them, never uses wrong KV.
@@ -1037,6 +1052,8 @@ class WorkerCore:
         if h is None:
             return 0
         try:
+            if self.in_place and self.kv.host_moves(t.blocks[0]) is not None:
+                return self._load_pieces(h, t)
             return self._load_in_place(h, t) if self.in_place else self._load_through_slots(h, t)
         except MaruError as e:
             log.warning("maru.vllm worker: load of request %s failed: %s", t.req_id, e)
@@ -1064,6 +1081,32 @@ class WorkerCore:
             self.stats.chunks_loaded += whole
             self.stats.bytes_loaded += whole * size
         return None if whole == len(found) else first + whole
+
+    def _load_pieces(self, h: Any, t: ChunkTransfer) -> Optional[int]:
+        """``cxl``, a cache in host memory: per batch of chunks one
+        ``load_pieces`` call, the leases taken, the chunks' pieces copied straight into
+        their blocks while held and the leases given back inside libmaru (the fixed
+        cost of a load: one call, not three and the Python between them)."""
+        keys = t.keys[self.rank]
+        size = self.kv.chunk_bytes
+        for i in range(0, len(keys), VIEW_BATCH):
+            part = keys[i : i + VIEW_BATCH]
+            pieces = [(j, off, at, n) for j in range(len(part)) for off, at, n in self.kv.host_moves(t.blocks[i + j]) or ()]
+            start = self.clock()
+            got = h.load_pieces(part, pieces, route_key=t.route_key)
+            self.stats.load_copy_s += self.clock() - start
+            whole = 0
+            for copied, n in got:
+                if not copied or n != size:
+                    if n:
+                        log.warning("maru.vllm worker: chunk %s has %d bytes, expected %d", part[whole], n, size)
+                    break
+                whole += 1
+            self.stats.chunks_loaded += whole
+            self.stats.bytes_loaded += whole * size
+            if whole < len(part):
+                return i + whole
+        return None
 
     def _load_in_place(self, h: Any, t: ChunkTransfer) -> Optional[int]:
         """cxl: each chunk read in place under a lease (``acquire_spans``: the views'
