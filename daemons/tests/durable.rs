@@ -726,6 +726,42 @@ fn a_full_pool_stores_again_within_seconds_of_a_restart_and_views_held_across_it
     writer.close().unwrap();
 }
 
+/// A cxl session of `id` on the maru-server at `addr` (its key proved), writing
+/// namespace `ns`.
+fn session_at(addr: &str, id: &str, ns: &str) -> maru::worker::session::Session {
+    let key =
+        maru::auth::load_key_file(std::path::Path::new(&support::server_key_file(addr))).unwrap();
+    maru::worker::session::Session::open(
+        addr,
+        id,
+        Some(key),
+        id,
+        "durable-test",
+        ns,
+        maru::wire::meta::Backend::Cxl,
+        Duration::from_secs(5),
+    )
+    .unwrap()
+}
+
+/// Publishes `key` (4096 bytes, no predecessor) at page `p`: whether it is new.
+fn publish_at(
+    s: &maru::worker::session::Session,
+    key: &str,
+    p: maru::wire::meta::PageGrant,
+) -> bool {
+    let is_new = s
+        .publish(vec![maru::wire::meta::PublishEntry {
+            key: key.to_string(),
+            region_id: p.region_id,
+            offset: p.offset,
+            length: 4096,
+            prev: None,
+        }])
+        .unwrap();
+    is_new == [true]
+}
+
 /// A publish is answered before its commit and an alloc from pages reserved ahead:
 /// maru-server killed right after such replies loses at most the last keys, and no
 /// page handed out before the kill is handed out again or holds two keys. Seen
@@ -733,26 +769,10 @@ fn a_full_pool_stores_again_within_seconds_of_a_restart_and_views_held_across_it
 /// page of the alloc answered just before the kill was handed out again).
 #[test]
 fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice() {
-    use maru::wire::meta::{Backend, PublishEntry};
-    use maru::worker::session::Session;
     use std::collections::BTreeSet;
     let _ = env_logger::builder().is_test(true).try_init();
     let (mut st, _state) = stack("window");
-    let key = maru::auth::load_key_file(std::path::Path::new(&support::server_key_file(
-        &st.server.addr,
-    )))
-    .unwrap();
-    let s = Session::open(
-        &st.server.addr,
-        "window-writer",
-        Some(key),
-        "window-writer",
-        "durable-test",
-        "window",
-        Backend::Cxl,
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let s = session_at(&st.server.addr, "window-writer", "window");
     // Every page handed out, and where each key was published.
     let mut handed: BTreeSet<(u64, u64)> = BTreeSet::new();
     let mut published: Vec<(String, u64, u64)> = Vec::new();
@@ -769,16 +789,7 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
             let p = pages[0];
             assert!(handed.insert((p.region_id, p.offset)), "handed out twice");
             let key = format!("w/{tag}{i}");
-            let is_new = s
-                .publish(vec![PublishEntry {
-                    key: key.clone(),
-                    region_id: p.region_id,
-                    offset: p.offset,
-                    length: 4096,
-                    prev: None,
-                }])
-                .unwrap();
-            assert_eq!(is_new, [true]);
+            assert!(publish_at(&s, &key, p), "{key} is new");
             published.push((key, p.region_id, p.offset));
         }
     };
@@ -857,26 +868,10 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
 /// handed over only at the next 200 ms timer, was lost).
 #[test]
 fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon() {
-    use maru::wire::meta::{Backend, PublishEntry};
-    use maru::worker::session::Session;
     let _ = env_logger::builder().is_test(true).try_init();
     let (mut st, _state) = stack("wake");
     let addr = st.server.addr.clone();
-    let open = |id: &str| {
-        let key = maru::auth::load_key_file(std::path::Path::new(&support::server_key_file(&addr)))
-            .unwrap();
-        Session::open(
-            &addr,
-            id,
-            Some(key),
-            id,
-            "durable-test",
-            "wake",
-            Backend::Cxl,
-            Duration::from_secs(5),
-        )
-        .unwrap()
-    };
+    let open = |id: &str| session_at(&addr, id, "wake");
     let s = open("wake-writer");
     let mut took = Vec::new();
     for _ in 0..15 {
@@ -899,17 +894,7 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     // A free (its flush restarts the loop's 200 ms timer), then one publish alone.
     let (pages, _) = s.alloc(2, None).unwrap();
     s.free_pages(&pages[..1]).unwrap();
-    let p = pages[1];
-    let is_new = s
-        .publish(vec![PublishEntry {
-            key: "wake/lone".into(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: 4096,
-            prev: None,
-        }])
-        .unwrap();
-    assert_eq!(is_new, [true]);
+    assert!(publish_at(&s, "wake/lone", pages[1]), "wake/lone is new");
     std::thread::sleep(Duration::from_millis(150));
     st.restart_server();
     let r = open("wake-reader");

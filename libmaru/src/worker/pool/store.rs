@@ -15,6 +15,7 @@ use crate::wire::meta::{PageGrant, PublishEntry, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
+use crate::worker::skips::SkipReason;
 use crate::worker::staging::Slot;
 use crate::worker::warn_limit;
 
@@ -93,21 +94,24 @@ impl StoragePool {
         }
         let left = (need - taken.pages.len() - counted) as u64;
         if left > 0 {
-            let what = format!("pool {}", self.session.url);
-            let line = self.core.lock().skipped(
-                crate::worker::skips::SkipReason::NoRegion,
+            self.count_skip(
+                SkipReason::NoRegion,
                 left,
-                now_ms(),
-                &what,
+                &format!("{strays} page(s) maru-server gave were of a region this pool has not made usable by the request's deadline (or lost)"),
             );
-            log::debug!(
-                "{what}: {left} chunk(s) not stored: {strays} page(s) maru-server gave were of a region this pool has not made usable by the request's deadline (or lost)"
-            );
-            if let Some(line) = line {
-                log::warn!("{line}");
-            }
         }
         Ok(taken)
+    }
+
+    /// Counts `n` chunks of a store skipped for `reason` (`why`, in the debug log),
+    /// and logs the reason's WARN line when one is due (see `skips`).
+    fn count_skip(&self, reason: SkipReason, n: u64, why: &str) {
+        let what = format!("pool {}", self.session.url);
+        let line = self.core.lock().skipped(reason, n, now_ms(), &what);
+        log::debug!("{what}: {n} chunk(s) not stored: {why}");
+        if let Some(line) = line {
+            log::warn!("{line}");
+        }
     }
 
     /// Frees pages maru-server gave of a region that is not the pool's (see
@@ -156,9 +160,10 @@ impl StoragePool {
             let why = match self.grow(by) {
                 Ok(()) => None,
                 Err(NoRegion::Unusable(e)) => {
+                    // Its own WARN below says more than the reason's line.
                     let what = format!("pool {}", self.session.url);
                     self.core.lock().skipped(
-                        crate::worker::skips::SkipReason::NoRegion,
+                        SkipReason::NoRegion,
                         u64::from(missing),
                         now_ms(),
                         &what,
@@ -198,22 +203,20 @@ impl StoragePool {
             if got_none {
                 dry += 1;
                 if dry >= ROOM_ROUNDS {
-                    let what = format!("pool {}", self.session.url);
-                    let line = {
+                    let reason = {
                         let mut c = self.core.lock();
                         c.stats.store_no_room += u64::from(missing);
-                        let reason = c.no_room_reason();
-                        c.skipped(reason, u64::from(missing), now_ms(), &what)
+                        c.no_room_reason()
                     };
-                    log::debug!(
-                        "{what}: {missing} chunk(s) not stored: the pool has no region to \
-                         give ({}) and every page of this engine's regions is leased, \
-                         pinned or in use",
-                        why.as_deref().unwrap_or("a region taken was full at once")
+                    self.count_skip(
+                        reason,
+                        u64::from(missing),
+                        &format!(
+                            "the pool has no region to give ({}) and every page of this \
+                             engine's regions is leased, pinned or in use",
+                            why.as_deref().unwrap_or("a region taken was full at once")
+                        ),
                     );
-                    if let Some(line) = line {
-                        log::warn!("{line}");
-                    }
                     break;
                 }
             }
