@@ -296,6 +296,13 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
             t.recovered_keys, t.recovered_regions, t.recovery_ms
         );
     }
+    if t.pages_in_doubt > 0 || t.pages_in_doubt_freed > 0 {
+        let _ = writeln!(
+            o,
+            "pages found allocated without a key at the last start: {} freed as their sessions said which they hold, {} not (yet) freed",
+            t.pages_in_doubt_freed, t.pages_in_doubt
+        );
+    }
     let _ = writeln!(o);
     if !s.tenants.is_empty() {
         let _ = writeln!(o, "tenants shown (--tenant): {}", s.tenants.join(", "));

@@ -233,6 +233,7 @@ impl MetaCore {
                 regions,
                 leases,
                 skipped,
+                held_pages,
             } => self.heartbeat(
                 client_id,
                 session,
@@ -241,6 +242,7 @@ impl MetaCore {
                     regions: &regions,
                     leases: leases.as_deref(),
                     skipped,
+                    held_pages: held_pages.as_deref(),
                 },
                 now_ms,
             ),

@@ -52,7 +52,7 @@ use super::records::{
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::Session;
 use super::tenants::Tenants;
-use crate::wire::meta::{Backend, HeldLease};
+use crate::wire::meta::{Backend, HeldLease, PageRef};
 use crate::wire::rm::{Handle, RegionInfo};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -138,8 +138,14 @@ pub(super) struct Journal {
     /// of the last run may cover them: reserved ones, or ones whose publish was lost
     /// (answered before its commit), which a reader of the last run may still read.
     /// Never handed out again while allocated; once their session frees them, they
-    /// wait like pages of recovered keys.
+    /// wait like pages of recovered keys. Kept after those leases ran out while a
+    /// session of the last run may still say which pages it holds (`unreported`).
     in_doubt: BTreeSet<(u64, u64)>,
+    /// Sessions of the last run that have not said which pages they hold without a
+    /// key (`held_pages`): their heartbeat replies ask for it.
+    unreported: BTreeSet<u64>,
+    /// Pages in doubt freed because their session's report did not name them.
+    held_freed: u64,
 }
 
 impl Journal {
@@ -353,7 +359,9 @@ impl MetaCore {
                 };
                 log::info!("recovery: pages of recovered keys are handed out again: {why}");
             }
-            j.in_doubt.clear();
+            if j.unreported.is_empty() {
+                j.in_doubt.clear();
+            }
         }
         let durable = j.durable;
         let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j.pending.iter().partition(|p| {
@@ -511,16 +519,102 @@ impl MetaCore {
     }
 
     /// A session ended: it no longer holds up the pages of recovered keys (its leases
-    /// ended with it).
+    /// ended with it), nor will it say which pages it holds (its regions left it).
     pub(super) fn old_leases_session_ended(&mut self, session: u64, now_ms: u64) {
+        let unreported = self
+            .journal
+            .as_mut()
+            .is_some_and(|j| j.unreported.remove(&session));
         let ended = self
             .journal
             .as_mut()
             .and_then(|j| j.recovered.as_mut())
             .is_some_and(|o| o.silent.remove(&session));
-        if ended {
+        if ended || unreported {
             self.put_back_pages(now_ms);
         }
+    }
+
+    /// A key was published into a page: no longer in doubt (a report leaves it be).
+    pub(super) fn page_keyed(&mut self, region_id: u64, page: u64) {
+        if let Some(j) = &mut self.journal {
+            if !j.in_doubt.is_empty() {
+                j.in_doubt.remove(&(region_id, page));
+            }
+        }
+    }
+
+    /// Whether a heartbeat reply of `session` asks which pages it holds: a session
+    /// of the last run that has not said yet.
+    pub(super) fn wants_held_pages(&self, session: u64) -> bool {
+        self.journal
+            .as_ref()
+            .is_some_and(|j| j.unreported.contains(&session))
+    }
+
+    /// Pages a restore found allocated without a key and not yet freed (while a
+    /// session of the last run may still report), and those freed so far because
+    /// their session's report did not name them.
+    pub fn pages_in_doubt(&self) -> (usize, u64) {
+        self.journal
+            .as_ref()
+            .map_or((0, 0), |j| (j.in_doubt.len(), j.held_freed))
+    }
+
+    /// A session of the last run says which pages it holds without a key (`held`,
+    /// the first time after a restart; later reports change nothing): every page of
+    /// its regions that the restore found allocated without a key, that still is
+    /// and that `held` does not name, is freed as `free_pages` frees it (it waits
+    /// for the leases of the last run: a reader may still read a key whose publish
+    /// was lost). Only the session's own regions are looked at: a report naming pages
+    /// of others, or pages it does not hold, changes nothing of theirs.
+    pub(super) fn pages_held(&mut self, session: u64, held: &[PageRef], now_ms: u64) {
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        if !j.unreported.remove(&session) {
+            return;
+        }
+        let Some(s) = self.sessions.get(session) else {
+            return;
+        };
+        let (scope, mine) = (s.scope, s.regions.clone());
+        let chunk = self.cfg.chunk_size;
+        let named: BTreeSet<(u64, u64)> = held.iter().map(|p| (p.region_id, p.page)).collect();
+        let doubt: Vec<(u64, u64)> = j
+            .in_doubt
+            .iter()
+            .copied()
+            .filter(|(rid, _)| mine.contains(rid))
+            .collect();
+        let (mut freed, mut kept) = (0u64, 0u64);
+        for (rid, page) in doubt {
+            if named.contains(&(rid, page)) {
+                kept += 1;
+                continue;
+            }
+            let unkeyed = self.keys.at(rid, page * chunk).is_none()
+                && self
+                    .regions
+                    .get(rid)
+                    .is_some_and(|r| r.pages.is_allocated(page));
+            if !unkeyed {
+                continue;
+            }
+            self.free_unkeyed_page(rid, page, scope);
+            self.note_region_use(rid, now_ms);
+            freed += 1;
+        }
+        if let Some(j) = &mut self.journal {
+            j.held_freed += freed;
+        }
+        log::info!(
+            "recovery: session {session} of the last run holds {} page(s) without a key: \
+             {freed} page(s) found allocated without a key in its regions are freed (once no \
+             lease of the last run can cover them), {kept} stay its own",
+            held.len()
+        );
+        self.put_back_pages(now_ms);
     }
 
     /// Frees the page of key `key` (removed, or dropped with its region): at once
@@ -864,6 +958,7 @@ impl MetaCore {
         }
         if let Some(j) = &mut core.journal {
             j.in_doubt = in_doubt;
+            j.unreported = core.sessions.iter().map(|s| s.id).collect();
             j.recovered = Some(OldLeases {
                 last_key: core.keys.last_id(),
                 until_ms: now_ms.saturating_add(lease_ms),

@@ -234,10 +234,14 @@ impl MetaCore {
                     offset: e.offset,
                     length: e.length,
                 };
-                matches!(
+                let new = matches!(
                     self.keys.publish(scope, &e.key, loc, e.prev.as_deref()),
                     Published::New(_)
-                )
+                );
+                if new {
+                    self.page_keyed(e.region_id, e.offset / page_size);
+                }
+                new
             })
             .collect();
         // A lost publish is a lost key, never wrong bytes: the reply goes before its
