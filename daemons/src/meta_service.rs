@@ -1098,9 +1098,6 @@ impl MetaService {
             t.recovered_regions = r.regions;
             t.recovery_ms = r.took_ms;
         }
-        let (doubt, freed) = self.core.pages_in_doubt();
-        t.pages_in_doubt = doubt as u64;
-        t.pages_in_doubt_freed = freed;
         t
     }
 
