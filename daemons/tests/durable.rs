@@ -915,6 +915,9 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     let _ = r.close();
 }
 
+/// Keys an engine stored, each with when its store was acknowledged.
+type Acks = Arc<Mutex<Vec<(String, Instant)>>>;
+
 /// maru-server's totals (its `stats`).
 fn server_totals(addr: &str) -> maru::wire::meta::TotalStats {
     use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
@@ -952,7 +955,7 @@ fn pages_in_doubt_after_a_kill_come_back_once_the_workers_say_which_they_hold() 
     let mut engines = Vec::new();
     for (i, backend) in ["cxl", "remote_cxl"].iter().enumerate() {
         let h = Arc::new(Handler::open(&config(&st, &format!("held-{backend}"), backend)).unwrap());
-        let acked: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+        let acked: Acks = Arc::default();
         let (h2, a2, stop2) = (h.clone(), acked.clone(), stop.clone());
         let t = std::thread::spawn(move || {
             let route = format!("h{i}");
@@ -983,7 +986,7 @@ fn pages_in_doubt_after_a_kill_come_back_once_the_workers_say_which_they_hold() 
         });
         engines.push((h, acked, t));
     }
-    let stored = |e: &[(Arc<Handler>, Arc<Mutex<Vec<(String, Instant)>>>, _)]| -> Vec<usize> {
+    let stored = |e: &[(Arc<Handler>, Acks, _)]| -> Vec<usize> {
         e.iter().map(|(_, a, _)| a.lock().unwrap().len()).collect()
     };
     assert!(

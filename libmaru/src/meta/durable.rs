@@ -15,9 +15,11 @@
 //! durable, with no commit of its own ([`ReplyTiming::Early`]); a page taken otherwise
 //! (no durable reserve left) is answered once its record is durable. A restart cannot
 //! tell which recorded pages without a key were handed out (reserved, or a publish
-//! lost), so it hands none of them out again: they stay their session's until it frees
-//! them (then they wait for the leases of the last run, like pages of recovered keys:
-//! a reader may still read a key whose publish was lost) or its region goes.
+//! lost), so it hands none of them out again on its own: they stay their session's
+//! until its worker says which pages it holds (`pages_held`:
+//! the others are freed), or frees them, or its region goes. Once freed they wait for
+//! the leases of the last run, like pages of recovered keys: a reader may still read
+//! a key whose publish was lost.
 //!
 //! **A publish is answered before its commit** (the driver hands its batch to the
 //! store at once): a crash in that window loses the key, never bytes, since its page
@@ -70,8 +72,9 @@ pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 
 /// Pages reserved for a session at a time, ahead of its allocs (at most an eighth
 /// of a region): an alloc is answered from pages whose reservation is durable, with
-/// no commit of its own. A crash loses the pages of the reserve until their session
-/// frees them or ends (a restart cannot tell which of them were handed out).
+/// no commit of its own. A crash keeps the pages of the reserve out of use until their
+/// session's worker says which pages it holds, frees them, or ends (a restart cannot
+/// tell which of them were handed out).
 pub const RESERVE_BLOCK: u64 = 1024;
 
 /// When the reply to the request just handled may go, with a durable directory.
@@ -951,8 +954,9 @@ impl MetaCore {
         if !in_doubt.is_empty() {
             log::info!(
                 "recovery: {} page(s) are allocated without a key (reserved for their session, \
-                 or their publish was lost): not handed out again until their session frees \
-                 them or its region goes",
+                 or their publish was lost): not handed out again until their session's worker \
+                 says which pages it holds (the others are freed), frees them, or its region \
+                 goes",
                 in_doubt.len()
             );
         }
