@@ -1070,7 +1070,17 @@ mod tests {
         snap.stats.total.recovered_keys = 1200;
         snap.stats.total.recovered_regions = 5;
         snap.stats.total.recovery_ms = 37;
+        assert!(
+            !render(&snap, 2).contains("without a key"),
+            "none in doubt: no line"
+        );
+        snap.stats.total.pages_in_doubt = 12;
+        snap.stats.total.pages_in_doubt_freed = 52;
         let out = render(&snap, 2);
+        assert!(
+            out.contains("pages found allocated without a key at the last start: 52 freed as their sessions said which they hold, 12 not (yet) freed"),
+            "{out}"
+        );
         assert!(
             out.contains(
                 "durable directory: its last start recovered 1200 keys in 5 regions in 37 ms"
