@@ -412,6 +412,7 @@ impl MetaCore {
         reply.leases_ended = self.leases.end_session(id);
         self.pins.end_session(id);
         self.old_leases_session_ended(id, now_ms);
+        self.alloc_rate_ended(id);
         for rid in s.regions {
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;

@@ -77,6 +77,41 @@ pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 /// tell which of them were handed out).
 pub const RESERVE_BLOCK: u64 = 1024;
 
+/// A session's allocation rate is counted over windows this long: a session that
+/// took more than half a block in its last full window keeps that many reserved (up
+/// to [`RESERVE_MAX_BLOCKS`] blocks), so that its allocs do not outrun the commit of
+/// its next block (4 ms of waiting for others plus the `fdatasync`: far below a
+/// window).
+pub const RATE_WINDOW_MS: u64 = 100;
+
+/// Most blocks reserved for one session at a time, however fast it allocates (what
+/// a crash leaves in doubt until its worker says which pages it holds).
+pub const RESERVE_MAX_BLOCKS: u64 = 4;
+
+/// Pages a session took in its current and its last full [`RATE_WINDOW_MS`] window.
+#[derive(Debug, Clone, Copy, Default)]
+struct AllocRate {
+    start_ms: u64,
+    this: u64,
+    last: u64,
+}
+
+impl AllocRate {
+    fn note(&mut self, pages: u64, now_ms: u64) {
+        let since = now_ms.saturating_sub(self.start_ms);
+        if since >= RATE_WINDOW_MS {
+            self.last = if since < 2 * RATE_WINDOW_MS {
+                self.this
+            } else {
+                0
+            };
+            self.this = 0;
+            self.start_ms = now_ms;
+        }
+        self.this = self.this.saturating_add(pages);
+    }
+}
+
 /// When the reply to the request just handled may go, with a durable directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReplyTiming {
@@ -149,6 +184,8 @@ pub(super) struct Journal {
     unreported: BTreeSet<u64>,
     /// Pages in doubt freed because their session's report did not name them.
     held_freed: u64,
+    /// Each session's recent allocations (how far ahead its reserve is topped up).
+    rates: BTreeMap<u64, AllocRate>,
 }
 
 impl Journal {
@@ -210,23 +247,48 @@ impl MetaCore {
         RESERVE_BLOCK.min(pages / 8).max(1)
     }
 
-    /// Reserves a block of pages for `session` in its regions (`order`, but not
-    /// `asked`: the one it is asked to give back) when fewer than half a block are
-    /// reserved: they go in the open batch, and allocs take them once it is durable.
+    /// `session` took `pages` pages at `now_ms` (its allocation rate).
+    pub(super) fn note_alloc(&mut self, session: u64, pages: u64, now_ms: u64) {
+        if let Some(j) = &mut self.journal {
+            j.rates.entry(session).or_default().note(pages, now_ms);
+        }
+    }
+
+    /// A session ended: its allocation rate goes.
+    pub(super) fn alloc_rate_ended(&mut self, session: u64) {
+        if let Some(j) = &mut self.journal {
+            j.rates.remove(&session);
+        }
+    }
+
+    /// Reserves pages for `session` in its regions (`order`, but not `asked`: the
+    /// one it is asked to give back) when fewer than its low mark are reserved: half
+    /// a block, or what it took in its last full [`RATE_WINDOW_MS`] window if more;
+    /// up to that mark and half a block more (a block at rest, at most
+    /// [`RESERVE_MAX_BLOCKS`] blocks). They go in the open batch, and allocs take them once it is durable.
     pub(super) fn top_up_reserve(&mut self, session: u64, asked: Option<u64>, order: &[u64]) {
-        let Some(batch) = self.journal.as_ref().map(|j| j.batch) else {
+        let Some((batch, recent)) = self.journal.as_ref().map(|j| {
+            let recent = j.rates.get(&session).map_or(0, |r| r.last);
+            (j.batch, recent)
+        }) else {
             return;
         };
         let block = self.reserve_block();
+        let low = block
+            .div_ceil(2)
+            .max(recent)
+            .min(RESERVE_MAX_BLOCKS * block - block / 2);
+        let target = low + block / 2;
         let mine = || order.iter().copied().filter(|r| Some(*r) != asked);
         let have: u64 = mine()
             .filter_map(|r| self.regions.get(r))
             .map(|r| r.pages.reserved())
             .sum();
-        if have * 2 >= block {
+        if have >= low {
             return;
         }
-        let mut want = block - have;
+        let mut want = target - have;
+        let asked_for = want;
         for rid in mine() {
             if self
                 .regions
@@ -244,7 +306,7 @@ impl MetaCore {
         }
         log::trace!(
             "session {session}: {} page(s) reserved in batch {batch}",
-            block - have - want
+            asked_for - want
         );
     }
 

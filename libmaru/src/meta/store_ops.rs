@@ -88,6 +88,7 @@ impl MetaCore {
             if self.reply_timing() == ReplyTiming::AfterItsChanges {
                 self.set_reply_timing(ReplyTiming::Early);
             }
+            self.note_alloc(id, pages.len() as u64, now_ms);
             self.top_up_reserve(id, asked, &order);
         }
         let mut touched: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
