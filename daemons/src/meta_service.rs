@@ -58,6 +58,14 @@ pub const SERVER_GAUGES: &[(&str, &str)] = &[
         "How long the last start took to recover the directory, in ms",
     ),
     (
+        "pages_in_doubt",
+        "Pages the last start found allocated without a key, not yet freed (a reserve, a lost publish)",
+    ),
+    (
+        "pages_in_doubt_freed",
+        "Pages in doubt freed since the last start because their session's report of held pages did not name them",
+    ),
+    (
         "pages_waiting",
         "Freed pages waiting for their key's removal to be durable (or for old leases)",
     ),
@@ -1117,6 +1125,8 @@ impl MetaService {
             ("recovered_keys", t.recovered_keys),
             ("recovered_regions", t.recovered_regions),
             ("recovery_ms", t.recovery_ms),
+            ("pages_in_doubt", t.pages_in_doubt),
+            ("pages_in_doubt_freed", t.pages_in_doubt_freed),
             ("pages_waiting", self.core.pages_waiting() as u64),
             (
                 "replies_waiting_for_store",

@@ -1984,6 +1984,7 @@ fn sybil_sessions_of_one_tenant_get_no_more_than_its_share() {
                 regions: vec![],
                 leases: None,
                 skipped: None,
+                held_pages: None,
             });
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -296,6 +296,13 @@ fn render(s: &Snapshot, max_regions: usize) -> String {
             t.recovered_keys, t.recovered_regions, t.recovery_ms
         );
     }
+    if t.pages_in_doubt > 0 || t.pages_in_doubt_freed > 0 {
+        let _ = writeln!(
+            o,
+            "pages found allocated without a key at the last start: {} freed as their sessions said which they hold, {} not (yet) freed",
+            t.pages_in_doubt_freed, t.pages_in_doubt
+        );
+    }
     let _ = writeln!(o);
     if !s.tenants.is_empty() {
         let _ = writeln!(o, "tenants shown (--tenant): {}", s.tenants.join(", "));
@@ -1063,7 +1070,17 @@ mod tests {
         snap.stats.total.recovered_keys = 1200;
         snap.stats.total.recovered_regions = 5;
         snap.stats.total.recovery_ms = 37;
+        assert!(
+            !render(&snap, 2).contains("without a key"),
+            "none in doubt: no line"
+        );
+        snap.stats.total.pages_in_doubt = 12;
+        snap.stats.total.pages_in_doubt_freed = 52;
         let out = render(&snap, 2);
+        assert!(
+            out.contains("pages found allocated without a key at the last start: 52 freed as their sessions said which they hold, 12 not (yet) freed"),
+            "{out}"
+        );
         assert!(
             out.contains(
                 "durable directory: its last start recovered 1200 keys in 5 regions in 37 ms"

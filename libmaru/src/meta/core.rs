@@ -233,6 +233,7 @@ impl MetaCore {
                 regions,
                 leases,
                 skipped,
+                held_pages,
             } => self.heartbeat(
                 client_id,
                 session,
@@ -241,6 +242,7 @@ impl MetaCore {
                     regions: &regions,
                     leases: leases.as_deref(),
                     skipped,
+                    held_pages: held_pages.as_deref(),
                 },
                 now_ms,
             ),
@@ -410,6 +412,7 @@ impl MetaCore {
         reply.leases_ended = self.leases.end_session(id);
         self.pins.end_session(id);
         self.old_leases_session_ended(id, now_ms);
+        self.alloc_rate_ended(id);
         for rid in s.regions {
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;

@@ -606,6 +606,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");
@@ -621,6 +622,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             regions: vec![998, r],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");
@@ -637,6 +639,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     );
     assert_eq!(code(e), ErrorCode::BadRequest);
@@ -821,6 +824,7 @@ fn batches_over_the_cap_are_refused_whole() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ] {
         let e = w.req(W1, req).unwrap_err();
@@ -918,6 +922,7 @@ fn skip_counts_of_heartbeats_show_in_stats_per_session_and_in_total() {
             regions: vec![],
             leases: None,
             skipped,
+            held_pages: None,
         };
         assert!(matches!(w.req(client, req), Ok(MetaReply::Heartbeat(_))));
     };
@@ -1162,6 +1167,7 @@ fn keys_published_before_any_boot_id_was_reported_go_at_the_first_report() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");

@@ -15,9 +15,11 @@
 //! durable, with no commit of its own ([`ReplyTiming::Early`]); a page taken otherwise
 //! (no durable reserve left) is answered once its record is durable. A restart cannot
 //! tell which recorded pages without a key were handed out (reserved, or a publish
-//! lost), so it hands none of them out again: they stay their session's until it frees
-//! them (then they wait for the leases of the last run, like pages of recovered keys:
-//! a reader may still read a key whose publish was lost) or its region goes.
+//! lost), so it hands none of them out again on its own: they stay their session's
+//! until its worker says which pages it holds (`pages_held`:
+//! the others are freed), or frees them, or its region goes. Once freed they wait for
+//! the leases of the last run, like pages of recovered keys: a reader may still read
+//! a key whose publish was lost.
 //!
 //! **A publish is answered before its commit** (the driver hands its batch to the
 //! store at once): a crash in that window loses the key, never bytes, since its page
@@ -52,7 +54,7 @@ use super::records::{
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::Session;
 use super::tenants::Tenants;
-use crate::wire::meta::{Backend, HeldLease};
+use crate::wire::meta::{Backend, HeldLease, PageRef};
 use crate::wire::rm::{Handle, RegionInfo};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -70,9 +72,45 @@ pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 
 /// Pages reserved for a session at a time, ahead of its allocs (at most an eighth
 /// of a region): an alloc is answered from pages whose reservation is durable, with
-/// no commit of its own. A crash loses the pages of the reserve until their session
-/// frees them or ends (a restart cannot tell which of them were handed out).
+/// no commit of its own. A crash keeps the pages of the reserve out of use until their
+/// session's worker says which pages it holds, frees them, or ends (a restart cannot
+/// tell which of them were handed out).
 pub const RESERVE_BLOCK: u64 = 1024;
+
+/// A session's allocation rate is counted over windows this long: a session that
+/// took more than half a block in its last full window keeps that many reserved (up
+/// to [`RESERVE_MAX_BLOCKS`] blocks), so that its allocs do not outrun the commit of
+/// its next block (4 ms of waiting for others plus the `fdatasync`: far below a
+/// window).
+pub const RATE_WINDOW_MS: u64 = 100;
+
+/// Most blocks reserved for one session at a time, however fast it allocates (what
+/// a crash leaves in doubt until its worker says which pages it holds).
+pub const RESERVE_MAX_BLOCKS: u64 = 4;
+
+/// Pages a session took in its current and its last full [`RATE_WINDOW_MS`] window.
+#[derive(Debug, Clone, Copy, Default)]
+struct AllocRate {
+    start_ms: u64,
+    this: u64,
+    last: u64,
+}
+
+impl AllocRate {
+    fn note(&mut self, pages: u64, now_ms: u64) {
+        let since = now_ms.saturating_sub(self.start_ms);
+        if since >= RATE_WINDOW_MS {
+            self.last = if since < 2 * RATE_WINDOW_MS {
+                self.this
+            } else {
+                0
+            };
+            self.this = 0;
+            self.start_ms = now_ms;
+        }
+        self.this = self.this.saturating_add(pages);
+    }
+}
 
 /// When the reply to the request just handled may go, with a durable directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -138,8 +176,16 @@ pub(super) struct Journal {
     /// of the last run may cover them: reserved ones, or ones whose publish was lost
     /// (answered before its commit), which a reader of the last run may still read.
     /// Never handed out again while allocated; once their session frees them, they
-    /// wait like pages of recovered keys.
+    /// wait like pages of recovered keys. Kept after those leases ran out while a
+    /// session of the last run may still say which pages it holds (`unreported`).
     in_doubt: BTreeSet<(u64, u64)>,
+    /// Sessions of the last run that have not said which pages they hold without a
+    /// key (`held_pages`): their heartbeat replies ask for it.
+    unreported: BTreeSet<u64>,
+    /// Pages in doubt freed because their session's report did not name them.
+    held_freed: u64,
+    /// Each session's recent allocations (how far ahead its reserve is topped up).
+    rates: BTreeMap<u64, AllocRate>,
 }
 
 impl Journal {
@@ -201,23 +247,48 @@ impl MetaCore {
         RESERVE_BLOCK.min(pages / 8).max(1)
     }
 
-    /// Reserves a block of pages for `session` in its regions (`order`, but not
-    /// `asked`: the one it is asked to give back) when fewer than half a block are
-    /// reserved: they go in the open batch, and allocs take them once it is durable.
+    /// `session` took `pages` pages at `now_ms` (its allocation rate).
+    pub(super) fn note_alloc(&mut self, session: u64, pages: u64, now_ms: u64) {
+        if let Some(j) = &mut self.journal {
+            j.rates.entry(session).or_default().note(pages, now_ms);
+        }
+    }
+
+    /// A session ended: its allocation rate goes.
+    pub(super) fn alloc_rate_ended(&mut self, session: u64) {
+        if let Some(j) = &mut self.journal {
+            j.rates.remove(&session);
+        }
+    }
+
+    /// Reserves pages for `session` in its regions (`order`, but not `asked`: the
+    /// one it is asked to give back) when fewer than its low mark are reserved: half
+    /// a block, or what it took in its last full [`RATE_WINDOW_MS`] window if more;
+    /// up to that mark and half a block more (a block at rest, at most
+    /// [`RESERVE_MAX_BLOCKS`] blocks). They go in the open batch, and allocs take them once it is durable.
     pub(super) fn top_up_reserve(&mut self, session: u64, asked: Option<u64>, order: &[u64]) {
-        let Some(batch) = self.journal.as_ref().map(|j| j.batch) else {
+        let Some((batch, recent)) = self.journal.as_ref().map(|j| {
+            let recent = j.rates.get(&session).map_or(0, |r| r.last);
+            (j.batch, recent)
+        }) else {
             return;
         };
         let block = self.reserve_block();
+        let low = block
+            .div_ceil(2)
+            .max(recent)
+            .min(RESERVE_MAX_BLOCKS * block - block / 2);
+        let target = low + block / 2;
         let mine = || order.iter().copied().filter(|r| Some(*r) != asked);
         let have: u64 = mine()
             .filter_map(|r| self.regions.get(r))
             .map(|r| r.pages.reserved())
             .sum();
-        if have * 2 >= block {
+        if have >= low {
             return;
         }
-        let mut want = block - have;
+        let mut want = target - have;
+        let asked_for = want;
         for rid in mine() {
             if self
                 .regions
@@ -235,7 +306,7 @@ impl MetaCore {
         }
         log::trace!(
             "session {session}: {} page(s) reserved in batch {batch}",
-            block - have - want
+            asked_for - want
         );
     }
 
@@ -353,7 +424,9 @@ impl MetaCore {
                 };
                 log::info!("recovery: pages of recovered keys are handed out again: {why}");
             }
-            j.in_doubt.clear();
+            if j.unreported.is_empty() {
+                j.in_doubt.clear();
+            }
         }
         let durable = j.durable;
         let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j.pending.iter().partition(|p| {
@@ -511,16 +584,102 @@ impl MetaCore {
     }
 
     /// A session ended: it no longer holds up the pages of recovered keys (its leases
-    /// ended with it).
+    /// ended with it), nor will it say which pages it holds (its regions left it).
     pub(super) fn old_leases_session_ended(&mut self, session: u64, now_ms: u64) {
+        let unreported = self
+            .journal
+            .as_mut()
+            .is_some_and(|j| j.unreported.remove(&session));
         let ended = self
             .journal
             .as_mut()
             .and_then(|j| j.recovered.as_mut())
             .is_some_and(|o| o.silent.remove(&session));
-        if ended {
+        if ended || unreported {
             self.put_back_pages(now_ms);
         }
+    }
+
+    /// A key was published into a page: no longer in doubt (a report leaves it be).
+    pub(super) fn page_keyed(&mut self, region_id: u64, page: u64) {
+        if let Some(j) = &mut self.journal {
+            if !j.in_doubt.is_empty() {
+                j.in_doubt.remove(&(region_id, page));
+            }
+        }
+    }
+
+    /// Whether a heartbeat reply of `session` asks which pages it holds: a session
+    /// of the last run that has not said yet.
+    pub(super) fn wants_held_pages(&self, session: u64) -> bool {
+        self.journal
+            .as_ref()
+            .is_some_and(|j| j.unreported.contains(&session))
+    }
+
+    /// Pages a restore found allocated without a key and not yet freed (while a
+    /// session of the last run may still report), and those freed so far because
+    /// their session's report did not name them.
+    pub fn pages_in_doubt(&self) -> (usize, u64) {
+        self.journal
+            .as_ref()
+            .map_or((0, 0), |j| (j.in_doubt.len(), j.held_freed))
+    }
+
+    /// A session of the last run says which pages it holds without a key (`held`,
+    /// the first time after a restart; later reports change nothing): every page of
+    /// its regions that the restore found allocated without a key, that still is
+    /// and that `held` does not name, is freed as `free_pages` frees it (it waits
+    /// for the leases of the last run: a reader may still read a key whose publish
+    /// was lost). Only the session's own regions are looked at: a report naming pages
+    /// of others, or pages it does not hold, changes nothing of theirs.
+    pub(super) fn pages_held(&mut self, session: u64, held: &[PageRef], now_ms: u64) {
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        if !j.unreported.remove(&session) {
+            return;
+        }
+        let Some(s) = self.sessions.get(session) else {
+            return;
+        };
+        let (scope, mine) = (s.scope, s.regions.clone());
+        let chunk = self.cfg.chunk_size;
+        let named: BTreeSet<(u64, u64)> = held.iter().map(|p| (p.region_id, p.page)).collect();
+        let doubt: Vec<(u64, u64)> = j
+            .in_doubt
+            .iter()
+            .copied()
+            .filter(|(rid, _)| mine.contains(rid))
+            .collect();
+        let (mut freed, mut kept) = (0u64, 0u64);
+        for (rid, page) in doubt {
+            if named.contains(&(rid, page)) {
+                kept += 1;
+                continue;
+            }
+            let unkeyed = self.keys.at(rid, page * chunk).is_none()
+                && self
+                    .regions
+                    .get(rid)
+                    .is_some_and(|r| r.pages.is_allocated(page));
+            if !unkeyed {
+                continue;
+            }
+            self.free_unkeyed_page(rid, page, scope);
+            self.note_region_use(rid, now_ms);
+            freed += 1;
+        }
+        if let Some(j) = &mut self.journal {
+            j.held_freed += freed;
+        }
+        log::info!(
+            "recovery: session {session} of the last run holds {} page(s) without a key: \
+             {freed} page(s) found allocated without a key in its regions are freed (once no \
+             lease of the last run can cover them), {kept} stay its own",
+            held.len()
+        );
+        self.put_back_pages(now_ms);
     }
 
     /// Frees the page of key `key` (removed, or dropped with its region): at once
@@ -857,13 +1016,15 @@ impl MetaCore {
         if !in_doubt.is_empty() {
             log::info!(
                 "recovery: {} page(s) are allocated without a key (reserved for their session, \
-                 or their publish was lost): not handed out again until their session frees \
-                 them or its region goes",
+                 or their publish was lost): not handed out again until their session's worker \
+                 says which pages it holds (the others are freed), frees them, or its region \
+                 goes",
                 in_doubt.len()
             );
         }
         if let Some(j) = &mut core.journal {
             j.in_doubt = in_doubt;
+            j.unreported = core.sessions.iter().map(|s| s.id).collect();
             j.recovered = Some(OldLeases {
                 last_key: core.keys.last_id(),
                 until_ms: now_ms.saturating_add(lease_ms),

@@ -401,6 +401,7 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
             regions: a_regions.clone(),
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");

@@ -441,6 +441,7 @@ impl World {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(h)) => h,
@@ -616,6 +617,7 @@ impl World {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         };
         match self.req(client, req) {
             Ok(MetaReply::Heartbeat(_)) => {}

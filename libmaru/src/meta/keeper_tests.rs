@@ -456,6 +456,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");
@@ -470,6 +471,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
             regions: vec![r1, r1],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");

@@ -71,7 +71,9 @@ pub use self::config::{
     heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
 pub use self::core::{Action, Caller, MetaCore, Ticket};
-pub use self::durable::{Recovered, ReplyTiming, LEASE_RUN_SHIFT, RESERVE_BLOCK};
+pub use self::durable::{
+    Recovered, ReplyTiming, LEASE_RUN_SHIFT, RATE_WINDOW_MS, RESERVE_BLOCK, RESERVE_MAX_BLOCKS,
+};
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
 pub use ports::{AgentPort, PoolSizes, PortError, RmPort};

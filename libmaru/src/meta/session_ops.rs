@@ -11,8 +11,8 @@ use super::regions::{Holder, Region};
 use super::sessions::EndReason;
 use super::tenants::Access;
 use crate::wire::meta::{
-    Backend, HeartbeatReply, HeldLease, MetaReply, RegionGrant, ReturnReply, SkipCounts,
-    MAX_NAME_LEN,
+    Backend, HeartbeatReply, HeldLease, MetaReply, PageRef, RegionGrant, ReturnReply, SkipCounts,
+    MAX_HELD_PAGES, MAX_NAME_LEN,
 };
 use crate::wire::WireError;
 use std::collections::BTreeMap;
@@ -36,6 +36,7 @@ pub(super) struct Beat<'a> {
     pub regions: &'a [u64],
     pub leases: Option<&'a [HeldLease]>,
     pub skipped: Option<SkipCounts>,
+    pub held_pages: Option<&'a [PageRef]>,
 }
 
 impl MetaCore {
@@ -246,10 +247,19 @@ impl MetaCore {
             regions,
             leases,
             skipped,
+            held_pages,
         } = *beat;
         check_batch("boot ids", boot_ids.len())?;
         check_batch("regions", regions.len())?;
         check_batch("leases", leases.map_or(0, <[HeldLease]>::len))?;
+        let held_count = held_pages.map_or(0, <[PageRef]>::len);
+        if held_count > MAX_HELD_PAGES {
+            return Err(bad_request(format!(
+                "held_pages names {held_count} pages, more than {MAX_HELD_PAGES}: a worker \
+                 holding more does not report (its pages found allocated without a key stay \
+                 its session's until their region goes); nothing was done"
+            )));
+        }
         for (rid, boot) in boot_ids {
             if boot.is_empty() || boot.len() > MAX_NAME_LEN {
                 return Err(bad_request(format!(
@@ -261,6 +271,9 @@ impl MetaCore {
         let id = self.session(client_id, session, now_ms)?;
         if let Some(held) = leases {
             self.leases_held(id, held, now_ms);
+        }
+        if let Some(held) = held_pages {
+            self.pages_held(id, held, now_ms);
         }
         if let Some(counts) = skipped {
             self.sessions.note_skipped(id, counts);
@@ -314,6 +327,7 @@ impl MetaCore {
             rebooted_regions,
             expires_in_ms,
             give_back,
+            held_pages_wanted: self.wants_held_pages(id),
         }))
     }
 

@@ -88,6 +88,9 @@ impl MetaCore {
         for s in self.sessions.iter() {
             t.skipped.add(&self.sessions.skipped(s.id));
         }
+        let (doubt, freed) = self.pages_in_doubt();
+        t.pages_in_doubt = doubt as u64;
+        t.pages_in_doubt_freed = freed;
         t.kept_keys = self
             .keeper
             .kept_ids()

@@ -88,6 +88,7 @@ impl MetaCore {
             if self.reply_timing() == ReplyTiming::AfterItsChanges {
                 self.set_reply_timing(ReplyTiming::Early);
             }
+            self.note_alloc(id, pages.len() as u64, now_ms);
             self.top_up_reserve(id, asked, &order);
         }
         let mut touched: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
@@ -234,10 +235,14 @@ impl MetaCore {
                     offset: e.offset,
                     length: e.length,
                 };
-                matches!(
+                let new = matches!(
                     self.keys.publish(scope, &e.key, loc, e.prev.as_deref()),
                     Published::New(_)
-                )
+                );
+                if new {
+                    self.page_keyed(e.region_id, e.offset / page_size);
+                }
+                new
             })
             .collect();
         // A lost publish is a lost key, never wrong bytes: the reply goes before its

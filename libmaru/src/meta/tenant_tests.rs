@@ -278,6 +278,7 @@ fn a_region_held_without_storing_goes_back_after_the_unused_limit() {
             regions: vec![],
             leases: None,
             skipped: None,
+            held_pages: None,
         },
     ) else {
         panic!("heartbeat");

@@ -41,6 +41,9 @@ pub const MAX_KEY_LEN: usize = 1024;
 pub const MAX_NAME_LEN: usize = 1024;
 /// Most leases one session may hold at a time.
 pub const LEASE_LIMIT: usize = 4096;
+/// Most pages a heartbeat's `held_pages` may name (a larger report is refused whole,
+/// `bad_request`; at most about 0.5 MiB of JSON, within a frame).
+pub const MAX_HELD_PAGES: usize = 2 * MAX_BATCH;
 
 /// Where a session's KV lives and how its worker reaches it.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -182,6 +185,16 @@ pub enum MetaRequest {
         /// each session for `stats` and `maru-usage`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         skipped: Option<SkipCounts>,
+        /// Every page maru-server handed this session that holds no key the worker
+        /// published and that the worker may still write or is writing (its spare
+        /// pages, pages of stores in progress, pages taken in place, pages of failed
+        /// writes kept out of use), at most [`MAX_HELD_PAGES`]; sent once, when a
+        /// heartbeat reply asks for it (`held_pages_wanted`), with no reply of the
+        /// last run that hands the worker pages still to come. A restarted
+        /// maru-server frees the session's other pages it found allocated without a
+        /// key. None: not a report (every other heartbeat, older workers).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        held_pages: Option<Vec<PageRef>>,
     },
     /// End the session. `drained`: the worker settled its WRITEs and leaves its
     /// regions to the region keeper (regions with keys stay readable, the others go
@@ -398,6 +411,15 @@ pub struct HeartbeatReply {
     /// session waits for a region.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub give_back: Vec<u64>,
+    /// maru-server restarted on its durable directory since this session was opened
+    /// and wants to hear which pages the worker holds without a key (`held_pages` in
+    /// a heartbeat): it then frees the others it found allocated without a key.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub held_pages_wanted: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -482,6 +504,13 @@ pub struct TotalStats {
     pub recovered_regions: u64,
     #[serde(default)]
     pub recovery_ms: u64,
+    /// Pages the last start found allocated without a key (a session's reserve, a
+    /// publish lost in the crash) and not yet freed, and those freed so far because
+    /// their session's report of the pages it holds (`held_pages`) did not name them.
+    #[serde(default)]
+    pub pages_in_doubt: u64,
+    #[serde(default)]
+    pub pages_in_doubt_freed: u64,
     /// Chunks skipped per reason, as the open sessions' workers last said, summed
     /// (saturating: the counts are the workers' word).
     #[serde(default)]
@@ -642,6 +671,7 @@ mod tests {
                 regions: vec![],
                 leases: None,
                 skipped: None,
+                held_pages: None,
             },
             MetaRequest::Heartbeat {
                 session: 2,
@@ -658,6 +688,10 @@ mod tests {
                     max_bytes: u64::MAX,
                     ..Default::default()
                 }),
+                held_pages: Some(vec![PageRef {
+                    region_id: u64::MAX,
+                    page: 0,
+                }]),
             },
             MetaRequest::Publish {
                 session: 2,
@@ -697,6 +731,9 @@ mod tests {
                  "backend":"cpu"}"#,
             br#"{"id":1,"op":"heartbeat","session":1,"boot_ids":{"x":"b"}}"#,
             br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"no_region":-1}}"#,
+            br#"{"id":1,"op":"heartbeat","session":1,"held_pages":[{"region_id":-1,"page":0}]}"#,
+            br#"{"id":1,"op":"heartbeat","session":1,"held_pages":[{"region_id":1}]}"#,
+            br#"{"id":1,"op":"heartbeat","session":1,"held_pages":7}"#,
             br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"max_bytes":1e30}}"#,
             br#"{"id":1,"op":"exists","session":1,"keys":"k"}"#,
             br#"[1,2]"#,

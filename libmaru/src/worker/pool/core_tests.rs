@@ -67,6 +67,7 @@ fn no_news() -> HeartbeatReply {
         rebooted_regions: vec![],
         expires_in_ms: 30_000,
         give_back: vec![],
+        held_pages_wanted: false,
     }
 }
 

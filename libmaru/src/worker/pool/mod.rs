@@ -15,6 +15,7 @@
 pub(crate) mod core;
 #[cfg(test)]
 mod core_tests;
+mod held;
 mod in_place;
 mod load;
 pub mod session;

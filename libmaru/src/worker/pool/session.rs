@@ -4,6 +4,7 @@
 //! link after the first presents the session's secret in its hello, and maru-server
 //! binds it to the same principal (see `SessionBinding` in maru-server).
 
+use super::held::{HeldPages, NoReport};
 use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, HeldLease, KeyInfo, LeaseGrant, MetaReply,
@@ -38,6 +39,9 @@ pub struct Session {
     /// forgotten once its release is sent, whatever the answer (nothing reads under
     /// it any more), or once it ran out.
     held: Mutex<HashMap<u64, (u64, u64, u64)>>,
+    /// The pages handed to the session that hold no key it published, and the gate
+    /// between the calls that change them and a report of them (see `held`).
+    unkeyed: HeldPages,
     pub id: u64,
     pub page_size: u64,
     pub handshake: HandshakeReply,
@@ -120,6 +124,7 @@ impl Session {
             }),
             freed: Condvar::new(),
             held: Mutex::new(HashMap::new()),
+            unkeyed: HeldPages::default(),
             id: s.session,
             page_size: s.page_size,
             handshake,
@@ -263,6 +268,9 @@ impl Session {
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
+        let guard = self
+            .unkeyed
+            .enter(by, &format!("alloc at maru-server {}", self.url))?;
         match self.call_by(
             &MetaRequest::Alloc {
                 session: self.id,
@@ -272,6 +280,8 @@ impl Session {
             by,
         )? {
             MetaReply::Pages(p) => {
+                guard.granted(&p.pages);
+                drop(guard);
                 self.note_asked(p.give_back);
                 if let Some(s) = p.share_regions {
                     self.share_regions.store(s.max(1), Ordering::Relaxed);
@@ -286,6 +296,11 @@ impl Session {
         if pages.is_empty() {
             return Ok(());
         }
+        let by = self.own_deadline();
+        let what = format!("free_pages at maru-server {}", self.url);
+        let guard = self.unkeyed.enter(by, &what)?;
+        // Not held from here, whatever the answer: the worker does not use them again.
+        guard.released(pages.iter().map(|p| (p.region_id, p.page)));
         let pages = pages
             .iter()
             .map(|p| PageRef {
@@ -293,10 +308,13 @@ impl Session {
                 page: p.page,
             })
             .collect();
-        self.call(&MetaRequest::FreePages {
-            session: self.id,
-            pages,
-        })
+        self.call_by(
+            &MetaRequest::FreePages {
+                session: self.id,
+                pages,
+            },
+            by,
+        )
         .map(|_| ())
     }
 
@@ -305,18 +323,42 @@ impl Session {
         entries: Vec<PublishEntry>,
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
-        match self.call_by(
+        let guard = self
+            .unkeyed
+            .enter(by, &format!("publish at maru-server {}", self.url))?;
+        let page_size = self.page_size.max(1);
+        let pages: Vec<(u64, u64)> = entries
+            .iter()
+            .map(|e| (e.region_id, e.offset / page_size))
+            .collect();
+        let r = self.call_by(
             &MetaRequest::Publish {
                 session: self.id,
                 entries,
             },
             by,
-        )? {
-            MetaReply::Published { is_new, give_back } => {
+        );
+        match r {
+            Ok(MetaReply::Published { is_new, give_back }) => {
+                // A key another session published first leaves its page held (the
+                // store keeps it for the next one).
+                guard.released(
+                    pages
+                        .iter()
+                        .zip(&is_new)
+                        .filter(|(_, &new)| new)
+                        .map(|(p, _)| *p),
+                );
+                drop(guard);
                 self.note_asked(give_back);
                 Ok(is_new)
             }
-            r => Err(unexpected("publish", r)),
+            Ok(r) => Err(unexpected("publish", r)),
+            Err(e) => {
+                // The keys may be published: the store keeps these pages out of use.
+                guard.released(pages);
+                Err(e)
+            }
         }
     }
 
@@ -451,7 +493,10 @@ impl Session {
             region_id,
             released,
         })? {
-            MetaReply::Returned(_) => Ok(()),
+            MetaReply::Returned(_) => {
+                self.unkeyed.region_gone(region_id);
+                Ok(())
+            }
             r => Err(unexpected("return_region", r)),
         }
     }
@@ -545,9 +590,18 @@ impl Session {
             regions,
             leases,
             skipped: Some(skipped),
+            held_pages: None,
         });
         match r {
-            Ok(MetaReply::Heartbeat(h)) => Ok(h),
+            Ok(MetaReply::Heartbeat(h)) => {
+                for &rid in &h.unknown_regions {
+                    self.unkeyed.region_gone(rid);
+                }
+                if h.held_pages_wanted {
+                    self.report_held();
+                }
+                Ok(h)
+            }
             Ok(r) => Err(unexpected("heartbeat", r)),
             Err(e @ WorkerError::Unavailable { .. }) => {
                 let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
@@ -560,6 +614,54 @@ impl Session {
                 }
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// maru-server restarted on its durable directory and asks which pages the
+    /// session holds without a key: tells it (a heartbeat with `held_pages`), once no
+    /// call that changes them is in flight (see `held`). A report not sent (calls in
+    /// flight past the session's call timeout, maru-server out of reach) is sent
+    /// again when the next heartbeat reply asks again.
+    fn report_held(&self) {
+        let by = self.own_deadline();
+        let r = self.unkeyed.report(by, |pages| {
+            let n = pages.len();
+            let r = self.call_by(
+                &MetaRequest::Heartbeat {
+                    session: self.id,
+                    boot_ids: BTreeMap::new(),
+                    regions: Vec::new(),
+                    leases: None,
+                    skipped: None,
+                    held_pages: Some(pages),
+                },
+                by,
+            );
+            (n, r)
+        });
+        match r {
+            Ok((n, Ok(_))) => log::info!(
+                "pool {}: told the restarted maru-server the {n} page(s) session {} holds without a key; it frees the others it found allocated without one",
+                self.url,
+                self.id
+            ),
+            Ok((_, Err(e))) => log::warn!(
+                "pool {}: the report of the pages session {} holds to the restarted maru-server failed ({e}); sent again when it asks again",
+                self.url,
+                self.id
+            ),
+            Err(NoReport::Busy) => {}
+            Err(NoReport::Timeout) => log::warn!(
+                "pool {}: the report of the pages session {} holds waited past the call timeout for calls in flight; sent again when maru-server asks again",
+                self.url,
+                self.id
+            ),
+            Err(NoReport::TooMany(n)) => log::warn!(
+                "pool {}: session {} holds {n} pages without a key, more than a report names ({}): not reported; the pages a restarted maru-server found allocated without a key stay the session's until their region goes",
+                self.url,
+                self.id,
+                crate::wire::meta::MAX_HELD_PAGES
+            ),
         }
     }
 

@@ -1,0 +1,295 @@
+//! The pages a session holds without a key, for the report a restarted maru-server
+//! asks for (`held_pages_wanted` on a heartbeat reply): it frees the other pages it
+//! found allocated without a key (a reserve block answered early, publishes lost in
+//! the crash), so a crash leaves no pages out of use until their region goes.
+//!
+//! What is held: every page an `alloc` reply handed the session, until the worker
+//! frees it (`free_pages` sent) or publishes a key into it (the publish answered
+//! `is_new`, or not answered at all: the worker then keeps the page out of use, and
+//! a page whose publish was lost in the crash is one the worker never writes
+//! again). Spare pages, pages of stores in progress, pages taken in place and pages
+//! of failed writes kept out of use are all in it.
+//!
+//! **The report is complete when it is sent.** A reply of the last run that hands
+//! the worker pages (an `alloc` answered just before the crash, read after the
+//! report) would name pages the report left out, and that maru-server freed and may
+//! hand out again: a page handed out twice. So calls that change what is held
+//! (`alloc`, `free_pages`, `publish`) each hold a [`CallGuard`] from before they are
+//! sent until their answer is noted here, and the report waits until none is in
+//! flight, takes the pages, and keeps new such calls waiting (each until its own
+//! deadline) until maru-server answered it. No lock is held across a round trip.
+
+use crate::wire::meta::{PageGrant, PageRef, MAX_HELD_PAGES};
+use crate::worker::clock::Deadline;
+use crate::worker::error::WorkerError;
+use std::collections::BTreeSet;
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+#[derive(Debug, Default)]
+struct State {
+    /// (region, page) handed out and not yet freed or published.
+    pages: BTreeSet<(u64, u64)>,
+    /// Calls in flight that change `pages`.
+    calls: usize,
+    /// A report is being made: no such call starts.
+    reporting: bool,
+}
+
+/// The pages held and the gate between the calls that change them and the report.
+#[derive(Debug, Default)]
+pub struct HeldPages {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// A call that changes what is held, in flight (see the module docs): what its
+/// answer did is noted through it; dropping it ends the call.
+pub struct CallGuard<'a> {
+    held: &'a HeldPages,
+}
+
+/// Why a report was not sent.
+#[derive(Debug)]
+pub enum NoReport {
+    /// Another report is being made.
+    Busy,
+    /// Calls in flight did not end by the deadline.
+    Timeout,
+    /// More pages are held than a report may name.
+    TooMany(usize),
+}
+
+impl HeldPages {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a call that changes what is held: waits (at most until `by`) while a
+    /// report is being made. `what`: the call and its server, for the error.
+    pub fn enter(&self, by: Deadline, what: &str) -> Result<CallGuard<'_>, WorkerError> {
+        let mut s = self.lock();
+        while s.reporting {
+            let left = by.left();
+            if left.is_zero() {
+                return Err(WorkerError::Timeout(format!(
+                    "{what}: waited until the request's deadline for the report of the pages \
+                     this session holds to a restarted maru-server"
+                )));
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        s.calls += 1;
+        Ok(CallGuard { held: self })
+    }
+
+    /// Whether a report is being made.
+    #[cfg(test)]
+    pub fn reporting(&self) -> bool {
+        self.lock().reporting
+    }
+
+    /// Pages held now.
+    #[cfg(test)]
+    pub fn count(&self) -> usize {
+        self.lock().pages.len()
+    }
+
+    /// The pages of a region the session no longer holds go (they went with it).
+    pub fn region_gone(&self, region: u64) {
+        self.lock().pages.retain(|&(r, _)| r != region);
+    }
+
+    /// Makes a report: waits (at most until `by`) until no call that changes what is
+    /// held is in flight, keeps new ones waiting, and hands the pages held to `send`
+    /// (the heartbeat that carries them); new calls go on once it returned.
+    pub fn report<T>(
+        &self,
+        by: Deadline,
+        send: impl FnOnce(Vec<PageRef>) -> T,
+    ) -> Result<T, NoReport> {
+        let pages = {
+            let mut s = self.lock();
+            if s.reporting {
+                return Err(NoReport::Busy);
+            }
+            if s.pages.len() > MAX_HELD_PAGES {
+                return Err(NoReport::TooMany(s.pages.len()));
+            }
+            s.reporting = true;
+            while s.calls > 0 {
+                let left = by.left();
+                if left.is_zero() {
+                    s.reporting = false;
+                    drop(s);
+                    self.changed.notify_all();
+                    return Err(NoReport::Timeout);
+                }
+                s = self
+                    .changed
+                    .wait_timeout(s, left)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0);
+            }
+            if s.pages.len() > MAX_HELD_PAGES {
+                s.reporting = false;
+                let n = s.pages.len();
+                drop(s);
+                self.changed.notify_all();
+                return Err(NoReport::TooMany(n));
+            }
+            s.pages
+                .iter()
+                .map(|&(region_id, page)| PageRef { region_id, page })
+                .collect()
+        };
+        let out = send(pages);
+        self.lock().reporting = false;
+        self.changed.notify_all();
+        Ok(out)
+    }
+}
+
+impl CallGuard<'_> {
+    /// An `alloc` reply handed these pages out.
+    pub fn granted(&self, pages: &[PageGrant]) {
+        let mut s = self.held.lock();
+        s.pages.extend(pages.iter().map(|p| (p.region_id, p.page)));
+    }
+
+    /// These pages are no longer held: freed (a `free_pages` about to be sent), or
+    /// holding a key the worker published (or may have: its answer never came).
+    pub fn released(&self, pages: impl IntoIterator<Item = (u64, u64)>) {
+        let mut s = self.held.lock();
+        for p in pages {
+            s.pages.remove(&p);
+        }
+    }
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        let mut s = self.held.lock();
+        s.calls = s.calls.saturating_sub(1);
+        drop(s);
+        self.held.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    fn page(region_id: u64, page: u64) -> PageGrant {
+        PageGrant {
+            region_id,
+            page,
+            offset: page << 20,
+            length: 1 << 20,
+        }
+    }
+
+    fn soon() -> Deadline {
+        Deadline::after(Duration::from_secs(5))
+    }
+
+    /// A store whose alloc is in flight when the report is asked for keeps its pages:
+    /// the report waits for the alloc's answer and names them, and a call started
+    /// while the report is being made waits for it.
+    #[test]
+    fn a_store_in_progress_across_the_report_keeps_its_pages() {
+        let held = HeldPages::default();
+        held.enter(soon(), "alloc")
+            .unwrap()
+            .granted(&[page(1, 0), page(1, 1)]);
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        std::thread::scope(|t| {
+            let held = &held;
+            let store = t.spawn(move || {
+                let g = held.enter(soon(), "alloc").unwrap();
+                entered_tx.send(()).unwrap();
+                // The old run's reply is read only after the report was asked for.
+                go_rx.recv().unwrap();
+                while !held.reporting() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                g.granted(&[page(1, 7)]);
+            });
+            entered_rx.recv().unwrap();
+            let reporter = t.spawn(move || {
+                held.report(soon(), |pages| {
+                    // While the report is out, a new call waits for it.
+                    let blocked = held.enter(Deadline::after(Duration::from_millis(30)), "alloc");
+                    assert!(blocked.is_err(), "a call must wait for the report");
+                    pages
+                })
+            });
+            go_tx.send(()).unwrap();
+            store.join().unwrap();
+            let pages = reporter.join().unwrap().unwrap();
+            let named: Vec<(u64, u64)> = pages.iter().map(|p| (p.region_id, p.page)).collect();
+            assert_eq!(named, vec![(1, 0), (1, 1), (1, 7)]);
+        });
+        // After the report, calls go on.
+        let g = held.enter(soon(), "free_pages").unwrap();
+        g.released([(1, 0)]);
+        drop(g);
+        assert_eq!(held.count(), 2);
+    }
+
+    #[test]
+    fn a_report_gives_up_while_a_call_stays_in_flight_and_calls_then_go_on() {
+        let held = HeldPages::default();
+        let g = held.enter(soon(), "alloc").unwrap();
+        let r = held.report(Deadline::after(Duration::from_millis(20)), |p| p.len());
+        assert!(matches!(r, Err(NoReport::Timeout)), "{r:?}");
+        // The gate opened again: another call starts at once.
+        drop(
+            held.enter(Deadline::after(Duration::ZERO), "alloc")
+                .unwrap(),
+        );
+        drop(g);
+        assert_eq!(held.report(soon(), |p| p.len()).unwrap(), 0);
+    }
+
+    #[test]
+    fn pages_freed_published_or_of_a_region_gone_are_not_named() {
+        let held = HeldPages::default();
+        let g = held.enter(soon(), "alloc").unwrap();
+        g.granted(&[page(1, 0), page(1, 1), page(2, 0), page(3, 4)]);
+        g.released([(1, 1)]);
+        drop(g);
+        held.region_gone(2);
+        let named = held.report(soon(), |p| p).unwrap();
+        assert_eq!(
+            named,
+            vec![
+                PageRef {
+                    region_id: 1,
+                    page: 0
+                },
+                PageRef {
+                    region_id: 3,
+                    page: 4
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn more_pages_than_a_report_may_name_are_not_reported() {
+        let held = HeldPages::default();
+        let g = held.enter(soon(), "alloc").unwrap();
+        let many: Vec<PageGrant> = (0..=MAX_HELD_PAGES as u64).map(|p| page(1, p)).collect();
+        g.granted(&many);
+        drop(g);
+        let r = held.report(soon(), |p| p.len());
+        assert!(matches!(r, Err(NoReport::TooMany(n)) if n == MAX_HELD_PAGES + 1));
+    }
+}
