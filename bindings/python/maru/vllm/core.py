@@ -1128,8 +1128,9 @@ class WorkerCore:
         return None
 
     def _load_through_slots(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """remote_cxl, a cache libmaru cannot address: the load slots in two halves; a half's chunks are copied into the
-        blocks while the other half's transfer runs, then it takes the next chunks."""
+        """remote_cxl, a cache libmaru cannot address: the load slots in two halves; a
+        half's chunks are copied into the blocks while the other half's transfer runs,
+        then it takes the next chunks."""
         keys = t.keys[self.rank]
         n = len(keys)
         try:
