@@ -757,12 +757,16 @@ maru_status_t maru_unpin_batch(const struct maru_handler_t *h,
  * Loads `n` chunks of one request and copies pieces of them straight into the
  * caller's memory: each `pieces[j]` is `len` bytes at `offset` of chunk
  * `keys[pieces[j].chunk]`, written to `dst` (a chunk may have any number of pieces,
- * in any order, none too). The leases of the chunks are taken, the pieces copied
+ * in any order, none too). The leases of the chunks are taken and the pieces copied
  * while they are held (on `cxl` from this host's mapping, on `remote_cxl` from the
- * handler's staging buffer after the transfer) and the leases given back, all inside
- * this call, each wait bounded by the handler's `timeout_ms`: one call where
- * `maru_views_acquire`, `maru_copy` and `maru_views_release` take three. Both
- * backends. `route_key`: as for `maru_load_batch` (NULL: the first key).
+ * handler's staging buffer after the transfer), inside this call, each wait bounded
+ * by the handler's `timeout_ms`: one call where `maru_views_acquire`, `maru_copy` and
+ * `maru_views_release` take three. The call returns once the bytes are copied: the
+ * leases are given back after it by the handler's `maru-release` thread (sent inline
+ * when 64 releases wait already), at the latest by `maru_handler_close`; one whose
+ * release fails expires at maru-server. Until then a key loaded stays leased (it
+ * cannot be removed or evicted meanwhile). Both backends. `route_key`: as for
+ * `maru_load_batch` (NULL: the first key).
  *
  * Every piece is checked before anything is loaded: a chunk index not below `n` or
  * an `offset + len` that overflows is `MARU_ERR_INVALID_ARGUMENT`, a NULL `dst` with

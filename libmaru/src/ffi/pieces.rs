@@ -76,12 +76,16 @@ unsafe fn copy_chunk(chunk: &[u8], pieces: &[Piece]) -> bool {
 /// Loads `n` chunks of one request and copies pieces of them straight into the
 /// caller's memory: each `pieces[j]` is `len` bytes at `offset` of chunk
 /// `keys[pieces[j].chunk]`, written to `dst` (a chunk may have any number of pieces,
-/// in any order, none too). The leases of the chunks are taken, the pieces copied
+/// in any order, none too). The leases of the chunks are taken and the pieces copied
 /// while they are held (on `cxl` from this host's mapping, on `remote_cxl` from the
-/// handler's staging buffer after the transfer) and the leases given back, all inside
-/// this call, each wait bounded by the handler's `timeout_ms`: one call where
-/// `maru_views_acquire`, `maru_copy` and `maru_views_release` take three. Both
-/// backends. `route_key`: as for `maru_load_batch` (NULL: the first key).
+/// handler's staging buffer after the transfer), inside this call, each wait bounded
+/// by the handler's `timeout_ms`: one call where `maru_views_acquire`, `maru_copy` and
+/// `maru_views_release` take three. The call returns once the bytes are copied: the
+/// leases are given back after it by the handler's `maru-release` thread (sent inline
+/// when 64 releases wait already), at the latest by `maru_handler_close`; one whose
+/// release fails expires at maru-server. Until then a key loaded stays leased (it
+/// cannot be removed or evicted meanwhile). Both backends. `route_key`: as for
+/// `maru_load_batch` (NULL: the first key).
 ///
 /// Every piece is checked before anything is loaded: a chunk index not below `n` or
 /// an `offset + len` that overflows is `MARU_ERR_INVALID_ARGUMENT`, a NULL `dst` with
@@ -119,16 +123,17 @@ pub unsafe extern "C" fn maru_load_pieces(
             ls.fill(0);
             fs.fill(false);
             let groups = by_chunk(ps, n)?;
-            call.handler().load_each(&ks, rk, &mut |i, bytes| {
-                let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i))
-                else {
-                    return;
-                };
-                *l = bytes.len();
-                // SAFETY: the caller's contract on every `dst`; the sources are checked
-                // against the chunk.
-                *f = unsafe { copy_chunk(bytes, g) };
-            })?;
+            call.handler()
+                .load_each_release_after(&ks, rk, &mut |i, bytes| {
+                    let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i))
+                    else {
+                        return;
+                    };
+                    *l = bytes.len();
+                    // SAFETY: the caller's contract on every `dst`; the sources are checked
+                    // against the chunk.
+                    *f = unsafe { copy_chunk(bytes, g) };
+                })?;
             Ok(())
         })
     })

@@ -958,15 +958,15 @@ class WorkerStats:
 class WorkerCore:
     """The worker side of one tensor-parallel rank.
 
-    Loads (synchronous, before the forward pass): on ``cxl`` (``in_place``) into a
-    cache in host memory (vLLM on CPU), one libmaru call per batch of chunks
-    (``load_pieces``) takes their leases, copies each chunk's pieces from the CXL
-    mapping straight into the engine's blocks and gives the leases back; into a cache
-    libmaru cannot address (a GPU's) each chunk is read in place (``acquire_spans``)
-    and copied into the blocks. On ``remote_cxl`` the load slots are cut in two
-    halves, so that one half's chunks are copied into the blocks while the other's
-    transfer runs (``load_pieces`` works there too, but in ``make demo-vllm`` some of
-    its loads took 200-700 ms where the slots take ~10 ms: not understood yet). Any
+    Loads (synchronous, before the forward pass): into a cache in host memory (vLLM on
+    CPU), on either backend, one libmaru call per batch of chunks (``load_pieces``)
+    takes their leases and copies each chunk's pieces straight into the engine's blocks
+    (on ``cxl`` from the CXL mapping, on ``remote_cxl`` from the staging buffer as each
+    window of the transfer lands); libmaru gives the leases back after the call. Into a
+    cache libmaru cannot address (a GPU's): on ``cxl`` each chunk is read in place
+    (``acquire_spans``) and copied into the blocks; on ``remote_cxl`` the load slots are
+    cut in two halves, so that one half's chunks are copied into the blocks while the
+    other's transfer runs. Any
     chunk that is not loaded whole (a miss, a short chunk, an error) marks its blocks
     and those of every later chunk of the request as failed (:meth:`take_load_errors`):
     vLLM recomputes them, never uses wrong KV.
@@ -1052,7 +1052,7 @@ class WorkerCore:
         if h is None:
             return 0
         try:
-            if self.in_place and self.kv.host_moves(t.blocks[0]) is not None:
+            if self.kv.host_moves(t.blocks[0]) is not None:
                 return self._load_pieces(h, t)
             return self._load_in_place(h, t) if self.in_place else self._load_through_slots(h, t)
         except MaruError as e:
@@ -1083,10 +1083,11 @@ class WorkerCore:
         return None if whole == len(found) else first + whole
 
     def _load_pieces(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """``cxl``, a cache in host memory: per batch of chunks one
-        ``load_pieces`` call, the leases taken, the chunks' pieces copied straight into
-        their blocks while held and the leases given back inside libmaru (the fixed
-        cost of a load: one call, not three and the Python between them)."""
+        """A cache in host memory, either backend: per batch of chunks one
+        ``load_pieces`` call, the leases taken and the chunks' pieces copied straight
+        into their blocks while held, inside libmaru, which gives the leases back after
+        the call (the fixed cost of a load: one call, not three and the Python between
+        them, and no wait for the release)."""
         keys = t.keys[self.rank]
         size = self.kv.chunk_bytes
         for i in range(0, len(keys), VIEW_BATCH):
@@ -1127,8 +1128,9 @@ class WorkerCore:
         return None
 
     def _load_through_slots(self, h: Any, t: ChunkTransfer) -> Optional[int]:
-        """remote_cxl: the load slots in two halves; a half's chunks are copied into the
-        blocks while the other half's transfer runs, then it takes the next chunks."""
+        """remote_cxl, a cache libmaru cannot address: the load slots in two halves; a
+        half's chunks are copied into the blocks while the other half's transfer runs,
+        then it takes the next chunks."""
         keys = t.keys[self.rank]
         n = len(keys)
         try:

@@ -1,7 +1,8 @@
 //! The handler an engine opens: configuration, the pools (one per maru-server URL),
-//! the shared staging buffer and transport, and two background threads: one
+//! the shared staging buffer and transport, and three background threads: one
 //! heartbeats sessions and reconnects pools that went away (their prefixes miss
-//! meanwhile), the other ticks the pools (probes of agents, the region lifecycle).
+//! meanwhile), one ticks the pools (probes of agents, the region lifecycle), one
+//! gives back the leases of loads that did not wait for their release (`releases`).
 //!
 //! A store reads top-down: [`Handler`] (the public calls, here) → `pools` (which pool)
 //! → `worker::pool` (pages, publish, leases) → `worker::movers` → the transport.
@@ -10,6 +11,7 @@ mod background;
 mod data_path;
 mod in_place;
 mod pools;
+mod releases;
 mod slot_ops;
 
 use super::config::{BackendKind, HandlerConfig};
@@ -87,12 +89,14 @@ struct Inner {
     /// The memory hook in force when the handler opened: its staging buffer and every
     /// CXL mapping it makes are registered with it.
     hook: crate::worker::MemoryHook,
+    /// Leases whose release waits for the `maru-release` thread (see `releases`).
+    releases: releases::Deferred<releases::Release>,
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
 pub struct Handler {
     inner: Arc<Inner>,
-    /// The heartbeat thread and the tick thread (see `background`).
+    /// The heartbeat, tick and release threads (see `background`, `releases`).
     background: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -142,6 +146,7 @@ impl Handler {
             ops: OpStats::default(),
             skips: Mutex::default(),
             hook: crate::worker::hook::memory_hook(),
+            releases: releases::Deferred::new(),
         });
         let mut failed = Vec::new();
         let mut opened = 0;
@@ -178,11 +183,15 @@ impl Handler {
             inner.set_up(i, false);
         }
         let mut background = Vec::new();
-        for (name, tick) in [("maru-handler", false), ("maru-tick", true)] {
+        for (name, job) in [("maru-handler", 0), ("maru-tick", 1), ("maru-release", 2)] {
             let bg = inner.clone();
             let spawned = std::thread::Builder::new()
                 .name(name.into())
-                .spawn(move || if tick { bg.ticks() } else { bg.heartbeats() });
+                .spawn(move || match job {
+                    0 => bg.heartbeats(),
+                    1 => bg.ticks(),
+                    _ => bg.releases(),
+                });
             match spawned {
                 Ok(h) => background.push(h),
                 Err(e) => {
@@ -289,7 +298,31 @@ impl Handler {
         route_key: Option<&str>,
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), WorkerError> {
-        self.timed("load", keys.len(), || self.inner.load(keys, route_key, f))
+        self.timed("load", keys.len(), || {
+            self.inner.load(keys, route_key, f, false)
+        })
+    }
+
+    /// As [`load_each`](Self::load_each), except that the call returns once `f` has
+    /// seen every chunk: the leases are given back afterwards by the handler's
+    /// `maru-release` thread (inline when its queue is full: see `releases`), at the
+    /// latest when the handler closes. For a caller that copies the bytes out inside
+    /// `f` and needs nothing of the release (`maru_load_pieces`); a key it loaded
+    /// stays leased, and so cannot be removed or evicted, until the release is sent.
+    pub fn load_each_release_after(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), WorkerError> {
+        self.timed("load", keys.len(), || {
+            self.inner.load(keys, route_key, f, true)
+        })
+    }
+
+    /// Releases queued for the `maru-release` thread now (tests, `stats`).
+    pub fn releases_queued(&self) -> usize {
+        self.inner.releases.len()
     }
 
     /// Loads the chunks of one request into new vectors (`None`: miss or failed read).
@@ -631,6 +664,9 @@ impl Handler {
             }
             self.inner.wake.1.notify_all();
         }
+        // The release thread sends what is queued, then ends (joined below, before
+        // the sessions close).
+        self.inner.releases.close();
         let threads = self
             .background
             .lock()

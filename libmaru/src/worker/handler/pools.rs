@@ -34,7 +34,7 @@ impl Inner {
         &self,
         route_key: &str,
         miss: T,
-        f: impl FnOnce(&StoragePool) -> Result<T, WorkerError>,
+        f: impl FnOnce(&Arc<StoragePool>) -> Result<T, WorkerError>,
     ) -> Result<T, WorkerError> {
         if self.stop.load(Ordering::SeqCst) {
             return Err(WorkerError::Closed);
@@ -228,26 +228,37 @@ impl Inner {
         keys: &[String],
         route_key: Option<&str>,
         sink: &mut crate::worker::movers::ReadSink<'_>,
+        release_after: bool,
     ) -> Result<(), WorkerError> {
         let Some(first) = keys.first() else {
             return Ok(());
         };
         let rk = route_key.unwrap_or(first);
         if self.cfg.backend == BackendKind::Cxl {
-            return self.load_in_place(keys, rk, sink);
+            return self.load_in_place(keys, rk, sink, release_after);
         }
-        self.with_pool(rk, (), |p| p.load(keys, sink))
+        if !release_after {
+            return self.with_pool(rk, (), |p| p.load(keys, sink, None));
+        }
+        self.with_pool(rk, (), |p| {
+            let mut held = Vec::new();
+            let by = Deadline::after(self.timeout());
+            let r = p.load(keys, sink, Some(&mut held));
+            self.release_later(p, held, by);
+            r
+        })
     }
 
     /// `cxl` loads: leases and views under the pool's lock, the copies out of the
     /// shared mapping without it (each view keeps its mapping alive, each lease its
-    /// page from reuse), the leases' release under the lock again. So threads sharing
-    /// a handler copy side by side.
+    /// page from reuse), the leases' release under the lock again (or after the call,
+    /// `release_after`: see `releases`). So threads sharing a handler copy side by side.
     pub(super) fn load_in_place(
         &self,
         keys: &[String],
         rk: &str,
         sink: &mut crate::worker::movers::ReadSink<'_>,
+        release_after: bool,
     ) -> Result<(), WorkerError> {
         // One deadline for the request's calls: the leases, and their release.
         let by = Deadline::after(self.timeout());
@@ -261,7 +272,11 @@ impl Inner {
         }
         if !leases.is_empty() {
             self.with_pool(rk, (), |p| {
-                p.release_leases_by(leases, by);
+                if release_after {
+                    self.release_later(p, leases, by);
+                } else {
+                    p.release_leases_by(leases, by);
+                }
                 Ok(())
             })?;
         }

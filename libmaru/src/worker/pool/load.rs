@@ -12,24 +12,36 @@ use crate::worker::staging::Slot;
 
 impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
-    /// during the call). Chunks not handed over missed or failed.
-    pub fn load(&self, keys: &[String], sink: &mut ReadSink<'_>) -> Result<(), WorkerError> {
+    /// during the call). Chunks not handed over missed or failed. `keep`: the leases'
+    /// ids go there for the caller to release, instead of being released here.
+    pub fn load(
+        &self,
+        keys: &[String],
+        sink: &mut ReadSink<'_>,
+        mut keep: Option<&mut Vec<u64>>,
+    ) -> Result<(), WorkerError> {
         let by = self.deadline();
         let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
-            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
-                p.read_each(
-                    grants,
-                    &mut |k, b| {
-                        hits += 1;
-                        bytes += b.len() as u64;
-                        sink(base + lease_ix[k], b)
-                    },
-                    by,
-                );
-            })?;
+            let keep = keep.as_deref_mut();
+            found += self.load_some(
+                &keys[base..end],
+                by,
+                keep,
+                &mut |lease_ix, grants, p, by| {
+                    p.read_each(
+                        grants,
+                        &mut |k, b| {
+                            hits += 1;
+                            bytes += b.len() as u64;
+                            sink(base + lease_ix[k], b)
+                        },
+                        by,
+                    );
+                },
+            )?;
             base = end;
         }
         self.count_loads(found, hits, bytes);
@@ -64,24 +76,29 @@ impl StoragePool {
             let end = (base + self.max_batch).min(keys.len());
             let part = &mut slots[base..end];
             let got = &mut out[base..end];
-            found += self.load_some(&keys[base..end], by, &mut |lease_ix, grants, p, by| {
-                let mut ls = Vec::with_capacity(grants.len());
-                let mut gs = Vec::with_capacity(grants.len());
-                let mut ix = Vec::with_capacity(grants.len());
-                for (k, &i) in lease_ix.iter().enumerate() {
-                    if let Some(s) = part[i].take() {
-                        ls.push(s);
-                        gs.push(grants[k].clone());
-                        ix.push(i);
+            found += self.load_some(
+                &keys[base..end],
+                by,
+                None,
+                &mut |lease_ix, grants, p, by| {
+                    let mut ls = Vec::with_capacity(grants.len());
+                    let mut gs = Vec::with_capacity(grants.len());
+                    let mut ix = Vec::with_capacity(grants.len());
+                    for (k, &i) in lease_ix.iter().enumerate() {
+                        if let Some(s) = part[i].take() {
+                            ls.push(s);
+                            gs.push(grants[k].clone());
+                            ix.push(i);
+                        }
                     }
-                }
-                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls, by)) {
-                    if o.ok {
-                        got[i] = Some(g.length as usize);
+                    for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls, by)) {
+                        if o.ok {
+                            got[i] = Some(g.length as usize);
+                        }
+                        part[i] = o.slot;
                     }
-                    part[i] = o.slot;
-                }
-            })?;
+                },
+            )?;
             base = end;
         }
         let hits = out.iter().filter(|o| o.is_some()).count() as u64;
@@ -98,11 +115,13 @@ impl StoragePool {
     }
 
     /// One batch: acquire leases → `read(found indices, their leases, pool)` → release
-    /// the leases. Counts misses; returns how many keys were found.
+    /// the leases (or hand their ids to `keep`). Counts misses; returns how many keys
+    /// were found.
     pub(super) fn load_some(
         &self,
         keys: &[String],
         by: Deadline,
+        keep: Option<&mut Vec<u64>>,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
         let leases = self.session.acquire_by(keys, by)?;
@@ -115,7 +134,11 @@ impl StoragePool {
                 c.stats.last_load_error = Some(e);
             }
         }
-        self.release_leases_by(grants.iter().map(|g| g.lease_id).collect(), by);
+        let ids = grants.iter().map(|g| g.lease_id);
+        match keep {
+            Some(k) => k.extend(ids),
+            None => self.release_leases_by(ids.collect(), by),
+        }
         // A reboot found by this read: every reader misses those keys from now on.
         self.report_boots()?;
         self.core.lock().stats.misses += (keys.len() - found.len()) as u64;
