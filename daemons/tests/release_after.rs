@@ -9,7 +9,7 @@ use maru::worker::Handler;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Stack};
+use support::{leases_of, wait_until, Stack};
 
 fn stack(remote: bool) -> Stack {
     let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
@@ -32,21 +32,6 @@ fn config(st: &Stack, backend: &str, engine: &str, server_url: &str) -> String {
         "store_slots": 16,
     })
     .to_string()
-}
-
-/// Leases the sessions of `engine` hold at maru-server now.
-fn leases_of(server: &str, engine: &str) -> u64 {
-    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
-    let mut c = connect(server, META, "observer");
-    match c.call(&MetaRequest::Stats { session: None }).unwrap() {
-        MetaReply::Stats(s) => s
-            .sessions
-            .iter()
-            .filter(|s| s.engine_id == engine)
-            .map(|s| s.leases)
-            .sum(),
-        r => panic!("{r:?}"),
-    }
 }
 
 /// Loads `keys` as `maru_load_pieces` does; each chunk's bytes, and how long it took.

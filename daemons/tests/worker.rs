@@ -8,7 +8,7 @@ use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::worker::Handler;
 use sha2::{Digest, Sha256};
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Daemon, Stack, AGENT_BIN, RM_BIN, SERVER_BIN};
+use support::{connect, leases_of, wait_until, Daemon, Stack, AGENT_BIN, RM_BIN, SERVER_BIN};
 
 fn stack(remote: bool, extra_server: &[&str]) -> Stack {
     let mut args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
@@ -787,21 +787,6 @@ fn after_maru_server_restarts_the_lost_sessions_regions_are_released_at_theirage
     );
     assert_eq!(h.load("after", Some("r")).unwrap(), Some(chunk(2)));
     h.close().unwrap();
-}
-
-/// Leases the sessions of `engine` hold at maru-server now.
-fn leases_of(server: &str, engine: &str) -> u64 {
-    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
-    let mut c = connect(server, META, "observer");
-    match c.call(&MetaRequest::Stats { session: None }).unwrap() {
-        MetaReply::Stats(s) => s
-            .sessions
-            .iter()
-            .filter(|s| s.engine_id == engine)
-            .map(|s| s.leases)
-            .sum(),
-        r => panic!("{r:?}"),
-    }
 }
 
 /// cxl readers see the chunks in place: a view is this host's mapping of the owner's

@@ -282,6 +282,21 @@ pub fn connect(addr: &str, service: &'static str, client_id: &str) -> Client {
     Client::connect(addr, &o).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
 }
 
+/// Leases the sessions of `engine` hold at maru-server now.
+pub fn leases_of(server: &str, engine: &str) -> u64 {
+    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
+    let mut c = connect(server, META, "observer");
+    match c.call(&MetaRequest::Stats { session: None }).unwrap() {
+        MetaReply::Stats(s) => s
+            .sessions
+            .iter()
+            .filter(|s| s.engine_id == engine)
+            .map(|s| s.leases)
+            .sum(),
+        r => panic!("{r:?}"),
+    }
+}
+
 /// Polls `f` every 20 ms until it is true, for at most `limit`.
 pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
