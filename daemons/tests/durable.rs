@@ -23,13 +23,19 @@ use support::{wait_until, Stack};
 const CHUNK: usize = 16 << 10;
 
 fn server_args(state: &std::path::Path) -> Vec<String> {
+    server_args_timeout(state, "20")
+}
+
+/// As [`server_args`], with sessions timing out after `session_timeout_s` (workers
+/// heartbeat every third of it).
+fn server_args_timeout(state: &std::path::Path, session_timeout_s: &str) -> Vec<String> {
     [
         "--region-size",
         "4M",
         "--chunk-size",
         "16K",
         "--session-timeout-s",
-        "20",
+        session_timeout_s,
         "--state-dir",
         &state.display().to_string(),
     ]
@@ -415,13 +421,8 @@ fn keys_of_a_memory_node_that_rebooted_while_maru_server_was_down_are_dropped_at
     let _ = env_logger::builder().is_test(true).try_init();
     let state = state_dir("reboot");
     let metrics = support::free_port();
-    let mut args = server_args(&state.0);
     // Heartbeats every second, so that the region's boot id is recorded soon.
-    let timeout = args
-        .iter()
-        .position(|a| a == "--session-timeout-s")
-        .unwrap();
-    args[timeout + 1] = "3".into();
+    let mut args = server_args_timeout(&state.0, "3");
     args.extend(["--metrics".into(), format!("127.0.0.1:{metrics}")]);
     let boot = |s: &support::Scratch| {
         let path = s.dir.join("boot_id");
@@ -621,13 +622,8 @@ fn a_full_pool_stores_again_within_seconds_of_a_restart_and_views_held_across_it
 {
     let _ = env_logger::builder().is_test(true).try_init();
     let state = state_dir("full");
-    let mut args = server_args(&state.0);
-    let timeout = args
-        .iter()
-        .position(|a| a == "--session-timeout-s")
-        .unwrap();
     // Heartbeats every 2 s.
-    args[timeout + 1] = "6".into();
+    let args = server_args_timeout(&state.0, "6");
     let mut st = support::stack("full", "32M", false, &args);
     let pool_chunks = 32 * 1024 * 1024 / CHUNK;
     let writer = Handler::open(&config(&st, "writer", "cxl")).unwrap();
@@ -943,13 +939,8 @@ fn server_totals(addr: &str) -> maru::wire::meta::TotalStats {
 fn pages_in_doubt_after_a_kill_come_back_once_the_workers_say_which_they_hold() {
     let _ = env_logger::builder().is_test(true).try_init();
     let state = state_dir("held");
-    let mut args = server_args(&state.0);
-    let timeout = args
-        .iter()
-        .position(|a| a == "--session-timeout-s")
-        .unwrap();
     // Heartbeats every second.
-    args[timeout + 1] = "3".into();
+    let args = server_args_timeout(&state.0, "3");
     let mut st = support::stack("held", "128M", true, &args);
     let stop = Arc::new(AtomicBool::new(false));
     let mut engines = Vec::new();
