@@ -5,6 +5,7 @@
 use crate::meta_store::{SecretOp, SecretRecord, StoreWriter};
 use crate::metrics::{op_of, result_of, Metrics, Refresh};
 use crate::tenants_file::TenantsFile;
+use maru::meta::records::Sealed;
 use maru::meta::{
     Action, AgentPort, Caller, MetaCore, PoolSizes, PortError, ReplyTiming, RmPort, Ticket,
     DEFAULT_TENANT,
@@ -666,7 +667,9 @@ impl SessionBinding {
             SecretRecord {
                 owner: bound.owner,
                 tenant: bound.tenant,
-            },
+                check: 0,
+            }
+            .sealed(),
         );
         Some((secret, keep))
     }
@@ -676,6 +679,22 @@ impl SessionBinding {
     pub fn close(&mut self, conn: ConnId) -> Option<String> {
         let b = self.conns.remove(&conn)?;
         (!self.conns.values().any(|q| q.owner == b.owner)).then_some(b.owner)
+    }
+
+    /// Forgets every secret of `tenant` (its key was removed or changed): no later
+    /// connection resumes what the old key opened. Returns what to remove from the
+    /// kept ones.
+    pub fn forget_tenant(&mut self, tenant: &str) -> Vec<SecretOp> {
+        let gone: Vec<String> = self
+            .secrets
+            .iter()
+            .filter(|(_, b)| b.tenant == tenant)
+            .map(|(h, _)| h.clone())
+            .collect();
+        for h in &gone {
+            self.secrets.remove(h);
+        }
+        gone.into_iter().map(SecretOp::Delete).collect()
     }
 
     /// Forgets secrets whose owner has no live session (at most every few seconds);
@@ -716,6 +735,8 @@ pub struct Recovery {
     /// Keys dropped after the store was read: regions the RM no longer held, memory
     /// nodes that rebooted, records that no longer fit.
     pub dropped_keys: u64,
+    /// Records that failed their own check or did not decode (dropped, never served).
+    pub unverified: u64,
     /// From opening the state directory to serving.
     pub took_ms: u64,
 }
@@ -1266,12 +1287,24 @@ impl Service for MetaService {
             Stopping::No => {}
         }
         if let Some(f) = &mut self.tenants_file {
-            if let Some(tenants) = f.reload_if_changed(now_ms) {
-                let ended = self.core.set_tenants(tenants, now_ms);
+            if let Some(r) = f.reload_if_changed(now_ms) {
+                // What a removed or changed key opened ends with it (the loop closes
+                // its connections after this tick).
+                let mut ended = 0;
+                for tenant in &r.rekeyed {
+                    ended += self.core.end_tenant_sessions(tenant, now_ms);
+                    let forgot = self.binding.forget_tenant(tenant);
+                    if let Some(d) = &mut self.durable {
+                        d.secrets.extend(forgot);
+                    }
+                }
+                ended += self.core.set_tenants(r.tenants, now_ms);
                 log::info!(
-                    "tenants of {} in force: {:?}; {ended} session(s) ended",
+                    "tenants of {} in force: {:?}; keys removed or changed: {:?}; {ended} \
+                     session(s) ended",
                     f.path().display(),
-                    self.core.tenants().names().collect::<Vec<_>>()
+                    self.core.tenants().names().collect::<Vec<_>>(),
+                    r.rekeyed
                 );
             }
         }

@@ -11,10 +11,10 @@
 
 use maru::meta::records::{
     decode_json, decode_key, encode_json, encode_key, Changes, Image, Record, RegionRecord,
-    ScopeRecord, SessionRecord, FORMAT,
+    ScopeRecord, Sealed, SessionRecord, FORMAT,
 };
 use redb::{Database, ReadableTable, TableDefinition};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -40,11 +40,21 @@ pub const LOCK_FILE: &str = "lock";
 /// The store's page cache: a recovery reads every key once.
 const CACHE_BYTES: usize = 64 << 20;
 
-/// A session secret kept across restarts (its hash only).
+/// A session secret kept across restarts (its hash only), with a check of its fields
+/// ([`Sealed`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SecretRecord {
     pub owner: String,
     pub tenant: String,
+    #[serde(default)]
+    pub check: u64,
+}
+
+impl Sealed for SecretRecord {
+    const LABEL: &'static [u8] = b"maru-secret-record";
+    fn check_mut(&mut self) -> &mut u64 {
+        &mut self.check
+    }
 }
 
 /// A change to the kept session secrets.
@@ -69,6 +79,9 @@ pub struct Loaded {
     pub lease_timeout_settles: Option<(Duration, u64)>,
     /// How long reading the directory took.
     pub read: Duration,
+    /// Records that did not decode or whose check failed here (secrets): dropped
+    /// and logged, never served (the core checks the others' at restore).
+    pub dropped: u64,
 }
 
 /// An open state directory.
@@ -83,12 +96,136 @@ fn err(path: &Path, what: &str, e: impl std::fmt::Display) -> String {
     format!("{} ({what}): {e}", path.display())
 }
 
+/// Opens the state directory `dir`, made 0700 if missing, without following a
+/// symbolic link, and checks it: a directory of this user (or root) that neither
+/// group nor others may access. Its files are opened relative to it.
+fn open_state_dir(dir: &Path) -> Result<OwnedFd, String> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::DirBuilderExt;
+    let what = |e: String| format!("state directory {}: {e}", dir.display());
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| what(e.to_string()))?;
+        }
+        Err(e) => return Err(what(e.to_string())),
+        Ok(_) => {}
+    }
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| what("a NUL byte in the path".into()))?;
+    // SAFETY: a NUL-terminated path; the descriptor returned is owned below.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(what(if e.raw_os_error() == Some(libc::ELOOP) {
+            "is a symbolic link: give --state-dir the real directory".into()
+        } else {
+            format!("{e} (it must be a directory, not a symbolic link)")
+        }));
+    }
+    // SAFETY: fd is a descriptor just opened and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let m = fstat(&fd).map_err(|e| what(e.to_string()))?;
+    if let Some(me) = maru::auth::keyfile::foreign_owner(m.st_uid) {
+        return Err(what(format!(
+            "owned by uid {}, not by this user (uid {me}) or root: use a directory of your own",
+            m.st_uid
+        )));
+    }
+    if m.st_mode & 0o077 != 0 {
+        return Err(what(format!(
+            "mode {:o}: group or others may access it; run `chmod 700 {}`",
+            m.st_mode & 0o7777,
+            dir.display()
+        )));
+    }
+    Ok(fd)
+}
+
+fn fstat(fd: &OwnedFd) -> std::io::Result<libc::stat> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open; st is a valid out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// Opens (or makes, 0600) the file `name` of the state directory `dir` without
+/// following a symbolic link: a regular file of this user (or root) that neither
+/// group nor others may access.
+fn open_private_file(dir: &OwnedFd, name: &str, path: &Path) -> Result<std::fs::File, String> {
+    let c = std::ffi::CString::new(name).map_err(|_| err(path, "open", "a NUL byte"))?;
+    // SAFETY: dir is an open directory descriptor and c a NUL-terminated name.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_RDWR | libc::O_CREAT | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.raw_os_error() == Some(libc::ELOOP) {
+            err(
+                path,
+                "open",
+                "a symbolic link, which maru-server does not follow in its state directory: \
+                 remove it",
+            )
+        } else {
+            err(path, "open", e)
+        });
+    }
+    // SAFETY: fd is a descriptor just opened and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let m = fstat(&fd).map_err(|e| err(path, "stat", e))?;
+    if m.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(err(path, "open", "not a regular file: remove it"));
+    }
+    if let Some(me) = maru::auth::keyfile::foreign_owner(m.st_uid) {
+        return Err(err(
+            path,
+            "open",
+            format!(
+                "owned by uid {}, not by this user (uid {me}) or root; run `chown {me} {}`",
+                m.st_uid,
+                path.display()
+            ),
+        ));
+    }
+    if m.st_mode & 0o077 != 0 {
+        return Err(err(
+            path,
+            "open",
+            format!(
+                "mode {:o}: group or others may access it; run `chmod 600 {}`",
+                m.st_mode & 0o7777,
+                path.display()
+            ),
+        ));
+    }
+    Ok(std::fs::File::from(fd))
+}
+
 impl MetaStore {
-    /// Opens (or makes) the state directory `dir` (0700, refused when others can
-    /// write it), locks it against a second maru-server, and reads it. A record
-    /// that does not decode stops the start with an error naming the file, the table
-    /// and the record: the directory is not served half-read. A commit cut by a
-    /// crash is rolled back by the store to the last whole one.
+    /// Opens (or makes) the state directory `dir` (0700; refused when it is a
+    /// symbolic link, another user's, or group or others may access it), locks it
+    /// against a second maru-server, and reads it. Its files are opened without
+    /// following symbolic links and made 0600 (an existing one others may access is
+    /// refused). A record that does not decode is dropped and logged (a miss, never
+    /// served); the core checks each record's own check at restore. A commit cut by
+    /// a crash is rolled back by the store to the last whole one.
     ///
     /// `lease_timeout_ms` is this run's: recorded before anything is served (the
     /// longer of it and the last run's, while leases of the last run may run), so
@@ -99,15 +236,9 @@ impl MetaStore {
         lease_timeout_ms: u64,
     ) -> Result<(MetaStore, Loaded), String> {
         let started = Instant::now();
-        maru::rm::private_dir(dir)
-            .map_err(|e| format!("state directory {}: {e}", dir.display()))?;
+        let dir_fd = open_state_dir(dir)?;
         let lock_path = dir.join(LOCK_FILE);
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| err(&lock_path, "lock", e))?;
+        let lock = open_private_file(&dir_fd, LOCK_FILE, &lock_path)?;
         // SAFETY: flock on a file descriptor this function owns.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(format!(
@@ -117,10 +248,11 @@ impl MetaStore {
             ));
         }
         let path = dir.join(DIRECTORY_FILE);
+        let file = open_private_file(&dir_fd, DIRECTORY_FILE, &path)?;
         let db = std::panic::catch_unwind(|| {
             Database::builder()
                 .set_cache_size(CACHE_BYTES)
-                .create(&path)
+                .create_file(file)
         })
         .map_err(|_| {
             err(
@@ -142,7 +274,7 @@ impl MetaStore {
             _lock: lock,
         };
         let (instance, run, last_lease_ms) = store.start_run(new_instance, lease_timeout_ms)?;
-        let (mut image, secrets) = store.read_all()?;
+        let (mut image, secrets, dropped) = store.read_all()?;
         image.run = run;
         image.lease_timeout_ms = last_lease_ms;
         let lease_timeout_settles = (last_lease_ms > lease_timeout_ms)
@@ -156,6 +288,7 @@ impl MetaStore {
                 run,
                 lease_timeout_settles,
                 read: started.elapsed(),
+                dropped,
             },
         ))
     }
@@ -243,51 +376,68 @@ impl MetaStore {
         txn.commit().map_err(|e| err(p, "commit", e))
     }
 
-    fn read_all(&self) -> Result<(Image, Vec<(String, SecretRecord)>), String> {
+    /// Reads every table. A record that does not decode, or a secret whose check
+    /// fails, is dropped and logged (the core checks the other records' checks at
+    /// restore). Returns the image, the secrets and how many records were dropped.
+    fn read_all(&self) -> Result<(Image, Vec<(String, SecretRecord)>, u64), String> {
         let p = &self.path;
         let txn = self.db.begin_read().map_err(|e| err(p, "begin", e))?;
         let mut img = Image::default();
-        let bad = |table: &str, id: String, e: String| {
-            format!(
-                "{}: record {id} of table {table} does not decode ({e}); the directory is not \
-                 served half-read: move the file away to start with an empty directory",
+        let mut dropped = 0u64;
+        let mut bad = |table: &str, id: String, e: String| {
+            dropped += 1;
+            log::warn!(
+                "{}: record {id} of table {table} does not decode ({e}): dropped, never served",
                 p.display()
-            )
+            );
         };
         let t = txn.open_table(SCOPES).map_err(|e| err(p, "scopes", e))?;
         for item in t.iter().map_err(|e| err(p, "scopes", e))? {
             let (k, v) = item.map_err(|e| err(p, "scopes", e))?;
-            let s: ScopeRecord = decode_json("scope", v.value())
-                .map_err(|e| bad("scopes", k.value().to_string(), e.0))?;
-            img.scopes.push(s);
+            match decode_json::<ScopeRecord>("scope", v.value()) {
+                Ok(s) => img.scopes.push(s),
+                Err(e) => bad("scopes", k.value().to_string(), e.0),
+            }
         }
         let t = txn
             .open_table(SESSIONS)
             .map_err(|e| err(p, "sessions", e))?;
         for item in t.iter().map_err(|e| err(p, "sessions", e))? {
             let (k, v) = item.map_err(|e| err(p, "sessions", e))?;
-            let s: SessionRecord = decode_json("session", v.value())
-                .map_err(|e| bad("sessions", k.value().to_string(), e.0))?;
-            img.sessions.push(s);
+            match decode_json::<SessionRecord>("session", v.value()) {
+                Ok(s) => img.sessions.push(s),
+                Err(e) => bad("sessions", k.value().to_string(), e.0),
+            }
         }
         let t = txn.open_table(REGIONS).map_err(|e| err(p, "regions", e))?;
         for item in t.iter().map_err(|e| err(p, "regions", e))? {
             let (k, v) = item.map_err(|e| err(p, "regions", e))?;
-            let r: RegionRecord = decode_json("region", v.value())
-                .map_err(|e| bad("regions", k.value().to_string(), e.0))?;
-            img.regions.push(r);
+            match decode_json::<RegionRecord>("region", v.value()) {
+                // The table's key is the region id: a record naming another is not
+                // the one written there.
+                Ok(r) if r.handle.region_id == k.value() => img.regions.push(r),
+                Ok(r) => bad(
+                    "regions",
+                    k.value().to_string(),
+                    format!("it names region {}", r.handle.region_id),
+                ),
+                Err(e) => bad("regions", k.value().to_string(), e.0),
+            }
         }
         let used = txn.open_table(USED).map_err(|e| err(p, "used", e))?;
         let t = txn.open_table(KEYS).map_err(|e| err(p, "keys", e))?;
         for item in t.iter().map_err(|e| err(p, "keys", e))? {
             let (k, v) = item.map_err(|e| err(p, "keys", e))?;
             let id = k.value();
-            let mut rec =
-                decode_key(id, v.value()).map_err(|e| bad("keys", id.to_string(), e.0))?;
-            if let Some(u) = used.get(id).map_err(|e| err(p, "used", e))? {
-                rec.used = rec.used.max(u.value());
+            match decode_key(id, v.value()) {
+                Ok(mut rec) => {
+                    if let Some(u) = used.get(id).map_err(|e| err(p, "used", e))? {
+                        rec.used = rec.used.max(u.value());
+                    }
+                    img.keys.push(rec);
+                }
+                Err(e) => bad("keys", id.to_string(), e.0),
             }
-            img.keys.push(rec);
         }
         let meta = txn.open_table(META).map_err(|e| err(p, "meta", e))?;
         img.next_session = meta
@@ -299,11 +449,17 @@ impl MetaStore {
         let mut secrets = Vec::new();
         for item in t.iter().map_err(|e| err(p, "secrets", e))? {
             let (k, v) = item.map_err(|e| err(p, "secrets", e))?;
-            let s: SecretRecord = decode_json("secret", v.value())
-                .map_err(|e| bad("secrets", "(a secret's hash)".into(), e.0))?;
-            secrets.push((k.value().to_string(), s));
+            match decode_json::<SecretRecord>("secret", v.value()) {
+                Ok(s) if s.verify() => secrets.push((k.value().to_string(), s)),
+                Ok(_) => bad(
+                    "secrets",
+                    "(a secret's hash)".into(),
+                    "its check fails: changed on disk".into(),
+                ),
+                Err(e) => bad("secrets", "(a secret's hash)".into(), e.0),
+            }
         }
-        Ok((img, secrets))
+        Ok((img, secrets, dropped))
     }
 
     /// Applies jobs in one transaction and commits (durable when this returns Ok).
@@ -622,6 +778,7 @@ mod tests {
             length: 10,
             prev: None,
             used: id,
+            check: 0,
         }
     }
 
@@ -656,7 +813,9 @@ mod tests {
                 SecretRecord {
                     owner: "o".into(),
                     tenant: "t".into(),
-                },
+                    check: 0,
+                }
+                .sealed(),
             )],
         };
         store.commit(&[job]).unwrap();

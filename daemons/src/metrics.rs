@@ -188,6 +188,8 @@ impl Metrics {
         for (reason, v) in [
             ("cap", get(&n.refused_cap)),
             ("handshake_pending", get(&n.pushed_out)),
+            ("over_share", get(&n.pushed_out_over_share)),
+            ("key_revoked", get(&n.key_revoked)),
             ("handshake_timeout", get(&n.handshake_timeouts)),
             ("idle", get(&n.idle_closed)),
             ("protocol", get(&n.protocol_errors)),

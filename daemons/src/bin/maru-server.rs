@@ -296,6 +296,7 @@ fn recover(
         regions: stats.regions,
         sessions: rec.sessions,
         dropped_keys: rec.left_out + (dropped_rm + dropped_boots) as u64,
+        unverified: rec.unverified,
         took_ms: started.elapsed().as_millis() as u64,
     };
     (core, recovery)
@@ -459,6 +460,7 @@ fn main() {
             let (core, recovery) = recover(cfg, tenants, &clock, &mut rm, &agents, loaded.image);
             let recovery = Recovery {
                 took_ms: loaded.read.as_millis() as u64 + recovery.took_ms,
+                unverified: recovery.unverified + loaded.dropped,
                 ..recovery
             };
             let binding = SessionBinding::restored(loaded.run, loaded.secrets);
@@ -486,12 +488,14 @@ fn main() {
     let mut service = MetaService::new(core, rm, agents, server.replier());
     if let Some((store, binding, recovery, settle)) = durable {
         log::info!(
-            "recovered {} keys in {} regions and {} sessions in {} ms ({} keys dropped)",
+            "recovered {} keys in {} regions and {} sessions in {} ms ({} keys dropped; {} \
+             records failed their check or did not decode: never served)",
             recovery.keys,
             recovery.regions,
             recovery.sessions,
             recovery.took_ms,
-            recovery.dropped_keys
+            recovery.dropped_keys,
+            recovery.unverified
         );
         let waker = server.replier();
         let writer = StoreWriter::start(store, move || waker.wake(), settle);

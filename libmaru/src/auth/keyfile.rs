@@ -71,6 +71,12 @@ pub enum KeyFileError {
         path: PathBuf,
         mode: u32,
     },
+    /// The file belongs to another user than the daemon's (or root).
+    ForeignOwner {
+        path: PathBuf,
+        uid: u32,
+        me: u32,
+    },
     NotHex {
         path: PathBuf,
     },
@@ -91,6 +97,13 @@ impl fmt::Display for KeyFileError {
                 "key file {} has mode {:o}: group or others can access it; run `chmod 600 {}`",
                 path.display(),
                 mode & 0o777,
+                path.display()
+            ),
+            KeyFileError::ForeignOwner { path, uid, me } => write!(
+                f,
+                "key file {} is owned by uid {uid}, not by this daemon's user (uid {me}) or \
+                 root: another user could have written it; run `chown {me} {}`",
+                path.display(),
                 path.display()
             ),
             KeyFileError::NotHex { path } => write!(
@@ -132,13 +145,26 @@ pub fn parse_key_text(path: &Path, text: &str) -> Result<SharedKey, KeyFileError
     Ok(SharedKey(bytes))
 }
 
-/// Reads a key file, refusing one that group or others can access.
+/// Whether a file of owner `uid` may be trusted by this process: its own user's,
+/// or root's. Returns this process's user when not.
+pub fn foreign_owner(uid: u32) -> Option<u32> {
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    (uid != me && uid != 0).then_some(me)
+}
+
+/// Reads a key file, refusing one that group or others can access or that another
+/// user than this process's (or root) owns. The checks are on the file read (its
+/// open descriptor), not on its name.
 pub fn load_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
     let io = |err| KeyFileError::Io {
         path: path.to_path_buf(),
         err,
     };
-    let meta = std::fs::metadata(path).map_err(io)?;
+    let f = std::fs::File::open(path).map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
     let mode = meta.permissions().mode();
     if mode & 0o077 != 0 {
         return Err(KeyFileError::TooOpen {
@@ -146,7 +172,15 @@ pub fn load_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
             mode,
         });
     }
-    let text = std::fs::read_to_string(path).map_err(io)?;
+    if let Some(me) = foreign_owner(meta.uid()) {
+        return Err(KeyFileError::ForeignOwner {
+            path: path.to_path_buf(),
+            uid: meta.uid(),
+            me,
+        });
+    }
+    let mut text = String::new();
+    f.take(1 << 16).read_to_string(&mut text).map_err(io)?;
     parse_key_text(path, &text)
 }
 
@@ -230,6 +264,28 @@ mod tests {
             load_key_file(&p),
             Err(KeyFileError::TooOpen { .. })
         ));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn refuses_a_key_file_of_another_user() {
+        // Only root can give a file away; elsewhere the rule is checked on its own.
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(foreign_owner(me), None);
+        assert_eq!(foreign_owner(0), None, "root's files are trusted");
+        let other = if me == 65534 { 65533 } else { 65534 };
+        assert_eq!(foreign_owner(other), Some(me));
+        if me != 0 {
+            return;
+        }
+        let p = tmp("foreign");
+        write_new_key_file(&p, &SharedKey::generate().unwrap()).unwrap();
+        std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+        let e = load_key_file(&p).unwrap_err();
+        // root's own uid is 0, which is trusted; a root daemon refuses nobody's file.
+        assert!(matches!(e, KeyFileError::ForeignOwner { .. }), "{e}");
+        assert!(e.to_string().contains("chown"), "{e}");
         std::fs::remove_file(&p).unwrap();
     }
 

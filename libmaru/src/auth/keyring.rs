@@ -9,11 +9,18 @@
 //! fails the proof.
 //!
 //! A `Keyring` is a shared handle: the loop's handshakes read it, and the daemon may
-//! replace its entries (maru-server reloading its tenants file); connections that
-//! finished their handshake keep the principal they proved.
+//! replace its entries (maru-server reloading its tenants file). A replace counts a
+//! new [generation](Keyring::generation): the loop then closes every connection whose
+//! key is no longer [in force](Keyring::in_force) (a key removed or changed ends what
+//! it proved).
+//!
+//! Each name may also carry a limit on its connections ([`Keyring::connection_limit`]):
+//! the loop's share of `max_connections` for that key's connections.
 
 use super::SharedKey;
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 /// The name of the only key of a keyring made with [`Keyring::single`].
@@ -25,10 +32,18 @@ struct Entry {
     key: SharedKey,
 }
 
+#[derive(Default)]
+struct Ring {
+    entries: Vec<Entry>,
+    /// Connections a name may hold, where its configuration says.
+    limits: HashMap<String, usize>,
+}
+
 /// Named keys (see the module docs). Cloning shares the entries.
 #[derive(Clone)]
 pub struct Keyring {
-    entries: Arc<RwLock<Vec<Entry>>>,
+    ring: Arc<RwLock<Ring>>,
+    generation: Arc<AtomicU64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,48 +127,98 @@ impl Keyring {
     /// One key, named [`DEFAULT_KEY_NAME`].
     pub fn single(key: SharedKey) -> Keyring {
         let id = key.id();
+        Keyring::of(vec![Entry {
+            name: DEFAULT_KEY_NAME.to_string(),
+            id,
+            key,
+        }])
+    }
+
+    fn of(entries: Vec<Entry>) -> Keyring {
         Keyring {
-            entries: Arc::new(RwLock::new(vec![Entry {
-                name: DEFAULT_KEY_NAME.to_string(),
-                id,
-                key,
-            }])),
+            ring: Arc::new(RwLock::new(Ring {
+                entries,
+                limits: HashMap::new(),
+            })),
+            generation: Arc::new(AtomicU64::new(0)),
         }
     }
 
     /// Named keys; names and keys must be distinct.
     pub fn new(named: Vec<(String, SharedKey)>) -> Result<Keyring, KeyringError> {
-        Ok(Keyring {
-            entries: Arc::new(RwLock::new(build(named)?)),
-        })
+        Ok(Keyring::of(build(named)?))
     }
 
     /// Replaces the entries (for every holder of this handle). On an error the old
     /// entries stay.
     pub fn replace(&self, named: Vec<(String, SharedKey)>) -> Result<(), KeyringError> {
-        let new = build(named)?;
-        match self.entries.write() {
+        self.replace_limited(named, HashMap::new())
+    }
+
+    /// Replaces the entries and the connection limits of their names (see
+    /// [`connection_limit`](Self::connection_limit)). On an error the old ones stay.
+    pub fn replace_limited(
+        &self,
+        named: Vec<(String, SharedKey)>,
+        limits: HashMap<String, usize>,
+    ) -> Result<(), KeyringError> {
+        let entries = build(named)?;
+        let new = Ring { entries, limits };
+        match self.ring.write() {
             Ok(mut e) => *e = new,
             Err(poisoned) => *poisoned.into_inner() = new,
         }
+        self.generation.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Entry>> {
-        self.entries.read().unwrap_or_else(|p| p.into_inner())
+    /// Counts replaces: a holder that saw another generation looks again at which
+    /// keys are in force.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Whether the key of id `key_id` is still in the ring under `name` (a key
+    /// removed, or its name given another key, is not).
+    pub fn in_force(&self, name: &str, key_id: &str) -> bool {
+        self.read()
+            .entries
+            .iter()
+            .any(|e| e.name == name && crate::auth::ct_eq(e.id.as_bytes(), key_id.as_bytes()))
+    }
+
+    /// The connections the name's configuration allows it, if it says.
+    pub fn connection_limit(&self, name: &str) -> Option<usize> {
+        self.read().limits.get(name).copied()
+    }
+
+    /// The connection limits given, summed, and how many names have one.
+    pub fn connection_limits(&self) -> (usize, usize) {
+        let r = self.read();
+        let named = r
+            .limits
+            .keys()
+            .filter(|n| r.entries.iter().any(|e| &e.name == *n));
+        named.fold((0, 0), |(sum, n), name| {
+            (sum.saturating_add(r.limits[name]), n + 1)
+        })
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Ring> {
+        self.ring.read().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn len(&self) -> usize {
-        self.read().len()
+        self.read().entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.read().is_empty()
+        self.read().entries.is_empty()
     }
 
     /// The names, in order.
     pub fn names(&self) -> Vec<String> {
-        self.read().iter().map(|e| e.name.clone()).collect()
+        self.read().entries.iter().map(|e| e.name.clone()).collect()
     }
 
     /// The key a hello names by `key_id` (its name and the key). A one-key ring
@@ -161,7 +226,8 @@ impl Keyring {
     /// predate key ids): the proof then tells a client with another key, as it always
     /// did ("the peer does not hold the same key file").
     pub fn find(&self, key_id: Option<&str>) -> Result<(String, SharedKey), NoKey> {
-        let entries = self.read();
+        let ring = self.read();
+        let entries = &ring.entries;
         let found = match (key_id, entries.as_slice()) {
             (_, [only]) => only,
             (Some(id), _) => entries
@@ -238,5 +304,41 @@ mod tests {
         assert_eq!(shared.names(), ["t"], "every holder sees the new entries");
         assert!(ring.replace(vec![]).is_err());
         assert_eq!(shared.names(), ["t"]);
+    }
+
+    #[test]
+    fn a_replace_counts_a_generation_and_ends_keys_no_longer_in_force() {
+        let ring = Keyring::new(vec![("alpha".into(), key(1)), ("beta".into(), key(2))]).unwrap();
+        let g = ring.generation();
+        assert!(ring.in_force("beta", &key(2).id()));
+        assert!(
+            !ring.in_force("alpha", &key(2).id()),
+            "a key under another name"
+        );
+        // beta's key rotated, gamma added with a limit.
+        ring.replace_limited(
+            vec![
+                ("alpha".into(), key(1)),
+                ("beta".into(), key(3)),
+                ("gamma".into(), key(4)),
+            ],
+            HashMap::from([("gamma".to_string(), 7), ("nobody".to_string(), 9)]),
+        )
+        .unwrap();
+        assert!(ring.generation() > g);
+        assert!(ring.in_force("alpha", &key(1).id()));
+        assert!(!ring.in_force("beta", &key(2).id()), "the old key of beta");
+        assert!(ring.in_force("beta", &key(3).id()));
+        assert_eq!(ring.connection_limit("gamma"), Some(7));
+        assert_eq!(ring.connection_limit("alpha"), None);
+        assert_eq!(
+            ring.connection_limits(),
+            (7, 1),
+            "limits of names in the ring only"
+        );
+        // A failed replace changes nothing, generation included.
+        let g = ring.generation();
+        assert!(ring.replace(vec![]).is_err());
+        assert_eq!(ring.generation(), g);
     }
 }

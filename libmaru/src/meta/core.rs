@@ -150,6 +150,26 @@ impl MetaCore {
         stale.len()
     }
 
+    /// Ends every session of `tenant` (its key was removed or changed: what the old
+    /// key opened ends with it, so a tenant added back under the name starts with
+    /// nothing of the old one's). Returns how many ended.
+    pub fn end_tenant_sessions(&mut self, tenant: &str, now_ms: u64) -> usize {
+        let ids: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|s| s.tenant == tenant)
+            .map(|s| s.id)
+            .collect();
+        for id in &ids {
+            log::warn!(
+                "session {id} of tenant {tenant} ends: the key that opened it is no longer in \
+                 force (tenants reloaded)"
+            );
+            self.end_session(*id, EndReason::Closed, true, now_ms);
+        }
+        ids.len()
+    }
+
     /// Sessions open now (expired ones are gone).
     pub fn session_count(&self) -> usize {
         self.sessions.len()

@@ -49,7 +49,8 @@ use super::keys::{KeyDirectory, KeyId, Location, Published, Scope, ScopeId};
 use super::pages::PageAllocator;
 use super::ports::PortError;
 use super::records::{
-    Changes, HolderRecord, Image, KeyRecord, Record, RegionRecord, ScopeRecord, SessionRecord,
+    Changes, HolderRecord, Image, KeyRecord, Record, RegionRecord, ScopeRecord, Sealed,
+    SessionRecord,
 };
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::Session;
@@ -206,6 +207,9 @@ pub struct Recovered {
     /// Records left out (naming what they no longer fit: a missing region or scope,
     /// a page out of range); their records go with the next batch.
     pub left_out: u64,
+    /// Of those, records whose own check failed (a bit changed on disk) or whose
+    /// region overlaps another's: never served.
+    pub unverified: u64,
 }
 
 impl MetaCore {
@@ -337,12 +341,16 @@ impl MetaCore {
         let mut records = Vec::new();
         for id in kj.scopes {
             if let Some(s) = self.keys.scope(id) {
-                records.push(Record::Scope(ScopeRecord {
-                    id: KeyDirectory::scope_number(id),
-                    namespace: s.namespace.clone(),
-                    layout: s.layout.clone(),
-                    backend: s.backend,
-                }));
+                records.push(Record::Scope(
+                    ScopeRecord {
+                        id: KeyDirectory::scope_number(id),
+                        namespace: s.namespace.clone(),
+                        layout: s.layout.clone(),
+                        backend: s.backend,
+                        check: 0,
+                    }
+                    .sealed(),
+                ));
             }
         }
         for id in &sessions {
@@ -750,21 +758,32 @@ impl MetaCore {
             namespace: s.namespace.clone(),
             backend: s.backend,
             scope: KeyDirectory::scope_number(s.scope),
+            check: 0,
         }
+        .sealed()
     }
 
+    /// The record of key `id`, its check bound to its region's boot id.
     fn key_record(&self, id: KeyId) -> Option<KeyRecord> {
         let e = self.keys.get(id)?;
-        Some(KeyRecord {
-            id: id.get(),
-            scope: KeyDirectory::scope_number(e.scope),
-            name: e.name.clone(),
-            region_id: e.loc.region_id,
-            offset: e.loc.offset,
-            length: e.loc.length,
-            prev: e.prev.clone(),
-            used: e.used(),
-        })
+        let boot = self
+            .regions
+            .get(e.loc.region_id)
+            .and_then(|r| r.boot_id.as_deref());
+        Some(
+            KeyRecord {
+                id: id.get(),
+                scope: KeyDirectory::scope_number(e.scope),
+                name: e.name.clone(),
+                region_id: e.loc.region_id,
+                offset: e.loc.offset,
+                length: e.loc.length,
+                prev: e.prev.clone(),
+                used: e.used(),
+                check: 0,
+            }
+            .sealed(boot),
+        )
     }
 
     /// The whole directory as records (a store written from scratch, tests).
@@ -779,12 +798,16 @@ impl MetaCore {
         }
         for id in seen {
             if let Some(s) = self.keys.scope(id) {
-                scopes.push(ScopeRecord {
-                    id: KeyDirectory::scope_number(id),
-                    namespace: s.namespace.clone(),
-                    layout: s.layout.clone(),
-                    backend: s.backend,
-                });
+                scopes.push(
+                    ScopeRecord {
+                        id: KeyDirectory::scope_number(id),
+                        namespace: s.namespace.clone(),
+                        layout: s.layout.clone(),
+                        backend: s.backend,
+                        check: 0,
+                    }
+                    .sealed(),
+                );
             }
         }
         Image {
@@ -836,6 +859,16 @@ impl MetaCore {
         let mut out = Recovered::default();
         let mut sessions_left_out = false;
         for s in &image.scopes {
+            if !s.verify() {
+                log::warn!(
+                    "recovery: the record of scope {} fails its check (changed on disk): \
+                     dropped with its sessions and keys",
+                    s.id
+                );
+                out.left_out += 1;
+                out.unverified += 1;
+                continue;
+            }
             let scope = Scope {
                 namespace: s.namespace.clone(),
                 layout: s.layout.clone(),
@@ -847,6 +880,17 @@ impl MetaCore {
         }
         let mut next_session = image.next_session;
         for s in &image.sessions {
+            if !s.verify() {
+                log::warn!(
+                    "recovery: the record of session {} fails its check (changed on disk): \
+                     dropped",
+                    s.id
+                );
+                out.left_out += 1;
+                out.unverified += 1;
+                sessions_left_out = true;
+                continue;
+            }
             let Some(scope) = core.keys.restored_scope(s.scope) else {
                 log::warn!(
                     "recovery: session {} names scope {}, which is not recorded; left out",
@@ -879,8 +923,14 @@ impl MetaCore {
             out.sessions += 1;
         }
         core.sessions.restore_next(next_session);
+        let vouched = vouched_regions(&image);
         for g in &image.regions {
             let rid = g.handle.region_id;
+            if !vouched.contains(&rid) {
+                out.left_out += 1;
+                out.unverified += 1;
+                continue;
+            }
             let longest = core.cfg.region_size.max(MAX_RESTORED_REGION);
             if g.handle.length > longest
                 || g.pages != g.handle.length / chunk
@@ -922,6 +972,18 @@ impl MetaCore {
             out.regions += 1;
         }
         for k in &image.keys {
+            let boot = core.regions.get(k.region_id).map(|r| r.boot_id.as_deref());
+            if boot.is_some_and(|b| !k.verify(b)) {
+                log::warn!(
+                    "recovery: the record of key {} fails its check (changed on disk, or its \
+                     region's record did): dropped, never served",
+                    k.id
+                );
+                core.keys.note_gone(k.id);
+                out.left_out += 1;
+                out.unverified += 1;
+                continue;
+            }
             let fits = core
                 .regions
                 .get(k.region_id)
@@ -1204,5 +1266,61 @@ fn region_record(r: &Region) -> RegionRecord {
         boot_id: r.boot_id.clone(),
         pages: r.pages.pages(),
         allocated: r.pages.allocated_pages(),
+        check: 0,
     }
+    .sealed()
+}
+
+/// The regions of `image` that may be served: their check holds and their range
+/// of their pool overlaps no other's (two records of one range: at most one of them
+/// is right, and which one cannot be told, so neither is served). Logs each one
+/// dropped; returns the ids kept.
+fn vouched_regions(image: &Image) -> BTreeSet<u64> {
+    let mut ok: BTreeMap<u64, &RegionRecord> = BTreeMap::new();
+    for g in &image.regions {
+        if g.verify() {
+            ok.insert(g.handle.region_id, g);
+        } else {
+            log::warn!(
+                "recovery: the record of region {} fails its check (changed on disk): \
+                 dropped with its keys, never served",
+                g.handle.region_id
+            );
+        }
+    }
+    let mut by_pool: BTreeMap<u32, Vec<(u64, u64, u64)>> = BTreeMap::new();
+    for g in ok.values() {
+        let h = &g.handle;
+        by_pool.entry(g.pool.pool_id).or_default().push((
+            h.offset,
+            h.offset.saturating_add(h.length),
+            h.region_id,
+        ));
+    }
+    let mut overlapping = BTreeSet::new();
+    for ranges in by_pool.values_mut() {
+        ranges.sort_unstable();
+        // The furthest end so far, and whose.
+        let mut reach: Option<(u64, u64)> = None;
+        for &(start, end, rid) in ranges.iter() {
+            if let Some((far, who)) = reach {
+                if start < far {
+                    overlapping.insert(rid);
+                    overlapping.insert(who);
+                }
+            }
+            if reach.is_none_or(|(far, _)| end > far) {
+                reach = Some((end, rid));
+            }
+        }
+    }
+    for rid in &overlapping {
+        log::warn!(
+            "recovery: region {rid} is recorded over pages another region's record holds: \
+             dropped with its keys, never served"
+        );
+    }
+    ok.into_keys()
+        .filter(|r| !overlapping.contains(r))
+        .collect()
 }

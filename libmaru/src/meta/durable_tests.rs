@@ -182,6 +182,48 @@ fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
     assert_eq!(pages[0].offset, stored[0].offset);
 }
 
+/// The same rule when timers run between the removal and its commit: a tick (any
+/// deadline of the core) puts back only pages whose removal is durable, so the page
+/// of k0 is not handed out while a crash would still bring k0 back onto it.
+#[test]
+fn a_tick_between_a_removal_and_its_commit_does_not_hand_out_the_page() {
+    let mut w = durable(&[]);
+    let mut img = Image::default();
+    let (s, _) = w.open(W1);
+    w.alive.push((W1.to_string(), s));
+    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let stored = w.store(W1, s, &names);
+    persist(&mut w, &mut img);
+    let r = w.req(
+        W1,
+        MetaRequest::Remove {
+            session: s,
+            keys: strings(&["k0"]),
+        },
+    );
+    assert!(r.is_ok(), "{r:?}");
+    // Timers run (the removal's batch is taken but not yet durable: the commit is
+    // under way), well past every deadline of the core.
+    let pending = w.core.take_changes().expect("the removal's batch");
+    for _ in 0..3 {
+        w.advance(1_000);
+    }
+    let (pages, missing) = w.alloc(W1, s, 1);
+    assert_eq!(
+        (pages.len(), missing),
+        (0, 1),
+        "a tick before the commit must not hand out the page of k0"
+    );
+    // Once the commit is durable, the page comes back, with the next tick at the latest.
+    img.apply(&pending);
+    w.core.durable(pending.batch, w.now);
+    w.advance(1);
+    let (pages, missing) = w.alloc(W1, s, 1);
+    assert_eq!((pages.len(), missing), (1, 0));
+    assert_eq!(pages[0].offset, stored[0].offset);
+}
+
 #[test]
 fn pages_of_recovered_keys_wait_for_the_leases_of_the_last_run() {
     let mut w = durable(&[]);

@@ -12,17 +12,123 @@
 //! Keys are the bulk (one per stored chunk) and are encoded in a small binary form
 //! ([`encode_key`], [`decode_key`]); regions and sessions, a few hundred at most, as
 //! JSON. Decoding never panics: a record that does not decode is an error naming
-//! what is wrong, which the store turns into a start error naming the file and the
-//! record.
+//! what is wrong, which the store logs, dropping the record.
+//!
+//! **Every record carries a check of its own fields** (`check`: 64 bits of SHA-256
+//! over them; a key's also covers the boot id of its region, so a key never outlives
+//! the memory it was written in). A restore serves only records whose check holds:
+//! a bit flipped in a record on disk, after a clean stop or a crash, makes it a miss,
+//! never another key's bytes ([`Sealed`], [`key_check`]).
 
 use super::tenants::Access;
 use crate::wire::meta::Backend;
 use crate::wire::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use std::fmt;
 
-/// The format of the records; a store written by another format is refused.
-pub const FORMAT: u32 = 1;
+/// The format of the records; a store written by another format is refused. Format
+/// 2 added each record's check; a directory of format 1 is refused at start (move it
+/// away: the server starts empty and gives the regions it held back).
+pub const FORMAT: u32 = 2;
+
+/// 64 bits of SHA-256 over `label` and `parts`, each part preceded by its length.
+fn digest(label: &[u8], parts: &[&[u8]]) -> u64 {
+    let mut h = Sha256::new();
+    h.update(label);
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    let d = h.finalize();
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(b)
+}
+
+/// The check of key record `k` (every field but its use stamp, which changes on
+/// reads and only orders eviction), bound to `boot_id`, the boot id of its region's
+/// memory node when it was written.
+pub fn key_check(k: &KeyRecord, boot_id: Option<&str>) -> u64 {
+    let prev = k.prev.as_deref().map(str::as_bytes);
+    digest(
+        b"maru-key-record",
+        &[
+            &k.id.to_le_bytes(),
+            &k.scope.to_le_bytes(),
+            k.name.as_bytes(),
+            &k.region_id.to_le_bytes(),
+            &k.offset.to_le_bytes(),
+            &k.length.to_le_bytes(),
+            &[prev.is_some() as u8],
+            prev.unwrap_or_default(),
+            &[boot_id.is_some() as u8],
+            boot_id.unwrap_or_default().as_bytes(),
+        ],
+    )
+}
+
+impl KeyRecord {
+    /// The record with its check (see [`key_check`]).
+    pub fn sealed(mut self, boot_id: Option<&str>) -> KeyRecord {
+        self.check = key_check(&self, boot_id);
+        self
+    }
+
+    /// Whether its check holds for a region of boot id `boot_id`.
+    pub fn verify(&self, boot_id: Option<&str>) -> bool {
+        self.check == key_check(self, boot_id)
+    }
+}
+
+/// A JSON record with a check over its other fields: the digest of its JSON with
+/// the check at 0.
+pub trait Sealed: Serialize + Clone {
+    const LABEL: &'static [u8];
+    fn check_mut(&mut self) -> &mut u64;
+
+    /// Sets its check.
+    fn seal(&mut self) {
+        *self.check_mut() = 0;
+        let c = digest(Self::LABEL, &[&encode_json(self)]);
+        *self.check_mut() = c;
+    }
+
+    /// The record with its check set.
+    fn sealed(mut self) -> Self {
+        self.seal();
+        self
+    }
+
+    /// Whether its check holds.
+    fn verify(&self) -> bool {
+        let mut c = self.clone();
+        let had = *c.check_mut();
+        c.seal();
+        *c.check_mut() == had
+    }
+}
+
+impl Sealed for ScopeRecord {
+    const LABEL: &'static [u8] = b"maru-scope-record";
+    fn check_mut(&mut self) -> &mut u64 {
+        &mut self.check
+    }
+}
+
+impl Sealed for RegionRecord {
+    const LABEL: &'static [u8] = b"maru-region-record";
+    fn check_mut(&mut self) -> &mut u64 {
+        &mut self.check
+    }
+}
+
+impl Sealed for SessionRecord {
+    const LABEL: &'static [u8] = b"maru-session-record";
+    fn check_mut(&mut self) -> &mut u64 {
+        &mut self.check
+    }
+}
 
 /// A key of the directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +142,8 @@ pub struct KeyRecord {
     pub prev: Option<String>,
     /// Use stamp (eviction order: larger is more recent).
     pub used: u64,
+    /// See [`key_check`].
+    pub check: u64,
 }
 
 /// Which sessions share keys (see `keys::Scope`).
@@ -45,6 +153,9 @@ pub struct ScopeRecord {
     pub namespace: String,
     pub layout: String,
     pub backend: Backend,
+    /// See [`Sealed`].
+    #[serde(default)]
+    pub check: u64,
 }
 
 /// Who holds a region.
@@ -68,6 +179,9 @@ pub struct RegionRecord {
     pub boot_id: Option<String>,
     pub pages: u64,
     pub allocated: Vec<u64>,
+    /// See [`Sealed`].
+    #[serde(default)]
+    pub check: u64,
 }
 
 /// A live storage session.
@@ -83,6 +197,9 @@ pub struct SessionRecord {
     pub namespace: String,
     pub backend: Backend,
     pub scope: u32,
+    /// See [`Sealed`].
+    #[serde(default)]
+    pub check: u64,
 }
 
 impl SessionRecord {
@@ -189,7 +306,7 @@ impl std::error::Error for RecordError {}
 /// wire accepts (`MAX_KEY_LEN`).
 const MAX_NAME: usize = u16::MAX as usize;
 
-const KEY_VERSION: u8 = 1;
+const KEY_VERSION: u8 = 2;
 
 /// The key record's value (its id is the table's key).
 pub fn encode_key(k: &KeyRecord) -> Vec<u8> {
@@ -207,6 +324,7 @@ pub fn encode_key(k: &KeyRecord) -> Vec<u8> {
         }
         None => out.push(0),
     }
+    out.extend_from_slice(&k.check.to_le_bytes());
     out
 }
 
@@ -241,6 +359,7 @@ pub fn decode_key(id: u64, bytes: &[u8]) -> Result<KeyRecord, RecordError> {
             )))
         }
     };
+    let check = r.u64("check")?;
     if r.at != bytes.len() {
         return Err(RecordError(format!(
             "key {id}: {} bytes after the record",
@@ -256,6 +375,7 @@ pub fn decode_key(id: u64, bytes: &[u8]) -> Result<KeyRecord, RecordError> {
         length,
         prev,
         used,
+        check,
     })
 }
 
@@ -330,6 +450,7 @@ mod tests {
             length: 1000,
             prev: prev.map(str::to_string),
             used: 99,
+            check: 5,
         }
     }
 
@@ -354,8 +475,86 @@ mod tests {
             .0
             .contains("after the record"));
         let mut v2 = b.clone();
-        v2[0] = 2;
+        v2[0] = 1;
         assert!(decode_key(7, &v2).unwrap_err().0.contains("version"));
+    }
+
+    #[test]
+    fn a_check_binds_every_field_and_the_boot_id() {
+        let k = key("abc", Some("p")).sealed(Some("boot-1"));
+        assert!(k.verify(Some("boot-1")));
+        assert!(!k.verify(Some("boot-2")), "another boot of its region");
+        assert!(!k.verify(None));
+        let mut changed = vec![k.clone(); 7];
+        changed[0].id += 1;
+        changed[1].scope ^= 1;
+        changed[2].name.push('x');
+        changed[3].region_id ^= 1;
+        changed[4].offset ^= 1 << 20;
+        changed[5].length ^= 1;
+        changed[6].prev = None;
+        for c in changed {
+            assert!(!c.verify(Some("boot-1")), "{c:?}");
+        }
+        let mut stamp = k.clone();
+        stamp.used += 1;
+        assert!(stamp.verify(Some("boot-1")), "the use stamp is not checked");
+    }
+
+    fn region() -> RegionRecord {
+        RegionRecord {
+            handle: Handle {
+                region_id: 3,
+                offset: 4 << 20,
+                length: 4 << 20,
+                token: "t".into(),
+            },
+            pool: PoolInfo {
+                pool_id: 1,
+                path: "/dev/dax0.0".into(),
+                uuid: "u".into(),
+                kind: "cxl".into(),
+                total: 1 << 30,
+                free: 0,
+                align: 2 << 20,
+                draining: 0,
+            },
+            agent: Some("a:1".into()),
+            backend: Backend::Cxl,
+            holder: HolderRecord::Session(4),
+            boot_id: Some("b".into()),
+            pages: 4,
+            allocated: vec![0, 2],
+            check: 0,
+        }
+    }
+
+    proptest! {
+        /// A bit flipped anywhere in a sealed region record's JSON gives a record
+        /// that does not decode or whose check fails, never another region.
+        #[test]
+        fn a_flipped_bit_in_a_json_record_never_verifies(bit in 0usize..4096) {
+            let r = region().sealed();
+            prop_assert!(r.verify());
+            let mut b = encode_json(&r);
+            let bit = bit % (b.len() * 8);
+            b[bit / 8] ^= 1 << (bit % 8);
+            if let Ok(back) = decode_json::<RegionRecord>("region", &b) {
+                prop_assert!(back == r || !back.verify(), "{}", String::from_utf8_lossy(&b));
+            }
+        }
+
+        /// The same for key records, checked against their region's boot id.
+        #[test]
+        fn a_flipped_bit_in_a_key_record_never_verifies(bit in 0usize..4096) {
+            let k = key("model-x/chunk-0004", None).sealed(Some("boot"));
+            let mut b = encode_key(&k);
+            let bit = bit % (b.len() * 8);
+            b[bit / 8] ^= 1 << (bit % 8);
+            if let Ok(back) = decode_key(k.id, &b) {
+                prop_assert!(back.used != k.used || !back.verify(Some("boot")), "{back:?}");
+            }
+        }
     }
 
     proptest! {
@@ -371,7 +570,7 @@ mod tests {
         #[test]
         fn written_key_records_read_back(name in ".{0,40}", prev in proptest::option::of(".{0,40}"),
                                          region in any::<u64>(), used in any::<u64>()) {
-            let k = KeyRecord { id: 1, scope: 2, name, region_id: region, offset: 3, length: 4, prev, used };
+            let k = KeyRecord { id: 1, scope: 2, name, region_id: region, offset: 3, length: 4, prev, used, check: 9 };
             prop_assert_eq!(decode_key(1, &encode_key(&k)).unwrap(), k);
         }
     }

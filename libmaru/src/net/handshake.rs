@@ -29,12 +29,15 @@ pub enum Step {
     Send(Vec<u8>),
     /// Send these bytes; the client `client_id` is authenticated. `resume`: the
     /// session secret its hello carried, for the service to check. `key_name`: the
-    /// keyring's name of the key the client proved (None when the server has no key).
+    /// keyring's name of the key the client proved (None when the server has no key),
+    /// `key_id` that key's [id](crate::auth::SharedKey::id) (whether it is still in
+    /// force is asked by name and id).
     Ready {
         send: Vec<u8>,
         client_id: String,
         resume: Option<String>,
         key_name: Option<String>,
+        key_id: Option<String>,
     },
     /// Send this error frame and close.
     Fail(WireError),
@@ -126,6 +129,7 @@ impl ServerHandshake {
                     client_id,
                     resume,
                     key_name: Some(key_name),
+                    key_id: Some(key.id()),
                 }
             }
             State::Done => fail(ErrorCode::Protocol, "handshake already finished".into()),
@@ -193,6 +197,7 @@ impl ServerHandshake {
                 client_id: hello.client_id,
                 resume: hello.resume,
                 key_name: None,
+                key_id: None,
             },
             Some(keys) => {
                 let (key_name, key) = match keys.find(hello.key_id.as_deref()) {

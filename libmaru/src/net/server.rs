@@ -233,7 +233,11 @@ impl ServerOptions {
 
 enum Phase {
     Handshake(ServerHandshake),
-    Ready { client_id: String },
+    /// `key`: the keyring's name and id of the key it proved (None without keys).
+    Ready {
+        client_id: String,
+        key: Option<(String, String)>,
+    },
 }
 
 /// Why a connection that had not finished its handshake is closed, to be logged
@@ -293,6 +297,19 @@ impl Conn {
     fn has_work(&self, opts: &ServerOptions) -> bool {
         self.may_read(opts) && !self.waiting_room && (self.unread || self.decoder.frame_ready())
     }
+
+    /// Past its handshake with nothing under way: no request part read, no reply
+    /// owed or unsent. Such a connection of a tenant over its share of the
+    /// connections may be pushed out for a connection of one under its share.
+    fn idle(&self) -> bool {
+        !self.pending()
+            && !self.closing
+            && self.deferred == 0
+            && self.unsent() == 0
+            && self.decoder.buffered() == 0
+            && !self.waiting_room
+            && !self.unread
+    }
 }
 
 /// A class of connections ([`FairQueue`], [`FrameRoom`]): one per tenant.
@@ -323,6 +340,47 @@ impl Classes {
     }
 }
 
+/// The share of `total` connections of the key named `name` in `keys`: its own limit
+/// when its configuration gives one, else an even part of what the limits given leave
+/// (all of it for a daemon with one key, as before shares). At least one.
+fn connection_share(keys: &Keyring, name: &str, total: usize) -> usize {
+    if let Some(l) = keys.connection_limit(name) {
+        return l.max(1);
+    }
+    let (limited, named) = keys.connection_limits();
+    let rest = keys.len().saturating_sub(named).max(1);
+    (total.saturating_sub(limited) / rest).max(1)
+}
+
+/// Whom a new connection pushes out when every slot is taken and the handshakes
+/// are under their share: an idle connection of the tenant furthest over its share
+/// of the connections (the one silent longest), never one of a tenant within its
+/// share. `conns`: (class, key name, idle, last frame) of each connection past its
+/// handshake.
+fn over_share_victim<'a, T: Copy + 'a>(
+    keys: &Keyring,
+    total: usize,
+    conns: impl Iterator<Item = (T, Class, &'a str, bool, u64)>,
+) -> Option<T> {
+    // Per class: its count, its name, its idle connection silent longest.
+    let mut per: HashMap<Class, (usize, &'a str, Option<(u64, T)>)> = HashMap::new();
+    for (t, class, name, idle, last) in conns {
+        let e = per.entry(class).or_insert((0, name, None));
+        e.0 += 1;
+        if idle && e.2.is_none_or(|(l, _)| last < l) {
+            e.2 = Some((last, t));
+        }
+    }
+    per.into_values()
+        .filter_map(|(n, name, idle)| {
+            let over = n.checked_sub(connection_share(keys, name, total))?;
+            Some((over, idle?))
+        })
+        .filter(|(over, _)| *over > 0)
+        .max_by_key(|(over, (last, _))| (*over, std::cmp::Reverse(*last)))
+        .map(|(_, (_, t))| t)
+}
+
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const FIRST_CONN: usize = 2;
@@ -350,6 +408,9 @@ pub struct Server {
     /// Room for frames larger than [`SMALL_FRAME`] while they arrive.
     room: FrameRoom<Class, Token>,
     classes: Classes,
+    /// The keyring generation whose keys in force the open connections were checked
+    /// against.
+    keys_checked: u64,
     counters: Arc<NetCounters>,
     replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
     replier: Replier,
@@ -369,6 +430,11 @@ pub struct NetCounters {
     pub refused_cap: AtomicU64,
     /// Closed to make room: the oldest unfinished handshake when too many were pending.
     pub pushed_out: AtomicU64,
+    /// Closed to make room: an idle connection of a tenant over its share of the
+    /// connections, for a newcomer while the daemon was full.
+    pub pushed_out_over_share: AtomicU64,
+    /// Closed because the key they proved is no longer in force (removed or changed).
+    pub key_revoked: AtomicU64,
     /// Closed for not finishing the handshake in time.
     pub handshake_timeouts: AtomicU64,
     /// Closed after the idle timeout.
@@ -418,6 +484,7 @@ impl Server {
             .register(&mut listener, LISTENER, Interest::READABLE)?;
         let waker = std::sync::Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
         let (tx, replies) = std::sync::mpsc::channel();
+        let keys_checked = opts.keys.as_ref().map_or(0, Keyring::generation);
         let slots = Slots::new(
             opts.max_connections,
             &[StageLimits {
@@ -448,6 +515,7 @@ impl Server {
             queue: FairQueue::new(fair::DEFAULT_QUANTUM, fair::DEFAULT_TURN),
             room,
             classes: Classes::default(),
+            keys_checked,
             counters: Arc::default(),
             replies,
             replier: Replier { tx, waker },
@@ -531,6 +599,7 @@ impl Server {
             }
             self.deliver(service);
             self.expire(service, now);
+            self.close_revoked(service, now);
             throttled_log::emit(module_path!(), self.prelog.due(now));
         }
     }
@@ -562,6 +631,7 @@ impl Server {
                     let now = self.clock.now_ms();
                     let token = Token(self.next_token);
                     self.next_token += 1;
+                    self.make_room_over_share(service, peer, now);
                     let settled = self.conns.len() - self.slots.len();
                     match self.slots.admit(token, settled, now) {
                         Admit::Refused => {
@@ -816,7 +886,7 @@ impl Server {
             let _ = self.poll.registry().deregister(&mut c.stream);
             log::debug!("connection {} from {} closed", c.id, c.peer);
             self.slots.remove(tok);
-            if let Phase::Ready { client_id } = &c.phase {
+            if let Phase::Ready { client_id, .. } = &c.phase {
                 service.on_close(c.id, client_id, now);
             }
             if let Some(end) = c.pre_auth_end.take() {
@@ -827,6 +897,91 @@ impl Server {
                         .note(now, end.level, end.kind, &peer, || end.line),
                 );
             }
+        }
+    }
+
+    /// The daemon is full and the handshakes are under their share: a new connection
+    /// pushes out an idle connection of the tenant furthest over its share of the
+    /// connections (see [`over_share_victim`]), if there is one. A tenant within its
+    /// share never loses a connection to another's.
+    fn make_room_over_share<S: Service>(&mut self, service: &mut S, peer: SocketAddr, now: u64) {
+        let Some(keys) = &self.opts.keys else {
+            return;
+        };
+        if self.conns.len() < self.opts.max_connections
+            || self.slots.len() >= self.opts.pending_cap()
+        {
+            return;
+        }
+        let total = self.opts.max_connections;
+        let settled = self.conns.iter().filter_map(|(t, c)| match &c.phase {
+            Phase::Ready {
+                key: Some((name, _)),
+                ..
+            } => Some((*t, c.class, name.as_str(), c.idle(), c.last_frame_ms)),
+            _ => None,
+        });
+        let Some(victim) = over_share_victim(keys, total, settled) else {
+            return;
+        };
+        NetCounters::add(&self.counters.pushed_out_over_share, 1);
+        if let Some(c) = self.conns.get(&victim) {
+            if let Phase::Ready {
+                key: Some((name, _)),
+                ..
+            } = &c.phase
+            {
+                let share = connection_share(keys, name, total);
+                log::info!(
+                    "closing idle connection {} from {} of tenant {name} (over its share of                      {share} connections) to make room for {peer}: all {total} connections                      (--max-clients) are open",
+                    c.id,
+                    c.peer
+                );
+            }
+        }
+        self.drop_conn(service, victim, now);
+    }
+
+    /// After the keyring changed (a tenants file reloaded): closes every connection
+    /// whose key is no longer in force, removed or changed, telling its peer why.
+    fn close_revoked<S: Service>(&mut self, service: &mut S, now: u64) {
+        let Some(keys) = &self.opts.keys else {
+            return;
+        };
+        let generation = keys.generation();
+        if generation == self.keys_checked {
+            return;
+        }
+        self.keys_checked = generation;
+        let revoked: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| match &c.phase {
+                Phase::Ready {
+                    key: Some((name, id)),
+                    ..
+                } => !keys.in_force(name, id),
+                _ => false,
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        for t in revoked {
+            if let Some(c) = self.conns.get_mut(&t) {
+                NetCounters::add(&self.counters.key_revoked, 1);
+                log::warn!(
+                    "closing connection {} from {}: the key it proved is no longer in force \
+                     (removed or changed in the tenants file)",
+                    c.id,
+                    c.peer
+                );
+                c.out.extend(wire::error_frame(&WireError::new(
+                    ErrorCode::Auth,
+                    "the key this connection proved is no longer in force (removed or \
+                     changed): reconnect with the key the server holds now",
+                )));
+                let _ = flush(c, &self.counters);
+            }
+            self.drop_conn(service, t, now);
         }
     }
 
@@ -1058,6 +1213,7 @@ impl Turn<'_> {
                     client_id,
                     resume,
                     key_name,
+                    key_id,
                 } => {
                     conn.out.extend(send);
                     conn.decoder.set_max_body(self.opts.max_frame);
@@ -1069,11 +1225,14 @@ impl Turn<'_> {
                         resume.as_deref(),
                         self.now,
                     );
-                    conn.phase = Phase::Ready { client_id };
+                    conn.phase = Phase::Ready {
+                        client_id,
+                        key: key_name.zip(key_id),
+                    };
                 }
                 Step::Fail(e) => fail(conn, self.counters, e.code, e.message),
             },
-            Phase::Ready { client_id } if f.kind == FrameKind::Request => {
+            Phase::Ready { client_id, .. } if f.kind == FrameKind::Request => {
                 let reply = service.on_request(conn.id, client_id, &f.body, self.now);
                 if reply.is_empty() {
                     conn.deferred += 1;
@@ -1148,4 +1307,74 @@ fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: Strin
     conn.out
         .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
+}
+
+#[cfg(test)]
+mod share_tests {
+    use super::*;
+    use crate::auth::SharedKey;
+
+    fn ring(names: &[&str]) -> Keyring {
+        let named = names
+            .iter()
+            .map(|n| (n.to_string(), SharedKey::generate().unwrap()))
+            .collect();
+        Keyring::new(named).unwrap()
+    }
+
+    #[test]
+    fn a_single_key_daemon_has_all_connections_as_its_share() {
+        assert_eq!(
+            connection_share(
+                &Keyring::single(SharedKey::generate().unwrap()),
+                "default",
+                100
+            ),
+            100
+        );
+        let r = ring(&["a", "b", "c", "d"]);
+        assert_eq!(connection_share(&r, "a", 100), 25);
+    }
+
+    #[test]
+    fn the_victim_is_an_idle_connection_of_the_tenant_furthest_over_never_one_within() {
+        let r = ring(&["alpha", "beta", "gamma"]);
+        let (a, b, g) = (2u32, 3u32, 4u32);
+        // 30 connections, shares of 10: beta holds 16 (6 over), gamma 11 (1 over).
+        let mut conns: Vec<(usize, Class, &str, bool, u64)> = Vec::new();
+        for i in 0..3 {
+            conns.push((i, a, "alpha", true, 0));
+        }
+        for i in 0..16 {
+            conns.push((100 + i, b, "beta", true, 50 + i as u64));
+        }
+        for i in 0..11 {
+            conns.push((200 + i, g, "gamma", true, 0));
+        }
+        assert_eq!(
+            over_share_victim(&r, 30, conns.iter().copied()),
+            Some(100),
+            "beta's connection silent longest"
+        );
+        // Beta busy everywhere: gamma's idle one goes; alpha's never.
+        for c in conns.iter_mut().filter(|c| c.1 == b) {
+            c.3 = false;
+        }
+        assert_eq!(over_share_victim(&r, 30, conns.iter().copied()), Some(200));
+        // Nobody over its share: nobody is pushed out.
+        let within: Vec<_> = conns
+            .iter()
+            .copied()
+            .filter(|c| c.0 < 110 || c.0 >= 200 && c.0 < 210)
+            .collect();
+        assert_eq!(over_share_victim(&r, 30, within.into_iter()), None);
+        // A limit from the configuration: alpha may hold 2, so its 3 put it over.
+        r.replace_limited(
+            vec![("alpha".into(), SharedKey::generate().unwrap())],
+            HashMap::from([("alpha".to_string(), 2)]),
+        )
+        .unwrap();
+        let only_alpha: Vec<_> = conns.iter().copied().filter(|c| c.1 == a).collect();
+        assert!(over_share_victim(&r, 30, only_alpha.into_iter()).is_some());
+    }
 }
