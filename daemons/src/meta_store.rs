@@ -379,7 +379,7 @@ impl MetaStore {
     /// Reads every table. A record that does not decode, or a secret whose check
     /// fails, is dropped and logged (the core checks the other records' checks at
     /// restore). Returns the image, the secrets and how many records were dropped.
-    fn read_all(&self) -> Result<(Image, Vec<(String, SecretRecord)>, u64), String> {
+    fn read_all(&self) -> Result<ReadBack, String> {
         let p = &self.path;
         let txn = self.db.begin_read().map_err(|e| err(p, "begin", e))?;
         let mut img = Image::default();
@@ -533,6 +533,9 @@ impl MetaStore {
         txn.commit().map_err(|e| err(p, "commit", e))
     }
 }
+
+/// What [`MetaStore::read_all`] reads: the image, the secrets, the records dropped.
+type ReadBack = (Image, Vec<(String, SecretRecord)>, u64);
 
 /// What the loop hands the writer.
 struct Job {

@@ -187,7 +187,7 @@ fn check_trusted(path: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
 /// another user could have written is refused (see the module docs).
 pub fn load(path: &Path, server_key: &SharedKey) -> Result<Loaded, String> {
     use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let meta = file
         .metadata()
         .map_err(|e| format!("{}: {e}", path.display()))?;

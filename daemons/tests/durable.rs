@@ -1069,32 +1069,34 @@ fn pages_in_doubt_after_a_kill_come_back_once_the_workers_say_which_they_hold() 
 /// it) and JSON records (regions, sessions, scopes: from `{"` to the `}` after their
 /// check). Each is (start, end) of one copy; a copy-on-write store may hold older
 /// copies too, so a flip is made in every copy of the record chosen.
-fn record_spans(file: &[u8], names: &[String]) -> Vec<Vec<(usize, usize)>> {
+fn record_spans(file: &[u8], prefix: &str, name_len: usize) -> Vec<Vec<(usize, usize)>> {
     fn find_all(hay: &[u8], needle: &[u8]) -> Vec<usize> {
-        hay.windows(needle.len())
-            .enumerate()
-            .filter(|(_, w)| *w == needle)
-            .map(|(i, _)| i)
-            .collect()
+        let mut out = Vec::new();
+        let mut from = 0;
+        while let Some(i) = hay[from..]
+            .windows(needle.len())
+            .position(|w| w[0] == needle[0] && w == needle)
+        {
+            out.push(from + i);
+            from += i + 1;
+        }
+        out
     }
     let mut out = Vec::new();
-    for n in names {
-        let b = n.as_bytes();
-        let mut copies = Vec::new();
-        for at in find_all(file, b) {
-            let Some(start) = at.checked_sub(39) else {
-                continue;
-            };
-            let len = u16::from_le_bytes([file[at - 2], file[at - 1]]) as usize;
-            let end = at + b.len() + 1 + 8;
-            if len == b.len() && file[start] == 2 && end <= file.len() && file[at + b.len()] == 0 {
-                copies.push((start, end));
-            }
-        }
-        if !copies.is_empty() {
-            out.push(copies);
+    let mut keys: BTreeMap<Vec<u8>, Vec<(usize, usize)>> = BTreeMap::new();
+    for at in find_all(file, prefix.as_bytes()) {
+        let Some(start) = at.checked_sub(39) else {
+            continue;
+        };
+        let len = u16::from_le_bytes([file[at - 2], file[at - 1]]) as usize;
+        let end = at + name_len + 1 + 8;
+        if len == name_len && file[start] == 2 && end <= file.len() && file[at + name_len] == 0 {
+            keys.entry(file[at..at + name_len].to_vec())
+                .or_default()
+                .push((start, end));
         }
     }
+    out.extend(keys.into_values());
     for marker in [&b"{\"handle\":{"[..], b"{\"id\":"] {
         let mut by_text: BTreeMap<Vec<u8>, Vec<(usize, usize)>> = BTreeMap::new();
         for start in find_all(file, marker) {
@@ -1221,15 +1223,39 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
         }
         let file = state.0.join("directory.redb");
         let mut bytes = std::fs::read(&file).unwrap();
-        let spans = record_spans(&bytes, &keys);
+        let unflipped = bytes.clone();
+        let spans = record_spans(&bytes, "flip/key-", keys[0].len());
         assert!(
             spans.len() > 10,
             "records found in the file: {}",
             spans.len()
         );
-        let copies = &spans[rng.below(spans.len())];
+        let key_records = spans.iter().filter(|c| c[0].1 - c[0].0 == 61).count();
+        // Which record and which bit: case 0 is the corruption seen (a key's offset
+        // moved to the next key's page: bit 14, 16 KiB chunks); then a random record,
+        // and for a key record a random field (a bit of its low 3 bytes for numbers,
+        // any bit of its name or check), for a JSON record any bit.
+        let (pick, bit) = if case == 0 {
+            (0, 13 * 8 + 14)
+        } else {
+            let pick = rng.below(spans.len());
+            let (start, end) = spans[pick][0];
+            if pick < key_records {
+                // (byte, length) of: scope, region, offset, length, name length, name, check.
+                let fields = [(1, 4), (5, 8), (13, 8), (21, 8), (37, 2), (39, 13), (53, 8)];
+                let (at, len) = fields[rng.below(fields.len())];
+                let bits = if len == 13 || at == 53 {
+                    len * 8
+                } else {
+                    (len * 8).min(24)
+                };
+                (pick, at * 8 + rng.below(bits))
+            } else {
+                (pick, rng.below((end - start) * 8))
+            }
+        };
+        let copies = &spans[pick];
         let (start, end) = copies[0];
-        let bit = rng.below((end - start) * 8);
         for (s0, _) in copies {
             bytes[s0 + bit / 8] ^= 1 << (bit % 8);
         }
@@ -1237,7 +1263,7 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
             "case {case}: bit {bit} of a record of {} bytes ({} copies): {:?}",
             end - start,
             copies.len(),
-            String::from_utf8_lossy(&bytes[start..end.min(start + 48)])
+            String::from_utf8_lossy(&bytes[start..end.min(start + 56)])
         );
         std::fs::write(&file, &bytes).unwrap();
         server = match try_start(&args, &s.dir, port) {
@@ -1246,9 +1272,10 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
                 assert!(kill, "refused after a clean stop: {log}");
                 assert!(log.contains("directory.redb"), "{log}");
                 refused += 1;
-                // The store cannot be read: start again from an empty directory.
-                std::fs::remove_file(&file).unwrap();
-                try_start(&args, &s.dir, port).expect("an empty directory starts")
+                // The store's repair found the damaged page: the file as the kill left
+                // it starts.
+                std::fs::write(&file, &unflipped).unwrap();
+                try_start(&args, &s.dir, port).expect("the unflipped file starts")
             }
         };
         let reader =
@@ -1273,4 +1300,74 @@ fn a_flipped_bit_after_a_clean_stop_is_a_miss_never_another_keys_bytes() {
 #[test]
 fn a_flipped_bit_after_a_kill_is_a_miss_or_a_refused_start_never_another_keys_bytes() {
     flipped_bits_are_never_served("flip-kill", true, 4, 0x0049_5eed);
+}
+
+/// Issue 49, item 4: the state directory is made 0700 and its files 0600; a directory
+/// group or others may access is refused naming `chmod 700`; a state directory that is
+/// a symbolic link, and a symbolic link planted as its store or its lock file, are
+/// refused, and nothing is made where they point. Seen failing before: the links
+/// were followed (files made at their targets) and a 0755 directory was accepted.
+#[test]
+fn an_open_state_directory_and_planted_symlinks_are_refused() {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    use std::process::Command;
+    let mut s = support::Scratch::new("state-links");
+    let pool = s.fake_dax("pool");
+    let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
+    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
+    let args = |state: &std::path::Path| -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "--rm-address".into(),
+            rm.addr.clone(),
+            "--rm-key-file".into(),
+            rm_key.clone(),
+        ];
+        a.extend(server_args(state));
+        a
+    };
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    // A new directory: 0700, its files 0600.
+    let fresh = s.dir.join("fresh");
+    let d = support::Daemon::start(support::SERVER_BIN, &args(&fresh), &s.dir);
+    assert_eq!(mode(&fresh), 0o700);
+    assert_eq!(d.terminate(), Some(0));
+    for f in ["directory.redb", "lock"] {
+        assert_eq!(mode(&fresh.join(f)), 0o600, "{f}");
+    }
+    let refused = |state: &std::path::Path, says: &str| {
+        let (code, err) = support::refused_start(
+            Command::new(support::SERVER_BIN)
+                .args(args(state))
+                .arg("--key-file")
+                .arg(s.dir.join("server.key"))
+                .args(["--port", "0"]),
+        );
+        assert!(code.is_some_and(|c| c != 0), "started: {err}");
+        assert!(err.contains(says), "{says}: {err}");
+    };
+    // Group or others may read it: refused, naming the fix.
+    let open = s.dir.join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    refused(&open, "chmod 700");
+    // The state directory is a link.
+    let link = s.dir.join("link");
+    symlink(&fresh, &link).unwrap();
+    refused(&link, "symbolic link");
+    // Links planted as its files: refused, their targets not made.
+    for planted in ["directory.redb", "lock"] {
+        let dir = s.dir.join(format!("planted-{planted}"));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let target = s.dir.join(format!("target-of-{planted}"));
+        symlink(&target, dir.join(planted)).unwrap();
+        refused(&dir, "symbolic link");
+        assert!(
+            !target.exists(),
+            "{planted}: a file was made where the link points"
+        );
+    }
+    // A file of the directory others may read: refused, naming the fix.
+    std::fs::set_permissions(fresh.join("lock"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    refused(&fresh, "chmod 600");
 }

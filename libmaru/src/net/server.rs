@@ -363,7 +363,8 @@ fn over_share_victim<'a, T: Copy + 'a>(
     conns: impl Iterator<Item = (T, Class, &'a str, bool, u64)>,
 ) -> Option<T> {
     // Per class: its count, its name, its idle connection silent longest.
-    let mut per: HashMap<Class, (usize, &'a str, Option<(u64, T)>)> = HashMap::new();
+    type PerClass<'n, T> = (usize, &'n str, Option<(u64, T)>);
+    let mut per: HashMap<Class, PerClass<'a, T>> = HashMap::new();
     for (t, class, name, idle, last) in conns {
         let e = per.entry(class).or_insert((0, name, None));
         e.0 += 1;
