@@ -49,6 +49,7 @@ struct Server {
     child: Child,
     addr: String,
     log: PathBuf,
+    server_key: PathBuf,
     _rm: Daemon,
 }
 
@@ -116,6 +117,7 @@ fn start_server(s: &mut Scratch, tenants: &Path, extra: &[&str]) -> Server {
         child,
         addr,
         log,
+        server_key: s.dir.join("server.key"),
         _rm: rm,
     }
 }
@@ -342,6 +344,15 @@ fn a_changed_or_removed_key_ends_its_connections_and_sessions() {
         srv.log()
     );
     assert!(open_in(&mut old, "beta-ns").is_err());
+    // Its session ended with it (the operator sees alpha's only), not left to expire.
+    let sessions = || {
+        let mut admin = Client::connect(&srv.addr, &opts(&srv.server_key, "admin")).unwrap();
+        match admin.call::<_, MetaReply>(&MetaRequest::Stats { session: None }) {
+            Ok(MetaReply::Stats(st)) => st.total.sessions,
+            other => panic!("stats: {other:?}"),
+        }
+    };
+    assert_eq!(sessions(), 1, "beta's old session ended: {}", srv.log());
     assert!(
         took <= RELOAD + Duration::from_millis(1_500),
         "closed {took:?} after the change (one reload interval is {RELOAD:?})"
