@@ -15,3 +15,17 @@ bench: deps
 	$(VENV)/bin/pip install -q numpy
 	mkdir -p bench/results
 	MARU_BENCH_PYTHON=$(VENV)/bin/python $(TARGET_DIR)/release/maru-bench --out bench/results $(BENCH_ARGS)
+
+# make bench-scale: maru-server and the remote CXL agent at scale (bench/src/scale*.rs):
+# simulated engines (maru-scale-sim, the wire protocol) at 10 to 4,000 sessions, 1 and 16
+# tenants, 1 M to 16 M keys; the agent with 1, 64 and 256 workers; recovery of the
+# durable directory. About 10 minutes on 2 cores; writes bench/results/scale.{json,md,png}.
+# BENCH_SCALE_ARGS=--quick for a short run (1 M keys, up to 1,000 sessions).
+.PHONY: bench-scale
+
+BENCH_SCALE_ARGS ?=
+
+bench-scale:
+	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru-bench -p maru-daemons --bins
+	mkdir -p bench/results
+	$(TARGET_DIR)/release/maru-bench --only scale --out bench/results $(BENCH_SCALE_ARGS)

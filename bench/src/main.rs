@@ -29,6 +29,9 @@ mod procs;
 mod python_row;
 mod redis;
 mod report;
+mod scale;
+mod scale_agent;
+mod scale_report;
 
 use clap::Parser;
 use harness::Fig;
@@ -75,7 +78,9 @@ struct Args {
     /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
     /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
     /// connector (the vLLM connector's worker, Python), redis, meta, idle, hitrate (a chat
-    /// trace replayed through maru-server's eviction beside LRU and Belady; default all).
+    /// trace replayed through maru-server's eviction beside LRU and Belady; default all);
+    /// scale (maru-server with up to 4,000 simulated engines and 16 M keys, about 10
+    /// minutes; only when named, alone: scale.{json,md,png}).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Chunk sizes to measure, comma-separated: 256K, 2M (default both).
@@ -86,6 +91,10 @@ struct Args {
     /// default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(usize))]
     clients: Vec<usize>,
+    /// Keys of the scale part's largest step (default 4 M, 1 M with --quick; 16777216
+    /// for 16 M, longer than 15 minutes on a loaded 2-core machine).
+    #[arg(long)]
+    scale_keys: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1056,13 +1065,35 @@ fn run(args: Args) -> Result<(), String> {
             "meta",
             "idle",
             "hitrate",
+            "scale",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate, scale"
             ));
         }
+    }
+    if args.only.iter().any(|o| o == "scale") {
+        std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+        if let Some(j) = std::env::var_os("MARU_SCALE_REPLOT") {
+            return scale_report::replot(std::path::Path::new(&j), &args.out);
+        }
+        let r = scale::run(quick, args.scale_keys)?;
+        let m = machine();
+        let desc = format!(
+            "{}, {} cores, {:.0} GiB, kernel {}; load {} before, {} after",
+            m.cpu,
+            m.cores,
+            m.memory_gib,
+            m.kernel,
+            m.load_before,
+            loadavg()
+        );
+        for t in scale::tables(&r) {
+            println!("{}", t.text());
+        }
+        return scale_report::write(&args.out, &r, &desc);
     }
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     let needs_stack = want("maru")

@@ -395,10 +395,7 @@ impl MetaCore {
     }
 
     fn touch_session(&mut self, id: u64, now_ms: u64) {
-        if let Some(s) = self.sessions.get_mut(id) {
-            s.last_seen_ms = s.last_seen_ms.max(now_ms);
-            s.connected = true;
-        }
+        self.sessions.touch(id, now_ms);
     }
 
     /// Ends leases and sessions whose time is up. State only: what the ports must

@@ -65,6 +65,8 @@ mod fakes;
 #[cfg(test)]
 mod keeper_tests;
 #[cfg(test)]
+mod scale_tests;
+#[cfg(test)]
 mod tenant_tests;
 
 pub use self::config::{

@@ -5,6 +5,11 @@
 //! (closed or expired) holds nothing: its regions went to the region keeper or back
 //! to the RM, its leases ended, and it does not count toward the session limit. A
 //! bounded record of ended sessions remains only to say why a late request fails.
+//!
+//! Every request checks for expired sessions and every turn of the event loop asks
+//! when the next one expires, so the table keeps its sessions ordered by when they
+//! were last seen, and counts them per client and per tenant: no operation visits
+//! sessions other than those it acts on (see [`SessionTable::visited`]).
 
 use super::keys::ScopeId;
 use super::tenants::Access;
@@ -121,6 +126,14 @@ pub struct SessionTable {
     /// Per open session, the skip counts its worker's last heartbeat reported (not
     /// kept durable: the next heartbeat after a restart says them again).
     skipped: BTreeMap<u64, SkipCounts>,
+    /// The open sessions by (last seen, id): the expired ones come first.
+    by_seen: BTreeSet<(u64, u64)>,
+    /// Open sessions per client id and per tenant.
+    per_client: HashMap<String, BTreeSet<u64>>,
+    per_tenant: HashMap<String, usize>,
+    /// Sessions visited by the lookups over many sessions (expiry, counts), for the
+    /// tests that keep each operation's work independent of the number of sessions.
+    visited: std::cell::Cell<u64>,
 }
 
 impl SessionTable {
@@ -135,6 +148,68 @@ impl SessionTable {
             dirty: None,
             changes: 0,
             skipped: BTreeMap::new(),
+            by_seen: BTreeSet::new(),
+            per_client: HashMap::new(),
+            per_tenant: HashMap::new(),
+            visited: std::cell::Cell::new(0),
+        }
+    }
+
+    /// Sessions visited so far by the lookups over many sessions ([`expired`],
+    /// [`next_expiry`], [`count_of`], [`has_client`], [`client_closed`]): each visits
+    /// only the sessions it returns or changes, and at most one more.
+    ///
+    /// [`expired`]: Self::expired
+    /// [`next_expiry`]: Self::next_expiry
+    /// [`count_of`]: Self::count_of
+    /// [`has_client`]: Self::has_client
+    /// [`client_closed`]: Self::client_closed
+    pub fn visited(&self) -> u64 {
+        self.visited.get()
+    }
+
+    fn visit(&self, n: usize) {
+        self.visited.set(self.visited.get() + n as u64);
+    }
+
+    /// Adds `s` to the indexes (it is not in the table yet).
+    fn index(&mut self, s: &Session) {
+        self.by_seen.insert((s.last_seen_ms, s.id));
+        self.per_client
+            .entry(s.client_id.clone())
+            .or_default()
+            .insert(s.id);
+        *self.per_tenant.entry(s.tenant.clone()).or_default() += 1;
+    }
+
+    /// Takes `s` out of the indexes (it left the table).
+    fn unindex(&mut self, s: &Session) {
+        self.by_seen.remove(&(s.last_seen_ms, s.id));
+        if let Some(ids) = self.per_client.get_mut(&s.client_id) {
+            ids.remove(&s.id);
+            if ids.is_empty() {
+                self.per_client.remove(&s.client_id);
+            }
+        }
+        if let Some(n) = self.per_tenant.get_mut(&s.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_tenant.remove(&s.tenant);
+            }
+        }
+    }
+
+    /// Session `id` sent a request at `now_ms` (its time runs from then); it is
+    /// connected again.
+    pub fn touch(&mut self, id: u64, now_ms: u64) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        s.connected = true;
+        if now_ms > s.last_seen_ms {
+            self.by_seen.remove(&(s.last_seen_ms, id));
+            s.last_seen_ms = now_ms;
+            self.by_seen.insert((now_ms, id));
         }
     }
 
@@ -173,6 +248,10 @@ impl SessionTable {
     /// runs from `now_ms`. Later sessions get ids after `next` and after it.
     pub fn restore(&mut self, s: Session, next: u64) {
         self.next_id = self.next_id.max(s.id).max(next.saturating_sub(1));
+        if let Some(old) = self.sessions.remove(&s.id) {
+            self.unindex(&old);
+        }
+        self.index(&s);
         self.sessions.insert(s.id, s);
     }
 
@@ -205,24 +284,23 @@ impl SessionTable {
             namespace,
             backend,
         } = new;
-        self.sessions.insert(
+        let s = Session {
             id,
-            Session {
-                id,
-                client_id: client_id.to_string(),
-                tenant: tenant.to_string(),
-                access,
-                engine_id: engine_id.to_string(),
-                namespace: namespace.to_string(),
-                backend,
-                scope,
-                regions: BTreeSet::new(),
-                last_seen_ms: now_ms,
-                connected: true,
-                hits: 0,
-                misses: 0,
-            },
-        );
+            client_id: client_id.to_string(),
+            tenant: tenant.to_string(),
+            access,
+            engine_id: engine_id.to_string(),
+            namespace: namespace.to_string(),
+            backend,
+            scope,
+            regions: BTreeSet::new(),
+            last_seen_ms: now_ms,
+            connected: true,
+            hits: 0,
+            misses: 0,
+        };
+        self.index(&s);
+        self.sessions.insert(id, s);
         self.mark(id);
         id
     }
@@ -238,6 +316,8 @@ impl SessionTable {
             .ok_or_else(|| super::errors::internal(format!("session {id} vanished")))
     }
 
+    /// The session to change; its `last_seen_ms`, `client_id` and `tenant` are the
+    /// table's indexes' and change only through [`touch`](Self::touch).
     pub fn get_mut(&mut self, id: u64) -> Option<&mut Session> {
         self.sessions.get_mut(&id)
     }
@@ -276,6 +356,7 @@ impl SessionTable {
     /// Removes the session and remembers why it ended.
     pub fn end(&mut self, id: u64, reason: EndReason) -> Option<Session> {
         let s = self.sessions.remove(&id)?;
+        self.unindex(&s);
         self.skipped.remove(&id);
         self.mark(id);
         self.ended.push_back(id);
@@ -292,17 +373,23 @@ impl SessionTable {
         s.last_seen_ms.saturating_add(self.timeout_ms)
     }
 
-    /// Sessions whose time is up at `now_ms`.
+    /// Sessions whose time is up at `now_ms`, longest silent first.
     pub fn expired(&self, now_ms: u64) -> Vec<u64> {
-        self.sessions
-            .values()
-            .filter(|s| self.deadline(s) <= now_ms)
-            .map(|s| s.id)
-            .collect()
+        let out: Vec<u64> = self
+            .by_seen
+            .iter()
+            .take_while(|(seen, _)| seen.saturating_add(self.timeout_ms) <= now_ms)
+            .map(|&(_, id)| id)
+            .collect();
+        self.visit(out.len() + 1);
+        out
     }
 
     pub fn next_expiry(&self) -> Option<u64> {
-        self.sessions.values().map(|s| self.deadline(s)).min()
+        self.visit(1);
+        self.by_seen
+            .first()
+            .map(|&(seen, _)| seen.saturating_add(self.timeout_ms))
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Session> {
@@ -311,22 +398,23 @@ impl SessionTable {
 
     /// Live sessions of `tenant`.
     pub fn count_of(&self, tenant: &str) -> usize {
-        self.sessions
-            .values()
-            .filter(|s| s.tenant == tenant)
-            .count()
+        self.visit(1);
+        self.per_tenant.get(tenant).copied().unwrap_or(0)
     }
 
     /// Whether `client_id` has a live session.
     pub fn has_client(&self, client_id: &str) -> bool {
-        self.sessions.values().any(|s| s.client_id == client_id)
+        self.visit(1);
+        self.per_client.contains_key(client_id)
     }
 
     /// A connection of `client_id` closed: its sessions keep running (the worker
     /// may reconnect) and expire only when their requests stop.
     pub fn client_closed(&mut self, client_id: &str) {
-        for s in self.sessions.values_mut() {
-            if s.client_id == client_id {
+        let ids = self.per_client.get(client_id);
+        self.visit(ids.map_or(1, BTreeSet::len));
+        for id in ids.into_iter().flatten() {
+            if let Some(s) = self.sessions.get_mut(id) {
                 s.connected = false;
             }
         }
