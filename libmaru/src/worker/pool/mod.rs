@@ -347,6 +347,10 @@ impl StoragePool {
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: false at once.
+            return Ok(vec![false; keys.len()]);
+        }
         self.per_batch(keys, |s, k, by| s.exists_by(k, by))
     }
 
@@ -424,6 +428,19 @@ impl StoragePool {
                         ),
                     }
                 }
+            }
+        }
+    }
+
+    /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): the mover probes the
+    /// agents that are away, so that one answering again serves the next store.
+    /// maru-server too, when it is away (an `exists` of no key, 1 s at most).
+    pub fn probe_away(&self, now_ms: u64) {
+        self.mover.probe_away(now_ms);
+        if self.session.away() {
+            let by = Deadline::after(Duration::from_secs(1));
+            if let Err(e) = self.session.ping(by) {
+                log::debug!("pool {}: maru-server still away: {e}", self.session.url);
             }
         }
     }

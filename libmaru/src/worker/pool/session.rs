@@ -51,6 +51,10 @@ pub struct Session {
     /// When maru-server last answered a call of this session (`clock::now_ms`): one
     /// out of reach for longer than the session timeout has expired the session.
     answered_ms: AtomicU64,
+    /// When a call of this session last ran into its deadline without an answer (0:
+    /// never): maru-server is away while this is not older than `answered_ms` (see
+    /// `core::server_away`).
+    unanswered_ms: AtomicU64,
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
     asked: Mutex<Vec<u64>>,
@@ -131,6 +135,7 @@ impl Session {
             first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
             answered_ms: AtomicU64::new(now_ms()),
+            unanswered_ms: AtomicU64::new(0),
             asked: Mutex::new(Vec::new()),
             share_regions: AtomicU64::new(0),
         })
@@ -216,10 +221,38 @@ impl Session {
         }
         let r = link.call_within::<_, MetaReply>(req, left);
         self.give_link(link);
-        if !matches!(r, Err(LinkError::Unreachable(_))) {
+        let was_away = self.away();
+        if let Err(LinkError::Unreachable(e)) = &r {
+            self.unanswered_ms.store(now_ms().max(1), Ordering::Relaxed);
+            if !was_away {
+                log::warn!(
+                    "maru-server at {} did not answer ({e}): exists answers false, stores skip and loads miss at once until a probe (every {} ms) sees it answer",
+                    self.url,
+                    crate::worker::lifecycle::AWAY_PROBE_EVERY_MS
+                );
+            }
+        } else {
             self.answered_ms.store(now_ms(), Ordering::Relaxed);
+            if was_away {
+                log::warn!("maru-server at {} answers again", self.url);
+            }
         }
         r.map_err(|e| self.error_of(e))
+    }
+
+    /// Whether maru-server is away: a call ran into its deadline after its last
+    /// answer (`core::server_away`). Exists, stores and loads of the pool do not wait
+    /// on it then; a probe (`ping`) every 250 ms finds it answering again.
+    pub fn away(&self) -> bool {
+        super::core::server_away(
+            self.answered_ms.load(Ordering::Relaxed),
+            self.unanswered_ms.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The cheapest call (an `exists` of no key), by `by`: whether maru-server answers.
+    pub(crate) fn ping(&self, by: Deadline) -> Result<(), WorkerError> {
+        self.exists_by(&[], by).map(|_| ())
     }
 
     /// maru-server asked for these regions back on a reply (any call of a storing

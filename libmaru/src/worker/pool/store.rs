@@ -72,7 +72,8 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<Taken, WorkerError> {
         let mut taken = Taken::default();
-        // Chunks `find_pages` found no page for (it counted them as skipped).
+        // Chunks `find_pages` found no page for (it counted them as skipped), and
+        // chunks whose page is at an agent that is away.
         let mut counted = 0;
         let mut strays = 0;
         for _ in 0..TAKE_ROUNDS {
@@ -85,9 +86,19 @@ impl StoragePool {
             counted += short;
             let mut more = self.core.lock().mark_writing(pages);
             let foreign = std::mem::take(&mut more.foreign);
+            let away = std::mem::take(&mut more.away);
             strays = foreign.len();
             taken.merge(more);
             self.free_foreign(foreign);
+            if !away.is_empty() {
+                counted += away.len();
+                self.count_skip(
+                    SkipReason::PoolUnavailable,
+                    away.len() as u64,
+                    "the agent of their pages is away (it did not answer); skipped at once until a probe sees it answer",
+                );
+                self.keep_spare(away);
+            }
             if strays == 0 || short > 0 {
                 break;
             }
@@ -524,6 +535,15 @@ impl StoragePool {
                     self.page_size()
                 )));
             }
+        }
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: skip at once.
+            self.count_skip(
+                SkipReason::PoolUnavailable,
+                keys.len() as u64,
+                "maru-server is away (it did not answer); skipped at once until a probe sees it answer",
+            );
+            return Ok(vec![false; keys.len()]);
         }
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
         let present = self.session.exists_by(&owned, by)?;
