@@ -166,7 +166,7 @@ impl StoragePool {
             None => self.release_leases_by(ids.collect(), by),
         }
         // A reboot found by this read: every reader misses those keys from now on.
-        self.report_boots()?;
+        self.report_boots(by)?;
         self.core.lock().stats.misses += (keys.len() - found.len() + away_n) as u64;
         Ok(found.len() - away_n)
     }

@@ -187,7 +187,7 @@ impl Session {
     }
 
     /// The session's own call timeout from now (calls made outside a request).
-    fn own_deadline(&self) -> Deadline {
+    pub(crate) fn call_deadline(&self) -> Deadline {
         let limit = self
             .links
             .lock()
@@ -199,7 +199,7 @@ impl Session {
     /// A call outside any request (heartbeat, close, giving pages, leases or regions
     /// back): bounded by the session's own call timeout.
     fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        self.call_by(req, self.own_deadline())
+        self.call_by(req, self.call_deadline())
     }
 
     /// A call made for a request: waiting for a free link, connecting, the request
@@ -329,7 +329,7 @@ impl Session {
         if pages.is_empty() {
             return Ok(());
         }
-        let by = self.own_deadline();
+        let by = self.call_deadline();
         let what = format!("free_pages at maru-server {}", self.url);
         let guard = self.unkeyed.enter(by, &what)?;
         // Not held from here, whatever the answer: the worker does not use them again.
@@ -536,7 +536,7 @@ impl Session {
 
     /// As `expand_by`, within the session's call timeout from now.
     pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
-        self.expand_by(self.own_deadline())
+        self.expand_by(self.call_deadline())
     }
 
     /// As `alloc_by`, within the session's call timeout from now.
@@ -545,47 +545,47 @@ impl Session {
         count: u32,
         route_key: Option<&str>,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        self.alloc_by(count, route_key, self.own_deadline())
+        self.alloc_by(count, route_key, self.call_deadline())
     }
 
     /// As `publish_by`, within the session's call timeout from now.
     pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        self.publish_by(entries, self.own_deadline())
+        self.publish_by(entries, self.call_deadline())
     }
 
     /// As `exists_by`, within the session's call timeout from now.
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.exists_by(keys, self.own_deadline())
+        self.exists_by(keys, self.call_deadline())
     }
 
     /// As `acquire_by`, within the session's call timeout from now.
     pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        self.acquire_by(keys, self.own_deadline())
+        self.acquire_by(keys, self.call_deadline())
     }
 
     /// As `remove_by`, within the session's call timeout from now.
     pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
-        self.remove_by(keys, self.own_deadline())
+        self.remove_by(keys, self.call_deadline())
     }
 
     /// As `victims_by`, within the session's call timeout from now.
     pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
-        self.victims_by(max, self.own_deadline())
+        self.victims_by(max, self.call_deadline())
     }
 
     /// As `pin_by`, within the session's call timeout from now.
     pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.pin_by(keys, self.own_deadline())
+        self.pin_by(keys, self.call_deadline())
     }
 
     /// As `unpin_by`, within the session's call timeout from now.
     pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.unpin_by(keys, self.own_deadline())
+        self.unpin_by(keys, self.call_deadline())
     }
 
     /// As `release_leases_by`, within the session's call timeout from now.
     pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
-        self.release_leases_by(ids, self.own_deadline())
+        self.release_leases_by(ids, self.call_deadline())
     }
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
@@ -600,6 +600,7 @@ impl Session {
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
         skipped: crate::wire::meta::SkipCounts,
+        by: Deadline,
     ) -> Result<HeartbeatReply, WorkerError> {
         let now = now_ms();
         // More than a request carries (leases of two runs at once): say nothing, and
@@ -617,14 +618,17 @@ impl Session {
                     .collect()
             })
         });
-        let r = self.call(&MetaRequest::Heartbeat {
-            session: self.id,
-            boot_ids,
-            regions,
-            leases,
-            skipped: Some(skipped),
-            held_pages: None,
-        });
+        let r = self.call_by(
+            &MetaRequest::Heartbeat {
+                session: self.id,
+                boot_ids,
+                regions,
+                leases,
+                skipped: Some(skipped),
+                held_pages: None,
+            },
+            by,
+        );
         match r {
             Ok(MetaReply::Heartbeat(h)) => {
                 for &rid in &h.unknown_regions {
@@ -656,7 +660,7 @@ impl Session {
     /// flight past the session's call timeout, maru-server out of reach) is sent
     /// again when the next heartbeat reply asks again.
     fn report_held(&self) {
-        let by = self.own_deadline();
+        let by = self.call_deadline();
         let r = self.unkeyed.report(by, |pages| {
             let n = pages.len();
             let r = self.call_by(

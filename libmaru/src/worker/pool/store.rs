@@ -588,12 +588,14 @@ impl StoragePool {
     /// The core's re-check of a publish (see `PoolCore::publish_begin`), after
     /// maru-server heard the boot ids of the regions it writes into: reported first
     /// when needed (a region adopted for this store, or a reboot found), at most
-    /// `REPORT_TRIES` times; regions other stores adopt meanwhile do not hold it back.
+    /// `REPORT_TRIES` times, every report by the store's deadline `by`; regions other
+    /// stores adopt meanwhile do not hold it back.
     pub(super) fn recheck(
         &self,
         pages: &[PageGrant],
         ok: &[bool],
         taken: &Taken,
+        by: Deadline,
     ) -> Result<super::core::PublishPlan, WorkerError> {
         for round in 0..=REPORT_TRIES {
             let give_up = round == REPORT_TRIES;
@@ -601,7 +603,7 @@ impl StoragePool {
                 PublishCheck::Go(plan) => return Ok(plan),
                 PublishCheck::Report => {}
             }
-            self.heartbeat()?;
+            self.beat(by)?;
         }
         Ok(super::core::PublishPlan::default())
     }
@@ -658,7 +660,7 @@ impl StoragePool {
             hook(self, &taken.pages);
         }
         let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
-        let mut plan = self.recheck(&pages, ok, taken)?;
+        let mut plan = self.recheck(&pages, ok, taken, by)?;
         if self.hooks.unfenced && !plan.unused.is_empty() {
             plan.held += plan.unused.len();
             plan.unused.clear();

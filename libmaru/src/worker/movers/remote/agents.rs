@@ -89,7 +89,7 @@ impl RemoteState {
     /// `Lifecycle::unreachable`): stores into its regions skip and loads from it miss
     /// at once, without waiting on it; said once per absence.
     pub(crate) fn away(&mut self, addr: &str, now_ms: u64, why: &str) {
-        if self.life.unreachable(addr, now_ms) {
+        if self.life.missed_deadline(addr, now_ms) {
             log::warn!(
                 "agent {addr} did not answer ({why}): stores into its regions are skipped and loads from it miss, at once, until a probe (every {} ms) sees it answer; its regions go back to maru-server if it stays silent {} s",
                 crate::worker::lifecycle::AWAY_PROBE_EVERY_MS,
@@ -193,8 +193,15 @@ impl RemoteState {
                 }
             }
             Err(e) => {
-                log::debug!("agent {addr} did not answer a probe: {e}");
-                self.away(addr, now, &format!("a probe: {e}"));
+                match crate::worker::warn_limit::allow(addr, "agent_silent") {
+                    Some(n) => log::warn!(
+                        "agent {addr} did not answer a probe ({e}); its regions go back to maru-server if it stays silent {} s{}",
+                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000,
+                        crate::worker::warn_limit::held_back(n)
+                    ),
+                    None => log::debug!("agent {addr} did not answer a probe: {e}"),
+                }
+                self.life.unreachable(addr, now);
             }
         }
     }
@@ -452,15 +459,15 @@ fn map_read_request(l: &LeaseGrant) -> AgentRequest {
 /// agent has (an unmap of no region: nothing changes); who answers is in the welcome
 /// of the connection, checked on every probe, so a restart is seen as soon as the old
 /// connection is found dead and a new one made.
-fn ping(link: &mut Link) -> Result<(Option<String>, Option<u64>), LinkError> {
+fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64>), LinkError> {
     let ping = AgentRequest::Unmap {
         region_id: u64::MAX,
     };
     let was = link.is_connected();
-    let mut r = link.call::<_, AgentReply>(&ping);
+    let mut r = link.call_within::<_, AgentReply>(&ping, within);
     if r.is_err() && was && !link.is_connected() {
         // The old connection was dead (a restart, say): once more on a fresh one.
-        r = link.call::<_, AgentReply>(&ping);
+        r = link.call_within::<_, AgentReply>(&ping, within);
     }
     r?;
     link.client().map(|c| welcome_identity(c))
@@ -834,9 +841,18 @@ impl RemoteMover {
     /// without the state's lock: an agent slow to answer (up to `PROBE_TIMEOUT` to
     /// connect and as much to reply) holds the tick, not the handler's requests.
     /// What it found is fed to the lifecycle under the lock.
+    ///
+    /// An agent that is away is given a request's timeout to answer (a busy agent is
+    /// not a stalled one, and a probe waiting when a stalled one goes on sees it at
+    /// once); the others `PROBE_TIMEOUT`.
     fn probe(&self, addr: &str, now: u64) {
+        let within = if self.lock().life.is_away(addr) {
+            self.timeout.max(PROBE_TIMEOUT)
+        } else {
+            PROBE_TIMEOUT
+        };
         let link = self.probe_link(addr);
-        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()));
+        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()), within);
         self.lock().probed(addr, now, who);
     }
 
