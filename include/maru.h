@@ -526,7 +526,8 @@ maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t *
  * `pinned_bytes` registered now, `register_failures` so far). `total.skipped` (and each pool's `stats.skipped`) counts
  * the chunks skipped per reason: `no_region` (maru-server had no region to give and
  * nothing of the engine's own could be evicted), `no_slot` (no free staging slot),
- * `pool_unavailable` (the pool's maru-server is away; reconnecting), `max_bytes`
+ * `pool_unavailable` (the pool's maru-server is away, reconnecting; or the agent of
+ * the pages does not answer, probed every 250 ms), `max_bytes`
  * (the engine holds `max_bytes` of regions and nothing of them could be evicted).
  * Each reason also logs one WARN line per 10 s.
  *

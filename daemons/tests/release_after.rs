@@ -162,3 +162,77 @@ fn cxl_load_pieces_releases_after_the_call() {
 fn remote_cxl_load_pieces_releases_after_the_call() {
     releases_after_the_call("remote_cxl");
 }
+
+/// The release queue full (issue 48): with maru-server slow to answer releases (each
+/// held 200 ms), 100 `maru_load_pieces` calls in a row fill the queue (64 wait) and
+/// the calls after that release inline; once maru-server answers promptly again no
+/// lease is left held. Seen failing with the inline fallback of `release_later`
+/// broken (the leases of a load that found the queue full dropped instead of
+/// released): 280 (cxl) and 272 (remote_cxl) leases still held 10 s later.
+fn a_full_release_queue_leaves_no_lease_held(backend: &str) {
+    let st = stack(backend == "remote_cxl");
+    let writer = Handler::open(&config(&st, backend, "writer", &st.server.addr)).unwrap();
+    let keys: Vec<String> = (0..8).map(|i| format!("rq-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..8)
+        .map(|i| support::seeded_bytes(i + 11, 4096 + 500 * i as usize))
+        .collect();
+    let items: Vec<(&str, &[u8])> = keys
+        .iter()
+        .zip(&data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect();
+    assert!(writer
+        .store_batch(&items, Some("r"))
+        .unwrap()
+        .iter()
+        .all(|&x| x));
+    let slow = Arc::new(AtomicBool::new(false));
+    let (proxy, held) = support::holding_proxy(
+        &st.server.addr,
+        b"release_leases",
+        slow.clone(),
+        Duration::from_millis(200),
+        Duration::from_secs(120),
+    );
+    let reader = Handler::open(&config(&st, backend, "full-queue", &proxy)).unwrap();
+    let want: Vec<Option<Vec<u8>>> = data.iter().cloned().map(Some).collect();
+    assert_eq!(load(&reader, &keys).0, want);
+    assert!(wait_until(Duration::from_secs(5), || leases_of(
+        &st.server.addr,
+        "full-queue"
+    ) == 0));
+
+    slow.store(true, Ordering::SeqCst);
+    let loads = 100;
+    let mut most_queued = 0;
+    for _ in 0..loads {
+        assert_eq!(load(&reader, &keys).0, want);
+        most_queued = most_queued.max(reader.releases_queued());
+    }
+    assert_eq!(
+        most_queued,
+        maru::worker::MAX_QUEUED_RELEASES,
+        "the queue filled (the later loads released inline)"
+    );
+    slow.store(false, Ordering::SeqCst);
+    let clear = wait_until(Duration::from_secs(10), || {
+        leases_of(&st.server.addr, "full-queue") == 0
+    });
+    assert!(
+        clear,
+        "leases still held 10 s after maru-server answers again: {} (of {loads} loads of 8; {} releases held back)",
+        leases_of(&st.server.addr, "full-queue"),
+        held.load(Ordering::SeqCst)
+    );
+    assert_eq!(reader.releases_queued(), 0);
+}
+
+#[test]
+fn cxl_a_full_release_queue_leaves_no_lease_held() {
+    a_full_release_queue_leaves_no_lease_held("cxl");
+}
+
+#[test]
+fn remote_cxl_a_full_release_queue_leaves_no_lease_held() {
+    a_full_release_queue_leaves_no_lease_held("remote_cxl");
+}

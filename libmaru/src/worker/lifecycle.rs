@@ -18,6 +18,14 @@
 //! - **Restart.** An agent that restarted on the same boot (new epoch) lost its
 //!   registrations but not the bytes: the worker maps its regions there again at
 //!   once (readers' `map_read` needs the owner's mapping), and the keys stay.
+//! - **Away.** An agent on which a request's call ran into the request's deadline
+//!   (`missed_deadline`) is *away* until it answers again (a probe, a welcome, a map
+//!   reply): stores skip the pages of its regions and loads miss its bytes without
+//!   waiting on it, so a stalled peer costs one timeout, not one per call. It is
+//!   probed every [`AWAY_PROBE_EVERY_MS`] (any agent, not only those of own regions),
+//!   so the first store after it answers again uses it. A probe that failed (its
+//!   1 s timeout is shorter than a request's: a busy agent) counts as silence, not
+//!   as away.
 //! - **Silence.** An agent silent for [`AGENT_SILENCE_MS`] loses the worker's regions
 //!   there: they are given back to maru-server (their keys go), as the region keeper
 //!   does for kept regions.
@@ -29,7 +37,11 @@ use std::collections::BTreeMap;
 pub const AGENT_SILENCE_MS: u64 = 30_000;
 /// How often the agents of own regions are probed while they answer.
 pub const PROBE_EVERY_MS: u64 = 1_000;
-/// How often an agent that did not answer is probed again.
+/// How often an agent that is away (a request's call ran into its deadline there) is
+/// probed again: well within a second, so that a store a second after it answers
+/// again uses it.
+pub const AWAY_PROBE_EVERY_MS: u64 = 250;
+/// How often an agent that did not answer a probe (and is not away) is probed again.
 pub const SILENT_PROBE_EVERY_MS: u64 = 5_000;
 
 /// What the worker made of an agent's identity (boot id and epoch).
@@ -71,6 +83,9 @@ struct AgentState {
     remap: bool,
     /// Since when the agent has not answered (None: it answers).
     silent_since: Option<u64>,
+    /// A request's call ran into its deadline here and the agent has not answered
+    /// since: stores and loads do not wait on it.
+    away: bool,
     next_probe_ms: u64,
 }
 
@@ -142,6 +157,7 @@ impl Lifecycle {
             return Verdict::NoBoot;
         };
         a.silent_since = None;
+        a.away = false;
         let rebooted = a.boot.as_deref().is_some_and(|b| b != boot);
         let restarted = !rebooted && matches!((a.epoch, epoch), (Some(x), Some(y)) if x != y);
         a.boot = Some(boot.to_string());
@@ -173,11 +189,47 @@ impl Lifecycle {
         self.agents.entry(agent.to_string()).or_default().remap = true;
     }
 
-    /// `agent` did not answer (connect, call or probe failed).
+    /// `agent` did not answer a probe (or the tick's connect): silent since then (its
+    /// regions go back after [`AGENT_SILENCE_MS`]), probed every
+    /// [`SILENT_PROBE_EVERY_MS`] (every [`AWAY_PROBE_EVERY_MS`] while away).
     pub fn unreachable(&mut self, agent: &str, now_ms: u64) {
         let a = self.agents.entry(agent.to_string()).or_default();
         a.silent_since.get_or_insert(now_ms);
-        a.next_probe_ms = now_ms + SILENT_PROBE_EVERY_MS;
+        if !a.away {
+            a.next_probe_ms = now_ms + SILENT_PROBE_EVERY_MS;
+        }
+    }
+
+    /// A request's call to `agent` (a connect, a control call, a `map_read`) ran into
+    /// the request's deadline: away until it answers again, and silent. True when it
+    /// was not away before (the driver says so in the log, once).
+    pub fn missed_deadline(&mut self, agent: &str, now_ms: u64) -> bool {
+        let a = self.agents.entry(agent.to_string()).or_default();
+        a.silent_since.get_or_insert(now_ms);
+        let was = a.away;
+        if !was {
+            a.away = true;
+            a.next_probe_ms = now_ms + AWAY_PROBE_EVERY_MS;
+        }
+        !was
+    }
+
+    /// Whether `agent` is away (`missed_deadline`, no answer since). Stores skip the
+    /// pages of its regions, loads miss its bytes.
+    pub fn is_away(&self, agent: &str) -> bool {
+        self.agents.get(agent).is_some_and(|a| a.away)
+    }
+
+    /// The away agents whose probe is due at `now_ms` (the next one planned then).
+    pub fn away_probes_due(&mut self, now_ms: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        for (agent, a) in self.agents.iter_mut() {
+            if a.away && now_ms >= a.next_probe_ms {
+                a.next_probe_ms = now_ms + AWAY_PROBE_EVERY_MS;
+                out.push(agent.clone());
+            }
+        }
+        out
     }
 
     /// Whether the worker's regions at `agent` must be mapped again before use.
@@ -279,27 +331,35 @@ impl Lifecycle {
             .collect()
     }
 
-    /// What is due at `now_ms`: probes of the agents of own regions, their remaps,
-    /// a report of boot ids, regions of agents silent too long.
+    /// What is due at `now_ms`: probes of the agents of own regions and of every
+    /// agent away, their remaps, a report of boot ids, regions of agents silent too
+    /// long.
     pub fn due(&mut self, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
         let mut agents: Vec<String> = self.regions.values().map(|r| r.agent.clone()).collect();
+        agents.extend(
+            self.agents
+                .iter()
+                .filter(|(_, a)| a.away)
+                .map(|(agent, _)| agent.clone()),
+        );
         agents.sort();
         agents.dedup();
         for agent in agents {
             let a = self.agents.entry(agent.clone()).or_default();
             if let Some(since) = a.silent_since {
-                if now_ms.saturating_sub(since) >= self.silence_ms {
-                    out.push(Action::GiveBack {
-                        regions: self.regions_at(&agent),
-                        agent,
-                    });
+                let regions = self.regions_at(&agent);
+                if now_ms.saturating_sub(since) >= self.silence_ms && !regions.is_empty() {
+                    out.push(Action::GiveBack { regions, agent });
                     continue;
                 }
             }
+            let a = self.agents.entry(agent.clone()).or_default();
             if now_ms >= a.next_probe_ms {
                 a.next_probe_ms = now_ms
-                    + if a.silent_since.is_some() {
+                    + if a.away {
+                        AWAY_PROBE_EVERY_MS
+                    } else if a.silent_since.is_some() {
                         SILENT_PROBE_EVERY_MS
                     } else {
                         PROBE_EVERY_MS
@@ -508,19 +568,74 @@ mod tests {
     }
 
     #[test]
-    fn agents_are_probed_every_second_and_silent_ones_every_five() {
+    fn agents_are_probed_every_second_silent_ones_every_five_and_away_ones_every_250_ms() {
         let mut l = Lifecycle::new();
         l.adopt(1, A, "boot-1", None, 0);
         reported(&mut l);
         assert_eq!(l.due(0), vec![Action::Probe(A.into())]);
         assert!(l.due(500).is_empty());
         assert_eq!(l.due(PROBE_EVERY_MS), vec![Action::Probe(A.into())]);
+        // A probe that failed: silent, not away.
         l.unreachable(A, 1_000);
+        assert!(!l.is_away(A));
         assert!(l.due(2_000).is_empty());
+        assert!(l.away_probes_due(2_000).is_empty());
         assert_eq!(
             l.due(1_000 + SILENT_PROBE_EVERY_MS),
             vec![Action::Probe(A.into())]
         );
+        l.seen(A, Some("boot-1"), None, 1_050);
+        assert!(l.missed_deadline(A, 1_100));
+        assert!(l.due(1_100 + AWAY_PROBE_EVERY_MS - 1).is_empty());
+        assert_eq!(
+            l.due(1_100 + AWAY_PROBE_EVERY_MS),
+            vec![Action::Probe(A.into())]
+        );
+        // The quick path between ticks probes only away agents, on the same schedule.
+        assert!(l.away_probes_due(1_100 + AWAY_PROBE_EVERY_MS).is_empty());
+        assert_eq!(
+            l.away_probes_due(1_100 + 2 * AWAY_PROBE_EVERY_MS),
+            vec![A.to_string()]
+        );
+    }
+
+    /// A stalled peer costs one timeout: an agent that did not answer is away (stores
+    /// skip its regions, loads miss its bytes) from that moment until it answers
+    /// again, and an away agent is probed within 250 ms even when no own region is
+    /// there (a reader's agent), so the first call after it answers uses it.
+    #[test]
+    fn an_agent_that_did_not_answer_is_away_until_it_answers_again() {
+        let mut l = Lifecycle::new();
+        l.adopt(1, A, "boot-1", None, 0);
+        reported(&mut l);
+        assert!(!l.is_away(A));
+        assert!(l.missed_deadline(A, 2_000), "newly away: said once");
+        assert!(!l.missed_deadline(A, 2_100), "still away: not said again");
+        assert!(l.is_away(A));
+        assert!(!l.is_away(B));
+        // A reader's agent (no own region there) is probed too while away.
+        l.missed_deadline(B, 2_000);
+        let probes = |d: Vec<Action>| {
+            d.into_iter()
+                .filter_map(|a| match a {
+                    Action::Probe(x) => Some(x),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            probes(l.due(2_000 + AWAY_PROBE_EVERY_MS)),
+            vec![A.to_string(), B.to_string()]
+        );
+        // No give back for an agent without own regions, however long it is away.
+        assert!(l
+            .due(2_000 + AGENT_SILENCE_MS)
+            .iter()
+            .all(|a| !matches!(a, Action::GiveBack { agent, .. } if agent == B)));
+        // The probe's answer: back at once, on the same boot (no remap, no report).
+        assert_eq!(l.seen(A, Some("boot-1"), None, 2_600), Verdict::Same);
+        assert!(!l.is_away(A));
+        assert!(!l.must_report());
     }
 
     #[test]

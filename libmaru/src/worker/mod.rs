@@ -36,7 +36,7 @@ pub use pool::session;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::{Peer, WorkerError};
-pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo};
+pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo, MAX_QUEUED_RELEASES};
 pub use hook::{set_memory_hook, MemoryHook};
 pub use ops::{OpHandle, OpOutput};
 pub use router::{parse_server_urls, PoolRouter};

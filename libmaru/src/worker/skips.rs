@@ -16,8 +16,9 @@ pub enum SkipReason {
     NoRegion,
     /// No staging slot was free for the copy (every store slot in flight).
     NoSlot,
-    /// The pool (its maru-server) is unavailable; the handler reconnects in the
-    /// background.
+    /// The pool (its maru-server) is unavailable, the handler reconnecting in the
+    /// background; or the agent of the pages is away (it did not answer), probed
+    /// every 250 ms.
     PoolUnavailable,
     /// The engine holds `max_bytes` of regions and nothing of them could be evicted.
     MaxBytes,
@@ -50,7 +51,8 @@ impl SkipReason {
             }
             SkipReason::NoSlot => "no staging slot was free (raise store_slots)",
             SkipReason::PoolUnavailable => {
-                "the pool's maru-server is unavailable (reconnecting in the background)"
+                "the pool's maru-server is unavailable (reconnecting in the background), \
+                 or the agent of the pages does not answer (probed every 250 ms)"
             }
             SkipReason::MaxBytes => {
                 "the engine holds max_bytes of regions and nothing of them could be evicted"

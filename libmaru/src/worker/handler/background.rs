@@ -1,6 +1,7 @@
 //! The handler's background threads. `heartbeats`: heartbeats each session well within
 //! its timeout, and about once a second reopens pools that went away. `ticks`: about
-//! once a second lets each pool's mover probe its agents (the region lifecycle). Two
+//! once a second lets each pool's mover probe its agents (the region lifecycle), and
+//! every 250 ms probes the agents that are away. Two
 //! threads, so that an agent slow to answer a probe (up to its probe timeout, once per
 //! agent) never delays a session's heartbeat, and neither waits behind a request: a
 //! pool's tick and heartbeat hold no lock across a round trip to an agent.
@@ -78,13 +79,24 @@ impl Inner {
         }
     }
 
+    /// Each pool's tick about once a second; in between, every
+    /// `AWAY_PROBE_EVERY_MS`, the probes of agents that are away (a stalled agent
+    /// serves stores again within that of answering).
     pub(super) fn ticks(self: &Arc<Self>) {
-        while self.pause(Duration::from_secs(1)) {
+        use crate::worker::clock::now_ms;
+        use crate::worker::lifecycle::{AWAY_PROBE_EVERY_MS, PROBE_EVERY_MS};
+        let mut last_tick = now_ms();
+        while self.pause(Duration::from_millis(AWAY_PROBE_EVERY_MS)) {
+            let full = now_ms().saturating_sub(last_tick) >= PROBE_EVERY_MS;
+            if full {
+                last_tick = now_ms();
+            }
             for i in 0..self.pools.len() {
-                if let Some(p) = self.pool_up(i) {
-                    if let Err(e) = p.tick(crate::worker::clock::now_ms()) {
-                        self.failed(i, &p, "tick", e);
-                    }
+                let Some(p) = self.pool_up(i) else { continue };
+                if !full {
+                    p.probe_away(now_ms());
+                } else if let Err(e) = p.tick(now_ms()) {
+                    self.failed(i, &p, "tick", e);
                 }
             }
         }

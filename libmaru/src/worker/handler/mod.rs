@@ -12,6 +12,7 @@ mod data_path;
 mod in_place;
 mod pools;
 mod releases;
+pub use releases::MAX_QUEUED as MAX_QUEUED_RELEASES;
 mod slot_ops;
 
 use super::config::{BackendKind, HandlerConfig};

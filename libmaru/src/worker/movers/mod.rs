@@ -173,6 +173,14 @@ impl Mover {
         }
     }
 
+    /// Probes the agents that are away, when due (between ticks, every
+    /// `lifecycle::AWAY_PROBE_EVERY_MS`).
+    pub(crate) fn probe_away(&self, now_ms: u64) {
+        if let Mover::Remote(m) = self {
+            m.probe_away(now_ms)
+        }
+    }
+
     /// Asks every agent of own regions who it is now (before a drained close).
     pub(crate) fn check_agents(&self, now_ms: u64) {
         if let Mover::Remote(m) = self {

@@ -108,6 +108,10 @@ pub struct Taken {
     /// store frees them at maru-server and looks for others. (Pages of a closing or
     /// going region are not here: they go back with their region.)
     pub foreign: Vec<PageGrant>,
+    /// Pages not taken because their region's agent is away (it did not answer, see
+    /// `Lifecycle::unreachable`): they hold no key and stay the pool's spare pages;
+    /// their chunks are skipped at once instead of waiting on the agent.
+    pub away: Vec<PageGrant>,
 }
 
 impl Taken {
@@ -118,6 +122,7 @@ impl Taken {
         }
         self.pages.extend(more.pages);
         self.foreign.extend(more.foreign);
+        self.away.extend(more.away);
     }
 
     /// Pages taken earlier, each with its region's token then (writes in place).
@@ -610,7 +615,9 @@ impl PoolCore {
     /// Marks `pages` as being written by one store (their regions are not given back
     /// until `end_writing`) and notes each region's token. Pages of a region that is
     /// closing or going are not taken (they go back with it); pages of a region not
-    /// the pool's are not taken either, and come back in `Taken::foreign`.
+    /// the pool's are not taken either, and come back in `Taken::foreign`; pages of a
+    /// region whose agent is away are not taken, and come back in `Taken::away` (a
+    /// stalled agent costs the store that found it one timeout, later ones nothing).
     pub fn mark_writing(&mut self, pages: Vec<PageGrant>) -> Taken {
         let mut taken = Taken::default();
         for p in pages {
@@ -619,6 +626,14 @@ impl PoolCore {
                 continue;
             };
             if r.closing || r.going {
+                continue;
+            }
+            if self
+                .remote
+                .as_ref()
+                .is_some_and(|m| m.region_away(p.region_id))
+            {
+                taken.away.push(p);
                 continue;
             }
             r.writing += 1;
@@ -632,6 +647,15 @@ impl PoolCore {
             }
         }
         taken
+    }
+
+    /// Of `leases`, those whose bytes are at an agent that is away: a load misses them
+    /// at once instead of waiting on the agent (`cxl`: none).
+    pub fn leases_away(&self, leases: &[crate::wire::meta::LeaseGrant]) -> Vec<bool> {
+        leases
+            .iter()
+            .map(|l| self.remote.as_ref().is_some_and(|m| m.lease_away(l)))
+            .collect()
     }
 
     /// Pages of these regions (one entry per page) are no longer being written:
@@ -815,6 +839,15 @@ impl PoolCore {
         }
         out
     }
+}
+
+/// Whether maru-server is away, from when a call of the session was last answered and
+/// when one last ran into its deadline unanswered (`clock::now_ms`; 0: never): away
+/// from a call that met its deadline until any call (a probe, every 250 ms) is
+/// answered again. While it is away, exists answers false, stores skip and loads miss
+/// at once: a stalled maru-server costs one timeout, not one per call.
+pub fn server_away(answered_ms: u64, unanswered_ms: u64) -> bool {
+    unanswered_ms != 0 && unanswered_ms >= answered_ms
 }
 
 /// The pool core behind its one short lock, with the condition stores wait on (an

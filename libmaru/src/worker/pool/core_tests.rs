@@ -2,7 +2,7 @@
 //! and no daemon: the events a driver would feed in, the answers it would carry out.
 
 use super::core::{
-    BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan, Unkept, EXPAND_BACKOFF_MS,
+    server_away, BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan, Unkept, EXPAND_BACKOFF_MS,
 };
 use crate::net::ClientOptions;
 use crate::transport::PeerId;
@@ -641,4 +641,78 @@ fn pages_taken_in_place_are_at_most_half_the_share() {
     c.set_max_regions(Some(2));
     assert_eq!(c.in_place_room(Some(4), 64), 64, "within max_bytes");
     assert_eq!(c.in_place_room(Some(1), 1), 1, "at least one page");
+}
+
+fn lease(region: u64, agent: Option<&str>) -> crate::wire::meta::LeaseGrant {
+    crate::wire::meta::LeaseGrant {
+        lease_id: region,
+        region_id: region,
+        offset: 0,
+        length: PAGE,
+        read_token: String::new(),
+        agent: agent.map(str::to_string),
+        device: None,
+        expires_in_ms: 10_000,
+        boot_id: None,
+    }
+}
+
+/// A stalled peer costs one timeout: once an agent did not answer (a transfer, a call
+/// or a probe ran into its deadline), a store takes no page of its regions (they come
+/// back as `away`, to be kept spare, and the chunks are skipped at once) and a load
+/// misses the bytes there (own regions and other engines' alike); pages at other
+/// agents are taken as before. Once the agent answers a probe, its pages are taken
+/// again. Seen failing with the away check taken out of `mark_writing` (the store took
+/// page 0 of region 1 and would have waited on the agent) and with `lease_away`
+/// answering false (the load would have read from the away agent).
+#[test]
+fn a_store_skips_and_a_load_misses_an_agent_that_is_away_until_it_answers() {
+    const OTHER: &str = "10.0.0.2:9860";
+    let mut c = remote();
+    take_region(&mut c, 1, 128);
+    take_region_at(&mut c, 2, 128, OTHER);
+    c.remote.as_mut().unwrap().away(AGENT, 5_000, "a test");
+    let taken = c.mark_writing(vec![page(1, 0), page(2, 0)]);
+    assert_eq!(taken.pages, vec![page(2, 0)], "only the answering agent's");
+    assert_eq!(taken.away, vec![page(1, 0)], "back to be kept spare");
+    assert!(taken.foreign.is_empty());
+    assert_eq!(
+        c.leases_away(&[
+            lease(1, Some(AGENT)),
+            lease(2, Some(OTHER)),
+            lease(9, Some(AGENT))
+        ]),
+        vec![true, false, true],
+        "own region 1 and another engine's region 9 at the away agent miss"
+    );
+    // The probe's answer, on the same boot: used again at once.
+    c.remote
+        .as_mut()
+        .unwrap()
+        .seen(AGENT, Some("boot-1"), None, 5_300)
+        .unwrap();
+    let again = c.mark_writing(vec![page(1, 1)]);
+    assert_eq!(again.pages, vec![page(1, 1)]);
+    assert!(again.away.is_empty());
+    assert_eq!(c.leases_away(&[lease(1, Some(AGENT))]), vec![false]);
+}
+
+/// A stalled maru-server costs one timeout: away from the first call that ran into its
+/// deadline until a call is answered again (whichever came last counts; one in the
+/// same millisecond as the timeout keeps it away until the next probe). Seen failing
+/// with `server_away` answering false (the test through the daemons then waited the
+/// timeout on every call).
+#[test]
+fn maru_server_is_away_from_a_call_unanswered_until_one_is_answered() {
+    assert!(!server_away(1_000, 0), "never unanswered");
+    assert!(!server_away(1_000, 900), "answered since");
+    assert!(
+        server_away(1_000, 1_200),
+        "unanswered after the last answer"
+    );
+    assert!(
+        server_away(1_200, 1_200),
+        "the same millisecond: away until a probe"
+    );
+    assert!(!server_away(1_450, 1_200), "a probe answered");
 }

@@ -202,7 +202,9 @@ impl StoragePool {
         }
         let taken = Taken::of(writes.iter().map(|w| (w.page.page, w.page.token.clone())));
         let mut result = vec![false; writes.len()];
-        let plan = self.recheck(&pages, &vec![true; writes.len()], &taken)?;
+        // One deadline for this publish's calls: the re-check's reports and the publish.
+        let by = self.deadline();
+        let plan = self.recheck(&pages, &vec![true; writes.len()], &taken, by)?;
         if plan.lost > 0 {
             log::warn!(
                 "pool {}: {} chunk(s) written in place not published: their region was lost (or taken again) meanwhile",
@@ -232,7 +234,7 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries, self.deadline());
+        let (answer, back) = self.send_publish(plan.ticket, entries, by);
         // Not answered: the keys may be published, so their pages stay out of use.
         answer?;
         for &k in &plan.publish {

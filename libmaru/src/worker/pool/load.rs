@@ -124,10 +124,36 @@ impl StoragePool {
         keep: Option<&mut Vec<u64>>,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: a miss at once.
+            self.core.lock().stats.misses += keys.len() as u64;
+            return Ok(0);
+        }
         let leases = self.session.acquire_by(keys, by)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
-        read(&found, &grants, self, by);
+        // Bytes at an agent that is away miss at once (their leases are released as
+        // the others are): a stalled agent costs the call that found it one timeout.
+        let away = self.core.lock().leases_away(&grants);
+        let away_n = away.iter().filter(|&&a| a).count();
+        if away_n == 0 {
+            read(&found, &grants, self, by);
+        } else {
+            let (ix, readable): (Vec<usize>, Vec<LeaseGrant>) = found
+                .iter()
+                .zip(&grants)
+                .zip(&away)
+                .filter(|(_, &a)| !a)
+                .map(|((&i, g), _)| (i, g.clone()))
+                .unzip();
+            if !readable.is_empty() {
+                read(&ix, &readable, self, by);
+            }
+            log::debug!(
+                "pool {}: {away_n} chunk(s) missed: their agent is away",
+                self.session.url
+            );
+        }
         {
             let mut c = self.core.lock();
             if let Some(e) = c.remote.as_mut().and_then(|r| r.take_read_error()) {
@@ -140,9 +166,9 @@ impl StoragePool {
             None => self.release_leases_by(ids.collect(), by),
         }
         // A reboot found by this read: every reader misses those keys from now on.
-        self.report_boots()?;
-        self.core.lock().stats.misses += (keys.len() - found.len()) as u64;
-        Ok(found.len())
+        self.report_boots(by)?;
+        self.core.lock().stats.misses += (keys.len() - found.len() + away_n) as u64;
+        Ok(found.len() - away_n)
     }
 
     /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held
@@ -153,6 +179,11 @@ impl StoragePool {
         keys: &[String],
         by: Deadline,
     ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: a miss at once.
+            self.core.lock().stats.misses += keys.len() as u64;
+            return Ok(vec![None; keys.len()]);
+        }
         let mut out = Vec::with_capacity(keys.len());
         for part in keys.chunks(self.max_batch) {
             let leases = self.session.acquire_by(part, by)?;

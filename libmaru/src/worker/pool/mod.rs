@@ -243,7 +243,7 @@ impl StoragePool {
             self.adopt_region(&r, self.deadline())?;
             self.core.lock().adopted(&r);
         }
-        self.report_boots()
+        self.report_boots(self.deadline())
     }
 
     /// Bounds each request's waits on agents by `timeout` from its start (10 s by
@@ -309,10 +309,10 @@ impl StoragePool {
     /// Tells maru-server the boot ids of the own regions (a heartbeat) when it must
     /// hear them before anything else is published (a new region, or a memory node
     /// that rebooted: maru-server then drops that region's keys).
-    fn report_boots(&self) -> Result<(), WorkerError> {
+    fn report_boots(&self, by: Deadline) -> Result<(), WorkerError> {
         let must = self.core.lock().must_report();
         if must {
-            self.heartbeat()?;
+            self.beat(by)?;
         }
         Ok(())
     }
@@ -347,6 +347,10 @@ impl StoragePool {
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: false at once.
+            return Ok(vec![false; keys.len()]);
+        }
         self.per_batch(keys, |s, k, by| s.exists_by(k, by))
     }
 
@@ -370,10 +374,20 @@ impl StoragePool {
     /// or by their last writer). A report of a reboot waits (until a request's
     /// timeout) for the publishes re-checked before the reboot was found: maru-server
     /// drops their keys with the others. No lock is held across the round trip.
+    ///
+    /// Outside a request (the heartbeat thread, a close): by the session's own call
+    /// timeout. A request's heartbeat (a store's re-check, a load that found a reboot)
+    /// is `beat` with the request's deadline.
     pub fn heartbeat(&self) -> Result<(), WorkerError> {
+        self.beat(self.session.call_deadline())
+    }
+
+    /// The heartbeat, every wait of it (publishes a reboot's report waits for, the
+    /// round trip) by `by`.
+    pub(crate) fn beat(&self, by: Deadline) -> Result<(), WorkerError> {
         let check = self
             .core
-            .wait_while(self.deadline(), |c| c.heartbeat_begin() == BeatCheck::Wait)
+            .wait_while(by, |c| c.heartbeat_begin() == BeatCheck::Wait)
             .heartbeat_begin();
         let (boots, regions) = match check {
             BeatCheck::Go { boots, regions } => (boots, regions),
@@ -386,7 +400,9 @@ impl StoragePool {
             }
         };
         let skipped = self.core.lock().stats.skipped;
-        let reply = self.session.heartbeat(boots.clone(), regions, skipped)?;
+        let reply = self
+            .session
+            .heartbeat(boots.clone(), regions, skipped, by)?;
         let gone = self.core.lock().heartbeat_answered(&boots, &reply);
         self.core.notify();
         for id in &reply.rebooted_regions {
@@ -428,6 +444,19 @@ impl StoragePool {
         }
     }
 
+    /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): the mover probes the
+    /// agents that are away, so that one answering again serves the next store.
+    /// maru-server too, when it is away (an `exists` of no key, 1 s at most).
+    pub fn probe_away(&self, now_ms: u64) {
+        self.mover.probe_away(now_ms);
+        if self.session.away() {
+            let by = Deadline::after(Duration::from_secs(1));
+            if let Err(e) = self.session.ping(by) {
+                log::debug!("pool {}: maru-server still away: {e}", self.session.url);
+            }
+        }
+    }
+
     /// Periodic work (about once a second): the mover probes the agents of own
     /// regions (without any pool lock: a probe of an agent slow to answer holds no
     /// request); regions whose agent stayed silent too long go back to maru-server
@@ -461,7 +490,7 @@ impl StoragePool {
                 Err(e) => return Err(e),
             }
         }
-        self.report_boots()
+        self.report_boots(self.session.call_deadline())
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's

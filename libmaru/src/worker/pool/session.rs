@@ -51,6 +51,10 @@ pub struct Session {
     /// When maru-server last answered a call of this session (`clock::now_ms`): one
     /// out of reach for longer than the session timeout has expired the session.
     answered_ms: AtomicU64,
+    /// When a call of this session last ran into its deadline without an answer (0:
+    /// never): maru-server is away while this is not older than `answered_ms` (see
+    /// `core::server_away`).
+    unanswered_ms: AtomicU64,
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
     asked: Mutex<Vec<u64>>,
@@ -131,6 +135,7 @@ impl Session {
             first_region: s.region,
             session_timeout_ms: s.session_timeout_ms,
             answered_ms: AtomicU64::new(now_ms()),
+            unanswered_ms: AtomicU64::new(0),
             asked: Mutex::new(Vec::new()),
             share_regions: AtomicU64::new(0),
         })
@@ -182,7 +187,7 @@ impl Session {
     }
 
     /// The session's own call timeout from now (calls made outside a request).
-    fn own_deadline(&self) -> Deadline {
+    pub(crate) fn call_deadline(&self) -> Deadline {
         let limit = self
             .links
             .lock()
@@ -194,7 +199,7 @@ impl Session {
     /// A call outside any request (heartbeat, close, giving pages, leases or regions
     /// back): bounded by the session's own call timeout.
     fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        self.call_by(req, self.own_deadline())
+        self.call_by(req, self.call_deadline())
     }
 
     /// A call made for a request: waiting for a free link, connecting, the request
@@ -216,10 +221,38 @@ impl Session {
         }
         let r = link.call_within::<_, MetaReply>(req, left);
         self.give_link(link);
-        if !matches!(r, Err(LinkError::Unreachable(_))) {
+        let was_away = self.away();
+        if let Err(LinkError::Unreachable(e)) = &r {
+            self.unanswered_ms.store(now_ms().max(1), Ordering::Relaxed);
+            if !was_away {
+                log::warn!(
+                    "maru-server at {} did not answer ({e}): exists answers false, stores skip and loads miss at once until a probe (every {} ms) sees it answer",
+                    self.url,
+                    crate::worker::lifecycle::AWAY_PROBE_EVERY_MS
+                );
+            }
+        } else {
             self.answered_ms.store(now_ms(), Ordering::Relaxed);
+            if was_away {
+                log::warn!("maru-server at {} answers again", self.url);
+            }
         }
         r.map_err(|e| self.error_of(e))
+    }
+
+    /// Whether maru-server is away: a call ran into its deadline after its last
+    /// answer (`core::server_away`). Exists, stores and loads of the pool do not wait
+    /// on it then; a probe (`ping`) every 250 ms finds it answering again.
+    pub fn away(&self) -> bool {
+        super::core::server_away(
+            self.answered_ms.load(Ordering::Relaxed),
+            self.unanswered_ms.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The cheapest call (an `exists` of no key), by `by`: whether maru-server answers.
+    pub(crate) fn ping(&self, by: Deadline) -> Result<(), WorkerError> {
+        self.exists_by(&[], by).map(|_| ())
     }
 
     /// maru-server asked for these regions back on a reply (any call of a storing
@@ -296,7 +329,7 @@ impl Session {
         if pages.is_empty() {
             return Ok(());
         }
-        let by = self.own_deadline();
+        let by = self.call_deadline();
         let what = format!("free_pages at maru-server {}", self.url);
         let guard = self.unkeyed.enter(by, &what)?;
         // Not held from here, whatever the answer: the worker does not use them again.
@@ -503,7 +536,7 @@ impl Session {
 
     /// As `expand_by`, within the session's call timeout from now.
     pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
-        self.expand_by(self.own_deadline())
+        self.expand_by(self.call_deadline())
     }
 
     /// As `alloc_by`, within the session's call timeout from now.
@@ -512,47 +545,47 @@ impl Session {
         count: u32,
         route_key: Option<&str>,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        self.alloc_by(count, route_key, self.own_deadline())
+        self.alloc_by(count, route_key, self.call_deadline())
     }
 
     /// As `publish_by`, within the session's call timeout from now.
     pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        self.publish_by(entries, self.own_deadline())
+        self.publish_by(entries, self.call_deadline())
     }
 
     /// As `exists_by`, within the session's call timeout from now.
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.exists_by(keys, self.own_deadline())
+        self.exists_by(keys, self.call_deadline())
     }
 
     /// As `acquire_by`, within the session's call timeout from now.
     pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        self.acquire_by(keys, self.own_deadline())
+        self.acquire_by(keys, self.call_deadline())
     }
 
     /// As `remove_by`, within the session's call timeout from now.
     pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
-        self.remove_by(keys, self.own_deadline())
+        self.remove_by(keys, self.call_deadline())
     }
 
     /// As `victims_by`, within the session's call timeout from now.
     pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
-        self.victims_by(max, self.own_deadline())
+        self.victims_by(max, self.call_deadline())
     }
 
     /// As `pin_by`, within the session's call timeout from now.
     pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.pin_by(keys, self.own_deadline())
+        self.pin_by(keys, self.call_deadline())
     }
 
     /// As `unpin_by`, within the session's call timeout from now.
     pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.unpin_by(keys, self.own_deadline())
+        self.unpin_by(keys, self.call_deadline())
     }
 
     /// As `release_leases_by`, within the session's call timeout from now.
     pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
-        self.release_leases_by(ids, self.own_deadline())
+        self.release_leases_by(ids, self.call_deadline())
     }
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
@@ -567,6 +600,7 @@ impl Session {
         boot_ids: BTreeMap<u64, String>,
         regions: Vec<u64>,
         skipped: crate::wire::meta::SkipCounts,
+        by: Deadline,
     ) -> Result<HeartbeatReply, WorkerError> {
         let now = now_ms();
         // More than a request carries (leases of two runs at once): say nothing, and
@@ -584,14 +618,17 @@ impl Session {
                     .collect()
             })
         });
-        let r = self.call(&MetaRequest::Heartbeat {
-            session: self.id,
-            boot_ids,
-            regions,
-            leases,
-            skipped: Some(skipped),
-            held_pages: None,
-        });
+        let r = self.call_by(
+            &MetaRequest::Heartbeat {
+                session: self.id,
+                boot_ids,
+                regions,
+                leases,
+                skipped: Some(skipped),
+                held_pages: None,
+            },
+            by,
+        );
         match r {
             Ok(MetaReply::Heartbeat(h)) => {
                 for &rid in &h.unknown_regions {
@@ -623,7 +660,7 @@ impl Session {
     /// flight past the session's call timeout, maru-server out of reach) is sent
     /// again when the next heartbeat reply asks again.
     fn report_held(&self) {
-        let by = self.own_deadline();
+        let by = self.call_deadline();
         let r = self.unkeyed.report(by, |pages| {
             let n = pages.len();
             let r = self.call_by(

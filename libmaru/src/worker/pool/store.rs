@@ -72,7 +72,8 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<Taken, WorkerError> {
         let mut taken = Taken::default();
-        // Chunks `find_pages` found no page for (it counted them as skipped).
+        // Chunks `find_pages` found no page for (it counted them as skipped), and
+        // chunks whose page is at an agent that is away.
         let mut counted = 0;
         let mut strays = 0;
         for _ in 0..TAKE_ROUNDS {
@@ -85,9 +86,19 @@ impl StoragePool {
             counted += short;
             let mut more = self.core.lock().mark_writing(pages);
             let foreign = std::mem::take(&mut more.foreign);
+            let away = std::mem::take(&mut more.away);
             strays = foreign.len();
             taken.merge(more);
             self.free_foreign(foreign);
+            if !away.is_empty() {
+                counted += away.len();
+                self.count_skip(
+                    SkipReason::PoolUnavailable,
+                    away.len() as u64,
+                    "the agent of their pages is away (it did not answer); skipped at once until a probe sees it answer",
+                );
+                self.keep_spare(away);
+            }
             if strays == 0 || short > 0 {
                 break;
             }
@@ -525,6 +536,15 @@ impl StoragePool {
                 )));
             }
         }
+        if self.session.away() {
+            // maru-server did not answer a call by its deadline: skip at once.
+            self.count_skip(
+                SkipReason::PoolUnavailable,
+                keys.len() as u64,
+                "maru-server is away (it did not answer); skipped at once until a probe sees it answer",
+            );
+            return Ok(vec![false; keys.len()]);
+        }
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
         let present = self.session.exists_by(&owned, by)?;
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
@@ -568,12 +588,14 @@ impl StoragePool {
     /// The core's re-check of a publish (see `PoolCore::publish_begin`), after
     /// maru-server heard the boot ids of the regions it writes into: reported first
     /// when needed (a region adopted for this store, or a reboot found), at most
-    /// `REPORT_TRIES` times; regions other stores adopt meanwhile do not hold it back.
+    /// `REPORT_TRIES` times, every report by the store's deadline `by`; regions other
+    /// stores adopt meanwhile do not hold it back.
     pub(super) fn recheck(
         &self,
         pages: &[PageGrant],
         ok: &[bool],
         taken: &Taken,
+        by: Deadline,
     ) -> Result<super::core::PublishPlan, WorkerError> {
         for round in 0..=REPORT_TRIES {
             let give_up = round == REPORT_TRIES;
@@ -581,7 +603,7 @@ impl StoragePool {
                 PublishCheck::Go(plan) => return Ok(plan),
                 PublishCheck::Report => {}
             }
-            self.heartbeat()?;
+            self.beat(by)?;
         }
         Ok(super::core::PublishPlan::default())
     }
@@ -638,7 +660,7 @@ impl StoragePool {
             hook(self, &taken.pages);
         }
         let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
-        let mut plan = self.recheck(&pages, ok, taken)?;
+        let mut plan = self.recheck(&pages, ok, taken, by)?;
         if self.hooks.unfenced && !plan.unused.is_empty() {
             plan.held += plan.unused.len();
             plan.unused.clear();

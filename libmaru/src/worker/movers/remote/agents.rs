@@ -75,8 +75,58 @@ impl RemoteState {
         epoch: Option<u64>,
         now_ms: u64,
     ) -> Result<Verdict, WorkerError> {
+        let was_away = self.life.is_away(addr);
         let v = self.life.seen(addr, boot, epoch, now_ms);
+        if was_away && !self.life.is_away(addr) {
+            log::warn!(
+                "agent {addr} answers again: stores into its regions and loads from it go on"
+            );
+        }
         self.on_verdict(addr, v.clone()).map(|()| v)
+    }
+
+    /// `addr` did not answer (`why`): away until it answers again (see
+    /// `Lifecycle::unreachable`): stores into its regions skip and loads from it miss
+    /// at once, without waiting on it; said once per absence.
+    pub(crate) fn away(&mut self, addr: &str, now_ms: u64, why: &str) {
+        if self.life.missed_deadline(addr, now_ms) {
+            log::warn!(
+                "agent {addr} did not answer ({why}): stores into its regions are skipped and loads from it miss, at once, until a probe (every {} ms) sees it answer; its regions go back to maru-server if it stays silent {} s",
+                crate::worker::lifecycle::AWAY_PROBE_EVERY_MS,
+                crate::worker::lifecycle::AGENT_SILENCE_MS / 1000
+            );
+        }
+    }
+
+    /// Whether `agent` is away: it did not answer a call, connect or probe and has not
+    /// answered since (`Lifecycle::is_away`), or its data connection keeps slots of a
+    /// transfer that did not finish by its deadline and no fence of it succeeded yet
+    /// (the control connection may answer while the data path does not: a half-open
+    /// data port). Stores skip its regions and loads miss its bytes, at once.
+    pub(crate) fn agent_away(&self, agent: &str) -> bool {
+        self.life.is_away(agent)
+            || self
+                .agents
+                .get(agent)
+                .and_then(|c| c.peer)
+                .is_some_and(|p| self.iso.holds(p))
+    }
+
+    /// Whether own region `region` is at an agent that is away.
+    pub(crate) fn region_away(&self, region: u64) -> bool {
+        self.own
+            .get(&region)
+            .is_some_and(|r| self.agent_away(&r.agent))
+    }
+
+    /// Whether a lease's bytes are at an agent that is away (its own region's agent,
+    /// or the agent maru-server named).
+    pub(crate) fn lease_away(&self, l: &LeaseGrant) -> bool {
+        let agent = match self.own.get(&l.region_id) {
+            Some(r) => Some(r.agent.as_str()),
+            None => l.agent.as_deref(),
+        };
+        agent.is_some_and(|a| self.agent_away(a))
     }
 
     /// Carries out what the lifecycle made of an agent's identity: a restart or a
@@ -145,7 +195,8 @@ impl RemoteState {
             Err(e) => {
                 match crate::worker::warn_limit::allow(addr, "agent_silent") {
                     Some(n) => log::warn!(
-                        "agent {addr} did not answer a probe ({e}): stores into its regions are skipped and loads from it miss while it does not answer; its regions go back to maru-server if it stays silent{}",
+                        "agent {addr} did not answer a probe ({e}); its regions go back to maru-server if it stays silent {} s{}",
+                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000,
                         crate::worker::warn_limit::held_back(n)
                     ),
                     None => log::debug!("agent {addr} did not answer a probe: {e}"),
@@ -219,7 +270,7 @@ impl RemoteState {
     pub(super) fn unready(&mut self, agents: impl IntoIterator<Item = String>) -> Vec<String> {
         let mut out: Vec<String> = agents
             .into_iter()
-            .filter(|a| self.agent(a).peer.is_none() || self.remap_due(a))
+            .filter(|a| !self.agent_away(a) && (self.agent(a).peer.is_none() || self.remap_due(a)))
             .collect();
         out.sort();
         out.dedup();
@@ -239,6 +290,15 @@ impl RemoteState {
     /// boot the key was written under (else the memory node rebooted and maru-server
     /// has not heard it yet: the bytes are stale).
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
+        if self.lease_away(l) {
+            return Err(WorkerError::unavailable(
+                Peer::Agent(l.agent.clone().unwrap_or_default()),
+                format!(
+                    "region {}: its agent is away (it did not answer): a miss until it answers again",
+                    l.region_id
+                ),
+            ));
+        }
         let t = self.locate(l)?;
         if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
             return Err(WorkerError::unavailable(
@@ -300,8 +360,9 @@ impl RemoteState {
             if self.own.contains_key(&l.region_id) || self.reads.contains_key(&range(l)) {
                 continue;
             }
-            // No agent named: `locate` says so when the window is planned.
-            let Some(agent) = l.agent.as_deref() else {
+            // No agent named: `locate` says so when the window is planned. An agent
+            // away is not asked (`read_target` says so).
+            let Some(agent) = l.agent.as_deref().filter(|a| !self.agent_away(a)) else {
                 continue;
             };
             let at = match out.iter().position(|t| t.agent == agent) {
@@ -332,7 +393,7 @@ impl RemoteState {
             self.link_broke(agent);
         }
         if got.unreachable {
-            self.life.unreachable(agent, now_ms);
+            self.away(agent, now_ms, "a map_read within the request's timeout");
         }
         for (l, m) in got.mapped {
             if let Err(e) = self.seen(agent, Some(&m.boot_id), None, now_ms) {
@@ -398,15 +459,15 @@ fn map_read_request(l: &LeaseGrant) -> AgentRequest {
 /// agent has (an unmap of no region: nothing changes); who answers is in the welcome
 /// of the connection, checked on every probe, so a restart is seen as soon as the old
 /// connection is found dead and a new one made.
-fn ping(link: &mut Link) -> Result<(Option<String>, Option<u64>), LinkError> {
+fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64>), LinkError> {
     let ping = AgentRequest::Unmap {
         region_id: u64::MAX,
     };
     let was = link.is_connected();
-    let mut r = link.call::<_, AgentReply>(&ping);
+    let mut r = link.call_within::<_, AgentReply>(&ping, within);
     if r.is_err() && was && !link.is_connected() {
         // The old connection was dead (a restart, say): once more on a fresh one.
-        r = link.call::<_, AgentReply>(&ping);
+        r = link.call_within::<_, AgentReply>(&ping, within);
     }
     r?;
     link.client().map(|c| welcome_identity(c))
@@ -476,7 +537,7 @@ impl RemoteMover {
             match who {
                 Ok((boot, epoch)) => st.seen(addr, boot.as_deref(), epoch, now).map(|_| ()),
                 Err(e) => {
-                    st.life.unreachable(addr, now);
+                    st.away(addr, now, &format!("a connect: {e}"));
                     Err(at(addr, e))
                 }
             }
@@ -510,8 +571,8 @@ impl RemoteMover {
                 }
             }
         }
-        if let Err(LinkError::Unreachable(_)) = &r {
-            self.lock().life.unreachable(addr, now_ms());
+        if let Err(LinkError::Unreachable(e)) = &r {
+            self.lock().away(addr, now_ms(), &format!("a call: {e}"));
         }
         r.map_err(|e| at(addr, e))
     }
@@ -663,6 +724,15 @@ impl RemoteMover {
                 grant.handle.region_id
             ))
         })?;
+        if self.lock().agent_away(&agent) {
+            return Err(WorkerError::unavailable(
+                Peer::Agent(agent),
+                format!(
+                    "region {}: its agent is away (it did not answer): not mapped until it answers again",
+                    grant.handle.region_id
+                ),
+            ));
+        }
         let req = AgentRequest::Map {
             handle: grant.handle.clone(),
             writable: true,
@@ -727,6 +797,20 @@ impl RemoteMover {
         }
     }
 
+    /// Probes the agents that are away and due (see `Lifecycle::away_probes_due`),
+    /// between the pool's ticks, so that one that answers again serves the next store.
+    /// Peers that keep slots are fenced too: a fence that succeeds is what tells a
+    /// data connection that answers again (and gives the slots back).
+    pub(crate) fn probe_away(&self, now_ms: u64) {
+        let due = self.lock().life.away_probes_due(now_ms);
+        for a in due {
+            self.probe(&a, now_ms);
+        }
+        if !self.lock().iso.to_fence().is_empty() {
+            self.reclaim(Deadline::after(TICK_FENCE_WAIT));
+        }
+    }
+
     /// Probes the agents of the own regions now.
     pub(crate) fn check_agents(&self, now_ms: u64) {
         let mut agents: Vec<String> = self.lock().own.values().map(|r| r.agent.clone()).collect();
@@ -757,9 +841,18 @@ impl RemoteMover {
     /// without the state's lock: an agent slow to answer (up to `PROBE_TIMEOUT` to
     /// connect and as much to reply) holds the tick, not the handler's requests.
     /// What it found is fed to the lifecycle under the lock.
+    ///
+    /// An agent that is away is given a request's timeout to answer (a busy agent is
+    /// not a stalled one, and a probe waiting when a stalled one goes on sees it at
+    /// once); the others `PROBE_TIMEOUT`.
     fn probe(&self, addr: &str, now: u64) {
+        let within = if self.lock().life.is_away(addr) {
+            self.timeout.max(PROBE_TIMEOUT)
+        } else {
+            PROBE_TIMEOUT
+        };
         let link = self.probe_link(addr);
-        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()));
+        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()), within);
         self.lock().probed(addr, now, who);
     }
 

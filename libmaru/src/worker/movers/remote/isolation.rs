@@ -62,6 +62,12 @@ impl Isolation {
         self.kept.push((peer, slots));
     }
 
+    /// Whether `peer` keeps slots and no fence of it succeeded yet: its data
+    /// connection did not answer, and its agent counts as away until it does.
+    pub fn holds(&self, peer: PeerId) -> bool {
+        !self.fenced.contains(&peer) && self.kept.iter().any(|(p, _)| *p == peer)
+    }
+
     /// Slots kept now.
     #[cfg(test)]
     pub fn kept_slots(&self) -> usize {

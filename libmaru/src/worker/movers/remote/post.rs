@@ -228,6 +228,16 @@ impl RemoteState {
                     (false, s)
                 }
                 PeerOutcome::Kept(p, slots) => {
+                    // Its agent is away from now until a fence of p succeeds
+                    // (`agent_away`): the next calls skip or miss at once instead of
+                    // waiting on it too. Said once.
+                    match self.agent_of_peer(p) {
+                        Some(agent) if !self.agent_away(&agent) => log::warn!(
+                            "agent {agent}: a transfer did not finish by the request's deadline: stores into its regions are skipped and loads from it miss, at once, until a fence of its data connection succeeds (tried every {} ms)",
+                            crate::worker::lifecycle::AWAY_PROBE_EVERY_MS
+                        ),
+                        _ => {}
+                    }
                     // The NIC may still move bytes into them: kept until p is fenced.
                     self.iso.keep(p, slots);
                     any_kept = true;
@@ -279,6 +289,14 @@ impl RemoteState {
             .collect()
     }
 
+    /// The agent `peer` is the data connection of.
+    fn agent_of_peer(&self, peer: PeerId) -> Option<String> {
+        self.agents
+            .iter()
+            .find(|(_, c)| c.peer == Some(peer))
+            .map(|(a, _)| a.clone())
+    }
+
     /// The peer of `agent`, if it is connected.
     fn peer_of(&self, agent: &str) -> Option<PeerId> {
         self.agents.get(agent).and_then(|c| c.peer)
@@ -305,7 +323,7 @@ impl RemoteState {
             let target = self
                 .own
                 .get(&page.region_id)
-                .filter(|_| usable)
+                .filter(|r| usable && !self.agent_away(&r.agent))
                 .map(|r| (r.agent.clone(), r.map.addr, r.map.rkey));
             let Some((agent, addr, rkey)) = target else {
                 out[i].slot = Some(slot);
@@ -764,6 +782,74 @@ mod tests {
         assert!(
             plan(&mut st, 1).group.batches.is_empty(),
             "its node rebooted: neither read nor written until maru-server knows"
+        );
+    }
+
+    /// A stalled peer costs one timeout: a batch still pending at the request's
+    /// deadline (kept until its peer is fenced) makes its agent away, and the next
+    /// window plans no WRITE to it (the slot comes back at once) and does not try to
+    /// make it ready, until a fence of that peer succeeds; the agent's control
+    /// connection answering (a welcome, a probe) is not enough (a half-open data
+    /// port). Seen failing with `holds` answering false (the next window posted to the
+    /// silent peer again).
+    #[test]
+    fn a_batch_pending_at_its_deadline_makes_its_agent_away_until_its_fence() {
+        let sl = staging(4);
+        let t = FaultTransport {
+            silent: [5].into(),
+            ..Default::default()
+        };
+        let mut st = state();
+        st.adopted(&grant(1, "a:1"), "a:1", mapped(1, "boot-1"), 0)
+            .unwrap();
+        st.agent("a:1").peer = Some(PeerId(5));
+        let outcomes = post(
+            &t,
+            vec![batch(&sl, 5, 1, OpKind::Write)],
+            Deadline::after(Duration::from_millis(1)),
+        )
+        .finish(&t);
+        let mut out = vec![SlotOutcome {
+            ok: false,
+            slot: None,
+        }];
+        let s = st.settle(&[vec![0]], vec![PeerId(5)], true, outcomes, &mut out);
+        assert!(s.kept);
+        assert!(st.agent_away("a:1") && st.region_away(1));
+        let page = PageGrant {
+            region_id: 1,
+            page: 1,
+            offset: 4096,
+            length: 4096,
+        };
+        let plan = |st: &mut RemoteState| {
+            st.post_writes(vec![0], sl.try_acquire(SlotPool::Store, 1), &|_| (page, 32))
+        };
+        let p = plan(&mut st);
+        assert!(
+            p.group.batches.is_empty(),
+            "nothing posted to the away agent"
+        );
+        assert!(p.out[0].slot.is_some(), "its slot back at once");
+        drop(p);
+        assert!(st.unready(["a:1".to_string()]).is_empty(), "not made ready");
+        st.seen("a:1", Some("boot-1"), None, 7_250).unwrap();
+        assert!(
+            st.agent_away("a:1"),
+            "the control connection answering is not enough"
+        );
+        // A fence that failed proves nothing; one that succeeded ends it.
+        assert!(!st
+            .iso
+            .record_fence(PeerId(5), &Err(TransportError::NoPeer(PeerId(5)))));
+        assert!(st.agent_away("a:1"));
+        assert!(st.iso.record_fence(PeerId(5), &Ok(())));
+        drop(st.iso.release(&[PeerId(5)]));
+        assert!(!st.agent_away("a:1"));
+        assert_eq!(
+            plan(&mut st).group.batches.len(),
+            1,
+            "answering again: written"
         );
     }
 }
