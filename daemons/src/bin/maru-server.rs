@@ -77,8 +77,9 @@ struct Serve {
     rm_key_file: Option<PathBuf>,
     /// Key every client proves before any request (hex key file, mode 0600), default
     /// ~/.maru/server.key. Created (0600) if missing, so the first start makes the key
-    /// the workers are then given (MARU_SERVER_KEY_FILE, or server_key_file in their
-    /// configuration). Its holders are the tenant `default`: every namespace no tenant
+    /// the workers are then given (server_key_file in their configuration, else
+    /// MARU_SERVER_KEY_FILE, else a worker on this host under the same user finds
+    /// ~/.maru/server.key itself when it is mode 0600). Its holders are the tenant `default`: every namespace no tenant
     /// of --tenants writes, and the operator's view of every session (stats, usage).
     #[arg(long, env = "MARU_SERVER_KEY_FILE", conflicts_with = "insecure_no_key")]
     key_file: Option<PathBuf>,
