@@ -472,7 +472,16 @@ fn main() {
     let mut server = Server::bind(addr, a.net.options_with_keys(keyring), clock)
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
-    let metrics = Arc::new(Metrics::new("server", SERVER_GAUGES).with_totals(SERVER_TOTALS));
+    let mut gauges = SERVER_GAUGES.to_vec();
+    gauges.push((
+        "max_sessions",
+        "Most live sessions, all tenants together (--max-sessions)",
+    ));
+    let metrics = Arc::new(Metrics::new("server", &gauges).with_totals(SERVER_TOTALS));
+    metrics.set(
+        "max_sessions",
+        i64::try_from(a.max_sessions).unwrap_or(i64::MAX),
+    );
     serve_metrics(metrics_addr, &metrics, &server);
     log::info!(
         "maru-server listening on {bound}, RM {}, agents {:?}",
