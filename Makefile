@@ -22,6 +22,8 @@ help:
 	@echo "make docs-check     - run the shell commands of README.md and docs/ as written"
 	@echo "make install        - libmaru.so.0, libmaru.a, maru.h, maru.pc, daemons, units, env files; no keys (the daemons make theirs on first start) (PREFIX=, DESTDIR=, LIBDIR=lib64 or lib/x86_64-linux-gnu; STRIP=0 keeps debug info; WORKER=1: library only; STANDALONE=1: agent without a local RM; METADATA=1: maru-server node)"
 	@echo "make uninstall      - remove what make install put under PREFIX (and DESTDIR); /etc/maru and /var/lib/maru are kept"
+	@echo "make wheel          - the maru wheel: abi3, libmaru inside and stripped, repaired by auditwheel to a manylinux tag (target/wheels/); make test-wheel runs the Python tests against it installed in a fresh venv"
+	@echo "make test-prometheus - Debian's prometheus scrapes every daemon with deploy/prometheus/ and deploy/grafana/: targets up, every named metric exported, promtool checks"
 	@echo "make deb            - Debian packages libmaru0, libmaru-dev, maru-memory-node, maru-metadata-node, maru-dbg (target/debian/); make deb-test installs, runs and purges them (root)"
 
 deps:

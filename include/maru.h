@@ -493,7 +493,8 @@ maru_status_t maru_set_memory_hook_auto(void);
 /**
  * Opens a handler from a JSON configuration (docs/configuration.md): `backend`
  * (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
- * file, maru-server key file (`server_key_file`, default `MARU_SERVER_KEY_FILE`),
+ * file, maru-server key file (`server_key_file`, else `MARU_SERVER_KEY_FILE`, else
+ * `~/.maru/server.key` when it exists),
  * transport, staging slot counts, `timeout_ms`. On success `*out` is the new
  * handler.
  *

@@ -18,7 +18,7 @@ vllm-venv:
 
 test-vllm: deps
 	$(CARGO) build -p maru -p maru-daemons --bins --lib
-	MARU_VLLM_VENV=$(VLLM_VENV) examples/vllm/run.sh adapters $(DEBUG_DIR)
+	MARU_VLLM_VENV=$(VLLM_VENV) scripts/cpu-hog.sh examples/vllm/run.sh adapters $(DEBUG_DIR)
 	MARU_VLLM_VENV=$(VLLM_VENV) examples/vllm/run.sh e2e $(DEBUG_DIR)
 
 demo-vllm: deps

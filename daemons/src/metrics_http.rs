@@ -253,12 +253,21 @@ pub fn serve(
     metrics: Arc<Metrics>,
     started: Instant,
 ) -> std::io::Result<SocketAddr> {
+    serve_render(addr, move || {
+        metrics.render(started.elapsed().as_secs_f64())
+    })
+}
+
+/// [`serve`] with any renderer of the text format (`maru-usage --metrics`).
+pub fn serve_render(
+    addr: SocketAddr,
+    render: impl Fn() -> String + Send + 'static,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     std::thread::Builder::new()
         .name("maru-metrics".into())
         .spawn(move || {
-            let render = || metrics.render(started.elapsed().as_secs_f64());
             if let Err(e) = run(listener, &render) {
                 log::error!("metrics: the scrape loop stopped: {e}; /metrics is no longer served");
             }

@@ -10,7 +10,10 @@ this package's maru / maru_lmcache, one role per process:
 
 The backend is the MARU_STORAGE_BACKEND environment variable (cxl or remote_cxl; the
 agent key is MARU_AGENT_KEY_FILE), as LMCache's MaruBackend passes no backend. Exit 0
-when every check held, 1 otherwise (the failed check printed).
+when every check held, 1 otherwise (the failed check printed). With --plugin the backend
+is maru_lmcache.backend.MaruPluginBackend (an LMCache storage plugin) and the backend
+and key files come from extra_config (--plugin-backend, --agent-key-file,
+--server-key-file) instead of the environment.
 
     python lmcache_backend.py --role store|load --server HOST:PORT --chunk-tokens 16 \
         --keys 8 --seed 1 --ns NAME
@@ -42,6 +45,8 @@ def chunk_bytes(seed: int, i: int, n: int) -> torch.Tensor:
 
 
 def backend(args: argparse.Namespace) -> tuple:
+    if args.plugin:
+        return plugin_backend(args)
     cfg = LMCacheEngineConfig(
         chunk_size=args.chunk_tokens,
         local_cpu=False,
@@ -63,6 +68,49 @@ def backend(args: argparse.Namespace) -> tuple:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     return MaruBackend(cfg, meta, loop, "cpu"), loop
+
+
+def plugin_backend(args: argparse.Namespace) -> tuple:
+    """maru_lmcache.backend.MaruPluginBackend as LMCache builds a storage plugin: every
+    Maru setting (backend, key files) from extra_config, no maru_path."""
+    import importlib
+
+    extra = {
+        "storage_plugin.maru.module_path": "maru_lmcache.backend",
+        "storage_plugin.maru.class_name": "MaruPluginBackend",
+        "maru_server_url": f"maru://{args.server}",
+        "maru_instance_id": f"{args.ns}-{args.role}",
+        "maru_timeout_ms": 5000,
+        "maru_storage_backend": args.plugin_backend,
+        "maru_agent_key_file": args.agent_key_file,
+        "maru_server_key_file": args.server_key_file,
+    }
+    cfg = LMCacheEngineConfig(
+        chunk_size=args.chunk_tokens,
+        local_cpu=False,
+        max_local_cpu_size=0,
+        maru_pool_size=0.0625,
+        storage_plugins=["maru"],
+        extra_config={k: v for k, v in extra.items() if v is not None},
+    )
+    meta = LMCacheMetadata(
+        model_name=args.ns,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(LAYERS, 2, args.chunk_tokens, KV_HEADS, HEAD),
+        chunk_size=args.chunk_tokens,
+    )
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    # What LMCache's storage_backend.__init__ does with a plugin's module_path/class_name.
+    cls = getattr(
+        importlib.import_module(cfg.extra_config["storage_plugin.maru.module_path"]),
+        cfg.extra_config["storage_plugin.maru.class_name"],
+    )
+    return cls(config=cfg, dst_device="cpu", metadata=meta, local_cpu_backend=None, loop=loop), loop
 
 
 def check(ok: bool, what: str) -> None:
@@ -134,6 +182,10 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=8)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ns", required=True)
+    p.add_argument("--plugin", action="store_true", help="maru_lmcache.backend.MaruPluginBackend, settings in extra_config")
+    p.add_argument("--plugin-backend", default="cxl", help="maru_storage_backend of the plugin's extra_config")
+    p.add_argument("--agent-key-file", help="maru_agent_key_file of the plugin's extra_config")
+    p.add_argument("--server-key-file", help="maru_server_key_file of the plugin's extra_config")
     args = p.parse_args()
     (store if args.role == "store" else load)(args)
 

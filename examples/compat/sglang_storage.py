@@ -10,7 +10,9 @@ own buffers, as a non-MLA model's):
        held afterwards.
 
 The Maru backend is the maru_storage_backend key of the extra config (from the
-MARU_STORAGE_BACKEND environment variable here), the agent key MARU_AGENT_KEY_FILE.
+MARU_STORAGE_BACKEND environment variable here), the key files its maru_agent_key_file
+and maru_server_key_file keys (--agent-key-file, --server-key-file), else
+MARU_AGENT_KEY_FILE and libmaru's order for maru-server's key.
 Exit 0 when every check held, 1 otherwise.
 
     python sglang_storage.py --role set|get --server HOST:PORT --ns NAME
@@ -68,6 +70,11 @@ def storage(args: argparse.Namespace):
         "maru_storage_backend": os.environ.get("MARU_STORAGE_BACKEND", "cxl"),
         "maru_timeout_ms": 5000,
     }
+    # The key files from the extra config (else MARU_AGENT_KEY_FILE and libmaru's order).
+    if args.agent_key_file:
+        extra["maru_agent_key_file"] = args.agent_key_file
+    if args.server_key_file:
+        extra["maru_server_key_file"] = args.server_key_file
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
         enable_storage_metrics=False, is_page_first_layout=True, model_name=f"test/{args.ns}", extra_config=extra,
@@ -77,6 +84,8 @@ def storage(args: argparse.Namespace):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agent-key-file", help="maru_agent_key_file of the extra config")
+    p.add_argument("--server-key-file", help="maru_server_key_file of the extra config")
     p.add_argument("--role", choices=["set", "get"], required=True)
     p.add_argument("--server", required=True)
     p.add_argument("--ns", required=True)
@@ -98,7 +107,14 @@ def main() -> None:
         return
     got = HostPool(False, args.seed)
     st.register_mem_pool_host(got)
-    check(st.batch_exists(keys) == PAGES, "the other process finds every page")
+    n = st.batch_exists(keys)
+    if n != PAGES:
+        # Which pages, and what the handler saw (a pool unavailable or a timeout answers
+        # "not found"): asked again, one by one, for the report.
+        h = st._handler.native
+        again = [h.exists(st._key(k)) for k in keys]
+        print(f"batch_exists found {n} of {PAGES}; asked again one by one: {again}; stats: {h.stats()['total']}", flush=True)
+    check(n == PAGES, "the other process finds every page")
     check(st.batch_get_v1(keys, idx) == [True] * PAGES, "batch_get_v1 reads every page")
     check(torch.equal(got.k, want.k) and torch.equal(got.v, want.v), "every byte of K and V")
     check(st.batch_get_v1(["never"], torch.arange(1)) == [False], "a miss reads nothing")

@@ -76,7 +76,7 @@ class MaruHandler:
     docs/configuration.md: ``backend`` (``"remote_cxl"`` or ``"cxl"``), ``server_url``,
     ``engine_id``, and optionally ``namespace``, ``layout``, ``agent_key_file``,
     ``server_key_file`` (the maru-server key, or its tenant's; default
-    ``MARU_SERVER_KEY_FILE``), ``transport``, ``load_slots``, ``store_slots``,
+    ``MARU_SERVER_KEY_FILE``, else ``~/.maru/server.key`` when it exists), ``transport``, ``load_slots``, ``store_slots``,
     ``timeout_ms``. A wrong configuration
     raises :class:`~maru.ConfigError` naming the field; no reachable pool raises
     :class:`~maru.UnavailableError`.

@@ -33,6 +33,8 @@ class MaruSGLangConfig:
     ``timeout_ms``, ``use_async_rpc``, ``max_inflight``, ``eager_map``. This package's:
     ``storage_backend`` (``cxl`` or ``remote_cxl``; default the ``MARU_STORAGE_BACKEND``
     environment variable, else ``cxl``), ``agent_key_file`` (remote_cxl),
+    ``server_key_file`` (maru-server's key, or the engine's tenant's; unset:
+    ``MARU_SERVER_KEY_FILE``, else ``~/.maru/server.key`` when it exists),
     ``cache_namespace``, ``engine_id``, ``transport``, ``load_slots``, ``store_slots``
     (see :class:`maru.MaruConfig`)."""
 
@@ -46,6 +48,7 @@ class MaruSGLangConfig:
     eager_map: bool = True
     storage_backend: Optional[str] = None
     agent_key_file: Optional[str] = None
+    server_key_file: Optional[str] = None
     cache_namespace: Optional[str] = None
     engine_id: Optional[str] = None
     transport: Optional[str] = None
@@ -86,6 +89,7 @@ class MaruSGLangConfig:
             eager_map=self.eager_map,
             storage_backend=self.storage_backend,
             agent_key_file=self.agent_key_file,
+            server_key_file=self.server_key_file,
             cache_namespace=self.cache_namespace,
             engine_id=self.engine_id,
             transport=self.transport,

@@ -2,7 +2,8 @@
 cargo build (``MARU_BIN_DIR``, else the directory of ``MARU_LIB`` when it holds the
 daemons, else ``target/debug`` above the current directory or this file): maru-resource-manager on a fake DAX file in /dev/shm, a maru-remote-cxl-agent and
 maru-server, each on a free port (``--port 0`` + ``--ready-file``). They are stopped in
-reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed."""
+reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed
+(``MARU_PYTEST_KEEP_LOGS=DIR`` keeps their logs under DIR)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,13 @@ class Daemons:
         self.procs.clear()
         for log in self.logs:
             log.close()
+        keep = os.environ.get("MARU_PYTEST_KEEP_LOGS")
+        if keep:
+            # The daemons' logs outlive the run (a failure under load is read afterwards).
+            dest = Path(keep) / self.work.name
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in self.work.glob("*.log"):
+                shutil.copy(f, dest / f.name)
         self.pool.unlink(missing_ok=True)
         shutil.rmtree(self.work, ignore_errors=True)
 

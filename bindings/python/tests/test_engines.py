@@ -20,8 +20,14 @@ TIMEOUT_S = 300
 BACKENDS = ["cxl", "remote_cxl"]
 
 
-def run(script: str, daemons, backend: str, *args: str) -> str:
+def run(script: str, daemons, backend: str, *args: str, keys_from_env: bool = True) -> str:
     env = dict(os.environ, MARU_STORAGE_BACKEND=backend, MARU_AGENT_KEY_FILE=str(daemons.key))
+    if not keys_from_env:
+        # Only the engine's own configuration names the key files: no variable, and a
+        # HOME without ~/.maru (libmaru's defaults would find nothing).
+        for var in ("MARU_AGENT_KEY_FILE", "MARU_SERVER_KEY_FILE"):
+            env.pop(var, None)
+        env["HOME"] = str(daemons.work)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bindings" / "python"), env.get("PYTHONPATH", "")])
     p = subprocess.run(
         [sys.executable, str(COMPAT / script), "--server", daemons.server, *args],
@@ -51,6 +57,25 @@ def test_sglang_storage_backend_factory_between_two_processes(backend, daemons):
     ns = f"sgl-{backend}-{uuid.uuid4().hex[:8]}"
     assert "set 6 pages" in run("sglang_storage.py", daemons, backend, "--role", "set", "--ns", ns)
     assert "every byte equal" in run("sglang_storage.py", daemons, backend, "--role", "get", "--ns", ns)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lmcache_plugin_and_sglang_take_both_keys_from_their_extra_config(backend, daemons):
+    """LMCache (maru_lmcache.backend.MaruPluginBackend) and SGLang (maru_sglang) with the
+    agent key and maru-server's key named only in their extra config."""
+    pytest.importorskip("torch")
+    pytest.importorskip("lmcache.v1.storage_backend.maru_backend")
+    pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+    keys = ["--agent-key-file", str(daemons.key), "--server-key-file", str(daemons.server_key)]
+    ns = f"lmc-plugin-{backend}-{uuid.uuid4().hex[:8]}"
+    lmc = ["--plugin", "--plugin-backend", backend, *keys]
+    out = run("lmcache_backend.py", daemons, backend, "--role", "store", "--ns", ns, *lmc, keys_from_env=False)
+    assert "stored 8 chunks" in out
+    out = run("lmcache_backend.py", daemons, backend, "--role", "load", "--ns", ns, *lmc, keys_from_env=False)
+    assert "every byte equal" in out
+    ns = f"sgl-keys-{backend}-{uuid.uuid4().hex[:8]}"
+    assert "set 6 pages" in run("sglang_storage.py", daemons, backend, "--role", "set", "--ns", ns, *keys, keys_from_env=False)
+    assert "every byte equal" in run("sglang_storage.py", daemons, backend, "--role", "get", "--ns", ns, *keys, keys_from_env=False)
 
 
 def test_maru_vllm_is_the_connector_vllm_loads_by_upstreams_module_name():

@@ -120,6 +120,20 @@ def test_key_files_are_checked_at_start_naming_the_setting(tmp_path: Any, monkey
     with pytest.raises(ValueError) as e:
         parse_settings(BASE, 16).check_key_files()
     assert "maru_server_key_file (unset: MARU_SERVER_KEY_FILE)" in str(e.value) and "env.key" in str(e.value)
+    # Neither set: this host's ~/.maru/server.key when it exists (libmaru's order),
+    # checked as well: open to others stops the engine naming the file.
+    monkeypatch.delenv("MARU_SERVER_KEY_FILE")
+    parse_settings(BASE, 16).check_key_files()  # no ~/.maru/server.key: nothing to check
+    (tmp_path / ".maru").mkdir()
+    host = key(tmp_path / ".maru" / "server.key", 0o644)
+    with pytest.raises(ValueError) as e:
+        parse_settings(BASE, 16).check_key_files()
+    assert "this host's ~/.maru/server.key" in str(e.value) and host in str(e.value), str(e.value)
+    assert "chmod 600" in str(e.value), str(e.value)
+    os.chmod(host, 0o600)
+    parse_settings(BASE, 16).check_key_files()
+    # A setting still wins over the host's file.
+    assert parse_settings({**BASE, "maru_server_key_file": good}, 16).key_files() == [("maru_server_key_file", good)]
 
 
 @pytest.mark.parametrize("code", [Status.AUTH, Status.CONFIG])

@@ -77,8 +77,9 @@ struct Serve {
     rm_key_file: Option<PathBuf>,
     /// Key every client proves before any request (hex key file, mode 0600), default
     /// ~/.maru/server.key. Created (0600) if missing, so the first start makes the key
-    /// the workers are then given (MARU_SERVER_KEY_FILE, or server_key_file in their
-    /// configuration). Its holders are the tenant `default`: every namespace no tenant
+    /// the workers are then given (server_key_file in their configuration, else
+    /// MARU_SERVER_KEY_FILE, else a worker on this host under the same user finds
+    /// ~/.maru/server.key itself when it is mode 0600). Its holders are the tenant `default`: every namespace no tenant
     /// of --tenants writes, and the operator's view of every session (stats, usage).
     #[arg(long, env = "MARU_SERVER_KEY_FILE", conflicts_with = "insecure_no_key")]
     key_file: Option<PathBuf>,
@@ -473,7 +474,16 @@ fn main() {
     let mut server = Server::bind(addr, a.net.options_with_keys(keyring), clock)
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
-    let metrics = Arc::new(Metrics::new("server", SERVER_GAUGES).with_totals(SERVER_TOTALS));
+    let mut gauges = SERVER_GAUGES.to_vec();
+    gauges.push((
+        "max_sessions",
+        "Most live sessions, all tenants together (--max-sessions)",
+    ));
+    let metrics = Arc::new(Metrics::new("server", &gauges).with_totals(SERVER_TOTALS));
+    metrics.set(
+        "max_sessions",
+        i64::try_from(a.max_sessions).unwrap_or(i64::MAX),
+    );
     serve_metrics(metrics_addr, &metrics, &server);
     log::info!(
         "maru-server listening on {bound}, RM {}, agents {:?}",

@@ -80,6 +80,16 @@ struct Args {
     /// Timeout of one request (milliseconds).
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// Instead of printing, serve what it reads as Prometheus metrics at /metrics on
+    /// ADDR (PORT alone: 127.0.0.1:PORT), read again every --metrics-every seconds:
+    /// per tenant sessions, regions, bytes, keys, hits, misses and skipped chunks by
+    /// reason; with --agent-key-file whether each agent answers (maru_usage_agent_up).
+    /// Runs until killed.
+    #[arg(long, value_name = "ADDR", env = "MARU_USAGE_METRICS")]
+    metrics: Option<String>,
+    /// With --metrics: seconds between two reads of maru-server (and the agents).
+    #[arg(long, default_value_t = 5.0)]
+    metrics_every: f64,
 }
 
 /// What one refresh read.
@@ -820,6 +830,184 @@ fn watch(src: &mut Source, args: &Args, secs: f64) {
     }
 }
 
+/// One tenant's sessions, summed.
+#[derive(Debug, Default, PartialEq)]
+struct TenantSum {
+    sessions: u64,
+    regions: u64,
+    region_bytes: u64,
+    used_bytes: u64,
+    keys: u64,
+    hits: u64,
+    misses: u64,
+    skipped: SkipCounts,
+}
+
+fn tenant_sums(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, TenantSum> {
+    let mut t: BTreeMap<String, TenantSum> = BTreeMap::new();
+    for s in &stats.sessions {
+        let e = t.entry(s.tenant.clone()).or_default();
+        e.sessions += 1;
+        e.regions += s.regions;
+        e.region_bytes += s.region_bytes;
+        e.keys += s.keys;
+        e.hits += s.hits;
+        e.misses += s.misses;
+        e.skipped.add(&s.skipped);
+    }
+    for u in &usage.sessions {
+        t.entry(u.tenant.clone()).or_default().used_bytes += u.used;
+    }
+    t
+}
+
+/// The text format of `maru-usage --metrics`: the last snapshot (`None`: the last read
+/// of maru-server failed, so only `maru_usage_up 0`).
+fn metrics_text(snap: Option<&Snapshot>) -> String {
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
+    type L = Vec<(&'static str, String)>;
+    let mut reg = Registry::with_prefix("maru_usage");
+    let up = Gauge::<i64>::default();
+    up.set(i64::from(snap.is_some()));
+    reg.register("up", "1 when the last read of maru-server succeeded", up);
+    let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    if let Some(s) = snap {
+        let sums = tenant_sums(&s.stats, &s.usage);
+        for (name, help, get) in [
+            (
+                "tenant_sessions",
+                "Live sessions of the tenant",
+                (|t: &TenantSum| t.sessions) as fn(&TenantSum) -> u64,
+            ),
+            (
+                "tenant_regions",
+                "Regions the tenant's sessions hold",
+                |t| t.regions,
+            ),
+            (
+                "tenant_region_bytes",
+                "Bytes of the regions the tenant's sessions hold (its use of the pool)",
+                |t| t.region_bytes,
+            ),
+            (
+                "tenant_used_bytes",
+                "Bytes of the pages in use in those regions",
+                |t| t.used_bytes,
+            ),
+            (
+                "tenant_keys",
+                "Published keys in the tenant's sessions' regions",
+                |t| t.keys,
+            ),
+            (
+                "tenant_hits",
+                "Keys the tenant's live sessions found (since each opened)",
+                |t| t.hits,
+            ),
+            (
+                "tenant_misses",
+                "Keys the tenant's live sessions did not find (since each opened)",
+                |t| t.misses,
+            ),
+        ] {
+            let f = Family::<L, Gauge>::default();
+            for (tenant, t) in &sums {
+                f.get_or_create(&vec![("tenant", tenant.clone())])
+                    .set(g(get(t)));
+            }
+            reg.register(name, help, f);
+        }
+        let f = Family::<L, Gauge>::default();
+        for (tenant, t) in &sums {
+            for r in SkipReason::ALL {
+                f.get_or_create(&vec![
+                    ("tenant", tenant.clone()),
+                    ("reason", r.as_str().to_string()),
+                ])
+                .set(g(t.skipped.get(r)));
+            }
+        }
+        reg.register(
+            "tenant_skipped_chunks",
+            "Chunks the tenant's workers skipped storing, by reason, as their last heartbeats said",
+            f,
+        );
+        let f = Family::<L, Gauge>::default();
+        for r in SkipReason::ALL {
+            f.get_or_create(&vec![("reason", r.as_str().to_string())])
+                .set(g(s.stats.total.skipped.get(r)));
+        }
+        reg.register(
+            "skipped_chunks",
+            "Chunks the open sessions' workers skipped storing, by reason, summed",
+            f,
+        );
+        if !s.agents.is_empty() {
+            let f = Family::<L, Gauge>::default();
+            for a in &s.agents {
+                let node = a
+                    .status
+                    .as_ref()
+                    .map(|st| st.node.clone())
+                    .unwrap_or_default();
+                f.get_or_create(&vec![("agent", a.address.clone()), ("node", node)])
+                    .set(i64::from(a.status.is_some()));
+            }
+            reg.register(
+                "agent_up",
+                "1 when the agent (a memory node) answered its status request, 0 when not",
+                f,
+            );
+        }
+    }
+    let mut out = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &reg) {
+        log::error!("metrics: cannot encode: {e}");
+    }
+    out
+}
+
+/// `--metrics`: reads maru-server (and the agents) every `every` and serves the last
+/// read at `addr` until killed.
+fn export(src: &mut Source, addr: &str, every: f64) -> ! {
+    let addr = maru_daemons::metrics_http::parse_metrics_addr(addr).unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        exit(2)
+    });
+    if !(every.is_finite() && every > 0.0) {
+        eprintln!("error: --metrics-every {every}: give a number of seconds > 0");
+        exit(2);
+    }
+    let latest: std::sync::Arc<std::sync::Mutex<Option<Snapshot>>> = Default::default();
+    let shown = latest.clone();
+    let local = maru_daemons::metrics_http::serve_render(addr, move || {
+        let s = shown.lock().unwrap_or_else(|e| e.into_inner());
+        metrics_text(s.as_ref())
+    })
+    .unwrap_or_else(|e| {
+        eprintln!("error: --metrics {addr}: cannot listen: {e}");
+        exit(maru_daemons::common::EX_UNAVAILABLE)
+    });
+    eprintln!(
+        "maru-usage: metrics of maru-server {} at http://{local}/metrics",
+        src.server
+    );
+    let mut failing = false;
+    loop {
+        let snap = src.snapshot();
+        match &snap {
+            Err(e) if !failing => eprintln!("maru-usage: {e} (maru_usage_up 0 until it answers)"),
+            Ok(_) if failing => eprintln!("maru-usage: maru-server answers again"),
+            _ => {}
+        }
+        failing = snap.is_err();
+        *latest.lock().unwrap_or_else(|e| e.into_inner()) = snap.ok();
+        std::thread::sleep(Duration::from_secs_f64(every));
+    }
+}
+
 fn main() {
     let args = Args::parse();
     if let Some(s) = args.watch {
@@ -857,6 +1045,9 @@ fn main() {
         agent_conns: BTreeMap::new(),
         timeout: Duration::from_millis(args.timeout_ms.max(1)),
     };
+    if let Some(addr) = &args.metrics {
+        export(&mut src, addr, args.metrics_every);
+    }
     if let Some(secs) = args.watch {
         return watch(&mut src, &args, secs);
     }
@@ -935,6 +1126,52 @@ mod tests {
                 giving_back_bytes: 0,
             },
         )
+    }
+
+    #[test]
+    fn metrics_are_per_tenant_and_say_when_maru_server_did_not_answer() {
+        let down = metrics_text(None);
+        assert!(down.contains("maru_usage_up 0"), "{down}");
+        assert!(!down.contains("maru_usage_tenant_"), "{down}");
+        let mut alpha = stats("e", 2, 1, 3);
+        alpha.tenant = "alpha".into();
+        let (s, u) = reply(
+            vec![stats("a", 1, 2, 2), stats("b", 3, 4, 0), alpha],
+            vec![usage("a", 1, true), usage("b", 3, true)],
+        );
+        let sums = tenant_sums(&s, &u);
+        assert_eq!(sums["default"].sessions, 2);
+        assert_eq!(sums["default"].region_bytes, 128 << 20);
+        assert_eq!(sums["default"].used_bytes, 8 << 20);
+        assert_eq!(
+            sums["default"].skipped.max_bytes, 4,
+            "sessions 1 and 3 summed"
+        );
+        assert_eq!((sums["alpha"].hits, sums["alpha"].misses), (1, 3));
+        let snap = Snapshot {
+            server: "s".into(),
+            server_info: DaemonInfo::default(),
+            tenants: vec![],
+            stats: s,
+            usage: u,
+            rm: None,
+            agents: vec![AgentView {
+                address: "10.0.0.2:9860".into(),
+                info: DaemonInfo::default(),
+                status: None,
+                error: Some("cannot reach the agent".into()),
+            }],
+        };
+        let text = metrics_text(Some(&snap));
+        for line in [
+            "maru_usage_up 1",
+            r#"maru_usage_tenant_region_bytes{tenant="default"} 134217728"#,
+            r#"maru_usage_tenant_sessions{tenant="alpha"} 1"#,
+            r#"maru_usage_tenant_skipped_chunks{tenant="default",reason="max_bytes"} 4"#,
+            r#"maru_usage_agent_up{agent="10.0.0.2:9860",node=""} 0"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
     }
 
     #[test]

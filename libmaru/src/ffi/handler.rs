@@ -262,7 +262,8 @@ fn check_host_port(url: &str) -> Result<(), String> {
 
 /// Opens a handler from a JSON configuration (docs/configuration.md): `backend`
 /// (`remote_cxl` or `cxl`), `server_url`, `engine_id`, namespace, layout, agent key
-/// file, maru-server key file (`server_key_file`, default `MARU_SERVER_KEY_FILE`),
+/// file, maru-server key file (`server_key_file`, else `MARU_SERVER_KEY_FILE`, else
+/// `~/.maru/server.key` when it exists),
 /// transport, staging slot counts, `timeout_ms`. On success `*out` is the new
 /// handler.
 ///

@@ -3,6 +3,8 @@
 
 use super::router::parse_server_urls;
 use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -73,9 +75,11 @@ pub struct HandlerConfig {
     /// Agent key file (remote_cxl; default ~/.maru/remote-cxl-agent.key).
     #[serde(default)]
     pub agent_key_file: Option<String>,
-    /// The maru-server key this engine proves: its tenant's key file (default: the
-    /// file named by `MARU_SERVER_KEY_FILE`; neither: no proof, which only a server
-    /// started with `--insecure-no-key` accepts).
+    /// The maru-server key this engine proves: its tenant's key file. Unset: the file
+    /// named by `MARU_SERVER_KEY_FILE`, else `~/.maru/server.key` when it exists (the
+    /// key maru-server makes at its first start on this host; refused unless mode
+    /// 0600), else no proof, which only a server started with `--insecure-no-key`
+    /// accepts. See [`server_key_path`].
     #[serde(default)]
     pub server_key_file: Option<String>,
     #[serde(default)]
@@ -142,14 +146,30 @@ impl HandlerConfig {
         Ok(c)
     }
 
-    /// The maru-server key to prove (see `server_key_file`).
+    /// The maru-server key to prove (see `server_key_file` and [`server_key_path`]).
+    /// Logs once per process and file which key file it used.
     pub fn server_key(&self) -> Result<Option<crate::auth::SharedKey>, String> {
-        match &self.server_key_file {
-            Some(p) => crate::auth::load_key_file(std::path::Path::new(p))
-                .map(Some)
-                .map_err(|e| format!("server_key_file: {e}")),
-            None => crate::auth::server_key_from_env().map_err(|e| e.to_string()),
-        }
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let Some((path, source)) = server_key_path(
+            self.server_key_file.as_deref(),
+            std::env::var_os(crate::auth::keyfile::SERVER_KEY_ENV).as_deref(),
+            home.as_deref(),
+            |p| p.exists(),
+        ) else {
+            return Ok(None);
+        };
+        let key = crate::auth::load_key_file(&path).map_err(|e| match source {
+            ServerKeySource::Config => format!("server_key_file: {e}"),
+            ServerKeySource::Env => format!("{}: {e}", crate::auth::keyfile::SERVER_KEY_ENV),
+            ServerKeySource::HostDefault => format!(
+                "maru-server key (neither server_key_file nor {} is set, so this host's \
+                 default {} was taken): {e}; or name another key file in server_key_file",
+                crate::auth::keyfile::SERVER_KEY_ENV,
+                path.display()
+            ),
+        })?;
+        log_key_once(&path, source);
+        Ok(Some(key))
     }
 
     pub fn server_urls(&self) -> Result<Vec<String>, String> {
@@ -193,6 +213,60 @@ impl HandlerConfig {
         }
         Ok(())
     }
+}
+
+/// Where the maru-server key of a worker was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerKeySource {
+    /// The configuration's `server_key_file`.
+    Config,
+    /// The environment variable `MARU_SERVER_KEY_FILE`.
+    Env,
+    /// `~/.maru/server.key`, the key maru-server makes at its first start on this host.
+    HostDefault,
+}
+
+/// The key file maru-server makes by default, under `$HOME`.
+pub const HOST_SERVER_KEY: &str = ".maru/server.key";
+
+/// The maru-server key file a worker proves, in this order: the configuration's
+/// `server_key_file`, then `MARU_SERVER_KEY_FILE` (when set and not empty), then
+/// `$HOME/.maru/server.key` when it `exists`; `None`: no key (only a server started
+/// with `--insecure-no-key` accepts the worker). Pure: the environment and the file
+/// system come in as arguments.
+pub fn server_key_path(
+    field: Option<&str>,
+    env: Option<&std::ffi::OsStr>,
+    home: Option<&Path>,
+    exists: impl Fn(&Path) -> bool,
+) -> Option<(PathBuf, ServerKeySource)> {
+    if let Some(p) = field {
+        return Some((PathBuf::from(p), ServerKeySource::Config));
+    }
+    if let Some(p) = env.filter(|p| !p.is_empty()) {
+        return Some((PathBuf::from(p), ServerKeySource::Env));
+    }
+    home.filter(|h| !h.as_os_str().is_empty())
+        .map(|h| h.join(HOST_SERVER_KEY))
+        .filter(|p| exists(p))
+        .map(|p| (p, ServerKeySource::HostDefault))
+}
+
+fn log_key_once(path: &Path, source: ServerKeySource) {
+    static LOGGED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    if logged.iter().any(|p| p == path) {
+        return;
+    }
+    logged.push(path.to_path_buf());
+    let from = match source {
+        ServerKeySource::Config => "server_key_file",
+        ServerKeySource::Env => crate::auth::keyfile::SERVER_KEY_ENV,
+        ServerKeySource::HostDefault => {
+            "this host's default (no server_key_file, no MARU_SERVER_KEY_FILE)"
+        }
+    };
+    log::info!("maru-server key: {} (from {from})", path.display());
 }
 
 #[cfg(test)]
@@ -291,6 +365,60 @@ mod tests {
                 .unwrap_err();
             assert!(e.contains("rdma_qps_per_agent"), "{e}");
         }
+    }
+
+    #[test]
+    fn server_key_lookup_order() {
+        use std::ffi::OsStr;
+        let home = Path::new("/h");
+        let default = PathBuf::from("/h/.maru/server.key");
+        let yes = |_: &Path| true;
+        let no = |_: &Path| false;
+        // The configuration's field wins over the environment and the host default.
+        assert_eq!(
+            server_key_path(Some("/c.key"), Some(OsStr::new("/e.key")), Some(home), yes),
+            Some((PathBuf::from("/c.key"), ServerKeySource::Config))
+        );
+        // Then the environment, over the host default.
+        assert_eq!(
+            server_key_path(None, Some(OsStr::new("/e.key")), Some(home), yes),
+            Some((PathBuf::from("/e.key"), ServerKeySource::Env))
+        );
+        // An empty variable counts as unset.
+        assert_eq!(
+            server_key_path(None, Some(OsStr::new("")), Some(home), yes),
+            Some((default.clone(), ServerKeySource::HostDefault))
+        );
+        // The host default only when the file exists; the exists check sees its path.
+        assert_eq!(
+            server_key_path(None, None, Some(home), |p| p == default),
+            Some((default.clone(), ServerKeySource::HostDefault))
+        );
+        assert_eq!(server_key_path(None, None, Some(home), no), None);
+        assert_eq!(server_key_path(None, None, None, yes), None);
+        assert_eq!(server_key_path(None, None, Some(Path::new("")), yes), None);
+    }
+
+    #[test]
+    fn host_default_key_is_refused_when_open_to_others() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("maru-cfg-key-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join(".maru")).unwrap();
+        let p = dir.join(HOST_SERVER_KEY);
+        crate::auth::keyfile::write_new_key_file(&p, &crate::auth::SharedKey::generate().unwrap())
+            .unwrap();
+        let (path, source) =
+            server_key_path(None, None, Some(&dir), |p| p.exists()).expect("found");
+        assert_eq!(
+            (path.as_path(), source),
+            (p.as_path(), ServerKeySource::HostDefault)
+        );
+        assert!(crate::auth::load_key_file(&path).is_ok());
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = crate::auth::load_key_file(&path).unwrap_err().to_string();
+        assert!(e.contains(&p.display().to_string()), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     proptest! {

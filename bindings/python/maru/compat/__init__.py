@@ -84,7 +84,7 @@ import os
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import handler as _native
@@ -178,7 +178,9 @@ class MaruConfig:
     libmaru's: ``backend`` ("cxl" or "remote_cxl"; default ``storage_backend`` or
     "cxl"), ``transport`` ("soft" or "verbs", remote_cxl), ``rdma_device``,
     ``agent_key_file`` (remote_cxl; default ``~/.maru/remote-cxl-agent.key``),
-    ``layout`` (KV-layout digest), ``load_slots`` / ``store_slots`` (32 each: retrieved
+    ``server_key_file`` (maru-server's key, or the engine's tenant's; default
+    ``MARU_SERVER_KEY_FILE``, else ``~/.maru/server.key`` when it exists: libmaru's
+    order, docs/configuration.md), ``layout`` (KV-layout digest), ``load_slots`` / ``store_slots`` (32 each: retrieved
     views on ``remote_cxl`` and outstanding ``alloc`` handles held at once; the staging
     buffer is chunk size × their sum), ``max_views`` (256: retrieved in-place views held
     at once on ``cxl``, each a lease at maru-server), ``retrieve_recycle`` (True: see
@@ -210,6 +212,7 @@ class MaruConfig:
     transport: Optional[str] = None
     rdma_device: Optional[str] = None
     agent_key_file: Optional[str] = None
+    server_key_file: Optional[str] = None
     layout: Optional[str] = None
     load_slots: int = 32
     store_slots: int = 32
@@ -269,6 +272,33 @@ class MaruConfig:
                 raise ValueError(f"{name} must be an int >= 1, not {v!r}")
         _parse_server_url(self.server_url)
 
+    @classmethod
+    def from_extra_config(cls, extra: Optional[Dict[str, Any]], **given: Any) -> "MaruConfig":
+        """A configuration from an engine's extra config (LMCache's ``extra_config``,
+        SGLang's extra config): each field from its ``maru_<field>`` key
+        (``maru_storage_backend``, ``maru_agent_key_file``, ``maru_server_key_file``,
+        ``maru_cache_namespace``, ...); ``given`` (what the engine itself derives, such
+        as ``server_url`` and ``chunk_size_bytes``) wins over the extra config. Other
+        keys are the engine's own and are left alone. A value of the wrong kind is a
+        ValueError naming the key."""
+        kinds = {f.name: f.type for f in fields(cls) if f.name != "extra"}
+        kw: Dict[str, Any] = {}
+        for name, kind in kinds.items():
+            key = f"maru_{name}"
+            if not extra or key not in extra or name in given:
+                continue
+            v = extra[key]
+            if "int" in str(kind) and not isinstance(v, bool):
+                try:
+                    v = int(v)
+                except (TypeError, ValueError):
+                    raise ValueError(f"extra config {key} must be an integer, not {v!r}") from None
+            elif "str" in str(kind) and v is not None and not isinstance(v, str):
+                raise ValueError(f"extra config {key} must be a string, not {v!r}")
+            kw[name] = v
+        kw.update(given)
+        return cls(**kw)
+
     def to_libmaru(self) -> Dict[str, Any]:
         """The libmaru handler configuration (docs/configuration.md) this stands for."""
         c: Dict[str, Any] = {
@@ -283,6 +313,7 @@ class MaruConfig:
             ("namespace", self.cache_namespace),
             ("layout", self.layout),
             ("agent_key_file", self.agent_key_file),
+            ("server_key_file", self.server_key_file),
             ("transport", self.transport),
             ("rdma_device", self.rdma_device),
         ):

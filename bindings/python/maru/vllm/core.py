@@ -282,7 +282,8 @@ class Settings:
         """``(setting, path)`` of each key file a handler of these settings proves: the
         agents' key (``remote_cxl``; libmaru's default path when unset) and maru-server's
         (``maru_server_key_file``, else the ``MARU_SERVER_KEY_FILE`` environment
-        variable, else none)."""
+        variable, else ``~/.maru/server.key`` when it exists: the key this host's
+        maru-server made, libmaru's own order; else none)."""
         out: List[Tuple[str, str]] = []
         if self.backend == "remote_cxl":
             path = self.agent_key_file or os.path.join(os.environ.get("HOME") or "/root", ".maru", "remote-cxl-agent.key")
@@ -291,6 +292,13 @@ class Settings:
             out.append(("maru_server_key_file", self.server_key_file))
         elif os.environ.get("MARU_SERVER_KEY_FILE"):
             out.append(("maru_server_key_file (unset: MARU_SERVER_KEY_FILE)", os.environ["MARU_SERVER_KEY_FILE"]))
+        elif os.environ.get("HOME") and os.path.exists(os.path.join(os.environ["HOME"], ".maru", "server.key")):
+            out.append(
+                (
+                    "maru_server_key_file (unset: this host's ~/.maru/server.key)",
+                    os.path.join(os.environ["HOME"], ".maru", "server.key"),
+                )
+            )
         return out
 
     def check_key_files(self, check: Callable[[str], None] = check_key_file) -> None:
