@@ -778,6 +778,14 @@ pub fn table(m: &MooncakeResult) -> Table {
     t
 }
 
+fn clients_name(n: usize) -> String {
+    if n == 1 {
+        "1 client".into()
+    } else {
+        format!("{n} clients")
+    }
+}
+
 type Pick = fn(&Row) -> f64;
 /// A ratio table cell by chunk size.
 pub type PerChunk<'a> = Box<dyn Fn(usize) -> Option<f64> + 'a>;
@@ -814,7 +822,10 @@ pub fn ratio_rows(m: Option<&MooncakeResult>) -> Vec<(String, PerChunk<'_>)> {
         for (ours, theirs, pick) in ops {
             for n in [1, MANY] {
                 v.push((
-                    format!("{name} {ours} / Mooncake Store {theirs} over TCP ({n} clients)"),
+                    format!(
+                        "{name} {ours} / Mooncake Store {theirs} over TCP ({})",
+                        clients_name(n)
+                    ),
                     Box::new(move |c| ratio_of(m, sys, c, n, pick)),
                 ));
             }
@@ -839,8 +850,9 @@ pub fn targets(m: Option<&MooncakeResult>) -> Vec<(String, Option<f64>, f64)> {
             ] {
                 v.push((
                     format!(
-                        "remote_cxl/soft {op} {}, {n} clients >= 1.0 x Mooncake Store {theirs} over TCP",
-                        chunk_name(chunk)
+                        "remote_cxl/soft {op} {}, {} >= 1.0 x Mooncake Store {theirs} over TCP",
+                        chunk_name(chunk),
+                        clients_name(n)
                     ),
                     ratio_of(Some(m), "remote_cxl", chunk, n, pick),
                     1.0,
@@ -852,8 +864,9 @@ pub fn targets(m: Option<&MooncakeResult>) -> Vec<(String, Option<f64>, f64)> {
         for n in [1, MANY] {
             v.push((
                 format!(
-                    "cxl batch load {}, {n} clients >= 3 x Mooncake Store batch_get_into",
-                    chunk_name(chunk)
+                    "cxl batch load {}, {} >= 3 x Mooncake Store batch_get_into",
+                    chunk_name(chunk),
+                    clients_name(n)
                 ),
                 ratio_of(Some(m), "cxl", chunk, n, |r: &Row| r.get_batch.gbs),
                 3.0,
@@ -863,7 +876,10 @@ pub fn targets(m: Option<&MooncakeResult>) -> Vec<(String, Option<f64>, f64)> {
     for sys in ["remote_cxl", "cxl"] {
         for n in [1, MANY] {
             v.push((
-                format!("{sys} exists x32 ops/s, {n} clients >= 2 x Mooncake Store batch_is_exist (256 KiB keys)"),
+                format!(
+                    "{sys} exists x32 ops/s, {} >= 2 x Mooncake Store batch_is_exist (256 KiB keys)",
+                    clients_name(n)
+                ),
                 ratio_of(Some(m), sys, 256 << 10, n, |r: &Row| r.exists_batch.ops_per_s),
                 2.0,
             ));
@@ -889,7 +905,7 @@ pub fn bars(m: Option<&MooncakeResult>, chunk: usize, with_maru: bool) -> Vec<cr
                 let label = if sys == "mooncake" {
                     format!("mooncake {op} (tcp, batch 32)")
                 } else {
-                    format!("{} {op} (beside mooncake)", system_name(sys))
+                    format!("{sys} {op} (mooncake part)")
                 };
                 v.push(crate::chart::Bars {
                     system: label,
