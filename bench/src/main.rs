@@ -7,6 +7,8 @@
 //!   of 32 and single chunks, 256 KiB and 2 MiB, 1 and 4 clients (engines), and one
 //!   handler shared by 2 threads;
 //! - Redis SET/GET, pipelined 32 and single, the same payloads and clients;
+//! - Mooncake Store over TCP (part `mooncake`, bench/src/mooncake.rs), taking turns with
+//!   Maru on the same chunks and clients;
 //! - memcpy (1 and 2 threads) and a TCP loopback stream over cold buffers, and the raw
 //!   soft transport;
 //! - metadata operations against maru-server; idle CPU of every daemon and of an idle
@@ -42,7 +44,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(
     name = "maru-bench",
-    about = "Maru vs Redis, memcpy and TCP loopback; metadata ops; idle CPU (one run, loopback)"
+    about = "Maru vs Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (one run, loopback)"
 )]
 struct Args {
     /// Seconds per figure.
