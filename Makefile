@@ -14,7 +14,7 @@ help:
 	@echo "make lint           - cargo fmt --check and cargo clippy -D warnings (with and without verbs)"
 	@echo "make header         - regenerate include/maru.h with cbindgen"
 	@echo "make release        - optimised build of libmaru.so and the daemons"
-	@echo "make bench          - Maru beside Redis, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
+	@echo "make bench          - Maru beside Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
 	@echo "make bench-scale    - maru-server and the agent at scale: up to 4,000 simulated engines, 16 M keys (bench/results/scale.*)"
 	@echo "make fuzz-smoke     - every cargo-fuzz target for FUZZ_SECONDS each (make fuzz T=target: one, longer)"
 	@echo "make chaos          - kill -9 and restart every daemon and an engine under load; checks every byte"

@@ -7,7 +7,10 @@
 BENCH_ARGS ?=
 
 # The adapters' row (part in_place) runs bench/python/adapter_row.py with the
-# repository's .venv (numpy) against libmaru.so of this release build.
+# repository's .venv (numpy) against libmaru.so of this release build. Part mooncake
+# makes its own venv outside the clone (~/.cache/maru/mooncake-venv, MARU_MOONCAKE_VENV)
+# with mooncake-transfer-engine-non-cuda from PyPI at its first run, and is skipped
+# (the bench goes on) when that cannot be done.
 bench: deps
 	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru-bench -p maru-daemons --bins
 	CARGO_TARGET_DIR=$(TARGET_DIR) $(CARGO) build --release -p maru --lib

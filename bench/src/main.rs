@@ -7,6 +7,8 @@
 //!   of 32 and single chunks, 256 KiB and 2 MiB, 1 and 4 clients (engines), and one
 //!   handler shared by 2 threads;
 //! - Redis SET/GET, pipelined 32 and single, the same payloads and clients;
+//! - Mooncake Store over TCP (part `mooncake`, bench/src/mooncake.rs), taking turns with
+//!   Maru on the same chunks and clients;
 //! - memcpy (1 and 2 threads) and a TCP loopback stream over cold buffers, and the raw
 //!   soft transport;
 //! - metadata operations against maru-server; idle CPU of every daemon and of an idle
@@ -24,6 +26,7 @@ mod in_place;
 mod limits;
 mod maru_io;
 mod meta;
+mod mooncake;
 mod pairs;
 mod procs;
 mod python_row;
@@ -44,7 +47,7 @@ use std::path::PathBuf;
 #[derive(Parser, Debug)]
 #[command(
     name = "maru-bench",
-    about = "Maru vs Redis, memcpy and TCP loopback; metadata ops; idle CPU (one run, loopback)"
+    about = "Maru vs Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (one run, loopback)"
 )]
 struct Args {
     /// Seconds per figure.
@@ -78,7 +81,8 @@ struct Args {
     /// Parts to run, comma-separated: limits, soft, maru, threads (one handler used by
     /// 2 and 4 threads against as many handlers, interleaved on one stack), in_place,
     /// connector (the vLLM connector's worker, Python), redis, meta, idle, hitrate (a chat
-    /// trace replayed through maru-server's eviction beside LRU and Belady; default all);
+    /// trace replayed through maru-server's eviction beside LRU and Belady), mooncake
+    /// (Mooncake Store over TCP from a venv it makes, beside Maru in turns; default all);
     /// scale (maru-server with up to 4,000 simulated engines and 16 M keys, about 10
     /// minutes; only when named, alone: scale.{json,md,png}).
     #[arg(long, value_delimiter = ',')]
@@ -200,6 +204,8 @@ struct Results {
     /// Hit rate of a multi-turn chat trace replayed through maru-server's eviction
     /// (part `hitrate`).
     hitrate: Option<hitrate::HitRateResult>,
+    /// Maru beside Mooncake Store, taking turns (part `mooncake`).
+    mooncake: Option<mooncake::MooncakeResult>,
 }
 
 const CHUNKS: [usize; 2] = [256 * 1024, 2 * MIB];
@@ -543,6 +549,9 @@ fn tables(r: &Results) -> Vec<Table> {
     add("cxl store / Redis SET (4 clients)", &|c| {
         ratio(mb("cxl", c, MANY, false), rg(c, MANY, false))
     });
+    for (name, f) in mooncake::ratio_rows(r.mooncake.as_ref()) {
+        add(&name, &*f);
+    }
     add("raw soft READ / tcp (transport only)", &|c| {
         r.soft
             .iter()
@@ -941,6 +950,9 @@ fn targets(r: &Results) -> Vec<TargetRow> {
             &|_| rec.found == rec.sampled,
         );
     }
+    for (name, got, least) in mooncake::targets(r.mooncake.as_ref()) {
+        push(&name, got, &x, &|f| f >= least);
+    }
     for i in &r.idle {
         push(
             &format!("idle CPU of {} < 1% of a core", i.what),
@@ -1008,6 +1020,7 @@ fn chart_panels(r: &Results) -> Vec<chart::Panel> {
                     });
                 }
             }
+            bars.extend(mooncake::bars(r.mooncake.as_ref(), c, r.maru.is_empty()));
             // Top to bottom in the order above.
             bars.reverse();
             chart::Panel {
@@ -1065,12 +1078,13 @@ fn run(args: Args) -> Result<(), String> {
             "meta",
             "idle",
             "hitrate",
+            "mooncake",
             "scale",
         ]
         .contains(&o.as_str())
         {
             return Err(format!(
-                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate, scale"
+                "unknown part {o}: use limits, soft, maru, threads, in_place, connector, redis, meta, idle, hitrate, mooncake, scale"
             ));
         }
     }
@@ -1101,7 +1115,8 @@ fn run(args: Args) -> Result<(), String> {
         || want("in_place")
         || want("connector")
         || want("meta")
-        || want("idle");
+        || want("idle")
+        || want("mooncake");
     // First, before any thread starts (the namespace is entered by this thread only).
     let huge = match (needs_stack, args.pool_pages.as_str()) {
         (true, "2M") => match procs::HugeTmpfs::mount((pool_gib << 30) + 256 * MIB as u64) {
@@ -1297,6 +1312,10 @@ fn run(args: Args) -> Result<(), String> {
         }
         drop(redis_proc);
     }
+    if let (true, Some(s)) = (want("mooncake"), &scratch) {
+        let cl: Vec<usize> = [1, MANY].into_iter().filter(|&n| want_clients(n)).collect();
+        r.mooncake = Some(mooncake::run(s, &chunks, &cl, secs, rotate, &say));
+    }
     if want("hitrate") {
         say("hit rate of a multi-turn chat trace through maru-server's eviction");
         r.hitrate = Some(hitrate::run(quick)?);
@@ -1363,6 +1382,7 @@ fn run(args: Args) -> Result<(), String> {
         }));
     }
     ts.extend(r.hitrate.as_ref().map(hitrate::table));
+    ts.extend(r.mooncake.as_ref().map(mooncake::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },
@@ -1410,7 +1430,7 @@ fn run(args: Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?
             .as_bytes(),
     )?;
-    if !r.maru.is_empty() || !r.redis.is_empty() || !r.memcpy.is_empty() {
+    if !r.maru.is_empty() || !r.redis.is_empty() || !r.memcpy.is_empty() || r.mooncake.is_some() {
         let png = args.out.join("latest.png");
         chart::draw(
             &png,

@@ -39,6 +39,11 @@ fn check(st: maru_status_t, what: &str) -> Result<(), String> {
 }
 
 impl CHandler {
+    /// The handler, for the calls this wrapper has no method for.
+    pub fn as_ptr(&self) -> *mut maru_handler_t {
+        self.0
+    }
+
     pub fn open(cfg: &str) -> Result<CHandler, String> {
         let c = CString::new(cfg).map_err(|e| e.to_string())?;
         let mut h = std::ptr::null_mut();

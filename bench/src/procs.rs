@@ -50,7 +50,7 @@ impl Drop for Proc {
 /// A command whose process is killed when the benchmark dies (a signal, say) before
 /// its guard could stop it. The benchmark starts its children from the main thread,
 /// which lives as long as the process.
-fn with_parent(mut cmd: Command) -> Command {
+pub fn with_parent(mut cmd: Command) -> Command {
     use std::os::unix::process::CommandExt;
     // SAFETY: prctl(2) is async-signal-safe and touches only the child being made.
     unsafe {

@@ -20,12 +20,16 @@
 
 use clap::Parser;
 use maru::wire::meta::{Backend, PublishEntry, SkipCounts};
+use maru::worker::clock::Deadline;
 use maru::worker::session::Session;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Every call of a simulated engine waits at most this long for maru-server.
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Parser, Debug)]
 #[command(
@@ -162,7 +166,7 @@ impl Ctx {
             ns,
             "scale-bench",
             Backend::Cxl,
-            Duration::from_secs(20),
+            CALL_TIMEOUT,
         )
         .map_err(|e| format!("session {id}: {e}"))?;
         // Block for each reply at once: thousands of sessions on two cores must not
@@ -293,8 +297,12 @@ fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
         if let Some(e) = engine(slots, i) {
             let regions = e.regions.lock().map(|r| r.clone()).unwrap_or_default();
             let r = rec.time("heartbeat", || {
-                e.session
-                    .heartbeat(BTreeMap::new(), regions, SkipCounts::default())
+                e.session.heartbeat(
+                    BTreeMap::new(),
+                    regions,
+                    SkipCounts::default(),
+                    Deadline::after(CALL_TIMEOUT),
+                )
             });
             if let Some(r) = r {
                 if !r.unknown_regions.is_empty() || !r.give_back.is_empty() {

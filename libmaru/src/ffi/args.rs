@@ -33,10 +33,12 @@ pub(crate) unsafe fn opt_str<'a>(
 /// # Safety
 /// As [`opt_str`].
 pub(crate) unsafe fn req_str<'a>(p: *const c_char, name: &str) -> Result<&'a str, FfiError> {
-    opt_str(p, name)?.ok_or((
-        maru_status_t::MARU_ERR_NULL_ARGUMENT,
-        format!("argument `{name}` is NULL"),
-    ))
+    opt_str(p, name)?.ok_or_else(|| {
+        (
+            maru_status_t::MARU_ERR_NULL_ARGUMENT,
+            format!("argument `{name}` is NULL"),
+        )
+    })
 }
 
 /// `n` values the caller passes in; NULL is fine when `n == 0`.
@@ -108,7 +110,13 @@ pub(crate) unsafe fn keys_of(
     in_slice(keys, n, "keys")?
         .iter()
         .enumerate()
-        .map(|(i, &k)| req_str(k, &format!("keys[{i}]")).map(str::to_string))
+        .map(|(i, &k)| {
+            // The key's argument name is formatted only for an error message, not for
+            // every key of every batch call.
+            req_str(k, "keys")
+                .or_else(|_| req_str(k, &format!("keys[{i}]")))
+                .map(str::to_string)
+        })
         .collect()
 }
 
@@ -136,5 +144,14 @@ mod tests {
         let k = [c"a".as_ptr(), ptr::null()];
         let e = unsafe { keys_of(k.as_ptr(), 2) }.unwrap_err();
         assert!(e.1.contains("keys[1]"), "{}", e.1);
+    }
+
+    #[test]
+    fn a_key_that_is_not_utf8_is_named_with_its_index() {
+        let bad = [0xffu8, 0];
+        let k = [c"a".as_ptr(), c"b".as_ptr(), bad.as_ptr().cast::<c_char>()];
+        let e = unsafe { keys_of(k.as_ptr(), 3) }.unwrap_err();
+        assert_eq!(e.0, maru_status_t::MARU_ERR_INVALID_ARGUMENT);
+        assert!(e.1.contains("`keys[2]` is not UTF-8"), "{}", e.1);
     }
 }

@@ -14,7 +14,7 @@
 //! figures), `hook`, `prefault`, `skips` (why stores were skipped). `clock` is the one place that reads the time.
 
 pub mod agents;
-pub(crate) mod clock;
+pub mod clock;
 pub mod config;
 pub(crate) mod error;
 pub(crate) mod handler;
