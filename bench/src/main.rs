@@ -86,6 +86,12 @@ struct Args {
     /// default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(usize))]
     clients: Vec<usize>,
+    /// A trace in Mooncake's JSON-lines format for part hitrate, beside its own
+    /// synthesized one (repeatable): FAST25-release/traces/conversation_trace.jsonl of
+    /// github.com/kvcache-ai/Mooncake (docs/benchmarks.md). Without it, that row is
+    /// skipped.
+    #[arg(long)]
+    trace: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1268,7 +1274,10 @@ fn run(args: Args) -> Result<(), String> {
     }
     if want("hitrate") {
         say("hit rate of a multi-turn chat trace through maru-server's eviction");
-        r.hitrate = Some(hitrate::run(quick)?);
+        if args.trace.is_empty() {
+            say(hitrate::SKIPPED);
+        }
+        r.hitrate = Some(hitrate::run(quick, &args.trace)?);
     }
     if let (true, Some(s)) = (want("meta"), &scratch) {
         say("metadata ops");
@@ -1331,7 +1340,7 @@ fn run(args: Args) -> Result<(), String> {
             r.batch_load(b, connector::CHUNK)
         }));
     }
-    ts.extend(r.hitrate.as_ref().map(hitrate::table));
+    ts.extend(r.hitrate.iter().flat_map(hitrate::tables));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",
         if quick { " --quick" } else { "" },
