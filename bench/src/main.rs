@@ -99,6 +99,12 @@ struct Args {
     /// for 16 M, longer than 15 minutes on a loaded 2-core machine).
     #[arg(long)]
     scale_keys: Option<u64>,
+    /// A trace in Mooncake's JSON-lines format for part hitrate, beside its own
+    /// synthesized one (repeatable): FAST25-release/traces/conversation_trace.jsonl of
+    /// github.com/kvcache-ai/Mooncake (docs/benchmarks.md). Without it, that row is
+    /// skipped.
+    #[arg(long)]
+    trace: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -1318,7 +1324,10 @@ fn run(args: Args) -> Result<(), String> {
     }
     if want("hitrate") {
         say("hit rate of a multi-turn chat trace through maru-server's eviction");
-        r.hitrate = Some(hitrate::run(quick)?);
+        if args.trace.is_empty() {
+            say(hitrate::SKIPPED);
+        }
+        r.hitrate = Some(hitrate::run(quick, &args.trace)?);
     }
     if let (true, Some(s)) = (want("meta"), &scratch) {
         say("metadata ops");
@@ -1381,7 +1390,7 @@ fn run(args: Args) -> Result<(), String> {
             r.batch_load(b, connector::CHUNK)
         }));
     }
-    ts.extend(r.hitrate.as_ref().map(hitrate::table));
+    ts.extend(r.hitrate.iter().flat_map(hitrate::tables));
     ts.extend(r.mooncake.as_ref().map(mooncake::table));
     let header = format!(
         "maru-bench{}: {} s per figure, {} MiB rotated per figure, pool {} GiB of {}; {} ({} cores, {:.1} GiB), kernel {}; load average {} before, {} after; {:.0} s in all\n",

@@ -119,9 +119,13 @@ struct Serve {
     /// --tenants: max_sessions, 64 by default).
     #[arg(long, default_value_t = 256)]
     max_sessions: usize,
-    /// Order of eviction victims: `prefix` (tails of prefix chains first) or `lru`
-    /// (plain least recently used, to measure against).
-    #[arg(long, default_value = "prefix")]
+    /// Order of eviction victims (docs/configuration.md). All but `lru` offer tails of
+    /// prefix chains first. `reuse`: by last use with half a cache of credit per
+    /// read, reads remembered past an eviction; `reuse-ends`: `reuse`, and the last
+    /// chunk of a prompt never read before any other (for connectors that store a
+    /// partial last chunk); `prefix`: least recently used; `lru`: plain least
+    /// recently used, chains ignored (to measure against).
+    #[arg(long, default_value = "reuse", value_parser = ["reuse", "reuse-ends", "prefix", "lru"])]
     victim_order: String,
     /// Directory where the key directory is kept durable (keys, regions, sessions:
     /// a restart or an upgrade keeps the cache). Default: `maru-server-state` beside

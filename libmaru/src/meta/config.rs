@@ -56,22 +56,49 @@ pub fn heartbeat_ms(session_timeout_ms: u64) -> u64 {
 /// The order in which `victims` offers a session's keys for eviction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum VictimOrder {
+    /// Tails of prefix chains first, a key only once no stored key follows it, in
+    /// the order of [`Ranking::Reuse`](super::evict_rank::Ranking::Reuse): by last
+    /// use with half a cache of credit per read (reads remembered past an
+    /// eviction); then the rest in that order.
+    #[default]
+    Reuse,
+    /// As `Reuse`, and the ends of fresh prompts (stored last in their chain, never
+    /// read nor followed since) before every other key: for connectors that store a
+    /// prompt's partial last chunk.
+    ReuseEnds,
     /// Tails of prefix chains first (least recently used first among them), a key
     /// only once no stored key follows it; then the rest by least recent use.
-    #[default]
     PrefixAware,
     /// Least recently used first, chains ignored (kept to measure against).
     Lru,
+}
+
+impl VictimOrder {
+    /// How the key directory ranks keys under this order.
+    pub fn ranking(self) -> super::evict_rank::Ranking {
+        match self {
+            VictimOrder::Reuse => super::evict_rank::Ranking::Reuse,
+            VictimOrder::ReuseEnds => super::evict_rank::Ranking::ReuseEnds,
+            VictimOrder::PrefixAware | VictimOrder::Lru => super::evict_rank::Ranking::Recency,
+        }
+    }
+
+    /// Whether tails of prefix chains go first.
+    pub fn tails_first(self) -> bool {
+        self != VictimOrder::Lru
+    }
 }
 
 impl std::str::FromStr for VictimOrder {
     type Err = ConfigError;
     fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s {
+            "reuse" => Ok(VictimOrder::Reuse),
+            "reuse-ends" => Ok(VictimOrder::ReuseEnds),
             "prefix" => Ok(VictimOrder::PrefixAware),
             "lru" => Ok(VictimOrder::Lru),
             other => Err(ConfigError(format!(
-                "victim order {:?} is not one of prefix, lru",
+                "victim order {:?} is not one of reuse, reuse-ends, prefix, lru",
                 other.chars().take(32).collect::<String>()
             ))),
         }

@@ -86,7 +86,7 @@ impl MetaCore {
         Ok(MetaCore {
             sessions: SessionTable::new(config.max_sessions, config.session_timeout_ms),
             regions: RegionTable::new(),
-            keys: KeyDirectory::new(),
+            keys: KeyDirectory::ranked(config.victim_order.ranking()),
             leases: LeaseTable::new(LEASE_LIMIT),
             pins: PinTable::default(),
             tenants: Tenants::default(),

@@ -3,7 +3,6 @@
 //! any session of the key's scope whose tenant writes its namespace may pin it (the
 //! pins of a tenant's sessions count toward its limit); remove and pin need that too.
 
-use super::config::VictimOrder;
 use super::core::MetaCore;
 use super::errors::{check_batch, check_keys, refused};
 use super::keys::KeyId;
@@ -15,11 +14,11 @@ use std::collections::{BinaryHeap, HashMap, HashSet};
 
 impl MetaCore {
     /// Up to `max` keys of the session's regions that no lease or pin holds, in the
-    /// order they should go: with [`VictimOrder::PrefixAware`], tails of prefix
-    /// chains first (least recently used first), a chunk offered only once every
+    /// order they should go: with `--victim-order reuse` and `prefix`, tails of prefix chains first (lowest rank
+    /// first: see [`evict_rank`](super::evict_rank)), a chunk offered only once every
     /// stored chunk after it is offered before it; then, if that is not `max`, the
-    /// rest least recently used first. With [`VictimOrder::Lru`], least recently
-    /// used first.
+    /// rest lowest rank first. With `lru`, least recently used first
+    /// ([`VictimOrder`](super::config::VictimOrder)).
     pub(super) fn victims(
         &mut self,
         client_id: &str,
@@ -34,8 +33,8 @@ impl MetaCore {
         let free = |k: KeyId| !self.leases.is_leased(k) && !self.pins.is_pinned(k);
         let mut chosen: Vec<KeyId> = Vec::with_capacity(max);
         let mut taken: HashSet<KeyId> = HashSet::new();
-        if self.cfg.victim_order == VictimOrder::PrefixAware {
-            // Oldest tail first (the regions' tails merged, each region's already in
+        if self.cfg.victim_order.tails_first() {
+            // Lowest-ranked tail first (the regions' tails merged, each region's already in
             // order); a chosen tail's predecessor joins once every stored successor
             // of it is chosen.
             let mut tails = Merge::new(
@@ -81,19 +80,19 @@ impl MetaCore {
                     && free(pk)
                     && !taken.contains(&pk)
                 {
-                    joined.push(Reverse((pe.used(), pk)));
+                    joined.push(Reverse((pe.rank(), pk)));
                 }
             }
         }
         if chosen.len() < max {
-            // The rest, least recently used first across the regions (merged).
+            // The rest, lowest rank first across the regions (merged).
             let want = max - chosen.len();
             let rest: Vec<KeyId> = Merge::new(
                 s.regions
                     .iter()
                     .map(|&rid| {
                         self.keys
-                            .lru(rid)
+                            .ranked_keys(rid)
                             .filter(|(_, k)| free(*k) && !taken.contains(k))
                     })
                     .collect(),

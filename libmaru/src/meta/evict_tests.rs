@@ -114,6 +114,131 @@ fn leased_and_pinned_tails_are_never_victims_and_keep_their_heads() {
     );
 }
 
+/// Reads the keys (leases taken and given back at once): each is read once more.
+fn read(w: &mut World, client: &str, session: u64, keys: &[&str]) {
+    let leases: Vec<u64> = w
+        .acquire(client, session, keys)
+        .into_iter()
+        .map(|l| l.expect("stored").lease_id)
+        .collect();
+    w.release_leases(client, session, leases).unwrap();
+}
+
+#[test]
+fn under_reuse_ends_a_fresh_prompt_end_goes_first_until_read_or_followed() {
+    let mut w = world(VictimOrder::ReuseEnds);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
+    read(&mut w, W1, a, &["c0", "c1", "c2"]);
+    w.store_chain(W1, a, None, &["d0", "d1"]);
+    // d1 ends a prompt never read: it goes before the older, read c2. Its head d0
+    // was followed at once, so it is no fresh end.
+    assert_eq!(w.victims(W1, a, 1), ["d1"]);
+    // A continuation stored after d1: d1 is followed, d2 is the fresh end now.
+    w.store_chain(W1, a, Some("d1"), &["d2"]);
+    assert_eq!(w.victims(W1, a, 1), ["d2"]);
+    // Read, d2 is no fresh end: c2, read as often and earlier, goes first.
+    read(&mut w, W1, a, &["d0", "d1", "d2"]);
+    assert_eq!(w.victims(W1, a, 1), ["c2"]);
+    // Under recency, and under reuse without ends, the same history offers c2.
+    for order in [VictimOrder::PrefixAware, VictimOrder::Reuse] {
+        let mut p = world(order);
+        let (b, _) = p.open(W1);
+        p.expand(W1, b).unwrap();
+        p.store_chain(W1, b, None, &["c0", "c1", "c2"]);
+        read(&mut p, W1, b, &["c0", "c1", "c2"]);
+        p.store_chain(W1, b, None, &["d0", "d1"]);
+        assert_eq!(p.victims(W1, b, 1), ["c2"], "{order:?}");
+    }
+}
+
+#[test]
+fn under_reuse_tails_still_go_before_their_heads() {
+    let store = |order| {
+        let mut w = world(order);
+        let (a, _) = w.open(W1);
+        w.expand(W1, a).unwrap();
+        w.store_chain(W1, a, None, &["c0", "c1", "c2", "c3"]);
+        w.store_chain(W1, a, None, &["d0", "d1"]);
+        w.victims(W1, a, 6)
+    };
+    assert_eq!(
+        store(VictimOrder::Reuse),
+        ["c3", "c2", "c1", "c0", "d1", "d0"]
+    );
+    // The fresh ends c3 and d1 first; then each chain from its tail.
+    assert_eq!(
+        store(VictimOrder::ReuseEnds),
+        ["c3", "d1", "c2", "c1", "c0", "d0"]
+    );
+}
+
+#[test]
+fn under_reuse_a_read_is_worth_half_the_stored_keys_of_recency() {
+    let mut w = world(VictimOrder::Reuse);
+    let (a, _) = w.open(W1);
+    for _ in 0..2 {
+        w.expand(W1, a).unwrap();
+    }
+    let names: Vec<[String; 2]> = (0..6)
+        .map(|i| [format!("k{i}a"), format!("k{i}b")])
+        .collect();
+    for n in &names {
+        w.store_chain(W1, a, None, &[&n[0], &n[1]]);
+    }
+    // 12 keys stored (stamps 1 to 12): a read is worth 6 stamps. k0 is read twice
+    // first, then k1..k5 once each: k0b last used at 16 ranks 16 + 2 × 6 = 28; k1b
+    // 18 + 6 = 24, k2b 26, k3b 28 (after k0b, the older key), k4b 30.
+    read(&mut w, W1, a, &[&names[0][0], &names[0][1]]);
+    read(&mut w, W1, a, &[&names[0][0], &names[0][1]]);
+    for n in &names[1..] {
+        read(&mut w, W1, a, &[&n[0], &n[1]]);
+    }
+    assert_eq!(
+        w.victims(W1, a, 5),
+        ["k1b", "k1a", "k2b", "k2a", "k0b"],
+        "k0, read twice, outlasts k1 and k2, read once and later"
+    );
+}
+
+#[test]
+fn under_reuse_reads_outlive_an_eviction() {
+    // Stamps: f0..f3 1 to 4, g 5, its read 6 (credit 5 / 2 = 2 a read), g again 7
+    // with 2 reads (its one and its return; credit 4 / 2): rank 7 + 4 = 11; z 8.
+    let mut w = world(VictimOrder::Reuse);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    w.store_chain(W1, a, None, &["f0", "f1", "f2", "f3"]);
+    w.store_chain(W1, a, None, &["g"]);
+    read(&mut w, W1, a, &["g"]);
+    assert_eq!(remove(&mut w, W1, a, &["g"]), [RemoveResult::Removed]);
+    w.store_chain(W1, a, None, &["g"]);
+    w.store_chain(W1, a, None, &["z"]);
+    assert_eq!(
+        w.victims(W1, a, 6),
+        ["f3", "f2", "f1", "f0", "z", "g"],
+        "g, stored again, outlasts the later z"
+    );
+}
+
+#[test]
+fn under_reuse_ends_a_key_stored_again_is_no_fresh_end() {
+    let mut w = world(VictimOrder::ReuseEnds);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    w.store_chain(W1, a, None, &["g"]);
+    read(&mut w, W1, a, &["g"]);
+    assert_eq!(remove(&mut w, W1, a, &["g"]), [RemoveResult::Removed]);
+    // Stored again: it was asked for again, so it is no fresh end (z is one).
+    w.store_chain(W1, a, None, &["g"]);
+    w.store_chain(W1, a, None, &["z"]);
+    assert_eq!(w.victims(W1, a, 2), ["z", "g"]);
+    // A key never stored before is a fresh end and goes first, oldest first.
+    w.store_chain(W1, a, None, &["y"]);
+    assert_eq!(w.victims(W1, a, 3), ["z", "y", "g"]);
+}
+
 #[test]
 fn removing_a_chunk_with_stored_successors_counts_a_cut_chain() {
     let mut w = world(VictimOrder::PrefixAware);
@@ -295,13 +420,22 @@ fn replay(order: VictimOrder) -> (f64, f64) {
 fn prefix_aware_victims_keep_at_least_the_hit_rate_of_plain_lru() {
     let (prefix, prefix_dead) = replay(VictimOrder::PrefixAware);
     let (lru, lru_dead) = replay(VictimOrder::Lru);
+    let (reuse, reuse_dead) = replay(VictimOrder::Reuse);
+    let (ends, ends_dead) = replay(VictimOrder::ReuseEnds);
     println!(
         "replayed workload, cache 1/4 of the working set: hit rate prefix-aware {prefix:.3}, \
-         plain LRU {lru:.3}; dead weight prefix-aware {prefix_dead:.3}, plain LRU {lru_dead:.3}"
+         plain LRU {lru:.3}, reuse {reuse:.3}, reuse-ends {ends:.3}; dead weight \
+         prefix-aware {prefix_dead:.3}, plain LRU {lru_dead:.3}, reuse {reuse_dead:.3}, \
+         reuse-ends {ends_dead:.3}"
     );
     assert!(
         prefix > 0.0 && lru > 0.0,
         "the cache is used: {prefix} {lru}"
+    );
+    assert!(
+        reuse >= prefix,
+        "the default order, reuse ({reuse:.3}), must hit at least as often as prefix-aware \
+         ({prefix:.3}) on this workload"
     );
     assert!(
         prefix >= lru,

@@ -1,5 +1,6 @@
 //! The key directory: published key → location, scoped by namespace, KV layout and
-//! backend, with a least-recently-used order per region.
+//! backend, with an eviction order per region (least recently used first, or the
+//! ranks of [`evict_rank`](super::evict_rank)).
 //!
 //! A key is in the directory only once it was published, so nothing finds a key
 //! whose bytes are not complete. Keys are write-once: the first publish of a key in
@@ -8,10 +9,11 @@
 //! Keys are prefix-chained: a publish may name the key before it in its chain. The
 //! directory counts, for every name, the stored keys that name it as their previous
 //! one (its successors), and keeps per region the keys with no stored successor (the
-//! tails) in least-recently-used order. A load stops at the first miss, so evicting
+//! tails) in the same order. A load stops at the first miss, so evicting
 //! a chunk that still has successors leaves them unreachable: victims are taken from
 //! the tails first (see `evict_ops`).
 
+use super::evict_rank::{Ghosts, Ranking};
 use crate::wire::meta::Backend;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -57,12 +59,24 @@ pub struct KeyEntry {
     pub prev: Option<String>,
     /// Stamp of the last publish or read (larger is more recent).
     used: u64,
+    /// Reads since it was stored (plus those remembered from before an eviction,
+    /// under the reuse rankings).
+    reads: u32,
+    /// Stored as the end of its chain and neither read nor followed since.
+    fresh_end: bool,
+    /// Place in the eviction order (the lowest goes first).
+    rank: u64,
 }
 
 impl KeyEntry {
     /// Stamp of the last publish or read (larger is more recent).
     pub fn used(&self) -> u64 {
         self.used
+    }
+
+    /// Place in the eviction order (the lowest goes first).
+    pub fn rank(&self) -> u64 {
+        self.rank
     }
 }
 
@@ -75,7 +89,7 @@ pub enum Published {
 
 #[derive(Debug, Default)]
 struct RegionKeys {
-    /// (use stamp, key), oldest first.
+    /// (rank, key), the first to go first.
     lru: BTreeSet<(u64, KeyId)>,
     /// The keys of `lru` that no stored key names as its previous one.
     tails: BTreeSet<(u64, KeyId)>,
@@ -96,6 +110,9 @@ pub struct KeyDirectory {
     successors: HashMap<(ScopeId, String), u32>,
     next_id: u64,
     stamp: u64,
+    ranking: Ranking,
+    /// Reads of removed keys, under the reuse rankings.
+    ghosts: Ghosts,
     /// What changed since the last [`take_journal`](Self::take_journal), when the
     /// directory is kept durable.
     journal: Option<KeyJournal>,
@@ -115,6 +132,14 @@ pub struct KeyJournal {
 impl KeyDirectory {
     pub fn new() -> KeyDirectory {
         KeyDirectory::default()
+    }
+
+    /// A directory whose eviction order ranks keys so.
+    pub fn ranked(ranking: Ranking) -> KeyDirectory {
+        KeyDirectory {
+            ranking,
+            ..KeyDirectory::default()
+        }
     }
 
     pub fn scope_id(&mut self, scope: Scope) -> ScopeId {
@@ -248,10 +273,19 @@ impl KeyDirectory {
             .or_default()
             .insert(name.to_string(), id);
         let is_tail = self.successors_of(scope, name) == 0;
+        // Stored again after an eviction: asked for once more than it was read.
+        let reads = match self.ranking {
+            Ranking::Recency => 0,
+            _ => self.ghosts.recall(scope, name).map_or(0, |n| n + 1),
+        };
+        let fresh_end = is_tail && reads == 0;
+        let rank = self
+            .ranking
+            .rank(used, reads, fresh_end, self.entries.len());
         let r = self.by_region.entry(loc.region_id).or_default();
-        r.lru.insert((used, id));
+        r.lru.insert((rank, id));
         if is_tail {
-            r.tails.insert((used, id));
+            r.tails.insert((rank, id));
         }
         r.bytes += loc.length;
         self.by_page.insert((loc.region_id, loc.offset), id);
@@ -268,6 +302,9 @@ impl KeyDirectory {
                 loc,
                 prev,
                 used,
+                reads,
+                fresh_end,
+                rank,
             },
         );
         if let Some(j) = &mut self.journal {
@@ -293,13 +330,15 @@ impl KeyDirectory {
             .or_insert(0);
         *n += 1;
         if *n == 1 {
-            // `prev` was a tail (if it is stored) and is one no longer.
+            // `prev` was a tail (if it is stored) and is one no longer, nor the end
+            // of a fresh prompt.
             if let Some(pid) = self.find(scope, prev) {
                 if let Some(pe) = self.entries.get(&pid) {
                     if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
-                        r.tails.remove(&(pe.used, pid));
+                        r.tails.remove(&(pe.rank, pid));
                     }
                 }
+                self.rerank(pid, false);
             }
         }
     }
@@ -318,26 +357,45 @@ impl KeyDirectory {
         if let Some(pid) = self.find(scope, prev) {
             if let Some(pe) = self.entries.get(&pid) {
                 if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
-                    r.tails.insert((pe.used, pid));
+                    r.tails.insert((pe.rank, pid));
                 }
             }
         }
     }
 
-    /// Marks the key as just read.
-    pub fn touch(&mut self, id: KeyId) {
+    /// Ranks the key again: as read just now (`read`), or as it is with its
+    /// fresh-end mark dropped.
+    fn rerank(&mut self, id: KeyId, read: bool) {
+        let stored = self.entries.len();
         let Some(e) = self.entries.get_mut(&id) else {
             return;
         };
-        self.stamp += 1;
+        if !read && !e.fresh_end {
+            return;
+        }
+        if read {
+            self.stamp += 1;
+            e.used = self.stamp;
+            e.reads = e.reads.saturating_add(1);
+        }
+        e.fresh_end = false;
+        let rank = self.ranking.rank(e.used, e.reads, false, stored);
         if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
-            r.lru.remove(&(e.used, id));
-            r.lru.insert((self.stamp, id));
-            if r.tails.remove(&(e.used, id)) {
-                r.tails.insert((self.stamp, id));
+            r.lru.remove(&(e.rank, id));
+            r.lru.insert((rank, id));
+            if r.tails.remove(&(e.rank, id)) {
+                r.tails.insert((rank, id));
             }
         }
-        e.used = self.stamp;
+        e.rank = rank;
+    }
+
+    /// Marks the key as just read.
+    pub fn touch(&mut self, id: KeyId) {
+        if !self.entries.contains_key(&id) {
+            return;
+        }
+        self.rerank(id, true);
         if let Some(j) = &mut self.journal {
             j.used.insert(id);
         }
@@ -354,9 +412,13 @@ impl KeyDirectory {
                 self.by_name.remove(&e.scope);
             }
         }
+        if self.ranking != Ranking::Recency {
+            let bound = self.entries.len().max(1);
+            self.ghosts.forget(e.scope, &e.name, e.reads, bound);
+        }
         if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
-            r.lru.remove(&(e.used, id));
-            r.tails.remove(&(e.used, id));
+            r.lru.remove(&(e.rank, id));
+            r.tails.remove(&(e.rank, id));
             r.bytes -= e.loc.length;
             if r.lru.is_empty() {
                 self.by_region.remove(&e.loc.region_id);
@@ -404,16 +466,17 @@ impl KeyDirectory {
         self.by_region.get(&region_id).map_or(0, |r| r.bytes)
     }
 
-    /// The region's keys with their use stamps, least recently used first.
-    pub fn lru(&self, region_id: u64) -> impl Iterator<Item = (u64, KeyId)> + '_ {
+    /// The region's keys with their ranks, the first to go first (least recently
+    /// used first under [`Ranking::Recency`]).
+    pub fn ranked_keys(&self, region_id: u64) -> impl Iterator<Item = (u64, KeyId)> + '_ {
         self.by_region
             .get(&region_id)
             .into_iter()
             .flat_map(|r| r.lru.iter().copied())
     }
 
-    /// The region's keys that no stored key follows in a chain, least recently
-    /// used first.
+    /// The region's keys that no stored key follows in a chain, with their ranks,
+    /// the first to go first.
     pub fn tails(&self, region_id: u64) -> impl Iterator<Item = (u64, KeyId)> + '_ {
         self.by_region
             .get(&region_id)
@@ -488,7 +551,7 @@ mod tests {
             )
             .collect();
         d.touch(ids[0]);
-        let order: Vec<KeyId> = d.lru(1).map(|(_, id)| id).collect();
+        let order: Vec<KeyId> = d.ranked_keys(1).map(|(_, id)| id).collect();
         assert_eq!(order, vec![ids[1], ids[2], ids[0]]);
         assert_eq!((d.region_keys(1), d.region_bytes(1)), (3, 30));
         d.publish(s, "other", loc(2, 0), None);

@@ -38,6 +38,7 @@ mod core;
 mod durable;
 mod errors;
 mod evict_ops;
+pub mod evict_rank;
 pub mod fair_share;
 pub mod keeper;
 pub mod keys;
