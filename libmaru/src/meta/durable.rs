@@ -340,17 +340,8 @@ impl MetaCore {
         let sessions = self.sessions.take_dirty();
         let mut records = Vec::new();
         for id in kj.scopes {
-            if let Some(s) = self.keys.scope(id) {
-                records.push(Record::Scope(
-                    ScopeRecord {
-                        id: KeyDirectory::scope_number(id),
-                        namespace: s.namespace.clone(),
-                        layout: s.layout.clone(),
-                        backend: s.backend,
-                        check: 0,
-                    }
-                    .sealed(),
-                ));
+            if let Some(r) = self.scope_record(id) {
+                records.push(Record::Scope(r));
             }
         }
         for id in &sessions {
@@ -787,6 +778,22 @@ impl MetaCore {
     }
 
     /// The whole directory as records (a store written from scratch, tests).
+    /// The sealed record of scope `id` (its own check over its fields), as the
+    /// journal and the image both write it.
+    fn scope_record(&self, id: ScopeId) -> Option<ScopeRecord> {
+        let s = self.keys.scope(id)?;
+        Some(
+            ScopeRecord {
+                id: KeyDirectory::scope_number(id),
+                namespace: s.namespace.clone(),
+                layout: s.layout.clone(),
+                backend: s.backend,
+                check: 0,
+            }
+            .sealed(),
+        )
+    }
+
     pub fn image(&self) -> Image {
         let mut scopes = Vec::new();
         let mut seen = BTreeSet::new();
@@ -797,18 +804,7 @@ impl MetaCore {
             seen.insert(s.scope);
         }
         for id in seen {
-            if let Some(s) = self.keys.scope(id) {
-                scopes.push(
-                    ScopeRecord {
-                        id: KeyDirectory::scope_number(id),
-                        namespace: s.namespace.clone(),
-                        layout: s.layout.clone(),
-                        backend: s.backend,
-                        check: 0,
-                    }
-                    .sealed(),
-                );
-            }
+            scopes.extend(self.scope_record(id));
         }
         Image {
             scopes,
