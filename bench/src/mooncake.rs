@@ -23,7 +23,7 @@
 
 use crate::harness::{run_clients_raw, Bound, Fig, Rotor, Run};
 use crate::maru_io::{handler_config, CHandler, BATCH};
-use crate::procs::{free_port, stack, with_parent, Scratch};
+use crate::procs::{free_port, stack, stop, with_parent, Scratch};
 use crate::report::{chunk_name, f0, f2, us, Table};
 use serde::{Deserialize, Serialize};
 use std::ffi::{c_char, CString};
@@ -84,19 +84,7 @@ struct Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         drop(self.stdin.take());
-        // SAFETY: kill(2) on the pid of our own child, not reaped yet.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop(&mut self.child);
     }
 }
 

@@ -31,20 +31,26 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on the pid of our own child, which we have not reaped yet.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop(&mut self.child);
     }
+}
+
+/// Stops a child of ours: SIGTERM, then SIGKILL if it has not exited within 3 s; reaped
+/// either way.
+pub fn stop(child: &mut Child) {
+    // SAFETY: kill(2) on the pid of our own child, which we have not reaped yet.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A command whose process is killed when the benchmark dies (a signal, say) before
