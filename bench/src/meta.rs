@@ -474,7 +474,7 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
 }
 
 /// Bytes of the files under `dir`.
-fn dir_bytes(dir: &std::path::Path) -> u64 {
+pub(crate) fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()

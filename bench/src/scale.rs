@@ -22,6 +22,7 @@
 //! the session steps; `MARU_SCALE_REPLOT=scale.json` draws scale.png again.
 
 use crate::harness::percentile;
+use crate::meta::dir_bytes;
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, Proc};
 use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
@@ -685,19 +686,6 @@ fn keys_name(k: u64) -> String {
     } else {
         format!("{} K", k >> 10)
     }
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| match e.metadata() {
-            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
-            Ok(m) => m.len(),
-            Err(_) => 0,
-        })
-        .sum()
 }
 
 fn lat_of<'a>(s: &'a Step, op: &str) -> Option<&'a Lat> {
