@@ -236,6 +236,9 @@ fn maru_server_names_an_agent_whose_key_it_cannot_prove() {
             &wrong.display().to_string(),
             "--port",
             "0",
+            // Its own state directory: the default one under ~/.maru is the user's.
+            "--state-dir",
+            &s.dir.join("state").display().to_string(),
         ])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
