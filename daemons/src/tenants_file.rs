@@ -30,7 +30,7 @@
 //! write = ["*"]                    # absent: every namespace no other tenant writes
 //! ```
 
-use maru::auth::{load_key_file, Keyring, SharedKey};
+use maru::auth::{keyfile::load_owned_key_file, Keyring, SharedKey};
 use maru::meta::tenants::{DEFAULT_LIMITS, DEFAULT_TENANT_LIMITS};
 use maru::meta::{NsPattern, TenantLimits, TenantSpec, Tenants, DEFAULT_TENANT};
 use serde::Deserialize;
@@ -207,7 +207,7 @@ pub fn load(path: &Path, server_key: &SharedKey) -> Result<Loaded, String> {
     let p = parse(&text, dir).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut keys = vec![(DEFAULT_TENANT.to_string(), server_key.clone())];
     for (name, file) in &p.key_files {
-        let k = load_key_file(file).map_err(|e| {
+        let k = load_owned_key_file(file).map_err(|e| {
             format!(
                 "{}: tenant {name}: {e} (make one with `maru-server gen-key {}`)",
                 path.display(),

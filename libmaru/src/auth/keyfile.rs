@@ -153,10 +153,21 @@ pub fn foreign_owner(uid: u32) -> Option<u32> {
     (uid != me && uid != 0).then_some(me)
 }
 
-/// Reads a key file, refusing one that group or others can access or that another
-/// user than this process's (or root) owns. The checks are on the file read (its
-/// open descriptor), not on its name.
+/// Reads a key file, refusing one that group or others can access. A client reads
+/// the key its daemon made, owned by the daemon's user: the owner is not checked
+/// here (see [`load_owned_key_file`] for files that grant authority).
 pub fn load_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
+    load_checked(path, false)
+}
+
+/// Reads a key file that grants authority (a tenant's key named by the tenants
+/// file), refusing also one that another user than this process's (or root) owns.
+/// The checks are on the file read (its open descriptor), not on its name.
+pub fn load_owned_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
+    load_checked(path, true)
+}
+
+fn load_checked(path: &Path, owner: bool) -> Result<SharedKey, KeyFileError> {
     use std::io::Read;
     use std::os::unix::fs::MetadataExt;
     let io = |err| KeyFileError::Io {
@@ -172,7 +183,7 @@ pub fn load_key_file(path: &Path) -> Result<SharedKey, KeyFileError> {
             mode,
         });
     }
-    if let Some(me) = foreign_owner(meta.uid()) {
+    if let Some(me) = foreign_owner(meta.uid()).filter(|_| owner) {
         return Err(KeyFileError::ForeignOwner {
             path: path.to_path_buf(),
             uid: meta.uid(),
@@ -282,7 +293,10 @@ mod tests {
         let p = tmp("foreign");
         write_new_key_file(&p, &SharedKey::generate().unwrap()).unwrap();
         std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
-        let e = load_key_file(&p).unwrap_err();
+        // A client reads its daemon's key whoever owns it; a file that grants
+        // authority is refused when another user owns it.
+        assert!(load_key_file(&p).is_ok());
+        let e = load_owned_key_file(&p).unwrap_err();
         // root's own uid is 0, which is trusted; a root daemon refuses nobody's file.
         assert!(matches!(e, KeyFileError::ForeignOwner { .. }), "{e}");
         assert!(e.to_string().contains("chown"), "{e}");
