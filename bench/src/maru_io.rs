@@ -16,7 +16,7 @@ use serde::Serialize;
 use std::ffi::{c_char, CString};
 use std::sync::Arc;
 
-pub const BATCH: usize = 32;
+pub use crate::harness::BATCH;
 /// Turns each of "store, reused pages" and "store into a full cache" takes, each of
 /// a quarter of a figure's seconds.
 const TURNS: usize = 8;

@@ -1,8 +1,7 @@
 //! The pool's agents as maru-server's region keeper calls them ([`MetaAgents`]): each
 //! agent on a link thread of its own, a call holding the loop at most [`AGENT_WAIT`].
 
-use crate::meta_rm::{port_error, unexpected};
-use crate::peer_calls::PeerCalls;
+use crate::peer_calls::{port_error, unexpected, PeerCalls};
 use maru::meta::{AgentPort, PortError};
 use maru::net::{ClientOptions, Link};
 use maru::wire::agent::{AgentReply, AgentRequest};

@@ -2,26 +2,13 @@
 //! the keeper's and the periodic calls off the loop, the keep-alive connection.
 
 use crate::meta_agents::AGENT_WAIT;
-use crate::peer_calls::PeerCalls;
+use crate::peer_calls::{port_error, unexpected, PeerCalls};
 use maru::meta::{PoolSizes, PortError, RmPort};
-use maru::net::{ClientOptions, Link, LinkError, Replier};
+use maru::net::{ClientOptions, Link, Replier};
 use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
-
-pub(crate) fn port_error(e: LinkError) -> PortError {
-    match e {
-        LinkError::Remote(w) => PortError::from(w),
-        LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
-            PortError::Unreachable(m)
-        }
-    }
-}
-
-pub(crate) fn unexpected<T: std::fmt::Debug>(r: T) -> PortError {
-    PortError::Failed(format!("unexpected reply {r:?}"))
-}
 
 /// A call to the RM made off the event loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

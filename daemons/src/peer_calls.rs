@@ -2,6 +2,8 @@
 //! answering never stalls the event loop that asks (maru-server's links to the RM
 //! and to each agent).
 
+use maru::meta::PortError;
+use maru::net::LinkError;
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -98,4 +100,18 @@ where
             wait.as_millis()
         ))
     }
+}
+
+/// A failed call as the metadata core's ports see it.
+pub(crate) fn port_error(e: LinkError) -> PortError {
+    match e {
+        LinkError::Remote(w) => PortError::from(w),
+        LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
+            PortError::Unreachable(m)
+        }
+    }
+}
+
+pub(crate) fn unexpected<T: std::fmt::Debug>(r: T) -> PortError {
+    PortError::Failed(format!("unexpected reply {r:?}"))
 }

@@ -11,23 +11,20 @@ use std::io;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeaderProblem {
     /// Fewer bytes than a whole header.
-    Truncated { len: usize },
-    /// A header of a version this build does not read.
-    Version { found: u32 },
+    Truncated { len: usize, need: usize },
+    /// A header of a version this build does not read (it reads `reads`).
+    Version { found: u32, reads: u32 },
 }
 
 impl fmt::Display for HeaderProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            HeaderProblem::Truncated { len } => write!(
+            HeaderProblem::Truncated { len, need } => {
+                write!(f, "only {len} of {need} header bytes are present")
+            }
+            HeaderProblem::Version { found, reads } => write!(
                 f,
-                "only {len} of {} header bytes are present",
-                super::header::HEADER_LEN
-            ),
-            HeaderProblem::Version { found } => write!(
-                f,
-                "header version {found} is not supported (this build reads version {})",
-                super::header::HEADER_VERSION
+                "header version {found} is not supported (this build reads version {reads})"
             ),
         }
     }

@@ -36,222 +36,21 @@
 //! `io_timeout`, which bounds how long a deregistration can wait.
 
 mod serve;
+pub(super) mod table;
 
-use serve::{run_loop, Conn};
+use serve::{run_loop, Shard, Shared, WAKER};
+use table::*;
 
-use super::proto::{self, Completion, Request, CPL_LEN, REQ_LEN};
+use super::proto::{CPL_LEN, REQ_LEN};
 use crate::auth::SharedKey;
-use crate::net::handshake::{ServerHandshake, Step};
-use crate::net::server::{DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_PRE_AUTH_MAX_FRAME};
-use crate::net::slots::{Admit, Slots, StageLimits};
 use crate::net::throttled_log::{self, ThrottledLog};
 use crate::transport::{Registration, Target, TransportError};
-use crate::wire::{self, FrameDecoder};
 use std::collections::HashMap;
-use std::io::{self, IoSlice, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
-
-/// Whether a registration is alive and how many operations use it now.
-struct Gate {
-    alive: bool,
-    users: usize,
-}
-
-struct Reg {
-    base: u64,
-    len: u64,
-    writable: bool,
-    /// The owner (agent connection) it was registered for.
-    owner: u64,
-    gate: Mutex<Gate>,
-    idle: Condvar,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// An operation's use of a live registration; the registration's deregistration
-/// waits until every use is dropped.
-struct RegUse(Arc<Reg>);
-
-impl RegUse {
-    fn take(reg: Arc<Reg>) -> Option<RegUse> {
-        let mut g = lock(&reg.gate);
-        if !g.alive {
-            return None;
-        }
-        g.users += 1;
-        drop(g);
-        Some(RegUse(reg))
-    }
-}
-
-impl Drop for RegUse {
-    fn drop(&mut self) {
-        let mut g = lock(&self.0.gate);
-        g.users -= 1;
-        if g.users == 0 {
-            self.0.idle.notify_all();
-        }
-    }
-}
-
-/// The owners that registered something: their binding secrets, both ways, and how
-/// many data connections each has bound.
-#[derive(Default)]
-struct Owners {
-    secret_of: HashMap<u64, u128>,
-    owner_of: HashMap<u128, u64>,
-    bound: HashMap<u64, usize>,
-}
-
-/// A data connection's binding to its owner: counted in [`Owners::bound`] while it
-/// lives, whichever thread drops it.
-struct Binding {
-    owner: u64,
-    owners: Arc<Mutex<Owners>>,
-}
-
-impl Binding {
-    /// Binds to the owner of `secret`: `Err(status)` when the secret is unknown or the
-    /// owner has [`MAX_PER_OWNER`] data connections already.
-    fn take(owners: &Arc<Mutex<Owners>>, secret: u128) -> Result<Binding, u32> {
-        let mut o = lock(owners);
-        let owner = *o.owner_of.get(&secret).ok_or(proto::ST_BAD_KEY)?;
-        let n = o.bound.entry(owner).or_default();
-        if *n >= MAX_PER_OWNER {
-            return Err(proto::ST_LIMIT);
-        }
-        *n += 1;
-        Ok(Binding {
-            owner,
-            owners: owners.clone(),
-        })
-    }
-}
-
-impl Drop for Binding {
-    fn drop(&mut self) {
-        let mut o = lock(&self.owners);
-        if let Some(n) = o.bound.get_mut(&self.owner) {
-            *n -= 1;
-            if *n == 0 {
-                o.bound.remove(&self.owner);
-            }
-        }
-    }
-}
-
-/// One serving thread (its own `Poll`), seen from the others.
-struct Shard {
-    waker: mio::Waker,
-    /// Proven connections handed to it by the accepting shard.
-    inbox: Mutex<Vec<Conn>>,
-    /// Owners closed since it last looked: their data connections go.
-    closed_owners: Mutex<Vec<u64>>,
-    /// Bound connections it serves now.
-    serving: AtomicU64,
-    /// Connections in their handshake now (shard 0 only).
-    pending: AtomicU64,
-    /// Proven connections not bound yet (shard 0 only).
-    unbound: AtomicU64,
-}
-
-struct Shared {
-    regs: RwLock<HashMap<u64, Arc<Reg>>>,
-    owners: Arc<Mutex<Owners>>,
-    /// Closes before binding and refused bindings, a line per interval (shard 0
-    /// writes the summaries).
-    log: Mutex<ThrottledLog>,
-    /// The responder's clock: milliseconds since it started.
-    started: Instant,
-    key: Option<SharedKey>,
-    io_timeout: Duration,
-    stop: AtomicBool,
-    shards: Vec<Shard>,
-    next_shard: AtomicU64,
-    ops: AtomicU64,
-    rejected: AtomicU64,
-}
-
-impl Shared {
-    fn now_ms(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
-    }
-
-    /// Notes a connection closed or refused before binding (see [`ThrottledLog`]).
-    fn note(
-        &self,
-        level: log::Level,
-        kind: &'static str,
-        peer: &str,
-        line: impl FnOnce() -> String,
-    ) {
-        let now = self.now_ms();
-        throttled_log::emit(
-            module_path!(),
-            lock(&self.log).note(now, level, kind, peer, line),
-        );
-    }
-
-    /// One count of every shard (from shard `from` on), summed.
-    fn sum(&self, from: usize, count: impl Fn(&Shard) -> &AtomicU64) -> u64 {
-        self.shards
-            .iter()
-            .skip(from)
-            .map(|s| count(s).load(Ordering::SeqCst))
-            .sum()
-    }
-
-    fn unbound(&self) -> u64 {
-        self.sum(0, |s| &s.unbound)
-    }
-
-    /// Bound connections served by the threads other than the door's.
-    fn serving_elsewhere(&self) -> usize {
-        self.sum(1, |s| &s.serving) as usize
-    }
-
-    fn serving(&self) -> u64 {
-        self.sum(0, |s| &s.serving)
-    }
-
-    fn pending(&self) -> u64 {
-        self.sum(0, |s| &s.pending)
-    }
-}
-
-/// Serving threads: one per core, at most this many. The first also accepts and runs
-/// every handshake; proven connections are spread over all of them.
-pub const MAX_SHARDS: usize = 4;
-
-/// Most data connections open at once, in every stage. They share [`MAX_SHARDS`]
-/// threads at most; this bounds descriptors and memory. When all are open, a new
-/// connection pushes out the oldest one not bound yet, and is refused only when every
-/// one is bound.
-pub const MAX_CONNECTIONS: usize = 1024;
-/// Most connections in their handshake at once, so peers without the key cannot
-/// take the room of workers that proved it: a new one beyond it pushes out the oldest.
-pub const MAX_PENDING: usize = 64;
-/// Most proven connections not bound yet: one more pushes out the oldest of them, so
-/// a key holder that never binds cannot take the room of workers that do.
-pub const MAX_UNBOUND: usize = 64;
-/// Most data connections bound to one owner (a worker opens 1 to 8 lanes per agent
-/// connection); a BIND beyond it completes with [`proto::ST_LIMIT`].
-pub const MAX_PER_OWNER: usize = 64;
-/// The whole handshake (hello and key proof) must finish within this (the daemons'
-/// control ports' default).
-pub const HANDSHAKE_DEADLINE: Duration = Duration::from_millis(DEFAULT_HANDSHAKE_TIMEOUT_MS);
-/// A proven connection must bind within this of its proof (a worker sends BIND right
-/// after its handshake).
-pub const BIND_DEADLINE: Duration = Duration::from_secs(5);
-/// Largest frame before the key proof (a hello or a proof is a few hundred bytes; the
-/// daemons' control ports' default).
-pub const PRE_AUTH_MAX_FRAME: usize = DEFAULT_PRE_AUTH_MAX_FRAME;
 
 /// The soft NIC responder of one agent.
 pub struct SoftTarget {
@@ -275,9 +74,6 @@ pub struct TargetStats {
     /// Operations refused for a bad key, range or access.
     pub rejected: u64,
 }
-
-const LISTENER: mio::Token = mio::Token(usize::MAX);
-const WAKER: mio::Token = mio::Token(usize::MAX - 1);
 
 impl SoftTarget {
     /// Listens on `bind` (port 0 picks one). `advertise` is the host workers connect

@@ -2,7 +2,101 @@
 //! 0's door (accept, handshake and bind stages), and each connection's requests with
 //! their bytes moved straight between the socket and the registered memory.
 
-use super::*;
+use super::super::proto::{self, Completion, Request, REQ_LEN};
+use super::table::*;
+use crate::auth::SharedKey;
+use crate::net::handshake::{ServerHandshake, Step};
+use crate::net::slots::{Admit, Slots, StageLimits};
+use crate::net::throttled_log::{self, ThrottledLog};
+use crate::wire::{self, FrameDecoder};
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+pub(super) const LISTENER: mio::Token = mio::Token(usize::MAX);
+pub(super) const WAKER: mio::Token = mio::Token(usize::MAX - 1);
+
+/// One serving thread (its own `Poll`), seen from the others.
+pub(super) struct Shard {
+    pub(super) waker: mio::Waker,
+    /// Proven connections handed to it by the accepting shard.
+    pub(super) inbox: Mutex<Vec<Conn>>,
+    /// Owners closed since it last looked: their data connections go.
+    pub(super) closed_owners: Mutex<Vec<u64>>,
+    /// Bound connections it serves now.
+    pub(super) serving: AtomicU64,
+    /// Connections in their handshake now (shard 0 only).
+    pub(super) pending: AtomicU64,
+    /// Proven connections not bound yet (shard 0 only).
+    pub(super) unbound: AtomicU64,
+}
+
+pub(super) struct Shared {
+    pub(super) regs: RwLock<HashMap<u64, Arc<Reg>>>,
+    pub(super) owners: Arc<Mutex<Owners>>,
+    /// Closes before binding and refused bindings, a line per interval (shard 0
+    /// writes the summaries).
+    pub(super) log: Mutex<ThrottledLog>,
+    /// The responder's clock: milliseconds since it started.
+    pub(super) started: Instant,
+    pub(super) key: Option<SharedKey>,
+    pub(super) io_timeout: Duration,
+    pub(super) stop: AtomicBool,
+    pub(super) shards: Vec<Shard>,
+    pub(super) next_shard: AtomicU64,
+    pub(super) ops: AtomicU64,
+    pub(super) rejected: AtomicU64,
+}
+
+impl Shared {
+    pub(super) fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Notes a connection closed or refused before binding (see [`ThrottledLog`]).
+    pub(super) fn note(
+        &self,
+        level: log::Level,
+        kind: &'static str,
+        peer: &str,
+        line: impl FnOnce() -> String,
+    ) {
+        let now = self.now_ms();
+        throttled_log::emit(
+            module_path!(),
+            lock(&self.log).note(now, level, kind, peer, line),
+        );
+    }
+
+    /// One count of every shard (from shard `from` on), summed.
+    pub(super) fn sum(&self, from: usize, count: impl Fn(&Shard) -> &AtomicU64) -> u64 {
+        self.shards
+            .iter()
+            .skip(from)
+            .map(|s| count(s).load(Ordering::SeqCst))
+            .sum()
+    }
+
+    pub(super) fn unbound(&self) -> u64 {
+        self.sum(0, |s| &s.unbound)
+    }
+
+    /// Bound connections served by the threads other than the door's.
+    pub(super) fn serving_elsewhere(&self) -> usize {
+        self.sum(1, |s| &s.serving) as usize
+    }
+
+    pub(super) fn serving(&self) -> u64 {
+        self.sum(0, |s| &s.serving)
+    }
+
+    pub(super) fn pending(&self) -> u64 {
+        self.sum(0, |s| &s.pending)
+    }
+}
 
 /// A connection still in its handshake.
 struct Pending {
