@@ -4,16 +4,21 @@ Run: python3 -m pytest -q scripts/tests (or python3 scripts/tests/test_import_cy
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "import_cycles.py"
+#: Every fixture tree lies under this one directory, removed when the tests end.
+ROOT = Path(tempfile.mkdtemp(prefix="import-cycles-test-"))
+atexit.register(shutil.rmtree, ROOT, True)
 
 
 def crate(files: dict) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="cycles-")) / "src"
+    root = Path(tempfile.mkdtemp(dir=ROOT)) / "src"
     for name, text in files.items():
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
