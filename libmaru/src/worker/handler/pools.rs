@@ -171,7 +171,7 @@ impl Inner {
     pub(super) fn reopen_pool(&self, i: usize) -> Result<Arc<StoragePool>, WorkerError> {
         let lost = self.lost[i].lock().ok().and_then(|l| l.clone());
         if let Some(old) = lost {
-            match old.heartbeat() {
+            match old.heartbeat(Deadline::after(self.timeout())) {
                 Ok(()) => {
                     if let Ok(mut l) = self.lost[i].lock() {
                         if l.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
@@ -210,7 +210,7 @@ impl Inner {
             new.session.handshake.instance.clone(),
         );
         if lost_session(&was, &now) == LostSession::ReleaseAtAgents {
-            let (released, failed) = old.release_regions();
+            let (released, failed) = old.release_regions(Deadline::after(self.timeout()));
             log::warn!(
                 "pool {}: maru-server restarted (instance {was} → {now}); released {released} region(s) of the lost session at their agents{}",
                 self.urls[i],
@@ -275,7 +275,7 @@ impl Inner {
                 if release_after {
                     self.release_later(p, leases, by);
                 } else {
-                    p.release_leases_by(leases, by);
+                    p.release_leases(leases, by);
                 }
                 Ok(())
             })?;

@@ -166,18 +166,18 @@ impl Mover {
 
     /// Periodic work (`remote_cxl`: probes, maps again, fences): the own regions
     /// whose agent has been silent too long, to give back.
-    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
         match self {
             Mover::Cxl(_) => Vec::new(),
-            Mover::Remote(m) => m.tick(now_ms),
+            Mover::Remote(m) => m.tick(now_ms, by),
         }
     }
 
     /// Probes the agents that are away, when due (between ticks, every
     /// `lifecycle::AWAY_PROBE_EVERY_MS`).
-    pub(crate) fn probe_away(&self, now_ms: u64) {
+    pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
         if let Mover::Remote(m) = self {
-            m.probe_away(now_ms)
+            m.probe_away(now_ms, by)
         }
     }
 
@@ -198,10 +198,10 @@ impl Mover {
 
     /// Releases every own region at its agent (the maru-server that knew the session
     /// restarted); (released, failed).
-    pub(crate) fn release_all(&self) -> (usize, usize) {
+    pub(crate) fn release_all(&self, by: Deadline) -> (usize, usize) {
         match self {
             Mover::Cxl(_) => (0, 0),
-            Mover::Remote(m) => m.release_all(),
+            Mover::Remote(m) => m.release_all(by),
         }
     }
 

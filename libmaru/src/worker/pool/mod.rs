@@ -199,8 +199,8 @@ impl StoragePool {
             timeout: DEFAULT_TIMEOUT,
             hooks: TestHooks::default(),
         };
-        if let Err(e) = pool.start() {
-            pool.session.close_failed_open(&e);
+        if let Err(e) = pool.start(pool.deadline()) {
+            pool.session.close_failed_open(&e, pool.deadline());
             return Err(e);
         }
         Ok(pool)
@@ -238,12 +238,12 @@ impl StoragePool {
 
     /// Maps the session's first region, if it came with one, and tells maru-server
     /// its memory node's boot id.
-    fn start(&self) -> Result<(), WorkerError> {
+    fn start(&self, by: Deadline) -> Result<(), WorkerError> {
         if let Some(r) = self.session.first_region.clone() {
-            self.adopt_region(&r, self.deadline())?;
+            self.adopt_region(&r, by)?;
             self.core.lock().adopted(&r);
         }
-        self.report_boots(self.deadline())
+        self.report_boots(by)
     }
 
     /// Bounds each request's waits on agents by `timeout` from its start (10 s by
@@ -312,7 +312,7 @@ impl StoragePool {
     fn report_boots(&self, by: Deadline) -> Result<(), WorkerError> {
         let must = self.core.lock().must_report();
         if must {
-            self.beat(by)?;
+            self.heartbeat(by)?;
         }
         Ok(())
     }
@@ -332,9 +332,9 @@ impl StoragePool {
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
         if pin {
-            self.per_batch(keys, |s, k, by| s.pin_by(k, by))
+            self.per_batch(keys, |s, k, by| s.pin(k, by))
         } else {
-            self.per_batch(keys, |s, k, by| s.unpin_by(k, by))
+            self.per_batch(keys, |s, k, by| s.unpin(k, by))
         }
     }
 
@@ -343,7 +343,7 @@ impl StoragePool {
         &self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
-        self.per_batch(keys, |s, k, by| s.remove_by(k, by))
+        self.per_batch(keys, |s, k, by| s.remove(k, by))
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
@@ -351,7 +351,7 @@ impl StoragePool {
             // maru-server did not answer a call by its deadline: false at once.
             return Ok(vec![false; keys.len()]);
         }
-        self.per_batch(keys, |s, k, by| s.exists_by(k, by))
+        self.per_batch(keys, |s, k, by| s.exists(k, by))
     }
 
     /// One session call per `max_batch` keys, the answers in order, all by one
@@ -378,13 +378,7 @@ impl StoragePool {
     /// Outside a request (the heartbeat thread, a close): by the session's own call
     /// timeout. A request's heartbeat (a store's re-check, a load that found a reboot)
     /// is `beat` with the request's deadline.
-    pub fn heartbeat(&self) -> Result<(), WorkerError> {
-        self.beat(self.session.call_deadline())
-    }
-
-    /// The heartbeat, every wait of it (publishes a reboot's report waits for, the
-    /// round trip) by `by`.
-    pub(crate) fn beat(&self, by: Deadline) -> Result<(), WorkerError> {
+    pub fn heartbeat(&self, by: Deadline) -> Result<(), WorkerError> {
         let check = self
             .core
             .wait_while(by, |c| c.heartbeat_begin() == BeatCheck::Wait)
@@ -411,14 +405,14 @@ impl StoragePool {
                 self.session.url
             );
         }
-        self.carry_out(gone);
+        self.carry_out(gone, by);
         Ok(())
     }
 
     /// Carries out what the core decided about regions the pool no longer writes
     /// into: the mover forgets them; a region maru-server asked for is returned (its
     /// keys go, maru-server releases it at its agent before the RM frees it).
-    pub(super) fn carry_out(&self, gone: Vec<Gone>) {
+    pub(super) fn carry_out(&self, gone: Vec<Gone>, by: Deadline) {
         for g in gone {
             self.mover.forget(g.region());
             match g {
@@ -427,7 +421,7 @@ impl StoragePool {
                     self.session.url,
                 ),
                 Gone::GiveBack(id) => {
-                    let r = self.session.return_region(id, false);
+                    let r = self.session.return_region(id, false, by);
                     self.core.lock().given_back(r.is_ok());
                     match r {
                         Ok(()) => log::info!(
@@ -447,10 +441,9 @@ impl StoragePool {
     /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): the mover probes the
     /// agents that are away, so that one answering again serves the next store.
     /// maru-server too, when it is away (an `exists` of no key, 1 s at most).
-    pub fn probe_away(&self, now_ms: u64) {
-        self.mover.probe_away(now_ms);
+    pub fn probe_away(&self, now_ms: u64, by: Deadline) {
+        self.mover.probe_away(now_ms, by);
         if self.session.away() {
-            let by = Deadline::after(Duration::from_secs(1));
             if let Err(e) = self.session.ping(by) {
                 log::debug!("pool {}: maru-server still away: {e}", self.session.url);
             }
@@ -462,8 +455,8 @@ impl StoragePool {
     /// request); regions whose agent stayed silent too long go back to maru-server
     /// once no publish into them is in flight (their keys go at once; its keeper
     /// releases them at the agent); a reboot found is reported.
-    pub fn tick(&self, now_ms: u64) -> Result<(), WorkerError> {
-        let mut silent = self.mover.tick(now_ms);
+    pub fn tick(&self, now_ms: u64, by: Deadline) -> Result<(), WorkerError> {
+        let mut silent = self.mover.tick(now_ms, by);
         if self
             .hooks
             .silent
@@ -479,7 +472,7 @@ impl StoragePool {
         };
         for id in ready {
             self.mover.forget(id);
-            match self.session.return_region(id, false) {
+            match self.session.return_region(id, false, by) {
                 Ok(()) | Err(WorkerError::Refused { .. }) => {
                     self.core.lock().lose(id);
                     log::warn!(
@@ -490,33 +483,33 @@ impl StoragePool {
                 Err(e) => return Err(e),
             }
         }
-        self.report_boots(self.session.call_deadline())
+        self.report_boots(by)
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's
     /// regions at their agents (see `Mover::release_all`).
-    pub fn release_regions(&self) -> (usize, usize) {
-        self.mover.release_all()
+    pub fn release_regions(&self, by: Deadline) -> (usize, usize) {
+        self.mover.release_all(by)
     }
 
-    pub fn close(&self) -> Result<(), WorkerError> {
+    pub fn close(&self, by: Deadline) -> Result<(), WorkerError> {
         // maru-server hears the boot ids at a drained close too (the keeper compares
         // them): ask the agents first, so a reboot not seen yet is reported now.
         self.mover.check_agents(super::clock::now_ms());
-        if let Err(e) = self.heartbeat() {
+        if let Err(e) = self.heartbeat(by) {
             log::warn!(
                 "pool {}: heartbeat before close failed: {e}",
                 self.session.url
             );
         }
         let spare = self.core.lock().drain_spare();
-        if let Err(e) = self.session.free_pages(&spare) {
+        if let Err(e) = self.session.free_pages(&spare, by) {
             log::warn!(
                 "pool {}: cannot return {} spare pages before closing: {e}",
                 self.session.url,
                 spare.len()
             );
         }
-        self.session.close()
+        self.session.close(by)
     }
 }

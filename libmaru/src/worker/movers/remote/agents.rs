@@ -759,13 +759,13 @@ impl RemoteMover {
     /// (when no request has the agent's connection: such a request maps them itself),
     /// fences of kept slots, regions of agents silent too long to give back
     /// (returned).
-    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
         for a in due {
             match a {
                 Action::Probe(agent) => self.probe(&agent, now_ms),
-                Action::Remap(agent) => self.remap_if_free(&agent),
+                Action::Remap(agent) => self.remap_if_free(&agent, by),
                 // The pool asks `must_report` after the tick.
                 Action::ReportBoots => {}
                 Action::GiveBack { agent, regions } => {
@@ -780,20 +780,20 @@ impl RemoteMover {
         // A probe may have found a restart: map again now, not at the next tick.
         let due = self.lock().remaps_due();
         for agent in due {
-            self.remap_if_free(&agent);
+            self.remap_if_free(&agent, by);
         }
-        let by = Deadline::after(TICK_FENCE_WAIT);
+        let by = by.within(TICK_FENCE_WAIT);
         self.fence_queued(by);
         self.reclaim(by);
         give_back
     }
 
     /// Maps the regions at `agent` again if no request has its connection now.
-    fn remap_if_free(&self, agent: &str) {
+    fn remap_if_free(&self, agent: &str, by: Deadline) {
         let link = self.lock().link_of(agent);
         let lease = link.try_take();
         if let Some(mut lease) = lease {
-            self.remap(agent, &mut lease, Deadline::after(self.timeout));
+            self.remap(agent, &mut lease, by);
         }
     }
 
@@ -801,13 +801,13 @@ impl RemoteMover {
     /// between the pool's ticks, so that one that answers again serves the next store.
     /// Peers that keep slots are fenced too: a fence that succeeds is what tells a
     /// data connection that answers again (and gives the slots back).
-    pub(crate) fn probe_away(&self, now_ms: u64) {
+    pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
         let due = self.lock().life.away_probes_due(now_ms);
         for a in due {
             self.probe(&a, now_ms);
         }
         if !self.lock().iso.to_fence().is_empty() {
-            self.reclaim(Deadline::after(TICK_FENCE_WAIT));
+            self.reclaim(by.within(TICK_FENCE_WAIT));
         }
     }
 
@@ -929,7 +929,7 @@ impl RemoteMover {
     /// Releases every own region at its agent (the session is gone with the
     /// maru-server that knew it, so no keeper will); each release within the timeout.
     /// Returns (released, failed).
-    pub(crate) fn release_all(&self) -> (usize, usize) {
+    pub(crate) fn release_all(&self, by: Deadline) -> (usize, usize) {
         let own: Vec<(String, crate::wire::rm::Handle)> = self
             .lock()
             .own
@@ -939,7 +939,6 @@ impl RemoteMover {
         let (mut released, mut failed) = (0, 0);
         for (agent, handle) in own {
             let id = handle.region_id;
-            let by = Deadline::after(self.timeout);
             let link = self.lock().link_of(&agent);
             let r = match link.take(by) {
                 Some(mut lease) => {
