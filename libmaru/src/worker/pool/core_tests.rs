@@ -4,11 +4,11 @@
 use super::core::{
     server_away, BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan, Unkept, EXPAND_BACKOFF_MS,
 };
+use super::peers::RemoteState;
 use crate::net::ClientOptions;
 use crate::transport::PeerId;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::movers::remote::fixtures::{self, mapped, PAGE};
-use crate::worker::movers::remote::RemoteState;
 use std::collections::BTreeMap;
 
 const AGENT: &str = "10.0.0.1:9860";
