@@ -64,6 +64,32 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 /// given back.
 pub const EXPAND_BACKOFF_MS: u64 = 250;
 
+/// Reports of the regions' boot ids a publish asks for before it gives up (other
+/// stores keep adopting regions meanwhile): see `publish_begin`.
+pub const REPORT_TRIES: usize = 3;
+
+/// Rounds of making room (a region or evictions, then `alloc`) that found no page
+/// before a store gives up on the chunks still missing: see `room_given_up`.
+pub const ROOM_ROUNDS: usize = 8;
+
+/// Rounds of taking pages when some were of a region not the pool's: see
+/// `take_again`.
+pub const TAKE_ROUNDS: usize = 3;
+
+/// Whether a store takes pages once more after its round `round` (from 0): only
+/// when that round got pages of a region not the pool's (`strays`, freed again)
+/// and none short (maru-server had pages), and fewer than `TAKE_ROUNDS` rounds ran.
+pub fn take_again(round: usize, strays: usize, short: usize) -> bool {
+    strays > 0 && short == 0 && round + 1 < TAKE_ROUNDS
+}
+
+/// Whether a store gives up on the chunks still missing after `dry` rounds of
+/// making room that found no page: other stores of the pool make room at the same
+/// time (they may take the pages freed here), so a few rounds are tried first.
+pub fn room_given_up(dry: usize) -> bool {
+    dry >= ROOM_ROUNDS
+}
+
 /// What a region's pages were written under: the adoption that mapped it (a region
 /// lost and taken again is another adoption) and, on `remote_cxl`, the boot id of
 /// its memory node. A publish goes only into a region whose token is unchanged.
@@ -691,8 +717,10 @@ impl PoolCore {
         pages: &[PageGrant],
         ok: &[bool],
         taken: &Taken,
-        give_up: bool,
+        reports: usize,
     ) -> PublishCheck {
+        // After `REPORT_TRIES` reports the publish goes on with what is reported.
+        let give_up = reports >= REPORT_TRIES;
         let mut regions: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
         regions.sort_unstable();
         regions.dedup();

@@ -19,18 +19,6 @@ use crate::worker::skips::SkipReason;
 use crate::worker::staging::Slot;
 use crate::worker::warn_limit;
 
-/// Times a publish asks for the regions' boot ids to be reported before it gives up
-/// (other stores keep adopting regions meanwhile).
-const REPORT_TRIES: usize = 3;
-
-/// Rounds of making room (a region or evictions, then `alloc`) that found no page
-/// before a store gives up on the chunks still missing.
-const ROOM_ROUNDS: usize = 8;
-
-/// Rounds of taking pages when some were of a region not the pool's (see
-/// `take_pages`).
-const TAKE_ROUNDS: usize = 3;
-
 /// Why `grow` took no region.
 #[derive(Debug)]
 enum NoRegion {
@@ -76,7 +64,7 @@ impl StoragePool {
         // chunks whose page is at an agent that is away.
         let mut counted = 0;
         let mut strays = 0;
-        for _ in 0..TAKE_ROUNDS {
+        for round in 0.. {
             let want = need - taken.pages.len() - counted;
             if want == 0 {
                 break;
@@ -99,7 +87,7 @@ impl StoragePool {
                 );
                 self.keep_spare(away, by);
             }
-            if strays == 0 || short > 0 {
+            if !super::core::take_again(round, strays, short) {
                 break;
             }
         }
@@ -213,7 +201,7 @@ impl StoragePool {
             }
             if got_none {
                 dry += 1;
-                if dry >= ROOM_ROUNDS {
+                if super::core::room_given_up(dry) {
                     let reason = {
                         let mut c = self.core.lock();
                         c.stats.store_no_room += u64::from(missing);
@@ -595,15 +583,16 @@ impl StoragePool {
         taken: &Taken,
         by: Deadline,
     ) -> Result<super::core::PublishPlan, WorkerError> {
-        for round in 0..=REPORT_TRIES {
-            let give_up = round == REPORT_TRIES;
-            match self.core.lock().publish_begin(pages, ok, taken, give_up) {
+        let mut reports = 0;
+        loop {
+            match self.core.lock().publish_begin(pages, ok, taken, reports) {
                 PublishCheck::Go(plan) => return Ok(plan),
                 PublishCheck::Report => {}
             }
+            // Fails once `by` passed: the loop ends by the deadline whatever the core says.
             self.heartbeat(by)?;
+            reports += 1;
         }
-        Ok(super::core::PublishPlan::default())
     }
 
     /// Sends a publish the core re-checked (`ticket`) and tells the core how it went
