@@ -317,6 +317,18 @@ impl PoolCore {
         self.regions.keys().copied().collect()
     }
 
+    /// Whether a store skips at once, asking maru-server nothing: the pool has own
+    /// regions and every one is at an agent that is away (`RemoteState::region_away`),
+    /// so any page a store would take is there. A stalled agent then costs the call
+    /// that found it one timeout and later stores no round trip, until a probe sees
+    /// it answer.
+    pub fn every_region_away(&self) -> bool {
+        let Some(r) = &self.remote else {
+            return false;
+        };
+        !self.regions.is_empty() && self.regions.keys().all(|&id| r.region_away(id))
+    }
+
     pub fn owns(&self, region: u64) -> bool {
         self.regions.contains_key(&region)
     }

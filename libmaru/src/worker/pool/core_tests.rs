@@ -763,3 +763,30 @@ fn maru_server_is_away_from_a_call_unanswered_until_one_is_answered() {
     );
     assert!(!server_away(1_450, 1_200), "a probe answered");
 }
+
+/// The away rule for stores: once every own region's agent missed a deadline, a
+/// store skips without asking maru-server anything; a region at another agent, or
+/// the agent answering a probe again, and stores go on.
+#[test]
+fn stores_skip_at_once_only_while_every_region_is_at_an_away_agent() {
+    const OTHER: &str = "10.0.0.2:9860";
+    let mut c = remote();
+    assert!(!c.every_region_away(), "no region yet: a store takes one");
+    take_region(&mut c, 1, 128);
+    assert!(!c.every_region_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.away(AGENT, 10, "a call ran into its deadline");
+    assert!(c.every_region_away(), "its one region's agent is away");
+    take_region_at(&mut c, 2, 128, OTHER);
+    assert!(
+        !c.every_region_away(),
+        "pages at the other agent serve stores"
+    );
+    c.lose(2);
+    assert!(c.every_region_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.seen(AGENT, Some("boot-1"), None, 260)
+        .expect("a probe's answer");
+    assert!(!c.every_region_away(), "it answers again: stores go on");
+    assert!(!cxl().every_region_away(), "cxl has no agents");
+}

@@ -522,12 +522,20 @@ impl StoragePool {
                 )));
             }
         }
-        if self.session.away() {
-            // maru-server did not answer a call by its deadline: skip at once.
+        let why = if self.session.away() {
+            // maru-server did not answer a call by its deadline.
+            Some("maru-server is away (it did not answer)")
+        } else if self.core.lock().every_region_away() {
+            // Every page this store could take is at an agent that did not answer.
+            Some("the agents of every region of the pool are away (they did not answer)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
             self.count_skip(
                 SkipReason::PoolUnavailable,
                 keys.len() as u64,
-                "maru-server is away (it did not answer); skipped at once until a probe sees it answer",
+                &format!("{why}; skipped at once until a probe sees it answer"),
             );
             return Ok(vec![false; keys.len()]);
         }
