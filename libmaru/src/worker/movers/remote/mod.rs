@@ -10,8 +10,8 @@
 //! - `post`: a window of transfers posted one batch per peer and settled;
 //! - `isolation`: the slots of transfers of unknown outcome, kept until their peer
 //!   is fenced;
-//! - `requests`: what a store or load posts window by window; `windows`: the
-//!   schedule of a request's windows and the data path's in-flight budget.
+//! - `windows`: the schedule of a request's windows, the data path's in-flight
+//!   budget, and what a store or load posts window by window.
 //!
 //! No lock is held across a round trip, a connect or a fence: the core's lock is
 //! taken to look things up and record outcomes only; a round trip to an agent holds
@@ -22,7 +22,6 @@ mod agents;
 pub(crate) mod isolation;
 pub(crate) mod link;
 mod post;
-mod requests;
 pub mod windows;
 
 use super::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
@@ -33,13 +32,13 @@ use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::pool::core::{CoreCell, PoolCore};
 pub(crate) use crate::worker::pool::peers::{AgentConn, OwnRegion, ReadTarget, RemoteState};
 use crate::worker::staging::{Slot, StagingSlots};
-use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use windows::InFlightBudget;
+use windows::{Given, GivenWindows, LoadWindows, StoreWindows};
 
 /// The core, locked, seen as the remote mover's state.
 pub(super) struct StateGuard<'a>(MutexGuard<'a, PoolCore>);
