@@ -20,7 +20,7 @@ use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
@@ -821,20 +821,23 @@ impl RemoteMover {
         }
     }
 
-    /// The probe connection to `addr` (short timeouts, and a client id of its own: the
-    /// agent drops a client's read handles when one of its connections closes, and
-    /// this one holds none).
-    fn probe_link(&self, addr: &str) -> Arc<Mutex<Link>> {
-        let mut opts = self.agent_opts.clone();
-        opts.client_id = format!("{}#probe", opts.client_id);
-        opts.connect_timeout = PROBE_TIMEOUT;
-        opts.call_timeout = PROBE_TIMEOUT;
-        self.probes
+    /// The probe connection to `addr`, taken out of `probes` for one probe (no lock
+    /// is held while it waits on the agent; a second probe at once gets a new one):
+    /// short timeouts, and a client id of its own (the agent drops a client's read
+    /// handles when one of its connections closes, and this one holds none).
+    fn take_probe_link(&self, addr: &str) -> Link {
+        let idle = self
+            .probes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Mutex::new(agent_link(addr, opts))))
-            .clone()
+            .remove(addr);
+        idle.unwrap_or_else(|| {
+            let mut opts = self.agent_opts.clone();
+            opts.client_id = format!("{}#probe", opts.client_id);
+            opts.connect_timeout = PROBE_TIMEOUT;
+            opts.call_timeout = PROBE_TIMEOUT;
+            agent_link(addr, opts)
+        })
     }
 
     /// Asks whether `addr` answers, and who (`ping`), on its probe connection and
@@ -851,8 +854,13 @@ impl RemoteMover {
         } else {
             PROBE_TIMEOUT
         };
-        let link = self.probe_link(addr);
-        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()), within);
+        let mut link = self.take_probe_link(addr);
+        let who = ping(&mut link, within);
+        self.probes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(addr.to_string())
+            .or_insert(link);
         self.lock().probed(addr, now, who);
     }
 

@@ -76,9 +76,9 @@ pub struct RemoteMover {
     /// Store slots held by this mover's copying store windows on the wire (they come
     /// back within a transfer; see `StoreWindows::slots`).
     store_slots_on_wire: AtomicUsize,
-    /// A second, short-timeout connection per agent for probes (the pool's tick, one
-    /// at a time).
-    probes: Mutex<HashMap<String, Arc<Mutex<Link>>>>,
+    /// A second, short-timeout connection per agent for probes, idle ones (a probe
+    /// takes its agent's out while it waits on it).
+    probes: Mutex<HashMap<String, Link>>,
     agent_opts: ClientOptions,
 }
 
