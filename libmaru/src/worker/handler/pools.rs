@@ -210,7 +210,7 @@ impl Inner {
             new.session.handshake.instance.clone(),
         );
         if lost_session(&was, &now) == LostSession::ReleaseAtAgents {
-            let (released, failed) = old.release_regions(Deadline::after(self.timeout()));
+            let (released, failed) = old.release_regions();
             log::warn!(
                 "pool {}: maru-server restarted (instance {was} → {now}); released {released} region(s) of the lost session at their agents{}",
                 self.urls[i],

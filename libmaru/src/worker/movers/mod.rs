@@ -198,10 +198,10 @@ impl Mover {
 
     /// Releases every own region at its agent (the maru-server that knew the session
     /// restarted); (released, failed).
-    pub(crate) fn release_all(&self, by: Deadline) -> (usize, usize) {
+    pub(crate) fn release_all(&self) -> (usize, usize) {
         match self {
             Mover::Cxl(_) => (0, 0),
-            Mover::Remote(m) => m.release_all(by),
+            Mover::Remote(m) => m.release_all(),
         }
     }
 

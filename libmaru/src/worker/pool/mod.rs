@@ -408,8 +408,8 @@ impl StoragePool {
 
     /// The maru-server this pool's session lived in restarted: release the session's
     /// regions at their agents (see `Mover::release_all`).
-    pub fn release_regions(&self, by: Deadline) -> (usize, usize) {
-        self.mover.release_all(by)
+    pub fn release_regions(&self) -> (usize, usize) {
+        self.mover.release_all()
     }
 
     pub fn close(&self, by: Deadline) -> Result<(), WorkerError> {

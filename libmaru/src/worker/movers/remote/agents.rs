@@ -937,7 +937,7 @@ impl RemoteMover {
     /// Releases every own region at its agent (the session is gone with the
     /// maru-server that knew it, so no keeper will); each release within the timeout.
     /// Returns (released, failed).
-    pub(crate) fn release_all(&self, by: Deadline) -> (usize, usize) {
+    pub(crate) fn release_all(&self) -> (usize, usize) {
         let own: Vec<(String, crate::wire::rm::Handle)> = self
             .lock()
             .own
@@ -947,6 +947,9 @@ impl RemoteMover {
         let (mut released, mut failed) = (0, 0);
         for (agent, handle) in own {
             let id = handle.region_id;
+            // Each release its own timeout, outside any request: a dead agent does
+            // not leave the regions at live ones unreleased.
+            let by = Deadline::after(self.timeout);
             let link = self.lock().link_of(&agent);
             let r = match link.take(by) {
                 Some(mut lease) => {
