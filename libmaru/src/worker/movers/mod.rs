@@ -166,10 +166,10 @@ impl Mover {
 
     /// Periodic work (`remote_cxl`: probes, maps again, fences): the own regions
     /// whose agent has been silent too long, to give back.
-    pub(crate) fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
         match self {
             Mover::Cxl(_) => Vec::new(),
-            Mover::Remote(m) => m.tick(now_ms, by),
+            Mover::Remote(m) => m.tick(now_ms),
         }
     }
 

@@ -376,7 +376,7 @@ impl StoragePool {
     /// once no publish into them is in flight (their keys go at once; its keeper
     /// releases them at the agent); a reboot found is reported.
     pub fn tick(&self, now_ms: u64, by: Deadline) -> Result<(), WorkerError> {
-        let mut silent = self.mover.tick(now_ms, by);
+        let mut silent = self.mover.tick(now_ms);
         if self
             .hooks
             .silent

@@ -759,13 +759,13 @@ impl RemoteMover {
     /// (when no request has the agent's connection: such a request maps them itself),
     /// fences of kept slots, regions of agents silent too long to give back
     /// (returned).
-    pub(crate) fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
+    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
         for a in due {
             match a {
                 Action::Probe(agent) => self.probe(&agent, now_ms),
-                Action::Remap(agent) => self.remap_if_free(&agent, by),
+                Action::Remap(agent) => self.remap_if_free(&agent),
                 // The pool asks `must_report` after the tick.
                 Action::ReportBoots => {}
                 Action::GiveBack { agent, regions } => {
@@ -780,20 +780,22 @@ impl RemoteMover {
         // A probe may have found a restart: map again now, not at the next tick.
         let due = self.lock().remaps_due();
         for agent in due {
-            self.remap_if_free(&agent, by);
+            self.remap_if_free(&agent);
         }
-        let by = by.within(TICK_FENCE_WAIT);
+        // Outside any request: each wait of the tick its own bound, so that one agent
+        // slow to answer does not leave the others' maps and fences no time.
+        let by = Deadline::after(TICK_FENCE_WAIT);
         self.fence_queued(by);
         self.reclaim(by);
         give_back
     }
 
     /// Maps the regions at `agent` again if no request has its connection now.
-    fn remap_if_free(&self, agent: &str, by: Deadline) {
+    fn remap_if_free(&self, agent: &str) {
         let link = self.lock().link_of(agent);
         let lease = link.try_take();
         if let Some(mut lease) = lease {
-            self.remap(agent, &mut lease, by);
+            self.remap(agent, &mut lease, Deadline::after(self.timeout));
         }
     }
 
