@@ -295,9 +295,9 @@ impl StoragePool {
     /// timeout) for the publishes re-checked before the reboot was found: maru-server
     /// drops their keys with the others. No lock is held across the round trip.
     ///
-    /// Outside a request (the heartbeat thread, a close): by the session's own call
-    /// timeout. A request's heartbeat (a store's re-check, a load that found a reboot)
-    /// is `beat` with the request's deadline.
+    /// Every wait of it (publishes a reboot's report waits for, the round trip) by
+    /// `by`: the request's deadline (a store's re-check, a load that found a reboot),
+    /// or the handler's for its heartbeat thread and a close.
     pub fn heartbeat(&self, by: Deadline) -> Result<(), WorkerError> {
         let check = self
             .core
