@@ -333,9 +333,12 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                 let mut n = lo;
                 while n < hi {
                     let want = (hi - n).min(MAX_BATCH as u64) as u32;
-                    let (pages, missing) = s.alloc(want, None).map_err(|e| e.to_string())?;
+                    let (pages, missing) = s
+                        .alloc(want, None, s.call_deadline())
+                        .map_err(|e| e.to_string())?;
                     if pages.is_empty() && missing > 0 {
-                        s.expand().map_err(|e| format!("expand at key {n}: {e}"))?;
+                        s.expand(s.call_deadline())
+                            .map_err(|e| format!("expand at key {n}: {e}"))?;
                         continue;
                     }
                     let entries: Vec<PublishEntry> = pages
@@ -349,13 +352,15 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                             prev: None,
                         })
                         .collect();
-                    let done = s.publish(entries).map_err(|e| e.to_string())?;
+                    let done = s
+                        .publish(entries, s.call_deadline())
+                        .map_err(|e| e.to_string())?;
                     if done.iter().any(|d| !d) {
                         return Err(format!("fill: a publish at key {n} was refused"));
                     }
                     n += pages.len() as u64;
                 }
-                s.close().map_err(|e| e.to_string())
+                s.close(s.call_deadline()).map_err(|e| e.to_string())
             })
         })
         .collect();
@@ -664,12 +669,12 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         .collect();
     r.recovered_sampled = sample.len();
     r.recovered_found = s
-        .exists(&sample)
+        .exists(&sample, s.call_deadline())
         .map_err(|e| e.to_string())?
         .iter()
         .filter(|f| **f)
         .count();
-    let _ = s.close();
+    let _ = s.close(s.call_deadline());
     drop(srv);
     if big < 16 << 20 {
         r.notes.push(format!(

@@ -747,13 +747,16 @@ fn publish_at(
     p: maru::wire::meta::PageGrant,
 ) -> bool {
     let is_new = s
-        .publish(vec![maru::wire::meta::PublishEntry {
-            key: key.to_string(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: 4096,
-            prev: None,
-        }])
+        .publish(
+            vec![maru::wire::meta::PublishEntry {
+                key: key.to_string(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 4096,
+                prev: None,
+            }],
+            s.call_deadline(),
+        )
         .unwrap();
     is_new == [true]
 }
@@ -777,9 +780,9 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
                  handed: &mut BTreeSet<(u64, u64)>,
                  published: &mut Vec<(String, u64, u64)>| {
         for i in 0..n {
-            let (pages, missing) = s.alloc(1, None).unwrap();
+            let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
             if missing > 0 {
-                s.expand().unwrap();
+                s.expand(s.call_deadline()).unwrap();
                 continue;
             }
             let p = pages[0];
@@ -794,7 +797,7 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     std::thread::sleep(Duration::from_millis(1200));
     store(300, "new", &mut handed, &mut published);
     // One more page, answered from the reserve, that the worker may be writing.
-    let (last, _) = s.alloc(1, None).unwrap();
+    let (last, _) = s.alloc(1, None, s.call_deadline()).unwrap();
     st.restart_server();
     for p in &last {
         assert!(handed.insert((p.region_id, p.offset)));
@@ -803,12 +806,14 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     let names: Vec<String> = published.iter().map(|(k, _, _)| k.clone()).collect();
     let mut leases = Vec::new();
     assert!(
-        wait_until(Duration::from_secs(10), || match s.acquire(&names) {
-            Ok(l) => {
-                leases = l;
-                true
+        wait_until(Duration::from_secs(10), || {
+            match s.acquire(&names, s.call_deadline()) {
+                Ok(l) => {
+                    leases = l;
+                    true
+                }
+                Err(_) => false,
             }
-            Err(_) => false,
         }),
         "the session resumes"
     );
@@ -833,11 +838,11 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
         "keys published a second before the kill are kept"
     );
     let ids: Vec<u64> = leases.iter().flatten().map(|l| l.lease_id).collect();
-    s.release_leases(ids).unwrap();
+    s.release_leases(ids, s.call_deadline()).unwrap();
     // Every page the session can still take: none was handed out before the kill.
     let mut again = 0;
     for _ in 0..4_000 {
-        let (pages, missing) = s.alloc(1, None).unwrap();
+        let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
         if missing > 0 {
             break;
         }
@@ -852,7 +857,7 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     }
     eprintln!("{again} pages handed out after the restart, none twice");
     assert!(again > 0);
-    s.close().unwrap();
+    s.close(s.call_deadline()).unwrap();
 }
 
 /// A reply that waits for its commit (a `free_pages`) goes out once the commit is
@@ -871,13 +876,13 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     let s = open("wake-writer");
     let mut took = Vec::new();
     for _ in 0..15 {
-        let (pages, missing) = s.alloc(1, None).unwrap();
+        let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
         if missing > 0 {
-            s.expand().unwrap();
+            s.expand(s.call_deadline()).unwrap();
             continue;
         }
         let t = Instant::now();
-        s.free_pages(&pages).unwrap();
+        s.free_pages(&pages, s.call_deadline()).unwrap();
         took.push(t.elapsed());
     }
     took.sort();
@@ -888,8 +893,8 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
         "a reply waiting for its commit took {median:?} (median)"
     );
     // A free (its flush restarts the loop's 200 ms timer), then one publish alone.
-    let (pages, _) = s.alloc(2, None).unwrap();
-    s.free_pages(&pages[..1]).unwrap();
+    let (pages, _) = s.alloc(2, None, s.call_deadline()).unwrap();
+    s.free_pages(&pages[..1], s.call_deadline()).unwrap();
     assert!(publish_at(&s, "wake/lone", pages[1]), "wake/lone is new");
     std::thread::sleep(Duration::from_millis(150));
     st.restart_server();
@@ -897,7 +902,7 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     let mut found = Vec::new();
     assert!(
         wait_until(Duration::from_secs(10), || {
-            match r.exists(&["wake/lone".to_string()]) {
+            match r.exists(&["wake/lone".to_string()], r.call_deadline()) {
                 Ok(f) => {
                     found = f;
                     true
@@ -908,7 +913,7 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
         "the restarted server answers"
     );
     assert_eq!(found, [true], "a publish 150 ms before the kill is kept");
-    let _ = r.close();
+    let _ = r.close(r.call_deadline());
 }
 
 /// Keys an engine stored, each with when its store was acknowledged.
