@@ -63,6 +63,12 @@ use std::collections::{BTreeMap, BTreeSet};
 /// LEASE_RUN_SHIFT` (2^40 leases per run before they reach the next run's).
 pub const LEASE_RUN_SHIFT: u32 = 40;
 
+/// Session ids of run `r` of a server on its state directory are above `r <<
+/// SESSION_RUN_SHIFT`: an id handed out in one run is never handed out in a later
+/// one, whatever the counter read back says (changed on disk, or rolled back with
+/// the commits the store's repair after a crash could not keep).
+pub const SESSION_RUN_SHIFT: u32 = 32;
+
 /// How often a region held back for the leases of the last run is looked at again.
 const HOLD_BACK_RECHECK_MS: u64 = 1_000;
 
@@ -875,13 +881,15 @@ impl MetaCore {
             }
         }
         // Ids of every recorded session stay taken, also of one whose record is
-        // dropped below (its worker may still be there): the counter may have been
-        // changed on disk or rolled back.
+        // dropped below (its worker may still be there), and ids of this run are
+        // above every earlier run's: the counter may have been changed on disk or
+        // rolled back.
+        let session_base = image.run.checked_shl(SESSION_RUN_SHIFT).unwrap_or(0);
         let mut next_session = image
             .sessions
             .iter()
             .map(|s| s.id.saturating_add(1))
-            .fold(image.next_session, u64::max);
+            .fold(image.next_session.max(session_base + 1), u64::max);
         for s in &image.sessions {
             if !s.verify() {
                 log::warn!(

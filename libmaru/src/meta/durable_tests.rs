@@ -4,7 +4,7 @@
 
 use super::fakes::*;
 use super::records::{Image, Sealed};
-use super::{MetaCore, PortError, Tenants, LEASE_RUN_SHIFT};
+use super::{MetaCore, PortError, Tenants, LEASE_RUN_SHIFT, SESSION_RUN_SHIFT};
 use crate::wire::meta::{HeldLease, MetaReply, MetaRequest};
 use crate::wire::rm::RegionInfo;
 use std::collections::BTreeMap;
@@ -1342,7 +1342,10 @@ fn overlapping_regions_of_a_format1_directory_are_dropped_when_it_is_sealed() {
     twin.handle.offset += PAGE;
     old.regions.push(twin);
     let done = super::seal_format1(&mut old);
-    assert!(done.dropped >= 3, "two regions and a key at least: {done:?}");
+    assert!(
+        done.dropped >= 3,
+        "two regions and a key at least: {done:?}"
+    );
     assert!(old.regions.iter().all(|r| r.handle.region_id != rid));
     assert!(old.keys.iter().all(|k| k.region_id != rid));
     let rec = restart(&mut w, &old);
@@ -1352,8 +1355,10 @@ fn overlapping_regions_of_a_format1_directory_are_dropped_when_it_is_sealed() {
 /// Issue 49: the next session id is never one of a recorded session, whatever the
 /// counter read back says (a changed or rolled-back counter), also of a session
 /// whose record fails its check and is dropped (its worker may still be there).
-/// Seen failing with the ids of dropped records left out of the floor: the new
-/// session got id 2, the id of the dropped one.
+/// Also when the sessions' records and the counter were rolled back together:
+/// ids of a run are above every earlier run's ([`SESSION_RUN_SHIFT`]). Seen
+/// failing with the ids of dropped records left out of the floor (the new session
+/// got id 2, the id of the dropped one), and with the run floor removed (id 1).
 #[test]
 fn a_rolled_back_counter_never_hands_out_the_id_of_a_recorded_session() {
     let mut w = durable(&[]);
@@ -1371,4 +1376,22 @@ fn a_rolled_back_counter_never_hands_out_the_id_of_a_recorded_session() {
     assert_eq!((rec.sessions, rec.unverified), (1, 1), "{rec:?}");
     let (s3, _) = w.open("worker-3:300");
     assert!(s3 > s2, "new session {s3}: ids {s1} and {s2} are recorded");
+    // The store's repair after a crash rolled back the commits of the last run's
+    // sessions (none recorded, the counter at 0): this run's ids are above every
+    // id of the runs before it.
+    let mut lost = Image::default();
+    persist(&mut w, &mut lost);
+    lost.sessions.clear();
+    lost.next_session = 0;
+    lost.run = 3;
+    let cfg = w.core.config().clone();
+    w.core = MetaCore::restore(cfg, Tenants::default(), lost, w.now)
+        .unwrap()
+        .0;
+    let (s4, _) = w.open("worker-4:400");
+    assert!(
+        s4 > s3,
+        "new session {s4}: {s3} was handed out in an earlier run"
+    );
+    assert!(s4 > 3 << SESSION_RUN_SHIFT);
 }
