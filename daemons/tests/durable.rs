@@ -1409,3 +1409,147 @@ fn an_open_state_directory_and_planted_symlinks_are_refused() {
     }
     assert_eq!(d.terminate(), Some(0));
 }
+
+/// Rewrites the state directory's file as the release of record format 1 wrote it
+/// (main at 18bee5a): key records of version 1 (no check at their end), JSON
+/// records without `check`, bare scalars in `meta` (no second copies).
+fn downgrade_to_format1(file: &std::path::Path) {
+    use redb::{ReadableTable, TableDefinition};
+    let db = redb::Database::open(file).unwrap();
+    let txn = db.begin_write().unwrap();
+    let unseal = |b: &[u8]| -> Vec<u8> {
+        let mut j: serde_json::Value = serde_json::from_slice(b).unwrap();
+        j.as_object_mut().unwrap().remove("check");
+        serde_json::to_vec(&j).unwrap()
+    };
+    {
+        for name in ["regions", "sessions"] {
+            let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
+            let mut t = txn.open_table(def).unwrap();
+            let all: Vec<(u64, Vec<u8>)> = t
+                .iter()
+                .unwrap()
+                .map(|r| {
+                    let (k, v) = r.unwrap();
+                    (k.value(), unseal(v.value()))
+                })
+                .collect();
+            for (k, v) in all {
+                t.insert(k, v.as_slice()).unwrap();
+            }
+        }
+        let def: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(u32, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value(), unseal(v.value()))
+            })
+            .collect();
+        for (k, v) in all {
+            t.insert(k, v.as_slice()).unwrap();
+        }
+        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("secrets");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(String, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value().to_string(), unseal(v.value()))
+            })
+            .collect();
+        for (k, v) in all {
+            t.insert(k.as_str(), v.as_slice()).unwrap();
+        }
+        let def: TableDefinition<u64, &[u8]> = TableDefinition::new("keys");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(u64, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                let v = v.value();
+                assert_eq!(v[0], 2, "a key record of format 2");
+                let mut old = v[..v.len() - 8].to_vec();
+                old[0] = 1;
+                (k.value(), old)
+            })
+            .collect();
+        for (k, v) in all {
+            t.insert(k, v.as_slice()).unwrap();
+        }
+        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(String, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value().to_string(), v.value().to_vec())
+            })
+            .collect();
+        for (k, v) in all {
+            t.remove(k.as_str()).unwrap();
+            if k.ends_with("#2") {
+                continue;
+            }
+            let j: serde_json::Value = serde_json::from_slice(&v).unwrap();
+            let value = if k == "format" {
+                "1".to_string()
+            } else {
+                j["value"].as_str().unwrap().to_string()
+            };
+            t.insert(k.as_str(), value.as_bytes()).unwrap();
+        }
+    }
+    txn.commit().unwrap();
+}
+
+/// Issue 49: an upgrade keeps the cache. maru-server stores keys and stops; its
+/// directory is rewritten as the release of record format 1 wrote it (see
+/// [`downgrade_to_format1`]); the new maru-server seals it into format 2 at its start
+/// and every key loads exact. Seen failing with the upgrade off: the start was
+/// refused ("written in record format 1").
+#[test]
+fn a_format1_directory_of_the_last_release_keeps_every_key_through_the_upgrade() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let state = state_dir("format1");
+    let mut s = support::Scratch::new("format1");
+    let pool = s.fake_dax("pool");
+    let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
+    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
+    let mut args: Vec<String> = vec![
+        "--rm-address".into(),
+        rm.addr.clone(),
+        "--rm-key-file".into(),
+        rm_key,
+    ];
+    args.extend(server_args(&state.0));
+    let no_agent = s.dir.join("agent.key");
+    let key = maru::auth::SharedKey::generate().unwrap();
+    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
+    let port = server.port();
+    let writer = Handler::open(&config_at(&server.addr, &no_agent, "f1-writer", "cxl")).unwrap();
+    let keys: Vec<String> = (0..300).map(|i| format!("f1/key-{i:04}")).collect();
+    assert!(store_keys(&writer, &keys, "f1"), "the writer stores");
+    writer.close().unwrap();
+    assert_eq!(server.terminate(), Some(0), "a clean stop");
+    downgrade_to_format1(&state.0.join("directory.redb"));
+    let server = match try_start(&args, &s.dir, port) {
+        Ok(d) => d,
+        Err(log) => panic!("the format-1 directory refused: {log}"),
+    };
+    let reader = Handler::open(&config_at(&server.addr, &no_agent, "f1-reader", "cxl")).unwrap();
+    let (hits, wrong) = load_each(&reader, &keys, "f1");
+    reader.close().unwrap();
+    assert_eq!(
+        (hits, wrong),
+        (keys.len(), 0),
+        "every key exact after the upgrade"
+    );
+    assert_eq!(server.terminate(), Some(0));
+}
