@@ -27,9 +27,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fmt;
 
-/// The format of the records; a store written by another format is refused. Format
-/// 2 added each record's check; a directory of format 1 is refused at start (move it
-/// away: the server starts empty and gives the regions it held back).
+/// The format of the records. Format 2 added each record's check; a directory of
+/// format 1 is sealed into format 2 at its first start
+/// ([`seal_format1`](super::seal_format1)); one of any other format is refused.
 pub const FORMAT: u32 = 2;
 
 /// 64 bits of SHA-256 over `label` and `parts`, each part preceded by its length.
