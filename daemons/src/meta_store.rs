@@ -770,6 +770,30 @@ fn start_run(
 /// check, bare scalars) is sealed into this format once, in one commit: every table
 /// read as format 1 wrote it, [`maru::meta::seal_format1`] drops what it cannot
 /// vouch for, and the rest is written back sealed (secrets too). Logs what it did.
+/// The regions table's records into `into`; one that does not decode, or names
+/// another region than the key it is written under (not the one written there), goes
+/// to `bad` (table, id, why) and is never served. Format 1 and 2 store regions alike.
+fn read_regions(
+    t: &impl ReadableTable<u64, &'static [u8]>,
+    p: &Path,
+    into: &mut Vec<RegionRecord>,
+    bad: &mut impl FnMut(&str, String, String),
+) -> Result<(), Fail> {
+    for item in t.iter().map_err(fail(p, "regions"))? {
+        let (k, v) = item.map_err(fail(p, "regions"))?;
+        match decode_json::<RegionRecord>("region", v.value()) {
+            Ok(r) if r.handle.region_id == k.value() => into.push(r),
+            Ok(r) => bad(
+                "regions",
+                k.value().to_string(),
+                format!("it names region {}", r.handle.region_id),
+            ),
+            Err(e) => bad("regions", k.value().to_string(), e.0),
+        }
+    }
+    Ok(())
+}
+
 fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1>, Fail> {
     let txn = db.begin_write().map_err(fail(p, "begin"))?;
     {
@@ -814,18 +838,7 @@ fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1
             }
         }
         let t = txn.open_table(REGIONS).map_err(fail(p, "regions"))?;
-        for item in t.iter().map_err(fail(p, "regions"))? {
-            let (k, v) = item.map_err(fail(p, "regions"))?;
-            match decode_json::<RegionRecord>("region", v.value()) {
-                Ok(r) if r.handle.region_id == k.value() => img.regions.push(r),
-                Ok(r) => bad(
-                    "regions",
-                    k.value().to_string(),
-                    format!("it names region {}", r.handle.region_id),
-                ),
-                Err(e) => bad("regions", k.value().to_string(), e.0),
-            }
-        }
+        read_regions(&t, p, &mut img.regions, &mut bad)?;
         let t = txn.open_table(KEYS).map_err(fail(p, "keys"))?;
         for item in t.iter().map_err(fail(p, "keys"))? {
             let (k, v) = item.map_err(fail(p, "keys"))?;
@@ -939,20 +952,7 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
         }
     }
     let t = txn.open_table(REGIONS).map_err(fail(p, "regions"))?;
-    for item in t.iter().map_err(fail(p, "regions"))? {
-        let (k, v) = item.map_err(fail(p, "regions"))?;
-        match decode_json::<RegionRecord>("region", v.value()) {
-            // The table's key is the region id: a record naming another is not
-            // the one written there.
-            Ok(r) if r.handle.region_id == k.value() => img.regions.push(r),
-            Ok(r) => bad(
-                "regions",
-                k.value().to_string(),
-                format!("it names region {}", r.handle.region_id),
-            ),
-            Err(e) => bad("regions", k.value().to_string(), e.0),
-        }
-    }
+    read_regions(&t, p, &mut img.regions, &mut bad)?;
     let used = txn.open_table(USED).map_err(fail(p, "used"))?;
     let t = txn.open_table(KEYS).map_err(fail(p, "keys"))?;
     for item in t.iter().map_err(fail(p, "keys"))? {
