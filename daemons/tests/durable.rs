@@ -65,6 +65,29 @@ fn stack(tag: &str) -> (Stack, StateDir) {
     (st, dir)
 }
 
+/// maru-server's arguments for a durable directory at `state`, its RM at `rm_addr`
+/// (the key of the RM `support::rm_args` started in `s`).
+fn durable_server_args(s: &support::Scratch, rm_addr: &str, state: &StateDir) -> Vec<String> {
+    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
+    let mut args: Vec<String> = vec![
+        "--rm-address".into(),
+        rm_addr.into(),
+        "--rm-key-file".into(),
+        rm_key,
+    ];
+    args.extend(server_args(&state.0));
+    args
+}
+
+/// A key file for cxl engines' configuration: they reach no agent, but their
+/// configuration names a key file all the same.
+fn cxl_agent_key(s: &support::Scratch) -> std::path::PathBuf {
+    let path = s.dir.join("agent.key");
+    let key = maru::auth::SharedKey::generate().unwrap();
+    maru::auth::keyfile::write_new_key_file(&path, &key).unwrap();
+    path
+}
+
 /// The bytes of a key: a function of the key only.
 fn chunk(key: &str) -> Vec<u8> {
     use sha2::{Digest, Sha256};
@@ -518,13 +541,8 @@ fn keys_of_regions_the_rm_reaped_while_maru_server_was_down_are_dropped_at_recov
         hold,
         Duration::from_secs(300),
     );
-    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
-    let mut args: Vec<String> = vec!["--rm-address".into(), proxy, "--rm-key-file".into(), rm_key];
-    args.extend(server_args(&state.0));
-    // cxl engines reach no agent; their configuration names a key file all the same.
-    let no_agent = s.dir.join("agent.key");
-    let key = maru::auth::SharedKey::generate().unwrap();
-    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let args = durable_server_args(&s, &proxy, &state);
+    let no_agent = cxl_agent_key(&s);
     let mut a = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
     let writer = Handler::open(&config_at(&a.addr, &no_agent, "writer-a", "cxl")).unwrap();
     let keys: Vec<String> = (0..64).map(|i| format!("rp/k{i}")).collect();
@@ -1198,17 +1216,8 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
     let mut s = support::Scratch::new(tag);
     let pool = s.fake_dax("pool");
     let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
-    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
-    let mut args: Vec<String> = vec![
-        "--rm-address".into(),
-        rm.addr.clone(),
-        "--rm-key-file".into(),
-        rm_key,
-    ];
-    args.extend(server_args(&state.0));
-    let no_agent = s.dir.join("agent.key");
-    let key = maru::auth::SharedKey::generate().unwrap();
-    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let args = durable_server_args(&s, &rm.addr, &state);
+    let no_agent = cxl_agent_key(&s);
     let mut server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
     let port = server.port();
     let writer = Handler::open(&config_at(&server.addr, &no_agent, "flip-writer", "cxl")).unwrap();
@@ -1525,17 +1534,8 @@ fn a_format1_directory_of_the_last_release_keeps_every_key_through_the_upgrade()
     let mut s = support::Scratch::new("format1");
     let pool = s.fake_dax("pool");
     let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
-    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
-    let mut args: Vec<String> = vec![
-        "--rm-address".into(),
-        rm.addr.clone(),
-        "--rm-key-file".into(),
-        rm_key,
-    ];
-    args.extend(server_args(&state.0));
-    let no_agent = s.dir.join("agent.key");
-    let key = maru::auth::SharedKey::generate().unwrap();
-    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let args = durable_server_args(&s, &rm.addr, &state);
+    let no_agent = cxl_agent_key(&s);
     let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
     let port = server.port();
     let writer = Handler::open(&config_at(&server.addr, &no_agent, "f1-writer", "cxl")).unwrap();
