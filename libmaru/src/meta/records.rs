@@ -25,7 +25,6 @@ use crate::wire::meta::Backend;
 use crate::wire::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::fmt;
 
 /// The format of the records. Format 2 added each record's check; a directory of
 /// format 1 is sealed into format 2 at its first start
@@ -291,16 +290,9 @@ impl Image {
 }
 
 /// A record that does not decode, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct RecordError(pub String);
-
-impl fmt::Display for RecordError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for RecordError {}
 
 /// Longest name (key or previous key) a key record holds: more than any key the
 /// wire accepts (`MAX_KEY_LEN`).
