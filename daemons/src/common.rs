@@ -162,7 +162,6 @@ pub fn check_advertise(host: &str, advertise: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Flags every daemon has besides its port's bounds.
 /// The verbs transport's RDMA flags, as the agent and maru-rdma-check take them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RdmaArgs {
@@ -226,6 +225,7 @@ impl RdmaArgs {
     }
 }
 
+/// Flags every daemon has besides its port's bounds.
 #[derive(clap::Args, Debug, Clone)]
 pub struct OpsArgs {
     /// Serve Prometheus metrics over HTTP at /metrics on this address (PORT alone means

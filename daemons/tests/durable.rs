@@ -1424,6 +1424,24 @@ fn an_open_state_directory_and_planted_symlinks_are_refused() {
     assert_eq!(d.terminate(), Some(0));
 }
 
+/// Rewrites every record of the u64-keyed table `name` with `f` of its bytes.
+fn rewrite_u64_table(txn: &redb::WriteTransaction, name: &str, f: impl Fn(&[u8]) -> Vec<u8>) {
+    use redb::{ReadableTable, TableDefinition};
+    let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
+    let mut t = txn.open_table(def).unwrap();
+    let all: Vec<(u64, Vec<u8>)> = t
+        .iter()
+        .unwrap()
+        .map(|r| {
+            let (k, v) = r.unwrap();
+            (k.value(), f(v.value()))
+        })
+        .collect();
+    for (k, v) in all {
+        t.insert(k, v.as_slice()).unwrap();
+    }
+}
+
 /// Rewrites the state directory's file as the release of record format 1 wrote it
 /// (main at 18bee5a): key records of version 1 (no check at their end), JSON
 /// records without `check`, bare scalars in `meta` (no second copies).
@@ -1438,19 +1456,7 @@ fn downgrade_to_format1(file: &std::path::Path) {
     };
     {
         for name in ["regions", "sessions"] {
-            let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
-            let mut t = txn.open_table(def).unwrap();
-            let all: Vec<(u64, Vec<u8>)> = t
-                .iter()
-                .unwrap()
-                .map(|r| {
-                    let (k, v) = r.unwrap();
-                    (k.value(), unseal(v.value()))
-                })
-                .collect();
-            for (k, v) in all {
-                t.insert(k, v.as_slice()).unwrap();
-            }
+            rewrite_u64_table(&txn, name, unseal);
         }
         let def: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
         let mut t = txn.open_table(def).unwrap();
@@ -1478,23 +1484,12 @@ fn downgrade_to_format1(file: &std::path::Path) {
         for (k, v) in all {
             t.insert(k.as_str(), v.as_slice()).unwrap();
         }
-        let def: TableDefinition<u64, &[u8]> = TableDefinition::new("keys");
-        let mut t = txn.open_table(def).unwrap();
-        let all: Vec<(u64, Vec<u8>)> = t
-            .iter()
-            .unwrap()
-            .map(|r| {
-                let (k, v) = r.unwrap();
-                let v = v.value();
-                assert_eq!(v[0], 2, "a key record of format 2");
-                let mut old = v[..v.len() - 8].to_vec();
-                old[0] = 1;
-                (k.value(), old)
-            })
-            .collect();
-        for (k, v) in all {
-            t.insert(k, v.as_slice()).unwrap();
-        }
+        rewrite_u64_table(&txn, "keys", |v| {
+            assert_eq!(v[0], 2, "a key record of format 2");
+            let mut old = v[..v.len() - 8].to_vec();
+            old[0] = 1;
+            old
+        });
         let def: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
         let mut t = txn.open_table(def).unwrap();
         let all: Vec<(String, Vec<u8>)> = t
