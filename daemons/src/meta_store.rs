@@ -770,6 +770,24 @@ fn start_run(
 /// check, bare scalars) is sealed into this format once, in one commit: every table
 /// read as format 1 wrote it, [`maru::meta::seal_format1`] drops what it cannot
 /// vouch for, and the rest is written back sealed (secrets too). Logs what it did.
+/// The scopes table's records into `into`; one that does not decode goes to `bad`
+/// (table, id, why) and is never served. Format 1 and 2 store scopes alike.
+fn read_scopes(
+    t: &impl ReadableTable<u32, &'static [u8]>,
+    p: &Path,
+    into: &mut Vec<ScopeRecord>,
+    bad: &mut impl FnMut(&str, String, String),
+) -> Result<(), Fail> {
+    for item in t.iter().map_err(fail(p, "scopes"))? {
+        let (k, v) = item.map_err(fail(p, "scopes"))?;
+        match decode_json::<ScopeRecord>("scope", v.value()) {
+            Ok(s) => into.push(s),
+            Err(e) => bad("scopes", k.value().to_string(), e.0),
+        }
+    }
+    Ok(())
+}
+
 /// The regions table's records into `into`; one that does not decode, or names
 /// another region than the key it is written under (not the one written there), goes
 /// to `bad` (table, id, why) and is never served. Format 1 and 2 store regions alike.
@@ -817,13 +835,7 @@ fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1
     let mut used_ids = Vec::new();
     {
         let t = txn.open_table(SCOPES).map_err(fail(p, "scopes"))?;
-        for item in t.iter().map_err(fail(p, "scopes"))? {
-            let (k, v) = item.map_err(fail(p, "scopes"))?;
-            match decode_json::<ScopeRecord>("scope", v.value()) {
-                Ok(s) => img.scopes.push(s),
-                Err(e) => bad("scopes", k.value().to_string(), e.0),
-            }
-        }
+        read_scopes(&t, p, &mut img.scopes, &mut bad)?;
         let t = txn.open_table(SESSIONS).map_err(fail(p, "sessions"))?;
         for item in t.iter().map_err(fail(p, "sessions"))? {
             let (k, v) = item.map_err(fail(p, "sessions"))?;
@@ -935,13 +947,7 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
         );
     };
     let t = txn.open_table(SCOPES).map_err(fail(p, "scopes"))?;
-    for item in t.iter().map_err(fail(p, "scopes"))? {
-        let (k, v) = item.map_err(fail(p, "scopes"))?;
-        match decode_json::<ScopeRecord>("scope", v.value()) {
-            Ok(s) => img.scopes.push(s),
-            Err(e) => bad("scopes", k.value().to_string(), e.0),
-        }
-    }
+    read_scopes(&t, p, &mut img.scopes, &mut bad)?;
     let t = txn.open_table(SESSIONS).map_err(fail(p, "sessions"))?;
     for item in t.iter().map_err(fail(p, "sessions"))? {
         let (k, v) = item.map_err(fail(p, "sessions"))?;
