@@ -523,7 +523,8 @@ maru_status_t maru_handler_open(const char *config_json, struct maru_handler_t *
  * (`staging`), the calls by kind (`ops`: `store`, `load`, `exists`, `remove`,
  * `store_slots`, `load_slots`, `views`, each with `ok`, `failed`, `items` and a
  * latency histogram `latency_us_le` of `[bound_us, calls]` cumulative pairs and
- * `latency_us_sum`) and the process-wide memory hook (`memory_hook`: `mode`,
+ * `latency_us_sum`, and the peers the calls asked: `server_round_trips` to
+ * maru-server, `agent_contacts` at agents) and the process-wide memory hook (`memory_hook`: `mode`,
  * `pinned_bytes` registered now, `register_failures` so far). `total.skipped` (and each pool's `stats.skipped`) counts
  * the chunks skipped per reason: `no_region` (maru-server had no region to give and
  * nothing of the engine's own could be evicted), `no_slot` (no free staging slot),

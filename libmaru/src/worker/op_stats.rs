@@ -2,11 +2,46 @@
 //! calls of each kind succeeded or failed, how many chunks they carried, and how long
 //! they took (a histogram with fixed bounds, as a Prometheus histogram: cumulative
 //! counts per upper bound, a sum and a count). The elapsed time is measured by the
-//! caller (the handler, a driver) and passed in.
+//! caller (the handler, a driver) and passed in. Each call also counts the peers it
+//! contacted on its own thread (`contacted`): round trips to maru-server, and calls,
+//! connects, transfer batches and fences at agents, so that a call that asked nobody
+//! (a store skipped at once, a load that missed at once) shows as one.
 
 use serde::Serialize;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+
+/// A peer a call contacts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Contact {
+    /// A round trip to maru-server.
+    Server,
+    /// A control call or connect at an agent, a batch of transfers posted to it, a
+    /// fence of its data connection.
+    Agent,
+}
+
+thread_local! {
+    /// (maru-server, agent) contacts this thread made so far.
+    static CONTACTS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// Counts one contact of this thread with `c` (for the call it runs).
+pub(crate) fn contacted(c: Contact) {
+    CONTACTS.with(|n| {
+        let (s, a) = n.get();
+        n.set(match c {
+            Contact::Server => (s + 1, a),
+            Contact::Agent => (s, a + 1),
+        });
+    });
+}
+
+/// (maru-server, agent) contacts this thread made so far.
+pub(crate) fn contacts() -> (u64, u64) {
+    CONTACTS.with(Cell::get)
+}
 
 /// Upper bounds of the latency buckets, in microseconds (the last bucket, `+Inf`, is
 /// the count).
@@ -26,6 +61,10 @@ pub struct OpFigures {
     pub items: u64,
     /// Sum of the calls' durations, microseconds.
     pub latency_us_sum: u64,
+    /// Round trips to maru-server the calls made (see [`Contact`]).
+    pub server_round_trips: u64,
+    /// Contacts with agents the calls made (see [`Contact`]).
+    pub agent_contacts: u64,
     /// Per bound of [`LATENCY_BOUNDS_US`]: calls that took at most that long
     /// (cumulative, so the last entry is at most `ok + failed`).
     pub latency_us_le: Vec<(u64, u64)>,
@@ -38,9 +77,16 @@ pub struct OpStats {
 }
 
 impl OpStats {
-    /// Counts one call of kind `op` that named `items` chunks, succeeded or not, and
-    /// took `elapsed_us`.
-    pub fn record(&self, op: &'static str, ok: bool, items: usize, elapsed_us: u64) {
+    /// Counts one call of kind `op` that named `items` chunks, succeeded or not, took
+    /// `elapsed_us` and made `(server, agent)` contacts.
+    pub fn record(
+        &self,
+        op: &'static str,
+        ok: bool,
+        items: usize,
+        elapsed_us: u64,
+        (server, agent): (u64, u64),
+    ) {
         let mut ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
         let f = ops.entry(op).or_insert_with(|| OpFigures {
             latency_us_le: LATENCY_BOUNDS_US.iter().map(|&b| (b, 0)).collect(),
@@ -53,6 +99,8 @@ impl OpStats {
         }
         f.items += items as u64;
         f.latency_us_sum = f.latency_us_sum.saturating_add(elapsed_us);
+        f.server_round_trips += server;
+        f.agent_contacts += agent;
         for (bound, n) in &mut f.latency_us_le {
             if elapsed_us <= *bound {
                 *n += 1;
@@ -73,14 +121,15 @@ mod tests {
     #[test]
     fn calls_are_counted_by_kind_and_result_with_cumulative_latency_buckets() {
         let s = OpStats::default();
-        s.record("store", true, 32, 40);
-        s.record("store", true, 32, 700);
-        s.record("store", false, 1, 2_000_000);
-        s.record("load", true, 4, 10_000_000);
+        s.record("store", true, 32, 40, (2, 3));
+        s.record("store", true, 32, 700, (0, 0));
+        s.record("store", false, 1, 2_000_000, (1, 0));
+        s.record("load", true, 4, 10_000_000, (2, 0));
         let snap = s.snapshot();
         let st = &snap["store"];
         assert_eq!((st.ok, st.failed, st.items), (2, 1, 65));
         assert_eq!(st.latency_us_sum, 2_000_740);
+        assert_eq!((st.server_round_trips, st.agent_contacts), (3, 3));
         let le = |f: &OpFigures, b: u64| f.latency_us_le.iter().find(|(x, _)| *x == b).unwrap().1;
         assert_eq!(le(st, 50), 1);
         assert_eq!(le(st, 500), 1);
@@ -94,5 +143,18 @@ mod tests {
         for f in snap.values() {
             assert!(f.latency_us_le.windows(2).all(|w| w[0].1 <= w[1].1));
         }
+    }
+
+    #[test]
+    fn contacts_are_counted_per_thread() {
+        let before = contacts();
+        contacted(Contact::Server);
+        contacted(Contact::Agent);
+        contacted(Contact::Agent);
+        std::thread::scope(|s| {
+            s.spawn(|| contacted(Contact::Server));
+        });
+        let after = contacts();
+        assert_eq!((after.0 - before.0, after.1 - before.1), (1, 2));
     }
 }

@@ -272,9 +272,12 @@ impl Handler {
         f: impl FnOnce() -> Result<T, WorkerError>,
     ) -> Result<T, WorkerError> {
         let t0 = super::clock::now_us();
+        let c0 = super::op_stats::contacts();
         let r = f();
         let took = super::clock::now_us().saturating_sub(t0);
-        self.inner.ops.record(op, r.is_ok(), items, took);
+        let c1 = super::op_stats::contacts();
+        let contacts = (c1.0 - c0.0, c1.1 - c0.1);
+        self.inner.ops.record(op, r.is_ok(), items, took, contacts);
         match &r {
             Ok(_) => log::debug!("{op} of {items} chunk(s): done in {took} us"),
             Err(e) => log::debug!("{op} of {items} chunk(s): failed in {took} us: {e}"),

@@ -329,6 +329,14 @@ impl PoolCore {
         !self.regions.is_empty() && self.regions.keys().all(|&id| r.region_away(id))
     }
 
+    /// Whether a load misses at once, asking maru-server nothing: every agent the
+    /// pool knows is away (`RemoteState::every_agent_away`), so every lease it could
+    /// get is at an away agent. Loads then cost no round trip, as stores do with
+    /// [`every_region_away`](Self::every_region_away).
+    pub fn every_agent_away(&self) -> bool {
+        self.remote.as_ref().is_some_and(|r| r.every_agent_away())
+    }
+
     pub fn owns(&self, region: u64) -> bool {
         self.regions.contains_key(&region)
     }

@@ -790,3 +790,31 @@ fn stores_skip_at_once_only_while_every_region_is_at_an_away_agent() {
     assert!(!c.every_region_away(), "it answers again: stores go on");
     assert!(!cxl().every_region_away(), "cxl has no agents");
 }
+
+/// The away rule for loads: once every agent the pool knows missed a deadline, a load
+/// misses without asking maru-server for leases; an agent not away among them (its
+/// bytes may be the load's), or the away one answering a probe again, and loads ask
+/// again. Seen failing with `Lifecycle::is_away` answering false.
+#[test]
+fn loads_miss_at_once_only_while_every_agent_the_pool_knows_is_away() {
+    const OTHER: &str = "10.0.0.2:9860";
+    let mut c = remote();
+    assert!(!c.every_agent_away(), "no agent known: a load asks");
+    let r = c.remote.as_mut().expect("remote");
+    r.link_of(AGENT);
+    assert!(!c.every_agent_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.away(AGENT, 10, "a map_read ran into its deadline");
+    assert!(c.every_agent_away(), "its one agent is away");
+    let r = c.remote.as_mut().expect("remote");
+    r.link_of(OTHER);
+    assert!(!c.every_agent_away(), "another agent may hold the keys");
+    let r = c.remote.as_mut().expect("remote");
+    r.away(OTHER, 20, "a connect ran into its deadline");
+    assert!(c.every_agent_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.seen(OTHER, Some("boot-2"), None, 270)
+        .expect("a probe's answer");
+    assert!(!c.every_agent_away(), "it answers again: loads ask again");
+    assert!(!cxl().every_agent_away(), "cxl has no agents");
+}

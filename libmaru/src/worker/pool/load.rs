@@ -124,8 +124,9 @@ impl StoragePool {
         keep: Option<&mut Vec<u64>>,
         read: &mut LeaseReader<'_>,
     ) -> Result<usize, WorkerError> {
-        if self.session.away() {
-            // maru-server did not answer a call by its deadline: a miss at once.
+        // maru-server did not answer a call by its deadline, or every agent did not
+        // (every byte of the pool is there): a miss at once, nobody asked.
+        if self.session.away() || self.core.lock().every_agent_away() {
             self.core.lock().stats.misses += keys.len() as u64;
             return Ok(0);
         }

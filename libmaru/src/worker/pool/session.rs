@@ -14,6 +14,7 @@ use crate::wire::meta::{
 use crate::wire::ErrorCode;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
+use crate::worker::op_stats::{contacted, Contact};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -213,6 +214,7 @@ impl Session {
                 ),
             ));
         }
+        contacted(Contact::Server);
         let r = link.call_within::<_, MetaReply>(req, left);
         self.give_link(link);
         let was_away = self.away();

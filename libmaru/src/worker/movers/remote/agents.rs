@@ -20,6 +20,7 @@ use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
+use crate::worker::op_stats::{contacted, Contact};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,7 +62,8 @@ impl RemoteState {
             })
     }
 
-    pub(super) fn link_of(&mut self, addr: &str) -> Arc<AgentLink> {
+    /// The control connection of `addr` (known to the pool from now on).
+    pub(crate) fn link_of(&mut self, addr: &str) -> Arc<AgentLink> {
         self.agent(addr).link.clone()
     }
 
@@ -117,6 +119,15 @@ impl RemoteState {
         self.own
             .get(&region)
             .is_some_and(|r| self.agent_away(&r.agent))
+    }
+
+    /// Whether every agent the pool knows (maru-server's handshake named it, or the
+    /// pool stored or read there) is away: any lease maru-server could give is then
+    /// at an away agent, so a load misses at once without asking for leases. (An
+    /// agent added to maru-server after the handshake and not yet read from is not
+    /// known: its keys miss too while this holds.)
+    pub(crate) fn every_agent_away(&self) -> bool {
+        !self.agents.is_empty() && self.agents.keys().all(|a| self.agent_away(a))
     }
 
     /// Whether a lease's bytes are at an agent that is away (its own region's agent,
@@ -455,6 +466,13 @@ fn map_read_request(l: &LeaseGrant) -> AgentRequest {
     }
 }
 
+/// `req` on `link`, by `within`: one round trip to its agent (counted for the call
+/// this thread runs, see `op_stats::contacted`).
+fn ask(link: &mut Link, req: &AgentRequest, within: Duration) -> Result<AgentReply, LinkError> {
+    contacted(Contact::Agent);
+    link.call_within::<_, AgentReply>(req, within)
+}
+
 /// Asks `link`'s agent who it is (boot id, epoch). The request is the cheapest the
 /// agent has (an unmap of no region: nothing changes); who answers is in the welcome
 /// of the connection, checked on every probe, so a restart is seen as soon as the old
@@ -464,10 +482,10 @@ fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64
         region_id: u64::MAX,
     };
     let was = link.is_connected();
-    let mut r = link.call_within::<_, AgentReply>(&ping, within);
+    let mut r = ask(link, &ping, within);
     if r.is_err() && was && !link.is_connected() {
         // The old connection was dead (a restart, say): once more on a fresh one.
-        r = link.call_within::<_, AgentReply>(&ping, within);
+        r = ask(link, &ping, within);
     }
     r?;
     link.client().map(|c| welcome_identity(c))
@@ -499,7 +517,7 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadlin
         if !link.is_connected() || by.passed() {
             break;
         }
-        let r = link.call_within::<_, AgentReply>(&map_read_request(l), by.left());
+        let r = ask(link, &map_read_request(l), by.left());
         got.broke |= !link.is_connected();
         match r {
             Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
@@ -531,6 +549,7 @@ impl RemoteMover {
             return Ok(());
         }
         let now = now_ms();
+        contacted(Contact::Agent);
         let who = lease.client_within(by.left()).map(|c| welcome_identity(c));
         let r = {
             let mut st = self.lock();
@@ -560,12 +579,12 @@ impl RemoteMover {
         by: Deadline,
     ) -> Result<AgentReply, WorkerError> {
         self.connect(addr, lease, by)?;
-        let mut r = lease.call_within::<_, AgentReply>(req, by.left());
+        let mut r = ask(lease, req, by.left());
         if !lease.is_connected() {
             self.lock().link_broke(addr);
             if r.is_err() && !by.passed() {
                 self.connect(addr, lease, by)?;
-                r = lease.call_within::<_, AgentReply>(req, by.left());
+                r = ask(lease, req, by.left());
                 if !lease.is_connected() {
                     self.lock().link_broke(addr);
                 }
@@ -660,7 +679,7 @@ impl RemoteMover {
         self.connect(addr, lease, by)?;
         let mut bringup = |info: &serde_json::Value| -> Result<serde_json::Value, TransportError> {
             let req = AgentRequest::ConnectPeer { info: info.clone() };
-            match lease.call_within::<_, AgentReply>(&req, by.left()) {
+            match ask(lease, &req, by.left()) {
                 Ok(AgentReply::Peer { info }) => Ok(info),
                 Ok(r) => Err(TransportError::Setup(format!("unexpected reply {r:?}"))),
                 Err(e) => Err(TransportError::Setup(e.to_string())),
@@ -916,6 +935,7 @@ impl RemoteMover {
         let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
             .into_iter()
             .map(|p| {
+                contacted(Contact::Agent);
                 let r = self.nic.fence_within(p, by.left());
                 if let Err(e) = &r {
                     log::warn!("fence of peer {} failed: {e}", p.0);

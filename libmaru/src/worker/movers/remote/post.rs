@@ -13,6 +13,7 @@ use crate::transport::{BatchId, BatchState, Op, OpKind, PeerId, Transport, Trans
 use crate::wire::meta::{LeaseGrant, PageGrant};
 use crate::worker::clock::Deadline;
 use crate::worker::movers::SlotOutcome;
+use crate::worker::op_stats::{contacted, Contact};
 use crate::worker::staging::Slot;
 
 /// A transfer whose batches are on their way: [`Posted::finish`] waits for them and
@@ -32,10 +33,13 @@ type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
 pub(super) fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadline) -> Posted {
     let parts = batches
         .into_iter()
-        .map(|b| match t.post_within(b.peer, &b.ops, deadline.left()) {
-            Ok(id) => Ok((b, id)),
-            // Nothing was sent for this peer: its slots come back with the outcome.
-            Err(e) => Err((e, b.slots)),
+        .map(|b| {
+            contacted(Contact::Agent);
+            match t.post_within(b.peer, &b.ops, deadline.left()) {
+                Ok(id) => Ok((b, id)),
+                // Nothing was sent for this peer: its slots come back with the outcome.
+                Err(e) => Err((e, b.slots)),
+            }
         })
         .collect();
     Posted { parts, deadline }
