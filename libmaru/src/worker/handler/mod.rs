@@ -44,7 +44,7 @@ struct DataPath {
     nic: Option<Arc<dyn Transport>>,
     agent_opts: ClientOptions,
     /// Bytes in flight of the windowed transfers through this staging buffer.
-    budget: Arc<super::movers::remote::windows::InFlightBudget>,
+    budget: Arc<super::movers::remote::InFlightBudget>,
 }
 
 /// A submitted slot operation, run with the slots lent to it.

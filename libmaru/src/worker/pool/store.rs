@@ -20,26 +20,19 @@ use crate::worker::staging::Slot;
 use crate::worker::warn_limit;
 
 /// Why `grow` took no region.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 enum NoRegion {
     /// maru-server had none to give, or the session holds `max_bytes`: room is made
     /// by evicting.
+    #[error("{0}")]
     Full(String),
     /// One was taken and could not be made usable by the request's deadline (its
     /// agent did not answer, say): it went back, and this store goes on without it.
+    #[error("a region taken is not usable: {0}")]
     Unusable(WorkerError),
     /// A call failed (maru-server, or the configuration).
+    #[error("{0}")]
     Failed(WorkerError),
-}
-
-impl std::fmt::Display for NoRegion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            NoRegion::Full(why) => f.write_str(why),
-            NoRegion::Unusable(e) => write!(f, "a region taken is not usable: {e}"),
-            NoRegion::Failed(e) => write!(f, "{e}"),
-        }
-    }
 }
 
 impl StoragePool {

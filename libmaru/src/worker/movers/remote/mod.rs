@@ -2,16 +2,18 @@
 //! memory nodes, over a one-sided transport.
 //!
 //! - [`RemoteMover`] (here): the driver, one per pool: the transport, the staging
-//!   slots, the agents' control and probe connections, the in-flight budget; its
-//!   state ([`RemoteState`]) is part of the pool core, under the pool's one lock;
+//!   slots, the agents' control and probe connections, the data path's in-flight
+//!   budget ([`InFlightBudget`], here); its state ([`RemoteState`]) is part of the
+//!   pool core, under the pool's one lock;
 //! - `agents`: the control connections to agents, their probes, and the region
 //!   lifecycle (boot ids, restarts, silence) they feed (`worker::lifecycle`);
 //! - `link`: an agent's control connection, used by one caller at a time;
 //! - `post`: a window of transfers posted one batch per peer and settled;
 //! - `isolation`: the slots of transfers of unknown outcome, kept until their peer
 //!   is fenced;
-//! - `windows`: the schedule of a request's windows, the data path's in-flight
-//!   budget, and what a store or load posts window by window.
+//! - `windows`: the mover's stores and loads (`write`, `write_slots`, `read`,
+//!   `read_into`): the schedule of a request's windows and what a store or load posts
+//!   window by window.
 //!
 //! No lock is held across a round trip, a connect or a fence: the core's lock is
 //! taken to look things up and record outcomes only; a round trip to an agent holds
@@ -24,21 +26,18 @@ pub(crate) mod link;
 mod post;
 pub mod windows;
 
-use super::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
 use crate::net::{ClientOptions, Link};
 use crate::transport::Transport;
-use crate::wire::meta::{LeaseGrant, PageGrant};
-use crate::worker::clock::{now_ms, Deadline};
+use crate::worker::clock::Deadline;
 use crate::worker::pool::core::{CoreCell, PoolCore};
 pub(crate) use crate::worker::pool::peers::{AgentConn, OwnRegion, ReadTarget, RemoteState};
-use crate::worker::staging::{Slot, StagingSlots};
+use crate::worker::staging::StagingSlots;
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use windows::InFlightBudget;
-use windows::{Given, GivenWindows, LoadWindows, StoreWindows};
 
 /// The core, locked, seen as the remote mover's state.
 pub(super) struct StateGuard<'a>(MutexGuard<'a, PoolCore>);
@@ -54,6 +53,68 @@ impl Deref for StateGuard<'_> {
 impl DerefMut for StateGuard<'_> {
     fn deref_mut(&mut self) -> &mut RemoteState {
         self.0.remote.as_mut().unwrap_or_else(|| unreachable!())
+    }
+}
+
+/// The bytes the windowed transfers of one data path may have in flight together
+/// before a request's second window waits (see the module documentation): two
+/// requests of one handler each get the two windows a lone request gets, as two
+/// handlers' requests do; more requests than that keep one window each. Measured on
+/// the bench's 2-core VM with 4 MiB (one request's two windows), one handler used by
+/// two threads loading 256 KiB chunks got 0.89-0.94 x of two handlers in three of four
+/// interleaved runs (`maru-bench --only threads`), and 1.03-1.06 x with 8 MiB. Many
+/// windows in flight at once take the CPU's cache from one another: 4 engines
+/// loading 2 MiB chunks, 5.2 GB/s with one window each against 4.3 GB/s with two.
+pub const IN_FLIGHT_BUDGET: u64 = 8 << 20;
+/// The bytes in flight of the windowed transfers of one data path (shared by its
+/// pools' movers), against a limit.
+#[derive(Debug)]
+pub struct InFlightBudget {
+    bytes: AtomicU64,
+    limit: u64,
+}
+
+impl Default for InFlightBudget {
+    fn default() -> Self {
+        InFlightBudget::new(IN_FLIGHT_BUDGET)
+    }
+}
+
+impl InFlightBudget {
+    pub fn new(limit: u64) -> InFlightBudget {
+        InFlightBudget {
+            bytes: AtomicU64::new(0),
+            limit,
+        }
+    }
+
+    /// Bytes in flight now.
+    pub fn in_flight(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Counts `n` bytes in flight: always for a request's `first` window, else only
+    /// within the limit.
+    pub(super) fn take(&self, n: u64, first: bool) -> Option<InFlight<'_>> {
+        if first {
+            self.bytes.fetch_add(n, Ordering::Relaxed);
+            return Some(InFlight(self, n));
+        }
+        self.bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                (cur + n <= self.limit).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| InFlight(self, n))
+    }
+}
+
+/// A window's share of its budget, given back when it is dropped.
+pub(super) struct InFlight<'b>(&'b InFlightBudget, u64);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.bytes.fetch_sub(self.1, Ordering::Relaxed);
     }
 }
 
@@ -113,84 +174,6 @@ impl RemoteMover {
     /// The state, under the core's lock.
     pub(super) fn lock(&self) -> StateGuard<'_> {
         StateGuard(self.core.lock())
-    }
-
-    /// Copies each window into store slots while the window ahead of it is on the
-    /// wire (see `windows`); stores never wait for a slot: with none free and nothing
-    /// in flight, the rest is skipped.
-    pub fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
-        let mut w = StoreWindows {
-            m: self,
-            items,
-            ok: vec![false; items.len()],
-            by,
-        };
-        let posted = windows::run(&mut w, &self.budget);
-        let ok = w.ok;
-        if posted < items.len() {
-            let line = self.core.lock().skipped(
-                crate::worker::skips::SkipReason::NoSlot,
-                (items.len() - posted) as u64,
-                now_ms(),
-                "remote_cxl store staging",
-            );
-            if let Some(line) = line {
-                log::warn!("{line}");
-            }
-        }
-        ok
-    }
-
-    /// From the caller's slots, window by window (see `windows`).
-    pub fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
-        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
-        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(pages.len()),
-            kind: Given::Write(&pages),
-            by,
-        };
-        windows::run(&mut w, &self.budget);
-        w.into_outcomes()
-    }
-
-    /// Each window's slots are handed to `sink` and then take a later window (see
-    /// `windows`). After a window that failed, nothing more is handed over.
-    pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
-        self.map_reads(leases, by);
-        windows::run(
-            &mut LoadWindows {
-                m: self,
-                leases,
-                sink,
-                by,
-            },
-            &self.budget,
-        );
-    }
-
-    /// Into the caller's slots, window by window (see `windows`); every lease is
-    /// tried.
-    pub fn read_into(
-        &self,
-        leases: &[LeaseGrant],
-        slots: Vec<Slot>,
-        by: Deadline,
-    ) -> Vec<SlotOutcome> {
-        let n = leases.len().min(slots.len());
-        self.map_reads(&leases[..n], by);
-        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(n),
-            kind: Given::Read(&leases[..n]),
-            by,
-        };
-        windows::run(&mut w, &self.budget);
-        w.into_outcomes()
     }
 }
 

@@ -9,7 +9,7 @@
 //!
 //! The second window goes only while the windowed transfers sharing a data path (a
 //! handler's staging buffer: its [`InFlightBudget`]) have less than
-//! [`IN_FLIGHT_BUDGET`] bytes in flight together; a request's first window always
+//! [`IN_FLIGHT_BUDGET`](super::IN_FLIGHT_BUDGET) bytes in flight together; a request's first window always
 //! goes. A lone request gains the overlap of its copies with its transfers; on
 //! a host busy with many requests each keeps one window, since a second would only
 //! take cache from the others.
@@ -17,87 +17,26 @@
 //! [`run`] is the schedule alone: what a window is, when one is posted, waited for and
 //! handed over. What posting and waiting mean is the [`Windowed`] caller's.
 //!
-//! What a remote store or load posts window by window is here too: a copying store
+//! The mover's stores and loads are here too (`RemoteMover::write`, `write_slots`,
+//! `read`, `read_into`), with what each posts window by window: a copying store
 //! fills store slots from the caller's chunks (`StoreWindows`), a copying load hands
 //! each window's slots to the caller's sink (`LoadWindows`), and the slot API moves
 //! the caller's own slots (`GivenWindows`).
 
 use super::post::{PendingWindow, Planned};
-use super::RemoteMover;
+use super::{InFlight, InFlightBudget, RemoteMover};
 use crate::wire::meta::{LeaseGrant, PageGrant};
-use crate::worker::clock::Deadline;
-use crate::worker::movers::{ReadSink, SlotOutcome, WriteItem};
+use crate::worker::clock::{now_ms, Deadline};
+use crate::worker::movers::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
 use crate::worker::staging::{Slot, SlotPool};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// A window's bytes (at least one chunk).
 pub const WINDOW_BYTES: u64 = 2 << 20;
-/// The bytes the windowed transfers of one data path may have in flight together
-/// before a request's second window waits (see the module documentation): two
-/// requests of one handler each get the two windows a lone request gets, as two
-/// handlers' requests do; more requests than that keep one window each. Measured on
-/// the bench's 2-core VM with 4 MiB (one request's two windows), one handler used by
-/// two threads loading 256 KiB chunks got 0.89-0.94 x of two handlers in three of four
-/// interleaved runs (`maru-bench --only threads`), and 1.03-1.06 x with 8 MiB. Many
-/// windows in flight at once take the CPU's cache from one another: 4 engines
-/// loading 2 MiB chunks, 5.2 GB/s with one window each against 4.3 GB/s with two.
-pub const IN_FLIGHT_BUDGET: u64 = 8 << 20;
 /// Windows of one request in flight at most.
 const DEPTH: usize = 2;
-
-/// The bytes in flight of the windowed transfers of one data path (shared by its
-/// pools' movers), against a limit.
-#[derive(Debug)]
-pub struct InFlightBudget {
-    bytes: AtomicU64,
-    limit: u64,
-}
-
-impl Default for InFlightBudget {
-    fn default() -> Self {
-        InFlightBudget::new(IN_FLIGHT_BUDGET)
-    }
-}
-
-impl InFlightBudget {
-    pub fn new(limit: u64) -> InFlightBudget {
-        InFlightBudget {
-            bytes: AtomicU64::new(0),
-            limit,
-        }
-    }
-
-    /// Bytes in flight now.
-    pub fn in_flight(&self) -> u64 {
-        self.bytes.load(Ordering::Relaxed)
-    }
-
-    /// Counts `n` bytes in flight: always for a request's `first` window, else only
-    /// within the limit.
-    fn take(&self, n: u64, first: bool) -> Option<InFlight<'_>> {
-        if first {
-            self.bytes.fetch_add(n, Ordering::Relaxed);
-            return Some(InFlight(self, n));
-        }
-        self.bytes
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                (cur + n <= self.limit).then_some(cur + n)
-            })
-            .ok()
-            .map(|_| InFlight(self, n))
-    }
-}
-
-/// A window's share of its budget, given back when it is dropped.
-struct InFlight<'b>(&'b InFlightBudget, u64);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.bytes.fetch_sub(self.1, Ordering::Relaxed);
-    }
-}
 
 /// A request whose items go in windows.
 pub trait Windowed {
@@ -392,9 +331,91 @@ impl Windowed for GivenWindows<'_> {
     }
 }
 
+/// What a remote store or load does: its windows.
+impl RemoteMover {
+    /// Copies each window into store slots while the window ahead of it is on the
+    /// wire (see `windows`); stores never wait for a slot: with none free and nothing
+    /// in flight, the rest is skipped.
+    pub fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
+        let mut w = StoreWindows {
+            m: self,
+            items,
+            ok: vec![false; items.len()],
+            by,
+        };
+        let posted = run(&mut w, &self.budget);
+        let ok = w.ok;
+        if posted < items.len() {
+            let line = self.core.lock().skipped(
+                crate::worker::skips::SkipReason::NoSlot,
+                (items.len() - posted) as u64,
+                now_ms(),
+                "remote_cxl store staging",
+            );
+            if let Some(line) = line {
+                log::warn!("{line}");
+            }
+        }
+        ok
+    }
+
+    /// From the caller's slots, window by window (see `windows`).
+    pub fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
+        let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
+        let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(pages.len()),
+            kind: Given::Write(&pages),
+            by,
+        };
+        run(&mut w, &self.budget);
+        w.into_outcomes()
+    }
+
+    /// Each window's slots are handed to `sink` and then take a later window (see
+    /// `windows`). After a window that failed, nothing more is handed over.
+    pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.map_reads(leases, by);
+        run(
+            &mut LoadWindows {
+                m: self,
+                leases,
+                sink,
+                by,
+            },
+            &self.budget,
+        );
+    }
+
+    /// Into the caller's slots, window by window (see `windows`); every lease is
+    /// tried.
+    pub fn read_into(
+        &self,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        by: Deadline,
+    ) -> Vec<SlotOutcome> {
+        let n = leases.len().min(slots.len());
+        self.map_reads(&leases[..n], by);
+        let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut w = GivenWindows {
+            m: self,
+            given,
+            out: Vec::with_capacity(n),
+            kind: Given::Read(&leases[..n]),
+            by,
+        };
+        run(&mut w, &self.budget);
+        w.into_outcomes()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::movers::remote::IN_FLIGHT_BUDGET;
     use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
 
     /// Posts nothing anywhere: records what the schedule does. Items fail where
