@@ -7,7 +7,7 @@ use super::{LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
 use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{ReadSink, SlotOutcome, View};
+use crate::worker::movers::{ReadSink, View};
 use crate::worker::staging::Slot;
 
 impl StoragePool {
@@ -31,7 +31,9 @@ impl StoragePool {
                 by,
                 keep,
                 &mut |lease_ix, grants, p, by| {
-                    p.read_each(
+                    // `cxl`: from its views, no lock held while `sink` runs; `remote_cxl`:
+                    // window by window, by `by`.
+                    p.mover.read(
                         grants,
                         &mut |k, b| {
                             hits += 1;
@@ -46,18 +48,6 @@ impl StoragePool {
         }
         self.count_loads(found, hits, bytes);
         Ok(())
-    }
-
-    /// Reads each lease's bytes and hands them to `sink(i, bytes)` through the mover
-    /// (`cxl`: from its views, no lock held while `sink` runs; `remote_cxl`: window by
-    /// window, by `by`).
-    fn read_each(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
-        self.mover.read(leases, sink, by)
-    }
-
-    /// Reads each lease into the slot of the same index (see `read_each`).
-    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
-        self.mover.read_into(leases, slots, by)
     }
 
     /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
@@ -91,7 +81,7 @@ impl StoragePool {
                             ix.push(i);
                         }
                     }
-                    for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.read_into(&gs, ls, by)) {
+                    for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.mover.read_into(&gs, ls, by)) {
                         if o.ok {
                             got[i] = Some(g.length as usize);
                         }
