@@ -652,6 +652,21 @@ impl PoolCore {
         Unkept { extra, foreign }
     }
 
+    /// A store (or a writer in place) is done with its pages: those that hold no key
+    /// (`unused`) are kept for the next stores (`keep_spare`), then the pages taken
+    /// (`writing`, one region entry per page) are no longer being written
+    /// (`end_writing`). In that order, so that the unused pages of a closing region
+    /// whose last writer this was go with the region instead of being freed into a
+    /// region given back. One call under the lock at the end of every store.
+    pub fn store_end(
+        &mut self,
+        unused: Vec<PageGrant>,
+        writing: impl IntoIterator<Item = u64>,
+    ) -> (Unkept, Vec<Gone>) {
+        let unkept = self.keep_spare(unused);
+        (unkept, self.end_writing(writing))
+    }
+
     /// Every spare page (at close, to free).
     pub fn drain_spare(&mut self) -> Vec<PageGrant> {
         self.spare.drain(..).collect()

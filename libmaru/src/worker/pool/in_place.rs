@@ -267,7 +267,6 @@ impl StoragePool {
                 .map(|p| p.page)
                 .collect()
         };
-        self.keep_spare(back, by);
-        self.end_writing(regions, by);
+        self.store_end(back, regions, by);
     }
 }

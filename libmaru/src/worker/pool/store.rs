@@ -546,15 +546,27 @@ impl StoragePool {
             .zip(taken.pages.iter().copied())
             .collect();
         let ok = write(self, &placed, by);
-        let r = self.publish(keys, lens, present, &placed, &ok, &taken, by);
+        let (r, unused) = self.publish(keys, lens, present, &placed, &ok, &taken, by);
         // Whatever happened: the pages are no longer being written by this store.
-        self.end_writing(taken.pages.iter().map(|p| p.region_id), by);
+        self.store_end(unused, taken.pages.iter().map(|p| p.region_id), by);
         r
     }
 
-    /// Pages of these regions (one entry per page) are no longer being written (their
-    /// store or writer in place published or dropped them): the last writer into a
-    /// region maru-server asked for gives it back.
+    /// The end of a store: pages that hold no key kept for the next stores (or freed
+    /// beyond the bound), and the pages taken no longer being written (the last
+    /// writer into a region maru-server asked for gives it back): one call to the
+    /// core (`PoolCore::store_end`).
+    pub(super) fn store_end(
+        &self,
+        unused: Vec<PageGrant>,
+        writing: impl IntoIterator<Item = u64>,
+        by: Deadline,
+    ) {
+        let (unkept, done) = self.core.lock().store_end(unused, writing);
+        self.free_unkept(unkept, by);
+        self.carry_out(done, by);
+    }
+
     /// Regions maru-server asked back on the reply to a call of this session: given
     /// back now (or by their last writer), not at the next heartbeat.
     pub(super) fn act_on_asks(&self, by: Deadline) {
@@ -567,6 +579,9 @@ impl StoragePool {
         self.carry_out(gone, by);
     }
 
+    /// Pages of these regions (one entry per page) are no longer being written (their
+    /// writer in place dropped them): the last writer into a region maru-server asked
+    /// for gives it back.
     pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>, by: Deadline) {
         let done = self.core.lock().end_writing(regions);
         self.carry_out(done, by);
@@ -631,8 +646,8 @@ impl StoragePool {
 
     /// Publishes the chunks whose bytes are complete (`ok`), into regions that are
     /// still the pool's on the boot they were written under (the core's re-check). A
-    /// chunk that fails the check is not published and counts as skipped. Pages not
-    /// used are kept or freed.
+    /// chunk that fails the check is not published and counts as skipped. With the
+    /// result, the pages that hold no key, for the caller's `store_end`.
     #[allow(clippy::too_many_arguments)] // one store's state, and its deadline
     pub(super) fn publish(
         &self,
@@ -643,12 +658,15 @@ impl StoragePool {
         ok: &[bool],
         taken: &Taken,
         by: Deadline,
-    ) -> Result<Vec<bool>, WorkerError> {
+    ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
         if let Some(hook) = &self.hooks.before_publish {
             hook(self, &taken.pages);
         }
         let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
-        let mut plan = self.recheck(&pages, ok, taken, by)?;
+        let mut plan = match self.recheck(&pages, ok, taken, by) {
+            Ok(plan) => plan,
+            Err(e) => return (Err(e), Vec::new()),
+        };
         if self.hooks.unfenced && !plan.unused.is_empty() {
             plan.held += plan.unused.len();
             plan.unused.clear();
@@ -671,8 +689,7 @@ impl StoragePool {
         // Pages taken beyond the chunks placed (none normally).
         unused.extend(taken.pages.iter().skip(placed.len()).copied());
         if plan.publish.is_empty() {
-            self.keep_spare(unused, by);
-            return Ok(result);
+            return (Ok(result), unused);
         }
         let entries: Vec<PublishEntry> = plan
             .publish
@@ -692,19 +709,15 @@ impl StoragePool {
         let (answer, back) = self.send_publish(plan.ticket, entries, by);
         let is_new = match answer {
             Ok(n) => n,
-            Err(e) => {
-                // The published chunks' pages stay out of use (the keys may be
-                // published); the others hold no key.
-                self.keep_spare(unused, by);
-                return Err(e);
-            }
+            // The published chunks' pages stay out of use (the keys may be
+            // published); the others hold no key.
+            Err(e) => return (Err(e), unused),
         };
         for (&k, _) in plan.publish.iter().zip(is_new) {
             result[placed[k].0] = true;
         }
-        unused.extend(back);
         // Pages that hold no key (and no write in flight) serve the next stores.
-        self.keep_spare(unused, by);
-        Ok(result)
+        unused.extend(back);
+        (Ok(result), unused)
     }
 }
