@@ -418,11 +418,9 @@ impl RemoteState {
 }
 
 impl RemoteMover {
-    /// Makes the agents of `agents` that a window cannot use yet ready (without the
-    /// state's lock, by `by`); one that is not stays unready and the window's items
-    /// there fail.
-    fn prepare(&self, agents: Vec<String>, by: Deadline) {
-        let unready = self.lock().unready(agents);
+    /// Makes `unready` agents ready for a window (without the state's lock, by `by`);
+    /// one that is not stays unready and the window's items there fail.
+    fn prepare(&self, unready: Vec<String>, by: Deadline) {
         for agent in unready {
             if let Err(e) = self.ready(&agent, by) {
                 log::debug!("agent {agent} not ready for a transfer: {e}");
@@ -432,7 +430,8 @@ impl RemoteMover {
 
     /// Plans WRITEs of `items` from `slots` (see `RemoteState::post_writes`), their
     /// agents made ready first; nothing once `by` passed (a batch posted then would
-    /// keep its slots until a fence).
+    /// keep its slots until a fence). Agents all ready (the usual case): planned under
+    /// the one lock that found it so.
     pub(super) fn plan_writes(
         &self,
         items: Vec<usize>,
@@ -443,13 +442,22 @@ impl RemoteMover {
         if by.passed() {
             return Planned::nothing(items, slots, false);
         }
-        let agents = self.lock().agents_of_pages(&items, page);
-        self.prepare(agents, by);
+        let unready = {
+            let mut st = self.lock();
+            let agents = st.agents_of_pages(&items, page);
+            let unready = st.unready(agents);
+            if unready.is_empty() {
+                return st.post_writes(items, slots, page);
+            }
+            unready
+        };
+        self.prepare(unready, by);
         self.lock().post_writes(items, slots, page)
     }
 
     /// Plans READs of `items` into `slots` (see `RemoteState::post_reads`): the ranges
-    /// not mapped for reading are mapped and the agents made ready first.
+    /// not mapped for reading are mapped and the agents made ready first (agents all
+    /// ready: planned under the one lock that found it so).
     pub(super) fn plan_reads(
         &self,
         items: Vec<usize>,
@@ -462,8 +470,16 @@ impl RemoteMover {
         }
         let window: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
         self.map_reads(&window, by);
-        let agents = self.lock().agents_of_leases(&items, leases);
-        self.prepare(agents, by);
+        let unready = {
+            let mut st = self.lock();
+            let agents = st.agents_of_leases(&items, leases);
+            let unready = st.unready(agents);
+            if unready.is_empty() {
+                return st.post_reads(items, leases, slots);
+            }
+            unready
+        };
+        self.prepare(unready, by);
         self.lock().post_reads(items, leases, slots)
     }
 
