@@ -62,10 +62,25 @@ impl StoragePool {
             if want == 0 {
                 break;
             }
-            let pages = self.find_pages(want, route_key, by)?;
-            let short = want - pages.len();
+            // Spare pages enough (the usual case): taken and marked under one lock.
+            let (spare, marked) = {
+                let mut c = self.core.lock();
+                let spare = c.take_spare(want);
+                if spare.len() == want {
+                    (Vec::new(), Some(c.mark_writing(spare)))
+                } else {
+                    (spare, None)
+                }
+            };
+            let (mut more, short) = match marked {
+                Some(m) => (m, 0),
+                None => {
+                    let pages = self.find_pages(spare, want, route_key, by)?;
+                    let short = want - pages.len();
+                    (self.core.lock().mark_writing(pages), short)
+                }
+            };
             counted += short;
-            let mut more = self.core.lock().mark_writing(pages);
             let foreign = std::mem::take(&mut more.foreign);
             let away = std::mem::take(&mut more.away);
             strays = foreign.len();
@@ -122,16 +137,15 @@ impl StoragePool {
         }
     }
 
+    /// `pages` (spare ones, fewer than `need`) and more up to `need`: one `alloc`
+    /// (that also takes spare pages for later stores), then regions or room made.
     fn find_pages(
         &self,
+        mut pages: Vec<PageGrant>,
         need: usize,
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<Vec<PageGrant>, WorkerError> {
-        let mut pages = self.core.lock().take_spare(need);
-        if pages.len() == need {
-            return Ok(pages);
-        }
         let short = need - pages.len();
         let spare_target = self.core.lock().spare_target();
         let ask = (short + spare_target).min(self.max_batch.max(short));
@@ -535,7 +549,9 @@ impl StoragePool {
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
         let present = self.session.exists(&owned, by)?;
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
-        self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
+        if todo.len() < keys.len() {
+            self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
+        }
         if todo.is_empty() {
             return Ok(present);
         }

@@ -931,7 +931,7 @@ impl RemoteMover {
     /// Fences `peers` (without the lock, each until `by`), records the outcomes and
     /// forgets the peers proven quiet; the slots that frees go back to their pool
     /// after the lock is let go.
-    fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
+    pub(super) fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
         let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
             .into_iter()
             .map(|p| {

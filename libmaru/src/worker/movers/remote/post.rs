@@ -510,8 +510,14 @@ impl RemoteMover {
             writes,
         } = group;
         let outcomes = posted.finish(self.nic.as_ref());
-        let settled = self.lock().settle(&order, peers, writes, outcomes, out);
-        self.fence_queued(by);
+        let (settled, queued) = {
+            let mut st = self.lock();
+            let settled = st.settle(&order, peers, writes, outcomes, out);
+            (settled, std::mem::take(&mut st.to_fence))
+        };
+        if !queued.is_empty() {
+            self.fence_round(queued, by);
+        }
         if settled.kept {
             self.reclaim(by);
         }
