@@ -145,20 +145,25 @@ impl StoragePool {
                 self.session.url
             );
         }
-        {
+        // What the read left, under one lock: why it failed, the misses, and whether
+        // it found a reboot to report.
+        let must_report = {
             let mut c = self.core.lock();
             if let Some(e) = c.remote.as_mut().and_then(|r| r.take_read_error()) {
                 c.stats.last_load_error = Some(e);
             }
-        }
+            c.stats.misses += (keys.len() - found.len() + away_n) as u64;
+            c.must_report()
+        };
         let ids = grants.iter().map(|g| g.lease_id);
         match keep {
             Some(k) => k.extend(ids),
             None => self.release_leases(ids.collect(), by),
         }
         // A reboot found by this read: every reader misses those keys from now on.
-        self.report_boots(by)?;
-        self.core.lock().stats.misses += (keys.len() - found.len() + away_n) as u64;
+        if must_report {
+            self.heartbeat(by)?;
+        }
         Ok(found.len() - away_n)
     }
 
