@@ -99,6 +99,13 @@ struct Args {
     /// default all.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(usize))]
     clients: Vec<usize>,
+    /// The maru part's stores and loads move 64 bytes per chunk into and out of pages
+    /// of the chunk size: every call does all its work but the copy, and the table
+    /// "Time outside the copy" gives its time per call and per chunk. These rows are
+    /// apart from the others (no target reads them); the cxl rows on a pool of 4 KiB
+    /// pages are not run.
+    #[arg(long)]
+    null_copy: bool,
     /// Keys of the scale part's largest step (default 4 M, 1 M with --quick; 16777216
     /// for 16 M, longer than 15 minutes on a loaded 2-core machine).
     #[arg(long)]
@@ -314,13 +321,24 @@ fn run(args: Args) -> Result<(), String> {
                         secs,
                         rotate: (rotate / cfg.clients()).max(chunk * BATCH * 2),
                         region: 256 * MIB,
+                        payload: if args.null_copy {
+                            maru_io::NULL_COPY_BYTES
+                        } else {
+                            chunk
+                        },
                     };
-                    r.maru.push(maru_io::run(s, cfg, &sz)?);
+                    let m = maru_io::run(s, cfg, &sz)?;
+                    if args.null_copy {
+                        r.maru_null.push(m);
+                    } else {
+                        r.maru.push(m);
+                    }
                 }
             }
         }
         let cxl = args.backends.is_empty() || args.backends.iter().any(|b| b == "cxl");
-        if huge.is_ok() && cxl && chunks.contains(&(2 * MIB)) && want_clients(1) {
+        if huge.is_ok() && cxl && !args.null_copy && chunks.contains(&(2 * MIB)) && want_clients(1)
+        {
             say("maru cxl 2 MiB x 1 handler, pool of 4 KiB pages in /dev/shm");
             let small = procs::Scratch::with_pool("small-pages", 2 << 30, None)?;
             let cfg = Config {
@@ -333,6 +351,7 @@ fn run(args: Args) -> Result<(), String> {
                 secs,
                 rotate,
                 region: 256 * MIB,
+                payload: 2 * MIB,
             };
             r.cxl_small_pages = Some(maru_io::run(&small, cfg, &sz)?);
         }

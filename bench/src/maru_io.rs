@@ -391,7 +391,14 @@ pub struct Sizes {
     pub rotate: usize,
     /// Region size at maru-server.
     pub region: usize,
+    /// Bytes each chunk of the stores and loads moves: the chunk size, or (`--null-copy`)
+    /// [`NULL_COPY_BYTES`] into pages of the chunk size, so that a call does all its
+    /// work but the copy.
+    pub payload: usize,
 }
+
+/// Bytes per chunk of a null-copy figure (one cache line).
+pub const NULL_COPY_BYTES: usize = 64;
 
 /// Runs the four figures of `cfg` on a fresh stack.
 pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
@@ -423,6 +430,7 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     let batch_ops = (per_client_chunks * 3 / 4) / BATCH;
     let single_ops = per_client_chunks - batch_ops * BATCH - BATCH;
     let chunk = cfg.chunk;
+    let len = sz.payload.min(chunk);
     let tag = move |c: usize, kind: &str, i: usize| {
         CString::new(format!("{}-{}-{kind}-{c}-{i}", cfg.backend, chunk)).unwrap_or_default()
     };
@@ -436,7 +444,7 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             // SAFETY: i < BATCH pieces of `chunk` bytes each lie inside the rotor.
             .map(|i| unsafe { src.base().add(i * chunk) })
             .collect();
-        h.store_batch(&keys, &ptrs, chunk)?;
+        h.store_batch(&keys, &ptrs, len)?;
         let mut dst = Rotor::new(chunk * BATCH, chunk, 0);
         let bufs: Vec<*mut u8> = (0..BATCH).map(|_| dst.next_ptr()).collect();
         h.load_batch(&keys, &bufs, chunk)?;
@@ -477,11 +485,11 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
                         let mut r = src.lock().map_err(|_| "poisoned")?;
                         (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
                     };
-                    h.store_batch(&keys, &ptrs, chunk)?;
+                    h.store_batch(&keys, &ptrs, len)?;
                     if remove {
                         h.remove_batch(&keys)?;
                     }
-                    Ok((BATCH * chunk) as u64)
+                    Ok((BATCH * len) as u64)
                 }
             })
             .collect()
@@ -529,8 +537,8 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             let src = srcs[c].clone();
             move |i: usize| -> Result<u64, String> {
                 let p = src.lock().map_err(|_| "poisoned")?.next_ptr() as *const u8;
-                h.store_one(&tag(c, "s", i), p, chunk)?;
-                Ok(chunk as u64)
+                h.store_one(&tag(c, "s", i), p, len)?;
+                Ok(len as u64)
             }
         })
         .collect();

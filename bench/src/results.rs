@@ -45,6 +45,8 @@ pub(crate) struct Results {
     pub(crate) tcp: Vec<TcpRow>,
     pub(crate) soft: Vec<SoftRow>,
     pub(crate) maru: Vec<maru_io::Result_>,
+    /// The maru part with `--null-copy`: 64 bytes per chunk, pages of the chunk size.
+    pub(crate) maru_null: Vec<maru_io::Result_>,
     /// One handler used by N threads against N handlers, interleaved on one stack.
     pub(crate) pairs: Vec<pairs::PairResult>,
     /// cxl, 2 MiB chunks, 1 client, on a pool of 4 KiB pages (when the main pool has

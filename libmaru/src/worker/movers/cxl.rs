@@ -102,22 +102,46 @@ impl CxlMover {
         self.maps().own.get(&region_id).cloned()
     }
 
-    /// Copies each chunk into its page, looking its region's mapping up chunk by
-    /// chunk (so no copy starts into a region after it was forgotten); the copies run
-    /// without the lock. True where the bytes are complete.
+    /// Copies each chunk into its page; true where the bytes are complete. The
+    /// mappings of the batch's regions are looked up once, under one short lock (a
+    /// region forgotten before the call is not written into; one being written is not
+    /// given back before its store ends, see `PoolCore::mark_writing`), and the copies
+    /// run without it, with one store fence for the whole batch.
     pub fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        items
-            .iter()
-            .map(|it| {
-                let Some(map) = self.own_mapping(it.page.region_id) else {
-                    return false;
-                };
-                match map.write_at(it.page.offset as usize, it.data) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        log::debug!("write into region {}: {e}", it.page.region_id);
-                        false
-                    }
+        let maps = self.own_mappings(items.iter().map(|it| it.page.region_id));
+        let mut ok = vec![false; items.len()];
+        let mut pieces = Vec::with_capacity(items.len());
+        for ((it, map), done) in items.iter().zip(&maps).zip(ok.iter_mut()) {
+            let Some(map) = map else { continue };
+            match dest(map, it.page.offset, it.data.len()) {
+                Ok(dst) => {
+                    pieces.push((dst, it.data.as_ptr(), it.data.len()));
+                    *done = true;
+                }
+                Err(e) => log::debug!("write into region {}: {e}", it.page.region_id),
+            }
+        }
+        // SAFETY: each destination lies inside a writable, unprotected mapping that
+        // `maps` keeps mapped until the copies end (checked by `dest`); pages are
+        // distinct per chunk of a store, and the sources are the caller's memory, not
+        // these mappings.
+        unsafe { crate::dax::copy::copy_pieces(&pieces, true) };
+        drop(maps);
+        ok
+    }
+
+    /// The writable mappings of these regions, in order, under one lock (`None`: not
+    /// an own region now). A batch's pages lie in a region or two: one `Arc` each.
+    fn own_mappings(&self, regions: impl Iterator<Item = u64>) -> Vec<Option<Arc<Mapping>>> {
+        let maps = self.maps();
+        let mut last: Option<(u64, Option<Arc<Mapping>>)> = None;
+        regions
+            .map(|r| match &last {
+                Some((id, m)) if *id == r => m.clone(),
+                _ => {
+                    let m = maps.own.get(&r).cloned();
+                    last = Some((r, m.clone()));
+                    m
                 }
             })
             .collect()
@@ -125,25 +149,28 @@ impl CxlMover {
 
     /// Copies from the caller's slots (see `write`); each slot comes back.
     pub fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
+        let writes: Vec<WriteItem<'_>> = items
+            .iter()
+            .map(|it| WriteItem {
+                page: it.page,
+                data: &it.slot.bytes()[..it.len.min(it.slot.len())],
+            })
+            .collect();
+        let ok = self.write(&writes);
+        drop(writes);
         items
             .into_iter()
-            .map(|it| {
-                let data = &it.slot.bytes()[..it.len.min(it.slot.len())];
-                let ok = self.write(&[WriteItem {
-                    page: it.page,
-                    data,
-                }])[0];
-                SlotOutcome {
-                    ok,
-                    slot: Some(it.slot),
-                }
+            .zip(ok)
+            .map(|(it, ok)| SlotOutcome {
+                ok,
+                slot: Some(it.slot),
             })
             .collect()
     }
 
-    /// The read-only mapping of a lease's region (made the first time).
-    fn reader(&self, l: &LeaseGrant) -> Option<Arc<Mapping>> {
-        let mut maps = self.maps();
+    /// The read-only mapping of a lease's region (made the first time), under the
+    /// caller's lock.
+    fn reader_in(maps: &mut Maps, l: &LeaseGrant) -> Option<Arc<Mapping>> {
         if let Some(m) = maps.readers.get(&l.region_id) {
             return Some(m.clone());
         }
@@ -164,19 +191,48 @@ impl CxlMover {
         Some(m)
     }
 
+    /// The view of a lease in its mapping, if the lease lies inside it.
+    fn view_of(map: Arc<Mapping>, l: &LeaseGrant) -> Option<View> {
+        let (offset, len) = (l.offset as usize, l.length as usize);
+        map.as_slice().ok()?.get(offset..offset.checked_add(len)?)?;
+        Some(View { map, offset, len })
+    }
+
     /// The leased bytes in place: this host's read-only mapping of the region.
     pub fn view(&self, l: &LeaseGrant) -> Option<View> {
-        let map = self.reader(l)?;
-        let (offset, len) = (l.offset as usize, l.length as usize);
-        map.as_slice().ok()?.get(offset..offset + len)?;
-        Some(View { map, offset, len })
+        let map = Self::reader_in(&mut self.maps(), l)?;
+        Self::view_of(map, l)
+    }
+
+    /// The views of a batch's leases, their mappings looked up under one lock (a
+    /// batch's leases lie in a few regions: one `Arc` each).
+    pub fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
+        let mut maps = self.maps();
+        let mut last: Option<(u64, Option<Arc<Mapping>>)> = None;
+        let found: Vec<Option<Arc<Mapping>>> = leases
+            .iter()
+            .map(|l| match &last {
+                Some((id, m)) if *id == l.region_id => m.clone(),
+                _ => {
+                    let m = Self::reader_in(&mut maps, l);
+                    last = Some((l.region_id, m.clone()));
+                    m
+                }
+            })
+            .collect();
+        drop(maps);
+        found
+            .into_iter()
+            .zip(leases)
+            .map(|(m, l)| Self::view_of(m?, l))
+            .collect()
     }
 
     /// Hands each lease's bytes to `sink(i, bytes)` from its view (no lock held
     /// while `sink` runs).
     pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
-        for (i, l) in leases.iter().enumerate() {
-            if let Some(v) = self.view(l) {
+        for (i, v) in self.views(leases).into_iter().enumerate() {
+            if let Some(v) = v {
                 sink(i, v.bytes());
             }
         }
@@ -184,11 +240,11 @@ impl CxlMover {
 
     /// Copies each lease's bytes into the slot of the same index.
     pub fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
-        leases
-            .iter()
+        self.views(leases)
+            .into_iter()
             .zip(slots)
-            .map(|(l, mut s)| {
-                let ok = match self.view(l) {
+            .map(|(v, mut s)| {
+                let ok = match v {
                     Some(v) if v.bytes().len() <= s.len() && !v.bytes().is_empty() => {
                         let b = v.bytes();
                         crate::dax::copy::copy_out(&mut s.bytes_mut()[..b.len()], b);
@@ -238,10 +294,100 @@ impl Default for CxlMover {
     }
 }
 
+/// Where `len` bytes at `offset` of a writable mapping start, checked as
+/// `Mapping::write_at` checks them.
+fn dest(map: &Mapping, offset: u64, len: usize) -> Result<*mut u8, String> {
+    if map.is_protected() || !map.is_writable() {
+        return Err(format!("mapping of {} is not writable now", map.path()));
+    }
+    let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
+    match offset.checked_add(len) {
+        // SAFETY: `offset + len` lies inside the mapping.
+        Some(end) if end <= map.len() => Ok(unsafe { map.as_ptr().add(offset) }),
+        _ => Err(format!(
+            "{len} bytes at {offset} are out of the mapping of {} ({} bytes)",
+            map.path(),
+            map.len()
+        )),
+    }
+}
+
 fn local_path(uuid: &str, path: &str) -> Result<String, WorkerError> {
     match dax::scan_uuid(path) {
         Ok(Some(u)) if u == uuid => Ok(path.to_string()),
         Ok(_) => Err(WorkerError::Config(format!("device {path} here is not the pool's device (uuid {uuid}): is this host attached to that CXL memory?"))),
         Err(e) => Err(WorkerError::Config(format!("{e}: backend cxl needs the pool's device on this host"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dax::test_support::ScratchPath;
+    use crate::wire::meta::PageGrant;
+
+    const REGION: u64 = 2 << 20;
+
+    /// A mover whose own region 7 is a fresh 2 MiB file (no prefaulting).
+    fn mover_with_region(path: &ScratchPath) -> CxlMover {
+        std::fs::write(&path.0, vec![0u8; REGION as usize]).expect("scratch file");
+        let m = dax::map_range(
+            path.as_str(),
+            dax::DeviceKind::File,
+            0,
+            REGION,
+            REGION,
+            true,
+        )
+        .expect("map");
+        let mover = CxlMover::with_prefault(false);
+        mover.maps().own.insert(7, Arc::new(m));
+        mover
+    }
+
+    fn page(region_id: u64, offset: u64) -> PageGrant {
+        PageGrant {
+            region_id,
+            page: offset / (256 << 10),
+            offset,
+            length: 256 << 10,
+        }
+    }
+
+    /// A batch is written with one lookup of its regions: every chunk of an own
+    /// region lands at its page, and a chunk of a region that is not the mover's
+    /// (forgotten, or never adopted) or out of the mapping is not written and says so.
+    #[test]
+    fn a_batch_lands_in_own_regions_only() {
+        let path = ScratchPath::new("cxl-batch");
+        let mover = mover_with_region(&path);
+        let big: Vec<u8> = (0..(256 << 10)).map(|i| (i % 251) as u8).collect();
+        let small = [9u8; 64];
+        let items = [
+            WriteItem {
+                page: page(7, 0),
+                data: &big,
+            },
+            WriteItem {
+                page: page(8, 0),
+                data: &small,
+            },
+            WriteItem {
+                page: page(7, 256 << 10),
+                data: &small,
+            },
+            WriteItem {
+                page: page(7, REGION - 32),
+                data: &small,
+            },
+        ];
+        assert_eq!(mover.write(&items), vec![true, false, true, false]);
+        let bytes = std::fs::read(&path.0).expect("read back");
+        assert_eq!(&bytes[..256 << 10], &big[..]);
+        assert_eq!(&bytes[256 << 10..(256 << 10) + 64], &small[..]);
+        assert!(bytes[(REGION - 32) as usize..].iter().all(|&b| b == 0));
+        // Once forgotten, nothing more is written into the region.
+        mover.forget(7);
+        assert_eq!(mover.write(&items[..1]), vec![false]);
     }
 }
