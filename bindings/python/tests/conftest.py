@@ -7,6 +7,7 @@ reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -22,6 +23,13 @@ import pytest
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
 CHUNK_SIZE = 64 * 1024
+# The backends the tests that take ``backend`` run on.
+BACKENDS = ["remote_cxl", "cxl"]
+
+
+def pattern(tag: str, n: int) -> bytes:
+    """``n`` bytes that follow from ``tag`` alone (a chunk any reader can check)."""
+    return (hashlib.sha256(tag.encode()).digest() * (n // 32 + 1))[:n]
 
 
 def _bin_dir() -> Path:
@@ -155,6 +163,12 @@ def daemons() -> Iterator[Daemons]:
                 os.environ["MARU_SERVER_KEY_FILE"] = before
     finally:
         d.stop()
+
+
+@pytest.fixture
+def ns() -> str:
+    """A fresh namespace (and key prefix) for one test."""
+    return uuid.uuid4().hex
 
 
 @pytest.fixture
