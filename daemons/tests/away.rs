@@ -127,11 +127,7 @@ fn content(key: &str) -> Vec<u8> {
 
 fn store(h: &Handler, keys: &[String]) -> Vec<bool> {
     let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(keys, &data);
     h.store_batch(&items, None).expect("a store answers")
 }
 
@@ -162,6 +158,29 @@ struct Call {
     got: usize,
 }
 
+/// Runs `f` as one call of the stall begun at `t0`, timed against `peers`, and
+/// records it in `calls` as `what` with `got` (the chunks it answered for) counted.
+fn timed<T>(
+    calls: &mut Vec<Call>,
+    what: &'static str,
+    (t0, peers): (Instant, &[u32]),
+    f: impl FnOnce() -> T,
+    got: impl FnOnce(&T) -> usize,
+) -> T {
+    let start = t0.elapsed();
+    let timer = Timer::start(peers);
+    let out = f();
+    let (wall, took) = timer.stop();
+    calls.push(Call {
+        what,
+        start,
+        took,
+        wall,
+        got: got(&out),
+    });
+    out
+}
+
 #[test]
 fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -178,20 +197,10 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     .collect();
     let st = support::stack("away-stop", "64M", true, &args);
     let agent = st.agent.as_ref().expect("a remote stack has an agent");
-    let cfg = serde_json::json!({
-        "backend": "remote_cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "away",
-        "namespace": "away",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 64,
-        "store_slots": 64,
-        "timeout_ms": TIMEOUT_MS,
-    })
-    .to_string();
+    let mut cfg = st.handler_config("remote_cxl", "away", "away", (64, 64));
+    cfg["timeout_ms"] = TIMEOUT_MS.into();
     let _ = env_logger::builder().is_test(true).try_init();
-    let h = Handler::open(&cfg).expect("open");
+    let h = Handler::open(&cfg.to_string()).expect("open");
     let peers = [st.server.child.id()];
     let before = keys("before");
     assert_eq!(
@@ -215,28 +224,20 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
         let step = Instant::now();
         let ks = keys(&format!("during-{n}"));
         n += 1;
-        let start = t0.elapsed();
-        let timer = Timer::start(&peers);
-        let ok = store(&h, &ks);
-        let (wall, took) = timer.stop();
-        calls.push(Call {
-            what: "store",
-            start,
-            took,
-            wall,
-            got: ok.iter().filter(|&&s| s).count(),
-        });
-        let start = t0.elapsed();
-        let timer = Timer::start(&peers);
-        let got = h.load_batch(&before, None).expect("a load answers");
-        let (wall, took) = timer.stop();
-        calls.push(Call {
-            what: "load",
-            start,
-            took,
-            wall,
-            got: got.iter().filter(|g| g.is_some()).count(),
-        });
+        timed(
+            &mut calls,
+            "store",
+            (t0, &peers),
+            || store(&h, &ks),
+            |ok| ok.iter().filter(|&&s| s).count(),
+        );
+        let got = timed(
+            &mut calls,
+            "load",
+            (t0, &peers),
+            || h.load_batch(&before, None).expect("a load answers"),
+            |got| got.iter().filter(|g| g.is_some()).count(),
+        );
         for (k, g) in before.iter().zip(&got) {
             if let Some(b) = g {
                 assert_eq!(b, &content(k), "{k}: a chunk loaded has its bytes");
@@ -362,18 +363,10 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         .map(|a| a.to_string())
         .collect();
     let st = support::stack("away-server", "64M", false, &args);
-    let cfg = serde_json::json!({
-        "backend": "cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "away-server",
-        "load_slots": 8,
-        "store_slots": 8,
-        "timeout_ms": T_MS,
-    })
-    .to_string();
+    let mut cfg = st.handler_config("cxl", "away-server", "away", (8, 8));
+    cfg["timeout_ms"] = T_MS.into();
     let _ = env_logger::builder().is_test(true).try_init();
-    let h = Handler::open(&cfg).expect("open");
+    let h = Handler::open(&cfg.to_string()).expect("open");
     let peers = [st.server.child.id()];
     let before = keys("server-before");
     assert_eq!(store(&h, &before), vec![true; BATCH]);
@@ -387,39 +380,27 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         let step = Instant::now();
         let ks = keys(&format!("server-during-{n}"));
         n += 1;
-        let start = t0.elapsed();
-        let timer = Timer::start(&peers);
-        let ok = store(&h, &ks);
-        let (wall, took) = timer.stop();
-        calls.push(Call {
-            what: "store",
-            start,
-            took,
-            wall,
-            got: ok.iter().filter(|&&s| s).count(),
-        });
-        let start = t0.elapsed();
-        let timer = Timer::start(&peers);
-        let found = h.exists_batch(&before, None).expect("exists answers");
-        let (wall, took) = timer.stop();
-        calls.push(Call {
-            what: "exists",
-            start,
-            took,
-            wall,
-            got: found.iter().filter(|&&f| f).count(),
-        });
-        let start = t0.elapsed();
-        let timer = Timer::start(&peers);
-        let got = h.load_batch(&before, None).expect("a load answers");
-        let (wall, took) = timer.stop();
-        calls.push(Call {
-            what: "load",
-            start,
-            took,
-            wall,
-            got: got.iter().filter(|g| g.is_some()).count(),
-        });
+        timed(
+            &mut calls,
+            "store",
+            (t0, &peers),
+            || store(&h, &ks),
+            |ok| ok.iter().filter(|&&s| s).count(),
+        );
+        timed(
+            &mut calls,
+            "exists",
+            (t0, &peers),
+            || h.exists_batch(&before, None).expect("exists answers"),
+            |found| found.iter().filter(|&&f| f).count(),
+        );
+        timed(
+            &mut calls,
+            "load",
+            (t0, &peers),
+            || h.load_batch(&before, None).expect("a load answers"),
+            |got| got.iter().filter(|g| g.is_some()).count(),
+        );
         std::thread::sleep(Duration::from_millis(100).saturating_sub(step.elapsed()));
     }
     st.server.signal(libc::SIGCONT);
