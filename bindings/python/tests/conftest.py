@@ -7,6 +7,7 @@ reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -16,7 +17,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -122,6 +123,48 @@ class Daemons:
                 shutil.copy(f, dest / f.name)
         self.pool.unlink(missing_ok=True)
         shutil.rmtree(self.work, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def extra_server(self, name: str, *args: str, env: Optional[Dict[str, str]] = None) -> Iterator[str]:
+        """Another maru-server of the session's RM (8M regions, 64K chunks, in memory),
+        with ``args`` and ``env`` (default: this process's); its address while the block
+        runs, stopped after. Its output goes to ``NAME.log`` in the work directory."""
+        ready = self.work / f"{name}.ready"
+        log_path = self.work / f"{name}.log"
+        log = open(log_path, "wb")
+        p = subprocess.Popen(
+            [
+                str(self.bin / "maru-server"),
+                "--rm-address", self.rm,
+                "--rm-key-file", str(self.work / "rm" / "rm.key"),
+                "--region-size", "8M",
+                "--chunk-size", "64K",
+                "--in-memory",
+                *args,
+                "--port", "0",
+                "--ready-file", str(ready),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (ready.exists() and ready.read_text().endswith("\n")):
+                if p.poll() is not None or time.monotonic() >= deadline:
+                    raise AssertionError(f"{name} did not start: {log_path.read_text()[-2000:]}")
+                time.sleep(0.02)
+            yield ready.read_text().strip()
+        finally:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=STOP_TIMEOUT_S)
+            log.close()
 
     def addresses(self) -> Dict[str, str]:
         return {"rm": self.rm, "agent": self.agent, "server": self.server}
