@@ -11,7 +11,7 @@ use crate::request::{self, Received};
 use crate::session_binding::{Bound, SessionBinding};
 use crate::tenants_file::TenantsFile;
 use maru::meta::{Action, Caller, MetaCore, ReplyTiming, Ticket, DEFAULT_TENANT};
-use maru::net::{ConnId, Replier, Service};
+use maru::net::{ConnId, Opened, Replier, Service};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
 use maru::wire::{self, WireError};
 use std::collections::HashMap;
@@ -596,16 +596,9 @@ impl Service for MetaService {
         })
     }
 
-    fn on_open(
-        &mut self,
-        conn: ConnId,
-        client_id: &str,
-        key_name: Option<&str>,
-        resume: Option<&str>,
-        _now_ms: u64,
-    ) {
-        let tenant = key_name.unwrap_or(DEFAULT_TENANT);
-        self.binding.open(conn, client_id, tenant, resume);
+    fn on_open(&mut self, o: Opened<'_>) {
+        let tenant = o.key_name.unwrap_or(DEFAULT_TENANT);
+        self.binding.open(o.conn, o.client_id, tenant, o.resume);
     }
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {

@@ -8,7 +8,7 @@
 //! A connection has at most [`maru::net::MAX_DEFERRED`] replies outstanding (the loop
 //! stops reading it meanwhile), so the queues stay bounded by the connection cap.
 
-use maru::net::{ConnId, Replier, Service};
+use maru::net::{ConnId, Opened, Replier, Service};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -134,13 +134,13 @@ fn run<S: Service>(
                 key_name,
                 resume,
                 now,
-            } => s.on_open(
+            } => s.on_open(Opened {
                 conn,
-                &client_id,
-                key_name.as_deref(),
-                resume.as_deref(),
-                now,
-            ),
+                client_id: &client_id,
+                key_name: key_name.as_deref(),
+                resume: resume.as_deref(),
+                now_ms: now,
+            }),
             Job::Request {
                 conn,
                 client_id,
@@ -206,20 +206,13 @@ impl Service for OffLoop {
         w
     }
 
-    fn on_open(
-        &mut self,
-        conn: ConnId,
-        client_id: &str,
-        key_name: Option<&str>,
-        resume: Option<&str>,
-        now_ms: u64,
-    ) {
+    fn on_open(&mut self, o: Opened<'_>) {
         self.queue(Job::Open {
-            conn,
-            client_id: client_id.to_string(),
-            key_name: key_name.map(str::to_string),
-            resume: resume.map(str::to_string),
-            now: now_ms,
+            conn: o.conn,
+            client_id: o.client_id.to_string(),
+            key_name: o.key_name.map(str::to_string),
+            resume: o.resume.map(str::to_string),
+            now: o.now_ms,
         });
     }
 
@@ -334,15 +327,21 @@ mod tests {
         }
     }
 
-    /// Starts a loop serving `SlowNic` (off the loop or on it) and returns its address.
-    fn start(off_loop: bool) -> String {
-        let mut server = Server::bind(
+    /// A server on a free loopback port, and its address.
+    fn loopback_server() -> (Server, String) {
+        let server = Server::bind(
             "127.0.0.1:0".parse().unwrap(),
             ServerOptions::default(),
             Clock::new(),
         )
         .unwrap();
         let addr = server.local_addr().unwrap().to_string();
+        (server, addr)
+    }
+
+    /// Starts a loop serving `SlowNic` (off the loop or on it) and returns its address.
+    fn start(off_loop: bool) -> String {
+        let (mut server, addr) = loopback_server();
         let replier = server.replier();
         std::thread::spawn(move || {
             if off_loop {
@@ -431,13 +430,7 @@ mod tests {
     fn a_pipelining_client_has_at_most_max_deferred_requests_queued() {
         use std::io::{Read, Write};
         const N: u64 = 40;
-        let mut server = Server::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            ServerOptions::default(),
-            Clock::new(),
-        )
-        .unwrap();
-        let addr = server.local_addr().unwrap().to_string();
+        let (mut server, addr) = loopback_server();
         let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (replier, s2) = (server.replier(), seen.clone());
         std::thread::spawn(move || {

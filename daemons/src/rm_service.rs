@@ -3,7 +3,7 @@
 
 use crate::metrics::{Metrics, Refresh};
 use crate::request;
-use maru::net::{ConnId, Service};
+use maru::net::{ConnId, Opened, Service};
 use maru::rm::ResourceManager;
 use maru::wire::rm::{RmReply, RmRequest, SERVICE};
 use std::sync::Arc;
@@ -139,15 +139,8 @@ impl Service for RmService {
         })
     }
 
-    fn on_open(
-        &mut self,
-        _conn: ConnId,
-        client_id: &str,
-        _key_name: Option<&str>,
-        _resume: Option<&str>,
-        _now_ms: u64,
-    ) {
-        self.core.client_connected(client_id);
+    fn on_open(&mut self, o: Opened<'_>) {
+        self.core.client_connected(o.client_id);
     }
 
     fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {

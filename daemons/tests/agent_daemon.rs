@@ -7,13 +7,13 @@ use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::{Client, ClientError, ClientOptions};
 use maru::transport::soft::SoftTransport;
 use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
-use maru::wire::agent::{AgentReply, AgentRequest, MapReply, SERVICE as AGENT};
+use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use maru::wire::ErrorCode;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::{connect, wait_until, Daemon, Scratch};
+use support::{agent_client, connect, map_writable as map, wait_until, Daemon, Scratch};
 
 const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
 const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
@@ -35,13 +35,7 @@ fn pool() -> Pool {
     let key_path = s.dir.join("agent.key");
     let key = SharedKey::generate().unwrap();
     write_new_key_file(&key_path, &key).unwrap();
-    let rm_args = vec![
-        "--state-dir".to_string(),
-        s.dir.join("rm").display().to_string(),
-        "--fake-dax".to_string(),
-        format!("{}:64M", pool.display()),
-    ];
-    let rm = Daemon::start(RM_BIN, &rm_args, &s.dir);
+    let rm = Daemon::start(RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
     Pool {
         s,
         pool,
@@ -52,18 +46,8 @@ fn pool() -> Pool {
 }
 
 fn agent_args(p: &Pool, boot_file: Option<&PathBuf>) -> Vec<String> {
-    let mut a = vec![
-        "--rm-address".to_string(),
-        p.rm.addr.clone(),
-        "--key-file".to_string(),
-        p.key_path.display().to_string(),
-        "--device".to_string(),
-        p.pool.display().to_string(),
-        "--node".to_string(),
-        "mem0".to_string(),
-        "--quarantine-s".to_string(),
-        "1".to_string(),
-    ];
+    let mut a = support::agent_args(&p.rm.addr, &p.key_path, &p.pool);
+    a.extend(["--quarantine-s".into(), "1".into()]);
     if let Some(b) = boot_file {
         a.push("--boot-id-file".into());
         a.push(b.display().to_string());
@@ -71,37 +55,8 @@ fn agent_args(p: &Pool, boot_file: Option<&PathBuf>) -> Vec<String> {
     a
 }
 
-fn agent_client(addr: &str, key: &SharedKey, id: &str) -> Client {
-    let mut o = ClientOptions::new(AGENT, id);
-    o.key = Some(key.clone());
-    Client::connect(addr, &o).expect("agent connect")
-}
-
 fn alloc(rm: &mut Client) -> Handle {
-    match rm
-        .call(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .unwrap()
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    }
-}
-
-fn map(c: &mut Client, h: &Handle) -> MapReply {
-    match c
-        .call(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .expect("map")
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    }
+    support::rm_alloc(rm, 4 * MIB)
 }
 
 fn code(r: Result<AgentReply, ClientError>) -> ErrorCode {

@@ -24,12 +24,7 @@ const MIB: u64 = 1 << 20;
 
 fn rm(s: &mut Scratch, extra: &[&str]) -> Daemon {
     let pool = s.fake_dax("attack-pool");
-    let mut args = vec![
-        "--state-dir".to_string(),
-        s.dir.join("rm").display().to_string(),
-        "--fake-dax".into(),
-        format!("{}:64M", pool.display()),
-    ];
+    let mut args = support::rm_args(s, &pool, "64M");
     args.extend(extra.iter().map(|a| a.to_string()));
     Daemon::start(RM_BIN, &args, &s.dir)
 }

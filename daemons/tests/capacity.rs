@@ -8,7 +8,7 @@
 mod support;
 
 use maru::net::Client;
-use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
+use maru::wire::rm::SERVICE as RM;
 use maru::worker::Handler;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -53,11 +53,7 @@ fn store_prompt(h: &Handler, engine: &str, prompt: usize) -> Vec<bool> {
     let data: Vec<Vec<u8>> = (0..PROMPT)
         .map(|c| chunk_bytes(engine, prompt, c))
         .collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     h.store_batch(&items, Some(keys[0].as_str()))
         .unwrap_or_else(|e| panic!("{engine}: store of prompt {prompt} failed: {e}"))
 }
@@ -143,34 +139,16 @@ fn config(st: &Stack, engine: &str) -> String {
 }
 
 fn config_for(st: &Stack, backend: &str, engine: &str) -> String {
-    serde_json::json!({
-        "backend": backend,
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "capacity",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 16,
-        "store_slots": 16,
-    })
-    .to_string()
+    st.handler_config(backend, engine, "capacity", (16, 16))
+        .to_string()
 }
 
 fn rm_regions(rm: &mut Client) -> usize {
-    match rm
-        .call(&RmRequest::Regions { owner: None })
-        .expect("regions")
-    {
-        RmReply::Regions { regions } => regions.len(),
-        r => panic!("{r:?}"),
-    }
+    support::rm_regions(rm).len()
 }
 
 fn rm_holds(rm: &mut Client) -> usize {
-    match rm.call(&RmRequest::Holds { node: None }).expect("holds") {
-        RmReply::Holds { holds } => holds.len(),
-        r => panic!("{r:?}"),
-    }
+    support::rm_holds(rm).len()
 }
 
 fn spawn_engine(st: &Stack, name: &str, dir: &Path) -> (std::process::Child, PathBuf) {

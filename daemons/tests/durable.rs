@@ -165,11 +165,7 @@ fn start_engines(st: &Stack) -> Engines {
                 let keys: Vec<String> = (0..8).map(|j| format!("{route}/k{}", n + j)).collect();
                 n += 8;
                 let data: Vec<Vec<u8>> = keys.iter().map(|k| chunk(k)).collect();
-                let items: Vec<(&str, &[u8])> = keys
-                    .iter()
-                    .zip(&data)
-                    .map(|(k, d)| (k.as_str(), d.as_slice()))
-                    .collect();
+                let items = support::items(&keys, &data);
                 let Ok(stored) = h2.store_batch(&items, Some(&route)) else {
                     std::thread::sleep(Duration::from_millis(20));
                     continue;
@@ -383,11 +379,7 @@ fn a_stopped_maru_server_restarts_with_every_key() {
 fn store_keys(h: &Handler, keys: &[String], route: &str) -> bool {
     keys.chunks(8).all(|part| {
         let data: Vec<Vec<u8>> = part.iter().map(|k| chunk(k)).collect();
-        let items: Vec<(&str, &[u8])> = part
-            .iter()
-            .zip(&data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
+        let items = support::items(part, &data);
         h.store_batch(&items, Some(route))
             .is_ok_and(|r| r.iter().all(|&x| x))
     })
@@ -978,11 +970,7 @@ fn pages_in_doubt_after_a_kill_come_back_once_the_workers_say_which_they_hold() 
                 let keys: Vec<String> = (n..n + 8).map(|j| format!("{route}/k{j}")).collect();
                 n += 8;
                 let data: Vec<Vec<u8>> = keys.iter().map(|k| chunk(k)).collect();
-                let items: Vec<(&str, &[u8])> = keys
-                    .iter()
-                    .zip(&data)
-                    .map(|(k, d)| (k.as_str(), d.as_slice()))
-                    .collect();
+                let items = support::items(&keys, &data);
                 match h2.store_batch(&items, Some(&route)) {
                     Ok(stored) => {
                         let now = Instant::now();
@@ -1144,22 +1132,6 @@ fn record_spans(file: &[u8], prefix: &str, name_len: usize) -> Vec<Vec<(usize, u
     out
 }
 
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// Starts maru-server with `args` on `port`: the daemon, or its stderr when it
 /// refused to start.
 fn try_start(args: &[String], dir: &std::path::Path, port: u16) -> Result<support::Daemon, String> {
@@ -1225,7 +1197,7 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
     let keys: Vec<String> = (0..600).map(|i| format!("flip/key-{i:04}")).collect();
     assert!(store_keys(&writer, &keys, "flip"), "the writer stores");
     writer.close().unwrap();
-    let mut rng = Rng(seed);
+    let mut rng = support::Rng(seed);
     let (mut set_aside, mut missed, mut served) = (0, 0, 0);
     for case in 0..cases {
         if kill {
@@ -1253,20 +1225,20 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
         let (pick, bit) = if case == 0 {
             (0, 13 * 8 + 14)
         } else {
-            let pick = rng.below(spans.len());
+            let pick = rng.below(spans.len() as u64) as usize;
             let (start, end) = spans[pick][0];
             if pick < key_records {
                 // (byte, length) of: scope, region, offset, length, name length, name, check.
                 let fields = [(1, 4), (5, 8), (13, 8), (21, 8), (37, 2), (39, 13), (53, 8)];
-                let (at, len) = fields[rng.below(fields.len())];
+                let (at, len) = fields[rng.below(fields.len() as u64) as usize];
                 let bits = if len == 13 || at == 53 {
                     len * 8
                 } else {
                     (len * 8).min(24)
                 };
-                (pick, at * 8 + rng.below(bits))
+                (pick, at * 8 + rng.below(bits as u64) as usize)
             } else {
-                (pick, rng.below((end - start) * 8))
+                (pick, rng.below((end - start) as u64 * 8) as usize)
             }
         };
         let copies = &spans[pick];

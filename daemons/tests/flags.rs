@@ -25,14 +25,8 @@ fn run(bin: &str, args: &[&str]) -> (Option<i32>, String) {
 /// The RM's flags in `s` plus `extra`; the pool file and the state dir are not made.
 fn rm_args(s: &mut Scratch, extra: &[&str]) -> (Vec<String>, std::path::PathBuf) {
     let pool = s.fake_dax("flags-pool");
-    let mut a = vec![
-        "--state-dir".to_string(),
-        s.dir.join("rm").display().to_string(),
-        "--fake-dax".into(),
-        format!("{}:64M", pool.display()),
-        "--port".into(),
-        "0".into(),
-    ];
+    let mut a = support::rm_args(s, &pool, "64M");
+    a.extend(["--port".into(), "0".into()]);
     a.extend(extra.iter().map(|x| x.to_string()));
     (a, pool)
 }

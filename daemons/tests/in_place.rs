@@ -24,16 +24,8 @@ fn stack() -> Stack {
 }
 
 fn config(st: &Stack, engine: &str) -> String {
-    serde_json::json!({
-        "backend": "cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "llama-test",
-        "load_slots": 4,
-        "store_slots": 4,
-    })
-    .to_string()
+    st.handler_config("cxl", engine, "llama-test", (4, 4))
+        .to_string()
 }
 
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
@@ -247,17 +239,9 @@ fn remote_cxl_refuses_writes_in_place_with_the_staging_way_named() {
         .map(|a| a.to_string())
         .collect();
     let st = support::stack("inplace-r", "64M", true, &args);
-    let cfg = serde_json::json!({
-        "backend": "remote_cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "r",
-        "namespace": "llama-test",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 2,
-        "store_slots": 2,
-    })
-    .to_string();
+    let cfg = st
+        .handler_config("remote_cxl", "r", "llama-test", (2, 2))
+        .to_string();
     let h = Handler::open(&cfg).unwrap();
     let e = h.take_in_place(1, "x").unwrap_err();
     assert!(e.to_string().contains("staging slots"), "{e}");

@@ -10,14 +10,14 @@
 mod support;
 
 use maru::auth::SharedKey;
-use maru::net::{Client, ClientOptions};
+use maru::net::Client;
 use maru::transport::soft::SoftTransport;
 use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
-use maru::wire::agent::{AgentReply, AgentRequest, MapReply, SERVICE as AGENT};
+use maru::wire::agent::{AgentReply, AgentRequest, MapReply};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Daemon, Scratch};
+use support::{agent_client, connect, map_writable as map, wait_until, Daemon, Scratch};
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
@@ -26,54 +26,15 @@ const T: Duration = Duration::from_secs(10);
 const DELAY: Duration = Duration::from_secs(3);
 
 fn alloc(rm: &mut Client) -> Handle {
-    match rm
-        .call(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .expect("alloc")
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    }
-}
-
-fn agent_client(addr: &str, key: &SharedKey, id: &str) -> Client {
-    let mut o = ClientOptions::new(AGENT, id);
-    o.key = Some(key.clone());
-    o.call_timeout = T;
-    Client::connect(addr, &o).expect("agent connect")
-}
-
-fn map(c: &mut Client, h: &Handle) -> MapReply {
-    match c
-        .call(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .expect("map")
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    }
+    support::rm_alloc(rm, 4 * MIB)
 }
 
 fn regions(rm: &mut Client) -> usize {
-    match rm
-        .call(&RmRequest::Regions { owner: None })
-        .expect("regions")
-    {
-        RmReply::Regions { regions } => regions.len(),
-        r => panic!("{r:?}"),
-    }
+    support::rm_regions(rm).len()
 }
 
 fn holds(rm: &mut Client) -> usize {
-    match rm.call(&RmRequest::Holds { node: None }).expect("holds") {
-        RmReply::Holds { holds } => holds.len(),
-        r => panic!("{r:?}"),
-    }
+    support::rm_holds(rm).len()
 }
 
 fn write_op(m: &MapReply, len: u64) -> Op {

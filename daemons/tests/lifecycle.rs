@@ -36,18 +36,9 @@ trait Life {
 
 impl Life for Stack {
     fn config(&self, engine: &str) -> String {
-        serde_json::json!({
-            "backend": "remote_cxl",
-            "server_url": self.server.addr,
-            "server_key_file": support::server_key_file(&self.server.addr),
-            "engine_id": engine,
-            "namespace": "llama-test",
-            "agent_key_file": self.key_path.display().to_string(),
-            "load_slots": 8,
-            "store_slots": 16,
-            "timeout_ms": 2000,
-        })
-        .to_string()
+        let mut c = self.handler_config("remote_cxl", engine, "llama-test", (8, 16));
+        c["timeout_ms"] = 2000.into();
+        c.to_string()
     }
 
     fn restart_agent_on(&mut self, boot: &str) {
@@ -81,11 +72,7 @@ fn keys(tag: &str, n: usize) -> Vec<String> {
 /// Stores `keys` (chunk per key) in one request; true when every chunk is stored.
 fn store_all(h: &Handler, tag: &str, ks: &[String]) -> bool {
     let data: Vec<Vec<u8>> = (0..ks.len()).map(|i| chunk(tag, i)).collect();
-    let items: Vec<(&str, &[u8])> = ks
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(ks, &data);
     h.store_batch(&items, Some("lc"))
         .is_ok_and(|r| r.iter().all(|&x| x))
 }

@@ -21,17 +21,9 @@ fn stack(remote: bool) -> Stack {
 
 /// A handler of `engine` on `st` reaching maru-server at `server_url`.
 fn config(st: &Stack, backend: &str, engine: &str, server_url: &str) -> String {
-    serde_json::json!({
-        "backend": backend,
-        "server_url": server_url,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "release-after",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 8,
-        "store_slots": 16,
-    })
-    .to_string()
+    let mut c = st.handler_config(backend, engine, "release-after", (8, 16));
+    c["server_url"] = server_url.into();
+    c.to_string()
 }
 
 /// Loads `keys` as `maru_load_pieces` does; each chunk's bytes, and how long it took.
@@ -59,11 +51,7 @@ fn releases_after_the_call(backend: &str) {
     let data: Vec<Vec<u8>> = (0..8)
         .map(|i| support::seeded_bytes(i + 1, 4096 + 1000 * i as usize))
         .collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     assert!(writer
         .store_batch(&items, Some("r"))
         .unwrap()
@@ -176,11 +164,7 @@ fn a_full_release_queue_leaves_no_lease_held(backend: &str) {
     let data: Vec<Vec<u8>> = (0..8)
         .map(|i| support::seeded_bytes(i + 11, 4096 + 500 * i as usize))
         .collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     assert!(writer
         .store_batch(&items, Some("r"))
         .unwrap()

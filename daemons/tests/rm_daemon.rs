@@ -4,57 +4,24 @@
 mod support;
 
 use maru::net::{Client, ClientError, ClientOptions};
-use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE};
+use maru::wire::rm::{RmReply, RmRequest, SERVICE};
 use maru::wire::{self, ErrorCode, FrameKind, WireError};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
-use support::{connect, wait_until, Daemon, Scratch};
+use support::{
+    connect, rm_alloc as alloc, rm_holds as holds, rm_regions as regions, wait_until, Daemon,
+    Scratch,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
 const MIB: u64 = 1 << 20;
 
 fn rm_args(s: &mut Scratch, extra: &[&str]) -> Vec<String> {
     let pool = s.fake_dax("pool");
-    let mut a = vec![
-        "--state-dir".to_string(),
-        s.dir.join("state").display().to_string(),
-        "--fake-dax".to_string(),
-        format!("{}:64M", pool.display()),
-    ];
+    let mut a = support::rm_args(s, &pool, "64M");
     a.extend(extra.iter().map(|x| x.to_string()));
     a
-}
-
-fn alloc(c: &mut Client, size: u64) -> Handle {
-    match c
-        .call(&RmRequest::Alloc {
-            size,
-            pool: None,
-            request_id: 0,
-        })
-        .expect("alloc")
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("unexpected {r:?}"),
-    }
-}
-
-fn regions(c: &mut Client) -> Vec<maru::wire::rm::RegionInfo> {
-    match c
-        .call(&RmRequest::Regions { owner: None })
-        .expect("regions")
-    {
-        RmReply::Regions { regions } => regions,
-        r => panic!("unexpected {r:?}"),
-    }
-}
-
-fn holds(c: &mut Client) -> Vec<maru::wire::rm::HoldInfo> {
-    match c.call(&RmRequest::Holds { node: None }).expect("holds") {
-        RmReply::Holds { holds } => holds,
-        r => panic!("unexpected {r:?}"),
-    }
 }
 
 fn remote_code(r: Result<RmReply, ClientError>) -> ErrorCode {

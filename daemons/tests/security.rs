@@ -9,19 +9,19 @@
 mod support;
 
 use maru::auth::SharedKey;
-use maru::net::{Client, ClientError, ClientOptions};
+use maru::net::{Client, ClientError};
 use maru::transport::soft::proto::{Request, OP_WRITE};
 use maru::transport::soft::SoftTransport;
 use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
-use maru::wire::agent::{AgentReply, AgentRequest, MapReply, MappingState, SERVICE as AGENT};
-use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
+use maru::wire::agent::{AgentReply, AgentRequest, MappingState, SERVICE as AGENT};
+use maru::wire::rm::{Handle, SERVICE as RM};
 use maru::wire::{self, ErrorCode, FrameDecoder, FrameKind};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::{connect, Daemon, Scratch};
+use support::{connect, map_writable as map, Daemon, Scratch};
 
 const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
 const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
@@ -59,37 +59,11 @@ fn node() -> Node {
 }
 
 fn alloc(rm: &mut Client) -> Handle {
-    match rm
-        .call(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .unwrap()
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    }
+    support::rm_alloc(rm, 4 * MIB)
 }
 
 fn agent_client(n: &Node, id: &str) -> Client {
-    let mut o = ClientOptions::new(AGENT, id);
-    o.key = Some(n.key.clone());
-    o.call_timeout = T;
-    Client::connect(&n.agent.addr, &o).expect("agent connect")
-}
-
-fn map(c: &mut Client, h: &Handle) -> MapReply {
-    match c
-        .call(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .expect("map")
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    }
+    support::agent_client(&n.agent.addr, &n.key, id)
 }
 
 fn refused(r: Result<AgentReply, ClientError>) -> bool {

@@ -25,16 +25,7 @@ fn server_args() -> Vec<String> {
 }
 
 fn config(st: &Stack, engine: &str) -> String {
-    serde_json::json!({
-        "backend": "cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "lost",
-        "load_slots": 4,
-        "store_slots": 4,
-    })
-    .to_string()
+    st.handler_config("cxl", engine, "lost", (4, 4)).to_string()
 }
 
 /// The pool's session: its id and the run of maru-server it is of, if the pool is up.

@@ -101,11 +101,7 @@ fn run_thread(h: &Handler, me: usize, rks: &[String], t0: Instant, stop: &Atomic
             .collect();
         n += 1;
         let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(&data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
+        let items = support::items(&keys, &data);
         let start = t0.elapsed();
         let r = h.store_batch(&items, Some(&rks[pool]));
         let took = t0.elapsed() - start;

@@ -29,18 +29,9 @@ fn server_args() -> Vec<String> {
 }
 
 fn config(st: &Stack, backend: &str, engine: &str) -> String {
-    serde_json::json!({
-        "backend": backend,
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "stress",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 16,
-        "store_slots": 16,
-        "timeout_ms": 4000,
-    })
-    .to_string()
+    let mut c = st.handler_config(backend, engine, "stress", (16, 16));
+    c["timeout_ms"] = 4000.into();
+    c.to_string()
 }
 
 /// `(key, bytes)` items of a store.
@@ -497,19 +488,6 @@ struct Tally {
     errors: AtomicU64,
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
 /// Keys the threads use: a small space, so that stores, loads and removes of
 /// different threads meet on the same keys.
 fn key(thread: u64, n: u64) -> String {
@@ -546,7 +524,7 @@ fn tolerable(e: &maru::worker::WorkerError, t: &Tally) {
 
 /// One thread's work until `stop`: a random mix of the handler's calls.
 fn worker(h: &Handler, me: usize, views: bool, stop: &AtomicBool, doing: &Doing, t: &Tally) {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((me as u64 + 1) << 32));
+    let mut rng = support::Rng(0x9E37_79B9_7F4A_7C15 ^ ((me as u64 + 1) << 32));
     let rk = |k: &str| k.to_string();
     while !stop.load(Ordering::Relaxed) {
         let op = rng.below(if views { 8 } else { 7 });

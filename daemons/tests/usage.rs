@@ -172,11 +172,7 @@ fn table_shows_engines_pool_and_regions() {
     let b = engine(&st, "usage-engine-b");
     let data: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 4096 + i as usize]).collect();
     let keys: Vec<String> = (0..6).map(|i| format!("usage-{i}")).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     assert!(a.store_batch(&items, Some("r")).unwrap().iter().all(|&x| x));
     // Engine B finds all six and misses two it asks for on top: 75 % hits.
     let mut ask = keys.clone();

@@ -43,19 +43,10 @@ fn stack() -> Stack {
 }
 
 fn config(st: &Stack, engine: &str) -> String {
-    let mut c = serde_json::json!({
-        "backend": "remote_cxl",
-        "transport": "verbs",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "verbs-test",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 8,
-        "store_slots": 16,
-        // Batches spread over two queue pairs per agent.
-        "rdma_qps_per_agent": 2,
-    });
+    let mut c = st.handler_config("remote_cxl", engine, "verbs-test", (8, 16));
+    c["transport"] = "verbs".into();
+    // Batches spread over two queue pairs per agent.
+    c["rdma_qps_per_agent"] = 2.into();
     if let Some(d) = device() {
         c["rdma_device"] = d.into();
     }
@@ -78,13 +69,9 @@ fn engines_share_chunks_over_verbs() {
     let n = 256;
     let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
     let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
-    for batch in (0..n).collect::<Vec<_>>().chunks(32) {
-        let items: Vec<(&str, &[u8])> = batch
-            .iter()
-            .map(|&i| (keys[i].as_str(), data[i].as_slice()))
-            .collect();
+    for (ks, ds) in keys.chunks(32).zip(data.chunks(32)) {
         let ok = a
-            .store_batch(&items, Some("route"))
+            .store_batch(&support::items(ks, ds), Some("route"))
             .expect("store over verbs");
         assert!(ok.iter().all(|&x| x), "every chunk stored");
     }

@@ -20,17 +20,8 @@ fn stack(remote: bool, extra_server: &[&str]) -> Stack {
 }
 
 fn config(st: &Stack, backend: &str, engine: &str) -> String {
-    serde_json::json!({
-        "backend": backend,
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": engine,
-        "namespace": "llama-test",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 8,
-        "store_slots": 16,
-    })
-    .to_string()
+    st.handler_config(backend, engine, "llama-test", (8, 16))
+        .to_string()
 }
 
 fn chunk(i: usize) -> Vec<u8> {
@@ -50,12 +41,10 @@ fn share_1000_chunks(backend: &str) {
     let n = 1000;
     let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
     let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
-    for batch in (0..n).collect::<Vec<_>>().chunks(32) {
-        let items: Vec<(&str, &[u8])> = batch
-            .iter()
-            .map(|&i| (keys[i].as_str(), data[i].as_slice()))
-            .collect();
-        let ok = a.store_batch(&items, Some("route")).expect("store");
+    for (ks, ds) in keys.chunks(32).zip(data.chunks(32)) {
+        let ok = a
+            .store_batch(&support::items(ks, ds), Some("route"))
+            .expect("store");
         assert!(ok.iter().all(|&x| x), "every chunk stored");
     }
     let found = b.exists_batch(&keys, Some("route")).unwrap();
@@ -220,11 +209,7 @@ fn a_killed_engines_keys_stay_readable_and_every_region_goes_back() {
     let data: Vec<Vec<u8>> = (0..40).map(chunk).collect();
     {
         let a = Handler::open(&config(&st, "remote_cxl", "engine-a")).unwrap();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(&data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
+        let items = support::items(&keys, &data);
         assert!(a.store_batch(&items, Some("r")).unwrap().iter().all(|&x| x));
         // "Killed": the engine goes away without closing its session.
         std::mem::forget(a);
@@ -368,11 +353,7 @@ fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
         let pool = half_pool(session, unfenced);
         let keys: Vec<String> = (0..10).map(|i| format!("{engine}-{i}")).collect();
         let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(&data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
+        let items = support::items(&keys, &data);
         pool.store(&items, Some("half")).unwrap();
         let pages_in_use = used_bytes(&st.server.addr, &engine) / page;
         assert_eq!(
@@ -404,11 +385,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
     let pool = half_pool(session, false);
     let keys: Vec<String> = (0..10).map(|i| format!("half-{i}")).collect();
     let data: Vec<Vec<u8>> = (0..10).map(chunk).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     let stored = pool.store(&items, Some("half")).unwrap();
     assert_eq!(stored, (0..10).map(|i| i % 2 == 0).collect::<Vec<_>>());
     // Another engine finds exactly the complete chunks, with their bytes.
@@ -477,11 +454,7 @@ fn victim_engine_stores_until_killed() {
         let data: Vec<Vec<u8>> = (i..i + 8)
             .map(|k| self_checking_chunk(round << 32 | k, 64 * 1024))
             .collect();
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(&data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
+        let items = support::items(&keys, &data);
         let _ = h.store_batch(&items, Some("victim-route"));
         i += 8;
     }
@@ -798,11 +771,7 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
     let b = Handler::open(&config(&st, "cxl", "view-reader")).unwrap();
     let keys: Vec<String> = (0..8).map(|i| format!("view-{i}")).collect();
     let data: Vec<Vec<u8>> = (0..8).map(chunk).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     assert!(a.store_batch(&items, Some("v")).unwrap().iter().all(|&x| x));
     let mut ask = keys.clone();
     ask.push("view-never-stored".into());
@@ -1070,16 +1039,7 @@ fn after_itsagent_restarts_an_owner_maps_its_regions_again() {
     let agent = st.agent.take().expect("a remote stack has an agent");
     let port = agent.port();
     agent.kill9();
-    let args: Vec<String> = vec![
-        "--rm-address".into(),
-        st.rm.addr.clone(),
-        "--key-file".into(),
-        st.key_path.display().to_string(),
-        "--device".into(),
-        st.pool.display().to_string(),
-        "--node".into(),
-        "mem0".into(),
-    ];
+    let args = support::agent_args(&st.rm.addr, &st.key_path, &st.pool);
     st.agent = Some(Daemon::start_at(AGENT_BIN, &args, &st.s.dir, port));
 
     let after = keys("after");
@@ -1183,11 +1143,7 @@ fn a_cxl_load_copies_without_holding_the_pool() {
     let h = std::sync::Arc::new(Handler::open(&config(&st, "cxl", "engine-a")).unwrap());
     let keys: Vec<String> = (0..4).map(|i| format!("par-{i}")).collect();
     let data: Vec<Vec<u8>> = (0..4).map(chunk).collect();
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(&data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
+    let items = support::items(&keys, &data);
     assert!(h
         .store_batch(&items, Some("par"))
         .unwrap()

@@ -31,13 +31,7 @@ trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
 export RUST_LOG=${RUST_LOG:-warn}
 # shellcheck disable=SC2086 # cflags is a list of flags
 cc -std=c11 -Wall -Wextra $cflags "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"
-"$bin/maru-rm-ctl" gen-key "$work/agent.key" >/dev/null
-maru_start "$work/rm.addr" "$bin/maru-resource-manager" --state-dir "$work/rm" --fake-dax "$pool:256M" >/dev/null
-maru_start "$work/agent.addr" "$bin/maru-remote-cxl-agent" --rm-address "$(cat "$work/rm.addr")" --rm-key-file "$work/rm/rm.key" \
-    --key-file "$work/agent.key" --device "$pool" --node example-mem0 >/dev/null
-maru_start "$work/server.addr" "$bin/maru-server" --rm-address "$(cat "$work/rm.addr")" --rm-key-file "$work/rm/rm.key" \
-    --remote-cxl-agent "$(cat "$work/agent.addr")" --remote-cxl-agent-key-file "$work/agent.key" \
-    --key-file "$work/server.key" --region-size 16M --chunk-size 256K >/dev/null
+maru_start_one_host "$bin" "$work" "$pool"
 # maru-server made its key on first start; the engines prove it (server_key_file).
 for backend in remote_cxl cxl; do
     cfg() { printf '{"backend":"%s","server_url":"%s","server_key_file":"%s","engine_id":"%s","agent_key_file":"%s"}' \

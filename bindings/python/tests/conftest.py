@@ -7,6 +7,8 @@ reverse order (SIGTERM, bounded wait, then SIGKILL) and their files removed
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -15,13 +17,20 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
 CHUNK_SIZE = 64 * 1024
+# The backends the tests that take ``backend`` run on.
+BACKENDS = ["remote_cxl", "cxl"]
+
+
+def pattern(tag: str, n: int) -> bytes:
+    """``n`` bytes that follow from ``tag`` alone (a chunk any reader can check)."""
+    return (hashlib.sha256(tag.encode()).digest() * (n // 32 + 1))[:n]
 
 
 def _bin_dir() -> Path:
@@ -115,6 +124,48 @@ class Daemons:
         self.pool.unlink(missing_ok=True)
         shutil.rmtree(self.work, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def extra_server(self, name: str, *args: str, env: Optional[Dict[str, str]] = None) -> Iterator[str]:
+        """Another maru-server of the session's RM (8M regions, 64K chunks, in memory),
+        with ``args`` and ``env`` (default: this process's); its address while the block
+        runs, stopped after. Its output goes to ``NAME.log`` in the work directory."""
+        ready = self.work / f"{name}.ready"
+        log_path = self.work / f"{name}.log"
+        log = open(log_path, "wb")
+        p = subprocess.Popen(
+            [
+                str(self.bin / "maru-server"),
+                "--rm-address", self.rm,
+                "--rm-key-file", str(self.work / "rm" / "rm.key"),
+                "--region-size", "8M",
+                "--chunk-size", "64K",
+                "--in-memory",
+                *args,
+                "--port", "0",
+                "--ready-file", str(ready),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not (ready.exists() and ready.read_text().endswith("\n")):
+                if p.poll() is not None or time.monotonic() >= deadline:
+                    raise AssertionError(f"{name} did not start: {log_path.read_text()[-2000:]}")
+                time.sleep(0.02)
+            yield ready.read_text().strip()
+        finally:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=STOP_TIMEOUT_S)
+            log.close()
+
     def addresses(self) -> Dict[str, str]:
         return {"rm": self.rm, "agent": self.agent, "server": self.server}
 
@@ -155,6 +206,12 @@ def daemons() -> Iterator[Daemons]:
                 os.environ["MARU_SERVER_KEY_FILE"] = before
     finally:
         d.stop()
+
+
+@pytest.fixture
+def ns() -> str:
+    """A fresh namespace (and key prefix) for one test."""
+    return uuid.uuid4().hex
 
 
 @pytest.fixture

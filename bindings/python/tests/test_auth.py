@@ -4,10 +4,7 @@ agent key, and a wrong maru-server key (``server_key_file``, and
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
-import time
-from typing import Iterator
 
 import pytest
 
@@ -23,41 +20,10 @@ def gen_key(daemons, name: str) -> str:
     return str(path)
 
 
-@contextlib.contextmanager
-def keyed_server(daemons, key: str) -> Iterator[str]:
+def keyed_server(daemons, key: str):
     """A maru-server of the session's RM that every worker must prove ``key`` to; its
-    address."""
-    ready = daemons.work / "keyed-server.ready"
-    log = daemons.work / "keyed-server.log"
-    err = open(log, "wb")
-    p = subprocess.Popen(
-        [
-            str(daemons.bin / "maru-server"),
-            "--rm-address", daemons.rm,
-            "--rm-key-file", str(daemons.work / "rm" / "rm.key"),
-            "--key-file", key,
-            "--region-size", "8M",
-            "--chunk-size", "64K",
-            "--in-memory",
-            "--port", "0",
-            "--ready-file", str(ready),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while not (ready.exists() and ready.read_text().endswith("\n")):
-            if p.poll() is not None or time.monotonic() >= deadline:
-                p.kill()
-                raise AssertionError(f"the keyed maru-server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.02)
-        yield ready.read_text().strip()
-    finally:
-        p.terminate()
-        p.wait(timeout=15)
-        err.close()
+    address while the block runs."""
+    return daemons.extra_server("keyed-server", "--key-file", key)
 
 
 def test_a_wrong_agent_key_is_an_auth_error(daemons, config):

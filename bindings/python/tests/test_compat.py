@@ -5,7 +5,6 @@ each documented difference."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 import uuid
@@ -16,18 +15,11 @@ import maru
 from maru import compat
 from maru.compat import AllocHandle, MaruConfig, MaruHandler, MemoryInfo, NotConnectedError, PoolExhaustedError
 
-from conftest import CHUNK_SIZE
-
-BACKENDS = ["remote_cxl", "cxl"]
+from conftest import BACKENDS, CHUNK_SIZE, pattern
 
 
 def kv(i: int, n: int = 30_000) -> bytes:
-    return (hashlib.sha256(f"kv{i}".encode()).digest() * (n // 32 + 1))[:n]
-
-
-@pytest.fixture
-def ns() -> str:
-    return uuid.uuid4().hex
+    return pattern(f"kv{i}", n)
 
 
 # Imports and configuration ------------------------------------------------------------

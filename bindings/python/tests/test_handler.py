@@ -7,7 +7,6 @@ import hashlib
 import itertools
 import threading
 import time
-import uuid
 from typing import List
 
 import pytest
@@ -23,22 +22,15 @@ from maru import (
     chunk_keys,
 )
 
-from conftest import CHUNK_SIZE
-
-BACKENDS = ["remote_cxl", "cxl"]
+from conftest import BACKENDS, CHUNK_SIZE, pattern
 
 
 def payload(i: int, n: int = 40_000) -> bytes:
-    return (hashlib.sha256(str(i).encode()).digest() * (n // 32 + 1))[:n]
+    return pattern(str(i), n)
 
 
 def digests(chunks: List[bytes]) -> List[str]:
     return [hashlib.sha256(c).hexdigest() for c in chunks]
-
-
-@pytest.fixture
-def ns() -> str:
-    return uuid.uuid4().hex
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ENGINE = r"""
@@ -52,35 +51,10 @@ def _engine(daemons, home: Path, server: str) -> tuple:
 
 def test_an_engine_with_no_key_setting_finds_its_hosts_server_key(daemons):
     home = Path(tempfile.mkdtemp(prefix="maru-home-", dir=daemons.work))
-    ready = daemons.work / "host-key-server.ready"
-    log = open(daemons.work / "host-key-server.log", "wb")
     env = {k: v for k, v in os.environ.items() if k != "MARU_SERVER_KEY_FILE"}
     env.update(HOME=str(home), RUST_LOG="warn")
     # maru-server with its defaults: no --key-file, so it makes and uses ~/.maru/server.key.
-    p = subprocess.Popen(
-        [
-            str(daemons.bin / "maru-server"),
-            "--rm-address", daemons.rm,
-            "--rm-key-file", str(daemons.work / "rm" / "rm.key"),
-            "--region-size", "8M",
-            "--chunk-size", "64K",
-            "--in-memory",
-            "--port", "0",
-            "--ready-file", str(ready),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while not (ready.exists() and ready.read_text().endswith("\n")):
-            assert p.poll() is None and time.monotonic() < deadline, (
-                daemons.work / "host-key-server.log"
-            ).read_text()[-2000:]
-            time.sleep(0.02)
-        server = ready.read_text().strip()
+    with daemons.extra_server("host-key-server", env=env) as server:
         key = home / ".maru" / "server.key"
         assert key.exists() and (key.stat().st_mode & 0o777) == 0o600
 
@@ -101,7 +75,3 @@ def test_an_engine_with_no_key_setting_finds_its_hosts_server_key(daemons):
         key.rename(home / "elsewhere.key")
         out, _ = _engine(daemons, home, server)
         assert out.get("error") == "AuthError", out
-    finally:
-        p.terminate()
-        p.wait(timeout=15)
-        log.close()

@@ -5,25 +5,18 @@ conftest.py."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import time
-import uuid
 
 import pytest
 
 import maru
 from maru import Handler, RemoveResult, SlotPool, SlotReleasedError, View, ViewExpiredError
 
-BACKENDS = ["remote_cxl", "cxl"]
+from conftest import BACKENDS, pattern
 
 
 def payload(i: int, n: int = 20_000) -> bytes:
-    return (hashlib.sha256(f"rv{i}".encode()).digest() * (n // 32 + 1))[:n]
-
-
-@pytest.fixture
-def ns() -> str:
-    return uuid.uuid4().hex
+    return pattern(f"rv{i}", n)
 
 
 # Remove -------------------------------------------------------------------------------

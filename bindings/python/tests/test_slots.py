@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import gc
 import time
-import hashlib
-import uuid
 
 import pytest
 
 import maru
 from maru import BusyError, Handler, NoSpaceError, Op, Slot, SlotPool, SlotReleasedError
 
-from conftest import CHUNK_SIZE
-
-BACKENDS = ["remote_cxl", "cxl"]
+from conftest import BACKENDS, CHUNK_SIZE, pattern
 
 
 def payload(i: int, n: int = 20_000) -> bytes:
-    return (hashlib.sha256(str(i).encode()).digest() * (n // 32 + 1))[:n]
-
-
-@pytest.fixture
-def ns() -> str:
-    return uuid.uuid4().hex
+    return pattern(str(i), n)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

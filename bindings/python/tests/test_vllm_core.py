@@ -22,15 +22,13 @@ from maru.vllm import core
 from maru.vllm.core import (
     ChunkTransfer,
     HandlerSlot,
-    LayerMemory,
-    PagedKV,
     SchedulerCore,
-    WorkerCore,
     keyspace,
     leading_hits,
     namespace_digest,
     parse_settings,
 )
+from maru.vllm.worker import LayerMemory, PagedKV, WorkerCore
 
 BASE = {"maru_server_url": "127.0.0.1:5555", "maru_storage_backend": "cxl"}
 

@@ -282,6 +282,65 @@ pub fn connect(addr: &str, service: &'static str, client_id: &str) -> Client {
     Client::connect(addr, &o).unwrap_or_else(|e| panic!("connect to {addr}: {e}"))
 }
 
+/// A region of `size` bytes allocated at the RM over `rm` (as maru-server does).
+pub fn rm_alloc(rm: &mut Client, size: u64) -> maru::wire::rm::Handle {
+    use maru::wire::rm::{RmReply, RmRequest};
+    match rm
+        .call(&RmRequest::Alloc {
+            size,
+            pool: None,
+            request_id: 0,
+        })
+        .expect("alloc")
+    {
+        RmReply::Alloc(a) => a.handle,
+        r => panic!("unexpected {r:?}"),
+    }
+}
+
+/// The regions the RM over `rm` has allocated.
+pub fn rm_regions(rm: &mut Client) -> Vec<maru::wire::rm::RegionInfo> {
+    use maru::wire::rm::{RmReply, RmRequest};
+    match rm
+        .call(&RmRequest::Regions { owner: None })
+        .expect("regions")
+    {
+        RmReply::Regions { regions } => regions,
+        r => panic!("unexpected {r:?}"),
+    }
+}
+
+/// The holds on regions that the RM over `rm` knows of.
+pub fn rm_holds(rm: &mut Client) -> Vec<maru::wire::rm::HoldInfo> {
+    use maru::wire::rm::{RmReply, RmRequest};
+    match rm.call(&RmRequest::Holds { node: None }).expect("holds") {
+        RmReply::Holds { holds } => holds,
+        r => panic!("unexpected {r:?}"),
+    }
+}
+
+/// A connection to the agent at `addr` that proves `key`, as client `id`.
+pub fn agent_client(addr: &str, key: &maru::auth::SharedKey, id: &str) -> Client {
+    let mut o = ClientOptions::new(maru::wire::agent::SERVICE, id);
+    o.key = Some(key.clone());
+    Client::connect(addr, &o).expect("agent connect")
+}
+
+/// Maps region `h` writable over the agent connection `c` (as a storing worker does).
+pub fn map_writable(c: &mut Client, h: &maru::wire::rm::Handle) -> maru::wire::agent::MapReply {
+    use maru::wire::agent::{AgentReply, AgentRequest};
+    match c
+        .call(&AgentRequest::Map {
+            handle: h.clone(),
+            writable: true,
+        })
+        .expect("map")
+    {
+        AgentReply::Mapped(m) => m,
+        r => panic!("unexpected {r:?}"),
+    }
+}
+
 /// Leases the sessions of `engine` hold at maru-server now.
 pub fn leases_of(server: &str, engine: &str) -> u64 {
     use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
@@ -391,6 +450,28 @@ impl Stack {
     pub fn restart_server(&mut self) {
         let args = self.server_args.clone();
         self.server.restart(&args, &self.s.dir);
+    }
+
+    /// A handler's configuration on this stack: `backend` (`cxl`, `remote_cxl`), engine
+    /// `engine` in `namespace`, the stack's key files, `(load, store)` staging slots.
+    /// Tests add or change fields on it, then `to_string()` it.
+    pub fn handler_config(
+        &self,
+        backend: &str,
+        engine: &str,
+        namespace: &str,
+        (load_slots, store_slots): (u32, u32),
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "backend": backend,
+            "server_url": self.server.addr,
+            "server_key_file": server_key_file(&self.server.addr),
+            "engine_id": engine,
+            "namespace": namespace,
+            "agent_key_file": self.key_path.display().to_string(),
+            "load_slots": load_slots,
+            "store_slots": store_slots,
+        })
     }
 }
 
@@ -619,6 +700,32 @@ pub fn bound_soft_connection(
     let c = proto::Completion::decode(&cpl);
     assert_eq!(c.status, proto::ST_OK, "BIND refused: {c:?}");
     s
+}
+
+/// The `(key, bytes)` items of a store batch: `keys[i]` with `data[i]`.
+pub fn items<'a>(keys: &'a [String], data: &'a [Vec<u8>]) -> Vec<(&'a str, &'a [u8])> {
+    keys.iter()
+        .zip(data)
+        .map(|(k, d)| (k.as_str(), d.as_slice()))
+        .collect()
+}
+
+/// A small deterministic generator (xorshift): a test that fails can be run again
+/// with the same seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A number in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
 }
 
 /// `len` bytes that follow from `seed` alone (xorshift), so any reader can check what

@@ -41,17 +41,10 @@ fn unreachable_hmac() -> ! {
     panic!("HMAC-SHA256 rejected a key length, which HMAC does not do")
 }
 
-/// Compares two byte strings in time that depends only on their lengths.
+/// Compares two byte strings in time that depends only on their lengths
+/// (`subtle`'s constant-time equality).
 pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut diff = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        diff |= x ^ y;
-    }
-    // Keep the compiler from short-circuiting the loop.
-    std::hint::black_box(diff) == 0
+    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 /// Lower-case hex of `bytes`.
@@ -82,22 +75,14 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// `n` random bytes from the kernel (getrandom). Fails only if the kernel refuses.
+/// `n` random bytes from the kernel (the `getrandom` crate: getrandom(2) on Linux,
+/// retried when interrupted). Fails only if the kernel refuses.
 pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
     let mut out = vec![0u8; n];
-    let mut filled = 0;
-    while filled < n {
-        // SAFETY: the pointer and length describe the unfilled tail of `out`.
-        let r = unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), n - filled, 0) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        filled += r as usize;
-    }
+    getrandom::fill(&mut out).map_err(|e| match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::other(e.to_string()),
+    })?;
     Ok(out)
 }
 
@@ -162,6 +147,15 @@ mod tests {
         assert_eq!(from_hex(&to_hex(&b)).unwrap(), b);
         assert!(from_hex("abc").is_none());
         assert!(from_hex("zz").is_none());
+    }
+
+    #[test]
+    fn random_bytes_are_fresh_and_of_the_length_asked() {
+        assert!(random_bytes(0).unwrap().is_empty());
+        let (a, b) = (random_bytes(32).unwrap(), random_bytes(32).unwrap());
+        assert_eq!((a.len(), b.len()), (32, 32));
+        assert_ne!(a, b, "two draws of 256 bits");
+        assert_eq!(random_bytes(100_000).unwrap().len(), 100_000);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! a `Service`: a table of handlers over its sans-I/O core. [`client`] is the
 //! blocking client the CLIs, tests and library use to talk to a daemon.
 
+mod classes;
 pub mod client;
 pub mod fair;
 pub mod handshake;
@@ -13,6 +14,7 @@ pub mod room;
 pub mod server;
 #[cfg(test)]
 mod server_tests;
+pub mod service;
 mod signals;
 pub mod slots;
 pub(crate) mod sockopt;
@@ -21,9 +23,8 @@ pub mod throttled_log;
 
 pub use client::{Client, ClientError, ClientOptions};
 pub use link::{Link, LinkError};
-pub use server::{
-    ConnId, NetCounters, Replier, Server, ServerCounts, ServerOptions, Service, MAX_DEFERRED,
-};
+pub use server::{NetCounters, Server, ServerCounts, ServerOptions};
+pub use service::{ConnId, Opened, Replier, Service, MAX_DEFERRED};
 pub use signals::SignalPipe;
 pub use slots::{Admit, Slots, StageLimits};
 pub use sockopt::recv_now;

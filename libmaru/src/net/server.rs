@@ -33,9 +33,11 @@
 //!   partly received frames take at most `max_connections` × `SMALL_FRAME` plus
 //!   `frame_room`, however many connections send how much.
 
+use super::classes::{connection_share, over_share_victim, Class, Classes, PRE_AUTH};
 use super::fair::{self, FairQueue};
 use super::handshake::{ServerHandshake, Step};
 use super::room::FrameRoom;
+use super::service::{ConnId, Opened, Replier, Service, MAX_DEFERRED};
 use super::slots::{Admit, Slots, StageLimits};
 use super::sockopt;
 use super::text::clip;
@@ -52,92 +54,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Identifies one connection for the life of the server (never reused).
-pub type ConnId = u64;
-
-/// What a daemon plugs into the loop.
-pub trait Service {
-    /// Name clients must ask for in their hello (`maru-rm`, ...).
-    fn service_name(&self) -> &'static str;
-
-    /// Extra facts for the welcome message (an agent's boot id, ...).
-    fn welcome_info(&self) -> serde_json::Value {
-        serde_json::Value::Null
-    }
-
-    /// A connection finished its handshake as `client_id`, having proved the key its
-    /// daemon's keyring names `key_name` (None when the daemon has no key); `resume`
-    /// is the session secret its hello carried (a reconnecting client), if any.
-    fn on_open(
-        &mut self,
-        _conn: ConnId,
-        _client_id: &str,
-        _key_name: Option<&str>,
-        _resume: Option<&str>,
-        _now_ms: u64,
-    ) {
-    }
-
-    /// One request frame body; returns the reply frame to send (encoded). An empty
-    /// return means the reply comes later: computed off the loop and handed over
-    /// through the server's [`Replier`], or computed by the service on the loop and
-    /// handed over through [`Service::take_replies`]. The connection's requests are
-    /// not read on while it has [`MAX_DEFERRED`] replies outstanding.
-    fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
-
-    /// Replies to requests answered later (see `on_request`), by connection: the loop
-    /// asks after every batch of events and every tick, and drops those of
-    /// connections that closed. A service with such replies waiting keeps a
-    /// `next_deadline` near, so the loop comes back for them.
-    fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {
-        Vec::new()
-    }
-
-    /// A connection that had finished its handshake is gone.
-    fn on_close(&mut self, _conn: ConnId, _client_id: &str, _now_ms: u64) {}
-
-    /// Timers: called when `next_deadline` has passed (and after every batch of events).
-    fn on_tick(&mut self, _now_ms: u64) {}
-
-    /// The next time `on_tick` must run, in the clock's milliseconds.
-    fn next_deadline(&self) -> Option<u64> {
-        None
-    }
-
-    /// Called once when the loop stops (signal): save what must be saved.
-    fn on_shutdown(&mut self, _now_ms: u64) {}
-}
-
-/// Most replies one connection may have outstanding off the loop (deferred); its
-/// requests are read on only once one of them came back.
-pub const MAX_DEFERRED: usize = 8;
-
-/// Hands a reply computed off the loop (a deferred [`Service::on_request`]) back to
-/// the loop, which sends it on the connection (dropped if the connection is gone).
-/// Cloned into the threads that do the work.
-#[derive(Clone)]
-pub struct Replier {
-    tx: std::sync::mpsc::Sender<(ConnId, Vec<u8>)>,
-    waker: std::sync::Arc<mio::Waker>,
-}
-
-impl Replier {
-    /// Wakes the loop without a reply, so it asks the service's `next_deadline` again.
-    pub fn wake(&self) {
-        if let Err(e) = self.waker.wake() {
-            log::error!("cannot wake the event loop: {e}");
-        }
-    }
-
-    pub fn send(&self, conn: ConnId, reply: Vec<u8>) {
-        if self.tx.send((conn, reply)).is_ok() {
-            if let Err(e) = self.waker.wake() {
-                log::error!("cannot wake the event loop for a deferred reply: {e}");
-            }
-        }
-    }
-}
 
 /// Settings of the loop: every bound a peer could otherwise push without limit.
 #[derive(Debug, Clone)]
@@ -270,7 +186,7 @@ struct Conn {
     /// Its frame under way waits for room ([`FrameRoom`]): not read until granted.
     waiting_room: bool,
     /// Whose turn it takes ([`FairQueue`]) and whose room it uses: its tenant, or
-    /// [`PRE_AUTH`] during its handshake.
+    /// `PRE_AUTH` during its handshake.
     class: Class,
     /// The interest registered now: (readable, writable).
     interest: (bool, bool),
@@ -310,76 +226,6 @@ impl Conn {
             && !self.waiting_room
             && !self.unread
     }
-}
-
-/// A class of connections ([`FairQueue`], [`FrameRoom`]): one per tenant.
-type Class = u32;
-/// The class of every connection still in its handshake.
-const PRE_AUTH: Class = 0;
-/// The class of the clients of a daemon that has no key.
-const NO_KEY: Class = 1;
-
-/// The classes of the keys clients proved, by the key's name (a daemon's keyring
-/// names a handful: its tenants).
-#[derive(Default)]
-struct Classes {
-    by_name: HashMap<String, Class>,
-}
-
-impl Classes {
-    fn of(&mut self, key_name: Option<&str>) -> Class {
-        let Some(name) = key_name else {
-            return NO_KEY;
-        };
-        if let Some(c) = self.by_name.get(name) {
-            return *c;
-        }
-        let c = self.by_name.len() as Class + NO_KEY + 1;
-        self.by_name.insert(name.to_string(), c);
-        c
-    }
-}
-
-/// The share of `total` connections of the key named `name` in `keys`: its own limit
-/// when its configuration gives one, else an even part of what the limits given leave
-/// (all of it for a daemon with one key, as before shares). At least one.
-fn connection_share(keys: &Keyring, name: &str, total: usize) -> usize {
-    if let Some(l) = keys.connection_limit(name) {
-        return l.max(1);
-    }
-    let (limited, named) = keys.connection_limits();
-    let rest = keys.len().saturating_sub(named).max(1);
-    (total.saturating_sub(limited) / rest).max(1)
-}
-
-/// Whom a new connection pushes out when every slot is taken and the handshakes
-/// are under their share: an idle connection of the tenant furthest over its share
-/// of the connections (the one silent longest), never one of a tenant within its
-/// share. `conns`: (class, key name, idle, last frame) of each connection past its
-/// handshake.
-fn over_share_victim<'a, T: Copy + 'a>(
-    keys: &Keyring,
-    total: usize,
-    conns: impl Iterator<Item = (T, Class, &'a str, bool, u64)>,
-) -> Option<T> {
-    // Per class: its count, its name, its idle connection silent longest.
-    type PerClass<'n, T> = (usize, &'n str, Option<(u64, T)>);
-    let mut per: HashMap<Class, PerClass<'a, T>> = HashMap::new();
-    for (t, class, name, idle, last) in conns {
-        let e = per.entry(class).or_insert((0, name, None));
-        e.0 += 1;
-        if idle && e.2.is_none_or(|(l, _)| last < l) {
-            e.2 = Some((last, t));
-        }
-    }
-    per.into_values()
-        .filter_map(|(n, name, idle)| {
-            let over = n.checked_sub(connection_share(keys, name, total))?;
-            Some((over, idle?))
-        })
-        .filter(|(over, _)| *over > 0)
-        .max_by_key(|(over, (last, _))| (*over, std::cmp::Reverse(*last)))
-        .map(|(_, (_, t))| t)
 }
 
 const LISTENER: Token = Token(0);
@@ -1219,13 +1065,13 @@ impl Turn<'_> {
                     conn.out.extend(send);
                     conn.decoder.set_max_body(self.opts.max_frame);
                     conn.class = self.classes.of(key_name.as_deref());
-                    service.on_open(
-                        conn.id,
-                        &client_id,
-                        key_name.as_deref(),
-                        resume.as_deref(),
-                        self.now,
-                    );
+                    service.on_open(Opened {
+                        conn: conn.id,
+                        client_id: &client_id,
+                        key_name: key_name.as_deref(),
+                        resume: resume.as_deref(),
+                        now_ms: self.now,
+                    });
                     conn.phase = Phase::Ready {
                         client_id,
                         key: key_name.zip(key_id),
@@ -1308,74 +1154,4 @@ fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: Strin
     conn.out
         .extend(wire::error_frame(&WireError::new(code, message)));
     conn.closing = true;
-}
-
-#[cfg(test)]
-mod share_tests {
-    use super::*;
-    use crate::auth::SharedKey;
-
-    fn ring(names: &[&str]) -> Keyring {
-        let named = names
-            .iter()
-            .map(|n| (n.to_string(), SharedKey::generate().unwrap()))
-            .collect();
-        Keyring::new(named).unwrap()
-    }
-
-    #[test]
-    fn a_single_key_daemon_has_all_connections_as_its_share() {
-        assert_eq!(
-            connection_share(
-                &Keyring::single(SharedKey::generate().unwrap()),
-                "default",
-                100
-            ),
-            100
-        );
-        let r = ring(&["a", "b", "c", "d"]);
-        assert_eq!(connection_share(&r, "a", 100), 25);
-    }
-
-    #[test]
-    fn the_victim_is_an_idle_connection_of_the_tenant_furthest_over_never_one_within() {
-        let r = ring(&["alpha", "beta", "gamma"]);
-        let (a, b, g) = (2u32, 3u32, 4u32);
-        // 30 connections, shares of 10: beta holds 16 (6 over), gamma 11 (1 over).
-        let mut conns: Vec<(usize, Class, &str, bool, u64)> = Vec::new();
-        for i in 0..3 {
-            conns.push((i, a, "alpha", true, 0));
-        }
-        for i in 0..16 {
-            conns.push((100 + i, b, "beta", true, 50 + i as u64));
-        }
-        for i in 0..11 {
-            conns.push((200 + i, g, "gamma", true, 0));
-        }
-        assert_eq!(
-            over_share_victim(&r, 30, conns.iter().copied()),
-            Some(100),
-            "beta's connection silent longest"
-        );
-        // Beta busy everywhere: gamma's idle one goes; alpha's never.
-        for c in conns.iter_mut().filter(|c| c.1 == b) {
-            c.3 = false;
-        }
-        assert_eq!(over_share_victim(&r, 30, conns.iter().copied()), Some(200));
-        // Nobody over its share: nobody is pushed out.
-        let within: Vec<_> = conns
-            .iter()
-            .copied()
-            .filter(|c| c.0 < 110 || c.0 >= 200 && c.0 < 210)
-            .collect();
-        assert_eq!(over_share_victim(&r, 30, within.into_iter()), None);
-        // A limit from the configuration: alpha may hold 2, so its 3 put it over.
-        r.replace_limited(
-            vec![("alpha".into(), SharedKey::generate().unwrap())],
-            HashMap::from([("alpha".to_string(), 2)]),
-        )
-        .unwrap();
-        let only_alpha: Vec<_> = conns.iter().copied().filter(|c| c.1 == a).collect();
-        assert!(over_share_victim(&r, 30, only_alpha.into_iter()).is_some());
-    }
 }

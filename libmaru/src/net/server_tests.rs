@@ -1,7 +1,8 @@
 //! The loop on loopback, in process: the bound on partly received frames after the
 //! handshake (`FrameRoom`), read from the loop's own gauge of the bytes it buffers.
 
-use super::server::{ConnId, NetCounters, Server, ServerOptions, Service, SMALL_FRAME};
+use super::server::{NetCounters, Server, ServerOptions, SMALL_FRAME};
+use super::service::{ConnId, Service};
 use super::{Client, ClientOptions, Clock};
 use crate::auth::SharedKey;
 use crate::wire::{self, FrameDecoder, FrameKind, WireError};

@@ -611,12 +611,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn handle() -> Handle {
-        Handle {
-            region_id: 4,
-            offset: 2 << 20,
-            length: 2 << 20,
-            token: "00112233445566778899aabbccddeeff".into(),
-        }
+        Handle::example()
     }
 
     #[test]

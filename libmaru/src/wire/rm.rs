@@ -21,6 +21,19 @@ pub struct Handle {
     pub token: String,
 }
 
+#[cfg(test)]
+impl Handle {
+    /// The region handle the messages' tests carry (4 at 2 MiB, 2 MiB long).
+    pub(crate) fn example() -> Handle {
+        Handle {
+            region_id: 4,
+            offset: 2 << 20,
+            length: 2 << 20,
+            token: "00112233445566778899aabbccddeeff".into(),
+        }
+    }
+}
+
 /// Which pool an allocation should come from.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PoolInfo {

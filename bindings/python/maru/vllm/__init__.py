@@ -7,8 +7,8 @@
                                       "maru_storage_backend": "cxl"}})
 
 ``MaruKVConnector`` is imported on first use, so ``maru.vllm`` (and its logic in
-:mod:`maru.vllm.core`) imports without vLLM or torch installed. docs/integration.md
-describes the settings and the limits.
+:mod:`maru.vllm.core` and :mod:`maru.vllm.worker`) imports without vLLM or torch
+installed. docs/integration.md describes the settings and the limits.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from .core import (
     ChunkTransfer,
     SchedulerCore,
     Settings,
-    WorkerCore,
     keyspace,
     model_kv_config,
     namespace_digest,
     parse_settings,
 )
+from .worker import WorkerCore
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",

@@ -29,7 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..hook import set_memory_hook_auto
 from . import core
-from .core import ChunkTransfer, KVBlocks, LayerMemory, PagedKV, SchedulerCore, WorkerCore
+from .core import ChunkTransfer, SchedulerCore
+from .worker import KVBlocks, LayerMemory, PagedKV, WorkerCore
 
 log = core.log
 # This connector's and libmaru's log lines in vLLM's format, once per process.
@@ -254,12 +255,12 @@ def _layer_order(name: str) -> Tuple[int, str]:
 class TorchKVBlocks(KVBlocks):
     """The engine's KV cache as whole blocks of bytes. A chunk is, for each layer (in
     layer order), its ``blocks_per_chunk`` blocks one after the other (each piece of
-    them: see :class:`~maru.vllm.core.LayerMemory`). A layer's tensor must be
+    them: see :class:`~maru.vllm.worker.LayerMemory`). A layer's tensor must be
     contiguous with the block index in dimension 0 (vLLM's CPU layout
     ``[num_blocks, kv_heads, block_size, 2*head_size]``) or 1 (``[2, num_blocks, ...]``:
     K blocks, then V blocks).
 
-    On CPU the copies are :class:`~maru.vllm.core.PagedKV`'s ``memmove`` of whole runs of
+    On CPU the copies are :class:`~maru.vllm.worker.PagedKV`'s ``memmove`` of whole runs of
     blocks (loads: libmaru copies those pieces itself, :meth:`host_moves`; torch's index
     copies cost far more here); on another device each layer is
     copied with one ``index_select`` / ``index_copy_`` per chunk."""

@@ -3,6 +3,7 @@
 //! every operation; workers use a [`SoftTransport`]. It lets the whole system run on
 //! any Linux host (loopback or network namespaces) with the same rules as RDMA.
 
+mod lane;
 pub mod proto;
 mod target;
 mod worker;

@@ -18,6 +18,7 @@
 //! and the next fence waits again; a fence of a peer already fenced succeeds at
 //! once, so two pools sharing a peer both learn that it is quiet.
 
+use super::lane::{read_exact_with_head, reader_loop, InFlight, Lane, Shared};
 use super::proto::{self, Completion, Request, CPL_LEN};
 use crate::auth::SharedKey;
 use crate::net::{Client, ClientOptions};
@@ -30,26 +31,7 @@ use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-struct InFlight {
-    seq: u64,
-    kind: OpKind,
-    local_offset: u64,
-    len: u64,
-    batch: BatchId,
-}
-
-struct Shared {
-    batches: BatchTable,
-}
-
-impl Shared {
-    fn complete(&self, batch: BatchId, err: Option<TransportError>) {
-        self.batches.complete(batch, err);
-    }
-}
 
 /// How long a fence waits for the target to confirm it applies nothing more.
 pub const FENCE_WAIT: Duration = Duration::from_secs(1);
@@ -65,7 +47,7 @@ const FENCED_MEMORY: usize = 4096;
 struct Lanes {
     addr: String,
     bind: u128,
-    lanes: Vec<Arc<Peer>>,
+    lanes: Vec<Arc<Lane>>,
     /// Held for the whole fence: a second fence of the peer waits for the first.
     fence: Mutex<bool>,
 }
@@ -75,22 +57,6 @@ impl Lanes {
     fn alive(&self) -> bool {
         self.lanes.iter().all(|l| !l.dead.load(Ordering::SeqCst))
     }
-}
-
-/// One lane of a peer: a data connection and its reader.
-struct Peer {
-    addr: String,
-    /// Held by one poster while it writes a batch (bounded: see `post_within`).
-    writer: Mutex<TcpStream>,
-    /// The writer's write timeout as set now, in µs.
-    write_timeout_us: AtomicU64,
-    /// The same socket, to shut it down without the writer's lock (a poster may sit
-    /// in a write to a peer that stopped reading: the shutdown ends that write).
-    ctl: TcpStream,
-    inflight: Mutex<VecDeque<InFlight>>,
-    reader: Mutex<Option<JoinHandle<()>>>,
-    dead: AtomicBool,
-    next_seq: AtomicU64,
 }
 
 /// The soft transport, worker side.
@@ -166,7 +132,7 @@ impl SoftTransport {
 
     /// The lane of peer `id` a batch goes on: the live one with the fewest operations
     /// in flight.
-    fn peer(&self, id: PeerId) -> Result<Arc<Peer>, TransportError> {
+    fn peer(&self, id: PeerId) -> Result<Arc<Lane>, TransportError> {
         let peers = self.peers.lock().map_err(|_| TransportError::NoPeer(id))?;
         peers
             .get(&id)
@@ -234,134 +200,6 @@ fn send_bind(stream: &mut TcpStream, head: &mut Vec<u8>, bind: u128) -> io::Resu
     }
 }
 
-fn reader_loop(
-    peer: Arc<Peer>,
-    mut stream: TcpStream,
-    mut head: Vec<u8>,
-    local: LocalBuffer,
-    shared: Arc<Shared>,
-) {
-    let result = read_completions(&peer, &mut stream, &mut head, local, &shared);
-    peer.dead.store(true, Ordering::SeqCst);
-    let message = match result {
-        Ok(()) => "connection closed".to_string(),
-        Err(e) => e.to_string(),
-    };
-    log::debug!(
-        "soft transport: reader for {} stopped: {message}",
-        peer.addr
-    );
-    // Everything still in flight has an unknown outcome; fail it. The reader is
-    // exiting, so no more bytes land in the staging buffer for this peer.
-    let pending: Vec<InFlight> = peer
-        .inflight
-        .lock()
-        .map(|mut q| q.drain(..).collect())
-        .unwrap_or_default();
-    for op in pending {
-        shared.complete(
-            op.batch,
-            Some(TransportError::PeerLost {
-                peer: peer.addr.clone(),
-                message: message.clone(),
-            }),
-        );
-    }
-}
-
-fn read_exact_with_head(
-    stream: &mut TcpStream,
-    head: &mut Vec<u8>,
-    buf: &mut [u8],
-) -> io::Result<()> {
-    let n = head.len().min(buf.len());
-    if n > 0 {
-        buf[..n].copy_from_slice(&head[..n]);
-        head.drain(..n);
-    }
-    crate::net::sockopt::read_exact_bulk(stream, &mut buf[n..])
-}
-
-fn read_completions(
-    peer: &Peer,
-    stream: &mut TcpStream,
-    head: &mut Vec<u8>,
-    local: LocalBuffer,
-    shared: &Shared,
-) -> io::Result<()> {
-    let mut hdr = [0u8; CPL_LEN];
-    loop {
-        if let Err(e) = read_exact_with_head(stream, head, &mut hdr) {
-            return if e.kind() == io::ErrorKind::UnexpectedEof {
-                Ok(())
-            } else {
-                Err(e)
-            };
-        }
-        let cpl = Completion::decode(&hdr);
-        let op = peer
-            .inflight
-            .lock()
-            .ok()
-            .and_then(|mut q| q.pop_front())
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("completion {} with nothing in flight", cpl.seq),
-                )
-            })?;
-        if op.seq != cpl.seq {
-            let msg = format!("completion {} out of order (expected {})", cpl.seq, op.seq);
-            // Put it back so the exit path fails its batch too.
-            if let Ok(mut q) = peer.inflight.lock() {
-                q.push_front(op);
-            }
-            return Err(io::Error::new(io::ErrorKind::InvalidData, msg));
-        }
-        let err = match cpl.status {
-            proto::ST_OK => None,
-            proto::ST_BAD_KEY => Some(TransportError::BadKey { rkey: 0 }),
-            proto::ST_RANGE => Some(TransportError::OutOfRange {
-                rkey: 0,
-                addr: 0,
-                len: op.len,
-            }),
-            proto::ST_READ_ONLY => Some(TransportError::ReadOnly { rkey: 0 }),
-            s => Some(TransportError::PeerLost {
-                peer: peer.addr.clone(),
-                message: format!("unknown status {s}"),
-            }),
-        };
-        if err.is_none() && op.kind == OpKind::Read {
-            if cpl.len != op.len {
-                let msg = format!(
-                    "READ {} returned {} bytes, expected {}",
-                    cpl.seq, cpl.len, op.len
-                );
-                if let Ok(mut q) = peer.inflight.lock() {
-                    q.push_front(op);
-                }
-                return Err(io::Error::new(io::ErrorKind::InvalidData, msg));
-            }
-            // SAFETY: the range was checked against the registered buffer at post time,
-            // and the slot belongs to this operation until its batch completes.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(
-                    local.ptr.add(op.local_offset as usize),
-                    op.len as usize,
-                )
-            };
-            if let Err(e) = read_exact_with_head(stream, head, dst) {
-                if let Ok(mut q) = peer.inflight.lock() {
-                    q.push_front(op);
-                }
-                return Err(e);
-            }
-        }
-        shared.complete(op.batch, err);
-    }
-}
-
 impl SoftTransport {
     /// A data connection to `addr`, bound to `bind`, with its reader; the connect, the
     /// handshake and the binding by `until`.
@@ -371,7 +209,7 @@ impl SoftTransport {
         bind: u128,
         local: &LocalBuffer,
         until: Instant,
-    ) -> Result<Arc<Peer>, TransportError> {
+    ) -> Result<Arc<Lane>, TransportError> {
         let mut opts = ClientOptions::new(proto::SERVICE, self.client_id.clone());
         opts.key = self.key.clone();
         opts.connect_timeout = self.connect_timeout;
@@ -397,7 +235,7 @@ impl SoftTransport {
         stream.set_read_timeout(None).map_err(setup)?;
         let reader_stream = stream.try_clone().map_err(setup)?;
         let ctl = stream.try_clone().map_err(setup)?;
-        let peer = Arc::new(Peer {
+        let peer = Arc::new(Lane {
             addr: addr.to_string(),
             writer: Mutex::new(stream),
             write_timeout_us: AtomicU64::new(micros(opts.call_timeout)),
@@ -416,42 +254,6 @@ impl SoftTransport {
             *r = Some(handle);
         }
         Ok(peer)
-    }
-}
-
-impl Peer {
-    /// Stops the lane for good: no more sends, the reader joined.
-    fn close(&self) {
-        self.dead.store(true, Ordering::SeqCst);
-        let _ = self.ctl.shutdown(Shutdown::Both);
-        if let Some(h) = self.reader.lock().ok().and_then(|mut h| h.take()) {
-            let _ = h.join();
-        }
-    }
-
-    /// The first half of a lane's fence: no new operation goes out; what was sent is
-    /// the target's to finish.
-    fn stop_sending(&self) {
-        self.dead.store(true, Ordering::SeqCst);
-        let _ = self.ctl.shutdown(Shutdown::Write);
-    }
-
-    /// The second half (see the module documentation): false when the target did not
-    /// close its end by `until` (the reader is kept, to wait again next time).
-    fn wait_quiet(&self, until: Instant) -> bool {
-        let handle = self.reader.lock().ok().and_then(|mut h| h.take());
-        if let Some(h) = handle {
-            if !wait_finished(&h, until) {
-                if let Ok(mut r) = self.reader.lock() {
-                    *r = Some(h);
-                }
-                return false;
-            }
-            // After the join, the reader wrote its last byte into the staging buffer.
-            let _ = h.join();
-        }
-        let _ = self.ctl.shutdown(Shutdown::Both);
-        true
     }
 }
 
@@ -801,19 +603,6 @@ impl Write for Until<'_> {
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
-}
-
-/// Whether the thread finished by `until` (polled: `JoinHandle` has no timed join).
-#[allow(clippy::disallowed_methods)] // a driver: waits until a deadline
-fn wait_finished(h: &JoinHandle<()>, until: Instant) -> bool {
-    let step = Duration::from_millis(2);
-    while !h.is_finished() {
-        if Instant::now() >= until {
-            return false;
-        }
-        std::thread::sleep(step);
-    }
-    true
 }
 
 impl Drop for SoftTransport {
