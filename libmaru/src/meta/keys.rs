@@ -92,13 +92,112 @@ pub enum Published {
     Exists(KeyId),
 }
 
+/// Which order of a region: all its keys, or its tails.
+const LRU: usize = 0;
+/// The keys of the region that no stored key names as its previous one.
+const TAILS: usize = 1;
+
 #[derive(Debug, Default)]
 struct RegionKeys {
-    /// (rank, key), the first to go first.
-    lru: BTreeSet<(u64, KeyId)>,
-    /// The keys of `lru` that no stored key names as its previous one.
-    tails: BTreeSet<(u64, KeyId)>,
+    /// By (rank, key), the first to go first: [`LRU`] and [`TAILS`].
+    order: [Order; 2],
     bytes: u64,
+}
+
+/// Keys by (rank, key), the first to go first. A key ranked after every key of
+/// the list is linked at its end through its slot (8 bytes, no allocation: under
+/// the recency order every publish and read is, since stamps only grow); one
+/// ranked before (a key restored out of order, a tail again, the reuse rankings)
+/// goes to the tree. The order is the merge of the two.
+#[derive(Debug)]
+struct Order {
+    head: u32,
+    last: u32,
+    tree: BTreeSet<(u64, KeyId)>,
+    len: usize,
+}
+
+impl Default for Order {
+    fn default() -> Order {
+        Order {
+            head: NIL,
+            last: NIL,
+            tree: BTreeSet::new(),
+            len: 0,
+        }
+    }
+}
+
+impl Order {
+    fn insert(&mut self, slots: &mut [Slot], w: usize, s: u32) {
+        let k = slots[s as usize].order_key();
+        if self.last == NIL || slots[self.last as usize].order_key() < k {
+            slots[s as usize].link[w] = [self.last, NIL];
+            match self.last {
+                NIL => self.head = s,
+                l => slots[l as usize].link[w][1] = s,
+            }
+            self.last = s;
+            slots[s as usize].listed |= 1 << w;
+        } else {
+            self.tree.insert(k);
+        }
+        self.len += 1;
+    }
+
+    /// Takes the key out (as ranked now); false if it was not in.
+    fn remove(&mut self, slots: &mut [Slot], w: usize, s: u32) -> bool {
+        let e = &mut slots[s as usize];
+        if e.listed & (1 << w) != 0 {
+            let [p, n] = e.link[w];
+            e.link[w] = [NIL, NIL];
+            e.listed &= !(1 << w);
+            match p {
+                NIL => self.head = n,
+                p => slots[p as usize].link[w][1] = n,
+            }
+            match n {
+                NIL => self.last = p,
+                n => slots[n as usize].link[w][0] = p,
+            }
+        } else if !self.tree.remove(&e.order_key()) {
+            return false;
+        }
+        self.len -= 1;
+        true
+    }
+
+    fn iter<'a>(&'a self, slots: &'a [Slot], w: usize) -> OrderIter<'a> {
+        OrderIter {
+            slots,
+            w,
+            next: self.head,
+            tree: self.tree.iter().peekable(),
+        }
+    }
+}
+
+struct OrderIter<'a> {
+    slots: &'a [Slot],
+    w: usize,
+    next: u32,
+    tree: std::iter::Peekable<std::collections::btree_set::Iter<'a, (u64, KeyId)>>,
+}
+
+impl Iterator for OrderIter<'_> {
+    type Item = (u64, KeyId);
+
+    fn next(&mut self) -> Option<(u64, KeyId)> {
+        let listed = (self.next != NIL).then(|| self.slots[self.next as usize].order_key());
+        match (listed, self.tree.peek()) {
+            (Some(l), Some(&&t)) if t < l => self.tree.next().copied(),
+            (Some(l), _) => {
+                self.next = self.slots[self.next as usize].link[self.w][1];
+                Some(l)
+            }
+            (None, _) => self.tree.next().copied(),
+        }
+    }
 }
 
 /// No slot.
@@ -129,11 +228,19 @@ struct Slot {
     used: u64,
     /// Place in the eviction order (the lowest goes first).
     rank: u64,
+    /// (previous, next) in the list of each [`Order`] of its region.
+    link: [[u32; 2]; 2],
+    /// Bit `w`: linked in the list of order `w` (else in its tree, if in it).
+    listed: u8,
 }
 
 impl Slot {
     fn stored(&self) -> bool {
         self.id != 0
+    }
+
+    fn order_key(&self) -> (u64, KeyId) {
+        (self.rank, KeyId(self.id))
     }
 }
 
@@ -334,6 +441,8 @@ impl KeyDirectory {
             },
             used: 0,
             rank: 0,
+            link: [[NIL; 2]; 2],
+            listed: 0,
         };
         let s = match self.free.pop() {
             Some(s) => {
@@ -428,12 +537,6 @@ impl KeyDirectory {
         };
         let fresh_end = is_tail && reads == 0;
         let rank = self.ranking.rank(used, reads, fresh_end, self.len());
-        let r = self.by_region.entry(loc.region_id).or_default();
-        r.lru.insert((rank, id));
-        if is_tail {
-            r.tails.insert((rank, id));
-        }
-        r.bytes += loc.length;
         {
             let e = &mut self.slots[s as usize];
             e.id = id.0;
@@ -443,6 +546,12 @@ impl KeyDirectory {
             e.fresh_end = fresh_end;
             e.rank = rank;
         }
+        let r = self.by_region.entry(loc.region_id).or_default();
+        r.order[LRU].insert(&mut self.slots, LRU, s);
+        if is_tail {
+            r.order[TAILS].insert(&mut self.slots, TAILS, s);
+        }
+        r.bytes += loc.length;
         let (slots, h) = (&self.slots, &self.hasher);
         self.ids
             .insert_unique(id_hash(h, id.0), s, |&x| id_hash(h, slots[x as usize].id));
@@ -476,9 +585,9 @@ impl KeyDirectory {
         pe.successors += 1;
         if pe.successors == 1 && pe.stored() {
             // `prev` was a tail and is one no longer, nor the end of a fresh prompt.
-            let (pid, rank, rid) = (KeyId(pe.id), pe.rank, pe.loc.region_id);
+            let (pid, rid) = (KeyId(pe.id), pe.loc.region_id);
             if let Some(r) = self.by_region.get_mut(&rid) {
-                r.tails.remove(&(rank, pid));
+                r.order[TAILS].remove(&mut self.slots, TAILS, ps);
             }
             self.rerank(pid, false);
         }
@@ -493,9 +602,9 @@ impl KeyDirectory {
         }
         if pe.stored() {
             // `prev` has no successor left: it is a tail now.
-            let (pid, rank, rid) = (KeyId(pe.id), pe.rank, pe.loc.region_id);
+            let rid = pe.loc.region_id;
             if let Some(r) = self.by_region.get_mut(&rid) {
-                r.tails.insert((rank, pid));
+                r.order[TAILS].insert(&mut self.slots, TAILS, ps);
             }
         } else {
             self.release(ps);
@@ -520,14 +629,23 @@ impl KeyDirectory {
         }
         e.fresh_end = false;
         let rank = self.ranking.rank(e.used, e.reads, false, stored);
-        if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
-            r.lru.remove(&(e.rank, id));
-            r.lru.insert((rank, id));
-            if r.tails.remove(&(e.rank, id)) {
-                r.tails.insert((rank, id));
-            }
+        if rank == e.rank {
+            // In place already (under the recency order, a key that gets a
+            // successor): taken out and put back, it would leave its list.
+            return;
         }
-        e.rank = rank;
+        let rid = e.loc.region_id;
+        let Some(r) = self.by_region.get_mut(&rid) else {
+            self.slots[s as usize].rank = rank;
+            return;
+        };
+        r.order[LRU].remove(&mut self.slots, LRU, s);
+        let tail = r.order[TAILS].remove(&mut self.slots, TAILS, s);
+        self.slots[s as usize].rank = rank;
+        r.order[LRU].insert(&mut self.slots, LRU, s);
+        if tail {
+            r.order[TAILS].insert(&mut self.slots, TAILS, s);
+        }
     }
 
     /// Marks the key as just read.
@@ -547,8 +665,19 @@ impl KeyDirectory {
         if let Ok(o) = self.ids.find_entry(id_hash(h, id.0), |&x| x == s) {
             o.remove();
         }
+        let (loc, reads, scope) = {
+            let e = &self.slots[s as usize];
+            (e.loc, e.reads, e.scope)
+        };
+        if let Some(r) = self.by_region.get_mut(&loc.region_id) {
+            r.order[LRU].remove(&mut self.slots, LRU, s);
+            r.order[TAILS].remove(&mut self.slots, TAILS, s);
+            r.bytes -= loc.length;
+            if r.order[LRU].len == 0 {
+                self.by_region.remove(&loc.region_id);
+            }
+        }
         let e = &mut self.slots[s as usize];
-        let (loc, rank, reads, scope) = (e.loc, e.rank, e.reads, e.scope);
         if let Ok(o) = self
             .pages
             .find_entry(page_hash(h, loc.region_id, loc.offset), |&x| x == s)
@@ -570,14 +699,6 @@ impl KeyDirectory {
             let bound = self.len().max(1);
             self.ghosts.forget(scope, &out.name, reads, bound);
         }
-        if let Some(r) = self.by_region.get_mut(&loc.region_id) {
-            r.lru.remove(&(rank, id));
-            r.tails.remove(&(rank, id));
-            r.bytes -= loc.length;
-            if r.lru.is_empty() {
-                self.by_region.remove(&loc.region_id);
-            }
-        }
         if let Some(j) = &mut self.journal {
             j.put.remove(&id);
             j.used.remove(&id);
@@ -590,7 +711,10 @@ impl KeyDirectory {
     /// Removes every key of the region at once; returns the removed entries.
     pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, RemovedKey)> {
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
-            Some(r) => r.lru.iter().map(|(_, id)| *id).collect(),
+            Some(r) => r.order[LRU]
+                .iter(&self.slots, LRU)
+                .map(|(_, id)| id)
+                .collect(),
             None => return Vec::new(),
         };
         ids.into_iter()
@@ -620,7 +744,9 @@ impl KeyDirectory {
     }
 
     pub fn region_keys(&self, region_id: u64) -> usize {
-        self.by_region.get(&region_id).map_or(0, |r| r.lru.len())
+        self.by_region
+            .get(&region_id)
+            .map_or(0, |r| r.order[LRU].len)
     }
 
     pub fn region_bytes(&self, region_id: u64) -> u64 {
@@ -633,7 +759,7 @@ impl KeyDirectory {
         self.by_region
             .get(&region_id)
             .into_iter()
-            .flat_map(|r| r.lru.iter().copied())
+            .flat_map(move |r| r.order[LRU].iter(&self.slots, LRU))
     }
 
     /// The region's keys that no stored key follows in a chain, with their ranks,
@@ -642,7 +768,7 @@ impl KeyDirectory {
         self.by_region
             .get(&region_id)
             .into_iter()
-            .flat_map(|r| r.tails.iter().copied())
+            .flat_map(move |r| r.order[TAILS].iter(&self.slots, TAILS))
     }
 }
 
@@ -778,5 +904,110 @@ mod tests {
         // A key naming itself is a chain's head, not its own successor.
         d.publish(s, "self", loc(1, 10), Some("self"));
         assert!(tails_of(&d, 1).contains(&"self".to_string()));
+    }
+
+    #[test]
+    fn under_the_recency_order_chained_publishes_and_reads_cost_no_tree_node() {
+        let mut d = KeyDirectory::new();
+        let s = d.scope_id(scope("ns", "l"));
+        for i in 0..64u64 {
+            let prev = (i % 16 != 0).then(|| format!("k{}", i - 1));
+            d.publish(s, &format!("k{i}"), loc(1, i * 10), prev.as_deref());
+        }
+        for i in (0..64).step_by(3) {
+            let id = d.find(s, &format!("k{i}")).unwrap();
+            d.touch(id);
+        }
+        let r = &d.by_region[&1];
+        assert_eq!(r.order[LRU].len, 64);
+        assert_eq!(
+            (r.order[LRU].tree.len(), r.order[TAILS].tree.len()),
+            (0, 0),
+            "every key linked through its slot (8 bytes, no allocation)"
+        );
+        assert_eq!(d.tails(1).count(), 4, "one tail per prompt of 16");
+    }
+
+    /// The order of every region as the directory gives it: (rank, key) of its
+    /// keys, sorted, and its tails among them.
+    fn check_orders(d: &KeyDirectory) -> Result<(), proptest::test_runner::TestCaseError> {
+        use proptest::prelude::*;
+        for rid in 0..3u64 {
+            let mut want: Vec<(u64, KeyId)> = d
+                .iter()
+                .filter(|(_, e)| e.loc.region_id == rid)
+                .map(|(id, e)| (e.rank(), id))
+                .collect();
+            want.sort_unstable();
+            let got: Vec<(u64, KeyId)> = d.ranked_keys(rid).collect();
+            prop_assert_eq!(&got, &want, "order of region {}", rid);
+            prop_assert_eq!(d.region_keys(rid), want.len());
+            let tails: Vec<(u64, KeyId)> = want
+                .iter()
+                .copied()
+                .filter(|&(_, id)| {
+                    let e = d.get(id).unwrap();
+                    d.successors_of(e.scope, e.name) == 0
+                })
+                .collect();
+            let got: Vec<(u64, KeyId)> = d.tails(rid).collect();
+            prop_assert_eq!(&got, &tails, "tails of region {}", rid);
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        /// Under every ranking, whatever the publishes (chained or not), reads,
+        /// removals, restores out of order and dropped regions, each region's order
+        /// is its keys sorted by (rank, key) and its tails those no stored key
+        /// follows: the lists linked through the slots and the trees beside them
+        /// merge into the order a sorted set gave.
+        #[test]
+        fn each_region_order_is_its_keys_sorted_by_rank(
+            ranking in 0u8..3,
+            ops in proptest::collection::vec((0u8..5, 0u8..32, 0u8..32, 0u16..2000), 0..120),
+        ) {
+            let ranking = [Ranking::Recency, Ranking::Reuse, Ranking::ReuseEnds][ranking as usize];
+            let mut d = KeyDirectory::ranked(ranking);
+            let s = d.scope_id(scope("ns", "l"));
+            let mut page = 0u64;
+            let mut next_restored = 100_000u64;
+            for (op, a, b, used) in ops {
+                let name = format!("k{}", a % 24);
+                let prev = (b % 3 != 0).then(|| format!("k{}", b % 24));
+                page += 1;
+                let at = loc(u64::from(a % 3), page * 10);
+                match op {
+                    0 => {
+                        d.publish(s, &name, at, prev.as_deref());
+                    }
+                    1 => {
+                        if let Some(id) = d.find(s, &name) {
+                            d.touch(id);
+                        }
+                    }
+                    2 => {
+                        if let Some(id) = d.find(s, &name) {
+                            proptest::prop_assert!(d.remove(id).is_some());
+                            proptest::prop_assert!(d.find(s, &name).is_none());
+                        }
+                    }
+                    3 => {
+                        // Recorded ids are unique: after every id given.
+                        next_restored = next_restored.max(d.last_id()) + 1;
+                        d.restore(next_restored, s, &name, at, prev.as_deref(), u64::from(used));
+                    }
+                    _ => {
+                        d.drop_region(u64::from(a % 3));
+                    }
+                }
+                check_orders(&d)?;
+            }
+            let ids: Vec<KeyId> = d.iter().map(|(id, _)| id).collect();
+            for id in ids {
+                d.remove(id);
+            }
+            proptest::prop_assert_eq!(d.names_held(), 0, "no name outlives its keys");
+        }
     }
 }
