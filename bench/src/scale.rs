@@ -331,11 +331,21 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                 }
                 let s = open(&addr, &key, &format!("filler-{lo}@{t}"))?;
                 let mut n = lo;
+                // A loaded machine can keep the RM from answering an allocation in
+                // time; maru-server then says so and to retry (bounded here).
+                let mut retries = 0u32;
                 while n < hi {
                     let want = (hi - n).min(MAX_BATCH as u64) as u32;
                     let (pages, missing) = s.alloc(want, None).map_err(|e| e.to_string())?;
                     if pages.is_empty() && missing > 0 {
-                        s.expand().map_err(|e| format!("expand at key {n}: {e}"))?;
+                        match s.expand() {
+                            Ok(_) => retries = 0,
+                            Err(e) if retries < 5 && e.to_string().ends_with("retry") => {
+                                retries += 1;
+                                eprintln!("  fill: expand at key {n}: {e} (retry {retries} of 5)");
+                            }
+                            Err(e) => return Err(format!("expand at key {n}: {e}")),
+                        }
                         continue;
                     }
                     let entries: Vec<PublishEntry> = pages
