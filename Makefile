@@ -11,7 +11,7 @@ help:
 	@echo "make demo-multinode - the multi-node demo in network namespaces (memory, metadata, two worker nodes; root)"
 	@echo "make demo-rm        - the resource manager walk-through with maru-rm-ctl"
 	@echo "make test           - install what is missing, build, run every test (Rust, C, Python)"
-	@echo "make lint           - cargo fmt --check and cargo clippy -D warnings (with and without verbs)"
+	@echo "make lint           - cargo fmt --check, no import circle between Rust files (scripts/import_cycles.py), cargo clippy -D warnings (with and without verbs)"
 	@echo "make header         - regenerate include/maru.h with cbindgen"
 	@echo "make release        - optimised build of libmaru.so and the daemons"
 	@echo "make bench          - Maru beside Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
@@ -68,8 +68,19 @@ test-python:
 	MARU_LIB=$(DEBUG_DIR)/libmaru.so PYTHONPATH=$(CURDIR)/bindings/python $(VENV)/bin/pytest -q bindings/python/tests
 	PYTHON=$(VENV)/bin/python examples/python/run.sh $(DEBUG_DIR)
 
+# Import circles between Rust files (scripts/import_cycles.py). Known circles being
+# broken on other branches, reported but not failed; remove each line when it lands:
+# the worker's (issue 48), the metadata core's (issues 46 and 49), bench scale (46).
+IMPORT_CYCLES_KNOWN := \
+	--allow 'libmaru/src/worker/movers/remote/mod.rs<->libmaru/src/worker/movers/remote/windows.rs' \
+	--allow 'libmaru/src/meta/evict_rank.rs<->libmaru/src/meta/keys.rs' \
+	--allow 'libmaru/src/meta/alloc_ops.rs<->libmaru/src/meta/core.rs' \
+	--allow 'bench/src/scale.rs<->bench/src/scale_agent.rs'
+
 lint: deps
 	$(CARGO) fmt --all -- --check
+	python3 scripts/tests/test_import_cycles.py
+	python3 scripts/import_cycles.py $(IMPORT_CYCLES_KNOWN) libmaru/src daemons/src bench/src
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features maru-daemons/verbs -- -D warnings
 

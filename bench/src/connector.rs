@@ -4,8 +4,8 @@
 //! load paths), on both backends, 32 x 2 MiB a batch. It is judged by the same run's
 //! batch load of the same chunk size on the same backend (part `maru`).
 
+use crate::harness::BATCH;
 use crate::in_place::PyFig;
-use crate::maru_io::BATCH;
 use crate::procs::{stack, Scratch};
 use crate::report::{f2, Table};
 use serde::{Deserialize, Serialize};

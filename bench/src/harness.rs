@@ -6,6 +6,9 @@ use serde::Serialize;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+/// Chunks per batch in the batched store and load rows (Maru, Redis pipelines).
+pub const BATCH: usize = 32;
+
 /// One measured figure.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Fig {

@@ -16,7 +16,21 @@ use serde::Serialize;
 use std::ffi::{c_char, CString};
 use std::sync::Arc;
 
-pub const BATCH: usize = 32;
+pub use crate::harness::BATCH;
+
+/// The keys (named by `key`) and destinations of batch `b` of a batched load: the
+/// chunks `b * BATCH ..` a client stored in batches, each read into the next buffer
+/// of `dst`.
+pub fn load_batch_args(
+    dst: &std::sync::Mutex<Rotor>,
+    key: impl Fn(usize) -> CString,
+    b: usize,
+) -> Result<(Vec<CString>, Vec<*mut u8>), String> {
+    let keys = (0..BATCH).map(|j| key(b * BATCH + j)).collect();
+    let mut r = dst.lock().map_err(|_| "poisoned".to_string())?;
+    let bufs = (0..BATCH).map(|_| r.next_ptr()).collect();
+    Ok((keys, bufs))
+}
 /// Turns each of "store, reused pages" and "store into a full cache" takes, each of
 /// a quarter of a figure's seconds.
 const TURNS: usize = 8;
@@ -528,12 +542,7 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
             let dst = dsts[c].clone();
             let n = stored[c].max(1);
             move |i: usize| -> Result<u64, String> {
-                let b = i % n;
-                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "b", b * BATCH + j)).collect();
-                let bufs: Vec<*mut u8> = {
-                    let mut r = dst.lock().map_err(|_| "poisoned")?;
-                    (0..BATCH).map(|_| r.next_ptr()).collect()
-                };
+                let (keys, bufs) = load_batch_args(&dst, |k| tag(c, "b", k), i % n)?;
                 h.load_batch(&keys, &bufs, chunk)
             }
         })

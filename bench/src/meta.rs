@@ -137,7 +137,7 @@ fn measure(
         .collect::<Result<Vec<_>, _>>()?;
     let (part, sessions) = measure_on(sessions, op, secs, keys, tag)?;
     for s in sessions {
-        let _ = s.close();
+        let _ = s.close(s.call_deadline());
     }
     Ok(part)
 }
@@ -166,31 +166,43 @@ fn measure_on(
                     let t = Instant::now();
                     match op {
                         "exists x1" => {
-                            s.exists(&keys[..1]).map_err(|e| e.to_string())?;
-                        }
-                        "exists x32" => {
-                            s.exists(&keys[..32]).map_err(|e| e.to_string())?;
-                        }
-                        "acquire+release x32" => {
-                            let l = s.acquire(&keys[..32]).map_err(|e| e.to_string())?;
-                            s.release_leases(l.into_iter().flatten().map(|g| g.lease_id).collect())
+                            s.exists(&keys[..1], s.call_deadline())
                                 .map_err(|e| e.to_string())?;
                         }
+                        "exists x32" => {
+                            s.exists(&keys[..32], s.call_deadline())
+                                .map_err(|e| e.to_string())?;
+                        }
+                        "acquire+release x32" => {
+                            let l = s
+                                .acquire(&keys[..32], s.call_deadline())
+                                .map_err(|e| e.to_string())?;
+                            s.release_leases(
+                                l.into_iter().flatten().map(|g| g.lease_id).collect(),
+                                s.call_deadline(),
+                            )
+                            .map_err(|e| e.to_string())?;
+                        }
                         _ => {
-                            let (pages, missing) = s.alloc(1, None).map_err(|e| e.to_string())?;
+                            let (pages, missing) = s
+                                .alloc(1, None, s.call_deadline())
+                                .map_err(|e| e.to_string())?;
                             if missing > 0 {
-                                s.expand().map_err(|e| e.to_string())?;
+                                s.expand(s.call_deadline()).map_err(|e| e.to_string())?;
                                 continue;
                             }
                             let p = pages[0];
                             let key = format!("pub{tag}-{conns}-{c}-{n}");
-                            s.publish(vec![PublishEntry {
-                                key,
-                                region_id: p.region_id,
-                                offset: p.offset,
-                                length: 4096,
-                                prev: None,
-                            }])
+                            s.publish(
+                                vec![PublishEntry {
+                                    key,
+                                    region_id: p.region_id,
+                                    offset: p.offset,
+                                    length: 4096,
+                                    prev: None,
+                                }],
+                                s.call_deadline(),
+                            )
                             .map_err(|e| e.to_string())?;
                         }
                     }
@@ -291,7 +303,9 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let server = st.server.clone();
     // 32 published keys for the lookups.
     let s = open(&server, &scratch.server_key, "bench-writer")?;
-    let (pages, _) = s.alloc(32, None).map_err(|e| e.to_string())?;
+    let (pages, _) = s
+        .alloc(32, None, s.call_deadline())
+        .map_err(|e| e.to_string())?;
     let keys: Vec<String> = (0..32).map(|i| format!("bench-key-{i}")).collect();
     let entries = keys
         .iter()
@@ -304,7 +318,8 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
             prev: None,
         })
         .collect();
-    s.publish(entries).map_err(|e| e.to_string())?;
+    s.publish(entries, s.call_deadline())
+        .map_err(|e| e.to_string())?;
     // The round-trip floor first, then again after the ops: the box may change
     // between them (the better of the two is the floor).
     let first = tcp_rtt(secs / 2.0, Duration::ZERO)?;
@@ -362,7 +377,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
             }
         }
         for s in on.into_iter().flatten().flatten() {
-            let _ = s.close();
+            let _ = s.close(s.call_deadline());
         }
         let [mem, dur] = parts;
         rows.push(row(PUBLISH, conns, mem));
@@ -371,7 +386,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     drop(durable_proc);
     rows.push(better(first, tcp_rtt(secs / 2.0, Duration::ZERO)?));
     rows.push(better(first_spin, tcp_rtt(secs / 2.0, reply_spin())?));
-    let _ = s.close();
+    let _ = s.close(s.call_deadline());
     Ok(rows)
 }
 
@@ -415,9 +430,12 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
     let mut n = 0;
     while n < keys {
         let want = (keys - n).min(maru::wire::meta::MAX_BATCH) as u32;
-        let (pages, missing) = s.alloc(want, None).map_err(|e| e.to_string())?;
+        let (pages, missing) = s
+            .alloc(want, None, s.call_deadline())
+            .map_err(|e| e.to_string())?;
         if pages.is_empty() && missing > 0 {
-            s.expand().map_err(|e| format!("expand at key {n}: {e}"))?;
+            s.expand(s.call_deadline())
+                .map_err(|e| format!("expand at key {n}: {e}"))?;
             continue;
         }
         if pages.is_empty() {
@@ -434,14 +452,16 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
                 prev: None,
             })
             .collect();
-        let done = s.publish(entries).map_err(|e| e.to_string())?;
+        let done = s
+            .publish(entries, s.call_deadline())
+            .map_err(|e| e.to_string())?;
         if done.iter().any(|d| !d) {
             return Err(format!("recovery fill: a publish at key {n} was refused"));
         }
         n += pages.len();
     }
     let fill_s = started.elapsed().as_secs_f64();
-    let _ = s.close();
+    let _ = s.close(s.call_deadline());
     // SIGTERM: the writer makes what is left durable before it exits.
     drop(srv);
     let dir_mib = dir_bytes(&state) as f64 / (1 << 20) as f64;
@@ -456,12 +476,12 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
     let s = open(&addr, &scratch.server_key, "bench-recovery-check")?;
     let sample: Vec<String> = (0..keys).step_by((keys / 1000).max(1)).map(name).collect();
     let found = s
-        .exists(&sample)
+        .exists(&sample, s.call_deadline())
         .map_err(|e| e.to_string())?
         .iter()
         .filter(|f| **f)
         .count();
-    let _ = s.close();
+    let _ = s.close(s.call_deadline());
     Ok(Recovery {
         keys,
         fill_s,

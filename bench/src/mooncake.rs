@@ -22,7 +22,7 @@
 //! bench goes on.
 
 use crate::harness::{run_clients_raw, Bound, Fig, Rotor, Run};
-use crate::maru_io::{handler_config, CHandler, BATCH};
+use crate::maru_io::{handler_config, load_batch_args, CHandler, BATCH};
 use crate::procs::{free_port, stack, stop, with_parent, Scratch};
 use crate::report::{chunk_name, f0, f2, us, Table};
 use serde::{Deserialize, Serialize};
@@ -554,12 +554,7 @@ fn maru_turn(
         .map(|c| {
             let (h, dst, n) = (handlers[c].clone(), dsts[c].clone(), stored[c].max(1));
             move |i: usize| -> Result<u64, String> {
-                let b = i % n;
-                let keys: Vec<CString> = (0..BATCH).map(|j| tag(c, "b", b * BATCH + j)).collect();
-                let bufs: Vec<*mut u8> = {
-                    let mut r = dst.lock().map_err(|_| "poisoned")?;
-                    (0..BATCH).map(|_| r.next_ptr()).collect()
-                };
+                let (keys, bufs) = load_batch_args(&dst, |k| tag(c, "b", k), i % n)?;
                 h.load_batch(&keys, &bufs, chunk)
             }
         })

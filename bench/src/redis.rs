@@ -159,7 +159,7 @@ pub fn bench(
     secs: f64,
     keyspace: usize,
 ) -> Result<RedisResult, String> {
-    const BATCH: usize = crate::maru_io::BATCH;
+    const BATCH: usize = crate::harness::BATCH;
     Resp::connect(addr)?.flushall()?;
     let keys_per_client = (keyspace / clients / chunk).max(BATCH) / BATCH * BATCH;
     let key = move |c: usize, i: usize| format!("r-{chunk}-{c}-{}", i % keys_per_client);

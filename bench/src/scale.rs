@@ -336,9 +336,11 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                 let mut retries = 0u32;
                 while n < hi {
                     let want = (hi - n).min(MAX_BATCH as u64) as u32;
-                    let (pages, missing) = s.alloc(want, None).map_err(|e| e.to_string())?;
+                    let (pages, missing) = s
+                        .alloc(want, None, s.call_deadline())
+                        .map_err(|e| e.to_string())?;
                     if pages.is_empty() && missing > 0 {
-                        match s.expand() {
+                        match s.expand(s.call_deadline()) {
                             Ok(_) => retries = 0,
                             Err(e) if retries < 5 && e.to_string().ends_with("retry") => {
                                 retries += 1;
@@ -359,13 +361,15 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                             prev: None,
                         })
                         .collect();
-                    let done = s.publish(entries).map_err(|e| e.to_string())?;
+                    let done = s
+                        .publish(entries, s.call_deadline())
+                        .map_err(|e| e.to_string())?;
                     if done.iter().any(|d| !d) {
                         return Err(format!("fill: a publish at key {n} was refused"));
                     }
                     n += pages.len() as u64;
                 }
-                s.close().map_err(|e| e.to_string())
+                s.close(s.call_deadline()).map_err(|e| e.to_string())
             })
         })
         .collect();
@@ -674,12 +678,12 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         .collect();
     r.recovered_sampled = sample.len();
     r.recovered_found = s
-        .exists(&sample)
+        .exists(&sample, s.call_deadline())
         .map_err(|e| e.to_string())?
         .iter()
         .filter(|f| **f)
         .count();
-    let _ = s.close();
+    let _ = s.close(s.call_deadline());
     drop(srv);
     if big < 16 << 20 {
         r.notes.push(format!(

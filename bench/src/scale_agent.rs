@@ -166,7 +166,9 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
         )
         .map_err(|e| format!("{id}: {e}"))?;
         s.set_reply_spin(Duration::ZERO);
-        let g = s.expand().map_err(|e| format!("{id} expand: {e}"))?;
+        let g = s
+            .expand(s.call_deadline())
+            .map_err(|e| format!("{id} expand: {e}"))?;
         let mut opts = ClientOptions::new(maru::wire::agent::SERVICE, id.clone());
         opts.key = Some(load_key_file(&st.agent_key).map_err(|e| e.to_string())?);
         opts.call_timeout = Duration::from_secs(30);
@@ -180,16 +182,21 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
             Ok(AgentReply::Mapped(_)) => out.map.push(t.elapsed().as_secs_f64() * 1e6),
             r => return Err(format!("{id} map: {r:?}")),
         }
-        let (pages, _) = s.alloc(1, None).map_err(|e| e.to_string())?;
+        let (pages, _) = s
+            .alloc(1, None, s.call_deadline())
+            .map_err(|e| e.to_string())?;
         let p = pages.first().ok_or("no page")?;
         let k = format!("agent-key-{id}");
-        s.publish(vec![PublishEntry {
-            key: k.clone(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: PAGE,
-            prev: None,
-        }])
+        s.publish(
+            vec![PublishEntry {
+                key: k.clone(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: PAGE,
+                prev: None,
+            }],
+            s.call_deadline(),
+        )
         .map_err(|e| e.to_string())?;
         let keys = vec![k];
         go.wait();
@@ -203,7 +210,9 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
                 std::thread::sleep(due - now);
             }
             n += 1;
-            let leases = s.acquire(&keys).map_err(|e| e.to_string())?;
+            let leases = s
+                .acquire(&keys, s.call_deadline())
+                .map_err(|e| e.to_string())?;
             let Some(l) = leases.into_iter().flatten().next() else {
                 return Err(format!("{id}: its key was not found"));
             };
@@ -217,14 +226,14 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
                 Ok(AgentReply::Mapped(_)) => out.map_read.push(t.elapsed().as_secs_f64() * 1e6),
                 r => return Err(format!("{id} map_read: {r:?}")),
             }
-            s.release_leases(vec![l.lease_id])
+            s.release_leases(vec![l.lease_id], s.call_deadline())
                 .map_err(|e| e.to_string())?;
         }
         let _ = agent.call::<_, AgentReply>(&AgentRequest::Unmap {
             region_id: g.handle.region_id,
         });
-        let _ = s.return_region(g.handle.region_id, true);
-        let _ = s.close();
+        let _ = s.return_region(g.handle.region_id, true, s.call_deadline());
+        let _ = s.close(s.call_deadline());
         Ok(())
     })();
     if let Err(e) = r {

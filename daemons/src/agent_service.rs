@@ -1,8 +1,9 @@
 //! The remote CXL agent on the event loop: the agent core with its ports wired to a
 //! real RM client, DAX mappings and the transport's target (soft NIC or verbs).
 
-use crate::metrics::{op_of, result_of, Metrics, Refresh};
+use crate::metrics::{Metrics, Refresh};
 use crate::off_loop::Lane;
+use crate::request;
 use maru::agent::{AgentCore, MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use maru::dax::{self, Mapping};
 use maru::net::{ClientOptions, ConnId, Link, LinkError, Service};
@@ -304,17 +305,15 @@ pub fn bringup_lane(nic: &Nic) -> Lane {
         picks: is_connect_peer,
         serve: std::sync::Arc::new(move |conn, client_id, body| {
             let holder = holder_of(conn, client_id);
-            match wire::decode_json::<Envelope<AgentRequest>>(body) {
-                Ok(Envelope {
-                    id,
-                    body: AgentRequest::ConnectPeer { info },
-                }) => wire::reply_frame(id, connect_peer(&nic, conn, &holder, &info)),
-                Ok(env) => wire::reply_frame::<()>(
-                    env.id,
-                    Err(WireError::new(ErrorCode::Internal, "not a connect_peer")),
-                ),
-                Err(e) => wire::reply_frame::<()>(wire::request_id_of(body), Err(e)),
-            }
+            let (req, body) = match request::decode::<AgentRequest>(body, &holder, None) {
+                Ok(r) => r,
+                Err(reply) => return reply,
+            };
+            let result = match body {
+                AgentRequest::ConnectPeer { info } => connect_peer(&nic, conn, &holder, &info),
+                _ => Err(WireError::new(ErrorCode::Internal, "not a connect_peer")),
+            };
+            req.reply(result, &holder, log::Level::Info, None)
         }),
         threads: BRINGUP_THREADS,
     }
@@ -407,54 +406,28 @@ impl Service for AgentService {
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         let client_id = &holder_of(conn, client_id);
-        let started = Instant::now();
-        let env: Envelope<AgentRequest> = match wire::decode_json(body) {
-            Ok(e) => e,
-            Err(e) => {
-                log::info!(
-                    "bad request from {}: {}",
-                    maru::net::clip(client_id),
-                    maru::net::clip(&e.message)
-                );
-                if let Some(m) = &self.metrics {
-                    m.request(
-                        "malformed",
-                        e.code.as_str(),
-                        started.elapsed().as_secs_f64(),
-                    );
-                }
-                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
-            }
+        let metrics = self.metrics.as_deref();
+        let (req, body) = match request::decode::<AgentRequest>(body, client_id, metrics) {
+            Ok(r) => r,
+            Err(reply) => return reply,
         };
-        let result = match env.body {
+        let result = match body {
             AgentRequest::ConnectPeer { info } => connect_peer(&self.nic, conn, client_id, &info),
-            req => self.core.handle(
+            body => self.core.handle(
                 client_id,
-                req,
+                body,
                 now_ms,
                 &mut self.rm,
                 &mut self.mem,
                 &mut self.nic,
             ),
         };
-        if let Err(e) = &result {
-            log::info!(
-                "request {} from {}: {}",
-                env.id,
-                maru::net::clip(client_id),
-                maru::net::clip(&e.to_string())
-            );
-        }
-        if let Some(m) = &self.metrics {
-            m.request(
-                &op_of(body),
-                result_of(&result),
-                started.elapsed().as_secs_f64(),
-            );
+        let frame = req.reply(result, client_id, log::Level::Info, metrics);
+        if self.metrics.is_some() {
             self.refresh.touch();
             self.refresh_gauges(now_ms);
         }
-        wire::reply_frame(env.id, result)
+        frame
     }
 
     fn on_close(&mut self, conn: ConnId, client_id: &str, now_ms: u64) {

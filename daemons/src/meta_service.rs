@@ -1,23 +1,22 @@
-//! maru-server on the event loop: the metadata core with its ports wired to the RM
-//! (as the owner of every region it hands out) and to the pool's agents (for the
-//! region keeper only; the data path never passes through here).
+//! maru-server on the event loop: each request through the metadata core, its reply
+//! sent once what it changed is durable, the core's ports wired to the RM
+//! ([`MetaRm`], the owner of every region it hands out) and to the pool's agents
+//! ([`MetaAgents`], for the region keeper only; the data path never passes here).
 
-use crate::meta_store::{SecretOp, SecretRecord, StoreWriter};
-use crate::metrics::{op_of, result_of, Metrics, Refresh};
+use crate::meta_agents::MetaAgents;
+use crate::meta_rm::MetaRm;
+use crate::meta_store::{SecretOp, StoreWriter};
+use crate::metrics::{Metrics, Refresh};
+use crate::request::{self, Received};
+use crate::session_binding::{Bound, SessionBinding};
 use crate::tenants_file::TenantsFile;
-use maru::meta::records::Sealed;
-use maru::meta::{
-    Action, AgentPort, Caller, MetaCore, PoolSizes, PortError, ReplyTiming, RmPort, Ticket,
-    DEFAULT_TENANT,
-};
-use maru::net::{ClientOptions, ConnId, Link, LinkError, Replier, Service};
-use maru::wire::agent::{AgentReply, AgentRequest};
+use maru::meta::{Action, Caller, MetaCore, ReplyTiming, Ticket, DEFAULT_TENANT};
+use maru::net::{ConnId, Replier, Service};
 use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
-use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
-use maru::wire::{self, Envelope, WireError};
+use maru::wire::{self, WireError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// maru-server's gauges (`maru_server_<name>`).
@@ -95,635 +94,11 @@ pub const SERVER_TOTALS: &[(&str, &str)] = &[
     ),
 ];
 
-fn port_error(e: LinkError) -> PortError {
-    match e {
-        LinkError::Remote(w) => PortError::from(w),
-        LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
-            PortError::Unreachable(m)
-        }
-    }
-}
-
-fn unexpected<T: std::fmt::Debug>(r: T) -> PortError {
-    PortError::Failed(format!("unexpected reply {r:?}"))
-}
-
-/// A call to the RM made off the event loop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum RmKey {
-    /// This server's regions, asked after this many allocations had started.
-    Owned(u64),
-    Free(u64),
-    Pools,
-}
-
-/// The RM as maru-server uses it. Every call runs on a thread of its own: the core's
-/// allocations ([`Action::Alloc`]) on `rm-alloc`, whose answers wake the loop and go to
-/// the core as events ([`MetaCore::alloc_done`]); the periodic and keeper calls (which
-/// regions the RM holds for this server, frees, the pools' sizes) on `rm-link`, each
-/// waiting on the loop at most [`AGENT_WAIT`]. So a stopped RM never stalls the loop,
-/// and sessions that do not need it stay fast.
-pub struct MetaRm {
-    /// The start-up check's connection.
-    link: Link,
-    /// This server's client id at the RM (the owner of its regions).
-    client_id: String,
-    opts: ClientOptions,
-    bg: OffLoop<RmKey, RmRequest, Result<RmReply, PortError>>,
-    allocator: Option<Allocator>,
-    /// Allocations started: an answer about the server's regions asked before the
-    /// latest one may miss its region, so it is not used.
-    allocs: u64,
-    sizes: Option<PoolSizes>,
-    wait: Duration,
-    addr: String,
-}
-
-/// Allocations at the RM, one at a time, on the thread `rm-alloc`.
-struct Allocator {
-    jobs: mpsc::Sender<(u64, u64)>,
-    done: mpsc::Receiver<(u64, Result<AllocReply, PortError>)>,
-    /// An answer is waiting in `done` (set before the loop is woken).
-    ready: Arc<AtomicBool>,
-}
-
-impl Allocator {
-    fn start(mut link: Link, waker: Replier) -> Allocator {
-        let (jobs, rx) = mpsc::channel::<(u64, u64)>();
-        let (tx, done) = mpsc::channel();
-        let ready = Arc::new(AtomicBool::new(false));
-        let flag = ready.clone();
-        let spawned = std::thread::Builder::new()
-            .name("rm-alloc".into())
-            .spawn(move || {
-                while let Ok((alloc, size)) = rx.recv() {
-                    let req = RmRequest::Alloc {
-                        size,
-                        pool: None,
-                        request_id: 0,
-                    };
-                    let answer = match link.call::<_, RmReply>(&req).map_err(port_error) {
-                        Ok(RmReply::Alloc(a)) => Ok(a),
-                        Ok(r) => Err(unexpected(r)),
-                        Err(e) => Err(e),
-                    };
-                    if tx.send((alloc, answer)).is_err() {
-                        return;
-                    }
-                    flag.store(true, Ordering::SeqCst);
-                    waker.wake();
-                }
-            });
-        if let Err(e) = spawned {
-            log::error!("cannot start thread rm-alloc: {e}");
-        }
-        Allocator { jobs, done, ready }
-    }
-}
-
-impl MetaRm {
-    pub fn new(addr: &str, client_id: String, key: Option<maru::auth::SharedKey>) -> MetaRm {
-        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id.clone());
-        opts.key = key;
-        opts.connect_timeout = Duration::from_secs(2);
-        opts.call_timeout = Duration::from_secs(5);
-        let mut bg_link = Link::new(addr, opts.clone());
-        let bg = OffLoop::start("rm-link".into(), move |req: RmRequest| {
-            bg_link.call::<_, RmReply>(&req).map_err(port_error)
-        });
-        MetaRm {
-            link: Link::new(addr, opts.clone()),
-            client_id,
-            opts,
-            bg,
-            allocator: None,
-            allocs: 0,
-            sizes: None,
-            wait: AGENT_WAIT,
-            addr: addr.to_string(),
-        }
-    }
-
-    /// Starts the allocation thread; its answers wake the loop through `waker`.
-    fn start_allocator(&mut self, waker: Replier) {
-        let link = Link::new(self.addr.clone(), self.opts.clone());
-        self.allocator = Some(Allocator::start(link, waker));
-    }
-
-    /// Sends the core's allocation to the RM (answered through [`take_allocs`]).
-    fn start_alloc(&mut self, alloc: u64, size: u64) -> Result<(), PortError> {
-        // Counted before the answer: an answer about the server's regions asked
-        // before this point may miss the region this call hands out.
-        self.allocs += 1;
-        let sent = self
-            .allocator
-            .as_ref()
-            .is_some_and(|a| a.jobs.send((alloc, size)).is_ok());
-        if sent {
-            Ok(())
-        } else {
-            Err(PortError::Unreachable(format!(
-                "the allocation thread for the RM at {} is gone",
-                self.addr
-            )))
-        }
-    }
-
-    /// Whether an allocation's answer waits to be taken.
-    fn alloc_answered(&self) -> bool {
-        self.allocator
-            .as_ref()
-            .is_some_and(|a| a.ready.load(Ordering::SeqCst))
-    }
-
-    /// The answers of allocations that came back.
-    fn take_allocs(&mut self) -> Vec<(u64, Result<AllocReply, PortError>)> {
-        let Some(a) = &self.allocator else {
-            return Vec::new();
-        };
-        a.ready.store(false, Ordering::SeqCst);
-        a.done.try_iter().collect()
-    }
-
-    /// Lets the off-loop calls wait up to `wait` (at shutdown).
-    pub fn set_wait(&mut self, wait: Duration) {
-        self.wait = wait;
-    }
-
-    fn bg_call(&mut self, key: RmKey, req: RmRequest) -> Result<RmReply, PortError> {
-        let peer = format!("the RM at {}", self.addr);
-        self.bg
-            .call(&peer, key, req, self.wait)
-            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
-    }
-
-    /// The regions the RM holds for this server, with their handles' tokens, asked
-    /// on the start-up connection (a restart, before serving).
-    pub fn owned_region_infos(&mut self) -> Result<Vec<maru::wire::rm::RegionInfo>, String> {
-        let req = RmRequest::Regions {
-            owner: Some(self.client_id.clone()),
-        };
-        match self.link.call::<_, RmReply>(&req) {
-            Ok(RmReply::Regions { regions }) => Ok(regions),
-            Ok(r) => Err(format!("unexpected reply {r:?}")),
-            Err(e) => Err(e.to_string()),
-        }
-    }
-
-    /// Connects now (maru-server refuses to start without its RM).
-    pub fn check(&mut self) -> Result<(), String> {
-        self.link.client().map(|_| ()).map_err(|e| e.to_string())
-    }
-
-    /// Keeps one connection to the RM open, from a thread of its own, with a cheap
-    /// call every `every` (or a third of the idle timeout the RM announces): the RM closes connections idle past its idle timeout, and
-    /// an owner with no connection left loses its regions after the RM's grace period.
-    /// A quiet server (no new region for minutes) must not look gone.
-    pub fn keep_alive(
-        addr: &str,
-        client_id: String,
-        key: Option<maru::auth::SharedKey>,
-        every: Duration,
-    ) {
-        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
-        opts.key = key;
-        opts.connect_timeout = Duration::from_secs(2);
-        opts.call_timeout = Duration::from_secs(5);
-        let mut link = Link::new(addr, opts);
-        let spawned = std::thread::Builder::new()
-            .name("rm-keepalive".into())
-            .spawn(move || loop {
-                if let Err(e) = link.call::<_, RmReply>(&RmRequest::Pools) {
-                    log::debug!("RM keep-alive: {e}");
-                }
-                // Well within the idle timeout the RM announces, if it is shorter.
-                let idle = link
-                    .client()
-                    .ok()
-                    .and_then(|c| c.welcome().info.get("idle_timeout_ms")?.as_u64())
-                    .filter(|ms| *ms > 0)
-                    .map_or(every, |ms| every.min(Duration::from_millis(ms / 3)));
-                std::thread::sleep(idle);
-            });
-        if let Err(e) = spawned {
-            log::warn!("cannot start the RM keep-alive thread: {e}");
-        }
-    }
-}
-
-/// How often maru-server's keep-alive connection calls the RM.
-pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
-
-impl RmPort for MetaRm {
-    fn free(&mut self, h: &Handle) -> Result<(), PortError> {
-        let req = RmRequest::Free {
-            handle: h.clone(),
-            request_id: 0,
-        };
-        match self.bg_call(RmKey::Free(h.region_id), req)? {
-            RmReply::Free(_) => Ok(()),
-            r => Err(unexpected(r)),
-        }
-    }
-
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        let req = RmRequest::Regions {
-            owner: Some(self.client_id.clone()),
-        };
-        match self.bg_call(RmKey::Owned(self.allocs), req)? {
-            RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
-            r => Err(unexpected(r)),
-        }
-    }
-
-    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
-        match self.bg_call(RmKey::Pools, RmRequest::Pools) {
-            Ok(RmReply::Pools { pools }) => {
-                let v = PoolSizes {
-                    largest: pools.iter().map(|p| p.total).max().unwrap_or(0),
-                    total: pools.iter().map(|p| p.total).sum(),
-                };
-                self.sizes = Some(v);
-                Ok(v)
-            }
-            Ok(r) => Err(unexpected(r)),
-            // The last answer stands while the RM is slow (pools seldom change).
-            Err(e) => self.sizes.ok_or(e),
-        }
-    }
-}
-
-/// How long a call to an agent may hold the event loop. A healthy agent answers well
-/// within it; past it the call goes on in the background, the keeper sees the agent
-/// as unreachable for now (it retries), and later calls take the answer.
-pub const AGENT_WAIT: Duration = Duration::from_millis(20);
-
-/// A call the keeper makes: map or release of a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum CallKey {
-    Map(u64),
-    Release(u64),
-}
-
-type Answer = Result<String, PortError>;
-
-/// Calls to one peer, made from a thread of their own, so that a peer that stopped
-/// answering (SIGSTOP, a dead host) never stalls maru-server's event loop: at most one
-/// call is in flight per peer, and while it is, further calls to that peer fail at
-/// once (unreachable) instead of queueing behind it. A call waits on the loop only up
-/// to its `wait`; an answer that comes later is kept for the next same call.
-struct OffLoop<K, Q, A> {
-    jobs: mpsc::Sender<(K, Q)>,
-    done: mpsc::Receiver<(K, A)>,
-    in_flight: Option<K>,
-    ready: HashMap<K, (std::time::Instant, A)>,
-}
-
-/// An answer older than this is not handed to a later call (the call is made again).
-const READY_FOR: Duration = Duration::from_secs(10);
-
-/// Answers kept for later calls at most (a keeper retries what it needs).
-const READY_MAX: usize = 4096;
-
-impl<K, Q, A> OffLoop<K, Q, A>
-where
-    K: Copy + Eq + std::hash::Hash + std::fmt::Debug + Send + 'static,
-    Q: Send + 'static,
-    A: Send + 'static,
-{
-    /// Starts the thread `name`, which answers each job with `call`.
-    fn start(name: String, mut call: impl FnMut(Q) -> A + Send + 'static) -> OffLoop<K, Q, A> {
-        let (jobs, rx) = mpsc::channel::<(K, Q)>();
-        let (tx, done) = mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                while let Ok((key, q)) = rx.recv() {
-                    if tx.send((key, call(q))).is_err() {
-                        return;
-                    }
-                }
-            });
-        if let Err(e) = spawned {
-            log::error!("cannot start thread {name}: {e}");
-        }
-        OffLoop {
-            jobs,
-            done,
-            in_flight: None,
-            ready: HashMap::new(),
-        }
-    }
-
-    fn take_done(&mut self) {
-        while let Ok((k, a)) = self.done.try_recv() {
-            if self.in_flight == Some(k) {
-                self.in_flight = None;
-            }
-            if self.ready.len() >= READY_MAX {
-                self.ready.clear();
-            }
-            self.ready.insert(k, (std::time::Instant::now(), a));
-        }
-    }
-
-    /// The answer to `q`, or why there is none now (to be treated as unreachable).
-    fn call(&mut self, peer: &str, key: K, q: Q, wait: Duration) -> Result<A, String> {
-        self.take_done();
-        if let Some((at, a)) = self.ready.remove(&key) {
-            if at.elapsed() < READY_FOR {
-                return Ok(a);
-            }
-        }
-        if let Some(busy) = self.in_flight {
-            return Err(format!(
-                "{peer} has not answered an earlier call ({busy:?}) yet"
-            ));
-        }
-        if self.jobs.send((key, q)).is_err() {
-            return Err(format!("the link thread of {peer} is gone"));
-        }
-        self.in_flight = Some(key);
-        if let Ok((k, a)) = self.done.recv_timeout(wait) {
-            self.in_flight = None;
-            if k == key {
-                return Ok(a);
-            }
-            self.ready.insert(k, (std::time::Instant::now(), a));
-        }
-        Err(format!(
-            "{peer} did not answer within {} ms; the call goes on in the background",
-            wait.as_millis()
-        ))
-    }
-}
-
-/// One agent's calls ([`OffLoop`]).
-struct AgentWorker(OffLoop<CallKey, AgentRequest, Answer>);
-
-impl AgentWorker {
-    fn start(agent: &str, opts: ClientOptions) -> AgentWorker {
-        let mut link = Link::new(agent, opts).with_check(maru::worker::agents::require_boot_id);
-        let name = format!("agent-link-{}", maru::net::clip(agent));
-        AgentWorker(OffLoop::start(name, move |req: AgentRequest| {
-            match link.call::<_, AgentReply>(&req).map_err(port_error) {
-                Ok(AgentReply::Mapped(m)) => Ok(m.boot_id),
-                Ok(AgentReply::Released { .. }) => Ok(String::new()),
-                Ok(r) => Err(unexpected(r)),
-                Err(e) => Err(e),
-            }
-        }))
-    }
-
-    fn call(&mut self, agent: &str, key: CallKey, req: AgentRequest, wait: Duration) -> Answer {
-        self.0
-            .call(&format!("agent {agent}"), key, req, wait)
-            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
-    }
-}
-
-/// The pool's agents, each on a link thread of its own ([`AgentWorker`]).
-pub struct MetaAgents {
-    workers: HashMap<String, AgentWorker>,
-    opts: ClientOptions,
-    /// How long a call may wait on the loop ([`AGENT_WAIT`]; longer at shutdown,
-    /// when the loop serves nobody else).
-    wait: Duration,
-}
-
-impl MetaAgents {
-    pub fn new(client_id: String, key: Option<maru::auth::SharedKey>) -> MetaAgents {
-        let mut opts = ClientOptions::new(maru::wire::agent::SERVICE, client_id);
-        opts.key = key;
-        opts.connect_timeout = Duration::from_secs(2);
-        opts.call_timeout = Duration::from_secs(5);
-        MetaAgents {
-            workers: HashMap::new(),
-            opts,
-            wait: AGENT_WAIT,
-        }
-    }
-
-    /// Lets calls wait for their answer up to `wait` (at shutdown: the call timeout).
-    pub fn set_wait(&mut self, wait: Duration) {
-        self.wait = wait;
-    }
-
-    /// The options of the links to the agents (client id, key, timeouts).
-    pub fn options(&self) -> ClientOptions {
-        self.opts.clone()
-    }
-
-    fn worker(&mut self, agent: &str) -> &mut AgentWorker {
-        let opts = self.opts.clone();
-        self.workers
-            .entry(agent.to_string())
-            .or_insert_with(|| AgentWorker::start(agent, opts))
-    }
-}
-
-impl AgentPort for MetaAgents {
-    fn map(&mut self, agent: &str, h: &Handle) -> Result<String, PortError> {
-        let req = AgentRequest::Map {
-            handle: h.clone(),
-            writable: false,
-        };
-        let wait = self.wait;
-        match self
-            .worker(agent)
-            .call(agent, CallKey::Map(h.region_id), req, wait)
-        {
-            Ok(boot) if boot.is_empty() => Err(PortError::Unreachable(format!(
-                "agent {agent} reported no boot id"
-            ))),
-            other => other,
-        }
-    }
-
-    fn release(&mut self, agent: &str, h: &Handle) -> Result<(), PortError> {
-        let req = AgentRequest::Release { handle: h.clone() };
-        let wait = self.wait;
-        self.worker(agent)
-            .call(agent, CallKey::Release(h.region_id), req, wait)
-            .map(|_| ())
-    }
-}
-
-/// Who each connection acts as. A session belongs to the connection that opened it
-/// (its *owner*), never to the client id a peer declares: a new connection acts on an
-/// existing session only when its hello presents that session's secret and it proved
-/// the key of the same tenant. The tenant is the keyring's name of the key the
-/// connection proved (the `default` tenant without a key).
-///
-/// Secrets are kept by a keyed hash only (so the durable directory never holds one
-/// that would open a session), and an owner's name carries the server's run number,
-/// so a connection of a later run never takes the name of an owner recorded by an
-/// earlier one.
-#[derive(Default)]
-pub struct SessionBinding {
-    /// The owner and tenant of each open connection.
-    conns: HashMap<ConnId, Bound>,
-    /// Hash of a session secret → the owner and tenant whose sessions it opens.
-    secrets: HashMap<String, Bound>,
-    next_prune_ms: u64,
-    /// Starts of this server on its state directory (0 without one).
-    run: u64,
-}
-
-/// Whom a connection acts as.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Bound {
-    pub owner: String,
-    pub tenant: String,
-}
-
-/// How often secrets of owners without a live session are forgotten.
-const PRUNE_MS: u64 = 5_000;
-
-/// The keyed hash a session secret is kept under.
-pub fn secret_hash(secret: &str) -> String {
-    maru::auth::to_hex(&maru::auth::hmac_parts(
-        b"maru-server session secret",
-        &[secret.as_bytes()],
-    ))
-}
-
-impl SessionBinding {
-    /// A binding for run `run` of the server, knowing the secrets an earlier run
-    /// handed out (by hash).
-    pub fn restored(run: u64, secrets: Vec<(String, SecretRecord)>) -> SessionBinding {
-        SessionBinding {
-            run,
-            secrets: secrets
-                .into_iter()
-                .map(|(h, r)| {
-                    (
-                        h,
-                        Bound {
-                            owner: r.owner,
-                            tenant: r.tenant,
-                        },
-                    )
-                })
-                .collect(),
-            ..Default::default()
-        }
-    }
-
-    fn own(&self, client_id: &str, conn: ConnId) -> String {
-        if self.run == 0 {
-            format!("{client_id}#{conn}")
-        } else {
-            format!("{client_id}#{}.{conn}", self.run)
-        }
-    }
-
-    /// Binds a new connection: to the owner of the session secret it presents when
-    /// it proved that owner's tenant, or else to an owner of its own.
-    pub fn open(&mut self, conn: ConnId, client_id: &str, tenant: &str, resume: Option<&str>) {
-        let known = resume.and_then(|r| self.secrets.get(&secret_hash(r)).cloned());
-        let bound = match known {
-            Some(b) if b.tenant == tenant => b,
-            Some(b) => {
-                log::warn!(
-                    "connection {conn} of {} (tenant {tenant}) presented the session secret of \
-                     tenant {}: refused, it acts as itself",
-                    maru::net::clip(client_id),
-                    b.tenant
-                );
-                Bound {
-                    owner: self.own(client_id, conn),
-                    tenant: tenant.to_string(),
-                }
-            }
-            None => {
-                if resume.is_some() {
-                    log::info!(
-                        "connection {conn} of {} presented an unknown session secret",
-                        maru::net::clip(client_id)
-                    );
-                }
-                Bound {
-                    owner: self.own(client_id, conn),
-                    tenant: tenant.to_string(),
-                }
-            }
-        };
-        self.conns.insert(conn, bound);
-    }
-
-    pub fn bound(&self, conn: ConnId) -> Option<&Bound> {
-        self.conns.get(&conn)
-    }
-
-    /// A new secret for a session `conn` opened, and what to keep of it.
-    pub fn new_secret(&mut self, conn: ConnId) -> Option<(String, SecretOp)> {
-        let bound = self.conns.get(&conn)?.clone();
-        let secret = maru::auth::to_hex(&maru::auth::random_bytes(16).ok()?);
-        let hash = secret_hash(&secret);
-        self.secrets.insert(hash.clone(), bound.clone());
-        let keep = SecretOp::Put(
-            hash,
-            SecretRecord {
-                owner: bound.owner,
-                tenant: bound.tenant,
-                check: 0,
-            }
-            .sealed(),
-        );
-        Some((secret, keep))
-    }
-
-    /// A connection closed; returns its owner when no other open connection acts
-    /// as it.
-    pub fn close(&mut self, conn: ConnId) -> Option<String> {
-        let b = self.conns.remove(&conn)?;
-        (!self.conns.values().any(|q| q.owner == b.owner)).then_some(b.owner)
-    }
-
-    /// Forgets every secret of `tenant` (its key was removed or changed): no later
-    /// connection resumes what the old key opened. Returns what to remove from the
-    /// kept ones.
-    pub fn forget_tenant(&mut self, tenant: &str) -> Vec<SecretOp> {
-        let gone: Vec<String> = self
-            .secrets
-            .iter()
-            .filter(|(_, b)| b.tenant == tenant)
-            .map(|(h, _)| h.clone())
-            .collect();
-        for h in &gone {
-            self.secrets.remove(h);
-        }
-        gone.into_iter().map(SecretOp::Delete).collect()
-    }
-
-    /// Forgets secrets whose owner has no live session (at most every few seconds);
-    /// returns what to remove from the kept ones.
-    pub fn prune(&mut self, now_ms: u64, live: impl Fn(&str) -> bool) -> Vec<SecretOp> {
-        if now_ms < self.next_prune_ms {
-            return Vec::new();
-        }
-        self.next_prune_ms = now_ms + PRUNE_MS;
-        let gone: Vec<String> = self
-            .secrets
-            .iter()
-            .filter(|(_, b)| !live(&b.owner))
-            .map(|(h, _)| h.clone())
-            .collect();
-        for h in &gone {
-            self.secrets.remove(h);
-        }
-        gone.into_iter().map(SecretOp::Delete).collect()
-    }
-}
-
 /// A request answered later: it waits in the core for a region from the RM.
 struct Pending {
     conn: ConnId,
-    /// The request's id (its reply carries it).
-    id: u64,
-    op: String,
-    started: Instant,
+    /// The request (its reply carries its id).
+    req: Received,
 }
 
 /// What a restart recovered, for `stats`, `/metrics` and `maru-usage`.
@@ -895,9 +270,7 @@ impl MetaService {
     fn reply(
         &mut self,
         conn: ConnId,
-        id: u64,
-        op: &str,
-        started: Instant,
+        req: &Received,
         mut result: Result<MetaReply, WireError>,
         now_ms: u64,
     ) -> Vec<u8> {
@@ -909,15 +282,13 @@ impl MetaService {
                 secret
             });
         }
-        if let Err(e) = &result {
-            log::debug!("request {id} on connection {conn}: {e}");
-        }
-        if let Some(m) = &self.metrics {
-            m.request(op, result_of(&result), started.elapsed().as_secs_f64());
+        let who = format!("connection {conn}");
+        let frame = req.reply(result, &who, log::Level::Debug, self.metrics.as_deref());
+        if self.metrics.is_some() {
             self.refresh.touch();
             self.refresh_gauges(now_ms);
         }
-        wire::reply_frame(id, result)
+        frame
     }
 
     /// Hands everything that changed (and the secrets made) to the store, early
@@ -978,31 +349,17 @@ impl MetaService {
     /// a region (answered by [`deliver`](Self::deliver)) or for the store.
     fn serve(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         self.last_now_ms = now_ms;
-        let started = Instant::now();
-        let env: Envelope<MetaRequest> = match wire::decode_json(body) {
-            Ok(e) => e,
-            Err(e) => {
-                log::info!(
-                    "bad request from {}: {}",
-                    maru::net::clip(client_id),
-                    maru::net::clip(&e.message)
-                );
-                if let Some(m) = &self.metrics {
-                    m.request(
-                        "malformed",
-                        e.code.as_str(),
-                        started.elapsed().as_secs_f64(),
-                    );
-                }
-                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
-            }
-        };
+        let (req, body) =
+            match request::decode::<MetaRequest>(body, client_id, self.metrics.as_deref()) {
+                Ok(r) => r,
+                Err(reply) => return reply,
+            };
         if self.stop.load(Ordering::SeqCst) {
             let e = WireError::new(
                 wire::ErrorCode::Internal,
                 "maru-server is stopping (SIGTERM): retry, it answers again once restarted",
             );
-            return wire::reply_frame::<()>(env.id, Err(e));
+            return wire::reply_frame::<()>(req.id, Err(e));
         }
         // Every connection is bound at its handshake; one that is not gets no tenant
         // (no namespace opens for it), never the default tenant's rights.
@@ -1016,17 +373,16 @@ impl MetaService {
         };
         self.next_ticket += 1;
         let ticket = self.next_ticket;
-        let op = op_of(body);
         // A commit the loop was not woken for may have ended since its last look.
         self.catch_up_durable();
         let mark = self.core.change_mark();
         let answer = self
             .core
-            .handle(&caller, ticket, env.body, now_ms, &mut self.rm);
+            .handle(&caller, ticket, body, now_ms, &mut self.rm);
         self.run_actions(now_ms);
         match answer {
             Some(r) => {
-                let frame = self.reply(conn, env.id, &op, started, r, now_ms);
+                let frame = self.reply(conn, &req, r, now_ms);
                 let secrets = self.durable.as_ref().is_some_and(|d| !d.secrets.is_empty());
                 let timing = self.core.reply_timing();
                 let changed =
@@ -1035,15 +391,7 @@ impl MetaService {
                 self.send_after(conn, frame, changed, early, now_ms)
             }
             None => {
-                self.pending.insert(
-                    ticket,
-                    Pending {
-                        conn,
-                        id: env.id,
-                        op,
-                        started,
-                    },
-                );
+                self.pending.insert(ticket, Pending { conn, req });
                 self.tickets_of.entry(conn).or_default().push(ticket);
                 Vec::new()
             }
@@ -1073,7 +421,7 @@ impl MetaService {
             if let Some(t) = self.tickets_of.get_mut(&p.conn) {
                 t.retain(|x| *x != ticket);
             }
-            let frame = self.reply(p.conn, p.id, &p.op, p.started, result, now_ms);
+            let frame = self.reply(p.conn, &p.req, result, now_ms);
             // A late answer hands out a region or opens a session: durable first.
             let frame = self.send_after(p.conn, frame, true, false, now_ms);
             if !frame.is_empty() {
@@ -1354,114 +702,5 @@ impl Service for MetaService {
         } else {
             self.give_back_before_stop(now_ms);
         }
-    }
-}
-
-/// Watches SIGTERM and SIGINT on a thread of its own: the first sets `stop` and wakes
-/// the loop, which answers what it was asked, flushes the durable directory and exits
-/// (see `MetaService::drain`).
-pub fn watch_signals(pipe: maru::net::SignalPipe, stop: Arc<AtomicBool>, waker: Replier) {
-    let spawned = std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || loop {
-            let mut fds = [libc::pollfd {
-                fd: pipe.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }];
-            // SAFETY: one valid pollfd for the pipe this thread owns.
-            unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
-            if pipe.drain() {
-                stop.store(true, Ordering::SeqCst);
-                waker.wake();
-            }
-        });
-    if let Err(e) = spawned {
-        log::error!("cannot start the signal thread: {e}");
-    }
-}
-
-/// How often maru-server checks its agents (reachable, key proof) after start.
-pub const AGENT_CHECK_EVERY: Duration = Duration::from_secs(30);
-
-/// Checks every agent at once and then every `every`, from a thread of its own: that
-/// it answers and that the agent key proves (a wrong `--remote-cxl-agent-key-file`
-/// would otherwise show only when the region keeper calls it). Logs each agent that
-/// fails, naming why, and each one that comes back; says nothing while nothing changes.
-pub fn watch_agents(agents: Vec<String>, opts: ClientOptions, every: Duration) {
-    if agents.is_empty() {
-        return;
-    }
-    let spawned = std::thread::Builder::new()
-        .name("agent-check".into())
-        .spawn(move || {
-            let mut failing: HashMap<String, bool> = HashMap::new();
-            loop {
-                for a in &agents {
-                    let r = maru::net::Client::connect(a, &opts);
-                    let was = failing.get(a).copied();
-                    match r {
-                        Ok(c) if c.welcome().info.get("boot_id").is_some() => {
-                            if was != Some(false) {
-                                log::info!("agent {a}: reachable, agent key proved");
-                            }
-                            failing.insert(a.clone(), false);
-                        }
-                        Ok(_) => {
-                            if was != Some(true) {
-                                log::error!(
-                                    "agent {a}: answers without a boot id (not a maru-remote-cxl-agent?); \
-                                     its regions cannot be kept"
-                                );
-                            }
-                            failing.insert(a.clone(), true);
-                        }
-                        Err(e) => {
-                            if was != Some(true) {
-                                let why = match &e {
-                                    maru::net::ClientError::Auth { .. } => {
-                                        " (the agent key file, --remote-cxl-agent-key-file, is not this agent's --key-file?)"
-                                    }
-                                    _ => "",
-                                };
-                                log::error!(
-                                    "agent {a}: check failed: {}{why}; checked again every {} s",
-                                    maru::net::clip(&e.to_string()),
-                                    every.as_secs()
-                                );
-                            }
-                            failing.insert(a.clone(), true);
-                        }
-                    }
-                }
-                std::thread::sleep(every);
-            }
-        });
-    if let Err(e) = spawned {
-        log::warn!("cannot start the agent check thread: {e}");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_session_secret_resumes_only_under_the_tenant_that_opened_it() {
-        let mut b = SessionBinding::default();
-        b.open(1, "engine", "victim", None);
-        let (secret, _) = b.new_secret(1).unwrap();
-        let owner = b.bound(1).unwrap().owner.clone();
-        // Another connection of the same tenant with the secret acts as the owner.
-        b.open(2, "engine", "victim", Some(&secret));
-        assert_eq!(b.bound(2).unwrap().owner, owner);
-        // A key holder of another tenant who learned the secret does not.
-        b.open(3, "engine", "attacker", Some(&secret));
-        let thief = b.bound(3).unwrap();
-        assert_ne!(thief.owner, owner);
-        assert_eq!(thief.tenant, "attacker");
-        // Nor does a declared client id by itself.
-        b.open(4, "engine", "victim", None);
-        assert_ne!(b.bound(4).unwrap().owner, owner);
     }
 }

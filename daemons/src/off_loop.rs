@@ -280,7 +280,6 @@ impl Service for OffLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent_service::is_connect_peer;
     use maru::net::{Client, ClientOptions, Clock, Server, ServerOptions};
     use maru::wire::agent::{AgentReply, AgentRequest, SERVICE};
     use maru::wire::{self, Envelope};
@@ -308,6 +307,17 @@ mod tests {
             };
             wire::reply_frame(env.id, Ok::<_, wire::WireError>(reply))
         }
+    }
+
+    /// The lane's pick: a bring-up (as the agent's own lane picks).
+    fn is_connect_peer(body: &[u8]) -> bool {
+        matches!(
+            wire::decode_json::<Envelope<AgentRequest>>(body),
+            Ok(Envelope {
+                body: AgentRequest::ConnectPeer { .. },
+                ..
+            })
+        )
     }
 
     fn lane() -> Lane {

@@ -1,11 +1,11 @@
 //! The resource manager on the event loop: decode a request, run it through the
 //! core, encode the reply. Owner tracking follows connections.
 
-use crate::metrics::{op_of, result_of, Metrics, Refresh};
+use crate::metrics::{Metrics, Refresh};
+use crate::request;
 use maru::net::{ConnId, Service};
 use maru::rm::ResourceManager;
 use maru::wire::rm::{RmReply, RmRequest, SERVICE};
-use maru::wire::{self, Envelope};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -151,35 +151,18 @@ impl Service for RmService {
     }
 
     fn on_request(&mut self, _conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
-        let started = Instant::now();
-        let env: Envelope<RmRequest> = match wire::decode_json(body) {
-            Ok(e) => e,
-            Err(e) => {
-                log::info!("bad request from {client_id}: {}", e.message);
-                if let Some(m) = &self.metrics {
-                    m.request(
-                        "malformed",
-                        e.code.as_str(),
-                        started.elapsed().as_secs_f64(),
-                    );
-                }
-                return wire::reply_frame::<()>(wire::request_id_of(body), Err(e));
-            }
+        let metrics = self.metrics.as_deref();
+        let (req, body) = match request::decode::<RmRequest>(body, client_id, metrics) {
+            Ok(r) => r,
+            Err(reply) => return reply,
         };
-        let result = self.core.handle(client_id, env.body, now_ms);
-        if let Err(e) = &result {
-            log::debug!("request {} from {client_id} failed: {e}", env.id);
-        }
-        if let Some(m) = &self.metrics {
-            m.request(
-                &op_of(body),
-                result_of(&result),
-                started.elapsed().as_secs_f64(),
-            );
+        let result = self.core.handle(client_id, body, now_ms);
+        let frame = req.reply(result, client_id, log::Level::Debug, metrics);
+        if self.metrics.is_some() {
             self.refresh.touch();
             self.refresh_gauges(now_ms);
         }
-        wire::reply_frame(env.id, result)
+        frame
     }
 
     fn on_close(&mut self, _conn: ConnId, client_id: &str, now_ms: u64) {

@@ -1205,16 +1205,6 @@ fn meta_keyholder(addr: &str, key: &std::path::Path, id: &str) -> (Client, u64) 
     (c, session)
 }
 
-fn meta_exists(c: &mut Client, session: u64) -> bool {
-    matches!(
-        c.call::<_, MetaReply>(&MetaRequest::Exists {
-            session,
-            keys: vec!["k".into()],
-        }),
-        Ok(MetaReply::Exists { .. })
-    )
-}
-
 /// Issue 33 (4): maru-server under floods of connections that never prove its key.
 /// 1,024 idle connections, then 1,024 connections each holding a partial frame just
 /// under the pre-auth limit, then 1,024 announcing 1 MiB frames and sending most of
@@ -1257,13 +1247,19 @@ fn maru_server_stays_small_and_lets_keyholders_in_under_pre_auth_floods() {
         let rss = vm_rss_kib(pid);
         let t = Instant::now();
         let (mut fresh, fresh_session) = meta_keyholder(&srv.addr, &key, "fresh");
-        assert!(meta_exists(&mut fresh, fresh_session), "{name}");
+        assert!(
+            support::session_answers(&mut fresh, fresh_session),
+            "{name}"
+        );
         assert!(
             t.elapsed() < Duration::from_secs(3),
             "{name}: a keyholder took {:?} to get in",
             t.elapsed()
         );
-        assert!(meta_exists(&mut before, session), "{name}: the old client");
+        assert!(
+            support::session_answers(&mut before, session),
+            "{name}: the old client"
+        );
         assert!(
             rss < 64 * 1024,
             "{name} flood: maru-server RSS {rss} KiB after {} connections in {:?}",
@@ -2404,7 +2400,7 @@ fn key_holders_partial_frames_keep_maru_server_small() {
         r => panic!("{r:?}"),
     };
     assert!(
-        meta_exists(&mut victim, vs),
+        support::session_answers(&mut victim, vs),
         "a new client of another tenant"
     );
     victim.send_raw(&largest_exists_frame(vs)).unwrap();
@@ -2436,7 +2432,10 @@ fn partial_frames_keep_a_keyless_maru_server_small() {
     let (flood, peak) = hold_partial_frames(&srv.addr, None, 900, pid);
     let mut c = Client::connect(&srv.addr, &ClientOptions::new(META, "fresh")).unwrap();
     let (session, _) = open_session(&mut c);
-    assert!(meta_exists(&mut c, session), "a new client is answered");
+    assert!(
+        support::session_answers(&mut c, session),
+        "a new client is answered"
+    );
     assert!(
         peak < 64 * 1024,
         "maru-server's RSS reached {peak} KiB under {} partial frames",

@@ -4,14 +4,20 @@
 //!
 //! After the first call that ran into its deadline on the stalled agent, the worker
 //! knows the agent is away: every later store skips (its chunks counted under
-//! `pool_unavailable`) and every later load misses, each within 5 ms, until the agent
+//! `pool_unavailable`) and every later load misses, each within 50 ms of its own time
+//! (the median within 5 ms)
+//! (wall time less the time its thread and maru-server's waited for a CPU: see
+//! `Timer`), until the agent
 //! is resumed; after SIGCONT a store succeeds within 1 s (a background probe sees the
 //! agent answer within 250 ms); the session never expires (maru-server answers all
 //! along); and every chunk loaded afterwards, stored before or after the stall, has
 //! its bytes.
 //!
-//! Seen failing with `RemoteState::agent_away` answering false (every call of the
-//! stall took 2 s: 4 calls in 7 s).
+//! With `AgentLives::is_away` answering false this test no longer fails: the agent's
+//! connection left by the first timeout is held by transfer isolation and nothing is
+//! posted to it, so no call waits 2 s again (calls take up to ~10 ms then). The away
+//! rule itself is held by the core's tests (`worker::lifecycle` and
+//! `worker::pool::core_tests`: three fail with it broken).
 
 mod support;
 
@@ -28,13 +34,92 @@ const STALL: Duration = Duration::from_secs(7);
 const STEP: Duration = Duration::from_millis(250);
 /// Chunks a step stores and loads.
 const BATCH: usize = 8;
-/// What a store or load takes once the agent is known away: one or two round trips
-/// to maru-server (`exists`; `acquire` and `release`), nothing on the agent.
+/// The median a store or load may take once the peer is known away (issue 48 asks it of
+/// every call; see [`assert_fast`]):
+/// a store asks nobody (every region's agent is away) or nothing (maru-server away);
+/// a load asks maru-server for leases and gives them back (agent away) or nothing
+/// (maru-server away). Measured as the call's own time: its wall time less the time
+/// the calling thread, and maru-server's threads, waited on a run queue meanwhile
+/// (`Timer`), so that a loaded test machine (2 cores shared by several builds) does
+/// not count, and any wait on a stalled peer, a lock or a sleep does.
 const FAST: Duration = Duration::from_millis(5);
-/// The most any of them may take: far below a wait on the agent (a probe's timeout is
-/// 1 s, a request's 2 s), above what a busy test machine adds to a call now and then
-/// (2 cores shared by several builds: calls of 6-15 ms seen among hundreds of 1 ms).
-const NOT_WAITED: Duration = Duration::from_millis(100);
+
+/// No call after the first that waited may take more than this of its own time: a
+/// fortieth of the timeout, so a call that waited on the stalled peer again fails.
+const SLOW: Duration = Duration::from_millis(TIMEOUT_MS / 40);
+
+/// The calls after the first that waited on `peer`: none over [`SLOW`] (none waited
+/// on the stalled peer again), and the median within [`FAST`]. Every call within
+/// `FAST`, what issue 48 asks, does not hold yet: a store still makes a round trip to
+/// maru-server before it finds every page away, a load two (acquire, release), and
+/// on this 2-core machine 6-15 ms were seen for up to a third of them (debug build,
+/// idle machine); the slowest is printed.
+fn assert_fast(later: &[Call], peer: &str) {
+    let stuck: Vec<&Call> = later.iter().filter(|c| c.took > SLOW).collect();
+    let mut took: Vec<Duration> = later.iter().map(|c| c.took).collect();
+    took.sort();
+    let median = took.get(took.len() / 2).copied().unwrap_or_default();
+    assert!(
+        stuck.is_empty() && median <= FAST,
+        "after the first call that waited on {peer}: {} of {} calls took over {SLOW:?} of their own time, the median {median:?} (at most {FAST:?}): {:#?}",
+        stuck.len(),
+        later.len(),
+        &stuck[..stuck.len().min(8)]
+    );
+}
+
+/// Times one call on this thread: wall time, and the time this thread and the
+/// threads of the processes `peers` (maru-server, which answers the call) were
+/// runnable but not running meanwhile (`schedstat`, its second field, in ns).
+struct Timer<'p> {
+    start: Instant,
+    peers: &'p [u32],
+    queued_ns: u64,
+}
+
+/// The two tests of this file measure calls in milliseconds: they run one at a time,
+/// not side by side on a machine of 2 cores (their daemons would take each other's
+/// CPU while a call waits on them).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn schedstat_queued(path: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Run-queue waits so far of this thread and of every thread of `peers`.
+fn queued_ns(peers: &[u32]) -> u64 {
+    let mut ns = schedstat_queued("/proc/thread-self/schedstat");
+    for pid in peers {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            ns += schedstat_queued(&format!("{}/schedstat", t.path().display()));
+        }
+    }
+    ns
+}
+
+impl<'p> Timer<'p> {
+    fn start(peers: &'p [u32]) -> Timer<'p> {
+        let start = Instant::now();
+        Timer {
+            start,
+            peers,
+            queued_ns: queued_ns(peers),
+        }
+    }
+
+    /// (wall time, own time: wall less the time spent waiting for a CPU).
+    fn stop(self) -> (Duration, Duration) {
+        let queued = Duration::from_nanos(queued_ns(self.peers).saturating_sub(self.queued_ns));
+        let wall = self.start.elapsed();
+        (wall, wall.saturating_sub(queued))
+    }
+}
 
 fn content(key: &str) -> Vec<u8> {
     support::key_bytes(key, CHUNK)
@@ -71,12 +156,15 @@ fn session(h: &Handler) -> Option<(u64, String)> {
 struct Call {
     what: &'static str,
     start: Duration,
+    /// Its own time (see `Timer`).
     took: Duration,
+    wall: Duration,
     got: usize,
 }
 
 #[test]
 fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let args: Vec<String> = [
         "--region-size",
         "8M",
@@ -104,6 +192,7 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     .to_string();
     let _ = env_logger::builder().is_test(true).try_init();
     let h = Handler::open(&cfg).expect("open");
+    let peers = [st.server.child.id()];
     let before = keys("before");
     assert_eq!(
         store(&h, &before),
@@ -127,19 +216,25 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
         let ks = keys(&format!("during-{n}"));
         n += 1;
         let start = t0.elapsed();
+        let timer = Timer::start(&peers);
         let ok = store(&h, &ks);
+        let (wall, took) = timer.stop();
         calls.push(Call {
             what: "store",
             start,
-            took: t0.elapsed() - start,
+            took,
+            wall,
             got: ok.iter().filter(|&&s| s).count(),
         });
         let start = t0.elapsed();
+        let timer = Timer::start(&peers);
         let got = h.load_batch(&before, None).expect("a load answers");
+        let (wall, took) = timer.stop();
         calls.push(Call {
             what: "load",
             start,
-            took: t0.elapsed() - start,
+            took,
+            wall,
             got: got.iter().filter(|g| g.is_some()).count(),
         });
         for (k, g) in before.iter().zip(&got) {
@@ -181,30 +276,21 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     let waited = calls
         .iter()
         .position(|c| c.took >= Duration::from_millis(TIMEOUT_MS / 2));
-    let from = waited.map_or(0, |i| i + 1);
+    // None met it: the worker heard of the stall through a background call (a
+    // heartbeat, a probe) while the stall's first call was on its way; that first
+    // call is the one that may have waited.
+    let from = waited.map_or(1, |i| i + 1);
     let later = &calls[from..];
-    let late: Vec<&Call> = later.iter().filter(|c| c.took > NOT_WAITED).collect();
-    assert!(
-        late.is_empty(),
-        "{} of {} calls after the first that waited on the stopped agent took over {NOT_WAITED:?}: {:#?}",
-        late.len(),
-        later.len(),
-        &late[..late.len().min(8)]
-    );
-    let fast = later.iter().filter(|c| c.took <= FAST).count();
     let mut took: Vec<Duration> = later.iter().map(|c| c.took).collect();
     took.sort();
+    let slowest_wall = later.iter().map(|c| c.wall).max().unwrap_or_default();
     eprintln!(
-        "after the first call that waited: {fast} of {} calls within {FAST:?}, median {:?}, slowest {:?}",
+        "after the first call that waited: {} calls, own time median {:?}, slowest {:?} (wall time slowest {slowest_wall:?})",
         later.len(),
         took.get(took.len() / 2).copied().unwrap_or_default(),
         took.last().copied().unwrap_or_default()
     );
-    assert!(
-        fast * 2 > later.len(),
-        "only {fast} of {} calls after the first that waited took {FAST:?} or less (the median is over it)",
-        later.len()
-    );
+    assert_fast(later, "the stopped agent");
     assert!(
         slowest <= Duration::from_millis(TIMEOUT_MS + 500),
         "the call that waited took {slowest:?} (timeout {TIMEOUT_MS} ms)"
@@ -269,6 +355,7 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
 /// took its 1 s).
 #[test]
 fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     const T_MS: u64 = 1000;
     let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
         .iter()
@@ -287,6 +374,7 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
     .to_string();
     let _ = env_logger::builder().is_test(true).try_init();
     let h = Handler::open(&cfg).expect("open");
+    let peers = [st.server.child.id()];
     let before = keys("server-before");
     assert_eq!(store(&h, &before), vec![true; BATCH]);
     let first_session = session(&h).expect("the pool is up");
@@ -300,27 +388,36 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         let ks = keys(&format!("server-during-{n}"));
         n += 1;
         let start = t0.elapsed();
+        let timer = Timer::start(&peers);
         let ok = store(&h, &ks);
+        let (wall, took) = timer.stop();
         calls.push(Call {
             what: "store",
             start,
-            took: t0.elapsed() - start,
+            took,
+            wall,
             got: ok.iter().filter(|&&s| s).count(),
         });
         let start = t0.elapsed();
+        let timer = Timer::start(&peers);
         let found = h.exists_batch(&before, None).expect("exists answers");
+        let (wall, took) = timer.stop();
         calls.push(Call {
             what: "exists",
             start,
-            took: t0.elapsed() - start,
+            took,
+            wall,
             got: found.iter().filter(|&&f| f).count(),
         });
         let start = t0.elapsed();
+        let timer = Timer::start(&peers);
         let got = h.load_batch(&before, None).expect("a load answers");
+        let (wall, took) = timer.stop();
         calls.push(Call {
             what: "load",
             start,
-            took: t0.elapsed() - start,
+            took,
+            wall,
             got: got.iter().filter(|g| g.is_some()).count(),
         });
         std::thread::sleep(Duration::from_millis(100).saturating_sub(step.elapsed()));
@@ -341,7 +438,9 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
     let waited = calls
         .iter()
         .position(|c| c.took >= Duration::from_millis(T_MS / 2));
-    let later = &calls[waited.map_or(0, |i| i + 1)..];
+    // None met it: the first call of the stall is the one that may have waited (as
+    // in the agent's test).
+    let later = &calls[waited.map_or(1, |i| i + 1)..];
     let mut took: Vec<Duration> = later.iter().map(|c| c.took).collect();
     took.sort();
     eprintln!(
@@ -351,18 +450,7 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         took.get(took.len() / 2).copied().unwrap_or_default(),
         took.last().copied().unwrap_or_default()
     );
-    let late: Vec<&Call> = later.iter().filter(|c| c.took > NOT_WAITED).collect();
-    assert!(
-        late.is_empty(),
-        "{} of {} calls after the first that waited on the stopped maru-server took over {NOT_WAITED:?}: {:#?}",
-        late.len(),
-        later.len(),
-        &late[..late.len().min(8)]
-    );
-    assert!(
-        took.get(took.len() / 2).is_some_and(|&m| m <= FAST),
-        "the median call after the first that waited took over {FAST:?}"
-    );
+    assert_fast(later, "the stopped maru-server");
     assert!(
         later.len() >= 3 * 20,
         "only {} calls after the first that waited",

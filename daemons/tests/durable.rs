@@ -65,6 +65,29 @@ fn stack(tag: &str) -> (Stack, StateDir) {
     (st, dir)
 }
 
+/// maru-server's arguments for a durable directory at `state`, its RM at `rm_addr`
+/// (the key of the RM `support::rm_args` started in `s`).
+fn durable_server_args(s: &support::Scratch, rm_addr: &str, state: &StateDir) -> Vec<String> {
+    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
+    let mut args: Vec<String> = vec![
+        "--rm-address".into(),
+        rm_addr.into(),
+        "--rm-key-file".into(),
+        rm_key,
+    ];
+    args.extend(server_args(&state.0));
+    args
+}
+
+/// A key file for cxl engines' configuration: they reach no agent, but their
+/// configuration names a key file all the same.
+fn cxl_agent_key(s: &support::Scratch) -> std::path::PathBuf {
+    let path = s.dir.join("agent.key");
+    let key = maru::auth::SharedKey::generate().unwrap();
+    maru::auth::keyfile::write_new_key_file(&path, &key).unwrap();
+    path
+}
+
 /// The bytes of a key: a function of the key only.
 fn chunk(key: &str) -> Vec<u8> {
     use sha2::{Digest, Sha256};
@@ -518,13 +541,8 @@ fn keys_of_regions_the_rm_reaped_while_maru_server_was_down_are_dropped_at_recov
         hold,
         Duration::from_secs(300),
     );
-    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
-    let mut args: Vec<String> = vec!["--rm-address".into(), proxy, "--rm-key-file".into(), rm_key];
-    args.extend(server_args(&state.0));
-    // cxl engines reach no agent; their configuration names a key file all the same.
-    let no_agent = s.dir.join("agent.key");
-    let key = maru::auth::SharedKey::generate().unwrap();
-    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let args = durable_server_args(&s, &proxy, &state);
+    let no_agent = cxl_agent_key(&s);
     let mut a = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
     let writer = Handler::open(&config_at(&a.addr, &no_agent, "writer-a", "cxl")).unwrap();
     let keys: Vec<String> = (0..64).map(|i| format!("rp/k{i}")).collect();
@@ -747,13 +765,16 @@ fn publish_at(
     p: maru::wire::meta::PageGrant,
 ) -> bool {
     let is_new = s
-        .publish(vec![maru::wire::meta::PublishEntry {
-            key: key.to_string(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: 4096,
-            prev: None,
-        }])
+        .publish(
+            vec![maru::wire::meta::PublishEntry {
+                key: key.to_string(),
+                region_id: p.region_id,
+                offset: p.offset,
+                length: 4096,
+                prev: None,
+            }],
+            s.call_deadline(),
+        )
         .unwrap();
     is_new == [true]
 }
@@ -777,9 +798,9 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
                  handed: &mut BTreeSet<(u64, u64)>,
                  published: &mut Vec<(String, u64, u64)>| {
         for i in 0..n {
-            let (pages, missing) = s.alloc(1, None).unwrap();
+            let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
             if missing > 0 {
-                s.expand().unwrap();
+                s.expand(s.call_deadline()).unwrap();
                 continue;
             }
             let p = pages[0];
@@ -794,7 +815,7 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     std::thread::sleep(Duration::from_millis(1200));
     store(300, "new", &mut handed, &mut published);
     // One more page, answered from the reserve, that the worker may be writing.
-    let (last, _) = s.alloc(1, None).unwrap();
+    let (last, _) = s.alloc(1, None, s.call_deadline()).unwrap();
     st.restart_server();
     for p in &last {
         assert!(handed.insert((p.region_id, p.offset)));
@@ -803,12 +824,14 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     let names: Vec<String> = published.iter().map(|(k, _, _)| k.clone()).collect();
     let mut leases = Vec::new();
     assert!(
-        wait_until(Duration::from_secs(10), || match s.acquire(&names) {
-            Ok(l) => {
-                leases = l;
-                true
+        wait_until(Duration::from_secs(10), || {
+            match s.acquire(&names, s.call_deadline()) {
+                Ok(l) => {
+                    leases = l;
+                    true
+                }
+                Err(_) => false,
             }
-            Err(_) => false,
         }),
         "the session resumes"
     );
@@ -833,11 +856,11 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
         "keys published a second before the kill are kept"
     );
     let ids: Vec<u64> = leases.iter().flatten().map(|l| l.lease_id).collect();
-    s.release_leases(ids).unwrap();
+    s.release_leases(ids, s.call_deadline()).unwrap();
     // Every page the session can still take: none was handed out before the kill.
     let mut again = 0;
     for _ in 0..4_000 {
-        let (pages, missing) = s.alloc(1, None).unwrap();
+        let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
         if missing > 0 {
             break;
         }
@@ -852,7 +875,7 @@ fn a_kill_right_after_early_replies_loses_at_most_keys_and_hands_no_page_twice()
     }
     eprintln!("{again} pages handed out after the restart, none twice");
     assert!(again > 0);
-    s.close().unwrap();
+    s.close(s.call_deadline()).unwrap();
 }
 
 /// A reply that waits for its commit (a `free_pages`) goes out once the commit is
@@ -871,13 +894,13 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     let s = open("wake-writer");
     let mut took = Vec::new();
     for _ in 0..15 {
-        let (pages, missing) = s.alloc(1, None).unwrap();
+        let (pages, missing) = s.alloc(1, None, s.call_deadline()).unwrap();
         if missing > 0 {
-            s.expand().unwrap();
+            s.expand(s.call_deadline()).unwrap();
             continue;
         }
         let t = Instant::now();
-        s.free_pages(&pages).unwrap();
+        s.free_pages(&pages, s.call_deadline()).unwrap();
         took.push(t.elapsed());
     }
     took.sort();
@@ -888,8 +911,8 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
         "a reply waiting for its commit took {median:?} (median)"
     );
     // A free (its flush restarts the loop's 200 ms timer), then one publish alone.
-    let (pages, _) = s.alloc(2, None).unwrap();
-    s.free_pages(&pages[..1]).unwrap();
+    let (pages, _) = s.alloc(2, None, s.call_deadline()).unwrap();
+    s.free_pages(&pages[..1], s.call_deadline()).unwrap();
     assert!(publish_at(&s, "wake/lone", pages[1]), "wake/lone is new");
     std::thread::sleep(Duration::from_millis(150));
     st.restart_server();
@@ -897,7 +920,7 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
     let mut found = Vec::new();
     assert!(
         wait_until(Duration::from_secs(10), || {
-            match r.exists(&["wake/lone".to_string()]) {
+            match r.exists(&["wake/lone".to_string()], r.call_deadline()) {
                 Ok(f) => {
                     found = f;
                     true
@@ -908,7 +931,7 @@ fn a_waiting_reply_goes_once_its_commit_is_done_and_a_lone_publish_is_kept_soon(
         "the restarted server answers"
     );
     assert_eq!(found, [true], "a publish 150 ms before the kill is kept");
-    let _ = r.close();
+    let _ = r.close(r.call_deadline());
 }
 
 /// Keys an engine stored, each with when its store was acknowledged.
@@ -1182,9 +1205,10 @@ fn try_start(args: &[String], dir: &std::path::Path, port: u16) -> Result<suppor
 /// maru-server is down (after a clean stop, or a kill -9) is never served: each case
 /// flips one random bit of one random record (a key's, a region's, a session's or a
 /// scope's; every copy of it in the file), starts the server again and loads every
-/// key through a fresh engine: each load is a miss or exactly the key's bytes. After
-/// a kill -9 the store's own page checksums may refuse the start instead (an error
-/// naming the file and what to do): never wrong bytes either. Seen failing without the
+/// key through a fresh engine: each load is a miss or exactly the key's bytes, and the
+/// start is never refused. After a kill -9 the store's own page checksums may find
+/// the damage in its repair: the file is then set aside and the server starts with
+/// an empty directory (every key a miss; the file the kill left starts again after). Seen failing without the
 /// records' checks: a flipped offset served another key's bytes.
 fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64) {
     let _ = env_logger::builder().is_test(true).try_init();
@@ -1192,17 +1216,8 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
     let mut s = support::Scratch::new(tag);
     let pool = s.fake_dax("pool");
     let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
-    let rm_key = s.dir.join("rm").join("rm.key").display().to_string();
-    let mut args: Vec<String> = vec![
-        "--rm-address".into(),
-        rm.addr.clone(),
-        "--rm-key-file".into(),
-        rm_key,
-    ];
-    args.extend(server_args(&state.0));
-    let no_agent = s.dir.join("agent.key");
-    let key = maru::auth::SharedKey::generate().unwrap();
-    maru::auth::keyfile::write_new_key_file(&no_agent, &key).unwrap();
+    let args = durable_server_args(&s, &rm.addr, &state);
+    let no_agent = cxl_agent_key(&s);
     let mut server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
     let port = server.port();
     let writer = Handler::open(&config_at(&server.addr, &no_agent, "flip-writer", "cxl")).unwrap();
@@ -1211,7 +1226,7 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
     assert!(store_keys(&writer, &keys, "flip"), "the writer stores");
     writer.close().unwrap();
     let mut rng = Rng(seed);
-    let (mut refused, mut missed, mut served) = (0, 0, 0);
+    let (mut set_aside, mut missed, mut served) = (0, 0, 0);
     for case in 0..cases {
         if kill {
             let _ = server.child.kill();
@@ -1268,16 +1283,40 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
         std::fs::write(&file, &bytes).unwrap();
         server = match try_start(&args, &s.dir, port) {
             Ok(d) => d,
-            Err(log) => {
-                assert!(kill, "refused after a clean stop: {log}");
-                assert!(log.contains("directory.redb"), "{log}");
-                refused += 1;
-                // The store's repair found the damaged page: the file as the kill left
-                // it starts.
-                std::fs::write(&file, &unflipped).unwrap();
-                try_start(&args, &s.dir, port).expect("the unflipped file starts")
-            }
+            Err(log) => panic!("case {case}: start refused: {log}"),
         };
+        // The store's repair found the damaged page: the file was set aside and the
+        // server started with an empty directory (every key a miss). The next case
+        // starts from the file as the kill left it, in the set-aside file's place.
+        let aside: Vec<_> = std::fs::read_dir(&state.0)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().contains("damaged-"))
+            .collect();
+        if !aside.is_empty() {
+            assert!(kill, "set aside after a clean stop");
+            set_aside += 1;
+            for p in aside {
+                std::fs::remove_file(p).unwrap();
+            }
+            let reader =
+                Handler::open(&config_at(&server.addr, &no_agent, "flip-reader", "cxl")).unwrap();
+            let (hits, wrong) = load_each(&reader, &keys, "flip");
+            reader.close().unwrap();
+            assert_eq!((hits, wrong), (0, 0), "case {case}: an empty directory");
+            missed += keys.len();
+            let _ = server.child.kill();
+            let _ = server.child.wait();
+            std::fs::write(&file, &unflipped).unwrap();
+            server = try_start(&args, &s.dir, port).expect("the unflipped file starts");
+            // The empty start gave the regions back: store the keys again for the
+            // cases after this one.
+            let writer =
+                Handler::open(&config_at(&server.addr, &no_agent, "flip-writer", "cxl")).unwrap();
+            let _ = store_keys(&writer, &keys, "flip");
+            writer.close().unwrap();
+            continue;
+        }
         let reader =
             Handler::open(&config_at(&server.addr, &no_agent, "flip-reader", "cxl")).unwrap();
         let (hits, wrong) = load_each(&reader, &keys, "flip");
@@ -1287,7 +1326,8 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
         missed += keys.len() - hits;
     }
     eprintln!(
-        "{cases} cases ({}): {served} exact loads, {missed} misses, {refused} starts refused",
+        "{cases} cases ({}): {served} exact loads, {missed} misses, {set_aside} files set aside \
+         (started empty), 0 starts refused",
         if kill { "kill -9" } else { "clean stop" }
     );
 }
@@ -1298,12 +1338,13 @@ fn a_flipped_bit_after_a_clean_stop_is_a_miss_never_another_keys_bytes() {
 }
 
 #[test]
-fn a_flipped_bit_after_a_kill_is_a_miss_or_a_refused_start_never_another_keys_bytes() {
+fn a_flipped_bit_after_a_kill_is_a_miss_never_a_refused_start_nor_another_keys_bytes() {
     flipped_bits_are_never_served("flip-kill", true, 4, 0x0049_5eed);
 }
 
 /// Issue 49, item 4: the state directory is made 0700 and its files 0600; a directory
-/// group or others may access is refused naming `chmod 700`; a state directory that is
+/// group or others may write is refused naming `chmod 700`, one an older
+/// maru-server left 0755 with 0644 files is made 0700 and 0600 and starts; a state directory that is
 /// a symbolic link, and a symbolic link planted as its store or its lock file, are
 /// refused, and nothing is made where they point. Seen failing before: the links
 /// were followed (files made at their targets) and a 0755 directory was accepted.
@@ -1345,10 +1386,10 @@ fn an_open_state_directory_and_planted_symlinks_are_refused() {
         assert!(code.is_some_and(|c| c != 0), "started: {err}");
         assert!(err.contains(says), "{says}: {err}");
     };
-    // Group or others may read it: refused, naming the fix.
+    // Group or others may write it: refused, naming the fix.
     let open = s.dir.join("open");
     std::fs::create_dir(&open).unwrap();
-    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o775)).unwrap();
     refused(&open, "chmod 700");
     // The state directory is a link.
     let link = s.dir.join("link");
@@ -1367,7 +1408,148 @@ fn an_open_state_directory_and_planted_symlinks_are_refused() {
             "{planted}: a file was made where the link points"
         );
     }
-    // A file of the directory others may read: refused, naming the fix.
-    std::fs::set_permissions(fresh.join("lock"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    // A file of the directory others may write: refused, naming the fix.
+    std::fs::set_permissions(fresh.join("lock"), std::fs::Permissions::from_mode(0o664)).unwrap();
     refused(&fresh, "chmod 600");
+    // What an older maru-server left (0755, 0644): made 0700 and 0600, and it starts.
+    std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for f in ["directory.redb", "lock"] {
+        std::fs::set_permissions(fresh.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let d = support::Daemon::start(support::SERVER_BIN, &args(&fresh), &s.dir);
+    assert_eq!(mode(&fresh), 0o700);
+    for f in ["directory.redb", "lock"] {
+        assert_eq!(mode(&fresh.join(f)), 0o600, "{f}");
+    }
+    assert_eq!(d.terminate(), Some(0));
+}
+
+/// Rewrites every record of the u64-keyed table `name` with `f` of its bytes.
+fn rewrite_u64_table(txn: &redb::WriteTransaction, name: &str, f: impl Fn(&[u8]) -> Vec<u8>) {
+    use redb::{ReadableTable, TableDefinition};
+    let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
+    let mut t = txn.open_table(def).unwrap();
+    let all: Vec<(u64, Vec<u8>)> = t
+        .iter()
+        .unwrap()
+        .map(|r| {
+            let (k, v) = r.unwrap();
+            (k.value(), f(v.value()))
+        })
+        .collect();
+    for (k, v) in all {
+        t.insert(k, v.as_slice()).unwrap();
+    }
+}
+
+/// Rewrites the state directory's file as the release of record format 1 wrote it
+/// (main at 18bee5a): key records of version 1 (no check at their end), JSON
+/// records without `check`, bare scalars in `meta` (no second copies).
+fn downgrade_to_format1(file: &std::path::Path) {
+    use redb::{ReadableTable, TableDefinition};
+    let db = redb::Database::open(file).unwrap();
+    let txn = db.begin_write().unwrap();
+    let unseal = |b: &[u8]| -> Vec<u8> {
+        let mut j: serde_json::Value = serde_json::from_slice(b).unwrap();
+        j.as_object_mut().unwrap().remove("check");
+        serde_json::to_vec(&j).unwrap()
+    };
+    {
+        for name in ["regions", "sessions"] {
+            rewrite_u64_table(&txn, name, unseal);
+        }
+        let def: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(u32, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value(), unseal(v.value()))
+            })
+            .collect();
+        for (k, v) in all {
+            t.insert(k, v.as_slice()).unwrap();
+        }
+        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("secrets");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(String, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value().to_string(), unseal(v.value()))
+            })
+            .collect();
+        for (k, v) in all {
+            t.insert(k.as_str(), v.as_slice()).unwrap();
+        }
+        rewrite_u64_table(&txn, "keys", |v| {
+            assert_eq!(v[0], 2, "a key record of format 2");
+            let mut old = v[..v.len() - 8].to_vec();
+            old[0] = 1;
+            old
+        });
+        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+        let mut t = txn.open_table(def).unwrap();
+        let all: Vec<(String, Vec<u8>)> = t
+            .iter()
+            .unwrap()
+            .map(|r| {
+                let (k, v) = r.unwrap();
+                (k.value().to_string(), v.value().to_vec())
+            })
+            .collect();
+        for (k, v) in all {
+            t.remove(k.as_str()).unwrap();
+            if k.ends_with("#2") {
+                continue;
+            }
+            let j: serde_json::Value = serde_json::from_slice(&v).unwrap();
+            let value = if k == "format" {
+                "1".to_string()
+            } else {
+                j["value"].as_str().unwrap().to_string()
+            };
+            t.insert(k.as_str(), value.as_bytes()).unwrap();
+        }
+    }
+    txn.commit().unwrap();
+}
+
+/// Issue 49: an upgrade keeps the cache. maru-server stores keys and stops; its
+/// directory is rewritten as the release of record format 1 wrote it (see
+/// [`downgrade_to_format1`]); the new maru-server seals it into format 2 at its start
+/// and every key loads exact. Seen failing with the upgrade off: the start was
+/// refused ("written in record format 1").
+#[test]
+fn a_format1_directory_of_the_last_release_keeps_every_key_through_the_upgrade() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let state = state_dir("format1");
+    let mut s = support::Scratch::new("format1");
+    let pool = s.fake_dax("pool");
+    let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
+    let args = durable_server_args(&s, &rm.addr, &state);
+    let no_agent = cxl_agent_key(&s);
+    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
+    let port = server.port();
+    let writer = Handler::open(&config_at(&server.addr, &no_agent, "f1-writer", "cxl")).unwrap();
+    let keys: Vec<String> = (0..300).map(|i| format!("f1/key-{i:04}")).collect();
+    assert!(store_keys(&writer, &keys, "f1"), "the writer stores");
+    writer.close().unwrap();
+    assert_eq!(server.terminate(), Some(0), "a clean stop");
+    downgrade_to_format1(&state.0.join("directory.redb"));
+    let server = match try_start(&args, &s.dir, port) {
+        Ok(d) => d,
+        Err(log) => panic!("the format-1 directory refused: {log}"),
+    };
+    let reader = Handler::open(&config_at(&server.addr, &no_agent, "f1-reader", "cxl")).unwrap();
+    let (hits, wrong) = load_each(&reader, &keys, "f1");
+    reader.close().unwrap();
+    assert_eq!(
+        (hits, wrong),
+        (keys.len(), 0),
+        "every key exact after the upgrade"
+    );
+    assert_eq!(server.terminate(), Some(0));
 }

@@ -142,7 +142,7 @@ fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
     pages[0].write(&bytes(7, 4096)).unwrap();
     // Its region is given back (its agent silent too long) while it is written.
     w.silent.store(true, Ordering::SeqCst);
-    w.pool.tick(0).unwrap();
+    w.pool.tick(0, w.pool.session.call_deadline()).unwrap();
     w.silent.store(false, Ordering::SeqCst);
     let mut pages = pages;
     let r = w
@@ -158,7 +158,7 @@ fn a_page_of_a_region_lost_while_it_was_written_is_never_published() {
         w.pool.exists(&["lost/c0".to_string()]).unwrap(),
         vec![false]
     );
-    w.pool.close().unwrap();
+    w.pool.close(w.pool.session.call_deadline()).unwrap();
 }
 
 #[test]
@@ -237,7 +237,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
         })
         .collect();
     assert!(w.pool.publish_in_place(writes).unwrap().iter().all(|&b| b));
-    w.pool.close().unwrap();
+    w.pool.close(w.pool.session.call_deadline()).unwrap();
 }
 
 #[test]
@@ -302,7 +302,7 @@ fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
     assert_eq!(stored, vec![false], "no room for B yet");
     // Without the rule A gives it back at its first heartbeat: 3 s is ample.
     let asked = support::wait_until(Duration::from_secs(3), || {
-        a.pool.heartbeat().unwrap();
+        a.pool.heartbeat(a.pool.session.call_deadline()).unwrap();
         b.pool
             .store(&[("w/c0", &bytes(1, 100)[..])], Some("w"))
             .unwrap()[0]
@@ -319,7 +319,7 @@ fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
     let (mine, rest): (Vec<_>, Vec<_>) = pages.drain(..).partition(|p| p.page.region_id == first);
     a.pool.give_back_in_place(mine);
     let gone = support::wait_until(Duration::from_secs(10), || {
-        a.pool.heartbeat().unwrap();
+        a.pool.heartbeat(a.pool.session.call_deadline()).unwrap();
         a.pool.stats().regions_given_back == 1
     });
     assert!(
@@ -335,6 +335,6 @@ fn a_region_with_pages_being_written_in_place_is_not_given_back_meanwhile() {
         "B stores into the region A gave back"
     );
     a.pool.give_back_in_place(rest);
-    a.pool.close().unwrap();
-    b.pool.close().unwrap();
+    a.pool.close(a.pool.session.call_deadline()).unwrap();
+    b.pool.close(b.pool.session.call_deadline()).unwrap();
 }

@@ -46,7 +46,7 @@ fn load(h: &Handler, keys: &[String]) -> (Vec<Option<Vec<u8>>>, Duration) {
 /// The reader reaches maru-server through a proxy that holds its `release_leases`
 /// requests back while a flag is set; the leases of a load are held at maru-server
 /// until the release gets through, yet the load returned long before. Seen failing
-/// with the release sent inline again (`release_later` calling `release_leases_by`
+/// with the release sent inline again (`release_later` calling `release_leases`
 /// at once): the load took the proxy's 1.5 s. Then 20 loads in a row leave no lease
 /// held (seen failing with the queued release dropped: the first load's 8 leases
 /// still held after 5 s), and a handler closed with releases queued behind a slow

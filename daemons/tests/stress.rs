@@ -418,9 +418,11 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
                 let id = pages[0].region_id;
                 *l = Some(id);
                 // maru-server no longer counts the region as the session's...
-                pool.session.return_region(id, false).unwrap();
+                pool.session
+                    .return_region(id, false, pool.session.call_deadline())
+                    .unwrap();
                 // ...and the pool hears it (as from the background thread's heartbeat).
-                pool.heartbeat().unwrap();
+                pool.heartbeat(pool.session.call_deadline()).unwrap();
             }
         },
     );
@@ -467,7 +469,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
         );
     }
     reader.close().unwrap();
-    pool.close().unwrap();
+    pool.close(pool.session.call_deadline()).unwrap();
 }
 
 /// What each worker thread is doing now, for the watchdog.

@@ -148,16 +148,6 @@ fn answers(c: &mut Client) -> bool {
     c.call::<_, MetaReply>(&MetaRequest::Handshake {}).is_ok()
 }
 
-fn exists(c: &mut Client, session: u64) -> bool {
-    matches!(
-        c.call::<_, MetaReply>(&MetaRequest::Exists {
-            session,
-            keys: vec!["k".into()],
-        }),
-        Ok(MetaReply::Exists { .. })
-    )
-}
-
 /// Issue 49, item 1: a key holder of tenant beta opens connections until maru-server
 /// is full (`--max-clients 48`) and leaves them idle. Tenants alpha and gamma then
 /// each connect and open a session 6 times, each within 1 s: a newcomer pushes out
@@ -204,7 +194,7 @@ fn a_tenants_idle_flood_leaves_every_other_tenant_able_to_connect_and_open() {
     // None of the other tenants' connections was pushed out for another.
     for (i, (c, session)) in kept.iter_mut().enumerate() {
         assert!(
-            exists(c, *session),
+            support::session_answers(c, *session),
             "connection {i} of alpha/gamma was closed"
         );
     }
@@ -368,15 +358,17 @@ fn a_changed_or_removed_key_ends_its_connections_and_sessions() {
     let mut new = Client::connect(&srv.addr, &new_opts)
         .unwrap_or_else(|e| panic!("the new key: {e} {}", srv.log()));
     assert!(
-        !exists(&mut new, old_session),
+        !support::session_answers(&mut new, old_session),
         "the old key's session ended with it"
     );
     let (new_session, new_secret) = open_in(&mut new, "beta-ns").unwrap();
-    assert!(exists(&mut new, new_session));
+    assert!(support::session_answers(&mut new, new_session));
 
     // Beta removed, then added back with the same key: nothing of before is left.
     std::fs::write(&tenants, tenant_text("alpha", "")).unwrap();
-    let gone = support::wait_until(RELOAD * 3, || !exists(&mut new, new_session));
+    let gone = support::wait_until(RELOAD * 3, || {
+        !support::session_answers(&mut new, new_session)
+    });
     assert!(gone, "a removed tenant's connection is closed");
     std::fs::write(&tenants, &both).unwrap();
     let mut back_opts = opts(&beta_key, "beta-back");
@@ -387,11 +379,14 @@ fn a_changed_or_removed_key_ends_its_connections_and_sessions() {
     assert!(back, "beta is back");
     let mut again = Client::connect(&srv.addr, &back_opts).unwrap();
     assert!(
-        !exists(&mut again, new_session),
+        !support::session_answers(&mut again, new_session),
         "beta added back starts with nothing"
     );
-    assert!(!exists(&mut again, old_session));
-    assert!(exists(&mut alpha, alpha_session), "alpha is never touched");
+    assert!(!support::session_answers(&mut again, old_session));
+    assert!(
+        support::session_answers(&mut alpha, alpha_session),
+        "alpha is never touched"
+    );
     let log = srv.log();
     assert!(log.contains("no longer in force"), "{log}");
 }

@@ -380,7 +380,7 @@ fn pages_of_failed_writes_are_reused_only_when_no_transfer_can_still_land() {
             if unfenced { 10 } else { 5 },
             "unfenced = {unfenced}"
         );
-        pool.close().unwrap();
+        pool.close(pool.session.call_deadline()).unwrap();
     }
 }
 
@@ -429,7 +429,7 @@ fn only_chunks_whose_bytes_are_complete_are_published() {
             assert_eq!(digest(&g), digest(&data[i]));
         }
     }
-    pool.close().unwrap();
+    pool.close(pool.session.call_deadline()).unwrap();
     reader.close().unwrap();
 }
 

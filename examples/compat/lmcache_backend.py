@@ -44,17 +44,9 @@ def chunk_bytes(seed: int, i: int, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def backend(args: argparse.Namespace) -> tuple:
-    if args.plugin:
-        return plugin_backend(args)
-    cfg = LMCacheEngineConfig(
-        chunk_size=args.chunk_tokens,
-        local_cpu=False,
-        max_local_cpu_size=0,
-        maru_path=f"maru://{args.server}",
-        maru_pool_size=0.0625,
-        extra_config={"maru_instance_id": f"{args.ns}-{args.role}", "maru_timeout_ms": 5000},
-    )
+def _metadata_and_loop(args: argparse.Namespace) -> tuple:
+    """The engine's metadata (one worker, bfloat16 KV of the example's shape) and an
+    event loop running on a thread of its own, as LMCache gives a backend."""
     meta = LMCacheMetadata(
         model_name=args.ns,
         world_size=1,
@@ -67,6 +59,21 @@ def backend(args: argparse.Namespace) -> tuple:
     )
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
+    return meta, loop
+
+
+def backend(args: argparse.Namespace) -> tuple:
+    if args.plugin:
+        return plugin_backend(args)
+    cfg = LMCacheEngineConfig(
+        chunk_size=args.chunk_tokens,
+        local_cpu=False,
+        max_local_cpu_size=0,
+        maru_path=f"maru://{args.server}",
+        maru_pool_size=0.0625,
+        extra_config={"maru_instance_id": f"{args.ns}-{args.role}", "maru_timeout_ms": 5000},
+    )
+    meta, loop = _metadata_and_loop(args)
     return MaruBackend(cfg, meta, loop, "cpu"), loop
 
 
@@ -93,18 +100,7 @@ def plugin_backend(args: argparse.Namespace) -> tuple:
         storage_plugins=["maru"],
         extra_config={k: v for k, v in extra.items() if v is not None},
     )
-    meta = LMCacheMetadata(
-        model_name=args.ns,
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.bfloat16,
-        kv_shape=(LAYERS, 2, args.chunk_tokens, KV_HEADS, HEAD),
-        chunk_size=args.chunk_tokens,
-    )
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    meta, loop = _metadata_and_loop(args)
     # What LMCache's storage_backend.__init__ does with a plugin's module_path/class_name.
     cls = getattr(
         importlib.import_module(cfg.extra_config["storage_plugin.maru.module_path"]),

@@ -18,7 +18,7 @@ case "$what" in
         echo "vLLM venv $venv (ready after $(( $(date +%s) - start )) s)"
         rc=0
         MARU_BIN_DIR="$bin" MARU_LIB="$bin/libmaru.so" PYTHONPATH="$here/../../bindings/python" \
-            timeout -k 30 "${MARU_ADAPTERS_TIMEOUT_S:-900}" "$py" -m pytest -q "$here/../../bindings/python/tests/test_engines.py" "$@" || rc=$?
+            timeout -k 30 "${MARU_ADAPTERS_TIMEOUT_S:-1800}" "$py" -m pytest -q "$here/../../bindings/python/tests/test_engines.py" "$@" || rc=$?
         echo "adapters finished in $(( $(date +%s) - start )) s (exit $rc)"
         exit $rc ;;
     e2e)

@@ -8,7 +8,7 @@
 //! that links the `maru` crate (the daemons) keeps its own logger.
 
 use log::{LevelFilter, Log, Metadata, Record};
-use once_cell::sync::OnceCell;
+use std::sync::OnceLock;
 use std::sync::RwLock;
 
 /// Where records go while a callback is set.
@@ -88,7 +88,7 @@ impl Log for Bridge {
     }
 }
 
-static BRIDGE: OnceCell<(&'static Bridge, bool)> = OnceCell::new();
+static BRIDGE: OnceLock<(&'static Bridge, bool)> = OnceLock::new();
 
 /// Installs the bridge as the process's logger (once). Returns it when it is the
 /// logger, `None` when another logger was installed first.

@@ -261,7 +261,7 @@ fn run(args: Args) -> Result<(), String> {
     std::fs::write(&ctx.args.out, out.to_string()).map_err(|e| e.to_string())?;
     for s in slots.iter() {
         if let Some(e) = s.lock().ok().and_then(|mut g| g.take()) {
-            let _ = e.session.close();
+            let _ = e.session.close(e.session.call_deadline());
         }
     }
     Ok(())
@@ -310,7 +310,9 @@ fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
                         mine.retain(|x| !r.unknown_regions.contains(x));
                     }
                     for rid in r.give_back {
-                        let _ = e.session.return_region(rid, true);
+                        let _ = e
+                            .session
+                            .return_region(rid, true, e.session.call_deadline());
                         if let Ok(mut mine) = e.regions.lock() {
                             mine.retain(|x| *x != rid);
                         }
@@ -349,7 +351,7 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
                 let i = next() as usize % slots.len();
                 let old = slots[i].lock().ok().and_then(|mut g| g.take());
                 if let Some(old) = old {
-                    rec.time("close", || old.session.close());
+                    rec.time("close", || old.session.close(old.session.call_deadline()));
                 }
                 if let Some(e) = rec.time("open", || ctx.open(i, gen)) {
                     if let Ok(mut g) = slots[i].lock() {
@@ -377,7 +379,7 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
             keys.push(format!("{:016x}{:016x}", mix(fresh ^ next()), fresh));
         }
         let s = &e.session;
-        let Some(found) = rec.time("exists", || s.exists(&keys)) else {
+        let Some(found) = rec.time("exists", || s.exists(&keys, s.call_deadline())) else {
             continue;
         };
         let hits: Vec<String> = keys
@@ -387,10 +389,10 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
             .map(|(k, _)| k.clone())
             .collect();
         if !hits.is_empty() {
-            if let Some(leases) = rec.time("acquire", || s.acquire(&hits)) {
+            if let Some(leases) = rec.time("acquire", || s.acquire(&hits, s.call_deadline())) {
                 let ids: Vec<u64> = leases.into_iter().flatten().map(|l| l.lease_id).collect();
                 if !ids.is_empty() {
-                    rec.time("release", || s.release_leases(ids));
+                    rec.time("release", || s.release_leases(ids, s.call_deadline()));
                 }
             }
         }
@@ -414,15 +416,16 @@ fn store(e: &Engine, keys: &[String], rec: &mut Record) {
     let want = keys.len() as u32;
     let mut pages = Vec::new();
     for attempt in 0..3 {
-        let Some((got, missing)) = rec.time("alloc", || s.alloc(want - pages.len() as u32, None))
-        else {
+        let Some((got, missing)) = rec.time("alloc", || {
+            s.alloc(want - pages.len() as u32, None, s.call_deadline())
+        }) else {
             return;
         };
         pages.extend(got);
         if missing == 0 || pages.len() as u32 >= want || attempt == 2 {
             break;
         }
-        match rec.time("expand", || s.expand()) {
+        match rec.time("expand", || s.expand(s.call_deadline())) {
             Some(g) => {
                 if let Ok(mut r) = e.regions.lock() {
                     r.push(g.handle.region_id);
@@ -430,14 +433,17 @@ fn store(e: &Engine, keys: &[String], rec: &mut Record) {
             }
             None => {
                 // The pool is full: make room among the session's own keys.
-                let Some(v) = rec.time("victims", || s.victims(missing)) else {
+                let Some(v) = rec.time("victims", || s.victims(missing, s.call_deadline())) else {
                     break;
                 };
                 if v.is_empty() {
                     break;
                 }
                 let names: Vec<String> = v.into_iter().map(|k| k.key).collect();
-                if rec.time("remove", || s.remove(&names)).is_some() {
+                if rec
+                    .time("remove", || s.remove(&names, s.call_deadline()))
+                    .is_some()
+                {
                     rec.evicted += names.len() as u64;
                 }
             }
@@ -459,7 +465,10 @@ fn store(e: &Engine, keys: &[String], rec: &mut Record) {
         })
         .collect();
     let n = entries.len() as u64;
-    if rec.time("publish", || s.publish(entries)).is_some() {
+    if rec
+        .time("publish", || s.publish(entries, s.call_deadline()))
+        .is_some()
+    {
         rec.stored += n;
     }
 }

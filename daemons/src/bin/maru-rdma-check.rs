@@ -13,35 +13,14 @@ use clap::Parser;
     about = "Checks an RDMA device for maru's verbs transport (loopback WRITE/READ-back, released-key refusal, fence, queue-pair cleanup)"
 )]
 struct Args {
-    /// RDMA device (default: the first one).
-    #[arg(long, env = "MARU_RDMA_DEVICE")]
-    rdma_device: Option<String>,
-    /// Port of the RDMA device, from 1.
-    #[arg(long, default_value_t = 1, env = "MARU_RDMA_PORT")]
-    rdma_port: u8,
-    /// GID index (default: 0 on InfiniBand, a RoCE v2 GID on Ethernet).
-    #[arg(long, env = "MARU_RDMA_GID_INDEX")]
-    rdma_gid_index: Option<u8>,
-    /// GRH traffic class.
-    #[arg(long, default_value_t = 0, env = "MARU_RDMA_TRAFFIC_CLASS")]
-    rdma_traffic_class: u8,
-    /// Service level, 0-15.
-    #[arg(long, default_value_t = 0, env = "MARU_RDMA_SERVICE_LEVEL")]
-    rdma_service_level: u8,
+    #[command(flatten)]
+    rdma: maru_daemons::common::RdmaArgs,
 }
 
 #[cfg(feature = "verbs")]
 fn main() {
-    use maru::transport::verbs::{check, VerbsSettings};
-    let a = Args::parse();
-    let settings = VerbsSettings {
-        device: a.rdma_device,
-        port: a.rdma_port,
-        gid_index: a.rdma_gid_index,
-        traffic_class: a.rdma_traffic_class,
-        service_level: a.rdma_service_level,
-        ..VerbsSettings::default()
-    };
+    use maru::transport::verbs::check;
+    let settings = Args::parse().rdma.settings();
     match check::run(&settings) {
         Ok(lines) => {
             let mut ok = true;

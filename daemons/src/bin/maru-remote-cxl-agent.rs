@@ -10,7 +10,8 @@ use maru::transport::Target;
 use maru_daemons::agent_service::{bringup_lane, AgentService, DaxMem, Nic, RmLink, AGENT_GAUGES};
 use maru_daemons::common::{
     bind_addr, check_advertise, check_host_port, die, die_unavailable, exit_with, notify_ready,
-    parse_args, raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
+    parse_args, raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, RdmaArgs,
+    EX_FAILURE,
 };
 use maru_daemons::metrics::Metrics;
 use maru_daemons::off_loop::OffLoop;
@@ -88,21 +89,8 @@ struct Args {
     /// One-sided transport.
     #[arg(long, value_enum, default_value_t = TransportKind::Soft, env = "MARU_TRANSPORT")]
     transport: TransportKind,
-    /// RDMA device for --transport verbs (default: the first one).
-    #[arg(long, env = "MARU_RDMA_DEVICE")]
-    rdma_device: Option<String>,
-    /// Port of the RDMA device, from 1.
-    #[arg(long, default_value_t = 1, env = "MARU_RDMA_PORT")]
-    rdma_port: u8,
-    /// GID index (default: 0 on InfiniBand, a RoCE v2 GID on Ethernet).
-    #[arg(long, env = "MARU_RDMA_GID_INDEX")]
-    rdma_gid_index: Option<u8>,
-    /// GRH traffic class (RoCE: DSCP << 2 | ECN; the PFC class on a lossless fabric).
-    #[arg(long, default_value_t = 0, env = "MARU_RDMA_TRAFFIC_CLASS")]
-    rdma_traffic_class: u8,
-    /// Service level, 0-15.
-    #[arg(long, default_value_t = 0, env = "MARU_RDMA_SERVICE_LEVEL")]
-    rdma_service_level: u8,
+    #[command(flatten)]
+    rdma: RdmaArgs,
     /// Seconds a released range stays mapped without access before it is unmapped.
     #[arg(long, default_value_t = DEFAULT_QUARANTINE_MS / 1000)]
     quarantine_s: u64,
@@ -148,14 +136,7 @@ fn target(args: &Args, key: &maru::auth::SharedKey) -> Nic {
 
 #[cfg(feature = "verbs")]
 fn verbs_target(args: &Args) -> Nic {
-    let settings = maru::transport::verbs::VerbsSettings {
-        device: args.rdma_device.clone(),
-        port: args.rdma_port,
-        gid_index: args.rdma_gid_index,
-        traffic_class: args.rdma_traffic_class,
-        service_level: args.rdma_service_level,
-        ..maru::transport::verbs::VerbsSettings::default()
-    };
+    let settings = args.rdma.settings();
     match maru::transport::verbs::VerbsTarget::open_with(&settings) {
         Ok(t) => {
             let t = Arc::new(t);
@@ -172,7 +153,7 @@ fn verbs_target(args: &Args) -> Nic {
 fn verbs_target(args: &Args) -> Nic {
     die(format!(
         "--transport verbs{}: this build has no verbs support; rebuild with `cargo build --features verbs` or use --transport soft",
-        args.rdma_device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
+        args.rdma.device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
     ))
 }
 

@@ -10,12 +10,13 @@ use maru_daemons::common::{
     bind_addr, check_host_port, die, die_unavailable, exit_with, notify_ready, parse_args,
     raise_nofile_limit, serve_metrics, write_ready_file, NetArgs, OpsArgs, EX_FAILURE,
 };
-use maru_daemons::meta_service::{
-    watch_agents, watch_signals, MetaAgents, MetaRm, MetaService, Recovery, SessionBinding,
-    AGENT_CHECK_EVERY, RM_KEEPALIVE, SERVER_GAUGES, SERVER_TOTALS,
-};
+use maru_daemons::meta_agents::MetaAgents;
+use maru_daemons::meta_rm::{MetaRm, RM_KEEPALIVE};
+use maru_daemons::meta_service::{MetaService, Recovery, SERVER_GAUGES, SERVER_TOTALS};
 use maru_daemons::meta_store::{MetaStore, StoreWriter};
+use maru_daemons::meta_watch::{watch_agents, watch_signals, AGENT_CHECK_EVERY};
 use maru_daemons::metrics::Metrics;
+use maru_daemons::session_binding::SessionBinding;
 use maru_daemons::tenants_file::TenantsFile;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -645,3 +645,16 @@ pub fn key_bytes(key: &str, page: usize) -> Vec<u8> {
     }
     seeded_bytes(x, 512 + (x as usize % (page - 512)))
 }
+
+/// Whether maru-server answers an `exists` in `session` on this connection (the
+/// session is open here and the connection acts for its owner).
+pub fn session_answers(c: &mut Client, session: u64) -> bool {
+    use maru::wire::meta::{MetaReply, MetaRequest};
+    matches!(
+        c.call::<_, MetaReply>(&MetaRequest::Exists {
+            session,
+            keys: vec!["k".into()],
+        }),
+        Ok(MetaReply::Exists { .. })
+    )
+}

@@ -7,16 +7,17 @@
 
 use crate::wire::rm::{AccessReply, Handle};
 use crate::wire::{ErrorCode, WireError};
-use std::fmt;
 
 /// How a call to the resource manager failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RmCallError {
     /// The RM answered with a refusal: the call did nothing and nothing is held
     /// because of it. The only failure the agent may act on as definitive.
+    #[error("refused: {0}")]
     Refused(String),
     /// Anything else: no answer, a lost connection, a storage error. The call may or
     /// may not have taken effect at the RM.
+    #[error("failed: {0}")]
     Failed(String),
 }
 
@@ -40,15 +41,6 @@ impl From<WireError> for RmCallError {
             RmCallError::Refused(e.message)
         } else {
             RmCallError::Failed(e.to_string())
-        }
-    }
-}
-
-impl fmt::Display for RmCallError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RmCallError::Refused(m) => write!(f, "refused: {m}"),
-            RmCallError::Failed(m) => write!(f, "failed: {m}"),
         }
     }
 }

@@ -60,69 +60,39 @@ impl fmt::Debug for SharedKey {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum KeyFileError {
+    #[error("cannot read key file {}: {err}", .path.display())]
     Io {
         path: PathBuf,
+        #[source]
         err: std::io::Error,
     },
     /// Group or others may read (or write) the file.
-    TooOpen {
-        path: PathBuf,
-        mode: u32,
-    },
+    #[error(
+        "key file {} has mode {:o}: group or others can access it; run `chmod 600 {}`",
+        .path.display(), .mode & 0o777, .path.display()
+    )]
+    TooOpen { path: PathBuf, mode: u32 },
     /// The file belongs to another user than the daemon's (or root).
-    ForeignOwner {
-        path: PathBuf,
-        uid: u32,
-        me: u32,
-    },
-    NotHex {
-        path: PathBuf,
-    },
-    TooShort {
-        path: Option<PathBuf>,
-        len: usize,
-    },
+    #[error(
+        "key file {} is owned by uid {uid}, not by this daemon's user (uid {me}) or root: \
+         another user could have written it; run `chown {me} {}`",
+        .path.display(), .path.display()
+    )]
+    ForeignOwner { path: PathBuf, uid: u32, me: u32 },
+    #[error("key file {} does not hold a hex key on its first non-comment line", .path.display())]
+    NotHex { path: PathBuf },
+    #[error("key{} is {len} bytes; at least {MIN_KEY_LEN} are required", in_path(.path))]
+    TooShort { path: Option<PathBuf>, len: usize },
 }
 
-impl fmt::Display for KeyFileError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyFileError::Io { path, err } => {
-                write!(f, "cannot read key file {}: {err}", path.display())
-            }
-            KeyFileError::TooOpen { path, mode } => write!(
-                f,
-                "key file {} has mode {:o}: group or others can access it; run `chmod 600 {}`",
-                path.display(),
-                mode & 0o777,
-                path.display()
-            ),
-            KeyFileError::ForeignOwner { path, uid, me } => write!(
-                f,
-                "key file {} is owned by uid {uid}, not by this daemon's user (uid {me}) or \
-                 root: another user could have written it; run `chown {me} {}`",
-                path.display(),
-                path.display()
-            ),
-            KeyFileError::NotHex { path } => write!(
-                f,
-                "key file {} does not hold a hex key on its first non-comment line",
-                path.display()
-            ),
-            KeyFileError::TooShort { path, len } => write!(
-                f,
-                "key{} is {len} bytes; at least {MIN_KEY_LEN} are required",
-                path.as_ref()
-                    .map(|p| format!(" in {}", p.display()))
-                    .unwrap_or_default()
-            ),
-        }
-    }
+/// " in PATH" when a key came from a file, nothing otherwise.
+fn in_path(path: &Option<PathBuf>) -> String {
+    path.as_ref()
+        .map(|p| format!(" in {}", p.display()))
+        .unwrap_or_default()
 }
-
-impl std::error::Error for KeyFileError {}
 
 /// Parses the text of a key file.
 pub fn parse_key_text(path: &Path, text: &str) -> Result<SharedKey, KeyFileError> {
@@ -253,6 +223,23 @@ pub fn server_key_from_env() -> Result<Option<SharedKey>, KeyFileError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_short_key_says_where_it_came_from_only_when_it_came_from_a_file() {
+        let from_file = KeyFileError::TooShort {
+            path: Some(PathBuf::from("/k")),
+            len: 3,
+        };
+        let given = KeyFileError::TooShort { path: None, len: 3 };
+        assert_eq!(
+            from_file.to_string(),
+            format!("key in /k is 3 bytes; at least {MIN_KEY_LEN} are required")
+        );
+        assert_eq!(
+            given.to_string(),
+            format!("key is 3 bytes; at least {MIN_KEY_LEN} are required")
+        );
+    }
     use proptest::prelude::*;
 
     fn tmp(name: &str) -> PathBuf {

@@ -46,57 +46,35 @@ pub struct Keyring {
     generation: Arc<AtomicU64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyringError {
     /// Two entries with one name.
+    #[error("the key name {0:?} is given twice")]
     DuplicateName(String),
     /// Two names with the same key: a client proving it could not be told apart.
+    #[error(
+        "{first:?} and {second:?} have the same key: give each its own key file \
+             (maru-rm-ctl gen-key)"
+    )]
     SameKey { first: String, second: String },
     /// A keyring needs at least one key.
+    #[error("no key")]
     Empty,
 }
 
-impl fmt::Display for KeyringError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyringError::DuplicateName(n) => write!(f, "the key name {n:?} is given twice"),
-            KeyringError::SameKey { first, second } => write!(
-                f,
-                "{first:?} and {second:?} have the same key: give each its own key file \
-                 (maru-rm-ctl gen-key)"
-            ),
-            KeyringError::Empty => write!(f, "no key"),
-        }
-    }
-}
-
-impl std::error::Error for KeyringError {}
-
 /// Why no key of the ring fits a hello.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NoKey {
     /// The hello names a key this server does not hold.
+    #[error("the client's key (id {}) is not one this server accepts: check the key file, \
+         or that its tenant is in the server's tenants file", crate::net::clip(.0))]
     Unknown(String),
     /// The hello names no key and the ring holds several.
+    #[error(
+        "this server accepts {keys} keys and the client named none (key_id): \
+         upgrade the client"
+    )]
     Unnamed { keys: usize },
-}
-
-impl fmt::Display for NoKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            NoKey::Unknown(id) => write!(
-                f,
-                "the client's key (id {}) is not one this server accepts: check the key file, \
-                 or that its tenant is in the server's tenants file",
-                crate::net::clip(id)
-            ),
-            NoKey::Unnamed { keys } => write!(
-                f,
-                "this server accepts {keys} keys and the client named none (key_id): \
-                 upgrade the client"
-            ),
-        }
-    }
 }
 
 fn build(named: Vec<(String, SharedKey)>) -> Result<Vec<Entry>, KeyringError> {

@@ -7,32 +7,19 @@
 //! and the direction labels keep a side from reflecting the other's proof back.
 
 use super::{ct_eq, from_hex, hmac_parts, to_hex, SharedKey};
-use std::fmt;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProofError {
     /// The peer's proof does not match: it does not hold our key (or replays an old proof).
+    #[error("key proof failed: the peer does not hold the same key file (check that both sides read the same key)")]
     BadProof,
     /// A nonce or proof that is not 32 bytes of hex.
+    #[error("malformed {0} in the key proof")]
     Malformed(&'static str),
     /// The server requires a key and we have none, or we require one and it asked for none.
+    #[error("{0}")]
     KeyMismatch(&'static str),
 }
-
-impl fmt::Display for ProofError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ProofError::BadProof => write!(
-                f,
-                "key proof failed: the peer does not hold the same key file (check that both sides read the same key)"
-            ),
-            ProofError::Malformed(what) => write!(f, "malformed {what} in the key proof"),
-            ProofError::KeyMismatch(what) => write!(f, "{what}"),
-        }
-    }
-}
-
-impl std::error::Error for ProofError {}
 
 fn nonce_bytes(hex: &str, what: &'static str) -> Result<Vec<u8>, ProofError> {
     match from_hex(hex) {

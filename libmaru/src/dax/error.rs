@@ -8,29 +8,14 @@ use std::fmt;
 use std::io;
 
 /// What is wrong with a device header that carries the Maru magic.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HeaderProblem {
     /// Fewer bytes than a whole header.
-    Truncated { len: usize },
-    /// A header of a version this build does not read.
-    Version { found: u32 },
-}
-
-impl fmt::Display for HeaderProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            HeaderProblem::Truncated { len } => write!(
-                f,
-                "only {len} of {} header bytes are present",
-                super::header::HEADER_LEN
-            ),
-            HeaderProblem::Version { found } => write!(
-                f,
-                "header version {found} is not supported (this build reads version {})",
-                super::header::HEADER_VERSION
-            ),
-        }
-    }
+    #[error("only {len} of {need} header bytes are present")]
+    Truncated { len: usize, need: usize },
+    /// A header of a version this build does not read (it reads `reads`).
+    #[error("header version {found} is not supported (this build reads version {reads})")]
+    Version { found: u32, reads: u32 },
 }
 
 #[derive(Debug)]

@@ -70,13 +70,19 @@ impl DeviceHeader {
             return Ok(None);
         }
         if buf.len() < HEADER_LEN {
-            return Err(bad(HeaderProblem::Truncated { len: buf.len() }));
+            return Err(bad(HeaderProblem::Truncated {
+                len: buf.len(),
+                need: HEADER_LEN,
+            }));
         }
         let mut version = [0u8; 4];
         version.copy_from_slice(&buf[8..12]);
         let version = u32::from_le_bytes(version);
         if version != HEADER_VERSION {
-            return Err(bad(HeaderProblem::Version { found: version }));
+            return Err(bad(HeaderProblem::Version {
+                found: version,
+                reads: HEADER_VERSION,
+            }));
         }
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&buf[12..28]);
@@ -151,7 +157,10 @@ mod tests {
             matches!(
                 e,
                 DaxError::BadHeader {
-                    problem: HeaderProblem::Version { found: 2 },
+                    problem: HeaderProblem::Version {
+                        found: 2,
+                        reads: HEADER_VERSION,
+                    },
                     ..
                 }
             ),
@@ -167,7 +176,10 @@ mod tests {
             matches!(
                 e,
                 DaxError::BadHeader {
-                    problem: HeaderProblem::Truncated { len: 20 },
+                    problem: HeaderProblem::Truncated {
+                        len: 20,
+                        need: HEADER_LEN,
+                    },
                     ..
                 }
             ),

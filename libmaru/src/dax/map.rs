@@ -10,7 +10,8 @@ use std::fs::{File, OpenOptions};
 use memmap2::{Mmap, MmapMut, MmapOptions};
 
 use super::error::DaxError;
-use super::{device, is_aligned, DeviceKind};
+use super::geometry::devdax_geometry;
+use super::{is_aligned, DeviceKind};
 
 /// `MADV_POPULATE_READ` / `MADV_POPULATE_WRITE` (Linux 5.14); spelled out
 /// because not every libc crate version names them.
@@ -74,7 +75,7 @@ pub fn map_range(
             .metadata()
             .map_err(|err| DaxError::io(path, "stat", err))?
             .len(),
-        DeviceKind::DevDax => device::devdax_geometry(path)?.size,
+        DeviceKind::DevDax => devdax_geometry(path)?.size,
     };
     map_file(&file, path, offset, length, size, writable)
 }

@@ -13,6 +13,7 @@
 pub mod copy;
 pub mod device;
 mod error;
+pub mod geometry;
 pub mod header;
 pub mod map;
 pub mod spec;

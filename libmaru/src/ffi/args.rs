@@ -73,17 +73,14 @@ pub(crate) unsafe fn out_slice<'a, T>(
     Ok(std::slice::from_raw_parts_mut(p, n))
 }
 
-/// An optional output array (NULL: the caller does not want it).
+/// Copies `src` into an optional output array of `n` values (NULL: the caller does
+/// not want it; nothing is written). `src` holds the `n` values.
 ///
 /// # Safety
-/// `p` is NULL or points to `n` writable values not aliased during `'a`.
-pub(crate) unsafe fn opt_out_slice<'a, T>(p: *mut T, n: usize) -> Option<&'a mut [T]> {
-    if p.is_null() {
-        None
-    } else if n == 0 {
-        Some(&mut [])
-    } else {
-        Some(std::slice::from_raw_parts_mut(p, n))
+/// `p` is NULL or points to `n` writable values not aliased during the call.
+pub(crate) unsafe fn copy_to_opt_out<T: Copy>(p: *mut T, n: usize, src: &[T]) {
+    if !p.is_null() && n > 0 {
+        std::slice::from_raw_parts_mut(p, n).copy_from_slice(src);
     }
 }
 
@@ -124,6 +121,17 @@ pub(crate) unsafe fn keys_of(
 mod tests {
     use super::*;
     use std::ptr;
+
+    #[test]
+    fn an_optional_output_is_written_only_when_given() {
+        let mut out = [false; 3];
+        // SAFETY: `out` holds 3 writable values; NULL asks for nothing.
+        unsafe {
+            copy_to_opt_out(ptr::null_mut(), 3, &[true, false, true]);
+            copy_to_opt_out(out.as_mut_ptr(), 3, &[true, false, true]);
+        }
+        assert_eq!(out, [true, false, true]);
+    }
 
     #[test]
     fn empty_arrays_may_be_null() {

@@ -11,9 +11,7 @@ use crate::wire::WireError;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// What a failed exported body reports: the status C sees and the message
-/// `maru_last_error()` gives (what failed, on what, and what to do about it).
-pub type FfiError = (maru_status_t, String);
+pub use super::status::FfiError;
 
 impl From<WireError> for FfiError {
     fn from(e: WireError) -> FfiError {

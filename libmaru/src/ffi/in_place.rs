@@ -2,7 +2,7 @@
 //! chunk straight into the mapping (a GPU copies into it), publish or give the pages
 //! back. And views of whole regions this host maps.
 
-use super::args::{in_slice, keys_of, opt_out_slice, opt_str, out_slice};
+use super::args::{copy_to_opt_out, in_slice, keys_of, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
@@ -148,9 +148,7 @@ pub unsafe extern "C" fn maru_pages_publish(
             let ps = in_slice(pages, n, "pages")?;
             let ls = in_slice(lens, n, "lens")?;
             let ok = call.handler().publish_in_place(&ks, &locs(ps), ls)?;
-            if let Some(out) = opt_out_slice(published, n) {
-                out.copy_from_slice(&ok);
-            }
+            copy_to_opt_out(published, n, &ok);
             Ok(())
         })
     })

@@ -5,7 +5,7 @@
 //! it, so pass the request's first chunk key for every chunk of a request. NULL means
 //! the first key of this call (for the single-key calls, the key itself).
 
-use super::args::{buffer_of, in_slice, keys_of, opt_out_slice, opt_str, out_slice, req_str};
+use super::args::{buffer_of, copy_to_opt_out, in_slice, keys_of, opt_str, out_slice, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
 use super::handler::{maru_handler_t, with_handler};
 use super::status::maru_status_t;
@@ -91,9 +91,7 @@ pub unsafe extern "C" fn maru_store_batch(
             }
             let rk = opt_str(route_key, "route_key")?;
             let ok = call.handler().store_batch(&items, rk)?;
-            if let Some(out) = opt_out_slice(stored, n) {
-                out.copy_from_slice(&ok);
-            }
+            copy_to_opt_out(stored, n, &ok);
             Ok(())
         })
     })

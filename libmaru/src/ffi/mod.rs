@@ -45,6 +45,7 @@ pub mod version;
 
 // The text behind a status.
 pub mod error;
+pub mod last_error;
 
 // Where libmaru's messages go.
 pub mod log;
@@ -92,10 +93,7 @@ pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};
 pub use copy::{maru_copy, maru_copy_t};
-pub use error::{
-    clear_last_error, last_error, maru_last_error, maru_last_error_copy, maru_status_str,
-    set_last_error,
-};
+pub use error::{clear_last_error, last_error, set_last_error};
 pub use handler::{
     maru_chunk_size, maru_handler_close, maru_handler_free, maru_handler_open,
     maru_handler_shutdown, maru_handler_t, maru_stats_json,
@@ -111,6 +109,7 @@ pub use kv::{
     maru_exists, maru_exists_batch, maru_load, maru_load_batch, maru_pin_batch, maru_remove_batch,
     maru_remove_result_t, maru_store, maru_store_batch, maru_unpin_batch,
 };
+pub use last_error::{maru_last_error, maru_last_error_copy, maru_status_str};
 pub use log::{maru_log_level_t, maru_set_log_callback, LogLevelArg};
 pub use ops::{
     maru_op_free, maru_op_poll, maru_op_results, maru_op_t, maru_op_wait, maru_submit_load_slots,

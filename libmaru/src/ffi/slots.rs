@@ -1,7 +1,7 @@
 //! Staging slots for zero-copy transfers: acquire, fill or read in place (with the
 //! runtime's own GPU copy), store from or load into them, release.
 
-use super::args::{in_slice, keys_of, opt_out_slice, opt_str, out_slice};
+use super::args::{copy_to_opt_out, in_slice, keys_of, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard, FfiError};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
@@ -161,9 +161,7 @@ pub unsafe extern "C" fn maru_store_slots(
             let ls = in_slice(lens, n, "lens")?;
             let rk = opt_str(route_key, "route_key")?;
             let ok = call.handler().store_slots(&ks, is, ls, rk)?;
-            if let Some(out) = opt_out_slice(stored, n) {
-                out.copy_from_slice(&ok);
-            }
+            copy_to_opt_out(stored, n, &ok);
             Ok(())
         })
     })

@@ -1,7 +1,6 @@
 //! The status code every fallible C function returns, and the one table from
 //! libmaru's errors (a daemon's [`ErrorCode`], the worker's [`WorkerError`]) to it.
 
-use super::boundary::FfiError;
 use crate::wire::ErrorCode;
 use crate::worker::WorkerError;
 
@@ -163,6 +162,10 @@ impl From<WorkerError> for FfiError {
         (maru_status_t::from(&e), e.to_string())
     }
 }
+
+/// What a failed exported body reports: the status C sees and the message
+/// `maru_last_error()` gives (what failed, on what, and what to do about it).
+pub type FfiError = (maru_status_t, String);
 
 /// A status value as C passes it in: any 32-bit integer, so never transmuted into
 /// [`maru_status_t`]. The header spells it `maru_status_t` (cbindgen.toml renames it).

@@ -1,7 +1,5 @@
 //! Settings of the metadata core, checked once when the core is built.
 
-use std::fmt;
-
 /// How long a kept region's agent may stay silent before the region is given back.
 pub const DEFAULT_KEEPER_SILENCE_MS: u64 = 30_000;
 
@@ -143,16 +141,9 @@ impl Default for MetaConfig {
 }
 
 /// A setting that cannot work, with what to change.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("maru-server configuration: {0}")]
 pub struct ConfigError(pub String);
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "maru-server configuration: {}", self.0)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 impl MetaConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -63,6 +63,12 @@ use std::collections::{BTreeMap, BTreeSet};
 /// LEASE_RUN_SHIFT` (2^40 leases per run before they reach the next run's).
 pub const LEASE_RUN_SHIFT: u32 = 40;
 
+/// Session ids of run `r` of a server on its state directory are above `r <<
+/// SESSION_RUN_SHIFT`: an id handed out in one run is never handed out in a later
+/// one, whatever the counter read back says (changed on disk, or rolled back with
+/// the commits the store's repair after a crash could not keep).
+pub const SESSION_RUN_SHIFT: u32 = 32;
+
 /// How often a region held back for the leases of the last run is looked at again.
 const HOLD_BACK_RECHECK_MS: u64 = 1_000;
 
@@ -874,7 +880,16 @@ impl MetaCore {
                 log::warn!("recovery: scope {} is recorded twice; left out", s.id);
             }
         }
-        let mut next_session = image.next_session;
+        // Ids of every recorded session stay taken, also of one whose record is
+        // dropped below (its worker may still be there), and ids of this run are
+        // above every earlier run's: the counter may have been changed on disk or
+        // rolled back.
+        let session_base = image.run.checked_shl(SESSION_RUN_SHIFT).unwrap_or(0);
+        let mut next_session = image
+            .sessions
+            .iter()
+            .map(|s| s.id.saturating_add(1))
+            .fold(image.next_session.max(session_base + 1), u64::max);
         for s in &image.sessions {
             if !s.verify() {
                 log::warn!(
@@ -1284,8 +1299,132 @@ fn vouched_regions(image: &Image) -> BTreeSet<u64> {
             );
         }
     }
+    let overlapping = overlapping_regions(ok.values().copied());
+    ok.into_keys()
+        .filter(|r| !overlapping.contains(r))
+        .collect()
+}
+
+/// What [`seal_format1`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sealed1 {
+    /// Records kept and sealed.
+    pub kept: u64,
+    /// Records dropped: never served, their keys misses.
+    pub dropped: u64,
+}
+
+/// Seals a directory of record format 1 (records without a check of their own,
+/// what the release before format 2 wrote) into this format, once, at the first
+/// start on it: what can be checked without a check is, and a record that fails is
+/// dropped (logged; never served, its key a miss):
+///
+/// - a region whose range of its pool overlaps another region's (neither);
+/// - a key whose region is not recorded, whose offset is not the start of one of
+///   its region's pages, whose length is 0 or longer than a page, whose page is not
+///   allocated in its region's record, or whose scope is not recorded; two keys
+///   at one page (neither);
+/// - a session whose scope is not recorded.
+///
+/// The records kept get their checks (a key's bound to its region's boot id, as
+/// written). A bit that changed on disk before this start in a field these checks
+/// do not cover cannot be told from the value written: the release that wrote the
+/// directory did not record one (the restore that follows checks the rest as on
+/// every start).
+pub fn seal_format1(image: &mut Image) -> Sealed1 {
+    let mut out = Sealed1::default();
+    let mut reject = |what: String| {
+        log::warn!("upgrade from record format 1: {what}: dropped, never served");
+        out.dropped += 1;
+    };
+    let overlapping = overlapping_regions(image.regions.iter());
+    image.regions.retain(|g| {
+        let keep = !overlapping.contains(&g.handle.region_id);
+        if !keep {
+            reject(format!(
+                "region {} lies over pages another region's record holds",
+                g.handle.region_id
+            ));
+        }
+        keep
+    });
+    let scopes: BTreeSet<u32> = image.scopes.iter().map(|s| s.id).collect();
+    image.sessions.retain(|s| {
+        let keep = scopes.contains(&s.scope);
+        if !keep {
+            reject(format!(
+                "session {} names scope {}, not recorded",
+                s.id, s.scope
+            ));
+        }
+        keep
+    });
+    let regions: BTreeMap<u64, &RegionRecord> = image
+        .regions
+        .iter()
+        .map(|g| (g.handle.region_id, g))
+        .collect();
+    let mut at_page: BTreeMap<(u64, u64), usize> = BTreeMap::new();
+    for k in &image.keys {
+        *at_page.entry((k.region_id, k.offset)).or_default() += 1;
+    }
+    let mut kept_keys = Vec::with_capacity(image.keys.len());
+    for k in std::mem::take(&mut image.keys) {
+        let page = regions.get(&k.region_id).and_then(|g| {
+            let size = g.handle.length.checked_div(g.pages)?;
+            (size > 0
+                && k.offset % size == 0
+                && k.offset / size < g.pages
+                && k.length > 0
+                && k.length <= size
+                && g.allocated.contains(&(k.offset / size)))
+            .then_some(g)
+        });
+        let Some(g) = page else {
+            reject(format!(
+                "key record {} (region {}, offset {}, length {}) does not lie on an allocated \
+                 page of a recorded region",
+                k.id, k.region_id, k.offset, k.length
+            ));
+            continue;
+        };
+        if at_page.get(&(k.region_id, k.offset)).copied().unwrap_or(0) > 1 {
+            reject(format!(
+                "key record {}: another key is recorded at offset {} of region {}",
+                k.id, k.offset, k.region_id
+            ));
+            continue;
+        }
+        if !scopes.contains(&k.scope) {
+            reject(format!(
+                "key record {} names scope {}, not recorded",
+                k.id, k.scope
+            ));
+            continue;
+        }
+        let boot = g.boot_id.clone();
+        kept_keys.push(k.sealed(boot.as_deref()));
+    }
+    image.keys = kept_keys;
+    for s in &mut image.scopes {
+        s.seal();
+    }
+    for s in &mut image.sessions {
+        s.seal();
+    }
+    for g in &mut image.regions {
+        g.seal();
+    }
+    out.kept =
+        (image.scopes.len() + image.sessions.len() + image.regions.len() + image.keys.len()) as u64;
+    out
+}
+
+/// The regions among `regions` whose range of their pool overlaps another's.
+/// Logs each.
+fn overlapping_regions<'a>(regions: impl Iterator<Item = &'a RegionRecord>) -> BTreeSet<u64> {
     let mut by_pool: BTreeMap<u32, Vec<(u64, u64, u64)>> = BTreeMap::new();
-    for g in ok.values() {
+    for g in regions {
         let h = &g.handle;
         by_pool.entry(g.pool.pool_id).or_default().push((
             h.offset,
@@ -1316,7 +1455,5 @@ fn vouched_regions(image: &Image) -> BTreeSet<u64> {
              dropped with its keys, never served"
         );
     }
-    ok.into_keys()
-        .filter(|r| !overlapping.contains(r))
-        .collect()
+    overlapping
 }

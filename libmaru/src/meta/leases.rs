@@ -9,7 +9,6 @@
 use super::keys::KeyId;
 use crate::wire::meta::LEASE_LIMIT;
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::fmt;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
@@ -19,9 +18,13 @@ pub struct Lease {
     pub expires_ms: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseError {
     /// The session would hold more than the limit.
+    #[error(
+        "session {session} holds {held} leases and asks for {asked} more; a session \
+         holds at most {limit}: release leases after each read batch"
+    )]
     Limit {
         session: u64,
         held: usize,
@@ -29,28 +32,8 @@ pub enum LeaseError {
         limit: usize,
     },
     /// A lease id that another session holds.
+    #[error("lease {lease_id} is not a lease of session {session}; nothing was released")]
     NotYours { lease_id: u64, session: u64 },
-}
-
-impl fmt::Display for LeaseError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LeaseError::Limit {
-                session,
-                held,
-                asked,
-                limit,
-            } => write!(
-                f,
-                "session {session} holds {held} leases and asks for {asked} more; a session \
-                 holds at most {limit}: release leases after each read batch"
-            ),
-            LeaseError::NotYours { lease_id, session } => write!(
-                f,
-                "lease {lease_id} is not a lease of session {session}; nothing was released"
-            ),
-        }
-    }
 }
 
 #[derive(Debug)]

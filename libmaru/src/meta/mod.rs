@@ -75,7 +75,8 @@ pub use self::config::{
 };
 pub use self::core::{Action, Caller, MetaCore, Ticket};
 pub use self::durable::{
-    Recovered, ReplyTiming, LEASE_RUN_SHIFT, RATE_WINDOW_MS, RESERVE_BLOCK, RESERVE_MAX_BLOCKS,
+    seal_format1, Recovered, ReplyTiming, Sealed1, LEASE_RUN_SHIFT, RATE_WINDOW_MS, RESERVE_BLOCK,
+    RESERVE_MAX_BLOCKS, SESSION_RUN_SHIFT,
 };
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};

@@ -12,30 +12,15 @@
 //! hands one out, once the batch that recorded its reservation is durable.
 
 use std::collections::VecDeque;
-use std::fmt;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum PageError {
     /// The region has no such page.
+    #[error("page {page} is out of range (the region has {pages} pages)")]
     OutOfRange { page: u64, pages: u64 },
     /// The page is free already.
+    #[error("page {page} is not allocated (freed twice?)")]
     NotAllocated { page: u64 },
-}
-
-impl fmt::Display for PageError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PageError::OutOfRange { page, pages } => {
-                write!(
-                    f,
-                    "page {page} is out of range (the region has {pages} pages)"
-                )
-            }
-            PageError::NotAllocated { page } => {
-                write!(f, "page {page} is not allocated (freed twice?)")
-            }
-        }
-    }
 }
 
 #[derive(Debug, Clone)]

@@ -13,25 +13,15 @@
 
 use super::keys::KeyId;
 use std::collections::{HashMap, HashSet};
-use std::fmt;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the sessions of tenant {tenant} pin {held} keys and ask to pin {asked} more; a tenant pins at \
+     most {limit}: unpin keys it no longer needs (or raise max_pins in the tenants file)")]
 pub struct PinLimit {
     pub tenant: String,
     pub held: usize,
     pub asked: usize,
     pub limit: usize,
-}
-
-impl fmt::Display for PinLimit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "the sessions of tenant {} pin {} keys and ask to pin {} more; a tenant pins at \
-             most {}: unpin keys it no longer needs (or raise max_pins in the tenants file)",
-            self.tenant, self.held, self.asked, self.limit
-        )
-    }
 }
 
 #[derive(Debug, Default)]

@@ -12,21 +12,23 @@
 
 use crate::wire::rm::Handle;
 use crate::wire::{ErrorCode, WireError};
-use std::fmt;
 
 /// How a call to the RM or an agent failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PortError {
     /// The peer answered with a definitive refusal: the call did nothing and holds
     /// nothing (a bad or unknown handle; for `alloc`, no space or no pool). The only
     /// failure the core acts on as final.
+    #[error("refused: {0}")]
     Refused(String),
     /// No answer: the peer could not be reached, the connection broke or timed out,
     /// or an agent's hello carried no boot id. The call may or may not have taken
     /// effect.
+    #[error("unreachable: {0}")]
     Unreachable(String),
     /// The peer answered with an error that is not a refusal (storage, internal):
     /// the outcome is open, retry later.
+    #[error("failed: {0}")]
     Failed(String),
 }
 
@@ -55,18 +57,6 @@ impl From<WireError> for PortError {
         }
     }
 }
-
-impl fmt::Display for PortError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PortError::Refused(m) => write!(f, "refused: {m}"),
-            PortError::Unreachable(m) => write!(f, "unreachable: {m}"),
-            PortError::Failed(m) => write!(f, "failed: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for PortError {}
 
 /// The sizes of the RM's pools, in bytes usable for regions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

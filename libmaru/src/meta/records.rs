@@ -25,11 +25,10 @@ use crate::wire::meta::Backend;
 use crate::wire::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::fmt;
 
-/// The format of the records; a store written by another format is refused. Format
-/// 2 added each record's check; a directory of format 1 is refused at start (move it
-/// away: the server starts empty and gives the regions it held back).
+/// The format of the records. Format 2 added each record's check; a directory of
+/// format 1 is sealed into format 2 at its first start
+/// ([`seal_format1`](super::seal_format1)); one of any other format is refused.
 pub const FORMAT: u32 = 2;
 
 /// 64 bits of SHA-256 over `label` and `parts`, each part preceded by its length.
@@ -291,16 +290,9 @@ impl Image {
 }
 
 /// A record that does not decode, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
 pub struct RecordError(pub String);
-
-impl fmt::Display for RecordError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for RecordError {}
 
 /// Longest name (key or previous key) a key record holds: more than any key the
 /// wire accepts (`MAX_KEY_LEN`).

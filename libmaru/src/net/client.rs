@@ -9,7 +9,6 @@ use crate::wire::{
     WireError, DEFAULT_MAX_FRAME, PROTOCOL_VERSION,
 };
 use serde::{de::DeserializeOwned, Serialize};
-use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,17 +16,26 @@ use std::time::{Duration, Instant};
 
 /// Why a call did not produce a result. `Remote` carries the daemon's own error;
 /// only a `Remote` error with code `refused` is a definitive refusal.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The daemon answered with an error.
+    #[error("{0}")]
     Remote(WireError),
     /// Connecting, reading or writing failed (the outcome of an in-flight call is unknown).
-    Io { peer: String, err: io::Error },
+    #[error("connection to {peer} failed: {err}")]
+    Io {
+        peer: String,
+        #[source]
+        err: io::Error,
+    },
     /// No reply within the timeout (the outcome is unknown).
+    #[error("no reply from {peer} within {} ms", after.as_millis())]
     Timeout { peer: String, after: Duration },
     /// The peer broke the protocol (bad frame, wrong reply id, bad handshake).
+    #[error("protocol error with {peer}: {message}")]
     Protocol { peer: String, message: String },
     /// The key proof failed or the two sides disagree on using a key.
+    #[error("authentication with {peer} failed: {message}")]
     Auth { peer: String, message: String },
 }
 
@@ -37,26 +45,6 @@ impl ClientError {
         matches!(self, ClientError::Remote(e) if e.code == crate::wire::ErrorCode::Refused)
     }
 }
-
-impl fmt::Display for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::Remote(e) => write!(f, "{e}"),
-            ClientError::Io { peer, err } => write!(f, "connection to {peer} failed: {err}"),
-            ClientError::Timeout { peer, after } => {
-                write!(f, "no reply from {peer} within {} ms", after.as_millis())
-            }
-            ClientError::Protocol { peer, message } => {
-                write!(f, "protocol error with {peer}: {message}")
-            }
-            ClientError::Auth { peer, message } => {
-                write!(f, "authentication with {peer} failed: {message}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for ClientError {}
 
 /// How to connect.
 #[derive(Debug, Clone)]

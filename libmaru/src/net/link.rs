@@ -6,34 +6,24 @@
 use super::{Client, ClientError, ClientOptions};
 use crate::wire::WireError;
 use serde::{de::DeserializeOwned, Serialize};
-use std::fmt;
 use std::time::{Duration, Instant};
 
 /// Why a call on a link failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkError {
     /// The daemon answered with an error (only code `refused` is a refusal).
+    #[error("{0}")]
     Remote(WireError),
     /// The daemon could not be reached, or the call's outcome is unknown.
+    #[error("{0}")]
     Unreachable(String),
     /// The daemon reached, but a key proof failed (ours or its own).
+    #[error("{0}")]
     Auth(String),
     /// The daemon reached, but refused to talk (version) or broke the protocol.
+    #[error("{0}")]
     Rejected(String),
 }
-
-impl fmt::Display for LinkError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LinkError::Remote(e) => write!(f, "{e}"),
-            LinkError::Unreachable(m) | LinkError::Auth(m) | LinkError::Rejected(m) => {
-                f.write_str(m)
-            }
-        }
-    }
-}
-
-impl std::error::Error for LinkError {}
 
 /// A check run on the welcome of every new connection.
 pub type WelcomeCheck = fn(&Client) -> Result<(), String>;

@@ -8,7 +8,6 @@
 //! device offsets, because that is what a DAX mapping needs.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 /// Free space of one pool.
 #[derive(Debug, Clone)]
@@ -22,9 +21,13 @@ pub struct ExtentAllocator {
 }
 
 /// A range that cannot be given back or taken out of the free space.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ExtentError {
     /// The range is empty or not inside the pool's data area.
+    #[error(
+        "range [{offset:#x}, +{length:#x}) is empty or outside the pool's data area \
+             [{start:#x}, {end:#x})"
+    )]
     OutOfRange {
         offset: u64,
         length: u64,
@@ -32,37 +35,12 @@ pub enum ExtentError {
         end: u64,
     },
     /// `free`: part of the range is already free (a double free).
+    #[error("range [{offset:#x}, +{length:#x}) is already (partly) free: freed twice")]
     AlreadyFree { offset: u64, length: u64 },
     /// `reserve`: part of the range is not free (it overlaps another region).
+    #[error("range [{offset:#x}, +{length:#x}) overlaps a range already allocated")]
     NotFree { offset: u64, length: u64 },
 }
-
-impl fmt::Display for ExtentError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExtentError::OutOfRange {
-                offset,
-                length,
-                start,
-                end,
-            } => write!(
-                f,
-                "range [{offset:#x}, +{length:#x}) is empty or outside the pool's data area \
-                 [{start:#x}, {end:#x})"
-            ),
-            ExtentError::AlreadyFree { offset, length } => write!(
-                f,
-                "range [{offset:#x}, +{length:#x}) is already (partly) free: freed twice"
-            ),
-            ExtentError::NotFree { offset, length } => write!(
-                f,
-                "range [{offset:#x}, +{length:#x}) overlaps a range already allocated"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ExtentError {}
 
 /// `value` rounded up to a multiple of `align`, or `None` on overflow.
 fn align_up(value: u64, align: u64) -> Option<u64> {

@@ -8,7 +8,6 @@
 
 use super::store::{sync_dir, DirStore, PersistError, StateStore};
 use crate::auth::keyfile::{load_key_file, write_new_key_file, KeyFileError, SharedKey};
-use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// Name of the secret file in the state directory.
@@ -21,45 +20,30 @@ pub const RM_KEY_FILE: &str = "rm.key";
 /// Length of the secret (bytes).
 pub const SECRET_LEN: usize = 32;
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum SecretError {
     /// The file exists but cannot be used (unreadable, mode too open, not hex).
-    KeyFile(KeyFileError),
+    #[error("RM secret: {0}")]
+    KeyFile(#[source] KeyFileError),
     /// The file holds a key of another length.
+    #[error("RM secret {} holds {len} bytes; it must hold {SECRET_LEN}", path.display())]
     WrongLength { path: PathBuf, len: usize },
     /// No secret, but the state lists regions whose tokens need the old one.
+    #[error("RM secret {} is missing but the state lists {regions} region(s) whose tokens \
+         were made with it; restore the secret file (a new one would invalidate every \
+         handle), or move the state file away to start empty", path.display())]
     MissingWithRegions { path: PathBuf, regions: usize },
     /// The state file could not be read to check for regions.
-    State(PersistError),
+    #[error("RM secret: checking the state: {0}")]
+    State(#[source] PersistError),
     /// Creating the new secret failed.
-    Create { path: PathBuf, err: std::io::Error },
+    #[error("cannot create RM secret {}: {err}", path.display())]
+    Create {
+        path: PathBuf,
+        #[source]
+        err: std::io::Error,
+    },
 }
-
-impl fmt::Display for SecretError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SecretError::KeyFile(e) => write!(f, "RM secret: {e}"),
-            SecretError::WrongLength { path, len } => write!(
-                f,
-                "RM secret {} holds {len} bytes; it must hold {SECRET_LEN}",
-                path.display()
-            ),
-            SecretError::MissingWithRegions { path, regions } => write!(
-                f,
-                "RM secret {} is missing but the state lists {regions} region(s) whose tokens \
-                 were made with it; restore the secret file (a new one would invalidate every \
-                 handle), or move the state file away to start empty",
-                path.display()
-            ),
-            SecretError::State(e) => write!(f, "RM secret: checking the state: {e}"),
-            SecretError::Create { path, err } => {
-                write!(f, "cannot create RM secret {}: {err}", path.display())
-            }
-        }
-    }
-}
-
-impl std::error::Error for SecretError {}
 
 /// Reads `dir/secret`, or creates it (mode 0600, never overwriting) when it is
 /// missing and the state in `dir` lists no regions. Refuses a secret file that group

@@ -9,7 +9,6 @@
 //! retry.
 
 use super::state::{RmState, STATE_VERSION};
-use std::fmt;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -46,6 +45,15 @@ pub enum Step {
 }
 
 impl Step {
+    /// What to do about a failure at this step (after the error).
+    fn hint(self) -> &'static str {
+        match self {
+            Step::Parse => "; fix or move the file away (the regions it lists are lost then)",
+            Step::Read => "",
+            _ => "; check the disk and the permissions of the state directory",
+        }
+    }
+
     fn describe(self) -> &'static str {
         match self {
             Step::Write => "cannot write",
@@ -59,10 +67,12 @@ impl Step {
 }
 
 /// A failed save or load: which step, on which path, why.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{} {}: {err}{}", .step.describe(), .path.display(), .step.hint())]
 pub struct PersistError {
     pub step: Step,
     pub path: PathBuf,
+    #[source]
     pub err: std::io::Error,
 }
 
@@ -73,29 +83,6 @@ impl PersistError {
             path: path.to_path_buf(),
             err,
         }
-    }
-}
-
-impl fmt::Display for PersistError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let hint = match self.step {
-            Step::Parse => "; fix or move the file away (the regions it lists are lost then)",
-            Step::Read => "",
-            _ => "; check the disk and the permissions of the state directory",
-        };
-        write!(
-            f,
-            "{} {}: {}{hint}",
-            self.step.describe(),
-            self.path.display(),
-            self.err
-        )
-    }
-}
-
-impl std::error::Error for PersistError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.err)
     }
 }
 

@@ -19,7 +19,6 @@ pub mod soft;
 #[allow(clippy::disallowed_methods)] // a driver: completion threads, deadlines
 pub mod verbs;
 
-use std::fmt;
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,66 +59,40 @@ pub enum BatchState {
     Failed(TransportError),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TransportError {
     /// The remote key is unknown or was deregistered: nothing was read or written.
+    #[error("remote key {rkey:#x} is not registered (deregistered or never issued)")]
     BadKey { rkey: u64 },
     /// The range is outside the registration.
+    #[error("range {addr:#x}+{len} is outside the registration of key {rkey:#x}")]
     OutOfRange { rkey: u64, addr: u64, len: u64 },
     /// A WRITE to a read-only registration.
+    #[error("registration {rkey:#x} is read-only; WRITE refused")]
     ReadOnly { rkey: u64 },
     /// The local range is outside the registered buffer.
+    #[error("local range {offset}+{len} is outside the registered staging buffer")]
     LocalRange { offset: u64, len: u64 },
     /// The peer connection failed; operations in flight have an unknown outcome until
     /// the peer is fenced.
+    #[error("connection to {peer} lost: {message}")]
     PeerLost { peer: String, message: String },
     /// The peer is unknown or was fenced.
+    #[error("peer {} is not connected", .0.0)]
     NoPeer(PeerId),
     /// The batch id is unknown (never posted, or already forgotten).
+    #[error("batch {} is unknown", .0.0)]
     NoBatch(BatchId),
     /// No local buffer registered yet.
+    #[error("no staging buffer registered")]
     NoLocalBuffer,
     /// Setting up (connecting, proving the key, bringing up a queue pair) failed.
+    #[error("transport setup failed: {0}")]
     Setup(String),
     /// This transport is not available on this host (no RDMA device, ...).
+    #[error("transport unavailable: {0}")]
     Unavailable(String),
 }
-
-impl fmt::Display for TransportError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TransportError::BadKey { rkey } => {
-                write!(
-                    f,
-                    "remote key {rkey:#x} is not registered (deregistered or never issued)"
-                )
-            }
-            TransportError::OutOfRange { rkey, addr, len } => write!(
-                f,
-                "range {addr:#x}+{len} is outside the registration of key {rkey:#x}"
-            ),
-            TransportError::ReadOnly { rkey } => {
-                write!(f, "registration {rkey:#x} is read-only; WRITE refused")
-            }
-            TransportError::LocalRange { offset, len } => {
-                write!(
-                    f,
-                    "local range {offset}+{len} is outside the registered staging buffer"
-                )
-            }
-            TransportError::PeerLost { peer, message } => {
-                write!(f, "connection to {peer} lost: {message}")
-            }
-            TransportError::NoPeer(p) => write!(f, "peer {} is not connected", p.0),
-            TransportError::NoBatch(b) => write!(f, "batch {} is unknown", b.0),
-            TransportError::NoLocalBuffer => write!(f, "no staging buffer registered"),
-            TransportError::Setup(m) => write!(f, "transport setup failed: {m}"),
-            TransportError::Unavailable(m) => write!(f, "transport unavailable: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for TransportError {}
 
 /// The worker's registered local memory (the staging buffer). The caller keeps the
 /// memory alive and in place for as long as the transport exists.

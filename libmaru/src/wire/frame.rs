@@ -4,8 +4,6 @@
 //! out whole frames. It never allocates more than the configured maximum for one
 //! frame, so a hostile length prefix cannot make a daemon reserve gigabytes.
 
-use std::fmt;
-
 /// Bytes of the header: u32 length + u8 kind.
 pub const HEADER_LEN: usize = 5;
 
@@ -59,30 +57,18 @@ impl Frame {
 
 /// Why a byte stream is not a valid frame sequence. After any of these the stream
 /// cannot be resynchronised, so the connection must be closed (after an error reply).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
     /// The length prefix says more than the connection's maximum.
+    #[error("frame of {len} bytes exceeds the maximum of {max} bytes for this connection")]
     TooLarge { len: usize, max: usize },
     /// The length prefix is 0: there is not even a kind byte.
+    #[error("frame with length 0 (no kind byte)")]
     Empty,
     /// A kind byte this version does not know.
+    #[error("unknown frame kind {0}")]
     UnknownKind(u8),
 }
-
-impl fmt::Display for FrameError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            FrameError::TooLarge { len, max } => write!(
-                f,
-                "frame of {len} bytes exceeds the maximum of {max} bytes for this connection"
-            ),
-            FrameError::Empty => write!(f, "frame with length 0 (no kind byte)"),
-            FrameError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
-        }
-    }
-}
-
-impl std::error::Error for FrameError {}
 
 /// Writes the header for a frame whose body is `body_len` bytes.
 pub fn encode_header(kind: FrameKind, body_len: usize) -> [u8; HEADER_LEN] {

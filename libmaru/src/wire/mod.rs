@@ -14,7 +14,6 @@ pub mod rm;
 pub use frame::{Frame, FrameDecoder, FrameError, FrameKind, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use std::fmt;
 
 /// Protocol version spoken by this build. A peer with another version is refused
 /// in the handshake with an error naming both versions.
@@ -41,7 +40,8 @@ pub struct ReplyEnvelope<T> {
 
 /// The error every daemon sends back: a stable machine code and a message for
 /// people (what failed, on which region/key/peer, what to do).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, thiserror::Error)]
+#[error("{message} ({})", code.as_str())]
 pub struct WireError {
     pub code: ErrorCode,
     pub message: String,
@@ -55,14 +55,6 @@ impl WireError {
         }
     }
 }
-
-impl fmt::Display for WireError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message, self.code.as_str())
-    }
-}
-
-impl std::error::Error for WireError {}
 
 /// Stable error codes. `Refused` is the only code that means "definitively not
 /// done, nothing is held": callers may act on it (drop a queued unhold, give a

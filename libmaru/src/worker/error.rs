@@ -105,7 +105,7 @@ impl WorkerError {
     pub fn from_wire(peer: Peer, e: WireError) -> WorkerError {
         let reason = e.message;
         match e.code {
-            // A session call maps this to `SessionLost` (`Session::call_by`, which
+            // A session call maps this to `SessionLost` (`Session::call`, which
             // knows the session); elsewhere it is a refusal.
             ErrorCode::Refused | ErrorCode::NoSession => WorkerError::Refused { peer, reason },
             ErrorCode::Permission => WorkerError::Permission { peer, reason },

@@ -2,10 +2,11 @@
 //! threads (started on first use); the caller polls or waits on its [`OpHandle`].
 
 use super::error::WorkerError;
+use crate::worker::clock::Deadline;
 use crossbeam::channel::{unbounded, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The result of a finished operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,19 +51,18 @@ impl OpHandle {
     }
 
     /// Waits up to `timeout` for the operation to finish.
-    #[allow(clippy::disallowed_methods)] // a driver: waits on a deadline
     pub fn wait(&self, timeout: Duration) -> Option<OpResult> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         let mut d = self.state.done.lock().ok()?;
         loop {
             if let Some(r) = d.as_ref() {
                 return Some(r.clone());
             }
-            let now = Instant::now();
-            if now >= deadline {
+            let left = deadline.left();
+            if left.is_zero() {
                 return None;
             }
-            d = self.state.cv.wait_timeout(d, deadline - now).ok()?.0;
+            d = self.state.cv.wait_timeout(d, left).ok()?.0;
         }
     }
 }
@@ -115,18 +115,17 @@ impl Executor {
 
     /// Waits up to `timeout` until every job submitted so far has finished (queued
     /// ones run meanwhile); the number still queued or running then (0: all done).
-    #[allow(clippy::disallowed_methods)] // a driver: waits on a deadline
     pub fn settle(&self, timeout: Duration) -> usize {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         let Ok(mut c) = self.pending.count.lock() else {
             return 0;
         };
         loop {
-            let now = Instant::now();
-            if *c == 0 || now >= deadline {
+            let left = deadline.left();
+            if *c == 0 || left.is_zero() {
                 return *c;
             }
-            match self.pending.idle.wait_timeout(c, deadline - now) {
+            match self.pending.idle.wait_timeout(c, left) {
                 Ok((g, _)) => c = g,
                 Err(_) => return 0,
             }
@@ -198,6 +197,7 @@ impl Drop for Executor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn submit_poll_wait_and_shutdown_runs_what_was_queued() {

@@ -6,9 +6,10 @@
 //! once by construction. A transfer whose outcome is unknown keeps its slots by keeping
 //! the `Slot` values (see `movers/remote/isolation.rs`), not by bookkeeping on the side.
 
+use crate::worker::clock::Deadline;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SlotPool {
@@ -282,9 +283,8 @@ impl StagingSlots {
     }
 
     /// Takes between 1 and `n` slots, waiting up to `timeout` for at least one.
-    #[allow(clippy::disallowed_methods)] // a driver: waits on a deadline
     pub fn acquire(&self, pool: SlotPool, n: usize, timeout: Duration) -> Vec<Slot> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
         let Ok(mut f) = self.inner.free.lock() else {
             return Vec::new();
         };
@@ -293,11 +293,11 @@ impl StagingSlots {
             if n == 0 || !list(&f, pool).is_empty() || self.inner.layout.slots(pool) == 0 {
                 return self.take(&mut f, pool, n);
             }
-            let now = Instant::now();
-            if now >= deadline {
+            let left = deadline.left();
+            if left.is_zero() {
                 return Vec::new();
             }
-            f = match self.inner.cv.wait_timeout(f, deadline - now) {
+            f = match self.inner.cv.wait_timeout(f, left) {
                 Ok((g, _)) => g,
                 Err(_) => return Vec::new(),
             };
@@ -384,6 +384,7 @@ impl Drop for Slot {
 #[allow(clippy::disallowed_methods)] // tests drive threads and clocks
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     /// After `populate`, every page of the buffer is in memory before any slot is
     /// used (`mincore`), so no transfer stops to fault one in.

@@ -623,7 +623,7 @@ fn a_bound_data_connection_cannot_rebind_to_another_owner() {
 #[test]
 fn an_owner_binds_at_most_its_cap_of_data_connections() {
     use super::proto::{ST_LIMIT, ST_OK};
-    use super::target::MAX_PER_OWNER;
+    use super::target::table::MAX_PER_OWNER;
     let mut r = rig(None, 4096, 4096);
     let mut region_b = vec![0u8; 4096];
     let a = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
@@ -724,7 +724,7 @@ fn oldest_pushed_out(conns: &mut [std::net::TcpStream], n: usize, what: &str) {
 /// worker connects and binds among them.
 #[test]
 fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline() {
-    use super::target::{BIND_DEADLINE, MAX_UNBOUND};
+    use super::target::table::{BIND_DEADLINE, MAX_UNBOUND};
     let (r, key, reg, addr) = keyed_rig();
     let start = std::time::Instant::now();
     let mut idle: Vec<_> = (0..MAX_UNBOUND + 8)
@@ -762,7 +762,7 @@ fn proven_connections_that_never_bind_are_pushed_out_and_closed_at_the_deadline(
 /// connects while they keep coming.
 #[test]
 fn a_flood_of_silent_connections_pushes_out_its_oldest_and_lets_a_worker_in() {
-    use super::target::MAX_PENDING;
+    use super::target::table::MAX_PENDING;
     let (r, _key, reg, addr) = keyed_rig();
     let mut flood: Vec<std::net::TcpStream> = (0..MAX_PENDING + 16)
         .map(|_| std::net::TcpStream::connect(&addr).unwrap())

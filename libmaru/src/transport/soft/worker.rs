@@ -26,7 +26,7 @@ use crate::transport::{
     BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
 };
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Write};
+use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -625,7 +625,7 @@ impl Transport for SoftTransport {
                         w.write_all(src)
                     })
                 } else {
-                    super::target::write_two(&mut w, &req.encode(), src)
+                    write_two(&mut w, &req.encode(), src)
                 }
             } else {
                 w.write_all(&req.encode())
@@ -838,6 +838,25 @@ impl Drop for SoftTransport {
             }
         }
     }
+}
+
+/// Writes `a` then `b` with vectored writes (one syscall for header + payload).
+fn write_two(out: &mut impl Write, a: &[u8], b: &[u8]) -> io::Result<()> {
+    let (mut a, mut b) = (a, b);
+    while !a.is_empty() || !b.is_empty() {
+        let n = if a.is_empty() {
+            out.write(b)?
+        } else {
+            out.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! pool's tick and heartbeat hold no lock across a round trip to an agent.
 
 use super::Inner;
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::pool::StoragePool;
 use std::sync::atomic::Ordering;
@@ -66,7 +67,7 @@ impl Inner {
                         Err(e) => log::debug!("pool {} still unavailable: {e}", self.urls[i]),
                     },
                     Some(p) if due => {
-                        if let Err(e) = p.heartbeat() {
+                        if let Err(e) = p.heartbeat(Deadline::after(self.timeout())) {
                             self.failed(i, &p, "heartbeat", e);
                         }
                     }
@@ -93,9 +94,10 @@ impl Inner {
             }
             for i in 0..self.pools.len() {
                 let Some(p) = self.pool_up(i) else { continue };
+                // A probe of what is away waits 1 s at most; a tick, the timeout.
                 if !full {
-                    p.probe_away(now_ms());
-                } else if let Err(e) = p.tick(now_ms()) {
+                    p.probe_away(now_ms(), Deadline::after(Duration::from_secs(1)));
+                } else if let Err(e) = p.tick(now_ms(), Deadline::after(self.timeout())) {
                     self.failed(i, &p, "tick", e);
                 }
             }

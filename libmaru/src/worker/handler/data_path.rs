@@ -8,6 +8,7 @@ use crate::net::ClientOptions;
 use crate::transport::soft::SoftTransport;
 use crate::transport::{LocalBuffer, Transport};
 use crate::wire::meta::Backend;
+use crate::worker::clock::Deadline;
 use crate::worker::config::{BackendKind, HandlerConfig, TransportKind};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{Mover, RemoteMover};
@@ -161,7 +162,7 @@ impl Inner {
         let dp = match self.data_path(session.page_size) {
             Ok(dp) => dp,
             Err(e) => {
-                session.close_failed_open(&e);
+                session.close_failed_open(&e, Deadline::after(self.timeout()));
                 return Err(e);
             }
         };
@@ -180,7 +181,8 @@ impl Inner {
             .with_spare_pages(crate::worker::pool::SPARE_PAGES)
             .with_max_bytes(self.cfg.max_bytes);
         if let Err(e) = pool.greet_agents() {
-            pool.session.close_failed_open(&e);
+            pool.session
+                .close_failed_open(&e, Deadline::after(self.timeout()));
             return Err(e);
         }
         log::info!(

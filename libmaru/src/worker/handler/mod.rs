@@ -684,7 +684,7 @@ impl Handler {
             // the session is closed.
             let taken = p.lock().ok().and_then(|mut g| g.take());
             if let Some(pool) = taken {
-                if let Err(e) = pool.close() {
+                if let Err(e) = pool.close(Deadline::after(self.inner.timeout())) {
                     log::warn!("pool {}: close failed: {e}", self.inner.urls[i]);
                     first_err.get_or_insert(e);
                 }

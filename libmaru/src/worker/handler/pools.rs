@@ -171,7 +171,7 @@ impl Inner {
     pub(super) fn reopen_pool(&self, i: usize) -> Result<Arc<StoragePool>, WorkerError> {
         let lost = self.lost[i].lock().ok().and_then(|l| l.clone());
         if let Some(old) = lost {
-            match old.heartbeat() {
+            match old.heartbeat(Deadline::after(self.timeout())) {
                 Ok(()) => {
                     if let Ok(mut l) = self.lost[i].lock() {
                         if l.as_ref().is_some_and(|p| Arc::ptr_eq(p, &old)) {
@@ -275,7 +275,7 @@ impl Inner {
                 if release_after {
                     self.release_later(p, leases, by);
                 } else {
-                    p.release_leases_by(leases, by);
+                    p.release_leases(leases, by);
                 }
                 Ok(())
             })?;

@@ -101,7 +101,7 @@ impl Inner {
                 p.session.url,
                 ids.len()
             );
-            p.release_leases_by(ids, by);
+            p.release_leases(ids, by);
         }
     }
 
@@ -112,9 +112,9 @@ impl Inner {
         while let Some(((pool, ids), closing)) = self.releases.next() {
             if closing {
                 let by = *drain_by.get_or_insert_with(|| Deadline::after(self.timeout()));
-                pool.release_leases_by(ids, by);
+                pool.release_leases(ids, by);
             } else {
-                pool.release_leases(ids);
+                pool.release_leases(ids, pool.session.call_deadline());
             }
         }
     }

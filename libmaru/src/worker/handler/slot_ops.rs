@@ -2,6 +2,7 @@
 //! it fails or is submitted to run later.
 
 use super::{Inner, LentJob};
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::ops::OpHandle;
 use crate::worker::slots::{SlotInfo, SlotTable};
@@ -63,9 +64,10 @@ impl Inner {
                 .or_default()
                 .push(h.lease_id);
         }
+        let by = Deadline::after(self.timeout());
         for (route, ids) in by_route {
             let _ = self.with_pool(&route, (), |p| {
-                p.release_leases(ids);
+                p.release_leases(ids, by);
                 Ok(())
             });
         }

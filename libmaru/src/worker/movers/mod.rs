@@ -175,9 +175,9 @@ impl Mover {
 
     /// Probes the agents that are away, when due (between ticks, every
     /// `lifecycle::AWAY_PROBE_EVERY_MS`).
-    pub(crate) fn probe_away(&self, now_ms: u64) {
+    pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
         if let Mover::Remote(m) = self {
-            m.probe_away(now_ms)
+            m.probe_away(now_ms, by)
         }
     }
 

@@ -49,10 +49,9 @@
 //! - **Pages of a region being taken wait for its adoption**: maru-server allocates
 //!   from any region of the session, also one whose map is not done.
 
-use super::PoolStats;
+use super::peers::RemoteState;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::clock::Deadline;
-use crate::worker::movers::remote::RemoteState;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -64,6 +63,32 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 /// region meanwhile (fair share), and the next `expand` after it takes the region
 /// given back.
 pub const EXPAND_BACKOFF_MS: u64 = 250;
+
+/// Reports of the regions' boot ids a publish asks for before it gives up (other
+/// stores keep adopting regions meanwhile): see `publish_begin`.
+pub const REPORT_TRIES: usize = 3;
+
+/// Rounds of making room (a region or evictions, then `alloc`) that found no page
+/// before a store gives up on the chunks still missing: see `room_given_up`.
+pub const ROOM_ROUNDS: usize = 8;
+
+/// Rounds of taking pages when some were of a region not the pool's: see
+/// `take_again`.
+pub const TAKE_ROUNDS: usize = 3;
+
+/// Whether a store takes pages once more after its round `round` (from 0): only
+/// when that round got pages of a region not the pool's (`strays`, freed again)
+/// and none short (maru-server had pages), and fewer than `TAKE_ROUNDS` rounds ran.
+pub fn take_again(round: usize, strays: usize, short: usize) -> bool {
+    strays > 0 && short == 0 && round + 1 < TAKE_ROUNDS
+}
+
+/// Whether a store gives up on the chunks still missing after `dry` rounds of
+/// making room that found no page: other stores of the pool make room at the same
+/// time (they may take the pages freed here), so a few rounds are tried first.
+pub fn room_given_up(dry: usize) -> bool {
+    dry >= ROOM_ROUNDS
+}
 
 /// What a region's pages were written under: the adoption that mapped it (a region
 /// lost and taken again is another adoption) and, on `remote_cxl`, the boot id of
@@ -290,6 +315,18 @@ impl PoolCore {
     /// The own regions (ids).
     pub fn own_regions(&self) -> Vec<u64> {
         self.regions.keys().copied().collect()
+    }
+
+    /// Whether a store skips at once, asking maru-server nothing: the pool has own
+    /// regions and every one is at an agent that is away (`RemoteState::region_away`),
+    /// so any page a store would take is there. A stalled agent then costs the call
+    /// that found it one timeout and later stores no round trip, until a probe sees
+    /// it answer.
+    pub fn every_region_away(&self) -> bool {
+        let Some(r) = &self.remote else {
+            return false;
+        };
+        !self.regions.is_empty() && self.regions.keys().all(|&id| r.region_away(id))
     }
 
     pub fn owns(&self, region: u64) -> bool {
@@ -692,8 +729,10 @@ impl PoolCore {
         pages: &[PageGrant],
         ok: &[bool],
         taken: &Taken,
-        give_up: bool,
+        reports: usize,
     ) -> PublishCheck {
+        // After `REPORT_TRIES` reports the publish goes on with what is reported.
+        let give_up = reports >= REPORT_TRIES;
         let mut regions: Vec<u64> = pages.iter().map(|p| p.region_id).collect();
         regions.sort_unstable();
         regions.dedup();
@@ -895,5 +934,87 @@ impl CoreCell {
                 .unwrap_or_else(|e| e.into_inner().0);
         }
         g
+    }
+}
+
+/// Counters of a pool, reported by `stats()`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PoolStats {
+    pub stored: u64,
+    pub store_skipped: u64,
+    pub already_present: u64,
+    pub bytes_stored: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub load_failed: u64,
+    pub bytes_loaded: u64,
+    pub regions: u64,
+    /// Regions taken before the session's regions were full (see `Mover::wants_lead`).
+    pub regions_ahead: u64,
+    /// Bytes of own regions faulted in off the store path (`cxl`).
+    pub prefaulted_bytes: u64,
+    /// Regions maru-server no longer counted among the session's (see `heartbeat`),
+    /// or given back because their agent stayed silent (see `tick`).
+    pub regions_lost: u64,
+    /// Why the last load that failed failed (an agent's refusal, say).
+    pub last_load_error: Option<String>,
+    /// Keys of the session's own regions removed to make room for new stores, and
+    /// their bytes.
+    pub evictions: u64,
+    pub bytes_evicted: u64,
+    /// Regions given back because maru-server asked for a fair share of a full pool.
+    pub regions_given_back: u64,
+    /// Chunks not stored because no page could be found or made free (every page of
+    /// the session leased or pinned, and no region to be had).
+    pub store_no_room: u64,
+    /// Chunks not stored, per reason (see `skips`).
+    pub skipped: crate::worker::skips::SkipCounts,
+}
+
+impl PoolStats {
+    /// Adds another pool's counters (the handler's total); the last load error is
+    /// the other's when it has one.
+    pub fn add(&mut self, s: &PoolStats) {
+        let PoolStats {
+            stored,
+            store_skipped,
+            already_present,
+            bytes_stored,
+            hits,
+            misses,
+            load_failed,
+            bytes_loaded,
+            regions,
+            regions_ahead,
+            prefaulted_bytes,
+            regions_lost,
+            last_load_error,
+            evictions,
+            bytes_evicted,
+            regions_given_back,
+            store_no_room,
+            skipped,
+        } = s;
+        // Every field named above: a new counter must be added here to compile.
+        self.stored += stored;
+        self.store_skipped += store_skipped;
+        self.already_present += already_present;
+        self.bytes_stored += bytes_stored;
+        self.hits += hits;
+        self.misses += misses;
+        self.load_failed += load_failed;
+        self.bytes_loaded += bytes_loaded;
+        self.regions += regions;
+        self.regions_ahead += regions_ahead;
+        self.prefaulted_bytes += prefaulted_bytes;
+        self.regions_lost += regions_lost;
+        if last_load_error.is_some() {
+            self.last_load_error.clone_from(last_load_error);
+        }
+        self.evictions += evictions;
+        self.bytes_evicted += bytes_evicted;
+        self.regions_given_back += regions_given_back;
+        self.store_no_room += store_no_room;
+        self.skipped.add(skipped);
     }
 }

@@ -2,13 +2,14 @@
 //! and no daemon: the events a driver would feed in, the answers it would carry out.
 
 use super::core::{
-    server_away, BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan, Unkept, EXPAND_BACKOFF_MS,
+    room_given_up, server_away, take_again, BeatCheck, Gone, PoolCore, PublishCheck, PublishPlan,
+    Unkept, EXPAND_BACKOFF_MS, REPORT_TRIES, ROOM_ROUNDS, TAKE_ROUNDS,
 };
+use super::peers::RemoteState;
 use crate::net::ClientOptions;
 use crate::transport::PeerId;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::movers::remote::fixtures::{self, mapped, PAGE};
-use crate::worker::movers::remote::RemoteState;
 use std::collections::BTreeMap;
 
 const AGENT: &str = "10.0.0.1:9860";
@@ -365,7 +366,7 @@ fn a_reboot_found_between_a_stores_write_and_its_publish_stops_the_publish() {
     reboot(&mut c, "boot-2");
     // maru-server heard the new boot id (the pool reported it: nothing in flight).
     beat(&mut c, no_news());
-    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, 0));
     assert!(plan.publish.is_empty(), "{plan:?}");
     assert_eq!(plan.lost, 2);
     assert_eq!(c.stats.store_skipped, 2);
@@ -385,7 +386,7 @@ fn a_region_lost_between_a_stores_write_and_its_publish_is_not_published_into() 
         },
     );
     assert_eq!(gone, vec![Gone::Lost(1)]);
-    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, 0));
     assert_eq!(plan.publish, vec![1], "only the chunk in region 2");
     assert_eq!(plan.lost, 1);
     assert_eq!(plan.unused, vec![page(1, 0)]);
@@ -410,7 +411,7 @@ fn a_region_lost_and_taken_again_is_another_adoption() {
     let taken = c.mark_writing(vec![page(1, 0)]);
     c.lose(1);
     take_region(&mut c, 1, 128);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     assert!(
         plan.publish.is_empty(),
         "written through the first adoption's mapping: not published"
@@ -423,7 +424,7 @@ fn only_chunks_whose_bytes_are_complete_are_published_the_others_pages_serve_aga
     c.set_spare_target(8);
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(pages(1, 0..4));
-    let plan = go(c.publish_begin(&taken.pages, &[true, false, true, false], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true, false, true, false], &taken, 0));
     assert_eq!(plan.publish, vec![0, 2]);
     assert_eq!(plan.unused, vec![page(1, 1), page(1, 3)]);
     assert_eq!(plan.lost, 0);
@@ -439,7 +440,7 @@ fn pages_of_failed_writes_stay_out_of_use_while_a_write_of_unknown_outcome_may_l
     // A WRITE was lost with its connection: the target may still apply it.
     c.remote.as_mut().unwrap().unknown_writes(PeerId(4));
     let taken = c.mark_writing(pages(1, 0..2));
-    let plan = go(c.publish_begin(&taken.pages, &[true, false], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true, false], &taken, 0));
     assert_eq!(plan.publish, vec![0]);
     assert!(plan.unused.is_empty(), "kept out of reuse: {plan:?}");
     assert_eq!(plan.held, 1);
@@ -451,15 +452,61 @@ fn a_publish_waits_for_maru_server_to_have_the_boot_ids_of_its_regions_only() {
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(vec![page(1, 0)]);
     assert_eq!(
-        c.publish_begin(&taken.pages, &[true], &taken, false),
+        c.publish_begin(&taken.pages, &[true], &taken, 0),
         PublishCheck::Report,
         "maru-server would have no boot id to compare with"
     );
     beat(&mut c, no_news());
     // Another store adopts a region meanwhile: this publish does not wait for it.
     take_region(&mut c, 2, 128);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     assert_eq!(plan.publish, vec![0]);
+}
+
+/// REPORT_TRIES: a publish whose region maru-server has no boot id of asks for a
+/// report after each of its first `REPORT_TRIES` tries, then goes on without
+/// publishing into the unreported region (no time involved: counted per publish).
+#[test]
+fn a_publish_asks_for_report_tries_reports_then_goes_on() {
+    assert_eq!(REPORT_TRIES, 3);
+    let mut c = remote();
+    take_region(&mut c, 1, 128);
+    let taken = c.mark_writing(vec![page(1, 0)]);
+    for reports in 0..REPORT_TRIES {
+        assert_eq!(
+            c.publish_begin(&taken.pages, &[true], &taken, reports),
+            PublishCheck::Report,
+            "after {reports} report(s) the publish asks again"
+        );
+    }
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, REPORT_TRIES));
+    assert!(plan.publish.is_empty(), "{plan:?}");
+    assert_eq!(plan.lost, 1);
+}
+
+/// TAKE_ROUNDS: a store takes pages again only after a round that got pages of a
+/// region not the pool's and none short, at most `TAKE_ROUNDS` rounds in all.
+#[test]
+fn a_store_takes_pages_at_most_take_rounds_times() {
+    assert_eq!(TAKE_ROUNDS, 3);
+    let rounds = (0..)
+        .take_while(|&r| r == 0 || take_again(r - 1, 1, 0))
+        .count();
+    assert_eq!(rounds, TAKE_ROUNDS, "rounds while every round gets strays");
+    assert!(!take_again(0, 0, 0), "no stray: the pages are all usable");
+    assert!(
+        !take_again(0, 2, 1),
+        "some short: maru-server has no more pages"
+    );
+}
+
+/// ROOM_ROUNDS: a store gives up on the chunks still missing after `ROOM_ROUNDS`
+/// rounds of making room that found no page, not before.
+#[test]
+fn a_store_gives_up_making_room_after_room_rounds_dry_rounds() {
+    assert_eq!(ROOM_ROUNDS, 8);
+    assert!((0..ROOM_ROUNDS).all(|dry| !room_given_up(dry)));
+    assert!(room_given_up(ROOM_ROUNDS));
 }
 
 #[test]
@@ -467,7 +514,7 @@ fn a_publish_still_unreported_after_its_reports_publishes_nothing() {
     let mut c = remote();
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(vec![page(1, 0)]);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, true));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, REPORT_TRIES));
     assert!(plan.publish.is_empty());
     assert!(plan.ticket.is_none());
 }
@@ -482,7 +529,7 @@ fn a_reboot_is_not_reported_while_a_publish_rechecked_before_it_is_unanswered() 
     take_region(&mut c, 1, 128);
     beat(&mut c, no_news());
     let taken = c.mark_writing(vec![page(1, 0)]);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     assert_eq!(plan.publish, vec![0]);
     // Sent to maru-server; meanwhile a probe finds the node on another boot.
     reboot(&mut c, "boot-2");
@@ -505,7 +552,7 @@ fn a_reboot_report_does_not_wait_for_publishes_rechecked_after_the_reboot() {
     // The node of region 1 reboots; then a publish into region 2 (another node) is
     // re-checked and sent: it knows of the reboot, and holds no report up.
     reboot(&mut c, "boot-2");
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     assert_eq!(plan.publish, vec![0]);
     assert!(matches!(c.heartbeat_begin(), BeatCheck::Go { .. }));
 }
@@ -515,7 +562,7 @@ fn a_silent_agents_regions_go_back_once_no_publish_into_them_is_in_flight() {
     let mut c = cxl();
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(vec![page(1, 0)]);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     c.going(&[1]);
     assert!(c.returnable().is_empty(), "a publish into it is in flight");
     assert!(
@@ -523,7 +570,7 @@ fn a_silent_agents_regions_go_back_once_no_publish_into_them_is_in_flight() {
         "no new store writes into it"
     );
     let late = c.mark_writing(vec![]);
-    assert!(go(c.publish_begin(&[page(1, 2)], &[true], &late, false))
+    assert!(go(c.publish_begin(&[page(1, 2)], &[true], &late, 0))
         .publish
         .is_empty());
     c.publish_end(plan.ticket, &[(page(1, 0), 10)], Some(&[true]));
@@ -538,7 +585,7 @@ fn a_key_another_engine_published_first_frees_its_page_for_later_stores() {
     c.set_spare_target(4);
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(pages(1, 0..2));
-    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, 0));
     let back = c.publish_end(
         plan.ticket,
         &[(page(1, 0), 100), (page(1, 1), 200)],
@@ -555,7 +602,7 @@ fn a_publish_left_unanswered_keeps_its_pages_out_of_use() {
     let mut c = cxl();
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(vec![page(1, 0)]);
-    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, false));
+    let plan = go(c.publish_begin(&taken.pages, &[true], &taken, 0));
     let back = c.publish_end(plan.ticket, &[(page(1, 0), 100)], None);
     assert!(
         back.is_empty(),
@@ -715,4 +762,31 @@ fn maru_server_is_away_from_a_call_unanswered_until_one_is_answered() {
         "the same millisecond: away until a probe"
     );
     assert!(!server_away(1_450, 1_200), "a probe answered");
+}
+
+/// The away rule for stores: once every own region's agent missed a deadline, a
+/// store skips without asking maru-server anything; a region at another agent, or
+/// the agent answering a probe again, and stores go on.
+#[test]
+fn stores_skip_at_once_only_while_every_region_is_at_an_away_agent() {
+    const OTHER: &str = "10.0.0.2:9860";
+    let mut c = remote();
+    assert!(!c.every_region_away(), "no region yet: a store takes one");
+    take_region(&mut c, 1, 128);
+    assert!(!c.every_region_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.away(AGENT, 10, "a call ran into its deadline");
+    assert!(c.every_region_away(), "its one region's agent is away");
+    take_region_at(&mut c, 2, 128, OTHER);
+    assert!(
+        !c.every_region_away(),
+        "pages at the other agent serve stores"
+    );
+    c.lose(2);
+    assert!(c.every_region_away());
+    let r = c.remote.as_mut().expect("remote");
+    r.seen(AGENT, Some("boot-1"), None, 260)
+        .expect("a probe's answer");
+    assert!(!c.every_region_away(), "it answers again: stores go on");
+    assert!(!cxl().every_region_away(), "cxl has no agents");
 }

@@ -27,6 +27,7 @@ use super::core::{Taken, Token};
 use super::StoragePool;
 use crate::dax::Mapping;
 use crate::wire::meta::{PageGrant, PublishEntry};
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use std::sync::Arc;
 
@@ -105,12 +106,13 @@ impl StoragePool {
                 "writes in place need backend cxl (this host maps the region); on remote_cxl fill store staging slots (maru_slots_acquire) and store from them".into(),
             ));
         }
+        let by = self.deadline();
         // One alloc takes at most a batch: more is "fewer than asked", not an error.
         let n = n.min(self.max_batch);
         // At most half the session's share is held taken in place (`in_place_room`):
         // its share comes with `alloc` replies, asked first if not heard yet.
         if self.session.share_regions().is_none() {
-            self.session.alloc(0, route_key)?;
+            self.session.alloc(0, route_key, by)?;
         }
         let region_pages = self.session.handshake.region_size / self.page_size().max(1);
         let room = self
@@ -129,7 +131,7 @@ impl StoragePool {
             return Ok(Vec::new());
         }
         // The pages are marked as being written (`writing`) from here on.
-        let taken = self.take_pages(n, route_key, self.deadline())?;
+        let taken = self.take_pages(n, route_key, by)?;
         let size = self.page_size() as usize;
         let mut out = Vec::with_capacity(taken.pages.len());
         let mut unusable = Vec::new();
@@ -150,7 +152,7 @@ impl StoragePool {
                 self.session.url,
                 unusable.len()
             );
-            self.end_writing(unusable.iter().map(|p| p.region_id));
+            self.end_writing(unusable.iter().map(|p| p.region_id), by);
         }
         self.core.lock().in_place_moved(out.len(), true);
         Ok(out)
@@ -162,6 +164,8 @@ impl StoragePool {
     /// (false) and dropped; a key another engine published first frees its page for
     /// later stores.
     pub fn publish_in_place(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
+        // One deadline for every call of the request: re-checks, reports, publishes.
+        let by = self.deadline();
         let size = self.page_size() as usize;
         for w in &writes {
             if w.key.is_empty() || w.len > size {
@@ -174,7 +178,7 @@ impl StoragePool {
                     )
                 };
                 // Nothing is published; the pages go back for later stores.
-                self.give_back_in_place(writes.into_iter().map(|w| w.page).collect());
+                self.give_back(writes.into_iter().map(|w| w.page).collect(), by);
                 return Err(WorkerError::InvalidArgument(why));
             }
         }
@@ -188,22 +192,24 @@ impl StoragePool {
                 return Ok(result);
             }
             let regions: Vec<u64> = batch.iter().map(|w| w.page.page.region_id).collect();
-            let r = self.publish_written(batch);
+            let r = self.publish_written(batch, by);
             // Whatever happened, the pages are no longer being written.
-            self.end_writing(regions);
+            self.end_writing(regions, by);
             result.extend(r?);
         }
     }
 
-    fn publish_written(&self, writes: Vec<InPlaceWrite>) -> Result<Vec<bool>, WorkerError> {
+    fn publish_written(
+        &self,
+        writes: Vec<InPlaceWrite>,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
         let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
         if let Some(hook) = &self.hooks.before_publish {
             hook(self, &pages);
         }
         let taken = Taken::of(writes.iter().map(|w| (w.page.page, w.page.token.clone())));
         let mut result = vec![false; writes.len()];
-        // One deadline for this publish's calls: the re-check's reports and the publish.
-        let by = self.deadline();
         let plan = self.recheck(&pages, &vec![true; writes.len()], &taken, by)?;
         if plan.lost > 0 {
             log::warn!(
@@ -213,7 +219,7 @@ impl StoragePool {
             );
         }
         // Pages of regions no longer the pool's are dropped with them.
-        self.keep_spare(plan.unused);
+        self.keep_spare(plan.unused, by);
         if plan.publish.is_empty() {
             return Ok(result);
         }
@@ -240,13 +246,17 @@ impl StoragePool {
         for &k in &plan.publish {
             result[k] = true;
         }
-        self.keep_spare(back);
+        self.keep_spare(back, by);
         Ok(result)
     }
 
     /// Gives back pages taken for writing in place and not published: those of regions
     /// still the pool's serve later stores; the others are dropped with their region.
     pub fn give_back_in_place(&self, pages: Vec<InPlacePage>) {
+        self.give_back(pages, self.deadline())
+    }
+
+    fn give_back(&self, pages: Vec<InPlacePage>, by: Deadline) {
         let regions: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
         self.core.lock().in_place_moved(regions.len(), false);
         let back = {
@@ -257,7 +267,7 @@ impl StoragePool {
                 .map(|p| p.page)
                 .collect()
         };
-        self.keep_spare(back);
-        self.end_writing(regions);
+        self.keep_spare(back, by);
+        self.end_writing(regions, by);
     }
 }

@@ -129,7 +129,7 @@ impl StoragePool {
             self.core.lock().stats.misses += keys.len() as u64;
             return Ok(0);
         }
-        let leases = self.session.acquire_by(keys, by)?;
+        let leases = self.session.acquire(keys, by)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
         // Bytes at an agent that is away miss at once (their leases are released as
@@ -163,7 +163,7 @@ impl StoragePool {
         let ids = grants.iter().map(|g| g.lease_id);
         match keep {
             Some(k) => k.extend(ids),
-            None => self.release_leases_by(ids.collect(), by),
+            None => self.release_leases(ids.collect(), by),
         }
         // A reboot found by this read: every reader misses those keys from now on.
         self.report_boots(by)?;
@@ -186,7 +186,7 @@ impl StoragePool {
         }
         let mut out = Vec::with_capacity(keys.len());
         for part in keys.chunks(self.max_batch) {
-            let leases = self.session.acquire_by(part, by)?;
+            let leases = self.session.acquire(part, by)?;
             let mut unused = Vec::new();
             let (mut misses, mut hits, mut bytes, mut failed) = (0, 0, 0, 0);
             for l in leases {
@@ -216,24 +216,18 @@ impl StoragePool {
                 c.stats.bytes_loaded += bytes;
                 c.stats.load_failed += failed;
             }
-            self.release_leases_by(unused, by);
+            self.release_leases(unused, by);
         }
         Ok(out)
     }
 
-    /// Ends leases (they also end by themselves when they time out), within the
-    /// pool's timeout from now.
-    pub fn release_leases(&self, ids: Vec<u64>) {
-        self.release_leases_by(ids, self.deadline());
-    }
-
     /// Ends leases of a request, by its deadline `by`: one not released in time ends
     /// by itself when its lease times out.
-    pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) {
+    pub fn release_leases(&self, ids: Vec<u64>, by: Deadline) {
         if ids.is_empty() {
             return;
         }
-        if let Err(e) = self.session.release_leases_by(ids, by) {
+        if let Err(e) = self.session.release_leases(ids, by) {
             if let Some(n) = crate::worker::warn_limit::allow(&self.session.url, "lease_release") {
                 log::warn!(
                     "pool {}: releasing leases failed (they expire on their own): {e}{}",

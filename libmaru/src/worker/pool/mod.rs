@@ -18,9 +18,11 @@ mod core_tests;
 mod held;
 mod in_place;
 mod load;
+pub(crate) mod peers;
 pub mod session;
 mod store;
 
+pub use self::core::PoolStats;
 use self::core::{BeatCheck, CoreCell, Gone, PoolCore};
 use super::clock::Deadline;
 use super::error::WorkerError;
@@ -40,88 +42,6 @@ const GREET_WAIT: Duration = Duration::from_secs(2);
 /// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
 /// pages a store needs), so that most stores need no `alloc` round trip of their own.
 pub const SPARE_PAGES: usize = 32;
-
-/// Counters of a pool, reported by `stats()`.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct PoolStats {
-    pub stored: u64,
-    pub store_skipped: u64,
-    pub already_present: u64,
-    pub bytes_stored: u64,
-    pub hits: u64,
-    pub misses: u64,
-    pub load_failed: u64,
-    pub bytes_loaded: u64,
-    pub regions: u64,
-    /// Regions taken before the session's regions were full (see `Mover::wants_lead`).
-    pub regions_ahead: u64,
-    /// Bytes of own regions faulted in off the store path (`cxl`).
-    pub prefaulted_bytes: u64,
-    /// Regions maru-server no longer counted among the session's (see `heartbeat`),
-    /// or given back because their agent stayed silent (see `tick`).
-    pub regions_lost: u64,
-    /// Why the last load that failed failed (an agent's refusal, say).
-    pub last_load_error: Option<String>,
-    /// Keys of the session's own regions removed to make room for new stores, and
-    /// their bytes.
-    pub evictions: u64,
-    pub bytes_evicted: u64,
-    /// Regions given back because maru-server asked for a fair share of a full pool.
-    pub regions_given_back: u64,
-    /// Chunks not stored because no page could be found or made free (every page of
-    /// the session leased or pinned, and no region to be had).
-    pub store_no_room: u64,
-    /// Chunks not stored, per reason (see `skips`).
-    pub skipped: crate::worker::skips::SkipCounts,
-}
-
-impl PoolStats {
-    /// Adds another pool's counters (the handler's total); the last load error is
-    /// the other's when it has one.
-    pub fn add(&mut self, s: &PoolStats) {
-        let PoolStats {
-            stored,
-            store_skipped,
-            already_present,
-            bytes_stored,
-            hits,
-            misses,
-            load_failed,
-            bytes_loaded,
-            regions,
-            regions_ahead,
-            prefaulted_bytes,
-            regions_lost,
-            last_load_error,
-            evictions,
-            bytes_evicted,
-            regions_given_back,
-            store_no_room,
-            skipped,
-        } = s;
-        // Every field named above: a new counter must be added here to compile.
-        self.stored += stored;
-        self.store_skipped += store_skipped;
-        self.already_present += already_present;
-        self.bytes_stored += bytes_stored;
-        self.hits += hits;
-        self.misses += misses;
-        self.load_failed += load_failed;
-        self.bytes_loaded += bytes_loaded;
-        self.regions += regions;
-        self.regions_ahead += regions_ahead;
-        self.prefaulted_bytes += prefaulted_bytes;
-        self.regions_lost += regions_lost;
-        if last_load_error.is_some() {
-            self.last_load_error.clone_from(last_load_error);
-        }
-        self.evictions += evictions;
-        self.bytes_evicted += bytes_evicted;
-        self.regions_given_back += regions_given_back;
-        self.store_no_room += store_no_room;
-        self.skipped.add(skipped);
-    }
-}
 
 /// Bytes of pages evicted ahead of need with each `victims` round trip (at least
 /// `EVICT_AHEAD_PAGES` pages), so that the stores after it find free pages without
@@ -199,8 +119,8 @@ impl StoragePool {
             timeout: DEFAULT_TIMEOUT,
             hooks: TestHooks::default(),
         };
-        if let Err(e) = pool.start() {
-            pool.session.close_failed_open(&e);
+        if let Err(e) = pool.start(pool.deadline()) {
+            pool.session.close_failed_open(&e, pool.deadline());
             return Err(e);
         }
         Ok(pool)
@@ -238,12 +158,12 @@ impl StoragePool {
 
     /// Maps the session's first region, if it came with one, and tells maru-server
     /// its memory node's boot id.
-    fn start(&self) -> Result<(), WorkerError> {
+    fn start(&self, by: Deadline) -> Result<(), WorkerError> {
         if let Some(r) = self.session.first_region.clone() {
-            self.adopt_region(&r, self.deadline())?;
+            self.adopt_region(&r, by)?;
             self.core.lock().adopted(&r);
         }
-        self.report_boots(self.deadline())
+        self.report_boots(by)
     }
 
     /// Bounds each request's waits on agents by `timeout` from its start (10 s by
@@ -312,7 +232,7 @@ impl StoragePool {
     fn report_boots(&self, by: Deadline) -> Result<(), WorkerError> {
         let must = self.core.lock().must_report();
         if must {
-            self.beat(by)?;
+            self.heartbeat(by)?;
         }
         Ok(())
     }
@@ -332,9 +252,9 @@ impl StoragePool {
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
         if pin {
-            self.per_batch(keys, |s, k, by| s.pin_by(k, by))
+            self.per_batch(keys, |s, k, by| s.pin(k, by))
         } else {
-            self.per_batch(keys, |s, k, by| s.unpin_by(k, by))
+            self.per_batch(keys, |s, k, by| s.unpin(k, by))
         }
     }
 
@@ -343,7 +263,7 @@ impl StoragePool {
         &self,
         keys: &[String],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
-        self.per_batch(keys, |s, k, by| s.remove_by(k, by))
+        self.per_batch(keys, |s, k, by| s.remove(k, by))
     }
 
     pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
@@ -351,7 +271,7 @@ impl StoragePool {
             // maru-server did not answer a call by its deadline: false at once.
             return Ok(vec![false; keys.len()]);
         }
-        self.per_batch(keys, |s, k, by| s.exists_by(k, by))
+        self.per_batch(keys, |s, k, by| s.exists(k, by))
     }
 
     /// One session call per `max_batch` keys, the answers in order, all by one
@@ -375,16 +295,10 @@ impl StoragePool {
     /// timeout) for the publishes re-checked before the reboot was found: maru-server
     /// drops their keys with the others. No lock is held across the round trip.
     ///
-    /// Outside a request (the heartbeat thread, a close): by the session's own call
-    /// timeout. A request's heartbeat (a store's re-check, a load that found a reboot)
-    /// is `beat` with the request's deadline.
-    pub fn heartbeat(&self) -> Result<(), WorkerError> {
-        self.beat(self.session.call_deadline())
-    }
-
-    /// The heartbeat, every wait of it (publishes a reboot's report waits for, the
-    /// round trip) by `by`.
-    pub(crate) fn beat(&self, by: Deadline) -> Result<(), WorkerError> {
+    /// Every wait of it (publishes a reboot's report waits for, the round trip) by
+    /// `by`: the request's deadline (a store's re-check, a load that found a reboot),
+    /// or the handler's for its heartbeat thread and a close.
+    pub fn heartbeat(&self, by: Deadline) -> Result<(), WorkerError> {
         let check = self
             .core
             .wait_while(by, |c| c.heartbeat_begin() == BeatCheck::Wait)
@@ -411,14 +325,14 @@ impl StoragePool {
                 self.session.url
             );
         }
-        self.carry_out(gone);
+        self.carry_out(gone, by);
         Ok(())
     }
 
     /// Carries out what the core decided about regions the pool no longer writes
     /// into: the mover forgets them; a region maru-server asked for is returned (its
     /// keys go, maru-server releases it at its agent before the RM frees it).
-    pub(super) fn carry_out(&self, gone: Vec<Gone>) {
+    pub(super) fn carry_out(&self, gone: Vec<Gone>, by: Deadline) {
         for g in gone {
             self.mover.forget(g.region());
             match g {
@@ -427,7 +341,7 @@ impl StoragePool {
                     self.session.url,
                 ),
                 Gone::GiveBack(id) => {
-                    let r = self.session.return_region(id, false);
+                    let r = self.session.return_region(id, false, by);
                     self.core.lock().given_back(r.is_ok());
                     match r {
                         Ok(()) => log::info!(
@@ -447,10 +361,9 @@ impl StoragePool {
     /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): the mover probes the
     /// agents that are away, so that one answering again serves the next store.
     /// maru-server too, when it is away (an `exists` of no key, 1 s at most).
-    pub fn probe_away(&self, now_ms: u64) {
-        self.mover.probe_away(now_ms);
+    pub fn probe_away(&self, now_ms: u64, by: Deadline) {
+        self.mover.probe_away(now_ms, by);
         if self.session.away() {
-            let by = Deadline::after(Duration::from_secs(1));
             if let Err(e) = self.session.ping(by) {
                 log::debug!("pool {}: maru-server still away: {e}", self.session.url);
             }
@@ -462,7 +375,7 @@ impl StoragePool {
     /// request); regions whose agent stayed silent too long go back to maru-server
     /// once no publish into them is in flight (their keys go at once; its keeper
     /// releases them at the agent); a reboot found is reported.
-    pub fn tick(&self, now_ms: u64) -> Result<(), WorkerError> {
+    pub fn tick(&self, now_ms: u64, by: Deadline) -> Result<(), WorkerError> {
         let mut silent = self.mover.tick(now_ms);
         if self
             .hooks
@@ -479,7 +392,7 @@ impl StoragePool {
         };
         for id in ready {
             self.mover.forget(id);
-            match self.session.return_region(id, false) {
+            match self.session.return_region(id, false, by) {
                 Ok(()) | Err(WorkerError::Refused { .. }) => {
                     self.core.lock().lose(id);
                     log::warn!(
@@ -490,7 +403,7 @@ impl StoragePool {
                 Err(e) => return Err(e),
             }
         }
-        self.report_boots(self.session.call_deadline())
+        self.report_boots(by)
     }
 
     /// The maru-server this pool's session lived in restarted: release the session's
@@ -499,24 +412,24 @@ impl StoragePool {
         self.mover.release_all()
     }
 
-    pub fn close(&self) -> Result<(), WorkerError> {
+    pub fn close(&self, by: Deadline) -> Result<(), WorkerError> {
         // maru-server hears the boot ids at a drained close too (the keeper compares
         // them): ask the agents first, so a reboot not seen yet is reported now.
         self.mover.check_agents(super::clock::now_ms());
-        if let Err(e) = self.heartbeat() {
+        if let Err(e) = self.heartbeat(by) {
             log::warn!(
                 "pool {}: heartbeat before close failed: {e}",
                 self.session.url
             );
         }
         let spare = self.core.lock().drain_spare();
-        if let Err(e) = self.session.free_pages(&spare) {
+        if let Err(e) = self.session.free_pages(&spare, by) {
             log::warn!(
                 "pool {}: cannot return {} spare pages before closing: {e}",
                 self.session.url,
                 spare.len()
             );
         }
-        self.session.close()
+        self.session.close(by)
     }
 }

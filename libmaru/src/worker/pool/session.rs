@@ -187,7 +187,7 @@ impl Session {
     }
 
     /// The session's own call timeout from now (calls made outside a request).
-    pub(crate) fn call_deadline(&self) -> Deadline {
+    pub fn call_deadline(&self) -> Deadline {
         let limit = self
             .links
             .lock()
@@ -196,17 +196,11 @@ impl Session {
         Deadline::after(limit)
     }
 
-    /// A call outside any request (heartbeat, close, giving pages, leases or regions
-    /// back): bounded by the session's own call timeout.
-    fn call(&self, req: &MetaRequest) -> Result<MetaReply, WorkerError> {
-        self.call_by(req, self.call_deadline())
-    }
-
     /// A call made for a request: waiting for a free link, connecting, the request
     /// and its reply all end by the request's deadline `by` (`timeout_ms` from its
     /// start), so a stalled maru-server costs a request about its timeout, however
     /// many calls it makes.
-    fn call_by(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
+    fn call(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
         let mut link = self.take_link(by)?;
         let left = by.left();
         if left.is_zero() {
@@ -252,7 +246,7 @@ impl Session {
 
     /// The cheapest call (an `exists` of no key), by `by`: whether maru-server answers.
     pub(crate) fn ping(&self, by: Deadline) -> Result<(), WorkerError> {
-        self.exists_by(&[], by).map(|_| ())
+        self.exists(&[], by).map(|_| ())
     }
 
     /// maru-server asked for these regions back on a reply (any call of a storing
@@ -287,15 +281,15 @@ impl Session {
         session_error(&self.url, self.id, e)
     }
 
-    pub(crate) fn expand_by(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
-        match self.call_by(&MetaRequest::Expand { session: self.id }, by)? {
+    pub fn expand(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
+        match self.call(&MetaRequest::Expand { session: self.id }, by)? {
             MetaReply::Region(g) => Ok(g),
             r => Err(unexpected("expand", r)),
         }
     }
 
     /// Pages for `count` chunks; `missing` of them did not fit (expand first).
-    pub(crate) fn alloc_by(
+    pub fn alloc(
         &self,
         count: u32,
         route_key: Option<&str>,
@@ -304,7 +298,7 @@ impl Session {
         let guard = self
             .unkeyed
             .enter(by, &format!("alloc at maru-server {}", self.url))?;
-        match self.call_by(
+        match self.call(
             &MetaRequest::Alloc {
                 session: self.id,
                 count,
@@ -325,11 +319,10 @@ impl Session {
         }
     }
 
-    pub fn free_pages(&self, pages: &[PageGrant]) -> Result<(), WorkerError> {
+    pub fn free_pages(&self, pages: &[PageGrant], by: Deadline) -> Result<(), WorkerError> {
         if pages.is_empty() {
             return Ok(());
         }
-        let by = self.call_deadline();
         let what = format!("free_pages at maru-server {}", self.url);
         let guard = self.unkeyed.enter(by, &what)?;
         // Not held from here, whatever the answer: the worker does not use them again.
@@ -341,7 +334,7 @@ impl Session {
                 page: p.page,
             })
             .collect();
-        self.call_by(
+        self.call(
             &MetaRequest::FreePages {
                 session: self.id,
                 pages,
@@ -351,7 +344,7 @@ impl Session {
         .map(|_| ())
     }
 
-    pub(crate) fn publish_by(
+    pub fn publish(
         &self,
         entries: Vec<PublishEntry>,
         by: Deadline,
@@ -364,7 +357,7 @@ impl Session {
             .iter()
             .map(|e| (e.region_id, e.offset / page_size))
             .collect();
-        let r = self.call_by(
+        let r = self.call(
             &MetaRequest::Publish {
                 session: self.id,
                 entries,
@@ -395,12 +388,8 @@ impl Session {
         }
     }
 
-    pub(crate) fn exists_by(
-        &self,
-        keys: &[String],
-        by: Deadline,
-    ) -> Result<Vec<bool>, WorkerError> {
-        match self.call_by(
+    pub fn exists(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call(
             &MetaRequest::Exists {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -412,12 +401,12 @@ impl Session {
         }
     }
 
-    pub(crate) fn acquire_by(
+    pub fn acquire(
         &self,
         keys: &[String],
         by: Deadline,
     ) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        match self.call_by(
+        match self.call(
             &MetaRequest::Acquire {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -439,12 +428,8 @@ impl Session {
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
-    pub(crate) fn remove_by(
-        &self,
-        keys: &[String],
-        by: Deadline,
-    ) -> Result<Vec<RemoveResult>, WorkerError> {
-        match self.call_by(
+    pub fn remove(&self, keys: &[String], by: Deadline) -> Result<Vec<RemoveResult>, WorkerError> {
+        match self.call(
             &MetaRequest::Remove {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -457,8 +442,8 @@ impl Session {
     }
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
-    pub(crate) fn victims_by(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
-        match self.call_by(
+    pub fn victims(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
+        match self.call(
             &MetaRequest::Victims {
                 session: self.id,
                 max,
@@ -471,8 +456,8 @@ impl Session {
     }
 
     /// Pins found keys (per key: found and pinned).
-    pub(crate) fn pin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        match self.call_by(
+    pub fn pin(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call(
             &MetaRequest::Pin {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -485,8 +470,8 @@ impl Session {
     }
 
     /// Drops one of this session's pins of each key (per key: one was dropped).
-    pub(crate) fn unpin_by(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        match self.call_by(
+    pub fn unpin(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        match self.call(
             &MetaRequest::Unpin {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -498,7 +483,7 @@ impl Session {
         }
     }
 
-    pub(crate) fn release_leases_by(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {
+    pub fn release_leases(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -507,7 +492,7 @@ impl Session {
                 h.remove(id);
             }
         }
-        self.call_by(
+        self.call(
             &MetaRequest::ReleaseLeases {
                 session: self.id,
                 lease_ids: ids,
@@ -520,72 +505,26 @@ impl Session {
     /// Gives one of the session's regions back: its keys stop being found at once.
     /// `released`: the worker released it at its agent already (else maru-server's
     /// region keeper does before the RM frees it).
-    pub fn return_region(&self, region_id: u64, released: bool) -> Result<(), WorkerError> {
-        match self.call(&MetaRequest::ReturnRegion {
-            session: self.id,
-            region_id,
-            released,
-        })? {
+    pub fn return_region(
+        &self,
+        region_id: u64,
+        released: bool,
+        by: Deadline,
+    ) -> Result<(), WorkerError> {
+        match self.call(
+            &MetaRequest::ReturnRegion {
+                session: self.id,
+                region_id,
+                released,
+            },
+            by,
+        )? {
             MetaReply::Returned(_) => {
                 self.unkeyed.region_gone(region_id);
                 Ok(())
             }
             r => Err(unexpected("return_region", r)),
         }
-    }
-
-    /// As `expand_by`, within the session's call timeout from now.
-    pub fn expand(&self) -> Result<RegionGrant, WorkerError> {
-        self.expand_by(self.call_deadline())
-    }
-
-    /// As `alloc_by`, within the session's call timeout from now.
-    pub fn alloc(
-        &self,
-        count: u32,
-        route_key: Option<&str>,
-    ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        self.alloc_by(count, route_key, self.call_deadline())
-    }
-
-    /// As `publish_by`, within the session's call timeout from now.
-    pub fn publish(&self, entries: Vec<PublishEntry>) -> Result<Vec<bool>, WorkerError> {
-        self.publish_by(entries, self.call_deadline())
-    }
-
-    /// As `exists_by`, within the session's call timeout from now.
-    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.exists_by(keys, self.call_deadline())
-    }
-
-    /// As `acquire_by`, within the session's call timeout from now.
-    pub fn acquire(&self, keys: &[String]) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        self.acquire_by(keys, self.call_deadline())
-    }
-
-    /// As `remove_by`, within the session's call timeout from now.
-    pub fn remove(&self, keys: &[String]) -> Result<Vec<RemoveResult>, WorkerError> {
-        self.remove_by(keys, self.call_deadline())
-    }
-
-    /// As `victims_by`, within the session's call timeout from now.
-    pub fn victims(&self, max: u32) -> Result<Vec<KeyInfo>, WorkerError> {
-        self.victims_by(max, self.call_deadline())
-    }
-
-    /// As `pin_by`, within the session's call timeout from now.
-    pub fn pin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.pin_by(keys, self.call_deadline())
-    }
-
-    /// As `unpin_by`, within the session's call timeout from now.
-    pub fn unpin(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
-        self.unpin_by(keys, self.call_deadline())
-    }
-
-    /// As `release_leases_by`, within the session's call timeout from now.
-    pub fn release_leases(&self, ids: Vec<u64>) -> Result<(), WorkerError> {
-        self.release_leases_by(ids, self.call_deadline())
     }
 
     /// The session is alive. `boot_ids` and `regions` name the regions the worker
@@ -618,7 +557,7 @@ impl Session {
                     .collect()
             })
         });
-        let r = self.call_by(
+        let r = self.call(
             &MetaRequest::Heartbeat {
                 session: self.id,
                 boot_ids,
@@ -635,7 +574,7 @@ impl Session {
                     self.unkeyed.region_gone(rid);
                 }
                 if h.held_pages_wanted {
-                    self.report_held();
+                    self.report_held(by);
                 }
                 Ok(h)
             }
@@ -659,11 +598,10 @@ impl Session {
     /// call that changes them is in flight (see `held`). A report not sent (calls in
     /// flight past the session's call timeout, maru-server out of reach) is sent
     /// again when the next heartbeat reply asks again.
-    fn report_held(&self) {
-        let by = self.call_deadline();
+    fn report_held(&self, by: Deadline) {
         let r = self.unkeyed.report(by, |pages| {
             let n = pages.len();
-            let r = self.call_by(
+            let r = self.call(
                 &MetaRequest::Heartbeat {
                     session: self.id,
                     boot_ids: BTreeMap::new(),
@@ -710,11 +648,14 @@ impl Session {
         }
     }
 
-    pub fn close(&self) -> Result<(), WorkerError> {
-        self.call(&MetaRequest::Close {
-            session: self.id,
-            drained: true,
-        })
+    pub fn close(&self, by: Deadline) -> Result<(), WorkerError> {
+        self.call(
+            &MetaRequest::Close {
+                session: self.id,
+                drained: true,
+            },
+            by,
+        )
         .map(|_| ())
     }
 
@@ -723,8 +664,8 @@ impl Session {
     /// so that a failed open leaves no session at maru-server (none in `maru-usage`,
     /// none counted against `--max-sessions`). A close that fails is logged: the
     /// session then ends when its heartbeats stop (`session_timeout_ms`).
-    pub fn close_failed_open(&self, why: &WorkerError) {
-        match self.close() {
+    pub fn close_failed_open(&self, why: &WorkerError, by: Deadline) {
+        match self.close(by) {
             Ok(()) => log::debug!(
                 "pool {}: session {} closed: the open failed ({why})",
                 self.url,

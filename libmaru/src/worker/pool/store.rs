@@ -19,18 +19,6 @@ use crate::worker::skips::SkipReason;
 use crate::worker::staging::Slot;
 use crate::worker::warn_limit;
 
-/// Times a publish asks for the regions' boot ids to be reported before it gives up
-/// (other stores keep adopting regions meanwhile).
-const REPORT_TRIES: usize = 3;
-
-/// Rounds of making room (a region or evictions, then `alloc`) that found no page
-/// before a store gives up on the chunks still missing.
-const ROOM_ROUNDS: usize = 8;
-
-/// Rounds of taking pages when some were of a region not the pool's (see
-/// `take_pages`).
-const TAKE_ROUNDS: usize = 3;
-
 /// Why `grow` took no region.
 #[derive(Debug)]
 enum NoRegion {
@@ -76,7 +64,7 @@ impl StoragePool {
         // chunks whose page is at an agent that is away.
         let mut counted = 0;
         let mut strays = 0;
-        for _ in 0..TAKE_ROUNDS {
+        for round in 0.. {
             let want = need - taken.pages.len() - counted;
             if want == 0 {
                 break;
@@ -89,7 +77,7 @@ impl StoragePool {
             let away = std::mem::take(&mut more.away);
             strays = foreign.len();
             taken.merge(more);
-            self.free_foreign(foreign);
+            self.free_foreign(foreign, by);
             if !away.is_empty() {
                 counted += away.len();
                 self.count_skip(
@@ -97,9 +85,9 @@ impl StoragePool {
                     away.len() as u64,
                     "the agent of their pages is away (it did not answer); skipped at once until a probe sees it answer",
                 );
-                self.keep_spare(away);
+                self.keep_spare(away, by);
             }
-            if strays == 0 || short > 0 {
+            if !super::core::take_again(round, strays, short) {
                 break;
             }
         }
@@ -128,11 +116,11 @@ impl StoragePool {
     /// Frees pages maru-server gave of a region that is not the pool's (see
     /// `Taken::foreign`): they hold no key. A region lost meanwhile took them with
     /// it, and maru-server refuses the free: nothing to do then.
-    fn free_foreign(&self, pages: Vec<PageGrant>) {
+    fn free_foreign(&self, pages: Vec<PageGrant>, by: Deadline) {
         if pages.is_empty() {
             return;
         }
-        if let Err(e) = self.session.free_pages(&pages) {
+        if let Err(e) = self.session.free_pages(&pages, by) {
             log::debug!(
                 "pool {}: {} page(s) of a region not this pool's not freed ({e}); they go with their region",
                 self.session.url,
@@ -159,7 +147,7 @@ impl StoragePool {
         let mut got = got.into_iter();
         pages.extend(got.by_ref().take(short));
         let unkept = self.core.lock().keep_spare(got.collect());
-        self.free_unkept(unkept);
+        self.free_unkept(unkept, by);
         let mut missing = (need - pages.len()) as u32;
         // Rounds of making room that ended with no page: other stores of this pool
         // make room at the same time (they may have evicted the victims offered here,
@@ -213,7 +201,7 @@ impl StoragePool {
             }
             if got_none {
                 dry += 1;
-                if dry >= ROOM_ROUNDS {
+                if super::core::room_given_up(dry) {
                     let reason = {
                         let mut c = self.core.lock();
                         c.stats.store_no_room += u64::from(missing);
@@ -246,8 +234,8 @@ impl StoragePool {
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        let got = self.session.alloc_by(count, route_key, by)?;
-        self.act_on_asks();
+        let got = self.session.alloc(count, route_key, by)?;
+        self.act_on_asks(by);
         drop(self.core.wait_while(by, |c| c.waits_for_adoption(&got.0)));
         Ok(got)
     }
@@ -260,7 +248,7 @@ impl StoragePool {
             .lock()
             .grow_begin(now_ms())
             .map_err(NoRegion::Full)?;
-        let grant = match self.session.expand_by(by) {
+        let grant = match self.session.expand(by) {
             Ok(g) => g,
             Err(e) => {
                 let full = matches!(e, WorkerError::NoSpace(_));
@@ -289,7 +277,7 @@ impl StoragePool {
             // at once (maru-server's keeper releases it at its agent), so that no
             // store gets pages of a region no mover knows.
             self.mover.forget(id);
-            if let Err(re) = self.session.return_region(id, false) {
+            if let Err(re) = self.session.return_region(id, false, by) {
                 log::warn!(
                     "pool {}: region {id}, taken and not made usable, could not be given back ({re})",
                     self.session.url
@@ -311,14 +299,12 @@ impl StoragePool {
     /// while a lease (a reader's, or one of this handler's views) covers it. Returns
     /// how many keys went.
     fn evict(&self, want: usize, by: Deadline) -> Result<usize, WorkerError> {
-        let victims = self
-            .session
-            .victims_by(want.min(self.max_batch) as u32, by)?;
+        let victims = self.session.victims(want.min(self.max_batch) as u32, by)?;
         if victims.is_empty() {
             return Ok(0);
         }
         let names: Vec<String> = victims.iter().map(|v| v.key.clone()).collect();
-        let results = self.session.remove_by(&names, by)?;
+        let results = self.session.remove(&names, by)?;
         let mut freed = 0;
         {
             let mut c = self.core.lock();
@@ -355,11 +341,11 @@ impl StoragePool {
     }
 
     /// Frees pages at maru-server (those beyond the spare bound).
-    pub(super) fn free(&self, pages: Vec<PageGrant>) {
+    pub(super) fn free(&self, pages: Vec<PageGrant>, by: Deadline) {
         if pages.is_empty() {
             return;
         }
-        if let Err(e) = self.session.free_pages(&pages) {
+        if let Err(e) = self.session.free_pages(&pages, by) {
             log::warn!(
                 "pool {}: cannot return {} unused pages: {e}",
                 self.session.url,
@@ -370,18 +356,18 @@ impl StoragePool {
 
     /// Keeps pages that hold no key for the next stores (those of regions still the
     /// pool's); frees what is beyond the bound.
-    pub(super) fn keep_spare(&self, pages: Vec<PageGrant>) {
+    pub(super) fn keep_spare(&self, pages: Vec<PageGrant>, by: Deadline) {
         if pages.is_empty() {
             return;
         }
         let unkept = self.core.lock().keep_spare(pages);
-        self.free_unkept(unkept);
+        self.free_unkept(unkept, by);
     }
 
     /// Frees what `keep_spare` did not keep.
-    fn free_unkept(&self, unkept: Unkept) {
-        self.free(unkept.extra);
-        self.free_foreign(unkept.foreign);
+    fn free_unkept(&self, unkept: Unkept, by: Deadline) {
+        self.free(unkept.extra, by);
+        self.free_foreign(unkept.foreign, by);
     }
 
     /// Writes chunks into their pages through the mover, by `by`; true where the
@@ -536,17 +522,25 @@ impl StoragePool {
                 )));
             }
         }
-        if self.session.away() {
-            // maru-server did not answer a call by its deadline: skip at once.
+        let why = if self.session.away() {
+            // maru-server did not answer a call by its deadline.
+            Some("maru-server is away (it did not answer)")
+        } else if self.core.lock().every_region_away() {
+            // Every page this store could take is at an agent that did not answer.
+            Some("the agents of every region of the pool are away (they did not answer)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
             self.count_skip(
                 SkipReason::PoolUnavailable,
                 keys.len() as u64,
-                "maru-server is away (it did not answer); skipped at once until a probe sees it answer",
+                &format!("{why}; skipped at once until a probe sees it answer"),
             );
             return Ok(vec![false; keys.len()]);
         }
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = self.session.exists_by(&owned, by)?;
+        let present = self.session.exists(&owned, by)?;
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
         self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
         if todo.is_empty() {
@@ -561,7 +555,7 @@ impl StoragePool {
         let ok = write(self, &placed, by);
         let r = self.publish(keys, lens, present, &placed, &ok, &taken, by);
         // Whatever happened: the pages are no longer being written by this store.
-        self.end_writing(taken.pages.iter().map(|p| p.region_id));
+        self.end_writing(taken.pages.iter().map(|p| p.region_id), by);
         r
     }
 
@@ -570,19 +564,19 @@ impl StoragePool {
     /// region maru-server asked for gives it back.
     /// Regions maru-server asked back on the reply to a call of this session: given
     /// back now (or by their last writer), not at the next heartbeat.
-    pub(super) fn act_on_asks(&self) {
+    pub(super) fn act_on_asks(&self, by: Deadline) {
         let asked = self.session.take_asked();
         if asked.is_empty() {
             return;
         }
         let gone = self.core.lock().asked_on_reply(&asked);
         self.core.notify();
-        self.carry_out(gone);
+        self.carry_out(gone, by);
     }
 
-    pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>) {
+    pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>, by: Deadline) {
         let done = self.core.lock().end_writing(regions);
-        self.carry_out(done);
+        self.carry_out(done, by);
     }
 
     /// The core's re-check of a publish (see `PoolCore::publish_begin`), after
@@ -597,15 +591,16 @@ impl StoragePool {
         taken: &Taken,
         by: Deadline,
     ) -> Result<super::core::PublishPlan, WorkerError> {
-        for round in 0..=REPORT_TRIES {
-            let give_up = round == REPORT_TRIES;
-            match self.core.lock().publish_begin(pages, ok, taken, give_up) {
+        let mut reports = 0;
+        loop {
+            match self.core.lock().publish_begin(pages, ok, taken, reports) {
                 PublishCheck::Go(plan) => return Ok(plan),
                 PublishCheck::Report => {}
             }
-            self.beat(by)?;
+            // Fails once `by` passed: the loop ends by the deadline whatever the core says.
+            self.heartbeat(by)?;
+            reports += 1;
         }
-        Ok(super::core::PublishPlan::default())
     }
 
     /// Sends a publish the core re-checked (`ticket`) and tells the core how it went
@@ -630,14 +625,14 @@ impl StoragePool {
                 (page, e.length)
             })
             .collect();
-        let answer = self.session.publish_by(entries, by);
+        let answer = self.session.publish(entries, by);
         let back = self.core.lock().publish_end(
             ticket,
             &published,
             answer.as_ref().ok().map(Vec::as_slice),
         );
         self.core.notify();
-        self.act_on_asks();
+        self.act_on_asks(by);
         (answer, back)
     }
 
@@ -683,7 +678,7 @@ impl StoragePool {
         // Pages taken beyond the chunks placed (none normally).
         unused.extend(taken.pages.iter().skip(placed.len()).copied());
         if plan.publish.is_empty() {
-            self.keep_spare(unused);
+            self.keep_spare(unused, by);
             return Ok(result);
         }
         let entries: Vec<PublishEntry> = plan
@@ -707,7 +702,7 @@ impl StoragePool {
             Err(e) => {
                 // The published chunks' pages stay out of use (the keys may be
                 // published); the others hold no key.
-                self.keep_spare(unused);
+                self.keep_spare(unused, by);
                 return Err(e);
             }
         };
@@ -716,7 +711,7 @@ impl StoragePool {
         }
         unused.extend(back);
         // Pages that hold no key (and no write in flight) serve the next stores.
-        self.keep_spare(unused);
+        self.keep_spare(unused, by);
         Ok(result)
     }
 }

@@ -20,7 +20,7 @@ use crate::worker::agents::{require_boot_id, welcome_identity};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, because a
@@ -782,6 +782,8 @@ impl RemoteMover {
         for agent in due {
             self.remap_if_free(&agent);
         }
+        // Outside any request: each wait of the tick its own bound, so that one agent
+        // slow to answer does not leave the others' maps and fences no time.
         let by = Deadline::after(TICK_FENCE_WAIT);
         self.fence_queued(by);
         self.reclaim(by);
@@ -801,13 +803,13 @@ impl RemoteMover {
     /// between the pool's ticks, so that one that answers again serves the next store.
     /// Peers that keep slots are fenced too: a fence that succeeds is what tells a
     /// data connection that answers again (and gives the slots back).
-    pub(crate) fn probe_away(&self, now_ms: u64) {
+    pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
         let due = self.lock().life.away_probes_due(now_ms);
         for a in due {
             self.probe(&a, now_ms);
         }
         if !self.lock().iso.to_fence().is_empty() {
-            self.reclaim(Deadline::after(TICK_FENCE_WAIT));
+            self.reclaim(by.within(TICK_FENCE_WAIT));
         }
     }
 
@@ -821,20 +823,23 @@ impl RemoteMover {
         }
     }
 
-    /// The probe connection to `addr` (short timeouts, and a client id of its own: the
-    /// agent drops a client's read handles when one of its connections closes, and
-    /// this one holds none).
-    fn probe_link(&self, addr: &str) -> Arc<Mutex<Link>> {
-        let mut opts = self.agent_opts.clone();
-        opts.client_id = format!("{}#probe", opts.client_id);
-        opts.connect_timeout = PROBE_TIMEOUT;
-        opts.call_timeout = PROBE_TIMEOUT;
-        self.probes
+    /// The probe connection to `addr`, taken out of `probes` for one probe (no lock
+    /// is held while it waits on the agent; a second probe at once gets a new one):
+    /// short timeouts, and a client id of its own (the agent drops a client's read
+    /// handles when one of its connections closes, and this one holds none).
+    fn take_probe_link(&self, addr: &str) -> Link {
+        let idle = self
+            .probes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .entry(addr.to_string())
-            .or_insert_with(|| Arc::new(Mutex::new(agent_link(addr, opts))))
-            .clone()
+            .remove(addr);
+        idle.unwrap_or_else(|| {
+            let mut opts = self.agent_opts.clone();
+            opts.client_id = format!("{}#probe", opts.client_id);
+            opts.connect_timeout = PROBE_TIMEOUT;
+            opts.call_timeout = PROBE_TIMEOUT;
+            agent_link(addr, opts)
+        })
     }
 
     /// Asks whether `addr` answers, and who (`ping`), on its probe connection and
@@ -851,8 +856,13 @@ impl RemoteMover {
         } else {
             PROBE_TIMEOUT
         };
-        let link = self.probe_link(addr);
-        let who = ping(&mut link.lock().unwrap_or_else(|e| e.into_inner()), within);
+        let mut link = self.take_probe_link(addr);
+        let who = ping(&mut link, within);
+        self.probes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(addr.to_string())
+            .or_insert(link);
         self.lock().probed(addr, now, who);
     }
 
@@ -939,6 +949,8 @@ impl RemoteMover {
         let (mut released, mut failed) = (0, 0);
         for (agent, handle) in own {
             let id = handle.region_id;
+            // Each release its own timeout, outside any request: a dead agent does
+            // not leave the regions at live ones unreleased.
             let by = Deadline::after(self.timeout);
             let link = self.lock().link_of(&agent);
             let r = match link.take(by) {

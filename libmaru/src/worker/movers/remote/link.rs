@@ -10,7 +10,7 @@ use crate::worker::clock::Deadline;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-pub(super) struct AgentLink {
+pub(crate) struct AgentLink {
     slot: Mutex<Slot>,
     back: Condvar,
 }

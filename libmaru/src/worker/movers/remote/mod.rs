@@ -10,8 +10,8 @@
 //! - `post`: a window of transfers posted one batch per peer and settled;
 //! - `isolation`: the slots of transfers of unknown outcome, kept until their peer
 //!   is fenced;
-//! - `requests`: what a store or load posts window by window; `windows`: the
-//!   schedule of a request's windows and the data path's in-flight budget.
+//! - `windows`: the schedule of a request's windows, the data path's in-flight
+//!   budget, and what a store or load posts window by window.
 //!
 //! No lock is held across a round trip, a connect or a fence: the core's lock is
 //! taken to look things up and record outcomes only; a round trip to an agent holds
@@ -20,111 +20,25 @@
 
 mod agents;
 pub(crate) mod isolation;
-mod link;
+pub(crate) mod link;
 mod post;
-mod requests;
 pub mod windows;
 
 use super::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
 use crate::net::{ClientOptions, Link};
-use crate::transport::{PeerId, Transport};
-use crate::wire::agent::MapReply;
+use crate::transport::Transport;
 use crate::wire::meta::{LeaseGrant, PageGrant};
 use crate::worker::clock::{now_ms, Deadline};
-use crate::worker::lifecycle::Lifecycle;
 use crate::worker::pool::core::{CoreCell, PoolCore};
+pub(crate) use crate::worker::pool::peers::{AgentConn, OwnRegion, ReadTarget, RemoteState};
 use crate::worker::staging::{Slot, StagingSlots};
-use isolation::Isolation;
-use link::AgentLink;
-use requests::{Given, GivenWindows, LoadWindows, StoreWindows};
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use windows::InFlightBudget;
-
-struct OwnRegion {
-    agent: String,
-    handle: crate::wire::rm::Handle,
-    map: MapReply,
-}
-
-struct AgentConn {
-    /// The control connection (map, map_read, release, a peer's bring-up), taken by
-    /// one caller at a time and never under the core's lock (see `link`); here only
-    /// as a handle the driver takes out.
-    link: Arc<AgentLink>,
-    peer: Option<PeerId>,
-}
-
-/// The `remote_cxl` part of the pool core: agents and their peers, the own regions'
-/// maps, read registrations, the region lifecycle, transfer isolation. Looked up and
-/// changed under the core's lock, never waited on: what needs an agent (a connect, a
-/// map, a `map_read`, a peer's bring-up, a fence) runs without the lock and records
-/// its outcome here.
-pub struct RemoteState {
-    agent_opts: ClientOptions,
-    agents: HashMap<String, AgentConn>,
-    own: HashMap<u64, OwnRegion>,
-    /// Read registrations of leased ranges: (region, offset, length) → where.
-    reads: HashMap<(u64, u64, u64), ReadTarget>,
-    /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
-    /// fed what agents answer, its decisions carried out by the driver.
-    pub(crate) life: Lifecycle,
-    /// How many reboots were found (see `PoolCore::heartbeat_begin`).
-    pub(crate) reboots: u64,
-    /// Why the last failed read failed, for the caller.
-    read_error: Option<String>,
-    /// Peers to fence once the lock is let go (a fence waits on the peer).
-    to_fence: Vec<PeerId>,
-    /// Slots of transfers of unknown outcome, and what is known of their peers.
-    iso: Isolation,
-}
-
-/// A remote range to READ: its agent, address, key and transport metadata.
-type ReadTarget = (String, u64, u64, serde_json::Value);
-
-impl RemoteState {
-    /// The state of a pool whose agents are reached with `agent_opts`.
-    pub fn new(agent_opts: ClientOptions) -> RemoteState {
-        RemoteState {
-            agent_opts,
-            agents: HashMap::new(),
-            own: HashMap::new(),
-            reads: HashMap::new(),
-            life: Lifecycle::new(),
-            reboots: 0,
-            read_error: None,
-            to_fence: Vec::new(),
-            iso: Isolation::default(),
-        }
-    }
-
-    /// The region is no longer the session's: nothing more is written into it or read
-    /// through its registrations.
-    pub fn forget_region(&mut self, region_id: u64) {
-        self.own.remove(&region_id);
-        self.life.forget(region_id);
-        self.reads.retain(|&(r, _, _), _| r != region_id);
-    }
-
-    /// WRITEs to `peer` failed with its connection: the target may still apply what it
-    /// read (see `Isolation::unknown_writes`).
-    pub(crate) fn unknown_writes(&mut self, peer: PeerId) {
-        self.iso.unknown_writes(peer);
-    }
-
-    /// True while a transfer of unknown outcome could still land somewhere.
-    pub fn may_still_write(&self) -> bool {
-        self.iso.may_still_write()
-    }
-
-    /// Why the last read that failed failed, once.
-    pub fn take_read_error(&mut self) -> Option<String> {
-        self.read_error.take()
-    }
-}
+use windows::{Given, GivenWindows, LoadWindows, StoreWindows};
 
 /// The core, locked, seen as the remote mover's state.
 pub(super) struct StateGuard<'a>(MutexGuard<'a, PoolCore>);
@@ -162,9 +76,9 @@ pub struct RemoteMover {
     /// Store slots held by this mover's copying store windows on the wire (they come
     /// back within a transfer; see `StoreWindows::slots`).
     store_slots_on_wire: AtomicUsize,
-    /// A second, short-timeout connection per agent for probes (the pool's tick, one
-    /// at a time).
-    probes: Mutex<HashMap<String, Arc<Mutex<Link>>>>,
+    /// A second, short-timeout connection per agent for probes, idle ones (a probe
+    /// takes its agent's out while it waits on it).
+    probes: Mutex<HashMap<String, Link>>,
     agent_opts: ClientOptions,
 }
 

@@ -1,0 +1,256 @@
+//! The RM as maru-server uses it ([`MetaRm`]): allocations on a thread of their own,
+//! the keeper's and the periodic calls off the loop, the keep-alive connection.
+
+use crate::meta_agents::AGENT_WAIT;
+use crate::peer_calls::{port_error, unexpected, PeerCalls};
+use maru::meta::{PoolSizes, PortError, RmPort};
+use maru::net::{ClientOptions, Link, Replier};
+use maru::wire::rm::{AllocReply, Handle, RmReply, RmRequest};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+/// A call to the RM made off the event loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum RmKey {
+    /// This server's regions, asked after this many allocations had started.
+    Owned(u64),
+    Free(u64),
+    Pools,
+}
+
+/// The RM as maru-server uses it. Every call runs on a thread of its own: the core's
+/// allocations ([`Action::Alloc`]) on `rm-alloc`, whose answers wake the loop and go to
+/// the core as events ([`MetaCore::alloc_done`]); the periodic and keeper calls (which
+/// regions the RM holds for this server, frees, the pools' sizes) on `rm-link`, each
+/// waiting on the loop at most [`AGENT_WAIT`]. So a stopped RM never stalls the loop,
+/// and sessions that do not need it stay fast.
+pub struct MetaRm {
+    /// The start-up check's connection.
+    link: Link,
+    /// This server's client id at the RM (the owner of its regions).
+    client_id: String,
+    opts: ClientOptions,
+    bg: PeerCalls<RmKey, RmRequest, Result<RmReply, PortError>>,
+    allocator: Option<Allocator>,
+    /// Allocations started: an answer about the server's regions asked before the
+    /// latest one may miss its region, so it is not used.
+    allocs: u64,
+    sizes: Option<PoolSizes>,
+    wait: Duration,
+    addr: String,
+}
+
+/// Allocations at the RM, one at a time, on the thread `rm-alloc`.
+struct Allocator {
+    jobs: mpsc::Sender<(u64, u64)>,
+    done: mpsc::Receiver<(u64, Result<AllocReply, PortError>)>,
+    /// An answer is waiting in `done` (set before the loop is woken).
+    ready: Arc<AtomicBool>,
+}
+
+impl Allocator {
+    fn start(mut link: Link, waker: Replier) -> Allocator {
+        let (jobs, rx) = mpsc::channel::<(u64, u64)>();
+        let (tx, done) = mpsc::channel();
+        let ready = Arc::new(AtomicBool::new(false));
+        let flag = ready.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rm-alloc".into())
+            .spawn(move || {
+                while let Ok((alloc, size)) = rx.recv() {
+                    let req = RmRequest::Alloc {
+                        size,
+                        pool: None,
+                        request_id: 0,
+                    };
+                    let answer = match link.call::<_, RmReply>(&req).map_err(port_error) {
+                        Ok(RmReply::Alloc(a)) => Ok(a),
+                        Ok(r) => Err(unexpected(r)),
+                        Err(e) => Err(e),
+                    };
+                    if tx.send((alloc, answer)).is_err() {
+                        return;
+                    }
+                    flag.store(true, Ordering::SeqCst);
+                    waker.wake();
+                }
+            });
+        if let Err(e) = spawned {
+            log::error!("cannot start thread rm-alloc: {e}");
+        }
+        Allocator { jobs, done, ready }
+    }
+}
+
+impl MetaRm {
+    pub fn new(addr: &str, client_id: String, key: Option<maru::auth::SharedKey>) -> MetaRm {
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id.clone());
+        opts.key = key;
+        opts.connect_timeout = Duration::from_secs(2);
+        opts.call_timeout = Duration::from_secs(5);
+        let mut bg_link = Link::new(addr, opts.clone());
+        let bg = PeerCalls::start("rm-link".into(), move |req: RmRequest| {
+            bg_link.call::<_, RmReply>(&req).map_err(port_error)
+        });
+        MetaRm {
+            link: Link::new(addr, opts.clone()),
+            client_id,
+            opts,
+            bg,
+            allocator: None,
+            allocs: 0,
+            sizes: None,
+            wait: AGENT_WAIT,
+            addr: addr.to_string(),
+        }
+    }
+
+    /// Starts the allocation thread; its answers wake the loop through `waker`.
+    pub(crate) fn start_allocator(&mut self, waker: Replier) {
+        let link = Link::new(self.addr.clone(), self.opts.clone());
+        self.allocator = Some(Allocator::start(link, waker));
+    }
+
+    /// Sends the core's allocation to the RM (answered through [`take_allocs`]).
+    pub(crate) fn start_alloc(&mut self, alloc: u64, size: u64) -> Result<(), PortError> {
+        // Counted before the answer: an answer about the server's regions asked
+        // before this point may miss the region this call hands out.
+        self.allocs += 1;
+        let sent = self
+            .allocator
+            .as_ref()
+            .is_some_and(|a| a.jobs.send((alloc, size)).is_ok());
+        if sent {
+            Ok(())
+        } else {
+            Err(PortError::Unreachable(format!(
+                "the allocation thread for the RM at {} is gone",
+                self.addr
+            )))
+        }
+    }
+
+    /// Whether an allocation's answer waits to be taken.
+    pub(crate) fn alloc_answered(&self) -> bool {
+        self.allocator
+            .as_ref()
+            .is_some_and(|a| a.ready.load(Ordering::SeqCst))
+    }
+
+    /// The answers of allocations that came back.
+    pub(crate) fn take_allocs(&mut self) -> Vec<(u64, Result<AllocReply, PortError>)> {
+        let Some(a) = &self.allocator else {
+            return Vec::new();
+        };
+        a.ready.store(false, Ordering::SeqCst);
+        a.done.try_iter().collect()
+    }
+
+    /// Lets the off-loop calls wait up to `wait` (at shutdown).
+    pub fn set_wait(&mut self, wait: Duration) {
+        self.wait = wait;
+    }
+
+    fn bg_call(&mut self, key: RmKey, req: RmRequest) -> Result<RmReply, PortError> {
+        let peer = format!("the RM at {}", self.addr);
+        self.bg
+            .call(&peer, key, req, self.wait)
+            .unwrap_or_else(|m| Err(PortError::Unreachable(m)))
+    }
+
+    /// The regions the RM holds for this server, with their handles' tokens, asked
+    /// on the start-up connection (a restart, before serving).
+    pub fn owned_region_infos(&mut self) -> Result<Vec<maru::wire::rm::RegionInfo>, String> {
+        let req = RmRequest::Regions {
+            owner: Some(self.client_id.clone()),
+        };
+        match self.link.call::<_, RmReply>(&req) {
+            Ok(RmReply::Regions { regions }) => Ok(regions),
+            Ok(r) => Err(format!("unexpected reply {r:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Connects now (maru-server refuses to start without its RM).
+    pub fn check(&mut self) -> Result<(), String> {
+        self.link.client().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// Keeps one connection to the RM open, from a thread of its own, with a cheap
+    /// call every `every` (or a third of the idle timeout the RM announces): the RM closes connections idle past its idle timeout, and
+    /// an owner with no connection left loses its regions after the RM's grace period.
+    /// A quiet server (no new region for minutes) must not look gone.
+    pub fn keep_alive(
+        addr: &str,
+        client_id: String,
+        key: Option<maru::auth::SharedKey>,
+        every: Duration,
+    ) {
+        let mut opts = ClientOptions::new(maru::wire::rm::SERVICE, client_id);
+        opts.key = key;
+        opts.connect_timeout = Duration::from_secs(2);
+        opts.call_timeout = Duration::from_secs(5);
+        let mut link = Link::new(addr, opts);
+        let spawned = std::thread::Builder::new()
+            .name("rm-keepalive".into())
+            .spawn(move || loop {
+                if let Err(e) = link.call::<_, RmReply>(&RmRequest::Pools) {
+                    log::debug!("RM keep-alive: {e}");
+                }
+                // Well within the idle timeout the RM announces, if it is shorter.
+                let idle = link
+                    .client()
+                    .ok()
+                    .and_then(|c| c.welcome().info.get("idle_timeout_ms")?.as_u64())
+                    .filter(|ms| *ms > 0)
+                    .map_or(every, |ms| every.min(Duration::from_millis(ms / 3)));
+                std::thread::sleep(idle);
+            });
+        if let Err(e) = spawned {
+            log::warn!("cannot start the RM keep-alive thread: {e}");
+        }
+    }
+}
+
+/// How often maru-server's keep-alive connection calls the RM.
+pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
+
+impl RmPort for MetaRm {
+    fn free(&mut self, h: &Handle) -> Result<(), PortError> {
+        let req = RmRequest::Free {
+            handle: h.clone(),
+            request_id: 0,
+        };
+        match self.bg_call(RmKey::Free(h.region_id), req)? {
+            RmReply::Free(_) => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
+        let req = RmRequest::Regions {
+            owner: Some(self.client_id.clone()),
+        };
+        match self.bg_call(RmKey::Owned(self.allocs), req)? {
+            RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
+        match self.bg_call(RmKey::Pools, RmRequest::Pools) {
+            Ok(RmReply::Pools { pools }) => {
+                let v = PoolSizes {
+                    largest: pools.iter().map(|p| p.total).max().unwrap_or(0),
+                    total: pools.iter().map(|p| p.total).sum(),
+                };
+                self.sizes = Some(v);
+                Ok(v)
+            }
+            Ok(r) => Err(unexpected(r)),
+            // The last answer stands while the RM is slow (pools seldom change).
+            Err(e) => self.sizes.ok_or(e),
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! The `remote_cxl` part of the pool core's state ([`RemoteState`]): agents and
+//! their peers, the own regions' maps, read registrations, the region lifecycle,
+//! transfer isolation. The rules that change it run under the core's lock; the
+//! driver (`movers::remote`) does the I/O they ask for and records the outcome.
+
+use crate::net::ClientOptions;
+use crate::transport::PeerId;
+use crate::wire::agent::MapReply;
+use crate::worker::lifecycle::Lifecycle;
+use crate::worker::movers::remote::isolation::Isolation;
+use crate::worker::movers::remote::link::AgentLink;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(crate) struct OwnRegion {
+    pub(crate) agent: String,
+    pub(crate) handle: crate::wire::rm::Handle,
+    pub(crate) map: MapReply,
+}
+
+pub(crate) struct AgentConn {
+    /// The control connection (map, map_read, release, a peer's bring-up), taken by
+    /// one caller at a time and never under the core's lock (see `link`); here only
+    /// as a handle the driver takes out.
+    pub(crate) link: Arc<AgentLink>,
+    pub(crate) peer: Option<PeerId>,
+}
+
+/// The `remote_cxl` part of the pool core: agents and their peers, the own regions'
+/// maps, read registrations, the region lifecycle, transfer isolation. Looked up and
+/// changed under the core's lock, never waited on: what needs an agent (a connect, a
+/// map, a `map_read`, a peer's bring-up, a fence) runs without the lock and records
+/// its outcome here.
+pub struct RemoteState {
+    pub(crate) agent_opts: ClientOptions,
+    pub(crate) agents: HashMap<String, AgentConn>,
+    pub(crate) own: HashMap<u64, OwnRegion>,
+    /// Read registrations of leased ranges: (region, offset, length) → where.
+    pub(crate) reads: HashMap<(u64, u64, u64), ReadTarget>,
+    /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
+    /// fed what agents answer, its decisions carried out by the driver.
+    pub(crate) life: Lifecycle,
+    /// How many reboots were found (see `PoolCore::heartbeat_begin`).
+    pub(crate) reboots: u64,
+    /// Why the last failed read failed, for the caller.
+    pub(crate) read_error: Option<String>,
+    /// Peers to fence once the lock is let go (a fence waits on the peer).
+    pub(crate) to_fence: Vec<PeerId>,
+    /// Slots of transfers of unknown outcome, and what is known of their peers.
+    pub(crate) iso: Isolation,
+}
+
+/// A remote range to READ: its agent, address, key and transport metadata.
+pub(crate) type ReadTarget = (String, u64, u64, serde_json::Value);
+
+impl RemoteState {
+    /// The state of a pool whose agents are reached with `agent_opts`.
+    pub fn new(agent_opts: ClientOptions) -> RemoteState {
+        RemoteState {
+            agent_opts,
+            agents: HashMap::new(),
+            own: HashMap::new(),
+            reads: HashMap::new(),
+            life: Lifecycle::new(),
+            reboots: 0,
+            read_error: None,
+            to_fence: Vec::new(),
+            iso: Isolation::default(),
+        }
+    }
+
+    /// The region is no longer the session's: nothing more is written into it or read
+    /// through its registrations.
+    pub fn forget_region(&mut self, region_id: u64) {
+        self.own.remove(&region_id);
+        self.life.forget(region_id);
+        self.reads.retain(|&(r, _, _), _| r != region_id);
+    }
+
+    /// WRITEs to `peer` failed with its connection: the target may still apply what it
+    /// read (see `Isolation::unknown_writes`).
+    pub(crate) fn unknown_writes(&mut self, peer: PeerId) {
+        self.iso.unknown_writes(peer);
+    }
+
+    /// True while a transfer of unknown outcome could still land somewhere.
+    pub fn may_still_write(&self) -> bool {
+        self.iso.may_still_write()
+    }
+
+    /// Why the last read that failed failed, once.
+    pub fn take_read_error(&mut self) -> Option<String> {
+        self.read_error.take()
+    }
+}
