@@ -73,7 +73,6 @@ test-python:
 # the worker's (issue 48), the metadata core's (issues 46 and 49), bench scale (46).
 IMPORT_CYCLES_KNOWN := \
 	--allow 'libmaru/src/worker/movers/remote/mod.rs<->libmaru/src/worker/movers/remote/windows.rs' \
-	--allow 'libmaru/src/meta/evict_rank.rs<->libmaru/src/meta/keys.rs' \
 	--allow 'libmaru/src/meta/alloc_ops.rs<->libmaru/src/meta/core.rs' \
 	--allow 'bench/src/scale.rs<->bench/src/scale_agent.rs'
 

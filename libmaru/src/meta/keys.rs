@@ -533,7 +533,7 @@ impl KeyDirectory {
         // Stored again after an eviction: asked for once more than it was read.
         let reads = match self.ranking {
             Ranking::Recency => 0,
-            _ => self.ghosts.recall(scope, name).map_or(0, |n| n + 1),
+            _ => self.ghosts.recall(scope.0, name).map_or(0, |n| n + 1),
         };
         let fresh_end = is_tail && reads == 0;
         let rank = self.ranking.rank(used, reads, fresh_end, self.len());
@@ -697,7 +697,7 @@ impl KeyDirectory {
         self.release(s);
         if self.ranking != Ranking::Recency {
             let bound = self.len().max(1);
-            self.ghosts.forget(scope, &out.name, reads, bound);
+            self.ghosts.forget(scope.0, &out.name, reads, bound);
         }
         if let Some(j) = &mut self.journal {
             j.put.remove(&id);
