@@ -291,7 +291,11 @@ fn run(seed: u64, max_live: usize, regions: u64, steps: usize) {
     check(&w, &model, &format!("seed {seed} at the end"), true);
     assert_eq!(w.core.session_count(), 0);
     // What is left at the RM is the kept regions, each with keys.
-    assert_eq!(w.core.keeper.giving_back_len(), 0, "seed {seed}: regions still going back");
+    assert_eq!(
+        w.core.keeper.giving_back_len(),
+        0,
+        "seed {seed}: regions still going back"
+    );
     assert_eq!(
         w.rm.allocated.len(),
         w.core.keeper.kept_len(),
