@@ -70,11 +70,9 @@ test-python:
 
 # Import circles between Rust files (scripts/import_cycles.py). Known circles being
 # broken on other branches, reported but not failed; remove each line when it lands:
-# the metadata core's (issues 46 and 49), bench scale (46).
+# the metadata core's (issues 46 and 49).
 IMPORT_CYCLES_KNOWN := \
-	--allow 'libmaru/src/meta/evict_rank.rs<->libmaru/src/meta/keys.rs' \
-	--allow 'libmaru/src/meta/alloc_ops.rs<->libmaru/src/meta/core.rs' \
-	--allow 'bench/src/scale.rs<->bench/src/scale_agent.rs'
+	--allow 'libmaru/src/meta/alloc_ops.rs<->libmaru/src/meta/core.rs'
 
 lint: deps
 	$(CARGO) fmt --all -- --check

@@ -25,6 +25,7 @@ use crate::harness::percentile;
 use crate::meta::dir_bytes;
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, Proc};
 use crate::report::Table;
+use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::wire::meta::{Backend, MetaReply, MetaRequest, PublishEntry, TotalStats, MAX_BATCH};
 use maru::worker::session::Session;
@@ -41,14 +42,6 @@ const PER_PROC: usize = 1000;
 /// Prompts per second of all simulated engines together, at every step (so that the
 /// steps compare the cost of sessions and keys, not of load).
 const RATE: f64 = 400.0;
-
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-pub struct Lat {
-    pub count: usize,
-    pub p50_us: f64,
-    pub p99_us: f64,
-    pub max_us: f64,
-}
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Step {
@@ -102,70 +95,6 @@ pub struct ScaleResult {
     pub notes: Vec<String>,
 }
 
-fn clk_tck() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
-    }
-}
-
-/// (thread name, utime + stime ticks) of every thread of `pid`.
-pub fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        let tid: u32 = e.file_name().to_string_lossy().parse().unwrap_or(0);
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let name = stat[open + 1..close].to_string();
-        let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-        // Fields 14 and 15 (utime, stime), counted from the state (field 3).
-        let t = f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
-            + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-        out.push((tid, name, t));
-    }
-    out
-}
-
-fn proc_ticks(pid: u32) -> u64 {
-    thread_ticks(pid).iter().map(|t| t.2).sum()
-}
-
-pub fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |kib| kib * 1024)
-}
-
-/// Per-thread CPU (% of a core) between two samples, grouped by thread name.
-pub fn thread_cpu(
-    a: &[(u32, String, u64)],
-    b: &[(u32, String, u64)],
-    secs: f64,
-) -> Vec<(String, f64)> {
-    let mut by: std::collections::BTreeMap<String, f64> = Default::default();
-    for (tid, name, t) in b {
-        let before = a.iter().find(|x| x.0 == *tid).map_or(0, |x| x.2);
-        *by.entry(name.clone()).or_default() +=
-            (t.saturating_sub(before)) as f64 / clk_tck() / secs * 100.0;
-    }
-    let mut v: Vec<(String, f64)> = by.into_iter().filter(|(_, c)| *c >= 0.05).collect();
-    v.sort_by(|x, y| y.1.total_cmp(&x.1));
-    v
-}
-
 struct Env {
     dir: PathBuf,
     rm_addr: String,
@@ -187,14 +116,11 @@ fn ns(t: usize) -> String {
     format!("scale-ns-{t}")
 }
 
-fn setup(max_keys: u64, max_sessions: usize) -> Result<Env, String> {
+/// `regions`: the RM's pool, in regions.
+fn setup(regions: u64, max_sessions: usize) -> Result<Env, String> {
     let dir = std::env::temp_dir().join(format!("maru-bench-scale-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // Room for every key, a region per session and some more: a sparse file nothing
-    // touches (maru-server never reads or writes KV bytes; the simulated engines do
-    // not either).
-    let regions = max_keys.div_ceil(PAGES_PER_REGION) + max_sessions as u64 + 64;
     let pool = dir.join("pool");
     let rm_state = dir.join("rm-state");
     let rm_key = rm_state.join("rm.key").display().to_string();
@@ -331,14 +257,23 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                 }
                 let s = open(&addr, &key, &format!("filler-{lo}@{t}"))?;
                 let mut n = lo;
+                // A loaded machine can keep the RM from answering an allocation in
+                // time; maru-server then says so and to retry (bounded here).
+                let mut retries = 0u32;
                 while n < hi {
                     let want = (hi - n).min(MAX_BATCH as u64) as u32;
                     let (pages, missing) = s
                         .alloc(want, None, s.call_deadline())
                         .map_err(|e| e.to_string())?;
                     if pages.is_empty() && missing > 0 {
-                        s.expand(s.call_deadline())
-                            .map_err(|e| format!("expand at key {n}: {e}"))?;
+                        match s.expand(s.call_deadline()) {
+                            Ok(_) => retries = 0,
+                            Err(e) if retries < 5 && e.to_string().ends_with("retry") => {
+                                retries += 1;
+                                eprintln!("  fill: expand at key {n}: {e} (retry {retries} of 5)");
+                            }
+                            Err(e) => return Err(format!("expand at key {n}: {e}")),
+                        }
                         continue;
                     }
                     let entries: Vec<PublishEntry> = pages
@@ -568,8 +503,30 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         &[10, 100, 1000, 4000]
     };
     let max_sessions = *sessions.iter().max().unwrap_or(&1000);
+    let n16 = 1000.min(max_sessions);
+    let key_steps = {
+        let (mut k, mut n) = (base, 0usize);
+        while k < big {
+            k = (k * 4).min(big);
+            n += 1;
+        }
+        n
+    };
+    // The pool, a sparse file nothing touches (maru-server never reads or writes KV
+    // bytes; the simulated engines do not either): room for every key the bench
+    // publishes, and for a region of every session any step opens (its own, the
+    // churn's, the fillers'). A simulated engine that stored keeps its region with
+    // the region keeper after it leaves, so those add up over the steps; a pool that
+    // runs out makes maru-server give back every kept region at once (the rule for a
+    // full RM: departed engines' keys first), the bench's published keys with them.
+    let keys = big + (TENANTS as u64) * (base / TENANTS as u64);
+    let steps = sessions.len() + 1 + key_steps;
+    let opened = sessions.iter().sum::<usize>()
+        + n16 * (1 + key_steps)
+        + steps * (2.0 * (secs + 4.0_f64)).ceil() as usize
+        + 4 * (TENANTS + key_steps);
     let env = setup(
-        big + (TENANTS as u64) * (base / TENANTS as u64),
+        keys.div_ceil(PAGES_PER_REGION) + opened as u64 + 64,
         max_sessions,
     )?;
     let args = server_args(&env, max_sessions);
@@ -620,19 +577,20 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
     for &n in sessions.iter().filter(|_| !only_fill) {
         let name = format!("{n} sessions, {} keys", keys_name(base));
         eprintln!("  step: {name}");
-        r.steps.push(run_step(&env, &plan(name, n, 1, base))?);
+        r.steps
+            .push(held(run_step(&env, &plan(name, n, 1, base))?, base)?);
     }
     // 16 tenants: each writes a namespace of its own, with base / 16 keys of it.
     let per_tenant = base / TENANTS as u64;
-    let n16 = 1000.min(max_sessions);
     if !only_fill {
         for t in 1..TENANTS {
             fill(&addr, &env, t, 0, per_tenant)?;
         }
         let name = format!("{n16} sessions, {TENANTS} tenants");
         eprintln!("  step: {name}");
-        r.steps
-            .push(run_step(&env, &plan(name, n16, TENANTS, per_tenant))?);
+        let published = base + (TENANTS as u64 - 1) * per_tenant;
+        let step = run_step(&env, &plan(name, n16, TENANTS, per_tenant))?;
+        r.steps.push(held(step, published)?);
     }
     let mut k = base;
     while k < big {
@@ -643,7 +601,9 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         }
         let name = format!("{n16} sessions, {} keys", keys_name(k));
         eprintln!("  step: {name}");
-        r.steps.push(run_step(&env, &plan(name, n16, 1, k))?);
+        let published = k + (TENANTS as u64 - 1) * per_tenant;
+        r.steps
+            .push(held(run_step(&env, &plan(name, n16, 1, k))?, published)?);
     }
     let t = totals(&addr, &env)?;
     r.recovery_keys = t.keys;
@@ -683,6 +643,20 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         ));
     }
     Ok(r)
+}
+
+/// The step, if maru-server still holds every key the bench published
+/// (`published`): the simulated engines evict only keys they stored themselves.
+fn held(step: Step, published: u64) -> Result<Step, String> {
+    if step.keys < published {
+        return Err(format!(
+            "after step \"{}\" maru-server holds {} keys, fewer than the {published} the \
+             bench published: keys were lost (the usual cause: the RM's pool ran out, \
+             and maru-server gave back every kept region at once)",
+            step.name, step.keys
+        ));
+    }
+    Ok(step)
 }
 
 fn keys_name(k: u64) -> String {

@@ -12,7 +12,6 @@
 use crate::harness::percentile;
 use crate::procs::{bin_dir, start_daemon, Proc};
 use crate::report::Table;
-use crate::scale::Lat;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
 use maru::net::{Client, ClientOptions};
 use maru::wire::agent::{AgentReply, AgentRequest};
@@ -292,12 +291,12 @@ pub fn run(quick: bool) -> Result<Vec<AgentStep>, String> {
             .collect::<Result<_, _>>()
             .map_err(|e| format!("worker thread: {e}"))?;
         go.wait();
-        let t0 = crate::scale::thread_ticks(pid);
+        let t0 = thread_ticks(pid);
         let start = Instant::now();
         std::thread::sleep(Duration::from_secs_f64(secs));
-        let t1 = crate::scale::thread_ticks(pid);
+        let t1 = thread_ticks(pid);
         let window = start.elapsed().as_secs_f64();
-        let rss = crate::scale::rss_bytes(pid);
+        let rss = rss_bytes(pid);
         let mut map = Vec::new();
         let mut map_read = Vec::new();
         let mut errors = Vec::new();
@@ -308,7 +307,7 @@ pub fn run(quick: bool) -> Result<Vec<AgentStep>, String> {
             errors.extend(o.errors);
         }
         errors.truncate(3);
-        let threads = crate::scale::thread_cpu(&t0, &t1, window);
+        let threads = thread_cpu(&t0, &t1, window);
         out.push(AgentStep {
             workers,
             seconds: window,
@@ -352,4 +351,79 @@ pub fn table(steps: &[AgentStep]) -> Table {
         ]);
     }
     t
+}
+
+// What both scale parts read from /proc and how they sum latencies (the server part,
+// `scale`, uses these too; this module imports nothing of it).
+
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Lat {
+    pub count: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+pub fn clk_tck() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// (thread name, utime + stime ticks) of every thread of `pid`.
+pub fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let tid: u32 = e.file_name().to_string_lossy().parse().unwrap_or(0);
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        // Fields 14 and 15 (utime, stime), counted from the state (field 3).
+        let t = f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
+            + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+        out.push((tid, name, t));
+    }
+    out
+}
+
+pub fn proc_ticks(pid: u32) -> u64 {
+    thread_ticks(pid).iter().map(|t| t.2).sum()
+}
+
+pub fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Per-thread CPU (% of a core) between two samples, grouped by thread name.
+pub fn thread_cpu(
+    a: &[(u32, String, u64)],
+    b: &[(u32, String, u64)],
+    secs: f64,
+) -> Vec<(String, f64)> {
+    let mut by: std::collections::BTreeMap<String, f64> = Default::default();
+    for (tid, name, t) in b {
+        let before = a.iter().find(|x| x.0 == *tid).map_or(0, |x| x.2);
+        *by.entry(name.clone()).or_default() +=
+            (t.saturating_sub(before)) as f64 / clk_tck() / secs * 100.0;
+    }
+    let mut v: Vec<(String, f64)> = by.into_iter().filter(|(_, c)| *c >= 0.05).collect();
+    v.sort_by(|x, y| y.1.total_cmp(&x.1));
+    v
 }

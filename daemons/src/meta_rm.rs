@@ -89,6 +89,11 @@ impl MetaRm {
         opts.key = key;
         opts.connect_timeout = Duration::from_secs(2);
         opts.call_timeout = Duration::from_secs(5);
+        // The RM's list of this server's regions (about 230 bytes each, with their
+        // tokens) passes the default 1 MiB frame at about 4,500 regions: the restart
+        // of a server holding more was refused, and its check of which regions the RM
+        // still holds failed quietly (issue 46, make bench-scale at 4 M keys).
+        opts.max_frame = RM_MAX_FRAME;
         let mut bg_link = Link::new(addr, opts.clone());
         let bg = PeerCalls::start("rm-link".into(), move |req: RmRequest| {
             bg_link.call::<_, RmReply>(&req).map_err(port_error)
@@ -212,6 +217,10 @@ impl MetaRm {
         }
     }
 }
+
+/// The largest frame maru-server reads from its RM (an authenticated peer): room
+/// for the list of about 290,000 regions.
+pub const RM_MAX_FRAME: usize = 64 << 20;
 
 /// How often maru-server's keep-alive connection calls the RM.
 pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);

@@ -700,10 +700,14 @@ impl MetaCore {
         if !matches!(r.holder, Holder::Session(_)) {
             return;
         }
+        let was = r.unused_since_ms;
         r.note_use(now_ms);
         if let Some(t) = r.unused_since_ms {
             let due = t.saturating_add(limit);
             self.next_unused_ms = Some(self.next_unused_ms.map_or(due, |d| d.min(due)));
+            if was != Some(t) {
+                self.unused_due.push(std::cmp::Reverse((due, region_id)));
+            }
         }
     }
 
@@ -713,20 +717,42 @@ impl MetaCore {
     /// (at every tick: regions that left their sessions are forgotten so).
     pub(super) fn take_back_unused(&mut self, now_ms: u64) {
         let limit = self.cfg.unused_region_ms;
-        let mut next: Option<u64> = None;
-        let mut due = Vec::new();
-        for r in self.regions.iter() {
-            let (Holder::Session(sid), Some(t)) = (r.holder, r.unused_since_ms) else {
-                continue;
-            };
-            if now_ms.saturating_sub(t) >= limit {
-                due.push((r.handle.region_id, sid));
-            } else {
-                let d = t.saturating_add(limit);
-                next = Some(next.map_or(d, |n| n.min(d)));
+        if !self.unused_seeded {
+            self.unused_seeded = true;
+            for r in self.regions.iter() {
+                self.unused_visited += 1;
+                if let (Holder::Session(_), Some(t)) = (r.holder, r.unused_since_ms) {
+                    let d = t.saturating_add(limit);
+                    self.unused_due
+                        .push(std::cmp::Reverse((d, r.handle.region_id)));
+                }
             }
         }
-        self.next_unused_ms = next;
+        let mut due = Vec::new();
+        while let Some(&std::cmp::Reverse((d, rid))) = self.unused_due.peek() {
+            // An entry stands while its region is unused since the time it was made
+            // for; a region used again since (or gone from its session) has a later
+            // entry, if any. So the first entry left is the next one due.
+            let sid = self.regions.get(rid).and_then(|r| match r.holder {
+                Holder::Session(sid)
+                    if r.unused_since_ms.map(|t| t.saturating_add(limit)) == Some(d) =>
+                {
+                    Some(sid)
+                }
+                _ => None,
+            });
+            if sid.is_some() && d > now_ms {
+                break;
+            }
+            self.unused_due.pop();
+            self.unused_visited += 1;
+            if let Some(sid) = sid {
+                due.push((rid, sid));
+            }
+        }
+        due.sort_unstable();
+        due.dedup();
+        self.next_unused_ms = self.unused_due.peek().map(|&std::cmp::Reverse((d, _))| d);
         for (rid, sid) in due {
             if let Some(s) = self.sessions.get_mut(sid) {
                 s.regions.remove(&rid);

@@ -73,6 +73,14 @@ pub struct MetaCore {
     pub(super) waits: RegionWaits,
     /// When the next region held unused reaches the unused-region limit.
     pub(super) next_unused_ms: Option<u64>,
+    /// (due, region) of each region of a session that became unused, the soonest
+    /// first; entries whose region was used again since are dropped when due (so a
+    /// tick visits the regions due, not every region: issue 46). Filled from every
+    /// region at the first tick (regions recovered unused).
+    pub(super) unused_due: std::collections::BinaryHeap<std::cmp::Reverse<(u64, u64)>>,
+    pub(super) unused_seeded: bool,
+    /// Regions visited by `take_back_unused` (a measure of its work).
+    pub(super) unused_visited: u64,
     /// When to ask the RM next which regions it holds for this server.
     next_rm_check_ms: u64,
     /// Changes to make durable and pages waiting for it (see `durable`); None: the
@@ -92,6 +100,9 @@ impl MetaCore {
             tenants: Tenants::default(),
             waits: RegionWaits::default(),
             next_unused_ms: None,
+            unused_due: Default::default(),
+            unused_seeded: false,
+            unused_visited: 0,
             keeper: RegionKeeper::new(KeeperTimes {
                 silence_ms: config.keeper_silence_ms,
                 check_ms: config.keeper_check_ms,

@@ -771,11 +771,11 @@ impl MetaCore {
             KeyRecord {
                 id: id.get(),
                 scope: KeyDirectory::scope_number(e.scope),
-                name: e.name.clone(),
+                name: e.name.to_string(),
                 region_id: e.loc.region_id,
                 offset: e.loc.offset,
                 length: e.loc.length,
-                prev: e.prev.clone(),
+                prev: e.prev.map(str::to_string),
                 used: e.used(),
                 check: 0,
             }

@@ -64,7 +64,7 @@ impl MetaCore {
                 }
                 chosen.push(k);
                 let Some(e) = self.keys.get(k) else { continue };
-                let Some(prev) = e.prev.as_deref() else {
+                let Some(prev) = e.prev else {
                     continue;
                 };
                 let n = chosen_successors.entry(prev).or_insert(0);
@@ -107,7 +107,7 @@ impl MetaCore {
             .filter_map(|k| {
                 let e = self.keys.get(k)?;
                 Some(KeyInfo {
-                    key: e.name.clone(),
+                    key: e.name.to_string(),
                     region_id: e.loc.region_id,
                     offset: e.loc.offset,
                     length: e.loc.length,

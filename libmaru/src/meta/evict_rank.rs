@@ -23,7 +23,6 @@
 //!   and there the end of a prompt is the chunk the next turn reads first: the rule
 //!   costs hits, so it is not the default.
 
-use super::keys::ScopeId;
 use std::collections::{HashMap, VecDeque};
 
 /// Ranks of keys not at the end of a fresh prompt start here, so that every fresh
@@ -60,21 +59,22 @@ impl Ranking {
     }
 }
 
-/// Read counts of removed keys, oldest removal forgotten first.
+/// Read counts of removed keys, oldest removal forgotten first. Names are scoped by
+/// the key directory's scope number (`KeyDirectory::scope_number`).
 #[derive(Debug, Default)]
 pub struct Ghosts {
     /// (scope, name) → (reads, sequence number of its removal).
-    reads: HashMap<(ScopeId, String), (u32, u64)>,
+    reads: HashMap<(u32, String), (u32, u64)>,
     /// Removals in order; an entry whose sequence number no longer matches the map
     /// was recalled or removed again since.
-    order: VecDeque<(u64, ScopeId, String)>,
+    order: VecDeque<(u64, u32, String)>,
     seq: u64,
 }
 
 impl Ghosts {
     /// Remembers that a key read `reads` times was removed; keeps at most `bound`
     /// names (at least one, at most [`GHOST_MAX`]).
-    pub fn forget(&mut self, scope: ScopeId, name: &str, reads: u32, bound: usize) {
+    pub fn forget(&mut self, scope: u32, name: &str, reads: u32, bound: usize) {
         self.seq += 1;
         self.reads
             .insert((scope, name.to_string()), (reads, self.seq));
@@ -93,7 +93,7 @@ impl Ghosts {
 
     /// The reads of a removed key stored again, if it is still remembered (and
     /// forgets it).
-    pub fn recall(&mut self, scope: ScopeId, name: &str) -> Option<u32> {
+    pub fn recall(&mut self, scope: u32, name: &str) -> Option<u32> {
         self.reads
             .remove(&(scope, name.to_string()))
             .map(|(reads, _)| reads)
@@ -109,8 +109,6 @@ impl Ghosts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::meta::keys::{KeyDirectory, Scope};
-    use crate::wire::meta::Backend;
 
     #[test]
     fn recency_ranks_by_use_and_reuse_adds_half_the_cache_per_read() {
@@ -129,12 +127,7 @@ mod tests {
 
     #[test]
     fn ghosts_recall_once_and_forget_the_oldest_past_their_bound() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(Scope {
-            namespace: "n".into(),
-            layout: "l".into(),
-            backend: Backend::Cxl,
-        });
+        let s = 0;
         let mut g = Ghosts::default();
         g.forget(s, "a", 2, 2);
         g.forget(s, "b", 0, 2);

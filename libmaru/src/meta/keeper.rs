@@ -23,7 +23,8 @@
 
 use super::ports::{AgentPort, PortError, RmPort};
 use crate::wire::rm::Handle;
-use std::collections::BTreeMap;
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Every this many failed tries of one give-back, the failure is logged as an error.
 const LOG_EVERY: u32 = 12;
@@ -148,6 +149,15 @@ struct GiveBack {
 pub struct RegionKeeper {
     kept: BTreeMap<u64, Kept>,
     giving_back: BTreeMap<u64, GiveBack>,
+    /// (when, region) of each region with something due: a kept region with an
+    /// agent (its next check) and every region going back (its next try), so that
+    /// a tick and the event loop's question of when to tick next visit only the
+    /// regions due, not every region kept (issue 46).
+    timers: BTreeSet<(u64, u64)>,
+    /// The time of each region's entry in `timers`.
+    armed: BTreeMap<u64, u64>,
+    /// Regions visited by `next_deadline` and `run` (a measure of their work).
+    visited: Cell<u64>,
     times: KeeperTimes,
 }
 
@@ -156,8 +166,51 @@ impl RegionKeeper {
         RegionKeeper {
             kept: BTreeMap::new(),
             giving_back: BTreeMap::new(),
+            timers: BTreeSet::new(),
+            armed: BTreeMap::new(),
+            visited: Cell::new(0),
             times,
         }
+    }
+
+    /// Regions visited so far by [`next_deadline`](Self::next_deadline) and
+    /// [`run`](Self::run).
+    pub fn visited(&self) -> u64 {
+        self.visited.get()
+    }
+
+    /// Puts the region's timer where its state says: its next check if kept with an
+    /// agent, its next try if going back, none otherwise.
+    fn rearm(&mut self, id: u64) {
+        let want = match (self.kept.get(&id), self.giving_back.get(&id)) {
+            (Some(k), _) if k.agent.is_some() => Some(k.next_check_ms),
+            (_, Some(g)) => Some(g.next_try_ms),
+            _ => None,
+        };
+        let had = self.armed.get(&id).copied();
+        if had == want {
+            return;
+        }
+        if let Some(t) = had {
+            self.timers.remove(&(t, id));
+            self.armed.remove(&id);
+        }
+        if let Some(t) = want {
+            self.timers.insert((t, id));
+            self.armed.insert(id, t);
+        }
+    }
+
+    /// The regions whose timer is due at `now`, by region id.
+    fn due(&self, now: u64) -> Vec<u64> {
+        let mut due: Vec<u64> = self
+            .timers
+            .range(..=(now, u64::MAX))
+            .map(|&(_, id)| id)
+            .collect();
+        self.visited.set(self.visited.get() + due.len() as u64);
+        due.sort_unstable();
+        due
     }
 
     /// Takes a region over. With an agent, the keeper maps it at the next run.
@@ -167,6 +220,7 @@ impl RegionKeeper {
             handle.region_id,
             agent.as_deref().unwrap_or("cxl")
         );
+        let handle_id = handle.region_id;
         self.kept.insert(
             handle.region_id,
             Kept {
@@ -178,6 +232,7 @@ impl RegionKeeper {
                 next_check_ms: now,
             },
         );
+        self.rearm(handle_id);
     }
 
     /// Queues a region to go back. `released`: no release at an agent is needed
@@ -191,9 +246,10 @@ impl RegionKeeper {
         now: u64,
     ) {
         let released = released || agent.is_none();
-        self.kept.remove(&handle.region_id);
+        let id = handle.region_id;
+        self.kept.remove(&id);
         self.giving_back.insert(
-            handle.region_id,
+            id,
             GiveBack {
                 handle,
                 agent,
@@ -203,6 +259,7 @@ impl RegionKeeper {
                 failures: 0,
             },
         );
+        self.rearm(id);
     }
 
     /// Gives a kept region up; the caller drops its keys. False if it is not kept.
@@ -229,6 +286,7 @@ impl RegionKeeper {
     pub fn forget(&mut self, region_id: u64) {
         self.kept.remove(&region_id);
         self.giving_back.remove(&region_id);
+        self.rearm(region_id);
     }
 
     pub fn is_kept(&self, region_id: u64) -> bool {
@@ -278,13 +336,10 @@ impl RegionKeeper {
     }
 
     pub fn next_deadline(&self) -> Option<u64> {
-        let checks = self
-            .kept
-            .values()
-            .filter(|k| k.agent.is_some())
-            .map(|k| k.next_check_ms);
-        let tries = self.giving_back.values().map(|g| g.next_try_ms);
-        checks.chain(tries).min()
+        let first = self.timers.first().map(|&(t, _)| t);
+        self.visited
+            .set(self.visited.get() + u64::from(first.is_some()));
+        first
     }
 
     /// Checks kept mappings and moves give-backs on, as far as the ports allow.
@@ -296,13 +351,11 @@ impl RegionKeeper {
     ) -> Vec<KeeperEvent> {
         let mut events = Vec::new();
         self.check_mappings(now, agents, &mut events);
-        let due: Vec<u64> = self
-            .giving_back
-            .iter()
-            .filter(|(_, g)| g.next_try_ms <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let due = self.due(now);
         for id in due {
+            if !self.giving_back.contains_key(&id) {
+                continue;
+            }
             self.release(id, now, agents);
             if let Some(e) = self.free_now(id, now, rm) {
                 events.push(e);
@@ -317,12 +370,7 @@ impl RegionKeeper {
         agents: &mut dyn AgentPort,
         events: &mut Vec<KeeperEvent>,
     ) {
-        let due: Vec<u64> = self
-            .kept
-            .iter()
-            .filter(|(_, k)| k.agent.is_some() && k.next_check_ms <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let due = self.due(now);
         for id in due {
             let Some(k) = self.kept.get_mut(&id) else {
                 continue;
@@ -391,10 +439,16 @@ impl RegionKeeper {
                     reason,
                 });
             }
+            self.rearm(id);
         }
     }
 
     fn release(&mut self, id: u64, now: u64, agents: &mut dyn AgentPort) {
+        self.release_once(id, now, agents);
+        self.rearm(id);
+    }
+
+    fn release_once(&mut self, id: u64, now: u64, agents: &mut dyn AgentPort) {
         let retry_ms = self.times.retry_ms;
         let Some(g) = self.giving_back.get_mut(&id) else {
             return;
@@ -429,12 +483,19 @@ impl RegionKeeper {
         if let Some(g) = self.giving_back.get_mut(&id) {
             g.next_try_ms = g.next_try_ms.max(until);
         }
+        self.rearm(id);
     }
 
     /// Frees a give-back at the RM if its release is done (and it is not held back).
     /// `Freed` when the RM no longer has the region (freed now, or unknown to it
     /// already).
     pub fn free_now(&mut self, id: u64, now: u64, rm: &mut dyn RmPort) -> Option<KeeperEvent> {
+        let e = self.free_once(id, now, rm);
+        self.rearm(id);
+        e
+    }
+
+    fn free_once(&mut self, id: u64, now: u64, rm: &mut dyn RmPort) -> Option<KeeperEvent> {
         let retry_ms = self.times.retry_ms;
         let g = self.giving_back.get_mut(&id)?;
         if !g.released || g.next_try_ms > now {

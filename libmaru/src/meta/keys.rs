@@ -15,7 +15,10 @@
 
 use super::evict_rank::{Ghosts, Ranking};
 use crate::wire::meta::Backend;
+use hashbrown::HashTable;
+use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::hash::BuildHasher;
 
 /// Which sessions share keys: the same namespace, KV layout digest and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -50,25 +53,19 @@ pub struct Location {
     pub length: u64,
 }
 
-#[derive(Debug, Clone)]
-pub struct KeyEntry {
+/// A stored key, as [`KeyDirectory::get`] shows it.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyEntry<'a> {
     pub scope: ScopeId,
-    pub name: String,
+    pub name: &'a str,
     pub loc: Location,
     /// The key before this one in its prefix chain, as the publisher named it.
-    pub prev: Option<String>,
-    /// Stamp of the last publish or read (larger is more recent).
+    pub prev: Option<&'a str>,
     used: u64,
-    /// Reads since it was stored (plus those remembered from before an eviction,
-    /// under the reuse rankings).
-    reads: u32,
-    /// Stored as the end of its chain and neither read nor followed since.
-    fresh_end: bool,
-    /// Place in the eviction order (the lowest goes first).
     rank: u64,
 }
 
-impl KeyEntry {
+impl KeyEntry<'_> {
     /// Stamp of the last publish or read (larger is more recent).
     pub fn used(&self) -> u64 {
         self.used
@@ -80,6 +77,14 @@ impl KeyEntry {
     }
 }
 
+/// A key [`KeyDirectory::remove`] took out.
+#[derive(Debug, Clone)]
+pub struct RemovedKey {
+    pub scope: ScopeId,
+    pub name: Box<str>,
+    pub loc: Location,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Published {
     New(KeyId),
@@ -87,13 +92,156 @@ pub enum Published {
     Exists(KeyId),
 }
 
+/// Which order of a region: all its keys, or its tails.
+const LRU: usize = 0;
+/// The keys of the region that no stored key names as its previous one.
+const TAILS: usize = 1;
+
 #[derive(Debug, Default)]
 struct RegionKeys {
-    /// (rank, key), the first to go first.
-    lru: BTreeSet<(u64, KeyId)>,
-    /// The keys of `lru` that no stored key names as its previous one.
-    tails: BTreeSet<(u64, KeyId)>,
+    /// By (rank, key), the first to go first: [`LRU`] and [`TAILS`].
+    order: [Order; 2],
     bytes: u64,
+}
+
+/// Keys by (rank, key), the first to go first. A key ranked after every key of
+/// the list is linked at its end through its slot (8 bytes, no allocation: under
+/// the recency order every publish and read is, since stamps only grow); one
+/// ranked before (a key restored out of order, a tail again, the reuse rankings)
+/// goes to the tree. The order is the merge of the two.
+#[derive(Debug)]
+struct Order {
+    head: u32,
+    last: u32,
+    tree: BTreeSet<(u64, KeyId)>,
+    len: usize,
+}
+
+impl Default for Order {
+    fn default() -> Order {
+        Order {
+            head: NIL,
+            last: NIL,
+            tree: BTreeSet::new(),
+            len: 0,
+        }
+    }
+}
+
+impl Order {
+    fn insert(&mut self, slots: &mut [Slot], w: usize, s: u32) {
+        let k = slots[s as usize].order_key();
+        if self.last == NIL || slots[self.last as usize].order_key() < k {
+            slots[s as usize].link[w] = [self.last, NIL];
+            match self.last {
+                NIL => self.head = s,
+                l => slots[l as usize].link[w][1] = s,
+            }
+            self.last = s;
+            slots[s as usize].listed |= 1 << w;
+        } else {
+            self.tree.insert(k);
+        }
+        self.len += 1;
+    }
+
+    /// Takes the key out (as ranked now); false if it was not in.
+    fn remove(&mut self, slots: &mut [Slot], w: usize, s: u32) -> bool {
+        let e = &mut slots[s as usize];
+        if e.listed & (1 << w) != 0 {
+            let [p, n] = e.link[w];
+            e.link[w] = [NIL, NIL];
+            e.listed &= !(1 << w);
+            match p {
+                NIL => self.head = n,
+                p => slots[p as usize].link[w][1] = n,
+            }
+            match n {
+                NIL => self.last = p,
+                n => slots[n as usize].link[w][0] = p,
+            }
+        } else if !self.tree.remove(&e.order_key()) {
+            return false;
+        }
+        self.len -= 1;
+        true
+    }
+
+    fn iter<'a>(&'a self, slots: &'a [Slot], w: usize) -> OrderIter<'a> {
+        OrderIter {
+            slots,
+            w,
+            next: self.head,
+            tree: self.tree.iter().peekable(),
+        }
+    }
+}
+
+struct OrderIter<'a> {
+    slots: &'a [Slot],
+    w: usize,
+    next: u32,
+    tree: std::iter::Peekable<std::collections::btree_set::Iter<'a, (u64, KeyId)>>,
+}
+
+impl Iterator for OrderIter<'_> {
+    type Item = (u64, KeyId);
+
+    fn next(&mut self) -> Option<(u64, KeyId)> {
+        let listed = (self.next != NIL).then(|| self.slots[self.next as usize].order_key());
+        match (listed, self.tree.peek()) {
+            (Some(l), Some(&&t)) if t < l => self.tree.next().copied(),
+            (Some(l), _) => {
+                self.next = self.slots[self.next as usize].link[self.w][1];
+                Some(l)
+            }
+            (None, _) => self.tree.next().copied(),
+        }
+    }
+}
+
+/// No slot.
+const NIL: u32 = u32::MAX;
+
+/// One name of a scope: a stored key, a name that stored keys name as their
+/// previous one (their successors), or both. Each name is held once, here; the
+/// tables of [`KeyDirectory`] index slots by number (issue 46: a name stored three
+/// times and a map entry per index cost 560-630 bytes per key).
+#[derive(Debug)]
+struct Slot {
+    name: Box<str>,
+    scope: ScopeId,
+    /// How many stored keys name this one as their previous one.
+    successors: u32,
+    /// The slot of the name this key names as its previous one (NIL: none).
+    prev: u32,
+    /// Reads since it was stored (plus those remembered from before an eviction,
+    /// under the reuse rankings).
+    reads: u32,
+    /// Stored as the end of its chain and neither read nor followed since.
+    fresh_end: bool,
+    /// The id of the key stored under this name; 0 when none is (the name is only
+    /// named as a previous one) or the slot is free.
+    id: u64,
+    loc: Location,
+    /// Stamp of the last publish or read (larger is more recent).
+    used: u64,
+    /// Place in the eviction order (the lowest goes first).
+    rank: u64,
+    /// (previous, next) in the list of each [`Order`] of its region.
+    link: [[u32; 2]; 2],
+    /// Bit `w`: linked in the list of order `w` (else in its tree, if in it).
+    listed: u8,
+}
+
+impl Slot {
+    fn stored(&self) -> bool {
+        self.id != 0
+    }
+
+    fn order_key(&self) -> (u64, KeyId) {
+        (self.rank, KeyId(self.id))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -101,13 +249,17 @@ pub struct KeyDirectory {
     /// Scopes are interned for good: there are as many as distinct (namespace,
     /// layout, backend) triples ever opened, a few hundred bytes each.
     scopes: HashMap<Scope, ScopeId>,
-    by_name: HashMap<ScopeId, HashMap<String, KeyId>>,
-    entries: HashMap<KeyId, KeyEntry>,
+    slots: Vec<Slot>,
+    /// Slots free for reuse.
+    free: Vec<u32>,
+    /// Slots by (scope, name): every slot in use.
+    names: HashTable<u32>,
+    /// Slots of stored keys by id.
+    ids: HashTable<u32>,
+    /// Slots of stored keys by (region, offset).
+    pages: HashTable<u32>,
+    hasher: RandomState,
     by_region: HashMap<u64, RegionKeys>,
-    by_page: HashMap<(u64, u64), KeyId>,
-    /// How many stored keys name (scope, name) as their previous key; only names
-    /// with at least one are here, so it holds at most one entry per stored key.
-    successors: HashMap<(ScopeId, String), u32>,
     next_id: u64,
     stamp: u64,
     ranking: Ranking,
@@ -127,6 +279,18 @@ pub struct KeyJournal {
     pub used: HashSet<KeyId>,
     /// Changes other than reads.
     pub changes: u64,
+}
+
+fn name_hash(h: &RandomState, scope: ScopeId, name: &str) -> u64 {
+    h.hash_one((scope.0, name))
+}
+
+fn id_hash(h: &RandomState, id: u64) -> u64 {
+    h.hash_one(id)
+}
+
+fn page_hash(h: &RandomState, region_id: u64, offset: u64) -> u64 {
+    h.hash_one((region_id, offset))
 }
 
 impl KeyDirectory {
@@ -230,24 +394,120 @@ impl KeyDirectory {
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.ids.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.ids.is_empty()
+    }
+
+    /// The slot of (scope, name), stored or only named as a previous key.
+    fn slot_of(&self, scope: ScopeId, name: &str) -> Option<u32> {
+        let slots = &self.slots;
+        self.names
+            .find(name_hash(&self.hasher, scope, name), |&s| {
+                let e = &slots[s as usize];
+                e.scope == scope && *e.name == *name
+            })
+            .copied()
+    }
+
+    fn slot_of_id(&self, id: KeyId) -> Option<u32> {
+        let slots = &self.slots;
+        self.ids
+            .find(id_hash(&self.hasher, id.0), |&s| {
+                slots[s as usize].id == id.0
+            })
+            .copied()
+    }
+
+    /// The slot of (scope, name), made (not stored, no successor) if it has none.
+    fn slot_or_new(&mut self, scope: ScopeId, name: &str) -> u32 {
+        if let Some(s) = self.slot_of(scope, name) {
+            return s;
+        }
+        let slot = Slot {
+            name: name.into(),
+            scope,
+            successors: 0,
+            prev: NIL,
+            reads: 0,
+            fresh_end: false,
+            id: 0,
+            loc: Location {
+                region_id: 0,
+                offset: 0,
+                length: 0,
+            },
+            used: 0,
+            rank: 0,
+            link: [[NIL; 2]; 2],
+            listed: 0,
+        };
+        let s = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize] = slot;
+                s
+            }
+            None => {
+                self.slots.push(slot);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let (slots, h) = (&self.slots, &self.hasher);
+        self.names
+            .insert_unique(name_hash(h, scope, name), s, |&x| {
+                let e = &slots[x as usize];
+                name_hash(h, e.scope, &e.name)
+            });
+        s
+    }
+
+    /// Frees slot `s` if it holds no key and no stored key names it.
+    fn release(&mut self, s: u32) {
+        let e = &self.slots[s as usize];
+        if e.stored() || e.successors > 0 {
+            return;
+        }
+        let hash = name_hash(&self.hasher, e.scope, &e.name);
+        if let Ok(o) = self.names.find_entry(hash, |&x| x == s) {
+            o.remove();
+        }
+        self.slots[s as usize].name = Box::default();
+        self.free.push(s);
+    }
+
+    fn entry(&self, s: u32) -> KeyEntry<'_> {
+        let e = &self.slots[s as usize];
+        KeyEntry {
+            scope: e.scope,
+            name: &e.name,
+            loc: e.loc,
+            prev: (e.prev != NIL).then(|| &*self.slots[e.prev as usize].name),
+            used: e.used,
+            rank: e.rank,
+        }
     }
 
     pub fn find(&self, scope: ScopeId, name: &str) -> Option<KeyId> {
-        self.by_name.get(&scope)?.get(name).copied()
+        let s = self.slot_of(scope, name)?;
+        let e = &self.slots[s as usize];
+        e.stored().then_some(KeyId(e.id))
     }
 
-    pub fn get(&self, id: KeyId) -> Option<&KeyEntry> {
-        self.entries.get(&id)
+    pub fn get(&self, id: KeyId) -> Option<KeyEntry<'_>> {
+        Some(self.entry(self.slot_of_id(id)?))
     }
 
     /// The key stored in the page at `offset` of the region, if one is.
     pub fn at(&self, region_id: u64, offset: u64) -> Option<KeyId> {
-        self.by_page.get(&(region_id, offset)).copied()
+        let slots = &self.slots;
+        self.pages
+            .find(page_hash(&self.hasher, region_id, offset), |&s| {
+                let l = &slots[s as usize].loc;
+                l.region_id == region_id && l.offset == offset
+            })
+            .map(|&s| KeyId(slots[s as usize].id))
     }
 
     /// Publishes `name` at `loc` unless the scope has it already. `prev` is the key
@@ -268,45 +528,43 @@ impl KeyDirectory {
         let id = KeyId(self.next_id);
         self.stamp += 1;
         let used = self.stamp;
-        self.by_name
-            .entry(scope)
-            .or_default()
-            .insert(name.to_string(), id);
-        let is_tail = self.successors_of(scope, name) == 0;
+        let s = self.slot_or_new(scope, name);
+        let is_tail = self.slots[s as usize].successors == 0;
         // Stored again after an eviction: asked for once more than it was read.
         let reads = match self.ranking {
             Ranking::Recency => 0,
-            _ => self.ghosts.recall(scope, name).map_or(0, |n| n + 1),
+            _ => self.ghosts.recall(scope.0, name).map_or(0, |n| n + 1),
         };
         let fresh_end = is_tail && reads == 0;
-        let rank = self
-            .ranking
-            .rank(used, reads, fresh_end, self.entries.len());
+        let rank = self.ranking.rank(used, reads, fresh_end, self.len());
+        {
+            let e = &mut self.slots[s as usize];
+            e.id = id.0;
+            e.loc = loc;
+            e.used = used;
+            e.reads = reads;
+            e.fresh_end = fresh_end;
+            e.rank = rank;
+        }
         let r = self.by_region.entry(loc.region_id).or_default();
-        r.lru.insert((rank, id));
+        r.order[LRU].insert(&mut self.slots, LRU, s);
         if is_tail {
-            r.tails.insert((rank, id));
+            r.order[TAILS].insert(&mut self.slots, TAILS, s);
         }
         r.bytes += loc.length;
-        self.by_page.insert((loc.region_id, loc.offset), id);
+        let (slots, h) = (&self.slots, &self.hasher);
+        self.ids
+            .insert_unique(id_hash(h, id.0), s, |&x| id_hash(h, slots[x as usize].id));
+        self.pages
+            .insert_unique(page_hash(h, loc.region_id, loc.offset), s, |&x| {
+                let l = &slots[x as usize].loc;
+                page_hash(h, l.region_id, l.offset)
+            });
         // A key is not its own predecessor: that would keep it from ever being a tail.
-        let prev = prev.filter(|p| *p != name).map(str::to_string);
-        if let Some(p) = &prev {
-            self.add_successor(scope, p);
+        if let Some(p) = prev.filter(|p| *p != name) {
+            let ps = self.add_successor(scope, p);
+            self.slots[s as usize].prev = ps;
         }
-        self.entries.insert(
-            id,
-            KeyEntry {
-                scope,
-                name: name.to_string(),
-                loc,
-                prev,
-                used,
-                reads,
-                fresh_end,
-                rank,
-            },
-        );
         if let Some(j) = &mut self.journal {
             j.put.insert(id);
             j.changes += 1;
@@ -316,60 +574,51 @@ impl KeyDirectory {
 
     /// How many stored keys name `name` as the key before them.
     pub fn successors_of(&self, scope: ScopeId, name: &str) -> u32 {
-        // A borrowed lookup key would need a second map; names are short.
-        self.successors
-            .get(&(scope, name.to_string()))
-            .copied()
-            .unwrap_or(0)
+        self.slot_of(scope, name)
+            .map_or(0, |s| self.slots[s as usize].successors)
     }
 
-    fn add_successor(&mut self, scope: ScopeId, prev: &str) {
-        let n = self
-            .successors
-            .entry((scope, prev.to_string()))
-            .or_insert(0);
-        *n += 1;
-        if *n == 1 {
-            // `prev` was a tail (if it is stored) and is one no longer, nor the end
-            // of a fresh prompt.
-            if let Some(pid) = self.find(scope, prev) {
-                if let Some(pe) = self.entries.get(&pid) {
-                    if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
-                        r.tails.remove(&(pe.rank, pid));
-                    }
-                }
-                self.rerank(pid, false);
+    /// Counts a successor of (scope, prev); returns the slot of `prev`.
+    fn add_successor(&mut self, scope: ScopeId, prev: &str) -> u32 {
+        let ps = self.slot_or_new(scope, prev);
+        let pe = &mut self.slots[ps as usize];
+        pe.successors += 1;
+        if pe.successors == 1 && pe.stored() {
+            // `prev` was a tail and is one no longer, nor the end of a fresh prompt.
+            let (pid, rid) = (KeyId(pe.id), pe.loc.region_id);
+            if let Some(r) = self.by_region.get_mut(&rid) {
+                r.order[TAILS].remove(&mut self.slots, TAILS, ps);
             }
+            self.rerank(pid, false);
         }
+        ps
     }
 
-    fn drop_successor(&mut self, scope: ScopeId, prev: &str) {
-        let k = (scope, prev.to_string());
-        let Some(n) = self.successors.get_mut(&k) else {
-            return;
-        };
-        *n -= 1;
-        if *n > 0 {
+    fn drop_successor(&mut self, ps: u32) {
+        let pe = &mut self.slots[ps as usize];
+        pe.successors -= 1;
+        if pe.successors > 0 {
             return;
         }
-        self.successors.remove(&k);
-        // `prev` (if it is stored) has no successor left: it is a tail now.
-        if let Some(pid) = self.find(scope, prev) {
-            if let Some(pe) = self.entries.get(&pid) {
-                if let Some(r) = self.by_region.get_mut(&pe.loc.region_id) {
-                    r.tails.insert((pe.rank, pid));
-                }
+        if pe.stored() {
+            // `prev` has no successor left: it is a tail now.
+            let rid = pe.loc.region_id;
+            if let Some(r) = self.by_region.get_mut(&rid) {
+                r.order[TAILS].insert(&mut self.slots, TAILS, ps);
             }
+        } else {
+            self.release(ps);
         }
     }
 
     /// Ranks the key again: as read just now (`read`), or as it is with its
     /// fresh-end mark dropped.
     fn rerank(&mut self, id: KeyId, read: bool) {
-        let stored = self.entries.len();
-        let Some(e) = self.entries.get_mut(&id) else {
+        let stored = self.len();
+        let Some(s) = self.slot_of_id(id) else {
             return;
         };
+        let e = &mut self.slots[s as usize];
         if !read && !e.fresh_end {
             return;
         }
@@ -380,19 +629,28 @@ impl KeyDirectory {
         }
         e.fresh_end = false;
         let rank = self.ranking.rank(e.used, e.reads, false, stored);
-        if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
-            r.lru.remove(&(e.rank, id));
-            r.lru.insert((rank, id));
-            if r.tails.remove(&(e.rank, id)) {
-                r.tails.insert((rank, id));
-            }
+        if rank == e.rank {
+            // In place already (under the recency order, a key that gets a
+            // successor): taken out and put back, it would leave its list.
+            return;
         }
-        e.rank = rank;
+        let rid = e.loc.region_id;
+        let Some(r) = self.by_region.get_mut(&rid) else {
+            self.slots[s as usize].rank = rank;
+            return;
+        };
+        r.order[LRU].remove(&mut self.slots, LRU, s);
+        let tail = r.order[TAILS].remove(&mut self.slots, TAILS, s);
+        self.slots[s as usize].rank = rank;
+        r.order[LRU].insert(&mut self.slots, LRU, s);
+        if tail {
+            r.order[TAILS].insert(&mut self.slots, TAILS, s);
+        }
     }
 
     /// Marks the key as just read.
     pub fn touch(&mut self, id: KeyId) {
-        if !self.entries.contains_key(&id) {
+        if self.slot_of_id(id).is_none() {
             return;
         }
         self.rerank(id, true);
@@ -401,43 +659,62 @@ impl KeyDirectory {
         }
     }
 
-    pub fn remove(&mut self, id: KeyId) -> Option<KeyEntry> {
-        let e = self.entries.remove(&id)?;
-        if let Some(p) = &e.prev {
-            self.drop_successor(e.scope, p);
+    pub fn remove(&mut self, id: KeyId) -> Option<RemovedKey> {
+        let s = self.slot_of_id(id)?;
+        let h = &self.hasher;
+        if let Ok(o) = self.ids.find_entry(id_hash(h, id.0), |&x| x == s) {
+            o.remove();
         }
-        if let Some(names) = self.by_name.get_mut(&e.scope) {
-            names.remove(&e.name);
-            if names.is_empty() {
-                self.by_name.remove(&e.scope);
+        let (loc, reads, scope) = {
+            let e = &self.slots[s as usize];
+            (e.loc, e.reads, e.scope)
+        };
+        if let Some(r) = self.by_region.get_mut(&loc.region_id) {
+            r.order[LRU].remove(&mut self.slots, LRU, s);
+            r.order[TAILS].remove(&mut self.slots, TAILS, s);
+            r.bytes -= loc.length;
+            if r.order[LRU].len == 0 {
+                self.by_region.remove(&loc.region_id);
             }
         }
+        let e = &mut self.slots[s as usize];
+        if let Ok(o) = self
+            .pages
+            .find_entry(page_hash(h, loc.region_id, loc.offset), |&x| x == s)
+        {
+            o.remove();
+        }
+        e.id = 0;
+        let prev = std::mem::replace(&mut e.prev, NIL);
+        let out = RemovedKey {
+            scope,
+            name: e.name.clone(),
+            loc,
+        };
+        if prev != NIL {
+            self.drop_successor(prev);
+        }
+        self.release(s);
         if self.ranking != Ranking::Recency {
-            let bound = self.entries.len().max(1);
-            self.ghosts.forget(e.scope, &e.name, e.reads, bound);
+            let bound = self.len().max(1);
+            self.ghosts.forget(scope.0, &out.name, reads, bound);
         }
-        if let Some(r) = self.by_region.get_mut(&e.loc.region_id) {
-            r.lru.remove(&(e.rank, id));
-            r.tails.remove(&(e.rank, id));
-            r.bytes -= e.loc.length;
-            if r.lru.is_empty() {
-                self.by_region.remove(&e.loc.region_id);
-            }
-        }
-        self.by_page.remove(&(e.loc.region_id, e.loc.offset));
         if let Some(j) = &mut self.journal {
             j.put.remove(&id);
             j.used.remove(&id);
             j.gone.insert(id);
             j.changes += 1;
         }
-        Some(e)
+        Some(out)
     }
 
     /// Removes every key of the region at once; returns the removed entries.
-    pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, KeyEntry)> {
+    pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, RemovedKey)> {
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
-            Some(r) => r.lru.iter().map(|(_, id)| *id).collect(),
+            Some(r) => r.order[LRU]
+                .iter(&self.slots, LRU)
+                .map(|(_, id)| id)
+                .collect(),
             None => return Vec::new(),
         };
         ids.into_iter()
@@ -446,8 +723,16 @@ impl KeyDirectory {
     }
 
     /// Every key with its id (records of a whole directory).
-    pub fn iter(&self) -> impl Iterator<Item = (KeyId, &KeyEntry)> {
-        self.entries.iter().map(|(k, e)| (*k, e))
+    pub fn iter(&self) -> impl Iterator<Item = (KeyId, KeyEntry<'_>)> {
+        (0..self.slots.len() as u32)
+            .filter(|&s| self.slots[s as usize].stored())
+            .map(|s| (KeyId(self.slots[s as usize].id), self.entry(s)))
+    }
+
+    /// Names held (stored keys and names only named as a previous key).
+    #[cfg(test)]
+    pub(crate) fn names_held(&self) -> usize {
+        self.names.len()
     }
 
     /// Notes that a recorded key was left out at recovery (its record goes).
@@ -459,7 +744,9 @@ impl KeyDirectory {
     }
 
     pub fn region_keys(&self, region_id: u64) -> usize {
-        self.by_region.get(&region_id).map_or(0, |r| r.lru.len())
+        self.by_region
+            .get(&region_id)
+            .map_or(0, |r| r.order[LRU].len)
     }
 
     pub fn region_bytes(&self, region_id: u64) -> u64 {
@@ -472,7 +759,7 @@ impl KeyDirectory {
         self.by_region
             .get(&region_id)
             .into_iter()
-            .flat_map(|r| r.lru.iter().copied())
+            .flat_map(move |r| r.order[LRU].iter(&self.slots, LRU))
     }
 
     /// The region's keys that no stored key follows in a chain, with their ranks,
@@ -481,7 +768,7 @@ impl KeyDirectory {
         self.by_region
             .get(&region_id)
             .into_iter()
-            .flat_map(|r| r.tails.iter().copied())
+            .flat_map(move |r| r.order[TAILS].iter(&self.slots, TAILS))
     }
 }
 
@@ -564,7 +851,7 @@ mod tests {
 
     fn tails_of(d: &KeyDirectory, region_id: u64) -> Vec<String> {
         d.tails(region_id)
-            .map(|(_, id)| d.get(id).unwrap().name.clone())
+            .map(|(_, id)| d.get(id).unwrap().name.to_string())
             .collect()
     }
 
@@ -590,7 +877,7 @@ mod tests {
         let b = d.find(s, "b").unwrap();
         d.remove(b);
         assert_eq!(tails_of(&d, 1), ["a"]);
-        assert!(d.successors.is_empty(), "no count outlives its keys");
+        assert_eq!(d.names_held(), d.len(), "no count outlives its keys");
     }
 
     #[test]
@@ -617,5 +904,110 @@ mod tests {
         // A key naming itself is a chain's head, not its own successor.
         d.publish(s, "self", loc(1, 10), Some("self"));
         assert!(tails_of(&d, 1).contains(&"self".to_string()));
+    }
+
+    #[test]
+    fn under_the_recency_order_chained_publishes_and_reads_cost_no_tree_node() {
+        let mut d = KeyDirectory::new();
+        let s = d.scope_id(scope("ns", "l"));
+        for i in 0..64u64 {
+            let prev = (i % 16 != 0).then(|| format!("k{}", i - 1));
+            d.publish(s, &format!("k{i}"), loc(1, i * 10), prev.as_deref());
+        }
+        for i in (0..64).step_by(3) {
+            let id = d.find(s, &format!("k{i}")).unwrap();
+            d.touch(id);
+        }
+        let r = &d.by_region[&1];
+        assert_eq!(r.order[LRU].len, 64);
+        assert_eq!(
+            (r.order[LRU].tree.len(), r.order[TAILS].tree.len()),
+            (0, 0),
+            "every key linked through its slot (8 bytes, no allocation)"
+        );
+        assert_eq!(d.tails(1).count(), 4, "one tail per prompt of 16");
+    }
+
+    /// The order of every region as the directory gives it: (rank, key) of its
+    /// keys, sorted, and its tails among them.
+    fn check_orders(d: &KeyDirectory) -> Result<(), proptest::test_runner::TestCaseError> {
+        use proptest::prelude::*;
+        for rid in 0..3u64 {
+            let mut want: Vec<(u64, KeyId)> = d
+                .iter()
+                .filter(|(_, e)| e.loc.region_id == rid)
+                .map(|(id, e)| (e.rank(), id))
+                .collect();
+            want.sort_unstable();
+            let got: Vec<(u64, KeyId)> = d.ranked_keys(rid).collect();
+            prop_assert_eq!(&got, &want, "order of region {}", rid);
+            prop_assert_eq!(d.region_keys(rid), want.len());
+            let tails: Vec<(u64, KeyId)> = want
+                .iter()
+                .copied()
+                .filter(|&(_, id)| {
+                    let e = d.get(id).unwrap();
+                    d.successors_of(e.scope, e.name) == 0
+                })
+                .collect();
+            let got: Vec<(u64, KeyId)> = d.tails(rid).collect();
+            prop_assert_eq!(&got, &tails, "tails of region {}", rid);
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        /// Under every ranking, whatever the publishes (chained or not), reads,
+        /// removals, restores out of order and dropped regions, each region's order
+        /// is its keys sorted by (rank, key) and its tails those no stored key
+        /// follows: the lists linked through the slots and the trees beside them
+        /// merge into the order a sorted set gave.
+        #[test]
+        fn each_region_order_is_its_keys_sorted_by_rank(
+            ranking in 0u8..3,
+            ops in proptest::collection::vec((0u8..5, 0u8..32, 0u8..32, 0u16..2000), 0..120),
+        ) {
+            let ranking = [Ranking::Recency, Ranking::Reuse, Ranking::ReuseEnds][ranking as usize];
+            let mut d = KeyDirectory::ranked(ranking);
+            let s = d.scope_id(scope("ns", "l"));
+            let mut page = 0u64;
+            let mut next_restored = 100_000u64;
+            for (op, a, b, used) in ops {
+                let name = format!("k{}", a % 24);
+                let prev = (b % 3 != 0).then(|| format!("k{}", b % 24));
+                page += 1;
+                let at = loc(u64::from(a % 3), page * 10);
+                match op {
+                    0 => {
+                        d.publish(s, &name, at, prev.as_deref());
+                    }
+                    1 => {
+                        if let Some(id) = d.find(s, &name) {
+                            d.touch(id);
+                        }
+                    }
+                    2 => {
+                        if let Some(id) = d.find(s, &name) {
+                            proptest::prop_assert!(d.remove(id).is_some());
+                            proptest::prop_assert!(d.find(s, &name).is_none());
+                        }
+                    }
+                    3 => {
+                        // Recorded ids are unique: after every id given.
+                        next_restored = next_restored.max(d.last_id()) + 1;
+                        d.restore(next_restored, s, &name, at, prev.as_deref(), u64::from(used));
+                    }
+                    _ => {
+                        d.drop_region(u64::from(a % 3));
+                    }
+                }
+                check_orders(&d)?;
+            }
+            let ids: Vec<KeyId> = d.iter().map(|(id, _)| id).collect();
+            for id in ids {
+                d.remove(id);
+            }
+            proptest::prop_assert_eq!(d.names_held(), 0, "no name outlives its keys");
+        }
     }
 }

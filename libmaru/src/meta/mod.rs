@@ -66,6 +66,8 @@ mod fakes;
 #[cfg(test)]
 mod keeper_tests;
 #[cfg(test)]
+mod model_tests;
+#[cfg(test)]
 mod scale_tests;
 #[cfg(test)]
 mod tenant_tests;

@@ -141,7 +141,7 @@ impl MetaCore {
                 )));
             }
             if let Some(k) = self.keys.at(p.region_id, p.page * page_size) {
-                let name = self.keys.get(k).map(|e| e.name.as_str()).unwrap_or("?");
+                let name = self.keys.get(k).map(|e| e.name).unwrap_or("?");
                 return Err(bad_request(format!(
                     "page {} of region {} holds key {name:?}: remove the key instead; nothing \
                      was freed",
