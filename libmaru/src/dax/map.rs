@@ -241,12 +241,10 @@ impl Mapping {
         Ok(())
     }
 
-    /// Copies `data` into the range at `offset` through the shared mapping.
-    ///
-    /// For a mapping shared between threads (`Arc<Mapping>`: one that a prefault
-    /// thread populates while stores write into it). Refused for read-only or
-    /// protected mappings and for bytes outside the range.
-    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<(), DaxError> {
+    /// Where `len` bytes at `offset` of this mapping may be written: refused for
+    /// read-only or protected mappings and for bytes outside the range. The pointer
+    /// is valid for writes of `len` bytes while `self` lives and is not protected.
+    pub fn writable_range(&self, offset: usize, len: usize) -> Result<*mut u8, DaxError> {
         if self.protected {
             return Err(DaxError::Protected {
                 path: self.path.clone(),
@@ -258,23 +256,35 @@ impl Mapping {
             });
         }
         let end = offset
-            .checked_add(data.len())
+            .checked_add(len)
             .filter(|&e| e <= self.len())
             .ok_or_else(|| DaxError::OutOfRange {
                 path: self.path.clone(),
                 offset: self.offset + offset as u64,
-                length: data.len() as u64,
+                length: len as u64,
                 size: self.offset + self.len() as u64,
             })?;
         debug_assert!(end <= self.len());
-        // SAFETY: `offset..end` lies inside this writable, unprotected mapping, which
-        // stays mapped while `self` lives; `data` is caller memory, not this mapping's
-        // range (a `&[u8]` of it would need `as_slice`, and callers never pass one).
-        // The bytes are shared memory by design (see `map_file`): who writes which
-        // range is coordinated by region and page ownership. The copy streams past the
-        // caches (see `copy`): the writer does not read these bytes again.
+        // SAFETY: `offset <= end <= len`: the pointer stays inside this mapping.
+        Ok(unsafe { self.as_ptr().add(offset) })
+    }
+
+    /// Copies `data` into the range at `offset` through the shared mapping.
+    ///
+    /// For a mapping shared between threads (`Arc<Mapping>`: one that a prefault
+    /// thread populates while stores write into it). Refused as
+    /// [`writable_range`](Self::writable_range) refuses.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<(), DaxError> {
+        let dst = self.writable_range(offset, data.len())?;
+        // SAFETY: `dst` is valid for `data.len()` bytes of this writable, unprotected
+        // mapping, which stays mapped while `self` lives; `data` is caller memory, not
+        // this mapping's range (a `&[u8]` of it would need `as_slice`, and callers
+        // never pass one). The bytes are shared memory by design (see `map_file`): who
+        // writes which range is coordinated by region and page ownership. The copy
+        // streams past the caches (see `copy`): the writer does not read these bytes
+        // again.
         unsafe {
-            super::copy::copy_to_shared(self.as_ptr().add(offset), data);
+            super::copy::copy_to_shared(dst, data);
         }
         Ok(())
     }

@@ -113,7 +113,7 @@ impl CxlMover {
         let mut pieces = Vec::with_capacity(items.len());
         for ((it, map), done) in items.iter().zip(&maps).zip(ok.iter_mut()) {
             let Some(map) = map else { continue };
-            match dest(map, it.page.offset, it.data.len()) {
+            match map.writable_range(it.page.offset as usize, it.data.len()) {
                 Ok(dst) => {
                     pieces.push((dst, it.data.as_ptr(), it.data.len()));
                     *done = true;
@@ -122,7 +122,7 @@ impl CxlMover {
             }
         }
         // SAFETY: each destination lies inside a writable, unprotected mapping that
-        // `maps` keeps mapped until the copies end (checked by `dest`); pages are
+        // `maps` keeps mapped until the copies end (`writable_range`); pages are
         // distinct per chunk of a store, and the sources are the caller's memory, not
         // these mappings.
         unsafe { crate::dax::copy::copy_pieces(&pieces, true) };
@@ -131,20 +131,10 @@ impl CxlMover {
     }
 
     /// The writable mappings of these regions, in order, under one lock (`None`: not
-    /// an own region now). A batch's pages lie in a region or two: one `Arc` each.
+    /// an own region now).
     fn own_mappings(&self, regions: impl Iterator<Item = u64>) -> Vec<Option<Arc<Mapping>>> {
         let maps = self.maps();
-        let mut last: Option<(u64, Option<Arc<Mapping>>)> = None;
-        regions
-            .map(|r| match &last {
-                Some((id, m)) if *id == r => m.clone(),
-                _ => {
-                    let m = maps.own.get(&r).cloned();
-                    last = Some((r, m.clone()));
-                    m
-                }
-            })
-            .collect()
+        per_region(regions, |&r| r, |&r| maps.own.get(&r).cloned())
     }
 
     /// Copies from the caller's slots (see `write`); each slot comes back.
@@ -208,18 +198,11 @@ impl CxlMover {
     /// batch's leases lie in a few regions: one `Arc` each).
     pub fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
         let mut maps = self.maps();
-        let mut last: Option<(u64, Option<Arc<Mapping>>)> = None;
-        let found: Vec<Option<Arc<Mapping>>> = leases
-            .iter()
-            .map(|l| match &last {
-                Some((id, m)) if *id == l.region_id => m.clone(),
-                _ => {
-                    let m = Self::reader_in(&mut maps, l);
-                    last = Some((l.region_id, m.clone()));
-                    m
-                }
-            })
-            .collect();
+        let found = per_region(
+            leases.iter(),
+            |l| l.region_id,
+            |l| Self::reader_in(&mut maps, l),
+        );
         drop(maps);
         found
             .into_iter()
@@ -294,22 +277,27 @@ impl Default for CxlMover {
     }
 }
 
-/// Where `len` bytes at `offset` of a writable mapping start, checked as
-/// `Mapping::write_at` checks them.
-fn dest(map: &Mapping, offset: u64, len: usize) -> Result<*mut u8, String> {
-    if map.is_protected() || !map.is_writable() {
-        return Err(format!("mapping of {} is not writable now", map.path()));
-    }
-    let offset = usize::try_from(offset).map_err(|e| e.to_string())?;
-    match offset.checked_add(len) {
-        // SAFETY: `offset + len` lies inside the mapping.
-        Some(end) if end <= map.len() => Ok(unsafe { map.as_ptr().add(offset) }),
-        _ => Err(format!(
-            "{len} bytes at {offset} are out of the mapping of {} ({} bytes)",
-            map.path(),
-            map.len()
-        )),
-    }
+/// `find(item)` for each item in order, called once per run of items of one region
+/// (`region(item)`): a batch's pages or leases lie in a region or two, one `Arc` each.
+fn per_region<I, T: Clone>(
+    items: impl Iterator<Item = I>,
+    region: impl Fn(&I) -> u64,
+    mut find: impl FnMut(&I) -> T,
+) -> Vec<T> {
+    let mut last: Option<(u64, T)> = None;
+    items
+        .map(|it| {
+            let id = region(&it);
+            match &last {
+                Some((at, found)) if *at == id => found.clone(),
+                _ => {
+                    let found = find(&it);
+                    last = Some((id, found.clone()));
+                    found
+                }
+            }
+        })
+        .collect()
 }
 
 fn local_path(uuid: &str, path: &str) -> Result<String, WorkerError> {
