@@ -766,10 +766,6 @@ fn start_run(
     Ok((instance, run, last_lease_ms))
 }
 
-/// A directory of record format 1 (the release before checks: records without a
-/// check, bare scalars) is sealed into this format once, in one commit: every table
-/// read as format 1 wrote it, [`maru::meta::seal_format1`] drops what it cannot
-/// vouch for, and the rest is written back sealed (secrets too). Logs what it did.
 /// The scopes table's records into `into`; one that does not decode goes to `bad`
 /// (table, id, why) and is never served. Format 1 and 2 store scopes alike.
 fn read_scopes(
@@ -812,6 +808,10 @@ fn read_regions(
     Ok(())
 }
 
+/// A directory of record format 1 (the release before checks: records without a
+/// check, bare scalars) is sealed into this format once, in one commit: every table
+/// read as format 1 wrote it, [`maru::meta::seal_format1`] drops what it cannot
+/// vouch for, and the rest is written back sealed (secrets too). Logs what it did.
 fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1>, Fail> {
     let txn = db.begin_write().map_err(fail(p, "begin"))?;
     {
