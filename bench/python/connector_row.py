@@ -27,7 +27,8 @@ import uuid
 import numpy as np
 
 import maru
-from maru.vllm.core import ChunkTransfer, LayerMemory, PagedKV, WorkerCore, handler_slot, keyspace, parse_settings
+from maru.vllm.core import ChunkTransfer, handler_slot, keyspace, parse_settings
+from maru.vllm.worker import LayerMemory, PagedKV, WorkerCore
 
 LAYERS = 16
 BLOCK_TOKENS = 128
