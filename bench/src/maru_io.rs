@@ -331,6 +331,14 @@ pub fn handler_config(server: &str, backend: &str, engine: &str, s: &Scratch) ->
         "load_slots": slots("MARU_BENCH_LOAD_SLOTS", BATCH),
         "store_slots": slots("MARU_BENCH_STORE_SLOTS", BATCH),
     });
+    // How long a call polls for maru-server's reply (the handler's default unless
+    // set): to measure polling against one blocking read side by side.
+    if let Some(us) = std::env::var("MARU_BENCH_REPLY_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        c["reply_spin_us"] = us.into();
+    }
     if backend == "remote_cxl" {
         c["transport"] = "soft".into();
         c["agent_key_file"] = s.key_file.display().to_string().into();

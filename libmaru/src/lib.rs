@@ -8,6 +8,13 @@ pub mod meta;
 #[allow(clippy::disallowed_methods)] // a driver: the event loop, clients and sockets
 pub mod net;
 pub mod rm;
+#[cfg(test)]
+pub(crate) mod test_alloc;
 pub mod transport;
 pub mod wire;
 pub mod worker;
+
+/// The test binary counts each thread's allocations (`test_alloc`).
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: test_alloc::Counting = test_alloc::Counting;

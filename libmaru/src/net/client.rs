@@ -137,6 +137,9 @@ pub struct Client {
     reply_spin: Duration,
     /// Read buffer, allocated once (not zeroed on the stack for every reply).
     rbuf: Box<[u8]>,
+    /// A request's frame, encoded in place and kept for the next one: a call
+    /// allocates nothing to send once the buffer has grown to its requests' size.
+    wbuf: Vec<u8>,
     /// When the exchange in progress (a handshake, a call) must be over, and how long
     /// it was given (for the error): every read and write waits at most until then,
     /// so a peer that sends a byte now and then holds a call no longer than its limit.
@@ -231,6 +234,7 @@ impl Client {
             call_timeout: opts.call_timeout,
             reply_spin: opts.reply_spin,
             rbuf: vec![0u8; 64 * 1024].into_boxed_slice(),
+            wbuf: Vec::new(),
             until: Instant::now() + opts.call_timeout,
             limit: opts.call_timeout,
             read_timeout: opts.call_timeout,
@@ -519,10 +523,20 @@ impl Client {
         self.begin(limit);
         let id = self.next_id;
         self.next_id += 1;
-        self.send(
+        let mut wbuf = std::mem::take(&mut self.wbuf);
+        let sent = match frame::encode_json_frame(
             FrameKind::Request,
-            &encode_json(&Envelope { id, body: req }),
-        )?;
+            &Envelope { id, body: req },
+            &mut wbuf,
+        ) {
+            Ok(()) => self.write_until(&wbuf),
+            Err(e) => Err(ClientError::Protocol {
+                peer: self.peer.clone(),
+                message: format!("request not encodable: {e}"),
+            }),
+        };
+        self.wbuf = wbuf;
+        sent?;
         let f = self.read_frame()?;
         match f.kind {
             FrameKind::Reply => {}
@@ -679,6 +693,32 @@ mod tests {
             r.err()
         );
         assert!(took < Duration::from_millis(1500), "{took:?}");
+    }
+
+    /// A daemon that stalls (here: its reply 1.5 s late) costs a call the limit its
+    /// caller gave, not the call timeout, whether the call polls for its reply first
+    /// or blocks at once.
+    #[test]
+    fn a_stalled_peer_costs_a_call_its_limit() {
+        for spin in [Duration::ZERO, Duration::from_micros(500)] {
+            let addr = slow_echo();
+            let mut opts = ClientOptions::new("slow-echo", "t");
+            opts.call_timeout = Duration::from_secs(10);
+            opts.reply_spin = spin;
+            let mut c = Client::connect(&addr, &opts).expect("connect");
+            let t = Instant::now();
+            let r: Result<Delay, _> =
+                c.call_within(&Delay { ms: 1500 }, Duration::from_millis(200));
+            let took = t.elapsed();
+            assert!(
+                matches!(r, Err(ClientError::Timeout { .. })),
+                "spin {spin:?}: {r:?}"
+            );
+            assert!(
+                took >= Duration::from_millis(180) && took < Duration::from_millis(1000),
+                "spin {spin:?}: {took:?}"
+            );
+        }
     }
 
     #[test]

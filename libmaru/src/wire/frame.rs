@@ -83,6 +83,26 @@ pub fn encode_into(kind: FrameKind, body: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(body);
 }
 
+/// Encodes `value` as JSON into `out` (cleared first) as one whole frame, with no
+/// buffer of its own: a caller that keeps `out` allocates nothing once it has grown
+/// to its frames' size. The bytes are those of `encode(kind, &encode_json(value))`.
+pub fn encode_json_frame<T: serde::Serialize>(
+    kind: FrameKind,
+    value: &T,
+    out: &mut Vec<u8>,
+) -> Result<(), serde_json::Error> {
+    out.clear();
+    out.extend_from_slice(&[0; HEADER_LEN]);
+    let r = serde_json::to_writer(&mut *out, value);
+    if let Err(e) = r {
+        out.clear();
+        return Err(e);
+    }
+    let header = encode_header(kind, out.len() - HEADER_LEN);
+    out[..HEADER_LEN].copy_from_slice(&header);
+    Ok(())
+}
+
 /// Encodes one whole frame.
 pub fn encode(kind: FrameKind, body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + body.len());
@@ -261,6 +281,44 @@ impl FrameDecoder {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A frame encoded in place is the frame of the JSON encoded apart, and the
+    /// buffer is reused: a second, shorter request leaves nothing of the first.
+    #[test]
+    fn a_json_frame_encoded_in_place_is_the_same_frame() {
+        let long = serde_json::json!({"id": 7, "op": "exists", "keys": ["a", "b\"c", "é"]});
+        let short = serde_json::json!({"id": 8});
+        let mut out = Vec::new();
+        for v in [&long, &short, &long] {
+            encode_json_frame(FrameKind::Request, v, &mut out).expect("encodable");
+            assert_eq!(
+                out,
+                encode(FrameKind::Request, &serde_json::to_vec(v).expect("json"))
+            );
+            let mut d = FrameDecoder::new(1024);
+            d.push(&out);
+            let f = d.next_frame().expect("valid").expect("whole");
+            assert_eq!(f.kind, FrameKind::Request);
+            assert_eq!(
+                serde_json::from_slice::<serde_json::Value>(&f.body).expect("json"),
+                *v
+            );
+        }
+    }
+
+    /// Once the buffer holds a frame of the size, encoding another allocates nothing.
+    #[test]
+    fn a_kept_buffer_encodes_without_allocating() {
+        let keys: Vec<String> = (0..32).map(|i| format!("engine/layer/{i:08}")).collect();
+        let req = serde_json::json!({"id": 1, "op": "exists", "keys": keys});
+        let mut out = Vec::new();
+        encode_json_frame(FrameKind::Request, &req, &mut out).expect("encodable");
+        let (r, n) = crate::test_alloc::allocations_in(|| {
+            encode_json_frame(FrameKind::Request, &req, &mut out)
+        });
+        r.expect("encodable");
+        assert_eq!(n, 0);
+    }
 
     #[test]
     fn round_trip_in_pieces() {

@@ -150,7 +150,14 @@ pub fn reply_frame<T: Serialize>(id: u64, result: Result<T, WireError>) -> Vec<u
             err: Some(e),
         },
     };
-    frame::encode(FrameKind::Reply, &encode_json(&env))
+    // As serde_json::to_vec starts, with the header's room: one buffer, no copy.
+    let mut out = Vec::with_capacity(128 + HEADER_LEN);
+    if frame::encode_json_frame(FrameKind::Reply, &env, &mut out).is_err() {
+        // Only reachable with a type that serde_json cannot represent (a bug): the
+        // error encode_json stands in for it.
+        return frame::encode(FrameKind::Reply, &encode_json(&env));
+    }
+    out
 }
 
 /// Encodes a protocol error frame (sent before closing a broken connection).

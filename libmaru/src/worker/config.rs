@@ -121,7 +121,9 @@ pub struct HandlerConfig {
     pub async_threads: usize,
     /// `cxl`: fault the pages of each own region in on a background thread as soon as
     /// it is mapped, and map the next region ahead of need, so that stores do not
-    /// take page faults (`MADV_POPULATE_WRITE`; skipped where the kernel refuses).
+    /// take page faults (`MADV_POPULATE_WRITE`; skipped where the kernel refuses); a
+    /// region mapped to be read has the first load's leases faulted in at once and
+    /// the rest on that thread (`MADV_POPULATE_READ`).
     #[serde(default = "default_prefault")]
     pub prefault: bool,
     /// How long a call to maru-server polls for its reply before the thread sleeps

@@ -205,7 +205,7 @@ fn populate_one(map: &Mapping, stop: &AtomicBool, progress: &Progress, f: Popula
             Ok(false) => {
                 if !map.is_protected() {
                     log::info!(
-                        "{}: the kernel does not support MADV_POPULATE_WRITE: regions are not prefaulted (stores fault their pages in)",
+                        "{}: the kernel does not support MADV_POPULATE_WRITE/READ: regions are not prefaulted (stores and loads fault their pages in)",
                         map.path()
                     );
                     progress.off.store(true, Ordering::SeqCst);

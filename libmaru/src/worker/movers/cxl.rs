@@ -158,11 +158,11 @@ impl CxlMover {
             .collect()
     }
 
-    /// The read-only mapping of a lease's region (made the first time), under the
-    /// caller's lock.
-    fn reader_in(maps: &mut Maps, l: &LeaseGrant) -> Option<Arc<Mapping>> {
+    /// The read-only mapping of a lease's region (made the first time: then `true`),
+    /// under the caller's lock.
+    fn reader_in(maps: &mut Maps, l: &LeaseGrant) -> Option<(Arc<Mapping>, bool)> {
         if let Some(m) = maps.readers.get(&l.region_id) {
-            return Some(m.clone());
+            return Some((m.clone(), false));
         }
         let d = l.device.as_ref()?;
         let path = local_path(&d.uuid, &d.path).ok()?;
@@ -178,7 +178,7 @@ impl CxlMover {
         let m = Arc::new(m);
         maps.hooks.add(l.region_id, &m);
         maps.readers.insert(l.region_id, m.clone());
-        Some(m)
+        Some((m, true))
     }
 
     /// The view of a lease in its mapping, if the lease lies inside it.
@@ -190,12 +190,20 @@ impl CxlMover {
 
     /// The leased bytes in place: this host's read-only mapping of the region.
     pub fn view(&self, l: &LeaseGrant) -> Option<View> {
-        let map = Self::reader_in(&mut self.maps(), l)?;
+        let (map, fresh) = Self::reader_in(&mut self.maps(), l)?;
+        if fresh {
+            self.prefault_fresh(std::slice::from_ref(l), &[Some((map.clone(), true))]);
+        }
         Self::view_of(map, l)
     }
 
     /// The views of a batch's leases, their mappings looked up under one lock (a
     /// batch's leases lie in a few regions: one `Arc` each).
+    ///
+    /// A region mapped for reading by this call is prefaulted (when prefaulting is
+    /// on): the leased ranges of this batch now (`MADV_POPULATE_READ`, one call per
+    /// lease, without the lock), so that its first loads take no page fault per
+    /// page, and the whole region on the prefault thread for the loads after it.
     pub fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
         let mut maps = self.maps();
         let found = per_region(
@@ -204,11 +212,40 @@ impl CxlMover {
             |l| Self::reader_in(&mut maps, l),
         );
         drop(maps);
+        if found
+            .iter()
+            .any(|m| m.as_ref().is_some_and(|(_, fresh)| *fresh))
+        {
+            self.prefault_fresh(leases, &found);
+        }
         found
             .into_iter()
             .zip(leases)
-            .map(|(m, l)| Self::view_of(m?, l))
+            .map(|(m, l)| Self::view_of(m?.0, l))
             .collect()
+    }
+
+    /// Faults in the leased ranges of regions mapped for reading just now, and has
+    /// the whole of each such region faulted in on the prefault thread.
+    fn prefault_fresh(&self, leases: &[LeaseGrant], found: &[Option<(Arc<Mapping>, bool)>]) {
+        if !self.wants_lead() {
+            return; // prefaulting off, or refused by the kernel
+        }
+        let mut fresh: Vec<Arc<Mapping>> = Vec::new();
+        for (l, m) in leases.iter().zip(found) {
+            let Some((map, true)) = m else { continue };
+            if let Err(e) = map.populate_range(l.offset as usize, l.length as usize) {
+                log::debug!("prefaulting a lease of region {}: {e}", l.region_id);
+            }
+            if !fresh.iter().any(|f| Arc::ptr_eq(f, map)) {
+                fresh.push(map.clone());
+            }
+        }
+        if let Some(p) = self.prefaulter().as_mut() {
+            for m in fresh {
+                p.submit(m);
+            }
+        }
     }
 
     /// Hands each lease's bytes to `sink(i, bytes)` from its view (no lock held
@@ -377,5 +414,167 @@ mod tests {
         // Once forgotten, nothing more is written into the region.
         mover.forget(7);
         assert_eq!(mover.write(&items[..1]), vec![false]);
+    }
+
+    /// A batch costs the same heap allocations whatever its size: the mover's work
+    /// per chunk allocates nothing (writes, views and reads alike).
+    #[test]
+    fn a_batch_allocates_per_call_not_per_chunk() {
+        use crate::test_alloc::allocations_in;
+        let path = ScratchPath::new("cxl-allocs");
+        let mover = mover_with_region(&path);
+        let data = [5u8; 64];
+        let items: Vec<WriteItem<'_>> = (0..32)
+            .map(|i| WriteItem {
+                page: page(7, i * (64 << 10)),
+                data: &data,
+            })
+            .collect();
+        let (ok, one) = allocations_in(|| mover.write(&items[..1]));
+        assert_eq!(ok, vec![true]);
+        let (ok, all) = allocations_in(|| mover.write(&items));
+        assert!(ok.iter().all(|&b| b));
+        assert_eq!(one, all, "a write of 32 chunks allocates as one of 1");
+
+        let rpath = ScratchPath::new("cxl-allocs-read");
+        let (_, lease) = pool_with_pattern(&rpath, 0, 64 << 10);
+        let leases: Vec<LeaseGrant> = (0..32)
+            .map(|i| LeaseGrant {
+                offset: i * (64 << 10),
+                ..lease.clone()
+            })
+            .collect();
+        // The region's mapping is made (once) before the counts.
+        assert!(mover.view(&lease).is_some());
+        let (v, one) = allocations_in(|| mover.views(&leases[..1]));
+        assert!(v[0].is_some());
+        let (v, all) = allocations_in(|| mover.views(&leases));
+        assert!(v.iter().all(Option::is_some));
+        assert_eq!(one, all, "the views of 32 leases allocate as those of 1");
+        let mut seen = 0;
+        let ((), one) = allocations_in(|| mover.read(&leases[..1], &mut |_, _| seen += 1));
+        let ((), all) = allocations_in(|| mover.read(&leases, &mut |_, _| seen += 1));
+        assert_eq!(
+            (seen, one),
+            (33, all),
+            "a read of 32 leases allocates as one of 1"
+        );
+    }
+
+    /// Whether the page of this process at `addr` is mapped now (`/proc/self/pagemap`
+    /// bit 63: present).
+    fn page_present(addr: usize) -> bool {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        let mut e = [0u8; 8];
+        f.read_exact_at(&mut e, (addr / 4096 * 8) as u64)
+            .expect("pagemap entry");
+        u64::from_le_bytes(e) >> 63 == 1
+    }
+
+    /// A fake DAX pool whose second unit (region 9 here) holds a pattern, and a lease
+    /// of `len` bytes at `offset` of that region.
+    fn pool_with_pattern(path: &ScratchPath, offset: u64, len: u64) -> (Vec<u8>, LeaseGrant) {
+        let info = dax::open_pool(&dax::PoolSpec::FakeDax {
+            path: path.as_str().into(),
+            size: 2 * REGION,
+        })
+        .expect("fake pool");
+        let bytes: Vec<u8> = (0..REGION as usize).map(|i| (i / 4096 + i) as u8).collect();
+        let w = dax::map_range(
+            path.as_str(),
+            dax::DeviceKind::File,
+            REGION,
+            REGION,
+            REGION,
+            true,
+        )
+        .expect("map");
+        w.write_at(0, &bytes).expect("write");
+        drop(w);
+        let lease = LeaseGrant {
+            lease_id: 1,
+            region_id: 9,
+            offset,
+            length: len,
+            read_token: String::new(),
+            agent: None,
+            device: Some(crate::wire::meta::DeviceRange {
+                uuid: info.uuid,
+                path: path.as_str().into(),
+                region_offset: REGION,
+                region_length: REGION,
+            }),
+            expires_in_ms: 60_000,
+            boot_id: None,
+        };
+        (bytes, lease)
+    }
+
+    fn populate_nothing(_: &Mapping, _: usize, _: usize) -> Result<bool, dax::DaxError> {
+        Ok(true)
+    }
+
+    /// The load that maps a region for reading faults its leased pages in at once
+    /// (not one page fault per page as the copy reaches it), and the bytes read are
+    /// the region's. The prefault thread here populates nothing, so only the load's
+    /// own prefault can have mapped the pages.
+    #[test]
+    fn a_fresh_read_mapping_has_its_leased_pages_faulted_in() {
+        let path = ScratchPath::new("cxl-read-prefault");
+        let (off, len) = (256 << 10, 256 << 10);
+        let (bytes, lease) = pool_with_pattern(&path, off, len);
+        let mover = CxlMover::with_prefaulter(Some(Prefaulter::with_populate(populate_nothing)));
+        let mut first = None;
+        // The sink touches one byte: the pages past the first are mapped only if
+        // they were prefaulted.
+        mover.read(std::slice::from_ref(&lease), &mut |_, b| {
+            first = Some((b.as_ptr() as usize, b.len(), b[0]))
+        });
+        let (at, n, b0) = first.expect("the lease was read");
+        assert_eq!((n, b0), (len as usize, bytes[off as usize]));
+        let absent: Vec<usize> = (0..n)
+            .step_by(4096)
+            .filter(|&o| !page_present(at + o))
+            .collect();
+        assert!(
+            absent.is_empty(),
+            "{} of {} leased pages not faulted in (first at +{:?})",
+            absent.len(),
+            n / 4096,
+            absent.first()
+        );
+        // The mapping reads the region's bytes, here and through a later view.
+        let v = mover.view(&lease).expect("view");
+        assert_eq!(v.bytes(), &bytes[off as usize..(off + len) as usize]);
+    }
+
+    /// The prefault thread faults the whole of a region mapped for reading in, and
+    /// its bytes stay the region's.
+    #[test]
+    fn a_read_mapping_is_prefaulted_whole_and_reads_the_regions_bytes() {
+        let path = ScratchPath::new("cxl-read-prefault-whole");
+        let (bytes, lease) = pool_with_pattern(&path, 0, 64 << 10);
+        let mover = CxlMover::with_prefault(true);
+        let v = mover.views(std::slice::from_ref(&lease));
+        let v = v[0].as_ref().expect("a view");
+        if let Some(p) = mover.prefaulter().as_ref() {
+            p.wait_idle();
+        }
+        let s = mover.prefault_stats().expect("prefaulting on");
+        if s.off {
+            return; // a kernel without MADV_POPULATE_READ: nothing to check
+        }
+        assert_eq!((s.regions, s.bytes), (1, REGION), "{s:?}");
+        let base = v.bytes().as_ptr() as usize;
+        assert!((0..REGION as usize)
+            .step_by(4096)
+            .all(|o| page_present(base + o)));
+        let (_, map) = mover
+            .mappings()
+            .into_iter()
+            .find(|(r, _)| *r == 9)
+            .expect("the read mapping");
+        assert_eq!(map.as_slice().expect("readable"), &bytes[..]);
     }
 }
