@@ -149,6 +149,20 @@ pub struct RedisResult {
     pub get_single: Fig,
 }
 
+/// SETs `ks`, each with the next piece of `chunk` bytes of `src`, in one pipeline.
+fn set_from(r: &mut Resp, ks: &[String], src: &mut Rotor, chunk: usize) -> Result<(), String> {
+    let items: Vec<(&str, &[u8])> = ks
+        .iter()
+        .map(|k| {
+            // SAFETY: a piece of `chunk` bytes inside the rotor, read only.
+            (k.as_str(), unsafe {
+                std::slice::from_raw_parts(src.next_ptr(), chunk)
+            })
+        })
+        .collect();
+    r.set_many(&items)
+}
+
 /// SET/GET pipelined 32 per batch and single, `clients` connections, each over its own
 /// keys (`keyspace` bytes over all clients, so GETs read cold values); SETs overwrite
 /// those keys in rotation (Redis frees the old value), from cold source buffers.
@@ -170,16 +184,7 @@ pub fn bench(
         let mut src = Rotor::new(rotate, chunk, 11 + c as u64);
         for b in 0..keys_per_client / BATCH {
             let ks: Vec<String> = (0..BATCH).map(|j| key(c, b * BATCH + j)).collect();
-            let items: Vec<(&str, &[u8])> = ks
-                .iter()
-                .map(|k| {
-                    // SAFETY: a piece of `chunk` bytes inside the rotor, read only.
-                    (k.as_str(), unsafe {
-                        std::slice::from_raw_parts(src.next_ptr(), chunk)
-                    })
-                })
-                .collect();
-            r.set_many(&items)?;
+            set_from(&mut r, &ks, &mut src, chunk)?;
         }
         conns.push(Arc::new(Mutex::new((r, src, Rotor::new(rotate, chunk, 5)))));
     }
@@ -196,16 +201,7 @@ pub fn bench(
                     let (r, src, dst) = &mut *g;
                     let ks: Vec<String> = (0..per_op).map(|j| key(c, i * per_op + j)).collect();
                     if set {
-                        let items: Vec<(&str, &[u8])> = ks
-                            .iter()
-                            .map(|k| {
-                                // SAFETY: as above.
-                                (k.as_str(), unsafe {
-                                    std::slice::from_raw_parts(src.next_ptr(), chunk)
-                                })
-                            })
-                            .collect();
-                        r.set_many(&items)?;
+                        set_from(r, &ks, src, chunk)?;
                         Ok((per_op * chunk) as u64)
                     } else {
                         let kr: Vec<&str> = ks.iter().map(|k| k.as_str()).collect();
