@@ -253,23 +253,18 @@ fn run(args: Args) -> Result<(), String> {
                     threads,
                     fig,
                 });
-                say(&format!(
-                    "streaming copy {} x {threads} thread(s)",
-                    chunk_name(c)
-                ));
-                let fig = limits::copy(limits::CopyKind::Stream, c, threads, secs, rotate / 2);
-                r.stream.push(MemcpyRow {
-                    chunk: c,
-                    threads,
-                    fig,
-                });
-                say(&format!("read {} x {threads} thread(s)", chunk_name(c)));
-                let fig = limits::copy(limits::CopyKind::Read, c, threads, secs, rotate / 2);
-                r.read.push(MemcpyRow {
-                    chunk: c,
-                    threads,
-                    fig,
-                });
+                for (what, kind, rows) in [
+                    ("streaming copy", limits::CopyKind::Stream, &mut r.stream),
+                    ("read", limits::CopyKind::Read, &mut r.read),
+                ] {
+                    say(&format!("{what} {} x {threads} thread(s)", chunk_name(c)));
+                    let fig = limits::copy(kind, c, threads, secs, rotate / 2);
+                    rows.push(MemcpyRow {
+                        chunk: c,
+                        threads,
+                        fig,
+                    });
+                }
             }
             say(&format!("tcp loopback {}", chunk_name(c)));
             let gbs = limits::tcp_loopback(c, 1, secs, rotate / 2)?;

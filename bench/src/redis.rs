@@ -29,12 +29,18 @@ impl Resp {
     }
 
     pub fn ping(&mut self) -> Result<(), String> {
-        self.w.write_all(b"*1\r\n$4\r\nPING\r\n").map_err(io)?;
+        self.command("PING", "+PONG")
+    }
+
+    /// Sends the one-word command `cmd` and expects the status line `want`.
+    fn command(&mut self, cmd: &str, want: &str) -> Result<(), String> {
+        let req = format!("*1\r\n${}\r\n{cmd}\r\n", cmd.len());
+        self.w.write_all(req.as_bytes()).map_err(io)?;
         let line = self.line()?;
-        if line == "+PONG" {
+        if line == want {
             Ok(())
         } else {
-            Err(format!("redis: PING answered {line}"))
+            Err(format!("redis: {cmd} answered {line}"))
         }
     }
 
@@ -128,13 +134,7 @@ fn write_all_vectored(w: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> Result
 
 impl Resp {
     pub fn flushall(&mut self) -> Result<(), String> {
-        self.w.write_all(b"*1\r\n$8\r\nFLUSHALL\r\n").map_err(io)?;
-        let l = self.line()?;
-        if l == "+OK" {
-            Ok(())
-        } else {
-            Err(format!("redis: FLUSHALL answered {l}"))
-        }
+        self.command("FLUSHALL", "+OK")
     }
 }
 
