@@ -106,32 +106,22 @@ pub fn draw(path: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
     // Legend, drawn by hand in the strip below the panels.
     let (lx, ly) = (220, 8);
     let font = ("sans-serif", 15).into_font();
-    legend
-        .draw(&Rectangle::new(
-            [(lx, ly), (lx + 16, ly + 14)],
-            one.filled(),
-        ))
-        .map_err(err)?;
-    legend
-        .draw(&Text::new(
-            "1 client (memcpy: 1 thread)",
-            (lx + 22, ly),
-            font.clone(),
-        ))
-        .map_err(err)?;
-    legend
-        .draw(&Rectangle::new(
-            [(lx + 260, ly), (lx + 276, ly + 14)],
-            many.filled(),
-        ))
-        .map_err(err)?;
-    legend
-        .draw(&Text::new(
-            "4 clients (memcpy: 2 threads)",
-            (lx + 282, ly),
-            font,
-        ))
-        .map_err(err)?;
+    // A swatch and its label per series, 260 pixels apart.
+    for (dx, color, label) in [
+        (0, one, "1 client (memcpy: 1 thread)"),
+        (260, many, "4 clients (memcpy: 2 threads)"),
+    ] {
+        let x = lx + dx;
+        legend
+            .draw(&Rectangle::new(
+                [(x, ly), (x + 16, ly + 14)],
+                color.filled(),
+            ))
+            .map_err(err)?;
+        legend
+            .draw(&Text::new(label, (x + 22, ly), font.clone()))
+            .map_err(err)?;
+    }
     root.present().map_err(err)?;
     Ok(())
 }

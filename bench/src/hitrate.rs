@@ -100,26 +100,20 @@ fn measure(t: &trace::Trace, capacities: &[f64]) -> Result<TraceResult, String> 
         row(0, "ARC", replay(t, &mut Arc::new(c)));
         row(0, "2Q", replay(t, &mut TwoQ::new(c)));
         row(0, "S3-FIFO", replay(t, &mut S3Fifo::new(c)));
-        row(
-            0,
-            "reuse: credit per read",
-            replay(t, &mut Reuse::new(c, true, false, false)),
-        );
-        row(
-            0,
-            "reuse: + ghosts",
-            replay(t, &mut Reuse::new(c, true, true, false)),
-        );
-        row(
-            0,
-            "reuse: + fresh ends first",
-            replay(t, &mut Reuse::new(c, true, true, true)),
-        );
-        row(
-            0,
-            "fresh ends first alone",
-            replay(t, &mut Reuse::new(c, false, false, true)),
-        );
+        // The reuse policy's parts, one by one: (credit per read, ghosts, fresh ends
+        // first).
+        for (name, (credit, ghosts, fresh)) in [
+            ("reuse: credit per read", (true, false, false)),
+            ("reuse: + ghosts", (true, true, false)),
+            ("reuse: + fresh ends first", (true, true, true)),
+            ("fresh ends first alone", (false, false, true)),
+        ] {
+            row(
+                0,
+                name,
+                replay(t, &mut Reuse::new(c, credit, ghosts, fresh)),
+            );
+        }
         row(0, "Belady", belady);
     }
     Ok(TraceResult {

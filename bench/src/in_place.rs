@@ -11,12 +11,10 @@
 //! the region once so that first touches of fresh pages are not measured.
 
 use crate::harness::{percentile, Fig, Rotor};
+use crate::maru_io::{check, CHandler};
 use crate::procs::{stack, Scratch};
 use crate::report::{f2, Table};
-use maru::ffi::{
-    maru_handler_close, maru_handler_open, maru_handler_t, maru_page_t, maru_pages_publish,
-    maru_pages_take, maru_remove_batch, maru_remove_result_t, maru_status_t,
-};
+use maru::ffi::{maru_page_t, maru_pages_publish, maru_pages_take};
 use serde::Serialize;
 use std::ffi::{c_char, CString};
 
@@ -139,28 +137,6 @@ fn adapter_row(
     crate::python_row::run("adapter_row.py", &args, secs)
 }
 
-struct Handler(*mut maru_handler_t);
-
-impl Drop for Handler {
-    fn drop(&mut self) {
-        // SAFETY: a handler from maru_handler_open, closed once.
-        let _ = unsafe { maru_handler_close(self.0) };
-    }
-}
-
-// SAFETY: the C ABI documents the handler as thread-safe; it is freed only in Drop.
-unsafe impl Send for Handler {}
-// SAFETY: as above: the C ABI allows calls from several threads at once.
-unsafe impl Sync for Handler {}
-
-fn check(st: maru_status_t, what: &str) -> Result<(), String> {
-    if st == maru_status_t::MARU_OK {
-        return Ok(());
-    }
-    let msg = maru::ffi::last_error().map(|(_, m)| m).unwrap_or_default();
-    Err(format!("{what}: {st:?}: {msg}"))
-}
-
 const NO_PAGE: maru_page_t = maru_page_t {
     region_id: 0,
     page: 0,
@@ -169,57 +145,47 @@ const NO_PAGE: maru_page_t = maru_page_t {
     capacity: 0,
 };
 
-impl Handler {
-    fn take(&self, n: usize, route: &CString) -> Result<Vec<maru_page_t>, String> {
-        let mut pages = vec![NO_PAGE; n];
-        let mut got = 0usize;
-        // SAFETY: `pages` has n entries; `got` is writable.
-        check(
-            unsafe { maru_pages_take(self.0, n, route.as_ptr(), pages.as_mut_ptr(), &mut got) },
-            "maru_pages_take",
-        )?;
-        if got != n {
-            return Err(format!("maru_pages_take gave {got} of {n} pages"));
-        }
-        Ok(pages)
+/// `n` pages of the handler's own regions, taken to write in place (`maru_pages_take`).
+fn take(h: &CHandler, n: usize, route: &CString) -> Result<Vec<maru_page_t>, String> {
+    let mut pages = vec![NO_PAGE; n];
+    let mut got = 0usize;
+    // SAFETY: `pages` has n entries; `got` is writable.
+    check(
+        unsafe { maru_pages_take(h.as_ptr(), n, route.as_ptr(), pages.as_mut_ptr(), &mut got) },
+        "maru_pages_take",
+    )?;
+    if got != n {
+        return Err(format!("maru_pages_take gave {got} of {n} pages"));
     }
+    Ok(pages)
+}
 
-    fn publish(&self, keys: &[CString], pages: &[maru_page_t]) -> Result<(), String> {
-        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
-        let lens = vec![CHUNK; keys.len()];
-        let mut ok = vec![false; keys.len()];
-        // SAFETY: arrays of keys.len() entries.
-        check(
-            unsafe {
-                maru_pages_publish(
-                    self.0,
-                    kp.as_ptr(),
-                    pages.as_ptr(),
-                    lens.as_ptr(),
-                    keys.len(),
-                    ok.as_mut_ptr(),
-                )
-            },
-            "maru_pages_publish",
-        )?;
-        match ok.iter().filter(|o| !**o).count() {
-            0 => Ok(()),
-            n => Err(format!(
-                "maru_pages_publish published {} of {}",
-                keys.len() - n,
-                keys.len()
-            )),
-        }
-    }
-
-    fn remove(&self, keys: &[CString]) -> Result<(), String> {
-        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
-        let mut res = vec![maru_remove_result_t::MARU_REMOVE_NOT_FOUND; keys.len()];
-        // SAFETY: arrays of keys.len() entries; the route key is the first key.
-        check(
-            unsafe { maru_remove_batch(self.0, kp.as_ptr(), kp.len(), kp[0], res.as_mut_ptr()) },
-            "maru_remove_batch",
-        )
+/// Publishes `keys[i]` in `pages[i]`, CHUNK bytes each (`maru_pages_publish`); all must be published.
+fn publish(h: &CHandler, keys: &[CString], pages: &[maru_page_t]) -> Result<(), String> {
+    let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+    let lens = vec![CHUNK; keys.len()];
+    let mut ok = vec![false; keys.len()];
+    // SAFETY: arrays of keys.len() entries.
+    check(
+        unsafe {
+            maru_pages_publish(
+                h.as_ptr(),
+                kp.as_ptr(),
+                pages.as_ptr(),
+                lens.as_ptr(),
+                keys.len(),
+                ok.as_mut_ptr(),
+            )
+        },
+        "maru_pages_publish",
+    )?;
+    match ok.iter().filter(|o| !**o).count() {
+        0 => Ok(()),
+        n => Err(format!(
+            "maru_pages_publish published {} of {}",
+            keys.len() - n,
+            keys.len()
+        )),
     }
 }
 
@@ -240,14 +206,7 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
     let rotate = rotate.max(CHUNK * BATCH * 2);
     let st = stack(s, false, &REGION.to_string(), &CHUNK.to_string())?;
     let cfg = crate::maru_io::handler_config(&st.server, "cxl", "bench-in-place", s);
-    let c = CString::new(cfg).map_err(|e| e.to_string())?;
-    let mut raw = std::ptr::null_mut();
-    // SAFETY: a NUL-terminated config and a writable out pointer.
-    check(
-        unsafe { maru_handler_open(c.as_ptr(), &mut raw) },
-        "maru_handler_open",
-    )?;
-    let h = std::sync::Arc::new(Handler(raw));
+    let h = std::sync::Arc::new(CHandler::open(&cfg)?);
     let route = CString::new("in-place").map_err(|e| e.to_string())?;
     #[derive(Clone, Copy, PartialEq)]
     enum Mode {
@@ -266,30 +225,30 @@ pub fn run(s: &Scratch, secs: f64, rotate: usize) -> Result<InPlaceResult, Strin
                 .collect();
             match mode {
                 Mode::Batched => {
-                    let pages = h.take(BATCH, &route)?;
+                    let pages = take(&h, BATCH, &route)?;
                     for p in &pages {
                         fill(p, src.next_ptr());
                     }
-                    h.publish(&keys, &pages)?;
+                    publish(&h, &keys, &pages)?;
                 }
                 Mode::Compat => {
                     let mut pages = Vec::with_capacity(BATCH);
                     for _ in 0..BATCH {
-                        let page = h.take(1, &route)?;
+                        let page = take(&h, 1, &route)?;
                         fill(&page[0], src.next_ptr());
                         pages.push(page[0]);
                     }
-                    h.publish(&keys, &pages)?;
+                    publish(&h, &keys, &pages)?;
                 }
                 Mode::PerChunk => {
                     for k in &keys {
-                        let page = h.take(1, &route)?;
+                        let page = take(&h, 1, &route)?;
                         fill(&page[0], src.next_ptr());
-                        h.publish(std::slice::from_ref(k), &page)?;
+                        publish(&h, std::slice::from_ref(k), &page)?;
                     }
                 }
             }
-            h.remove(&keys)?;
+            h.remove_batch(&keys)?;
             Ok((BATCH * CHUNK) as u64)
         };
         // Once through the region (and one more), unmeasured: every page touched.

@@ -170,6 +170,24 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     let want_clients = |n: usize| args.clients.is_empty() || args.clients.contains(&n);
+    // The backends asked for (both by default).
+    let backends: Vec<&'static str> = ["cxl", "remote_cxl"]
+        .into_iter()
+        .filter(|b| args.backends.is_empty() || args.backends.iter().any(|x| x == b))
+        .collect();
+    // Each chunk size with each client count of `counts` asked for.
+    let chunk_clients = |counts: &[usize]| -> Vec<(usize, usize)> {
+        chunks
+            .iter()
+            .flat_map(|&c| {
+                counts
+                    .iter()
+                    .copied()
+                    .filter(|&n| want_clients(n))
+                    .map(move |n| (c, n))
+            })
+            .collect()
+    };
     for o in &args.only {
         if !PARTS.contains(&o.as_str()) {
             return Err(format!("unknown part {o}: use {}", PARTS.join(", ")));
@@ -235,23 +253,18 @@ fn run(args: Args) -> Result<(), String> {
                     threads,
                     fig,
                 });
-                say(&format!(
-                    "streaming copy {} x {threads} thread(s)",
-                    chunk_name(c)
-                ));
-                let fig = limits::copy(limits::CopyKind::Stream, c, threads, secs, rotate / 2);
-                r.stream.push(MemcpyRow {
-                    chunk: c,
-                    threads,
-                    fig,
-                });
-                say(&format!("read {} x {threads} thread(s)", chunk_name(c)));
-                let fig = limits::copy(limits::CopyKind::Read, c, threads, secs, rotate / 2);
-                r.read.push(MemcpyRow {
-                    chunk: c,
-                    threads,
-                    fig,
-                });
+                for (what, kind, rows) in [
+                    ("streaming copy", limits::CopyKind::Stream, &mut r.stream),
+                    ("read", limits::CopyKind::Read, &mut r.read),
+                ] {
+                    say(&format!("{what} {} x {threads} thread(s)", chunk_name(c)));
+                    let fig = limits::copy(kind, c, threads, secs, rotate / 2);
+                    rows.push(MemcpyRow {
+                        chunk: c,
+                        threads,
+                        fig,
+                    });
+                }
             }
             say(&format!("tcp loopback {}", chunk_name(c)));
             let gbs = limits::tcp_loopback(c, 1, secs, rotate / 2)?;
@@ -297,10 +310,7 @@ fn run(args: Args) -> Result<(), String> {
         None
     };
     if let (true, Some(s)) = (want("maru"), &scratch) {
-        for backend in ["cxl", "remote_cxl"] {
-            if !args.backends.is_empty() && !args.backends.iter().any(|b| b == backend) {
-                continue;
-            }
+        for &backend in &backends {
             for &chunk in &chunks {
                 // One handler used by N threads beside N handlers of one thread each.
                 for (handlers, threads) in [(1, 1), (2, 1), (1, 2), (MANY, 1), (1, MANY)] {
@@ -357,32 +367,24 @@ fn run(args: Args) -> Result<(), String> {
         }
     }
     if let (true, Some(s)) = (want("threads"), &scratch) {
-        for backend in ["cxl", "remote_cxl"] {
-            if !args.backends.is_empty() && !args.backends.iter().any(|b| b == backend) {
-                continue;
-            }
-            for &chunk in &chunks {
-                for n in [2, MANY] {
-                    if !want_clients(n) {
-                        continue;
-                    }
-                    say(&format!(
-                        "maru {backend} {}: 1 handler x {n} threads against {n} handlers, interleaved passes",
-                        chunk_name(chunk)
-                    ));
-                    // Each side's store passes take about twice a figure's seconds
-                    // (the median of the pairs' ratios needs a good many).
-                    let min_passes = if quick { 4 } else { 10 };
-                    r.pairs.push(pairs::run(
-                        s,
-                        backend,
-                        chunk,
-                        n,
-                        2.0 * secs,
-                        min_passes,
-                        rotate,
-                    )?);
-                }
+        for &backend in &backends {
+            for (chunk, n) in chunk_clients(&[2, MANY]) {
+                say(&format!(
+                    "maru {backend} {}: 1 handler x {n} threads against {n} handlers, interleaved passes",
+                    chunk_name(chunk)
+                ));
+                // Each side's store passes take about twice a figure's seconds
+                // (the median of the pairs' ratios needs a good many).
+                let min_passes = if quick { 4 } else { 10 };
+                r.pairs.push(pairs::run(
+                    s,
+                    backend,
+                    chunk,
+                    n,
+                    2.0 * secs,
+                    min_passes,
+                    rotate,
+                )?);
             }
         }
     }
@@ -396,18 +398,13 @@ fn run(args: Args) -> Result<(), String> {
     }
     if want("redis") {
         let (redis_proc, addr) = procs::start_redis()?;
-        for &chunk in &chunks {
-            for clients in [1, MANY] {
-                if !want_clients(clients) {
-                    continue;
-                }
-                say(&format!(
-                    "redis {} x {clients} client(s)",
-                    chunk_name(chunk)
-                ));
-                r.redis
-                    .push(redis::bench(&addr, chunk, clients, secs, rotate)?);
-            }
+        for (chunk, clients) in chunk_clients(&[1, MANY]) {
+            say(&format!(
+                "redis {} x {clients} client(s)",
+                chunk_name(chunk)
+            ));
+            r.redis
+                .push(redis::bench(&addr, chunk, clients, secs, rotate)?);
         }
         drop(redis_proc);
     }

@@ -14,15 +14,15 @@ use maru::ffi::{
 };
 use serde::Serialize;
 use std::ffi::{c_char, CString};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub use crate::harness::BATCH;
 
 /// The keys (named by `key`) and destinations of batch `b` of a batched load: the
 /// chunks `b * BATCH ..` a client stored in batches, each read into the next buffer
 /// of `dst`.
-pub fn load_batch_args(
-    dst: &std::sync::Mutex<Rotor>,
+fn load_batch_args(
+    dst: &Mutex<Rotor>,
     key: impl Fn(usize) -> CString,
     b: usize,
 ) -> Result<(Vec<CString>, Vec<*mut u8>), String> {
@@ -31,6 +31,55 @@ pub fn load_batch_args(
     let bufs = (0..BATCH).map(|_| r.next_ptr()).collect();
     Ok((keys, bufs))
 }
+
+/// One client of a Maru figure: its handler, its rotors of sources and destinations,
+/// its keys (`tag(client, kind, i)`) and the chunk size; each method makes the op of
+/// one kind of call for [`run_clients`] (the Mooncake part's Maru turns make theirs
+/// here too).
+pub struct ClientOps<T> {
+    pub h: Arc<CHandler>,
+    pub c: usize,
+    pub src: Arc<Mutex<Rotor>>,
+    pub dst: Arc<Mutex<Rotor>>,
+    pub tag: T,
+    pub chunk: usize,
+}
+
+/// An op for [`run_clients`]: call `i` moves the bytes it returns.
+pub trait ClientOp: FnMut(usize) -> Result<u64, String> + Send + 'static {}
+impl<F: FnMut(usize) -> Result<u64, String> + Send + 'static> ClientOp for F {}
+
+impl<T: Fn(usize, &str, usize) -> CString + Send + 'static> ClientOps<T> {
+    /// Single stores of `len` bytes each, a new key (kind `s`) every call.
+    pub fn store_single(self, len: usize) -> impl ClientOp {
+        move |i: usize| -> Result<u64, String> {
+            let p = self.src.lock().map_err(|_| "poisoned")?.next_ptr() as *const u8;
+            self.h.store_one(&(self.tag)(self.c, "s", i), p, len)?;
+            Ok(len as u64)
+        }
+    }
+
+    /// Batched loads of the `batches` batches the client stored (kind `b`), in
+    /// rotation.
+    pub fn load_batch(self, batches: usize) -> impl ClientOp {
+        let n = batches.max(1);
+        move |i: usize| -> Result<u64, String> {
+            let (keys, bufs) = load_batch_args(&self.dst, |k| (self.tag)(self.c, "b", k), i % n)?;
+            self.h.load_batch(&keys, &bufs, self.chunk)
+        }
+    }
+
+    /// Single loads of the chunks of those batches, in rotation.
+    pub fn load_single(self, batches: usize) -> impl ClientOp {
+        let n = batches.max(1) * BATCH;
+        move |i: usize| -> Result<u64, String> {
+            let p = self.dst.lock().map_err(|_| "poisoned")?.next_ptr();
+            self.h
+                .load_one(&(self.tag)(self.c, "b", i % n), p, self.chunk)
+        }
+    }
+}
+
 /// Turns each of "store, reused pages" and "store into a full cache" takes, each of
 /// a quarter of a figure's seconds.
 const TURNS: usize = 8;
@@ -44,7 +93,8 @@ pub struct CHandler(*mut maru_handler_t);
 unsafe impl Send for CHandler {}
 unsafe impl Sync for CHandler {}
 
-fn check(st: maru_status_t, what: &str) -> Result<(), String> {
+/// `Ok` for `MARU_OK`; otherwise the call `what`, the status and libmaru's last error.
+pub fn check(st: maru_status_t, what: &str) -> Result<(), String> {
     if st == maru_status_t::MARU_OK {
         return Ok(());
     }
@@ -461,20 +511,14 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         secs: sz.secs,
         max_ops,
     };
-    let srcs: Vec<Arc<std::sync::Mutex<Rotor>>> = (0..clients)
-        .map(|c| {
-            Arc::new(std::sync::Mutex::new(Rotor::new(
-                sz.rotate,
-                chunk,
-                7 + c as u64,
-            )))
-        })
+    let srcs: Vec<Arc<Mutex<Rotor>>> = (0..clients)
+        .map(|c| Arc::new(Mutex::new(Rotor::new(sz.rotate, chunk, 7 + c as u64))))
         .collect();
-    let dsts: Vec<Arc<std::sync::Mutex<Rotor>>> = (0..clients)
-        .map(|_| Arc::new(std::sync::Mutex::new(Rotor::new(sz.rotate, chunk, 3))))
+    let dsts: Vec<Arc<Mutex<Rotor>>> = (0..clients)
+        .map(|_| Arc::new(Mutex::new(Rotor::new(sz.rotate, chunk, 3))))
         .collect();
     // How many batches each client's batched stores stored.
-    let counts = Arc::new(std::sync::Mutex::new(vec![0usize; clients]));
+    let counts = Arc::new(Mutex::new(vec![0usize; clients]));
     // Batches of 32 new keys (`kind`), one call per client; with `remove`, each batch
     // removed after it is stored, so that the next goes into the pages it freed ("store,
     // reused pages": in a full pool the pages a remove frees are the next ones handed
@@ -538,43 +582,24 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     run_clients(reused_ops("warm-more".into()), bound(usize::MAX))?;
     let store_batch = run_clients(ops_batch, bound(batch_ops.max(1)))?;
     let stored: Vec<usize> = counts.lock().map_err(|_| "poisoned")?.clone();
+    let client = |c: usize| ClientOps {
+        h: client_handler(c),
+        c,
+        src: srcs[c].clone(),
+        dst: dsts[c].clone(),
+        tag,
+        chunk,
+    };
     // Single stores.
-    let ops: Vec<_> = (0..clients)
-        .map(|c| {
-            let h = client_handler(c);
-            let src = srcs[c].clone();
-            move |i: usize| -> Result<u64, String> {
-                let p = src.lock().map_err(|_| "poisoned")?.next_ptr() as *const u8;
-                h.store_one(&tag(c, "s", i), p, len)?;
-                Ok(len as u64)
-            }
-        })
-        .collect();
+    let ops: Vec<_> = (0..clients).map(|c| client(c).store_single(len)).collect();
     let store_single = run_clients(ops, bound(single_ops.max(1)))?;
     // Batched loads over the keys each client stored in batches, in rotation.
     let ops: Vec<_> = (0..clients)
-        .map(|c| {
-            let h = client_handler(c);
-            let dst = dsts[c].clone();
-            let n = stored[c].max(1);
-            move |i: usize| -> Result<u64, String> {
-                let (keys, bufs) = load_batch_args(&dst, |k| tag(c, "b", k), i % n)?;
-                h.load_batch(&keys, &bufs, chunk)
-            }
-        })
+        .map(|c| client(c).load_batch(stored[c]))
         .collect();
     let load_batch = run_clients(ops, bound(usize::MAX))?;
     let ops: Vec<_> = (0..clients)
-        .map(|c| {
-            let h = client_handler(c);
-            let dst = dsts[c].clone();
-            let n = stored[c].max(1) * BATCH;
-            move |i: usize| -> Result<u64, String> {
-                let p = dst.lock().map_err(|_| "poisoned")?.next_ptr();
-                let k = i % n;
-                h.load_one(&tag(c, "b", k), p, chunk)
-            }
-        })
+        .map(|c| client(c).load_single(stored[c]))
         .collect();
     let load_single = run_clients(ops, bound(usize::MAX))?;
     let load_slots = if cfg.threads == 1 {

@@ -106,21 +106,6 @@ fn row(op: &'static str, conns: usize, parts: Vec<Part>) -> Row {
     }
 }
 
-fn run_op(
-    server: &str,
-    key: &std::path::Path,
-    op: &'static str,
-    conns: usize,
-    secs: f64,
-    keys: &[String],
-) -> Result<Row, String> {
-    Ok(row(
-        op,
-        conns,
-        vec![measure(server, key, op, conns, secs, keys, "")?],
-    ))
-}
-
 /// `conns` sessions doing `op` for `secs`; `tag` tells apart the session names and
 /// published keys of several runs on one server.
 fn measure(
@@ -327,14 +312,8 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let mut rows = Vec::new();
     for op in ["exists x1", "exists x32", "acquire+release x32"] {
         for conns in [1usize, 8] {
-            rows.push(run_op(
-                &server,
-                &scratch.server_key,
-                op,
-                conns,
-                secs,
-                &keys,
-            )?);
+            let part = measure(&server, &scratch.server_key, op, conns, secs, &keys, "")?;
+            rows.push(row(op, conns, vec![part]));
         }
     }
     // alloc+publish against both servers, in interleaved rounds.

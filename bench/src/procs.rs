@@ -442,7 +442,7 @@ pub fn stack_with(
     };
     let agent_addr = agent.as_ref().map(|(_, a)| a.as_str());
     let state = s.path("server-state");
-    let (srv, server) = start_server(
+    let args = server_args(
         s,
         &rm_addr,
         &rm_key,
@@ -450,7 +450,8 @@ pub fn stack_with(
         region_size,
         chunk_size,
         durable.then_some(state.as_path()),
-    )?;
+    );
+    let (srv, server) = start_server(s, &args)?;
     Ok(Stack {
         server,
         rm_addr,
@@ -501,20 +502,11 @@ pub fn server_args(
     args
 }
 
-/// A maru-server (see [`server_args`]); its process and address.
-pub fn start_server(
-    s: &Scratch,
-    rm_addr: &str,
-    rm_key: &str,
-    agent: Option<&str>,
-    region_size: &str,
-    chunk_size: &str,
-    state: Option<&Path>,
-) -> Result<(Proc, String), String> {
-    let args = server_args(s, rm_addr, rm_key, agent, region_size, chunk_size, state);
+/// A maru-server with `args` (see [`server_args`]); its process and address.
+pub fn start_server(s: &Scratch, args: &[String]) -> Result<(Proc, String), String> {
     start_daemon(
         &bin_dir().join("maru-server"),
-        &args,
+        args,
         &s.path("server.ready"),
     )
 }

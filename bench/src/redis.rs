@@ -29,12 +29,18 @@ impl Resp {
     }
 
     pub fn ping(&mut self) -> Result<(), String> {
-        self.w.write_all(b"*1\r\n$4\r\nPING\r\n").map_err(io)?;
+        self.command("PING", "+PONG")
+    }
+
+    /// Sends the one-word command `cmd` and expects the status line `want`.
+    fn command(&mut self, cmd: &str, want: &str) -> Result<(), String> {
+        let req = format!("*1\r\n${}\r\n{cmd}\r\n", cmd.len());
+        self.w.write_all(req.as_bytes()).map_err(io)?;
         let line = self.line()?;
-        if line == "+PONG" {
+        if line == want {
             Ok(())
         } else {
-            Err(format!("redis: PING answered {line}"))
+            Err(format!("redis: {cmd} answered {line}"))
         }
     }
 
@@ -128,13 +134,7 @@ fn write_all_vectored(w: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> Result
 
 impl Resp {
     pub fn flushall(&mut self) -> Result<(), String> {
-        self.w.write_all(b"*1\r\n$8\r\nFLUSHALL\r\n").map_err(io)?;
-        let l = self.line()?;
-        if l == "+OK" {
-            Ok(())
-        } else {
-            Err(format!("redis: FLUSHALL answered {l}"))
-        }
+        self.command("FLUSHALL", "+OK")
     }
 }
 
@@ -147,6 +147,20 @@ pub struct RedisResult {
     pub set_single: Fig,
     pub get_batch: Fig,
     pub get_single: Fig,
+}
+
+/// SETs `ks`, each with the next piece of `chunk` bytes of `src`, in one pipeline.
+fn set_from(r: &mut Resp, ks: &[String], src: &mut Rotor, chunk: usize) -> Result<(), String> {
+    let items: Vec<(&str, &[u8])> = ks
+        .iter()
+        .map(|k| {
+            // SAFETY: a piece of `chunk` bytes inside the rotor, read only.
+            (k.as_str(), unsafe {
+                std::slice::from_raw_parts(src.next_ptr(), chunk)
+            })
+        })
+        .collect();
+    r.set_many(&items)
 }
 
 /// SET/GET pipelined 32 per batch and single, `clients` connections, each over its own
@@ -170,16 +184,7 @@ pub fn bench(
         let mut src = Rotor::new(rotate, chunk, 11 + c as u64);
         for b in 0..keys_per_client / BATCH {
             let ks: Vec<String> = (0..BATCH).map(|j| key(c, b * BATCH + j)).collect();
-            let items: Vec<(&str, &[u8])> = ks
-                .iter()
-                .map(|k| {
-                    // SAFETY: a piece of `chunk` bytes inside the rotor, read only.
-                    (k.as_str(), unsafe {
-                        std::slice::from_raw_parts(src.next_ptr(), chunk)
-                    })
-                })
-                .collect();
-            r.set_many(&items)?;
+            set_from(&mut r, &ks, &mut src, chunk)?;
         }
         conns.push(Arc::new(Mutex::new((r, src, Rotor::new(rotate, chunk, 5)))));
     }
@@ -196,16 +201,7 @@ pub fn bench(
                     let (r, src, dst) = &mut *g;
                     let ks: Vec<String> = (0..per_op).map(|j| key(c, i * per_op + j)).collect();
                     if set {
-                        let items: Vec<(&str, &[u8])> = ks
-                            .iter()
-                            .map(|k| {
-                                // SAFETY: as above.
-                                (k.as_str(), unsafe {
-                                    std::slice::from_raw_parts(src.next_ptr(), chunk)
-                                })
-                            })
-                            .collect();
-                        r.set_many(&items)?;
+                        set_from(r, &ks, src, chunk)?;
                         Ok((per_op * chunk) as u64)
                     } else {
                         let kr: Vec<&str> = ks.iter().map(|k| k.as_str()).collect();

@@ -1296,16 +1296,9 @@ fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
     let key = maru::auth::load_key_file(&st.key_path).unwrap();
     let agent = st.agent.as_ref().unwrap().addr.clone();
     let config = |engine: &str| {
-        serde_json::json!({
-            "backend": "remote_cxl",
-            "server_url": st.server.addr,
-            "engine_id": engine,
-            "namespace": "softflood",
-            "agent_key_file": st.key_path.display().to_string(),
-            "server_key_file": support::server_key_file(&st.server.addr),
-            "timeout_ms": 5000,
-        })
-        .to_string()
+        let mut c = st.handler_config("remote_cxl", engine, "softflood", (16, 32));
+        c["timeout_ms"] = 5000.into();
+        c.to_string()
     };
     let writer = Handler::open(&config("softflood-writer")).unwrap();
     let chunks: Vec<(String, Vec<u8>)> = (0..8u8)

@@ -125,12 +125,8 @@ fn store(h: &Handler, keys: &[String]) -> Vec<bool> {
 /// Stores `keys` with their `data` (made before, so that a timed call times the
 /// store only).
 fn store_data(h: &Handler, keys: &[String], data: &[Vec<u8>]) -> Vec<bool> {
-    let items: Vec<(&str, &[u8])> = keys
-        .iter()
-        .zip(data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect();
-    h.store_batch(&items, None).expect("a store answers")
+    h.store_batch(&support::items(keys, data), None)
+        .expect("a store answers")
 }
 
 fn load(h: &Handler, keys: &[String]) -> Vec<Option<Vec<u8>>> {
@@ -237,18 +233,9 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     let st = support::stack("away-stop", "64M", true, &args);
     let agent = st.agent.as_ref().expect("a remote stack has an agent");
     let cfg = |engine: &str| {
-        serde_json::json!({
-            "backend": "remote_cxl",
-            "server_url": st.server.addr,
-            "server_key_file": support::server_key_file(&st.server.addr),
-            "engine_id": engine,
-            "namespace": "away",
-            "agent_key_file": st.key_path.display().to_string(),
-            "load_slots": 64,
-            "store_slots": 64,
-            "timeout_ms": TIMEOUT_MS,
-        })
-        .to_string()
+        let mut c = st.handler_config("remote_cxl", engine, "away", (64, 64));
+        c["timeout_ms"] = TIMEOUT_MS.into();
+        c.to_string()
     };
     let _ = env_logger::builder().is_test(true).try_init();
     let h = Handler::open(&cfg("away")).expect("open");
@@ -430,16 +417,9 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         .map(|a| a.to_string())
         .collect();
     let st = support::stack("away-server", "64M", false, &args);
-    let cfg = serde_json::json!({
-        "backend": "cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "away-server",
-        "load_slots": 8,
-        "store_slots": 8,
-        "timeout_ms": T_MS,
-    })
-    .to_string();
+    let mut cfg = st.handler_config("cxl", "away-server", "away-server", (8, 8));
+    cfg["timeout_ms"] = T_MS.into();
+    let cfg = cfg.to_string();
     let _ = env_logger::builder().is_test(true).try_init();
     let h = Handler::open(&cfg).expect("open");
     let peers = [st.server.child.id()];

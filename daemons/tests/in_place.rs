@@ -198,12 +198,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
     let keys: Vec<String> = (0..300).map(|i| format!("s/c{i:03}")).collect();
     let data: Vec<Vec<u8>> = (0..300).map(|i| bytes(i as u8, 2048)).collect();
     for (k, d) in keys.chunks(30).zip(data.chunks(30)) {
-        let items: Vec<(&str, &[u8])> = k
-            .iter()
-            .zip(d)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
-        w.pool.store(&items, Some("s")).unwrap();
+        w.pool.store(&support::items(k, d), Some("s")).unwrap();
     }
     let written = w.written.lock().unwrap().clone();
     assert!(

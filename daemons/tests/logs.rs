@@ -92,17 +92,9 @@ fn killing_the_agent_warns_through_the_log_callback() {
         .collect();
     let mut st: Stack = support::stack("logs-agent", "64M", true, &server_args);
     let agent_addr = st.agent.as_ref().unwrap().addr.clone();
-    let cfg = serde_json::json!({
-        "backend": "remote_cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "logs-agent-engine",
-        "agent_key_file": st.key_path.display().to_string(),
-        "load_slots": 4,
-        "store_slots": 8,
-        "timeout_ms": 2000,
-    })
-    .to_string();
+    let mut cfg = st.handler_config("remote_cxl", "logs-agent-engine", "default", (4, 8));
+    cfg["timeout_ms"] = 2000.into();
+    let cfg = cfg.to_string();
     let h = open(&cfg).expect("open");
     assert_eq!(store(h, "logs-agent-0"), (maru_status_t::MARU_OK, true));
     // Lifecycle at INFO: the handler, its pool's session, the region mapped.

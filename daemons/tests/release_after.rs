@@ -6,7 +6,7 @@
 mod support;
 
 use maru::worker::Handler;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{leases_of, wait_until, Stack};
@@ -24,6 +24,59 @@ fn config(st: &Stack, backend: &str, engine: &str, server_url: &str) -> String {
     let mut c = st.handler_config(backend, engine, "release-after", (8, 16));
     c["server_url"] = server_url.into();
     c.to_string()
+}
+
+/// A writer with its 8 chunks `{tag}-{i}` stored (seeded from `seed`, 4096 + `step` × i
+/// bytes): the writer, the keys, and their bytes as a load returns them.
+fn stored(
+    st: &Stack,
+    backend: &str,
+    tag: &str,
+    seed: u64,
+    step: usize,
+) -> (Handler, Vec<String>, Vec<Option<Vec<u8>>>) {
+    let writer = Handler::open(&config(st, backend, "writer", &st.server.addr)).unwrap();
+    let keys: Vec<String> = (0..8).map(|i| format!("{tag}-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..8u64)
+        .map(|i| support::seeded_bytes(seed + i, 4096 + step * i as usize))
+        .collect();
+    let ok = writer
+        .store_batch(&support::items(&keys, &data), Some("r"))
+        .unwrap();
+    assert!(ok.iter().all(|&x| x), "the writer's chunks stored");
+    (writer, keys, data.into_iter().map(Some).collect())
+}
+
+/// Whether `engine` holds no lease at maru-server within 5 s.
+fn leases_gone(st: &Stack, engine: &str) -> bool {
+    wait_until(Duration::from_secs(5), || {
+        leases_of(&st.server.addr, engine) == 0
+    })
+}
+
+/// A handler of `engine` reaching maru-server through a proxy that holds each
+/// `release_leases` back `delay` while `slow` is set (and the count of those held),
+/// connected before the caller's clock starts: one load of `keys` gave `want` and
+/// its leases went back.
+fn behind_proxy(
+    st: &Stack,
+    backend: &str,
+    engine: &str,
+    slow: &Arc<AtomicBool>,
+    delay: Duration,
+    (keys, want): (&[String], &[Option<Vec<u8>>]),
+) -> (Handler, Arc<AtomicUsize>) {
+    let (proxy, held) = support::holding_proxy(
+        &st.server.addr,
+        b"release_leases",
+        slow.clone(),
+        delay,
+        Duration::from_secs(120),
+    );
+    let h = Handler::open(&config(st, backend, engine, &proxy)).unwrap();
+    assert_eq!(load(&h, keys).0, want);
+    assert!(leases_gone(st, engine));
+    (h, held)
 }
 
 /// Loads `keys` as `maru_load_pieces` does; each chunk's bytes, and how long it took.
@@ -46,35 +99,11 @@ fn load(h: &Handler, keys: &[String]) -> (Vec<Option<Vec<u8>>>, Duration) {
 /// `close` ending the queue without draining it: 1 of 3 releases sent).
 fn releases_after_the_call(backend: &str) {
     let st = stack(backend == "remote_cxl");
-    let writer = Handler::open(&config(&st, backend, "writer", &st.server.addr)).unwrap();
-    let keys: Vec<String> = (0..8).map(|i| format!("ra-{i}")).collect();
-    let data: Vec<Vec<u8>> = (0..8)
-        .map(|i| support::seeded_bytes(i + 1, 4096 + 1000 * i as usize))
-        .collect();
-    let items = support::items(&keys, &data);
-    assert!(writer
-        .store_batch(&items, Some("r"))
-        .unwrap()
-        .iter()
-        .all(|&x| x));
-
+    let (_writer, keys, want) = stored(&st, backend, "ra", 1, 1000);
     let slow = Arc::new(AtomicBool::new(false));
     let delay = Duration::from_millis(1500);
-    let (proxy, _) = support::holding_proxy(
-        &st.server.addr,
-        b"release_leases",
-        slow.clone(),
-        delay,
-        Duration::from_secs(60),
-    );
-    let reader = Handler::open(&config(&st, backend, "reader", &proxy)).unwrap();
-    let want: Vec<Option<Vec<u8>>> = data.iter().cloned().map(Some).collect();
     // Connected to maru-server (and on remote_cxl to the agent) before the clock starts.
-    assert_eq!(load(&reader, &keys).0, want);
-    assert!(wait_until(Duration::from_secs(5), || leases_of(
-        &st.server.addr,
-        "reader"
-    ) == 0));
+    let (reader, _) = behind_proxy(&st, backend, "reader", &slow, delay, (&keys, &want));
 
     slow.store(true, Ordering::SeqCst);
     let (got, took) = load(&reader, &keys);
@@ -88,42 +117,22 @@ fn releases_after_the_call(backend: &str) {
         8,
         "the leases are held until their release gets through"
     );
-    assert!(
-        wait_until(Duration::from_secs(5), || leases_of(
-            &st.server.addr,
-            "reader"
-        ) == 0),
-        "the release got through"
-    );
+    assert!(leases_gone(&st, "reader"), "the release got through");
 
     slow.store(false, Ordering::SeqCst);
     for _ in 0..20 {
         assert_eq!(load(&reader, &keys).0, want);
     }
     assert!(
-        wait_until(Duration::from_secs(5), || leases_of(
-            &st.server.addr,
-            "reader"
-        ) == 0),
+        leases_gone(&st, "reader"),
         "every lease of 20 loads given back: {} held",
         leases_of(&st.server.addr, "reader")
     );
 
     // Three releases behind a slow maru-server (each answer held 400 ms): the close
     // sends every one before it closes the session.
-    let (proxy2, held2) = support::holding_proxy(
-        &st.server.addr,
-        b"release_leases",
-        slow.clone(),
-        Duration::from_millis(400),
-        Duration::from_secs(60),
-    );
-    let closing = Handler::open(&config(&st, backend, "closing", &proxy2)).unwrap();
-    assert_eq!(load(&closing, &keys).0, want);
-    assert!(wait_until(Duration::from_secs(5), || leases_of(
-        &st.server.addr,
-        "closing"
-    ) == 0));
+    let delay2 = Duration::from_millis(400);
+    let (closing, held2) = behind_proxy(&st, backend, "closing", &slow, delay2, (&keys, &want));
     slow.store(true, Ordering::SeqCst);
     for _ in 0..3 {
         assert_eq!(load(&closing, &keys).0, want);
@@ -159,32 +168,10 @@ fn remote_cxl_load_pieces_releases_after_the_call() {
 /// released): 280 (cxl) and 272 (remote_cxl) leases still held 10 s later.
 fn a_full_release_queue_leaves_no_lease_held(backend: &str) {
     let st = stack(backend == "remote_cxl");
-    let writer = Handler::open(&config(&st, backend, "writer", &st.server.addr)).unwrap();
-    let keys: Vec<String> = (0..8).map(|i| format!("rq-{i}")).collect();
-    let data: Vec<Vec<u8>> = (0..8)
-        .map(|i| support::seeded_bytes(i + 11, 4096 + 500 * i as usize))
-        .collect();
-    let items = support::items(&keys, &data);
-    assert!(writer
-        .store_batch(&items, Some("r"))
-        .unwrap()
-        .iter()
-        .all(|&x| x));
+    let (_writer, keys, want) = stored(&st, backend, "rq", 11, 500);
     let slow = Arc::new(AtomicBool::new(false));
-    let (proxy, held) = support::holding_proxy(
-        &st.server.addr,
-        b"release_leases",
-        slow.clone(),
-        Duration::from_millis(200),
-        Duration::from_secs(120),
-    );
-    let reader = Handler::open(&config(&st, backend, "full-queue", &proxy)).unwrap();
-    let want: Vec<Option<Vec<u8>>> = data.iter().cloned().map(Some).collect();
-    assert_eq!(load(&reader, &keys).0, want);
-    assert!(wait_until(Duration::from_secs(5), || leases_of(
-        &st.server.addr,
-        "full-queue"
-    ) == 0));
+    let delay = Duration::from_millis(200);
+    let (reader, held) = behind_proxy(&st, backend, "full-queue", &slow, delay, (&keys, &want));
 
     slow.store(true, Ordering::SeqCst);
     let loads = 100;

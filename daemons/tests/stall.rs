@@ -449,15 +449,10 @@ fn a_stalled_maru_server_costs_a_call_at_most_its_timeout() {
         Duration::from_millis(800),
         Duration::from_secs(120),
     );
-    let cfg = serde_json::json!({
-        "backend": "cxl",
-        "server_url": proxy,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "stall-server-engine",
-        "load_slots": 4,
-        "store_slots": 8,
-        "timeout_ms": T_MS,
-    });
+    // maru-server reached through the proxy, with its key file.
+    let mut cfg = st.handler_config("cxl", "stall-server-engine", "default", (4, 8));
+    cfg["server_url"] = proxy.into();
+    cfg["timeout_ms"] = T_MS.into();
     let h = Handler::open(&cfg.to_string()).expect("open");
     // 48 chunks a store: more than the pool's spare pages, so a store makes several
     // maru-server calls (exists, alloc, expand or evict, publish).
@@ -466,14 +461,8 @@ fn a_stalled_maru_server_costs_a_call_at_most_its_timeout() {
         let data = keys.iter().map(|k| content(k)).collect();
         (keys, data)
     };
-    let store = |keys: &[String], data: &[Vec<u8>]| {
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(data)
-            .map(|(k, d)| (k.as_str(), d.as_slice()))
-            .collect();
-        h.store_batch(&items, None)
-    };
+    let store =
+        |keys: &[String], data: &[Vec<u8>]| h.store_batch(&support::items(keys, data), None);
     let (before, before_data) = batch("before");
     assert_eq!(store(&before, &before_data).unwrap(), vec![true; 48]);
 

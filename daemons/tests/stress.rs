@@ -34,14 +34,6 @@ fn config(st: &Stack, backend: &str, engine: &str) -> String {
     c.to_string()
 }
 
-/// `(key, bytes)` items of a store.
-fn pairs<'a>(keys: &'a [String], data: &'a [Vec<u8>]) -> Vec<(&'a str, &'a [u8])> {
-    keys.iter()
-        .zip(data)
-        .map(|(k, d)| (k.as_str(), d.as_slice()))
-        .collect()
-}
-
 /// A cxl storage session of engine `engine` at the stack's maru-server, for tests that
 /// drive a pool directly.
 fn cxl_session(st: &Stack, engine: &str) -> maru::worker::session::Session {
@@ -355,7 +347,7 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
     // the first store; the second when the first is full).
     let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
     let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-    let items = pairs(&keys, &data);
+    let items = support::items(&keys, &data);
     // The first region full.
     assert_eq!(
         pool.store(&items[..128], Some("adopt")).unwrap(),
@@ -438,7 +430,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
     written.lock().unwrap().clear();
     let keys: Vec<String> = (1..6).map(|i| format!("lost-{i}")).collect();
     let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-    let items = pairs(&keys, &data);
+    let items = support::items(&keys, &data);
     assert_eq!(pool.store(&items, Some("loss")).unwrap(), vec![true; 5]);
     let after = written.lock().unwrap().clone();
     assert!(!after.is_empty());
@@ -543,7 +535,7 @@ fn worker(h: &Handler, me: usize, views: bool, stop: &AtomicBool, doing: &Doing,
         match op {
             0 | 1 => {
                 let data: Vec<Vec<u8>> = keys.iter().map(|k| content(k)).collect();
-                let items = pairs(&keys, &data);
+                let items = support::items(&keys, &data);
                 match h.store_batch(&items, Some(&route)) {
                     Ok(r) => {
                         t.stored

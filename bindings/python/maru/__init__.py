@@ -26,8 +26,10 @@ above; :func:`set_log_level` changes that).
 
 Layers, each importing only those below it: ``_lib`` (the C library and its
 prototypes), ``errors``, ``keys``; ``_capi`` (a typed wrapper of each C function, the
-only module above ``_lib`` that calls C); ``_book`` (memory handed to Python),
-``_log``, ``hook``; ``slots``, ``views``; ``handler``; ``compat`` (the
+only module above ``_lib`` that calls C); ``_args`` (key arguments), ``_scoped``
+(``with`` and garbage collection), ``_book`` (memory handed to Python), ``_log``,
+``hook``; ``slots``, ``views``; ``handler_slots``, ``handler_place`` (the handler's
+slot calls and calls on memory in place); ``handler``; ``compat`` (the
 upstream-compatible package); this module on top.
 """
 

@@ -1,56 +1,41 @@
-"""``MaruHandler``: one engine's handle on Maru (a libmaru handler)."""
+"""``MaruHandler``: one engine's handle on Maru (a libmaru handler): its lifetime
+(open, calls in flight, close) and the calls by key (store, load, exists, pins,
+remove, stats). Its staging-slot calls are in :mod:`maru.handler_slots`, its calls on
+memory in place in :mod:`maru.handler_place`."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
 import threading
-import time
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _buffer
 from . import _capi
 from . import hook as _hook
+from ._args import _key, _keys, _rk
 from ._buffer import Buffer
 from ._capi import EMPTY_ADDR as _EMPTY_ADDR
 from .errors import (
     BufferTooSmallError,
     BusyError,
     ClosedError,
-    InvalidArgumentError,
     MaruError,
     Status,
     error_for,
 )
 from ._book import _Expirer, _Releases, _Views
-from .slots import Op, Slot, SlotPool, as_lengths
+from ._scoped import _Scoped
+from .handler_place import PageInfo, _PlaceCalls
+from .handler_slots import _SlotCalls
+from .slots import Slot
 from .views import RemoveResult, View
 
+__all__ = ["Handler", "MaruHandler", "PageInfo"]
 
 log = logging.getLogger(__name__)
-
-
-class PageInfo(collections.namedtuple("PageInfo", "region_id page offset addr capacity buf")):
-    """A page of an own region taken for writing a chunk in place (cxl): its region id,
-    page index, byte offset in the region, address, capacity and a writable
-    memoryview ``buf`` of it."""
-
-
-def _key(k: str, what: str = "key") -> bytes:
-    if not isinstance(k, str):
-        raise TypeError(f"{what} must be a str, not {type(k).__name__}")
-    if not k:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} is empty")
-    if "\0" in k:
-        raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"{what} {k!r} contains a NUL character")
-    return k.encode("utf-8")
-
-
-def _rk(route_key: Optional[str]) -> Optional[bytes]:
-    return None if route_key is None else _key(route_key, "route_key")
 
 
 class _InUse:
@@ -69,7 +54,7 @@ class _InUse:
         self._h._exit()
 
 
-class MaruHandler:
+class MaruHandler(_SlotCalls, _PlaceCalls, _Scoped):
     """An engine's handler: store and retrieve KV chunks by key.
 
     ``config`` is the JSON configuration (a dict, or a JSON string) of
@@ -131,18 +116,6 @@ class MaruHandler:
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             # libmaru accepted it: timeout_ms, when given, is a positive integer.
             self._close_wait_s = int(json.loads(text).get("timeout_ms", 10_000)) / 1000
-
-    def __enter__(self) -> "MaruHandler":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"<MaruHandler {'closed' if self.closed else 'open'}>"
@@ -386,7 +359,7 @@ class MaruHandler:
         if not keys:
             return []
         n = len(keys)
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        ks = _keys(keys)
         bufs = [0] * n
         caps = [0] * n
         rk = _rk(route_key)
@@ -414,7 +387,7 @@ class MaruHandler:
             if pieces:
                 raise ValueError(f"{len(pieces)} pieces but no key")
             return []
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        ks = _keys(keys)
         with self._use() as h:
             return _capi.load_pieces(h, ks, pieces, _rk(route_key))
 
@@ -484,7 +457,7 @@ class MaruHandler:
         keys = list(keys)
         if not keys:
             return []
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        ks = _keys(keys)
         rk = _rk(route_key)
         with self._use() as h:
             return list(call(h, ks, rk))
@@ -510,7 +483,7 @@ class MaruHandler:
         if not keys:
             return []
         n = len(keys)
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        ks = _keys(keys)
         rk = _rk(route_key)
         with self._use() as h:
             res = _capi.remove_batch(h, ks, rk)
@@ -528,214 +501,6 @@ class MaruHandler:
         with self._use() as h:
             text = _capi.stats_json(h)
         return json.loads(text)
-
-    # Staging slots ----------------------------------------------------------------
-
-    def acquire_slots(self, pool: Union[SlotPool, int], n: int = 1, timeout: float = 1.0) -> List[Slot]:
-        """Takes between 1 and ``n`` staging slots of ``pool`` (:class:`SlotPool` ``LOAD``
-        or ``STORE``), waiting up to ``timeout`` seconds for at least one
-        (``maru_slots_acquire``). No free slot in time raises
-        :class:`~maru.NoSpaceError` (release slots or raise ``load_slots`` /
-        ``store_slots``). Each :class:`~maru.Slot` has a writable memoryview ``view``
-        straight over the staging buffer; release it when done."""
-        pool = SlotPool(pool)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, not {n!r}")
-        if timeout < 0:
-            raise ValueError("timeout must be >= 0")
-        with self._use() as h:
-            infos = _capi.slots_acquire(h, int(pool), n, min(int(timeout * 1000), 0xFFFFFFFF))
-            slots = [Slot(self, pool, info) for info in infos]
-            with self._slot_lock:
-                for s in slots:
-                    self._slots[s.id] = s
-        return slots
-
-    def acquire_slot(self, pool: Union[SlotPool, int], timeout: float = 1.0) -> Slot:
-        """One staging slot of ``pool`` (:meth:`acquire_slots` with ``n=1``)."""
-        return self.acquire_slots(pool, 1, timeout)[0]
-
-    def release_slots(self, slots: Sequence[Slot]) -> None:
-        """Releases each slot (:meth:`Slot.release`)."""
-        for s in slots:
-            s.release()
-
-    def _own(self, slots: Sequence[Slot], keys: Sequence[str]) -> Tuple[List[bytes], List[int], int]:
-        slots = list(slots)
-        keys = list(keys)
-        if len(slots) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(slots)} slots: give one slot per key")
-        seen = set()
-        for s in slots:
-            if not isinstance(s, Slot):
-                raise TypeError(f"expected a Slot, not {type(s).__name__}")
-            if s._handler is not self:
-                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"slot {s.id} belongs to another handler")
-            if s.id in seen:
-                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"slot {s.id} appears twice in one call")
-            seen.add(s.id)
-            s._check()
-        n = len(keys)
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        ids = [s.id for s in slots]
-        return ks, ids, n
-
-    def store_slots(
-        self,
-        keys: Sequence[str],
-        slots: Sequence[Slot],
-        lengths: Union[None, int, Sequence[int]] = None,
-        route_key: Optional[str] = None,
-    ) -> List[bool]:
-        """Stores ``lengths[i]`` bytes of ``slots[i]`` under ``keys[i]``
-        (``maru_store_slots``; ``lengths`` defaults to each slot's ``length``, as set by
-        :meth:`Slot.write`). On ``remote_cxl`` the WRITE goes from the slot: no copy.
-        Returns per chunk whether it is stored (or was already). The slots stay yours
-        (release them), also after a skipped store or a failed call, except those that
-        libmaru took back after a transfer whose outcome was unknown
-        (``maru_slots_held`` says which): they are retired."""
-        slots = list(slots)
-        lens_l = as_lengths(lengths, slots)
-        for s, ln in zip(slots, lens_l):
-            if not 1 <= ln <= s.capacity:
-                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"length {ln} of slot {s.id} is not in 1..{s.capacity}")
-        if not slots:
-            return []
-        ks, ids, n = self._own(slots, keys)
-        rk = _rk(route_key)
-        failed: Optional[MaruError] = None
-        with self._use() as h:
-            try:
-                stored = _capi.store_slots(h, ks, ids, lens_l, rk)
-            except MaruError as e:
-                failed = e
-        if failed is not None:
-            self._settle(slots, [False] * n, " (its store failed and libmaru took it back)")
-            raise failed
-        return self._apply_stored(slots, stored)
-
-    def load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> List[Optional[int]]:
-        """Loads ``keys[i]`` into ``slots[i]`` (``maru_load_slots``; on ``remote_cxl`` the
-        READ lands in the slot: no copy). Returns each chunk's length, None where it was
-        not loaded. Loaded slots get ``length`` and ``key``; read them through
-        :meth:`Slot.data`. A slot whose chunk was not loaded stays yours (``length`` and
-        ``key`` None) after a plain miss; only one libmaru took back after a transfer
-        whose outcome was unknown is retired (``maru_slots_held`` says which)."""
-        slots = list(slots)
-        if not slots:
-            return []
-        ks, ids, n = self._own(slots, keys)
-        rk = _rk(route_key)
-        failed: Optional[MaruError] = None
-        with self._use() as h:
-            try:
-                found, lens = _capi.load_slots(h, ks, ids, rk)
-            except MaruError as e:
-                failed = e
-        if failed is not None:
-            for s in slots:
-                s.length = s.key = None
-            self._settle(slots, [False] * n, " (its load failed and libmaru took it back)")
-            raise failed
-        return self._apply_loaded(list(keys), slots, found, lens)
-
-    def submit_store_slots(
-        self,
-        keys: Sequence[str],
-        slots: Sequence[Slot],
-        lengths: Union[None, int, Sequence[int]] = None,
-        route_key: Optional[str] = None,
-    ) -> Op:
-        """:meth:`store_slots` without waiting (``maru_submit_store_slots``): returns the
-        running :class:`~maru.Op`. The slots are lent to it until it finished (do not
-        write into them meanwhile; the wrapper refuses access)."""
-        slots = list(slots)
-        keys = list(keys)
-        lens_l = as_lengths(lengths, slots)
-        for s, ln in zip(slots, lens_l):
-            if not 1 <= ln <= s.capacity:
-                raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"length {ln} of slot {s.id} is not in 1..{s.capacity}")
-        if not slots:
-            raise ValueError("nothing to submit: no slots")
-        ks, ids, _ = self._own(slots, keys)
-        with self._use() as h:
-            op = _capi.submit_store_slots(h, ks, ids, lens_l, _rk(route_key))
-        return self._lend(Op(self, "store", keys, slots, op))
-
-    def submit_load_slots(self, keys: Sequence[str], slots: Sequence[Slot], route_key: Optional[str] = None) -> Op:
-        """:meth:`load_slots` without waiting (``maru_submit_load_slots``): returns the
-        running :class:`~maru.Op`; the slots are lent to it until it finished."""
-        slots = list(slots)
-        keys = list(keys)
-        if not slots:
-            raise ValueError("nothing to submit: no slots")
-        ks, ids, _ = self._own(slots, keys)
-        with self._use() as h:
-            op = _capi.submit_load_slots(h, ks, ids, _rk(route_key))
-        return self._lend(Op(self, "load", keys, slots, op))
-
-    def _lend(self, op: Op) -> Op:
-        for s in op.slots:
-            s._op = op
-        return op
-
-    def _settle(self, slots: List[Slot], ok: List[bool], why: str) -> None:
-        """After a call: the slots whose chunk was not stored/loaded (``ok`` False) that
-        libmaru took back (``maru_slots_held``: no longer the caller's, after a transfer
-        whose outcome was unknown) are retired; the others stay held. When libmaru
-        cannot say (the handler closed meanwhile), they are all retired."""
-        bad = [s for s, k in zip(slots, ok) if not k and s._state == "held"]
-        if not bad:
-            return
-        try:
-            held = self._held_ids([s.id for s in bad])
-        except MaruError:
-            held = [False] * len(bad)
-        for s, kept in zip(bad, held):
-            if not kept:
-                self._release_slot(s, "retired", why, force=True)
-
-    def _apply_stored(self, slots: List[Slot], stored: Any) -> List[bool]:
-        out = [bool(stored[i]) for i in range(len(slots))]
-        self._settle(slots, out, " (its chunk was not stored and libmaru took it back: the transfer's outcome was unknown)")
-        return out
-
-    def _apply_loaded(self, keys: List[str], slots: List[Slot], found: Any, lens: Any) -> List[Optional[int]]:
-        out: List[Optional[int]] = []
-        for i, s in enumerate(slots):
-            if found[i]:
-                s.length, s.key = int(lens[i]), keys[i]
-                out.append(int(lens[i]))
-            else:
-                s.length = s.key = None
-                out.append(None)
-        self._settle(
-            slots,
-            [x is not None for x in out],
-            " (its chunk was not loaded and libmaru took it back: the transfer's outcome was unknown)",
-        )
-        return out
-
-    def _held_ids(self, ids: List[int]) -> List[bool]:
-        if not ids:
-            return []
-        with self._use() as h:
-            return _capi.slots_held(h, ids)
-
-    def slots_held(self, slots: Sequence[Union[Slot, int]]) -> List[bool]:
-        """Whether each slot (a :class:`~maru.Slot` or a slot id) is still this caller's
-        in libmaru (``maru_slots_held``): False once released, or taken back by libmaru
-        after a transfer whose outcome was unknown. The binding already retires such
-        slots after each call (``slot.released``); this asks libmaru directly."""
-        ids = []
-        for s in slots:
-            if isinstance(s, Slot):
-                ids.append(s.id)
-            elif isinstance(s, int) and not isinstance(s, bool) and s >= 0:
-                ids.append(s)
-            else:
-                raise TypeError(f"expected a Slot or a slot id, not {s!r}")
-        return self._held_ids(ids)
 
     @staticmethod
     def _c_release(h: int, kind: str, ids: List[int]) -> List[Tuple[str, int]]:
@@ -760,274 +525,6 @@ class MaruHandler:
                 pass
         return later
 
-    def _release_slot(self, slot: Slot, state: str, why: str = "", force: bool = False) -> None:
-        """Revokes the slot's views and gives it back (``force``: give it up in Python
-        even while objects made from its views live; the C slot then goes back the
-        moment the last of them is freed)."""
-        with self._slot_lock:
-            if slot._state != "held":
-                return
-            alive = slot._revoke()
-            if alive and not force:
-                raise BufferError(
-                    f"staging slot {slot.id}: {alive} object(s) made from its views (slices, numpy or torch "
-                    "arrays) are still alive; drop them, then release again (the slot stays valid meanwhile)"
-                )
-            slot._state, slot._why = state, why
-            self._slots.pop(slot.id, None)
-            slot._c_released = True
-        self._releases.give_up("slot", slot.id, slot._views)
-
-    def _slot_dropped(self, slot: Slot) -> None:
-        """A slot garbage collected while held (from ``Slot.__del__``, which may run
-        anywhere, even while this thread holds a lock): given back when nothing reaches
-        its memory any more, at once when no memoryview of it (or object made from
-        one) is left."""
-        if slot._state == "held" and slot._op is None and not slot._c_released:
-            slot._c_released = True
-            self._releases.give_up("slot", slot.id, slot._views, revoke=False)
-
-    # Views of chunks in place (cxl) --------------------------------------------------
-
-    # Writes in place and region views (cxl) ------------------------------------------
-
-    def take_pages(self, n: int, route_key: Optional[str] = None) -> List["PageInfo"]:
-        """Takes up to ``n`` pages of this engine's own regions to write chunks in place
-        (``maru_pages_take``, backend ``cxl`` only; ``remote_cxl`` raises
-        :class:`~maru.InvalidArgumentError`). Each :class:`PageInfo` has ``buf``, a
-        writable memoryview of the page in the mapping: fill it, then
-        :meth:`publish_pages`, or :meth:`give_back_pages`. Fewer than ``n`` when the pool
-        has no room."""
-        with self._use() as h:
-            got = _capi.pages_take(h, n, _rk(route_key))
-        out = []
-        for p in got:
-            addr = p.data or 0
-            exp = self._region_exports.get(p.region_id) or self._region_export(p.region_id)
-            if exp is not None and exp[2]["addr"] <= addr and addr + p.capacity <= exp[2]["addr"] + exp[2]["len"]:
-                at = addr - exp[2]["addr"]
-                buf = exp[1][at : at + p.capacity]
-            else:  # not in the mapping region_view names: a memoryview of its own
-                buf = _Views().make(addr, p.capacity)
-            out.append(PageInfo(p.region_id, p.page, p.offset, addr, p.capacity, buf))
-        return out
-
-    def publish_pages(self, keys: Sequence[str], pages: Sequence[Tuple[int, int]], lens: Sequence[int]) -> List[bool]:
-        """Publishes pages written in place (``maru_pages_publish``): ``keys[i]`` with the
-        first ``lens[i]`` bytes of page ``pages[i]`` = (region id, page index), the chunks
-        of one request in chain order. Per chunk: stored (now or already); False when its
-        region was lost meanwhile or the pool is unavailable."""
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        with self._use() as h:
-            return _capi.pages_publish(h, ks, list(pages), list(lens))
-
-    def give_back_pages(self, pages: Sequence[Tuple[int, int]]) -> None:
-        """Gives back pages taken and not published (``maru_pages_give_back``)."""
-        with self._use() as h:
-            _capi.pages_give_back(h, list(pages))
-
-    def regions(self) -> List[Dict[str, Any]]:
-        """The regions this host maps now (``maru_regions_list``; none on
-        ``remote_cxl``): ``region_id``, ``len``, ``page_size``, ``page_count``,
-        ``writable`` (own regions)."""
-        with self._use() as h:
-            rs = _capi.regions_list(h)
-        return [
-            {
-                "region_id": r.region_id,
-                "addr": int(r.data or 0),
-                "len": r.len,
-                "page_size": r.page_size,
-                "page_count": r.page_count,
-                "writable": bool(r.writable),
-            }
-            for r in rs
-        ]
-
-    def region_view(self, region_id: int) -> Optional[Tuple[memoryview, Dict[str, Any]]]:
-        """A memoryview of a whole region this host maps (``maru_region_view``),
-        writable for own regions, with its description (as :meth:`regions`); None when
-        it maps no such region. The same memoryview every time; the memory stays mapped
-        until :meth:`close`, which releases it (and refuses while something made from it,
-        a slice or an array, is alive)."""
-        got = self._region_export(region_id)
-        if got is None:
-            return None
-        return got[1], {k: v for k, v in got[2].items() if k != "addr"}
-
-    def staging_buffer(self) -> Dict[str, int]:
-        """Where the staging buffer lies (``maru_staging_buffer``): ``addr``, ``len``,
-        ``slot_size``, ``load_slots`` (the first slots), ``store_slots`` (the rest). A
-        slot acquired from a pool lies at one of its pool's places."""
-        with self._use() as h:
-            st = _capi.staging_buffer(h)
-        return {
-            "addr": int(st.data or 0),
-            "len": int(st.len),
-            "slot_size": int(st.slot_size),
-            "load_slots": int(st.load_slots),
-            "store_slots": int(st.store_slots),
-        }
-
-    def staging_view(self) -> memoryview:
-        """A writable memoryview of the whole staging buffer, the same one every time
-        (released by :meth:`close`, which refuses while something made from it lives).
-        Read or write only the slots you hold: the others are libmaru's."""
-        with self._slot_lock:
-            got = self._region_exports.get(self.STAGING_EXPORT)
-        if got is None:
-            st = self.staging_buffer()
-            with self._slot_lock:
-                got = self._region_exports.get(self.STAGING_EXPORT)
-                if got is None:
-                    vs = _Views()
-                    got = (vs, vs.make(st["addr"], st["len"]), st)
-                    self._region_exports[self.STAGING_EXPORT] = got
-        return got[1]
-
-    #: The key of the staging buffer's memoryview among the region exports.
-    STAGING_EXPORT = -1
-
-    def _region_export(self, region_id: int) -> Optional[Tuple[_Views, memoryview, Dict[str, Any]]]:
-        """The one memoryview of a region's mapping this handler hands out (pages taken
-        and region views are slices of it), made on first use; None when this host maps
-        no such region."""
-        with self._slot_lock:
-            got = self._region_exports.get(region_id)
-        if got is not None:
-            return got
-        with self._use() as h:
-            r = _capi.region_view(h, region_id)
-        if r is None:
-            return None
-        info = {
-            "region_id": r.region_id,
-            "addr": int(r.data or 0),
-            "len": r.len,
-            "page_size": r.page_size,
-            "page_count": r.page_count,
-            "writable": bool(r.writable),
-        }
-        with self._slot_lock:
-            got = self._region_exports.get(region_id)
-            if got is None:
-                vs = _Views()
-                got = (vs, vs.make(info["addr"], r.len, readonly=not r.writable), info)
-                self._region_exports[region_id] = got
-        return got
-
-    def acquire_views(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[View]]:
-        """Reads a request's chunks in place, with no copy at all (``maru_views_acquire``,
-        backend ``cxl`` only): a :class:`~maru.View` per found key (its ``view`` is a
-        read-only memoryview over this host's mapping of the region), None for a miss.
-        Each view holds a lease that keeps the chunk's bytes until :meth:`View.release`
-        (or a ``with`` block, or :meth:`close`), and at most ``valid_ms`` ms; then it
-        expires (see :mod:`maru.views`). Release views as soon as their bytes are used.
-        ``route_key`` defaults to the first key. On ``remote_cxl`` raises
-        :class:`~maru.InvalidArgumentError` (no mapping here: use :meth:`load_slots`)."""
-        keys = list(keys)
-        if not keys:
-            return []
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        rk = _rk(route_key)
-        t0 = time.monotonic()
-        with self._use() as h:
-            infos = _capi.views_acquire(h, ks, rk)
-            out: List[Optional[View]] = [None if info is None else View(self, key, info, t0) for key, info in zip(keys, infos)]
-            got = [v for v in out if v is not None]
-            with self._slot_lock:
-                for v in got:
-                    self._views[v.id] = v
-                if got and self._expirer is None:
-                    self._expirer = _Expirer(self)
-                exp = self._expirer
-        if got and exp is not None:
-            exp.add(got)
-        return out
-
-    def acquire_spans(self, keys: Sequence[str], route_key: Optional[str] = None) -> List[Optional[Tuple[int, int, int]]]:
-        """The leases of :meth:`acquire_views` without :class:`~maru.View` objects: per
-        found key ``(view id, address, length)`` of the chunk in this host's mapping,
-        None for a miss. Nothing in Python guards the address (no memoryview to revoke,
-        no expiry): for a caller that copies the bytes at once (the vLLM connector's
-        loads, with :func:`maru.copy_ranges`) and then gives the ids back with
-        :meth:`release_spans`, well within the lease (``valid_ms``, 60 s by default).
-        Spans still held when the handler closes end with it. ``cxl`` only."""
-        keys = list(keys)
-        if not keys:
-            return []
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        with self._use() as h:
-            infos = _capi.views_acquire(h, ks, _rk(route_key))
-        return [None if i is None else (i.id, int(i.data or 0), i.len) for i in infos]
-
-    def release_spans(self, ids: Sequence[int]) -> None:
-        """Ends the leases of spans (their ids from :meth:`acquire_spans`) in one call;
-        the addresses must not be read after it."""
-        ids = list(ids)
-        if ids:
-            with self._use() as h:
-                _capi.views_release(h, ids)
-
-    def acquire_view(self, key: str, route_key: Optional[str] = None) -> Optional[View]:
-        """One chunk in place (:meth:`acquire_views` of one key; ``route_key`` defaults
-        to the key); None on a miss."""
-        return self.acquire_views([key], key if route_key is None else route_key)[0]
-
-    def release_views(self, views: Sequence[Optional[View]]) -> None:
-        """Releases each view (:meth:`View.release`); None entries (misses) are skipped.
-        Their leases go back together (one call per pool)."""
-        with self._releases.batched():
-            for v in views:
-                if v is not None:
-                    v.release()
-
-    def held_views(self) -> List[View]:
-        """The views this handler handed out that are still held (not released, not
-        expired)."""
-        with self._slot_lock:
-            vs = list(self._views.values())
-        return [v for v in vs if not v.released]
-
-    def _release_view(self, view: View, state: str, why: str = "", force: bool = False) -> None:
-        """Revokes the view's memoryviews and ends it in libmaru (``force``: give it up
-        in Python even while derived objects live; the C view, its lease and the mapping
-        then end the moment the last of them is freed)."""
-        with self._slot_lock:
-            if view._c_released:
-                if view._state == "held":
-                    view._state, view._why = state, why
-                return
-            alive = view._revoke()
-            if alive and not force:
-                raise BufferError(
-                    f"view {view.id} of chunk {view.key!r}: {alive} object(s) made from its memoryviews (slices, "
-                    "numpy or torch arrays) are still alive; drop them, then release again (the view stays valid "
-                    "meanwhile, until its lease runs out)"
-                )
-            if view._state == "held":
-                view._state, view._why = state, why
-            self._views.pop(view.id, None)
-            view._c_released = True
-        self._releases.give_up("view", view.id, view._views)
-
-    def _expire_view(self, view: View) -> None:
-        """The view's lease ran out (the expiry thread, or an access that noticed)."""
-        if view._state != "held" or time.monotonic() < view._deadline:
-            return
-        try:
-            self._release_view(view, "expired", force=True)
-        except MaruError:
-            pass  # revoked in Python already; libmaru ends the lease with the handler
-
-    def _view_dropped(self, view: View) -> None:
-        """A view garbage collected while its C view is held (from ``View.__del__``,
-        which may run anywhere): its lease ends when nothing reaches its memory any
-        more, at once when no memoryview of it (or object made from one) is left."""
-        if not view._c_released:
-            view._c_released = True
-            self._releases.give_up("view", view.id, view._views, revoke=False)
-
     @staticmethod
     def set_memory_hook_auto() -> None:
         """:func:`maru.set_memory_hook_auto` (process-wide, for handlers opened later)."""
@@ -1047,11 +544,6 @@ class MaruHandler:
             else:
                 views += 1
         return {"slots": slots, "views": views}
-
-    def held_slots(self) -> List[Slot]:
-        """The slots this handler handed out that are still held in Python."""
-        with self._slot_lock:
-            return [s for s in self._slots.values() if s._state == "held"]
 
 
 #: The native handler's public name (``maru.Handler``).

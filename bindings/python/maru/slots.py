@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union
 from . import _capi
 from ._buffer import Buffer, _bytes_view
 from ._book import _Views
+from ._scoped import _Scoped
 from .errors import BusyError, MaruError, SlotReleasedError, Status, error_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,7 @@ class SlotPool(enum.IntEnum):
     STORE = 1
 
 
-class Slot:
+class Slot(_Scoped):
     """One staging slot held by the caller (from :meth:`MaruHandler.acquire_slots`).
 
     Attributes: ``id`` (libmaru's slot id, never reused), ``pool`` (:class:`SlotPool`),
@@ -63,6 +64,8 @@ class Slot:
     :meth:`release` it (or use it as a context manager). See the module docstring for
     the safety rules.
     """
+
+    _ends_with = "release"
 
     def __init__(self, handler: "MaruHandler", pool: SlotPool, info: Any) -> None:
         self._handler = handler
@@ -82,17 +85,8 @@ class Slot:
     def __repr__(self) -> str:
         return f"<Slot {self.id} {self.pool.name.lower()} {self._state} capacity={self.capacity} length={self.length}>"
 
-    def __enter__(self) -> "Slot":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        try:
-            self._handler._slot_dropped(self)
-        except Exception:
-            pass
+    def _dropped(self) -> None:
+        self._handler._slot_dropped(self)
 
     # Access -------------------------------------------------------------------------
 
@@ -178,7 +172,7 @@ class Slot:
         return self._views.revoke()
 
 
-class Op:
+class Op(_Scoped):
     """An asynchronous slot operation (:meth:`MaruHandler.submit_store_slots`,
     :meth:`MaruHandler.submit_load_slots`).
 
@@ -206,21 +200,12 @@ class Op:
         state = "failed" if self._error else ("done" if self._done else "running")
         return f"<Op {self.kind} of {len(self.keys)} chunks, {state}>"
 
-    def __enter__(self) -> "Op":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
+    def _dropped(self) -> None:
         # Unreachable: so are its slots (they refer to it while it runs), and no
         # bookkeeping is needed; only the C operation is freed (no locks taken here).
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
-            try:
-                _capi.op_free(ptr)
-            except Exception:
-                pass
+            _capi.op_free(ptr)
 
     def close(self) -> None:
         """Frees the operation (``maru_op_free``); a running one goes on to its end, its

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import SlotReleasedError, ViewExpiredError
 from ._book import _Views
+from ._scoped import _Scoped
 
 if TYPE_CHECKING:  # pragma: no cover
     from .handler import MaruHandler
@@ -65,7 +66,7 @@ class RemoveResult(enum.IntEnum):
         return self is RemoveResult.REMOVED
 
 
-class View:
+class View(_Scoped):
     """A chunk read in place from this host's mapping of the CXL memory (backend
     ``cxl``), from :meth:`maru.MaruHandler.acquire_views`.
 
@@ -75,6 +76,8 @@ class View:
     or :attr:`address`; then :meth:`release` it, or use it as a context manager. See
     :mod:`maru.views` for the rules.
     """
+
+    _ends_with = "release"
 
     def __init__(self, handler: "MaruHandler", key: str, info: Any, t0: float) -> None:
         self._handler = handler
@@ -94,17 +97,8 @@ class View:
     def __repr__(self) -> str:
         return f"<View {self.id} {self.key!r} {self._state} length={self.length}>"
 
-    def __enter__(self) -> "View":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        try:
-            self._handler._view_dropped(self)
-        except Exception:
-            pass
+    def _dropped(self) -> None:
+        self._handler._view_dropped(self)
 
     def __len__(self) -> int:
         return self.length

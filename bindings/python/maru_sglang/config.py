@@ -76,23 +76,9 @@ class MaruSGLangConfig:
         return c
 
     def maru_config(self) -> MaruConfig:
-        """The handler configuration (checked: ValueError naming the bad field)."""
-        return MaruConfig(
-            server_url=self.server_url,
-            instance_id=self.instance_id,
-            pool_size=max(self.pool_size, self.chunk_size_bytes),
-            chunk_size_bytes=self.chunk_size_bytes,
-            auto_connect=False,
-            timeout_ms=self.timeout_ms,
-            use_async_rpc=self.use_async_rpc,
-            max_inflight=self.max_inflight,
-            eager_map=self.eager_map,
-            storage_backend=self.storage_backend,
-            agent_key_file=self.agent_key_file,
-            server_key_file=self.server_key_file,
-            cache_namespace=self.cache_namespace,
-            engine_id=self.engine_id,
-            transport=self.transport,
-            load_slots=self.load_slots,
-            store_slots=self.store_slots,
-        )
+        """The handler configuration (checked: ValueError naming the bad field): every
+        field but ``extra`` under its own name (each is a :class:`maru.MaruConfig`
+        field), the pool at least one chunk, not connected yet."""
+        given = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        given["pool_size"] = max(self.pool_size, self.chunk_size_bytes)
+        return MaruConfig(auto_connect=False, **given)

@@ -41,22 +41,25 @@ def run(script: str, daemons, backend: str, *args: str, keys_from_env: bool = Tr
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lmcache_maru_backend_between_two_processes(backend, daemons):
-    pytest.importorskip("torch")
-    pytest.importorskip("lmcache.v1.storage_backend.maru_backend")
-    ns = f"lmc-{backend}-{uuid.uuid4().hex[:8]}"
-    assert "stored 8 chunks" in run("lmcache_backend.py", daemons, backend, "--role", "store", "--ns", ns)
-    assert "every byte equal" in run("lmcache_backend.py", daemons, backend, "--role", "load", "--ns", ns)
+#: An upstream engine's storage backend, written by one process and read by another:
+#: its example script, the engine's module, and per role what the script prints.
+ENGINES = {
+    "lmcache": ("lmcache_backend.py", "lmcache.v1.storage_backend.maru_backend", ("store", "stored 8 chunks"), ("load", "every byte equal")),
+    "sglang": ("sglang_storage.py", "sglang.srt.mem_cache.storage.backend_factory", ("set", "set 6 pages"), ("get", "every byte equal")),
+}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sglang_storage_backend_factory_between_two_processes(backend, daemons):
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_an_engine_storage_backend_between_two_processes(engine, backend, daemons):
+    """LMCache's MaruBackend and SGLang's storage backend factory: what one process
+    stores, another loads, every byte equal."""
+    script, module, *roles = ENGINES[engine]
     pytest.importorskip("torch")
-    pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
-    ns = f"sgl-{backend}-{uuid.uuid4().hex[:8]}"
-    assert "set 6 pages" in run("sglang_storage.py", daemons, backend, "--role", "set", "--ns", ns)
-    assert "every byte equal" in run("sglang_storage.py", daemons, backend, "--role", "get", "--ns", ns)
+    pytest.importorskip(module)
+    ns = f"{engine}-{backend}-{uuid.uuid4().hex[:8]}"
+    for role, says in roles:
+        assert says in run(script, daemons, backend, "--role", role, "--ns", ns)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -201,13 +201,14 @@ def test_the_package_imports_one_way():
     import ast
 
     layer = {
-        "_lib": 0, "errors": 0, "_buffer": 0, "keys": 0,
-        "_capi": 1,
+        "_lib": 0, "errors": 0, "_buffer": 0, "keys": 0, "_scoped": 0,
+        "_capi": 1, "_args": 1,
         "_book": 2, "_log": 2, "hook": 2, "key_files": 2, "copies": 2,
         "slots": 3, "views": 3,
-        "handler": 4,
-        "compat": 5,
-        "__init__": 6,
+        "handler_slots": 4, "handler_place": 4,
+        "handler": 5,
+        "compat": 6,
+        "__init__": 7,
     }
     root = Path(maru.__file__).resolve().parent
     for path in [*root.glob("*.py"), root / "compat" / "__init__.py"]:

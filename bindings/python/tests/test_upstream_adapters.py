@@ -148,16 +148,6 @@ def test_memory_info_defaults_and_module_paths():
     assert lg is setup_package_logging("maru_sglang_test") and len(lg.handlers) == 1
 
 
-def test_maru_eager_map_overrides_the_field_and_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("MARU_EAGER_MAP", "0")
-    assert MaruConfig(eager_map=True).eager_map is False
-    monkeypatch.setenv("MARU_EAGER_MAP", "1")
-    assert MaruConfig(eager_map=False).eager_map is True
-    monkeypatch.setenv("MARU_EAGER_MAP", "maybe")
-    with pytest.raises(ValueError, match="MARU_EAGER_MAP"):
-        MaruConfig()
-    monkeypatch.delenv("MARU_EAGER_MAP")
-    assert MaruConfig(eager_map=False).eager_map is False
 
 
 @pytest.mark.parametrize("backend", ["cxl", "remote_cxl"])

@@ -100,14 +100,20 @@ def test_a_dropped_view_gives_its_load_slot_back_at_once(compat_config, ns):
         assert free() == 3 and h.native.held_in_libmaru() == {"slots": 0, "views": 0}
 
 
-def test_maru_stat_overrides_enable_stats_as_upstream(monkeypatch):
-    monkeypatch.setenv("MARU_STAT", "1")
-    assert MaruConfig(enable_stats=False).enable_stats is True
-    monkeypatch.setenv("MARU_STAT", "0")
-    assert MaruConfig(enable_stats=True).enable_stats is False
-    monkeypatch.setenv("MARU_STAT", "lots")
-    with pytest.raises(ValueError, match="MARU_STAT"):
+@pytest.mark.parametrize("var, field", [("MARU_STAT", "enable_stats"), ("MARU_EAGER_MAP", "eager_map")])
+def test_an_upstream_environment_switch_overrides_its_field_and_rejects_other_values(monkeypatch, var, field):
+    """As upstream: MARU_STAT overrides enable_stats, MARU_EAGER_MAP eager_map; a value
+    other than a boolean's is an error naming the variable; unset, the field holds."""
+    monkeypatch.setenv(var, "1")
+    assert getattr(MaruConfig(**{field: False}), field) is True
+    monkeypatch.setenv(var, "0")
+    assert getattr(MaruConfig(**{field: True}), field) is False
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=var):
         MaruConfig()
+    monkeypatch.delenv(var)
+    assert getattr(MaruConfig(**{field: False}), field) is False
+    assert getattr(MaruConfig(**{field: True}), field) is True
 
 
 def test_the_backend_and_agent_key_come_from_the_environment_when_not_given(monkeypatch):

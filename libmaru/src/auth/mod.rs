@@ -49,30 +49,13 @@ pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Lower-case hex of `bytes`.
 pub fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
+    hex::encode(bytes)
 }
 
-/// Bytes of a hex string, or `None` if it is not hex of even length.
+/// Bytes of a hex string (either case), or `None` if it is not hex of even length
+/// (the `hex` crate's decoding).
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    let b = s.as_bytes();
-    if b.len() % 2 != 0 {
-        return None;
-    }
-    let val = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    b.chunks(2)
-        .map(|p| Some(val(p[0])? << 4 | val(p[1])?))
-        .collect()
+    hex::decode(s).ok()
 }
 
 /// `n` random bytes from the kernel (the `getrandom` crate: getrandom(2) on Linux,
@@ -147,6 +130,9 @@ mod tests {
         assert_eq!(from_hex(&to_hex(&b)).unwrap(), b);
         assert!(from_hex("abc").is_none());
         assert!(from_hex("zz").is_none());
+        // Key files, nonces and key ids are written lower-case; either case is read.
+        assert_eq!(to_hex(&[0xab, 0x01]), "ab01");
+        assert_eq!(from_hex("AB01"), Some(vec![0xab, 0x01]));
     }
 
     #[test]

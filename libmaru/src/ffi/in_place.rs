@@ -2,8 +2,9 @@
 //! chunk straight into the mapping (a GPU copies into it), publish or give the pages
 //! back. And views of whole regions this host maps.
 
-use super::args::{copy_to_opt_out, in_slice, keys_of, opt_str, out_slice};
+use super::args::{copy_to_opt_out, in_slice, opt_str};
 use super::boundary::{check_not_null, ffi_guard};
+use super::calls::{fill_out, keyed};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::{RegionInfo, WorkerError};
@@ -87,37 +88,31 @@ pub unsafe extern "C" fn maru_pages_take(
     out: *mut maru_page_t,
     got: *mut usize,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(got);
-        *got = 0;
-        with_handler(h, |call| {
-            let dst = out_slice(out, n, "out")?;
-            let rk = opt_str(route_key, "route_key")?.unwrap_or("");
-            if n == 0 {
-                return Ok(());
-            }
-            let pages = call.handler().take_in_place(n, rk)?;
-            if call.shutting_down() {
-                let _ = call.handler().give_back_in_place(
-                    &pages
-                        .iter()
-                        .map(|p| (p.region_id, p.page))
-                        .collect::<Vec<_>>(),
-                );
-                return Err(WorkerError::Closed.into());
-            }
-            for (d, p) in dst.iter_mut().zip(&pages) {
-                *d = maru_page_t {
-                    region_id: p.region_id,
-                    page: p.page,
-                    offset: p.offset,
-                    data: p.ptr,
-                    capacity: p.capacity,
-                };
-            }
-            *got = pages.len();
-            Ok(())
-        })
+    fill_out(h, out, n, got, |call, dst| {
+        let rk = opt_str(route_key, "route_key")?.unwrap_or("");
+        if n == 0 {
+            return Ok(0);
+        }
+        let pages = call.handler().take_in_place(n, rk)?;
+        if call.shutting_down() {
+            let _ = call.handler().give_back_in_place(
+                &pages
+                    .iter()
+                    .map(|p| (p.region_id, p.page))
+                    .collect::<Vec<_>>(),
+            );
+            return Err(WorkerError::Closed.into());
+        }
+        for (d, p) in dst.iter_mut().zip(&pages) {
+            *d = maru_page_t {
+                region_id: p.region_id,
+                page: p.page,
+                offset: p.offset,
+                data: p.ptr,
+                capacity: p.capacity,
+            };
+        }
+        Ok(pages.len())
     })
 }
 
@@ -142,15 +137,12 @@ pub unsafe extern "C" fn maru_pages_publish(
     n: usize,
     published: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let ps = in_slice(pages, n, "pages")?;
-            let ls = in_slice(lens, n, "lens")?;
-            let ok = call.handler().publish_in_place(&ks, &locs(ps), ls)?;
-            copy_to_opt_out(published, n, &ok);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let ps = in_slice(pages, n, "pages")?;
+        let ls = in_slice(lens, n, "lens")?;
+        let ok = call.handler().publish_in_place(&ks, &locs(ps), ls)?;
+        copy_to_opt_out(published, n, &ok);
+        Ok(())
     })
 }
 
@@ -191,18 +183,12 @@ pub unsafe extern "C" fn maru_regions_list(
     cap: usize,
     count: *mut usize,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(count);
-        *count = 0;
-        with_handler(h, |call| {
-            let dst = out_slice(out, cap, "out")?;
-            let regions = call.handler().regions()?;
-            for (d, r) in dst.iter_mut().zip(&regions) {
-                *d = region_of(r);
-            }
-            *count = regions.len();
-            Ok(())
-        })
+    fill_out(h, out, cap, count, |call, dst| {
+        let regions = call.handler().regions()?;
+        for (d, r) in dst.iter_mut().zip(&regions) {
+            *d = region_of(r);
+        }
+        Ok(regions.len())
     })
 }
 

@@ -5,8 +5,9 @@
 //! it, so pass the request's first chunk key for every chunk of a request. NULL means
 //! the first key of this call (for the single-key calls, the key itself).
 
-use super::args::{buffer_of, copy_to_opt_out, in_slice, keys_of, opt_str, out_slice, req_str};
+use super::args::{buffer_of, copy_to_opt_out, in_slice, opt_str, out_slice, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
+use super::calls::keyed;
 use super::handler::{maru_handler_t, with_handler};
 use super::status::maru_status_t;
 use crate::wire::meta::RemoveResult;
@@ -79,21 +80,18 @@ pub unsafe extern "C" fn maru_store_batch(
     route_key: *const c_char,
     stored: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let ds = in_slice(datas, n, "datas")?;
-            let ls = in_slice(lens, n, "lens")?;
-            let mut items = Vec::with_capacity(n);
-            for i in 0..n {
-                let d = in_slice(ds[i], ls[i], &format!("datas[{i}]"))?;
-                items.push((ks[i].as_str(), d));
-            }
-            let rk = opt_str(route_key, "route_key")?;
-            let ok = call.handler().store_batch(&items, rk)?;
-            copy_to_opt_out(stored, n, &ok);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let ds = in_slice(datas, n, "datas")?;
+        let ls = in_slice(lens, n, "lens")?;
+        let mut items = Vec::with_capacity(n);
+        for i in 0..n {
+            let d = in_slice(ds[i], ls[i], &format!("datas[{i}]"))?;
+            items.push((ks[i].as_str(), d));
+        }
+        let rk = opt_str(route_key, "route_key")?;
+        let ok = call.handler().store_batch(&items, rk)?;
+        copy_to_opt_out(stored, n, &ok);
+        Ok(())
     })
 }
 
@@ -167,40 +165,37 @@ pub unsafe extern "C" fn maru_load_batch(
     n: usize,
     route_key: *const c_char,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let rk = opt_str(route_key, "route_key")?;
-            let bs = in_slice(bufs, n, "bufs")?;
-            let cs = in_slice(caps, n, "caps")?;
-            let ls = out_slice(lens, n, "lens")?;
-            let fs = out_slice(found, n, "found")?;
-            ls.fill(0);
-            fs.fill(false);
-            let mut dst: Vec<&mut [u8]> = (0..n).map(|i| buffer_of(bs[i], cs[i])).collect();
-            let got = call.handler().load_into(&ks, &mut dst, rk)?;
-            let mut too_small = None;
-            for (i, g) in got.into_iter().enumerate().take(n) {
-                (fs[i], ls[i]) = match g {
-                    Loaded::Miss => (false, 0),
-                    Loaded::Bytes(len) => (true, len),
-                    Loaded::TooSmall(len) => {
-                        too_small.get_or_insert(i);
-                        (false, len)
-                    }
-                };
-            }
-            match too_small {
-                Some(i) => Err((
-                    maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
-                    format!(
-                        "chunk {} has {} bytes; bufs[{i}] holds {}",
-                        ks[i], ls[i], cs[i]
-                    ),
-                )),
-                None => Ok(()),
-            }
-        })
+    keyed(h, keys, n, |call, ks| {
+        let rk = opt_str(route_key, "route_key")?;
+        let bs = in_slice(bufs, n, "bufs")?;
+        let cs = in_slice(caps, n, "caps")?;
+        let ls = out_slice(lens, n, "lens")?;
+        let fs = out_slice(found, n, "found")?;
+        ls.fill(0);
+        fs.fill(false);
+        let mut dst: Vec<&mut [u8]> = (0..n).map(|i| buffer_of(bs[i], cs[i])).collect();
+        let got = call.handler().load_into(&ks, &mut dst, rk)?;
+        let mut too_small = None;
+        for (i, g) in got.into_iter().enumerate().take(n) {
+            (fs[i], ls[i]) = match g {
+                Loaded::Miss => (false, 0),
+                Loaded::Bytes(len) => (true, len),
+                Loaded::TooSmall(len) => {
+                    too_small.get_or_insert(i);
+                    (false, len)
+                }
+            };
+        }
+        match too_small {
+            Some(i) => Err((
+                maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
+                format!(
+                    "chunk {} has {} bytes; bufs[{i}] holds {}",
+                    ks[i], ls[i], cs[i]
+                ),
+            )),
+            None => Ok(()),
+        }
     })
 }
 
@@ -242,15 +237,12 @@ pub unsafe extern "C" fn maru_exists_batch(
     route_key: *const c_char,
     found_out: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let out = out_slice(found_out, n, "found_out")?;
-            let rk = opt_str(route_key, "route_key")?;
-            let got = call.handler().exists_batch(&ks, rk)?;
-            out.copy_from_slice(&got);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let out = out_slice(found_out, n, "found_out")?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = call.handler().exists_batch(&ks, rk)?;
+        out.copy_from_slice(&got);
+        Ok(())
     })
 }
 
@@ -283,23 +275,20 @@ pub unsafe extern "C" fn maru_remove_batch(
     route_key: *const c_char,
     results: *mut maru_remove_result_t,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let out = out_slice(results, n, "results")?;
-            let rk = opt_str(route_key, "route_key")?;
-            let got = call.handler().remove_batch(&ks, rk)?;
-            for (o, r) in out.iter_mut().zip(got) {
-                *o = match r {
-                    RemoveResult::Removed => maru_remove_result_t::MARU_REMOVED,
-                    RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
-                    RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
-                    RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
-                    RemoveResult::Pinned => maru_remove_result_t::MARU_REMOVE_PINNED,
-                };
-            }
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let out = out_slice(results, n, "results")?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = call.handler().remove_batch(&ks, rk)?;
+        for (o, r) in out.iter_mut().zip(got) {
+            *o = match r {
+                RemoveResult::Removed => maru_remove_result_t::MARU_REMOVED,
+                RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
+                RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
+                RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
+                RemoveResult::Pinned => maru_remove_result_t::MARU_REMOVE_PINNED,
+            };
+        }
+        Ok(())
     })
 }
 
@@ -343,14 +332,11 @@ unsafe fn pin_ffi(
     out: *mut bool,
     pin: bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let o = out_slice(out, n, if pin { "pinned" } else { "unpinned" })?;
-            let rk = opt_str(route_key, "route_key")?;
-            let got = call.handler().pin_batch(&ks, rk, pin)?;
-            o.copy_from_slice(&got);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let o = out_slice(out, n, if pin { "pinned" } else { "unpinned" })?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = call.handler().pin_batch(&ks, rk, pin)?;
+        o.copy_from_slice(&got);
+        Ok(())
     })
 }

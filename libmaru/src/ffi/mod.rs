@@ -89,6 +89,7 @@ pub mod copy;
 // The rules every function keeps.
 pub mod args;
 pub mod boundary;
+mod calls;
 pub mod status;
 
 pub use boundary::{ffi_guard, ffi_guard_value, FfiError};

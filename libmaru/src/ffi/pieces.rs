@@ -3,9 +3,9 @@
 //! so that a load takes the leases, copies the pieces while they are held and gives
 //! the leases back without returning to the caller in between.
 
-use super::args::{in_slice, keys_of, opt_str, out_slice};
-use super::boundary::{ffi_guard, FfiError};
-use super::handler::with_handler;
+use super::args::{in_slice, opt_str, out_slice};
+use super::boundary::FfiError;
+use super::calls::keyed;
 use super::status::maru_status_t;
 use std::ffi::c_char;
 
@@ -113,29 +113,26 @@ pub unsafe extern "C" fn maru_load_pieces(
     lens: *mut usize,
     found: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let rk = opt_str(route_key, "route_key")?;
-            let ps = in_slice(pieces, n_pieces, "pieces")?;
-            let ls = out_slice(lens, n, "lens")?;
-            let fs = out_slice(found, n, "found")?;
-            ls.fill(0);
-            fs.fill(false);
-            let groups = by_chunk(ps, n)?;
-            call.handler()
-                .load_each_release_after(&ks, rk, &mut |i, bytes| {
-                    let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i))
-                    else {
-                        return;
-                    };
-                    *l = bytes.len();
-                    // SAFETY: the caller's contract on every `dst`; the sources are checked
-                    // against the chunk.
-                    *f = unsafe { copy_chunk(bytes, g) };
-                })?;
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let rk = opt_str(route_key, "route_key")?;
+        let ps = in_slice(pieces, n_pieces, "pieces")?;
+        let ls = out_slice(lens, n, "lens")?;
+        let fs = out_slice(found, n, "found")?;
+        ls.fill(0);
+        fs.fill(false);
+        let groups = by_chunk(ps, n)?;
+        call.handler()
+            .load_each_release_after(&ks, rk, &mut |i, bytes| {
+                let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i))
+                else {
+                    return;
+                };
+                *l = bytes.len();
+                // SAFETY: the caller's contract on every `dst`; the sources are checked
+                // against the chunk.
+                *f = unsafe { copy_chunk(bytes, g) };
+            })?;
+        Ok(())
     })
 }
 

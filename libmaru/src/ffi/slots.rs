@@ -1,8 +1,9 @@
 //! Staging slots for zero-copy transfers: acquire, fill or read in place (with the
 //! runtime's own GPU copy), store from or load into them, release.
 
-use super::args::{copy_to_opt_out, in_slice, keys_of, opt_str, out_slice};
-use super::boundary::{check_not_null, ffi_guard, FfiError};
+use super::args::{copy_to_opt_out, in_slice, opt_str, out_slice};
+use super::boundary::{ffi_guard, FfiError};
+use super::calls::{fill_out, keyed};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::{SlotPool, WorkerError};
@@ -81,56 +82,50 @@ pub unsafe extern "C" fn maru_slots_acquire(
     out: *mut maru_slot_t,
     got: *mut usize,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        check_not_null!(got);
-        *got = 0;
-        with_handler(h, |call| {
-            let dst = out_slice(out, n, "out")?;
-            let pool = pool_of(pool)?;
-            if n == 0 {
-                return Ok(());
-            }
-            let timeout = Duration::from_millis(timeout_ms.into());
-            let deadline = Instant::now() + timeout;
-            // Waits in slices so a shutdown wakes this call (within ACQUIRE_SLICE).
-            let slots = loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match call.handler().acquire_slots(pool, n, left.min(ACQUIRE_SLICE)) {
-                    Ok(s) => break s,
-                    Err(WorkerError::NoSpace(_))
-                        if left > ACQUIRE_SLICE && call.handler().slots_configured(pool) > 0 =>
-                    {
-                        if call.shutting_down() {
-                            return Err(WorkerError::Closed.into());
-                        }
+    fill_out(h, out, n, got, |call, dst| {
+        let pool = pool_of(pool)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        let timeout = Duration::from_millis(timeout_ms.into());
+        let deadline = Instant::now() + timeout;
+        // Waits in slices so a shutdown wakes this call (within ACQUIRE_SLICE).
+        let slots = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match call.handler().acquire_slots(pool, n, left.min(ACQUIRE_SLICE)) {
+                Ok(s) => break s,
+                Err(WorkerError::NoSpace(_))
+                    if left > ACQUIRE_SLICE && call.handler().slots_configured(pool) > 0 =>
+                {
+                    if call.shutting_down() {
+                        return Err(WorkerError::Closed.into());
                     }
-                    Err(WorkerError::NoSpace(_)) => {
-                        return Err((
-                            maru_status_t::MARU_ERR_NO_SPACE,
-                            format!(
-                                "no free {pool} staging slot within {timeout_ms} ms: release slots or raise {pool}_slots"
-                            ),
-                        ))
-                    }
-                    Err(e) => return Err(e.into()),
                 }
+                Err(WorkerError::NoSpace(_)) => {
+                    return Err((
+                        maru_status_t::MARU_ERR_NO_SPACE,
+                        format!(
+                            "no free {pool} staging slot within {timeout_ms} ms: release slots or raise {pool}_slots"
+                        ),
+                    ))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        if call.shutting_down() {
+            // The slots' memory goes with the sessions: never hand it out now.
+            let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
+            let _ = call.handler().release_slots(&ids);
+            return Err(WorkerError::Closed.into());
+        }
+        for (d, s) in dst.iter_mut().zip(&slots) {
+            *d = maru_slot_t {
+                id: s.id,
+                data: s.ptr,
+                capacity: s.capacity,
             };
-            if call.shutting_down() {
-                // The slots' memory goes with the sessions: never hand it out now.
-                let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
-                let _ = call.handler().release_slots(&ids);
-                return Err(WorkerError::Closed.into());
-            }
-            for (d, s) in dst.iter_mut().zip(&slots) {
-                *d = maru_slot_t {
-                    id: s.id,
-                    data: s.ptr,
-                    capacity: s.capacity,
-                };
-            }
-            *got = slots.len();
-            Ok(())
-        })
+        }
+        Ok(slots.len())
     })
 }
 
@@ -154,16 +149,13 @@ pub unsafe extern "C" fn maru_store_slots(
     route_key: *const c_char,
     stored: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let is = in_slice(ids, n, "ids")?;
-            let ls = in_slice(lens, n, "lens")?;
-            let rk = opt_str(route_key, "route_key")?;
-            let ok = call.handler().store_slots(&ks, is, ls, rk)?;
-            copy_to_opt_out(stored, n, &ok);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let is = in_slice(ids, n, "ids")?;
+        let ls = in_slice(lens, n, "lens")?;
+        let rk = opt_str(route_key, "route_key")?;
+        let ok = call.handler().store_slots(&ks, is, ls, rk)?;
+        copy_to_opt_out(stored, n, &ok);
+        Ok(())
     })
 }
 
@@ -183,17 +175,14 @@ pub unsafe extern "C" fn maru_load_slots(
     lens: *mut usize,
     found: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let is = in_slice(ids, n, "ids")?;
-            let ls = out_slice(lens, n, "lens")?;
-            let fs = out_slice(found, n, "found")?;
-            let rk = opt_str(route_key, "route_key")?;
-            let got = call.handler().load_slots(&ks, is, rk)?;
-            write_loaded(&got, ls, fs);
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let is = in_slice(ids, n, "ids")?;
+        let ls = out_slice(lens, n, "lens")?;
+        let fs = out_slice(found, n, "found")?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = call.handler().load_slots(&ks, is, rk)?;
+        write_loaded(&got, ls, fs);
+        Ok(())
     })
 }
 

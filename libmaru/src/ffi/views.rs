@@ -1,9 +1,10 @@
 //! Views (backend `cxl`): chunks read in place from this host's mapping of the CXL
 //! memory, with no copy. Acquire, read, release.
 
-use super::args::{in_slice, keys_of, opt_str, out_slice};
+use super::args::{in_slice, opt_str, out_slice};
 use super::boundary::ffi_guard;
-use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
+use super::calls::keyed;
+use super::handler::{maru_handler_t, with_handler_releasing};
 use super::status::maru_status_t;
 use crate::worker::WorkerError;
 use std::ffi::c_char;
@@ -48,37 +49,34 @@ pub unsafe extern "C" fn maru_views_acquire(
     views: *mut maru_view_t,
     found: *mut bool,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            let ks = keys_of(keys, n)?;
-            let vs = out_slice(views, n, "views")?;
-            let fs = out_slice(found, n, "found")?;
-            let rk = opt_str(route_key, "route_key")?;
-            let got = call.handler().acquire_views(&ks, rk)?;
-            let ids: Vec<u64> = got.iter().flatten().map(|v| v.id).collect();
-            if call.shutting_down() {
-                // The mapping goes with the sessions: never hand a view of it out now.
-                let _ = call.handler().release_views(&ids);
-                return Err(WorkerError::Closed.into());
-            }
-            // Every entry is written: one the handler did not answer is a miss.
-            let mut got = got.into_iter();
-            for (v, f) in vs.iter_mut().zip(fs.iter_mut()) {
-                (*v, *f) = match got.next().flatten() {
-                    Some(g) => (
-                        maru_view_t {
-                            id: g.id,
-                            data: g.ptr,
-                            len: g.len,
-                            valid_ms: g.valid_ms,
-                        },
-                        true,
-                    ),
-                    None => (NO_VIEW, false),
-                };
-            }
-            Ok(())
-        })
+    keyed(h, keys, n, |call, ks| {
+        let vs = out_slice(views, n, "views")?;
+        let fs = out_slice(found, n, "found")?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = call.handler().acquire_views(&ks, rk)?;
+        let ids: Vec<u64> = got.iter().flatten().map(|v| v.id).collect();
+        if call.shutting_down() {
+            // The mapping goes with the sessions: never hand a view of it out now.
+            let _ = call.handler().release_views(&ids);
+            return Err(WorkerError::Closed.into());
+        }
+        // Every entry is written: one the handler did not answer is a miss.
+        let mut got = got.into_iter();
+        for (v, f) in vs.iter_mut().zip(fs.iter_mut()) {
+            (*v, *f) = match got.next().flatten() {
+                Some(g) => (
+                    maru_view_t {
+                        id: g.id,
+                        data: g.ptr,
+                        len: g.len,
+                        valid_ms: g.valid_ms,
+                    },
+                    true,
+                ),
+                None => (NO_VIEW, false),
+            };
+        }
+        Ok(())
     })
 }
 

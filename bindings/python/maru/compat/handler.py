@@ -10,6 +10,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import handler as _native
+from .._scoped import _Scoped
 from ..errors import MaruError, NoSpaceError, Status
 from ..slots import Slot, SlotPool
 from ..views import RemoveResult
@@ -21,7 +22,7 @@ from .regions import RegionSurface
 log = logging.getLogger("maru.compat")
 
 
-class MaruHandler(RegionSurface):
+class MaruHandler(RegionSurface, _Scoped):
     """The upstream ``MaruHandler`` on libmaru. See the module docstring for what is
     the same and what differs; every method's docstring says how it maps.
 
@@ -60,15 +61,6 @@ class MaruHandler(RegionSurface):
         if self._config.auto_connect:
             self.connect()
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"<maru.compat.MaruHandler {self._config.backend} {'connected' if self._connected else 'not connected'}>"

@@ -1,7 +1,8 @@
 //! The soft NIC's responder on the memory node: serves READ/WRITE against its
 //! registration table and checks the remote key on every operation, as a NIC does.
 //! This file holds the target and its registration table (keys, owners, gates); the
-//! connections are served in `target/serve.rs`.
+//! connections are served in `target/serve.rs` (the threads) and `target/conn.rs` (one
+//! connection).
 //!
 //! A few threads (mio, one per core, at most [`MAX_SHARDS`]) serve every data
 //! connection: the first accepts, runs every handshake and every connection's BIND,
@@ -16,8 +17,9 @@
 //! that stage's oldest member, so neither a keyless flood nor a key holder that never
 //! binds keeps a worker out; of [`MAX_CONNECTIONS`] slots, a new connection is
 //! refused only when every one is bound. Closes before binding are logged as one
-//! summary line per interval ([`ThrottledLog`]). Bytes go straight between
-//! the socket and the registered memory: a WRITE's payload is read into the region,
+//! summary line per interval
+//! ([`ThrottledLog`](crate::net::throttled_log::ThrottledLog)). Bytes go straight
+//! between the socket and the registered memory: a WRITE's payload is read into the region,
 //! a READ's is written from it, with no staging copy. A connection reads its next
 //! request only once the previous one's reply left, so a peer that does not read
 //! holds at most one reply.
@@ -35,6 +37,7 @@
 //! with a bad key. A connection that stalls mid-operation is closed after
 //! `io_timeout`, which bounds how long a deregistration can wait.
 
+mod conn;
 mod serve;
 pub(super) mod table;
 
@@ -43,14 +46,14 @@ use table::*;
 
 use super::proto::{CPL_LEN, REQ_LEN};
 use crate::auth::SharedKey;
-use crate::net::throttled_log::{self, ThrottledLog};
+
 use crate::transport::{Registration, Target, TransportError};
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Condvar, Mutex, RwLockWriteGuard};
+use std::time::Duration;
 
 /// The soft NIC responder of one agent.
 pub struct SoftTarget {
@@ -114,20 +117,12 @@ impl SoftTarget {
             polls.push(poll);
         }
         let shared = Arc::new(Shared {
-            regs: RwLock::new(HashMap::new()),
-            owners: Arc::new(Mutex::new(Owners::default())),
-            log: Mutex::new(ThrottledLog::new(
-                "soft NIC: data connections closed or refused before binding",
-                throttled_log::DEFAULT_INTERVAL_MS,
-            )),
-            started: Instant::now(),
+            table: Table::new(),
             key,
             io_timeout,
             stop: AtomicBool::new(false),
             shards,
             next_shard: AtomicU64::new(0),
-            ops: AtomicU64::new(0),
-            rejected: AtomicU64::new(0),
         });
         let mut listener = Some(listener);
         let mut threads = Vec::with_capacity(n);
@@ -163,12 +158,12 @@ impl SoftTarget {
 
     pub fn stats(&self) -> TargetStats {
         TargetStats {
-            registrations: self.shared.regs.read().map(|r| r.len()).unwrap_or(0),
-            ops: self.shared.ops.load(Ordering::Relaxed),
+            registrations: self.shared.table.regs.read().map(|r| r.len()).unwrap_or(0),
+            ops: self.shared.table.ops.load(Ordering::Relaxed),
             connections: (self.shared.serving() + self.shared.unbound()) as usize,
             unbound: self.shared.unbound(),
             pending: self.shared.pending(),
-            rejected: self.shared.rejected.load(Ordering::Relaxed),
+            rejected: self.shared.table.rejected.load(Ordering::Relaxed),
         }
     }
 
@@ -181,6 +176,15 @@ impl SoftTarget {
         for t in std::mem::take(&mut *lock(&self.threads)) {
             let _ = t.join();
         }
+    }
+
+    /// The registration table, to change it.
+    fn regs_mut(&self) -> Result<RwLockWriteGuard<'_, HashMap<u64, Arc<Reg>>>, TransportError> {
+        self.shared
+            .table
+            .regs
+            .write()
+            .map_err(|_| TransportError::Setup("registration table poisoned".into()))
     }
 }
 
@@ -207,7 +211,7 @@ impl Target for SoftTarget {
         writable: bool,
     ) -> Result<Registration, TransportError> {
         let secret = {
-            let mut o = lock(&self.shared.owners);
+            let mut o = lock(&self.shared.table.owners);
             match o.secret_of.get(&owner) {
                 Some(s) => *s,
                 None => {
@@ -221,11 +225,7 @@ impl Target for SoftTarget {
                 }
             }
         };
-        let mut regs = self
-            .shared
-            .regs
-            .write()
-            .map_err(|_| TransportError::Setup("registration table poisoned".into()))?;
+        let mut regs = self.regs_mut()?;
         let mut rkey = random_u64()? | 1;
         while regs.contains_key(&rkey) {
             rkey = random_u64()? | 1;
@@ -254,11 +254,7 @@ impl Target for SoftTarget {
 
     fn deregister(&self, rkey: u64) -> Result<(), TransportError> {
         let reg = {
-            let mut regs = self
-                .shared
-                .regs
-                .write()
-                .map_err(|_| TransportError::Setup("registration table poisoned".into()))?;
+            let mut regs = self.regs_mut()?;
             regs.remove(&rkey).ok_or(TransportError::BadKey { rkey })?
         };
         // Wait for operations in flight on this key; later ones find it dead.
@@ -274,7 +270,7 @@ impl Target for SoftTarget {
     /// data connections are closed. Its registrations stay until deregistered.
     fn owner_closed(&self, owner: u64) {
         {
-            let mut o = lock(&self.shared.owners);
+            let mut o = lock(&self.shared.table.owners);
             if let Some(s) = o.secret_of.remove(&owner) {
                 o.owner_of.remove(&s);
             }

@@ -3,9 +3,61 @@
 
 use super::super::proto;
 use crate::net::server::{DEFAULT_HANDSHAKE_TIMEOUT_MS, DEFAULT_PRE_AUTH_MAX_FRAME};
+use crate::net::throttled_log::{self, ThrottledLog};
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+/// What every serving thread and every connection checks and counts in: the
+/// registrations by key, their owners, the operations served and refused, and the
+/// log of connections closed or refused before binding, with the clock it runs on.
+pub(super) struct Table {
+    pub(super) regs: RwLock<HashMap<u64, Arc<Reg>>>,
+    pub(super) owners: Arc<Mutex<Owners>>,
+    /// Closes before binding and refused bindings, a line per interval (shard 0
+    /// writes the summaries).
+    pub(super) log: Mutex<ThrottledLog>,
+    /// The responder's clock: milliseconds since it started.
+    pub(super) started: Instant,
+    pub(super) ops: AtomicU64,
+    pub(super) rejected: AtomicU64,
+}
+
+impl Table {
+    pub(super) fn new() -> Table {
+        Table {
+            regs: RwLock::new(HashMap::new()),
+            owners: Arc::new(Mutex::new(Owners::default())),
+            log: Mutex::new(ThrottledLog::new(
+                "soft NIC: data connections closed or refused before binding",
+                throttled_log::DEFAULT_INTERVAL_MS,
+            )),
+            started: Instant::now(),
+            ops: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Notes a connection closed or refused before binding (see [`ThrottledLog`]).
+    pub(super) fn note(
+        &self,
+        level: log::Level,
+        kind: &'static str,
+        peer: &str,
+        line: impl FnOnce() -> String,
+    ) {
+        let now = self.now_ms();
+        throttled_log::emit(
+            module_path!(),
+            lock(&self.log).note(now, level, kind, peer, line),
+        );
+    }
+}
 
 /// Whether a registration is alive and how many operations use it now.
 pub(super) struct Gate {

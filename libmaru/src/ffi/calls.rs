@@ -1,0 +1,77 @@
+//! The shapes the calls on a handler share, written once: a call on the keys of one
+//! request (`maru_store_batch`, `maru_load_slots`, `maru_views_acquire`, ...), and a
+//! call that fills a caller's array and says how many entries there are
+//! (`maru_slots_acquire`, `maru_pages_take`, `maru_regions_list`).
+
+use super::args::{keys_of, out_slice};
+use super::boundary::{check_not_null, ffi_guard, FfiError};
+use super::handler::{maru_handler_t, with_handler, Call};
+use super::status::maru_status_t;
+use std::ffi::c_char;
+
+/// Runs `body` on handler `h` with the `n` keys at `keys` (checked first, in order:
+/// see [`keys_of`]).
+pub(crate) unsafe fn keyed(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    body: impl FnOnce(&Call, Vec<String>) -> Result<(), FfiError>,
+) -> maru_status_t {
+    ffi_guard(|| {
+        with_handler(h, |call| {
+            let ks = keys_of(keys, n)?;
+            body(call, ks)
+        })
+    })
+}
+
+/// Runs `fill` on handler `h` with `out[0..cap]` (`out` may be NULL when `cap` is 0);
+/// `*count` is what it returns once it succeeded, and 0 after any error (checked
+/// first: `count` must not be NULL).
+pub(crate) unsafe fn fill_out<T>(
+    h: *const maru_handler_t,
+    out: *mut T,
+    cap: usize,
+    count: *mut usize,
+    fill: impl FnOnce(&Call, &mut [T]) -> Result<usize, FfiError>,
+) -> maru_status_t {
+    ffi_guard(|| {
+        check_not_null!(count);
+        *count = 0;
+        with_handler(h, |call| {
+            let dst = out_slice(out, cap, "out")?;
+            *count = fill(call, dst)?;
+            Ok(())
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_fill_leaves_the_count_at_0_and_a_null_count_is_refused() {
+        let mut out = [0u64; 2];
+        let mut count = 7usize;
+        // SAFETY: a NULL handler is refused before `out` is touched.
+        let st = unsafe {
+            fill_out(std::ptr::null(), out.as_mut_ptr(), 2, &mut count, |_, _| {
+                Ok(2)
+            })
+        };
+        assert_ne!(st, maru_status_t::MARU_OK);
+        assert_eq!(count, 0, "an error leaves *count at 0");
+        // SAFETY: as above; the NULL count is checked first.
+        let st = unsafe {
+            fill_out(
+                std::ptr::null(),
+                out.as_mut_ptr(),
+                2,
+                std::ptr::null_mut(),
+                |_, _| Ok(2),
+            )
+        };
+        assert_eq!(st, maru_status_t::MARU_ERR_NULL_ARGUMENT);
+    }
+}
