@@ -44,6 +44,16 @@ pub fn draw(path: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
     let one = RGBColor(31, 90, 160);
     let many = RGBColor(240, 150, 40);
     for (area, p) in areas.iter().zip(panels) {
+        if p.bars.is_empty() {
+            // A focused run measured nothing of this chunk size: the panel says so.
+            area.draw(&Text::new(
+                format!("{}: not measured", p.title),
+                (20, 20),
+                ("sans-serif", 20).into_font(),
+            ))
+            .map_err(err)?;
+            continue;
+        }
         let n = p.bars.len() as i32;
         let names: Vec<String> = p.bars.iter().map(|b| b.system.clone()).collect();
         let mut chart = ChartBuilder::on(area)
@@ -124,4 +134,46 @@ pub fn draw(path: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
     }
     root.present().map_err(err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bars(n: usize) -> Vec<Bars> {
+        (0..n)
+            .map(|i| Bars {
+                system: format!("system {i}"),
+                one: 1.0 + i as f64,
+                many: (i % 2 == 0).then_some(2.0),
+            })
+            .collect()
+    }
+
+    /// A focused run (`--only maru --backends cxl --clients 1`) gives panels of one bar,
+    /// or none; the chart is still drawn, as for a full run.
+    #[test]
+    fn panels_of_zero_one_and_many_bars_are_drawn() {
+        let dir = std::env::temp_dir().join(format!("maru-chart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for n in [0, 1, 2, 7] {
+            let path = dir.join(format!("{n}.png"));
+            let panels = [
+                Panel {
+                    title: "256 KiB".into(),
+                    bars: bars(n),
+                },
+                Panel {
+                    title: "2 MiB".into(),
+                    bars: bars(1),
+                },
+            ];
+            draw(&path, "test", &panels).unwrap_or_else(|e| panic!("{n} bars: {e}"));
+            assert!(
+                std::fs::metadata(&path).unwrap().len() > 1000,
+                "{n} bars: empty PNG"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
