@@ -10,7 +10,8 @@
 //! session may have ended, its tenant may have reached its share meanwhile), and a
 //! region nobody may take goes back. A request that waited `park_max_ms` is answered
 //! "retry" while the allocation goes on. A request the RM refused while room is on its
-//! way (every kept region of departed engines given back at once, or a fair-share
+//! way (the kept regions of departed engines read longest ago given back, a
+//! sixteenth of them or as many as the requests waiting if more, or a fair-share
 //! region taken or asked for) waits for a region to be freed, at most
 //! [`ROOM_WAIT_MS`], then is answered `no_space`.
 //!
@@ -43,6 +44,15 @@ use std::collections::VecDeque;
 /// or a fair-share region going back) before it is answered `no_space` (its worker
 /// then evicts its own keys, or skips).
 pub const ROOM_WAIT_MS: u64 = 1_000;
+
+/// A refusal of the RM gives back at least this part of the kept regions (those read
+/// longest ago), or as many as the requests waiting for a region if more. Not all of
+/// them: one refused region dropped the whole cache of departed engines (issue 46: at
+/// 4 M keys, 5,639 kept regions and their keys for one 4 MiB region). Not one at a
+/// time either: a live engine storing into a full pool would meet a refusal, and wait
+/// for a free, at every region it fills; so it meets one about every sixteenth of
+/// the kept cache.
+pub const ROOM_SHARE: usize = 16;
 
 impl MetaCore {
     /// The next thing the driver must do (and report back).
@@ -484,8 +494,8 @@ impl MetaCore {
         }
     }
 
-    /// The RM refused the region `p` waited for: make room (every kept region of
-    /// departed engines first; else, for a storing session, a region of the session
+    /// The RM refused the region `p` waited for: make room (kept regions of departed
+    /// engines first, see `make_room_at_rm`; else, for a storing session, a region of the session
     /// furthest above its fair share), and say so. True when room is on its way, so
     /// that `p` may wait for it rather than be refused.
     fn rm_full(
@@ -520,10 +530,11 @@ impl MetaCore {
         (e, coming)
     }
 
-    /// Gives back every kept region that holds no pinned key, read longest ago first
-    /// (departed engines' keys go before any live engine evicts its own). Says what
-    /// it did, and whether room is on its way (given back now, or earlier and not
-    /// freed yet).
+    /// Gives back the kept regions that hold no pinned key read longest ago (departed
+    /// engines' keys go before any live engine evicts its own): as many as the
+    /// requests waiting for a region, the refused one counted, or the
+    /// [`ROOM_SHARE`]th part of those kept if more. Says what it did, and whether room
+    /// is on its way (given back now, or earlier and not freed yet).
     fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> (String, bool) {
         let mut victims: Vec<(u64, u64)> = self
             .keeper
@@ -532,6 +543,8 @@ impl MetaCore {
             .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
             .collect();
         victims.sort_unstable();
+        let kept = victims.len();
+        victims.truncate((self.waits.parked.len() + 1).max(kept.div_ceil(ROOM_SHARE)));
         if victims.is_empty() {
             if self.keeper.pressure_pending() {
                 return (
@@ -562,8 +575,8 @@ impl MetaCore {
         let ids: Vec<u64> = victims.iter().map(|&(_, id)| id).collect();
         (
             format!(
-                "{} kept region(s) of departed engines ({ids:?}) given back, {freed} freed \
-                 already: retry shortly",
+                "{} of {kept} kept region(s) of departed engines, read longest ago \
+                 ({ids:?}), given back, {freed} freed already: retry shortly",
                 ids.len()
             ),
             true,
