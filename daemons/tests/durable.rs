@@ -1630,7 +1630,14 @@ fn a_restart_reads_an_rm_list_of_its_regions_over_one_mib_and_serves_every_key()
         Err(log) => panic!("maru-server refused to start: {log}"),
     };
     eprintln!("maru-server restarted in {:?}", started.elapsed());
-    let reader = Handler::open(&config_at(&server.addr, &no_agent, "fr-reader", "cxl")).unwrap();
+    // Meanwhile maru-server gives back the 6,000 regions its directory does not know,
+    // one RM call at a time, and the RM saves its whole state at each free: in a debug
+    // build on a loaded machine its loop answers slowly then (seen: no reply within
+    // 2 s with the other durable tests running), so the reader waits longer.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config_at(&server.addr, &no_agent, "fr-reader", "cxl")).unwrap();
+    cfg["timeout_ms"] = 20_000.into();
+    let reader = Handler::open(&cfg.to_string()).unwrap();
     let (hits, wrong) = load_each(&reader, &keys, "fr");
     reader.close().unwrap();
     assert_eq!((hits, wrong), (keys.len(), 0), "every key, exact");
