@@ -69,10 +69,9 @@ test-python:
 	PYTHON=$(VENV)/bin/python examples/python/run.sh $(DEBUG_DIR)
 
 # Import circles between Rust files (scripts/import_cycles.py). Known circles being
-# broken on other branches, reported but not failed; remove each line when it lands:
-# the metadata core's (issues 46 and 49).
-IMPORT_CYCLES_KNOWN := \
-	--allow 'libmaru/src/meta/alloc_ops.rs<->libmaru/src/meta/core.rs'
+# broken on other branches, reported but not failed (`--allow 'A.rs<->B.rs'`, one per
+# circle; remove it when the branch lands): none.
+IMPORT_CYCLES_KNOWN :=
 
 lint: deps
 	$(CARGO) fmt --all -- --check

@@ -1525,3 +1525,121 @@ fn a_format1_directory_of_the_last_release_keeps_every_key_through_the_upgrade()
     );
     assert_eq!(server.terminate(), Some(0));
 }
+
+/// Adds `n` regions of `length` bytes to the state file `path` of a stopped RM, as
+/// the RM would list them had the maru-server owning the regions there taken `n`
+/// more: same owner and pool, after every region there. Returns that owner.
+///
+/// Written rather than allocated: the RM saves its whole state at every change, so
+/// thousands of allocations through maru-server cost minutes in a debug build.
+fn add_server_regions(path: &std::path::Path, n: u64, length: u64) -> String {
+    use maru::rm::state::{RegionRecord, RmState};
+    let mut st: RmState = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let first = st
+        .regions
+        .iter()
+        .find(|r| r.owner.starts_with("maru-server"))
+        .expect("maru-server holds a region at the RM")
+        .clone();
+    let mut offset = st
+        .regions
+        .iter()
+        .map(|r| r.offset + r.length)
+        .max()
+        .unwrap();
+    for i in 0..n {
+        st.regions.push(RegionRecord {
+            region_id: st.next_region_id,
+            owner: first.owner.clone(),
+            pool_uuid: first.pool_uuid.clone(),
+            offset,
+            length,
+            requested: length,
+            nonce: i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+            draining: false,
+        });
+        st.next_region_id += 1;
+        offset += length;
+    }
+    std::fs::write(path, serde_json::to_vec_pretty(&st).unwrap()).unwrap();
+    first.owner
+}
+
+/// The RM's answer to `owner` asking for its own regions (with their tokens, as
+/// maru-server asks at a restart): how many, and the bytes of the answer.
+fn owned_regions_answer(rm: &str, owner: &str) -> (usize, usize) {
+    use maru::wire::rm::{RmReply, RmRequest};
+    let mut o = maru::net::ClientOptions::new(maru::wire::rm::SERVICE, owner);
+    o.key = support::rm_key(rm);
+    o.max_frame = 64 << 20;
+    let mut c = maru::net::Client::connect(rm, &o).unwrap();
+    let reply: RmReply = c
+        .call(&RmRequest::Regions {
+            owner: Some(owner.to_string()),
+        })
+        .unwrap();
+    let bytes = serde_json::to_vec(&reply).unwrap().len();
+    match reply {
+        RmReply::Regions { regions } => (regions.len(), bytes),
+        other => panic!("regions: {other:?}"),
+    }
+}
+
+/// maru-server restarts on its directory while the RM holds thousands of its
+/// regions (6,000 more than the directory knows, 2 MiB each): the RM's list of them,
+/// which the restart must read before serving, passes the 1 MiB frame every other
+/// peer is held to, and maru-server reads frames of up to `RM_MAX_FRAME` from its RM.
+/// It starts, gives back the regions its directory does not know, and serves every
+/// key it stored, with its bytes. Seen failing with `RM_MAX_FRAME` set back to
+/// 1 MiB: maru-server refused to start ("the RM did not say which regions it holds
+/// for maru-server: ... frame").
+#[test]
+fn a_restart_reads_an_rm_list_of_its_regions_over_one_mib_and_serves_every_key() {
+    const EXTRA: u64 = 6_000;
+    let state = state_dir("rm-frame");
+    let mut s = support::Scratch::new("rm-frame");
+    // A sparse file: nothing writes the regions added below.
+    let pool = s.fake_dax("pool");
+    let rm_args = support::rm_args(&s, &pool, "16G");
+    let rm = support::Daemon::start(support::RM_BIN, &rm_args, &s.dir);
+    let rm_port = rm.port();
+    let mut args = durable_server_args(&s, &rm.addr, &state);
+    let at = args.iter().position(|a| a == "--region-size").unwrap();
+    args[at + 1] = "2M".into();
+    let no_agent = cxl_agent_key(&s);
+    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
+    let port = server.port();
+    let writer = Handler::open(&config_at(&server.addr, &no_agent, "fr-writer", "cxl")).unwrap();
+    let keys: Vec<String> = (0..200).map(|i| format!("fr/key-{i:04}")).collect();
+    assert!(store_keys(&writer, &keys, "fr"), "the writer stores");
+    writer.close().unwrap();
+    assert_eq!(server.terminate(), Some(0), "a clean stop");
+    rm.kill9();
+    let owner = add_server_regions(&s.dir.join("rm").join("state.json"), EXTRA, 2 << 20);
+    let rm = support::Daemon::start_at(support::RM_BIN, &rm_args, &s.dir, rm_port);
+    let (held, bytes) = owned_regions_answer(&rm.addr, &owner);
+    eprintln!("the RM holds {held} regions of maru-server: {bytes} bytes to list them");
+    assert!(held as u64 > EXTRA);
+    assert!(
+        bytes > 1 << 20,
+        "the list of maru-server's regions ({bytes} bytes) passes 1 MiB"
+    );
+    let started = Instant::now();
+    let server = match try_start(&args, &s.dir, port) {
+        Ok(d) => d,
+        Err(log) => panic!("maru-server refused to start: {log}"),
+    };
+    eprintln!("maru-server restarted in {:?}", started.elapsed());
+    // Meanwhile maru-server gives back the 6,000 regions its directory does not know,
+    // one RM call at a time, and the RM saves its whole state at each free: in a debug
+    // build on a loaded machine its loop answers slowly then (seen: no reply within
+    // 2 s with the other durable tests running), so the reader waits longer.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config_at(&server.addr, &no_agent, "fr-reader", "cxl")).unwrap();
+    cfg["timeout_ms"] = 20_000.into();
+    let reader = Handler::open(&cfg.to_string()).unwrap();
+    let (hits, wrong) = load_each(&reader, &keys, "fr");
+    reader.close().unwrap();
+    assert_eq!((hits, wrong), (keys.len(), 0), "every key, exact");
+    drop(server);
+}

@@ -10,7 +10,8 @@
 //! session may have ended, its tenant may have reached its share meanwhile), and a
 //! region nobody may take goes back. A request that waited `park_max_ms` is answered
 //! "retry" while the allocation goes on. A request the RM refused while room is on its
-//! way (every kept region of departed engines given back at once, or a fair-share
+//! way (the kept regions of departed engines read longest ago given back, a
+//! sixteenth of them or as many as the requests waiting if more, or a fair-share
 //! region taken or asked for) waits for a region to be freed, at most
 //! [`ROOM_WAIT_MS`], then is answered `no_space`.
 //!
@@ -24,128 +25,34 @@
 //! without a page taken or a key in it for `unused_region_ms` goes back (a session
 //! that never stores gives its regions back within about one heartbeat).
 
-use super::core::{Action, Caller, MetaCore, Ticket};
-use super::errors::{internal, no_space, permission, refused};
+use super::core::{Caller, MetaCore};
+use super::errors::{internal, no_space, refused};
 use super::keeper::{GiveBackReason, KeeperEvent};
 use super::keys::Scope;
 use super::pages::PageAllocator;
-use super::ports::{PoolSizes, PortError, RmPort};
+use super::ports::{PortError, RmPort};
 use super::regions::{agent_for, Holder, Region};
 use super::sessions::NewSession;
-use super::tenants::{Access, Tenants};
+use super::tenants::Access;
+use super::waits::{Action, OpenArgs, Parked, Ticket, Want};
 use crate::wire::meta::{Backend, MetaReply, RegionGrant, SessionReply, LEASE_LIMIT};
 use crate::wire::rm::AllocReply;
 use crate::wire::WireError;
 use std::collections::VecDeque;
-
-/// What a new session asks for.
-#[derive(Debug, Clone)]
-pub(crate) struct OpenArgs {
-    pub engine_id: String,
-    pub namespace: String,
-    pub layout: String,
-    pub backend: Backend,
-}
-
-#[derive(Debug)]
-pub(super) enum Want {
-    /// A new session with its first region (the session is made when it comes).
-    Open { args: OpenArgs, access: Access },
-    /// One more region for the session.
-    Expand { session: u64 },
-}
 
 /// How long a request the RM refused waits for the room on its way (kept regions
 /// or a fair-share region going back) before it is answered `no_space` (its worker
 /// then evicts its own keys, or skips).
 pub const ROOM_WAIT_MS: u64 = 1_000;
 
-#[derive(Debug)]
-struct Parked {
-    ticket: Ticket,
-    owner: String,
-    tenant: String,
-    since_ms: u64,
-    want: Want,
-    /// The RM refused it and room is on its way: until when it waits for that room,
-    /// and its answer then.
-    room: Option<(u64, WireError)>,
-}
-
-/// Requests waiting for a region, the allocation in flight, and what to hand the
-/// driver.
-#[derive(Debug, Default)]
-pub(crate) struct RegionWaits {
-    parked: VecDeque<Parked>,
-    in_flight: Option<u64>,
-    next_alloc: u64,
-    actions: VecDeque<Action>,
-    answers: Vec<(Ticket, Result<MetaReply, WireError>)>,
-    /// The RM's pool sizes as last heard.
-    sizes: Option<PoolSizes>,
-    /// The RM refused the oldest waiting request and room is on its way (kept
-    /// regions or a fair-share region going back): the next allocation waits for a
-    /// region to be freed (or the request's `park_max_ms`).
-    room_coming: bool,
-    /// Regions the RM freed since the server started (a free ends `room_coming`).
-    pub(super) freed: u64,
-}
-
-impl RegionWaits {
-    fn parked_of(&self, tenant: &str) -> usize {
-        self.parked.iter().filter(|p| p.tenant == tenant).count()
-    }
-
-    pub(super) fn opens_of(&self, tenant: &str) -> usize {
-        self.parked
-            .iter()
-            .filter(|p| p.tenant == tenant && matches!(p.want, Want::Open { .. }))
-            .count()
-    }
-
-    pub(super) fn len(&self) -> usize {
-        self.parked.len()
-    }
-
-    /// When the oldest waiting request has waited `park_max_ms`, or one waiting for
-    /// room has waited [`ROOM_WAIT_MS`].
-    pub(super) fn next_deadline(&self, park_max_ms: u64) -> Option<u64> {
-        let room = self
-            .parked
-            .iter()
-            .filter_map(|p| p.room.as_ref().map(|r| r.0));
-        self.parked
-            .front()
-            .map(|p| p.since_ms.saturating_add(park_max_ms))
-            .into_iter()
-            .chain(room)
-            .min()
-    }
-
-    /// Tenants changed: an open waiting in a namespace its tenant no longer writes is
-    /// answered now (an expand finds its session ended when its region comes).
-    pub(super) fn forget_tenants(&mut self, tenants: &Tenants) {
-        let mut keep = VecDeque::new();
-        while let Some(p) = self.parked.pop_front() {
-            match &p.want {
-                Want::Open { args, .. }
-                    if tenants.access(&p.tenant, &args.namespace) != Access::Write =>
-                {
-                    self.answers.push((
-                        p.ticket,
-                        Err(permission(format!(
-                            "tenant {} no longer writes namespace {:?} (tenants reloaded)",
-                            p.tenant,
-                            crate::net::clip(&args.namespace)
-                        ))),
-                    ))
-                }
-                _ => keep.push_back(p),
-            }
-        }
-        self.parked = keep;
-    }
-}
+/// A refusal of the RM gives back at least this part of the kept regions (those read
+/// longest ago), or as many as the requests waiting for a region if more. Not all of
+/// them: one refused region dropped the whole cache of departed engines (issue 46: at
+/// 4 M keys, 5,639 kept regions and their keys for one 4 MiB region). Not one at a
+/// time either: a live engine storing into a full pool would meet a refusal, and wait
+/// for a free, at every region it fills; so it meets one about every sixteenth of
+/// the kept cache.
+pub const ROOM_SHARE: usize = 16;
 
 impl MetaCore {
     /// The next thing the driver must do (and report back).
@@ -353,8 +260,7 @@ impl MetaCore {
     /// Most regions `tenant` may hold now: its share of the RM's pools among the
     /// storing tenants (itself counted), and its `max_regions`. None: no bound.
     pub(super) fn region_cap(&self, tenant: &str) -> Option<usize> {
-        let holdings = self.holdings();
-        let storing = self.fair.storing_tenants(&holdings, Some(tenant));
+        let storing = self.fair.storing_tenants(Some(tenant));
         let share = self.waits.sizes.filter(|_| storing > 1).map(|s| {
             let pool = (s.total / self.cfg.region_size.max(1)) as usize;
             pool.div_ceil(storing).max(1)
@@ -370,7 +276,8 @@ impl MetaCore {
     /// Session `id`'s fair share of the pool now, in regions: the RM's pools (or,
     /// before they are known, the regions maru-server holds) ÷ the storing tenants
     /// (its own counted), within its tenant's `max_regions`, ÷ the tenant's storing
-    /// sessions (itself counted); rounded up, at least one. One pass over the sessions.
+    /// sessions (itself counted); rounded up, at least one. Looked up in the counts
+    /// of [`fair_share`](super::fair_share): every alloc's reply carries it.
     pub(super) fn share_regions(&self, id: u64) -> u64 {
         let Some(me) = self.sessions.get(id) else {
             return 1;
@@ -379,19 +286,11 @@ impl MetaCore {
         let pool = self.waits.sizes.map_or(self.regions.len() as u64, |s| {
             s.total / self.cfg.region_size.max(1)
         });
-        let mut tenants = std::collections::BTreeSet::new();
-        tenants.insert(tenant);
-        let mut mine = 0u64;
-        for s in self.sessions.iter() {
-            let storing = !s.regions.is_empty() || self.fair.is_waiting(s.id);
-            if storing {
-                tenants.insert(s.tenant.as_str());
-                if s.tenant == tenant && s.id != id {
-                    mine += 1;
-                }
-            }
-        }
-        let mut share = pool.div_ceil(tenants.len() as u64).max(1);
+        let tenants = self.fair.storing_tenants(Some(tenant)) as u64;
+        // The tenant's other storing sessions.
+        let mine =
+            (self.fair.storing_sessions(tenant) - usize::from(self.fair.is_storing(id))) as u64;
+        let mut share = pool.div_ceil(tenants).max(1);
         let max = self.tenants.limits(tenant).max_regions as u64;
         if max > 0 {
             share = share.min(max);
@@ -399,23 +298,13 @@ impl MetaCore {
         share.div_ceil(mine + 1).max(1)
     }
 
-    /// Regions `tenant`'s sessions hold.
-    pub(super) fn regions_of(&self, tenant: &str) -> usize {
-        self.sessions
-            .iter()
-            .filter(|s| s.tenant == tenant)
-            .map(|s| s.regions.len())
-            .sum()
-    }
-
     /// Whether `tenant` may take one more region now: it does not hold its share of a
     /// full pool while another tenant waits (see `fair_share`), nor its cap.
     fn check_share(&mut self, tenant: &str, session: Option<u64>) -> Result<(), WireError> {
-        let holdings = self.holdings();
         let pool_regions = self.regions.len();
-        let held = self.regions_of(tenant);
+        let held = self.fair.tenant_regions(tenant);
         let id = session.unwrap_or(0);
-        if self.fair.must_yield(id, tenant, &holdings, pool_regions) {
+        if self.fair.must_yield(id, tenant, pool_regions) {
             // It holds its share: it does not wait for more, it evicts.
             if let Some(id) = session {
                 self.fair.done_waiting(id);
@@ -605,8 +494,8 @@ impl MetaCore {
         }
     }
 
-    /// The RM refused the region `p` waited for: make room (every kept region of
-    /// departed engines first; else, for a storing session, a region of the session
+    /// The RM refused the region `p` waited for: make room (kept regions of departed
+    /// engines first, see `make_room_at_rm`; else, for a storing session, a region of the session
     /// furthest above its fair share), and say so. True when room is on its way, so
     /// that `p` may wait for it rather than be refused.
     fn rm_full(
@@ -641,10 +530,11 @@ impl MetaCore {
         (e, coming)
     }
 
-    /// Gives back every kept region that holds no pinned key, read longest ago first
-    /// (departed engines' keys go before any live engine evicts its own). Says what
-    /// it did, and whether room is on its way (given back now, or earlier and not
-    /// freed yet).
+    /// Gives back the kept regions that hold no pinned key read longest ago (departed
+    /// engines' keys go before any live engine evicts its own): as many as the
+    /// requests waiting for a region, the refused one counted, or the
+    /// [`ROOM_SHARE`]th part of those kept if more. Says what it did, and whether room
+    /// is on its way (given back now, or earlier and not freed yet).
     fn make_room_at_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> (String, bool) {
         let mut victims: Vec<(u64, u64)> = self
             .keeper
@@ -653,6 +543,8 @@ impl MetaCore {
             .filter_map(|id| self.regions.get(id).map(|r| (r.last_read_ms, id)))
             .collect();
         victims.sort_unstable();
+        let kept = victims.len();
+        victims.truncate((self.waits.parked.len() + 1).max(kept.div_ceil(ROOM_SHARE)));
         if victims.is_empty() {
             if self.keeper.pressure_pending() {
                 return (
@@ -683,8 +575,8 @@ impl MetaCore {
         let ids: Vec<u64> = victims.iter().map(|&(_, id)| id).collect();
         (
             format!(
-                "{} kept region(s) of departed engines ({ids:?}) given back, {freed} freed \
-                 already: retry shortly",
+                "{} of {kept} kept region(s) of departed engines, read longest ago \
+                 ({ids:?}), given back, {freed} freed already: retry shortly",
                 ids.len()
             ),
             true,
@@ -754,9 +646,7 @@ impl MetaCore {
         due.dedup();
         self.next_unused_ms = self.unused_due.peek().map(|&std::cmp::Reverse((d, _))| d);
         for (rid, sid) in due {
-            if let Some(s) = self.sessions.get_mut(sid) {
-                s.regions.remove(&rid);
-            }
+            self.leave_region(sid, rid);
             self.fair.region_gone(rid, None);
             let Some(r) = self.regions.get_mut(rid) else {
                 continue;

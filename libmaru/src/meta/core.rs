@@ -7,7 +7,6 @@
 //! publish), `read_ops` (exists and leases), `evict_ops` (victims and remove) and
 //! `stats`.
 
-use super::alloc_ops::RegionWaits;
 use super::config::{ConfigError, MetaConfig};
 use super::errors::{permission, refused, unsupported};
 use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
@@ -18,6 +17,7 @@ use super::ports::{AgentPort, RmPort};
 use super::regions::{Holder, RegionTable};
 use super::sessions::{EndReason, SessionTable};
 use super::tenants::{Access, Tenants};
+use super::waits::{OpenArgs, RegionWaits, Ticket};
 use crate::wire::meta::{
     Backend, CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE,
     CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH, SERVICE,
@@ -42,19 +42,6 @@ pub(super) struct Totals {
 pub struct Caller<'a> {
     pub owner: &'a str,
     pub tenant: &'a str,
-}
-
-/// Names a request whose answer may come later ([`MetaCore::take_answers`]): the
-/// driver's choice, unique among its requests in flight.
-pub type Ticket = u64;
-
-/// What the core asks its driver to do, and to report back as an event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// ALLOC a region of `size` bytes at the RM, then call
-    /// [`MetaCore::alloc_done`] with `alloc` and the outcome. One is in flight at a
-    /// time.
-    Alloc { alloc: u64, size: u64 },
 }
 
 /// maru-server's core. See the [module docs](super) for the rules it keeps.
@@ -85,7 +72,7 @@ pub struct MetaCore {
     next_rm_check_ms: u64,
     /// Changes to make durable and pages waiting for it (see `durable`); None: the
     /// directory lives in memory only.
-    pub(super) journal: Option<super::durable::Journal>,
+    pub(super) journal: Option<super::journal::Journal>,
 }
 
 impl MetaCore {
@@ -195,7 +182,7 @@ impl MetaCore {
     /// owner that opened it. An error changes nothing, except that a refused region
     /// request may make the keeper give a kept region back.
     ///
-    /// `None`: the request waits for a region from the RM (see [`Action::Alloc`]); its
+    /// `None`: the request waits for a region from the RM (see [`Action::Alloc`](super::Action::Alloc)); its
     /// answer comes later from [`take_answers`](Self::take_answers) under `ticket`.
     pub fn handle(
         &mut self,
@@ -206,7 +193,7 @@ impl MetaCore {
         rm: &mut dyn RmPort,
     ) -> Option<Result<MetaReply, WireError>> {
         self.note_now(now_ms);
-        self.set_reply_timing(super::durable::ReplyTiming::default());
+        self.set_reply_timing(super::journal::ReplyTiming::default());
         self.expire(now_ms);
         let client_id = caller.owner;
         let r = match req {
@@ -218,7 +205,7 @@ impl MetaCore {
                 backend,
                 first_region,
             } => {
-                let open = super::alloc_ops::OpenArgs {
+                let open = OpenArgs {
                     engine_id,
                     namespace,
                     layout,
@@ -513,9 +500,7 @@ impl MetaCore {
                     }]);
                 }
                 Holder::Session(sid) => {
-                    if let Some(s) = self.sessions.get_mut(sid) {
-                        s.regions.remove(&rid);
-                    }
+                    self.leave_region(sid, rid);
                     self.hide_region(rid);
                     let Some(r) = self.regions.get_mut(rid) else {
                         continue;

@@ -44,6 +44,7 @@
 
 use super::config::{ConfigError, MetaConfig};
 use super::core::MetaCore;
+use super::journal::{Journal, OldLeases, PendingPage, ReplyTiming};
 use super::keeper::{GiveBackReason, KeeperEvent};
 use super::keys::{KeyDirectory, KeyId, Location, Published, Scope, ScopeId};
 use super::pages::PageAllocator;
@@ -84,125 +85,9 @@ pub const MAX_RESTORED_REGION: u64 = 64 << 30;
 /// tell which of them were handed out).
 pub const RESERVE_BLOCK: u64 = 1024;
 
-/// A session's allocation rate is counted over windows this long: a session that
-/// took more than half a block in its last full window keeps that many reserved (up
-/// to [`RESERVE_MAX_BLOCKS`] blocks), so that its allocs do not outrun the commit of
-/// its next block (4 ms of waiting for others plus the `fdatasync`: far below a
-/// window).
-pub const RATE_WINDOW_MS: u64 = 100;
-
 /// Most blocks reserved for one session at a time, however fast it allocates (what
 /// a crash leaves in doubt until its worker says which pages it holds).
 pub const RESERVE_MAX_BLOCKS: u64 = 4;
-
-/// Pages a session took in its current and its last full [`RATE_WINDOW_MS`] window.
-#[derive(Debug, Clone, Copy, Default)]
-struct AllocRate {
-    start_ms: u64,
-    this: u64,
-    last: u64,
-}
-
-impl AllocRate {
-    fn note(&mut self, pages: u64, now_ms: u64) {
-        let since = now_ms.saturating_sub(self.start_ms);
-        if since >= RATE_WINDOW_MS {
-            self.last = if since < 2 * RATE_WINDOW_MS {
-                self.this
-            } else {
-                0
-            };
-            self.this = 0;
-            self.start_ms = now_ms;
-        }
-        self.this = self.this.saturating_add(pages);
-    }
-}
-
-/// When the reply to the request just handled may go, with a durable directory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ReplyTiming {
-    /// Once what the request changed is durable (at once when it changed nothing).
-    #[default]
-    AfterItsChanges,
-    /// At once, before what it changed is durable: a publish (a crash in the window
-    /// loses the key, never bytes), an alloc answered from pages whose reservation
-    /// is durable (what it changed is only the reserve's next block).
-    Early,
-    /// Once every batch so far is durable, even if the request changed nothing
-    /// itself: an alloc that took reserved pages whose reservation is not yet.
-    AfterAll,
-}
-
-/// A page freed by a key's removal, waiting to be handed out again.
-#[derive(Debug, Clone, Copy)]
-struct PendingPage {
-    /// The batch that carries the removal.
-    batch: u64,
-    /// Not before this time (a lease of the last run a worker said it holds).
-    not_before_ms: u64,
-    region_id: u64,
-    page: u64,
-    /// A key of the last run held it: it also waits for the leases of that run
-    /// ([`OldLeases`]).
-    recovered: bool,
-    /// The scope of the key that held it.
-    scope: ScopeId,
-}
-
-/// The leases of the last run, which a restart does not know.
-#[derive(Debug)]
-struct OldLeases {
-    /// Keys up to this id were recovered.
-    last_key: u64,
-    /// Every lease of the last run has run out by then.
-    until_ms: u64,
-    /// Sessions of the last run that have not yet said which leases they hold.
-    silent: BTreeSet<u64>,
-    /// Some session of the last run was not restored: only `until_ms` ends the wait.
-    unknown: bool,
-    /// Lease ids up to this one are of earlier runs.
-    base: u64,
-}
-
-/// The core's side of durability.
-#[derive(Debug, Default)]
-pub(super) struct Journal {
-    /// The batch that changes made now go into (the next `take_changes`).
-    batch: u64,
-    /// The last batch the driver made durable.
-    durable: u64,
-    pending: Vec<PendingPage>,
-    /// Until every lease of the last run is accounted for (None: none can be left).
-    recovered: Option<OldLeases>,
-    /// The latest time the core was given.
-    now_ms: u64,
-    /// When the reply to the request being handled may go.
-    reply: ReplyTiming,
-    /// Pages a restore found allocated without a key, (region, page), while leases
-    /// of the last run may cover them: reserved ones, or ones whose publish was lost
-    /// (answered before its commit), which a reader of the last run may still read.
-    /// Never handed out again while allocated; once their session frees them, they
-    /// wait like pages of recovered keys. Kept after those leases ran out while a
-    /// session of the last run may still say which pages it holds (`unreported`).
-    in_doubt: BTreeSet<(u64, u64)>,
-    /// Sessions of the last run that have not said which pages they hold without a
-    /// key (`held_pages`): their heartbeat replies ask for it.
-    unreported: BTreeSet<u64>,
-    /// Pages in doubt freed because their session's report did not name them.
-    held_freed: u64,
-    /// Each session's recent allocations (how far ahead its reserve is topped up).
-    rates: BTreeMap<u64, AllocRate>,
-}
-
-impl Journal {
-    /// Whether no lease of the last run can still cover a recovered key's page.
-    fn old_leases_over(&self, now_ms: u64) -> bool {
-        self.recovered
-            .as_ref()
-            .is_none_or(|o| now_ms >= o.until_ms || (o.silent.is_empty() && !o.unknown))
-    }
-}
 
 /// What a restore found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -273,7 +158,8 @@ impl MetaCore {
 
     /// Reserves pages for `session` in its regions (`order`, but not `asked`: the
     /// one it is asked to give back) when fewer than its low mark are reserved: half
-    /// a block, or what it took in its last full [`RATE_WINDOW_MS`] window if more;
+    /// a block, or what it took in its last full
+    /// [`RATE_WINDOW_MS`](super::journal::RATE_WINDOW_MS) window if more;
     /// up to that mark and half a block more (a block at rest, at most
     /// [`RESERVE_MAX_BLOCKS`] blocks). They go in the open batch, and allocs take them once it is durable.
     pub(super) fn top_up_reserve(&mut self, session: u64, asked: Option<u64>, order: &[u64]) {
@@ -433,11 +319,7 @@ impl MetaCore {
                 j.in_doubt.clear();
             }
         }
-        let durable = j.durable;
-        let (ready, wait): (Vec<PendingPage>, Vec<PendingPage>) = j.pending.iter().partition(|p| {
-            p.batch <= durable && p.not_before_ms <= now_ms && (over || !p.recovered)
-        });
-        j.pending = wait;
+        let ready = j.pending.take_ready(j.durable, now_ms, over);
         let mut regions = BTreeSet::new();
         for p in ready {
             if let Some(r) = self.regions.get_mut_quiet(p.region_id) {
@@ -462,21 +344,19 @@ impl MetaCore {
         let over = j.old_leases_over(now_ms);
         let until = j.recovered.as_ref().map_or(0, |o| o.until_ms);
         let recheck = now_ms.saturating_add(HOLD_BACK_RECHECK_MS).min(until);
-        let mut holds: BTreeMap<u64, u64> = BTreeMap::new();
-        for p in &j.pending {
-            let t = if p.recovered && !over {
-                recheck.max(p.not_before_ms)
-            } else {
-                p.not_before_ms
-            };
-            if t > now_ms {
-                let h = holds.entry(p.region_id).or_default();
-                *h = (*h).max(t);
-            }
+        if !j.pending.has_recovered() && j.in_doubt.is_empty() {
+            return;
         }
-        if !over {
-            for &(rid, _) in &j.in_doubt {
-                if recheck > now_ms {
+        // Only regions on their way back are held back: look up those.
+        let going: BTreeSet<u64> = self.keeper.giving_back_ids().collect();
+        let mut holds = j.pending.holds(&going, now_ms, over, recheck);
+        if !over && recheck > now_ms {
+            for &rid in &going {
+                if j.in_doubt
+                    .range((rid, 0)..=(rid, u64::MAX))
+                    .next()
+                    .is_some()
+                {
                     let h = holds.entry(rid).or_default();
                     *h = (*h).max(recheck);
                 }
@@ -492,22 +372,9 @@ impl MetaCore {
     /// When a page held for old leases may be handed out.
     pub(super) fn next_page_deadline(&self) -> Option<u64> {
         let j = self.journal.as_ref()?;
-        let until = j
-            .recovered
-            .as_ref()
-            .filter(|_| !j.old_leases_over(j.now_ms))
-            .map_or(0, |o| o.until_ms);
-        j.pending
-            .iter()
-            .filter(|p| p.batch <= j.durable)
-            .map(|p| {
-                if p.recovered {
-                    p.not_before_ms.max(until)
-                } else {
-                    p.not_before_ms
-                }
-            })
-            .min()
+        let over = j.old_leases_over(j.now_ms);
+        let until = j.recovered.as_ref().map_or(0, |o| o.until_ms);
+        j.pending.next_deadline(j.durable, over, until)
     }
 
     /// Sessions of the last run that have not said which leases they hold, while
@@ -560,17 +427,7 @@ impl MetaCore {
                 Some(_) => ignored += 1,
                 None => {
                     let page = h.offset / chunk;
-                    let mut found = false;
-                    for p in j.pending.iter_mut().filter(|p| {
-                        p.recovered
-                            && p.region_id == h.region_id
-                            && p.page == page
-                            && p.scope == scope
-                    }) {
-                        p.not_before_ms = p.not_before_ms.max(ends);
-                        found = true;
-                    }
-                    if found {
+                    if j.pending.lease_held(h.region_id, page, scope, ends) {
                         pages += 1;
                     } else {
                         ignored += 1;
@@ -958,9 +815,9 @@ impl MetaCore {
                 continue;
             }
             let holder = match g.holder {
-                HolderRecord::Session(sid) => match core.sessions.get_mut(sid) {
-                    Some(s) => {
-                        s.regions.insert(rid);
+                HolderRecord::Session(sid) => match core.sessions.get(sid) {
+                    Some(_) => {
+                        core.join_region(sid, rid);
                         Holder::Session(sid)
                     }
                     // Its session was not recorded: the keeper has it (below).
@@ -1134,9 +991,7 @@ impl MetaCore {
             let (k, _) = self.hide_region(*rid);
             keys += k;
             if let Some(Holder::Session(sid)) = self.regions.get(*rid).map(|r| r.holder) {
-                if let Some(s) = self.sessions.get_mut(sid) {
-                    s.regions.remove(rid);
-                }
+                self.leave_region(sid, *rid);
             }
             self.keeper.forget(*rid);
             self.fair.region_gone(*rid, None);

@@ -43,8 +43,9 @@ pub enum GiveBackReason {
     AgentRefused,
     /// The agent did not answer for the silence limit.
     AgentSilent,
-    /// The RM refused a region request: every kept region goes back (departed
-    /// engines' keys go before any live engine evicts its own).
+    /// The RM refused a region request: kept regions read longest ago go back
+    /// (departed engines' keys go before any live engine evicts its own; see
+    /// `ROOM_SHARE`).
     RmPressure,
     /// maru-server took it from a session above its fair share of a full pool for a
     /// session waiting for a region (no page of it was being written, no key of it

@@ -40,6 +40,7 @@ mod errors;
 mod evict_ops;
 pub mod evict_rank;
 pub mod fair_share;
+mod journal;
 pub mod keeper;
 pub mod keys;
 pub mod leases;
@@ -54,6 +55,7 @@ pub mod sessions;
 mod stats;
 mod store_ops;
 pub mod tenants;
+mod waits;
 
 #[cfg(test)]
 mod core_tests;
@@ -75,11 +77,13 @@ mod tenant_tests;
 pub use self::config::{
     heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
-pub use self::core::{Action, Caller, MetaCore, Ticket};
+pub use self::core::{Caller, MetaCore};
 pub use self::durable::{
-    seal_format1, Recovered, ReplyTiming, Sealed1, LEASE_RUN_SHIFT, RATE_WINDOW_MS, RESERVE_BLOCK,
-    RESERVE_MAX_BLOCKS, SESSION_RUN_SHIFT,
+    seal_format1, Recovered, Sealed1, LEASE_RUN_SHIFT, RESERVE_BLOCK, RESERVE_MAX_BLOCKS,
+    SESSION_RUN_SHIFT,
 };
+pub use self::journal::{ReplyTiming, RATE_WINDOW_MS};
+pub use self::waits::{Action, Ticket};
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
 pub use ports::{AgentPort, PoolSizes, PortError, RmPort};

@@ -50,6 +50,22 @@ fn check(w: &World, model: &BTreeMap<String, ()>, what: &str, after_tick: bool) 
         model.len(),
         "{what}: keys held by the core / the model"
     );
+    // The fair share's counts are those a scan of the sessions gives.
+    let mut members = BTreeMap::new();
+    let mut tenants: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    for s in core.sessions.iter() {
+        if !s.regions.is_empty() || core.fair.is_waiting(s.id) {
+            members.insert(s.id, (s.tenant.clone(), s.regions.len()));
+            let t = tenants.entry(s.tenant.clone()).or_default();
+            t.0 += s.regions.len();
+            t.1 += 1;
+        }
+    }
+    assert_eq!(
+        core.fair.counts(),
+        (members, tenants),
+        "{what}: the fair share's counts / a scan of the sessions"
+    );
     if !after_tick {
         return;
     }

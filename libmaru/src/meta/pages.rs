@@ -23,17 +23,30 @@ pub enum PageError {
     NotAllocated { page: u64 },
 }
 
+/// What a page is now: each is in exactly one state, so whether a page may be put
+/// back or freed is one look, not a walk of the free list (issue 46).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PageState {
+    /// On the free list.
+    Free,
+    /// Handed out (or holding a recovered key).
+    Allocated,
+    /// Reserved for the region's session, not handed out.
+    Reserved,
+    /// Freed with [`free_later`](PageAllocator::free_later), not put back yet.
+    Held,
+}
+
 #[derive(Debug, Clone)]
 pub struct PageAllocator {
     free: VecDeque<u64>,
-    allocated: Vec<bool>,
+    state: Vec<PageState>,
     used: u64,
     /// Pages freed with `free_later`, not yet put back.
     held: u64,
     /// Pages reserved (not handed out), in the order reserved, each with the tag the
     /// caller gave (the batch that records the reservation).
     reserve: VecDeque<(u64, u64)>,
-    in_reserve: Vec<bool>,
 }
 
 impl PageAllocator {
@@ -41,16 +54,15 @@ impl PageAllocator {
     pub fn new(pages: u64) -> PageAllocator {
         PageAllocator {
             free: (0..pages).collect(),
-            allocated: vec![false; pages as usize],
+            state: vec![PageState::Free; pages as usize],
             used: 0,
             held: 0,
             reserve: VecDeque::new(),
-            in_reserve: vec![false; pages as usize],
         }
     }
 
     pub fn pages(&self) -> u64 {
-        self.allocated.len() as u64
+        self.state.len() as u64
     }
 
     pub fn used(&self) -> u64 {
@@ -67,33 +79,44 @@ impl PageAllocator {
         self.free.len() as u64
     }
 
+    fn state_of(&self, page: u64) -> Option<PageState> {
+        usize::try_from(page)
+            .ok()
+            .and_then(|i| self.state.get(i))
+            .copied()
+    }
+
+    fn set(&mut self, page: u64, state: PageState) {
+        self.state[page as usize] = state;
+    }
+
     /// The free page freed longest ago, now allocated.
     pub fn alloc(&mut self) -> Option<u64> {
         let page = self.free.pop_front()?;
-        self.allocated[page as usize] = true;
+        self.set(page, PageState::Allocated);
         self.used += 1;
         Some(page)
     }
 
     pub fn is_allocated(&self, page: u64) -> bool {
-        self.allocated.get(page as usize).copied().unwrap_or(false)
+        self.state_of(page) == Some(PageState::Allocated)
     }
 
     /// Whether `page` could be freed now (what [`free`](Self::free) would say).
     pub fn check_free(&self, page: u64) -> Result<(), PageError> {
-        match self.allocated.get(page as usize) {
+        match self.state_of(page) {
             None => Err(PageError::OutOfRange {
                 page,
                 pages: self.pages(),
             }),
-            Some(false) => Err(PageError::NotAllocated { page }),
-            Some(true) => Ok(()),
+            Some(PageState::Allocated) => Ok(()),
+            Some(_) => Err(PageError::NotAllocated { page }),
         }
     }
 
     pub fn free(&mut self, page: u64) -> Result<(), PageError> {
         self.check_free(page)?;
-        self.allocated[page as usize] = false;
+        self.set(page, PageState::Free);
         self.used -= 1;
         self.free.push_back(page);
         Ok(())
@@ -107,7 +130,7 @@ impl PageAllocator {
             let Some(page) = self.free.pop_front() else {
                 break;
             };
-            self.in_reserve[page as usize] = true;
+            self.set(page, PageState::Reserved);
             self.reserve.push_back((page, tag));
             n += 1;
         }
@@ -122,8 +145,7 @@ impl PageAllocator {
             return None;
         }
         self.reserve.pop_front();
-        self.in_reserve[page as usize] = false;
-        self.allocated[page as usize] = true;
+        self.set(page, PageState::Allocated);
         self.used += 1;
         Some(page)
     }
@@ -139,22 +161,20 @@ impl PageAllocator {
     /// brings back.
     pub fn free_later(&mut self, page: u64) -> Result<(), PageError> {
         self.check_free(page)?;
-        self.allocated[page as usize] = false;
+        self.set(page, PageState::Held);
         self.used -= 1;
         self.held += 1;
         Ok(())
     }
 
-    /// A page freed with [`free_later`](Self::free_later) may be handed out again.
+    /// A page freed with [`free_later`](Self::free_later) may be handed out again
+    /// (any other page is left as it is).
     pub fn put_back(&mut self, page: u64) {
-        if self.is_allocated(page)
-            || page >= self.pages()
-            || self.in_reserve[page as usize]
-            || self.free.contains(&page)
-        {
+        if self.state_of(page) != Some(PageState::Held) {
             return;
         }
-        self.held = self.held.saturating_sub(1);
+        self.set(page, PageState::Free);
+        self.held -= 1;
         self.free.push_back(page);
     }
 
@@ -162,7 +182,12 @@ impl PageAllocator {
     /// restart hands none of them out again).
     pub fn allocated_pages(&self) -> Vec<u64> {
         (0..self.pages())
-            .filter(|&p| self.is_allocated(p) || self.in_reserve[p as usize])
+            .filter(|&p| {
+                matches!(
+                    self.state[p as usize],
+                    PageState::Allocated | PageState::Reserved
+                )
+            })
             .collect()
     }
 
@@ -172,37 +197,33 @@ impl PageAllocator {
     /// is not known, so it is never handed out again (its session frees it, or it
     /// goes with the region).
     pub fn restore(pages: u64, allocated: &[u64]) -> PageAllocator {
-        let mut taken = vec![false; pages as usize];
+        let mut state = vec![PageState::Free; pages as usize];
         for &p in allocated {
-            if let Some(t) = taken.get_mut(p as usize) {
-                *t = true;
+            if let Some(t) = usize::try_from(p).ok().and_then(|i| state.get_mut(i)) {
+                *t = PageState::Allocated;
             }
         }
-        let used = taken.iter().filter(|t| **t).count() as u64;
+        let used = state.iter().filter(|t| **t == PageState::Allocated).count() as u64;
         PageAllocator {
-            free: (0..pages).filter(|&p| !taken[p as usize]).collect(),
-            allocated: taken,
+            free: (0..pages)
+                .filter(|&p| state[p as usize] == PageState::Free)
+                .collect(),
+            state,
             used,
             held: 0,
             reserve: VecDeque::new(),
-            in_reserve: vec![false; pages as usize],
         }
     }
 
     /// Marks a free page allocated (a recovered key sits in it).
     pub fn take(&mut self, page: u64) -> bool {
-        if self.in_reserve.get(page as usize).copied().unwrap_or(false) {
+        if self.state_of(page) != Some(PageState::Free) {
             return false;
         }
-        match self.allocated.get_mut(page as usize) {
-            Some(a) if !*a => {
-                *a = true;
-                self.used += 1;
-                self.free.retain(|&p| p != page);
-                true
-            }
-            _ => false,
-        }
+        self.set(page, PageState::Allocated);
+        self.used += 1;
+        self.free.retain(|&p| p != page);
+        true
     }
 }
 
@@ -281,6 +302,27 @@ mod tests {
         // A restart: every recorded page is taken, none reserved.
         let r = PageAllocator::restore(4, &[0, 2]);
         assert_eq!((r.used(), r.reserved(), r.free_count()), (2, 0, 2));
+    }
+
+    /// `put_back` acts on a page freed later only, whatever else the page is: one
+    /// look at its state (it walked the free list, issue 46).
+    #[test]
+    fn only_a_page_freed_later_is_put_back() {
+        let mut p = PageAllocator::new(4);
+        let (a, b, c) = (p.alloc().unwrap(), p.alloc().unwrap(), p.alloc().unwrap());
+        p.free(a).unwrap();
+        p.put_back(a);
+        p.put_back(b);
+        p.put_back(99);
+        assert_eq!(p.reserve(1, 1), 1);
+        p.put_back(3);
+        assert_eq!((p.used(), p.in_use(), p.free_count()), (2, 2, 1));
+        p.free_later(c).unwrap();
+        assert_eq!((p.used(), p.in_use(), p.free_count()), (1, 2, 1));
+        p.put_back(c);
+        assert_eq!((p.used(), p.in_use(), p.free_count()), (1, 1, 2));
+        assert_eq!((p.alloc(), p.alloc(), p.alloc()), (Some(a), Some(c), None));
+        assert!(p.take_reserved(1).is_some() && p.is_allocated(b));
     }
 
     #[test]

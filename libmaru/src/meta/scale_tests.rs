@@ -1,9 +1,9 @@
 //! The work of one operation does not grow with the number of sessions: the session
 //! table counts the sessions its lookups visit (`SessionTable::visited`), and each
-//! request, the event loop's question of when to tick next, and a closed connection
-//! visit as many with 4,000 sessions open as with 100 (issue 46: a scan of every
-//! session on each request was invisible at 8 engines and a core's worth of work at
-//! thousands).
+//! request (an alloc and an expand among them, which look up the fair share), the
+//! event loop's question of when to tick next, and a closed connection visit as many
+//! with 4,000 sessions open as with 100 (issue 46: a scan of every session on each
+//! request was invisible at 8 engines and a core's worth of work at thousands).
 
 use super::fakes::*;
 use super::MetaConfig;
@@ -34,9 +34,11 @@ fn visits_per_op(n: usize) -> Vec<(&'static str, u64)> {
     let (c, id) = sessions[n / 2].clone();
     let mut out = Vec::new();
     let mut count = |w: &mut World, what: &'static str, f: &mut dyn FnMut(&mut World)| {
-        let before = w.core.sessions.visited();
+        // Sessions visited by the session table and by the fair share's lookups.
+        let visited = |w: &World| w.core.sessions.visited() + w.core.fair.visited();
+        let before = visited(w);
         f(w);
-        out.push((what, w.core.sessions.visited() - before));
+        out.push((what, visited(w) - before));
     };
     count(&mut w, "heartbeat", &mut |w| {
         w.heartbeat_reply(&c, id);
@@ -48,6 +50,15 @@ fn visits_per_op(n: usize) -> Vec<(&'static str, u64)> {
         w.core.next_deadline();
     });
     count(&mut w, "tick", &mut |w| w.tick());
+    count(&mut w, "alloc", &mut |w| {
+        w.alloc(&c, id, 4);
+    });
+    count(&mut w, "expand", &mut |w| {
+        w.expand(&c, id).unwrap();
+    });
+    count(&mut w, "alloc in a region", &mut |w| {
+        w.alloc(&c, id, 4);
+    });
     count(&mut w, "connection closed", &mut |w| {
         w.core.client_closed(&c, w.now);
         assert!(w.core.has_session_of(&c));

@@ -1,15 +1,16 @@
 //! Sessions and their regions: open, expand (both wait for the RM in `alloc_ops`),
 //! heartbeat, return, close.
 
-use super::alloc_ops::{OpenArgs, Want};
-use super::core::{Caller, MetaCore, Ticket};
+use super::core::{Caller, MetaCore};
 use super::errors::{bad_request, check_batch, internal, no_space, permission};
-use super::fair_share::{Ask, Holding};
+use super::fair_share::Ask;
 use super::keeper::GiveBackReason;
 use super::ports::RmPort;
 use super::regions::{Holder, Region};
 use super::sessions::EndReason;
 use super::tenants::Access;
+use super::waits::Ticket;
+use super::waits::{OpenArgs, Want};
 use crate::wire::meta::{
     Backend, HeartbeatReply, HeldLease, MetaReply, PageRef, RegionGrant, ReturnReply, SkipCounts,
     MAX_HELD_PAGES, MAX_NAME_LEN,
@@ -109,11 +110,33 @@ impl MetaCore {
         region.holder = Holder::Session(session);
         let grant = region.grant(self.cfg.chunk_size);
         self.regions.insert(region);
-        if let Some(s) = self.sessions.get_mut(session) {
-            s.regions.insert(rid);
-        }
+        self.join_region(session, rid);
         self.note_region_use(rid, now_ms);
         grant
+    }
+
+    /// Region `rid` is session `sid`'s from now on (counted for the fair share: its
+    /// only way into a session's regions).
+    pub(super) fn join_region(&mut self, sid: u64, rid: u64) {
+        if let Some(s) = self.sessions.get_mut(sid) {
+            if s.regions.insert(rid) {
+                self.fair.region_added(sid, &s.tenant);
+            }
+        }
+    }
+
+    /// Session `sid` no longer holds region `rid` (counted for the fair share: its
+    /// only way out of a session's regions, but for the session's end). Whether it
+    /// held it.
+    pub(super) fn leave_region(&mut self, sid: u64, rid: u64) -> bool {
+        let left = self
+            .sessions
+            .get_mut(sid)
+            .is_some_and(|s| s.regions.remove(&rid));
+        if left {
+            self.fair.region_removed(sid);
+        }
+        left
     }
 
     /// Asks the session holding the region read longest ago of the tenant furthest
@@ -124,11 +147,21 @@ impl MetaCore {
     /// so the waiter does not wait for that session's next call; otherwise the
     /// session is asked at its next call (any reply to it carries the ask).
     pub(super) fn ask_fair_share(&mut self, now_ms: u64, rm: &mut dyn RmPort) -> Option<Ask> {
-        let holdings = self.holdings();
         let timeout = self.cfg.session_timeout_ms;
+        let (sessions, regions, pins) = (&self.sessions, &self.regions, &self.pins);
+        // The region of a session read longest ago that holds no pinned key.
+        let oldest = |sid: u64| {
+            sessions
+                .get(sid)?
+                .regions
+                .iter()
+                .filter(|&&rid| !pins.region_has_pins(rid))
+                .filter_map(|&rid| Some((regions.get(rid)?.last_read_ms, rid)))
+                .min()
+        };
         let ask = self
             .fair
-            .decide(&holdings, self.regions.len(), now_ms, timeout, timeout)?;
+            .decide(regions.len(), now_ms, timeout, timeout, oldest)?;
         if let Some(rid) = self.quiet_region_of(ask.session) {
             self.take_for_fair_share(ask.session, rid, now_ms, rm);
             return Some(Ask {
@@ -191,9 +224,7 @@ impl MetaCore {
         now_ms: u64,
         rm: &mut dyn RmPort,
     ) {
-        if let Some(s) = self.sessions.get_mut(session) {
-            s.regions.remove(&region_id);
-        }
+        self.leave_region(session, region_id);
         self.fair.taken(session);
         let (keys, _) = self.hide_region(region_id);
         let Some(r) = self.regions.get_mut(region_id) else {
@@ -213,26 +244,6 @@ impl MetaCore {
         if let Some(e) = self.keeper.free_now(region_id, now_ms, rm) {
             self.apply(&[e]);
         }
-    }
-
-    /// Every session's tenant and regions, when each was last read, and whether it
-    /// may be given back (no pinned key).
-    pub(super) fn holdings(&self) -> Vec<Holding> {
-        self.sessions
-            .iter()
-            .map(|s| Holding {
-                session: s.id,
-                tenant: s.tenant.clone(),
-                regions: s
-                    .regions
-                    .iter()
-                    .filter_map(|&rid| {
-                        let r = self.regions.get(rid)?;
-                        Some((rid, r.last_read_ms, !self.pins.region_has_pins(rid)))
-                    })
-                    .collect(),
-            })
-            .collect()
     }
 
     pub(super) fn heartbeat(
@@ -341,11 +352,7 @@ impl MetaCore {
         rm: &mut dyn RmPort,
     ) -> Result<MetaReply, WireError> {
         let id = self.session(client_id, session, now_ms)?;
-        let owned = self
-            .sessions
-            .get_mut(id)
-            .is_some_and(|s| s.regions.remove(&region_id));
-        if !owned {
+        if !self.leave_region(id, region_id) {
             if self.regions.contains(region_id) {
                 return Err(permission(format!(
                     "region {region_id} is not a region of session {id}: only its owner \

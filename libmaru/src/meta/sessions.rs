@@ -39,7 +39,8 @@ pub struct Session {
     pub namespace: String,
     pub backend: Backend,
     pub scope: ScopeId,
-    /// Regions the session owns, oldest first.
+    /// Regions the session owns, oldest first. Changed only through
+    /// `MetaCore::join_region` and `leave_region`, which count them for the fair share.
     pub regions: BTreeSet<u64>,
     pub last_seen_ms: u64,
     /// False once a connection of its client closed, until its next request.
@@ -157,7 +158,8 @@ impl SessionTable {
 
     /// Sessions visited so far by the lookups over many sessions ([`expired`],
     /// [`next_expiry`], [`count_of`], [`has_client`], [`client_closed`]): each visits
-    /// only the sessions it returns or changes, and at most one more.
+    /// only the sessions it returns or changes, and at most one more; and by
+    /// [`iter`](Self::iter), which visits them all.
     ///
     /// [`expired`]: Self::expired
     /// [`next_expiry`]: Self::next_expiry
@@ -392,7 +394,9 @@ impl SessionTable {
             .map(|&(seen, _)| seen.saturating_add(self.timeout_ms))
     }
 
+    /// Every open session (each counted as visited).
     pub fn iter(&self) -> impl Iterator<Item = &Session> {
+        self.visit(self.sessions.len());
         self.sessions.values()
     }
 

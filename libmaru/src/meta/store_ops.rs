@@ -2,8 +2,8 @@
 //! publishing keys after the worker's WRITE completed.
 
 use super::core::MetaCore;
-use super::durable::ReplyTiming;
 use super::errors::{bad_request, check_batch, check_key, permission};
+use super::journal::ReplyTiming;
 use super::keys::{Location, Published};
 use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
 use crate::wire::WireError;
