@@ -833,8 +833,15 @@ impl RemoteMover {
         self.lock().probed(addr, now, who);
     }
 
-    /// Maps for reading the ranges of `leases` in other engines' regions that have no
-    /// registration yet, on their agents' control connections, by `by`.
+    /// [`map_reads`](Self::map_reads) of the ranges of a request's `leases` not mapped
+    /// yet, before its first window (no `map_read` goes while its READs are out).
+    pub(super) fn map_reads_of(&self, leases: &[LeaseGrant], by: Deadline) {
+        let todo = self.lock().reads_to_map(leases);
+        self.map_reads(todo, by);
+    }
+
+    /// Maps for reading the ranges `todo` names (other engines' regions), on their
+    /// agents' control connections, by `by`.
     pub(super) fn map_reads(&self, todo: Vec<ToMap>, by: Deadline) {
         for t in todo {
             let Some(mut lease) = t.link.take(by) else {

@@ -377,6 +377,7 @@ impl Mover for RemoteMover {
     /// Each window's slots go to `sink`, then to a later window; nothing more after a
     /// window that failed.
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.map_reads_of(leases, by);
         run(
             &mut LoadWindows {
                 m: self,
@@ -391,6 +392,7 @@ impl Mover for RemoteMover {
     /// Into the caller's slots, window by window; every lease is tried.
     fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
+        self.map_reads_of(&leases[..n], by);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         run_given(self, given, Given::Read(&leases[..n]), by)
     }
