@@ -5,7 +5,7 @@
 mod support;
 
 use maru::wire::meta::Backend;
-use maru::worker::movers::Mover;
+use maru::worker::movers;
 use maru::worker::pool::{InPlaceWrite, StoragePool, TestHooks};
 use maru::worker::session::Session;
 use maru::worker::Handler;
@@ -71,7 +71,7 @@ fn watched_pool_of(st: &Stack, engine: &str, max_bytes: u64) -> Watch {
         silent: Some(silent.clone()),
         ..TestHooks::default()
     };
-    let pool = StoragePool::open(session, Mover::cxl(false))
+    let pool = StoragePool::open(session, movers::cxl(false))
         .unwrap()
         .with_max_bytes(max_bytes)
         .with_test_hooks(hooks);

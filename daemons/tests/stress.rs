@@ -337,12 +337,15 @@ fn a_store_given_pages_of_a_region_being_taken_waits_for_its_adoption() {
     let session = cxl_session(&st, "adopter");
     let adopting = Arc::new(AtomicBool::new(false));
     let a = adopting.clone();
-    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(false))
+    let pool = StoragePool::open(session, maru::worker::movers::cxl(false))
         .unwrap()
-        .with_before_adopt(Box::new(move |_| {
-            a.store(true, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_millis(400));
-        }));
+        .with_test_hooks(maru::worker::pool::TestHooks {
+            before_adopt: Some(Box::new(move |_| {
+                a.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(400));
+            })),
+            ..Default::default()
+        });
     // 8 MiB regions of 64 KiB pages: 128 pages each (the first region is taken by
     // the first store; the second when the first is full).
     let keys: Vec<String> = (0..144).map(|i| format!("adopt-{i}")).collect();
@@ -393,7 +396,7 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
     let lost: Arc<Mutex<Option<u64>>> = Arc::default();
     let written: Arc<Mutex<Vec<u64>>> = Arc::default();
     let (l, w) = (lost.clone(), written.clone());
-    let hook = Box::new(
+    let hook: maru::worker::pool::BeforePublish = Box::new(
         move |pool: &StoragePool, pages: &[maru::wire::meta::PageGrant]| {
             w.lock().unwrap().extend(pages.iter().map(|p| p.region_id));
             let mut l = l.lock().unwrap();
@@ -409,10 +412,13 @@ fn a_region_lost_between_copy_and_publish_is_not_published_into() {
             }
         },
     );
-    let pool = StoragePool::open(session, maru::worker::movers::Mover::cxl(true))
+    let pool = StoragePool::open(session, maru::worker::movers::cxl(true))
         .unwrap()
         .with_spare_pages(8)
-        .with_before_publish(hook);
+        .with_test_hooks(maru::worker::pool::TestHooks {
+            before_publish: Some(hook),
+            ..Default::default()
+        });
     let first = content("lost-0");
     let r = pool.store(&[("lost-0", &first)], Some("loss"));
     assert_eq!(

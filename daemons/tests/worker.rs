@@ -309,7 +309,7 @@ fn half_pool(
         unfenced,
         ..Default::default()
     };
-    maru::worker::pool::StoragePool::open(session, maru::worker::movers::Mover::cxl(true))
+    maru::worker::pool::StoragePool::open(session, maru::worker::movers::cxl(true))
         .unwrap()
         .with_test_hooks(hooks)
 }
@@ -1392,6 +1392,58 @@ fn a_remote_cxl_handlers_staging_buffer_is_resident_from_the_open() {
             assert_eq!(resident, 0, "{backend}: no staging page touched yet");
         }
         h.release_slots(&ids).unwrap();
+        h.close().unwrap();
+    }
+}
+
+/// The walks of `docs/worker.md` hold: a warm store or load takes the pool core's
+/// lock a few times a call, the same for 16 chunks as for 8, not once per chunk
+/// (`maru::worker::core_locks`, counted on the calling thread): a store 3 times on
+/// cxl (its start, the publish's re-check, its end) and 5 on remote_cxl (a window's
+/// plan and settle too); a load once on cxl and 6 times on remote_cxl. Seen failing
+/// with `PoolCore::store_begin` taking no spare pages (the store takes them in a lock
+/// of its own: cxl stores took 4).
+#[test]
+fn a_store_or_a_load_takes_the_pool_core_lock_a_few_times_whatever_its_chunks() {
+    let st = stack(true, &[]);
+    for (backend, most) in [("cxl", (3, 1)), ("remote_cxl", (5, 6))] {
+        let cfg = st.handler_config(backend, &format!("locks-{backend}"), "llama-test", (16, 16));
+        let h = Handler::open(&cfg.to_string()).expect("open");
+        let keys: Vec<String> = (0..40).map(|i| format!("locks/{backend}/{i}")).collect();
+        let data: Vec<Vec<u8>> = (0..40).map(chunk).collect();
+        let items = support::items(&keys, &data);
+        // Warm: a region taken (the first store), spare pages kept (the second's alloc).
+        for r in [0..8, 8..16] {
+            assert!(h.store_batch(&items[r], None).unwrap().iter().all(|&s| s));
+        }
+        let mut counted = Vec::new();
+        for r in [16..24, 24..40] {
+            let before = maru::worker::core_locks();
+            let stored = h.store_batch(&items[r.clone()], None).unwrap();
+            let store = maru::worker::core_locks() - before;
+            assert!(stored.iter().all(|&s| s), "{backend}: stored");
+            let before = maru::worker::core_locks();
+            let got = h.load_batch(&keys[r.clone()], None).unwrap();
+            let load = maru::worker::core_locks() - before;
+            for (g, d) in got.iter().zip(&data[r]) {
+                assert_eq!(
+                    g.as_deref().map(digest),
+                    Some(digest(d)),
+                    "{backend}: loaded whole"
+                );
+            }
+            counted.push((store, load));
+        }
+        eprintln!("{backend}: pool core locks (store, load), 8 then 16 chunks: {counted:?}");
+        assert_eq!(
+            counted[0], counted[1],
+            "{backend}: as many for 16 chunks as for 8"
+        );
+        let (store, load) = counted[0];
+        assert!(
+            store <= most.0 && load <= most.1,
+            "{backend}: {store} locks a store, {load} a load (at most {most:?})"
+        );
         h.close().unwrap();
     }
 }

@@ -18,10 +18,7 @@ pub(crate) fn now_us() -> u64 {
     u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-/// When the waits on peers made for one request must be over: its start plus its
-/// timeout (`timeout_ms`). Every connect, handshake, agent call, transfer and fence
-/// made on behalf of the request waits at most until then, so a peer that stalls
-/// costs the request about its timeout, whatever it waits on.
+/// When every wait made for one request must be over: its start plus `timeout_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Deadline {
     at_us: u64,

@@ -22,10 +22,8 @@ pub enum TransportKind {
     Verbs,
 }
 
-fn default_namespace() -> String {
-    "default".into()
-}
-fn default_layout() -> String {
+/// Default of `namespace` and `layout`.
+fn default_name() -> String {
     "default".into()
 }
 fn default_load_slots() -> usize {
@@ -67,19 +65,16 @@ pub struct HandlerConfig {
     /// This engine's id (sessions and ownership are named by it).
     pub engine_id: String,
     /// Cache namespace (model + KV layout scope); keys are shared only within it.
-    #[serde(default = "default_namespace")]
+    #[serde(default = "default_name")]
     pub namespace: String,
     /// Digest of the KV layout; keys are shared only between equal layouts.
-    #[serde(default = "default_layout")]
+    #[serde(default = "default_name")]
     pub layout: String,
     /// Agent key file (remote_cxl; default ~/.maru/remote-cxl-agent.key).
     #[serde(default)]
     pub agent_key_file: Option<String>,
-    /// The maru-server key this engine proves: its tenant's key file. Unset: the file
-    /// named by `MARU_SERVER_KEY_FILE`, else `~/.maru/server.key` when it exists (the
-    /// key maru-server makes at its first start on this host; refused unless mode
-    /// 0600), else no proof, which only a server started with `--insecure-no-key`
-    /// accepts. See [`server_key_path`].
+    /// The maru-server key this engine proves (its tenant's key file); unset: see
+    /// [`server_key_path`].
     #[serde(default)]
     pub server_key_file: Option<String>,
     #[serde(default)]
@@ -99,18 +94,13 @@ pub struct HandlerConfig {
     /// Service level, 0-15.
     #[serde(default)]
     pub rdma_service_level: u8,
-    /// Queue pairs to each agent (transport verbs; data connections on soft), 1-8;
-    /// batches spread over them, so threads of one handler post side by side. On
-    /// verbs an error on one fails only its batches.
+    /// Queue pairs to each agent (transport verbs; data connections on soft), 1-8.
     #[serde(default = "default_rdma_qps_per_agent")]
     pub rdma_qps_per_agent: u8,
-    /// Load staging slots (pipeline depth of loads). 0: none (slot loads and
-    /// `remote_cxl` loads miss at once); with `store_slots` 0 too the handler has no
-    /// staging buffer at all (a process that only looks keys up).
+    /// Load staging slots. 0: none (slot loads and `remote_cxl` loads miss at once).
     #[serde(default = "default_load_slots")]
     pub load_slots: usize,
-    /// Store staging slots (what stores keep in flight). 0: none (slot stores and
-    /// `remote_cxl` stores are skipped at once).
+    /// Store staging slots. 0: none (slot stores and `remote_cxl` stores skip at once).
     #[serde(default = "default_store_slots")]
     pub store_slots: usize,
     /// Timeout of one transfer batch and of control calls (ms).
@@ -119,21 +109,17 @@ pub struct HandlerConfig {
     /// Threads that run submitted (asynchronous) operations; started on first use.
     #[serde(default = "default_async_threads")]
     pub async_threads: usize,
-    /// `cxl`: fault the pages of each own region in on a background thread as soon as
-    /// it is mapped, and map the next region ahead of need, so that stores do not
-    /// take page faults (`MADV_POPULATE_WRITE`; skipped where the kernel refuses); a
-    /// region mapped to be read has the first load's leases faulted in at once and
-    /// the rest on that thread (`MADV_POPULATE_READ`).
+    /// `cxl`: fault each own region in on a background thread and map the next one
+    /// ahead of need; a region mapped to be read has the first load's leases faulted in
+    /// at once and the rest on that thread (see `prefault`).
     #[serde(default = "default_prefault")]
     pub prefault: bool,
     /// How long a call to maru-server polls for its reply before the thread sleeps
-    /// (µs; 0: sleep at once). Most replies come within it, which saves the wake-up of
-    /// a sleeping thread; an idle handler never polls.
+    /// (µs; 0: sleep at once).
     #[serde(default = "default_reply_spin_us")]
     pub reply_spin_us: u64,
-    /// Most bytes of regions this engine holds in each pool (0: no limit). Past it,
-    /// stores evict the engine's own keys instead of taking another region; the
-    /// limit is counted in whole regions, at least one.
+    /// Most bytes of regions this engine holds in each pool, in whole regions (0: no
+    /// limit); past it, stores evict the engine's own keys.
     #[serde(default)]
     pub max_bytes: u64,
 }
@@ -231,11 +217,9 @@ pub enum ServerKeySource {
 /// The key file maru-server makes by default, under `$HOME`.
 pub const HOST_SERVER_KEY: &str = ".maru/server.key";
 
-/// The maru-server key file a worker proves, in this order: the configuration's
-/// `server_key_file`, then `MARU_SERVER_KEY_FILE` (when set and not empty), then
-/// `$HOME/.maru/server.key` when it `exists`; `None`: no key (only a server started
-/// with `--insecure-no-key` accepts the worker). Pure: the environment and the file
-/// system come in as arguments.
+/// The maru-server key file a worker proves: `server_key_file`, else
+/// `MARU_SERVER_KEY_FILE` (set, not empty), else `$HOME/.maru/server.key` when it
+/// `exists`; `None`: no key (only `--insecure-no-key` accepts it). Pure.
 pub fn server_key_path(
     field: Option<&str>,
     env: Option<&std::ffi::OsStr>,

@@ -1,13 +1,7 @@
 //! Errors of the worker data path, typed: what failed, at which daemon, and so what a
-//! caller can decide on (retry later, fix a key file, open a new session). Converted
-//! once at the C boundary (`ffi::status`), and from the status in Python
-//! (`maru.errors`).
-//!
-//! Errors of a daemon come in through [`WorkerError::from_link`] with the daemon
-//! they came from: a failed key proof stays an authentication error
-//! (`MARU_ERR_AUTH`), a refusal because the caller may not do something a permission
-//! error, and a session maru-server no longer has ([`WorkerError::SessionLost`]) is
-//! the only error that sets a pool aside (`handler::pools`).
+//! caller can decide on. Converted once at the C boundary (`ffi::status`). A daemon's
+//! error comes in through [`WorkerError::from_link`]; [`WorkerError::SessionLost`] is
+//! the only one that sets a pool aside (`handler::pools`).
 
 use crate::net::LinkError;
 use crate::wire::{ErrorCode, WireError};
@@ -34,8 +28,7 @@ impl fmt::Display for Peer {
     }
 }
 
-/// What went wrong. Derived with `thiserror` (each variant's message next to it,
-/// `Display` and `Error` written once by the derive).
+/// What went wrong (`thiserror`: each variant's message next to it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WorkerError {
     /// The configuration is wrong: fix it (never retried).
@@ -47,9 +40,8 @@ pub enum WorkerError {
     /// A daemon could not be reached, or a call's outcome is unknown; retried.
     #[error("{peer} is unavailable: {reason}")]
     Unavailable { peer: Peer, reason: String },
-    /// The session at maru-server is gone (expired, unknown to a maru-server that
-    /// restarted, or unreachable for longer than its timeout): the pool is set aside
-    /// and a new session opened in the background.
+    /// The session at maru-server is gone: the pool is set aside and a new session
+    /// opened in the background.
     #[error("session {session} at maru-server {url} is lost: {reason}")]
     SessionLost {
         url: String,

@@ -1,13 +1,8 @@
-//! The memory hook: lets the runtime register the staging buffer with its GPU driver
-//! (pinning it for DMA) before the first transfer uses it, and unregister it on close.
-//!
-//! The hook is process-wide and applies to handlers opened after it is set:
-//! - `None` (the default): nothing is called;
-//! - `Callbacks`: the runtime's own `register(ctx, ptr, len)` / `unregister(ctx, ptr, len)`;
-//!   a failing `register` fails the handler's open (the runtime asked for pinned memory);
-//! - `Auto`: libmaru dlopens libcudart (`MARU_CUDART` names the library to use instead)
-//!   and calls `cudaHostRegister(ptr, len, cudaHostRegisterPortable)`; when CUDA is not
-//!   there, or the call fails, the log says so and the handler works with pageable memory.
+//! The memory hook, process-wide, for handlers opened after it is set: registers the
+//! staging buffer (and `cxl`'s mappings) with the runtime's GPU driver before the
+//! first transfer, unregisters on close. `None`; `Callbacks` (a failing `register`
+//! fails the open); `Auto` (libcudart's `cudaHostRegister`, `MARU_CUDART` to name
+//! another library; without CUDA it logs and goes on with pageable memory).
 
 use super::error::WorkerError;
 use once_cell::sync::OnceCell;
@@ -271,17 +266,13 @@ impl Drop for Registration {
     }
 }
 
-/// The memory-hook registrations of a `cxl` mover's mappings of CXL regions (its own
-/// and other engines'), so that a GPU runtime copies straight to and from CXL. Each
-/// mapping is registered once when it is made and unregistered once, before it can
-/// be unmapped: when its region is forgotten, or when these registrations drop (a
-/// mover declares them before its mappings). A refused registration is logged and the
-/// mapping used unregistered (the GPU then copies through pageable memory).
+/// The memory-hook registrations of a `cxl` mover's mappings: each registered once
+/// when made, unregistered once before it can be unmapped; a refusal is logged and
+/// the mapping used unregistered.
 #[derive(Default)]
 pub struct MappingHooks {
     regs: Vec<(u64, Registration)>,
-    /// The hook the mappings are registered with: their handler's (the hook in force
-    /// when it was opened), not whatever is set when a mapping is made.
+    /// The hook in force when the handler opened.
     hook: MemoryHook,
 }
 

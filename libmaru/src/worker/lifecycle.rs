@@ -1,34 +1,8 @@
 //! The region lifecycle of a `remote_cxl` pool, as a sans-I/O core: what the worker
-//! knows of the agents its own regions live on, and the rules that follow from it.
-//! No sockets, threads or clocks here: the mover (the driver) feeds in what agents
-//! said (`seen`), what failed (`unreachable`, `link_broken`), what maru-server
-//! answered (`reported`) and the time (`now_ms`), and carries out what comes back
-//! (probe an agent, tell maru-server the boot ids, give regions back).
-//!
-//! Rules held here (each has a test below that fails without it):
-//! - **Reboot.** An agent that reports another boot id than the one the worker's
-//!   regions there were written under: the memory node rebooted and the bytes of those
-//!   regions died with it. The regions are neither read nor written, nor mapped again,
-//!   until maru-server has been told the new boot id (it drops their keys, for every
-//!   reader at once); then they serve new stores. An agent that reports no boot id is
-//!   unreachable.
-//! - **Boot ids before keys.** A region's boot id reaches maru-server before any key
-//!   of it is published, so maru-server always has a boot id to compare with: a reboot
-//!   before the region's first heartbeat is noticed too.
-//! - **Restart.** An agent that restarted on the same boot (new epoch) lost its
-//!   registrations but not the bytes: the worker maps its regions there again at
-//!   once (readers' `map_read` needs the owner's mapping), and the keys stay.
-//! - **Away.** An agent on which a request's call ran into the request's deadline
-//!   (`missed_deadline`) is *away* until it answers again (a probe, a welcome, a map
-//!   reply): stores skip the pages of its regions and loads miss its bytes without
-//!   waiting on it, so a stalled peer costs one timeout, not one per call. It is
-//!   probed every [`AWAY_PROBE_EVERY_MS`] (any agent, not only those of own regions),
-//!   so the first store after it answers again uses it. A probe that failed (its
-//!   1 s timeout is shorter than a request's: a busy agent) counts as silence, not
-//!   as away.
-//! - **Silence.** An agent silent for [`AGENT_SILENCE_MS`] loses the worker's regions
-//!   there: they are given back to maru-server (their keys go), as the region keeper
-//!   does for kept regions.
+//! knows of the agents its own regions live on. The mover feeds in what agents said,
+//! what failed, what maru-server heard and `now_ms`, and carries out what comes back.
+//! The rules are in `docs/worker.md` ("Region lifecycle", "A stalled peer costs one
+//! timeout"); each has a test below.
 
 use std::collections::BTreeMap;
 
@@ -37,9 +11,8 @@ use std::collections::BTreeMap;
 pub const AGENT_SILENCE_MS: u64 = 30_000;
 /// How often the agents of own regions are probed while they answer.
 pub const PROBE_EVERY_MS: u64 = 1_000;
-/// How often an agent that is away (a request's call ran into its deadline there) is
-/// probed again: well within a second, so that a store a second after it answers
-/// again uses it.
+/// How often an agent that is away is probed again (a store within a second of its
+/// answering again uses it).
 pub const AWAY_PROBE_EVERY_MS: u64 = 250;
 /// How often an agent that did not answer a probe (and is not away) is probed again.
 pub const SILENT_PROBE_EVERY_MS: u64 = 5_000;
@@ -49,11 +22,10 @@ pub const SILENT_PROBE_EVERY_MS: u64 = 5_000;
 pub enum Verdict {
     /// Nothing changed (or the first time this agent is seen).
     Same,
-    /// The agent restarted on the same boot: its registrations are gone, the bytes are
-    /// not. The worker's regions there are mapped again before their next use.
+    /// The agent restarted on the same boot: map the regions again, the bytes stay.
     Restarted,
-    /// The memory node rebooted: the keys of these own regions are gone. They stay out
-    /// of use until maru-server has been told ([`Lifecycle::reported`]).
+    /// The memory node rebooted: these regions' keys are gone; out of use until
+    /// maru-server has been told ([`Lifecycle::reported`]).
     Rebooted(Vec<u64>),
     /// The agent reported no boot id: it is treated as unreachable.
     NoBoot,
@@ -62,16 +34,13 @@ pub enum Verdict {
 /// What the driver must do now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// Ask this agent who it is (boot id, epoch) and feed the answer to `seen`, or
-    /// its failure to `unreachable`.
+    /// Ask this agent who it is; the answer to `seen`, a failure to `unreachable`.
     Probe(String),
     /// Map the worker's regions at this agent again (then `remapped`).
     Remap(String),
-    /// Tell maru-server the boot ids of the own regions (a heartbeat) before anything
-    /// else is published: a region is new, or its memory node rebooted.
+    /// Tell maru-server the boot ids (a heartbeat) before anything else is published.
     ReportBoots,
-    /// The agent has been silent for [`AGENT_SILENCE_MS`]: give these regions back
-    /// to maru-server (their keys go), then `forget` them.
+    /// Silent for [`AGENT_SILENCE_MS`]: give these regions back, then `forget` them.
     GiveBack { agent: String, regions: Vec<u64> },
 }
 
@@ -83,8 +52,7 @@ struct AgentState {
     remap: bool,
     /// Since when the agent has not answered (None: it answers).
     silent_since: Option<u64>,
-    /// A request's call ran into its deadline here and the agent has not answered
-    /// since: stores and loads do not wait on it.
+    /// A request's call ran into its deadline here, no answer since.
     away: bool,
     next_probe_ms: u64,
 }
@@ -96,8 +64,7 @@ struct RegionState {
     boot: String,
     /// maru-server has been told `boot` (it has something to compare with).
     reported: bool,
-    /// Its memory node rebooted and maru-server has not been told yet: its keys are
-    /// stale, so it is neither read, written nor mapped again.
+    /// Its node rebooted, maru-server not told yet: not read, written or mapped.
     rebooted: bool,
 }
 
@@ -117,8 +84,7 @@ impl Lifecycle {
         }
     }
 
-    /// A new own region, mapped at `agent`, which reported `boot` in its map reply.
-    /// Returns the verdict on the agent (a changed boot concerns its other regions).
+    /// A new own region, mapped at `agent`, which reported `boot`; the verdict on it.
     pub fn adopt(
         &mut self,
         region: u64,
@@ -189,9 +155,8 @@ impl Lifecycle {
         self.agents.entry(agent.to_string()).or_default().remap = true;
     }
 
-    /// `agent` did not answer a probe (or the tick's connect): silent since then (its
-    /// regions go back after [`AGENT_SILENCE_MS`]), probed every
-    /// [`SILENT_PROBE_EVERY_MS`] (every [`AWAY_PROBE_EVERY_MS`] while away).
+    /// `agent` did not answer a probe (or the tick's connect): silent since then,
+    /// probed every [`SILENT_PROBE_EVERY_MS`].
     pub fn unreachable(&mut self, agent: &str, now_ms: u64) {
         let a = self.agents.entry(agent.to_string()).or_default();
         a.silent_since.get_or_insert(now_ms);
@@ -200,9 +165,8 @@ impl Lifecycle {
         }
     }
 
-    /// A request's call to `agent` (a connect, a control call, a `map_read`) ran into
-    /// the request's deadline: away until it answers again, and silent. True when it
-    /// was not away before (the driver says so in the log, once).
+    /// A request's call to `agent` ran into its deadline: away (and silent) until it
+    /// answers again. True when it was not away before (logged once).
     pub fn missed_deadline(&mut self, agent: &str, now_ms: u64) -> bool {
         let a = self.agents.entry(agent.to_string()).or_default();
         a.silent_since.get_or_insert(now_ms);
@@ -214,8 +178,7 @@ impl Lifecycle {
         !was
     }
 
-    /// Whether `agent` is away (`missed_deadline`, no answer since). Stores skip the
-    /// pages of its regions, loads miss its bytes.
+    /// Whether `agent` is away (`missed_deadline`, no answer since).
     pub fn is_away(&self, agent: &str) -> bool {
         self.agents.get(agent).is_some_and(|a| a.away)
     }
@@ -237,8 +200,7 @@ impl Lifecycle {
         self.agents.get(agent).is_some_and(|a| a.remap)
     }
 
-    /// Whether the regions at `agent` may be mapped again now: none of them waits for
-    /// maru-server to hear of a reboot (a reader could map it and read stale bytes).
+    /// Whether the regions at `agent` may be mapped again: none waits for a reboot's report.
     pub fn may_map(&self, agent: &str) -> bool {
         !self
             .regions
@@ -258,10 +220,8 @@ impl Lifecycle {
         self.regions.get(&region).is_some_and(|r| !r.rebooted)
     }
 
-    /// Whether a lease on bytes written under `lease_boot` may be read at `agent` now:
-    /// only while the agent is on that boot (as last seen: its welcome, a probe or a
-    /// map reply). A lease without boot id (`cxl`, or a region maru-server has none
-    /// for) is read.
+    /// Whether a lease on bytes written under `lease_boot` may be read at `agent`: only
+    /// while it is on that boot as last seen (a lease without boot id: yes).
     pub fn lease_readable(&self, agent: &str, lease_boot: Option<&str>) -> bool {
         match lease_boot {
             None => true,
@@ -303,9 +263,8 @@ impl Lifecycle {
             .any(|id| self.regions.get(id).is_some_and(|r| !r.reported))
     }
 
-    /// maru-server received `sent` (the boot ids of a heartbeat) and answered.
-    /// Regions whose boot id has not changed since are reported; rebooted ones serve
-    /// again (maru-server dropped their keys).
+    /// maru-server answered a heartbeat that sent `sent`: those boot ids are reported
+    /// (rebooted regions serve again: maru-server dropped their keys).
     pub fn reported(&mut self, sent: &BTreeMap<u64, String>) {
         for (id, boot) in sent {
             if let Some(r) = self.regions.get_mut(id) {
@@ -331,9 +290,7 @@ impl Lifecycle {
             .collect()
     }
 
-    /// What is due at `now_ms`: probes of the agents of own regions and of every
-    /// agent away, their remaps, a report of boot ids, regions of agents silent too
-    /// long.
+    /// What is due at `now_ms`: probes, remaps, a report, regions of silent agents.
     pub fn due(&mut self, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
         let mut agents: Vec<String> = self.regions.values().map(|r| r.agent.clone()).collect();
@@ -380,15 +337,10 @@ impl Lifecycle {
 /// What becomes of the session a pool lost, once the pool has a new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LostSession {
-    /// The new session comes from another instance of maru-server (one that started
-    /// without the old one's directory: in memory, or a new state directory): the
-    /// keeper that would have taken the old session's regions over is gone with it,
-    /// so the worker releases them at their agents itself. A maru-server that kept
-    /// its directory is the same instance across restarts (and the worker usually
-    /// goes on with its old session: `reopen_pool`).
+    /// The new session comes from another instance of maru-server (its keeper is gone
+    /// with the old one): the worker releases the regions at their agents itself.
     ReleaseAtAgents,
-    /// The same run (the session expired, or maru-server was out of reach): its
-    /// region keeper takes the regions over; the worker lets them go.
+    /// The same run (expired, or out of reach): its keeper takes the regions over.
     LeaveToKeeper,
 }
 

@@ -1,17 +1,9 @@
-//! The worker data path. A store reads top-down:
-//!
-//! - `handler`: [`Handler`], the calls an engine makes; which pool a request goes
-//!   to, the staging buffer and transport (`data_path`), the background thread;
-//! - [`pool`]: one maru-server's [`pool::StoragePool`]: pages, publish after WRITE,
-//!   leases (`store`, `load`), its storage [`session`], heartbeats and ticks;
-//! - [`movers`]: what moves the bytes: `remote` (agents, posting windows, transfer
-//!   isolation) or `cxl` (copies through this host's mapping);
-//! - the transport (`crate::transport`).
-//!
-//! Beside them: `lifecycle`, the sans-I/O core of the own regions' lifecycle (boot
-//! ids, restarts, silent agents), which the pool core (`pool::core`) holds for
-//! `remote_cxl`; `staging`, `slots`, `views`, `router`, `ops`, `op_stats` (per-call
-//! figures), `hook`, `prefault`, `skips` (why stores were skipped). `clock` is the one place that reads the time.
+//! The worker data path, top-down: `handler` ([`Handler`], the calls an engine
+//! makes) → [`pool`] (one maru-server's [`pool::StoragePool`]: its core, the drivers
+//! of stores and loads, its [`session`]) → [`movers`] (`remote` or `cxl`) → the
+//! transport. Beside them: `lifecycle` (held by the pool core for `remote_cxl`),
+//! `staging`, `slots`, `views`, `router`, `ops`, `op_stats`, `hook`, `prefault`,
+//! `skips`; `clock` is the one place that reads the time. See `docs/worker.md`.
 
 pub mod agents;
 pub mod clock;
@@ -38,6 +30,7 @@ pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::{Peer, WorkerError};
 pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo, MAX_QUEUED_RELEASES};
 pub use hook::{set_memory_hook, MemoryHook};
+pub use op_stats::core_locks;
 pub use ops::{OpHandle, OpOutput};
 pub use router::{parse_server_urls, PoolRouter};
 pub use slots::SlotInfo;

@@ -1,11 +1,7 @@
-//! Per-operation figures of a handler (`stats()["ops"]`, `maru_stats_json`): how many
-//! calls of each kind succeeded or failed, how many chunks they carried, and how long
-//! they took (a histogram with fixed bounds, as a Prometheus histogram: cumulative
-//! counts per upper bound, a sum and a count). The elapsed time is measured by the
-//! caller (the handler, a driver) and passed in. Each call also counts the peers it
-//! contacted on its own thread (`contacted`): round trips to maru-server, and calls,
-//! connects, transfer batches and fences at agents, so that a call that asked nobody
-//! (a store skipped at once, a load that missed at once) shows as one.
+//! Per-operation figures of a handler (`stats()["ops"]`): calls of each kind that
+//! succeeded or failed, their chunks, a latency histogram (cumulative, as
+//! Prometheus'), the elapsed time passed in; and the peers each call contacted on its
+//! own thread (`contacted`), so a call that asked nobody shows as one.
 
 use serde::Serialize;
 use std::cell::Cell;
@@ -25,6 +21,19 @@ pub(crate) enum Contact {
 thread_local! {
     /// (maru-server, agent) contacts this thread made so far.
     static CONTACTS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    /// Times this thread took a pool core's lock (`CoreCell::lock`).
+    static CORE_LOCKS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts one acquisition of a pool core's lock by this thread.
+pub(crate) fn core_locked() {
+    CORE_LOCKS.with(|n| n.set(n.get() + 1));
+}
+
+/// How many times this thread took a pool core's lock so far: the figure the walks
+/// of `docs/worker.md` give per call (a test reads it around one call).
+pub fn core_locks() -> u64 {
+    CORE_LOCKS.with(Cell::get)
 }
 
 /// Counts one contact of this thread with `c` (for the call it runs).

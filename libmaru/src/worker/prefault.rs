@@ -1,13 +1,7 @@
-//! Prefaulting a `cxl` worker's own regions off the store path.
-//!
-//! The first write to every page of a fresh mapping takes a page fault; where the
-//! pool maps with 4 KiB pages (a fake DAX file on tmpfs) that costs about a
-//! microsecond per page on a VM, several times the copy itself. One background
-//! thread per mover faults the pages of each newly mapped region in with
-//! `MADV_POPULATE_WRITE`, a step at a time, so that stores find them mapped.
-//! Populating changes no byte of the region (other engines read those bytes); a
-//! kernel that does not know the advice (before 5.14) or refuses it stops the
-//! prefaulting, and stores fault the pages themselves as before.
+//! Prefaulting a `cxl` worker's own regions off the store path: one background
+//! thread per mover faults each newly mapped region in with `MADV_POPULATE_WRITE`, a
+//! step at a time (no byte changes); a kernel that refuses stops it, and stores fault
+//! the pages themselves.
 
 use crate::dax::{DaxError, Mapping};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,9 +13,7 @@ use std::thread::JoinHandle;
 /// thread between steps) does not wait long, large enough to be cheap.
 const STEP: usize = 2 << 20;
 
-/// The nice value of the prefault thread: it uses CPU the stores leave idle (with
-/// as many busy store threads as cores, stores fault their pages in as before and
-/// prefaulting waits), never the stores' own share.
+/// The nice value of the prefault thread: it uses CPU the stores leave idle.
 const NICE: libc::c_int = 19;
 
 /// Populates `len` bytes at `offset` of a mapping; `Ok(false)`: not supported here.

@@ -1,7 +1,5 @@
-//! PoolRouter: a request stays in one pool, picked by rendezvous (highest random
-//! weight) hashing of its first chunk key. Adding or losing a pool moves only the
-//! prefixes that pool wins; a pool that cannot be reached misses its own prefixes and
-//! is retried in the background, while the others keep serving theirs.
+//! PoolRouter: a request stays in one pool, picked by rendezvous hashing of its first
+//! chunk key: adding or losing a pool moves only the prefixes that pool wins.
 
 use sha2::{Digest, Sha256};
 

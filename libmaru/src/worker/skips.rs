@@ -1,8 +1,6 @@
-//! Why stores were skipped: every chunk a store does not store (its result `false`
-//! with status OK) is counted under one reason, and each reason gets at most one WARN
-//! line per [`LOG_EVERY_MS`] (the first at once), saying how many chunks it skipped
-//! since its last line. Sans-I/O: the time comes in as `now_ms`, the line goes out
-//! for the caller to log.
+//! Why stores were skipped: each chunk not stored (result `false`, status OK) counted
+//! under one reason, each reason at most one WARN line per [`LOG_EVERY_MS`].
+//! Sans-I/O: `now_ms` comes in, the line goes out.
 
 /// One WARN line per reason per this many ms.
 pub const LOG_EVERY_MS: u64 = 10_000;
@@ -10,15 +8,11 @@ pub const LOG_EVERY_MS: u64 = 10_000;
 /// Why a chunk was not stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SkipReason {
-    /// No page could be had: maru-server had no region to give (the pool is full and
-    /// the engine holds its fair share, or none yet) and nothing of the engine's own
-    /// regions could be evicted (leased, pinned or in use).
+    /// No region to be had and nothing of the engine's own to evict.
     NoRegion,
     /// No staging slot was free for the copy (every store slot in flight).
     NoSlot,
-    /// The pool (its maru-server) is unavailable, the handler reconnecting in the
-    /// background; or the agent of the pages is away (it did not answer), probed
-    /// every 250 ms.
+    /// The pool's maru-server, or the agent of the pages, is away or unavailable.
     PoolUnavailable,
     /// The engine holds `max_bytes` of regions and nothing of them could be evicted.
     MaxBytes,

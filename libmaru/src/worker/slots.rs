@@ -1,8 +1,6 @@
-//! The staging slots a caller holds through the slot API, by id. Ids are never reused,
-//! so a stale id can never name another caller's slot. A slot lent to an operation is
-//! `Busy` until the operation hands it back; a slot whose transfer outcome was unknown
-//! is taken back by libmaru (it returns to its pool after the peer's fence) and its id
-//! stops being valid.
+//! The staging slots a caller holds through the slot API, by id (never reused). A slot
+//! lent to an operation is `Busy` until it comes back; one whose transfer outcome was
+//! unknown is taken back by libmaru (back in its pool after the peer's fence).
 
 use super::error::WorkerError;
 use super::staging::{Slot, SlotPool};
@@ -90,10 +88,8 @@ impl SlotTable {
         }
     }
 
-    /// Returns slots to their pools, all or none. A slot in use by an operation is
-    /// refused (`Busy`); an id never acquired or already released is refused
-    /// (`InvalidArgument`: a double release is a caller bug worth seeing); an id libmaru
-    /// took back is accepted once.
+    /// Returns slots to their pools, all or none: one lent is `Busy`, an unknown id
+    /// `InvalidArgument`; an id libmaru took back is accepted once.
     pub fn release(&mut self, ids: &[u64]) -> Result<(), WorkerError> {
         for (i, id) in ids.iter().enumerate() {
             match self.held.get(id) {

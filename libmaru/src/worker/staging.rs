@@ -1,10 +1,7 @@
 //! Staging slots: one registered buffer split into fixed slots, in two independently
-//! sized pools — loads (sized by pipeline depth) and stores (sized by what stores keep
-//! in flight) — so neither side can starve the other and no 50:50 split is needed.
-//!
-//! A [`Slot`] is owned: it goes back to its pool when dropped, so it returns exactly
-//! once by construction. A transfer whose outcome is unknown keeps its slots by keeping
-//! the `Slot` values (see `movers/remote/isolation.rs`), not by bookkeeping on the side.
+//! sized pools (loads, stores), so neither side starves the other. A [`Slot`] is
+//! owned and goes back to its pool when dropped: exactly once by construction (a
+//! transfer of unknown outcome keeps its slots by keeping the values: `isolation`).
 
 use crate::worker::clock::Deadline;
 use std::fmt;
@@ -93,10 +90,8 @@ unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
 /// Anonymous memory for the staging buffer, aligned to 2 MiB and advised to use
-/// transparent huge pages (`MADV_HUGEPAGE`): the soft NIC's receive copies into it and
-/// the copy out of it touch 512 times fewer pages, and a verbs registration of it needs
-/// 512 times fewer translation entries. Where the kernel has no transparent huge pages
-/// the advice fails and the buffer stays on 4 KiB pages, which works the same.
+/// transparent huge pages (512 times fewer pages to touch and to register); without
+/// them it stays on 4 KiB pages, which works the same.
 struct Buffer {
     ptr: *mut u8,
     len: usize,
@@ -246,12 +241,9 @@ impl StagingSlots {
         self.inner.layout
     }
 
-    /// Faults every page of the buffer in now, as registering it with an RDMA NIC
-    /// does (it pins them), for a buffer that transfers land in: otherwise the soft
-    /// transport's first receive into each slot, in the middle of a transfer, stops to
-    /// have the kernel zero its page (seen as 0.3–0.4 s stalls of every load when 4
-    /// engines first used their slots). Best effort: where it fails, pages are faulted
-    /// in on first use.
+    /// Faults every page of the buffer in now, as an RDMA registration would, so no
+    /// transfer stops to have a page zeroed (0.3–0.4 s stalls seen with 4 engines).
+    /// Best effort.
     pub fn populate(&self) {
         self.inner.buf.populate();
     }

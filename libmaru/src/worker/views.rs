@@ -1,6 +1,5 @@
-//! Views a caller holds: chunks read in place from this host's mapping of the CXL
-//! memory (`cxl`), each under a lease that keeps its page from being reused until the
-//! caller releases the view (or the lease times out). Ids are never reused.
+//! Views a caller holds (`cxl`): chunks in place in this host's mapping, each under a
+//! lease until released (or timed out). Ids are never reused.
 
 use super::movers::View;
 use std::collections::HashMap;

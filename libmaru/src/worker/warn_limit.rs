@@ -1,6 +1,4 @@
-//! Warnings about a degraded state (a pool unavailable, stores skipped, an agent that
-//! does not answer) at most once per cause and subject (a pool's address, an agent's)
-//! per interval, so a runtime's log says what happens without a line per call.
+//! Warnings about a degraded state at most once per cause and subject per interval.
 //! [`WarnLimit`] is the sans-I/O core (time passed in); [`allow`] the process's one.
 
 use std::collections::HashMap;

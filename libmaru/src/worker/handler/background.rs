@@ -1,10 +1,7 @@
-//! The handler's background threads. `heartbeats`: heartbeats each session well within
-//! its timeout, and about once a second reopens pools that went away. `ticks`: about
-//! once a second lets each pool's mover probe its agents (the region lifecycle), and
-//! every 250 ms probes the agents that are away. Two
-//! threads, so that an agent slow to answer a probe (up to its probe timeout, once per
-//! agent) never delays a session's heartbeat, and neither waits behind a request: a
-//! pool's tick and heartbeat hold no lock across a round trip to an agent.
+//! The handler's background threads: `heartbeats` (each session well within its
+//! timeout; pools that went away reopened about once a second) and `ticks` (each
+//! pool's probes about once a second, away agents every 250 ms). Two, so that a
+//! probe slow to answer never delays a heartbeat; neither holds a lock across I/O.
 
 use super::Inner;
 use crate::worker::clock::Deadline;
@@ -33,9 +30,8 @@ impl Inner {
         self.pools[i].lock().ok().and_then(|g| g.clone())
     }
 
-    /// A heartbeat or tick of pool `i` failed with `e`: a pool whose session is lost
-    /// is set aside (the heartbeat thread opens a new one); any other failure is
-    /// tried again at the next beat.
+    /// A heartbeat or tick of pool `i` failed with `e`: a lost session sets it aside;
+    /// anything else is tried again at the next beat.
     fn failed(&self, i: usize, p: &Arc<StoragePool>, what: &str, e: WorkerError) {
         log::warn!("pool {}: {what} failed: {e}", self.urls[i]);
         if matches!(e, WorkerError::SessionLost { .. }) {
@@ -81,8 +77,7 @@ impl Inner {
     }
 
     /// Each pool's tick about once a second; in between, every
-    /// `AWAY_PROBE_EVERY_MS`, the probes of agents that are away (a stalled agent
-    /// serves stores again within that of answering).
+    /// `AWAY_PROBE_EVERY_MS`, the probes of what is away.
     pub(super) fn ticks(self: &Arc<Self>) {
         use crate::worker::clock::now_ms;
         use crate::worker::lifecycle::{AWAY_PROBE_EVERY_MS, PROBE_EVERY_MS};

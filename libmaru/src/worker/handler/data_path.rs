@@ -11,7 +11,7 @@ use crate::wire::meta::Backend;
 use crate::worker::clock::Deadline;
 use crate::worker::config::{BackendKind, HandlerConfig, TransportKind};
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{Mover, RemoteMover};
+use crate::worker::movers::{CxlMover, Mover, RemoteMover};
 use crate::worker::pool::StoragePool;
 use crate::worker::session::Session;
 use crate::worker::staging::{StagingLayout, StagingSlots};
@@ -166,9 +166,9 @@ impl Inner {
                 return Err(e);
             }
         };
-        let mover = match &dp.nic {
-            None => Mover::cxl_with_hook(self.cfg.prefault, self.hook),
-            Some(nic) => Mover::Remote(RemoteMover::new(
+        let mover: Box<dyn Mover> = match &dp.nic {
+            None => Box::new(CxlMover::with_prefault(self.cfg.prefault).with_hook(self.hook)),
+            Some(nic) => Box::new(RemoteMover::new(
                 nic.clone(),
                 dp.staging.clone(),
                 dp.agent_opts.clone(),

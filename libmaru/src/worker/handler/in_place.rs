@@ -1,10 +1,6 @@
-//! Writes in place through the handler (`cxl`): pages taken by the caller are kept
-//! here, named by (region id, page index), until the caller publishes or gives them
-//! back; and views of whole regions this host maps (LMCache's Maru adapter builds its
-//! buffers per page from them).
-//!
-//! The page rules live in `worker::pool::in_place`; here only which pool a page came
-//! from and who holds it.
+//! Writes in place through the handler (`cxl`): the pages the caller took, by
+//! (region id, page index), until published or given back (the rules are
+//! `pool::in_place`'s); and views of whole regions this host maps.
 
 use super::{Handler, Inner};
 use crate::dax::Mapping;
@@ -147,11 +143,9 @@ impl Handler {
         Ok((pool.unwrap_or(0), taken))
     }
 
-    /// Publishes pages written in place: `keys[i]` with the first `lens[i]` bytes of
-    /// page `pages[i]` (region id, page index), the chunks of one request in chain
-    /// order. Per chunk: true when published now or already present; false when its
-    /// region was lost meanwhile (nothing published) or the pool is unavailable. The
-    /// pages are no longer the caller's afterwards, whatever the outcome.
+    /// Publishes `keys[i]` with the first `lens[i]` bytes of page `pages[i]`, the
+    /// chunks of one request in chain order; per chunk: published now or already
+    /// present. The pages are no longer the caller's afterwards, whatever the outcome.
     pub fn publish_in_place(
         &self,
         keys: &[String],
@@ -243,10 +237,8 @@ impl Handler {
         Ok(out)
     }
 
-    /// A view of a region this host maps (see [`Handler::regions`]); its mapping is
-    /// held until the handler closes, so the memory stays mapped while it is open.
-    /// An own region also read in place has two mappings: the writable one is
-    /// returned. `None` when this host does not map the region.
+    /// A view of a region this host maps (the writable mapping of an own one), held
+    /// until the handler closes; `None` when this host does not map it.
     pub fn region_view(&self, region_id: u64) -> Result<Option<RegionInfo>, WorkerError> {
         for i in 0..self.inner.pools.len() {
             let Some(pool) = self.inner.pool_at(i)? else {

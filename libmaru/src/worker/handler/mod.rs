@@ -1,11 +1,6 @@
-//! The handler an engine opens: configuration, the pools (one per maru-server URL),
-//! the shared staging buffer and transport, and three background threads: one
-//! heartbeats sessions and reconnects pools that went away (their prefixes miss
-//! meanwhile), one ticks the pools (probes of agents, the region lifecycle), one
-//! gives back the leases of loads that did not wait for their release (`releases`).
-//!
-//! A store reads top-down: [`Handler`] (the public calls, here) → `pools` (which pool)
-//! → `worker::pool` (pages, publish, leases) → `worker::movers` → the transport.
+//! The handler an engine opens: the public calls ([`Handler`]), its pools (one per
+//! maru-server URL, picked in `pools`), the staging buffer and transport
+//! (`data_path`), and its background threads (`background`, `releases`).
 
 mod background;
 mod data_path;
@@ -25,6 +20,7 @@ use super::router::PoolRouter;
 use super::slots::{SlotInfo, SlotTable};
 use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
 use super::views::{ViewInfo, ViewTable};
+use super::warn_limit;
 use crate::net::ClientOptions;
 use crate::transport::Transport;
 use crate::worker::clock::Deadline;
@@ -65,9 +61,7 @@ struct Inner {
     client_id: String,
     urls: Vec<String>,
     router: Mutex<PoolRouter>,
-    /// Per pool: its storage session, shared by the requests running on it (the
-    /// pool's own locks guard its bookkeeping only: see `worker::pool`). The slot's
-    /// lock is held only to take a reference.
+    /// Per pool, shared by its requests (the slot's lock held to take a reference).
     pools: Vec<Mutex<Option<Arc<StoragePool>>>>,
     /// Per pool: the session it lost, until it has a new one (see `set_aside`).
     lost: Vec<Mutex<Option<Arc<StoragePool>>>>,
@@ -84,14 +78,146 @@ struct Inner {
     wake: (Mutex<()>, Condvar),
     /// Calls by kind: results, chunks, durations (`stats()["ops"]`).
     ops: OpStats,
-    /// Stores skipped because their pool was unavailable (the pools count the other
-    /// reasons: see `skips`).
+    /// Stores skipped because their pool was unavailable (the pools count the others).
     skips: Mutex<crate::worker::skips::SkipLog>,
-    /// The memory hook in force when the handler opened: its staging buffer and every
-    /// CXL mapping it makes are registered with it.
+    /// The memory hook in force when the handler opened.
     hook: crate::worker::MemoryHook,
     /// Leases whose release waits for the `maru-release` thread (see `releases`).
     releases: releases::Deferred<releases::Release>,
+}
+
+/// A request goes to the pool its route key picks (`router`); one that cannot be
+/// reached answers `miss` (see `pools`).
+impl Inner {
+    /// Runs `f` on the request's pool; an unavailable pool is set aside for the
+    /// background thread to reconnect, and the call answers `miss`.
+    pub(super) fn with_pool<T>(
+        &self,
+        route_key: &str,
+        miss: T,
+        f: impl FnOnce(&Arc<StoragePool>) -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        let i = self
+            .router
+            .lock()
+            .map_err(|_| WorkerError::Closed)?
+            .pick(route_key);
+        let pool = {
+            let slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
+            match slot.as_ref() {
+                Some(p) => p.clone(),
+                None => {
+                    if let Some(n) = warn_limit::allow(&self.urls[i], "unavailable") {
+                        log::warn!(
+                            "pool {} is unavailable: the loads routed to it miss and the stores are skipped until a session opens again{}",
+                            self.urls[i],
+                            warn_limit::held_back(n)
+                        );
+                    }
+                    return Ok(miss);
+                }
+            }
+        };
+        match f(&pool) {
+            Err(e) => self.pool_failed(i, &pool, e, miss),
+            r => r,
+        }
+    }
+
+    /// As `with_pool` for a store of `n` chunks: when the pool is unavailable (set
+    /// aside, or lost during the call) the chunks are skipped, counted under
+    /// `pool_unavailable`, and a WARN says so (once per reason per interval).
+    pub(super) fn store_on_pool(
+        &self,
+        route_key: &str,
+        n: usize,
+        f: impl FnOnce(&StoragePool) -> Result<Vec<bool>, WorkerError>,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let mut reached = false;
+        let r = self.with_pool(route_key, vec![false; n], |p| {
+            let r = f(p);
+            reached = r.is_ok();
+            r
+        });
+        if r.is_ok() && !reached {
+            let i = self.router.lock().map(|r| r.pick(route_key)).unwrap_or(0);
+            let what = format!("pool {}", self.urls.get(i).map_or("?", |u| u.as_str()));
+            let line = self.skips.lock().ok().and_then(|mut s| {
+                s.note(
+                    crate::worker::skips::SkipReason::PoolUnavailable,
+                    n as u64,
+                    crate::worker::clock::now_ms(),
+                    &what,
+                )
+            });
+            if let Some(line) = line {
+                log::warn!("{line}");
+            }
+        }
+        r
+    }
+
+    pub(super) fn load(
+        &self,
+        keys: &[String],
+        route_key: Option<&str>,
+        sink: &mut crate::worker::movers::ReadSink<'_>,
+        release_after: bool,
+    ) -> Result<(), WorkerError> {
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let rk = route_key.unwrap_or(first);
+        if self.cfg.backend == BackendKind::Cxl {
+            return self.load_in_place(keys, rk, sink, release_after);
+        }
+        if !release_after {
+            return self.with_pool(rk, (), |p| p.load(keys, sink, None));
+        }
+        self.with_pool(rk, (), |p| {
+            let mut held = Vec::new();
+            let by = Deadline::after(self.timeout());
+            let r = p.load(keys, sink, Some(&mut held));
+            self.release_later(p, held, by);
+            r
+        })
+    }
+
+    /// `cxl` loads: leases and views, then the copies out of the shared mapping with
+    /// no lock held (each view keeps its mapping, each lease its page), then the
+    /// release (or after the call, `release_after`).
+    pub(super) fn load_in_place(
+        &self,
+        keys: &[String],
+        rk: &str,
+        sink: &mut crate::worker::movers::ReadSink<'_>,
+        release_after: bool,
+    ) -> Result<(), WorkerError> {
+        // One deadline for the request's calls: the leases, and their release.
+        let by = Deadline::after(self.timeout());
+        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys, by))?;
+        let mut leases = Vec::with_capacity(got.len());
+        for (i, g) in got.iter().enumerate() {
+            if let Some((lease, view)) = g {
+                sink(i, view.bytes());
+                leases.push(lease.lease_id);
+            }
+        }
+        if !leases.is_empty() {
+            self.with_pool(rk, (), |p| {
+                if release_after {
+                    self.release_later(p, leases, by);
+                } else {
+                    p.release_leases(leases, by);
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
@@ -293,9 +419,8 @@ impl Handler {
     }
 
     /// Loads the chunks of one request and hands each found one to `f(index, bytes)`
-    /// where it lies (`cxl`: the shared mapping; `remote_cxl`: the staging slot), with
-    /// no copy by the library; the bytes are valid only during the call of `f`. On
-    /// `cxl`, `f` runs without the pool's lock, so other threads of this handler go on.
+    /// where it lies (`cxl`: the shared mapping; `remote_cxl`: the staging slot), valid
+    /// only during the call of `f` (which runs with no lock held).
     pub fn load_each(
         &self,
         keys: &[String],
@@ -307,12 +432,9 @@ impl Handler {
         })
     }
 
-    /// As [`load_each`](Self::load_each), except that the call returns once `f` has
-    /// seen every chunk: the leases are given back afterwards by the handler's
-    /// `maru-release` thread (inline when its queue is full: see `releases`), at the
-    /// latest when the handler closes. For a caller that copies the bytes out inside
-    /// `f` and needs nothing of the release (`maru_load_pieces`); a key it loaded
-    /// stays leased, and so cannot be removed or evicted, until the release is sent.
+    /// As [`load_each`](Self::load_each), except that the leases are given back after
+    /// the call, by the handler's `maru-release` thread (see `releases`): for a caller
+    /// that copies the bytes out inside `f` (`maru_load_pieces`).
     pub fn load_each_release_after(
         &self,
         keys: &[String],
@@ -408,10 +530,9 @@ impl Handler {
         })
     }
 
-    /// Pins keys of one request (`pin`), or drops one pin of each (`!pin`): a pinned
-    /// key is neither evicted nor removed (by anyone) until this handler unpins it or
-    /// closes, or its region is lost. Per key: pinned (found) / a pin was dropped. A
-    /// pool that is unavailable answers `false`.
+    /// Pins keys of one request (`pin`: neither evicted nor removed until unpinned, the
+    /// handler closes or the region is lost), or drops one pin of each (`!pin`); per
+    /// key: done. A pool that is unavailable answers `false`.
     pub fn pin_batch(
         &self,
         keys: &[String],
@@ -454,10 +575,9 @@ impl Handler {
         self.inner.slot_table()?.release(ids)
     }
 
-    /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]`, without a copy on
-    /// `remote_cxl` (the WRITE goes from the slot). The slots stay the caller's, except
-    /// one whose transfer outcome was unknown: libmaru keeps it (its id is no longer
-    /// valid; releasing it is a no-op).
+    /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` (no copy on
+    /// `remote_cxl`). The slots stay the caller's, but one whose transfer outcome was
+    /// unknown: libmaru keeps it (releasing its id is a no-op).
     pub fn store_slots(
         &self,
         keys: &[String],
@@ -532,9 +652,8 @@ impl Handler {
 
     // ------------------------------------------------------------ views (cxl)
 
-    /// Views of chunks in place, without a copy (`cxl` only: this host's read-only
-    /// mapping of the region). Each found key's view holds a lease: its bytes stay the
-    /// key's until [`Handler::release_views`], for at most `valid_ms`.
+    /// Views of chunks in place (`cxl` only: this host's read-only mapping), each under
+    /// a lease until [`Handler::release_views`], for at most `valid_ms`.
     pub fn acquire_views(
         &self,
         keys: &[String],
@@ -645,10 +764,8 @@ impl Handler {
         serde_json::json!({"backend": backend, "engine_id": self.inner.cfg.engine_id, "pools": pools, "total": total, "staging": staging, "ops": self.inner.ops.snapshot()})
     }
 
-    /// Closes every session (drained: regions with keys go to maru-server's keeper).
-    /// Operations submitted before are settled first: queued ones run, and the wait
-    /// for them all ends after `timeout_ms` (one still running then ends with
-    /// `Closed`), so a submitted store's chunks are stored before the session ends.
+    /// Closes every session (drained: regions with keys go to maru-server's keeper),
+    /// once the operations submitted before ran (waiting at most `timeout_ms`).
     pub fn close(&self) -> Result<(), WorkerError> {
         if self.inner.stop.load(Ordering::SeqCst) {
             return Ok(());

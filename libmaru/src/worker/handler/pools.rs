@@ -1,15 +1,13 @@
-//! Requests to the pools: each goes to the pool its route key picks; a pool that
-//! cannot be reached is set aside (its prefixes miss) for the background thread to
-//! reconnect, and the session it lost is settled once the pool has a new one.
+//! Pools that cannot be reached: a pool whose request failed on a lost session is
+//! set aside (its prefixes miss) for the background thread to reopen, and the session
+//! it lost is settled once the pool has a new one.
 
 use super::Inner;
 use crate::worker::clock::Deadline;
-use crate::worker::config::BackendKind;
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{lost_session, LostSession};
 use crate::worker::pool::StoragePool;
 use crate::worker::warn_limit;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 impl Inner {
@@ -28,82 +26,9 @@ impl Inner {
         }
     }
 
-    /// Runs `f` on the request's pool; an unavailable pool is set aside for the
-    /// background thread to reconnect, and the call answers `miss`.
-    pub(super) fn with_pool<T>(
-        &self,
-        route_key: &str,
-        miss: T,
-        f: impl FnOnce(&Arc<StoragePool>) -> Result<T, WorkerError>,
-    ) -> Result<T, WorkerError> {
-        if self.stop.load(Ordering::SeqCst) {
-            return Err(WorkerError::Closed);
-        }
-        let i = self
-            .router
-            .lock()
-            .map_err(|_| WorkerError::Closed)?
-            .pick(route_key);
-        let pool = {
-            let slot = self.pools[i].lock().map_err(|_| WorkerError::Closed)?;
-            match slot.as_ref() {
-                Some(p) => p.clone(),
-                None => {
-                    if let Some(n) = warn_limit::allow(&self.urls[i], "unavailable") {
-                        log::warn!(
-                            "pool {} is unavailable: the loads routed to it miss and the stores are skipped until a session opens again{}",
-                            self.urls[i],
-                            warn_limit::held_back(n)
-                        );
-                    }
-                    return Ok(miss);
-                }
-            }
-        };
-        match f(&pool) {
-            Err(e) => self.pool_failed(i, &pool, e, miss),
-            r => r,
-        }
-    }
-
-    /// As `with_pool` for a store of `n` chunks: when the pool is unavailable (set
-    /// aside, or lost during the call) the chunks are skipped, counted under
-    /// `pool_unavailable`, and a WARN says so (once per reason per interval).
-    pub(super) fn store_on_pool(
-        &self,
-        route_key: &str,
-        n: usize,
-        f: impl FnOnce(&StoragePool) -> Result<Vec<bool>, WorkerError>,
-    ) -> Result<Vec<bool>, WorkerError> {
-        let mut reached = false;
-        let r = self.with_pool(route_key, vec![false; n], |p| {
-            let r = f(p);
-            reached = r.is_ok();
-            r
-        });
-        if r.is_ok() && !reached {
-            let i = self.router.lock().map(|r| r.pick(route_key)).unwrap_or(0);
-            let what = format!("pool {}", self.urls.get(i).map_or("?", |u| u.as_str()));
-            let line = self.skips.lock().ok().and_then(|mut s| {
-                s.note(
-                    crate::worker::skips::SkipReason::PoolUnavailable,
-                    n as u64,
-                    crate::worker::clock::now_ms(),
-                    &what,
-                )
-            });
-            if let Some(line) = line {
-                log::warn!("{line}");
-            }
-        }
-        r
-    }
-
-    /// A request on pool `i` failed with `e`. Its session lost (see
-    /// `Session::heartbeat`): the pool is set aside, the heartbeat thread
-    /// opens a new session, and the request answers `miss`; the only error that sets
-    /// a pool aside. maru-server out of reach: `miss` too (the session may live on;
-    /// the heartbeat thread finds out). Anything else is the caller's.
+    /// A request on pool `i` failed with `e`: a lost session sets the pool aside (the
+    /// only error that does) and answers `miss`; maru-server out of reach answers
+    /// `miss` too; anything else is the caller's.
     pub(super) fn pool_failed<T>(
         &self,
         i: usize,
@@ -111,8 +36,6 @@ impl Inner {
         e: WorkerError,
         miss: T,
     ) -> Result<T, WorkerError> {
-        // A session maru-server no longer has comes back as `SessionLost` (its
-        // `no_session` code): no heartbeat is needed to tell.
         match e {
             WorkerError::SessionLost { .. } => {
                 log::warn!(
@@ -152,9 +75,8 @@ impl Inner {
         self.set_up(i, false);
     }
 
-    /// Keeps the session a pool lost until the pool has a new one: only then is it
-    /// known whether maru-server restarted (its keeper is gone with it) or the old
-    /// session merely expired or was out of reach (maru-server's keeper has its regions).
+    /// Keeps the session a pool lost until the pool has a new one (which tells whether
+    /// maru-server restarted).
     pub(super) fn set_aside(&self, i: usize, old: Option<Arc<StoragePool>>) {
         if let (Some(old), Ok(mut l)) = (old, self.lost[i].lock()) {
             // A pool set aside twice before it came back: the older one goes now.
@@ -163,11 +85,8 @@ impl Inner {
     }
 
     /// Brings pool `i` back: the session it lost when maru-server still knows it (a
-    /// maru-server with a durable directory restarted, or it was out of reach for a
-    /// while): its links reconnect presenting the session's secret and a heartbeat is
-    /// answered, so the session goes on with its own regions and keys. Else a new
-    /// session, and the lost one is settled (see `settle_set_aside`). Unavailable
-    /// while maru-server cannot be reached.
+    /// heartbeat answered), else a new session, the lost one settled
+    /// (`settle_set_aside`).
     pub(super) fn reopen_pool(&self, i: usize) -> Result<Arc<StoragePool>, WorkerError> {
         let lost = self.lost[i].lock().ok().and_then(|l| l.clone());
         if let Some(old) = lost {
@@ -198,9 +117,8 @@ impl Inner {
         Ok(p)
     }
 
-    /// The pool has a new session: if it comes from another run of maru-server, release
-    /// the regions of the one set aside at their agents (no keeper will), else just let
-    /// it go (the keeper takes its regions over when it expires).
+    /// The pool has a new session: from another run of maru-server, the regions of the
+    /// one set aside are released at their agents (no keeper will); else let go.
     pub(super) fn settle_set_aside(&self, i: usize, new: &StoragePool) {
         let Some(old) = self.lost[i].lock().ok().and_then(|mut l| l.take()) else {
             return;
@@ -221,65 +139,5 @@ impl Inner {
                 }
             );
         }
-    }
-
-    pub(super) fn load(
-        &self,
-        keys: &[String],
-        route_key: Option<&str>,
-        sink: &mut crate::worker::movers::ReadSink<'_>,
-        release_after: bool,
-    ) -> Result<(), WorkerError> {
-        let Some(first) = keys.first() else {
-            return Ok(());
-        };
-        let rk = route_key.unwrap_or(first);
-        if self.cfg.backend == BackendKind::Cxl {
-            return self.load_in_place(keys, rk, sink, release_after);
-        }
-        if !release_after {
-            return self.with_pool(rk, (), |p| p.load(keys, sink, None));
-        }
-        self.with_pool(rk, (), |p| {
-            let mut held = Vec::new();
-            let by = Deadline::after(self.timeout());
-            let r = p.load(keys, sink, Some(&mut held));
-            self.release_later(p, held, by);
-            r
-        })
-    }
-
-    /// `cxl` loads: leases and views under the pool's lock, the copies out of the
-    /// shared mapping without it (each view keeps its mapping alive, each lease its
-    /// page from reuse), the leases' release under the lock again (or after the call,
-    /// `release_after`: see `releases`). So threads sharing a handler copy side by side.
-    pub(super) fn load_in_place(
-        &self,
-        keys: &[String],
-        rk: &str,
-        sink: &mut crate::worker::movers::ReadSink<'_>,
-        release_after: bool,
-    ) -> Result<(), WorkerError> {
-        // One deadline for the request's calls: the leases, and their release.
-        let by = Deadline::after(self.timeout());
-        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys, by))?;
-        let mut leases = Vec::with_capacity(got.len());
-        for (i, g) in got.iter().enumerate() {
-            if let Some((lease, view)) = g {
-                sink(i, view.bytes());
-                leases.push(lease.lease_id);
-            }
-        }
-        if !leases.is_empty() {
-            self.with_pool(rk, (), |p| {
-                if release_after {
-                    self.release_later(p, leases, by);
-                } else {
-                    p.release_leases(leases, by);
-                }
-                Ok(())
-            })?;
-        }
-        Ok(())
     }
 }

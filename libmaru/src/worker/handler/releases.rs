@@ -1,13 +1,7 @@
-//! Leases given back after the call that read under them returned: a load whose
-//! caller does not need the release's answer (`maru_load_pieces`) queues its leases
-//! here once its bytes are copied, and the handler's `maru-release` thread sends the
-//! release to maru-server. So the round trip is off the call's path.
-//!
-//! Bounded: at most [`MAX_QUEUED`] releases wait; when the queue is full (maru-server
-//! slow to answer them) the call releases inline as any other load does. Never lost:
-//! at close the thread sends whatever is queued, all of it by one deadline (the
-//! handler's `timeout_ms` from the close), before the sessions close. A release that
-//! fails is logged by the pool and its leases expire at maru-server as always.
+//! Leases given back after the call that read under them returned
+//! (`maru_load_pieces`): queued here, sent by the handler's `maru-release` thread. At
+//! most [`MAX_QUEUED`] wait; a full queue makes the call release inline. At close the
+//! queue is sent, all of it by one `timeout_ms` deadline, before the sessions close.
 
 use super::Inner;
 use crate::worker::clock::Deadline;

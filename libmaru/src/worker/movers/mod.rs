@@ -1,7 +1,7 @@
 //! What moves the bytes of a pool: copies through this host's own mapping of the CXL
 //! memory (`cxl`, [`CxlMover`]) or one-sided transfers through staging slots
 //! (`remote_cxl`, [`RemoteMover`], with everything only it needs under `remote/`).
-//! [`Mover`] is the one enum a pool holds and asks.
+//! [`Mover`] is the one trait a pool holds and asks.
 
 mod cxl;
 pub(crate) mod remote;
@@ -11,6 +11,7 @@ pub use remote::RemoteMover;
 
 use super::clock::Deadline;
 use super::error::WorkerError;
+use super::pool::core::CoreCell;
 use super::prefault::PrefaultStats;
 use super::staging::Slot;
 use crate::dax::Mapping;
@@ -65,163 +66,114 @@ impl std::fmt::Debug for View {
 /// Receives the bytes of lease `i` of a read (a view that is only valid during the call).
 pub type ReadSink<'s> = dyn FnMut(usize, &[u8]) + 's;
 
-/// What moves a pool's bytes.
-pub enum Mover {
-    /// This host maps the regions and copies.
-    Cxl(CxlMover),
-    /// One-sided WRITE/READ through the staging slots; its state is in the pool core
-    /// it was made with (`RemoteMover::new`).
-    Remote(RemoteMover),
+/// What a pool asks of its mover: `cxl`'s copies through this host's mapping, or
+/// `remote_cxl`'s transfers (its state in the pool core it hands the pool: `core`).
+/// What only one backend does has a default that does nothing.
+pub trait Mover: Send + Sync {
+    /// The pool core the mover's state lives in (`remote_cxl`); `None`: the pool makes
+    /// one.
+    fn core(&self) -> Option<Arc<CoreCell>> {
+        None
+    }
+    /// Makes a region the session took usable (mapped), by `by`.
+    fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError>;
+    /// Writes chunks into their pages, by `by`; true where the bytes are complete.
+    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool>;
+    /// Writes from the caller's slots; each slot comes back in its outcome.
+    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome>;
+    /// Hands each lease's bytes to `sink`, by `by`.
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline);
+    /// Reads into the caller's slots; each slot comes back in its outcome.
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome>;
+    /// Views of leased bytes in place (`cxl`), one lookup for the batch.
+    fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
+        vec![None; leases.len()]
+    }
+    /// This host's writable mapping of an own region (`cxl`).
+    fn own_mapping(&self, _region_id: u64) -> Option<Arc<Mapping>> {
+        None
+    }
+    /// Every mapping this host holds (`cxl`).
+    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        Vec::new()
+    }
+    /// The region is no longer the pool's: unmap it (`cxl`).
+    fn forget(&self, _region_id: u64) {}
+    /// The pool's tick; returns regions of agents silent too long, to give back.
+    fn tick(&self, _now_ms: u64) -> Vec<u64> {
+        Vec::new()
+    }
+    /// Probes the agents that are away.
+    fn probe_away(&self, _now_ms: u64, _by: Deadline) {}
+    /// Asks the agents of own regions who they are (before a close's heartbeat).
+    fn check_agents(&self, _now_ms: u64) {}
+    /// Connects to the pool's agents at open, so a wrong key fails the open.
+    fn greet(&self, _agents: &[String], _by: Deadline) -> Result<(), WorkerError> {
+        Ok(())
+    }
+    /// Releases the regions at their agents (a lost session of another maru-server
+    /// run): (released, failed).
+    fn release_all(&self) -> (usize, usize) {
+        (0, 0)
+    }
+    /// Whether the next region is to be taken ahead of need (`cxl` prefaults it).
+    fn wants_lead(&self) -> bool {
+        false
+    }
+    fn prefault_stats(&self) -> Option<PrefaultStats> {
+        None
+    }
+    /// Whether callers may write in place (`cxl`); also: no agents to be away.
+    fn writes_in_place(&self) -> bool {
+        false
+    }
 }
 
-impl Mover {
-    /// `cxl`, its regions prefaulted in the background, or not.
-    pub fn cxl(prefault: bool) -> Mover {
-        Mover::Cxl(CxlMover::with_prefault(prefault))
-    }
+/// A `cxl` mover, its regions prefaulted in the background, or not.
+pub fn cxl(prefault: bool) -> Box<dyn Mover> {
+    Box::new(CxlMover::with_prefault(prefault))
+}
 
-    /// As [`Mover::cxl`], its mappings registered with `hook` (the handler's).
-    pub(crate) fn cxl_with_hook(prefault: bool, hook: crate::worker::hook::MemoryHook) -> Mover {
-        Mover::Cxl(CxlMover::with_prefault(prefault).with_hook(hook))
+impl Mover for CxlMover {
+    fn adopt(&self, grant: &RegionGrant, _by: Deadline) -> Result<(), WorkerError> {
+        CxlMover::adopt(self, grant)
     }
-
-    /// Makes a region the session took usable: maps it (`cxl`: locally; `remote_cxl`:
-    /// at its agent, and connects its peer), every wait by `by`.
-    pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
-        match self {
-            Mover::Cxl(m) => m.adopt(grant),
-            Mover::Remote(m) => m.adopt(grant, by),
-        }
+    fn write(&self, items: &[WriteItem<'_>], _by: Deadline) -> Vec<bool> {
+        CxlMover::write(self, items)
     }
-
-    /// Writes each item into its page; true where the bytes are complete.
-    pub(crate) fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
-        match self {
-            Mover::Cxl(m) => m.write(items),
-            Mover::Remote(m) => m.write(items, by),
-        }
+    fn write_slots(&self, items: Vec<SlotWrite>, _by: Deadline) -> Vec<SlotOutcome> {
+        CxlMover::write_slots(self, items)
     }
-
-    /// Writes from the caller's staging slots (no copy on `remote_cxl`).
-    pub(crate) fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
-        match self {
-            Mover::Cxl(m) => m.write_slots(items),
-            Mover::Remote(m) => m.write_slots(items, by),
-        }
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, _by: Deadline) {
+        CxlMover::read(self, leases, sink)
     }
-
-    /// Hands each lease's bytes to `sink(i, bytes)` (a view valid during the call); a
-    /// lease whose read failed is not handed over.
-    pub(crate) fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
-        match self {
-            Mover::Cxl(m) => m.read(leases, sink),
-            Mover::Remote(m) => m.read(leases, sink, by),
-        }
-    }
-
-    /// Reads each lease into the slot of the same index.
-    pub(crate) fn read_into(
+    fn read_into(
         &self,
         leases: &[LeaseGrant],
         slots: Vec<Slot>,
-        by: Deadline,
+        _by: Deadline,
     ) -> Vec<SlotOutcome> {
-        match self {
-            Mover::Cxl(m) => m.read_into(leases, slots),
-            Mover::Remote(m) => m.read_into(leases, slots, by),
-        }
+        CxlMover::read_into(self, leases, slots)
     }
-
-    /// The leased bytes in place (`cxl`).
-    pub(crate) fn view(&self, lease: &LeaseGrant) -> Option<View> {
-        match self {
-            Mover::Cxl(m) => m.view(lease),
-            Mover::Remote(_) => None,
-        }
+    fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
+        CxlMover::views(self, leases)
     }
-
-    /// The writable mapping of an own region, for writes in place (`cxl`).
-    pub(crate) fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
-        match self {
-            Mover::Cxl(m) => m.own_mapping(region_id),
-            Mover::Remote(_) => None,
-        }
+    fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
+        CxlMover::own_mapping(self, region_id)
     }
-
-    /// The mappings this host holds, for region views (`cxl`).
-    pub(crate) fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
-        match self {
-            Mover::Cxl(m) => m.mappings(),
-            Mover::Remote(_) => Vec::new(),
-        }
+    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+        CxlMover::mappings(self)
     }
-
-    /// A region the pool no longer writes into: `cxl` unmaps it (once the copies and
-    /// views holding it let go); the remote state forgot it with the pool core.
-    pub(crate) fn forget(&self, region_id: u64) {
-        if let Mover::Cxl(m) = self {
-            m.forget(region_id)
-        }
+    fn forget(&self, region_id: u64) {
+        CxlMover::forget(self, region_id)
     }
-
-    /// Periodic work (`remote_cxl`: probes, maps again, fences): the own regions
-    /// whose agent has been silent too long, to give back.
-    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
-        match self {
-            Mover::Cxl(_) => Vec::new(),
-            Mover::Remote(m) => m.tick(now_ms),
-        }
+    fn wants_lead(&self) -> bool {
+        CxlMover::wants_lead(self)
     }
-
-    /// Probes the agents that are away, when due (between ticks, every
-    /// `lifecycle::AWAY_PROBE_EVERY_MS`).
-    pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
-        if let Mover::Remote(m) = self {
-            m.probe_away(now_ms, by)
-        }
+    fn prefault_stats(&self) -> Option<PrefaultStats> {
+        CxlMover::prefault_stats(self)
     }
-
-    /// Asks every agent of own regions who it is now (before a drained close).
-    pub(crate) fn check_agents(&self, now_ms: u64) {
-        if let Mover::Remote(m) = self {
-            m.check_agents(now_ms)
-        }
-    }
-
-    /// Proves the agent key to the pool's agents (at open).
-    pub(crate) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
-        match self {
-            Mover::Cxl(_) => Ok(()),
-            Mover::Remote(m) => m.greet(agents, by),
-        }
-    }
-
-    /// Releases every own region at its agent (the maru-server that knew the session
-    /// restarted); (released, failed).
-    pub(crate) fn release_all(&self) -> (usize, usize) {
-        match self {
-            Mover::Cxl(_) => (0, 0),
-            Mover::Remote(m) => m.release_all(),
-        }
-    }
-
-    /// Whether a region is taken ahead of need (`cxl` prefaults it).
-    pub(crate) fn wants_lead(&self) -> bool {
-        match self {
-            Mover::Cxl(m) => m.wants_lead(),
-            Mover::Remote(_) => false,
-        }
-    }
-
-    pub(crate) fn prefault_stats(&self) -> Option<PrefaultStats> {
-        match self {
-            Mover::Cxl(m) => m.prefault_stats(),
-            Mover::Remote(_) => None,
-        }
-    }
-
-    /// True when the caller may write chunks into own regions in place (`cxl`).
-    pub(crate) fn writes_in_place(&self) -> bool {
-        matches!(self, Mover::Cxl(_))
+    fn writes_in_place(&self) -> bool {
+        true
     }
 }

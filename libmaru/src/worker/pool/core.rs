@@ -1,53 +1,9 @@
-//! The pool core: what a pool knows and the rules it follows, as a state machine with
-//! no sockets, threads or clocks inside. The drivers (`store`, `load`, `in_place`,
-//! the heartbeat and tick in `mod.rs`, the movers) feed it what happened (pages
-//! maru-server allocated, a region taken and mapped, a publish answered, a heartbeat's
-//! reply, the time as `now_ms`) and carry out what it answers (ask for a region,
-//! wait for an adoption, report the boot ids first, give a region back, fence a
-//! peer). One short lock around it ([`CoreCell`]), never held across a round trip, a
-//! connect, a fence or a copy.
-//!
-//! What it holds: the pages kept for the next stores (`spare`), the own regions with
-//! their pages being written and whether maru-server asked for them back
-//! (`closing`), the regions being taken (`expanding`, `adopting`), the back-off after
-//! maru-server had no region to give, the region taken ahead, the publishes in flight
-//! and, for `remote_cxl`, the remote mover's state (agents, peers, the own regions'
-//! maps, read registrations, the region lifecycle, transfer isolation:
-//! [`RemoteState`]).
-//!
-//! Rules held here (each has a test in `core_tests.rs` that fails without it):
-//! - **Publish only into a region still the pool's, on the boot written under.** A
-//!   store notes each region's [`Token`] (the adoption that mapped it, and its memory
-//!   node's boot id) when it takes its pages; its publish re-checks them: a region
-//!   lost, given back, taken again, or whose node rebooted in between is not published
-//!   into. One check, in one place.
-//! - **maru-server has the boot ids first.** A publish into a region whose boot id
-//!   maru-server has not heard (a new region, or a reboot) waits for a report.
-//! - **A reboot's report waits for the publishes re-checked before it.** A heartbeat
-//!   that tells maru-server a new boot id (it then drops the region's keys) is not
-//!   sent while a publish re-checked before the reboot was found is unanswered:
-//!   maru-server drops that publish's keys with the others.
-//! - **A region asked back is closing.** No new store takes its pages; the last store
-//!   that writes into it gives it back once its publish is answered.
-//! - **An ask on any reply is acted on at once** (`asked_on_reply`): maru-server
-//!   carries its fair-share ask on the replies to `alloc` and `publish` too, so a
-//!   storing engine gives the region back at its next call, not its next heartbeat.
-//! - **A region whose agent stayed silent goes back once no publish into it is in
-//!   flight.**
-//! - **Pages of failed writes stay out of use while a write of unknown outcome may
-//!   land.** (A peer that keeps slots, or WRITEs lost with their connection whose peer
-//!   no fence has confirmed.)
-//! - **A publish whose answer never came keeps its pages out of use.** maru-server may
-//!   have published the keys; their pages go back with their region.
-//! - **Regions within `max_bytes`**, counting the regions being taken; **after no
-//!   region to give, stores evict for [`EXPAND_BACKOFF_MS`]** before asking again,
-//!   unless an eviction found nothing of theirs to evict; **the next region is taken
-//!   ahead** (for movers that want a lead) once stores reach the second half of the
-//!   newest, once per region.
-//! - **Pages taken in place are at most half the session's share** of the pool
-//!   (`in_place_room`), so a caller's `maru_pages_take` cannot starve its own stores.
-//! - **Pages of a region being taken wait for its adoption**: maru-server allocates
-//!   from any region of the session, also one whose map is not done.
+//! The pool core: what a pool knows (spare pages, own regions, regions being taken,
+//! publishes in flight, and for `remote_cxl` the mover's [`RemoteState`]) and the
+//! rules it follows, as a state machine with no sockets, threads or clocks inside.
+//! The drivers feed it what happened and carry out what it answers, one call per
+//! phase, under one short lock ([`CoreCell`]) never held across I/O. The rules are in
+//! `docs/worker.md` ("The pool core"); each has a test in `core_tests.rs`.
 
 use super::peers::RemoteState;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
@@ -55,25 +11,18 @@ use crate::worker::clock::Deadline;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-/// After maru-server had no region to give (the pool is full), stores make room by
-/// evicting without asking again for this long (unless an eviction found nothing to
-/// evict): in a full pool every store that evicts would otherwise pay a refused
-/// `expand` round trip first (measured: 190 µs of the 740 µs a 256 KiB store's
-/// eviction round took). maru-server keeps counting the session as waiting for a
-/// region meanwhile (fair share), and the next `expand` after it takes the region
-/// given back.
+/// After maru-server had no region to give, stores evict without asking again for
+/// this long (unless an eviction found nothing): a refused `expand` cost 190 µs of a
+/// 256 KiB store's 740 µs eviction round.
 pub const EXPAND_BACKOFF_MS: u64 = 250;
 
-/// Reports of the regions' boot ids a publish asks for before it gives up (other
-/// stores keep adopting regions meanwhile): see `publish_begin`.
+/// Reports of boot ids a publish asks for before it gives up (`publish_begin`).
 pub const REPORT_TRIES: usize = 3;
 
-/// Rounds of making room (a region or evictions, then `alloc`) that found no page
-/// before a store gives up on the chunks still missing: see `room_given_up`.
+/// Rounds of making room that found no page before a store gives up (`room_given_up`).
 pub const ROOM_ROUNDS: usize = 8;
 
-/// Rounds of taking pages when some were of a region not the pool's: see
-/// `take_again`.
+/// Rounds of taking pages when some were of a region not the pool's (`take_again`).
 pub const TAKE_ROUNDS: usize = 3;
 
 /// Whether a store takes pages once more after its round `round` (from 0): only
@@ -128,14 +77,10 @@ struct InFlight {
 pub struct Taken {
     pub pages: Vec<PageGrant>,
     tokens: BTreeMap<u64, Token>,
-    /// Pages not taken because their region is not the pool's (its adoption not
-    /// done by the store's deadline, or the region lost): they hold no key, and the
-    /// store frees them at maru-server and looks for others. (Pages of a closing or
-    /// going region are not here: they go back with their region.)
+    /// Pages of a region not the pool's (not adopted by the deadline, or lost): the
+    /// store frees them and looks for others.
     pub foreign: Vec<PageGrant>,
-    /// Pages not taken because their region's agent is away (it did not answer, see
-    /// `Lifecycle::unreachable`): they hold no key and stay the pool's spare pages;
-    /// their chunks are skipped at once instead of waiting on the agent.
+    /// Pages at an away agent: kept spare, their chunks skipped at once.
     pub away: Vec<PageGrant>,
 }
 
@@ -168,14 +113,43 @@ impl Taken {
     }
 }
 
-/// Pages `keep_spare` did not keep, to free at maru-server: `extra` (of own
-/// regions, beyond the spare bound) and `foreign` (of regions not the pool's: being
-/// adopted still, or lost, when maru-server refuses their free) apart, since a free
-/// is all or nothing.
+/// Pages `keep_spare` did not keep, to free: `extra` (beyond the bound) and `foreign`
+/// (of regions not the pool's) apart, since a free is all or nothing.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Unkept {
     pub extra: Vec<PageGrant>,
     pub foreign: Vec<PageGrant>,
+}
+
+/// A publish sent (see `Ending::publish`).
+pub type Sent = (Option<u64>, Vec<(PageGrant, u64)>, Option<Vec<bool>>);
+
+/// What a store (or a publish in place) tells the core at its end, in one call
+/// (`PoolCore::store_end`).
+#[derive(Debug, Default)]
+pub struct Ending {
+    /// The publish sent: ticket, pages with lengths, `is_new` per key (`None`: no answer).
+    pub publish: Option<Sent>,
+    /// Pages that hold no key.
+    pub unused: Vec<PageGrant>,
+    /// The regions of the pages taken, one entry per page.
+    pub writing: Vec<u64>,
+    /// Regions maru-server asked back on the replies.
+    pub asked: Vec<u64>,
+    /// Chunks found already present.
+    pub present: u64,
+}
+
+impl Ending {
+    /// The end of a use of `pages` that left them all without a key.
+    pub fn of(pages: Vec<PageGrant>) -> Ending {
+        let writing = pages.iter().map(|p| p.region_id).collect();
+        Ending {
+            unused: pages,
+            writing,
+            ..Ending::default()
+        }
+    }
 }
 
 /// What a publish may do now.
@@ -233,6 +207,7 @@ impl Gone {
 }
 
 /// A pool's state (see the module documentation).
+#[derive(Default)]
 pub struct PoolCore {
     page_size: u64,
     /// Pages to take ahead with each `alloc`; at most twice as many are kept.
@@ -270,23 +245,10 @@ impl PoolCore {
     pub fn new(page_size: u64, remote: Option<RemoteState>) -> PoolCore {
         PoolCore {
             page_size: page_size.max(1),
-            spare_target: 0,
-            max_regions: None,
-            wants_lead: false,
-            stats: PoolStats::default(),
-            skips: Default::default(),
-            in_place_out: 0,
-            spare: VecDeque::new(),
-            regions: BTreeMap::new(),
             next_adoption: 1,
-            expanding: 0,
-            adopting: BTreeSet::new(),
-            refused_at: None,
-            newest: None,
-            lead_tried: None,
-            publishing: BTreeMap::new(),
             next_ticket: 1,
             remote,
+            ..PoolCore::default()
         }
     }
 
@@ -310,18 +272,13 @@ impl PoolCore {
         self.wants_lead = on;
     }
 
-    // ------------------------------------------------------------------ regions
-
     /// The own regions (ids).
     pub fn own_regions(&self) -> Vec<u64> {
         self.regions.keys().copied().collect()
     }
 
-    /// Whether a store skips at once, asking maru-server nothing: the pool has own
-    /// regions and every one is at an agent that is away (`RemoteState::region_away`),
-    /// so any page a store would take is there. A stalled agent then costs the call
-    /// that found it one timeout and later stores no round trip, until a probe sees
-    /// it answer.
+    /// Whether a store skips at once, asking nobody: every own region (at least one)
+    /// is at an away agent.
     pub fn every_region_away(&self) -> bool {
         let Some(r) = &self.remote else {
             return false;
@@ -329,10 +286,7 @@ impl PoolCore {
         !self.regions.is_empty() && self.regions.keys().all(|&id| r.region_away(id))
     }
 
-    /// Whether a load misses at once, asking maru-server nothing: every agent the
-    /// pool knows is away (`RemoteState::every_agent_away`), so every lease it could
-    /// get is at an away agent. Loads then cost no round trip, as stores do with
-    /// [`every_region_away`](Self::every_region_away).
+    /// Whether a load misses at once, asking nobody: every agent the pool knows is away.
     pub fn every_agent_away(&self) -> bool {
         self.remote.as_ref().is_some_and(|r| r.every_agent_away())
     }
@@ -355,15 +309,12 @@ impl PoolCore {
         })
     }
 
-    /// Whether an own region's token now is `token` (the region still the pool's, on
-    /// the adoption and boot it had).
+    /// Whether an own region's token now is `token`.
     pub fn token_is(&self, region: u64, token: Option<&Token>) -> bool {
         token.is_some() && self.token(region).as_ref() == token
     }
 
-    /// `n` chunks of a store were not stored for `reason` at `now_ms`: counted (in
-    /// `stats.skipped`), and the WARN line to log when one is due for that reason
-    /// (see `skips`).
+    /// Counts `n` chunks skipped for `reason`; the WARN line when one is due (`skips`).
     pub fn skipped(
         &mut self,
         reason: crate::worker::skips::SkipReason,
@@ -376,10 +327,8 @@ impl PoolCore {
         line
     }
 
-    /// Pages that may be taken for writing in place now: at most half of the
-    /// session's fair share of the pool (`share_regions`, as maru-server last told it,
-    /// within `max_bytes`; one region before either is known) is held taken at once,
-    /// so the engine's own stores keep room. `region_pages`: pages of one region.
+    /// Pages that may be taken in place now: at most half the session's fair share
+    /// (within `max_bytes`; one region before either is known) held at once.
     pub fn in_place_room(&self, share_regions: Option<u64>, region_pages: u64) -> usize {
         let share = match (share_regions, self.max_regions) {
             (Some(s), Some(m)) => s.min(m),
@@ -391,8 +340,7 @@ impl PoolCore {
         limit.saturating_sub(self.in_place_out)
     }
 
-    /// `n` pages were taken for writing in place (`taken`), or published or given
-    /// back (`!taken`).
+    /// `n` pages were taken in place (`taken`), or published or given back.
     pub fn in_place_moved(&mut self, n: usize, taken: bool) {
         if taken {
             self.in_place_out += n;
@@ -401,8 +349,7 @@ impl PoolCore {
         }
     }
 
-    /// Why a store found no page: `max_bytes` when the session holds its limit of
-    /// regions, else no region to be had.
+    /// Why a store found no page: `max_bytes` reached, or no region to be had.
     pub fn no_room_reason(&self) -> crate::worker::skips::SkipReason {
         if self.may_grow() {
             crate::worker::skips::SkipReason::NoRegion
@@ -411,17 +358,14 @@ impl PoolCore {
         }
     }
 
-    /// Whether the session may take one more region now (`max_bytes`, counting the
-    /// regions being taken).
+    /// Whether one more region fits `max_bytes`, counting those being taken.
     fn may_grow(&self) -> bool {
         self.max_regions
             .is_none_or(|m| self.regions.len() as u64 + self.expanding < m)
     }
 
-    /// A store wants one more region: `Err(why)` when it may not ask for one now (the
-    /// session holds `max_bytes`, or maru-server had none to give less than
-    /// [`EXPAND_BACKOFF_MS`] ago); else it asks (`expand`), then says how that went
-    /// (`expand_answered`, and `adopt_end` once the mover mapped it).
+    /// A store wants one more region: `Err(why)` when it may not ask now (`max_bytes`,
+    /// or the back-off); else it sends `expand`, then `expand_answered`, `adopt_end`.
     pub fn grow_begin(&mut self, now_ms: u64) -> Result<(), String> {
         if !self.may_grow() {
             return Err(format!(
@@ -443,9 +387,8 @@ impl PoolCore {
         Ok(())
     }
 
-    /// maru-server answered an `expand`: with the region (`Some`, to adopt now) or
-    /// with no region to give (`None`: stores evict for a while) or an error
-    /// (`failed`: nothing changes but the count of regions being taken).
+    /// maru-server answered an `expand`: a region to adopt, none to give (`None`: the
+    /// back-off starts) or an error (`failed`).
     pub fn expand_answered(&mut self, region: Option<u64>, failed: bool, now_ms: u64) {
         match region {
             Some(id) => {
@@ -461,9 +404,7 @@ impl PoolCore {
         }
     }
 
-    /// The mover mapped the region taken (`ok`) or could not (then it goes back to
-    /// maru-server at once: true, so that no store gets pages of a region no mover
-    /// knows). Stores waiting for it go on.
+    /// The mover mapped the region taken (`ok`), or not: true, it goes back at once.
     pub fn adopt_end(&mut self, grant: &RegionGrant, ok: bool) -> bool {
         let id = grant.handle.region_id;
         self.expanding = self.expanding.saturating_sub(1);
@@ -494,21 +435,15 @@ impl PoolCore {
         self.newest = Some((id, grant.pages));
     }
 
-    /// Whether a store given `pages` must wait before writing: one is of a region not
-    /// known yet while another store is taking a region (maru-server allocates from
-    /// any region of the session, also one whose map is not done).
-    ///
-    /// While an `expand` is in flight (`expanding`), not only once its answer is
-    /// noted (`adopting`): maru-server may hand pages of the region it just gave to
-    /// another store's `alloc` before the store that asked for it has read the
-    /// answer.
+    /// Whether a store given `pages` must wait: one is of a region not known yet
+    /// while an `expand` is in flight (maru-server may hand its pages out before the
+    /// store that asked has read the answer).
     pub fn waits_for_adoption(&self, pages: &[PageGrant]) -> bool {
         self.expanding > 0 && pages.iter().any(|p| !self.owns(p.region_id))
     }
 
-    /// Whether a region is to be taken ahead now, `pages` having been allocated: once
-    /// stores reach the second half of the newest region, once per region (set here,
-    /// before the round trip: one store takes it).
+    /// Whether a region is to be taken ahead now: `pages` reach the second half of the
+    /// newest region, once per region.
     pub fn lead_due(&mut self, pages: &[PageGrant]) -> bool {
         if !self.wants_lead || !self.may_grow() {
             return false;
@@ -528,15 +463,12 @@ impl PoolCore {
         deep
     }
 
-    /// An eviction found nothing of the session's own to evict: the next round asks
-    /// for a region again, back-off or not (another engine may have given one back
-    /// for this one's fair share).
+    /// An eviction found nothing: the next round asks for a region, back-off or not.
     pub fn evicted_nothing(&mut self) {
         self.refused_at = None;
     }
 
-    /// Forgets an own region (lost, given back): its spare pages go, nothing more is
-    /// published into it, and the mover's state of it goes.
+    /// Forgets an own region (lost, given back), its spare pages and remote state.
     fn forget(&mut self, id: u64) -> usize {
         let before = self.spare.len();
         self.spare.retain(|p| p.region_id != id);
@@ -551,19 +483,16 @@ impl PoolCore {
         before - self.spare.len()
     }
 
-    /// maru-server no longer counts the region among the session's (the RM took it
-    /// back while maru-server could not reach it, say): whatever is being written
-    /// into it, nothing more is published into it. Returns the spare pages dropped.
+    /// maru-server no longer counts the region as the session's: nothing more is
+    /// published into it. Returns the spare pages dropped.
     pub fn lose(&mut self, id: u64) -> usize {
         let dropped = self.forget(id);
         self.stats.regions_lost += 1;
         dropped
     }
 
-    /// maru-server asks for the region (another engine waits while this one holds
-    /// more than its share of a full pool). While stores write into it, it is
-    /// closing: its spare pages go and no new store takes a page of it; else it is
-    /// forgotten now and returned (`Some`).
+    /// maru-server asks for the region: closing while stores write into it (its spare
+    /// pages go), else forgotten now and returned (`Some`).
     pub fn ask_back(&mut self, id: u64) -> Option<Gone> {
         let Some(r) = self.regions.get_mut(&id) else {
             // Not ours (any more): maru-server asks again until it is returned.
@@ -578,11 +507,8 @@ impl PoolCore {
         Some(Gone::GiveBack(id))
     }
 
-    /// maru-server asked for these regions on the reply to a store's call (`alloc`,
-    /// `publish`): acted on at once, as an ask at a heartbeat, so that a waiting engine
-    /// gets its region within a round trip of this engine's next call. A region not
-    /// (or no longer) the pool's is ignored here: maru-server's ask stays and a
-    /// heartbeat carries it again if it still stands.
+    /// maru-server asked for these regions on a reply (`alloc`, `publish`): acted on
+    /// at once; one not the pool's is left to the next heartbeat's ask.
     pub fn asked_on_reply(&mut self, regions: &[u64]) -> Vec<Gone> {
         let mut out = Vec::new();
         for &id in regions {
@@ -593,17 +519,15 @@ impl PoolCore {
         out
     }
 
-    /// A region given back was returned (`ok`) or maru-server refused or did not
-    /// answer (it asks again at a later heartbeat).
+    /// A region given back was returned (`ok`), or not (maru-server asks again).
     pub fn given_back(&mut self, ok: bool) {
         if ok {
             self.stats.regions_given_back += 1;
         }
     }
 
-    /// The agents of these regions stayed silent too long: they go back once no
-    /// publish into them is in flight (`returnable`), and nothing more is published
-    /// or written into them (their spare pages go).
+    /// These regions' agents stayed silent too long: nothing more goes into them, and
+    /// they go back once no publish into them is in flight (`returnable`).
     pub fn going(&mut self, regions: &[u64]) {
         for id in regions {
             if let Some(r) = self.regions.get_mut(id) {
@@ -622,18 +546,14 @@ impl PoolCore {
             .collect()
     }
 
-    // ------------------------------------------------------------------ pages
-
     /// Up to `need` of the pages kept for the next stores.
     pub fn take_spare(&mut self, need: usize) -> Vec<PageGrant> {
         let n = need.min(self.spare.len());
         self.spare.drain(..n).collect()
     }
 
-    /// Keeps pages that hold no key for the next stores (those of own regions that
-    /// are not closing or going); returns what is beyond twice the spare target, and
-    /// the pages of regions not the pool's, to free at maru-server (pages of a
-    /// closing or going region go back with it).
+    /// Keeps pages that hold no key for the next stores; returns, to free, those beyond
+    /// twice the spare target and those of regions not the pool's.
     pub fn keep_spare(&mut self, pages: Vec<PageGrant>) -> Unkept {
         let mut foreign = Vec::new();
         for p in pages {
@@ -652,19 +572,38 @@ impl PoolCore {
         Unkept { extra, foreign }
     }
 
-    /// A store (or a writer in place) is done with its pages: those that hold no key
-    /// (`unused`) are kept for the next stores (`keep_spare`), then the pages taken
-    /// (`writing`, one region entry per page) are no longer being written
-    /// (`end_writing`). In that order, so that the unused pages of a closing region
-    /// whose last writer this was go with the region instead of being freed into a
-    /// region given back. One call under the lock at the end of every store.
-    pub fn store_end(
-        &mut self,
-        unused: Vec<PageGrant>,
-        writing: impl IntoIterator<Item = u64>,
-    ) -> (Unkept, Vec<Gone>) {
+    /// The start of a store of `n` chunks, one call: `None` when every own region is
+    /// at an away agent (the store skips, asking nobody); else spare pages for all `n`
+    /// taken and marked (`mark_writing`) when there are that many and none is at an
+    /// away agent (the usual case), or none (the driver then looks for pages).
+    pub fn store_begin(&mut self, n: usize) -> Option<Taken> {
+        if self.every_region_away() {
+            return None;
+        }
+        let remote = self.remote.as_ref();
+        let away = |p: &PageGrant| remote.is_some_and(|m| m.region_away(p.region_id));
+        if n == 0 || self.spare.len() < n || self.spare.iter().take(n).any(away) {
+            return Some(Taken::default());
+        }
+        let spare = self.take_spare(n);
+        Some(self.mark_writing(spare))
+    }
+
+    /// A store is done, one call: its publish answered (`publish_end`: pages of keys
+    /// another engine published first join `unused`), regions asked back on the
+    /// replies acted on (`asked_on_reply`), its `unused` pages kept (`keep_spare`),
+    /// then its pages no longer written (`end_writing`), in that order, so a closing
+    /// region's unused pages go with it, not freed into it.
+    pub fn store_end(&mut self, end: Ending) -> (Unkept, Vec<Gone>) {
+        let mut unused = end.unused;
+        if let Some((ticket, published, is_new)) = end.publish {
+            unused.extend(self.publish_end(ticket, &published, is_new.as_deref()));
+        }
+        self.stats.already_present += end.present;
+        let mut gone = self.asked_on_reply(&end.asked);
         let unkept = self.keep_spare(unused);
-        (unkept, self.end_writing(writing))
+        gone.extend(self.end_writing(end.writing));
+        (unkept, gone)
     }
 
     /// Every spare page (at close, to free).
@@ -672,12 +611,9 @@ impl PoolCore {
         self.spare.drain(..).collect()
     }
 
-    /// Marks `pages` as being written by one store (their regions are not given back
-    /// until `end_writing`) and notes each region's token. Pages of a region that is
-    /// closing or going are not taken (they go back with it); pages of a region not
-    /// the pool's are not taken either, and come back in `Taken::foreign`; pages of a
-    /// region whose agent is away are not taken, and come back in `Taken::away` (a
-    /// stalled agent costs the store that found it one timeout, later ones nothing).
+    /// Marks `pages` as being written (their regions stay until `end_writing`) and
+    /// notes each region's token; pages of a closing or going region are dropped, of a
+    /// foreign one or at an away agent handed back (`Taken::foreign`, `Taken::away`).
     pub fn mark_writing(&mut self, pages: Vec<PageGrant>) -> Taken {
         let mut taken = Taken::default();
         for p in pages {
@@ -709,8 +645,7 @@ impl PoolCore {
         taken
     }
 
-    /// Of `leases`, those whose bytes are at an agent that is away: a load misses them
-    /// at once instead of waiting on the agent (`cxl`: none).
+    /// Of `leases`, those at an away agent: a load misses them at once.
     pub fn leases_away(&self, leases: &[crate::wire::meta::LeaseGrant]) -> Vec<bool> {
         leases
             .iter()
@@ -718,9 +653,8 @@ impl PoolCore {
             .collect()
     }
 
-    /// Pages of these regions (one entry per page) are no longer being written:
-    /// returns the closing regions whose last writer this was, forgotten now, to give
-    /// back.
+    /// Pages of these regions (one entry per page) are no longer written: the closing
+    /// regions whose last writer this was, forgotten now, to give back.
     pub fn end_writing(&mut self, regions: impl IntoIterator<Item = u64>) -> Vec<Gone> {
         let mut done = Vec::new();
         for id in regions {
@@ -741,12 +675,10 @@ impl PoolCore {
             .collect()
     }
 
-    /// A store's publish re-check: of `pages` (each written completely where `ok`),
-    /// the chunks that may be published now, all of them in regions still the pool's
-    /// on the token noted when they were taken. `Report` while maru-server has not
-    /// heard the boot id of one of their regions (`give_up`: it still has not after a
-    /// few reports: nothing is published). The publish is in flight from here until
-    /// `publish_end`.
+    /// A store's publish re-check: of `pages` (complete where `ok`), those whose
+    /// region is still the pool's on the token noted when taken. `Report` while
+    /// maru-server lacks a boot id of theirs (after `REPORT_TRIES`: nothing published).
+    /// In flight from here until `publish_end`.
     pub fn publish_begin(
         &mut self,
         pages: &[PageGrant],
@@ -806,10 +738,8 @@ impl PoolCore {
         PublishCheck::Go(plan)
     }
 
-    /// maru-server answered a publish (`is_new` per chunk published, with its page and
-    /// length), or its answer never came (`None`: the keys may be published, so their
-    /// pages stay out of use). Returns the pages to keep for later stores: those of
-    /// keys another engine published first.
+    /// maru-server answered a publish (`is_new` per chunk), or not (`None`: the pages
+    /// stay out of use). Returns the pages of keys another engine published first.
     pub fn publish_end(
         &mut self,
         ticket: Option<u64>,
@@ -836,29 +766,25 @@ impl PoolCore {
         unused
     }
 
-    /// Whether nothing that is still in flight can land any more in pages of failed
-    /// writes (see `RemoteState::may_still_write`).
+    /// Whether a transfer still in flight may land in pages of failed writes.
     pub fn may_still_write(&self) -> bool {
-        self.remote.as_ref().is_some_and(|r| r.may_still_write())
+        self.remote
+            .as_ref()
+            .is_some_and(|r| r.iso.may_still_write())
     }
 
-    // ------------------------------------------------------------------ reports
-
-    /// How many reboots were found so far (publishes re-checked before one must be
-    /// answered before it is reported).
+    /// How many reboots were found so far.
     fn reboots(&self) -> u64 {
         self.remote.as_ref().map_or(0, |r| r.reboots)
     }
 
-    /// Whether maru-server must hear boot ids before anything else is published (a
-    /// new region, or a reboot).
+    /// Whether maru-server must hear boot ids before anything else is published.
     pub fn must_report(&self) -> bool {
         self.remote.as_ref().is_some_and(|r| r.life.must_report())
     }
 
-    /// What a heartbeat sends now: the own regions' boot ids and the own regions
-    /// without one, unless it would report a reboot while a publish re-checked before
-    /// that reboot is unanswered (`Wait`).
+    /// What a heartbeat sends: boot ids and the regions without one; `Wait` while a
+    /// reboot's report would pass a publish re-checked before it.
     pub fn heartbeat_begin(&self) -> BeatCheck {
         let boots = self
             .remote
@@ -880,9 +806,8 @@ impl PoolCore {
         BeatCheck::Go { boots, regions }
     }
 
-    /// maru-server answered a heartbeat that sent `sent`: those boot ids are reported;
-    /// regions it no longer counts as the session's are lost; regions it asks for go
-    /// back (now, or by their last writer). Returns what the driver carries out.
+    /// maru-server answered a heartbeat that sent `sent`: regions lost and regions to
+    /// give back (now, or by their last writer), for the driver to carry out.
     pub fn heartbeat_answered(
         &mut self,
         sent: &BTreeMap<u64, String>,
@@ -903,11 +828,8 @@ impl PoolCore {
     }
 }
 
-/// Whether maru-server is away, from when a call of the session was last answered and
-/// when one last ran into its deadline unanswered (`clock::now_ms`; 0: never): away
-/// from a call that met its deadline until any call (a probe, every 250 ms) is
-/// answered again. While it is away, exists answers false, stores skip and loads miss
-/// at once: a stalled maru-server costs one timeout, not one per call.
+/// Whether maru-server is away: a call ran into its deadline (`unanswered_ms`, 0:
+/// never) no earlier than the last answer.
 pub fn server_away(answered_ms: u64, unanswered_ms: u64) -> bool {
     unanswered_ms != 0 && unanswered_ms >= answered_ms
 }
@@ -927,9 +849,9 @@ impl CoreCell {
         }
     }
 
-    /// The core (a poisoned lock is taken over: a panic between two statements leaves
-    /// maps and counters that are still usable).
+    /// The core (a poisoned lock is taken over: its maps stay usable).
     pub fn lock(&self) -> MutexGuard<'_, PoolCore> {
+        crate::worker::op_stats::core_locked();
         self.core.lock().unwrap_or_else(|e| e.into_inner())
     }
 

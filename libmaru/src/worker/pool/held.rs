@@ -1,23 +1,7 @@
-//! The pages a session holds without a key, for the report a restarted maru-server
-//! asks for (`held_pages_wanted` on a heartbeat reply): it frees the other pages it
-//! found allocated without a key (a reserve block answered early, publishes lost in
-//! the crash), so a crash leaves no pages out of use until their region goes.
-//!
-//! What is held: every page an `alloc` reply handed the session, until the worker
-//! frees it (`free_pages` sent) or publishes a key into it (the publish answered
-//! `is_new`, or not answered at all: the worker then keeps the page out of use, and
-//! a page whose publish was lost in the crash is one the worker never writes
-//! again). Spare pages, pages of stores in progress, pages taken in place and pages
-//! of failed writes kept out of use are all in it.
-//!
-//! **The report is complete when it is sent.** A reply of the last run that hands
-//! the worker pages (an `alloc` answered just before the crash, read after the
-//! report) would name pages the report left out, and that maru-server freed and may
-//! hand out again: a page handed out twice. So calls that change what is held
-//! (`alloc`, `free_pages`, `publish`) each hold a [`CallGuard`] from before they are
-//! sent until their answer is noted here, and the report waits until none is in
-//! flight, takes the pages, and keeps new such calls waiting (each until its own
-//! deadline) until maru-server answered it. No lock is held across a round trip.
+//! The pages a session holds without a key (from an `alloc` until freed or published
+//! into), for the report a restarted maru-server asks for. Complete when sent: the
+//! calls that change them each hold a [`CallGuard`] until their answer is noted, and
+//! the report waits for none in flight (see `docs/worker.md`).
 
 use crate::wire::meta::{PageGrant, PageRef, MAX_HELD_PAGES};
 use crate::worker::clock::Deadline;

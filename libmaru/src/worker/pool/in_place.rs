@@ -1,29 +1,9 @@
 //! Writes in place (`cxl`): the caller takes pages of the session's own regions,
-//! writes each chunk straight into this host's mapping of the page (a GPU copies into
-//! it), then publishes it, or gives the pages back. Each byte is moved once, by the
-//! caller.
-//!
-//! The rules are those of every page, plus two of its own:
-//! - A page taken for writing in place is the taker's until it publishes or gives it
-//!   back: it is out of `spare` (no store takes it), holds no key (no eviction offers
-//!   it), and its region is not given back for a fair share while it is taken.
-//! - A page is published only while its region is still the session's and mapped by
-//!   the same adoption it was taken from (for `cxl`, that mapping is the region's
-//!   "boot": a region lost and adopted again is another mapping). Otherwise the bytes
-//!   may have been written into memory that is no longer this engine's: nothing is
-//!   published and the page is dropped with its region.
-//!
-//! A caller holds at most half of its session's fair share of the pool taken in
-//! place at once (maru-server tells the share with each `alloc` reply; within
-//! `max_bytes`): a take beyond it gets fewer pages, so its own stores keep room.
-//!
-//! A taken page counts as a page being written (the core's `writing`, as a store's
-//! pages do until its publish ends), so its region is not given back meanwhile: a
-//! region maru-server asks for is closing and goes with the last writer. The re-check
-//! (the page's region still the pool's, on the adoption and boot it was taken under:
-//! its `Token`) and the publish are the core's, as for stores.
+//! writes into this host's mapping, then publishes or gives them back. The core's
+//! rules are those of stores (`writing`, the `Token` re-check), and a caller holds at
+//! most half its session's fair share taken.
 
-use super::core::{Taken, Token};
+use super::core::{Ending, Taken, Token};
 use super::StoragePool;
 use crate::dax::Mapping;
 use crate::wire::meta::{PageGrant, PublishEntry};
@@ -131,7 +111,7 @@ impl StoragePool {
             return Ok(Vec::new());
         }
         // The pages are marked as being written (`writing`) from here on.
-        let taken = self.take_pages(n, route_key, by)?;
+        let taken = self.take_pages(Taken::default(), n, route_key, by)?;
         let size = self.page_size() as usize;
         let mut out = Vec::with_capacity(taken.pages.len());
         let mut unusable = Vec::new();
@@ -152,7 +132,14 @@ impl StoragePool {
                 self.session.url,
                 unusable.len()
             );
-            self.end_writing(unusable.iter().map(|p| p.region_id), by);
+            let writing = unusable.iter().map(|p| p.region_id).collect();
+            self.store_end(
+                Ending {
+                    writing,
+                    ..Ending::default()
+                },
+                by,
+            );
         }
         self.core.lock().in_place_moved(out.len(), true);
         Ok(out)
@@ -191,10 +178,14 @@ impl StoragePool {
             if batch.is_empty() {
                 return Ok(result);
             }
-            let regions: Vec<u64> = batch.iter().map(|w| w.page.page.region_id).collect();
-            let r = self.publish_written(batch, by);
+            let writing = batch.iter().map(|w| w.page.page.region_id).collect();
+            let mut end = Ending {
+                writing,
+                ..Ending::default()
+            };
+            let r = self.publish_written(batch, &mut end, by);
             // Whatever happened, the pages are no longer being written.
-            self.end_writing(regions, by);
+            self.store_end(end, by);
             result.extend(r?);
         }
     }
@@ -202,6 +193,7 @@ impl StoragePool {
     fn publish_written(
         &self,
         writes: Vec<InPlaceWrite>,
+        end: &mut Ending,
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
         let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
@@ -219,7 +211,7 @@ impl StoragePool {
             );
         }
         // Pages of regions no longer the pool's are dropped with them.
-        self.keep_spare(plan.unused, by);
+        end.unused.extend(plan.unused);
         if plan.publish.is_empty() {
             return Ok(result);
         }
@@ -240,13 +232,11 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries, by);
         // Not answered: the keys may be published, so their pages stay out of use.
-        answer?;
+        self.send_publish(plan.ticket, entries, end, by)?;
         for &k in &plan.publish {
             result[k] = true;
         }
-        self.keep_spare(back, by);
         Ok(result)
     }
 
@@ -257,16 +247,21 @@ impl StoragePool {
     }
 
     fn give_back(&self, pages: Vec<InPlacePage>, by: Deadline) {
-        let regions: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
-        self.core.lock().in_place_moved(regions.len(), false);
-        let back = {
-            let c = self.core.lock();
+        let writing: Vec<u64> = pages.iter().map(|p| p.page.region_id).collect();
+        let unused = {
+            let mut c = self.core.lock();
+            c.in_place_moved(writing.len(), false);
             pages
                 .into_iter()
                 .filter(|p| c.token_is(p.page.region_id, p.token.as_ref()))
                 .map(|p| p.page)
                 .collect()
         };
-        self.store_end(back, regions, by);
+        let end = Ending {
+            unused,
+            writing,
+            ..Ending::default()
+        };
+        self.store_end(end, by);
     }
 }

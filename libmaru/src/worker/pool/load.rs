@@ -21,32 +21,29 @@ impl StoragePool {
         mut keep: Option<&mut Vec<u64>>,
     ) -> Result<(), WorkerError> {
         let by = self.deadline();
-        let (mut found, mut hits, mut bytes) = (0, 0u64, 0u64);
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
             let keep = keep.as_deref_mut();
-            found += self.load_some(
+            self.load_some(
                 &keys[base..end],
                 by,
                 keep,
                 &mut |lease_ix, grants, p, by| {
                     // `cxl`: from its views, no lock held while `sink` runs; `remote_cxl`:
                     // window by window, by `by`.
-                    p.mover.read(
-                        grants,
-                        &mut |k, b| {
-                            hits += 1;
-                            bytes += b.len() as u64;
-                            sink(base + lease_ix[k], b)
-                        },
-                        by,
-                    );
+                    let (mut hits, mut bytes) = (0, 0);
+                    let mut each = |k: usize, b: &[u8]| {
+                        hits += 1;
+                        bytes += b.len() as u64;
+                        sink(base + lease_ix[k], b)
+                    };
+                    p.mover.read(grants, &mut each, by);
+                    (hits, bytes)
                 },
             )?;
             base = end;
         }
-        self.count_loads(found, hits, bytes);
         Ok(())
     }
 
@@ -60,13 +57,12 @@ impl StoragePool {
     ) -> Result<Vec<Option<usize>>, WorkerError> {
         let by = self.deadline();
         let mut out = vec![None; keys.len()];
-        let mut found = 0;
         let mut base = 0;
         while base < keys.len() {
             let end = (base + self.max_batch).min(keys.len());
             let part = &mut slots[base..end];
             let got = &mut out[base..end];
-            found += self.load_some(
+            self.load_some(
                 &keys[base..end],
                 by,
                 None,
@@ -81,54 +77,53 @@ impl StoragePool {
                             ix.push(i);
                         }
                     }
+                    let (mut hits, mut bytes) = (0, 0);
                     for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.mover.read_into(&gs, ls, by)) {
                         if o.ok {
                             got[i] = Some(g.length as usize);
+                            hits += 1;
+                            bytes += g.length;
                         }
                         part[i] = o.slot;
                     }
+                    (hits, bytes)
                 },
             )?;
             base = end;
         }
-        let hits = out.iter().filter(|o| o.is_some()).count() as u64;
-        let bytes = out.iter().flatten().map(|&n| n as u64).sum::<u64>();
-        self.count_loads(found, hits, bytes);
         Ok(out)
     }
 
-    pub(super) fn count_loads(&self, found: usize, hits: u64, bytes: u64) {
-        let mut c = self.core.lock();
-        c.stats.hits += hits;
-        c.stats.bytes_loaded += bytes;
-        c.stats.load_failed += (found as u64).saturating_sub(hits);
-    }
-
-    /// One batch: acquire leases → `read(found indices, their leases, pool)` → release
-    /// the leases (or hand their ids to `keep`). Counts misses; returns how many keys
-    /// were found.
+    /// One batch: acquire leases → `read(found indices, their leases, pool)`, which
+    /// answers (hits, bytes) → what the read left, under one lock → release the leases
+    /// (or hand their ids to `keep`).
     pub(super) fn load_some(
         &self,
         keys: &[String],
         by: Deadline,
         keep: Option<&mut Vec<u64>>,
         read: &mut LeaseReader<'_>,
-    ) -> Result<usize, WorkerError> {
+    ) -> Result<(), WorkerError> {
+        // Only `remote_cxl` has agents that may be away.
+        let remote = !self.mover.writes_in_place();
         // maru-server did not answer a call by its deadline, or every agent did not
         // (every byte of the pool is there): a miss at once, nobody asked.
-        if self.session.away() || self.core.lock().every_agent_away() {
+        if self.session.away() || (remote && self.core.lock().every_agent_away()) {
             self.core.lock().stats.misses += keys.len() as u64;
-            return Ok(0);
+            return Ok(());
         }
         let leases = self.session.acquire(keys, by)?;
         let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
         let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
         // Bytes at an agent that is away miss at once (their leases are released as
         // the others are): a stalled agent costs the call that found it one timeout.
-        let away = self.core.lock().leases_away(&grants);
+        let away = match remote {
+            true => self.core.lock().leases_away(&grants),
+            false => vec![false; grants.len()],
+        };
         let away_n = away.iter().filter(|&&a| a).count();
-        if away_n == 0 {
-            read(&found, &grants, self, by);
+        let (hits, bytes) = if away_n == 0 {
+            read(&found, &grants, self, by)
         } else {
             let (ix, readable): (Vec<usize>, Vec<LeaseGrant>) = found
                 .iter()
@@ -137,21 +132,25 @@ impl StoragePool {
                 .filter(|(_, &a)| !a)
                 .map(|((&i, g), _)| (i, g.clone()))
                 .unzip();
-            if !readable.is_empty() {
-                read(&ix, &readable, self, by);
-            }
             log::debug!(
                 "pool {}: {away_n} chunk(s) missed: their agent is away",
                 self.session.url
             );
-        }
-        // What the read left, under one lock: why it failed, the misses, and whether
-        // it found a reboot to report.
+            match readable.is_empty() {
+                true => (0, 0),
+                false => read(&ix, &readable, self, by),
+            }
+        };
+        // What the read left, under one lock: hits, failures and why, misses, and
+        // whether it found a reboot to report.
         let must_report = {
             let mut c = self.core.lock();
-            if let Some(e) = c.remote.as_mut().and_then(|r| r.take_read_error()) {
+            if let Some(e) = c.remote.as_mut().and_then(|r| r.read_error.take()) {
                 c.stats.last_load_error = Some(e);
             }
+            c.stats.hits += hits;
+            c.stats.bytes_loaded += bytes;
+            c.stats.load_failed += ((found.len() - away_n) as u64).saturating_sub(hits);
             c.stats.misses += (keys.len() - found.len() + away_n) as u64;
             c.must_report()
         };
@@ -164,7 +163,7 @@ impl StoragePool {
         if must_report {
             self.heartbeat(by)?;
         }
-        Ok(found.len() - away_n)
+        Ok(())
     }
 
     /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held
@@ -185,14 +184,15 @@ impl StoragePool {
             let leases = self.session.acquire(part, by)?;
             let mut unused = Vec::new();
             let (mut misses, mut hits, mut bytes, mut failed) = (0, 0, 0, 0);
+            let found: Vec<LeaseGrant> = leases.iter().flatten().cloned().collect();
+            let mut views = self.mover.views(&found).into_iter();
             for l in leases {
                 let Some(l) = l else {
                     misses += 1;
                     out.push(None);
                     continue;
                 };
-                let v = self.mover.view(&l);
-                match v {
+                match views.next().flatten() {
                     Some(v) => {
                         hits += 1;
                         bytes += l.length;

@@ -1,17 +1,8 @@
-//! One pool (one maru-server) of a handler: its storage session, its mover and its
-//! core. Store = pages → bytes into the region → publish (publish only after the
-//! bytes are complete). Load = leases → READ/copy → release the leases.
-//!
-//! `core` is the pool's state and rules (sans-I/O); `store`, `load` and `in_place`
-//! drive them; `session` makes the calls to maru-server. Here: the pool itself, its
-//! heartbeat and tick (reports, regions lost and given back), and the calls on keys.
-//!
-//! Threads share a pool (`&self` everywhere). Its one lock is the core's
-//! ([`core::CoreCell`]), taken for a few map operations, never across a copy, a
-//! transfer, a round trip, a connect or a fence; stores waiting for an adoption and
-//! heartbeats waiting for publishes wait on its condition, each until its deadline.
-//! The movers' own locks are leaves (`cxl`'s mappings; an agent's control
-//! connection, taken by one caller at a time and never while the core is locked).
+//! One pool (one maru-server) of a handler: its session, its mover and its core.
+//! `core` is the state and rules (sans-I/O); `store`, `load` and `in_place` drive
+//! them; `session` calls maru-server. Here: the pool, its heartbeat and tick, and the
+//! calls on keys. Its one lock is the core's ([`core::CoreCell`]), never held across
+//! a copy, a transfer, a round trip, a connect or a fence.
 pub(crate) mod core;
 #[cfg(test)]
 mod core_tests;
@@ -39,14 +30,12 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long opening a pool waits for its agents to prove the key (`greet_agents`).
 const GREET_WAIT: Duration = Duration::from_secs(2);
 
-/// Pages a handler's pool keeps allocated ahead (taken in the same `alloc` as the
-/// pages a store needs), so that most stores need no `alloc` round trip of their own.
+/// Pages a pool keeps allocated ahead (in the same `alloc` as a store's), so that most
+/// stores need no `alloc` of their own.
 pub const SPARE_PAGES: usize = 32;
 
-/// Bytes of pages evicted ahead of need with each `victims` round trip (at least
-/// `EVICT_AHEAD_PAGES` pages), so that the stores after it find free pages without
-/// the two round trips of an eviction of their own: 32 MiB is 128 pages of 256 KiB
-/// (one eviction per four batches of 32) and a sliver of any pool.
+/// Bytes of pages evicted ahead of need with each `victims` round trip: 128 pages of
+/// 256 KiB (one eviction per four batches of 32), a sliver of any pool.
 pub const EVICT_AHEAD_BYTES: u64 = 32 << 20;
 /// Pages evicted ahead at least.
 pub const EVICT_AHEAD_PAGES: usize = 16;
@@ -55,15 +44,14 @@ pub const EVICT_AHEAD_PAGES: usize = 16;
 /// deadline; true where complete.
 type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)], Deadline) -> Vec<bool> + 'w;
 /// Reads the found items (their batch indices and leases) through the pool, by the
-/// request's deadline.
-type LeaseReader<'r> = dyn FnMut(&[usize], &[LeaseGrant], &StoragePool, Deadline) + 'r;
+/// request's deadline; answers (chunks read, their bytes).
+type LeaseReader<'r> =
+    dyn FnMut(&[usize], &[LeaseGrant], &StoragePool, Deadline) -> (u64, u64) + 'r;
 /// A test hook run between a store's copy and its publish (see `TestHooks`).
 pub type BeforePublish = Box<dyn Fn(&StoragePool, &[PageGrant]) + Send + Sync>;
-/// A test hook run before the mover adopts a region the session took (see
-/// `TestHooks`).
+/// A test hook run before the mover adopts a region (see `TestHooks`).
 pub type BeforeAdopt = Box<dyn Fn(&RegionGrant) + Send + Sync>;
-/// A test hook that sees each chunk written (its page, whether its bytes are
-/// complete) and answers whether they are (see `TestHooks`).
+/// A test hook that sees each chunk written and says whether it is (see `TestHooks`).
 pub type AfterWrite = Box<dyn Fn(&PageGrant, bool) -> bool + Send + Sync>;
 
 /// Faults and observation points a test puts into a pool (cargo feature
@@ -73,15 +61,11 @@ pub struct TestHooks {
     /// Runs after a store's bytes were written into its pages and before they are
     /// published (a test makes a region vanish there).
     pub before_publish: Option<BeforePublish>,
-    /// Runs when maru-server has answered an `expand` with a region, before the pool
-    /// notes the answer and its mover adopts the region (a test makes that moment
-    /// long there: maru-server may already hand the region's pages to other stores).
+    /// Runs when maru-server gave a region, before the pool notes it and adopts it.
     pub before_adopt: Option<BeforeAdopt>,
-    /// Sees each chunk a store wrote and says whether its bytes are complete (a test
-    /// fails some writes, or notes the pages written).
+    /// Sees each chunk a store wrote and says whether its bytes are complete.
     pub after_write: Option<AfterWrite>,
-    /// Pretends a transfer of unknown outcome may still land (pages of failed writes
-    /// are then kept out of use).
+    /// Pretends a transfer of unknown outcome may still land.
     pub unfenced: bool,
     /// While set, the tick finds the agent of every own region silent too long.
     pub silent: Option<Arc<std::sync::atomic::AtomicBool>>,
@@ -91,20 +75,19 @@ pub struct StoragePool {
     pub session: Session,
     /// The pool's state and rules, behind its one lock.
     core: Arc<CoreCell>,
-    mover: Mover,
+    mover: Box<dyn Mover>,
     max_batch: usize,
-    /// A request's timeout (`timeout_ms`): its waits on agents (connects, calls,
-    /// transfers, fences) end this long after it started (see `Deadline`).
+    /// A request's timeout (`timeout_ms`): every wait of it ends this long after it
+    /// started (see `Deadline`).
     timeout: Duration,
     hooks: TestHooks,
 }
 
 impl StoragePool {
-    pub fn open(session: Session, mover: Mover) -> Result<StoragePool, WorkerError> {
-        let core = match &mover {
-            Mover::Remote(m) => m.core(),
-            Mover::Cxl(_) => Arc::new(CoreCell::new(PoolCore::new(session.page_size, None))),
-        };
+    pub fn open(session: Session, mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
+        let core = mover
+            .core()
+            .unwrap_or_else(|| Arc::new(CoreCell::new(PoolCore::new(session.page_size, None))));
         {
             let mut c = core.lock();
             c.set_page_size(session.page_size);
@@ -126,38 +109,24 @@ impl StoragePool {
         Ok(pool)
     }
 
-    /// Has the mover make a region the session took usable, with an INFO line when
-    /// it did (the header promises one per region mapped and given back).
+    /// Has the mover make a region the session took usable, with an INFO line.
     pub(super) fn adopt_region(
         &self,
         grant: &RegionGrant,
         by: Deadline,
     ) -> Result<(), WorkerError> {
         self.mover.adopt(grant, by)?;
-        let h = &grant.handle;
-        match &grant.agent {
-            None => log::info!(
-                "pool {}: region {} mapped writable ({} bytes at offset {} of {}, {} pages)",
-                self.session.url,
-                h.region_id,
-                h.length,
-                h.offset,
-                grant.pool.path,
-                grant.pages
-            ),
-            Some(agent) => log::info!(
-                "pool {}: region {} mapped at agent {agent} ({} bytes, {} pages)",
-                self.session.url,
-                h.region_id,
-                h.length,
-                grant.pages
-            ),
-        }
+        let (h, url) = (&grant.handle, &self.session.url);
+        let at = match &grant.agent {
+            None => format!("writable at offset {} of {}", h.offset, grant.pool.path),
+            Some(agent) => format!("at agent {agent}"),
+        };
+        let (id, len, pages) = (h.region_id, h.length, grant.pages);
+        log::info!("pool {url}: region {id} mapped {at} ({len} bytes, {pages} pages)");
         Ok(())
     }
 
-    /// Maps the session's first region, if it came with one, and tells maru-server
-    /// its memory node's boot id.
+    /// Maps the session's first region, if any, and reports its boot id.
     fn start(&self, by: Deadline) -> Result<(), WorkerError> {
         if let Some(r) = self.session.first_region.clone() {
             self.adopt_region(&r, by)?;
@@ -166,15 +135,13 @@ impl StoragePool {
         self.report_boots(by)
     }
 
-    /// Bounds each request's waits on agents by `timeout` from its start (10 s by
-    /// default, as `timeout_ms`).
+    /// Bounds each request by `timeout` from its start (10 s by default).
     pub fn with_timeout(mut self, timeout: Duration) -> StoragePool {
         self.timeout = timeout;
         self
     }
 
-    /// Keeps up to about `n` allocated pages for the next stores (see `SPARE_PAGES`):
-    /// they count as used at maru-server until a store fills them or the pool closes.
+    /// Keeps up to about `n` allocated pages for the next stores (`SPARE_PAGES`).
     pub fn with_spare_pages(self, n: usize) -> StoragePool {
         self.core.lock().set_spare_target(n);
         self
@@ -196,26 +163,8 @@ impl StoragePool {
         self
     }
 
-    /// Test hook: `f(pool, pages)` runs after a store's bytes were written into
-    /// `pages` and before they are published.
-    #[cfg(feature = "test-hooks")]
-    pub fn with_before_publish(mut self, f: BeforePublish) -> StoragePool {
-        self.hooks.before_publish = Some(f);
-        self
-    }
-
-    /// Test hook: `f(grant)` runs before the mover adopts each region the session
-    /// takes after the pool opened.
-    #[cfg(feature = "test-hooks")]
-    pub fn with_before_adopt(mut self, f: BeforeAdopt) -> StoragePool {
-        self.hooks.before_adopt = Some(f);
-        self
-    }
-
-    /// Connects to the pool's agents (`remote_cxl`), so that an agent key that does
-    /// not prove fails the open ([`WorkerError::Auth`]) rather than the first store.
-    /// All of them within [`GREET_WAIT`] (or the timeout, if shorter): an agent that
-    /// does not answer delays no open for long, and is connected when needed.
+    /// Connects to the pool's agents (`remote_cxl`) within [`GREET_WAIT`], so that an
+    /// agent key that does not prove fails the open ([`WorkerError::Auth`]).
     pub(crate) fn greet_agents(&self) -> Result<(), WorkerError> {
         let by = Deadline::after(self.timeout.min(GREET_WAIT));
         self.mover.greet(&self.session.handshake.agents, by)
@@ -226,9 +175,7 @@ impl StoragePool {
         Deadline::after(self.timeout)
     }
 
-    /// Tells maru-server the boot ids of the own regions (a heartbeat) when it must
-    /// hear them before anything else is published (a new region, or a memory node
-    /// that rebooted: maru-server then drops that region's keys).
+    /// A heartbeat when maru-server must hear boot ids before anything is published.
     fn report_boots(&self, by: Deadline) -> Result<(), WorkerError> {
         let must = self.core.lock().must_report();
         if must {
@@ -274,8 +221,7 @@ impl StoragePool {
         self.per_batch(keys, |s, k, by| s.exists(k, by))
     }
 
-    /// One session call per `max_batch` keys, the answers in order, all by one
-    /// request deadline.
+    /// One session call per `max_batch` keys, all by one request deadline.
     fn per_batch<T>(
         &self,
         keys: &[String],
@@ -289,15 +235,9 @@ impl StoragePool {
         Ok(out)
     }
 
-    /// Heartbeat: tells maru-server the own regions and their boot ids; regions it no
-    /// longer counts as the session's are lost, regions it asks for are given back (now,
-    /// or by their last writer). A report of a reboot waits (until a request's
-    /// timeout) for the publishes re-checked before the reboot was found: maru-server
-    /// drops their keys with the others. No lock is held across the round trip.
-    ///
-    /// Every wait of it (publishes a reboot's report waits for, the round trip) by
-    /// `by`: the request's deadline (a store's re-check, a load that found a reboot),
-    /// or the handler's for its heartbeat thread and a close.
+    /// Heartbeat: the own regions and their boot ids (`heartbeat_begin`: a reboot's
+    /// report waits for older publishes), then what the reply decides carried out
+    /// (`heartbeat_answered`). Every wait by `by`; no lock across the round trip.
     pub fn heartbeat(&self, by: Deadline) -> Result<(), WorkerError> {
         let check = self
             .core
@@ -330,8 +270,7 @@ impl StoragePool {
     }
 
     /// Carries out what the core decided about regions the pool no longer writes
-    /// into: the mover forgets them; a region maru-server asked for is returned (its
-    /// keys go, maru-server releases it at its agent before the RM frees it).
+    /// into: the mover forgets them; one maru-server asked for is returned.
     pub(super) fn carry_out(&self, gone: Vec<Gone>, by: Deadline) {
         for g in gone {
             self.mover.forget(g.region());
@@ -358,9 +297,8 @@ impl StoragePool {
         }
     }
 
-    /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): the mover probes the
-    /// agents that are away, so that one answering again serves the next store.
-    /// maru-server too, when it is away (an `exists` of no key, 1 s at most).
+    /// Between ticks (every `lifecycle::AWAY_PROBE_EVERY_MS`): probes of the agents,
+    /// and of maru-server, that are away.
     pub fn probe_away(&self, now_ms: u64, by: Deadline) {
         self.mover.probe_away(now_ms, by);
         if self.session.away() {
@@ -370,11 +308,9 @@ impl StoragePool {
         }
     }
 
-    /// Periodic work (about once a second): the mover probes the agents of own
-    /// regions (without any pool lock: a probe of an agent slow to answer holds no
-    /// request); regions whose agent stayed silent too long go back to maru-server
-    /// once no publish into them is in flight (their keys go at once; its keeper
-    /// releases them at the agent); a reboot found is reported.
+    /// Periodic work (about once a second): the mover's probes; regions of agents
+    /// silent too long returned once no publish into them is in flight; a reboot
+    /// found reported.
     pub fn tick(&self, now_ms: u64, by: Deadline) -> Result<(), WorkerError> {
         let mut silent = self.mover.tick(now_ms);
         if self

@@ -1,7 +1,4 @@
-//! The `remote_cxl` part of the pool core's state ([`RemoteState`]): agents and
-//! their peers, the own regions' maps, read registrations, the region lifecycle,
-//! transfer isolation. The rules that change it run under the core's lock; the
-//! driver (`movers::remote`) does the I/O they ask for and records the outcome.
+//! The `remote_cxl` part of the pool core's state ([`RemoteState`]).
 
 use crate::net::ClientOptions;
 use crate::transport::PeerId;
@@ -19,26 +16,20 @@ pub(crate) struct OwnRegion {
 }
 
 pub(crate) struct AgentConn {
-    /// The control connection (map, map_read, release, a peer's bring-up), taken by
-    /// one caller at a time and never under the core's lock (see `link`); here only
-    /// as a handle the driver takes out.
+    /// The control connection, taken out by one caller at a time (see `link`).
     pub(crate) link: Arc<AgentLink>,
     pub(crate) peer: Option<PeerId>,
 }
 
-/// The `remote_cxl` part of the pool core: agents and their peers, the own regions'
-/// maps, read registrations, the region lifecycle, transfer isolation. Looked up and
-/// changed under the core's lock, never waited on: what needs an agent (a connect, a
-/// map, a `map_read`, a peer's bring-up, a fence) runs without the lock and records
-/// its outcome here.
+/// Agents and their peers, the own regions' maps, read registrations, the region
+/// lifecycle, transfer isolation: changed under the core's lock, never waited on.
 pub struct RemoteState {
     pub(crate) agent_opts: ClientOptions,
     pub(crate) agents: HashMap<String, AgentConn>,
     pub(crate) own: HashMap<u64, OwnRegion>,
     /// Read registrations of leased ranges: (region, offset, length) → where.
     pub(crate) reads: HashMap<(u64, u64, u64), ReadTarget>,
-    /// The rules of the own regions' lifecycle (boot ids, restarts, silent agents):
-    /// fed what agents answer, its decisions carried out by the driver.
+    /// The own regions' lifecycle (boot ids, restarts, silent agents).
     pub(crate) life: Lifecycle,
     /// How many reboots were found (see `PoolCore::heartbeat_begin`).
     pub(crate) reboots: u64,
@@ -75,21 +66,5 @@ impl RemoteState {
         self.own.remove(&region_id);
         self.life.forget(region_id);
         self.reads.retain(|&(r, _, _), _| r != region_id);
-    }
-
-    /// WRITEs to `peer` failed with its connection: the target may still apply what it
-    /// read (see `Isolation::unknown_writes`).
-    pub(crate) fn unknown_writes(&mut self, peer: PeerId) {
-        self.iso.unknown_writes(peer);
-    }
-
-    /// True while a transfer of unknown outcome could still land somewhere.
-    pub fn may_still_write(&self) -> bool {
-        self.iso.may_still_write()
-    }
-
-    /// Why the last read that failed failed, once.
-    pub fn take_read_error(&mut self) -> Option<String> {
-        self.read_error.take()
     }
 }

@@ -1,8 +1,6 @@
-//! A storage session at one pool's maru-server: typed calls over a small set of
-//! reconnecting links. Concurrent requests of a handler each take a link of their
-//! own (up to [`MAX_LINKS`]), so that one slow reply does not hold the others: every
-//! link after the first presents the session's secret in its hello, and maru-server
-//! binds it to the same principal (see `SessionBinding` in maru-server).
+//! A storage session at one pool's maru-server: typed calls over up to [`MAX_LINKS`]
+//! reconnecting links, one per call in flight (every link after the first presents
+//! the session's secret, binding it to the same principal).
 
 use super::held::{HeldPages, NoReport};
 use crate::net::{ClientOptions, Link, LinkError};
@@ -36,9 +34,7 @@ pub struct Session {
     links: Mutex<Links>,
     freed: Condvar,
     /// The leases held now, by id: (region, offset, when it runs out), told in each
-    /// heartbeat (a restarted maru-server keeps their pages from reuse). A lease is
-    /// forgotten once its release is sent, whatever the answer (nothing reads under
-    /// it any more), or once it ran out.
+    /// heartbeat; forgotten once their release is sent or they ran out.
     held: Mutex<HashMap<u64, (u64, u64, u64)>>,
     /// The pages handed to the session that hold no key it published, and the gate
     /// between the calls that change them and a report of them (see `held`).
@@ -52,9 +48,7 @@ pub struct Session {
     /// When maru-server last answered a call of this session (`clock::now_ms`): one
     /// out of reach for longer than the session timeout has expired the session.
     answered_ms: AtomicU64,
-    /// When a call of this session last ran into its deadline without an answer (0:
-    /// never): maru-server is away while this is not older than `answered_ms` (see
-    /// `core::server_away`).
+    /// When a call last ran into its deadline unanswered (0: never; `core::server_away`).
     unanswered_ms: AtomicU64,
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
@@ -529,13 +523,9 @@ impl Session {
         }
     }
 
-    /// The session is alive. `boot_ids` and `regions` name the regions the worker
-    /// writes into; the reply says which of them are no longer the session's.
-    ///
-    /// maru-server answering `no_session` (expired, unknown after a restart, not this
-    /// client's) is [`WorkerError::SessionLost`], as is maru-server out of reach for
-    /// longer than the session timeout (it expired the session meanwhile). `skipped`:
-    /// the pool's skip counts since it opened, for `stats` and `maru-usage`.
+    /// The session is alive: the regions the worker writes into (`boot_ids`,
+    /// `regions`), the leases held, the skip counts. `no_session`, or no answer for
+    /// longer than the session timeout, is [`WorkerError::SessionLost`].
     pub fn heartbeat(
         &self,
         boot_ids: BTreeMap<u64, String>,
@@ -595,11 +585,8 @@ impl Session {
         }
     }
 
-    /// maru-server restarted on its durable directory and asks which pages the
-    /// session holds without a key: tells it (a heartbeat with `held_pages`), once no
-    /// call that changes them is in flight (see `held`). A report not sent (calls in
-    /// flight past the session's call timeout, maru-server out of reach) is sent
-    /// again when the next heartbeat reply asks again.
+    /// Tells a restarted maru-server which pages the session holds without a key (see
+    /// `held`); one not sent goes when the next heartbeat reply asks again.
     fn report_held(&self, by: Deadline) {
         let r = self.unkeyed.report(by, |pages| {
             let n = pages.len();
@@ -661,11 +648,8 @@ impl Session {
         .map(|_| ())
     }
 
-    /// Closes the session of an open that failed after it was opened (`why`: a bad
-    /// agent key, an agent that refused, a staging buffer that could not be made...),
-    /// so that a failed open leaves no session at maru-server (none in `maru-usage`,
-    /// none counted against `--max-sessions`). A close that fails is logged: the
-    /// session then ends when its heartbeats stop (`session_timeout_ms`).
+    /// Closes the session of an open that failed after it was opened (`why`), so a
+    /// failed open leaves none; one not closed ends when its heartbeats stop.
     pub fn close_failed_open(&self, why: &WorkerError, by: Deadline) {
         match self.close(by) {
             Ok(()) => log::debug!(

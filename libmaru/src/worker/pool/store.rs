@@ -1,20 +1,14 @@
-//! Stores of a pool, the driver of the core's rules (`core`): pages (spare ones
-//! first, then `alloc`, expanding the session when its regions are full, a region
-//! taken ahead for movers that want a lead) → the mover writes the chunks → only
-//! chunks whose bytes are complete are published (after maru-server has the regions'
-//! boot ids, and only into regions still the pool's on the boot they were written
-//! under) → pages not used are kept or freed, except pages a WRITE of unknown
-//! outcome may still reach.
-//!
-//! Every decision is the core's, under its lock; the round trips (maru-server,
-//! agents) and the copies run without it.
+//! Stores of a pool, the driver of the core's rules (`core`): pages (spare, `alloc`,
+//! `expand`, evictions) → the mover writes → the core re-checks → `publish` → pages
+//! not used kept or freed. Every decision is the core's, under its lock; the round
+//! trips and copies run without it.
 
-use super::core::{PublishCheck, Taken, Unkept};
+use super::core::{Ending, PublishCheck, Taken, Unkept};
 use super::{PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
 use crate::wire::meta::{PageGrant, PublishEntry, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
-use crate::worker::movers::{SlotOutcome, SlotWrite, WriteItem};
+use crate::worker::movers::{SlotWrite, WriteItem};
 use crate::worker::skips::SkipReason;
 use crate::worker::staging::Slot;
 use crate::worker::warn_limit;
@@ -22,12 +16,10 @@ use crate::worker::warn_limit;
 /// Why `grow` took no region.
 #[derive(Debug, thiserror::Error)]
 enum NoRegion {
-    /// maru-server had none to give, or the session holds `max_bytes`: room is made
-    /// by evicting.
+    /// None to give, or `max_bytes` held: room is made by evicting.
     #[error("{0}")]
     Full(String),
-    /// One was taken and could not be made usable by the request's deadline (its
-    /// agent did not answer, say): it went back, and this store goes on without it.
+    /// One was taken and not made usable by the deadline: it went back.
     #[error("a region taken is not usable: {0}")]
     Unusable(WorkerError),
     /// A call failed (maru-server, or the configuration).
@@ -36,29 +28,23 @@ enum NoRegion {
 }
 
 impl StoragePool {
-    /// Pages for `need` chunks: spare ones first, then one `alloc` that also takes
-    /// spares for later stores, expanding the session when its regions are full.
-    /// Fewer than `need` when the session cannot grow. The pages are marked as being
-    /// written (their regions are not given back until `end_writing`), and the token
-    /// of each of their regions noted (see `core::Token`).
-    ///
-    /// Pages of a region that is not the pool's (its adoption not done by `by`, or
-    /// the region lost meanwhile) are freed and others looked for, a few rounds; the
-    /// chunks still without a page then are counted as skipped (no region), never
-    /// left out silently.
+    /// Pages for `need` chunks beyond those `taken` already, marked as being written
+    /// with their regions' tokens (`mark_writing`): spare ones first (taken and marked
+    /// under one lock), else `find_pages`. Pages of a region not the pool's are freed
+    /// and others looked for (`take_again`); chunks left without a page are counted as
+    /// skipped.
     pub(super) fn take_pages(
         &self,
+        mut taken: Taken,
         need: usize,
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<Taken, WorkerError> {
-        let mut taken = Taken::default();
-        // Chunks `find_pages` found no page for (it counted them as skipped), and
-        // chunks whose page is at an agent that is away.
+        // Chunks counted as skipped already (no page, or an away agent's page).
         let mut counted = 0;
         let mut strays = 0;
         for round in 0.. {
-            let want = need - taken.pages.len() - counted;
+            let want = need.saturating_sub(taken.pages.len() + counted);
             if want == 0 {
                 break;
             }
@@ -93,13 +79,14 @@ impl StoragePool {
                     away.len() as u64,
                     "the agent of their pages is away (it did not answer); skipped at once until a probe sees it answer",
                 );
-                self.keep_spare(away, by);
+                let unkept = self.core.lock().keep_spare(away);
+                self.free_unkept(unkept, by);
             }
             if !super::core::take_again(round, strays, short) {
                 break;
             }
         }
-        let left = (need - taken.pages.len() - counted) as u64;
+        let left = need.saturating_sub(taken.pages.len() + counted) as u64;
         if left > 0 {
             self.count_skip(
                 SkipReason::NoRegion,
@@ -110,8 +97,7 @@ impl StoragePool {
         Ok(taken)
     }
 
-    /// Counts `n` chunks of a store skipped for `reason` (`why`, in the debug log),
-    /// and logs the reason's WARN line when one is due (see `skips`).
+    /// Counts `n` chunks skipped for `reason` (`why` in the debug log; see `skips`).
     fn count_skip(&self, reason: SkipReason, n: u64, why: &str) {
         let what = format!("pool {}", self.session.url);
         let line = self.core.lock().skipped(reason, n, now_ms(), &what);
@@ -121,9 +107,7 @@ impl StoragePool {
         }
     }
 
-    /// Frees pages maru-server gave of a region that is not the pool's (see
-    /// `Taken::foreign`): they hold no key. A region lost meanwhile took them with
-    /// it, and maru-server refuses the free: nothing to do then.
+    /// Frees pages of a region not the pool's (a lost one's free is refused: fine).
     fn free_foreign(&self, pages: Vec<PageGrant>, by: Deadline) {
         if pages.is_empty() {
             return;
@@ -137,8 +121,7 @@ impl StoragePool {
         }
     }
 
-    /// `pages` (spare ones, fewer than `need`) and more up to `need`: one `alloc`
-    /// (that also takes spare pages for later stores), then regions or room made.
+    /// `pages` and more up to `need`: one `alloc` (with spares), then room made.
     fn find_pages(
         &self,
         mut pages: Vec<PageGrant>,
@@ -156,13 +139,9 @@ impl StoragePool {
         let unkept = self.core.lock().keep_spare(got.collect());
         self.free_unkept(unkept, by);
         let mut missing = (need - pages.len()) as u32;
-        // Rounds of making room that ended with no page: other stores of this pool
-        // make room at the same time (they may have evicted the victims offered here,
-        // or taken the pages freed here), so a few rounds are tried before giving up.
+        // Rounds that ended with no page (other stores make room too: `room_given_up`).
         let mut dry = 0;
         while missing > 0 {
-            // The session's regions are full: one more region, or else room made by
-            // evicting keys of its own regions; then the rest.
             let why = match self.grow(by) {
                 Ok(()) => None,
                 Err(NoRegion::Unusable(e)) => {
@@ -193,8 +172,7 @@ impl StoragePool {
                     (freed == 0).then_some(why)
                 }
             };
-            // Other stores of this pool may have taken the room made here as their
-            // spare pages (the pool's, so this store's too): those first.
+            // Room other stores made may be spare pages now: those first.
             let spare = self.core.lock().take_spare(missing as usize);
             missing -= spare.len() as u32;
             let mut got_none = spare.is_empty();
@@ -230,11 +208,8 @@ impl StoragePool {
         Ok(pages)
     }
 
-    /// `alloc` at maru-server. maru-server allocates from any region of the session,
-    /// also one another store is taking now (its `expand` answered, the mover's
-    /// adoption not done): pages of a region the pool does not know yet wait (until
-    /// `by`) for the adoptions in progress, so no store writes into a region before it
-    /// is usable. Other allocs do not wait for a region being taken.
+    /// `alloc`; pages of a region not known yet wait (until `by`) while one is being
+    /// taken (`waits_for_adoption`).
     fn alloc(
         &self,
         count: u32,
@@ -247,9 +222,7 @@ impl StoragePool {
         Ok(got)
     }
 
-    /// One more region for the session, within `max_bytes` (counting the regions
-    /// other stores are taking now), made usable by `by`. A region the mover could
-    /// not make usable goes back at once.
+    /// One more region, made usable by `by`; one the mover could not use goes back.
     fn grow(&self, by: Deadline) -> Result<(), NoRegion> {
         self.core
             .lock()
@@ -280,9 +253,7 @@ impl StoragePool {
             return Ok(());
         };
         if back {
-            // The session has the region, the mover could not map it: it goes back
-            // at once (maru-server's keeper releases it at its agent), so that no
-            // store gets pages of a region no mover knows.
+            // So that no store gets pages of a region no mover knows.
             self.mover.forget(id);
             if let Err(re) = self.session.return_region(id, false, by) {
                 log::warn!(
@@ -299,12 +270,8 @@ impl StoragePool {
         }
     }
 
-    /// Removes up to `want` keys of the session's own regions, in the order
-    /// maru-server offers them (tails of prefix chains first; never a leased or
-    /// pinned key), so that their pages can take new chunks. A page is reused only
-    /// after maru-server acknowledged its key's removal, and a removal is refused
-    /// while a lease (a reader's, or one of this handler's views) covers it. Returns
-    /// how many keys went.
+    /// Removes up to `want` of the session's keys in maru-server's victim order (never
+    /// a leased or pinned one); returns how many went.
     fn evict(&self, want: usize, by: Deadline) -> Result<usize, WorkerError> {
         let victims = self.session.victims(want.min(self.max_batch) as u32, by)?;
         if victims.is_empty() {
@@ -331,9 +298,7 @@ impl StoragePool {
         Ok(freed)
     }
 
-    /// Takes the next region ahead when stores reach the second half of the newest
-    /// (once per region, best effort: a pool without space answers the store that
-    /// needs the region).
+    /// Takes the next region ahead when due (`lead_due`), best effort.
     pub(super) fn note_fill(&self, pages: &[PageGrant], by: Deadline) {
         if !self.core.lock().lead_due(pages) {
             return;
@@ -361,75 +326,38 @@ impl StoragePool {
         }
     }
 
-    /// Keeps pages that hold no key for the next stores (those of regions still the
-    /// pool's); frees what is beyond the bound.
-    pub(super) fn keep_spare(&self, pages: Vec<PageGrant>, by: Deadline) {
-        if pages.is_empty() {
-            return;
-        }
-        let unkept = self.core.lock().keep_spare(pages);
-        self.free_unkept(unkept, by);
-    }
-
     /// Frees what `keep_spare` did not keep.
     fn free_unkept(&self, unkept: Unkept, by: Deadline) {
         self.free(unkept.extra, by);
         self.free_foreign(unkept.foreign, by);
     }
 
-    /// Writes chunks into their pages through the mover, by `by`; true where the
-    /// bytes are complete.
-    pub(super) fn write_items(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
-        let ok = self.mover.write(items, by);
-        let ok: Vec<bool> = match &self.hooks.after_write {
-            Some(f) => items
-                .iter()
-                .zip(ok)
-                .map(|(it, ok)| f(&it.page, ok))
-                .collect(),
-            None => ok,
-        };
-        self.warn_unwritten(items.iter().map(|it| &it.page).zip(ok.iter().copied()));
-        ok
-    }
-
-    /// A warning (at most one per pool every 10 s) when chunks were not stored
-    /// because their bytes could not be written: an agent that does not answer, a
-    /// transfer that failed, a region lost meanwhile.
-    fn warn_unwritten<'a>(&self, written: impl Iterator<Item = (&'a PageGrant, bool)>) {
+    /// What the mover wrote, through the test hook (`after_write`); a warning (at most
+    /// one per pool every 10 s) for chunks whose bytes were not written.
+    fn written(&self, placed: &[(usize, PageGrant)], mut ok: Vec<bool>) -> Vec<bool> {
+        if let Some(f) = &self.hooks.after_write {
+            for ((_, p), ok) in placed.iter().zip(ok.iter_mut()) {
+                *ok = f(p, *ok);
+            }
+        }
         let mut regions: Vec<u64> = Vec::new();
         let mut n = 0usize;
-        for (p, ok) in written {
-            if !ok {
-                n += 1;
-                if !regions.contains(&p.region_id) {
-                    regions.push(p.region_id);
-                }
+        for ((_, p), _) in placed.iter().zip(&ok).filter(|(_, &ok)| !ok) {
+            n += 1;
+            if !regions.contains(&p.region_id) {
+                regions.push(p.region_id);
             }
         }
-        if n == 0 {
-            return;
-        }
-        if let Some(held) = warn_limit::allow(&self.session.url, "unwritten") {
-            log::warn!(
-                "pool {}: {n} chunk(s) not stored: their bytes could not be written into region(s) {regions:?} by the request's deadline (an agent that does not answer, a failed transfer); they are skipped{}",
-                self.session.url,
-                warn_limit::held_back(held)
-            );
-        }
-    }
-
-    /// Writes from the caller's staging slots (see `write_items`).
-    pub(super) fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
-        let pages: Vec<PageGrant> = items.iter().map(|it| it.page).collect();
-        let mut out = self.mover.write_slots(items, by);
-        if let Some(f) = &self.hooks.after_write {
-            for (o, p) in out.iter_mut().zip(&pages) {
-                o.ok = f(p, o.ok);
+        if n > 0 {
+            if let Some(held) = warn_limit::allow(&self.session.url, "unwritten") {
+                log::warn!(
+                    "pool {}: {n} chunk(s) not stored: their bytes could not be written into region(s) {regions:?} by the request's deadline (an agent that does not answer, a failed transfer); they are skipped{}",
+                    self.session.url,
+                    warn_limit::held_back(held)
+                );
             }
         }
-        self.warn_unwritten(pages.iter().zip(out.iter().map(|o| o.ok)));
-        out
+        ok
     }
 
     /// Stores chunks; per chunk: true when stored now or already present.
@@ -452,16 +380,15 @@ impl StoragePool {
                         data: chunk[i].1,
                     })
                     .collect();
-                p.write_items(&writes, by)
+                p.mover.write(&writes, by)
             })?;
             done[base..base + r.len()].copy_from_slice(&r);
         }
         Ok(done)
     }
 
-    /// Stores chunks the caller put in staging slots (`lens[i]` bytes of `slots[i]`).
-    /// Each slot is back in `slots` afterwards, except one whose transfer outcome is
-    /// unknown (`None`: kept until its peer is fenced, then back in its pool).
+    /// Stores `lens[i]` bytes of `slots[i]`; each slot back in `slots` afterwards but
+    /// one of unknown outcome (`None`: back in its pool once its peer is fenced).
     pub fn store_slots(
         &self,
         keys: &[&str],
@@ -494,7 +421,7 @@ impl StoragePool {
                         }
                     }
                     let mut ok = vec![false; todo.len()];
-                    for ((k, i), o) in placed.into_iter().zip(p.write_slots(writes, by)) {
+                    for ((k, i), o) in placed.into_iter().zip(p.mover.write_slots(writes, by)) {
                         ok[k] = o.ok;
                         part[i] = o.slot;
                     }
@@ -507,9 +434,10 @@ impl StoragePool {
         Ok(done)
     }
 
-    /// One batch (at most `max_batch` chunks): exists → pages (`take_pages`) →
-    /// `write` the missing chunks into their pages → `publish` the chunks whose bytes
-    /// are complete → keep or free every page not used.
+    /// One batch (at most `max_batch` chunks), one core call per phase: the start
+    /// (`PoolCore::store_begin`: skip at once, or the spare pages taken) → `exists` →
+    /// more pages only if needed → `write` → the re-check (`publish_begin`) and
+    /// `publish` → the end (`PoolCore::store_end`).
     pub(super) fn store_some(
         &self,
         keys: &[&str],
@@ -529,62 +457,63 @@ impl StoragePool {
                 )));
             }
         }
-        let why = if self.session.away() {
-            // maru-server did not answer a call by its deadline.
-            Some("maru-server is away (it did not answer)")
-        } else if self.core.lock().every_region_away() {
-            // Every page this store could take is at an agent that did not answer.
-            Some("the agents of every region of the pool are away (they did not answer)")
+        let begun = if self.session.away() {
+            Err("maru-server is away (it did not answer)")
         } else {
-            None
+            let t = self.core.lock().store_begin(keys.len());
+            t.ok_or("the agents of every region of the pool are away (they did not answer)")
         };
-        if let Some(why) = why {
-            self.count_skip(
-                SkipReason::PoolUnavailable,
-                keys.len() as u64,
-                &format!("{why}; skipped at once until a probe sees it answer"),
-            );
-            return Ok(vec![false; keys.len()]);
-        }
+        let first = match begun {
+            Ok(t) => t,
+            Err(why) => {
+                self.count_skip(
+                    SkipReason::PoolUnavailable,
+                    keys.len() as u64,
+                    &format!("{why}; skipped at once until a probe sees it answer"),
+                );
+                return Ok(vec![false; keys.len()]);
+            }
+        };
         let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = self.session.exists(&owned, by)?;
+        let present = match self.session.exists(&owned, by) {
+            Ok(p) => p,
+            Err(e) => {
+                self.store_end(Ending::of(first.pages), by);
+                return Err(e);
+            }
+        };
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
-        if todo.len() < keys.len() {
-            self.core.lock().stats.already_present += (keys.len() - todo.len()) as u64;
-        }
-        if todo.is_empty() {
-            return Ok(present);
-        }
-        let taken = self.take_pages(todo.len(), route_key, by)?;
+        let taken = self.take_pages(first, todo.len(), route_key, by)?;
         let placed: Vec<(usize, PageGrant)> = todo
             .iter()
             .copied()
             .zip(taken.pages.iter().copied())
             .collect();
-        let ok = write(self, &placed, by);
-        let (r, unused) = self.publish(keys, lens, present, &placed, &ok, &taken, by);
+        // Pages taken beyond the chunks placed (for chunks already present) are unused.
+        let mut end = Ending::of(taken.pages.iter().skip(placed.len()).copied().collect());
+        end.writing = taken.pages.iter().map(|p| p.region_id).collect();
+        end.present = (keys.len() - todo.len()) as u64;
+        let r = if placed.is_empty() {
+            Ok(present)
+        } else {
+            let ok = self.written(&placed, write(self, &placed, by));
+            self.publish(keys, lens, present, &placed, &ok, &taken, &mut end, by)
+        };
         // Whatever happened: the pages are no longer being written by this store.
-        self.store_end(unused, taken.pages.iter().map(|p| p.region_id), by);
+        self.store_end(end, by);
         r
     }
 
-    /// The end of a store: pages that hold no key kept for the next stores (or freed
-    /// beyond the bound), and the pages taken no longer being written (the last
-    /// writer into a region maru-server asked for gives it back): one call to the
-    /// core (`PoolCore::store_end`).
-    pub(super) fn store_end(
-        &self,
-        unused: Vec<PageGrant>,
-        writing: impl IntoIterator<Item = u64>,
-        by: Deadline,
-    ) {
-        let (unkept, done) = self.core.lock().store_end(unused, writing);
+    /// The end of a store, one core call (`PoolCore::store_end`), then what it decided
+    /// carried out: pages not kept freed, regions given back.
+    pub(super) fn store_end(&self, end: Ending, by: Deadline) {
+        let (unkept, gone) = self.core.lock().store_end(end);
+        self.core.notify();
         self.free_unkept(unkept, by);
-        self.carry_out(done, by);
+        self.carry_out(gone, by);
     }
 
-    /// Regions maru-server asked back on the reply to a call of this session: given
-    /// back now (or by their last writer), not at the next heartbeat.
+    /// Regions maru-server asked back on a reply: given back now (or by their last writer).
     pub(super) fn act_on_asks(&self, by: Deadline) {
         let asked = self.session.take_asked();
         if asked.is_empty() {
@@ -595,19 +524,8 @@ impl StoragePool {
         self.carry_out(gone, by);
     }
 
-    /// Pages of these regions (one entry per page) are no longer being written (their
-    /// writer in place dropped them): the last writer into a region maru-server asked
-    /// for gives it back.
-    pub(super) fn end_writing(&self, regions: impl IntoIterator<Item = u64>, by: Deadline) {
-        let done = self.core.lock().end_writing(regions);
-        self.carry_out(done, by);
-    }
-
-    /// The core's re-check of a publish (see `PoolCore::publish_begin`), after
-    /// maru-server heard the boot ids of the regions it writes into: reported first
-    /// when needed (a region adopted for this store, or a reboot found), at most
-    /// `REPORT_TRIES` times, every report by the store's deadline `by`; regions other
-    /// stores adopt meanwhile do not hold it back.
+    /// The core's re-check of a publish (`PoolCore::publish_begin`), a heartbeat first
+    /// when it asks (at most `REPORT_TRIES`, each by `by`).
     pub(super) fn recheck(
         &self,
         pages: &[PageGrant],
@@ -627,45 +545,38 @@ impl StoragePool {
         }
     }
 
-    /// Sends a publish the core re-checked (`ticket`) and tells the core how it went
-    /// (the publish is no longer in flight); with the pages it freed for later stores
-    /// (keys another engine published first).
+    /// Sends a re-checked publish (`ticket`); how it went, and the regions asked back
+    /// on the reply, go to the core with the store's end (`end`).
     pub(super) fn send_publish(
         &self,
         ticket: Option<u64>,
         entries: Vec<PublishEntry>,
+        end: &mut Ending,
         by: Deadline,
-    ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
-        let page_size = self.page_size().max(1);
-        let published: Vec<(PageGrant, u64)> = entries
+    ) -> Result<Vec<bool>, WorkerError> {
+        let size = self.page_size().max(1);
+        let published = entries
             .iter()
             .map(|e| {
                 let page = PageGrant {
                     region_id: e.region_id,
-                    page: e.offset / page_size,
+                    page: e.offset / size,
                     offset: e.offset,
-                    length: page_size,
+                    length: size,
                 };
                 (page, e.length)
             })
             .collect();
         let answer = self.session.publish(entries, by);
-        let back = self.core.lock().publish_end(
-            ticket,
-            &published,
-            answer.as_ref().ok().map(Vec::as_slice),
-        );
-        self.core.notify();
-        self.act_on_asks(by);
-        (answer, back)
+        end.publish = Some((ticket, published, answer.as_ref().ok().cloned()));
+        end.asked.extend(self.session.take_asked());
+        answer
     }
 
-    /// Publishes the chunks whose bytes are complete (`ok`), into regions that are
-    /// still the pool's on the boot they were written under (the core's re-check). A
-    /// chunk that fails the check is not published and counts as skipped. With the
-    /// result, the pages that hold no key, for the caller's `store_end`.
+    /// Publishes the complete chunks (`ok`) that pass the core's re-check; the pages
+    /// that hold no key go to `end`.
     #[allow(clippy::too_many_arguments)] // one store's state, and its deadline
-    pub(super) fn publish(
+    fn publish(
         &self,
         keys: &[&str],
         lens: &[usize],
@@ -673,16 +584,14 @@ impl StoragePool {
         placed: &[(usize, PageGrant)],
         ok: &[bool],
         taken: &Taken,
+        end: &mut Ending,
         by: Deadline,
-    ) -> (Result<Vec<bool>, WorkerError>, Vec<PageGrant>) {
+    ) -> Result<Vec<bool>, WorkerError> {
         if let Some(hook) = &self.hooks.before_publish {
             hook(self, &taken.pages);
         }
         let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
-        let mut plan = match self.recheck(&pages, ok, taken, by) {
-            Ok(plan) => plan,
-            Err(e) => return (Err(e), Vec::new()),
-        };
+        let mut plan = self.recheck(&pages, ok, taken, by)?;
         if self.hooks.unfenced && !plan.unused.is_empty() {
             plan.held += plan.unused.len();
             plan.unused.clear();
@@ -701,11 +610,9 @@ impl StoragePool {
                 plan.held
             );
         }
-        let mut unused = plan.unused;
-        // Pages taken beyond the chunks placed (none normally).
-        unused.extend(taken.pages.iter().skip(placed.len()).copied());
+        end.unused.extend(plan.unused);
         if plan.publish.is_empty() {
-            return (Ok(result), unused);
+            return Ok(result);
         }
         let entries: Vec<PublishEntry> = plan
             .publish
@@ -722,18 +629,12 @@ impl StoragePool {
                 }
             })
             .collect();
-        let (answer, back) = self.send_publish(plan.ticket, entries, by);
-        let is_new = match answer {
-            Ok(n) => n,
-            // The published chunks' pages stay out of use (the keys may be
-            // published); the others hold no key.
-            Err(e) => return (Err(e), unused),
-        };
-        for (&k, _) in plan.publish.iter().zip(is_new) {
+        // Not answered: the published chunks' pages stay out of use (the keys may be
+        // published).
+        self.send_publish(plan.ticket, entries, end, by)?;
+        for &k in &plan.publish {
             result[placed[k].0] = true;
         }
-        // Pages that hold no key (and no write in flight) serve the next stores.
-        unused.extend(back);
-        (Ok(result), unused)
+        Ok(result)
     }
 }

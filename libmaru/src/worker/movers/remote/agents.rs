@@ -1,14 +1,7 @@
-//! The agents of a remote mover: one control connection each (map, map_read,
-//! release, a peer's bring-up), a short-timeout probe connection, the transport peer,
-//! and what the region lifecycle makes of what they say (a restart maps the regions
-//! again, a reboot puts them out of use until maru-server dropped their keys).
-//!
-//! Every round trip to an agent, every connect and every fence runs without the
-//! state's lock, holding only the connection it uses (`link`), and a wait made for a
-//! request ends by the request's deadline; what it found is recorded under the lock
-//! (`RemoteState`, which never waits). So an agent that stalls costs the requests
-//! that need it about their timeout, and holds nothing of the handler's other
-//! requests, pools, heartbeats or ticks.
+//! The agents of a remote mover: a control connection each, a probe connection, the
+//! transport peer, and what the lifecycle makes of what they say. Every round trip,
+//! connect and fence runs without the state's lock, holding only its connection
+//! (`link`), by the request's deadline; what it found is recorded under the lock.
 
 use super::link::{AgentLink, LinkLease};
 use super::{AgentConn, OwnRegion, ReadTarget, RemoteMover, RemoteState};
@@ -24,17 +17,14 @@ use crate::worker::op_stats::{contacted, Contact};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Timeouts of an agent probe (connect, then the status call): short, because a
-/// probe holds the pool's tick (not the handler's requests: `RemoteMover::probe`) and an
-/// agent that does not answer is the case it is there to find.
+/// Timeouts of an agent probe (connect, then the status call): short, since a probe
+/// holds the pool's tick.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long the tick's fences wait for their proof (see `RemoteMover::reclaim`).
 const TICK_FENCE_WAIT: Duration = Duration::from_secs(1);
 
-/// A control link to an agent: an agent that reports no boot id in its welcome is
-/// refused by the link itself, before anything is asked of it (a worker could not
-/// tell a reboot of its memory node).
+/// A control link to an agent; one whose welcome has no boot id is refused by it.
 pub(super) fn agent_link(addr: &str, opts: crate::net::ClientOptions) -> Link {
     Link::new(addr, opts).with_check(require_boot_id)
 }
@@ -67,9 +57,8 @@ impl RemoteState {
         self.agent(addr).link.clone()
     }
 
-    /// An agent said who it is (a new control connection's welcome, a probe's answer,
-    /// a map reply): the lifecycle's verdict, carried out (`on_verdict`). `Err` for an
-    /// agent that reports no boot id.
+    /// An agent said who it is (a welcome, a probe's answer, a map reply): the
+    /// lifecycle's verdict, carried out (`on_verdict`).
     pub(crate) fn seen(
         &mut self,
         addr: &str,
@@ -87,9 +76,8 @@ impl RemoteState {
         self.on_verdict(addr, v.clone()).map(|()| v)
     }
 
-    /// `addr` did not answer (`why`): away until it answers again (see
-    /// `Lifecycle::unreachable`): stores into its regions skip and loads from it miss
-    /// at once, without waiting on it; said once per absence.
+    /// `addr` did not answer a request's call by its deadline (`why`): away until it
+    /// answers again (`Lifecycle::missed_deadline`); said once per absence.
     pub(crate) fn away(&mut self, addr: &str, now_ms: u64, why: &str) {
         if self.life.missed_deadline(addr, now_ms) {
             log::warn!(
@@ -100,11 +88,9 @@ impl RemoteState {
         }
     }
 
-    /// Whether `agent` is away: it did not answer a call, connect or probe and has not
-    /// answered since (`Lifecycle::is_away`), or its data connection keeps slots of a
-    /// transfer that did not finish by its deadline and no fence of it succeeded yet
-    /// (the control connection may answer while the data path does not: a half-open
-    /// data port). Stores skip its regions and loads miss its bytes, at once.
+    /// Whether `agent` is away (`Lifecycle::is_away`), or its data connection keeps
+    /// slots that no fence freed yet (the control port may answer while the data
+    /// path does not).
     pub(crate) fn agent_away(&self, agent: &str) -> bool {
         self.life.is_away(agent)
             || self
@@ -121,17 +107,13 @@ impl RemoteState {
             .is_some_and(|r| self.agent_away(&r.agent))
     }
 
-    /// Whether every agent the pool knows (maru-server's handshake named it, or the
-    /// pool stored or read there) is away: any lease maru-server could give is then
-    /// at an away agent, so a load misses at once without asking for leases. (An
-    /// agent added to maru-server after the handshake and not yet read from is not
-    /// known: its keys miss too while this holds.)
+    /// Whether every agent the pool knows (from the handshake, or stored or read at)
+    /// is away.
     pub(crate) fn every_agent_away(&self) -> bool {
         !self.agents.is_empty() && self.agents.keys().all(|a| self.agent_away(a))
     }
 
-    /// Whether a lease's bytes are at an agent that is away (its own region's agent,
-    /// or the agent maru-server named).
+    /// Whether a lease's bytes are at an agent that is away.
     pub(crate) fn lease_away(&self, l: &LeaseGrant) -> bool {
         let agent = match self.own.get(&l.region_id) {
             Some(r) => Some(r.agent.as_str()),
@@ -140,9 +122,8 @@ impl RemoteState {
         agent.is_some_and(|a| self.agent_away(a))
     }
 
-    /// Carries out what the lifecycle made of an agent's identity: a restart or a
-    /// reboot drops the peer (queued to be fenced) and the read registrations there;
-    /// an agent without boot id is unreachable (its control connection goes).
+    /// Carries out a verdict: a restart or a reboot drops the peer (to be fenced) and
+    /// the read registrations; no boot id: the control connection goes.
     pub(super) fn on_verdict(&mut self, addr: &str, v: Verdict) -> Result<(), WorkerError> {
         match v {
             Verdict::Same => return Ok(()),
@@ -174,10 +155,8 @@ impl RemoteState {
         Ok(())
     }
 
-    /// The control connection to `addr` broke: the agent may have restarted, losing
-    /// its registrations (read registrations go with the connection anyway); a new
-    /// connection is a new peer at the transport too, and this mover's regions there
-    /// are mapped again before their next use.
+    /// The control connection to `addr` broke: its peer and read registrations go,
+    /// and the own regions there are mapped again before their next use.
     pub(super) fn link_broke(&mut self, addr: &str) {
         self.agent(addr).peer = None;
         self.life.link_broken(addr);
@@ -217,9 +196,8 @@ impl RemoteState {
         }
     }
 
-    /// A peer whose batch failed with a known outcome: forgotten (and queued to be
-    /// fenced: only a fence that succeeded lets pages of its WRITEs be reused); its
-    /// agent's own regions are mapped again before their next use.
+    /// A peer whose batch failed with a known outcome: forgotten and queued to be
+    /// fenced; its agent's regions are mapped again before their next use.
     pub(crate) fn drop_failed_peer(&mut self, peer: PeerId) {
         let mut dropped = false;
         for (addr, c) in self.agents.iter_mut() {
@@ -239,9 +217,7 @@ impl RemoteState {
         self.to_fence.push(peer);
     }
 
-    /// Whether this mover's regions at `agent` are to be mapped again now: their
-    /// registrations may be gone (a broken connection, a restart) and none of them
-    /// waits for maru-server to hear of a reboot.
+    /// Whether this mover's regions at `agent` are to be mapped again now.
     pub(super) fn remap_due(&self, agent: &str) -> bool {
         self.life.needs_remap(agent)
             && self.life.may_map(agent)
@@ -261,8 +237,7 @@ impl RemoteState {
         agents
     }
 
-    /// The transport metadata to reach `agent`'s NIC with (its newest map reply: on
-    /// soft it binds the data connections to the control connection that mapped).
+    /// The transport metadata to reach `agent`'s NIC with (its newest map reply).
     fn transport_of(&self, agent: &str) -> Option<serde_json::Value> {
         self.own
             .values()
@@ -276,8 +251,7 @@ impl RemoteState {
             })
     }
 
-    /// Of `agents`, those a window cannot use before something is done without the
-    /// lock (`RemoteMover::ready`): no peer yet, or regions to map again.
+    /// Of `agents`, those to make ready first (`RemoteMover::ready`).
     pub(super) fn unready(&mut self, agents: impl IntoIterator<Item = String>) -> Vec<String> {
         let mut out: Vec<String> = agents
             .into_iter()
@@ -297,9 +271,8 @@ impl RemoteState {
         }
     }
 
-    /// Where a lease's bytes are, if they may be read: only while their agent is on the
-    /// boot the key was written under (else the memory node rebooted and maru-server
-    /// has not heard it yet: the bytes are stale).
+    /// Where a lease's bytes are, if they may be read (their agent not away, and on
+    /// the boot the key was written under).
     pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
         if self.lease_away(l) {
             return Err(WorkerError::unavailable(
@@ -365,7 +338,7 @@ impl RemoteState {
 
     /// The ranges of `leases` in other engines' regions that have no read
     /// registration yet, by agent, each with the connection to ask on.
-    fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> Vec<ToMap> {
+    pub(super) fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> Vec<ToMap> {
         let mut out: Vec<ToMap> = Vec::new();
         for l in leases {
             if self.own.contains_key(&l.region_id) || self.reads.contains_key(&range(l)) {
@@ -395,10 +368,8 @@ impl RemoteState {
         out
     }
 
-    /// Records what `map_read` calls made without the lock got at `agent`. They were
-    /// made on the agent's control connection, taken for them: what could drop the
-    /// registrations meanwhile is that connection breaking (`broke`: nothing is
-    /// recorded) or the agent restarting (its verdict, recorded here).
+    /// Records what `map_read` calls made without the lock got at `agent` (nothing
+    /// when the connection broke on the way).
     pub(super) fn mapped_reads(&mut self, agent: &str, got: MapReads, now_ms: u64) {
         if got.broke {
             self.link_broke(agent);
@@ -473,10 +444,7 @@ fn ask(link: &mut Link, req: &AgentRequest, within: Duration) -> Result<AgentRep
     link.call_within::<_, AgentReply>(req, within)
 }
 
-/// Asks `link`'s agent who it is (boot id, epoch). The request is the cheapest the
-/// agent has (an unmap of no region: nothing changes); who answers is in the welcome
-/// of the connection, checked on every probe, so a restart is seen as soon as the old
-/// connection is found dead and a new one made.
+/// Asks `link`'s agent who it is (boot id, epoch), with an unmap of no region.
 fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64>), LinkError> {
     let ping = AgentRequest::Unmap {
         region_id: u64::MAX,
@@ -492,7 +460,7 @@ fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64
 }
 
 /// Ranges to map for reading at one agent.
-struct ToMap {
+pub(super) struct ToMap {
     agent: String,
     link: Arc<AgentLink>,
     leases: Vec<LeaseGrant>,
@@ -508,9 +476,8 @@ pub(super) struct MapReads {
     unreachable: bool,
 }
 
-/// Asks `link`'s agent to map each of `leases` for reading, each call by `by`, on the
-/// connection that is up (connected by the caller): nothing more is asked after a
-/// call broke it.
+/// Asks `link`'s agent to map each of `leases` for reading, each call by `by`;
+/// nothing more after a call broke the connection.
 fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadline) -> MapReads {
     let mut got = MapReads::default();
     for l in leases {
@@ -568,9 +535,8 @@ impl RemoteMover {
         r
     }
 
-    /// `req` on `addr`'s control connection, connecting first, all by `by`. A call
-    /// that failed on a connection found dead is made once more on a fresh one (the
-    /// agent never saw it).
+    /// `req` on `addr`'s control connection, connecting first, all by `by`; once more
+    /// on a fresh connection when the old one was found dead.
     fn call(
         &self,
         addr: &str,
@@ -596,10 +562,8 @@ impl RemoteMover {
         r.map_err(|e| at(addr, e))
     }
 
-    /// Maps this mover's own regions at `addr` again (their registrations may be gone:
-    /// a broken connection, a restart), unless one of them waits for maru-server to
-    /// hear of a reboot. The agent keeps a region's bytes across its restart, not its
-    /// registration. An agent that cannot be reached stays due.
+    /// Maps the own regions at `addr` again (a restart keeps the bytes, not the
+    /// registrations), unless one waits for maru-server to hear of a reboot.
     fn remap(&self, addr: &str, lease: &mut LinkLease<'_>, by: Deadline) {
         // Connect first: a new connection's welcome may reveal a reboot, and then
         // nothing is mapped before maru-server dropped the keys.
@@ -712,10 +676,8 @@ impl RemoteMover {
         self.peer(addr, &mut lease, by).map(|_| ())
     }
 
-    /// Connects to each of `agents` (the pool's, from maru-server's handshake), by
-    /// `by`, so that a key that does not prove fails now, at open, and not at the
-    /// first store (a configuration error only the caller can fix). An agent that
-    /// does not answer is no error: its regions are mapped when they come.
+    /// Connects to each of `agents` by `by`, so a key that does not prove fails the
+    /// open; an agent that does not answer is no error.
     pub(crate) fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
         for addr in agents {
             let link = self.lock().link_of(addr);
@@ -732,10 +694,7 @@ impl RemoteMover {
     }
 
     /// Maps a region this worker took at its agent and records it, then connects its
-    /// peer; every wait by `by`. The `map` round trip (the agent holds the region at
-    /// the RM and registers it with its NIC: on verbs that pins the region's pages,
-    /// tens of milliseconds for 256 MiB) holds the agent's control connection only:
-    /// the handler's other requests go on meanwhile.
+    /// peer; every wait by `by`, holding the agent's control connection only.
     pub(crate) fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         let agent = grant.agent.clone().ok_or_else(|| {
             WorkerError::Config(format!(
@@ -774,10 +733,8 @@ impl RemoteMover {
         Ok(())
     }
 
-    /// What is due on the pool's tick: probes (`probe`), maps again after a restart
-    /// (when no request has the agent's connection: such a request maps them itself),
-    /// fences of kept slots, regions of agents silent too long to give back
-    /// (returned).
+    /// What is due on the pool's tick: probes, maps again, fences of kept slots; returns
+    /// the regions of agents silent too long, to give back.
     pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
@@ -818,10 +775,8 @@ impl RemoteMover {
         }
     }
 
-    /// Probes the agents that are away and due (see `Lifecycle::away_probes_due`),
-    /// between the pool's ticks, so that one that answers again serves the next store.
-    /// Peers that keep slots are fenced too: a fence that succeeds is what tells a
-    /// data connection that answers again (and gives the slots back).
+    /// Probes the agents that are away and due, and fences peers that keep slots (a
+    /// fence that succeeds tells a data connection that answers again).
     pub(crate) fn probe_away(&self, now_ms: u64, by: Deadline) {
         let due = self.lock().life.away_probes_due(now_ms);
         for a in due {
@@ -842,10 +797,8 @@ impl RemoteMover {
         }
     }
 
-    /// The probe connection to `addr`, taken out of `probes` for one probe (no lock
-    /// is held while it waits on the agent; a second probe at once gets a new one):
-    /// short timeouts, and a client id of its own (the agent drops a client's read
-    /// handles when one of its connections closes, and this one holds none).
+    /// The probe connection to `addr`, taken out of `probes` for one probe: short
+    /// timeouts, a client id of its own (it holds no read handles to drop).
     fn take_probe_link(&self, addr: &str) -> Link {
         let idle = self
             .probes
@@ -861,14 +814,9 @@ impl RemoteMover {
         })
     }
 
-    /// Asks whether `addr` answers, and who (`ping`), on its probe connection and
-    /// without the state's lock: an agent slow to answer (up to `PROBE_TIMEOUT` to
-    /// connect and as much to reply) holds the tick, not the handler's requests.
-    /// What it found is fed to the lifecycle under the lock.
-    ///
-    /// An agent that is away is given a request's timeout to answer (a busy agent is
-    /// not a stalled one, and a probe waiting when a stalled one goes on sees it at
-    /// once); the others `PROBE_TIMEOUT`.
+    /// Asks whether `addr` answers, and who, on its probe connection without the
+    /// state's lock (`PROBE_TIMEOUT`; an away agent a request's timeout, so a probe is
+    /// waiting when it goes on); what it found goes to the lifecycle.
     fn probe(&self, addr: &str, now: u64) {
         let within = if self.lock().life.is_away(addr) {
             self.timeout.max(PROBE_TIMEOUT)
@@ -885,13 +833,16 @@ impl RemoteMover {
         self.lock().probed(addr, now, who);
     }
 
-    /// Maps for reading, at their agents, the ranges of `leases` in other engines'
-    /// regions that have no registration yet, before a load plans its windows. The
-    /// round trips hold the agent's control connection, not the state's lock, and end
-    /// by `by`: a slow agent holds the loads that read from it, not the handler's
-    /// other requests. What is not mapped here is not read.
-    pub(super) fn map_reads(&self, leases: &[LeaseGrant], by: Deadline) {
+    /// [`map_reads`](Self::map_reads) of the ranges of a request's `leases` not mapped
+    /// yet, before its first window (no `map_read` goes while its READs are out).
+    pub(super) fn map_reads_of(&self, leases: &[LeaseGrant], by: Deadline) {
         let todo = self.lock().reads_to_map(leases);
+        self.map_reads(todo, by);
+    }
+
+    /// Maps for reading the ranges `todo` names (other engines' regions), on their
+    /// agents' control connections, by `by`.
+    pub(super) fn map_reads(&self, todo: Vec<ToMap>, by: Deadline) {
         for t in todo {
             let Some(mut lease) = t.link.take(by) else {
                 log::debug!(
@@ -909,9 +860,7 @@ impl RemoteMover {
         }
     }
 
-    /// Fences the peers the state queued (a restart, a reboot, a failed batch), each
-    /// fence waiting for its proof until `by` (one that fails proves nothing: the
-    /// peer's unconfirmed WRITEs stay, and `reclaim` fences it again).
+    /// Fences the peers the state queued (a restart, a reboot, a failed batch), by `by`.
     pub(super) fn fence_queued(&self, by: Deadline) {
         let peers = std::mem::take(&mut self.lock().to_fence);
         if !peers.is_empty() {
@@ -928,9 +877,8 @@ impl RemoteMover {
         }
     }
 
-    /// Fences `peers` (without the lock, each until `by`), records the outcomes and
-    /// forgets the peers proven quiet; the slots that frees go back to their pool
-    /// after the lock is let go.
+    /// Fences `peers` without the lock (each by `by`), records the outcomes, forgets
+    /// the peers proven quiet; freed slots go back after the lock is let go.
     pub(super) fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
         let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
             .into_iter()
@@ -956,9 +904,7 @@ impl RemoteMover {
         drop(back);
     }
 
-    /// Releases every own region at its agent (the session is gone with the
-    /// maru-server that knew it, so no keeper will); each release within the timeout.
-    /// Returns (released, failed).
+    /// Releases every own region at its agent (no keeper will); (released, failed).
     pub(crate) fn release_all(&self) -> (usize, usize) {
         let own: Vec<(String, crate::wire::rm::Handle)> = self
             .lock()

@@ -1,19 +1,8 @@
-//! Transfer isolation, as records in the pool core (no I/O here: the fences are the
-//! driver's, `RemoteMover::fence_round`). A transfer posts one batch per peer
-//! (agent), each with the staging slots its operations use. When it ends:
-//! - a peer whose batch completed (done or failed for sure) gives its slots back;
-//! - a peer never posted to gives its slots back;
-//! - a peer whose batch is still pending at the deadline (its outcome unknown: the NIC
-//!   may still be moving bytes into those slots) keeps *only its own* slots here,
-//!   until that peer is fenced; then they come back too.
-//!
-//! Upstream kept such slots until the process restarted; the fence (QP to error and
-//! its flushed completions drained, or the soft reader stopped) is the proof that no
-//! DMA touches them any more. The rule: a peer's kept slots come back, and pages its
-//! WRITEs may still reach are reused, only after a fence of that peer that
-//! *succeeded*. A failed fence, or a peer the transport no longer knows (`NoPeer`:
-//! another pool's fence may still be running, or it failed and forgot the peer),
-//! proves nothing: the slots stay kept.
+//! Transfer isolation, as records in the pool core (the fences are the driver's,
+//! `RemoteMover::fence_round`). A peer whose batch is still pending at the deadline
+//! keeps only its own slots here; they come back, and pages its WRITEs may reach are
+//! reused, only after a fence of that peer that *succeeded* (a failed fence, or
+//! `NoPeer`, proves nothing). Every other peer's slots come back at once.
 
 use crate::transport::{Op, PeerId, TransportError};
 use crate::worker::staging::Slot;
@@ -31,11 +20,9 @@ pub struct PeerBatch {
 pub enum PeerOutcome {
     /// Every operation completed; the slots (with READ data) are the caller's again.
     Done(Vec<Slot>),
-    /// Failed for sure (nothing in flight); the slots are the caller's again (their
-    /// contents undefined).
+    /// Failed for sure (nothing in flight); the slots are the caller's again.
     Failed(TransportError, Vec<Slot>),
-    /// Outcome unknown at the deadline; the slots go to [`Isolation::keep`] until the
-    /// peer is fenced.
+    /// Outcome unknown at the deadline: kept ([`Isolation::keep`]) until a fence.
     Kept(PeerId, Vec<Slot>),
 }
 
@@ -46,8 +33,7 @@ pub struct Isolation {
     kept: Vec<(PeerId, Vec<Slot>)>,
     /// Peers whose fence succeeded: nothing of them touches memory any more.
     fenced: BTreeSet<PeerId>,
-    /// Peers whose WRITEs failed with the connection (their outcome at the target is
-    /// unknown) and that have not been fenced yet.
+    /// Peers whose WRITEs failed with the connection, not fenced yet.
     unconfirmed: BTreeSet<PeerId>,
 }
 
@@ -62,8 +48,7 @@ impl Isolation {
         self.kept.push((peer, slots));
     }
 
-    /// Whether `peer` keeps slots and no fence of it succeeded yet: its data
-    /// connection did not answer, and its agent counts as away until it does.
+    /// Whether `peer` keeps slots no fence freed yet (its agent counts as away).
     pub fn holds(&self, peer: PeerId) -> bool {
         !self.fenced.contains(&peer) && self.kept.iter().any(|(p, _)| *p == peer)
     }

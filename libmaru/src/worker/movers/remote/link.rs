@@ -1,8 +1,6 @@
-//! The control connection to one agent, used by one caller at a time. A caller takes
-//! it (waiting at most until its deadline while another caller has it), makes its
-//! round trips holding nothing else, and gives it back when the [`LinkLease`] drops.
-//! One connection per agent, not a pool of them: on verbs a registration lives in
-//! the protection domain of the connection that asked for it, and a soft data
+//! The control connection to one agent, used by one caller at a time (waiting at most
+//! until its deadline), given back when the [`LinkLease`] drops. One per agent: on
+//! verbs a registration lives in the connection's protection domain, and a soft data
 //! connection is bound to the control connection that mapped its regions.
 
 use crate::net::Link;

@@ -1,24 +1,7 @@
-//! `remote_cxl`: WRITE/READ between the staging slots of this host and regions of
-//! memory nodes, over a one-sided transport.
-//!
-//! - [`RemoteMover`] (here): the driver, one per pool: the transport, the staging
-//!   slots, the agents' control and probe connections, the data path's in-flight
-//!   budget ([`InFlightBudget`], here); its state ([`RemoteState`]) is part of the
-//!   pool core, under the pool's one lock;
-//! - `agents`: the control connections to agents, their probes, and the region
-//!   lifecycle (boot ids, restarts, silence) they feed (`worker::lifecycle`);
-//! - `link`: an agent's control connection, used by one caller at a time;
-//! - `post`: a window of transfers posted one batch per peer and settled;
-//! - `isolation`: the slots of transfers of unknown outcome, kept until their peer
-//!   is fenced;
-//! - `windows`: the mover's stores and loads (`write`, `write_slots`, `read`,
-//!   `read_into`): the schedule of a request's windows and what a store or load posts
-//!   window by window.
-//!
-//! No lock is held across a round trip, a connect or a fence: the core's lock is
-//! taken to look things up and record outcomes only; a round trip to an agent holds
-//! that agent's control connection (taken for the call, see `link`), and every such
-//! wait made for a request ends by the request's deadline.
+//! `remote_cxl`: one-sided WRITE/READ between staging slots and memory nodes.
+//! [`RemoteMover`] is the driver (its state, [`RemoteState`], is in the pool core):
+//! `windows` (stores and loads), `post` (one window), `agents` and `link` (control
+//! connections), `isolation` (slots of transfers of unknown outcome).
 
 mod agents;
 pub(crate) mod isolation;
@@ -57,14 +40,8 @@ impl DerefMut for StateGuard<'_> {
 }
 
 /// The bytes the windowed transfers of one data path may have in flight together
-/// before a request's second window waits (see the module documentation): two
-/// requests of one handler each get the two windows a lone request gets, as two
-/// handlers' requests do; more requests than that keep one window each. Measured on
-/// the bench's 2-core VM with 4 MiB (one request's two windows), one handler used by
-/// two threads loading 256 KiB chunks got 0.89-0.94 x of two handlers in three of four
-/// interleaved runs (`maru-bench --only threads`), and 1.03-1.06 x with 8 MiB. Many
-/// windows in flight at once take the CPU's cache from one another: 4 engines
-/// loading 2 MiB chunks, 5.2 GB/s with one window each against 4.3 GB/s with two.
+/// before a request's second window waits: two requests of one handler each get two
+/// windows, more keep one each (figures in `docs/worker.md`, "Windows").
 pub const IN_FLIGHT_BUDGET: u64 = 8 << 20;
 /// The bytes in flight of the windowed transfers of one data path (shared by its
 /// pools' movers), against a limit.
@@ -89,6 +66,7 @@ impl InFlightBudget {
     }
 
     /// Bytes in flight now.
+    #[cfg(test)]
     pub fn in_flight(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
@@ -118,13 +96,8 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// `remote_cxl`: WRITE/READ between staging slots and regions of memory nodes.
-///
-/// Requests of one handler run side by side: its state (agents, own regions, read
-/// registrations, the region lifecycle) is in the pool core, behind its one short
-/// lock, taken to plan a window and to settle it, never while a window is on the
-/// wire, its slots are filled or emptied, an agent is called or a peer connected or
-/// fenced.
+/// `remote_cxl`'s driver: its state is in the pool core, locked to plan and settle a
+/// window, never across a transfer, a copy, a call, a connect or a fence.
 pub struct RemoteMover {
     core: Arc<CoreCell>,
     nic: Arc<dyn Transport>,
@@ -144,8 +117,7 @@ pub struct RemoteMover {
 }
 
 impl RemoteMover {
-    /// A mover over `nic` and `staging`, reaching agents with `agent_opts`; it makes
-    /// the pool core its state lives in (the pool takes it: `core`).
+    /// A mover and the pool core its state lives in (the pool takes it: `core`).
     pub fn new(
         nic: Arc<dyn Transport>,
         staging: StagingSlots,
@@ -164,11 +136,6 @@ impl RemoteMover {
             probes: Mutex::new(HashMap::new()),
             agent_opts,
         }
-    }
-
-    /// The pool core this mover's state is in.
-    pub(crate) fn core(&self) -> Arc<CoreCell> {
-        self.core.clone()
     }
 
     /// The state, under the core's lock.

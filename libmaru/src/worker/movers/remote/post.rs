@@ -1,11 +1,8 @@
-//! One window of transfers: the agents it needs made ready (connected, regions
-//! mapped again, peers connected: without the state's lock, by the request's
-//! deadline), operations grouped into a batch per peer and planned under the state's
-//! lock, posted and waited for without it, and settled under it again. A peer whose
-//! batch failed is dropped (and fenced, without the lock: pages its WRITEs may still
-//! reach wait for a fence that succeeded); a peer whose batch did not finish keeps
-//! its slots in transfer isolation. What failed while a peer was dropped is posted
-//! once more.
+//! One window of transfers: its agents made ready without the state's lock, one
+//! batch per peer planned under it, posted and waited for without it, settled under
+//! it. A peer whose batch failed is dropped and fenced; one whose batch did not
+//! finish keeps its slots (`isolation`); what failed while a peer was dropped is
+//! posted once more.
 
 use super::isolation::{PeerBatch, PeerOutcome};
 use super::{RemoteMover, RemoteState};
@@ -16,9 +13,7 @@ use crate::worker::movers::SlotOutcome;
 use crate::worker::op_stats::{contacted, Contact};
 use crate::worker::staging::Slot;
 
-/// A transfer whose batches are on their way: [`Posted::finish`] waits for them and
-/// hands the slots back, so that a caller can post the next transfer before it waits
-/// for this one.
+/// A transfer whose batches are on their way ([`Posted::finish`] waits for them).
 #[must_use = "a posted transfer owns its slots until it is finished"]
 pub(super) struct Posted {
     parts: Vec<PostedPart>,
@@ -28,8 +23,7 @@ pub(super) struct Posted {
 /// One peer's batch as posted, or why it could not be, with its slots.
 type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
 
-/// Posts every peer's batch (each handed over by `deadline`); each must complete by
-/// then.
+/// Posts every peer's batch; each must complete by `deadline`.
 pub(super) fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadline) -> Posted {
     let parts = batches
         .into_iter()
@@ -46,8 +40,7 @@ pub(super) fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadlin
 }
 
 impl Posted {
-    /// Waits for every peer's batch until the deadline set when it was posted; a peer
-    /// still pending then hands its slots over as `Kept` (for transfer isolation).
+    /// Waits for every peer's batch until the deadline; one still pending then is `Kept`.
     pub(super) fn finish(mut self, t: &dyn Transport) -> Vec<PeerOutcome> {
         let deadline = self.deadline;
         std::mem::take(&mut self.parts)
@@ -71,9 +64,7 @@ impl Posted {
 }
 
 impl Drop for Posted {
-    /// Only a transfer dropped without [`Posted::finish`] (a bug, or a panic unwinding)
-    /// has parts left: their NIC may still move bytes into the slots, and nothing here
-    /// can fence it, so the slots never go back to their pool.
+    /// A transfer dropped unfinished (a bug, a panic): its slots never go back.
     fn drop(&mut self) {
         let mut lost = 0;
         for p in std::mem::take(&mut self.parts) {
@@ -98,9 +89,7 @@ impl Drop for Posted {
 /// was dropped (`RemoteMover::plan_writes` or `plan_reads`).
 pub(super) type PostAgain<'a> = dyn FnMut(&RemoteMover, Vec<usize>, Vec<Slot>) -> Planned + 'a;
 
-/// One window of a transfer, planned under the state's lock (targets and peers looked
-/// up) and not yet posted: `RemoteMover::launch` posts it without the lock (on the soft
-/// transport a post writes the WRITE payloads on the socket).
+/// One window planned under the state's lock, to post without it (`launch`).
 pub(super) struct Planned {
     items: Vec<usize>,
     out: Vec<SlotOutcome>,
@@ -153,8 +142,8 @@ impl PeerGroups {
     }
 }
 
-/// Takes the slots of the transfers that failed with a known outcome (their slot came
-/// back), with their places in `out`, to try them again.
+/// Takes the slots of the transfers that failed with a known outcome, with their
+/// places in `out`, to try them again.
 pub(super) fn take_failed(out: &mut [SlotOutcome]) -> (Vec<usize>, Vec<Slot>) {
     out.iter_mut()
         .enumerate()
@@ -174,8 +163,7 @@ pub(super) fn put_back(out: &mut [SlotOutcome], idx: &[usize], again: Vec<SlotOu
 struct Settled {
     /// A batch did not complete.
     failed: bool,
-    /// A batch failed with a known outcome (its peer is dropped: a try on a fresh
-    /// connection may succeed).
+    /// A batch failed with a known outcome (its peer dropped: a new try may succeed).
     dropped: bool,
     /// A batch's outcome is unknown (its slots are kept until its peer is fenced).
     kept: bool,
@@ -221,20 +209,16 @@ impl RemoteState {
                     if writes && matches!(e, TransportError::PeerLost { .. }) {
                         // Locally it is over, but the target may still apply WRITEs
                         // it read: their pages wait for a fence that succeeds.
-                        self.unknown_writes(peer);
+                        self.iso.unknown_writes(peer);
                     }
-                    // Nothing of it is in flight here: drop the peer (fenced), so the
-                    // next transfer connects again, and map our regions at its agent
-                    // again before their next use. Another request may have dropped it
-                    // already: this one still tries its failed items again.
+                    // Nothing of it is in flight: drop the peer (fenced); the next
+                    // transfer connects and maps again (this one tries once more).
                     self.drop_failed_peer(peer);
                     dropped = true;
                     (false, s)
                 }
                 PeerOutcome::Kept(p, slots) => {
-                    // Its agent is away from now until a fence of p succeeds
-                    // (`agent_away`): the next calls skip or miss at once instead of
-                    // waiting on it too. Said once.
+                    // Its agent is away until a fence of p succeeds (`agent_away`).
                     match self.agent_of_peer(p) {
                         Some(agent) if !self.agent_away(&agent) => log::warn!(
                             "agent {agent}: a transfer did not finish by the request's deadline: stores into its regions are skipped and loads from it miss, at once, until a fence of its data connection succeeds (tried every {} ms)",
@@ -276,7 +260,7 @@ impl RemoteState {
             .collect()
     }
 
-    /// The agents `leases` are read from (own regions, or mapped for reading).
+    /// The agents `leases` are read from (an own region's, else the one maru-server named).
     fn agents_of_leases(&self, items: &[usize], leases: &[LeaseGrant]) -> Vec<String> {
         items
             .iter()
@@ -284,10 +268,7 @@ impl RemoteState {
                 let l = &leases[i];
                 match self.own.get(&l.region_id) {
                     Some(r) => Some(r.agent.clone()),
-                    None => self
-                        .reads
-                        .get(&(l.region_id, l.offset, l.length))
-                        .map(|t| t.0.clone()),
+                    None => l.agent.clone(),
                 }
             })
             .collect()
@@ -306,9 +287,9 @@ impl RemoteState {
         self.agents.get(agent).and_then(|c| c.peer)
     }
 
-    /// Plans a WRITE of each of the request's `items` from the slot of the same index
-    /// into its page; `page(item)` is the page and the bytes to write. An item whose
-    /// region is not usable, or whose agent has no peer, gets its slot back.
+    /// Plans a WRITE of each of `items` from the slot of the same index into its page
+    /// (`page(item)`: page and length); one whose region is not usable, or whose
+    /// agent has no peer or is away, gets its slot back.
     fn post_writes(
         &mut self,
         items: Vec<usize>,
@@ -418,20 +399,39 @@ impl RemoteState {
 }
 
 impl RemoteMover {
-    /// Makes `unready` agents ready for a window (without the state's lock, by `by`);
-    /// one that is not stays unready and the window's items there fail.
-    fn prepare(&self, unready: Vec<String>, by: Deadline) {
+    /// The state, locked, once the ranges of `reads` in other engines' regions are
+    /// mapped for reading and the agents `agents` names are ready (what is not is
+    /// done without the lock, by `by`: what fails stays undone and the window's items
+    /// there fail); `None` once `by` passed (a batch posted then would keep its slots
+    /// until a fence). All mapped and ready (the usual case): one lock.
+    fn ready_for(
+        &self,
+        by: Deadline,
+        reads: &[LeaseGrant],
+        agents: impl FnOnce(&RemoteState) -> Vec<String>,
+    ) -> Option<super::StateGuard<'_>> {
+        if by.passed() {
+            return None;
+        }
+        let mut st = self.lock();
+        let to_map = st.reads_to_map(reads);
+        let agents = agents(&st);
+        let unready = st.unready(agents);
+        if to_map.is_empty() && unready.is_empty() {
+            return Some(st);
+        }
+        drop(st);
+        self.map_reads(to_map, by);
         for agent in unready {
             if let Err(e) = self.ready(&agent, by) {
                 log::debug!("agent {agent} not ready for a transfer: {e}");
             }
         }
+        Some(self.lock())
     }
 
     /// Plans WRITEs of `items` from `slots` (see `RemoteState::post_writes`), their
-    /// agents made ready first; nothing once `by` passed (a batch posted then would
-    /// keep its slots until a fence). Agents all ready (the usual case): planned under
-    /// the one lock that found it so.
+    /// agents made ready first (`ready_for`).
     pub(super) fn plan_writes(
         &self,
         items: Vec<usize>,
@@ -439,25 +439,14 @@ impl RemoteMover {
         page: &dyn Fn(usize) -> (PageGrant, usize),
         by: Deadline,
     ) -> Planned {
-        if by.passed() {
-            return Planned::nothing(items, slots, false);
+        match self.ready_for(by, &[], |st| st.agents_of_pages(&items, page)) {
+            Some(mut st) => st.post_writes(items, slots, page),
+            None => Planned::nothing(items, slots, false),
         }
-        let unready = {
-            let mut st = self.lock();
-            let agents = st.agents_of_pages(&items, page);
-            let unready = st.unready(agents);
-            if unready.is_empty() {
-                return st.post_writes(items, slots, page);
-            }
-            unready
-        };
-        self.prepare(unready, by);
-        self.lock().post_writes(items, slots, page)
     }
 
-    /// Plans READs of `items` into `slots` (see `RemoteState::post_reads`): the ranges
-    /// not mapped for reading are mapped and the agents made ready first (agents all
-    /// ready: planned under the one lock that found it so).
+    /// Plans READs of `items` into `slots` (see `RemoteState::post_reads`), their
+    /// ranges mapped for reading and their agents made ready first (`ready_for`).
     pub(super) fn plan_reads(
         &self,
         items: Vec<usize>,
@@ -465,22 +454,11 @@ impl RemoteMover {
         slots: Vec<Slot>,
         by: Deadline,
     ) -> Planned {
-        if by.passed() {
-            return Planned::nothing(items, slots, true);
-        }
         let window: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
-        self.map_reads(&window, by);
-        let unready = {
-            let mut st = self.lock();
-            let agents = st.agents_of_leases(&items, leases);
-            let unready = st.unready(agents);
-            if unready.is_empty() {
-                return st.post_reads(items, leases, slots);
-            }
-            unready
-        };
-        self.prepare(unready, by);
-        self.lock().post_reads(items, leases, slots)
+        match self.ready_for(by, &window, |st| st.agents_of_leases(&items, leases)) {
+            Some(mut st) => st.post_reads(items, leases, slots),
+            None => Planned::nothing(items, slots, true),
+        }
     }
 
     /// Posts a planned window (without the state's lock); it must complete by `by`.
@@ -499,9 +477,8 @@ impl RemoteMover {
         }
     }
 
-    /// Waits for a posted group without the state's lock, settles it under the lock
-    /// (see `RemoteState::settle`), then fences what that queued and, when a batch
-    /// kept its slots, the peers that keep slots (without the lock, until `by`).
+    /// Waits for a posted group without the state's lock, settles it under one lock,
+    /// then fences (without it, by `by`) what that queued and the peers keeping slots.
     fn wait(&self, group: PostedGroup, out: &mut [SlotOutcome], by: Deadline) -> Settled {
         let PostedGroup {
             posted,
@@ -525,9 +502,7 @@ impl RemoteMover {
     }
 
     /// Waits for a posted window: its items and their outcomes. Transfers that failed
-    /// while a peer was dropped (an agent restarted, say: their outcome is known,
-    /// nothing of them is in flight) are posted once more through `again(items, slots)`
-    /// and waited for; the next try connects again and maps the regions again.
+    /// while a peer was dropped (outcome known) are posted once more through `again`.
     pub(super) fn finish_window(
         &self,
         pending: PendingWindow,
@@ -728,7 +703,7 @@ mod tests {
             "only the silent peer's slots are out"
         );
         assert_eq!(st.iso.kept_slots(), 3);
-        assert!(st.may_still_write());
+        assert!(st.iso.may_still_write());
     }
 
     /// A batch of WRITEs that failed with its connection: its peer is dropped (queued
@@ -763,7 +738,7 @@ mod tests {
         assert!(st.reads.is_empty());
         assert!(st.life.needs_remap("a:1"));
         assert!(
-            st.may_still_write(),
+            st.iso.may_still_write(),
             "the target may still apply what it read"
         );
     }

@@ -1,36 +1,20 @@
-//! Transfers of a request in windows. A remote_cxl store or load of many chunks does
-//! not post one transfer for all of them: it posts a window of [`WINDOW_BYTES`] (at
-//! least one chunk), and a second behind it, and waits for the first before it posts
-//! a third. A copying load hands each window over as soon as it completes and puts
-//! its slots under a later window; a copying store fills a window's slots while the
-//! window ahead of it is on the wire. So a request of any size cycles through a few
-//! staging slots that stay in the CPU's cache, instead of filling (and evicting) as
-//! many slots as it has chunks, and the peer never has a whole batch queued at once.
-//!
-//! The second window goes only while the windowed transfers sharing a data path (a
-//! handler's staging buffer: its [`InFlightBudget`]) have less than
-//! [`IN_FLIGHT_BUDGET`](super::IN_FLIGHT_BUDGET) bytes in flight together; a request's first window always
-//! goes. A lone request gains the overlap of its copies with its transfers; on
-//! a host busy with many requests each keeps one window, since a second would only
-//! take cache from the others.
-//!
-//! [`run`] is the schedule alone: what a window is, when one is posted, waited for and
-//! handed over. What posting and waiting mean is the [`Windowed`] caller's.
-//!
-//! The mover's stores and loads are here too (`RemoteMover::write`, `write_slots`,
-//! `read`, `read_into`), with what each posts window by window: a copying store
-//! fills store slots from the caller's chunks (`StoreWindows`), a copying load hands
-//! each window's slots to the caller's sink (`LoadWindows`), and the slot API moves
-//! the caller's own slots (`GivenWindows`).
+//! The remote mover's stores and loads, in windows of [`WINDOW_BYTES`] (at least one
+//! chunk; see `docs/worker.md`, "Windows"): two in flight, the second only within the
+//! data path's [`InFlightBudget`]. [`run`] is the schedule alone; what posting and
+//! waiting mean is the [`Windowed`] caller's: a copying store (`StoreWindows`), a
+//! copying load (`LoadWindows`), the slot API's own slots (`GivenWindows`).
 
 use super::post::{PendingWindow, Planned};
 use super::{InFlight, InFlightBudget, RemoteMover};
-use crate::wire::meta::{LeaseGrant, PageGrant};
+use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use crate::worker::clock::{now_ms, Deadline};
-use crate::worker::movers::{ReadSink, SlotOutcome, SlotWrite, WriteItem};
+use crate::worker::error::WorkerError;
+use crate::worker::movers::{Mover, ReadSink, SlotOutcome, SlotWrite, WriteItem};
+use crate::worker::pool::core::CoreCell;
 use crate::worker::staging::{Slot, SlotPool};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A window's bytes (at least one chunk).
@@ -46,22 +30,18 @@ pub trait Windowed {
     fn items(&self) -> usize;
     /// The bytes item `i` moves.
     fn bytes(&self, i: usize) -> u64;
-    /// Slots for the `want` items from `start` (at most `want`; fewer cut the window).
-    /// None: nothing more is posted until a window in flight is finished, or, for the
-    /// request's `first` window in flight, at all.
+    /// Slots for the `want` items from `start` (fewer cut the window; none: nothing
+    /// more until a window finishes, or at all for the `first`).
     fn slots(&mut self, start: usize, want: usize, first: bool) -> Vec<Slot>;
     /// Posts the items from `start`, one for each slot, without waiting.
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> Self::Posted;
-    /// Waits for a posted window: the items it holds and, in the same order, their
-    /// outcomes (each with its slot back, unless the transfer's outcome is unknown).
+    /// Waits for a posted window: its items and, in order, their outcomes.
     fn finish(&mut self, posted: Self::Posted) -> (Vec<usize>, Vec<SlotOutcome>);
-    /// A finished window, in the order posted; false: post nothing more (what is in
-    /// flight is still finished, and not handed over).
+    /// A finished window, in the order posted; false: post nothing more.
     fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool;
 }
 
-/// Runs a request's windows (see the module documentation). Returns how many items
-/// were posted: from there on, none got a slot.
+/// Runs a request's windows; returns how many items were posted (the rest got no slot).
 pub fn run<W: Windowed>(w: &mut W, budget: &InFlightBudget) -> usize {
     let n = w.items();
     let mut inflight: VecDeque<(W::Posted, InFlight<'_>)> = VecDeque::new();
@@ -96,8 +76,7 @@ pub fn run<W: Windowed>(w: &mut W, budget: &InFlightBudget) -> usize {
     }
 }
 
-/// How long a store's first window waits for a store slot that other requests'
-/// windows hold on the wire (see `StoreWindows::slots`).
+/// How long a store's first window waits for a store slot (`StoreWindows::slots`).
 const STORE_SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// How long a load's first window waits for a load slot.
@@ -120,10 +99,8 @@ impl Windowed for StoreWindows<'_, '_> {
     fn bytes(&self, i: usize) -> u64 {
         self.items[i].data.len() as u64
     }
-    /// A request's first window waits (at most `STORE_SLOT_WAIT`) for a store slot
-    /// only while other requests' store windows hold slots on the wire: theirs come
-    /// back within a transfer. With none on the wire, slots are held by callers (the
-    /// slot API) for as long as they like, and the store skips at once.
+    /// A first window waits (at most `STORE_SLOT_WAIT`) only while other requests'
+    /// store windows hold slots on the wire; else the store skips at once.
     fn slots(&mut self, _start: usize, want: usize, first: bool) -> Vec<Slot> {
         let got = self.m.staging.try_acquire(SlotPool::Store, want);
         if !got.is_empty() || !first || self.m.store_slots_on_wire.load(Ordering::Relaxed) == 0 {
@@ -259,19 +236,28 @@ pub(super) struct GivenWindows<'a> {
     pub(super) by: Deadline,
 }
 
-impl GivenWindows<'_> {
-    /// One outcome per given slot: the items' in order, then the slots no item used.
-    pub(super) fn into_outcomes(self) -> Vec<SlotOutcome> {
-        let mut out = self.out;
-        let used = out.len();
-        out.extend(
-            self.given
-                .into_iter()
-                .skip(used)
-                .map(|slot| SlotOutcome { ok: false, slot }),
-        );
-        out
-    }
+/// Runs the windows of `kind` through the caller's slots (`given`): one outcome per
+/// slot, the items' in order, then the slots no item used.
+fn run_given(
+    m: &RemoteMover,
+    given: Vec<Option<Slot>>,
+    kind: Given<'_>,
+    by: Deadline,
+) -> Vec<SlotOutcome> {
+    let out = Vec::with_capacity(given.len());
+    let mut w = GivenWindows {
+        m,
+        given,
+        out,
+        kind,
+        by,
+    };
+    run(&mut w, &m.budget);
+    let used = w.out.len();
+    let rest = w.given.into_iter().skip(used);
+    w.out
+        .extend(rest.map(|slot| SlotOutcome { ok: false, slot }));
+    w.out
 }
 
 /// Plans the request's `items` from or into the caller's slots.
@@ -331,12 +317,34 @@ impl Windowed for GivenWindows<'_> {
     }
 }
 
-/// What a remote store or load does: its windows.
-impl RemoteMover {
-    /// Copies each window into store slots while the window ahead of it is on the
-    /// wire (see `windows`); stores never wait for a slot: with none free and nothing
-    /// in flight, the rest is skipped.
-    pub fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
+/// What a remote store or load does (its windows), and the rest of what a pool asks
+/// of its mover (`agents`).
+impl Mover for RemoteMover {
+    fn core(&self) -> Option<Arc<CoreCell>> {
+        Some(self.core.clone())
+    }
+    fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
+        RemoteMover::adopt(self, grant, by)
+    }
+    fn tick(&self, now_ms: u64) -> Vec<u64> {
+        RemoteMover::tick(self, now_ms)
+    }
+    fn probe_away(&self, now_ms: u64, by: Deadline) {
+        RemoteMover::probe_away(self, now_ms, by)
+    }
+    fn check_agents(&self, now_ms: u64) {
+        RemoteMover::check_agents(self, now_ms)
+    }
+    fn greet(&self, agents: &[String], by: Deadline) -> Result<(), WorkerError> {
+        RemoteMover::greet(self, agents, by)
+    }
+    fn release_all(&self) -> (usize, usize) {
+        RemoteMover::release_all(self)
+    }
+
+    /// Copies each window into store slots while the one ahead is on the wire; what
+    /// got no slot is skipped (counted under `no_slot`).
+    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
         let mut w = StoreWindows {
             m: self,
             items,
@@ -360,24 +368,16 @@ impl RemoteMover {
     }
 
     /// From the caller's slots, window by window (see `windows`).
-    pub fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
+    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
         let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(pages.len()),
-            kind: Given::Write(&pages),
-            by,
-        };
-        run(&mut w, &self.budget);
-        w.into_outcomes()
+        run_given(self, given, Given::Write(&pages), by)
     }
 
-    /// Each window's slots are handed to `sink` and then take a later window (see
-    /// `windows`). After a window that failed, nothing more is handed over.
-    pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
-        self.map_reads(leases, by);
+    /// Each window's slots go to `sink`, then to a later window; nothing more after a
+    /// window that failed.
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
+        self.map_reads_of(leases, by);
         run(
             &mut LoadWindows {
                 m: self,
@@ -389,26 +389,12 @@ impl RemoteMover {
         );
     }
 
-    /// Into the caller's slots, window by window (see `windows`); every lease is
-    /// tried.
-    pub fn read_into(
-        &self,
-        leases: &[LeaseGrant],
-        slots: Vec<Slot>,
-        by: Deadline,
-    ) -> Vec<SlotOutcome> {
+    /// Into the caller's slots, window by window; every lease is tried.
+    fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
-        self.map_reads(&leases[..n], by);
+        self.map_reads_of(&leases[..n], by);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
-        let mut w = GivenWindows {
-            m: self,
-            given,
-            out: Vec::with_capacity(n),
-            kind: Given::Read(&leases[..n]),
-            by,
-        };
-        run(&mut w, &self.budget);
-        w.into_outcomes()
+        run_given(self, given, Given::Read(&leases[..n]), by)
     }
 }
 
