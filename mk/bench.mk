@@ -2,6 +2,8 @@
 # loopback (resource manager on a fake DAX file on a 2 MiB-page tmpfs, remote CXL agent,
 # maru-server, redis-server) and writes bench/results/latest.{json,md,txt,png}.
 # BENCH_ARGS=--quick for a short run (a smoke test, about a quarter of the time).
+# As root it drops the clean page cache and compacts memory before the pool is made, so
+# the pool gets 2 MiB pages (docs/benchmarks.md).
 .PHONY: bench
 
 BENCH_ARGS ?=
