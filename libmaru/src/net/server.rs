@@ -32,87 +32,42 @@
 //!   ([`FrameRoom`]). A frame that does not fit waits unread (backpressure), so
 //!   partly received frames take at most `max_connections` × `SMALL_FRAME` plus
 //!   `frame_room`, however many connections send how much.
+//!
+//! This file holds the loop itself ([`Server`]: accepting, polling, rounds, closing).
+//! Its parts: [`options`] its settings, [`counters`] what it counts, `conn` one
+//! connection's state, `turn` one connection's turn of reading and serving.
+
+mod conn;
+pub mod counters;
+pub mod options;
+mod turn;
+
+pub use counters::{NetCounters, ServerCounts};
+pub use options::*;
 
 use super::classes::{connection_share, over_share_victim, Class, Classes, PRE_AUTH};
 use super::fair::{self, FairQueue};
-use super::handshake::{ServerHandshake, Step};
+use super::handshake::ServerHandshake;
 use super::room::FrameRoom;
-use super::service::{ConnId, Opened, Replier, Service, MAX_DEFERRED};
+use super::service::{ConnId, Replier, Service};
 use super::slots::{Admit, Slots, StageLimits};
 use super::sockopt;
-use super::text::clip;
 use super::throttled_log::{self, ThrottledLog};
 use super::{Clock, SignalPipe};
 use crate::auth::Keyring;
-use crate::wire::{self, ErrorCode, FrameDecoder, FrameKind, WireError};
-use mio::net::{TcpListener, TcpStream};
+use crate::wire::{self, ErrorCode, FrameDecoder, WireError};
+use conn::{flush, Conn, Phase, PreAuthEnd};
+use mio::net::TcpListener;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use turn::Turn;
 
-/// Settings of the loop: every bound a peer could otherwise push without limit.
-#[derive(Debug, Clone)]
-pub struct ServerOptions {
-    /// Largest frame body accepted on a connection after its handshake.
-    pub max_frame: usize,
-    /// Largest frame body accepted before the handshake finished (a hello or a proof
-    /// is a few hundred bytes): a peer without the key cannot make the daemon buffer more.
-    pub pre_auth_max_frame: usize,
-    /// Connections open at once. When they are all open, a new connection pushes out
-    /// the oldest one still in its handshake; only when every one has finished its
-    /// handshake is a new connection closed at accept.
-    pub max_connections: usize,
-    /// Connections still in their handshake at once. Kept below `max_connections` so
-    /// peers without the key cannot take the room of authenticated clients: a new one
-    /// beyond it pushes out the oldest connection still in its handshake.
-    pub max_pending: usize,
-    /// Keys a client may prove (the server proves the one the client names back;
-    /// one key for most daemons, one per tenant for maru-server). None: no proof.
-    pub keys: Option<Keyring>,
-    /// A connection that has not finished its whole handshake after this long is closed.
-    pub handshake_timeout_ms: u64,
-    /// A connection that sent no whole frame for this long after its handshake is
-    /// closed (0: never). Clients' heartbeats and calls refresh it.
-    pub idle_timeout_ms: u64,
-    /// Bytes of replies a connection may leave unread; beyond it the loop stops
-    /// reading its requests until it reads its replies (backpressure).
-    pub max_unsent: usize,
-    /// Bytes of frames larger than [`SMALL_FRAME`] the loop holds while they arrive,
-    /// every connection together: such a frame is read only once its whole size fits
-    /// here, else its connection is not read until room comes back. Raised to at
-    /// least `frame_room_per_tenant`.
-    pub frame_room: usize,
-    /// The most of `frame_room` the connections of one tenant (the key they proved;
-    /// every client of a daemon without tenants is one) hold at once. Raised to at
-    /// least one largest frame.
-    pub frame_room_per_tenant: usize,
-    /// While a frame waits for room, a connection granted room whose peer sent nothing
-    /// of its frame for this long is closed, giving the room back.
-    pub frame_stall_ms: u64,
-}
-
-/// Default whole-handshake deadline (5 s).
-pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 5_000;
-/// Default largest frame before the key proof (4 KiB).
-pub const DEFAULT_PRE_AUTH_MAX_FRAME: usize = 4 << 10;
-/// Default idle timeout after the handshake (5 minutes).
-pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 300_000;
-/// Default bound on a connection's unsent replies (4 MiB).
-pub const DEFAULT_MAX_UNSENT: usize = 4 << 20;
-/// Bytes of frames any connection may hold without asking for room (16 KiB): most
-/// requests, and the start of a larger frame (its length prefix).
-pub const SMALL_FRAME: usize = 16 << 10;
-/// Default room for larger frames while they arrive, every connection together (32 MiB).
-pub const DEFAULT_FRAME_ROOM: usize = 32 << 20;
-/// Default share of that room one tenant may hold (16 MiB).
-pub const DEFAULT_FRAME_ROOM_PER_TENANT: usize = 16 << 20;
-/// Default time a peer granted room may send nothing while others wait (10 s).
-pub const DEFAULT_FRAME_STALL_MS: u64 = 10_000;
 /// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
 /// a flood of tiny requests pays for its decoding and replies too.
 const FRAME_COST: u64 = 512;
@@ -120,113 +75,7 @@ const FRAME_COST: u64 = 512;
 /// even when turns find nothing to do.
 const TURN_COST: u64 = 256;
 
-impl Default for ServerOptions {
-    fn default() -> Self {
-        ServerOptions {
-            max_frame: wire::DEFAULT_MAX_FRAME,
-            pre_auth_max_frame: DEFAULT_PRE_AUTH_MAX_FRAME,
-            max_connections: 1024,
-            max_pending: 256,
-            keys: None,
-            handshake_timeout_ms: DEFAULT_HANDSHAKE_TIMEOUT_MS,
-            idle_timeout_ms: DEFAULT_IDLE_TIMEOUT_MS,
-            max_unsent: DEFAULT_MAX_UNSENT,
-            frame_room: DEFAULT_FRAME_ROOM,
-            frame_room_per_tenant: DEFAULT_FRAME_ROOM_PER_TENANT,
-            frame_stall_ms: DEFAULT_FRAME_STALL_MS,
-        }
-    }
-}
-
-impl ServerOptions {
-    /// Pending connections allowed: `max_pending`, but always below the total cap
-    /// (a quarter of it is kept for authenticated clients) and at least one.
-    fn pending_cap(&self) -> usize {
-        let room = self.max_connections - self.max_connections / 4;
-        self.max_pending.min(room).max(1)
-    }
-}
-
-enum Phase {
-    Handshake(ServerHandshake),
-    /// `key`: the keyring's name and id of the key it proved (None without keys).
-    Ready {
-        client_id: String,
-        key: Option<(String, String)>,
-    },
-}
-
-/// Why a connection that had not finished its handshake is closed, to be logged
-/// through the loop's [`ThrottledLog`] when it goes.
-struct PreAuthEnd {
-    level: log::Level,
-    kind: &'static str,
-    line: String,
-}
-
-struct Conn {
-    id: ConnId,
-    stream: TcpStream,
-    peer: SocketAddr,
-    decoder: FrameDecoder,
-    out: Vec<u8>,
-    out_pos: usize,
-    phase: Phase,
-    /// Set when it is closed before its handshake ended.
-    pre_auth_end: Option<PreAuthEnd>,
-    /// When the last whole frame arrived (idle timeout).
-    last_frame_ms: u64,
-    /// Close once `out` is flushed (after an error frame).
-    closing: bool,
-    /// The socket may hold bytes not read yet (reading stopped at a bound or a turn's
-    /// budget; readiness is edge-triggered, so the loop remembers).
-    unread: bool,
-    /// The peer closed its side: read on to the end of the stream.
-    peer_closed: bool,
-    /// Its frame under way waits for room ([`FrameRoom`]): not read until granted.
-    waiting_room: bool,
-    /// Whose turn it takes ([`FairQueue`]) and whose room it uses: its tenant, or
-    /// `PRE_AUTH` during its handshake.
-    class: Class,
-    /// The interest registered now: (readable, writable).
-    interest: (bool, bool),
-    /// Replies the service deferred and has not handed back yet.
-    deferred: usize,
-}
-
-impl Conn {
-    fn unsent(&self) -> usize {
-        self.out.len() - self.out_pos
-    }
-
-    fn pending(&self) -> bool {
-        matches!(self.phase, Phase::Handshake(_))
-    }
-
-    /// Whether its requests may be read and served now.
-    fn may_read(&self, opts: &ServerOptions) -> bool {
-        !self.closing && self.unsent() <= opts.max_unsent && self.deferred < MAX_DEFERRED
-    }
-
-    /// Whether a turn would do something: frames to serve, or bytes to read that it
-    /// may hold.
-    fn has_work(&self, opts: &ServerOptions) -> bool {
-        self.may_read(opts) && !self.waiting_room && (self.unread || self.decoder.frame_ready())
-    }
-
-    /// Past its handshake with nothing under way: no request part read, no reply
-    /// owed or unsent. Such a connection of a tenant over its share of the
-    /// connections may be pushed out for a connection of one under its share.
-    fn idle(&self) -> bool {
-        !self.pending()
-            && !self.closing
-            && self.deferred == 0
-            && self.unsent() == 0
-            && self.decoder.buffered() == 0
-            && !self.waiting_room
-            && !self.unread
-    }
-}
+const READ_CHUNK: usize = 64 * 1024;
 
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
@@ -261,65 +110,6 @@ pub struct Server {
     counters: Arc<NetCounters>,
     replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
     replier: Replier,
-}
-
-/// What the loop counts for a daemon's metrics: refusals and failed key proofs happen
-/// inside the loop, before any request reaches the service. Atomics, so another thread
-/// (a `/metrics` scrape) reads them while the loop runs; totals only ever grow, except
-/// `open`, the connections open now.
-#[derive(Debug, Default)]
-pub struct NetCounters {
-    /// Connections accepted (and kept) since start.
-    pub accepted: AtomicU64,
-    /// Connections open now (in their handshake or past it).
-    pub open: AtomicU64,
-    /// Closed at accept: the connection cap was reached.
-    pub refused_cap: AtomicU64,
-    /// Closed to make room: the oldest unfinished handshake when too many were pending.
-    pub pushed_out: AtomicU64,
-    /// Closed to make room: an idle connection of a tenant over its share of the
-    /// connections, for a newcomer while the daemon was full.
-    pub pushed_out_over_share: AtomicU64,
-    /// Closed because the key they proved is no longer in force (removed or changed).
-    pub key_revoked: AtomicU64,
-    /// Closed for not finishing the handshake in time.
-    pub handshake_timeouts: AtomicU64,
-    /// Closed after the idle timeout.
-    pub idle_closed: AtomicU64,
-    /// Key proofs that failed (wrong key, forged proof).
-    pub auth_failures: AtomicU64,
-    /// Connections closed for a broken frame stream or handshake (other than the key).
-    pub protocol_errors: AtomicU64,
-    /// Bytes read from and written to connections.
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    /// Bytes of request frames read and not yet served, partly received ones
-    /// included, every connection together (a gauge).
-    pub buffered: AtomicU64,
-    /// Times a frame larger than [`SMALL_FRAME`] waited for room to be read.
-    pub frame_room_waits: AtomicU64,
-}
-
-impl NetCounters {
-    fn add(c: &AtomicU64, n: u64) {
-        c.fetch_add(n, Ordering::Relaxed);
-    }
-
-    fn sub(c: &AtomicU64, n: u64) {
-        c.fetch_sub(n, Ordering::Relaxed);
-    }
-
-    /// The value of one counter.
-    pub fn get(c: &AtomicU64) -> u64 {
-        c.load(Ordering::Relaxed)
-    }
-}
-
-/// What a daemon's listener reports (for tests and metrics).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ServerCounts {
-    pub connections: usize,
-    pub pending: usize,
 }
 
 impl Server {
@@ -907,251 +697,4 @@ impl Server {
             self.drop_conn(service, t, now);
         }
     }
-}
-
-const READ_CHUNK: usize = 64 * 1024;
-
-/// One turn of one connection, and what it may use besides the connection.
-struct Turn<'a> {
-    tok: Token,
-    opts: &'a ServerOptions,
-    counters: &'a NetCounters,
-    room: &'a mut FrameRoom<Class, Token>,
-    classes: &'a mut Classes,
-    /// Connections granted room when this one gave its grant back.
-    granted: &'a mut Vec<Token>,
-    now: u64,
-}
-
-/// How much a connection may read now.
-enum Allowance {
-    Bytes(usize),
-    /// Its frame under way waits for room.
-    Wait,
-}
-
-impl Turn<'_> {
-    /// Serves `conn`'s whole frames and reads more, until it used `budget` bytes (read
-    /// and served; a frame is served whole, so one frame more at most), has nothing
-    /// more to do, or must wait: for its peer to read its replies, for deferred
-    /// replies, for room for its frame. A connection that finished its handshake ends
-    /// its turn there (its next one is its tenant's). Returns the bytes used and
-    /// whether the connection is still there.
-    fn run<S: Service>(
-        &mut self,
-        conn: &mut Conn,
-        service: &mut S,
-        buf: &mut [u8],
-        budget: u64,
-    ) -> (u64, bool) {
-        let class = conn.class;
-        let mut spent = 0u64;
-        loop {
-            while spent < budget && conn.may_read(self.opts) && conn.class == class {
-                match self.take_frame(conn) {
-                    Ok(Some(f)) => {
-                        spent += (f.body.len() + wire::frame::HEADER_LEN) as u64 + FRAME_COST;
-                        self.serve(conn, service, f);
-                    }
-                    Ok(None) => break,
-                    Err(e) => fail(conn, self.counters, ErrorCode::Protocol, e.to_string()),
-                }
-            }
-            if conn.unsent() > 0 && !flush(conn, self.counters) {
-                return (spent, false);
-            }
-            if spent >= budget || !conn.may_read(self.opts) || conn.class != class || !conn.unread {
-                return (spent, true);
-            }
-            let want = match self.allowance(conn) {
-                Allowance::Bytes(0) => return (spent, true),
-                Allowance::Bytes(n) => n.min(buf.len()),
-                Allowance::Wait => {
-                    conn.waiting_room = true;
-                    NetCounters::add(&self.counters.frame_room_waits, 1);
-                    return (spent, true);
-                }
-            };
-            match conn.stream.read(&mut buf[..want]) {
-                Ok(0) => return (spent, self.gone(conn, service)),
-                Ok(n) => {
-                    NetCounters::add(&self.counters.bytes_in, n as u64);
-                    NetCounters::add(&self.counters.buffered, n as u64);
-                    conn.decoder.push(&buf[..n]);
-                    self.room.moved(self.tok, self.now);
-                    spent += n as u64;
-                    // A read that did not fill what it asked for drained the socket at
-                    // that instant: readiness is edge-triggered, so bytes or a FIN that
-                    // come later raise a new event. A peer that closed is read on to
-                    // the end of its stream.
-                    if n < want && !conn.peer_closed {
-                        conn.unread = false;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => conn.unread = false,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    log::debug!("read from {} failed: {e}", conn.peer);
-                    return (spent, self.gone(conn, service));
-                }
-            }
-        }
-    }
-
-    /// The peer closed or the socket failed: what came before is served, its replies
-    /// may still go out; the connection is gone.
-    fn gone<S: Service>(&mut self, conn: &mut Conn, service: &mut S) -> bool {
-        while conn.may_read(self.opts) {
-            match self.take_frame(conn) {
-                Ok(Some(f)) => self.serve(conn, service, f),
-                Ok(None) | Err(_) => break,
-            }
-        }
-        let _ = flush(conn, self.counters);
-        false
-    }
-
-    /// The next whole frame, its bytes counted out of the buffered gauge and the
-    /// room it was granted given back.
-    fn take_frame(&mut self, conn: &mut Conn) -> Result<Option<wire::Frame>, wire::FrameError> {
-        let before = conn.decoder.buffered();
-        let f = conn.decoder.next_frame();
-        let left = conn.decoder.buffered();
-        NetCounters::sub(&self.counters.buffered, before.saturating_sub(left) as u64);
-        if matches!(f, Ok(Some(_))) && self.room.granted(self.tok) > 0 {
-            // A grant is for one whole frame: this one.
-            self.granted.extend(self.room.give_back(self.tok, self.now));
-        }
-        f
-    }
-
-    /// How many bytes `conn` may read now: before its handshake ends, no more than the
-    /// pre-auth frame under way may still need (a peer that proved nothing holds at
-    /// most one such frame, whatever it sends); after, up to [`SMALL_FRAME`] buffered,
-    /// or the whole frame under way once its room is granted.
-    fn allowance(&mut self, conn: &Conn) -> Allowance {
-        if conn.pending() {
-            return Allowance::Bytes(conn.decoder.room());
-        }
-        let held = conn.decoder.buffered();
-        let largest = self.opts.max_frame + wire::frame::HEADER_LEN;
-        match conn.decoder.next_len() {
-            // Larger than any frame: the decoder refuses it before reading on.
-            Some(n) if n > SMALL_FRAME && n <= largest => {
-                if self.room.granted(self.tok) == 0
-                    && !self.room.ask(conn.class, self.tok, n, self.now)
-                {
-                    return Allowance::Wait;
-                }
-                Allowance::Bytes(n.saturating_sub(held))
-            }
-            _ => Allowance::Bytes(SMALL_FRAME.saturating_sub(held)),
-        }
-    }
-
-    /// One whole frame: a handshake step, or a request for the service.
-    fn serve<S: Service>(&mut self, conn: &mut Conn, service: &mut S, f: wire::Frame) {
-        conn.last_frame_ms = self.now;
-        match &mut conn.phase {
-            Phase::Handshake(hs) => match hs.on_frame(&f) {
-                Step::Send(bytes) => conn.out.extend(bytes),
-                Step::Ready {
-                    send,
-                    client_id,
-                    resume,
-                    key_name,
-                    key_id,
-                } => {
-                    conn.out.extend(send);
-                    conn.decoder.set_max_body(self.opts.max_frame);
-                    conn.class = self.classes.of(key_name.as_deref());
-                    service.on_open(Opened {
-                        conn: conn.id,
-                        client_id: &client_id,
-                        key_name: key_name.as_deref(),
-                        resume: resume.as_deref(),
-                        now_ms: self.now,
-                    });
-                    conn.phase = Phase::Ready {
-                        client_id,
-                        key: key_name.zip(key_id),
-                    };
-                }
-                Step::Fail(e) => fail(conn, self.counters, e.code, e.message),
-            },
-            Phase::Ready { client_id, .. } if f.kind == FrameKind::Request => {
-                let reply = service.on_request(conn.id, client_id, &f.body, self.now);
-                if reply.is_empty() {
-                    conn.deferred += 1;
-                }
-                conn.out.extend(reply);
-            }
-            Phase::Ready { .. } => {
-                // The frame was intact, so the stream is still in sync: reply and go on.
-                let id = wire::request_id_of(&f.body);
-                conn.out.extend(wire::reply_frame::<()>(
-                    id,
-                    Err(WireError::new(
-                        ErrorCode::Protocol,
-                        format!(
-                            "unexpected {:?} frame after the handshake; send Request frames",
-                            f.kind
-                        ),
-                    )),
-                ));
-            }
-        }
-    }
-}
-
-/// Writes what is queued; false when the socket failed.
-fn flush(conn: &mut Conn, counters: &NetCounters) -> bool {
-    while conn.out_pos < conn.out.len() {
-        match conn.stream.write(&conn.out[conn.out_pos..]) {
-            Ok(0) => return false,
-            Ok(n) => {
-                NetCounters::add(&counters.bytes_out, n as u64);
-                conn.out_pos += n
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                log::debug!("write to {} failed: {e}", conn.peer);
-                return false;
-            }
-        }
-    }
-    conn.out.clear();
-    conn.out_pos = 0;
-    true
-}
-
-fn fail(conn: &mut Conn, counters: &NetCounters, code: ErrorCode, message: String) {
-    let message = clip(&message);
-    if code == ErrorCode::Auth {
-        // An operator wants to see these (a wrong key file, a probe): logged through
-        // the loop's summary, as a flood of them costs nothing to send.
-        NetCounters::add(&counters.auth_failures, 1);
-        conn.pre_auth_end = Some(PreAuthEnd {
-            level: log::Level::Warn,
-            kind: "key proof failed",
-            line: format!(
-                "connection from {}: key proof failed: {message}; closing",
-                conn.peer
-            ),
-        });
-    } else if conn.pending() {
-        NetCounters::add(&counters.protocol_errors, 1);
-        conn.pre_auth_end = Some(PreAuthEnd {
-            level: log::Level::Info,
-            kind: "handshake refused",
-            line: format!("connection from {}: {message}; closing", conn.peer),
-        });
-    } else {
-        NetCounters::add(&counters.protocol_errors, 1);
-        log::info!("connection from {}: {message}; closing", conn.peer);
-    }
-    conn.out
-        .extend(wire::error_frame(&WireError::new(code, message)));
-    conn.closing = true;
 }
