@@ -68,9 +68,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use turn::Turn;
 
-/// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
-/// a flood of tiny requests pays for its decoding and replies too.
-const FRAME_COST: u64 = 512;
 /// What a turn costs however little it did (its reads and bookkeeping): a round ends
 /// even when turns find nothing to do.
 const TURN_COST: u64 = 256;

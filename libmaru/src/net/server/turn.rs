@@ -5,7 +5,6 @@
 use super::conn::{fail, flush, Conn, Phase};
 use super::counters::NetCounters;
 use super::options::{ServerOptions, SMALL_FRAME};
-use super::FRAME_COST;
 use crate::net::classes::{Class, Classes};
 use crate::net::handshake::Step;
 use crate::net::room::FrameRoom;
@@ -13,6 +12,10 @@ use crate::net::service::{Opened, Service};
 use crate::wire::{self, ErrorCode, FrameKind, WireError};
 use mio::Token;
 use std::io::{self, Read};
+
+/// What serving a frame costs beyond its bytes, in bytes, against its turn's budget:
+/// a flood of tiny requests pays for its decoding and replies too.
+const FRAME_COST: u64 = 512;
 
 /// One turn of one connection, and what it may use besides the connection.
 pub(super) struct Turn<'a> {
