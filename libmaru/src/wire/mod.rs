@@ -9,6 +9,8 @@ pub mod agent;
 pub mod frame;
 pub mod handshake;
 pub mod meta;
+#[cfg(test)]
+mod meta_tests;
 pub mod rm;
 
 pub use frame::{Frame, FrameDecoder, FrameError, FrameKind, DEFAULT_MAX_FRAME, HEADER_LEN};

@@ -1,0 +1,298 @@
+//! Tests of the metadata server protocol's messages (`wire/meta.rs`): their JSON
+//! shape, and decoding untrusted bytes (property-tested).
+
+use super::meta::*;
+use super::rm::{Handle, PoolInfo};
+use crate::wire::{decode_json, encode_json, Envelope, ReplyEnvelope};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+fn handle() -> Handle {
+    Handle::example()
+}
+
+#[test]
+fn request_json_shape() {
+    let env: Envelope<MetaRequest> = decode_json(br#"{"id":1,"op":"handshake"}"#).unwrap();
+    assert_eq!(env.body, MetaRequest::Handshake {});
+    let env: Envelope<MetaRequest> = decode_json(
+        br#"{"id":2,"op":"open_session","engine_id":"e","namespace":"n",
+             "layout":"l","backend":"remote_cxl"}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        env.body,
+        MetaRequest::OpenSession {
+            backend: Backend::RemoteCxl,
+            first_region: true,
+            ..
+        }
+    ));
+    let env: Envelope<MetaRequest> =
+        decode_json(br#"{"id":3,"op":"alloc","session":1,"count":2}"#).unwrap();
+    assert_eq!(
+        env.body,
+        MetaRequest::Alloc {
+            session: 1,
+            count: 2,
+            route_key: None
+        }
+    );
+    let env: Envelope<MetaRequest> =
+        decode_json(br#"{"id":4,"op":"heartbeat","session":1,"boot_ids":{"7":"b0","9":"b1"}}"#)
+            .unwrap();
+    match env.body {
+        MetaRequest::Heartbeat { boot_ids, .. } => {
+            assert_eq!(boot_ids.get(&7).map(String::as_str), Some("b0"));
+            assert_eq!(boot_ids.len(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    let env: Envelope<MetaRequest> = decode_json(br#"{"id":5,"op":"stats"}"#).unwrap();
+    assert_eq!(env.body, MetaRequest::Stats { session: None });
+    let env: Envelope<MetaRequest> = decode_json(br#"{"id":6,"op":"usage"}"#).unwrap();
+    assert_eq!(env.body, MetaRequest::Usage);
+}
+
+#[test]
+fn requests_round_trip() {
+    let reqs = [
+        MetaRequest::Heartbeat {
+            session: 2,
+            boot_ids: [(7, "b0".to_string()), (u64::MAX, "b1".to_string())].into(),
+            regions: vec![],
+            leases: None,
+            skipped: None,
+            held_pages: None,
+        },
+        MetaRequest::Heartbeat {
+            session: 2,
+            boot_ids: BTreeMap::new(),
+            regions: vec![3, u64::MAX],
+            leases: Some(vec![HeldLease {
+                lease_id: u64::MAX,
+                region_id: 3,
+                offset: 1 << 20,
+                expires_in_ms: 59_000,
+            }]),
+            skipped: Some(SkipCounts {
+                no_region: 1,
+                max_bytes: u64::MAX,
+                ..Default::default()
+            }),
+            held_pages: Some(vec![PageRef {
+                region_id: u64::MAX,
+                page: 0,
+            }]),
+        },
+        MetaRequest::Publish {
+            session: 2,
+            entries: vec![PublishEntry {
+                key: "k".into(),
+                region_id: 1,
+                offset: 0,
+                length: 9,
+                prev: Some("j".into()),
+            }],
+        },
+        MetaRequest::FreePages {
+            session: 2,
+            pages: vec![PageRef {
+                region_id: 1,
+                page: 3,
+            }],
+        },
+        MetaRequest::Stats { session: Some(4) },
+        MetaRequest::Handshake {},
+        MetaRequest::Usage,
+    ];
+    for body in reqs {
+        let env = Envelope { id: 8, body };
+        let back: Envelope<MetaRequest> = decode_json(&encode_json(&env)).unwrap();
+        assert_eq!(back, env);
+    }
+}
+
+#[test]
+fn malformed_requests_are_errors() {
+    for body in [
+        &br#"{"id":1,"op":"nope"}"#[..],
+        br#"{"id":1,"op":"alloc","session":1}"#,
+        br#"{"id":1,"op":"alloc","session":1,"count":-1}"#,
+        br#"{"id":1,"op":"open_session","engine_id":"e","namespace":"n","layout":"l",
+             "backend":"cpu"}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"boot_ids":{"x":"b"}}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"no_region":-1}}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"held_pages":[{"region_id":-1,"page":0}]}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"held_pages":[{"region_id":1}]}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"held_pages":7}"#,
+        br#"{"id":1,"op":"heartbeat","session":1,"skipped":{"max_bytes":1e30}}"#,
+        br#"{"id":1,"op":"exists","session":1,"keys":"k"}"#,
+        br#"[1,2]"#,
+    ] {
+        assert!(
+            decode_json::<Envelope<MetaRequest>>(body).is_err(),
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+}
+
+#[test]
+fn replies_round_trip_by_kind() {
+    let grant = RegionGrant {
+        handle: handle(),
+        pool: PoolInfo {
+            pool_id: 0,
+            path: "/dev/dax0.0".into(),
+            uuid: "u".into(),
+            kind: "devdax".into(),
+            total: 1 << 30,
+            free: 1 << 29,
+            align: 2 << 20,
+            draining: 0,
+        },
+        agent: Some("10.0.0.2:9860".into()),
+        page_size: 1 << 20,
+        pages: 2,
+    };
+    let replies = [
+        MetaReply::Region(grant.clone()),
+        MetaReply::Session(SessionReply {
+            session: 3,
+            page_size: 1 << 20,
+            region: Some(grant),
+            session_timeout_ms: 30_000,
+            lease_timeout_ms: 60_000,
+            lease_limit: LEASE_LIMIT,
+            session_secret: Some("ab".into()),
+        }),
+        MetaReply::Leases {
+            leases: vec![
+                None,
+                Some(LeaseGrant {
+                    lease_id: 1,
+                    region_id: 4,
+                    offset: 0,
+                    length: 10,
+                    read_token: "ab".into(),
+                    agent: None,
+                    device: None,
+                    expires_in_ms: 5,
+                    boot_id: Some("boot-1".into()),
+                }),
+            ],
+        },
+        MetaReply::Removed {
+            results: vec![RemoveResult::NotOwner, RemoveResult::Removed],
+        },
+        MetaReply::PagesFreed { freed: 2 },
+        MetaReply::Pinned {
+            pinned: vec![true, false],
+        },
+        MetaReply::Unpinned {
+            unpinned: vec![false],
+        },
+        MetaReply::Usage(UsageReply {
+            sessions: vec![],
+            kept_regions: 1,
+            kept_bytes: 2,
+            giving_back: 0,
+            giving_back_bytes: 0,
+        }),
+    ];
+    for r in replies {
+        let env = ReplyEnvelope {
+            id: 1,
+            ok: Some(r.clone()),
+            err: None,
+        };
+        let back: ReplyEnvelope<MetaReply> = decode_json(&encode_json(&env)).unwrap();
+        assert_eq!(back.ok, Some(r));
+    }
+}
+
+fn op_names() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("handshake".to_string()),
+        Just("open_session".to_string()),
+        Just("expand".to_string()),
+        Just("alloc".to_string()),
+        Just("free_pages".to_string()),
+        Just("publish".to_string()),
+        Just("exists".to_string()),
+        Just("acquire".to_string()),
+        Just("release_leases".to_string()),
+        Just("victims".to_string()),
+        Just("remove".to_string()),
+        Just("pin".to_string()),
+        Just("unpin".to_string()),
+        Just("return_region".to_string()),
+        Just("heartbeat".to_string()),
+        Just("close".to_string()),
+        Just("stats".to_string()),
+        Just("usage".to_string()),
+        "[a-z_]{0,14}",
+    ]
+}
+
+/// Odd JSON values for any field: numbers of every sign and size, strings,
+/// nested arrays and objects.
+fn odd_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::{json, Value};
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(|n| json!(n)),
+        any::<u64>().prop_map(|n| json!(n)),
+        any::<f64>().prop_map(|f| json!(f)),
+        ".{0,12}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            proptest::collection::btree_map("[a-z0-9_]{0,8}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+proptest! {
+    /// The request decoder rejects or accepts arbitrary bytes without panicking.
+    #[test]
+    fn decoder_never_panics(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode_json::<Envelope<MetaRequest>>(&data);
+    }
+
+    /// Known and unknown ops with odd values in every field a request may carry.
+    #[test]
+    fn odd_json_never_panics(
+        op in op_names(),
+        fields in proptest::collection::btree_map(
+            prop_oneof![
+                Just("session".to_string()), Just("count".to_string()),
+                Just("keys".to_string()), Just("entries".to_string()),
+                Just("pages".to_string()), Just("lease_ids".to_string()),
+                Just("boot_ids".to_string()), Just("backend".to_string()),
+                Just("engine_id".to_string()), Just("namespace".to_string()),
+                Just("layout".to_string()), Just("region_id".to_string()),
+                Just("released".to_string()), Just("drained".to_string()),
+                Just("max".to_string()), Just("route_key".to_string()),
+                Just("leases".to_string()), Just("regions".to_string()),
+                Just("skipped".to_string()),
+                Just("id".to_string()), "[a-z_]{1,8}",
+            ],
+            odd_value(),
+            0..8,
+        ),
+    ) {
+        let mut obj = serde_json::Map::new();
+        obj.insert("id".into(), serde_json::json!(1));
+        for (k, v) in fields {
+            obj.insert(k, v);
+        }
+        obj.insert("op".into(), serde_json::Value::String(op));
+        let body = serde_json::Value::Object(obj).to_string();
+        let _ = decode_json::<Envelope<MetaRequest>>(body.as_bytes());
+    }
+}
