@@ -178,17 +178,8 @@ fn measure_on(
                             }
                             let p = pages[0];
                             let key = format!("pub{tag}-{conns}-{c}-{n}");
-                            s.publish(
-                                vec![PublishEntry {
-                                    key,
-                                    region_id: p.region_id,
-                                    offset: p.offset,
-                                    length: 4096,
-                                    prev: None,
-                                }],
-                                s.call_deadline(),
-                            )
-                            .map_err(|e| e.to_string())?;
+                            s.publish(vec![p.entry(key, 4096)], s.call_deadline())
+                                .map_err(|e| e.to_string())?;
                         }
                     }
                     lat.push(t.elapsed().as_secs_f64() * 1e6);
@@ -295,13 +286,7 @@ pub fn run(scratch: &Scratch, secs: f64) -> Result<Vec<Row>, String> {
     let entries = keys
         .iter()
         .zip(&pages)
-        .map(|(k, p)| PublishEntry {
-            key: k.clone(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: 4096,
-            prev: None,
-        })
+        .map(|(k, p)| p.entry(k.clone(), 4096))
         .collect();
     s.publish(entries, s.call_deadline())
         .map_err(|e| e.to_string())?;
@@ -423,13 +408,7 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
         let entries: Vec<PublishEntry> = pages
             .iter()
             .enumerate()
-            .map(|(i, p)| PublishEntry {
-                key: name(n + i),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: RECOVERY_CHUNK,
-                prev: None,
-            })
+            .map(|(i, p)| p.entry(name(n + i), RECOVERY_CHUNK))
             .collect();
         let done = s
             .publish(entries, s.call_deadline())

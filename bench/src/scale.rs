@@ -279,13 +279,7 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                     let entries: Vec<PublishEntry> = pages
                         .iter()
                         .enumerate()
-                        .map(|(i, p)| PublishEntry {
-                            key: fill_key(n + i as u64),
-                            region_id: p.region_id,
-                            offset: p.offset,
-                            length: PAGE,
-                            prev: None,
-                        })
+                        .map(|(i, p)| p.entry(fill_key(n + i as u64), PAGE))
                         .collect();
                     let done = s
                         .publish(entries, s.call_deadline())

@@ -15,7 +15,7 @@ use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
 use maru::net::{Client, ClientOptions};
 use maru::wire::agent::{AgentReply, AgentRequest};
-use maru::wire::meta::{Backend, PublishEntry};
+use maru::wire::meta::Backend;
 use maru::worker::session::Session;
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
@@ -186,17 +186,8 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
             .map_err(|e| e.to_string())?;
         let p = pages.first().ok_or("no page")?;
         let k = format!("agent-key-{id}");
-        s.publish(
-            vec![PublishEntry {
-                key: k.clone(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: PAGE,
-                prev: None,
-            }],
-            s.call_deadline(),
-        )
-        .map_err(|e| e.to_string())?;
+        s.publish(vec![p.entry(k.clone(), PAGE)], s.call_deadline())
+            .map_err(|e| e.to_string())?;
         let keys = vec![k];
         go.wait();
         waited = true;

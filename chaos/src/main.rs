@@ -275,55 +275,40 @@ impl Cluster {
     /// "rm", "agent", "reboot" (the agent, back with a new boot id: its memory node
     /// rebooted, every key in it goes), "server" or "engine".
     fn kill_and_restart(&mut self, what: &str, pause: Duration) -> Result<(), String> {
-        match what {
-            "reboot" => {
-                self.agent.kill9();
-                self.boots += 1;
-                self.write_boot_id()?;
-                std::thread::sleep(pause);
-                self.agent = Proc::daemon_at(
-                    &self.bin("maru-remote-cxl-agent"),
-                    &self.agent_args(),
-                    &self.s,
-                    self.agent_port,
-                )?;
-            }
-            "rm" => {
-                self.rm.kill9();
-                std::thread::sleep(pause);
-                self.rm = Proc::daemon_at(
-                    &self.bin("maru-resource-manager"),
-                    &self.rm_args(),
-                    &self.s,
-                    self.rm_port,
-                )?;
-            }
-            "agent" => {
-                self.agent.kill9();
-                std::thread::sleep(pause);
-                self.agent = Proc::daemon_at(
-                    &self.bin("maru-remote-cxl-agent"),
-                    &self.agent_args(),
-                    &self.s,
-                    self.agent_port,
-                )?;
-            }
-            "server" => {
-                self.server.kill9();
-                std::thread::sleep(pause);
-                self.server = Proc::daemon_at(
-                    &self.bin("maru-server"),
-                    &self.server_args(),
-                    &self.s,
-                    self.server_port,
-                )?;
-            }
+        type Slot = fn(&mut Cluster) -> &mut Proc;
+        let (slot, bin, args, port): (Slot, _, _, _) = match what {
+            "rm" => (
+                |c| &mut c.rm,
+                "maru-resource-manager",
+                self.rm_args(),
+                self.rm_port,
+            ),
+            "agent" | "reboot" => (
+                |c| &mut c.agent,
+                "maru-remote-cxl-agent",
+                self.agent_args(),
+                self.agent_port,
+            ),
+            "server" => (
+                |c| &mut c.server,
+                "maru-server",
+                self.server_args(),
+                self.server_port,
+            ),
             _ => {
                 self.engines[0].kill9();
                 std::thread::sleep(pause);
                 self.engines[0] = self.start_engine("a", "b")?;
+                return Ok(());
             }
+        };
+        slot(self).kill9();
+        if what == "reboot" {
+            self.boots += 1;
+            self.write_boot_id()?;
         }
+        std::thread::sleep(pause);
+        *slot(self) = Proc::daemon_at(&self.bin(bin), &args, &self.s, port)?;
         Ok(())
     }
 }

@@ -407,17 +407,7 @@ mod tests {
 
     #[test]
     fn a_changed_file_is_read_again_and_a_broken_one_keeps_the_tenants() {
-        let dir = std::env::temp_dir().join(format!("maru-tenants-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let key = SharedKey::generate().unwrap();
-        maru::auth::keyfile::write_new_key_file(&dir.join("a.key"), &key).unwrap();
-        let path = dir.join("tenants.toml");
-        std::fs::write(
-            &path,
-            "[tenants.a]\nkey_file = \"a.key\"\nwrite = [\"a\"]\n",
-        )
-        .unwrap();
+        let (dir, path, key) = tenants_dir("reload", "");
         let server = SharedKey::generate().unwrap();
         let ring = Keyring::single(server.clone());
         let (mut f, t) = TenantsFile::open(&path, server, ring.clone()).unwrap();
@@ -457,19 +447,17 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    fn tenants_dir(tag: &str) -> (PathBuf, PathBuf, SharedKey) {
+    /// A fresh directory `tag` with tenant a's key file `a.key` and a tenants file
+    /// giving a that key and write access to namespace a, then the lines `more`.
+    fn tenants_dir(tag: &str, more: &str) -> (PathBuf, PathBuf, SharedKey) {
         let dir = std::env::temp_dir().join(format!("maru-tenants-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let key = SharedKey::generate().unwrap();
         maru::auth::keyfile::write_new_key_file(&dir.join("a.key"), &key).unwrap();
         let path = dir.join("tenants.toml");
-        std::fs::write(
-            &path,
-            "[tenants.a]\nkey_file = \"a.key\"\nwrite = [\"a\"]\nmax_connections = 5\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let text = format!("[tenants.a]\nkey_file = \"a.key\"\nwrite = [\"a\"]\n{more}");
+        std::fs::write(&path, text).unwrap();
         (dir, path, key)
     }
 
@@ -477,7 +465,8 @@ mod tests {
 
     #[test]
     fn a_tenants_file_others_can_write_is_refused_naming_the_fix() {
-        let (dir, path, _) = tenants_dir("mode");
+        let (dir, path, _) = tenants_dir("mode", "max_connections = 5\n");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let server = SharedKey::generate().unwrap();
         let l = load(&path, &server).expect("0644 is fine: nothing secret in it");
         assert_eq!(l.connection_limits.get("a"), Some(&5));

@@ -925,13 +925,7 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
     victim
         .call::<_, MetaReply>(&MetaRequest::Publish {
             session: vs,
-            entries: vec![maru::wire::meta::PublishEntry {
-                key: "kept".into(),
-                region_id: page.region_id,
-                offset: page.offset,
-                length: 1,
-                prev: None,
-            }],
+            entries: vec![page.entry("kept".into(), 1)],
         })
         .unwrap();
     drop(victim);
@@ -1797,13 +1791,7 @@ fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
     };
     let forged = MetaRequest::Publish {
         session: spy,
-        entries: vec![maru::wire::meta::PublishEntry {
-            key: keys[0].clone(),
-            region_id: page.region_id,
-            offset: page.offset,
-            length: chunk as u64,
-            prev: None,
-        }],
+        entries: vec![page.entry(keys[0].clone(), chunk as u64)],
     };
     assert_eq!(
         code_of(raw.call::<_, MetaReply>(&forged)),

@@ -757,16 +757,7 @@ fn publish_at(
     p: maru::wire::meta::PageGrant,
 ) -> bool {
     let is_new = s
-        .publish(
-            vec![maru::wire::meta::PublishEntry {
-                key: key.to_string(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: 4096,
-                prev: None,
-            }],
-            s.call_deadline(),
-        )
+        .publish(vec![p.entry(key.to_string(), 4096)], s.call_deadline())
         .unwrap();
     is_new == [true]
 }

@@ -456,13 +456,7 @@ fn store(e: &Engine, keys: &[String], rec: &mut Record) {
     let entries: Vec<PublishEntry> = keys
         .iter()
         .zip(&pages)
-        .map(|(k, p)| PublishEntry {
-            key: k.clone(),
-            region_id: p.region_id,
-            offset: p.offset,
-            length: p.length,
-            prev: None,
-        })
+        .map(|(k, p)| p.entry(k.clone(), p.length))
         .collect();
     let n = entries.len() as u64;
     if rec

@@ -3,7 +3,7 @@
 
 use super::args::{in_slice, keys_of, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard, require_non_null, FfiError};
-use super::handler::{maru_handler_t, with_handler};
+use super::handler::{maru_handler_t, with_handler, Call};
 use super::slots::write_loaded;
 use super::status::maru_status_t;
 use crate::worker::{OpHandle, OpOutput, WorkerError};
@@ -41,17 +41,11 @@ pub unsafe extern "C" fn maru_submit_store_slots(
     route_key: *const c_char,
     op: *mut *mut maru_op_t,
 ) -> maru_status_t {
-    ffi_guard(|| {
-        with_handler(h, |call| {
-            check_not_null!(op);
-            let ks = keys_of(keys, n)?;
-            let is = in_slice(ids, n, "ids")?.to_vec();
-            let ls = in_slice(lens, n, "lens")?.to_vec();
-            let rk = opt_str(route_key, "route_key")?.map(str::to_string);
-            let handle = call.handler().submit_store_slots(ks, is, ls, rk)?;
-            *op = Box::into_raw(Box::new(maru_op_t { op: handle, n }));
-            Ok(())
-        })
+    submit(h, keys, n, op, |call, ks| {
+        let is = in_slice(ids, n, "ids")?.to_vec();
+        let ls = in_slice(lens, n, "lens")?.to_vec();
+        let rk = opt_str(route_key, "route_key")?.map(str::to_string);
+        Ok(call.handler().submit_store_slots(ks, is, ls, rk)?)
     })
 }
 
@@ -69,13 +63,26 @@ pub unsafe extern "C" fn maru_submit_load_slots(
     route_key: *const c_char,
     op: *mut *mut maru_op_t,
 ) -> maru_status_t {
+    submit(h, keys, n, op, |call, ks| {
+        let is = in_slice(ids, n, "ids")?.to_vec();
+        let rk = opt_str(route_key, "route_key")?.map(str::to_string);
+        Ok(call.handler().submit_load_slots(ks, is, rk)?)
+    })
+}
+
+/// Starts an operation on handler `h` over `keys[0..n]` (checked after `op`) with
+/// `start`; `*op` is the operation once it started.
+unsafe fn submit(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    op: *mut *mut maru_op_t,
+    start: impl FnOnce(&Call, Vec<String>) -> Result<OpHandle, FfiError>,
+) -> maru_status_t {
     ffi_guard(|| {
         with_handler(h, |call| {
             check_not_null!(op);
-            let ks = keys_of(keys, n)?;
-            let is = in_slice(ids, n, "ids")?.to_vec();
-            let rk = opt_str(route_key, "route_key")?.map(str::to_string);
-            let handle = call.handler().submit_load_slots(ks, is, rk)?;
+            let handle = start(call, keys_of(keys, n)?)?;
             *op = Box::into_raw(Box::new(maru_op_t { op: handle, n }));
             Ok(())
         })

@@ -139,10 +139,6 @@ mod tests {
     use crate::wire::{decode_json, encode_json, Envelope};
     use proptest::prelude::*;
 
-    fn handle() -> Handle {
-        Handle::example()
-    }
-
     #[test]
     fn request_json_shape() {
         let env: Envelope<AgentRequest> = decode_json(
@@ -155,7 +151,7 @@ mod tests {
         assert_eq!(
             env.body,
             AgentRequest::Map {
-                handle: handle(),
+                handle: Handle::example(),
                 writable: false
             }
         );

@@ -289,6 +289,20 @@ pub struct PageGrant {
     pub length: u64,
 }
 
+impl PageGrant {
+    /// The entry that publishes `key` on this page, `length` bytes of chunk, first of
+    /// its chain (no `prev`).
+    pub fn entry(&self, key: String, length: u64) -> PublishEntry {
+        PublishEntry {
+            key,
+            region_id: self.region_id,
+            offset: self.offset,
+            length,
+            prev: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct PagesReply {
     pub pages: Vec<PageGrant>,

@@ -7,10 +7,6 @@ use crate::wire::{decode_json, encode_json, Envelope, ReplyEnvelope};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
-fn handle() -> Handle {
-    Handle::example()
-}
-
 #[test]
 fn request_json_shape() {
     let env: Envelope<MetaRequest> = decode_json(br#"{"id":1,"op":"handshake"}"#).unwrap();
@@ -141,7 +137,7 @@ fn malformed_requests_are_errors() {
 #[test]
 fn replies_round_trip_by_kind() {
     let grant = RegionGrant {
-        handle: handle(),
+        handle: Handle::example(),
         pool: PoolInfo {
             pool_id: 0,
             path: "/dev/dax0.0".into(),
