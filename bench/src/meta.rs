@@ -15,7 +15,9 @@
 //! the time from its start until it serves (its ready file) is the recovery time.
 
 use crate::harness::percentile;
-use crate::procs::{bin_dir, server_args, stack_with, start_daemon, start_daemon_within, Scratch};
+use crate::procs::{
+    bin_dir, server_args, stack_with, start_daemon, start_daemon_within, start_rm, Scratch,
+};
 use maru::wire::meta::{Backend, PublishEntry};
 use maru::worker::session::Session;
 use std::io::{Read, Write};
@@ -362,16 +364,11 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
     let bins = bin_dir();
     let regions = (keys as u64 * RECOVERY_CHUNK).div_ceil(RECOVERY_REGION) + 4;
     let rm_state = scratch.path("recovery-rm-state");
-    let rm_key = rm_state.join("rm.key").display().to_string();
     let pool = scratch.path("recovery-pool");
-    let (_rm, rm_addr) = start_daemon(
-        &bins.join("maru-resource-manager"),
-        &[
-            "--state-dir".into(),
-            rm_state.display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{}", pool.display(), regions * RECOVERY_REGION),
-        ],
+    let (_rm, rm_addr, rm_key) = start_rm(
+        &rm_state,
+        &pool,
+        regions * RECOVERY_REGION,
         &scratch.path("rm.ready"),
     )?;
     let state = scratch.path("recovery-state");

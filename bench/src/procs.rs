@@ -83,6 +83,53 @@ pub fn start_daemon(bin: &Path, args: &[String], ready: &Path) -> Result<(Proc, 
     start_daemon_within(bin, args, ready, Duration::from_secs(20))
 }
 
+/// Starts a resource manager with its state (and the key it makes, `rm.key`) in
+/// `state`, on a fake-DAX pool `pool` of `size` (bytes, or the RM's `64M` syntax);
+/// `ready` is its readiness file. Returns it, its address and its key file.
+pub fn start_rm(
+    state: &Path,
+    pool: &Path,
+    size: impl std::fmt::Display,
+    ready: &Path,
+) -> Result<(Proc, String, String), String> {
+    let args = [
+        "--state-dir".into(),
+        state.display().to_string(),
+        "--fake-dax".into(),
+        format!("{}:{size}", pool.display()),
+    ];
+    let (rm, addr) = start_daemon(&bin_dir().join("maru-resource-manager"), &args, ready)?;
+    Ok((rm, addr, state.join("rm.key").display().to_string()))
+}
+
+/// Starts a remote-cxl agent of node `node` on device `pool` for the RM at `rm_addr`
+/// (whose key file is `rm_key`), with its own key file `key_file` and `extra` after
+/// those arguments; `ready` is its readiness file.
+pub fn start_agent(
+    rm_addr: &str,
+    rm_key: &str,
+    key_file: &Path,
+    pool: &Path,
+    node: &str,
+    extra: &[String],
+    ready: &Path,
+) -> Result<(Proc, String), String> {
+    let mut args = vec![
+        "--rm-address".into(),
+        rm_addr.to_string(),
+        "--rm-key-file".into(),
+        rm_key.to_string(),
+        "--key-file".into(),
+        key_file.display().to_string(),
+        "--device".into(),
+        pool.display().to_string(),
+        "--node".into(),
+        node.to_string(),
+    ];
+    args.extend_from_slice(extra);
+    start_daemon(&bin_dir().join("maru-remote-cxl-agent"), &args, ready)
+}
+
 /// [`start_daemon`] that waits up to `within` for the ready file.
 pub fn start_daemon_within(
     bin: &Path,
@@ -406,35 +453,21 @@ pub fn stack_with(
     chunk_size: &str,
     durable: bool,
 ) -> Result<Stack, String> {
-    let bins = bin_dir();
     // One state directory: `Scratch::path` hands out a new path at each call.
-    let rm_state = s.path("rm-state");
-    let rm_key = rm_state.join("rm.key").display().to_string();
-    let (rm, rm_addr) = start_daemon(
-        &bins.join("maru-resource-manager"),
-        &[
-            "--state-dir".into(),
-            rm_state.display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{}", s.pool.display(), s.pool_size),
-        ],
+    let (rm, rm_addr, rm_key) = start_rm(
+        &s.path("rm-state"),
+        &s.pool,
+        s.pool_size,
         &s.path("rm.ready"),
     )?;
     let agent = if remote {
-        Some(start_daemon(
-            &bins.join("maru-remote-cxl-agent"),
-            &[
-                "--rm-address".into(),
-                rm_addr.clone(),
-                "--rm-key-file".into(),
-                rm_key.clone(),
-                "--key-file".into(),
-                s.key_file.display().to_string(),
-                "--device".into(),
-                s.pool.display().to_string(),
-                "--node".into(),
-                "bench-mem0".into(),
-            ],
+        Some(start_agent(
+            &rm_addr,
+            &rm_key,
+            &s.key_file,
+            &s.pool,
+            "bench-mem0",
+            &[],
             &s.path("agent.ready"),
         )?)
     } else {

@@ -23,7 +23,7 @@
 
 use crate::harness::percentile;
 use crate::meta::dir_bytes;
-use crate::procs::{bin_dir, start_daemon, start_daemon_within, Proc};
+use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
 use crate::report::Table;
 use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
@@ -122,16 +122,10 @@ fn setup(regions: u64, max_sessions: usize) -> Result<Env, String> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let pool = dir.join("pool");
-    let rm_state = dir.join("rm-state");
-    let rm_key = rm_state.join("rm.key").display().to_string();
-    let (rm, rm_addr) = start_daemon(
-        &bin_dir().join("maru-resource-manager"),
-        &[
-            "--state-dir".into(),
-            rm_state.display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{}", pool.display(), regions * REGION),
-        ],
+    let (rm, rm_addr, rm_key) = start_rm(
+        &dir.join("rm-state"),
+        &pool,
+        regions * REGION,
         &dir.join("rm.ready"),
     )?;
     let server_key = dir.join("server.key");

@@ -10,7 +10,7 @@
 //! measures remote_cxl loads).
 
 use crate::harness::percentile;
-use crate::procs::{bin_dir, start_daemon, Proc};
+use crate::procs::{bin_dir, start_agent, start_daemon, start_rm, Proc};
 use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
 use maru::net::{Client, ClientOptions};
@@ -66,38 +66,19 @@ fn stack(max_workers: usize) -> Result<Stack, String> {
     let pool =
         PathBuf::from("/dev/shm").join(format!("maru-bench-scale-agent-{}", std::process::id()));
     let size = (max_workers as u64 + 16) * REGION;
-    let rm_state = dir.join("rm-state");
-    let rm_key = rm_state.join("rm.key").display().to_string();
     let bins = bin_dir();
-    let (rm, rm_addr) = start_daemon(
-        &bins.join("maru-resource-manager"),
-        &[
-            "--state-dir".into(),
-            rm_state.display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:{size}", pool.display()),
-        ],
-        &dir.join("rm.ready"),
-    )?;
+    let (rm, rm_addr, rm_key) =
+        start_rm(&dir.join("rm-state"), &pool, size, &dir.join("rm.ready"))?;
     let agent_key = dir.join("agent.key");
     let key = SharedKey::generate().map_err(|e| format!("agent key: {e}"))?;
     write_new_key_file(&agent_key, &key).map_err(|e| format!("agent key file: {e}"))?;
-    let (agent, agent_addr) = start_daemon(
-        &bins.join("maru-remote-cxl-agent"),
-        &[
-            "--rm-address".into(),
-            rm_addr.clone(),
-            "--rm-key-file".into(),
-            rm_key.clone(),
-            "--key-file".into(),
-            agent_key.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--node".into(),
-            "scale-mem0".into(),
-            "--max-clients".into(),
-            (2 * max_workers + 64).to_string(),
-        ],
+    let (agent, agent_addr) = start_agent(
+        &rm_addr,
+        &rm_key,
+        &agent_key,
+        &pool,
+        "scale-mem0",
+        &["--max-clients".into(), (2 * max_workers + 64).to_string()],
         &dir.join("agent.ready"),
     )?;
     let server_key = dir.join("server.key");

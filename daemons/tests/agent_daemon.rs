@@ -13,10 +13,10 @@ use maru::wire::ErrorCode;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::{agent_client, connect, map_writable as map, wait_until, Daemon, Scratch};
+use support::{
+    agent_client, connect, map_writable as map, wait_until, Daemon, Scratch, AGENT_BIN, RM_BIN,
+};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 

@@ -16,10 +16,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use support::{connect, Daemon, Scratch};
+use support::{connect, Daemon, Scratch, RM_BIN, SERVER_BIN};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 const MIB: u64 = 1 << 20;
 
 fn rm(s: &mut Scratch, extra: &[&str]) -> Daemon {

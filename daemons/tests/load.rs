@@ -16,9 +16,7 @@ use sha2::{Digest, Sha256};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
-use support::{connect, wait_until, Daemon, Scratch};
-
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+use support::{connect, wait_until, Daemon, Scratch, SERVER_BIN};
 
 const SESSIONS: usize = 64;
 const KEYS: usize = 32;

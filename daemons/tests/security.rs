@@ -21,11 +21,8 @@ use std::net::TcpStream;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::{connect, map_writable as map, Daemon, Scratch};
+use support::{connect, map_writable as map, Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 

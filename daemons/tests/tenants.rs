@@ -13,10 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{Daemon, Scratch};
-
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
+use support::{Daemon, Scratch, RM_BIN, SERVER_BIN};
 
 /// The tenants file is read again this often (`tenants_file::CHECK_EVERY_MS`).
 const RELOAD: Duration = Duration::from_millis(2_000);

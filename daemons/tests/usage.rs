@@ -7,11 +7,8 @@ mod support;
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::worker::Handler;
 use std::process::{Command, Output};
-use support::{Daemon, Scratch};
+use support::{Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
 
-const RM_BIN: &str = env!("CARGO_BIN_EXE_maru-resource-manager");
-const AGENT_BIN: &str = env!("CARGO_BIN_EXE_maru-remote-cxl-agent");
-const SERVER_BIN: &str = env!("CARGO_BIN_EXE_maru-server");
 const USAGE_BIN: &str = env!("CARGO_BIN_EXE_maru-usage");
 
 struct Stack {
