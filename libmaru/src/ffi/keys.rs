@@ -134,17 +134,19 @@ mod tests {
         let toks = [5i32, -1, 7, 8, 9];
         let mut out = vec![0x55 as c_char; 2 * MARU_CHUNK_KEY_SIZE];
         let mut n = 0usize;
-        let st = unsafe {
+        // The five tokens in chunks of 2 under "m/l", into `cap` keys of `out`.
+        let call = |out: &mut [c_char], cap: usize, n: &mut usize| unsafe {
             maru_chunk_keys(
                 toks.as_ptr(),
                 5,
                 2,
                 c"m/l".as_ptr(),
                 out.as_mut_ptr(),
-                2,
-                &mut n,
+                cap,
+                n,
             )
         };
+        let st = call(&mut out, 2, &mut n);
         assert_eq!(st, maru_status_t::MARU_OK);
         assert_eq!(n, 2);
         let want = chunk_keys(&toks, 2, "m/l");
@@ -152,17 +154,7 @@ mod tests {
             let k = unsafe { CStr::from_ptr(out.as_ptr().add(i * MARU_CHUNK_KEY_SIZE)) };
             assert_eq!(k.to_str().unwrap(), w);
         }
-        let st = unsafe {
-            maru_chunk_keys(
-                toks.as_ptr(),
-                5,
-                2,
-                c"m/l".as_ptr(),
-                out.as_mut_ptr(),
-                1,
-                &mut n,
-            )
-        };
+        let st = call(&mut out, 1, &mut n);
         assert_eq!(st, maru_status_t::MARU_ERR_BUFFER_TOO_SMALL);
         assert_eq!(n, 2);
         let st = unsafe {
