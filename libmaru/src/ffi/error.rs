@@ -9,13 +9,14 @@ use super::status::maru_status_t;
 use std::cell::RefCell;
 use std::ffi::{CStr, CString};
 
-struct LastError {
+/// What the last failed call on this thread recorded: its status and message.
+struct Recorded {
     status: maru_status_t,
     message: CString,
 }
 
 thread_local! {
-    static LAST_ERROR: RefCell<Option<LastError>> = const { RefCell::new(None) };
+    static LAST_ERROR: RefCell<Option<Recorded>> = const { RefCell::new(None) };
 }
 
 /// Records `status` and `message` as this thread's last error, replacing any
@@ -30,7 +31,7 @@ pub fn set_last_error(status: maru_status_t, message: impl Into<String>) {
     // try_with: a call made while the thread is being torn down has nowhere to
     // leave its message, and must not panic for it.
     let _ = LAST_ERROR.try_with(|slot| {
-        *slot.borrow_mut() = Some(LastError { status, message });
+        *slot.borrow_mut() = Some(Recorded { status, message });
     });
 }
 
