@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Set
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_cycles import cycles  # noqa: E402  (the same Tarjan search as for Rust)
+
 
 def modules(root: Path) -> Dict[str, Path]:
     out = {}
@@ -65,42 +68,6 @@ def edges(mods: Dict[str, Path]) -> Dict[str, Set[str]]:
     return out
 
 
-def circles(g: Dict[str, Set[str]]) -> List[List[str]]:
-    """The strongly connected groups of more than one module (Tarjan)."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on: Set[str] = set()
-    found: List[List[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(g[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    sys.setrecursionlimit(max(1000, 4 * len(g)))
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def main(argv: List[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
@@ -108,7 +75,7 @@ def main(argv: List[str]) -> int:
     total = 0
     for root in map(Path, argv):
         g = edges(modules(root))
-        for c in circles(g):
+        for c in cycles(g):
             total += 1
             print("CIRCLE: " + " , ".join(c))
             for a in c:
