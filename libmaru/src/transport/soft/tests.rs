@@ -3,7 +3,8 @@
 use super::{SoftTarget, SoftTransport};
 use crate::auth::SharedKey;
 use crate::transport::{
-    no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError,
+    no_bringup, BatchState, LocalBuffer, Op, OpKind, PeerId, Registration, Target, Transport,
+    TransportError,
 };
 use std::time::Duration;
 
@@ -39,6 +40,25 @@ fn rig(key: Option<SharedKey>, region_len: usize, staging_len: usize) -> Rig {
     }
 }
 
+impl Rig {
+    /// The whole region registered, writable, for owner 1.
+    fn register_all(&mut self) -> Registration {
+        // SAFETY: the region lives in the rig, as long as its target.
+        unsafe {
+            self.target
+                .register(1, self.region.as_mut_ptr(), self.region.len() as u64, true)
+        }
+        .unwrap()
+    }
+
+    /// The whole region registered ([`Rig::register_all`]) and the NIC connected to it.
+    fn connected(&mut self) -> (Registration, PeerId) {
+        let reg = self.register_all();
+        let peer = self.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+        (reg, peer)
+    }
+}
+
 fn op(kind: OpKind, local_offset: u64, remote_addr: u64, rkey: u64, len: u64) -> Op {
     Op {
         kind,
@@ -52,12 +72,7 @@ fn op(kind: OpKind, local_offset: u64, remote_addr: u64, rkey: u64, len: u64) ->
 #[test]
 fn write_then_read_back_many_ops_in_flight() {
     let mut r = rig(None, 1 << 20, 1 << 20);
-    let reg = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
-    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let (reg, peer) = r.connected();
     for (i, b) in r.staging[..512 * 1024].iter_mut().enumerate() {
         *b = (i * 7 % 251) as u8;
     }
@@ -100,12 +115,7 @@ fn large_chunks_many_in_flight_keep_every_byte() {
         let n = 32;
         let half = n * chunk;
         let mut r = rig(None, half, 2 * half);
-        let reg = unsafe {
-            r.target
-                .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-        }
-        .unwrap();
-        let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+        let (reg, peer) = r.connected();
         for round in 0..rounds {
             for (i, b) in r.staging[..half].iter_mut().enumerate() {
                 *b = (i * 13 + i / 4093 + round * 31) as u8;
@@ -137,12 +147,7 @@ fn large_chunks_many_in_flight_keep_every_byte() {
 #[test]
 fn a_write_after_deregistration_fails_and_writes_nothing() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
-    let reg = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
-    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let (reg, peer) = r.connected();
     r.staging.fill(0xAB);
     r.target.deregister(reg.rkey).unwrap();
     let b = r
@@ -158,11 +163,7 @@ fn a_write_after_deregistration_fails_and_writes_nothing() {
         "a late WRITE must not land"
     );
     // The connection keeps working for valid keys.
-    let reg2 = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
+    let reg2 = r.register_all();
     assert_ne!(reg2.rkey, reg.rkey);
     let b = r
         .nic
@@ -213,12 +214,7 @@ fn unknown_key_range_and_read_only_are_refused() {
 #[test]
 fn fence_stops_the_peer() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
-    let reg = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
-    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let (reg, peer) = r.connected();
     r.nic.fence(peer).unwrap();
     assert!(matches!(
         r.nic
@@ -238,12 +234,7 @@ fn fence_stops_the_peer() {
 #[test]
 fn a_lost_responder_fails_pending_batches() {
     let mut r = rig(None, 64 * 1024, 64 * 1024);
-    let reg = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
-    let peer = r.nic.connect(&reg.transport, &mut no_bringup).unwrap();
+    let (reg, peer) = r.connected();
     r.target.shutdown();
     // Give the reader a moment to see the close, then every post fails.
     let mut failed = false;
@@ -437,11 +428,7 @@ fn a_closed_owner_loses_its_data_connections_and_binding() {
 /// same peer takes to complete, with `lanes` data connections per peer.
 fn read_beside_a_stalled_write(lanes: u8) -> (Duration, usize) {
     let mut r = rig(None, 1 << 20, 1 << 20);
-    let reg = unsafe {
-        r.target
-            .register(1, r.region.as_mut_ptr(), r.region.len() as u64, true)
-    }
-    .unwrap();
+    let reg = r.register_all();
     let nic = SoftTransport::new("lanes", None).with_lanes(lanes);
     nic.register_local(LocalBuffer {
         ptr: r.staging.as_mut_ptr(),
