@@ -1,8 +1,9 @@
-//! One window of transfers: its agents made ready without the state's lock, one
-//! batch per peer planned under it, posted and waited for without it, settled under
-//! it. A peer whose batch failed is dropped and fenced; one whose batch did not
-//! finish keeps its slots (`isolation`); what failed while a peer was dropped is
-//! posted once more.
+//! One window of transfers: one batch per peer, planned from the targets a store
+//! took with its pages (no lock), or under the state's lock once its agents were made
+//! ready without it; posted and waited for without it; settled under it only when a
+//! batch did not complete. A peer whose batch failed is dropped and fenced; one
+//! whose batch did not finish keeps its slots (`isolation`); what failed while a peer
+//! was dropped is posted once more.
 
 use super::isolation::{PeerBatch, PeerOutcome};
 use super::{RemoteMover, RemoteState, WriteTargets, WriteTo};
