@@ -120,10 +120,10 @@ fn round(handlers: &[Handler], round: usize) -> Round {
                         .unwrap_or_else(|e| panic!("session {s}: load: {e}"));
                     for (k, g) in part.iter().zip(got) {
                         let g = g.unwrap_or_else(|| {
-                            let st = h.stats();
+                            let st = &h.stats()["pools"][0]["stats"];
                             panic!(
-                                "session {s}: key {k} lost (load_failed {}, last_load_error {})",
-                                st["pools"][0]["load_failed"], st["pools"][0]["last_load_error"]
+                                "session {s}: key {k} lost (hits {}, misses {}, load_failed {}, last_load_error {}, skipped {})",
+                                st["hits"], st["misses"], st["load_failed"], st["last_load_error"], st["skipped"]
                             )
                         });
                         assert!(g == chunk_of(k), "session {s}: key {k}: wrong bytes");

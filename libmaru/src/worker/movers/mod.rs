@@ -12,6 +12,7 @@ pub use remote::RemoteMover;
 use super::clock::Deadline;
 use super::error::WorkerError;
 use super::pool::core::CoreCell;
+use super::pool::peers::WriteTargets;
 use super::prefault::PrefaultStats;
 use super::staging::Slot;
 use crate::dax::Mapping;
@@ -78,9 +79,14 @@ pub trait Mover: Send + Sync {
     /// Makes a region the session took usable (mapped), by `by`.
     fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError>;
     /// Writes chunks into their pages, by `by`; true where the bytes are complete.
-    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool>;
+    fn write(&self, items: &[WriteItem<'_>], to: &WriteTargets, by: Deadline) -> Vec<bool>;
     /// Writes from the caller's slots; each slot comes back in its outcome.
-    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome>;
+    fn write_slots(
+        &self,
+        items: Vec<SlotWrite>,
+        to: &WriteTargets,
+        by: Deadline,
+    ) -> Vec<SlotOutcome>;
     /// Hands each lease's bytes to `sink`, by `by`.
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline);
     /// Reads into the caller's slots; each slot comes back in its outcome.
@@ -138,10 +144,15 @@ impl Mover for CxlMover {
     fn adopt(&self, grant: &RegionGrant, _by: Deadline) -> Result<(), WorkerError> {
         CxlMover::adopt(self, grant)
     }
-    fn write(&self, items: &[WriteItem<'_>], _by: Deadline) -> Vec<bool> {
+    fn write(&self, items: &[WriteItem<'_>], _: &WriteTargets, _by: Deadline) -> Vec<bool> {
         CxlMover::write(self, items)
     }
-    fn write_slots(&self, items: Vec<SlotWrite>, _by: Deadline) -> Vec<SlotOutcome> {
+    fn write_slots(
+        &self,
+        items: Vec<SlotWrite>,
+        _: &WriteTargets,
+        _by: Deadline,
+    ) -> Vec<SlotOutcome> {
         CxlMover::write_slots(self, items)
     }
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, _by: Deadline) {

@@ -5,10 +5,12 @@
 //! phase, under one short lock ([`CoreCell`]) never held across I/O. The rules are in
 //! `docs/worker.md` ("The pool core"); each has a test in `core_tests.rs`.
 
-use super::peers::RemoteState;
+use super::peers::{RemoteState, WriteTargets};
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::clock::Deadline;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// After maru-server had no region to give, stores evict without asking again for
@@ -82,6 +84,9 @@ pub struct Taken {
     pub foreign: Vec<PageGrant>,
     /// Pages at an away agent: kept spare, their chunks skipped at once.
     pub away: Vec<PageGrant>,
+    /// `remote_cxl`: where WRITEs into the pages' regions go, for those ready when the
+    /// pages were taken (the store's windows are planned without the lock).
+    pub to: WriteTargets,
 }
 
 impl Taken {
@@ -89,6 +94,9 @@ impl Taken {
     pub fn merge(&mut self, more: Taken) {
         for (r, t) in more.tokens {
             self.tokens.entry(r).or_insert(t);
+        }
+        for (r, t) in more.to {
+            self.to.entry(r).or_insert(t);
         }
         self.pages.extend(more.pages);
         self.foreign.extend(more.foreign);
@@ -640,6 +648,10 @@ impl PoolCore {
                 if let Some(t) = self.token(p.region_id) {
                     e.insert(t);
                 }
+                let to = self.remote.as_ref().and_then(|m| m.write_to(p.region_id));
+                if let Some(to) = to {
+                    taken.to.insert(p.region_id, to);
+                }
             }
         }
         taken
@@ -835,10 +847,38 @@ pub fn server_away(answered_ms: u64, unanswered_ms: u64) -> bool {
 }
 
 /// The pool core behind its one short lock, with the condition stores wait on (an
-/// adoption done, a publish answered).
+/// adoption done, a publish answered), and whether every agent is away as of the
+/// last unlock (read without the lock: a load that would ask nobody takes none).
 pub struct CoreCell {
     core: Mutex<PoolCore>,
     changed: Condvar,
+    all_away: AtomicBool,
+}
+
+/// The core, locked; on unlock it notes [`PoolCore::every_agent_away`] in its cell.
+pub struct CoreGuard<'a> {
+    g: MutexGuard<'a, PoolCore>,
+    all_away: &'a AtomicBool,
+}
+
+impl Deref for CoreGuard<'_> {
+    type Target = PoolCore;
+    fn deref(&self) -> &PoolCore {
+        &self.g
+    }
+}
+
+impl DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PoolCore {
+        &mut self.g
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        self.all_away
+            .store(self.g.every_agent_away(), Ordering::Relaxed);
+    }
 }
 
 impl CoreCell {
@@ -846,13 +886,23 @@ impl CoreCell {
         CoreCell {
             core: Mutex::new(core),
             changed: Condvar::new(),
+            all_away: AtomicBool::new(false),
         }
     }
 
     /// The core (a poisoned lock is taken over: its maps stay usable).
-    pub fn lock(&self) -> MutexGuard<'_, PoolCore> {
+    pub fn lock(&self) -> CoreGuard<'_> {
         crate::worker::op_stats::core_locked();
-        self.core.lock().unwrap_or_else(|e| e.into_inner())
+        let g = self.core.lock().unwrap_or_else(|e| e.into_inner());
+        CoreGuard {
+            g,
+            all_away: &self.all_away,
+        }
+    }
+
+    /// Whether every agent the pool knows was away at the core's last unlock.
+    pub fn every_agent_away(&self) -> bool {
+        self.all_away.load(Ordering::Relaxed)
     }
 
     /// Something waiters may be waiting for happened.
@@ -865,8 +915,9 @@ impl CoreCell {
         &self,
         by: Deadline,
         mut blocked: impl FnMut(&mut PoolCore) -> bool,
-    ) -> MutexGuard<'_, PoolCore> {
-        let mut g = self.lock();
+    ) -> CoreGuard<'_> {
+        crate::worker::op_stats::core_locked();
+        let mut g = self.core.lock().unwrap_or_else(|e| e.into_inner());
         while blocked(&mut g) {
             let left = by.left();
             if left.is_zero() {
@@ -878,7 +929,10 @@ impl CoreCell {
                 .map(|(g, _)| g)
                 .unwrap_or_else(|e| e.into_inner().0);
         }
-        g
+        CoreGuard {
+            g,
+            all_away: &self.all_away,
+        }
     }
 }
 

@@ -819,6 +819,72 @@ fn loads_miss_at_once_only_while_every_agent_the_pool_knows_is_away() {
     assert!(!cxl().every_agent_away(), "cxl has no agents");
 }
 
+/// A store's pages come with where their regions' WRITEs go (`Taken::to`), so its
+/// windows are planned without the core's lock: only for a region whose agent has a
+/// data connection and is not away, so a window never plans from a stale target what
+/// the lock would refuse. Seen failing with `write_to`'s away check taken out (the
+/// away agent's region got a target).
+#[test]
+fn a_stores_pages_come_with_the_write_targets_of_ready_agents_only() {
+    const OTHER: &str = "10.0.0.2:9860";
+    let mut c = remote();
+    c.set_spare_target(8);
+    take_region(&mut c, 1, 128);
+    take_region_at(&mut c, 2, 128, OTHER);
+    c.keep_spare(vec![page(1, 0), page(2, 0), page(1, 1), page(2, 1)]);
+    let t = c.store_begin(2).expect("not away");
+    assert_eq!(t.pages.len(), 2);
+    assert!(
+        t.to.is_empty(),
+        "no data connection yet: planned under the lock"
+    );
+    c.end_writing([1, 2]);
+    let r = c.remote.as_mut().expect("remote");
+    for (a, p) in [(AGENT, 5), (OTHER, 6)] {
+        r.link_of(a);
+        r.agents.get_mut(a).expect("known").peer = Some(PeerId(p));
+    }
+    let t = c.store_begin(2).expect("not away");
+    let to = |peer| super::peers::WriteTo {
+        peer: PeerId(peer),
+        addr: 0x10000,
+        rkey: 42,
+    };
+    assert_eq!(t.to, BTreeMap::from([(1, to(5)), (2, to(6))]));
+    c.end_writing([1, 2]);
+    c.keep_spare(t.pages);
+    let r = c.remote.as_mut().expect("remote");
+    r.away(OTHER, 10, "a call ran into its deadline");
+    assert!(r.write_to(2).is_none(), "its agent is away");
+    assert_eq!(r.write_to(1), Some(to(5)));
+}
+
+/// The cell notes the away rule for loads at each unlock, so a load reads it without
+/// taking the core's lock: seen by the next caller once the lock that changed it is
+/// let go. Seen failing with `CoreGuard`'s drop noting nothing.
+#[test]
+fn the_cell_notes_every_agent_away_when_its_lock_is_let_go() {
+    let cell = super::CoreCell::new(remote());
+    cell.lock().remote.as_mut().expect("remote").link_of(AGENT);
+    assert!(!cell.every_agent_away(), "its agent answers");
+    {
+        let mut c = cell.lock();
+        let r = c.remote.as_mut().expect("remote");
+        r.away(AGENT, 10, "a call ran into its deadline");
+    }
+    assert!(cell.every_agent_away(), "noted at the unlock");
+    {
+        let mut c = cell.lock();
+        let r = c.remote.as_mut().expect("remote");
+        r.seen(AGENT, Some("boot-1"), None, 270)
+            .expect("a probe's answer");
+    }
+    assert!(
+        !cell.every_agent_away(),
+        "it answers again: loads ask again"
+    );
+}
+
 /// The end of a store, one call: its unused pages are kept first, then its pages stop
 /// being written. The unused page of a closing region whose last writer this was goes
 /// with the region (neither kept nor freed into a region given back); an open

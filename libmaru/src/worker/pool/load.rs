@@ -108,7 +108,7 @@ impl StoragePool {
         let remote = !self.mover.writes_in_place();
         // maru-server did not answer a call by its deadline, or every agent did not
         // (every byte of the pool is there): a miss at once, nobody asked.
-        if self.session.away() || (remote && self.core.lock().every_agent_away()) {
+        if self.session.away() || (remote && self.core.every_agent_away()) {
             self.core.lock().stats.misses += keys.len() as u64;
             return Ok(());
         }

@@ -20,6 +20,7 @@ use super::error::WorkerError;
 use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
+use peers::WriteTargets;
 use session::Session;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +43,8 @@ pub const EVICT_AHEAD_PAGES: usize = 16;
 
 /// Writes the batch items `(index, page)` through the pool, by the request's
 /// deadline; true where complete.
-type PageWriter<'w> = dyn FnMut(&StoragePool, &[(usize, PageGrant)], Deadline) -> Vec<bool> + 'w;
+type PageWriter<'w> =
+    dyn FnMut(&StoragePool, &[(usize, PageGrant)], &WriteTargets, Deadline) -> Vec<bool> + 'w;
 /// Reads the found items (their batch indices and leases) through the pool, by the
 /// request's deadline; answers (chunks read, their bytes).
 type LeaseReader<'r> =

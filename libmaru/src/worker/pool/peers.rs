@@ -6,7 +6,7 @@ use crate::wire::agent::MapReply;
 use crate::worker::lifecycle::Lifecycle;
 use crate::worker::movers::remote::isolation::Isolation;
 use crate::worker::movers::remote::link::AgentLink;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 pub(crate) struct OwnRegion {
@@ -68,3 +68,15 @@ impl RemoteState {
         self.reads.retain(|&(r, _, _), _| r != region_id);
     }
 }
+
+/// Where WRITEs into an own region go: its agent's data connection and the region's
+/// registration there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteTo {
+    pub peer: PeerId,
+    pub addr: u64,
+    pub rkey: u64,
+}
+
+/// The targets of the regions a store took pages of, by region (`Taken::to`).
+pub type WriteTargets = BTreeMap<u64, WriteTo>;

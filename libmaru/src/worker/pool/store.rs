@@ -372,7 +372,7 @@ impl StoragePool {
             let base = ci * self.max_batch;
             let keys: Vec<&str> = chunk.iter().map(|(k, _)| *k).collect();
             let lens: Vec<usize> = chunk.iter().map(|(_, d)| d.len()).collect();
-            let r = self.store_some(&keys, &lens, route_key, by, &mut |p, todo, by| {
+            let r = self.store_some(&keys, &lens, route_key, by, &mut |p, todo, to, by| {
                 let writes: Vec<WriteItem<'_>> = todo
                     .iter()
                     .map(|&(i, page)| WriteItem {
@@ -380,7 +380,7 @@ impl StoragePool {
                         data: chunk[i].1,
                     })
                     .collect();
-                p.mover.write(&writes, by)
+                p.mover.write(&writes, to, by)
             })?;
             done[base..base + r.len()].copy_from_slice(&r);
         }
@@ -407,7 +407,7 @@ impl StoragePool {
                 &lens[base..end],
                 route_key,
                 by,
-                &mut |p, todo, by| {
+                &mut |p, todo, to, by| {
                     let mut writes = Vec::with_capacity(todo.len());
                     let mut placed = Vec::with_capacity(todo.len());
                     for (k, &(i, page)) in todo.iter().enumerate() {
@@ -421,7 +421,7 @@ impl StoragePool {
                         }
                     }
                     let mut ok = vec![false; todo.len()];
-                    for ((k, i), o) in placed.into_iter().zip(p.mover.write_slots(writes, by)) {
+                    for ((k, i), o) in placed.into_iter().zip(p.mover.write_slots(writes, to, by)) {
                         ok[k] = o.ok;
                         part[i] = o.slot;
                     }
@@ -496,7 +496,7 @@ impl StoragePool {
         let r = if placed.is_empty() {
             Ok(present)
         } else {
-            let ok = self.written(&placed, write(self, &placed, by));
+            let ok = self.written(&placed, write(self, &placed, &taken.to, by));
             self.publish(keys, lens, present, &placed, &ok, &taken, &mut end, by)
         };
         // Whatever happened: the pages are no longer being written by this store.

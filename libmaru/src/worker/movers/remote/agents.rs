@@ -3,18 +3,18 @@
 //! connect and fence runs without the state's lock, holding only its connection
 //! (`link`), by the request's deadline; what it found is recorded under the lock.
 
-use super::link::{AgentLink, LinkLease};
-use super::{AgentConn, OwnRegion, ReadTarget, RemoteMover, RemoteState};
+use super::link::LinkLease;
+use super::state::{agent_link, range, MapReads, ToMap};
+use super::RemoteMover;
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
-use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
+use crate::wire::agent::{AgentReply, AgentRequest};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
-use crate::worker::agents::{require_boot_id, welcome_identity};
+use crate::worker::agents::welcome_identity;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::{Action, Verdict};
 use crate::worker::op_stats::{contacted, Contact};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Timeouts of an agent probe (connect, then the status call): short, since a probe
@@ -23,11 +23,6 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long the tick's fences wait for their proof (see `RemoteMover::reclaim`).
 const TICK_FENCE_WAIT: Duration = Duration::from_secs(1);
-
-/// A control link to an agent; one whose welcome has no boot id is refused by it.
-pub(super) fn agent_link(addr: &str, opts: crate::net::ClientOptions) -> Link {
-    Link::new(addr, opts).with_check(require_boot_id)
-}
 
 fn timed_out(agent: &str, what: &str) -> WorkerError {
     WorkerError::unavailable(
@@ -39,393 +34,6 @@ fn timed_out(agent: &str, what: &str) -> WorkerError {
 /// A call to `agent` failed with `e`.
 fn at(agent: &str, e: LinkError) -> WorkerError {
     WorkerError::from_link(Peer::Agent(agent.to_string()), e)
-}
-
-impl RemoteState {
-    pub(super) fn agent(&mut self, addr: &str) -> &mut AgentConn {
-        let opts = self.agent_opts.clone();
-        self.agents
-            .entry(addr.to_string())
-            .or_insert_with(|| AgentConn {
-                link: Arc::new(AgentLink::new(agent_link(addr, opts))),
-                peer: None,
-            })
-    }
-
-    /// The control connection of `addr` (known to the pool from now on).
-    pub(crate) fn link_of(&mut self, addr: &str) -> Arc<AgentLink> {
-        self.agent(addr).link.clone()
-    }
-
-    /// An agent said who it is (a welcome, a probe's answer, a map reply): the
-    /// lifecycle's verdict, carried out (`on_verdict`).
-    pub(crate) fn seen(
-        &mut self,
-        addr: &str,
-        boot: Option<&str>,
-        epoch: Option<u64>,
-        now_ms: u64,
-    ) -> Result<Verdict, WorkerError> {
-        let was_away = self.life.is_away(addr);
-        let v = self.life.seen(addr, boot, epoch, now_ms);
-        if was_away && !self.life.is_away(addr) {
-            log::warn!(
-                "agent {addr} answers again: stores into its regions and loads from it go on"
-            );
-        }
-        self.on_verdict(addr, v.clone()).map(|()| v)
-    }
-
-    /// `addr` did not answer a request's call by its deadline (`why`): away until it
-    /// answers again (`Lifecycle::missed_deadline`); said once per absence.
-    pub(crate) fn away(&mut self, addr: &str, now_ms: u64, why: &str) {
-        if self.life.missed_deadline(addr, now_ms) {
-            log::warn!(
-                "agent {addr} did not answer ({why}): stores into its regions are skipped and loads from it miss, at once, until a probe (every {} ms) sees it answer; its regions go back to maru-server if it stays silent {} s",
-                crate::worker::lifecycle::AWAY_PROBE_EVERY_MS,
-                crate::worker::lifecycle::AGENT_SILENCE_MS / 1000
-            );
-        }
-    }
-
-    /// Whether `agent` is away (`Lifecycle::is_away`), or its data connection keeps
-    /// slots that no fence freed yet (the control port may answer while the data
-    /// path does not).
-    pub(crate) fn agent_away(&self, agent: &str) -> bool {
-        self.life.is_away(agent)
-            || self
-                .agents
-                .get(agent)
-                .and_then(|c| c.peer)
-                .is_some_and(|p| self.iso.holds(p))
-    }
-
-    /// Whether own region `region` is at an agent that is away.
-    pub(crate) fn region_away(&self, region: u64) -> bool {
-        self.own
-            .get(&region)
-            .is_some_and(|r| self.agent_away(&r.agent))
-    }
-
-    /// Whether every agent the pool knows (from the handshake, or stored or read at)
-    /// is away.
-    pub(crate) fn every_agent_away(&self) -> bool {
-        !self.agents.is_empty() && self.agents.keys().all(|a| self.agent_away(a))
-    }
-
-    /// Whether a lease's bytes are at an agent that is away.
-    pub(crate) fn lease_away(&self, l: &LeaseGrant) -> bool {
-        let agent = match self.own.get(&l.region_id) {
-            Some(r) => Some(r.agent.as_str()),
-            None => l.agent.as_deref(),
-        };
-        agent.is_some_and(|a| self.agent_away(a))
-    }
-
-    /// Carries out a verdict: a restart or a reboot drops the peer (to be fenced) and
-    /// the read registrations; no boot id: the control connection goes.
-    pub(super) fn on_verdict(&mut self, addr: &str, v: Verdict) -> Result<(), WorkerError> {
-        match v {
-            Verdict::Same => return Ok(()),
-            Verdict::NoBoot => {
-                self.agent(addr).link.reset_later();
-                // Read registrations go with the connection.
-                self.forget_reads(Some(addr));
-                return Err(WorkerError::unavailable(
-                    Peer::Agent(addr.to_string()),
-                    "it reports no boot id: treated as unreachable",
-                ));
-            }
-            Verdict::Restarted => log::info!(
-                "agent {addr} restarted (same boot): mapping this worker's regions there again"
-            ),
-            Verdict::Rebooted(ids) => {
-                // Publishes re-checked before this are answered before it is reported.
-                self.reboots += 1;
-                log::warn!(
-                    "the memory node of agent {addr} rebooted (new boot id): the keys of region(s) {ids:?} died with it; maru-server is told before they are used again"
-                )
-            }
-        }
-        // Its registrations and data connection are gone with the old process.
-        if let Some(p) = self.agent(addr).peer.take() {
-            self.to_fence.push(p);
-        }
-        self.forget_reads(Some(addr));
-        Ok(())
-    }
-
-    /// The control connection to `addr` broke: its peer and read registrations go,
-    /// and the own regions there are mapped again before their next use.
-    pub(super) fn link_broke(&mut self, addr: &str) {
-        self.agent(addr).peer = None;
-        self.life.link_broken(addr);
-        self.forget_reads(Some(addr));
-    }
-
-    /// What a probe of `addr` found out (`who`: the boot id and epoch that answered).
-    fn probed(
-        &mut self,
-        addr: &str,
-        now: u64,
-        who: Result<(Option<String>, Option<u64>), LinkError>,
-    ) {
-        match who {
-            Ok((boot, epoch)) => {
-                let v = self.seen(addr, boot.as_deref(), epoch, now);
-                if v != Ok(Verdict::Same) {
-                    // The control connection went with the old process: the next
-                    // call connects afresh (and its welcome is checked again).
-                    self.agent(addr).link.reset_later();
-                }
-                if let Err(e) = v {
-                    log::warn!("{e}");
-                }
-            }
-            Err(e) => {
-                match crate::worker::warn_limit::allow(addr, "agent_silent") {
-                    Some(n) => log::warn!(
-                        "agent {addr} did not answer a probe ({e}); its regions go back to maru-server if it stays silent {} s{}",
-                        crate::worker::lifecycle::AGENT_SILENCE_MS / 1000,
-                        crate::worker::warn_limit::held_back(n)
-                    ),
-                    None => log::debug!("agent {addr} did not answer a probe: {e}"),
-                }
-                self.life.unreachable(addr, now);
-            }
-        }
-    }
-
-    /// A peer whose batch failed with a known outcome: forgotten and queued to be
-    /// fenced; its agent's regions are mapped again before their next use.
-    pub(crate) fn drop_failed_peer(&mut self, peer: PeerId) {
-        let mut dropped = false;
-        for (addr, c) in self.agents.iter_mut() {
-            if c.peer == Some(peer) {
-                c.peer = None;
-                // The agent's control connection likely went with it (a restart):
-                // connect afresh rather than find out on the next call.
-                c.link.reset_later();
-                self.life.link_broken(addr);
-                dropped = true;
-            }
-        }
-        // A closed control connection takes its read registrations with it.
-        if dropped {
-            self.forget_reads(None);
-        }
-        self.to_fence.push(peer);
-    }
-
-    /// Whether this mover's regions at `agent` are to be mapped again now.
-    pub(super) fn remap_due(&self, agent: &str) -> bool {
-        self.life.needs_remap(agent)
-            && self.life.may_map(agent)
-            && self.own.values().any(|r| r.agent == agent)
-    }
-
-    /// The agents whose regions are to be mapped again now, and that answer.
-    fn remaps_due(&self) -> Vec<String> {
-        let mut agents: Vec<String> = self
-            .own
-            .values()
-            .map(|r| r.agent.clone())
-            .filter(|a| self.remap_due(a))
-            .collect();
-        agents.sort();
-        agents.dedup();
-        agents
-    }
-
-    /// The transport metadata to reach `agent`'s NIC with (its newest map reply).
-    fn transport_of(&self, agent: &str) -> Option<serde_json::Value> {
-        self.own
-            .values()
-            .find(|r| r.agent == agent)
-            .map(|r| r.map.transport.clone())
-            .or_else(|| {
-                self.reads
-                    .values()
-                    .find(|t| t.0 == agent)
-                    .map(|t| t.3.clone())
-            })
-    }
-
-    /// Of `agents`, those to make ready first (`RemoteMover::ready`).
-    pub(super) fn unready(&mut self, agents: impl IntoIterator<Item = String>) -> Vec<String> {
-        let mut out: Vec<String> = agents
-            .into_iter()
-            .filter(|a| !self.agent_away(a) && (self.agent(a).peer.is_none() || self.remap_due(a)))
-            .collect();
-        out.sort();
-        out.dedup();
-        out
-    }
-
-    /// Forgets the peers that isolation fenced.
-    pub(super) fn forget_peers(&mut self, fenced: &[PeerId]) {
-        for c in self.agents.values_mut() {
-            if c.peer.is_some_and(|p| fenced.contains(&p)) {
-                c.peer = None;
-            }
-        }
-    }
-
-    /// Where a lease's bytes are, if they may be read (their agent not away, and on
-    /// the boot the key was written under).
-    pub(super) fn read_target(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
-        if self.lease_away(l) {
-            return Err(WorkerError::unavailable(
-                Peer::Agent(l.agent.clone().unwrap_or_default()),
-                format!(
-                    "region {}: its agent is away (it did not answer): a miss until it answers again",
-                    l.region_id
-                ),
-            ));
-        }
-        let t = self.locate(l)?;
-        if !self.life.lease_readable(&t.0, l.boot_id.as_deref()) {
-            return Err(WorkerError::unavailable(
-                Peer::Agent(t.0.clone()),
-                format!(
-                    "region {}: written under boot id {}, which the agent no longer runs (the memory node rebooted): nothing is read",
-                    l.region_id,
-                    l.boot_id.as_deref().unwrap_or("?"),
-                ),
-            ));
-        }
-        Ok(t)
-    }
-
-    /// Where a lease's bytes are: our own mapping, or a read registration at its agent
-    /// (made by `RemoteMover::map_reads`, without the lock).
-    fn locate(&mut self, l: &LeaseGrant) -> Result<ReadTarget, WorkerError> {
-        if let Some(r) = self.own.get(&l.region_id) {
-            if !self.life.usable(l.region_id) {
-                return Err(WorkerError::unavailable(
-                    Peer::Agent(r.agent.clone()),
-                    format!(
-                        "region {}: its memory node rebooted; its keys are being dropped",
-                        l.region_id
-                    ),
-                ));
-            }
-            return Ok((
-                r.agent.clone(),
-                r.map.addr + l.offset,
-                r.map.rkey,
-                r.map.transport.clone(),
-            ));
-        }
-        if let Some(t) = self.reads.get(&range(l)) {
-            return Ok(t.clone());
-        }
-        Err(WorkerError::Transport(format!(
-            "region {} at agent {}: the range is not mapped for reading (its map_read failed or did not answer in time)",
-            l.region_id,
-            l.agent.as_deref().unwrap_or("?")
-        )))
-    }
-
-    /// Forgets the read registrations at `agent` (at every agent: None): the agent
-    /// dropped them with a connection of this client, or a read failed.
-    pub(super) fn forget_reads(&mut self, agent: Option<&str>) {
-        match agent {
-            Some(a) => self.reads.retain(|_, t| t.0 != a),
-            None => self.reads.clear(),
-        }
-    }
-
-    /// The ranges of `leases` in other engines' regions that have no read
-    /// registration yet, by agent, each with the connection to ask on.
-    pub(super) fn reads_to_map(&mut self, leases: &[LeaseGrant]) -> Vec<ToMap> {
-        let mut out: Vec<ToMap> = Vec::new();
-        for l in leases {
-            if self.own.contains_key(&l.region_id) || self.reads.contains_key(&range(l)) {
-                continue;
-            }
-            // No agent named: `locate` says so when the window is planned. An agent
-            // away is not asked (`read_target` says so).
-            let Some(agent) = l.agent.as_deref().filter(|a| !self.agent_away(a)) else {
-                continue;
-            };
-            let at = match out.iter().position(|t| t.agent == agent) {
-                Some(at) => at,
-                None => {
-                    let link = self.link_of(agent);
-                    out.push(ToMap {
-                        agent: agent.to_string(),
-                        link,
-                        leases: Vec::new(),
-                    });
-                    out.len() - 1
-                }
-            };
-            if !out[at].leases.iter().any(|m| range(m) == range(l)) {
-                out[at].leases.push(l.clone());
-            }
-        }
-        out
-    }
-
-    /// Records what `map_read` calls made without the lock got at `agent` (nothing
-    /// when the connection broke on the way).
-    pub(super) fn mapped_reads(&mut self, agent: &str, got: MapReads, now_ms: u64) {
-        if got.broke {
-            self.link_broke(agent);
-        }
-        if got.unreachable {
-            self.away(agent, now_ms, "a map_read within the request's timeout");
-        }
-        for (l, m) in got.mapped {
-            if let Err(e) = self.seen(agent, Some(&m.boot_id), None, now_ms) {
-                log::warn!("region {}: {e}", l.0);
-                return;
-            }
-            if !got.broke {
-                self.reads
-                    .insert(l, (agent.to_string(), m.addr, m.rkey, m.transport));
-            }
-        }
-    }
-
-    /// Records a region taken, mapped at its agent (`reply` to the map); returns the
-    /// transport metadata of its NIC.
-    pub(crate) fn adopted(
-        &mut self,
-        grant: &RegionGrant,
-        agent: &str,
-        reply: AgentReply,
-        now_ms: u64,
-    ) -> Result<serde_json::Value, WorkerError> {
-        let m = match reply {
-            AgentReply::Mapped(m) => m,
-            r => {
-                return Err(WorkerError::Transport(format!(
-                    "agent {agent} answered map with {r:?}"
-                )))
-            }
-        };
-        let v = self
-            .life
-            .adopt(grant.handle.region_id, agent, &m.boot_id, None, now_ms);
-        self.on_verdict(agent, v)?;
-        let meta = m.transport.clone();
-        self.own.insert(
-            grant.handle.region_id,
-            OwnRegion {
-                agent: agent.to_string(),
-                handle: grant.handle.clone(),
-                map: m,
-            },
-        );
-        Ok(meta)
-    }
-}
-
-/// A lease's range: (region, offset, length).
-fn range(l: &LeaseGrant) -> (u64, u64, u64) {
-    (l.region_id, l.offset, l.length)
 }
 
 fn map_read_request(l: &LeaseGrant) -> AgentRequest {
@@ -457,23 +65,6 @@ fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64
     }
     r?;
     link.client().map(|c| welcome_identity(c))
-}
-
-/// Ranges to map for reading at one agent.
-pub(super) struct ToMap {
-    agent: String,
-    link: Arc<AgentLink>,
-    leases: Vec<LeaseGrant>,
-}
-
-/// What `map_read` calls on one connection got.
-#[derive(Default)]
-pub(super) struct MapReads {
-    mapped: Vec<((u64, u64, u64), MapReply)>,
-    /// The connection broke on the way (what was mapped on it is gone).
-    broke: bool,
-    /// The agent did not answer (the outcome of the call is unknown).
-    unreachable: bool,
 }
 
 /// Asks `link`'s agent to map each of `leases` for reading, each call by `by`;
@@ -833,13 +424,6 @@ impl RemoteMover {
         self.lock().probed(addr, now, who);
     }
 
-    /// [`map_reads`](Self::map_reads) of the ranges of a request's `leases` not mapped
-    /// yet, before its first window (no `map_read` goes while its READs are out).
-    pub(super) fn map_reads_of(&self, leases: &[LeaseGrant], by: Deadline) {
-        let todo = self.lock().reads_to_map(leases);
-        self.map_reads(todo, by);
-    }
-
     /// Maps for reading the ranges `todo` names (other engines' regions), on their
     /// agents' control connections, by `by`.
     pub(super) fn map_reads(&self, todo: Vec<ToMap>, by: Deadline) {
@@ -954,6 +538,7 @@ mod tests {
     use crate::net::handshake::{ServerHandshake, Step};
     use crate::net::ClientOptions;
     use crate::wire::{self, FrameDecoder};
+    use crate::worker::movers::remote::RemoteState;
     use std::io::{Read, Write};
 
     const A: &str = "a:1";

@@ -7,23 +7,26 @@ mod agents;
 pub(crate) mod isolation;
 pub(crate) mod link;
 mod post;
+mod state;
 pub mod windows;
 
 use crate::net::{ClientOptions, Link};
 use crate::transport::Transport;
 use crate::worker::clock::Deadline;
-use crate::worker::pool::core::{CoreCell, PoolCore};
-pub(crate) use crate::worker::pool::peers::{AgentConn, OwnRegion, ReadTarget, RemoteState};
+use crate::worker::pool::core::{CoreCell, CoreGuard, PoolCore};
+pub(crate) use crate::worker::pool::peers::{
+    AgentConn, OwnRegion, ReadTarget, RemoteState, WriteTargets, WriteTo,
+};
 use crate::worker::staging::StagingSlots;
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The core, locked, seen as the remote mover's state.
-pub(super) struct StateGuard<'a>(MutexGuard<'a, PoolCore>);
+pub(super) struct StateGuard<'a>(CoreGuard<'a>);
 
 impl Deref for StateGuard<'_> {
     type Target = RemoteState;

@@ -1,11 +1,12 @@
-//! One window of transfers: its agents made ready without the state's lock, one
-//! batch per peer planned under it, posted and waited for without it, settled under
-//! it. A peer whose batch failed is dropped and fenced; one whose batch did not
-//! finish keeps its slots (`isolation`); what failed while a peer was dropped is
-//! posted once more.
+//! One window of transfers: one batch per peer, planned from the targets a store
+//! took with its pages (no lock), or under the state's lock once its agents were made
+//! ready without it; posted and waited for without it; settled under it only when a
+//! batch did not complete. A peer whose batch failed is dropped and fenced; one
+//! whose batch did not finish keeps its slots (`isolation`); what failed while a peer
+//! was dropped is posted once more.
 
 use super::isolation::{PeerBatch, PeerOutcome};
-use super::{RemoteMover, RemoteState};
+use super::{RemoteMover, RemoteState, WriteTargets, WriteTo};
 use crate::transport::{BatchId, BatchState, Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::meta::{LeaseGrant, PageGrant};
 use crate::worker::clock::Deadline;
@@ -160,6 +161,7 @@ pub(super) fn put_back(out: &mut [SlotOutcome], idx: &[usize], again: Vec<SlotOu
 }
 
 /// What settling a window found.
+#[derive(Default)]
 struct Settled {
     /// A batch did not complete.
     failed: bool,
@@ -184,6 +186,45 @@ impl Planned {
             group: PeerGroups::default(),
             reads,
         }
+    }
+}
+
+/// Plans a WRITE of each of `items` from the slot of the same index into its page
+/// (`page(item)`: page and length), where `to` says its region's WRITEs go; one with
+/// no target, or longer than its slot, gets its slot back.
+pub(super) fn plan_writes_to(
+    items: Vec<usize>,
+    slots: Vec<Slot>,
+    page: &dyn Fn(usize) -> (PageGrant, usize),
+    to: &dyn Fn(u64) -> Option<WriteTo>,
+) -> Planned {
+    let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
+    let mut group = PeerGroups::default();
+    for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
+        out.push(SlotOutcome {
+            ok: false,
+            slot: None,
+        });
+        let (page, len) = page(item);
+        match to(page.region_id) {
+            Some(t) if len <= slot.len() => {
+                let op = Op {
+                    kind: OpKind::Write,
+                    local_offset: slot.offset() as u64,
+                    remote_addr: t.addr + page.offset,
+                    rkey: t.rkey,
+                    len: len as u64,
+                };
+                group.add(t.peer, op, slot, i);
+            }
+            _ => out[i].slot = Some(slot),
+        }
+    }
+    Planned {
+        items,
+        out,
+        group,
+        reads: false,
     }
 }
 
@@ -287,55 +328,20 @@ impl RemoteState {
         self.agents.get(agent).and_then(|c| c.peer)
     }
 
-    /// Plans a WRITE of each of `items` from the slot of the same index into its page
-    /// (`page(item)`: page and length); one whose region is not usable, or whose
-    /// agent has no peer or is away, gets its slot back.
-    fn post_writes(
-        &mut self,
-        items: Vec<usize>,
-        slots: Vec<Slot>,
-        page: &dyn Fn(usize) -> (PageGrant, usize),
-    ) -> Planned {
-        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
-        let mut group = PeerGroups::default();
-        for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
-            out.push(SlotOutcome {
-                ok: false,
-                slot: None,
-            });
-            let (page, len) = page(item);
-            let usable = self.life.usable(page.region_id);
-            let target = self
-                .own
-                .get(&page.region_id)
-                .filter(|r| usable && !self.agent_away(&r.agent))
-                .map(|r| (r.agent.clone(), r.map.addr, r.map.rkey));
-            let Some((agent, addr, rkey)) = target else {
-                out[i].slot = Some(slot);
-                continue;
-            };
-            let peer = match self.peer_of(&agent) {
-                Some(p) if len <= slot.len() => p,
-                _ => {
-                    out[i].slot = Some(slot);
-                    continue;
-                }
-            };
-            let op = Op {
-                kind: OpKind::Write,
-                local_offset: slot.offset() as u64,
-                remote_addr: addr + page.offset,
-                rkey,
-                len: len as u64,
-            };
-            group.add(peer, op, slot, i);
+    /// Where WRITEs into own region `region` go now: none when it is not usable, or its
+    /// agent is away, has no data connection or is to be mapped again.
+    pub(crate) fn write_to(&self, region: u64) -> Option<WriteTo> {
+        let r = self.own.get(&region)?;
+        if !self.life.usable(region) || self.agent_away(&r.agent) || self.life.needs_remap(&r.agent)
+        {
+            return None;
         }
-        Planned {
-            items,
-            out,
-            group,
-            reads: false,
-        }
+        let peer = self.peer_of(&r.agent)?;
+        Some(WriteTo {
+            peer,
+            addr: r.map.addr,
+            rkey: r.map.rkey,
+        })
     }
 
     /// Plans a READ of each of the request's `items` (its lease in `leases`, the
@@ -430,17 +436,23 @@ impl RemoteMover {
         Some(self.lock())
     }
 
-    /// Plans WRITEs of `items` from `slots` (see `RemoteState::post_writes`), their
+    /// Plans WRITEs of `items` from `slots` (see `plan_writes_to`), their
     /// agents made ready first (`ready_for`).
+    /// Without the lock when the store took every item's region's target with its
+    /// pages (`to`, `PoolCore::store_begin`: the usual case).
     pub(super) fn plan_writes(
         &self,
         items: Vec<usize>,
         slots: Vec<Slot>,
         page: &dyn Fn(usize) -> (PageGrant, usize),
+        to: &WriteTargets,
         by: Deadline,
     ) -> Planned {
+        if !by.passed() && items.iter().all(|&i| to.contains_key(&page(i).0.region_id)) {
+            return plan_writes_to(items, slots, page, &|r| to.get(&r).copied());
+        }
         match self.ready_for(by, &[], |st| st.agents_of_pages(&items, page)) {
-            Some(mut st) => st.post_writes(items, slots, page),
+            Some(st) => plan_writes_to(items, slots, page, &|r| st.write_to(r)),
             None => Planned::nothing(items, slots, false),
         }
     }
@@ -454,7 +466,12 @@ impl RemoteMover {
         slots: Vec<Slot>,
         by: Deadline,
     ) -> Planned {
-        let window: Vec<LeaseGrant> = items.iter().map(|&i| leases[i].clone()).collect();
+        // The first window maps every range of the request not mapped yet, so no
+        // `map_read` goes while its READs are out; a later one checks its own.
+        let window: Vec<LeaseGrant> = match items.first() {
+            Some(0) => leases.to_vec(),
+            _ => items.iter().map(|&i| leases[i].clone()).collect(),
+        };
         match self.ready_for(by, &window, |st| st.agents_of_leases(&items, leases)) {
             Some(mut st) => st.post_reads(items, leases, slots),
             None => Planned::nothing(items, slots, true),
@@ -487,6 +504,21 @@ impl RemoteMover {
             writes,
         } = group;
         let outcomes = posted.finish(self.nic.as_ref());
+        if outcomes.iter().all(|o| matches!(o, PeerOutcome::Done(_))) {
+            // Every batch done (the usual case): nothing for the state to record, no
+            // lock; what others queued for a fence the tick fences.
+            for (items, o) in order.iter().zip(outcomes) {
+                if let PeerOutcome::Done(slots) = o {
+                    for (&i, slot) in items.iter().zip(slots) {
+                        out[i] = SlotOutcome {
+                            ok: true,
+                            slot: Some(slot),
+                        };
+                    }
+                }
+            }
+            return Settled::default();
+        }
         let (settled, queued) = {
             let mut st = self.lock();
             let settled = st.settle(&order, peers, writes, outcomes, out);
@@ -760,7 +792,7 @@ mod tests {
         };
         let plan = |st: &mut RemoteState, region: u64| {
             let slots = sl.try_acquire(SlotPool::Store, 1);
-            st.post_writes(vec![0], slots, &|_| (page(region), 32))
+            plan_writes_to(vec![0], slots, &|_| (page(region), 32), &|r| st.write_to(r))
         };
         let p = plan(&mut st, 1);
         assert!(
@@ -824,7 +856,12 @@ mod tests {
             length: 4096,
         };
         let plan = |st: &mut RemoteState| {
-            st.post_writes(vec![0], sl.try_acquire(SlotPool::Store, 1), &|_| (page, 32))
+            plan_writes_to(
+                vec![0],
+                sl.try_acquire(SlotPool::Store, 1),
+                &|_| (page, 32),
+                &|r| st.write_to(r),
+            )
         };
         let p = plan(&mut st);
         assert!(

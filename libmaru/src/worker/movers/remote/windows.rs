@@ -5,7 +5,7 @@
 //! copying load (`LoadWindows`), the slot API's own slots (`GivenWindows`).
 
 use super::post::{PendingWindow, Planned};
-use super::{InFlight, InFlightBudget, RemoteMover};
+use super::{InFlight, InFlightBudget, RemoteMover, WriteTargets};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
@@ -82,10 +82,16 @@ const STORE_SLOT_WAIT: Duration = Duration::from_secs(1);
 /// How long a load's first window waits for a load slot.
 const LOAD_SLOT_WAIT: Duration = Duration::from_secs(1);
 
+/// A retry's targets: none (its peer was dropped), so it is planned under the lock,
+/// its agent made ready again first.
+const NO_TARGETS: &WriteTargets = &WriteTargets::new();
+
 /// A copying store's windows: the caller's chunks are copied into store slots.
 pub(super) struct StoreWindows<'a, 'd> {
     pub(super) m: &'a RemoteMover,
     pub(super) items: &'a [WriteItem<'d>],
+    /// Where the items' regions' WRITEs go, as the store took its pages.
+    pub(super) to: &'a WriteTargets,
     pub(super) ok: Vec<bool>,
     /// The request's deadline.
     pub(super) by: Deadline,
@@ -126,21 +132,19 @@ impl Windowed for StoreWindows<'_, '_> {
         self.m
             .store_slots_on_wire
             .fetch_add(filled.len(), Ordering::Relaxed);
-        let by = self.by;
-        let planned =
-            self.m
-                .plan_writes(index, filled, &|i| (items[i].page, items[i].data.len()), by);
+        let (to, by) = (self.to, self.by);
+        let page = |i: usize| (items[i].page, items[i].data.len());
+        let planned = self.m.plan_writes(index, filled, &page, to, by);
         self.m.launch(planned, by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let items = self.items;
         let n = posted.items.len();
         let by = self.by;
+        let page = |i: usize| (items[i].page, items[i].data.len());
         let r = self.m.finish_window(
             posted,
-            &mut |m, which, slots| {
-                m.plan_writes(which, slots, &|i| (items[i].page, items[i].data.len()), by)
-            },
+            &mut |m, which, slots| m.plan_writes(which, slots, &page, NO_TARGETS, by),
             by,
         );
         self.m.store_slots_on_wire.fetch_sub(n, Ordering::Relaxed);
@@ -219,8 +223,8 @@ impl Windowed for LoadWindows<'_, '_> {
 
 /// What a transfer from or into the caller's slots moves.
 pub(super) enum Given<'a> {
-    /// WRITEs: each slot's page and length.
-    Write(&'a [(PageGrant, usize)]),
+    /// WRITEs: each slot's page and length, and where their regions' WRITEs go.
+    Write(&'a [(PageGrant, usize)], &'a WriteTargets),
     /// READs: each slot's lease.
     Read(&'a [LeaseGrant]),
 }
@@ -260,17 +264,13 @@ fn run_given(
     w.out
 }
 
-/// Plans the request's `items` from or into the caller's slots.
-fn plan_given(
-    m: &RemoteMover,
-    kind: &Given<'_>,
-    items: Vec<usize>,
-    slots: Vec<Slot>,
-    by: Deadline,
-) -> Planned {
-    match kind {
-        Given::Write(pages) => m.plan_writes(items, slots, &|i| pages[i], by),
-        Given::Read(leases) => m.plan_reads(items, leases, slots, by),
+impl Given<'_> {
+    /// Plans the request's `items` from or into the caller's slots.
+    fn plan(&self, m: &RemoteMover, items: Vec<usize>, slots: Vec<Slot>, by: Deadline) -> Planned {
+        match self {
+            Given::Write(pages, to) => m.plan_writes(items, slots, &|i| pages[i], to, by),
+            Given::Read(leases) => m.plan_reads(items, leases, slots, by),
+        }
     }
 }
 
@@ -278,13 +278,13 @@ impl Windowed for GivenWindows<'_> {
     type Posted = PendingWindow;
     fn items(&self) -> usize {
         match self.kind {
-            Given::Write(p) => p.len(),
+            Given::Write(p, _) => p.len(),
             Given::Read(l) => l.len(),
         }
     }
     fn bytes(&self, i: usize) -> u64 {
         match self.kind {
-            Given::Write(p) => p[i].1 as u64,
+            Given::Write(p, _) => p[i].1 as u64,
             Given::Read(l) => l[i].length,
         }
     }
@@ -296,14 +296,17 @@ impl Windowed for GivenWindows<'_> {
     }
     fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
         let items = (start..start + slots.len()).collect();
-        let planned = plan_given(self.m, &self.kind, items, slots, self.by);
+        let planned = self.kind.plan(self.m, items, slots, self.by);
         self.m.launch(planned, self.by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
         let (kind, by) = (&self.kind, self.by);
         self.m.finish_window(
             posted,
-            &mut |m, which, slots| plan_given(m, kind, which, slots, by),
+            &mut |m, which, slots| match kind {
+                Given::Write(pages, _) => Given::Write(pages, NO_TARGETS).plan(m, which, slots, by),
+                Given::Read(_) => kind.plan(m, which, slots, by),
+            },
             by,
         )
     }
@@ -344,10 +347,11 @@ impl Mover for RemoteMover {
 
     /// Copies each window into store slots while the one ahead is on the wire; what
     /// got no slot is skipped (counted under `no_slot`).
-    fn write(&self, items: &[WriteItem<'_>], by: Deadline) -> Vec<bool> {
+    fn write(&self, items: &[WriteItem<'_>], to: &WriteTargets, by: Deadline) -> Vec<bool> {
         let mut w = StoreWindows {
             m: self,
             items,
+            to,
             ok: vec![false; items.len()],
             by,
         };
@@ -368,16 +372,20 @@ impl Mover for RemoteMover {
     }
 
     /// From the caller's slots, window by window (see `windows`).
-    fn write_slots(&self, items: Vec<SlotWrite>, by: Deadline) -> Vec<SlotOutcome> {
+    fn write_slots(
+        &self,
+        items: Vec<SlotWrite>,
+        to: &WriteTargets,
+        by: Deadline,
+    ) -> Vec<SlotOutcome> {
         let pages: Vec<(PageGrant, usize)> = items.iter().map(|it| (it.page, it.len)).collect();
         let given: Vec<Option<Slot>> = items.into_iter().map(|it| Some(it.slot)).collect();
-        run_given(self, given, Given::Write(&pages), by)
+        run_given(self, given, Given::Write(&pages, to), by)
     }
 
     /// Each window's slots go to `sink`, then to a later window; nothing more after a
     /// window that failed.
     fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, by: Deadline) {
-        self.map_reads_of(leases, by);
         run(
             &mut LoadWindows {
                 m: self,
@@ -392,7 +400,6 @@ impl Mover for RemoteMover {
     /// Into the caller's slots, window by window; every lease is tried.
     fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>, by: Deadline) -> Vec<SlotOutcome> {
         let n = leases.len().min(slots.len());
-        self.map_reads_of(&leases[..n], by);
         let given: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         run_given(self, given, Given::Read(&leases[..n]), by)
     }
