@@ -4,8 +4,9 @@
 //! trips and copies run without it.
 
 use super::core::{Ending, PublishCheck, Taken, Unkept};
+use super::session::EntryRef;
 use super::{PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
-use crate::wire::meta::{PageGrant, PublishEntry, RemoveResult};
+use crate::wire::meta::{PageGrant, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotWrite, WriteItem};
@@ -474,8 +475,7 @@ impl StoragePool {
                 return Ok(vec![false; keys.len()]);
             }
         };
-        let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = match self.session.exists(&owned, by) {
+        let present = match self.session.exists(keys, by) {
             Ok(p) => p,
             Err(e) => {
                 self.store_end(Ending::of(first.pages), by);
@@ -550,7 +550,7 @@ impl StoragePool {
     pub(super) fn send_publish(
         &self,
         ticket: Option<u64>,
-        entries: Vec<PublishEntry>,
+        entries: &[EntryRef<'_>],
         end: &mut Ending,
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
@@ -614,24 +614,24 @@ impl StoragePool {
         if plan.publish.is_empty() {
             return Ok(result);
         }
-        let entries: Vec<PublishEntry> = plan
+        let entries: Vec<EntryRef<'_>> = plan
             .publish
             .iter()
             .map(|&k| {
                 let (i, page) = placed[k];
-                PublishEntry {
-                    key: keys[i].to_string(),
+                EntryRef {
+                    key: keys[i],
                     region_id: page.region_id,
                     offset: page.offset,
                     length: lens[i] as u64,
                     // A batch is the chunks of one request in chain order.
-                    prev: i.checked_sub(1).map(|j| keys[j].to_string()),
+                    prev: i.checked_sub(1).map(|j| keys[j]),
                 }
             })
             .collect();
         // Not answered: the published chunks' pages stay out of use (the keys may be
         // published).
-        self.send_publish(plan.ticket, entries, end, by)?;
+        self.send_publish(plan.ticket, &entries, end, by)?;
         for &k in &plan.publish {
             result[placed[k].0] = true;
         }
