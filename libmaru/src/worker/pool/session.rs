@@ -15,7 +15,7 @@ use crate::worker::error::{Peer, WorkerError};
 use crate::worker::op_stats::{contacted, Contact};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -57,6 +57,10 @@ pub struct Session {
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
     asked: Mutex<Vec<u64>>,
+    /// Whether the last store of this session found none of its keys present (its
+    /// `exists` found none, and its publish answered every key new): the next store
+    /// skips its `exists` round trip then (see `StoragePool::store_some`).
+    stores_fresh: AtomicBool,
     /// The session's fair share in regions as maru-server last told it (`alloc`
     /// replies); 0: not heard yet.
     share_regions: AtomicU64,
@@ -137,6 +141,7 @@ impl Session {
             answered_ms: AtomicU64::new(now_ms()),
             unanswered_ms: AtomicU64::new(0),
             asked: Mutex::new(Vec::new()),
+            stores_fresh: AtomicBool::new(false),
             share_regions: AtomicU64::new(0),
         })
     }
@@ -260,6 +265,18 @@ impl Session {
                 a.push(r);
             }
         }
+    }
+
+    /// Whether a store asks `exists` before it writes: unless the last store found
+    /// none of its keys present.
+    pub fn store_asks_exists(&self) -> bool {
+        !self.stores_fresh.load(Ordering::Relaxed)
+    }
+
+    /// What a store found: some of its keys present already (its `exists`, or a
+    /// publish that answered a key not new), or none (its `exists` found none).
+    pub fn note_store_found(&self, any_present: bool) {
+        self.stores_fresh.store(!any_present, Ordering::Relaxed);
     }
 
     /// The session's fair share in regions as maru-server last told it (None: no

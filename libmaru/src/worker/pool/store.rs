@@ -475,12 +475,24 @@ impl StoragePool {
                 return Ok(vec![false; keys.len()]);
             }
         };
-        let present = match self.session.exists(keys, by) {
-            Ok(p) => p,
-            Err(e) => {
-                self.store_end(Ending::of(first.pages), by);
-                return Err(e);
+        // Keys already present are not written again: `exists` says which, unless
+        // the session's last store found none present (a run of new keys, the common
+        // case), when the store saves that round trip and writes them all; its publish
+        // (the first publish of a key wins, the others change nothing) then says which
+        // were present, their pages go back to the spares, and the next store asks.
+        let present = if self.session.store_asks_exists() {
+            match self.session.exists(keys, by) {
+                Ok(p) => {
+                    self.session.note_store_found(p.contains(&true));
+                    p
+                }
+                Err(e) => {
+                    self.store_end(Ending::of(first.pages), by);
+                    return Err(e);
+                }
             }
+        } else {
+            vec![false; keys.len()]
         };
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
         let taken = self.take_pages(first, todo.len(), route_key, by)?;
@@ -631,7 +643,10 @@ impl StoragePool {
             .collect();
         // Not answered: the published chunks' pages stay out of use (the keys may be
         // published).
-        self.send_publish(plan.ticket, &entries, end, by)?;
+        let is_new = self.send_publish(plan.ticket, &entries, end, by)?;
+        if is_new.contains(&false) {
+            self.session.note_store_found(true);
+        }
         for &k in &plan.publish {
             result[placed[k].0] = true;
         }
