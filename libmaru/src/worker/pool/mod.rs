@@ -40,11 +40,14 @@ pub const SPARE_PAGES: usize = 32;
 /// its `alloc` is under 1 % of its copy). Half of what `SPARE_PAGES` of 2 MiB hold.
 pub const SPARE_BYTES: u64 = 32 << 20;
 
-/// The spare pages of a pool of pages of `page_size` bytes: `SPARE_PAGES`, or
-/// `SPARE_BYTES` of them where that is more.
+/// Most spare pages a pool keeps (an `alloc` of smaller pages names them all).
+pub const MAX_SPARE_PAGES: usize = 4 * SPARE_PAGES;
+
+/// The spare pages of a pool of pages of `page_size` bytes: `SPARE_BYTES` of them,
+/// from `SPARE_PAGES` to `MAX_SPARE_PAGES`.
 pub fn spare_pages(page_size: u64) -> usize {
-    let by_bytes = SPARE_BYTES / page_size.max(1);
-    SPARE_PAGES.max(usize::try_from(by_bytes).unwrap_or(SPARE_PAGES))
+    let by_bytes = usize::try_from(SPARE_BYTES / page_size.max(1)).unwrap_or(usize::MAX);
+    by_bytes.clamp(SPARE_PAGES, MAX_SPARE_PAGES)
 }
 
 /// Bytes of pages evicted ahead of need with each `victims` round trip: 128 pages of

@@ -359,6 +359,16 @@ impl Session {
 
     pub fn publish(
         &self,
+        entries: Vec<PublishEntry>,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let refs: Vec<EntryRef<'_>> = entries.iter().map(EntryRef::of).collect();
+        self.publish_refs(&refs, by)
+    }
+
+    /// As [`publish`](Self::publish), the entries borrowing their keys (a store's).
+    pub fn publish_refs(
+        &self,
         entries: &[EntryRef<'_>],
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
@@ -906,14 +916,14 @@ mod tests {
         assert!(none.unwrap().is_none());
         std::thread::scope(|s| {
             let waiter = s.spawn(|| {
-                let t = std::time::Instant::now();
+                let t = now_ms();
                 let got = take_lent(
                     &links,
                     &freed,
                     Deadline::after(Duration::from_secs(5)),
                     |_| 0,
                 );
-                (got.unwrap(), t.elapsed())
+                (got.unwrap(), Duration::from_millis(now_ms() - t))
             });
             // Given back once the waiter waits (bounded: 5 s).
             for _ in 0..5000 {

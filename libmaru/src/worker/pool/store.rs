@@ -579,7 +579,7 @@ impl StoragePool {
                 (page, e.length)
             })
             .collect();
-        let answer = self.session.publish(entries, by);
+        let answer = self.session.publish_refs(entries, by);
         end.publish = Some((ticket, published, answer.as_ref().ok().cloned()));
         end.asked.extend(self.session.take_asked());
         answer
