@@ -176,9 +176,10 @@ impl Inner {
                 dp.budget.clone(),
             )),
         };
+        let page_size = session.page_size;
         let pool = StoragePool::open(session, mover)?
             .with_timeout(self.timeout())
-            .with_spare_pages(crate::worker::pool::SPARE_PAGES)
+            .with_spare_pages(crate::worker::pool::spare_pages(page_size))
             .with_max_bytes(self.cfg.max_bytes);
         if let Err(e) = pool.greet_agents() {
             pool.session

@@ -4,9 +4,10 @@
 //! most half its session's fair share taken.
 
 use super::core::{Ending, Taken, Token};
+use super::session::EntryRef;
 use super::StoragePool;
 use crate::dax::Mapping;
-use crate::wire::meta::{PageGrant, PublishEntry};
+use crate::wire::meta::PageGrant;
 use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use std::sync::Arc;
@@ -215,25 +216,25 @@ impl StoragePool {
         if plan.publish.is_empty() {
             return Ok(result);
         }
-        let entries: Vec<PublishEntry> = plan
+        let entries: Vec<EntryRef<'_>> = plan
             .publish
             .iter()
             .enumerate()
             .map(|(j, &k)| {
                 let w = &writes[k];
-                PublishEntry {
-                    key: w.key.clone(),
+                EntryRef {
+                    key: &w.key,
                     region_id: w.page.page.region_id,
                     offset: w.page.page.offset,
                     length: w.len as u64,
                     prev: j
                         .checked_sub(1)
-                        .map(|p| writes[plan.publish[p]].key.clone()),
+                        .map(|p| writes[plan.publish[p]].key.as_str()),
                 }
             })
             .collect();
         // Not answered: the keys may be published, so their pages stay out of use.
-        self.send_publish(plan.ticket, entries, end, by)?;
+        self.send_publish(plan.ticket, &entries, end, by)?;
         for &k in &plan.publish {
             result[k] = true;
         }

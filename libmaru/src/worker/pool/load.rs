@@ -113,8 +113,11 @@ impl StoragePool {
             return Ok(());
         }
         let leases = self.session.acquire(keys, by)?;
-        let found: Vec<usize> = (0..keys.len()).filter(|&i| leases[i].is_some()).collect();
-        let grants: Vec<LeaseGrant> = found.iter().filter_map(|&i| leases[i].clone()).collect();
+        let (found, grants): (Vec<usize>, Vec<LeaseGrant>) = leases
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.map(|g| (i, g)))
+            .unzip();
         // Bytes at an agent that is away miss at once (their leases are released as
         // the others are): a stalled agent costs the call that found it one timeout.
         let away = match remote {

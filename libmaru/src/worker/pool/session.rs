@@ -13,8 +13,9 @@ use crate::wire::ErrorCode;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::op_stats::{contacted, Contact};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -22,9 +23,12 @@ use std::time::Duration;
 pub const MAX_LINKS: usize = 8;
 
 /// The links of a session: idle ones, and how many exist.
-struct Links {
-    idle: Vec<Link>,
+struct Links<L = Link> {
+    idle: Vec<L>,
     open: usize,
+    /// Calls waiting for a link to come free (a link given back wakes one only then:
+    /// std's notify is a `futex` system call whether or not a thread waits).
+    waiting: usize,
     /// Options of a new link (with the session's secret).
     opts: ClientOptions,
 }
@@ -53,6 +57,10 @@ pub struct Session {
     /// Regions maru-server asked back on a reply other than a heartbeat's, not yet
     /// acted on (see [`take_asked`](Self::take_asked)).
     asked: Mutex<Vec<u64>>,
+    /// Whether the last store of this session found none of its keys present (its
+    /// `exists` found none, and its publish answered every key new): the next store
+    /// skips its `exists` round trip then (see `StoragePool::store_some`).
+    stores_fresh: AtomicBool,
     /// The session's fair share in regions as maru-server last told it (`alloc`
     /// replies); 0: not heard yet.
     share_regions: AtomicU64,
@@ -119,6 +127,7 @@ impl Session {
             links: Mutex::new(Links {
                 idle: vec![link],
                 open: 1,
+                waiting: 0,
                 opts,
             }),
             freed: Condvar::new(),
@@ -132,6 +141,7 @@ impl Session {
             answered_ms: AtomicU64::new(now_ms()),
             unanswered_ms: AtomicU64::new(0),
             asked: Mutex::new(Vec::new()),
+            stores_fresh: AtomicBool::new(false),
             share_regions: AtomicU64::new(0),
         })
     }
@@ -150,35 +160,22 @@ impl Session {
     /// or else the next one given back.
     /// Waits at most until `by` for a link given back.
     fn take_link(&self, by: Deadline) -> Result<Link, WorkerError> {
-        let closed = || WorkerError::Closed;
-        let mut l = self.links.lock().map_err(|_| closed())?;
-        loop {
-            if let Some(link) = l.idle.pop() {
-                return Ok(link);
-            }
-            if l.open < MAX_LINKS {
-                l.open += 1;
-                return Ok(Link::new(self.url.clone(), l.opts.clone()));
-            }
-            let left = by.left();
-            if left.is_zero() {
-                return Err(WorkerError::unavailable(
-                    Peer::Server(self.url.clone()),
-                    format!(
-                        "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
-                        self.url
-                    ),
-                ));
-            }
-            l = self.freed.wait_timeout(l, left).map_err(|_| closed())?.0;
-        }
+        let made = take_lent(&self.links, &self.freed, by, |opts| {
+            Link::new(self.url.clone(), opts.clone())
+        })?;
+        made.ok_or_else(|| {
+            WorkerError::unavailable(
+                Peer::Server(self.url.clone()),
+                format!(
+                    "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
+                    self.url
+                ),
+            )
+        })
     }
 
     fn give_link(&self, link: Link) {
-        if let Ok(mut l) = self.links.lock() {
-            l.idle.push(link);
-        }
-        self.freed.notify_one();
+        give_lent(&self.links, &self.freed, link);
     }
 
     /// The session's own call timeout from now (calls made outside a request).
@@ -196,6 +193,17 @@ impl Session {
     /// start), so a stalled maru-server costs a request about its timeout, however
     /// many calls it makes.
     fn call(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
+        self.call_as(req, by)
+    }
+
+    /// As [`call`](Self::call), the request any encoding of a `MetaRequest` (one that
+    /// borrows its keys: [`KeysCall`]) and the reply decoded as `Rep` (a concrete
+    /// struct of one kind: see [`ExistsOk`]).
+    fn call_as<Req: Serialize, Rep: DeserializeOwned>(
+        &self,
+        req: &Req,
+        by: Deadline,
+    ) -> Result<Rep, WorkerError> {
         let mut link = self.take_link(by)?;
         let left = by.left();
         if left.is_zero() {
@@ -209,7 +217,7 @@ impl Session {
             ));
         }
         contacted(Contact::Server);
-        let r = link.call_within::<_, MetaReply>(req, left);
+        let r = link.call_within::<_, Rep>(req, left);
         self.give_link(link);
         let was_away = self.away();
         if let Err(LinkError::Unreachable(e)) = &r {
@@ -242,7 +250,7 @@ impl Session {
 
     /// The cheapest call (an `exists` of no key), by `by`: whether maru-server answers.
     pub(crate) fn ping(&self, by: Deadline) -> Result<(), WorkerError> {
-        self.exists(&[], by).map(|_| ())
+        self.exists::<&str>(&[], by).map(|_| ())
     }
 
     /// maru-server asked for these regions back on a reply (any call of a storing
@@ -257,6 +265,18 @@ impl Session {
                 a.push(r);
             }
         }
+    }
+
+    /// Whether a store asks `exists` before it writes: unless the last store found
+    /// none of its keys present.
+    pub fn store_asks_exists(&self) -> bool {
+        !self.stores_fresh.load(Ordering::Relaxed)
+    }
+
+    /// What a store found: some of its keys present already (its `exists`, or a
+    /// publish that answered a key not new), or none (its `exists` found none).
+    pub fn note_store_found(&self, any_present: bool) {
+        self.stores_fresh.store(!any_present, Ordering::Relaxed);
     }
 
     /// The session's fair share in regions as maru-server last told it (None: no
@@ -294,25 +314,22 @@ impl Session {
         let guard = self
             .unkeyed
             .enter(by, &format!("alloc at maru-server {}", self.url))?;
-        match self.call(
+        let p: PagesOk = self.call_as(
             &MetaRequest::Alloc {
                 session: self.id,
                 count,
                 route_key: route_key.map(str::to_string),
             },
             by,
-        )? {
-            MetaReply::Pages(p) => {
-                guard.granted(&p.pages);
-                drop(guard);
-                self.note_asked(p.give_back);
-                if let Some(s) = p.share_regions {
-                    self.share_regions.store(s.max(1), Ordering::Relaxed);
-                }
-                Ok((p.pages, p.missing))
-            }
-            r => Err(unexpected("alloc", r)),
+        )?;
+        p.kind.expect(ReplyKind::Pages, "alloc")?;
+        guard.granted(&p.pages);
+        drop(guard);
+        self.note_asked(p.give_back);
+        if let Some(s) = p.share_regions {
+            self.share_regions.store(s.max(1), Ordering::Relaxed);
         }
+        Ok((p.pages, p.missing))
     }
 
     pub fn free_pages(&self, pages: &[PageGrant], by: Deadline) -> Result<(), WorkerError> {
@@ -330,19 +347,29 @@ impl Session {
                 page: p.page,
             })
             .collect();
-        self.call(
+        let r: KindOnly = self.call_as(
             &MetaRequest::FreePages {
                 session: self.id,
                 pages,
             },
             by,
-        )
-        .map(|_| ())
+        )?;
+        r.kind.expect(ReplyKind::PagesFreed, "free_pages")
     }
 
     pub fn publish(
         &self,
         entries: Vec<PublishEntry>,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
+        let refs: Vec<EntryRef<'_>> = entries.iter().map(EntryRef::of).collect();
+        self.publish_refs(&refs, by)
+    }
+
+    /// As [`publish`](Self::publish), the entries borrowing their keys (a store's).
+    pub fn publish_refs(
+        &self,
+        entries: &[EntryRef<'_>],
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
         let guard = self
@@ -353,15 +380,17 @@ impl Session {
             .iter()
             .map(|e| (e.region_id, e.offset / page_size))
             .collect();
-        let r = self.call(
-            &MetaRequest::Publish {
-                session: self.id,
-                entries,
-            },
-            by,
-        );
+        let req: KeysCall<'_, &str> = KeysCall::Publish {
+            session: self.id,
+            entries,
+        };
+        let r = self
+            .call_as::<_, PublishedOk>(&req, by)
+            .and_then(|p| p.kind.expect(ReplyKind::Published, "publish").map(|()| p));
         match r {
-            Ok(MetaReply::Published { is_new, give_back }) => {
+            Ok(PublishedOk {
+                is_new, give_back, ..
+            }) => {
                 // A key another session published first leaves its page held (the
                 // store keeps it for the next one).
                 guard.released(
@@ -375,7 +404,6 @@ impl Session {
                 self.note_asked(give_back);
                 Ok(is_new)
             }
-            Ok(r) => Err(unexpected("publish", r)),
             Err(e) => {
                 // The keys may be published: the store keeps these pages out of use.
                 guard.released(pages);
@@ -384,43 +412,41 @@ impl Session {
         }
     }
 
-    pub fn exists(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        match self.call(
-            &MetaRequest::Exists {
+    /// Whether each key is published (`keys`: `String`s or `&str`s, sent as they are).
+    pub fn exists<K: Serialize>(&self, keys: &[K], by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        let r: ExistsOk = self.call_as(
+            &KeysCall::Exists {
                 session: self.id,
-                keys: keys.to_vec(),
+                keys,
             },
             by,
-        )? {
-            MetaReply::Exists { found } => Ok(found),
-            r => Err(unexpected("exists", r)),
-        }
+        )?;
+        r.kind.expect(ReplyKind::Exists, "exists")?;
+        Ok(r.found)
     }
 
-    pub fn acquire(
+    pub fn acquire<K: Serialize>(
         &self,
-        keys: &[String],
+        keys: &[K],
         by: Deadline,
     ) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        match self.call(
-            &MetaRequest::Acquire {
+        let r: LeasesOk = self.call_as(
+            &KeysCall::Acquire {
                 session: self.id,
-                keys: keys.to_vec(),
+                keys,
             },
             by,
-        )? {
-            MetaReply::Leases { leases } => {
-                let now = now_ms();
-                if let Ok(mut h) = self.held.lock() {
-                    for l in leases.iter().flatten() {
-                        let ends = now.saturating_add(l.expires_in_ms);
-                        h.insert(l.lease_id, (l.region_id, l.offset, ends));
-                    }
-                }
-                Ok(leases)
+        )?;
+        r.kind.expect(ReplyKind::Leases, "acquire")?;
+        let leases = r.leases;
+        let now = now_ms();
+        if let Ok(mut h) = self.held.lock() {
+            for l in leases.iter().flatten() {
+                let ends = now.saturating_add(l.expires_in_ms);
+                h.insert(l.lease_id, (l.region_id, l.offset, ends));
             }
-            r => Err(unexpected("acquire", r)),
         }
+        Ok(leases)
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
@@ -488,14 +514,14 @@ impl Session {
                 h.remove(id);
             }
         }
-        self.call(
+        let r: KindOnly = self.call_as(
             &MetaRequest::ReleaseLeases {
                 session: self.id,
                 lease_ids: ids,
             },
             by,
-        )
-        .map(|_| ())
+        )?;
+        r.kind.expect(ReplyKind::LeasesReleased, "release_leases")
     }
 
     /// Gives one of the session's regions back: its keys stop being found at once.
@@ -667,6 +693,181 @@ impl Session {
     }
 }
 
+/// A link of `links` for one call: an idle one, a new one (`make`, up to
+/// `MAX_LINKS`), or else the next one given back, waited for until `by` (None then).
+fn take_lent<L>(
+    links: &Mutex<Links<L>>,
+    freed: &Condvar,
+    by: Deadline,
+    make: impl FnOnce(&ClientOptions) -> L,
+) -> Result<Option<L>, WorkerError> {
+    let closed = || WorkerError::Closed;
+    let mut l = links.lock().map_err(|_| closed())?;
+    loop {
+        if let Some(link) = l.idle.pop() {
+            return Ok(Some(link));
+        }
+        if l.open < MAX_LINKS {
+            l.open += 1;
+            return Ok(Some(make(&l.opts)));
+        }
+        let left = by.left();
+        if left.is_zero() {
+            return Ok(None);
+        }
+        l.waiting += 1;
+        let r = freed.wait_timeout(l, left);
+        l = r.map_err(|_| closed())?.0;
+        l.waiting -= 1;
+    }
+}
+
+/// Gives a link back to `links`, waking a call that waits for one (only then: std's
+/// notify is a `futex` system call whether or not a thread waits, and a call gives
+/// its link back every time).
+fn give_lent<L>(links: &Mutex<Links<L>>, freed: &Condvar, link: L) {
+    let wake = match links.lock() {
+        Ok(mut l) => {
+            l.idle.push(link);
+            l.waiting > 0
+        }
+        Err(_) => true,
+    };
+    if wake {
+        freed.notify_one();
+    }
+}
+
+/// The requests of the hot calls as the client sends them, borrowing their keys and
+/// entries: the JSON of `MetaRequest`'s variants of the same names (test
+/// `borrowed_requests_encode_as_the_owned_ones`), with no `String` made per key.
+#[derive(Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+enum KeysCall<'a, K: Serialize> {
+    Publish {
+        session: u64,
+        entries: &'a [EntryRef<'a>],
+    },
+    Exists {
+        session: u64,
+        keys: &'a [K],
+    },
+    Acquire {
+        session: u64,
+        keys: &'a [K],
+    },
+}
+
+/// A [`PublishEntry`] that borrows its keys (the same JSON).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct EntryRef<'a> {
+    pub key: &'a str,
+    pub region_id: u64,
+    pub offset: u64,
+    pub length: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prev: Option<&'a str>,
+}
+
+impl EntryRef<'_> {
+    /// `e` as a publish sends it.
+    pub fn of(e: &PublishEntry) -> EntryRef<'_> {
+        EntryRef {
+            key: &e.key,
+            region_id: e.region_id,
+            offset: e.offset,
+            length: e.length,
+            prev: e.prev.as_deref(),
+        }
+    }
+}
+
+/// `MetaReply`'s `kind` tag. The hot calls decode their reply into a struct of their
+/// own kind's fields and this tag (`ExistsOk`, ...), read in one pass: a
+/// `MetaReply`, internally tagged, is first buffered whole by serde (every key,
+/// value and string of it copied into its `Content`) and then decoded from that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum ReplyKind {
+    Handshake,
+    Session,
+    Region,
+    Pages,
+    PagesFreed,
+    Published,
+    Exists,
+    Leases,
+    LeasesReleased,
+    Victims,
+    Removed,
+    Pinned,
+    Unpinned,
+    Returned,
+    Heartbeat,
+    Closed,
+    Stats,
+    Usage,
+}
+
+impl ReplyKind {
+    /// Ok when this is the kind `want` that `what` is answered with.
+    fn expect(self, want: ReplyKind, what: &str) -> Result<(), WorkerError> {
+        if self == want {
+            Ok(())
+        } else {
+            Err(WorkerError::Transport(format!(
+                "maru-server answered {what} with a {self:?} reply"
+            )))
+        }
+    }
+}
+
+/// A reply read for its kind only (the rest skipped unbuffered).
+#[derive(Deserialize)]
+struct KindOnly {
+    kind: ReplyKind,
+}
+
+/// `MetaReply::Exists`.
+#[derive(Deserialize)]
+struct ExistsOk {
+    kind: ReplyKind,
+    #[serde(default)]
+    found: Vec<bool>,
+}
+
+/// `MetaReply::Leases`.
+#[derive(Deserialize)]
+struct LeasesOk {
+    kind: ReplyKind,
+    #[serde(default)]
+    leases: Vec<Option<LeaseGrant>>,
+}
+
+/// `MetaReply::Published`.
+#[derive(Deserialize)]
+struct PublishedOk {
+    kind: ReplyKind,
+    #[serde(default)]
+    is_new: Vec<bool>,
+    #[serde(default)]
+    give_back: Vec<u64>,
+}
+
+/// `MetaReply::Pages` (`PagesReply`'s fields).
+#[derive(Deserialize)]
+struct PagesOk {
+    kind: ReplyKind,
+    #[serde(default)]
+    pages: Vec<PageGrant>,
+    #[serde(default)]
+    missing: u32,
+    #[serde(default)]
+    give_back: Vec<u64>,
+    #[serde(default)]
+    share_regions: Option<u64>,
+}
+
 /// The error of a call of session `session` at maru-server `url`: its `no_session`
 /// code (the session is not open there any more) is [`WorkerError::SessionLost`];
 /// anything else as any call's.
@@ -685,6 +886,193 @@ fn session_error(url: &str, session: u64, e: LinkError) -> WorkerError {
 mod tests {
     use super::*;
     use crate::wire::WireError;
+
+    use crate::wire::meta::{DeviceRange, PagesReply};
+    use crate::wire::{decode_json, encode_json};
+
+    #[test]
+    fn a_link_given_back_wakes_a_call_waiting_for_one() {
+        let links = Mutex::new(Links::<usize> {
+            idle: Vec::new(),
+            open: 0,
+            waiting: 0,
+            opts: ClientOptions::new(SERVICE, "t"),
+        });
+        let freed = Condvar::new();
+        let mut made = 0;
+        let mut taken: Vec<usize> = (0..MAX_LINKS)
+            .map(|_| {
+                let by = Deadline::after(Duration::ZERO);
+                let l = take_lent(&links, &freed, by, |_| {
+                    made += 1;
+                    made
+                });
+                l.unwrap()
+                    .expect("a new link while fewer than MAX_LINKS exist")
+            })
+            .collect();
+        // All busy: nothing by a deadline already passed.
+        let none = take_lent(&links, &freed, Deadline::after(Duration::ZERO), |_| 0);
+        assert!(none.unwrap().is_none());
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let t = now_ms();
+                let got = take_lent(
+                    &links,
+                    &freed,
+                    Deadline::after(Duration::from_secs(5)),
+                    |_| 0,
+                );
+                (got.unwrap(), Duration::from_millis(now_ms() - t))
+            });
+            // Given back once the waiter waits (bounded: 5 s).
+            for _ in 0..5000 {
+                if links.lock().unwrap().waiting == 1 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(links.lock().unwrap().waiting, 1, "the waiter never waited");
+            give_lent(&links, &freed, taken.pop().unwrap());
+            let (got, waited) = waiter.join().unwrap();
+            assert_eq!(got, Some(MAX_LINKS));
+            assert!(waited < Duration::from_secs(2), "woken after {waited:?}");
+        });
+        assert_eq!(links.lock().unwrap().waiting, 0);
+        assert_eq!(made, MAX_LINKS);
+    }
+
+    #[test]
+    fn borrowed_requests_encode_as_the_owned_ones() {
+        let keys = ["a", "b\"c", "ü"];
+        let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        let same = |borrowed: &KeysCall<'_, &str>, owned: MetaRequest| {
+            let b = encode_json(borrowed);
+            assert_eq!(b, encode_json(&owned));
+            // And maru-server reads it as the owned request.
+            assert_eq!(decode_json::<MetaRequest>(&b).unwrap(), owned);
+        };
+        same(
+            &KeysCall::Exists {
+                session: 3,
+                keys: &keys,
+            },
+            MetaRequest::Exists {
+                session: 3,
+                keys: owned.clone(),
+            },
+        );
+        same(
+            &KeysCall::Acquire {
+                session: 3,
+                keys: &keys,
+            },
+            MetaRequest::Acquire {
+                session: 3,
+                keys: owned.clone(),
+            },
+        );
+        let entries = vec![
+            PublishEntry {
+                key: "a".into(),
+                region_id: 1,
+                offset: 1 << 21,
+                length: 9,
+                prev: None,
+            },
+            PublishEntry {
+                key: "b".into(),
+                region_id: u64::MAX,
+                offset: 0,
+                length: 1,
+                prev: Some("a".into()),
+            },
+        ];
+        let refs: Vec<EntryRef<'_>> = entries.iter().map(EntryRef::of).collect();
+        same(
+            &KeysCall::Publish {
+                session: 4,
+                entries: &refs,
+            },
+            MetaRequest::Publish {
+                session: 4,
+                entries: entries.clone(),
+            },
+        );
+    }
+
+    #[test]
+    fn concrete_replies_read_what_maru_server_sends() {
+        let lease = LeaseGrant {
+            lease_id: 7,
+            region_id: 2,
+            offset: 1 << 18,
+            length: 100,
+            read_token: "t".into(),
+            agent: None,
+            device: Some(DeviceRange {
+                uuid: "u".into(),
+                path: "/dev/dax0.0".into(),
+                region_offset: 0,
+                region_length: 1 << 30,
+            }),
+            expires_in_ms: 5,
+            boot_id: None,
+        };
+        let leases = vec![Some(lease), None];
+        let r: LeasesOk = decode_json(&encode_json(&MetaReply::Leases {
+            leases: leases.clone(),
+        }))
+        .unwrap();
+        assert_eq!((r.kind, r.leases), (ReplyKind::Leases, leases));
+        let r: ExistsOk = decode_json(&encode_json(&MetaReply::Exists {
+            found: vec![true, false],
+        }))
+        .unwrap();
+        assert_eq!((r.kind, r.found), (ReplyKind::Exists, vec![true, false]));
+        let r: PublishedOk = decode_json(&encode_json(&MetaReply::Published {
+            is_new: vec![false, true],
+            give_back: vec![9],
+        }))
+        .unwrap();
+        assert_eq!(
+            (r.kind, r.is_new, r.give_back),
+            (ReplyKind::Published, vec![false, true], vec![9])
+        );
+        let pages = PagesReply {
+            pages: vec![PageGrant {
+                region_id: 1,
+                page: 2,
+                offset: 2 << 18,
+                length: 1 << 18,
+            }],
+            missing: 3,
+            give_back: vec![4],
+            share_regions: Some(5),
+        };
+        let r: PagesOk = decode_json(&encode_json(&MetaReply::Pages(pages.clone()))).unwrap();
+        assert_eq!(r.kind, ReplyKind::Pages);
+        assert_eq!(
+            PagesReply {
+                pages: r.pages,
+                missing: r.missing,
+                give_back: r.give_back,
+                share_regions: r.share_regions
+            },
+            pages
+        );
+        let r: KindOnly = decode_json(&encode_json(&MetaReply::LeasesReleased {
+            released: vec![true],
+        }))
+        .unwrap();
+        assert_eq!(r.kind, ReplyKind::LeasesReleased);
+        // A reply of another kind is an error, not an empty answer.
+        let r: ExistsOk =
+            decode_json(&encode_json(&MetaReply::Pinned { pinned: vec![true] })).unwrap();
+        assert!(r.kind.expect(ReplyKind::Exists, "exists").is_err());
+        assert!(decode_json::<ExistsOk>(br#"{"found":[true]}"#).is_err());
+        assert!(decode_json::<ExistsOk>(br#"{"kind":"nonsense","found":[true]}"#).is_err());
+    }
 
     #[test]
     fn no_session_is_a_lost_session_and_a_refusal_is_not() {

@@ -4,8 +4,9 @@
 //! trips and copies run without it.
 
 use super::core::{Ending, PublishCheck, Taken, Unkept};
+use super::session::EntryRef;
 use super::{PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
-use crate::wire::meta::{PageGrant, PublishEntry, RemoveResult};
+use crate::wire::meta::{PageGrant, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{SlotWrite, WriteItem};
@@ -474,13 +475,24 @@ impl StoragePool {
                 return Ok(vec![false; keys.len()]);
             }
         };
-        let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let present = match self.session.exists(&owned, by) {
-            Ok(p) => p,
-            Err(e) => {
-                self.store_end(Ending::of(first.pages), by);
-                return Err(e);
+        // Keys already present are not written again: `exists` says which, unless
+        // the session's last store found none present (a run of new keys, the common
+        // case), when the store saves that round trip and writes them all; its publish
+        // (the first publish of a key wins, the others change nothing) then says which
+        // were present, their pages go back to the spares, and the next store asks.
+        let present = if self.session.store_asks_exists() {
+            match self.session.exists(keys, by) {
+                Ok(p) => {
+                    self.session.note_store_found(p.contains(&true));
+                    p
+                }
+                Err(e) => {
+                    self.store_end(Ending::of(first.pages), by);
+                    return Err(e);
+                }
             }
+        } else {
+            vec![false; keys.len()]
         };
         let todo: Vec<usize> = (0..keys.len()).filter(|&i| !present[i]).collect();
         let taken = self.take_pages(first, todo.len(), route_key, by)?;
@@ -550,7 +562,7 @@ impl StoragePool {
     pub(super) fn send_publish(
         &self,
         ticket: Option<u64>,
-        entries: Vec<PublishEntry>,
+        entries: &[EntryRef<'_>],
         end: &mut Ending,
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
@@ -567,7 +579,7 @@ impl StoragePool {
                 (page, e.length)
             })
             .collect();
-        let answer = self.session.publish(entries, by);
+        let answer = self.session.publish_refs(entries, by);
         end.publish = Some((ticket, published, answer.as_ref().ok().cloned()));
         end.asked.extend(self.session.take_asked());
         answer
@@ -614,24 +626,27 @@ impl StoragePool {
         if plan.publish.is_empty() {
             return Ok(result);
         }
-        let entries: Vec<PublishEntry> = plan
+        let entries: Vec<EntryRef<'_>> = plan
             .publish
             .iter()
             .map(|&k| {
                 let (i, page) = placed[k];
-                PublishEntry {
-                    key: keys[i].to_string(),
+                EntryRef {
+                    key: keys[i],
                     region_id: page.region_id,
                     offset: page.offset,
                     length: lens[i] as u64,
                     // A batch is the chunks of one request in chain order.
-                    prev: i.checked_sub(1).map(|j| keys[j].to_string()),
+                    prev: i.checked_sub(1).map(|j| keys[j]),
                 }
             })
             .collect();
         // Not answered: the published chunks' pages stay out of use (the keys may be
         // published).
-        self.send_publish(plan.ticket, entries, end, by)?;
+        let is_new = self.send_publish(plan.ticket, &entries, end, by)?;
+        if is_new.contains(&false) {
+            self.session.note_store_found(true);
+        }
         for &k in &plan.publish {
             result[placed[k].0] = true;
         }
