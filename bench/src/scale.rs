@@ -75,8 +75,16 @@ pub struct Fill {
     pub seconds: f64,
     pub keys_per_s: f64,
     pub rss_mib: f64,
-    /// RSS growth per key published since the previous fill (bytes).
+    /// RSS growth over this fill per key it added (bytes): measured from just before
+    /// the fill, so the session steps run since the previous fill (their sessions,
+    /// the 16 tenants' keys) are not counted as this fill's.
     pub bytes_per_key: f64,
+    /// Keys maru-server holds after the fill (every tenant's).
+    #[serde(default)]
+    pub held_keys: u64,
+    /// RSS per key held after the fill (bytes): the whole process over every key.
+    #[serde(default)]
+    pub bytes_per_held_key: f64,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -526,9 +534,9 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
     };
     let pid = srv.pid();
     let mut have = 0u64;
-    let mut rss_prev = rss_bytes(pid);
     let mut fill_to = |to: u64, r: &mut ScaleResult| -> Result<(), String> {
         eprintln!("  publishing keys {have}..{to}");
+        let (rss0, held0) = (rss_bytes(pid), totals(&addr, &env)?.keys);
         let t = Instant::now();
         let c0 = thread_ticks(pid);
         fill(&addr, &env, 0, have, to)?;
@@ -539,15 +547,17 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
             (to - have) as f64 / s
         );
         std::thread::sleep(Duration::from_millis(300));
-        let rss = rss_bytes(pid);
+        let (rss, held) = (rss_bytes(pid), totals(&addr, &env)?.keys);
         r.fills.push(Fill {
             keys_to: to,
             seconds: s,
             keys_per_s: (to - have) as f64 / s,
             rss_mib: rss as f64 / (1 << 20) as f64,
-            bytes_per_key: rss.saturating_sub(rss_prev) as f64 / (to - have).max(1) as f64,
+            bytes_per_key: rss.saturating_sub(rss0) as f64
+                / held.saturating_sub(held0).max(1) as f64,
+            held_keys: held,
+            bytes_per_held_key: rss as f64 / held.max(1) as f64,
         });
-        rss_prev = rss;
         have = to;
         Ok(())
     };
@@ -742,6 +752,8 @@ pub fn tables(r: &ScaleResult) -> Vec<Table> {
             "keys/s",
             "RSS MiB",
             "RSS bytes/key (this fill)",
+            "keys held",
+            "RSS bytes/key held",
         ],
     );
     for f in &r.fills {
@@ -751,6 +763,8 @@ pub fn tables(r: &ScaleResult) -> Vec<Table> {
             format!("{:.0}", f.keys_per_s),
             format!("{:.0}", f.rss_mib),
             format!("{:.0}", f.bytes_per_key),
+            f.held_keys.to_string(),
+            format!("{:.0}", f.bytes_per_held_key),
         ]);
     }
     let mut rec = Table::new(

@@ -13,7 +13,7 @@ use maru::meta::records::{
     decode_json, decode_key, encode_json, encode_key, Changes, Image, KeyRecord, Record,
     RecordError, RegionRecord, ScopeRecord, Sealed, SessionRecord, FORMAT,
 };
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -961,13 +961,39 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
     read_regions(&t, p, &mut img.regions, &mut bad)?;
     let used = txn.open_table(USED).map_err(fail(p, "used"))?;
     let t = txn.open_table(KEYS).map_err(fail(p, "keys"))?;
+    img.keys
+        .reserve(usize::try_from(t.len().map_err(fail(p, "keys"))?).unwrap_or(0));
+    // Both tables are in key id order: one walk of each side by side (a merge), not
+    // a lookup in `used` per key.
+    let mut uses = used
+        .iter()
+        .map_err(fail(p, "used"))?
+        .map(|u| u.map(|(id, at)| (id.value(), at.value())))
+        .peekable();
     for item in t.iter().map_err(fail(p, "keys"))? {
         let (k, v) = item.map_err(fail(p, "keys"))?;
         let id = k.value();
+        let mut last_use = None;
+        loop {
+            match uses.peek() {
+                Some(Ok((uid, at))) if *uid <= id => {
+                    if *uid == id {
+                        last_use = Some(*at);
+                    }
+                    uses.next();
+                }
+                Some(Err(_)) => {
+                    if let Some(Err(e)) = uses.next() {
+                        return Err(fail(p, "used")(e));
+                    }
+                }
+                _ => break,
+            }
+        }
         match decode_key(id, v.value()) {
             Ok(mut rec) => {
-                if let Some(u) = used.get(id).map_err(fail(p, "used"))? {
-                    rec.used = rec.used.max(u.value());
+                if let Some(u) = last_use {
+                    rec.used = rec.used.max(u);
                 }
                 img.keys.push(rec);
             }
@@ -1306,6 +1332,31 @@ mod tests {
         assert_eq!(loaded.image.keys[0].used, 50, "the read's stamp");
         assert_eq!(loaded.image.next_session, 7);
         assert_eq!(loaded.secrets.len(), 1);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn each_key_gets_its_own_read_stamp_back_from_the_walk_beside_the_keys() {
+        // The used table is read beside the keys table in one walk (a merge): stamps
+        // of the first, a middle and the last key, none for the others, and one of a
+        // removed key in between, come back on their own keys only.
+        let d = dir();
+        let (store, _) = MetaStore::open(&d, || "inst".into(), 60_000).unwrap();
+        let mut records: Vec<Record> = (1..=6).map(|i| Record::Key(key(i))).collect();
+        for (id, used) in [(1, 40), (3, 50), (4, 55), (6, 70)] {
+            records.push(Record::Used { id, used });
+        }
+        records.push(Record::KeyGone(4));
+        let job = Job {
+            seq: 1,
+            changes: Some(Changes { batch: 1, records }),
+            secrets: vec![],
+        };
+        store.commit(&[job]).unwrap();
+        drop(store);
+        let (_s, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
+        let got: Vec<(u64, u64)> = loaded.image.keys.iter().map(|k| (k.id, k.used)).collect();
+        assert_eq!(got, [(1, 40), (2, 2), (3, 50), (5, 5), (6, 70)]);
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -839,6 +839,7 @@ impl MetaCore {
             });
             out.regions += 1;
         }
+        core.keys.reserve(image.keys.len());
         for k in &image.keys {
             let boot = core.regions.get(k.region_id).map(|r| r.boot_id.as_deref());
             if boot.is_some_and(|b| !k.verify(b)) {
@@ -937,7 +938,13 @@ impl MetaCore {
         let mut in_doubt = BTreeSet::new();
         for r in core.regions.iter() {
             let rid = r.handle.region_id;
-            for page in r.pages.allocated_pages() {
+            let pages = r.pages.allocated_pages();
+            // Each key of the region took a page of its own: as many keys as pages
+            // taken, and none is without a key (no lookup per page).
+            if pages.len() == core.keys.region_keys(rid) {
+                continue;
+            }
+            for page in pages {
                 if core.keys.at(rid, page * chunk).is_none() {
                     in_doubt.insert((rid, page));
                 }

@@ -94,6 +94,10 @@ impl Ghosts {
     /// The reads of a removed key stored again, if it is still remembered (and
     /// forgets it).
     pub fn recall(&mut self, scope: u32, name: &str) -> Option<u32> {
+        if self.reads.is_empty() {
+            // Nothing evicted yet (a recovery, a fill): no name to make and hash.
+            return None;
+        }
         self.reads
             .remove(&(scope, name.to_string()))
             .map(|(reads, _)| reads)

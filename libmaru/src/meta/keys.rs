@@ -379,13 +379,30 @@ impl KeyDirectory {
         let (next, stamp) = (self.next_id, self.stamp);
         self.next_id = id.saturating_sub(1);
         self.stamp = used.saturating_sub(1);
+        // A restored key is on disk already: not a change to journal.
+        let journal = self.journal.take();
         let r = self.publish(scope, name, loc, prev);
+        self.journal = journal;
         self.next_id = next.max(id);
         self.stamp = stamp.max(used);
-        if let (Some(j), Published::New(k)) = (&mut self.journal, r) {
-            j.put.remove(&k);
-        }
         r
+    }
+
+    /// Room for `additional` more keys without growing the tables one doubling at a
+    /// time (recovery knows how many keys it restores).
+    pub fn reserve(&mut self, additional: usize) {
+        self.slots.reserve(additional);
+        let (slots, h) = (&self.slots, &self.hasher);
+        self.names.reserve(additional, |&x| {
+            let e = &slots[x as usize];
+            name_hash(h, e.scope, &e.name)
+        });
+        self.ids
+            .reserve(additional, |&x| id_hash(h, slots[x as usize].id));
+        self.pages.reserve(additional, |&x| {
+            let l = &slots[x as usize].loc;
+            page_hash(h, l.region_id, l.offset)
+        });
     }
 
     /// Ids at most this were restored (0: none).
@@ -403,9 +420,15 @@ impl KeyDirectory {
 
     /// The slot of (scope, name), stored or only named as a previous key.
     fn slot_of(&self, scope: ScopeId, name: &str) -> Option<u32> {
+        self.slot_of_hashed(name_hash(&self.hasher, scope, name), scope, name)
+    }
+
+    /// [`slot_of`](Self::slot_of) with the name's hash already made (a publish
+    /// hashes its name once).
+    fn slot_of_hashed(&self, hash: u64, scope: ScopeId, name: &str) -> Option<u32> {
         let slots = &self.slots;
         self.names
-            .find(name_hash(&self.hasher, scope, name), |&s| {
+            .find(hash, |&s| {
                 let e = &slots[s as usize];
                 e.scope == scope && *e.name == *name
             })
@@ -423,7 +446,13 @@ impl KeyDirectory {
 
     /// The slot of (scope, name), made (not stored, no successor) if it has none.
     fn slot_or_new(&mut self, scope: ScopeId, name: &str) -> u32 {
-        if let Some(s) = self.slot_of(scope, name) {
+        let hash = name_hash(&self.hasher, scope, name);
+        self.slot_or_new_hashed(hash, scope, name)
+    }
+
+    /// [`slot_or_new`](Self::slot_or_new) with the name's hash already made.
+    fn slot_or_new_hashed(&mut self, hash: u64, scope: ScopeId, name: &str) -> u32 {
+        if let Some(s) = self.slot_of_hashed(hash, scope, name) {
             return s;
         }
         let slot = Slot {
@@ -455,11 +484,10 @@ impl KeyDirectory {
             }
         };
         let (slots, h) = (&self.slots, &self.hasher);
-        self.names
-            .insert_unique(name_hash(h, scope, name), s, |&x| {
-                let e = &slots[x as usize];
-                name_hash(h, e.scope, &e.name)
-            });
+        self.names.insert_unique(hash, s, |&x| {
+            let e = &slots[x as usize];
+            name_hash(h, e.scope, &e.name)
+        });
         s
     }
 
@@ -521,14 +549,22 @@ impl KeyDirectory {
         loc: Location,
         prev: Option<&str>,
     ) -> Published {
-        if let Some(id) = self.find(scope, name) {
-            return Published::Exists(id);
+        let hash = name_hash(&self.hasher, scope, name);
+        let known = self.slot_of_hashed(hash, scope, name);
+        if let Some(e) = known
+            .map(|s| &self.slots[s as usize])
+            .filter(|e| e.stored())
+        {
+            return Published::Exists(KeyId(e.id));
         }
         self.next_id += 1;
         let id = KeyId(self.next_id);
         self.stamp += 1;
         let used = self.stamp;
-        let s = self.slot_or_new(scope, name);
+        let s = match known {
+            Some(s) => s,
+            None => self.slot_or_new_hashed(hash, scope, name),
+        };
         let is_tail = self.slots[s as usize].successors == 0;
         // Stored again after an eviction: asked for once more than it was read.
         let reads = match self.ranking {
