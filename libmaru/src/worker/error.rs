@@ -121,24 +121,6 @@ impl WorkerError {
             WorkerError::Config(_) | WorkerError::Auth { .. } | WorkerError::Permission { .. }
         )
     }
-
-    /// True when maru-server itself refused or could not be reached: its session
-    /// may be gone (a heartbeat finds out: `Session::heartbeat`).
-    pub fn from_server(&self) -> bool {
-        matches!(
-            self,
-            WorkerError::Refused {
-                peer: Peer::Server(_),
-                ..
-            } | WorkerError::Permission {
-                peer: Peer::Server(_),
-                ..
-            } | WorkerError::Unavailable {
-                peer: Peer::Server(_),
-                ..
-            }
-        )
-    }
 }
 
 #[cfg(test)]
@@ -177,18 +159,8 @@ mod tests {
     }
 
     #[test]
-    fn only_maru_servers_answers_can_mean_a_lost_session() {
-        let agent = || Peer::Agent("a:1".into());
-        let refused = WorkerError::Refused {
-            peer: agent(),
-            reason: "no".into(),
-        };
-        assert!(
-            !refused.from_server(),
-            "an agent's refusal says nothing of the session"
-        );
+    fn a_refusal_is_not_fatal() {
         let server = WorkerError::from_link(Peer::Server("s:1".into()), wire(ErrorCode::Refused));
-        assert!(server.from_server());
         assert!(!server.is_fatal());
     }
 }

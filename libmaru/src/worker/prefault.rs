@@ -137,6 +137,7 @@ impl Prefaulter {
     }
 
     /// Waits until every submitted mapping was populated or skipped (tests).
+    #[cfg(test)]
     pub fn wait_idle(&self) {
         let Ok(mut p) = self.progress.pending.lock() else {
             return;

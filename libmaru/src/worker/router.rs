@@ -63,10 +63,6 @@ impl PoolRouter {
         best
     }
 
-    pub fn is_up(&self, pool: usize) -> bool {
-        self.up.get(pool).copied().unwrap_or(false)
-    }
-
     /// Records a pool's reachability; returns true if it changed (for logging with the
     /// pool's own URL).
     pub fn set_up(&mut self, pool: usize, up: bool) -> bool {
@@ -115,7 +111,7 @@ mod tests {
         assert!(!r.set_up(1, false));
         let after: Vec<usize> = (0..300).map(|k| r.pick(&format!("k{k}"))).collect();
         assert_eq!(before, after);
-        assert!(!r.is_up(1));
+        assert!(!r.up[1]);
     }
 
     #[test]

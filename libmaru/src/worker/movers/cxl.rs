@@ -4,11 +4,13 @@
 //! copy runs without it, through a reference to its mapping (which stays mapped while
 //! the copy uses it).
 
-use super::{ReadSink, SlotOutcome, SlotWrite, View, WriteItem};
+use super::{Mover, ReadSink, SlotOutcome, SlotWrite, View, WriteItem};
 use crate::dax::{self, Mapping};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
+use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::hook::MappingHooks;
+use crate::worker::pool::peers::WriteTargets;
 use crate::worker::prefault::{PrefaultStats, Prefaulter};
 use crate::worker::staging::Slot;
 use std::collections::HashMap;
@@ -36,10 +38,6 @@ struct Maps {
 }
 
 impl CxlMover {
-    pub fn new() -> CxlMover {
-        CxlMover::with_prefault(true)
-    }
-
     /// A mover that prefaults its own regions in the background, or not.
     pub fn with_prefault(on: bool) -> CxlMover {
         CxlMover::with_prefaulter(on.then(Prefaulter::new))
@@ -71,91 +69,11 @@ impl CxlMover {
         self.prefault.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Maps one of the session's own regions writable (and has it prefaulted).
-    pub fn adopt(&self, grant: &RegionGrant) -> Result<(), WorkerError> {
-        let path = local_path(&grant.pool.uuid, &grant.pool.path)?;
-        let h = &grant.handle;
-        let m = dax::map_range(
-            &path,
-            dax::kind_of_path(&path),
-            h.offset,
-            h.length,
-            grant.pool.align,
-            true,
-        )
-        .map_err(|e| WorkerError::Config(e.to_string()))?;
-        let m = Arc::new(m);
-        if let Some(p) = self.prefaulter().as_mut() {
-            // Its pages are faulted in by the time the stores reach them (or while
-            // they do); the bytes stay as they are.
-            p.submit(m.clone());
-        }
-        let mut maps = self.maps();
-        maps.hooks.add(h.region_id, &m);
-        maps.own.insert(h.region_id, m);
-        Ok(())
-    }
-
-    /// The writable mapping of one of the session's own regions (None once it was
-    /// forgotten: nothing more is copied into it).
-    pub fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
-        self.maps().own.get(&region_id).cloned()
-    }
-
-    /// Copies each chunk into its page; true where the bytes are complete. The
-    /// mappings of the batch's regions are looked up once, under one short lock (a
-    /// region forgotten before the call is not written into; one being written is not
-    /// given back before its store ends, see `PoolCore::mark_writing`), and the copies
-    /// run without it, with one store fence for the whole batch.
-    pub fn write(&self, items: &[WriteItem<'_>]) -> Vec<bool> {
-        let maps = self.own_mappings(items.iter().map(|it| it.page.region_id));
-        let mut ok = vec![false; items.len()];
-        let mut pieces = Vec::with_capacity(items.len());
-        for ((it, map), done) in items.iter().zip(&maps).zip(ok.iter_mut()) {
-            let Some(map) = map else { continue };
-            match map.writable_range(it.page.offset as usize, it.data.len()) {
-                Ok(dst) => {
-                    pieces.push((dst, it.data.as_ptr(), it.data.len()));
-                    *done = true;
-                }
-                Err(e) => log::debug!("write into region {}: {e}", it.page.region_id),
-            }
-        }
-        // SAFETY: each destination lies inside a writable, unprotected mapping that
-        // `maps` keeps mapped until the copies end (`writable_range`); pages are
-        // distinct per chunk of a store, and the sources are the caller's memory, not
-        // these mappings.
-        unsafe { crate::dax::copy::copy_pieces(&pieces, true) };
-        drop(maps);
-        ok
-    }
-
     /// The writable mappings of these regions, in order, under one lock (`None`: not
     /// an own region now).
     fn own_mappings(&self, regions: impl Iterator<Item = u64>) -> Vec<Option<Arc<Mapping>>> {
         let maps = self.maps();
         per_region(regions, |&r| r, |&r| maps.own.get(&r).cloned())
-    }
-
-    /// Copies from the caller's slots (see `write`); each slot comes back.
-    pub fn write_slots(&self, items: Vec<SlotWrite>) -> Vec<SlotOutcome> {
-        let writes: Vec<WriteItem<'_>> = items
-            .iter()
-            .map(|it| WriteItem {
-                page: it.page,
-                data: &it.slot.bytes()[..it.len.min(it.slot.len())],
-            })
-            .collect();
-        let ok = self.write(&writes);
-        drop(writes);
-        items
-            .into_iter()
-            .zip(ok)
-            .map(|(it, ok)| SlotOutcome {
-                ok,
-                slot: Some(it.slot),
-            })
-            .collect()
     }
 
     /// The read-only mapping of a lease's region (made the first time: then `true`),
@@ -188,43 +106,6 @@ impl CxlMover {
         Some(View { map, offset, len })
     }
 
-    /// The leased bytes in place: this host's read-only mapping of the region.
-    pub fn view(&self, l: &LeaseGrant) -> Option<View> {
-        let (map, fresh) = Self::reader_in(&mut self.maps(), l)?;
-        if fresh {
-            self.prefault_fresh(std::slice::from_ref(l), &[Some((map.clone(), true))]);
-        }
-        Self::view_of(map, l)
-    }
-
-    /// The views of a batch's leases, their mappings looked up under one lock (a
-    /// batch's leases lie in a few regions: one `Arc` each).
-    ///
-    /// A region mapped for reading by this call is prefaulted (when prefaulting is
-    /// on): the leased ranges of this batch now (`MADV_POPULATE_READ`, one call per
-    /// lease, without the lock), so that its first loads take no page fault per
-    /// page, and the whole region on the prefault thread for the loads after it.
-    pub fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
-        let mut maps = self.maps();
-        let found = per_region(
-            leases.iter(),
-            |l| l.region_id,
-            |l| Self::reader_in(&mut maps, l),
-        );
-        drop(maps);
-        if found
-            .iter()
-            .any(|m| m.as_ref().is_some_and(|(_, fresh)| *fresh))
-        {
-            self.prefault_fresh(leases, &found);
-        }
-        found
-            .into_iter()
-            .zip(leases)
-            .map(|(m, l)| Self::view_of(m?.0, l))
-            .collect()
-    }
-
     /// Faults in the leased ranges of regions mapped for reading just now, and has
     /// the whole of each such region faulted in on the prefault thread.
     fn prefault_fresh(&self, leases: &[LeaseGrant], found: &[Option<(Arc<Mapping>, bool)>]) {
@@ -247,10 +128,125 @@ impl CxlMover {
             }
         }
     }
+}
+
+impl Mover for CxlMover {
+    /// Maps one of the session's own regions writable (and has it prefaulted).
+    fn adopt(&self, grant: &RegionGrant, _by: Deadline) -> Result<(), WorkerError> {
+        let path = local_path(&grant.pool.uuid, &grant.pool.path)?;
+        let h = &grant.handle;
+        let m = dax::map_range(
+            &path,
+            dax::kind_of_path(&path),
+            h.offset,
+            h.length,
+            grant.pool.align,
+            true,
+        )
+        .map_err(|e| WorkerError::Config(e.to_string()))?;
+        let m = Arc::new(m);
+        if let Some(p) = self.prefaulter().as_mut() {
+            // Its pages are faulted in by the time the stores reach them (or while
+            // they do); the bytes stay as they are.
+            p.submit(m.clone());
+        }
+        let mut maps = self.maps();
+        maps.hooks.add(h.region_id, &m);
+        maps.own.insert(h.region_id, m);
+        Ok(())
+    }
+
+    /// The writable mapping of one of the session's own regions (None once it was
+    /// forgotten: nothing more is copied into it).
+    fn own_mapping(&self, region_id: u64) -> Option<Arc<Mapping>> {
+        self.maps().own.get(&region_id).cloned()
+    }
+
+    /// Copies each chunk into its page; true where the bytes are complete. The
+    /// mappings of the batch's regions are looked up once, under one short lock (a
+    /// region forgotten before the call is not written into; one being written is not
+    /// given back before its store ends, see `PoolCore::mark_writing`), and the copies
+    /// run without it, with one store fence for the whole batch.
+    fn write(&self, items: &[WriteItem<'_>], _: &WriteTargets, _by: Deadline) -> Vec<bool> {
+        let maps = self.own_mappings(items.iter().map(|it| it.page.region_id));
+        let mut ok = vec![false; items.len()];
+        let mut pieces = Vec::with_capacity(items.len());
+        for ((it, map), done) in items.iter().zip(&maps).zip(ok.iter_mut()) {
+            let Some(map) = map else { continue };
+            match map.writable_range(it.page.offset as usize, it.data.len()) {
+                Ok(dst) => {
+                    pieces.push((dst, it.data.as_ptr(), it.data.len()));
+                    *done = true;
+                }
+                Err(e) => log::debug!("write into region {}: {e}", it.page.region_id),
+            }
+        }
+        // SAFETY: each destination lies inside a writable, unprotected mapping that
+        // `maps` keeps mapped until the copies end (`writable_range`); pages are
+        // distinct per chunk of a store, and the sources are the caller's memory, not
+        // these mappings.
+        unsafe { crate::dax::copy::copy_pieces(&pieces, true) };
+        drop(maps);
+        ok
+    }
+
+    /// Copies from the caller's slots (see `write`); each slot comes back.
+    fn write_slots(
+        &self,
+        items: Vec<SlotWrite>,
+        to: &WriteTargets,
+        by: Deadline,
+    ) -> Vec<SlotOutcome> {
+        let writes: Vec<WriteItem<'_>> = items
+            .iter()
+            .map(|it| WriteItem {
+                page: it.page,
+                data: &it.slot.bytes()[..it.len.min(it.slot.len())],
+            })
+            .collect();
+        let ok = self.write(&writes, to, by);
+        drop(writes);
+        items
+            .into_iter()
+            .zip(ok)
+            .map(|(it, ok)| SlotOutcome {
+                ok,
+                slot: Some(it.slot),
+            })
+            .collect()
+    }
+
+    /// The views of a batch's leases, their mappings looked up under one lock (a
+    /// batch's leases lie in a few regions: one `Arc` each).
+    ///
+    /// A region mapped for reading by this call is prefaulted (when prefaulting is
+    /// on): the leased ranges of this batch now (`MADV_POPULATE_READ`, one call per
+    /// lease, without the lock), so that its first loads take no page fault per
+    /// page, and the whole region on the prefault thread for the loads after it.
+    fn views(&self, leases: &[LeaseGrant]) -> Vec<Option<View>> {
+        let mut maps = self.maps();
+        let found = per_region(
+            leases.iter(),
+            |l| l.region_id,
+            |l| Self::reader_in(&mut maps, l),
+        );
+        drop(maps);
+        if found
+            .iter()
+            .any(|m| m.as_ref().is_some_and(|(_, fresh)| *fresh))
+        {
+            self.prefault_fresh(leases, &found);
+        }
+        found
+            .into_iter()
+            .zip(leases)
+            .map(|(m, l)| Self::view_of(m?.0, l))
+            .collect()
+    }
 
     /// Hands each lease's bytes to `sink(i, bytes)` from its view (no lock held
     /// while `sink` runs).
-    pub fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>) {
+    fn read(&self, leases: &[LeaseGrant], sink: &mut ReadSink<'_>, _by: Deadline) {
         for (i, v) in self.views(leases).into_iter().enumerate() {
             if let Some(v) = v {
                 sink(i, v.bytes());
@@ -259,7 +255,12 @@ impl CxlMover {
     }
 
     /// Copies each lease's bytes into the slot of the same index.
-    pub fn read_into(&self, leases: &[LeaseGrant], slots: Vec<Slot>) -> Vec<SlotOutcome> {
+    fn read_into(
+        &self,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        _by: Deadline,
+    ) -> Vec<SlotOutcome> {
         self.views(leases)
             .into_iter()
             .zip(slots)
@@ -279,7 +280,7 @@ impl CxlMover {
 
     /// The mappings held now, per region (own ones writable, then the read-only
     /// ones; an own region read in place has both).
-    pub fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
+    fn mappings(&self) -> Vec<(u64, Arc<Mapping>)> {
         let maps = self.maps();
         maps.own
             .iter()
@@ -290,27 +291,24 @@ impl CxlMover {
 
     /// True while regions are prefaulted: the next one is then taken ahead of need,
     /// so that faulting it in happens off the store path.
-    pub fn wants_lead(&self) -> bool {
+    fn wants_lead(&self) -> bool {
         self.prefaulter().as_ref().is_some_and(|p| !p.stats().off)
     }
 
-    pub fn prefault_stats(&self) -> Option<PrefaultStats> {
+    fn prefault_stats(&self) -> Option<PrefaultStats> {
         self.prefaulter().as_ref().map(Prefaulter::stats)
     }
 
     /// The region is no longer the session's: its mappings go once the copies and
     /// views that hold them let go (the memory hook hears of it first).
-    pub fn forget(&self, region_id: u64) {
+    fn forget(&self, region_id: u64) {
         let mut maps = self.maps();
         maps.hooks.remove_region(region_id);
         maps.own.remove(&region_id);
         maps.readers.remove(&region_id);
     }
-}
-
-impl Default for CxlMover {
-    fn default() -> Self {
-        CxlMover::new()
+    fn writes_in_place(&self) -> bool {
+        true
     }
 }
 
@@ -350,6 +348,12 @@ mod tests {
     use super::*;
     use crate::dax::test_support::ScratchPath;
     use crate::wire::meta::PageGrant;
+    use std::time::Duration;
+
+    /// A call's deadline (the cxl mover waits on nothing).
+    fn by() -> Deadline {
+        Deadline::after(Duration::from_secs(1))
+    }
 
     const REGION: u64 = 2 << 20;
 
@@ -406,14 +410,20 @@ mod tests {
                 data: &small,
             },
         ];
-        assert_eq!(mover.write(&items), vec![true, false, true, false]);
+        assert_eq!(
+            mover.write(&items, &WriteTargets::new(), by()),
+            vec![true, false, true, false]
+        );
         let bytes = std::fs::read(&path.0).expect("read back");
         assert_eq!(&bytes[..256 << 10], &big[..]);
         assert_eq!(&bytes[256 << 10..(256 << 10) + 64], &small[..]);
         assert!(bytes[(REGION - 32) as usize..].iter().all(|&b| b == 0));
         // Once forgotten, nothing more is written into the region.
         mover.forget(7);
-        assert_eq!(mover.write(&items[..1]), vec![false]);
+        assert_eq!(
+            mover.write(&items[..1], &WriteTargets::new(), by()),
+            vec![false]
+        );
     }
 
     /// A batch costs the same heap allocations whatever its size: the mover's work
@@ -430,9 +440,9 @@ mod tests {
                 data: &data,
             })
             .collect();
-        let (ok, one) = allocations_in(|| mover.write(&items[..1]));
+        let (ok, one) = allocations_in(|| mover.write(&items[..1], &WriteTargets::new(), by()));
         assert_eq!(ok, vec![true]);
-        let (ok, all) = allocations_in(|| mover.write(&items));
+        let (ok, all) = allocations_in(|| mover.write(&items, &WriteTargets::new(), by()));
         assert!(ok.iter().all(|&b| b));
         assert_eq!(one, all, "a write of 32 chunks allocates as one of 1");
 
@@ -445,15 +455,15 @@ mod tests {
             })
             .collect();
         // The region's mapping is made (once) before the counts.
-        assert!(mover.view(&lease).is_some());
+        assert!(mover.views(std::slice::from_ref(&lease))[0].is_some());
         let (v, one) = allocations_in(|| mover.views(&leases[..1]));
         assert!(v[0].is_some());
         let (v, all) = allocations_in(|| mover.views(&leases));
         assert!(v.iter().all(Option::is_some));
         assert_eq!(one, all, "the views of 32 leases allocate as those of 1");
         let mut seen = 0;
-        let ((), one) = allocations_in(|| mover.read(&leases[..1], &mut |_, _| seen += 1));
-        let ((), all) = allocations_in(|| mover.read(&leases, &mut |_, _| seen += 1));
+        let ((), one) = allocations_in(|| mover.read(&leases[..1], &mut |_, _| seen += 1, by()));
+        let ((), all) = allocations_in(|| mover.read(&leases, &mut |_, _| seen += 1, by()));
         assert_eq!(
             (seen, one),
             (33, all),
@@ -528,9 +538,8 @@ mod tests {
         let mut first = None;
         // The sink touches one byte: the pages past the first are mapped only if
         // they were prefaulted.
-        mover.read(std::slice::from_ref(&lease), &mut |_, b| {
-            first = Some((b.as_ptr() as usize, b.len(), b[0]))
-        });
+        let sink = &mut |_, b: &[u8]| first = Some((b.as_ptr() as usize, b.len(), b[0]));
+        mover.read(std::slice::from_ref(&lease), sink, by());
         let (at, n, b0) = first.expect("the lease was read");
         assert_eq!((n, b0), (len as usize, bytes[off as usize]));
         let absent: Vec<usize> = (0..n)
@@ -545,7 +554,9 @@ mod tests {
             absent.first()
         );
         // The mapping reads the region's bytes, here and through a later view.
-        let v = mover.view(&lease).expect("view");
+        let v = mover.views(std::slice::from_ref(&lease))[0]
+            .clone()
+            .expect("view");
         assert_eq!(v.bytes(), &bytes[off as usize..(off + len) as usize]);
     }
 

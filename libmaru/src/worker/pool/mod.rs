@@ -216,11 +216,7 @@ impl StoragePool {
 
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
     pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
-        if pin {
-            self.per_batch(keys, |s, k, by| s.pin(k, by))
-        } else {
-            self.per_batch(keys, |s, k, by| s.unpin(k, by))
-        }
+        self.per_batch(keys, |s, k, by| s.pin(k, pin, by))
     }
 
     /// Unpublishes keys this session stored (see `RemoveResult` for the others).

@@ -477,31 +477,18 @@ impl Session {
         }
     }
 
-    /// Pins found keys (per key: found and pinned).
-    pub fn pin(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        match self.call(
-            &MetaRequest::Pin {
-                session: self.id,
-                keys: keys.to_vec(),
-            },
-            by,
-        )? {
-            MetaReply::Pinned { pinned } => Ok(pinned),
-            r => Err(unexpected("pin", r)),
-        }
-    }
-
-    /// Drops one of this session's pins of each key (per key: one was dropped).
-    pub fn unpin(&self, keys: &[String], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        match self.call(
-            &MetaRequest::Unpin {
-                session: self.id,
-                keys: keys.to_vec(),
-            },
-            by,
-        )? {
-            MetaReply::Unpinned { unpinned } => Ok(unpinned),
-            r => Err(unexpected("unpin", r)),
+    /// Pins found keys (`pin`; per key: found and pinned), or drops one of this
+    /// session's pins of each (per key: one was dropped).
+    pub fn pin(&self, keys: &[String], pin: bool, by: Deadline) -> Result<Vec<bool>, WorkerError> {
+        let (session, keys) = (self.id, keys.to_vec());
+        let req = match pin {
+            true => MetaRequest::Pin { session, keys },
+            false => MetaRequest::Unpin { session, keys },
+        };
+        match (pin, self.call(&req, by)?) {
+            (true, MetaReply::Pinned { pinned: done })
+            | (false, MetaReply::Unpinned { unpinned: done }) => Ok(done),
+            (_, r) => Err(unexpected(if pin { "pin" } else { "unpin" }, r)),
         }
     }
 
