@@ -558,7 +558,22 @@ impl Handler {
         n: usize,
         timeout: Duration,
     ) -> Result<Vec<SlotInfo>, WorkerError> {
-        self.inner.acquire_slots(pool, n, timeout)
+        if self.inner.stop.load(Ordering::SeqCst) {
+            return Err(WorkerError::Closed);
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let got = self.inner.staging()?.acquire(pool, n, timeout);
+        if got.is_empty() {
+            return Err(WorkerError::NoSpace(format!(
+                "no free {pool} staging slot within {} ms ({} configured): release slots or raise {pool}_slots",
+                timeout.as_millis(),
+                self.slots_configured(pool)
+            )));
+        }
+        let mut t = self.inner.slot_table()?;
+        Ok(got.into_iter().map(|s| t.insert(s)).collect())
     }
 
     /// The slots of `pool` this handler was configured with (0: none; asking for one
@@ -688,7 +703,19 @@ impl Handler {
             .lock()
             .map_err(|_| WorkerError::Closed)?
             .take(ids);
-        self.inner.end_leases(held);
+        let mut by_route: std::collections::BTreeMap<&str, Vec<u64>> = Default::default();
+        for h in &held {
+            by_route.entry(&h.route).or_default().push(h.lease_id);
+        }
+        let by = Deadline::after(self.inner.timeout());
+        for (route, ids) in by_route {
+            let _ = self.inner.with_pool(route, (), |p| {
+                p.release_leases(ids, by);
+                Ok(())
+            });
+        }
+        // The views (and their mappings) go once their leases are released.
+        drop(held);
         Ok(())
     }
 

@@ -2,14 +2,12 @@
 //! it fails or is submitted to run later.
 
 use super::{Inner, LentJob};
-use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::ops::OpHandle;
-use crate::worker::slots::{SlotInfo, SlotTable};
-use crate::worker::staging::{Slot, SlotPool, StagingSlots};
+use crate::worker::slots::SlotTable;
+use crate::worker::staging::{Slot, StagingSlots};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 impl Inner {
     pub(super) fn slot_table(&self) -> Result<std::sync::MutexGuard<'_, SlotTable>, WorkerError> {
@@ -26,52 +24,6 @@ impl Inner {
                     crate::worker::error::Peer::Host,
                     "no pool has been reached yet: the staging buffer is made from the first pool's page size",
                 ))
-    }
-
-    pub(super) fn acquire_slots(
-        &self,
-        pool: SlotPool,
-        n: usize,
-        timeout: Duration,
-    ) -> Result<Vec<SlotInfo>, WorkerError> {
-        if self.stop.load(Ordering::SeqCst) {
-            return Err(WorkerError::Closed);
-        }
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let got = self.staging()?.acquire(pool, n, timeout);
-        if got.is_empty() {
-            return Err(WorkerError::NoSpace(format!(
-                "no free {pool} staging slot within {} ms ({} configured): release slots or raise {pool}_slots",
-                timeout.as_millis(),
-                match pool {
-                    SlotPool::Load => self.cfg.load_slots,
-                    SlotPool::Store => self.cfg.store_slots,
-                }
-            )));
-        }
-        let mut t = self.slot_table()?;
-        Ok(got.into_iter().map(|s| t.insert(s)).collect())
-    }
-
-    /// Releases views' leases at their pools (per route), then drops the views.
-    pub(super) fn end_leases(&self, held: Vec<crate::worker::views::Held>) {
-        let mut by_route: std::collections::BTreeMap<String, Vec<u64>> = Default::default();
-        for h in &held {
-            by_route
-                .entry(h.route.clone())
-                .or_default()
-                .push(h.lease_id);
-        }
-        let by = Deadline::after(self.timeout());
-        for (route, ids) in by_route {
-            let _ = self.with_pool(&route, (), |p| {
-                p.release_leases(ids, by);
-                Ok(())
-            });
-        }
-        drop(held);
     }
 
     /// Marks the caller's slots busy and hands them over (at once, also for a submitted
