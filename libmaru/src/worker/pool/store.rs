@@ -72,7 +72,13 @@ impl StoragePool {
             let away = std::mem::take(&mut more.away);
             strays = foreign.len();
             taken.merge(more);
-            self.free_foreign(foreign, by);
+            self.free_unkept(
+                Unkept {
+                    extra: Vec::new(),
+                    foreign,
+                },
+                by,
+            );
             if !away.is_empty() {
                 counted += away.len();
                 self.count_skip(
@@ -105,20 +111,6 @@ impl StoragePool {
         log::debug!("{what}: {n} chunk(s) not stored: {why}");
         if let Some(line) = line {
             log::warn!("{line}");
-        }
-    }
-
-    /// Frees pages of a region not the pool's (a lost one's free is refused: fine).
-    fn free_foreign(&self, pages: Vec<PageGrant>, by: Deadline) {
-        if pages.is_empty() {
-            return;
-        }
-        if let Err(e) = self.session.free_pages(&pages, by) {
-            log::debug!(
-                "pool {}: {} page(s) of a region not this pool's not freed ({e}); they go with their region",
-                self.session.url,
-                pages.len()
-            );
         }
     }
 
@@ -313,24 +305,23 @@ impl StoragePool {
         }
     }
 
-    /// Frees pages at maru-server (those beyond the spare bound).
-    pub(super) fn free(&self, pages: Vec<PageGrant>, by: Deadline) {
-        if pages.is_empty() {
-            return;
-        }
-        if let Err(e) = self.session.free_pages(&pages, by) {
-            log::warn!(
-                "pool {}: cannot return {} unused pages: {e}",
-                self.session.url,
-                pages.len()
-            );
-        }
-    }
-
-    /// Frees what `keep_spare` did not keep.
+    /// Frees at maru-server what `keep_spare` did not keep: pages beyond the spare
+    /// bound, and pages of a region not the pool's (a lost one's free is refused:
+    /// fine, they go with their region).
     fn free_unkept(&self, unkept: Unkept, by: Deadline) {
-        self.free(unkept.extra, by);
-        self.free_foreign(unkept.foreign, by);
+        for (pages, foreign) in [(unkept.extra, false), (unkept.foreign, true)] {
+            if pages.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.session.free_pages(&pages, by) {
+                let (url, n) = (&self.session.url, pages.len());
+                if foreign {
+                    log::debug!("pool {url}: {n} page(s) of a region not this pool's not freed ({e}); they go with their region");
+                } else {
+                    log::warn!("pool {url}: cannot return {n} unused pages: {e}");
+                }
+            }
+        }
     }
 
     /// What the mover wrote, through the test hook (`after_write`); a warning (at most
