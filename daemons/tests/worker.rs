@@ -1004,7 +1004,7 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
         // (twice the spare target, `PoolCore::keep_spare`).
         let page = 64 * 1024;
         let used = used_bytes(&st.server.addr, &engine) / page;
-        let bound = 2 * maru::worker::pool::spare_pages(page) as u64;
+        let bound = 2 * maru::worker::pool::spare_pages(page, 8 << 20) as u64;
         assert!(
             used >= n as u64 && used <= n as u64 + bound,
             "{used} pages in use for {n} keys (bound {bound} spare)"

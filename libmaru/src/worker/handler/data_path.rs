@@ -176,10 +176,11 @@ impl Inner {
                 dp.budget.clone(),
             )),
         };
-        let page_size = session.page_size;
+        let spare =
+            crate::worker::pool::spare_pages(session.page_size, session.handshake.region_size);
         let pool = StoragePool::open(session, mover)?
             .with_timeout(self.timeout())
-            .with_spare_pages(crate::worker::pool::spare_pages(page_size))
+            .with_spare_pages(spare)
             .with_max_bytes(self.cfg.max_bytes);
         if let Err(e) = pool.greet_agents() {
             pool.session

@@ -998,3 +998,15 @@ fn a_store_begins_with_its_spare_pages_or_skips_when_every_region_is_away() {
     c.lose(2);
     assert!(c.store_begin(1).is_none(), "every region is away");
 }
+
+#[test]
+fn spare_pages_stay_within_a_quarter_of_a_region_above_the_floor() {
+    use crate::worker::pool::{spare_pages, SPARE_PAGES};
+    // 256 KiB pages in 1 GiB regions: 32 MiB of spares, 128 pages.
+    assert_eq!(spare_pages(256 << 10, 1 << 30), 128);
+    // 64 KiB pages in 8 MiB regions of 128 pages: a quarter of a region, so that a
+    // spare refill never takes a second region the pool does not need.
+    assert_eq!(spare_pages(64 << 10, 8 << 20), 32);
+    // 2 MiB pages: the floor, as before the byte target.
+    assert_eq!(spare_pages(2 << 20, 1 << 30), SPARE_PAGES);
+}

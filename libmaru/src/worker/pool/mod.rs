@@ -44,11 +44,17 @@ pub const SPARE_BYTES: u64 = 32 << 20;
 /// Most spare pages a pool keeps (an `alloc` of smaller pages names them all).
 pub const MAX_SPARE_PAGES: usize = 4 * SPARE_PAGES;
 
-/// The spare pages of a pool of pages of `page_size` bytes: `SPARE_BYTES` of them,
-/// from `SPARE_PAGES` to `MAX_SPARE_PAGES`.
-pub fn spare_pages(page_size: u64) -> usize {
-    let by_bytes = usize::try_from(SPARE_BYTES / page_size.max(1)).unwrap_or(usize::MAX);
-    by_bytes.clamp(SPARE_PAGES, MAX_SPARE_PAGES)
+/// The spare pages of a pool of pages of `page_size` bytes in regions of
+/// `region_size` bytes: `SPARE_BYTES` of them, from `SPARE_PAGES` to
+/// `MAX_SPARE_PAGES`, but above `SPARE_PAGES` only up to a quarter of a region, so
+/// that keeping spares never makes a pool take a region it does not need (with small
+/// regions a spare refill would otherwise ask for a whole new one).
+pub fn spare_pages(page_size: u64, region_size: u64) -> usize {
+    let per_page = |bytes: u64| usize::try_from(bytes / page_size.max(1)).unwrap_or(usize::MAX);
+    let quarter_region = per_page(region_size / 4).max(SPARE_PAGES);
+    per_page(SPARE_BYTES)
+        .clamp(SPARE_PAGES, MAX_SPARE_PAGES)
+        .min(quarter_region)
 }
 
 /// Bytes of pages evicted ahead of need with each `victims` round trip: 128 pages of
