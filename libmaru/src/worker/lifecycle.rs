@@ -38,8 +38,6 @@ pub enum Action {
     Probe(String),
     /// Map the worker's regions at this agent again (then `remapped`).
     Remap(String),
-    /// Tell maru-server the boot ids (a heartbeat) before anything else is published.
-    ReportBoots,
     /// Silent for [`AGENT_SILENCE_MS`]: give these regions back, then `forget` them.
     GiveBack { agent: String, regions: Vec<u64> },
 }
@@ -73,17 +71,9 @@ struct RegionState {
 pub struct Lifecycle {
     agents: BTreeMap<String, AgentState>,
     regions: BTreeMap<u64, RegionState>,
-    silence_ms: u64,
 }
 
 impl Lifecycle {
-    pub fn new() -> Lifecycle {
-        Lifecycle {
-            silence_ms: AGENT_SILENCE_MS,
-            ..Lifecycle::default()
-        }
-    }
-
     /// A new own region, mapped at `agent`, which reported `boot`; the verdict on it.
     pub fn adopt(
         &mut self,
@@ -290,7 +280,8 @@ impl Lifecycle {
             .collect()
     }
 
-    /// What is due at `now_ms`: probes, remaps, a report, regions of silent agents.
+    /// What is due at `now_ms`: probes, remaps, regions of silent agents (a report of
+    /// boot ids the pool asks for itself: `must_report`).
     pub fn due(&mut self, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
         let mut agents: Vec<String> = self.regions.values().map(|r| r.agent.clone()).collect();
@@ -306,7 +297,7 @@ impl Lifecycle {
             let a = self.agents.entry(agent.clone()).or_default();
             if let Some(since) = a.silent_since {
                 let regions = self.regions_at(&agent);
-                if now_ms.saturating_sub(since) >= self.silence_ms && !regions.is_empty() {
+                if now_ms.saturating_sub(since) >= AGENT_SILENCE_MS && !regions.is_empty() {
                     out.push(Action::GiveBack { regions, agent });
                     continue;
                 }
@@ -326,9 +317,6 @@ impl Lifecycle {
             if a.remap && a.silent_since.is_none() && self.may_map(&agent) {
                 out.push(Action::Remap(agent));
             }
-        }
-        if self.must_report() {
-            out.push(Action::ReportBoots);
         }
         out
     }
@@ -370,7 +358,7 @@ mod tests {
     /// adopted by another store meanwhile does not hold it back.
     #[test]
     fn must_report_for_names_only_the_regions_asked_about() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         assert_eq!(l.adopt(1, A, "boot-1", Some(7), 0), Verdict::Same);
         reported(&mut l);
         assert_eq!(l.adopt(2, A, "boot-1", Some(7), 0), Verdict::Same);
@@ -384,7 +372,7 @@ mod tests {
 
     #[test]
     fn a_changed_boot_id_puts_the_agents_regions_out_of_use_until_maru_server_knows() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         assert_eq!(l.adopt(1, A, "boot-1", Some(7), 0), Verdict::Same);
         assert_eq!(l.adopt(2, B, "boot-9", Some(3), 0), Verdict::Same);
         reported(&mut l);
@@ -402,7 +390,6 @@ mod tests {
         );
         assert!(l.must_report());
         let due = l.due(10);
-        assert!(due.contains(&Action::ReportBoots), "{due:?}");
         assert!(!due.contains(&Action::Remap(A.into())), "{due:?}");
         // The heartbeat carries the new boot id: maru-server compares and drops keys.
         let sent = l.boot_ids();
@@ -417,7 +404,7 @@ mod tests {
 
     #[test]
     fn a_lease_on_bytes_of_another_boot_is_not_read() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         // A reader: no own region, it has seen the agent on boot-2.
         l.seen(A, Some("boot-2"), Some(1), 0);
         assert!(l.lease_readable(A, Some("boot-2")));
@@ -431,7 +418,7 @@ mod tests {
 
     #[test]
     fn a_report_sent_before_another_reboot_does_not_clear_it() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", None, 0);
         let stale = l.boot_ids();
         l.seen(A, Some("boot-2"), None, 5);
@@ -441,7 +428,7 @@ mod tests {
 
     #[test]
     fn a_new_regions_boot_id_reaches_maru_server_before_its_keys_are_published() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", Some(1), 0);
         assert!(
             l.must_report(),
@@ -455,7 +442,7 @@ mod tests {
 
     #[test]
     fn an_agent_without_boot_id_is_unreachable() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         assert_eq!(l.adopt(1, A, "", None, 0), Verdict::NoBoot);
         assert!(!l.usable(1), "not adopted");
         l.adopt(2, A, "boot-1", None, 0);
@@ -469,7 +456,7 @@ mod tests {
 
     #[test]
     fn a_restart_on_the_same_boot_maps_again_and_keeps_the_keys() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", Some(1), 0);
         reported(&mut l);
         assert_eq!(l.seen(A, Some("boot-1"), Some(1), 5), Verdict::Same);
@@ -489,7 +476,7 @@ mod tests {
 
     #[test]
     fn an_agent_silent_for_30_s_loses_the_regions_there() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", None, 0);
         l.adopt(2, A, "boot-1", None, 0);
         l.adopt(3, B, "boot-9", None, 0);
@@ -521,7 +508,7 @@ mod tests {
 
     #[test]
     fn agents_are_probed_every_second_silent_ones_every_five_and_away_ones_every_250_ms() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", None, 0);
         reported(&mut l);
         assert_eq!(l.due(0), vec![Action::Probe(A.into())]);
@@ -557,7 +544,7 @@ mod tests {
     /// there (a reader's agent), so the first call after it answers uses it.
     #[test]
     fn an_agent_that_did_not_answer_is_away_until_it_answers_again() {
-        let mut l = Lifecycle::new();
+        let mut l = Lifecycle::default();
         l.adopt(1, A, "boot-1", None, 0);
         reported(&mut l);
         assert!(!l.is_away(A));

@@ -2,7 +2,6 @@
 //! threads (started on first use); the caller polls or waits on its [`OpHandle`].
 
 use super::error::WorkerError;
-use crate::worker::clock::Deadline;
 use crossbeam::channel::{unbounded, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -52,18 +51,11 @@ impl OpHandle {
 
     /// Waits up to `timeout` for the operation to finish.
     pub fn wait(&self, timeout: Duration) -> Option<OpResult> {
-        let deadline = Deadline::after(timeout);
-        let mut d = self.state.done.lock().ok()?;
-        loop {
-            if let Some(r) = d.as_ref() {
-                return Some(r.clone());
-            }
-            let left = deadline.left();
-            if left.is_zero() {
-                return None;
-            }
-            d = self.state.cv.wait_timeout(d, left).ok()?.0;
-        }
+        let d = self.state.done.lock().ok()?;
+        let (d, _) = (self.state.cv)
+            .wait_timeout_while(d, timeout, |d| d.is_none())
+            .ok()?;
+        d.clone()
     }
 }
 
@@ -116,19 +108,12 @@ impl Executor {
     /// Waits up to `timeout` until every job submitted so far has finished (queued
     /// ones run meanwhile); the number still queued or running then (0: all done).
     pub fn settle(&self, timeout: Duration) -> usize {
-        let deadline = Deadline::after(timeout);
-        let Ok(mut c) = self.pending.count.lock() else {
+        let Ok(c) = self.pending.count.lock() else {
             return 0;
         };
-        loop {
-            let left = deadline.left();
-            if *c == 0 || left.is_zero() {
-                return *c;
-            }
-            match self.pending.idle.wait_timeout(c, left) {
-                Ok((g, _)) => c = g,
-                Err(_) => return 0,
-            }
+        match self.pending.idle.wait_timeout_while(c, timeout, |c| *c > 0) {
+            Ok((c, _)) => *c,
+            Err(_) => 0,
         }
     }
 

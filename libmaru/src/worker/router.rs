@@ -32,10 +32,7 @@ fn weight(url: &str, key: &str) -> u64 {
     h.update((url.len() as u64).to_le_bytes());
     h.update(url.as_bytes());
     h.update(key.as_bytes());
-    let d = h.finalize();
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&d[..8]);
-    u64::from_le_bytes(b)
+    u64::from_le_bytes(h.finalize()[..8].try_into().unwrap_or([0; 8]))
 }
 
 impl PoolRouter {
@@ -51,16 +48,9 @@ impl PoolRouter {
     /// The pool of a request whose first chunk key is `route_key`, whether or not it
     /// is up (a request never moves to another pool: its prefixes would be split).
     pub fn pick(&self, route_key: &str) -> usize {
-        let mut best = 0;
-        let mut best_w = 0u64;
-        for (i, u) in self.urls.iter().enumerate() {
-            let w = weight(u, route_key);
-            if i == 0 || w > best_w {
-                best = i;
-                best_w = w;
-            }
-        }
-        best
+        (0..self.urls.len())
+            .max_by_key(|&i| weight(&self.urls[i], route_key))
+            .unwrap_or(0)
     }
 
     /// Records a pool's reachability; returns true if it changed (for logging with the

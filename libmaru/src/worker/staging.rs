@@ -3,7 +3,6 @@
 //! owned and goes back to its pool when dropped: exactly once by construction (a
 //! transfer of unknown outcome keeps its slots by keeping the values: `isolation`).
 
-use crate::worker::clock::Deadline;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -70,13 +69,10 @@ impl StagingLayout {
     }
 }
 
-struct FreeLists {
-    load: Vec<usize>,
-    store: Vec<usize>,
-}
+/// The free slots of each pool, by `SlotPool as usize`.
+type FreeLists = [Vec<usize>; 2];
 
 struct Inner {
-    base: *mut u8,
     layout: StagingLayout,
     free: Mutex<FreeLists>,
     cv: Condvar,
@@ -220,15 +216,14 @@ impl fmt::Debug for Slot {
 impl StagingSlots {
     pub fn new(layout: StagingLayout) -> std::io::Result<StagingSlots> {
         let buf = Buffer::new(layout.total_bytes())?;
-        let free = FreeLists {
-            load: (0..layout.load_slots).rev().collect(),
-            store: (layout.load_slots..layout.load_slots + layout.store_slots)
+        let free = [
+            (0..layout.load_slots).rev().collect(),
+            (layout.load_slots..layout.load_slots + layout.store_slots)
                 .rev()
                 .collect(),
-        };
+        ];
         Ok(StagingSlots {
             inner: Arc::new(Inner {
-                base: buf.ptr,
                 layout,
                 free: Mutex::new(free),
                 cv: Condvar::new(),
@@ -253,7 +248,7 @@ impl StagingSlots {
     pub fn buffer(&self) -> (*mut u8, usize) {
         match self.inner.layout.total_bytes() {
             0 => (std::ptr::null_mut(), 0),
-            len => (self.inner.base, len),
+            len => (self.inner.buf.ptr, len),
         }
     }
 
@@ -262,7 +257,7 @@ impl StagingSlots {
         self.inner
             .free
             .lock()
-            .map(|f| list(&f, pool).len())
+            .map(|f| f[pool as usize].len())
             .unwrap_or(0)
     }
 
@@ -276,28 +271,20 @@ impl StagingSlots {
 
     /// Takes between 1 and `n` slots, waiting up to `timeout` for at least one.
     pub fn acquire(&self, pool: SlotPool, n: usize, timeout: Duration) -> Vec<Slot> {
-        let deadline = Deadline::after(timeout);
-        let Ok(mut f) = self.inner.free.lock() else {
+        let Ok(f) = self.inner.free.lock() else {
             return Vec::new();
         };
-        loop {
-            // A pool of no slots never has one free: no wait.
-            if n == 0 || !list(&f, pool).is_empty() || self.inner.layout.slots(pool) == 0 {
-                return self.take(&mut f, pool, n);
-            }
-            let left = deadline.left();
-            if left.is_zero() {
-                return Vec::new();
-            }
-            f = match self.inner.cv.wait_timeout(f, left) {
-                Ok((g, _)) => g,
-                Err(_) => return Vec::new(),
-            };
+        // A pool of no slots never has one free: no wait.
+        let wait = n > 0 && self.inner.layout.slots(pool) > 0;
+        let none_free = |f: &mut FreeLists| wait && f[pool as usize].is_empty();
+        match self.inner.cv.wait_timeout_while(f, timeout, none_free) {
+            Ok((mut f, _)) => self.take(&mut f, pool, n),
+            Err(_) => Vec::new(),
         }
     }
 
     fn take(&self, f: &mut FreeLists, pool: SlotPool, n: usize) -> Vec<Slot> {
-        let l = list_mut(f, pool);
+        let l = &mut f[pool as usize];
         let k = n.min(l.len());
         let at = l.len() - k;
         l.drain(at..)
@@ -307,20 +294,6 @@ impl StagingSlots {
                 inner: self.inner.clone(),
             })
             .collect()
-    }
-}
-
-fn list(f: &FreeLists, pool: SlotPool) -> &Vec<usize> {
-    match pool {
-        SlotPool::Load => &f.load,
-        SlotPool::Store => &f.store,
-    }
-}
-
-fn list_mut(f: &mut FreeLists, pool: SlotPool) -> &mut Vec<usize> {
-    match pool {
-        SlotPool::Load => &mut f.load,
-        SlotPool::Store => &mut f.store,
     }
 }
 
@@ -348,7 +321,7 @@ impl Slot {
 
     pub fn as_ptr(&self) -> *mut u8 {
         // SAFETY: offset is inside the buffer by construction of the slot index.
-        unsafe { self.inner.base.add(self.offset()) }
+        unsafe { self.inner.buf.ptr.add(self.offset()) }
     }
 
     /// The slot's bytes. Not to be used while a transfer into it is in flight.
@@ -366,7 +339,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         if let Ok(mut f) = self.inner.free.lock() {
-            list_mut(&mut f, self.pool).push(self.index);
+            f[self.pool as usize].push(self.index);
         }
         self.inner.cv.notify_all();
     }

@@ -6,6 +6,7 @@
 //! `docs/worker.md` ("The pool core"); each has a test in `core_tests.rs`.
 
 use super::peers::{RemoteState, WriteTargets};
+use super::stats::PoolStats;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::clock::Deadline;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -217,13 +218,12 @@ impl Gone {
 /// A pool's state (see the module documentation).
 #[derive(Default)]
 pub struct PoolCore {
-    page_size: u64,
     /// Pages to take ahead with each `alloc`; at most twice as many are kept.
-    spare_target: usize,
+    pub spare_target: usize,
     /// Most regions the session takes (`max_bytes`); none: no limit.
-    max_regions: Option<u64>,
+    pub max_regions: Option<u64>,
     /// The mover wants a region taken ahead of need (`cxl` prefaults it).
-    wants_lead: bool,
+    pub wants_lead: bool,
     pub stats: PoolStats,
     /// Why stores were skipped, and when each reason was last logged.
     skips: crate::worker::skips::SkipLog,
@@ -250,34 +250,13 @@ pub struct PoolCore {
 }
 
 impl PoolCore {
-    pub fn new(page_size: u64, remote: Option<RemoteState>) -> PoolCore {
+    pub fn new(remote: Option<RemoteState>) -> PoolCore {
         PoolCore {
-            page_size: page_size.max(1),
             next_adoption: 1,
             next_ticket: 1,
             remote,
             ..PoolCore::default()
         }
-    }
-
-    pub fn set_page_size(&mut self, page_size: u64) {
-        self.page_size = page_size.max(1);
-    }
-
-    pub fn set_spare_target(&mut self, n: usize) {
-        self.spare_target = n;
-    }
-
-    pub fn spare_target(&self) -> usize {
-        self.spare_target
-    }
-
-    pub fn set_max_regions(&mut self, max: Option<u64>) {
-        self.max_regions = max;
-    }
-
-    pub fn set_wants_lead(&mut self, on: bool) {
-        self.wants_lead = on;
     }
 
     /// The own regions (ids).
@@ -338,12 +317,7 @@ impl PoolCore {
     /// Pages that may be taken in place now: at most half the session's fair share
     /// (within `max_bytes`; one region before either is known) held at once.
     pub fn in_place_room(&self, share_regions: Option<u64>, region_pages: u64) -> usize {
-        let share = match (share_regions, self.max_regions) {
-            (Some(s), Some(m)) => s.min(m),
-            (Some(s), None) => s,
-            (None, Some(m)) => m,
-            (None, None) => 1,
-        };
+        let share = (share_regions.into_iter().chain(self.max_regions).min()).unwrap_or(1);
         let limit = (share.saturating_mul(region_pages) / 2).max(1) as usize;
         limit.saturating_sub(self.in_place_out)
     }
@@ -529,9 +503,7 @@ impl PoolCore {
 
     /// A region given back was returned (`ok`), or not (maru-server asks again).
     pub fn given_back(&mut self, ok: bool) {
-        if ok {
-            self.stats.regions_given_back += 1;
-        }
+        self.stats.regions_given_back += u64::from(ok);
     }
 
     /// These regions' agents stayed silent too long: nothing more goes into them, and
@@ -612,11 +584,6 @@ impl PoolCore {
         let unkept = self.keep_spare(unused);
         gone.extend(self.end_writing(end.writing));
         (unkept, gone)
-    }
-
-    /// Every spare page (at close, to free).
-    pub fn drain_spare(&mut self) -> Vec<PageGrant> {
-        self.spare.drain(..).collect()
     }
 
     /// Marks `pages` as being written (their regions stay until `end_writing`) and
@@ -892,10 +859,29 @@ impl CoreCell {
 
     /// The core (a poisoned lock is taken over: its maps stay usable).
     pub fn lock(&self) -> CoreGuard<'_> {
+        self.lock_then(|g| g)
+    }
+
+    /// The core once `blocked` is false, or at `by` (then `blocked` may still hold).
+    pub fn wait_while(
+        &self,
+        by: Deadline,
+        mut blocked: impl FnMut(&mut PoolCore) -> bool,
+    ) -> CoreGuard<'_> {
+        self.lock_then(|g| {
+            let waited = (self.changed).wait_timeout_while(g, by.left(), |c| blocked(c));
+            waited.map_or_else(|e| e.into_inner().0, |(g, _)| g)
+        })
+    }
+
+    fn lock_then<'a>(
+        &'a self,
+        then: impl FnOnce(MutexGuard<'a, PoolCore>) -> MutexGuard<'a, PoolCore>,
+    ) -> CoreGuard<'a> {
         crate::worker::op_stats::core_locked();
         let g = self.core.lock().unwrap_or_else(|e| e.into_inner());
         CoreGuard {
-            g,
+            g: then(g),
             all_away: &self.all_away,
         }
     }
@@ -908,112 +894,5 @@ impl CoreCell {
     /// Something waiters may be waiting for happened.
     pub fn notify(&self) {
         self.changed.notify_all();
-    }
-
-    /// The core once `blocked` is false, or at `by` (then `blocked` may still hold).
-    pub fn wait_while(
-        &self,
-        by: Deadline,
-        mut blocked: impl FnMut(&mut PoolCore) -> bool,
-    ) -> CoreGuard<'_> {
-        crate::worker::op_stats::core_locked();
-        let mut g = self.core.lock().unwrap_or_else(|e| e.into_inner());
-        while blocked(&mut g) {
-            let left = by.left();
-            if left.is_zero() {
-                break;
-            }
-            g = self
-                .changed
-                .wait_timeout(g, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
-        CoreGuard {
-            g,
-            all_away: &self.all_away,
-        }
-    }
-}
-
-/// Counters of a pool, reported by `stats()`.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct PoolStats {
-    pub stored: u64,
-    pub store_skipped: u64,
-    pub already_present: u64,
-    pub bytes_stored: u64,
-    pub hits: u64,
-    pub misses: u64,
-    pub load_failed: u64,
-    pub bytes_loaded: u64,
-    pub regions: u64,
-    /// Regions taken before the session's regions were full (see `Mover::wants_lead`).
-    pub regions_ahead: u64,
-    /// Bytes of own regions faulted in off the store path (`cxl`).
-    pub prefaulted_bytes: u64,
-    /// Regions maru-server no longer counted among the session's (see `heartbeat`),
-    /// or given back because their agent stayed silent (see `tick`).
-    pub regions_lost: u64,
-    /// Why the last load that failed failed (an agent's refusal, say).
-    pub last_load_error: Option<String>,
-    /// Keys of the session's own regions removed to make room for new stores, and
-    /// their bytes.
-    pub evictions: u64,
-    pub bytes_evicted: u64,
-    /// Regions given back because maru-server asked for a fair share of a full pool.
-    pub regions_given_back: u64,
-    /// Chunks not stored because no page could be found or made free (every page of
-    /// the session leased or pinned, and no region to be had).
-    pub store_no_room: u64,
-    /// Chunks not stored, per reason (see `skips`).
-    pub skipped: crate::worker::skips::SkipCounts,
-}
-
-impl PoolStats {
-    /// Adds another pool's counters (the handler's total); the last load error is
-    /// the other's when it has one.
-    pub fn add(&mut self, s: &PoolStats) {
-        let PoolStats {
-            stored,
-            store_skipped,
-            already_present,
-            bytes_stored,
-            hits,
-            misses,
-            load_failed,
-            bytes_loaded,
-            regions,
-            regions_ahead,
-            prefaulted_bytes,
-            regions_lost,
-            last_load_error,
-            evictions,
-            bytes_evicted,
-            regions_given_back,
-            store_no_room,
-            skipped,
-        } = s;
-        // Every field named above: a new counter must be added here to compile.
-        self.stored += stored;
-        self.store_skipped += store_skipped;
-        self.already_present += already_present;
-        self.bytes_stored += bytes_stored;
-        self.hits += hits;
-        self.misses += misses;
-        self.load_failed += load_failed;
-        self.bytes_loaded += bytes_loaded;
-        self.regions += regions;
-        self.regions_ahead += regions_ahead;
-        self.prefaulted_bytes += prefaulted_bytes;
-        self.regions_lost += regions_lost;
-        if last_load_error.is_some() {
-            self.last_load_error.clone_from(last_load_error);
-        }
-        self.evictions += evictions;
-        self.bytes_evicted += bytes_evicted;
-        self.regions_given_back += regions_given_back;
-        self.store_no_room += store_no_room;
-        self.skipped.add(skipped);
     }
 }

@@ -36,15 +36,12 @@ fn pages(region: u64, ns: std::ops::Range<u64>) -> Vec<PageGrant> {
 
 /// A `cxl` pool's core.
 fn cxl() -> PoolCore {
-    PoolCore::new(PAGE, None)
+    PoolCore::new(None)
 }
 
 /// A `remote_cxl` pool's core.
 fn remote() -> PoolCore {
-    PoolCore::new(
-        PAGE,
-        Some(RemoteState::new(ClientOptions::new("test", "t"))),
-    )
+    PoolCore::new(Some(RemoteState::new(ClientOptions::new("test", "t"))))
 }
 
 /// A region taken by a store: asked for, given, mapped (at `AGENT`).
@@ -96,7 +93,7 @@ fn reboot(c: &mut PoolCore, boot: &str) {
 #[test]
 fn spare_pages_serve_the_next_stores_first_and_only_pages_of_own_regions_are_kept() {
     let mut c = cxl();
-    c.set_spare_target(4);
+    c.spare_target = 4;
     take_region(&mut c, 1, 128);
     let mut kept = pages(1, 0..3);
     kept.push(page(9, 0));
@@ -119,7 +116,7 @@ fn spare_pages_serve_the_next_stores_first_and_only_pages_of_own_regions_are_kep
 #[test]
 fn spare_pages_beyond_twice_the_target_go_back_to_maru_server() {
     let mut c = cxl();
-    c.set_spare_target(2);
+    c.spare_target = 2;
     take_region(&mut c, 1, 128);
     let freed = c.keep_spare(pages(1, 0..7)).extra;
     assert_eq!(freed, pages(1, 4..7), "at most 2 x 2 kept, the rest freed");
@@ -129,7 +126,7 @@ fn spare_pages_beyond_twice_the_target_go_back_to_maru_server() {
 #[test]
 fn a_region_asked_back_with_no_store_writing_into_it_goes_back_at_once() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region(&mut c, 2, 128);
     c.keep_spare(pages(1, 0..3));
@@ -158,7 +155,7 @@ fn a_region_asked_back_with_no_store_writing_into_it_goes_back_at_once() {
 #[test]
 fn a_region_asked_back_while_written_into_takes_no_new_stores_pages() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region(&mut c, 2, 128);
     let first = c.mark_writing(vec![page(1, 0)]);
@@ -195,7 +192,7 @@ fn a_region_asked_back_while_written_into_takes_no_new_stores_pages() {
 #[test]
 fn an_ask_on_a_stores_reply_is_acted_on_at_once() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region(&mut c, 2, 128);
     take_region(&mut c, 3, 128);
@@ -228,7 +225,7 @@ fn the_last_writer_into_a_closing_region_gives_it_back() {
 #[test]
 fn growth_stops_at_max_bytes_counting_the_regions_being_taken() {
     let mut c = cxl();
-    c.set_max_regions(Some(2));
+    c.max_regions = Some(2);
     take_region(&mut c, 1, 128);
     c.grow_begin(0).expect("one more");
     assert!(
@@ -268,7 +265,7 @@ fn an_eviction_that_found_nothing_lifts_the_back_off() {
 #[test]
 fn the_next_region_is_taken_ahead_once_stores_reach_the_second_half_once_per_region() {
     let mut c = cxl();
-    c.set_wants_lead(true);
+    c.wants_lead = true;
     take_region(&mut c, 1, 128);
     assert!(!c.lead_due(&pages(1, 0..63)), "the first half");
     assert!(c.lead_due(&[page(1, 64)]));
@@ -421,7 +418,7 @@ fn a_region_lost_and_taken_again_is_another_adoption() {
 #[test]
 fn only_chunks_whose_bytes_are_complete_are_published_the_others_pages_serve_again() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(pages(1, 0..4));
     let plan = go(c.publish_begin(&taken.pages, &[true, false, true, false], &taken, 0));
@@ -582,7 +579,7 @@ fn a_silent_agents_regions_go_back_once_no_publish_into_them_is_in_flight() {
 #[test]
 fn a_key_another_engine_published_first_frees_its_page_for_later_stores() {
     let mut c = cxl();
-    c.set_spare_target(4);
+    c.spare_target = 4;
     take_region(&mut c, 1, 128);
     let taken = c.mark_writing(pages(1, 0..2));
     let plan = go(c.publish_begin(&taken.pages, &[true, true], &taken, 0));
@@ -639,7 +636,7 @@ fn a_heartbeat_sends_the_boot_ids_and_the_regions_without_one() {
 #[test]
 fn a_region_maru_server_no_longer_counts_is_lost_with_its_spare_pages() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     c.keep_spare(pages(1, 0..3));
     assert_eq!(c.lose(1), 3, "its spare pages dropped");
@@ -657,7 +654,7 @@ fn skips_are_counted_per_reason_and_max_bytes_is_told_apart() {
     use crate::worker::skips::SkipReason;
     let mut c = cxl();
     assert_eq!(c.no_room_reason(), SkipReason::NoRegion, "no region yet");
-    c.set_max_regions(Some(1));
+    c.max_regions = Some(1);
     take_region(&mut c, 1, 4);
     assert_eq!(c.no_room_reason(), SkipReason::MaxBytes);
     assert!(c.skipped(SkipReason::MaxBytes, 3, 0, "pool p").is_some());
@@ -685,7 +682,7 @@ fn pages_taken_in_place_are_at_most_half_the_share() {
     c.in_place_moved(100, true);
     assert_eq!(c.in_place_room(Some(4), 64), 28, "what is held counts");
     c.in_place_moved(100, false);
-    c.set_max_regions(Some(2));
+    c.max_regions = Some(2);
     assert_eq!(c.in_place_room(Some(4), 64), 64, "within max_bytes");
     assert_eq!(c.in_place_room(Some(1), 1), 1, "at least one page");
 }
@@ -828,7 +825,7 @@ fn loads_miss_at_once_only_while_every_agent_the_pool_knows_is_away() {
 fn a_stores_pages_come_with_the_write_targets_of_ready_agents_only() {
     const OTHER: &str = "10.0.0.2:9860";
     let mut c = remote();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region_at(&mut c, 2, 128, OTHER);
     c.keep_spare(vec![page(1, 0), page(2, 0), page(1, 1), page(2, 1)]);
@@ -893,7 +890,7 @@ fn the_cell_notes_every_agent_away_when_its_lock_is_let_go() {
 #[test]
 fn a_store_end_keeps_its_unused_pages_before_its_regions_stop_being_written() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region(&mut c, 2, 128);
     c.mark_writing(vec![page(1, 0), page(1, 1), page(2, 0), page(2, 1)]);
@@ -925,7 +922,7 @@ fn a_store_end_keeps_its_unused_pages_before_its_regions_stop_being_written() {
 #[test]
 fn a_store_end_hears_its_publish_and_the_asks_on_its_replies_before_keeping_pages() {
     let mut c = cxl();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region(&mut c, 2, 128);
     let taken = c.mark_writing(vec![page(1, 0), page(1, 1), page(2, 0)]);
@@ -971,7 +968,7 @@ fn a_store_end_hears_its_publish_and_the_asks_on_its_replies_before_keeping_page
 fn a_store_begins_with_its_spare_pages_or_skips_when_every_region_is_away() {
     const OTHER: &str = "10.0.0.2:9860";
     let mut c = remote();
-    c.set_spare_target(8);
+    c.spare_target = 8;
     take_region(&mut c, 1, 128);
     take_region_at(&mut c, 2, 128, OTHER);
     assert_eq!(

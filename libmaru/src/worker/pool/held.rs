@@ -33,13 +33,13 @@ pub struct CallGuard<'a> {
 }
 
 /// Why a report was not sent.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum NoReport {
-    /// Another report is being made.
+    #[error("another report is being made")]
     Busy,
-    /// Calls in flight did not end by the deadline.
+    #[error("calls in flight did not end by the call timeout")]
     Timeout,
-    /// More pages are held than a report may name.
+    #[error("{0} pages held, more than a report names ({max}); those a restarted maru-server found allocated without a key stay the session's until their region goes", max = MAX_HELD_PAGES)]
     TooMany(usize),
 }
 
@@ -51,20 +51,14 @@ impl HeldPages {
     /// Starts a call that changes what is held: waits (at most until `by`) while a
     /// report is being made. `what`: the call and its server, for the error.
     pub fn enter(&self, by: Deadline, what: &str) -> Result<CallGuard<'_>, WorkerError> {
-        let mut s = self.lock();
-        while s.reporting {
-            let left = by.left();
-            if left.is_zero() {
-                return Err(WorkerError::Timeout(format!(
-                    "{what}: waited until the request's deadline for the report of the pages \
-                     this session holds to a restarted maru-server"
-                )));
-            }
-            s = self
-                .changed
-                .wait_timeout(s, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+        let (mut s, _) = (self.changed)
+            .wait_timeout_while(self.lock(), by.left(), |s| s.reporting)
+            .unwrap_or_else(|e| e.into_inner());
+        if s.reporting {
+            return Err(WorkerError::Timeout(format!(
+                "{what}: waited until the request's deadline for the report of the pages \
+                 this session holds to a restarted maru-server"
+            )));
         }
         s.calls += 1;
         Ok(CallGuard { held: self })
@@ -104,26 +98,19 @@ impl HeldPages {
                 return Err(NoReport::TooMany(s.pages.len()));
             }
             s.reporting = true;
-            while s.calls > 0 {
-                let left = by.left();
-                if left.is_zero() {
-                    s.reporting = false;
-                    drop(s);
-                    self.changed.notify_all();
-                    return Err(NoReport::Timeout);
-                }
-                s = self
-                    .changed
-                    .wait_timeout(s, left)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|e| e.into_inner().0);
-            }
-            if s.pages.len() > MAX_HELD_PAGES {
+            let (mut s, _) = (self.changed)
+                .wait_timeout_while(s, by.left(), |s| s.calls > 0)
+                .unwrap_or_else(|e| e.into_inner());
+            let why = match (s.calls, s.pages.len()) {
+                (0, n) if n <= MAX_HELD_PAGES => None,
+                (0, n) => Some(NoReport::TooMany(n)),
+                _ => Some(NoReport::Timeout),
+            };
+            if let Some(why) = why {
                 s.reporting = false;
-                let n = s.pages.len();
                 drop(s);
                 self.changed.notify_all();
-                return Err(NoReport::TooMany(n));
+                return Err(why);
             }
             s.pages
                 .iter()

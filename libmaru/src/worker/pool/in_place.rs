@@ -4,7 +4,7 @@
 //! most half its session's fair share taken.
 
 use super::core::{Ending, Taken, Token};
-use super::session::EntryRef;
+use super::wire::EntryRef;
 use super::StoragePool;
 use crate::dax::Mapping;
 use crate::wire::meta::PageGrant;
@@ -198,44 +198,20 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
         let pages: Vec<PageGrant> = writes.iter().map(|w| w.page.page).collect();
-        if let Some(hook) = &self.hooks.before_publish {
-            hook(self, &pages);
-        }
         let taken = Taken::of(writes.iter().map(|w| (w.page.page, w.page.token.clone())));
+        let entry = |k: usize, before: Option<usize>| {
+            let w = &writes[k];
+            EntryRef {
+                key: &w.key,
+                region_id: w.page.page.region_id,
+                offset: w.page.page.offset,
+                length: w.len as u64,
+                prev: before.map(|p| writes[p].key.as_str()),
+            }
+        };
+        let ok = vec![true; writes.len()];
         let mut result = vec![false; writes.len()];
-        let plan = self.recheck(&pages, &vec![true; writes.len()], &taken, by)?;
-        if plan.lost > 0 {
-            log::warn!(
-                "pool {}: {} chunk(s) written in place not published: their region was lost (or taken again) meanwhile",
-                self.session.url,
-                plan.lost
-            );
-        }
-        // Pages of regions no longer the pool's are dropped with them.
-        end.unused.extend(plan.unused);
-        if plan.publish.is_empty() {
-            return Ok(result);
-        }
-        let entries: Vec<EntryRef<'_>> = plan
-            .publish
-            .iter()
-            .enumerate()
-            .map(|(j, &k)| {
-                let w = &writes[k];
-                EntryRef {
-                    key: &w.key,
-                    region_id: w.page.page.region_id,
-                    offset: w.page.page.offset,
-                    length: w.len as u64,
-                    prev: j
-                        .checked_sub(1)
-                        .map(|p| writes[plan.publish[p]].key.as_str()),
-                }
-            })
-            .collect();
-        // Not answered: the keys may be published, so their pages stay out of use.
-        self.send_publish(plan.ticket, &entries, end, by)?;
-        for &k in &plan.publish {
+        for k in self.publish(&pages, &ok, &taken, &entry, end, by)? {
             result[k] = true;
         }
         Ok(result)

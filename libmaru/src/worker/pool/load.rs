@@ -21,14 +21,12 @@ impl StoragePool {
         mut keep: Option<&mut Vec<u64>>,
     ) -> Result<(), WorkerError> {
         let by = self.deadline();
-        let mut base = 0;
-        while base < keys.len() {
-            let end = (base + self.max_batch).min(keys.len());
-            let keep = keep.as_deref_mut();
+        for (c, part) in keys.chunks(self.max_batch).enumerate() {
+            let base = c * self.max_batch;
             self.load_some(
-                &keys[base..end],
+                part,
                 by,
-                keep,
+                keep.as_deref_mut(),
                 &mut |lease_ix, grants, p, by| {
                     // `cxl`: from its views, no lock held while `sink` runs; `remote_cxl`:
                     // window by window, by `by`.
@@ -42,7 +40,6 @@ impl StoragePool {
                     (hits, bytes)
                 },
             )?;
-            base = end;
         }
         Ok(())
     }
@@ -57,39 +54,33 @@ impl StoragePool {
     ) -> Result<Vec<Option<usize>>, WorkerError> {
         let by = self.deadline();
         let mut out = vec![None; keys.len()];
-        let mut base = 0;
-        while base < keys.len() {
-            let end = (base + self.max_batch).min(keys.len());
-            let part = &mut slots[base..end];
-            let got = &mut out[base..end];
-            self.load_some(
-                &keys[base..end],
-                by,
-                None,
-                &mut |lease_ix, grants, p, by| {
-                    let mut ls = Vec::with_capacity(grants.len());
-                    let mut gs = Vec::with_capacity(grants.len());
-                    let mut ix = Vec::with_capacity(grants.len());
-                    for (k, &i) in lease_ix.iter().enumerate() {
-                        if let Some(s) = part[i].take() {
-                            ls.push(s);
-                            gs.push(grants[k].clone());
-                            ix.push(i);
-                        }
+        let batches = keys.chunks(self.max_batch);
+        let parts = slots
+            .chunks_mut(self.max_batch)
+            .zip(out.chunks_mut(self.max_batch));
+        for (keys, (part, got)) in batches.zip(parts) {
+            self.load_some(keys, by, None, &mut |lease_ix, grants, p, by| {
+                let mut ls = Vec::with_capacity(grants.len());
+                let mut gs = Vec::with_capacity(grants.len());
+                let mut ix = Vec::with_capacity(grants.len());
+                for (k, &i) in lease_ix.iter().enumerate() {
+                    if let Some(s) = part[i].take() {
+                        ls.push(s);
+                        gs.push(grants[k].clone());
+                        ix.push(i);
                     }
-                    let (mut hits, mut bytes) = (0, 0);
-                    for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.mover.read_into(&gs, ls, by)) {
-                        if o.ok {
-                            got[i] = Some(g.length as usize);
-                            hits += 1;
-                            bytes += g.length;
-                        }
-                        part[i] = o.slot;
+                }
+                let (mut hits, mut bytes) = (0, 0);
+                for ((i, g), o) in ix.into_iter().zip(&gs).zip(p.mover.read_into(&gs, ls, by)) {
+                    if o.ok {
+                        got[i] = Some(g.length as usize);
+                        hits += 1;
+                        bytes += g.length;
                     }
-                    (hits, bytes)
-                },
-            )?;
-            base = end;
+                    part[i] = o.slot;
+                }
+                (hits, bytes)
+            })?;
         }
         Ok(out)
     }
@@ -135,14 +126,9 @@ impl StoragePool {
                 .filter(|(_, &a)| !a)
                 .map(|((&i, g), _)| (i, g.clone()))
                 .unzip();
-            log::debug!(
-                "pool {}: {away_n} chunk(s) missed: their agent is away",
-                self.session.url
-            );
-            match readable.is_empty() {
-                true => (0, 0),
-                false => read(&ix, &readable, self, by),
-            }
+            let url = &self.session.url;
+            log::debug!("pool {url}: {away_n} chunk(s) missed: their agent is away");
+            read(&ix, &readable, self, by)
         };
         // What the read left, under one lock: hits, failures and why, misses, and
         // whether it found a reboot to report.

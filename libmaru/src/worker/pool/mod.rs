@@ -1,6 +1,7 @@
 //! One pool (one maru-server) of a handler: its session, its mover and its core.
 //! `core` is the state and rules (sans-I/O); `store`, `load` and `in_place` drive
-//! them; `session` calls maru-server. Here: the pool, its heartbeat and tick, and the
+//! them; `session` calls maru-server (`wire`: its hot calls' encodings); `stats`
+//! is what a pool counts. Here: the pool, its heartbeat and tick, and the
 //! calls on keys. Its one lock is the core's ([`core::CoreCell`]), never held across
 //! a copy, a transfer, a round trip, a connect or a fence.
 pub(crate) mod core;
@@ -11,9 +12,10 @@ mod in_place;
 mod load;
 pub(crate) mod peers;
 pub mod session;
+mod stats;
 mod store;
+mod wire;
 
-pub use self::core::PoolStats;
 use self::core::{BeatCheck, CoreCell, Gone, PoolCore};
 use super::clock::Deadline;
 use super::error::WorkerError;
@@ -22,6 +24,7 @@ use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
 use peers::WriteTargets;
 use session::Session;
+pub use stats::PoolStats;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -111,12 +114,8 @@ impl StoragePool {
     pub fn open(session: Session, mover: Box<dyn Mover>) -> Result<StoragePool, WorkerError> {
         let core = mover
             .core()
-            .unwrap_or_else(|| Arc::new(CoreCell::new(PoolCore::new(session.page_size, None))));
-        {
-            let mut c = core.lock();
-            c.set_page_size(session.page_size);
-            c.set_wants_lead(mover.wants_lead());
-        }
+            .unwrap_or_else(|| Arc::new(CoreCell::new(PoolCore::new(None))));
+        core.lock().wants_lead = mover.wants_lead();
         let max_batch = session.handshake.max_batch.max(1);
         let pool = StoragePool {
             session,
@@ -167,7 +166,7 @@ impl StoragePool {
 
     /// Keeps up to about `n` allocated pages for the next stores (`SPARE_PAGES`).
     pub fn with_spare_pages(self, n: usize) -> StoragePool {
-        self.core.lock().set_spare_target(n);
+        self.core.lock().spare_target = n;
         self
     }
 
@@ -176,7 +175,7 @@ impl StoragePool {
     pub fn with_max_bytes(self, max_bytes: u64) -> StoragePool {
         let region = self.session.handshake.region_size.max(1);
         let max = (max_bytes > 0).then(|| (max_bytes / region).max(1));
-        self.core.lock().set_max_regions(max);
+        self.core.lock().max_regions = max;
         self
     }
 
@@ -378,7 +377,7 @@ impl StoragePool {
                 self.session.url
             );
         }
-        let spare = self.core.lock().drain_spare();
+        let spare = self.core.lock().take_spare(usize::MAX);
         if let Err(e) = self.session.free_pages(&spare, by) {
             log::warn!(
                 "pool {}: cannot return {} spare pages before closing: {e}",

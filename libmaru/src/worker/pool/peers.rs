@@ -52,7 +52,7 @@ impl RemoteState {
             agents: HashMap::new(),
             own: HashMap::new(),
             reads: HashMap::new(),
-            life: Lifecycle::new(),
+            life: Lifecycle::default(),
             reboots: 0,
             read_error: None,
             to_fence: Vec::new(),

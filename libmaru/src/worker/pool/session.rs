@@ -3,6 +3,9 @@
 //! the session's secret, binding it to the same principal).
 
 use super::held::{HeldPages, NoReport};
+use super::wire::{
+    EntryRef, ExistsOk, KeysCall, KindOnly, LeasesOk, PagesOk, PublishedOk, ReplyKind,
+};
 use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
     Backend, HandshakeReply, HeartbeatReply, HeldLease, KeyInfo, LeaseGrant, MetaReply,
@@ -13,7 +16,7 @@ use crate::wire::ErrorCode;
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::op_stats::{contacted, Contact};
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use serde::{de::DeserializeOwned, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -156,28 +159,6 @@ impl Session {
         }
     }
 
-    /// A link of its own for one call: an idle one, a new one (up to `MAX_LINKS`),
-    /// or else the next one given back.
-    /// Waits at most until `by` for a link given back.
-    fn take_link(&self, by: Deadline) -> Result<Link, WorkerError> {
-        let made = take_lent(&self.links, &self.freed, by, |opts| {
-            Link::new(self.url.clone(), opts.clone())
-        })?;
-        made.ok_or_else(|| {
-            WorkerError::unavailable(
-                Peer::Server(self.url.clone()),
-                format!(
-                    "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
-                    self.url
-                ),
-            )
-        })
-    }
-
-    fn give_link(&self, link: Link) {
-        give_lent(&self.links, &self.freed, link);
-    }
-
     /// The session's own call timeout from now (calls made outside a request).
     pub fn call_deadline(&self) -> Deadline {
         let limit = self
@@ -191,23 +172,29 @@ impl Session {
     /// A call made for a request: waiting for a free link, connecting, the request
     /// and its reply all end by the request's deadline `by` (`timeout_ms` from its
     /// start), so a stalled maru-server costs a request about its timeout, however
-    /// many calls it makes.
-    fn call(&self, req: &MetaRequest, by: Deadline) -> Result<MetaReply, WorkerError> {
-        self.call_as(req, by)
-    }
-
-    /// As [`call`](Self::call), the request any encoding of a `MetaRequest` (one that
-    /// borrows its keys: [`KeysCall`]) and the reply decoded as `Rep` (a concrete
-    /// struct of one kind: see [`ExistsOk`]).
-    fn call_as<Req: Serialize, Rep: DeserializeOwned>(
+    /// many calls it makes. `req`: any encoding of a `MetaRequest` (one that borrows
+    /// its keys: [`KeysCall`]); the reply decoded as `Rep` (`MetaReply`, or a struct
+    /// of one kind: see [`ExistsOk`]).
+    fn call<Req: Serialize, Rep: DeserializeOwned>(
         &self,
         req: &Req,
         by: Deadline,
     ) -> Result<Rep, WorkerError> {
-        let mut link = self.take_link(by)?;
+        let lent = take_lent(&self.links, &self.freed, by, |opts| {
+            Link::new(self.url.clone(), opts.clone())
+        })?;
+        let mut link = lent.ok_or_else(|| {
+            WorkerError::unavailable(
+                Peer::Server(self.url.clone()),
+                format!(
+                    "no connection to maru-server at {} came free by the request's deadline ({MAX_LINKS} busy)",
+                    self.url
+                ),
+            )
+        })?;
         let left = by.left();
         if left.is_zero() {
-            self.give_link(link);
+            give_lent(&self.links, &self.freed, link);
             return Err(WorkerError::unavailable(
                 Peer::Server(self.url.clone()),
                 format!(
@@ -218,7 +205,7 @@ impl Session {
         }
         contacted(Contact::Server);
         let r = link.call_within::<_, Rep>(req, left);
-        self.give_link(link);
+        give_lent(&self.links, &self.freed, link);
         let was_away = self.away();
         if let Err(LinkError::Unreachable(e)) = &r {
             self.unanswered_ms.store(now_ms().max(1), Ordering::Relaxed);
@@ -235,7 +222,7 @@ impl Session {
                 log::warn!("maru-server at {} answers again", self.url);
             }
         }
-        r.map_err(|e| self.error_of(e))
+        r.map_err(|e| session_error(&self.url, self.id, e))
     }
 
     /// Whether maru-server is away: a call ran into its deadline after its last
@@ -291,14 +278,8 @@ impl Session {
         std::mem::take(&mut *a)
     }
 
-    /// The error of a call: maru-server's `no_session` (the session is not open
-    /// there any more) is [`WorkerError::SessionLost`].
-    fn error_of(&self, e: LinkError) -> WorkerError {
-        session_error(&self.url, self.id, e)
-    }
-
     pub fn expand(&self, by: Deadline) -> Result<RegionGrant, WorkerError> {
-        match self.call(&MetaRequest::Expand { session: self.id }, by)? {
+        match self.call::<_, MetaReply>(&MetaRequest::Expand { session: self.id }, by)? {
             MetaReply::Region(g) => Ok(g),
             r => Err(unexpected("expand", r)),
         }
@@ -314,7 +295,7 @@ impl Session {
         let guard = self
             .unkeyed
             .enter(by, &format!("alloc at maru-server {}", self.url))?;
-        let p: PagesOk = self.call_as(
+        let p: PagesOk = self.call(
             &MetaRequest::Alloc {
                 session: self.id,
                 count,
@@ -347,7 +328,7 @@ impl Session {
                 page: p.page,
             })
             .collect();
-        let r: KindOnly = self.call_as(
+        let r: KindOnly = self.call(
             &MetaRequest::FreePages {
                 session: self.id,
                 pages,
@@ -385,7 +366,7 @@ impl Session {
             entries,
         };
         let r = self
-            .call_as::<_, PublishedOk>(&req, by)
+            .call::<_, PublishedOk>(&req, by)
             .and_then(|p| p.kind.expect(ReplyKind::Published, "publish").map(|()| p));
         match r {
             Ok(PublishedOk {
@@ -414,7 +395,7 @@ impl Session {
 
     /// Whether each key is published (`keys`: `String`s or `&str`s, sent as they are).
     pub fn exists<K: Serialize>(&self, keys: &[K], by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        let r: ExistsOk = self.call_as(
+        let r: ExistsOk = self.call(
             &KeysCall::Exists {
                 session: self.id,
                 keys,
@@ -430,7 +411,7 @@ impl Session {
         keys: &[K],
         by: Deadline,
     ) -> Result<Vec<Option<LeaseGrant>>, WorkerError> {
-        let r: LeasesOk = self.call_as(
+        let r: LeasesOk = self.call(
             &KeysCall::Acquire {
                 session: self.id,
                 keys,
@@ -451,7 +432,7 @@ impl Session {
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
     pub fn remove(&self, keys: &[String], by: Deadline) -> Result<Vec<RemoveResult>, WorkerError> {
-        match self.call(
+        match self.call::<_, MetaReply>(
             &MetaRequest::Remove {
                 session: self.id,
                 keys: keys.to_vec(),
@@ -465,7 +446,7 @@ impl Session {
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
     pub fn victims(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
-        match self.call(
+        match self.call::<_, MetaReply>(
             &MetaRequest::Victims {
                 session: self.id,
                 max,
@@ -485,7 +466,7 @@ impl Session {
             true => MetaRequest::Pin { session, keys },
             false => MetaRequest::Unpin { session, keys },
         };
-        match (pin, self.call(&req, by)?) {
+        match (pin, self.call::<_, MetaReply>(&req, by)?) {
             (true, MetaReply::Pinned { pinned: done })
             | (false, MetaReply::Unpinned { unpinned: done }) => Ok(done),
             (_, r) => Err(unexpected(if pin { "pin" } else { "unpin" }, r)),
@@ -501,7 +482,7 @@ impl Session {
                 h.remove(id);
             }
         }
-        let r: KindOnly = self.call_as(
+        let r: KindOnly = self.call(
             &MetaRequest::ReleaseLeases {
                 session: self.id,
                 lease_ids: ids,
@@ -520,7 +501,7 @@ impl Session {
         released: bool,
         by: Deadline,
     ) -> Result<(), WorkerError> {
-        match self.call(
+        match self.call::<_, MetaReply>(
             &MetaRequest::ReturnRegion {
                 session: self.id,
                 region_id,
@@ -562,7 +543,7 @@ impl Session {
                     .collect()
             })
         });
-        let r = self.call(
+        let r = self.call::<_, MetaReply>(
             &MetaRequest::Heartbeat {
                 session: self.id,
                 boot_ids,
@@ -587,9 +568,13 @@ impl Session {
             Err(e @ WorkerError::Unavailable { .. }) => {
                 let silent = now_ms().saturating_sub(self.answered_ms.load(Ordering::Relaxed));
                 if silent >= self.session_timeout_ms {
-                    Err(self.lost(format!(
-                        "no answer for {silent} ms, longer than the session timeout ({e})"
-                    )))
+                    Err(WorkerError::SessionLost {
+                        url: self.url.clone(),
+                        session: self.id,
+                        reason: format!(
+                            "no answer for {silent} ms, longer than the session timeout ({e})"
+                        ),
+                    })
                 } else {
                     Err(e)
                 }
@@ -603,7 +588,7 @@ impl Session {
     fn report_held(&self, by: Deadline) {
         let r = self.unkeyed.report(by, |pages| {
             let n = pages.len();
-            let r = self.call(
+            let r = self.call::<_, MetaReply>(
                 &MetaRequest::Heartbeat {
                     session: self.id,
                     boot_ids: BTreeMap::new(),
@@ -616,42 +601,28 @@ impl Session {
             );
             (n, r)
         });
-        match r {
-            Ok((n, Ok(_))) => log::info!(
-                "pool {}: told the restarted maru-server the {n} page(s) session {} holds without a key; it frees the others it found allocated without one",
-                self.url,
-                self.id
-            ),
-            Ok((_, Err(e))) => log::warn!(
-                "pool {}: the report of the pages session {} holds to the restarted maru-server failed ({e}); sent again when it asks again",
-                self.url,
-                self.id
-            ),
-            Err(NoReport::Busy) => {}
-            Err(NoReport::Timeout) => log::warn!(
-                "pool {}: the report of the pages session {} holds waited past the call timeout for calls in flight; sent again when maru-server asks again",
-                self.url,
-                self.id
-            ),
-            Err(NoReport::TooMany(n)) => log::warn!(
-                "pool {}: session {} holds {n} pages without a key, more than a report names ({}): not reported; the pages a restarted maru-server found allocated without a key stay the session's until their region goes",
-                self.url,
-                self.id,
-                crate::wire::meta::MAX_HELD_PAGES
-            ),
-        }
-    }
-
-    fn lost(&self, reason: String) -> WorkerError {
-        WorkerError::SessionLost {
-            url: self.url.clone(),
-            session: self.id,
-            reason,
-        }
+        let why = match r {
+            Ok((n, Ok(_))) => {
+                log::info!(
+                    "pool {}: told the restarted maru-server the {n} page(s) session {} holds without a key; it frees the others it found allocated without one",
+                    self.url,
+                    self.id
+                );
+                return;
+            }
+            Err(NoReport::Busy) => return,
+            Ok((_, Err(e))) => format!("its heartbeat failed: {e}"),
+            Err(e) => e.to_string(),
+        };
+        log::warn!(
+            "pool {}: the pages session {} holds without a key were not reported to the restarted maru-server ({why}); reported when it asks again",
+            self.url,
+            self.id
+        );
     }
 
     pub fn close(&self, by: Deadline) -> Result<(), WorkerError> {
-        self.call(
+        self.call::<_, MetaReply>(
             &MetaRequest::Close {
                 session: self.id,
                 drained: true,
@@ -689,24 +660,24 @@ fn take_lent<L>(
     make: impl FnOnce(&ClientOptions) -> L,
 ) -> Result<Option<L>, WorkerError> {
     let closed = || WorkerError::Closed;
+    let busy = |l: &mut Links<L>| l.idle.is_empty() && l.open >= MAX_LINKS;
     let mut l = links.lock().map_err(|_| closed())?;
-    loop {
-        if let Some(link) = l.idle.pop() {
-            return Ok(Some(link));
-        }
-        if l.open < MAX_LINKS {
-            l.open += 1;
-            return Ok(Some(make(&l.opts)));
-        }
-        let left = by.left();
-        if left.is_zero() {
-            return Ok(None);
-        }
+    if busy(&mut l) {
         l.waiting += 1;
-        let r = freed.wait_timeout(l, left);
-        l = r.map_err(|_| closed())?.0;
+        l = freed
+            .wait_timeout_while(l, by.left(), busy)
+            .map_err(|_| closed())?
+            .0;
         l.waiting -= 1;
     }
+    if let Some(link) = l.idle.pop() {
+        return Ok(Some(link));
+    }
+    if l.open < MAX_LINKS {
+        l.open += 1;
+        return Ok(Some(make(&l.opts)));
+    }
+    Ok(None)
 }
 
 /// Gives a link back to `links`, waking a call that waits for one (only then: std's
@@ -723,136 +694,6 @@ fn give_lent<L>(links: &Mutex<Links<L>>, freed: &Condvar, link: L) {
     if wake {
         freed.notify_one();
     }
-}
-
-/// The requests of the hot calls as the client sends them, borrowing their keys and
-/// entries: the JSON of `MetaRequest`'s variants of the same names (test
-/// `borrowed_requests_encode_as_the_owned_ones`), with no `String` made per key.
-#[derive(Serialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-enum KeysCall<'a, K: Serialize> {
-    Publish {
-        session: u64,
-        entries: &'a [EntryRef<'a>],
-    },
-    Exists {
-        session: u64,
-        keys: &'a [K],
-    },
-    Acquire {
-        session: u64,
-        keys: &'a [K],
-    },
-}
-
-/// A [`PublishEntry`] that borrows its keys (the same JSON).
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct EntryRef<'a> {
-    pub key: &'a str,
-    pub region_id: u64,
-    pub offset: u64,
-    pub length: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prev: Option<&'a str>,
-}
-
-impl EntryRef<'_> {
-    /// `e` as a publish sends it.
-    pub fn of(e: &PublishEntry) -> EntryRef<'_> {
-        EntryRef {
-            key: &e.key,
-            region_id: e.region_id,
-            offset: e.offset,
-            length: e.length,
-            prev: e.prev.as_deref(),
-        }
-    }
-}
-
-/// `MetaReply`'s `kind` tag. The hot calls decode their reply into a struct of their
-/// own kind's fields and this tag (`ExistsOk`, ...), read in one pass: a
-/// `MetaReply`, internally tagged, is first buffered whole by serde (every key,
-/// value and string of it copied into its `Content`) and then decoded from that.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum ReplyKind {
-    Handshake,
-    Session,
-    Region,
-    Pages,
-    PagesFreed,
-    Published,
-    Exists,
-    Leases,
-    LeasesReleased,
-    Victims,
-    Removed,
-    Pinned,
-    Unpinned,
-    Returned,
-    Heartbeat,
-    Closed,
-    Stats,
-    Usage,
-}
-
-impl ReplyKind {
-    /// Ok when this is the kind `want` that `what` is answered with.
-    fn expect(self, want: ReplyKind, what: &str) -> Result<(), WorkerError> {
-        if self == want {
-            Ok(())
-        } else {
-            Err(WorkerError::Transport(format!(
-                "maru-server answered {what} with a {self:?} reply"
-            )))
-        }
-    }
-}
-
-/// A reply read for its kind only (the rest skipped unbuffered).
-#[derive(Deserialize)]
-struct KindOnly {
-    kind: ReplyKind,
-}
-
-/// `MetaReply::Exists`.
-#[derive(Deserialize)]
-struct ExistsOk {
-    kind: ReplyKind,
-    #[serde(default)]
-    found: Vec<bool>,
-}
-
-/// `MetaReply::Leases`.
-#[derive(Deserialize)]
-struct LeasesOk {
-    kind: ReplyKind,
-    #[serde(default)]
-    leases: Vec<Option<LeaseGrant>>,
-}
-
-/// `MetaReply::Published`.
-#[derive(Deserialize)]
-struct PublishedOk {
-    kind: ReplyKind,
-    #[serde(default)]
-    is_new: Vec<bool>,
-    #[serde(default)]
-    give_back: Vec<u64>,
-}
-
-/// `MetaReply::Pages` (`PagesReply`'s fields).
-#[derive(Deserialize)]
-struct PagesOk {
-    kind: ReplyKind,
-    #[serde(default)]
-    pages: Vec<PageGrant>,
-    #[serde(default)]
-    missing: u32,
-    #[serde(default)]
-    give_back: Vec<u64>,
-    #[serde(default)]
-    share_regions: Option<u64>,
 }
 
 /// The error of a call of session `session` at maru-server `url`: its `no_session`
@@ -873,9 +714,6 @@ fn session_error(url: &str, session: u64, e: LinkError) -> WorkerError {
 mod tests {
     use super::*;
     use crate::wire::WireError;
-
-    use crate::wire::meta::{DeviceRange, PagesReply};
-    use crate::wire::{decode_json, encode_json};
 
     #[test]
     fn a_link_given_back_wakes_a_call_waiting_for_one() {
@@ -927,138 +765,6 @@ mod tests {
         });
         assert_eq!(links.lock().unwrap().waiting, 0);
         assert_eq!(made, MAX_LINKS);
-    }
-
-    #[test]
-    fn borrowed_requests_encode_as_the_owned_ones() {
-        let keys = ["a", "b\"c", "ü"];
-        let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        let same = |borrowed: &KeysCall<'_, &str>, owned: MetaRequest| {
-            let b = encode_json(borrowed);
-            assert_eq!(b, encode_json(&owned));
-            // And maru-server reads it as the owned request.
-            assert_eq!(decode_json::<MetaRequest>(&b).unwrap(), owned);
-        };
-        same(
-            &KeysCall::Exists {
-                session: 3,
-                keys: &keys,
-            },
-            MetaRequest::Exists {
-                session: 3,
-                keys: owned.clone(),
-            },
-        );
-        same(
-            &KeysCall::Acquire {
-                session: 3,
-                keys: &keys,
-            },
-            MetaRequest::Acquire {
-                session: 3,
-                keys: owned.clone(),
-            },
-        );
-        let entries = vec![
-            PublishEntry {
-                key: "a".into(),
-                region_id: 1,
-                offset: 1 << 21,
-                length: 9,
-                prev: None,
-            },
-            PublishEntry {
-                key: "b".into(),
-                region_id: u64::MAX,
-                offset: 0,
-                length: 1,
-                prev: Some("a".into()),
-            },
-        ];
-        let refs: Vec<EntryRef<'_>> = entries.iter().map(EntryRef::of).collect();
-        same(
-            &KeysCall::Publish {
-                session: 4,
-                entries: &refs,
-            },
-            MetaRequest::Publish {
-                session: 4,
-                entries: entries.clone(),
-            },
-        );
-    }
-
-    #[test]
-    fn concrete_replies_read_what_maru_server_sends() {
-        let lease = LeaseGrant {
-            lease_id: 7,
-            region_id: 2,
-            offset: 1 << 18,
-            length: 100,
-            read_token: "t".into(),
-            agent: None,
-            device: Some(DeviceRange {
-                uuid: "u".into(),
-                path: "/dev/dax0.0".into(),
-                region_offset: 0,
-                region_length: 1 << 30,
-            }),
-            expires_in_ms: 5,
-            boot_id: None,
-        };
-        let leases = vec![Some(lease), None];
-        let r: LeasesOk = decode_json(&encode_json(&MetaReply::Leases {
-            leases: leases.clone(),
-        }))
-        .unwrap();
-        assert_eq!((r.kind, r.leases), (ReplyKind::Leases, leases));
-        let r: ExistsOk = decode_json(&encode_json(&MetaReply::Exists {
-            found: vec![true, false],
-        }))
-        .unwrap();
-        assert_eq!((r.kind, r.found), (ReplyKind::Exists, vec![true, false]));
-        let r: PublishedOk = decode_json(&encode_json(&MetaReply::Published {
-            is_new: vec![false, true],
-            give_back: vec![9],
-        }))
-        .unwrap();
-        assert_eq!(
-            (r.kind, r.is_new, r.give_back),
-            (ReplyKind::Published, vec![false, true], vec![9])
-        );
-        let pages = PagesReply {
-            pages: vec![PageGrant {
-                region_id: 1,
-                page: 2,
-                offset: 2 << 18,
-                length: 1 << 18,
-            }],
-            missing: 3,
-            give_back: vec![4],
-            share_regions: Some(5),
-        };
-        let r: PagesOk = decode_json(&encode_json(&MetaReply::Pages(pages.clone()))).unwrap();
-        assert_eq!(r.kind, ReplyKind::Pages);
-        assert_eq!(
-            PagesReply {
-                pages: r.pages,
-                missing: r.missing,
-                give_back: r.give_back,
-                share_regions: r.share_regions
-            },
-            pages
-        );
-        let r: KindOnly = decode_json(&encode_json(&MetaReply::LeasesReleased {
-            released: vec![true],
-        }))
-        .unwrap();
-        assert_eq!(r.kind, ReplyKind::LeasesReleased);
-        // A reply of another kind is an error, not an empty answer.
-        let r: ExistsOk =
-            decode_json(&encode_json(&MetaReply::Pinned { pinned: vec![true] })).unwrap();
-        assert!(r.kind.expect(ReplyKind::Exists, "exists").is_err());
-        assert!(decode_json::<ExistsOk>(br#"{"found":[true]}"#).is_err());
-        assert!(decode_json::<ExistsOk>(br#"{"kind":"nonsense","found":[true]}"#).is_err());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! trips and copies run without it.
 
 use super::core::{Ending, PublishCheck, Taken, Unkept};
-use super::session::EntryRef;
+use super::wire::EntryRef;
 use super::{PageWriter, StoragePool, EVICT_AHEAD_BYTES, EVICT_AHEAD_PAGES};
 use crate::wire::meta::{PageGrant, RemoveResult};
 use crate::worker::clock::{now_ms, Deadline};
@@ -123,7 +123,7 @@ impl StoragePool {
         by: Deadline,
     ) -> Result<Vec<PageGrant>, WorkerError> {
         let short = need - pages.len();
-        let spare_target = self.core.lock().spare_target();
+        let spare_target = self.core.lock().spare_target;
         let ask = (short + spare_target).min(self.max_batch.max(short));
         let (got, _) = self.alloc(ask as u32, route_key, by)?;
         self.note_fill(&got, by);
@@ -389,11 +389,10 @@ impl StoragePool {
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
         let by = self.deadline();
-        let mut done = vec![false; keys.len()];
-        let mut base = 0;
-        while base < keys.len() {
-            let end = (base + self.max_batch).min(keys.len());
-            let part = &mut slots[base..end];
+        let mut done = Vec::with_capacity(keys.len());
+        for (c, part) in slots[..keys.len()].chunks_mut(self.max_batch).enumerate() {
+            let base = c * self.max_batch;
+            let end = base + part.len();
             let r = self.store_some(
                 &keys[base..end],
                 &lens[base..end],
@@ -420,8 +419,7 @@ impl StoragePool {
                     ok
                 },
             )?;
-            done[base..end].copy_from_slice(&r);
-            base = end;
+            done.extend(r);
         }
         Ok(done)
     }
@@ -500,7 +498,26 @@ impl StoragePool {
             Ok(present)
         } else {
             let ok = self.written(&placed, write(self, &placed, &taken.to, by));
-            self.publish(keys, lens, present, &placed, &ok, &taken, &mut end, by)
+            let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
+            let entry = |k: usize, _| {
+                let (i, page) = placed[k];
+                EntryRef {
+                    key: keys[i],
+                    region_id: page.region_id,
+                    offset: page.offset,
+                    length: lens[i] as u64,
+                    // A batch is the chunks of one request in chain order.
+                    prev: i.checked_sub(1).map(|j| keys[j]),
+                }
+            };
+            self.publish(&pages, &ok, &taken, &entry, &mut end, by)
+                .map(|done| {
+                    let mut stored = present;
+                    for k in done {
+                        stored[placed[k].0] = true;
+                    }
+                    stored
+                })
         };
         // Whatever happened: the pages are no longer being written by this store.
         self.store_end(end, by);
@@ -529,7 +546,7 @@ impl StoragePool {
 
     /// The core's re-check of a publish (`PoolCore::publish_begin`), a heartbeat first
     /// when it asks (at most `REPORT_TRIES`, each by `by`).
-    pub(super) fn recheck(
+    fn recheck(
         &self,
         pages: &[PageGrant],
         ok: &[bool],
@@ -548,60 +565,30 @@ impl StoragePool {
         }
     }
 
-    /// Sends a re-checked publish (`ticket`); how it went, and the regions asked back
-    /// on the reply, go to the core with the store's end (`end`).
-    pub(super) fn send_publish(
+    /// Publishes the chunks of `pages` (complete where `ok`) that pass the core's
+    /// re-check, chunk `k` as `entry(k, the chunk published before it)`; the pages that
+    /// hold no key, the publish's answer and the asks on its reply go to `end`.
+    /// Returns the chunks published.
+    pub(super) fn publish<'k>(
         &self,
-        ticket: Option<u64>,
-        entries: &[EntryRef<'_>],
-        end: &mut Ending,
-        by: Deadline,
-    ) -> Result<Vec<bool>, WorkerError> {
-        let size = self.page_size().max(1);
-        let published = entries
-            .iter()
-            .map(|e| {
-                let page = PageGrant {
-                    region_id: e.region_id,
-                    page: e.offset / size,
-                    offset: e.offset,
-                    length: size,
-                };
-                (page, e.length)
-            })
-            .collect();
-        let answer = self.session.publish_refs(entries, by);
-        end.publish = Some((ticket, published, answer.as_ref().ok().cloned()));
-        end.asked.extend(self.session.take_asked());
-        answer
-    }
-
-    /// Publishes the complete chunks (`ok`) that pass the core's re-check; the pages
-    /// that hold no key go to `end`.
-    #[allow(clippy::too_many_arguments)] // one store's state, and its deadline
-    fn publish(
-        &self,
-        keys: &[&str],
-        lens: &[usize],
-        mut result: Vec<bool>,
-        placed: &[(usize, PageGrant)],
+        pages: &[PageGrant],
         ok: &[bool],
         taken: &Taken,
+        entry: &dyn Fn(usize, Option<usize>) -> EntryRef<'k>,
         end: &mut Ending,
         by: Deadline,
-    ) -> Result<Vec<bool>, WorkerError> {
+    ) -> Result<Vec<usize>, WorkerError> {
         if let Some(hook) = &self.hooks.before_publish {
-            hook(self, &taken.pages);
+            hook(self, pages);
         }
-        let pages: Vec<PageGrant> = placed.iter().map(|(_, p)| *p).collect();
-        let mut plan = self.recheck(&pages, ok, taken, by)?;
+        let mut plan = self.recheck(pages, ok, taken, by)?;
         if self.hooks.unfenced && !plan.unused.is_empty() {
             plan.held += plan.unused.len();
             plan.unused.clear();
         }
         if plan.lost > 0 {
             log::warn!(
-                "pool {}: {} chunk(s) written into a region that was lost or whose memory node rebooted before their publish: not published",
+                "pool {}: {} chunk(s) written into a region that was lost, taken again or whose memory node rebooted before their publish: not published",
                 self.session.url,
                 plan.lost
             );
@@ -615,32 +602,23 @@ impl StoragePool {
         }
         end.unused.extend(plan.unused);
         if plan.publish.is_empty() {
-            return Ok(result);
+            return Ok(Vec::new());
         }
-        let entries: Vec<EntryRef<'_>> = plan
-            .publish
-            .iter()
-            .map(|&k| {
-                let (i, page) = placed[k];
-                EntryRef {
-                    key: keys[i],
-                    region_id: page.region_id,
-                    offset: page.offset,
-                    length: lens[i] as u64,
-                    // A batch is the chunks of one request in chain order.
-                    prev: i.checked_sub(1).map(|j| keys[j]),
-                }
-            })
+        let before = |j: usize| j.checked_sub(1).map(|p| plan.publish[p]);
+        let entries: Vec<EntryRef<'_>> = (plan.publish.iter().enumerate())
+            .map(|(j, &k)| entry(k, before(j)))
             .collect();
+        let published = (plan.publish.iter().zip(&entries))
+            .map(|(&k, e)| (pages[k], e.length))
+            .collect();
+        let answer = self.session.publish_refs(&entries, by);
         // Not answered: the published chunks' pages stay out of use (the keys may be
         // published).
-        let is_new = self.send_publish(plan.ticket, &entries, end, by)?;
-        if is_new.contains(&false) {
+        end.publish = Some((plan.ticket, published, answer.as_ref().ok().cloned()));
+        end.asked.extend(self.session.take_asked());
+        if answer?.contains(&false) {
             self.session.note_store_found(true);
         }
-        for &k in &plan.publish {
-            result[placed[k].0] = true;
-        }
-        Ok(result)
+        Ok(plan.publish)
     }
 }

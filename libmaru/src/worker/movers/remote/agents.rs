@@ -36,15 +36,6 @@ fn at(agent: &str, e: LinkError) -> WorkerError {
     WorkerError::from_link(Peer::Agent(agent.to_string()), e)
 }
 
-fn map_read_request(l: &LeaseGrant) -> AgentRequest {
-    AgentRequest::MapRead {
-        region_id: l.region_id,
-        offset: l.offset,
-        length: l.length,
-        read_token: l.read_token.clone(),
-    }
-}
-
 /// `req` on `link`, by `within`: one round trip to its agent (counted for the call
 /// this thread runs, see `op_stats::contacted`).
 fn ask(link: &mut Link, req: &AgentRequest, within: Duration) -> Result<AgentReply, LinkError> {
@@ -75,7 +66,13 @@ fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadlin
         if !link.is_connected() || by.passed() {
             break;
         }
-        let r = ask(link, &map_read_request(l), by.left());
+        let req = AgentRequest::MapRead {
+            region_id: l.region_id,
+            offset: l.offset,
+            length: l.length,
+            read_token: l.read_token.clone(),
+        };
+        let r = ask(link, &req, by.left());
         got.broke |= !link.is_connected();
         match r {
             Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
@@ -314,14 +311,11 @@ impl RemoteMover {
         let adopted = self.lock().adopted(grant, &agent, reply, now_ms());
         self.fence_queued(by);
         adopted?;
-        if let Err(e) = self.peer(&agent, &mut lease, by) {
-            let id = grant.handle.region_id;
-            let mut st = self.lock();
-            st.own.remove(&id);
-            st.life.forget(id);
-            return Err(e);
+        let peer = self.peer(&agent, &mut lease, by);
+        if peer.is_err() {
+            self.lock().forget_region(grant.handle.region_id);
         }
-        Ok(())
+        peer.map(|_| ())
     }
 
     /// What is due on the pool's tick: probes, maps again, fences of kept slots; returns
@@ -333,8 +327,6 @@ impl RemoteMover {
             match a {
                 Action::Probe(agent) => self.probe(&agent, now_ms),
                 Action::Remap(agent) => self.remap_if_free(&agent),
-                // The pool asks `must_report` after the tick.
-                Action::ReportBoots => {}
                 Action::GiveBack { agent, regions } => {
                     log::warn!(
                         "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
@@ -447,23 +439,22 @@ impl RemoteMover {
     /// Fences the peers the state queued (a restart, a reboot, a failed batch), by `by`.
     pub(super) fn fence_queued(&self, by: Deadline) {
         let peers = std::mem::take(&mut self.lock().to_fence);
-        if !peers.is_empty() {
-            self.fence_round(peers, by);
-        }
+        self.fence_round(peers, by);
     }
 
     /// Fences the peers that keep slots or whose WRITEs' outcome is unknown (until
     /// `by`), gives back what a fence that succeeded frees, and forgets those peers.
     pub(super) fn reclaim(&self, by: Deadline) {
         let peers = self.lock().iso.to_fence();
-        if !peers.is_empty() {
-            self.fence_round(peers, by);
-        }
+        self.fence_round(peers, by);
     }
 
     /// Fences `peers` without the lock (each by `by`), records the outcomes, forgets
     /// the peers proven quiet; freed slots go back after the lock is let go.
     pub(super) fn fence_round(&self, peers: Vec<PeerId>, by: Deadline) {
+        if peers.is_empty() {
+            return;
+        }
         let outcomes: Vec<(PeerId, Result<(), TransportError>)> = peers
             .into_iter()
             .map(|p| {
@@ -511,9 +502,7 @@ impl RemoteMover {
             };
             match r {
                 Ok(AgentReply::Released { .. }) => {
-                    let mut st = self.lock();
-                    st.own.remove(&id);
-                    st.life.forget(id);
+                    self.lock().forget_region(id);
                     released += 1;
                 }
                 Ok(r) => {

@@ -39,32 +39,18 @@ impl AgentLink {
     /// The connection, once no other caller has it, or None if another still has it
     /// at `deadline`.
     pub(super) fn take(&self, deadline: Deadline) -> Option<LinkLease<'_>> {
-        let mut s = self.slot();
-        loop {
-            if let Some(mut link) = s.link.take() {
-                if std::mem::take(&mut s.reset) {
-                    link.reset();
-                }
-                return Some(LinkLease {
-                    link: Some(link),
-                    home: self,
-                });
-            }
-            let left = deadline.left();
-            if left.is_zero() {
-                return None;
-            }
-            s = self
-                .back
-                .wait_timeout(s, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        let (s, _) = (self.back)
+            .wait_timeout_while(self.slot(), deadline.left(), |s| s.link.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        self.lend(s)
     }
 
     /// The connection if no other caller has it now.
     pub(super) fn try_take(&self) -> Option<LinkLease<'_>> {
-        let mut s = self.slot();
+        self.lend(self.slot())
+    }
+
+    fn lend(&self, mut s: MutexGuard<'_, Slot>) -> Option<LinkLease<'_>> {
         let mut link = s.link.take()?;
         if std::mem::take(&mut s.reset) {
             link.reset();

@@ -1,12 +1,12 @@
 //! `remote_cxl`: one-sided WRITE/READ between staging slots and memory nodes.
 //! [`RemoteMover`] is the driver (its state, [`RemoteState`], is in the pool core):
-//! `windows` (stores and loads), `post` (one window), `agents` and `link` (control
+//! `windows` (stores and loads, window by window), `state` (the rules of the state:
+//! agents, reads, a window's plan and settlement), `agents` and `link` (control
 //! connections), `isolation` (slots of transfers of unknown outcome).
 
 mod agents;
 pub(crate) mod isolation;
 pub(crate) mod link;
-mod post;
 mod state;
 pub mod windows;
 
@@ -47,27 +47,13 @@ impl DerefMut for StateGuard<'_> {
 /// windows, more keep one each (figures in `docs/worker.md`, "Windows").
 pub const IN_FLIGHT_BUDGET: u64 = 8 << 20;
 /// The bytes in flight of the windowed transfers of one data path (shared by its
-/// pools' movers), against a limit.
-#[derive(Debug)]
+/// pools' movers), against [`IN_FLIGHT_BUDGET`].
+#[derive(Debug, Default)]
 pub struct InFlightBudget {
     bytes: AtomicU64,
-    limit: u64,
-}
-
-impl Default for InFlightBudget {
-    fn default() -> Self {
-        InFlightBudget::new(IN_FLIGHT_BUDGET)
-    }
 }
 
 impl InFlightBudget {
-    pub fn new(limit: u64) -> InFlightBudget {
-        InFlightBudget {
-            bytes: AtomicU64::new(0),
-            limit,
-        }
-    }
-
     /// Bytes in flight now.
     #[cfg(test)]
     pub fn in_flight(&self) -> u64 {
@@ -83,7 +69,7 @@ impl InFlightBudget {
         }
         self.bytes
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
-                (cur + n <= self.limit).then_some(cur + n)
+                (cur + n <= IN_FLIGHT_BUDGET).then_some(cur + n)
             })
             .ok()
             .map(|_| InFlight(self, n))
@@ -130,7 +116,7 @@ impl RemoteMover {
     ) -> RemoteMover {
         let state = RemoteState::new(agent_opts.clone());
         RemoteMover {
-            core: Arc::new(CoreCell::new(PoolCore::new(1, Some(state)))),
+            core: Arc::new(CoreCell::new(PoolCore::new(Some(state)))),
             nic,
             staging,
             timeout,

@@ -1,17 +1,22 @@
-//! The remote state's rules about agents: which is known, away or ready, what a
-//! welcome, a probe's answer or a failed batch makes of it, where a lease's bytes are
-//! and which ranges are to be mapped for reading. No socket: the round trips that
-//! feed these rules are `agents.rs`'s, made without the lock.
+//! The remote state's rules: which agent is known, away or ready, what a welcome, a
+//! probe's answer or a failed batch makes of it, where a lease's bytes are, which
+//! ranges are to be mapped for reading; and a window's plan (one batch per peer) and
+//! settlement (a peer whose batch failed is dropped and fenced, one whose batch did
+//! not finish keeps its slots: `isolation`). No socket: the round trips that feed
+//! these rules are `agents.rs`'s and `windows.rs`'s, made without the lock.
 
+use super::isolation::{PeerBatch, PeerOutcome};
 use super::link::AgentLink;
-use super::{AgentConn, OwnRegion, ReadTarget, RemoteState};
+use super::{AgentConn, OwnRegion, ReadTarget, RemoteState, WriteTo};
 use crate::net::{Link, LinkError};
-use crate::transport::PeerId;
+use crate::transport::{Op, OpKind, PeerId, TransportError};
 use crate::wire::agent::{AgentReply, MapReply};
-use crate::wire::meta::{LeaseGrant, RegionGrant};
+use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use crate::worker::agents::require_boot_id;
 use crate::worker::error::{Peer, WorkerError};
 use crate::worker::lifecycle::Verdict;
+use crate::worker::movers::SlotOutcome;
+use crate::worker::staging::Slot;
 use std::sync::Arc;
 
 /// A control link to an agent; one whose welcome has no boot id is refused by it.
@@ -420,5 +425,245 @@ impl RemoteState {
             },
         );
         Ok(meta)
+    }
+}
+
+/// One window planned under the state's lock, to post without it (`launch`).
+pub(super) struct Planned {
+    pub(super) items: Vec<usize>,
+    pub(super) out: Vec<SlotOutcome>,
+    pub(super) group: PeerGroups,
+    pub(super) reads: bool,
+}
+
+/// Operations grouped into one batch per peer, remembering which item each came from.
+#[derive(Default)]
+pub(super) struct PeerGroups {
+    pub(super) batches: Vec<PeerBatch>,
+    pub(super) order: Vec<Vec<usize>>,
+}
+
+impl PeerGroups {
+    pub(super) fn add(&mut self, peer: PeerId, op: Op, slot: Slot, item: usize) {
+        let bi = match self.batches.iter().position(|b| b.peer == peer) {
+            Some(bi) => bi,
+            None => {
+                self.batches.push(PeerBatch {
+                    peer,
+                    ops: Vec::new(),
+                    slots: Vec::new(),
+                });
+                self.order.push(Vec::new());
+                self.batches.len() - 1
+            }
+        };
+        self.batches[bi].ops.push(op);
+        self.batches[bi].slots.push(slot);
+        self.order[bi].push(item);
+    }
+}
+
+/// What settling a window found.
+#[derive(Default)]
+pub(super) struct Settled {
+    /// A batch did not complete.
+    pub(super) failed: bool,
+    /// A batch failed with a known outcome (its peer dropped: a new try may succeed).
+    pub(super) dropped: bool,
+    /// A batch's outcome is unknown (its slots are kept until its peer is fenced).
+    pub(super) kept: bool,
+}
+
+impl Planned {
+    /// A window that posts nothing: every slot comes back, no item done.
+    pub(super) fn nothing(items: Vec<usize>, slots: Vec<Slot>, reads: bool) -> Planned {
+        Planned {
+            items,
+            out: slots
+                .into_iter()
+                .map(|s| SlotOutcome {
+                    ok: false,
+                    slot: Some(s),
+                })
+                .collect(),
+            group: PeerGroups::default(),
+            reads,
+        }
+    }
+}
+
+impl RemoteState {
+    /// Records each item's outcome of a group that was waited for in `out` (the slot
+    /// back unless its peer's outcome is unknown).
+    pub(super) fn settle(
+        &mut self,
+        order: &[Vec<usize>],
+        peers: Vec<PeerId>,
+        writes: bool,
+        outcomes: Vec<PeerOutcome>,
+        out: &mut [SlotOutcome],
+    ) -> Settled {
+        let mut any_failed = false;
+        let mut dropped = false;
+        let mut any_kept = false;
+        for ((items, o), peer) in order.iter().zip(outcomes).zip(peers) {
+            let (ok, slots) = match o {
+                PeerOutcome::Done(s) => (true, s),
+                PeerOutcome::Failed(e, s) => {
+                    log::debug!("transfer batch failed: {e}");
+                    if writes && matches!(e, TransportError::PeerLost { .. }) {
+                        // Locally it is over, but the target may still apply WRITEs
+                        // it read: their pages wait for a fence that succeeds.
+                        self.iso.unknown_writes(peer);
+                    }
+                    // Nothing of it is in flight: drop the peer (fenced); the next
+                    // transfer connects and maps again (this one tries once more).
+                    self.drop_failed_peer(peer);
+                    dropped = true;
+                    (false, s)
+                }
+                PeerOutcome::Kept(p, slots) => {
+                    // Its agent is away until a fence of p succeeds (`agent_away`).
+                    match self.agent_of_peer(p) {
+                        Some(agent) if !self.agent_away(&agent) => log::warn!(
+                            "agent {agent}: a transfer did not finish by the request's deadline: stores into its regions are skipped and loads from it miss, at once, until a fence of its data connection succeeds (tried every {} ms)",
+                            crate::worker::lifecycle::AWAY_PROBE_EVERY_MS
+                        ),
+                        _ => {}
+                    }
+                    // The NIC may still move bytes into them: kept until p is fenced.
+                    self.iso.keep(p, slots);
+                    any_kept = true;
+                    (false, Vec::new())
+                }
+            };
+            any_failed |= !ok;
+            for (&i, slot) in items.iter().zip(slots) {
+                out[i] = SlotOutcome {
+                    ok,
+                    slot: Some(slot),
+                };
+            }
+        }
+        Settled {
+            failed: any_failed,
+            dropped,
+            kept: any_kept,
+        }
+    }
+
+    /// The agents of the own regions of `items`' pages (`page(item)`).
+    pub(super) fn agents_of_pages(
+        &self,
+        items: &[usize],
+        page: &dyn Fn(usize) -> (PageGrant, usize),
+    ) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|&i| self.own.get(&page(i).0.region_id))
+            .map(|r| r.agent.clone())
+            .collect()
+    }
+
+    /// The agents `leases` are read from (an own region's, else the one maru-server named).
+    pub(super) fn agents_of_leases(&self, items: &[usize], leases: &[LeaseGrant]) -> Vec<String> {
+        items
+            .iter()
+            .filter_map(|&i| {
+                let l = &leases[i];
+                match self.own.get(&l.region_id) {
+                    Some(r) => Some(r.agent.clone()),
+                    None => l.agent.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// The agent `peer` is the data connection of.
+    fn agent_of_peer(&self, peer: PeerId) -> Option<String> {
+        self.agents
+            .iter()
+            .find(|(_, c)| c.peer == Some(peer))
+            .map(|(a, _)| a.clone())
+    }
+
+    /// The peer of `agent`, if it is connected.
+    fn peer_of(&self, agent: &str) -> Option<PeerId> {
+        self.agents.get(agent).and_then(|c| c.peer)
+    }
+
+    /// Where WRITEs into own region `region` go now: none when it is not usable, or its
+    /// agent is away, has no data connection or is to be mapped again.
+    pub(crate) fn write_to(&self, region: u64) -> Option<WriteTo> {
+        let r = self.own.get(&region)?;
+        if !self.life.usable(region) || self.agent_away(&r.agent) || self.life.needs_remap(&r.agent)
+        {
+            return None;
+        }
+        let peer = self.peer_of(&r.agent)?;
+        Some(WriteTo {
+            peer,
+            addr: r.map.addr,
+            rkey: r.map.rkey,
+        })
+    }
+
+    /// Plans a READ of each of the request's `items` (its lease in `leases`, the
+    /// request's) into the slot of the same index.
+    pub(super) fn post_reads(
+        &mut self,
+        items: Vec<usize>,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+    ) -> Planned {
+        let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
+        let mut group = PeerGroups::default();
+        for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
+            let l = &leases[item];
+            out.push(SlotOutcome {
+                ok: false,
+                slot: None,
+            });
+            let peer = match self.read_target(l) {
+                Ok((agent, addr, rkey, _)) if l.length as usize <= slot.len() => {
+                    match self.peer_of(&agent) {
+                        Some(p) => Some((p, addr, rkey)),
+                        None => {
+                            self.read_error = Some(format!(
+                                "agent {agent}: no data connection (it did not answer in time)"
+                            ));
+                            None
+                        }
+                    }
+                }
+                Ok(_) => None,
+                Err(e) => {
+                    // Said once per request, not per chunk.
+                    if self.read_error.is_none() {
+                        log::warn!("load of {} bytes of region {}: {e}", l.length, l.region_id);
+                    }
+                    self.read_error = Some(e.to_string());
+                    None
+                }
+            };
+            let Some((peer, addr, rkey)) = peer else {
+                out[i].slot = Some(slot);
+                continue;
+            };
+            let op = Op {
+                kind: OpKind::Read,
+                local_offset: slot.offset() as u64,
+                remote_addr: addr,
+                rkey,
+                len: l.length,
+            };
+            group.add(peer, op, slot, i);
+        }
+        Planned {
+            items,
+            out,
+            group,
+            reads: true,
+        }
     }
 }

@@ -1,15 +1,22 @@
 //! The remote mover's stores and loads, in windows of [`WINDOW_BYTES`] (at least one
 //! chunk; see `docs/worker.md`, "Windows"): two in flight, the second only within the
-//! data path's [`InFlightBudget`]. [`run`] is the schedule alone; what posting and
-//! waiting mean is the [`Windowed`] caller's: a copying store (`StoreWindows`), a
-//! copying load (`LoadWindows`), the slot API's own slots (`GivenWindows`).
+//! data path's [`InFlightBudget`]. [`run`] is the schedule alone; what a window holds
+//! is the [`Windowed`] caller's: a copying store (`StoreWindows`), a copying load
+//! (`LoadWindows`), the slot API's own slots (`GivenWindows`). Each window is planned
+//! (`RemoteState`'s rules: from the targets a store took with its pages, no lock; or
+//! under the lock once its agents were made ready without it), posted and waited for
+//! without the lock, and settled under it only when a batch did not complete; what
+//! failed while a peer was dropped is posted once more.
 
-use super::post::{PendingWindow, Planned};
-use super::{InFlight, InFlightBudget, RemoteMover, WriteTargets};
+use super::isolation::{PeerBatch, PeerOutcome};
+use super::state::{PeerGroups, Planned, Settled};
+use super::{InFlight, InFlightBudget, RemoteMover, RemoteState, WriteTargets, WriteTo};
+use crate::transport::{BatchId, BatchState, Op, OpKind, PeerId, Transport, TransportError};
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 use crate::worker::clock::{now_ms, Deadline};
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{Mover, ReadSink, SlotOutcome, SlotWrite, WriteItem};
+use crate::worker::op_stats::{contacted, Contact};
 use crate::worker::pool::core::CoreCell;
 use crate::worker::staging::{Slot, SlotPool};
 use std::collections::VecDeque;
@@ -76,11 +83,9 @@ pub fn run<W: Windowed>(w: &mut W, budget: &InFlightBudget) -> usize {
     }
 }
 
-/// How long a store's first window waits for a store slot (`StoreWindows::slots`).
-const STORE_SLOT_WAIT: Duration = Duration::from_secs(1);
-
-/// How long a load's first window waits for a load slot.
-const LOAD_SLOT_WAIT: Duration = Duration::from_secs(1);
+/// How long a request's first window waits for a slot (a store's only while other
+/// stores' windows hold slots on the wire).
+const FIRST_SLOT_WAIT: Duration = Duration::from_secs(1);
 
 /// A retry's targets: none (its peer was dropped), so it is planned under the lock,
 /// its agent made ready again first.
@@ -105,8 +110,6 @@ impl Windowed for StoreWindows<'_, '_> {
     fn bytes(&self, i: usize) -> u64 {
         self.items[i].data.len() as u64
     }
-    /// A first window waits (at most `STORE_SLOT_WAIT`) only while other requests'
-    /// store windows hold slots on the wire; else the store skips at once.
     fn slots(&mut self, _start: usize, want: usize, first: bool) -> Vec<Slot> {
         let got = self.m.staging.try_acquire(SlotPool::Store, want);
         if !got.is_empty() || !first || self.m.store_slots_on_wire.load(Ordering::Relaxed) == 0 {
@@ -114,27 +117,24 @@ impl Windowed for StoreWindows<'_, '_> {
         }
         self.m
             .staging
-            .acquire(SlotPool::Store, want, STORE_SLOT_WAIT.min(self.by.left()))
+            .acquire(SlotPool::Store, want, FIRST_SLOT_WAIT.min(self.by.left()))
     }
-    fn post(&mut self, start: usize, slots: Vec<Slot>) -> PendingWindow {
-        let mut filled = Vec::with_capacity(slots.len());
-        let mut index = Vec::with_capacity(slots.len());
-        for (i, (it, mut slot)) in self.items[start..].iter().zip(slots).enumerate() {
-            // A chunk larger than a slot is not stored (its slot goes back).
-            if it.data.len() > slot.len() {
-                continue;
+    fn post(&mut self, start: usize, mut slots: Vec<Slot>) -> PendingWindow {
+        for (it, slot) in self.items[start..].iter().zip(&mut slots) {
+            // A chunk larger than its slot is not copied (`plan_writes_to` gives the
+            // slot back, the chunk not stored).
+            if let Some(to) = slot.bytes_mut().get_mut(..it.data.len()) {
+                to.copy_from_slice(it.data);
             }
-            slot.bytes_mut()[..it.data.len()].copy_from_slice(it.data);
-            filled.push(slot);
-            index.push(start + i);
         }
         let items = self.items;
+        let index = (start..start + slots.len()).collect();
         self.m
             .store_slots_on_wire
-            .fetch_add(filled.len(), Ordering::Relaxed);
+            .fetch_add(slots.len(), Ordering::Relaxed);
         let (to, by) = (self.to, self.by);
         let page = |i: usize| (items[i].page, items[i].data.len());
-        let planned = self.m.plan_writes(index, filled, &page, to, by);
+        let planned = self.m.plan_writes(index, slots, &page, to, by);
         self.m.launch(planned, by)
     }
     fn finish(&mut self, posted: PendingWindow) -> (Vec<usize>, Vec<SlotOutcome>) {
@@ -181,7 +181,7 @@ impl Windowed for LoadWindows<'_, '_> {
             // What is free now; else the window ahead gives its slots back.
             return self.m.staging.try_acquire(SlotPool::Load, want);
         }
-        let wait = LOAD_SLOT_WAIT.min(self.by.left());
+        let wait = FIRST_SLOT_WAIT.min(self.by.left());
         let slots = self.m.staging.acquire(SlotPool::Load, want, wait);
         if slots.is_empty() {
             log::warn!(
@@ -405,189 +405,292 @@ impl Mover for RemoteMover {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::worker::movers::remote::IN_FLIGHT_BUDGET;
-    use crate::worker::staging::{SlotPool, StagingLayout, StagingSlots};
-
-    /// Posts nothing anywhere: records what the schedule does. Items fail where
-    /// `fail` says; `slots` hands out at most `free` slots of a small pool.
-    struct Script {
-        sizes: Vec<u64>,
-        staging: StagingSlots,
-        fail: Vec<usize>,
-        stop_on_failure: bool,
-        open: Vec<usize>,
-        most_open_bytes: u64,
-        posted: Vec<(usize, usize)>,
-        done: Vec<usize>,
-        outstanding_at_done: Vec<usize>,
-    }
-
-    impl Script {
-        fn new(sizes: Vec<u64>, slots: usize) -> Script {
-            Script {
-                sizes,
-                staging: StagingSlots::new(StagingLayout {
-                    slot_size: 64,
-                    load_slots: slots,
-                    store_slots: 0,
-                })
-                .unwrap(),
-                fail: Vec::new(),
-                stop_on_failure: false,
-                open: Vec::new(),
-                most_open_bytes: 0,
-                posted: Vec::new(),
-                done: Vec::new(),
-                outstanding_at_done: Vec::new(),
+/// Plans a WRITE of each of `items` from the slot of the same index into its page
+/// (`page(item)`: page and length), where `to` says its region's WRITEs go; one with
+/// no target, or longer than its slot, gets its slot back.
+pub(super) fn plan_writes_to(
+    items: Vec<usize>,
+    slots: Vec<Slot>,
+    page: &dyn Fn(usize) -> (PageGrant, usize),
+    to: &dyn Fn(u64) -> Option<WriteTo>,
+) -> Planned {
+    let mut out: Vec<SlotOutcome> = Vec::with_capacity(slots.len());
+    let mut group = PeerGroups::default();
+    for (i, (&item, slot)) in items.iter().zip(slots).enumerate() {
+        out.push(SlotOutcome {
+            ok: false,
+            slot: None,
+        });
+        let (page, len) = page(item);
+        match to(page.region_id) {
+            Some(t) if len <= slot.len() => {
+                let op = Op {
+                    kind: OpKind::Write,
+                    local_offset: slot.offset() as u64,
+                    remote_addr: t.addr + page.offset,
+                    rkey: t.rkey,
+                    len: len as u64,
+                };
+                group.add(t.peer, op, slot, i);
             }
+            _ => out[i].slot = Some(slot),
         }
     }
-
-    impl Windowed for Script {
-        type Posted = (usize, Vec<Slot>);
-        fn items(&self) -> usize {
-            self.sizes.len()
-        }
-        fn bytes(&self, i: usize) -> u64 {
-            self.sizes[i]
-        }
-        fn slots(&mut self, _start: usize, want: usize, _first: bool) -> Vec<Slot> {
-            self.staging.try_acquire(SlotPool::Load, want)
-        }
-        fn post(&mut self, start: usize, slots: Vec<Slot>) -> Self::Posted {
-            self.posted.push((start, slots.len()));
-            self.open.push(start);
-            let open_bytes: u64 = self
-                .open
-                .iter()
-                .map(|&s| {
-                    let len = self.posted.iter().find(|p| p.0 == s).map_or(0, |p| p.1);
-                    self.sizes[s..s + len].iter().sum::<u64>()
-                })
-                .sum();
-            self.most_open_bytes = self.most_open_bytes.max(open_bytes);
-            (start, slots)
-        }
-        fn finish(&mut self, (start, slots): Self::Posted) -> (Vec<usize>, Vec<SlotOutcome>) {
-            self.open.retain(|&s| s != start);
-            let items: Vec<usize> = (start..start + slots.len()).collect();
-            let outs = items
-                .iter()
-                .zip(slots)
-                .map(|(i, slot)| SlotOutcome {
-                    ok: !self.fail.contains(i),
-                    slot: Some(slot),
-                })
-                .collect();
-            (items, outs)
-        }
-        fn done(&mut self, items: &[usize], outcomes: Vec<SlotOutcome>) -> bool {
-            self.outstanding_at_done.push(self.open.len());
-            let mut ok = true;
-            for (&i, o) in items.iter().zip(outcomes) {
-                self.done.push(i);
-                ok &= o.ok;
-            }
-            ok || !self.stop_on_failure
-        }
-    }
-
-    #[test]
-    fn windows_of_the_window_size_two_in_flight_handed_over_in_order() {
-        let budget = InFlightBudget::default();
-        // 24 chunks of 256 KiB: windows of 8, two in flight, three in all.
-        let mut s = Script::new(vec![256 << 10; 24], 64);
-        assert_eq!(run(&mut s, &budget), 24);
-        assert_eq!(s.posted, vec![(0, 8), (8, 8), (16, 8)]);
-        assert_eq!(s.done, (0..24).collect::<Vec<_>>());
-        assert_eq!(s.most_open_bytes, 4 << 20, "two windows of 2 MiB at most");
-        // When the first window is handed over, the second is still in flight.
-        assert_eq!(s.outstanding_at_done[0], 1);
-        assert_eq!(s.staging.free(SlotPool::Load), 64, "every slot is back");
-        // Chunks larger than a window go one a window.
-        let mut s = Script::new(vec![3 << 20; 3], 64);
-        assert_eq!(run(&mut s, &budget), 3);
-        assert_eq!(s.posted, vec![(0, 1), (1, 1), (2, 1)]);
-    }
-
-    #[test]
-    fn a_second_window_waits_while_the_data_path_is_over_its_budget() {
-        let budget = InFlightBudget::default();
-        // Another request holds the whole budget: this one keeps one window in flight.
-        let other = budget.take(IN_FLIGHT_BUDGET, true).expect("a first window");
-        let mut s = Script::new(vec![256 << 10; 24], 64);
-        assert_eq!(run(&mut s, &budget), 24);
-        assert_eq!(s.posted.len(), 3);
-        assert!(
-            s.outstanding_at_done.iter().all(|&n| n == 0),
-            "one window at a time: {:?}",
-            s.outstanding_at_done
-        );
-        assert_eq!(s.most_open_bytes, 2 << 20);
-        drop(other);
-        assert_eq!(budget.in_flight(), 0, "every share given back");
-        assert!(budget.take(1, false).is_some(), "within the budget again");
-        // Another data path has its own budget: it never waits for this one's.
-        let mine = budget.take(IN_FLIGHT_BUDGET, true);
-        let other_path = InFlightBudget::default();
-        assert!(other_path.take(1, false).is_some());
-        drop(mine);
-    }
-
-    #[test]
-    fn two_requests_of_one_data_path_each_get_two_windows() {
-        let budget = InFlightBudget::default();
-        // Another request of the handler has its two windows in flight: this one still
-        // gets two, as a request of a second handler would.
-        let other = budget.take(DEPTH as u64 * WINDOW_BYTES, true);
-        let mut s = Script::new(vec![256 << 10; 24], 64);
-        assert_eq!(run(&mut s, &budget), 24);
-        assert_eq!(s.most_open_bytes, 2 * WINDOW_BYTES, "two windows in flight");
-        drop(other);
-        assert_eq!(budget.in_flight(), 0);
-    }
-
-    #[test]
-    fn few_slots_cut_windows_and_none_for_the_first_stops_the_request() {
-        let budget = InFlightBudget::default();
-        // 3 slots: a window of 3, then nothing free for a second until it is back.
-        let mut s = Script::new(vec![256 << 10; 8], 3);
-        assert_eq!(run(&mut s, &budget), 8);
-        assert_eq!(s.posted, vec![(0, 3), (3, 3), (6, 2)]);
-        assert_eq!(s.done, (0..8).collect::<Vec<_>>());
-        // No slot at all: nothing is posted.
-        let mut s = Script::new(vec![256 << 10; 8], 3);
-        let held = s.staging.try_acquire(SlotPool::Load, 3);
-        assert_eq!(run(&mut s, &budget), 0);
-        assert!(s.posted.is_empty() && s.done.is_empty());
-        drop(held);
-    }
-
-    #[test]
-    fn after_a_failed_window_nothing_more_is_posted_or_handed_over() {
-        let budget = InFlightBudget::default();
-        let mut s = Script::new(vec![256 << 10; 40], 64);
-        s.fail = vec![3];
-        s.stop_on_failure = true;
-        assert_eq!(
-            run(&mut s, &budget),
-            16,
-            "the window behind the failed one was in flight"
-        );
-        assert_eq!(s.posted, vec![(0, 8), (8, 8)]);
-        assert_eq!(
-            s.done,
-            (0..8).collect::<Vec<_>>(),
-            "the window in flight was finished, not handed over"
-        );
-        assert_eq!(s.staging.free(SlotPool::Load), 64, "its slots are back too");
-        // A caller that goes on after failures gets every window.
-        let mut s = Script::new(vec![256 << 10; 40], 64);
-        s.fail = vec![3, 20];
-        assert_eq!(run(&mut s, &budget), 40);
-        assert_eq!(s.done, (0..40).collect::<Vec<_>>());
+    Planned {
+        items,
+        out,
+        group,
+        reads: false,
     }
 }
+
+/// A transfer whose batches are on their way ([`Posted::finish`] waits for them).
+#[must_use = "a posted transfer owns its slots until it is finished"]
+pub(super) struct Posted {
+    parts: Vec<PostedPart>,
+    deadline: Deadline,
+}
+
+/// One peer's batch as posted, or why it could not be, with its slots.
+type PostedPart = Result<(PeerBatch, BatchId), (TransportError, Vec<Slot>)>;
+
+/// Posts every peer's batch; each must complete by `deadline`.
+pub(super) fn post(t: &dyn Transport, batches: Vec<PeerBatch>, deadline: Deadline) -> Posted {
+    let parts = batches
+        .into_iter()
+        .map(|b| {
+            contacted(Contact::Agent);
+            match t.post_within(b.peer, &b.ops, deadline.left()) {
+                Ok(id) => Ok((b, id)),
+                // Nothing was sent for this peer: its slots come back with the outcome.
+                Err(e) => Err((e, b.slots)),
+            }
+        })
+        .collect();
+    Posted { parts, deadline }
+}
+
+impl Posted {
+    /// Waits for every peer's batch until the deadline; one still pending then is `Kept`.
+    pub(super) fn finish(mut self, t: &dyn Transport) -> Vec<PeerOutcome> {
+        let deadline = self.deadline;
+        std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(|p| match p {
+                Err((e, slots)) => PeerOutcome::Failed(e, slots),
+                Ok((b, id)) => match t.wait(id, deadline.left()) {
+                    BatchState::Done => {
+                        t.forget(id);
+                        PeerOutcome::Done(b.slots)
+                    }
+                    BatchState::Failed(e) => {
+                        t.forget(id);
+                        PeerOutcome::Failed(e, b.slots)
+                    }
+                    BatchState::Pending => PeerOutcome::Kept(b.peer, b.slots),
+                },
+            })
+            .collect()
+    }
+}
+
+impl Drop for Posted {
+    /// A transfer dropped unfinished (a bug, a panic): its slots never go back.
+    fn drop(&mut self) {
+        let mut lost = 0;
+        for p in std::mem::take(&mut self.parts) {
+            let slots = match p {
+                Ok((b, _)) => b.slots,
+                Err((_, s)) => s,
+            };
+            lost += slots.len();
+            for s in slots {
+                std::mem::forget(s);
+            }
+        }
+        if lost > 0 {
+            log::error!(
+                "a transfer was dropped unfinished: {lost} staging slot(s) stay out of use"
+            );
+        }
+    }
+}
+
+/// Plans once more the items (with their slots) of a window that failed while a peer
+/// was dropped (`RemoteMover::plan_writes` or `plan_reads`).
+pub(super) type PostAgain<'a> = dyn FnMut(&RemoteMover, Vec<usize>, Vec<Slot>) -> Planned + 'a;
+
+/// One window of a transfer, posted and not yet waited for.
+pub(super) struct PendingWindow {
+    /// The request's items it holds, in the order of `out`.
+    pub(super) items: Vec<usize>,
+    out: Vec<SlotOutcome>,
+    posted: Posted,
+    /// Per peer of `posted`: the peer, and the places in `out` its operations came from.
+    peers: Vec<PeerId>,
+    order: Vec<Vec<usize>>,
+    reads: bool,
+}
+
+impl RemoteMover {
+    /// The state, locked, once the ranges of `reads` in other engines' regions are
+    /// mapped for reading and the agents `agents` names are ready (what is not is
+    /// done without the lock, by `by`: what fails stays undone and the window's items
+    /// there fail); `None` once `by` passed (a batch posted then would keep its slots
+    /// until a fence). All mapped and ready (the usual case): one lock.
+    fn ready_for(
+        &self,
+        by: Deadline,
+        reads: &[LeaseGrant],
+        agents: impl FnOnce(&RemoteState) -> Vec<String>,
+    ) -> Option<super::StateGuard<'_>> {
+        if by.passed() {
+            return None;
+        }
+        let mut st = self.lock();
+        let to_map = st.reads_to_map(reads);
+        let agents = agents(&st);
+        let unready = st.unready(agents);
+        if to_map.is_empty() && unready.is_empty() {
+            return Some(st);
+        }
+        drop(st);
+        self.map_reads(to_map, by);
+        for agent in unready {
+            if let Err(e) = self.ready(&agent, by) {
+                log::debug!("agent {agent} not ready for a transfer: {e}");
+            }
+        }
+        Some(self.lock())
+    }
+
+    /// Plans WRITEs of `items` from `slots` (see `plan_writes_to`), their
+    /// agents made ready first (`ready_for`).
+    /// Without the lock when the store took every item's region's target with its
+    /// pages (`to`, `PoolCore::store_begin`: the usual case).
+    pub(super) fn plan_writes(
+        &self,
+        items: Vec<usize>,
+        slots: Vec<Slot>,
+        page: &dyn Fn(usize) -> (PageGrant, usize),
+        to: &WriteTargets,
+        by: Deadline,
+    ) -> Planned {
+        if !by.passed() && items.iter().all(|&i| to.contains_key(&page(i).0.region_id)) {
+            return plan_writes_to(items, slots, page, &|r| to.get(&r).copied());
+        }
+        match self.ready_for(by, &[], |st| st.agents_of_pages(&items, page)) {
+            Some(st) => plan_writes_to(items, slots, page, &|r| st.write_to(r)),
+            None => Planned::nothing(items, slots, false),
+        }
+    }
+
+    /// Plans READs of `items` into `slots` (see `RemoteState::post_reads`), their
+    /// ranges mapped for reading and their agents made ready first (`ready_for`).
+    pub(super) fn plan_reads(
+        &self,
+        items: Vec<usize>,
+        leases: &[LeaseGrant],
+        slots: Vec<Slot>,
+        by: Deadline,
+    ) -> Planned {
+        // The first window maps every range of the request not mapped yet, so no
+        // `map_read` goes while its READs are out; a later one checks its own.
+        let window: Vec<LeaseGrant> = match items.first() {
+            Some(0) => leases.to_vec(),
+            _ => items.iter().map(|&i| leases[i].clone()).collect(),
+        };
+        match self.ready_for(by, &window, |st| st.agents_of_leases(&items, leases)) {
+            Some(mut st) => st.post_reads(items, leases, slots),
+            None => Planned::nothing(items, slots, true),
+        }
+    }
+
+    /// Posts a planned window (without the state's lock); it must complete by `by`.
+    pub(super) fn launch(&self, p: Planned, by: Deadline) -> PendingWindow {
+        PendingWindow {
+            items: p.items,
+            out: p.out,
+            peers: p.group.batches.iter().map(|b| b.peer).collect(),
+            posted: post(self.nic.as_ref(), p.group.batches, by),
+            order: p.group.order,
+            reads: p.reads,
+        }
+    }
+
+    /// Waits for a posted window without the state's lock, settles it under one lock,
+    /// then fences (without it, by `by`) what that queued and the peers keeping slots.
+    fn wait(&self, w: PendingWindow, by: Deadline) -> (Vec<usize>, Vec<SlotOutcome>, Settled) {
+        let PendingWindow {
+            items,
+            mut out,
+            posted,
+            peers,
+            order,
+            reads,
+        } = w;
+        let outcomes = posted.finish(self.nic.as_ref());
+        if outcomes.iter().all(|o| matches!(o, PeerOutcome::Done(_))) {
+            // Every batch done (the usual case): nothing for the state to record, no
+            // lock; what others queued for a fence the tick fences.
+            for (places, o) in order.iter().zip(outcomes) {
+                if let PeerOutcome::Done(slots) = o {
+                    for (&i, slot) in places.iter().zip(slots) {
+                        out[i] = SlotOutcome {
+                            ok: true,
+                            slot: Some(slot),
+                        };
+                    }
+                }
+            }
+            return (items, out, Settled::default());
+        }
+        let (settled, queued) = {
+            let mut st = self.lock();
+            let settled = st.settle(&order, peers, !reads, outcomes, &mut out);
+            (settled, std::mem::take(&mut st.to_fence))
+        };
+        self.fence_round(queued, by);
+        if settled.kept {
+            self.reclaim(by);
+        }
+        (items, out, settled)
+    }
+
+    /// Waits for a posted window: its items and their outcomes. Transfers that failed
+    /// while a peer was dropped (outcome known) are posted once more through `again`.
+    pub(super) fn finish_window(
+        &self,
+        pending: PendingWindow,
+        again: &mut PostAgain<'_>,
+        by: Deadline,
+    ) -> (Vec<usize>, Vec<SlotOutcome>) {
+        let reads = pending.reads;
+        let (items, mut out, settled) = self.wait(pending, by);
+        let mut failed = settled.failed;
+        if settled.dropped && out.iter().any(|o| !o.ok) {
+            // The slots of what failed with a known outcome, with their places in `out`.
+            let (places, slots): (Vec<usize>, Vec<Slot>) = out
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, o)| !o.ok)
+                .filter_map(|(i, o)| o.slot.take().map(|s| (i, s)))
+                .unzip();
+            let which = places.iter().map(|&k| items[k]).collect();
+            let (_, retried, s) = self.wait(self.launch(again(self, which, slots), by), by);
+            failed = s.failed;
+            for (&i, o) in places.iter().zip(retried) {
+                out[i] = o;
+            }
+        }
+        if failed && reads {
+            // Read registrations may have gone with their region: map again next time.
+            self.lock().forget_reads(None);
+        }
+        (items, out)
+    }
+}
+
+#[cfg(test)]
+#[path = "windows_tests.rs"]
+mod tests;
