@@ -63,10 +63,44 @@ fn assert_fast(later: &[Call], peer: &str) {
 /// Times one call on this thread: wall time, and the time this thread and the
 /// threads of the processes `peers` (maru-server, which answers the call) were
 /// runnable but not running meanwhile (`schedstat`, its second field, in ns).
+///
+/// The clock is read inside the samples of the waits, this thread's own sample
+/// next to it: `start` samples the peers, then this thread, then reads the clock;
+/// `stop` reads the clock, then samples this thread, then the peers. Sampling reads
+/// a file per thread of each peer (dozens of syscalls); while the clock was read
+/// after them, this thread preempted during the last sampling waited inside the wall
+/// time but outside its own sample: an `exists` of 240 µs measured 6.47 ms of "own
+/// time" (preempted once, 0 ns of counted run-queue wait) on the loaded 2-core
+/// machine, the failure g48 saw (a store, 5.77 ms).
 struct Timer<'p> {
     start: Instant,
     peers: &'p [u32],
-    queued_ns: u64,
+    /// Run-queue waits so far: this thread's, the peers'.
+    own_ns: u64,
+    peers_ns: u64,
+    switches: Switches,
+}
+
+/// What a call's thread met besides its own work, for the failure message: its
+/// context switches (voluntary: it blocked, on a lock, I/O or a sleep; involuntary:
+/// preempted) and major page faults (read from disk).
+#[derive(Debug, Default, Clone, Copy)]
+#[allow(dead_code)] // for the failure message
+struct Switches {
+    voluntary: i64,
+    preempted: i64,
+    majflt: i64,
+}
+
+fn switches() -> Switches {
+    // SAFETY: getrusage only fills the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    Switches {
+        voluntary: ru.ru_nvcsw,
+        preempted: ru.ru_nivcsw,
+        majflt: ru.ru_majflt,
+    }
 }
 
 /// The two tests of this file measure calls in milliseconds: they run one at a time,
@@ -81,9 +115,14 @@ fn schedstat_queued(path: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Run-queue waits so far of this thread and of every thread of `peers`.
-fn queued_ns(peers: &[u32]) -> u64 {
-    let mut ns = schedstat_queued("/proc/thread-self/schedstat");
+/// Run-queue waits so far of this thread.
+fn own_queued_ns() -> u64 {
+    schedstat_queued("/proc/thread-self/schedstat")
+}
+
+/// Run-queue waits so far of every thread of `peers`.
+fn peers_queued_ns(peers: &[u32]) -> u64 {
+    let mut ns = 0;
     for pid in peers {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
@@ -97,19 +136,32 @@ fn queued_ns(peers: &[u32]) -> u64 {
 
 impl<'p> Timer<'p> {
     fn start(peers: &'p [u32]) -> Timer<'p> {
-        let start = Instant::now();
+        let peers_ns = peers_queued_ns(peers);
+        let switches = switches();
+        let own_ns = own_queued_ns();
         Timer {
-            start,
+            start: Instant::now(),
             peers,
-            queued_ns: queued_ns(peers),
+            own_ns,
+            peers_ns,
+            switches,
         }
     }
 
-    /// (wall time, own time: wall less the time spent waiting for a CPU).
-    fn stop(self) -> (Duration, Duration) {
-        let queued = Duration::from_nanos(queued_ns(self.peers).saturating_sub(self.queued_ns));
+    /// (wall time, own time: wall less the time spent waiting for a CPU, what the
+    /// thread met).
+    fn stop(self) -> (Duration, Duration, Switches) {
         let wall = self.start.elapsed();
-        (wall, wall.saturating_sub(queued))
+        let own = own_queued_ns().saturating_sub(self.own_ns);
+        let met = switches();
+        let peers = peers_queued_ns(self.peers).saturating_sub(self.peers_ns);
+        let queued = Duration::from_nanos(own + peers);
+        let met = Switches {
+            voluntary: met.voluntary - self.switches.voluntary,
+            preempted: met.preempted - self.switches.preempted,
+            majflt: met.majflt - self.switches.majflt,
+        };
+        (wall, wall.saturating_sub(queued), met)
     }
 }
 
@@ -173,6 +225,7 @@ struct Call {
     /// Contacts with agents the call made: control calls, connects, transfer
     /// batches, fences (`stats()["ops"]`).
     agent: u64,
+    met: Switches,
 }
 
 /// (maru-server round trips, agent contacts) of every call of `h` so far.
@@ -202,7 +255,7 @@ fn measure<T>(
     let c0 = contacts(h);
     let timer = Timer::start(peers);
     let r = call();
-    let (wall, took) = timer.stop();
+    let (wall, took, met) = timer.stop();
     let c1 = contacts(h);
     let c = Call {
         what,
@@ -212,6 +265,7 @@ fn measure<T>(
         got: got(&r),
         server: c1.0 - c0.0,
         agent: c1.1 - c0.1,
+        met,
     };
     (r, c)
 }
@@ -488,6 +542,9 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
         later.iter().map(|c| c.took).max().unwrap_or_default(),
         later.iter().map(|c| c.server + c.agent).sum::<u64>()
     );
+    let mut slowest: Vec<&Call> = later.iter().collect();
+    slowest.sort_by_key(|c| std::cmp::Reverse(c.wall));
+    eprintln!("slowest by wall: {:#?}", &slowest[..3.min(slowest.len())]);
     assert_fast(later, "the stopped maru-server");
     assert!(
         later.len() >= 3 * 20,

@@ -28,10 +28,11 @@ pub use pool::session;
 
 pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::{Peer, WorkerError};
-pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo, MAX_QUEUED_RELEASES};
+pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo};
 pub use hook::{set_memory_hook, MemoryHook};
 pub use op_stats::core_locks;
 pub use ops::{OpHandle, OpOutput};
+pub use pool::MAX_QUEUED_RELEASES;
 pub use router::{parse_server_urls, PoolRouter};
 pub use slots::SlotInfo;
 pub use staging::{Slot, SlotPool, StagingLayout, StagingSlots};

@@ -1,13 +1,12 @@
 //! The handler an engine opens: the public calls ([`Handler`]), its pools (one per
 //! maru-server URL, picked in `pools`), the staging buffer and transport
-//! (`data_path`), and its background threads (`background`, `releases`).
+//! (`data_path`), and its background threads (`background`, and `maru-release`,
+//! which sends the pool's `ReleaseQueue`).
 
 mod background;
 mod data_path;
 mod in_place;
 mod pools;
-mod releases;
-pub use releases::MAX_QUEUED as MAX_QUEUED_RELEASES;
 mod slot_ops;
 
 use super::config::{BackendKind, HandlerConfig};
@@ -15,7 +14,7 @@ use super::error::{Peer, WorkerError};
 use super::hook::Registration;
 use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
-use super::pool::{PoolStats, StoragePool};
+use super::pool::{PoolStats, Release, ReleaseQueue, StoragePool};
 use super::router::PoolRouter;
 use super::slots::{SlotInfo, SlotTable};
 use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
@@ -82,8 +81,8 @@ struct Inner {
     skips: Mutex<crate::worker::skips::SkipLog>,
     /// The memory hook in force when the handler opened.
     hook: crate::worker::MemoryHook,
-    /// Leases whose release waits for the `maru-release` thread (see `releases`).
-    releases: releases::Deferred<releases::Release>,
+    /// Leases whose release waits for the `maru-release` thread (`maru_load_pieces`).
+    releases: ReleaseQueue,
 }
 
 /// A request goes to the pool its route key picks (`router`); one that cannot be
@@ -171,34 +170,28 @@ impl Inner {
             return Ok(());
         };
         let rk = route_key.unwrap_or(first);
+        let release = match release_after {
+            true => Release::After(&self.releases),
+            false => Release::Now,
+        };
         if self.cfg.backend == BackendKind::Cxl {
-            return self.load_in_place(keys, rk, sink, release_after);
+            return self.with_pool(rk, (), |p| Self::load_in_place(p, keys, sink, release));
         }
-        if !release_after {
-            return self.with_pool(rk, (), |p| p.load(keys, sink, None));
-        }
-        self.with_pool(rk, (), |p| {
-            let mut held = Vec::new();
-            let by = Deadline::after(self.timeout());
-            let r = p.load(keys, sink, Some(&mut held));
-            self.release_later(p, held, by);
-            r
-        })
+        self.with_pool(rk, (), |p| p.load(keys, sink, release))
     }
 
     /// `cxl` loads: leases and views, then the copies out of the shared mapping with
     /// no lock held (each view keeps its mapping, each lease its page), then the
-    /// release (or after the call, `release_after`).
-    pub(super) fn load_in_place(
-        &self,
+    /// release, by the same session, as `release` says.
+    fn load_in_place(
+        p: &Arc<StoragePool>,
         keys: &[String],
-        rk: &str,
         sink: &mut crate::worker::movers::ReadSink<'_>,
-        release_after: bool,
+        release: Release<'_>,
     ) -> Result<(), WorkerError> {
         // One deadline for the request's calls: the leases, and their release.
-        let by = Deadline::after(self.timeout());
-        let got = self.with_pool(rk, vec![None; keys.len()], |p| p.acquire_views(keys, by))?;
+        let by = p.deadline();
+        let got = p.acquire_views(keys, by)?;
         let mut leases = Vec::with_capacity(got.len());
         for (i, g) in got.iter().enumerate() {
             if let Some((lease, view)) = g {
@@ -206,16 +199,7 @@ impl Inner {
                 leases.push(lease.lease_id);
             }
         }
-        if !leases.is_empty() {
-            self.with_pool(rk, (), |p| {
-                if release_after {
-                    self.release_later(p, leases, by);
-                } else {
-                    p.release_leases(leases, by);
-                }
-                Ok(())
-            })?;
-        }
+        p.release(leases, by, release);
         Ok(())
     }
 }
@@ -223,7 +207,7 @@ impl Inner {
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
 pub struct Handler {
     inner: Arc<Inner>,
-    /// The heartbeat, tick and release threads (see `background`, `releases`).
+    /// The heartbeat, tick and release threads (see `background`, `ReleaseQueue`).
     background: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -273,7 +257,7 @@ impl Handler {
             ops: OpStats::default(),
             skips: Mutex::default(),
             hook: crate::worker::hook::memory_hook(),
-            releases: releases::Deferred::new(),
+            releases: ReleaseQueue::default(),
         });
         let mut failed = Vec::new();
         let mut opened = 0;
@@ -317,7 +301,7 @@ impl Handler {
                 .spawn(move || match job {
                     0 => bg.heartbeats(),
                     1 => bg.ticks(),
-                    _ => bg.releases(),
+                    _ => bg.releases.send(bg.timeout()),
                 });
             match spawned {
                 Ok(h) => background.push(h),
@@ -433,7 +417,7 @@ impl Handler {
     }
 
     /// As [`load_each`](Self::load_each), except that the leases are given back after
-    /// the call, by the handler's `maru-release` thread (see `releases`): for a caller
+    /// the call, by the handler's `maru-release` thread (see `ReleaseQueue`): for a caller
     /// that copies the bytes out inside `f` (`maru_load_pieces`).
     pub fn load_each_release_after(
         &self,

@@ -1,7 +1,14 @@
 //! Loads of a pool: leases → the mover reads (or, on `cxl`, views in place) → the
-//! leases are released. A read that fails says why in the pool's stats. The leases
-//! are taken and released without a pool lock; on `cxl` the copies run without one
-//! too (each view keeps its mapping alive, each lease its page from reuse).
+//! leases are released, before the call returns or after it ([`Release`]). A read
+//! that fails says why in the pool's stats. The leases are taken and released without
+//! a pool lock; on `cxl` the copies run without one too (each view keeps its mapping
+//! alive, each lease its page from reuse).
+//!
+//! Leases released after the call (`maru_load_pieces`) wait in the handler's
+//! [`ReleaseQueue`], sent by its `maru-release` thread ([`ReleaseQueue::send`]). At
+//! most [`MAX_QUEUED_RELEASES`] wait; a full queue makes the load release inline. At
+//! close the queue is sent, all of it by one `timeout_ms` deadline, before the
+//! sessions close.
 
 use super::{LeaseReader, StoragePool};
 use crate::wire::meta::LeaseGrant;
@@ -9,39 +16,146 @@ use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{ReadSink, View};
 use crate::worker::staging::Slot;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// How a load's leases end once its bytes are handed over.
+#[derive(Clone, Copy)]
+pub enum Release<'q> {
+    /// Released before the call returns.
+    Now,
+    /// Queued for the handler's `maru-release` thread, so the call does not wait for
+    /// that round trip (`maru_load_pieces`); released now when the queue is full or
+    /// closing.
+    After(&'q ReleaseQueue),
+}
+
+/// Releases queued at most; one more is sent inline by the load that has it.
+pub const MAX_QUEUED_RELEASES: usize = 64;
+
+/// The leases of loads that returned, each with its pool, for the release thread.
+pub type ReleaseQueue = Deferred<(Arc<StoragePool>, Vec<u64>)>;
+
+impl ReleaseQueue {
+    /// The release thread: sends each queued release with the session's own call
+    /// timeout; once the queue is closed, what is left by one deadline `drain` from
+    /// then. Returns when the queue is closed and empty.
+    pub fn send(&self, drain: Duration) {
+        let mut drain_by: Option<Deadline> = None;
+        while let Some(((pool, ids), closing)) = self.next() {
+            let by = match closing {
+                true => *drain_by.get_or_insert_with(|| Deadline::after(drain)),
+                false => pool.session.call_deadline(),
+            };
+            pool.release_leases(ids, by);
+        }
+    }
+}
+
+/// A bounded queue of items for one consumer thread, which drains it once closed.
+pub struct Deferred<T> {
+    state: Mutex<Queue<T>>,
+    ready: Condvar,
+}
+
+struct Queue<T> {
+    items: VecDeque<T>,
+    /// Set by `close`: the consumer takes what is left, then ends.
+    closing: bool,
+}
+
+impl<T> Default for Deferred<T> {
+    fn default() -> Deferred<T> {
+        Deferred {
+            state: Mutex::new(Queue {
+                items: VecDeque::new(),
+                closing: false,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+}
+
+impl<T> Deferred<T> {
+    /// Queues `item` for the consumer; gives it back (`Err`) when
+    /// `MAX_QUEUED_RELEASES` wait already or the queue is closing: the caller then
+    /// does the work itself.
+    fn push(&self, item: T) -> Result<(), T> {
+        let Ok(mut q) = self.state.lock() else {
+            return Err(item);
+        };
+        if q.closing || q.items.len() >= MAX_QUEUED_RELEASES {
+            return Err(item);
+        }
+        q.items.push_back(item);
+        drop(q);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next item, waiting for one (no lock held by the caller meanwhile); with
+    /// whether the queue is closing. None once it is closed and empty.
+    fn next(&self) -> Option<(T, bool)> {
+        let mut q = self.state.lock().ok()?;
+        loop {
+            if let Some(item) = q.items.pop_front() {
+                return Some((item, q.closing));
+            }
+            if q.closing {
+                return None;
+            }
+            q = self.ready.wait(q).ok()?;
+        }
+    }
+
+    /// No more items are taken; the consumer drains what is queued and ends.
+    pub fn close(&self) {
+        if let Ok(mut q) = self.state.lock() {
+            q.closing = true;
+        }
+        self.ready.notify_all();
+    }
+
+    /// Items waiting now.
+    pub fn len(&self) -> usize {
+        self.state.lock().map_or(0, |q| q.items.len())
+    }
+}
 
 impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
-    /// during the call). Chunks not handed over missed or failed. `keep`: the leases'
-    /// ids go there for the caller to release, instead of being released here.
+    /// during the call). Chunks not handed over missed or failed. The leases end as
+    /// `release` says, also when a batch failed.
     pub fn load(
-        &self,
+        self: &Arc<Self>,
         keys: &[String],
         sink: &mut ReadSink<'_>,
-        mut keep: Option<&mut Vec<u64>>,
+        release: Release<'_>,
     ) -> Result<(), WorkerError> {
         let by = self.deadline();
+        let mut held = Vec::new();
+        let mut r = Ok(());
         for (c, part) in keys.chunks(self.max_batch).enumerate() {
             let base = c * self.max_batch;
-            self.load_some(
-                part,
-                by,
-                keep.as_deref_mut(),
-                &mut |lease_ix, grants, p, by| {
-                    // `cxl`: from its views, no lock held while `sink` runs; `remote_cxl`:
-                    // window by window, by `by`.
-                    let (mut hits, mut bytes) = (0, 0);
-                    let mut each = |k: usize, b: &[u8]| {
-                        hits += 1;
-                        bytes += b.len() as u64;
-                        sink(base + lease_ix[k], b)
-                    };
-                    p.mover.read(grants, &mut each, by);
-                    (hits, bytes)
-                },
-            )?;
+            r = self.load_some(part, by, &mut held, &mut |lease_ix, grants, p, by| {
+                // `cxl`: from its views, no lock held while `sink` runs; `remote_cxl`:
+                // window by window, by `by`.
+                let (mut hits, mut bytes) = (0, 0);
+                let mut each = |k: usize, b: &[u8]| {
+                    hits += 1;
+                    bytes += b.len() as u64;
+                    sink(base + lease_ix[k], b)
+                };
+                p.mover.read(grants, &mut each, by);
+                (hits, bytes)
+            });
+            if r.is_err() {
+                break;
+            }
         }
-        Ok(())
+        self.release(held, by, release);
+        r
     }
 
     /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
@@ -58,8 +172,10 @@ impl StoragePool {
         let parts = slots
             .chunks_mut(self.max_batch)
             .zip(out.chunks_mut(self.max_batch));
+        let mut held = Vec::new();
+        let mut r = Ok(());
         for (keys, (part, got)) in batches.zip(parts) {
-            self.load_some(keys, by, None, &mut |lease_ix, grants, p, by| {
+            r = self.load_some(keys, by, &mut held, &mut |lease_ix, grants, p, by| {
                 let mut ls = Vec::with_capacity(grants.len());
                 let mut gs = Vec::with_capacity(grants.len());
                 let mut ix = Vec::with_capacity(grants.len());
@@ -80,19 +196,23 @@ impl StoragePool {
                     part[i] = o.slot;
                 }
                 (hits, bytes)
-            })?;
+            });
+            if r.is_err() {
+                break;
+            }
         }
-        Ok(out)
+        self.release_leases(held, by);
+        r.map(|()| out)
     }
 
     /// One batch: acquire leases → `read(found indices, their leases, pool)`, which
-    /// answers (hits, bytes) → what the read left, under one lock → release the leases
-    /// (or hand their ids to `keep`).
-    pub(super) fn load_some(
+    /// answers (hits, bytes) → what the read left, under one lock; the leases' ids go
+    /// to `held`, for the caller to release.
+    fn load_some(
         &self,
         keys: &[String],
         by: Deadline,
-        keep: Option<&mut Vec<u64>>,
+        held: &mut Vec<u64>,
         read: &mut LeaseReader<'_>,
     ) -> Result<(), WorkerError> {
         // Only `remote_cxl` has agents that may be away.
@@ -143,11 +263,7 @@ impl StoragePool {
             c.stats.misses += (keys.len() - found.len() + away_n) as u64;
             c.must_report()
         };
-        let ids = grants.iter().map(|g| g.lease_id);
-        match keep {
-            Some(k) => k.extend(ids),
-            None => self.release_leases(ids.collect(), by),
-        }
+        held.extend(grants.iter().map(|g| g.lease_id));
         // A reboot found by this read: every reader misses those keys from now on.
         if must_report {
             self.heartbeat(by)?;
@@ -206,6 +322,26 @@ impl StoragePool {
         Ok(out)
     }
 
+    /// Ends leases of a request as `how` says: now, by its deadline `by`, or queued
+    /// for the release thread (now all the same when the queue is full or closing).
+    pub fn release(self: &Arc<Self>, ids: Vec<u64>, by: Deadline, how: Release<'_>) {
+        let ids = match how {
+            Release::After(q) if !ids.is_empty() => match q.push((self.clone(), ids)) {
+                Ok(()) => return,
+                Err((_, ids)) => {
+                    log::debug!(
+                        "pool {}: {} lease(s) released inline (release queue full or closing)",
+                        self.session.url,
+                        ids.len()
+                    );
+                    ids
+                }
+            },
+            _ => ids,
+        };
+        self.release_leases(ids, by);
+    }
+
     /// Ends leases of a request, by its deadline `by`: one not released in time ends
     /// by itself when its lease times out.
     pub fn release_leases(&self, ids: Vec<u64>, by: Deadline) {
@@ -221,5 +357,56 @@ impl StoragePool {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_gives_the_item_back_and_a_closed_one_is_drained_then_ends() {
+        let q = Deferred::default();
+        for i in 0..MAX_QUEUED_RELEASES {
+            assert!(q.push(i).is_ok());
+        }
+        assert_eq!(
+            q.push(MAX_QUEUED_RELEASES),
+            Err(MAX_QUEUED_RELEASES),
+            "full: the caller does it"
+        );
+        assert_eq!(q.next(), Some((0, false)));
+        assert!(q.push(MAX_QUEUED_RELEASES).is_ok(), "room again");
+        q.close();
+        assert_eq!(q.push(99), Err(99), "closing: the caller does it");
+        // Everything queued before the close still comes out, in order, then None.
+        let rest: Vec<usize> = std::iter::from_fn(|| q.next())
+            .map(|(i, closing)| {
+                assert!(closing);
+                i
+            })
+            .collect();
+        assert_eq!(rest, (1..=MAX_QUEUED_RELEASES).collect::<Vec<_>>());
+        assert_eq!(q.next(), None);
+        assert_eq!(q.len(), 0);
+    }
+
+    #[test]
+    #[allow(clippy::disallowed_methods)] // a test: the consumer runs on a thread
+    fn the_consumer_waits_for_items_and_ends_at_close() {
+        let q = Arc::new(Deferred::default());
+        let c = q.clone();
+        let consumer = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            while let Some((i, _)) = c.next() {
+                got.push(i);
+            }
+            got
+        });
+        for i in 0..10 {
+            q.push(i).unwrap();
+        }
+        q.close();
+        assert_eq!(consumer.join().unwrap(), (0..10).collect::<Vec<_>>());
     }
 }

@@ -22,6 +22,7 @@ use super::error::WorkerError;
 use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
 pub use in_place::{InPlacePage, InPlaceWrite};
+pub use load::{Release, ReleaseQueue, MAX_QUEUED_RELEASES};
 use peers::WriteTargets;
 use session::Session;
 pub use stats::PoolStats;
@@ -194,7 +195,7 @@ impl StoragePool {
     }
 
     /// The deadline of a request starting now.
-    fn deadline(&self) -> Deadline {
+    pub(crate) fn deadline(&self) -> Deadline {
         Deadline::after(self.timeout)
     }
 
