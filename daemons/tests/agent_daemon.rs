@@ -5,8 +5,7 @@ mod support;
 
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::{Client, ClientError, ClientOptions};
-use maru::transport::soft::SoftTransport;
-use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
+use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport};
 use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use maru::wire::ErrorCode;
@@ -105,12 +104,7 @@ fn map_write_read_release_and_a_late_write() {
     for (i, b) in staging[..MIB as usize].iter_mut().enumerate() {
         *b = (i % 253) as u8;
     }
-    let nic = SoftTransport::new("worker-a", Some(p.key.clone()));
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic("worker-a", &p.key, &mut staging);
     let peer = nic.connect(&m.transport, &mut no_bringup).unwrap();
     let w = Op {
         kind: OpKind::Write,

@@ -16,11 +16,14 @@ use std::time::Duration;
 use support::Stack;
 
 fn stack() -> Stack {
-    let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    support::stack("inplace", "256M", false, &args)
+    stack_of("inplace", "256M", false)
+}
+
+/// A stack of regions of 8 MiB, chunks of 64 KiB, over a pool of `pool` (with an
+/// agent when `remote`).
+fn stack_of(tag: &str, pool: &str, remote: bool) -> Stack {
+    let args = support::strings(&["--region-size", "8M", "--chunk-size", "64K"]);
+    support::stack(tag, pool, remote, &args)
 }
 
 fn config(st: &Stack, engine: &str) -> String {
@@ -229,11 +232,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
 
 #[test]
 fn remote_cxl_refuses_writes_in_place_with_the_staging_way_named() {
-    let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    let st = support::stack("inplace-r", "64M", true, &args);
+    let st = stack_of("inplace-r", "64M", true);
     let cfg = st
         .handler_config("remote_cxl", "r", "llama-test", (2, 2))
         .to_string();
