@@ -71,6 +71,21 @@ def engines(
         ]
 
 
+@contextlib.contextmanager
+def compat_handlers(
+    compat_config: Callable[..., Any], backend: str, ns: str, n: int = 2
+) -> Iterator[List[Any]]:
+    """``n`` upstream-compatible handlers (``maru.compat.MaruHandler``) of ``backend``
+    in the cache namespace ``ns``, closed when the block ends."""
+    from maru.compat import MaruHandler
+
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(MaruHandler(compat_config(backend, cache_namespace=ns)))
+            for _ in range(n)
+        ]
+
+
 def check_close_releases(
     h: Any, buf: Any, mv: memoryview, refused: List[Callable[[], Any]]
 ) -> None:
