@@ -6,7 +6,7 @@ mod support;
 
 use maru::wire::meta::Backend;
 use maru::worker::movers;
-use maru::worker::pool::{InPlaceWrite, StoragePool, TestHooks};
+use maru::worker::pool::{InPlacePage, InPlaceWrite, StoragePool, TestHooks};
 use maru::worker::session::Session;
 use maru::worker::Handler;
 use std::collections::BTreeSet;
@@ -34,6 +34,24 @@ fn config(st: &Stack, engine: &str) -> String {
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+/// Each of `pages` written in place with `len` bytes of [`bytes`], page `i` under
+/// the key and seed `of(i)`: the writes to publish.
+fn write_pages(
+    pages: Vec<InPlacePage>,
+    len: usize,
+    of: impl Fn(usize) -> (String, u8),
+) -> Vec<InPlaceWrite> {
+    pages
+        .into_iter()
+        .enumerate()
+        .map(|(i, page)| {
+            let (key, seed) = of(i);
+            page.write(&bytes(seed, len)).unwrap();
+            InPlaceWrite { key, page, len }
+        })
         .collect()
 }
 
@@ -185,18 +203,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
         .iter()
         .map(|p| (p.page.region_id, p.page.page))
         .collect();
-    let writes: Vec<InPlaceWrite> = again
-        .into_iter()
-        .enumerate()
-        .map(|(i, page)| {
-            page.write(&bytes(i as u8, 512)).unwrap();
-            InPlaceWrite {
-                key: format!("t/p{i:03}"),
-                page,
-                len: 512,
-            }
-        })
-        .collect();
+    let writes = write_pages(again, 512, |i| (format!("t/p{i:03}"), i as u8));
     assert!(w.pool.publish_in_place(writes).unwrap().iter().all(|&b| b));
     let keys: Vec<String> = (0..300).map(|i| format!("s/c{i:03}")).collect();
     let data: Vec<Vec<u8>> = (0..300).map(|i| bytes(i as u8, 2048)).collect();
@@ -214,18 +221,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
         "a page taken for writing in place was handed to a store"
     );
     // The kept pages are still the taker's: it publishes them.
-    let writes: Vec<InPlaceWrite> = kept
-        .into_iter()
-        .enumerate()
-        .map(|(i, page)| {
-            page.write(&bytes(200 + i as u8, 300)).unwrap();
-            InPlaceWrite {
-                key: format!("k/{i}"),
-                page,
-                len: 300,
-            }
-        })
-        .collect();
+    let writes = write_pages(kept, 300, |i| (format!("k/{i}"), 200 + i as u8));
     assert!(w.pool.publish_in_place(writes).unwrap().iter().all(|&b| b));
     w.pool.close(w.pool.session.call_deadline()).unwrap();
 }
