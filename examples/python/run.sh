@@ -9,10 +9,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$(cd "${1:-$root/target/debug}" && pwd)
 py=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3 )}
-for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl libmaru.so; do
-    [ -e "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
-done
 source "$root/scripts/daemons-lib.sh"
+maru_need_built "cargo build -p maru -p maru-daemons --bins --lib" \
+    "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$bin/libmaru.so"
 work=$(mktemp -d /tmp/maru-example-py.XXXXXX)
 pool=/dev/shm/maru-example-py-$$
 trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
