@@ -13,6 +13,14 @@ maru_need_built() {
     done
 }
 
+# maru_scratch NAME: a scratch directory $work (/tmp/NAME.XXXXXX) and the path $pool
+# (/dev/shm/NAME-PID) for a fake DAX file; on exit every daemon stops and both go.
+maru_scratch() {
+    work=$(mktemp -d "/tmp/$1.XXXXXX")
+    pool=/dev/shm/$1-$$
+    trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+}
+
 # maru_start READY-FILE BINARY ARGS...: starts a daemon in the background, waits (≤ 10 s)
 # until it listens, and prints its address. Call it directly, not in $(...): a subshell
 # would lose the pid that maru_stop_all needs (read the address from READY-FILE).

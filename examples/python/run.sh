@@ -12,9 +12,7 @@ py=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python"
 source "$root/scripts/daemons-lib.sh"
 maru_need_built "cargo build -p maru -p maru-daemons --bins --lib" \
     "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$bin/libmaru.so"
-work=$(mktemp -d /tmp/maru-example-py.XXXXXX)
-pool=/dev/shm/maru-example-py-$$
-trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+maru_scratch maru-example-py
 export RUST_LOG=${RUST_LOG:-warn} MARU_LIB="$bin/libmaru.so" PYTHONPATH="$root/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 maru_start_one_host "$bin" "$work" "$pool"
 # maru-server made its key on first start; the engines prove it (server_key_file).
