@@ -22,4 +22,13 @@ static inline uint32_t fnv(const uint8_t *p, size_t n) {
     return h;
 }
 
+/* Fills len bytes of buf with the xorshift32 stream from seed x (not 0): the bytes a
+ * test stores and expects back. */
+static inline void fill_pattern(uint8_t *buf, size_t len, uint32_t x) {
+    for (size_t k = 0; k < len; k++) {
+        x ^= x << 13; x ^= x >> 17; x ^= x << 5;
+        buf[k] = (uint8_t)x;
+    }
+}
+
 #endif

@@ -14,11 +14,7 @@
 
 static size_t fill(uint8_t *buf, int i) {
     size_t len = 1000 + (size_t)(i * 271) % (MAXLEN - 1000);
-    uint32_t x = (uint32_t)i * 2654435761u + 1;
-    for (size_t k = 0; k < len; k++) {
-        x ^= x << 13; x ^= x >> 17; x ^= x << 5;
-        buf[k] = (uint8_t)x;
-    }
+    fill_pattern(buf, len, (uint32_t)i * 2654435761u + 1);
     return len;
 }
 

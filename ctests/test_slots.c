@@ -23,11 +23,7 @@
 
 static size_t fill(uint8_t *buf, size_t cap, int i) {
     size_t len = 512 + (size_t)(i * 797) % (cap - 512);
-    uint32_t x = (uint32_t)i * 2654435761u + 7;
-    for (size_t k = 0; k < len; k++) {
-        x ^= x << 13; x ^= x >> 17; x ^= x << 5;
-        buf[k] = (uint8_t)x;
-    }
+    fill_pattern(buf, len, (uint32_t)i * 2654435761u + 7);
     return len;
 }
 

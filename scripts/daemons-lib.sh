@@ -4,6 +4,23 @@
 # maru-server gives its regions back while the agent and the RM still run.
 maru_pids=()
 
+# maru_need_built HOW FILE...: exits 2, naming the first FILE that does not exist and
+# HOW to build it.
+maru_need_built() {
+    local how=$1 f; shift
+    for f in "$@"; do
+        [ -e "$f" ] || { echo "missing $f: build first ($how)" >&2; exit 2; }
+    done
+}
+
+# maru_scratch NAME: a scratch directory $work (/tmp/NAME.XXXXXX) and the path $pool
+# (/dev/shm/NAME-PID) for a fake DAX file; on exit every daemon stops and both go.
+maru_scratch() {
+    work=$(mktemp -d "/tmp/$1.XXXXXX")
+    pool=/dev/shm/$1-$$
+    trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+}
+
 # maru_start READY-FILE BINARY ARGS...: starts a daemon in the background, waits (≤ 10 s)
 # until it listens, and prints its address. Call it directly, not in $(...): a subshell
 # would lose the pid that maru_stop_all needs (read the address from READY-FILE).

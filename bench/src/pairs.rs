@@ -81,6 +81,13 @@ pub struct PairResult {
     pub load: Compared,
 }
 
+/// Which way a pass moves chunks: stores of new keys, or loads of stored ones.
+#[derive(Clone, Copy)]
+enum Way {
+    Store,
+    Load,
+}
+
 /// One side: its clients' handlers (one shared, or one each) and source/destination
 /// buffers.
 struct Side {
@@ -133,22 +140,39 @@ impl Side {
         Ok(fig)
     }
 
-    /// Each client stores `batches` batches of new keys (`kind`): one pass, timed.
-    fn store_pass(
+    /// Each client stores `batches` batches of new keys (`kind`), or loads the
+    /// `batches` batches it stored under `kind`: one pass, timed.
+    fn batch_pass(
         self: &Arc<Self>,
+        way: Way,
         kind: &str,
         batches: usize,
         chunk: usize,
     ) -> Result<Fig, String> {
         let kind = kind.to_string();
-        self.pass("store", batches, move |side, c, i| {
+        let what = match way {
+            Way::Store => "store",
+            Way::Load => "load",
+        };
+        self.pass(what, batches, move |side, c, i| {
             let keys = side.keys(c, &kind, i);
-            let ptrs: Vec<*const u8> = {
-                let mut r = side.srcs[c].lock().map_err(|_| "poisoned")?;
-                (0..BATCH).map(|_| r.next_ptr() as *const u8).collect()
+            let rotor = match way {
+                Way::Store => &side.srcs[c],
+                Way::Load => &side.dsts[c],
             };
-            side.handler(c).store_batch(&keys, &ptrs, chunk)?;
-            Ok((BATCH * chunk) as u64)
+            let ptrs: Vec<*mut u8> = {
+                let mut r = rotor.lock().map_err(|_| "poisoned")?;
+                (0..BATCH).map(|_| r.next_ptr()).collect()
+            };
+            match way {
+                Way::Store => {
+                    let srcs: Vec<*const u8> =
+                        ptrs.into_iter().map(<*mut u8>::cast_const).collect();
+                    side.handler(c).store_batch(&keys, &srcs, chunk)?;
+                    Ok((BATCH * chunk) as u64)
+                }
+                Way::Load => side.handler(c).load_batch(&keys, &ptrs, chunk),
+            }
         })
     }
 
@@ -160,24 +184,6 @@ impl Side {
             }
         }
         Ok(())
-    }
-
-    /// Each client loads the `batches` batches it stored under `kind`: one pass, timed.
-    fn load_pass(
-        self: &Arc<Self>,
-        kind: &str,
-        batches: usize,
-        chunk: usize,
-    ) -> Result<Fig, String> {
-        let kind = kind.to_string();
-        self.pass("load", batches, move |side, c, i| {
-            let keys = side.keys(c, &kind, i);
-            let bufs: Vec<*mut u8> = {
-                let mut r = side.dsts[c].lock().map_err(|_| "poisoned")?;
-                (0..BATCH).map(|_| r.next_ptr()).collect()
-            };
-            side.handler(c).load_batch(&keys, &bufs, chunk)
-        })
     }
 }
 
@@ -244,7 +250,7 @@ pub fn run(
     let mut pass_secs = 0.0f64;
     for round in 0..2 {
         for side in [&shared, &apart] {
-            let fig = side.store_pass("warm", batches, chunk)?;
+            let fig = side.batch_pass(Way::Store, "warm", batches, chunk)?;
             side.remove_pass("warm", batches)?;
             if round == 1 {
                 pass_secs = pass_secs.max(fig.ops as f64 / fig.ops_per_s.max(1e-12));
@@ -256,16 +262,16 @@ pub fn run(
     let store = alternate(passes, |is_apart, p| {
         let side = side(is_apart);
         let kind = format!("s{p}");
-        let fig = side.store_pass(&kind, batches, chunk)?;
+        let fig = side.batch_pass(Way::Store, &kind, batches, chunk)?;
         side.remove_pass(&kind, batches)?;
         Ok(fig)
     })?;
     // The keys the load passes read, kept.
     for side in [&shared, &apart] {
-        side.store_pass("load", batches, chunk)?;
+        side.batch_pass(Way::Store, "load", batches, chunk)?;
     }
     let load = alternate(passes, |is_apart, _| {
-        side(is_apart).load_pass("load", batches, chunk)
+        side(is_apart).batch_pass(Way::Load, "load", batches, chunk)
     })?;
     drop(shared);
     drop(apart);

@@ -168,12 +168,19 @@ impl Cluster {
         self.s.dir.join("server.key")
     }
 
-    fn agent_args(&self) -> Vec<String> {
+    /// How the agent and maru-server reach the RM: its address and key file.
+    fn rm_flags(&self) -> Vec<String> {
         vec![
             "--rm-address".into(),
             format!("127.0.0.1:{}", self.rm_port),
             "--rm-key-file".into(),
             self.rm_key().display().to_string(),
+        ]
+    }
+
+    fn agent_args(&self) -> Vec<String> {
+        let mut args = self.rm_flags();
+        args.extend([
             "--key-file".into(),
             self.key_path.display().to_string(),
             "--device".into(),
@@ -184,15 +191,13 @@ impl Cluster {
             "1".into(),
             "--boot-id-file".into(),
             self.boot_path.display().to_string(),
-        ]
+        ]);
+        args
     }
 
     fn server_args(&self) -> Vec<String> {
-        vec![
-            "--rm-address".into(),
-            format!("127.0.0.1:{}", self.rm_port),
-            "--rm-key-file".into(),
-            self.rm_key().display().to_string(),
+        let mut args = self.rm_flags();
+        args.extend([
             "--remote-cxl-agent".into(),
             format!("127.0.0.1:{}", self.agent_port),
             "--remote-cxl-agent-key-file".into(),
@@ -211,7 +216,8 @@ impl Cluster {
             // after it is checked like the others.
             "--state-dir".into(),
             self.s.dir.join("server-state").display().to_string(),
-        ]
+        ]);
+        args
     }
 
     fn bin(&self, name: &str) -> String {

@@ -5,9 +5,8 @@ mod support;
 
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::{Client, ClientError, ClientOptions};
-use maru::transport::soft::SoftTransport;
-use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
-use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
+use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport};
+use maru::wire::agent::{AgentReply, AgentRequest, MapReply, SERVICE as AGENT};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use maru::wire::ErrorCode;
 use std::os::unix::fs::FileExt;
@@ -85,14 +84,23 @@ fn holds_of(rm: &mut Client, node: &str) -> usize {
     }
 }
 
-#[test]
-fn map_write_read_release_and_a_late_write() {
-    let p = pool();
-    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
+/// What a test of one mapping starts from: an agent on `p` (its usual flags), the RM
+/// connection maru-server would hold, a 4 MiB region `h` allocated there and mapped
+/// writable by worker-a. Returns worker-a's agent connection, the RM connection, the
+/// map reply, `h` and the agent.
+fn mapped(p: &Pool) -> (Client, Client, MapReply, Handle, Daemon) {
+    let agent = Daemon::start(AGENT_BIN, &agent_args(p, None), &p.s.dir);
     let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
     let h = alloc(&mut rm);
     let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
     let m = map(&mut owner, &h);
+    (owner, rm, m, h, agent)
+}
+
+#[test]
+fn map_write_read_release_and_a_late_write() {
+    let p = pool();
+    let (mut owner, mut rm, m, h, agent) = mapped(&p);
     assert_eq!(m.length, h.length);
     assert!(!m.boot_id.is_empty());
     assert_eq!(
@@ -105,12 +113,7 @@ fn map_write_read_release_and_a_late_write() {
     for (i, b) in staging[..MIB as usize].iter_mut().enumerate() {
         *b = (i % 253) as u8;
     }
-    let nic = SoftTransport::new("worker-a", Some(p.key.clone()));
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic("worker-a", &p.key, &mut staging);
     let peer = nic.connect(&m.transport, &mut no_bringup).unwrap();
     let w = Op {
         kind: OpKind::Write,
@@ -280,11 +283,7 @@ fn start_up_refusals() {
 #[test]
 fn a_range_mapped_again_within_the_quarantine_gets_a_new_key() {
     let p = pool();
-    let agent = Daemon::start(AGENT_BIN, &agent_args(&p, None), &p.s.dir);
-    let mut rm = connect(&p.rm.addr, RM, "maru-server-test");
-    let h = alloc(&mut rm);
-    let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
-    let first = map(&mut owner, &h);
+    let (mut owner, mut rm, first, h, _agent) = mapped(&p);
     let rel: AgentReply = owner
         .call(&AgentRequest::Release { handle: h.clone() })
         .unwrap();

@@ -8,7 +8,7 @@ mod support;
 use maru::auth::SharedKey;
 use maru::net::{Client, ClientError, ClientOptions, Link};
 use maru::transport::soft::SoftTarget;
-use maru::wire::agent::{AgentReply, AgentRequest, SERVICE as AGENT};
+use maru::wire::agent::{AgentReply, AgentRequest};
 use maru::wire::meta::{Backend, MetaReply, MetaRequest, SERVICE as META};
 use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::wire::{self, FrameDecoder, FrameKind};
@@ -16,7 +16,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
-use support::{connect, Daemon, Scratch, RM_BIN, SERVER_BIN};
+use support::{connect, map_writable, Daemon, Scratch, RM_BIN, SERVER_BIN};
 
 const MIB: u64 = 1 << 20;
 
@@ -95,25 +95,14 @@ fn an_rm_makes_its_key_on_first_start_and_refuses_clients_without_it() {
 fn running_the_rm_without_a_key_needs_a_flag_and_warns() {
     let mut s = Scratch::new("att-nokey");
     let pool = s.fake_dax("p");
-    let ready = s.dir.join("ready");
-    let mut child = Command::new(RM_BIN)
-        .args([
-            "--state-dir",
-            &s.dir.join("rm").display().to_string(),
-            "--fake-dax",
-            &format!("{}:64M", pool.display()),
-            "--insecure-no-key",
-            "--port",
-            "0",
-            "--ready-file",
-            &ready.display().to_string(),
-        ])
+    let mut cmd = Command::new(RM_BIN);
+    cmd.args(support::rm_args(&s, &pool, "64M"))
+        .arg("--insecure-no-key")
         .env("RUST_LOG", "warn")
         .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    assert!(support::wait_until(Duration::from_secs(10), || ready.exists()));
+        .stdout(std::process::Stdio::null());
+    let (mut child, _) =
+        support::spawn_listening(&mut cmd, &s.dir, 0).expect("the RM starts without a key");
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -255,39 +244,12 @@ fn alloc_4mib(n: &support::MemoryNode) -> maru::wire::rm::Handle {
 
 /// A 4 MiB region allocated at the RM at `rm` (started here, with its key).
 fn alloc_4mib_at(rm: &str) -> maru::wire::rm::Handle {
-    let mut rmc = connect(rm, RM, "maru-server-test");
-    match rmc
-        .call::<_, RmReply>(&RmRequest::Alloc {
-            size: 4 * MIB,
-            pool: None,
-            request_id: 0,
-        })
-        .unwrap()
-    {
-        RmReply::Alloc(a) => a.handle,
-        r => panic!("{r:?}"),
-    }
-}
-
-/// Maps region `h` writable over `c` (as a storing worker does).
-fn map_writable(c: &mut Client, h: &maru::wire::rm::Handle) -> maru::wire::agent::MapReply {
-    match c
-        .call::<_, AgentReply>(&AgentRequest::Map {
-            handle: h.clone(),
-            writable: true,
-        })
-        .unwrap()
-    {
-        AgentReply::Mapped(m) => m,
-        r => panic!("{r:?}"),
-    }
+    support::rm_alloc(&mut connect(rm, RM, "maru-server-test"), 4 * MIB)
 }
 
 /// A connection to the node's agent with its key, under client id `id`.
 fn agent_client(n: &support::MemoryNode, id: &str) -> Client {
-    let mut o = ClientOptions::new(AGENT, id);
-    o.key = Some(n.key.clone());
-    Client::connect(&n.agent.addr, &o).unwrap()
+    support::agent_client(&n.agent.addr, &n.key, id)
 }
 
 /// 5: at the agent a region belongs to the connection that mapped it: another
@@ -297,10 +259,9 @@ fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
     let mut s = Scratch::new("att-holder");
     let n = support::memory_node(&mut s, "64M");
     let h = alloc_4mib(&n);
-    let agent = |id: &str| agent_client(&n, id);
-    let mut owner = agent("worker-1");
+    let mut owner = agent_client(&n, "worker-1");
     let m = map_writable(&mut owner, &h);
-    let mut thief = agent("worker-1");
+    let mut thief = agent_client(&n, "worker-1");
     match thief
         .call::<_, AgentReply>(&AgentRequest::Unmap {
             region_id: h.region_id,
@@ -330,8 +291,14 @@ fn another_connection_with_the_same_client_id_cannot_unmap_a_region() {
     assert_ne!(m.rkey, 0);
 }
 
+/// An RM and maru-server on it (regions of 4 MiB, chunks of 1 MiB, then `extra`).
 fn meta(s: &mut Scratch, extra: &[&str]) -> (Daemon, Daemon) {
     let r = rm(s, &[]);
+    (server_on(s, &r, extra), r)
+}
+
+/// maru-server on the RM `r` (regions of 4 MiB, chunks of 1 MiB, then `extra`).
+fn server_on(s: &Scratch, r: &Daemon, extra: &[&str]) -> Daemon {
     let mut args = vec![
         "--rm-address".to_string(),
         r.addr.clone(),
@@ -341,8 +308,7 @@ fn meta(s: &mut Scratch, extra: &[&str]) -> (Daemon, Daemon) {
         "1M".into(),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    let srv = Daemon::start(SERVER_BIN, &args, &s.dir);
-    (srv, r)
+    Daemon::start(SERVER_BIN, &args, &s.dir)
 }
 
 fn open_session(c: &mut Client) -> (u64, Option<String>) {
@@ -357,6 +323,21 @@ fn open_session(c: &mut Client) -> (u64, Option<String>) {
         .unwrap()
     {
         MetaReply::Session(s) => (s.session, s.session_secret),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// One page allocated in `session` over `c`.
+fn alloc_page(c: &mut Client, session: u64) -> maru::wire::meta::PageGrant {
+    match c
+        .call::<_, MetaReply>(&MetaRequest::Alloc {
+            session,
+            count: 1,
+            route_key: None,
+        })
+        .unwrap()
+    {
+        MetaReply::Pages(p) => p.pages[0],
         r => panic!("{r:?}"),
     }
 }
@@ -410,8 +391,6 @@ fn server_by_hand(
     log: std::fs::File,
 ) -> (std::process::Child, String, Daemon) {
     let r = rm(s, &[]);
-    let ready = s.dir.join("server-ready");
-    let _ = std::fs::remove_file(&ready);
     let mut cmd = Command::new(SERVER_BIN);
     cmd.args([
         "--rm-address",
@@ -422,23 +401,14 @@ fn server_by_hand(
         "4M",
         "--chunk-size",
         "1M",
-        "--port",
-        "0",
-        "--ready-file",
-        &ready.display().to_string(),
     ])
     .args(args)
     .env("HOME", home)
     .env_remove("MARU_SERVER_KEY_FILE")
     .env("RUST_LOG", "warn")
-    .stdin(std::process::Stdio::null())
     .stdout(std::process::Stdio::null())
     .stderr(log);
-    let child = cmd.spawn().unwrap();
-    assert!(support::wait_until(Duration::from_secs(15), || {
-        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
-    }));
-    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+    let (child, addr) = support::spawn_listening(&mut cmd, &s.dir, 0).expect("maru-server starts");
     (child, addr, r)
 }
 
@@ -508,30 +478,15 @@ fn rm_logging(
     extra: &[&str],
 ) -> (std::process::Child, String, std::path::PathBuf) {
     let pool = s.fake_dax("p");
-    let ready = s.dir.join("ready");
     let log_path = s.dir.join("rm.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let child = Command::new(RM_BIN)
-        .args([
-            "--state-dir",
-            &s.dir.join("rm").display().to_string(),
-            "--fake-dax",
-            &format!("{}:64M", pool.display()),
-            "--port",
-            "0",
-            "--ready-file",
-            &ready.display().to_string(),
-        ])
+    let mut cmd = Command::new(RM_BIN);
+    cmd.args(support::rm_args(s, &pool, "64M"))
         .args(extra)
         .env("RUST_LOG", "info")
         .stderr(log)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    assert!(support::wait_until(Duration::from_secs(10), || {
-        std::fs::read_to_string(&ready).is_ok_and(|t| t.ends_with('\n'))
-    }));
-    let addr = std::fs::read_to_string(&ready).unwrap().trim().to_string();
+        .stdout(std::process::Stdio::null());
+    let (child, addr) = support::spawn_listening(&mut cmd, &s.dir, 0).expect("the RM starts");
     (child, addr, log_path)
 }
 
@@ -571,14 +526,11 @@ fn an_existing_pool_file_others_can_write_is_refused() {
     let pool = s.fake_dax("planted");
     std::fs::write(&pool, b"").unwrap();
     std::fs::set_permissions(&pool, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let (code, err) = support::refused_start(Command::new(RM_BIN).args([
-        "--state-dir",
-        &s.dir.join("rm").display().to_string(),
-        "--fake-dax",
-        &format!("{}:64M", pool.display()),
-        "--port",
-        "0",
-    ]));
+    let (code, err) = support::refused_start(
+        Command::new(RM_BIN)
+            .args(support::rm_args(&s, &pool, "64M"))
+            .args(["--port", "0"]),
+    );
     assert_eq!(code, Some(78), "{err}");
     assert!(err.contains("others can write"), "{err}");
 }
@@ -661,26 +613,15 @@ fn the_soft_nic_bounds_connections_before_the_key_proof() {
 /// connection: a bad-key completion, nothing written; A's own key works.
 #[test]
 fn a_worker_cannot_write_another_workers_region_with_its_key() {
-    use maru::transport::soft::SoftTransport;
-    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport};
+    use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport};
     let mut s = Scratch::new("att-keys");
     let n = support::memory_node(&mut s, "64M");
     let h = alloc_4mib(&n);
-    let agent = |id: &str| agent_client(&n, id);
     let map = |c: &mut Client| map_writable(c, &h);
-    let (mut a, mut b) = (agent("worker-a"), agent("worker-b"));
+    let (mut a, mut b) = (agent_client(&n, "worker-a"), agent_client(&n, "worker-b"));
     let (ma, mb) = (map(&mut a), map(&mut b));
     assert_ne!(ma.rkey, mb.rkey, "each connection gets its own key");
     assert_ne!(ma.transport, mb.transport, "and its own data-path binding");
-    let transport = |id: &str, staging: &mut Vec<u8>| {
-        let t = SoftTransport::new(id, Some(n.key.clone()));
-        t.register_local(LocalBuffer {
-            ptr: staging.as_mut_ptr(),
-            len: staging.len(),
-        })
-        .unwrap();
-        t
-    };
     let write = |rkey, fill: u8| Op {
         kind: OpKind::Write,
         local_offset: u64::from(fill == 0xBB) * 4096,
@@ -690,7 +631,7 @@ fn a_worker_cannot_write_another_workers_region_with_its_key() {
     };
     let mut staging = vec![0xAAu8; 8192];
     staging[4096..].fill(0xBB);
-    let tb = transport("worker-b", &mut staging);
+    let tb = support::soft_nic("worker-b", &n.key, &mut staging);
     let pb = tb.connect(&mb.transport, &mut no_bringup).unwrap();
     let stolen = tb.post(pb, &[write(ma.rkey, 0xBB)]).unwrap();
     assert!(
@@ -701,7 +642,7 @@ fn a_worker_cannot_write_another_workers_region_with_its_key() {
         "B wrote with A's key"
     );
     // A's key on A's own data path works, and the bytes are A's.
-    let ta = transport("worker-a", &mut staging);
+    let ta = support::soft_nic("worker-a", &n.key, &mut staging);
     let pa = ta.connect(&ma.transport, &mut no_bringup).unwrap();
     let w = ta.post(pa, &[write(ma.rkey, 0xAA)]).unwrap();
     assert_eq!(ta.wait(w, Duration::from_secs(10)), BatchState::Done);
@@ -739,8 +680,7 @@ fn threads() -> usize {
 /// use that worker's key.
 #[test]
 fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
-    use maru::transport::soft::SoftTransport;
-    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
+    use maru::transport::{no_bringup, BatchState, Op, OpKind, Target, Transport};
     let (key, t) = keyed_soft_target();
     let addr = t.local_addr().to_string();
     let before = threads();
@@ -785,12 +725,7 @@ fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
     for (i, b) in staging[..1 << 19].iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    let nic = SoftTransport::new("worker", Some(key.clone()));
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic("worker", &key, &mut staging);
     let peer = nic.connect(&reg.transport, &mut no_bringup).unwrap();
     let op = |kind, local_offset| Op {
         kind,
@@ -809,13 +744,7 @@ fn the_soft_nic_serves_proven_connections_without_a_thread_each() {
     // SAFETY: as above.
     let other = unsafe { t.register(2, other_region.as_mut_ptr(), 4096, true) }.unwrap();
     let mut other_staging = vec![0u8; 4096];
-    let intruder = SoftTransport::new("worker-b", Some(key));
-    intruder
-        .register_local(LocalBuffer {
-            ptr: other_staging.as_mut_ptr(),
-            len: 4096,
-        })
-        .unwrap();
+    let intruder = support::soft_nic("worker-b", &key, &mut other_staging);
     let p2 = intruder.connect(&other.transport, &mut no_bringup).unwrap();
     let mut steal = op(OpKind::Write, 0);
     steal.len = 4096;
@@ -864,28 +793,21 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
     });
     let key = s.dir.join("agent.key");
     maru::auth::keyfile::write_new_key_file(&key, &SharedKey::generate().unwrap()).unwrap();
-    let srv = Daemon::start(
-        SERVER_BIN,
+    let srv = server_on(
+        &s,
+        &r,
         &[
-            "--rm-address".into(),
-            r.addr.clone(),
-            "--remote-cxl-agent".into(),
-            stopped_addr,
-            "--remote-cxl-agent-key-file".into(),
-            key.display().to_string(),
-            "--region-size".into(),
-            "4M".into(),
-            "--chunk-size".into(),
-            "1M".into(),
-            "--session-timeout-s".into(),
-            "1".into(),
+            "--remote-cxl-agent",
+            &stopped_addr,
+            "--remote-cxl-agent-key-file",
+            &key.display().to_string(),
+            "--session-timeout-s",
+            "1",
         ],
-        &s.dir,
     );
     let mut observer = connect(&srv.addr, META, "observer");
     let (obs, _) = open_session(&mut observer);
-    let mut exists = |n: usize| exists_timings(&mut observer, obs, n);
-    let normal = p99(exists(400));
+    let normal = p99(exists_timings(&mut observer, obs, 400));
     // A writer on the stopped agent's region publishes a key and goes away: at its
     // session's expiry the keeper takes the region over and maps it at that agent.
     let mut victim = connect(&srv.addr, META, "writer");
@@ -908,17 +830,7 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
         ),
         r => panic!("{r:?}"),
     };
-    let page = match victim
-        .call::<_, MetaReply>(&MetaRequest::Alloc {
-            session: vs,
-            count: 1,
-            route_key: None,
-        })
-        .unwrap()
-    {
-        MetaReply::Pages(p) => p.pages[0],
-        r => panic!("{r:?}"),
-    };
+    let page = alloc_page(&mut victim, vs);
     assert_eq!(page.region_id, region);
     victim
         .call::<_, MetaReply>(&MetaRequest::Publish {
@@ -928,21 +840,12 @@ fn a_stopped_agent_does_not_stall_other_sessions() {
         .unwrap();
     drop(victim);
     // The keeper's calls hang for the agent's call timeout (5 s) each.
-    let start = Instant::now();
-    let mut during = Vec::new();
-    while start.elapsed() < Duration::from_secs(8) {
-        during.extend(exists(50));
-    }
+    let during = exists_timings_for(&mut observer, obs, 8);
     assert!(
         !held.lock().unwrap().is_empty(),
         "the keeper never called the stopped agent"
     );
-    let worst = *during.iter().max().unwrap();
-    let busy = p99(during);
-    assert!(
-        worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
-        "exists p99 {busy:?} (worst {worst:?}) with the agent stopped, {normal:?} normally"
-    );
+    assert_exists_stayed_fast(during, normal, "the agent stopped");
 }
 
 /// Units: a file limit above the connection cap, readiness once listening
@@ -1014,14 +917,8 @@ fn the_rm_notifies_systemd_once_it_listens() {
         .unwrap();
     let pool = s.fake_dax("p");
     let mut child = Command::new(RM_BIN)
-        .args([
-            "--state-dir",
-            &s.dir.join("rm").display().to_string(),
-            "--fake-dax",
-            &format!("{}:64M", pool.display()),
-            "--port",
-            "0",
-        ])
+        .args(support::rm_args(&s, &pool, "64M"))
+        .args(["--port", "0"])
         .env("NOTIFY_SOCKET", &sock_path)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -1042,20 +939,7 @@ fn the_rm_notifies_systemd_once_it_listens() {
 fn a_quiet_maru_server_keeps_its_regions_through_the_rms_idle_timeout() {
     let mut s = Scratch::new("att-quiet");
     let r = rm(&mut s, &["--idle-timeout-s", "1", "--grace-period-s", "1"]);
-    let srv = Daemon::start(
-        SERVER_BIN,
-        &[
-            "--rm-address".into(),
-            r.addr.clone(),
-            "--region-size".into(),
-            "4M".into(),
-            "--chunk-size".into(),
-            "1M".into(),
-            "--session-timeout-s".into(),
-            "60".into(),
-        ],
-        &s.dir,
-    );
+    let srv = server_on(&s, &r, &["--session-timeout-s", "60"]);
     let mut w = connect(&srv.addr, META, "quiet");
     let _ = open_session(&mut w);
     let mut obs = connect(&r.addr, RM, "observer");
@@ -1090,32 +974,65 @@ fn exists_timings(c: &mut Client, id: u64, n: usize) -> Vec<Duration> {
         .collect()
 }
 
-/// 6 (the RM side): with the RM stopped (SIGSTOP), maru-server's periodic check of its
-/// regions at the RM runs off its loop: sessions that do not need the RM stay fast.
-#[test]
-fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
-    let mut s = Scratch::new("att-rmstop");
-    let (srv, r) = meta(&mut s, &[]);
-    let mut c = connect(&srv.addr, META, "engine");
-    // The session's region makes the server check its regions at the RM every second.
-    let (id, _) = open_session(&mut c);
-    let mut exists = |n: usize| exists_timings(&mut c, id, n);
-    let normal = p99(exists(400));
-    let pid = r.child.id() as i32;
-    // SAFETY: signals to a child this test started.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+/// [`exists_timings`] of session `id` over `c`, 50 calls at a time, for `secs` seconds.
+fn exists_timings_for(c: &mut Client, id: u64, secs: u64) -> Vec<Duration> {
     let start = Instant::now();
     let mut during = Vec::new();
-    while start.elapsed() < Duration::from_secs(7) {
-        during.extend(exists(50));
+    while start.elapsed() < Duration::from_secs(secs) {
+        during.extend(exists_timings(c, id, 50));
     }
-    unsafe { libc::kill(pid, libc::SIGCONT) };
+    during
+}
+
+/// Asserts that the `exists` calls timed `during` a stall (`what`) stayed fast: none
+/// took a second, and their p99 is at most twice the `normal` p99 (plus 2 ms).
+fn assert_exists_stayed_fast(during: Vec<Duration>, normal: Duration, what: &str) {
     let worst = *during.iter().max().unwrap();
     let busy = p99(during);
     assert!(
         worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
-        "exists p99 {busy:?} (worst {worst:?}) with the RM stopped, {normal:?} normally"
+        "exists p99 {busy:?} (worst {worst:?}) with {what}, {normal:?} normally"
     );
+}
+
+/// maru-server on an RM (see [`meta`]), an engine's connection `c` to it with a session
+/// `id` of its own, and the p99 of 400 `exists` of that session before anything
+/// stalls. Fields drop in order: the daemons before their scratch directory.
+struct Engine {
+    c: Client,
+    id: u64,
+    normal: Duration,
+    srv: Daemon,
+    rm: Daemon,
+    _s: Scratch,
+}
+
+fn engine_on_meta(tag: &str) -> Engine {
+    let mut s = Scratch::new(tag);
+    let (srv, rm) = meta(&mut s, &[]);
+    let mut c = connect(&srv.addr, META, "engine");
+    // The session's region makes the server check its regions at the RM every second.
+    let (id, _) = open_session(&mut c);
+    let normal = p99(exists_timings(&mut c, id, 400));
+    Engine {
+        c,
+        id,
+        normal,
+        srv,
+        rm,
+        _s: s,
+    }
+}
+
+/// 6 (the RM side): with the RM stopped (SIGSTOP), maru-server's periodic check of its
+/// regions at the RM runs off its loop: sessions that do not need the RM stay fast.
+#[test]
+fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
+    let mut e = engine_on_meta("att-rmstop");
+    e.rm.signal(libc::SIGSTOP);
+    let during = exists_timings_for(&mut e.c, e.id, 7);
+    e.rm.signal(libc::SIGCONT);
+    assert_exists_stayed_fast(during, e.normal, "the RM stopped");
 }
 
 /// 6 (the RM side, allocations): with the RM stopped (SIGSTOP) while a session asks
@@ -1124,18 +1041,11 @@ fn a_stopped_rm_does_not_stall_sessions_that_do_not_need_it() {
 /// `ALLOC_WAIT`, and other sessions' `exists` stays within twice its normal p99.
 #[test]
 fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
-    let mut s = Scratch::new("att-rmalloc");
-    let (srv, r) = meta(&mut s, &[]);
-    let mut c = connect(&srv.addr, META, "engine");
-    let (id, _) = open_session(&mut c);
-    let mut exists = |n: usize| exists_timings(&mut c, id, n);
-    let normal = p99(exists(400));
+    let mut e = engine_on_meta("att-rmalloc");
     // The allocating session: every `expand` asks the RM for a region.
-    let mut w = connect(&srv.addr, META, "storer");
+    let mut w = connect(&e.srv.addr, META, "storer");
     let (ws, _) = open_session(&mut w);
-    let pid = r.child.id() as i32;
-    // SAFETY: signals to a child this test started.
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    e.rm.signal(libc::SIGSTOP);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop2 = stop.clone();
     let storer = std::thread::spawn(move || {
@@ -1147,12 +1057,8 @@ fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
         }
         (w, calls)
     });
-    let start = Instant::now();
-    let mut during = Vec::new();
-    while start.elapsed() < Duration::from_secs(7) {
-        during.extend(exists(50));
-    }
-    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let during = exists_timings_for(&mut e.c, e.id, 7);
+    e.rm.signal(libc::SIGCONT);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (mut w, calls) = storer.join().unwrap();
     // It waited (parked) and was answered by the loop later, well before its
@@ -1171,13 +1077,7 @@ fn a_stopped_rm_does_not_stall_other_sessions_while_one_allocates() {
         ),
         "no region after the RM came back"
     );
-    let worst = *during.iter().max().unwrap();
-    let busy = p99(during);
-    assert!(
-        worst < Duration::from_secs(1) && busy <= normal * 2 + Duration::from_millis(2),
-        "exists p99 {busy:?} (worst {worst:?}) with the RM stopped during allocations, \
-         {normal:?} normally"
-    );
+    assert_exists_stayed_fast(during, e.normal, "the RM stopped during allocations");
 }
 
 /// A keyholder of maru-server at `addr` with session of its own: the client and the
@@ -1261,9 +1161,7 @@ fn maru_server_stays_small_and_lets_keyholders_in_under_pre_auth_floods() {
 /// connection of its own (kept in the reply's owner: keep the client open).
 fn own_mapping(rm: &str, agent: &str, key: &SharedKey) -> (Client, maru::wire::agent::MapReply) {
     let handle = alloc_4mib_at(rm);
-    let mut o = ClientOptions::new(AGENT, "soft-flood-owner");
-    o.key = Some(key.clone());
-    let mut c = Client::connect(agent, &o).unwrap();
+    let mut c = support::agent_client(agent, key, "soft-flood-owner");
     let m = map_writable(&mut c, &handle);
     (c, m)
 }
@@ -1276,8 +1174,7 @@ fn own_mapping(rm: &str, agent: &str, key: &SharedKey) -> (Client, maru::wire::a
 /// succeed and a new engine loads 8 of 8 during the flood.
 #[test]
 fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
-    use maru::transport::soft::SoftTransport;
-    use maru::transport::{no_bringup, LocalBuffer, Transport};
+    use maru::transport::{no_bringup, Transport};
     use maru::worker::Handler;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
@@ -1327,12 +1224,7 @@ fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
     let mut staging = vec![0u8; 4096];
     let mut connected = 0;
     for i in 0..80 {
-        let t = SoftTransport::new(format!("softflood-worker-{i}"), Some(key.clone()));
-        t.register_local(LocalBuffer {
-            ptr: staging.as_mut_ptr(),
-            len: staging.len(),
-        })
-        .unwrap();
+        let t = support::soft_nic(format!("softflood-worker-{i}"), &key, &mut staging);
         if t.connect(&m.transport, &mut no_bringup).is_ok() {
             connected += 1;
         }
@@ -1364,8 +1256,8 @@ fn a_keyless_flood_of_the_soft_port_keeps_neither_workers_nor_engines_out() {
 /// 10 workers connect and write meanwhile.
 #[test]
 fn a_key_holder_hoarding_unbound_data_connections_does_not_keep_workers_out() {
-    use maru::transport::soft::{proto, SoftTransport};
-    use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Target, Transport};
+    use maru::transport::soft::proto;
+    use maru::transport::{no_bringup, BatchState, Op, OpKind, Target, Transport};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
     let (key, t) = keyed_soft_target();
@@ -1405,12 +1297,7 @@ fn a_key_holder_hoarding_unbound_data_connections_does_not_keep_workers_out() {
     let mut staging = vec![0x77u8; 4096];
     let mut wrote = 0;
     for i in 0..10 {
-        let w = SoftTransport::new(format!("hoard-worker-{i}"), Some(key.clone()));
-        w.register_local(LocalBuffer {
-            ptr: staging.as_mut_ptr(),
-            len: staging.len(),
-        })
-        .unwrap();
+        let w = support::soft_nic(format!("hoard-worker-{i}"), &key, &mut staging);
         let Ok(peer) = w.connect(&reg.transport, &mut no_bringup) else {
             continue;
         };
@@ -1727,6 +1614,14 @@ fn open_in(c: &mut Client, ns: &str, first_region: bool) -> Result<MetaReply, Cl
     })
 }
 
+/// The id of a session opened in `ns` over `c` (see [`open_in`]).
+fn session_in(c: &mut Client, ns: &str, first_region: bool) -> u64 {
+    match open_in(c, ns, first_region).unwrap() {
+        MetaReply::Session(s) => s.session,
+        r => panic!("{r:?}"),
+    }
+}
+
 fn code_of(r: Result<MetaReply, ClientError>) -> maru::wire::ErrorCode {
     match r {
         Err(ClientError::Remote(e)) => e.code,
@@ -1768,25 +1663,9 @@ fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
     }
     // 2. By hand: a page of its own, published under the victim's namespace.
     let mut raw = t.client(&t.attacker_key, "attacker-raw");
-    let spy = match open_in(&mut raw, "victim-model", false).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
-    let own = match open_in(&mut raw, "attacker-model", true).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
-    let page = match raw
-        .call::<_, MetaReply>(&MetaRequest::Alloc {
-            session: own,
-            count: 1,
-            route_key: None,
-        })
-        .unwrap()
-    {
-        MetaReply::Pages(p) => p.pages[0],
-        r => panic!("{r:?}"),
-    };
+    let spy = session_in(&mut raw, "victim-model", false);
+    let own = session_in(&mut raw, "attacker-model", true);
+    let page = alloc_page(&mut raw, own);
     let forged = MetaRequest::Publish {
         session: spy,
         entries: vec![page.entry(keys[0].clone(), chunk as u64)],
@@ -1879,10 +1758,7 @@ fn sybil_sessions_of_one_tenant_get_no_more_than_its_share() {
     let share = pool.div_ceil(2);
     // The victim stores: one region, a page taken.
     let mut v = t.client(&t.victim_key, "victim");
-    let vs = match open_in(&mut v, "victim-model", true).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
+    let vs = session_in(&mut v, "victim-model", true);
     let take_page = |c: &mut Client, session: u64| {
         c.call::<_, MetaReply>(&MetaRequest::Alloc {
             session,
@@ -1989,17 +1865,11 @@ fn a_parked_expand_flood_keeps_maru_server_small() {
     );
     let pid = t.server.child.id();
     let mut victim = t.client(&t.victim_key, "victim");
-    let vs = match open_in(&mut victim, "victim-model", false).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
+    let vs = session_in(&mut victim, "victim-model", false);
     let mut floods = Vec::new();
     for i in 0..128 {
         let mut c = t.client(&t.attacker_key, &format!("flood-{i}"));
-        let s = match open_in(&mut c, "attacker-model", false).unwrap() {
-            MetaReply::Session(s) => s.session,
-            r => panic!("{r:?}"),
-        };
+        let s = session_in(&mut c, "attacker-model", false);
         floods.push((c, s));
     }
     let before = vm_rss_kib(pid);
@@ -2144,18 +2014,13 @@ fn flood_and_probe(
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
     use std::sync::Arc;
     let mut victim = t.client(&t.victim_key, "victim");
-    let vs = match open_in(&mut victim, "victim-model", false).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
+    let vs = session_in(&mut victim, "victim-model", false);
     // Every connection and session first: the flood starts once all are open.
     let flooders: Vec<(Client, u64)> = (0..conns)
         .map(|i| {
             let mut c = t.client(&t.attacker_key, &format!("flood-{i}"));
-            match open_in(&mut c, "attacker-model", false).unwrap() {
-                MetaReply::Session(s) => (c, s.session),
-                r => panic!("{r:?}"),
-            }
+            let session = session_in(&mut c, "attacker-model", false);
+            (c, session)
         })
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
@@ -2298,14 +2163,14 @@ fn a_tenants_flood_of_large_requests_leaves_the_loop_to_other_tenants() {
 /// `n` connections to maru-server at `addr`, each past its handshake (proving `key`;
 /// none for a server without one), each sending all of a request frame of just under
 /// 1 MiB but its last KiB, as far as the sockets take it (until nothing moves for
-/// 500 ms, 20 s at most). Returns them, still open, with the server's (`pid`) largest
-/// RSS meanwhile and for a second after, in KiB.
+/// 500 ms, 20 s at most). Asserts that the server's (`pid`) RSS stayed under 64 MiB
+/// meanwhile and for a second after; returns the connections, still open.
 fn hold_partial_frames(
     addr: &str,
     key: Option<&std::path::Path>,
     n: usize,
     pid: u32,
-) -> (Vec<TcpStream>, u64) {
+) -> Vec<TcpStream> {
     assert!(raise_fd_limit(4096), "this test needs 4,096 open files");
     let mut o = ClientOptions::new(META, "partial");
     o.key = key.map(|k| maru::auth::load_key_file(k).unwrap());
@@ -2354,7 +2219,11 @@ fn hold_partial_frames(
         sent >> 20,
         start.elapsed()
     );
-    (conns.into_iter().map(|c| c.0).collect(), peak)
+    assert!(
+        peak < 64 * 1024,
+        "maru-server's RSS reached {peak} KiB under {n} partial frames"
+    );
+    conns.into_iter().map(|c| c.0).collect()
 }
 
 /// Issue 33 follow-up (bounded buffers after the handshake): 900 connections of one
@@ -2367,12 +2236,9 @@ fn hold_partial_frames(
 fn key_holders_partial_frames_keep_maru_server_small() {
     let t = tenanted("att-partial", "", &[]);
     let pid = t.server.child.id();
-    let (flood, peak) = hold_partial_frames(&t.server.addr, Some(&t.attacker_key), 900, pid);
+    let flood = hold_partial_frames(&t.server.addr, Some(&t.attacker_key), 900, pid);
     let mut victim = t.client(&t.victim_key, "victim");
-    let vs = match open_in(&mut victim, "victim-model", false).unwrap() {
-        MetaReply::Session(s) => s.session,
-        r => panic!("{r:?}"),
-    };
+    let vs = session_in(&mut victim, "victim-model", false);
     assert!(
         support::session_answers(&mut victim, vs),
         "a new client of another tenant"
@@ -2387,11 +2253,6 @@ fn key_holders_partial_frames_keep_maru_server_small() {
         "{}",
         &reply[..reply.len().min(300)]
     );
-    assert!(
-        peak < 64 * 1024,
-        "maru-server's RSS reached {peak} KiB under {} partial frames",
-        flood.len()
-    );
     drop(flood);
 }
 
@@ -2403,17 +2264,12 @@ fn partial_frames_keep_a_keyless_maru_server_small() {
     let mut s = Scratch::new("att-partial-nokey");
     let (srv, _rm) = meta(&mut s, &["--insecure-no-key"]);
     let pid = srv.child.id();
-    let (flood, peak) = hold_partial_frames(&srv.addr, None, 900, pid);
+    let flood = hold_partial_frames(&srv.addr, None, 900, pid);
     let mut c = Client::connect(&srv.addr, &ClientOptions::new(META, "fresh")).unwrap();
     let (session, _) = open_session(&mut c);
     assert!(
         support::session_answers(&mut c, session),
         "a new client is answered"
-    );
-    assert!(
-        peak < 64 * 1024,
-        "maru-server's RSS reached {peak} KiB under {} partial frames",
-        flood.len()
     );
     drop(flood);
 }

@@ -454,10 +454,7 @@ fn skipped(h: &Handler, reason: &str) -> u64 {
 /// failing with the `pool_unavailable` count taken out of `store_on_pool` (0, not 8).
 #[test]
 fn skipped_chunks_are_counted_per_reason() {
-    let args: Vec<String> = ["--region-size", "16M", "--chunk-size", "1024K"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
+    let args = support::strings(&["--region-size", "16M", "--chunk-size", "1024K"]);
     // Three regions of 16 MiB fit the 64 MiB pool beside its header.
     let st = support::stack("skips", "64M", false, &args);
     let open = |name: &str, max_bytes: usize| {
@@ -468,39 +465,26 @@ fn skipped_chunks_are_counted_per_reason() {
         }
         Handler::open(&cfg.to_string()).unwrap()
     };
-    let pin_all = |h: &Handler, engine: &str, prompts: usize| {
+    // `prompts` prompts of `engine` stored whole and every key of them pinned: the next
+    // prompt is skipped, each of its chunks counted under `reason`.
+    let fill_pin_and_skip = |h: &Handler, engine: &str, prompts: usize, reason: &str| {
+        for p in 0..prompts {
+            assert!(store_prompt(h, engine, p).iter().all(|o| *o));
+        }
         let keys: Vec<String> = (0..prompts)
             .flat_map(|p| (0..PROMPT).map(move |c| key(engine, p, c)))
             .collect();
         assert!(h.pin_batch(&keys, None, true).unwrap().iter().all(|p| *p));
+        assert_eq!(store_prompt(h, engine, prompts), vec![false; PROMPT]);
+        assert_eq!(skipped(h, reason), PROMPT as u64, "{}", h.stats());
     };
     // Capped at one region, every key of it pinned: the next prompt is skipped.
     let capped = open("capped", 16 * MIB);
-    for p in 0..2 {
-        assert!(store_prompt(&capped, "capped", p).iter().all(|o| *o));
-    }
-    pin_all(&capped, "capped", 2);
-    assert_eq!(store_prompt(&capped, "capped", 2), vec![false; PROMPT]);
-    assert_eq!(
-        skipped(&capped, "max_bytes"),
-        PROMPT as u64,
-        "{}",
-        capped.stats()
-    );
+    fill_pin_and_skip(&capped, "capped", 2, "max_bytes");
     assert_eq!(skipped(&capped, "no_region"), 0);
     // The rest of the pool, every key pinned: no region to be had.
     let full = open("full", 0);
-    for p in 0..4 {
-        assert!(store_prompt(&full, "full", p).iter().all(|o| *o));
-    }
-    pin_all(&full, "full", 4);
-    assert_eq!(store_prompt(&full, "full", 4), vec![false; PROMPT]);
-    assert_eq!(
-        skipped(&full, "no_region"),
-        PROMPT as u64,
-        "{}",
-        full.stats()
-    );
+    fill_pin_and_skip(&full, "full", 4, "no_region");
     // maru-server stops: the pool is unavailable.
     let Stack { server, .. } = st;
     drop(server);

@@ -399,6 +399,66 @@ fn load_each(h: &Handler, keys: &[String], route: &str) -> (usize, usize) {
     (hits, wrong)
 }
 
+/// Stores `keys` (route `route`) through a fresh cxl engine `engine` of the
+/// maru-server at `addr` (engines' agent key file `agent_key`), then closes it:
+/// whether every key was stored.
+fn store_through(
+    addr: &str,
+    agent_key: &std::path::Path,
+    engine: &str,
+    keys: &[String],
+    route: &str,
+) -> bool {
+    let writer = Handler::open(&config_at(addr, agent_key, engine, "cxl")).unwrap();
+    let stored = store_keys(&writer, keys, route);
+    writer.close().unwrap();
+    stored
+}
+
+/// Loads each of `keys` (route `route`) through a fresh engine of configuration
+/// `cfg`, then closes it: (hits, wrong bytes) as [`load_each`].
+fn load_through(cfg: &str, keys: &[String], route: &str) -> (usize, usize) {
+    let reader = Handler::open(cfg).unwrap();
+    let got = load_each(&reader, keys, route);
+    reader.close().unwrap();
+    got
+}
+
+/// An RM over a fake-DAX pool and maru-server on a durable directory, in one scratch
+/// directory, with the arguments that start them again. Fields drop in order: the
+/// daemons before their scratch directory.
+struct Durable {
+    server: support::Daemon,
+    rm: support::Daemon,
+    rm_args: Vec<String>,
+    args: Vec<String>,
+    /// The agent key file cxl engines' configuration names (they reach no agent).
+    no_agent: std::path::PathBuf,
+    s: support::Scratch,
+}
+
+/// Starts a [`Durable`] in a scratch directory of `tag`: the RM over a pool of
+/// `pool_size`, maru-server on the directory `state` with regions of `region_size`.
+fn durable(tag: &str, state: &StateDir, pool_size: &str, region_size: &str) -> Durable {
+    let mut s = support::Scratch::new(tag);
+    let pool = s.fake_dax("pool");
+    let rm_args = support::rm_args(&s, &pool, pool_size);
+    let rm = support::Daemon::start(support::RM_BIN, &rm_args, &s.dir);
+    let mut args = durable_server_args(&s, &rm.addr, state);
+    let at = args.iter().position(|a| a == "--region-size").unwrap();
+    args[at + 1] = region_size.into();
+    let no_agent = cxl_agent_key(&s);
+    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
+    Durable {
+        server,
+        rm,
+        rm_args,
+        args,
+        no_agent,
+        s,
+    }
+}
+
 /// The regions the RM at `rm` holds: (id, owner, offset, length).
 fn rm_regions(rm: &str) -> Vec<(u64, String, u64, u64)> {
     use maru::wire::rm::{RmReply, RmRequest, SERVICE};
@@ -1126,41 +1186,20 @@ fn record_spans(file: &[u8], prefix: &str, name_len: usize) -> Vec<Vec<(usize, u
 /// Starts maru-server with `args` on `port`: the daemon, or its stderr when it
 /// refused to start.
 fn try_start(args: &[String], dir: &std::path::Path, port: u16) -> Result<support::Daemon, String> {
-    use std::process::{Command, Stdio};
-    let ready = dir.join("flip-ready");
     let log = dir.join("flip-start.log");
-    let _ = std::fs::remove_file(&ready);
-    let mut child = Command::new(support::SERVER_BIN)
-        .args(args)
+    let mut cmd = std::process::Command::new(support::SERVER_BIN);
+    cmd.args(args)
         .arg("--key-file")
         .arg(dir.join("server.key"))
-        .args(["--port", &port.to_string()])
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(a) = std::fs::read_to_string(&ready) {
-            if a.ends_with('\n') {
-                return Ok(support::Daemon {
-                    child,
-                    addr: a.trim().to_string(),
-                    name: support::SERVER_BIN.to_string(),
-                });
-            }
-        }
-        if let Ok(Some(_)) = child.try_wait() {
-            return Err(std::fs::read_to_string(&log).unwrap_or_default());
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("maru-server did not start in 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    match support::spawn_listening(&mut cmd, dir, port) {
+        Ok((child, addr)) => Ok(support::Daemon {
+            child,
+            addr,
+            name: support::SERVER_BIN.to_string(),
+        }),
+        Err(_) => Err(std::fs::read_to_string(&log).unwrap_or_default()),
     }
 }
 
@@ -1176,28 +1215,29 @@ fn try_start(args: &[String], dir: &std::path::Path, port: u16) -> Result<suppor
 fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64) {
     let _ = env_logger::builder().is_test(true).try_init();
     let state = state_dir(tag);
-    let mut s = support::Scratch::new(tag);
-    let pool = s.fake_dax("pool");
-    let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
-    let args = durable_server_args(&s, &rm.addr, &state);
-    let no_agent = cxl_agent_key(&s);
-    let mut server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
-    let port = server.port();
-    let writer = Handler::open(&config_at(&server.addr, &no_agent, "flip-writer", "cxl")).unwrap();
+    let mut d = durable(tag, &state, "64M", "4M");
+    let port = d.server.port();
     // Keys spread over 3 regions (4 MiB regions of 16 KiB chunks: 256 pages each).
     let keys: Vec<String> = (0..600).map(|i| format!("flip/key-{i:04}")).collect();
-    assert!(store_keys(&writer, &keys, "flip"), "the writer stores");
-    writer.close().unwrap();
+    let no_agent = d.no_agent.clone();
+    let reader = |addr: &str| config_at(addr, &no_agent, "flip-reader", "cxl");
+    assert!(
+        store_through(&d.server.addr, &no_agent, "flip-writer", &keys, "flip"),
+        "the writer stores"
+    );
     let mut rng = support::Rng(seed);
     let (mut set_aside, mut missed, mut served) = (0, 0, 0);
     for case in 0..cases {
         if kill {
-            let _ = server.child.kill();
-            let _ = server.child.wait();
+            let _ = d.server.child.kill();
+            let _ = d.server.child.wait();
         } else {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
-            assert_eq!(server.child.wait().unwrap().code(), Some(0), "a clean stop");
+            d.server.signal(libc::SIGTERM);
+            assert_eq!(
+                d.server.child.wait().unwrap().code(),
+                Some(0),
+                "a clean stop"
+            );
         }
         let file = state.0.join("directory.redb");
         let mut bytes = std::fs::read(&file).unwrap();
@@ -1244,7 +1284,7 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
             String::from_utf8_lossy(&bytes[start..end.min(start + 56)])
         );
         std::fs::write(&file, &bytes).unwrap();
-        server = match try_start(&args, &s.dir, port) {
+        d.server = match try_start(&d.args, &d.s.dir, port) {
             Ok(d) => d,
             Err(log) => panic!("case {case}: start refused: {log}"),
         };
@@ -1262,28 +1302,19 @@ fn flipped_bits_are_never_served(tag: &str, kill: bool, cases: usize, seed: u64)
             for p in aside {
                 std::fs::remove_file(p).unwrap();
             }
-            let reader =
-                Handler::open(&config_at(&server.addr, &no_agent, "flip-reader", "cxl")).unwrap();
-            let (hits, wrong) = load_each(&reader, &keys, "flip");
-            reader.close().unwrap();
+            let (hits, wrong) = load_through(&reader(&d.server.addr), &keys, "flip");
             assert_eq!((hits, wrong), (0, 0), "case {case}: an empty directory");
             missed += keys.len();
-            let _ = server.child.kill();
-            let _ = server.child.wait();
+            let _ = d.server.child.kill();
+            let _ = d.server.child.wait();
             std::fs::write(&file, &unflipped).unwrap();
-            server = try_start(&args, &s.dir, port).expect("the unflipped file starts");
+            d.server = try_start(&d.args, &d.s.dir, port).expect("the unflipped file starts");
             // The empty start gave the regions back: store the keys again for the
             // cases after this one.
-            let writer =
-                Handler::open(&config_at(&server.addr, &no_agent, "flip-writer", "cxl")).unwrap();
-            let _ = store_keys(&writer, &keys, "flip");
-            writer.close().unwrap();
+            let _ = store_through(&d.server.addr, &no_agent, "flip-writer", &keys, "flip");
             continue;
         }
-        let reader =
-            Handler::open(&config_at(&server.addr, &no_agent, "flip-reader", "cxl")).unwrap();
-        let (hits, wrong) = load_each(&reader, &keys, "flip");
-        reader.close().unwrap();
+        let (hits, wrong) = load_through(&reader(&d.server.addr), &keys, "flip");
         assert_eq!(wrong, 0, "case {case}: {wrong} loads of other bytes");
         served += hits;
         missed += keys.len() - hits;
@@ -1387,21 +1418,33 @@ fn an_open_state_directory_and_planted_symlinks_are_refused() {
     assert_eq!(d.terminate(), Some(0));
 }
 
-/// Rewrites every record of the u64-keyed table `name` with `f` of its bytes.
-fn rewrite_u64_table(txn: &redb::WriteTransaction, name: &str, f: impl Fn(&[u8]) -> Vec<u8>) {
+/// Rewrites every record of the table `name`, keyed by `K`: `f` of the bytes of its
+/// key and of its value gives its new value, or None to remove it.
+fn rewrite_table<K: redb::Key + 'static>(
+    txn: &redb::WriteTransaction,
+    name: &str,
+    f: impl Fn(&[u8], &[u8]) -> Option<Vec<u8>>,
+) {
     use redb::{ReadableTable, TableDefinition};
-    let def: TableDefinition<u64, &[u8]> = TableDefinition::new(name);
+    let def: TableDefinition<K, &[u8]> = TableDefinition::new(name);
     let mut t = txn.open_table(def).unwrap();
-    let all: Vec<(u64, Vec<u8>)> = t
+    let all: Vec<(Vec<u8>, Option<Vec<u8>>)> = t
         .iter()
         .unwrap()
         .map(|r| {
             let (k, v) = r.unwrap();
-            (k.value(), f(v.value()))
+            let key = K::as_bytes(&k.value()).as_ref().to_vec();
+            let new = f(&key, v.value());
+            (key, new)
         })
         .collect();
     for (k, v) in all {
-        t.insert(k, v.as_slice()).unwrap();
+        let key = K::from_bytes(&k);
+        match v {
+            Some(v) => t.insert(&key, v.as_slice()).map(|_| ()),
+            None => t.remove(&key).map(|_| ()),
+        }
+        .unwrap();
     }
 }
 
@@ -1409,74 +1452,37 @@ fn rewrite_u64_table(txn: &redb::WriteTransaction, name: &str, f: impl Fn(&[u8])
 /// (main at 18bee5a): key records of version 1 (no check at their end), JSON
 /// records without `check`, bare scalars in `meta` (no second copies).
 fn downgrade_to_format1(file: &std::path::Path) {
-    use redb::{ReadableTable, TableDefinition};
     let db = redb::Database::open(file).unwrap();
     let txn = db.begin_write().unwrap();
-    let unseal = |b: &[u8]| -> Vec<u8> {
+    let unseal = |_: &[u8], b: &[u8]| -> Option<Vec<u8>> {
         let mut j: serde_json::Value = serde_json::from_slice(b).unwrap();
         j.as_object_mut().unwrap().remove("check");
-        serde_json::to_vec(&j).unwrap()
+        Some(serde_json::to_vec(&j).unwrap())
     };
-    {
-        for name in ["regions", "sessions"] {
-            rewrite_u64_table(&txn, name, unseal);
-        }
-        let def: TableDefinition<u32, &[u8]> = TableDefinition::new("scopes");
-        let mut t = txn.open_table(def).unwrap();
-        let all: Vec<(u32, Vec<u8>)> = t
-            .iter()
-            .unwrap()
-            .map(|r| {
-                let (k, v) = r.unwrap();
-                (k.value(), unseal(v.value()))
-            })
-            .collect();
-        for (k, v) in all {
-            t.insert(k, v.as_slice()).unwrap();
-        }
-        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("secrets");
-        let mut t = txn.open_table(def).unwrap();
-        let all: Vec<(String, Vec<u8>)> = t
-            .iter()
-            .unwrap()
-            .map(|r| {
-                let (k, v) = r.unwrap();
-                (k.value().to_string(), unseal(v.value()))
-            })
-            .collect();
-        for (k, v) in all {
-            t.insert(k.as_str(), v.as_slice()).unwrap();
-        }
-        rewrite_u64_table(&txn, "keys", |v| {
-            assert_eq!(v[0], 2, "a key record of format 2");
-            let mut old = v[..v.len() - 8].to_vec();
-            old[0] = 1;
-            old
-        });
-        let def: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-        let mut t = txn.open_table(def).unwrap();
-        let all: Vec<(String, Vec<u8>)> = t
-            .iter()
-            .unwrap()
-            .map(|r| {
-                let (k, v) = r.unwrap();
-                (k.value().to_string(), v.value().to_vec())
-            })
-            .collect();
-        for (k, v) in all {
-            t.remove(k.as_str()).unwrap();
-            if k.ends_with("#2") {
-                continue;
-            }
-            let j: serde_json::Value = serde_json::from_slice(&v).unwrap();
-            let value = if k == "format" {
-                "1".to_string()
-            } else {
-                j["value"].as_str().unwrap().to_string()
-            };
-            t.insert(k.as_str(), value.as_bytes()).unwrap();
-        }
+    for name in ["regions", "sessions"] {
+        rewrite_table::<u64>(&txn, name, unseal);
     }
+    rewrite_table::<u32>(&txn, "scopes", unseal);
+    rewrite_table::<&str>(&txn, "secrets", unseal);
+    rewrite_table::<u64>(&txn, "keys", |_, v| {
+        assert_eq!(v[0], 2, "a key record of format 2");
+        let mut old = v[..v.len() - 8].to_vec();
+        old[0] = 1;
+        Some(old)
+    });
+    rewrite_table::<&str>(&txn, "meta", |k, v| {
+        let k = std::str::from_utf8(k).unwrap();
+        if k.ends_with("#2") {
+            return None;
+        }
+        let j: serde_json::Value = serde_json::from_slice(v).unwrap();
+        let value = if k == "format" {
+            "1".to_string()
+        } else {
+            j["value"].as_str().unwrap().to_string()
+        };
+        Some(value.into_bytes())
+    });
     txn.commit().unwrap();
 }
 
@@ -1489,26 +1495,21 @@ fn downgrade_to_format1(file: &std::path::Path) {
 fn a_format1_directory_of_the_last_release_keeps_every_key_through_the_upgrade() {
     let _ = env_logger::builder().is_test(true).try_init();
     let state = state_dir("format1");
-    let mut s = support::Scratch::new("format1");
-    let pool = s.fake_dax("pool");
-    let rm = support::Daemon::start(support::RM_BIN, &support::rm_args(&s, &pool, "64M"), &s.dir);
-    let args = durable_server_args(&s, &rm.addr, &state);
-    let no_agent = cxl_agent_key(&s);
-    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
-    let port = server.port();
-    let writer = Handler::open(&config_at(&server.addr, &no_agent, "f1-writer", "cxl")).unwrap();
+    let d = durable("format1", &state, "64M", "4M");
+    let port = d.server.port();
     let keys: Vec<String> = (0..300).map(|i| format!("f1/key-{i:04}")).collect();
-    assert!(store_keys(&writer, &keys, "f1"), "the writer stores");
-    writer.close().unwrap();
-    assert_eq!(server.terminate(), Some(0), "a clean stop");
+    assert!(
+        store_through(&d.server.addr, &d.no_agent, "f1-writer", &keys, "f1"),
+        "the writer stores"
+    );
+    assert_eq!(d.server.terminate(), Some(0), "a clean stop");
     downgrade_to_format1(&state.0.join("directory.redb"));
-    let server = match try_start(&args, &s.dir, port) {
+    let server = match try_start(&d.args, &d.s.dir, port) {
         Ok(d) => d,
         Err(log) => panic!("the format-1 directory refused: {log}"),
     };
-    let reader = Handler::open(&config_at(&server.addr, &no_agent, "f1-reader", "cxl")).unwrap();
-    let (hits, wrong) = load_each(&reader, &keys, "f1");
-    reader.close().unwrap();
+    let reader = config_at(&server.addr, &d.no_agent, "f1-reader", "cxl");
+    let (hits, wrong) = load_through(&reader, &keys, "f1");
     assert_eq!(
         (hits, wrong),
         (keys.len(), 0),
@@ -1588,26 +1589,18 @@ fn owned_regions_answer(rm: &str, owner: &str) -> (usize, usize) {
 fn a_restart_reads_an_rm_list_of_its_regions_over_one_mib_and_serves_every_key() {
     const EXTRA: u64 = 6_000;
     let state = state_dir("rm-frame");
-    let mut s = support::Scratch::new("rm-frame");
-    // A sparse file: nothing writes the regions added below.
-    let pool = s.fake_dax("pool");
-    let rm_args = support::rm_args(&s, &pool, "16G");
-    let rm = support::Daemon::start(support::RM_BIN, &rm_args, &s.dir);
-    let rm_port = rm.port();
-    let mut args = durable_server_args(&s, &rm.addr, &state);
-    let at = args.iter().position(|a| a == "--region-size").unwrap();
-    args[at + 1] = "2M".into();
-    let no_agent = cxl_agent_key(&s);
-    let server = support::Daemon::start(support::SERVER_BIN, &args, &s.dir);
-    let port = server.port();
-    let writer = Handler::open(&config_at(&server.addr, &no_agent, "fr-writer", "cxl")).unwrap();
+    // A sparse pool file: nothing writes the regions added below.
+    let d = durable("rm-frame", &state, "16G", "2M");
+    let (rm_port, port) = (d.rm.port(), d.server.port());
     let keys: Vec<String> = (0..200).map(|i| format!("fr/key-{i:04}")).collect();
-    assert!(store_keys(&writer, &keys, "fr"), "the writer stores");
-    writer.close().unwrap();
-    assert_eq!(server.terminate(), Some(0), "a clean stop");
-    rm.kill9();
-    let owner = add_server_regions(&s.dir.join("rm").join("state.json"), EXTRA, 2 << 20);
-    let rm = support::Daemon::start_at(support::RM_BIN, &rm_args, &s.dir, rm_port);
+    assert!(
+        store_through(&d.server.addr, &d.no_agent, "fr-writer", &keys, "fr"),
+        "the writer stores"
+    );
+    assert_eq!(d.server.terminate(), Some(0), "a clean stop");
+    d.rm.kill9();
+    let owner = add_server_regions(&d.s.dir.join("rm").join("state.json"), EXTRA, 2 << 20);
+    let rm = support::Daemon::start_at(support::RM_BIN, &d.rm_args, &d.s.dir, rm_port);
     let (held, bytes) = owned_regions_answer(&rm.addr, &owner);
     eprintln!("the RM holds {held} regions of maru-server: {bytes} bytes to list them");
     assert!(held as u64 > EXTRA);
@@ -1616,7 +1609,7 @@ fn a_restart_reads_an_rm_list_of_its_regions_over_one_mib_and_serves_every_key()
         "the list of maru-server's regions ({bytes} bytes) passes 1 MiB"
     );
     let started = Instant::now();
-    let server = match try_start(&args, &s.dir, port) {
+    let server = match try_start(&d.args, &d.s.dir, port) {
         Ok(d) => d,
         Err(log) => panic!("maru-server refused to start: {log}"),
     };
@@ -1626,11 +1619,9 @@ fn a_restart_reads_an_rm_list_of_its_regions_over_one_mib_and_serves_every_key()
     // build on a loaded machine its loop answers slowly then (seen: no reply within
     // 2 s with the other durable tests running), so the reader waits longer.
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&config_at(&server.addr, &no_agent, "fr-reader", "cxl")).unwrap();
+        serde_json::from_str(&config_at(&server.addr, &d.no_agent, "fr-reader", "cxl")).unwrap();
     cfg["timeout_ms"] = 20_000.into();
-    let reader = Handler::open(&cfg.to_string()).unwrap();
-    let (hits, wrong) = load_each(&reader, &keys, "fr");
-    reader.close().unwrap();
+    let (hits, wrong) = load_through(&cfg.to_string(), &keys, "fr");
     assert_eq!((hits, wrong), (keys.len(), 0), "every key, exact");
     drop(server);
 }

@@ -6,7 +6,7 @@ mod support;
 
 use maru::wire::meta::Backend;
 use maru::worker::movers;
-use maru::worker::pool::{InPlaceWrite, StoragePool, TestHooks};
+use maru::worker::pool::{InPlacePage, InPlaceWrite, StoragePool, TestHooks};
 use maru::worker::session::Session;
 use maru::worker::Handler;
 use std::collections::BTreeSet;
@@ -16,11 +16,14 @@ use std::time::Duration;
 use support::Stack;
 
 fn stack() -> Stack {
-    let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    support::stack("inplace", "256M", false, &args)
+    stack_of("inplace", "256M", false)
+}
+
+/// A stack of regions of 8 MiB, chunks of 64 KiB, over a pool of `pool` (with an
+/// agent when `remote`).
+fn stack_of(tag: &str, pool: &str, remote: bool) -> Stack {
+    let args = support::strings(&["--region-size", "8M", "--chunk-size", "64K"]);
+    support::stack(tag, pool, remote, &args)
 }
 
 fn config(st: &Stack, engine: &str) -> String {
@@ -31,6 +34,24 @@ fn config(st: &Stack, engine: &str) -> String {
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+/// Each of `pages` written in place with `len` bytes of [`bytes`], page `i` under
+/// the key and seed `of(i)`: the writes to publish.
+fn write_pages(
+    pages: Vec<InPlacePage>,
+    len: usize,
+    of: impl Fn(usize) -> (String, u8),
+) -> Vec<InPlaceWrite> {
+    pages
+        .into_iter()
+        .enumerate()
+        .map(|(i, page)| {
+            let (key, seed) = of(i);
+            page.write(&bytes(seed, len)).unwrap();
+            InPlaceWrite { key, page, len }
+        })
         .collect()
 }
 
@@ -182,18 +203,7 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
         .iter()
         .map(|p| (p.page.region_id, p.page.page))
         .collect();
-    let writes: Vec<InPlaceWrite> = again
-        .into_iter()
-        .enumerate()
-        .map(|(i, page)| {
-            page.write(&bytes(i as u8, 512)).unwrap();
-            InPlaceWrite {
-                key: format!("t/p{i:03}"),
-                page,
-                len: 512,
-            }
-        })
-        .collect();
+    let writes = write_pages(again, 512, |i| (format!("t/p{i:03}"), i as u8));
     assert!(w.pool.publish_in_place(writes).unwrap().iter().all(|&b| b));
     let keys: Vec<String> = (0..300).map(|i| format!("s/c{i:03}")).collect();
     let data: Vec<Vec<u8>> = (0..300).map(|i| bytes(i as u8, 2048)).collect();
@@ -211,29 +221,14 @@ fn pages_given_back_serve_later_writes_and_taken_pages_are_never_evicted_or_reus
         "a page taken for writing in place was handed to a store"
     );
     // The kept pages are still the taker's: it publishes them.
-    let writes: Vec<InPlaceWrite> = kept
-        .into_iter()
-        .enumerate()
-        .map(|(i, page)| {
-            page.write(&bytes(200 + i as u8, 300)).unwrap();
-            InPlaceWrite {
-                key: format!("k/{i}"),
-                page,
-                len: 300,
-            }
-        })
-        .collect();
+    let writes = write_pages(kept, 300, |i| (format!("k/{i}"), 200 + i as u8));
     assert!(w.pool.publish_in_place(writes).unwrap().iter().all(|&b| b));
     w.pool.close(w.pool.session.call_deadline()).unwrap();
 }
 
 #[test]
 fn remote_cxl_refuses_writes_in_place_with_the_staging_way_named() {
-    let args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    let st = support::stack("inplace-r", "64M", true, &args);
+    let st = stack_of("inplace-r", "64M", true);
     let cfg = st
         .handler_config("remote_cxl", "r", "llama-test", (2, 2))
         .to_string();

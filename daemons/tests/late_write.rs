@@ -9,15 +9,14 @@
 
 mod support;
 
-use maru::auth::SharedKey;
 use maru::net::Client;
 use maru::transport::soft::SoftTransport;
-use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
+use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport, TransportError};
 use maru::wire::agent::{AgentReply, AgentRequest, MapReply};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
-use support::{agent_client, connect, map_writable as map, wait_until, Daemon, Scratch};
+use support::{agent_client, connect, map_writable as map, wait_until};
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
@@ -48,45 +47,35 @@ fn write_op(m: &MapReply, len: u64) -> Op {
 }
 
 /// RM and agent on loopback over a fake-DAX pool; `rm` plays maru-server's part
-/// (allocating and freeing at the RM).
+/// (allocating and freeing at the RM). Fields drop in order: the connection first.
 struct Node {
-    pool: std::path::PathBuf,
-    key: SharedKey,
-    agent: Daemon,
-    _rm_d: Daemon,
     rm: Client,
-    /// Last: removed after the daemons are gone.
-    _s: Scratch,
+    node: support::OwnNode,
 }
 
 fn node() -> Node {
-    let mut s = Scratch::new("late-write");
-    let support::MemoryNode {
-        pool,
-        key_path: _,
-        key,
-        agent,
-        rm: rm_d,
-    } = support::memory_node(&mut s, "64M");
-    let rm = connect(&rm_d.addr, RM, "maru-server-test");
-
-    Node {
-        _s: s,
-        pool,
-        key,
-        agent,
-        _rm_d: rm_d,
-        rm,
-    }
+    let node = support::own_node("late-write", "64M");
+    let rm = connect(&node.rm.addr, RM, "maru-server-test");
+    Node { rm, node }
 }
 
 /// The owner's way of giving a region back: release at the agent (deregistration),
 /// then free at the RM, which reuses the range once nothing holds it.
 fn give_back(n: &mut Node, owner: &mut Client, h: &Handle) {
+    release(owner, h);
+    free(n, h);
+}
+
+/// Releases `h` at the agent over `owner`: the agent deregisters it.
+fn release(owner: &mut Client, h: &Handle) {
     let rel: AgentReply = owner
         .call(&AgentRequest::Release { handle: h.clone() })
         .expect("release");
     assert_eq!(rel, AgentReply::Released { deregistered: true });
+}
+
+/// Frees `h` at the RM (as maru-server does) and waits until it is gone, unheld.
+fn free(n: &mut Node, h: &Handle) {
     match n
         .rm
         .call(&RmRequest::Free {
@@ -104,9 +93,24 @@ fn give_back(n: &mut Node, owner: &mut Client, h: &Handle) {
     );
 }
 
+/// Posts a 1 MiB WRITE of the staging buffer behind `nic` into the region of `map`
+/// (over `peer`) on a thread of `scope`, which returns how the WRITE ended.
+fn post_write<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    nic: &'scope SoftTransport,
+    peer: maru::transport::PeerId,
+    map: &MapReply,
+) -> std::thread::ScopedJoinHandle<'scope, BatchState> {
+    let w = write_op(map, MIB);
+    scope.spawn(move || {
+        let b = nic.post(peer, &[w]).expect("post");
+        nic.wait(b, T)
+    })
+}
+
 /// The bytes of the pool's device at `offset`.
 fn device_bytes(n: &Node, offset: u64, len: usize) -> Vec<u8> {
-    let f = std::fs::File::open(&n.pool).unwrap();
+    let f = std::fs::File::open(&n.node.pool).unwrap();
     let mut bytes = vec![0u8; len];
     f.read_exact_at(&mut bytes, offset).unwrap();
     bytes
@@ -125,15 +129,10 @@ struct Owner {
 }
 
 fn owner(n: &Node, region: Handle, id: &str, fill: u8) -> Owner {
-    let mut agent = agent_client(&n.agent.addr, &n.key, id);
+    let mut agent = agent_client(&n.node.agent.addr, &n.node.key, id);
     let map = map(&mut agent, &region);
     let mut staging = vec![fill; MIB as usize];
-    let nic = SoftTransport::new(id, Some(n.key.clone()));
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic(id, &n.node.key, &mut staging);
     let peer = nic.connect(&map.transport, &mut no_bringup).unwrap();
     Owner {
         region,
@@ -160,27 +159,16 @@ fn new_owner(n: &Node, region: Handle) -> Owner {
 fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owner() {
     let mut n = node();
     // The old owner maps its region and posts a WRITE that the NIC holds back.
-    let Owner {
-        region: old,
-        agent: mut a,
-        map: ma,
-        staging: staging_a,
-        nic: nic_a,
-        peer: peer_a,
-    } = old_owner(&mut n);
-    nic_a.inject_write_delay(DELAY);
+    let mut a = old_owner(&mut n);
+    a.nic.inject_write_delay(DELAY);
     let posted = Instant::now();
     let late = std::thread::scope(|scope| {
-        let nic = &nic_a;
-        let w = write_op(&ma, MIB);
-        let poster = scope.spawn(move || {
-            let b = nic.post(peer_a, &[w]).expect("post");
-            nic.wait(b, T)
-        });
+        let poster = post_write(scope, &a.nic, a.peer, &a.map);
         // Give the poster time to be inside post with its WRITE queued.
         std::thread::sleep(Duration::from_millis(100));
 
-        give_back(&mut n, &mut a, &old);
+        let old = a.region.clone();
+        give_back(&mut n, &mut a.agent, &old);
 
         // The next owner gets the same device range and writes its own bytes.
         let new = alloc(&mut n.rm);
@@ -189,16 +177,9 @@ fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owne
             (old.offset, old.length),
             "the RM reused the range (else this test shows nothing)"
         );
-        let Owner {
-            agent: _b,
-            map: mb,
-            staging: mut staging_b,
-            nic: nic_b,
-            peer: peer_b,
-            ..
-        } = new_owner(&n, new.clone());
-        let done = nic_b.post(peer_b, &[write_op(&mb, MIB)]).unwrap();
-        assert_eq!(nic_b.wait(done, T), BatchState::Done);
+        let mut b = new_owner(&n, new.clone());
+        let done = b.nic.post(b.peer, &[write_op(&b.map, MIB)]).unwrap();
+        assert_eq!(b.nic.wait(done, T), BatchState::Done);
         assert!(
             posted.elapsed() < DELAY,
             "release, free, new map and WRITE took {:?}, longer than the injected delay: \
@@ -216,21 +197,21 @@ fn a_write_posted_before_release_that_lands_after_it_never_reaches_the_next_owne
             bytes.iter().filter(|&&x| x != 0x5A).count()
         );
         // And the new owner reads its own bytes back over the transport.
-        staging_b.fill(0);
+        b.staging.fill(0);
         let rd = Op {
             kind: OpKind::Read,
-            ..write_op(&mb, MIB)
+            ..write_op(&b.map, MIB)
         };
-        let got = nic_b.post(peer_b, &[rd]).unwrap();
-        assert_eq!(nic_b.wait(got, T), BatchState::Done);
-        assert!(staging_b.iter().all(|&x| x == 0x5A));
+        let got = b.nic.post(b.peer, &[rd]).unwrap();
+        assert_eq!(b.nic.wait(got, T), BatchState::Done);
+        assert!(b.staging.iter().all(|&x| x == 0x5A));
         late
     });
     assert!(
         matches!(late, BatchState::Failed(TransportError::BadKey { .. })),
         "the late WRITE fails at the key check, got {late:?}"
     );
-    drop(staging_a);
+    drop(a);
     drop(n);
 }
 
@@ -240,32 +221,16 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
     // is slow: the release must wait for it (deregistration waits for operations on
     // the key), so it lands in the old owner's tenure and never in the next owner's.
     let mut n = node();
-    let Owner {
-        region: old,
-        agent: mut a,
-        map: ma,
-        staging: staging_a,
-        nic: nic_a,
-        peer: peer_a,
-    } = old_owner(&mut n);
+    let mut a = old_owner(&mut n);
+    let old = a.region.clone();
     let stall = Duration::from_millis(1500);
-    nic_a.inject_payload_stall(stall);
+    a.nic.inject_payload_stall(stall);
     let posted = Instant::now();
     let (in_flight, released_after) = std::thread::scope(|scope| {
-        let nic = &nic_a;
-        let w = write_op(&ma, MIB);
-        let poster = scope.spawn(move || {
-            let b = nic.post(peer_a, &[w]).expect("post");
-            nic.wait(b, T)
-        });
+        let poster = post_write(scope, &a.nic, a.peer, &a.map);
         // The header is at the NIC, the payload is not.
         std::thread::sleep(Duration::from_millis(300));
-        let rel: AgentReply = a
-            .call(&AgentRequest::Release {
-                handle: old.clone(),
-            })
-            .expect("release");
-        assert_eq!(rel, AgentReply::Released { deregistered: true });
+        release(&mut a.agent, &old);
         let released_after = posted.elapsed();
         (poster.join().expect("poster thread"), released_after)
     });
@@ -278,37 +243,19 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
     assert!(device_bytes(&n, old.offset, MIB as usize)
         .iter()
         .all(|&x| x == 0xEE));
-    match n
-        .rm
-        .call(&RmRequest::Free {
-            handle: old.clone(),
-            request_id: 0,
-        })
-        .expect("free")
-    {
-        RmReply::Free(_) => {}
-        r => panic!("{r:?}"),
-    }
-    assert!(wait_until(T, || regions(&mut n.rm) == 0 && holds(&mut n.rm) == 0));
+    free(&mut n, &old);
 
     // The next owner gets the range and writes; nothing of the old WRITE comes after.
     let new = alloc(&mut n.rm);
     assert_eq!((new.offset, new.length), (old.offset, old.length));
-    let Owner {
-        agent: _b,
-        map: mb,
-        staging: staging_b,
-        nic: nic_b,
-        peer: peer_b,
-        ..
-    } = new_owner(&n, new.clone());
-    let done = nic_b.post(peer_b, &[write_op(&mb, MIB)]).unwrap();
-    assert_eq!(nic_b.wait(done, T), BatchState::Done);
+    let b = new_owner(&n, new.clone());
+    let done = b.nic.post(b.peer, &[write_op(&b.map, MIB)]).unwrap();
+    assert_eq!(b.nic.wait(done, T), BatchState::Done);
     // The old owner's next WRITE on the same connection is refused at the key check.
-    nic_a.inject_payload_stall(Duration::ZERO);
-    let again = nic_a.post(peer_a, &[write_op(&ma, MIB)]).unwrap();
+    a.nic.inject_payload_stall(Duration::ZERO);
+    let again = a.nic.post(a.peer, &[write_op(&a.map, MIB)]).unwrap();
     assert!(matches!(
-        nic_a.wait(again, T),
+        a.nic.wait(again, T),
         BatchState::Failed(TransportError::BadKey { .. })
     ));
     std::thread::sleep(Duration::from_millis(200));
@@ -318,7 +265,6 @@ fn a_write_in_flight_at_release_lands_before_the_release_returns_never_after() {
             .all(|&x| x == 0x5A),
         "the next owner's bytes are unchanged"
     );
-    drop(staging_a);
-    drop(staging_b);
+    drop((a, b));
     drop(n);
 }

@@ -11,8 +11,7 @@ mod support;
 use maru::auth::SharedKey;
 use maru::net::{Client, ClientError};
 use maru::transport::soft::proto::{Request, OP_WRITE};
-use maru::transport::soft::SoftTransport;
-use maru::transport::{no_bringup, BatchState, LocalBuffer, Op, OpKind, Transport, TransportError};
+use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport, TransportError};
 use maru::wire::agent::{AgentReply, AgentRequest, MappingState, SERVICE as AGENT};
 use maru::wire::rm::{Handle, SERVICE as RM};
 use maru::wire::{self, ErrorCode, FrameDecoder, FrameKind};
@@ -21,38 +20,15 @@ use std::net::TcpStream;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::{connect, map_writable as map, Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
+use support::{connect, map_writable as map, Daemon, AGENT_BIN, RM_BIN, SERVER_BIN};
 
 const MIB: u64 = 1 << 20;
 const T: Duration = Duration::from_secs(10);
 
-/// The daemons stop before their scratch directory goes (fields drop in order).
-struct Node {
-    pool: PathBuf,
-    key_path: PathBuf,
-    key: SharedKey,
-    agent: Daemon,
-    rm: Daemon,
-    s: Scratch,
-}
+type Node = support::OwnNode;
 
 fn node() -> Node {
-    let mut s = Scratch::new("security");
-    let support::MemoryNode {
-        pool,
-        key_path,
-        key,
-        agent,
-        rm,
-    } = support::memory_node(&mut s, "64M");
-    Node {
-        s,
-        pool,
-        key_path,
-        key,
-        rm,
-        agent,
-    }
+    support::own_node("security", "64M")
 }
 
 fn alloc(rm: &mut Client) -> Handle {
@@ -200,13 +176,8 @@ fn the_soft_nic_serves_no_operation_without_the_key_proof() {
         assert_eq!(f.kind, FrameKind::Error, "{got:?}");
     }
     // A wrong key cannot open a data connection at all.
-    let nic = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
     let mut staging = vec![0u8; 4096];
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic("intruder", &SharedKey::generate().unwrap(), &mut staging);
     assert!(matches!(
         nic.connect(&m.transport, &mut no_bringup),
         Err(TransportError::Setup(_))
@@ -292,13 +263,8 @@ fn read_tokens_open_only_their_own_range_of_their_own_region_and_only_for_readin
         Ok(AgentReply::Mapped(m)) => m,
         r => panic!("{r:?}"),
     };
-    let nic = SoftTransport::new("worker-b", Some(n.key.clone()));
     let mut staging = vec![0x77u8; 4096];
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = support::soft_nic("worker-b", &n.key, &mut staging);
     let peer = nic.connect(&m.transport, &mut no_bringup).unwrap();
     let op = |kind| Op {
         kind,

@@ -305,7 +305,7 @@ fn stalled_run(stacks: &[Stack], stall: &dyn Fn(bool)) {
 fn two_stacks(tag: &str, agent_extra: impl FnOnce(&support::Scratch) -> Vec<String>) -> Vec<Stack> {
     let key = maru::auth::SharedKey::generate().unwrap();
     let a = support::stack_keyed(
-        &format!("{tag}-a"),
+        support::Scratch::new(&format!("{tag}-a")),
         "256M",
         true,
         &key,
@@ -317,7 +317,7 @@ fn two_stacks(tag: &str, agent_extra: impl FnOnce(&support::Scratch) -> Vec<Stri
     b_server.push("--key-file".into());
     b_server.push(support::server_key_file(&a.server.addr));
     let b = support::stack_keyed(
-        &format!("{tag}-b"),
+        support::Scratch::new(&format!("{tag}-b")),
         "256M",
         true,
         &key,

@@ -41,6 +41,16 @@ fn tenant_text(name: &str, extra: &str) -> String {
     format!("[tenants.{name}]\nkey_file = \"{name}.key\"\nwrite = [\"{name}-ns\"]\n{extra}\n")
 }
 
+/// A scratch directory of `tag` holding alpha's key file and a tenants file of alpha
+/// alone: the directory and the tenants file's path.
+fn alpha_only(tag: &str) -> (Scratch, PathBuf) {
+    let s = Scratch::new(tag);
+    write_key(&s.dir.join("alpha.key"));
+    let tenants = s.dir.join("tenants.toml");
+    std::fs::write(&tenants, tenant_text("alpha", "")).unwrap();
+    (s, tenants)
+}
+
 /// maru-server with its log in a file, as an operator runs it.
 struct Server {
     child: Child,
@@ -208,10 +218,7 @@ fn a_tenants_idle_flood_leaves_every_other_tenant_able_to_connect_and_open() {
 /// an error naming the file and the fix. Seen failing without the checks (started).
 #[test]
 fn a_tenants_file_others_could_have_written_is_refused_at_start() {
-    let mut s = Scratch::new("ten-start");
-    write_key(&s.dir.join("alpha.key"));
-    let tenants = s.dir.join("tenants.toml");
-    std::fs::write(&tenants, tenant_text("alpha", "")).unwrap();
+    let (mut s, tenants) = alpha_only("ten-start");
     let rm = rm(&mut s);
     let refused = |s: &Scratch, says: &str| {
         let (code, err) =
@@ -245,10 +252,7 @@ fn a_tenants_file_others_could_have_written_is_refused_at_start() {
 /// namespace at the first reload).
 #[test]
 fn a_tenants_file_others_could_have_written_is_ignored_at_reload() {
-    let mut s = Scratch::new("ten-reload");
-    write_key(&s.dir.join("alpha.key"));
-    let tenants = s.dir.join("tenants.toml");
-    std::fs::write(&tenants, tenant_text("alpha", "")).unwrap();
+    let (mut s, tenants) = alpha_only("ten-reload");
     let srv = start_server(&mut s, &tenants, &[]);
     let key = s.dir.join("alpha.key");
     let taken = "[tenants.alpha]\nkey_file = \"alpha.key\"\nwrite = [\"other-ns\"]\n";

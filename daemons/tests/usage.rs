@@ -7,91 +7,38 @@ mod support;
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::worker::Handler;
 use std::process::{Command, Output};
-use support::{Daemon, Scratch, AGENT_BIN, RM_BIN, SERVER_BIN};
+use support::{Scratch, Stack};
 
 const USAGE_BIN: &str = env!("CARGO_BIN_EXE_maru-usage");
-
-struct Stack {
-    agent_key: std::path::PathBuf,
-    rm_key: std::path::PathBuf,
-    pool: std::path::PathBuf,
-    rm: Daemon,
-    _agent: Daemon,
-    server: Daemon,
-    /// Last: removed after the daemons stopped.
-    _scratch: Scratch,
-}
 
 fn stack() -> Stack {
     stack_with(Scratch::new("usage"), &[])
 }
 
-/// As [`stack`], in `s`, with `server_extra` on maru-server's command line.
-fn stack_with(mut s: Scratch, server_extra: &[String]) -> Stack {
-    let pool = s.fake_dax("pool");
-    let agent_key = s.dir.join("agent.key");
-    let rm_key = s.dir.join("rm.key");
-    write_new_key_file(&agent_key, &SharedKey::generate().unwrap()).unwrap();
-    write_new_key_file(&rm_key, &SharedKey::generate().unwrap()).unwrap();
-    let p = |x: &std::path::Path| x.display().to_string();
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            p(&s.dir.join("rm")),
-            "--fake-dax".into(),
-            format!("{}:128M", pool.display()),
-            "--key-file".into(),
-            p(&rm_key),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--rm-key-file".into(),
-            p(&rm_key),
-            "--key-file".into(),
-            p(&agent_key),
-            "--device".into(),
-            p(&pool),
-            "--node".into(),
-            "mem0".into(),
-        ],
-        &s.dir,
-    );
-    let server = Daemon::start(
-        SERVER_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--rm-key-file".into(),
-            p(&rm_key),
-            "--remote-cxl-agent".into(),
-            agent.addr.clone(),
-            "--remote-cxl-agent-key-file".into(),
-            p(&agent_key),
-            "--region-size".into(),
-            "8M".into(),
-            "--chunk-size".into(),
-            "64K".into(),
-        ]
-        .into_iter()
-        .chain(server_extra.iter().cloned())
-        .collect::<Vec<String>>(),
-        &s.dir,
-    );
-    Stack {
-        _scratch: s,
-        agent_key,
-        rm_key,
-        pool,
-        rm,
-        _agent: agent,
-        server,
-    }
+/// An RM (its key made in its state directory), an agent and maru-server (regions of
+/// 8 MiB, chunks of 64 KiB, then `server_extra`) over a 128 MiB pool, in `s`.
+fn stack_with(s: Scratch, server_extra: &[String]) -> Stack {
+    let mut args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
+        .map(String::from)
+        .to_vec();
+    args.extend_from_slice(server_extra);
+    let key = SharedKey::generate().unwrap();
+    support::stack_keyed(s, "128M", true, &key, |_| Vec::new(), &args)
+}
+
+/// maru-usage's flags naming the stack's maru-server, its RM and the RM's key file.
+fn server_and_rm(st: &Stack) -> Vec<String> {
+    let rm_key = support::rm_key_path(&st.rm.addr).expect("the RM's key file");
+    [
+        "--server",
+        &st.server.addr,
+        "--rm",
+        &st.rm.addr,
+        "--rm-key-file",
+        &rm_key.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 fn engine(st: &Stack, id: &str) -> Handler {
@@ -105,16 +52,8 @@ fn engine(st: &Stack, id: &str) -> Handler {
 
 /// An engine proving the maru-server key `key_file` (its tenant's) in `namespace`.
 fn engine_as(st: &Stack, id: &str, key_file: &str, namespace: &str) -> Handler {
-    let cfg = serde_json::json!({
-        "backend": "remote_cxl",
-        "server_url": st.server.addr,
-        "server_key_file": key_file,
-        "engine_id": id,
-        "namespace": namespace,
-        "agent_key_file": st.agent_key.display().to_string(),
-        "load_slots": 4,
-        "store_slots": 8,
-    });
+    let mut cfg = st.handler_config("remote_cxl", id, namespace, (4, 8));
+    cfg["server_key_file"] = key_file.into();
     Handler::open(&cfg.to_string()).unwrap_or_else(|e| panic!("open {id}: {e}"))
 }
 
@@ -177,15 +116,8 @@ fn table_shows_engines_pool_and_regions() {
     let got = b.load_batch(&ask, Some("r")).unwrap();
     assert_eq!(got.iter().filter(|g| g.is_some()).count(), 6);
 
-    let rm_key = st.rm_key.display().to_string();
-    let o = usage(&[
-        "--server",
-        &st.server.addr,
-        "--rm",
-        &st.rm.addr,
-        "--rm-key-file",
-        &rm_key,
-    ]);
+    let args = server_and_rm(&st);
+    let o = usage(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let out = text(&o);
     assert!(o.status.success(), "{out}");
     // Columns: TENANT, then (row) ENGINE NAMESPACE BACKEND SESS REGIONS ALLOC USED KEYS
@@ -265,17 +197,8 @@ fn an_engines_skipped_chunks_show_per_reason_within_a_heartbeat() {
         Scratch::new("usage-skips"),
         &["--session-timeout-s".into(), "3".into()],
     );
-    let cfg = serde_json::json!({
-        "backend": "remote_cxl",
-        "server_url": st.server.addr,
-        "server_key_file": support::server_key_file(&st.server.addr),
-        "engine_id": "usage-skipper",
-        "namespace": "usage-model",
-        "agent_key_file": st.agent_key.display().to_string(),
-        "load_slots": 4,
-        "store_slots": 8,
-        "max_bytes": 8 << 20,
-    });
+    let mut cfg = st.handler_config("remote_cxl", "usage-skipper", "usage-model", (4, 8));
+    cfg["max_bytes"] = (8 << 20).into();
     let h = Handler::open(&cfg.to_string()).expect("open");
     // One region of 8 MiB holds 128 pages of 64 KiB: fill it, pin every key.
     let data = vec![7u8; 4096];
@@ -350,18 +273,9 @@ fn agents_versions_and_a_closed_pipe() {
         .unwrap()
         .iter()
         .all(|&x| x));
-    let agent_key = st.agent_key.display().to_string();
-    let rm_key = st.rm_key.display().to_string();
-    let args = [
-        "--server",
-        &st.server.addr,
-        "--rm",
-        &st.rm.addr,
-        "--rm-key-file",
-        &rm_key,
-        "--agent-key-file",
-        &agent_key,
-    ];
+    let mut owned = server_and_rm(&st);
+    owned.extend(["--agent-key-file".into(), st.key_path.display().to_string()]);
+    let args: Vec<&str> = owned.iter().map(String::as_str).collect();
     let o = usage(&args);
     let out = text(&o);
     assert!(o.status.success(), "{out}");
@@ -372,7 +286,7 @@ fn agents_versions_and_a_closed_pipe() {
     );
     let agent_row = out
         .lines()
-        .find(|l| l.starts_with(st._agent.addr.as_str()))
+        .find(|l| l.starts_with(st.agent.as_ref().unwrap().addr.as_str()))
         .unwrap_or_else(|| panic!("no agent row in\n{out}"));
     let cols: Vec<&str> = agent_row.split_whitespace().collect();
     assert_eq!(cols[1], "mem0", "{agent_row}");
@@ -513,7 +427,7 @@ fn a_failed_open_leaves_no_session_open() {
         Scratch::new("usage-failed-open"),
         &["--max-sessions".into(), "1".into()],
     );
-    let wrong = st.agent_key.with_file_name("wrong-agent.key");
+    let wrong = st.key_path.with_file_name("wrong-agent.key");
     write_new_key_file(&wrong, &SharedKey::generate().unwrap()).unwrap();
     let cfg = serde_json::json!({
         "backend": "remote_cxl",

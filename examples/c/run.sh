@@ -21,13 +21,10 @@ else
     # `cargo build --bins` leaves the cdylib only in deps/.
     [ -e "$lib" ] || lib=$bin/deps/libmaru.so
 fi
-for b in "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$lib"; do
-    [ -e "$b" ] || { echo "missing $b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
-done
 source "$root/scripts/daemons-lib.sh"
-work=$(mktemp -d /tmp/maru-example-c.XXXXXX)
-pool=/dev/shm/maru-example-c-$$
-trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+maru_need_built "cargo build -p maru -p maru-daemons --bins --lib" \
+    "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$lib"
+maru_scratch maru-example-c
 export RUST_LOG=${RUST_LOG:-warn}
 # shellcheck disable=SC2086 # cflags is a list of flags
 cc -std=c11 -Wall -Wextra $cflags "$root/examples/c/share_kv.c" -ldl -o "$work/share_kv"

@@ -9,13 +9,10 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 bin=$(cd "${1:-$root/target/debug}" && pwd)
 py=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3 )}
-for b in maru-resource-manager maru-remote-cxl-agent maru-server maru-rm-ctl libmaru.so; do
-    [ -e "$bin/$b" ] || { echo "missing $bin/$b: build first (cargo build -p maru -p maru-daemons --bins --lib)" >&2; exit 2; }
-done
 source "$root/scripts/daemons-lib.sh"
-work=$(mktemp -d /tmp/maru-example-py.XXXXXX)
-pool=/dev/shm/maru-example-py-$$
-trap 'maru_stop_all; rm -rf "$work" "$pool"' EXIT
+maru_need_built "cargo build -p maru -p maru-daemons --bins --lib" \
+    "$bin/maru-resource-manager" "$bin/maru-remote-cxl-agent" "$bin/maru-server" "$bin/maru-rm-ctl" "$bin/libmaru.so"
+maru_scratch maru-example-py
 export RUST_LOG=${RUST_LOG:-warn} MARU_LIB="$bin/libmaru.so" PYTHONPATH="$root/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 maru_start_one_host "$bin" "$work" "$pool"
 # maru-server made its key on first start; the engines prove it (server_key_file).

@@ -33,6 +33,113 @@ def pattern(tag: str, n: int) -> bytes:
     return (hashlib.sha256(tag.encode()).digest() * (n // 32 + 1))[:n]
 
 
+def errors_of_threads(
+    work: Callable[[int], None], n: int = 4, timeout: float = 120
+) -> List[BaseException]:
+    """Runs ``work(t)`` for ``t`` in ``range(n)`` on threads of their own at once (each
+    joined within ``timeout`` seconds): what they raised, none: ``[]``."""
+    import threading
+
+    errors: List[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return errors
+
+
+@contextlib.contextmanager
+def engines(
+    config: Callable[..., Dict[str, Any]], backend: str, ns: str, *names: str
+) -> Iterator[List[Any]]:
+    """Handlers of ``backend`` in namespace ``ns``, one per name (engine ``{name}-{ns}``),
+    closed when the block ends."""
+    from maru import Handler
+
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(Handler(config(backend, f"{n}-{ns}", namespace=ns)))
+            for n in names
+        ]
+
+
+@contextlib.contextmanager
+def compat_handlers(
+    compat_config: Callable[..., Any], backend: str, ns: str, n: int = 2
+) -> Iterator[List[Any]]:
+    """``n`` upstream-compatible handlers (``maru.compat.MaruHandler``) of ``backend``
+    in the cache namespace ``ns``, closed when the block ends."""
+    from maru.compat import MaruHandler
+
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(MaruHandler(compat_config(backend, cache_namespace=ns)))
+            for _ in range(n)
+        ]
+
+
+def check_close_releases(
+    h: Any, buf: Any, mv: memoryview, refused: List[Callable[[], Any]]
+) -> None:
+    """Closing handler ``h`` releases ``buf`` (a slot or a view) and its memoryview
+    ``mv``; each of ``refused`` then raises ``ClosedError``; releasing ``buf`` again is
+    harmless."""
+    import maru
+
+    h.close()
+    assert buf.released
+    with pytest.raises(ValueError):
+        mv[0]
+    for call in refused:
+        with pytest.raises(maru.ClosedError):
+            call()
+    buf.release()  # harmless
+
+
+def check_numpy_keeps(h: Any, buf: Any, close_match: str, use: Callable[[Any], None]) -> None:
+    """A numpy array over ``buf.view`` (a slot or a view of handler ``h``) keeps ``buf``
+    and ``h``: ``buf``'s release and ``h``'s close are refused while it lives, and it
+    stays usable (``use(array)`` passes); once it is gone ``h`` closes, releasing
+    ``buf``."""
+    np = pytest.importorskip("numpy")
+    from maru import SlotReleasedError
+
+    arr = np.frombuffer(buf.view, dtype=np.uint8)
+    with pytest.raises(BufferError):
+        buf.release()
+    with pytest.raises(BufferError, match=close_match):
+        h.close()
+    assert not h.closed
+    use(arr)
+    del arr
+    h.close()
+    assert h.closed and buf.released
+    with pytest.raises(SlotReleasedError, match="closed"):
+        buf.view
+
+
+def check_a_slice_keeps(buf: Any, check_part: Callable[[memoryview], None]) -> None:
+    """A slice of ``buf.view`` (a slot or a view) keeps ``buf``: its release is refused
+    while the slice lives, and ``buf`` stays valid (``check_part(slice)`` passes); once
+    the slice is gone it releases."""
+    part = buf.view[10:20]
+    with pytest.raises(BufferError, match="still alive"):
+        buf.release()
+    assert not buf.released
+    check_part(part)
+    del part
+    buf.release()
+    assert buf.released
+
+
 def _bin_dir() -> Path:
     env = os.environ.get("MARU_BIN_DIR")
     if env:

@@ -15,7 +15,7 @@ import maru
 from maru import compat
 from maru.compat import AllocHandle, MaruConfig, MaruHandler, MemoryInfo, NotConnectedError, PoolExhaustedError
 
-from conftest import BACKENDS, CHUNK_SIZE, pattern
+from conftest import BACKENDS, CHUNK_SIZE, compat_handlers, pattern
 
 
 def kv(i: int, n: int = 30_000) -> bytes:
@@ -286,9 +286,7 @@ def test_no_recycling_when_disabled(backend, compat_config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pins_keep_keys_from_delete_until_unpinned(backend, compat_config, ns, caplog):
-    with MaruHandler(compat_config(backend, cache_namespace=ns)) as w, MaruHandler(
-        compat_config(backend, cache_namespace=ns)
-    ) as r:
+    with compat_handlers(compat_config, backend, ns) as (w, r):
         keys = [f"{ns}-p{i}" for i in range(3)]
         assert w.batch_store(keys, [kv(i, 1000) for i in range(3)]) == [True] * 3
         assert r.pin(keys[0]) is True  # upstream PIN_KV: the key exists (and is pinned)
@@ -313,9 +311,7 @@ def test_pins_keep_keys_from_delete_until_unpinned(backend, compat_config, ns, c
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_delete(backend, compat_config, ns, caplog):
-    with MaruHandler(compat_config(backend, cache_namespace=ns)) as w, MaruHandler(
-        compat_config(backend, cache_namespace=ns)
-    ) as other:
+    with compat_handlers(compat_config, backend, ns) as (w, other):
         keys = [f"{ns}-{i}" for i in range(4)]
         assert w.batch_store(keys, [kv(i, 2000) for i in range(4)]) == [True] * 4
         assert w.delete(keys[0]) is True  # upstream: DELETE_KV success
@@ -337,9 +333,7 @@ def test_delete(backend, compat_config, ns, caplog):
 
 
 def test_delete_of_a_chunk_being_read_on_cxl(compat_config, ns, caplog):
-    with MaruHandler(compat_config("cxl", cache_namespace=ns)) as w, MaruHandler(
-        compat_config("cxl", cache_namespace=ns)
-    ) as r:
+    with compat_handlers(compat_config, "cxl", ns) as (w, r):
         k = f"{ns}-read"
         assert w.store(k, kv(60, 3000))
         info = r.retrieve(k)  # an in-place view: a lease at maru-server

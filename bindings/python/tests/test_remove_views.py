@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import Any
 
 import pytest
 
 import maru
 from maru import Handler, RemoveResult, SlotPool, SlotReleasedError, View, ViewExpiredError
 
-from conftest import BACKENDS, pattern
+from conftest import BACKENDS, engines, errors_of_threads, pattern
+from conftest import check_a_slice_keeps, check_close_releases, check_numpy_keeps
 
 
 def payload(i: int, n: int = 20_000) -> bytes:
@@ -24,9 +26,7 @@ def payload(i: int, n: int = 20_000) -> bytes:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_remove_own_keys(backend, config, ns):
-    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
-        config(backend, f"r-{ns}", namespace=ns)
-    ) as r:
+    with engines(config, backend, ns, "w", "r") as (w, r):
         keys = [f"{ns}-{i}" for i in range(3)]
         assert w.batch_store([(k, payload(i)) for i, k in enumerate(keys)]) == [True] * 3
         assert r.retrieve(keys[0]) == payload(0)
@@ -49,9 +49,7 @@ def test_remove_own_keys(backend, config, ns):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_remove_of_another_engines_key_is_refused(backend, config, ns):
-    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
-        config(backend, f"o-{ns}", namespace=ns)
-    ) as other:
+    with engines(config, backend, ns, "w", "o") as (w, other):
         k = f"{ns}-theirs"
         assert w.store(k, payload(1))
         assert other.remove(k) is RemoveResult.NOT_OWNER
@@ -79,9 +77,7 @@ def test_pins_refuse_removal_count_and_end_with_their_handler(backend, config, n
 
 
 def test_remove_of_a_leased_key_is_refused(config, ns):
-    with Handler(config("cxl", f"w-{ns}", namespace=ns)) as w, Handler(
-        config("cxl", f"r-{ns}", namespace=ns)
-    ) as r:
+    with engines(config, "cxl", ns, "w", "r") as (w, r):
         k = f"{ns}-leased"
         assert w.store(k, payload(2))
         v = r.acquire_view(k)
@@ -149,9 +145,7 @@ def test_slots_are_kept_after_a_miss(backend, config, ns):
 
 
 def test_views_read_in_place(config, ns):
-    with Handler(config("cxl", f"w-{ns}", namespace=ns)) as w, Handler(
-        config("cxl", f"r-{ns}", namespace=ns)
-    ) as r:
+    with engines(config, "cxl", ns, "w", "r") as (w, r):
         keys = [f"{ns}-{i}" for i in range(3)]
         assert w.batch_store([(k, payload(i, 1000 * (i + 1))) for i, k in enumerate(keys)]) == [True] * 3
         views = r.acquire_views(keys + [f"{ns}-miss"])
@@ -212,33 +206,23 @@ def test_a_view_after_release_raises(config, ns):
         # A slice keeps the view: release refuses, the view stays valid.
         assert h.store(k, payload(8))
         v2 = h.acquire_view(k)
-        part = v2.view[10:20]
-        with pytest.raises(BufferError, match="still alive"):
-            v2.release()
-        assert not v2.released and part.tobytes() == payload(8)[10:20]
-        del part
-        v2.release()
-        assert v2.released
+
+        def still_valid(part: memoryview) -> None:
+            assert part.tobytes() == payload(8)[10:20]
+
+        check_a_slice_keeps(v2, still_valid)
 
 
 def test_numpy_over_a_view_blocks_release_and_close(config, ns):
-    np = pytest.importorskip("numpy")
     h = Handler(config("cxl", f"np-{ns}", namespace=ns))
     k = f"{ns}-k"
     assert h.store(k, payload(9, 4096))
     v = h.acquire_view(k)
-    arr = np.frombuffer(v.view, dtype=np.uint8)
-    assert not arr.flags.writeable and arr.tobytes() == payload(9, 4096)
-    with pytest.raises(BufferError):
-        v.release()
-    with pytest.raises(BufferError, match="views .* still have views in use"):
-        h.close()
-    assert not h.closed and arr.tobytes() == payload(9, 4096)
-    del arr
-    h.close()
-    assert h.closed and v.released
-    with pytest.raises(SlotReleasedError, match="closed"):
-        v.view
+
+    def read_only_and_exact(arr: Any) -> None:
+        assert not arr.flags.writeable and arr.tobytes() == payload(9, 4096)
+
+    check_numpy_keeps(h, v, "views .* still have views in use", read_only_and_exact)
 
 
 def test_a_view_expires_with_its_lease(config, ns):
@@ -285,39 +269,20 @@ def test_views_of_a_closed_handler(config, ns):
     h = Handler(config("cxl", f"c-{ns}", namespace=ns))
     assert h.store(f"{ns}-k", b"abc")
     v = h.acquire_view(f"{ns}-k")
-    mv = v.view
-    h.close()
-    assert v.released
-    with pytest.raises(ValueError):
-        mv[0]
-    with pytest.raises(maru.ClosedError):
-        h.acquire_views([f"{ns}-k"])
-    with pytest.raises(maru.ClosedError):
-        h.remove(f"{ns}-k")
-    v.release()  # harmless
+    refused = [lambda: h.acquire_views([f"{ns}-k"]), lambda: h.remove(f"{ns}-k")]
+    check_close_releases(h, v, v.view, refused)
 
 
 def test_views_from_several_threads(config, ns):
-    import threading
-
     with Handler(config("cxl", f"t-{ns}", namespace=ns)) as h:
-        errors = []
 
         def worker(t: int) -> None:
-            try:
-                for i in range(20):
-                    k = f"{ns}-{t}-{i}"
-                    assert h.store(k, payload(t * 100 + i, 2000))
-                    with h.acquire_view(k) as v:
-                        assert v.view.tobytes() == payload(t * 100 + i, 2000)
-                    if i % 2:
-                        assert h.remove(k) is RemoveResult.REMOVED
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            for i in range(20):
+                k = f"{ns}-{t}-{i}"
+                assert h.store(k, payload(t * 100 + i, 2000))
+                with h.acquire_view(k) as v:
+                    assert v.view.tobytes() == payload(t * 100 + i, 2000)
+                if i % 2:
+                    assert h.remove(k) is RemoveResult.REMOVED
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert errors == [] and h.held_views() == []
+        assert errors_of_threads(worker) == [] and h.held_views() == []

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import pytest
 
 import maru
 from maru import BusyError, Handler, NoSpaceError, Op, Slot, SlotPool, SlotReleasedError
 
-from conftest import BACKENDS, CHUNK_SIZE, pattern
+from conftest import BACKENDS, CHUNK_SIZE, engines, errors_of_threads, pattern
+from conftest import check_a_slice_keeps, check_close_releases, check_numpy_keeps
 
 
 def payload(i: int, n: int = 20_000) -> bytes:
@@ -20,9 +22,7 @@ def payload(i: int, n: int = 20_000) -> bytes:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_store_and_load_through_slots(backend, config, ns):
-    with Handler(config(backend, f"w-{ns}", namespace=ns)) as w, Handler(
-        config(backend, f"r-{ns}", namespace=ns)
-    ) as r:
+    with engines(config, backend, ns, "w", "r") as (w, r):
         keys = [f"{ns}-{i}" for i in range(4)]
         slots = w.acquire_slots(SlotPool.STORE, 4)
         assert 1 <= len(slots) <= 4 and all(isinstance(s, Slot) for s in slots)
@@ -136,34 +136,23 @@ def test_a_view_after_release_raises(backend, config, ns):
 
         # A slice made from the view keeps the slot: release refuses, the slot stays valid.
         s2 = h.acquire_slot(SlotPool.STORE)
-        part = s2.view[10:20]
-        with pytest.raises(BufferError, match="still alive"):
-            s2.release()
-        assert not s2.released
-        s2.view[10:12] = b"ok"
-        assert part[:2].tobytes() == b"ok"
-        del part
-        s2.release()
-        assert s2.released
+
+        def still_valid(part: memoryview) -> None:
+            s2.view[10:12] = b"ok"
+            assert part[:2].tobytes() == b"ok"
+
+        check_a_slice_keeps(s2, still_valid)
 
 
 def test_numpy_over_a_slot_blocks_release_and_close(config, ns):
-    np = pytest.importorskip("numpy")
     h = Handler(config("cxl", f"np-{ns}", namespace=ns))
     s = h.acquire_slot(SlotPool.STORE)
-    arr = np.frombuffer(s.view, dtype=np.uint8)
-    with pytest.raises(BufferError):
-        s.release()
-    with pytest.raises(BufferError, match="still have views in use"):
-        h.close()
-    assert not h.closed
-    arr[:4] = [1, 2, 3, 4]
-    assert s.read(4) == b"\x01\x02\x03\x04"
-    del arr
-    h.close()
-    assert h.closed and s.released
-    with pytest.raises(SlotReleasedError, match="closed"):
-        s.view
+
+    def write_through(arr: Any) -> None:
+        arr[:4] = [1, 2, 3, 4]
+        assert s.read(4) == b"\x01\x02\x03\x04"
+
+    check_numpy_keeps(h, s, "still have views in use", write_through)
 
 
 def test_slots_run_out_and_come_back(config, ns):
@@ -186,14 +175,7 @@ def test_slots_run_out_and_come_back(config, ns):
 def test_slots_of_a_closed_handler(config, ns):
     h = Handler(config("remote_cxl", f"c-{ns}", namespace=ns))
     s = h.acquire_slot(SlotPool.STORE)
-    v = s.view
-    h.close()
-    assert s.released
-    with pytest.raises(ValueError):
-        v[0]
-    with pytest.raises(maru.ClosedError):
-        h.acquire_slot(SlotPool.STORE)
-    s.release()  # harmless
+    check_close_releases(h, s, s.view, [lambda: h.acquire_slot(SlotPool.STORE)])
 
 
 def test_memory_hook_callbacks(config, ns):
@@ -241,36 +223,25 @@ def test_pending_is_not_an_error():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropped_operations_and_threads(backend, config, ns):
-    import threading
-
     with Handler(config(backend, f"t-{ns}", namespace=ns)) as h:
         s = h.acquire_slot(SlotPool.STORE)
         s.write(b"d" * 300)
         h.submit_store_slots([f"{ns}-dropped"], [s])  # the Op is dropped at once
         del s
         gc.collect()
-        errors = []
 
         def worker(t: int) -> None:
-            try:
-                for i in range(15):
-                    k = f"{ns}-{t}-{i}"
-                    with h.acquire_slot(SlotPool.STORE, timeout=5) as st:
-                        st.write(payload(t * 100 + i, 3000))
-                        assert h.store_slots([k], [st]) == [True]
-                    ld = h.acquire_slot(SlotPool.LOAD, timeout=5)
-                    assert h.load_slots([k], [ld]) == [3000]
-                    assert ld.read() == payload(t * 100 + i, 3000)  # never another key's bytes
-                    ld.release()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            for i in range(15):
+                k = f"{ns}-{t}-{i}"
+                with h.acquire_slot(SlotPool.STORE, timeout=5) as st:
+                    st.write(payload(t * 100 + i, 3000))
+                    assert h.store_slots([k], [st]) == [True]
+                ld = h.acquire_slot(SlotPool.LOAD, timeout=5)
+                assert h.load_slots([k], [ld]) == [3000]
+                assert ld.read() == payload(t * 100 + i, 3000)  # never another key's bytes
+                ld.release()
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert errors == []
+        assert errors_of_threads(worker) == []
         for _ in range(50):
             if h.exists(f"{ns}-dropped"):
                 break

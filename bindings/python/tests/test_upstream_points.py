@@ -15,7 +15,7 @@ import maru
 from maru import compat
 from maru.compat import MaruConfig, MaruHandler
 
-from conftest import CHUNK_SIZE
+from conftest import CHUNK_SIZE, compat_handlers
 
 BACKENDS = ["cxl", "remote_cxl"]
 
@@ -65,9 +65,7 @@ def test_a_chunk_size_dividing_the_page_connects_and_lays_chunks_out_by_page(com
 
 def test_a_dropped_view_gives_its_lease_back_at_once(compat_config, ns):
     np = pytest.importorskip("numpy")
-    with MaruHandler(compat_config("cxl", cache_namespace=ns)) as w, MaruHandler(
-        compat_config("cxl", cache_namespace=ns)
-    ) as r:
+    with compat_handlers(compat_config, "cxl", ns) as (w, r):
         k = f"{ns}-lease"
         assert w.store(k, data(1, 5000))
         info = r.retrieve(k)

@@ -127,9 +127,6 @@ impl Daemon {
 
     /// As `start`, on a given port (to bring a daemon back where its clients look).
     pub fn start_at(bin: &str, args: &[String], ready_dir: &Path, port: u16) -> Daemon {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let ready = ready_dir.join(format!("ready-{n}"));
-        let _ = std::fs::remove_file(&ready);
         let mut args = args.to_vec();
         let is_rm = bin.ends_with(RM_NAME);
         let is_server = bin.ends_with(SERVER_NAME);
@@ -157,56 +154,30 @@ impl Daemon {
             }
         }
         let mut cmd = Command::new(bin);
-        cmd.args(&args)
-            .arg("--port")
-            .arg(port.to_string())
-            .arg("--ready-file")
-            .arg(&ready);
-        cmd.stdin(Stdio::null());
+        cmd.args(&args);
         if std::env::var_os("MARU_TEST_VERBOSE").is_none() {
             cmd.stdout(Stdio::null()).stderr(Stdio::null());
         }
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(s) = std::fs::read_to_string(&ready) {
-                if s.ends_with('\n') {
-                    let addr = s.trim().to_string();
-                    if is_rm && !args.iter().any(|a| a == "--insecure-no-key") {
-                        let key = match arg_after(&args, "--key-file") {
-                            Some(k) => Some(PathBuf::from(k)),
-                            None => {
-                                arg_after(&args, "--state-dir").map(|d| Path::new(d).join("rm.key"))
-                            }
-                        };
-                        if let (Some(k), Ok(mut keys)) = (key, RM_KEYS.lock()) {
-                            keys.push((addr.clone(), k));
-                        }
-                    }
-                    if is_server {
-                        if let (Some(k), Ok(mut keys)) =
-                            (arg_after(&args, "--key-file"), SERVER_KEYS.lock())
-                        {
-                            keys.push((addr.clone(), PathBuf::from(k)));
-                        }
-                    }
-                    return Daemon {
-                        child,
-                        addr,
-                        name: bin.to_string(),
-                    };
-                }
+        let (child, addr) = spawn_listening(&mut cmd, ready_dir, port)
+            .unwrap_or_else(|st| panic!("{bin} exited during start-up: {st}"));
+        if is_rm && !args.iter().any(|a| a == "--insecure-no-key") {
+            let key = match arg_after(&args, "--key-file") {
+                Some(k) => Some(PathBuf::from(k)),
+                None => arg_after(&args, "--state-dir").map(|d| Path::new(d).join("rm.key")),
+            };
+            if let (Some(k), Ok(mut keys)) = (key, RM_KEYS.lock()) {
+                keys.push((addr.clone(), k));
             }
-            if let Ok(Some(st)) = child.try_wait() {
-                panic!("{bin} exited during start-up: {st}");
+        }
+        if is_server {
+            if let (Some(k), Ok(mut keys)) = (arg_after(&args, "--key-file"), SERVER_KEYS.lock()) {
+                keys.push((addr.clone(), PathBuf::from(k)));
             }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("{bin} did not become ready within 20 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        }
+        Daemon {
+            child,
+            addr,
+            name: bin.to_string(),
         }
     }
 
@@ -259,6 +230,64 @@ impl Daemon {
         }
         None
     }
+}
+
+/// Starts the daemon `cmd` (stdout and stderr as the caller set them, stdin none) with
+/// `--port port --ready-file F` (F in `ready_dir`) added, and waits (≤ 20 s) until it
+/// listens: the process and its address, or how it ended when it exited first.
+/// Panics, the process killed, when it neither listens nor exits within 20 s.
+pub fn spawn_listening(
+    cmd: &mut Command,
+    ready_dir: &Path,
+    port: u16,
+) -> Result<(Child, String), std::process::ExitStatus> {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let ready = ready_dir.join(format!("ready-{n}"));
+    let _ = std::fs::remove_file(&ready);
+    cmd.arg("--port")
+        .arg(port.to_string())
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdin(Stdio::null());
+    let what = cmd.get_program().to_string_lossy().into_owned();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(&ready) {
+            if s.ends_with('\n') {
+                return Ok((child, s.trim().to_string()));
+            }
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(st);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not become ready within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A worker's soft NIC, client `id`, proving the agent key `key`, with `staging`
+/// registered as its local buffer (keep `staging` alive and in place while the NIC
+/// may use it).
+pub fn soft_nic(
+    id: impl Into<String>,
+    key: &maru::auth::SharedKey,
+    staging: &mut [u8],
+) -> maru::transport::soft::SoftTransport {
+    use maru::transport::{LocalBuffer, Transport};
+    let nic = maru::transport::soft::SoftTransport::new(id, Some(key.clone()));
+    nic.register_local(LocalBuffer {
+        ptr: staging.as_mut_ptr(),
+        len: staging.len(),
+    })
+    .expect("register the staging buffer");
+    nic
 }
 
 impl Drop for Daemon {
@@ -356,6 +385,11 @@ pub fn leases_of(server: &str, engine: &str) -> u64 {
     }
 }
 
+/// `args` as owned strings (a daemon's command line).
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| a.to_string()).collect()
+}
+
 /// Polls `f` every 20 ms until it is true, for at most `limit`.
 pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
@@ -376,6 +410,28 @@ pub struct MemoryNode {
     pub key: maru::auth::SharedKey,
     pub agent: Daemon,
     pub rm: Daemon,
+}
+
+/// A [`MemoryNode`] in a scratch directory of its own (dereferences to the node).
+/// Fields drop in order: the daemons stop before their directory goes.
+pub struct OwnNode {
+    pub node: MemoryNode,
+    pub s: Scratch,
+}
+
+impl std::ops::Deref for OwnNode {
+    type Target = MemoryNode;
+
+    fn deref(&self) -> &MemoryNode {
+        &self.node
+    }
+}
+
+/// Starts an [`OwnNode`] in a scratch directory of `tag`, with a pool of `size`.
+pub fn own_node(tag: &str, size: &str) -> OwnNode {
+    let mut s = Scratch::new(tag);
+    let node = memory_node(&mut s, size);
+    OwnNode { node, s }
 }
 
 /// The arguments of a resource manager with its state in `s` and a fake-DAX pool
@@ -493,20 +549,27 @@ pub fn stack_with(
     server_args: &[String],
 ) -> Stack {
     let key = maru::auth::SharedKey::generate().unwrap();
-    stack_keyed(tag, pool_size, remote, &key, agent_extra, server_args)
+    stack_keyed(
+        Scratch::new(tag),
+        pool_size,
+        remote,
+        &key,
+        agent_extra,
+        server_args,
+    )
 }
 
-/// As [`stack_with`], with the agent key `key` (stacks that one handler reaches
-/// share it: a handler has one agent key file).
+/// As [`stack_with`], in the scratch directory `s` (where a test may have put files
+/// the daemons' arguments name: a tenants file, say), with the agent key `key`
+/// (stacks that one handler reaches share it: a handler has one agent key file).
 pub fn stack_keyed(
-    tag: &str,
+    mut s: Scratch,
     pool_size: &str,
     remote: bool,
     key: &maru::auth::SharedKey,
     agent_extra: impl FnOnce(&Scratch) -> Vec<String>,
     server_args: &[String],
 ) -> Stack {
-    let mut s = Scratch::new(tag);
     let pool = s.fake_dax("pool");
     let key_path = s.dir.join("agent.key");
     maru::auth::keyfile::write_new_key_file(&key_path, key).unwrap();

@@ -319,6 +319,13 @@ impl World {
         )
     }
 
+    /// A new region of the RM, mapped writable for `client`.
+    pub fn mapped(&mut self, client: &str) -> (Handle, MapReply) {
+        let h = self.rm.region();
+        let m = self.map(client, &h, true).unwrap();
+        (h, m)
+    }
+
     pub fn map(&mut self, client: &str, h: &Handle, writable: bool) -> Result<MapReply, WireError> {
         let handle = h.clone();
         match self.req(client, AgentRequest::Map { handle, writable })? {
@@ -382,6 +389,19 @@ impl World {
     pub fn sweep(&mut self) {
         self.core
             .sweep(self.now, &mut self.rm, &mut self.mem, &mut self.nic);
+    }
+
+    /// Unholds the sweep still owes the RM.
+    pub fn queued(&self) -> usize {
+        self.core.status().queued_unholds
+    }
+
+    /// Sweeps, and checks that the RM was given every hold back and none is queued.
+    #[track_caller]
+    pub fn sweep_clears_every_hold(&mut self) {
+        self.sweep();
+        assert!(self.rm.held.is_empty(), "held: {:?}", self.rm.held);
+        assert_eq!(self.queued(), 0);
     }
 
     pub fn advance(&mut self, ms: u64) {

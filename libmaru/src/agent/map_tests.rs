@@ -5,15 +5,10 @@ use crate::auth::read_token;
 use crate::wire::rm::Handle;
 use crate::wire::ErrorCode;
 
-fn queued(w: &World) -> usize {
-    w.core.status().queued_unholds
-}
-
 #[test]
 fn a_map_holds_the_region_before_it_maps_or_registers_it() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("owner", &h, true).unwrap();
+    let (h, m) = w.mapped("owner");
     let id = h.region_id;
     let hold = w.rm.calls.iter().position(|c| *c == format!("hold {id}"));
     let access = w.rm.calls.iter().position(|c| *c == format!("access {id}"));
@@ -33,7 +28,7 @@ fn a_refused_hold_maps_nothing_and_queues_nothing() {
     let e = w.map("owner", &h, true).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused, "{e}");
     assert_eq!((w.mem.maps, w.nic.registers), (0, 0));
-    assert_eq!(queued(&w), 0);
+    assert_eq!(w.queued(), 0);
     assert_eq!(w.rm.count("access"), 0);
 }
 
@@ -48,11 +43,9 @@ fn an_unanswered_hold_is_no_refusal_and_queues_an_unhold() {
     assert_eq!((w.mem.maps, w.nic.registers), (0, 0));
     // The hold went through although its reply did not: the sweep undoes it.
     assert!(w.rm.held.contains(&h.region_id));
-    assert_eq!(queued(&w), 1);
+    assert_eq!(w.queued(), 1);
     w.rm.lose_hold_reply = false;
-    w.sweep();
-    assert!(w.rm.held.is_empty());
-    assert_eq!(queued(&w), 0);
+    w.sweep_clears_every_hold();
 }
 
 #[test]
@@ -74,7 +67,7 @@ fn with_a_queued_unhold(w: &mut World, h: &Handle) {
     w.rm.down = true;
     assert!(w.unmap("owner", h.region_id));
     w.rm.down = false;
-    assert_eq!(queued(w), 1);
+    assert_eq!(w.queued(), 1);
     assert!(w.rm.held.contains(&h.region_id));
 }
 
@@ -87,7 +80,7 @@ fn a_refused_hold_keeps_the_queued_unhold() {
     w.rm.drain(h.region_id);
     let e = w.map("owner", &h, true).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused);
-    assert_eq!(queued(&w), 1, "the old hold still needs its unhold");
+    assert_eq!(w.queued(), 1, "the old hold still needs its unhold");
     w.sweep();
     assert!(
         w.rm.held.is_empty(),
@@ -101,7 +94,7 @@ fn a_queued_unhold_goes_once_a_new_hold_succeeds() {
     let h = w.rm.region();
     with_a_queued_unhold(&mut w, &h);
     let m = w.map("owner", &h, true).unwrap();
-    assert_eq!(queued(&w), 0);
+    assert_eq!(w.queued(), 0);
     w.sweep();
     assert!(
         w.rm.held.contains(&h.region_id),
@@ -120,7 +113,7 @@ fn a_failure_after_the_hold_undoes_it() {
     assert!(e.message.contains("register"), "{e}");
     assert!(w.mem.ranges.is_empty(), "the range is unmapped again");
     assert!(w.rm.held.is_empty(), "the hold is dropped");
-    assert_eq!(queued(&w), 0);
+    assert_eq!(w.queued(), 0);
     w.nic.fail_register = false;
 
     w.mem.fail_map = true;
@@ -132,18 +125,15 @@ fn a_failure_after_the_hold_undoes_it() {
     w.nic.fail_register = true;
     w.rm.fail_unhold = true;
     assert!(w.map("owner", &h, true).is_err());
-    assert_eq!(queued(&w), 1);
+    assert_eq!(w.queued(), 1);
     w.rm.fail_unhold = false;
-    w.sweep();
-    assert!(w.rm.held.is_empty());
-    assert_eq!(queued(&w), 0);
+    w.sweep_clears_every_hold();
 }
 
 #[test]
 fn a_region_mapped_once_is_shared_by_its_holders_each_with_its_own_key() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let a = w.map("owner", &h, true).unwrap();
+    let (h, a) = w.mapped("owner");
     let b = w.map("owner2", &h, true).unwrap();
     assert_eq!(a.addr, b.addr);
     assert_ne!(
@@ -167,8 +157,7 @@ fn a_region_mapped_once_is_shared_by_its_holders_each_with_its_own_key() {
 #[test]
 fn a_released_handle_is_not_mapped_again() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     w.release("owner", &h).unwrap();
     let holds = w.rm.count("hold");
     // The RM still accepts the handle (the owner has not given it back yet).
@@ -182,8 +171,7 @@ fn a_released_handle_is_not_mapped_again() {
 #[test]
 fn a_map_with_another_handle_of_a_mapped_region_is_refused() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     let holds = w.rm.count("hold");
     let forged = Handle {
         token: "f".repeat(32),
@@ -217,8 +205,7 @@ fn a_read_handle_maps_only_a_region_mapped_here() {
 #[test]
 fn a_read_map_needs_the_read_token_of_that_range() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     let id = h.region_id;
     let forged = "0".repeat(32);
     let e = w.map_read_with("r", id, 0, 4096, forged).unwrap_err();
@@ -232,8 +219,7 @@ fn a_read_map_needs_the_read_token_of_that_range() {
 #[test]
 fn a_read_range_lies_inside_its_region() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     for (offset, length) in [(LEN - 4096, 8192), (u64::MAX, 2), (0, 0), (LEN, 1)] {
         let e = w.map_read("r", &h, offset, length).unwrap_err();
         assert_eq!(e.code, ErrorCode::Refused, "{offset} {length}: {e}");
@@ -244,8 +230,7 @@ fn a_read_range_lies_inside_its_region() {
 #[test]
 fn readers_of_a_range_get_read_registrations_of_their_own() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let owner = w.map("owner", &h, true).unwrap();
+    let (h, owner) = w.mapped("owner");
     let a = w.map_read("ra", &h, 0, 4096).unwrap();
     let b = w.map_read("rb", &h, 0, 4096).unwrap();
     assert_ne!(a.rkey, b.rkey);
@@ -263,8 +248,7 @@ fn readers_of_a_range_get_read_registrations_of_their_own() {
 #[test]
 fn a_region_being_torn_down_is_not_mapped_meanwhile() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     w.nic.fail_deregister = true;
     w.unmap("owner", h.region_id);
     let e = w.map("owner", &h, true).unwrap_err();
@@ -282,8 +266,7 @@ fn a_region_being_torn_down_is_not_mapped_meanwhile() {
 #[test]
 fn a_read_handle_does_not_map_a_region_being_torn_down() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     w.nic.fail_deregister = true;
     assert!(w.release("owner", &h).is_err());
     w.nic.fail_deregister = false;
@@ -295,8 +278,7 @@ fn a_read_handle_does_not_map_a_region_being_torn_down() {
 #[test]
 fn a_region_freed_at_the_rm_takes_no_new_holder() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     w.rm.drain(h.region_id);
     let e = w.map("keeper", &h, false).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused);
@@ -306,15 +288,14 @@ fn a_region_freed_at_the_rm_takes_no_new_holder() {
 #[test]
 fn an_unanswered_hold_of_a_mapped_region_queues_no_unhold() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("owner", &h, true).unwrap();
+    let (h, m) = w.mapped("owner");
     w.rm.down = true;
     assert_eq!(
         w.map("keeper", &h, false).unwrap_err().code,
         ErrorCode::Internal
     );
     w.rm.down = false;
-    assert_eq!(queued(&w), 0, "the hold belongs to the live mapping");
+    assert_eq!(w.queued(), 0, "the hold belongs to the live mapping");
     w.sweep();
     assert!(w.rm.held.contains(&h.region_id));
     assert!(w.nic.accepts(m.rkey));

@@ -2,10 +2,6 @@
 
 use crate::agent::fakes::{World, Q_MS};
 
-fn queued(w: &World) -> usize {
-    w.core.status().queued_unholds
-}
-
 #[test]
 fn the_sweep_deregisters_failed_mappings_while_the_rm_is_away() {
     let mut w = World::new();
@@ -28,11 +24,11 @@ fn the_sweep_deregisters_failed_mappings_while_the_rm_is_away() {
     assert!(!w.nic.accepts(u.rkey), "holderless mapping not retried");
     assert!(w.nic.accepts(l.rkey));
     assert!(w.mem.range_at(r.addr).unwrap().protected);
-    assert_eq!(queued(&w), 2, "their unholds wait for the RM");
+    assert_eq!(w.queued(), 2, "their unholds wait for the RM");
 
     w.rm.down = false;
     w.sweep();
-    assert_eq!(queued(&w), 0);
+    assert_eq!(w.queued(), 0);
     assert_eq!(
         w.rm.held.iter().copied().collect::<Vec<_>>(),
         vec![live.region_id]
@@ -42,25 +38,23 @@ fn the_sweep_deregisters_failed_mappings_while_the_rm_is_away() {
 #[test]
 fn only_a_refusal_ends_a_queued_unhold() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("a", &h, true).unwrap();
+    let (h, _) = w.mapped("a");
     w.rm.fail_unhold = true;
     w.unmap("a", h.region_id);
-    assert_eq!(queued(&w), 1);
+    assert_eq!(w.queued(), 1);
     w.sweep();
     w.sweep();
-    assert_eq!(queued(&w), 1, "a failed unhold stays queued");
+    assert_eq!(w.queued(), 1, "a failed unhold stays queued");
     w.rm.fail_unhold = false;
     w.rm.refuse_unhold = true;
     w.sweep();
-    assert_eq!(queued(&w), 0, "a refusal means nothing is held");
+    assert_eq!(w.queued(), 0, "a refusal means nothing is held");
 }
 
 #[test]
 fn the_sweep_retires_a_mapping_the_rm_no_longer_accepts() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("a", &h, true).unwrap();
+    let (h, m) = w.mapped("a");
     w.sweep();
     assert!(w.nic.accepts(m.rkey), "an accepted handle stays mapped");
     w.rm.drain(h.region_id);
@@ -74,8 +68,7 @@ fn the_sweep_retires_a_mapping_the_rm_no_longer_accepts() {
 #[test]
 fn an_unanswered_access_check_keeps_the_mapping() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("a", &h, true).unwrap();
+    let (h, m) = w.mapped("a");
     w.rm.down = true;
     w.sweep();
     assert!(w.nic.accepts(m.rkey));
@@ -85,8 +78,7 @@ fn an_unanswered_access_check_keeps_the_mapping() {
 #[test]
 fn quarantines_end_while_the_rm_is_away() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("a", &h, true).unwrap();
+    let (h, m) = w.mapped("a");
     w.release("a", &h).unwrap();
     w.rm.down = true;
     w.advance(Q_MS);
@@ -97,8 +89,7 @@ fn quarantines_end_while_the_rm_is_away() {
 #[test]
 fn released_handles_are_forgotten_once_the_rm_refuses_them() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("a", &h, true).unwrap();
+    let (h, _) = w.mapped("a");
     w.release("a", &h).unwrap();
     w.sweep();
     assert!(w.core.released.contains(&h), "the RM still accepts it");

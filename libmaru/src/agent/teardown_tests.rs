@@ -4,10 +4,6 @@ use crate::agent::fakes::{World, Q_MS};
 use crate::wire::rm::Handle;
 use crate::wire::ErrorCode;
 
-fn queued(w: &World) -> usize {
-    w.core.status().queued_unholds
-}
-
 #[test]
 fn the_last_holder_unmapping_deregisters_then_unholds() {
     let mut w = World::new();
@@ -66,8 +62,7 @@ fn a_closed_client_drops_its_read_handles_but_keeps_its_regions_readable() {
 #[test]
 fn a_release_deregisters_whoever_else_holds_the_region() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let owner = w.map("owner", &h, true).unwrap();
+    let (h, owner) = w.mapped("owner");
     let keeper = w.map("keeper", &h, false).unwrap();
     let reader = w.map_read("reader", &h, 0, 4096).unwrap();
     // maru-server releases with the handle too: the releasing client holds nothing.
@@ -82,8 +77,7 @@ fn a_release_deregisters_whoever_else_holds_the_region() {
 #[test]
 fn a_release_needs_the_regions_own_handle() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let owner = w.map("owner", &h, true).unwrap();
+    let (h, owner) = w.mapped("owner");
     let forged = Handle {
         token: "1".repeat(32),
         ..h.clone()
@@ -101,8 +95,7 @@ fn a_release_needs_the_regions_own_handle() {
 #[test]
 fn a_released_range_stays_mapped_without_access_for_the_quarantine() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("owner", &h, true).unwrap();
+    let (h, m) = w.mapped("owner");
     w.release("owner", &h).unwrap();
     let released_at = w.now;
     assert!(w.mem.range_at(m.addr).unwrap().protected);
@@ -139,24 +132,20 @@ fn a_new_region_never_gets_a_key_of_a_released_one_within_the_quarantine() {
 #[test]
 fn a_release_while_the_rm_is_away_succeeds_and_queues_the_unhold() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("owner", &h, true).unwrap();
+    let (h, m) = w.mapped("owner");
     w.rm.down = true;
     assert!(w.release("owner", &h).unwrap());
     assert!(!w.nic.accepts(m.rkey));
     assert!(w.rm.held.contains(&h.region_id));
-    assert_eq!(queued(&w), 1);
+    assert_eq!(w.queued(), 1);
     w.rm.down = false;
-    w.sweep();
-    assert!(w.rm.held.is_empty());
-    assert_eq!(queued(&w), 0);
+    w.sweep_clears_every_hold();
 }
 
 #[test]
 fn a_failed_deregistration_keeps_the_region_held_until_a_retry_works() {
     let mut w = World::new();
-    let h = w.rm.region();
-    let m = w.map("owner", &h, true).unwrap();
+    let (h, m) = w.mapped("owner");
     w.nic.fail_deregister = true;
     let e = w.release("owner", &h).unwrap_err();
     assert_eq!(
@@ -198,8 +187,7 @@ fn a_release_of_a_region_not_mapped_here_refuses_its_later_maps() {
 #[test]
 fn a_repeated_release_reports_the_earlier_deregistration() {
     let mut w = World::new();
-    let h = w.rm.region();
-    w.map("owner", &h, true).unwrap();
+    let (h, _) = w.mapped("owner");
     assert!(w.release("owner", &h).unwrap());
     assert!(
         w.release("owner", &h).unwrap(),

@@ -3,7 +3,7 @@
 //! call that fills a caller's array and says how many entries there are
 //! (`maru_slots_acquire`, `maru_pages_take`, `maru_regions_list`).
 
-use super::args::{keys_of, out_slice};
+use super::args::{keys_of, opt_str, out_slice};
 use super::boundary::{check_not_null, ffi_guard, FfiError};
 use super::handler::{maru_handler_t, with_handler, Call};
 use super::status::maru_status_t;
@@ -22,6 +22,35 @@ pub(crate) unsafe fn keyed(
             let ks = keys_of(keys, n)?;
             body(call, ks)
         })
+    })
+}
+
+/// A call that answers each of the `n` keys at `keys`: runs `answer` on handler `h`
+/// with the keys and the route key, and writes its answer for `keys[i]`, through
+/// `into`, to `out[i]` (checked in order: the keys, `out`, named `out_name` in errors,
+/// then `route_key`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn answer_each_key<T, R, E>(
+    h: *const maru_handler_t,
+    keys: *const *const c_char,
+    n: usize,
+    route_key: *const c_char,
+    out: *mut T,
+    out_name: &str,
+    answer: impl FnOnce(&Call, &[String], Option<&str>) -> Result<Vec<R>, E>,
+    into: impl Fn(R) -> T,
+) -> maru_status_t
+where
+    FfiError: From<E>,
+{
+    keyed(h, keys, n, |call, ks| {
+        let o = out_slice(out, n, out_name)?;
+        let rk = opt_str(route_key, "route_key")?;
+        let got = answer(call, &ks, rk)?;
+        for (o, r) in o.iter_mut().zip(got) {
+            *o = into(r);
+        }
+        Ok(())
     })
 }
 

@@ -7,7 +7,7 @@
 
 use super::args::{buffer_of, copy_to_opt_out, in_slice, opt_str, out_slice, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
-use super::calls::keyed;
+use super::calls::{answer_each_key, keyed};
 use super::handler::{maru_handler_t, with_handler};
 use super::status::maru_status_t;
 use crate::wire::meta::RemoveResult;
@@ -237,13 +237,16 @@ pub unsafe extern "C" fn maru_exists_batch(
     route_key: *const c_char,
     found_out: *mut bool,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
-        let out = out_slice(found_out, n, "found_out")?;
-        let rk = opt_str(route_key, "route_key")?;
-        let got = call.handler().exists_batch(&ks, rk)?;
-        out.copy_from_slice(&got);
-        Ok(())
-    })
+    answer_each_key(
+        h,
+        keys,
+        n,
+        route_key,
+        found_out,
+        "found_out",
+        |call, ks, rk| call.handler().exists_batch(ks, rk),
+        |found| found,
+    )
 }
 
 /// What `maru_remove_batch` did with one key.
@@ -275,21 +278,22 @@ pub unsafe extern "C" fn maru_remove_batch(
     route_key: *const c_char,
     results: *mut maru_remove_result_t,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
-        let out = out_slice(results, n, "results")?;
-        let rk = opt_str(route_key, "route_key")?;
-        let got = call.handler().remove_batch(&ks, rk)?;
-        for (o, r) in out.iter_mut().zip(got) {
-            *o = match r {
-                RemoveResult::Removed => maru_remove_result_t::MARU_REMOVED,
-                RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
-                RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
-                RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
-                RemoveResult::Pinned => maru_remove_result_t::MARU_REMOVE_PINNED,
-            };
-        }
-        Ok(())
-    })
+    answer_each_key(
+        h,
+        keys,
+        n,
+        route_key,
+        results,
+        "results",
+        |call, ks, rk| call.handler().remove_batch(ks, rk),
+        |r| match r {
+            RemoveResult::Removed => maru_remove_result_t::MARU_REMOVED,
+            RemoveResult::NotFound => maru_remove_result_t::MARU_REMOVE_NOT_FOUND,
+            RemoveResult::NotOwner => maru_remove_result_t::MARU_REMOVE_NOT_OWNER,
+            RemoveResult::Leased => maru_remove_result_t::MARU_REMOVE_LEASED,
+            RemoveResult::Pinned => maru_remove_result_t::MARU_REMOVE_PINNED,
+        },
+    )
 }
 
 /// Pins `n` keys of one request: `pinned[i]` says whether `keys[i]` was found and is
@@ -332,11 +336,14 @@ unsafe fn pin_ffi(
     out: *mut bool,
     pin: bool,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
-        let o = out_slice(out, n, if pin { "pinned" } else { "unpinned" })?;
-        let rk = opt_str(route_key, "route_key")?;
-        let got = call.handler().pin_batch(&ks, rk, pin)?;
-        o.copy_from_slice(&got);
-        Ok(())
-    })
+    answer_each_key(
+        h,
+        keys,
+        n,
+        route_key,
+        out,
+        if pin { "pinned" } else { "unpinned" },
+        |call, ks, rk| call.handler().pin_batch(ks, rk, pin),
+        |held| held,
+    )
 }

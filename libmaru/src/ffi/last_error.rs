@@ -143,20 +143,29 @@ mod tests {
         assert_eq!(last_error_text(), "a\u{FFFD}b");
     }
 
+    /// Copies the last error into `cap` bytes filled with 0x55 first: the status, the
+    /// length written to `*out_len` (which starts at `usize::MAX`), and the text up to
+    /// the NUL the copy wrote.
+    fn copy_last(cap: usize) -> (maru_status_t, usize, String) {
+        let mut buf = vec![0x55 as c_char; cap];
+        let mut out = usize::MAX;
+        let st = unsafe { maru_last_error_copy(buf.as_mut_ptr(), buf.len(), &mut out) };
+        let bytes: Vec<u8> = buf.iter().map(|&c| c as u8).collect();
+        let text = CStr::from_bytes_until_nul(&bytes)
+            .unwrap_or_else(|_| panic!("no NUL written: {bytes:?}"))
+            .to_str()
+            .unwrap()
+            .to_string();
+        (st, out, text)
+    }
+
     #[test]
     fn copy_into_large_buffer() {
         set_last_error(maru_status_t::MARU_ERR_TIMEOUT, "timed out");
-        let mut buf = [0x55 as c_char; 32];
-        let mut out = 0usize;
-        let st = unsafe { maru_last_error_copy(buf.as_mut_ptr(), buf.len(), &mut out) };
-        assert_eq!(st, maru_status_t::MARU_OK);
-        assert_eq!(out, 9);
-        let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
-        assert_eq!(text.to_str().unwrap(), "timed out");
+        let ok = (maru_status_t::MARU_OK, 9, "timed out".to_string());
+        assert_eq!(copy_last(32), ok);
         // Exactly message + NUL also fits.
-        let mut exact = [0 as c_char; 10];
-        let st = unsafe { maru_last_error_copy(exact.as_mut_ptr(), exact.len(), &mut out) };
-        assert_eq!(st, maru_status_t::MARU_OK);
+        assert_eq!(copy_last(10), ok);
         // The copy left the last error in place.
         assert_eq!(last_error_text(), "timed out");
     }
@@ -164,13 +173,15 @@ mod tests {
     #[test]
     fn copy_into_small_buffer() {
         set_last_error(maru_status_t::MARU_ERR_TIMEOUT, "timed out");
-        let mut buf = [0x55 as c_char; 9]; // one byte short of message + NUL
-        let mut out = 0usize;
-        let st = unsafe { maru_last_error_copy(buf.as_mut_ptr(), buf.len(), &mut out) };
-        assert_eq!(st, maru_status_t::MARU_ERR_BUFFER_TOO_SMALL);
-        assert_eq!(out, 9, "reports the length the caller needs (plus NUL)");
-        let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
-        assert_eq!(text.to_str().unwrap(), "timed ou");
+        // One byte short of message + NUL: the length the caller needs (plus NUL).
+        assert_eq!(
+            copy_last(9),
+            (
+                maru_status_t::MARU_ERR_BUFFER_TOO_SMALL,
+                9,
+                "timed ou".to_string()
+            )
+        );
 
         // Asking for the length only.
         let mut out = 0usize;
@@ -183,24 +194,16 @@ mod tests {
     #[test]
     fn copy_cuts_at_character_boundary() {
         set_last_error(maru_status_t::MARU_ERR_IO, "aé"); // 'é' is two bytes
-        let mut buf = [0x55 as c_char; 3];
-        let mut out = 0usize;
-        let st = unsafe { maru_last_error_copy(buf.as_mut_ptr(), buf.len(), &mut out) };
-        assert_eq!(st, maru_status_t::MARU_ERR_BUFFER_TOO_SMALL);
-        assert_eq!(out, 3);
-        let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
-        assert_eq!(text.to_str().unwrap(), "a");
+        assert_eq!(
+            copy_last(3),
+            (maru_status_t::MARU_ERR_BUFFER_TOO_SMALL, 3, "a".to_string())
+        );
     }
 
     #[test]
     fn copy_with_empty_message() {
         clear_last_error();
-        let mut buf = [0x55 as c_char; 1];
-        let mut out = 7usize;
-        let st = unsafe { maru_last_error_copy(buf.as_mut_ptr(), buf.len(), &mut out) };
-        assert_eq!(st, maru_status_t::MARU_OK);
-        assert_eq!(out, 0);
-        assert_eq!(buf[0], 0);
+        assert_eq!(copy_last(1), (maru_status_t::MARU_OK, 0, String::new()));
     }
 
     #[test]

@@ -97,6 +97,17 @@ pub(crate) struct EngineRow {
     pub(crate) skipped: SkipCounts,
 }
 
+impl EngineRow {
+    /// What the usage reply says of one session: its namespace, bytes allocated and in
+    /// use, whether it is connected.
+    fn add_usage(&mut self, u: &meta::SessionUsage) {
+        self.namespaces.insert(u.namespace.clone());
+        self.allocated += u.allocated;
+        self.used += u.used;
+        self.connected += u.connected as u64;
+    }
+}
+
 /// Who a row of the table is: a tenant and an engine id of it.
 pub(crate) type RowKey = (String, String);
 
@@ -126,12 +137,7 @@ pub(crate) fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey
             row.backends.insert(b.as_str());
         }
         match by_id.get(&s.session) {
-            Some(u) => {
-                row.namespaces.insert(u.namespace.clone());
-                row.allocated += u.allocated;
-                row.used += u.used;
-                row.connected += u.connected as u64;
-            }
+            Some(u) => row.add_usage(u),
             None => row.allocated += s.region_bytes,
         }
     }
@@ -141,11 +147,8 @@ pub(crate) fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey
             .or_default();
         row.sessions += 1;
         row.regions += u.regions;
-        row.allocated += u.allocated;
-        row.used += u.used;
-        row.connected += u.connected as u64;
-        row.namespaces.insert(u.namespace.clone());
         row.backends.insert(u.backend.as_str());
+        row.add_usage(u);
     }
     out
 }
