@@ -12,7 +12,7 @@ use crate::session_binding::{Bound, SessionBinding};
 use crate::tenants_file::TenantsFile;
 use maru::meta::{Action, Caller, MetaCore, ReplyTiming, Ticket, DEFAULT_TENANT};
 use maru::net::{ConnId, Opened, Replier, Service};
-use maru::wire::meta::{MetaReply, MetaRequest, SERVICE};
+use maru::wire::meta::{decode_request, MetaReply, SERVICE};
 use maru::wire::{self, WireError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -282,7 +282,11 @@ impl MetaService {
                 secret
             });
         }
-        let who = format!("connection {conn}");
+        // Named only in the log line of a failure: no allocation per reply.
+        let who = match &result {
+            Err(_) => format!("connection {conn}"),
+            Ok(_) => String::new(),
+        };
         let frame = req.reply(result, &who, log::Level::Debug, self.metrics.as_deref());
         if self.metrics.is_some() {
             self.refresh.touch();
@@ -350,7 +354,7 @@ impl MetaService {
     fn serve(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         self.last_now_ms = now_ms;
         let (req, body) =
-            match request::decode::<MetaRequest>(body, client_id, self.metrics.as_deref()) {
+            match request::decode_with(body, client_id, self.metrics.as_deref(), decode_request) {
                 Ok(r) => r,
                 Err(reply) => return reply,
             };
@@ -361,20 +365,27 @@ impl MetaService {
             );
             return wire::reply_frame::<()>(req.id, Err(e));
         }
-        // Every connection is bound at its handshake; one that is not gets no tenant
-        // (no namespace opens for it), never the default tenant's rights.
-        let bound = self.binding.bound(conn).cloned().unwrap_or_else(|| Bound {
-            owner: format!("{client_id}#{conn}"),
-            tenant: String::new(),
-        });
-        let caller = Caller {
-            owner: &bound.owner,
-            tenant: &bound.tenant,
-        };
         self.next_ticket += 1;
         let ticket = self.next_ticket;
         // A commit the loop was not woken for may have ended since its last look.
         self.catch_up_durable();
+        // Every connection is bound at its handshake; one that is not gets no tenant
+        // (no namespace opens for it), never the default tenant's rights.
+        let unbound;
+        let bound = match self.binding.bound(conn) {
+            Some(b) => b,
+            None => {
+                unbound = Bound {
+                    owner: format!("{client_id}#{conn}"),
+                    tenant: String::new(),
+                };
+                &unbound
+            }
+        };
+        let caller = Caller {
+            owner: &bound.owner,
+            tenant: &bound.tenant,
+        };
         let mark = self.core.change_mark();
         let answer = self
             .core

@@ -25,8 +25,19 @@ pub fn decode<T: DeserializeOwned>(
     client_id: &str,
     metrics: Option<&Metrics>,
 ) -> Result<(Received, T), Vec<u8>> {
+    decode_with(body, client_id, metrics, wire::decode_json::<Envelope<T>>)
+}
+
+/// As [`decode`], the envelope read by `read` (maru-server's one-pass decoder of its
+/// hot requests: `wire::meta::decode_request`).
+pub fn decode_with<T>(
+    body: &[u8],
+    client_id: &str,
+    metrics: Option<&Metrics>,
+    read: impl FnOnce(&[u8]) -> Result<Envelope<T>, WireError>,
+) -> Result<(Received, T), Vec<u8>> {
     let started = Instant::now();
-    match wire::decode_json::<Envelope<T>>(body) {
+    match read(body) {
         Ok(env) => {
             let op = if metrics.is_some() {
                 op_of(body)

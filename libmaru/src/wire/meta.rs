@@ -20,6 +20,7 @@
 //! (the keeper may be giving a kept region back: retry); `unsupported` — a backend
 //! this server is not configured for; `internal` — the RM could not be reached.
 
+pub use super::meta_decode::{decode_request, one_pass};
 use super::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -292,3 +292,186 @@ proptest! {
         let _ = decode_json::<Envelope<MetaRequest>>(body.as_bytes());
     }
 }
+
+/// The requests of the data path, with any values their fields may hold.
+fn hot_request() -> impl Strategy<Value = MetaRequest> {
+    let key = || "[a-z0-9/\"\\\\é\\x00-\\x1f]{0,12}";
+    let keys = move || proptest::collection::vec(key(), 0..6);
+    let entry = (
+        key(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        proptest::option::of(key()),
+    )
+        .prop_map(|(key, region_id, offset, length, prev)| PublishEntry {
+            key,
+            region_id,
+            offset,
+            length,
+            prev,
+        });
+    let page =
+        (any::<u64>(), any::<u64>()).prop_map(|(region_id, page)| PageRef { region_id, page });
+    prop_oneof![
+        (any::<u64>(), keys()).prop_map(|(session, keys)| MetaRequest::Exists { session, keys }),
+        (any::<u64>(), keys()).prop_map(|(session, keys)| MetaRequest::Acquire { session, keys }),
+        (any::<u64>(), keys()).prop_map(|(session, keys)| MetaRequest::Remove { session, keys }),
+        (any::<u64>(), keys()).prop_map(|(session, keys)| MetaRequest::Pin { session, keys }),
+        (any::<u64>(), keys()).prop_map(|(session, keys)| MetaRequest::Unpin { session, keys }),
+        (any::<u64>(), proptest::collection::vec(entry, 0..5))
+            .prop_map(|(session, entries)| MetaRequest::Publish { session, entries }),
+        (any::<u64>(), any::<u32>(), proptest::option::of(key())).prop_map(
+            |(session, count, route_key)| MetaRequest::Alloc {
+                session,
+                count,
+                route_key
+            }
+        ),
+        (any::<u64>(), proptest::collection::vec(page, 0..5))
+            .prop_map(|(session, pages)| MetaRequest::FreePages { session, pages }),
+        (any::<u64>(), proptest::collection::vec(any::<u64>(), 0..5))
+            .prop_map(|(session, lease_ids)| MetaRequest::ReleaseLeases { session, lease_ids }),
+    ]
+}
+
+/// `{"id": <id>, "op": <op>, <fields>}` in that order, as text (serde_json's `Map`
+/// would sort the keys).
+fn ordered_body(
+    id: &serde_json::Value,
+    op: &serde_json::Value,
+    fields: &[(String, serde_json::Value)],
+) -> String {
+    let mut s = format!("{{\"id\":{id},\"op\":{op}");
+    for (k, v) in fields {
+        s.push_str(&format!(",{}:{v}", serde_json::Value::String(k.clone())));
+    }
+    s.push('}');
+    s
+}
+
+#[test]
+fn the_one_pass_decoder_reads_the_usual_order_and_leaves_the_rest() {
+    let usual = br#"{"id":7,"op":"exists","session":3,"keys":["a","b\"c"]}"#;
+    let want = Envelope {
+        id: 7,
+        body: MetaRequest::Exists {
+            session: 3,
+            keys: vec!["a".into(), "b\"c".into()],
+        },
+    };
+    assert_eq!(one_pass(usual), Some(want.clone()));
+    // Another order, or an op it does not read: the buffered decoder's, alike.
+    let reordered = br#"{"op":"exists","session":3,"keys":["a","b\"c"],"id":7}"#;
+    assert_eq!(one_pass(reordered), None);
+    assert_eq!(decode_request(reordered), Ok(want));
+    assert_eq!(one_pass(br#"{"id":1,"op":"stats"}"#), None);
+    assert_eq!(
+        decode_request(br#"{"id":1,"op":"stats"}"#).map(|e| e.body),
+        Ok(MetaRequest::Stats { session: None })
+    );
+    // A second id or op (even null) is the buffered decoder's to refuse.
+    for dup in [
+        &br#"{"id":1,"op":"exists","session":3,"keys":[],"id":2}"#[..],
+        br#"{"id":1,"op":"exists","session":3,"keys":[],"op":null}"#,
+        br#"{"id":1,"op":"exists","session":3,"keys":[],"\u0069d":2}"#,
+    ] {
+        assert_eq!(one_pass(dup), None, "{}", String::from_utf8_lossy(dup));
+        assert!(
+            decode_request(dup).is_err(),
+            "{}",
+            String::from_utf8_lossy(dup)
+        );
+    }
+    // An op named by anything but a string, trailing bytes: not read here.
+    assert_eq!(one_pass(br#"{"id":1,"op":7,"session":3,"keys":[]}"#), None);
+    assert_eq!(
+        one_pass(br#"{"id":1,"op":"exists","session":3,"keys":[]} x"#),
+        None
+    );
+}
+
+/// The one-pass decoder allocates only what the request holds: its vector and its
+/// strings, not a buffered copy of the body's every value.
+#[test]
+fn the_one_pass_decoder_allocates_per_key_only_what_the_request_holds() {
+    let keys: Vec<String> = (0..32).map(|i| format!("engine/layer/{i:08}")).collect();
+    let entries: Vec<PublishEntry> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| PublishEntry {
+            key: k.clone(),
+            region_id: 1,
+            offset: i as u64 * 262_144,
+            length: 262_144,
+            prev: i.checked_sub(1).map(|j| keys[j].clone()),
+        })
+        .collect();
+    let body = encode_json(&Envelope {
+        id: 9,
+        body: MetaRequest::Publish {
+            session: 2,
+            entries,
+        },
+    });
+    let (fast, n_fast) = crate::test_alloc::allocations_in(|| one_pass(&body));
+    let (slow, n_slow) =
+        crate::test_alloc::allocations_in(|| decode_json::<Envelope<MetaRequest>>(&body));
+    assert_eq!(fast, slow.ok());
+    // 63 strings (32 keys, 31 prevs) and the entries' vector as it grows.
+    assert!(n_fast <= 63 + 8, "{n_fast} allocations");
+    assert!(n_fast * 2 < n_slow, "{n_fast} against {n_slow} buffered");
+}
+
+proptest! {
+    /// Every request of the data path, as a worker encodes it, is read in one pass,
+    /// as the buffered decoder reads it.
+    #[test]
+    fn hot_requests_read_in_one_pass_as_buffered(id in any::<u64>(), req in hot_request()) {
+        let env = Envelope { id, body: req };
+        let body = encode_json(&env);
+        prop_assert_eq!(one_pass(&body), Some(env.clone()));
+        prop_assert_eq!(decode_json::<Envelope<MetaRequest>>(&body), Ok(env));
+    }
+
+    /// Whatever the one-pass decoder accepts, the buffered decoder accepts as the same
+    /// request: ids, ops and fields of odd values and kinds, duplicates included.
+    #[test]
+    fn one_pass_accepts_only_what_the_buffered_decoder_accepts_alike(
+        id in prop_oneof![any::<u64>().prop_map(|n| serde_json::json!(n)), odd_value()],
+        op in prop_oneof![op_names().prop_map(serde_json::Value::String), odd_value()],
+        fields in proptest::collection::vec(
+            (
+                prop_oneof![
+                    Just("session".to_string()), Just("count".to_string()),
+                    Just("keys".to_string()), Just("entries".to_string()),
+                    Just("pages".to_string()), Just("lease_ids".to_string()),
+                    Just("route_key".to_string()), Just("id".to_string()),
+                    Just("op".to_string()), "[a-z_]{1,8}",
+                ],
+                prop_oneof![
+                    odd_value(),
+                    Just(serde_json::json!(1)),
+                    Just(serde_json::json!(["a", "b"])),
+                    Just(serde_json::json!([{"region_id": 1, "offset": 0, "length": 1, "key": "k"}])),
+                    Just(serde_json::json!([{"region_id": 1, "page": 0}])),
+                    Just(serde_json::json!([1, 2])),
+                ],
+            ),
+            0..6,
+        ),
+    ) {
+        let body = ordered_body(&id, &op, &fields);
+        if let Some(env) = one_pass(body.as_bytes()) {
+            prop_assert_eq!(decode_json::<Envelope<MetaRequest>>(body.as_bytes()), Ok(env), "{}", body);
+        }
+    }
+
+    /// Arbitrary bytes: no panic, and nothing accepted that the buffered decoder refuses.
+    #[test]
+    fn one_pass_never_panics_on_bytes(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        if let Some(env) = one_pass(&data) {
+            prop_assert_eq!(decode_json::<Envelope<MetaRequest>>(&data), Ok(env));
+        }
+    }
+}

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod frame;
 pub mod handshake;
 pub mod meta;
+mod meta_decode;
 #[cfg(test)]
 mod meta_tests;
 pub mod rm;

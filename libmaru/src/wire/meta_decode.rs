@@ -1,0 +1,229 @@
+//! maru-server's request decoder: the hot requests in one pass.
+//!
+//! `Envelope<MetaRequest>` is an internally tagged enum flattened into the envelope:
+//! serde buffers such a body twice before it decodes a field (every key, value and
+//! string of it copied into its `Content`: once for the envelope's flattened fields,
+//! once more for the `op` tag). A worker's requests always begin with their `id` and
+//! their `op` (the order `Envelope` and the tagged request encode them in), so the
+//! requests of the data path (`publish`, `exists`, `acquire`, `alloc`, ...) are read
+//! here field by field as they come: the id, the op, then the op's own fields
+//! straight into the request. Any other body (another order, another op, a duplicate
+//! `id` or `op`, anything malformed) goes through the buffered decoder, which gives
+//! the same request or the same error as before: this path only ever accepts what
+//! that one accepts, as the same request (property-tested in `meta_tests`).
+
+use super::meta::{MetaRequest, PageRef, PublishEntry};
+use super::{decode_json, Envelope, WireError};
+use serde::de::{self, value::MapAccessDeserializer, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::Deserialize;
+use std::fmt;
+
+/// Decodes a request body as maru-server reads it: its id and its request.
+pub fn decode_request(body: &[u8]) -> Result<Envelope<MetaRequest>, WireError> {
+    match one_pass(body) {
+        Some(env) => Ok(env),
+        None => decode_json(body),
+    }
+}
+
+/// The request in one pass, or None when the body is not one the fast path reads
+/// (the buffered decoder then decides).
+pub fn one_pass(body: &[u8]) -> Option<Envelope<MetaRequest>> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let env = (&mut de).deserialize_map(InOrder).ok()?;
+    de.end().ok()?;
+    Some(env)
+}
+
+/// The first two keys of a request read in one pass.
+#[derive(Deserialize, PartialEq, Eq)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum Head {
+    Id,
+    Op,
+    #[serde(other)]
+    Other,
+}
+
+/// The ops read in one pass.
+#[derive(Clone, Copy)]
+enum HotOp {
+    Alloc,
+    FreePages,
+    Publish,
+    Exists,
+    Acquire,
+    ReleaseLeases,
+    Remove,
+    Pin,
+    Unpin,
+}
+
+impl<'de> Deserialize<'de> for HotOp {
+    /// Only a string names an op here (the buffered decoder judges anything else).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<HotOp, D::Error> {
+        struct OpName;
+        impl Visitor<'_> for OpName {
+            type Value = HotOp;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("the name of an op of the data path")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<HotOp, E> {
+                Ok(match v {
+                    "alloc" => HotOp::Alloc,
+                    "free_pages" => HotOp::FreePages,
+                    "publish" => HotOp::Publish,
+                    "exists" => HotOp::Exists,
+                    "acquire" => HotOp::Acquire,
+                    "release_leases" => HotOp::ReleaseLeases,
+                    "remove" => HotOp::Remove,
+                    "pin" => HotOp::Pin,
+                    "unpin" => HotOp::Unpin,
+                    _ => return Err(E::custom("not an op of the data path")),
+                })
+            }
+        }
+        d.deserialize_str(OpName)
+    }
+}
+
+/// A field that must not come again after the head (`id`, `op`): present, whatever
+/// its value (`null` too), it sends the body to the buffered decoder, which refuses
+/// the duplicate.
+#[derive(Default)]
+struct Again(bool);
+
+impl<'de> Deserialize<'de> for Again {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Again, D::Error> {
+        IgnoredAny::deserialize(d)?;
+        Ok(Again(true))
+    }
+}
+
+/// The fields of `exists`, `acquire`, `remove`, `pin` and `unpin`.
+#[derive(Deserialize)]
+struct KeysBody {
+    session: u64,
+    keys: Vec<String>,
+    #[serde(default)]
+    id: Again,
+    #[serde(default)]
+    op: Again,
+}
+
+#[derive(Deserialize)]
+struct PublishBody {
+    session: u64,
+    entries: Vec<PublishEntry>,
+    #[serde(default)]
+    id: Again,
+    #[serde(default)]
+    op: Again,
+}
+
+#[derive(Deserialize)]
+struct AllocBody {
+    session: u64,
+    count: u32,
+    #[serde(default)]
+    route_key: Option<String>,
+    #[serde(default)]
+    id: Again,
+    #[serde(default)]
+    op: Again,
+}
+
+#[derive(Deserialize)]
+struct FreePagesBody {
+    session: u64,
+    pages: Vec<PageRef>,
+    #[serde(default)]
+    id: Again,
+    #[serde(default)]
+    op: Again,
+}
+
+#[derive(Deserialize)]
+struct ReleaseBody {
+    session: u64,
+    lease_ids: Vec<u64>,
+    #[serde(default)]
+    id: Again,
+    #[serde(default)]
+    op: Again,
+}
+
+/// Reads `{"id": .., "op": <a hot op>, <its fields>}`; an error for anything else.
+struct InOrder;
+
+impl<'de> Visitor<'de> for InOrder {
+    type Value = Envelope<MetaRequest>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a request whose id and op come first")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let other = || de::Error::custom("another order or op: the buffered decoder reads it");
+        if map.next_key::<Head>()? != Some(Head::Id) {
+            return Err(other());
+        }
+        let id: u64 = map.next_value()?;
+        if map.next_key::<Head>()? != Some(Head::Op) {
+            return Err(other());
+        }
+        let op: HotOp = map.next_value()?;
+        let rest = MapAccessDeserializer::new(map);
+        let (body, again) = match op {
+            HotOp::Exists | HotOp::Acquire | HotOp::Remove | HotOp::Pin | HotOp::Unpin => {
+                let b = KeysBody::deserialize(rest)?;
+                let (session, keys) = (b.session, b.keys);
+                let req = match op {
+                    HotOp::Exists => MetaRequest::Exists { session, keys },
+                    HotOp::Acquire => MetaRequest::Acquire { session, keys },
+                    HotOp::Remove => MetaRequest::Remove { session, keys },
+                    HotOp::Pin => MetaRequest::Pin { session, keys },
+                    _ => MetaRequest::Unpin { session, keys },
+                };
+                (req, b.id.0 || b.op.0)
+            }
+            HotOp::Publish => {
+                let b = PublishBody::deserialize(rest)?;
+                let req = MetaRequest::Publish {
+                    session: b.session,
+                    entries: b.entries,
+                };
+                (req, b.id.0 || b.op.0)
+            }
+            HotOp::Alloc => {
+                let b = AllocBody::deserialize(rest)?;
+                let req = MetaRequest::Alloc {
+                    session: b.session,
+                    count: b.count,
+                    route_key: b.route_key,
+                };
+                (req, b.id.0 || b.op.0)
+            }
+            HotOp::FreePages => {
+                let b = FreePagesBody::deserialize(rest)?;
+                let req = MetaRequest::FreePages {
+                    session: b.session,
+                    pages: b.pages,
+                };
+                (req, b.id.0 || b.op.0)
+            }
+            HotOp::ReleaseLeases => {
+                let b = ReleaseBody::deserialize(rest)?;
+                let req = MetaRequest::ReleaseLeases {
+                    session: b.session,
+                    lease_ids: b.lease_ids,
+                };
+                (req, b.id.0 || b.op.0)
+            }
+        };
+        if again {
+            return Err(other());
+        }
+        Ok(Envelope { id, body })
+    }
+}
