@@ -68,9 +68,6 @@ impl RmPort for Rm {
             total,
         })
     }
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        Ok(self.out.iter().copied().collect())
-    }
 }
 
 struct NoAgents;
@@ -147,9 +144,17 @@ impl Server {
             return r.map_err(|e| e.message);
         }
         for _ in 0..200 {
-            while let Some(maru::meta::Action::Alloc { alloc, size }) = self.core.next_action() {
-                let a = self.rm.alloc(size);
-                self.core.alloc_done(alloc, a, self.now, &mut self.rm);
+            while let Some(action) = self.core.next_action() {
+                match action {
+                    maru::meta::Action::Alloc { alloc, size } => {
+                        let a = self.rm.alloc(size);
+                        self.core.alloc_done(alloc, a, self.now, &mut self.rm);
+                    }
+                    maru::meta::Action::CheckRm { check } => {
+                        let held = self.rm.out.iter().copied().collect();
+                        self.core.rm_regions(check, Ok(held), self.now);
+                    }
+                }
             }
             if let Some((_, r)) = self.core.take_answers().into_iter().find(|(x, _)| *x == t) {
                 return r.map_err(|e| e.message);

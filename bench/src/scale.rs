@@ -19,7 +19,12 @@
 //! Knobs for a closer look (environment): `MARU_SCALE_IN_MEMORY=1` runs maru-server
 //! with `--in-memory` (the key directory's own bytes per key, without the durable
 //! store); `MARU_SCALE_ONLY_FILL=1` publishes the keys and times the recovery, without
-//! the session steps; `MARU_SCALE_REPLOT=scale.json` draws scale.png again.
+//! the session steps; `MARU_SCALE_ONLY_BIG=1` publishes the keys and runs only the
+//! session step on the most keys, then the recovery (no agent steps, no steps on
+//! 1 M keys, no tenants: a before/after of the largest step in about two minutes);
+//! `MARU_SCALE_AB_SERVER=path/maru-server` times the recovery of the same directory
+//! by that build, then by this one again (in the notes); `MARU_SCALE_REPLOT=scale.json`
+//! draws scale.png again.
 
 use crate::harness::percentile;
 use crate::meta::dir_bytes;
@@ -477,7 +482,9 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
 
 pub fn run(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, String> {
     eprintln!("  agent steps");
-    let agent = if std::env::var_os("MARU_SCALE_ONLY_FILL").is_some() {
+    let agent = if std::env::var_os("MARU_SCALE_ONLY_FILL").is_some()
+        || std::env::var_os("MARU_SCALE_ONLY_BIG").is_some()
+    {
         Vec::new()
     } else {
         crate::scale_agent::run(quick)?
@@ -563,6 +570,7 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
     };
     fill_to(base, &mut r)?;
     let only_fill = std::env::var_os("MARU_SCALE_ONLY_FILL").is_some();
+    let only_big = std::env::var_os("MARU_SCALE_ONLY_BIG").is_some();
     let plan = |name: String, sessions: usize, tenants: usize, fill_keys: u64| StepPlan {
         name,
         sessions,
@@ -572,15 +580,15 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         addr: &addr,
         server_pid: pid,
     };
-    for &n in sessions.iter().filter(|_| !only_fill) {
+    for &n in sessions.iter().filter(|_| !only_fill && !only_big) {
         let name = format!("{n} sessions, {} keys", keys_name(base));
         eprintln!("  step: {name}");
         r.steps
             .push(held(run_step(&env, &plan(name, n, 1, base))?, base)?);
     }
     // 16 tenants: each writes a namespace of its own, with base / 16 keys of it.
-    let per_tenant = base / TENANTS as u64;
-    if !only_fill {
+    let per_tenant = if only_big { 0 } else { base / TENANTS as u64 };
+    if !only_fill && !only_big {
         for t in 1..TENANTS {
             fill(&addr, &env, t, 0, per_tenant)?;
         }
@@ -634,6 +642,28 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         .count();
     let _ = s.close(s.call_deadline());
     drop(srv);
+    if let Some(other) = std::env::var_os("MARU_SCALE_AB_SERVER") {
+        // The same directory recovered by another build, then by this one again
+        // (before/after side by side on the same data).
+        for bin in [PathBuf::from(other), server.clone()] {
+            let started = Instant::now();
+            let (p, _) = start_daemon_within(
+                &bin,
+                &args,
+                &env.dir.join("server.ready"),
+                Duration::from_secs(300),
+            )?;
+            let note = format!(
+                "recovery by {}: {:.1} s, {:.1} CPU s, RSS after {:.0} MiB",
+                bin.display(),
+                started.elapsed().as_secs_f64(),
+                proc_ticks(p.pid()) as f64 / clk_tck(),
+                rss_bytes(p.pid()) as f64 / (1 << 20) as f64
+            );
+            eprintln!("  {note}");
+            r.notes.push(note);
+        }
+    }
     if big < 16 << 20 {
         r.notes.push(format!(
             "largest step {} keys (--scale-keys 16777216 for 16 M; the default stops at 4 M, --quick at 1 M, to fit 15 minutes on a loaded 2-core machine); 16 M not measured in this run",

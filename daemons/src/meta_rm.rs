@@ -13,18 +13,17 @@ use std::time::Duration;
 /// A call to the RM made off the event loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum RmKey {
-    /// This server's regions, asked after this many allocations had started.
-    Owned(u64),
     Free(u64),
     Pools,
 }
 
 /// The RM as maru-server uses it. Every call runs on a thread of its own: the core's
-/// allocations ([`Action::Alloc`]) on `rm-alloc`, whose answers wake the loop and go to
-/// the core as events ([`MetaCore::alloc_done`]); the periodic and keeper calls (which
-/// regions the RM holds for this server, frees, the pools' sizes) on `rm-link`, each
-/// waiting on the loop at most [`AGENT_WAIT`]. So a stopped RM never stalls the loop,
-/// and sessions that do not need it stay fast.
+/// allocations ([`Action::Alloc`]) on `rm-alloc` and its checks of which regions the
+/// RM holds for this server ([`Action::CheckRm`]) on `rm-check`, whose answers wake
+/// the loop and go to the core as events ([`MetaCore::alloc_done`],
+/// [`MetaCore::rm_regions`]); the keeper's calls (frees, the pools' sizes) on
+/// `rm-link`, each waiting on the loop at most [`AGENT_WAIT`]. So a stopped RM never
+/// stalls the loop, and sessions that do not need it stay fast.
 pub struct MetaRm {
     /// The start-up check's connection.
     link: Link,
@@ -32,44 +31,44 @@ pub struct MetaRm {
     client_id: String,
     opts: ClientOptions,
     bg: PeerCalls<RmKey, RmRequest, Result<RmReply, PortError>>,
-    allocator: Option<Allocator>,
-    /// Allocations started: an answer about the server's regions asked before the
-    /// latest one may miss its region, so it is not used.
-    allocs: u64,
+    allocator: Option<OffLoop<AllocReply>>,
+    checker: Option<OffLoop<Vec<u64>>>,
     sizes: Option<PoolSizes>,
+    /// When `sizes` came.
+    sizes_at: Option<std::time::Instant>,
     wait: Duration,
     addr: String,
 }
 
-/// Allocations at the RM, one at a time, on the thread `rm-alloc`.
-struct Allocator {
-    jobs: mpsc::Sender<(u64, u64)>,
-    done: mpsc::Receiver<(u64, Result<AllocReply, PortError>)>,
+/// Calls to the RM of one kind, one at a time, on a thread of their own (`rm-alloc`
+/// for allocations, `rm-check` for the list of the server's regions): each answer
+/// wakes the loop, which hands it to the core as an event.
+struct OffLoop<A> {
+    jobs: mpsc::Sender<(u64, RmRequest)>,
+    done: mpsc::Receiver<(u64, Result<A, PortError>)>,
     /// An answer is waiting in `done` (set before the loop is woken).
     ready: Arc<AtomicBool>,
 }
 
-impl Allocator {
-    fn start(mut link: Link, waker: Replier) -> Allocator {
-        let (jobs, rx) = mpsc::channel::<(u64, u64)>();
+impl<A: Send + 'static> OffLoop<A> {
+    /// Starts thread `name`, which makes each call on `link` and reads its answer
+    /// with `answer`.
+    fn start(
+        name: &str,
+        mut link: Link,
+        waker: Replier,
+        answer: fn(RmReply) -> Result<A, PortError>,
+    ) -> OffLoop<A> {
+        let (jobs, rx) = mpsc::channel::<(u64, RmRequest)>();
         let (tx, done) = mpsc::channel();
         let ready = Arc::new(AtomicBool::new(false));
         let flag = ready.clone();
         let spawned = std::thread::Builder::new()
-            .name("rm-alloc".into())
+            .name(name.into())
             .spawn(move || {
-                while let Ok((alloc, size)) = rx.recv() {
-                    let req = RmRequest::Alloc {
-                        size,
-                        pool: None,
-                        request_id: 0,
-                    };
-                    let answer = match link.call::<_, RmReply>(&req).map_err(port_error) {
-                        Ok(RmReply::Alloc(a)) => Ok(a),
-                        Ok(r) => Err(unexpected(r)),
-                        Err(e) => Err(e),
-                    };
-                    if tx.send((alloc, answer)).is_err() {
+                while let Ok((id, req)) = rx.recv() {
+                    let reply = link.call::<_, RmReply>(&req).map_err(port_error);
+                    if tx.send((id, reply.and_then(answer))).is_err() {
                         return;
                     }
                     flag.store(true, Ordering::SeqCst);
@@ -77,9 +76,36 @@ impl Allocator {
                 }
             });
         if let Err(e) = spawned {
-            log::error!("cannot start thread rm-alloc: {e}");
+            log::error!("cannot start thread {name}: {e}");
         }
-        Allocator { jobs, done, ready }
+        OffLoop { jobs, done, ready }
+    }
+
+    fn send(&self, id: u64, req: RmRequest) -> bool {
+        self.jobs.send((id, req)).is_ok()
+    }
+
+    fn answered(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    fn take(&self) -> Vec<(u64, Result<A, PortError>)> {
+        self.ready.store(false, Ordering::SeqCst);
+        self.done.try_iter().collect()
+    }
+}
+
+fn alloc_answer(r: RmReply) -> Result<AllocReply, PortError> {
+    match r {
+        RmReply::Alloc(a) => Ok(a),
+        r => Err(unexpected(r)),
+    }
+}
+
+fn regions_answer(r: RmReply) -> Result<Vec<u64>, PortError> {
+    match r {
+        RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
+        r => Err(unexpected(r)),
     }
 }
 
@@ -104,29 +130,36 @@ impl MetaRm {
             opts,
             bg,
             allocator: None,
-            allocs: 0,
+            checker: None,
             sizes: None,
+            sizes_at: None,
             wait: AGENT_WAIT,
             addr: addr.to_string(),
         }
     }
 
-    /// Starts the allocation thread; its answers wake the loop through `waker`.
+    /// Starts the allocation and check threads; their answers wake the loop through
+    /// `waker`.
     pub(crate) fn start_allocator(&mut self, waker: Replier) {
         let link = Link::new(self.addr.clone(), self.opts.clone());
-        self.allocator = Some(Allocator::start(link, waker));
+        self.allocator = Some(OffLoop::start(
+            "rm-alloc",
+            link,
+            waker.clone(),
+            alloc_answer,
+        ));
+        let link = Link::new(self.addr.clone(), self.opts.clone());
+        self.checker = Some(OffLoop::start("rm-check", link, waker, regions_answer));
     }
 
     /// Sends the core's allocation to the RM (answered through [`take_allocs`]).
     pub(crate) fn start_alloc(&mut self, alloc: u64, size: u64) -> Result<(), PortError> {
-        // Counted before the answer: an answer about the server's regions asked
-        // before this point may miss the region this call hands out.
-        self.allocs += 1;
-        let sent = self
-            .allocator
-            .as_ref()
-            .is_some_and(|a| a.jobs.send((alloc, size)).is_ok());
-        if sent {
+        let req = RmRequest::Alloc {
+            size,
+            pool: None,
+            request_id: 0,
+        };
+        if self.allocator.as_ref().is_some_and(|a| a.send(alloc, req)) {
             Ok(())
         } else {
             Err(PortError::Unreachable(format!(
@@ -136,20 +169,39 @@ impl MetaRm {
         }
     }
 
-    /// Whether an allocation's answer waits to be taken.
+    /// Asks the RM for the regions it holds for this server (answered through
+    /// [`take_checks`]).
+    pub(crate) fn start_check(&mut self, check: u64) -> Result<(), PortError> {
+        let req = RmRequest::Regions {
+            owner: Some(self.client_id.clone()),
+        };
+        if self.checker.as_ref().is_some_and(|c| c.send(check, req)) {
+            Ok(())
+        } else {
+            Err(PortError::Unreachable(format!(
+                "the check thread for the RM at {} is gone",
+                self.addr
+            )))
+        }
+    }
+
+    /// Whether an allocation's or a check's answer waits to be taken.
     pub(crate) fn alloc_answered(&self) -> bool {
-        self.allocator
-            .as_ref()
-            .is_some_and(|a| a.ready.load(Ordering::SeqCst))
+        self.allocator.as_ref().is_some_and(OffLoop::answered)
+            || self.checker.as_ref().is_some_and(OffLoop::answered)
     }
 
     /// The answers of allocations that came back.
     pub(crate) fn take_allocs(&mut self) -> Vec<(u64, Result<AllocReply, PortError>)> {
-        let Some(a) = &self.allocator else {
-            return Vec::new();
-        };
-        a.ready.store(false, Ordering::SeqCst);
-        a.done.try_iter().collect()
+        self.allocator
+            .as_ref()
+            .map(OffLoop::take)
+            .unwrap_or_default()
+    }
+
+    /// The answers of checks that came back: the ids of the server's regions.
+    pub(crate) fn take_checks(&mut self) -> Vec<(u64, Result<Vec<u64>, PortError>)> {
+        self.checker.as_ref().map(OffLoop::take).unwrap_or_default()
     }
 
     /// Lets the off-loop calls wait up to `wait` (at shutdown).
@@ -222,6 +274,10 @@ impl MetaRm {
 /// for the list of about 290,000 regions.
 pub const RM_MAX_FRAME: usize = 64 << 20;
 
+/// How long the RM's pool sizes, once heard, are taken as they are (they change only
+/// when the RM's pools do; a region request asks for them each time).
+const POOLS_FRESH: Duration = Duration::from_secs(10);
+
 /// How often maru-server's keep-alive connection calls the RM.
 pub const RM_KEEPALIVE: Duration = Duration::from_secs(15);
 
@@ -237,17 +293,14 @@ impl RmPort for MetaRm {
         }
     }
 
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        let req = RmRequest::Regions {
-            owner: Some(self.client_id.clone()),
-        };
-        match self.bg_call(RmKey::Owned(self.allocs), req)? {
-            RmReply::Regions { regions } => Ok(regions.into_iter().map(|r| r.region_id).collect()),
-            r => Err(unexpected(r)),
-        }
-    }
-
     fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
+        // Asked before every region request: an answer of the last POOLS_FRESH
+        // serves, so the loop waits for the RM at most once in that time (issue 46).
+        if let Some((v, at)) = self.sizes.zip(self.sizes_at) {
+            if at.elapsed() < POOLS_FRESH {
+                return Ok(v);
+            }
+        }
         match self.bg_call(RmKey::Pools, RmRequest::Pools) {
             Ok(RmReply::Pools { pools }) => {
                 let v = PoolSizes {
@@ -255,6 +308,7 @@ impl RmPort for MetaRm {
                     total: pools.iter().map(|p| p.total).sum(),
                 };
                 self.sizes = Some(v);
+                self.sizes_at = Some(std::time::Instant::now());
                 Ok(v)
             }
             Ok(r) => Err(unexpected(r)),

@@ -409,11 +409,20 @@ impl MetaService {
         }
     }
 
-    /// Carries out the core's actions: allocations go to the RM off the loop.
+    /// Carries out the core's actions: allocations and checks go to the RM off the loop.
     fn run_actions(&mut self, now_ms: u64) {
-        while let Some(Action::Alloc { alloc, size }) = self.core.next_action() {
-            if let Err(e) = self.rm.start_alloc(alloc, size) {
-                self.core.alloc_done(alloc, Err(e), now_ms, &mut self.rm);
+        while let Some(action) = self.core.next_action() {
+            match action {
+                Action::Alloc { alloc, size } => {
+                    if let Err(e) = self.rm.start_alloc(alloc, size) {
+                        self.core.alloc_done(alloc, Err(e), now_ms, &mut self.rm);
+                    }
+                }
+                Action::CheckRm { check } => {
+                    if let Err(e) = self.rm.start_check(check) {
+                        self.core.rm_regions(check, Err(e), now_ms);
+                    }
+                }
             }
         }
     }
@@ -423,6 +432,9 @@ impl MetaService {
     fn deliver(&mut self, now_ms: u64) {
         for (alloc, answer) in self.rm.take_allocs() {
             self.core.alloc_done(alloc, answer, now_ms, &mut self.rm);
+        }
+        for (check, held) in self.rm.take_checks() {
+            self.core.rm_regions(check, held, now_ms);
         }
         self.run_actions(now_ms);
         for (ticket, result) in self.core.take_answers() {

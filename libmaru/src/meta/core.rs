@@ -13,7 +13,7 @@ use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
 use super::keys::KeyDirectory;
 use super::leases::LeaseTable;
 use super::pins::PinTable;
-use super::ports::{AgentPort, RmPort};
+use super::ports::{AgentPort, PortError, RmPort};
 use super::regions::{Holder, RegionTable};
 use super::sessions::{EndReason, SessionTable};
 use super::tenants::{Access, Tenants};
@@ -44,6 +44,14 @@ pub struct Caller<'a> {
     pub tenant: &'a str,
 }
 
+/// A check of the RM's list of this server's regions in flight.
+#[derive(Debug)]
+pub(super) struct RmCheck {
+    check: u64,
+    /// The regions held when it was asked, in id order.
+    known: Vec<u64>,
+}
+
 /// maru-server's core. See the [module docs](super) for the rules it keeps.
 pub struct MetaCore {
     pub(super) cfg: MetaConfig,
@@ -70,6 +78,10 @@ pub struct MetaCore {
     pub(super) unused_visited: u64,
     /// When to ask the RM next which regions it holds for this server.
     next_rm_check_ms: u64,
+    /// The check of the RM's list in flight ([`Action::CheckRm`](super::Action::CheckRm)), if any.
+    rm_check: Option<RmCheck>,
+    /// Checks asked so far (names each one).
+    rm_checks: u64,
     /// Changes to make durable and pages waiting for it (see `durable`); None: the
     /// directory lives in memory only.
     pub(super) journal: Option<super::journal::Journal>,
@@ -98,6 +110,8 @@ impl MetaCore {
             totals: Totals::default(),
             fair: Default::default(),
             next_rm_check_ms: 0,
+            rm_check: None,
+            rm_checks: 0,
             journal: None,
             cfg: config,
         })
@@ -283,7 +297,7 @@ impl MetaCore {
         self.take_back_unused(now_ms);
         if now_ms >= self.next_rm_check_ms && !self.regions.is_empty() {
             self.next_rm_check_ms = now_ms.saturating_add(self.cfg.rm_check_ms);
-            self.check_rm(now_ms, rm);
+            self.ask_rm_regions();
         }
         self.hold_back_regions(now_ms);
         let events = self.keeper.run(now_ms, rm, agents);
@@ -467,26 +481,55 @@ impl MetaCore {
         (dropped.len(), ended)
     }
 
-    /// Asks the RM which regions it holds for this server. A region of the table the
-    /// RM no longer lists was freed or reaped behind the server's back (the RM reaps an
-    /// owner that stayed away longer than its grace period): its keys stop being found
-    /// now, it leaves its session (whose worker is told at its next heartbeat: an
-    /// unknown region) or the keeper, and it goes the way of every give-back (release
-    /// at its agent, then a free the RM answers as already done). An unreachable RM
-    /// changes nothing; the next check tries again.
-    fn check_rm(&mut self, now_ms: u64, rm: &mut dyn RmPort) {
-        let held = match rm.owned_regions() {
-            Ok(ids) => ids.into_iter().collect::<std::collections::HashSet<u64>>(),
+    /// Asks the RM which regions it holds for this server, as an
+    /// [action](super::Action::CheckRm) whose answer comes back as an event
+    /// ([`rm_regions`](Self::rm_regions)): the RM's list (over a megabyte at a few
+    /// thousand regions) is asked for, sent and decoded while the loop serves, never
+    /// on it (issue 46: waiting for it once a second made the slowest requests' tail).
+    /// One check at a time; the regions held now are noted, since only they can be
+    /// judged by the answer (a region granted after the RM made its list is not in it).
+    fn ask_rm_regions(&mut self) {
+        if self.rm_check.is_some() {
+            return;
+        }
+        self.rm_checks += 1;
+        let check = self.rm_checks;
+        self.rm_check = Some(RmCheck {
+            check,
+            known: self.regions.iter().map(|r| r.handle.region_id).collect(),
+        });
+        self.waits
+            .actions
+            .push_back(super::Action::CheckRm { check });
+    }
+
+    /// The RM answered check `check` (see [`Action::CheckRm`](super::Action::CheckRm))
+    /// with the ids of the regions it holds for this server. A region the server held
+    /// when it asked that the RM no longer lists was freed or reaped behind the
+    /// server's back (the RM reaps an owner that stayed away longer than its grace
+    /// period): its keys stop being found now, it leaves its session (whose worker is
+    /// told at its next heartbeat: an unknown region) or the keeper, and it goes the way
+    /// of every give-back (release at its agent, then a free the RM answers as already
+    /// done). An error changes nothing; the next check tries again.
+    pub fn rm_regions(&mut self, check: u64, held: Result<Vec<u64>, PortError>, now_ms: u64) {
+        self.note_now(now_ms);
+        let Some(asked) = self.rm_check.take_if(|c| c.check == check) else {
+            log::warn!("an answer to RM check {check}, which is not in flight");
+            return;
+        };
+        let mut held = match held {
+            Ok(ids) => ids,
             Err(e) => {
                 log::debug!("could not ask the RM for this server's regions: {e}");
                 return;
             }
         };
-        let gone: Vec<(u64, Holder)> = self
-            .regions
+        held.sort_unstable();
+        let gone: Vec<(u64, Holder)> = asked
+            .known
             .iter()
-            .filter(|r| !held.contains(&r.handle.region_id))
-            .map(|r| (r.handle.region_id, r.holder))
+            .filter(|rid| held.binary_search(rid).is_err())
+            .filter_map(|&rid| self.regions.get(rid).map(|r| (rid, r.holder)))
             .collect();
         for (rid, holder) in gone {
             let reason = GiveBackReason::RmDropped;

@@ -46,6 +46,14 @@ pub struct FakeRm {
 }
 
 impl FakeRm {
+    /// Ids of the regions the RM holds for the server ([`Action::CheckRm`]).
+    pub fn owned_regions(&self) -> Result<Vec<u64>, PortError> {
+        if self.down {
+            return Err(PortError::Unreachable("connection refused".into()));
+        }
+        Ok(self.allocated.keys().copied().collect())
+    }
+
     pub fn new(log: Log, room: u64) -> FakeRm {
         FakeRm {
             log,
@@ -116,13 +124,6 @@ impl RmPort for FakeRm {
             }
             None => Err(PortError::Refused("unknown region".into())),
         }
-    }
-
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        if self.down {
-            return Err(PortError::Unreachable("connection refused".into()));
-        }
-        Ok(self.allocated.keys().copied().collect())
     }
 
     fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
@@ -241,6 +242,8 @@ pub struct World {
     /// Answers of requests that waited for the RM, by ticket.
     pub answers: BTreeMap<Ticket, Result<MetaReply, WireError>>,
     next_ticket: Ticket,
+    /// Allocations a tick asked for, left to `run_actions`.
+    held_allocs: std::collections::VecDeque<Action>,
 }
 
 impl World {
@@ -259,6 +262,7 @@ impl World {
             tenant_of: BTreeMap::new(),
             answers: BTreeMap::new(),
             next_ticket: 0,
+            held_allocs: Default::default(),
         }
     }
 
@@ -353,15 +357,38 @@ impl World {
     /// Carries out the core's actions as the daemon does (the fake RM answers at
     /// once) and collects the answers.
     pub fn run_actions(&mut self) {
-        while let Some(Action::Alloc { alloc, size }) = self.core.next_action() {
-            let r = self.rm.alloc(size);
-            self.core.alloc_done(alloc, r, self.now, &mut self.rm);
+        loop {
+            let next = match self.held_allocs.pop_front() {
+                Some(a) => Some(a),
+                None => self.core.next_action(),
+            };
+            match next {
+                Some(Action::Alloc { alloc, size }) => {
+                    let r = self.rm.alloc(size);
+                    self.core.alloc_done(alloc, r, self.now, &mut self.rm);
+                }
+                Some(Action::CheckRm { check }) => self.answer_rm_check(check),
+                None => break,
+            }
         }
         self.answers.extend(self.core.take_answers());
     }
 
+    fn answer_rm_check(&mut self, check: u64) {
+        let held = self.rm.owned_regions();
+        self.core.rm_regions(check, held, self.now);
+    }
+
+    /// Runs the timers; the RM answers a check of its list at once (allocations are
+    /// left to [`run_actions`](Self::run_actions)).
     pub fn tick(&mut self) {
         self.core.tick(self.now, &mut self.rm, &mut self.agents);
+        while let Some(a) = self.core.next_action() {
+            match a {
+                Action::CheckRm { check } => self.answer_rm_check(check),
+                alloc @ Action::Alloc { .. } => self.held_allocs.push_back(alloc),
+            }
+        }
         self.answers.extend(self.core.take_answers());
     }
 

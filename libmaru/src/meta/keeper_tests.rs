@@ -549,3 +549,42 @@ fn a_failed_release_is_tried_again_soon() {
     assert!(!w.at_rm(kept), "released and freed 30 ms later");
     w.assert_released_before_freed();
 }
+
+/// Issue 46: the RM's list of the server's regions is asked for as an action and
+/// answered as an event (never waited for on the loop), one check at a time; its
+/// answer judges only the regions the server held when it asked, since a region
+/// granted after the RM made its list is not in it. Seen failing with the answer
+/// judging every region held when it comes (the new region's key was dropped).
+#[test]
+fn a_region_granted_while_the_rm_list_is_on_its_way_keeps_its_keys() {
+    let mut w = World::remote();
+    let (a, g1) = w.open(W1);
+    w.store(W1, a, &["old"]);
+    // The check falls due: the core asks, and waits for nothing.
+    w.now += 1_000;
+    w.core.tick(w.now, &mut w.rm, &mut w.agents);
+    let Some(super::Action::CheckRm { check }) = w.core.next_action() else {
+        panic!("a check of the RM's list is asked for as an action");
+    };
+    // The RM makes its list now; the answer is on its way while the server goes on.
+    let listed = w.rm.owned_regions();
+    w.now += 1_000;
+    w.core.tick(w.now, &mut w.rm, &mut w.agents);
+    assert_eq!(w.core.next_action(), None, "one check in flight at a time");
+    let (b, g2) = w.open(W2);
+    w.store(W2, b, &["new"]);
+    assert!(!listed.as_ref().unwrap().contains(&g2.handle.region_id));
+    w.core.rm_regions(check, listed, w.now);
+    assert_eq!(
+        w.exists(W2, b, &["old", "new"]),
+        vec![true, true],
+        "neither region is judged gone"
+    );
+    // A later check judges the new region too: the RM reaped both meanwhile.
+    w.rm.allocated.remove(&g1.handle.region_id);
+    w.rm.allocated.remove(&g2.handle.region_id);
+    w.advance(1_000);
+    assert_eq!(w.exists(W2, b, &["old", "new"]), vec![false, false]);
+    // An answer to a check not in flight changes nothing.
+    w.core.rm_regions(check, Ok(Vec::new()), w.now);
+}

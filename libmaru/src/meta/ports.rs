@@ -7,8 +7,10 @@
 //! its links already know where a peer is slow. Allocating a region is not a port
 //! call: it is an [action](super::Action) of the core, and the RM's answer comes back
 //! as an event ([`MetaCore::alloc_done`](super::MetaCore::alloc_done)), so a request
-//! waiting for a region never holds the daemon. The core never blocks on anything
-//! and never looks at a clock.
+//! waiting for a region never holds the daemon. So is the regular check of which
+//! regions the RM holds for the server (its list is long:
+//! [`MetaCore::rm_regions`](super::MetaCore::rm_regions)). The core never blocks on
+//! anything and never looks at a clock.
 
 use crate::wire::rm::Handle;
 use crate::wire::{ErrorCode, WireError};
@@ -75,11 +77,6 @@ pub trait RmPort {
     fn free(&mut self, h: &Handle) -> Result<(), PortError>;
     /// Bytes usable for regions in the RM's pools.
     fn pool_sizes(&mut self) -> Result<PoolSizes, PortError>;
-    /// Ids of the regions the RM holds for this server (its client id). Asked
-    /// regularly: the call keeps the connection, so a restarted RM sees its owner back
-    /// within its grace period, and a region missing from the answer was freed or
-    /// reaped by the RM.
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError>;
 }
 
 /// The pool's agents, each named `host:port` as configured.

@@ -15,7 +15,6 @@ use super::keys::ScopeId;
 use super::tenants::Access;
 use crate::wire::meta::{Backend, SkipCounts};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::fmt;
 
 /// Ended sessions remembered for error messages; the oldest records go beyond this.
 pub const ENDED_RECORDS: usize = 4096;
@@ -49,54 +48,32 @@ pub struct Session {
     pub misses: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why a request names a session it may not use; each message says what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SessionError {
-    Unknown {
-        session: u64,
-    },
-    Ended {
-        session: u64,
-        reason: EndReason,
-    },
+    #[error("unknown session {session} (maru-server may have restarted): open a new session")]
+    Unknown { session: u64 },
+    #[error("session {session} {}: open a new session", reason.what())]
+    Ended { session: u64, reason: EndReason },
     /// The session belongs to another client.
-    NotYours {
-        session: u64,
-        client_id: String,
-    },
-    Full {
-        open: usize,
-        max: usize,
-    },
+    #[error("session {session} is not a session of client {client_id}: open a new session")]
+    NotYours { session: u64, client_id: String },
+    #[error(
+        "{open} sessions are open and maru-server takes at most {max}: close sessions or \
+         raise the limit"
+    )]
+    Full { open: usize, max: usize },
 }
 
-impl fmt::Display for SessionError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+impl EndReason {
+    /// How a session that ended so is described in errors.
+    fn what(self) -> &'static str {
         match self {
-            SessionError::Unknown { session } => write!(
-                f,
-                "unknown session {session} (maru-server may have restarted): open a new session"
-            ),
-            SessionError::Ended {
-                session,
-                reason: EndReason::Closed,
-            } => write!(f, "session {session} is closed: open a new session"),
-            SessionError::Ended {
-                session,
-                reason: EndReason::Expired,
-            } => write!(
-                f,
-                "session {session} expired (no request within the session timeout); its \
-                 regions went to the region keeper: open a new session"
-            ),
-            SessionError::NotYours { session, client_id } => write!(
-                f,
-                "session {session} is not a session of client {client_id}: open a new session"
-            ),
-            SessionError::Full { open, max } => write!(
-                f,
-                "{open} sessions are open and maru-server takes at most {max}: close sessions \
-                 or raise the limit"
-            ),
+            EndReason::Closed => "is closed",
+            EndReason::Expired => {
+                "expired (no request within the session timeout); its regions went to the \
+                 region keeper"
+            }
         }
     }
 }

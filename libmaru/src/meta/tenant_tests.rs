@@ -331,7 +331,7 @@ fn one_allocation_is_in_flight_and_a_late_region_goes_to_the_next_waiter() {
             assert_eq!(size, REGION);
             alloc
         }
-        None => panic!("an allocation"),
+        other => panic!("an allocation, not {other:?}"),
     };
     let second = w.send(W1, MetaRequest::Expand { session: a }).unwrap_err();
     assert_eq!(w.core.next_action(), None, "one in flight at a time");

@@ -22,6 +22,10 @@ pub enum Action {
     /// [`MetaCore::alloc_done`](super::MetaCore::alloc_done) with `alloc` and the outcome. One is in flight at a
     /// time.
     Alloc { alloc: u64, size: u64 },
+    /// Ask the RM which regions it holds for this server (its owner's list), then
+    /// call [`MetaCore::rm_regions`](super::MetaCore::rm_regions) with `check` and
+    /// the ids, or the error. One is in flight at a time.
+    CheckRm { check: u64 },
 }
 
 /// What a new session asks for.
