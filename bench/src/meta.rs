@@ -58,19 +58,33 @@ pub struct Row {
 /// A session as a handler opens it (with the default reply polling), proving the
 /// server's key.
 fn open(server: &str, key: &std::path::Path, id: &str) -> Result<Session, String> {
+    let ns = ("bench", "bench");
+    open_session(server, key, id, ns, Duration::from_secs(10), reply_spin())
+}
+
+/// A CXL session `id` of namespace and tenant `ns` on `server`, proving the key in the
+/// file `key`, that polls replies for `spin` before it sleeps.
+pub(crate) fn open_session(
+    server: &str,
+    key: &std::path::Path,
+    id: &str,
+    (namespace, tenant): (&str, &str),
+    timeout: Duration,
+    spin: Duration,
+) -> Result<Session, String> {
     let key = maru::auth::load_key_file(key).map_err(|e| e.to_string())?;
     let s = Session::open(
         server,
         id,
         Some(key),
         id,
-        "bench",
-        "bench",
+        namespace,
+        tenant,
         Backend::Cxl,
-        Duration::from_secs(10),
+        timeout,
     )
-    .map_err(|e| e.to_string())?;
-    s.set_reply_spin(reply_spin());
+    .map_err(|e| format!("{id}: {e}"))?;
+    s.set_reply_spin(spin);
     Ok(s)
 }
 

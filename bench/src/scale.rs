@@ -27,12 +27,12 @@
 //! draws scale.png again.
 
 use crate::harness::percentile;
-use crate::meta::dir_bytes;
+use crate::meta::{dir_bytes, open_session};
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
 use crate::report::Table;
 use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
-use maru::wire::meta::{Backend, MetaReply, MetaRequest, PublishEntry, TotalStats, MAX_BATCH};
+use maru::wire::meta::{MetaReply, MetaRequest, PublishEntry, TotalStats, MAX_BATCH};
 use maru::worker::session::Session;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -205,20 +205,16 @@ fn server_args(env: &Env, max_sessions: usize) -> Vec<String> {
 }
 
 fn open(addr: &str, key: &Path, id: &str) -> Result<Session, String> {
-    let key = maru::auth::load_key_file(key).map_err(|e| e.to_string())?;
-    let s = Session::open(
+    let ns = ns_of_key(key_index(id));
+    let spin = Duration::ZERO;
+    open_session(
         addr,
+        key,
         id,
-        Some(key),
-        id,
-        &ns_of_key(key_index(id)),
-        "scale-bench",
-        Backend::Cxl,
+        (&ns, "scale-bench"),
         Duration::from_secs(60),
+        spin,
     )
-    .map_err(|e| format!("{id}: {e}"))?;
-    s.set_reply_spin(Duration::ZERO);
-    Ok(s)
 }
 
 fn key_index(id: &str) -> usize {

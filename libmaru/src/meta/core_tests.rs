@@ -9,7 +9,6 @@ use crate::wire::meta::{
     CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH,
 };
 use crate::wire::{ErrorCode, WireError};
-use std::collections::BTreeMap;
 
 fn code(r: Result<MetaReply, WireError>) -> ErrorCode {
     match r {
@@ -598,50 +597,28 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
     w.acquire(W2, b, &["k"]);
     w.heartbeat(W1, a, &[(r, BOOT)]);
     assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: [(r, "boot-2".to_string()), (999, "x".to_string())].into(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        boot_ids: [(r, "boot-2".to_string()), (999, "x".to_string())].into(),
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.rebooted_regions, vec![r]);
     assert_eq!(h.unknown_regions, vec![999]);
     // Regions named without boot ids (cxl): only those not the session's come back.
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: BTreeMap::new(),
-            regions: vec![998, r],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        regions: vec![998, r],
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.unknown_regions, vec![998]);
     assert!(h.rebooted_regions.is_empty());
     assert_eq!(w.exists(W2, b, &["k"]), vec![false]);
     assert_eq!(totals(&w).leases, 0);
-    let e = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: [(r, String::new())].into(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    );
+    let beat = Beat {
+        boot_ids: [(r, String::new())].into(),
+        ..Beat::default()
+    };
+    let e = w.beat(W1, a, beat).map(MetaReply::Heartbeat);
     assert_eq!(code(e), ErrorCode::BadRequest);
 }
 
@@ -916,15 +893,11 @@ fn skip_counts_of_heartbeats_show_in_stats_per_session_and_in_total() {
     let (a, _) = w.open(W1);
     let (b, _) = w.open(W2);
     let beat = |w: &mut World, client: &str, session: u64, skipped: Option<SkipCounts>| {
-        let req = MetaRequest::Heartbeat {
-            session,
-            boot_ids: Default::default(),
-            regions: vec![],
-            leases: None,
+        let beat = Beat {
             skipped,
-            held_pages: None,
+            ..Beat::default()
         };
-        assert!(matches!(w.req(client, req), Ok(MetaReply::Heartbeat(_))));
+        w.beat(client, session, beat).expect("heartbeat");
     };
     let stats = |w: &mut World| match w.req(W1, MetaRequest::Stats { session: None }) {
         Ok(MetaReply::Stats(s)) => s,
@@ -1159,19 +1132,11 @@ fn keys_published_before_any_boot_id_was_reported_go_at_the_first_report() {
     // come in between, and nothing here could tell.
     w.store(W1, a, &["k"]);
     assert_eq!(w.exists(W1, a, &["k"]), vec![true]);
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: [(r, BOOT.to_string())].into(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        boot_ids: [(r, BOOT.to_string())].into(),
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.rebooted_regions, vec![r]);
     assert_eq!(w.exists(W1, a, &["k"]), vec![false]);
     // From now on the boot id is known: the same one keeps new keys.

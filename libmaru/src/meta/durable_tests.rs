@@ -4,16 +4,31 @@
 
 use super::fakes::*;
 use super::records::{Image, Sealed};
-use super::{MetaCore, PortError, Tenants, LEASE_RUN_SHIFT, SESSION_RUN_SHIFT};
-use crate::wire::meta::{HeldLease, MetaReply, MetaRequest};
+use super::{MetaConfig, MetaCore, PortError, Tenants, LEASE_RUN_SHIFT, SESSION_RUN_SHIFT};
+use crate::wire::meta::{HeldLease, MetaReply, MetaRequest, RemoveResult};
 use crate::wire::rm::RegionInfo;
 use std::collections::BTreeMap;
 
 /// A world whose core keeps its directory durable.
 fn durable(agents: &[&str]) -> World {
-    let mut w = World::with(config(agents), 16 * REGION);
-    w.core = MetaCore::new(config(agents)).unwrap().keep_durable();
+    durable_with(config(agents))
+}
+
+/// A world of 16 regions whose core keeps a durable log, under `cfg`.
+fn durable_with(cfg: MetaConfig) -> World {
+    let mut w = World::with(cfg.clone(), 16 * cfg.region_size);
+    w.core = MetaCore::new(cfg).unwrap().keep_durable();
     w
+}
+
+/// A durable world on agent A1 with nothing persisted yet, and W1's session in a
+/// region whose boot id it reported: (world, image, session, region).
+fn booted() -> (World, Image, u64, u64) {
+    let mut w = durable(&[A1]);
+    let (s, g) = w.open(W1);
+    let rid = g.handle.region_id;
+    w.heartbeat(W1, s, &[(rid, BOOT)]);
+    (w, Image::default(), s, rid)
 }
 
 /// Takes the batches the core made, makes them durable in `img` and tells the core.
@@ -54,20 +69,20 @@ fn restart(w: &mut World, img: &Image) -> super::Recovered {
     rec
 }
 
+/// [`restart`], then the RM's list of what it holds, as maru-server reads it first.
+fn restart_with_rm(w: &mut World, img: &Image) {
+    restart(w, img);
+    let rm = held(w);
+    w.core.recovered_rm(&rm, w.now);
+}
+
 /// A heartbeat of `client`'s session that says which leases it holds.
 fn say_leases(w: &mut World, client: &str, session: u64, leases: Vec<HeldLease>) {
-    let req = MetaRequest::Heartbeat {
-        session,
-        boot_ids: Default::default(),
-        regions: vec![],
+    let beat = Beat {
         leases: Some(leases),
-        skipped: None,
-        held_pages: None,
+        ..Beat::default()
     };
-    match w.req(client, req) {
-        Ok(MetaReply::Heartbeat(_)) => {}
-        other => panic!("heartbeat: {other:?}"),
-    }
+    w.beat(client, session, beat).expect("heartbeat");
 }
 
 /// What a worker says of a lease it holds, `left_ms` before it runs out.
@@ -80,19 +95,24 @@ fn held_lease(l: &crate::wire::meta::LeaseGrant, left_ms: u64) -> HeldLease {
     }
 }
 
+/// W1's session `s` stores k0, k1, ... into every page of its region.
+fn fill_region(w: &mut World, s: u64) -> Vec<crate::wire::meta::PageGrant> {
+    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    w.store(W1, s, &names)
+}
+
 /// A writer W1 whose one region is full of keys `k0..k3`, and a reader W2 of the same
 /// namespace; both sessions durable in `img`.
 fn full_region(w: &mut World, img: &mut Image) -> (u64, u64, Vec<crate::wire::meta::PageGrant>) {
     let (s, _) = w.open(W1);
-    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
-    let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let pages = w.store(W1, s, &names);
+    let pages = fill_region(w, s);
     let r = w.open_without_region(W2);
     persist(w, img);
     (s, r, pages)
 }
 
-fn remove(w: &mut World, client: &str, session: u64, key: &str) -> crate::wire::meta::RemoveResult {
+fn remove(w: &mut World, client: &str, session: u64, key: &str) -> RemoveResult {
     match w.req(
         client,
         MetaRequest::Remove {
@@ -107,11 +127,7 @@ fn remove(w: &mut World, client: &str, session: u64, key: &str) -> crate::wire::
 
 #[test]
 fn a_restart_brings_back_keys_sessions_regions_and_their_places() {
-    let mut w = durable(&[A1]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
-    let rid = g.handle.region_id;
-    w.heartbeat(W1, s, &[(rid, BOOT)]);
+    let (mut w, mut img, s, _) = booted();
     w.store_chain(W1, s, None, &["k1", "k2", "k3"]);
     persist(&mut w, &mut img);
     let before = w.acquire(W1, s, &["k1", "k2", "k3"]);
@@ -142,10 +158,7 @@ fn a_restart_brings_back_keys_sessions_regions_and_their_places() {
 fn a_restart_journals_none_of_the_keys_it_restores() {
     // A recovered key is on disk already: restoring it is no change to record (5 M
     // keys each put in the journal and taken out again cost the recovery ~2 s).
-    let mut w = durable(&[A1]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
-    w.heartbeat(W1, s, &[(g.handle.region_id, BOOT)]);
+    let (mut w, mut img, s, _) = booted();
     w.store_chain(W1, s, None, &["k1", "k2", "k3", "k4"]);
     persist(&mut w, &mut img);
     let rec = restart(&mut w, &img);
@@ -164,19 +177,9 @@ fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
     let mut w = durable(&[]);
     let mut img = Image::default();
     let (s, _) = w.open(W1);
-    let pages_per_region = REGION / PAGE;
-    let all: Vec<String> = (0..pages_per_region).map(|i| format!("k{i}")).collect();
-    let names: Vec<&str> = all.iter().map(String::as_str).collect();
-    let stored = w.store(W1, s, &names);
+    let stored = fill_region(&mut w, s);
     persist(&mut w, &mut img);
-    let r = w.req(
-        W1,
-        MetaRequest::Remove {
-            session: s,
-            keys: strings(&["k0"]),
-        },
-    );
-    assert!(r.is_ok(), "{r:?}");
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     // The removal is not durable: a crash now brings k0 back, so its page is not
     // handed out.
     let (pages, missing) = w.alloc(W1, s, 1);
@@ -212,18 +215,9 @@ fn a_tick_between_a_removal_and_its_commit_does_not_hand_out_the_page() {
     let mut img = Image::default();
     let (s, _) = w.open(W1);
     w.alive.push((W1.to_string(), s));
-    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
-    let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let stored = w.store(W1, s, &names);
+    let stored = fill_region(&mut w, s);
     persist(&mut w, &mut img);
-    let r = w.req(
-        W1,
-        MetaRequest::Remove {
-            session: s,
-            keys: strings(&["k0"]),
-        },
-    );
-    assert!(r.is_ok(), "{r:?}");
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     // Timers run (the removal's batch is taken but not yet durable: the commit is
     // under way), well past every deadline of the core.
     let pending = w.core.take_changes().expect("the removal's batch");
@@ -250,23 +244,13 @@ fn pages_of_recovered_keys_wait_for_the_leases_of_the_last_run() {
     let mut w = durable(&[]);
     let mut img = Image::default();
     let (s, _) = w.open(W1);
-    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
-    let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    w.store(W1, s, &names);
+    fill_region(&mut w, s);
     // A reader of the last run leases k0 and is still reading when the server dies.
     w.acquire(W1, s, &["k0"]);
     persist(&mut w, &mut img);
     w.now += 50;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
-    let r = w.req(
-        W1,
-        MetaRequest::Remove {
-            session: s,
-            keys: strings(&["k0"]),
-        },
-    );
-    assert!(r.is_ok(), "{r:?}");
+    restart_with_rm(&mut w, &img);
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     assert_eq!(w.alloc(W1, s, 1).1, 1, "not while the old lease may run");
     // The lease timeout (5 s in the fake config) after the restart, it is free.
@@ -292,21 +276,12 @@ fn a_region_the_rm_no_longer_holds_loses_its_recovered_keys() {
     assert_eq!(w.exists(W1, s, &["a", "b"]), [false, false]);
     assert_eq!(w.core.region_count(), 0);
     // The worker hears of it as an unknown region.
-    let hb = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: s,
-            boot_ids: Default::default(),
-            regions: vec![rid],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    );
-    match hb {
-        Ok(crate::wire::meta::MetaReply::Heartbeat(h)) => assert_eq!(h.unknown_regions, [rid]),
-        other => panic!("{other:?}"),
-    }
+    let beat = Beat {
+        regions: vec![rid],
+        ..Beat::default()
+    };
+    let h = w.beat(W1, s, beat).expect("heartbeat");
+    assert_eq!(h.unknown_regions, [rid]);
     // And the record goes with the next batch.
     persist(&mut w, &mut img);
     assert!(img.regions.is_empty() && img.keys.is_empty());
@@ -314,11 +289,7 @@ fn a_region_the_rm_no_longer_holds_loses_its_recovered_keys() {
 
 #[test]
 fn a_region_of_a_rebooted_memory_node_loses_its_recovered_keys() {
-    let mut w = durable(&[A1]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
-    let rid = g.handle.region_id;
-    w.heartbeat(W1, s, &[(rid, BOOT)]);
+    let (mut w, mut img, s, rid) = booted();
     w.store(W1, s, &["a", "b"]);
     // A second engine's region on the same agent, whose keys the keeper holds.
     let (s2, g2) = w.open(W2);
@@ -326,8 +297,7 @@ fn a_region_of_a_rebooted_memory_node_loses_its_recovered_keys() {
     w.store(W2, s2, &["c"]);
     w.close(W2, s2, true);
     persist(&mut w, &mut img);
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     let mut boots = BTreeMap::new();
     boots.insert(agent_of(&w, rid), Ok("boot-2".to_string()));
     let other = agent_of(&w, g2.handle.region_id);
@@ -339,11 +309,7 @@ fn a_region_of_a_rebooted_memory_node_loses_its_recovered_keys() {
 
 #[test]
 fn an_agent_on_the_same_boot_or_silent_keeps_the_recovered_keys() {
-    let mut w = durable(&[A1]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
-    let rid = g.handle.region_id;
-    w.heartbeat(W1, s, &[(rid, BOOT)]);
+    let (mut w, mut img, s, rid) = booted();
     w.store(W1, s, &["a"]);
     persist(&mut w, &mut img);
     for answer in [
@@ -372,8 +338,7 @@ fn a_region_the_rm_holds_but_the_directory_lost_goes_back() {
     // An expand the RM answered as maru-server died: its record never became durable.
     let g2 = w.expand(W1, s).unwrap();
     let lost = g2.handle.region_id;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     w.clear_log();
     w.tick();
     assert!(!w.at_rm(lost), "given back");
@@ -413,9 +378,7 @@ fn replies_that_change_the_directory_move_the_change_mark_and_reads_do_not() {
 fn the_in_memory_core_hands_a_removed_keys_page_out_at_once_and_records_nothing() {
     let mut w = World::cxl();
     let (s, _) = w.open(W1);
-    let names: Vec<String> = (0..REGION / PAGE).map(|i| format!("k{i}")).collect();
-    let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    w.store(W1, s, &names);
+    fill_region(&mut w, s);
     w.req(
         W1,
         MetaRequest::Remove {
@@ -434,13 +397,9 @@ fn pages_of_recovered_keys_are_handed_out_once_every_session_of_the_last_run_sai
     let mut img = Image::default();
     let (s, r, _) = full_region(&mut w, &mut img);
     w.now += 50;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     assert_eq!(w.core.last_run_sessions_silent(), Some(2));
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     // The writer says it holds nothing; the reader has not said yet: it may still
     // be reading k0 under a lease of the last run.
@@ -472,20 +431,13 @@ fn a_lease_held_across_a_restart_keeps_its_key_and_its_page() {
     let lease = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
     persist(&mut w, &mut img);
     w.now += 50;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     say_leases(&mut w, W1, s, vec![]);
     say_leases(&mut w, W2, r, vec![held_lease(&lease, 4_000)]);
     // k0 is leased again: neither a victim nor removable; the others are.
     assert!(!w.victims(W1, s, 8).contains(&"k0".to_string()));
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Leased
-    );
-    assert_eq!(
-        remove(&mut w, W1, s, "k1"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Leased);
+    assert_eq!(remove(&mut w, W1, s, "k1"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     let (got, _) = w.alloc(W1, s, 2);
     assert_eq!(got.len(), 1, "k1's page only");
@@ -495,10 +447,7 @@ fn a_lease_held_across_a_restart_keeps_its_key_and_its_page() {
         w.release_leases(W2, r, vec![lease.lease_id]).unwrap(),
         [true]
     );
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
 }
 
 #[test]
@@ -509,14 +458,10 @@ fn a_lease_on_a_key_removed_before_its_reader_said_keeps_the_page_until_it_ends(
     let lease = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
     persist(&mut w, &mut img);
     w.now += 50;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     // The writer evicts k0 before the reader's first heartbeat (nothing leases it
     // in this run yet), then says it holds nothing.
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     say_leases(&mut w, W1, s, vec![]);
     say_leases(&mut w, W2, r, vec![held_lease(&lease, 2_000)]);
@@ -539,8 +484,7 @@ fn a_lease_id_of_the_last_run_never_ends_a_lease_of_this_one() {
     let (s, r, _) = full_region(&mut w, &mut img);
     let old = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
     persist(&mut w, &mut img);
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     say_leases(&mut w, W1, s, vec![]);
     say_leases(&mut w, W2, r, vec![]);
     // A new lease on k1, then the worker's late release of its lease of the last
@@ -551,10 +495,7 @@ fn a_lease_id_of_the_last_run_never_ends_a_lease_of_this_one() {
         w.release_leases(W2, r, vec![old.lease_id]).unwrap(),
         [false]
     );
-    assert_eq!(
-        remove(&mut w, W1, s, "k1"),
-        crate::wire::meta::RemoveResult::Leased
-    );
+    assert_eq!(remove(&mut w, W1, s, "k1"), RemoveResult::Leased);
 }
 
 #[test]
@@ -565,8 +506,7 @@ fn what_a_session_says_of_leases_it_could_not_hold_is_ignored() {
     // A session of another namespace (another scope), of the last run.
     let (o, _) = w.open_in(W2, "other-ns", w.backend());
     persist(&mut w, &mut img);
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     let claim = |lease_id: u64, page: usize| HeldLease {
         lease_id,
         region_id: pages[page].region_id,
@@ -579,14 +519,8 @@ fn what_a_session_says_of_leases_it_could_not_hold_is_ignored() {
     say_leases(&mut w, W2, o, vec![claim(1, 0)]);
     let this_run = w.core.leases.last_id() + 1;
     say_leases(&mut w, W2, r, vec![claim(this_run, 1)]);
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
-    assert_eq!(
-        remove(&mut w, W1, s, "k1"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
+    assert_eq!(remove(&mut w, W1, s, "k1"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     assert_eq!(w.core.last_run_sessions_silent(), None);
     let (got, _) = w.alloc(W1, s, 2);
@@ -597,16 +531,11 @@ fn what_a_session_says_of_leases_it_could_not_hold_is_ignored() {
 fn a_silent_session_of_the_last_run_holds_pages_up_only_until_it_expires() {
     let mut cfg = config(&[]);
     cfg.session_timeout_ms = 2_000;
-    let mut w = World::with(cfg.clone(), 16 * REGION);
-    w.core = MetaCore::new(cfg).unwrap().keep_durable();
+    let mut w = durable_with(cfg);
     let mut img = Image::default();
     let (s, _, _) = full_region(&mut w, &mut img);
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    restart_with_rm(&mut w, &img);
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     say_leases(&mut w, W1, s, vec![]);
     w.alive = vec![(W1.into(), s)];
@@ -627,12 +556,8 @@ fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
     let (s, _, _) = full_region(&mut w, &mut img);
     // The last run granted leases of 8 s; this one grants 5 s.
     img.lease_timeout_ms = 8_000;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
-    assert_eq!(
-        remove(&mut w, W1, s, "k0"),
-        crate::wire::meta::RemoveResult::Removed
-    );
+    restart_with_rm(&mut w, &img);
+    assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     // Nobody says anything (old workers); the sessions are kept alive.
     w.alive = vec![(W1.into(), s)];
@@ -654,20 +579,15 @@ fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
 fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
     let mut cfg = config(&[]);
     cfg.unused_region_ms = 1_000;
-    let mut w = World::with(cfg.clone(), 16 * REGION);
-    w.core = MetaCore::new(cfg).unwrap().keep_durable();
+    let mut w = durable_with(cfg);
     let mut img = Image::default();
     let (s, _, pages) = full_region(&mut w, &mut img);
     let rid = pages[0].region_id;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     // The writer evicts every key of its region; the reader has not said yet.
     for i in 0..REGION / PAGE {
         let k = format!("k{i}");
-        assert_eq!(
-            remove(&mut w, W1, s, &k),
-            crate::wire::meta::RemoveResult::Removed
-        );
+        assert_eq!(remove(&mut w, W1, s, &k), RemoveResult::Removed);
     }
     persist(&mut w, &mut img);
     w.alive = vec![(W1.into(), s)];
@@ -692,8 +612,7 @@ fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it(
     let mut img = Image::default();
     let (s, r, pages) = full_region(&mut w, &mut img);
     let rid = pages[0].region_id;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     say_leases(&mut w, W1, s, vec![]);
     // The writer returns its region (asked for its fair share, say) before the reader
     // said which leases it holds: its keys go, but its memory is not handed out.
@@ -815,16 +734,17 @@ fn region_records_that_fail_their_check_or_overlap_are_dropped_with_their_keys()
 fn durable_big() -> World {
     let mut cfg = config(&[]);
     cfg.region_size = 64 * PAGE;
-    let mut w = World::with(cfg.clone(), 16 * cfg.region_size);
-    w.core = MetaCore::new(cfg).unwrap().keep_durable();
-    w
+    durable_with(cfg)
+}
+
+/// `(region_id, page)` pairs as the wire names pages.
+fn page_refs(pages: &[(u64, u64)]) -> Vec<crate::wire::meta::PageRef> {
+    let page_ref = |&(region_id, page): &(u64, u64)| crate::wire::meta::PageRef { region_id, page };
+    pages.iter().map(page_ref).collect()
 }
 
 fn free_pages(w: &mut World, client: &str, session: u64, pages: &[(u64, u64)]) {
-    let pages = pages
-        .iter()
-        .map(|&(region_id, page)| crate::wire::meta::PageRef { region_id, page })
-        .collect();
+    let pages = page_refs(pages);
     match w.req(client, MetaRequest::FreePages { session, pages }) {
         Ok(MetaReply::PagesFreed { .. }) => {}
         other => panic!("free_pages: {other:?}"),
@@ -911,8 +831,7 @@ fn an_alloc_is_answered_early_only_from_pages_whose_reservation_is_durable() {
     // A crash now (the new block's record is lost). Whatever the worker was handed,
     // from the reserve or not, no page of it is handed out again, to it or another.
     w.now += 100;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     let again = alloc_all(&mut w, W1, s);
     assert!(!again.is_empty());
     for (r, p) in &again {
@@ -942,7 +861,7 @@ fn an_alloc_is_answered_early_only_from_pages_whose_reservation_is_durable() {
 #[test]
 fn a_publish_answered_before_its_commit_is_at_worst_lost_in_a_crash() {
     use super::ReplyTiming;
-    use crate::wire::meta::RemoveResult;
+    use RemoveResult;
     let mut w = durable_big();
     let mut img = Image::default();
     let (s, g) = w.open(W1);
@@ -983,8 +902,7 @@ fn a_publish_answered_before_its_commit_is_at_worst_lost_in_a_crash() {
     assert!(!got.contains(&(rid, pages[1].page)));
     // The crash: nothing since the last persist is durable.
     w.now += 100;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     assert_eq!(
         w.exists(W1, s, &["kept", "lost", "gone"]),
         [true, false, false],
@@ -1029,23 +947,13 @@ fn a_publish_answered_before_its_commit_is_at_worst_lost_in_a_crash() {
 /// A heartbeat of `client`'s session that says which pages it holds without a key;
 /// whether the reply asked for it.
 fn say_held(w: &mut World, client: &str, session: u64, pages: &[(u64, u64)]) -> bool {
-    let req = MetaRequest::Heartbeat {
-        session,
-        boot_ids: Default::default(),
-        regions: vec![],
-        leases: None,
-        skipped: None,
-        held_pages: Some(
-            pages
-                .iter()
-                .map(|&(region_id, page)| crate::wire::meta::PageRef { region_id, page })
-                .collect(),
-        ),
+    let beat = Beat {
+        held_pages: Some(page_refs(pages)),
+        ..Beat::default()
     };
-    match w.req(client, req) {
-        Ok(MetaReply::Heartbeat(h)) => h.held_pages_wanted,
-        other => panic!("heartbeat: {other:?}"),
-    }
+    w.beat(client, session, beat)
+        .expect("heartbeat")
+        .held_pages_wanted
 }
 
 /// After a crash, a session of the last run says which pages it holds without a
@@ -1080,8 +988,7 @@ fn a_report_of_the_pages_held_frees_the_other_pages_in_doubt() {
     let lease = w.acquire(W2, reader, &["lost"])[0].clone().unwrap();
     // The crash.
     w.now += 100;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     let recorded = |w: &World, rid: u64| -> BTreeSet<u64> {
         let r = w.core.regions.get(rid).unwrap();
         (0..r.pages.pages())
@@ -1178,15 +1085,9 @@ fn an_oversized_report_of_pages_held_is_refused_and_changes_nothing() {
     w.alloc(W1, s, 2);
     persist(&mut w, &mut img);
     w.now += 100;
-    restart(&mut w, &img);
-    w.core.recovered_rm(&held(&w), w.now);
+    restart_with_rm(&mut w, &img);
     let before = w.core.pages_in_doubt();
-    let req = MetaRequest::Heartbeat {
-        session: s,
-        boot_ids: Default::default(),
-        regions: vec![],
-        leases: None,
-        skipped: None,
+    let beat = Beat {
         held_pages: Some(vec![
             PageRef {
                 region_id: 1,
@@ -1194,8 +1095,9 @@ fn an_oversized_report_of_pages_held_is_refused_and_changes_nothing() {
             };
             MAX_HELD_PAGES + 1
         ]),
+        ..Beat::default()
     };
-    match w.req(W1, req) {
+    match w.beat(W1, s, beat) {
         Err(e) => {
             assert_eq!(e.code, ErrorCode::BadRequest);
             assert!(e.message.contains("held_pages"), "{}", e.message);
@@ -1305,11 +1207,7 @@ fn as_format1(img: &Image) -> Image {
 /// removed from `seal_format1`: k2 was served from k3's page.
 #[test]
 fn a_format1_directory_is_sealed_keeping_every_key_it_can_vouch_for() {
-    let mut w = durable(&[A1]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
-    let rid = g.handle.region_id;
-    w.heartbeat(W1, s, &[(rid, BOOT)]);
+    let (mut w, mut img, s, rid) = booted();
     w.store_chain(W1, s, None, &["k1", "k2", "k3", "k4"]);
     persist(&mut w, &mut img);
     let mut old = as_format1(&img);

@@ -527,19 +527,11 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
     let st = w.core.total_stats();
     assert_eq!((st.fair_share_returns, st.waiting_for_region), (1, 0));
     // A's region read longest ago went, with its keys; A hears it at its heartbeat.
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: Default::default(),
-            regions: a_regions.clone(),
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        regions: a_regions.clone(),
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.unknown_regions, [a_regions[0]]);
     assert_eq!(w.exists(W1, a, &["a0", "a11"]), vec![false, true]);
     // A, at its share now, does not take a region while C waits... nobody waits.

@@ -5,8 +5,8 @@
 use super::ports::{AgentPort, PoolSizes, PortError, RmPort};
 use super::{Action, Caller, MetaConfig, MetaCore, Ticket, DEFAULT_TENANT};
 use crate::wire::meta::{
-    Backend, HeartbeatReply, LeaseGrant, MetaReply, MetaRequest, PageGrant, PublishEntry,
-    RegionGrant,
+    Backend, HeartbeatReply, HeldLease, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef,
+    PublishEntry, RegionGrant, SkipCounts,
 };
 use crate::wire::rm::{AllocReply, Handle, PoolInfo};
 use crate::wire::WireError;
@@ -462,16 +462,28 @@ impl World {
 
     /// The heartbeat's whole reply.
     pub fn heartbeat_reply(&mut self, client: &str, session: u64) -> HeartbeatReply {
+        self.beat(client, session, Beat::default())
+            .expect("heartbeat")
+    }
+
+    /// The reply to a heartbeat of `client`'s session that says `beat`; panics on a
+    /// reply of another kind.
+    pub fn beat(
+        &mut self,
+        client: &str,
+        session: u64,
+        beat: Beat,
+    ) -> Result<HeartbeatReply, WireError> {
         let req = MetaRequest::Heartbeat {
             session,
-            boot_ids: Default::default(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
+            boot_ids: beat.boot_ids,
+            regions: beat.regions,
+            leases: beat.leases,
+            skipped: beat.skipped,
+            held_pages: beat.held_pages,
         };
-        match self.req(client, req) {
-            Ok(MetaReply::Heartbeat(h)) => h,
+        match self.req(client, req)? {
+            MetaReply::Heartbeat(h) => Ok(h),
             other => panic!("heartbeat: {other:?}"),
         }
     }
@@ -638,18 +650,11 @@ impl World {
 
     pub fn heartbeat(&mut self, client: &str, session: u64, boots: &[(u64, &str)]) {
         let boot_ids = boots.iter().map(|(r, b)| (*r, b.to_string())).collect();
-        let req = MetaRequest::Heartbeat {
-            session,
+        let beat = Beat {
             boot_ids,
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
+            ..Beat::default()
         };
-        match self.req(client, req) {
-            Ok(MetaReply::Heartbeat(_)) => {}
-            other => panic!("heartbeat: {other:?}"),
-        }
+        self.beat(client, session, beat).expect("heartbeat");
     }
 
     pub fn close(&mut self, client: &str, session: u64, drained: bool) -> (Vec<u64>, Vec<u64>) {
@@ -676,4 +681,15 @@ impl World {
             }
         }
     }
+}
+
+/// What a heartbeat of [`World::beat`] says besides its session; what a test leaves
+/// out is empty (no boot ids, regions or reports).
+#[derive(Debug, Default)]
+pub struct Beat {
+    pub boot_ids: BTreeMap<u64, String>,
+    pub regions: Vec<u64>,
+    pub leases: Option<Vec<HeldLease>>,
+    pub skipped: Option<SkipCounts>,
+    pub held_pages: Option<Vec<PageRef>>,
 }

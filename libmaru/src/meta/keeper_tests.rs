@@ -491,34 +491,19 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
         vec![false, false]
     );
     // The owner learns at its next heartbeat that the region is gone.
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: [(r1, BOOT.to_string())].into(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        boot_ids: [(r1, BOOT.to_string())].into(),
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.unknown_regions, vec![r1]);
     // A cxl owner names its regions without boot ids: the same answer.
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: a,
-            boot_ids: BTreeMap::new(),
-            regions: vec![r1, r1],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        boot_ids: BTreeMap::new(),
+        regions: vec![r1, r1],
+        ..Beat::default()
     };
+    let h = w.beat(W1, a, beat).expect("heartbeat");
     assert_eq!(h.unknown_regions, vec![r1], "each region once");
     assert!(h.rebooted_regions.is_empty());
     // Both go the way of any give-back: released at the agent, the free answered as

@@ -270,19 +270,11 @@ fn a_region_held_without_storing_goes_back_after_the_unused_limit() {
         "the storing session keeps its region"
     );
     // The idle worker hears of it at its next heartbeat.
-    let Ok(MetaReply::Heartbeat(h)) = w.req(
-        W1,
-        MetaRequest::Heartbeat {
-            session: idle,
-            boot_ids: [(g.handle.region_id, BOOT.to_string())].into(),
-            regions: vec![],
-            leases: None,
-            skipped: None,
-            held_pages: None,
-        },
-    ) else {
-        panic!("heartbeat");
+    let beat = Beat {
+        boot_ids: [(g.handle.region_id, BOOT.to_string())].into(),
+        ..Beat::default()
     };
+    let h = w.beat(W1, idle, beat).expect("heartbeat");
     assert_eq!(h.unknown_regions, [g.handle.region_id]);
     // A region emptied again (its pages freed) counts from then on.
     w.req(
