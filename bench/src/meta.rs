@@ -88,6 +88,28 @@ pub(crate) fn open_session(
     Ok(s)
 }
 
+/// Publishes `pages[i]` as key `name(i)` of `len` bytes; one refused is an error
+/// naming the first key.
+pub(crate) fn publish_pages(
+    s: &Session,
+    pages: &[maru::wire::meta::PageGrant],
+    name: impl Fn(usize) -> String,
+    len: u64,
+) -> Result<(), String> {
+    let entries: Vec<PublishEntry> = pages
+        .iter()
+        .enumerate()
+        .map(|(i, p)| p.entry(name(i), len))
+        .collect();
+    let done = s
+        .publish(entries, s.call_deadline())
+        .map_err(|e| e.to_string())?;
+    if done.iter().any(|d| !d) {
+        return Err(format!("fill: a publish at key {} was refused", name(0)));
+    }
+    Ok(())
+}
+
 /// The recovery of a durable directory.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Recovery {
@@ -416,17 +438,8 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
         if pages.is_empty() {
             return Err(format!("recovery fill: no page at key {n}"));
         }
-        let entries: Vec<PublishEntry> = pages
-            .iter()
-            .enumerate()
-            .map(|(i, p)| p.entry(name(n + i), RECOVERY_CHUNK))
-            .collect();
-        let done = s
-            .publish(entries, s.call_deadline())
-            .map_err(|e| e.to_string())?;
-        if done.iter().any(|d| !d) {
-            return Err(format!("recovery fill: a publish at key {n} was refused"));
-        }
+        let key = |i: usize| name(n + i);
+        publish_pages(&s, &pages, key, RECOVERY_CHUNK).map_err(|e| format!("recovery {e}"))?;
         n += pages.len();
     }
     let fill_s = started.elapsed().as_secs_f64();

@@ -27,12 +27,12 @@
 //! draws scale.png again.
 
 use crate::harness::percentile;
-use crate::meta::{dir_bytes, open_session};
+use crate::meta::{dir_bytes, open_session, publish_pages};
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
 use crate::report::Table;
 use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
-use maru::wire::meta::{MetaReply, MetaRequest, PublishEntry, TotalStats, MAX_BATCH};
+use maru::wire::meta::{MetaReply, MetaRequest, TotalStats, MAX_BATCH};
 use maru::worker::session::Session;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -279,17 +279,8 @@ fn fill(addr: &str, env: &Env, t: usize, from: u64, to: u64) -> Result<(), Strin
                         }
                         continue;
                     }
-                    let entries: Vec<PublishEntry> = pages
-                        .iter()
-                        .enumerate()
-                        .map(|(i, p)| p.entry(fill_key(n + i as u64), PAGE))
-                        .collect();
-                    let done = s
-                        .publish(entries, s.call_deadline())
-                        .map_err(|e| e.to_string())?;
-                    if done.iter().any(|d| !d) {
-                        return Err(format!("fill: a publish at key {n} was refused"));
-                    }
+                    let key = |i: usize| fill_key(n + i as u64);
+                    publish_pages(&s, &pages, key, PAGE)?;
                     n += pages.len() as u64;
                 }
                 s.close(s.call_deadline()).map_err(|e| e.to_string())

@@ -398,18 +398,8 @@ fn replay(order: VictimOrder) -> (f64, f64) {
             assert_eq!(still, 0, "victims made room");
             pages.extend(more);
         }
-        let entries = todo
-            .iter()
-            .zip(&pages)
-            .enumerate()
-            .map(|(i, (k, p))| PublishEntry {
-                key: k.to_string(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: 1000,
-                prev: (lead + i).checked_sub(1).map(|j| refs[j].to_string()),
-            })
-            .collect();
+        let prev = lead.checked_sub(1).map(|j| refs[j]);
+        let entries = chain_entries(prev, todo, &pages);
         w.publish_at(W1, s, entries).unwrap();
         w.now += 1;
     }

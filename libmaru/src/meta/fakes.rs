@@ -567,22 +567,7 @@ impl World {
     ) -> Vec<PageGrant> {
         let (pages, missing) = self.alloc(client, session, keys.len() as u32);
         assert_eq!(missing, 0, "room for {} keys", keys.len());
-        let entries = keys
-            .iter()
-            .zip(&pages)
-            .enumerate()
-            .map(|(i, (k, p))| PublishEntry {
-                key: k.to_string(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: 1000,
-                prev: if i == 0 {
-                    prev.map(str::to_string)
-                } else {
-                    Some(keys[i - 1].to_string())
-                },
-            })
-            .collect();
+        let entries = chain_entries(prev, keys, &pages);
         let is_new = self.publish_at(client, session, entries).unwrap();
         assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
         pages
@@ -692,4 +677,21 @@ pub struct Beat {
     pub leases: Option<Vec<HeldLease>>,
     pub skipped: Option<SkipCounts>,
     pub held_pages: Option<Vec<PageRef>>,
+}
+
+/// `keys[i]` published at `pages[i]` (1000 bytes), each with the one before it as its
+/// predecessor in a prefix chain (the first with `prev`).
+pub fn chain_entries(prev: Option<&str>, keys: &[&str], pages: &[PageGrant]) -> Vec<PublishEntry> {
+    let prevs = std::iter::once(prev).chain(keys.iter().map(|k| Some(*k)));
+    keys.iter()
+        .zip(pages)
+        .zip(prevs)
+        .map(|((k, p), prev)| PublishEntry {
+            key: k.to_string(),
+            region_id: p.region_id,
+            offset: p.offset,
+            length: 1000,
+            prev: prev.map(str::to_string),
+        })
+        .collect()
 }
