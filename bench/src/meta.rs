@@ -110,6 +110,14 @@ pub(crate) fn publish_pages(
     Ok(())
 }
 
+/// How many of `keys` the server finds published.
+pub(crate) fn count_found(s: &Session, keys: &[String]) -> Result<usize, String> {
+    let found = s
+        .exists(keys, s.call_deadline())
+        .map_err(|e| e.to_string())?;
+    Ok(found.iter().filter(|f| **f).count())
+}
+
 /// The recovery of a durable directory.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Recovery {
@@ -457,12 +465,7 @@ pub fn recovery(scratch: &Scratch, keys: usize) -> Result<Recovery, String> {
     let start_ms = started.elapsed().as_secs_f64() * 1e3;
     let s = open(&addr, &scratch.server_key, "bench-recovery-check")?;
     let sample: Vec<String> = (0..keys).step_by((keys / 1000).max(1)).map(name).collect();
-    let found = s
-        .exists(&sample, s.call_deadline())
-        .map_err(|e| e.to_string())?
-        .iter()
-        .filter(|f| **f)
-        .count();
+    let found = count_found(&s, &sample)?;
     let _ = s.close(s.call_deadline());
     Ok(Recovery {
         keys,

@@ -27,7 +27,7 @@
 //! draws scale.png again.
 
 use crate::harness::percentile;
-use crate::meta::{dir_bytes, open_session, publish_pages};
+use crate::meta::{count_found, dir_bytes, open_session, publish_pages};
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
 use crate::report::Table;
 use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
@@ -621,12 +621,7 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         .map(fill_key)
         .collect();
     r.recovered_sampled = sample.len();
-    r.recovered_found = s
-        .exists(&sample, s.call_deadline())
-        .map_err(|e| e.to_string())?
-        .iter()
-        .filter(|f| **f)
-        .count();
+    r.recovered_found = count_found(&s, &sample)?;
     let _ = s.close(s.call_deadline());
     drop(srv);
     if let Some(other) = std::env::var_os("MARU_SCALE_AB_SERVER") {
