@@ -270,6 +270,29 @@ fn measure<T>(
     (r, c)
 }
 
+/// A store of fresh keys named after `tag`, timed by [`measure`] as a call started
+/// `t0` into the stall.
+fn timed_store(h: &Handler, peers: &[u32], t0: Instant, tag: &str) -> Call {
+    let ks = keys(tag);
+    let data: Vec<Vec<u8>> = ks.iter().map(|k| content(k)).collect();
+    let put = || store_data(h, &ks, &data);
+    measure(h, peers, "store", t0.elapsed(), put, |v: &Vec<bool>| {
+        stored(v)
+    })
+    .1
+}
+
+/// A load of `ks`, timed by [`measure`] as a call started `t0` into the stall.
+fn timed_load(
+    h: &Handler,
+    peers: &[u32],
+    t0: Instant,
+    ks: &[String],
+) -> (Vec<Option<Vec<u8>>>, Call) {
+    let get = || load(h, ks);
+    measure(h, peers, "load", t0.elapsed(), get, |v: &Vec<_>| found(v))
+}
+
 #[test]
 fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -316,22 +339,9 @@ fn a_stopped_agent_costs_one_timeout_then_stores_skip_and_loads_miss_at_once() {
     let mut n = 0;
     while t0.elapsed() < STALL {
         let step = Instant::now();
-        let ks = keys(&format!("during-{n}"));
-        let data: Vec<Vec<u8>> = ks.iter().map(|k| content(k)).collect();
+        calls.push(timed_store(&h, &peers, t0, &format!("during-{n}")));
         n += 1;
-        let put = || store_data(&h, &ks, &data);
-        let (_, c) = measure(&h, &peers, "store", t0.elapsed(), put, |v: &Vec<bool>| {
-            stored(v)
-        });
-        calls.push(c);
-        let (got, c) = measure(
-            &h,
-            &peers,
-            "load",
-            t0.elapsed(),
-            || load(&h, &before),
-            |v: &Vec<_>| found(v),
-        );
+        let (got, c) = timed_load(&h, &peers, t0, &before);
         calls.push(c);
         let read = || load(&reader, &before);
         let (read_got, c) = measure(&reader, &peers, "reader load", t0.elapsed(), read, |v| {
@@ -487,14 +497,8 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
     let mut n = 0;
     while t0.elapsed() < Duration::from_secs(4) {
         let step = Instant::now();
-        let ks = keys(&format!("server-during-{n}"));
-        let data: Vec<Vec<u8>> = ks.iter().map(|k| content(k)).collect();
+        calls.push(timed_store(&h, &peers, t0, &format!("server-during-{n}")));
         n += 1;
-        let put = || store_data(&h, &ks, &data);
-        let (_, c) = measure(&h, &peers, "store", t0.elapsed(), put, |v: &Vec<bool>| {
-            stored(v)
-        });
-        calls.push(c);
         let exists = || h.exists_batch(&before, None).expect("exists answers");
         let (_, c) = measure(
             &h,
@@ -505,15 +509,7 @@ fn a_stopped_maru_server_costs_one_timeout_then_calls_answer_at_once() {
             |v: &Vec<bool>| stored(v),
         );
         calls.push(c);
-        let (_, c) = measure(
-            &h,
-            &peers,
-            "load",
-            t0.elapsed(),
-            || load(&h, &before),
-            |v: &Vec<_>| found(v),
-        );
-        calls.push(c);
+        calls.push(timed_load(&h, &peers, t0, &before).1);
         std::thread::sleep(Duration::from_millis(100).saturating_sub(step.elapsed()));
     }
     st.server.signal(libc::SIGCONT);
