@@ -772,46 +772,71 @@ fn start_run(
     Ok((instance, run, last_lease_ms))
 }
 
-/// The scopes table's records into `into`; one that does not decode goes to `bad`
-/// (table, id, why) and is never served. Format 1 and 2 store scopes alike.
-fn read_scopes(
-    t: &impl ReadableTable<u32, &'static [u8]>,
+/// Each record of `table` decoded as JSON (`what`) into `into`; one that does not
+/// decode, or that `check` refuses given its key (saying why), goes to `bad` (table,
+/// id, why) and is never served.
+fn read_records<K, R>(
+    t: &impl ReadableTable<K, &'static [u8]>,
     p: &Path,
-    into: &mut Vec<ScopeRecord>,
+    (table, what): (&str, &str),
+    into: &mut Vec<R>,
     bad: &mut impl FnMut(&str, String, String),
-) -> Result<(), Fail> {
-    for item in t.iter().map_err(fail(p, "scopes"))? {
-        let (k, v) = item.map_err(fail(p, "scopes"))?;
-        match decode_json::<ScopeRecord>("scope", v.value()) {
-            Ok(s) => into.push(s),
-            Err(e) => bad("scopes", k.value().to_string(), e.0),
-        }
+    check: impl Fn(u64, &R) -> Result<(), String>,
+) -> Result<(), Fail>
+where
+    K: redb::Key + 'static,
+    for<'a> K::SelfType<'a>: Into<u64>,
+    R: for<'de> serde::Deserialize<'de>,
+{
+    for item in t.iter().map_err(fail(p, table))? {
+        let (k, v) = item.map_err(fail(p, table))?;
+        let id: u64 = k.value().into();
+        let why = match decode_json::<R>(what, v.value()) {
+            Ok(r) => match check(id, &r) {
+                Ok(()) => {
+                    into.push(r);
+                    continue;
+                }
+                Err(why) => why,
+            },
+            Err(e) => e.0,
+        };
+        bad(table, id.to_string(), why);
     }
     Ok(())
 }
 
-/// The regions table's records into `into`; one that does not decode, or names
-/// another region than the key it is written under (not the one written there), goes
-/// to `bad` (table, id, why) and is never served. Format 1 and 2 store regions alike.
-fn read_regions(
-    t: &impl ReadableTable<u64, &'static [u8]>,
+/// Writes `rows` (key, encoded record) into `table` as part of the format 1 upgrade.
+fn insert_all<'k, K: redb::Key + 'static>(
+    txn: &redb::WriteTransaction,
+    table: TableDefinition<K, &[u8]>,
     p: &Path,
-    into: &mut Vec<RegionRecord>,
-    bad: &mut impl FnMut(&str, String, String),
+    rows: impl IntoIterator<Item = (K::SelfType<'k>, Vec<u8>)>,
 ) -> Result<(), Fail> {
-    for item in t.iter().map_err(fail(p, "regions"))? {
-        let (k, v) = item.map_err(fail(p, "regions"))?;
-        match decode_json::<RegionRecord>("region", v.value()) {
-            Ok(r) if r.handle.region_id == k.value() => into.push(r),
-            Ok(r) => bad(
-                "regions",
-                k.value().to_string(),
-                format!("it names region {}", r.handle.region_id),
-            ),
-            Err(e) => bad("regions", k.value().to_string(), e.0),
-        }
+    let mut t = txn.open_table(table).map_err(fail(p, "upgrade"))?;
+    for (k, v) in rows {
+        t.insert(k, v.as_slice()).map_err(fail(p, "upgrade"))?;
     }
     Ok(())
+}
+
+/// The tables read by [`read_records`], with what each holds.
+const AS_SCOPES: (&str, &str) = ("scopes", "scope");
+const AS_SESSIONS: (&str, &str) = ("sessions", "session");
+const AS_REGIONS: (&str, &str) = ("regions", "region");
+
+/// Any scope record is kept. Format 1 and 2 store scopes alike.
+fn any_scope(_: u64, _: &ScopeRecord) -> Result<(), String> {
+    Ok(())
+}
+
+/// A region record under another region's key (not the one written there) is
+/// refused. Format 1 and 2 store regions alike.
+fn own_region(id: u64, r: &RegionRecord) -> Result<(), String> {
+    match r.handle.region_id {
+        named if named == id => Ok(()),
+        named => Err(format!("it names region {named}")),
+    }
 }
 
 /// A directory of record format 1 (the release before checks: records without a
@@ -841,22 +866,21 @@ fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1
     let mut used_ids = Vec::new();
     {
         let t = txn.open_table(SCOPES).map_err(fail(p, "scopes"))?;
-        read_scopes(&t, p, &mut img.scopes, &mut bad)?;
+        read_records(&t, p, AS_SCOPES, &mut img.scopes, &mut bad, any_scope)?;
         let t = txn.open_table(SESSIONS).map_err(fail(p, "sessions"))?;
-        for item in t.iter().map_err(fail(p, "sessions"))? {
-            let (k, v) = item.map_err(fail(p, "sessions"))?;
-            match decode_json::<SessionRecord>("session", v.value()) {
-                Ok(s) if s.id == k.value() => img.sessions.push(s),
-                Ok(s) => bad(
-                    "sessions",
-                    k.value().to_string(),
-                    format!("it names {}", s.id),
-                ),
-                Err(e) => bad("sessions", k.value().to_string(), e.0),
-            }
-        }
+        read_records(
+            &t,
+            p,
+            AS_SESSIONS,
+            &mut img.sessions,
+            &mut bad,
+            |id, s| match s.id {
+                named if named == id => Ok(()),
+                named => Err(format!("it names {named}")),
+            },
+        )?;
         let t = txn.open_table(REGIONS).map_err(fail(p, "regions"))?;
-        read_regions(&t, p, &mut img.regions, &mut bad)?;
+        read_records(&t, p, AS_REGIONS, &mut img.regions, &mut bad, own_region)?;
         let t = txn.open_table(KEYS).map_err(fail(p, "keys"))?;
         for item in t.iter().map_err(fail(p, "keys"))? {
             let (k, v) = item.map_err(fail(p, "keys"))?;
@@ -888,31 +912,25 @@ fn upgrade_format1(db: &Database, p: &Path) -> Result<Option<maru::meta::Sealed1
         }
         txn.delete_table(SCOPES).map_err(fail(p, "upgrade"))?;
         txn.delete_table(SECRETS).map_err(fail(p, "upgrade"))?;
-        let mut t = txn.open_table(SCOPES).map_err(fail(p, "upgrade"))?;
-        for s in &img.scopes {
-            t.insert(s.id, encode_json(s).as_slice())
-                .map_err(fail(p, "upgrade"))?;
-        }
-        let mut t = txn.open_table(SESSIONS).map_err(fail(p, "upgrade"))?;
-        for s in &img.sessions {
-            t.insert(s.id, encode_json(s).as_slice())
-                .map_err(fail(p, "upgrade"))?;
-        }
-        let mut t = txn.open_table(REGIONS).map_err(fail(p, "upgrade"))?;
-        for g in &img.regions {
-            t.insert(g.handle.region_id, encode_json(g).as_slice())
-                .map_err(fail(p, "upgrade"))?;
-        }
-        let mut t = txn.open_table(KEYS).map_err(fail(p, "upgrade"))?;
-        for k in &img.keys {
-            t.insert(k.id, encode_key(k).as_slice())
-                .map_err(fail(p, "upgrade"))?;
-        }
-        let mut t = txn.open_table(SECRETS).map_err(fail(p, "upgrade"))?;
-        for (h, s) in &secrets {
-            t.insert(h.as_str(), encode_json(s).as_slice())
-                .map_err(fail(p, "upgrade"))?;
-        }
+        let scopes = img.scopes.iter().map(|s| (s.id, encode_json(s)));
+        insert_all(&txn, SCOPES, p, scopes)?;
+        let sessions = img.sessions.iter().map(|s| (s.id, encode_json(s)));
+        insert_all(&txn, SESSIONS, p, sessions)?;
+        let regions = img.regions.iter();
+        insert_all(
+            &txn,
+            REGIONS,
+            p,
+            regions.map(|g| (g.handle.region_id, encode_json(g))),
+        )?;
+        insert_all(
+            &txn,
+            KEYS,
+            p,
+            img.keys.iter().map(|k| (k.id, encode_key(k))),
+        )?;
+        let secrets = secrets.iter().map(|(h, s)| (h.as_str(), encode_json(s)));
+        insert_all(&txn, SECRETS, p, secrets)?;
         let mut t = txn.open_table(USED).map_err(fail(p, "upgrade"))?;
         for id in used_ids.iter().filter(|id| !kept.contains(id)) {
             t.remove(*id).map_err(fail(p, "upgrade"))?;
@@ -953,7 +971,7 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
         );
     };
     let t = txn.open_table(SCOPES).map_err(fail(p, "scopes"))?;
-    read_scopes(&t, p, &mut img.scopes, &mut bad)?;
+    read_records(&t, p, AS_SCOPES, &mut img.scopes, &mut bad, any_scope)?;
     let t = txn.open_table(SESSIONS).map_err(fail(p, "sessions"))?;
     for item in t.iter().map_err(fail(p, "sessions"))? {
         let (k, v) = item.map_err(fail(p, "sessions"))?;
@@ -964,7 +982,7 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
         }
     }
     let t = txn.open_table(REGIONS).map_err(fail(p, "regions"))?;
-    read_regions(&t, p, &mut img.regions, &mut bad)?;
+    read_records(&t, p, AS_REGIONS, &mut img.regions, &mut bad, own_region)?;
     let used = txn.open_table(USED).map_err(fail(p, "used"))?;
     let t = txn.open_table(KEYS).map_err(fail(p, "keys"))?;
     img.keys
