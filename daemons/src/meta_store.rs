@@ -1288,6 +1288,16 @@ mod tests {
     use maru::meta::records::KeyRecord;
     use std::collections::BTreeMap;
 
+    /// Commits `records` as the store's first job and batch.
+    fn commit_first(store: &MetaStore, records: Vec<Record>) {
+        let job = Job {
+            seq: 1,
+            changes: Some(Changes { batch: 1, records }),
+            secrets: vec![],
+        };
+        store.commit(&[job]).unwrap();
+    }
+
     fn key(id: u64) -> KeyRecord {
         KeyRecord {
             id,
@@ -1371,12 +1381,7 @@ mod tests {
             records.push(Record::Used { id, used });
         }
         records.push(Record::KeyGone(4));
-        let job = Job {
-            seq: 1,
-            changes: Some(Changes { batch: 1, records }),
-            secrets: vec![],
-        };
-        store.commit(&[job]).unwrap();
+        commit_first(&store, records);
         drop(store);
         let (_s, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
         let got: Vec<(u64, u64)> = loaded.image.keys.iter().map(|k| (k.id, k.used)).collect();
@@ -1732,13 +1737,7 @@ mod tests {
             records.extend(regions.iter().cloned().map(Record::Region));
             records.extend((1..=3).map(|i| Record::Session(session(i))));
             records.push(Record::NextSession(4));
-            store
-                .commit(&[Job {
-                    seq: 1,
-                    changes: Some(Changes { batch: 1, records }),
-                    secrets: vec![],
-                }])
-                .unwrap();
+            commit_first(&store, records);
             let crashed = std::fs::read(d.join(DIRECTORY_FILE)).unwrap();
             drop(store);
             (std::fs::read(d.join(DIRECTORY_FILE)).unwrap(), crashed)
@@ -1895,13 +1894,7 @@ mod tests {
             let (store, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
             let mut records: Vec<Record> = (1..=5).map(|i| Record::Session(session(i))).collect();
             records.push(Record::NextSession(9));
-            store
-                .commit(&[Job {
-                    seq: 1,
-                    changes: Some(Changes { batch: 1, records }),
-                    secrets: vec![],
-                }])
-                .unwrap();
+            commit_first(&store, records);
         }
         let poke = |f: &Poke| {
             let db = Database::open(d.join(DIRECTORY_FILE)).unwrap();
