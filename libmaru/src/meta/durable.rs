@@ -103,6 +103,12 @@ pub struct Recovered {
     pub unverified: u64,
 }
 
+/// A key record recovery leaves out (never served; its id is not handed out again).
+fn leave_out(core: &mut MetaCore, out: &mut Recovered, id: u64) {
+    core.keys.note_gone(id);
+    out.left_out += 1;
+}
+
 impl MetaCore {
     /// Keeps the directory durable from now on: changes are recorded for
     /// [`take_changes`](Self::take_changes), and a page freed by a key's removal is
@@ -873,20 +879,16 @@ impl MetaCore {
                     k.region_id,
                     k.offset
                 );
-                core.keys.note_gone(k.id);
-                out.left_out += 1;
+                leave_out(&mut core, &mut out, k.id);
                 continue;
             };
             if core.keys.at(k.region_id, k.offset).is_some() {
+                let (offset, region, id) = (k.offset, k.region_id, k.id);
                 log::warn!(
-                    "recovery: two keys recorded at offset {} of region {}; key record {} left \
-                     out",
-                    k.offset,
-                    k.region_id,
-                    k.id
+                    "recovery: two keys recorded at offset {offset} of region {region}; key \
+                     record {id} left out"
                 );
-                core.keys.note_gone(k.id);
-                out.left_out += 1;
+                leave_out(&mut core, &mut out, id);
                 continue;
             }
             let loc = Location {
