@@ -19,7 +19,7 @@ struct Rm {
     next: u64,
     live: u64,
     fail_every: u64,
-    /// Regions allocated and not freed, for `owned_regions`.
+    /// Regions allocated and not freed: the RM's answer to a check of its list.
     ids: std::collections::BTreeSet<u64>,
 }
 
@@ -58,10 +58,6 @@ impl RmPort for Rm {
         self.live = self.live.saturating_sub(1);
         self.ids.remove(&h.region_id);
         Ok(())
-    }
-
-    fn owned_regions(&mut self) -> Result<Vec<u64>, PortError> {
-        Ok(self.ids.iter().copied().collect())
     }
 
     fn pool_sizes(&mut self) -> Result<PoolSizes, PortError> {
@@ -142,9 +138,20 @@ fuzz_target!(|data: &[u8]| {
         } else if line.first() == Some(&b'c') {
             core.cancel(i.saturating_sub(1) as u64);
         }
-        // The RM answers allocations at once, one line later, or never (by the line).
-        while let Some(Action::Alloc { alloc, size }) = core.next_action() {
-            pending.push((alloc, size));
+        // The RM answers allocations at once, one line later, or never (by the line);
+        // a check of its list at once, with its list or (by the line) unreachable.
+        while let Some(action) = core.next_action() {
+            match action {
+                Action::Alloc { alloc, size } => pending.push((alloc, size)),
+                Action::CheckRm { check } => {
+                    let held = if line.len() % 5 == 4 {
+                        Err(PortError::Unreachable("down".into()))
+                    } else {
+                        Ok(rm.ids.iter().copied().collect())
+                    };
+                    core.rm_regions(check, held, now);
+                }
+            }
         }
         if line.len() % 3 != 1 {
             for (alloc, size) in pending.drain(..) {
