@@ -11,7 +11,7 @@ help:
 	@echo "make demo-multinode - the multi-node demo in network namespaces (memory, metadata, two worker nodes; root)"
 	@echo "make demo-rm        - the resource manager walk-through with maru-rm-ctl"
 	@echo "make test           - install what is missing, build, run every test (Rust, C, Python)"
-	@echo "make lint           - cargo fmt --check, no import circle between Rust files (scripts/import_cycles.py) or Python files (scripts/py_import_cycles.py), every error type derives thiserror (scripts/error_types.py), cargo clippy -D warnings (with and without verbs)"
+	@echo "make lint           - cargo fmt --check, cargo check of the fuzz targets (make fuzz-check), no import circle between Rust files (scripts/import_cycles.py) or Python files (scripts/py_import_cycles.py), every error type derives thiserror (scripts/error_types.py), cargo clippy -D warnings (with and without verbs)"
 	@echo "make header         - regenerate include/maru.h with cbindgen"
 	@echo "make release        - optimised build of libmaru.so and the daemons"
 	@echo "make bench          - Maru beside Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
@@ -80,6 +80,7 @@ ERROR_TYPES_KNOWN :=
 
 lint: deps
 	$(CARGO) fmt --all -- --check
+	$(MAKE) --no-print-directory fuzz-check
 	python3 scripts/tests/test_import_cycles.py
 	python3 scripts/import_cycles.py $(IMPORT_CYCLES_KNOWN) libmaru/src daemons/src bench/src
 	python3 scripts/tests/test_py_import_cycles.py

@@ -5,7 +5,10 @@
 # small. A crash fails the run and leaves its input in fuzz/artifacts/<target>/.
 # Execs per target: fuzz/target/fuzz-smoke.txt.
 # make fuzz T=meta_core FUZZ_SECONDS=600: one target, longer.
-.PHONY: fuzz-smoke fuzz fuzz-tools
+# make fuzz-check: cargo check of every target against today's libmaru, on the default
+# toolchain, with libFuzzer's C++ left out (the crate's `link` feature off); part of
+# make lint, so a target that no longer builds shows there and not in fuzz-smoke.
+.PHONY: fuzz-smoke fuzz fuzz-tools fuzz-check
 
 FUZZ_SECONDS ?= 20
 # Targets fuzzed at once (each libFuzzer run is one process on one core).
@@ -21,6 +24,9 @@ export RUSTC_BOOTSTRAP := 1
 endif
 # The targets are built once (cargo fuzz build) and their binaries run directly.
 FUZZ_BIN = $(FUZZ_DIR)/target/$(shell rustc -vV | sed -n 's/^host: //p')/release
+
+fuzz-check:
+	cd $(FUZZ_DIR) && $(CARGO) check --bins --no-default-features
 
 fuzz-tools:
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
