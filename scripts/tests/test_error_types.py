@@ -4,22 +4,11 @@ failing. Run: python3 -m pytest -q scripts/tests (or python3 scripts/tests/test_
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "error_types.py"
+from support import expect, main, run, tree
 
 
-def run(lib_rs: str, *extra: str) -> subprocess.CompletedProcess:
-    root = Path(tempfile.mkdtemp(prefix="error-types-test-"))
-    try:
-        (root / "lib.rs").write_text(lib_rs)
-        return subprocess.run([sys.executable, str(SCRIPT), *extra, str(root)], capture_output=True, text=True)
-    finally:
-        shutil.rmtree(root, True)
+def check(lib_rs: str, *extra: str) -> object:
+    return run("error_types.py", *extra, str(tree({"lib.rs": lib_rs})))
 
 
 DERIVED = """
@@ -54,31 +43,20 @@ impl std::error::Error for Oops {}
 
 
 def test_types_deriving_thiserror_pass():
-    r = run(DERIVED)
-    assert r.returncode == 0, r.stdout
-    assert "0 found" in r.stdout
+    expect(check(DERIVED), 0, "0 found")
 
 
 def test_a_hand_written_error_type_fails_naming_it():
-    r = run(HAND_WRITTEN)
-    assert r.returncode == 1
-    assert "HandError" in r.stdout
+    expect(check(HAND_WRITTEN), 1, "HandError")
 
 
 def test_a_hand_written_impl_error_fails():
-    r = run(HAND_IMPL)
-    assert r.returncode == 1
-    assert "Oops (hand-written impl Error)" in r.stdout
+    expect(check(HAND_IMPL), 1, "Oops (hand-written impl Error)")
 
 
 def test_an_allowed_type_is_reported_without_failing():
-    r = run(HAND_WRITTEN, "--allow", "HandError")
-    assert r.returncode == 0, r.stdout
-    assert "HandError" in r.stdout and "allowed" in r.stdout
+    expect(check(HAND_WRITTEN, "--allow", "HandError"), 0, "HandError", "allowed")
 
 
 if __name__ == "__main__":
-    for name, fn in list(globals().items()):
-        if name.startswith("test_"):
-            fn()
-    print("ok")
+    main(globals())

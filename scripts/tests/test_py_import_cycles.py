@@ -4,47 +4,28 @@ Run: python3 -m pytest -q scripts/tests (or python3 scripts/tests/test_py_import
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "py_import_cycles.py"
+from support import expect, main, run, tree
 
 
-def run(files: dict) -> subprocess.CompletedProcess:
-    root = Path(tempfile.mkdtemp(prefix="py-import-cycles-test-"))
-    try:
-        for name, text in files.items():
-            p = root / name
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-        return subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True)
-    finally:
-        shutil.rmtree(root, True)
+def check(files: dict) -> object:
+    return run("py_import_cycles.py", str(tree(files)))
 
 
 def test_a_load_time_circle_fails_naming_both_files():
-    r = run({"pkg/__init__.py": "", "pkg/a.py": "from . import b\n", "pkg/b.py": "from .a import f\n"})
-    assert r.returncode == 1, r.stdout
-    assert "pkg.a" in r.stdout and "pkg.b" in r.stdout
+    r = check({"pkg/__init__.py": "", "pkg/a.py": "from . import b\n", "pkg/b.py": "from .a import f\n"})
+    expect(r, 1, "pkg.a", "pkg.b")
 
 
 def test_imports_in_functions_and_under_type_checking_do_not_count():
-    r = run(
+    r = check(
         {
             "pkg/__init__.py": "from .a import f\n",
             "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import g\ndef f():\n    from . import b\n",
             "pkg/b.py": "from .a import f\n",
         }
     )
-    assert r.returncode == 0, r.stdout
-    assert "0 found" in r.stdout
+    expect(r, 0, "0 found")
 
 
 if __name__ == "__main__":
-    for name, fn in list(globals().items()):
-        if name.startswith("test_"):
-            fn()
-    print("ok")
+    main(globals())
