@@ -4,27 +4,17 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use maru::dax::{DeviceInfo, DeviceKind};
 use maru::rm::{parse_state, MemStore, ResourceManager};
 use maru::wire::rm::RmRequest;
+use maru_fuzz::{one_pool, MB2};
 use std::path::Path;
-
-const MB2: u64 = 2 << 20;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(state) = parse_state(Path::new("state.json"), data) else {
         return;
     };
-    let pools = vec![DeviceInfo {
-        path: "/dev/dax0.0".into(),
-        uuid: "00000000-0000-4000-8000-000000000001".into(),
-        kind: DeviceKind::DevDax,
-        device_size: MB2 * 9,
-        align: MB2,
-        data_offset: MB2,
-    }];
     let store = MemStore::with_state(state);
-    let Ok(mut rm) = ResourceManager::open(pools, Box::new(store), [5u8; 32], 0) else {
+    let Ok(mut rm) = ResourceManager::open(one_pool(), Box::new(store), [5u8; 32], 0) else {
         return;
     };
     for req in [
