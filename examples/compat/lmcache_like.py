@@ -46,12 +46,12 @@ def make_config(args: argparse.Namespace, instance: str) -> MaruConfig:
     kw = dict(server_url=args.server, instance_id=instance, chunk_size_bytes=args.chunk_size,
               pool_size=max(args.chunk_size, 100 * 1024 * 1024), auto_connect=False)
     # Settings of later upstream versions (remote_cxl, PR #107), passed only when asked for.
-    if args.storage_backend:
-        kw["storage_backend"] = args.storage_backend
-    if args.agent_key_file:
-        kw["agent_key_file"] = args.agent_key_file
-    if args.namespace:
-        kw["cache_namespace"] = args.namespace
+    later = {
+        "storage_backend": args.storage_backend,
+        "agent_key_file": args.agent_key_file,
+        "cache_namespace": args.namespace,
+    }
+    kw.update((k, v) for k, v in later.items() if v)
     return MaruConfig(**kw)
 
 

@@ -156,12 +156,13 @@ def main() -> int:
             "maru_cache_namespace": a.namespace,
             "maru_chunk_tokens": a.chunk_tokens,
         }
-        if a.key:
-            extra["maru_remote_cxl_agent_key_file"] = a.key
-        if a.server_key:
-            extra["maru_server_key_file"] = a.server_key
-        if a.stats_file:
-            extra["maru_stats_file"] = a.stats_file
+        # The key files and the stats file only when given (libmaru's defaults otherwise).
+        given = {
+            "maru_remote_cxl_agent_key_file": a.key,
+            "maru_server_key_file": a.server_key,
+            "maru_stats_file": a.stats_file,
+        }
+        extra.update((k, v) for k, v in given.items() if v)
         kw["kv_transfer_config"] = {
             "kv_connector": "MaruKVConnector",
             "kv_connector_module_path": "maru.vllm",
