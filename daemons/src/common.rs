@@ -162,52 +162,26 @@ pub fn check_advertise(host: &str, advertise: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The verbs transport's RDMA flags, as the agent and maru-rdma-check take them.
+/// The verbs transport's RDMA flags, as the agent and maru-rdma-check take them. Each
+/// field is named as its flag (`rdma_device` is `--rdma-device <RDMA_DEVICE>`), so that
+/// it does not clash with the daemon's own flags when flattened into them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RdmaArgs {
     /// RDMA device for the verbs transport (default: the first one).
-    #[arg(
-        id = "rdma_device",
-        long = "rdma-device",
-        value_name = "RDMA_DEVICE",
-        env = "MARU_RDMA_DEVICE"
-    )]
-    pub device: Option<String>,
+    #[arg(long, env = "MARU_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
     /// Port of the RDMA device, from 1.
-    #[arg(
-        id = "rdma_port",
-        long = "rdma-port",
-        value_name = "RDMA_PORT",
-        default_value_t = 1,
-        env = "MARU_RDMA_PORT"
-    )]
-    pub port: u8,
+    #[arg(long, default_value_t = 1, env = "MARU_RDMA_PORT")]
+    pub rdma_port: u8,
     /// GID index (default: 0 on InfiniBand, a RoCE v2 GID on Ethernet).
-    #[arg(
-        id = "rdma_gid_index",
-        long = "rdma-gid-index",
-        value_name = "RDMA_GID_INDEX",
-        env = "MARU_RDMA_GID_INDEX"
-    )]
-    pub gid_index: Option<u8>,
+    #[arg(long, env = "MARU_RDMA_GID_INDEX")]
+    pub rdma_gid_index: Option<u8>,
     /// GRH traffic class (RoCE: DSCP << 2 | ECN; the PFC class on a lossless fabric).
-    #[arg(
-        id = "rdma_traffic_class",
-        long = "rdma-traffic-class",
-        value_name = "RDMA_TRAFFIC_CLASS",
-        default_value_t = 0,
-        env = "MARU_RDMA_TRAFFIC_CLASS"
-    )]
-    pub traffic_class: u8,
+    #[arg(long, default_value_t = 0, env = "MARU_RDMA_TRAFFIC_CLASS")]
+    pub rdma_traffic_class: u8,
     /// Service level, 0-15.
-    #[arg(
-        id = "rdma_service_level",
-        long = "rdma-service-level",
-        value_name = "RDMA_SERVICE_LEVEL",
-        default_value_t = 0,
-        env = "MARU_RDMA_SERVICE_LEVEL"
-    )]
-    pub service_level: u8,
+    #[arg(long, default_value_t = 0, env = "MARU_RDMA_SERVICE_LEVEL")]
+    pub rdma_service_level: u8,
 }
 
 #[cfg(feature = "verbs")]
@@ -215,11 +189,11 @@ impl RdmaArgs {
     /// The verbs settings these flags give (the rest at their defaults).
     pub fn settings(&self) -> maru::transport::verbs::VerbsSettings {
         maru::transport::verbs::VerbsSettings {
-            device: self.device.clone(),
-            port: self.port,
-            gid_index: self.gid_index,
-            traffic_class: self.traffic_class,
-            service_level: self.service_level,
+            device: self.rdma_device.clone(),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+            traffic_class: self.rdma_traffic_class,
+            service_level: self.rdma_service_level,
             ..maru::transport::verbs::VerbsSettings::default()
         }
     }

@@ -199,21 +199,20 @@ fn release_needs_the_regions_handle() {
     let mut intruder = agent_client(&n, "worker-b");
     let mut forged = h.clone();
     forged.token = "00".repeat(16);
-    assert!(refused(
-        intruder.call(&AgentRequest::Release { handle: forged })
-    ));
     // Another region's token (a handle the caller does hold) does not open this one.
     let mut swapped = h.clone();
     swapped.token = other.token.clone();
-    assert!(refused(
-        intruder.call(&AgentRequest::Release { handle: swapped })
-    ));
     // A handle with the right token and a changed range is not this region's either.
     let mut widened = h.clone();
     widened.length *= 2;
-    assert!(refused(
-        intruder.call(&AgentRequest::Release { handle: widened })
-    ));
+    for (how, handle) in [
+        ("forged", forged),
+        ("swapped", swapped),
+        ("widened", widened),
+    ] {
+        let r = intruder.call(&AgentRequest::Release { handle });
+        assert!(refused(r), "a {how} handle released the region");
+    }
     assert_eq!(
         mapping(&mut owner, h.region_id).map(|m| (m.0, m.1)),
         Some((MappingState::Live, false)),

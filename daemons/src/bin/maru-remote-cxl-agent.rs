@@ -153,7 +153,7 @@ fn verbs_target(args: &Args) -> Nic {
 fn verbs_target(args: &Args) -> Nic {
     die(format!(
         "--transport verbs{}: this build has no verbs support; rebuild with `cargo build --features verbs` or use --transport soft",
-        args.rdma.device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
+        args.rdma.rdma_device.as_deref().map(|d| format!(" (device {d})")).unwrap_or_default()
     ))
 }
 
