@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 #: The C ABI version this binding was written for (``MARU_ABI_VERSION`` in maru.h).
 ABI_VERSION = 1
@@ -82,39 +82,34 @@ lib = _load()
 #: The file the library was loaded from (or the name ``find_library`` gave).
 path: str = lib._name
 
-lib.maru_abi_version.argtypes = []
-lib.maru_abi_version.restype = ctypes.c_uint32
-lib.maru_version_string.argtypes = []
-lib.maru_version_string.restype = ctypes.c_char_p
-lib.maru_last_error.argtypes = []
-lib.maru_last_error.restype = ctypes.c_char_p
-lib.maru_status_str.argtypes = [ctypes.c_uint32]
-lib.maru_status_str.restype = ctypes.c_char_p
+_H = ctypes.c_void_p  # maru_handler_t *
+_S = ctypes.c_uint32  # maru_status_t
 
-_H = ctypes.c_void_p
-_S = ctypes.c_uint32
-lib.maru_handler_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(_H)]
-lib.maru_handler_open.restype = _S
-lib.maru_handler_close.argtypes = [_H]
-lib.maru_handler_close.restype = _S
-lib.maru_handler_shutdown.argtypes = [_H]
-lib.maru_handler_shutdown.restype = _S
-lib.maru_handler_free.argtypes = [_H]
-lib.maru_handler_free.restype = _S
-lib.maru_store.argtypes = [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_store.restype = _S
-lib.maru_store_batch.argtypes = [_H, c_char_pp, c_void_pp, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_store_batch.restype = _S
-lib.maru_load.argtypes = [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, c_size_p, ctypes.c_char_p]
-lib.maru_load.restype = _S
-lib.maru_load_batch.argtypes = [_H, c_char_pp, c_void_pp, c_size_p, c_size_p, c_bool_p, ctypes.c_size_t, ctypes.c_char_p]
-lib.maru_load_batch.restype = _S
-lib.maru_exists.argtypes = [_H, ctypes.c_char_p, ctypes.c_char_p, c_bool_p]
-lib.maru_exists.restype = _S
-lib.maru_stats_json.argtypes = [_H, ctypes.c_char_p, ctypes.c_size_t, c_size_p]
-lib.maru_stats_json.restype = _S
-lib.maru_chunk_size.argtypes = [_H, ctypes.POINTER(ctypes.c_uint64)]
-lib.maru_chunk_size.restype = _S
+
+def _proto(name: str, argtypes: list, restype: Any = _S) -> None:
+    """Declares libmaru's function `name`: its argument types and its result (a
+    ``maru_status_t`` unless said); tests/test_abi.py checks each against maru.h."""
+    f = getattr(lib, name)
+    f.argtypes = argtypes
+    f.restype = restype
+
+
+_proto("maru_abi_version", [], ctypes.c_uint32)
+_proto("maru_version_string", [], ctypes.c_char_p)
+_proto("maru_last_error", [], ctypes.c_char_p)
+_proto("maru_status_str", [ctypes.c_uint32], ctypes.c_char_p)
+
+_proto("maru_handler_open", [ctypes.c_char_p, ctypes.POINTER(_H)])
+_proto("maru_handler_close", [_H])
+_proto("maru_handler_shutdown", [_H])
+_proto("maru_handler_free", [_H])
+_proto("maru_store", [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto("maru_store_batch", [_H, c_char_pp, c_void_pp, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto("maru_load", [_H, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, c_size_p, ctypes.c_char_p])
+_proto("maru_load_batch", [_H, c_char_pp, c_void_pp, c_size_p, c_size_p, c_bool_p, ctypes.c_size_t, ctypes.c_char_p])
+_proto("maru_exists", [_H, ctypes.c_char_p, ctypes.c_char_p, c_bool_p])
+_proto("maru_stats_json", [_H, ctypes.c_char_p, ctypes.c_size_t, c_size_p])
+_proto("maru_chunk_size", [_H, ctypes.POINTER(ctypes.c_uint64)])
 
 if lib.maru_abi_version() != ABI_VERSION:
     raise ImportError(
@@ -156,36 +151,25 @@ MEM_REGISTER_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_voi
 #: ``maru_mem_unregister_fn``: ``void (*)(void *ctx, void *ptr, size_t len)``.
 MEM_UNREGISTER_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
-lib.maru_exists_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_exists_batch.restype = _S
-lib.maru_slots_acquire.argtypes = [
-    _H, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(maru_slot_t), c_size_p
-]
-lib.maru_slots_acquire.restype = _S
-lib.maru_slots_release.argtypes = [_H, c_u64_p, ctypes.c_size_t]
-lib.maru_slots_release.restype = _S
-lib.maru_store_slots.argtypes = [_H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_store_slots.restype = _S
-lib.maru_load_slots.argtypes = [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, c_size_p, c_bool_p]
-lib.maru_load_slots.restype = _S
-lib.maru_submit_store_slots.argtypes = [
-    _H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)
-]
-lib.maru_submit_store_slots.restype = _S
-lib.maru_submit_load_slots.argtypes = [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)]
-lib.maru_submit_load_slots.restype = _S
-lib.maru_op_poll.argtypes = [_OP]
-lib.maru_op_poll.restype = _S
-lib.maru_op_wait.argtypes = [_OP, ctypes.c_uint32]
-lib.maru_op_wait.restype = _S
-lib.maru_op_results.argtypes = [_OP, c_bool_p, c_size_p, ctypes.c_size_t]
-lib.maru_op_results.restype = _S
-lib.maru_op_free.argtypes = [_OP]
-lib.maru_op_free.restype = None
-lib.maru_set_memory_hook.argtypes = [MEM_REGISTER_FN, MEM_UNREGISTER_FN, ctypes.c_void_p]
-lib.maru_set_memory_hook.restype = _S
-lib.maru_set_memory_hook_auto.argtypes = []
-lib.maru_set_memory_hook_auto.restype = _S
+_proto("maru_exists_batch", [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto(
+    "maru_slots_acquire",
+    [_H, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(maru_slot_t), c_size_p],
+)
+_proto("maru_slots_release", [_H, c_u64_p, ctypes.c_size_t])
+_proto("maru_store_slots", [_H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto("maru_load_slots", [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, c_size_p, c_bool_p])
+_proto(
+    "maru_submit_store_slots",
+    [_H, c_char_pp, c_u64_p, c_size_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)],
+)
+_proto("maru_submit_load_slots", [_H, c_char_pp, c_u64_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(_OP)])
+_proto("maru_op_poll", [_OP])
+_proto("maru_op_wait", [_OP, ctypes.c_uint32])
+_proto("maru_op_results", [_OP, c_bool_p, c_size_p, ctypes.c_size_t])
+_proto("maru_op_free", [_OP], None)
+_proto("maru_set_memory_hook", [MEM_REGISTER_FN, MEM_UNREGISTER_FN, ctypes.c_void_p])
+_proto("maru_set_memory_hook_auto", [])
 
 # Removal of own keys, slot ownership after a call, and in-place views (cxl).
 
@@ -201,36 +185,30 @@ class maru_view_t(ctypes.Structure):
     ]
 
 
-lib.maru_remove_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32)]
-lib.maru_remove_batch.restype = _S
-lib.maru_pin_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_pin_batch.restype = _S
-lib.maru_unpin_batch.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p]
-lib.maru_unpin_batch.restype = _S
-lib.maru_slots_held.argtypes = [_H, c_u64_p, ctypes.c_size_t, c_bool_p]
-lib.maru_slots_held.restype = _S
-lib.maru_views_acquire.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_view_t), c_bool_p]
-lib.maru_views_acquire.restype = _S
-lib.maru_views_release.argtypes = [_H, c_u64_p, ctypes.c_size_t]
-lib.maru_views_release.restype = _S
+_proto("maru_remove_batch", [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint32)])
+_proto("maru_pin_batch", [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto("maru_unpin_batch", [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, c_bool_p])
+_proto("maru_slots_held", [_H, c_u64_p, ctypes.c_size_t, c_bool_p])
+_proto("maru_views_acquire", [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_view_t), c_bool_p])
+_proto("maru_views_release", [_H, c_u64_p, ctypes.c_size_t])
 
 # Logging and chunk keys.
 
 #: ``maru_log_fn``: ``void (*)(void *ctx, maru_log_level_t level, const char *target,
 #: const char *message)``.
 LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p)
-lib.maru_set_log_callback.argtypes = [ctypes.c_uint32, LOG_FN, ctypes.c_void_p]
-lib.maru_set_log_callback.restype = _S
+_proto("maru_set_log_callback", [ctypes.c_uint32, LOG_FN, ctypes.c_void_p])
 
 #: ``MARU_CHUNK_KEY_SIZE``: bytes of one key in ``maru_chunk_keys``' output.
 CHUNK_KEY_SIZE = 65
-lib.maru_chunk_keys.argtypes = [
-    ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p,
-    ctypes.c_char_p, ctypes.c_size_t, c_size_p,
-]
-lib.maru_chunk_keys.restype = _S
-lib.maru_key_file_check.argtypes = [ctypes.c_char_p]
-lib.maru_key_file_check.restype = _S
+_proto(
+    "maru_chunk_keys",
+    [
+        ctypes.POINTER(ctypes.c_int32), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p,
+        ctypes.c_size_t, c_size_p,
+    ],
+)
+_proto("maru_key_file_check", [ctypes.c_char_p])
 
 
 class maru_copy_t(ctypes.Structure):
@@ -239,8 +217,7 @@ class maru_copy_t(ctypes.Structure):
     _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-lib.maru_copy.argtypes = [ctypes.POINTER(maru_copy_t), ctypes.c_size_t, ctypes.c_bool]
-lib.maru_copy.restype = _S
+_proto("maru_copy", [ctypes.POINTER(maru_copy_t), ctypes.c_size_t, ctypes.c_bool])
 
 
 class maru_piece_t(ctypes.Structure):
@@ -249,9 +226,11 @@ class maru_piece_t(ctypes.Structure):
     _fields_ = [("chunk", ctypes.c_size_t), ("offset", ctypes.c_size_t), ("dst", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-lib.maru_load_pieces.argtypes = [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_piece_t),
-                                 ctypes.c_size_t, c_size_p, c_bool_p]
-lib.maru_load_pieces.restype = _S
+_proto(
+    "maru_load_pieces",
+    [_H, c_char_pp, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_piece_t), ctypes.c_size_t, c_size_p,
+     c_bool_p],
+)
 
 # Writes in place and region views (cxl).
 
@@ -281,16 +260,11 @@ class maru_region_t(ctypes.Structure):
     ]
 
 
-lib.maru_pages_take.argtypes = [_H, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_page_t), c_size_p]
-lib.maru_pages_take.restype = _S
-lib.maru_pages_publish.argtypes = [_H, c_char_pp, ctypes.POINTER(maru_page_t), c_size_p, ctypes.c_size_t, c_bool_p]
-lib.maru_pages_publish.restype = _S
-lib.maru_pages_give_back.argtypes = [_H, ctypes.POINTER(maru_page_t), ctypes.c_size_t]
-lib.maru_pages_give_back.restype = _S
-lib.maru_regions_list.argtypes = [_H, ctypes.POINTER(maru_region_t), ctypes.c_size_t, c_size_p]
-lib.maru_regions_list.restype = _S
-lib.maru_region_view.argtypes = [_H, ctypes.c_uint64, ctypes.POINTER(maru_region_t), c_bool_p]
-lib.maru_region_view.restype = _S
+_proto("maru_pages_take", [_H, ctypes.c_size_t, ctypes.c_char_p, ctypes.POINTER(maru_page_t), c_size_p])
+_proto("maru_pages_publish", [_H, c_char_pp, ctypes.POINTER(maru_page_t), c_size_p, ctypes.c_size_t, c_bool_p])
+_proto("maru_pages_give_back", [_H, ctypes.POINTER(maru_page_t), ctypes.c_size_t])
+_proto("maru_regions_list", [_H, ctypes.POINTER(maru_region_t), ctypes.c_size_t, c_size_p])
+_proto("maru_region_view", [_H, ctypes.c_uint64, ctypes.POINTER(maru_region_t), c_bool_p])
 
 
 class maru_staging_t(ctypes.Structure):
@@ -305,5 +279,4 @@ class maru_staging_t(ctypes.Structure):
     ]
 
 
-lib.maru_staging_buffer.argtypes = [_H, ctypes.POINTER(maru_staging_t)]
-lib.maru_staging_buffer.restype = _S
+_proto("maru_staging_buffer", [_H, ctypes.POINTER(maru_staging_t)])
