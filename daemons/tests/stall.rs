@@ -350,7 +350,6 @@ fn half_open_proxy(listen: &str, to: &str, stalled: Arc<AtomicBool>, life: Durat
     use std::io::{Read, Write};
     use std::net::{Shutdown, TcpListener, TcpStream};
     let listener = TcpListener::bind(listen).unwrap();
-    listener.set_nonblocking(true).unwrap();
     let to = to.to_string();
     let hold = |stalled: &AtomicBool| {
         while stalled.load(Ordering::SeqCst) {
@@ -374,28 +373,19 @@ fn half_open_proxy(listen: &str, to: &str, stalled: Arc<AtomicBool>, life: Durat
             let _ = into.shutdown(Shutdown::Write);
         });
     };
-    std::thread::spawn(move || {
-        let end = Instant::now() + life;
-        while Instant::now() < end {
-            match listener.accept() {
-                Ok((client, _)) => {
-                    let (to, stalled) = (to.clone(), stalled.clone());
-                    std::thread::spawn(move || {
-                        // Accepted, and nothing answers while stalled.
-                        hold(&stalled);
-                        let Ok(daemon) = TcpStream::connect(&to) else {
-                            return;
-                        };
-                        let _ = client.set_nonblocking(false);
-                        if let (Ok(c2), Ok(d2)) = (client.try_clone(), daemon.try_clone()) {
-                            pump(client, daemon, stalled.clone());
-                            pump(d2, c2, stalled);
-                        }
-                    });
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+    support::accept_for(listener, life, move |client| {
+        let (to, stalled) = (to.clone(), stalled.clone());
+        std::thread::spawn(move || {
+            // Accepted, and nothing answers while stalled.
+            hold(&stalled);
+            let Ok(daemon) = TcpStream::connect(&to) else {
+                return;
+            };
+            if let (Ok(c2), Ok(d2)) = (client.try_clone(), daemon.try_clone()) {
+                pump(client, daemon, stalled.clone());
+                pump(d2, c2, stalled);
             }
-        }
+        });
     });
 }
 

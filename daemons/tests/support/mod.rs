@@ -682,7 +682,6 @@ pub fn holding_proxy(
     use std::net::{Shutdown, TcpListener, TcpStream};
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    listener.set_nonblocking(true).unwrap();
     let to = to.to_string();
     let pump = move |mut from: TcpStream, mut into: TcpStream, hold: Option<Arc<AtomicBool>>| {
         let counted = counted.clone();
@@ -707,25 +706,39 @@ pub fn holding_proxy(
             let _ = from.shutdown(Shutdown::Both);
         });
     };
+    accept_for(listener, life, move |client| {
+        let Ok(daemon) = TcpStream::connect(&to) else {
+            return;
+        };
+        if let (Ok(c2), Ok(d2)) = (client.try_clone(), daemon.try_clone()) {
+            pump(client, daemon, Some(slow.clone()));
+            pump(d2, c2, None);
+        }
+    });
+    (addr, held_count)
+}
+
+/// Accepts connections on `listener` until `life` has passed, on a thread of its own,
+/// and hands each (blocking again) to `serve` on that thread: a proxy's acceptor.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn accept_for(
+    listener: std::net::TcpListener,
+    life: Duration,
+    serve: impl Fn(std::net::TcpStream) + Send + 'static,
+) {
+    listener.set_nonblocking(true).unwrap();
     std::thread::spawn(move || {
         let end = Instant::now() + life;
         while Instant::now() < end {
             match listener.accept() {
                 Ok((client, _)) => {
-                    let Ok(daemon) = TcpStream::connect(&to) else {
-                        continue;
-                    };
                     let _ = client.set_nonblocking(false);
-                    if let (Ok(c2), Ok(d2)) = (client.try_clone(), daemon.try_clone()) {
-                        pump(client, daemon, Some(slow.clone()));
-                        pump(d2, c2, None);
-                    }
+                    serve(client);
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         }
     });
-    (addr, held_count)
 }
 
 /// A soft NIC data connection to `addr` that proved `key` and bound itself to the
