@@ -316,14 +316,8 @@ fn an_unhold_the_rm_missed_is_sent_by_the_sweep_once_it_is_back() {
     let mut owner = agent_client(&agent.addr, &p.key, "worker-a");
     map(&mut owner, &h);
     // The RM goes away; the release still deregisters at once and queues the unhold.
-    let rm_args = vec![
-        "--state-dir".to_string(),
-        p.s.dir.join("rm").display().to_string(),
-        "--fake-dax".to_string(),
-        format!("{}:64M", p.pool.display()),
-        "--grace-period-s".to_string(),
-        "600".to_string(),
-    ];
+    let mut rm_args = support::rm_args(&p.s, &p.pool, "64M");
+    rm_args.extend(support::strings(&["--grace-period-s", "600"]));
     let port = p.rm.port();
     let old = std::mem::replace(&mut p.rm, placeholder());
     old.kill9();

@@ -43,32 +43,12 @@ fn every_daemon_serves_its_metrics_and_they_move_with_traffic() {
     let key = SharedKey::generate().unwrap();
     maru::auth::keyfile::write_new_key_file(&key_path, &key).unwrap();
     let (rm_m, agent_m, srv_m) = (free_port(), free_port(), free_port());
-    let rm = Daemon::start(
-        RM_BIN,
-        &[
-            "--state-dir".into(),
-            s.dir.join("rm").display().to_string(),
-            "--fake-dax".into(),
-            format!("{}:64M", pool.display()),
-            "--metrics".into(),
-            rm_m.to_string(),
-        ],
-        &s.dir,
-    );
-    let agent = Daemon::start(
-        AGENT_BIN,
-        &[
-            "--rm-address".into(),
-            rm.addr.clone(),
-            "--key-file".into(),
-            key_path.display().to_string(),
-            "--device".into(),
-            pool.display().to_string(),
-            "--metrics".into(),
-            format!("127.0.0.1:{agent_m}"),
-        ],
-        &s.dir,
-    );
+    let mut rm_args = support::rm_args(&s, &pool, "64M");
+    rm_args.extend(["--metrics".into(), rm_m.to_string()]);
+    let rm = Daemon::start(RM_BIN, &rm_args, &s.dir);
+    let mut agent_args = support::agent_args(&rm.addr, &key_path, &pool);
+    agent_args.extend(["--metrics".into(), format!("127.0.0.1:{agent_m}")]);
+    let agent = Daemon::start(AGENT_BIN, &agent_args, &s.dir);
     let srv = Daemon::start(
         SERVER_BIN,
         &[

@@ -20,13 +20,7 @@ const RELOAD: Duration = Duration::from_millis(2_000);
 
 fn rm(s: &mut Scratch) -> Daemon {
     let pool = s.fake_dax("tenants-pool");
-    let args = vec![
-        "--state-dir".to_string(),
-        s.dir.join("rm").display().to_string(),
-        "--fake-dax".into(),
-        format!("{}:64M", pool.display()),
-    ];
-    Daemon::start(RM_BIN, &args, &s.dir)
+    Daemon::start(RM_BIN, &support::rm_args(s, &pool, "64M"), &s.dir)
 }
 
 fn write_key(path: &Path) -> SharedKey {
