@@ -11,7 +11,7 @@ help:
 	@echo "make demo-multinode - the multi-node demo in network namespaces (memory, metadata, two worker nodes; root)"
 	@echo "make demo-rm        - the resource manager walk-through with maru-rm-ctl"
 	@echo "make test           - install what is missing, build, run every test (Rust, C, Python)"
-	@echo "make lint           - cargo fmt --check, cargo check of the fuzz targets (make fuzz-check), no import circle between Rust files (scripts/import_cycles.py) or Python files (scripts/py_import_cycles.py), every error type derives thiserror (scripts/error_types.py), cargo clippy -D warnings (with and without verbs)"
+	@echo "make lint           - cargo fmt --check (the workspace and the fuzz crate), cargo check of the fuzz targets (make fuzz-check), no import circle between Rust files (scripts/import_cycles.py) or Python files (scripts/py_import_cycles.py), every error type derives thiserror (scripts/error_types.py), cargo clippy -D warnings (with and without verbs)"
 	@echo "make header         - regenerate include/maru.h with cbindgen"
 	@echo "make release        - optimised build of libmaru.so and the daemons"
 	@echo "make bench          - Maru beside Redis, Mooncake Store, memcpy and TCP loopback; metadata ops; idle CPU (bench/results/)"
@@ -92,6 +92,7 @@ lint: deps
 
 fmt:
 	$(CARGO) fmt --all
+	cd fuzz && $(CARGO) fmt
 
 header:
 	MARU_UPDATE_HEADER=1 $(CARGO) test -p maru --test header

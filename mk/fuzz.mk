@@ -5,9 +5,11 @@
 # small. A crash fails the run and leaves its input in fuzz/artifacts/<target>/.
 # Execs per target: fuzz/target/fuzz-smoke.txt.
 # make fuzz T=meta_core FUZZ_SECONDS=600: one target, longer.
-# make fuzz-check: cargo check of every target against today's libmaru, on the default
-# toolchain, with libFuzzer's C++ left out (the crate's `link` feature off); part of
-# make lint, so a target that no longer builds shows there and not in fuzz-smoke.
+# make fuzz-check: cargo fmt --check and cargo check of every target against today's
+# libmaru, on the default toolchain, with libFuzzer's C++ left out (the crate's `link`
+# feature off); part of make lint, so a target that no longer builds shows there and
+# not in fuzz-smoke (the crate is outside the workspace: `cargo fmt --all` and clippy
+# do not see it; `make fmt` formats it).
 .PHONY: fuzz-smoke fuzz fuzz-tools fuzz-check
 
 FUZZ_SECONDS ?= 20
@@ -26,7 +28,7 @@ endif
 FUZZ_BIN = $(FUZZ_DIR)/target/$(shell rustc -vV | sed -n 's/^host: //p')/release
 
 fuzz-check:
-	cd $(FUZZ_DIR) && $(CARGO) check --bins --no-default-features
+	cd $(FUZZ_DIR) && $(CARGO) fmt --check && $(CARGO) check --bins --no-default-features
 
 fuzz-tools:
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
