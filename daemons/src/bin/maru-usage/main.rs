@@ -612,8 +612,8 @@ mod tests {
         );
         let sums = tenant_sums(&s, &u);
         assert_eq!(sums["default"].sessions, 2);
-        assert_eq!(sums["default"].region_bytes, 128 << 20);
-        assert_eq!(sums["default"].used_bytes, 8 << 20);
+        assert_eq!(sums["default"].allocated, 128 << 20);
+        assert_eq!(sums["default"].used, 8 << 20);
         assert_eq!(
             sums["default"].skipped.max_bytes, 4,
             "sessions 1 and 3 summed"

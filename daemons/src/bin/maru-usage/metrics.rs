@@ -1,39 +1,14 @@
 //! `maru-usage --metrics ADDR`: a [`Snapshot`] as Prometheus text, summed per tenant.
 
 use crate::snapshot::*;
-use maru::wire::meta::{SkipCounts, StatsReply, UsageReply};
+use maru::wire::meta::{StatsReply, UsageReply};
 use maru::worker::skips::SkipReason;
 use std::collections::BTreeMap;
 
-/// One tenant's sessions, summed.
-#[derive(Debug, Default, PartialEq)]
-pub(crate) struct TenantSum {
-    pub(crate) sessions: u64,
-    pub(crate) regions: u64,
-    pub(crate) region_bytes: u64,
-    pub(crate) used_bytes: u64,
-    pub(crate) keys: u64,
-    pub(crate) hits: u64,
-    pub(crate) misses: u64,
-    pub(crate) skipped: SkipCounts,
-}
-
-pub(crate) fn tenant_sums(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, TenantSum> {
-    let mut t: BTreeMap<String, TenantSum> = BTreeMap::new();
-    for s in &stats.sessions {
-        let e = t.entry(s.tenant.clone()).or_default();
-        e.sessions += 1;
-        e.regions += s.regions;
-        e.region_bytes += s.region_bytes;
-        e.keys += s.keys;
-        e.hits += s.hits;
-        e.misses += s.misses;
-        e.skipped.add(&s.skipped);
-    }
-    for u in &usage.sessions {
-        t.entry(u.tenant.clone()).or_default().used_bytes += u.used;
-    }
-    t
+/// Per tenant: its sessions summed as the table's rows are (a session that opened or
+/// ended between the two reads counts with what one of them said).
+pub(crate) fn tenant_sums(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<String, EngineRow> {
+    summed(stats, usage, |tenant, _| tenant.to_string())
 }
 
 /// The text format of `maru-usage --metrics`: the last snapshot (`None`: the last read
@@ -54,7 +29,7 @@ pub(crate) fn metrics_text(snap: Option<&Snapshot>) -> String {
             (
                 "tenant_sessions",
                 "Live sessions of the tenant",
-                (|t: &TenantSum| t.sessions) as fn(&TenantSum) -> u64,
+                (|t: &EngineRow| t.sessions) as fn(&EngineRow) -> u64,
             ),
             (
                 "tenant_regions",
@@ -64,12 +39,12 @@ pub(crate) fn metrics_text(snap: Option<&Snapshot>) -> String {
             (
                 "tenant_region_bytes",
                 "Bytes of the regions the tenant's sessions hold (its use of the pool)",
-                |t| t.region_bytes,
+                |t| t.allocated,
             ),
             (
                 "tenant_used_bytes",
                 "Bytes of the pages in use in those regions",
-                |t| t.used_bytes,
+                |t| t.used,
             ),
             (
                 "tenant_keys",

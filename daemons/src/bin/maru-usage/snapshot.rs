@@ -115,15 +115,25 @@ pub(crate) type RowKey = (String, String);
 /// usage reply by session id (a session that opened or ended between the two calls
 /// counts with what one of them said).
 pub(crate) fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey, EngineRow> {
-    let mut out: BTreeMap<RowKey, EngineRow> = BTreeMap::new();
+    summed(stats, usage, |tenant, engine| {
+        (tenant.to_string(), engine.to_string())
+    })
+}
+
+/// The sessions of both replies, joined as [`engines`] joins them, summed per
+/// `key(tenant, engine id)`: the table's rows and `--metrics`' tenants.
+pub(crate) fn summed<K: Ord>(
+    stats: &StatsReply,
+    usage: &UsageReply,
+    key: impl Fn(&str, &str) -> K,
+) -> BTreeMap<K, EngineRow> {
+    let mut out: BTreeMap<K, EngineRow> = BTreeMap::new();
     let by_id: BTreeMap<u64, &meta::SessionUsage> =
         usage.sessions.iter().map(|u| (u.session, u)).collect();
     let mut seen = BTreeSet::new();
     for s in &stats.sessions {
         seen.insert(s.session);
-        let row = out
-            .entry((s.tenant.clone(), s.engine_id.clone()))
-            .or_default();
+        let row = out.entry(key(&s.tenant, &s.engine_id)).or_default();
         row.sessions += 1;
         row.regions += s.regions;
         row.keys += s.keys;
@@ -142,9 +152,7 @@ pub(crate) fn engines(stats: &StatsReply, usage: &UsageReply) -> BTreeMap<RowKey
         }
     }
     for u in usage.sessions.iter().filter(|u| !seen.contains(&u.session)) {
-        let row = out
-            .entry((u.tenant.clone(), u.engine_id.clone()))
-            .or_default();
+        let row = out.entry(key(&u.tenant, &u.engine_id)).or_default();
         row.sessions += 1;
         row.regions += u.regions;
         row.backends.insert(u.backend.as_str());
