@@ -14,5 +14,6 @@ pub mod off_loop;
 pub mod peer_calls;
 pub mod request;
 pub mod rm_service;
+pub mod rm_tables;
 pub mod session_binding;
 pub mod tenants_file;

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::{default_client_id, Client, ClientError, ClientOptions};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE};
+use maru_daemons::rm_tables;
 use std::path::PathBuf;
 use std::process::exit;
 
@@ -125,57 +126,13 @@ fn print_json(v: &impl serde::Serialize) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
-fn mib(b: u64) -> String {
-    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
-}
-
 fn show(reply: &RmReply, json: bool) {
     if json {
         return print_json(reply);
     }
     match reply {
-        RmReply::Pools { pools } => {
-            println!(
-                "{:<4} {:<28} {:<8} {:>10} {:>10} {:>10} {:>8}  UUID",
-                "ID", "PATH", "KIND", "TOTAL_MiB", "FREE_MiB", "DRAIN_MiB", "ALIGN_K"
-            );
-            for p in pools {
-                println!(
-                    "{:<4} {:<28} {:<8} {:>10} {:>10} {:>10} {:>8}  {}",
-                    p.pool_id,
-                    p.path,
-                    p.kind,
-                    mib(p.total),
-                    mib(p.free),
-                    mib(p.draining),
-                    p.align >> 10,
-                    p.uuid
-                );
-            }
-        }
-        RmReply::Regions { regions } => {
-            println!(
-                "{:<8} {:<28} {:<5} {:>14} {:>10} {:<9} HOLDS",
-                "REGION", "OWNER", "POOL", "OFFSET", "LEN_MiB", "STATE"
-            );
-            for r in regions {
-                let holds: Vec<String> = r
-                    .holds
-                    .iter()
-                    .map(|h| format!("{}@{}", h.node, h.epoch))
-                    .collect();
-                println!(
-                    "{:<8} {:<28} {:<5} {:>14} {:>10} {:<9} {}",
-                    r.region_id,
-                    r.owner,
-                    r.pool_id,
-                    r.offset,
-                    mib(r.length),
-                    r.state,
-                    holds.join(",")
-                );
-            }
-        }
+        RmReply::Pools { pools } => print!("{}", rm_tables::pools(pools, None)),
+        RmReply::Regions { regions } => print!("{}", rm_tables::regions(regions)),
         RmReply::Holds { holds } => {
             println!("{:<8} {:<28} EPOCH", "REGION", "NODE");
             for h in holds {

@@ -5,9 +5,7 @@ use maru::wire::meta::SkipCounts;
 use maru::worker::skips::SkipReason;
 use std::fmt::Write as _;
 
-pub(crate) fn mib(b: u64) -> String {
-    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
-}
+pub(crate) use maru_daemons::rm_tables::{self, mib};
 
 pub(crate) fn rate(h: u64, m: u64) -> String {
     if h + m == 0 {
@@ -147,49 +145,11 @@ pub(crate) fn render(s: &Snapshot, max_regions: usize) -> String {
             return o;
         }
         let _ = writeln!(o, "resource manager {} ({}):", rm.address, rm.info.text());
-        let _ = writeln!(
-            o,
-            "{:<4} {:<32} {:<7} {:>10} {:>10} {:>10} {:>7}  UUID",
-            "POOL", "PATH", "KIND", "TOTAL_MiB", "FREE_MiB", "DRAIN_MiB", "REGIONS"
-        );
-        for p in &rm.pools {
-            let n = rm.regions.iter().filter(|r| r.pool_id == p.pool_id).count();
-            let _ = writeln!(
-                o,
-                "{:<4} {:<32} {:<7} {:>10} {:>10} {:>10} {:>7}  {}",
-                p.pool_id,
-                p.path,
-                p.kind,
-                mib(p.total),
-                mib(p.free),
-                mib(p.draining),
-                n,
-                p.uuid
-            );
-        }
+        o.push_str(&rm_tables::pools(&rm.pools, Some(&rm.regions)));
         let _ = writeln!(o);
-        let _ = writeln!(
-            o,
-            "{:<7} {:<36} {:<4} {:>9} {:<9} HOLDS",
-            "REGION", "OWNER", "POOL", "LEN_MiB", "STATE"
-        );
-        for r in rm.regions.iter().take(max_regions) {
-            let holds: Vec<String> = r
-                .holds
-                .iter()
-                .map(|h| format!("{}@{}", h.node, h.epoch))
-                .collect();
-            let _ = writeln!(
-                o,
-                "{:<7} {:<36} {:<4} {:>9} {:<9} {}",
-                r.region_id,
-                r.owner,
-                r.pool_id,
-                mib(r.length),
-                r.state,
-                joined(&holds)
-            );
-        }
+        o.push_str(&rm_tables::regions(
+            &rm.regions[..rm.regions.len().min(max_regions)],
+        ));
         if rm.regions.len() > max_regions {
             let _ = writeln!(
                 o,
