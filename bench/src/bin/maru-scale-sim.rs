@@ -292,6 +292,20 @@ fn retire<T>(mut e: Arc<T>, within: Duration) -> Option<T> {
     }
 }
 
+/// Paces a loop at one turn every `every` from `start`: true when turn `k` is due (and
+/// `k` moves on to the next); false after a nap of at most `nap` when it is not yet,
+/// so that the caller looks at its stop flag before it asks again.
+fn turn_due(start: Instant, every: Duration, k: &mut u32, nap: Duration) -> bool {
+    let due = start + every * *k;
+    let now = Instant::now();
+    if due > now {
+        std::thread::sleep((due - now).min(nap));
+        return false;
+    }
+    *k += 1;
+    true
+}
+
 /// Each session heartbeats once per interval (a third of the session timeout, as a
 /// worker does), the beats spread evenly over it.
 fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
@@ -310,13 +324,9 @@ fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
     let start = Instant::now();
     let mut k: u32 = 0;
     while !stop.load(Ordering::Relaxed) {
-        let due = start + step * k;
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep((due - now).min(Duration::from_millis(50)));
+        if !turn_due(start, step, &mut k, Duration::from_millis(50)) {
             continue;
         }
-        k += 1;
         i = (i + 1) % n;
         if let Some(e) = engine(slots, i) {
             let regions = e.regions.lock().map(|r| r.clone()).unwrap_or_default();
@@ -387,13 +397,9 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
                 gen += 1;
             }
         }
-        let due = start + every * k;
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep((due - now).min(Duration::from_millis(20)));
+        if !turn_due(start, every, &mut k, Duration::from_millis(20)) {
             continue;
         }
-        k += 1;
         let Some(e) = engine(slots, next() as usize % slots.len()) else {
             continue;
         };
@@ -496,6 +502,24 @@ fn store(e: &Engine, keys: &[String], rec: &mut Record) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Turns come no faster than their pace: those already due run back to back, the
+    /// next one waits (in naps no longer than asked) and does not advance `k`.
+    #[test]
+    fn a_turn_runs_only_once_it_is_due() {
+        let every = Duration::from_secs(3600);
+        let start = Instant::now();
+        let mut k = 0;
+        assert!(turn_due(start, every, &mut k, Duration::from_millis(1)));
+        assert_eq!(k, 1);
+        let t = Instant::now();
+        assert!(!turn_due(start, every, &mut k, Duration::from_millis(5)));
+        assert_eq!(k, 1, "a turn not yet due is not counted");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "napped at most as asked"
+        );
+    }
 
     /// The churn closes a session only once the thread halfway through a prompt on
     /// it is done (the scale bench's 100-session step saw a session closed by its own
