@@ -31,12 +31,11 @@ fn rm_args(s: &mut Scratch, extra: &[&str]) -> (Vec<String>, std::path::PathBuf)
     (a, pool)
 }
 
-/// An RM flag value refused with 78, the message once, and nothing created.
-fn rm_refuses(tag: &str, extra: &[&str], says: &str) {
-    let mut s = Scratch::new(tag);
-    let (args, pool) = rm_args(&mut s, extra);
+/// `bin` started with `args` (which end with `extra`, the flags under test) stops with
+/// 78 and says `says` on one line of its stderr.
+fn refuses_once(bin: &str, args: &[String], extra: &[&str], says: &str) {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, err) = run(RM_BIN, &args);
+    let (code, err) = run(bin, &args);
     assert_eq!(code, Some(EX_CONFIG), "{extra:?}: {err}");
     assert!(err.contains(says), "{extra:?}: {err}");
     assert_eq!(
@@ -44,6 +43,13 @@ fn rm_refuses(tag: &str, extra: &[&str], says: &str) {
         1,
         "printed once: {err}"
     );
+}
+
+/// An RM flag value refused with 78, the message once, and nothing created.
+fn rm_refuses(tag: &str, extra: &[&str], says: &str) {
+    let mut s = Scratch::new(tag);
+    let (args, pool) = rm_args(&mut s, extra);
+    refuses_once(RM_BIN, &args, extra, says);
     assert!(
         !pool.exists(),
         "{extra:?}: the pool file was created before the check"
@@ -120,15 +126,7 @@ fn agent_refuses(tag: &str, extra: &[&str], says: &str) {
         "0".into(),
     ];
     args.extend(extra.iter().map(|x| x.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (code, err) = run(AGENT_BIN, &args);
-    assert_eq!(code, Some(EX_CONFIG), "{extra:?}: {err}");
-    assert!(err.contains(says), "{extra:?}: {err}");
-    assert_eq!(
-        err.lines().filter(|l| l.contains(says)).count(),
-        1,
-        "printed once: {err}"
-    );
+    refuses_once(AGENT_BIN, &args, extra, says);
 }
 
 #[test]
