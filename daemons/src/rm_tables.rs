@@ -1,7 +1,7 @@
 //! The resource manager's pools and regions as text tables, one way for every tool that
-//! shows them (`maru-rm-ctl pools` / `regions`, the RM part of `maru-usage`).
+//! shows them (`maru-rm-ctl pools` / `regions` / `holds`, the RM part of `maru-usage`).
 
-use maru::wire::rm::{PoolInfo, RegionInfo};
+use maru::wire::rm::{HoldInfo, PoolInfo, RegionInfo};
 use std::fmt::Write as _;
 
 /// Bytes as MiB with one decimal.
@@ -84,10 +84,19 @@ pub fn regions(regions: &[RegionInfo]) -> String {
     o
 }
 
+/// The holds, one a line: which node holds which region, at which epoch.
+pub fn holds(holds: &[HoldInfo]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "{:<7} {:<36} EPOCH", "REGION", "NODE");
+    for h in holds {
+        let _ = writeln!(o, "{:<7} {:<36} {}", h.region_id, h.node, h.epoch);
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use maru::wire::rm::HoldInfo;
 
     fn region(region_id: u64, pool_id: u32, holds: Vec<HoldInfo>) -> RegionInfo {
         RegionInfo {
@@ -157,5 +166,8 @@ mod tests {
             "{t}"
         );
         assert_eq!(cells(&t, 2).split(' ').nth(6), Some("-"), "no hold\n{t}");
+        let t = holds(&rs[0].holds);
+        assert_eq!(cells(&t, 0), "REGION NODE EPOCH", "{t}");
+        assert_eq!(cells(&t, 1), "1 mem0 7", "{t}");
     }
 }

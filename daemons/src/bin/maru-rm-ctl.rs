@@ -133,12 +133,7 @@ fn show(reply: &RmReply, json: bool) {
     match reply {
         RmReply::Pools { pools } => print!("{}", rm_tables::pools(pools, None)),
         RmReply::Regions { regions } => print!("{}", rm_tables::regions(regions)),
-        RmReply::Holds { holds } => {
-            println!("{:<8} {:<28} EPOCH", "REGION", "NODE");
-            for h in holds {
-                println!("{:<8} {:<28} {}", h.region_id, h.node, h.epoch);
-            }
-        }
+        RmReply::Holds { holds } => print!("{}", rm_tables::holds(holds)),
         // Replies that scripts consume are always JSON.
         other => print_json(other),
     }
