@@ -8,7 +8,7 @@ use super::state::{agent_link, range, MapReads, ToMap};
 use super::RemoteMover;
 use crate::net::{Link, LinkError};
 use crate::transport::{PeerId, TransportError};
-use crate::wire::agent::{AgentReply, AgentRequest};
+use crate::wire::agent::{AgentReply, AgentRequest, RangeMapped, ReadRange, MAX_READ_RANGES};
 use crate::wire::meta::{LeaseGrant, RegionGrant};
 use crate::worker::agents::welcome_identity;
 use crate::worker::clock::{now_ms, Deadline};
@@ -58,32 +58,47 @@ fn ping(link: &mut Link, within: Duration) -> Result<(Option<String>, Option<u64
     link.client().map(|c| welcome_identity(c))
 }
 
-/// Asks `link`'s agent to map each of `leases` for reading, each call by `by`;
-/// nothing more after a call broke the connection.
+/// Asks `link`'s agent to map each of `leases` for reading, all by `by`: one
+/// `map_reads` round trip for up to `MAX_READ_RANGES` of them; nothing more after a
+/// request broke the connection.
 fn map_read_all(link: &mut Link, agent: &str, leases: &[LeaseGrant], by: Deadline) -> MapReads {
     let mut got = MapReads::default();
-    for l in leases {
+    for part in leases.chunks(MAX_READ_RANGES) {
         if !link.is_connected() || by.passed() {
             break;
         }
-        let req = AgentRequest::MapRead {
-            region_id: l.region_id,
-            offset: l.offset,
-            length: l.length,
-            read_token: l.read_token.clone(),
-        };
-        let r = ask(link, &req, by.left());
+        let ranges = part
+            .iter()
+            .map(|l| ReadRange {
+                region_id: l.region_id,
+                offset: l.offset,
+                length: l.length,
+                read_token: l.read_token.clone(),
+            })
+            .collect();
+        let r = ask(link, &AgentRequest::MapReads { ranges }, by.left());
         got.broke |= !link.is_connected();
         match r {
-            Ok(AgentReply::Mapped(m)) => got.mapped.push((range(l), m)),
+            Ok(AgentReply::MappedReads { ranges }) if ranges.len() == part.len() => {
+                for (l, m) in part.iter().zip(ranges) {
+                    match m {
+                        RangeMapped::Mapped(m) => got.mapped.push((range(l), m)),
+                        // Said to the caller when the window is planned (the range
+                        // is not mapped then).
+                        RangeMapped::Failed(e) => log::debug!(
+                            "agent {agent}: map_reads of region {} at {}: {e}",
+                            l.region_id,
+                            l.offset
+                        ),
+                    }
+                }
+            }
             Ok(other) => log::warn!(
-                "agent {agent} answered map_read of region {} with {other:?}",
-                l.region_id
+                "agent {agent} answered map_reads of {} ranges with {other:?}",
+                part.len()
             ),
             Err(e) => {
-                // Said to the caller when the window is planned (the range is not
-                // mapped then).
-                log::debug!("agent {agent}: map_read of region {}: {e}", l.region_id);
+                log::debug!("agent {agent}: map_reads of {} ranges: {e}", part.len());
                 got.unreachable |= matches!(e, LinkError::Unreachable(_));
             }
         }
@@ -422,13 +437,13 @@ impl RemoteMover {
         for t in todo {
             let Some(mut lease) = t.link.take(by) else {
                 log::debug!(
-                    "agent {}: no map_read: its connection was not free in time",
+                    "agent {}: no map_reads: its connection was not free in time",
                     t.agent
                 );
                 continue;
             };
             if let Err(e) = self.connect(&t.agent, &mut lease, by) {
-                log::debug!("agent {}: no map_read: {e}", t.agent);
+                log::debug!("agent {}: no map_reads: {e}", t.agent);
                 continue;
             }
             let got = map_read_all(&mut lease, &t.agent, &t.leases, by);
@@ -629,7 +644,7 @@ mod tests {
     }
 
     #[test]
-    fn a_map_read_made_on_a_connection_that_broke_is_not_recorded() {
+    fn a_map_reads_made_on_a_connection_that_broke_is_not_recorded() {
         let mut st = state();
         let m = match mapped(7, "boot-1") {
             AgentReply::Mapped(m) => m,
@@ -703,7 +718,7 @@ mod tests {
 
     /// Rule (d): a welcome without a boot id is refused by the link itself, before
     /// anything is asked of the agent (and whatever asks next: a map, a peer's
-    /// bring-up, a map_read). Seen failing with the link made without
+    /// bring-up, a map_reads). Seen failing with the link made without
     /// `require_boot_id` (the connection was taken).
     #[test]
     fn a_welcome_without_a_boot_id_is_refused_by_the_link_itself() {

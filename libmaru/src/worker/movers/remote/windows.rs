@@ -595,7 +595,7 @@ impl RemoteMover {
         by: Deadline,
     ) -> Planned {
         // The first window maps every range of the request not mapped yet, so no
-        // `map_read` goes while its READs are out; a later one checks its own.
+        // `map_reads` goes while its READs are out; a later one checks its own.
         let window: Vec<LeaseGrant> = match items.first() {
             Some(0) => leases.to_vec(),
             _ => items.iter().map(|&i| leases[i].clone()).collect(),
