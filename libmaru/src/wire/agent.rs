@@ -304,6 +304,45 @@ mod tests {
         );
     }
 
+    /// A map_reads of MAX_READ_RANGES ranges and its reply, every number at its widest,
+    /// fit a frame four times over: the cap keeps them off the frame limit.
+    #[test]
+    fn a_full_map_reads_and_its_reply_fit_well_within_a_frame() {
+        let ranges = (0..MAX_READ_RANGES)
+            .map(|_| ReadRange {
+                region_id: u64::MAX,
+                offset: u64::MAX,
+                length: u64::MAX,
+                read_token: "f".repeat(64),
+            })
+            .collect();
+        let req = Envelope {
+            id: u64::MAX,
+            body: AgentRequest::MapReads { ranges },
+        };
+        let mapped = RangeMapped::Mapped(MapReply {
+            region_id: u64::MAX,
+            addr: u64::MAX,
+            rkey: u64::MAX,
+            length: u64::MAX,
+            offset_in_region: u64::MAX,
+            transport: serde_json::json!({"soft": {
+                "addr": "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+                "bind": "f".repeat(32)}}),
+            boot_id: "f".repeat(36),
+        });
+        let reply = AgentReply::MappedReads {
+            ranges: vec![mapped; MAX_READ_RANGES],
+        };
+        let limit = crate::wire::DEFAULT_MAX_FRAME / 4;
+        for (what, n) in [
+            ("request", encode_json(&req).len()),
+            ("reply", encode_json(&reply).len()),
+        ] {
+            assert!(n < limit, "a full map_reads {what}: {n} bytes");
+        }
+    }
+
     fn read_range() -> impl Strategy<Value = ReadRange> {
         (any::<u64>(), any::<u64>(), any::<u64>(), ".{0,40}").prop_map(
             |(region_id, offset, length, read_token)| ReadRange {
