@@ -716,6 +716,111 @@ mod tests {
         addr
     }
 
+    /// An agent (no key) that answers every `map_reads` with a mapping of each range
+    /// (boot id `b-1`) and records how many ranges each request carried.
+    fn agent_mapping_reads() -> (String, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let serve = move |mut s: std::net::TcpStream| {
+            let info = serde_json::json!({"boot_id": "b-1", "epoch": 1});
+            let mut hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
+            let (mut dec, mut ready) = (FrameDecoder::new(wire::DEFAULT_MAX_FRAME), false);
+            let mut buf = [0u8; 65536];
+            loop {
+                match dec.next_frame() {
+                    Ok(Some(f)) if !ready => match hs.on_frame(&f) {
+                        Step::Send(b) => {
+                            let _ = s.write_all(&b);
+                        }
+                        Step::Ready { send, .. } => {
+                            let _ = s.write_all(&send);
+                            ready = true;
+                        }
+                        Step::Fail(_) => return,
+                    },
+                    Ok(Some(f)) => {
+                        let Ok(env) = wire::decode_json::<wire::Envelope<AgentRequest>>(&f.body)
+                        else {
+                            return;
+                        };
+                        let AgentRequest::MapReads { ranges } = env.body else {
+                            return;
+                        };
+                        record.lock().unwrap().push(ranges.len());
+                        let ranges = ranges
+                            .iter()
+                            .map(|r| {
+                                RangeMapped::Mapped(crate::wire::agent::MapReply {
+                                    region_id: r.region_id,
+                                    addr: 0x10000,
+                                    rkey: 42,
+                                    length: r.length,
+                                    offset_in_region: r.offset,
+                                    transport: serde_json::Value::Null,
+                                    boot_id: "b-1".into(),
+                                })
+                            })
+                            .collect();
+                        let reply = AgentReply::MappedReads { ranges };
+                        let _ = s.write_all(&wire::reply_frame(env.id, Ok(reply)));
+                    }
+                    Ok(None) => match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => dec.push(&buf[..n]),
+                    },
+                    Err(_) => return,
+                }
+            }
+        };
+        let spawn = std::thread::Builder::new().spawn(move || {
+            for st in l.incoming().flatten() {
+                let serve = serve.clone();
+                let _ = std::thread::Builder::new().spawn(move || serve(st));
+            }
+        });
+        assert!(spawn.is_ok());
+        (addr, seen)
+    }
+
+    /// All the ranges of a load at one agent go in one `map_reads` (split at
+    /// MAX_READ_RANGES), not one request per range: 300 ranges are 2 requests of 256
+    /// and 44, and every range answered is recorded. Seen failing with one range to a
+    /// request (300 requests).
+    #[test]
+    fn the_ranges_at_an_agent_are_mapped_in_one_request_per_max_read_ranges() {
+        let (addr, seen) = agent_mapping_reads();
+        let leases: Vec<LeaseGrant> = (0..300u64)
+            .map(|i| LeaseGrant {
+                lease_id: i,
+                region_id: 7,
+                offset: i * 4096,
+                length: 4096,
+                read_token: "00".into(),
+                agent: Some(addr.clone()),
+                device: None,
+                expires_in_ms: 1000,
+                boot_id: Some("b-1".into()),
+            })
+            .collect();
+        let mut link = agent_link(&addr, ClientOptions::new(crate::wire::agent::SERVICE, "t"));
+        assert!(link.client().is_ok(), "the fake agent welcomes");
+        let by = Deadline::after(Duration::from_secs(10));
+        let got = map_read_all(&mut link, &addr, &leases, by);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![MAX_READ_RANGES, 300 - MAX_READ_RANGES]
+        );
+        assert!(!got.broke && !got.unreachable);
+        assert_eq!(got.mapped.len(), 300);
+        assert!(got
+            .mapped
+            .iter()
+            .zip(&leases)
+            .all(|((r, m), l)| *r == range(l) && m.offset_in_region == l.offset));
+    }
+
     /// Rule (d): a welcome without a boot id is refused by the link itself, before
     /// anything is asked of the agent (and whatever asks next: a map, a peer's
     /// bring-up, a map_reads). Seen failing with the link made without
