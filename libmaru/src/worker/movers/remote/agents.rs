@@ -333,15 +333,16 @@ impl RemoteMover {
         peer.map(|_| ())
     }
 
-    /// What is due on the pool's tick: probes, maps again, fences of kept slots; returns
-    /// the regions of agents silent too long, to give back.
-    pub(crate) fn tick(&self, now_ms: u64) -> Vec<u64> {
+    /// What is due on the pool's tick: probes (each its own short bound), maps again
+    /// and fences of kept slots, by `by` (the pool's tick: what it sends after this
+    /// has what is left); returns the regions of agents silent too long, to give back.
+    pub(crate) fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
         let due = self.lock().life.due(now_ms);
         let mut give_back = Vec::new();
         for a in due {
             match a {
                 Action::Probe(agent) => self.probe(&agent, now_ms),
-                Action::Remap(agent) => self.remap_if_free(&agent),
+                Action::Remap(agent) => self.remap_if_free(&agent, by),
                 Action::GiveBack { agent, regions } => {
                     log::warn!(
                         "agent {agent} has not answered for {} s: giving region(s) {regions:?} back (their keys go)",
@@ -354,22 +355,21 @@ impl RemoteMover {
         // A probe may have found a restart: map again now, not at the next tick.
         let due = self.lock().remaps_due();
         for agent in due {
-            self.remap_if_free(&agent);
+            self.remap_if_free(&agent, by);
         }
-        // Outside any request: each wait of the tick its own bound, so that one agent
-        // slow to answer does not leave the others' maps and fences no time.
-        let by = Deadline::after(TICK_FENCE_WAIT);
-        self.fence_queued(by);
-        self.reclaim(by);
+        // What was not mapped again by `by` stays due: the next tick maps it.
+        let fences = by.within(TICK_FENCE_WAIT);
+        self.fence_queued(fences);
+        self.reclaim(fences);
         give_back
     }
 
-    /// Maps the regions at `agent` again if no request has its connection now.
-    fn remap_if_free(&self, agent: &str) {
+    /// Maps the regions at `agent` again, by `by`, if no request has its connection now.
+    fn remap_if_free(&self, agent: &str, by: Deadline) {
         let link = self.lock().link_of(agent);
         let lease = link.try_take();
         if let Some(mut lease) = lease {
-            self.remap(agent, &mut lease, Deadline::after(self.timeout));
+            self.remap(agent, &mut lease, by);
         }
     }
 

@@ -329,8 +329,8 @@ impl Mover for RemoteMover {
     fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         RemoteMover::adopt(self, grant, by)
     }
-    fn tick(&self, now_ms: u64) -> Vec<u64> {
-        RemoteMover::tick(self, now_ms)
+    fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
+        RemoteMover::tick(self, now_ms, by)
     }
     fn probe_away(&self, now_ms: u64, by: Deadline) {
         RemoteMover::probe_away(self, now_ms, by)
