@@ -14,7 +14,7 @@ use crate::procs::{bin_dir, start_agent, start_daemon, start_rm, Proc};
 use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
 use maru::net::{Client, ClientOptions};
-use maru::wire::agent::{AgentReply, AgentRequest};
+use maru::wire::agent::{AgentReply, AgentRequest, ReadRange};
 use maru::wire::meta::Backend;
 use maru::worker::session::Session;
 use std::path::PathBuf;
@@ -188,14 +188,17 @@ fn worker(st: &StackRef, w: usize, secs: f64, every: Duration, go: &Barrier) -> 
                 return Err(format!("{id}: its key was not found"));
             };
             let t = Instant::now();
-            match agent.call::<_, AgentReply>(&AgentRequest::MapRead {
+            let ranges = vec![ReadRange {
                 region_id: l.region_id,
                 offset: l.offset,
                 length: l.length,
                 read_token: l.read_token.clone(),
-            }) {
-                Ok(AgentReply::Mapped(_)) => out.map_read.push(t.elapsed().as_secs_f64() * 1e6),
-                r => return Err(format!("{id} map_read: {r:?}")),
+            }];
+            match agent.call::<_, AgentReply>(&AgentRequest::MapReads { ranges }) {
+                Ok(r) if r.clone().single_read().is_ok() => {
+                    out.map_read.push(t.elapsed().as_secs_f64() * 1e6)
+                }
+                r => return Err(format!("{id} map_reads: {r:?}")),
             }
             s.release_leases(vec![l.lease_id], s.call_deadline())
                 .map_err(|e| e.to_string())?;

@@ -6,7 +6,7 @@ mod support;
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::net::{Client, ClientError, ClientOptions};
 use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport};
-use maru::wire::agent::{AgentReply, AgentRequest, MapReply, SERVICE as AGENT};
+use maru::wire::agent::{AgentReply, AgentRequest, MapReply, ReadRange, SERVICE as AGENT};
 use maru::wire::rm::{Handle, RmReply, RmRequest, SERVICE as RM};
 use maru::wire::ErrorCode;
 use std::os::unix::fs::FileExt;
@@ -141,29 +141,34 @@ fn map_write_read_release_and_a_late_write() {
     // A reader with a read token maps a range of the region; a forged token is refused.
     let mut reader = agent_client(&agent.addr, &p.key, "worker-b");
     let tok = maru::auth::read_token(&h.token, h.region_id, 0, MIB);
-    let ok = reader.call::<_, AgentReply>(&AgentRequest::MapRead {
-        region_id: h.region_id,
-        offset: 0,
-        length: MIB,
-        read_token: tok,
-    });
-    assert!(matches!(ok, Ok(AgentReply::Mapped(_))), "{ok:?}");
-    let forged = AgentRequest::MapRead {
-        region_id: h.region_id,
-        offset: 0,
-        length: 2 * MIB,
-        read_token: maru::auth::read_token(&h.token, h.region_id, 0, MIB),
+    let mut read = |region_id, offset, length, read_token| {
+        let ranges = vec![ReadRange {
+            region_id,
+            offset,
+            length,
+            read_token,
+        }];
+        let r = reader.call::<_, AgentReply>(&AgentRequest::MapReads { ranges });
+        r.and_then(|r| {
+            r.single_read()
+                .map(AgentReply::Mapped)
+                .map_err(ClientError::Remote)
+        })
     };
-    assert_eq!(code(reader.call(&forged)), ErrorCode::Refused);
+    let ok = read(h.region_id, 0, MIB, tok);
+    assert!(matches!(ok, Ok(AgentReply::Mapped(_))), "{ok:?}");
+    let forged = maru::auth::read_token(&h.token, h.region_id, 0, MIB);
+    assert_eq!(
+        code(read(h.region_id, 0, 2 * MIB, forged)),
+        ErrorCode::Refused
+    );
     // A read handle for a region the agent has not mapped is refused.
     let other = alloc(&mut rm);
-    let unmapped = AgentRequest::MapRead {
-        region_id: other.region_id,
-        offset: 0,
-        length: MIB,
-        read_token: maru::auth::read_token(&other.token, other.region_id, 0, MIB),
-    };
-    assert_eq!(code(reader.call(&unmapped)), ErrorCode::Refused);
+    let unmapped = maru::auth::read_token(&other.token, other.region_id, 0, MIB);
+    assert_eq!(
+        code(read(other.region_id, 0, MIB, unmapped)),
+        ErrorCode::Refused
+    );
 
     // Release: later maps of the handle are refused, and a late WRITE with the old key
     // fails at the (soft) NIC and changes nothing.

@@ -12,7 +12,7 @@ use maru::auth::SharedKey;
 use maru::net::{Client, ClientError};
 use maru::transport::soft::proto::{Request, OP_WRITE};
 use maru::transport::{no_bringup, BatchState, Op, OpKind, Transport, TransportError};
-use maru::wire::agent::{AgentReply, AgentRequest, MappingState, SERVICE as AGENT};
+use maru::wire::agent::{AgentReply, AgentRequest, MappingState, ReadRange, SERVICE as AGENT};
 use maru::wire::rm::{Handle, SERVICE as RM};
 use maru::wire::{self, ErrorCode, FrameDecoder, FrameKind};
 use std::io::{Read, Write};
@@ -236,11 +236,17 @@ fn read_tokens_open_only_their_own_range_of_their_own_region_and_only_for_readin
     let mut reader = agent_client(&n, "worker-b");
     let tok = maru::auth::read_token(&x.token, x.region_id, 0, MIB);
     let try_map = |c: &mut Client, region_id: u64, offset: u64, length: u64, t: &str| {
-        c.call::<_, AgentReply>(&AgentRequest::MapRead {
+        let ranges = vec![ReadRange {
             region_id,
             offset,
             length,
             read_token: t.to_string(),
+        }];
+        let r = c.call::<_, AgentReply>(&AgentRequest::MapReads { ranges });
+        r.and_then(|r| {
+            r.single_read()
+                .map(AgentReply::Mapped)
+                .map_err(ClientError::Remote)
         })
     };
     // Reused for another offset of the same length, another region, a sub-range.

@@ -1457,3 +1457,54 @@ fn a_store_or_a_load_takes_the_pool_core_lock_a_few_times_whatever_its_chunks() 
         h.close().unwrap();
     }
 }
+
+/// Requests at the agent whose `--metrics` listen on `port` that mapped ranges for
+/// reading (`map_reads`, and the single-range `map_read` of earlier versions), any
+/// result.
+fn read_map_requests(port: u16) -> f64 {
+    support::scrape(port)
+        .iter()
+        .filter(|(s, _)| s.starts_with(r#"maru_agent_requests_total{op="map_read"#))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// A first load of another engine's 16 chunks maps all their ranges at their agent
+/// with one `map_reads` request, not one round trip per range (under a CPU hog 16
+/// round trips in a row ran past the request's deadline: the connection dropped, the
+/// agent was marked away and the load missed every key); a second load asks nothing.
+/// Counted at the agent's metrics. Seen failing with the ranges sent one to a
+/// request (16 requests).
+#[test]
+fn a_first_load_of_another_engines_chunks_maps_them_with_one_request_at_their_agent() {
+    let metrics = support::free_port();
+    let args = support::strings(&["--region-size", "8M", "--chunk-size", "64K"]);
+    let agent_args =
+        |_: &support::Scratch| support::strings(&["--metrics", &format!("127.0.0.1:{metrics}")]);
+    let st = support::stack_with("worker-mapreads", "256M", true, agent_args, &args);
+    let a = Handler::open(&config(&st, "remote_cxl", "mapreads-writer")).unwrap();
+    let b = Handler::open(&config(&st, "remote_cxl", "mapreads-reader")).unwrap();
+    let keys: Vec<String> = (0..16).map(|i| format!("mapreads-{i}")).collect();
+    let data: Vec<Vec<u8>> = (0..16).map(chunk).collect();
+    let stored = a
+        .store_batch(&support::items(&keys, &data), Some("mr"))
+        .unwrap();
+    assert!(stored.iter().all(|&x| x), "{stored:?}");
+
+    let before = read_map_requests(metrics);
+    let got = b.load_batch(&keys, Some("mr")).unwrap();
+    let first = read_map_requests(metrics) - before;
+    for ((k, d), g) in keys.iter().zip(&data).zip(&got) {
+        assert_eq!(g.as_deref().map(digest), Some(digest(d)), "{k}");
+    }
+    assert_eq!(first, 1.0, "requests mapping the 16 ranges for reading");
+    let again = b.load_batch(&keys, Some("mr")).unwrap();
+    assert!(again.iter().all(Option::is_some));
+    assert_eq!(
+        read_map_requests(metrics) - before,
+        1.0,
+        "a second load of the same ranges maps nothing"
+    );
+    a.close().unwrap();
+    b.close().unwrap();
+}

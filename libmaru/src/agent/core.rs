@@ -144,12 +144,7 @@ impl AgentCore {
         let mut p = Ports { rm, mem, nic };
         match req {
             AgentRequest::Map { handle, writable } => self.map(client_id, handle, writable, &mut p),
-            AgentRequest::MapRead {
-                region_id,
-                offset,
-                length,
-                read_token,
-            } => self.map_read(client_id, region_id, offset, length, &read_token, p.nic),
+            AgentRequest::MapReads { ranges } => self.map_reads(client_id, &ranges, p.nic),
             AgentRequest::Unmap { region_id } => {
                 Ok(self.unmap(client_id, region_id, false, now_ms, &mut p))
             }

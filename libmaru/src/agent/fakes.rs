@@ -8,7 +8,7 @@
 use super::ports::{MappedRange, MemPort, NicPort, Registration, RmCallError, RmPort};
 use super::AgentCore;
 use crate::auth::read_token;
-use crate::wire::agent::{AgentReply, AgentRequest, MapReply};
+use crate::wire::agent::{AgentReply, AgentRequest, MapReply, RangeMapped, ReadRange};
 use crate::wire::rm::{AccessReply, Handle};
 use crate::wire::WireError;
 use std::collections::{BTreeMap, BTreeSet};
@@ -354,15 +354,31 @@ impl World {
         length: u64,
         read_token: String,
     ) -> Result<MapReply, WireError> {
-        let req = AgentRequest::MapRead {
+        let range = ReadRange {
             region_id,
             offset,
             length,
             read_token,
         };
-        match self.req(client, req)? {
-            AgentReply::Mapped(m) => Ok(m),
-            other => panic!("map_read: {other:?}"),
+        let req = AgentRequest::MapReads {
+            ranges: vec![range],
+        };
+        self.req(client, req)?.single_read()
+    }
+
+    /// A `map_reads` of `ranges`: its per-range results.
+    pub fn map_reads(
+        &mut self,
+        client: &str,
+        ranges: Vec<ReadRange>,
+    ) -> Result<Vec<RangeMapped>, WireError> {
+        let n = ranges.len();
+        match self.req(client, AgentRequest::MapReads { ranges })? {
+            AgentReply::MappedReads { ranges } => {
+                assert_eq!(ranges.len(), n, "one result per range asked");
+                Ok(ranges)
+            }
+            other => panic!("map_reads: {other:?}"),
         }
     }
 

@@ -1,4 +1,4 @@
-//! Map and map_read: from a handle (or a read token) to a registered range.
+//! Map and map_reads: from a handle (or read tokens) to registered ranges.
 //!
 //! A map holds the region at the RM before it registers anything, because a range
 //! the RM does not know is held could be handed to another owner while this NIC
@@ -9,9 +9,9 @@ use super::mapping::{Grant, RegionMapping};
 use super::ports::{NicPort, Registration, RmCallError};
 use super::released::same_handle;
 use crate::auth::{read_token, token_matches};
-use crate::wire::agent::{AgentReply, MapReply};
+use crate::wire::agent::{AgentReply, MapReply, RangeMapped, ReadRange, MAX_READ_RANGES};
 use crate::wire::rm::Handle;
-use crate::wire::WireError;
+use crate::wire::{ErrorCode, WireError};
 
 impl AgentCore {
     pub(super) fn map(
@@ -59,10 +59,10 @@ impl AgentCore {
         }
         let grant = Grant::Whole { writable };
         if mapped {
-            return self.join(client, id, grant, p.nic);
+            return self.join(client, id, grant, p.nic).map(AgentReply::Mapped);
         }
         match self.map_new(client, &handle, grant, p) {
-            Ok(reply) => Ok(reply),
+            Ok(reply) => Ok(AgentReply::Mapped(reply)),
             Err(e) => {
                 // Nothing of the region is registered: the hold goes.
                 self.unholds.queue(id);
@@ -79,7 +79,7 @@ impl AgentCore {
         handle: &Handle,
         grant: Grant,
         p: &mut Ports<'_>,
-    ) -> Result<AgentReply, WireError> {
+    ) -> Result<MapReply, WireError> {
         let id = handle.region_id;
         let access =
             p.rm.get_access(handle)
@@ -124,18 +124,46 @@ impl AgentCore {
         Ok(reply)
     }
 
+    /// Registers each of `ranges` (at most [`MAX_READ_RANGES`], else nothing is
+    /// done) as `map_read` below; a range that fails says why and leaves the others
+    /// be. One request for all of a load's ranges at this agent: a reader waits one
+    /// round trip, not one per range.
+    pub(super) fn map_reads(
+        &mut self,
+        client: &str,
+        ranges: &[ReadRange],
+        nic: &mut dyn NicPort,
+    ) -> Result<AgentReply, WireError> {
+        if ranges.len() > MAX_READ_RANGES {
+            return Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "map_reads of {} ranges: at most {MAX_READ_RANGES} go in one request \
+                     (nothing was mapped); send the rest in another",
+                    ranges.len()
+                ),
+            ));
+        }
+        let ranges = ranges
+            .iter()
+            .map(|r| match self.map_read(client, r, nic) {
+                Ok(m) => RangeMapped::Mapped(m),
+                Err(e) => RangeMapped::Failed(e),
+            })
+            .collect();
+        Ok(AgentReply::MappedReads { ranges })
+    }
+
     /// Registers a read-only range of a region the owner mapped here. A read handle
     /// never maps a region on its own: its token proves a lease, not ownership, and
     /// the region's hold belongs to its owner's map.
-    pub(super) fn map_read(
+    fn map_read(
         &mut self,
         client: &str,
-        region_id: u64,
-        offset: u64,
-        length: u64,
-        token: &str,
+        r: &ReadRange,
         nic: &mut dyn NicPort,
-    ) -> Result<AgentReply, WireError> {
+    ) -> Result<MapReply, WireError> {
+        let (region_id, offset, length, token) = (r.region_id, r.offset, r.length, &r.read_token);
         let Some(m) = self.mappings.get(&region_id).filter(|m| !m.retiring) else {
             return Err(refused(format!(
                 "region {region_id} is not mapped at this agent; a read handle maps only a \
@@ -169,7 +197,7 @@ impl AgentCore {
         region_id: u64,
         grant: Grant,
         nic: &mut dyn NicPort,
-    ) -> Result<AgentReply, WireError> {
+    ) -> Result<MapReply, WireError> {
         let Some(m) = self.mappings.get_mut(&region_id) else {
             return Err(internal(format!(
                 "region {region_id} is not in this agent's table any more; map it again"
@@ -204,8 +232,8 @@ fn map_reply(
     reg: &Registration,
     offset: u64,
     length: u64,
-) -> AgentReply {
-    AgentReply::Mapped(MapReply {
+) -> MapReply {
+    MapReply {
         region_id,
         addr: reg.addr,
         rkey: reg.rkey,
@@ -213,7 +241,7 @@ fn map_reply(
         offset_in_region: offset,
         transport: reg.transport.clone(),
         boot_id: boot_id.to_string(),
-    })
+    }
 }
 
 #[cfg(test)]

@@ -1,16 +1,43 @@
 //! Messages of the remote CXL agent protocol (service name `maru-agent`).
 //!
 //! A worker asks the agent of a memory node to map a region it owns (`map`, with the
-//! region's handle), a reader asks it to map a range of a region for reading
-//! (`map_read`, with a read token), every holder drops its hold with `unmap`, and the
+//! region's handle), a reader asks it to map ranges of regions for reading
+//! (`map_reads`, each range with its read token, all of them in one request), every
+//! holder drops its hold with `unmap`, and the
 //! owner deregisters the region with `release` before it gives the region back.
 //! Each request is a JSON object with an `op` field; each reply is tagged by `kind`.
 
 use super::rm::Handle;
+use super::{ErrorCode, WireError};
 use serde::{Deserialize, Serialize};
 
 /// Service name announced in the handshake.
 pub const SERVICE: &str = "maru-agent";
+
+/// The most ranges one `map_reads` may carry. The agent refuses a longer request
+/// whole (`bad_request`, nothing mapped); a worker sends its ranges at one agent in
+/// requests of at most this many. It bounds the work one request asks of the agent's
+/// core thread and keeps the reply well under a frame (1 MiB).
+pub const MAX_READ_RANGES: usize = 256;
+
+/// One range of a region to map for reading: `length` bytes at `offset`, with the
+/// read token of exactly that range.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReadRange {
+    pub region_id: u64,
+    pub offset: u64,
+    pub length: u64,
+    pub read_token: String,
+}
+
+/// What the agent made of one range of a `map_reads`: its registration, or why it
+/// has none (that range only: the others are mapped or refused on their own).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RangeMapped {
+    Mapped(MapReply),
+    Failed(WireError),
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -24,14 +51,10 @@ pub enum AgentRequest {
         #[serde(default)]
         writable: bool,
     },
-    /// Register `length` bytes at `offset` of a region this agent already maps, for
-    /// remote READ only. `read_token` is the read token of exactly that range.
-    MapRead {
-        region_id: u64,
-        offset: u64,
-        length: u64,
-        read_token: String,
-    },
+    /// Register each range (of regions this agent already maps) for remote READ
+    /// only; at most [`MAX_READ_RANGES`]. Answered by `MappedReads`, one result per
+    /// range in the order asked.
+    MapReads { ranges: Vec<ReadRange> },
     /// Drop the caller's holds of the region (its maps and read maps). The last
     /// holder's unmap deregisters the region.
     Unmap { region_id: u64 },
@@ -51,7 +74,7 @@ pub enum AgentRequest {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct MapReply {
     pub region_id: u64,
-    /// Remote address of the first byte of the registered range. For `map_read` the
+    /// Remote address of the first byte of the registered range. For a read range the
     /// range starts at `offset_in_region`, so byte `k` of the region is at
     /// `addr + (k - offset_in_region)`.
     pub addr: u64,
@@ -60,7 +83,7 @@ pub struct MapReply {
     /// Bytes registered.
     pub length: u64,
     /// Where the registered range starts in the region: 0 for `map`, the read
-    /// range's offset for `map_read`.
+    /// range's offset for a read range.
     pub offset_in_region: u64,
     /// Transport metadata of this registration only (never of other regions).
     pub transport: serde_json::Value,
@@ -117,6 +140,10 @@ pub struct StatusReply {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum AgentReply {
     Mapped(MapReply),
+    /// The answer to `map_reads`: per range asked, in its order, its result.
+    MappedReads {
+        ranges: Vec<RangeMapped>,
+    },
     /// `removed`: false when the caller held nothing of that region (not an error).
     Unmapped {
         removed: bool,
@@ -131,6 +158,30 @@ pub enum AgentReply {
     Peer {
         info: serde_json::Value,
     },
+}
+
+impl AgentReply {
+    /// The reply to a `map_reads` of one range, as that range's result: its mapping,
+    /// or why it has none (any other reply is an `internal` error).
+    pub fn single_read(self) -> Result<MapReply, WireError> {
+        let n = match self {
+            AgentReply::MappedReads { mut ranges } => match (ranges.pop(), ranges.is_empty()) {
+                (Some(RangeMapped::Mapped(m)), true) => return Ok(m),
+                (Some(RangeMapped::Failed(e)), true) => return Err(e),
+                _ => ranges.len() + 1,
+            },
+            other => {
+                return Err(WireError::new(
+                    ErrorCode::Internal,
+                    format!("a map_reads of one range was answered with {other:?}"),
+                ))
+            }
+        };
+        Err(WireError::new(
+            ErrorCode::Internal,
+            format!("a map_reads of one range was answered with {n} results"),
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -158,11 +209,28 @@ mod tests {
         let s: Envelope<AgentRequest> = decode_json(br#"{"id":1,"op":"status"}"#).unwrap();
         assert_eq!(s.body, AgentRequest::Status);
         let r: Envelope<AgentRequest> = decode_json(
-            br#"{"id":2,"op":"map_read","region_id":4,"offset":0,"length":4096,
-                 "read_token":"ab"}"#,
+            br#"{"id":2,"op":"map_reads","ranges":[{"region_id":4,"offset":0,
+                 "length":4096,"read_token":"ab"},{"region_id":5,"offset":8192,
+                 "length":4096,"read_token":"cd"}]}"#,
         )
         .unwrap();
-        assert!(matches!(r.body, AgentRequest::MapRead { length: 4096, .. }));
+        match r.body {
+            AgentRequest::MapReads { ranges } => {
+                assert_eq!(ranges.len(), 2);
+                assert_eq!((ranges[1].region_id, ranges[1].offset), (5, 8192));
+            }
+            other => panic!("{other:?}"),
+        }
+        // The single-range op of earlier versions is gone, as is a range without
+        // its token.
+        assert!(decode_json::<Envelope<AgentRequest>>(
+            br#"{"id":2,"op":"map_read","region_id":4,"offset":0,"length":4096,"read_token":"ab"}"#
+        )
+        .is_err());
+        assert!(decode_json::<Envelope<AgentRequest>>(
+            br#"{"id":2,"op":"map_reads","ranges":[{"region_id":4,"offset":0,"length":1}]}"#
+        )
+        .is_err());
         assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"nope"}"#).is_err());
         assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"unmap"}"#).is_err());
         assert!(decode_json::<Envelope<AgentRequest>>(br#"{"id":3,"op":"release"}"#).is_err());
@@ -180,6 +248,21 @@ mod tests {
                 transport: serde_json::json!({"soft": "10.0.0.2:9861"}),
                 boot_id: "b0".into(),
             }),
+            AgentReply::MappedReads {
+                ranges: vec![
+                    RangeMapped::Failed(WireError::new(ErrorCode::Refused, "wrong token")),
+                    RangeMapped::Mapped(MapReply {
+                        region_id: 5,
+                        addr: 1,
+                        rkey: 2,
+                        length: 3,
+                        offset_in_region: 4,
+                        transport: serde_json::Value::Null,
+                        boot_id: "b1".into(),
+                    }),
+                ],
+            },
+            AgentReply::MappedReads { ranges: vec![] },
             AgentReply::Unmapped { removed: true },
             AgentReply::Released {
                 deregistered: false,
@@ -209,6 +292,83 @@ mod tests {
         }
         let body = encode_json(&AgentReply::Unmapped { removed: false });
         assert_eq!(body, br#"{"kind":"unmapped","removed":false}"#);
+        let refused = AgentReply::MappedReads {
+            ranges: vec![RangeMapped::Failed(WireError::new(
+                ErrorCode::Refused,
+                "no",
+            ))],
+        };
+        assert_eq!(
+            encode_json(&refused),
+            br#"{"kind":"mapped_reads","ranges":[{"failed":{"code":"refused","message":"no"}}]}"#
+        );
+    }
+
+    /// A map_reads of MAX_READ_RANGES ranges and its reply, every number at its widest,
+    /// fit a frame four times over: the cap keeps them off the frame limit.
+    #[test]
+    fn a_full_map_reads_and_its_reply_fit_well_within_a_frame() {
+        let ranges = (0..MAX_READ_RANGES)
+            .map(|_| ReadRange {
+                region_id: u64::MAX,
+                offset: u64::MAX,
+                length: u64::MAX,
+                read_token: "f".repeat(64),
+            })
+            .collect();
+        let req = Envelope {
+            id: u64::MAX,
+            body: AgentRequest::MapReads { ranges },
+        };
+        let mapped = RangeMapped::Mapped(MapReply {
+            region_id: u64::MAX,
+            addr: u64::MAX,
+            rkey: u64::MAX,
+            length: u64::MAX,
+            offset_in_region: u64::MAX,
+            transport: serde_json::json!({"soft": {
+                "addr": "[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535",
+                "bind": "f".repeat(32)}}),
+            boot_id: "f".repeat(36),
+        });
+        let reply = AgentReply::MappedReads {
+            ranges: vec![mapped; MAX_READ_RANGES],
+        };
+        let limit = crate::wire::DEFAULT_MAX_FRAME / 4;
+        for (what, n) in [
+            ("request", encode_json(&req).len()),
+            ("reply", encode_json(&reply).len()),
+        ] {
+            assert!(n < limit, "a full map_reads {what}: {n} bytes");
+        }
+    }
+
+    fn read_range() -> impl Strategy<Value = ReadRange> {
+        (any::<u64>(), any::<u64>(), any::<u64>(), ".{0,40}").prop_map(
+            |(region_id, offset, length, read_token)| ReadRange {
+                region_id,
+                offset,
+                length,
+                read_token,
+            },
+        )
+    }
+
+    fn range_mapped() -> impl Strategy<Value = RangeMapped> {
+        prop_oneof![
+            (any::<u64>(), any::<u64>(), ".{0,20}").prop_map(|(n, m, s)| {
+                RangeMapped::Mapped(MapReply {
+                    region_id: n,
+                    addr: m,
+                    rkey: n ^ m,
+                    length: m,
+                    offset_in_region: n,
+                    transport: serde_json::json!({ "soft": s.clone() }),
+                    boot_id: s,
+                })
+            }),
+            ".{0,40}".prop_map(|m| RangeMapped::Failed(WireError::new(ErrorCode::Refused, m))),
+        ]
     }
 
     proptest! {
@@ -226,6 +386,37 @@ mod tests {
                                           "length": n, "read_token": n, "writable": w,
                                           "handle": {"region_id": s, "token": n}});
             let _ = decode_json::<Envelope<AgentRequest>>(body.to_string().as_bytes());
+            let batch = serde_json::json!({"id": 1, "op": "map_reads",
+                                           "ranges": [{"region_id": n, "offset": s,
+                                                       "length": w, "read_token": n}]});
+            let _ = decode_json::<Envelope<AgentRequest>>(batch.to_string().as_bytes());
+        }
+
+        /// Any list of ranges round-trips through the request decoder, and any list
+        /// of per-range results through the reply decoder, in order.
+        #[test]
+        fn map_reads_round_trip(ranges in proptest::collection::vec(read_range(), 0..40),
+                                results in proptest::collection::vec(range_mapped(), 0..40)) {
+            let req = Envelope { id: 9, body: AgentRequest::MapReads { ranges } };
+            let back: Envelope<AgentRequest> = decode_json(&encode_json(&req)).unwrap();
+            prop_assert_eq!(back, req);
+            let reply = AgentReply::MappedReads { ranges: results };
+            prop_assert_eq!(decode_json::<AgentReply>(&encode_json(&reply)).unwrap(), reply);
+        }
+
+        /// A map_reads request cut short or with a byte changed decodes or fails, never
+        /// panics.
+        #[test]
+        fn map_reads_mangled(ranges in proptest::collection::vec(read_range(), 1..8),
+                             cut in any::<prop::sample::Index>(), at in any::<prop::sample::Index>(),
+                             byte in any::<u8>()) {
+            let req = Envelope { id: 9, body: AgentRequest::MapReads { ranges } };
+            let body = encode_json(&req);
+            let _ = decode_json::<Envelope<AgentRequest>>(&body[..cut.index(body.len())]);
+            let mut changed = body.clone();
+            let i = at.index(changed.len());
+            changed[i] = byte;
+            let _ = decode_json::<Envelope<AgentRequest>>(&changed);
         }
     }
 }

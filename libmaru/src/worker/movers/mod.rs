@@ -105,8 +105,9 @@ pub trait Mover: Send + Sync {
     }
     /// The region is no longer the pool's: unmap it (`cxl`).
     fn forget(&self, _region_id: u64) {}
-    /// The pool's tick; returns regions of agents silent too long, to give back.
-    fn tick(&self, _now_ms: u64) -> Vec<u64> {
+    /// The pool's tick, every wait by `by`; returns regions of agents silent too
+    /// long, to give back.
+    fn tick(&self, _now_ms: u64, _by: Deadline) -> Vec<u64> {
         Vec::new()
     }
     /// Probes the agents that are away.

@@ -801,7 +801,7 @@ fn loads_miss_at_once_only_while_every_agent_the_pool_knows_is_away() {
     r.link_of(AGENT);
     assert!(!c.every_agent_away());
     let r = c.remote.as_mut().expect("remote");
-    r.away(AGENT, 10, "a map_read ran into its deadline");
+    r.away(AGENT, 10, "a map_reads ran into its deadline");
     assert!(c.every_agent_away(), "its one agent is away");
     let r = c.remote.as_mut().expect("remote");
     r.link_of(OTHER);

@@ -332,7 +332,7 @@ impl StoragePool {
     /// silent too long returned once no publish into them is in flight; a reboot
     /// found reported.
     pub fn tick(&self, now_ms: u64, by: Deadline) -> Result<(), WorkerError> {
-        let mut silent = self.mover.tick(now_ms);
+        let mut silent = self.mover.tick(now_ms, by);
         if self
             .hooks
             .silent

@@ -36,7 +36,7 @@ pub(super) struct ToMap {
     pub(super) leases: Vec<LeaseGrant>,
 }
 
-/// What `map_read` calls on one connection got.
+/// What the `map_reads` requests on one connection got.
 #[derive(Default)]
 pub(super) struct MapReads {
     pub(super) mapped: Vec<((u64, u64, u64), MapReply)>,
@@ -326,7 +326,7 @@ impl RemoteState {
             return Ok(t.clone());
         }
         Err(WorkerError::Transport(format!(
-            "region {} at agent {}: the range is not mapped for reading (its map_read failed or did not answer in time)",
+            "region {} at agent {}: the range is not mapped for reading (its map_reads refused it or did not answer in time)",
             l.region_id,
             l.agent.as_deref().unwrap_or("?")
         )))
@@ -373,14 +373,14 @@ impl RemoteState {
         out
     }
 
-    /// Records what `map_read` calls made without the lock got at `agent` (nothing
+    /// Records what `map_reads` requests made without the lock got at `agent` (nothing
     /// when the connection broke on the way).
     pub(super) fn mapped_reads(&mut self, agent: &str, got: MapReads, now_ms: u64) {
         if got.broke {
             self.link_broke(agent);
         }
         if got.unreachable {
-            self.away(agent, now_ms, "a map_read within the request's timeout");
+            self.away(agent, now_ms, "a map_reads within the request's timeout");
         }
         for (l, m) in got.mapped {
             if let Err(e) = self.seen(agent, Some(&m.boot_id), None, now_ms) {

@@ -329,8 +329,8 @@ impl Mover for RemoteMover {
     fn adopt(&self, grant: &RegionGrant, by: Deadline) -> Result<(), WorkerError> {
         RemoteMover::adopt(self, grant, by)
     }
-    fn tick(&self, now_ms: u64) -> Vec<u64> {
-        RemoteMover::tick(self, now_ms)
+    fn tick(&self, now_ms: u64, by: Deadline) -> Vec<u64> {
+        RemoteMover::tick(self, now_ms, by)
     }
     fn probe_away(&self, now_ms: u64, by: Deadline) {
         RemoteMover::probe_away(self, now_ms, by)
@@ -595,7 +595,7 @@ impl RemoteMover {
         by: Deadline,
     ) -> Planned {
         // The first window maps every range of the request not mapped yet, so no
-        // `map_read` goes while its READs are out; a later one checks its own.
+        // `map_reads` goes while its READs are out; a later one checks its own.
         let window: Vec<LeaseGrant> = match items.first() {
             Some(0) => leases.to_vec(),
             _ => items.iter().map(|&i| leases[i].clone()).collect(),

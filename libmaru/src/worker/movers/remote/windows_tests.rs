@@ -505,3 +505,43 @@ fn after_a_failed_window_nothing_more_is_posted_or_handed_over() {
     assert_eq!(run(&mut s, &budget), 40);
     assert_eq!(s.done, (0..40).collect::<Vec<_>>());
 }
+
+/// The mover's tick ends by the deadline the pool's tick gives it: a map again due at
+/// an agent that takes connections and never answers (a stopped node) waits until that
+/// deadline, not the mover's own timeout, so what the pool's tick sends after it (the
+/// give-back of silent regions, a reboot's report) is not left with a deadline already
+/// spent. Seen failing with the maps again made by a deadline of their own (the
+/// mover's 5 s timeout: the tick took 10 s).
+#[test]
+#[allow(clippy::disallowed_methods)] // a test: a real socket and the wall clock
+fn the_tick_ends_by_its_deadline_at_an_agent_that_never_answers() {
+    use crate::worker::clock::{now_ms, Deadline};
+    // Its backlog takes the connection; nothing ever answers the handshake.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = silent.local_addr().unwrap().to_string();
+    let mut opts = ClientOptions::new(crate::wire::agent::SERVICE, "t");
+    opts.connect_timeout = Duration::from_secs(5);
+    opts.call_timeout = Duration::from_secs(5);
+    let m = RemoteMover::new(
+        Arc::new(FaultTransport::default()),
+        staging(2),
+        opts,
+        Duration::from_secs(5),
+        Arc::new(InFlightBudget::default()),
+    );
+    let now = now_ms();
+    {
+        let mut st = m.lock();
+        st.adopted(&grant(1, &a), &a, mapped(1, "boot-1"), now)
+            .unwrap();
+        st.seen(&a, Some("boot-1"), Some(1), now).unwrap();
+        // A restart on the same boot: the region is to be mapped again.
+        st.seen(&a, Some("boot-1"), Some(2), now).unwrap();
+        assert!(st.remap_due(&a));
+    }
+    let t = std::time::Instant::now();
+    m.tick(now, Deadline::after(Duration::from_millis(300)));
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(2), "the tick took {took:?}");
+    drop(silent);
+}
