@@ -23,11 +23,20 @@ type HmacSha256 = Hmac<Sha256>;
 /// HMAC-SHA256 of `key` over the concatenation of `parts`, each preceded by its
 /// length (u64 LE) so that no two different part lists give the same input.
 pub fn hmac_parts(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    mac_parts(keyed(key), parts)
+}
+
+/// HMAC-SHA256 keyed with `key` (the key's two blocks hashed), ready for a message.
+fn keyed(key: &[u8]) -> HmacSha256 {
     // new_from_slice accepts keys of any length for HMAC.
-    let mut mac = match HmacSha256::new_from_slice(key) {
+    match HmacSha256::new_from_slice(key) {
         Ok(m) => m,
         Err(_) => unreachable_hmac(),
-    };
+    }
+}
+
+/// `mac` finished over the length-framed `parts` (see [`hmac_parts`]).
+fn mac_parts(mut mac: HmacSha256, parts: &[&[u8]]) -> [u8; 32] {
     for p in parts {
         mac.update(&(p.len() as u64).to_le_bytes());
         mac.update(p);
@@ -47,9 +56,23 @@ pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
-/// Lower-case hex of `bytes`.
+/// Lower-case hex of `bytes` (written two digits a byte into one buffer, not a
+/// `char` at a time).
 pub fn to_hex(bytes: &[u8]) -> String {
-    hex::encode(bytes)
+    let mut out = vec![0u8; bytes.len() * 2];
+    if hex::encode_to_slice(bytes, &mut out).is_err() {
+        unreachable_hex();
+    }
+    match String::from_utf8(out) {
+        Ok(s) => s,
+        Err(_) => unreachable_hex(),
+    }
+}
+
+#[cold]
+fn unreachable_hex() -> ! {
+    // The buffer is exactly twice the input, and hex digits are ASCII.
+    panic!("hex of n bytes did not fit 2n ASCII bytes")
 }
 
 /// Bytes of a hex string (either case), or `None` if it is not hex of even length
@@ -96,16 +119,53 @@ pub fn region_token(secret: &[u8], region_id: u64, offset: u64, length: u64, non
 /// It lets a reader map `length` bytes at `offset` of the region for reading and
 /// nothing else; it cannot be turned into the region token or another range's token.
 pub fn read_token(region_token: &str, region_id: u64, offset: u64, length: u64) -> String {
-    let mac = hmac_parts(
-        region_token.as_bytes(),
-        &[
-            b"maru-read-token",
-            &region_id.to_le_bytes(),
-            &offset.to_le_bytes(),
-            &length.to_le_bytes(),
-        ],
-    );
-    to_hex(&mac[..TOKEN_LEN])
+    ReadTokenKey::new(region_token).token(region_id, offset, length)
+}
+
+/// The HMAC of one region's read tokens, keyed once with the region's RM token:
+/// each [`token`](Self::token) clones it and hashes only its message, where
+/// [`read_token`] hashes the key's two blocks again (maru-server grants a token per
+/// lease, a few regions' worth per batch). The same tokens as [`read_token`].
+#[derive(Clone)]
+pub struct ReadTokenKey {
+    region_token: String,
+    mac: HmacSha256,
+}
+
+impl ReadTokenKey {
+    pub fn new(region_token: &str) -> ReadTokenKey {
+        ReadTokenKey {
+            region_token: region_token.to_owned(),
+            mac: keyed(region_token.as_bytes()),
+        }
+    }
+
+    /// Whether this is keyed with `region_token` (a region given out again gets a
+    /// new one).
+    pub fn is_for(&self, region_token: &str) -> bool {
+        self.region_token == region_token
+    }
+
+    /// The read token of (region id, offset, length), as [`read_token`].
+    pub fn token(&self, region_id: u64, offset: u64, length: u64) -> String {
+        let mac = mac_parts(
+            self.mac.clone(),
+            &[
+                b"maru-read-token",
+                &region_id.to_le_bytes(),
+                &offset.to_le_bytes(),
+                &length.to_le_bytes(),
+            ],
+        );
+        to_hex(&mac[..TOKEN_LEN])
+    }
+}
+
+impl std::fmt::Debug for ReadTokenKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is the region's token: never printed.
+        f.write_str("ReadTokenKey(..)")
+    }
 }
 
 /// Checks a presented token against the expected one in constant time.
@@ -163,5 +223,28 @@ mod tests {
         let t2 = region_token(b"secret", 7, 0, 1 << 21, 100);
         assert!(!token_matches(&r, &read_token(&t2, 7, 4096, 8192)));
         assert_eq!(r.len(), TOKEN_LEN * 2);
+    }
+
+    /// A key kept for a region gives the tokens keyed afresh gives (itself cloned per
+    /// token, so one token does not change the next), and is for its own token only.
+    #[test]
+    fn a_kept_read_token_key_gives_the_same_tokens() {
+        let t = region_token(b"secret", 7, 0, 1 << 21, 99);
+        let k = ReadTokenKey::new(&t);
+        for (off, len) in [(0, 4096), (4096, 8192), (0, 4096), (1 << 20, 1 << 20)] {
+            assert_eq!(k.token(7, off, len), read_token(&t, 7, off, len));
+        }
+        assert!(k.is_for(&t));
+        assert!(!k.is_for(&region_token(b"secret", 7, 0, 1 << 21, 100)));
+        assert_eq!(format!("{k:?}"), "ReadTokenKey(..)");
+    }
+
+    /// `to_hex` writes what the `hex` crate's one-`char`-at-a-time encoder writes.
+    #[test]
+    fn to_hex_is_hex_encode() {
+        let b = random_bytes(300).unwrap();
+        for n in [0, 1, 16, 32, 300] {
+            assert_eq!(to_hex(&b[..n]), hex::encode(&b[..n]));
+        }
     }
 }

@@ -7,6 +7,7 @@
 //! release then reports it as ended, which is harmless).
 
 use super::keys::KeyId;
+use crate::auth::ReadTokenKey;
 use crate::wire::meta::LEASE_LIMIT;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -45,7 +46,13 @@ pub struct LeaseTable {
     expiry: BTreeSet<(u64, u64)>,
     next_id: u64,
     limit: usize,
+    /// The keyed HMAC of each region whose keys were leased (its read tokens), kept
+    /// with the region token it is keyed with; at most [`READ_KEYS_KEPT`].
+    read_keys: HashMap<u64, ReadTokenKey>,
 }
+
+/// Regions whose read-token keys are kept at most; past it the table starts again.
+const READ_KEYS_KEPT: usize = 4096;
 
 impl Default for LeaseTable {
     fn default() -> Self {
@@ -63,6 +70,7 @@ impl LeaseTable {
             expiry: BTreeSet::new(),
             next_id: 0,
             limit,
+            read_keys: HashMap::new(),
         }
     }
 
@@ -110,6 +118,30 @@ impl LeaseTable {
     /// The last id handed out (or the base ids start after).
     pub fn last_id(&self) -> u64 {
         self.next_id
+    }
+
+    /// The read token of (region, offset, length) for a lease, keyed with the
+    /// region's token `region_token` (see [`ReadTokenKey`]): the region's key is kept,
+    /// and keyed again when the region's token is another now.
+    pub fn read_token(
+        &mut self,
+        region_id: u64,
+        region_token: &str,
+        offset: u64,
+        length: u64,
+    ) -> String {
+        if let Some(k) = self.read_keys.get(&region_id) {
+            if k.is_for(region_token) {
+                return k.token(region_id, offset, length);
+            }
+        }
+        if self.read_keys.len() >= READ_KEYS_KEPT {
+            self.read_keys.clear();
+        }
+        let k = ReadTokenKey::new(region_token);
+        let token = k.token(region_id, offset, length);
+        self.read_keys.insert(region_id, k);
+        token
     }
 
     /// Grants a lease; the caller checked the room first.
@@ -182,6 +214,7 @@ impl LeaseTable {
 
     /// Ends every lease on the region (it goes back); returns how many.
     pub fn end_region(&mut self, region_id: u64) -> usize {
+        self.read_keys.remove(&region_id);
         let ids: Vec<u64> = self
             .per_region
             .get(&region_id)
@@ -248,6 +281,35 @@ mod tests {
         t.check_room(2, 2).unwrap();
         assert_eq!(t.release(1, &[a]).unwrap(), vec![true]);
         t.check_room(1, 1).unwrap();
+    }
+
+    /// A lease's read token is the one its region's token gives, also when the
+    /// region id is given out again with another token (the kept key is not reused),
+    /// and after the region went back; so a token keyed with an old region's token is
+    /// refused by the agent of the new one.
+    #[test]
+    fn read_tokens_follow_the_regions_token() {
+        use crate::auth::{read_token, region_token};
+        let mut t = LeaseTable::new(10);
+        let (a, b) = (
+            region_token(b"s", 9, 0, 1 << 21, 1),
+            region_token(b"s", 9, 0, 1 << 21, 2),
+        );
+        for (tok, off) in [(&a, 0), (&a, 4096), (&b, 0), (&b, 8192), (&a, 0)] {
+            assert_eq!(
+                t.read_token(9, tok, off, 4096),
+                read_token(tok, 9, off, 4096)
+            );
+        }
+        assert_ne!(t.read_token(9, &b, 0, 4096), read_token(&a, 9, 0, 4096));
+        t.end_region(9);
+        assert!(t.read_keys.is_empty());
+        assert_eq!(t.read_token(9, &b, 0, 4096), read_token(&b, 9, 0, 4096));
+        // Past the bound the kept keys start again.
+        for r in 0..READ_KEYS_KEPT as u64 + 1 {
+            t.read_token(r, &a, 0, 4096);
+        }
+        assert!(t.read_keys.len() <= READ_KEYS_KEPT);
     }
 
     #[test]

@@ -3,7 +3,6 @@
 use super::core::MetaCore;
 use super::errors::{check_batch, check_keys};
 use super::keys::KeyId;
-use crate::auth::read_token;
 use crate::wire::meta::{Backend, LeaseGrant, MetaReply};
 use crate::wire::WireError;
 
@@ -50,13 +49,16 @@ impl MetaCore {
                 let r = self.regions.get_mut_quiet(loc.region_id)?;
                 r.last_read_ms = now_ms;
                 let lease_id = self.leases.grant(id, k, loc.region_id, expires_ms);
+                let read_token =
+                    self.leases
+                        .read_token(loc.region_id, &r.handle.token, loc.offset, loc.length);
                 self.keys.touch(k);
                 Some(LeaseGrant {
                     lease_id,
                     region_id: loc.region_id,
                     offset: loc.offset,
                     length: loc.length,
-                    read_token: read_token(&r.handle.token, loc.region_id, loc.offset, loc.length),
+                    read_token,
                     agent: r.agent.clone(),
                     device: (r.backend == Backend::Cxl).then(|| r.device_range()),
                     expires_in_ms: self.cfg.lease_timeout_ms,

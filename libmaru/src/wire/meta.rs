@@ -589,8 +589,13 @@ pub enum MetaReply {
     Exists {
         found: Vec<bool>,
     },
-    /// Per key, in order; `null` for a miss.
+    /// Per key, in order; `null` for a miss. Each region's device is written with
+    /// its first lease only (`wire::lease_wire`).
     Leases {
+        #[serde(
+            serialize_with = "super::lease_wire::thin",
+            deserialize_with = "super::lease_wire::filled"
+        )]
         leases: Vec<Option<LeaseGrant>>,
     },
     /// Per lease id, in order.

@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod frame;
 pub mod handshake;
+pub(crate) mod lease_wire;
 pub mod meta;
 mod meta_decode;
 #[cfg(test)]

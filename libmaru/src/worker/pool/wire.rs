@@ -109,7 +109,8 @@ pub(super) struct ExistsOk {
 #[derive(Deserialize)]
 pub(super) struct LeasesOk {
     pub(super) kind: ReplyKind,
-    #[serde(default)]
+    // Each region's device comes with its first lease only (wire::lease_wire).
+    #[serde(default, deserialize_with = "crate::wire::lease_wire::filled")]
     pub(super) leases: Vec<Option<LeaseGrant>>,
 }
 
@@ -220,7 +221,12 @@ mod tests {
             expires_in_ms: 5,
             boot_id: None,
         };
-        let leases = vec![Some(lease), None];
+        let second = LeaseGrant {
+            lease_id: 8,
+            offset: 2 << 18,
+            ..lease.clone()
+        };
+        let leases = vec![Some(lease), None, Some(second)];
         let r: LeasesOk = decode_json(&encode_json(&MetaReply::Leases {
             leases: leases.clone(),
         }))
