@@ -89,7 +89,10 @@ impl Inner {
             }
             for i in 0..self.pools.len() {
                 let Some(p) = self.pool_up(i) else { continue };
-                // A probe of what is away waits 1 s at most; a tick, the timeout.
+                // Between ticks, the away probes: their fences and maru-server's ping
+                // wait 1 s at most, the probe of an away agent the request timeout (so
+                // that it is already waiting when the agent answers again); a tick waits
+                // the timeout.
                 if !full {
                     p.probe_away(now_ms(), Deadline::after(Duration::from_secs(1)));
                 } else if let Err(e) = p.tick(now_ms(), Deadline::after(self.timeout())) {
