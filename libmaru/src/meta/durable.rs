@@ -846,7 +846,10 @@ impl MetaCore {
             out.regions += 1;
         }
         core.keys.reserve(image.keys.len());
-        for k in &image.keys {
+        // Ordered for eviction once, at the end (keys come back in id order, not in
+        // their use order), and each name moved in, not copied.
+        core.keys.begin_restore();
+        for k in image.keys {
             let boot = core.regions.get(k.region_id).map(|r| r.boot_id.as_deref());
             if boot.is_some_and(|b| !k.verify(b)) {
                 log::warn!(
@@ -898,7 +901,7 @@ impl MetaCore {
             };
             match core
                 .keys
-                .restore(k.id, scope, &k.name, loc, k.prev.as_deref(), k.used)
+                .restore(k.id, scope, k.name, loc, k.prev.as_deref(), k.used)
             {
                 Published::New(_) => {
                     if let Some(r) = core.regions.get_mut_quiet(k.region_id) {
@@ -912,6 +915,7 @@ impl MetaCore {
                 }
             }
         }
+        core.keys.finish_restore();
         // Regions of the keeper: readable while they hold keys; the rest go back.
         let ids: Vec<(u64, Holder)> = core
             .regions

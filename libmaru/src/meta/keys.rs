@@ -15,10 +15,38 @@
 
 use super::evict_rank::{Ghosts, Ranking};
 use crate::wire::meta::Backend;
+use foldhash::fast::SeedableRandomState;
+use foldhash::SharedSeed;
 use hashbrown::HashTable;
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::sync::OnceLock;
+
+/// The hasher of the directory's tables: foldhash (a multiply-fold hash, several
+/// times SipHash's speed on short names; issue 46: recovery hashes every key five
+/// times), seeded per process from std's `RandomState`, whose keys come from the
+/// OS's random source, and per directory on top. Key names come from tenants, so
+/// the seed is secret and random, never foldhash's fixed one nor its default seed
+/// (address and clock bits): a tenant cannot choose names that collide without
+/// learning it.
+#[derive(Debug, Clone)]
+struct Hasher(SeedableRandomState);
+
+impl Default for Hasher {
+    fn default() -> Hasher {
+        static SHARED: OnceLock<SharedSeed> = OnceLock::new();
+        let os = RandomState::new();
+        let shared = SHARED.get_or_init(|| SharedSeed::from_u64(os.hash_one(0x6d61_7275u64)));
+        Hasher(SeedableRandomState::with_seed(os.hash_one(1u64), shared))
+    }
+}
+
+impl Hasher {
+    fn hash_one<T: std::hash::Hash>(&self, v: T) -> u64 {
+        self.0.hash_one(v)
+    }
+}
 
 /// Which sessions share keys: the same namespace, KV layout digest and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -203,6 +231,28 @@ impl Iterator for OrderIter<'_> {
 /// No slot.
 const NIL: u32 = u32::MAX;
 
+/// A name to store: borrowed (copied into its slot) or moved in (a restore).
+enum Name<'a> {
+    Borrowed(&'a str),
+    Owned(String),
+}
+
+impl Name<'_> {
+    fn as_str(&self) -> &str {
+        match self {
+            Name::Borrowed(n) => n,
+            Name::Owned(n) => n,
+        }
+    }
+
+    fn boxed(self) -> Box<str> {
+        match self {
+            Name::Borrowed(n) => n.into(),
+            Name::Owned(n) => n.into_boxed_str(),
+        }
+    }
+}
+
 /// One name of a scope: a stored key, a name that stored keys name as their
 /// previous one (their successors), or both. Each name is held once, here; the
 /// tables of [`KeyDirectory`] index slots by number (issue 46: a name stored three
@@ -258,7 +308,7 @@ pub struct KeyDirectory {
     ids: HashTable<u32>,
     /// Slots of stored keys by (region, offset).
     pages: HashTable<u32>,
-    hasher: RandomState,
+    hasher: Hasher,
     by_region: HashMap<u64, RegionKeys>,
     next_id: u64,
     stamp: u64,
@@ -268,6 +318,9 @@ pub struct KeyDirectory {
     /// What changed since the last [`take_journal`](Self::take_journal), when the
     /// directory is kept durable.
     journal: Option<KeyJournal>,
+    /// Keys are being restored ([`begin_restore`](Self::begin_restore)): the
+    /// regions' orders are built once, sorted, at the end.
+    restoring: bool,
 }
 
 /// Keys and scopes changed since the last batch of records.
@@ -281,15 +334,15 @@ pub struct KeyJournal {
     pub changes: u64,
 }
 
-fn name_hash(h: &RandomState, scope: ScopeId, name: &str) -> u64 {
+fn name_hash(h: &Hasher, scope: ScopeId, name: &str) -> u64 {
     h.hash_one((scope.0, name))
 }
 
-fn id_hash(h: &RandomState, id: u64) -> u64 {
+fn id_hash(h: &Hasher, id: u64) -> u64 {
     h.hash_one(id)
 }
 
-fn page_hash(h: &RandomState, region_id: u64, offset: u64) -> u64 {
+fn page_hash(h: &Hasher, region_id: u64, offset: u64) -> u64 {
     h.hash_one((region_id, offset))
 }
 
@@ -367,11 +420,12 @@ impl KeyDirectory {
 
     /// Puts a recorded key back with its id and use stamp (recovery); later ids and
     /// stamps come after every restored one.
+    /// The name is moved into the directory, not copied.
     pub fn restore(
         &mut self,
         id: u64,
         scope: ScopeId,
-        name: &str,
+        name: String,
         loc: Location,
         prev: Option<&str>,
         used: u64,
@@ -381,7 +435,7 @@ impl KeyDirectory {
         self.stamp = used.saturating_sub(1);
         // A restored key is on disk already: not a change to journal.
         let journal = self.journal.take();
-        let r = self.publish(scope, name, loc, prev);
+        let r = self.publish_named(scope, Name::Owned(name), loc, prev);
         self.journal = journal;
         self.next_id = next.max(id);
         self.stamp = stamp.max(used);
@@ -403,6 +457,47 @@ impl KeyDirectory {
             let l = &slots[x as usize].loc;
             page_hash(h, l.region_id, l.offset)
         });
+    }
+
+    /// Restores many keys at once (recovery): from now until
+    /// [`finish_restore`](Self::finish_restore), published and restored keys are
+    /// counted in their regions but not put in the regions' eviction orders; those
+    /// are built once at the end, each sorted in one go. Restored out of rank order
+    /// (keys come back in id order, read keys ranked later), each key would otherwise
+    /// go to an order's tree (issue 46: a B-tree insert per key).
+    /// [`ranked_keys`](Self::ranked_keys) and [`tails`](Self::tails) are empty until
+    /// then; a removal finishes the restore first.
+    pub fn begin_restore(&mut self) {
+        self.restoring = true;
+    }
+
+    /// Builds every region's orders from its keys (see
+    /// [`begin_restore`](Self::begin_restore)).
+    pub fn finish_restore(&mut self) {
+        if !std::mem::take(&mut self.restoring) {
+            return;
+        }
+        let mut of_region: HashMap<u64, Vec<u32>> = HashMap::new();
+        for (s, e) in self.slots.iter_mut().enumerate() {
+            e.link = [[NIL; 2]; 2];
+            e.listed = 0;
+            if e.stored() {
+                of_region.entry(e.loc.region_id).or_default().push(s as u32);
+            }
+        }
+        for (rid, mut list) in of_region {
+            let slots = &mut self.slots;
+            list.sort_unstable_by_key(|&s| slots[s as usize].order_key());
+            let r = self.by_region.entry(rid).or_default();
+            r.order = Default::default();
+            for s in list {
+                // In rank order: each one is linked at its list's end.
+                r.order[LRU].insert(slots, LRU, s);
+                if slots[s as usize].successors == 0 {
+                    r.order[TAILS].insert(slots, TAILS, s);
+                }
+            }
+        }
     }
 
     /// Ids at most this were restored (0: none).
@@ -447,16 +542,16 @@ impl KeyDirectory {
     /// The slot of (scope, name), made (not stored, no successor) if it has none.
     fn slot_or_new(&mut self, scope: ScopeId, name: &str) -> u32 {
         let hash = name_hash(&self.hasher, scope, name);
-        self.slot_or_new_hashed(hash, scope, name)
+        self.slot_or_new_hashed(hash, scope, Name::Borrowed(name))
     }
 
     /// [`slot_or_new`](Self::slot_or_new) with the name's hash already made.
-    fn slot_or_new_hashed(&mut self, hash: u64, scope: ScopeId, name: &str) -> u32 {
-        if let Some(s) = self.slot_of_hashed(hash, scope, name) {
+    fn slot_or_new_hashed(&mut self, hash: u64, scope: ScopeId, name: Name<'_>) -> u32 {
+        if let Some(s) = self.slot_of_hashed(hash, scope, name.as_str()) {
             return s;
         }
         let slot = Slot {
-            name: name.into(),
+            name: name.boxed(),
             scope,
             successors: 0,
             prev: NIL,
@@ -549,14 +644,35 @@ impl KeyDirectory {
         loc: Location,
         prev: Option<&str>,
     ) -> Published {
-        let hash = name_hash(&self.hasher, scope, name);
-        let known = self.slot_of_hashed(hash, scope, name);
+        self.publish_named(scope, Name::Borrowed(name), loc, prev)
+    }
+
+    /// [`publish`](Self::publish) of a name given or moved in.
+    fn publish_named(
+        &mut self,
+        scope: ScopeId,
+        name: Name<'_>,
+        loc: Location,
+        prev: Option<&str>,
+    ) -> Published {
+        let hash = name_hash(&self.hasher, scope, name.as_str());
+        let known = self.slot_of_hashed(hash, scope, name.as_str());
         if let Some(e) = known
             .map(|s| &self.slots[s as usize])
             .filter(|e| e.stored())
         {
             return Published::Exists(KeyId(e.id));
         }
+        // Stored again after an eviction: asked for once more than it was read.
+        let reads = match self.ranking {
+            Ranking::Recency => 0,
+            _ => self
+                .ghosts
+                .recall(scope.0, name.as_str())
+                .map_or(0, |n| n + 1),
+        };
+        // A key is not its own predecessor: that would keep it from ever being a tail.
+        let prev = prev.filter(|p| *p != name.as_str());
         self.next_id += 1;
         let id = KeyId(self.next_id);
         self.stamp += 1;
@@ -566,11 +682,6 @@ impl KeyDirectory {
             None => self.slot_or_new_hashed(hash, scope, name),
         };
         let is_tail = self.slots[s as usize].successors == 0;
-        // Stored again after an eviction: asked for once more than it was read.
-        let reads = match self.ranking {
-            Ranking::Recency => 0,
-            _ => self.ghosts.recall(scope.0, name).map_or(0, |n| n + 1),
-        };
         let fresh_end = is_tail && reads == 0;
         let rank = self.ranking.rank(used, reads, fresh_end, self.len());
         {
@@ -583,9 +694,14 @@ impl KeyDirectory {
             e.rank = rank;
         }
         let r = self.by_region.entry(loc.region_id).or_default();
-        r.order[LRU].insert(&mut self.slots, LRU, s);
-        if is_tail {
-            r.order[TAILS].insert(&mut self.slots, TAILS, s);
+        if self.restoring {
+            // Ordered at the end of the restore.
+            r.order[LRU].len += 1;
+        } else {
+            r.order[LRU].insert(&mut self.slots, LRU, s);
+            if is_tail {
+                r.order[TAILS].insert(&mut self.slots, TAILS, s);
+            }
         }
         r.bytes += loc.length;
         let (slots, h) = (&self.slots, &self.hasher);
@@ -596,8 +712,7 @@ impl KeyDirectory {
                 let l = &slots[x as usize].loc;
                 page_hash(h, l.region_id, l.offset)
             });
-        // A key is not its own predecessor: that would keep it from ever being a tail.
-        if let Some(p) = prev.filter(|p| *p != name) {
+        if let Some(p) = prev {
             let ps = self.add_successor(scope, p);
             self.slots[s as usize].prev = ps;
         }
@@ -622,7 +737,7 @@ impl KeyDirectory {
         if pe.successors == 1 && pe.stored() {
             // `prev` was a tail and is one no longer, nor the end of a fresh prompt.
             let (pid, rid) = (KeyId(pe.id), pe.loc.region_id);
-            if let Some(r) = self.by_region.get_mut(&rid) {
+            if let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) {
                 r.order[TAILS].remove(&mut self.slots, TAILS, ps);
             }
             self.rerank(pid, false);
@@ -639,7 +754,7 @@ impl KeyDirectory {
         if pe.stored() {
             // `prev` has no successor left: it is a tail now.
             let rid = pe.loc.region_id;
-            if let Some(r) = self.by_region.get_mut(&rid) {
+            if let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) {
                 r.order[TAILS].insert(&mut self.slots, TAILS, ps);
             }
         } else {
@@ -671,7 +786,8 @@ impl KeyDirectory {
             return;
         }
         let rid = e.loc.region_id;
-        let Some(r) = self.by_region.get_mut(&rid) else {
+        let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) else {
+            // Not in an order (yet): ranked where the restore's end puts it.
             self.slots[s as usize].rank = rank;
             return;
         };
@@ -696,6 +812,7 @@ impl KeyDirectory {
     }
 
     pub fn remove(&mut self, id: KeyId) -> Option<RemovedKey> {
+        self.finish_restore();
         let s = self.slot_of_id(id)?;
         let h = &self.hasher;
         if let Ok(o) = self.ids.find_entry(id_hash(h, id.0), |&x| x == s) {
@@ -746,6 +863,7 @@ impl KeyDirectory {
 
     /// Removes every key of the region at once; returns the removed entries.
     pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, RemovedKey)> {
+        self.finish_restore();
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
             Some(r) => r.order[LRU]
                 .iter(&self.slots, LRU)
@@ -763,6 +881,15 @@ impl KeyDirectory {
         (0..self.slots.len() as u32)
             .filter(|&s| self.slots[s as usize].stored())
             .map(|s| (KeyId(self.slots[s as usize].id), self.entry(s)))
+    }
+
+    /// Keys in the trees of the regions' orders (not linked through their slots).
+    #[cfg(test)]
+    pub(crate) fn order_tree_len(&self) -> usize {
+        self.by_region
+            .values()
+            .map(|r| r.order[LRU].tree.len() + r.order[TAILS].tree.len())
+            .sum()
     }
 
     /// Names held (stored keys and names only named as a previous key).
@@ -1001,7 +1128,7 @@ mod tests {
         #[test]
         fn each_region_order_is_its_keys_sorted_by_rank(
             ranking in 0u8..3,
-            ops in proptest::collection::vec((0u8..5, 0u8..32, 0u8..32, 0u16..2000), 0..120),
+            ops in proptest::collection::vec((0u8..6, 0u8..32, 0u8..32, 0u16..2000), 0..120),
         ) {
             let ranking = [Ranking::Recency, Ranking::Reuse, Ranking::ReuseEnds][ranking as usize];
             let mut d = KeyDirectory::ranked(ranking);
@@ -1031,14 +1158,22 @@ mod tests {
                     3 => {
                         // Recorded ids are unique: after every id given.
                         next_restored = next_restored.max(d.last_id()) + 1;
-                        d.restore(next_restored, s, &name, at, prev.as_deref(), u64::from(used));
+                        d.restore(next_restored, s, name.clone(), at, prev.as_deref(), u64::from(used));
                     }
-                    _ => {
+                    4 => {
                         d.drop_region(u64::from(a % 3));
                     }
+                    // Restores (and publishes, reads) between these are ordered
+                    // at once, at the end.
+                    _ if d.restoring => d.finish_restore(),
+                    _ => d.begin_restore(),
                 }
-                check_orders(&d)?;
+                if !d.restoring {
+                    check_orders(&d)?;
+                }
             }
+            d.finish_restore();
+            check_orders(&d)?;
             let ids: Vec<KeyId> = d.iter().map(|(id, _)| id).collect();
             for id in ids {
                 d.remove(id);
