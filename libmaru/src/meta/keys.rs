@@ -56,31 +56,6 @@ pub struct Scope {
     pub backend: Backend,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ScopeId(u32);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct KeyId(u64);
-
-impl KeyId {
-    pub fn get(self) -> u64 {
-        self.0
-    }
-
-    #[cfg(test)]
-    pub(crate) fn test_id(n: u64) -> KeyId {
-        KeyId(n)
-    }
-}
-
-/// Where a key's chunk is: `length` bytes at `offset` of the region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Location {
-    pub region_id: u64,
-    pub offset: u64,
-    pub length: u64,
-}
-
 /// A stored key, as [`KeyDirectory::get`] shows it.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyEntry<'a> {
@@ -122,6 +97,7 @@ pub enum Published {
 
 mod slots;
 
+pub use slots::{KeyId, Location, ScopeId};
 use slots::{Name, RegionKeys, Slot, LRU, NIL, TAILS};
 
 #[derive(Debug, Default)]

@@ -1,9 +1,35 @@
-//! The slab of names behind the key directory ([`Slot`]: each name held once,
-//! indexed by number) and the eviction orders of each region linked through it
-//! ([`Order`]: a list through the slots, a tree beside it for keys ranked out of turn).
+//! The slab behind the key directory: each name held once in a [`Slot`], indexed by
+//! number, with its key's id and location, and the eviction orders of each region
+//! linked through the slots ([`Order`]: a list, a tree beside it for keys ranked out
+//! of turn).
 
-use super::{KeyId, Location, ScopeId};
 use std::collections::BTreeSet;
+
+/// A scope's number in the directory (see [`Scope`](super::Scope)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeId(pub(super) u32);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeyId(pub(super) u64);
+
+impl KeyId {
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    #[cfg(test)]
+    pub(crate) fn test_id(n: u64) -> KeyId {
+        KeyId(n)
+    }
+}
+
+/// Where a key's chunk is: `length` bytes at `offset` of the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    pub region_id: u64,
+    pub offset: u64,
+    pub length: u64,
+}
 
 /// Which order of a region: all its keys, or its tails.
 pub(super) const LRU: usize = 0;
