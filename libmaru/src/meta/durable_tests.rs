@@ -173,6 +173,36 @@ fn a_restart_journals_none_of_the_keys_it_restores() {
 }
 
 #[test]
+fn a_restore_orders_each_region_once_and_puts_no_key_in_an_order_tree() {
+    // Keys come back in id order, and a key read since it was stored ranks after
+    // those stored later. Put in the region's orders one by one, every key after
+    // the first read one went to an order's B-tree (issue 46: a tree insert per
+    // key, and the tree kept after the recovery).
+    let (mut w, mut img, s, rid) = booted();
+    w.store_chain(W1, s, None, &["k0", "k1"]);
+    w.store_chain(W1, s, None, &["k2", "k3"]);
+    assert!(w.acquire(W1, s, &["k0", "k2"]).iter().all(Option::is_some));
+    persist(&mut w, &mut img);
+    let ids = |w: &World, tails: bool| -> Vec<u64> {
+        let k = &w.core.keys;
+        let order: Vec<_> = if tails {
+            k.tails(rid).collect()
+        } else {
+            k.ranked_keys(rid).collect()
+        };
+        order.into_iter().map(|(_, id)| id.get()).collect()
+    };
+    let (order, tails) = (ids(&w, false), ids(&w, true));
+    assert_eq!(tails.len(), 2, "one tail per chain");
+    let rec = restart(&mut w, &img);
+    assert_eq!(rec.keys, 4);
+    assert_eq!(w.core.keys.order_tree_len(), 0, "keys put in a tree");
+    assert_eq!(ids(&w, false), order, "the eviction order came back");
+    assert_eq!(ids(&w, true), tails, "the tails came back");
+    assert_eq!(w.core.keys.region_keys(rid), 4);
+}
+
+#[test]
 fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
     let mut w = durable(&[]);
     let mut img = Image::default();

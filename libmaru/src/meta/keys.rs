@@ -15,10 +15,38 @@
 
 use super::evict_rank::{Ghosts, Ranking};
 use crate::wire::meta::Backend;
+use foldhash::fast::SeedableRandomState;
+use foldhash::SharedSeed;
 use hashbrown::HashTable;
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::sync::OnceLock;
+
+/// The hasher of the directory's tables: foldhash (a multiply-fold hash, several
+/// times SipHash's speed on short names; issue 46: recovery hashes every key five
+/// times), seeded per process from std's `RandomState`, whose keys come from the
+/// OS's random source, and per directory on top. Key names come from tenants, so
+/// the seed is secret and random, never foldhash's fixed one nor its default seed
+/// (address and clock bits): a tenant cannot choose names that collide without
+/// learning it.
+#[derive(Debug, Clone)]
+struct Hasher(SeedableRandomState);
+
+impl Default for Hasher {
+    fn default() -> Hasher {
+        static SHARED: OnceLock<SharedSeed> = OnceLock::new();
+        let os = RandomState::new();
+        let shared = SHARED.get_or_init(|| SharedSeed::from_u64(os.hash_one(0x6d61_7275u64)));
+        Hasher(SeedableRandomState::with_seed(os.hash_one(1u64), shared))
+    }
+}
+
+impl Hasher {
+    fn hash_one<T: std::hash::Hash>(&self, v: T) -> u64 {
+        self.0.hash_one(v)
+    }
+}
 
 /// Which sessions share keys: the same namespace, KV layout digest and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -26,31 +54,6 @@ pub struct Scope {
     pub namespace: String,
     pub layout: String,
     pub backend: Backend,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ScopeId(u32);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct KeyId(u64);
-
-impl KeyId {
-    pub fn get(self) -> u64 {
-        self.0
-    }
-
-    #[cfg(test)]
-    pub(crate) fn test_id(n: u64) -> KeyId {
-        KeyId(n)
-    }
-}
-
-/// Where a key's chunk is: `length` bytes at `offset` of the region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Location {
-    pub region_id: u64,
-    pub offset: u64,
-    pub length: u64,
 }
 
 /// A stored key, as [`KeyDirectory::get`] shows it.
@@ -92,157 +95,10 @@ pub enum Published {
     Exists(KeyId),
 }
 
-/// Which order of a region: all its keys, or its tails.
-const LRU: usize = 0;
-/// The keys of the region that no stored key names as its previous one.
-const TAILS: usize = 1;
+mod slots;
 
-#[derive(Debug, Default)]
-struct RegionKeys {
-    /// By (rank, key), the first to go first: [`LRU`] and [`TAILS`].
-    order: [Order; 2],
-    bytes: u64,
-}
-
-/// Keys by (rank, key), the first to go first. A key ranked after every key of
-/// the list is linked at its end through its slot (8 bytes, no allocation: under
-/// the recency order every publish and read is, since stamps only grow); one
-/// ranked before (a key restored out of order, a tail again, the reuse rankings)
-/// goes to the tree. The order is the merge of the two.
-#[derive(Debug)]
-struct Order {
-    head: u32,
-    last: u32,
-    tree: BTreeSet<(u64, KeyId)>,
-    len: usize,
-}
-
-impl Default for Order {
-    fn default() -> Order {
-        Order {
-            head: NIL,
-            last: NIL,
-            tree: BTreeSet::new(),
-            len: 0,
-        }
-    }
-}
-
-impl Order {
-    fn insert(&mut self, slots: &mut [Slot], w: usize, s: u32) {
-        let k = slots[s as usize].order_key();
-        if self.last == NIL || slots[self.last as usize].order_key() < k {
-            slots[s as usize].link[w] = [self.last, NIL];
-            match self.last {
-                NIL => self.head = s,
-                l => slots[l as usize].link[w][1] = s,
-            }
-            self.last = s;
-            slots[s as usize].listed |= 1 << w;
-        } else {
-            self.tree.insert(k);
-        }
-        self.len += 1;
-    }
-
-    /// Takes the key out (as ranked now); false if it was not in.
-    fn remove(&mut self, slots: &mut [Slot], w: usize, s: u32) -> bool {
-        let e = &mut slots[s as usize];
-        if e.listed & (1 << w) != 0 {
-            let [p, n] = e.link[w];
-            e.link[w] = [NIL, NIL];
-            e.listed &= !(1 << w);
-            match p {
-                NIL => self.head = n,
-                p => slots[p as usize].link[w][1] = n,
-            }
-            match n {
-                NIL => self.last = p,
-                n => slots[n as usize].link[w][0] = p,
-            }
-        } else if !self.tree.remove(&e.order_key()) {
-            return false;
-        }
-        self.len -= 1;
-        true
-    }
-
-    fn iter<'a>(&'a self, slots: &'a [Slot], w: usize) -> OrderIter<'a> {
-        OrderIter {
-            slots,
-            w,
-            next: self.head,
-            tree: self.tree.iter().peekable(),
-        }
-    }
-}
-
-struct OrderIter<'a> {
-    slots: &'a [Slot],
-    w: usize,
-    next: u32,
-    tree: std::iter::Peekable<std::collections::btree_set::Iter<'a, (u64, KeyId)>>,
-}
-
-impl Iterator for OrderIter<'_> {
-    type Item = (u64, KeyId);
-
-    fn next(&mut self) -> Option<(u64, KeyId)> {
-        let listed = (self.next != NIL).then(|| self.slots[self.next as usize].order_key());
-        match (listed, self.tree.peek()) {
-            (Some(l), Some(&&t)) if t < l => self.tree.next().copied(),
-            (Some(l), _) => {
-                self.next = self.slots[self.next as usize].link[self.w][1];
-                Some(l)
-            }
-            (None, _) => self.tree.next().copied(),
-        }
-    }
-}
-
-/// No slot.
-const NIL: u32 = u32::MAX;
-
-/// One name of a scope: a stored key, a name that stored keys name as their
-/// previous one (their successors), or both. Each name is held once, here; the
-/// tables of [`KeyDirectory`] index slots by number (issue 46: a name stored three
-/// times and a map entry per index cost 560-630 bytes per key).
-#[derive(Debug)]
-struct Slot {
-    name: Box<str>,
-    scope: ScopeId,
-    /// How many stored keys name this one as their previous one.
-    successors: u32,
-    /// The slot of the name this key names as its previous one (NIL: none).
-    prev: u32,
-    /// Reads since it was stored (plus those remembered from before an eviction,
-    /// under the reuse rankings).
-    reads: u32,
-    /// Stored as the end of its chain and neither read nor followed since.
-    fresh_end: bool,
-    /// The id of the key stored under this name; 0 when none is (the name is only
-    /// named as a previous one) or the slot is free.
-    id: u64,
-    loc: Location,
-    /// Stamp of the last publish or read (larger is more recent).
-    used: u64,
-    /// Place in the eviction order (the lowest goes first).
-    rank: u64,
-    /// (previous, next) in the list of each [`Order`] of its region.
-    link: [[u32; 2]; 2],
-    /// Bit `w`: linked in the list of order `w` (else in its tree, if in it).
-    listed: u8,
-}
-
-impl Slot {
-    fn stored(&self) -> bool {
-        self.id != 0
-    }
-
-    fn order_key(&self) -> (u64, KeyId) {
-        (self.rank, KeyId(self.id))
-    }
-}
+pub use slots::{KeyId, Location, ScopeId};
+use slots::{Name, RegionKeys, Slot, LRU, NIL, TAILS};
 
 #[derive(Debug, Default)]
 pub struct KeyDirectory {
@@ -258,7 +114,7 @@ pub struct KeyDirectory {
     ids: HashTable<u32>,
     /// Slots of stored keys by (region, offset).
     pages: HashTable<u32>,
-    hasher: RandomState,
+    hasher: Hasher,
     by_region: HashMap<u64, RegionKeys>,
     next_id: u64,
     stamp: u64,
@@ -268,6 +124,9 @@ pub struct KeyDirectory {
     /// What changed since the last [`take_journal`](Self::take_journal), when the
     /// directory is kept durable.
     journal: Option<KeyJournal>,
+    /// Keys are being restored ([`begin_restore`](Self::begin_restore)): the
+    /// regions' orders are built once, sorted, at the end.
+    restoring: bool,
 }
 
 /// Keys and scopes changed since the last batch of records.
@@ -281,15 +140,15 @@ pub struct KeyJournal {
     pub changes: u64,
 }
 
-fn name_hash(h: &RandomState, scope: ScopeId, name: &str) -> u64 {
+fn name_hash(h: &Hasher, scope: ScopeId, name: &str) -> u64 {
     h.hash_one((scope.0, name))
 }
 
-fn id_hash(h: &RandomState, id: u64) -> u64 {
+fn id_hash(h: &Hasher, id: u64) -> u64 {
     h.hash_one(id)
 }
 
-fn page_hash(h: &RandomState, region_id: u64, offset: u64) -> u64 {
+fn page_hash(h: &Hasher, region_id: u64, offset: u64) -> u64 {
     h.hash_one((region_id, offset))
 }
 
@@ -367,11 +226,12 @@ impl KeyDirectory {
 
     /// Puts a recorded key back with its id and use stamp (recovery); later ids and
     /// stamps come after every restored one.
+    /// The name is moved into the directory, not copied.
     pub fn restore(
         &mut self,
         id: u64,
         scope: ScopeId,
-        name: &str,
+        name: String,
         loc: Location,
         prev: Option<&str>,
         used: u64,
@@ -381,7 +241,7 @@ impl KeyDirectory {
         self.stamp = used.saturating_sub(1);
         // A restored key is on disk already: not a change to journal.
         let journal = self.journal.take();
-        let r = self.publish(scope, name, loc, prev);
+        let r = self.publish_named(scope, Name::Owned(name), loc, prev);
         self.journal = journal;
         self.next_id = next.max(id);
         self.stamp = stamp.max(used);
@@ -403,6 +263,47 @@ impl KeyDirectory {
             let l = &slots[x as usize].loc;
             page_hash(h, l.region_id, l.offset)
         });
+    }
+
+    /// Restores many keys at once (recovery): from now until
+    /// [`finish_restore`](Self::finish_restore), published and restored keys are
+    /// counted in their regions but not put in the regions' eviction orders; those
+    /// are built once at the end, each sorted in one go. Restored out of rank order
+    /// (keys come back in id order, read keys ranked later), each key would otherwise
+    /// go to an order's tree (issue 46: a B-tree insert per key).
+    /// [`ranked_keys`](Self::ranked_keys) and [`tails`](Self::tails) are empty until
+    /// then; a removal finishes the restore first.
+    pub fn begin_restore(&mut self) {
+        self.restoring = true;
+    }
+
+    /// Builds every region's orders from its keys (see
+    /// [`begin_restore`](Self::begin_restore)).
+    pub fn finish_restore(&mut self) {
+        if !std::mem::take(&mut self.restoring) {
+            return;
+        }
+        let mut of_region: HashMap<u64, Vec<u32>> = HashMap::new();
+        for (s, e) in self.slots.iter_mut().enumerate() {
+            e.link = [[NIL; 2]; 2];
+            e.listed = 0;
+            if e.stored() {
+                of_region.entry(e.loc.region_id).or_default().push(s as u32);
+            }
+        }
+        for (rid, mut list) in of_region {
+            let slots = &mut self.slots;
+            list.sort_unstable_by_key(|&s| slots[s as usize].order_key());
+            let r = self.by_region.entry(rid).or_default();
+            r.order = Default::default();
+            for s in list {
+                // In rank order: each one is linked at its list's end.
+                r.order[LRU].insert(slots, LRU, s);
+                if slots[s as usize].successors == 0 {
+                    r.order[TAILS].insert(slots, TAILS, s);
+                }
+            }
+        }
     }
 
     /// Ids at most this were restored (0: none).
@@ -447,16 +348,16 @@ impl KeyDirectory {
     /// The slot of (scope, name), made (not stored, no successor) if it has none.
     fn slot_or_new(&mut self, scope: ScopeId, name: &str) -> u32 {
         let hash = name_hash(&self.hasher, scope, name);
-        self.slot_or_new_hashed(hash, scope, name)
+        self.slot_or_new_hashed(hash, scope, Name::Borrowed(name))
     }
 
     /// [`slot_or_new`](Self::slot_or_new) with the name's hash already made.
-    fn slot_or_new_hashed(&mut self, hash: u64, scope: ScopeId, name: &str) -> u32 {
-        if let Some(s) = self.slot_of_hashed(hash, scope, name) {
+    fn slot_or_new_hashed(&mut self, hash: u64, scope: ScopeId, name: Name<'_>) -> u32 {
+        if let Some(s) = self.slot_of_hashed(hash, scope, name.as_str()) {
             return s;
         }
         let slot = Slot {
-            name: name.into(),
+            name: name.boxed(),
             scope,
             successors: 0,
             prev: NIL,
@@ -549,14 +450,35 @@ impl KeyDirectory {
         loc: Location,
         prev: Option<&str>,
     ) -> Published {
-        let hash = name_hash(&self.hasher, scope, name);
-        let known = self.slot_of_hashed(hash, scope, name);
+        self.publish_named(scope, Name::Borrowed(name), loc, prev)
+    }
+
+    /// [`publish`](Self::publish) of a name given or moved in.
+    fn publish_named(
+        &mut self,
+        scope: ScopeId,
+        name: Name<'_>,
+        loc: Location,
+        prev: Option<&str>,
+    ) -> Published {
+        let hash = name_hash(&self.hasher, scope, name.as_str());
+        let known = self.slot_of_hashed(hash, scope, name.as_str());
         if let Some(e) = known
             .map(|s| &self.slots[s as usize])
             .filter(|e| e.stored())
         {
             return Published::Exists(KeyId(e.id));
         }
+        // Stored again after an eviction: asked for once more than it was read.
+        let reads = match self.ranking {
+            Ranking::Recency => 0,
+            _ => self
+                .ghosts
+                .recall(scope.0, name.as_str())
+                .map_or(0, |n| n + 1),
+        };
+        // A key is not its own predecessor: that would keep it from ever being a tail.
+        let prev = prev.filter(|p| *p != name.as_str());
         self.next_id += 1;
         let id = KeyId(self.next_id);
         self.stamp += 1;
@@ -566,11 +488,6 @@ impl KeyDirectory {
             None => self.slot_or_new_hashed(hash, scope, name),
         };
         let is_tail = self.slots[s as usize].successors == 0;
-        // Stored again after an eviction: asked for once more than it was read.
-        let reads = match self.ranking {
-            Ranking::Recency => 0,
-            _ => self.ghosts.recall(scope.0, name).map_or(0, |n| n + 1),
-        };
         let fresh_end = is_tail && reads == 0;
         let rank = self.ranking.rank(used, reads, fresh_end, self.len());
         {
@@ -583,9 +500,14 @@ impl KeyDirectory {
             e.rank = rank;
         }
         let r = self.by_region.entry(loc.region_id).or_default();
-        r.order[LRU].insert(&mut self.slots, LRU, s);
-        if is_tail {
-            r.order[TAILS].insert(&mut self.slots, TAILS, s);
+        if self.restoring {
+            // Ordered at the end of the restore.
+            r.order[LRU].len += 1;
+        } else {
+            r.order[LRU].insert(&mut self.slots, LRU, s);
+            if is_tail {
+                r.order[TAILS].insert(&mut self.slots, TAILS, s);
+            }
         }
         r.bytes += loc.length;
         let (slots, h) = (&self.slots, &self.hasher);
@@ -596,8 +518,7 @@ impl KeyDirectory {
                 let l = &slots[x as usize].loc;
                 page_hash(h, l.region_id, l.offset)
             });
-        // A key is not its own predecessor: that would keep it from ever being a tail.
-        if let Some(p) = prev.filter(|p| *p != name) {
+        if let Some(p) = prev {
             let ps = self.add_successor(scope, p);
             self.slots[s as usize].prev = ps;
         }
@@ -622,7 +543,7 @@ impl KeyDirectory {
         if pe.successors == 1 && pe.stored() {
             // `prev` was a tail and is one no longer, nor the end of a fresh prompt.
             let (pid, rid) = (KeyId(pe.id), pe.loc.region_id);
-            if let Some(r) = self.by_region.get_mut(&rid) {
+            if let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) {
                 r.order[TAILS].remove(&mut self.slots, TAILS, ps);
             }
             self.rerank(pid, false);
@@ -639,7 +560,7 @@ impl KeyDirectory {
         if pe.stored() {
             // `prev` has no successor left: it is a tail now.
             let rid = pe.loc.region_id;
-            if let Some(r) = self.by_region.get_mut(&rid) {
+            if let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) {
                 r.order[TAILS].insert(&mut self.slots, TAILS, ps);
             }
         } else {
@@ -671,7 +592,8 @@ impl KeyDirectory {
             return;
         }
         let rid = e.loc.region_id;
-        let Some(r) = self.by_region.get_mut(&rid) else {
+        let Some(r) = self.by_region.get_mut(&rid).filter(|_| !self.restoring) else {
+            // Not in an order (yet): ranked where the restore's end puts it.
             self.slots[s as usize].rank = rank;
             return;
         };
@@ -696,6 +618,7 @@ impl KeyDirectory {
     }
 
     pub fn remove(&mut self, id: KeyId) -> Option<RemovedKey> {
+        self.finish_restore();
         let s = self.slot_of_id(id)?;
         let h = &self.hasher;
         if let Ok(o) = self.ids.find_entry(id_hash(h, id.0), |&x| x == s) {
@@ -746,6 +669,7 @@ impl KeyDirectory {
 
     /// Removes every key of the region at once; returns the removed entries.
     pub fn drop_region(&mut self, region_id: u64) -> Vec<(KeyId, RemovedKey)> {
+        self.finish_restore();
         let ids: Vec<KeyId> = match self.by_region.get(&region_id) {
             Some(r) => r.order[LRU]
                 .iter(&self.slots, LRU)
@@ -763,6 +687,15 @@ impl KeyDirectory {
         (0..self.slots.len() as u32)
             .filter(|&s| self.slots[s as usize].stored())
             .map(|s| (KeyId(self.slots[s as usize].id), self.entry(s)))
+    }
+
+    /// Keys in the trees of the regions' orders (not linked through their slots).
+    #[cfg(test)]
+    pub(crate) fn order_tree_len(&self) -> usize {
+        self.by_region
+            .values()
+            .map(|r| r.order[LRU].tree.len() + r.order[TAILS].tree.len())
+            .sum()
     }
 
     /// Names held (stored keys and names only named as a previous key).
@@ -809,241 +742,4 @@ impl KeyDirectory {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn scope(ns: &str, layout: &str) -> Scope {
-        Scope {
-            namespace: ns.into(),
-            layout: layout.into(),
-            backend: Backend::RemoteCxl,
-        }
-    }
-
-    fn loc(region_id: u64, offset: u64) -> Location {
-        Location {
-            region_id,
-            offset,
-            length: 10,
-        }
-    }
-
-    #[test]
-    fn keys_are_scoped_by_namespace_layout_and_backend() {
-        let mut d = KeyDirectory::new();
-        let a = d.scope_id(scope("ns", "l1"));
-        let b = d.scope_id(scope("ns", "l2"));
-        let c = d.scope_id(scope("other", "l1"));
-        let cxl = d.scope_id(Scope {
-            backend: Backend::Cxl,
-            ..scope("ns", "l1")
-        });
-        assert_eq!(d.scope_id(scope("ns", "l1")), a, "interned");
-        assert!(matches!(
-            d.publish(a, "k", loc(1, 0), None),
-            Published::New(_)
-        ));
-        assert!(d.find(a, "k").is_some());
-        for s in [b, c, cxl] {
-            assert!(d.find(s, "k").is_none());
-        }
-    }
-
-    #[test]
-    fn the_first_publish_wins() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(scope("ns", "l"));
-        let Published::New(id) = d.publish(s, "k", loc(1, 0), None) else {
-            panic!("first publish is new");
-        };
-        assert_eq!(d.publish(s, "k", loc(2, 0), None), Published::Exists(id));
-        assert_eq!(d.get(id).unwrap().loc, loc(1, 0));
-        assert_eq!(d.at(2, 0), None, "the loser's page holds nothing");
-    }
-
-    #[test]
-    fn lru_order_follows_reads_and_regions_drop_at_once() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(scope("ns", "l"));
-        let ids: Vec<KeyId> = (0..3)
-            .map(
-                |i| match d.publish(s, &format!("k{i}"), loc(1, i * 10), None) {
-                    Published::New(id) => id,
-                    other => panic!("{other:?}"),
-                },
-            )
-            .collect();
-        d.touch(ids[0]);
-        let order: Vec<KeyId> = d.ranked_keys(1).map(|(_, id)| id).collect();
-        assert_eq!(order, vec![ids[1], ids[2], ids[0]]);
-        assert_eq!((d.region_keys(1), d.region_bytes(1)), (3, 30));
-        d.publish(s, "other", loc(2, 0), None);
-        assert_eq!(d.drop_region(1).len(), 3);
-        assert!(d.find(s, "k0").is_none());
-        assert_eq!(d.at(1, 0), None);
-        assert_eq!((d.region_keys(1), d.region_bytes(1), d.len()), (0, 0, 1));
-        assert!(d.remove(ids[0]).is_none(), "already gone");
-    }
-
-    fn tails_of(d: &KeyDirectory, region_id: u64) -> Vec<String> {
-        d.tails(region_id)
-            .map(|(_, id)| d.get(id).unwrap().name.to_string())
-            .collect()
-    }
-
-    #[test]
-    fn a_key_is_a_tail_until_a_stored_key_names_it_as_its_previous_one() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(scope("ns", "l"));
-        d.publish(s, "a", loc(1, 0), None);
-        assert_eq!(tails_of(&d, 1), ["a"]);
-        d.publish(s, "b", loc(1, 10), Some("a"));
-        d.publish(s, "c", loc(1, 20), Some("b"));
-        assert_eq!(tails_of(&d, 1), ["c"], "a and b have successors");
-        assert_eq!(d.successors_of(s, "a"), 1);
-        // A second continuation of the same prefix.
-        d.publish(s, "b2", loc(1, 30), Some("a"));
-        assert_eq!(d.successors_of(s, "a"), 2);
-        let c = d.find(s, "c").unwrap();
-        d.remove(c);
-        assert_eq!(tails_of(&d, 1), ["b", "b2"], "b is a tail again");
-        let b2 = d.find(s, "b2").unwrap();
-        d.remove(b2);
-        assert_eq!(d.successors_of(s, "a"), 1, "b still follows a");
-        let b = d.find(s, "b").unwrap();
-        d.remove(b);
-        assert_eq!(tails_of(&d, 1), ["a"]);
-        assert_eq!(d.names_held(), d.len(), "no count outlives its keys");
-    }
-
-    #[test]
-    fn a_successor_published_first_still_counts_and_reads_keep_tail_order() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(scope("ns", "l"));
-        // Chunks of one chain may be published out of order, across regions.
-        d.publish(s, "b", loc(2, 0), Some("a"));
-        d.publish(s, "a", loc(1, 0), None);
-        assert_eq!(tails_of(&d, 1), Vec::<String>::new(), "b follows a");
-        assert_eq!(tails_of(&d, 2), ["b"]);
-        d.publish(s, "x", loc(2, 10), None);
-        let b = d.find(s, "b").unwrap();
-        d.touch(b);
-        assert_eq!(
-            tails_of(&d, 2),
-            ["x", "b"],
-            "a read moves a tail to the back"
-        );
-        // Chains are per scope: a key of another scope naming `x` is no successor.
-        let other = d.scope_id(scope("other", "l"));
-        d.publish(other, "y", loc(3, 0), Some("x"));
-        assert_eq!(tails_of(&d, 2), ["x", "b"]);
-        // A key naming itself is a chain's head, not its own successor.
-        d.publish(s, "self", loc(1, 10), Some("self"));
-        assert!(tails_of(&d, 1).contains(&"self".to_string()));
-    }
-
-    #[test]
-    fn under_the_recency_order_chained_publishes_and_reads_cost_no_tree_node() {
-        let mut d = KeyDirectory::new();
-        let s = d.scope_id(scope("ns", "l"));
-        for i in 0..64u64 {
-            let prev = (i % 16 != 0).then(|| format!("k{}", i - 1));
-            d.publish(s, &format!("k{i}"), loc(1, i * 10), prev.as_deref());
-        }
-        for i in (0..64).step_by(3) {
-            let id = d.find(s, &format!("k{i}")).unwrap();
-            d.touch(id);
-        }
-        let r = &d.by_region[&1];
-        assert_eq!(r.order[LRU].len, 64);
-        assert_eq!(
-            (r.order[LRU].tree.len(), r.order[TAILS].tree.len()),
-            (0, 0),
-            "every key linked through its slot (8 bytes, no allocation)"
-        );
-        assert_eq!(d.tails(1).count(), 4, "one tail per prompt of 16");
-    }
-
-    /// The order of every region as the directory gives it: (rank, key) of its
-    /// keys, sorted, and its tails among them.
-    fn check_orders(d: &KeyDirectory) -> Result<(), proptest::test_runner::TestCaseError> {
-        use proptest::prelude::*;
-        for rid in 0..3u64 {
-            let mut want: Vec<(u64, KeyId)> = d
-                .iter()
-                .filter(|(_, e)| e.loc.region_id == rid)
-                .map(|(id, e)| (e.rank(), id))
-                .collect();
-            want.sort_unstable();
-            let got: Vec<(u64, KeyId)> = d.ranked_keys(rid).collect();
-            prop_assert_eq!(&got, &want, "order of region {}", rid);
-            prop_assert_eq!(d.region_keys(rid), want.len());
-            let tails: Vec<(u64, KeyId)> = want
-                .iter()
-                .copied()
-                .filter(|&(_, id)| {
-                    let e = d.get(id).unwrap();
-                    d.successors_of(e.scope, e.name) == 0
-                })
-                .collect();
-            let got: Vec<(u64, KeyId)> = d.tails(rid).collect();
-            prop_assert_eq!(&got, &tails, "tails of region {}", rid);
-        }
-        Ok(())
-    }
-
-    proptest::proptest! {
-        /// Under every ranking, whatever the publishes (chained or not), reads,
-        /// removals, restores out of order and dropped regions, each region's order
-        /// is its keys sorted by (rank, key) and its tails those no stored key
-        /// follows: the lists linked through the slots and the trees beside them
-        /// merge into the order a sorted set gave.
-        #[test]
-        fn each_region_order_is_its_keys_sorted_by_rank(
-            ranking in 0u8..3,
-            ops in proptest::collection::vec((0u8..5, 0u8..32, 0u8..32, 0u16..2000), 0..120),
-        ) {
-            let ranking = [Ranking::Recency, Ranking::Reuse, Ranking::ReuseEnds][ranking as usize];
-            let mut d = KeyDirectory::ranked(ranking);
-            let s = d.scope_id(scope("ns", "l"));
-            let mut page = 0u64;
-            let mut next_restored = 100_000u64;
-            for (op, a, b, used) in ops {
-                let name = format!("k{}", a % 24);
-                let prev = (b % 3 != 0).then(|| format!("k{}", b % 24));
-                page += 1;
-                let at = loc(u64::from(a % 3), page * 10);
-                match op {
-                    0 => {
-                        d.publish(s, &name, at, prev.as_deref());
-                    }
-                    1 => {
-                        if let Some(id) = d.find(s, &name) {
-                            d.touch(id);
-                        }
-                    }
-                    2 => {
-                        if let Some(id) = d.find(s, &name) {
-                            proptest::prop_assert!(d.remove(id).is_some());
-                            proptest::prop_assert!(d.find(s, &name).is_none());
-                        }
-                    }
-                    3 => {
-                        // Recorded ids are unique: after every id given.
-                        next_restored = next_restored.max(d.last_id()) + 1;
-                        d.restore(next_restored, s, &name, at, prev.as_deref(), u64::from(used));
-                    }
-                    _ => {
-                        d.drop_region(u64::from(a % 3));
-                    }
-                }
-                check_orders(&d)?;
-            }
-            let ids: Vec<KeyId> = d.iter().map(|(id, _)| id).collect();
-            for id in ids {
-                d.remove(id);
-            }
-            proptest::prop_assert_eq!(d.names_held(), 0, "no name outlives its keys");
-        }
-    }
-}
+mod tests;

@@ -43,6 +43,7 @@ pub mod fair_share;
 mod journal;
 pub mod keeper;
 pub mod keys;
+mod last_run;
 pub mod leases;
 pub mod pages;
 pub mod pins;
@@ -50,6 +51,8 @@ pub mod ports;
 mod read_ops;
 pub mod records;
 pub mod regions;
+mod restore;
+mod seal1;
 mod session_ops;
 pub mod sessions;
 mod stats;
@@ -78,11 +81,10 @@ pub use self::config::{
     heartbeat_ms, new_instance, ConfigError, MetaConfig, VictimOrder, DEFAULT_KEEPER_SILENCE_MS,
 };
 pub use self::core::{Caller, MetaCore};
-pub use self::durable::{
-    seal_format1, Recovered, Sealed1, LEASE_RUN_SHIFT, RESERVE_BLOCK, RESERVE_MAX_BLOCKS,
-    SESSION_RUN_SHIFT,
-};
+pub use self::durable::{LEASE_RUN_SHIFT, RESERVE_BLOCK, RESERVE_MAX_BLOCKS, SESSION_RUN_SHIFT};
 pub use self::journal::{ReplyTiming, RATE_WINDOW_MS};
+pub use self::restore::Recovered;
+pub use self::seal1::{seal_format1, Sealed1};
 pub use self::waits::{Action, Ticket};
 pub use keeper::{GiveBackReason, KeeperEvent, RegionKeeper};
 pub use pages::{PageAllocator, PageError};
