@@ -268,6 +268,10 @@ fn decode_key_format1(id: u64, bytes: &[u8]) -> Result<KeyRecord, RecordError> {
     decode_key(id, &b)
 }
 
+/// How long a start tries a held lock again: a fork of the process that closed the
+/// store (any thread spawning a program) holds its descriptor until the child's exec.
+const LOCK_WAIT: Duration = Duration::from_millis(250);
+
 /// An open state directory.
 pub struct MetaStore {
     db: Database,
@@ -339,12 +343,18 @@ impl MetaStore {
         let lock_path = dir.join(LOCK_FILE);
         let lock = open_private_file(&dir_fd, LOCK_FILE, &lock_path)?;
         // SAFETY: flock on a file descriptor this function owns.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(format!(
-                "state directory {} is in use by another maru-server: give each server its \
-                 own --state-dir (or --in-memory for a throwaway one)",
-                dir.display()
-            ));
+        let locked =
+            || unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 };
+        let by = started + LOCK_WAIT;
+        while !locked() {
+            if Instant::now() >= by {
+                return Err(format!(
+                    "state directory {} is in use by another maru-server: give each server \
+                     its own --state-dir (or --in-memory for a throwaway one)",
+                    dir.display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
         let path = dir.join(DIRECTORY_FILE);
         let mut make = Some(new_instance);

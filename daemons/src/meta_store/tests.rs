@@ -105,6 +105,45 @@ fn each_key_gets_its_own_read_stamp_back_from_the_walk_beside_the_keys() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// A fork of the process (another thread spawning a program) holds the lock's
+/// descriptor until its exec: a store closed and opened again meanwhile waits for
+/// it rather than refusing the start. Seen failing with the wait taken out ("in use
+/// by another maru-server"), as a_flipped_bit_... did once beside the RM's
+/// spawning test.
+#[test]
+fn a_reopen_waits_out_a_fork_that_still_holds_the_lock() {
+    let d = dir();
+    let (store, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+    let mut go = [0 as libc::c_int; 2];
+    // SAFETY: a pipe into an array of two descriptors.
+    assert_eq!(unsafe { libc::pipe(go.as_mut_ptr()) }, 0);
+    // SAFETY: the child only reads, sleeps and exits (async-signal-safe calls).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // Holds its copy of the lock's descriptor until 50 ms after the store closed.
+        unsafe {
+            let mut b = 0u8;
+            libc::read(go[0], (&mut b as *mut u8).cast(), 1);
+            libc::usleep(50_000);
+            libc::_exit(0);
+        }
+    }
+    drop(store);
+    // SAFETY: writes one byte to the pipe made above, then closes both ends.
+    unsafe {
+        libc::write(go[1], [1u8].as_ptr().cast(), 1);
+        libc::close(go[0]);
+        libc::close(go[1]);
+    }
+    let again = MetaStore::open(&d, || "i".into(), 60_000);
+    let mut status = 0;
+    // SAFETY: waits for the child forked above.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    let (_s, _) = again.unwrap();
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 fn a_second_server_on_the_same_directory_is_refused() {
     let d = dir();
