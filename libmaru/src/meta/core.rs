@@ -8,9 +8,9 @@
 //! `stats`.
 
 use super::config::{ConfigError, MetaConfig};
-use super::errors::{permission, refused, unsupported};
+use super::errors::{check_keys, permission, refused, unsupported};
 use super::keeper::{GiveBackReason, KeeperEvent, KeeperTimes, RegionKeeper};
-use super::keys::KeyDirectory;
+use super::keys::{KeyDirectory, ScopeId};
 use super::leases::LeaseTable;
 use super::pins::PinTable;
 use super::ports::{AgentPort, PortError, RmPort};
@@ -382,6 +382,24 @@ impl MetaCore {
         self.sessions.lookup(client_id, id)?;
         self.touch_session(id, now_ms);
         Ok(id)
+    }
+
+    /// The session and scope of a request about `keys`: the keys checked first, then
+    /// the session, a writing one where `writes` says what the request would change.
+    pub(super) fn keys_session(
+        &mut self,
+        client_id: &str,
+        session: u64,
+        keys: &[String],
+        writes: Option<&str>,
+        now_ms: u64,
+    ) -> Result<(u64, ScopeId), WireError> {
+        check_keys(keys)?;
+        let id = match writes {
+            Some(what) => self.writing_session(client_id, session, what, now_ms)?,
+            None => self.session(client_id, session, now_ms)?,
+        };
+        Ok((id, self.sessions.checked(id)?.scope))
     }
 
     /// As [`session`](Self::session), for a request that changes what is stored

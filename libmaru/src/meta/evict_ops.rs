@@ -4,7 +4,7 @@
 //! pins of a tenant's sessions count toward its limit); remove and pin need that too.
 
 use super::core::MetaCore;
-use super::errors::{check_batch, check_keys, refused};
+use super::errors::{check_batch, refused};
 use super::keys::KeyId;
 use super::pins::PinLimit;
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
@@ -126,10 +126,9 @@ impl MetaCore {
         keys: &[String],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
-        check_keys(keys)?;
-        let id = self.writing_session(client_id, session, "remove keys", now_ms)?;
-        let s = self.sessions.checked(id)?;
-        let (scope, own) = (s.scope, s.regions.clone());
+        let (id, scope) =
+            self.keys_session(client_id, session, keys, Some("remove keys"), now_ms)?;
+        let own = self.sessions.checked(id)?.regions.clone();
         let page_size = self.cfg.chunk_size;
         let mut results = Vec::with_capacity(keys.len());
         let mut freed_in = Vec::new();
@@ -185,13 +184,12 @@ impl MetaCore {
         keys: &[String],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
-        check_keys(keys)?;
-        let id = self.writing_session(client_id, session, "pin keys", now_ms)?;
+        let (id, scope) = self.keys_session(client_id, session, keys, Some("pin keys"), now_ms)?;
         let s = self.sessions.checked(id)?;
         let found: Vec<Option<(KeyId, u64)>> = keys
             .iter()
             .map(|k| {
-                let kid = self.keys.find(s.scope, k)?;
+                let kid = self.keys.find(scope, k)?;
                 Some((kid, self.keys.get(kid)?.loc.region_id))
             })
             .collect();
@@ -235,9 +233,7 @@ impl MetaCore {
         keys: &[String],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
-        check_keys(keys)?;
-        let id = self.session(client_id, session, now_ms)?;
-        let scope = self.sessions.checked(id)?.scope;
+        let (id, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
         let unpinned = keys
             .iter()
             .map(|k| {

@@ -1,7 +1,7 @@
 //! The read side: finding published keys and leasing them with read handles.
 
 use super::core::MetaCore;
-use super::errors::{check_batch, check_keys};
+use super::errors::check_batch;
 use super::keys::KeyId;
 use crate::wire::meta::{Backend, LeaseGrant, MetaReply};
 use crate::wire::WireError;
@@ -16,12 +16,10 @@ impl MetaCore {
         keys: &[String],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
-        check_keys(keys)?;
-        let id = self.session(client_id, session, now_ms)?;
-        let s = self.sessions.checked(id)?;
+        let (_, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
         let found = keys
             .iter()
-            .map(|k| self.keys.find(s.scope, k).is_some())
+            .map(|k| self.keys.find(scope, k).is_some())
             .collect();
         Ok(MetaReply::Exists { found })
     }
@@ -35,10 +33,8 @@ impl MetaCore {
         keys: &[String],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
-        check_keys(keys)?;
-        let id = self.session(client_id, session, now_ms)?;
-        let s = self.sessions.checked(id)?;
-        let found: Vec<Option<KeyId>> = keys.iter().map(|k| self.keys.find(s.scope, k)).collect();
+        let (id, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
+        let found: Vec<Option<KeyId>> = keys.iter().map(|k| self.keys.find(scope, k)).collect();
         let hits = found.iter().flatten().count();
         self.leases.check_room(id, hits)?;
         let expires_ms = now_ms.saturating_add(self.cfg.lease_timeout_ms);
