@@ -497,7 +497,8 @@ fn peer_text_in_the_log_is_cut_and_escaped() {
     let mut s = Scratch::new("att-log");
     let (mut child, addr, log_path) = rm_logging(&mut s, &[]);
     let evil = "\nFORGED error: x".repeat(200);
-    let hello = serde_json::json!({"service": evil, "version": 1, "client_id": "c", "nonce": "00"});
+    let hello = serde_json::json!({"service": evil, "version": wire::PROTOCOL_VERSION,
+        "client_id": "c", "nonce": "00"});
     let frame = wire::frame::encode(FrameKind::Handshake, hello.to_string().as_bytes());
     assert!(frame.len() < 4096);
     let before = std::fs::metadata(&log_path).unwrap().len();

@@ -20,8 +20,11 @@ pub use frame::{Frame, FrameDecoder, FrameError, FrameKind, DEFAULT_MAX_FRAME, H
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Protocol version spoken by this build. A peer with another version is refused
-/// in the handshake with an error naming both versions.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// in the handshake with an error naming both versions. 2: the agent maps a load's
+/// ranges with one `map_reads` (`map_read` is gone), and an acquire reply names a
+/// region's device with its first lease only; a worker, an agent or a maru-server of
+/// version 1 cannot read these, so it is refused at connect rather than on each load.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// A request: an id the reply echoes, and the operation with its fields flattened
 /// (`{"id": 7, "op": "alloc", "size": 2097152}`).
