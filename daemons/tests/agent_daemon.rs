@@ -58,13 +58,6 @@ fn alloc(rm: &mut Client) -> Handle {
     support::rm_alloc(rm, 4 * MIB)
 }
 
-fn code(r: Result<AgentReply, ClientError>) -> ErrorCode {
-    match r {
-        Err(ClientError::Remote(e)) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
-}
-
 fn region_bytes(p: &Pool, h: &Handle, len: usize) -> Vec<u8> {
     let f = std::fs::File::open(&p.pool).unwrap();
     let mut b = vec![0u8; len];
@@ -159,14 +152,14 @@ fn map_write_read_release_and_a_late_write() {
     assert!(matches!(ok, Ok(AgentReply::Mapped(_))), "{ok:?}");
     let forged = maru::auth::read_token(&h.token, h.region_id, 0, MIB);
     assert_eq!(
-        code(read(h.region_id, 0, 2 * MIB, forged)),
+        support::remote_code(read(h.region_id, 0, 2 * MIB, forged)),
         ErrorCode::Refused
     );
     // A read handle for a region the agent has not mapped is refused.
     let other = alloc(&mut rm);
     let unmapped = maru::auth::read_token(&other.token, other.region_id, 0, MIB);
     assert_eq!(
-        code(read(other.region_id, 0, MIB, unmapped)),
+        support::remote_code(read(other.region_id, 0, MIB, unmapped)),
         ErrorCode::Refused
     );
 
@@ -177,7 +170,7 @@ fn map_write_read_release_and_a_late_write() {
         .unwrap();
     assert_eq!(rel, AgentReply::Released { deregistered: true });
     assert_eq!(
-        code(owner.call(&AgentRequest::Map {
+        support::remote_code(owner.call::<_, AgentReply>(&AgentRequest::Map {
             handle: h.clone(),
             writable: true
         })),

@@ -1623,13 +1623,6 @@ fn session_in(c: &mut Client, ns: &str, first_region: bool) -> u64 {
     }
 }
 
-fn code_of(r: Result<MetaReply, ClientError>) -> maru::wire::ErrorCode {
-    match r {
-        Err(ClientError::Remote(e)) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
-}
-
 /// Issue 33, item 1 and 2: a key holder of another tenant computes the victim's chunk
 /// keys and tries to publish them first (its own handler storing zeros, and by hand
 /// into pages of its own), to pin them and to remove them. None of it works: the
@@ -1672,7 +1665,7 @@ fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
         entries: vec![page.entry(keys[0].clone(), chunk as u64)],
     };
     assert_eq!(
-        code_of(raw.call::<_, MetaReply>(&forged)),
+        support::remote_code(raw.call::<_, MetaReply>(&forged)),
         maru::wire::ErrorCode::Permission
     );
     // 3. The victim stores its chunks: every one is stored.
@@ -1699,7 +1692,7 @@ fn another_tenant_cannot_poison_pin_or_remove(backend: &str) {
         },
     ] {
         assert_eq!(
-            code_of(raw.call::<_, MetaReply>(&req)),
+            support::remote_code(raw.call::<_, MetaReply>(&req)),
             maru::wire::ErrorCode::Permission
         );
     }

@@ -1,7 +1,7 @@
 //! Strict flags (issue 24): every value is checked before the daemon creates anything
 //! (pool file, state, key, socket); a wrong one stops it with one clear message and
 //! exit status 78 (EX_CONFIG), a dependency that cannot be reached with 69
-//! (EX_UNAVAILABLE). One test per refused value, the exit code checked.
+//! (EX_UNAVAILABLE). Each refused value is checked, with its exit code.
 
 mod support;
 
@@ -60,38 +60,24 @@ fn rm_refuses(tag: &str, extra: &[&str], says: &str) {
     );
 }
 
+/// Each refused RM value: the scratch tag, the flags, what the message names.
 #[test]
-fn a_bogus_log_level_is_refused() {
-    rm_refuses("fl-loglevel", &["--log-level", "bogus"], "bogus");
-}
-
-#[test]
-fn a_bogus_log_format_is_refused() {
-    rm_refuses("fl-logfmt", &["--log-format", "xml"], "xml");
-}
-
-#[test]
-fn zero_max_clients_is_refused() {
-    rm_refuses("fl-maxcl", &["--max-clients", "0"], "max-clients");
-}
-
-#[test]
-fn a_zero_handshake_timeout_is_refused() {
-    rm_refuses(
-        "fl-hs",
-        &["--handshake-timeout-ms", "0"],
-        "handshake-timeout-ms",
-    );
-}
-
-#[test]
-fn a_bad_metrics_address_is_refused() {
-    rm_refuses("fl-metrics", &["--metrics", "notanaddr"], "--metrics");
-}
-
-#[test]
-fn a_bad_rm_host_is_refused_before_the_pool_is_made() {
-    rm_refuses("fl-host", &["--host", "nohost"], "--host");
+fn bad_rm_values_are_refused() {
+    for (tag, extra, says) in [
+        ("fl-loglevel", ["--log-level", "bogus"], "bogus"),
+        ("fl-logfmt", ["--log-format", "xml"], "xml"),
+        ("fl-maxcl", ["--max-clients", "0"], "max-clients"),
+        (
+            "fl-hs",
+            ["--handshake-timeout-ms", "0"],
+            "handshake-timeout-ms",
+        ),
+        ("fl-metrics", ["--metrics", "notanaddr"], "--metrics"),
+        // Before the pool is made.
+        ("fl-host", ["--host", "nohost"], "--host"),
+    ] {
+        rm_refuses(tag, &extra, says);
+    }
 }
 
 #[test]

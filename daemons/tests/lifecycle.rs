@@ -278,13 +278,7 @@ impl maru::transport::Transport for FailingWrites {
         let _ = self.local.set((b.ptr as usize, b.len));
         self.inner.register_local(b)
     }
-    fn connect(
-        &self,
-        meta: &serde_json::Value,
-        bringup: &mut maru::transport::Bringup<'_>,
-    ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
-        self.inner.connect(meta, bringup)
-    }
+    support::delegate_connect!();
     fn post(
         &self,
         peer: maru::transport::PeerId,

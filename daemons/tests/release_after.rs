@@ -54,29 +54,55 @@ fn leases_gone(st: &Stack, engine: &str) -> bool {
     })
 }
 
-/// A handler of `engine` reaching maru-server through a proxy that holds each
-/// `release_leases` back `delay` while `slow` is set (and the count of those held),
-/// connected before the caller's clock starts: one load of `keys` gave `want` and
-/// its leases went back.
-fn behind_proxy(
-    st: &Stack,
-    backend: &str,
-    engine: &str,
-    slow: &Arc<AtomicBool>,
-    delay: Duration,
-    (keys, want): (&[String], &[Option<Vec<u8>>]),
-) -> (Handler, Arc<AtomicUsize>) {
-    let (proxy, held) = support::holding_proxy(
-        &st.server.addr,
-        b"release_leases",
-        slow.clone(),
-        delay,
-        Duration::from_secs(120),
-    );
-    let h = Handler::open(&config(st, backend, engine, &proxy)).unwrap();
-    assert_eq!(load(&h, keys).0, want);
-    assert!(leases_gone(st, engine));
-    (h, held)
+/// A stack on `backend` with a writer's 8 chunks stored (see [`stored`]), and the flag
+/// that slows the releases of its readers' proxies.
+struct Scene<'a> {
+    // The writer closes before the stack stops (fields drop in this order).
+    _writer: Handler,
+    st: Stack,
+    backend: &'a str,
+    keys: Vec<String>,
+    want: Vec<Option<Vec<u8>>>,
+    slow: Arc<AtomicBool>,
+}
+
+impl<'a> Scene<'a> {
+    fn new(backend: &'a str, tag: &str, seed: u64, step: usize) -> Scene<'a> {
+        let st = stack(backend == "remote_cxl");
+        let (_writer, keys, want) = stored(&st, backend, tag, seed, step);
+        let slow = Arc::new(AtomicBool::new(false));
+        Scene {
+            st,
+            backend,
+            _writer,
+            keys,
+            want,
+            slow,
+        }
+    }
+
+    /// A handler of `engine` reaching maru-server through a proxy that holds each
+    /// `release_leases` back `delay` while the flag is set (and the count of those
+    /// held), connected before the caller's clock starts: one load of the keys gave
+    /// their bytes and its leases went back.
+    fn reader(&self, engine: &str, delay: Duration) -> (Handler, Arc<AtomicUsize>) {
+        let (proxy, held) = support::holding_proxy(
+            &self.st.server.addr,
+            b"release_leases",
+            self.slow.clone(),
+            delay,
+            Duration::from_secs(120),
+        );
+        let h = Handler::open(&config(&self.st, self.backend, engine, &proxy)).unwrap();
+        assert_eq!(load(&h, &self.keys).0, self.want);
+        assert!(leases_gone(&self.st, engine));
+        (h, held)
+    }
+
+    /// Sets or clears the flag that holds releases back.
+    fn slow(&self, on: bool) {
+        self.slow.store(on, Ordering::SeqCst);
+    }
 }
 
 /// Loads `keys` as `maru_load_pieces` does; each chunk's bytes, and how long it took.
@@ -98,44 +124,42 @@ fn load(h: &Handler, keys: &[String]) -> (Vec<Option<Vec<u8>>>, Duration) {
 /// maru-server sends each of them before its session closes (seen failing with
 /// `close` ending the queue without draining it: 1 of 3 releases sent).
 fn releases_after_the_call(backend: &str) {
-    let st = stack(backend == "remote_cxl");
-    let (_writer, keys, want) = stored(&st, backend, "ra", 1, 1000);
-    let slow = Arc::new(AtomicBool::new(false));
+    let sc = Scene::new(backend, "ra", 1, 1000);
     let delay = Duration::from_millis(1500);
     // Connected to maru-server (and on remote_cxl to the agent) before the clock starts.
-    let (reader, _) = behind_proxy(&st, backend, "reader", &slow, delay, (&keys, &want));
+    let (reader, _) = sc.reader("reader", delay);
 
-    slow.store(true, Ordering::SeqCst);
-    let (got, took) = load(&reader, &keys);
-    assert_eq!(got, want, "the bytes, copied under the leases");
+    sc.slow(true);
+    let (got, took) = load(&reader, &sc.keys);
+    assert_eq!(got, sc.want, "the bytes, copied under the leases");
     assert!(
         took < Duration::from_millis(700),
         "the load waited for its release ({took:?}; maru-server's answer held {delay:?})"
     );
     assert_eq!(
-        leases_of(&st.server.addr, "reader"),
+        leases_of(&sc.st.server.addr, "reader"),
         8,
         "the leases are held until their release gets through"
     );
-    assert!(leases_gone(&st, "reader"), "the release got through");
+    assert!(leases_gone(&sc.st, "reader"), "the release got through");
 
-    slow.store(false, Ordering::SeqCst);
+    sc.slow(false);
     for _ in 0..20 {
-        assert_eq!(load(&reader, &keys).0, want);
+        assert_eq!(load(&reader, &sc.keys).0, sc.want);
     }
     assert!(
-        leases_gone(&st, "reader"),
+        leases_gone(&sc.st, "reader"),
         "every lease of 20 loads given back: {} held",
-        leases_of(&st.server.addr, "reader")
+        leases_of(&sc.st.server.addr, "reader")
     );
 
     // Three releases behind a slow maru-server (each answer held 400 ms): the close
     // sends every one before it closes the session.
     let delay2 = Duration::from_millis(400);
-    let (closing, held2) = behind_proxy(&st, backend, "closing", &slow, delay2, (&keys, &want));
-    slow.store(true, Ordering::SeqCst);
+    let (closing, held2) = sc.reader("closing", delay2);
+    sc.slow(true);
     for _ in 0..3 {
-        assert_eq!(load(&closing, &keys).0, want);
+        assert_eq!(load(&closing, &sc.keys).0, sc.want);
     }
     assert!(
         closing.releases_queued() >= 1,
@@ -167,17 +191,15 @@ fn remote_cxl_load_pieces_releases_after_the_call() {
 /// broken (the leases of a load that found the queue full dropped instead of
 /// released): 280 (cxl) and 272 (remote_cxl) leases still held 10 s later.
 fn a_full_release_queue_leaves_no_lease_held(backend: &str) {
-    let st = stack(backend == "remote_cxl");
-    let (_writer, keys, want) = stored(&st, backend, "rq", 11, 500);
-    let slow = Arc::new(AtomicBool::new(false));
+    let sc = Scene::new(backend, "rq", 11, 500);
     let delay = Duration::from_millis(200);
-    let (reader, held) = behind_proxy(&st, backend, "full-queue", &slow, delay, (&keys, &want));
+    let (reader, held) = sc.reader("full-queue", delay);
 
-    slow.store(true, Ordering::SeqCst);
+    sc.slow(true);
     let loads = 100;
     let mut most_queued = 0;
     for _ in 0..loads {
-        assert_eq!(load(&reader, &keys).0, want);
+        assert_eq!(load(&reader, &sc.keys).0, sc.want);
         most_queued = most_queued.max(reader.releases_queued());
     }
     assert_eq!(
@@ -185,14 +207,14 @@ fn a_full_release_queue_leaves_no_lease_held(backend: &str) {
         maru::worker::MAX_QUEUED_RELEASES,
         "the queue filled (the later loads released inline)"
     );
-    slow.store(false, Ordering::SeqCst);
+    sc.slow(false);
     let clear = wait_until(Duration::from_secs(10), || {
-        leases_of(&st.server.addr, "full-queue") == 0
+        leases_of(&sc.st.server.addr, "full-queue") == 0
     });
     assert!(
         clear,
         "leases still held 10 s after maru-server answers again: {} (of {loads} loads of 8; {} releases held back)",
-        leases_of(&st.server.addr, "full-queue"),
+        leases_of(&sc.st.server.addr, "full-queue"),
         held.load(Ordering::SeqCst)
     );
     assert_eq!(reader.releases_queued(), 0);

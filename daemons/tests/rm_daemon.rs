@@ -24,18 +24,18 @@ fn rm_args(s: &mut Scratch, extra: &[&str]) -> Vec<String> {
     a
 }
 
-fn remote_code(r: Result<RmReply, ClientError>) -> ErrorCode {
-    match r {
-        Err(ClientError::Remote(e)) => e.code,
-        other => panic!("expected an error reply, got {other:?}"),
-    }
+/// An RM on a pool of its own in a scratch dir named by `tag`, started with `extra`:
+/// the dir (removed when it drops) and the arguments, to start it again.
+fn started(tag: &str, extra: &[&str]) -> (Scratch, Vec<String>, Daemon) {
+    let mut s = Scratch::new(tag);
+    let args = rm_args(&mut s, extra);
+    let rm = Daemon::start(BIN, &args, &s.dir);
+    (s, args, rm)
 }
 
 #[test]
 fn regions_and_holds_survive_kill9_and_restart() {
-    let mut s = Scratch::new("rm-kill");
-    let args = rm_args(&mut s, &["--grace-period-s", "600"]);
-    let rm = Daemon::start(BIN, &args, &s.dir);
+    let (s, args, rm) = started("rm-kill", &["--grace-period-s", "600"]);
     let mut owner = connect(&rm.addr, SERVICE, "owner-a");
     let live = alloc(&mut owner, 3 * MIB); // rounded up to 4 MiB
     assert_eq!(live.length, 4 * MIB);
@@ -82,7 +82,10 @@ fn regions_and_holds_survive_kill9_and_restart() {
         node: "n2".into(),
         epoch: 1,
     };
-    assert_eq!(remote_code(agent.call(&again)), ErrorCode::Refused);
+    assert_eq!(
+        support::remote_code(agent.call::<_, RmReply>(&again)),
+        ErrorCode::Refused
+    );
     // Its range is not reused while draining: allocations avoid it.
     let other = alloc(&mut owner, 2 * MIB);
     assert_ne!(other.offset, held.offset);
@@ -109,9 +112,7 @@ fn regions_and_holds_survive_kill9_and_restart() {
 
 #[test]
 fn bad_input_gets_errors_and_changes_nothing() {
-    let mut s = Scratch::new("rm-bad");
-    let args = rm_args(&mut s, &[]);
-    let mut rm = Daemon::start(BIN, &args, &s.dir);
+    let (_s, _, mut rm) = started("rm-bad", &[]);
     let mut good = connect(&rm.addr, SERVICE, "good");
     let h = alloc(&mut good, 2 * MIB);
     let snapshot = (regions(&mut good), holds(&mut good));
@@ -206,14 +207,14 @@ fn bad_input_gets_errors_and_changes_nothing() {
     let mut forged = h.clone();
     forged.token = "00".repeat(16);
     assert_eq!(
-        remote_code(c.call(&RmRequest::Free {
+        support::remote_code(c.call::<_, RmReply>(&RmRequest::Free {
             handle: forged.clone(),
             request_id: 0
         })),
         ErrorCode::Refused
     );
     assert_eq!(
-        remote_code(c.call(&RmRequest::GetAccess {
+        support::remote_code(c.call::<_, RmReply>(&RmRequest::GetAccess {
             handle: forged.clone()
         })),
         ErrorCode::Refused
@@ -223,9 +224,12 @@ fn bad_input_gets_errors_and_changes_nothing() {
         node: "n".into(),
         epoch: 1,
     };
-    assert_eq!(remote_code(c.call(&hold)), ErrorCode::Refused);
     assert_eq!(
-        remote_code(c.call(&RmRequest::Free {
+        support::remote_code(c.call::<_, RmReply>(&hold)),
+        ErrorCode::Refused
+    );
+    assert_eq!(
+        support::remote_code(c.call::<_, RmReply>(&RmRequest::Free {
             handle: h.clone(),
             request_id: 0
         })),
@@ -286,9 +290,7 @@ fn a_key_file_requires_the_proof() {
 
 #[test]
 fn a_departed_owner_is_reaped_after_the_grace_period() {
-    let mut s = Scratch::new("rm-reap");
-    let args = rm_args(&mut s, &["--grace-period-s", "1"]);
-    let rm = Daemon::start(BIN, &args, &s.dir);
+    let (_s, _, rm) = started("rm-reap", &["--grace-period-s", "1"]);
     let mut watcher = connect(&rm.addr, SERVICE, "watcher");
     {
         let mut owner = connect(&rm.addr, SERVICE, "remote-owner");

@@ -31,8 +31,15 @@ fn node() -> Node {
     support::own_node("security", "64M")
 }
 
-fn alloc(rm: &mut Client) -> Handle {
-    support::rm_alloc(rm, 4 * MIB)
+/// A node, a client of its RM (as maru-server, which allocates `N` regions of 4 MiB:
+/// they stay allocated while it is connected) and a client of its agent as the owner
+/// of the regions (`worker-a`), which maps none yet.
+fn node_with_owner<const N: usize>() -> (Node, Client, Client, [Handle; N]) {
+    let n = node();
+    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
+    let regions = std::array::from_fn(|_| support::rm_alloc(&mut rm, 4 * MIB));
+    let owner = agent_client(&n, "worker-a");
+    (n, rm, owner, regions)
 }
 
 fn agent_client(n: &Node, id: &str) -> Client {
@@ -89,10 +96,7 @@ fn request(op: &AgentRequest) -> Vec<u8> {
 
 #[test]
 fn no_connection_maps_unmaps_or_releases_without_the_key_proof() {
-    let n = node();
-    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
-    let h = alloc(&mut rm);
-    let mut owner = agent_client(&n, "worker-a");
+    let (n, _rm, mut owner, [h]) = node_with_owner();
     map(&mut owner, &h);
     let before = mapping(&mut owner, h.region_id).expect("mapped");
     let ops = [
@@ -143,10 +147,7 @@ fn no_connection_maps_unmaps_or_releases_without_the_key_proof() {
 
 #[test]
 fn the_soft_nic_serves_no_operation_without_the_key_proof() {
-    let n = node();
-    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
-    let h = alloc(&mut rm);
-    let mut owner = agent_client(&n, "worker-a");
+    let (n, _rm, mut owner, [h]) = node_with_owner();
     let m = map(&mut owner, &h);
     let data_addr = m.transport["soft"]["addr"]
         .as_str()
@@ -190,11 +191,7 @@ fn the_soft_nic_serves_no_operation_without_the_key_proof() {
 
 #[test]
 fn release_needs_the_regions_handle() {
-    let n = node();
-    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
-    let h = alloc(&mut rm);
-    let other = alloc(&mut rm);
-    let mut owner = agent_client(&n, "worker-a");
+    let (n, _rm, mut owner, [h, other]) = node_with_owner();
     map(&mut owner, &h);
     let mut intruder = agent_client(&n, "worker-b");
     let mut forged = h.clone();
@@ -226,11 +223,7 @@ fn release_needs_the_regions_handle() {
 
 #[test]
 fn read_tokens_open_only_their_own_range_of_their_own_region_and_only_for_reading() {
-    let n = node();
-    let mut rm = connect(&n.rm.addr, RM, "maru-server-test");
-    let x = alloc(&mut rm);
-    let y = alloc(&mut rm);
-    let mut owner = agent_client(&n, "worker-a");
+    let (n, _rm, mut owner, [x, y]) = node_with_owner();
     map(&mut owner, &x);
     map(&mut owner, &y);
     let mut reader = agent_client(&n, "worker-b");

@@ -69,12 +69,7 @@ fn engines_share_chunks_over_verbs() {
     let n = 256;
     let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
     let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
-    for (ks, ds) in keys.chunks(32).zip(data.chunks(32)) {
-        let ok = a
-            .store_batch(&support::items(ks, ds), Some("route"))
-            .expect("store over verbs");
-        assert!(ok.iter().all(|&x| x), "every chunk stored");
-    }
+    support::store_all(&a, &keys, &data, "store over verbs");
     for (batch, idx) in keys.chunks(32).zip((0..n).collect::<Vec<_>>().chunks(32)) {
         let got = b.load_batch(batch, Some("route")).expect("load over verbs");
         for (g, &i) in got.into_iter().zip(idx) {

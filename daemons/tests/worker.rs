@@ -41,12 +41,7 @@ fn share_1000_chunks(backend: &str) {
     let n = 1000;
     let keys: Vec<String> = (0..n).map(|i| format!("prefix-{i:04}")).collect();
     let data: Vec<Vec<u8>> = (0..n).map(chunk).collect();
-    for (ks, ds) in keys.chunks(32).zip(data.chunks(32)) {
-        let ok = a
-            .store_batch(&support::items(ks, ds), Some("route"))
-            .expect("store");
-        assert!(ok.iter().all(|&x| x), "every chunk stored");
-    }
+    support::store_all(&a, &keys, &data, "store");
     let found = b.exists_batch(&keys, Some("route")).unwrap();
     assert!(found.iter().all(|&x| x));
     for batch in keys.chunks(32) {
@@ -531,26 +526,6 @@ fn an_engine_killed_mid_store_never_leaves_a_partial_chunk() {
     reader.close().unwrap();
 }
 
-/// The set-up half of a test transport that wraps the soft one in `inner`: the
-/// buffer registration and peer connection go straight through.
-macro_rules! delegate_setup {
-    () => {
-        fn register_local(
-            &self,
-            b: maru::transport::LocalBuffer,
-        ) -> Result<(), maru::transport::TransportError> {
-            self.inner.register_local(b)
-        }
-        fn connect(
-            &self,
-            meta: &serde_json::Value,
-            bringup: &mut maru::transport::Bringup<'_>,
-        ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
-            self.inner.connect(meta, bringup)
-        }
-    };
-}
-
 /// The soft transport, except that while `stall` is set a posted batch is never sent
 /// and stays pending until its peer is fenced (a peer that stopped answering).
 struct Stalling {
@@ -565,7 +540,7 @@ impl maru::transport::Transport for Stalling {
     fn name(&self) -> &'static str {
         "stalling"
     }
-    delegate_setup!();
+    support::delegate_setup!();
     fn post(
         &self,
         peer: maru::transport::PeerId,
@@ -1223,7 +1198,7 @@ impl maru::transport::Transport for CountingTransfers {
     fn name(&self) -> &'static str {
         "counting"
     }
-    delegate_setup!();
+    support::delegate_setup!();
     fn post(
         &self,
         peer: maru::transport::PeerId,

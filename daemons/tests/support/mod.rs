@@ -9,6 +9,49 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The peer connection of a test transport that wraps the soft one in `inner`: it goes
+/// straight through.
+#[allow(unused_macros)]
+macro_rules! delegate_connect {
+    () => {
+        fn connect(
+            &self,
+            meta: &serde_json::Value,
+            bringup: &mut maru::transport::Bringup<'_>,
+        ) -> Result<maru::transport::PeerId, maru::transport::TransportError> {
+            self.inner.connect(meta, bringup)
+        }
+    };
+}
+
+/// The set-up half of a test transport that wraps the soft one in `inner`: the buffer
+/// registration and the peer connection go straight through.
+#[allow(unused_macros)]
+macro_rules! delegate_setup {
+    () => {
+        fn register_local(
+            &self,
+            b: maru::transport::LocalBuffer,
+        ) -> Result<(), maru::transport::TransportError> {
+            self.inner.register_local(b)
+        }
+        $crate::support::delegate_connect!();
+    };
+}
+
+#[allow(unused_imports)]
+pub(crate) use {delegate_connect, delegate_setup};
+
+/// The code of the error reply `r` is; a panic naming what came instead.
+pub fn remote_code<T: std::fmt::Debug>(
+    r: Result<T, maru::net::ClientError>,
+) -> maru::wire::ErrorCode {
+    match r {
+        Err(maru::net::ClientError::Remote(e)) => e.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// The key file of every resource manager started here, by address: an RM makes
@@ -784,6 +827,15 @@ pub fn items<'a>(keys: &'a [String], data: &'a [Vec<u8>]) -> Vec<(&'a str, &'a [
         .zip(data)
         .map(|(k, d)| (k.as_str(), d.as_slice()))
         .collect()
+}
+
+/// Stores `keys[i]` with `data[i]` through `h` in batches of 32 under the route key
+/// `route`, each chunk stored (`what` names the path in the message).
+pub fn store_all(h: &maru::worker::Handler, keys: &[String], data: &[Vec<u8>], what: &str) {
+    for (ks, ds) in keys.chunks(32).zip(data.chunks(32)) {
+        let ok = h.store_batch(&items(ks, ds), Some("route")).expect(what);
+        assert!(ok.iter().all(|&x| x), "every chunk stored ({what})");
+    }
 }
 
 /// A small deterministic generator (xorshift): a test that fails can be run again
