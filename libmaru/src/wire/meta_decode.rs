@@ -100,68 +100,98 @@ impl<'de> Deserialize<'de> for Again {
     }
 }
 
-/// The fields of `exists`, `acquire`, `remove`, `pin` and `unpin`. Each body
-/// refuses a field it does not know, which sends the request to the buffered decoder:
-/// a value skipped here is not checked as the buffered decoder checks it (a string's
+/// The body of a hot op: `session`, the op's own fields, and a guard on each of the
+/// head's fields (`id`, `op`) coming again; and how it becomes its request. Each body
+/// refuses a field it does not know, which sends the request to the buffered decoder: a
+/// value skipped here is not checked as the buffered decoder checks it (a string's
 /// UTF-8, found by fuzz-smoke: `"rprev_ke!y": "\xb4"` taken here, refused there).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct KeysBody {
-    session: u64,
-    keys: Vec<String>,
-    #[serde(default)]
-    id: Again,
-    #[serde(default)]
-    op: Again,
+macro_rules! hot_body {
+    ($name:ident { $($(#[$attr:meta])* $field:ident: $ty:ty),* $(,)? }
+     |$b:ident, $op:pat_param| $request:expr) => {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct $name {
+            session: u64,
+            $($(#[$attr])* $field: $ty,)*
+            #[serde(default)]
+            id: Again,
+            #[serde(default)]
+            op: Again,
+        }
+
+        impl HotBody for $name {
+            fn again(&self) -> bool {
+                self.id.0 || self.op.0
+            }
+            fn request(self, $op: HotOp) -> MetaRequest {
+                let $b = self;
+                $request
+            }
+        }
+    };
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PublishBody {
-    session: u64,
-    entries: Vec<Entry>,
-    #[serde(default)]
-    id: Again,
-    #[serde(default)]
-    op: Again,
+/// A hot op's body as [`hot_body`] writes it.
+trait HotBody {
+    /// True when the head's `id` or `op` came again in the body.
+    fn again(&self) -> bool;
+    /// The request `op` asks with this body.
+    fn request(self, op: HotOp) -> MetaRequest;
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AllocBody {
-    session: u64,
+// `exists`, `acquire`, `remove`, `pin` and `unpin`.
+hot_body!(KeysBody { keys: Vec<String> } |b, op| {
+    let (session, keys) = (b.session, b.keys);
+    match op {
+        HotOp::Exists => MetaRequest::Exists { session, keys },
+        HotOp::Acquire => MetaRequest::Acquire { session, keys },
+        HotOp::Remove => MetaRequest::Remove { session, keys },
+        HotOp::Pin => MetaRequest::Pin { session, keys },
+        _ => MetaRequest::Unpin { session, keys },
+    }
+});
+hot_body!(PublishBody { entries: Vec<Entry> } |b, _| MetaRequest::Publish {
+    session: b.session,
+    entries: b.entries.into_iter().map(Entry::into_entry).collect(),
+});
+hot_body!(AllocBody {
     count: u32,
     #[serde(default)]
     route_key: Option<String>,
-    #[serde(default)]
-    id: Again,
-    #[serde(default)]
-    op: Again,
+} |b, _| MetaRequest::Alloc {
+    session: b.session,
+    count: b.count,
+    route_key: b.route_key,
+});
+hot_body!(FreePagesBody { pages: Vec<Page> } |b, _| MetaRequest::FreePages {
+    session: b.session,
+    pages: b.pages.into_iter().map(|p| PageRef { region_id: p.region_id, page: p.page }).collect(),
+});
+hot_body!(ReleaseBody { lease_ids: Vec<u64> } |b, _| MetaRequest::ReleaseLeases {
+    session: b.session,
+    lease_ids: b.lease_ids,
+});
+
+/// The body of `op` read from the rest of the map, as its request; an error (the
+/// buffered decoder decides) where the head's fields come again.
+fn hot<'de, B, A>(rest: MapAccessDeserializer<A>, op: HotOp) -> Result<MetaRequest, A::Error>
+where
+    B: HotBody + Deserialize<'de>,
+    A: MapAccess<'de>,
+{
+    let b = B::deserialize(rest)?;
+    if b.again() {
+        return Err(other());
+    }
+    Ok(b.request(op))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FreePagesBody {
-    session: u64,
-    pages: Vec<Page>,
-    #[serde(default)]
-    id: Again,
-    #[serde(default)]
-    op: Again,
+/// The error that sends a body to the buffered decoder.
+fn other<E: de::Error>() -> E {
+    E::custom("another order or op: the buffered decoder reads it")
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReleaseBody {
-    session: u64,
-    lease_ids: Vec<u64>,
-    #[serde(default)]
-    id: Again,
-    #[serde(default)]
-    op: Again,
-}
-
-/// A [`PublishEntry`] that refuses a field it does not know (see [`KeysBody`]).
+/// A [`PublishEntry`] that refuses a field it does not know (see [`hot_body`]).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Entry {
@@ -204,7 +234,6 @@ impl<'de> Visitor<'de> for InOrder {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let other = || de::Error::custom("another order or op: the buffered decoder reads it");
         if map.next_key::<Head>()? != Some(Head::Id) {
             return Err(other());
         }
@@ -214,63 +243,15 @@ impl<'de> Visitor<'de> for InOrder {
         }
         let op: HotOp = map.next_value()?;
         let rest = MapAccessDeserializer::new(map);
-        let (body, again) = match op {
+        let body = match op {
             HotOp::Exists | HotOp::Acquire | HotOp::Remove | HotOp::Pin | HotOp::Unpin => {
-                let b = KeysBody::deserialize(rest)?;
-                let (session, keys) = (b.session, b.keys);
-                let req = match op {
-                    HotOp::Exists => MetaRequest::Exists { session, keys },
-                    HotOp::Acquire => MetaRequest::Acquire { session, keys },
-                    HotOp::Remove => MetaRequest::Remove { session, keys },
-                    HotOp::Pin => MetaRequest::Pin { session, keys },
-                    _ => MetaRequest::Unpin { session, keys },
-                };
-                (req, b.id.0 || b.op.0)
+                hot::<KeysBody, _>(rest, op)
             }
-            HotOp::Publish => {
-                let b = PublishBody::deserialize(rest)?;
-                let req = MetaRequest::Publish {
-                    session: b.session,
-                    entries: b.entries.into_iter().map(Entry::into_entry).collect(),
-                };
-                (req, b.id.0 || b.op.0)
-            }
-            HotOp::Alloc => {
-                let b = AllocBody::deserialize(rest)?;
-                let req = MetaRequest::Alloc {
-                    session: b.session,
-                    count: b.count,
-                    route_key: b.route_key,
-                };
-                (req, b.id.0 || b.op.0)
-            }
-            HotOp::FreePages => {
-                let b = FreePagesBody::deserialize(rest)?;
-                let req = MetaRequest::FreePages {
-                    session: b.session,
-                    pages: b
-                        .pages
-                        .into_iter()
-                        .map(|p| PageRef {
-                            region_id: p.region_id,
-                            page: p.page,
-                        })
-                        .collect(),
-                };
-                (req, b.id.0 || b.op.0)
-            }
-            HotOp::ReleaseLeases => {
-                let b = ReleaseBody::deserialize(rest)?;
-                let req = MetaRequest::ReleaseLeases {
-                    session: b.session,
-                    lease_ids: b.lease_ids,
-                };
-                (req, b.id.0 || b.op.0)
-            }
-        };
-        if again {
-            return Err(other());
-        }
+            HotOp::Publish => hot::<PublishBody, _>(rest, op),
+            HotOp::Alloc => hot::<AllocBody, _>(rest, op),
+            HotOp::FreePages => hot::<FreePagesBody, _>(rest, op),
+            HotOp::ReleaseLeases => hot::<ReleaseBody, _>(rest, op),
+        }?;
         Ok(Envelope { id, body })
     }
 }
