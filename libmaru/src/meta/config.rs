@@ -203,38 +203,21 @@ mod tests {
     #[test]
     fn bad_settings_say_what_to_change() {
         assert!(MetaConfig::default().validate().is_ok());
-        let bad = [
-            MetaConfig {
-                chunk_size: 0,
-                ..Default::default()
-            },
-            MetaConfig {
-                region_size: 1,
-                ..Default::default()
-            },
-            MetaConfig {
-                session_timeout_ms: 0,
-                ..Default::default()
-            },
-            MetaConfig {
-                max_sessions: 0,
-                ..Default::default()
-            },
-            MetaConfig {
-                agents: vec!["nohost".into()],
-                ..Default::default()
-            },
-            MetaConfig {
-                agents: vec![":9860".into()],
-                ..Default::default()
-            },
-            MetaConfig {
-                agents: vec!["a:1".into(), "a:1".into()],
-                ..Default::default()
-            },
+        let bad: [fn(&mut MetaConfig); 7] = [
+            |c| c.chunk_size = 0,
+            |c| c.region_size = 1,
+            |c| c.session_timeout_ms = 0,
+            |c| c.max_sessions = 0,
+            |c| c.agents = vec!["nohost".into()],
+            |c| c.agents = vec![":9860".into()],
+            |c| c.agents = vec!["a:1".into(), "a:1".into()],
         ];
-        for c in bad {
-            let e = c.validate().unwrap_err();
+        for (i, spoil) in bad.into_iter().enumerate() {
+            let mut c = MetaConfig::default();
+            spoil(&mut c);
+            let Err(e) = c.validate() else {
+                panic!("bad setting {i} accepted");
+            };
             assert!(!e.to_string().is_empty());
         }
         let ok = MetaConfig {

@@ -12,28 +12,25 @@ use super::sessions::SessionError;
 use crate::wire::meta::{MAX_BATCH, MAX_KEY_LEN};
 use crate::wire::{ErrorCode, WireError};
 
-pub(super) fn refused(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::Refused, m)
+/// One constructor per error code the core answers with: `refused(m)` is the
+/// [`ErrorCode::Refused`] error saying `m`, and so on.
+macro_rules! code_errors {
+    ($($name:ident => $code:ident),* $(,)?) => {
+        $(
+            pub(super) fn $name(m: impl Into<String>) -> WireError {
+                WireError::new(ErrorCode::$code, m)
+            }
+        )*
+    };
 }
 
-pub(super) fn bad_request(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::BadRequest, m)
-}
-
-pub(super) fn permission(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::Permission, m)
-}
-
-pub(super) fn no_space(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::NoSpace, m)
-}
-
-pub(super) fn unsupported(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::Unsupported, m)
-}
-
-pub(super) fn internal(m: impl Into<String>) -> WireError {
-    WireError::new(ErrorCode::Internal, m)
+code_errors! {
+    refused => Refused,
+    bad_request => BadRequest,
+    permission => Permission,
+    no_space => NoSpace,
+    unsupported => Unsupported,
+    internal => Internal,
 }
 
 /// A batch larger than [`MAX_BATCH`] is refused whole.

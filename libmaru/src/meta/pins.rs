@@ -24,6 +24,14 @@ pub struct PinLimit {
     pub limit: usize,
 }
 
+/// The members of the set at `at` in `sets` (none when it has none), copied out so that the
+/// table can change while they are visited.
+fn members<K: std::hash::Hash + Eq, V: Copy>(sets: &HashMap<K, HashSet<V>>, at: &K) -> Vec<V> {
+    sets.get(at)
+        .map(|s| s.iter().copied().collect())
+        .unwrap_or_default()
+}
+
 #[derive(Debug, Default)]
 pub struct PinTable {
     /// (session, key) → how many times that session pinned it.
@@ -91,11 +99,7 @@ impl PinTable {
 
     /// Every pin of `session`; returns how many distinct keys it pinned.
     pub fn end_session(&mut self, session: u64) -> usize {
-        let keys: Vec<KeyId> = self
-            .per_session
-            .get(&session)
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
+        let keys = members(&self.per_session, &session);
         for &k in &keys {
             self.drop_pin(session, k);
         }
@@ -104,11 +108,7 @@ impl PinTable {
 
     /// Every pin of a key that is gone (removed or its region lost).
     pub fn end_key(&mut self, key: KeyId) {
-        let sessions: Vec<u64> = self
-            .per_key
-            .get(&key)
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
+        let sessions = members(&self.per_key, &key);
         for s in sessions {
             self.drop_pin(s, key);
         }
@@ -116,11 +116,7 @@ impl PinTable {
 
     /// Every pin of the region's keys (the region is lost); returns how many keys.
     pub fn end_region(&mut self, region_id: u64) -> usize {
-        let keys: Vec<KeyId> = self
-            .per_region
-            .get(&region_id)
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
+        let keys = members(&self.per_region, &region_id);
         for &k in &keys {
             self.end_key(k);
         }
