@@ -100,6 +100,34 @@ struct Args {
     metrics_every: f64,
 }
 
+/// Where a call on a kept connection failed.
+enum Failed {
+    /// No connection could be opened.
+    Connect(ClientError),
+    /// The call on the connection.
+    Call(ClientError),
+}
+
+/// `req` on the connection kept in `conn`, opened to `addr` with `opts` first when
+/// there is none; one that broke (I/O error or timeout) is dropped, to be opened
+/// again at the next call.
+fn call_kept<Req: serde::Serialize, Rep: serde::de::DeserializeOwned>(
+    conn: &mut Option<Client>,
+    addr: &str,
+    opts: &ClientOptions,
+    req: &Req,
+) -> Result<Rep, Failed> {
+    let c = match conn {
+        Some(c) => c,
+        None => conn.insert(Client::connect(addr, opts).map_err(Failed::Connect)?),
+    };
+    let r = c.call(req);
+    if let Err(ClientError::Io { .. } | ClientError::Timeout { .. }) = &r {
+        *conn = None;
+    }
+    r.map_err(Failed::Call)
+}
+
 /// Connections kept across refreshes; a broken one is opened again on the next.
 struct Source {
     server: String,
@@ -127,37 +155,19 @@ impl Source {
     }
 
     fn server_call(&mut self, req: &MetaRequest) -> Result<MetaReply, String> {
-        if self.server_conn.is_none() {
-            let opts = self.options(meta::SERVICE, self.server_key.clone());
-            let c = Client::connect(&self.server, &opts)
-                .map_err(|e| format!("cannot reach maru-server at {}: {e}", self.server))?;
-            self.server_conn = Some(c);
-        }
-        let Some(c) = self.server_conn.as_mut() else {
-            return Err("no connection".into());
-        };
-        let r = c.call::<_, MetaReply>(req);
-        if let Err(ClientError::Io { .. } | ClientError::Timeout { .. }) = &r {
-            self.server_conn = None;
-        }
-        r.map_err(|e| format!("maru-server at {}: {e}", self.server))
+        let opts = self.options(meta::SERVICE, self.server_key.clone());
+        call_kept(&mut self.server_conn, &self.server, &opts, req).map_err(|f| match f {
+            Failed::Connect(e) => format!("cannot reach maru-server at {}: {e}", self.server),
+            Failed::Call(e) => format!("maru-server at {}: {e}", self.server),
+        })
     }
 
     fn rm_call(&mut self, addr: &str, req: &RmRequest) -> Result<RmReply, String> {
-        if self.rm_conn.is_none() {
-            let opts = self.options(rm::SERVICE, self.rm_key.clone());
-            let c = Client::connect(addr, &opts)
-                .map_err(|e| format!("cannot reach the resource manager: {e}"))?;
-            self.rm_conn = Some(c);
-        }
-        let Some(c) = self.rm_conn.as_mut() else {
-            return Err("no connection".into());
-        };
-        let r = c.call::<_, RmReply>(req);
-        if let Err(ClientError::Io { .. } | ClientError::Timeout { .. }) = &r {
-            self.rm_conn = None;
-        }
-        r.map_err(|e| e.to_string())
+        let opts = self.options(rm::SERVICE, self.rm_key.clone());
+        call_kept(&mut self.rm_conn, addr, &opts, req).map_err(|f| match f {
+            Failed::Connect(e) => format!("cannot reach the resource manager: {e}"),
+            Failed::Call(e) => e.to_string(),
+        })
     }
 
     fn agent_view(&mut self, addr: &str) -> AgentView {
