@@ -648,18 +648,12 @@ impl MetaCore {
         for (rid, sid) in due {
             self.leave_region(sid, rid);
             self.fair.region_gone(rid, None);
-            let Some(r) = self.regions.get_mut(rid) else {
-                continue;
-            };
-            r.holder = Holder::GivingBack;
-            r.unused_since_ms = None;
-            let (handle, agent) = (r.handle.clone(), r.agent.clone());
-            log::info!(
-                "region {rid}: session {sid} held it for {limit} ms without storing in it; \
-                 it goes back"
-            );
-            self.keeper
-                .give_back(handle, agent, false, GiveBackReason::Unused, now_ms);
+            if self.send_back(rid, GiveBackReason::Unused, now_ms) {
+                log::info!(
+                    "region {rid}: session {sid} held it for {limit} ms without storing in it; \
+                     it goes back"
+                );
+            }
         }
     }
 }

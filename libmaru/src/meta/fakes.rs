@@ -586,7 +586,7 @@ impl World {
             client,
             MetaRequest::Exists {
                 session,
-                keys: keys.iter().map(|k| k.to_string()).collect(),
+                keys: owned(keys),
             },
         ) {
             Ok(MetaReply::Exists { found }) => found,
@@ -604,7 +604,7 @@ impl World {
             client,
             MetaRequest::Acquire {
                 session,
-                keys: keys.iter().map(|k| k.to_string()).collect(),
+                keys: owned(keys),
             },
         )? {
             MetaReply::Leases { leases } => Ok(leases),
@@ -694,4 +694,9 @@ pub fn chain_entries(prev: Option<&str>, keys: &[&str], pages: &[PageGrant]) -> 
             prev: prev.map(str::to_string),
         })
         .collect()
+}
+
+/// `keys` as a request carries them.
+fn owned(keys: &[&str]) -> Vec<String> {
+    keys.iter().map(|k| k.to_string()).collect()
 }

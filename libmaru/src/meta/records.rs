@@ -376,10 +376,17 @@ struct Reader<'a> {
     at: usize,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// The next `n` bytes, or None (nothing read) when the record ends before them.
+    fn next(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len())?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Some(s)
+    }
+
     fn take<const N: usize>(&mut self, what: &str) -> Result<[u8; N], RecordError> {
-        let end = self.at.checked_add(N).filter(|&e| e <= self.b.len());
-        let Some(end) = end else {
+        let Some(s) = self.next(N) else {
             return Err(RecordError(format!(
                 "the record ends before its {what} (byte {} of {})",
                 self.at,
@@ -387,8 +394,7 @@ impl Reader<'_> {
             )));
         };
         let mut a = [0u8; N];
-        a.copy_from_slice(&self.b[self.at..end]);
-        self.at = end;
+        a.copy_from_slice(s);
         Ok(a)
     }
 
@@ -402,17 +408,15 @@ impl Reader<'_> {
 
     fn name(&mut self, what: &str) -> Result<String, RecordError> {
         let n = u16::from_le_bytes(self.take::<2>(what)?) as usize;
-        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
-        let Some(end) = end else {
+        let Some(s) = self.next(n) else {
             return Err(RecordError(format!(
                 "the record ends inside its {what} ({n} bytes at byte {} of {})",
                 self.at,
                 self.b.len()
             )));
         };
-        let s = std::str::from_utf8(&self.b[self.at..end])
+        let s = std::str::from_utf8(s)
             .map_err(|e| RecordError(format!("its {what} is not UTF-8: {e}")))?;
-        self.at = end;
         Ok(s.to_string())
     }
 }

@@ -227,23 +227,36 @@ impl MetaCore {
         self.leave_region(session, region_id);
         self.fair.taken(session);
         let (keys, _) = self.hide_region(region_id);
-        let Some(r) = self.regions.get_mut(region_id) else {
+        if !self.send_back(region_id, GiveBackReason::FairShare, now_ms) {
             return;
-        };
-        r.holder = Holder::GivingBack;
-        r.unused_since_ms = None;
-        let (handle, agent) = (r.handle.clone(), r.agent.clone());
+        }
         log::info!(
             "the pool is full and {} storing sessions wait for a region: region {region_id} \
              ({keys} keys, none being written, leased or pinned) is taken back from session \
              {session}, the one furthest above its fair share",
             self.fair.waiting()
         );
-        self.keeper
-            .give_back(handle, agent, false, GiveBackReason::FairShare, now_ms);
         if let Some(e) = self.keeper.free_now(region_id, now_ms, rm) {
             self.apply(&[e]);
         }
+    }
+
+    /// Hands a region that left its session to the keeper, to be released and freed
+    /// at the RM (`reason` for its counts); false when there is no such region.
+    pub(super) fn send_back(
+        &mut self,
+        region_id: u64,
+        reason: GiveBackReason,
+        now_ms: u64,
+    ) -> bool {
+        let Some(r) = self.regions.get_mut(region_id) else {
+            return false;
+        };
+        r.holder = Holder::GivingBack;
+        r.unused_since_ms = None;
+        let (handle, agent) = (r.handle.clone(), r.agent.clone());
+        self.keeper.give_back(handle, agent, false, reason, now_ms);
+        true
     }
 
     pub(super) fn heartbeat(

@@ -632,6 +632,22 @@ mod tests {
     }
 
     /// A peer that accepts connections and does what `serve` does with each.
+    /// How long a connect to `addr` within `limit` took to give up (call timeout 10 s);
+    /// it must end in a timeout.
+    fn connect_times_out(addr: &str, limit: Duration) -> Duration {
+        let mut opts = ClientOptions::new("slow-echo", "t");
+        opts.call_timeout = Duration::from_secs(10);
+        let t = Instant::now();
+        let r = Client::connect_within(addr, &opts, limit);
+        let took = t.elapsed();
+        assert!(
+            matches!(r, Err(ClientError::Timeout { .. })),
+            "{:?}",
+            r.err()
+        );
+        took
+    }
+
     fn raw_peer(serve: fn(std::net::TcpStream)) -> String {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind on loopback");
         let addr = l.local_addr().expect("addr").to_string();
@@ -652,16 +668,7 @@ mod tests {
             std::thread::sleep(Duration::from_secs(30));
             drop(s);
         });
-        let mut opts = ClientOptions::new("slow-echo", "t");
-        opts.call_timeout = Duration::from_secs(10);
-        let t = Instant::now();
-        let r = Client::connect_within(&addr, &opts, Duration::from_millis(300));
-        let took = t.elapsed();
-        assert!(
-            matches!(r, Err(ClientError::Timeout { .. })),
-            "{:?}",
-            r.err()
-        );
+        let took = connect_times_out(&addr, Duration::from_millis(300));
         assert!(
             took >= Duration::from_millis(290) && took < Duration::from_millis(1500),
             "{took:?}"
@@ -682,16 +689,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(50));
             }
         });
-        let mut opts = ClientOptions::new("slow-echo", "t");
-        opts.call_timeout = Duration::from_secs(10);
-        let t = Instant::now();
-        let r = Client::connect_within(&addr, &opts, Duration::from_millis(400));
-        let took = t.elapsed();
-        assert!(
-            matches!(r, Err(ClientError::Timeout { .. })),
-            "{:?}",
-            r.err()
-        );
+        let took = connect_times_out(&addr, Duration::from_millis(400));
         assert!(took < Duration::from_millis(1500), "{took:?}");
     }
 
