@@ -5,12 +5,39 @@ use super::fakes::*;
 use super::MetaConfig;
 use crate::auth::read_token;
 use crate::wire::meta::{
-    Backend, MetaReply, MetaRequest, PageRef, PublishEntry, RemoveResult, SkipCounts, TotalStats,
-    CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH,
+    Backend, MetaReply, MetaRequest, PageRef, PublishEntry, RegionGrant, RemoveResult, SkipCounts,
+    TotalStats, CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH,
 };
 use crate::wire::{ErrorCode, WireError};
 
-fn code(r: Result<MetaReply, WireError>) -> ErrorCode {
+/// An OPEN_SESSION of a remote_cxl session with its first region.
+fn open_remote() -> MetaRequest {
+    MetaRequest::OpenSession {
+        engine_id: "e".into(),
+        namespace: "ns".into(),
+        layout: "l".into(),
+        backend: Backend::RemoteCxl,
+        first_region: true,
+    }
+}
+
+/// A world where a session of [`W1`] stored `k`: the world, the session, its region
+/// and the totals then.
+fn k_stored() -> (World, u64, RegionGrant, TotalStats) {
+    let mut w = World::remote();
+    let (a, g) = w.open(W1);
+    w.store(W1, a, &["k"]);
+    let before = totals(&w);
+    (w, a, g, before)
+}
+
+/// Nothing changed since [`k_stored`]: the same totals, and `k` still there.
+fn assert_untouched(w: &mut World, a: u64, before: &TotalStats) {
+    assert_eq!(&totals(w), before);
+    assert_eq!(w.exists(W1, a, &["k"]), vec![true]);
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, WireError>) -> ErrorCode {
     match r {
         Err(e) => e.code,
         Ok(r) => panic!("expected an error, got {r:?}"),
@@ -37,16 +64,7 @@ fn the_handshake_offers_remote_cxl_only_with_agents() {
         assert_eq!(h.rm_address, "10.0.0.1:9850");
     }
     let mut w = World::cxl();
-    let r = w.req(
-        W1,
-        MetaRequest::OpenSession {
-            engine_id: "e".into(),
-            namespace: "ns".into(),
-            layout: "l".into(),
-            backend: Backend::RemoteCxl,
-            first_region: true,
-        },
-    );
+    let r = w.req(W1, open_remote());
     assert_eq!(code(r), ErrorCode::Unsupported);
     assert!(w.calls().is_empty(), "no region was asked for");
 }
@@ -70,9 +88,7 @@ fn a_session_gets_a_region_with_its_agent_and_pages() {
 
 #[test]
 fn a_key_is_not_found_before_it_is_published() {
-    let mut w = World::remote();
-    let (a, ga) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, ga), (b, _)) = World::remote().with_two_sessions();
     // The worker's route key is the request's first chunk key: still not published.
     let Ok(MetaReply::Pages(p)) = w.req(
         W1,
@@ -117,9 +133,7 @@ fn a_key_is_not_found_before_it_is_published() {
 
 #[test]
 fn cxl_leases_say_where_the_region_is_on_the_device() {
-    let mut w = World::cxl();
-    let (a, ga) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, ga), (b, _)) = World::cxl().with_two_sessions();
     w.store(W1, a, &["k"]);
     let lease = w.acquire(W2, b, &["k"]).remove(0).unwrap();
     let d = lease.device.unwrap();
@@ -132,9 +146,7 @@ fn cxl_leases_say_where_the_region_is_on_the_device() {
 
 #[test]
 fn a_session_publishes_only_into_its_own_regions() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     let (pages, _) = w.alloc(W1, a, 2);
     let p = pages[0];
     // B names A's region (and an allocated page of it): refused, nothing published.
@@ -213,9 +225,7 @@ fn publish_needs_an_allocated_page_and_a_sane_length() {
 
 #[test]
 fn the_first_publish_of_a_key_wins() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     let pa = w.store(W1, a, &["k"])[0];
     let (pages, _) = w.alloc(W2, b, 1);
     let pb = pages[0];
@@ -281,16 +291,7 @@ fn expand_is_refused_for_good_when_a_region_exceeds_the_largest_pool() {
         "the RM was not asked: {:?}",
         w.calls()
     );
-    let r = w.req(
-        W2,
-        MetaRequest::OpenSession {
-            engine_id: "e".into(),
-            namespace: "ns".into(),
-            layout: "l".into(),
-            backend: Backend::RemoteCxl,
-            first_region: true,
-        },
-    );
+    let r = w.req(W2, open_remote());
     assert_eq!(code(r), ErrorCode::Refused);
     assert_eq!(w.core.session_count(), 1, "no session was opened");
 }
@@ -330,9 +331,7 @@ fn alloc_says_what_is_missing_and_expand_adds_a_region() {
 
 #[test]
 fn victims_are_unleased_keys_of_the_callers_own_regions_oldest_first() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["a0", "a1", "a2"]);
     w.store(W2, b, &["b0", "b1"]);
     // B reads a0 (now the newest of A's), and holds a lease on a1.
@@ -381,21 +380,11 @@ fn victims_span_the_callers_regions_in_lru_order() {
 
 #[test]
 fn remove_refuses_keys_of_other_sessions_and_leased_keys() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     let pa = w.store(W1, a, &["a0", "a1"]);
     w.store(W2, b, &["b0"]);
     w.acquire(W2, b, &["a1"]);
-    let Ok(MetaReply::Removed { results }) = w.req(
-        W1,
-        MetaRequest::Remove {
-            session: a,
-            keys: strings(&["b0", "a1", "a0", "nope"]),
-        },
-    ) else {
-        panic!("remove");
-    };
+    let results = w.remove(W1, a, &["b0", "a1", "a0", "nope"]);
     assert_eq!(
         results,
         vec![
@@ -416,22 +405,11 @@ fn remove_refuses_keys_of_other_sessions_and_leased_keys() {
 
 #[test]
 fn a_return_hides_keys_ends_leases_and_frees_at_the_rm() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     let r = g.handle.region_id;
     w.store(W1, a, &["k0", "k1"]);
     let lease = w.acquire(W2, b, &["k0"]).remove(0).unwrap();
-    let Ok(MetaReply::Returned(ret)) = w.req(
-        W1,
-        MetaRequest::ReturnRegion {
-            session: a,
-            region_id: r,
-            released: true,
-        },
-    ) else {
-        panic!("return");
-    };
+    let ret = w.return_region(W1, a, r, true).unwrap();
     assert!(ret.freed);
     assert_eq!((ret.keys_dropped, ret.leases_ended), (2, 1));
     assert_eq!(w.exists(W2, b, &["k0", "k1"]), vec![false, false]);
@@ -451,21 +429,9 @@ fn a_return_hides_keys_ends_leases_and_frees_at_the_rm() {
 
 #[test]
 fn a_remote_return_without_a_confirmed_release_is_released_before_the_free() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let r = g.handle.region_id;
-    let agent = g.agent.unwrap();
+    let (mut w, a, r, agent) = World::remote_session();
     w.agents.down.insert(agent.clone());
-    let Ok(MetaReply::Returned(ret)) = w.req(
-        W1,
-        MetaRequest::ReturnRegion {
-            session: a,
-            region_id: r,
-            released: false,
-        },
-    ) else {
-        panic!("return");
-    };
+    let ret = w.return_region(W1, a, r, false).unwrap();
     assert!(!ret.freed);
     w.run_for(10_000, 1_000);
     assert!(w.at_rm(r), "not freed while its agent cannot release it");
@@ -482,16 +448,7 @@ fn a_failed_free_at_the_rm_is_retried() {
     let (a, g) = w.open(W1);
     let r = g.handle.region_id;
     w.rm.fail_free = true;
-    let Ok(MetaReply::Returned(ret)) = w.req(
-        W1,
-        MetaRequest::ReturnRegion {
-            session: a,
-            region_id: r,
-            released: false,
-        },
-    ) else {
-        panic!("return");
-    };
+    let ret = w.return_region(W1, a, r, false).unwrap();
     assert!(!ret.freed);
     assert_eq!(totals(&w).giving_back, 1);
     w.advance(1_000);
@@ -504,27 +461,11 @@ fn a_failed_free_at_the_rm_is_retried() {
 
 #[test]
 fn a_region_of_another_session_is_not_returned() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k"]);
-    let r = w.req(
-        W2,
-        MetaRequest::ReturnRegion {
-            session: b,
-            region_id: g.handle.region_id,
-            released: true,
-        },
-    );
+    let r = w.return_region(W2, b, g.handle.region_id, true);
     assert_eq!(code(r), ErrorCode::Permission);
-    let r = w.req(
-        W2,
-        MetaRequest::ReturnRegion {
-            session: b,
-            region_id: 999,
-            released: true,
-        },
-    );
+    let r = w.return_region(W2, b, 999, true);
     assert_eq!(code(r), ErrorCode::Refused);
     assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
     assert!(w.at_rm(g.handle.region_id));
@@ -587,9 +528,7 @@ fn any_request_of_a_session_keeps_it_alive() {
 
 #[test]
 fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     let r = g.handle.region_id;
     // The worker reports a region's boot id before it publishes keys in it.
     w.heartbeat(W1, a, &[(r, BOOT)]);
@@ -629,18 +568,7 @@ fn the_session_limit_refuses_clearly() {
     let mut w = World::with(cfg, 16 * REGION);
     let (a, _) = w.open(W1);
     w.clear_log();
-    let e = w
-        .req(
-            W2,
-            MetaRequest::OpenSession {
-                engine_id: "e".into(),
-                namespace: "ns".into(),
-                layout: "l".into(),
-                backend: Backend::RemoteCxl,
-                first_region: true,
-            },
-        )
-        .unwrap_err();
+    let e = w.req(W2, open_remote()).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused);
     assert!(e.message.contains("at most 1"), "{e}");
     assert!(w.calls().is_empty(), "no region was asked for");
@@ -650,9 +578,7 @@ fn the_session_limit_refuses_clearly() {
 
 #[test]
 fn the_lease_limit_refuses_an_acquire_whole() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k", "j"]);
     let many: Vec<&str> = vec!["k"; LEASE_LIMIT - 1];
     let leases = w.acquire(W2, b, &many);
@@ -672,9 +598,7 @@ fn the_lease_limit_refuses_an_acquire_whole() {
 
 #[test]
 fn leases_expire_and_then_stop_protecting_their_key() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k"]);
     let l = w.acquire(W2, b, &["k"]).remove(0).unwrap();
     assert_eq!(l.expires_in_ms, 5_000);
@@ -686,23 +610,13 @@ fn leases_expire_and_then_stop_protecting_their_key() {
         w.release_leases(W2, b, vec![l.lease_id]).unwrap(),
         vec![false]
     );
-    let Ok(MetaReply::Removed { results }) = w.req(
-        W1,
-        MetaRequest::Remove {
-            session: a,
-            keys: strings(&["k"]),
-        },
-    ) else {
-        panic!("remove");
-    };
+    let results = w.remove(W1, a, &["k"]);
     assert_eq!(results, vec![RemoveResult::Removed]);
 }
 
 #[test]
 fn a_lease_of_another_session_is_refused_and_nothing_is_released() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k"]);
     let mine = w.acquire(W1, a, &["k"]).remove(0).unwrap().lease_id;
     let theirs = w.acquire(W2, b, &["k"]).remove(0).unwrap().lease_id;
@@ -715,10 +629,7 @@ fn a_lease_of_another_session_is_refused_and_nothing_is_released() {
 
 #[test]
 fn unknown_sessions_and_sessions_of_other_clients_answer_no_session() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    w.store(W1, a, &["k"]);
-    let before = totals(&w);
+    let (mut w, a, _, before) = k_stored();
     for (client, session) in [(W1, 99), (W2, a)] {
         for req in [
             MetaRequest::Expand { session },
@@ -741,16 +652,12 @@ fn unknown_sessions_and_sessions_of_other_clients_answer_no_session() {
             assert!(e.message.contains("open a new session"), "{e}");
         }
     }
-    assert_eq!(totals(&w), before);
-    assert_eq!(w.exists(W1, a, &["k"]), vec![true]);
+    assert_untouched(&mut w, a, &before);
 }
 
 #[test]
 fn batches_over_the_cap_are_refused_whole() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    w.store(W1, a, &["k"]);
-    let before = totals(&w);
+    let (mut w, a, g, before) = k_stored();
     let r = g.handle.region_id;
     let big_keys = vec!["k".to_string(); MAX_BATCH + 1];
     for req in [
@@ -817,15 +724,12 @@ fn batches_over_the_cap_are_refused_whole() {
         },
     );
     assert_eq!(code(r2), ErrorCode::BadRequest);
-    assert_eq!(totals(&w), before);
-    assert_eq!(w.exists(W1, a, &["k"]), vec![true]);
+    assert_untouched(&mut w, a, &before);
 }
 
 #[test]
 fn free_pages_refuses_double_frees_foreign_pages_and_pages_with_keys() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     let r = g.handle.region_id;
     let keyed = w.store(W1, a, &["k"])[0];
     let (pages, _) = w.alloc(W1, a, 1);
@@ -889,9 +793,7 @@ fn free_pages_refuses_double_frees_foreign_pages_and_pages_with_keys() {
 /// `note_skipped` call taken out of `heartbeat` (stats showed 0).
 #[test]
 fn skip_counts_of_heartbeats_show_in_stats_per_session_and_in_total() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     let beat = |w: &mut World, client: &str, session: u64, skipped: Option<SkipCounts>| {
         let beat = Beat {
             skipped,
@@ -933,9 +835,7 @@ fn skip_counts_of_heartbeats_show_in_stats_per_session_and_in_total() {
 
 #[test]
 fn stats_count_per_session_and_in_total() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k0", "k1"]);
     w.acquire(W2, b, &["k0", "nope", "k1"]);
     let Ok(MetaReply::Stats(s)) = w.req(W2, MetaRequest::Stats { session: None }) else {
@@ -1001,62 +901,24 @@ fn a_closed_connection_ends_nothing() {
     );
 }
 
-fn pin(w: &mut World, client: &str, session: u64, keys: &[&str], on: bool) -> Vec<bool> {
-    let req = if on {
-        MetaRequest::Pin {
-            session,
-            keys: strings(keys),
-        }
-    } else {
-        MetaRequest::Unpin {
-            session,
-            keys: strings(keys),
-        }
-    };
-    match w.req(client, req) {
-        Ok(MetaReply::Pinned { pinned }) => pinned,
-        Ok(MetaReply::Unpinned { unpinned }) => unpinned,
-        r => panic!("pin: {r:?}"),
-    }
-}
-
 #[test]
 fn pinned_keys_are_neither_victims_nor_removed_until_unpinned() {
-    let mut w = World::remote();
-    let (a, _) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, _), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["a0", "a1"]);
     // Any session of the scope pins; a miss is not pinned.
-    assert_eq!(pin(&mut w, W2, b, &["a0", "nope"], true), vec![true, false]);
-    assert_eq!(pin(&mut w, W2, b, &["a0"], true), vec![true], "pins count");
-    let victims = |w: &mut World| match w.req(W1, MetaRequest::Victims { session: a, max: 9 }) {
-        Ok(MetaReply::Victims { victims }) => {
-            victims.into_iter().map(|v| v.key).collect::<Vec<_>>()
-        }
-        r => panic!("victims: {r:?}"),
-    };
+    assert_eq!(w.pin(W2, b, &["a0", "nope"], true), vec![true, false]);
+    assert_eq!(w.pin(W2, b, &["a0"], true), vec![true], "pins count");
+    let victims = |w: &mut World| w.victims(W1, a, 9);
     assert_eq!(victims(&mut w), vec!["a1".to_string()]);
-    let remove = |w: &mut World| match w.req(
-        W1,
-        MetaRequest::Remove {
-            session: a,
-            keys: strings(&["a0"]),
-        },
-    ) {
-        Ok(MetaReply::Removed { results }) => results,
-        r => panic!("remove: {r:?}"),
-    };
+    let remove = |w: &mut World| w.remove(W1, a, &["a0"]);
     assert_eq!(remove(&mut w), vec![RemoveResult::Pinned]);
     assert_eq!(totals(&w).pinned_keys, 1);
     // Unpin: only the pinning session's own pins, one per call.
-    assert_eq!(pin(&mut w, W1, a, &["a0"], false), vec![false]);
-    assert_eq!(
-        pin(&mut w, W2, b, &["a0", "nope"], false),
-        vec![true, false]
-    );
+    assert_eq!(w.pin(W1, a, &["a0"], false), vec![false]);
+    assert_eq!(w.pin(W2, b, &["a0", "nope"], false), vec![true, false]);
     assert_eq!(remove(&mut w), vec![RemoveResult::Pinned], "one pin left");
-    assert_eq!(pin(&mut w, W2, b, &["a0"], false), vec![true]);
-    assert_eq!(pin(&mut w, W2, b, &["a0"], false), vec![false]);
+    assert_eq!(w.pin(W2, b, &["a0"], false), vec![true]);
+    assert_eq!(w.pin(W2, b, &["a0"], false), vec![false]);
     assert_eq!(victims(&mut w).len(), 2);
     assert_eq!(remove(&mut w), vec![RemoveResult::Removed]);
     assert_eq!(totals(&w).pinned_keys, 0);
@@ -1064,11 +926,9 @@ fn pinned_keys_are_neither_victims_nor_removed_until_unpinned() {
 
 #[test]
 fn pins_end_with_their_session_and_with_their_region() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k0", "k1"]);
-    pin(&mut w, W2, b, &["k0"], true);
+    w.pin(W2, b, &["k0"], true);
     let st = |w: &mut World, s: u64| match w.req(W1, MetaRequest::Stats { session: Some(s) }) {
         Ok(MetaReply::Stats(st)) => st.sessions[0].pins,
         r => panic!("stats: {r:?}"),
@@ -1077,22 +937,13 @@ fn pins_end_with_their_session_and_with_their_region() {
     w.close(W2, b, true);
     assert_eq!(totals(&w).pinned_keys, 0, "the reader's pins ended with it");
     let (c, _) = w.open(W2);
-    pin(&mut w, W2, c, &["k0", "k1"], true);
+    w.pin(W2, c, &["k0", "k1"], true);
     assert_eq!(totals(&w).pinned_keys, 2);
     // A returned region drops its keys, so their pins end too.
-    let Ok(MetaReply::Returned(_)) = w.req(
-        W1,
-        MetaRequest::ReturnRegion {
-            session: a,
-            region_id: g.handle.region_id,
-            released: true,
-        },
-    ) else {
-        panic!("return");
-    };
+    w.return_region(W1, a, g.handle.region_id, true).unwrap();
     assert_eq!(totals(&w).pinned_keys, 0);
     assert_eq!(st(&mut w, c), 0);
-    assert_eq!(pin(&mut w, W2, c, &["k0"], false), vec![false]);
+    assert_eq!(w.pin(W2, c, &["k0"], false), vec![false]);
 }
 
 #[test]
@@ -1100,15 +951,7 @@ fn pin_requests_check_the_session_and_the_batch() {
     let mut w = World::remote();
     let (a, _) = w.open(W1);
     w.store(W1, a, &["k"]);
-    let e = w
-        .req(
-            W2,
-            MetaRequest::Pin {
-                session: a,
-                keys: strings(&["k"]),
-            },
-        )
-        .unwrap_err();
+    let e = w.try_pin(W2, a, &["k"], true).unwrap_err();
     assert_eq!(e.code, ErrorCode::NoSession, "{e}");
     let e = w
         .req(

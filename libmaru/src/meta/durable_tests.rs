@@ -113,16 +113,7 @@ fn full_region(w: &mut World, img: &mut Image) -> (u64, u64, Vec<crate::wire::me
 }
 
 fn remove(w: &mut World, client: &str, session: u64, key: &str) -> RemoveResult {
-    match w.req(
-        client,
-        MetaRequest::Remove {
-            session,
-            keys: strings(&[key]),
-        },
-    ) {
-        Ok(MetaReply::Removed { results }) => results[0],
-        other => panic!("remove: {other:?}"),
-    }
+    w.remove(client, session, &[key])[0]
 }
 
 #[test]
@@ -409,14 +400,7 @@ fn the_in_memory_core_hands_a_removed_keys_page_out_at_once_and_records_nothing(
     let mut w = World::cxl();
     let (s, _) = w.open(W1);
     fill_region(&mut w, s);
-    w.req(
-        W1,
-        MetaRequest::Remove {
-            session: s,
-            keys: strings(&["k0"]),
-        },
-    )
-    .unwrap();
+    assert_eq!(w.remove(W1, s, &["k0"]), [RemoveResult::Removed]);
     assert_eq!(w.alloc(W1, s, 1).1, 0);
     assert!(w.core.take_changes().is_none());
 }
@@ -646,18 +630,8 @@ fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it(
     say_leases(&mut w, W1, s, vec![]);
     // The writer returns its region (asked for its fair share, say) before the reader
     // said which leases it holds: its keys go, but its memory is not handed out.
-    let ret = w.req(
-        W1,
-        MetaRequest::ReturnRegion {
-            session: s,
-            region_id: rid,
-            released: true,
-        },
-    );
-    assert!(
-        matches!(ret, Ok(MetaReply::Returned(ref x)) if !x.freed),
-        "{ret:?}"
-    );
+    let ret = w.return_region(W1, s, rid, true);
+    assert!(matches!(ret, Ok(ref x) if !x.freed), "{ret:?}");
     persist(&mut w, &mut img);
     w.advance(1_000);
     assert!(

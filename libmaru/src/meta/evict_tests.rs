@@ -17,19 +17,17 @@ fn world(order: VictimOrder) -> World {
     )
 }
 
-fn remove(w: &mut World, client: &str, session: u64, keys: &[&str]) -> Vec<RemoveResult> {
-    let keys = keys.iter().map(|k| k.to_string()).collect();
-    match w.req(client, MetaRequest::Remove { session, keys }) {
-        Ok(MetaReply::Removed { results }) => results,
-        other => panic!("remove: {other:?}"),
-    }
+/// A world ordering victims by `order`, with a session of [`W1`] holding two regions.
+fn two_regions(order: VictimOrder) -> (World, u64) {
+    let mut w = world(order);
+    let (a, _) = w.open(W1);
+    w.expand(W1, a).unwrap();
+    (w, a)
 }
 
 #[test]
 fn tails_of_chains_are_victims_before_their_heads() {
-    let mut w = world(VictimOrder::PrefixAware);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::PrefixAware);
     w.store_chain(W1, a, None, &["c0", "c1", "c2", "c3"]);
     w.store_chain(W1, a, None, &["d0", "d1"]);
     // c3 is the oldest tail; once it goes, c2 is a tail older than d1, and so on.
@@ -40,9 +38,7 @@ fn tails_of_chains_are_victims_before_their_heads() {
         "every chain tail first"
     );
     // Plain LRU would offer the chain's head first and cut it.
-    let mut lru = world(VictimOrder::Lru);
-    let (b, _) = lru.open(W1);
-    lru.expand(W1, b).unwrap();
+    let (mut lru, b) = two_regions(VictimOrder::Lru);
     lru.store_chain(W1, b, None, &["c0", "c1", "c2", "c3"]);
     lru.store_chain(W1, b, None, &["d0", "d1"]);
     assert_eq!(lru.victims(W1, b, 3), ["c0", "c1", "c2"]);
@@ -65,9 +61,7 @@ fn a_chunk_with_two_continuations_goes_after_both() {
 
 #[test]
 fn a_read_tail_goes_after_older_tails_but_still_before_its_head() {
-    let mut w = world(VictimOrder::PrefixAware);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::PrefixAware);
     let (b, _) = w.open(W2);
     w.store_chain(W1, a, None, &["c0", "c1"]);
     w.store_chain(W1, a, None, &["d0", "d1"]);
@@ -83,24 +77,14 @@ fn a_read_tail_goes_after_older_tails_but_still_before_its_head() {
 
 #[test]
 fn leased_and_pinned_tails_are_never_victims_and_keep_their_heads() {
-    let mut w = world(VictimOrder::PrefixAware);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::PrefixAware);
     let (b, _) = w.open(W2);
     w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
     w.store_chain(W1, a, None, &["d0", "d1"]);
     w.store_chain(W1, a, None, &["e0"]);
     // B holds a lease on c2 and pins e0.
     w.acquire(W2, b, &["c2"]);
-    let Ok(MetaReply::Pinned { pinned }) = w.req(
-        W2,
-        MetaRequest::Pin {
-            session: b,
-            keys: vec!["e0".into()],
-        },
-    ) else {
-        panic!("pin");
-    };
+    let pinned = w.pin(W2, b, &["e0"], true);
     assert_eq!(pinned, [true]);
     // Tails first (d's); then, only because more were asked for, the rest by age.
     let v = w.victims(W1, a, 10);
@@ -126,9 +110,7 @@ fn read(w: &mut World, client: &str, session: u64, keys: &[&str]) {
 
 #[test]
 fn under_reuse_ends_a_fresh_prompt_end_goes_first_until_read_or_followed() {
-    let mut w = world(VictimOrder::ReuseEnds);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::ReuseEnds);
     w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
     read(&mut w, W1, a, &["c0", "c1", "c2"]);
     w.store_chain(W1, a, None, &["d0", "d1"]);
@@ -206,13 +188,11 @@ fn under_reuse_a_read_is_worth_half_the_stored_keys_of_recency() {
 fn under_reuse_reads_outlive_an_eviction() {
     // Stamps: f0..f3 1 to 4, g 5, its read 6 (credit 5 / 2 = 2 a read), g again 7
     // with 2 reads (its one and its return; credit 4 / 2): rank 7 + 4 = 11; z 8.
-    let mut w = world(VictimOrder::Reuse);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::Reuse);
     w.store_chain(W1, a, None, &["f0", "f1", "f2", "f3"]);
     w.store_chain(W1, a, None, &["g"]);
     read(&mut w, W1, a, &["g"]);
-    assert_eq!(remove(&mut w, W1, a, &["g"]), [RemoveResult::Removed]);
+    assert_eq!(w.remove(W1, a, &["g"]), [RemoveResult::Removed]);
     w.store_chain(W1, a, None, &["g"]);
     w.store_chain(W1, a, None, &["z"]);
     assert_eq!(
@@ -224,12 +204,10 @@ fn under_reuse_reads_outlive_an_eviction() {
 
 #[test]
 fn under_reuse_ends_a_key_stored_again_is_no_fresh_end() {
-    let mut w = world(VictimOrder::ReuseEnds);
-    let (a, _) = w.open(W1);
-    w.expand(W1, a).unwrap();
+    let (mut w, a) = two_regions(VictimOrder::ReuseEnds);
     w.store_chain(W1, a, None, &["g"]);
     read(&mut w, W1, a, &["g"]);
-    assert_eq!(remove(&mut w, W1, a, &["g"]), [RemoveResult::Removed]);
+    assert_eq!(w.remove(W1, a, &["g"]), [RemoveResult::Removed]);
     // Stored again: it was asked for again, so it is no fresh end (z is one).
     w.store_chain(W1, a, None, &["g"]);
     w.store_chain(W1, a, None, &["z"]);
@@ -244,9 +222,9 @@ fn removing_a_chunk_with_stored_successors_counts_a_cut_chain() {
     let mut w = world(VictimOrder::PrefixAware);
     let (a, _) = w.open(W1);
     w.store_chain(W1, a, None, &["c0", "c1", "c2"]);
-    assert_eq!(remove(&mut w, W1, a, &["c2"]), [RemoveResult::Removed]);
+    assert_eq!(w.remove(W1, a, &["c2"]), [RemoveResult::Removed]);
     assert_eq!(w.core.total_stats().chains_cut, 0, "a tail cuts nothing");
-    assert_eq!(remove(&mut w, W1, a, &["c0"]), [RemoveResult::Removed]);
+    assert_eq!(w.remove(W1, a, &["c0"]), [RemoveResult::Removed]);
     let t = w.core.total_stats();
     assert_eq!((t.removed, t.chains_cut), (2, 1), "c1 is now unreachable");
 }
@@ -392,7 +370,7 @@ fn replay(order: VictimOrder) -> (f64, f64) {
         if missing > 0 {
             let victims = w.victims(W1, s, missing);
             let names: Vec<&str> = victims.iter().map(String::as_str).collect();
-            let removed = remove(&mut w, W1, s, &names);
+            let removed = w.remove(W1, s, &names);
             assert!(removed.iter().all(|r| *r == RemoveResult::Removed));
             let (more, still) = w.alloc(W1, s, missing);
             assert_eq!(still, 0, "victims made room");
@@ -439,17 +417,8 @@ fn prefix_aware_victims_keep_at_least_the_hit_rate_of_plain_lru() {
 }
 
 fn return_region(w: &mut World, client: &str, session: u64, region_id: u64) {
-    match w.req(
-        client,
-        MetaRequest::ReturnRegion {
-            session,
-            region_id,
-            released: true,
-        },
-    ) {
-        Ok(MetaReply::Returned(r)) => assert!(r.freed, "freed at the RM"),
-        other => panic!("return_region: {other:?}"),
-    }
+    let r = w.return_region(client, session, region_id, true).unwrap();
+    assert!(r.freed, "freed at the RM");
 }
 
 /// A pool with room for 4 regions: A holds 3 (one of them read long ago), B one.
@@ -480,6 +449,22 @@ fn opening_a_session_without_a_first_region_takes_none() {
     );
 }
 
+/// A newcomer (W3) opens without a region and asks for one, which waits: the ticket
+/// its answer will come under.
+fn newcomer_expands(w: &mut World) -> super::Ticket {
+    let c = w.open_without_region(W3);
+    let t = w.send(W3, MetaRequest::Expand { session: c }).unwrap_err();
+    w.run_actions();
+    t
+}
+
+/// [`full_pool`] with A writing into every page of its three regions ([`busy`]).
+fn busy_full_pool() -> (World, u64, u64, Vec<u64>) {
+    let (mut w, a, b, a_regions) = full_pool();
+    busy(&mut w, W1, a, 3);
+    (w, a, b, a_regions)
+}
+
 /// Every page of `session`'s regions handed out and not published: its worker may be
 /// writing into each of them, so none can be taken without asking it.
 fn busy(w: &mut World, client: &str, session: u64, regions: usize) {
@@ -500,10 +485,8 @@ fn a_newcomer_gets_a_region_of_the_idle_fullest_session_within_its_round_trip() 
     let keys: Vec<String> = (0..12).map(|i| format!("a{i}")).collect();
     let names: Vec<&str> = keys.iter().map(String::as_str).collect();
     w.store(W1, a, &names);
-    let c = w.open_without_region(W3);
     // 4 regions, 3 storing tenants: a share of 2 (rounded up). A is above it.
-    let t = w.send(W3, MetaRequest::Expand { session: c }).unwrap_err();
-    w.run_actions();
+    let t = newcomer_expands(&mut w);
     // remote_cxl: the region is released at its agent, then freed, at the tick due
     // now (no clock moves).
     assert!(w.core.next_deadline().is_some_and(|d| d <= w.now));
@@ -565,11 +548,8 @@ fn an_engine_that_filled_the_pool_alone_and_was_refused_gives_the_next_engine_a_
 /// the `alloc` reply.
 #[test]
 fn a_busy_fullest_session_is_asked_at_its_next_call_while_the_newcomer_waits() {
-    let (mut w, a, b, a_regions) = full_pool();
-    busy(&mut w, W1, a, 3);
-    let c = w.open_without_region(W3);
-    let t = w.send(W3, MetaRequest::Expand { session: c }).unwrap_err();
-    w.run_actions();
+    let (mut w, a, b, a_regions) = busy_full_pool();
+    let t = newcomer_expands(&mut w);
     assert!(!w.answers.contains_key(&t), "it waits for the region asked");
     assert_eq!(w.core.total_stats().waiting_for_region, 1);
     // A's next call, whatever it is, carries the ask; B's does not.
@@ -596,11 +576,8 @@ fn a_busy_fullest_session_is_asked_at_its_next_call_while_the_newcomer_waits() {
     let st = w.core.total_stats();
     assert_eq!((st.fair_share_returns, st.waiting_for_region), (1, 0));
     // Unanswered asks: the newcomer is told `no_space` after ROOM_WAIT_MS.
-    let (mut w, a, _, _) = full_pool();
-    busy(&mut w, W1, a, 3);
-    let c = w.open_without_region(W3);
-    let t = w.send(W3, MetaRequest::Expand { session: c }).unwrap_err();
-    w.run_actions();
+    let (mut w, a, _, _) = busy_full_pool();
+    let t = newcomer_expands(&mut w);
     w.now += super::alloc_ops::ROOM_WAIT_MS - 1;
     w.tick();
     assert!(!w.answers.contains_key(&t));
@@ -634,8 +611,7 @@ fn kept_regions_of_engines_that_left_go_before_any_live_engine_is_asked() {
 
 #[test]
 fn a_session_asked_for_a_region_that_ends_is_asked_no_more() {
-    let (mut w, a, _, _) = full_pool();
-    busy(&mut w, W1, a, 3);
+    let (mut w, a, _, _) = busy_full_pool();
     let c = w.open_without_region(W3);
     assert!(w.expand(W3, c).is_err());
     assert_eq!(w.heartbeat_reply(W1, a).give_back.len(), 1);
@@ -647,8 +623,7 @@ fn a_session_asked_for_a_region_that_ends_is_asked_no_more() {
 
 #[test]
 fn a_waiter_that_stops_asking_is_forgotten_after_the_session_timeout() {
-    let (mut w, a, b, _) = full_pool();
-    busy(&mut w, W1, a, 3);
+    let (mut w, a, b, _) = busy_full_pool();
     let c = w.open_without_region(W3);
     assert!(w.expand(W3, c).is_err());
     w.alive = vec![(W1.into(), a), (W2.into(), b), (W3.into(), c)];

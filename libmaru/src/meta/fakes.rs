@@ -6,7 +6,7 @@ use super::ports::{AgentPort, PoolSizes, PortError, RmPort};
 use super::{Action, Caller, MetaConfig, MetaCore, Ticket, DEFAULT_TENANT};
 use crate::wire::meta::{
     Backend, HeartbeatReply, HeldLease, LeaseGrant, MetaReply, MetaRequest, PageGrant, PageRef,
-    PublishEntry, RegionGrant, SkipCounts,
+    PublishEntry, RegionGrant, RemoveResult, ReturnReply, SkipCounts,
 };
 use crate::wire::rm::{AllocReply, Handle, PoolInfo};
 use crate::wire::WireError;
@@ -310,6 +310,42 @@ impl World {
         World::with(config(&[]), 16 * REGION)
     }
 
+    /// A remote world with a session of [`W1`]: the world, the session, its region and
+    /// the region's agent.
+    pub fn remote_session() -> (World, u64, u64, String) {
+        let mut w = World::remote();
+        let (a, g) = w.open(W1);
+        let agent = g.agent.expect("a remote_cxl region has an agent");
+        (w, a, g.handle.region_id, agent)
+    }
+
+    /// This world with a session of [`W1`] and one of [`W2`] open, each with its first
+    /// region: the usual start of a test with a writer and a reader.
+    pub fn with_two_sessions(mut self) -> (World, (u64, RegionGrant), (u64, RegionGrant)) {
+        let one = self.open(W1);
+        let two = self.open(W2);
+        (self, one, two)
+    }
+
+    /// RETURN_REGION of `region_id` by `session`: the reply, or the error.
+    pub fn return_region(
+        &mut self,
+        client: &str,
+        session: u64,
+        region_id: u64,
+        released: bool,
+    ) -> Result<ReturnReply, WireError> {
+        let req = MetaRequest::ReturnRegion {
+            session,
+            region_id,
+            released,
+        };
+        match self.req(client, req)? {
+            MetaReply::Returned(r) => Ok(r),
+            other => panic!("return_region: {other:?}"),
+        }
+    }
+
     /// One request, and (when it waits for a region) the RM's answer at once.
     pub fn req(&mut self, client: &str, req: MetaRequest) -> Result<MetaReply, WireError> {
         match self.send(client, req) {
@@ -571,6 +607,41 @@ impl World {
         let is_new = self.publish_at(client, session, entries).unwrap();
         assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
         pages
+    }
+
+    /// PIN (`on`) or UNPIN of `keys` by `session`: each key's result, or the error.
+    pub fn try_pin(
+        &mut self,
+        client: &str,
+        session: u64,
+        keys: &[&str],
+        on: bool,
+    ) -> Result<Vec<bool>, WireError> {
+        let keys = owned(keys);
+        let req = if on {
+            MetaRequest::Pin { session, keys }
+        } else {
+            MetaRequest::Unpin { session, keys }
+        };
+        match self.req(client, req)? {
+            MetaReply::Pinned { pinned } => Ok(pinned),
+            MetaReply::Unpinned { unpinned } => Ok(unpinned),
+            r => panic!("pin: {r:?}"),
+        }
+    }
+
+    /// As [`World::try_pin`], which must succeed.
+    pub fn pin(&mut self, client: &str, session: u64, keys: &[&str], on: bool) -> Vec<bool> {
+        self.try_pin(client, session, keys, on).unwrap()
+    }
+
+    /// REMOVE of `keys` by `session`: each key's result.
+    pub fn remove(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<RemoveResult> {
+        let keys = owned(keys);
+        match self.req(client, MetaRequest::Remove { session, keys }) {
+            Ok(MetaReply::Removed { results }) => results,
+            other => panic!("remove: {other:?}"),
+        }
     }
 
     /// The names `victims` offers, in its order.

@@ -55,15 +55,7 @@ fn a_drained_close_keeps_regions_with_keys_readable_and_gives_the_rest_back() {
 #[test]
 fn kept_keys_are_not_victims_or_removable_by_other_sessions() {
     let (mut w, b, _, _, _) = left_behind();
-    let Ok(MetaReply::Removed { results }) = w.req(
-        W2,
-        MetaRequest::Remove {
-            session: b,
-            keys: vec!["k".into()],
-        },
-    ) else {
-        panic!("remove");
-    };
+    let results = w.remove(W2, b, &["k"]);
     assert_eq!(results, vec![RemoveResult::NotOwner]);
     let Ok(MetaReply::Victims { victims }) = w.req(W2, MetaRequest::Victims { session: b, max: 9 })
     else {
@@ -120,9 +112,7 @@ fn an_expired_session_is_taken_over_like_a_drained_close() {
 
 #[test]
 fn an_undrained_close_gives_every_region_back() {
-    let mut w = World::remote();
-    let (a, g1) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g1), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k"]);
     let (kept, back) = w.close(W1, a, false);
     assert!(kept.is_empty());
@@ -180,9 +170,7 @@ fn a_changed_boot_id_gives_the_kept_region_back() {
 
 #[test]
 fn the_first_map_sets_the_boot_id_when_the_owner_reported_none() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let (b, _) = w.open(W2);
+    let (mut w, (a, g), (b, _)) = World::remote().with_two_sessions();
     w.store(W1, a, &["k"]);
     w.close(W1, a, true);
     let agent = g.agent.unwrap();
@@ -253,10 +241,7 @@ fn a_failing_agent_answers_so_it_is_not_silent() {
 
 #[test]
 fn a_release_that_fails_never_reaches_the_rm() {
-    let mut w = World::remote();
-    let (a, g) = w.open(W1);
-    let r = g.handle.region_id;
-    let agent = g.agent.unwrap();
+    let (mut w, a, r, agent) = World::remote_session();
     w.agents.failing.insert(agent.clone());
     w.clear_log();
     let (_, back) = w.close(W1, a, true);
@@ -438,15 +423,7 @@ fn a_kept_region_with_pinned_keys_is_not_given_back_to_make_room() {
     w.tick();
     let (b, _) = w.open("reader:1");
     // r1 was read longest ago, but it holds a pinned key: r2 goes instead.
-    let Ok(MetaReply::Pinned { pinned }) = w.req(
-        "reader:1",
-        MetaRequest::Pin {
-            session: b,
-            keys: vec!["pinned".into()],
-        },
-    ) else {
-        panic!("pin");
-    };
+    let pinned = w.pin("reader:1", b, &["pinned"], true);
     assert_eq!(pinned, vec![true]);
     w.advance(1_000);
     w.acquire("reader:1", b, &["plain"]);
@@ -461,9 +438,7 @@ fn a_kept_region_with_pinned_keys_is_not_given_back_to_make_room() {
 
 #[test]
 fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
-    let mut w = World::remote();
-    let (a, g1) = w.open(W1);
-    let (b, g2) = w.open(W2);
+    let (mut w, (a, g1), (b, g2)) = World::remote().with_two_sessions();
     w.store(W1, a, &["in-session"]);
     w.store(W2, b, &["kept"]);
     let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);

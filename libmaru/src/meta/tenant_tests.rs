@@ -128,15 +128,7 @@ fn another_tenant_cannot_publish_pin_or_remove_in_a_victims_namespace() {
     // Reading is what it was given.
     assert_eq!(w.exists(ATTACKER, spy, &["k0", "k1"]), [true, true]);
     // The victim's own remove still works (nothing pinned it).
-    let Ok(MetaReply::Removed { results }) = w.req(
-        VICTIM,
-        MetaRequest::Remove {
-            session: victim,
-            keys: strings(&["k1"]),
-        },
-    ) else {
-        panic!("remove");
-    };
+    let results = w.remove(VICTIM, victim, &["k1"]);
     assert_eq!(results, [RemoveResult::Removed]);
 }
 
@@ -196,15 +188,7 @@ fn pins_count_per_tenant_across_its_sessions() {
     let a = session(open(&mut w, VICTIM, "v-1", true));
     w.store(VICTIM, a, &["k0", "k1", "k2", "k3"]);
     let b = session(open(&mut w, READER, "v-1", false));
-    let pin = |w: &mut World, c: &str, s: u64, k: &[&str]| {
-        w.req(
-            c,
-            MetaRequest::Pin {
-                session: s,
-                keys: strings(k),
-            },
-        )
-    };
+    let pin = |w: &mut World, c: &str, s: u64, k: &[&str]| w.try_pin(c, s, k, true);
     assert!(pin(&mut w, VICTIM, a, &["k0", "k1"]).is_ok());
     let e = pin(&mut w, READER, b, &["k2", "k3"]).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused);
