@@ -5,7 +5,7 @@
 use super::fakes::*;
 use super::records::{Image, Sealed};
 use super::{MetaConfig, MetaCore, PortError, Tenants, LEASE_RUN_SHIFT, SESSION_RUN_SHIFT};
-use crate::wire::meta::{HeldLease, MetaReply, MetaRequest, RemoveResult};
+use crate::wire::meta::{HeldLease, MetaReply, MetaRequest, RegionGrant, RemoveResult};
 use crate::wire::rm::RegionInfo;
 use std::collections::BTreeMap;
 
@@ -76,6 +76,14 @@ fn restart_with_rm(w: &mut World, img: &Image) {
     w.core.recovered_rm(&rm, w.now);
 }
 
+/// maru-server dies with every batch it made durable in `img`, and `after_ms` later
+/// restarts from it and reads the RM's list ([`restart_with_rm`]).
+fn crash_and_restart(w: &mut World, img: &mut Image, after_ms: u64) {
+    persist(w, img);
+    w.now += after_ms;
+    restart_with_rm(w, img);
+}
+
 /// A heartbeat of `client`'s session that says which leases it holds.
 fn say_leases(w: &mut World, client: &str, session: u64, leases: Vec<HeldLease>) {
     let beat = Beat {
@@ -102,14 +110,53 @@ fn fill_region(w: &mut World, s: u64) -> Vec<crate::wire::meta::PageGrant> {
     w.store(W1, s, &names)
 }
 
-/// A writer W1 whose one region is full of keys `k0..k3`, and a reader W2 of the same
-/// namespace; both sessions durable in `img`.
-fn full_region(w: &mut World, img: &mut Image) -> (u64, u64, Vec<crate::wire::meta::PageGrant>) {
-    let (s, _) = w.open(W1);
-    let pages = fill_region(w, s);
+/// `w` with nothing durable yet and a session of W1 open with its first region: the
+/// world, the (empty) image, the session and its region.
+fn opened(mut w: World) -> (World, Image, (u64, RegionGrant)) {
+    let first = w.open(W1);
+    (w, Image::default(), first)
+}
+
+/// `w` with a writer W1 whose one region is full of keys `k0..k3`, and a reader W2 of
+/// the same namespace; both sessions durable in the image returned. The world, the
+/// image, the writer's and the reader's session, the writer's pages.
+fn full_region(w: World) -> (World, Image, u64, u64, Vec<crate::wire::meta::PageGrant>) {
+    let (mut w, mut img, (s, _)) = opened(w);
+    let pages = fill_region(&mut w, s);
     let r = w.open_without_region(W2);
-    persist(w, img);
-    (s, r, pages)
+    persist(&mut w, &mut img);
+    (w, img, s, r, pages)
+}
+
+/// The next page W1's session `s` is given is `page` again.
+fn assert_page_back(w: &mut World, s: u64, page: &crate::wire::meta::PageGrant) {
+    let (pages, missing) = w.alloc(W1, s, 1);
+    assert_eq!((pages.len(), missing), (1, 0));
+    assert_eq!(pages[0].offset, page.offset);
+}
+
+/// [`full_region`] with the reader holding a lease on k0 (a view, say) when
+/// maru-server dies, restarted `after_ms` later: the world, the image, the writer's and
+/// the reader's session, the writer's pages and the reader's lease of the last run.
+fn leased_at_crash(
+    after_ms: u64,
+) -> (
+    World,
+    Image,
+    u64,
+    u64,
+    Vec<crate::wire::meta::PageGrant>,
+    crate::wire::meta::LeaseGrant,
+) {
+    let (mut w, mut img, s, r, pages) = full_region(durable(&[]));
+    let lease = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
+    crash_and_restart(&mut w, &mut img, after_ms);
+    (w, img, s, r, pages, lease)
+}
+
+/// The reader W2's session `r` releases `lease`: whether that ended a lease.
+fn reader_releases(w: &mut World, r: u64, lease: &crate::wire::meta::LeaseGrant) -> bool {
+    w.release_leases(W2, r, vec![lease.lease_id]).unwrap() == [true]
 }
 
 fn remove(w: &mut World, client: &str, session: u64, key: &str) -> RemoveResult {
@@ -195,9 +242,7 @@ fn a_restore_orders_each_region_once_and_puts_no_key_in_an_order_tree() {
 
 #[test]
 fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, _) = w.open(W1);
+    let (mut w, mut img, (s, _)) = opened(durable(&[]));
     let stored = fill_region(&mut w, s);
     persist(&mut w, &mut img);
     assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
@@ -222,9 +267,7 @@ fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
     );
     // Once durable, the page is free again.
     persist(&mut w, &mut img);
-    let (pages, missing) = w.alloc(W1, s, 1);
-    assert_eq!((pages.len(), missing), (1, 0));
-    assert_eq!(pages[0].offset, stored[0].offset);
+    assert_page_back(&mut w, s, &stored[0]);
 }
 
 /// The same rule when timers run between the removal and its commit: a tick (any
@@ -232,9 +275,7 @@ fn a_removed_keys_page_is_handed_out_again_only_once_the_removal_is_durable() {
 /// of k0 is not handed out while a crash would still bring k0 back onto it.
 #[test]
 fn a_tick_between_a_removal_and_its_commit_does_not_hand_out_the_page() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, _) = w.open(W1);
+    let (mut w, mut img, (s, _)) = opened(durable(&[]));
     w.alive.push((W1.to_string(), s));
     let stored = fill_region(&mut w, s);
     persist(&mut w, &mut img);
@@ -255,22 +296,16 @@ fn a_tick_between_a_removal_and_its_commit_does_not_hand_out_the_page() {
     img.apply(&pending);
     w.core.durable(pending.batch, w.now);
     w.advance(1);
-    let (pages, missing) = w.alloc(W1, s, 1);
-    assert_eq!((pages.len(), missing), (1, 0));
-    assert_eq!(pages[0].offset, stored[0].offset);
+    assert_page_back(&mut w, s, &stored[0]);
 }
 
 #[test]
 fn pages_of_recovered_keys_wait_for_the_leases_of_the_last_run() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, _) = w.open(W1);
+    let (mut w, mut img, (s, _)) = opened(durable(&[]));
     fill_region(&mut w, s);
     // A reader of the last run leases k0 and is still reading when the server dies.
     w.acquire(W1, s, &["k0"]);
-    persist(&mut w, &mut img);
-    w.now += 50;
-    restart_with_rm(&mut w, &img);
+    crash_and_restart(&mut w, &mut img, 50);
     assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
     assert_eq!(w.alloc(W1, s, 1).1, 1, "not while the old lease may run");
@@ -282,9 +317,7 @@ fn pages_of_recovered_keys_wait_for_the_leases_of_the_last_run() {
 
 #[test]
 fn a_region_the_rm_no_longer_holds_loses_its_recovered_keys() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
+    let (mut w, mut img, (s, g)) = opened(durable(&[]));
     w.store(W1, s, &["a", "b"]);
     persist(&mut w, &mut img);
     // While maru-server is away longer than the RM's grace period, the RM reaps.
@@ -317,8 +350,7 @@ fn a_region_of_a_rebooted_memory_node_loses_its_recovered_keys() {
     w.heartbeat(W2, s2, &[(g2.handle.region_id, BOOT)]);
     w.store(W2, s2, &["c"]);
     w.close(W2, s2, true);
-    persist(&mut w, &mut img);
-    restart_with_rm(&mut w, &img);
+    crash_and_restart(&mut w, &mut img, 0);
     let mut boots = BTreeMap::new();
     boots.insert(agent_of(&w, rid), Ok("boot-2".to_string()));
     let other = agent_of(&w, g2.handle.region_id);
@@ -407,9 +439,7 @@ fn the_in_memory_core_hands_a_removed_keys_page_out_at_once_and_records_nothing(
 
 #[test]
 fn pages_of_recovered_keys_are_handed_out_once_every_session_of_the_last_run_said_its_leases() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, _) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, r, _) = full_region(durable(&[]));
     w.now += 50;
     restart_with_rm(&mut w, &img);
     assert_eq!(w.core.last_run_sessions_silent(), Some(2));
@@ -438,14 +468,7 @@ fn pages_of_recovered_keys_are_handed_out_once_every_session_of_the_last_run_sai
 
 #[test]
 fn a_lease_held_across_a_restart_keeps_its_key_and_its_page() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, pages) = full_region(&mut w, &mut img);
-    // The reader holds a lease on k0 (a view, say) when maru-server dies.
-    let lease = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
-    persist(&mut w, &mut img);
-    w.now += 50;
-    restart_with_rm(&mut w, &img);
+    let (mut w, mut img, s, r, pages, lease) = leased_at_crash(50);
     say_leases(&mut w, W1, s, vec![]);
     say_leases(&mut w, W2, r, vec![held_lease(&lease, 4_000)]);
     // k0 is leased again: neither a victim nor removable; the others are.
@@ -457,22 +480,13 @@ fn a_lease_held_across_a_restart_keeps_its_key_and_its_page() {
     assert_eq!(got.len(), 1, "k1's page only");
     assert_eq!(got[0].offset, pages[1].offset);
     // The reader's release of its lease (id of the last run) ends it.
-    assert_eq!(
-        w.release_leases(W2, r, vec![lease.lease_id]).unwrap(),
-        [true]
-    );
+    assert!(reader_releases(&mut w, r, &lease));
     assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
 }
 
 #[test]
 fn a_lease_on_a_key_removed_before_its_reader_said_keeps_the_page_until_it_ends() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, pages) = full_region(&mut w, &mut img);
-    let lease = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
-    persist(&mut w, &mut img);
-    w.now += 50;
-    restart_with_rm(&mut w, &img);
+    let (mut w, mut img, s, r, pages, lease) = leased_at_crash(50);
     // The writer evicts k0 before the reader's first heartbeat (nothing leases it
     // in this run yet), then says it holds nothing.
     assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
@@ -493,34 +507,23 @@ fn a_lease_on_a_key_removed_before_its_reader_said_keeps_the_page_until_it_ends(
 
 #[test]
 fn a_lease_id_of_the_last_run_never_ends_a_lease_of_this_one() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, _) = full_region(&mut w, &mut img);
-    let old = w.acquire(W2, r, &["k0"])[0].clone().unwrap();
-    persist(&mut w, &mut img);
-    restart_with_rm(&mut w, &img);
+    let (mut w, _, s, r, _, old) = leased_at_crash(0);
     say_leases(&mut w, W1, s, vec![]);
     say_leases(&mut w, W2, r, vec![]);
     // A new lease on k1, then the worker's late release of its lease of the last
     // run: it ends nothing of this run.
     let new = w.acquire(W2, r, &["k1"])[0].clone().unwrap();
     assert_ne!(new.lease_id, old.lease_id);
-    assert_eq!(
-        w.release_leases(W2, r, vec![old.lease_id]).unwrap(),
-        [false]
-    );
+    assert!(!reader_releases(&mut w, r, &old));
     assert_eq!(remove(&mut w, W1, s, "k1"), RemoveResult::Leased);
 }
 
 #[test]
 fn what_a_session_says_of_leases_it_could_not_hold_is_ignored() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, pages) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, r, pages) = full_region(durable(&[]));
     // A session of another namespace (another scope), of the last run.
     let (o, _) = w.open_in(W2, "other-ns", w.backend());
-    persist(&mut w, &mut img);
-    restart_with_rm(&mut w, &img);
+    crash_and_restart(&mut w, &mut img, 0);
     let claim = |lease_id: u64, page: usize| HeldLease {
         lease_id,
         region_id: pages[page].region_id,
@@ -545,9 +548,7 @@ fn what_a_session_says_of_leases_it_could_not_hold_is_ignored() {
 fn a_silent_session_of_the_last_run_holds_pages_up_only_until_it_expires() {
     let mut cfg = config(&[]);
     cfg.session_timeout_ms = 2_000;
-    let mut w = durable_with(cfg);
-    let mut img = Image::default();
-    let (s, _, _) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, _, _) = full_region(durable_with(cfg));
     restart_with_rm(&mut w, &img);
     assert_eq!(remove(&mut w, W1, s, "k0"), RemoveResult::Removed);
     persist(&mut w, &mut img);
@@ -565,9 +566,7 @@ fn a_silent_session_of_the_last_run_holds_pages_up_only_until_it_expires() {
 
 #[test]
 fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, _, _) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, _, _) = full_region(durable(&[]));
     // The last run granted leases of 8 s; this one grants 5 s.
     img.lease_timeout_ms = 8_000;
     restart_with_rm(&mut w, &img);
@@ -593,9 +592,7 @@ fn the_wait_for_old_leases_is_the_longest_lease_timeout_of_the_last_run() {
 fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
     let mut cfg = config(&[]);
     cfg.unused_region_ms = 1_000;
-    let mut w = durable_with(cfg);
-    let mut img = Image::default();
-    let (s, _, pages) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, _, pages) = full_region(durable_with(cfg));
     let rid = pages[0].region_id;
     restart_with_rm(&mut w, &img);
     // The writer evicts every key of its region; the reader has not said yet.
@@ -622,9 +619,7 @@ fn a_region_whose_pages_wait_for_old_leases_is_not_given_back_as_unused() {
 /// at the RM before the reader of the last run said which leases it holds).
 #[test]
 fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s, r, pages) = full_region(&mut w, &mut img);
+    let (mut w, mut img, s, r, pages) = full_region(durable(&[]));
     let rid = pages[0].region_id;
     restart_with_rm(&mut w, &img);
     say_leases(&mut w, W1, s, vec![]);
@@ -648,9 +643,7 @@ fn a_region_going_back_is_freed_only_once_no_lease_of_the_last_run_can_cover_it(
 
 #[test]
 fn a_region_record_longer_than_a_region_or_with_another_page_count_is_left_out() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (_, _, pages) = full_region(&mut w, &mut img);
+    let (mut w, mut img, _, _, pages) = full_region(durable(&[]));
     let rid = pages[0].region_id;
     let good = img
         .regions
@@ -688,9 +681,7 @@ fn a_region_record_longer_than_a_region_or_with_another_page_count_is_left_out()
 /// with the overlap check taken out (both regions restored, the keys served).
 #[test]
 fn region_records_that_fail_their_check_or_overlap_are_dropped_with_their_keys() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (_, _, pages) = full_region(&mut w, &mut img);
+    let (mut w, img, _, _, pages) = full_region(durable(&[]));
     let rid = pages[0].region_id;
     let keys = img.keys.len() as u64;
     assert!(keys > 0);
@@ -784,9 +775,7 @@ fn alloc_all(w: &mut World, client: &str, session: u64) -> Vec<(u64, u64)> {
 #[test]
 fn an_alloc_is_answered_early_only_from_pages_whose_reservation_is_durable() {
     use super::ReplyTiming;
-    let mut w = durable_big();
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
+    let (mut w, mut img, (s, g)) = opened(durable_big());
     let rid = g.handle.region_id;
     persist(&mut w, &mut img);
     // Nothing reserved yet: the page is taken from the free ones, and its reply
@@ -866,9 +855,7 @@ fn an_alloc_is_answered_early_only_from_pages_whose_reservation_is_durable() {
 fn a_publish_answered_before_its_commit_is_at_worst_lost_in_a_crash() {
     use super::ReplyTiming;
     use RemoveResult;
-    let mut w = durable_big();
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
+    let (mut w, mut img, (s, g)) = opened(durable_big());
     let rid = g.handle.region_id;
     let reader = w.open_without_region(W2);
     w.store(W1, s, &["kept"]);
@@ -972,9 +959,7 @@ fn say_held(w: &mut World, client: &str, session: u64, pages: &[(u64, u64)]) -> 
 #[test]
 fn a_report_of_the_pages_held_frees_the_other_pages_in_doubt() {
     use std::collections::BTreeSet;
-    let mut w = durable_big();
-    let mut img = Image::default();
-    let (s, g) = w.open(W1);
+    let (mut w, mut img, (s, g)) = opened(durable_big());
     let rid = g.handle.region_id;
     let (s2, g2) = w.open(W2);
     let rid2 = g2.handle.region_id;
@@ -1087,9 +1072,7 @@ fn an_oversized_report_of_pages_held_is_refused_and_changes_nothing() {
     let mut img = Image::default();
     let (s, _) = w.open(W1);
     w.alloc(W1, s, 2);
-    persist(&mut w, &mut img);
-    w.now += 100;
-    restart_with_rm(&mut w, &img);
+    crash_and_restart(&mut w, &mut img, 100);
     let before = w.core.pages_in_doubt();
     let beat = Beat {
         held_pages: Some(vec![
@@ -1250,9 +1233,7 @@ fn a_format1_directory_is_sealed_keeping_every_key_it_can_vouch_for() {
 /// told). Seen failing with the overlap rule removed from `seal_format1`.
 #[test]
 fn overlapping_regions_of_a_format1_directory_are_dropped_when_it_is_sealed() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (_, _, pages) = full_region(&mut w, &mut img);
+    let (mut w, img, _, _, pages) = full_region(durable(&[]));
     let rid = pages[0].region_id;
     let mut old = as_format1(&img);
     let mut twin = old
@@ -1284,9 +1265,7 @@ fn overlapping_regions_of_a_format1_directory_are_dropped_when_it_is_sealed() {
 /// got id 2, the id of the dropped one), and with the run floor removed (id 1).
 #[test]
 fn a_rolled_back_counter_never_hands_out_the_id_of_a_recorded_session() {
-    let mut w = durable(&[]);
-    let mut img = Image::default();
-    let (s1, _) = w.open(W1);
+    let (mut w, mut img, (s1, _)) = opened(durable(&[]));
     let (s2, _) = w.open(W2);
     persist(&mut w, &mut img);
     assert!(s2 > s1);

@@ -3,15 +3,21 @@
 //! clock.
 
 use super::fakes::*;
-use crate::wire::meta::{Backend, MetaReply, MetaRequest, RemoveResult};
+use crate::wire::meta::{Backend, MetaReply, MetaRequest, RegionGrant, RemoveResult};
 use std::collections::BTreeMap;
+
+/// A session of W1 with its first region and a second one.
+fn two_regions(w: &mut World) -> (u64, RegionGrant, RegionGrant) {
+    let (a, g1) = w.open(W1);
+    let g2 = w.expand(W1, a).unwrap();
+    (a, g1, g2)
+}
 
 /// A world where W1's session has a region with key "k" (its first region) and an
 /// empty second region, then closes drained; W2's session reads.
 fn left_behind() -> (World, u64, u64, u64, String) {
     let mut w = World::remote();
-    let (a, g1) = w.open(W1);
-    let g2 = w.expand(W1, a).unwrap();
+    let (a, g1, g2) = two_regions(&mut w);
     let (b, _) = w.open(W2);
     // As a worker does: the boot id before the first key.
     w.heartbeat(W1, a, &[(g1.handle.region_id, BOOT)]);
@@ -29,6 +35,33 @@ fn left_behind() -> (World, u64, u64, u64, String) {
         g2.handle.region_id,
         g1.agent.unwrap(),
     )
+}
+
+/// A pool with room for `regions` regions where W1 stored `keys[0]` and W2 `keys[1]`,
+/// each in its first region, and both closed drained (their regions kept, the
+/// keeper's first tick done); then a reader opens. The world, W1's and W2's region,
+/// and the reader's session.
+fn two_kept(regions: u64, keys: [&str; 2]) -> (World, u64, u64, u64) {
+    let mut w = World::with(config(&[A1, A2]), regions * REGION);
+    let (a, g1) = w.open(W1);
+    let (c, g2) = w.open(W2);
+    w.store(W1, a, &[keys[0]]);
+    w.store(W2, c, &[keys[1]]);
+    w.close(W1, a, true);
+    w.close(W2, c, true);
+    w.tick();
+    let (b, _) = w.open("reader:1");
+    (w, g1.handle.region_id, g2.handle.region_id, b)
+}
+
+/// [`left_behind`], its kept region mapped (a tick), then given back while its agent
+/// is down: the world, the reader and the kept region.
+fn kept_going_back_unreleased() -> (World, u64, u64) {
+    let (mut w, b, kept, _, agent) = left_behind();
+    w.tick();
+    w.agents.down.insert(agent.clone());
+    assert_eq!(w.core.give_back_kept(w.now), 1);
+    (w, b, kept)
 }
 
 #[test]
@@ -57,19 +90,14 @@ fn kept_keys_are_not_victims_or_removable_by_other_sessions() {
     let (mut w, b, _, _, _) = left_behind();
     let results = w.remove(W2, b, &["k"]);
     assert_eq!(results, vec![RemoveResult::NotOwner]);
-    let Ok(MetaReply::Victims { victims }) = w.req(W2, MetaRequest::Victims { session: b, max: 9 })
-    else {
-        panic!("victims");
-    };
-    assert!(victims.is_empty());
+    assert!(w.victims(W2, b, 9).is_empty());
     assert_eq!(w.exists(W2, b, &["k"]), vec![true]);
 }
 
 #[test]
 fn cxl_regions_without_keys_go_straight_to_the_rm() {
     let mut w = World::cxl();
-    let (a, g1) = w.open(W1);
-    let g2 = w.expand(W1, a).unwrap();
+    let (a, g1, g2) = two_regions(&mut w);
     let (b, _) = w.open(W2);
     w.store(W1, a, &["k"]);
     w.close(W1, a, true);
@@ -93,8 +121,7 @@ fn cxl_regions_without_keys_go_straight_to_the_rm() {
 #[test]
 fn an_expired_session_is_taken_over_like_a_drained_close() {
     let mut w = World::remote();
-    let (a, g1) = w.open(W1);
-    let g2 = w.expand(W1, a).unwrap();
+    let (a, g1, g2) = two_regions(&mut w);
     w.store(W1, a, &["k"]);
     w.advance(5_000);
     let (b, _) = w.open(W2);
@@ -262,16 +289,7 @@ fn a_release_that_fails_never_reaches_the_rm() {
 #[test]
 fn an_rm_refusal_gives_back_the_kept_region_read_longest_ago_and_the_request_waits_for_it() {
     // Room for four regions.
-    let mut w = World::with(config(&[A1, A2]), 4 * REGION);
-    let (a, g1) = w.open(W1);
-    let (c, g2) = w.open(W2);
-    w.store(W1, a, &["read"]);
-    w.store(W2, c, &["unread"]);
-    let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
-    w.close(W1, a, true);
-    w.close(W2, c, true);
-    w.tick();
-    let (b, _) = w.open("reader:1");
+    let (mut w, r1, r2, b) = two_kept(4, ["read", "unread"]);
     w.advance(1_000);
     w.acquire("reader:1", b, &["read"]);
     w.expand("reader:1", b).unwrap(); // the RM is full now
@@ -393,10 +411,7 @@ fn nothing_is_left_at_the_rm_once_every_session_closed_and_the_keeper_let_go() {
 
 #[test]
 fn giving_the_kept_regions_back_leaves_nothing_at_the_rm() {
-    let (mut w, b, kept, _, agent) = left_behind();
-    w.tick();
-    w.agents.down.insert(agent.clone());
-    assert_eq!(w.core.give_back_kept(w.now), 1);
+    let (mut w, b, kept) = kept_going_back_unreleased();
     assert_eq!(w.exists(W2, b, &["k"]), vec![false], "keys go at once");
     w.run_for(5_000, 1_000);
     assert_eq!(w.core.regions_going_back(), 1, "waits for the release");
@@ -412,16 +427,7 @@ fn giving_the_kept_regions_back_leaves_nothing_at_the_rm() {
 
 #[test]
 fn a_kept_region_with_pinned_keys_is_not_given_back_to_make_room() {
-    let mut w = World::with(config(&[A1, A2]), 3 * REGION);
-    let (a, g1) = w.open(W1);
-    let (c, g2) = w.open(W2);
-    w.store(W1, a, &["pinned"]);
-    w.store(W2, c, &["plain"]);
-    let (r1, r2) = (g1.handle.region_id, g2.handle.region_id);
-    w.close(W1, a, true);
-    w.close(W2, c, true);
-    w.tick();
-    let (b, _) = w.open("reader:1");
+    let (mut w, r1, r2, b) = two_kept(3, ["pinned", "plain"]);
     // r1 was read longest ago, but it holds a pinned key: r2 goes instead.
     let pinned = w.pin("reader:1", b, &["pinned"], true);
     assert_eq!(pinned, vec![true]);
@@ -498,10 +504,7 @@ fn regions_the_rm_no_longer_holds_lose_their_keys_and_leave_their_holders() {
 /// failing with the first retry at `retry_ms` (nothing released 30 ms later).
 #[test]
 fn a_failed_release_is_tried_again_soon() {
-    let (mut w, _, kept, _, agent) = left_behind();
-    w.tick();
-    w.agents.down.insert(agent.clone());
-    assert_eq!(w.core.give_back_kept(w.now), 1);
+    let (mut w, _, kept) = kept_going_back_unreleased();
     w.tick(); // the release fails
     w.agents.down.clear();
     w.now += 30;
