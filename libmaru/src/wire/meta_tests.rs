@@ -265,19 +265,11 @@ proptest! {
     fn odd_json_never_panics(
         op in op_names(),
         fields in proptest::collection::btree_map(
-            prop_oneof![
-                Just("session".to_string()), Just("count".to_string()),
-                Just("keys".to_string()), Just("entries".to_string()),
-                Just("pages".to_string()), Just("lease_ids".to_string()),
-                Just("boot_ids".to_string()), Just("backend".to_string()),
-                Just("engine_id".to_string()), Just("namespace".to_string()),
-                Just("layout".to_string()), Just("region_id".to_string()),
-                Just("released".to_string()), Just("drained".to_string()),
-                Just("max".to_string()), Just("route_key".to_string()),
-                Just("leases".to_string()), Just("regions".to_string()),
-                Just("skipped".to_string()),
-                Just("id".to_string()), "[a-z_]{1,8}",
-            ],
+            field_name(&[
+                "session", "count", "keys", "entries", "pages", "lease_ids", "boot_ids",
+                "backend", "engine_id", "namespace", "layout", "region_id", "released",
+                "drained", "max", "route_key", "leases", "regions", "skipped", "id",
+            ]),
             odd_value(),
             0..8,
         ),
@@ -291,6 +283,15 @@ proptest! {
         let body = serde_json::Value::Object(obj).to_string();
         let _ = decode_json::<Envelope<MetaRequest>>(body.as_bytes());
     }
+}
+
+/// A field name of a request body: one of `known`, or (as likely as any one of them)
+/// a made-up one.
+fn field_name(known: &'static [&'static str]) -> impl Strategy<Value = String> {
+    prop_oneof![
+        known.len() as u32 => proptest::sample::select(known).prop_map(String::from),
+        1 => "[a-z_]{1,8}",
+    ]
 }
 
 /// The requests of the data path, with any values their fields may hold.
@@ -442,13 +443,10 @@ proptest! {
         op in prop_oneof![op_names().prop_map(serde_json::Value::String), odd_value()],
         fields in proptest::collection::vec(
             (
-                prop_oneof![
-                    Just("session".to_string()), Just("count".to_string()),
-                    Just("keys".to_string()), Just("entries".to_string()),
-                    Just("pages".to_string()), Just("lease_ids".to_string()),
-                    Just("route_key".to_string()), Just("id".to_string()),
-                    Just("op".to_string()), "[a-z_]{1,8}",
-                ],
+                field_name(&[
+                    "session", "count", "keys", "entries", "pages", "lease_ids", "route_key",
+                    "id", "op",
+                ]),
                 prop_oneof![
                     odd_value(),
                     Just(serde_json::json!(1)),
