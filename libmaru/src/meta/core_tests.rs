@@ -473,10 +473,10 @@ fn a_region_of_another_session_is_not_returned() {
 
 #[test]
 fn a_session_that_stops_sending_expires_and_holds_nothing() {
-    let mut cfg = config(&[A1]);
-    cfg.max_sessions = 2;
-    cfg.lease_timeout_ms = 60_000; // outlives the session
-    let mut w = World::with(cfg, 16 * REGION);
+    let mut w = World::tuned(|c| {
+        c.max_sessions = 2;
+        c.lease_timeout_ms = 60_000; // outlives the session
+    });
     let (a, _) = w.open(W1);
     let (b, _) = w.open(W2);
     w.store(W1, a, &["k"]);
@@ -502,9 +502,7 @@ fn a_session_that_stops_sending_expires_and_holds_nothing() {
 
 #[test]
 fn expiry_is_seen_by_requests_before_any_tick() {
-    let mut cfg = config(&[A1]);
-    cfg.max_sessions = 1;
-    let mut w = World::with(cfg, 16 * REGION);
+    let mut w = World::tuned(|c| c.max_sessions = 1);
     w.open(W1);
     w.now += 10_000; // no tick ran
     w.open(W2);
@@ -563,9 +561,7 @@ fn a_changed_boot_id_in_a_heartbeat_drops_the_regions_keys() {
 
 #[test]
 fn the_session_limit_refuses_clearly() {
-    let mut cfg = config(&[A1]);
-    cfg.max_sessions = 1;
-    let mut w = World::with(cfg, 16 * REGION);
+    let mut w = World::tuned(|c| c.max_sessions = 1);
     let (a, _) = w.open(W1);
     w.clear_log();
     let e = w.req(W2, open_remote()).unwrap_err();

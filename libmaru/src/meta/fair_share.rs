@@ -551,6 +551,23 @@ mod tests {
         }
     }
 
+    /// A fair share where `session` (of tenant `t<session>`) waits since 0.
+    fn waiting(session: u64) -> FairShare {
+        let mut f = FairShare::default();
+        want(&mut f, session, 0);
+        f
+    }
+
+    /// Session `session` of tenant `t<session>` holding `regions`, each (region, last
+    /// read, may be given back): false where it holds pinned keys.
+    fn with_pins(session: u64, regions: &[(u64, u64, bool)]) -> Holding {
+        Holding {
+            session,
+            tenant: format!("t{session}"),
+            regions: regions.to_vec(),
+        }
+    }
+
     fn want(f: &mut FairShare, session: u64, now: u64) {
         f.want(session, &format!("t{session}"), now);
     }
@@ -577,8 +594,7 @@ mod tests {
 
     #[test]
     fn nobody_is_asked_when_every_session_is_within_its_share() {
-        let mut f = FairShare::default();
-        want(&mut f, 5, 0);
+        let mut f = waiting(5);
         // 4 regions, 5 storing sessions: the floor of one region each.
         let h: Vec<Holding> = (1..=4).map(|s| holding(s, &[(s * 10, 0)])).collect();
         assert_eq!(decide(&mut f, &h, 4, 0, 10_000, 5_000), None);
@@ -590,26 +606,16 @@ mod tests {
 
     #[test]
     fn regions_with_pinned_keys_are_never_asked_for() {
-        let mut f = FairShare::default();
-        want(&mut f, 2, 0);
+        let mut f = waiting(2);
         let h = [
-            Holding {
-                session: 1,
-                tenant: "t1".into(),
-                regions: vec![(10, 0, false), (11, 5, true), (12, 1, false)],
-            },
+            with_pins(1, &[(10, 0, false), (11, 5, true), (12, 1, false)]),
             holding(2, &[]),
         ];
         let ask = decide(&mut f, &h, 3, 0, 10_000, 5_000).unwrap();
         assert_eq!(ask.region_id, 11, "10 and 12 hold pinned keys");
-        let mut g = FairShare::default();
-        want(&mut g, 2, 0);
+        let mut g = waiting(2);
         let pinned = [
-            Holding {
-                session: 1,
-                tenant: "t1".into(),
-                regions: vec![(10, 0, false), (11, 0, false)],
-            },
+            with_pins(1, &[(10, 0, false), (11, 0, false)]),
             holding(2, &[]),
         ];
         assert_eq!(decide(&mut g, &pinned, 2, 0, 10_000, 5_000), None);
@@ -617,8 +623,7 @@ mod tests {
 
     #[test]
     fn an_unanswered_ask_is_made_again_and_stale_waiters_are_forgotten() {
-        let mut f = FairShare::default();
-        want(&mut f, 3, 0);
+        let mut f = waiting(3);
         let h = [
             holding(1, &[(10, 0), (11, 1), (12, 2)]),
             holding(2, &[(20, 0), (21, 0), (22, 0)]),
@@ -639,8 +644,7 @@ mod tests {
 
     #[test]
     fn regions_that_do_not_divide_evenly_are_not_handed_back_and_forth() {
-        let mut f = FairShare::default();
-        want(&mut f, 2, 0);
+        let mut f = waiting(2);
         // 3 regions, 2 storing sessions: a share of 2 (rounded up).
         let h = [holding(1, &[(10, 0), (11, 0)]), holding(2, &[(20, 0)])];
         assert_eq!(decide(&mut f, &h, 3, 0, 10_000, 5_000), None);
@@ -746,8 +750,7 @@ mod tests {
         assert_eq!((ask.session, ask.region_id), (1, 11));
         assert!(!f.is_waiting(1) && f.is_waiting(2));
         // A waiter below its share keeps waiting.
-        let mut g = FairShare::default();
-        want(&mut g, 2, 0);
+        let mut g = waiting(2);
         let h = [
             holding(1, &[(10, 0), (11, 0), (12, 0)]),
             holding(2, &[(20, 0)]),
@@ -758,8 +761,7 @@ mod tests {
 
     #[test]
     fn a_waiting_session_is_not_asked_to_give_to_itself() {
-        let mut f = FairShare::default();
-        want(&mut f, 1, 0);
+        let mut f = waiting(1);
         let h = [
             holding(1, &[(10, 0), (11, 0), (12, 0)]),
             holding(2, &[(20, 0)]),

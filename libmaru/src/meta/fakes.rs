@@ -310,6 +310,13 @@ impl World {
         World::with(config(&[]), 16 * REGION)
     }
 
+    /// A world on agent [`A1`] with room for 16 regions, its config changed by `tune`.
+    pub fn tuned(tune: impl FnOnce(&mut MetaConfig)) -> World {
+        let mut cfg = config(&[A1]);
+        tune(&mut cfg);
+        World::with(cfg, 16 * REGION)
+    }
+
     /// A remote world with a session of [`W1`]: the world, the session, its region and
     /// the region's agent.
     pub fn remote_session() -> (World, u64, u64, String) {

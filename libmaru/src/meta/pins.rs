@@ -160,12 +160,18 @@ mod tests {
         KeyId::test_id(n)
     }
 
+    /// A table where each (session, key, region) pinned once, in this order.
+    fn pinned(pins: &[(u64, u64, u64)]) -> PinTable {
+        let mut t = PinTable::default();
+        for &(session, k, region) in pins {
+            t.pin(session, key(k), region);
+        }
+        t
+    }
+
     #[test]
     fn pins_count_per_session_and_end_with_the_last_unpin() {
-        let mut t = PinTable::default();
-        t.pin(1, key(1), 9);
-        t.pin(1, key(1), 9);
-        t.pin(2, key(1), 9);
+        let mut t = pinned(&[(1, 1, 9), (1, 1, 9), (2, 1, 9)]);
         assert!(t.is_pinned(key(1)) && t.region_has_pins(9));
         assert_eq!((t.keys(), t.held_by(1), t.held_by(2)), (1, 1, 1));
         assert!(t.unpin(1, key(1)));
@@ -179,11 +185,7 @@ mod tests {
 
     #[test]
     fn pins_end_with_their_session_key_or_region() {
-        let mut t = PinTable::default();
-        t.pin(1, key(1), 9);
-        t.pin(1, key(2), 8);
-        t.pin(2, key(2), 8);
-        t.pin(2, key(3), 8);
+        let mut t = pinned(&[(1, 1, 9), (1, 2, 8), (2, 2, 8), (2, 3, 8)]);
         assert_eq!(t.end_session(1), 2);
         assert!(!t.is_pinned(key(1)) && t.is_pinned(key(2)));
         assert!(!t.region_has_pins(9));
@@ -196,8 +198,7 @@ mod tests {
 
     #[test]
     fn new_pins_count_distinct_keys_the_session_does_not_pin_yet() {
-        let mut t = PinTable::default();
-        t.pin(1, key(1), 9);
+        let mut t = pinned(&[(1, 1, 9)]);
         // Pinning a key again, or the same new key twice, takes one place.
         assert_eq!(t.new_for(1, &[key(1), key(2), key(2)]), 1);
         t.pin(1, key(2), 9);

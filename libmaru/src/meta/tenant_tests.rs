@@ -237,9 +237,7 @@ fn max_regions_caps_a_tenant_even_alone() {
 
 #[test]
 fn a_region_held_without_storing_goes_back_after_the_unused_limit() {
-    let mut cfg = config(&[A1]);
-    cfg.unused_region_ms = 3_000;
-    let mut w = World::with(cfg, 16 * REGION);
+    let mut w = World::tuned(|c| c.unused_region_ms = 3_000);
     let (idle, g) = w.open(W1);
     let (busy, _) = w.open(W2);
     let (taken, _) = w.alloc(W2, busy, 1);
