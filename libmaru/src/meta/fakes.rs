@@ -581,22 +581,12 @@ impl World {
 
     /// Allocates a page per key and publishes each key in it (after its WRITE).
     pub fn store(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<PageGrant> {
-        let (pages, missing) = self.alloc(client, session, keys.len() as u32);
-        assert_eq!(missing, 0, "room for {} keys", keys.len());
-        let entries = keys
-            .iter()
-            .zip(&pages)
-            .map(|(k, p)| PublishEntry {
-                key: k.to_string(),
-                region_id: p.region_id,
-                offset: p.offset,
-                length: 1000,
-                prev: None,
-            })
-            .collect();
-        let is_new = self.publish_at(client, session, entries).unwrap();
-        assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
-        pages
+        self.store_entries(client, session, keys, |pages| {
+            keys.iter()
+                .zip(pages)
+                .map(|(k, p)| p.entry(k.to_string(), 1000))
+                .collect()
+        })
     }
 
     /// Like [`World::store`], each key published with the one before it as its
@@ -608,10 +598,23 @@ impl World {
         prev: Option<&str>,
         keys: &[&str],
     ) -> Vec<PageGrant> {
+        self.store_entries(client, session, keys, |pages| {
+            chain_entries(prev, keys, pages)
+        })
+    }
+
+    /// Allocates a page per key and publishes the `entries` made for those pages, each
+    /// one new.
+    fn store_entries(
+        &mut self,
+        client: &str,
+        session: u64,
+        keys: &[&str],
+        entries: impl FnOnce(&[PageGrant]) -> Vec<PublishEntry>,
+    ) -> Vec<PageGrant> {
         let (pages, missing) = self.alloc(client, session, keys.len() as u32);
         assert_eq!(missing, 0, "room for {} keys", keys.len());
-        let entries = chain_entries(prev, keys, &pages);
-        let is_new = self.publish_at(client, session, entries).unwrap();
+        let is_new = self.publish_at(client, session, entries(&pages)).unwrap();
         assert!(is_new.iter().all(|n| *n), "{keys:?} were new");
         pages
     }
@@ -660,13 +663,8 @@ impl World {
     }
 
     pub fn exists(&mut self, client: &str, session: u64, keys: &[&str]) -> Vec<bool> {
-        match self.req(
-            client,
-            MetaRequest::Exists {
-                session,
-                keys: owned(keys),
-            },
-        ) {
+        let keys = owned(keys);
+        match self.req(client, MetaRequest::Exists { session, keys }) {
             Ok(MetaReply::Exists { found }) => found,
             other => panic!("exists: {other:?}"),
         }
@@ -678,13 +676,8 @@ impl World {
         session: u64,
         keys: &[&str],
     ) -> Result<Vec<Option<LeaseGrant>>, WireError> {
-        match self.req(
-            client,
-            MetaRequest::Acquire {
-                session,
-                keys: owned(keys),
-            },
-        )? {
+        let keys = owned(keys);
+        match self.req(client, MetaRequest::Acquire { session, keys })? {
             MetaReply::Leases { leases } => Ok(leases),
             other => panic!("acquire: {other:?}"),
         }
