@@ -47,16 +47,13 @@ const FAST: Duration = Duration::from_millis(5);
 /// Every call after the first that waited on `peer`: within [`FAST`] of its own time,
 /// and without a round trip to maru-server or a contact with an agent.
 fn assert_fast(later: &[Call], peer: &str) {
-    let slow: Vec<&Call> = later
-        .iter()
-        .filter(|c| c.took > FAST || c.server + c.agent > 0)
-        .collect();
-    assert!(
-        slow.is_empty(),
-        "after the first call that waited on {peer}: {} of {} calls took over {FAST:?} of their own time or asked a peer: {:#?}",
-        slow.len(),
-        later.len(),
-        &slow[..slow.len().min(8)]
+    support::assert_none(
+        later,
+        |c| c.took > FAST || c.server + c.agent > 0,
+        &format!(
+            "calls after the first call that waited on {peer} took over {FAST:?} of their own \
+             time or asked a peer"
+        ),
     );
 }
 

@@ -237,13 +237,10 @@ fn stalled_run(stacks: &[Stack], stall: &dyn Fn(bool)) {
     );
     let stalled_from = STALL_AT;
     let limit = Duration::from_millis(2 * TIMEOUT_MS);
-    let late: Vec<&Call> = calls.iter().filter(|c| c.took > limit).collect();
-    assert!(
-        late.is_empty(),
-        "{} of {} calls took longer than 2 x timeout_ms ({limit:?}): {:#?}",
-        late.len(),
-        calls.len(),
-        &late[..late.len().min(8)]
+    support::assert_none(
+        &calls,
+        |c| c.took > limit,
+        &format!("calls took longer than 2 x timeout_ms ({limit:?})"),
     );
     assert!(
         session_changes.is_empty(),

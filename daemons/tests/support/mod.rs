@@ -433,6 +433,19 @@ pub fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|a| a.to_string()).collect()
 }
 
+/// No item of `items` is `bad`; else a panic saying how many are, of how many, what
+/// they did (`what`), and the first 8 of them.
+pub fn assert_none<T: std::fmt::Debug>(items: &[T], bad: impl Fn(&T) -> bool, what: &str) {
+    let found: Vec<&T> = items.iter().filter(|i| bad(i)).collect();
+    assert!(
+        found.is_empty(),
+        "{} of {} {what}: {:#?}",
+        found.len(),
+        items.len(),
+        &found[..found.len().min(8)]
+    );
+}
+
 /// Polls `f` every 20 ms until it is true, for at most `limit`.
 pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
