@@ -728,6 +728,12 @@ mod tests {
         assert_eq!(rows[&of("c")].used, 4 << 20);
     }
 
+    /// `snap` rendered has no line saying `text` (`why`: the figures it would show are 0).
+    fn assert_no_line(snap: &Snapshot, text: &str, why: &str) {
+        let out = render(snap, 2);
+        assert!(!out.contains(text), "{why}: no line {text:?} in\n{out}");
+    }
+
     #[test]
     fn render_shows_engines_pools_and_caps_regions() {
         let (s, u) = reply(
@@ -781,17 +787,11 @@ mod tests {
         snap.stats.total.removed = 40;
         snap.stats.total.chains_cut = 3;
         snap.stats.total.waiting_for_region = 1;
-        assert!(
-            !render(&snap, 2).contains("durable directory"),
-            "in memory: no line"
-        );
+        assert_no_line(&snap, "durable directory", "in memory");
         snap.stats.total.recovered_keys = 1200;
         snap.stats.total.recovered_regions = 5;
         snap.stats.total.recovery_ms = 37;
-        assert!(
-            !render(&snap, 2).contains("without a key"),
-            "none in doubt: no line"
-        );
+        assert_no_line(&snap, "without a key", "none in doubt");
         snap.stats.total.pages_in_doubt = 12;
         snap.stats.total.pages_in_doubt_freed = 52;
         let out = render(&snap, 2);
