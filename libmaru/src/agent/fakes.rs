@@ -10,7 +10,7 @@ use super::AgentCore;
 use crate::auth::read_token;
 use crate::wire::agent::{AgentReply, AgentRequest, MapReply, RangeMapped, ReadRange};
 use crate::wire::rm::{AccessReply, Handle};
-use crate::wire::WireError;
+use crate::wire::{ErrorCode, WireError};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub const NODE: &str = "mem1";
@@ -410,6 +410,23 @@ impl World {
     /// Unholds the sweep still owes the RM.
     pub fn queued(&self) -> usize {
         self.core.status().queued_unholds
+    }
+
+    /// Maps `h` for `client` (writable), which must fail with `code` and a message that
+    /// says `says`.
+    #[track_caller]
+    pub fn map_fails(&mut self, client: &str, h: &Handle, code: ErrorCode, says: &str) {
+        let e = self.map(client, h, true).unwrap_err();
+        assert_eq!(e.code, code, "{e}");
+        assert!(e.message.contains(says), "{e}");
+    }
+
+    /// Checks that the RM still holds region `id` and that its unhold (the only one)
+    /// waits for the sweep.
+    #[track_caller]
+    pub fn unhold_queued(&self, id: u64) {
+        assert!(self.rm.held.contains(&id), "held: {:?}", self.rm.held);
+        assert_eq!(self.queued(), 1);
     }
 
     /// Sweeps, and checks that the RM was given every hold back and none is queued.
