@@ -8,7 +8,9 @@ use maru::wire::rm::{RmReply, RmRequest, SERVICE as RM};
 use maru::worker::Handler;
 use sha2::{Digest, Sha256};
 use std::time::{Duration, Instant};
-use support::{connect, leases_of, wait_until, Daemon, Stack, AGENT_BIN, RM_BIN, SERVER_BIN};
+use support::{
+    connect, leases_of, used_bytes, wait_until, Daemon, Stack, AGENT_BIN, RM_BIN, SERVER_BIN,
+};
 
 fn stack(remote: bool, extra_server: &[&str]) -> Stack {
     let mut args: Vec<String> = ["--region-size", "8M", "--chunk-size", "64K"]
@@ -307,21 +309,6 @@ fn half_pool(
     maru::worker::pool::StoragePool::open(session, maru::worker::movers::cxl(true))
         .unwrap()
         .with_test_hooks(hooks)
-}
-
-/// Bytes of pages in use by the session of `engine` at maru-server.
-fn used_bytes(server: &str, engine: &str) -> u64 {
-    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
-    let mut c = connect(server, META, "observer");
-    match c.call(&MetaRequest::Usage).unwrap() {
-        MetaReply::Usage(u) => u
-            .sessions
-            .iter()
-            .filter(|s| s.engine_id == engine)
-            .map(|s| s.used)
-            .sum(),
-        r => panic!("{r:?}"),
-    }
 }
 
 /// Pages of failed writes go back for reuse, except while a transfer of unknown outcome

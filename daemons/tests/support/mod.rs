@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use maru::net::{Client, ClientOptions};
+use maru::wire::meta::{MetaReply, MetaRequest};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -415,17 +416,35 @@ pub fn map_writable(c: &mut Client, h: &maru::wire::rm::Handle) -> maru::wire::a
 
 /// Leases the sessions of `engine` hold at maru-server now.
 pub fn leases_of(server: &str, engine: &str) -> u64 {
-    use maru::wire::meta::{MetaReply, MetaRequest, SERVICE as META};
-    let mut c = connect(server, META, "observer");
-    match c.call(&MetaRequest::Stats { session: None }).unwrap() {
+    engine_total(server, engine, MetaRequest::Stats { session: None })
+}
+
+/// Bytes of pages in use by the sessions of `engine` at maru-server now.
+pub fn used_bytes(server: &str, engine: &str) -> u64 {
+    engine_total(server, engine, MetaRequest::Usage)
+}
+
+/// maru-server's answer to `req`, asked as an observer, summed over the sessions of
+/// `engine`: their leases for `Stats`, their bytes in use for `Usage`.
+fn engine_total(server: &str, engine: &str, req: MetaRequest) -> u64 {
+    let mut c = connect(server, maru::wire::meta::SERVICE, "observer");
+    let each: Vec<(String, u64)> = match c.call(&req).unwrap() {
         MetaReply::Stats(s) => s
             .sessions
-            .iter()
-            .filter(|s| s.engine_id == engine)
-            .map(|s| s.leases)
-            .sum(),
-        r => panic!("{r:?}"),
-    }
+            .into_iter()
+            .map(|s| (s.engine_id, s.leases))
+            .collect(),
+        MetaReply::Usage(u) => u
+            .sessions
+            .into_iter()
+            .map(|s| (s.engine_id, s.used))
+            .collect(),
+        r => panic!("{req:?}: {r:?}"),
+    };
+    each.into_iter()
+        .filter(|(e, _)| e == engine)
+        .map(|(_, n)| n)
+        .sum()
 }
 
 /// `args` as owned strings (a daemon's command line).
@@ -897,7 +916,6 @@ pub fn key_bytes(key: &str, page: usize) -> Vec<u8> {
 /// Whether maru-server answers an `exists` in `session` on this connection (the
 /// session is open here and the connection acts for its owner).
 pub fn session_answers(c: &mut Client, session: u64) -> bool {
-    use maru::wire::meta::{MetaReply, MetaRequest};
     matches!(
         c.call::<_, MetaReply>(&MetaRequest::Exists {
             session,
