@@ -73,6 +73,23 @@ pub(crate) unsafe fn out_slice<'a, T>(
     Ok(std::slice::from_raw_parts_mut(p, n))
 }
 
+/// The outputs of a load of `n` chunks, `lens` and `found`, written first as all misses
+/// (length 0, not found): whatever the call returns then, every entry is written.
+///
+/// # Safety
+/// As [`out_slice`], for each of the two arrays.
+pub(crate) unsafe fn load_outputs<'a>(
+    lens: *mut usize,
+    found: *mut bool,
+    n: usize,
+) -> Result<(&'a mut [usize], &'a mut [bool]), FfiError> {
+    let ls = out_slice(lens, n, "lens")?;
+    let fs = out_slice(found, n, "found")?;
+    ls.fill(0);
+    fs.fill(false);
+    Ok((ls, fs))
+}
+
 /// Copies `src` into an optional output array of `n` values (NULL: the caller does
 /// not want it; nothing is written). `src` holds the `n` values.
 ///
@@ -131,6 +148,16 @@ mod tests {
             copy_to_opt_out(out.as_mut_ptr(), 3, &[true, false, true]);
         }
         assert_eq!(out, [true, false, true]);
+    }
+
+    #[test]
+    fn a_load_writes_every_output_as_a_miss_before_it_loads() {
+        let (mut lens, mut found) = ([7usize; 3], [true; 3]);
+        // SAFETY: both arrays hold 3 writable values.
+        let (ls, fs) = unsafe { load_outputs(lens.as_mut_ptr(), found.as_mut_ptr(), 3) }.unwrap();
+        assert_eq!((&*ls, &*fs), (&[0usize; 3][..], &[false; 3][..]));
+        let e = unsafe { load_outputs(lens.as_mut_ptr(), ptr::null_mut(), 3) }.unwrap_err();
+        assert!(e.1.contains("`found`"), "{}", e.1);
     }
 
     #[test]

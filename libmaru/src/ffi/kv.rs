@@ -5,7 +5,7 @@
 //! it, so pass the request's first chunk key for every chunk of a request. NULL means
 //! the first key of this call (for the single-key calls, the key itself).
 
-use super::args::{buffer_of, copy_to_opt_out, in_slice, opt_str, out_slice, req_str};
+use super::args::{buffer_of, copy_to_opt_out, in_slice, load_outputs, opt_str, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
 use super::calls::{answer_each_key, keyed};
 use super::handler::{maru_handler_t, with_handler};
@@ -169,10 +169,7 @@ pub unsafe extern "C" fn maru_load_batch(
         let rk = opt_str(route_key, "route_key")?;
         let bs = in_slice(bufs, n, "bufs")?;
         let cs = in_slice(caps, n, "caps")?;
-        let ls = out_slice(lens, n, "lens")?;
-        let fs = out_slice(found, n, "found")?;
-        ls.fill(0);
-        fs.fill(false);
+        let (ls, fs) = load_outputs(lens, found, n)?;
         let mut dst: Vec<&mut [u8]> = (0..n).map(|i| buffer_of(bs[i], cs[i])).collect();
         let got = call.handler().load_into(&ks, &mut dst, rk)?;
         let mut too_small = None;

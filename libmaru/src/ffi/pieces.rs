@@ -3,7 +3,7 @@
 //! so that a load takes the leases, copies the pieces while they are held and gives
 //! the leases back without returning to the caller in between.
 
-use super::args::{in_slice, opt_str, out_slice};
+use super::args::{in_slice, load_outputs, opt_str};
 use super::boundary::FfiError;
 use super::calls::keyed;
 use super::status::maru_status_t;
@@ -116,10 +116,7 @@ pub unsafe extern "C" fn maru_load_pieces(
     keyed(h, keys, n, |call, ks| {
         let rk = opt_str(route_key, "route_key")?;
         let ps = in_slice(pieces, n_pieces, "pieces")?;
-        let ls = out_slice(lens, n, "lens")?;
-        let fs = out_slice(found, n, "found")?;
-        ls.fill(0);
-        fs.fill(false);
+        let (ls, fs) = load_outputs(lens, found, n)?;
         let groups = by_chunk(ps, n)?;
         call.handler()
             .load_each_release_after(&ks, rk, &mut |i, bytes| {

@@ -1,7 +1,7 @@
 //! Staging slots for zero-copy transfers: acquire, fill or read in place (with the
 //! runtime's own GPU copy), store from or load into them, release.
 
-use super::args::{copy_to_opt_out, in_slice, opt_str, out_slice};
+use super::args::{copy_to_opt_out, in_slice, load_outputs, opt_str, out_slice};
 use super::boundary::{ffi_guard, FfiError};
 use super::calls::{fill_out, keyed};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
@@ -177,8 +177,7 @@ pub unsafe extern "C" fn maru_load_slots(
 ) -> maru_status_t {
     keyed(h, keys, n, |call, ks| {
         let is = in_slice(ids, n, "ids")?;
-        let ls = out_slice(lens, n, "lens")?;
-        let fs = out_slice(found, n, "found")?;
+        let (ls, fs) = load_outputs(lens, found, n)?;
         let rk = opt_str(route_key, "route_key")?;
         let got = call.handler().load_slots(&ks, is, rk)?;
         write_loaded(&got, ls, fs);
