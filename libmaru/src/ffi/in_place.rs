@@ -2,12 +2,12 @@
 //! chunk straight into the mapping (a GPU copies into it), publish or give the pages
 //! back. And views of whole regions this host maps.
 
-use super::args::{copy_to_opt_out, in_slice, opt_str};
+use super::args::{in_slice, opt_str};
 use super::boundary::{check_not_null, ffi_guard};
-use super::calls::{fill_out, keyed};
+use super::calls::{fill_out, hand_out, store_each};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
-use crate::worker::{RegionInfo, WorkerError};
+use crate::worker::{InPlaceInfo, RegionInfo};
 use std::ffi::c_char;
 
 /// A page of one of the engine's own regions, taken for writing a chunk in place
@@ -94,25 +94,17 @@ pub unsafe extern "C" fn maru_pages_take(
             return Ok(0);
         }
         let pages = call.handler().take_in_place(n, rk)?;
-        if call.shutting_down() {
-            let _ = call.handler().give_back_in_place(
-                &pages
-                    .iter()
-                    .map(|p| (p.region_id, p.page))
-                    .collect::<Vec<_>>(),
-            );
-            return Err(WorkerError::Closed.into());
-        }
-        for (d, p) in dst.iter_mut().zip(&pages) {
-            *d = maru_page_t {
-                region_id: p.region_id,
-                page: p.page,
-                offset: p.offset,
-                data: p.ptr,
-                capacity: p.capacity,
-            };
-        }
-        Ok(pages.len())
+        let to_c = |p: &InPlaceInfo| maru_page_t {
+            region_id: p.region_id,
+            page: p.page,
+            offset: p.offset,
+            data: p.ptr,
+            capacity: p.capacity,
+        };
+        hand_out(call.shutting_down(), dst, pages, to_c, |pages| {
+            let locs: Vec<(u64, u64)> = pages.iter().map(|p| (p.region_id, p.page)).collect();
+            let _ = call.handler().give_back_in_place(&locs);
+        })
     })
 }
 
@@ -137,12 +129,10 @@ pub unsafe extern "C" fn maru_pages_publish(
     n: usize,
     published: *mut bool,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
+    store_each(h, keys, n, published, |call, ks| {
         let ps = in_slice(pages, n, "pages")?;
         let ls = in_slice(lens, n, "lens")?;
-        let ok = call.handler().publish_in_place(&ks, &locs(ps), ls)?;
-        copy_to_opt_out(published, n, &ok);
-        Ok(())
+        Ok(call.handler().publish_in_place(ks, &locs(ps), ls)?)
     })
 }
 

@@ -5,9 +5,9 @@
 //! it, so pass the request's first chunk key for every chunk of a request. NULL means
 //! the first key of this call (for the single-key calls, the key itself).
 
-use super::args::{buffer_of, copy_to_opt_out, in_slice, load_outputs, opt_str, req_str};
+use super::args::{buffer_of, in_slice, load_outputs, opt_str, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
-use super::calls::{answer_each_key, keyed};
+use super::calls::{answer_each_key, keyed, store_each};
 use super::handler::{maru_handler_t, with_handler};
 use super::status::maru_status_t;
 use crate::wire::meta::RemoveResult;
@@ -80,7 +80,7 @@ pub unsafe extern "C" fn maru_store_batch(
     route_key: *const c_char,
     stored: *mut bool,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
+    store_each(h, keys, n, stored, |call, ks| {
         let ds = in_slice(datas, n, "datas")?;
         let ls = in_slice(lens, n, "lens")?;
         let mut items = Vec::with_capacity(n);
@@ -89,9 +89,7 @@ pub unsafe extern "C" fn maru_store_batch(
             items.push((ks[i].as_str(), d));
         }
         let rk = opt_str(route_key, "route_key")?;
-        let ok = call.handler().store_batch(&items, rk)?;
-        copy_to_opt_out(stored, n, &ok);
-        Ok(())
+        Ok(call.handler().store_batch(&items, rk)?)
     })
 }
 

@@ -1,12 +1,12 @@
 //! Staging slots for zero-copy transfers: acquire, fill or read in place (with the
 //! runtime's own GPU copy), store from or load into them, release.
 
-use super::args::{copy_to_opt_out, in_slice, load_outputs, opt_str, out_slice};
+use super::args::{in_slice, load_outputs, opt_str, out_slice};
 use super::boundary::{ffi_guard, FfiError};
-use super::calls::{fill_out, keyed};
+use super::calls::{fill_out, hand_out, keyed, store_each};
 use super::handler::{maru_handler_t, with_handler, with_handler_releasing};
 use super::status::maru_status_t;
-use crate::worker::{SlotPool, WorkerError};
+use crate::worker::{SlotInfo, SlotPool, WorkerError};
 use std::ffi::c_char;
 use std::time::{Duration, Instant};
 
@@ -112,20 +112,15 @@ pub unsafe extern "C" fn maru_slots_acquire(
                 Err(e) => return Err(e.into()),
             }
         };
-        if call.shutting_down() {
-            // The slots' memory goes with the sessions: never hand it out now.
+        let to_c = |s: &SlotInfo| maru_slot_t {
+            id: s.id,
+            data: s.ptr,
+            capacity: s.capacity,
+        };
+        hand_out(call.shutting_down(), dst, slots, to_c, |slots| {
             let ids: Vec<u64> = slots.iter().map(|s| s.id).collect();
             let _ = call.handler().release_slots(&ids);
-            return Err(WorkerError::Closed.into());
-        }
-        for (d, s) in dst.iter_mut().zip(&slots) {
-            *d = maru_slot_t {
-                id: s.id,
-                data: s.ptr,
-                capacity: s.capacity,
-            };
-        }
-        Ok(slots.len())
+        })
     })
 }
 
@@ -149,13 +144,11 @@ pub unsafe extern "C" fn maru_store_slots(
     route_key: *const c_char,
     stored: *mut bool,
 ) -> maru_status_t {
-    keyed(h, keys, n, |call, ks| {
+    store_each(h, keys, n, stored, |call, ks| {
         let is = in_slice(ids, n, "ids")?;
         let ls = in_slice(lens, n, "lens")?;
         let rk = opt_str(route_key, "route_key")?;
-        let ok = call.handler().store_slots(&ks, is, ls, rk)?;
-        copy_to_opt_out(stored, n, &ok);
-        Ok(())
+        Ok(call.handler().store_slots(ks, is, ls, rk)?)
     })
 }
 
