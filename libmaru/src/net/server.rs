@@ -40,6 +40,7 @@
 mod conn;
 pub mod counters;
 pub mod options;
+mod timing;
 mod turn;
 
 pub use counters::{NetCounters, ServerCounts};
@@ -66,6 +67,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use timing::ServedTimes;
 use turn::Turn;
 
 /// What a turn costs however little it did (its reads and bookkeeping): a round ends
@@ -78,6 +80,19 @@ const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const FIRST_CONN: usize = 2;
 const WAKER: Token = Token(usize::MAX);
+
+/// CPU seconds the calling thread has run (0 when the clock cannot be read).
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a live timespec the call writes.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0.0;
+    }
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
 
 /// The event loop over one listener.
 pub struct Server {
@@ -204,6 +219,7 @@ impl Server {
                 }
                 return Err(e);
             }
+            let busy = (std::time::Instant::now(), thread_cpu_seconds());
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
@@ -235,6 +251,8 @@ impl Server {
             self.expire(service, now);
             self.close_revoked(service, now);
             throttled_log::emit(module_path!(), self.prelog.due(now));
+            let cpu = thread_cpu_seconds() - busy.1;
+            service.on_loop_busy(busy.0.elapsed().as_secs_f64(), cpu.max(0.0));
         }
     }
 
@@ -348,6 +366,7 @@ impl Server {
                             class: PRE_AUTH,
                             interest: (true, false),
                             deferred: 0,
+                            times: ServedTimes::new(std::time::Instant::now()),
                         },
                     );
                 }
@@ -434,6 +453,9 @@ impl Server {
         let Some(conn) = self.conns.get_mut(&tok) else {
             return;
         };
+        for (label, seconds) in conn.times.take_served() {
+            service.on_served(label, seconds);
+        }
         let alive = alive && !(conn.closing && conn.unsent() == 0);
         if was_pending && !conn.pending() {
             self.slots.remove(tok);
@@ -503,6 +525,10 @@ impl Server {
             };
             if let Some(c) = self.conns.get_mut(&tok) {
                 c.deferred = c.deferred.saturating_sub(1);
+                if c.times.awaits_deferred() {
+                    let body = reply.get(wire::frame::HEADER_LEN..).unwrap_or_default();
+                    c.times.delivered(wire::request_id_of(body));
+                }
                 c.out.extend(reply);
             }
             // Flush, and queue what waited for room.
