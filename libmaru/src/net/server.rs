@@ -40,6 +40,8 @@
 mod conn;
 pub mod counters;
 pub mod options;
+#[cfg(test)]
+mod scan_tests;
 mod timing;
 mod turn;
 
@@ -99,6 +101,10 @@ pub struct Server {
     poll: Poll,
     listener: TcpListener,
     conns: HashMap<Token, Conn>,
+    /// Each connection's token by its id (a deferred reply names the id).
+    tokens: HashMap<ConnId, Token>,
+    /// When the loop next checks every connection for its idle timeout.
+    idle_check_ms: u64,
     next_token: usize,
     next_conn_id: ConnId,
     opts: ServerOptions,
@@ -150,6 +156,8 @@ impl Server {
             poll,
             listener,
             conns: HashMap::new(),
+            tokens: HashMap::new(),
+            idle_check_ms: 0,
             next_token: FIRST_CONN,
             next_conn_id: 1,
             opts,
@@ -263,11 +271,18 @@ impl Server {
             .then(|| c.last_frame_ms.saturating_add(self.opts.idle_timeout_ms))
     }
 
+    /// How often the loop checks every connection for its idle timeout: an eighth of
+    /// it, at most a second (a connection closes at most that late). Checking them
+    /// at every turn of the loop cost each request a walk over every connection.
+    fn idle_check_every(&self) -> u64 {
+        (self.opts.idle_timeout_ms / 8).clamp(1, 1000)
+    }
+
     fn timeout<S: Service>(&self, service: &S, now: u64) -> Option<Duration> {
-        let deadline = self
-            .conns
-            .values()
-            .filter_map(|c| self.idle_deadline(c))
+        let idle_check = (self.opts.idle_timeout_ms > 0 && self.conns.len() > self.slots.len())
+            .then_some(self.idle_check_ms);
+        let deadline = idle_check
+            .into_iter()
             .chain(service.next_deadline())
             .chain(self.slots.next_deadline())
             .chain(self.prelog.next_deadline())
@@ -340,6 +355,7 @@ impl Server {
                     }
                     let id = self.next_conn_id;
                     self.next_conn_id += 1;
+                    self.tokens.insert(id, token);
                     log::debug!("connection {id} from {peer}");
                     NetCounters::add(&self.counters.accepted, 1);
                     NetCounters::add(&self.counters.open, 1);
@@ -515,11 +531,12 @@ impl Server {
         let mut ready: Vec<(ConnId, Vec<u8>)> = self.replies.try_iter().collect();
         ready.extend(service.take_replies());
         for (id, reply) in ready {
+            NetCounters::add(&self.counters.conns_visited, 1);
             let Some(tok) = self
-                .conns
-                .iter()
-                .find(|(_, c)| c.id == id && !c.pending())
-                .map(|(t, _)| *t)
+                .tokens
+                .get(&id)
+                .copied()
+                .filter(|t| self.conns.get(t).is_some_and(|c| !c.pending()))
             else {
                 continue; // closed meanwhile
             };
@@ -538,6 +555,7 @@ impl Server {
 
     fn drop_conn<S: Service>(&mut self, service: &mut S, tok: Token, now: u64) {
         if let Some(mut c) = self.conns.remove(&tok) {
+            self.tokens.remove(&c.id);
             self.counters.open.fetch_sub(1, Ordering::Relaxed);
             NetCounters::sub(&self.counters.buffered, c.decoder.buffered() as u64);
             self.queue.remove(tok);
@@ -655,18 +673,22 @@ impl Server {
     /// Closes connections past their handshake deadline or idle timeout.
     fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
         self.close_stalled(service, now);
-        let late: Vec<Token> = self
+        let mut late: Vec<Token> = self
             .slots
             .expired(now)
             .into_iter()
             .map(|(t, _)| t)
-            .chain(
+            .collect();
+        if now >= self.idle_check_ms {
+            self.idle_check_ms = now.saturating_add(self.idle_check_every());
+            NetCounters::add(&self.counters.conns_visited, self.conns.len() as u64);
+            late.extend(
                 self.conns
                     .iter()
                     .filter(|(_, c)| self.idle_deadline(c).is_some_and(|d| now >= d))
                     .map(|(t, _)| *t),
-            )
-            .collect();
+            );
+        }
         for t in late {
             if let Some(c) = self.conns.get_mut(&t) {
                 if c.pending() {
