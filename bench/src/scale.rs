@@ -869,7 +869,17 @@ pub fn tables(r: &ScaleResult) -> Vec<Table> {
     ]);
     vec![
         main,
-        crate::scale_split::table(&r.steps),
+        crate::scale_split::table(
+            &r.steps
+                .iter()
+                .map(|s| crate::scale_split::StepView {
+                    name: &s.name,
+                    ops: &s.ops,
+                    all: &s.all,
+                    split: &s.split,
+                })
+                .collect::<Vec<_>>(),
+        ),
         threads,
         fills,
         rec,

@@ -13,7 +13,6 @@
 
 use crate::harness::percentile;
 use crate::report::Table;
-use crate::scale::Step;
 use crate::scale_agent::Lat;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -52,6 +51,12 @@ pub struct Split {
     /// regions of those without keys given back to the RM, one call each).
     pub closing_busy: Lat,
     pub closing_busy_over_1ms: f64,
+    /// Of which on a CPU (the rest: waits for a CPU, or for the RM's answers to the
+    /// frees of those regions, one call each).
+    #[serde(default)]
+    pub closing_busy_cpu: Lat,
+    #[serde(default)]
+    pub closing_busy_cpu_over_1ms: f64,
 }
 
 /// A free port on loopback for maru-server's `--metrics`.
@@ -129,6 +134,11 @@ pub fn server_side(
     let closing = busy(end, closed);
     split.closing_busy = lat_of_buckets(&closing);
     split.closing_busy_over_1ms = over(&closing, 1e-3);
+    let closing_cpu = step_buckets(&end.busy_cpu, &closed.busy_cpu)
+        .remove("")
+        .unwrap_or_default();
+    split.closing_busy_cpu = lat_of_buckets(&closing_cpu);
+    split.closing_busy_cpu_over_1ms = over(&closing_cpu, 1e-3);
 }
 
 /// How many of the histogram's samples were above `s` seconds (above the largest
@@ -137,8 +147,8 @@ fn over(b: &Buckets, s: f64) -> f64 {
     let total = b.last().map_or(0.0, |x| x.1);
     let under = b
         .iter()
-        .filter(|x| x.0 <= s * 1.0001)
-        .last()
+        .rev()
+        .find(|x| x.0 <= s * 1.0001)
         .map_or(0.0, |x| x.1);
     total - under
 }
@@ -344,10 +354,20 @@ impl EngineSamples {
     }
 }
 
+/// What the table shows of one step (a `scale::Step`).
+pub struct StepView<'a> {
+    pub name: &'a str,
+    /// The engines' latencies by operation.
+    pub ops: &'a [(String, Lat)],
+    /// The engines' latency of every request but open and close.
+    pub all: &'a Lat,
+    pub split: &'a Split,
+}
+
 /// The engines' own figure of `op` in step `s` (`all`: every op but open and close).
-fn engines(s: &Step, op: &str, all: &Lat) -> Option<Lat> {
+fn engines(s: &StepView<'_>, op: &str) -> Option<Lat> {
     if op == "all" {
-        return Some(all.clone());
+        return Some(s.all.clone());
     }
     s.ops.iter().find(|(o, _)| o == op).map(|(_, l)| l.clone())
 }
@@ -361,7 +381,7 @@ fn pair(l: Option<&Lat>) -> String {
 }
 
 /// The table "where the time goes", one row per step and operation shown.
-pub fn table(steps: &[Step]) -> Table {
+pub fn table(steps: &[StepView<'_>]) -> Table {
     let mut t = Table::new(
         "Where the time goes: p50 / p99 µs of each request as the engines saw it, in maru-server (read of the request's last byte to write of the reply's last byte, its histogram), and the engines' figure less their own thread's wait for a CPU during the call",
         &[
@@ -376,22 +396,25 @@ pub fn table(steps: &[Step]) -> Table {
             "server loop's CPU wait ms/s",
             "server loop busy p99 / max µs (over 0.9 ms)",
             "of which on a CPU p99 / max µs (over 0.9 ms)",
-            "closing the sessions: loop busy max µs (over 0.9 ms)",
+            "closing the sessions: loop busy max µs (over 0.9 ms), on a CPU",
         ],
     );
     for s in steps {
-        let all = s.all.clone();
         for op in SHOWN {
             let first = *op == SHOWN[0];
             t.row(vec![
-                if first { s.name.clone() } else { String::new() },
+                if first {
+                    s.name.to_string()
+                } else {
+                    String::new()
+                },
                 if first {
                     s.split.load.clone()
                 } else {
                     String::new()
                 },
                 op.to_string(),
-                pair(engines(s, op, &all).as_ref()),
+                pair(engines(s, op).as_ref()),
                 pair(find(&s.split.served, op)),
                 pair(find(&s.split.less_cpu_wait, op)),
                 pair(find(&s.split.cpu_wait, op)),
@@ -427,8 +450,11 @@ pub fn table(steps: &[Step]) -> Table {
                 },
                 if first {
                     format!(
-                        "{:.0} ({:.0})",
-                        s.split.closing_busy.max_us, s.split.closing_busy_over_1ms
+                        "{:.0} ({:.0}), {:.0} ({:.0})",
+                        s.split.closing_busy.max_us,
+                        s.split.closing_busy_over_1ms,
+                        s.split.closing_busy_cpu.max_us,
+                        s.split.closing_busy_cpu_over_1ms
                     )
                 } else {
                     String::new()
