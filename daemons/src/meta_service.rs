@@ -661,6 +661,10 @@ impl Service for MetaService {
         }
     }
 
+    fn loop_timed(&self) -> bool {
+        self.metrics.is_some()
+    }
+
     fn on_loop_busy(&mut self, wall: f64, cpu: f64) {
         if let Some(m) = &self.metrics {
             m.loop_busy(wall, cpu);

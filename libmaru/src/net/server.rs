@@ -227,7 +227,9 @@ impl Server {
                 }
                 return Err(e);
             }
-            let busy = (std::time::Instant::now(), thread_cpu_seconds());
+            let busy = service
+                .loop_timed()
+                .then(|| (std::time::Instant::now(), thread_cpu_seconds()));
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
@@ -259,8 +261,10 @@ impl Server {
             self.expire(service, now);
             self.close_revoked(service, now);
             throttled_log::emit(module_path!(), self.prelog.due(now));
-            let cpu = thread_cpu_seconds() - busy.1;
-            service.on_loop_busy(busy.0.elapsed().as_secs_f64(), cpu.max(0.0));
+            if let Some((wall, cpu)) = busy {
+                let cpu = (thread_cpu_seconds() - cpu).max(0.0);
+                service.on_loop_busy(wall.elapsed().as_secs_f64(), cpu);
+            }
         }
     }
 

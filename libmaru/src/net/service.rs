@@ -59,6 +59,12 @@ pub trait Service {
     /// nothing.
     fn on_loop_busy(&mut self, _wall: f64, _cpu: f64) {}
 
+    /// Whether the loop times its stretches for [`Service::on_loop_busy`] (two clock
+    /// reads a turn, one of them a system call); the default: no.
+    fn loop_timed(&self) -> bool {
+        false
+    }
+
     /// Replies to requests answered later (see `on_request`), by connection: the loop
     /// asks after every batch of events and every tick, and drops those of
     /// connections that closed. A service with such replies waiting keeps a
