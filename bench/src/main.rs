@@ -37,6 +37,7 @@ mod results;
 mod scale;
 mod scale_agent;
 mod scale_report;
+mod scale_split;
 mod tables;
 
 use clap::Parser;

@@ -30,7 +30,7 @@ use crate::harness::percentile;
 use crate::meta::{count_found, dir_bytes, open_session, publish_pages};
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
 use crate::report::Table;
-use crate::scale_agent::{clk_tck, proc_ticks, rss_bytes, thread_cpu, thread_ticks, Lat};
+use crate::scale_agent::{clk_tck, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::wire::meta::{MetaReply, MetaRequest, TotalStats, MAX_BATCH};
 use maru::worker::session::Session;
@@ -72,6 +72,12 @@ pub struct Step {
     pub errors: Vec<String>,
     /// The simulators' CPU over the step (% of one core, all processes).
     pub sim_cpu_pct: f64,
+    /// The engines' latency of every request but open and close.
+    #[serde(default)]
+    pub all: Lat,
+    /// Where the time went (see [`crate::scale_split`]).
+    #[serde(default)]
+    pub split: crate::scale_split::Split,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -116,6 +122,8 @@ struct Env {
     tenants_file: PathBuf,
     tenant_keys: Vec<PathBuf>,
     state: PathBuf,
+    /// maru-server's `--metrics` port (its histogram of its own time per request).
+    metrics_port: u16,
     _rm: Proc,
 }
 
@@ -165,6 +173,7 @@ fn setup(regions: u64, max_sessions: usize) -> Result<Env, String> {
         server_key,
         tenants_file,
         tenant_keys,
+        metrics_port: crate::scale_split::free_port()?,
         _rm: rm,
     })
 }
@@ -187,6 +196,8 @@ fn server_args(env: &Env, max_sessions: usize) -> Vec<String> {
         env.server_key.display().to_string(),
         "--tenants".into(),
         env.tenants_file.display().to_string(),
+        "--metrics".into(),
+        format!("127.0.0.1:{}", env.metrics_port),
         "--state-dir".into(),
         env.state.display().to_string(),
     ]
@@ -314,6 +325,21 @@ struct StepPlan<'a> {
     server_pid: u32,
 }
 
+/// How much lower the simulated engines run than maru-server (`nice`): 10, or
+/// `MARU_SCALE_SIM_NICE` (0: the same, as the bench ran before issue 46's split).
+fn sim_nice() -> i32 {
+    std::env::var("MARU_SCALE_SIM_NICE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10)
+}
+
+/// maru-server's histograms of its own time per request (by operation) and of its
+/// loop's busy stretches, now.
+fn served_now(env: &Env) -> Result<crate::scale_split::ServerHistograms, String> {
+    crate::scale_split::ServerHistograms::scrape(env.metrics_port)
+}
+
 fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
     let procs = p.sessions.div_ceil(PER_PROC).max(1);
     let go = env.dir.join(format!("go-{}", p.name.replace(' ', "_")));
@@ -334,6 +360,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
             .args(["--fill-keys", &p.fill_keys.to_string()])
             .args(["--seconds", &p.secs.to_string()])
             .args(["--churn-per-s", &(2.0 / procs as f64).to_string()])
+            .args(["--nice", &sim_nice().to_string()])
             .arg("--ready")
             .arg(&ready)
             .arg("--go")
@@ -368,13 +395,21 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
     // Let the opens settle (their durable records, the first heartbeats).
     std::thread::sleep(Duration::from_millis(500));
     let rss_open = rss_bytes(p.server_pid);
+    let load = crate::loadavg();
+    let served0 = served_now(env)?;
+    let loop_wait0 = crate::scale_split::thread_cpu_wait_ns(p.server_pid, "maru-server");
     let t0 = thread_ticks(p.server_pid);
-    let s0: u64 = children.iter().map(|c| proc_ticks(c.id())).sum();
+    let s0: u64 = children
+        .iter()
+        .map(|c| crate::scale_split::process_ticks(c.id()))
+        .sum();
     let start = Instant::now();
     std::fs::write(&go, "go\n").map_err(|e| e.to_string())?;
     let mut done = vec![false; children.len()];
     let mut t1 = t0.clone();
     let mut secs = p.secs;
+    let (mut s1, mut loop_wait1, mut served1) = (s0, loop_wait0, served0.clone());
+    let sims: Vec<u32> = children.iter().map(|c| c.id()).collect();
     while done.iter().any(|d| !d) {
         for (i, c) in children.iter_mut().enumerate() {
             if !done[i] && outs[i].exists() {
@@ -382,6 +417,15 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
                     // The first process is done: the end of the window.
                     t1 = thread_ticks(p.server_pid);
                     secs = start.elapsed().as_secs_f64();
+                    // (The simulators are all still there: a process that exited
+                    // has no ticks left to read.)
+                    s1 = sims
+                        .iter()
+                        .map(|id| crate::scale_split::process_ticks(*id))
+                        .sum();
+                    loop_wait1 =
+                        crate::scale_split::thread_cpu_wait_ns(p.server_pid, "maru-server");
+                    served1 = served_now(env)?;
                 }
                 done[i] = true;
             }
@@ -396,13 +440,13 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    // The simulators' ticks once all are done (they include closing their
-    // sessions: a little more than the window).
-    let s1: u64 = children.iter().map(|c| proc_ticks(c.id())).sum();
     let rss = rss_bytes(p.server_pid);
     for mut c in children {
         let _ = c.wait();
     }
+    // Once every simulated engine closed its sessions (the loop's work then: the
+    // closes, the regions of sessions without keys given back).
+    let closed = served_now(env)?;
     let mut ops: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut step = Step {
         name: p.name.clone(),
@@ -413,6 +457,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
     };
     let mut total = 0usize;
     let mut sim_secs = 0.0f64;
+    let mut samples = crate::scale_split::EngineSamples::default();
     for o in &outs {
         let v: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(o).map_err(|e| format!("{}: {e}", o.display()))?,
@@ -420,6 +465,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
         .map_err(|e| format!("{}: {e}", o.display()))?;
         sim_secs = sim_secs.max(v["seconds"].as_f64().unwrap_or(secs));
         let r = &v["record"];
+        samples.add(r);
         for (op, lat) in r["lat"].as_object().into_iter().flatten() {
             let l = ops.entry(op.clone()).or_default();
             for x in lat.as_array().into_iter().flatten() {
@@ -449,17 +495,40 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
             },
         ));
     }
+    step.all = crate::scale_split::lat_of(
+        samples
+            .by_op
+            .iter()
+            .filter(|(o, _)| !matches!(o.as_str(), "open" | "close"))
+            .flat_map(|(_, v)| v.iter().map(|x| x.0))
+            .collect(),
+    );
+    step.split.load = load.split_whitespace().next().unwrap_or("").to_string();
+    samples.fill(&mut step.split);
+    crate::scale_split::server_side(&mut step.split, &served0, &served1, &closed);
     let sim_secs = sim_secs.max(0.001);
+    step.split.loop_cpu_wait_ms_per_s =
+        loop_wait1.saturating_sub(loop_wait0) as f64 / 1e6 / secs.max(0.001);
     step.requests_per_s = total as f64 / sim_secs;
     let cpu = thread_cpu(&t0, &t1, secs);
     step.cpu_pct = cpu.iter().map(|c| c.1).sum();
     step.threads = cpu;
-    step.sim_cpu_pct = s1.saturating_sub(s0) as f64 / clk_tck() / sim_secs * 100.0;
+    step.sim_cpu_pct = s1.saturating_sub(s0) as f64 / clk_tck() / secs.max(0.001) * 100.0;
     step.rss_mib = rss as f64 / (1 << 20) as f64;
     step.bytes_per_session = rss_open.saturating_sub(rss_before) as f64 / p.sessions.max(1) as f64;
     let t = totals(p.addr, env)?;
     step.keys = t.keys;
     step.regions = t.regions;
+    let planned = (RATE * secs) as u64;
+    if step.prompts < planned * 9 / 10 {
+        step.errors.push(format!(
+            "the engines sent {} prompts of the {planned} planned: the machine was too \
+             loaded for them to keep pace (they run at nice +{}), so this step's figures \
+             are not comparable",
+            step.prompts,
+            sim_nice()
+        ));
+    }
     eprintln!(
         "  {}: {} sessions opened in {open_s:.1} s; server {:.0} % CPU, {:.0} MiB; {:.0} req/s",
         p.name, p.sessions, step.cpu_pct, step.rss_mib, step.requests_per_s
@@ -613,7 +682,7 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
     r.recovery_s = started.elapsed().as_secs_f64();
     // CPU the recovery took (the server's CPU time when it serves): the wall time
     // above grows with the machine's load, this does not.
-    r.recovery_cpu_s = proc_ticks(srv.pid()) as f64 / clk_tck();
+    r.recovery_cpu_s = crate::scale_split::process_ticks(srv.pid()) as f64 / clk_tck();
     r.rss_after_recovery_mib = rss_bytes(srv.pid()) as f64 / (1 << 20) as f64;
     let s = open(&addr, &env.tenant_keys[0], "scale-check@0")?;
     let sample: Vec<String> = (0..have)
@@ -639,7 +708,7 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
                 "recovery by {}: {:.1} s, {:.1} CPU s, RSS after {:.0} MiB",
                 bin.display(),
                 started.elapsed().as_secs_f64(),
-                proc_ticks(p.pid()) as f64 / clk_tck(),
+                crate::scale_split::process_ticks(p.pid()) as f64 / clk_tck(),
                 rss_bytes(p.pid()) as f64 / (1 << 20) as f64
             );
             eprintln!("  {note}");
@@ -800,6 +869,17 @@ pub fn tables(r: &ScaleResult) -> Vec<Table> {
     ]);
     vec![
         main,
+        crate::scale_split::table(
+            &r.steps
+                .iter()
+                .map(|s| crate::scale_split::StepView {
+                    name: &s.name,
+                    ops: &s.ops,
+                    all: &s.all,
+                    split: &s.split,
+                })
+                .collect::<Vec<_>>(),
+        ),
         threads,
         fills,
         rec,

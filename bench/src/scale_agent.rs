@@ -373,10 +373,6 @@ pub fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
     out
 }
 
-pub fn proc_ticks(pid: u32) -> u64 {
-    thread_ticks(pid).iter().map(|t| t.2).sum()
-}
-
 pub fn rss_bytes(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()

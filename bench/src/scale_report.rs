@@ -43,7 +43,11 @@ pub fn write(out: &Path, r: &ScaleResult, machine: &str) -> Result<(), String> {
          of the 30 s session timeout), 400 prompts/s in all at every step (exists of 16 chunks, \
          acquire + release of the hits, alloc + publish of the misses, victims + remove when the \
          pool gives no region), 2 sessions closed and opened again per second. Latencies are \
-         the engines' (request sent to reply read, loopback included). Pages of 1 KiB and \
+         the engines' (request sent to reply read, loopback included); the engines run at \
+         nice +10 (`MARU_SCALE_SIM_NICE`) so that maru-server has a core first, and \
+         \"where the time goes\" splits each figure into maru-server's own time (its \
+         `request_served_seconds` histogram), the engines' wait for a core and the rest. \
+         Pages of 1 KiB and \
          regions of 4 MiB (4,096 pages a region, as 1 GiB regions of 256 KiB chunks).\n\n",
     );
     md.push_str(&format!("Machine: {machine}\n\n"));

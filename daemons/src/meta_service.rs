@@ -94,6 +94,28 @@ pub const SERVER_TOTALS: &[(&str, &str)] = &[
     ),
 ];
 
+/// maru-server's operations, the labels of `maru_server_request_served_seconds`.
+const META_OPS: &[&str] = &[
+    "handshake",
+    "open_session",
+    "expand",
+    "alloc",
+    "free_pages",
+    "publish",
+    "exists",
+    "acquire",
+    "release_leases",
+    "victims",
+    "remove",
+    "pin",
+    "unpin",
+    "return_region",
+    "heartbeat",
+    "close",
+    "stats",
+    "usage",
+];
+
 /// A request answered later: it waits in the core for a region from the RM.
 struct Pending {
     conn: ConnId,
@@ -626,6 +648,27 @@ impl Service for MetaService {
 
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8> {
         self.serve(conn, client_id, body, now_ms)
+    }
+
+    fn request_label(&self, body: &[u8]) -> Option<&'static str> {
+        self.metrics.as_ref()?;
+        Some(crate::metrics::op_label(body, META_OPS))
+    }
+
+    fn on_served(&mut self, label: &'static str, seconds: f64) {
+        if let Some(m) = &self.metrics {
+            m.served(label, seconds);
+        }
+    }
+
+    fn loop_timed(&self) -> bool {
+        self.metrics.is_some()
+    }
+
+    fn on_loop_busy(&mut self, wall: f64, cpu: f64) {
+        if let Some(m) = &self.metrics {
+            m.loop_busy(wall, cpu);
+        }
     }
 
     fn take_replies(&mut self) -> Vec<(ConnId, Vec<u8>)> {

@@ -184,6 +184,18 @@ fn every_daemon_serves_its_metrics_and_they_move_with_traffic() {
             r#"maru_server_request_duration_seconds_count{op="exists"}"#
         ) >= 1.0
     );
+    // Its own time per request (read to reply written), each request once by its op,
+    // and the loop's busy stretches.
+    assert_eq!(
+        get(
+            &srv1,
+            r#"maru_server_request_served_seconds_count{op="exists"}"#
+        ),
+        1.0,
+        "{srv1:?}"
+    );
+    assert!(get(&srv1, "maru_server_loop_busy_seconds_count") >= 1.0);
+    assert!(get(&srv1, "maru_server_loop_busy_cpu_seconds_count") >= 1.0);
     assert!(
         get(&srv1, "maru_server_connections_open") >= 1.0,
         "{srv1:?}"

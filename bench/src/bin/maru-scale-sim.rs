@@ -17,6 +17,12 @@
 //! new keys. It writes a ready file once its sessions are open, waits for the go
 //! file, runs `--seconds`, writes every request's latency (µs) by operation as JSON to
 //! `--out`, and closes its sessions.
+//!
+//! Beside each latency it writes how long the calling thread waited for a CPU during
+//! the call (its run-queue time, `/proc/thread-self/schedstat`): on a small machine
+//! the simulated engines share the cores with maru-server, and a reply that came in
+//! time but found its engine's thread waiting for a core counts late. And how late
+//! the threads woke for their paced turns (the machine's scheduling delay then).
 
 use clap::Parser;
 use maru::wire::meta::{Backend, PublishEntry, SkipCounts};
@@ -79,6 +85,11 @@ struct Args {
     /// Threads sending prompts.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Added to the process's nice value: engines run on hosts of their own, so on
+    /// one small machine the bench lets maru-server have a CPU before them (their
+    /// own wait for one is measured beside each latency).
+    #[arg(long, default_value_t = 0)]
+    nice: i32,
 }
 
 /// The key of the bench's `i`-th published chunk: 32 hex digits, as long as a chunk
@@ -102,10 +113,35 @@ struct Engine {
 
 type Slots = Vec<Mutex<Option<Arc<Engine>>>>;
 
+/// Nanoseconds the calling thread has waited on a run queue for a CPU since it
+/// started (`/proc/thread-self/schedstat`, its second figure); 0 when the kernel does
+/// not say.
+fn run_queue_ns() -> u64 {
+    use std::os::unix::fs::FileExt;
+    thread_local! {
+        static STAT: Option<std::fs::File> = std::fs::File::open("/proc/thread-self/schedstat").ok();
+    }
+    STAT.with(|f| {
+        let mut buf = [0u8; 96];
+        let n = f
+            .as_ref()
+            .and_then(|f| f.read_at(&mut buf, 0).ok())
+            .unwrap_or(0);
+        std::str::from_utf8(&buf[..n])
+            .ok()
+            .and_then(|t| t.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 /// Latencies (µs) by operation, and errors by operation with the first message.
 #[derive(Default, serde::Serialize)]
 struct Record {
     lat: BTreeMap<&'static str, Vec<f32>>,
+    /// For each latency of `lat`, the µs its thread waited for a CPU meanwhile.
+    cpu_wait: BTreeMap<&'static str, Vec<f32>>,
+    /// How late (µs) the paced threads woke for their turns.
+    late: Vec<f32>,
     errors: BTreeMap<&'static str, (u64, String)>,
     prompts: u64,
     stored: u64,
@@ -119,12 +155,15 @@ impl Record {
         op: &'static str,
         f: impl FnOnce() -> Result<T, E>,
     ) -> Option<T> {
+        let q = run_queue_ns();
         let t = Instant::now();
         let r = f();
         let us = t.elapsed().as_secs_f64() * 1e6;
+        let waited = run_queue_ns().saturating_sub(q) as f64 / 1e3;
         match r {
             Ok(v) => {
                 self.lat.entry(op).or_default().push(us as f32);
+                self.cpu_wait.entry(op).or_default().push(waited as f32);
                 Some(v)
             }
             Err(e) => {
@@ -139,6 +178,10 @@ impl Record {
         for (k, v) in o.lat {
             self.lat.entry(k).or_default().extend(v);
         }
+        for (k, v) in o.cpu_wait {
+            self.cpu_wait.entry(k).or_default().extend(v);
+        }
+        self.late.extend(o.late);
         for (k, (n, m)) in o.errors {
             self.errors.entry(k).or_insert((0, m)).0 += n;
         }
@@ -188,6 +231,21 @@ fn main() {
 }
 
 fn run(args: Args) -> Result<(), String> {
+    if args.nice != 0 {
+        // SAFETY: nice(2) has no memory preconditions. -1 is also a valid result, so
+        // the error is told apart by errno.
+        let r = unsafe {
+            *libc::__errno_location() = 0;
+            libc::nice(args.nice)
+        };
+        if r == -1 && std::io::Error::last_os_error().raw_os_error() != Some(0) {
+            return Err(format!(
+                "--nice {}: {}",
+                args.nice,
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
     let tenants = args
         .tenant
         .iter()
@@ -294,13 +352,26 @@ fn retire<T>(mut e: Arc<T>, within: Duration) -> Option<T> {
 
 /// Paces a loop at one turn every `every` from `start`: true when turn `k` is due (and
 /// `k` moves on to the next); false after a nap of at most `nap` when it is not yet,
-/// so that the caller looks at its stop flag before it asks again.
-fn turn_due(start: Instant, every: Duration, k: &mut u32, nap: Duration) -> bool {
+/// so that the caller looks at its stop flag before it asks again. A turn that comes
+/// after a nap that ended at most `nap` after it was due records in `late` how late
+/// (µs) it came: the scheduling delay of a thread that slept.
+fn turn_due(
+    start: Instant,
+    every: Duration,
+    k: &mut u32,
+    nap: Duration,
+    late: &mut Vec<f32>,
+) -> bool {
     let due = start + every * *k;
     let now = Instant::now();
     if due > now {
-        std::thread::sleep((due - now).min(nap));
-        return false;
+        let left = due - now;
+        std::thread::sleep(left.min(nap));
+        if left > nap {
+            return false;
+        }
+        // Slept until it was due: how late it woke.
+        late.push(due.elapsed().as_secs_f64() as f32 * 1e6);
     }
     *k += 1;
     true
@@ -324,7 +395,13 @@ fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
     let start = Instant::now();
     let mut k: u32 = 0;
     while !stop.load(Ordering::Relaxed) {
-        if !turn_due(start, step, &mut k, Duration::from_millis(50)) {
+        if !turn_due(
+            start,
+            step,
+            &mut k,
+            Duration::from_millis(50),
+            &mut rec.late,
+        ) {
             continue;
         }
         i = (i + 1) % n;
@@ -397,7 +474,13 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
                 gen += 1;
             }
         }
-        if !turn_due(start, every, &mut k, Duration::from_millis(20)) {
+        if !turn_due(
+            start,
+            every,
+            &mut k,
+            Duration::from_millis(20),
+            &mut rec.late,
+        ) {
             continue;
         }
         let Some(e) = engine(slots, next() as usize % slots.len()) else {
@@ -510,15 +593,43 @@ mod tests {
         let every = Duration::from_secs(3600);
         let start = Instant::now();
         let mut k = 0;
-        assert!(turn_due(start, every, &mut k, Duration::from_millis(1)));
+        let mut late = Vec::new();
+        assert!(turn_due(
+            start,
+            every,
+            &mut k,
+            Duration::from_millis(1),
+            &mut late
+        ));
         assert_eq!(k, 1);
+        assert!(late.is_empty(), "a turn already due came after no nap");
         let t = Instant::now();
-        assert!(!turn_due(start, every, &mut k, Duration::from_millis(5)));
+        assert!(!turn_due(
+            start,
+            every,
+            &mut k,
+            Duration::from_millis(5),
+            &mut late
+        ));
         assert_eq!(k, 1, "a turn not yet due is not counted");
         assert!(
             t.elapsed() < Duration::from_secs(60),
             "napped at most as asked"
         );
+        assert!(late.is_empty(), "a nap that ended before the turn was due");
+        // A turn due within the nap: slept until then, and how late it woke is kept.
+        let soon = Instant::now();
+        let mut k = 1;
+        let every = Duration::from_millis(2);
+        assert!(turn_due(
+            soon,
+            every,
+            &mut k,
+            Duration::from_millis(50),
+            &mut late
+        ));
+        assert_eq!(late.len(), 1);
+        assert!(late[0] >= 0.0);
     }
 
     /// The churn closes a session only once the thread halfway through a prompt on

@@ -40,6 +40,9 @@
 mod conn;
 pub mod counters;
 pub mod options;
+#[cfg(test)]
+mod scan_tests;
+mod timing;
 mod turn;
 
 pub use counters::{NetCounters, ServerCounts};
@@ -66,6 +69,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use timing::ServedTimes;
 use turn::Turn;
 
 /// What a turn costs however little it did (its reads and bookkeeping): a round ends
@@ -79,11 +83,28 @@ const SIGNALS: Token = Token(1);
 const FIRST_CONN: usize = 2;
 const WAKER: Token = Token(usize::MAX);
 
+/// CPU seconds the calling thread has run (0 when the clock cannot be read).
+fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a live timespec the call writes.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return 0.0;
+    }
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
 /// The event loop over one listener.
 pub struct Server {
     poll: Poll,
     listener: TcpListener,
     conns: HashMap<Token, Conn>,
+    /// Each connection's token by its id (a deferred reply names the id).
+    tokens: HashMap<ConnId, Token>,
+    /// When the loop next checks every connection for its idle timeout.
+    idle_check_ms: u64,
     next_token: usize,
     next_conn_id: ConnId,
     opts: ServerOptions,
@@ -135,6 +156,8 @@ impl Server {
             poll,
             listener,
             conns: HashMap::new(),
+            tokens: HashMap::new(),
+            idle_check_ms: 0,
             next_token: FIRST_CONN,
             next_conn_id: 1,
             opts,
@@ -204,6 +227,9 @@ impl Server {
                 }
                 return Err(e);
             }
+            let busy = service
+                .loop_timed()
+                .then(|| (std::time::Instant::now(), thread_cpu_seconds()));
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
@@ -235,6 +261,10 @@ impl Server {
             self.expire(service, now);
             self.close_revoked(service, now);
             throttled_log::emit(module_path!(), self.prelog.due(now));
+            if let Some((wall, cpu)) = busy {
+                let cpu = (thread_cpu_seconds() - cpu).max(0.0);
+                service.on_loop_busy(wall.elapsed().as_secs_f64(), cpu);
+            }
         }
     }
 
@@ -245,11 +275,18 @@ impl Server {
             .then(|| c.last_frame_ms.saturating_add(self.opts.idle_timeout_ms))
     }
 
+    /// How often the loop checks every connection for its idle timeout: an eighth of
+    /// it, at most a second (a connection closes at most that late). Checking them
+    /// at every turn of the loop cost each request a walk over every connection.
+    fn idle_check_every(&self) -> u64 {
+        (self.opts.idle_timeout_ms / 8).clamp(1, 1000)
+    }
+
     fn timeout<S: Service>(&self, service: &S, now: u64) -> Option<Duration> {
-        let deadline = self
-            .conns
-            .values()
-            .filter_map(|c| self.idle_deadline(c))
+        let idle_check = (self.opts.idle_timeout_ms > 0 && self.conns.len() > self.slots.len())
+            .then_some(self.idle_check_ms);
+        let deadline = idle_check
+            .into_iter()
             .chain(service.next_deadline())
             .chain(self.slots.next_deadline())
             .chain(self.prelog.next_deadline())
@@ -322,6 +359,7 @@ impl Server {
                     }
                     let id = self.next_conn_id;
                     self.next_conn_id += 1;
+                    self.tokens.insert(id, token);
                     log::debug!("connection {id} from {peer}");
                     NetCounters::add(&self.counters.accepted, 1);
                     NetCounters::add(&self.counters.open, 1);
@@ -348,6 +386,7 @@ impl Server {
                             class: PRE_AUTH,
                             interest: (true, false),
                             deferred: 0,
+                            times: ServedTimes::new(std::time::Instant::now()),
                         },
                     );
                 }
@@ -434,6 +473,9 @@ impl Server {
         let Some(conn) = self.conns.get_mut(&tok) else {
             return;
         };
+        for (label, seconds) in conn.times.take_served() {
+            service.on_served(label, seconds);
+        }
         let alive = alive && !(conn.closing && conn.unsent() == 0);
         if was_pending && !conn.pending() {
             self.slots.remove(tok);
@@ -493,16 +535,21 @@ impl Server {
         let mut ready: Vec<(ConnId, Vec<u8>)> = self.replies.try_iter().collect();
         ready.extend(service.take_replies());
         for (id, reply) in ready {
+            NetCounters::add(&self.counters.conns_visited, 1);
             let Some(tok) = self
-                .conns
-                .iter()
-                .find(|(_, c)| c.id == id && !c.pending())
-                .map(|(t, _)| *t)
+                .tokens
+                .get(&id)
+                .copied()
+                .filter(|t| self.conns.get(t).is_some_and(|c| !c.pending()))
             else {
                 continue; // closed meanwhile
             };
             if let Some(c) = self.conns.get_mut(&tok) {
                 c.deferred = c.deferred.saturating_sub(1);
+                if c.times.awaits_deferred() {
+                    let body = reply.get(wire::frame::HEADER_LEN..).unwrap_or_default();
+                    c.times.delivered(wire::request_id_of(body));
+                }
                 c.out.extend(reply);
             }
             // Flush, and queue what waited for room.
@@ -512,6 +559,7 @@ impl Server {
 
     fn drop_conn<S: Service>(&mut self, service: &mut S, tok: Token, now: u64) {
         if let Some(mut c) = self.conns.remove(&tok) {
+            self.tokens.remove(&c.id);
             self.counters.open.fetch_sub(1, Ordering::Relaxed);
             NetCounters::sub(&self.counters.buffered, c.decoder.buffered() as u64);
             self.queue.remove(tok);
@@ -629,18 +677,22 @@ impl Server {
     /// Closes connections past their handshake deadline or idle timeout.
     fn expire<S: Service>(&mut self, service: &mut S, now: u64) {
         self.close_stalled(service, now);
-        let late: Vec<Token> = self
+        let mut late: Vec<Token> = self
             .slots
             .expired(now)
             .into_iter()
             .map(|(t, _)| t)
-            .chain(
+            .collect();
+        if now >= self.idle_check_ms {
+            self.idle_check_ms = now.saturating_add(self.idle_check_every());
+            NetCounters::add(&self.counters.conns_visited, self.conns.len() as u64);
+            late.extend(
                 self.conns
                     .iter()
                     .filter(|(_, c)| self.idle_deadline(c).is_some_and(|d| now >= d))
                     .map(|(t, _)| *t),
-            )
-            .collect();
+            );
+        }
         for t in late {
             if let Some(c) = self.conns.get_mut(&t) {
                 if c.pending() {

@@ -39,6 +39,32 @@ pub trait Service {
     /// not read on while it has [`MAX_DEFERRED`] replies outstanding.
     fn on_request(&mut self, conn: ConnId, client_id: &str, body: &[u8], now_ms: u64) -> Vec<u8>;
 
+    /// The label under which the loop times request `body` from the read of its last
+    /// byte to the write of its reply's last byte ([`Service::on_served`]); None (the
+    /// default): not timed, at no cost.
+    fn request_label(&self, _body: &[u8]) -> Option<&'static str> {
+        None
+    }
+
+    /// A request labelled by [`Service::request_label`] was served: `seconds` from the
+    /// loop's read of its last byte to its write of the reply's last byte (its turn's
+    /// wait behind other connections, the service's work, a deferred reply's wait and
+    /// the write included; the kernel's and the client's time before and after not).
+    fn on_served(&mut self, _label: &'static str, _seconds: f64) {}
+
+    /// The loop worked `wall` seconds between two polls (its events, a round of
+    /// turns, the timers), of which its thread ran `cpu` seconds (the rest it waited
+    /// for a CPU, or in a call that blocks): a request that arrived meanwhile waited
+    /// up to `wall`, unread. Called at every turn of the loop; the default does
+    /// nothing.
+    fn on_loop_busy(&mut self, _wall: f64, _cpu: f64) {}
+
+    /// Whether the loop times its stretches for [`Service::on_loop_busy`] (two clock
+    /// reads a turn, one of them a system call); the default: no.
+    fn loop_timed(&self) -> bool {
+        false
+    }
+
     /// Replies to requests answered later (see `on_request`), by connection: the loop
     /// asks after every batch of events and every tick, and drops those of
     /// connections that closed. A service with such replies waiting keeps a

@@ -4,6 +4,7 @@
 
 use super::counters::NetCounters;
 use super::options::ServerOptions;
+use super::timing::ServedTimes;
 use crate::net::classes::Class;
 use crate::net::handshake::ServerHandshake;
 use crate::net::service::{ConnId, MAX_DEFERRED};
@@ -58,6 +59,8 @@ pub(super) struct Conn {
     pub(super) interest: (bool, bool),
     /// Replies the service deferred and has not handed back yet.
     pub(super) deferred: usize,
+    /// Its timed requests, from their read to their replies' write.
+    pub(super) times: ServedTimes,
 }
 
 impl Conn {
@@ -112,6 +115,9 @@ pub(super) fn flush(conn: &mut Conn, counters: &NetCounters) -> bool {
     }
     conn.out.clear();
     conn.out_pos = 0;
+    if conn.times.has_unwritten() {
+        conn.times.written(std::time::Instant::now());
+    }
     true
 }
 

@@ -38,6 +38,10 @@ pub struct NetCounters {
     pub buffered: AtomicU64,
     /// Times a frame larger than [`SMALL_FRAME`] waited for room to be read.
     pub frame_room_waits: AtomicU64,
+    /// Connections the loop looked at besides serving them: to find the one a
+    /// deferred reply is for, and in its checks of every connection for the idle
+    /// timeout (a count of work: it must not grow with connections × requests).
+    pub conns_visited: AtomicU64,
 }
 
 impl NetCounters {
