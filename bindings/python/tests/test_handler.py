@@ -88,11 +88,13 @@ def test_batches(backend, config, ns):
         got = h.batch_retrieve(keys + [missing], route_key=keys[0])
         assert got[-1] is None
         assert digests(got[:-1]) == digests(data)
-        # Into caller buffers, without copies.
+        # Into caller buffers, without copies; a miss between hits leaves its buffer alone
+        # and each hit lands in its own.
         bufs = [bytearray(CHUNK_SIZE) for _ in range(3)]
-        lens = h.batch_retrieve_into(keys[:2] + [missing], bufs, route_key=keys[0])
-        assert lens == [len(data[0]), len(data[1]), None]
-        assert bytes(bufs[1][: lens[1]]) == data[1]
+        lens = h.batch_retrieve_into([keys[0], missing, keys[1]], bufs, route_key=keys[0])
+        assert lens == [len(data[0]), None, len(data[1])]
+        assert bytes(bufs[0][: lens[0]]) == data[0] and bytes(bufs[2][: lens[2]]) == data[1]
+        assert bufs[1] == bytearray(CHUNK_SIZE)
         with pytest.raises(BufferTooSmallError) as e:
             h.batch_retrieve_into([keys[5]], [bytearray(100)], route_key=keys[0])
         assert e.value.needed == len(data[5])

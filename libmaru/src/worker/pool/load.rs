@@ -284,29 +284,35 @@ impl StoragePool {
             self.core.lock().stats.misses += keys.len() as u64;
             return Ok(vec![None; keys.len()]);
         }
-        let mut out = Vec::with_capacity(keys.len());
+        let mut out: Vec<Option<(LeaseGrant, View)>> = Vec::with_capacity(keys.len());
         for part in keys.chunks(self.max_batch) {
             let leases = self.session.acquire(part, by)?;
+            // The found leases moved out of the reply (not cloned: a lease owns three
+            // strings), with the index of each in `part`.
+            let mut at = Vec::with_capacity(leases.len());
+            let mut found = Vec::with_capacity(leases.len());
+            for (i, l) in leases.into_iter().enumerate() {
+                if let Some(g) = l {
+                    at.push(i);
+                    found.push(g);
+                }
+            }
+            let views = self.mover.views(&found);
+            let base = out.len();
+            out.extend((0..part.len()).map(|_| None));
+            let misses = (part.len() - found.len()) as u64;
             let mut unused = Vec::new();
-            let (mut misses, mut hits, mut bytes, mut failed) = (0, 0, 0, 0);
-            let found: Vec<LeaseGrant> = leases.iter().flatten().cloned().collect();
-            let mut views = self.mover.views(&found).into_iter();
-            for l in leases {
-                let Some(l) = l else {
-                    misses += 1;
-                    out.push(None);
-                    continue;
-                };
-                match views.next().flatten() {
+            let (mut hits, mut bytes, mut failed) = (0, 0, 0);
+            for ((i, l), v) in at.into_iter().zip(found).zip(views) {
+                match v {
                     Some(v) => {
                         hits += 1;
                         bytes += l.length;
-                        out.push(Some((l, v)));
+                        out[base + i] = Some((l, v));
                     }
                     None => {
                         failed += 1;
                         unused.push(l.lease_id);
-                        out.push(None);
                     }
                 }
             }
