@@ -495,7 +495,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
             },
         ));
     }
-    step.all = crate::scale_split::lat_of(
+    step.all = crate::scale_agent::lat(
         samples
             .by_op
             .iter()

@@ -229,7 +229,8 @@ struct StackRef {
     tag: usize,
 }
 
-fn lat(mut v: Vec<f64>) -> Lat {
+/// p50/p99/max of unsorted samples.
+pub fn lat(mut v: Vec<f64>) -> Lat {
     v.sort_by(|a, b| a.total_cmp(b));
     Lat {
         count: v.len(),

@@ -11,9 +11,8 @@
 //! then waits for a core counts late at the engine. These figures tell that apart
 //! from time spent in maru-server.
 
-use crate::harness::percentile;
 use crate::report::Table;
-use crate::scale_agent::Lat;
+use crate::scale_agent::{lat, Lat};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -259,17 +258,6 @@ pub fn lat_of_buckets(b: &Buckets) -> Lat {
     }
 }
 
-/// p50/p99/max of unsorted samples.
-pub fn lat_of(mut v: Vec<f64>) -> Lat {
-    v.sort_by(|a, b| a.total_cmp(b));
-    Lat {
-        count: v.len(),
-        p50_us: percentile(&v, 0.5),
-        p99_us: percentile(&v, 0.99),
-        max_us: v.last().copied().unwrap_or(0.0),
-    }
-}
-
 /// CPU ticks (user + system) of process `pid` so far, its threads that ended
 /// included (`/proc/PID/stat`; summing `/proc/PID/task` misses those: a simulator's
 /// working threads have ended by the time it writes its results).
@@ -343,14 +331,13 @@ impl EngineSamples {
             };
             split.less_cpu_wait.push((
                 op.to_string(),
-                lat_of(samples.iter().map(|(l, w)| (l - w).max(0.0)).collect()),
+                lat(samples.iter().map(|(l, w)| (l - w).max(0.0)).collect()),
             ));
-            split.cpu_wait.push((
-                op.to_string(),
-                lat_of(samples.iter().map(|s| s.1).collect()),
-            ));
+            split
+                .cpu_wait
+                .push((op.to_string(), lat(samples.iter().map(|s| s.1).collect())));
         }
-        split.woke_late = lat_of(self.late.clone());
+        split.woke_late = lat(self.late.clone());
     }
 }
 
