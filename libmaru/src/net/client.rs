@@ -631,7 +631,6 @@ mod tests {
         addr
     }
 
-    /// A peer that accepts connections and does what `serve` does with each.
     /// How long a connect to `addr` within `limit` took to give up (call timeout 10 s);
     /// it must end in a timeout.
     fn connect_times_out(addr: &str, limit: Duration) -> Duration {
@@ -648,6 +647,7 @@ mod tests {
         took
     }
 
+    /// A peer that accepts connections and does what `serve` does with each.
     fn raw_peer(serve: fn(std::net::TcpStream)) -> String {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind on loopback");
         let addr = l.local_addr().expect("addr").to_string();
