@@ -592,7 +592,7 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::{Clock, ConnId, Server, ServerOptions, Service};
+    use crate::net::{ConnId, Server, ServerOptions, Service};
 
     /// Replies with the request's body after sleeping the number of ms it names.
     struct SlowEcho;
@@ -619,13 +619,7 @@ mod tests {
     }
 
     fn slow_echo() -> String {
-        let mut server = Server::bind(
-            "127.0.0.1:0".parse().expect("addr"),
-            ServerOptions::default(),
-            Clock::new(),
-        )
-        .expect("bind on loopback");
-        let addr = server.local_addr().expect("addr").to_string();
+        let (mut server, addr) = Server::loopback(ServerOptions::default());
         // The loop runs until the test process ends.
         std::thread::spawn(move || server.run(&mut SlowEcho));
         addr

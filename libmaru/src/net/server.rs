@@ -188,6 +188,16 @@ impl Server {
         self.listener.local_addr()
     }
 
+    /// A server on a free loopback port with a clock of its own, and its address
+    /// (tests).
+    #[cfg(test)]
+    pub(crate) fn loopback(opts: ServerOptions) -> (Server, String) {
+        let server = Server::bind("127.0.0.1:0".parse().expect("addr"), opts, Clock::new())
+            .expect("bind on loopback");
+        let addr = server.local_addr().expect("addr").to_string();
+        (server, addr)
+    }
+
     /// The loop's counters (shared: read them from any thread).
     pub fn counters(&self) -> Arc<NetCounters> {
         self.counters.clone()

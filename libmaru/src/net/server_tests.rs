@@ -3,7 +3,7 @@
 
 use super::server::{NetCounters, Server, ServerOptions, SMALL_FRAME};
 use super::service::{ConnId, Service};
-use super::{Client, ClientOptions, Clock};
+use super::{Client, ClientOptions};
 use crate::auth::SharedKey;
 use crate::wire::{self, FrameDecoder, FrameKind, WireError};
 use mio::net::TcpStream;
@@ -28,9 +28,7 @@ impl Service for Sizes {
 
 /// A loop serving [`Sizes`] with `opts`, running until the test process ends.
 fn start(opts: ServerOptions) -> (String, Arc<NetCounters>) {
-    let mut server = Server::bind("127.0.0.1:0".parse().expect("addr"), opts, Clock::new())
-        .expect("bind on loopback");
-    let addr = server.local_addr().expect("addr").to_string();
+    let (mut server, addr) = Server::loopback(opts);
     let counters = server.counters();
     std::thread::spawn(move || server.run(&mut Sizes));
     (addr, counters)

@@ -4,7 +4,7 @@
 
 use super::{NetCounters, Server, ServerOptions};
 use crate::net::service::{ConnId, Replier, Service};
-use crate::net::{Client, ClientOptions, Clock};
+use crate::net::{Client, ClientOptions};
 use crate::wire::{self, WireError};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -36,13 +36,7 @@ impl Service for HalfDeferred {
 fn a_request_looks_at_no_other_connection() {
     const IDLE: usize = 300;
     const CALLS: u64 = 400;
-    let mut server = Server::bind(
-        "127.0.0.1:0".parse().expect("addr"),
-        ServerOptions::default(),
-        Clock::new(),
-    )
-    .expect("bind on loopback");
-    let addr = server.local_addr().expect("addr").to_string();
+    let (mut server, addr) = Server::loopback(ServerOptions::default());
     let counters: std::sync::Arc<NetCounters> = server.counters();
     let replier: Replier = server.replier();
     let (later, deferred) = mpsc::channel::<(ConnId, Vec<u8>)>();
