@@ -672,19 +672,11 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
     drop(srv);
     r.dir_mib = dir_bytes(&env.state) as f64 / (1 << 20) as f64;
     eprintln!("  recovery of {} keys", r.recovery_keys);
-    let started = Instant::now();
-    let (srv, addr) = start_daemon_within(
-        &server,
-        &args,
-        &env.dir.join("server.ready"),
-        Duration::from_secs(300),
-    )?;
-    r.recovery_s = started.elapsed().as_secs_f64();
-    // CPU the recovery took (the server's CPU time when it serves): the wall time
-    // above grows with the machine's load, this does not.
-    r.recovery_cpu_s = crate::scale_split::process_ticks(srv.pid()) as f64 / clk_tck();
-    r.rss_after_recovery_mib = rss_bytes(srv.pid()) as f64 / (1 << 20) as f64;
-    let s = open(&addr, &env.tenant_keys[0], "scale-check@0")?;
+    let srv = recover(&server, &args, &env)?;
+    r.recovery_s = srv.seconds;
+    r.recovery_cpu_s = srv.cpu_s;
+    r.rss_after_recovery_mib = srv.rss_mib;
+    let s = open(&srv.addr, &env.tenant_keys[0], "scale-check@0")?;
     let sample: Vec<String> = (0..have)
         .step_by((have / 1000).max(1) as usize)
         .map(fill_key)
@@ -697,19 +689,13 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         // The same directory recovered by another build, then by this one again
         // (before/after side by side on the same data).
         for bin in [PathBuf::from(other), server.clone()] {
-            let started = Instant::now();
-            let (p, _) = start_daemon_within(
-                &bin,
-                &args,
-                &env.dir.join("server.ready"),
-                Duration::from_secs(300),
-            )?;
+            let p = recover(&bin, &args, &env)?;
             let note = format!(
                 "recovery by {}: {:.1} s, {:.1} CPU s, RSS after {:.0} MiB",
                 bin.display(),
-                started.elapsed().as_secs_f64(),
-                crate::scale_split::process_ticks(p.pid()) as f64 / clk_tck(),
-                rss_bytes(p.pid()) as f64 / (1 << 20) as f64
+                p.seconds,
+                p.cpu_s,
+                p.rss_mib
             );
             eprintln!("  {note}");
             r.notes.push(note);
@@ -722,6 +708,36 @@ fn server_steps(quick: bool, max_keys_flag: Option<u64>) -> Result<ScaleResult, 
         ));
     }
     Ok(r)
+}
+
+/// maru-server (`bin`) started on the durable directory, once it serves.
+struct Recovered {
+    _srv: Proc,
+    addr: String,
+    /// Seconds from its start until it served.
+    seconds: f64,
+    /// CPU seconds it took meanwhile (its CPU time when it serves): the wall time grows
+    /// with the machine's load, this does not.
+    cpu_s: f64,
+    rss_mib: f64,
+}
+
+fn recover(bin: &Path, args: &[String], env: &Env) -> Result<Recovered, String> {
+    let started = Instant::now();
+    let (srv, addr) = start_daemon_within(
+        bin,
+        args,
+        &env.dir.join("server.ready"),
+        Duration::from_secs(300),
+    )?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(Recovered {
+        seconds,
+        cpu_s: crate::scale_split::process_ticks(srv.pid()) as f64 / clk_tck(),
+        rss_mib: rss_bytes(srv.pid()) as f64 / (1 << 20) as f64,
+        addr,
+        _srv: srv,
+    })
 }
 
 /// The step, if maru-server still holds every key the bench published

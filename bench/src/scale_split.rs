@@ -117,27 +117,19 @@ pub fn server_side(
         .iter()
         .map(|(op, b)| (op.clone(), lat_of_buckets(b)))
         .collect();
-    let busy = |a: &ServerHistograms, b: &ServerHistograms| {
-        step_buckets(&a.busy, &b.busy)
-            .remove("")
-            .unwrap_or_default()
-    };
-    let window = busy(before, end);
-    split.loop_busy = lat_of_buckets(&window);
-    split.loop_busy_over_1ms = over(&window, 1e-3);
-    let cpu = step_buckets(&before.busy_cpu, &end.busy_cpu)
-        .remove("")
-        .unwrap_or_default();
-    split.loop_busy_cpu = lat_of_buckets(&cpu);
-    split.loop_busy_cpu_over_1ms = over(&cpu, 1e-3);
-    let closing = busy(end, closed);
-    split.closing_busy = lat_of_buckets(&closing);
-    split.closing_busy_over_1ms = over(&closing, 1e-3);
-    let closing_cpu = step_buckets(&end.busy_cpu, &closed.busy_cpu)
-        .remove("")
-        .unwrap_or_default();
-    split.closing_busy_cpu = lat_of_buckets(&closing_cpu);
-    split.closing_busy_cpu_over_1ms = over(&closing_cpu, 1e-3);
+    (split.loop_busy, split.loop_busy_over_1ms) = stretches(&before.busy, &end.busy);
+    (split.loop_busy_cpu, split.loop_busy_cpu_over_1ms) =
+        stretches(&before.busy_cpu, &end.busy_cpu);
+    (split.closing_busy, split.closing_busy_over_1ms) = stretches(&end.busy, &closed.busy);
+    (split.closing_busy_cpu, split.closing_busy_cpu_over_1ms) =
+        stretches(&end.busy_cpu, &closed.busy_cpu);
+}
+
+/// The loop's stretches between two scrapes of one of its histograms (one, under ""):
+/// their latencies and how many were over 1 ms.
+fn stretches(before: &BTreeMap<String, Buckets>, after: &BTreeMap<String, Buckets>) -> (Lat, f64) {
+    let b = step_buckets(before, after).remove("").unwrap_or_default();
+    (lat_of_buckets(&b), over(&b, 1e-3))
 }
 
 /// How many of the histogram's samples were above `s` seconds (above the largest
@@ -367,6 +359,11 @@ fn pair(l: Option<&Lat>) -> String {
     l.map_or("-".into(), |l| format!("{:.0} / {:.0}", l.p50_us, l.p99_us))
 }
 
+/// The loop's busy stretches as "p99 / max µs (how many over 0.9 ms)".
+fn busy(l: &Lat, over_1ms: f64) -> String {
+    format!("{:.0} / {:.0} ({over_1ms:.0})", l.p99_us, l.max_us)
+}
+
 /// The table "where the time goes", one row per step and operation shown.
 pub fn table(steps: &[StepView<'_>]) -> Table {
     let mut t = Table::new(
@@ -387,66 +384,38 @@ pub fn table(steps: &[StepView<'_>]) -> Table {
         ],
     );
     for s in steps {
-        for op in SHOWN {
-            let first = *op == SHOWN[0];
-            t.row(vec![
-                if first {
-                    s.name.to_string()
-                } else {
-                    String::new()
-                },
-                if first {
-                    s.split.load.clone()
-                } else {
-                    String::new()
-                },
+        // The step's own columns, on its first row only.
+        let step = [s.name.to_string(), s.split.load.clone()];
+        let loop_side = [
+            pair(Some(&s.split.woke_late)),
+            format!("{:.1}", s.split.loop_cpu_wait_ms_per_s),
+            busy(&s.split.loop_busy, s.split.loop_busy_over_1ms),
+            busy(&s.split.loop_busy_cpu, s.split.loop_busy_cpu_over_1ms),
+            format!(
+                "{:.0} ({:.0}), {:.0} ({:.0})",
+                s.split.closing_busy.max_us,
+                s.split.closing_busy_over_1ms,
+                s.split.closing_busy_cpu.max_us,
+                s.split.closing_busy_cpu_over_1ms
+            ),
+        ];
+        for (i, op) in SHOWN.iter().enumerate() {
+            let once = |cells: &[String]| {
+                cells
+                    .iter()
+                    .map(|c| if i == 0 { c.clone() } else { String::new() })
+                    .collect::<Vec<_>>()
+            };
+            let mut row = once(&step);
+            row.extend([
                 op.to_string(),
                 pair(engines(s, op).as_ref()),
                 pair(find(&s.split.served, op)),
                 pair(find(&s.split.less_cpu_wait, op)),
                 pair(find(&s.split.cpu_wait, op)),
-                if first {
-                    pair(Some(&s.split.woke_late))
-                } else {
-                    String::new()
-                },
-                if first {
-                    format!("{:.1}", s.split.loop_cpu_wait_ms_per_s)
-                } else {
-                    String::new()
-                },
-                if first {
-                    format!(
-                        "{:.0} / {:.0} ({:.0})",
-                        s.split.loop_busy.p99_us,
-                        s.split.loop_busy.max_us,
-                        s.split.loop_busy_over_1ms
-                    )
-                } else {
-                    String::new()
-                },
-                if first {
-                    format!(
-                        "{:.0} / {:.0} ({:.0})",
-                        s.split.loop_busy_cpu.p99_us,
-                        s.split.loop_busy_cpu.max_us,
-                        s.split.loop_busy_cpu_over_1ms
-                    )
-                } else {
-                    String::new()
-                },
-                if first {
-                    format!(
-                        "{:.0} ({:.0}), {:.0} ({:.0})",
-                        s.split.closing_busy.max_us,
-                        s.split.closing_busy_over_1ms,
-                        s.split.closing_busy_cpu.max_us,
-                        s.split.closing_busy_cpu_over_1ms
-                    )
-                } else {
-                    String::new()
-                },
             ]);
+            row.extend(once(&loop_side));
+            t.row(row);
         }
     }
     t

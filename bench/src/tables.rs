@@ -7,6 +7,26 @@ use crate::report::{chunk_name, f0, f2, us, Table};
 use crate::results::*;
 use crate::{chart, connector, meta, mooncake, pairs, redis};
 
+/// A row of the store/load table: system, op, chunk and clients, then the batch and
+/// the single figure (GB/s, p50, p99; "-" where there is none).
+fn fig_row(
+    system: &str,
+    op: &str,
+    chunk: usize,
+    clients: String,
+    batch: Option<&Fig>,
+    single: Option<&Fig>,
+) -> Vec<String> {
+    let mut row = vec![system.into(), op.into(), chunk_name(chunk), clients];
+    for f in [batch, single] {
+        row.extend(match f {
+            Some(f) => [f2(f.gbs), us(f.p50_us), us(f.p99_us)],
+            None => ["-".into(), "-".into(), "-".into()],
+        });
+    }
+    row
+}
+
 pub(crate) fn tables(r: &Results) -> Vec<Table> {
     let mut out = Vec::new();
     // 1. Store/load by system.
@@ -25,7 +45,6 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
             "p99",
         ],
     );
-    let fig_cells = |f: &Fig| vec![f2(f.gbs), us(f.p50_us), us(f.p99_us)];
     for &chunk in &CHUNKS {
         for backend in ["cxl", "remote_cxl"] {
             let name = if backend == "cxl" {
@@ -41,15 +60,14 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
                         } else {
                             (&m.load_batch, &m.load_single)
                         };
-                        let mut row = vec![
-                            name.into(),
-                            op.into(),
-                            chunk_name(chunk),
+                        t.row(fig_row(
+                            name,
+                            op,
+                            chunk,
                             clients.to_string(),
-                        ];
-                        row.extend(fig_cells(b));
-                        row.extend(fig_cells(s));
-                        t.row(row);
+                            Some(b),
+                            Some(s),
+                        ));
                     }
                 }
             }
@@ -58,15 +76,8 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
                     ("store", &m.store_batch, &m.store_single),
                     ("load", &m.load_batch, &m.load_single),
                 ] {
-                    let mut row = vec![
-                        "maru cxl, 4 KiB pool pages".into(),
-                        op.into(),
-                        chunk_name(chunk),
-                        "1".into(),
-                    ];
-                    row.extend(fig_cells(b));
-                    row.extend(fig_cells(s));
-                    t.row(row);
+                    let system = "maru cxl, 4 KiB pool pages";
+                    t.row(fig_row(system, op, chunk, "1".into(), Some(b), Some(s)));
                 }
             }
             // Batch-only figures: stores into reused pages, loads into staging slots.
@@ -81,15 +92,7 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
                 ];
                 for (op, fig) in extra {
                     let Some(f) = fig else { continue };
-                    let mut row = vec![
-                        name.into(),
-                        op.into(),
-                        chunk_name(chunk),
-                        clients.to_string(),
-                    ];
-                    row.extend(fig_cells(f));
-                    row.extend(["-".into(), "-".into(), "-".into()]);
-                    t.row(row);
+                    t.row(fig_row(name, op, chunk, clients.to_string(), Some(f), None));
                 }
             }
         }
@@ -101,15 +104,14 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
                     } else {
                         (&x.get_batch, &x.get_single)
                     };
-                    let mut row = vec![
-                        "redis".into(),
-                        op.into(),
-                        chunk_name(chunk),
+                    t.row(fig_row(
+                        "redis",
+                        op,
+                        chunk,
                         clients.to_string(),
-                    ];
-                    row.extend(fig_cells(b));
-                    row.extend(fig_cells(s));
-                    t.row(row);
+                        Some(b),
+                        Some(s),
+                    ));
                 }
             }
         }
@@ -123,15 +125,8 @@ pub(crate) fn tables(r: &Results) -> Vec<Table> {
                     .iter()
                     .find(|x| x.chunk == chunk && x.threads == threads)
                 {
-                    let mut row = vec![
-                        name.into(),
-                        op.into(),
-                        chunk_name(chunk),
-                        format!("{threads} thr"),
-                    ];
-                    row.extend(["-".into(), "-".into(), "-".into()]);
-                    row.extend(fig_cells(&x.fig));
-                    t.row(row);
+                    let threads = format!("{threads} thr");
+                    t.row(fig_row(name, op, chunk, threads, None, Some(&x.fig)));
                 }
             }
         }
@@ -545,34 +540,57 @@ fn outside_copy(r: &Results) -> Option<Table> {
     Some(t)
 }
 
+/// The targets' rows as they are checked.
+struct Targets(Vec<TargetRow>);
+
+impl Targets {
+    /// `target` measured as `x` (None: not measured), shown with `fmt`, met when `ok`.
+    fn push(
+        &mut self,
+        target: &str,
+        x: Option<f64>,
+        fmt: &dyn Fn(f64) -> String,
+        ok: &dyn Fn(f64) -> bool,
+    ) {
+        self.0.push(TargetRow {
+            target: target.into(),
+            measured: x.map(fmt).unwrap_or_else(|| "-".into()),
+            met: x.map(ok),
+        });
+    }
+
+    /// A ratio target: `x` times, met at `least` or more.
+    fn at_least(&mut self, target: &str, x: Option<f64>, least: f64) {
+        self.push(target, x, &|f| format!("{f:.2} x"), &|f| f >= least);
+    }
+}
+
+/// GB/s of a batch load (`load`) or a batch store of `m`.
+fn batch_gbs(m: &maru_io::Result_, load: bool) -> f64 {
+    if load {
+        m.load_batch.gbs
+    } else {
+        m.store_batch.gbs
+    }
+}
+
 pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
-    let mut v = Vec::new();
-    let mut push =
-        |target: &str, x: Option<f64>, fmt: &dyn Fn(f64) -> String, ok: &dyn Fn(f64) -> bool| {
-            v.push(TargetRow {
-                target: target.into(),
-                measured: x.map(fmt).unwrap_or_else(|| "-".into()),
-                met: x.map(ok),
-            });
-        };
+    let mut t = Targets(Vec::new());
     let two = 2 * MIB;
     // The cxl targets compare with the streaming copy, the copy cxl makes (memcpy
     // stays a reference row of the tables).
     let sc = r.stream_of(two, 1);
-    let x = |f: f64| format!("{f:.2} x");
     if let Some(m) = &r.cxl_small_pages {
-        push(
+        t.at_least(
             "for reference, not a device's page size: cxl batch store 32 x 2 MiB on a pool of 4 KiB tmpfs pages >= 0.9 x streaming copy",
             ratio(Some(m.store_batch.gbs), sc),
-            &x,
-            &|f| f >= 0.9,
+            0.9,
         );
     }
-    push(
+    t.at_least(
         "cxl batch store 32 x 2 MiB into reused pages (a full cache) >= 0.9 x streaming copy",
         ratio(r.maru_of("cxl", two, 1, 1).map(|m| m.store_reused.gbs), sc),
-        &x,
-        &|f| f >= 0.9,
+        0.9,
     );
     for (backend, clients) in [
         ("cxl", 1),
@@ -582,26 +600,24 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
     ] {
         for c in [two, 256 * 1024] {
             let m = r.maru_of(backend, c, clients, 1);
-            push(
+            t.at_least(
                 &format!(
                     "{backend} store into a full cache, {} x {clients} clients >= 0.8 x into reused pages (median of turns)",
                     chunk_name(c)
                 ),
                 m.map(maru_io::Result_::full_vs_reused_median),
-                &x,
-                &|f| f >= 0.8,
+                0.8,
             );
         }
     }
     // Issue 35: the adapters' way through Python (numpy fill), and one alloc.
     let adapter = r.in_place.as_ref().and_then(|i| i.adapter.as_ref().ok());
-    push(
+    t.at_least(
         "cxl batched_alloc + numpy fill + batch_store 32 x 2 MiB (Python, maru.MaruHandler) >= 0.9 x its numpy copy",
         adapter.map(|a| a.ratio()),
-        &x,
-        &|f| f >= 0.9,
+        0.9,
     );
-    push(
+    t.push(
         "one maru.MaruHandler.alloc (cxl) <= 10 us p50",
         adapter.map(|a| a.alloc.p50_us),
         &|f| format!("{f:.1} us"),
@@ -610,7 +626,7 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
     // Issue 38: the vLLM connector's loads into a paged KV cache, beside the raw batch
     // load of the same run, chunk size and backend.
     for c in &r.connector {
-        push(
+        t.at_least(
             &format!(
                 "vLLM connector load into a paged KV cache, {} 32 x 2 MiB (Python) >= 0.5 x {} batch load 2 MiB",
                 c.backend, c.backend
@@ -619,8 +635,7 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
                 c.row.as_ref().ok().map(|row| row.load.gbs),
                 r.batch_load(c.backend, connector::CHUNK),
             ),
-            &x,
-            &|f| f >= 0.5,
+            0.5,
         );
     }
     // Issue 47: cxl against the streaming copy (the copy it makes; memcpy reads each
@@ -630,7 +645,7 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
         for (handlers, threads) in [(1, 1), (2, 1), (1, 2)] {
             let lim = r.stream_of(c, handlers * threads);
             for load in [false, true] {
-                push(
+                t.at_least(
                     &format!(
                         "cxl batch {} 32 x {}, {handlers} handler(s) x {threads} thread(s) >= 0.9 x streaming copy ({} thread(s))",
                         if load { "load" } else { "store" },
@@ -638,77 +653,61 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
                         handlers * threads
                     ),
                     ratio(
-                        r.maru_of("cxl", c, handlers, threads).map(|m| {
-                            if load {
-                                m.load_batch.gbs
-                            } else {
-                                m.store_batch.gbs
-                            }
-                        }),
+                        r.maru_of("cxl", c, handlers, threads)
+                            .map(|m| batch_gbs(m, load)),
                         lim,
                     ),
-                    &x,
-                    &|f| f >= 0.9,
+                    0.9,
                 );
             }
         }
     }
-    push(
+    t.at_least(
         "cxl single 256 KiB store >= 0.6 x streaming copy (1 thread)",
         ratio(
             r.maru_of("cxl", 256 * 1024, 1, 1)
                 .map(|m| m.store_single.gbs),
             r.stream_of(256 * 1024, 1),
         ),
-        &x,
-        &|f| f >= 0.6,
+        0.6,
     );
     // One handler used by N threads against N handlers of one thread (issue 23): the
     // median of the pairs of interleaved passes on one stack.
     for backend in ["cxl", "remote_cxl"] {
         for c in [256 * 1024, two] {
             for n in [2, MANY] {
-                for load in [false, true] {
-                    push(
+                for (op, load) in [("store", false), ("load", true)] {
+                    t.at_least(
                         &format!(
-                            "{backend} {} {}: 1 handler x {n} threads >= 0.9 x {n} handlers x 1 thread (interleaved passes)",
+                            "{backend} {} {op}: 1 handler x {n} threads >= 0.9 x {n} handlers x 1 thread (interleaved passes)",
                             chunk_name(c),
-                            if load { "load" } else { "store" },
                         ),
-                        r.pair_of(backend, c, n).map(|p| {
-                            if load {
-                                p.load.median()
-                            } else {
-                                p.store.median()
-                            }
-                        }),
-                        &x,
-                        &|f| f >= 0.9,
+                        r.pair_of(backend, c, n)
+                            .map(|p| if load { &p.load } else { &p.store }.median()),
+                        0.9,
                     );
                 }
             }
         }
     }
-    push(
+    t.at_least(
         "remote_cxl/soft batch store 256 KiB >= 1.0 x tcp loopback",
         ratio(
             r.maru_of("remote_cxl", 256 * 1024, 1, 1)
                 .map(|m| m.store_batch.gbs),
             r.tcp_of(256 * 1024),
         ),
-        &x,
-        &|f| f >= 1.0,
+        1.0,
     );
-    push(
+    t.at_least(
         "remote_cxl/soft load 2 MiB >= 0.8 x tcp loopback",
         ratio(
             r.maru_of("remote_cxl", two, 1, 1).map(|m| m.load_batch.gbs),
             r.tcp_of(two),
         ),
-        &x,
-        &|f| f >= 0.8,
+        0.8,
     );
-    push(
+    t.at_least(
         "remote_cxl/soft load 2 MiB, 4 clients >= 1.25 x Redis GET (its best)",
         ratio(
             r.maru_of("remote_cxl", two, MANY, 1)
@@ -716,10 +715,9 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
             r.redis_of(two, MANY)
                 .map(|x| x.get_batch.gbs.max(x.get_single.gbs)),
         ),
-        &x,
-        &|f| f >= 1.25,
+        1.25,
     );
-    push(
+    t.at_least(
         "remote_cxl/soft load into staging slots 2 MiB, 4 clients >= 1.25 x Redis GET (its best)",
         ratio(
             r.maru_of("remote_cxl", two, MANY, 1)
@@ -728,24 +726,23 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
             r.redis_of(two, MANY)
                 .map(|x| x.get_batch.gbs.max(x.get_single.gbs)),
         ),
-        &x,
-        &|f| f >= 1.25,
+        1.25,
     );
     let e = r.meta_of("exists x32", 1);
-    push(
+    t.push(
         "exists x32 p50 <= 50 us",
         e.map(|m| m.p50_us),
         &|f| format!("{f:.1} us"),
         &|f| f <= 50.0,
     );
-    push(
+    t.push(
         "exists x32 p99 <= 200 us",
         e.map(|m| m.p99_us),
         &|f| format!("{f:.1} us"),
         &|f| f <= 200.0,
     );
     for op in ["exists x1", meta::PUBLISH] {
-        push(
+        t.push(
             &format!("{op}, 8 conns >= 30000 ops/s"),
             r.meta_of(op, 8).map(|m| m.ops_per_s),
             &|f| format!("{f:.0} ops/s"),
@@ -753,18 +750,17 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
         );
     }
     for conns in [1, 8] {
-        push(
+        t.at_least(
             &format!("alloc+publish durable >= 0.8 x in-memory ({conns} conns, interleaved)"),
             ratio(
                 r.meta_of(meta::PUBLISH_DURABLE, conns).map(|m| m.ops_per_s),
                 r.meta_of(meta::PUBLISH, conns).map(|m| m.ops_per_s),
             ),
-            &x,
-            &|f| f >= 0.8,
+            0.8,
         );
     }
     if let Some(rec) = &r.meta_recovery {
-        push(
+        t.push(
             &format!(
                 "a durable directory of {} keys recovers whole (start until serving reported)",
                 rec.keys
@@ -780,17 +776,17 @@ pub(crate) fn targets(r: &Results) -> Vec<TargetRow> {
         );
     }
     for (name, got, least) in mooncake::targets(r.mooncake.as_ref()) {
-        push(&name, got, &x, &|f| f >= least);
+        t.at_least(&name, got, least);
     }
     for i in &r.idle {
-        push(
+        t.push(
             &format!("idle CPU of {} < 1% of a core", i.what),
             Some(i.pct_of_core),
             &|f| format!("{f:.2} %"),
             &|f| f < 1.0,
         );
     }
-    v
+    t.0
 }
 
 pub(crate) fn chart_panels(r: &Results) -> Vec<chart::Panel> {
@@ -815,13 +811,7 @@ pub(crate) fn chart_panels(r: &Results) -> Vec<chart::Panel> {
             for (b, name) in [("cxl", "cxl"), ("remote_cxl", "remote_cxl/soft")] {
                 for load in [false, true] {
                     if let Some(m) = r.maru_of(b, c, 1, 1) {
-                        let pick = |m: &maru_io::Result_| {
-                            if load {
-                                m.load_batch.gbs
-                            } else {
-                                m.store_batch.gbs
-                            }
-                        };
+                        let pick = |m: &maru_io::Result_| batch_gbs(m, load);
                         bars.push(chart::Bars {
                             system: format!("maru {name} {}", if load { "load" } else { "store" }),
                             one: pick(m),
