@@ -55,8 +55,7 @@ fn every_map_reply_carries_the_boot_id() {
 
 #[test]
 fn status_lists_mappings_and_pending_work() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     w.map_read("reader", &h, 0, 4096).unwrap();
     let s = w.core.status();
     assert_eq!((s.node.as_str(), s.epoch), (NODE, EPOCH));

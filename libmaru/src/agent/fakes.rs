@@ -320,6 +320,13 @@ impl World {
     }
 
     /// A new region of the RM, mapped writable for `client`.
+    /// A new world with a region mapped writable by `client`.
+    pub fn with_mapped(client: &str) -> (World, Handle, MapReply) {
+        let mut w = World::new();
+        let (h, m) = w.mapped(client);
+        (w, h, m)
+    }
+
     pub fn mapped(&mut self, client: &str) -> (Handle, MapReply) {
         let h = self.rm.region();
         let m = self.map(client, &h, true).unwrap();

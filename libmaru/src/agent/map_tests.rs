@@ -8,8 +8,7 @@ use crate::wire::ErrorCode;
 
 #[test]
 fn a_map_holds_the_region_before_it_maps_or_registers_it() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("owner");
+    let (mut w, h, m) = World::with_mapped("owner");
     let id = h.region_id;
     let hold = w.rm.calls.iter().position(|c| *c == format!("hold {id}"));
     let access = w.rm.calls.iter().position(|c| *c == format!("access {id}"));
@@ -132,8 +131,7 @@ fn a_failure_after_the_hold_undoes_it() {
 
 #[test]
 fn a_region_mapped_once_is_shared_by_its_holders_each_with_its_own_key() {
-    let mut w = World::new();
-    let (h, a) = w.mapped("owner");
+    let (mut w, h, a) = World::with_mapped("owner");
     let b = w.map("owner2", &h, true).unwrap();
     assert_eq!(a.addr, b.addr);
     assert_ne!(
@@ -156,8 +154,7 @@ fn a_region_mapped_once_is_shared_by_its_holders_each_with_its_own_key() {
 
 #[test]
 fn a_released_handle_is_not_mapped_again() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     w.release("owner", &h).unwrap();
     let holds = w.rm.count("hold");
     // The RM still accepts the handle (the owner has not given it back yet).
@@ -168,8 +165,7 @@ fn a_released_handle_is_not_mapped_again() {
 
 #[test]
 fn a_map_with_another_handle_of_a_mapped_region_is_refused() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     let holds = w.rm.count("hold");
     let forged = Handle {
         token: "f".repeat(32),
@@ -202,8 +198,7 @@ fn a_read_handle_maps_only_a_region_mapped_here() {
 
 #[test]
 fn a_read_map_needs_the_read_token_of_that_range() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     let id = h.region_id;
     let forged = "0".repeat(32);
     let e = w.map_read_with("r", id, 0, 4096, forged).unwrap_err();
@@ -216,8 +211,7 @@ fn a_read_map_needs_the_read_token_of_that_range() {
 
 #[test]
 fn a_read_range_lies_inside_its_region() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     for (offset, length) in [(LEN - 4096, 8192), (u64::MAX, 2), (0, 0), (LEN, 1)] {
         let e = w.map_read("r", &h, offset, length).unwrap_err();
         assert_eq!(e.code, ErrorCode::Refused, "{offset} {length}: {e}");
@@ -227,8 +221,7 @@ fn a_read_range_lies_inside_its_region() {
 
 #[test]
 fn readers_of_a_range_get_read_registrations_of_their_own() {
-    let mut w = World::new();
-    let (h, owner) = w.mapped("owner");
+    let (mut w, h, owner) = World::with_mapped("owner");
     let a = w.map_read("ra", &h, 0, 4096).unwrap();
     let b = w.map_read("rb", &h, 0, 4096).unwrap();
     assert_ne!(a.rkey, b.rkey);
@@ -245,8 +238,7 @@ fn readers_of_a_range_get_read_registrations_of_their_own() {
 
 #[test]
 fn a_region_being_torn_down_is_not_mapped_meanwhile() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     w.nic.fail_deregister = true;
     w.unmap("owner", h.region_id);
     let e = w.map("owner", &h, true).unwrap_err();
@@ -263,8 +255,7 @@ fn a_region_being_torn_down_is_not_mapped_meanwhile() {
 
 #[test]
 fn a_read_handle_does_not_map_a_region_being_torn_down() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     w.nic.fail_deregister = true;
     assert!(w.release("owner", &h).is_err());
     w.nic.fail_deregister = false;
@@ -275,8 +266,7 @@ fn a_read_handle_does_not_map_a_region_being_torn_down() {
 
 #[test]
 fn a_region_freed_at_the_rm_takes_no_new_holder() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     w.rm.drain(h.region_id);
     let e = w.map("keeper", &h, false).unwrap_err();
     assert_eq!(e.code, ErrorCode::Refused);
@@ -285,8 +275,7 @@ fn a_region_freed_at_the_rm_takes_no_new_holder() {
 
 #[test]
 fn an_unanswered_hold_of_a_mapped_region_queues_no_unhold() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("owner");
+    let (mut w, h, m) = World::with_mapped("owner");
     w.rm.down = true;
     assert_eq!(
         w.map("keeper", &h, false).unwrap_err().code,
@@ -330,8 +319,7 @@ fn range(h: &Handle, offset: u64, length: u64, good: bool) -> ReadRange {
 /// refusal (the later good ranges were not mapped).
 #[test]
 fn map_reads_maps_the_good_ranges_and_refuses_each_bad_one_on_its_own() {
-    let mut w = World::new();
-    let (h, owner) = w.mapped("owner");
+    let (mut w, h, owner) = World::with_mapped("owner");
     let (g, _) = w.mapped("owner");
     let unmapped = w.rm.region();
     let asked = vec![
@@ -376,8 +364,7 @@ fn map_reads_maps_the_good_ranges_and_refuses_each_bad_one_on_its_own() {
 /// out (the 257 ranges were mapped).
 #[test]
 fn map_reads_of_more_ranges_than_the_cap_is_refused_whole() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     let ranges = |n: u64| (0..n).map(|i| range(&h, i * 16, 16, true)).collect();
     let e = w
         .map_reads("reader", ranges(MAX_READ_RANGES as u64 + 1))

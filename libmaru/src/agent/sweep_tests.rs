@@ -37,8 +37,7 @@ fn the_sweep_deregisters_failed_mappings_while_the_rm_is_away() {
 
 #[test]
 fn only_a_refusal_ends_a_queued_unhold() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("a");
+    let (mut w, h, _) = World::with_mapped("a");
     w.rm.fail_unhold = true;
     w.unmap("a", h.region_id);
     assert_eq!(w.queued(), 1);
@@ -53,8 +52,7 @@ fn only_a_refusal_ends_a_queued_unhold() {
 
 #[test]
 fn the_sweep_retires_a_mapping_the_rm_no_longer_accepts() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("a");
+    let (mut w, h, m) = World::with_mapped("a");
     w.sweep();
     assert!(w.nic.accepts(m.rkey), "an accepted handle stays mapped");
     w.rm.drain(h.region_id);
@@ -67,8 +65,7 @@ fn the_sweep_retires_a_mapping_the_rm_no_longer_accepts() {
 
 #[test]
 fn an_unanswered_access_check_keeps_the_mapping() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("a");
+    let (mut w, h, m) = World::with_mapped("a");
     w.rm.down = true;
     w.sweep();
     assert!(w.nic.accepts(m.rkey));
@@ -77,8 +74,7 @@ fn an_unanswered_access_check_keeps_the_mapping() {
 
 #[test]
 fn quarantines_end_while_the_rm_is_away() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("a");
+    let (mut w, h, m) = World::with_mapped("a");
     w.release("a", &h).unwrap();
     w.rm.down = true;
     w.advance(Q_MS);
@@ -88,8 +84,7 @@ fn quarantines_end_while_the_rm_is_away() {
 
 #[test]
 fn released_handles_are_forgotten_once_the_rm_refuses_them() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("a");
+    let (mut w, h, _) = World::with_mapped("a");
     w.release("a", &h).unwrap();
     w.sweep();
     assert!(w.core.released.contains(&h), "the RM still accepts it");

@@ -61,8 +61,7 @@ fn a_closed_client_drops_its_read_handles_but_keeps_its_regions_readable() {
 
 #[test]
 fn a_release_deregisters_whoever_else_holds_the_region() {
-    let mut w = World::new();
-    let (h, owner) = w.mapped("owner");
+    let (mut w, h, owner) = World::with_mapped("owner");
     let keeper = w.map("keeper", &h, false).unwrap();
     let reader = w.map_read("reader", &h, 0, 4096).unwrap();
     // maru-server releases with the handle too: the releasing client holds nothing.
@@ -76,8 +75,7 @@ fn a_release_deregisters_whoever_else_holds_the_region() {
 
 #[test]
 fn a_release_needs_the_regions_own_handle() {
-    let mut w = World::new();
-    let (h, owner) = w.mapped("owner");
+    let (mut w, h, owner) = World::with_mapped("owner");
     let forged = Handle {
         token: "1".repeat(32),
         ..h.clone()
@@ -94,8 +92,7 @@ fn a_release_needs_the_regions_own_handle() {
 
 #[test]
 fn a_released_range_stays_mapped_without_access_for_the_quarantine() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("owner");
+    let (mut w, h, m) = World::with_mapped("owner");
     w.release("owner", &h).unwrap();
     let released_at = w.now;
     assert!(w.mem.range_at(m.addr).unwrap().protected);
@@ -131,8 +128,7 @@ fn a_new_region_never_gets_a_key_of_a_released_one_within_the_quarantine() {
 
 #[test]
 fn a_release_while_the_rm_is_away_succeeds_and_queues_the_unhold() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("owner");
+    let (mut w, h, m) = World::with_mapped("owner");
     w.rm.down = true;
     assert!(w.release("owner", &h).unwrap());
     assert!(!w.nic.accepts(m.rkey));
@@ -143,8 +139,7 @@ fn a_release_while_the_rm_is_away_succeeds_and_queues_the_unhold() {
 
 #[test]
 fn a_failed_deregistration_keeps_the_region_held_until_a_retry_works() {
-    let mut w = World::new();
-    let (h, m) = w.mapped("owner");
+    let (mut w, h, m) = World::with_mapped("owner");
     w.nic.fail_deregister = true;
     let e = w.release("owner", &h).unwrap_err();
     assert_eq!(
@@ -185,8 +180,7 @@ fn a_release_of_a_region_not_mapped_here_refuses_its_later_maps() {
 
 #[test]
 fn a_repeated_release_reports_the_earlier_deregistration() {
-    let mut w = World::new();
-    let (h, _) = w.mapped("owner");
+    let (mut w, h, _) = World::with_mapped("owner");
     assert!(w.release("owner", &h).unwrap());
     assert!(
         w.release("owner", &h).unwrap(),

@@ -29,6 +29,13 @@ fn setup() -> (ResourceManager, MemStore) {
     (open(&m, vec![dev(0, 8)]), m)
 }
 
+/// [`setup`] with one region of one extent allocated by `C`.
+fn with_region() -> (ResourceManager, MemStore, Handle) {
+    let (mut rm, m) = setup();
+    let h = alloc(&mut rm, C, 1);
+    (rm, m, h)
+}
+
 fn alloc_req(size: u64, request_id: u64) -> RmRequest {
     RmRequest::Alloc {
         size,
@@ -200,8 +207,7 @@ fn idempotent_alloc_retry_returns_the_same_handle() {
 
 #[test]
 fn retried_free_with_request_id_replays_after_the_region_is_gone() {
-    let (mut rm, _) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, _, h) = with_region();
     let req = RmRequest::Free {
         handle: h,
         request_id: 7,
@@ -214,8 +220,7 @@ fn retried_free_with_request_id_replays_after_the_region_is_gone() {
 
 #[test]
 fn bad_token_is_refused_and_changes_nothing() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     let before = (regions(&mut rm), m.saves(), m.attempts());
     let mut bad = h.clone();
     bad.token = "0".repeat(32);
@@ -238,8 +243,7 @@ fn bad_token_is_refused_and_changes_nothing() {
 
 #[test]
 fn only_the_owner_may_free() {
-    let (mut rm, _) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, _, h) = with_region();
     let e = free(&mut rm, "intruder:1", &h).unwrap_err();
     assert_eq!(e.code, ErrorCode::Permission);
     assert!(e.message.contains(C), "{e}");
@@ -301,8 +305,7 @@ fn freed_while_held_drains_and_its_range_waits_for_the_last_unhold() {
 
 #[test]
 fn a_draining_region_cannot_be_held_or_mapped_again() {
-    let (mut rm, _) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, _, h) = with_region();
     hold(&mut rm, &h, "n1", 1).unwrap();
     free(&mut rm, C, &h).unwrap();
     let e = hold(&mut rm, &h, "n2", 1).unwrap_err();
@@ -316,8 +319,7 @@ fn a_draining_region_cannot_be_held_or_mapped_again() {
 
 #[test]
 fn hold_is_idempotent_and_checks_the_node_name() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     assert_eq!(
         hold(&mut rm, &h, "n", 1).unwrap(),
         RmReply::Hold(HoldReply { holds: 1 })
@@ -347,8 +349,7 @@ fn hold_is_idempotent_and_checks_the_node_name() {
 
 #[test]
 fn reset_holds_drops_only_older_epochs() {
-    let (mut rm, _) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, _, h) = with_region();
     hold(&mut rm, &h, "n", 1).unwrap();
     hold(&mut rm, &h, "n", 2).unwrap();
     hold(&mut rm, &h, "m", 1).unwrap();
@@ -412,8 +413,7 @@ fn reset_holds_drops_only_older_epochs() {
 
 #[test]
 fn drop_holds_needs_confirm() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     hold(&mut rm, &h, "gone", 1).unwrap();
     hold(&mut rm, &h, "gone", 5).unwrap();
     free(&mut rm, C, &h).unwrap();
@@ -445,8 +445,7 @@ fn drop_holds_needs_confirm() {
 
 #[test]
 fn every_change_is_saved_before_its_reply() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     assert_eq!(m.saved().unwrap().regions.len(), 1);
     hold(&mut rm, &h, "n", 1).unwrap();
     assert_eq!(m.saved().unwrap().holds.len(), 1);
@@ -460,8 +459,7 @@ fn every_change_is_saved_before_its_reply() {
 
 #[test]
 fn a_failed_save_answers_storage_and_keeps_the_change() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     m.fail_next(Step::Write);
     let e = hold(&mut rm, &h, "n", 1).unwrap_err();
     assert_eq!(
@@ -498,8 +496,7 @@ fn a_retried_alloc_after_a_failed_save_saves_again_and_returns_the_region() {
 
 #[test]
 fn a_retried_hold_after_a_failed_directory_sync_syncs_again() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     m.fail_next(Step::DirSync);
     assert_eq!(code(hold(&mut rm, &h, "n", 1)), ErrorCode::Storage);
     // The retry finds the hold recorded, but it is not durable yet: with the store
@@ -521,8 +518,7 @@ fn a_retried_hold_after_a_failed_directory_sync_syncs_again() {
 
 #[test]
 fn a_retried_free_of_a_draining_region_syncs_again() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     hold(&mut rm, &h, "n", 1).unwrap();
     m.fail_always(Some(Step::Rename));
     assert_eq!(code(free(&mut rm, C, &h)), ErrorCode::Storage);
@@ -535,8 +531,7 @@ fn a_retried_free_of_a_draining_region_syncs_again() {
 
 #[test]
 fn a_retried_unhold_after_a_failed_save_syncs_again() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     hold(&mut rm, &h, "n", 1).unwrap();
     free(&mut rm, C, &h).unwrap();
     m.fail_next(Step::Write);
@@ -562,8 +557,7 @@ fn a_retried_unhold_after_a_failed_save_syncs_again() {
 
 #[test]
 fn any_successful_save_clears_dirty() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     m.fail_next(Step::DirSync);
     assert_eq!(code(hold(&mut rm, &h, "n", 1)), ErrorCode::Storage);
     // An unrelated change saves the whole state, the hold with it.
@@ -633,8 +627,7 @@ fn reaping_a_held_region_leaves_it_draining() {
 
 #[test]
 fn owner_gone_reaps_at_once() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     assert_eq!(rm.owner_gone(C), vec![h.region_id]);
     assert!(regions(&mut rm).is_empty());
     assert!(m.saved().unwrap().regions.is_empty());
@@ -643,8 +636,7 @@ fn owner_gone_reaps_at_once() {
 
 #[test]
 fn a_failed_save_after_reaping_stays_dirty() {
-    let (mut rm, m) = setup();
-    let h = alloc(&mut rm, C, 1);
+    let (mut rm, m, h) = with_region();
     hold(&mut rm, &h, "n", 1).unwrap();
     m.fail_next(Step::DirSync);
     assert_eq!(rm.owner_gone(C), vec![h.region_id]);
