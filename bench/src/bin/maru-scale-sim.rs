@@ -350,31 +350,43 @@ fn retire<T>(mut e: Arc<T>, within: Duration) -> Option<T> {
     }
 }
 
-/// Paces a loop at one turn every `every` from `start`: true when turn `k` is due (and
-/// `k` moves on to the next); false after a nap of at most `nap` when it is not yet,
-/// so that the caller looks at its stop flag before it asks again. A turn that comes
-/// after a nap that ended at most `nap` after it was due records in `late` how late
-/// (µs) it came: the scheduling delay of a thread that slept.
-fn turn_due(
+/// Paces a loop at one turn every `every` from `start`; `k` is the next turn.
+struct Turns {
     start: Instant,
     every: Duration,
-    k: &mut u32,
-    nap: Duration,
-    late: &mut Vec<f32>,
-) -> bool {
-    let due = start + every * *k;
-    let now = Instant::now();
-    if due > now {
-        let left = due - now;
-        std::thread::sleep(left.min(nap));
-        if left > nap {
-            return false;
+    k: u32,
+}
+
+impl Turns {
+    /// Turns every `every` from now.
+    fn new(every: Duration) -> Turns {
+        Turns {
+            start: Instant::now(),
+            every,
+            k: 0,
         }
-        // Slept until it was due: how late it woke.
-        late.push(due.elapsed().as_secs_f64() as f32 * 1e6);
     }
-    *k += 1;
-    true
+
+    /// True when turn `k` is due (and `k` moves on to the next); false after a nap of
+    /// at most `nap` when it is not yet, so that the caller looks at its stop flag
+    /// before it asks again. A turn that comes after a nap that ended at most `nap`
+    /// after it was due records in `late` how late (µs) it came: the scheduling delay
+    /// of a thread that slept.
+    fn due(&mut self, nap: Duration, late: &mut Vec<f32>) -> bool {
+        let due = self.start + self.every * self.k;
+        let now = Instant::now();
+        if due > now {
+            let left = due - now;
+            std::thread::sleep(left.min(nap));
+            if left > nap {
+                return false;
+            }
+            // Slept until it was due: how late it woke.
+            late.push(due.elapsed().as_secs_f64() as f32 * 1e6);
+        }
+        self.k += 1;
+        true
+    }
 }
 
 /// Each session heartbeats once per interval (a third of the session timeout, as a
@@ -392,16 +404,9 @@ fn heartbeats(ctx: &Ctx, slots: &Slots, stop: &AtomicBool) -> Record {
     let step = beat / n as u32;
     // A random phase per process.
     let mut i = (mix(ctx.args.tag.len() as u64 ^ std::process::id() as u64) as usize) % n;
-    let start = Instant::now();
-    let mut k: u32 = 0;
+    let mut turns = Turns::new(step);
     while !stop.load(Ordering::Relaxed) {
-        if !turn_due(
-            start,
-            step,
-            &mut k,
-            Duration::from_millis(50),
-            &mut rec.late,
-        ) {
+        if !turns.due(Duration::from_millis(50), &mut rec.late) {
             continue;
         }
         i = (i + 1) % n;
@@ -450,14 +455,13 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
     let every = Duration::from_secs_f64(a.threads as f64 / a.rate.max(0.001));
     let churn_every =
         (t == 0 && a.churn_per_s > 0.0).then(|| Duration::from_secs_f64(1.0 / a.churn_per_s));
-    let start = Instant::now();
-    let mut k: u32 = 0;
+    let mut turns = Turns::new(every);
     let mut churned: u32 = 0;
     let mut gen: u64 = 1;
     let mut fresh: u64 = 0;
     while !stop.load(Ordering::Relaxed) {
         if let Some(c) = churn_every {
-            if start + c * (churned + 1) <= Instant::now() {
+            if turns.start + c * (churned + 1) <= Instant::now() {
                 churned += 1;
                 let i = next() as usize % slots.len();
                 let old = slots[i].lock().ok().and_then(|mut g| g.take());
@@ -474,13 +478,7 @@ fn prompts(ctx: &Ctx, slots: &Slots, stop: &AtomicBool, t: usize) -> Record {
                 gen += 1;
             }
         }
-        if !turn_due(
-            start,
-            every,
-            &mut k,
-            Duration::from_millis(20),
-            &mut rec.late,
-        ) {
+        if !turns.due(Duration::from_millis(20), &mut rec.late) {
             continue;
         }
         let Some(e) = engine(slots, next() as usize % slots.len()) else {
@@ -590,44 +588,25 @@ mod tests {
     /// next one waits (in naps no longer than asked) and does not advance `k`.
     #[test]
     fn a_turn_runs_only_once_it_is_due() {
-        let every = Duration::from_secs(3600);
-        let start = Instant::now();
-        let mut k = 0;
+        let mut turns = Turns::new(Duration::from_secs(3600));
         let mut late = Vec::new();
-        assert!(turn_due(
-            start,
-            every,
-            &mut k,
-            Duration::from_millis(1),
-            &mut late
-        ));
-        assert_eq!(k, 1);
+        assert!(turns.due(Duration::from_millis(1), &mut late));
+        assert_eq!(turns.k, 1);
         assert!(late.is_empty(), "a turn already due came after no nap");
         let t = Instant::now();
-        assert!(!turn_due(
-            start,
-            every,
-            &mut k,
-            Duration::from_millis(5),
-            &mut late
-        ));
-        assert_eq!(k, 1, "a turn not yet due is not counted");
+        assert!(!turns.due(Duration::from_millis(5), &mut late));
+        assert_eq!(turns.k, 1, "a turn not yet due is not counted");
         assert!(
             t.elapsed() < Duration::from_secs(60),
             "napped at most as asked"
         );
         assert!(late.is_empty(), "a nap that ended before the turn was due");
         // A turn due within the nap: slept until then, and how late it woke is kept.
-        let soon = Instant::now();
-        let mut k = 1;
-        let every = Duration::from_millis(2);
-        assert!(turn_due(
-            soon,
-            every,
-            &mut k,
-            Duration::from_millis(50),
-            &mut late
-        ));
+        let mut turns = Turns {
+            k: 1,
+            ..Turns::new(Duration::from_millis(2))
+        };
+        assert!(turns.due(Duration::from_millis(50), &mut late));
         assert_eq!(late.len(), 1);
         assert!(late[0] >= 0.0);
     }
