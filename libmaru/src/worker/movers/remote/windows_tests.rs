@@ -111,6 +111,11 @@ fn state() -> RemoteState {
 }
 
 /// The slots of a window's batches, back in `out` by item (see `settle`).
+/// `batches` posted through `t` and finished by a deadline 1 ms away.
+fn posted(t: &FaultTransport, batches: Vec<PeerBatch>) -> Vec<PeerOutcome> {
+    post(t, batches, Deadline::after(Duration::from_millis(1))).finish(t)
+}
+
 fn settle_all(
     st: &mut RemoteState,
     outcomes: Vec<PeerOutcome>,
@@ -147,7 +152,7 @@ fn only_the_silent_peers_slots_are_kept_and_the_others_come_back_with_their_outc
         ..Default::default()
     };
     let batches = (0..4).map(|p| batch(&sl, p, 3, OpKind::Read)).collect();
-    let outcomes = post(&t, batches, Deadline::after(Duration::from_millis(1))).finish(&t);
+    let outcomes = posted(&t, batches);
     assert!(matches!(outcomes[0], PeerOutcome::Done(ref s) if s.len() == 3));
     assert!(matches!(outcomes[1], PeerOutcome::Kept(PeerId(1), ref s) if s.len() == 3));
     assert!(matches!(
@@ -187,12 +192,7 @@ fn a_write_batch_lost_with_its_connection_drops_its_peer_and_stays_unconfirmed()
     st.agent("a:1").peer = Some(PeerId(0));
     st.reads
         .insert((9, 0, 8), ("a:1".into(), 0, 1, serde_json::Value::Null));
-    let outcomes = post(
-        &t,
-        vec![batch(&sl, 0, 2, OpKind::Write)],
-        Deadline::after(Duration::from_millis(1)),
-    )
-    .finish(&t);
+    let outcomes = posted(&t, vec![batch(&sl, 0, 2, OpKind::Write)]);
     let (s, out) = settle_all(&mut st, outcomes, &[2], true);
     assert!(s.failed && s.dropped && !s.kept);
     assert!(out.iter().all(|o| !o.ok && o.slot.is_some()), "slots back");
@@ -271,12 +271,7 @@ fn a_batch_pending_at_its_deadline_makes_its_agent_away_until_its_fence() {
     st.adopted(&grant(1, "a:1"), "a:1", mapped(1, "boot-1"), 0)
         .unwrap();
     st.agent("a:1").peer = Some(PeerId(5));
-    let outcomes = post(
-        &t,
-        vec![batch(&sl, 5, 1, OpKind::Write)],
-        Deadline::after(Duration::from_millis(1)),
-    )
-    .finish(&t);
+    let outcomes = posted(&t, vec![batch(&sl, 5, 1, OpKind::Write)]);
     let mut out = vec![SlotOutcome {
         ok: false,
         slot: None,
@@ -410,21 +405,28 @@ impl Windowed for Script {
     }
 }
 
+/// A script of chunks of `sizes` run through `slots` staging slots: every chunk handed
+/// over, in order.
+fn handed_over(sizes: Vec<u64>, slots: usize, budget: &InFlightBudget) -> Script {
+    let mut s = Script::new(sizes, slots);
+    let n = s.sizes.len();
+    assert_eq!(run(&mut s, budget), n, "every chunk handed over");
+    assert_eq!(s.done, (0..n).collect::<Vec<_>>(), "in order");
+    s
+}
+
 #[test]
 fn windows_of_the_window_size_two_in_flight_handed_over_in_order() {
     let budget = InFlightBudget::default();
     // 24 chunks of 256 KiB: windows of 8, two in flight, three in all.
-    let mut s = Script::new(vec![256 << 10; 24], 64);
-    assert_eq!(run(&mut s, &budget), 24);
+    let s = handed_over(vec![256 << 10; 24], 64, &budget);
     assert_eq!(s.posted, vec![(0, 8), (8, 8), (16, 8)]);
-    assert_eq!(s.done, (0..24).collect::<Vec<_>>());
     assert_eq!(s.most_open_bytes, 4 << 20, "two windows of 2 MiB at most");
     // When the first window is handed over, the second is still in flight.
     assert_eq!(s.outstanding_at_done[0], 1);
     assert_eq!(s.staging.free(SlotPool::Load), 64, "every slot is back");
     // Chunks larger than a window go one a window.
-    let mut s = Script::new(vec![3 << 20; 3], 64);
-    assert_eq!(run(&mut s, &budget), 3);
+    let s = handed_over(vec![3 << 20; 3], 64, &budget);
     assert_eq!(s.posted, vec![(0, 1), (1, 1), (2, 1)]);
 }
 
@@ -433,8 +435,7 @@ fn a_second_window_waits_while_the_data_path_is_over_its_budget() {
     let budget = InFlightBudget::default();
     // Another request holds the whole budget: this one keeps one window in flight.
     let other = budget.take(IN_FLIGHT_BUDGET, true).expect("a first window");
-    let mut s = Script::new(vec![256 << 10; 24], 64);
-    assert_eq!(run(&mut s, &budget), 24);
+    let s = handed_over(vec![256 << 10; 24], 64, &budget);
     assert_eq!(s.posted.len(), 3);
     assert!(
         s.outstanding_at_done.iter().all(|&n| n == 0),
@@ -458,8 +459,7 @@ fn two_requests_of_one_data_path_each_get_two_windows() {
     // Another request of the handler has its two windows in flight: this one still
     // gets two, as a request of a second handler would.
     let other = budget.take(DEPTH as u64 * WINDOW_BYTES, true);
-    let mut s = Script::new(vec![256 << 10; 24], 64);
-    assert_eq!(run(&mut s, &budget), 24);
+    let s = handed_over(vec![256 << 10; 24], 64, &budget);
     assert_eq!(s.most_open_bytes, 2 * WINDOW_BYTES, "two windows in flight");
     drop(other);
     assert_eq!(budget.in_flight(), 0);
@@ -469,10 +469,8 @@ fn two_requests_of_one_data_path_each_get_two_windows() {
 fn few_slots_cut_windows_and_none_for_the_first_stops_the_request() {
     let budget = InFlightBudget::default();
     // 3 slots: a window of 3, then nothing free for a second until it is back.
-    let mut s = Script::new(vec![256 << 10; 8], 3);
-    assert_eq!(run(&mut s, &budget), 8);
+    let s = handed_over(vec![256 << 10; 8], 3, &budget);
     assert_eq!(s.posted, vec![(0, 3), (3, 3), (6, 2)]);
-    assert_eq!(s.done, (0..8).collect::<Vec<_>>());
     // No slot at all: nothing is posted.
     let mut s = Script::new(vec![256 << 10; 8], 3);
     let held = s.staging.try_acquire(SlotPool::Load, 3);
