@@ -246,9 +246,37 @@ impl Drop for HugeTmpfs {
     }
 }
 
+/// A directory of the bench's own under the temp dir, made empty when it is made and
+/// removed with what it holds when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// `maru-bench-{name}-{pid}` under the temp dir.
+    pub fn fresh(name: &str) -> Result<TempDir, String> {
+        let dir = std::env::temp_dir().join(format!("maru-bench-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A scratch directory and the shared fake-DAX pool file, removed on drop.
 pub struct Scratch {
-    pub dir: PathBuf,
+    pub dir: TempDir,
     pub pool: PathBuf,
     pub pool_size: u64,
     pub key_file: PathBuf,
@@ -264,13 +292,11 @@ impl Scratch {
     /// in /dev/shm when that is None.
     fn new(tag: &str, pool_size: u64, pool_dir: Option<&Path>) -> Result<Scratch, String> {
         let pid = std::process::id();
-        let dir = std::env::temp_dir().join(format!("maru-bench-{pid}-{tag}"));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let dir = TempDir::fresh(tag)?;
         let shm = match pool_dir {
             Some(d) => d.to_path_buf(),
             None if Path::new("/dev/shm").is_dir() => PathBuf::from("/dev/shm"),
-            None => dir.clone(),
+            None => dir.to_path_buf(),
         };
         let pool = shm.join(format!("maru-bench-pool-{pid}-{tag}"));
         let _ = std::fs::remove_file(&pool);
@@ -417,7 +443,6 @@ fn burn_in(m: &maru::dax::Mapping) {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::fs::remove_file(&self.pool);
     }
 }
@@ -596,4 +621,28 @@ pub fn start_redis() -> Result<(Proc, String), String> {
         std::thread::sleep(Duration::from_millis(20));
     }
     Err("redis-server did not answer PING within 10 s".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TempDir;
+
+    /// A temp dir starts empty (a leftover of an earlier run is cleared) and goes with
+    /// its files when dropped.
+    #[test]
+    fn a_temp_dir_starts_empty_and_goes_with_its_files() {
+        let d = TempDir::fresh("temp-dir-test").unwrap();
+        std::fs::write(d.join("left"), b"x").unwrap();
+        let path = d.to_path_buf();
+        std::mem::forget(d);
+        let d = TempDir::fresh("temp-dir-test").unwrap();
+        assert_eq!(
+            std::fs::read_dir(&*d).unwrap().count(),
+            0,
+            "the leftover is gone"
+        );
+        std::fs::write(d.join("f"), b"x").unwrap();
+        drop(d);
+        assert!(!path.exists());
+    }
 }

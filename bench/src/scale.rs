@@ -28,7 +28,7 @@
 
 use crate::harness::percentile;
 use crate::meta::{count_found, dir_bytes, open_session, publish_pages};
-use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc};
+use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc, TempDir};
 use crate::report::Table;
 use crate::scale_agent::{clk_tck, rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
@@ -115,7 +115,7 @@ pub struct ScaleResult {
 }
 
 struct Env {
-    dir: PathBuf,
+    dir: TempDir,
     rm_addr: String,
     rm_key: String,
     server_key: PathBuf,
@@ -127,21 +127,13 @@ struct Env {
     _rm: Proc,
 }
 
-impl Drop for Env {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 fn ns(t: usize) -> String {
     format!("scale-ns-{t}")
 }
 
 /// `regions`: the RM's pool, in regions.
 fn setup(regions: u64, max_sessions: usize) -> Result<Env, String> {
-    let dir = std::env::temp_dir().join(format!("maru-bench-scale-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let dir = TempDir::fresh("scale")?;
     let pool = dir.join("pool");
     let (rm, rm_addr, rm_key) = start_rm(
         &dir.join("rm-state"),

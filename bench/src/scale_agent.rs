@@ -10,7 +10,7 @@
 //! measures remote_cxl loads).
 
 use crate::harness::percentile;
-use crate::procs::{bin_dir, start_agent, start_daemon, start_rm, Proc};
+use crate::procs::{bin_dir, start_agent, start_daemon, start_rm, Proc, TempDir};
 use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
 use maru::net::{Client, ClientOptions};
@@ -40,7 +40,8 @@ pub struct AgentStep {
 }
 
 struct Stack {
-    dir: PathBuf,
+    /// Removed (with the agent's and maru-server's files) when the stack goes.
+    _dir: TempDir,
     pool: PathBuf,
     agent: Proc,
     agent_addr: String,
@@ -53,15 +54,12 @@ struct Stack {
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
         let _ = std::fs::remove_file(&self.pool);
     }
 }
 
 fn stack(max_workers: usize) -> Result<Stack, String> {
-    let dir = std::env::temp_dir().join(format!("maru-bench-scale-agent-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let dir = TempDir::fresh("scale-agent")?;
     // In /dev/shm: the agent maps it; only the pages the workers publish are touched.
     let pool =
         PathBuf::from("/dev/shm").join(format!("maru-bench-scale-agent-{}", std::process::id()));
@@ -106,7 +104,7 @@ fn stack(max_workers: usize) -> Result<Stack, String> {
         &dir.join("server.ready"),
     )?;
     Ok(Stack {
-        dir,
+        _dir: dir,
         pool,
         agent,
         agent_addr,
