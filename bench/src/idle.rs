@@ -4,7 +4,8 @@
 use serde::Serialize;
 use std::time::Instant;
 
-fn ticks_per_s() -> f64 {
+/// Clock ticks per second (`_SC_CLK_TCK`): the unit of /proc's CPU times.
+pub fn clk_tck() -> f64 {
     // SAFETY: sysconf has no preconditions.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 {
@@ -14,22 +15,28 @@ fn ticks_per_s() -> f64 {
     }
 }
 
-/// utime + stime (clock ticks) of a /proc stat file; the fields after the command
-/// name, which may itself hold spaces and parentheses.
-fn cpu_ticks(stat_path: &str) -> Result<u64, String> {
-    let s = std::fs::read_to_string(stat_path).map_err(|e| format!("{stat_path}: {e}"))?;
-    let rest = s
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .ok_or_else(|| format!("{stat_path}: unexpected format"))?;
+/// utime + stime (clock ticks) in the text of a /proc stat file: fields of the part
+/// after the command name, which may itself hold spaces and parentheses.
+pub fn stat_ticks(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
     let f: Vec<&str> = rest.split_whitespace().collect();
     // After ')' the fields are numbered from 3 (state); utime is 14, stime 15.
-    let get = |i: usize| -> Result<u64, String> {
-        f.get(i - 3)
-            .and_then(|x| x.parse().ok())
-            .ok_or_else(|| format!("{stat_path}: no field {i}"))
-    };
-    Ok(get(14)? + get(15)?)
+    let get = |i: usize| f.get(i - 3)?.parse::<u64>().ok();
+    Some(get(14)? + get(15)?)
+}
+
+/// [`stat_ticks`] of a /proc stat file.
+fn cpu_ticks(stat_path: &str) -> Result<u64, String> {
+    let s = std::fs::read_to_string(stat_path).map_err(|e| format!("{stat_path}: {e}"))?;
+    stat_ticks(&s).ok_or_else(|| format!("{stat_path}: no utime and stime after the command name"))
+}
+
+/// CPU ticks (user + system) of process `pid` so far, its threads that ended
+/// included (`/proc/PID/stat`; summing `/proc/PID/task` misses those: a simulator's
+/// working threads have ended by the time it writes its results); 0 when it cannot
+/// be read.
+pub fn process_ticks(pid: u32) -> u64 {
+    cpu_ticks(&format!("/proc/{pid}/stat")).unwrap_or(0)
 }
 
 fn thread_name(tid: &str) -> String {
@@ -82,7 +89,7 @@ pub fn measure(
     let start = Instant::now();
     crate::harness::idle_for(secs);
     let wall = start.elapsed().as_secs_f64();
-    let hz = ticks_per_s();
+    let hz = clk_tck();
     let pct = |d: u64| d as f64 / hz / wall * 100.0;
     let mut out = Vec::new();
     for ((name, pid), b) in procs.iter().zip(before_p) {
@@ -115,5 +122,19 @@ pub fn measure(
 fn log_threads(names: &[&str]) {
     if std::env::var_os("MARU_BENCH_VERBOSE").is_some() {
         eprintln!("handler threads: {names:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stat_ticks;
+
+    /// utime (field 14) + stime (field 15), counted after the command name, which may
+    /// hold spaces and parentheses of its own.
+    #[test]
+    fn stat_ticks_are_utime_and_stime_after_the_command_name() {
+        let stat = "4242 (a) b (c) S 1 4242 4242 0 -1 4194560 100 0 0 0 100 23 0 0 20 0 1";
+        assert_eq!(stat_ticks(stat), Some(123));
+        assert_eq!(stat_ticks("4242 (cut) S 1 2"), None, "too few fields");
     }
 }

@@ -27,10 +27,11 @@
 //! draws scale.png again.
 
 use crate::harness::percentile;
+use crate::idle::{clk_tck, process_ticks};
 use crate::meta::{count_found, dir_bytes, open_session, publish_pages};
 use crate::procs::{bin_dir, start_daemon, start_daemon_within, start_rm, Proc, TempDir};
 use crate::report::Table;
-use crate::scale_agent::{clk_tck, rss_bytes, thread_cpu, thread_ticks, Lat};
+use crate::scale_agent::{rss_bytes, thread_cpu, thread_ticks, Lat};
 use maru::auth::{keyfile::write_new_key_file, SharedKey};
 use maru::wire::meta::{MetaReply, MetaRequest, TotalStats, MAX_BATCH};
 use maru::worker::session::Session;
@@ -391,10 +392,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
     let served0 = served_now(env)?;
     let loop_wait0 = crate::scale_split::thread_cpu_wait_ns(p.server_pid, "maru-server");
     let t0 = thread_ticks(p.server_pid);
-    let s0: u64 = children
-        .iter()
-        .map(|c| crate::scale_split::process_ticks(c.id()))
-        .sum();
+    let s0: u64 = children.iter().map(|c| process_ticks(c.id())).sum();
     let start = Instant::now();
     std::fs::write(&go, "go\n").map_err(|e| e.to_string())?;
     let mut done = vec![false; children.len()];
@@ -411,10 +409,7 @@ fn run_step(env: &Env, p: &StepPlan<'_>) -> Result<Step, String> {
                     secs = start.elapsed().as_secs_f64();
                     // (The simulators are all still there: a process that exited
                     // has no ticks left to read.)
-                    s1 = sims
-                        .iter()
-                        .map(|id| crate::scale_split::process_ticks(*id))
-                        .sum();
+                    s1 = sims.iter().map(|id| process_ticks(*id)).sum();
                     loop_wait1 =
                         crate::scale_split::thread_cpu_wait_ns(p.server_pid, "maru-server");
                     served1 = served_now(env)?;
@@ -725,7 +720,7 @@ fn recover(bin: &Path, args: &[String], env: &Env) -> Result<Recovered, String> 
     let seconds = started.elapsed().as_secs_f64();
     Ok(Recovered {
         seconds,
-        cpu_s: crate::scale_split::process_ticks(srv.pid()) as f64 / clk_tck(),
+        cpu_s: process_ticks(srv.pid()) as f64 / clk_tck(),
         rss_mib: rss_bytes(srv.pid()) as f64 / (1 << 20) as f64,
         addr,
         _srv: srv,

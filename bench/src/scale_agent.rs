@@ -10,6 +10,7 @@
 //! measures remote_cxl loads).
 
 use crate::harness::percentile;
+use crate::idle::{clk_tck, stat_ticks};
 use crate::procs::{bin_dir, start_agent, start_daemon, start_rm, Proc, TempDir};
 use crate::report::Table;
 use maru::auth::{keyfile::write_new_key_file, load_key_file, SharedKey};
@@ -338,16 +339,6 @@ pub struct Lat {
     pub max_us: f64,
 }
 
-pub fn clk_tck() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as f64
-    } else {
-        100.0
-    }
-}
-
 /// (thread name, utime + stime ticks) of every thread of `pid`.
 pub fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
     let mut out = Vec::new();
@@ -363,11 +354,7 @@ pub fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
             continue;
         };
         let name = stat[open + 1..close].to_string();
-        let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-        // Fields 14 and 15 (utime, stime), counted from the state (field 3).
-        let t = f.get(11).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0)
-            + f.get(12).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-        out.push((tid, name, t));
+        out.push((tid, name, stat_ticks(&stat).unwrap_or(0)));
     }
     out
 }

@@ -250,20 +250,6 @@ pub fn lat_of_buckets(b: &Buckets) -> Lat {
     }
 }
 
-/// CPU ticks (user + system) of process `pid` so far, its threads that ended
-/// included (`/proc/PID/stat`; summing `/proc/PID/task` misses those: a simulator's
-/// working threads have ended by the time it writes its results).
-pub fn process_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let Some(close) = stat.rfind(')') else {
-        return 0;
-    };
-    let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-    // utime and stime are fields 14 and 15; f[0] is field 3 (the state).
-    let field = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    field(11) + field(12)
-}
-
 /// Nanoseconds the threads of `pid` named `name` waited for a CPU since they started.
 pub fn thread_cpu_wait_ns(pid: u32, name: &str) -> u64 {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
