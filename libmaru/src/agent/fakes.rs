@@ -48,12 +48,7 @@ impl FakeRm {
     pub fn region(&mut self) -> Handle {
         self.next_id += 1;
         let id = self.next_id;
-        let h = Handle {
-            region_id: id,
-            offset: id * LEN,
-            length: LEN,
-            token: format!("{:032x}", id * 7919),
-        };
+        let h = crate::rm::fake_handle(id, LEN);
         self.regions.insert(id, (h.clone(), RegionState::Allocated));
         h
     }

@@ -8,7 +8,7 @@ use crate::wire::ErrorCode;
 
 #[test]
 fn a_map_holds_the_region_before_it_maps_or_registers_it() {
-    let (mut w, h, m) = World::with_mapped("owner");
+    let (w, h, m) = World::with_mapped("owner");
     let id = h.region_id;
     let hold = w.rm.calls.iter().position(|c| *c == format!("hold {id}"));
     let access = w.rm.calls.iter().position(|c| *c == format!("access {id}"));

@@ -79,12 +79,7 @@ impl FakeRm {
         }
         self.next_id += 1;
         let id = self.next_id;
-        let handle = Handle {
-            region_id: id,
-            offset: id * size,
-            length: size,
-            token: format!("{:032x}", id * 7919),
-        };
+        let handle = crate::rm::fake_handle(id, size);
         self.room -= size;
         self.allocated.insert(id, handle.clone());
         Ok(AllocReply {

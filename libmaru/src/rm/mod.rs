@@ -36,3 +36,15 @@ pub use store::parse_state;
 pub use store::{
     private_dir, DirStore, MemStore, PersistError, StateStore, Step, STATE_FILE, STATE_TMP_FILE,
 };
+
+/// A handle as an RM gives one, for the fake RMs of tests: region `id` of `length`
+/// bytes at `id * length`, with a token of its own.
+#[cfg(test)]
+pub(crate) fn fake_handle(id: u64, length: u64) -> crate::wire::rm::Handle {
+    crate::wire::rm::Handle {
+        region_id: id,
+        offset: id * length,
+        length,
+        token: format!("{:032x}", id * 7919),
+    }
+}
