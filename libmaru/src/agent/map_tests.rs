@@ -206,6 +206,12 @@ fn a_read_map_needs_the_read_token_of_that_range() {
     // A token of another range does not open this one.
     let other = read_token(&h.token, id, 0, 8192);
     assert!(w.map_read_with("r", id, 0, 4096, other).is_err());
+    // Nor does no token (a cxl lease carries none): seen failing with an empty token
+    // let through.
+    let e = w
+        .map_read_with("r", id, 0, 4096, String::new())
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Refused, "{e}");
     assert_eq!(w.nic.registers, 1);
 }
 

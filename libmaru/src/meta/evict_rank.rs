@@ -23,7 +23,9 @@
 //!   and there the end of a prompt is the chunk the next turn reads first: the rule
 //!   costs hits, so it is not the default.
 
-use std::collections::{HashMap, VecDeque};
+use super::fast_hash::{FastMap, Hasher};
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
 
 /// Ranks of keys not at the end of a fresh prompt start here, so that every fresh
 /// end (ranked by its stamp alone) goes before them; stamps stay far below it.
@@ -60,33 +62,41 @@ impl Ranking {
 }
 
 /// Read counts of removed keys, oldest removal forgotten first. Names are scoped by
-/// the key directory's scope number (`KeyDirectory::scope_number`).
+/// the key directory's scope number (`KeyDirectory::scope_number`) and kept as a
+/// 64-bit hash of (scope, name) under a secret seed, not copied: a removal and a
+/// publish hash the name once and allocate nothing. Two names of one hash (with a
+/// million names remembered, about one chance in 10^7 that any two share one) would
+/// share a read count: an eviction rank, never what a key holds or who reads it.
 #[derive(Debug, Default)]
 pub struct Ghosts {
-    /// (scope, name) → (reads, sequence number of its removal).
-    reads: HashMap<(u32, String), (u32, u64)>,
-    /// Removals in order; an entry whose sequence number no longer matches the map
-    /// was recalled or removed again since.
-    order: VecDeque<(u64, u32, String)>,
+    hasher: Hasher,
+    /// Hash of (scope, name) → (reads, sequence number of its removal).
+    reads: FastMap<u64, (u32, u64)>,
+    /// Removals in order, (sequence number, hash); an entry whose sequence number no
+    /// longer matches the map was recalled or removed again since.
+    order: VecDeque<(u64, u64)>,
     seq: u64,
 }
 
 impl Ghosts {
+    fn hash(&self, scope: u32, name: &str) -> u64 {
+        self.hasher.hash_one((scope, name))
+    }
+
     /// Remembers that a key read `reads` times was removed; keeps at most `bound`
     /// names (at least one, at most [`GHOST_MAX`]).
     pub fn forget(&mut self, scope: u32, name: &str, reads: u32, bound: usize) {
         self.seq += 1;
-        self.reads
-            .insert((scope, name.to_string()), (reads, self.seq));
-        self.order.push_back((self.seq, scope, name.to_string()));
+        let h = self.hash(scope, name);
+        self.reads.insert(h, (reads, self.seq));
+        self.order.push_back((self.seq, h));
         let bound = bound.clamp(1, GHOST_MAX);
         while self.reads.len() > bound || self.order.len() > 2 * bound {
-            let Some((seq, scope, name)) = self.order.pop_front() else {
+            let Some((seq, h)) = self.order.pop_front() else {
                 break;
             };
-            let k = (scope, name);
-            if self.reads.get(&k).is_some_and(|&(_, s)| s == seq) {
-                self.reads.remove(&k);
+            if self.reads.get(&h).is_some_and(|&(_, s)| s == seq) {
+                self.reads.remove(&h);
             }
         }
     }
@@ -95,12 +105,11 @@ impl Ghosts {
     /// forgets it).
     pub fn recall(&mut self, scope: u32, name: &str) -> Option<u32> {
         if self.reads.is_empty() {
-            // Nothing evicted yet (a recovery, a fill): no name to make and hash.
+            // Nothing evicted yet (a recovery, a fill): no name to hash.
             return None;
         }
-        self.reads
-            .remove(&(scope, name.to_string()))
-            .map(|(reads, _)| reads)
+        let h = self.hash(scope, name);
+        self.reads.remove(&h).map(|(reads, _)| reads)
     }
 
     /// Names remembered now.
@@ -152,5 +161,9 @@ mod tests {
             g.forget(s, &format!("x{i}"), 0, 3);
         }
         assert!(g.remembered() <= 3 && g.order.len() <= 6, "bounded");
+        // A name is remembered in its own scope only.
+        g.forget(1, "y", 4, 3);
+        assert_eq!(g.recall(2, "y"), None);
+        assert_eq!(g.recall(1, "y"), Some(4));
     }
 }

@@ -14,39 +14,11 @@
 //! the tails first (see `evict_ops`).
 
 use super::evict_rank::{Ghosts, Ranking};
+use super::fast_hash::{FastMap, FastSet, Hasher};
 use crate::wire::meta::Backend;
-use foldhash::fast::SeedableRandomState;
-use foldhash::SharedSeed;
 use hashbrown::HashTable;
-use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::OnceLock;
-
-/// The hasher of the directory's tables: foldhash (a multiply-fold hash, several
-/// times SipHash's speed on short names; issue 46: recovery hashes every key five
-/// times), seeded per process from std's `RandomState`, whose keys come from the
-/// OS's random source, and per directory on top. Key names come from tenants, so
-/// the seed is secret and random, never foldhash's fixed one nor its default seed
-/// (address and clock bits): a tenant cannot choose names that collide without
-/// learning it.
-#[derive(Debug, Clone)]
-struct Hasher(SeedableRandomState);
-
-impl Default for Hasher {
-    fn default() -> Hasher {
-        static SHARED: OnceLock<SharedSeed> = OnceLock::new();
-        let os = RandomState::new();
-        let shared = SHARED.get_or_init(|| SharedSeed::from_u64(os.hash_one(0x6d61_7275u64)));
-        Hasher(SeedableRandomState::with_seed(os.hash_one(1u64), shared))
-    }
-}
-
-impl Hasher {
-    fn hash_one<T: std::hash::Hash>(&self, v: T) -> u64 {
-        self.0.hash_one(v)
-    }
-}
 
 /// Which sessions share keys: the same namespace, KV layout digest and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -115,7 +87,7 @@ pub struct KeyDirectory {
     /// Slots of stored keys by (region, offset).
     pages: HashTable<u32>,
     hasher: Hasher,
-    by_region: HashMap<u64, RegionKeys>,
+    by_region: FastMap<u64, RegionKeys>,
     next_id: u64,
     stamp: u64,
     ranking: Ranking,
@@ -133,9 +105,9 @@ pub struct KeyDirectory {
 #[derive(Debug, Default)]
 pub struct KeyJournal {
     pub scopes: Vec<ScopeId>,
-    pub put: HashSet<KeyId>,
-    pub gone: HashSet<KeyId>,
-    pub used: HashSet<KeyId>,
+    pub put: FastSet<KeyId>,
+    pub gone: FastSet<KeyId>,
+    pub used: FastSet<KeyId>,
     /// Changes other than reads.
     pub changes: u64,
 }

@@ -6,10 +6,11 @@
 //! when its reader's session ends, or when its region goes back (the reader's later
 //! release then reports it as ended, which is harmless).
 
+use super::fast_hash::{FastMap, FastSet};
 use super::keys::KeyId;
 use crate::auth::ReadTokenKey;
 use crate::wire::meta::LEASE_LIMIT;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
@@ -39,16 +40,16 @@ pub enum LeaseError {
 
 #[derive(Debug)]
 pub struct LeaseTable {
-    leases: HashMap<u64, Lease>,
-    per_session: HashMap<u64, usize>,
-    per_key: HashMap<KeyId, usize>,
-    per_region: HashMap<u64, HashSet<u64>>,
+    leases: FastMap<u64, Lease>,
+    per_session: FastMap<u64, usize>,
+    per_key: FastMap<KeyId, usize>,
+    per_region: FastMap<u64, FastSet<u64>>,
     expiry: BTreeSet<(u64, u64)>,
     next_id: u64,
     limit: usize,
     /// The keyed HMAC of each region whose keys were leased (its read tokens), kept
     /// with the region token it is keyed with; at most [`READ_KEYS_KEPT`].
-    read_keys: HashMap<u64, ReadTokenKey>,
+    read_keys: FastMap<u64, ReadTokenKey>,
 }
 
 /// Regions whose read-token keys are kept at most; past it the table starts again.
@@ -63,14 +64,14 @@ impl Default for LeaseTable {
 impl LeaseTable {
     pub fn new(limit: usize) -> LeaseTable {
         LeaseTable {
-            leases: HashMap::new(),
-            per_session: HashMap::new(),
-            per_key: HashMap::new(),
-            per_region: HashMap::new(),
+            leases: FastMap::default(),
+            per_session: FastMap::default(),
+            per_key: FastMap::default(),
+            per_region: FastMap::default(),
             expiry: BTreeSet::new(),
             next_id: 0,
             limit,
-            read_keys: HashMap::new(),
+            read_keys: FastMap::default(),
         }
     }
 
@@ -253,7 +254,7 @@ impl LeaseTable {
     }
 }
 
-fn dec<K: std::hash::Hash + Eq>(m: &mut HashMap<K, usize>, k: K) {
+fn dec<K: std::hash::Hash + Eq>(m: &mut FastMap<K, usize>, k: K) {
     if let Some(n) = m.get_mut(&k) {
         *n -= 1;
         if *n == 0 {

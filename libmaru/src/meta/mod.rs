@@ -40,6 +40,7 @@ mod errors;
 mod evict_ops;
 pub mod evict_rank;
 pub mod fair_share;
+mod fast_hash;
 mod journal;
 pub mod keeper;
 pub mod keys;

@@ -3,6 +3,7 @@
 use super::core::MetaCore;
 use super::errors::check_batch;
 use super::keys::KeyId;
+use crate::wire::lease_wire::Named;
 use crate::wire::meta::{Backend, LeaseGrant, MetaReply};
 use crate::wire::WireError;
 
@@ -24,8 +25,10 @@ impl MetaCore {
         Ok(MetaReply::Exists { found })
     }
 
-    /// A lease per found key, with the read handle of its range. The whole request
-    /// is refused when its leases would pass the session's limit.
+    /// A lease per found key: its range, and where a reader reads it (`remote_cxl`:
+    /// the agent and the read token of exactly that range; `cxl`: the region's device,
+    /// with the region's first lease of the reply). The whole request is refused when
+    /// its leases would pass the session's limit.
     pub(super) fn acquire(
         &mut self,
         client_id: &str,
@@ -39,15 +42,26 @@ impl MetaCore {
         self.leases.check_room(id, hits)?;
         let expires_ms = now_ms.saturating_add(self.cfg.lease_timeout_ms);
         let mut leases = Vec::with_capacity(keys.len());
+        // Each region's device goes with its first lease of the reply only.
+        let mut named = Named::default();
         for k in found {
             let grant = k.and_then(|k| {
                 let loc = self.keys.get(k)?.loc;
                 let r = self.regions.get_mut_quiet(loc.region_id)?;
                 r.last_read_ms = now_ms;
                 let lease_id = self.leases.grant(id, k, loc.region_id, expires_ms);
-                let read_token =
+                let cxl = r.backend == Backend::Cxl;
+                // A read token is for the agent that maps a range for its reader
+                // (`remote_cxl`), which refuses a lease without one. A cxl reader maps
+                // the device itself: nothing checks a token there, and it would prove
+                // nothing, so none is made.
+                let read_token = if cxl {
+                    String::new()
+                } else {
                     self.leases
-                        .read_token(loc.region_id, &r.handle.token, loc.offset, loc.length);
+                        .read_token(loc.region_id, &r.handle.token, loc.offset, loc.length)
+                };
+                let device = (cxl && named.names(loc.region_id)).then(|| r.device_range());
                 self.keys.touch(k);
                 Some(LeaseGrant {
                     lease_id,
@@ -56,7 +70,7 @@ impl MetaCore {
                     length: loc.length,
                     read_token,
                     agent: r.agent.clone(),
-                    device: (r.backend == Backend::Cxl).then(|| r.device_range()),
+                    device,
                     expires_in_ms: self.cfg.lease_timeout_ms,
                     boot_id: r.boot_id.clone(),
                 })

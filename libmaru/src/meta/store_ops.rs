@@ -3,11 +3,12 @@
 
 use super::core::MetaCore;
 use super::errors::{bad_request, check_batch, check_key, permission};
+use super::fast_hash::FastMap;
 use super::journal::ReplyTiming;
 use super::keys::{Location, Published};
 use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
 use crate::wire::WireError;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 impl MetaCore {
     /// Up to `count` pages, oldest region first. Never asks the RM: the reply says
@@ -174,7 +175,8 @@ impl MetaCore {
         let s = self.sessions.checked(id)?;
         let scope = s.scope;
         let page_size = self.cfg.chunk_size;
-        let mut pages: HashMap<(u64, u64), &str> = HashMap::new();
+        let mut pages: FastMap<(u64, u64), &str> =
+            FastMap::with_capacity_and_hasher(entries.len(), Default::default());
         for (i, e) in entries.iter().enumerate() {
             check_key(&e.key)?;
             if let Some(p) = &e.prev {

@@ -1,78 +1,46 @@
 //! The `leases` of an `acquire` reply on the wire: a region's device (`cxl`: its
-//! UUID, path and range, about 150 bytes of JSON) is written with the first lease of
-//! the reply in that region and left out of the leases after it in the same region,
-//! which the decoder fills in from that first one. A batch's leases lie in a region
-//! or two, so a reply names each device once instead of once per lease.
+//! UUID, path and range, about 150 bytes of JSON) comes with the first lease of the
+//! reply in that region only; the later leases of that region name none, and the
+//! decoder ([`filled`]) gives them the first one's. maru-server's `acquire` builds its
+//! reply so ([`Named`]: the device is made once per region and reply, not per
+//! lease). A batch's leases lie in a region or two, so a reply names each device
+//! once instead of once per lease.
 //!
-//! Nothing a lease proves changes: each lease still carries its own range and the
-//! read token of exactly that range, and a lease that names a device keeps the one it
-//! names (only a lease that names none is filled, from an earlier lease of its own
-//! region in the same reply). A reply with a device on every lease (an older
-//! maru-server's) decodes as before.
+//! Nothing a lease proves changes: each lease still carries its own range, and a
+//! `remote_cxl` lease the read token of exactly that range. A lease that names a
+//! device keeps the one it names (only a lease that names none is filled, from an
+//! earlier lease of its own region in the same reply). A reply with a device on every
+//! lease (an older maru-server's) decodes as before.
 
-use super::meta::{DeviceRange, LeaseGrant};
-use serde::ser::{SerializeSeq, SerializeStruct};
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use super::meta::LeaseGrant;
+use serde::{Deserialize, Deserializer};
 
-/// Devices remembered per reply at most, on each side (a batch's leases lie in a
-/// region or two; past it a lease simply carries its device).
+/// Regions whose device a reply names once at most, on each side (a batch's leases
+/// lie in a region or two; past it a lease simply carries its device).
 const NAMED_MAX: usize = 8;
 
-/// One lease as written: `device` left out when an earlier lease of the reply named
-/// the same device for the same region (and `agent`, `boot_id` when absent).
-struct Thin<'a> {
-    g: &'a LeaseGrant,
-    device: Option<&'a DeviceRange>,
+/// The regions an `acquire` reply named the device of so far (maru-server's side of
+/// the rule [`filled`] reads).
+#[derive(Debug, Default)]
+pub(crate) struct Named {
+    regions: [u64; NAMED_MAX],
+    len: usize,
 }
 
-impl Serialize for Thin<'_> {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let g = self.g;
-        let mut st = s.serialize_struct("LeaseGrant", 9)?;
-        st.serialize_field("lease_id", &g.lease_id)?;
-        st.serialize_field("region_id", &g.region_id)?;
-        st.serialize_field("offset", &g.offset)?;
-        st.serialize_field("length", &g.length)?;
-        st.serialize_field("read_token", &g.read_token)?;
-        match &g.agent {
-            Some(a) => st.serialize_field("agent", a)?,
-            None => st.skip_field("agent")?,
+impl Named {
+    /// Whether the next lease of `region_id` in the reply carries its region's
+    /// device: the region's first lease, and every lease of a region past the
+    /// [`NAMED_MAX`] first regions.
+    pub(crate) fn names(&mut self, region_id: u64) -> bool {
+        if self.regions[..self.len].contains(&region_id) {
+            return false;
         }
-        match self.device {
-            Some(d) => st.serialize_field("device", d)?,
-            None => st.skip_field("device")?,
+        if self.len < NAMED_MAX {
+            self.regions[self.len] = region_id;
+            self.len += 1;
         }
-        st.serialize_field("expires_in_ms", &g.expires_in_ms)?;
-        match &g.boot_id {
-            Some(b) => st.serialize_field("boot_id", b)?,
-            None => st.skip_field("boot_id")?,
-        }
-        st.end()
+        true
     }
-}
-
-/// Writes `leases` naming each region's device once (see the module).
-pub(super) fn thin<S: Serializer>(leases: &[Option<LeaseGrant>], s: S) -> Result<S::Ok, S::Error> {
-    let mut seq = s.serialize_seq(Some(leases.len()))?;
-    let mut named: Vec<(u64, &DeviceRange)> = Vec::new();
-    for l in leases {
-        let Some(g) = l else {
-            seq.serialize_element(&None::<()>)?;
-            continue;
-        };
-        let device = match &g.device {
-            Some(d) if named.iter().any(|&(r, n)| r == g.region_id && n == d) => None,
-            Some(d) => {
-                if named.len() < NAMED_MAX {
-                    named.push((g.region_id, d));
-                }
-                Some(d)
-            }
-            None => None,
-        };
-        seq.serialize_element(&Thin { g, device })?;
-    }
-    seq.end()
 }
 
 /// Reads `leases`, giving each lease that names no device the device an earlier lease
@@ -103,7 +71,7 @@ pub(crate) fn filled<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Option<Lease
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::meta::MetaReply;
+    use crate::wire::meta::{DeviceRange, MetaReply};
 
     fn device(uuid: &str, at: u64) -> DeviceRange {
         DeviceRange {
@@ -114,13 +82,14 @@ mod tests {
         }
     }
 
+    /// A `cxl` lease (no read token: its reader checks none).
     fn lease(id: u64, region_id: u64, device: Option<DeviceRange>) -> Option<LeaseGrant> {
         Some(LeaseGrant {
             lease_id: id,
             region_id,
             offset: id << 18,
             length: 1 << 18,
-            read_token: format!("{id:032x}"),
+            read_token: String::new(),
             agent: None,
             device,
             expires_in_ms: 60_000,
@@ -128,9 +97,34 @@ mod tests {
         })
     }
 
+    /// The leases as maru-server's `acquire` writes them: the device only where
+    /// [`Named`] says.
+    fn as_acquire_writes(leases: &[Option<LeaseGrant>]) -> Vec<Option<LeaseGrant>> {
+        let mut named = Named::default();
+        leases
+            .iter()
+            .map(|l| {
+                let mut g = l.clone()?;
+                if g.device.is_some() && !named.names(g.region_id) {
+                    g.device = None;
+                }
+                Some(g)
+            })
+            .collect()
+    }
+
+    fn round_trip(leases: Vec<Option<LeaseGrant>>) -> (String, Vec<Option<LeaseGrant>>) {
+        let json = serde_json::to_string(&MetaReply::Leases { leases }).expect("encode");
+        let MetaReply::Leases { leases } = serde_json::from_str(&json).expect("decode") else {
+            panic!("not leases: {json}");
+        };
+        (json, leases)
+    }
+
     /// A reply of 32 leases in two regions (and a miss, a `remote_cxl` lease without a
-    /// device) names each region's device once and decodes to the same leases, every
-    /// one with its device.
+    /// device) names each region's device once and decodes to the whole leases, every
+    /// one with its device. Seen failing with `names` always false (the later leases
+    /// of a region decoded without a device).
     #[test]
     fn a_reply_names_each_regions_device_once_and_decodes_whole() {
         let (a, b) = (device("uuid-a", 0), device("uuid-a", 1 << 30));
@@ -144,34 +138,60 @@ mod tests {
             })
             .collect();
         leases.insert(3, None);
-        leases.push(lease(40, 9, None));
+        let mut remote = lease(40, 9, None);
+        if let Some(g) = &mut remote {
+            g.read_token = "ab".repeat(16);
+            g.agent = Some("10.0.0.9:7000".into());
+        }
+        leases.push(remote);
         // Region 5 again after region 6: still named once.
         leases.push(lease(41, 5, Some(a.clone())));
-        let reply = MetaReply::Leases { leases };
-        let json = serde_json::to_string(&reply).expect("encode");
+        let (json, back) = round_trip(as_acquire_writes(&leases));
         assert_eq!(json.matches("uuid-a").count(), 2, "{json}");
         assert!(!json.contains("null,\"device\"") && !json.contains("\"agent\":null"));
-        let back: MetaReply = serde_json::from_str(&json).expect("decode");
-        assert_eq!(back, reply);
+        // Only the lease served by an agent carries a read token.
+        assert_eq!(json.matches(r#""read_token":"""#).count(), 33, "{json}");
+        assert_eq!(json.matches(&"ab".repeat(16)).count(), 1, "{json}");
+        assert_eq!(back, leases);
+    }
+
+    /// Leases in more regions than a reply names the devices of: the regions past the
+    /// first [`NAMED_MAX`] carry their device on every lease, and every lease decodes
+    /// with its own region's device.
+    #[test]
+    fn past_the_named_regions_each_lease_carries_its_device() {
+        let regions = NAMED_MAX as u64 + 3;
+        let leases: Vec<Option<LeaseGrant>> = (0..4 * regions)
+            .map(|i| {
+                let r = i % regions;
+                lease(i, r, Some(device(&format!("uuid-{r}"), r << 30)))
+            })
+            .collect();
+        let (json, back) = round_trip(as_acquire_writes(&leases));
+        assert_eq!(json.matches("uuid-0\"").count(), 1, "{json}");
+        assert_eq!(json.matches(&format!("uuid-{}\"", regions - 1)).count(), 4);
+        assert_eq!(back, leases);
     }
 
     /// A lease that names a device keeps it, also another than an earlier lease of
-    /// its region named (nothing is overwritten), and a reply with a device on every
-    /// lease, as an older maru-server writes it, decodes as written.
+    /// its region named (nothing is overwritten), and a reply with a device and a
+    /// read token on every lease, as an older maru-server writes it, decodes as
+    /// written.
     #[test]
     fn a_named_device_is_kept_and_the_full_form_still_decodes() {
         let (a, other) = (device("uuid-a", 0), device("uuid-x", 4096));
-        let reply = MetaReply::Leases {
-            leases: vec![
-                lease(1, 5, Some(a.clone())),
-                lease(2, 5, Some(other.clone())),
-                lease(3, 5, Some(a.clone())),
-            ],
-        };
-        let json = serde_json::to_string(&reply).expect("encode");
+        let leases = vec![
+            lease(1, 5, Some(a.clone())),
+            lease(2, 5, Some(other.clone())),
+            lease(3, 5, None),
+        ];
+        let (json, back) = round_trip(leases);
         assert_eq!(json.matches("uuid-x").count(), 1);
-        let back: MetaReply = serde_json::from_str(&json).expect("decode");
-        assert_eq!(back, reply);
+        let devices: Vec<_> = back
+            .iter()
+            .map(|l| l.as_ref().and_then(|g| g.device.clone()))
+            .collect();
+        assert_eq!(devices, vec![Some(a.clone()), Some(other), Some(a)]);
         let full = r#"{"kind":"leases","leases":[
             {"lease_id":1,"region_id":5,"offset":0,"length":8,"read_token":"ab","agent":null,
              "device":{"uuid":"u","path":"/p","region_offset":0,"region_length":64},"expires_in_ms":9},
@@ -182,7 +202,9 @@ mod tests {
             panic!("not leases");
         };
         assert_eq!(leases.len(), 3);
-        assert!(leases[0].as_ref().is_some_and(|g| g.device.is_some()));
+        assert!(leases[0]
+            .as_ref()
+            .is_some_and(|g| g.device.is_some() && g.read_token == "ab"));
         assert_eq!(
             leases[0].as_ref().and_then(|g| g.device.clone()),
             leases[2].as_ref().and_then(|g| g.device.clone())

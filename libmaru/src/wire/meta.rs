@@ -340,11 +340,19 @@ pub struct LeaseGrant {
     pub offset: u64,
     pub length: u64,
     /// Read token of exactly this range: HMAC of the region's RM token over
-    /// (region id, offset, length).
+    /// (region id, offset, length), which the region's agent checks before it maps
+    /// the range for the reader. Empty for a `cxl` lease: its reader maps the device
+    /// itself, no agent checks a token, and a token would prove nothing there. (Still
+    /// written, empty, for workers that require the field; read as empty when absent.)
+    #[serde(default)]
     pub read_token: String,
     /// The agent serving the region (`remote_cxl`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub agent: Option<String>,
-    /// The region on the device (`cxl`).
+    /// The region on the device (`cxl`). In maru-server's reply, only the first
+    /// lease of each region carries it (see `wire::lease_wire`); the decoder gives it
+    /// to the later leases of that region.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<DeviceRange>,
     /// The lease ends by itself after this long.
     pub expires_in_ms: u64,
@@ -589,13 +597,10 @@ pub enum MetaReply {
     Exists {
         found: Vec<bool>,
     },
-    /// Per key, in order; `null` for a miss. Each region's device is written with
-    /// its first lease only (`wire::lease_wire`).
+    /// Per key, in order; `null` for a miss. Each region's device comes with its
+    /// first lease only (`wire::lease_wire`).
     Leases {
-        #[serde(
-            serialize_with = "super::lease_wire::thin",
-            deserialize_with = "super::lease_wire::filled"
-        )]
+        #[serde(deserialize_with = "super::lease_wire::filled")]
         leases: Vec<Option<LeaseGrant>>,
     },
     /// Per lease id, in order.
