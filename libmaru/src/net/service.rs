@@ -41,7 +41,8 @@ pub trait Service {
 
     /// The label under which the loop times request `body` from the read of its last
     /// byte to the write of its reply's last byte ([`Service::on_served`]); None (the
-    /// default): not timed, at no cost.
+    /// default): not timed. Asked only of a service whose [`Service::loop_timed`] is
+    /// true: the loop reads no clock for requests otherwise.
     fn request_label(&self, _body: &[u8]) -> Option<&'static str> {
         None
     }
@@ -59,8 +60,10 @@ pub trait Service {
     /// nothing.
     fn on_loop_busy(&mut self, _wall: f64, _cpu: f64) {}
 
-    /// Whether the loop times its stretches for [`Service::on_loop_busy`] (two clock
-    /// reads a turn, one of them a system call); the default: no.
+    /// Whether the loop times itself: its stretches for [`Service::on_loop_busy`] (two
+    /// clock reads a turn, one of them a system call) and the requests labelled by
+    /// [`Service::request_label`] (a clock read per read of a connection); the
+    /// default: no.
     fn loop_timed(&self) -> bool {
         false
     }

@@ -81,7 +81,9 @@ impl Turn<'_> {
             match conn.stream.read(&mut buf[..want]) {
                 Ok(0) => return (spent, self.gone(conn, service)),
                 Ok(n) => {
-                    conn.times.read(std::time::Instant::now());
+                    if service.loop_timed() {
+                        conn.times.read(std::time::Instant::now());
+                    }
                     NetCounters::add(&self.counters.bytes_in, n as u64);
                     NetCounters::add(&self.counters.buffered, n as u64);
                     conn.decoder.push(&buf[..n]);
@@ -187,7 +189,10 @@ impl Turn<'_> {
                 Step::Fail(e) => fail(conn, self.counters, e.code, e.message),
             },
             Phase::Ready { client_id, .. } if f.kind == FrameKind::Request => {
-                let label = service.request_label(&f.body);
+                let label = service
+                    .loop_timed()
+                    .then(|| service.request_label(&f.body))
+                    .flatten();
                 let reply = service.on_request(conn.id, client_id, &f.body, self.now);
                 if reply.is_empty() {
                     conn.deferred += 1;
