@@ -44,6 +44,15 @@ pub struct Caller<'a> {
     pub tenant: &'a str,
 }
 
+/// A request about keys whose session was found ([`MetaCore::keyed`]): the session's
+/// id and scope, the keys (checked), and the time it came.
+pub(super) struct Keyed<'k> {
+    pub(super) id: u64,
+    pub(super) scope: ScopeId,
+    pub(super) keys: &'k [String],
+    pub(super) now_ms: u64,
+}
+
 /// A check of the RM's list of this server's regions in flight.
 #[derive(Debug)]
 pub(super) struct RmCheck {
@@ -243,17 +252,25 @@ impl MetaCore {
             MetaRequest::Publish { session, entries } => {
                 self.publish(client_id, session, &entries, now_ms)
             }
-            MetaRequest::Exists { session, keys } => self.exists(client_id, session, &keys, now_ms),
-            MetaRequest::Acquire { session, keys } => {
-                self.acquire(client_id, session, &keys, now_ms)
-            }
+            MetaRequest::Exists { session, keys } => self
+                .keyed(client_id, session, &keys, None, now_ms)
+                .and_then(|k| self.exists(k)),
+            MetaRequest::Acquire { session, keys } => self
+                .keyed(client_id, session, &keys, None, now_ms)
+                .and_then(|k| self.acquire(k)),
             MetaRequest::ReleaseLeases { session, lease_ids } => {
                 self.release_leases(client_id, session, &lease_ids, now_ms)
             }
             MetaRequest::Victims { session, max } => self.victims(client_id, session, max, now_ms),
-            MetaRequest::Remove { session, keys } => self.remove(client_id, session, &keys, now_ms),
-            MetaRequest::Pin { session, keys } => self.pin(client_id, session, &keys, now_ms),
-            MetaRequest::Unpin { session, keys } => self.unpin(client_id, session, &keys, now_ms),
+            MetaRequest::Remove { session, keys } => self
+                .keyed(client_id, session, &keys, Some("remove keys"), now_ms)
+                .and_then(|k| self.remove(k)),
+            MetaRequest::Pin { session, keys } => self
+                .keyed(client_id, session, &keys, Some("pin keys"), now_ms)
+                .and_then(|k| self.pin(k)),
+            MetaRequest::Unpin { session, keys } => self
+                .keyed(client_id, session, &keys, None, now_ms)
+                .and_then(|k| self.unpin(k)),
             MetaRequest::ReturnRegion {
                 session,
                 region_id,
@@ -384,22 +401,28 @@ impl MetaCore {
         Ok(id)
     }
 
-    /// The session and scope of a request about `keys`: the keys checked first, then
-    /// the session, a writing one where `writes` says what the request would change.
-    pub(super) fn keys_session(
+    /// A request about `keys`, its session found: the keys checked first, then the
+    /// session, a writing one where `writes` says what the request would change.
+    pub(super) fn keyed<'k>(
         &mut self,
         client_id: &str,
         session: u64,
-        keys: &[String],
+        keys: &'k [String],
         writes: Option<&str>,
         now_ms: u64,
-    ) -> Result<(u64, ScopeId), WireError> {
+    ) -> Result<Keyed<'k>, WireError> {
         check_keys(keys)?;
         let id = match writes {
             Some(what) => self.writing_session(client_id, session, what, now_ms)?,
             None => self.session(client_id, session, now_ms)?,
         };
-        Ok((id, self.sessions.checked(id)?.scope))
+        let scope = self.sessions.checked(id)?.scope;
+        Ok(Keyed {
+            id,
+            scope,
+            keys,
+            now_ms,
+        })
     }
 
     /// As [`session`](Self::session), for a request that changes what is stored

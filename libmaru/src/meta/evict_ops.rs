@@ -3,7 +3,7 @@
 //! any session of the key's scope whose tenant writes its namespace may pin it (the
 //! pins of a tenant's sessions count toward its limit); remove and pin need that too.
 
-use super::core::MetaCore;
+use super::core::{Keyed, MetaCore};
 use super::errors::{check_batch, refused};
 use super::keys::KeyId;
 use super::pins::PinLimit;
@@ -119,21 +119,13 @@ impl MetaCore {
 
     /// Unpublishes keys of the session's regions and frees their pages. A key of
     /// another region, or a leased one, is refused and stays as it is.
-    pub(super) fn remove(
-        &mut self,
-        client_id: &str,
-        session: u64,
-        keys: &[String],
-        now_ms: u64,
-    ) -> Result<MetaReply, WireError> {
-        let (id, scope) =
-            self.keys_session(client_id, session, keys, Some("remove keys"), now_ms)?;
-        let own = self.sessions.checked(id)?.regions.clone();
+    pub(super) fn remove(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
+        let own = self.sessions.checked(req.id)?.regions.clone();
         let page_size = self.cfg.chunk_size;
-        let mut results = Vec::with_capacity(keys.len());
+        let mut results = Vec::with_capacity(req.keys.len());
         let mut freed_in = Vec::new();
-        for name in keys {
-            let Some(k) = self.keys.find(scope, name) else {
+        for name in req.keys {
+            let Some(k) = self.keys.find(req.scope, name) else {
                 results.push(RemoveResult::NotFound);
                 continue;
             };
@@ -162,13 +154,13 @@ impl MetaCore {
             }
             // A published key's page is allocated (publish checks it); it is handed
             // out again once the removal is durable.
-            self.free_key_page(loc.region_id, loc.offset / page_size, k, scope);
+            self.free_key_page(loc.region_id, loc.offset / page_size, k, req.scope);
             results.push(RemoveResult::Removed);
             freed_in.push(loc.region_id);
         }
         freed_in.dedup();
         for rid in freed_in {
-            self.note_region_use(rid, now_ms);
+            self.note_region_use(rid, req.now_ms);
         }
         Ok(MetaReply::Removed { results })
     }
@@ -177,19 +169,13 @@ impl MetaCore {
 impl MetaCore {
     /// Pins each found key once more for the session; a miss is not pinned. Refused
     /// whole when the pins of the tenant's sessions would pass its limit.
-    pub(super) fn pin(
-        &mut self,
-        client_id: &str,
-        session: u64,
-        keys: &[String],
-        now_ms: u64,
-    ) -> Result<MetaReply, WireError> {
-        let (id, scope) = self.keys_session(client_id, session, keys, Some("pin keys"), now_ms)?;
-        let s = self.sessions.checked(id)?;
-        let found: Vec<Option<(KeyId, u64)>> = keys
+    pub(super) fn pin(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
+        let s = self.sessions.checked(req.id)?;
+        let found: Vec<Option<(KeyId, u64)>> = req
+            .keys
             .iter()
             .map(|k| {
-                let kid = self.keys.find(scope, k)?;
+                let kid = self.keys.find(req.scope, k)?;
                 Some((kid, self.keys.get(kid)?.loc.region_id))
             })
             .collect();
@@ -201,7 +187,7 @@ impl MetaCore {
             .filter(|o| o.tenant == *tenant)
             .map(|o| self.pins.held_by(o.id))
             .sum();
-        let asked = self.pins.new_for(id, &hits);
+        let asked = self.pins.new_for(req.id, &hits);
         let limit = self.tenants.limits(tenant).max_pins;
         if held + asked > limit {
             let e = PinLimit {
@@ -216,7 +202,7 @@ impl MetaCore {
             .into_iter()
             .map(|f| match f {
                 Some((k, rid)) => {
-                    self.pins.pin(id, k, rid);
+                    self.pins.pin(req.id, k, rid);
                     true
                 }
                 None => false,
@@ -226,20 +212,14 @@ impl MetaCore {
     }
 
     /// Drops one of the session's pins of each key; false where it held none.
-    pub(super) fn unpin(
-        &mut self,
-        client_id: &str,
-        session: u64,
-        keys: &[String],
-        now_ms: u64,
-    ) -> Result<MetaReply, WireError> {
-        let (id, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
-        let unpinned = keys
+    pub(super) fn unpin(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
+        let unpinned = req
+            .keys
             .iter()
             .map(|k| {
                 self.keys
-                    .find(scope, k)
-                    .is_some_and(|kid| self.pins.unpin(id, kid))
+                    .find(req.scope, k)
+                    .is_some_and(|kid| self.pins.unpin(req.id, kid))
             })
             .collect();
         Ok(MetaReply::Unpinned { unpinned })

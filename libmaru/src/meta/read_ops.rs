@@ -1,6 +1,6 @@
 //! The read side: finding published keys and leasing them with read handles.
 
-use super::core::MetaCore;
+use super::core::{Keyed, MetaCore};
 use super::errors::check_batch;
 use super::keys::KeyId;
 use crate::wire::lease_wire::Named;
@@ -10,17 +10,11 @@ use crate::wire::WireError;
 impl MetaCore {
     /// Per key, whether a session of the same scope published it. Probes do not
     /// count as hits or reads.
-    pub(super) fn exists(
-        &mut self,
-        client_id: &str,
-        session: u64,
-        keys: &[String],
-        now_ms: u64,
-    ) -> Result<MetaReply, WireError> {
-        let (_, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
-        let found = keys
+    pub(super) fn exists(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
+        let found = req
+            .keys
             .iter()
-            .map(|k| self.keys.find(scope, k).is_some())
+            .map(|k| self.keys.find(req.scope, k).is_some())
             .collect();
         Ok(MetaReply::Exists { found })
     }
@@ -29,27 +23,24 @@ impl MetaCore {
     /// the agent and the read token of exactly that range; `cxl`: the region's device,
     /// with the region's first lease of the reply). The whole request is refused when
     /// its leases would pass the session's limit.
-    pub(super) fn acquire(
-        &mut self,
-        client_id: &str,
-        session: u64,
-        keys: &[String],
-        now_ms: u64,
-    ) -> Result<MetaReply, WireError> {
-        let (id, scope) = self.keys_session(client_id, session, keys, None, now_ms)?;
-        let found: Vec<Option<KeyId>> = keys.iter().map(|k| self.keys.find(scope, k)).collect();
+    pub(super) fn acquire(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
+        let found: Vec<Option<KeyId>> = req
+            .keys
+            .iter()
+            .map(|k| self.keys.find(req.scope, k))
+            .collect();
         let hits = found.iter().flatten().count();
-        self.leases.check_room(id, hits)?;
-        let expires_ms = now_ms.saturating_add(self.cfg.lease_timeout_ms);
-        let mut leases = Vec::with_capacity(keys.len());
+        self.leases.check_room(req.id, hits)?;
+        let expires_ms = req.now_ms.saturating_add(self.cfg.lease_timeout_ms);
+        let mut leases = Vec::with_capacity(req.keys.len());
         // Each region's device goes with its first lease of the reply only.
         let mut named = Named::default();
         for k in found {
             let grant = k.and_then(|k| {
                 let loc = self.keys.get(k)?.loc;
                 let r = self.regions.get_mut_quiet(loc.region_id)?;
-                r.last_read_ms = now_ms;
-                let lease_id = self.leases.grant(id, k, loc.region_id, expires_ms);
+                r.last_read_ms = req.now_ms;
+                let lease_id = self.leases.grant(req.id, k, loc.region_id, expires_ms);
                 let cxl = r.backend == Backend::Cxl;
                 // A read token is for the agent that maps a range for its reader
                 // (`remote_cxl`), which refuses a lease without one. A cxl reader maps
@@ -78,8 +69,8 @@ impl MetaCore {
             leases.push(grant);
         }
         let found_now = leases.iter().flatten().count() as u64;
-        let missed = keys.len() as u64 - found_now;
-        if let Some(s) = self.sessions.get_mut(id) {
+        let missed = req.keys.len() as u64 - found_now;
+        if let Some(s) = self.sessions.get_mut(req.id) {
             s.hits += found_now;
             s.misses += missed;
         }
