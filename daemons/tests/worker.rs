@@ -976,6 +976,47 @@ fn cxl_prefaulted_regions_keep_every_stored_byte_and_keys_are_never_overwritten(
     }
 }
 
+/// The region taken ahead of need (`cxl` with prefaulting) is taken by the handler's
+/// `maru-ahead` thread, not by the store whose pages made it due: with the resource
+/// manager stopped (SIGSTOP; maru-server's `expand` waits for it), every store into the
+/// region the engine holds returns at once, and once the RM goes on the region ahead is
+/// taken. Seen failing with the region taken inline again (in `note_fill`): the store
+/// that reached the second half of the region waited for the RM until its deadline.
+#[test]
+fn a_store_does_not_wait_for_the_region_taken_ahead_of_need() {
+    let st = stack(false, &[]);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&config(&st, "cxl", "ahead-writer")).unwrap();
+    cfg["prefault"] = true.into();
+    cfg["timeout_ms"] = 3000.into();
+    let h = Handler::open(&cfg.to_string()).expect("open");
+    // 7 batches of 16 chunks: 112 of the first region's 128 pages of 64 KiB; the fifth
+    // batch's alloc reaches the second half.
+    let keys: Vec<String> = (0..112).map(|i| format!("ahead-{i:03}")).collect();
+    let data: Vec<Vec<u8>> = (0..112).map(chunk).collect();
+    let items = support::items(&keys, &data);
+    assert!(h
+        .store_batch(&items[..16], None)
+        .unwrap()
+        .iter()
+        .all(|&s| s));
+    st.rm.signal(libc::SIGSTOP);
+    for b in 1..7 {
+        let t = Instant::now();
+        let stored = h.store_batch(&items[b * 16..(b + 1) * 16], None).unwrap();
+        let took = t.elapsed();
+        assert!(stored.iter().all(|&s| s), "batch {b}: {stored:?}");
+        assert!(took < Duration::from_secs(1), "batch {b} took {took:?}");
+    }
+    assert_eq!(h.stats()["total"]["regions_ahead"], 0, "the RM is stopped");
+    st.rm.signal(libc::SIGCONT);
+    let ahead = wait_until(Duration::from_secs(10), || {
+        h.stats()["total"]["regions_ahead"] == 1
+    });
+    assert!(ahead, "{}", h.stats());
+    h.close().unwrap();
+}
+
 /// An agent that restarts keeps its region's bytes (same boot id) but loses every
 /// registration, and its soft NIC listens on a new port: the owner's next transfer
 /// fails, drops that peer, maps its regions again and tries once more; readers (whose

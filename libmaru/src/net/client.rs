@@ -151,6 +151,14 @@ pub struct Client {
     write_timeout: Duration,
 }
 
+/// How recently a connection's last exchange must have begun for [`Client::is_stale`]
+/// to take it as open without a system call. Well below any daemon's idle timeout
+/// (whole seconds), so a connection this fresh was not closed for idleness; a daemon
+/// that closed it otherwise (it stopped, or revoked the key) is not serving again
+/// within 2 ms, so a call on it fails as one on a new connection would. Calls in a row
+/// (a store's, a load's, a run of single stores) ask nothing.
+const FRESH: Duration = Duration::from_millis(2);
+
 /// How far the time left of an exchange may move from a socket's timeout before the
 /// timeout is set again (a call's wait may end up to this much early, never late).
 const TIMEOUT_SLACK: Duration = Duration::from_millis(20);
@@ -356,12 +364,18 @@ impl Client {
         &self.welcome
     }
 
-    /// Whether the daemon closed this connection (or sent something no call asked
-    /// for, such as the error frame of a closing daemon) while it sat idle: a call on
-    /// it would fail, so a caller connects afresh first. Does not block.
+    /// Whether the daemon closed this connection (or sent something no call asked for,
+    /// such as the error frame of a closing daemon) while it sat idle: a call on it
+    /// would fail, so a caller connects afresh first. Does not block. A connection whose
+    /// last exchange began less than [`FRESH`] ago is taken as open without asking the
+    /// kernel (a `MSG_PEEK`, a system call before every request otherwise).
     pub fn is_stale(&self) -> bool {
         if self.decoder.buffered() > 0 {
             return true;
+        }
+        let began = self.until.checked_sub(self.limit);
+        if began.is_some_and(|b| b.elapsed() < FRESH) {
+            return false;
         }
         let mut b = [0u8; 1];
         // SAFETY: b is a live buffer of 1 byte; the descriptor is open (owned by self).
@@ -726,6 +740,36 @@ mod tests {
         c.set_reply_spin(Duration::ZERO);
         let got: Delay = c.call(&Delay { ms: 3 }).expect("reply");
         assert_eq!(got, Delay { ms: 3 });
+    }
+
+    /// The stale-connection rule: a connection the daemon closed while it sat idle (its
+    /// idle timeout, here 100 ms) is seen as stale before the next call is lost on it,
+    /// also when it had been used just before. Seen failing with `is_stale` answering
+    /// from the freshness of the last exchange alone (no `MSG_PEEK`).
+    #[test]
+    fn a_connection_its_daemon_closed_while_idle_is_stale() {
+        let (mut server, addr) = Server::loopback(ServerOptions {
+            idle_timeout_ms: 100,
+            ..ServerOptions::default()
+        });
+        std::thread::spawn(move || server.run(&mut SlowEcho));
+        let mut c = Client::connect(&addr, &ClientOptions::new("slow-echo", "t")).expect("connect");
+        let got: Delay = c.call(&Delay { ms: 0 }).expect("reply");
+        assert_eq!(got, Delay { ms: 0 });
+        assert!(!c.is_stale(), "open and just used");
+        let t = Instant::now();
+        while !c.is_stale() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the daemon closed it after 100 ms idle; still not seen stale"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            t.elapsed() >= Duration::from_millis(50),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]

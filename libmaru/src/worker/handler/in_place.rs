@@ -91,7 +91,9 @@ impl Handler {
         let Some(pool) = self.inner.pool_at(i)? else {
             return Ok(Vec::new());
         };
-        let pages = pool.take_in_place(n, Some(route_key))?;
+        let pages = pool.take_in_place(n, Some(route_key));
+        self.inner.ahead.note(&pool);
+        let pages = pages?;
         let mut t = self.inner.in_place_table()?;
         Ok(pages
             .into_iter()

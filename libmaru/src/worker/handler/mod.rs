@@ -1,7 +1,8 @@
 //! The handler an engine opens: the public calls ([`Handler`]), its pools (one per
 //! maru-server URL, picked in `pools`), the staging buffer and transport
-//! (`data_path`), and its background threads (`background`, and `maru-release`,
-//! which sends the pool's `ReleaseQueue`).
+//! (`data_path`), and its background threads (`background`; `maru-release`, which
+//! sends the pools' `ReleaseQueue`; `maru-ahead`, which takes the regions of its
+//! `AheadQueue`).
 
 mod background;
 mod data_path;
@@ -14,7 +15,7 @@ use super::error::{Peer, WorkerError};
 use super::hook::Registration;
 use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
-use super::pool::{PoolStats, Release, ReleaseQueue, StoragePool};
+use super::pool::{AheadQueue, PoolStats, Release, ReleaseQueue, StoragePool};
 use super::router::PoolRouter;
 use super::slots::{SlotInfo, SlotTable};
 use super::staging::{Slot, SlotPool, StagingLayout, StagingSlots};
@@ -83,6 +84,8 @@ struct Inner {
     hook: crate::worker::MemoryHook,
     /// Leases whose release waits for the `maru-release` thread (`maru_load_pieces`).
     releases: ReleaseQueue,
+    /// Pools whose next region the `maru-ahead` thread takes ahead of need.
+    ahead: AheadQueue,
 }
 
 /// A request goes to the pool its route key picks (`router`); one that cannot be
@@ -120,7 +123,9 @@ impl Inner {
                 }
             }
         };
-        match f(&pool) {
+        let r = f(&pool);
+        self.ahead.note(&pool);
+        match r {
             Err(e) => self.pool_failed(i, &pool, e, miss),
             r => r,
         }
@@ -207,7 +212,8 @@ impl Inner {
 /// An open handler. Thread-safe; calls run in parallel, also on one pool.
 pub struct Handler {
     inner: Arc<Inner>,
-    /// The heartbeat, tick and release threads (see `background`, `ReleaseQueue`).
+    /// The heartbeat, tick, release and ahead threads (see `background`,
+    /// `ReleaseQueue`, `AheadQueue`).
     background: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -258,6 +264,7 @@ impl Handler {
             skips: Mutex::default(),
             hook: crate::worker::hook::memory_hook(),
             releases: ReleaseQueue::default(),
+            ahead: AheadQueue::default(),
         });
         let mut failed = Vec::new();
         let mut opened = 0;
@@ -294,14 +301,21 @@ impl Handler {
             inner.set_up(i, false);
         }
         let mut background = Vec::new();
-        for (name, job) in [("maru-handler", 0), ("maru-tick", 1), ("maru-release", 2)] {
+        let jobs = [
+            ("maru-handler", 0),
+            ("maru-tick", 1),
+            ("maru-release", 2),
+            ("maru-ahead", 3),
+        ];
+        for (name, job) in jobs {
             let bg = inner.clone();
             let spawned = std::thread::Builder::new()
                 .name(name.into())
                 .spawn(move || match job {
                     0 => bg.heartbeats(),
                     1 => bg.ticks(),
-                    _ => bg.releases.send(bg.timeout()),
+                    2 => bg.releases.send(bg.timeout()),
+                    _ => bg.ahead.take(),
                 });
             match spawned {
                 Ok(h) => background.push(h),
@@ -797,8 +811,9 @@ impl Handler {
             self.inner.wake.1.notify_all();
         }
         // The release thread sends what is queued, then ends (joined below, before
-        // the sessions close).
+        // the sessions close); the ahead thread ends without taking a region.
         self.inner.releases.close();
+        self.inner.ahead.close();
         let threads = self
             .background
             .lock()

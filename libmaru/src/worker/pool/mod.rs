@@ -7,6 +7,7 @@
 pub(crate) mod core;
 #[cfg(test)]
 mod core_tests;
+mod deferred;
 mod held;
 mod in_place;
 mod load;
@@ -21,13 +22,15 @@ use super::clock::Deadline;
 use super::error::WorkerError;
 use super::movers::Mover;
 use crate::wire::meta::{LeaseGrant, PageGrant, RegionGrant};
+pub use deferred::MAX_QUEUED_RELEASES;
 pub use in_place::{InPlacePage, InPlaceWrite};
-pub use load::{Release, ReleaseQueue, MAX_QUEUED_RELEASES};
+pub use load::{Release, ReleaseQueue};
 use peers::WriteTargets;
 use session::Session;
 pub use stats::PoolStats;
 use std::sync::Arc;
 use std::time::Duration;
+pub use store::AheadQueue;
 
 /// A request's timeout unless `with_timeout` says otherwise (`timeout_ms`'s default).
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -109,6 +112,9 @@ pub struct StoragePool {
     /// started (see `Deadline`).
     timeout: Duration,
     hooks: TestHooks,
+    /// Set by a call that found the next region due ahead of need; the handler then
+    /// queues the pool for its ahead thread (`AheadQueue`).
+    ahead_due: std::sync::atomic::AtomicBool,
 }
 
 impl StoragePool {
@@ -125,6 +131,7 @@ impl StoragePool {
             max_batch,
             timeout: DEFAULT_TIMEOUT,
             hooks: TestHooks::default(),
+            ahead_due: Default::default(),
         };
         if let Err(e) = pool.start(pool.deadline()) {
             pool.session.close_failed_open(&e, pool.deadline());
