@@ -188,11 +188,8 @@ pub fn soft(
                 let mut staging = vec![0u8; staging_len];
                 touch(&mut staging);
                 let nic = SoftTransport::new("bench", None);
-                nic.register_local(LocalBuffer {
-                    ptr: staging.as_mut_ptr(),
-                    len: staging_len,
-                })
-                .map_err(|e| format!("local: {e}"))?;
+                nic.register_local(LocalBuffer::of(&mut staging))
+                    .map_err(|e| format!("local: {e}"))?;
                 let peer = nic
                     .connect(&reg.transport, &mut no_bringup)
                     .map_err(|e| format!("connect: {e}"))?;

@@ -17,7 +17,12 @@ fn device() -> Option<String> {
 
 /// Whether a usable device exists here (prints the skip line when not).
 fn rdma_here() -> bool {
-    match maru::transport::verbs::VerbsTransport::open(device().as_deref(), 1, None) {
+    use maru::transport::verbs::{VerbsSettings, VerbsTransport};
+    let here = VerbsSettings {
+        device: device(),
+        ..VerbsSettings::default()
+    };
+    match VerbsTransport::open_with(&here) {
         Ok(_) => true,
         Err(TransportError::Unavailable(m)) => {
             eprintln!("skipped: no usable RDMA device ({m})");

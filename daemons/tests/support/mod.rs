@@ -326,11 +326,8 @@ pub fn soft_nic(
 ) -> maru::transport::soft::SoftTransport {
     use maru::transport::{LocalBuffer, Transport};
     let nic = maru::transport::soft::SoftTransport::new(id, Some(key.clone()));
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .expect("register the staging buffer");
+    nic.register_local(LocalBuffer::of(staging))
+        .expect("register the staging buffer");
     nic
 }
 

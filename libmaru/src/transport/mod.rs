@@ -108,11 +108,56 @@ unsafe impl Send for LocalBuffer {}
 unsafe impl Sync for LocalBuffer {}
 
 impl LocalBuffer {
+    /// The whole of `bytes` (keep them alive and in place while the transport may
+    /// use them).
+    pub fn of(bytes: &mut [u8]) -> LocalBuffer {
+        LocalBuffer {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+        }
+    }
+
     pub(crate) fn check(&self, offset: u64, len: u64) -> Result<(), TransportError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 => Ok(()),
             _ => Err(TransportError::LocalRange { offset, len }),
         }
+    }
+}
+
+/// What a transport keeps of its staging buffer's registration: set once (a second
+/// [`Transport::register_local`] is refused), and asked for by every operation (none
+/// yet: [`TransportError::NoLocalBuffer`]).
+#[derive(Debug)]
+pub(crate) struct Staging<T>(std::sync::OnceLock<T>);
+
+impl<T> Default for Staging<T> {
+    fn default() -> Self {
+        Staging(std::sync::OnceLock::new())
+    }
+}
+
+impl<T> Staging<T> {
+    /// Refuses a second registration before `make` (the registration itself) runs.
+    pub(crate) fn register(
+        &self,
+        make: impl FnOnce() -> Result<T, TransportError>,
+    ) -> Result<(), TransportError> {
+        let taken = || TransportError::Setup("a staging buffer is already registered".into());
+        if self.0.get().is_some() {
+            return Err(taken());
+        }
+        self.0.set(make()?).map_err(|_| taken())
+    }
+
+    pub(crate) fn get(&self) -> Result<&T, TransportError> {
+        self.0.get().ok_or(TransportError::NoLocalBuffer)
+    }
+
+    /// The registration, taken out (the transport's drop).
+    #[cfg(any(test, feature = "verbs"))]
+    pub(crate) fn take(&mut self) -> Option<T> {
+        self.0.take()
     }
 }
 
@@ -210,9 +255,12 @@ pub fn no_bringup(_: &serde_json::Value) -> Result<serde_json::Value, TransportE
 /// A registration at the memory node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Registration {
+    /// The remote key a peer presents with every one-sided operation.
     pub rkey: u64,
+    /// The remote address of the registered range's first byte.
     pub addr: u64,
-    /// What a worker needs to reach this registration (sent in the map reply).
+    /// What a worker needs to reach this registration, and nothing else (sent in the
+    /// map reply).
     pub transport: serde_json::Value,
 }
 
@@ -250,5 +298,29 @@ pub trait Target: Send + Sync {
         Err(TransportError::Setup(
             "this transport has no connection exchange".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_staging_buffer_is_registered_once_and_asked_for_before_use() {
+        let mut s = Staging::default();
+        assert_eq!(s.get(), Err(TransportError::NoLocalBuffer));
+        s.register(|| Ok(1)).unwrap();
+        let mut made = false;
+        let again = s.register(|| {
+            made = true;
+            Ok(2)
+        });
+        assert!(matches!(again, Err(TransportError::Setup(m)) if m.contains("already")));
+        assert!(
+            !made,
+            "the second registration is refused before it is made"
+        );
+        assert_eq!(s.get(), Ok(&1));
+        assert_eq!(s.take(), Some(1));
     }
 }

@@ -17,6 +17,12 @@ struct Rig {
     nic: SoftTransport,
 }
 
+/// `nic` with `staging` registered (keep it alive and in place while `nic` is used).
+fn staged(nic: SoftTransport, staging: &mut [u8]) -> SoftTransport {
+    nic.register_local(LocalBuffer::of(staging)).unwrap();
+    nic
+}
+
 fn rig(key: Option<SharedKey>, region_len: usize, staging_len: usize) -> Rig {
     let target = SoftTarget::start(
         "127.0.0.1:0".parse().unwrap(),
@@ -26,12 +32,7 @@ fn rig(key: Option<SharedKey>, region_len: usize, staging_len: usize) -> Rig {
     )
     .unwrap();
     let mut staging = vec![0u8; staging_len];
-    let nic = SoftTransport::new("test-worker", key);
-    nic.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })
-    .unwrap();
+    let nic = staged(SoftTransport::new("test-worker", key), &mut staging);
     Rig {
         target,
         region: vec![0u8; region_len],
@@ -266,28 +267,21 @@ fn the_data_connection_proves_the_key() {
     let mut r = rig(Some(key), 4096, 4096);
     let reg = unsafe { r.target.register(1, r.region.as_mut_ptr(), 4096, true) }.unwrap();
     assert!(r.nic.connect(&reg.transport, &mut no_bringup).is_ok());
-    let mut staging = vec![0u8; 4096];
-    let wrong = SoftTransport::new("intruder", Some(SharedKey::generate().unwrap()));
-    wrong
-        .register_local(LocalBuffer {
-            ptr: staging.as_mut_ptr(),
-            len: 4096,
-        })
-        .unwrap();
-    assert!(matches!(
-        wrong.connect(&reg.transport, &mut no_bringup),
-        Err(TransportError::Setup(_))
-    ));
-    let none = SoftTransport::new("nokey", None);
-    none.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: 4096,
-    })
-    .unwrap();
-    assert!(matches!(
-        none.connect(&reg.transport, &mut no_bringup),
-        Err(TransportError::Setup(_))
-    ));
+    // A worker with another key, and one with none.
+    for (name, key) in [
+        ("intruder", Some(SharedKey::generate().unwrap())),
+        ("nokey", None),
+    ] {
+        let mut staging = vec![0u8; 4096];
+        let nic = staged(SoftTransport::new(name, key), &mut staging);
+        assert!(
+            matches!(
+                nic.connect(&reg.transport, &mut no_bringup),
+                Err(TransportError::Setup(_))
+            ),
+            "{name}"
+        );
+    }
 }
 
 #[test]
@@ -340,13 +334,7 @@ fn a_key_of_another_owner_is_refused_as_a_remote_access_error() {
     let b = unsafe { r.target.register(2, region_b.as_mut_ptr(), 4096, true) }.unwrap();
     assert_ne!(a.transport, b.transport, "each owner has its own binding");
     let mut staging_b = vec![0x5Au8; 4096];
-    let nic_b = SoftTransport::new("worker-b", None);
-    nic_b
-        .register_local(LocalBuffer {
-            ptr: staging_b.as_mut_ptr(),
-            len: staging_b.len(),
-        })
-        .unwrap();
+    let nic_b = staged(SoftTransport::new("worker-b", None), &mut staging_b);
     let peer_b = nic_b.connect(&b.transport, &mut no_bringup).unwrap();
     // B's own key works on B's connection.
     let ok = nic_b
@@ -374,12 +362,7 @@ fn a_key_of_another_owner_is_refused_as_a_remote_access_error() {
         "nothing of A's region read"
     );
     // A's own worker still uses its key.
-    let peer_a = r.nic.connect(&a.transport, &mut no_bringup).unwrap();
-    let w = r
-        .nic
-        .post(peer_a, &[op(OpKind::Write, 0, a.addr, a.rkey, 16)])
-        .unwrap();
-    assert_eq!(r.nic.wait(w, T), BatchState::Done);
+    worker_writes(&r, &a);
     drop(region_b);
 }
 
@@ -412,14 +395,8 @@ fn a_closed_owner_loses_its_data_connections_and_binding() {
     if let Ok(b) = b {
         assert!(matches!(r.nic.wait(b, T), BatchState::Failed(_)));
     }
-    let again = SoftTransport::new("again", None);
     let mut st = vec![0u8; 4096];
-    again
-        .register_local(LocalBuffer {
-            ptr: st.as_mut_ptr(),
-            len: 4096,
-        })
-        .unwrap();
+    let again = staged(SoftTransport::new("again", None), &mut st);
     assert!(again.connect(&reg.transport, &mut no_bringup).is_err());
     r.target.deregister(reg.rkey).unwrap();
 }
@@ -429,12 +406,10 @@ fn a_closed_owner_loses_its_data_connections_and_binding() {
 fn read_beside_a_stalled_write(lanes: u8) -> (Duration, usize) {
     let mut r = rig(None, 1 << 20, 1 << 20);
     let reg = r.register_all();
-    let nic = SoftTransport::new("lanes", None).with_lanes(lanes);
-    nic.register_local(LocalBuffer {
-        ptr: r.staging.as_mut_ptr(),
-        len: r.staging.len(),
-    })
-    .unwrap();
+    let nic = staged(
+        SoftTransport::new("lanes", None).with_lanes(lanes),
+        &mut r.staging,
+    );
     let peer = nic.connect(&reg.transport, &mut no_bringup).unwrap();
     assert_eq!(
         nic.connect(&reg.transport, &mut no_bringup).unwrap(),

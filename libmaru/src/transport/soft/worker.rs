@@ -24,13 +24,14 @@ use crate::auth::SharedKey;
 use crate::net::{Client, ClientOptions};
 use crate::transport::batches::BatchTable;
 use crate::transport::{
-    BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Transport, TransportError,
+    BatchId, BatchState, Bringup, LocalBuffer, Op, OpKind, PeerId, Staging, Transport,
+    TransportError,
 };
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a fence waits for the target to confirm it applies nothing more.
@@ -64,7 +65,7 @@ pub struct SoftTransport {
     client_id: String,
     key: Option<SharedKey>,
     connect_timeout: Duration,
-    local: OnceLock<LocalBuffer>,
+    local: Staging<LocalBuffer>,
     peers: Mutex<HashMap<PeerId, Arc<Lanes>>>,
     /// Data connections per peer (at least 1).
     lanes: usize,
@@ -88,7 +89,7 @@ impl SoftTransport {
             client_id: client_id.into(),
             key,
             connect_timeout: Duration::from_secs(5),
-            local: OnceLock::new(),
+            local: Staging::default(),
             peers: Mutex::new(HashMap::new()),
             lanes: 1,
             fenced: Mutex::new(VecDeque::new()),
@@ -147,10 +148,7 @@ impl SoftTransport {
     }
 
     fn local(&self) -> Result<LocalBuffer, TransportError> {
-        self.local
-            .get()
-            .copied()
-            .ok_or(TransportError::NoLocalBuffer)
+        self.local.get().copied()
     }
 }
 
@@ -263,9 +261,7 @@ impl Transport for SoftTransport {
     }
 
     fn register_local(&self, buf: LocalBuffer) -> Result<(), TransportError> {
-        self.local
-            .set(buf)
-            .map_err(|_| TransportError::Setup("a staging buffer is already registered".into()))
+        self.local.register(|| Ok(buf))
     }
 
     fn connect(
@@ -720,11 +716,7 @@ mod fence_tests {
         let (addr, go, done) = slow_target();
         let mut staging = vec![7u8; 1 << 16];
         let nic = SoftTransport::new("fence-test", None);
-        nic.register_local(LocalBuffer {
-            ptr: staging.as_mut_ptr(),
-            len: staging.len(),
-        })
-        .unwrap();
+        nic.register_local(LocalBuffer::of(&mut staging)).unwrap();
         let meta = serde_json::json!({"soft": {"addr": addr, "bind": "1"}});
         let peer = nic.connect(&meta, &mut no_bringup).unwrap();
         let write = Op {

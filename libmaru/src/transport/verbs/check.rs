@@ -8,7 +8,9 @@
 
 use super::settings::VerbsSettings;
 use super::{VerbsTarget, VerbsTransport};
-use crate::transport::{BatchState, LocalBuffer, Op, OpKind, Target, Transport, TransportError};
+use crate::transport::{
+    BatchState, LocalBuffer, Op, OpKind, PeerId, Registration, Target, Transport, TransportError,
+};
 use std::time::Duration;
 
 /// One finding: what was checked, whether it passed, what was seen.
@@ -55,6 +57,21 @@ fn memlock() -> CheckLine {
     }
 }
 
+/// Registers `staging` with `worker` and connects it to the peer of `reg`, bringing
+/// its queue pair up at `target` as agent connection `conn` (its protection domain).
+fn connect_as(
+    conn: u64,
+    worker: &VerbsTransport,
+    staging: &mut [u8],
+    target: &VerbsTarget,
+    reg: &Registration,
+) -> Result<PeerId, TransportError> {
+    worker.register_local(LocalBuffer::of(staging))?;
+    worker.connect(&reg.transport, &mut |half| {
+        target.accept_peer_on(conn, half)
+    })
+}
+
 /// Runs the checks. `Err(Unavailable)`: no usable device (nothing else was tried).
 pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
     let mut out = vec![memlock()];
@@ -77,13 +94,7 @@ pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
     // target's drop, which comes before `region`'s).
     const CONN: u64 = 1;
     let reg = unsafe { target.register(CONN, region.as_mut_ptr(), LEN as u64, true) }?;
-    worker.register_local(LocalBuffer {
-        ptr: staging.as_mut_ptr(),
-        len: staging.len(),
-    })?;
-    let peer = worker.connect(&reg.transport, &mut |half| {
-        target.accept_peer_on(CONN, half)
-    })?;
+    let peer = connect_as(CONN, &worker, &mut staging, &target, &reg)?;
     out.push(line(
         "queue pair bring-up",
         true,
@@ -125,13 +136,7 @@ pub fn run(settings: &VerbsSettings) -> Result<Vec<CheckLine>, TransportError> {
     const OTHER: u64 = 2;
     let intruder = VerbsTransport::open_with(settings)?;
     let mut other_staging = vec![0u8; LEN];
-    intruder.register_local(LocalBuffer {
-        ptr: other_staging.as_mut_ptr(),
-        len: other_staging.len(),
-    })?;
-    let other = intruder.connect(&reg.transport, &mut |half| {
-        target.accept_peer_on(OTHER, half)
-    })?;
+    let other = connect_as(OTHER, &intruder, &mut other_staging, &target, &reg)?;
     let st = intruder
         .post(other, &[op(OpKind::Write, 0)])
         .map(|b| intruder.wait(b, Duration::from_secs(10)))?;

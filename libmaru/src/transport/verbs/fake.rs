@@ -6,13 +6,27 @@
 //! `ibv_req_notify_cq`: a completion raises one only while the queue is armed, and
 //! raising it disarms the queue.
 
+use super::engine::LocalReg;
 use super::ops::{Access, Completion, MemoryOps, MrKeys, PostRefused, QueuePairOps, WorkRequest};
+use crate::transport::LocalBuffer;
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
 /// `ibv_wc_status` values the fake produces.
 const WC_REM_ACCESS_ERR: u32 = 10;
 const WC_WR_FLUSH_ERR: u32 = 5;
+
+/// A staging buffer of 64 KiB as the engine knows it once registered (lkey 0x11),
+/// and the bytes it points into (keep them as long as the registration).
+pub(crate) fn staging() -> (LocalReg, Vec<u8>) {
+    let mut buf = vec![0u8; 1 << 16];
+    let reg = LocalReg {
+        buf: LocalBuffer::of(&mut buf),
+        lkey: 0x11,
+        max_op_len: 1 << 20,
+    };
+    (reg, buf)
+}
 
 #[derive(Default)]
 pub(crate) struct FakeState {

@@ -116,8 +116,8 @@ impl Lanes {
 mod tests {
     use super::*;
     use crate::transport::verbs::engine::EngineConfig;
-    use crate::transport::verbs::fake::FakeQp;
-    use crate::transport::{BatchState, LocalBuffer, OpKind};
+    use crate::transport::verbs::fake::{staging, FakeQp};
+    use crate::transport::{BatchState, OpKind};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -154,15 +154,7 @@ mod tests {
         }
         let lanes = Lanes::default();
         lanes.add(&engine, GROUP, key, ids);
-        let mut buf = vec![0u8; 1 << 16];
-        let local = LocalReg {
-            buf: LocalBuffer {
-                ptr: buf.as_mut_ptr(),
-                len: buf.len(),
-            },
-            lkey: 0x11,
-            max_op_len: 1 << 20,
-        };
+        let (local, buf) = staging();
         Rig {
             engine,
             lanes,
@@ -182,6 +174,15 @@ mod tests {
         }]
     }
 
+    impl Rig {
+        /// Posts [`write`] to the group.
+        fn post(&self, now: Instant) -> BatchId {
+            self.lanes
+                .post(&self.engine, GROUP, &write(), &self.local, now)
+                .unwrap()
+        }
+    }
+
     fn settle(r: &Rig) {
         for (i, qp) in r.qps.iter().enumerate() {
             qp.complete(usize::MAX);
@@ -193,13 +194,7 @@ mod tests {
     fn batches_spread_over_the_lanes() {
         let r = rig(3);
         let now = Instant::now();
-        let b: Vec<BatchId> = (0..6)
-            .map(|_| {
-                r.lanes
-                    .post(&r.engine, GROUP, &write(), &r.local, now)
-                    .unwrap()
-            })
-            .collect();
+        let b: Vec<BatchId> = (0..6).map(|_| r.post(now)).collect();
         assert_eq!(
             r.qps.iter().map(|q| q.state().posted).collect::<Vec<_>>(),
             vec![2, 2, 2]
@@ -216,25 +211,13 @@ mod tests {
         let now = Instant::now();
         // The first request of lane 0 fails with a remote access error.
         r.qps[0].state().fail_at = Some(0);
-        let on0 = r
-            .lanes
-            .post(&r.engine, GROUP, &write(), &r.local, now)
-            .unwrap();
-        let on1 = r
-            .lanes
-            .post(&r.engine, GROUP, &write(), &r.local, now)
-            .unwrap();
+        let on0 = r.post(now);
+        let on1 = r.post(now);
         settle(&r);
         assert!(matches!(r.engine.batches.state(on0), BatchState::Failed(_)));
         assert_eq!(r.engine.batches.state(on1), BatchState::Done);
         // Lane 0 is failed: the next batches all go to lane 1.
-        let later: Vec<BatchId> = (0..3)
-            .map(|_| {
-                r.lanes
-                    .post(&r.engine, GROUP, &write(), &r.local, now)
-                    .unwrap()
-            })
-            .collect();
+        let later: Vec<BatchId> = (0..3).map(|_| r.post(now)).collect();
         assert_eq!(r.qps[0].state().posted, 1);
         assert_eq!(r.qps[1].state().posted, 4);
         settle(&r);
@@ -253,14 +236,8 @@ mod tests {
     fn a_fence_of_the_group_fences_every_lane() {
         let r = rig(2);
         let now = Instant::now();
-        let b0 = r
-            .lanes
-            .post(&r.engine, GROUP, &write(), &r.local, now)
-            .unwrap();
-        let b1 = r
-            .lanes
-            .post(&r.engine, GROUP, &write(), &r.local, now)
-            .unwrap();
+        let b0 = r.post(now);
+        let b1 = r.post(now);
         // Lane 1's destroy fails once: the group's fence fails, lane 0 is still fenced.
         r.qps[1].state().destroy_failures = 1;
         r.qps[1].state().withhold_flushes = true;

@@ -93,22 +93,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl VerbsTarget {
-    /// Opens `device` (`None`: the first RDMA device) at `port`; see
-    /// [`VerbsTransport::open`](super::VerbsTransport::open).
-    pub fn open(
-        device: Option<&str>,
-        port: u8,
-        gid_index: Option<u8>,
-    ) -> Result<VerbsTarget, TransportError> {
-        VerbsTarget::open_with(&VerbsSettings {
-            device: device.map(str::to_string),
-            port,
-            gid_index,
-            ..VerbsSettings::default()
-        })
-    }
-
-    /// Opens the device and port of `settings`.
+    /// Opens the device and port of `settings`; see
+    /// [`VerbsTransport::open_with`](super::VerbsTransport::open_with).
     pub fn open_with(settings: &VerbsSettings) -> Result<VerbsTarget, TransportError> {
         let dev = Arc::new(Device::open(settings)?);
         let fd = dev.async_fd()?;

@@ -6,10 +6,20 @@ use super::proto::{
     pack_wr_id, unpack_wr_id, Endpoint, TargetHalf, TargetMeta, WorkerHalf, MAX_BATCH_OPS, MTUS,
     WR_BATCH_BITS, WR_INDEX_BITS,
 };
-use super::{status, VerbsTarget, VerbsTransport};
+use super::{status, VerbsSettings, VerbsTarget, VerbsTransport};
 use crate::transport::{Op, OpKind, TransportError};
 use proptest::prelude::*;
 use serde_json::{json, Value};
+
+/// The settings of `device` (`None`: the first) at `port`, sourcing from `gid_index`.
+fn at(device: Option<&str>, port: u8, gid_index: Option<u8>) -> VerbsSettings {
+    VerbsSettings {
+        device: device.map(str::to_string),
+        port,
+        gid_index,
+        ..VerbsSettings::default()
+    }
+}
 
 fn unavailable_text(r: Result<impl Sized, TransportError>) -> Option<String> {
     match r {
@@ -22,22 +32,24 @@ fn unavailable_text(r: Result<impl Sized, TransportError>) -> Option<String> {
 #[test]
 fn opening_a_missing_named_device_is_unavailable_and_names_it() {
     let name = "maru_no_such_rdma_dev7";
-    let m = unavailable_text(VerbsTransport::open(Some(name), 1, None))
+    let m = unavailable_text(VerbsTransport::open_with(&at(Some(name), 1, None)))
         .expect("a device with this name does not exist");
     assert!(m.contains(name), "{m}");
     assert!(m.contains("no RDMA device found"), "{m}");
     assert!(m.contains("--transport soft"), "{m}");
-    let m = unavailable_text(VerbsTarget::open(Some(name), 1, None))
+    let m = unavailable_text(VerbsTarget::open_with(&at(Some(name), 1, None)))
         .expect("a device with this name does not exist");
     assert!(m.contains(name), "{m}");
     // The Display form carries it too (what a daemon prints before exiting).
-    let e = VerbsTransport::open(Some(name), 1, Some(0)).err().unwrap();
+    let e = VerbsTransport::open_with(&at(Some(name), 1, Some(0)))
+        .err()
+        .unwrap();
     assert!(e.to_string().contains(name), "{e}");
 }
 
 #[test]
 fn opening_mlx5_0_without_it_gives_the_documented_message() {
-    match unavailable_text(VerbsTransport::open(Some("mlx5_0"), 1, None)) {
+    match unavailable_text(VerbsTransport::open_with(&at(Some("mlx5_0"), 1, None))) {
         Some(m) => {
             assert!(
                 m.starts_with("no RDMA device found (looked for mlx5_0"),
@@ -54,21 +66,21 @@ fn opening_mlx5_0_without_it_gives_the_documented_message() {
 
 #[test]
 fn opening_the_first_device_without_any_is_unavailable() {
-    match unavailable_text(VerbsTransport::open(None, 1, None)) {
+    match unavailable_text(VerbsTransport::open_with(&at(None, 1, None))) {
         Some(m) => {
             assert!(m.contains("looked for any device"), "{m}");
             assert!(m.contains("--transport soft"), "{m}");
         }
         None => eprintln!("this host has an RDMA device: the error path was not exercised"),
     }
-    if let Some(m) = unavailable_text(VerbsTarget::open(None, 1, None)) {
+    if let Some(m) = unavailable_text(VerbsTarget::open_with(&at(None, 1, None))) {
         assert!(m.contains("looked for any device"), "{m}");
     }
 }
 
 #[test]
 fn port_zero_is_refused_before_any_device_lookup() {
-    match VerbsTransport::open(Some("mlx5_0"), 0, None) {
+    match VerbsTransport::open_with(&at(Some("mlx5_0"), 0, None)) {
         Err(TransportError::Setup(m)) => assert!(m.contains("start at 1"), "{m}"),
         other => panic!("{:?}", other.err()),
     }
@@ -570,9 +582,9 @@ fn completion_statuses_map_to_transport_errors() {
 /// netdev lo`). Skipped, with one line, where no device exists.
 #[test]
 fn a_loopback_bring_up_passes_every_check_on_an_rdma_device() {
-    let settings = super::VerbsSettings {
+    let settings = VerbsSettings {
         device: std::env::var("MARU_RDMA_DEVICE").ok(),
-        ..super::VerbsSettings::default()
+        ..VerbsSettings::default()
     };
     match super::check::run(&settings) {
         Err(TransportError::Unavailable(m)) => {

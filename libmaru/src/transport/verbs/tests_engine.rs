@@ -2,8 +2,8 @@
 //! posts, send-queue room, the arm/drain race, fence outcomes, async failures.
 
 use super::engine::{Engine, EngineConfig, LocalReg};
-use super::fake::FakeQp;
-use crate::transport::{BatchState, LocalBuffer, Op, OpKind, PeerId, TransportError};
+use super::fake::{staging, FakeQp};
+use crate::transport::{BatchState, Op, OpKind, PeerId, TransportError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,15 +33,7 @@ fn rig(depth: usize) -> Rig {
         depth,
         0x11,
     );
-    let mut buf = vec![0u8; 1 << 16];
-    let local = LocalReg {
-        buf: LocalBuffer {
-            ptr: buf.as_mut_ptr(),
-            len: buf.len(),
-        },
-        lkey: 0x11,
-        max_op_len: 1 << 20,
-    };
+    let (local, buf) = staging();
     Rig {
         engine,
         qp,

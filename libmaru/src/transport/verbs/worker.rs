@@ -10,14 +10,14 @@ use super::proto::{gid_to_string, TargetHalf, TargetMeta, WorkerHalf};
 use super::settings::{EventAction, VerbsSettings};
 use super::sys::RawQp;
 use crate::transport::{
-    BatchId, BatchState, Bringup, LocalBuffer, Op, PeerId, Transport, TransportError,
+    BatchId, BatchState, Bringup, LocalBuffer, Op, PeerId, Staging, Transport, TransportError,
 };
 use rdma_mummy_sys::{ibv_ack_cq_events, ibv_cq, ibv_event_type, ibv_get_cq_event};
 use sideway::ibverbs::completion::CompletionChannel;
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -55,7 +55,7 @@ pub struct VerbsTransport {
     shared: Arc<Shared>,
     instance: u64,
     channel: Arc<CompletionChannel>,
-    local: OnceLock<Local>,
+    local: Staging<Local>,
     connect_lock: Mutex<()>,
     progress: Mutex<Option<JoinHandle<()>>>,
     next_peer: AtomicU64,
@@ -63,25 +63,10 @@ pub struct VerbsTransport {
 }
 
 impl VerbsTransport {
-    /// Opens `device` (`None`: the first RDMA device) at `port` (from 1) and starts the
-    /// progress thread. `gid_index`: the GID to source packets from (`None`: 0 on
-    /// InfiniBand, a RoCE v2 GID on Ethernet). Without a device, or without rdma-core,
-    /// fails with [`TransportError::Unavailable`] naming the device looked for.
-    pub fn open(
-        device: Option<&str>,
-        port: u8,
-        gid_index: Option<u8>,
-    ) -> Result<VerbsTransport, TransportError> {
-        VerbsTransport::open_with(&VerbsSettings {
-            device: device.map(str::to_string),
-            port,
-            gid_index,
-            ..VerbsSettings::default()
-        })
-    }
-
-    /// Opens the device and port of `settings` (traffic class and service level
-    /// apply to every queue pair it brings up).
+    /// Opens the device and port of `settings` and starts the progress thread (traffic
+    /// class and service level apply to every queue pair it brings up). Without a
+    /// device, or without rdma-core, fails with [`TransportError::Unavailable`] naming
+    /// the device looked for.
     pub fn open_with(settings: &VerbsSettings) -> Result<VerbsTransport, TransportError> {
         let dev = Arc::new(Device::open(settings)?);
         let channel = dev.ctx.create_comp_channel().map_err(|e| {
@@ -118,7 +103,7 @@ impl VerbsTransport {
             instance: device::random_u64(),
             shared,
             channel,
-            local: OnceLock::new(),
+            local: Staging::default(),
             connect_lock: Mutex::new(()),
             progress: Mutex::new(Some(handle)),
             next_peer: AtomicU64::new(1),
@@ -137,7 +122,7 @@ impl VerbsTransport {
     }
 
     fn local(&self) -> Result<&Local, TransportError> {
-        self.local.get().ok_or(TransportError::NoLocalBuffer)
+        self.local.get()
     }
 
     /// Sends our half, takes the target's, and moves `qp` to RTS.
@@ -279,32 +264,27 @@ impl Transport for VerbsTransport {
     }
 
     fn register_local(&self, buf: LocalBuffer) -> Result<(), TransportError> {
-        if self.local.get().is_some() {
-            return Err(TransportError::Setup(
-                "a staging buffer is already registered".into(),
-            ));
-        }
-        let dev = &self.shared.dev;
-        // LOCAL_WRITE: RDMA READs land in it. No remote access: only this process's
-        // own work requests touch the staging buffer.
-        // SAFETY: the caller keeps the buffer mapped for the transport's life.
-        let mr =
-            unsafe { dev.register(buf.ptr, buf.len, Access::LocalWriteOnly) }.map_err(|e| {
-                TransportError::Setup(format!(
-                    "registering the staging buffer ({} bytes at {:p}) with {}: {e}",
-                    buf.len,
-                    buf.ptr,
-                    dev.label()
-                ))
-            })?;
-        let reg = LocalReg {
-            buf,
-            lkey: mr.lkey(),
-            max_op_len: self.max_op_len,
-        };
-        self.local
-            .set(Local { reg, _mr: mr })
-            .map_err(|_| TransportError::Setup("a staging buffer is already registered".into()))
+        self.local.register(|| {
+            let dev = &self.shared.dev;
+            // LOCAL_WRITE: RDMA READs land in it. No remote access: only this process's
+            // own work requests touch the staging buffer.
+            // SAFETY: the caller keeps the buffer mapped for the transport's life.
+            let mr =
+                unsafe { dev.register(buf.ptr, buf.len, Access::LocalWriteOnly) }.map_err(|e| {
+                    TransportError::Setup(format!(
+                        "registering the staging buffer ({} bytes at {:p}) with {}: {e}",
+                        buf.len,
+                        buf.ptr,
+                        dev.label()
+                    ))
+                })?;
+            let reg = LocalReg {
+                buf,
+                lkey: mr.lkey(),
+                max_op_len: self.max_op_len,
+            };
+            Ok(Local { reg, _mr: mr })
+        })
     }
 
     fn connect(
