@@ -148,13 +148,25 @@ impl RawQp {
         self.alive.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn modify(&self, attr: &mut ibv_qp_attr, mask: ibv_qp_attr_mask) -> Result<(), io::Error> {
+    /// Moves the queue pair to `state` with the attributes `set` writes (into an
+    /// otherwise all-zero `ibv_qp_attr`) and `mask` names (the state aside).
+    fn move_to(
+        &self,
+        state: ibv_qp_state::Type,
+        mask: ibv_qp_attr_mask,
+        set: impl FnOnce(&mut ibv_qp_attr),
+    ) -> Result<(), io::Error> {
+        // SAFETY: an all-zero ibv_qp_attr is valid plain data.
+        let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = state;
+        set(&mut attr);
+        let mask = mask | ibv_qp_attr_mask::IBV_QP_STATE;
         let alive = self.alive();
         if !alive.qp {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         // SAFETY: the QP is alive (checked under the lock that destroy takes).
-        let rc = unsafe { ibv_modify_qp(self.qp, attr, mask.0 as i32) };
+        let rc = unsafe { ibv_modify_qp(self.qp, &mut attr, mask.0 as i32) };
         if rc == 0 {
             Ok(())
         } else {
@@ -184,69 +196,52 @@ impl RawQp {
             ))
         };
         use ibv_qp_attr_mask as m;
-        // SAFETY: an all-zero ibv_qp_attr is valid plain data.
-        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
-        a.pkey_index = 0;
-        a.port_num = dev.port;
-        a.qp_access_flags = access;
-        self.modify(
-            &mut a,
-            m(m::IBV_QP_STATE.0
-                | m::IBV_QP_PKEY_INDEX.0
-                | m::IBV_QP_PORT.0
-                | m::IBV_QP_ACCESS_FLAGS.0),
-        )
+        let init = m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS;
+        self.move_to(ibv_qp_state::IBV_QPS_INIT, init, |a| {
+            a.pkey_index = 0;
+            a.port_num = dev.port;
+            a.qp_access_flags = access;
+        })
         .map_err(|e| step("RESET→INIT", e))?;
 
         let (_, gid_index) = dev.address();
-        // SAFETY: as above.
-        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
-        a.path_mtu = mtu_code(dev.mtu.min(remote.mtu));
-        a.dest_qp_num = remote.qpn;
-        a.rq_psn = remote.psn;
-        a.max_dest_rd_atomic = max_dest_rd_atomic;
-        a.min_rnr_timer = MIN_RNR_TIMER;
-        a.ah_attr.dlid = remote.lid;
-        a.ah_attr.sl = dev.settings.service_level;
-        a.ah_attr.port_num = dev.port;
-        if dev.ethernet || remote.lid == 0 {
-            a.ah_attr.is_global = 1;
-            a.ah_attr.grh.dgid.raw = remote.gid;
-            a.ah_attr.grh.sgid_index = gid_index;
-            a.ah_attr.grh.hop_limit = HOP_LIMIT;
-            a.ah_attr.grh.traffic_class = dev.settings.traffic_class;
-        }
-        self.modify(
-            &mut a,
-            m(m::IBV_QP_STATE.0
-                | m::IBV_QP_AV.0
-                | m::IBV_QP_PATH_MTU.0
-                | m::IBV_QP_DEST_QPN.0
-                | m::IBV_QP_RQ_PSN.0
-                | m::IBV_QP_MAX_DEST_RD_ATOMIC.0
-                | m::IBV_QP_MIN_RNR_TIMER.0),
-        )
+        let rtr = m::IBV_QP_AV
+            | m::IBV_QP_PATH_MTU
+            | m::IBV_QP_DEST_QPN
+            | m::IBV_QP_RQ_PSN
+            | m::IBV_QP_MAX_DEST_RD_ATOMIC
+            | m::IBV_QP_MIN_RNR_TIMER;
+        self.move_to(ibv_qp_state::IBV_QPS_RTR, rtr, |a| {
+            a.path_mtu = mtu_code(dev.mtu.min(remote.mtu));
+            a.dest_qp_num = remote.qpn;
+            a.rq_psn = remote.psn;
+            a.max_dest_rd_atomic = max_dest_rd_atomic;
+            a.min_rnr_timer = MIN_RNR_TIMER;
+            a.ah_attr.dlid = remote.lid;
+            a.ah_attr.sl = dev.settings.service_level;
+            a.ah_attr.port_num = dev.port;
+            if dev.ethernet || remote.lid == 0 {
+                a.ah_attr.is_global = 1;
+                a.ah_attr.grh.dgid.raw = remote.gid;
+                a.ah_attr.grh.sgid_index = gid_index;
+                a.ah_attr.grh.hop_limit = HOP_LIMIT;
+                a.ah_attr.grh.traffic_class = dev.settings.traffic_class;
+            }
+        })
         .map_err(|e| step("INIT→RTR", e))?;
 
-        // SAFETY: as above.
-        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        a.sq_psn = psn;
-        a.timeout = ACK_TIMEOUT;
-        a.retry_cnt = RETRY_CNT;
-        a.rnr_retry = RNR_RETRY;
-        a.max_rd_atomic = max_rd_atomic;
-        self.modify(
-            &mut a,
-            m(m::IBV_QP_STATE.0
-                | m::IBV_QP_SQ_PSN.0
-                | m::IBV_QP_TIMEOUT.0
-                | m::IBV_QP_RETRY_CNT.0
-                | m::IBV_QP_RNR_RETRY.0
-                | m::IBV_QP_MAX_QP_RD_ATOMIC.0),
-        )
+        let rts = m::IBV_QP_SQ_PSN
+            | m::IBV_QP_TIMEOUT
+            | m::IBV_QP_RETRY_CNT
+            | m::IBV_QP_RNR_RETRY
+            | m::IBV_QP_MAX_QP_RD_ATOMIC;
+        self.move_to(ibv_qp_state::IBV_QPS_RTS, rts, |a| {
+            a.sq_psn = psn;
+            a.timeout = ACK_TIMEOUT;
+            a.retry_cnt = RETRY_CNT;
+            a.rnr_retry = RNR_RETRY;
+            a.max_rd_atomic = max_rd_atomic;
+        })
         .map_err(|e| step("RTR→RTS", e))
     }
 }
@@ -377,10 +372,7 @@ impl QueuePairOps for RawQp {
     }
 
     fn to_error(&self) -> Result<(), String> {
-        // SAFETY: plain data.
-        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
-        self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE)
+        self.move_to(ibv_qp_state::IBV_QPS_ERR, ibv_qp_attr_mask(0), |_| {})
             .map_err(|e| format!("queue pair {} → ERR: {e}", self.qpn))
     }
 
