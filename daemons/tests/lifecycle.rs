@@ -352,10 +352,9 @@ fn a_copying_store_publishes_only_chunks_whose_write_completed() {
 /// a fake agent cannot serve it bogus KV.
 #[test]
 fn a_client_with_the_key_refuses_an_agent_that_does_not_prove_it() {
-    use maru::net::handshake::{ServerHandshake, Step};
+    use maru::net::handshake::ServerHandshake;
     use maru::net::{Client, ClientError, ClientOptions};
-    use maru::wire::{FrameDecoder, DEFAULT_MAX_FRAME};
-    use std::io::{Read, Write};
+    use maru::testing::serve_handshake;
 
     let key = SharedKey::generate().unwrap();
     for server_key in [None, Some(SharedKey::generate().unwrap())] {
@@ -366,29 +365,9 @@ fn a_client_with_the_key_refuses_an_agent_that_does_not_prove_it() {
             let (mut s, _) = l.accept().unwrap();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
             let info = serde_json::json!({"boot_id": "fake", "epoch": 1});
-            let mut hs = ServerHandshake::new(maru::wire::agent::SERVICE, server_key, info);
-            let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME);
-            let mut buf = [0u8; 4096];
-            loop {
-                match dec.next_frame() {
-                    Ok(Some(f)) => match hs.on_frame(&f) {
-                        Step::Send(b) => {
-                            let _ = s.write_all(&b);
-                        }
-                        Step::Ready { send, .. } => {
-                            let _ = s.write_all(&send);
-                            // Would now serve requests: the client must not get here.
-                            return true;
-                        }
-                        Step::Fail(_) => return false,
-                    },
-                    Ok(None) => match s.read(&mut buf) {
-                        Ok(0) | Err(_) => return false,
-                        Ok(n) => dec.push(&buf[..n]),
-                    },
-                    Err(_) => return false,
-                }
-            }
+            let hs = ServerHandshake::new(maru::wire::agent::SERVICE, server_key, info);
+            // Would now serve requests: the client must not get here.
+            serve_handshake(&mut s, hs).is_some()
         });
         let mut opts = ClientOptions::new(maru::wire::agent::SERVICE, "worker");
         opts.key = Some(key.clone());

@@ -10,6 +10,8 @@ pub mod net;
 pub mod rm;
 #[cfg(test)]
 pub(crate) mod test_alloc;
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod testing;
 pub mod transport;
 pub mod wire;
 pub mod worker;

@@ -647,9 +647,9 @@ fn write_two(out: &mut impl Write, a: &[u8], b: &[u8]) -> io::Result<()> {
 #[cfg(test)]
 mod fence_tests {
     use super::*;
-    use crate::net::handshake::{ServerHandshake, Step};
+    use crate::net::handshake::ServerHandshake;
+    use crate::testing::serve_handshake;
     use crate::transport::no_bringup;
-    use crate::wire::{self, FrameDecoder};
     use std::io::Read;
     use std::net::TcpListener;
     use std::sync::mpsc;
@@ -666,25 +666,11 @@ mod fence_tests {
         let (done_tx, done_rx) = mpsc::channel::<usize>();
         std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
-            let mut hs = ServerHandshake::new(proto::SERVICE, None, serde_json::Value::Null);
-            let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
+            let hs = ServerHandshake::new(proto::SERVICE, None, serde_json::Value::Null);
+            let mut rest = serve_handshake(&mut s, hs)
+                .expect("the worker's handshake")
+                .into_rest();
             let mut buf = [0u8; 4096];
-            let mut rest = loop {
-                match dec.next_frame().unwrap() {
-                    Some(f) => match hs.on_frame(&f) {
-                        Step::Send(b) => s.write_all(&b).unwrap(),
-                        Step::Ready { send, .. } => {
-                            s.write_all(&send).unwrap();
-                            break dec.into_rest();
-                        }
-                        Step::Fail(e) => panic!("{}", e.message),
-                    },
-                    None => {
-                        let n = s.read(&mut buf).unwrap();
-                        dec.push(&buf[..n]);
-                    }
-                }
-            };
             // The worker binds the connection first: accept it.
             while rest.len() < proto::REQ_LEN {
                 let n = s.read(&mut buf).unwrap();

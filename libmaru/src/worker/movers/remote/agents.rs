@@ -539,9 +539,10 @@ impl RemoteMover {
 mod tests {
     use super::super::fixtures::{grant, mapped};
     use super::*;
-    use crate::net::handshake::{ServerHandshake, Step};
+    use crate::net::handshake::ServerHandshake;
     use crate::net::ClientOptions;
-    use crate::wire::{self, FrameDecoder};
+    use crate::testing::serve_handshake;
+    use crate::wire;
     use crate::worker::movers::remote::RemoteState;
     use std::io::{Read, Write};
 
@@ -685,29 +686,10 @@ mod tests {
                 let info = info.clone();
                 let _ = std::thread::Builder::new().spawn(move || {
                     let mut s = s;
-                    let mut hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
-                    let mut dec = FrameDecoder::new(wire::DEFAULT_MAX_FRAME);
-                    let mut buf = [0u8; 4096];
-                    loop {
-                        match dec.next_frame() {
-                            Ok(Some(f)) => match hs.on_frame(&f) {
-                                Step::Send(b) => {
-                                    let _ = s.write_all(&b);
-                                }
-                                Step::Ready { send, .. } => {
-                                    let _ = s.write_all(&send);
-                                    // Held until the client closes it.
-                                    let _ = s.read(&mut buf);
-                                    return;
-                                }
-                                Step::Fail(_) => return,
-                            },
-                            Ok(None) => match s.read(&mut buf) {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => dec.push(&buf[..n]),
-                            },
-                            Err(_) => return,
-                        }
+                    let hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
+                    if serve_handshake(&mut s, hs).is_some() {
+                        // Held until the client closes it.
+                        let _ = s.read(&mut [0u8; 4096]);
                     }
                 });
             }
@@ -725,21 +707,13 @@ mod tests {
         let record = seen.clone();
         let serve = move |mut s: std::net::TcpStream| {
             let info = serde_json::json!({"boot_id": "b-1", "epoch": 1});
-            let mut hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
-            let (mut dec, mut ready) = (FrameDecoder::new(wire::DEFAULT_MAX_FRAME), false);
+            let hs = ServerHandshake::new(crate::wire::agent::SERVICE, None, info);
+            let Some(mut dec) = serve_handshake(&mut s, hs) else {
+                return;
+            };
             let mut buf = [0u8; 65536];
             loop {
                 match dec.next_frame() {
-                    Ok(Some(f)) if !ready => match hs.on_frame(&f) {
-                        Step::Send(b) => {
-                            let _ = s.write_all(&b);
-                        }
-                        Step::Ready { send, .. } => {
-                            let _ = s.write_all(&send);
-                            ready = true;
-                        }
-                        Step::Fail(_) => return,
-                    },
                     Ok(Some(f)) => {
                         let Ok(env) = wire::decode_json::<wire::Envelope<AgentRequest>>(&f.body)
                         else {
