@@ -1,5 +1,5 @@
 //! `maru_load_pieces`' leases given back after the call (`Handler::
-//! load_each_release_after`), against real daemons on loopback: the call does not
+//! load_each` with `release_after`), against real daemons on loopback: the call does not
 //! wait for maru-server's answer to the release, and no lease is left held, neither
 //! after many calls nor when the handler closes with releases still queued.
 
@@ -109,7 +109,7 @@ impl<'a> Scene<'a> {
 fn load(h: &Handler, keys: &[String]) -> (Vec<Option<Vec<u8>>>, Duration) {
     let mut got = vec![None; keys.len()];
     let t = Instant::now();
-    h.load_each_release_after(keys, Some("r"), &mut |i, b| got[i] = Some(b.to_vec()))
+    h.load_each(keys, Some("r"), true, &mut |i, b| got[i] = Some(b.to_vec()))
         .unwrap();
     (got, t.elapsed())
 }

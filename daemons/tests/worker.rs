@@ -1167,7 +1167,7 @@ fn a_cxl_load_copies_without_holding_the_pool() {
     };
     let mut seen = Vec::new();
     let mut answered = None;
-    h.load_each(&keys, Some("par"), &mut |i, b| {
+    h.load_each(&keys, Some("par"), false, &mut |i, b| {
         if i == 0 {
             in_copy_tx.send(()).expect("the other thread waits");
             answered = done_rx.recv_timeout(Duration::from_secs(10)).ok();
@@ -1434,7 +1434,7 @@ fn a_store_or_a_load_takes_the_pool_core_lock_a_few_times_whatever_its_chunks() 
             // `maru_load_pieces`' call: the leases released after it returns.
             let mut got: Vec<Option<Vec<u8>>> = vec![None; r.len()];
             let before = maru::worker::core_locks();
-            h.load_each_release_after(&keys[r.clone()], None, &mut |i, b| {
+            h.load_each(&keys[r.clone()], None, true, &mut |i, b| {
                 got[i] = Some(b.to_vec())
             })
             .unwrap();

@@ -118,17 +118,15 @@ pub unsafe extern "C" fn maru_load_pieces(
         let ps = in_slice(pieces, n_pieces, "pieces")?;
         let (ls, fs) = load_outputs(lens, found, n)?;
         let groups = by_chunk(ps, n)?;
-        call.handler()
-            .load_each_release_after(&ks, rk, &mut |i, bytes| {
-                let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i))
-                else {
-                    return;
-                };
-                *l = bytes.len();
-                // SAFETY: the caller's contract on every `dst`; the sources are checked
-                // against the chunk.
-                *f = unsafe { copy_chunk(bytes, g) };
-            })?;
+        call.handler().load_each(&ks, rk, true, &mut |i, bytes| {
+            let (Some(l), Some(f), Some(g)) = (ls.get_mut(i), fs.get_mut(i), groups.get(i)) else {
+                return;
+            };
+            *l = bytes.len();
+            // SAFETY: the caller's contract on every `dst`; the sources are checked
+            // against the chunk.
+            *f = unsafe { copy_chunk(bytes, g) };
+        })?;
         Ok(())
     })
 }

@@ -418,29 +418,19 @@ impl Handler {
 
     /// Loads the chunks of one request and hands each found one to `f(index, bytes)`
     /// where it lies (`cxl`: the shared mapping; `remote_cxl`: the staging slot), valid
-    /// only during the call of `f` (which runs with no lock held).
+    /// only during the call of `f` (which runs with no lock held). With
+    /// `release_after`, the leases are given back after the call, by the handler's
+    /// `maru-release` thread (see `ReleaseQueue`): for a caller that copies the bytes
+    /// out inside `f` (`maru_load_pieces`).
     pub fn load_each(
         &self,
         keys: &[String],
         route_key: Option<&str>,
+        release_after: bool,
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), WorkerError> {
         self.timed("load", keys.len(), || {
-            self.inner.load(keys, route_key, f, false)
-        })
-    }
-
-    /// As [`load_each`](Self::load_each), except that the leases are given back after
-    /// the call, by the handler's `maru-release` thread (see `ReleaseQueue`): for a caller
-    /// that copies the bytes out inside `f` (`maru_load_pieces`).
-    pub fn load_each_release_after(
-        &self,
-        keys: &[String],
-        route_key: Option<&str>,
-        f: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<(), WorkerError> {
-        self.timed("load", keys.len(), || {
-            self.inner.load(keys, route_key, f, true)
+            self.inner.load(keys, route_key, f, release_after)
         })
     }
 
@@ -456,7 +446,7 @@ impl Handler {
         route_key: Option<&str>,
     ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
         let mut out = vec![None; keys.len()];
-        self.load_each(keys, route_key, &mut |i, b| {
+        self.load_each(keys, route_key, false, &mut |i, b| {
             let mut v = vec![0u8; b.len()];
             crate::dax::copy::copy_out(&mut v, b);
             out[i] = Some(v)
@@ -480,7 +470,7 @@ impl Handler {
             )));
         }
         let mut out = vec![Loaded::Miss; keys.len()];
-        self.load_each(keys, route_key, &mut |i, b| {
+        self.load_each(keys, route_key, false, &mut |i, b| {
             let dst = &mut bufs[i];
             out[i] = if b.len() <= dst.len() {
                 crate::dax::copy::copy_out(dst, b);
