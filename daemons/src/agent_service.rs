@@ -248,13 +248,8 @@ impl NicPort for Nic {
         let owner = conn_of(holder)
             .ok_or_else(|| format!("holder {holder:?} names no agent connection"))?;
         // SAFETY: the core deregisters a range before it asks the memory port to unmap it.
-        let r = unsafe { self.target.register(owner, ptr as *mut u8, len, writable) }
-            .map_err(|e| e.to_string())?;
-        Ok(Registration {
-            rkey: r.rkey,
-            addr: r.addr,
-            transport: r.transport,
-        })
+        unsafe { self.target.register(owner, ptr as *mut u8, len, writable) }
+            .map_err(|e| e.to_string())
     }
 
     fn deregister(&mut self, rkey: u64) -> Result<(), String> {

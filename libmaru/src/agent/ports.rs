@@ -79,16 +79,8 @@ pub trait MemPort {
     fn unmap(&mut self, id: u64);
 }
 
-/// A registration of memory with the NIC.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Registration {
-    /// The remote key a peer presents with every one-sided operation.
-    pub rkey: u64,
-    /// The remote address of the registered range's first byte.
-    pub addr: u64,
-    /// What a peer needs to reach this registration (and nothing else).
-    pub transport: serde_json::Value,
-}
+/// A registration of memory with the NIC: the transport's own.
+pub use crate::transport::Registration;
 
 /// The node's NIC.
 pub trait NicPort {
