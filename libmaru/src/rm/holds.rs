@@ -122,6 +122,15 @@ impl HoldLedger {
 mod tests {
     use super::*;
 
+    /// A ledger with each `(region, node, epoch)` of `holds` held.
+    fn holding(holds: &[(u64, &str, u64)]) -> HoldLedger {
+        let mut l = HoldLedger::new();
+        for &(region, node, epoch) in holds {
+            assert!(l.hold(region, node, epoch));
+        }
+        l
+    }
+
     #[test]
     fn hold_is_idempotent_per_node_and_epoch() {
         let mut l = HoldLedger::new();
@@ -140,11 +149,7 @@ mod tests {
 
     #[test]
     fn reset_drops_only_older_epochs_of_that_node() {
-        let mut l = HoldLedger::new();
-        l.hold(1, "a", 1);
-        l.hold(2, "a", 2);
-        l.hold(3, "a", 3);
-        l.hold(1, "b", 1);
+        let mut l = holding(&[(1, "a", 1), (2, "a", 2), (3, "a", 3), (1, "b", 1)]);
         let removed = l.reset("a", 3);
         assert_eq!(removed.len(), 2);
         assert!(removed.iter().all(|h| h.node == "a" && h.epoch < 3));
@@ -157,10 +162,7 @@ mod tests {
 
     #[test]
     fn drop_node_drops_every_epoch() {
-        let mut l = HoldLedger::new();
-        l.hold(1, "a", 1);
-        l.hold(1, "a", 7);
-        l.hold(2, "b", 1);
+        let mut l = holding(&[(1, "a", 1), (1, "a", 7), (2, "b", 1)]);
         assert_eq!(l.drop_node("a").len(), 2);
         assert!(!l.is_held(1));
         assert!(l.is_held(2));

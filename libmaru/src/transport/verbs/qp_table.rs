@@ -193,12 +193,26 @@ mod tests {
         Arc::new(FakeQp::new(n))
     }
 
+    /// A table (`max_total`, `max_per_owner`) with one queue pair brought up (admitted,
+    /// then inserted) for each of `owners`, in order: QPNs 1, 2, ...
+    fn brought_up(
+        max_total: usize,
+        max_per_owner: usize,
+        owners: &[QpOwner],
+    ) -> (QpTable, Vec<Arc<FakeQp>>) {
+        let mut t = QpTable::new(max_total, max_per_owner);
+        let qps: Vec<Arc<FakeQp>> = (1..=owners.len() as u32).map(qp).collect();
+        for (&o, q) in owners.iter().zip(&qps) {
+            t.admit(o).unwrap();
+            t.insert(o, q.clone()).unwrap();
+        }
+        (t, qps)
+    }
+
     #[test]
     fn a_connection_never_replaces_another_connections_queue_pair() {
-        let mut t = QpTable::new(8, 2);
-        let (a, b) = (qp(1), qp(2));
-        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
-        t.insert(QpOwner::Connection(2), b.clone()).unwrap();
+        let (mut t, q) = brought_up(8, 2, &[QpOwner::Connection(1), QpOwner::Connection(2)]);
+        let (a, b) = (&q[0], &q[1]);
         // Connection 2 brings up two more: its own oldest goes, connection 1's stays.
         t.insert(QpOwner::Connection(2), qp(3)).unwrap();
         t.insert(QpOwner::Connection(2), qp(4)).unwrap();
@@ -209,11 +223,9 @@ mod tests {
 
     #[test]
     fn closing_a_connection_destroys_its_queue_pairs() {
-        let mut t = QpTable::new(8, 4);
-        let (a, b, c) = (qp(1), qp(2), qp(3));
-        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
-        t.insert(QpOwner::Connection(1), b.clone()).unwrap();
-        t.insert(QpOwner::Connection(2), c.clone()).unwrap();
+        let (c1, c2) = (QpOwner::Connection(1), QpOwner::Connection(2));
+        let (mut t, q) = brought_up(8, 4, &[c1, c1, c2]);
+        let (a, b, c) = (&q[0], &q[1], &q[2]);
         assert_eq!(t.close(QpOwner::Connection(1)), 2);
         assert!(a.state().destroyed && b.state().destroyed);
         assert!(!c.state().destroyed);
@@ -223,12 +235,8 @@ mod tests {
 
     #[test]
     fn past_the_cap_a_new_queue_pair_is_refused_and_no_live_one_is_evicted() {
-        let mut t = QpTable::new(2, 4);
-        let (a, b) = (qp(1), qp(2));
-        t.admit(QpOwner::Connection(1)).unwrap();
-        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
-        t.admit(QpOwner::Connection(2)).unwrap();
-        t.insert(QpOwner::Connection(2), b.clone()).unwrap();
+        let (mut t, q) = brought_up(2, 4, &[QpOwner::Connection(1), QpOwner::Connection(2)]);
+        let (a, b) = (&q[0], &q[1]);
         match t.admit(QpOwner::Connection(3)) {
             Err(TransportError::Setup(m)) => assert!(m.contains("at most 2"), "{m}"),
             other => panic!("{other:?}"),
@@ -240,10 +248,8 @@ mod tests {
 
     #[test]
     fn at_the_cap_only_unbound_queue_pairs_are_evicted() {
-        let mut t = QpTable::new(2, 1);
-        let (a, u) = (qp(1), qp(2));
-        t.insert(QpOwner::Connection(1), a.clone()).unwrap();
-        t.insert(QpOwner::Unbound(99), u.clone()).unwrap();
+        let (mut t, q) = brought_up(2, 1, &[QpOwner::Connection(1), QpOwner::Unbound(99)]);
+        let (a, u) = (&q[0], &q[1]);
         t.admit(QpOwner::Connection(2)).unwrap();
         assert!(u.state().destroyed && !a.state().destroyed);
         t.insert(QpOwner::Connection(2), qp(3)).unwrap();
