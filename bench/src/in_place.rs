@@ -11,12 +11,12 @@
 //! the region once so that first touches of fresh pages are not measured.
 
 use crate::harness::{percentile, Fig, Rotor};
-use crate::maru_io::{check, CHandler};
+use crate::maru_io::{check, every_set, key_ptrs, CHandler};
 use crate::procs::{stack, Scratch};
 use crate::report::{f2, Table};
 use maru::ffi::{maru_page_t, maru_pages_publish, maru_pages_take};
 use serde::Serialize;
-use std::ffi::{c_char, CString};
+use std::ffi::CString;
 
 const BATCH: usize = 32;
 const CHUNK: usize = 2 << 20;
@@ -162,7 +162,7 @@ fn take(h: &CHandler, n: usize, route: &CString) -> Result<Vec<maru_page_t>, Str
 
 /// Publishes `keys[i]` in `pages[i]`, CHUNK bytes each (`maru_pages_publish`); all must be published.
 fn publish(h: &CHandler, keys: &[CString], pages: &[maru_page_t]) -> Result<(), String> {
-    let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+    let kp = key_ptrs(keys);
     let lens = vec![CHUNK; keys.len()];
     let mut ok = vec![false; keys.len()];
     // SAFETY: arrays of keys.len() entries.
@@ -179,14 +179,9 @@ fn publish(h: &CHandler, keys: &[CString], pages: &[maru_page_t]) -> Result<(), 
         },
         "maru_pages_publish",
     )?;
-    match ok.iter().filter(|o| !**o).count() {
-        0 => Ok(()),
-        n => Err(format!(
-            "maru_pages_publish published {} of {}",
-            keys.len() - n,
-            keys.len()
-        )),
-    }
+    every_set(&ok, |n, of| {
+        format!("maru_pages_publish published {} of {of}", of - n)
+    })
 }
 
 /// Fills a page with the caller's copy (what the GPU's copy is in a runtime): streaming

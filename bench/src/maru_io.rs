@@ -45,6 +45,27 @@ pub struct ClientOps<T> {
     pub chunk: usize,
 }
 
+/// The two load phases over the batches each client `c` stored (`stored[c]`, from the
+/// ops `client(c)` makes): batched loads, then single loads of their chunks, each
+/// until `bound`.
+pub fn load_phases<T>(
+    client: impl Fn(usize) -> ClientOps<T>,
+    stored: &[usize],
+    bound: Bound,
+) -> Result<[Run; 2], String>
+where
+    T: Fn(usize, &str, usize) -> CString + Send + 'static,
+{
+    let batched: Vec<_> = (0..stored.len())
+        .map(|c| client(c).load_batch(stored[c]))
+        .collect();
+    let batched = run_clients_raw(batched, bound)?;
+    let single: Vec<_> = (0..stored.len())
+        .map(|c| client(c).load_single(stored[c]))
+        .collect();
+    Ok([batched, run_clients_raw(single, bound)?])
+}
+
 /// An op for [`run_clients`]: call `i` moves the bytes it returns.
 pub trait ClientOp: FnMut(usize) -> Result<u64, String> + Send + 'static {}
 impl<F: FnMut(usize) -> Result<u64, String> + Send + 'static> ClientOp for F {}
@@ -102,6 +123,20 @@ pub fn check(st: maru_status_t, what: &str) -> Result<(), String> {
     Err(format!("{what}: {st:?}: {msg}"))
 }
 
+/// `Ok` when every entry of `flags` (a call's outcome per chunk) is set; otherwise the
+/// error `what` makes of how many are not, of how many.
+pub fn every_set(flags: &[bool], what: impl FnOnce(usize, usize) -> String) -> Result<(), String> {
+    match flags.iter().filter(|&&f| !f).count() {
+        0 => Ok(()),
+        n => Err(what(n, flags.len())),
+    }
+}
+
+/// The C pointers of `keys`, valid while `keys` lives.
+pub fn key_ptrs(keys: &[CString]) -> Vec<*const c_char> {
+    keys.iter().map(|k| k.as_ptr()).collect()
+}
+
 impl CHandler {
     /// The handler, for the calls this wrapper has no method for.
     pub fn as_ptr(&self) -> *mut maru_handler_t {
@@ -126,7 +161,7 @@ impl CHandler {
         ptrs: &[*const u8],
         len: usize,
     ) -> Result<(), String> {
-        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let kp = key_ptrs(keys);
         let lens = vec![len; keys.len()];
         let mut stored = vec![false; keys.len()];
         // SAFETY: arrays of keys.len() entries; each pointer has `len` readable bytes.
@@ -144,14 +179,12 @@ impl CHandler {
             },
             "maru_store_batch",
         )?;
-        match stored.iter().filter(|&&s| !s).count() {
-            0 => Ok(()),
-            n => Err(format!(
-                "maru_store_batch skipped {n} of {} chunks; the handler's counters: {}",
-                keys.len(),
+        every_set(&stored, |n, of| {
+            format!(
+                "maru_store_batch skipped {n} of {of} chunks; the handler's counters: {}",
                 self.counters_for_error()
-            )),
-        }
+            )
+        })
     }
 
     pub fn store_one(&self, key: &CString, ptr: *const u8, len: usize) -> Result<(), String> {
@@ -212,7 +245,7 @@ impl CHandler {
         let loaded = if got < n {
             Err(format!("maru_slots_acquire gave {got} of {n} load slots"))
         } else {
-            let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+            let kp = key_ptrs(keys);
             let mut lens = vec![0usize; n];
             let mut found = vec![false; n];
             // SAFETY: arrays of n entries; the slot ids are held by this thread.
@@ -230,10 +263,12 @@ impl CHandler {
                 },
                 "maru_load_slots",
             )
-            .and_then(|()| match found.iter().filter(|&&f| !f).count() {
-                0 => Ok(lens.iter().sum::<usize>() as u64),
-                m => Err(format!("maru_load_slots missed {m} of {n} stored chunks")),
+            .and_then(|()| {
+                every_set(&found, |m, of| {
+                    format!("maru_load_slots missed {m} of {of} stored chunks")
+                })
             })
+            .map(|()| lens.iter().sum::<usize>() as u64)
         };
         // SAFETY: `ids` are the slots taken above.
         check(
@@ -245,7 +280,7 @@ impl CHandler {
 
     /// Unpublishes `keys` (this handler stored them); all must be removed.
     pub fn remove_batch(&self, keys: &[CString]) -> Result<(), String> {
-        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let kp = key_ptrs(keys);
         let mut res = vec![maru_remove_result_t::MARU_REMOVE_NOT_FOUND; keys.len()];
         // SAFETY: arrays of keys.len() entries.
         check(
@@ -269,7 +304,7 @@ impl CHandler {
         bufs: &[*mut u8],
         cap: usize,
     ) -> Result<u64, String> {
-        let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+        let kp = key_ptrs(keys);
         let caps = vec![cap; keys.len()];
         let mut lens = vec![0usize; keys.len()];
         let mut found = vec![false; keys.len()];
@@ -289,13 +324,10 @@ impl CHandler {
             },
             "maru_load_batch",
         )?;
-        match found.iter().filter(|&&f| !f).count() {
-            0 => Ok(lens.iter().sum::<usize>() as u64),
-            n => Err(format!(
-                "maru_load_batch missed {n} of {} stored chunks",
-                keys.len()
-            )),
-        }
+        every_set(&found, |n, of| {
+            format!("maru_load_batch missed {n} of {of} stored chunks")
+        })?;
+        Ok(lens.iter().sum::<usize>() as u64)
     }
 
     pub fn load_one(&self, key: &CString, buf: *mut u8, cap: usize) -> Result<u64, String> {
@@ -594,14 +626,7 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
     let ops: Vec<_> = (0..clients).map(|c| client(c).store_single(len)).collect();
     let store_single = run_clients(ops, bound(single_ops.max(1)))?;
     // Batched loads over the keys each client stored in batches, in rotation.
-    let ops: Vec<_> = (0..clients)
-        .map(|c| client(c).load_batch(stored[c]))
-        .collect();
-    let load_batch = run_clients(ops, bound(usize::MAX))?;
-    let ops: Vec<_> = (0..clients)
-        .map(|c| client(c).load_single(stored[c]))
-        .collect();
-    let load_single = run_clients(ops, bound(usize::MAX))?;
+    let [load_batch, load_single] = load_phases(client, &stored, bound(usize::MAX))?.map(Run::fig);
     let load_slots = if cfg.threads == 1 {
         let ops: Vec<_> = (0..clients)
             .map(|c| {
@@ -664,4 +689,17 @@ pub fn run(s: &Scratch, cfg: Config, sz: &Sizes) -> Result<Result_, String> {
         full_vs_reused,
         store_full,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::every_set;
+
+    #[test]
+    fn a_call_fails_when_any_chunk_is_not_set_and_says_how_many() {
+        let what = |n, of| format!("{n} of {of}");
+        assert_eq!(every_set(&[true, true], what), Ok(()));
+        assert_eq!(every_set(&[], what), Ok(()));
+        assert_eq!(every_set(&[true, false, false], what), Err("2 of 3".into()));
+    }
 }

@@ -4,10 +4,12 @@
 
 use super::cluster::{run_bounded, script, Cluster};
 use crate::harness::{run_clients_raw, Bound, Rotor, Run};
-use crate::maru_io::{check, handler_config, CHandler, ClientOps, BATCH};
+use crate::maru_io::{
+    check, every_set, handler_config, key_ptrs, load_phases, CHandler, ClientOps, BATCH,
+};
 use crate::procs::{stack, with_parent, Scratch};
 use serde::Deserialize;
-use std::ffi::{c_char, CString};
+use std::ffi::CString;
 use std::io::Read;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -98,7 +100,7 @@ pub(super) fn mooncake_turn(
 }
 
 fn exists_batch(h: &CHandler, keys: &[CString]) -> Result<(), String> {
-    let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+    let kp = key_ptrs(keys);
     let mut found = vec![false; keys.len()];
     // SAFETY: arrays of keys.len() entries; the handler is open.
     check(
@@ -113,13 +115,9 @@ fn exists_batch(h: &CHandler, keys: &[CString]) -> Result<(), String> {
         },
         "maru_exists_batch",
     )?;
-    match found.iter().filter(|&&f| !f).count() {
-        0 => Ok(()),
-        n => Err(format!(
-            "maru_exists_batch missed {n} of {} stored keys",
-            keys.len()
-        )),
-    }
+    every_set(&found, |n, of| {
+        format!("maru_exists_batch missed {n} of {of} stored keys")
+    })
 }
 
 /// One turn of Maru `backend` on a fresh stack: the same five phases as Mooncake's.
@@ -220,14 +218,7 @@ pub(super) fn maru_turn(
         .map(|c| client(c).store_single(chunk))
         .collect();
     let put_single = run_clients_raw(ops, bound(max_singles))?;
-    let ops: Vec<_> = (0..clients)
-        .map(|c| client(c).load_batch(stored[c]))
-        .collect();
-    let get_batch = run_clients_raw(ops, bound(usize::MAX))?;
-    let ops: Vec<_> = (0..clients)
-        .map(|c| client(c).load_single(stored[c]))
-        .collect();
-    let get_single = run_clients_raw(ops, bound(usize::MAX))?;
+    let [get_batch, get_single] = load_phases(client, &stored, bound(usize::MAX))?;
     // The keys of each batch made once, as Mooncake's side does: the figure times the call.
     let ops: Vec<_> = (0..clients)
         .map(|c| {
