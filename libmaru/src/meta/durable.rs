@@ -24,7 +24,9 @@
 //! **A publish is answered before its commit** (the driver hands its batch to the
 //! store at once): a crash in that window loses the key, never bytes, since its page
 //! stays its session's as above. Removals, frees, regions granted and sessions
-//! opened or closed are answered once their batch is durable.
+//! opened or closed are answered once their batch is durable, except a removal of
+//! keys published since the last batch was taken: publish and removal go in one
+//! batch, so no crash can keep the publish and lose the removal.
 //!
 //! Leases are not kept durable (every load takes some; an fsync before each acquire's
 //! reply would cost every load a disk write). Instead a worker says in each heartbeat
