@@ -148,8 +148,8 @@ struct Durable {
     /// When to hand the core's reads (use stamps) to the store next.
     next_flush_ms: u64,
     /// Jobs whose requests were answered before they were durable (a publish, an
-    /// alloc from the reserve): (job, when the first of them was answered), oldest
-    /// first.
+    /// alloc from the reserve, a removal of keys published in the same batch): (job,
+    /// when the first of them was answered), oldest first.
     early: std::collections::VecDeque<(u64, u64)>,
     /// Changes of requests answered early that are still in the core, not yet handed
     /// to the store: since when (they go at most [`LAZY_COMMIT_MS`] later, or sooner

@@ -760,3 +760,35 @@ fn a_job_is_committed_alone_and_jobs_sent_together_share_commits() {
     assert_eq!(l.image.keys.len(), 11);
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// The core leaves the checks of its JSON records (scopes, sessions, regions) to the
+/// store, off the event loop: the writer seals each batch before it writes it, so
+/// every record it wrote holds its check when read back. Seen failing with the
+/// writer's sealing left out (the region's and the session's checks were 0).
+#[test]
+fn the_writer_seals_the_records_the_core_left_unsealed() {
+    let d = dir();
+    let (store, _) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+    let mut w = StoreWriter::start(store, || {}, None);
+    let mut region = format1_image().regions[0].clone();
+    region.check = 0;
+    let session = SessionRecord {
+        check: 0,
+        ..session(1)
+    };
+    let records = vec![Record::Region(region), Record::Session(session)];
+    w.send(Some(Changes { batch: 1, records }), vec![]);
+    assert!(w.sync(Duration::from_secs(5)));
+    w.close();
+    let (_s, l) = MetaStore::open(&d, || "i".into(), 60_000).unwrap();
+    assert_eq!((l.image.regions.len(), l.image.sessions.len()), (1, 1));
+    assert!(
+        l.image.regions[0].verify(),
+        "the region record holds its check"
+    );
+    assert!(
+        l.image.sessions[0].verify(),
+        "the session record holds its check"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}

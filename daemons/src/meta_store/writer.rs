@@ -96,6 +96,11 @@ impl StoreWriter {
                         }
                     }
                     if !jobs.is_empty() {
+                        // The core leaves the JSON records' checks to the store: here,
+                        // off the event loop.
+                        for c in jobs.iter_mut().filter_map(|j| j.changes.as_mut()) {
+                            c.seal();
+                        }
                         let mut tries = 0u32;
                         while let Err(e) = store.commit(&jobs) {
                             tries += 1;

@@ -24,7 +24,9 @@
 //! **A publish is answered before its commit** (the driver hands its batch to the
 //! store at once): a crash in that window loses the key, never bytes, since its page
 //! stays its session's as above. Removals, frees, regions granted and sessions
-//! opened or closed are answered once their batch is durable.
+//! opened or closed are answered once their batch is durable, except a removal of
+//! keys published since the last batch was taken: publish and removal go in one
+//! batch, so no crash can keep the publish and lose the removal.
 //!
 //! Leases are not kept durable (every load takes some; an fsync before each acquire's
 //! reply would cost every load a disk write). Instead a worker says in each heartbeat
@@ -201,6 +203,9 @@ impl MetaCore {
 
     /// The records of everything that changed since the last call, as the next
     /// batch (None when nothing changed). Batches must be made durable in order.
+    /// Key records come sealed (each key's check binds its region's boot id); the
+    /// store seals the others as it takes the batch ([`Changes::seal`]), off the
+    /// event loop: a region's record carries its list of allocated pages.
     pub fn take_changes(&mut self) -> Option<Changes> {
         self.journal.as_ref()?;
         let kj = self.keys.take_journal().unwrap_or_default();
@@ -367,6 +372,7 @@ impl MetaCore {
         }
     }
 
+    /// The record of session `s`, its check not set yet (see [`Record::seal`]).
     fn session_record(&self, s: &Session) -> SessionRecord {
         SessionRecord {
             id: s.id,
@@ -379,7 +385,6 @@ impl MetaCore {
             scope: KeyDirectory::scope_number(s.scope),
             check: 0,
         }
-        .sealed()
     }
 
     /// The record of key `id`, its check bound to its region's boot id.
@@ -405,23 +410,19 @@ impl MetaCore {
         )
     }
 
-    /// The whole directory as records (a store written from scratch, tests).
-    /// The sealed record of scope `id` (its own check over its fields), as the
-    /// journal and the image both write it.
+    /// The record of scope `id`, its check not set yet (see [`Record::seal`]).
     fn scope_record(&self, id: ScopeId) -> Option<ScopeRecord> {
         let s = self.keys.scope(id)?;
-        Some(
-            ScopeRecord {
-                id: KeyDirectory::scope_number(id),
-                namespace: s.namespace.clone(),
-                layout: s.layout.clone(),
-                backend: s.backend,
-                check: 0,
-            }
-            .sealed(),
-        )
+        Some(ScopeRecord {
+            id: KeyDirectory::scope_number(id),
+            namespace: s.namespace.clone(),
+            layout: s.layout.clone(),
+            backend: s.backend,
+            check: 0,
+        })
     }
 
+    /// The whole directory as sealed records (a store written from scratch, tests).
     pub fn image(&self) -> Image {
         let mut scopes = Vec::new();
         let mut seen = BTreeSet::new();
@@ -432,17 +433,21 @@ impl MetaCore {
             seen.insert(s.scope);
         }
         for id in seen {
-            scopes.extend(self.scope_record(id));
+            scopes.extend(self.scope_record(id).map(Sealed::sealed));
         }
         Image {
             scopes,
             sessions: self
                 .sessions
                 .iter()
-                .map(|s| self.session_record(s))
+                .map(|s| self.session_record(s).sealed())
                 .collect(),
             next_session: self.sessions.next_id(),
-            regions: self.regions.iter().map(region_record).collect(),
+            regions: self
+                .regions
+                .iter()
+                .map(|r| region_record(r).sealed())
+                .collect(),
             keys: self
                 .keys
                 .iter()
@@ -454,6 +459,7 @@ impl MetaCore {
     }
 }
 
+/// The record of region `r`, its check not set yet (see [`Record::seal`]).
 fn region_record(r: &Region) -> RegionRecord {
     RegionRecord {
         handle: r.handle.clone(),
@@ -470,5 +476,4 @@ fn region_record(r: &Region) -> RegionRecord {
         allocated: r.pages.allocated_pages(),
         check: 0,
     }
-    .sealed()
 }

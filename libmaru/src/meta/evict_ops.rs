@@ -5,6 +5,7 @@
 
 use super::core::{Keyed, MetaCore};
 use super::errors::{check_batch, refused};
+use super::journal::ReplyTiming;
 use super::keys::KeyId;
 use super::pins::PinLimit;
 use crate::wire::meta::{KeyInfo, MetaReply, RemoveResult};
@@ -119,11 +120,18 @@ impl MetaCore {
 
     /// Unpublishes keys of the session's regions and frees their pages. A key of
     /// another region, or a leased one, is refused and stays as it is.
+    ///
+    /// With a durable directory the reply waits for the removal's commit (a key said
+    /// removed stays removed after a crash), unless every key removed was published
+    /// since the last batch went to the store: its publish and its removal then go in
+    /// the same batch, one commit, and a crash loses both, so the reply goes at once
+    /// ([`ReplyTiming::Early`]). The pages wait for that commit either way.
     pub(super) fn remove(&mut self, req: Keyed<'_>) -> Result<MetaReply, WireError> {
         let own = self.sessions.checked(req.id)?.regions.clone();
         let page_size = self.cfg.chunk_size;
         let mut results = Vec::with_capacity(req.keys.len());
         let mut freed_in = Vec::new();
+        let mut recorded = false;
         for name in req.keys {
             let Some(k) = self.keys.find(req.scope, name) else {
                 results.push(RemoveResult::NotFound);
@@ -145,6 +153,7 @@ impl MetaCore {
                 results.push(RemoveResult::Pinned);
                 continue;
             }
+            recorded |= !self.keys.unrecorded(k);
             if let Some(e) = self.keys.remove(k) {
                 if self.keys.successors_of(e.scope, &e.name) > 0 {
                     // Stored chunks after it can no longer be reached by a load.
@@ -161,6 +170,9 @@ impl MetaCore {
         freed_in.dedup();
         for rid in freed_in {
             self.note_region_use(rid, req.now_ms);
+        }
+        if !recorded && self.reply_timing() == ReplyTiming::AfterItsChanges {
+            self.set_reply_timing(ReplyTiming::Early);
         }
         Ok(MetaReply::Removed { results })
     }

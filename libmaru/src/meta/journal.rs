@@ -48,7 +48,9 @@ pub enum ReplyTiming {
     AfterItsChanges,
     /// At once, before what it changed is durable: a publish (a crash in the window
     /// loses the key, never bytes), an alloc answered from pages whose reservation
-    /// is durable (what it changed is only the reserve's next block).
+    /// is durable (what it changed is only the reserve's next block), a removal of
+    /// keys whose publish has not gone to the store yet (both go in one batch: a
+    /// crash loses both, so a key said removed never comes back).
     Early,
     /// Once every batch so far is durable, even if the request changed nothing
     /// itself: an alloc that took reserved pages whose reservation is not yet.

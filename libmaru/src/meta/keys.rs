@@ -578,6 +578,13 @@ impl KeyDirectory {
         }
     }
 
+    /// Whether key `id` was published since the last
+    /// [`take_journal`](Self::take_journal): no batch handed to the store carries
+    /// its record yet.
+    pub fn unrecorded(&self, id: KeyId) -> bool {
+        self.journal.as_ref().is_some_and(|j| j.put.contains(&id))
+    }
+
     /// Marks the key as just read.
     pub fn touch(&mut self, id: KeyId) {
         if self.slot_of_id(id).is_none() {
@@ -631,9 +638,11 @@ impl KeyDirectory {
             self.ghosts.forget(scope.0, &out.name, reads, bound);
         }
         if let Some(j) = &mut self.journal {
-            j.put.remove(&id);
+            // A key the store never got needs no record of its removal either.
+            if !j.put.remove(&id) {
+                j.gone.insert(id);
+            }
             j.used.remove(&id);
-            j.gone.insert(id);
             j.changes += 1;
         }
         Some(out)

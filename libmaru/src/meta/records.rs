@@ -237,6 +237,28 @@ pub struct Changes {
     pub records: Vec<Record>,
 }
 
+impl Record {
+    /// Sets the check of a JSON record (scope, session, region), which the core
+    /// leaves to the store. A key record's check is set by the core (it binds its
+    /// region's boot id, which the record does not hold); the others have none.
+    pub fn seal(&mut self) {
+        match self {
+            Record::Scope(s) => s.seal(),
+            Record::Session(s) => s.seal(),
+            Record::Region(g) => g.seal(),
+            _ => {}
+        }
+    }
+}
+
+impl Changes {
+    /// Seals every record (see [`Record::seal`]): a store does it before it writes
+    /// the batch, off maru-server's event loop.
+    pub fn seal(&mut self) {
+        self.records.iter_mut().for_each(Record::seal);
+    }
+}
+
 /// Everything a durable store holds, to rebuild the core from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Image {
@@ -254,8 +276,11 @@ pub struct Image {
 }
 
 impl Image {
-    /// Applies one batch, as a store does (tests, and stores kept in memory).
+    /// Applies one batch, sealed as a store seals it (tests, and stores kept in
+    /// memory).
     pub fn apply(&mut self, changes: &Changes) {
+        let mut changes = changes.clone();
+        changes.seal();
         for r in &changes.records {
             match r {
                 Record::Scope(s) => {
