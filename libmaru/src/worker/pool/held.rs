@@ -5,9 +5,10 @@
 
 use crate::wire::meta::{PageGrant, PageRef, MAX_HELD_PAGES};
 use crate::worker::clock::Deadline;
+use crate::worker::condition::Condition;
 use crate::worker::error::WorkerError;
 use std::collections::BTreeSet;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
 struct State {
@@ -23,7 +24,7 @@ struct State {
 #[derive(Debug, Default)]
 pub struct HeldPages {
     state: Mutex<State>,
-    changed: Condvar,
+    changed: Condition,
 }
 
 /// A call that changes what is held, in flight (see the module docs): what its
