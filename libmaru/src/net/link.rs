@@ -154,8 +154,6 @@ impl Link {
         req: &Req,
         limit: Option<Duration>,
     ) -> Result<Rep, LinkError> {
-        let addr = self.addr.clone();
-        let what = self.opts.service;
         let until = limit.map(|l| Instant::now() + l);
         let c = self.connect(limit)?;
         let r = match until {
@@ -167,6 +165,7 @@ impl Link {
             Err(ClientError::Remote(e)) => Err(LinkError::Remote(e)),
             Err(e) => {
                 self.client = None;
+                let (what, addr) = (self.opts.service, &self.addr);
                 Err(LinkError::Unreachable(format!("{what} at {addr}: {e}")))
             }
         }

@@ -3,10 +3,12 @@
 //! of stores and loads, its [`session`]) → [`movers`] (`remote` or `cxl`) → the
 //! transport. Beside them: `lifecycle` (held by the pool core for `remote_cxl`),
 //! `staging`, `slots`, `views`, `router`, `ops`, `op_stats`, `hook`, `prefault`,
-//! `skips`; `clock` is the one place that reads the time. See `docs/worker.md`.
+//! `skips`, `condition`; `clock` is the one place that reads the time. See
+//! `docs/worker.md`.
 
 pub mod agents;
 pub mod clock;
+pub(crate) mod condition;
 pub mod config;
 pub(crate) mod error;
 pub(crate) mod handler;

@@ -77,12 +77,22 @@ impl CxlMover {
     }
 
     /// The read-only mapping of a lease's region (made the first time: then `true`),
-    /// under the caller's lock.
-    fn reader_in(maps: &mut Maps, l: &LeaseGrant) -> Option<(Arc<Mapping>, bool)> {
+    /// under the caller's lock. An `acquire` reply names a region's device on its
+    /// first lease there only (`wire::lease_wire`): a lease that names none maps by
+    /// the device a lease of its region in `batch` names (no copy of it per lease).
+    fn reader_in(
+        maps: &mut Maps,
+        l: &LeaseGrant,
+        batch: &[LeaseGrant],
+    ) -> Option<(Arc<Mapping>, bool)> {
         if let Some(m) = maps.readers.get(&l.region_id) {
             return Some((m.clone(), false));
         }
-        let d = l.device.as_ref()?;
+        let mut mine = batch.iter().filter(|b| b.region_id == l.region_id);
+        let d = l
+            .device
+            .as_ref()
+            .or_else(|| mine.find_map(|b| b.device.as_ref()))?;
         let path = local_path(&d.uuid, &d.path).ok()?;
         let m = dax::map_range(
             &path,
@@ -228,7 +238,7 @@ impl Mover for CxlMover {
         let found = per_region(
             leases.iter(),
             |l| l.region_id,
-            |l| Self::reader_in(&mut maps, l),
+            |l| Self::reader_in(&mut maps, l, leases),
         );
         drop(maps);
         if found
@@ -587,5 +597,30 @@ mod tests {
             .find(|(r, _)| *r == 9)
             .expect("the read mapping");
         assert_eq!(map.as_slice().expect("readable"), &bytes[..]);
+    }
+
+    /// An `acquire` reply names a region's device on its first lease there only: the
+    /// batch's other leases of that region map by it, wherever it stands in the batch,
+    /// and read the region's bytes; a lease of a region no lease of the batch names
+    /// the device of is not mapped.
+    #[test]
+    fn a_batchs_leases_map_by_the_device_one_of_them_names() {
+        let path = ScratchPath::new("cxl-read-named-once");
+        let (bytes, lease) = pool_with_pattern(&path, 0, 64 << 10);
+        let at = |offset: u64, named: bool| LeaseGrant {
+            offset,
+            device: lease.device.clone().filter(|_| named),
+            ..lease.clone()
+        };
+        let mover = CxlMover::with_prefault(false);
+        let batch = [at(64 << 10, false), at(0, true), at(128 << 10, false)];
+        let views = mover.views(&batch);
+        for (l, v) in batch.iter().zip(&views) {
+            let v = v.as_ref().expect("a view by the batch's device");
+            let o = l.offset as usize;
+            assert_eq!(v.bytes(), &bytes[o..o + (64 << 10)]);
+        }
+        let other = CxlMover::with_prefault(false);
+        assert!(other.views(&[at(0, false)])[0].is_none(), "no device named");
     }
 }

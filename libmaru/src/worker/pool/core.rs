@@ -9,10 +9,11 @@ use super::peers::{RemoteState, WriteTargets};
 use super::stats::PoolStats;
 use crate::wire::meta::{HeartbeatReply, PageGrant, RegionGrant};
 use crate::worker::clock::Deadline;
+use crate::worker::condition::Condition;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 /// After maru-server had no region to give, stores evict without asking again for
 /// this long (unless an eviction found nothing): a refused `expand` cost 190 µs of a
@@ -818,7 +819,7 @@ pub fn server_away(answered_ms: u64, unanswered_ms: u64) -> bool {
 /// last unlock (read without the lock: a load that would ask nobody takes none).
 pub struct CoreCell {
     core: Mutex<PoolCore>,
-    changed: Condvar,
+    changed: Condition,
     all_away: AtomicBool,
 }
 
@@ -852,7 +853,7 @@ impl CoreCell {
     pub fn new(core: PoolCore) -> CoreCell {
         CoreCell {
             core: Mutex::new(core),
-            changed: Condvar::new(),
+            changed: Condition::default(),
             all_away: AtomicBool::new(false),
         }
     }

@@ -5,9 +5,10 @@
 
 use crate::wire::meta::{PageGrant, PageRef, MAX_HELD_PAGES};
 use crate::worker::clock::Deadline;
+use crate::worker::condition::Condition;
 use crate::worker::error::WorkerError;
 use std::collections::BTreeSet;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 #[derive(Debug, Default)]
 struct State {
@@ -23,7 +24,7 @@ struct State {
 #[derive(Debug, Default)]
 pub struct HeldPages {
     state: Mutex<State>,
-    changed: Condvar,
+    changed: Condition,
 }
 
 /// A call that changes what is held, in flight (see the module docs): what its
@@ -49,14 +50,14 @@ impl HeldPages {
     }
 
     /// Starts a call that changes what is held: waits (at most until `by`) while a
-    /// report is being made. `what`: the call and its server, for the error.
-    pub fn enter(&self, by: Deadline, what: &str) -> Result<CallGuard<'_>, WorkerError> {
+    /// report is being made. `op` at maru-server `url`: the call, for the error.
+    pub fn enter(&self, by: Deadline, op: &str, url: &str) -> Result<CallGuard<'_>, WorkerError> {
         let (mut s, _) = (self.changed)
             .wait_timeout_while(self.lock(), by.left(), |s| s.reporting)
             .unwrap_or_else(|e| e.into_inner());
         if s.reporting {
             return Err(WorkerError::Timeout(format!(
-                "{what}: waited until the request's deadline for the report of the pages \
+                "{op} at maru-server {url}: waited until the request's deadline for the report of the pages \
                  this session holds to a restarted maru-server"
             )));
         }
@@ -175,7 +176,7 @@ mod tests {
     #[test]
     fn a_store_in_progress_across_the_report_keeps_its_pages() {
         let held = HeldPages::default();
-        held.enter(soon(), "alloc")
+        held.enter(soon(), "alloc", "s")
             .unwrap()
             .granted(&[page(1, 0), page(1, 1)]);
         let (entered_tx, entered_rx) = mpsc::channel();
@@ -183,7 +184,7 @@ mod tests {
         std::thread::scope(|t| {
             let held = &held;
             let store = t.spawn(move || {
-                let g = held.enter(soon(), "alloc").unwrap();
+                let g = held.enter(soon(), "alloc", "s").unwrap();
                 entered_tx.send(()).unwrap();
                 // The old run's reply is read only after the report was asked for.
                 go_rx.recv().unwrap();
@@ -196,7 +197,8 @@ mod tests {
             let reporter = t.spawn(move || {
                 held.report(soon(), |pages| {
                     // While the report is out, a new call waits for it.
-                    let blocked = held.enter(Deadline::after(Duration::from_millis(30)), "alloc");
+                    let blocked =
+                        held.enter(Deadline::after(Duration::from_millis(30)), "alloc", "s");
                     assert!(blocked.is_err(), "a call must wait for the report");
                     pages
                 })
@@ -208,7 +210,7 @@ mod tests {
             assert_eq!(named, vec![(1, 0), (1, 1), (1, 7)]);
         });
         // After the report, calls go on.
-        let g = held.enter(soon(), "free_pages").unwrap();
+        let g = held.enter(soon(), "free_pages", "s").unwrap();
         g.released([(1, 0)]);
         drop(g);
         assert_eq!(held.count(), 2);
@@ -217,12 +219,12 @@ mod tests {
     #[test]
     fn a_report_gives_up_while_a_call_stays_in_flight_and_calls_then_go_on() {
         let held = HeldPages::default();
-        let g = held.enter(soon(), "alloc").unwrap();
+        let g = held.enter(soon(), "alloc", "s").unwrap();
         let r = held.report(Deadline::after(Duration::from_millis(20)), |p| p.len());
         assert!(matches!(r, Err(NoReport::Timeout)), "{r:?}");
         // The gate opened again: another call starts at once.
         drop(
-            held.enter(Deadline::after(Duration::ZERO), "alloc")
+            held.enter(Deadline::after(Duration::ZERO), "alloc", "s")
                 .unwrap(),
         );
         drop(g);
@@ -232,7 +234,7 @@ mod tests {
     #[test]
     fn pages_freed_published_or_of_a_region_gone_are_not_named() {
         let held = HeldPages::default();
-        let g = held.enter(soon(), "alloc").unwrap();
+        let g = held.enter(soon(), "alloc", "s").unwrap();
         g.granted(&[page(1, 0), page(1, 1), page(2, 0), page(3, 4)]);
         g.released([(1, 1)]);
         drop(g);
@@ -256,7 +258,7 @@ mod tests {
     #[test]
     fn more_pages_than_a_report_may_name_are_not_reported() {
         let held = HeldPages::default();
-        let g = held.enter(soon(), "alloc").unwrap();
+        let g = held.enter(soon(), "alloc", "s").unwrap();
         let many: Vec<PageGrant> = (0..=MAX_HELD_PAGES as u64).map(|p| page(1, p)).collect();
         g.granted(&many);
         drop(g);

@@ -4,7 +4,8 @@
 
 use super::held::{HeldPages, NoReport};
 use super::wire::{
-    EntryRef, ExistsOk, KeysCall, KindOnly, LeasesOk, PagesOk, PublishedOk, ReplyKind,
+    EntryRef, ExistsOk, KeysCall, KindOnly, LeasesOk, PagesOk, PinnedOk, PublishedOk, RemovedOk,
+    ReplyKind, VictimsOk,
 };
 use crate::net::{ClientOptions, Link, LinkError};
 use crate::wire::meta::{
@@ -292,9 +293,7 @@ impl Session {
         route_key: Option<&str>,
         by: Deadline,
     ) -> Result<(Vec<PageGrant>, u32), WorkerError> {
-        let guard = self
-            .unkeyed
-            .enter(by, &format!("alloc at maru-server {}", self.url))?;
+        let guard = self.unkeyed.enter(by, "alloc", &self.url)?;
         let p: PagesOk = self.call(
             &MetaRequest::Alloc {
                 session: self.id,
@@ -317,8 +316,7 @@ impl Session {
         if pages.is_empty() {
             return Ok(());
         }
-        let what = format!("free_pages at maru-server {}", self.url);
-        let guard = self.unkeyed.enter(by, &what)?;
+        let guard = self.unkeyed.enter(by, "free_pages", &self.url)?;
         // Not held from here, whatever the answer: the worker does not use them again.
         guard.released(pages.iter().map(|p| (p.region_id, p.page)));
         let pages = pages
@@ -353,9 +351,7 @@ impl Session {
         entries: &[EntryRef<'_>],
         by: Deadline,
     ) -> Result<Vec<bool>, WorkerError> {
-        let guard = self
-            .unkeyed
-            .enter(by, &format!("publish at maru-server {}", self.url))?;
+        let guard = self.unkeyed.enter(by, "publish", &self.url)?;
         let page_size = self.page_size.max(1);
         let pages: Vec<(u64, u64)> = entries
             .iter()
@@ -431,46 +427,46 @@ impl Session {
     }
 
     /// Unpublishes keys of this session's own regions (their pages are free again).
-    pub fn remove(&self, keys: &[String], by: Deadline) -> Result<Vec<RemoveResult>, WorkerError> {
-        match self.call::<_, MetaReply>(
-            &MetaRequest::Remove {
-                session: self.id,
-                keys: keys.to_vec(),
-            },
-            by,
-        )? {
-            MetaReply::Removed { results } => Ok(results),
-            r => Err(unexpected("remove", r)),
-        }
+    pub fn remove<K: Serialize>(
+        &self,
+        keys: &[K],
+        by: Deadline,
+    ) -> Result<Vec<RemoveResult>, WorkerError> {
+        let req = KeysCall::Remove {
+            session: self.id,
+            keys,
+        };
+        let r: RemovedOk = self.call(&req, by)?;
+        r.kind.expect(ReplyKind::Removed, "remove")?;
+        Ok(r.results)
     }
 
     /// Up to `max` keys of the session's own regions to evict, in eviction order.
     pub fn victims(&self, max: u32, by: Deadline) -> Result<Vec<KeyInfo>, WorkerError> {
-        match self.call::<_, MetaReply>(
-            &MetaRequest::Victims {
-                session: self.id,
-                max,
-            },
-            by,
-        )? {
-            MetaReply::Victims { victims } => Ok(victims),
-            r => Err(unexpected("victims", r)),
-        }
+        let req = MetaRequest::Victims {
+            session: self.id,
+            max,
+        };
+        let r: VictimsOk = self.call(&req, by)?;
+        r.kind.expect(ReplyKind::Victims, "victims")?;
+        Ok(r.victims)
     }
 
     /// Pins found keys (`pin`; per key: found and pinned), or drops one of this
     /// session's pins of each (per key: one was dropped).
     pub fn pin(&self, keys: &[String], pin: bool, by: Deadline) -> Result<Vec<bool>, WorkerError> {
-        let (session, keys) = (self.id, keys.to_vec());
-        let req = match pin {
-            true => MetaRequest::Pin { session, keys },
-            false => MetaRequest::Unpin { session, keys },
+        let session = self.id;
+        let (req, kind, what) = match pin {
+            true => (KeysCall::Pin { session, keys }, ReplyKind::Pinned, "pin"),
+            false => (
+                KeysCall::Unpin { session, keys },
+                ReplyKind::Unpinned,
+                "unpin",
+            ),
         };
-        match (pin, self.call::<_, MetaReply>(&req, by)?) {
-            (true, MetaReply::Pinned { pinned: done })
-            | (false, MetaReply::Unpinned { unpinned: done }) => Ok(done),
-            (_, r) => Err(unexpected(if pin { "pin" } else { "unpin" }, r)),
-        }
+        let r: PinnedOk = self.call(&req, by)?;
+        r.kind.expect(kind, what)?;
+        Ok(r.pinned)
     }
 
     pub fn release_leases(&self, ids: Vec<u64>, by: Deadline) -> Result<(), WorkerError> {

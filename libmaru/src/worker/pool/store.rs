@@ -301,7 +301,7 @@ impl StoragePool {
         if victims.is_empty() {
             return Ok(0);
         }
-        let names: Vec<String> = victims.iter().map(|v| v.key.clone()).collect();
+        let names: Vec<&str> = victims.iter().map(|v| v.key.as_str()).collect();
         let results = self.session.remove(&names, by)?;
         let mut freed = 0;
         {

@@ -3,7 +3,7 @@
 //! names, no `String` made per key) and replies decoded in one pass into a struct of
 //! their kind ([`ExistsOk`], ...), not through serde's buffered tagged `MetaReply`.
 
-use crate::wire::meta::{LeaseGrant, PageGrant, PublishEntry};
+use crate::wire::meta::{KeyInfo, LeaseGrant, PageGrant, PublishEntry, RemoveResult};
 use crate::worker::error::WorkerError;
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +22,18 @@ pub(super) enum KeysCall<'a, K: Serialize> {
         keys: &'a [K],
     },
     Acquire {
+        session: u64,
+        keys: &'a [K],
+    },
+    Remove {
+        session: u64,
+        keys: &'a [K],
+    },
+    Pin {
+        session: u64,
+        keys: &'a [K],
+    },
+    Unpin {
         session: u64,
         keys: &'a [K],
     },
@@ -109,8 +121,9 @@ pub(super) struct ExistsOk {
 #[derive(Deserialize)]
 pub(super) struct LeasesOk {
     pub(super) kind: ReplyKind,
-    // Each region's device comes with its first lease only (wire::lease_wire).
-    #[serde(default, deserialize_with = "crate::wire::lease_wire::filled")]
+    // Each region's device comes with its first lease only (wire::lease_wire); the
+    // later ones are not given a copy of it: the cxl mover maps by the batch's.
+    #[serde(default)]
     pub(super) leases: Vec<Option<LeaseGrant>>,
 }
 
@@ -122,6 +135,30 @@ pub(super) struct PublishedOk {
     pub(super) is_new: Vec<bool>,
     #[serde(default)]
     pub(super) give_back: Vec<u64>,
+}
+
+/// `MetaReply::Removed`.
+#[derive(Deserialize)]
+pub(super) struct RemovedOk {
+    pub(super) kind: ReplyKind,
+    #[serde(default)]
+    pub(super) results: Vec<RemoveResult>,
+}
+
+/// `MetaReply::Victims`.
+#[derive(Deserialize)]
+pub(super) struct VictimsOk {
+    pub(super) kind: ReplyKind,
+    #[serde(default)]
+    pub(super) victims: Vec<KeyInfo>,
+}
+
+/// `MetaReply::Pinned` and `MetaReply::Unpinned` (one field each, per key).
+#[derive(Deserialize)]
+pub(super) struct PinnedOk {
+    pub(super) kind: ReplyKind,
+    #[serde(default, alias = "unpinned")]
+    pub(super) pinned: Vec<bool>,
 }
 
 /// `MetaReply::Pages` (`PagesReply`'s fields).
@@ -174,6 +211,40 @@ mod tests {
                 keys: owned.clone(),
             },
         );
+        for (call, owned) in [
+            (
+                KeysCall::Remove {
+                    session: 3,
+                    keys: &keys,
+                },
+                MetaRequest::Remove {
+                    session: 3,
+                    keys: owned.clone(),
+                },
+            ),
+            (
+                KeysCall::Pin {
+                    session: 3,
+                    keys: &keys,
+                },
+                MetaRequest::Pin {
+                    session: 3,
+                    keys: owned.clone(),
+                },
+            ),
+            (
+                KeysCall::Unpin {
+                    session: 3,
+                    keys: &keys,
+                },
+                MetaRequest::Unpin {
+                    session: 3,
+                    keys: owned.clone(),
+                },
+            ),
+        ] {
+            same(&call, owned);
+        }
         let entries = vec![
             PublishEntry {
                 key: "a".into(),
@@ -268,6 +339,31 @@ mod tests {
             },
             pages
         );
+        let results = vec![RemoveResult::Removed, RemoveResult::Leased];
+        let r: RemovedOk = decode_json(&encode_json(&MetaReply::Removed {
+            results: results.clone(),
+        }))
+        .unwrap();
+        assert_eq!((r.kind, r.results), (ReplyKind::Removed, results));
+        let r: PinnedOk =
+            decode_json(&encode_json(&MetaReply::Pinned { pinned: vec![true] })).unwrap();
+        assert_eq!((r.kind, r.pinned), (ReplyKind::Pinned, vec![true]));
+        let r: PinnedOk = decode_json(&encode_json(&MetaReply::Unpinned {
+            unpinned: vec![false, true],
+        }))
+        .unwrap();
+        assert_eq!((r.kind, r.pinned), (ReplyKind::Unpinned, vec![false, true]));
+        let victims = vec![KeyInfo {
+            key: "k\"1".into(),
+            region_id: 2,
+            offset: 1 << 21,
+            length: 3,
+        }];
+        let r: VictimsOk = decode_json(&encode_json(&MetaReply::Victims {
+            victims: victims.clone(),
+        }))
+        .unwrap();
+        assert_eq!((r.kind, r.victims), (ReplyKind::Victims, victims));
         let r: KindOnly = decode_json(&encode_json(&MetaReply::LeasesReleased {
             released: vec![true],
         }))
