@@ -134,6 +134,29 @@ pub(crate) unsafe fn keys_of(
         .collect()
 }
 
+/// `n` chunks: `lens[i]` bytes at `datas[i]`, borrowed.
+///
+/// # Safety
+/// As [`in_slice`] for `datas` and `lens`, and each `datas[i]` is NULL or points to
+/// `lens[i]` readable bytes that outlive `'a`.
+pub(crate) unsafe fn chunks_of<'a>(
+    datas: *const *const u8,
+    lens: *const usize,
+    n: usize,
+) -> Result<Vec<&'a [u8]>, FfiError> {
+    let ds = in_slice(datas, n, "datas")?;
+    let ls = in_slice(lens, n, "lens")?;
+    ds.iter()
+        .zip(ls)
+        .enumerate()
+        .map(|(i, (&d, &len))| {
+            // The chunk's argument name is formatted only for an error message, not for
+            // every chunk of every batch call.
+            in_slice(d, len, "datas").or_else(|_| in_slice(d, len, &format!("datas[{i}]")))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +202,17 @@ mod tests {
         let k = [c"a".as_ptr(), ptr::null()];
         let e = unsafe { keys_of(k.as_ptr(), 2) }.unwrap_err();
         assert!(e.1.contains("keys[1]"), "{}", e.1);
+    }
+
+    #[test]
+    fn a_null_chunk_is_named_with_its_index_and_an_empty_one_may_be_null() {
+        let a = [1u8, 2, 3];
+        let d = [a.as_ptr(), ptr::null(), ptr::null()];
+        let got = unsafe { chunks_of(d.as_ptr(), [3, 0, 0].as_ptr(), 3) }.unwrap();
+        assert_eq!(got, [&a[..], &[], &[]]);
+        let e = unsafe { chunks_of(d.as_ptr(), [3, 0, 4].as_ptr(), 3) }.unwrap_err();
+        assert_eq!(e.0, maru_status_t::MARU_ERR_NULL_ARGUMENT);
+        assert!(e.1.contains("`datas[2]`"), "{}", e.1);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! it, so pass the request's first chunk key for every chunk of a request. NULL means
 //! the first key of this call (for the single-key calls, the key itself).
 
-use super::args::{buffer_of, in_slice, load_outputs, opt_str, req_str};
+use super::args::{buffer_of, chunks_of, in_slice, load_outputs, opt_str, req_str};
 use super::boundary::{check_not_null, ffi_guard, require_non_null};
 use super::calls::{answer_each_key, keyed, store_each};
 use super::handler::{maru_handler_t, with_handler};
@@ -81,13 +81,11 @@ pub unsafe extern "C" fn maru_store_batch(
     stored: *mut bool,
 ) -> maru_status_t {
     store_each(h, keys, n, stored, |call, ks| {
-        let ds = in_slice(datas, n, "datas")?;
-        let ls = in_slice(lens, n, "lens")?;
-        let mut items = Vec::with_capacity(n);
-        for i in 0..n {
-            let d = in_slice(ds[i], ls[i], &format!("datas[{i}]"))?;
-            items.push((ks[i].as_str(), d));
-        }
+        let items: Vec<(&str, &[u8])> = ks
+            .iter()
+            .map(String::as_str)
+            .zip(chunks_of(datas, lens, n)?)
+            .collect();
         let rk = opt_str(route_key, "route_key")?;
         Ok(call.handler().store_batch(&items, rk)?)
     })
