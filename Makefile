@@ -82,11 +82,11 @@ lint: deps
 	$(CARGO) fmt --all -- --check
 	$(MAKE) --no-print-directory fuzz-check
 	python3 scripts/tests/test_import_cycles.py
-	python3 scripts/import_cycles.py $(IMPORT_CYCLES_KNOWN) libmaru/src daemons/src bench/src
+	python3 scripts/import_cycles.py $(IMPORT_CYCLES_KNOWN) libmaru/src daemons/src bench/src chaos/src testkit/src
 	python3 scripts/tests/test_py_import_cycles.py
 	python3 scripts/py_import_cycles.py bindings/python
 	python3 scripts/tests/test_error_types.py
-	python3 scripts/error_types.py $(ERROR_TYPES_KNOWN) libmaru/src daemons/src bench/src chaos/src
+	python3 scripts/error_types.py $(ERROR_TYPES_KNOWN) libmaru/src daemons/src bench/src chaos/src testkit/src
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features maru-daemons/verbs -- -D warnings
 

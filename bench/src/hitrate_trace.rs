@@ -11,6 +11,7 @@
 //!   line: `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 //!   "hash_ids": [ids of its 512-token blocks]}`.
 
+use maru_testkit::Rng;
 use serde::Deserialize;
 use std::collections::HashMap;
 
@@ -74,21 +75,6 @@ pub const SYSTEMS: usize = 8;
 const SYSTEM_CHUNKS: usize = 4;
 const MAX_TURNS: usize = 12;
 pub const ZIPF: f64 = 0.9;
-
-/// xorshift64*: a fixed, seeded stream (the trace is the same at every run).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// `SYSTEMS` system prompts shared by many conversations; conversations whose
 /// popularity follows a Zipf law; each request is a conversation's next turn, its

@@ -137,43 +137,21 @@ pub fn start_daemon_within(
     ready: &Path,
     within: Duration,
 ) -> Result<(Proc, String), String> {
-    let _ = std::fs::remove_file(ready);
     if !bin.is_file() {
         return Err(format!(
             "{} not found: build the daemons first (cargo build --release -p maru-daemons --bins)",
             bin.display()
         ));
     }
-    let child = with_parent(Command::new(bin))
-        .args(args)
-        .arg("--port")
-        .arg("0")
-        .arg("--ready-file")
-        .arg(ready)
+    let mut cmd = with_parent(Command::new(bin));
+    cmd.args(args)
         .arg("--log-level")
         .arg("warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
-    let mut p = Proc { child };
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if let Ok(s) = std::fs::read_to_string(ready) {
-            if s.ends_with('\n') {
-                return Ok((p, s.trim().to_string()));
-            }
-        }
-        if let Ok(Some(st)) = p.child.try_wait() {
-            return Err(format!("{} exited during start-up: {st}", bin.display()));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Err(format!(
-        "{} did not become ready within {within:?}",
-        bin.display()
-    ))
+        .stderr(Stdio::null());
+    let (child, addr) = maru_testkit::spawn_ready(&mut cmd, ready, 0, within)
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
+    Ok((Proc { child }, addr))
 }
 
 /// A tmpfs with 2 MiB pages (`huge=always`) in a mount namespace of this process's own.

@@ -74,19 +74,8 @@ impl Proc {
     }
 
     pub fn spawn(bin: &str, args: &[String], log: &Path) -> Result<Proc, String> {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .map_err(|e| format!("{}: {e}", log.display()))?;
-        let err = out
-            .try_clone()
-            .map_err(|e| format!("{}: {e}", log.display()))?;
-        let child = Command::new(bin)
-            .args(args)
+        let child = logged(bin, args, log)?
             .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
             .spawn()
             .map_err(|e| format!("cannot start {bin}: {e}"))?;
         Ok(Proc {
@@ -108,38 +97,18 @@ impl Proc {
         let log = s.dir.join(format!("{name}.log"));
         let mut last = String::new();
         for _ in 0..10 {
-            let _ = std::fs::remove_file(&ready);
-            let mut a = args.to_vec();
-            a.extend([
-                "--port".to_string(),
-                port.to_string(),
-                "--ready-file".to_string(),
-                ready.display().to_string(),
-            ]);
-            let mut p = Proc::spawn(bin, &a, &log)?;
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                if let Ok(text) = std::fs::read_to_string(&ready) {
-                    if text.ends_with('\n') {
-                        p.port = text
-                            .trim()
-                            .rsplit_once(':')
-                            .and_then(|(_, x)| x.parse().ok())
-                            .unwrap_or(0);
-                        return Ok(p);
-                    }
+            let mut cmd = logged(bin, args, &log)?;
+            match maru_testkit::spawn_ready(&mut cmd, &ready, port, Duration::from_secs(20)) {
+                Ok((child, addr)) => {
+                    return Ok(Proc {
+                        child: Some(child),
+                        port: maru_testkit::port_of(&addr),
+                        log,
+                    })
                 }
-                if !p.is_running() {
-                    last = format!("{name} exited during start-up (log {})", log.display());
-                    break;
-                }
-                if Instant::now() > deadline {
-                    last = format!("{name} not ready within 20 s (log {})", log.display());
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
+                Err(e @ maru_testkit::StartError::Spawn(_)) => return Err(format!("{bin}: {e}")),
+                Err(e) => last = format!("{name} {e} (log {})", log.display()),
             }
-            drop(p);
             std::thread::sleep(Duration::from_millis(200));
         }
         Err(last)
@@ -196,14 +165,22 @@ impl Drop for Proc {
     }
 }
 
+/// `bin args`, its stdout and stderr appended to `log`.
+fn logged(bin: &str, args: &[String], log: &Path) -> Result<Command, String> {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut cmd = Command::new(bin);
+    cmd.args(args).stdout(out).stderr(err);
+    Ok(cmd)
+}
+
 /// Polls `f` every 50 ms until it is true, for at most `limit`.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    f()
+pub fn wait_until(limit: Duration, f: impl FnMut() -> bool) -> bool {
+    maru_testkit::wait_until(limit, Duration::from_millis(50), f)
 }

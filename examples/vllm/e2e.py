@@ -48,7 +48,10 @@ from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-START_TIMEOUT_S = 20.0
+# Starting and stopping the daemons, as the Python tests do.
+sys.path.insert(0, str(ROOT / "bindings" / "python" / "tests"))
+from daemon_procs import log_tail, start_ready, stop  # noqa: E402
+
 STOP_TIMEOUT_S = 15.0
 ENGINE_TIMEOUT_S = float(os.environ.get("MARU_VLLM_ENGINE_TIMEOUT_S", "600"))
 
@@ -85,42 +88,15 @@ class Daemons:
         os.environ["MARU_SERVER_KEY_FILE"] = str(self.server_key)
 
     def _start(self, name: str, *args: str) -> str:
-        ready = self.work / f"{name}.ready"
-        log = open(self.work / f"{name}.log", "wb")
-        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
-        p = subprocess.Popen([str(self.bin / name), *args, "--port", "0", "--ready-file", str(ready)],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
+        p, addr = start_ready([str(self.bin / name), *args], self.work / f"{name}.ready", self.work / f"{name}.log")
         self.procs.append(p)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if ready.exists():
-                text = ready.read_text()
-                if text.endswith("\n") and text.strip():
-                    return text.strip()
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail(self.work / f'{name}.log')}")
-            time.sleep(0.05)
-        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s:\n{tail(self.work / f'{name}.log')}")
+        return addr
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=STOP_TIMEOUT_S)
+            stop(p)
         self.procs.clear()
         self.pool.unlink(missing_ok=True)
-
-
-def tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
 
 
 def compute_cores() -> str:
@@ -179,7 +155,7 @@ def run_engine(work: Path, name: str, model: str, args: List[str], expect_fail: 
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=STOP_TIMEOUT_S)
-            raise RuntimeError(f"engine {name} did not finish within {ENGINE_TIMEOUT_S:.0f} s:\n{tail(log)}")
+            raise RuntimeError(f"engine {name} did not finish within {ENGINE_TIMEOUT_S:.0f} s:\n{log_tail(log, 4000)}")
         finally:
             # vLLM's engine-core and worker processes are in the engine's session.
             try:
@@ -192,7 +168,7 @@ def run_engine(work: Path, name: str, model: str, args: List[str], expect_fail: 
         print(f"  {name:<18} {time.monotonic() - t0:5.1f} s  failed at start as expected (exit {rc})", flush=True)
         return {"rc": rc, "log": log.read_text(errors="replace")}
     if rc != 0 or not out.exists():
-        raise RuntimeError(f"engine {name} failed (exit {rc}):\n{tail(log)}")
+        raise RuntimeError(f"engine {name} failed (exit {rc}):\n{log_tail(log, 4000)}")
     r = json.loads(out.read_text())
     r["stats"] = json.loads(stats.read_text()) if stats.exists() else {}
     r["wall_s"] = time.monotonic() - t0

@@ -11,18 +11,15 @@ import contextlib
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
+from daemon_procs import start_ready, stop
 
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 15.0
 CHUNK_SIZE = 64 * 1024
 # The backends the tests that take ``backend`` run on.
 BACKENDS = ["remote_cxl", "cxl"]
@@ -167,7 +164,6 @@ class Daemons:
         self.pool = Path(f"/dev/shm/maru-pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.procs: List[subprocess.Popen] = []
         self.names: List[str] = []
-        self.logs: List[Any] = []
         self.key = self.work / "agent.key"
         self.server_key = self.work / "server.key"
         self.rm = self.agent = self.server = ""
@@ -175,52 +171,21 @@ class Daemons:
             [str(self.bin / "maru-rm-ctl"), "gen-key", str(self.key)], check=True, capture_output=True, timeout=30
         )
 
-    def _log_tail(self, name: str) -> str:
-        try:
-            return (self.work / f"{name}.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
     def start(self, name: str, *args: str) -> str:
         """Starts ``name`` with ``args`` on a free port; returns its address once it listens."""
-        ready = self.work / f"{name}.ready"
-        log = open(self.work / f"{name}.log", "wb")
-        self.logs.append(log)
-        env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
-        p = subprocess.Popen(
-            [str(self.bin / name), *args, "--port", "0", "--ready-file", str(ready)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
+        p, addr = start_ready(
+            [str(self.bin / name), *args], self.work / f"{name}.ready", self.work / f"{name}.log"
         )
         self.procs.append(p)
         self.names.append(name)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if ready.exists():
-                text = ready.read_text()
-                if text.endswith("\n") and text.strip():
-                    return text.strip()
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} during start-up:\n{self._log_tail(name)}")
-            time.sleep(0.02)
-        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S} s:\n{self._log_tail(name)}")
+        return addr
 
     def stop(self) -> None:
         """Stops the daemons in reverse order (maru-server gives its regions back while
         the agent and the RM still run) and removes the files."""
-        for name, p in reversed(list(zip(self.names, self.procs))):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=STOP_TIMEOUT_S)
+        for p in reversed(self.procs):
+            stop(p)
         self.procs.clear()
-        for log in self.logs:
-            log.close()
         keep = os.environ.get("MARU_PYTEST_KEEP_LOGS")
         if keep:
             # The daemons' logs outlive the run (a failure under load is read afterwards).
@@ -236,10 +201,7 @@ class Daemons:
         """Another maru-server of the session's RM (8M regions, 64K chunks, in memory),
         with ``args`` and ``env`` (default: this process's); its address while the block
         runs, stopped after. Its output goes to ``NAME.log`` in the work directory."""
-        ready = self.work / f"{name}.ready"
-        log_path = self.work / f"{name}.log"
-        log = open(log_path, "wb")
-        p = subprocess.Popen(
+        p, addr = start_ready(
             [
                 str(self.bin / "maru-server"),
                 "--rm-address", self.rm,
@@ -248,30 +210,15 @@ class Daemons:
                 "--chunk-size", "64K",
                 "--in-memory",
                 *args,
-                "--port", "0",
-                "--ready-file", str(ready),
             ],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            self.work / f"{name}.ready",
+            self.work / f"{name}.log",
             env=env,
         )
         try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not (ready.exists() and ready.read_text().endswith("\n")):
-                if p.poll() is not None or time.monotonic() >= deadline:
-                    raise AssertionError(f"{name} did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.02)
-            yield ready.read_text().strip()
+            yield addr
         finally:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=STOP_TIMEOUT_S)
-            log.close()
+            stop(p)
 
     def addresses(self) -> Dict[str, str]:
         return {"rm": self.rm, "agent": self.agent, "server": self.server}

@@ -241,10 +241,7 @@ impl Daemon {
     }
 
     pub fn port(&self) -> u16 {
-        self.addr
-            .rsplit_once(':')
-            .and_then(|(_, p)| p.parse().ok())
-            .unwrap_or(0)
+        maru_testkit::port_of(&self.addr)
     }
 
     /// Sends `sig` to the process (`libc::SIGSTOP` stalls it as a swapping or busy
@@ -287,32 +284,11 @@ pub fn spawn_listening(
 ) -> Result<(Child, String), std::process::ExitStatus> {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let ready = ready_dir.join(format!("ready-{n}"));
-    let _ = std::fs::remove_file(&ready);
-    cmd.arg("--port")
-        .arg(port.to_string())
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdin(Stdio::null());
     let what = cmd.get_program().to_string_lossy().into_owned();
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(s) = std::fs::read_to_string(&ready) {
-            if s.ends_with('\n') {
-                return Ok((child, s.trim().to_string()));
-            }
-        }
-        if let Ok(Some(st)) = child.try_wait() {
-            return Err(st);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} did not become ready within 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    match maru_testkit::spawn_ready(cmd, &ready, port, Duration::from_secs(20)) {
+        Ok(up) => Ok(up),
+        Err(maru_testkit::StartError::Exited(st)) => Err(st),
+        Err(e) => panic!("{what}: {e}"),
     }
 }
 
@@ -463,15 +439,8 @@ pub fn assert_none<T: std::fmt::Debug>(items: &[T], bad: impl Fn(&T) -> bool, wh
 }
 
 /// Polls `f` every 20 ms until it is true, for at most `limit`.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    f()
+pub fn wait_until(limit: Duration, f: impl FnMut() -> bool) -> bool {
+    maru_testkit::wait_until(limit, Duration::from_millis(20), f)
 }
 
 /// A memory node on loopback: a resource manager over a fake-DAX pool and a remote CXL

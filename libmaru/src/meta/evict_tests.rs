@@ -6,6 +6,7 @@ use super::config::VictimOrder;
 use super::fakes::*;
 use super::MetaConfig;
 use crate::wire::meta::{MetaReply, MetaRequest, PublishEntry, RemoveResult};
+use maru_testkit::Rng;
 
 fn world(order: VictimOrder) -> World {
     World::with(
@@ -249,23 +250,6 @@ fn a_previous_key_longer_than_a_key_is_refused_and_nothing_is_published() {
     );
     assert!(r.is_err(), "{r:?}");
     assert_eq!(w.exists(W1, a, &["k"]), [false]);
-}
-
-/// A small deterministic generator (xorshift64*), so the replay is the same in
-/// every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// A replayed workload on one engine: `prompts` prompts, each a shared system
