@@ -81,8 +81,21 @@ impl<A: Send + 'static> OffLoop<A> {
         OffLoop { jobs, done, ready }
     }
 
-    fn send(&self, id: u64, req: RmRequest) -> bool {
-        self.jobs.send((id, req)).is_ok()
+    /// Hands call `id` to the `what` thread of `off` (the RM at `addr`); an error when
+    /// that thread was never started or is gone.
+    fn send_on(
+        off: &Option<OffLoop<A>>,
+        id: u64,
+        req: RmRequest,
+        what: &str,
+        addr: &str,
+    ) -> Result<(), PortError> {
+        match off {
+            Some(o) if o.jobs.send((id, req)).is_ok() => Ok(()),
+            _ => Err(PortError::Unreachable(format!(
+                "the {what} thread for the RM at {addr} is gone"
+            ))),
+        }
     }
 
     fn answered(&self) -> bool {
@@ -159,14 +172,7 @@ impl MetaRm {
             pool: None,
             request_id: 0,
         };
-        if self.allocator.as_ref().is_some_and(|a| a.send(alloc, req)) {
-            Ok(())
-        } else {
-            Err(PortError::Unreachable(format!(
-                "the allocation thread for the RM at {} is gone",
-                self.addr
-            )))
-        }
+        OffLoop::send_on(&self.allocator, alloc, req, "allocation", &self.addr)
     }
 
     /// Asks the RM for the regions it holds for this server (answered through
@@ -175,14 +181,7 @@ impl MetaRm {
         let req = RmRequest::Regions {
             owner: Some(self.client_id.clone()),
         };
-        if self.checker.as_ref().is_some_and(|c| c.send(check, req)) {
-            Ok(())
-        } else {
-            Err(PortError::Unreachable(format!(
-                "the check thread for the RM at {} is gone",
-                self.addr
-            )))
-        }
+        OffLoop::send_on(&self.checker, check, req, "check", &self.addr)
     }
 
     /// Whether an allocation's or a check's answer waits to be taken.
