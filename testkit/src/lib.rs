@@ -85,7 +85,7 @@ pub fn wait_until(limit: Duration, every: Duration, mut f: impl FnMut() -> bool)
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -94,7 +94,7 @@ impl Rng {
 
     /// A number in `[0, 1)`.
     pub fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -144,8 +144,8 @@ mod tests {
     fn the_stream_is_the_same_for_a_seed() {
         let mut a = Rng(7);
         let mut b = Rng(7);
-        let xs: Vec<u64> = (0..4).map(|_| a.next()).collect();
-        assert_eq!(xs, (0..4).map(|_| b.next()).collect::<Vec<_>>());
+        let xs: Vec<u64> = (0..4).map(|_| a.next_u64()).collect();
+        assert_eq!(xs, (0..4).map(|_| b.next_u64()).collect::<Vec<_>>());
         assert!(xs.windows(2).all(|w| w[0] != w[1]));
         assert!((0..1000).all(|_| (0.0..1.0).contains(&a.unit())));
     }

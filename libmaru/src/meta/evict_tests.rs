@@ -294,7 +294,7 @@ fn replay(order: VictimOrder) -> (f64, f64) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut rank_to_prompt: Vec<usize> = (0..PROMPTS).collect();
     for i in (1..PROMPTS).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
         rank_to_prompt.swap(i, j);
     }
     let (mut hits, mut asked) = (0u64, 0u64);
