@@ -411,7 +411,7 @@ impl MetaService {
         let mark = self.core.change_mark();
         let answer = self
             .core
-            .handle(&caller, ticket, body, now_ms, &mut self.rm);
+            .handle_request(&caller, ticket, body, now_ms, &mut self.rm);
         self.run_actions(now_ms);
         match answer {
             Some(r) => {

@@ -29,12 +29,12 @@ pub fn decode<T: DeserializeOwned>(
 }
 
 /// As [`decode`], the envelope read by `read` (maru-server's one-pass decoder of its
-/// hot requests: `wire::meta::decode_request`).
-pub fn decode_with<T>(
-    body: &[u8],
+/// hot requests: `wire::meta::decode_request`, whose requests borrow `body`).
+pub fn decode_with<'b, T>(
+    body: &'b [u8],
     client_id: &str,
     metrics: Option<&Metrics>,
-    read: impl FnOnce(&[u8]) -> Result<Envelope<T>, WireError>,
+    read: impl FnOnce(&'b [u8]) -> Result<Envelope<T>, WireError>,
 ) -> Result<(Received, T), Vec<u8>> {
     let started = Instant::now();
     match read(body) {

@@ -11,6 +11,10 @@ fuzz_target!(|data: &[u8]| {
     // maru-server's one-pass decoder of the data path's requests accepts only what
     // the buffered one accepts, as the same request.
     if let Some(env) = one_pass(data) {
+        let env = Envelope {
+            id: env.id,
+            body: env.body.into_owned(),
+        };
         assert_eq!(buffered.as_ref().ok(), Some(&env));
     }
     if let Ok(env) = buffered {

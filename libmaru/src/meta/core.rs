@@ -19,8 +19,8 @@ use super::sessions::{EndReason, SessionTable};
 use super::tenants::{Access, Tenants};
 use super::waits::{OpenArgs, RegionWaits, Ticket};
 use crate::wire::meta::{
-    Backend, CloseReply, HandshakeReply, MetaReply, MetaRequest, CAP_CXL_STORAGE,
-    CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH, SERVICE,
+    Backend, CloseReply, EntryRef, HandshakeReply, HotRequest, KeysOp, MetaReply, MetaRequest,
+    Request, Text, CAP_CXL_STORAGE, CAP_REMOTE_CXL_STORAGE, LEASE_LIMIT, MAX_BATCH, SERVICE,
 };
 use crate::wire::WireError;
 
@@ -44,12 +44,17 @@ pub struct Caller<'a> {
     pub tenant: &'a str,
 }
 
+/// The keys of an owned request, borrowed as the one-pass decoder's are.
+fn keys(keys: &[String]) -> Vec<Text<'_>> {
+    keys.iter().map(|k| Text::from(k.as_str())).collect()
+}
+
 /// A request about keys whose session was found ([`MetaCore::keyed`]): the session's
 /// id and scope, the keys (checked), and the time it came.
 pub(super) struct Keyed<'k> {
     pub(super) id: u64,
     pub(super) scope: ScopeId,
-    pub(super) keys: &'k [String],
+    pub(super) keys: &'k [Text<'k>],
     pub(super) now_ms: u64,
 }
 
@@ -215,10 +220,27 @@ impl MetaCore {
         now_ms: u64,
         rm: &mut dyn RmPort,
     ) -> Option<Result<MetaReply, WireError>> {
+        self.handle_request(caller, ticket, Request::Full(req), now_ms, rm)
+    }
+
+    /// [`handle`](Self::handle) of a request as maru-server decodes it: those of the
+    /// data path borrow their keys from the request's bytes.
+    pub fn handle_request(
+        &mut self,
+        caller: &Caller<'_>,
+        ticket: Ticket,
+        req: Request<'_>,
+        now_ms: u64,
+        rm: &mut dyn RmPort,
+    ) -> Option<Result<MetaReply, WireError>> {
         self.note_now(now_ms);
         self.set_reply_timing(super::journal::ReplyTiming::default());
         self.expire(now_ms);
         let client_id = caller.owner;
+        let req = match req {
+            Request::Hot(h) => return Some(self.hot(client_id, h, now_ms)),
+            Request::Full(r) => r,
+        };
         let r = match req {
             MetaRequest::Handshake {} => Ok(MetaReply::Handshake(self.handshake())),
             MetaRequest::OpenSession {
@@ -250,27 +272,28 @@ impl MetaCore {
                 self.free_pages(client_id, session, &pages, now_ms)
             }
             MetaRequest::Publish { session, entries } => {
+                let entries: Vec<EntryRef<'_>> = entries.iter().map(EntryRef::from).collect();
                 self.publish(client_id, session, &entries, now_ms)
             }
-            MetaRequest::Exists { session, keys } => self
-                .keyed(client_id, session, &keys, None, now_ms)
-                .and_then(|k| self.exists(k)),
-            MetaRequest::Acquire { session, keys } => self
-                .keyed(client_id, session, &keys, None, now_ms)
-                .and_then(|k| self.acquire(k)),
+            MetaRequest::Exists { session, keys: k } => {
+                self.keys_request(client_id, KeysOp::Exists, session, &keys(&k), now_ms)
+            }
+            MetaRequest::Acquire { session, keys: k } => {
+                self.keys_request(client_id, KeysOp::Acquire, session, &keys(&k), now_ms)
+            }
             MetaRequest::ReleaseLeases { session, lease_ids } => {
                 self.release_leases(client_id, session, &lease_ids, now_ms)
             }
             MetaRequest::Victims { session, max } => self.victims(client_id, session, max, now_ms),
-            MetaRequest::Remove { session, keys } => self
-                .keyed(client_id, session, &keys, Some("remove keys"), now_ms)
-                .and_then(|k| self.remove(k)),
-            MetaRequest::Pin { session, keys } => self
-                .keyed(client_id, session, &keys, Some("pin keys"), now_ms)
-                .and_then(|k| self.pin(k)),
-            MetaRequest::Unpin { session, keys } => self
-                .keyed(client_id, session, &keys, None, now_ms)
-                .and_then(|k| self.unpin(k)),
+            MetaRequest::Remove { session, keys: k } => {
+                self.keys_request(client_id, KeysOp::Remove, session, &keys(&k), now_ms)
+            }
+            MetaRequest::Pin { session, keys: k } => {
+                self.keys_request(client_id, KeysOp::Pin, session, &keys(&k), now_ms)
+            }
+            MetaRequest::Unpin { session, keys: k } => {
+                self.keys_request(client_id, KeysOp::Unpin, session, &keys(&k), now_ms)
+            }
             MetaRequest::ReturnRegion {
                 session,
                 region_id,
@@ -302,6 +325,58 @@ impl MetaCore {
             MetaRequest::Usage => Ok(MetaReply::Usage(self.usage(caller))),
         };
         Some(r)
+    }
+
+    /// A request of the data path, as the one-pass decoder read it.
+    fn hot(
+        &mut self,
+        client_id: &str,
+        req: HotRequest<'_>,
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        match req {
+            HotRequest::Alloc {
+                session,
+                count,
+                route_key,
+            } => self.alloc_pages(client_id, session, count, route_key.as_deref(), now_ms),
+            HotRequest::FreePages { session, pages } => {
+                self.free_pages(client_id, session, &pages, now_ms)
+            }
+            HotRequest::Publish { session, entries } => {
+                self.publish(client_id, session, &entries, now_ms)
+            }
+            HotRequest::Keys { op, session, keys } => {
+                self.keys_request(client_id, op, session, &keys, now_ms)
+            }
+            HotRequest::ReleaseLeases { session, lease_ids } => {
+                self.release_leases(client_id, session, &lease_ids, now_ms)
+            }
+        }
+    }
+
+    /// `exists`, `acquire`, `remove`, `pin` or `unpin` of `keys`.
+    fn keys_request(
+        &mut self,
+        client_id: &str,
+        op: KeysOp,
+        session: u64,
+        keys: &[Text<'_>],
+        now_ms: u64,
+    ) -> Result<MetaReply, WireError> {
+        let writes = match op {
+            KeysOp::Remove => Some("remove keys"),
+            KeysOp::Pin => Some("pin keys"),
+            KeysOp::Exists | KeysOp::Acquire | KeysOp::Unpin => None,
+        };
+        let k = self.keyed(client_id, session, keys, writes, now_ms)?;
+        match op {
+            KeysOp::Exists => self.exists(k),
+            KeysOp::Acquire => self.acquire(k),
+            KeysOp::Remove => self.remove(k),
+            KeysOp::Pin => self.pin(k),
+            KeysOp::Unpin => self.unpin(k),
+        }
     }
 
     /// Timers: expired leases and sessions end, the keeper checks its mappings, and
@@ -407,7 +482,7 @@ impl MetaCore {
         &mut self,
         client_id: &str,
         session: u64,
-        keys: &'k [String],
+        keys: &'k [Text<'k>],
         writes: Option<&str>,
         now_ms: u64,
     ) -> Result<Keyed<'k>, WireError> {

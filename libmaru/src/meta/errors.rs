@@ -54,7 +54,7 @@ pub(super) fn check_key(key: &str) -> Result<(), WireError> {
     Ok(())
 }
 
-pub(super) fn check_keys(keys: &[String]) -> Result<(), WireError> {
+pub(super) fn check_keys(keys: &[crate::wire::meta::Text<'_>]) -> Result<(), WireError> {
     check_batch("keys", keys.len())?;
     keys.iter().try_for_each(|k| check_key(k))
 }

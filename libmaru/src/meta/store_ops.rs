@@ -6,7 +6,7 @@ use super::errors::{bad_request, check_batch, check_key, permission};
 use super::fast_hash::FastMap;
 use super::journal::ReplyTiming;
 use super::keys::{Location, Published};
-use crate::wire::meta::{MetaReply, PageGrant, PageRef, PagesReply, PublishEntry, MAX_KEY_LEN};
+use crate::wire::meta::{EntryRef, MetaReply, PageGrant, PageRef, PagesReply, MAX_KEY_LEN};
 use crate::wire::WireError;
 use std::collections::HashSet;
 
@@ -167,7 +167,7 @@ impl MetaCore {
         &mut self,
         client_id: &str,
         session: u64,
-        entries: &[PublishEntry],
+        entries: &[EntryRef<'_>],
         now_ms: u64,
     ) -> Result<MetaReply, WireError> {
         check_batch("entries", entries.len())?;
@@ -182,7 +182,7 @@ impl MetaCore {
             if let Some(p) = &e.prev {
                 check_key(p)?;
             }
-            let at = |what: String| format!("entry {i} (key {:?}): {what}", e.key);
+            let at = |what: String| format!("entry {i} (key {:?}): {what}", &*e.key);
             let Some(r) = self
                 .regions
                 .get(e.region_id)
@@ -211,7 +211,7 @@ impl MetaCore {
                 let same = self
                     .keys
                     .get(k)
-                    .is_some_and(|x| x.name == e.key && x.scope == scope);
+                    .is_some_and(|x| x.name == &*e.key && x.scope == scope);
                 if !same {
                     return Err(bad_request(at(format!(
                         "the page at offset {} of region {} holds another key; nothing was \
@@ -221,7 +221,7 @@ impl MetaCore {
                 }
             }
             if let Some(other) = pages.insert((e.region_id, e.offset), &e.key) {
-                if other != e.key {
+                if other != &*e.key {
                     return Err(bad_request(at(format!(
                         "key {other:?} of the same request is published at the same page; \
                          nothing was published"

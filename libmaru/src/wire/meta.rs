@@ -20,7 +20,9 @@
 //! (the keeper may be giving a kept region back: retry); `unsupported` — a backend
 //! this server is not configured for; `internal` — the RM could not be reached.
 
-pub use super::meta_decode::{decode_request, one_pass};
+pub use super::meta_decode::{
+    decode_request, one_pass, EntryRef, HotRequest, KeysOp, Request, Text,
+};
 use super::rm::{Handle, PoolInfo};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
