@@ -140,15 +140,15 @@ fn share_through_slots(backend: &str) {
     let s = b.acquire_slots(SlotPool::Store, 1, t).unwrap();
     let big = s[0].capacity + 1;
     assert!(matches!(
-        b.store_slots(&["x".into()], &[s[0].id], &[big], None),
+        b.store_slots(&["x"], &[s[0].id], &[big], None),
         Err(WorkerError::InvalidArgument(_))
     ));
     assert!(matches!(
-        b.store_slots(&["x".into()], &[987_654], &[1], None),
+        b.store_slots(&["x"], &[987_654], &[1], None),
         Err(WorkerError::InvalidArgument(_))
     ));
     assert_eq!(
-        b.load_slots(&["nobody-stored-this".into()], &[s[0].id], None)
+        b.load_slots(&["nobody-stored-this"], &[s[0].id], None)
             .unwrap(),
         vec![None]
     );
@@ -783,7 +783,7 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
         "gone for readers"
     );
     assert!(b.acquire_views(&one, Some("v")).unwrap()[0].is_none());
-    assert!(a.remove_batch(&[], None).unwrap().is_empty());
+    assert!(a.remove_batch::<&str>(&[], None).unwrap().is_empty());
     // A pin (by any engine of the namespace) keeps a key from removal until unpinned.
     let k1 = vec![keys[1].clone(), "view-never-stored".to_string()];
     assert_eq!(
@@ -810,7 +810,7 @@ fn cxl_views_read_chunks_in_place_under_a_lease() {
     let st = stack(true, &[]);
     let r = Handler::open(&config(&st, "remote_cxl", "remote-viewer")).unwrap();
     assert!(matches!(
-        r.acquire_views(&["k".into()], None),
+        r.acquire_views(&["k"], None),
         Err(maru::worker::WorkerError::InvalidArgument(m)) if m.contains("maru_load_slots")
     ));
     r.close().unwrap();

@@ -113,23 +113,22 @@ pub(crate) unsafe fn buffer_of<'a>(buf: *mut u8, cap: usize) -> &'a mut [u8] {
     }
 }
 
-/// `n` keys (NUL-terminated UTF-8 strings), copied.
+/// `n` keys (NUL-terminated UTF-8 strings), borrowed.
 ///
 /// # Safety
-/// As [`in_slice`], and each entry is NULL or a NUL-terminated string.
-pub(crate) unsafe fn keys_of(
+/// As [`in_slice`], and each entry is NULL or a NUL-terminated string that outlives
+/// `'a`.
+pub(crate) unsafe fn keys_of<'a>(
     keys: *const *const c_char,
     n: usize,
-) -> Result<Vec<String>, FfiError> {
+) -> Result<Vec<&'a str>, FfiError> {
     in_slice(keys, n, "keys")?
         .iter()
         .enumerate()
         .map(|(i, &k)| {
             // The key's argument name is formatted only for an error message, not for
             // every key of every batch call.
-            req_str(k, "keys")
-                .or_else(|_| req_str(k, &format!("keys[{i}]")))
-                .map(str::to_string)
+            req_str(k, "keys").or_else(|_| req_str(k, &format!("keys[{i}]")))
         })
         .collect()
 }

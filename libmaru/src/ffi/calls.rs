@@ -18,7 +18,7 @@ pub(crate) unsafe fn keyed(
     h: *const maru_handler_t,
     keys: *const *const c_char,
     n: usize,
-    body: impl FnOnce(&Call, Vec<String>) -> Result<(), FfiError>,
+    body: impl FnOnce(&Call, Vec<&str>) -> Result<(), FfiError>,
 ) -> maru_status_t {
     ffi_guard(|| {
         with_handler(h, |call| {
@@ -40,7 +40,7 @@ pub(crate) unsafe fn answer_each_key<T, R, E>(
     route_key: *const c_char,
     out: *mut T,
     out_name: &str,
-    answer: impl FnOnce(&Call, &[String], Option<&str>) -> Result<Vec<R>, E>,
+    answer: impl FnOnce(&Call, &[&str], Option<&str>) -> Result<Vec<R>, E>,
     into: impl Fn(R) -> T,
 ) -> maru_status_t
 where
@@ -64,7 +64,7 @@ pub(crate) unsafe fn store_each(
     keys: *const *const c_char,
     n: usize,
     out: *mut bool,
-    store: impl FnOnce(&Call, &[String]) -> Result<Vec<bool>, FfiError>,
+    store: impl FnOnce(&Call, &[&str]) -> Result<Vec<bool>, FfiError>,
 ) -> maru_status_t {
     keyed(h, keys, n, |call, ks| {
         let stored = store(call, &ks)?;

@@ -10,10 +10,11 @@
 use super::args::req_str;
 use super::boundary::{check_not_null, ffi_guard, require_non_null, FfiError};
 use super::status::maru_status_t;
+use crate::worker::condition::Condition;
 use crate::worker::{Handler, HandlerConfig};
 use std::ffi::c_char;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 /// An open handler: the engine's connection to its Maru pools, with its staging slots.
 ///
@@ -51,10 +52,13 @@ struct GateState {
     closed: bool,
 }
 
+/// The calls in flight on a handler, and its shutdown's wait for them. `idle` is
+/// notified when the count drops to zero, which is on every call while nobody waits:
+/// a [`Condition`] makes that notify no system call then.
 #[derive(Default)]
 struct Gate {
     state: Mutex<GateState>,
-    idle: Condvar,
+    idle: Condition,
 }
 
 impl Gate {
@@ -62,6 +66,54 @@ impl Gate {
         // A panic inside a call is caught at the boundary while the gate is not held,
         // so a poisoned lock only means a panic in this file: keep going.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one call in, or `MARU_ERR_CLOSED` once shutdown began (unless
+    /// `after_shutdown`: a release). Returns whether it entered before shutdown began.
+    fn enter(&self, after_shutdown: bool) -> Result<bool, FfiError> {
+        let mut st = self.lock();
+        if st.shut && !after_shutdown {
+            return Err(closed_error());
+        }
+        st.in_flight += 1;
+        Ok(!st.shut)
+    }
+
+    /// Counts one call out; true when its results are not valid: the handler was
+    /// closed under it, or shutdown stopped waiting for it (`before_shut`: it entered
+    /// before shutdown began). Decided and uncounted under one lock, so a call either
+    /// left before shutdown gave up (and shutdown saw it leave) or is late.
+    fn leave(&self, before_shut: bool) -> bool {
+        let mut st = self.lock();
+        let late = st.closed || (st.gave_up && before_shut);
+        st.in_flight -= 1;
+        if st.in_flight == 0 {
+            self.idle.notify_all();
+        }
+        late
+    }
+
+    /// Refuses new calls and waits up to `wait` for the calls in flight; gives up on
+    /// those still running then (they are late when they leave). Idempotent.
+    fn shut(&self, wait: Duration) {
+        let mut st = self.lock();
+        if st.shut {
+            return;
+        }
+        st.shut = true;
+        st = self
+            .idle
+            .wait_timeout_while(st, wait, |s| s.in_flight > 0)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        if st.in_flight > 0 {
+            st.gave_up = true;
+            log::warn!(
+                "maru_handler_shutdown: {} call(s) still running after {} ms (timeout_ms); they will return MARU_ERR_CLOSED: keep the buffers they use until they return",
+                st.in_flight,
+                wait.as_millis()
+            );
+        }
     }
 }
 
@@ -104,13 +156,7 @@ impl Call {
         // may not begin before this call did (the documented rule).
         Arc::increment_strong_count(h);
         let h = Arc::from_raw(h);
-        let mut st = h.gate.lock();
-        if st.shut && !after_shutdown {
-            return Err(closed_error());
-        }
-        let before_shut = !st.shut;
-        st.in_flight += 1;
-        drop(st);
+        let before_shut = h.gate.enter(after_shutdown)?;
         // Counted now: from here on `leave` (or the Call's drop) uncounts it.
         Ok(Call {
             h,
@@ -128,21 +174,12 @@ impl Call {
         self.h.gate.lock().shut
     }
 
-    /// Leaves the gate with the call's result: `MARU_ERR_CLOSED` instead when the
-    /// handler was closed under it, or when shutdown stopped waiting for it (its
-    /// results may name memory that is gone, or reach the caller after it went on).
-    /// Decided and uncounted under one lock, so a call either left before shutdown
-    /// gave up (and shutdown saw it leave) or returns `MARU_ERR_CLOSED`.
+    /// Leaves the gate with the call's result: `MARU_ERR_CLOSED` instead when it is
+    /// late ([`Gate::leave`]: its results may name memory that is gone, or reach the
+    /// caller after it went on).
     fn leave<T>(mut self, r: Result<T, FfiError>) -> Result<T, FfiError> {
-        let mut st = self.h.gate.lock();
-        let late = st.closed || (st.gave_up && self.before_shut);
-        st.in_flight -= 1;
         self.counted = false;
-        if st.in_flight == 0 {
-            self.h.gate.idle.notify_all();
-        }
-        drop(st);
-        if late {
+        if self.h.gate.leave(self.before_shut) {
             return Err((
                 maru_status_t::MARU_ERR_CLOSED,
                 "the handler was shut down while this call ran (shutdown stopped waiting for it after timeout_ms); its results are not valid".into(),
@@ -157,11 +194,8 @@ impl Drop for Call {
         if !self.counted {
             return;
         }
-        let mut st = self.h.gate.lock();
-        st.in_flight -= 1;
-        if st.in_flight == 0 {
-            self.h.gate.idle.notify_all();
-        }
+        // A panic inside the call: its result is dropped anyway.
+        self.h.gate.leave(self.before_shut);
     }
 }
 
@@ -200,30 +234,7 @@ impl maru_handler_t {
     /// in flight. Idempotent; a second caller waits for the first.
     fn shutdown(&self) {
         let _one_at_a_time = self.closing.lock().unwrap_or_else(|p| p.into_inner());
-        let mut st = self.gate.lock();
-        if st.shut {
-            return;
-        }
-        st.shut = true;
-        let deadline = Instant::now() + self.close_wait;
-        while st.in_flight > 0 {
-            let now = Instant::now();
-            if now >= deadline {
-                st.gave_up = true;
-                log::warn!(
-                    "maru_handler_shutdown: {} call(s) still running after {} ms (timeout_ms); they will return MARU_ERR_CLOSED: keep the buffers they use until they return",
-                    st.in_flight,
-                    self.close_wait.as_millis()
-                );
-                break;
-            }
-            st = self
-                .gate
-                .idle
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        self.gate.shut(self.close_wait);
     }
 
     /// Shuts down (if not yet), then closes the sessions: slots, views and the staging
@@ -506,6 +517,66 @@ mod tests {
         let st = unsafe { maru_handler_open(cfg.as_ptr(), &mut h) };
         assert_eq!(st, maru_status_t::MARU_ERR_CONFIG);
         assert!(h.is_null());
+    }
+
+    /// Shutdown returns once the last call in flight left, woken by that call (its
+    /// wait is 10 s), and that call's results stand; seen failing with the wait taken
+    /// out of `shut` (it returned before the call left) and with the notify of
+    /// `leave` taken out (it waited its 10 s).
+    #[test]
+    #[allow(clippy::disallowed_methods)] // a test: the calls run on threads, timed
+    fn shutdown_waits_for_the_calls_in_flight_and_is_woken_by_the_last() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Instant;
+        for round in 0..20 {
+            let gate = Gate::default();
+            let left = AtomicBool::new(false);
+            let (a, b) = (gate.enter(false).unwrap(), gate.enter(false).unwrap());
+            assert!(a && b);
+            std::thread::scope(|t| {
+                for before_shut in [a, b] {
+                    let (gate, left) = (&gate, &left);
+                    t.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(20 + round % 3));
+                        left.store(true, Ordering::SeqCst);
+                        assert!(
+                            !gate.leave(before_shut),
+                            "a call that left in time is not late"
+                        );
+                    });
+                }
+                let start = Instant::now();
+                gate.shut(Duration::from_secs(10));
+                let took = start.elapsed();
+                assert!(
+                    left.load(Ordering::SeqCst),
+                    "round {round}: shutdown returned before the calls left"
+                );
+                assert!(took < Duration::from_secs(5), "round {round}: {took:?}");
+                assert_eq!(gate.lock().in_flight, 0, "round {round}");
+            });
+            assert!(!gate.lock().gave_up);
+            assert_eq!(
+                gate.enter(false).unwrap_err().0,
+                maru_status_t::MARU_ERR_CLOSED
+            );
+            // A release still enters after shutdown, and is never late.
+            assert!(!gate.enter(true).unwrap());
+            assert!(!gate.leave(false));
+        }
+    }
+
+    /// A call still running when shutdown stops waiting is late when it leaves (its
+    /// caller may have freed its buffers); seen failing with `gave_up` not set.
+    #[test]
+    fn a_call_shutdown_gave_up_on_is_late() {
+        let gate = Gate::default();
+        let before_shut = gate.enter(false).unwrap();
+        gate.shut(Duration::from_millis(10));
+        assert!(gate.lock().gave_up);
+        assert!(gate.leave(before_shut));
+        // A second shutdown returns at once.
+        gate.shut(Duration::from_secs(10));
     }
 
     #[test]

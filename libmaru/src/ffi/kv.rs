@@ -81,11 +81,8 @@ pub unsafe extern "C" fn maru_store_batch(
     stored: *mut bool,
 ) -> maru_status_t {
     store_each(h, keys, n, stored, |call, ks| {
-        let items: Vec<(&str, &[u8])> = ks
-            .iter()
-            .map(String::as_str)
-            .zip(chunks_of(datas, lens, n)?)
-            .collect();
+        let items: Vec<(&str, &[u8])> =
+            ks.iter().copied().zip(chunks_of(datas, lens, n)?).collect();
         let rk = opt_str(route_key, "route_key")?;
         Ok(call.handler().store_batch(&items, rk)?)
     })
@@ -115,7 +112,7 @@ pub unsafe extern "C" fn maru_load(
             let k = req_str(key, "key")?;
             let rk = opt_str(route_key, "route_key")?;
             let mut bufs = [buffer_of(buf, cap)];
-            let got = call.handler().load_into(&[k.to_string()], &mut bufs, rk)?;
+            let got = call.handler().load_into(&[k], &mut bufs, rk)?;
             match got.first().copied().unwrap_or(Loaded::Miss) {
                 Loaded::Miss => Err((
                     maru_status_t::MARU_ERR_NOT_FOUND,
@@ -205,7 +202,7 @@ pub unsafe extern "C" fn maru_exists(
     ffi_guard(|| {
         with_handler(h, |call| {
             check_not_null!(key, found);
-            let k = req_str(key, "key")?.to_string();
+            let k = req_str(key, "key")?;
             let rk = opt_str(route_key, "route_key")?;
             *found = call
                 .handler()

@@ -82,7 +82,9 @@ unsafe fn submit(
     ffi_guard(|| {
         with_handler(h, |call| {
             check_not_null!(op);
-            let handle = start(call, keys_of(keys, n)?)?;
+            // Owned: the operation runs on after this call returned.
+            let ks = keys_of(keys, n)?.into_iter().map(str::to_string).collect();
+            let handle = start(call, ks)?;
             *op = Box::into_raw(Box::new(maru_op_t { op: handle, n }));
             Ok(())
         })

@@ -1,7 +1,8 @@
 //! [`Condition`]: a condition variable whose notify makes no system call when no thread
 //! waits. std's `notify_all` is a `futex` wake every time (0.14 to 0.25 µs on the bench
 //! VM); the pool core's condition and the held pages' gate are notified at the end of
-//! every store, and almost never waited on.
+//! every store, the staging slots' at every slot given back, the C API's call gate
+//! (`ffi/handler.rs`) at the end of every call, and all are almost never waited on.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, LockResult, MutexGuard, WaitTimeoutResult};

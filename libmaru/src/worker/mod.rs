@@ -3,7 +3,7 @@
 //! of stores and loads, its [`session`]) → [`movers`] (`remote` or `cxl`) → the
 //! transport. Beside them: `lifecycle` (held by the pool core for `remote_cxl`),
 //! `staging`, `slots`, `views`, `router`, `ops`, `op_stats`, `hook`, `prefault`,
-//! `skips`, `condition`; `clock` is the one place that reads the time. See
+//! `skips`, `condition`, `key`; `clock` is the one place that reads the time. See
 //! `docs/worker.md`.
 
 pub mod agents;
@@ -13,6 +13,7 @@ pub mod config;
 pub(crate) mod error;
 pub(crate) mod handler;
 pub(crate) mod hook;
+pub(crate) mod key;
 pub(crate) mod lifecycle;
 pub mod movers;
 pub(crate) mod op_stats;
@@ -32,6 +33,7 @@ pub use config::{BackendKind, HandlerConfig, TransportKind};
 pub use error::{Peer, WorkerError};
 pub use handler::{Handler, InPlaceInfo, Loaded, RegionInfo};
 pub use hook::{set_memory_hook, MemoryHook};
+pub use key::Key;
 pub use op_stats::core_locks;
 pub use ops::{OpHandle, OpOutput};
 pub use pool::MAX_QUEUED_RELEASES;

@@ -148,9 +148,9 @@ impl Handler {
     /// Publishes `keys[i]` with the first `lens[i]` bytes of page `pages[i]`, the
     /// chunks of one request in chain order; per chunk: published now or already
     /// present. The pages are no longer the caller's afterwards, whatever the outcome.
-    pub fn publish_in_place(
+    pub fn publish_in_place<K: AsRef<str>>(
         &self,
-        keys: &[String],
+        keys: &[K],
         pages: &[(u64, u64)],
         lens: &[usize],
     ) -> Result<Vec<bool>, WorkerError> {
@@ -162,8 +162,8 @@ impl Handler {
                 lens.len()
             )));
         }
-        if let Some(k) = keys.iter().find(|k| k.is_empty()) {
-            return Err(WorkerError::InvalidArgument(format!("empty key {k:?}")));
+        if keys.iter().any(|k| k.as_ref().is_empty()) {
+            return Err(WorkerError::InvalidArgument("empty key \"\"".into()));
         }
         {
             // Checked while the pages are still the caller's (an error keeps them so).
@@ -172,7 +172,8 @@ impl Handler {
                 if let Some((_, p)) = t.pages.get(loc) {
                     if len > p.capacity() {
                         return Err(WorkerError::InvalidArgument(format!(
-                            "chunk {key} is {len} bytes, larger than its page ({})",
+                            "chunk {} is {len} bytes, larger than its page ({})",
+                            key.as_ref(),
                             p.capacity()
                         )));
                     }
@@ -184,7 +185,7 @@ impl Handler {
             .into_iter()
             .zip(keys.iter().zip(lens))
             .map(|(page, (key, &len))| InPlaceWrite {
-                key: key.clone(),
+                key: key.as_ref().to_string(),
                 page,
                 len,
             })

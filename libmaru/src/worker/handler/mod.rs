@@ -13,6 +13,7 @@ mod slot_ops;
 use super::config::{BackendKind, HandlerConfig};
 use super::error::{Peer, WorkerError};
 use super::hook::Registration;
+use super::key::Key;
 use super::op_stats::OpStats;
 use super::ops::{Executor, OpHandle, OpOutput};
 use super::pool::{AheadQueue, PoolStats, Release, ReleaseQueue, StoragePool};
@@ -164,9 +165,9 @@ impl Inner {
         r
     }
 
-    pub(super) fn load(
+    pub(super) fn load<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
         sink: &mut crate::worker::movers::ReadSink<'_>,
         release_after: bool,
@@ -174,7 +175,7 @@ impl Inner {
         let Some(first) = keys.first() else {
             return Ok(());
         };
-        let rk = route_key.unwrap_or(first);
+        let rk = route_key.unwrap_or(first.as_ref());
         let release = match release_after {
             true => Release::After(&self.releases),
             false => Release::Now,
@@ -188,9 +189,9 @@ impl Inner {
     /// `cxl` loads: leases and views, then the copies out of the shared mapping with
     /// no lock held (each view keeps its mapping, each lease its page), then the
     /// release, by the same session, as `release` says.
-    fn load_in_place(
+    fn load_in_place<K: Key>(
         p: &Arc<StoragePool>,
-        keys: &[String],
+        keys: &[K],
         sink: &mut crate::worker::movers::ReadSink<'_>,
         release: Release<'_>,
     ) -> Result<(), WorkerError> {
@@ -410,10 +411,7 @@ impl Handler {
     }
 
     pub fn load(&self, key: &str, route_key: Option<&str>) -> Result<Option<Vec<u8>>, WorkerError> {
-        Ok(self
-            .load_batch(&[key.to_string()], route_key)?
-            .pop()
-            .flatten())
+        Ok(self.load_batch(&[key], route_key)?.pop().flatten())
     }
 
     /// Loads the chunks of one request and hands each found one to `f(index, bytes)`
@@ -422,9 +420,9 @@ impl Handler {
     /// `release_after`, the leases are given back after the call, by the handler's
     /// `maru-release` thread (see `ReleaseQueue`): for a caller that copies the bytes
     /// out inside `f` (`maru_load_pieces`).
-    pub fn load_each(
+    pub fn load_each<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
         release_after: bool,
         f: &mut dyn FnMut(usize, &[u8]),
@@ -440,9 +438,9 @@ impl Handler {
     }
 
     /// Loads the chunks of one request into new vectors (`None`: miss or failed read).
-    pub fn load_batch(
+    pub fn load_batch<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<Vec<u8>>>, WorkerError> {
         let mut out = vec![None; keys.len()];
@@ -456,9 +454,9 @@ impl Handler {
 
     /// Loads the chunks of one request straight into the caller's buffers (one copy:
     /// from the staging slot on `remote_cxl`, from the shared mapping on `cxl`).
-    pub fn load_into(
+    pub fn load_into<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         bufs: &mut [&mut [u8]],
         route_key: Option<&str>,
     ) -> Result<Vec<Loaded>, WorkerError> {
@@ -482,15 +480,15 @@ impl Handler {
         Ok(out)
     }
 
-    pub fn exists_batch(
+    pub fn exists_batch<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
     ) -> Result<Vec<bool>, WorkerError> {
         let Some(first) = keys.first() else {
             return Ok(Vec::new());
         };
-        let rk = route_key.unwrap_or(first);
+        let rk = route_key.unwrap_or(first.as_ref());
         self.timed("exists", keys.len(), || {
             self.inner
                 .with_pool(rk, vec![false; keys.len()], |p| p.exists(keys))
@@ -500,15 +498,15 @@ impl Handler {
     /// Unpublishes keys this engine stored; per key: removed, not found, stored by
     /// another engine (refused), or leased by a reader now (refused). A pool that is
     /// unavailable answers `NotFound`.
-    pub fn remove_batch(
+    pub fn remove_batch<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
         let Some(first) = keys.first() else {
             return Ok(Vec::new());
         };
-        let rk = route_key.unwrap_or(first);
+        let rk = route_key.unwrap_or(first.as_ref());
         self.timed("remove", keys.len(), || {
             self.inner.with_pool(
                 rk,
@@ -521,16 +519,16 @@ impl Handler {
     /// Pins keys of one request (`pin`: neither evicted nor removed until unpinned, the
     /// handler closes or the region is lost), or drops one pin of each (`!pin`); per
     /// key: done. A pool that is unavailable answers `false`.
-    pub fn pin_batch(
+    pub fn pin_batch<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
         pin: bool,
     ) -> Result<Vec<bool>, WorkerError> {
         let Some(first) = keys.first() else {
             return Ok(Vec::new());
         };
-        let rk = route_key.unwrap_or(first);
+        let rk = route_key.unwrap_or(first.as_ref());
         self.inner
             .with_pool(rk, vec![false; keys.len()], |p| p.pin(keys, pin))
     }
@@ -581,9 +579,9 @@ impl Handler {
     /// Stores `lens[i]` bytes of slot `ids[i]` under `keys[i]` (no copy on
     /// `remote_cxl`). The slots stay the caller's, but one whose transfer outcome was
     /// unknown: libmaru keeps it (releasing its id is a no-op).
-    pub fn store_slots(
+    pub fn store_slots<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         ids: &[u64],
         lens: &[usize],
         route_key: Option<&str>,
@@ -596,9 +594,9 @@ impl Handler {
 
     /// Loads chunk `keys[i]` into slot `ids[i]` (the READ lands in the slot); `Some(len)`
     /// where it was loaded. The slots stay the caller's, as for `store_slots`.
-    pub fn load_slots(
+    pub fn load_slots<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         ids: &[u64],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<usize>>, WorkerError> {
@@ -657,9 +655,9 @@ impl Handler {
 
     /// Views of chunks in place (`cxl` only: this host's read-only mapping), each under
     /// a lease until [`Handler::release_views`], for at most `valid_ms`.
-    pub fn acquire_views(
+    pub fn acquire_views<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         route_key: Option<&str>,
     ) -> Result<Vec<Option<ViewInfo>>, WorkerError> {
         if self.inner.cfg.backend != BackendKind::Cxl {
@@ -670,7 +668,7 @@ impl Handler {
         let Some(first) = keys.first() else {
             return Ok(Vec::new());
         };
-        let rk = route_key.unwrap_or(first);
+        let rk = route_key.unwrap_or(first.as_ref());
         let got = self.timed("views", keys.len(), || {
             self.inner.with_pool(rk, vec![None; keys.len()], |p| {
                 p.acquire_views(keys, Deadline::after(self.inner.timeout()))

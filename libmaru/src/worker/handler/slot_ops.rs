@@ -3,6 +3,7 @@
 
 use super::{Inner, LentJob};
 use crate::worker::error::WorkerError;
+use crate::worker::key::Key;
 use crate::worker::ops::OpHandle;
 use crate::worker::slots::SlotTable;
 use crate::worker::staging::{Slot, StagingSlots};
@@ -47,9 +48,9 @@ impl Inner {
         r
     }
 
-    pub(super) fn store_slots(
+    pub(super) fn store_slots<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         ids: &[u64],
         lent: Vec<Option<Slot>>,
         lens: &[usize],
@@ -68,7 +69,7 @@ impl Inner {
             let Some(first) = keys.first() else {
                 return Ok(Vec::new());
             };
-            let rk = route_key.unwrap_or(first);
+            let rk = route_key.unwrap_or(first.as_ref());
             for (i, s) in slots.iter().enumerate() {
                 let cap = s.as_ref().map_or(0, |s| s.len());
                 if lens[i] > cap {
@@ -78,16 +79,16 @@ impl Inner {
                     )));
                 }
             }
-            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let ks: Vec<&str> = keys.iter().map(K::as_ref).collect();
             self.store_on_pool(rk, keys.len(), |p| {
                 p.store_slots(&ks, slots, lens, Some(rk))
             })
         })
     }
 
-    pub(super) fn load_slots(
+    pub(super) fn load_slots<K: Key>(
         &self,
-        keys: &[String],
+        keys: &[K],
         ids: &[u64],
         lent: Vec<Option<Slot>>,
         route_key: Option<&str>,
@@ -103,7 +104,7 @@ impl Inner {
             let Some(first) = keys.first() else {
                 return Ok(Vec::new());
             };
-            let rk = route_key.unwrap_or(first);
+            let rk = route_key.unwrap_or(first.as_ref());
             self.with_pool(rk, vec![None; keys.len()], |p| p.load_slots(keys, slots))
         })
     }

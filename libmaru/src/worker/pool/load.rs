@@ -17,6 +17,7 @@ use crate::worker::clock::Deadline;
 use crate::worker::error::WorkerError;
 use crate::worker::movers::{ReadSink, View};
 use crate::worker::staging::Slot;
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,9 +55,9 @@ impl StoragePool {
     /// Loads chunks, handing each found chunk's bytes to `sink(i, bytes)` (a view valid
     /// during the call). Chunks not handed over missed or failed. The leases end as
     /// `release` says, also when a batch failed.
-    pub fn load(
+    pub fn load<K: Serialize>(
         self: &Arc<Self>,
-        keys: &[String],
+        keys: &[K],
         sink: &mut ReadSink<'_>,
         release: Release<'_>,
     ) -> Result<(), WorkerError> {
@@ -88,9 +89,9 @@ impl StoragePool {
     /// Loads chunks into the caller's staging slots: `Some(len)` where chunk `i` is now
     /// in `slots[i]`. Each slot is back in `slots` afterwards, except one whose transfer
     /// outcome is unknown (`None`: kept until its peer is fenced).
-    pub fn load_slots(
+    pub fn load_slots<K: Serialize>(
         &self,
-        keys: &[String],
+        keys: &[K],
         slots: &mut [Option<Slot>],
     ) -> Result<Vec<Option<usize>>, WorkerError> {
         let by = self.deadline();
@@ -135,9 +136,9 @@ impl StoragePool {
     /// One batch: acquire leases → `read(found indices, their leases, pool)`, which
     /// answers (hits, bytes) → what the read left, under one lock; the leases' ids go
     /// to `held`, for the caller to release.
-    fn load_some(
+    fn load_some<K: Serialize>(
         &self,
-        keys: &[String],
+        keys: &[K],
         by: Deadline,
         held: &mut Vec<u64>,
         read: &mut LeaseReader<'_>,
@@ -201,9 +202,9 @@ impl StoragePool {
     /// Views of the chunks in place (`cxl`): per key, its lease and view, the lease held
     /// until the caller releases it with `release_leases`. Keys that missed or whose
     /// view failed are `None` (their leases are released at once).
-    pub fn acquire_views(
+    pub fn acquire_views<K: Serialize>(
         &self,
-        keys: &[String],
+        keys: &[K],
         by: Deadline,
     ) -> Result<Vec<Option<(LeaseGrant, View)>>, WorkerError> {
         if self.session.away() {

@@ -26,6 +26,7 @@ pub use deferred::MAX_QUEUED_RELEASES;
 pub use in_place::{InPlacePage, InPlaceWrite};
 pub use load::{Release, ReleaseQueue};
 use peers::WriteTargets;
+use serde::Serialize;
 use session::Session;
 pub use stats::PoolStats;
 use std::sync::Arc;
@@ -228,19 +229,19 @@ impl StoragePool {
     }
 
     /// Pins (`pin`) or unpins found keys, a batch of at most `max_batch` at a time.
-    pub fn pin(&self, keys: &[String], pin: bool) -> Result<Vec<bool>, WorkerError> {
+    pub fn pin<K: Serialize>(&self, keys: &[K], pin: bool) -> Result<Vec<bool>, WorkerError> {
         self.per_batch(keys, |s, k, by| s.pin(k, pin, by))
     }
 
     /// Unpublishes keys this session stored (see `RemoveResult` for the others).
-    pub fn remove(
+    pub fn remove<K: Serialize>(
         &self,
-        keys: &[String],
+        keys: &[K],
     ) -> Result<Vec<crate::wire::meta::RemoveResult>, WorkerError> {
         self.per_batch(keys, |s, k, by| s.remove(k, by))
     }
 
-    pub fn exists(&self, keys: &[String]) -> Result<Vec<bool>, WorkerError> {
+    pub fn exists<K: Serialize>(&self, keys: &[K]) -> Result<Vec<bool>, WorkerError> {
         if self.session.away() {
             // maru-server did not answer a call by its deadline: false at once.
             return Ok(vec![false; keys.len()]);
@@ -249,10 +250,10 @@ impl StoragePool {
     }
 
     /// One session call per `max_batch` keys, all by one request deadline.
-    fn per_batch<T>(
+    fn per_batch<K, T>(
         &self,
-        keys: &[String],
-        call: impl Fn(&Session, &[String], Deadline) -> Result<Vec<T>, WorkerError>,
+        keys: &[K],
+        call: impl Fn(&Session, &[K], Deadline) -> Result<Vec<T>, WorkerError>,
     ) -> Result<Vec<T>, WorkerError> {
         let by = self.deadline();
         let mut out = Vec::with_capacity(keys.len());

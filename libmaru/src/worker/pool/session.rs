@@ -454,7 +454,12 @@ impl Session {
 
     /// Pins found keys (`pin`; per key: found and pinned), or drops one of this
     /// session's pins of each (per key: one was dropped).
-    pub fn pin(&self, keys: &[String], pin: bool, by: Deadline) -> Result<Vec<bool>, WorkerError> {
+    pub fn pin<K: Serialize>(
+        &self,
+        keys: &[K],
+        pin: bool,
+        by: Deadline,
+    ) -> Result<Vec<bool>, WorkerError> {
         let session = self.id;
         let (req, kind, what) = match pin {
             true => (KeysCall::Pin { session, keys }, ReplyKind::Pinned, "pin"),
