@@ -5,7 +5,6 @@
 //! another library; without CUDA it logs and goes on with pageable memory).
 
 use super::error::WorkerError;
-use once_cell::sync::OnceCell;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::Mutex;
@@ -81,7 +80,7 @@ struct Cudart {
 /// Finds libcudart once per process. The library is never closed (CUDA does not
 /// support being unloaded while contexts live).
 fn cudart() -> &'static Result<Cudart, String> {
-    static CUDART: OnceCell<Result<Cudart, String>> = OnceCell::new();
+    static CUDART: std::sync::OnceLock<Result<Cudart, String>> = std::sync::OnceLock::new();
     CUDART.get_or_init(|| {
         check_cudart_env()?;
         let candidates: Vec<String> = match std::env::var("MARU_CUDART") {

@@ -2,7 +2,7 @@
 //! threads (started on first use); the caller polls or waits on its [`OpHandle`].
 
 use super::error::WorkerError;
-use crossbeam::channel::{unbounded, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -62,6 +62,12 @@ impl OpHandle {
 type Job = Box<dyn FnOnce() -> OpResult + Send>;
 /// The queue and the threads, once started.
 type Running = (Sender<(Job, OpHandle)>, Vec<JoinHandle<()>>);
+
+/// The next job of the executor's queue, for one of its threads; `None` once the
+/// queue's sender is gone (shutdown) or another thread panicked holding it.
+fn next_job(rx: &Mutex<Receiver<(Job, OpHandle)>>) -> Option<(Job, OpHandle)> {
+    rx.lock().ok()?.recv().ok()
+}
 
 /// Jobs submitted and not finished yet (queued or running), and a condition that
 /// says when that count reaches zero.
@@ -123,7 +129,10 @@ impl Executor {
         let mut guard = self.inner.lock().map_err(|_| WorkerError::Closed)?;
         let g = guard.as_mut().map_err(|_| WorkerError::Closed)?;
         if g.is_none() {
-            let (tx, rx) = unbounded::<(Job, OpHandle)>();
+            let (tx, rx) = channel::<(Job, OpHandle)>();
+            // One queue, several takers: the thread that holds the receiver waits for
+            // the next job, the others for the receiver.
+            let rx = Arc::new(Mutex::new(rx));
             let mut hs = Vec::with_capacity(self.threads);
             for i in 0..self.threads {
                 let rx = rx.clone();
@@ -131,7 +140,7 @@ impl Executor {
                 let h = std::thread::Builder::new()
                     .name(format!("maru-op-{i}"))
                     .spawn(move || {
-                        while let Ok((job, op)) = rx.recv() {
+                        while let Some((job, op)) = next_job(&rx) {
                             op.finish(job());
                             pending.done();
                         }
@@ -187,7 +196,7 @@ mod tests {
     #[test]
     fn submit_poll_wait_and_shutdown_runs_what_was_queued() {
         let ex = Executor::new(2);
-        let (gate_tx, gate_rx) = crossbeam::channel::bounded::<()>(0);
+        let (gate_tx, gate_rx) = std::sync::mpsc::sync_channel::<()>(0);
         let slow = ex
             .submit(Box::new(move || {
                 let _ = gate_rx.recv_timeout(Duration::from_secs(10));
@@ -221,7 +230,7 @@ mod tests {
     #[allow(clippy::disallowed_methods)] // a test: its own thread and clock
     fn settle_waits_for_queued_and_running_jobs_and_no_longer_than_its_bound() {
         let ex = Executor::new(1);
-        let (gate_tx, gate_rx) = crossbeam::channel::bounded::<()>(0);
+        let (gate_tx, gate_rx) = std::sync::mpsc::sync_channel::<()>(0);
         let held = ex
             .submit(Box::new(move || {
                 let _ = gate_rx.recv_timeout(Duration::from_secs(10));
