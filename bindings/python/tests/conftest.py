@@ -163,7 +163,6 @@ class Daemons:
         self.work = Path(tempfile.mkdtemp(prefix="maru-pytest-"))
         self.pool = Path(f"/dev/shm/maru-pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.procs: List[subprocess.Popen] = []
-        self.names: List[str] = []
         self.key = self.work / "agent.key"
         self.server_key = self.work / "server.key"
         self.rm = self.agent = self.server = ""
@@ -177,7 +176,6 @@ class Daemons:
             [str(self.bin / name), *args], self.work / f"{name}.ready", self.work / f"{name}.log"
         )
         self.procs.append(p)
-        self.names.append(name)
         return addr
 
     def stop(self) -> None:
@@ -213,7 +211,7 @@ class Daemons:
             ],
             self.work / f"{name}.ready",
             self.work / f"{name}.log",
-            env=env,
+            env=dict(os.environ) if env is None else env,
         )
         try:
             yield addr
