@@ -141,6 +141,12 @@ struct Serve {
     /// Write the listening address to this file once ready.
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// Microseconds the event loop keeps polling without sleeping after a turn that
+    /// had work, so a client's next request finds it awake (0: sleep at once). An
+    /// idle server spins at most this long after its last request.
+    #[arg(long, default_value_t = maru::net::server::DEFAULT_POLL_SPIN_US,
+          env = "MARU_SERVER_POLL_SPIN_US", value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    poll_spin_us: u64,
     #[command(flatten)]
     ops: OpsArgs,
 }
@@ -477,7 +483,11 @@ fn main() {
     };
     raise_nofile_limit();
     let keyring = keys.map(|(_, ring)| ring);
-    let mut server = Server::bind(addr, a.net.options_with_keys(keyring), clock)
+    let opts = maru::net::ServerOptions {
+        poll_spin: std::time::Duration::from_micros(a.poll_spin_us),
+        ..a.net.options_with_keys(keyring)
+    };
+    let mut server = Server::bind(addr, opts, clock)
         .unwrap_or_else(|e| die_unavailable(format!("cannot listen on {addr}: {e}")));
     let bound = server.local_addr().unwrap_or(addr);
     let mut gauges = SERVER_GAUGES.to_vec();

@@ -2,9 +2,10 @@
 //!
 //! One thread, one `Poll`: the listener, every connection, the signal pipe. The loop
 //! sleeps until a socket is ready, a signal arrives or the service's next deadline
-//! (no idle busy-poll). A connection first runs the handshake (version, then the key
-//! proof when the daemon has a key); only then do its request frames reach the
-//! service. A broken frame stream gets an `Error` frame and is closed; a malformed
+//! (no idle busy-poll; with `poll_spin` it polls without sleeping that long after a
+//! turn with events, `spin`). A connection first runs the handshake (version, then
+//! the key proof when the daemon has a key); only then do its request frames reach
+//! the service. A broken frame stream gets an `Error` frame and is closed; a malformed
 //! request gets an error reply and the connection stays; other connections never
 //! notice either.
 //!
@@ -35,13 +36,15 @@
 //!
 //! This file holds the loop itself ([`Server`]: accepting, polling, rounds, closing).
 //! Its parts: [`options`] its settings, [`counters`] what it counts, `conn` one
-//! connection's state, `turn` one connection's turn of reading and serving.
+//! connection's state, `turn` one connection's turn of reading and serving, `spin`
+//! the bounded busy poll after work.
 
 mod conn;
 pub mod counters;
 pub mod options;
 #[cfg(test)]
 mod scan_tests;
+mod spin;
 mod timing;
 mod turn;
 
@@ -63,12 +66,13 @@ use conn::{flush, Conn, Phase, PreAuthEnd};
 use mio::net::TcpListener;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
+use spin::PollSpin;
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use timing::ServedTimes;
 use turn::Turn;
 
@@ -128,6 +132,8 @@ pub struct Server {
     counters: Arc<NetCounters>,
     replies: std::sync::mpsc::Receiver<(ConnId, Vec<u8>)>,
     replier: Replier,
+    /// Polls without sleeping for a while after a turn with events.
+    spin: PollSpin,
 }
 
 impl Server {
@@ -152,6 +158,7 @@ impl Server {
             opts.frame_room_per_tenant,
             opts.max_frame.max(opts.pre_auth_max_frame) + wire::frame::HEADER_LEN,
         );
+        let spin = PollSpin::new(opts.poll_spin);
         Ok(Server {
             poll,
             listener,
@@ -176,6 +183,7 @@ impl Server {
             counters: Arc::default(),
             replies,
             replier: Replier { tx, waker },
+            spin,
         })
     }
 
@@ -225,8 +233,10 @@ impl Server {
         let mut events = Events::with_capacity(256);
         loop {
             let now = self.clock.now_ms();
-            // Connections with work left: look for new events without sleeping.
-            let timeout = if self.queue.is_empty() {
+            // Connections with work left, or a spin after work: look for new events
+            // without sleeping.
+            let spinning = self.spin.spinning(Instant::now());
+            let timeout = if self.queue.is_empty() && !spinning {
                 self.timeout(service, now)
             } else {
                 Some(Duration::ZERO)
@@ -237,9 +247,15 @@ impl Server {
                 }
                 return Err(e);
             }
-            let busy = service
-                .loop_timed()
-                .then(|| (std::time::Instant::now(), thread_cpu_seconds()));
+            let had_events = !events.is_empty();
+            if spinning && !had_events && self.queue.is_empty() {
+                // Spinning with nothing to do: let a thread that waits for this core
+                // (the client the loop waits for, on a busy machine) run first.
+                std::thread::yield_now();
+            }
+            // An empty poll of the spin is not the loop's work.
+            let busy = (service.loop_timed() && (had_events || !spinning))
+                .then(|| (Instant::now(), thread_cpu_seconds()));
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.accept(service),
@@ -275,6 +291,7 @@ impl Server {
                 let cpu = (thread_cpu_seconds() - cpu).max(0.0);
                 service.on_loop_busy(wall.elapsed().as_secs_f64(), cpu);
             }
+            self.spin.turned(had_events, Instant::now());
         }
     }
 

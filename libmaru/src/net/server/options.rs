@@ -43,6 +43,10 @@ pub struct ServerOptions {
     /// While a frame waits for room, a connection granted room whose peer sent nothing
     /// of its frame for this long is closed, giving the room back.
     pub frame_stall_ms: u64,
+    /// After a turn with events, the loop polls without sleeping for this long before
+    /// it blocks in `epoll_wait` again (zero: never): a client's next request finds it
+    /// awake. An idle loop spins at most this long after its last event.
+    pub poll_spin: std::time::Duration,
 }
 
 /// Default whole-handshake deadline (5 s).
@@ -62,6 +66,8 @@ pub const DEFAULT_FRAME_ROOM: usize = 32 << 20;
 pub const DEFAULT_FRAME_ROOM_PER_TENANT: usize = 16 << 20;
 /// Default time a peer granted room may send nothing while others wait (10 s).
 pub const DEFAULT_FRAME_STALL_MS: u64 = 10_000;
+/// Default busy poll after a turn with events, µs (see [`ServerOptions::poll_spin`]).
+pub const DEFAULT_POLL_SPIN_US: u64 = 0;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -77,6 +83,7 @@ impl Default for ServerOptions {
             frame_room: DEFAULT_FRAME_ROOM,
             frame_room_per_tenant: DEFAULT_FRAME_ROOM_PER_TENANT,
             frame_stall_ms: DEFAULT_FRAME_STALL_MS,
+            poll_spin: std::time::Duration::from_micros(DEFAULT_POLL_SPIN_US),
         }
     }
 }
