@@ -45,6 +45,8 @@ pub mod options;
 #[cfg(test)]
 mod scan_tests;
 mod spin;
+#[cfg(test)]
+mod spin_tests;
 mod timing;
 mod turn;
 
