@@ -455,6 +455,7 @@ impl MetaCore {
                 .collect(),
             run: 0,
             lease_timeout_ms: self.cfg.lease_timeout_ms,
+            key_ids_end: 0,
         }
     }
 }

@@ -211,6 +211,33 @@ fn a_restart_journals_none_of_the_keys_it_restores() {
 }
 
 #[test]
+fn a_restart_hands_out_no_key_id_recorded_before() {
+    // A new key's record is written without looking for a use-stamp row of its id
+    // (maru-server's store): ids of records left out at recovery, whose check fails
+    // (k2 here), or that the store could not decode (`key_ids_end`: id 9, with a use
+    // stamp of its own on disk), are not handed out again.
+    let (mut w, mut img, s, _) = booted();
+    w.store_chain(W1, s, None, &["k1", "k2"]);
+    persist(&mut w, &mut img);
+    let last = img.keys.iter().map(|k| k.id).max().unwrap();
+    img.keys.iter_mut().find(|k| k.id == last).unwrap().check ^= 1;
+    img.key_ids_end = 10;
+    let rec = restart(&mut w, &img);
+    assert_eq!((rec.keys, rec.left_out), (1, 1));
+    w.core.recovered_rm(&held(&w), w.now);
+    w.store_chain(W1, s, None, &["k3"]);
+    let ids: Vec<u64> = std::iter::from_fn(|| w.core.take_changes())
+        .flat_map(|c| c.records)
+        .filter_map(|r| match r {
+            super::records::Record::Key(k) => Some(k.id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "one key published: {ids:?}");
+    assert!(ids[0] >= 10, "a recorded id handed out again: {ids:?}");
+}
+
+#[test]
 fn a_restore_orders_each_region_once_and_puts_no_key_in_an_order_tree() {
     // Keys come back in id order, and a key read since it was stored ranks after
     // those stored later. Put in the region's orders one by one, every key after

@@ -278,6 +278,11 @@ impl KeyDirectory {
         }
     }
 
+    /// The next key gets an id above `id` (recovery: ids recorded before).
+    pub fn ids_after(&mut self, id: u64) {
+        self.next_id = self.next_id.max(id);
+    }
+
     /// Ids at most this were restored (0: none).
     pub fn last_id(&self) -> u64 {
         self.next_id

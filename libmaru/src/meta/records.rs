@@ -273,6 +273,10 @@ pub struct Image {
     /// The longest lease the last run could have granted (its lease timeout, or a
     /// longer one of a run before it whose leases may still run).
     pub lease_timeout_ms: u64,
+    /// Key ids below this are on the store, also in a record that does not decode
+    /// or a use-stamp row alone (0: none beyond [`keys`](Self::keys)): a restore
+    /// hands out none of them, nor any id of `keys`, again.
+    pub key_ids_end: u64,
 }
 
 impl Image {
