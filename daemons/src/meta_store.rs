@@ -453,9 +453,7 @@ impl MetaStore {
                                 .insert(s.id, encode_json(s).as_slice())
                                 .map_err(w)?;
                         }
-                        Record::SessionGone(id) => {
-                            sessions.remove(*id).map_err(w)?;
-                        }
+                        Record::SessionGone(id) => _ = sessions.remove(*id).map_err(w)?,
                         Record::NextSession(n) => {
                             put_scalar(&mut meta, "next_session", &n.to_string()).map_err(w)?;
                         }
@@ -464,9 +462,7 @@ impl MetaStore {
                                 .insert(g.handle.region_id, encode_json(g).as_slice())
                                 .map_err(w)?;
                         }
-                        Record::RegionGone(id) => {
-                            regions.remove(*id).map_err(w)?;
-                        }
+                        Record::RegionGone(id) => _ = regions.remove(*id).map_err(w)?,
                         Record::Key(k) => {
                             keys.insert(k.id, encode_key(k).as_slice()).map_err(w)?;
                         }
@@ -474,6 +470,7 @@ impl MetaStore {
                             keys.remove(*id).map_err(w)?;
                             used.remove(*id).map_err(w)?;
                         }
+                        Record::KeyGoneUnread(id) => _ = keys.remove(*id).map_err(w)?,
                         Record::Used { id, used: u } => {
                             used.insert(*id, *u).map_err(w)?;
                         }
