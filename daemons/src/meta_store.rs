@@ -6,8 +6,7 @@
 //! Batches are written by a thread of their own ([`StoreWriter`]): the event loop
 //! hands over each batch and goes on; the writer takes every batch waiting, commits
 //! them together (one fsync for all: a group commit), then says how far it got and
-//! wakes the loop, which sends the replies that waited for those batches. So publish
-//! throughput does not depend on one fsync per request.
+//! wakes the loop, which sends the replies that waited for those batches.
 
 use maru::meta::records::{
     decode_json, decode_key, encode_json, encode_key, Changes, Image, KeyRecord, Record,
@@ -33,13 +32,11 @@ const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 /// The meta record of the longest lease a start must wait out for the run before it.
 const LEASE_TIMEOUT: &str = "lease_timeout_ms";
 
-/// The store's page cache (redb's: nine tenths for reads, a tenth for writes), a
-/// fixed size whatever the keys. A recovery reads every key once, in order, so a
-/// cache does not speed it; commits append new keys at the end of their table and
-/// rewrite use stamps all over it, so what a cache keeps warm is the tables' upper
-/// pages (a few MiB at 16 M keys), and a miss is a read from the kernel's page cache
-/// on the store's thread, never on the event loop. 64 MiB before (16 bytes a key at
-/// 4 M keys, issue 46).
+/// The store's page cache (redb's: 9/10 for reads, 1/10 for writes), a fixed size
+/// whatever the keys. A recovery reads every key once, in order: no cache speeds it;
+/// commits append new keys at the end of their table and rewrite use stamps all over
+/// it, so a cache keeps warm the tables' upper pages (a few MiB at 16 M keys), and a
+/// miss is a read from the kernel's page cache on the store's thread, not the loop.
 const CACHE_BYTES: usize = 16 << 20;
 
 /// A session secret kept across restarts (its hash only), with a check of its fields
@@ -456,9 +453,7 @@ impl MetaStore {
                                 .insert(s.id, encode_json(s).as_slice())
                                 .map_err(w)?;
                         }
-                        Record::SessionGone(id) => {
-                            sessions.remove(*id).map_err(w)?;
-                        }
+                        Record::SessionGone(id) => _ = sessions.remove(*id).map_err(w)?,
                         Record::NextSession(n) => {
                             put_scalar(&mut meta, "next_session", &n.to_string()).map_err(w)?;
                         }
@@ -467,17 +462,15 @@ impl MetaStore {
                                 .insert(g.handle.region_id, encode_json(g).as_slice())
                                 .map_err(w)?;
                         }
-                        Record::RegionGone(id) => {
-                            regions.remove(*id).map_err(w)?;
-                        }
+                        Record::RegionGone(id) => _ = regions.remove(*id).map_err(w)?,
                         Record::Key(k) => {
                             keys.insert(k.id, encode_key(k).as_slice()).map_err(w)?;
-                            used.remove(k.id).map_err(w)?;
                         }
                         Record::KeyGone(id) => {
                             keys.remove(*id).map_err(w)?;
                             used.remove(*id).map_err(w)?;
                         }
+                        Record::KeyGoneUnread(id) => _ = keys.remove(*id).map_err(w)?,
                         Record::Used { id, used: u } => {
                             used.insert(*id, *u).map_err(w)?;
                         }
@@ -826,6 +819,7 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
     for item in t.iter().map_err(fail(p, "keys"))? {
         let (k, v) = item.map_err(fail(p, "keys"))?;
         let id = k.value();
+        img.key_ids_end = id.saturating_add(1);
         let mut last_use = None;
         loop {
             match uses.peek() {
@@ -853,6 +847,9 @@ fn read_all(db: &Database, p: &Path) -> Result<ReadBack, Fail> {
             Err(e) => bad("keys", id.to_string(), e.0),
         }
     }
+    // Ids past the last key's with a use stamp stay taken too (`Image::key_ids_end`).
+    let last_use = uses.last().transpose().map_err(fail(p, "used"))?;
+    img.key_ids_end = last_use.map_or(img.key_ids_end, |(id, _)| id.saturating_add(1));
     let meta = txn.open_table(META).map_err(fail(p, "meta"))?;
     // Every recorded session's id stays taken, also one whose record does not
     // decode (its worker may still be there): the counter may have been changed on

@@ -97,11 +97,41 @@ fn each_key_gets_its_own_read_stamp_back_from_the_walk_beside_the_keys() {
         records.push(Record::Used { id, used });
     }
     records.push(Record::KeyGone(4));
+    // A key removed with no use-stamp row: its record goes all the same.
+    records.push(Record::KeyGoneUnread(5));
     commit_first(&store, records);
     drop(store);
     let (_s, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
     let got: Vec<(u64, u64)> = loaded.image.keys.iter().map(|k| (k.id, k.used)).collect();
-    assert_eq!(got, [(1, 40), (2, 2), (3, 50), (5, 5), (6, 70)]);
+    assert_eq!(got, [(1, 40), (2, 2), (3, 50), (6, 70)]);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn ids_of_records_that_do_not_decode_and_of_lone_use_stamps_stay_taken() {
+    // A new key's record is written without deleting a use-stamp row of its id: the
+    // image's `key_ids_end` names every id on the store, also of a record that does
+    // not decode (3, the last key) and of a use stamp alone (7), and a restore hands
+    // out none again (`meta::durable_tests::a_restart_hands_out_no_key_id_recorded_before`).
+    let d = dir();
+    let (store, _) = MetaStore::open(&d, || "inst".into(), 60_000).unwrap();
+    let mut records: Vec<Record> = (1..=3).map(|i| Record::Key(key(i))).collect();
+    records.push(Record::Used { id: 3, used: 90 });
+    commit_first(&store, records);
+    let txn = store.db.begin_write().unwrap();
+    txn.open_table(KEYS)
+        .unwrap()
+        .insert(3, &b"\x02not a key"[..])
+        .unwrap();
+    txn.commit().unwrap();
+    drop(store);
+    let (store, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
+    let ids: Vec<u64> = loaded.image.keys.iter().map(|k| k.id).collect();
+    assert_eq!((ids, loaded.image.key_ids_end), (vec![1, 2], 4));
+    commit_first(&store, vec![Record::Used { id: 7, used: 95 }]);
+    drop(store);
+    let (_s, loaded) = MetaStore::open(&d, || "other".into(), 60_000).unwrap();
+    assert_eq!(loaded.image.key_ids_end, 8);
     std::fs::remove_dir_all(&d).unwrap();
 }
 

@@ -232,8 +232,11 @@ impl MetaCore {
                 None => Record::RegionGone(id),
             });
         }
-        for id in kj.gone {
-            records.push(Record::KeyGone(id.get()));
+        for (id, stamped) in kj.gone {
+            records.push(match stamped {
+                true => Record::KeyGone(id.get()),
+                false => Record::KeyGoneUnread(id.get()),
+            });
         }
         for id in &kj.put {
             if let Some(r) = self.key_record(*id) {
@@ -241,11 +244,8 @@ impl MetaCore {
             }
         }
         for id in kj.used.difference(&kj.put) {
-            if let Some(e) = self.keys.get(*id) {
-                records.push(Record::Used {
-                    id: id.get(),
-                    used: e.used(),
-                });
+            if let Some(used) = self.keys.stamp_to_record(*id) {
+                records.push(Record::Used { id: id.get(), used });
             }
         }
         if records.is_empty() {
@@ -455,6 +455,7 @@ impl MetaCore {
                 .collect(),
             run: 0,
             lease_timeout_ms: self.cfg.lease_timeout_ms,
+            key_ids_end: 0,
         }
     }
 }

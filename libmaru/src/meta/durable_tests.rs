@@ -211,6 +211,77 @@ fn a_restart_journals_none_of_the_keys_it_restores() {
 }
 
 #[test]
+fn a_restart_hands_out_no_key_id_recorded_before() {
+    // A new key's record is written without looking for a use-stamp row of its id
+    // (maru-server's store): ids of records left out at recovery, whose check fails
+    // (k2 here), or that the store could not decode (`key_ids_end`: id 9, with a use
+    // stamp of its own on disk), are not handed out again.
+    let (mut w, mut img, s, _) = booted();
+    w.store_chain(W1, s, None, &["k1", "k2"]);
+    persist(&mut w, &mut img);
+    let last = img.keys.iter().map(|k| k.id).max().unwrap();
+    img.keys.iter_mut().find(|k| k.id == last).unwrap().check ^= 1;
+    img.key_ids_end = 10;
+    let rec = restart(&mut w, &img);
+    assert_eq!((rec.keys, rec.left_out), (1, 1));
+    w.core.recovered_rm(&held(&w), w.now);
+    w.store_chain(W1, s, None, &["k3"]);
+    let ids: Vec<u64> = std::iter::from_fn(|| w.core.take_changes())
+        .flat_map(|c| c.records)
+        .filter_map(|r| match r {
+            super::records::Record::Key(k) => Some(k.id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "one key published: {ids:?}");
+    assert!(ids[0] >= 10, "a recorded id handed out again: {ids:?}");
+}
+
+#[test]
+fn a_removal_takes_the_use_stamp_row_of_every_key_that_may_have_one() {
+    // The store deletes a removed key's use-stamp row only for `KeyGone`: a key whose
+    // read's stamp was handed over (k1), or that was restored (k4), may have one; a
+    // key never read (k3), or read but removed before its stamp went (k2), has none.
+    use super::records::Record;
+    let (mut w, mut img, s, _) = booted();
+    w.store_chain(W1, s, None, &["k1", "k2", "k3", "k4"]);
+    persist(&mut w, &mut img);
+    let id = |img: &Image, name: &str| img.keys.iter().find(|k| k.name == name).unwrap().id;
+    let (k1, k2, k3, k4) = (
+        id(&img, "k1"),
+        id(&img, "k2"),
+        id(&img, "k3"),
+        id(&img, "k4"),
+    );
+    for k in ["k1", "k2"] {
+        let lease = w.acquire(W1, s, &[k])[0].clone().unwrap();
+        let ended = w.release_leases(W1, s, vec![lease.lease_id]).unwrap();
+        assert_eq!(ended, [true]);
+        if k == "k1" {
+            persist(&mut w, &mut img);
+        }
+    }
+    let gone = |w: &mut World| -> BTreeMap<u64, bool> {
+        std::iter::from_fn(|| w.core.take_changes())
+            .flat_map(|c| c.records)
+            .filter_map(|r| match r {
+                Record::KeyGone(id) => Some((id, true)),
+                Record::KeyGoneUnread(id) => Some((id, false)),
+                _ => None,
+            })
+            .collect()
+    };
+    for k in ["k1", "k2", "k3"] {
+        assert_eq!(remove(&mut w, W1, s, k), RemoveResult::Removed);
+    }
+    let want = BTreeMap::from([(k1, true), (k2, false), (k3, false)]);
+    assert_eq!(gone(&mut w), want);
+    restart_with_rm(&mut w, &img);
+    assert_eq!(remove(&mut w, W1, s, "k4"), RemoveResult::Removed);
+    assert_eq!(gone(&mut w), BTreeMap::from([(k4, true)]));
+}
+
+#[test]
 fn a_restore_orders_each_region_once_and_puts_no_key_in_an_order_tree() {
     // Keys come back in id order, and a key read since it was stored ranks after
     // those stored later. Put in the region's orders one by one, every key after
@@ -355,9 +426,14 @@ fn a_removal_goes_before_its_commit_only_when_its_keys_publish_is_in_the_same_ba
     let of_keys: Vec<&Record> = next
         .records
         .iter()
-        .filter(|r| matches!(r, Record::Key(_) | Record::KeyGone(_)))
+        .filter(|r| {
+            matches!(
+                r,
+                Record::Key(_) | Record::KeyGone(_) | Record::KeyGoneUnread(_)
+            )
+        })
         .collect();
-    assert_eq!(of_keys, [&Record::KeyGone(k0)]);
+    assert_eq!(of_keys, [&Record::KeyGoneUnread(k0)]);
     img.apply(&k0_batch);
     img.apply(&next);
     w.core.durable(next.batch, w.now);

@@ -106,7 +106,8 @@ pub struct KeyDirectory {
 pub struct KeyJournal {
     pub scopes: Vec<ScopeId>,
     pub put: FastSet<KeyId>,
-    pub gone: FastSet<KeyId>,
+    /// Removed keys, each with whether a use-stamp row of it may be on the store.
+    pub gone: FastMap<KeyId, bool>,
     pub used: FastSet<KeyId>,
     /// Changes other than reads.
     pub changes: u64,
@@ -278,6 +279,11 @@ impl KeyDirectory {
         }
     }
 
+    /// The next key gets an id above `id` (recovery: ids recorded before).
+    pub fn ids_after(&mut self, id: u64) {
+        self.next_id = self.next_id.max(id);
+    }
+
     /// Ids at most this were restored (0: none).
     pub fn last_id(&self) -> u64 {
         self.next_id
@@ -345,6 +351,7 @@ impl KeyDirectory {
             rank: 0,
             link: [[NIL; 2]; 2],
             listed: 0,
+            stamped: false,
         };
         let s = match self.free.pop() {
             Some(s) => {
@@ -470,6 +477,8 @@ impl KeyDirectory {
             e.reads = reads;
             e.fresh_end = fresh_end;
             e.rank = rank;
+            // Restored (its journal set aside: `restore`): its row may be there.
+            e.stamped = self.journal.is_none();
         }
         let r = self.by_region.entry(loc.region_id).or_default();
         if self.restoring {
@@ -585,6 +594,15 @@ impl KeyDirectory {
         self.journal.as_ref().is_some_and(|j| j.put.contains(&id))
     }
 
+    /// The use stamp of key `id`, for its [`Record::Used`](super::records::Record::Used),
+    /// the key noted as having a use-stamp row from now on (None: not stored).
+    pub fn stamp_to_record(&mut self, id: KeyId) -> Option<u64> {
+        let s = self.slot_of_id(id)?;
+        let e = &mut self.slots[s as usize];
+        e.stamped = true;
+        Some(e.used)
+    }
+
     /// Marks the key as just read.
     pub fn touch(&mut self, id: KeyId) {
         if self.slot_of_id(id).is_none() {
@@ -603,9 +621,9 @@ impl KeyDirectory {
         if let Ok(o) = self.ids.find_entry(id_hash(h, id.0), |&x| x == s) {
             o.remove();
         }
-        let (loc, reads, scope) = {
+        let (loc, reads, scope, stamped) = {
             let e = &self.slots[s as usize];
-            (e.loc, e.reads, e.scope)
+            (e.loc, e.reads, e.scope, e.stamped)
         };
         if let Some(r) = self.by_region.get_mut(&loc.region_id) {
             r.order[LRU].remove(&mut self.slots, LRU, s);
@@ -640,7 +658,7 @@ impl KeyDirectory {
         if let Some(j) = &mut self.journal {
             // A key the store never got needs no record of its removal either.
             if !j.put.remove(&id) {
-                j.gone.insert(id);
+                j.gone.insert(id, stamped);
             }
             j.used.remove(&id);
             j.changes += 1;
@@ -688,7 +706,7 @@ impl KeyDirectory {
     /// Notes that a recorded key was left out at recovery (its record goes).
     pub fn note_gone(&mut self, id: u64) {
         if let Some(j) = &mut self.journal {
-            j.gone.insert(KeyId(id));
+            j.gone.insert(KeyId(id), true);
             j.changes += 1;
         }
     }

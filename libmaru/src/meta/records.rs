@@ -222,7 +222,11 @@ pub enum Record {
     Region(RegionRecord),
     RegionGone(u64),
     Key(KeyRecord),
+    /// A key removed: its record and its use-stamp row, if it has one.
     KeyGone(u64),
+    /// A key removed that has no use-stamp row (no [`Record::Used`] of it was
+    /// handed over, nor was it restored): its record only.
+    KeyGoneUnread(u64),
     /// A key was read: its new use stamp.
     Used {
         id: u64,
@@ -273,6 +277,10 @@ pub struct Image {
     /// The longest lease the last run could have granted (its lease timeout, or a
     /// longer one of a run before it whose leases may still run).
     pub lease_timeout_ms: u64,
+    /// Key ids below this are on the store, also in a record that does not decode
+    /// or a use-stamp row alone (0: none beyond [`keys`](Self::keys)): a restore
+    /// hands out none of them, nor any id of `keys`, again.
+    pub key_ids_end: u64,
 }
 
 impl Image {
@@ -303,7 +311,9 @@ impl Image {
                     self.keys.retain(|x| x.id != k.id);
                     self.keys.push(k.clone());
                 }
-                Record::KeyGone(id) => self.keys.retain(|x| x.id != *id),
+                Record::KeyGone(id) | Record::KeyGoneUnread(id) => {
+                    self.keys.retain(|x| x.id != *id)
+                }
                 Record::Used { id, used } => {
                     if let Some(k) = self.keys.iter_mut().find(|k| k.id == *id) {
                         k.used = *used;

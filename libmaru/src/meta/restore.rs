@@ -39,7 +39,8 @@ pub struct Recovered {
     pub unverified: u64,
 }
 
-/// A key record recovery leaves out (never served; its id is not handed out again).
+/// A key record recovery leaves out (never served; its id is not handed out again:
+/// see [`MetaCore::restore`]).
 fn leave_out(core: &mut MetaCore, out: &mut Recovered, id: u64) {
     core.keys.note_gone(id);
     out.left_out += 1;
@@ -198,6 +199,16 @@ impl MetaCore {
             out.regions += 1;
         }
         core.keys.reserve(image.keys.len());
+        // No recorded id is handed out again, not even one left out below or that
+        // the store could not decode: maru-server's store writes a new key's record
+        // without deleting a use-stamp row of its id.
+        let ids_end = image.keys.iter().map(|k| k.id.saturating_add(1)).max();
+        core.keys.ids_after(
+            ids_end
+                .unwrap_or(0)
+                .max(image.key_ids_end)
+                .saturating_sub(1),
+        );
         // Ordered for eviction once, at the end (keys come back in id order, not in
         // their use order), and each name moved in, not copied.
         core.keys.begin_restore();

@@ -193,6 +193,9 @@ pub(super) struct Slot {
     pub(super) link: [[u32; 2]; 2],
     /// Bit `w`: linked in the list of order `w` (else in its tree, if in it).
     pub(super) listed: u8,
+    /// A use-stamp row of the key may be on the store: it was restored, or a
+    /// [`Record::Used`](crate::meta::records::Record::Used) of it was handed over.
+    pub(super) stamped: bool,
 }
 
 impl Slot {
