@@ -237,7 +237,7 @@ impl Server {
             let now = self.clock.now_ms();
             // Connections with work left, or a spin after work: look for new events
             // without sleeping.
-            let spinning = self.spin.spinning(Instant::now());
+            let spinning = self.spin.on() && self.spin.spinning(Instant::now());
             let timeout = if self.queue.is_empty() && !spinning {
                 self.timeout(service, now)
             } else {
@@ -293,7 +293,9 @@ impl Server {
                 let cpu = (thread_cpu_seconds() - cpu).max(0.0);
                 service.on_loop_busy(wall.elapsed().as_secs_f64(), cpu);
             }
-            self.spin.turned(had_events, Instant::now());
+            if self.spin.on() {
+                self.spin.turned(had_events, Instant::now());
+            }
         }
     }
 

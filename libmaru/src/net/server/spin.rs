@@ -21,6 +21,11 @@ impl PollSpin {
         PollSpin { spin, until: None }
     }
 
+    /// Whether it spins at all (the loop reads the clock for it only then).
+    pub(super) fn on(&self) -> bool {
+        !self.spin.is_zero()
+    }
+
     /// A turn of the loop ended at `now`; `busy`: its poll returned events.
     pub(super) fn turned(&mut self, busy: bool, now: Instant) {
         if busy && !self.spin.is_zero() {
