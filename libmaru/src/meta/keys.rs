@@ -284,7 +284,8 @@ impl KeyDirectory {
         self.next_id = self.next_id.max(id);
     }
 
-    /// Ids at most this were restored (0: none).
+    /// Ids at most this were recorded before this run, restored or not (0: none):
+    /// the next key's id is above it.
     pub fn last_id(&self) -> u64 {
         self.next_id
     }
